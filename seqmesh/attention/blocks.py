@@ -1,0 +1,130 @@
+"""What to compute for one (query block, key block) pair: the block math's plan, no communication.
+
+A block is a local buffer whose tokens are a few runs of consecutive global positions (see
+``seqmesh.layout.Run``), ascending. Two blocks on a ring are either the same block (the diagonal)
+or hold disjoint positions. Packed documents are intervals of positions given by ``bounds``
+(``0 = b0 < b1 < ... = padded_len``; the padding past the real length is a document of its own, so
+real tokens never see it and padded tokens still see themselves).
+
+``plan_block`` turns a block pair into a few dense kernel calls (:class:`Piece`), never a dense mask
+over the whole block:
+
+- diagonal: one call over the whole block, causal and/or split into segments where the document
+  changes (positions ascend along the buffer, so position order is buffer order);
+- disjoint runs: keys wholly before the queries are all visible (causal or not) but for documents;
+  keys after are visible only without causality. A document is an interval, so at most one document
+  spans the gap between two disjoint runs: each run pair is one full rectangle or nothing.
+
+Full rectangles that share their rows and touch along keys (or share keys and touch along rows) are
+merged, so zigzag without documents runs exactly one call per ring step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..kernels.base import FULL, BlockMask
+from ..layout import Run
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kernel call: local query rows ``[q0, q1)`` against local key rows ``[k0, k1)``."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: BlockMask
+
+    @property
+    def work(self) -> int:
+        """(query, key) pairs the call computes."""
+        return self.mask.score_entries(self.q1 - self.q0, self.k1 - self.k0)
+
+
+def _doc(bounds: Sequence[int], position: int) -> int:
+    """Index of the document holding ``position``."""
+    return bisect.bisect_right(bounds, position) - 1
+
+
+def _segments(runs: Sequence[Run], bounds: Sequence[int]) -> tuple[int, ...] | None:
+    """Local boundaries where the document changes along a block, or None for a single document."""
+    cuts = [0]
+    previous_doc = None
+    for run in runs:
+        first_doc = _doc(bounds, run.start)
+        if previous_doc is not None and first_doc != previous_doc:
+            cuts.append(run.offset)
+        lo, hi = bisect.bisect_right(bounds, run.start), bisect.bisect_left(bounds, run.stop)
+        cuts.extend(run.offset + b - run.start for b in bounds[lo:hi])
+        previous_doc = _doc(bounds, run.stop - 1)
+    total = runs[-1].offset + runs[-1].length
+    cuts.append(total)
+    return None if len(cuts) == 2 else tuple(cuts)
+
+
+def _cross(q: Run, k: Run, bounds: Sequence[int], causal: bool) -> Piece | None:
+    """The visible rectangle between two runs of disjoint positions, if any."""
+    if k.stop <= q.start:  # keys before queries: visible unless a document boundary lies between
+        d = _doc(bounds, k.stop - 1)
+        if bounds[d + 1] <= q.start:
+            return None
+        qs, qe = q.start, min(q.stop, bounds[d + 1])
+        ks, ke = max(k.start, bounds[d]), k.stop
+    elif q.stop <= k.start:  # keys after queries
+        if causal:
+            return None
+        d = _doc(bounds, q.stop - 1)
+        if bounds[d + 1] <= k.start:
+            return None
+        qs, qe = max(q.start, bounds[d]), q.stop
+        ks, ke = k.start, min(k.stop, bounds[d + 1])
+    else:
+        raise ValueError(f"runs overlap without being the same block: queries {q}, keys {k}")
+    return Piece(q.offset + qs - q.start, q.offset + qe - q.start, k.offset + ks - k.start, k.offset + ke - k.start, FULL)
+
+
+def _coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Merge full rectangles that share rows and touch along keys, or share keys and touch along rows."""
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(pieces):
+            for j, b in enumerate(pieces):
+                if i == j or a.mask != FULL or b.mask != FULL:
+                    continue
+                if (a.q0, a.q1) == (b.q0, b.q1) and a.k1 == b.k0:
+                    joined = Piece(a.q0, a.q1, a.k0, b.k1, FULL)
+                elif (a.k0, a.k1) == (b.k0, b.k1) and a.q1 == b.q0:
+                    joined = Piece(a.q0, b.q1, a.k0, a.k1, FULL)
+                else:
+                    continue
+                pieces = [p for n, p in enumerate(pieces) if n not in (i, j)] + [joined]
+                merged = True
+                break
+            if merged:
+                break
+    return sorted(pieces, key=lambda p: (p.q0, p.k0))
+
+
+def plan_block(
+    q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], causal: bool
+) -> tuple[Piece, ...]:
+    """Kernel calls that compute attention of the ``q_runs`` block over the ``k_runs`` block."""
+    if tuple(q_runs) == tuple(k_runs):
+        n = q_runs[-1].offset + q_runs[-1].length
+        return (Piece(0, n, 0, n, BlockMask(causal=causal, segments=_segments(q_runs, bounds))),)
+    pieces = [p for q in q_runs for k in k_runs if (p := _cross(q, k, bounds, causal)) is not None]
+    return tuple(_coalesce(pieces))
+
+
+def document_bounds(padded_len: int, seq_len: int, cu_seqlens: Sequence[int] | None) -> tuple[int, ...]:
+    """Document boundaries over the padded sequence: the user's ``cu_seqlens`` (or one document of
+    ``seq_len`` tokens), then the padding as a document of its own."""
+    bounds = list(cu_seqlens) if cu_seqlens is not None else [0, seq_len]
+    if bounds[-1] < padded_len:
+        bounds.append(padded_len)
+    return tuple(bounds)

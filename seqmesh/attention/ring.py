@@ -1,0 +1,131 @@
+"""Ring attention: queries stay, key/value blocks travel, partial results merge through the LSE.
+
+Forward, on ring rank r, for steps t = 0 .. ring-1: post the current K/V block to r+1 (and a
+receive from r-1), compute the pieces of block ``(r - t) mod ring`` while it travels, merge them into
+the float32 accumulators, then take the received block.
+
+Backward runs the same rotation once more. The gradient of each K/V block travels with it: at step
+t rank r adds its contribution to the partial gradient of block ``r - t`` that r-1 just passed on,
+and sends the sum to r+1; after the last step every partial has gone round and lands at home. The
+partials are float32 (float64 for float64 inputs), so no precision is lost between hops.
+
+The schedule (which pieces, from :class:`RingSchedule`) is separate from the block math (a kernel
+call per piece and :func:`merge_into`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm.ring import RingExchange
+from ..kernels import ChooseKernel
+from ..kernels.base import lse_dtype
+from .merge import merge_into
+from .schedule import RingSchedule
+
+KV_TAG, DKV_TAG = 11, 12
+
+
+def _expand_kv(x: torch.Tensor, kv_map: torch.Tensor | None) -> torch.Tensor:
+    """(B, S, Hk, D) -> (B, S, Hq, D) when query heads do not group evenly over kv heads."""
+    return x if kv_map is None else x.index_select(2, kv_map)
+
+
+def _fold_kv(g: torch.Tensor, kv_map: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """Adjoint of :func:`_expand_kv`."""
+    if kv_map is None:
+        return g
+    out = g.new_zeros(g.shape[0], g.shape[1], heads, g.shape[3])
+    return out.index_add_(2, kv_map, g)
+
+
+def block_forward(q, kv, pieces, choose, kv_map, scale, acc_out, acc_lse) -> None:
+    """Attention of ``q`` (B, Lr, Hq, D) over one K/V block ``kv`` (2, B, Lr, Hk, D), piece by
+    piece, merged into the accumulators ``acc_out`` (B, Lr, Hq, D) and ``acc_lse`` (B, Hq, Lr)."""
+    for p in pieces:
+        qs, ks, vs = q[:, p.q0 : p.q1], kv[0, :, p.k0 : p.k1], kv[1, :, p.k0 : p.k1]
+        ks, vs = _expand_kv(ks, kv_map), _expand_kv(vs, kv_map)
+        out, lse = choose(qs, ks, p.mask).forward(qs, ks, vs, p.mask, scale)
+        merge_into(acc_out[:, p.q0 : p.q1], acc_lse[:, :, p.q0 : p.q1], out, lse)
+
+
+def block_backward(dout, q, kv, out, lse, pieces, choose, kv_map, scale, dq, dkv) -> None:
+    """Gradients of one block's pieces given the final ``out`` and ``lse`` of the whole row: added
+    into ``dq`` (B, Lr, Hq, D) and ``dkv`` (2, B, Lr, Hk, D)."""
+    hk = kv.shape[3]
+    for p in pieces:
+        qs, ks, vs = q[:, p.q0 : p.q1], kv[0, :, p.k0 : p.k1], kv[1, :, p.k0 : p.k1]
+        ks, vs = _expand_kv(ks, kv_map), _expand_kv(vs, kv_map)
+        dq_p, dk_p, dv_p = choose(qs, ks, p.mask).backward(
+            dout[:, p.q0 : p.q1], qs, ks, vs, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, scale
+        )
+        dq[:, p.q0 : p.q1] += dq_p
+        dkv[0, :, p.k0 : p.k1] += _fold_kv(dk_p, kv_map, hk)
+        dkv[1, :, p.k0 : p.k1] += _fold_kv(dv_p, kv_map, hk)
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward: attention of the local query block over every ring rank's K/V, merged by LSE;
+    backward: dQ locally, dK/dV travel the ring back to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, schedule, choose, kv_map, scale):  # type: ignore[override]
+        # q (B, Lr, Hq, D); k, v (B, Lr, Hk, D): this ring rank's block, positions per schedule.layout
+        ring = schedule.layout.ring
+        rank = dist.get_rank(group) if ring > 1 else 0
+        b, n, hq, d = q.shape
+        ct = lse_dtype(q.dtype)
+        acc_out = q.new_zeros((b, n, hq, d), dtype=ct)
+        acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
+        kv = torch.stack([k, v])  # (2, B, Lr, Hk, D): one message per hop
+        exchange = RingExchange(group, "forward", KV_TAG) if ring > 1 else None
+        for step in range(ring):
+            pending = exchange.start(kv) if exchange is not None and step < ring - 1 else None
+            block_forward(q, kv, schedule.pieces(rank, step), choose, kv_map, scale, acc_out, acc_lse)
+            if pending is not None:
+                kv = pending.wait()
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.group, ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = group, schedule, choose, kv_map, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        schedule, choose, kv_map, scale = ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale
+        ring = schedule.layout.ring
+        rank = dist.get_rank(ctx.group) if ring > 1 else 0
+        ct = lse.dtype
+        dq = torch.zeros_like(q, dtype=ct)
+        kv = torch.stack([k, v])
+        kv_exchange = RingExchange(ctx.group, "backward", KV_TAG) if ring > 1 else None
+        dkv_exchange = RingExchange(ctx.group, "backward", DKV_TAG) if ring > 1 else None
+        incoming = None  # partial dK/dV of the block held this step, from the previous rank
+        for step in range(ring):
+            pending = kv_exchange.start(kv) if kv_exchange is not None and step < ring - 1 else None
+            dkv = torch.zeros_like(kv, dtype=ct)
+            block_backward(dout, q, kv, out, lse, schedule.pieces(rank, step), choose, kv_map, scale, dq, dkv)
+            if incoming is not None:
+                dkv += incoming.wait()
+            if dkv_exchange is not None:
+                incoming = dkv_exchange.start(dkv)  # after the last step this sends each block home
+            if pending is not None:
+                kv = pending.wait()
+        if incoming is not None:
+            dkv = incoming.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    schedule: RingSchedule,
+    choose: ChooseKernel,
+    scale: float,
+    kv_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact attention of this ring rank's block over the whole ring; ``(B, Lr, Hq, D)``."""
+    return RingAttention.apply(q, k, v, group, schedule, choose, kv_map, scale)

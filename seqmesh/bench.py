@@ -1,0 +1,232 @@
+"""Benchmarks: sequence-parallel attention across spawned ranks, and the ring's split-and-merge cost.
+
+``bench_attention`` times forward+backward of every ``ulysses x ring`` factorisation of the world
+(pure Ulysses, pure ring, USP) side by side with one device holding the whole sequence, checks each
+result against that device's, and counts the bytes each rank sent. ``bench_merge`` runs every ring
+rank's kernel calls and merges on one device and compares with one kernel call over the same work.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .attention.blocks import document_bounds
+from .attention.emulate import emulate_ring
+from .attention.schedule import RingSchedule
+from .kernels import kernel_chooser
+from .kernels.base import BlockMask
+from .layout import SequenceLayout
+
+
+@dataclass
+class AttentionBench:
+    """One attention workload. Every field has a CPU-friendly default."""
+
+    seq_len: int = 8192
+    batch: int = 1
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = True
+    layout: str = "zigzag"
+    world: int = 4
+    repeats: int = 3
+    warmup: int = 1
+    backend: str = "auto"
+    device: str = "cpu"
+    meshes: list[tuple[int, int]] = field(default_factory=list)  # (ulysses, ring); empty: all factorisations
+
+    def factorisations(self) -> list[tuple[int, int]]:
+        if self.meshes:
+            return list(self.meshes)
+        return [(u, self.world // u) for u in range(self.world, 0, -1) if self.world % u == 0 and u <= self.q_heads]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inputs(cfg: AttentionBench, device: torch.device):
+    g = torch.Generator().manual_seed(1234)
+    dt = getattr(torch, cfg.dtype)
+    shape_q = (cfg.batch, cfg.seq_len, cfg.q_heads, cfg.head_dim)
+    shape_kv = (cfg.batch, cfg.seq_len, cfg.kv_heads, cfg.head_dim)
+    q, dout = (torch.randn(shape_q, generator=g).to(device, dt) for _ in range(2))
+    k, v = (torch.randn(shape_kv, generator=g).to(device, dt) for _ in range(2))
+    return q, k, v, dout
+
+
+def _run_rank(cfg: AttentionBench, ulysses: int, ring: int, reference_path: str | None) -> dict:
+    """Runs on every rank: time forward+backward, count bytes, compare with the one-device result."""
+    import torch.distributed as dist
+
+    from . import attention, comm_stats, gather_sequence, init_mesh, shard_sequence
+
+    device = torch.device(cfg.device)
+    mesh = init_mesh(ulysses, ring, dp_shard=dist.get_world_size() // (ulysses * ring), device_type=device.type)
+    q, k, v, dout = _inputs(cfg, device)
+    shard = lambda t: shard_sequence(t, mesh, layout=cfg.layout)  # noqa: E731
+    ql, kl, vl, dl = (shard(t).detach() for t in (q, k, v, dout))
+    del q, k, v, dout
+    times, stats = [], None
+    for i in range(cfg.warmup + cfg.repeats):
+        leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        with comm_stats() as st:
+            out = attention(*leaves, mesh, causal=cfg.causal, layout=cfg.layout, seq_len=cfg.seq_len,
+                            backend=cfg.backend, validate=False)
+            out.backward(dl)
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+        if i >= cfg.warmup:
+            times.append(float(elapsed))
+            stats = st
+    result = {"times": times, "bytes_sent": stats.sent(), "bytes_by_kind": stats.as_dict()}
+    if reference_path is not None:
+        ref = torch.load(reference_path)
+        got = {name: gather_sequence(t.detach(), mesh, layout=cfg.layout, length=cfg.seq_len).cpu()
+               for name, t in (("out", out), *zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
+        result["max_error"] = max(float((got[n].double() - ref[n].double()).abs().max()) for n in got)
+    return result
+
+
+def _run_single(cfg: AttentionBench, reference_path: str | None) -> dict:
+    """One device, whole sequence: the same kernels, no communication."""
+    device = torch.device(cfg.device)
+    q, k, v, dout = _inputs(cfg, device)
+    choose = kernel_chooser(cfg.backend)
+    mask = BlockMask(causal=cfg.causal)
+    scale = cfg.head_dim**-0.5
+    times = []
+    for i in range(cfg.warmup + cfg.repeats):
+        _sync(device)
+        start = time.perf_counter()
+        kernel = choose(q, k, mask)
+        out, lse = kernel.forward(q, k, v, mask, scale)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, mask, scale)
+        _sync(device)
+        if i >= cfg.warmup:
+            times.append(time.perf_counter() - start)
+    if reference_path is not None:
+        torch.save({"out": out.cpu(), "dq": dq.cpu(), "dk": dk.cpu(), "dv": dv.cpu()}, reference_path)
+    return {"times": times, "bytes_sent": 0}
+
+
+def bench_attention(cfg: AttentionBench, *, check: bool = True) -> list[dict]:
+    """Rows ``{method, mesh, seconds, vs_one_device, vs_fastest, mib_sent_per_rank, max_error}``."""
+    from .launch import WorkerPool
+
+    cores = os.cpu_count() or 1
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "one_device.pt") if check else None
+        with WorkerPool(1, threads=cores if cfg.device == "cpu" else 1) as pool:
+            single = pool.run(_run_single, cfg, path, timeout=3600)[0]
+        rows.append({"method": "one device", "mesh": "1x1", **_summary(single)})
+        with WorkerPool(cfg.world, threads=max(1, cores // cfg.world)) as pool:
+            for ulysses, ring in cfg.factorisations():
+                per_rank = pool.run(_run_rank, cfg, ulysses, ring, path, timeout=3600)
+                method = "ulysses" if ring == 1 else "ring" if ulysses == 1 else "usp"
+                row = {"method": method, "mesh": f"{ulysses}x{ring}", **_summary(per_rank[0])}
+                row["mib_sent_per_rank"] = max(r["bytes_sent"] for r in per_rank) / 2**20
+                rows.append(row)
+    one = rows[0]["seconds"]
+    fastest = min(r["seconds"] for r in rows[1:]) if len(rows) > 1 else one
+    for r in rows:
+        r["vs_one_device"] = r["seconds"] / one
+        r["vs_fastest"] = r["seconds"] / fastest
+    return rows
+
+
+def _summary(result: dict) -> dict:
+    out = {"seconds": statistics.median(result["times"]), "mib_sent_per_rank": result["bytes_sent"] / 2**20}
+    if "max_error" in result:
+        out["max_error"] = result["max_error"]
+    return out
+
+
+def format_attention_rows(cfg: AttentionBench, rows: list[dict]) -> str:
+    head = (f"attention fwd+bwd: {cfg.seq_len} tokens, batch {cfg.batch}, heads {cfg.q_heads}/{cfg.kv_heads}, "
+            f"head dim {cfg.head_dim}, {cfg.dtype}, {'causal' if cfg.causal else 'full'}, {cfg.layout}, "
+            f"{cfg.world} ranks on {cfg.device}; median of {cfg.repeats}")
+    lines = [head, f"{'method':<12}{'mesh UxR':>9}{'seconds':>10}{'/ 1 dev':>9}{'/ best':>8}{'MiB sent/rank':>15}{'max |err|':>12}"]
+    for r in rows:
+        err = f"{r['max_error']:.2e}" if "max_error" in r else "-"
+        lines.append(f"{r['method']:<12}{r['mesh']:>9}{r['seconds']:>10.3f}{r['vs_one_device']:>9.2f}"
+                     f"{r['vs_fastest']:>8.2f}{r['mib_sent_per_rank']:>15.2f}{err:>12}")
+    return "\n".join(lines)
+
+
+@dataclass
+class MergeBench:
+    """The ring's split-and-merge on one device against one attention call over the same work."""
+
+    seq_len: int = 8192
+    q_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = True
+    rings: tuple[int, ...] = (2, 4, 8)
+    repeats: int = 3
+    backend: str = "auto"
+    device: str = "cpu"
+
+
+def bench_merge(cfg: MergeBench) -> list[dict]:
+    """Rows ``{ring, one_call_s, split_merge_s, efficiency}``; efficiency = one call / split+merge."""
+    device = torch.device(cfg.device)
+    choose = kernel_chooser(cfg.backend)
+    scale = cfg.head_dim**-0.5
+    bench = AttentionBench(cfg.seq_len, 1, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, cfg.causal, device=cfg.device)
+    q, k, v, dout = _inputs(bench, device)
+    mask = BlockMask(causal=cfg.causal)
+
+    def one_call() -> None:
+        kernel = choose(q, k, mask)
+        out, lse = kernel.forward(q, k, v, mask, scale)
+        kernel.backward(dout, q, k, v, out, lse, mask, scale)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        samples = []
+        for _ in range(cfg.repeats):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    rows = []
+    for ring in cfg.rings:
+        layout = SequenceLayout("zigzag", ring, 1, cfg.seq_len)
+        schedule = RingSchedule(layout, document_bounds(cfg.seq_len, cfg.seq_len, None), cfg.causal)
+        one = timed(one_call)  # measured next to each split, so drift hits both alike
+        split = timed(lambda: emulate_ring(q, k, v, dout, schedule, choose, scale))
+        rows.append({"ring": ring, "one_call_s": one, "split_merge_s": split, "efficiency": one / split})
+    return rows
+
+
+def format_merge_rows(cfg: MergeBench, rows: list[dict]) -> str:
+    lines = [f"ring split-and-merge vs one call (fwd+bwd, {cfg.seq_len} tokens, heads {cfg.q_heads}/{cfg.kv_heads}, "
+             f"head dim {cfg.head_dim}, {cfg.dtype}, {'causal' if cfg.causal else 'full'}, {cfg.device})",
+             f"{'ring':>5}{'one call s':>12}{'split+merge s':>15}{'efficiency':>12}"]
+    for r in rows:
+        lines.append(f"{r['ring']:>5}{r['one_call_s']:>12.3f}{r['split_merge_s']:>15.3f}{r['efficiency']:>12.3f}")
+    return "\n".join(lines)
+
+
+def to_json(obj: object) -> dict:
+    return asdict(obj)  # type: ignore[arg-type]

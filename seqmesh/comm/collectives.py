@@ -1,0 +1,199 @@
+"""Differentiable collectives. Each autograd Function is one collective whose backward is its adjoint.
+
+Under the convention of distributed autograd (the training loss is the *sum* of every rank's local
+loss), the adjoint pairs are:
+
+- scatter heads / gather sequence all-to-all  <->  the inverse all-to-all      (SeqToHead, HeadToSeq)
+- all-gather along a dim                      <->  reduce-scatter along it      (AllGather)
+- keep this rank's chunk of a replicated tensor <-> all-gather the chunks        (Split)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .stats import record
+
+# all_gather_single replaces all_gather_into_tensor in recent torch; older releases only have the latter.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+Chunk = tuple[int, int, int]  # (which input tensor, first head, end head) sent as one piece
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_to_all_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, send_rows: Sequence[int], recv_rows: Sequence[int], phase: str
+) -> torch.Tensor:
+    """All-to-all over dim 0 with per-rank row counts; ``x`` must be contiguous."""
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    dist.all_to_all_single(out, x, list(recv_rows), list(send_rows), group=group)
+    row_bytes = _nbytes(x[:1]) if x.shape[0] else x.element_size() * int(torch.Size(x.shape[1:]).numel())
+    me = dist.get_rank(group)
+    record("all_to_all", phase, (sum(send_rows) - send_rows[me]) * row_bytes, (sum(recv_rows) - recv_rows[me]) * row_bytes)
+    return out
+
+
+def _scatter_heads(
+    xs: Sequence[torch.Tensor],
+    chunks: Sequence[Chunk],
+    send_heads: Sequence[int],
+    recv_heads: int,
+    group: dist.ProcessGroup,
+    phase: str,
+) -> torch.Tensor:
+    """``xs[i]``: (B, L, H_i, D) -> (B, G*L, recv_heads, D). ``chunks`` lists, destination-major, the
+    head ranges sent; ``send_heads[g]`` is how many heads go to rank g."""
+    b, n, _, d = xs[0].shape
+    head_major = [x.permute(2, 0, 1, 3) for x in xs]  # views (H_i, B, L, D)
+    send = torch.cat([head_major[i][h0:h1] for i, h0, h1 in chunks])  # (sum(send_heads), B, L, D)
+    world = len(send_heads)
+    recv = all_to_all_rows(send, group, send_heads, [recv_heads] * world, phase)  # (G*recv_heads, B, L, D)
+    recv = recv.view(world, recv_heads, b, n, d).permute(2, 0, 3, 1, 4)  # (B, G, L, recv_heads, D)
+    return recv.reshape(b, world * n, recv_heads, d)
+
+
+def _gather_heads(
+    y: torch.Tensor,
+    chunks: Sequence[Chunk],
+    shapes: Sequence[torch.Size],
+    send_heads: Sequence[int],
+    recv_heads: int,
+    group: dist.ProcessGroup,
+    phase: str,
+) -> list[torch.Tensor]:
+    """The adjoint of :func:`_scatter_heads`: (B, G*L, recv_heads, D) -> one (B, L, H_i, D) per input,
+    summing where a head was sent to several ranks."""
+    world = len(send_heads)
+    b, gl, _, d = y.shape
+    n = gl // world
+    send = y.reshape(b, world, n, recv_heads, d).permute(1, 3, 0, 2, 4).contiguous()  # (G, heads, B, L, D)
+    back = all_to_all_rows(send.view(world * recv_heads, b, n, d), group, [recv_heads] * world, send_heads, phase)
+    if len(shapes) == 1 and _covers_in_order(chunks, shapes[0][2]):
+        return [back.permute(1, 2, 0, 3).contiguous()]
+    outs = [y.new_zeros(shape) for shape in shapes]
+    row = 0
+    for i, h0, h1 in chunks:
+        outs[i][:, :, h0:h1] += back[row : row + h1 - h0].permute(1, 2, 0, 3)
+        row += h1 - h0
+    return outs
+
+
+def _covers_in_order(chunks: Sequence[Chunk], heads: int) -> bool:
+    expect = 0
+    for i, h0, h1 in chunks:
+        if i != 0 or h0 != expect:
+            return False
+        expect = h1
+    return expect == heads
+
+
+class SeqToHead(torch.autograd.Function):
+    """Forward: scatter heads, gather sequence (B, L, H, D) -> (B, G*L, h, D); backward: the inverse
+    all-to-all, summing gradients of heads that were sent to several ranks."""
+
+    @staticmethod
+    def forward(ctx, group, chunks, send_heads, recv_heads, *xs):  # type: ignore[override]
+        ctx.group, ctx.chunks, ctx.send_heads, ctx.recv_heads = group, chunks, send_heads, recv_heads
+        ctx.shapes = [x.shape for x in xs]
+        return _scatter_heads(xs, chunks, send_heads, recv_heads, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grads = _gather_heads(grad, ctx.chunks, ctx.shapes, ctx.send_heads, ctx.recv_heads, ctx.group, "backward")
+        return (None, None, None, None, *grads)
+
+
+class HeadToSeq(torch.autograd.Function):
+    """Forward: scatter sequence, gather heads (B, G*L, h, D) -> (B, L, H, D); backward: SeqToHead."""
+
+    @staticmethod
+    def forward(ctx, y, group, chunks, send_heads, recv_heads, shape):  # type: ignore[override]
+        ctx.group, ctx.chunks, ctx.send_heads, ctx.recv_heads = group, chunks, send_heads, recv_heads
+        (out,) = _gather_heads(y, chunks, [shape], send_heads, recv_heads, group, "forward")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        y = _scatter_heads([grad], ctx.chunks, ctx.send_heads, ctx.recv_heads, ctx.group, "backward")
+        return y, None, None, None, None, None
+
+
+def _all_gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int, phase: str) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+    all_gather_single(out, moved, group=group)
+    record("all_gather", phase, (world - 1) * _nbytes(moved), (world - 1) * _nbytes(moved))
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int, phase: str) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    record("reduce_scatter", phase, (world - 1) * _nbytes(out), (world - 1) * _nbytes(out))
+    return out.movedim(0, dim)
+
+
+class AllGather(torch.autograd.Function):
+    """Forward: all-gather along ``dim`` in group-rank order; backward: reduce-scatter along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_dim(x, group, dim, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reduce_scatter_dim(grad, ctx.group, ctx.dim, "backward"), None, None
+
+
+class Split(torch.autograd.Function):
+    """Forward: keep this rank's chunk along ``dim`` of a tensor replicated on the group;
+    backward: all-gather the chunks' gradients, so every replica receives the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(world, dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_gather_dim(grad, ctx.group, ctx.dim, "backward"), None, None
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Differentiable all-gather along ``dim`` (backward: reduce-scatter)."""
+    return AllGather.apply(x, group, dim)
+
+
+def split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's chunk of a replicated tensor (backward: all-gather)."""
+    return Split.apply(x, group, dim)
+
+
+def seq_to_head(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup, chunks: Sequence[Chunk], send_heads: Sequence[int], recv_heads: int
+) -> torch.Tensor:
+    """Differentiable all-to-all: (B, L, H_i, D) inputs -> (B, G*L, recv_heads, D)."""
+    return SeqToHead.apply(group, tuple(chunks), tuple(send_heads), recv_heads, *xs)
+
+
+def head_to_seq(
+    y: torch.Tensor,
+    group: dist.ProcessGroup,
+    chunks: Sequence[Chunk],
+    send_heads: Sequence[int],
+    recv_heads: int,
+    shape: torch.Size,
+) -> torch.Tensor:
+    """Differentiable inverse all-to-all: (B, G*L, recv_heads, D) -> (B, L, H, D) of ``shape``."""
+    return HeadToSeq.apply(y, group, tuple(chunks), tuple(send_heads), recv_heads, shape)

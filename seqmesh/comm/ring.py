@@ -1,0 +1,59 @@
+"""Point-to-point exchange around a ring: send to the next rank, receive from the previous one.
+
+This is the only communication ring attention does. The schedule (what travels at which step) lives
+in ``seqmesh.attention.ring``; here is only the mechanics, asynchronous so the caller can compute
+while a block is in flight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .stats import record
+
+
+class Pending:
+    """A send/receive pair in flight; :meth:`wait` returns the received tensor."""
+
+    def __init__(self, works: list[dist.Work], sent: torch.Tensor, received: torch.Tensor):
+        self._works = works
+        self._sent = sent  # kept alive until the send has completed
+        self._received = received
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self._sent = None
+        return self._received
+
+
+class RingExchange:
+    """Rotates tensors one step around ``group``: rank r sends to r+1 and receives from r-1.
+
+    ``tag`` keeps two exchanges that are in flight at the same time (K/V blocks and their
+    gradients) apart on transports that match messages by tag.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, phase: str, tag: int = 0):
+        self.group = group
+        self.phase = phase
+        self.tag = tag
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.next = (self.rank + 1) % self.size
+        self.prev = (self.rank - 1) % self.size
+
+    def start(self, tensor: torch.Tensor) -> Pending:
+        """Post ``tensor`` to the next rank and a receive of the same shape from the previous one."""
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next, tag=self.tag),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=self.prev, tag=self.tag),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        nbytes = tensor.numel() * tensor.element_size()
+        record("p2p", self.phase, nbytes, nbytes)
+        return Pending(works, tensor, received)

@@ -1,0 +1,61 @@
+"""Local attention kernels behind one signature (see ``base.py``) and the choice among them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .base import CAUSAL, FULL, AttentionKernel, BlockMask, lse_dtype
+from .cpu_flash import CpuFlashKernel
+from .cuda import CudaCudnnKernel, CudaEfficientKernel, CudaFlashKernel
+from .flash_attn import FlashAttnKernel
+from .math import MathKernel
+
+KERNELS: dict[str, AttentionKernel] = {
+    k.name: k
+    for k in (FlashAttnKernel(), CudaFlashKernel(), CudaCudnnKernel(), CudaEfficientKernel(), CpuFlashKernel(), MathKernel())
+}
+# backend="auto" takes the first kernel in this order that supports a call.
+AUTO_ORDER: tuple[str, ...] = ("flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math")
+BACKENDS: tuple[str, ...] = ("auto", *AUTO_ORDER)
+
+ChooseKernel = Callable[[torch.Tensor, torch.Tensor, BlockMask], AttentionKernel]
+
+
+def kernel_chooser(backend: str = "auto") -> ChooseKernel:
+    """A function ``(q, k, mask) -> kernel`` for ``backend``; it raises if a named backend cannot
+    run a call, and ``"auto"`` falls through the kernels in :data:`AUTO_ORDER`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    if backend == "auto":
+
+        def choose_auto(q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> AttentionKernel:
+            for name in AUTO_ORDER:
+                kernel = KERNELS[name]
+                if kernel.unsupported(q, k, mask) is None:
+                    return kernel
+            raise ValueError(f"no attention kernel supports q {tuple(q.shape)} {q.dtype} on {q.device}.")
+
+        return choose_auto
+
+    kernel = KERNELS[backend]
+
+    def choose_named(q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> AttentionKernel:
+        reason = kernel.unsupported(q, k, mask)
+        if reason is not None:
+            raise ValueError(f"attention backend {backend!r} cannot run this call: {reason}. Use backend='auto'.")
+        return kernel
+
+    return choose_named
+
+
+def available_backends(q: torch.Tensor, k: torch.Tensor, mask: BlockMask = CAUSAL) -> list[str]:
+    """Names of the kernels that can run a call like ``(q, k, mask)`` here."""
+    return [name for name in AUTO_ORDER if KERNELS[name].unsupported(q, k, mask) is None]
+
+
+__all__ = [
+    "AttentionKernel", "BlockMask", "CAUSAL", "FULL", "KERNELS", "AUTO_ORDER", "BACKENDS",
+    "kernel_chooser", "available_backends", "lse_dtype",
+]

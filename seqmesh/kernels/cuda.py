@@ -1,0 +1,177 @@
+"""torch's CUDA attention ops: flash (FA2), memory-efficient (cutlass) and cuDNN.
+
+Conventions these wrappers rely on (torch 2.9 - 2.13 source):
+
+- ``_flash_attention_forward`` takes (B, S, H, D) dense or (T, H, D) with int32 ``cu_seqlens``
+  (varlen), supports grouped-query heads, returns lse (B, H, S) dense and (H, T) varlen, float32.
+  Its backward chooses varlen when ``cum_seq_q`` is a tensor, so dense calls pass ``None``.
+  Causal is bottom-right aligned, which equals top-left for the square calls made here.
+- ``_efficient_attention_forward`` takes (B, S, H, D), needs Hq == Hk, and pads lse to
+  (B, H, ceil32(S)); its backward reads that padded shape (padding +inf).
+- ``_scaled_dot_product_cudnn_attention`` takes (B, H, S, D) and returns lse (B, H, S, 1).
+
+All backward ops use ``out`` only for rowsum(dout * out) and recompute probabilities from the lse
+they are given, so the merged output and lse of ring attention give exact block gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionKernel, BlockMask
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _cuda_problem(q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int) -> str | None:
+    if q.device.type != "cuda":
+        return f"tensors are on {q.device}, not a CUDA device"
+    if q.dtype not in dtypes:
+        return f"dtype {q.dtype} is not one of {dtypes}"
+    d = q.shape[-1]
+    if d > max_dim or d % align:
+        return f"head dim {d} must be a multiple of {align} and at most {max_dim}"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "needs an sm80 (Ampere) or newer GPU"
+    return None
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
+
+
+def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    if g.shape[2] == kv_heads:
+        return g
+    b, s, h, d = g.shape
+    return g.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+
+
+def varlen_args(segments: tuple[int, ...], batch: int, length: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """For a (B*S)-token varlen call: int32 boundaries of every batch row's segments, and the longest."""
+    one = torch.tensor(segments, dtype=torch.int32)
+    rows = [one[:-1] + b * length for b in range(batch)] + [torch.tensor([batch * length], dtype=torch.int32)]
+    longest = max(y - x for x, y in zip(segments[:-1], segments[1:]))
+    return torch.cat(rows).to(device, non_blocking=True), longest
+
+
+def _no_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the dropout RNG state, which the kernels never read with dropout 0."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, dtype=torch.uint64, device=device)
+
+
+class CudaFlashKernel(AttentionKernel):
+    """FA2 as vendored in torch: fp16/bf16, head dim <= 256, grouped-query heads, varlen documents."""
+
+    name = "cuda_flash"
+
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+        return _cuda_problem(q, _HALF, 256, 8)
+
+    def forward(self, q, k, v, mask, scale):
+        b, sq, h, d = q.shape
+        sk = k.shape[1]
+        if mask.segments is None:
+            out, lse, *_ = torch.ops.aten._flash_attention_forward(
+                _last_contiguous(q), _last_contiguous(k), _last_contiguous(v), None, None, sq, sk, 0.0,
+                mask.causal, False, scale=scale,
+            )
+            return out, lse  # (B, Sq, H, D), (B, H, Sq)
+        cu, longest = varlen_args(mask.segments, b, sq, q.device)
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q.reshape(b * sq, h, d), k.reshape(b * sk, k.shape[2], d), v.reshape(b * sk, v.shape[2], d),
+            cu, cu, longest, longest, 0.0, mask.causal, False, scale=scale,
+        )
+        return out.view(b, sq, h, d), lse.view(h, b, sq).permute(1, 0, 2)  # lse (H, B*S) -> (B, H, S)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        b, sq, h, d = q.shape
+        sk = k.shape[1]
+        rng, unused = _no_rng(q.device)
+        if mask.segments is None:
+            return torch.ops.aten._flash_attention_backward(
+                _last_contiguous(dout), _last_contiguous(q), _last_contiguous(k), _last_contiguous(v),
+                _last_contiguous(out), lse.float().contiguous(), None, None, sq, sk, 0.0, mask.causal, rng, unused,
+                scale=scale,
+            )
+        cu, longest = varlen_args(mask.segments, b, sq, q.device)
+        hk = k.shape[2]
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.reshape(b * sq, h, d), q.reshape(b * sq, h, d), k.reshape(b * sk, hk, d), v.reshape(b * sk, hk, d),
+            out.reshape(b * sq, h, d), lse.float().permute(1, 0, 2).reshape(h, b * sq).contiguous(),
+            cu, cu, longest, longest, 0.0, mask.causal, rng, unused, scale=scale,
+        )
+        return dq.view(b, sq, h, d), dk.view(b, sk, hk, d), dv.view(b, sk, hk, d)
+
+
+class CudaEfficientKernel(AttentionKernel):
+    """cutlass memory-efficient attention: fp32/fp16/bf16; kv heads are expanded for grouped queries;
+    no documents (packed documents go to the flash kernel or the math fallback)."""
+
+    name = "cuda_efficient"
+
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+        if mask.segments is not None:
+            return "packed documents are not wired to this kernel (use fp16/bf16 for the flash kernel)"
+        align = 4 if q.dtype == torch.float32 else 8
+        return _cuda_problem(q, (torch.float32, *_HALF), 512, align)
+
+    @staticmethod
+    def _mask_type(mask: BlockMask) -> int:
+        return 1 if mask.causal else 0  # 1: causal, top-left aligned
+
+    def forward(self, q, k, v, mask, scale):
+        h = q.shape[2]
+        out, lse, *_ = torch.ops.aten._efficient_attention_forward(
+            _last_contiguous(q), _last_contiguous(_expand_kv(k, h)), _last_contiguous(_expand_kv(v, h)),
+            None, None, None, None, None, 0.0, self._mask_type(mask), True, scale=scale,
+        )
+        return out, lse[:, :, : q.shape[1]]
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        b, sq, h, _ = q.shape
+        padded = torch.full((b, h, -(-sq // 32) * 32), float("inf"), dtype=torch.float32, device=q.device)
+        padded[:, :, :sq] = lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dout.contiguous(), _last_contiguous(q), _last_contiguous(_expand_kv(k, h)), _last_contiguous(_expand_kv(v, h)),
+            None, out.to(q.dtype).contiguous(), None, None, sq, k.shape[1], padded, 0.0, seed, seed,
+            self._mask_type(mask), False, scale=scale,
+        )
+        return dq, _fold_kv(dk, k.shape[2]), _fold_kv(dv, k.shape[2])
+
+
+class CudaCudnnKernel(AttentionKernel):
+    """cuDNN fused attention: fp16/bf16, no documents; kv heads are expanded for grouped queries."""
+
+    name = "cuda_cudnn"
+
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+        if mask.segments is not None:
+            return "packed documents are not wired to this kernel"
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available"
+        return _cuda_problem(q, _HALF, 128, 8)
+
+    def forward(self, q, k, v, mask, scale):
+        h = q.shape[2]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2),
+            None, True, 0.0, mask.causal, False, scale=scale,
+        )
+        return out.transpose(1, 2), lse.view(lse.shape[0], lse.shape[1], lse.shape[2])  # (B, H, S, 1) -> (B, H, S)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        h = q.shape[2]
+        ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2),
+            out.transpose(1, 2), lse.float().unsqueeze(-1).contiguous(), seed, seed, None, None, None,
+            q.shape[1], k.shape[1], 0.0, mask.causal, scale=scale,
+        )
+        return dq.transpose(1, 2), _fold_kv(dk.transpose(1, 2), k.shape[2]), _fold_kv(dv.transpose(1, 2), k.shape[2])

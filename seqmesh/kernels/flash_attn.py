@@ -1,0 +1,92 @@
+"""The flash-attn package (2.7 or newer), when it is installed.
+
+Its forward/backward entry points (``_flash_attn_forward``, ``_flash_attn_varlen_forward`` and the
+backward pair) take the same tensors as torch's vendored FA2 but their optional arguments have moved
+between releases, so calls are built from each function's signature: the tensors and flags named
+here, and neutral values (no window, no softcap, no ALiBi, no dropout) for the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from typing import Any
+
+import torch
+
+from .base import AttentionKernel, BlockMask
+from .cuda import _cuda_problem, varlen_args
+
+_NEUTRAL: dict[str, Any] = {
+    "dropout_p": 0.0, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
+    "softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "deterministic": False, "rng_state": None,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _interface() -> tuple[Any, str] | None:
+    try:
+        package = importlib.import_module("flash_attn")
+        interface = importlib.import_module("flash_attn.flash_attn_interface")
+    except Exception:  # not installed, or built for another torch/CUDA: the kernel is simply unavailable
+        return None
+    return interface, getattr(package, "__version__", "0")
+
+
+def _call(fn: Any, **given: Any) -> Any:
+    kwargs = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        if name in given:
+            kwargs[name] = given[name]
+        elif name in _NEUTRAL:
+            kwargs[name] = _NEUTRAL[name]
+        elif param.default is inspect.Parameter.empty:
+            raise TypeError(f"flash-attn's {fn.__name__} wants an argument seqmesh does not know: {name!r}")
+    return fn(**kwargs)
+
+
+class FlashAttnKernel(AttentionKernel):
+    name = "flash_attn"
+
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+        found = _interface()
+        if found is None:
+            return "the flash-attn package is not installed"
+        major_minor = tuple(int(x) for x in found[1].split(".")[:2] if x.isdigit())
+        if major_minor < (2, 7):
+            return f"flash-attn {found[1]} is older than 2.7"
+        return _cuda_problem(q, (torch.float16, torch.bfloat16), 256, 8)
+
+    def forward(self, q, k, v, mask, scale):
+        fa, _ = _interface()  # type: ignore[misc]
+        b, sq, h, d = q.shape
+        if mask.segments is None:
+            out, lse, *_ = _call(fa._flash_attn_forward, q=q, k=k, v=v, softmax_scale=scale, causal=mask.causal)
+            return out, lse
+        cu, longest = varlen_args(mask.segments, b, sq, q.device)
+        out, lse, *_ = _call(
+            fa._flash_attn_varlen_forward, q=q.reshape(b * sq, h, d), k=k.reshape(-1, k.shape[2], d),
+            v=v.reshape(-1, v.shape[2], d), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+            max_seqlen_k=longest, softmax_scale=scale, causal=mask.causal,
+        )
+        return out.view(b, sq, h, d), lse.view(h, b, sq).permute(1, 0, 2)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        fa, _ = _interface()  # type: ignore[misc]
+        b, sq, h, d = q.shape
+        hk = k.shape[2]
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous: written in place
+        if mask.segments is None:
+            _call(fa._flash_attn_backward, dout=dout.contiguous(), q=q.contiguous(), k=k.contiguous(),
+                  v=v.contiguous(), out=out.contiguous(), softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv,
+                  softmax_scale=scale, causal=mask.causal)
+            return dq, dk, dv
+        cu, longest = varlen_args(mask.segments, b, sq, q.device)
+        flat = lambda x, heads: x.reshape(-1, heads, d)  # noqa: E731
+        _call(fa._flash_attn_varlen_backward, dout=flat(dout, h).contiguous(), q=flat(q, h).contiguous(),
+              k=flat(k, hk).contiguous(), v=flat(v, hk).contiguous(), out=flat(out, h).contiguous(),
+              softmax_lse=lse.float().permute(1, 0, 2).reshape(h, b * sq).contiguous(),
+              dq=flat(dq, h), dk=flat(dk, hk), dv=flat(dv, hk), cu_seqlens_q=cu, cu_seqlens_k=cu,
+              max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=scale, causal=mask.causal)
+        return dq, dk, dv

@@ -1,0 +1,73 @@
+"""Plain matrix-product attention with an explicit backward: any device, any float dtype, any mask.
+
+It materialises the (Sq, Sk) score matrix, so it is the reference and the fallback, not the fast
+path. Computation runs in float32 (float64 for float64 inputs). A query with no visible key gets a
+zero output and ``lse = -inf`` and contributes nothing to a merge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionKernel, BlockMask, lse_dtype
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, H, S, D) with H | heads -> (B, heads, S, D), grouped-query style (each kv head serves a
+    run of consecutive query heads)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold_heads(g: torch.Tensor, heads: int) -> torch.Tensor:
+    """Adjoint of :func:`_expand_heads`: sum each group of query-head gradients into its kv head."""
+    if g.shape[1] == heads:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, heads, h // heads, s, d).sum(dim=2)
+
+
+class MathKernel(AttentionKernel):
+    name = "math"
+
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+        return None if q.is_floating_point() else f"dtype {q.dtype} is not a float type"
+
+    def _scores(self, q, k, mask: BlockMask, scale: float):
+        """Upcast q, k (kv heads expanded) and the masked scaled scores (B, Hq, Sq, Sk)."""
+        ct = lse_dtype(q.dtype)
+        qf = q.transpose(1, 2).to(ct)  # (B, Hq, Sq, D)
+        kf = _expand_heads(k.transpose(1, 2).to(ct), q.shape[2])  # (B, Hq, Sk, D)
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        allowed = mask.allowed(q.shape[1], k.shape[1], q.device)
+        return qf, kf, scores.masked_fill(~allowed, float("-inf"))
+
+    @staticmethod
+    def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see nothing
+        return torch.exp(scores - safe.unsqueeze(-1))  # exp(-inf) = 0 on masked entries
+
+    def forward(self, q, k, v, mask, scale):
+        _, _, scores = self._scores(q, k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq); -inf where nothing is visible
+        probs = self._probs(scores, lse)
+        vf = _expand_heads(v.transpose(1, 2).to(probs.dtype), q.shape[2])
+        out = torch.matmul(probs, vf)  # (B, Hq, Sq, D)
+        return out.transpose(1, 2).to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        qf, kf, scores = self._scores(q, k, mask, scale)
+        ct = qf.dtype
+        probs = self._probs(scores, lse.to(ct))  # with the lse given, which may be a merged one
+        vf = _expand_heads(v.transpose(1, 2).to(ct), q.shape[2])
+        do = dout.transpose(1, 2).to(ct)
+        delta = (do * out.transpose(1, 2).to(ct)).sum(-1, keepdim=True)  # (B, Hq, Sq, 1)
+        dv = torch.matmul(probs.transpose(-1, -2), do)
+        ds = probs * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+        dq = torch.matmul(ds, kf) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+        hk = k.shape[2]
+        return (
+            dq.transpose(1, 2).to(q.dtype),
+            _fold_heads(dk, hk).transpose(1, 2).to(k.dtype),
+            _fold_heads(dv, hk).transpose(1, 2).to(v.dtype),
+        )

@@ -1,0 +1,151 @@
+"""Local process groups: run a function on N spawned ranks (gloo on CPU) with time limits.
+
+``WorkerPool`` keeps N initialised ranks alive and runs many jobs on them, which is how the tests
+amortise process start-up; ``spawn`` is a pool used once. A job that raises on any rank, or runs past
+its time limit, ends the whole pool (a rank stuck in a collective would otherwise wait forever) and
+raises a ``RuntimeError`` carrying every rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, threads: int, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+    except BaseException:  # report start-up failures instead of dying silently
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` spawned gloo ranks that run jobs until closed.
+
+    Args:
+        world_size: number of ranks.
+        threads: torch intra-op threads per rank (keep ranks x threads <= cores).
+        collective_timeout: gloo's own limit for one collective, a second safety net.
+    """
+
+    def __init__(self, world_size: int, *, threads: int = 1, collective_timeout: float = 120.0, start_timeout: float = 180.0):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, self._jobs[r], self._results, threads, collective_timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("start-up", start_timeout)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        if not self.alive:
+            raise RuntimeError("the worker pool is closed (an earlier job failed or it was shut down).")
+        for q in self._jobs:
+            q.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", "job"), timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        failed_at: float | None = None
+        while len(results) + len(failures) < self.world_size:
+            # once a rank has failed, the others get a few seconds to report, not a whole timeout
+            limit = deadline if failed_at is None else min(deadline, failed_at + 5.0)
+            now = time.monotonic()
+            if now >= limit:
+                break
+            try:
+                rank, ok, payload = self._results.get(timeout=min(limit - now, 1.0))
+            except queue.Empty:
+                for r, p in enumerate(self._procs):
+                    if not p.is_alive() and r not in results and r not in failures:
+                        failures[r] = f"rank {r} exited with code {p.exitcode}"
+                        failed_at = failed_at or time.monotonic()
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+                failed_at = failed_at or time.monotonic()
+        if failures or len(results) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in results and r not in failures]
+            self.close()
+            if failures:
+                head = f"{what} failed on rank(s) {sorted(failures)}" + (f"; no answer from {missing}" if missing else "")
+            else:
+                head = f"{what} ran past its {timeout:.0f} s limit; no answer from rank(s) {missing}"
+            raise RuntimeError("\n".join([head] + [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self._jobs:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, threads: int | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh gloo ranks; return results by rank."""
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    with WorkerPool(world_size, threads=threads) as pool:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -1,0 +1,132 @@
+"""Sequence layouts: which global positions each rank holds, as an invertible permutation.
+
+A layout sends a padded sequence of ``padded_len`` tokens to the ``P = ring x ulysses`` ranks of a
+sequence group. Concatenating the local shards in sequence-rank order (``ring_rank * ulysses +
+ulysses_rank``) gives ``x[indices()]``; ``x_sharded[indices(restore=True)]`` undoes it.
+
+``contiguous``: rank i holds positions ``[i*L, (i+1)*L)``.
+
+``zigzag`` (causal load balancing, as in the USP paper): cut the sequence into ``2*ring`` chunks;
+ring rank r holds chunks r and ``2*ring-1-r``; its Ulysses ranks split that pair into ``ulysses``
+equal pieces. With ring=2, chunks c0..c3, the causal mask seen by the two ring ranks::
+
+            keys:  c0 c1 c2 c3
+    ring 0  c0     \\
+    (c0,c3) c3     #  #  #  \\        each ring rank sees 1 + 2 + ... of the same total work
+    ring 1  c1     #  \\
+    (c1,c2) c2     #  #  \\
+
+After the Ulysses all-to-all each ring rank holds its whole pair, so a ring step only ever meets
+chunks whose positions are equal (the diagonal) or disjoint. With ring=1 zigzag equals contiguous.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class LayoutKind(str, enum.Enum):
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive global positions ``[start, start + length)`` stored at ``[offset, offset + length)``
+    of a local buffer."""
+
+    start: int
+    length: int
+    offset: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+def _parse_kind(layout: str | LayoutKind) -> LayoutKind:
+    try:
+        return LayoutKind(layout)
+    except ValueError:
+        names = ", ".join(repr(k.value) for k in LayoutKind)
+        raise ValueError(f"unknown layout {layout!r}; choose one of {names}.") from None
+
+
+def layout_multiple(kind: LayoutKind, ring: int, ulysses: int) -> int:
+    """A padded length must be a multiple of this for ``kind`` on a ``ring x ulysses`` group."""
+    if kind is LayoutKind.ZIGZAG and ring > 1:
+        return ring * math.lcm(2, ulysses)
+    return ring * ulysses
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where each of ``padded_len`` positions lives on a ``ring x ulysses`` sequence group."""
+
+    kind: LayoutKind
+    ring: int
+    ulysses: int
+    padded_len: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", _parse_kind(self.kind))
+        multiple = layout_multiple(self.kind, self.ring, self.ulysses)
+        if self.padded_len < 1 or self.padded_len % multiple:
+            raise ValueError(
+                f"a {self.kind.value} layout over ring={self.ring} x ulysses={self.ulysses} needs a "
+                f"sequence length that is a positive multiple of {multiple}, got {self.padded_len}; "
+                "pad the sequence (seqmesh.shard_sequence and seqmesh.shard_batch do it for you)."
+            )
+
+    @classmethod
+    def for_length(cls, kind: str | LayoutKind, ring: int, ulysses: int, seq_len: int) -> SequenceLayout:
+        """The layout of a ``seq_len``-token sequence padded to the next valid length."""
+        kind = _parse_kind(kind)
+        if seq_len < 1:
+            raise ValueError(f"sequence length must be at least 1, got {seq_len}.")
+        multiple = layout_multiple(kind, ring, ulysses)
+        return cls(kind, ring, ulysses, -(-seq_len // multiple) * multiple)
+
+    @property
+    def size(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def local_len(self) -> int:
+        """Tokens per rank of the sequence group."""
+        return self.padded_len // self.size
+
+    @property
+    def ring_len(self) -> int:
+        """Tokens per ring rank once its Ulysses group is gathered."""
+        return self.padded_len // self.ring
+
+    def ring_runs(self, ring_rank: int) -> tuple[Run, ...]:
+        """Global positions of ring rank ``ring_rank``'s block (ascending, adjacent runs merged)."""
+        if self.kind is LayoutKind.CONTIGUOUS or self.ring == 1:
+            n = self.ring_len
+            return (Run(ring_rank * n, n, 0),)
+        c = self.padded_len // (2 * self.ring)
+        first, second = ring_rank, 2 * self.ring - 1 - ring_rank
+        return (Run(first * c, c, 0), Run(second * c, c, c))
+
+    def indices(self, restore: bool = False) -> torch.Tensor:
+        """``(padded_len,)`` int64. Shard order -> global position, or with ``restore`` the inverse."""
+        order = torch.cat(
+            [torch.arange(run.start, run.stop) for r in range(self.ring) for run in self.ring_runs(r)]
+        )
+        if not restore:
+            return order
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        return inverse
+
+    def local_positions(self, sp_rank: int) -> torch.Tensor:
+        """``(local_len,)`` global positions of the tokens held by sequence rank ``sp_rank``."""
+        n = self.local_len
+        return self.indices()[sp_rank * n : (sp_rank + 1) * n]
+

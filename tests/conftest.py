@@ -1,0 +1,39 @@
+"""Shared fixtures: one pool of spawned gloo ranks per world size, reused by every test.
+
+Starting a rank costs seconds (importing torch); a pool starts once per session and runs many
+cases. A case that fails or hangs on any rank ends its pool (so no rank waits forever) and the next
+test that needs that world size starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the case modules
+
+from seqmesh.launch import WorkerPool  # noqa: E402
+
+
+class Pools:
+    def __init__(self) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+
+    def run(self, world_size: int, fn, *args, timeout: float = 300.0, **kwargs):
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = WorkerPool(world_size, threads=1, collective_timeout=60.0)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    p = Pools()
+    yield p
+    p.close()

@@ -1,0 +1,143 @@
+"""Functions that run on every rank of a spawned group (see conftest.Pools); each returns plain data
+that the test asserts on in the main process."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import seqmesh
+from reference import reference_attention
+
+_MESHES: dict[tuple[int, int, int], seqmesh.SPMesh] = {}
+
+
+def get_mesh(ulysses: int, ring: int, dp_shard: int = 1) -> seqmesh.SPMesh:
+    """One mesh per shape per process: building a mesh creates process groups, which is collective."""
+    key = (ulysses, ring, dp_shard)
+    if key not in _MESHES:
+        _MESHES[key] = seqmesh.init_mesh(ulysses, ring, dp_shard=dp_shard)
+    return _MESHES[key]
+
+
+@dataclass(frozen=True)
+class Case:
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    causal: bool
+    layout: str
+    cu_seqlens: tuple[int, ...] | None = None
+    batch: int = 2
+    head_dim: int = 8
+    dtype: str = "float64"
+    backend: str = "auto"
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        docs = "docs" if self.cu_seqlens else "nodocs"
+        return (f"S{self.seq_len}-h{self.q_heads}/{self.kv_heads}-{'causal' if self.causal else 'full'}-"
+                f"{self.layout}-{docs}-{self.dtype}-{self.backend}")
+
+
+def _inputs(case: Case, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, case.dtype)
+    b, s, d = case.batch, case.seq_len, case.head_dim
+    q = torch.randn(b, s, case.q_heads, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s, case.kv_heads, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, case.kv_heads, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, case.q_heads, d, generator=g, dtype=torch.float64)
+    if case.cu_seqlens is not None:  # positions past the last document are padding: no gradient flows in
+        dout[:, case.cu_seqlens[-1] :] = 0
+    return q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor, upto: int | None = None) -> float:
+    if upto is not None:
+        a, b = a[:, :upto], b[:, :upto]
+    return float((a.double() - b.double()).abs().max())
+
+
+def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True):
+    """seqmesh on the sharded inputs vs the float64 reference on the whole sequence.
+
+    Returns ``(errors, stats)``: max abs error of out, dq, dk, dv over real tokens, and comm stats."""
+    seed = case.seed * 1000 + mesh.dp_rank  # data-parallel ranks see different samples
+    q, k, v, dout = _inputs(case, seed)
+    q, k, v = (t.clone().requires_grad_(with_grad) for t in (q, k, v))
+    shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout)  # noqa: E731
+    with seqmesh.comm_stats() as stats:
+        out = seqmesh.attention(
+            shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
+            cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend,
+        )
+        if with_grad:
+            (out * shard(dout)).sum().backward()
+    gathered = seqmesh.gather_sequence(out.detach(), mesh, layout=case.layout, length=case.seq_len)
+
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None)
+    ref.backward(dout.double())
+    real = case.cu_seqlens[-1] if case.cu_seqlens else case.seq_len
+    errors = {"out": _max_err(gathered, ref, real)}
+    if with_grad:
+        errors.update(dq=_max_err(q.grad, qr.grad), dk=_max_err(k.grad, kr.grad), dv=_max_err(v.grad, vr.grad))
+    return errors, stats
+
+
+def attention_cases(ulysses: int, ring: int, dp_shard: int, cases: list[Case]) -> list[dict]:
+    mesh = get_mesh(ulysses, ring, dp_shard)
+    results = []
+    for case in cases:
+        errors, _ = run_attention(case, mesh)
+        results.append({"case": case.name, **errors})
+    return results
+
+
+def traffic_cases(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
+    """Per-rank calls and bytes of each collective, by phase, plus this rank's coordinates."""
+    mesh = get_mesh(ulysses, ring)
+    out = []
+    for case in cases:
+        _, stats = run_attention(case, mesh)
+        out.append({"case": asdict(case), "ulysses_rank": mesh.ulysses_rank, "ring_rank": mesh.ring_rank,
+                    "stats": stats.as_dict()})
+    return out
+
+
+def bf16_errors(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
+    mesh = get_mesh(ulysses, ring)
+    return [{"case": c.name, **run_attention(c, mesh)[0]} for c in cases]
+
+
+def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
+    """Provoke an input error on some ranks only; return what this rank raised (or 'no error')."""
+    mesh = get_mesh(ulysses, ring)
+    rank = mesh.sp_rank
+    b, n, h, d = 1, 4, 4, 8
+    q, k, v = (torch.randn(b, n, h, d) for _ in range(3))
+    kwargs: dict = {}
+    if problem == "local_len" and rank == 1:
+        q, k, v = (torch.randn(b, n + 2, h, d) for _ in range(3))
+    elif problem == "head_dim" and rank == 0:
+        k = torch.randn(b, n, h, d + 8)
+        v = torch.randn(b, n, h, d + 8)
+    elif problem == "dtype" and rank == 1:
+        q, k, v = (t.double() for t in (q, k, v))
+    elif problem == "cu_seqlens":
+        kwargs["cu_seqlens"] = [0, 5, 3, n * mesh.sp_size]
+    elif problem == "cu_too_long":
+        kwargs["cu_seqlens"] = [0, 5, n * mesh.sp_size + 3]
+    elif problem == "heads":
+        k = torch.randn(b, n, 3, d)
+        v = torch.randn(b, n, 3, d)
+    elif problem == "causal" and rank == 1:
+        kwargs["causal"] = False
+    try:
+        seqmesh.attention(q, k, v, mesh, **kwargs)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    return "no error"

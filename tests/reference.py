@@ -1,0 +1,41 @@
+"""Independent single-device references: explicit float64 attention on the whole sequence."""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_ids(seq_len: int, cu_seqlens: list[int] | None) -> torch.Tensor:
+    """(seq_len,) document index per position; positions past the last boundary get -1."""
+    ids = torch.full((seq_len,), -1, dtype=torch.long)
+    bounds = cu_seqlens if cu_seqlens is not None else [0, seq_len]
+    for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        ids[a:b] = d
+    return ids
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, cu_seqlens: list[int] | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q (B, S, Hq, D), k/v (B, S, Hk, D) -> (B, S, Hq, D), computed in float64 with plain ops.
+
+    Query head h reads kv head h // (Hq / Hk). Tokens see keys of their own document (and, if
+    causal, not later ones). Tokens outside every document see only themselves, so they stay finite.
+    """
+    b, s, hq, d = q.shape
+    group = hq // k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qf = q.double().transpose(1, 2)
+    kf = k.double().repeat_interleave(group, dim=2).transpose(1, 2)
+    vf = v.double().repeat_interleave(group, dim=2).transpose(1, 2)
+    docs = document_ids(s, cu_seqlens)
+    pos = torch.arange(s)
+    allowed = (docs[:, None] == docs[None, :]) & (docs[:, None] >= 0)
+    allowed |= torch.eye(s, dtype=torch.bool)
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf
+    return out.transpose(1, 2)
