@@ -1,0 +1,92 @@
+"""Model shapes: tiny ones for CPU tests and demos, and the real shapes of public models.
+
+Shapes come from the models' published configurations; weights are never downloaded (training
+presets start from random initialisation). ``model_shape`` also reads a transformers
+``config.json`` (a file or a directory holding one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner and the trainer need to know of a decoder-only transformer."""
+
+    name: str
+    family: str  # transformers model type: "llama", "qwen3", "qwen2", "mistral"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: {self.heads} query heads are not a multiple of {self.kv_heads} kv heads.")
+
+    @property
+    def params(self) -> int:
+        """Parameter count (embeddings, attention, gated MLP, RMSNorms, LM head unless tied)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate
+        norms = 2 * self.hidden + (2 * self.head_dim if self.family == "qwen3" else 0)
+        embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        return self.layers * (attn + mlp + norms) + embed + self.hidden
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape("llama-tiny", "llama", 64, 2, 4, 2, 16, 128, 256, rope_theta=10000.0),
+        ModelShape("qwen3-tiny", "qwen3", 64, 2, 4, 2, 16, 128, 256, tie_embeddings=True, rope_theta=1e6),
+        ModelShape("llama3.2-1b", "llama", 2048, 16, 32, 8, 64, 8192, 128256, True, 500000.0),
+        ModelShape("llama3-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),
+        ModelShape("llama3-70b", "llama", 8192, 80, 64, 8, 128, 28672, 128256, False, 500000.0),
+        ModelShape("qwen3-0.6b", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, 1e6),
+        ModelShape("qwen3-4b", "qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1e6),
+        ModelShape("qwen3-32b", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936, False, 1e6),
+        ModelShape("mistral-7b", "mistral", 4096, 32, 32, 8, 128, 14336, 32768, False, 1e6),
+    )
+}
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """A preset by name, or the shape in a transformers ``config.json`` (file or directory)."""
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"unknown model {name_or_path!r}: not a preset ({', '.join(MODELS)}) and no config.json at {path!r}."
+        )
+    with open(path) as f:
+        cfg = json.load(f)
+    try:
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        return ModelShape(
+            name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+            family=cfg.get("model_type", "llama"),
+            hidden=hidden,
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            intermediate=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"],
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        )
+    except KeyError as missing:
+        raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
