@@ -34,6 +34,7 @@ AXES: tuple[MeshAxis, ...] = (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis
 SP_AXIS_NAME = "sp"  # ring x ulysses flattened
 DP_AXIS_NAME = "dp"  # dp_replicate x dp_shard flattened
 FSDP_AXIS_NAME = "dp_shard_sp"  # dp_shard x ring x ulysses flattened: what FSDP2 shards over
+ALL_AXIS_NAME = "all"  # every axis flattened
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class SPMesh:
     - ``fsdp_mesh``: what FSDP2 shards over: 1-D over dp_shard x ring x ulysses (the sequence ranks
       hold different tokens of the same samples, so they share the weight shards too), or 2-D
       ``(dp_replicate, dp_shard_sp)`` for HSDP when ``dp_replicate > 1``.
+    - ``all_mesh``: every rank of the mesh as a 1-D mesh (losses pooled over the whole batch).
     - ``ulysses``, ``ring``, ``dp_shard``, ``dp_replicate``: the degree of each axis.
     """
 
@@ -55,6 +57,7 @@ class SPMesh:
     sp_mesh: DeviceMesh  # 1-D: ring x ulysses, ring-major
     dp_mesh: DeviceMesh  # 1-D: dp_replicate x dp_shard
     fsdp_mesh: DeviceMesh  # 1-D dp_shard x ring x ulysses, or 2-D (dp_replicate, that)
+    all_mesh: DeviceMesh  # 1-D: every rank of the mesh
     ulysses: int
     ring: int
     dp_shard: int
@@ -83,6 +86,11 @@ class SPMesh:
     def sp_group(self) -> dist.ProcessGroup:
         """All ranks that hold pieces of the same sequence (ring x ulysses, ring-major)."""
         return self.sp_mesh.get_group()
+
+    @property
+    def all_group(self) -> dist.ProcessGroup:
+        """Every rank of the mesh: data-parallel and sequence-parallel ranks together."""
+        return self.all_mesh.get_group()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -193,4 +201,5 @@ def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
             device_mesh.mesh.reshape(dp_replicate, dp_shard * ring * ulysses),
             mesh_dim_names=(MeshAxis.DP_REPLICATE.value, FSDP_AXIS_NAME),
         )
-    return SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, ulysses, ring, dp_shard, dp_replicate)
+    all_mesh = device_mesh._flatten(ALL_AXIS_NAME)
+    return SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, all_mesh, ulysses, ring, dp_shard, dp_replicate)

@@ -10,14 +10,14 @@ import torch
 import seqmesh
 from reference import reference_attention
 
-_MESHES: dict[tuple[int, int, int], seqmesh.SPMesh] = {}
+_MESHES: dict[tuple[int, int, int, int], seqmesh.SPMesh] = {}
 
 
-def get_mesh(ulysses: int, ring: int, dp_shard: int = 1) -> seqmesh.SPMesh:
+def get_mesh(ulysses: int, ring: int, dp_shard: int = 1, dp_replicate: int = 1) -> seqmesh.SPMesh:
     """One mesh per shape per process: building a mesh creates process groups, which is collective."""
-    key = (ulysses, ring, dp_shard)
+    key = (ulysses, ring, dp_shard, dp_replicate)
     if key not in _MESHES:
-        _MESHES[key] = seqmesh.init_mesh(ulysses, ring, dp_shard=dp_shard)
+        _MESHES[key] = seqmesh.init_mesh(ulysses, ring, dp_shard=dp_shard, dp_replicate=dp_replicate)
     return _MESHES[key]
 
 
@@ -141,3 +141,42 @@ def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
     except ValueError as err:
         return f"ValueError: {err}"
     return "no error"
+
+
+def shard_batch_roundtrip(ulysses: int, ring: int, layout: str) -> dict:
+    """Shard a packed batch, gather every field back, and return it for the test to check."""
+    mesh = get_mesh(ulysses, ring)
+    ids = torch.arange(100, 123)[None]  # 23 tokens: padding needed for P = 4
+    positions = torch.cat([torch.arange(5), torch.arange(1), torch.arange(17)])[None]  # docs 5, 1, 17
+    local = seqmesh.shard_batch({"input_ids": ids, "position_ids": positions}, mesh, layout=layout)
+    back = {k: seqmesh.gather_sequence(local[k], mesh, layout=layout, length=23)[0].tolist()
+            for k in ("input_ids", "position_ids", "shift_labels")}
+    back["cu_seqlens"] = local["seqmesh"].cu_seqlens
+    back["local_len"] = local["input_ids"].shape[1]
+    return back
+
+
+def pooled_loss(empty_ranks: list[int]) -> dict:
+    """Cross-entropy pooled over the group, with the given ranks holding no valid target."""
+    import torch.nn.functional as F
+
+    mesh = get_mesh(1, 4)
+    rank = mesh.sp_rank
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 1, 6, 11, generator=g, dtype=torch.float64)  # every rank's (1, 6, 11)
+    labels = torch.randint(0, 11, (4, 1, 6), generator=g)
+    labels[:, :, ::3] = -100
+    for r in empty_ranks:
+        labels[r] = -100
+    mine = logits[rank].clone().requires_grad_()
+    loss = seqmesh.sequence_parallel_cross_entropy(mine, labels[rank], mesh.sp_group)
+    loss.backward()
+    whole = logits.clone().requires_grad_()
+    valid = labels != -100
+    if valid.any():
+        ref = F.cross_entropy(whole.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)
+        ref.backward()
+        ref_grad, ref_value = whole.grad[rank], float(ref)
+    else:
+        ref_grad, ref_value = torch.zeros_like(mine), 0.0
+    return {"value": float(loss), "ref": ref_value, "grad_err": float((mine.grad - ref_grad).abs().max())}

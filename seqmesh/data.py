@@ -1,0 +1,142 @@
+"""From a whole batch to this rank's inputs: shift, find documents, pad, place by the layout, slice.
+
+Everything that depends on the whole sequence is computed before slicing: the next-token labels
+(so the label of each shard's last token, which lives on another rank, is not lost), the document
+boundaries of packed sequences and the positions restarting per document (for RoPE). Only then is
+each tensor padded to the layout's multiple and sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .loss import IGNORE_INDEX
+from .mesh import SPMesh
+from .sharding import sequence_layout, shard_sequence
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """What attention needs to know about the whole sequence, carried beside the local inputs."""
+
+    seq_len: int  # real tokens before the layout's padding
+    cu_seqlens: tuple[int, ...] | None  # packed documents over the whole sequence, or None
+    layout: str
+
+
+def _documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
+    """Boundaries where positions do not continue by +1 (a new document starts); one tuple for all
+    rows, which must agree."""
+    rows = []
+    for row in position_ids.tolist():
+        starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1] + 1]
+        rows.append(tuple(starts) + (len(row),))
+    if any(r != rows[0] for r in rows[1:]):
+        raise ValueError(
+            "the rows of position_ids describe different packed documents; seqmesh attention shares one set of "
+            "boundaries across the batch. Pack the documents into one row (batch size 1), or give every row the "
+            "same document lengths."
+        )
+    return rows[0] if len(rows[0]) > 2 else None
+
+
+def _real_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Real tokens per row of a right-padded mask (ones, then zeros)."""
+    mask = attention_mask.to(torch.long)
+    lengths = mask.sum(dim=1)
+    expected = (torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]).long()
+    if not torch.equal(mask, expected):
+        raise ValueError(
+            "attention_mask must be right padding (ones then zeros) in every row; for packed documents pass "
+            "position_ids that restart at 0 at each document instead of a mask."
+        )
+    return lengths.tolist()
+
+
+def positions_in_documents(seq_len: int, cu_seqlens: tuple[int, ...] | None) -> torch.Tensor:
+    """``(seq_len,)`` position of each token inside its document (0 at every document start)."""
+    positions = torch.arange(seq_len)
+    if cu_seqlens is None:
+        return positions
+    starts = torch.zeros(seq_len, dtype=torch.long)
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        starts[a:b] = a
+    return positions - starts
+
+
+def shift_labels(
+    labels: torch.Tensor, cu_seqlens: tuple[int, ...] | None, lengths: list[int] | None, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Targets for next-token prediction over the whole sequence: ``target[t] = labels[t + 1]``.
+
+    Ignored: the last token, the last token of each document (its successor belongs to another
+    document, which attention cannot see), and every target at or past a row's real length."""
+    target = torch.full_like(labels, ignore_index)
+    target[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        ends = torch.tensor(cu_seqlens[1:], dtype=torch.long) - 1
+        target[:, ends[ends < labels.shape[1]]] = ignore_index
+    if lengths is not None:
+        for row, n in enumerate(lengths):
+            target[row, max(n - 1, 0) :] = ignore_index
+    return target
+
+
+def shard_batch(
+    batch: Mapping[str, torch.Tensor],
+    mesh: SPMesh,
+    *,
+    layout: str = "zigzag",
+    ignore_index: int = IGNORE_INDEX,
+) -> dict:
+    """This rank's inputs for a causal LM from the whole batch (the same on every sequence rank).
+
+    Args:
+        batch: ``input_ids`` ``(B, S)``; optional ``labels`` ``(B, S)`` (not shifted, as in
+            transformers; defaults to ``input_ids``); optional ``position_ids`` ``(B, S)`` that restart
+            at each packed document, or ``attention_mask`` ``(B, S)`` of right padding.
+        mesh: the mesh; the batch is split over its sequence group.
+
+    Returns:
+        ``input_ids``, ``position_ids`` (global positions within documents, for RoPE) and
+        ``shift_labels`` (targets, ``ignore_index`` where nothing is to be predicted), each
+        ``(B, padded_len / P)`` in the layout's local order, and ``seqmesh``: the
+        :class:`SequenceInfo` that ``seqmesh.hf`` attention reads from the model's kwargs.
+    """
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}.")
+    b, s = input_ids.shape
+    if s < mesh.sp_size:
+        raise ValueError(
+            f"the sequence has {s} tokens but the sequence-parallel degree is {mesh.sp_size}; every rank needs "
+            f"at least one token. Use sequences of at least {mesh.sp_size} tokens or a smaller degree."
+        )
+    labels = batch.get("labels")
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}.")
+    cu = None
+    if batch.get("position_ids") is not None:
+        cu = _documents_from_positions(batch["position_ids"])
+    lengths = _real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
+
+    targets = shift_labels(labels, cu, lengths, ignore_index)
+    positions = positions_in_documents(s, cu).to(input_ids.device).expand(b, s)
+    lay = sequence_layout(mesh, s, layout)
+    pad = lay.padded_len - s
+    if pad:  # padding: token 0, nothing to predict, positions continuing past the end
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+        targets = torch.nn.functional.pad(targets, (0, pad), value=ignore_index)
+        tail = positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)
+        positions = torch.cat([positions, tail], dim=1)
+    shard = lambda t: shard_sequence(t, mesh, dim=1, layout=layout)  # noqa: E731
+    return {
+        "input_ids": shard(input_ids),
+        "position_ids": shard(positions.contiguous()),
+        "shift_labels": shard(targets),
+        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout),
+    }

@@ -1,0 +1,78 @@
+"""Weights sharded with FSDP2 over the data-parallel and sequence-parallel ranks together.
+
+The sequence ranks hold different tokens of the same samples and the data-parallel ranks hold
+different samples; with the loss of ``seqmesh.loss`` (each rank's gradient is its share of the
+one-device gradient) the right reduction over all of them is a *sum*. FSDP2 averages by default,
+which would scale gradients by 1 / (dp x sp), so seqmesh sets its divide factor to 1.
+
+Order of wrapping (as torchtitan does): sequence parallelism (``seqmesh.hf.parallelize``), then
+activation checkpointing, then FSDP2 per decoder layer and at the root.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm.stats import record
+from .mesh import SPMesh
+from .model import decoder_layers
+
+
+def enable_checkpointing(lm: nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations (transformers'
+    own non-reentrant checkpointing; active in training mode)."""
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _sum_not_average(module: nn.Module) -> None:
+    setter = getattr(module, "set_gradient_divide_factor", None) or getattr(module, "set_reduce_scatter_divide_factor")
+    setter(1.0)
+    force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
+    if force_sum is not None:  # plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's SUM is zero-copy
+        force_sum(True)
+
+
+def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
+    each decoder layer on its own, the rest (embeddings, final norm, LM head) at the root.
+
+    ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
+    master weights and optimizer states.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    lm = getattr(root, "lm", root)
+    for layer in decoder_layers(lm):
+        fully_shard(layer, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            _sum_not_average(module)
+    return root
+
+
+def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20) -> None:
+    """Without FSDP: sum every gradient over all ranks of the mesh, in flat buckets."""
+    group = mesh.all_group
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=group)
+            record("all_reduce", "backward", (world - 1) * flat.numel() * flat.element_size() * 2 // world,
+                   (world - 1) * flat.numel() * flat.element_size() * 2 // world)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            bucket, size = [], 0

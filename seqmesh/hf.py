@@ -1,0 +1,108 @@
+"""Hugging Face transformers models through their attention interface.
+
+``parallelize(model, mesh)`` registers a named attention implementation with transformers'
+``AttentionInterface`` (its public registration API) whose function calls ``seqmesh.attention`` on
+the model's mesh, and switches the model to it with ``set_attn_implementation``; nothing inside
+transformers is patched. ``unparallelize(model)`` switches back and removes the registration.
+
+The model is then called with the output of ``seqmesh.shard_batch``: its ``position_ids`` give RoPE
+every local token's global position (within its document), and its ``seqmesh`` entry travels down
+the model's ``**kwargs`` to the attention function with the sequence length and document boundaries.
+No attention mask is built (transformers skips mask creation for implementations it does not know).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .attention.usp import attention
+from .data import SequenceInfo
+from .mesh import SPMesh
+
+MIN_TRANSFORMERS = (5, 0)
+_ATTR = "_seqmesh_attention"
+
+
+def _transformers_version() -> tuple[int, ...]:
+    import transformers
+
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
+
+
+def workable_degrees(q_heads: int, world: int) -> list[tuple[int, int]]:
+    """``(ulysses, ring)`` pairs with ``ulysses * ring == world`` that a model with these heads can run
+    (Ulysses needs at least one query head per rank; kv heads are replicated as needed)."""
+    return [(u, world // u) for u in range(1, world + 1) if world % u == 0 and u <= q_heads]
+
+
+def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:
+    """Raise a ValueError that lists the degrees that would work if the model's heads cannot be split."""
+    if mesh.ulysses <= q_heads:
+        return
+    options = ", ".join(f"ulysses={u} x ring={r}" for u, r in workable_degrees(q_heads, mesh.sp_size))
+    raise ValueError(
+        f"the model has {q_heads} query heads ({kv_heads} kv heads), too few for ulysses={mesh.ulysses}. "
+        f"For a sequence degree of {mesh.sp_size} use one of: {options}."
+    )
+
+
+def _make_attention(mesh: SPMesh, backend: str):
+    def seqmesh_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs):
+        # query (B, Hq, L, D), key/value (B, Hk, L, D) -> ((B, L, Hq, D), None)
+        info: SequenceInfo | None = kwargs.get("seqmesh")
+        if info is None:
+            raise ValueError(
+                "this model runs seqmesh attention but was called without the 'seqmesh' entry; call it with the "
+                "batch returned by seqmesh.shard_batch (model(**batch)), or seqmesh.hf.unparallelize(model) first."
+            )
+        if dropout:
+            raise ValueError(f"attention dropout ({dropout}) is not supported by seqmesh; set attention_dropout=0.")
+        out = attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
+            causal=getattr(module, "is_causal", True), layout=info.layout, cu_seqlens=info.cu_seqlens,
+            seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
+            validate=getattr(module, "layer_idx", 0) == 0,  # check the inputs once per forward, not per layer
+        )
+        return out, None
+
+    return seqmesh_attention
+
+
+def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.Module:
+    """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
+
+    Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral and
+    most decoder-only models of transformers >= 5.0). Returns the same model.
+    """
+    from transformers import AttentionInterface
+
+    if _transformers_version() < MIN_TRANSFORMERS:
+        raise ValueError(f"seqmesh.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; upgrade it.")
+    config = model.config
+    q_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    check_heads(q_heads, kv_heads, mesh)
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
+    name = f"seqmesh_{id(model):x}"
+    AttentionInterface.register(name, _make_attention(mesh, backend))
+    previous = config._attn_implementation
+    model.set_attn_implementation(name)
+    setattr(model, _ATTR, (name, previous))
+    return model
+
+
+def unparallelize(model: nn.Module) -> nn.Module:
+    """Undo :func:`parallelize`: the previous attention implementation, and no registration left."""
+    from transformers import AttentionInterface
+
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        return model
+    name, previous = state
+    model.set_attn_implementation(previous)
+    AttentionInterface._global_mapping.pop(name, None)  # the interface keeps registrations in this mapping
+    setattr(model, _ATTR, None)
+    return model
+

@@ -1,0 +1,117 @@
+"""Cross-entropy whose value and gradient equal one device's, whatever the split of the tokens.
+
+The loss of a step is the mean over every valid target of the whole batch (all data-parallel
+samples, all sequence shards), as one device computing the whole batch would report it. Each rank
+computes the *sum* over its own targets; one all-reduce of ``(sum, count)`` over the pooling group
+gives the global mean. The returned tensor has that mean as its value on every rank, and as its
+gradient ``d(local sum) / global count``, so that summing gradients over the ranks (FSDP with a
+divide factor of 1, or :func:`seqmesh.fsdp.sync_gradients`) gives exactly the one-device gradient.
+A group without a single valid target gets loss 0 and zero gradients.
+
+``chunked_linear_cross_entropy`` computes the LM head and the loss tile by tile, so the
+``(tokens, vocab)`` logits of the local shard never exist at once (for a 128K vocabulary they are
+the largest tensor of training); backward recomputes each tile from the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .comm.stats import record
+
+IGNORE_INDEX = -100
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Losses accumulate in float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def pool_mean(local_sum: torch.Tensor, local_count: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Value: sum over ``group`` / count over ``group``; gradient: d(local_sum) / count over ``group``."""
+    wide = _wide(local_sum.dtype)
+    totals = torch.stack([local_sum.detach().to(wide), local_count.detach().to(wide)])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+        world = dist.get_world_size(group)
+        nbytes = 2 * (world - 1) * totals.numel() * totals.element_size() // world
+        record("all_reduce", "forward", nbytes, nbytes)
+    total_sum, total_count = totals[0], totals[1]
+    denominator = total_count.clamp(min=1.0)
+    return (local_sum.to(wide) + (total_sum - local_sum.detach().to(wide))) / denominator
+
+
+def sequence_parallel_cross_entropy(
+    logits: torch.Tensor, shift_labels: torch.Tensor, group: dist.ProcessGroup | None, *, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Mean next-token loss over the valid targets of every rank of ``group``.
+
+    ``logits`` ``(B, L, V)`` and ``shift_labels`` ``(B, L)`` are this rank's tokens, labels already
+    shifted (``seqmesh.shard_batch`` does it before slicing). Computed in float32 (float64 for float64).
+    """
+    flat = shift_labels.reshape(-1)
+    local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(_wide(logits.dtype)), flat, ignore_index=ignore_index, reduction="sum")
+    return pool_mean(local_sum, (flat != ignore_index).sum(), group)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward: sum of cross-entropy of ``hidden @ weight.T`` tile by tile, keeping one lse per token;
+    backward: recompute each tile's softmax and return d(hidden), d(weight)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index):  # type: ignore[override]
+        # hidden (N, H), weight (V, H), labels (N,)
+        wide = _wide(hidden.dtype)
+        lse = hidden.new_empty(hidden.shape[0], dtype=wide)
+        total = hidden.new_zeros((), dtype=wide)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = (hidden[start : start + chunk] @ weight.t()).to(wide)  # (n, V)
+            tile_lse = torch.logsumexp(logits, dim=-1)
+            lse[start : start + chunk] = tile_lse
+            target = labels[start : start + chunk]
+            valid = target != ignore_index
+            picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += ((tile_lse - picked) * valid).sum()
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        hidden, weight, labels, lse = ctx.saved_tensors
+        chunk, ignore_index = ctx.chunk, ctx.ignore_index
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            target = labels[start : start + chunk]
+            valid = (target != ignore_index).unsqueeze(1)
+            probs = torch.exp((h @ weight.t()).to(lse.dtype) - lse[start : start + chunk].unsqueeze(1))  # softmax
+            probs.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))  # minus one-hot
+            d_logits = probs * valid * grad  # (n, V), float32 or wider
+            d_hidden[start : start + chunk] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            d_weight += d_logits.t() @ h.to(lse.dtype)
+        return d_hidden, d_weight.to(weight.dtype), None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    shift_labels: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    chunk: int = 4096,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """:func:`sequence_parallel_cross_entropy` of ``hidden @ weight.T`` without materialising the logits.
+
+    ``hidden`` ``(B, L, H)``, ``weight`` ``(V, H)`` (the LM head), ``shift_labels`` ``(B, L)``;
+    at most ``chunk`` tokens' logits exist at a time.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}.")
+    flat_labels = shift_labels.reshape(-1)
+    local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_labels, chunk, ignore_index)
+    return pool_mean(local_sum, (flat_labels != ignore_index).sum(), group)

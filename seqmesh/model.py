@@ -1,0 +1,101 @@
+"""Building transformers models from shapes, and the module whose forward is the training loss."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from .data import SequenceInfo
+from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
+from .mesh import SPMesh
+from .presets import ModelShape, model_shape
+
+
+def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
+    """A transformers config of ``shape``'s family with its sizes (random initialisation follows)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        shape.family,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tie_embeddings,
+        rope_theta=shape.rope_theta,
+        max_position_embeddings=max_positions,
+        attention_dropout=0.0,
+    )
+
+
+def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A causal LM: a preset or a config.json with random weights, or a local checkpoint directory
+    (config.json plus weights) loaded without any download."""
+    from transformers import AutoModelForCausalLM
+
+    is_checkpoint = os.path.isdir(name_or_path) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(name_or_path)
+    )
+    if is_checkpoint:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, torch_dtype=dtype, attn_implementation="sdpa")
+        return model.to(device)
+    shape = model_shape(name_or_path)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config(shape), torch_dtype=dtype, attn_implementation="sdpa")
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; expected a '.layers' list.")
+    return list(layers)
+
+
+class SequenceParallelLM(nn.Module):
+    """Wraps a transformers causal LM; ``forward(**shard_batch(...))`` returns the loss.
+
+    The loss is the one-device mean next-token cross-entropy of the whole batch (see
+    ``seqmesh.loss``), computed with a chunked LM head so full-vocabulary logits never exist for the
+    whole local shard. It lives in a module's forward so FSDP2 has the LM head's weight gathered.
+    """
+
+    def __init__(self, lm: nn.Module, mesh: SPMesh | None, *, chunk: int = 4096):
+        super().__init__()
+        self.lm = lm
+        self.mesh = mesh
+        self.chunk = chunk
+
+    def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+        extra = {} if seqmesh is None else {"seqmesh": seqmesh}
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        return out.last_hidden_state  # (B, L, hidden)
+
+    def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, position_ids, seqmesh)
+        weight = self.lm.get_output_embeddings().weight
+        group = self.mesh.all_group if self.mesh is not None else None
+        return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk)
+
+    @torch.no_grad()
+    def correct_predictions(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+        """``[correct, counted]`` argmax predictions of this rank's valid targets (float64)."""
+        hidden = self.hidden_states(input_ids, position_ids, seqmesh)
+        labels = shift_labels.reshape(-1)
+        keep = labels != IGNORE_INDEX
+        picked = hidden.reshape(-1, hidden.shape[-1])[keep]
+        weight = self.lm.get_output_embeddings().weight
+        correct = sum(
+            int(((picked[i : i + self.chunk] @ weight.t()).argmax(-1) == labels[keep][i : i + self.chunk]).sum())
+            for i in range(0, picked.shape[0], self.chunk)
+        )
+        return torch.tensor([float(correct), float(keep.sum())], dtype=torch.float64)
+

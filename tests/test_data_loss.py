@@ -1,0 +1,89 @@
+"""shard_batch (shift before slicing, documents, positions, padding) and the pooled losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_cases import pooled_loss, shard_batch_roundtrip
+from seqmesh.loss import chunked_linear_cross_entropy
+
+
+@pytest.mark.parametrize("ulysses,ring,layout", [(2, 2, "zigzag"), (1, 4, "contiguous"), (4, 1, "zigzag")])
+def test_shard_batch_shifts_before_slicing(pools, ulysses, ring, layout):
+    for back in pools.run(4, shard_batch_roundtrip, ulysses, ring, layout):
+        ids = list(range(100, 123))
+        assert back["input_ids"] == ids
+        assert back["position_ids"] == list(range(5)) + [0] + list(range(17))
+        # next token everywhere except the last token of each document (4, 5, 22)
+        want = [ids[t + 1] if t not in (4, 5, 22) else -100 for t in range(23)]
+        assert back["shift_labels"] == want
+        assert back["cu_seqlens"] == (0, 5, 6, 23)
+        assert back["local_len"] == 6  # 23 padded to 24 over 4 ranks
+
+
+@pytest.mark.parametrize("empty", [[], [2], [0, 1, 2, 3]], ids=["all-ranks", "one-rank-empty", "nothing-valid"])
+def test_pooled_loss_equals_one_device(pools, empty):
+    for r in pools.run(4, pooled_loss, empty):
+        assert r["value"] == pytest.approx(r["ref"], abs=1e-12)
+        assert r["grad_err"] < 1e-12
+
+
+def test_chunked_head_equals_full_logits():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(29, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 29, (2, 13))
+    labels[0, 3] = labels[1, -1] = -100
+    loss = chunked_linear_cross_entropy(hidden, weight, labels, None, chunk=5)
+    loss.backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref = F.cross_entropy((h2 @ w2.t()).reshape(-1, 29), labels.reshape(-1), ignore_index=-100)
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), abs=1e-12)
+    torch.testing.assert_close(hidden.grad, h2.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(weight.grad, w2.grad, atol=1e-12, rtol=0)
+
+
+def test_shard_batch_errors():
+    from seqmesh.data import _documents_from_positions, _real_lengths
+
+    with pytest.raises(ValueError, match="different packed documents"):
+        _documents_from_positions(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match="right padding"):
+        _real_lengths(torch.tensor([[0, 1, 1, 1]]))
+
+
+def test_head_errors_list_the_degrees_that_work():
+    from types import SimpleNamespace
+
+    from seqmesh.hf import check_heads
+
+    with pytest.raises(ValueError, match="too few for ulysses=8.*ulysses=1 x ring=8, ulysses=2 x ring=4, ulysses=4 x ring=2"):
+        check_heads(4, 2, SimpleNamespace(ulysses=8, sp_size=8))
+
+
+def parallelize_roundtrip() -> str:
+    from dist_cases import get_mesh
+    from transformers import AttentionInterface
+
+    from seqmesh.hf import parallelize, unparallelize
+    from seqmesh.model import build_model
+
+    model = build_model("llama-tiny")
+    parallelize(model, get_mesh(2, 1))
+    name = model.config._attn_implementation
+    assert name.startswith("seqmesh_") and name in AttentionInterface._global_mapping
+    try:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        raise AssertionError("a call without the 'seqmesh' entry must fail")
+    except ValueError as err:
+        assert "seqmesh.shard_batch" in str(err)
+    unparallelize(model)
+    assert model.config._attn_implementation == "sdpa" and name not in AttentionInterface._global_mapping
+    return "ok"
+
+
+def test_parallelize_is_undone(pools):
+    assert pools.run(2, parallelize_roundtrip) == ["ok", "ok"]

@@ -1,0 +1,39 @@
+"""Loss, every gradient and the weights after AdamW steps match one process on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from train_cases import TrainCase, training_parity
+
+CASES = [
+    # (ulysses, ring, dp_shard): sequence degrees 2 and 4, with and without data parallelism
+    *(TrainCase("llama-tiny", u, r, dp, fsdp=False, documents=False) for u, r, dp in [(1, 2, 1), (2, 1, 1), (2, 2, 1), (1, 4, 1), (4, 1, 1)]),
+    *(TrainCase("llama-tiny", u, r, dp, fsdp=True, documents=True) for u, r, dp in [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)]),
+    *(TrainCase("qwen3-tiny", u, r, dp, fsdp=True, documents=False) for u, r, dp in [(2, 1, 1), (1, 4, 1), (4, 1, 1)]),
+    *(TrainCase("qwen3-tiny", u, r, dp, fsdp=False, documents=True) for u, r, dp in [(2, 2, 1), (1, 2, 2)]),
+    TrainCase("llama-tiny", 2, 2, fsdp=False, documents=True, layout="contiguous"),
+    TrainCase("llama-tiny", 2, 1, fsdp=True, documents=True, checkpointing=True),
+    TrainCase("qwen3-tiny", 1, 2, fsdp=True, dp_replicate=2),  # HSDP: replicate x (shard over the sequence)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_training_matches_one_process(pools, case):
+    results = pools.run(case.world, training_parity, case, timeout=600)
+    for rank, r in enumerate(results):
+        assert max(r["loss"]) < 1e-5, (rank, r)
+        assert r["grad"][0] < 1e-5, (rank, r)  # before any update: summation-order rounding only
+        # Later steps start from weights that differ by rounding that AdamW amplified: it normalises each
+        # element, so a near-zero gradient whose sign rounding flips moves that weight by up to 2 x lr.
+        # A wrong gradient (scale, mask, shift) is off by O(1), far above these bounds.
+        assert max(r["grad"]) < 1e-3, (rank, r)
+        assert r["weight"] < 1e-4, (rank, r)
+
+
+def test_bf16_mixed_precision_stays_close(pools):
+    """bf16 compute with fp32 reduction and master weights: the loss tracks the fp32 reference."""
+    case = TrainCase("llama-tiny", 2, 2, fsdp=True, bf16=True, steps=2)
+    for r in pools.run(4, training_parity, case, timeout=600):
+        assert max(r["loss"]) < 2e-2, r
+        assert r["weight"] < 5e-3, r
