@@ -42,12 +42,12 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
         f.endswith((".safetensors", ".bin")) for f in os.listdir(name_or_path)
     )
     if is_checkpoint:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, torch_dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa")
         return model.to(device)
     shape = model_shape(name_or_path)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config(shape), torch_dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=dtype, attn_implementation="sdpa")
     return model
 
 
@@ -79,16 +79,19 @@ class SequenceParallelLM(nn.Module):
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state  # (B, L, hidden)
 
-    def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+    def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None, *,
+                score: bool = False) -> torch.Tensor:
+        """The loss; with ``score=True`` instead ``[correct, counted]`` argmax predictions of this rank's
+        valid targets (float64). Both go through forward so FSDP2 gathers the weights."""
         hidden = self.hidden_states(input_ids, position_ids, seqmesh)
+        if score:
+            return self._correct(hidden, shift_labels)
         weight = self.lm.get_output_embeddings().weight
         group = self.mesh.all_group if self.mesh is not None else None
         return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk)
 
     @torch.no_grad()
-    def correct_predictions(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
-        """``[correct, counted]`` argmax predictions of this rank's valid targets (float64)."""
-        hidden = self.hidden_states(input_ids, position_ids, seqmesh)
+    def _correct(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         labels = shift_labels.reshape(-1)
         keep = labels != IGNORE_INDEX
         picked = hidden.reshape(-1, hidden.shape[-1])[keep]
@@ -97,5 +100,5 @@ class SequenceParallelLM(nn.Module):
             int(((picked[i : i + self.chunk] @ weight.t()).argmax(-1) == labels[keep][i : i + self.chunk]).sum())
             for i in range(0, picked.shape[0], self.chunk)
         )
-        return torch.tensor([float(correct), float(keep.sum())], dtype=torch.float64)
+        return torch.tensor([float(correct), float(keep.sum())], dtype=torch.float64, device=hidden.device)
 

@@ -1,0 +1,90 @@
+"""What rank 0 shows and keeps of a run: a progress line, a JSONL of metrics, a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak GPU memory allocated on ``device``, or this process's peak resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Progress:
+    """A bar on a terminal, plain lines otherwise (logs, CI); both end with the same figures."""
+
+    def __init__(self, total: int, start: int = 0, stream=sys.stdout, width: int = 24):
+        self.total, self.start, self.stream, self.width = total, start, stream, width
+        self.tty = stream.isatty()
+        self.began = time.monotonic()
+
+    def update(self, step: int, fields: dict[str, str], *, force_line: bool = False) -> None:
+        text = "  ".join(f"{k} {v}" for k, v in fields.items())
+        if self.tty:
+            done = int(self.width * step / max(self.total, 1))
+            bar = "#" * done + "." * (self.width - done)
+            self.stream.write(f"\r[{bar}] {step}/{self.total}  {text}\033[K")
+            if force_line or step == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"step {step}/{self.total}  {text}\n")
+        self.stream.flush()
+
+
+class MetricsLog:
+    """Appends one JSON object per record to ``path`` (kept across resumes)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(records: list[dict], path: str, title: str, chance: float | None = None) -> str | None:
+    """Loss (and accuracy, when recorded) against step, as a PNG. Returns the path, or None when
+    matplotlib is not installed (``pip install seqmesh[train]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [(r["step"], r["accuracy"]) for r in records if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), color="tab:blue", label="training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=10)
+    if evals:
+        acc = ax.twinx()
+        acc.plot(*zip(*evals), "o-", color="tab:orange", label="accuracy (held-out)")
+        acc.set_ylabel("accuracy")
+        acc.set_ylim(0, 1)
+        if chance is not None:
+            acc.axhline(chance, color="tab:orange", linestyle=":", linewidth=1, label=f"chance ({chance:.3f})")
+        acc.legend(loc="center right")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,66 @@
+"""``seqmesh verify``: one step of a configuration with sequence parallelism and without, compared.
+
+Every rank also runs the unmodified model (transformers' own SDPA attention) on the whole batch of
+every data-parallel rank, with the same loss definition written independently here, and compares
+the loss and every parameter's gradient with the sequence-parallel step. Use it when a loss looks
+off: a wrong degree, layout or data pipeline shows up as a difference far above rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import positions_in_documents, shift_labels
+from .data import _documents_from_positions
+from .loss import IGNORE_INDEX
+from .model import build_model
+from .train import TrainConfig, _to, build, make_dataset
+
+
+def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:
+    """Mean next-token loss over all valid targets of ``batches``, one device, whole sequences."""
+    total = torch.zeros((), device=device)
+    count = 0
+    for batch in batches:
+        ids = batch["input_ids"].to(device)
+        cu = _documents_from_positions(batch["position_ids"]) if "position_ids" in batch else None
+        targets = shift_labels(batch.get("labels", batch["input_ids"]), cu, None).to(device)
+        positions = positions_in_documents(ids.shape[1], cu).expand_as(ids).to(device)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        count += int((targets != IGNORE_INDEX).sum())
+    return total / max(count, 1)
+
+
+def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
+    """Returns ``{"loss_diff", "worst": [(name, relative difference)], "tolerance", "ok"}``."""
+    from .data import shard_batch
+
+    mesh, module, device = build(cfg)
+    reference = build_model(cfg.model, seed=cfg.seed, device=device)
+    data = make_dataset(cfg, reference.config.vocab_size)
+    batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
+    ref_loss = _reference_loss(reference, batches, device)
+    ref_loss.backward()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
+        loss = module(**_to(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
+    loss.backward()
+    if not cfg.fsdp:
+        from .fsdp import sync_gradients
+
+        sync_gradients(module, mesh)
+    ref_params = dict(reference.named_parameters())
+    diffs = []
+    for name, p in module.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        want = ref_params[name.removeprefix("lm.")].grad
+        diffs.append((name.removeprefix("lm."), float((grad.float() - want).abs().max() / want.abs().max().clamp(min=1e-12))))
+    tolerance = rtol if rtol is not None else (5e-2 if cfg.bf16 else 1e-4)
+    loss_diff = abs(float(loss) - float(ref_loss))
+    worst = sorted(diffs, key=lambda x: -x[1])[:5]
+    ok = loss_diff <= tolerance * max(1.0, abs(float(ref_loss))) and worst[0][1] <= tolerance
+    dist.barrier()
+    return {"loss": float(loss), "reference_loss": float(ref_loss), "loss_diff": loss_diff, "worst": worst,
+            "tolerance": tolerance, "ok": ok, "mesh": repr(mesh)}
