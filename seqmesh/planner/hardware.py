@@ -124,10 +124,10 @@ class HardwareSpec:
     def describe(self) -> str:
         """One line: memory, FLOP/s and the links."""
         links = ", ".join(
-            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:g} GB/s {lv.latency * 1e6:g} us"
+            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.3g} us"
             for lv in self.links
         )
-        return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:g} TFLOP/s bf16, "
+        return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:.4g} TFLOP/s bf16, "
                 f"{self.gpus_per_node} per node; links {links}")
 
     def as_dict(self) -> dict:
@@ -245,7 +245,7 @@ def parse_link(text: str) -> LinkLevel:
     try:
         name, group, bw, lat = parts
         g = 0 if group.lower() in ("all", "0") else int(group)
-        return LinkLevel(name, g, float(bw) * GB, float(lat) * 1e-6)
+        return LinkLevel(name, g, float(bw) * GB, float(lat) / 1e6)
     except ValueError as err:
         raise ValueError(
             f"--link {text!r} must look like NAME:GROUP:GBPS:MICROSECONDS, e.g. pcie:4:24:10 or ib:all:40:15 "
