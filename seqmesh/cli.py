@@ -1,4 +1,4 @@
-"""The ``seqmesh`` command: demo, bench (and, as they land, train, verify and plan)."""
+"""The ``seqmesh`` command: demo, bench, plan (and, as they land, train and verify)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     bm.add_argument("--device", default="cpu")
     bm.set_defaults(func=cmd_bench_merge)
+
+    from .planner.cli import register_plan
+
+    register_plan(sub)
     return parser
 
 
