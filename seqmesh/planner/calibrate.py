@@ -2,6 +2,7 @@
 
 Compute: a square matmul and one causal attention forward+backward through seqmesh's own kernel chooser,
 counted with the same FLOP formulas the planner uses (so the measured rate plugs straight in).
+On the CPU, compute runs on half the cores, as one of the two measured processes would.
 Communication: two spawned gloo ranks time seqmesh's all-to-all (``all_to_all_rows``) and ring exchange
 (``RingExchange``) on a small and a large message; latency is the small message's time, bandwidth the
 large message's bytes over its time less that latency. Bounded to well under a minute on 2 CPU cores.
@@ -12,6 +13,7 @@ this host, so they replace the preset's links only when the device is the CPU.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -128,8 +130,14 @@ def calibrate(device: str | None = None) -> Calibration:
 
     start = time.perf_counter()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    mm, attn, dtype = measure_compute(device)
-    ranks = spawn(measure_links, 2, timeout=120.0, threads=1)
+    threads = torch.get_num_threads()
+    if device == "cpu":  # a CPU "device" is one of the 2 measured processes: half the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        mm, attn, dtype = measure_compute(device)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = spawn(measure_links, 2, timeout=120.0, threads=max(1, (os.cpu_count() or 2) // 2))
     r = {k: max(x[k] for x in ranks) for k in ranks[0]}
     return Calibration(
         device=device, dtype=dtype, matmul_flops=mm, attention_flops=attn,

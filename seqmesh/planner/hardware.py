@@ -124,7 +124,7 @@ class HardwareSpec:
     def describe(self) -> str:
         """One line: memory, FLOP/s and the links."""
         links = ", ".join(
-            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.3g} us"
+            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.0f} us"
             for lv in self.links
         )
         return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:.4g} TFLOP/s bf16, "

@@ -206,12 +206,17 @@ def plan(work: Workload, cluster: Cluster) -> Plan:
     return Plan(work, cluster, tuple(ranked), tuple(excluded), best, reason)
 
 
+def _percent(x: float) -> str:
+    return "<0.1%" if x < 0.0005 else f"{x:.1%}"
+
+
 def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     """A short reason for the recommendation: where each axis runs and what it beats."""
     lay, links = best.layout, best.comm_links
     parts = []
     if lay.ulysses > 1:
-        parts.append(f"Ulysses {lay.ulysses} inside {links['ulysses_all_to_all']}")
+        inner = links["ulysses_all_to_all"] == cluster.hardware.links[0].name
+        parts.append(f"Ulysses {lay.ulysses} {'inside' if inner else 'over'} {links['ulysses_all_to_all']}")
     if lay.ring > 1:
         crosses = "crosses nodes over" if cluster.nodes > 1 and links["ring_p2p"] == cluster.hardware.links[-1].name else "over"
         parts.append(f"ring {lay.ring} {crosses} {links['ring_p2p']}, its P2P hidden behind block compute")
@@ -225,7 +230,7 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     if others:
         fastest = max(others, key=lambda c: c.tokens_per_s)
         if fastest.tokens_per_s > best.tokens_per_s:
-            gap = f"within {1 - best.tokens_per_s / fastest.tokens_per_s:.1%} of the fastest prediction, {fastest.layout.label()}"
+            gap = f"within {_percent(1 - best.tokens_per_s / fastest.tokens_per_s)} of the fastest prediction, {fastest.layout.label()}"
             mine, theirs = (round(c.time.serial_comm / c.time.total, 3) for c in (best, fastest))
             if mine < theirs:
                 parts.append(f"{gap}, and less exposed if overlap fails (its communication end to end is "

@@ -77,8 +77,8 @@ def format_plan(p: Plan, top: int) -> str:
     parts = [f"{k} {_human_bytes(fwd.get(k, 0))} / {_human_bytes(bwd.get(k, 0))}"
              for k in fwd.keys() | bwd.keys() if k != "total" and (fwd.get(k) or bwd.get(k))]
     lines.append("traffic per layer, busiest rank, forward / backward: " + ("; ".join(sorted(parts)) or "none"))
-    lines.append(f"step: {c.time.total:.3g} s = compute {c.time.compute:.3g} s + exposed communication "
-                 f"{c.time.exposed_comm:.3g} s")
+    lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
+                 f"{_num(c.time.exposed_comm)} s")
     return "\n".join(lines)
 
 
