@@ -90,9 +90,9 @@ class HardwareSpec:
         return len(self.links) - 1
 
     def level_of_group(self, ranks: Sequence[int]) -> int:
-        """Index of the innermost level that joins every rank of ``ranks`` (their slowest pair)."""
-        first = ranks[0]
-        return max((self.level_of_pair(first, r) for r in ranks[1:]), default=0)
+        """Index of the innermost level that joins every rank of ``ranks`` (their slowest pair). Blocks are
+        intervals, so it is the first level whose block holds both the lowest and the highest rank."""
+        return self.level_of_pair(min(ranks), max(ranks))
 
     def link_for_group(self, ranks: Sequence[int]) -> LinkLevel:
         """The level a collective over ``ranks`` crosses: the outermost one any two of them need."""

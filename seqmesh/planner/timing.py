@@ -30,6 +30,7 @@ Assumptions:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from .hardware import HardwareSpec
@@ -83,18 +84,34 @@ def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
     return groups[::step]
 
 
-def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``."""
-    if len(ranks) < 2 or nbytes == 0:
-        return 0.0
+def peer_patterns(hw: HardwareSpec, groups: list[list[int]]) -> set[tuple[int, ...]]:
+    """Distinct ``peers per level`` tuples seen by the ranks of ``groups`` (an all-to-all's cost
+    depends only on these)."""
+    patterns = set()
+    for ranks in groups:
+        blocks = [Counter(r // lv.group if lv.group else 0 for r in ranks) for lv in hw.links]
+        for me in ranks:
+            same = [blocks[i][me // lv.group if lv.group else 0] for i, lv in enumerate(hw.links)]
+            patterns.add(tuple(n - (same[i - 1] if i else 1) for i, n in enumerate(same)))
+    return patterns
+
+
+def _all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple[int, ...]]) -> float:
     worst = 0.0
-    for me in ranks:
-        peers = hw.peers_by_level(me, ranks)
+    for peers in patterns:
+        others = sum(peers)
+        if not others or not nbytes:
+            continue
         top = max(i for i, n in enumerate(peers) if n)
-        per_peer = nbytes / (len(ranks) - 1)
-        transfer = max(n * per_peer / hw.links[i].bandwidth for i, n in enumerate(peers) if n)
+        transfer = max(n * nbytes / others / hw.links[i].bandwidth for i, n in enumerate(peers) if n)
         worst = max(worst, hw.links[top].latency + transfer)
     return worst
+
+
+def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
+    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``:
+    the latency of the outermost level it crosses plus the slowest level's share over its bandwidth."""
+    return _all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, [ranks]))
 
 
 def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
@@ -186,8 +203,8 @@ def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: st
     m = work.model
     calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                              ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-    groups = axis_groups(layout, "ulysses")
-    return sum(max(all_to_all_seconds(nbytes, hw, g) for g in groups) for nbytes in calls[phase])
+    patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
+    return sum(_all_to_all_from_patterns(nbytes, hw, patterns) for nbytes in calls[phase])
 
 
 def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
