@@ -1,4 +1,4 @@
-"""The ``seqmesh`` command: train, verify, demo, bench."""
+"""The ``seqmesh`` command: train, verify, demo, bench, plan."""
 
 from __future__ import annotations
 
@@ -246,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     bm.add_argument("--device", default="cpu")
     bm.set_defaults(func=cmd_bench_merge)
+
+    from .planner.cli import register_plan
+
+    register_plan(sub)
     return parser
 
 

@@ -1,0 +1,22 @@
+"""``seqmesh plan``: memory, traffic and step time of every layout of a cluster, and a recommendation.
+
+- :mod:`.hardware`  GPUs and their link hierarchy (presets, custom links, rank placement)
+- :mod:`.traffic`   exact per-rank bytes of seqmesh's collectives; FSDP and tensor-parallel references
+- :mod:`.memory`    per-GPU memory by purpose
+- :mod:`.timing`    compute and communication time, with what overlaps
+- :mod:`.plan`      candidates, feasibility, ranking, the reason for the pick, the longest sequence
+- :mod:`.calibrate` this machine's measured throughput and bandwidth
+"""
+
+from .hardware import PRESETS, Cluster, HardwareSpec, LinkLevel, make_cluster
+from .memory import MemoryBreakdown, memory_per_gpu
+from .plan import Candidate, Plan, longest_plan, longest_sequence, plan
+from .timing import StepTime, step_time
+from .traffic import HeadDeal, attention_traffic, padded_length
+from .workload import Layout, Workload
+
+__all__ = [
+    "attention_traffic", "Candidate", "Cluster", "HardwareSpec", "HeadDeal", "Layout", "LinkLevel",
+    "longest_plan", "longest_sequence", "make_cluster", "memory_per_gpu", "MemoryBreakdown", "padded_length",
+    "Plan", "plan", "PRESETS", "step_time", "StepTime", "Workload",
+]

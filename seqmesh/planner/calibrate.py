@@ -1,0 +1,170 @@
+"""``seqmesh plan --calibrate``: measure this machine instead of trusting a preset.
+
+Compute: a square matmul and one causal attention forward+backward through seqmesh's own kernel chooser,
+counted with the same FLOP formulas the planner uses (so the measured rate plugs straight in).
+On the CPU, compute runs on half the cores, as one of the two measured processes would.
+Communication: two spawned gloo ranks time seqmesh's all-to-all (``all_to_all_rows``) and ring exchange
+(``RingExchange``) on a small and a large message; latency is the small message's time, bandwidth the
+large message's bytes over its time less that latency. Bounded to well under a minute on 2 CPU cores.
+
+On a GPU the compute figures are the GPU's; the links are measured over gloo between processes on
+this host, so they replace the preset's links only when the device is the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+from .hardware import GB, HardwareSpec
+from .timing import ATTENTION_BACKWARD, attention_pairs
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What this machine achieved."""
+
+    device: str
+    dtype: str
+    matmul_flops: float  # achieved FLOP/s of a square matmul
+    attention_flops: float  # achieved FLOP/s of causal attention forward+backward (planner's FLOP count)
+    all_to_all_bandwidth: float  # bytes/s one rank sends in a 2-rank all-to-all
+    all_to_all_latency: float  # seconds per small all-to-all
+    p2p_bandwidth: float  # bytes/s one rank sends in a ring exchange
+    p2p_latency: float  # seconds per small ring exchange
+    seconds: float  # wall time of the calibration
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_compute(device: str = "cpu", size: int | None = None, seq_len: int | None = None) -> tuple[float, float, str]:
+    """``(matmul FLOP/s, attention FLOP/s, dtype)`` on ``device``."""
+    import torch
+
+    from ..kernels import kernel_chooser
+    from ..kernels.base import BlockMask
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    n = size or (8192 if cuda else 1024)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    mm = 2 * n**3 / _timed(lambda: a @ b, 5, sync)
+
+    s = seq_len or (8192 if cuda else 1024)
+    heads, d = (16, 128) if cuda else (8, 64)
+    q, k, v, dout = (torch.randn(1, s, heads, d, device=device, dtype=dtype) for _ in range(4))
+    mask, scale = BlockMask(causal=True), d**-0.5
+    kernel = kernel_chooser("auto")(q, k, mask)
+
+    def fwd_bwd() -> None:
+        out, lse = kernel.forward(q, k, v, mask, scale)
+        kernel.backward(dout, q, k, v, out, lse, mask, scale)
+
+    flops = 4 * d * heads * attention_pairs(s, True) * (1 + ATTENTION_BACKWARD)
+    attn = flops / _timed(fwd_bwd, 3, sync)
+    return mm, attn, str(dtype).replace("torch.", "")
+
+
+def measure_links(small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -> dict:
+    """Runs on each of 2 ranks: seconds of a small and a large all-to-all and ring exchange, and the
+    bytes seqmesh's counters saw this rank send for one large call of each."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm.collectives import all_to_all_rows
+    from ..comm.ring import RingExchange
+    from ..comm.stats import comm_stats
+
+    group = dist.group.WORLD
+    world = dist.get_world_size(group)
+    exchange = RingExchange(group, "forward")
+    out = {}
+    for name, nbytes in (("small", small), ("large", large)):
+        rows = max(1, nbytes // 4 // 256)  # float32 rows of 256 elements, per destination
+        x = torch.randn(world * rows, 256)
+
+        def a2a() -> None:
+            all_to_all_rows(x, group, [rows] * world, [rows] * world, "forward")
+
+        def p2p() -> None:
+            exchange.start(x[:rows]).wait()
+
+        def barrier() -> None:
+            dist.barrier(group)
+
+        with comm_stats() as stats:
+            out[f"a2a_{name}_s"] = _timed(a2a, repeats, barrier)
+            out[f"p2p_{name}_s"] = _timed(p2p, repeats, barrier)
+        calls = repeats + 1
+        out[f"a2a_{name}_bytes"] = stats.sent("all_to_all") // calls
+        out[f"p2p_{name}_bytes"] = stats.sent("p2p") // calls
+    return out
+
+
+def _bandwidth(big_s: float, big_bytes: int, small_s: float, small_bytes: int) -> float:
+    extra = max(big_s - small_s, 1e-9)
+    return max(big_bytes - small_bytes, 1) / extra
+
+
+def calibrate(device: str | None = None) -> Calibration:
+    """Measure compute on ``device`` (cuda if present, else cpu) and links over 2 local gloo ranks."""
+    import torch
+
+    from ..launch import spawn
+
+    start = time.perf_counter()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    if device == "cpu":  # a CPU "device" is one of the 2 measured processes: half the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        mm, attn, dtype = measure_compute(device)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = spawn(measure_links, 2, timeout=120.0, threads=max(1, (os.cpu_count() or 2) // 2))
+    r = {k: max(x[k] for x in ranks) for k in ranks[0]}
+    return Calibration(
+        device=device, dtype=dtype, matmul_flops=mm, attention_flops=attn,
+        all_to_all_bandwidth=_bandwidth(r["a2a_large_s"], r["a2a_large_bytes"], r["a2a_small_s"], r["a2a_small_bytes"]),
+        all_to_all_latency=r["a2a_small_s"],
+        p2p_bandwidth=_bandwidth(r["p2p_large_s"], r["p2p_large_bytes"], r["p2p_small_s"], r["p2p_small_bytes"]),
+        p2p_latency=r["p2p_small_s"],
+        seconds=time.perf_counter() - start,
+    )
+
+
+def apply_calibration(hw: HardwareSpec, cal: Calibration, dtype: str) -> HardwareSpec:
+    """``hw`` with the measured rates: matmul throughput becomes the peak (efficiency 1), attention its
+    ratio to it; on the CPU the levels inside a node take the measured all-to-all bandwidth and the
+    larger of the two latencies."""
+    peak = {"peak_flops": cal.matmul_flops} if dtype == "bf16" else {"peak_flops_fp32": cal.matmul_flops}
+    links = hw.links
+    if cal.device == "cpu":
+        latency = max(cal.all_to_all_latency, cal.p2p_latency)
+        links = tuple(replace(lv, bandwidth=cal.all_to_all_bandwidth, latency=latency)
+                      if lv.group and lv.group <= hw.gpus_per_node else lv for lv in hw.links)
+    return replace(hw, name=f"{hw.name} (calibrated on {cal.device})", links=links, matmul_efficiency=1.0,
+                   attention_efficiency=min(1.0, cal.attention_flops / cal.matmul_flops), **peak)
+
+
+def format_calibration(cal: Calibration) -> str:
+    return (f"calibrated on {cal.device} ({cal.dtype}) in {cal.seconds:.1f} s: matmul {cal.matmul_flops / 1e12:.3g} "
+            f"TFLOP/s, attention fwd+bwd {cal.attention_flops / 1e12:.3g} TFLOP/s; 2-rank gloo all-to-all "
+            f"{cal.all_to_all_bandwidth / GB:.3g} GB/s ({cal.all_to_all_latency * 1e6:.0f} us), ring P2P "
+            f"{cal.p2p_bandwidth / GB:.3g} GB/s ({cal.p2p_latency * 1e6:.0f} us)")

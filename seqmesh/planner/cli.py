@@ -1,0 +1,156 @@
+"""``seqmesh plan``: arguments, checks that name the bad number and the fix, and output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from ..presets import MODELS, model_shape
+from .hardware import GB, GiB, PRESETS, HardwareSpec, make_cluster, parse_link
+from .plan import longest_plan, plan
+from .report import format_longest, format_plan
+from .workload import Workload
+
+
+class PlanInputError(ValueError):
+    """A bad command line; reported with exit code 2 before any work."""
+
+
+def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to ``seqmesh``'s subparsers."""
+    p = sub.add_parser(
+        "plan", help="predict memory, traffic and step time per layout, and recommend one",
+        description="Predict per-GPU memory, per-rank traffic and step time of every ulysses x ring x "
+                    "data-parallel layout (and tensor parallelism as a reference) and recommend one.",
+    )
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch of a sequence group (default 1)")
+    p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
+    p.add_argument("--nodes", type=int, help="nodes (default: from --gpus)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware preset's)")
+    p.add_argument("--hardware", default="h100-nvlink", help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
+    p.add_argument("--memory-gib", type=float, help="memory per GPU, GiB (overrides the preset)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU, TFLOP/s (overrides the preset)")
+    p.add_argument("--memory-bandwidth-gbs", type=float, help="achievable GPU memory bandwidth, GB/s")
+    p.add_argument("--link", action="append", metavar="NAME:GROUP:GBPS:US",
+                   help="a link level, innermost first (repeat); GROUP 'all' for the outermost; replaces the "
+                        "preset's links, e.g. --link pcie:4:24:10 --link host:8:12:15 --link ib:all:40:15")
+    p.add_argument("--efficiency", type=float, help="achieved/peak FLOP/s for matmuls and attention (default 0.5)")
+    p.add_argument("--matmul-efficiency", type=float, help="achieved/peak FLOP/s for matmuls")
+    p.add_argument("--attention-efficiency", type=float, help="achieved/peak FLOP/s for attention")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype (default bf16)")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="full activation checkpointing per layer (default on)")
+    p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="cross-entropy in chunks, never the full logits (default on)")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk (default %(default)s)")
+    p.add_argument("--reserve-gib", type=float, default=2.0, help="per-GPU memory kept for the CUDA context, "
+                   "communication buffers and allocator slack (default %(default)s)")
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"], help="sequence layout")
+    p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits per layout")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's matmul/attention throughput and all-to-all/P2P bandwidth "
+                        "(2 local processes, under a minute) and use them instead of the preset")
+    p.add_argument("--top", type=int, default=12, help="rows of the table (default %(default)s)")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
+    if args.hardware not in PRESETS:
+        raise PlanInputError(f"unknown hardware {args.hardware!r}; presets: {', '.join(PRESETS)} "
+                             "(or describe yours with --memory-gib, --peak-tflops and --link).")
+    hw = PRESETS[args.hardware]
+    changes: dict = {}
+    if args.memory_gib is not None:
+        if args.memory_gib <= 0:
+            raise PlanInputError(f"--memory-gib {args.memory_gib} must be positive.")
+        changes["memory_bytes"] = int(args.memory_gib * GiB)
+    if args.peak_tflops is not None:
+        if args.peak_tflops <= 0:
+            raise PlanInputError(f"--peak-tflops {args.peak_tflops} must be positive.")
+        changes["peak_flops"] = args.peak_tflops * 1e12
+        changes["peak_flops_fp32"] = None
+    if args.memory_bandwidth_gbs is not None:
+        if args.memory_bandwidth_gbs <= 0:
+            raise PlanInputError(f"--memory-bandwidth-gbs {args.memory_bandwidth_gbs} must be positive.")
+        changes["memory_bandwidth"] = args.memory_bandwidth_gbs * GB
+    for name in ("matmul", "attention"):
+        value = getattr(args, f"{name}_efficiency")
+        value = value if value is not None else args.efficiency
+        if value is not None:
+            if not 0 < value <= 1:
+                raise PlanInputError(f"--{name}-efficiency / --efficiency {value} must be in (0, 1], e.g. 0.5.")
+            changes[f"{name}_efficiency"] = value
+    if args.link:
+        links = tuple(parse_link(text) for text in args.link)
+        inner = [lv.group for lv in links[:-1]]
+        changes["links"] = links
+        changes["gpus_per_node"] = args.gpus_per_node or (max(inner) if inner else hw.gpus_per_node)
+        changes["name"] = f"{hw.name}+custom-links"
+    if changes:
+        hw = replace(hw, **changes)
+    return hw
+
+
+def workload_from_args(args: argparse.Namespace, seq_len: int) -> Workload:
+    return Workload(
+        model=model_shape(args.model), seq_len=seq_len, batch=args.batch, dtype=args.dtype,
+        checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
+        layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB),
+    )
+
+
+def check_args(args: argparse.Namespace):
+    """Everything the plan needs, checked; raises PlanInputError naming the problem and the fix."""
+    if args.seq_len is None and not args.max_seq_len:
+        raise PlanInputError("give --seq-len N (tokens per sequence), or --max-seq-len to find the longest that fits.")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise PlanInputError(f"--seq-len {args.seq_len}: a sequence needs at least 1 token.")
+    if args.top < 1:
+        raise PlanInputError(f"--top {args.top} must be at least 1.")
+    if args.reserve_gib < 0:
+        raise PlanInputError(f"--reserve-gib {args.reserve_gib} cannot be negative.")
+    try:
+        hw = hardware_from_args(args)
+        cluster = make_cluster(hw, args.gpus, args.nodes, args.gpus_per_node if not args.link else None)
+        work = workload_from_args(args, args.seq_len or 1)
+    except PlanInputError:
+        raise
+    except ValueError as err:
+        raise PlanInputError(str(err)) from None
+    return work, cluster
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        work, cluster = check_args(args)
+    except PlanInputError as err:
+        print(f"seqmesh plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.calibrate:
+        from .calibrate import apply_calibration, calibrate, format_calibration
+
+        measured = calibrate()
+        print(format_calibration(measured), file=sys.stderr if args.json else sys.stdout)
+        cluster = replace(cluster, hardware=apply_calibration(cluster.hardware, measured, work.dtype))
+    if args.max_seq_len:
+        rows = longest_plan(work, cluster)
+        if args.json:
+            best = next((r for r in rows if r["runs_on_seqmesh"] and r["max_seq_len"] > 0), None)
+            print(json.dumps({"mode": "max_seq_len", "gpus": cluster.gpus, "nodes": cluster.nodes,
+                              "model": work.model.as_dict(), "hardware": cluster.hardware.as_dict(),
+                              "candidates": rows,
+                              "recommended": None if best is None else {"layout": best["layout"], "label": best["label"],
+                                                                        "max_seq_len": best["max_seq_len"]}},
+                             indent=1))
+        else:
+            print(format_longest(rows, work, cluster, args.top))
+        return 0
+    result = plan(work, cluster)
+    print(json.dumps(result.as_dict(), indent=1) if args.json else format_plan(result, args.top))
+    return 0

@@ -1,0 +1,253 @@
+"""Clusters the planner reasons about: GPUs with memory and peak FLOP/s, joined by a hierarchy of links.
+
+A link hierarchy lists levels innermost first. Level ``i`` joins aligned blocks of ``group`` consecutive
+ranks (ranks ``[k*group, (k+1)*group)``); the outermost level joins everything (``group=0``). Two ranks
+talk over the innermost level whose block holds both. Rank placement follows seqmesh's mesh, Ulysses
+innermost, then ring, then data-parallel (``seqmesh.mesh``)::
+
+    world rank = ulysses_rank + U * (ring_rank + R * dp_rank)
+
+so a Ulysses group is ``U`` adjacent ranks, a ring group strides by ``U``, and FSDP spans them all.
+
+Bandwidths are *achievable* bytes per second that one GPU can send on that level (not the marketing
+bidirectional figure); latencies are the fixed cost of one collective call on that level. The preset
+numbers come from public datasheets, derated as noted beside each; check them against your own
+cluster with ``seqmesh plan --calibrate`` or override them with ``--link``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+GiB = 2**30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class LinkLevel:
+    """One level of the interconnect."""
+
+    name: str
+    group: int  # ranks in one aligned block joined by this level; 0 = every rank (the outermost level)
+    bandwidth: float  # achievable bytes/s one GPU sends on this level
+    latency: float  # seconds of fixed cost per collective call (or per P2P hop) on this level
+
+    def __post_init__(self) -> None:
+        if self.group < 0:
+            raise ValueError(f"link {self.name!r}: group {self.group} must be >= 1, or 0 for 'all ranks'.")
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(
+                f"link {self.name!r}: bandwidth {self.bandwidth:g} B/s must be > 0 and latency {self.latency:g} s >= 0."
+            )
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU model and how a cluster of them is wired."""
+
+    name: str
+    memory_bytes: int  # total memory of one GPU as the driver reports it
+    peak_flops: float  # dense bf16 tensor-core FLOP/s of one GPU (fp32 training uses peak_flops_fp32)
+    links: tuple[LinkLevel, ...]  # innermost first; the last has group=0
+    gpus_per_node: int = 8
+    peak_flops_fp32: float | None = None  # dense fp32 FLOP/s (TF32 off); defaults to peak_flops / 2
+    memory_bandwidth: float = 2e12  # achievable bytes/s of GPU memory (sets the cost of the ring's merges)
+    matmul_efficiency: float = 0.5  # achieved / peak for the model's matmuls
+    attention_efficiency: float = 0.5  # achieved / peak for flash attention, forward and backward
+    source: str = ""  # where the figures come from
+
+    def __post_init__(self) -> None:
+        if not self.links or self.links[-1].group != 0:
+            raise ValueError(f"hardware {self.name!r}: the outermost link must join every rank (group 0).")
+        groups = [lv.group for lv in self.links[:-1]]
+        for inner, outer in zip(groups, groups[1:]):
+            if outer <= inner or outer % inner:
+                raise ValueError(
+                    f"hardware {self.name!r}: link groups {groups} must grow outward, each a multiple of the "
+                    f"one inside it ({outer} is not a multiple of {inner} larger than it)."
+                )
+        for what, eff in (("matmul", self.matmul_efficiency), ("attention", self.attention_efficiency)):
+            if not 0 < eff <= 1:
+                raise ValueError(f"hardware {self.name!r}: {what} efficiency {eff} must be in (0, 1].")
+        if self.memory_bytes <= 0 or self.peak_flops <= 0 or self.gpus_per_node < 1:
+            raise ValueError(
+                f"hardware {self.name!r}: memory {self.memory_bytes} B, peak {self.peak_flops:g} FLOP/s and "
+                f"{self.gpus_per_node} GPUs per node must all be positive."
+            )
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for matmuls in ``dtype`` ("bf16" or "fp32")."""
+        if dtype == "fp32":
+            return self.peak_flops_fp32 or self.peak_flops / 2
+        return self.peak_flops
+
+    def level_of_pair(self, a: int, b: int) -> int:
+        """Index of the innermost level that joins ranks ``a`` and ``b``."""
+        for i, lv in enumerate(self.links):
+            if lv.group == 0 or a // lv.group == b // lv.group:
+                return i
+        return len(self.links) - 1
+
+    def level_of_group(self, ranks: Sequence[int]) -> int:
+        """Index of the innermost level that joins every rank of ``ranks`` (their slowest pair). Blocks are
+        intervals, so it is the first level whose block holds both the lowest and the highest rank."""
+        return self.level_of_pair(min(ranks), max(ranks))
+
+    def link_for_group(self, ranks: Sequence[int]) -> LinkLevel:
+        """The level a collective over ``ranks`` crosses: the outermost one any two of them need."""
+        return self.links[self.level_of_group(ranks)]
+
+    def peers_by_level(self, rank: int, ranks: Sequence[int]) -> list[int]:
+        """How many of ``ranks`` (other than ``rank``) ``rank`` reaches over each level."""
+        counts = [0] * len(self.links)
+        for r in ranks:
+            if r != rank:
+                counts[self.level_of_pair(rank, r)] += 1
+        return counts
+
+    def with_gpus_per_node(self, per_node: int) -> HardwareSpec:
+        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it."""
+        if per_node == self.gpus_per_node:
+            return self
+        inner = [lv for lv in self.links[:-1] if lv.group < per_node and per_node % lv.group == 0]
+        exact = [lv for lv in self.links[:-1] if lv.group == per_node]
+        node_level = [lv for lv in self.links[:-1] if lv.group == self.gpus_per_node]
+        if exact:
+            levels = [*inner, exact[0]]
+        elif node_level:
+            levels = [*inner, replace(node_level[0], group=per_node)]
+        else:
+            levels = inner
+        return replace(self, gpus_per_node=per_node, links=(*levels, self.links[-1]))
+
+    def describe(self) -> str:
+        """One line: memory, FLOP/s and the links."""
+        links = ", ".join(
+            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.0f} us"
+            for lv in self.links
+        )
+        return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:.4g} TFLOP/s bf16, "
+                f"{self.gpus_per_node} per node; links {links}")
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "memory_bytes": self.memory_bytes, "peak_flops": self.peak_flops,
+            "gpus_per_node": self.gpus_per_node, "memory_bandwidth": self.memory_bandwidth,
+            "matmul_efficiency": self.matmul_efficiency,
+            "attention_efficiency": self.attention_efficiency, "source": self.source,
+            "links": [{"name": lv.name, "group": lv.group, "bandwidth": lv.bandwidth, "latency": lv.latency}
+                      for lv in self.links],
+        }
+
+
+def _node(nvlink_name: str, nv_bw: float, nv_lat: float, net_name: str, net_bw: float, net_lat: float):
+    return (LinkLevel(nvlink_name, 8, nv_bw, nv_lat), LinkLevel(net_name, 0, net_bw, net_lat))
+
+
+# Peaks from NVIDIA datasheets; achievable link and memory bandwidth taken as ~80% of the peak (links: of
+# one direction).
+PRESETS: dict[str, HardwareSpec] = {
+    h.name: h
+    for h in (
+        HardwareSpec(
+            "h100-nvlink", int(79.6 * GiB), 989.4e12,
+            _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
+            memory_bandwidth=2.7e12,  # HBM3 3.35 TB/s
+            peak_flops_fp32=67e12,
+            source="H100 SXM5 80GB: 989.4 TFLOP/s dense bf16, NVLink4 450 GB/s per direction (900 GB/s both), "
+                   "one 400 Gb/s NDR NIC per GPU",
+        ),
+        HardwareSpec(
+            "h200-nvlink", int(140.4 * GiB), 989.4e12,
+            _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
+            memory_bandwidth=3.8e12,  # HBM3e 4.8 TB/s
+            peak_flops_fp32=67e12,
+            source="H200 SXM 141GB: same compute and NVLink as H100 SXM, one 400 Gb/s NIC per GPU",
+        ),
+        HardwareSpec(
+            "a100-nvlink", int(80.0 * GiB), 312e12,
+            _node("nvlink3", 240 * GB, 5e-6, "infiniband-hdr", 20 * GB, 15e-6),
+            memory_bandwidth=1.6e12,  # HBM2e 2.04 TB/s
+            peak_flops_fp32=19.5e12,
+            source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, "
+                   "one 200 Gb/s HDR NIC per GPU",
+        ),
+        HardwareSpec(
+            "l20-pcie", int(45.0 * GiB), 119.5e12,
+            (
+                LinkLevel("pcie-switch", 4, 24 * GB, 10e-6),  # PCIe 4.0 x16: 32 GB/s per direction
+                LinkLevel("pcie-host", 8, 12 * GB, 15e-6),  # across switches through the CPU root complex
+                LinkLevel("ethernet", 0, 6 * GB, 25e-6),  # 400 Gb/s per node shared by 8 GPUs
+            ),
+            memory_bandwidth=0.7e12,  # GDDR6 864 GB/s
+            peak_flops_fp32=59.4e12,
+            source="L20 48GB: 119.5 TFLOP/s dense bf16, PCIe 4.0 x16, no NVLink; 4 GPUs per PCIe switch, "
+                   "8 per node, 400 Gb/s RoCE per node",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``hardware.gpus_per_node`` GPUs (the last node may be partly used when there is one)."""
+
+    hardware: HardwareSpec
+    gpus: int
+    nodes: int = field(default=1)
+
+    def __post_init__(self) -> None:
+        per_node = self.hardware.gpus_per_node
+        if self.gpus < 1:
+            raise ValueError(f"--gpus {self.gpus}: need at least one GPU.")
+        if self.nodes > 1 and self.gpus != self.nodes * per_node:
+            raise ValueError(
+                f"--gpus {self.gpus} does not match --nodes {self.nodes} x --gpus-per-node {per_node} = "
+                f"{self.nodes * per_node}; give --gpus {self.nodes * per_node} or change --nodes/--gpus-per-node."
+            )
+        if self.nodes == 1 and self.gpus > per_node:
+            raise ValueError(
+                f"--gpus {self.gpus} exceeds one node of {per_node} GPUs; give --nodes "
+                f"{-(-self.gpus // per_node)} with --gpus a multiple of {per_node}, or set --gpus-per-node."
+            )
+
+
+def make_cluster(
+    hardware: HardwareSpec, gpus: int | None = None, nodes: int | None = None, gpus_per_node: int | None = None
+) -> Cluster:
+    """Resolve ``--gpus``, ``--nodes`` and ``--gpus-per-node`` (any may be omitted) into a cluster.
+
+    Raises ValueError naming the numbers when they contradict each other."""
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {gpus_per_node} must be at least 1.")
+        hardware = hardware.with_gpus_per_node(gpus_per_node)
+    per_node = hardware.gpus_per_node
+    if nodes is not None and nodes < 1:
+        raise ValueError(f"--nodes {nodes} must be at least 1.")
+    if gpus is None:
+        gpus = (nodes or 1) * per_node
+    if nodes is None:
+        if gpus > per_node and gpus % per_node:
+            raise ValueError(
+                f"--gpus {gpus} is not a whole number of {per_node}-GPU nodes; use a multiple of {per_node} "
+                "or set --gpus-per-node."
+            )
+        nodes = max(1, gpus // per_node) if gpus >= per_node else 1
+    return Cluster(hardware, gpus, nodes)
+
+
+def parse_link(text: str) -> LinkLevel:
+    """``NAME:GROUP:GBPS:US``, e.g. ``pcie:4:24:10`` (4 GPUs per block, 24 GB/s per GPU, 10 us);
+    GROUP ``all`` or ``0`` for the outermost level."""
+    parts = text.split(":")
+    try:
+        name, group, bw, lat = parts
+        g = 0 if group.lower() in ("all", "0") else int(group)
+        return LinkLevel(name, g, float(bw) * GB, float(lat) / 1e6)
+    except ValueError as err:
+        raise ValueError(
+            f"--link {text!r} must look like NAME:GROUP:GBPS:MICROSECONDS, e.g. pcie:4:24:10 or ib:all:40:15 "
+            f"({err})."
+        ) from None

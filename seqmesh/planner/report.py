@@ -1,0 +1,108 @@
+"""Text and JSON renderings of a plan."""
+
+from __future__ import annotations
+
+from .hardware import GiB, Cluster
+from .plan import Candidate, Plan
+from .workload import Workload
+
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "input_check_all_gather", "tp_all_gather", "tp_reduce_scatter")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def _sp_bytes(c: Candidate) -> int:
+    """Sequence- or tensor-parallel bytes per layer, forward + backward (FSDP left out)."""
+    return sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
+
+
+def _human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _num(x: float) -> str:
+    """3 significant digits, without exponents for everyday magnitudes."""
+    if x >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.3g}" if x >= 0.001 else f"{x:.1e}"
+
+
+def header(work: Workload, cluster: Cluster) -> str:
+    m = work.model
+    flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
+                       "chunked loss" if work.chunked_loss else "full logits"])
+    return (f"model {m.name}: {m.params / 1e9:.1f}B params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv heads "
+            f"x {m.head_dim}, vocab {m.vocab:,}; {flags}\n"
+            f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, cluster.hardware.gpus_per_node)}; "
+            f"{cluster.hardware.describe()}")
+
+
+def format_plan(p: Plan, top: int) -> str:
+    work = p.work
+    lines = [header(work, p.cluster),
+             f"sequence {work.seq_len:,} tokens x micro-batch {work.batch} per sequence group; "
+             "ranked by predicted tokens/s (a step of a layout with DP groups processes that many micro-batches)",
+             ""]
+    best_tps = max((c.tokens_per_s for c in p.candidates if c.feasible), default=0.0)
+    lines.append(f"{'#':>3}  {'layout':<20}{'fits':>5}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}{'vs best':>8}"
+                 f"{'SP comm/layer':>15}{'exposed':>9}  {'Ulysses link':<15}{'ring link':<15}notes")
+    for i, c in enumerate(p.candidates[:top], 1):
+        rel = f"{c.tokens_per_s / best_tps:.3f}" if c.feasible and best_tps else "-"
+        exposed = c.time.exposed_comm / c.time.total
+        ulink = c.comm_links.get("ulysses_all_to_all") or c.comm_links.get("tp_all_gather", "-")
+        lines.append(
+            f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{_gib(c.memory.total):>9}"
+            f"{_num(c.time.total):>9}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}{exposed:>9.1%}  "
+            f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}"
+        )
+    if len(p.candidates) > top:
+        lines.append(f"     ... {len(p.candidates) - top} more (--top {len(p.candidates)} shows all)")
+    if p.excluded:
+        shown = "; ".join(f"{lay.label()}: {why}" for lay, why in p.excluded[:2])
+        more = f"; and {len(p.excluded) - 2} more" if len(p.excluded) > 2 else ""
+        lines.append(f"     not possible: {shown}{more}")
+    lines.append("")
+    if p.recommended is None:
+        lines.append(f"no seqmesh layout fits: {p.reason}")
+        return "\n".join(lines)
+    c = p.recommended
+    lines.append(f"recommended: {c.layout.label()} -- {p.reason}")
+    lines.append(format_memory(c, p.cluster))
+    fwd, bwd = c.comm_per_layer["forward"], c.comm_per_layer["backward"]
+    parts = [f"{k} {_human_bytes(fwd.get(k, 0))} / {_human_bytes(bwd.get(k, 0))}"
+             for k in fwd.keys() | bwd.keys() if k != "total" and (fwd.get(k) or bwd.get(k))]
+    lines.append("traffic per layer, busiest rank, forward / backward: " + ("; ".join(sorted(parts)) or "none"))
+    lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
+                 f"{_num(c.time.exposed_comm)} s")
+    return "\n".join(lines)
+
+
+def format_memory(c: Candidate, cluster: Cluster) -> str:
+    mb = c.memory
+    items = [("weights", mb.weights), ("grads", mb.grads), ("optimizer", mb.optimizer),
+             ("activations", mb.activations), ("attention", mb.attention), ("logits", mb.logits),
+             ("reserved", mb.reserved)]
+    body = ", ".join(f"{k} {_gib(v)}" for k, v in items)
+    return (f"memory per GPU ({c.layout.label()}), GiB: {body}; total {_gib(mb.total)} of "
+            f"{_gib(cluster.hardware.memory_bytes)}")
+
+
+def format_longest(rows: list[dict], work: Workload, cluster: Cluster, top: int) -> str:
+    lines = [header(work, cluster), "longest sequence that fits per layout (micro-batch "
+             f"{work.batch}), ranked by length then tokens/s at that length", ""]
+    lines.append(f"{'#':>3}  {'layout':<20}{'max tokens':>14}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}")
+    for i, r in enumerate(rows[:top], 1):
+        lines.append(f"{i:>3}  {r['label']:<20}{r['max_seq_len']:>14,}{_gib(r['memory_bytes']['total']):>9}"
+                     f"{_num(r['step_time_s'] or 0):>9}{_num(r['tokens_per_s']):>11}")
+    if len(rows) > top:
+        lines.append(f"     ... {len(rows) - top} more")
+    best = next((r for r in rows if r["runs_on_seqmesh"] and r["max_seq_len"] > 0), None)
+    lines.append("")
+    lines.append(f"longest with seqmesh: {best['label']}, {best['max_seq_len']:,} tokens" if best
+                 else "not even one token fits: the model's weights and optimizer states alone exceed the GPUs")
+    return "\n".join(lines)

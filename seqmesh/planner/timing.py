@@ -1,0 +1,233 @@
+"""Seconds per training step: FLOPs over achieved throughput, bytes over link bandwidth, and which of
+them overlap.
+
+Assumptions:
+
+- Matmuls: 2 FLOPs per parameter per token forward, twice that backward; the LM head likewise.
+- Attention: 4 * D FLOPs per visible (query, key) pair per query head forward (QK^T and PV), with
+  causal masking keeping S(S+1)/2 pairs; backward costs 2.5x forward (flash attention recomputes
+  the scores: 5 matmuls against 2). Zigzag gives every ring rank and every ring step the same work;
+  with uneven heads the busiest Ulysses rank sets the pace.
+- Activation checkpointing recomputes each layer's forward, its all-to-alls and ring hops included.
+- Ulysses all-to-alls are not overlapped with anything. A call costs the latency of the outermost
+  level it crosses plus, per level, the bytes sent to peers over that level divided by its bandwidth
+  (levels carry their share in parallel; the slowest sets the time).
+- Ring P2P overlaps with block compute: forward ``(ring-1) * max(c, t_kv) + c`` for per-step compute
+  ``c``; backward ``(ring-1) * max(c, t_kv + t_dkv) + c + t_dkv`` (K/V blocks and dK/dV partials
+  share the link; the last partial's hop home is exposed). The slowest hop of the ring sets the pace.
+- FSDP all-gathers (and backward reduce-scatters) are prefetched one layer ahead: a layer takes the
+  longer of its own compute + exposed communication and its FSDP traffic; the embedding unit's
+  gather and reduce-scatter at the ends of the step are exposed. All-gather / reduce-scatter cost
+  ``log2(G)`` latencies plus bytes over the slowest level's bandwidth (a ring through it). The LM
+  head's gather overlaps with the last layers.
+- Tensor parallelism (reference only): its 4 collectives per layer each way are not overlapped.
+- Ring merges cost GPU-memory time (``ring_merge_seconds``): each step rereads and rewrites the float32
+  accumulators of the whole block, so their cost grows with the ring degree.
+- Not modelled: the optimizer step, kernel launch gaps, contention between FSDP and sequence-parallel
+  traffic on a shared link, slower kernels on the smaller ring blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from .hardware import HardwareSpec
+from .memory import local_tokens
+from .traffic import HeadDeal, all_to_all_calls, fsdp_traffic, ring_block_bytes, tensor_parallel_traffic
+from .workload import Layout, Workload, embedding_params, layer_matmul_params, layer_params
+
+ATTENTION_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
+MAX_GROUPS_CHECKED = 64
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step on the slowest GPU."""
+
+    total: float
+    compute: float  # matmuls + attention (recompute included), as if nothing waited on communication
+    exposed_comm: float  # total - compute: communication not hidden behind compute
+    layer_forward: float  # one layer forward, FSDP overlap applied
+    layer_backward: float  # one layer backward (recompute included), FSDP overlap applied
+    serial_comm: float  # every collective of the step end to end, as if nothing overlapped
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def world_rank(layout: Layout, ulysses_rank: int, ring_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+    return tp_rank + layout.tp * (ulysses_rank + layout.ulysses * (ring_rank + layout.ring * dp_rank))
+
+
+def ulysses_ranks(layout: Layout, ring_rank: int, dp_rank: int) -> list[int]:
+    return [world_rank(layout, u, ring_rank, dp_rank) for u in range(layout.ulysses)]
+
+
+def ring_ranks(layout: Layout, ulysses_rank: int, dp_rank: int) -> list[int]:
+    return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
+
+
+def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
+    """A sample (every one, up to 64) of the Ulysses or ring groups of ``layout``."""
+    groups = []
+    if kind == "ulysses":
+        for d in range(layout.dp_shard):
+            for r in range(layout.ring):
+                groups.append(ulysses_ranks(layout, r, d))
+    else:
+        for d in range(layout.dp_shard):
+            for u in range(layout.ulysses):
+                groups.append(ring_ranks(layout, u, d))
+    step = max(1, len(groups) // MAX_GROUPS_CHECKED)
+    return groups[::step]
+
+
+def peer_patterns(hw: HardwareSpec, groups: list[list[int]]) -> set[tuple[int, ...]]:
+    """Distinct ``peers per level`` tuples seen by the ranks of ``groups`` (an all-to-all's cost
+    depends only on these)."""
+    patterns = set()
+    for ranks in groups:
+        blocks = [Counter(r // lv.group if lv.group else 0 for r in ranks) for lv in hw.links]
+        for me in ranks:
+            same = [blocks[i][me // lv.group if lv.group else 0] for i, lv in enumerate(hw.links)]
+            patterns.add(tuple(n - (same[i - 1] if i else 1) for i, n in enumerate(same)))
+    return patterns
+
+
+def _all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple[int, ...]]) -> float:
+    worst = 0.0
+    for peers in patterns:
+        others = sum(peers)
+        if not others or not nbytes:
+            continue
+        top = max(i for i, n in enumerate(peers) if n)
+        transfer = max(n * nbytes / others / hw.links[i].bandwidth for i, n in enumerate(peers) if n)
+        worst = max(worst, hw.links[top].latency + transfer)
+    return worst
+
+
+def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
+    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``:
+    the latency of the outermost level it crosses plus the slowest level's share over its bandwidth."""
+    return _all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, [ranks]))
+
+
+def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
+    """An all-gather or reduce-scatter in which each rank sends ``nbytes``."""
+    if len(ranks) < 2 or nbytes == 0:
+        return 0.0
+    level = hw.links[hw.level_of_group(ranks)]
+    return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
+
+
+def attention_pairs(seq_len: int, causal: bool) -> int:
+    """Visible (query, key) pairs of one sequence."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
+    m, b = work.model, work.batch
+    peak = hw.flops_for(work.dtype)
+    mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
+    tokens = b * local_tokens(work, layout)
+    mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # under TP: all tokens, 1/tp of the weights
+    pairs = attention_pairs(work.seq_len, work.causal)
+    if layout.tp > 1:
+        heads = m.heads // layout.tp
+        attn_fwd = 4 * m.head_dim * heads * b * pairs / attn_rate
+    else:
+        heads = HeadDeal(m.heads, m.kv_heads, layout.ulysses).max_q
+        attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
+    attn_bwd = ATTENTION_BACKWARD * attn_fwd
+    if layout.tp == 1:  # seqmesh's merges into float32 accumulators, once per ring step
+        attn_fwd += ring_merge_seconds(work, layout, hw, "forward")
+        attn_bwd += ring_merge_seconds(work, layout, hw, "backward")
+
+    if layout.tp > 1:
+        tp_ranks = list(range(layout.tp))
+        tp = tensor_parallel_traffic(b * work.seq_len, m.hidden, layout.tp, work.torch_dtype)
+        per_call = tp["all_gather"] // 2  # 2 all-gathers and 2 reduce-scatters of the same size each way
+        comm_fwd = comm_bwd = 4 * gather_seconds(per_call, hw, tp_ranks)
+        fwd = mm_fwd + attn_fwd + comm_fwd
+        bwd = 2 * mm_fwd + attn_bwd + comm_bwd
+    else:
+        a2a_fwd, a2a_bwd = _ulysses_seconds(work, layout, hw, "forward"), _ulysses_seconds(work, layout, hw, "backward")
+        ring_fwd, p2p_fwd = ring_attention_seconds(work, layout, hw, attn_fwd, "forward")
+        ring_bwd, p2p_bwd = ring_attention_seconds(work, layout, hw, attn_bwd, "backward")
+        fwd = mm_fwd + a2a_fwd + ring_fwd
+        bwd = 2 * mm_fwd + a2a_bwd + ring_bwd
+        comm_fwd, comm_bwd = a2a_fwd + p2p_fwd, a2a_bwd + p2p_bwd
+    if work.checkpointing:
+        bwd += fwd
+    compute_layer = (mm_fwd + attn_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd
+
+    fsdp_ranks = [world_rank(layout, u, r, d) for d in range(layout.dp_shard)
+                  for r in range(layout.ring) for u in range(layout.ulysses)]
+    layer_fsdp = fsdp_traffic(-(-layer_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    ag = gather_seconds(layer_fsdp["all_gather_forward"], hw, fsdp_ranks)
+    rs = gather_seconds(layer_fsdp["reduce_scatter_backward"], hw, fsdp_ranks)
+    layer_fwd, layer_bwd = max(fwd, ag), max(bwd, ag + rs)
+
+    head = 3 * 2 * tokens * m.vocab * m.hidden / mm_rate
+    edge = fsdp_traffic(-(-embedding_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    edges = gather_seconds(edge["all_gather_forward"], hw, fsdp_ranks) + gather_seconds(
+        edge["reduce_scatter_backward"], hw, fsdp_ranks)
+    total = m.layers * (layer_fwd + layer_bwd) + head + edges
+    compute = m.layers * compute_layer + head
+    serial = m.layers * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + edges
+    return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial)
+
+
+def ring_merge_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:
+    """GPU-memory time of the ring's accumulations in one layer (every step, ring=1 included).
+
+    Forward, per step: read and write the float32 output and LSE accumulators and read the block's
+    output and LSE. Backward, per step: add the block's dQ into the float32 dQ, zero the dK/dV partial,
+    add the block's dK/dV into it and add the incoming partial."""
+    m = work.model
+    deal = HeadDeal(m.heads, m.kv_heads, layout.ulysses)
+    tokens = work.batch * layout.ulysses * local_tokens(work, layout)  # one ring block
+    e, d = work.act_bytes, m.head_dim
+    if phase == "forward":
+        per_step = tokens * deal.max_q * (d * (8 + e) + 12)
+    else:
+        per_step = tokens * (deal.max_q * d * (8 + e) + 2 * deal.max_kv * d * (4 + 8 + e + 12))
+    return layout.ring * per_step / hw.memory_bandwidth
+
+
+def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:
+    if layout.ulysses == 1:
+        return 0.0
+    m = work.model
+    calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
+                             ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
+    patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
+    return sum(_all_to_all_from_patterns(nbytes, hw, patterns) for nbytes in calls[phase])
+
+
+def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
+    """One ring hop of ``nbytes``: the slowest neighbour pair of any ring group."""
+    worst = 0.0
+    for g in axis_groups(layout, "ring"):
+        for i, a in enumerate(g):
+            lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
+            worst = max(worst, lv.latency + nbytes / lv.bandwidth)
+    return worst
+
+
+def ring_attention_seconds(work: Workload, layout: Layout, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:
+    """(attention of one layer with the ring's P2P overlapped, the P2P time alone); see the module docstring."""
+    ring = layout.ring
+    if ring == 1:
+        return attention, 0.0
+    m = work.model
+    kv, dkv = ring_block_bytes(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
+                               ulysses=layout.ulysses, ring=ring, dtype=work.torch_dtype, layout=work.layout)
+    step = attention / ring
+    t_kv = ring_hop_seconds(kv, hw, layout)
+    if phase == "forward":
+        return (ring - 1) * max(step, t_kv) + step, (ring - 1) * t_kv
+    t_dkv = ring_hop_seconds(dkv, hw, layout)
+    return (ring - 1) * max(step, t_kv + t_dkv) + step + t_dkv, (ring - 1) * t_kv + ring * t_dkv

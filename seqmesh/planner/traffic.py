@@ -1,0 +1,235 @@
+"""Bytes each rank sends, per collective, from first principles.
+
+Everything here is a pure function of shapes and degrees; nothing imports seqmesh's attention code, so
+the tests can compare these numbers with the counters of a real run (``seqmesh.comm_stats``) as two
+independent derivations. Counting follows ``seqmesh.comm.stats``: bytes this rank sends to *other*
+ranks; an all-to-all leaves its own chunk out; every P2P send counts; an all-gather or reduce-scatter
+over G ranks counts ``(G - 1) x chunk``.
+
+**What seqmesh's attention sends** (one call, forward and backward, on a ``ring x ulysses`` group,
+local length ``L = padded_len / P``, one "row" = ``B * L * D`` elements of the input dtype):
+
+- Ulysses deals query heads in contiguous ranges, the first ``Hq % U`` ranks one more; rank u needs the
+  kv heads its query heads read (query head h reads kv head ``h // (Hq / Hkv)``), so neighbouring ranks
+  may both need one kv head when ``U > Hkv`` (replication) and each copy is sent.
+- forward q/k/v all-to-all: rank u sends every other rank v its ``q_v + 2 k_v`` heads of u's tokens:
+  ``sum_v (q_v + 2 k_v) - (q_u + 2 k_u)`` rows.  Forward output all-to-all: it sends its ``q_u`` output
+  heads of each other rank's tokens: ``(U - 1) q_u`` rows.
+- backward: the adjoints swap the two: ``(U - 1)(q_u + 2 k_u)`` rows for dq/dk/dv and
+  ``Hq - q_u`` rows for dout (so with uneven heads forward and backward differ on one rank).
+- ring: a K/V block is ``2 * B * (U*L) * k_u * D`` elements; forward sends ``ring - 1`` of them; backward
+  sends ``ring - 1`` K/V blocks in the input dtype plus ``ring`` dK/dV partials in float32 (float64 for
+  float64 inputs).
+- input validation (``validate=True``, P > 1): one all-gather of 11 int64 over the sequence group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+VALIDATION_FIELDS = 11  # the problem flag + 10 fields of seqmesh.attention.checks.FIELDS
+INT64 = 8
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Element size of a dtype named as torch names it ("bfloat16", "float32", ...)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}.") from None
+
+
+def partial_bytes(dtype: str) -> int:
+    """Element size of the ring's dK/dV partials: float32, or float64 for float64 inputs."""
+    return 8 if dtype == "float64" else 4
+
+
+def padded_length(seq_len: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
+    """The length seqmesh pads a sequence to: a multiple of ``ring * lcm(2, ulysses)`` for zigzag over a
+    ring (each ring rank holds two equal chunks that its Ulysses ranks split evenly), else of ``ring *
+    ulysses``."""
+    if seq_len < 1:
+        raise ValueError(f"sequence length must be at least 1, got {seq_len}.")
+    if layout == "zigzag" and ring > 1:
+        multiple = ring * (ulysses if ulysses % 2 == 0 else 2 * ulysses)
+    else:
+        multiple = ring * ulysses
+    return -(-seq_len // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class HeadDeal:
+    """Which query and kv heads Ulysses rank ``u`` works on (see the module docstring)."""
+
+    q_heads: int
+    kv_heads: int
+    ulysses: int
+
+    def __post_init__(self) -> None:
+        if self.kv_heads < 1 or self.q_heads % self.kv_heads:
+            raise ValueError(f"{self.q_heads} query heads are not a multiple of {self.kv_heads} kv heads.")
+        if not 1 <= self.ulysses <= self.q_heads:
+            raise ValueError(f"ulysses={self.ulysses} must be between 1 and the {self.q_heads} query heads.")
+
+    def query_heads(self, u: int) -> range:
+        base, extra = divmod(self.q_heads, self.ulysses)
+        start = u * base + min(u, extra)
+        return range(start, start + base + (1 if u < extra else 0))
+
+    def key_heads(self, u: int) -> range:
+        per_kv = self.q_heads // self.kv_heads
+        q = self.query_heads(u)
+        return range(q.start // per_kv, (q.stop - 1) // per_kv + 1)
+
+    def q(self, u: int) -> int:
+        return len(self.query_heads(u))
+
+    def kv(self, u: int) -> int:
+        return len(self.key_heads(u))
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q(u) for u in range(self.ulysses))
+
+    @property
+    def max_kv(self) -> int:
+        return max(self.kv(u) for u in range(self.ulysses))
+
+    @property
+    def replicated(self) -> bool:
+        """True when some kv head goes to more than one rank."""
+        return sum(self.kv(u) for u in range(self.ulysses)) > self.kv_heads
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in one phase: how often and how many bytes this rank sends."""
+
+    kind: str  # as seqmesh.comm.stats counts it: all_to_all, p2p, all_gather, reduce_scatter, control
+    phase: str  # forward or backward
+    calls: int
+    bytes_sent: int
+    purpose: str = ""  # ulysses, ring, validate, fsdp, tp
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    """Everything one rank sends for one attention call (forward and backward)."""
+
+    ulysses_rank: int
+    ring_rank: int
+    collectives: tuple[Collective, ...] = field(default_factory=tuple)
+
+    def sent(self, kind: str, phase: str) -> int:
+        return sum(c.bytes_sent for c in self.collectives if c.kind == kind and c.phase == phase)
+
+    def calls(self, kind: str, phase: str) -> int:
+        return sum(c.calls for c in self.collectives if c.kind == kind and c.phase == phase)
+
+
+def attention_traffic(
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    dtype: str,
+    layout: str = "zigzag",
+    validate: bool = True,
+) -> list[RankTraffic]:
+    """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank
+    ``ring_rank * ulysses + ulysses_rank``."""
+    deal = HeadDeal(q_heads, kv_heads, ulysses)
+    p = ulysses * ring
+    local = padded_length(seq_len, ulysses, ring, layout) // p
+    e, ep = dtype_bytes(dtype), partial_bytes(dtype)
+    row = batch * local * head_dim * e  # one head of this rank's tokens
+    all_heads = sum(deal.q(v) + 2 * deal.kv(v) for v in range(ulysses))
+    out: list[RankTraffic] = []
+    for r in range(ring):
+        for u in range(ulysses):
+            q, kv = deal.q(u), deal.kv(u)
+            items: list[Collective] = []
+            if validate and p > 1:
+                items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64, "validate"))
+            if ulysses > 1:
+                items += [
+                    Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row, "ulysses"),
+                    Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row, "ulysses"),
+                    Collective("all_to_all", "backward", 1, (q_heads - q) * row, "ulysses"),
+                    Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row, "ulysses"),
+                ]
+            if ring > 1:
+                block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
+                items += [
+                    Collective("p2p", "forward", ring - 1, (ring - 1) * block * e, "ring"),
+                    Collective("p2p", "backward", ring - 1, (ring - 1) * block * e, "ring"),
+                    Collective("p2p", "backward", ring, ring * block * ep, "ring"),
+                ]
+            out.append(RankTraffic(u, r, tuple(items)))
+    return out
+
+
+def worst_rank(ranks: list[RankTraffic], kind: str, phase: str) -> int:
+    """The most bytes any rank sends for ``kind`` in ``phase``."""
+    return max(t.sent(kind, phase) for t in ranks)
+
+
+def all_to_all_calls(
+    q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int, dtype: str,
+    layout: str = "zigzag",
+) -> dict[str, list[int]]:
+    """Bytes of each Ulysses all-to-all call on the busiest rank, by phase, in issue order (for timing)."""
+    deal = HeadDeal(q_heads, kv_heads, ulysses)
+    if ulysses == 1:
+        return {"forward": [], "backward": []}
+    local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
+    row = batch * local * head_dim * dtype_bytes(dtype)
+    all_heads = sum(deal.q(v) + 2 * deal.kv(v) for v in range(ulysses))
+    fwd = [max((all_heads - deal.q(u) - 2 * deal.kv(u)) * row for u in range(ulysses)),
+           max((ulysses - 1) * deal.q(u) * row for u in range(ulysses))]
+    bwd = [max((q_heads - deal.q(u)) * row for u in range(ulysses)),
+           max((ulysses - 1) * (deal.q(u) + 2 * deal.kv(u)) * row for u in range(ulysses))]
+    return {"forward": fwd, "backward": bwd}
+
+
+def ring_block_bytes(
+    q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int, dtype: str,
+    layout: str = "zigzag",
+) -> tuple[int, int]:
+    """``(K/V block, dK/dV partial)`` bytes of one ring hop on the busiest rank."""
+    deal = HeadDeal(q_heads, kv_heads, ulysses)
+    local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
+    block = 2 * batch * ulysses * local * deal.max_kv * head_dim
+    return block * dtype_bytes(dtype), block * partial_bytes(dtype)
+
+
+def fsdp_traffic(params: int, group: int, param_dtype: str, reduce_dtype: str = "float32") -> dict[str, int]:
+    """One FSDP unit of ``params`` parameters sharded over ``group`` ranks, per rank.
+
+    Forward all-gathers the unit in ``param_dtype``; backward all-gathers it again (FSDP2 frees
+    unsharded parameters after forward by default) and reduce-scatters its gradients in
+    ``reduce_dtype``. Each moves ``(G - 1) x shard`` bytes, the shard rounded up to whole elements."""
+    if group == 1:
+        return {"all_gather_forward": 0, "all_gather_backward": 0, "reduce_scatter_backward": 0}
+    shard = -(-params // group)
+    gather = (group - 1) * shard * dtype_bytes(param_dtype)
+    return {"all_gather_forward": gather, "all_gather_backward": gather,
+            "reduce_scatter_backward": (group - 1) * shard * dtype_bytes(reduce_dtype)}
+
+
+def tensor_parallel_traffic(tokens: int, hidden: int, tp: int, dtype: str) -> dict[str, int]:
+    """Megatron tensor + sequence parallelism on ``tp`` ranks, one transformer layer, per rank.
+
+    Before attention and before the MLP the ``(tokens, hidden)`` activation is all-gathered along the
+    sequence; after each it is reduce-scattered: 2 all-gathers and 2 reduce-scatters forward, each moving
+    ``(tp - 1) x tokens/tp x hidden`` elements, and the adjoints (the same again) backward. Plain TP
+    without sequence parallelism does 2 all-reduces instead, which move the same bytes."""
+    if tp == 1:
+        return {"all_gather": 0, "reduce_scatter": 0}
+    chunk = -(-tokens // tp) * hidden * dtype_bytes(dtype)
+    return {"all_gather": 2 * (tp - 1) * chunk, "reduce_scatter": 2 * (tp - 1) * chunk}

@@ -1,0 +1,116 @@
+"""What is being planned: a layout of the GPUs and a training workload on a model shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..presets import ModelShape
+
+GiB = 2**30
+COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs are split. seqmesh runs ``tp == 1``; ``tp > 1`` is Megatron-style tensor (+sequence)
+    parallelism, kept as a reference point. World rank = ``tp_rank + T*(ulysses_rank + U*(ring_rank +
+    R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel."""
+
+    ulysses: int
+    ring: int
+    dp_shard: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ulysses", "ring", "dp_shard", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree: GPUs that share one sequence (ulysses x ring, or tp)."""
+        return self.ulysses * self.ring * self.tp
+
+    @property
+    def gpus(self) -> int:
+        return self.ulysses * self.ring * self.dp_shard * self.tp
+
+    @property
+    def fsdp_group(self) -> int:
+        """Ranks FSDP shards the (TP-local) parameters over: dp_shard x ring x ulysses."""
+        return self.dp_shard * self.ulysses * self.ring
+
+    @property
+    def runs_on_seqmesh(self) -> bool:
+        return self.tp == 1
+
+    def label(self) -> str:
+        if self.tp > 1:
+            return f"TP{self.tp} x DP{self.dp_shard} (ref)"
+        return f"U{self.ulysses} x R{self.ring} x DP{self.dp_shard}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"ulysses": self.ulysses, "ring": self.ring, "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step of ``model`` on sequences of ``seq_len`` tokens.
+
+    Each sequence-parallel group processes ``batch`` sequences per step (its micro-batch); with
+    ``dp_shard`` groups a step processes ``dp_shard * batch`` sequences.
+    """
+
+    model: ModelShape
+    seq_len: int
+    batch: int = 1
+    dtype: str = "bf16"  # compute dtype: "bf16" (mixed precision, fp32 master weights) or "fp32"
+    checkpointing: bool = True  # full activation checkpointing of every transformer layer
+    chunked_loss: bool = True  # cross-entropy over chunks of tokens, never the full logits
+    loss_chunk: int = 4096  # tokens per chunk of the chunked loss
+    causal: bool = True
+    layout: str = "zigzag"  # seqmesh's sequence layout (zigzag balances causal work)
+    reduce_dtype: str = "float32"  # FSDP gradient reduce-scatter dtype (torchtitan's default)
+    reserve_bytes: int = 2 * GiB  # CUDA context, NCCL buffers and allocator slack per GPU
+    validate: bool = True  # seqmesh.attention's input check (a tiny all-gather per call)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"--seq-len {self.seq_len}: a sequence needs at least 1 token.")
+        if self.batch < 1:
+            raise ValueError(f"--batch {self.batch}: the micro-batch needs at least 1 sequence.")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}.")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss chunk {self.loss_chunk} must be at least 1 token.")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The compute dtype as torch names it ("bfloat16", "float32")."""
+        return COMPUTE_DTYPES[self.dtype]
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of activations and unsharded parameters."""
+        return 2 if self.dtype == "bf16" else 4
+
+
+def layer_params(m: ModelShape) -> int:
+    """Parameters of one transformer layer: q, k, v, o projections, gated MLP, two RMSNorms (+ q/k norms)."""
+    attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    norms = 2 * m.hidden + (2 * m.head_dim if m.family == "qwen3" else 0)
+    return attn + 3 * m.hidden * m.intermediate + norms
+
+
+def layer_matmul_params(m: ModelShape) -> int:
+    """Parameters of one layer that multiply every token (the projections)."""
+    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * m.hidden * m.intermediate
+
+
+def embedding_params(m: ModelShape) -> int:
+    return m.vocab * m.hidden
+
+
+def head_params(m: ModelShape) -> int:
+    """The LM head's own parameters (0 when tied to the embedding)."""
+    return 0 if m.tie_embeddings else m.vocab * m.hidden

@@ -1,0 +1,44 @@
+"""Rank functions for the planner's agreement tests: run seqmesh.attention forward and backward and
+return what the communication counters saw (plain data for the main process)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import seqmesh
+from dist_cases import get_mesh
+
+
+@dataclass(frozen=True)
+class TrafficCase:
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    dtype: str = "float64"
+    layout: str = "zigzag"
+    batch: int = 1
+    head_dim: int = 8
+    causal: bool = True
+
+
+def measured_traffic(ulysses: int, ring: int, cases: list[TrafficCase]) -> list[dict]:
+    """Per case: this rank's coordinates and the counters of one attention forward + backward.
+
+    Inputs are sharded *outside* the counted block, so only ``seqmesh.attention`` is measured."""
+    mesh = get_mesh(ulysses, ring)
+    out = []
+    for i, case in enumerate(cases):
+        g = torch.Generator().manual_seed(100 + i)
+        dt = getattr(torch, case.dtype)
+        b, s, d = case.batch, case.seq_len, case.head_dim
+        full = [torch.randn(b, s, h, d, generator=g).to(dt) for h in (case.q_heads, case.kv_heads, case.kv_heads, case.q_heads)]
+        q, k, v, dout = (seqmesh.shard_sequence(t, mesh, layout=case.layout) for t in full)
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        with seqmesh.comm_stats() as stats:
+            o = seqmesh.attention(q, k, v, mesh, causal=case.causal, layout=case.layout, seq_len=case.seq_len)
+            o.backward(dout)
+        out.append({"case": asdict(case), "ulysses_rank": mesh.ulysses_rank, "ring_rank": mesh.ring_rank,
+                    "stats": stats.as_dict()})
+    return out
