@@ -1,32 +1,64 @@
-"""seqmesh: exact sequence parallelism (Ulysses, ring attention, USP) for very long sequences."""
+"""seqmesh: exact sequence parallelism (Ulysses, ring attention, USP) for very long sequences.
 
-from .attention.usp import attention
-from .comm.stats import CommStats, comm_stats
-from .data import SequenceInfo, shard_batch
-from .loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
-from .layout import LayoutKind, Run, SequenceLayout
-from .mesh import MeshAxis, SPMesh, init_mesh, mesh_from_device_mesh
-from .sharding import gather_sequence, sequence_layout, sequence_positions, shard_sequence
+The public names load on first use, so commands that need no torch (``seqmesh plan``) start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "attention",
-    "chunked_linear_cross_entropy",
-    "comm_stats",
-    "CommStats",
-    "gather_sequence",
-    "init_mesh",
-    "LayoutKind",
-    "mesh_from_device_mesh",
-    "MeshAxis",
-    "Run",
-    "sequence_layout",
-    "sequence_positions",
-    "SequenceInfo",
-    "SequenceLayout",
-    "sequence_parallel_cross_entropy",
-    "shard_batch",
-    "shard_sequence",
-    "SPMesh",
-]
+_EXPORTS: dict[str, str] = {
+    "attention": ".sharded_attention.usp",
+    "comm_stats": ".comm.stats",
+    "CommStats": ".comm.stats",
+    "SequenceInfo": ".data",
+    "shard_batch": ".data",
+    "chunked_linear_cross_entropy": ".loss",
+    "sequence_parallel_cross_entropy": ".loss",
+    "LayoutKind": ".layout",
+    "Run": ".layout",
+    "SequenceLayout": ".layout",
+    "MeshAxis": ".mesh",
+    "SPMesh": ".mesh",
+    "init_mesh": ".mesh",
+    "mesh_from_device_mesh": ".mesh",
+    "gather_sequence": ".sharding",
+    "sequence_layout": ".sharding",
+    "sequence_positions": ".sharding",
+    "shard_sequence": ".sharding",
+}
+
+_SUBMODULES = {
+    "bench", "checkpoint", "comm", "data", "datasets", "fsdp", "hf", "kernels", "launch", "layout",
+    "loss", "mesh", "metrics", "model", "planner", "presets", "sharded_attention", "sharding", "train", "verify",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # `import seqmesh; seqmesh.hf.parallelize(...)` works without importing seqmesh.hf
+        return importlib.import_module(f".{name}", __name__)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'seqmesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from .sharded_attention.usp import attention
+    from .comm.stats import CommStats, comm_stats
+    from .data import SequenceInfo, shard_batch
+    from .layout import LayoutKind, Run, SequenceLayout
+    from .loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
+    from .mesh import MeshAxis, SPMesh, init_mesh, mesh_from_device_mesh
+    from .sharding import gather_sequence, sequence_layout, sequence_positions, shard_sequence

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .attention.blocks import document_bounds
-from .attention.emulate import emulate_ring
-from .attention.schedule import RingSchedule
+from .sharded_attention.blocks import document_bounds
+from .sharded_attention.emulate import emulate_ring
+from .sharded_attention.schedule import RingSchedule
 from .kernels import kernel_chooser
 from .kernels.base import BlockMask
 from .layout import SequenceLayout

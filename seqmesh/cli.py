@@ -95,7 +95,7 @@ def _degree(text: str) -> int | str:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from .train import TrainConfig
+    from .config import TrainConfig
 
     d = TrainConfig()
     p.add_argument("--model", default=d.model, help="preset (llama-tiny, qwen3-tiny, llama3-8b, qwen3-0.6b, ...), "
@@ -129,7 +129,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_config(args: argparse.Namespace):
-    from .train import TrainConfig
+    from .config import TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -195,7 +195,7 @@ def _demo_rank(cfg) -> dict:
 
 def cmd_demo_train(args: argparse.Namespace) -> int:
     from .launch import WorkerPool
-    from .train import TrainConfig
+    from .config import TrainConfig
 
     cfg = TrainConfig(model="llama-tiny", seq_len=args.seq_len, ulysses=2, ring=2, dp=1, steps=args.steps, lr=1e-2,
                       warmup=10, min_lr_ratio=0.5, log_every=10, eval_every=25, out=args.out, seed=0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .attention.usp import attention
+from .sharded_attention.usp import attention
 from .data import SequenceInfo
 from .mesh import SPMesh
 

@@ -16,7 +16,8 @@ from .data import positions_in_documents, shift_labels
 from .data import _documents_from_positions
 from .loss import IGNORE_INDEX
 from .model import build_model
-from .train import TrainConfig, _to, build, make_dataset
+from .config import TrainConfig
+from .train import _to, build, make_dataset
 
 
 def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from reference import reference_attention
-from seqmesh.attention.blocks import document_bounds
-from seqmesh.attention.emulate import emulate_ring
-from seqmesh.attention.schedule import RingSchedule
+from seqmesh.sharded_attention.blocks import document_bounds
+from seqmesh.sharded_attention.emulate import emulate_ring
+from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask
 from seqmesh.layout import SequenceLayout

@@ -7,8 +7,8 @@ import torch
 
 from dist_cases import Case, traffic_cases
 from reference import document_ids
-from seqmesh.attention.schedule import RingSchedule
-from seqmesh.attention.blocks import document_bounds
+from seqmesh.sharded_attention.schedule import RingSchedule
+from seqmesh.sharded_attention.blocks import document_bounds
 from seqmesh.layout import SequenceLayout
 
 F64 = 8

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from seqmesh.checkpoint import latest_checkpoint
-from seqmesh.train import TrainConfig, resolve_degrees
+from seqmesh.config import TrainConfig
+from seqmesh.train import resolve_degrees
 from train_job_cases import build_error, run_train, run_verify
 
 

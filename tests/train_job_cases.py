@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from seqmesh.train import TrainConfig, train
+from seqmesh.config import TrainConfig
+from seqmesh.train import train
 from seqmesh.verify import verify
 
 

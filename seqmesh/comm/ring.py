@@ -1,7 +1,7 @@
 """Point-to-point exchange around a ring: send to the next rank, receive from the previous one.
 
 This is the only communication ring attention does. The schedule (what travels at which step) lives
-in ``seqmesh.attention.ring``; here is only the mechanics, asynchronous so the caller can compute
+in ``seqmesh.sharded_attention.ring``; here is only the mechanics, asynchronous so the caller can compute
 while a block is in flight.
 """
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-VALIDATION_FIELDS = 11  # the problem flag + 10 fields of seqmesh.attention.checks.FIELDS
+VALIDATION_FIELDS = 11  # the problem flag + 10 fields of seqmesh.sharded_attention.checks.FIELDS
 INT64 = 8
 
 

@@ -1,0 +1,53 @@
+"""The configuration of a training run (no torch import, so the command line starts fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Degrees given as ``"auto"`` are chosen from the world size and heads."""
+
+    model: str = "llama-tiny"  # a preset name, a config.json, or a local checkpoint directory
+    seq_len: int = 8192  # tokens per sequence
+    ulysses: int | str = "auto"  # Ulysses degree (all-to-all, innermost ranks)
+    ring: int | str = "auto"  # ring degree
+    dp: int | str = "auto"  # data-parallel shard degree (FSDP shards over dp x ulysses x ring)
+    dp_replicate: int = 1  # HSDP replicas (weights replicated across them)
+    steps: int = 200
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    warmup: int = 20  # linear warm-up steps, then cosine decay to min_lr_ratio x lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm (0 disables)
+    batch: int = 1  # sequences per data-parallel rank per step
+    bf16: bool = False  # bf16 compute, fp32 reduction and master weights
+    checkpointing: bool = False  # recompute each decoder layer in backward
+    fsdp: bool = True  # shard weights, gradients and optimizer state with FSDP2
+    data: list[str] = field(default_factory=list)  # .txt / .jsonl files; empty: the built-in copy task
+    tokenizer: str | None = None  # local tokenizer folder; None: UTF-8 bytes
+    text_key: str = "text"  # JSONL field holding the text
+    symbols: int = 32  # alphabet of the built-in copy task
+    copy_period: int | None = None  # its period (default: seq_len // 4)
+    layout: str = "zigzag"
+    backend: str = "auto"  # attention kernel
+    loss_chunk: int = 4096  # tokens per LM-head tile in the loss
+    out: str = "runs/seqmesh"  # metrics.jsonl, loss_curve.png and checkpoints/
+    log_every: int = 10
+    eval_every: int = 50  # held-out accuracy (0: only at the end)
+    save_every: int = 0  # checkpoint interval in steps (0: only at the end)
+    resume: bool = False  # continue from out/checkpoints/latest
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "steps", "batch", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.warmup < 0 or self.lr <= 0:
+            raise ValueError(f"warmup ({self.warmup}) must be >= 0 and lr ({self.lr}) > 0.")
+        if self.data and self.batch != 1:
+            raise ValueError(
+                f"packed text data takes one sequence per data-parallel rank (batch=1, got {self.batch}): its rows "
+                "carry different document boundaries. Raise --dp or --seq-len instead."
+            )
