@@ -9,7 +9,7 @@ each tensor padded to the layout's multiple and sliced.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class SequenceInfo:
     seq_len: int  # real tokens before the layout's padding
     cu_seqlens: tuple[int, ...] | None  # packed documents over the whole sequence, or None
     layout: str
+    # meshes whose ranks have already agreed on these inputs (the first attention call checks, once)
+    validated: set[int] = field(default_factory=set, compare=False, repr=False)
 
 
 def _documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
@@ -101,7 +103,7 @@ def shard_batch(
         mesh: the mesh; the batch is split over its sequence group.
 
     Returns:
-        ``input_ids``, ``position_ids`` (global positions within documents, for RoPE) and
+        ``input_ids``, ``position_ids`` (the caller's, or positions from 0 in each document, for RoPE) and
         ``shift_labels`` (targets, ``ignore_index`` where nothing is to be predicted), each
         ``(B, padded_len / P)`` in the layout's local order, and ``seqmesh``: the
         :class:`SequenceInfo` that ``seqmesh.hf`` attention reads from the model's kwargs.
@@ -125,7 +127,10 @@ def shard_batch(
     lengths = _real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
 
     targets = shift_labels(labels, cu, lengths, ignore_index)
-    positions = positions_in_documents(s, cu).to(input_ids.device).expand(b, s)
+    if batch.get("position_ids") is not None:  # the caller's positions (they may not start at 0) go to RoPE
+        positions = batch["position_ids"].to(torch.long).expand(b, s)
+    else:
+        positions = positions_in_documents(s, cu).to(input_ids.device).expand(b, s)
     lay = sequence_layout(mesh, s, layout)
     pad = lay.padded_len - s
     if pad:  # padding: token 0, nothing to predict, positions continuing past the end

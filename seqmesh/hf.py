@@ -46,6 +46,20 @@ def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:
     )
 
 
+def _refuse_unsupported(kwargs: dict, info: SequenceInfo) -> None:
+    """Variants of attention seqmesh does not compute: fail rather than silently run full attention."""
+    window = kwargs.get("sliding_window")
+    if window is not None and window < info.seq_len:
+        raise ValueError(
+            f"this layer uses sliding-window attention (window {window}) on a {info.seq_len}-token sequence; "
+            "seqmesh computes full causal attention only. Set config.sliding_window = None (and "
+            "use_sliding_window = False), or keep sequences within the window."
+        )
+    for name, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"this model uses {what} ({name}={kwargs[name]!r}), which seqmesh does not support.")
+
+
 def _make_attention(mesh: SPMesh, backend: str):
     def seqmesh_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
                           scaling: float | None = None, **kwargs):
@@ -58,12 +72,15 @@ def _make_attention(mesh: SPMesh, backend: str):
             )
         if dropout:
             raise ValueError(f"attention dropout ({dropout}) is not supported by seqmesh; set attention_dropout=0.")
+        _refuse_unsupported(kwargs, info)
+        first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
         out = attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
             causal=getattr(module, "is_causal", True), layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
-            validate=getattr(module, "layer_idx", 0) == 0,  # check the inputs once per forward, not per layer
+            validate=first,
         )
+        info.validated.add(id(mesh))
         return out, None
 
     return seqmesh_attention
@@ -73,7 +90,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral and
-    most decoder-only models of transformers >= 5.0). Returns the same model.
+    most decoder-only models of transformers >= 5.0) with full causal attention; sliding windows
+    shorter than the sequence, logit soft-capping and attention sinks raise at the first call.
+    Returns the same model. The switch is stored on ``model.config``: another model built from the
+    same config object switches with it.
     """
     from transformers import AttentionInterface
 

@@ -88,11 +88,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk]
             target = labels[start : start + chunk]
             valid = (target != ignore_index).unsqueeze(1)
-            probs = torch.exp((h @ weight.t()).to(lse.dtype) - lse[start : start + chunk].unsqueeze(1))  # softmax
-            probs.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))  # minus one-hot
-            d_logits = probs * valid * grad  # (n, V), float32 or wider
-            d_hidden[start : start + chunk] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            d_weight += d_logits.t() @ h.to(lse.dtype)
+            # one (n, V) buffer, updated in place: softmax, minus one-hot, masked and scaled
+            d_logits = (h @ weight.t()).to(lse.dtype).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
+            d_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))
+            d_logits.mul_(valid).mul_(grad)
+            d_logits = d_logits.to(weight.dtype)  # tensor-core matmuls; d_weight accumulates wider
+            d_hidden[start : start + chunk] = (d_logits @ weight).to(hidden.dtype)
+            d_weight += (d_logits.t() @ h.to(weight.dtype)).to(d_weight.dtype)
         return d_hidden, d_weight.to(weight.dtype), None, None, None
 
 

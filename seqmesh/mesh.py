@@ -175,6 +175,25 @@ def init_mesh(
     return mesh_from_device_mesh(device_mesh)
 
 
+def _hsdp_mesh(device_mesh: DeviceMesh, shard_sp: DeviceMesh) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard_sp) mesh for HSDP, reusing the process groups that exist.
+
+    torch >= 2.10 can concatenate sub-meshes of one root (no new communicators); older releases get a
+    new DeviceMesh, whose groups duplicate the existing ones (extra NCCL communicators)."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        try:
+            return concatenate([device_mesh[MeshAxis.DP_REPLICATE.value], shard_sp])
+        except (RuntimeError, TypeError, AttributeError):
+            pass
+    dp_replicate = device_mesh.size(0)
+    return DeviceMesh(
+        device_mesh.device_type,
+        device_mesh.mesh.reshape(dp_replicate, -1),
+        mesh_dim_names=(MeshAxis.DP_REPLICATE.value, FSDP_AXIS_NAME),
+    )
+
+
 def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
     """Wrap an existing 4-D DeviceMesh whose axes are named by :class:`MeshAxis` (outermost first).
 
@@ -196,10 +215,6 @@ def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
     if dp_replicate == 1:
         fsdp_mesh = shard_sp
     else:  # HSDP: replicate across dp_replicate, shard across everything inside it
-        fsdp_mesh = DeviceMesh(
-            device_mesh.device_type,
-            device_mesh.mesh.reshape(dp_replicate, dp_shard * ring * ulysses),
-            mesh_dim_names=(MeshAxis.DP_REPLICATE.value, FSDP_AXIS_NAME),
-        )
+        fsdp_mesh = _hsdp_mesh(device_mesh, shard_sp)
     all_mesh = device_mesh._flatten(ALL_AXIS_NAME)
     return SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, all_mesh, ulysses, ring, dp_shard, dp_replicate)

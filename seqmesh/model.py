@@ -30,6 +30,8 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         rope_theta=shape.rope_theta,
         max_position_embeddings=max_positions,
         attention_dropout=0.0,
+        sliding_window=None,  # full attention (Mistral's configs default to a window)
+        use_sliding_window=False,
     )
 
 

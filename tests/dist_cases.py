@@ -113,6 +113,27 @@ def bf16_errors(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
     return [{"case": c.name, **run_attention(c, mesh)[0]} for c in cases]
 
 
+def plain_kernel_errors(cases: list[Case]) -> list[dict]:
+    """The single-device bf16 kernel (torch's CPU flash op, no seqmesh code around it) on the whole
+    sequence, against float64: the bar the sequence-parallel error is held to."""
+    from seqmesh.kernels.base import BlockMask
+    from seqmesh.kernels.cpu_flash import CpuFlashKernel
+
+    results = []
+    for case in cases:
+        q, k, v, dout = _inputs(case, case.seed * 1000)
+        mask = BlockMask(causal=case.causal, segments=case.cu_seqlens if case.cu_seqlens else None)
+        kernel, scale = CpuFlashKernel(), case.head_dim**-0.5
+        out, lse = kernel.forward(q, k, v, mask, scale)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, mask, scale)
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None)
+        ref.backward(dout.double())
+        results.append({"case": case.name, "out": _max_err(out, ref), "dq": _max_err(dq, qr.grad),
+                        "dk": _max_err(dk, kr.grad), "dv": _max_err(dv, vr.grad)})
+    return results
+
+
 def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
     """Provoke an input error on some ranks only; return what this rank raised (or 'no error')."""
     mesh = get_mesh(ulysses, ring)
@@ -180,3 +201,28 @@ def pooled_loss(empty_ranks: list[int]) -> dict:
     else:
         ref_grad, ref_value = torch.zeros_like(mine), 0.0
     return {"value": float(loss), "ref": ref_value, "grad_err": float((mine.grad - ref_grad).abs().max())}
+
+
+def named_backend_refuses_documents() -> str:
+    """A named kernel that cannot mask documents, with documents only inside rank 0's diagonal block:
+    every rank must raise before any rank sends (no rank left waiting)."""
+    import seqmesh.kernels as kernels
+    from seqmesh.kernels.math import MathKernel
+
+    class NoDocuments(MathKernel):
+        name = "math"
+
+        def unsupported(self, q, k, mask):
+            return "no documents" if mask.segments is not None else None
+
+    mesh = get_mesh(1, 2)
+    original = kernels.KERNELS["math"]
+    kernels.KERNELS["math"] = NoDocuments()
+    try:
+        q = torch.randn(1, 8, 2, 8)
+        seqmesh.attention(q, q, q, mesh, cu_seqlens=(0, 2, 16), backend="math")
+    except ValueError as err:
+        return str(err)
+    finally:
+        kernels.KERNELS["math"] = original
+    return "no error"

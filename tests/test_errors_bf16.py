@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import seqmesh
-from dist_cases import Case, bad_inputs, bf16_errors
+from dist_cases import Case, bad_inputs, bf16_errors, plain_kernel_errors
 
 PROBLEMS = {
     "local_len": "disagree on local tokens: [4, 6, 4, 4]",
@@ -59,12 +59,12 @@ def test_mesh_that_does_not_match_the_world(pools):
 
 
 def test_bf16_error_does_not_grow_with_degree(pools):
-    """bf16 through USP/ring/Ulysses: error against float64 stays within 2x the single-device bf16
-    kernel's own error, for P = 1, 2, 4."""
+    """bf16 through USP/ring/Ulysses: error against float64 stays within 2x the error of the plain
+    single-device bf16 kernel on the whole sequence, for P = 1, 2, 4."""
     cases = [Case(128, 8, 2, causal, "zigzag", docs, dtype="bfloat16", head_dim=32, seed=7, batch=1)
              for causal in (True, False) for docs in (None, (0, 50, 51, 128))]
-    single = pools.run(1, bf16_errors, 1, 1, cases)[0]
-    for ulysses, ring in ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1)):
+    single = plain_kernel_errors(cases)
+    for ulysses, ring in ((1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)):
         multi = pools.run(ulysses * ring, bf16_errors, ulysses, ring, cases)
         for rank_results in multi:
             for one, many in zip(single, rank_results):
@@ -93,3 +93,14 @@ def test_a_failing_rank_ends_the_group_instead_of_hanging():
         pool.run(fail_mid_ring, 1, timeout=300)
     assert time.monotonic() - start < 30  # the pool is ended at once, not after gloo's 300 s timeout
     assert not pool.alive
+
+
+def test_named_backend_refusal_reaches_every_rank(pools):
+    import time
+
+    from dist_cases import named_backend_refuses_documents
+
+    start = time.monotonic()
+    answers = pools.run(2, named_backend_refuses_documents, timeout=120)
+    assert all("backend 'math' cannot run this call: no documents" in a for a in answers), answers
+    assert time.monotonic() - start < 30  # nobody waited for a peer's collective timeout

@@ -104,3 +104,39 @@ def test_auto_backend_on_cpu_and_named_errors():
         kernel_chooser("cuda_flash")(q, q, BlockMask())
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         kernel_chooser("fast")
+
+
+@pytest.mark.parametrize("mask", [BlockMask(causal=True), BlockMask(), BlockMask(causal=True, segments=(0, 1, 7, 19))],
+                         ids=["causal", "full", "documents"])
+def test_flash_attn_wrapper_against_a_stub_package(monkeypatch, mask):
+    """seqmesh's flash-attn wrapper drives a stand-in package with flash-attn 2.7's entry points (as
+    torch custom ops, like the real package): layouts, the varlen (H, total) lse, in-place gradients."""
+    import sys
+    import types
+
+    import fake_flash_attn
+    import seqmesh.kernels.flash_attn as wrapper
+
+    package = types.ModuleType("flash_attn")
+    package.__version__ = "2.7.4"
+    package.flash_attn_interface = fake_flash_attn
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fake_flash_attn)
+    wrapper._interface.cache_clear()
+    try:
+        torch.manual_seed(0)
+        q = torch.randn(2, 19, 4, 8, dtype=torch.float64)
+        k, v = (torch.randn(2, 19, 2, 8, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn_like(q)
+        kernel = KERNELS["flash_attn"]
+        out, lse = kernel.forward(q, k, v, mask, 0.3)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, mask, 0.3)
+        got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+        want_out, want_lse = KERNELS["math"].forward(q, k, v, mask, 0.3)
+        want = dict(zip(("dq", "dk", "dv"), KERNELS["math"].backward(dout, q, k, v, want_out, want_lse, mask, 0.3)))
+        want.update(out=want_out, lse=want_lse)
+        for name in got:
+            assert got[name].shape == want[name].shape, name
+            torch.testing.assert_close(got[name].double(), want[name].double(), atol=1e-5, rtol=0, msg=name)
+    finally:
+        wrapper._interface.cache_clear()

@@ -11,7 +11,7 @@ import pytest
 from seqmesh.checkpoint import latest_checkpoint
 from seqmesh.config import TrainConfig
 from seqmesh.train import resolve_degrees
-from train_job_cases import build_error, run_train, run_verify
+from train_job_cases import build_error, run_train, run_verify, run_verify_with_a_bug
 
 
 def _losses(folder: str) -> dict[int, float]:
@@ -47,8 +47,8 @@ def test_verify_passes_and_fails_loudly(pools, tmp_path):
     cfg = _cfg(tmp_path, seq_len=77, ulysses=2, ring=1, dp=2)
     good = pools.run(4, run_verify, cfg, None)[0]
     assert good["ok"] and good["loss_diff"] < 1e-5 and good["worst"][0][1] < 1e-4, good
-    strict = pools.run(4, run_verify, cfg, 1e-12)[0]
-    assert not strict["ok"]
+    bug = pools.run(4, run_verify_with_a_bug, cfg)[0]
+    assert not bug["ok"] and bug["worst"][0][1] > 0.1, bug  # an off-by-one in the labels is caught
 
 
 @pytest.mark.parametrize("change,message", [

@@ -23,3 +23,24 @@ def build_error(cfg: TrainConfig) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
+    """verify() with a real pipeline bug on the sequence-parallel side: labels shifted one token too
+    far (the classic off-by-one of shifting after slicing)."""
+    import torch
+
+    import seqmesh.data as data
+
+    original = data.shard_batch
+
+    def broken(batch, mesh, **kwargs):
+        labels = batch.get("labels", batch["input_ids"])
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        return original({**batch, "labels": shifted}, mesh, **kwargs)
+
+    data.shard_batch = broken
+    try:
+        return verify(cfg)
+    finally:
+        data.shard_batch = original

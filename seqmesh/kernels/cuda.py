@@ -16,6 +16,8 @@ they are given, so the merged output and lse of ring attention give exact block 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import AttentionKernel, BlockMask
@@ -51,6 +53,7 @@ def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
 
 
+@functools.lru_cache(maxsize=256)  # the same boundaries recur in every layer and in backward
 def varlen_args(segments: tuple[int, ...], batch: int, length: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """For a (B*S)-token varlen call: int32 boundaries of every batch row's segments, and the longest."""
     one = torch.tensor(segments, dtype=torch.int32)
@@ -70,6 +73,10 @@ class CudaFlashKernel(AttentionKernel):
     name = "cuda_flash"
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+        if q.device.type == "cuda" and not torch.backends.cuda.is_flash_attention_available():
+            return "this torch build has no flash attention"
+        if not torch.backends.cuda.flash_sdp_enabled():
+            return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
         return _cuda_problem(q, _HALF, 256, 8)
 
     def forward(self, q, k, v, mask, scale):
@@ -117,6 +124,8 @@ class CudaEfficientKernel(AttentionKernel):
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
         if mask.segments is not None:
             return "packed documents are not wired to this kernel (use fp16/bf16 for the flash kernel)"
+        if not torch.backends.cuda.mem_efficient_sdp_enabled():
+            return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
         align = 4 if q.dtype == torch.float32 else 8
         return _cuda_problem(q, (torch.float32, *_HALF), 512, align)
 
@@ -153,8 +162,10 @@ class CudaCudnnKernel(AttentionKernel):
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
         if mask.segments is not None:
             return "packed documents are not wired to this kernel"
-        if not torch.backends.cudnn.is_available():
-            return "cuDNN is not available"
+        if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
+            return "cuDNN 9 or newer is not available"
+        if not torch.backends.cuda.cudnn_sdp_enabled():
+            return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
         return _cuda_problem(q, _HALF, 128, 8)
 
     def forward(self, q, k, v, mask, scale):

@@ -35,14 +35,19 @@ def _interface() -> tuple[Any, str] | None:
 
 
 def _call(fn: Any, **given: Any) -> Any:
+    """Call ``fn`` by keyword with the arguments its signature names. flash-attn 2.7+ wraps these
+    functions in ``torch.library.custom_op``; the wrapped Python function (``_init_fn``) carries the
+    real signature, and the op itself accepts the same keywords."""
+    python_fn = getattr(fn, "_init_fn", fn)
     kwargs = {}
-    for name, param in inspect.signature(fn).parameters.items():
+    for name, param in inspect.signature(python_fn).parameters.items():
         if name in given:
             kwargs[name] = given[name]
         elif name in _NEUTRAL:
             kwargs[name] = _NEUTRAL[name]
         elif param.default is inspect.Parameter.empty:
-            raise TypeError(f"flash-attn's {fn.__name__} wants an argument seqmesh does not know: {name!r}")
+            label = getattr(python_fn, "__name__", repr(fn))
+            raise TypeError(f"flash-attn's {label} wants an argument seqmesh does not know: {name!r}")
     return fn(**kwargs)
 
 

@@ -65,6 +65,29 @@ def block_backward(dout, q, kv, out, lse, pieces, choose, kv_map, scale, dq, dkv
         dkv[1, :, p.k0 : p.k1] += _fold_kv(dv_p, kv_map, hk)
 
 
+class LocalAttention(torch.autograd.Function):
+    """A ring of one (pure Ulysses, or one process): a single kernel call over the whole block,
+    without the ring's float32 accumulators. Forward: the kernel; backward: its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, schedule, choose, kv_map, scale):  # type: ignore[override]
+        (piece,) = schedule.pieces(0, 0)  # the diagonal: the whole block, causal and/or documents
+        ks, vs = _expand_kv(k, kv_map), _expand_kv(v, kv_map)
+        kernel = choose(q, ks, piece.mask)
+        out, lse = kernel.forward(q, ks, vs, piece.mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.mask, ctx.kv_map, ctx.scale = kernel, piece.mask, kv_map, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        ks, vs = _expand_kv(k, ctx.kv_map), _expand_kv(v, ctx.kv_map)
+        dq, dk, dv = ctx.kernel.backward(dout, q, ks, vs, out, lse, ctx.mask, ctx.scale)
+        hk = k.shape[2]
+        return dq, _fold_kv(dk, ctx.kv_map, hk), _fold_kv(dv, ctx.kv_map, hk), None, None, None, None
+
+
 class RingAttention(torch.autograd.Function):
     """Forward: attention of the local query block over every ring rank's K/V, merged by LSE;
     backward: dQ locally, dK/dV travel the ring back to their owners."""
@@ -128,4 +151,6 @@ def ring_attention(
     kv_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this ring rank's block over the whole ring; ``(B, Lr, Hq, D)``."""
+    if schedule.layout.ring == 1:
+        return LocalAttention.apply(q, k, v, schedule, choose, kv_map, scale)
     return RingAttention.apply(q, k, v, group, schedule, choose, kv_map, scale)

@@ -111,6 +111,11 @@ def attention(
     real = cu[-1] if cu is not None else (seq_len or lay.padded_len)
     schedule = RingSchedule(lay, document_bounds(lay.padded_len, real, cu), causal)
     choose = kernel_chooser(backend)
+    if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
+        for r in range(ring):
+            for step in range(ring):
+                for piece in schedule.pieces(r, step):
+                    choose(q, k, piece.mask)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if ring > 1 else None
     if ulysses == 1:
