@@ -41,7 +41,7 @@ def test_chunked_head_equals_full_logits():
     h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     ref = F.cross_entropy((h2 @ w2.t()).reshape(-1, 29), labels.reshape(-1), ignore_index=-100)
     ref.backward()
-    assert float(loss) == pytest.approx(float(ref), abs=1e-12)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
     torch.testing.assert_close(hidden.grad, h2.grad, atol=1e-12, rtol=0)
     torch.testing.assert_close(weight.grad, w2.grad, atol=1e-12, rtol=0)
 
