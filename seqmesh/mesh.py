@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -121,6 +122,12 @@ class SPMesh:
     @property
     def device_type(self) -> str:
         return self.device_mesh.device_type
+
+    def collective_device(self) -> torch.device:
+        """Where tensors for this mesh's collectives live: the current CUDA device, or the CPU."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
 
     def __repr__(self) -> str:
         return (

@@ -30,7 +30,8 @@ def shard_sequence(
 
     ``x`` has the sequence along ``dim`` (e.g. ``(B, S, ...)``). It is padded with zeros to the
     layout's multiple, permuted by the layout and cut into ``ring x ulysses`` shards; the result
-    has ``padded_len / P`` tokens along ``dim``. Backward all-gathers the shards' gradients, so the
+    has ``padded_len / P`` tokens along ``dim``. When padding was added, tell ``seqmesh.attention``
+    the real length (``seq_len=x.shape[dim]``) so no token attends to the zeros. Backward all-gathers the shards' gradients, so the
     gradient of ``x`` is whole on every rank.
     """
     dim = dim % x.dim()
@@ -56,7 +57,7 @@ def gather_sequence(
     dim = dim % x_local.dim()
     p = mesh.sp_size
     padded = x_local.shape[dim] * p
-    lay = SequenceLayout(LayoutKind(layout), mesh.ring, mesh.ulysses, padded)
+    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded)  # type: ignore[arg-type]  # parsed inside
     if length is not None and not 0 < length <= padded:
         raise ValueError(f"length={length} must be in [1, {padded}] (the gathered, padded length).")
     full = x_local if p == 1 else all_gather(x_local, mesh.sp_group, dim)

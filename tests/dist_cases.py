@@ -58,7 +58,7 @@ def _inputs(case: Case, seed: int):
 def _max_err(a: torch.Tensor, b: torch.Tensor, upto: int | None = None) -> float:
     if upto is not None:
         a, b = a[:, :upto], b[:, :upto]
-    return float((a.double() - b.double()).abs().max())
+    return float((a.detach().double() - b.detach().double()).abs().max())
 
 
 def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True):
@@ -157,6 +157,8 @@ def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
         v = torch.randn(b, n, 3, d)
     elif problem == "causal" and rank == 1:
         kwargs["causal"] = False
+    elif problem == "cu_not_ints" and rank == 2:
+        kwargs["cu_seqlens"] = torch.tensor([[0, 5], [9, 16]])  # 2-D: this rank alone cannot read it
     try:
         seqmesh.attention(q, k, v, mesh, **kwargs)
     except ValueError as err:
@@ -226,3 +228,56 @@ def named_backend_refuses_documents() -> str:
     finally:
         kernels.KERNELS["math"] = original
     return "no error"
+
+
+def zigzag_positions_by_hand(seq_len: int, ulysses: int, ring: int, ulysses_rank: int, ring_rank: int) -> list[int]:
+    """The USP zigzag placement written out independently: pad to a multiple of ring x lcm(2, U) (or
+    U when ring = 1), cut 2 x ring chunks, ring rank r takes chunks r and 2R-1-r, Ulysses rank u
+    the u-th of U equal pieces of that pair."""
+    import math
+
+    multiple = ring * math.lcm(2, ulysses) if ring > 1 else ulysses
+    padded = -(-seq_len // multiple) * multiple
+    if ring == 1:
+        pair = list(range(padded))
+    else:
+        c = padded // (2 * ring)
+        pair = list(range(ring_rank * c, (ring_rank + 1) * c)) + list(range((2 * ring - 1 - ring_rank) * c, (2 * ring - ring_rank) * c))
+    piece = len(pair) // ulysses
+    return pair[ulysses_rank * piece : (ulysses_rank + 1) * piece]
+
+
+def sharding_checks(ulysses: int, ring: int) -> dict:
+    """Rank placement, positions, both mesh constructors, and the gradients of shard/gather."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = get_mesh(ulysses, ring)
+    world_rank = dist.get_rank()
+    out: dict = {"placement": (mesh.ulysses_rank, mesh.ring_rank) == (world_rank % ulysses, world_rank // ulysses)}
+    wrapped = seqmesh.mesh_from_device_mesh(
+        init_device_mesh("cpu", (1, 1, ring, ulysses), mesh_dim_names=("dp_replicate", "dp_shard", "ring", "ulysses")))
+    out["wrapped_same_rank"] = (wrapped.sp_rank, wrapped.ulysses_rank, wrapped.ring_rank) == (
+        mesh.sp_rank, mesh.ulysses_rank, mesh.ring_rank)
+    out["positions"] = {}
+    out["roundtrip"] = {}
+    out["grad_err"] = {}
+    for layout in ("zigzag", "contiguous"):
+        for seq_len in (23, 32):
+            got = seqmesh.sequence_positions(seq_len, mesh, layout=layout).tolist()
+            want = (zigzag_positions_by_hand(seq_len, ulysses, ring, mesh.ulysses_rank, mesh.ring_rank)
+                    if layout == "zigzag" else None)
+            if want is None:  # contiguous: rank i holds [i*L, (i+1)*L) of the padded sequence
+                length = len(got)
+                want = list(range(mesh.sp_rank * length, (mesh.sp_rank + 1) * length))
+            out["positions"][f"{layout}-{seq_len}"] = got == want
+
+            g = torch.Generator().manual_seed(seq_len)
+            x = torch.randn(2, seq_len, 3, generator=g, dtype=torch.float64, requires_grad=True)
+            weight = torch.randn(2, seq_len, 3, generator=g, dtype=torch.float64)  # the same on every rank
+            local = seqmesh.shard_sequence(x, mesh, layout=layout)
+            whole = seqmesh.gather_sequence(local, mesh, layout=layout, length=seq_len)
+            out["roundtrip"][f"{layout}-{seq_len}"] = torch.equal(whole.detach(), x.detach())
+            (whole * weight).sum().backward()  # every rank adds the same loss: d/dx of the sum is P x weight
+            out["grad_err"][f"{layout}-{seq_len}"] = float((x.grad - mesh.sp_size * weight).abs().max())
+    return out

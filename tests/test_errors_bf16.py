@@ -16,6 +16,7 @@ PROBLEMS = {
     "cu_too_long": "ends at 19 but the sequence holds 16 tokens",
     "heads": "4 query heads are not a multiple of 3 kv heads",
     "causal": "disagree on causal",
+    "cu_not_ints": "cu_seqlens must be a 1-D integer tensor",
 }
 
 

@@ -98,3 +98,43 @@ class AttentionKernel(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<attention kernel {self.name}>"
+
+
+def segment_ranges(mask: BlockMask, length: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each packed document of a square call, or the whole call."""
+    bounds = mask.segments if mask.segments is not None else (0, length)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class PerDocumentKernel(AttentionKernel):
+    """A kernel whose op only knows causal or full attention. Packed documents run as one call per
+    document: each is a square block on the diagonal of the call (its tokens are adjacent in the
+    buffer), so no (S, S) mask is ever built and memory stays linear in the sequence."""
+
+    @abc.abstractmethod
+    def dense_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def dense_backward(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, causal: bool, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, q, k, v, mask, scale):
+        if mask.segments is None:
+            return self.dense_forward(q, k, v, mask.causal, scale)
+        parts = [self.dense_forward(q[:, a:b], k[:, a:b], v[:, a:b], mask.causal, scale)
+                 for a, b in segment_ranges(mask, q.shape[1])]
+        return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        if mask.segments is None:
+            return self.dense_backward(dout, q, k, v, out, lse, mask.causal, scale)
+        parts = [
+            self.dense_backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], out[:, a:b], lse[:, :, a:b],
+                                mask.causal, scale)
+            for a, b in segment_ranges(mask, q.shape[1])
+        ]
+        return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # type: ignore[return-value]

@@ -1,16 +1,16 @@
 """torch's CPU flash-attention op (``aten._scaled_dot_product_flash_attention_for_cpu``).
 
 It handles grouped-query heads natively, returns the log-sum-exp, and has a backward op that takes
-the output and log-sum-exp, so it serves ring attention directly. Packed documents become an
-additive mask (it accepts only a float mask of the query dtype). A row with no visible key comes
-back with lse = 0 rather than -inf; the block planner never produces such a row.
+the output and log-sum-exp, so it serves ring attention directly. Packed documents run as one call
+per document (:class:`PerDocumentKernel`) rather than through a dense (S, S) mask. A row with no
+visible key would come back with lse = 0 rather than -inf; the block planner never produces one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import AttentionKernel, BlockMask, lse_dtype
+from .base import BlockMask, PerDocumentKernel, lse_dtype
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -19,14 +19,7 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # (B, S, H, D) -> (B, H, S, D) view
 
 
-def _additive_mask(mask: BlockMask, sq: int, sk: int, like: torch.Tensor) -> torch.Tensor | None:
-    if mask.segments is None:
-        return None
-    allowed = mask.allowed(sq, sk, like.device)
-    return torch.zeros(sq, sk, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
-
-
-class CpuFlashKernel(AttentionKernel):
+class CpuFlashKernel(PerDocumentKernel):
     name = "cpu_flash"
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
@@ -36,18 +29,15 @@ class CpuFlashKernel(AttentionKernel):
             return f"dtype {q.dtype} is not one of {_DTYPES}"
         return None
 
-    def forward(self, q, k, v, mask, scale):
-        causal = mask.causal and mask.segments is None  # with segments, causality is in the mask
+    def dense_forward(self, q, k, v, causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal,
-            attn_mask=_additive_mask(mask, q.shape[1], k.shape[1], q), scale=scale,
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse.to(lse_dtype(q.dtype))
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        causal = mask.causal and mask.segments is None
+    def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(lse_dtype(q.dtype)).contiguous(), 0.0, causal,
-            attn_mask=_additive_mask(mask, q.shape[1], k.shape[1], q), scale=scale,
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.to(lse_dtype(q.dtype)).contiguous(), 0.0,
+            causal, scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -9,6 +9,8 @@ Conventions these wrappers rely on (torch 2.9 - 2.13 source):
 - ``_efficient_attention_forward`` takes (B, S, H, D), needs Hq == Hk, and pads lse to
   (B, H, ceil32(S)); its backward reads that padded shape (padding +inf).
 - ``_scaled_dot_product_cudnn_attention`` takes (B, H, S, D) and returns lse (B, H, S, 1).
+- The efficient and cuDNN ops take no document boundaries here: packed documents run one call per
+  document (``PerDocumentKernel``); the flash op takes them natively (varlen).
 
 All backward ops use ``out`` only for rowsum(dout * out) and recompute probabilities from the lse
 they are given, so the merged output and lse of ring attention give exact block gradients.
@@ -20,7 +22,7 @@ import functools
 
 import torch
 
-from .base import AttentionKernel, BlockMask
+from .base import AttentionKernel, BlockMask, PerDocumentKernel
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -115,33 +117,27 @@ class CudaFlashKernel(AttentionKernel):
         return dq.view(b, sq, h, d), dk.view(b, sk, hk, d), dv.view(b, sk, hk, d)
 
 
-class CudaEfficientKernel(AttentionKernel):
+class CudaEfficientKernel(PerDocumentKernel):
     """cutlass memory-efficient attention: fp32/fp16/bf16; kv heads are expanded for grouped queries;
-    no documents (packed documents go to the flash kernel or the math fallback)."""
+    packed documents run one call per document."""
 
     name = "cuda_efficient"
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
-        if mask.segments is not None:
-            return "packed documents are not wired to this kernel (use fp16/bf16 for the flash kernel)"
         if not torch.backends.cuda.mem_efficient_sdp_enabled():
             return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
         align = 4 if q.dtype == torch.float32 else 8
         return _cuda_problem(q, (torch.float32, *_HALF), 512, align)
 
-    @staticmethod
-    def _mask_type(mask: BlockMask) -> int:
-        return 1 if mask.causal else 0  # 1: causal, top-left aligned
-
-    def forward(self, q, k, v, mask, scale):
+    def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             _last_contiguous(q), _last_contiguous(_expand_kv(k, h)), _last_contiguous(_expand_kv(v, h)),
-            None, None, None, None, None, 0.0, self._mask_type(mask), True, scale=scale,
+            None, None, None, None, None, 0.0, int(causal), True, scale=scale,  # custom mask type 1: causal, top-left
         )
         return out, lse[:, :, : q.shape[1]]
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         b, sq, h, _ = q.shape
         padded = torch.full((b, h, -(-sq // 32) * 32), float("inf"), dtype=torch.float32, device=q.device)
         padded[:, :, :sq] = lse
@@ -149,40 +145,39 @@ class CudaEfficientKernel(AttentionKernel):
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
             dout.contiguous(), _last_contiguous(q), _last_contiguous(_expand_kv(k, h)), _last_contiguous(_expand_kv(v, h)),
             None, out.to(q.dtype).contiguous(), None, None, sq, k.shape[1], padded, 0.0, seed, seed,
-            self._mask_type(mask), False, scale=scale,
+            int(causal), False, scale=scale,
         )
         return dq, _fold_kv(dk, k.shape[2]), _fold_kv(dv, k.shape[2])
 
 
-class CudaCudnnKernel(AttentionKernel):
-    """cuDNN fused attention: fp16/bf16, no documents; kv heads are expanded for grouped queries."""
+class CudaCudnnKernel(PerDocumentKernel):
+    """cuDNN fused attention: fp16/bf16; kv heads are expanded for grouped queries; packed documents
+    run one call per document."""
 
     name = "cuda_cudnn"
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
-        if mask.segments is not None:
-            return "packed documents are not wired to this kernel"
         if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
         return _cuda_problem(q, _HALF, 128, 8)
 
-    def forward(self, q, k, v, mask, scale):
+    def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2),
-            None, True, 0.0, mask.causal, False, scale=scale,
+            None, True, 0.0, causal, False, scale=scale,
         )
         return out.transpose(1, 2), lse.view(lse.shape[0], lse.shape[1], lse.shape[2])  # (B, H, S, 1) -> (B, H, S)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         h = q.shape[2]
         ke, ve = _expand_kv(k, h), _expand_kv(v, h)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout.transpose(1, 2), q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2),
             out.transpose(1, 2), lse.float().unsqueeze(-1).contiguous(), seed, seed, None, None, None,
-            q.shape[1], k.shape[1], 0.0, mask.causal, scale=scale,
+            q.shape[1], k.shape[1], 0.0, causal, scale=scale,
         )
         return dq.transpose(1, 2), _fold_kv(dk.transpose(1, 2), k.shape[2]), _fold_kv(dv.transpose(1, 2), k.shape[2])

@@ -72,7 +72,8 @@ def attention(
         cu_seqlens: global document boundaries ``(0, e1, e2, ...)`` (int, flash-attn style, shared by
             the batch): no token attends across a boundary and tokens past the last one are padding.
         seq_len: the real length when there are no documents; positions at or past it are padding.
-            Defaults to ``L * P``.
+            Defaults to ``L * P``. Give it whenever the sequence was padded to shard it
+            (``shard_sequence`` pads with zeros): non-causal attention would otherwise see the padding.
         softmax_scale: defaults to ``D ** -0.5``.
         backend: ``"auto"`` or a kernel name from ``seqmesh.kernels.BACKENDS``.
         validate: check that every rank of the sequence group passes matching inputs (one small
@@ -83,7 +84,10 @@ def attention(
     """
     p, ring, ulysses = mesh.sp_size, mesh.ring, mesh.ulysses
     problem = describe_shapes(q, k, v)
-    cu = _as_ints(cu_seqlens)
+    try:
+        cu = _as_ints(cu_seqlens)
+    except (TypeError, ValueError) as err:  # reported through the group below, so no peer is left waiting
+        cu, problem = None, problem or f"cu_seqlens could not be read as integers: {err}"
     values = [0] * len(FIELDS)
     lay = plan = None
     if problem is None:
@@ -103,7 +107,7 @@ def attention(
         values = [b, n, hq, k.shape[2], d, _DTYPE_CODES.get(q.dtype, 0), int(causal),
                   list(LayoutKind).index(lay.kind) if lay else -1, seq_len or 0, _fingerprint(cu)]
     if validate and p > 1:
-        agree(mesh.sp_group, values, problem, q.device)
+        agree(mesh.sp_group, values, problem, mesh.collective_device())
     elif problem:
         raise ValueError(problem)
     assert lay is not None and plan is not None
