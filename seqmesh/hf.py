@@ -72,6 +72,12 @@ def _make_attention(mesh: SPMesh, backend: str):
             )
         if dropout:
             raise ValueError(f"attention dropout ({dropout}) is not supported by seqmesh; set attention_dropout=0.")
+        if attention_mask is not None:  # transformers builds none for a registered implementation; a model
+            raise ValueError(           # that makes its own expresses a variant seqmesh would silently drop
+                f"{type(module).__name__} passed its own attention mask (shape {tuple(attention_mask.shape)}); seqmesh "
+                "computes causal attention within the documents of seqmesh.shard_batch and cannot apply an arbitrary "
+                "mask. Describe padding and packed documents through shard_batch instead."
+            )
         _refuse_unsupported(kwargs, info)
         first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
         out = attention(
@@ -103,6 +109,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(f"this model uses chunked attention (attention_chunk_size={chunk}); seqmesh computes full "
+                         "causal attention only. Set config.attention_chunk_size = None to train it with full attention.")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"

@@ -56,45 +56,58 @@ def sequence_parallel_cross_entropy(
     return pool_mean(local_sum, (flat != ignore_index).sum(), group)
 
 
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The LM head's matmul dtype: autocast's when it is on (as ``F.linear`` would use), else the
+    inputs' common dtype. Forward and the backward's recomputation must agree on it."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward: sum of cross-entropy of ``hidden @ weight.T`` tile by tile, keeping one lse per token;
-    backward: recompute each tile's softmax and return d(hidden), d(weight)."""
+    backward: recompute each tile's softmax with the same matmul dtype and return d(hidden), d(weight)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, ignore_index):  # type: ignore[override]
         # hidden (N, H), weight (V, H), labels (N,)
         wide = _wide(hidden.dtype)
+        mm = _matmul_dtype(hidden, weight)
+        w = weight.to(mm)
         lse = hidden.new_empty(hidden.shape[0], dtype=wide)
         total = hidden.new_zeros((), dtype=wide)
-        for start in range(0, hidden.shape[0], chunk):
-            logits = (hidden[start : start + chunk] @ weight.t()).to(wide)  # (n, V)
-            tile_lse = torch.logsumexp(logits, dim=-1)
-            lse[start : start + chunk] = tile_lse
-            target = labels[start : start + chunk]
-            valid = target != ignore_index
-            picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += ((tile_lse - picked) * valid).sum()
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen explicitly above
+            for start in range(0, hidden.shape[0], chunk):
+                logits = (hidden[start : start + chunk].to(mm) @ w.t()).to(wide)  # (n, V)
+                tile_lse = torch.logsumexp(logits, dim=-1)
+                lse[start : start + chunk] = tile_lse
+                target = labels[start : start + chunk]
+                valid = target != ignore_index
+                picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+                total += ((tile_lse - picked) * valid).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        ctx.chunk, ctx.ignore_index, ctx.mm = chunk, ignore_index, mm
         return total
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         hidden, weight, labels, lse = ctx.saved_tensors
-        chunk, ignore_index = ctx.chunk, ctx.ignore_index
+        chunk, ignore_index, mm = ctx.chunk, ctx.ignore_index, ctx.mm
+        w = weight.to(mm)
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]
+            h = hidden[start : start + chunk].to(mm)
             target = labels[start : start + chunk]
             valid = (target != ignore_index).unsqueeze(1)
             # one (n, V) buffer, updated in place: softmax, minus one-hot, masked and scaled
-            d_logits = (h @ weight.t()).to(lse.dtype).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
+            d_logits = (h @ w.t()).to(lse.dtype).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
             d_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))
             d_logits.mul_(valid).mul_(grad)
-            d_logits = d_logits.to(weight.dtype)  # tensor-core matmuls; d_weight accumulates wider
-            d_hidden[start : start + chunk] = (d_logits @ weight).to(hidden.dtype)
-            d_weight += (d_logits.t() @ h.to(weight.dtype)).to(d_weight.dtype)
+            d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
+            d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
+            d_weight += (d_logits.t() @ h).to(d_weight.dtype)
         return d_hidden, d_weight.to(weight.dtype), None, None, None
 
 

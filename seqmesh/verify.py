@@ -12,8 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data import positions_in_documents, shift_labels
-from .data import _documents_from_positions
 from .loss import IGNORE_INDEX
 from .model import build_model
 from .config import TrainConfig
@@ -21,16 +19,23 @@ from .train import _to, build, make_dataset
 
 
 def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:
-    """Mean next-token loss over all valid targets of ``batches``, one device, whole sequences."""
+    """Mean next-token loss over all valid targets of ``batches``, one device, whole sequences,
+    written without seqmesh's data pipeline: target t is label t+1, except where the next token starts
+    a new packed document (its position restarts at 0). transformers' SDPA attention keeps packed
+    documents apart from the same position_ids."""
     total = torch.zeros((), device=device)
     count = 0
     for batch in batches:
         ids = batch["input_ids"].to(device)
-        cu = _documents_from_positions(batch["position_ids"]) if "position_ids" in batch else None
-        targets = shift_labels(batch.get("labels", batch["input_ids"]), cu, None).to(device)
-        positions = positions_in_documents(ids.shape[1], cu).expand_as(ids).to(device)
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        positions = batch.get("position_ids")
+        targets = batch.get("labels", batch["input_ids"])[:, 1:].clone()
+        if positions is not None:
+            targets[positions[:, 1:] == 0] = IGNORE_INDEX
+            positions = positions.to(device)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
+        targets = targets.to(device)
+        total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                        reduction="sum")
         count += int((targets != IGNORE_INDEX).sum())
     return total / max(count, 1)
 

@@ -36,4 +36,7 @@ def test_bf16_mixed_precision_stays_close(pools):
     case = TrainCase("llama-tiny", 2, 2, fsdp=True, bf16=True, steps=2)
     for r in pools.run(4, training_parity, case, timeout=600):
         assert max(r["loss"]) < 2e-2, r
+        # bf16 rounding leaves ~1e-2 relative error in the first gradient; gradients averaged over the 4
+        # sequence ranks instead of summed are off by 0.75 (AdamW would hide that in the weights)
+        assert r["grad"][0] < 3e-2, r
         assert r["weight"] < 5e-3, r

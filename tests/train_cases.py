@@ -107,7 +107,7 @@ def training_parity(case: TrainCase) -> dict:
         for name, p in sp.named_parameters():
             want = ref_grads[name.removeprefix("lm.")].grad
             worst = max(worst, float((_full(p.grad) - want).abs().max() / want.abs().max().clamp(min=1e-12)))
-        result["loss"].append(abs(float(loss) - float(ref_loss)))
+        result["loss"].append(abs(loss.item() - ref_loss.item()))
         result["grad"].append(worst)
         ref_opt.step()
         sp_opt.step()
