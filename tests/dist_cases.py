@@ -281,3 +281,23 @@ def sharding_checks(ulysses: int, ring: int) -> dict:
             (whole * weight).sum().backward()  # every rank adds the same loss: d/dx of the sum is P x weight
             out["grad_err"][f"{layout}-{seq_len}"] = float((x.grad - mesh.sp_size * weight).abs().max())
     return out
+
+
+def saved_for_backward(ulysses: int, ring: int, cases: list[Case]) -> list[int]:
+    """Bytes that seqmesh.attention keeps for backward on this rank (autograd's saved tensors)."""
+    mesh = get_mesh(ulysses, ring)
+    results = []
+    for case in cases:
+        q, k, v, _ = _inputs(case, case.seed)
+        shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout).detach().requires_grad_()  # noqa: E731
+        ql, kl, vl = shard(q), shard(k), shard(v)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # each buffer once
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            seqmesh.attention(ql, kl, vl, mesh, causal=case.causal, layout=case.layout, seq_len=case.seq_len)
+        results.append(sum(seen.values()))
+    return results

@@ -86,15 +86,17 @@ def test_cuda_wrappers_shapes_on_meta():
     out (B, S, H, D), lse (B, H, S) float32, dk/dv with the kv heads, dense and varlen."""
     q = torch.empty(2, 48, 8, 64, device="meta", dtype=torch.bfloat16)
     k = torch.empty(2, 48, 2, 64, device="meta", dtype=torch.bfloat16)
-    for name, masks in (("cuda_flash", [BlockMask(causal=True), BlockMask(causal=True, segments=(0, 5, 20, 48))]),
-                        ("cuda_cudnn", [BlockMask(causal=True), BlockMask()])):
+    documents = BlockMask(causal=True, segments=(0, 5, 20, 48))  # varlen (flash) or one call per document
+    for name, masks in (("cuda_flash", [BlockMask(causal=True), documents]),
+                        ("cuda_cudnn", [BlockMask(causal=True), BlockMask(), documents])):
         for mask in masks:
             out, lse = KERNELS[name].forward(q, k, k, mask, 0.125)
             assert out.shape == q.shape and lse.shape == (2, 8, 48) and lse.dtype == torch.float32
             dq, dk, dv = KERNELS[name].backward(out, q, k, k, out, lse, mask, 0.125)
             assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
-    out, lse = KERNELS["cuda_efficient"].forward(q, k, k, BlockMask(causal=True), 0.125)
-    assert out.shape == q.shape and lse.shape == (2, 8, 48)
+    for mask in (BlockMask(causal=True), documents):
+        out, lse = KERNELS["cuda_efficient"].forward(q, k, k, mask, 0.125)
+        assert out.shape == q.shape and lse.shape == (2, 8, 48)
 
 
 def test_auto_backend_on_cpu_and_named_errors():

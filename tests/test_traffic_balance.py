@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_cases import Case, traffic_cases
+from dist_cases import Case, saved_for_backward, traffic_cases
 from reference import document_ids
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.sharded_attention.blocks import document_bounds
@@ -114,3 +114,17 @@ def test_schedule_computes_exactly_the_visible_pairs(ring, cu):
     if cu is None:
         assert balance["zigzag"] == pytest.approx(1.0, abs=0.02)
         assert balance["contiguous"] == pytest.approx((2 * ring - 1) / ring, rel=0.02)
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 2), (4, 1), (1, 4)])
+def test_memory_saved_for_backward_is_one_pth_of_one_device(pools, ulysses, ring):
+    """Each rank keeps exactly 1/P of what one device's flash attention keeps for backward: q, k, v and
+    the output in the input dtype, and a float32 log-sum-exp per query and head."""
+    cases = [Case(64, 8, 8, True, "zigzag", dtype="float32"), Case(64, 8, 4, False, "contiguous", dtype="bfloat16")]
+    p = ulysses * ring
+    for per_rank in pools.run(p, saved_for_backward, ulysses, ring, cases):
+        for case, got in zip(cases, per_rank):
+            item = torch.finfo(getattr(torch, case.dtype)).bits // 8
+            one_device = (case.batch * case.seq_len * case.head_dim * item * (2 * case.q_heads + 2 * case.kv_heads)
+                          + case.batch * case.q_heads * case.seq_len * 4)
+            assert got * p == one_device, (case.name, got, one_device / p)
