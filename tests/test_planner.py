@@ -8,9 +8,12 @@ from dataclasses import replace
 import pytest
 
 from seqmesh.planner.hardware import GB, GiB, PRESETS, HardwareSpec, LinkLevel, make_cluster, parse_link
-from seqmesh.planner.memory import activation_memory, logits_memory, memory_per_gpu, parameter_memory
-from seqmesh.planner.plan import longest_sequence, plan
-from seqmesh.planner.timing import all_to_all_seconds, attention_pairs, ring_attention_seconds, step_time
+from seqmesh.planner.memory import (activation_memory, attention_working_set, logits_memory, memory_per_gpu,
+                                   parameter_memory)
+from seqmesh.planner.memory import MemoryBreakdown
+from seqmesh.planner.plan import Candidate, evaluate, longest_sequence, plan
+from seqmesh.planner.recommend import explain, pick
+from seqmesh.planner.timing import StepTime, all_to_all_seconds, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.planner.workload import Layout, Workload
 from seqmesh.presets import MODELS, ModelShape
@@ -26,18 +29,72 @@ def _fast(hw: HardwareSpec) -> HardwareSpec:
 
 
 # -- memory -------------------------------------------------------------------------------------------
-def test_parameter_memory_is_16_bytes_per_parameter_sharded_plus_two_unsharded_units():
-    """FSDP over 8 ranks, bf16 compute: fp32 master + fp32 grad + 2 fp32 Adam moments = 16 bytes per
-    parameter over 8, plus two bf16 copies of the largest unit (here Llama-3-8B's embedding,
-    128256 x 4096) and that unit's bf16 gradient with its fp32 reduce copy."""
+LLAMA8B_LAYER = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096  # q,k,v,o + gated MLP + 2 norms
+LLAMA8B_ROOT = 2 * 128256 * 4096 + 4096  # embedding + LM head (untied) + final norm
+
+
+def test_root_unit_is_gathered_all_step_and_its_gradients_live_through_backward():
+    """seqmesh's FSDP units (seqmesh.fsdp.apply_fsdp): one per decoder layer, and the root with the
+    embedding, final norm and LM head. Llama-3-8B, bf16, FSDP over 8 ranks; per GPU:
+
+    - sharded, every moment: fp32 master 4 B + fp32 gradient 4 B + Adam 8 B per parameter / 8;
+    - gathered in bf16: the root (all step long: its forward holds every layer) + two layers (current and
+      prefetched), but at the end of backward only the root;
+    - unsharded gradients: inside a layer's backward the LM head's (bf16, since the loss's backward) and
+      the layer's (bf16 + its fp32 reduce-scatter copy); at the loss the head's; at the end the root's
+      (bf16 + fp32 copy)."""
     m = MODELS["llama3-8b"]
-    layer = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096
-    params = 32 * layer + 2 * 128256 * 4096 + 4096
-    assert m.params == params == 8_030_261_248
-    unit = 128256 * 4096
-    weights, grads, optimizer = parameter_memory(Workload(m, 8192), Layout(8, 1, 1))
-    shard = -(-params // 8)
-    assert (weights, grads, optimizer) == (4 * shard + 2 * 2 * unit, 4 * shard + (2 + 4) * unit, 8 * shard)
+    params = 32 * LLAMA8B_LAYER + LLAMA8B_ROOT
+    assert LLAMA8B_LAYER == 218_112_000 and m.params == params == 8_030_261_248
+    shard, head = -(-params // 8), 128256 * 4096
+    w, lay = Workload(m, 8192), Layout(8, 1, 1)
+    gathered = 4 * shard + 2 * (LLAMA8B_ROOT + 2 * LLAMA8B_LAYER)
+    want = {
+        "layer backward": (gathered, 4 * shard + 2 * head + 6 * LLAMA8B_LAYER),
+        "loss backward": (gathered, 4 * shard + 2 * head),
+        "end of backward": (4 * shard + 2 * LLAMA8B_ROOT, 4 * shard + 6 * LLAMA8B_ROOT),
+    }
+    for moment, (weights, grads) in want.items():
+        assert parameter_memory(w, lay, moment) == (weights, grads, 8 * shard), moment
+
+
+def test_tied_head_is_one_root_weight():
+    """Qwen3-0.6B ties the head to the embedding: the root is 151936 x 1024 + the 1024 final norm, once."""
+    m = MODELS["qwen3-0.6b"]
+    layer = 1024 * 128 * (2 * 16 + 2 * 8) + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128  # + q/k norms
+    root = 151936 * 1024 + 1024
+    assert m.params == 28 * layer + root
+    shard = -(-m.params // 4)
+    weights, grads, _ = parameter_memory(Workload(m, 4096), Layout(4, 1, 1), "end of backward")
+    assert (weights, grads) == (4 * shard + 2 * root, 4 * shard + 6 * root)
+
+
+def test_llama70b_on_16_gpus_is_bound_by_the_root_unit_at_any_length():
+    """Llama-3-70B on 16 H100s: 16 B per parameter / 16 + the 2.1B-parameter root in bf16 + its bf16
+    gradient and fp32 reduce copy at the end of backward + 2 GiB reserve = 83.4 GiB > 79.6 GiB, before a
+    single activation. So even one token does not fit."""
+    m = MODELS["llama3-70b"]
+    root = 2 * 128256 * 8192 + 8192
+    want = 16 * -(-m.params // 16) + (2 + 2 + 4) * root + 2 * GiB
+    assert want / GiB == pytest.approx(83.37, abs=0.01)
+    peak = memory_per_gpu(Workload(m, 1), Layout(1, 16, 1))
+    assert (peak.moment, peak.total) == ("end of backward", want)
+    assert longest_sequence(Workload(m, 1), Layout(1, 16, 1), H100.memory_bytes) == 0
+
+
+def test_attention_working_set_by_hand():
+    """Tiny model (4 query / 2 kv heads x 16), 64 tokens on Ulysses 2 x ring 2, bf16: 16 local tokens; a
+    ring block is the Ulysses group's 32 tokens on this rank's 2 query heads and 1 kv head.
+    Forward: all-to-all send buffer 16 tok x (2+2+2+2) heads x 16 x 2 B = 4096; fp32 output + LSE
+    accumulators 32 x 2 x (16 x 4 + 4) = 4352; two K/V blocks in flight 2 x (2 x 32 x 1 x 16 x 2) = 4096;
+    the block's bf16 output 32 x 2 x 16 x 2 = 2048: 14592.
+    Backward: fp32 dQ 32 x 2 x 16 x 4 = 4096; this step's and the incoming fp32 dK/dV partial 2 x (2 x 32 x
+    16 x 4) = 8192; two K/V blocks 4096; the kernel's bf16 dq/dk/dv 32 x (2 + 2) x 16 x 2 = 4096; dout 2048;
+    two all-to-all buffers 8192: 30720, the larger."""
+    assert attention_working_set(Workload(TINY, 64), Layout(2, 2, 1)) == 30720
+    # one GPU, no ring, no Ulysses: dQ 64x4x16x4 + one fp32 dK/dV 2x64x2x16x4 + one K/V block 2x64x2x16x2
+    # + dq/dk/dv 64x8x16x2 + dout 64x4x16x2
+    assert attention_working_set(Workload(TINY, 64), Layout(1, 1, 1)) == 16384 + 16384 + 8192 + 16384 + 8192
 
 
 def test_saved_activations_per_layer_by_hand():
@@ -63,10 +120,11 @@ def test_ring_divides_every_activation_by_its_degree():
 
 
 def test_chunked_loss_bounds_the_logits():
-    """bf16 logits + fp32 copy + fp32 gradient = 10 bytes per logit; chunking keeps 4096 tokens' worth."""
+    """bf16 logits + fp32 copy + fp32 gradient = 10 bytes per logit; chunking keeps 4096 tokens' worth and
+    the chunked backward's fp32 accumulator of the head's weight gradient (128256 x 4096 floats)."""
     m, lay = MODELS["llama3-8b"], Layout(4, 1, 1)
     assert logits_memory(Workload(m, 65536, chunked_loss=False), lay) == 16384 * 128256 * 10
-    assert logits_memory(Workload(m, 65536), lay) == 4096 * 128256 * 10
+    assert logits_memory(Workload(m, 65536), lay) == 4096 * 128256 * 10 + 128256 * 4096 * 4
 
 
 def test_longest_sequence_is_the_memory_boundary():
@@ -81,15 +139,35 @@ def test_longest_sequence_is_the_memory_boundary():
 def test_compute_time_by_hand():
     """With free communication and peak FLOP/s: per layer 2 FLOPs per weight per token forward, 4
     backward, 2 again to recompute under checkpointing; attention 4*D*H FLOPs per visible pair with
-    S(S+1)/2 causal pairs, x (1 + 2.5 + 1); the LM head 6 FLOPs per weight per token."""
+    S(S+1)/2 causal pairs, x (1 + 2.5 + 1); the LM head 2 forward + 4 backward FLOPs per weight per token,
+    + 2 when the chunked loss recomputes the logits in backward (seqmesh.loss)."""
     hw, s = _fast(H100), 1024
-    t = step_time(Workload(TINY, s), Layout(1, 1, 1), hw)
     mm = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
     attention = 4 * 16 * 4 * (s * (s + 1) // 2)
-    flops = TINY.layers * (8 * s * mm + 4.5 * attention) + 6 * s * 256 * 64
     assert attention_pairs(s, True) == s * (s + 1) // 2
-    assert t.compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
-    assert t.total == pytest.approx(t.compute, rel=1e-9)
+    for chunked, head_flops in ((True, 8), (False, 6)):
+        t = step_time(Workload(TINY, s, chunked_loss=chunked), Layout(1, 1, 1), hw)
+        flops = TINY.layers * (8 * s * mm + 4.5 * attention) + head_flops * s * 256 * 64
+        assert t.compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
+        assert t.total == pytest.approx(t.compute, rel=1e-9)
+
+
+@pytest.mark.parametrize("ulysses,ring", [(4, 1), (1, 4), (2, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_flops_per_rank_divide_by_the_sequence_degree(ulysses, ring, causal):
+    """Over P = ulysses x ring ranks each rank does 1/P of the attention: Ulysses gives it Hq/U of the heads
+    over all S queries, the (zigzag-balanced) ring 1/R of the visible pairs. Causal keeps S(S+1)/2 of the
+    S^2 pairs. Matmuls run on the S/P local tokens. Free links and memory, peak FLOP/s, 4 ranks."""
+    hw, s, d, hq = _fast(H100), 4096, 16, 4
+    w = Workload(TINY, s, causal=causal)
+    pairs = s * (s + 1) // 2 if causal else s * s
+    attention = 4 * d * (hq // ulysses) * pairs // ring  # one rank, forward, FLOPs
+    mm = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
+    flops = TINY.layers * (8 * (s // 4) * mm + 4.5 * attention) + 8 * (s // 4) * 256 * 64
+    assert step_time(w, Layout(ulysses, ring, 1), hw).compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
+    one = step_time(w, Layout(1, 1, 1), hw).compute
+    assert one == pytest.approx((TINY.layers * (8 * s * mm + 4.5 * 4 * d * hq * pairs) + 8 * s * 256 * 64)
+                                / hw.peak_flops, rel=1e-9)
 
 
 def test_ring_overlaps_transfers_with_block_compute():
@@ -180,3 +258,60 @@ def test_a_sequence_that_cannot_fit_is_reported():
     assert not any(c.feasible for c in p.candidates if c.layout.runs_on_seqmesh)
     assert "needs" in p.reason and "GiB" in p.reason
     assert all(c.memory.activations > 80 * GiB for c in p.candidates if c.layout.dp_shard == 1 and c.layout.tp == 1)
+
+
+def _candidate(label: tuple[int, int, int], tokens_per_s: float, gib: float, serial: float) -> Candidate:
+    """A made-up evaluated layout: ``gib`` of memory, ``serial`` of the (1 s) step in communication end to end."""
+    mem = MemoryBreakdown(int(gib * GiB), 0, 0, 0, 0, 0, 0)
+    t = StepTime(1.0, 1.0, 0.0, 0.0, 0.0, serial)
+    return Candidate(Layout(*label), mem, {}, {}, {}, t, tokens_per_s, True)
+
+
+def test_a_tie_goes_to_clear_memory_headroom_then_to_less_exposed_communication():
+    """On an 80 GiB GPU: A is the fastest prediction at 64 GiB; B is 0.5% slower (a tie: under 1%) at 36 GiB,
+    more than 10% of the GPU (8 GiB) below A, so A drops out; C is 0.8% slower at 40 GiB, within 8 GiB of B,
+    with less communication end to end, so C beats B; D at 20 GiB is 2% slower, no tie."""
+    a = _candidate((1, 2, 4), 1000.0, 64.0, 0.001)
+    b = _candidate((8, 1, 1), 995.0, 36.0, 0.030)
+    c = _candidate((4, 2, 1), 992.0, 40.0, 0.020)
+    d = _candidate((1, 8, 1), 980.0, 20.0, 0.000)
+    assert pick([a, b, c, d], 80 * GiB) is c
+    assert pick([a, b, d], 80 * GiB) is b
+    assert pick([a, _candidate((8, 1, 1), 995.0, 60.0, 0.030)], 80 * GiB) is a  # 4 GiB apart: a tie on memory too
+
+
+def test_h100_128k_picks_headroom_and_says_so():
+    """Llama-3-8B at 128K on 8 H100s: layouts with data parallelism are predicted within 1% of the fastest
+    but need far more memory; the pick leaves headroom and the reason names both footprints."""
+    p = plan(Workload(MODELS["llama3-8b"], 131072), make_cluster(H100, gpus=8))
+    fits = [c for c in p.candidates if c.feasible and c.layout.runs_on_seqmesh]
+    best, fastest = p.recommended, max(fits, key=lambda c: c.tokens_per_s)
+    assert best is not None and best is not fastest
+    assert best.tokens_per_s >= 0.99 * fastest.tokens_per_s
+    assert fastest.memory.total - best.memory.total > 0.1 * H100.memory_bytes
+    assert f"{best.memory.total / GiB:.1f} GiB" in p.reason and f"{fastest.memory.total / GiB:.1f} GiB" in p.reason
+    assert "memory headroom" in p.reason
+
+
+def test_ring_reason_says_exposed_when_a_hop_outlasts_block_compute():
+    """Ring 8 over Llama-3-8B at 128K: a forward hop carries 2 x 16384 x 8 x 128 x 2 B = 64 MiB. Over a
+    1 GB/s link that is 67 ms against ~30 ms of block compute per step: exposed. Over NVLink: hidden."""
+    w, lay = Workload(MODELS["llama3-8b"], 131072), Layout(1, 8, 1)
+    hop_bytes = 2 * 16384 * 8 * 128 * 2
+    slow = replace(H100, links=(LinkLevel("slow", 0, 1 * GB, 0.0),))
+    for hw, state in ((slow, "its P2P exposed"), (H100, "its P2P hidden behind block compute")):
+        cluster = make_cluster(hw, gpus=8)
+        c = evaluate(w, lay, cluster)
+        assert state in explain(c, [c], cluster)
+    c = evaluate(w, lay, make_cluster(slow, gpus=8))
+    assert c.time.ring_hop_forward == pytest.approx(hop_bytes / GB)
+    assert c.time.ring_hop_forward > c.time.ring_block_forward
+    assert f"a hop {hop_bytes / GB * 1e3:.3g} ms forward" in explain(c, [c], make_cluster(slow, gpus=8))
+
+
+def test_fp32_needs_its_own_peak():
+    """H100 SXM: 989 TFLOP/s bf16 but 67 fp32 (not half); a GPU described only by its bf16 peak has no fp32
+    figure, and fp32 planning says which flag gives it."""
+    assert H100.flops_for("fp32") == 67e12 and H100.flops_for("bf16") == 989.4e12
+    with pytest.raises(ValueError, match="--peak-tflops-fp32"):
+        replace(H100, peak_flops_fp32=None).flops_for("fp32")

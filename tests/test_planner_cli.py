@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,8 +17,16 @@ from seqmesh.planner.calibrate import Calibration, apply_calibration, measure_co
 from seqmesh.planner.hardware import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MEMORY_KEYS = {"weights", "grads", "optimizer", "activations", "total"}
-LAYOUT_KEYS = {"ulysses", "ring", "dp_shard", "tp"}
+SP_KEYS = {"ulysses_all_to_all", "ring_p2p", "fsdp_all_gather", "fsdp_reduce_scatter", "total"}
+TP_KEYS = {"tp_all_gather", "tp_reduce_scatter", "fsdp_all_gather", "fsdp_reduce_scatter", "total"}
+TYPES = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, float),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "null": lambda v: v is None,
+}
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
@@ -25,25 +34,98 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=120)
 
 
-def test_json_has_the_issue_schema():
+def _schema() -> dict:
+    """The JSON schema written in docs/planner.md (the block after the ``planner-json-schema`` marker)."""
+    with open(os.path.join(ROOT, "docs", "planner.md")) as f:
+        text = f.read()
+    block = text.split("<!-- planner-json-schema -->", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    return json.loads(block)
+
+
+def conform(value, spec, defs: dict, where: str = "$") -> None:
+    """Assert that ``value`` matches ``spec`` in the notation docs/planner.md describes."""
+    if isinstance(spec, str):
+        for kind in spec.split(":", 1)[0].split("|"):
+            kind = kind.strip()
+            if kind.startswith("@"):
+                try:
+                    conform(value, defs[kind], defs, where)
+                    return
+                except AssertionError:
+                    continue
+            elif TYPES[kind](value):
+                return
+        raise AssertionError(f"{where}: {value!r} is not {spec!r}")
+    if isinstance(spec, list):
+        assert isinstance(value, list), f"{where}: {value!r} is not a list"
+        for i, item in enumerate(value):
+            conform(item, spec[0], defs, f"{where}[{i}]")
+        return
+    assert isinstance(value, dict), f"{where}: {value!r} is not an object"
+    if set(spec) == {"*"}:
+        for key, item in value.items():
+            conform(item, spec["*"], defs, f"{where}.{key}")
+        return
+    assert set(value) == set(spec), f"{where}: keys {sorted(value)} differ from the schema's {sorted(spec)}"
+    for key, item in spec.items():
+        conform(value[key], item, defs, f"{where}.{key}")
+
+
+def test_schema_checker_is_not_vacuous():
+    schema = _schema()
+    defs = {k: v for k, v in schema.items() if k.startswith("@")}
+    layout = {"ulysses": 2, "ring": 1, "dp_shard": 4, "tp": 1}
+    conform(layout, "@layout", defs)
+    for bad in ({**layout, "tp": 1.0}, {**layout, "extra": 1}, {"ulysses": 2}):
+        with pytest.raises(AssertionError):
+            conform(bad, "@layout", defs)
+    conform(None, "@recommendation|null", defs)
+    with pytest.raises(AssertionError):
+        conform({"layout": layout}, "@recommendation|null", defs)
+
+
+def test_json_matches_the_documented_schema_and_its_arithmetic():
+    """Every key and type as docs/planner.md writes them, and the sums the docs promise, checked from the
+    model's shape: per step = layers x (forward + backward + recompute), plus, for FSDP, the root unit
+    (2 x vocab x hidden + hidden parameters, untied) gathered twice and reduce-scattered once."""
     done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink", "--json")
     assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
-    assert out["candidates"]
+    out, schema = json.loads(done.stdout), _schema()
+    conform(out, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    m = out["model"]
+    root = 2 * m["vocab"] * m["hidden"] + m["hidden"]
     for c in out["candidates"]:
-        assert set(c["layout"]) == LAYOUT_KEYS
-        assert MEMORY_KEYS <= set(c["memory_bytes"])
-        assert c["memory_bytes"]["total"] == sum(v for k, v in c["memory_bytes"].items() if k != "total")
-        assert set(c["comm_bytes_per_layer"]) == {"forward", "backward"}
-        for phase in c["comm_bytes_per_layer"].values():
-            assert "total" in phase and all(isinstance(v, int) for v in phase.values())
-        assert isinstance(c["step_time_s"], float) and c["step_time_s"] > 0
-        assert isinstance(c["feasible"], bool)
-        n = c["layout"]
+        n, mem = c["layout"], c["memory_bytes"]
         assert n["ulysses"] * n["ring"] * n["dp_shard"] * n["tp"] == 8
+        assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+        assert c["feasible"] == (mem["total"] <= out["hardware"]["memory_bytes"])
+        assert c["step_time_s"] == c["time_s"]["total"] > 0
+        assert c["tokens_per_s"] == pytest.approx(n["dp_shard"] * 131072 / c["step_time_s"])
+        layer, step = c["comm_bytes_per_layer"], c["comm_bytes_per_step"]
+        keys = TP_KEYS if n["tp"] > 1 else SP_KEYS
+        assert all(set(layer[p]) == keys for p in ("forward", "backward", "recompute"))
+        assert set(step) == keys | ({"input_check_all_gather"} if n["tp"] == 1 else set())
+        for phase in (*layer.values(), step):
+            assert phase["total"] == sum(v for k, v in phase.items() if k != "total")
+        for k in keys - {"total", "fsdp_all_gather", "fsdp_reduce_scatter"}:
+            assert step[k] == 32 * (layer["forward"][k] + layer["backward"][k] + layer["recompute"][k])
+            assert layer["recompute"][k] == layer["forward"][k]  # checkpointing is on
+        group = n["dp_shard"] * n["ulysses"] * n["ring"]  # FSDP ranks; TP splits the root first
+        root_shard = math.ceil(math.ceil(root / n["tp"]) / group)
+        root_gathers, root_reduce = 2 * (group - 1) * root_shard * 2, (group - 1) * root_shard * 4  # bf16 / fp32
+        assert step["fsdp_all_gather"] == 32 * 2 * layer["forward"]["fsdp_all_gather"] + root_gathers
+        assert step["fsdp_reduce_scatter"] == 32 * layer["backward"]["fsdp_reduce_scatter"] + root_reduce
     rec = out["recommended"]
-    assert set(rec["layout"]) == LAYOUT_KEYS and rec["reason"]
-    assert out["candidates"][0]["layout"] == rec["layout"]  # the recommendation heads the list
+    assert rec["reason"] == out["reason"] and out["candidates"][0]["layout"] == rec["layout"]
+
+
+def test_reason_and_table_print_the_same_share():
+    """The share of the step that waits on communication reads the same in the table and the reason."""
+    done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink")
+    lines = done.stdout.splitlines()
+    row = next(line for line in lines if line.strip().startswith("1  "))
+    (exposed,) = [word for word in row.split() if word.endswith("%")]  # the 'exposed' column
+    assert f"; {exposed} of the step waits on communication" in done.stdout
 
 
 def test_table_mode_is_fast_and_recommends(capsys):
@@ -61,11 +143,34 @@ def test_table_mode_is_fast_and_recommends(capsys):
 
 
 def test_max_seq_len_mode(capsys):
+    schema = _schema()
+    defs = {k: v for k, v in schema.items() if k.startswith("@")}
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--max-seq-len", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    conform(out, schema["max_seq_len"], defs)
     lengths = {tuple(r["layout"].values()): r["max_seq_len"] for r in out["candidates"]}
     assert lengths[(8, 1, 1, 1)] > lengths[(1, 1, 8, 1)] > 0  # sharding the sequence 8 ways fits more
     assert out["recommended"]["max_seq_len"] == max(r["max_seq_len"] for r in out["candidates"] if r["layout"]["tp"] == 1)
+    assert out["recommended"]["reason"] == out["reason"] and f"{out['recommended']['max_seq_len']:,}" in out["reason"]
+    # Llama-3-70B on 16 GPUs: no seqmesh layout holds one token; those rows have no step time
+    assert main(["plan", "--model", "llama3-70b", "--nodes", "2", "--max-seq-len", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    conform(out, schema["max_seq_len"], defs)
+    assert out["recommended"] is None and "use more GPUs" in out["reason"]
+    for r in out["candidates"]:
+        assert (r["step_time_s"] is None) == (r["max_seq_len"] == 0) == (not r["feasible"])
+
+
+def test_peak_flops_per_dtype(capsys):
+    """--peak-tflops is the bf16 peak; fp32 needs its own (no fixed ratio), and says which flag gives it."""
+    argv = ["plan", "--model", "qwen3-0.6b", "--seq-len", "8192", "--gpus", "8", "--peak-tflops", "500"]
+    assert main([*argv, "--dtype", "fp32"]) == 2
+    assert "--peak-tflops-fp32" in capsys.readouterr().err
+    assert main([*argv, "--dtype", "fp32", "--peak-tflops-fp32", "30", "--json"]) == 0
+    hw = json.loads(capsys.readouterr().out)["hardware"]
+    assert (hw["peak_flops"], hw["peak_flops_fp32"]) == (500e12, 30e12)
+    assert main([*argv, "--json"]) == 0  # bf16 needs only the bf16 peak
+    assert json.loads(capsys.readouterr().out)["hardware"]["peak_flops_fp32"] is None
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -111,10 +216,17 @@ def test_link_measurement_counts_what_it_times(pools):
 
 
 def test_compute_measurement_and_its_use():
-    mm, attn, dtype = measure_compute("cpu", size=128, seq_len=128)
-    assert mm > 0 and attn > 0 and dtype == "float32"
-    cal = Calibration("cpu", dtype, 2e11, 1e11, 5e9, 1e-4, 6e9, 2e-4, 1.0)
+    """Compute is measured in the dtype being planned and stored as that dtype's peak."""
+    for dtype, torch_name in (("fp32", "float32"), ("bf16", "bfloat16")):
+        mm, attn, measured = measure_compute("cpu", dtype, size=128, seq_len=128)
+        assert mm > 0 and attn > 0 and measured == torch_name
+    cal = Calibration("cpu", "bfloat16", 2e11, 1e11, 5e9, 1e-4, 6e9, 2e-4, 1.0)
     hw = apply_calibration(PRESETS["l20-pcie"], cal, "bf16")
     assert hw.peak_flops == 2e11 and hw.matmul_efficiency == 1.0 and hw.attention_efficiency == 0.5
+    assert hw.peak_flops_fp32 == PRESETS["l20-pcie"].peak_flops_fp32  # fp32 was not measured
     assert [(lv.bandwidth, lv.latency) for lv in hw.links[:2]] == [(5e9, 2e-4)] * 2  # inside the node
     assert hw.links[2] == PRESETS["l20-pcie"].links[2]  # between nodes: kept
+    fp32 = apply_calibration(PRESETS["h100-nvlink"], Calibration("cuda", "float32", 5e13, 4e13, 1, 0, 1, 0, 1), "fp32")
+    assert fp32.flops_for("fp32") == 5e13 and fp32.peak_flops == PRESETS["h100-nvlink"].peak_flops
+    with pytest.raises(ValueError, match="measured bfloat16 but the plan computes in fp32"):
+        apply_calibration(PRESETS["l20-pcie"], cal, "fp32")

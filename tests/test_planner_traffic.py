@@ -10,8 +10,11 @@ from __future__ import annotations
 import pytest
 
 from planner_cases import TrafficCase, measured_traffic
-from seqmesh.planner.traffic import HeadDeal, attention_traffic, padded_length, tensor_parallel_traffic
-from seqmesh.presets import MODELS
+from seqmesh.planner.hardware import PRESETS
+from seqmesh.planner.plan import communication
+from seqmesh.planner.traffic import HeadDeal, attention_traffic, fsdp_traffic, padded_length, tensor_parallel_traffic
+from seqmesh.planner.workload import Layout, Workload
+from seqmesh.presets import MODELS, ModelShape
 
 CASES = [
     TrafficCase(32, 4, 4, "float64"),  # MHA
@@ -113,3 +116,75 @@ def test_ring_bytes_textbook():
     (t,) = {(x.sent("p2p", "forward"), x.sent("p2p", "backward"))
             for x in attention_traffic(32, 8, 128, seq_len=s, batch=1, ulysses=1, ring=p, dtype="bfloat16")}
     assert t == (7 * block * 2, 7 * block * 2 + 8 * block * 4)
+
+
+# -- FSDP and tensor parallelism: per rank, per layer and per step, from the shapes by hand ----------------
+LLAMA8B_LAYER = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096  # 218,112,000 parameters
+LLAMA8B_ROOT = 2 * 128256 * 4096 + 4096  # embedding + LM head + final norm: seqmesh's root FSDP unit
+
+
+@pytest.mark.parametrize("layout", [Layout(2, 2, 2), Layout(8, 1, 1), Layout(1, 1, 8), Layout(1, 4, 2)])
+def test_fsdp_traffic_per_rank_over_dp_times_sp(layout):
+    """FSDP shards over every rank, dp_shard x ring x ulysses = 8 here, whatever the split. Per layer a
+    rank sends 7 of the 8 shards: all-gather 7 x 218,112,000/8 x 2 B (bf16) in forward and again in
+    backward, reduce-scatter 7 x 27,264,000 x 4 B (fp32 gradients). Per step: 32 layers, plus the root
+    unit (1,050,677,248 parameters) gathered in forward and at the start of backward and reduce-scattered
+    at the end."""
+    shard, root_shard = LLAMA8B_LAYER // 8, LLAMA8B_ROOT // 8
+    assert (shard, root_shard) == (27_264_000, 131_334_656)  # both divide evenly
+    per_layer, links, per_step = communication(Workload(MODELS["llama3-8b"], 131072), layout, PRESETS["h100-nvlink"])
+    assert per_layer["forward"]["fsdp_all_gather"] == per_layer["backward"]["fsdp_all_gather"] == 7 * shard * 2
+    assert per_layer["backward"]["fsdp_reduce_scatter"] == 7 * shard * 4 == 763_392_000
+    assert per_layer["forward"]["fsdp_reduce_scatter"] == per_layer["recompute"]["fsdp_all_gather"] == 0
+    assert per_step["fsdp_all_gather"] == 32 * 2 * 7 * shard * 2 + 2 * 7 * root_shard * 2
+    assert per_step["fsdp_reduce_scatter"] == 32 * 7 * shard * 4 + 7 * root_shard * 4
+    assert links["fsdp_all_gather"] == "nvlink4"
+
+
+def test_fsdp_shard_rounds_up_to_whole_parameters():
+    """3 ranks and the tiny model's 36,992-parameter layer (64 x 16 x 12 + 3 x 64 x 128 + 128): shards of
+    12,331 parameters (the last one padded); a rank sends 2 of them."""
+    tiny = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                      vocab=256)
+    assert 64 * 16 * 12 + 3 * 64 * 128 + 128 == 36_992
+    assert fsdp_traffic(36_992, 3, "bfloat16") == {"all_gather_forward": 2 * 12_331 * 2,
+                                                   "all_gather_backward": 2 * 12_331 * 2,
+                                                   "reduce_scatter_backward": 2 * 12_331 * 4}
+    per_layer, _, _ = communication(Workload(tiny, 96), Layout(1, 3, 1), PRESETS["h100-nvlink"])
+    assert per_layer["backward"]["fsdp_reduce_scatter"] == 2 * 12_331 * 4
+
+
+def test_tensor_parallel_traffic_per_layer_and_step():
+    """Megatron TP4 + sequence parallelism, Llama-3-8B (hidden 4096), 131072 tokens, bf16: per layer and
+    direction 2 all-gathers and 2 reduce-scatters of the (S, hidden) activation, each rank sending 3 of 4
+    chunks: 3 x 32768 x 4096 x 2 B = 768 MiB per collective. Checkpointing replays the forward's in backward.
+    FSDP then shards over the 2 data-parallel ranks only (each holds 1/4 of every weight already)."""
+    one = 3 * 32768 * 4096 * 2
+    assert one == 768 * 2**20
+    assert tensor_parallel_traffic(131072, 4096, 4, "bfloat16") == {"all_gather": 2 * one, "reduce_scatter": 2 * one}
+    per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Layout(1, 1, 2, tp=4),
+                                           PRESETS["h100-nvlink"])
+    for phase in ("forward", "backward", "recompute"):
+        assert per_layer[phase]["tp_all_gather"] == per_layer[phase]["tp_reduce_scatter"] == 2 * one
+    assert per_step["tp_all_gather"] == 32 * 3 * 2 * one
+    layer_shard = LLAMA8B_LAYER // 4 // 2  # TP-local weights over the 2 FSDP ranks
+    assert per_layer["forward"]["fsdp_all_gather"] == 1 * layer_shard * 2
+
+
+def test_per_step_traffic_adds_recompute_and_one_input_check():
+    """Ulysses 8, Llama-3-8B (32 query / 8 kv heads), 128K, bf16. A row is one head of the 16384 local
+    tokens: 16384 x 128 x 2 B = 4 MiB. Forward, a rank sends its q/k/v heads that other ranks work on,
+    (32 + 2 x 8) - (4 + 2 x 1) = 42 rows, and its 4 output heads of the 7 other ranks' tokens, 28 rows:
+    280 MiB; backward the adjoints, the same; checkpointing recomputes the forward (another 280 MiB). Per
+    step: 32 x 840 MiB, and seqmesh.hf's input check once: 7 peers x 11 int64."""
+    row = 16384 * 128 * 2
+    per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Layout(8, 1, 1),
+                                           PRESETS["h100-nvlink"])
+    for phase in ("forward", "backward", "recompute"):
+        assert per_layer[phase]["ulysses_all_to_all"] == (42 + 28) * row == 280 * 2**20
+    assert per_step["ulysses_all_to_all"] == 32 * 3 * 280 * 2**20
+    assert per_step["input_check_all_gather"] == 7 * 11 * 8
+    no_ckpt, _, step2 = communication(Workload(MODELS["llama3-8b"], 131072, checkpointing=False), Layout(8, 1, 1),
+                                      PRESETS["h100-nvlink"])
+    assert no_ckpt["recompute"]["total"] == 0 and step2["ulysses_all_to_all"] == 32 * 2 * 280 * 2**20
+    assert per_step["total"] == sum(v for k, v in per_step.items() if k != "total")

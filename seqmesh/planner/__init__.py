@@ -4,7 +4,9 @@
 - :mod:`.traffic`   exact per-rank bytes of seqmesh's collectives; FSDP and tensor-parallel references
 - :mod:`.memory`    per-GPU memory by purpose
 - :mod:`.timing`    compute and communication time, with what overlaps
-- :mod:`.plan`      candidates, feasibility, ranking, the reason for the pick, the longest sequence
+- :mod:`.plan`      candidates, feasibility, ranking, per-layer and per-step traffic, the longest sequence
+- :mod:`.recommend` the pick among close predictions and the sentence that says why
+- :mod:`.report`    the table and the text around it
 - :mod:`.calibrate` this machine's measured throughput and bandwidth
 """
 

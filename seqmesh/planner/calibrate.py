@@ -1,7 +1,9 @@
 """``seqmesh plan --calibrate``: measure this machine instead of trusting a preset.
 
 Compute: a square matmul and one causal attention forward+backward through seqmesh's own kernel chooser,
-counted with the same FLOP formulas the planner uses (so the measured rate plugs straight in).
+in the compute dtype being planned (bf16 or fp32; fp32 under torch's current float32 matmul precision,
+"highest" unless changed, so no TF32), counted with the same FLOP formulas the planner uses (so the
+measured rate plugs straight in as that dtype's peak).
 On the CPU, compute runs on half the cores, as one of the two measured processes would.
 Communication: two spawned gloo ranks time seqmesh's all-to-all (``all_to_all_rows``) and ring exchange
 (``RingExchange``) on a small and a large message; latency is the small message's time, bandwidth the
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .hardware import GB, HardwareSpec
 from .timing import ATTENTION_BACKWARD, attention_pairs
+from .workload import COMPUTE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -52,23 +55,26 @@ def _timed(fn, repeats: int, sync) -> float:
     return statistics.median(samples)
 
 
-def measure_compute(device: str = "cpu", size: int | None = None, seq_len: int | None = None) -> tuple[float, float, str]:
-    """``(matmul FLOP/s, attention FLOP/s, dtype)`` on ``device``."""
+def measure_compute(device: str = "cpu", dtype: str = "fp32", size: int | None = None,
+                    seq_len: int | None = None) -> tuple[float, float, str]:
+    """``(matmul FLOP/s, attention FLOP/s, torch dtype name)`` on ``device`` in ``dtype`` ("bf16", "fp32")."""
     import torch
 
     from ..kernels import kernel_chooser
     from ..kernels.base import BlockMask
 
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"calibration dtype {dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}.")
     cuda = device.startswith("cuda")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    torch_dtype = getattr(torch, COMPUTE_DTYPES[dtype])
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     n = size or (8192 if cuda else 1024)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(n, n, device=device, dtype=torch_dtype) for _ in range(2))
     mm = 2 * n**3 / _timed(lambda: a @ b, 5, sync)
 
     s = seq_len or (8192 if cuda else 1024)
     heads, d = (16, 128) if cuda else (8, 64)
-    q, k, v, dout = (torch.randn(1, s, heads, d, device=device, dtype=dtype) for _ in range(4))
+    q, k, v, dout = (torch.randn(1, s, heads, d, device=device, dtype=torch_dtype) for _ in range(4))
     mask, scale = BlockMask(causal=True), d**-0.5
     kernel = kernel_chooser("auto")(q, k, mask)
 
@@ -78,7 +84,7 @@ def measure_compute(device: str = "cpu", size: int | None = None, seq_len: int |
 
     flops = 4 * d * heads * attention_pairs(s, True) * (1 + ATTENTION_BACKWARD)
     attn = flops / _timed(fwd_bwd, 3, sync)
-    return mm, attn, str(dtype).replace("torch.", "")
+    return mm, attn, COMPUTE_DTYPES[dtype]
 
 
 def measure_links(small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -> dict:
@@ -122,8 +128,8 @@ def _bandwidth(big_s: float, big_bytes: int, small_s: float, small_bytes: int) -
     return max(big_bytes - small_bytes, 1) / extra
 
 
-def calibrate(device: str | None = None) -> Calibration:
-    """Measure compute on ``device`` (cuda if present, else cpu) and links over 2 local gloo ranks."""
+def calibrate(device: str | None = None, dtype: str = "bf16") -> Calibration:
+    """Measure compute in ``dtype`` on ``device`` (cuda if present, else cpu) and links over 2 local gloo ranks."""
     import torch
 
     from ..launch import spawn
@@ -134,13 +140,13 @@ def calibrate(device: str | None = None) -> Calibration:
     if device == "cpu":  # a CPU "device" is one of the 2 measured processes: half the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
-        mm, attn, dtype = measure_compute(device)
+        mm, attn, measured_dtype = measure_compute(device, dtype)
     finally:
         torch.set_num_threads(threads)
     ranks = spawn(measure_links, 2, timeout=120.0, threads=max(1, (os.cpu_count() or 2) // 2))
     r = {k: max(x[k] for x in ranks) for k in ranks[0]}
     return Calibration(
-        device=device, dtype=dtype, matmul_flops=mm, attention_flops=attn,
+        device=device, dtype=measured_dtype, matmul_flops=mm, attention_flops=attn,
         all_to_all_bandwidth=_bandwidth(r["a2a_large_s"], r["a2a_large_bytes"], r["a2a_small_s"], r["a2a_small_bytes"]),
         all_to_all_latency=r["a2a_small_s"],
         p2p_bandwidth=_bandwidth(r["p2p_large_s"], r["p2p_large_bytes"], r["p2p_small_s"], r["p2p_small_bytes"]),
@@ -152,7 +158,10 @@ def calibrate(device: str | None = None) -> Calibration:
 def apply_calibration(hw: HardwareSpec, cal: Calibration, dtype: str) -> HardwareSpec:
     """``hw`` with the measured rates: matmul throughput becomes the peak (efficiency 1), attention its
     ratio to it; on the CPU the levels inside a node take the measured all-to-all bandwidth and the
-    larger of the two latencies."""
+    larger of the two latencies. The measurement must be in the planned ``dtype`` ("bf16" or "fp32")."""
+    if cal.dtype != COMPUTE_DTYPES.get(dtype):
+        raise ValueError(f"the calibration measured {cal.dtype} but the plan computes in {dtype}; calibrate with "
+                         f"dtype={dtype!r} (seqmesh plan --calibrate does).")
     peak = {"peak_flops": cal.matmul_flops} if dtype == "bf16" else {"peak_flops_fp32": cal.matmul_flops}
     links = hw.links
     if cal.device == "cpu":

@@ -33,7 +33,11 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware preset's)")
     p.add_argument("--hardware", default="h100-nvlink", help=f"preset: {', '.join(PRESETS)} (default %(default)s)")
     p.add_argument("--memory-gib", type=float, help="memory per GPU, GiB (overrides the preset)")
-    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU, TFLOP/s (overrides the preset)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 tensor-core peak per GPU, TFLOP/s (overrides the "
+                   "preset; with --dtype fp32 give --peak-tflops-fp32 too)")
+    p.add_argument("--peak-tflops-fp32", type=float, help="dense fp32 peak per GPU without tensor cores (TF32 off), "
+                   "TFLOP/s: 1/16 to 1/2 of the bf16 peak depending on the part (H100 SXM 67 of 989, A100 19.5 of "
+                   "312, L20 59.4 of 119.5)")
     p.add_argument("--memory-bandwidth-gbs", type=float, help="achievable GPU memory bandwidth, GB/s")
     p.add_argument("--link", action="append", metavar="NAME:GROUP:GBPS:US",
                    help="a link level, innermost first (repeat); GROUP 'all' for the outermost; replaces the "
@@ -74,7 +78,11 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
         if args.peak_tflops <= 0:
             raise PlanInputError(f"--peak-tflops {args.peak_tflops} must be positive.")
         changes["peak_flops"] = args.peak_tflops * 1e12
-        changes["peak_flops_fp32"] = None
+        changes["peak_flops_fp32"] = None  # the preset's no longer describes this GPU; fp32 plans must give it
+    if args.peak_tflops_fp32 is not None:
+        if args.peak_tflops_fp32 <= 0:
+            raise PlanInputError(f"--peak-tflops-fp32 {args.peak_tflops_fp32} must be positive.")
+        changes["peak_flops_fp32"] = args.peak_tflops_fp32 * 1e12
     if args.memory_bandwidth_gbs is not None:
         if args.memory_bandwidth_gbs <= 0:
             raise PlanInputError(f"--memory-bandwidth-gbs {args.memory_bandwidth_gbs} must be positive.")
@@ -123,6 +131,11 @@ def check_args(args: argparse.Namespace):
         raise
     except ValueError as err:
         raise PlanInputError(str(err)) from None
+    if work.dtype == "fp32" and hw.peak_flops_fp32 is None and not args.calibrate:
+        raise PlanInputError(
+            f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the preset's bf16 peak, "
+            "and fp32 without tensor cores is not a fixed fraction of it (1/15 on an H100, 1/2 on an L20); give "
+            "--peak-tflops-fp32, or --calibrate to measure it.")
     return work, cluster
 
 
@@ -135,21 +148,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         from .calibrate import apply_calibration, calibrate, format_calibration
 
-        measured = calibrate()
+        measured = calibrate(dtype=work.dtype)
         print(format_calibration(measured), file=sys.stderr if args.json else sys.stdout)
         cluster = replace(cluster, hardware=apply_calibration(cluster.hardware, measured, work.dtype))
     if args.max_seq_len:
-        rows = longest_plan(work, cluster)
-        if args.json:
-            best = next((r for r in rows if r["runs_on_seqmesh"] and r["max_seq_len"] > 0), None)
-            print(json.dumps({"mode": "max_seq_len", "gpus": cluster.gpus, "nodes": cluster.nodes,
-                              "model": work.model.as_dict(), "hardware": cluster.hardware.as_dict(),
-                              "candidates": rows,
-                              "recommended": None if best is None else {"layout": best["layout"], "label": best["label"],
-                                                                        "max_seq_len": best["max_seq_len"]}},
-                             indent=1))
-        else:
-            print(format_longest(rows, work, cluster, args.top))
+        result = longest_plan(work, cluster)
+        print(json.dumps(result, indent=1) if args.json else format_longest(result, work, cluster, args.top))
         return 0
     result = plan(work, cluster)
     print(json.dumps(result.as_dict(), indent=1) if args.json else format_plan(result, args.top))

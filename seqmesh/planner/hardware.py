@@ -51,7 +51,7 @@ class HardwareSpec:
     peak_flops: float  # dense bf16 tensor-core FLOP/s of one GPU (fp32 training uses peak_flops_fp32)
     links: tuple[LinkLevel, ...]  # innermost first; the last has group=0
     gpus_per_node: int = 8
-    peak_flops_fp32: float | None = None  # dense fp32 FLOP/s (TF32 off); defaults to peak_flops / 2
+    peak_flops_fp32: float | None = None  # dense fp32 FLOP/s without tensor cores (TF32 off); None: unknown
     memory_bandwidth: float = 2e12  # achievable bytes/s of GPU memory (sets the cost of the ring's merges)
     matmul_efficiency: float = 0.5  # achieved / peak for the model's matmuls
     attention_efficiency: float = 0.5  # achieved / peak for flash attention, forward and backward
@@ -78,9 +78,14 @@ class HardwareSpec:
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype`` ("bf16" or "fp32")."""
-        if dtype == "fp32":
-            return self.peak_flops_fp32 or self.peak_flops / 2
-        return self.peak_flops
+        if dtype != "fp32":
+            return self.peak_flops
+        if self.peak_flops_fp32 is None:
+            raise ValueError(
+                f"hardware {self.name!r} has no fp32 peak; give --peak-tflops-fp32 (fp32 without tensor cores is "
+                f"1/16 to 1/2 of the bf16 peak depending on the part) or measure it with --calibrate."
+            )
+        return self.peak_flops_fp32
 
     def level_of_pair(self, a: int, b: int) -> int:
         """Index of the innermost level that joins ranks ``a`` and ``b``."""
@@ -127,12 +132,14 @@ class HardwareSpec:
             f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.0f} us"
             for lv in self.links
         )
-        return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:.4g} TFLOP/s bf16, "
+        fp32 = f" ({self.peak_flops_fp32 / 1e12:.4g} fp32)" if self.peak_flops_fp32 else ""
+        return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:.4g} TFLOP/s bf16{fp32}, "
                 f"{self.gpus_per_node} per node; links {links}")
 
     def as_dict(self) -> dict:
         return {
             "name": self.name, "memory_bytes": self.memory_bytes, "peak_flops": self.peak_flops,
+            "peak_flops_fp32": self.peak_flops_fp32,
             "gpus_per_node": self.gpus_per_node, "memory_bandwidth": self.memory_bandwidth,
             "matmul_efficiency": self.matmul_efficiency,
             "attention_efficiency": self.attention_efficiency, "source": self.source,

@@ -1,13 +1,30 @@
 """Bytes one GPU holds at its peak during a training step, by what they are for.
 
+The peak is the largest of three moments of backward, each adding what coexists then:
+
+- ``layer backward`` (inside the first layer's backward, its forward recomputed): saved activations,
+  one layer's backward buffers, seqmesh's attention working set, the LM head's gradient and the
+  layer's own unsharded gradient with its fp32 reduce copy;
+- ``loss backward`` (the step's first backward op): every checkpointed layer input, the final norm's and
+  LM head's inputs, the logits or one chunk of them (and the chunked loss's fp32 gradient accumulator),
+  the head's gradient;
+- ``end of backward`` (the root unit's reduce-scatter): the root's whole unsharded gradient and its fp32
+  copy, no activations left.
+
 Assumptions (each figure's docstring says what it counts):
 
-- Mixed precision as FSDP2 does it: the sharded parameters are the fp32 master weights; each FSDP unit
-  (one transformer layer, the embedding, the LM head) is all-gathered into compute-dtype copies just
-  before use; two units are unsharded at once (the current one and the prefetched next one).
-  Gradients are reduce-scattered to fp32 shards; AdamW keeps two fp32 moments per parameter. So
-  4 + 4 + 8 bytes per parameter, divided by the FSDP group (dp_shard x ring x ulysses; x TP for the
-  reference layouts), plus the unsharded working copies.
+- Mixed precision as FSDP2 does it, with seqmesh's units (``seqmesh.fsdp.apply_fsdp``): each decoder
+  layer is one unit; the root unit holds everything else (embedding, final norm, LM head; a tied head
+  once). The sharded parameters are the fp32 master weights; a unit is all-gathered into
+  compute-dtype copies just before use. The root's forward contains every layer and its backward
+  starts with the loss and ends with the embedding, so the root stays gathered for the whole step;
+  two layer units are gathered at once (the current one and the prefetched next one). Gradients are
+  reduce-scattered to fp32 shards; AdamW keeps two fp32 moments per parameter. So 4 + 4 + 8 bytes per
+  parameter, divided by the FSDP group (dp_shard x ring x ulysses; x TP for the reference layouts),
+  plus the unsharded working copies.
+- Unsharded gradients: the LM head's (the loss's backward runs first) stays until the root's
+  reduce-scatter at the end of backward; each layer's lives until its own reduce-scatter, which first
+  copies it into an fp32 buffer (the reduce dtype).
 - Activations follow a Llama-style block with flash attention (no S^2 term), fused RMSNorm (saves its
   input and one fp32 scale per token) and a SwiGLU MLP; PyTorch autograd saves what each op needs.
 - With full activation checkpointing only each layer's input is kept, and one layer is recomputed
@@ -15,37 +32,42 @@ Assumptions (each figure's docstring says what it counts):
 - The attention working set is seqmesh's: all-to-all send/receive buffers, two K/V blocks in flight,
   float32 output/LSE accumulators forward and float32 dQ and dK/dV partials backward.
 - Logits: without chunking, the local tokens' full-vocabulary logits in the compute dtype plus an fp32
-  copy and an fp32 gradient (10 bytes per logit in bf16); with chunking, one chunk of that.
+  copy and an fp32 gradient (10 bytes per logit in bf16); with chunking (``seqmesh.loss``), one chunk of
+  that plus the fp32 accumulator of the head's weight gradient, ``vocab x hidden`` floats, that the
+  chunked backward allocates before casting it to the compute dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from .traffic import HeadDeal, padded_length
-from .workload import Layout, Workload, embedding_params, head_params, layer_params
+from .workload import Layout, Workload, layer_params, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
+MOMENTS = ("layer backward", "loss backward", "end of backward")
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes on one GPU. ``total`` adds them all; activations-like terms peak together in backward."""
+    """Bytes on one GPU at one moment of the step (``moment``), by purpose; ``total`` adds them."""
 
-    weights: int  # fp32 master shard + the unsharded compute-dtype copies of two FSDP units
-    grads: int  # fp32 gradient shard + one unit's unsharded gradient (and its fp32 reduce copy)
+    weights: int  # fp32 master shard + compute-dtype copies of the root unit and (but at the end) two layer units
+    grads: int  # fp32 gradient shard + the unsharded gradients alive at this moment
     optimizer: int  # AdamW first and second moments, fp32, sharded
-    activations: int  # tensors saved for backward (all layers, or layer inputs + one layer) + backward buffers
-    attention: int  # the attention call's own working set beyond what it saves
-    logits: int  # LM-head logits and the cross-entropy working set
+    activations: int  # tensors saved for backward + backward buffers alive at this moment
+    attention: int  # the attention call's own working set beyond what it saves (inside a layer)
+    logits: int  # LM-head logits and the cross-entropy working set (at the loss)
     reserved: int  # CUDA context, communication buffers, allocator slack
+    moment: str = "layer backward"  # one of MOMENTS
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer + self.activations + self.attention + self.logits + self.reserved
 
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        """Bytes by purpose and their total (the moment is left out: every value is an int)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "moment"}, "total": self.total}
 
 
 def local_tokens(work: Workload, layout: Layout) -> int:
@@ -64,16 +86,26 @@ def _heads(work: Workload, layout: Layout) -> tuple[int, int]:
     return deal.max_q, deal.max_kv
 
 
-def parameter_memory(work: Workload, layout: Layout) -> tuple[int, int, int]:
-    """(weights, grads, optimizer) bytes per GPU."""
-    m, e = work.model, work.act_bytes
-    shard = -(-m.params // (layout.tp * layout.fsdp_group))
-    unit = max(layer_params(m), embedding_params(m), head_params(m)) // layout.tp
-    if layout.fsdp_group == 1 and e == MASTER:  # fp32, nothing sharded: the parameters are used in place
+def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backward") -> tuple[int, int, int]:
+    """(weights, grads, optimizer) bytes per GPU at ``moment``.
+
+    weights: fp32 master shard + the root unit and two layer units unsharded in the compute dtype (at the
+    end only the root: the last layer was resharded after its backward).
+    grads: fp32 gradient shard + the unsharded gradients alive: in a layer's backward the LM head's and
+    the layer's own with its fp32 reduce copy; in the loss's backward the LM head's; at the end the whole
+    root's with its fp32 reduce copy. fp32 on one rank: the parameters and gradients are used in place."""
+    if moment not in MOMENTS:
+        raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
+    m, e, t = work.model, work.act_bytes, layout.tp
+    shard = -(-m.params // (t * layout.fsdp_group))
+    if layout.fsdp_group == 1 and e == MASTER:
         return MASTER * shard, GRAD_SHARD * shard, ADAM * shard
-    weights = MASTER * shard + 2 * unit * e
-    grads = GRAD_SHARD * shard + unit * (e + (4 if e != 4 else 0))
-    return weights, grads, ADAM * shard
+    layer, root, head = (-(-n // t) for n in (layer_params(m), root_params(m), m.vocab * m.hidden))
+    reduce_copy = 4 if e != 4 else 0  # FSDP copies the compute-dtype gradient into an fp32 reduce buffer
+    unsharded = {"layer backward": head * e + layer * (e + reduce_copy), "loss backward": head * e,
+                 "end of backward": root * (e + reduce_copy)}[moment]
+    gathered = root + (0 if moment == "end of backward" else 2 * layer)
+    return MASTER * shard + gathered * e, GRAD_SHARD * shard + unsharded, ADAM * shard
 
 
 def layer_saved_bytes(work: Workload, layout: Layout) -> int:
@@ -96,18 +128,27 @@ def layer_saved_bytes(work: Workload, layout: Layout) -> int:
 
 
 def activation_memory(work: Workload, layout: Layout) -> int:
-    """Saved activations plus one layer's backward buffers (gradients of the residual stream and of
-    the MLP's intermediate tensors)."""
+    """Activations inside the first layer's backward: what every layer saved (with checkpointing, each
+    layer's input plus the recomputed layer's saved tensors) and one layer's backward buffers (gradients
+    of the residual stream and of the MLP's intermediate tensors)."""
     m, e = work.model, work.act_bytes
     tokens = work.batch * local_tokens(work, layout)
     one_layer = layer_saved_bytes(work, layout)
     backward_buffers = tokens * e * (2 * m.hidden + 3 * m.intermediate)
-    final = 2 * tokens * m.hidden * e  # final norm input and LM-head input
     if work.checkpointing:
         kept = m.layers * tokens * m.hidden * e + one_layer
     else:
         kept = m.layers * one_layer
-    return kept + backward_buffers + final
+    return kept + backward_buffers
+
+
+def loss_activation_memory(work: Workload, layout: Layout) -> int:
+    """Activations when the loss's backward runs: every layer's saved tensors (with checkpointing, their
+    inputs) and the final norm's and LM head's inputs."""
+    m, e = work.model, work.act_bytes
+    tokens = work.batch * local_tokens(work, layout)
+    per_layer = tokens * m.hidden * e if work.checkpointing else layer_saved_bytes(work, layout)
+    return m.layers * per_layer + 2 * tokens * m.hidden * e
 
 
 def attention_working_set(work: Workload, layout: Layout) -> int:
@@ -135,20 +176,28 @@ def attention_working_set(work: Workload, layout: Layout) -> int:
 
 
 def logits_memory(work: Workload, layout: Layout) -> int:
-    """Full logits of the local tokens (compute dtype + fp32 copy + fp32 gradient), or one chunk of them."""
+    """Full logits of the local tokens (compute dtype + fp32 copy + fp32 gradient), or one chunk of them
+    and the chunked backward's fp32 accumulator of the head's weight gradient (vocab x hidden floats;
+    in fp32 it is the gradient itself, counted under grads)."""
     m, e = work.model, work.act_bytes
     tokens = work.batch * local_tokens(work, layout)
-    if work.chunked_loss:
-        tokens = min(tokens, work.loss_chunk)
-    return tokens * m.vocab * (e + 4 + 4)
+    if not work.chunked_loss:
+        return tokens * m.vocab * (e + 4 + 4)
+    accumulator = -(-m.vocab * m.hidden // layout.tp) * 4 if e != 4 else 0
+    return min(tokens, work.loss_chunk) * m.vocab * (e + 4 + 4) + accumulator
+
+
+def memory_at(work: Workload, layout: Layout, moment: str) -> MemoryBreakdown:
+    """What one GPU holds at ``moment`` (one of MOMENTS; see the module docstring)."""
+    weights, grads, optimizer = parameter_memory(work, layout, moment)
+    activations = attention = logits = 0
+    if moment == "layer backward":
+        activations, attention = activation_memory(work, layout), attention_working_set(work, layout)
+    elif moment == "loss backward":
+        activations, logits = loss_activation_memory(work, layout), logits_memory(work, layout)
+    return MemoryBreakdown(weights, grads, optimizer, activations, attention, logits, work.reserve_bytes, moment)
 
 
 def memory_per_gpu(work: Workload, layout: Layout) -> MemoryBreakdown:
-    weights, grads, optimizer = parameter_memory(work, layout)
-    return MemoryBreakdown(
-        weights=weights, grads=grads, optimizer=optimizer,
-        activations=activation_memory(work, layout),
-        attention=attention_working_set(work, layout),
-        logits=logits_memory(work, layout),
-        reserved=work.reserve_bytes,
-    )
+    """The peak: the moment of backward at which one GPU holds the most."""
+    return max((memory_at(work, layout, moment) for moment in MOMENTS), key=lambda b: b.total)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from .hardware import GiB, Cluster
-from .plan import Candidate, Plan
+from .plan import PHASES, Candidate, Plan
+from .recommend import percent
 from .workload import Workload
 
-SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "input_check_all_gather", "tp_all_gather", "tp_reduce_scatter")
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")
 
 
 def _gib(n: float) -> str:
@@ -14,7 +15,7 @@ def _gib(n: float) -> str:
 
 
 def _sp_bytes(c: Candidate) -> int:
-    """Sequence- or tensor-parallel bytes per layer, forward + backward (FSDP left out)."""
+    """Sequence- or tensor-parallel bytes per layer, forward + backward + checkpoint recompute (FSDP left out)."""
     return sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
 
 
@@ -27,6 +28,8 @@ def _human_bytes(n: float) -> str:
 
 def _num(x: float) -> str:
     """3 significant digits, without exponents for everyday magnitudes."""
+    if x == 0:
+        return "0"
     if x >= 1000:
         return f"{x:,.0f}"
     return f"{x:.3g}" if x >= 0.001 else f"{x:.1e}"
@@ -46,18 +49,20 @@ def format_plan(p: Plan, top: int) -> str:
     work = p.work
     lines = [header(work, p.cluster),
              f"sequence {work.seq_len:,} tokens x micro-batch {work.batch} per sequence group; "
-             "ranked by predicted tokens/s (a step of a layout with DP groups processes that many micro-batches)",
+             "ranked by predicted tokens/s (a step of a layout with DP groups processes that many micro-batches); "
+             "SP comm/layer: sequence-parallel bytes the busiest rank sends per layer, forward + backward"
+             + (" + checkpoint recompute" if work.checkpointing else ""),
              ""]
     best_tps = max((c.tokens_per_s for c in p.candidates if c.feasible), default=0.0)
     lines.append(f"{'#':>3}  {'layout':<20}{'fits':>5}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}{'vs best':>8}"
                  f"{'SP comm/layer':>15}{'exposed':>9}  {'Ulysses link':<15}{'ring link':<15}notes")
     for i, c in enumerate(p.candidates[:top], 1):
         rel = f"{c.tokens_per_s / best_tps:.3f}" if c.feasible and best_tps else "-"
-        exposed = c.time.exposed_comm / c.time.total
+        exposed = percent(c.time.exposed_comm / c.time.total)
         ulink = c.comm_links.get("ulysses_all_to_all") or c.comm_links.get("tp_all_gather", "-")
         lines.append(
             f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{_gib(c.memory.total):>9}"
-            f"{_num(c.time.total):>9}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}{exposed:>9.1%}  "
+            f"{_num(c.time.total):>9}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}{exposed:>9}  "
             f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}"
         )
     if len(p.candidates) > top:
@@ -73,10 +78,14 @@ def format_plan(p: Plan, top: int) -> str:
     c = p.recommended
     lines.append(f"recommended: {c.layout.label()} -- {p.reason}")
     lines.append(format_memory(c, p.cluster))
-    fwd, bwd = c.comm_per_layer["forward"], c.comm_per_layer["backward"]
-    parts = [f"{k} {_human_bytes(fwd.get(k, 0))} / {_human_bytes(bwd.get(k, 0))}"
-             for k in fwd.keys() | bwd.keys() if k != "total" and (fwd.get(k) or bwd.get(k))]
-    lines.append("traffic per layer, busiest rank, forward / backward: " + ("; ".join(sorted(parts)) or "none"))
+    layer = c.comm_per_layer
+    shown = [p for p in PHASES if layer[p]["total"]]
+    parts = [f"{k} {' / '.join(_human_bytes(layer[p][k]) for p in shown)}"
+             for k in sorted(layer["forward"]) if k != "total" and any(layer[p][k] for p in shown)]
+    lines.append(f"traffic per layer, busiest rank, {' / '.join(shown)}: " + ("; ".join(parts) or "none"))
+    step = [f"{k} {_human_bytes(v)}" for k, v in sorted(c.comm_per_step.items()) if k != "total" and v]
+    lines.append(f"traffic per step, busiest rank (root unit included): {'; '.join(step) or 'none'}; "
+                 f"total {_human_bytes(c.comm_per_step['total'])}")
     lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
                  f"{_num(c.time.exposed_comm)} s")
     return "\n".join(lines)
@@ -88,21 +97,24 @@ def format_memory(c: Candidate, cluster: Cluster) -> str:
              ("activations", mb.activations), ("attention", mb.attention), ("logits", mb.logits),
              ("reserved", mb.reserved)]
     body = ", ".join(f"{k} {_gib(v)}" for k, v in items)
-    return (f"memory per GPU ({c.layout.label()}), GiB: {body}; total {_gib(mb.total)} of "
-            f"{_gib(cluster.hardware.memory_bytes)}")
+    return (f"memory per GPU ({c.layout.label()}) at its peak ({mb.moment}), GiB: {body}; total "
+            f"{_gib(mb.total)} of {_gib(cluster.hardware.memory_bytes)}")
 
 
-def format_longest(rows: list[dict], work: Workload, cluster: Cluster, top: int) -> str:
+def format_longest(result: dict, work: Workload, cluster: Cluster, top: int) -> str:
+    """The ``--max-seq-len`` table (``result`` as :func:`.plan.longest_plan` returns it)."""
+    rows = result["candidates"]
     lines = [header(work, cluster), "longest sequence that fits per layout (micro-batch "
              f"{work.batch}), ranked by length then tokens/s at that length", ""]
     lines.append(f"{'#':>3}  {'layout':<20}{'max tokens':>14}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}")
     for i, r in enumerate(rows[:top], 1):
+        step = _num(r["step_time_s"]) if r["step_time_s"] is not None else "-"
         lines.append(f"{i:>3}  {r['label']:<20}{r['max_seq_len']:>14,}{_gib(r['memory_bytes']['total']):>9}"
-                     f"{_num(r['step_time_s'] or 0):>9}{_num(r['tokens_per_s']):>11}")
+                     f"{step:>9}{_num(r['tokens_per_s']):>11}")
     if len(rows) > top:
         lines.append(f"     ... {len(rows) - top} more")
-    best = next((r for r in rows if r["runs_on_seqmesh"] and r["max_seq_len"] > 0), None)
+    rec = result["recommended"]
     lines.append("")
-    lines.append(f"longest with seqmesh: {best['label']}, {best['max_seq_len']:,} tokens" if best
-                 else "not even one token fits: the model's weights and optimizer states alone exceed the GPUs")
+    lines.append(f"longest with seqmesh: {rec['label']} -- {result['reason']}" if rec
+                 else f"nothing fits: {result['reason']}")
     return "\n".join(lines)

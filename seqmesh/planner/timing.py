@@ -3,7 +3,9 @@ them overlap.
 
 Assumptions:
 
-- Matmuls: 2 FLOPs per parameter per token forward, twice that backward; the LM head likewise.
+- Matmuls: 2 FLOPs per parameter per token forward, twice that backward. The LM head likewise, plus
+  2 more with the chunked loss, whose backward recomputes each tile's logits (``seqmesh.loss``): 8
+  FLOPs per head weight per local token with it, 6 without.
 - Attention: 4 * D FLOPs per visible (query, key) pair per query head forward (QK^T and PV), with
   causal masking keeping S(S+1)/2 pairs; backward costs 2.5x forward (flash attention recomputes
   the scores: 5 matmuls against 2). Zigzag gives every ring rank and every ring step the same work;
@@ -15,11 +17,14 @@ Assumptions:
 - Ring P2P overlaps with block compute: forward ``(ring-1) * max(c, t_kv) + c`` for per-step compute
   ``c``; backward ``(ring-1) * max(c, t_kv + t_dkv) + c + t_dkv`` (K/V blocks and dK/dV partials
   share the link; the last partial's hop home is exposed). The slowest hop of the ring sets the pace.
-- FSDP all-gathers (and backward reduce-scatters) are prefetched one layer ahead: a layer takes the
-  longer of its own compute + exposed communication and its FSDP traffic; the embedding unit's
-  gather and reduce-scatter at the ends of the step are exposed. All-gather / reduce-scatter cost
-  ``log2(G)`` latencies plus bytes over the slowest level's bandwidth (a ring through it). The LM
-  head's gather overlaps with the last layers.
+  A hop longer than ``c`` is exposed; ``StepTime.ring_exposed`` says so and the plan's reason repeats it.
+- FSDP units as ``seqmesh.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
+  ahead, so a layer takes the longer of its own compute + exposed communication and its FSDP traffic
+  (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (embedding, final
+  norm, LM head) is gathered before anything can run, gathered again at the start of backward (the
+  loss's backward needs the head) and reduce-scattered after the last layer: all three are exposed.
+  All-gather / reduce-scatter cost ``log2(G)`` latencies plus bytes over the slowest level's bandwidth
+  (a ring through it).
 - Tensor parallelism (reference only): its 4 collectives per layer each way are not overlapped.
 - Ring merges cost GPU-memory time (``ring_merge_seconds``): each step rereads and rewrites the float32
   accumulators of the whole block, so their cost grows with the ring degree.
@@ -36,7 +41,7 @@ from dataclasses import asdict, dataclass
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .traffic import HeadDeal, all_to_all_calls, fsdp_traffic, ring_block_bytes, tensor_parallel_traffic
-from .workload import Layout, Workload, embedding_params, layer_matmul_params, layer_params
+from .workload import Layout, Workload, layer_matmul_params, layer_params, root_params
 
 ATTENTION_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
 MAX_GROUPS_CHECKED = 64
@@ -52,6 +57,15 @@ class StepTime:
     layer_forward: float  # one layer forward, FSDP overlap applied
     layer_backward: float  # one layer backward (recompute included), FSDP overlap applied
     serial_comm: float  # every collective of the step end to end, as if nothing overlapped
+    ring_hop_forward: float = 0.0  # one forward ring hop (a K/V block); 0 without a ring
+    ring_block_forward: float = 0.0  # attention compute of one forward ring step
+    ring_hop_backward: float = 0.0  # one backward ring hop (a K/V block and a dK/dV partial)
+    ring_block_backward: float = 0.0  # attention compute of one backward ring step
+
+    @property
+    def ring_exposed(self) -> bool:
+        """True when a ring hop takes longer than the block compute it should hide behind."""
+        return self.ring_hop_forward > self.ring_block_forward or self.ring_hop_backward > self.ring_block_backward
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -170,14 +184,20 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     rs = gather_seconds(layer_fsdp["reduce_scatter_backward"], hw, fsdp_ranks)
     layer_fwd, layer_bwd = max(fwd, ag), max(bwd, ag + rs)
 
-    head = 3 * 2 * tokens * m.vocab * m.hidden / mm_rate
-    edge = fsdp_traffic(-(-embedding_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    edges = gather_seconds(edge["all_gather_forward"], hw, fsdp_ranks) + gather_seconds(
-        edge["reduce_scatter_backward"], hw, fsdp_ranks)
-    total = m.layers * (layer_fwd + layer_bwd) + head + edges
+    # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
+    head = (8 if work.chunked_loss else 6) * tokens * m.vocab * m.hidden / mm_rate
+    root = fsdp_traffic(-(-root_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    root_comm = (2 * gather_seconds(root["all_gather_forward"], hw, fsdp_ranks)
+                 + gather_seconds(root["reduce_scatter_backward"], hw, fsdp_ranks))
+    total = m.layers * (layer_fwd + layer_bwd) + head + root_comm
     compute = m.layers * compute_layer + head
-    serial = m.layers * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + edges
-    return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial)
+    serial = m.layers * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
+    hops = {}
+    if layout.tp == 1 and layout.ring > 1:
+        t_kv, t_dkv = ring_hops(work, layout, hw)
+        hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / layout.ring,
+                    ring_hop_backward=t_kv + t_dkv, ring_block_backward=attn_bwd / layout.ring)
+    return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial, **hops)
 
 
 def ring_merge_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:
@@ -217,17 +237,21 @@ def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
     return worst
 
 
+def ring_hops(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[float, float]:
+    """Seconds of one K/V-block hop and of one dK/dV-partial hop on the slowest ring link."""
+    m = work.model
+    kv, dkv = ring_block_bytes(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
+                               ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
+    return ring_hop_seconds(kv, hw, layout), ring_hop_seconds(dkv, hw, layout)
+
+
 def ring_attention_seconds(work: Workload, layout: Layout, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:
     """(attention of one layer with the ring's P2P overlapped, the P2P time alone); see the module docstring."""
     ring = layout.ring
     if ring == 1:
         return attention, 0.0
-    m = work.model
-    kv, dkv = ring_block_bytes(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
-                               ulysses=layout.ulysses, ring=ring, dtype=work.torch_dtype, layout=work.layout)
     step = attention / ring
-    t_kv = ring_hop_seconds(kv, hw, layout)
+    t_kv, t_dkv = ring_hops(work, layout, hw)
     if phase == "forward":
         return (ring - 1) * max(step, t_kv) + step, (ring - 1) * t_kv
-    t_dkv = ring_hop_seconds(dkv, hw, layout)
     return (ring - 1) * max(step, t_kv + t_dkv) + step + t_dkv, (ring - 1) * t_kv + ring * t_dkv

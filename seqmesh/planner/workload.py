@@ -114,3 +114,9 @@ def embedding_params(m: ModelShape) -> int:
 def head_params(m: ModelShape) -> int:
     """The LM head's own parameters (0 when tied to the embedding)."""
     return 0 if m.tie_embeddings else m.vocab * m.hidden
+
+
+def root_params(m: ModelShape) -> int:
+    """Parameters of seqmesh's root FSDP unit (``seqmesh.fsdp.apply_fsdp``): everything outside the decoder
+    layers, i.e. the embedding, the final RMSNorm and the LM head (a tied head counted once)."""
+    return embedding_params(m) + m.hidden + head_params(m)

@@ -1,0 +1,164 @@
+"""Which layout to recommend among close predictions, and the sentence that says why.
+
+The rule (:func:`pick`), over the seqmesh layouts that fit:
+
+1. Predictions within ``TIE`` (1%) of the fastest are a tie. The assumptions that move every layout
+   together (achieved FLOP/s, kernel efficiency) cancel in a comparison; what is left, the
+   layout-specific parts (overlap, latencies, merge costs), is uncertain by about that much.
+2. Memory headroom first: among the tied, keep only those within ``HEADROOM`` (10% of one GPU's memory)
+   of the smallest tied footprint. Running out of memory is fatal and the memory model has its own
+   slack (allocator fragmentation, NCCL buffers, a longer document later); a prediction that is 1%
+   optimistic costs 1%. Differences smaller than 10% of the GPU are inside the memory model's own
+   uncertainty, so they do not decide.
+3. Then the smallest share of the step that communication would take if nothing overlapped (to 0.1%):
+   overlap is the least certain part of the timing model, so the layout that loses least without it
+   is the safer bet.
+4. Then the least memory, then the most tokens/s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .hardware import GiB, Cluster
+
+if TYPE_CHECKING:
+    from .plan import Candidate
+
+TIE = 0.01  # throughput predictions closer than this are within the model's resolution
+HEADROOM = 0.10  # footprints closer than this fraction of one GPU's memory are within the memory model's
+
+
+def percent(x: float) -> str:
+    """A share as the table prints it: one decimal, and ``<0.1%`` rather than a misleading ``0.0%``."""
+    return "<0.1%" if 0 < x < 0.0005 else f"{x:.1%}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def serial_share(c: Candidate) -> float:
+    """Communication of the step run end to end, as a share of the predicted step (rounded to 0.1%)."""
+    return round(c.time.serial_comm / c.time.total, 3)
+
+
+def tied(runnable: list[Candidate]) -> list[Candidate]:
+    """The candidates whose throughput is within ``TIE`` of the fastest."""
+    fastest = max(c.tokens_per_s for c in runnable)
+    return [c for c in runnable if c.tokens_per_s >= (1 - TIE) * fastest]
+
+
+def pick(ranked: list[Candidate], memory_bytes: int) -> Candidate | None:
+    """The recommendation (the module docstring gives the rule); None when no seqmesh layout fits."""
+    runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
+    if not runnable:
+        return None
+    close = tied(runnable)
+    least = min(c.memory.total for c in close)
+    roomy = [c for c in close if c.memory.total <= least + HEADROOM * memory_bytes]
+    return min(roomy, key=lambda c: (serial_share(c), c.memory.total, -c.tokens_per_s))
+
+
+def _ring_part(best: Candidate, cluster: Cluster) -> str:
+    lay, t, link = best.layout, best.time, best.comm_links["ring_p2p"]
+    crosses = "crosses nodes over" if cluster.nodes > 1 and link == cluster.hardware.links[-1].name else "over"
+    hops = (f"a hop {_ms(t.ring_hop_forward)} forward, {_ms(t.ring_hop_backward)} backward, against "
+            f"{_ms(t.ring_block_forward)} and {_ms(t.ring_block_backward)} of block compute per step")
+    state = "exposed" if t.ring_exposed else "hidden behind block compute"
+    return f"ring {lay.ring} {crosses} {link}, its P2P {state} ({hops})"
+
+
+def _versus(best: Candidate, runnable: list[Candidate], memory_bytes: int) -> str:
+    """How the pick compares with the fastest prediction (or, when it is the fastest, the runner-up)."""
+    others = [c for c in runnable if c is not best]
+    if not others:
+        return ""
+    fastest = max(runnable, key=lambda c: c.tokens_per_s)
+    if fastest is best:
+        nxt = max(others, key=lambda c: c.tokens_per_s)
+        margin = best.tokens_per_s / nxt.tokens_per_s - 1
+        if margin < TIE:
+            return f"the fastest prediction, within 1% of {nxt.layout.label()} (too close for this model to separate)"
+        return f"the fastest prediction, {percent(margin)} more tokens/s than {nxt.layout.label()}"
+    lead = (f"{fastest.layout.label()} is predicted {percent(fastest.tokens_per_s / best.tokens_per_s - 1)} "
+            "faster, inside the model's 1% resolution")
+    least = min(c.memory.total for c in tied(runnable))
+    if fastest.memory.total > least + HEADROOM * memory_bytes:
+        gpu = memory_bytes
+        return (f"{lead}, but needs {_gib(fastest.memory.total)} GiB per GPU ({fastest.memory.total / gpu:.0%} of "
+                f"{_gib(gpu)}) against {_gib(best.memory.total)} GiB ({best.memory.total / gpu:.0%}): in a tie the "
+                "memory headroom wins")
+    mine, theirs = serial_share(best), serial_share(fastest)
+    if mine < theirs:
+        return (f"{lead}; this one is less exposed if overlap fails (its communication end to end is "
+                f"{percent(mine)} of the step vs {percent(theirs)})")
+    return f"{lead}; this one needs less memory ({_gib(best.memory.total)} vs {_gib(fastest.memory.total)} GiB per GPU)"
+
+
+def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
+    """A short reason for the recommendation: where each axis runs, and why it beats the others."""
+    lay, links = best.layout, best.comm_links
+    parts = []
+    if lay.ulysses > 1:
+        inner = links["ulysses_all_to_all"] == cluster.hardware.links[0].name
+        parts.append(f"Ulysses {lay.ulysses} {'inside' if inner else 'over'} {links['ulysses_all_to_all']}")
+    if lay.ring > 1:
+        parts.append(_ring_part(best, cluster))
+    if lay.dp_shard > 1:
+        sp = lay.ulysses * lay.ring
+        parts.append(f"the sequence fits on {sp} GPU{'s' if sp > 1 else ''}, so {lay.dp_shard} data-parallel "
+                     "groups add throughput without attention traffic")
+    if lay.ulysses == lay.ring == 1 and lay.dp_shard == 1:
+        parts.append("one GPU holds the sequence")
+    runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
+    versus = _versus(best, runnable, cluster.hardware.memory_bytes)
+    if versus:
+        parts.append(versus)
+    tp = [c for c in ranked if c.feasible and not c.layout.runs_on_seqmesh]
+    if tp:
+        parts.append(f"tensor-parallel reference {tp[0].layout.label()[:-6]}: "
+                     f"{percent(tp[0].tokens_per_s / best.tokens_per_s)} of this throughput")
+    parts.append(f"{percent(best.time.exposed_comm / best.time.total)} of the step waits on communication")
+    return "; ".join(parts)
+
+
+def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
+    """Why there is no recommendation, and what to change."""
+    runnable = [c for c in ranked if c.layout.runs_on_seqmesh]
+    if not runnable:
+        return "no seqmesh layout can run this model on these GPUs"
+    least = min(runnable, key=lambda c: c.memory.total)
+    text = (f"the smallest seqmesh footprint, {least.layout.label()}, needs {_gib(least.memory.total)} GiB per "
+            f"GPU of {_gib(cluster.hardware.memory_bytes)}")
+    if least.memory.moment == "end of backward":
+        text += (" at the end of backward, where the root unit's unsharded gradient and its fp32 reduce copy meet "
+                 "the sharded states; no sequence length changes that: use more GPUs")
+    else:
+        text += ("; use more GPUs or a shorter sequence, keep checkpointing and the chunked loss on "
+                 "(--max-seq-len finds the longest that fits)")
+    tp = [c for c in ranked if c.feasible and not c.layout.runs_on_seqmesh]
+    if tp:
+        text += f"; the tensor-parallel reference {tp[0].layout.label()[:-6]} would fit"
+    return text
+
+
+def explain_longest(best: dict | None, rows: list[dict], cluster: Cluster) -> str:
+    """The reason for ``--max-seq-len``'s pick (rows as :func:`.plan.longest_plan` builds them)."""
+    gpu = cluster.hardware.memory_bytes
+    if best is None:
+        least = min((r["memory_bytes"]["total"] for r in rows if r["runs_on_seqmesh"]), default=0)
+        return (f"no seqmesh layout holds even one token: the smallest footprint is {_gib(least)} GiB per GPU of "
+                f"{_gib(gpu)} (sharded weights, gradients and optimizer states, with the root unit's unsharded "
+                "weights and gradients); use more GPUs")
+    text = (f"the longest sequence of any seqmesh layout, {best['max_seq_len']:,} tokens "
+            f"({_gib(best['memory_bytes']['total'])} GiB per GPU of {_gib(gpu)}); among layouts that fit as much, "
+            "the most tokens/s")
+    tp = next((r for r in rows if not r["runs_on_seqmesh"] and r["max_seq_len"] > best["max_seq_len"]), None)
+    if tp:
+        text += f"; the tensor-parallel reference {tp['label'][:-6]} would fit {tp['max_seq_len']:,}"
+    return text
