@@ -44,7 +44,9 @@ def _sum_not_average(module: nn.Module, mesh: SPMesh) -> None:
 
 def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
-    each decoder layer on its own, the rest (embeddings, final norm, LM head) at the root.
+    each decoder layer on its own, an untied input embedding on its own (gathered only for its forward
+    and backward, at the two ends of the step), the rest (final norm, LM head, a tied embedding) at the
+    root, which stays gathered for the step because the loss reads the head's weight inside it.
 
     ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
     master weights and optimizer states.
@@ -55,6 +57,9 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     lm = getattr(root, "lm", root)
     for layer in decoder_layers(lm):
         fully_shard(layer, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    if head is None or head.weight is not embedding.weight:  # a tied weight must stay in one unit
+        fully_shard(embedding, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for module in root.modules():
         if isinstance(module, FSDPModule):
