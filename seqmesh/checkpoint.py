@@ -3,8 +3,10 @@
 A checkpoint is written to ``step_NNNNNNN.partial`` and renamed to ``step_NNNNNNN`` only after
 every rank has finished writing; ``latest`` (a small text file replaced atomically) then names it.
 An interrupted save leaves a ``.partial`` folder that resume ignores, so the last good checkpoint is
-always the one ``latest`` names. Each rank writes its own shards (FSDP2 DTensors), so the folder
-must be on storage every rank can reach.
+always the one ``latest`` names. Saving a step that already has a folder (a run restarted in the same
+``out``) renames the old one aside to ``step_NNNNNNN.old`` and deletes it only once ``latest`` names
+the new one; were the save cut between the two renames, resume reads the ``.old`` one. Each rank
+writes its own shards (FSDP2 DTensors), so the folder must be on storage every rank can reach.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
     if _is_rank0():
         with open(os.path.join(partial, "seqmesh.json"), "w") as f:
             json.dump({"step": step, **(extra or {})}, f)
-        shutil.rmtree(final, ignore_errors=True)
+        old = final + ".old"
+        if os.path.exists(final):  # never delete what ``latest`` may name before the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(partial, final)
         pointer = os.path.join(folder, LATEST + ".tmp")
         with open(pointer, "w") as f:
             f.write(name)
         os.replace(pointer, os.path.join(folder, LATEST))
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
@@ -63,6 +69,8 @@ def latest_checkpoint(folder: str) -> str | None:
         return None
     with open(pointer) as f:
         path = os.path.join(folder, f.read().strip())
+    if not os.path.exists(path) and os.path.isfile(os.path.join(path + ".old", "seqmesh.json")):
+        return path + ".old"  # a save of the same step was cut between renaming the old one aside and its own
     if not os.path.isfile(os.path.join(path, "seqmesh.json")):
         raise ValueError(f"{pointer} names {path}, which is not a complete seqmesh checkpoint; delete {pointer} to start over.")
     return path

@@ -2,13 +2,15 @@
 
 Both produce whole batches (``input_ids``, ``labels``, optionally ``position_ids`` for packed
 documents) for one data-parallel rank at one step, deterministically from ``(seed, step, rank)``,
-so a resumed run sees exactly the batches the interrupted one would have.
+so a resumed run sees exactly the batches the interrupted one would have. ``eval_batch`` is held out:
+the copy task draws it from a seed no training step reaches, local text from documents set aside.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,8 @@ import torch
 from .loss import IGNORE_INDEX
 
 FIRST_SYMBOL = 3  # tokens 0-2 are reserved (padding and markers)
+HELD_OUT_STEP = 10**9  # the copy task is seeded by step: training never reaches this one
+HELD_OUT_EVERY = 20  # local text: every 20th document is held out for evaluation
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,16 @@ class LongRangeCopy:
 
     def __post_init__(self) -> None:
         if self.seq_len < 8:
-            raise ValueError(f"the copy task needs at least 8 tokens, got {self.seq_len}.")
+            raise ValueError(f"the copy task needs at least 8 tokens, got seq_len={self.seq_len}; raise --seq-len.")
+        if self.symbols < 1:
+            raise ValueError(f"the copy task needs at least 1 symbol, got symbols={self.symbols}.")
         if not 1 <= self.block < self.seq_len:
-            raise ValueError(f"the copy period must be in [1, {self.seq_len - 1}], got {self.block}.")
+            raise ValueError(f"the copy period must be in [1, {self.seq_len - 1}] (below seq_len={self.seq_len}), "
+                             f"got {self.block}; omit it for seq_len // 4.")
 
     @property
     def block(self) -> int:
-        return self.period or self.seq_len // 4
+        return self.seq_len // 4 if self.period is None else self.period
 
     @property
     def vocab(self) -> int:
@@ -60,14 +67,28 @@ class LongRangeCopy:
         rows = [self.sample(g) for _ in range(batch_size)]
         return {"input_ids": torch.stack([r[0] for r in rows]), "labels": torch.stack([r[1] for r in rows])}
 
+    def eval_batch(self, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
+        """A batch from a seed no training step draws."""
+        return self.batch(HELD_OUT_STEP, dp_rank, batch_size, dp_size)
+
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 3..258 (0-2 are reserved), for runs without a tokenizer."""
+    """UTF-8 bytes as tokens 0..255, for runs without a tokenizer: any vocabulary of 256 or more covers
+    them, the tiny presets' included. Nothing is reserved: packed text carries no markers, and the
+    padding token 0 that ``seqmesh.shard_batch`` appends is never scored nor seen by real tokens."""
 
-    vocab_size = 259
+    vocab_size = 256
+
+    def __len__(self) -> int:
+        return self.vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return [b + 3 for b in text.encode("utf-8")]
+        return list(text.encode("utf-8"))
+
+
+def tokenizer_vocab(tokenizer) -> int:
+    """Token ids the tokenizer can produce: ``len(tokenizer)`` counts added tokens, ``vocab_size`` does not."""
+    return int(len(tokenizer)) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
 
 
 def load_tokenizer(path: str | None):
@@ -78,14 +99,25 @@ def load_tokenizer(path: str | None):
         raise ValueError(f"tokenizer directory {path!r} does not exist; give a local tokenizer folder or omit it for bytes.")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"no tokenizer could be loaded from {path!r} ({first}); give a folder holding tokenizer.json "
+                         "(or tokenizer_config.json and its vocabulary), or omit the tokenizer for bytes.") from err
 
 
-def _read_documents(paths: list[str], text_key: str) -> list[str]:
-    docs = []
+def check_data_paths(paths: list[str]) -> None:
+    """Raise naming the first data file that does not exist."""
     for path in paths:
         if not os.path.isfile(path):
             raise ValueError(f"data file {path!r} does not exist.")
+
+
+def _read_documents(paths: list[str], text_key: str) -> list[str]:
+    check_data_paths(paths)
+    docs = []
+    for path in paths:
         with open(path, encoding="utf-8") as f:
             if path.endswith((".jsonl", ".json")):
                 for n, line in enumerate(f, 1):
@@ -101,32 +133,83 @@ def _read_documents(paths: list[str], text_key: str) -> list[str]:
     return docs
 
 
+def held_out_documents(count: int) -> list[int]:
+    """Indices of the documents kept for evaluation: every 20th, and at least one (the last) when there
+    are two or more; a single document is trained on (and evaluation then reads it too)."""
+    held = list(range(HELD_OUT_EVERY - 1, count, HELD_OUT_EVERY))
+    return held or ([count - 1] if count >= 2 else [])
+
+
+class _PackedStream:
+    """Documents shuffled per epoch and laid end to end; row ``i`` is tokens ``[i*S, (i+1)*S)`` of that
+    endless stream, so every token is trained on once per epoch. A document cut by a row boundary goes
+    on in the next row as a document of its own (positions from 0 again): attention never crosses a
+    row, and a document longer than a row fills whole rows."""
+
+    def __init__(self, docs: list[torch.Tensor], seed: int):
+        self.docs, self.seed = docs, seed
+        self.tokens = sum(d.numel() for d in docs)
+        self._epochs: dict[int, tuple[list[int], list[int]]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
+        """(document order, end offset of each in the epoch) for ``epoch``; the last two are kept."""
+        if epoch not in self._epochs:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.docs), generator=g).tolist()
+            ends = torch.tensor([self.docs[i].numel() for i in order]).cumsum(0).tolist()
+            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
+            self._epochs[epoch] = (order, ends)
+        return self._epochs[epoch]
+
+    def row(self, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, offset = divmod(index * seq_len, self.tokens)
+        ids, positions, need = [], [], seq_len
+        while need:
+            order, ends = self._epoch(epoch)
+            k = bisect_right(ends, offset)  # the document holding stream offset ``offset``
+            doc = self.docs[order[k]]
+            begin = offset - (ends[k] - doc.numel())
+            piece = doc[begin : begin + need]
+            ids.append(piece)
+            positions.append(torch.arange(piece.numel()))
+            need -= piece.numel()
+            offset += piece.numel()
+            if offset == self.tokens:
+                epoch, offset = epoch + 1, 0
+        return torch.cat(ids), torch.cat(positions)
+
+
 class PackedText:
     """Documents from local ``.txt`` (blank-line separated) or ``.jsonl`` files, tokenized, shuffled
     per epoch and packed end to end into ``seq_len``-token rows; ``position_ids`` restart at each
-    document so attention never crosses one."""
+    document (and at each row) so attention never crosses one. Every 20th document (at least one) is
+    held out for :meth:`eval_batch`."""
 
     def __init__(self, paths: list[str], seq_len: int, tokenizer=None, *, text_key: str = "text", seed: int = 0):
         self.seq_len = seq_len
         self.seed = seed
         tokenizer = tokenizer or ByteTokenizer()
-        self.vocab = int(getattr(tokenizer, "vocab_size", 0) or len(tokenizer))
-        self.docs = [torch.tensor(tokenizer.encode(d), dtype=torch.long) for d in _read_documents(paths, text_key)]
-        self.docs = [d for d in self.docs if d.numel()]
-        self.tokens = sum(d.numel() for d in self.docs)
+        self.vocab = tokenizer_vocab(tokenizer)
+        docs = [torch.tensor(tokenizer.encode(d), dtype=torch.long) for d in _read_documents(paths, text_key)]
+        docs = [d for d in docs if d.numel()]
+        if not docs:
+            raise ValueError(f"the documents in {paths} are all empty after tokenization.")
+        held = set(held_out_documents(len(docs)))
+        self.train_docs = [d for i, d in enumerate(docs) if i not in held]
+        self.eval_docs = [d for i, d in enumerate(docs) if i in held] or self.train_docs
+        self._train = _PackedStream(self.train_docs, seed)
+        self._eval = _PackedStream(self.eval_docs, seed + 1)
+        self.tokens = self._train.tokens  # training tokens per epoch
 
-    def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        ids, positions, filled = [], [], 0
-        while filled < self.seq_len:
-            doc = self.docs[int(torch.randint(len(self.docs), (1,), generator=g))]
-            piece = doc[: self.seq_len - filled]
-            ids.append(piece)
-            positions.append(torch.arange(piece.numel()))
-            filled += piece.numel()
-        return torch.cat(ids), torch.cat(positions)
-
-    def batch(self, step: int, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
-        rows = [self._row((step * dp_size + dp_rank) * batch_size + i) for i in range(batch_size)]
+    @staticmethod
+    def _rows(stream: _PackedStream, first: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        rows = [stream.row(first + i, seq_len) for i in range(batch_size)]
         ids = torch.stack([r[0] for r in rows])
         return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.stack([r[1] for r in rows])}
+
+    def batch(self, step: int, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
+        return self._rows(self._train, (step * dp_size + dp_rank) * batch_size, batch_size, self.seq_len)
+
+    def eval_batch(self, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
+        """Rows of the held-out documents only."""
+        return self._rows(self._eval, dp_rank * batch_size, batch_size, self.seq_len)

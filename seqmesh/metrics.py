@@ -50,6 +50,18 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def keep_until(self, step: int) -> int:
+        """Drop the records after ``step`` (a resumed run redoes those steps); returns how many went.
+        The file is replaced atomically, so an interruption leaves the old one or the new one."""
+        records = self.read()
+        kept = [r for r in records if r.get("step", 0) <= step]
+        if len(kept) < len(records):
+            partial = self.path + ".tmp"
+            with open(partial, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(partial, self.path)
+        return len(records) - len(kept)
+
     def read(self) -> list[dict]:
         if not os.path.isfile(self.path):
             return []

@@ -10,7 +10,7 @@ import torch.nn as nn
 from .data import SequenceInfo
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from .mesh import SPMesh
-from .presets import ModelShape, model_shape
+from .presets import MODELS, ModelShape, model_shape
 
 
 def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
@@ -35,21 +35,41 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
     )
 
 
+def load_config(path: str):
+    """The transformers config in ``path`` (a ``config.json`` file, or a folder holding one) exactly as
+    written (norm epsilon, biases, activation, RoPE scaling, sliding window...), with no download;
+    only ``attention_dropout`` is set to 0, as seqmesh's exact attention has no dropout."""
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"no transformers config at {file!r}; give a preset name, a config.json or a folder holding one.")
+    config = AutoConfig.from_pretrained(file, local_files_only=True)
+    config.attention_dropout = 0.0
+    return config
+
+
+def _has_weights(path: str) -> bool:
+    return os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+
+
 def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """A causal LM: a preset or a config.json with random weights, or a local checkpoint directory
-    (config.json plus weights) loaded without any download."""
+    """A causal LM: a preset, or a ``config.json`` (file or folder without weights) with random
+    weights, or a local checkpoint folder (config.json plus weights) loaded without any download.
+
+    A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM
 
-    is_checkpoint = os.path.isdir(name_or_path) and any(
-        f.endswith((".safetensors", ".bin")) for f in os.listdir(name_or_path)
-    )
-    if is_checkpoint:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa")
+    if _has_weights(name_or_path):
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
+        )
         return model.to(device)
-    shape = model_shape(name_or_path)
+    shape = model_shape(name_or_path)  # unknown names fail here, listing the presets
+    config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
-from .datasets import LongRangeCopy, PackedText, load_tokenizer
+from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
 from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from .hf import parallelize, workable_degrees
 from .mesh import SPMesh, init_mesh
@@ -69,17 +69,43 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def make_dataset(cfg: TrainConfig, vocab: int):
-    if not cfg.data:
-        task = LongRangeCopy(cfg.seq_len, symbols=cfg.symbols, period=cfg.copy_period, seed=cfg.seed)
-        if task.vocab > vocab:
-            raise ValueError(f"the copy task uses {task.vocab} tokens but the model's vocabulary has {vocab}.")
-        return task
-    data = PackedText(cfg.data, cfg.seq_len, load_tokenizer(cfg.tokenizer), text_key=cfg.text_key, seed=cfg.seed)
-    if data.vocab > vocab:
-        raise ValueError(f"the tokenizer has {data.vocab} tokens but the model's vocabulary has {vocab}; "
+def _copy_task(cfg: TrainConfig, vocab: int) -> LongRangeCopy:
+    task = LongRangeCopy(cfg.seq_len, symbols=cfg.symbols, period=cfg.copy_period, seed=cfg.seed)
+    if task.vocab > vocab:
+        raise ValueError(f"the copy task uses {task.vocab} tokens ({cfg.symbols} symbols + 3 reserved) but the model's "
+                         f"vocabulary has {vocab}; lower --symbols to {vocab - 3} or use a larger vocabulary.")
+    return task
+
+
+def _tokenizer(cfg: TrainConfig, vocab: int):
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer_vocab(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer_vocab(tokenizer)} tokens but the model's vocabulary has {vocab}; "
                          "use a model whose vocab_size covers the tokenizer.")
-    return data
+    return tokenizer
+
+
+def check_data(cfg: TrainConfig, vocab: int) -> None:
+    """``make_dataset``'s configuration checks (files, tokenizer, vocabulary, copy task) without reading
+    the documents."""
+    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
+        raise ValueError(f"tokenizer directory {cfg.tokenizer!r} does not exist.")
+    if not cfg.data:
+        _copy_task(cfg, vocab)
+    else:
+        check_data_paths(cfg.data)
+        _tokenizer(cfg, vocab)
+
+
+def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText:
+    """The run's data: the copy task, or ``cfg.data`` packed into rows. Raises when the model's
+    vocabulary (``vocab``; by default read from ``cfg.model``'s config, no model built) is too small."""
+    vocab = model_shape(cfg.model).vocab if vocab is None else vocab
+    if not cfg.data:
+        check_data(cfg, vocab)
+        return _copy_task(cfg, vocab)
+    check_data_paths(cfg.data)  # before loading the tokenizer, as check_data does
+    return PackedText(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), text_key=cfg.text_key, seed=cfg.seed)
 
 
 def _device() -> torch.device:
@@ -88,14 +114,13 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
-    """Check the configuration, then build the mesh and the parallelized, sharded model."""
-    q_heads = model_shape(cfg.model).heads  # a preset, a config.json, or a checkpoint folder's config
-    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
-        raise ValueError(f"tokenizer directory {cfg.tokenizer!r} does not exist.")
-    for path in cfg.data:
-        if not os.path.isfile(path):
-            raise ValueError(f"data file {path!r} does not exist.")
+def build(cfg: TrainConfig, *, data_checked: bool = False) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
+    """Check the configuration (the data too, unless ``make_dataset`` already did), then build the mesh
+    and the parallelized, sharded model."""
+    shape = model_shape(cfg.model)  # a preset, a config.json, or a checkpoint folder's config
+    q_heads = shape.heads
+    if not data_checked:
+        check_data(cfg, shape.vocab)
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses, ring, dp = resolve_degrees(cfg, world, q_heads, ranks_per_node)
@@ -116,17 +141,14 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     return mesh, module, device
 
 
-HELD_OUT_STEP = 10**9  # the data sources are seeded by step: training never reaches this one
-
-
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, device: torch.device) -> float:
-    """Accuracy of argmax predictions on the scored tokens of a batch no training step draws."""
+    """Accuracy of argmax predictions on the scored tokens of the data's held-out batch."""
     module.eval()
-    batch = data.batch(HELD_OUT_STEP, mesh.dp_rank, cfg.batch, mesh.dp_size)
+    batch = data.eval_batch(mesh.dp_rank, cfg.batch, mesh.dp_size)
     local = _to(shard_batch(batch, mesh, layout=cfg.layout), device)
     with torch.no_grad():
         counts = module(**local, score=True)
@@ -137,9 +159,9 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
 
 def train(cfg: TrainConfig) -> dict:
     """Run ``cfg`` on this rank; returns the final figures (the same on every rank)."""
-    mesh, module, device = build(cfg)
+    data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
+    mesh, module, device = build(cfg, data_checked=True)
     rank0 = dist.get_rank() == 0
-    data = make_dataset(cfg, module.lm.config.vocab_size)
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     folder = os.path.join(cfg.out, "checkpoints")
     start = 0
@@ -148,6 +170,8 @@ def train(cfg: TrainConfig) -> dict:
     log = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"))
     if rank0 and start == 0 and os.path.exists(log.path):
         os.remove(log.path)  # a fresh run starts a fresh curve; a resumed one continues it
+    elif rank0 and start:
+        log.keep_until(start)  # steps logged after the checkpoint are redone: drop them, or they would repeat
     if rank0:
         log.write({"kind": "config", "step": start, "config": asdict(cfg), "mesh": repr(mesh)})
     progress = Progress(cfg.steps, start) if rank0 else None
@@ -170,26 +194,34 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
         window_steps += 1
         done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            loss_value = float(loss.detach())
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = tokens_per_step * window_steps / elapsed
-            evaluate_now = done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)
-            if evaluate_now:
-                accuracy = evaluate(module, data, mesh, cfg, device)
+        log_now = done % cfg.log_every == 0 or done == cfg.steps
+        eval_now = done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
+        save_now = cfg.save_every > 0 and done % cfg.save_every == 0 and done != cfg.steps
+        if not (log_now or eval_now or save_now):
+            continue
+        loss_value = float(loss.detach())  # waits for the step to finish: what follows is not training time
+        paused = time.perf_counter()
+        fields = {}
+        if log_now:
+            tokens_per_s = tokens_per_step * window_steps / (paused - window_start)
             if rank0:
                 memory = peak_memory_bytes(device)
                 log.write({"kind": "train", "step": done, "loss": loss_value, "lr": lr_at(cfg, step),
                            "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory})
-                if evaluate_now:
-                    log.write({"kind": "eval", "step": done, "accuracy": accuracy})
                 fields = {"loss": f"{loss_value:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "mem": f"{memory / 2**30:.2f}GiB"}
-                if evaluate_now:
-                    fields["acc"] = f"{accuracy:.3f}"
-                progress.update(done, fields)
-            window_start, window_steps = time.perf_counter(), 0  # evaluation time is not training time
-        if cfg.save_every and done % cfg.save_every == 0 and done != cfg.steps:
+        if eval_now:
+            accuracy = evaluate(module, data, mesh, cfg, device)
+            if rank0:
+                log.write({"kind": "eval", "step": done, "accuracy": accuracy})
+                fields["acc"] = f"{accuracy:.3f}"
+        if rank0 and fields:
+            progress.update(done, fields)
+        if save_now:
             save_checkpoint(folder, done, module, optimizer, {"config": asdict(cfg)})
+        if log_now:  # a new throughput window
+            window_start, window_steps = time.perf_counter(), 0
+        else:  # evaluation and saving are not training time
+            window_start += time.perf_counter() - paused
     if start < cfg.steps:
         save_checkpoint(folder, cfg.steps, module, optimizer, {"config": asdict(cfg)})
     curve = None

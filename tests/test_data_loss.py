@@ -23,6 +23,32 @@ def test_shard_batch_shifts_before_slicing(pools, ulysses, ring, layout):
         assert back["local_len"] == 6  # 23 padded to 24 over 4 ranks
 
 
+def right_padded_roundtrip(ulysses: int, ring: int) -> dict:
+    """Shard a right-padded batch with its own labels, gather the fields back."""
+    import seqmesh
+    from dist_cases import get_mesh
+
+    mesh = get_mesh(ulysses, ring)
+    ids = torch.arange(100, 126).reshape(2, 13)
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, 8:] = 0  # row 0: 8 real tokens, 5 of padding; row 1: all 13 real
+    local = seqmesh.shard_batch({"input_ids": ids, "labels": ids + 1000, "attention_mask": mask}, mesh)
+    return {k: seqmesh.gather_sequence(local[k], mesh, length=13).tolist()
+            for k in ("input_ids", "position_ids", "shift_labels")}
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 2), (1, 4)])
+def test_shard_batch_right_padding(pools, ulysses, ring):
+    ids = [list(range(100, 113)), list(range(113, 126))]
+    real = [8, 13]
+    # target t is the label (input + 1000) of token t + 1 while t + 1 is a real token of that row
+    want = [[ids[r][t + 1] + 1000 if t + 1 < real[r] else -100 for t in range(13)] for r in range(2)]
+    for back in pools.run(4, right_padded_roundtrip, ulysses, ring):
+        assert back["input_ids"] == ids
+        assert back["shift_labels"] == want
+        assert back["position_ids"] == [list(range(13))] * 2  # one sequence per row: positions 0..12
+
+
 @pytest.mark.parametrize("empty", [[], [2], [0, 1, 2, 3]], ids=["all-ranks", "one-rank-empty", "nothing-valid"])
 def test_pooled_loss_equals_one_device(pools, empty):
     for r in pools.run(4, pooled_loss, empty):

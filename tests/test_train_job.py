@@ -4,19 +4,22 @@ before any work."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 
 import pytest
 
 from seqmesh.checkpoint import latest_checkpoint
 from seqmesh.config import TrainConfig
 from seqmesh.train import resolve_degrees
-from train_job_cases import build_error, run_train, run_verify, run_verify_with_a_bug
+from train_job_cases import build_error, run_train, run_verify, run_verify_with_a_bug, train_error
 
 
-def _losses(folder: str) -> dict[int, float]:
+def _records(folder, kind: str) -> list[tuple[int, float]]:
+    """(step, value) of every ``kind`` record, in file order."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
+        return [(r["step"], r["loss" if kind == "train" else "accuracy"]) for r in map(json.loads, f) if r["kind"] == kind]
 
 
 def _cfg(out, **kw) -> TrainConfig:
@@ -29,18 +32,43 @@ def _cfg(out, **kw) -> TrainConfig:
 def test_resume_continues_the_same_loss_curve(pools, tmp_path):
     straight = _cfg(tmp_path / "straight", save_every=3)
     pools.run(4, run_train, straight)
-    first = _cfg(tmp_path / "split", steps=3)
-    pools.run(4, run_train, first)  # ends with a checkpoint at step 3
+    split = tmp_path / "split"
+    # a run of 5 steps (another lr schedule) logs steps 1-5, then dies before its checkpoint at 5 is named:
+    # latest still names step 3, and the metrics hold steps 4 and 5 that the resumed run redoes
+    pools.run(4, run_train, _cfg(split, steps=5, save_every=3))
+    stale = _records(split, "train")
+    shutil.rmtree(split / "checkpoints" / "step_0000005")
+    (split / "checkpoints" / "latest").write_text("step_0000003")
     # an interrupted save must not be picked up: leave a half-written later checkpoint behind
-    os.makedirs(tmp_path / "split" / "checkpoints" / "step_0000004.partial")
-    resumed = _cfg(tmp_path / "split", resume=True)
-    summary = pools.run(4, run_train, resumed)[0]
-    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "split")
-    assert sorted(b) == [1, 2, 3, 4, 5, 6]  # the resumed run appended to the same curve
-    for step in range(1, 7):
-        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
-    assert latest_checkpoint(str(tmp_path / "split" / "checkpoints")).endswith("step_0000006")
+    os.makedirs(split / "checkpoints" / "step_0000004.partial")
+    summary = pools.run(4, run_train, _cfg(split, resume=True))[0]
+    want, got = _records(tmp_path / "straight", "train"), _records(split, "train")
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6], got  # no repeated or backwards steps
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-6), (want, got)
+    assert stale[4][1] != pytest.approx(want[4][1], abs=1e-6)  # so a stale step 5 left behind would show
+    evals, want_evals = _records(split, "eval"), _records(tmp_path / "straight", "eval")
+    assert [s for s, _ in evals] == [s for s, _ in want_evals] == [3, 6], evals  # the dead run's eval at 5 is gone
+    assert [a for _, a in evals] == pytest.approx([a for _, a in want_evals], abs=1e-9)
+    assert latest_checkpoint(str(split / "checkpoints")).endswith("step_0000006")
     assert summary["loss_curve"] and os.path.getsize(summary["loss_curve"]) > 1000
+
+
+def test_evaluation_does_not_wait_for_logging(pools, tmp_path):
+    summary = pools.run(4, run_train, _cfg(tmp_path, steps=5, log_every=4, eval_every=2))[0]
+    assert [s for s, _ in _records(tmp_path, "train")] == [4, 5]
+    assert [s for s, _ in _records(tmp_path, "eval")] == [2, 4, 5]
+    assert summary["accuracy"] == _records(tmp_path, "eval")[-1][1]
+
+
+def test_local_text_trains_on_a_tiny_preset(pools, tmp_path):
+    """The default byte tokenizer (256 tokens) on llama-tiny; documents longer than a row are split."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {d}, naïve café ÿ: " + "the quick brown fox jumps over the lazy dog. " * (d % 4 + 1)
+                                    for d in range(12)), encoding="utf-8")
+    summary = pools.run(4, run_train, _cfg(tmp_path / "run", data=[str(corpus)], steps=3, eval_every=0))[0]
+    losses = [v for _, v in _records(tmp_path / "run", "train")]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
+    assert 0 <= summary["accuracy"] <= 1
 
 
 def test_verify_passes_and_fails_loudly(pools, tmp_path):
@@ -52,14 +80,21 @@ def test_verify_passes_and_fails_loudly(pools, tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(ulysses=4, ring=1, dp=1, model="qwen3-tiny", seq_len=3), "seq_len=3 is smaller than the sequence degree 4"),
+    (dict(ulysses=4, ring=1, dp=1, model="qwen3-tiny", seq_len=3, data=["{tmp}/a.txt"]),  # text: no copy-task minimum
+     "seq_len=3 is smaller than the sequence degree 4"),
+    (dict(seq_len=6), "the copy task needs at least 8 tokens, got seq_len=6"),
     (dict(ulysses=3, ring="auto", dp=1), "ulysses=3 x ring=1 = 3 but the sequence group has 4 ranks"),
     (dict(data=["/nonexistent/corpus.jsonl"]), "data file '/nonexistent/corpus.jsonl' does not exist"),
     (dict(tokenizer="/nonexistent/tok"), "tokenizer directory '/nonexistent/tok' does not exist"),
     (dict(model="gpt-9"), "unknown model 'gpt-9': not a preset"),
+    (dict(symbols=600), "the copy task uses 603 tokens (600 symbols + 3 reserved) but the model's vocabulary has 256"),
+    (dict(data=["{tmp}/a.txt"], tokenizer="{tmp}"), "no tokenizer could be loaded from"),  # a folder, no tokenizer
 ])
-def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, message):
-    errors = pools.run(4, build_error, _cfg(tmp_path, **change))
+@pytest.mark.parametrize("entry", [build_error, train_error], ids=["build", "train"])
+def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, message, entry):
+    (tmp_path / "a.txt").write_text("some text")
+    at_tmp = lambda v: [at_tmp(x) for x in v] if isinstance(v, list) else v.format(tmp=tmp_path) if isinstance(v, str) else v  # noqa: E731
+    errors = pools.run(4, entry, _cfg(tmp_path, **{k: at_tmp(v) for k, v in change.items()}))
     assert all(message in e for e in errors), errors
 
 

@@ -25,6 +25,24 @@ def build_error(cfg: TrainConfig) -> str:
     return "no error"
 
 
+def train_error(cfg: TrainConfig) -> str:
+    """train(cfg)'s configuration error; building a mesh or a model before raising it is a failure."""
+    import seqmesh.train as job
+
+    def too_early(*args, **kwargs):
+        raise AssertionError("a mesh or a model was built before the configuration was checked")
+
+    original = job.init_mesh, job.build_model
+    job.init_mesh = job.build_model = too_early
+    try:
+        train(cfg)
+    except ValueError as err:
+        return str(err)
+    finally:
+        job.init_mesh, job.build_model = original
+    return "no error"
+
+
 def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
     """verify() with a real pipeline bug on the sequence-parallel side: labels shifted one token too
     far (the classic off-by-one of shifting after slicing)."""
