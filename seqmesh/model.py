@@ -73,6 +73,27 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     return model
 
 
+def has_weights(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a local checkpoint folder (weights to load, not to initialise)."""
+    return _has_weights(name_or_path)
+
+
+def materialize(root: nn.Module, device: torch.device | str, seed: int, shard_rank: int) -> None:
+    """Allocate a model built on the meta device, after FSDP sharded ``root``, on ``device``, and initialise
+    it as transformers does (``initialize_weights``: normal weights, unit norms, RoPE frequencies).
+
+    Every rank then holds only its shards: no rank ever materialises the whole model. Each shard draws
+    from ``seed + shard_rank`` so that shards are independent draws on every device (DTensor's own
+    random ops give every shard the same values on CPU), while replicas of a shard (HSDP) agree."""
+    root.to_empty(device=device)  # the FSDP root (a SequenceParallelLM or the model itself)
+    lm = getattr(root, "lm", root)
+    for module in lm.modules():
+        if getattr(module, "_is_hf_initialized", False):
+            module._is_hf_initialized = False
+    torch.manual_seed(seed * 1_000_003 + shard_rank)
+    lm.initialize_weights()
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model

@@ -23,7 +23,7 @@ from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from .hf import parallelize, workable_degrees
 from .mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
-from .model import SequenceParallelLM, build_model
+from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .presets import model_shape
 
 
@@ -132,12 +132,19 @@ def build(cfg: TrainConfig, *, data_checked: bool = False) -> tuple[SPMesh, Sequ
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
         torch.set_flush_denormal(True)
     mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, device_type=device.type)
-    lm = parallelize(build_model(cfg.model, seed=cfg.seed, device=device), mesh, backend=cfg.backend)
+    # With FSDP a randomly initialised model is built on the meta device and only its shards are ever
+    # allocated (Llama-3-70B could not otherwise start); a checkpoint folder is loaded whole, then sharded.
+    on_meta = cfg.fsdp and not has_weights(cfg.model)
+    lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
+    lm = parallelize(lm, mesh, backend=cfg.backend)
     module = SequenceParallelLM(lm, mesh, chunk=cfg.loss_chunk)
     if cfg.checkpointing:
         enable_checkpointing(lm)
     if cfg.fsdp:
         apply_fsdp(module, mesh, bf16=cfg.bf16)
+    if on_meta:
+        fsdp_mesh = mesh.fsdp_mesh
+        materialize(module, device, cfg.seed, shard_rank=fsdp_mesh.get_local_rank(fsdp_mesh.ndim - 1))
     return mesh, module, device
 
 

@@ -203,3 +203,21 @@ def test_checkpoint_latest_always_names_a_complete_checkpoint(tmp_path, monkeypa
     # cut between renaming the old folder aside and moving the new one in: resume reads the old one
     os.replace(os.path.join(folder, "step_0000002"), os.path.join(folder, "step_0000002.old"))
     assert ckpt.latest_checkpoint(folder).endswith("step_0000002.old")
+
+
+def test_fsdp_models_are_initialised_shard_by_shard(pools):
+    """With FSDP, build() makes the model on the meta device and initialises only each rank's shards:
+    shards are independent draws (not one block repeated), at transformers' scale (initializer_range
+    0.02), norms at one, a tied head still tied; under HSDP both replicas of a shard are identical."""
+    from train_job_cases import meta_initialised_weights
+
+    for model, ulysses, ring, replicate, tied in (("llama-tiny", 2, 2, 1, False), ("qwen3-tiny", 1, 2, 2, True)):
+        results = pools.run(4, meta_initialised_weights, model, ulysses, ring, replicate)
+        for r in results:
+            assert abs(r["std"] - 0.02) < 0.002, (model, r)
+            assert len(set(r["blocks"])) == len(r["blocks"]), (model, r["blocks"])  # no repeated shard
+            assert r["tied"] is tied and r["norm_ones"], (model, r)
+        by_shard: dict[int, set[float]] = {}
+        for r in results:
+            by_shard.setdefault(r["shard_rank"], set()).add(r["local_sum"])
+        assert all(len(sums) == 1 for sums in by_shard.values()), by_shard  # replicas agree

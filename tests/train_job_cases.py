@@ -62,3 +62,24 @@ def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
         return verify(cfg)
     finally:
         data.shard_batch = original
+
+
+def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: int) -> dict:
+    """build() with FSDP allocates only shards (meta device first): what the initialised weights look like."""
+    from seqmesh.config import TrainConfig
+    from seqmesh.train import build
+
+    mesh, module, _ = build(TrainConfig(model=model, seq_len=64, ulysses=ulysses, ring=ring, dp=1,
+                                        dp_replicate=dp_replicate))
+    lm = module.lm
+    q_proj = lm.model.layers[0].self_attn.q_proj.weight
+    whole = q_proj.full_tensor().detach()
+    fsdp_mesh = mesh.fsdp_mesh
+    return {
+        "std": float(whole.std()),
+        "blocks": [float(b.sum()) for b in whole.chunk(fsdp_mesh.size(fsdp_mesh.ndim - 1))],
+        "local_sum": float(q_proj.to_local().detach().sum()),
+        "shard_rank": fsdp_mesh.get_local_rank(fsdp_mesh.ndim - 1),
+        "tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
+        "norm_ones": bool((lm.model.norm.weight.full_tensor() == 1).all()),
+    }
