@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from seqmesh.planner.hardware import GB, GiB, PRESETS, HardwareSpec, LinkLevel, make_cluster, parse_link
-from seqmesh.planner.memory import (activation_memory, attention_working_set, logits_memory, memory_per_gpu,
-                                   parameter_memory)
+from seqmesh.planner.memory import (activation_memory, attention_working_set, end_of_backward_grads, logits_memory,
+                                   memory_at, memory_per_gpu, parameter_memory)
 from seqmesh.planner.memory import MemoryBreakdown
 from seqmesh.planner.plan import Candidate, evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
@@ -30,56 +30,89 @@ def _fast(hw: HardwareSpec) -> HardwareSpec:
 
 # -- memory -------------------------------------------------------------------------------------------
 LLAMA8B_LAYER = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096  # q,k,v,o + gated MLP + 2 norms
-LLAMA8B_ROOT = 2 * 128256 * 4096 + 4096  # embedding + LM head (untied) + final norm
+LLAMA8B_EMBEDDING = 128256 * 4096  # untied: its own FSDP unit
+LLAMA8B_ROOT = 128256 * 4096 + 4096  # LM head + final norm
 
 
-def test_root_unit_is_gathered_all_step_and_its_gradients_live_through_backward():
-    """seqmesh's FSDP units (seqmesh.fsdp.apply_fsdp): one per decoder layer, and the root with the
-    embedding, final norm and LM head. Llama-3-8B, bf16, FSDP over 8 ranks; per GPU:
+def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
+    """seqmesh's FSDP units (seqmesh.fsdp.apply_fsdp) for an untied model: one per decoder layer, the input
+    embedding on its own, and the root with the final norm and LM head. Llama-3-8B, bf16, FSDP over 8
+    ranks; per GPU:
 
     - sharded, every moment: fp32 master 4 B + fp32 gradient 4 B + Adam 8 B per parameter / 8;
-    - gathered in bf16: the root (all step long: its forward holds every layer) + two layers (current and
-      prefetched), but at the end of backward only the root;
-    - unsharded gradients: inside a layer's backward the LM head's (bf16, since the loss's backward) and
-      the layer's (bf16 + its fp32 reduce-scatter copy); at the loss the head's; at the end the root's
-      (bf16 + fp32 copy)."""
+    - gathered in bf16: the root (all step long: its forward holds every layer and the loss) + two layers
+      (current and prefetched), but at the end of backward only the root; never the embedding (gathered
+      only for its own forward and backward, at the two ends of the step, resharded before its reduce);
+    - unsharded gradients: inside a layer's backward the root's (LM head + final norm, bf16, since the loss
+      and the final norm ran backward) and the layer's (bf16 + its fp32 reduce-scatter copy); at the loss
+      the head's; at the end the larger of the embedding's reduce-scatter (its bf16 gradient + fp32 copy,
+      the root's bf16 gradient still alive) and the root's (bf16 + fp32 copy)."""
     m = MODELS["llama3-8b"]
-    params = 32 * LLAMA8B_LAYER + LLAMA8B_ROOT
+    params = 32 * LLAMA8B_LAYER + LLAMA8B_EMBEDDING + LLAMA8B_ROOT
     assert LLAMA8B_LAYER == 218_112_000 and m.params == params == 8_030_261_248
     shard, head = -(-params // 8), 128256 * 4096
     w, lay = Workload(m, 8192), Layout(8, 1, 1)
+    at_embedding_rs = 2 * LLAMA8B_ROOT + (2 + 4) * LLAMA8B_EMBEDDING
+    at_root_rs = (2 + 4) * LLAMA8B_ROOT
+    assert at_embedding_rs - at_root_rs == 2 * 128256 * 4096 - 4 * 4096 > 0  # the embedding's moment is larger
+    assert end_of_backward_grads(w, lay) == {"embedding": at_embedding_rs, "root": at_root_rs}
     gathered = 4 * shard + 2 * (LLAMA8B_ROOT + 2 * LLAMA8B_LAYER)
     want = {
-        "layer backward": (gathered, 4 * shard + 2 * head + 6 * LLAMA8B_LAYER),
+        "layer backward": (gathered, 4 * shard + 2 * LLAMA8B_ROOT + 6 * LLAMA8B_LAYER),
         "loss backward": (gathered, 4 * shard + 2 * head),
-        "end of backward": (4 * shard + 2 * LLAMA8B_ROOT, 4 * shard + 6 * LLAMA8B_ROOT),
+        "end of backward": (4 * shard + 2 * LLAMA8B_ROOT, 4 * shard + at_embedding_rs),
     }
     for moment, (weights, grads) in want.items():
         assert parameter_memory(w, lay, moment) == (weights, grads, 8 * shard), moment
+    # fp32 (no reduce copy): the embedding's moment holds both fp32 gradients
+    w32 = Workload(m, 8192, dtype="fp32")
+    assert end_of_backward_grads(w32, lay) == {"embedding": 4 * (LLAMA8B_ROOT + LLAMA8B_EMBEDDING),
+                                              "root": 4 * LLAMA8B_ROOT}
 
 
-def test_tied_head_is_one_root_weight():
-    """Qwen3-0.6B ties the head to the embedding: the root is 151936 x 1024 + the 1024 final norm, once."""
-    m = MODELS["qwen3-0.6b"]
-    layer = 1024 * 128 * (2 * 16 + 2 * 8) + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128  # + q/k norms
-    root = 151936 * 1024 + 1024
-    assert m.params == 28 * layer + root
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama3.2-1b"])
+def test_tied_head_is_one_root_weight_and_no_embedding_unit(name):
+    """Qwen3-0.6B and Llama-3.2-1B tie the head to the embedding: no embedding unit (a tied weight stays in
+    one unit); the root is vocab x hidden + the final norm, once, gathered all step; the end of backward is
+    the root's reduce-scatter alone (its bf16 gradient + fp32 copy)."""
+    m = MODELS[name]
+    per_layer = {"qwen3-0.6b": 1024 * 128 * (2 * 16 + 2 * 8) + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128,  # + q/k norms
+                 "llama3.2-1b": 2048 * 64 * (2 * 32 + 2 * 8) + 3 * 2048 * 8192 + 2 * 2048}[name]
+    root = {"qwen3-0.6b": 151936 * 1024 + 1024, "llama3.2-1b": 128256 * 2048 + 2048}[name]
+    assert m.tie_embeddings and m.params == m.layers * per_layer + root
     shard = -(-m.params // 4)
-    weights, grads, _ = parameter_memory(Workload(m, 4096), Layout(4, 1, 1), "end of backward")
-    assert (weights, grads) == (4 * shard + 2 * root, 4 * shard + 6 * root)
+    w, lay = Workload(m, 4096), Layout(4, 1, 1)
+    assert end_of_backward_grads(w, lay) == {"root": 6 * root}
+    want = {
+        "layer backward": (4 * shard + 2 * (root + 2 * per_layer), 4 * shard + 2 * root + 6 * per_layer),
+        "loss backward": (4 * shard + 2 * (root + 2 * per_layer), 4 * shard + 2 * (root - m.hidden)),
+        "end of backward": (4 * shard + 2 * root, 4 * shard + 6 * root),
+    }
+    for moment, (weights, grads) in want.items():
+        assert parameter_memory(w, lay, moment)[:2] == (weights, grads), moment
 
 
-def test_llama70b_on_16_gpus_is_bound_by_the_root_unit_at_any_length():
-    """Llama-3-70B on 16 H100s: 16 B per parameter / 16 + the 2.1B-parameter root in bf16 + its bf16
-    gradient and fp32 reduce copy at the end of backward + 2 GiB reserve = 83.4 GiB > 79.6 GiB, before a
-    single activation. So even one token does not fit."""
+def test_llama70b_on_16_gpus_end_of_backward_by_hand():
+    """Llama-3-70B on 16 H100s, one token. End of backward: 16 B per parameter / 16 + the root (head + norm)
+    gathered in bf16 + its bf16 gradient + the embedding's bf16 gradient and fp32 reduce copy + 2 GiB
+    reserve = 77.5 GiB: with the embedding in the root (both vocabulary matrices gathered all step, both
+    gradients and their fp32 copies at one reduce-scatter) it was 83.4 GiB, more than the 79.6 GiB GPU.
+    Now inside a layer's backward (the root + two 0.86B-parameter layers gathered, their gradients) is
+    the peak, and only a few tokens fit: far from 128K."""
     m = MODELS["llama3-70b"]
-    root = 2 * 128256 * 8192 + 8192
-    want = 16 * -(-m.params // 16) + (2 + 2 + 4) * root + 2 * GiB
-    assert want / GiB == pytest.approx(83.37, abs=0.01)
+    layer = 8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672 + 2 * 8192
+    emb, root = 128256 * 8192, 128256 * 8192 + 8192
+    assert m.params == 80 * layer + emb + root
+    sharded = 16 * -(-m.params // 16)
+    end = memory_at(Workload(m, 1), Layout(1, 16, 1), "end of backward")
+    want = sharded + 2 * root + 2 * root + (2 + 4) * emb + 2 * GiB
+    assert want / GiB == pytest.approx(77.49, abs=0.01)
+    assert end.total == want and end.activations == end.logits == end.attention == 0
+    old = sharded + 2 * (emb + root) + (2 + 4) * (emb + root) + 2 * GiB  # embedding inside the root
+    assert old / GiB == pytest.approx(83.37, abs=0.01) and old > H100.memory_bytes
     peak = memory_per_gpu(Workload(m, 1), Layout(1, 16, 1))
-    assert (peak.moment, peak.total) == ("end of backward", want)
-    assert longest_sequence(Workload(m, 1), Layout(1, 16, 1), H100.memory_bytes) == 0
+    assert peak.moment == "layer backward" and peak.total > end.total
+    assert 0 < longest_sequence(Workload(m, 1), Layout(1, 16, 1), H100.memory_bytes) < 131072
 
 
 def test_attention_working_set_by_hand():
@@ -178,6 +211,30 @@ def test_ring_overlaps_transfers_with_block_compute():
     slow = replace(H100, links=(LinkLevel("slow", 0, 0.1 * GB, 0.0),))  # a hop: 1.34 s > a step: 0.25 s
     assert ring_attention_seconds(w, lay, _fast(H100), 1.0, "forward")[0] == pytest.approx(1.0)
     assert ring_attention_seconds(w, lay, slow, 1.0, "forward")[0] == pytest.approx(3 * kv_bytes / (0.1 * GB) + 0.25)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_units_timing_with_free_compute(tied):
+    """Tiny model over 4 data-parallel ranks, compute free, one 1 GB/s link without latency, so every
+    collective costs its bytes / 1e9. A rank sends 3 of 4 shards: all-gathers in bf16 (2 B), reduce-scatters
+    in fp32 (4 B). Units: 3 layers of 36,992 parameters (9,248 per rank); untied, the embedding (256 x 64 =
+    16,384; 4,096 per rank) and the root (head + final norm, 16,448; 4,112 per rank); tied, only the root
+    (embedding = head + norm, 16,448). Every collective end to end: per layer 2 gathers + 1 reduce-scatter,
+    the root's 2 + 1, the embedding's 2 + 1. With nothing to hide behind, a layer's forward is its gather
+    and its backward the prefetched gather + its reduce-scatter; the first layer's backward prefetches the
+    untied embedding in place of a layer, so the step is every collective but one layer gather."""
+    m = replace(TINY, tie_embeddings=tied)
+    hw = replace(_fast(H100), links=(LinkLevel("slow", 0, 1 * GB, 0.0),), peak_flops=1e30)
+    layer, emb, root = 64 * 16 * 12 + 3 * 64 * 128 + 128, 256 * 64, 256 * 64 + 64
+    assert (layer, emb, root) == (36_992, 16_384, 16_448) and m.params == 3 * layer + (0 if tied else emb) + root
+
+    def unit(n: int) -> float:  # two all-gathers and one reduce-scatter of one unit, seconds
+        return (2 * 3 * (n // 4) * 2 + 3 * (n // 4) * 4) / GB
+
+    serial = 3 * unit(layer) + unit(root) + (0 if tied else unit(emb))
+    t = step_time(Workload(m, 64), Layout(1, 1, 4), hw)
+    assert t.serial_comm == pytest.approx(serial, rel=1e-9)
+    assert t.total == pytest.approx(serial - (0 if tied else 3 * (layer // 4) * 2 / GB), rel=1e-6)
 
 
 def test_all_to_all_across_two_levels_waits_for_the_slower_share():

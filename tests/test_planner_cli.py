@@ -86,14 +86,16 @@ def test_schema_checker_is_not_vacuous():
 
 def test_json_matches_the_documented_schema_and_its_arithmetic():
     """Every key and type as docs/planner.md writes them, and the sums the docs promise, checked from the
-    model's shape: per step = layers x (forward + backward + recompute), plus, for FSDP, the root unit
-    (2 x vocab x hidden + hidden parameters, untied) gathered twice and reduce-scattered once."""
+    model's shape: per step = layers x (forward + backward + recompute), plus, for FSDP, the two other
+    units of an untied model, each gathered twice and reduce-scattered once: the embedding (vocab x hidden
+    parameters) and the root (LM head + final norm, vocab x hidden + hidden)."""
     done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink", "--json")
     assert done.returncode == 0, done.stderr
     out, schema = json.loads(done.stdout), _schema()
     conform(out, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
     m = out["model"]
-    root = 2 * m["vocab"] * m["hidden"] + m["hidden"]
+    assert not m["tie_embeddings"]
+    units = (m["vocab"] * m["hidden"], m["vocab"] * m["hidden"] + m["hidden"])  # embedding, root
     for c in out["candidates"]:
         n, mem = c["layout"], c["memory_bytes"]
         assert n["ulysses"] * n["ring"] * n["dp_shard"] * n["tp"] == 8
@@ -110,9 +112,10 @@ def test_json_matches_the_documented_schema_and_its_arithmetic():
         for k in keys - {"total", "fsdp_all_gather", "fsdp_reduce_scatter"}:
             assert step[k] == 32 * (layer["forward"][k] + layer["backward"][k] + layer["recompute"][k])
             assert layer["recompute"][k] == layer["forward"][k]  # checkpointing is on
-        group = n["dp_shard"] * n["ulysses"] * n["ring"]  # FSDP ranks; TP splits the root first
-        root_shard = math.ceil(math.ceil(root / n["tp"]) / group)
-        root_gathers, root_reduce = 2 * (group - 1) * root_shard * 2, (group - 1) * root_shard * 4  # bf16 / fp32
+        group = n["dp_shard"] * n["ulysses"] * n["ring"]  # FSDP ranks; TP splits each unit first
+        shards = [math.ceil(math.ceil(u / n["tp"]) / group) for u in units]
+        root_gathers = sum(2 * (group - 1) * sh * 2 for sh in shards)  # bf16, forward and backward
+        root_reduce = sum((group - 1) * sh * 4 for sh in shards)  # fp32
         assert step["fsdp_all_gather"] == 32 * 2 * layer["forward"]["fsdp_all_gather"] + root_gathers
         assert step["fsdp_reduce_scatter"] == 32 * layer["backward"]["fsdp_reduce_scatter"] + root_reduce
     rec = out["recommended"]
@@ -152,8 +155,13 @@ def test_max_seq_len_mode(capsys):
     assert lengths[(8, 1, 1, 1)] > lengths[(1, 1, 8, 1)] > 0  # sharding the sequence 8 ways fits more
     assert out["recommended"]["max_seq_len"] == max(r["max_seq_len"] for r in out["candidates"] if r["layout"]["tp"] == 1)
     assert out["recommended"]["reason"] == out["reason"] and f"{out['recommended']['max_seq_len']:,}" in out["reason"]
-    # Llama-3-70B on 16 GPUs: no seqmesh layout holds one token; those rows have no step time
+    # Llama-3-70B on 16 GPUs: with the embedding in its own FSDP unit a seqmesh layout holds a few tokens
     assert main(["plan", "--model", "llama3-70b", "--nodes", "2", "--max-seq-len", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    conform(out, schema["max_seq_len"], defs)
+    assert out["recommended"] is not None and 0 < out["recommended"]["max_seq_len"] < 1024
+    # on 8 GPUs (16 B per parameter / 8 = 131 GiB) none holds one token; those rows have no step time
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "8", "--max-seq-len", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     conform(out, schema["max_seq_len"], defs)
     assert out["recommended"] is None and "use more GPUs" in out["reason"]

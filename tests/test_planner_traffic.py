@@ -120,25 +120,37 @@ def test_ring_bytes_textbook():
 
 # -- FSDP and tensor parallelism: per rank, per layer and per step, from the shapes by hand ----------------
 LLAMA8B_LAYER = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096  # 218,112,000 parameters
-LLAMA8B_ROOT = 2 * 128256 * 4096 + 4096  # embedding + LM head + final norm: seqmesh's root FSDP unit
+LLAMA8B_EMBEDDING = 128256 * 4096  # untied input embedding: its own FSDP unit
+LLAMA8B_ROOT = 128256 * 4096 + 4096  # LM head + final norm: seqmesh's root FSDP unit
 
 
 @pytest.mark.parametrize("layout", [Layout(2, 2, 2), Layout(8, 1, 1), Layout(1, 1, 8), Layout(1, 4, 2)])
 def test_fsdp_traffic_per_rank_over_dp_times_sp(layout):
     """FSDP shards over every rank, dp_shard x ring x ulysses = 8 here, whatever the split. Per layer a
     rank sends 7 of the 8 shards: all-gather 7 x 218,112,000/8 x 2 B (bf16) in forward and again in
-    backward, reduce-scatter 7 x 27,264,000 x 4 B (fp32 gradients). Per step: 32 layers, plus the root
-    unit (1,050,677,248 parameters) gathered in forward and at the start of backward and reduce-scattered
-    at the end."""
-    shard, root_shard = LLAMA8B_LAYER // 8, LLAMA8B_ROOT // 8
-    assert (shard, root_shard) == (27_264_000, 131_334_656)  # both divide evenly
+    backward, reduce-scatter 7 x 27,264,000 x 4 B (fp32 gradients). Per step: 32 layers, plus two more
+    units, each gathered in forward and again for its backward and reduce-scattered once: the untied
+    embedding (525,336,576 parameters) and the root (LM head + final norm, 525,340,672)."""
+    shard, emb_shard, root_shard = LLAMA8B_LAYER // 8, LLAMA8B_EMBEDDING // 8, LLAMA8B_ROOT // 8
+    assert (shard, emb_shard, root_shard) == (27_264_000, 65_667_072, 65_667_584)  # all divide evenly
     per_layer, links, per_step = communication(Workload(MODELS["llama3-8b"], 131072), layout, PRESETS["h100-nvlink"])
     assert per_layer["forward"]["fsdp_all_gather"] == per_layer["backward"]["fsdp_all_gather"] == 7 * shard * 2
     assert per_layer["backward"]["fsdp_reduce_scatter"] == 7 * shard * 4 == 763_392_000
     assert per_layer["forward"]["fsdp_reduce_scatter"] == per_layer["recompute"]["fsdp_all_gather"] == 0
-    assert per_step["fsdp_all_gather"] == 32 * 2 * 7 * shard * 2 + 2 * 7 * root_shard * 2
-    assert per_step["fsdp_reduce_scatter"] == 32 * 7 * shard * 4 + 7 * root_shard * 4
+    assert per_step["fsdp_all_gather"] == 32 * 2 * 7 * shard * 2 + 2 * 7 * emb_shard * 2 + 2 * 7 * root_shard * 2
+    assert per_step["fsdp_reduce_scatter"] == 32 * 7 * shard * 4 + 7 * emb_shard * 4 + 7 * root_shard * 4
     assert links["fsdp_all_gather"] == "nvlink4"
+
+
+def test_tied_model_has_no_embedding_unit_in_its_fsdp_traffic():
+    """Qwen3-0.6B ties its head: the root (151936 x 1024 + 1024 = 155,583,488 parameters, over 4 ranks
+    38,895,872 each) is the only unit besides the 28 layers (1024 x 128 x 48 + 3 x 1024 x 3072 + 2 x 1024
+    + 2 x 128 = 15,730,944 parameters, 3,932,736 per rank)."""
+    layer, root = 1024 * 128 * 48 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128, 151936 * 1024 + 1024
+    assert (layer // 4, root // 4) == (3_932_736, 38_895_872)
+    _, _, per_step = communication(Workload(MODELS["qwen3-0.6b"], 4096), Layout(4, 1, 1), PRESETS["h100-nvlink"])
+    assert per_step["fsdp_all_gather"] == 28 * 2 * 3 * (layer // 4) * 2 + 2 * 3 * (root // 4) * 2
+    assert per_step["fsdp_reduce_scatter"] == 28 * 3 * (layer // 4) * 4 + 3 * (root // 4) * 4
 
 
 def test_fsdp_shard_rounds_up_to_whole_parameters():

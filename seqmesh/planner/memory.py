@@ -3,28 +3,32 @@
 The peak is the largest of three moments of backward, each adding what coexists then:
 
 - ``layer backward`` (inside the first layer's backward, its forward recomputed): saved activations,
-  one layer's backward buffers, seqmesh's attention working set, the LM head's gradient and the
-  layer's own unsharded gradient with its fp32 reduce copy;
+  one layer's backward buffers, seqmesh's attention working set, the root's gradient (LM head and final
+  norm) and the layer's own unsharded gradient with its fp32 reduce copy;
 - ``loss backward`` (the step's first backward op): every checkpointed layer input, the final norm's and
   LM head's inputs, the logits or one chunk of them (and the chunked loss's fp32 gradient accumulator),
   the head's gradient;
-- ``end of backward`` (the root unit's reduce-scatter): the root's whole unsharded gradient and its fp32
-  copy, no activations left.
+- ``end of backward`` (the reduce-scatters after the last layer, no activations left): the larger of the
+  untied embedding's reduce-scatter (its unsharded gradient and fp32 copy while the root's gradient is
+  still alive) and the root's, last (the root's unsharded gradient and its fp32 copy).
 
 Assumptions (each figure's docstring says what it counts):
 
 - Mixed precision as FSDP2 does it, with seqmesh's units (``seqmesh.fsdp.apply_fsdp``): each decoder
-  layer is one unit; the root unit holds everything else (embedding, final norm, LM head; a tied head
-  once). The sharded parameters are the fp32 master weights; a unit is all-gathered into
-  compute-dtype copies just before use. The root's forward contains every layer and its backward
-  starts with the loss and ends with the embedding, so the root stays gathered for the whole step;
-  two layer units are gathered at once (the current one and the prefetched next one). Gradients are
-  reduce-scattered to fp32 shards; AdamW keeps two fp32 moments per parameter. So 4 + 4 + 8 bytes per
-  parameter, divided by the FSDP group (dp_shard x ring x ulysses; x TP for the reference layouts),
-  plus the unsharded working copies.
-- Unsharded gradients: the LM head's (the loss's backward runs first) stays until the root's
-  reduce-scatter at the end of backward; each layer's lives until its own reduce-scatter, which first
-  copies it into an fp32 buffer (the reduce dtype).
+  layer is one unit; an input embedding not tied to the LM head is a unit of its own; the root unit
+  holds the rest: the final norm and the LM head (and the embedding when it is tied to the head, once).
+  The sharded parameters are the fp32 master weights; a unit is all-gathered into compute-dtype copies
+  just before use and resharded after (the embedding: gathered for its forward at the start of the step,
+  resharded, gathered again for its backward at the very end). The root's forward contains every layer
+  and the loss, which reads the head's weight, and its backward starts with the loss, so the root stays
+  gathered for the whole step; two layer units are gathered at once (the current one and the prefetched
+  next one). Gradients are reduce-scattered to fp32 shards; AdamW keeps two fp32 moments per parameter.
+  So 4 + 4 + 8 bytes per parameter, divided by the FSDP group (dp_shard x ring x ulysses; x TP for the
+  reference layouts), plus the unsharded working copies.
+- Unsharded gradients: the LM head's (the loss's backward runs first) and then the final norm's stay
+  until the root's reduce-scatter at the end of backward; each layer's lives until its own
+  reduce-scatter, which first copies it into an fp32 buffer (the reduce dtype); an untied embedding's
+  until its own reduce-scatter, right after its backward and before the root's.
 - Activations follow a Llama-style block with flash attention (no S^2 term), fused RMSNorm (saves its
   input and one fp32 scale per token) and a SwiGLU MLP; PyTorch autograd saves what each op needs.
 - With full activation checkpointing only each layer's input is kept, and one layer is recomputed
@@ -42,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .traffic import HeadDeal, padded_length
-from .workload import Layout, Workload, layer_params, root_params
+from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
 MOMENTS = ("layer backward", "loss backward", "end of backward")
@@ -86,14 +90,30 @@ def _heads(work: Workload, layout: Layout) -> tuple[int, int]:
     return deal.max_q, deal.max_kv
 
 
+def end_of_backward_grads(work: Workload, layout: Layout) -> dict[str, int]:
+    """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward (compute dtype, plus
+    the fp32 copy FSDP reduces from): ``embedding`` (an untied embedding's unit, right after its backward:
+    its gradient and fp32 copy while the root's gradient, the LM head's and the final norm's, is still
+    alive; absent when tied) and ``root`` (last: the root's gradient and its fp32 copy)."""
+    m, e, t = work.model, work.act_bytes, layout.tp
+    root, emb = (-(-n // t) for n in (root_params(m), embedding_unit_params(m)))
+    reduce_copy = 4 if e != 4 else 0  # FSDP copies the compute-dtype gradient into an fp32 reduce buffer
+    out = {"root": root * (e + reduce_copy)}
+    if emb:
+        out = {"embedding": root * e + emb * (e + reduce_copy), **out}
+    return out
+
+
 def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backward") -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU at ``moment``.
 
     weights: fp32 master shard + the root unit and two layer units unsharded in the compute dtype (at the
-    end only the root: the last layer was resharded after its backward).
-    grads: fp32 gradient shard + the unsharded gradients alive: in a layer's backward the LM head's and
-    the layer's own with its fp32 reduce copy; in the loss's backward the LM head's; at the end the whole
-    root's with its fp32 reduce copy. fp32 on one rank: the parameters and gradients are used in place."""
+    end only the root: the last layer and the embedding were resharded after their backward). The untied
+    embedding's unit is gathered only for its own forward and backward, at the two ends of the step.
+    grads: fp32 gradient shard + the unsharded gradients alive: in a layer's backward the root's (LM head
+    and final norm) and the layer's own with its fp32 reduce copy; in the loss's backward the LM head's; at
+    the end the larger of the embedding's and the root's reduce-scatter (:func:`end_of_backward_grads`).
+    fp32 on one rank: the parameters and gradients are used in place."""
     if moment not in MOMENTS:
         raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
     m, e, t = work.model, work.act_bytes, layout.tp
@@ -102,8 +122,12 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
         return MASTER * shard, GRAD_SHARD * shard, ADAM * shard
     layer, root, head = (-(-n // t) for n in (layer_params(m), root_params(m), m.vocab * m.hidden))
     reduce_copy = 4 if e != 4 else 0  # FSDP copies the compute-dtype gradient into an fp32 reduce buffer
-    unsharded = {"layer backward": head * e + layer * (e + reduce_copy), "loss backward": head * e,
-                 "end of backward": root * (e + reduce_copy)}[moment]
+    if moment == "layer backward":
+        unsharded = root * e + layer * (e + reduce_copy)
+    elif moment == "loss backward":
+        unsharded = head * e
+    else:
+        unsharded = max(end_of_backward_grads(work, layout).values())
     gathered = root + (0 if moment == "end of backward" else 2 * layer)
     return MASTER * shard + gathered * e, GRAD_SHARD * shard + unsharded, ADAM * shard
 

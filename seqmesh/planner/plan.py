@@ -18,7 +18,7 @@ from .recommend import explain, explain_longest, nothing_fits, pick
 from .timing import StepTime, axis_groups, step_time, world_rank
 from .traffic import (INT64, VALIDATION_FIELDS, HeadDeal, attention_traffic, fsdp_traffic, padded_length,
                       tensor_parallel_traffic, worst_rank)
-from .workload import Layout, Workload, layer_params, root_params
+from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
 
 
 def divisors(n: int) -> list[int]:
@@ -36,7 +36,7 @@ class Candidate:
     memory: MemoryBreakdown
     comm_per_layer: dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
     comm_links: dict[str, str]  # collective -> the link level it crosses
-    comm_per_step: dict[str, int]  # collective -> bytes the busiest rank sends in one step (all phases, root unit)
+    comm_per_step: dict[str, int]  # collective -> bytes the busiest rank sends in one step (all phases, every unit)
     time: StepTime
     tokens_per_s: float
     feasible: bool
@@ -131,11 +131,13 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     """(bytes per layer by phase and collective, link of each collective, bytes per step by collective),
     all for the busiest rank. Phases: ``forward``; ``backward`` (the backward pass proper); ``recompute``
     (activation checkpointing re-running the layer's forward inside backward: its all-to-alls and ring hops
-    again; zeros without checkpointing). Per step adds the root unit's FSDP traffic and seqmesh's input
-    check (one tiny all-gather per step: ``seqmesh.hf`` validates the first attention call of a batch)."""
+    again; zeros without checkpointing). Per step adds the FSDP traffic of the root unit and of an untied
+    embedding's own unit (each gathered twice, reduce-scattered once) and seqmesh's input check (one tiny
+    all-gather per step: ``seqmesh.hf`` validates the first attention call of a batch)."""
     m = work.model
     fsdp = fsdp_traffic(-(-layer_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    root = fsdp_traffic(-(-root_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    units = [fsdp_traffic(-(-n // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+             for n in (root_params(m), embedding_unit_params(m)) if n]  # the root and an untied embedding
     all_ranks = [world_rank(layout, u, r, d) for d in range(layout.dp_shard)
                  for r in range(layout.ring) for u in range(layout.ulysses)]
     links = {"fsdp_all_gather": _link_name(hw, [all_ranks]), "fsdp_reduce_scatter": _link_name(hw, [all_ranks])}
@@ -165,8 +167,9 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     recompute |= {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}  # the layer stays gathered for its backward
     per_layer = {"forward": fwd, "backward": bwd, "recompute": recompute}
     step = {k: m.layers * sum(phase[k] for phase in per_layer.values()) for k in fwd}
-    step["fsdp_all_gather"] += root["all_gather_forward"] + root["all_gather_backward"]
-    step["fsdp_reduce_scatter"] += root["reduce_scatter_backward"]
+    for unit in units:  # each all-gathered in forward and again for its backward, reduce-scattered once
+        step["fsdp_all_gather"] += unit["all_gather_forward"] + unit["all_gather_backward"]
+        step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     if layout.tp == 1:
         step["input_check_all_gather"] = check
     for phase in (*per_layer.values(), step):

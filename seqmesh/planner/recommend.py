@@ -136,8 +136,9 @@ def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
     text = (f"the smallest seqmesh footprint, {least.layout.label()}, needs {_gib(least.memory.total)} GiB per "
             f"GPU of {_gib(cluster.hardware.memory_bytes)}")
     if least.memory.moment == "end of backward":
-        text += (" at the end of backward, where the root unit's unsharded gradient and its fp32 reduce copy meet "
-                 "the sharded states; no sequence length changes that: use more GPUs")
+        text += (" at the end of backward, where the unsharded gradients being reduce-scattered (the root's, and an "
+                 "untied embedding's) and their fp32 reduce copies meet the sharded states; no sequence length changes "
+                 "that: use more GPUs")
     else:
         text += ("; use more GPUs or a shorter sequence, keep checkpointing and the chunked loss on "
                  "(--max-seq-len finds the longest that fits)")
@@ -153,8 +154,8 @@ def explain_longest(best: dict | None, rows: list[dict], cluster: Cluster) -> st
     if best is None:
         least = min((r["memory_bytes"]["total"] for r in rows if r["runs_on_seqmesh"]), default=0)
         return (f"no seqmesh layout holds even one token: the smallest footprint is {_gib(least)} GiB per GPU of "
-                f"{_gib(gpu)} (sharded weights, gradients and optimizer states, with the root unit's unsharded "
-                "weights and gradients); use more GPUs")
+                f"{_gib(gpu)} (sharded weights, gradients and optimizer states, with the root and embedding units' "
+                "unsharded weights and gradients); use more GPUs")
     text = (f"the longest sequence of any seqmesh layout, {best['max_seq_len']:,} tokens "
             f"({_gib(best['memory_bytes']['total'])} GiB per GPU of {_gib(gpu)}); among layouts that fit as much, "
             "the most tokens/s")

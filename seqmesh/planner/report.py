@@ -84,7 +84,7 @@ def format_plan(p: Plan, top: int) -> str:
              for k in sorted(layer["forward"]) if k != "total" and any(layer[p][k] for p in shown)]
     lines.append(f"traffic per layer, busiest rank, {' / '.join(shown)}: " + ("; ".join(parts) or "none"))
     step = [f"{k} {_human_bytes(v)}" for k, v in sorted(c.comm_per_step.items()) if k != "total" and v]
-    lines.append(f"traffic per step, busiest rank (root unit included): {'; '.join(step) or 'none'}; "
+    lines.append(f"traffic per step, busiest rank (every FSDP unit included): {'; '.join(step) or 'none'}; "
                  f"total {_human_bytes(c.comm_per_step['total'])}")
     lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
                  f"{_num(c.time.exposed_comm)} s")

@@ -20,9 +20,13 @@ Assumptions:
   A hop longer than ``c`` is exposed; ``StepTime.ring_exposed`` says so and the plan's reason repeats it.
 - FSDP units as ``seqmesh.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
   ahead, so a layer takes the longer of its own compute + exposed communication and its FSDP traffic
-  (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (embedding, final
-  norm, LM head) is gathered before anything can run, gathered again at the start of backward (the
-  loss's backward needs the head) and reduce-scattered after the last layer: all three are exposed.
+  (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (final norm and LM
+  head; with a tied head, embedding, norm and head) is gathered before anything can run, gathered again
+  at the start of backward (the loss's backward needs the head) and reduce-scattered at the end: all
+  three are exposed. An untied embedding is a unit of its own: its forward all-gather (before the first
+  layer) and its reduce-scatter (after the last backward) are exposed; its backward all-gather is
+  prefetched during the first layer's backward in place of a next layer's, so that layer takes the
+  longer of its compute and the embedding's all-gather + its own reduce-scatter.
   All-gather / reduce-scatter cost ``log2(G)`` latencies plus bytes over the slowest level's bandwidth
   (a ring through it).
 - Tensor parallelism (reference only): its 4 collectives per layer each way are not overlapped.
@@ -41,7 +45,7 @@ from dataclasses import asdict, dataclass
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .traffic import HeadDeal, all_to_all_calls, fsdp_traffic, ring_block_bytes, tensor_parallel_traffic
-from .workload import Layout, Workload, layer_matmul_params, layer_params, root_params
+from .workload import Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
 
 ATTENTION_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
 MAX_GROUPS_CHECKED = 64
@@ -189,9 +193,19 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     root = fsdp_traffic(-(-root_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
     root_comm = (2 * gather_seconds(root["all_gather_forward"], hw, fsdp_ranks)
                  + gather_seconds(root["reduce_scatter_backward"], hw, fsdp_ranks))
-    total = m.layers * (layer_fwd + layer_bwd) + head + root_comm
+    # an untied embedding's own unit: gathered before the first layer (exposed), gathered again behind the
+    # first layer's backward (prefetched in place of a next layer's) and reduce-scattered at the end (exposed)
+    emb = fsdp_traffic(-(-embedding_unit_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype,
+                       work.reduce_dtype)
+    emb_ag = gather_seconds(emb["all_gather_forward"], hw, fsdp_ranks)
+    emb_rs = gather_seconds(emb["reduce_scatter_backward"], hw, fsdp_ranks)
+    emb_comm = 0.0
+    if embedding_unit_params(m):
+        emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd
+    total = m.layers * (layer_fwd + layer_bwd) + head + root_comm + emb_comm
     compute = m.layers * compute_layer + head
-    serial = m.layers * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
+    serial = (m.layers * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
+              + 2 * emb_ag + emb_rs)
     hops = {}
     if layout.tp == 1 and layout.ring > 1:
         t_kv, t_dkv = ring_hops(work, layout, hw)
