@@ -197,8 +197,11 @@ def cmd_demo_train(args: argparse.Namespace) -> int:
     from .launch import WorkerPool
     from .config import TrainConfig
 
+    # 8 symbols: the copy task's plateau is escaped far more reliably than with 32 (every seed tried at 512
+    # tokens, against one in four); when it is escaped still depends on the initial draw, hence a fixed seed
     cfg = TrainConfig(model="llama-tiny", seq_len=args.seq_len, ulysses=2, ring=2, dp=1, steps=args.steps, lr=1e-2,
-                      warmup=10, min_lr_ratio=0.5, log_every=10, eval_every=25, out=args.out, seed=0)
+                      warmup=10, min_lr_ratio=0.5, log_every=10, eval_every=25, out=args.out, symbols=8,
+                      seed=args.seed)
     print(f"seqmesh demo: train {cfg.model} on the long-range copy task with USP ulysses=2 x ring=2 and FSDP2 over "
           f"4 CPU processes (gloo). Each {cfg.seq_len:,}-token sequence repeats one random block of "
           f"{cfg.seq_len // 4:,} symbols, so every scored token is predictable only from a block that lives on "
@@ -228,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_train.add_argument("--seq-len", type=int, default=8192)
     demo_train.add_argument("--steps", type=int, default=200)
     demo_train.add_argument("--out", default="runs/demo")
+    demo_train.add_argument("--seed", type=int, default=1, help="weights and data (default %(default)s)")
     demo_train.set_defaults(func=cmd_demo_train)
     demo_attention = demo_sub.add_parser("attention", help="USP/ring/Ulysses attention on 4 CPU processes")
     _add_attention_args(demo_attention, 16384)
