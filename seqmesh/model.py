@@ -49,7 +49,8 @@ def load_config(path: str):
     return config
 
 
-def _has_weights(path: str) -> bool:
+def has_weights(path: str) -> bool:
+    """Whether ``path`` is a local checkpoint folder (weights to load, not to initialise)."""
     return os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
 
 
@@ -60,7 +61,7 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM
 
-    if _has_weights(name_or_path):
+    if has_weights(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
         )
@@ -73,25 +74,48 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     return model
 
 
-def has_weights(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` is a local checkpoint folder (weights to load, not to initialise)."""
-    return _has_weights(name_or_path)
+def _zero_padding_rows(lm: nn.Module) -> None:
+    """Zero each embedding's ``padding_idx`` row in the shard that holds it. transformers' own init
+    does ``weight[padding_idx].zero_()``, which on a sharded DTensor writes to a copy and is lost.
+    FSDP2 shards dim 0 as ``torch.chunk`` does: shard i holds rows from ``i * ceil(rows / shards)``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for module in lm.modules():
+        pad = getattr(module, "padding_idx", None)
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Embedding) or pad is None or weight is None:
+            continue
+        with torch.no_grad():
+            if not isinstance(weight, DTensor):
+                weight[pad].zero_()
+                continue
+            local, offset = weight.to_local(), 0
+            for axis, placement in enumerate(weight.placements):
+                if isinstance(placement, Shard) and placement.dim == 0:
+                    shards = weight.device_mesh.size(axis)
+                    offset = weight.device_mesh.get_local_rank(axis) * -(-weight.shape[0] // shards)
+            if offset <= pad < offset + local.shape[0]:
+                local[pad - offset].zero_()
 
 
 def materialize(root: nn.Module, device: torch.device | str, seed: int, shard_rank: int) -> None:
     """Allocate a model built on the meta device, after FSDP sharded ``root``, on ``device``, and initialise
-    it as transformers does (``initialize_weights``: normal weights, unit norms, RoPE frequencies).
+    it as transformers does (``initialize_weights``: normal weights, unit norms, RoPE frequencies, zero
+    padding rows).
 
-    Every rank then holds only its shards: no rank ever materialises the whole model. Each shard draws
-    from ``seed + shard_rank`` so that shards are independent draws on every device (DTensor's own
-    random ops give every shard the same values on CPU), while replicas of a shard (HSDP) agree."""
+    Every rank then holds only its shards: no rank ever materialises the whole model. On CUDA, DTensor's
+    random-number tracker gives each shard its own stream from one shared seed. On CPU DTensor's random
+    ops give every shard the same values, so there each shard draws from ``seed + shard_rank``:
+    independent draws, while replicas of a shard (HSDP) agree."""
+    device = torch.device(device)
     root.to_empty(device=device)  # the FSDP root (a SequenceParallelLM or the model itself)
     lm = getattr(root, "lm", root)
     for module in lm.modules():
         if getattr(module, "_is_hf_initialized", False):
             module._is_hf_initialized = False
-    torch.manual_seed(seed * 1_000_003 + shard_rank)
+    torch.manual_seed(seed * 1_000_003 + (shard_rank if device.type == "cpu" else 0))
     lm.initialize_weights()
+    _zero_padding_rows(lm)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

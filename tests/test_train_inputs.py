@@ -205,18 +205,31 @@ def test_checkpoint_latest_always_names_a_complete_checkpoint(tmp_path, monkeypa
     assert ckpt.latest_checkpoint(folder).endswith("step_0000002.old")
 
 
-def test_fsdp_models_are_initialised_shard_by_shard(pools):
+def test_fsdp_models_are_initialised_shard_by_shard(pools, tmp_path):
     """With FSDP, build() makes the model on the meta device and initialises only each rank's shards:
     shards are independent draws (not one block repeated), at transformers' scale (initializer_range
-    0.02), norms at one, a tied head still tied; under HSDP both replicas of a shard are identical."""
+    0.02), norms at one, RoPE frequencies as an eagerly built model has them, the padding row zero
+    (transformers' own zeroing misses a sharded weight), a tied head still tied; under HSDP both
+    replicas of a shard are identical."""
+    import json
+
     from train_job_cases import meta_initialised_weights
 
-    for model, ulysses, ring, replicate, tied in (("llama-tiny", 2, 2, 1, False), ("qwen3-tiny", 1, 2, 2, True)):
+    padded = tmp_path / "config.json"  # pad row 37 lies in the second of four 64-row shards
+    padded.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 256, "pad_token_id": 37}))
+    for model, ulysses, ring, replicate, tied in (("llama-tiny", 2, 2, 1, False), ("qwen3-tiny", 1, 2, 2, True),
+                                                  (str(padded), 2, 2, 1, False)):
         results = pools.run(4, meta_initialised_weights, model, ulysses, ring, replicate)
         for r in results:
+            assert r["inv_freq_matches"], (model, r)
+            assert r["pad_row_norm"] in (None, 0.0), (model, r)
             assert abs(r["std"] - 0.02) < 0.002, (model, r)
             assert len(set(r["blocks"])) == len(r["blocks"]), (model, r["blocks"])  # no repeated shard
             assert r["tied"] is tied and r["norm_ones"], (model, r)
+        if model == str(padded):
+            assert all(r["pad_row_norm"] == 0.0 for r in results), results
         by_shard: dict[int, set[float]] = {}
         for r in results:
             by_shard.setdefault(r["shard_rank"], set()).add(r["local_sum"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from seqmesh.config import TrainConfig
 from seqmesh.train import train
 from seqmesh.verify import verify
@@ -75,7 +77,14 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
     q_proj = lm.model.layers[0].self_attn.q_proj.weight
     whole = q_proj.full_tensor().detach()
     fsdp_mesh = mesh.fsdp_mesh
+    from seqmesh.model import build_model
+
+    embedding = lm.get_input_embeddings()
+    pad = embedding.padding_idx
+    eager = build_model(model)  # the whole model, initialised the usual way: buffers must agree
     return {
+        "pad_row_norm": None if pad is None else float(embedding.weight.full_tensor()[pad].norm()),
+        "inv_freq_matches": bool(torch.equal(lm.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq)),
         "std": float(whole.std()),
         "blocks": [float(b.sum()) for b in whole.chunk(fsdp_mesh.size(fsdp_mesh.ndim - 1))],
         "local_sum": float(q_proj.to_local().detach().sum()),
