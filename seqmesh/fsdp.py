@@ -60,7 +60,9 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     if head is None or head.weight is not embedding.weight:  # a tied weight must stay in one unit
         fully_shard(embedding, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # the root's backward starts at once with the loss, which needs the head: keep it gathered (one
+    # all-gather per step, not a reshard and a second all-gather)
+    fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             _sum_not_average(module, mesh)

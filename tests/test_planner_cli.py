@@ -87,8 +87,9 @@ def test_schema_checker_is_not_vacuous():
 def test_json_matches_the_documented_schema_and_its_arithmetic():
     """Every key and type as docs/planner.md writes them, and the sums the docs promise, checked from the
     model's shape: per step = layers x (forward + backward + recompute), plus, for FSDP, the two other
-    units of an untied model, each gathered twice and reduce-scattered once: the embedding (vocab x hidden
-    parameters) and the root (LM head + final norm, vocab x hidden + hidden)."""
+    units of an untied model, each reduce-scattered once: the embedding (vocab x hidden parameters, gathered
+    for its forward and again for its backward) and the root (LM head + final norm, vocab x hidden + hidden,
+    gathered once and kept for backward)."""
     done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink", "--json")
     assert done.returncode == 0, done.stderr
     out, schema = json.loads(done.stdout), _schema()
@@ -114,7 +115,7 @@ def test_json_matches_the_documented_schema_and_its_arithmetic():
             assert layer["recompute"][k] == layer["forward"][k]  # checkpointing is on
         group = n["dp_shard"] * n["ulysses"] * n["ring"]  # FSDP ranks; TP splits each unit first
         shards = [math.ceil(math.ceil(u / n["tp"]) / group) for u in units]
-        root_gathers = sum(2 * (group - 1) * sh * 2 for sh in shards)  # bf16, forward and backward
+        root_gathers = sum(g * (group - 1) * sh * 2 for g, sh in zip((2, 1), shards))  # bf16: embedding twice, root once
         root_reduce = sum((group - 1) * sh * 4 for sh in shards)  # fp32
         assert step["fsdp_all_gather"] == 32 * 2 * layer["forward"]["fsdp_all_gather"] + root_gathers
         assert step["fsdp_reduce_scatter"] == 32 * layer["backward"]["fsdp_reduce_scatter"] + root_reduce

@@ -131,13 +131,13 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     """(bytes per layer by phase and collective, link of each collective, bytes per step by collective),
     all for the busiest rank. Phases: ``forward``; ``backward`` (the backward pass proper); ``recompute``
     (activation checkpointing re-running the layer's forward inside backward: its all-to-alls and ring hops
-    again; zeros without checkpointing). Per step adds the FSDP traffic of the root unit and of an untied
-    embedding's own unit (each gathered twice, reduce-scattered once) and seqmesh's input check (one tiny
+    again; zeros without checkpointing). Per step adds the FSDP traffic of the root unit (gathered once and
+    kept for backward) and of an untied embedding's own unit (gathered twice), each reduce-scattered once, and seqmesh's input check (one tiny
     all-gather per step: ``seqmesh.hf`` validates the first attention call of a batch)."""
     m = work.model
     fsdp = fsdp_traffic(-(-layer_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    units = [fsdp_traffic(-(-n // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-             for n in (root_params(m), embedding_unit_params(m)) if n]  # the root and an untied embedding
+    units = [(fsdp_traffic(-(-n // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype), gathers)
+             for n, gathers in ((root_params(m), 1), (embedding_unit_params(m), 2)) if n]  # root, untied embedding
     all_ranks = [world_rank(layout, u, r, d) for d in range(layout.dp_shard)
                  for r in range(layout.ring) for u in range(layout.ulysses)]
     links = {"fsdp_all_gather": _link_name(hw, [all_ranks]), "fsdp_reduce_scatter": _link_name(hw, [all_ranks])}
@@ -167,8 +167,8 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     recompute |= {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}  # the layer stays gathered for its backward
     per_layer = {"forward": fwd, "backward": bwd, "recompute": recompute}
     step = {k: m.layers * sum(phase[k] for phase in per_layer.values()) for k in fwd}
-    for unit in units:  # each all-gathered in forward and again for its backward, reduce-scattered once
-        step["fsdp_all_gather"] += unit["all_gather_forward"] + unit["all_gather_backward"]
+    for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
+        step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     if layout.tp == 1:
         step["input_check_all_gather"] = check

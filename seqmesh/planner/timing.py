@@ -21,9 +21,9 @@ Assumptions:
 - FSDP units as ``seqmesh.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
   ahead, so a layer takes the longer of its own compute + exposed communication and its FSDP traffic
   (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (final norm and LM
-  head; with a tied head, embedding, norm and head) is gathered before anything can run, gathered again
-  at the start of backward (the loss's backward needs the head) and reduce-scattered at the end: all
-  three are exposed. An untied embedding is a unit of its own: its forward all-gather (before the first
+  head; with a tied head, embedding, norm and head) is gathered before anything can run and kept
+  gathered through backward (``reshard_after_forward=False``: the loss's backward needs the head at
+  once), then reduce-scattered at the end: both are exposed. An untied embedding is a unit of its own: its forward all-gather (before the first
   layer) and its reduce-scatter (after the last backward) are exposed; its backward all-gather is
   prefetched during the first layer's backward in place of a next layer's, so that layer takes the
   longer of its compute and the embedding's all-gather + its own reduce-scatter.
@@ -191,7 +191,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
     head = (8 if work.chunked_loss else 6) * tokens * m.vocab * m.hidden / mm_rate
     root = fsdp_traffic(-(-root_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    root_comm = (2 * gather_seconds(root["all_gather_forward"], hw, fsdp_ranks)
+    root_comm = (gather_seconds(root["all_gather_forward"], hw, fsdp_ranks)  # kept gathered for backward
                  + gather_seconds(root["reduce_scatter_backward"], hw, fsdp_ranks))
     # an untied embedding's own unit: gathered before the first layer (exposed), gathered again behind the
     # first layer's backward (prefetched in place of a next layer's) and reduce-scattered at the end (exposed)
