@@ -97,17 +97,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         w = weight.to(mm)
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk].to(mm)
-            target = labels[start : start + chunk]
-            valid = (target != ignore_index).unsqueeze(1)
-            # one (n, V) buffer, updated in place: softmax, minus one-hot, masked and scaled
-            d_logits = (h @ w.t()).to(lse.dtype).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
-            d_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))
-            d_logits.mul_(valid).mul_(grad)
-            d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
-            d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
-            d_weight += (d_logits.t() @ h).to(d_weight.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):  # the forward's matmul dtype, whatever is active now
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start : start + chunk].to(mm)
+                target = labels[start : start + chunk]
+                valid = (target != ignore_index).unsqueeze(1)
+                # one (n, V) buffer, updated in place: softmax, minus one-hot, masked and scaled
+                d_logits = (h @ w.t()).to(lse.dtype).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
+                d_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))
+                d_logits.mul_(valid).mul_(grad)
+                d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
+                d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
+                d_weight += (d_logits.t() @ h).to(d_weight.dtype)
         return d_hidden, d_weight.to(weight.dtype), None, None, None
 
 

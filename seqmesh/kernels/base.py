@@ -100,12 +100,6 @@ class AttentionKernel(abc.ABC):
         return f"<attention kernel {self.name}>"
 
 
-def segment_ranges(mask: BlockMask, length: int) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of each packed document of a square call, or the whole call."""
-    bounds = mask.segments if mask.segments is not None else (0, length)
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 class PerDocumentKernel(AttentionKernel):
     """A kernel whose op only knows causal or full attention. Packed documents run as one call per
     document: each is a square block on the diagonal of the call (its tokens are adjacent in the
@@ -126,7 +120,7 @@ class PerDocumentKernel(AttentionKernel):
         if mask.segments is None:
             return self.dense_forward(q, k, v, mask.causal, scale)
         parts = [self.dense_forward(q[:, a:b], k[:, a:b], v[:, a:b], mask.causal, scale)
-                 for a, b in segment_ranges(mask, q.shape[1])]
+                 for a, b in zip(mask.segments[:-1], mask.segments[1:])]
         return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
@@ -135,6 +129,6 @@ class PerDocumentKernel(AttentionKernel):
         parts = [
             self.dense_backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], out[:, a:b], lse[:, :, a:b],
                                 mask.causal, scale)
-            for a, b in segment_ranges(mask, q.shape[1])
+            for a, b in zip(mask.segments[:-1], mask.segments[1:])
         ]
         return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # type: ignore[return-value]

@@ -111,11 +111,6 @@ def embedding_params(m: ModelShape) -> int:
     return m.vocab * m.hidden
 
 
-def head_params(m: ModelShape) -> int:
-    """The LM head's own parameters (0 when tied to the embedding)."""
-    return 0 if m.tie_embeddings else m.vocab * m.hidden
-
-
 def embedding_unit_params(m: ModelShape) -> int:
     """Parameters of the input embedding's own FSDP unit (``seqmesh.fsdp.apply_fsdp``): the embedding
     when it is not tied to the LM head, 0 when tied (a tied weight stays in the root unit)."""
@@ -127,9 +122,3 @@ def root_params(m: ModelShape) -> int:
     layers and the embedding's own unit, i.e. the final RMSNorm and the LM head; when the head is tied,
     the embedding (= the head, counted once) and the final RMSNorm."""
     return m.hidden + m.vocab * m.hidden
-
-
-def fsdp_units(m: ModelShape) -> dict[str, int]:
-    """Parameters of each kind of FSDP unit: one ``layer`` per decoder layer, the ``embedding``'s own unit
-    (0 when tied) and the ``root``. ``layers x layer + embedding + root`` is every parameter."""
-    return {"layer": layer_params(m), "embedding": embedding_unit_params(m), "root": root_params(m)}
