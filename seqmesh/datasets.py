@@ -91,12 +91,17 @@ def tokenizer_vocab(tokenizer) -> int:
     return int(len(tokenizer)) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
 
 
+def check_tokenizer_path(path: str | None) -> None:
+    """Raise when a tokenizer folder is named but does not exist."""
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"tokenizer directory {path!r} does not exist; give a local tokenizer folder or omit it for bytes.")
+
+
 def load_tokenizer(path: str | None):
     """A local transformers tokenizer directory (never downloaded), or bytes when ``path`` is None."""
+    check_tokenizer_path(path)
     if path is None:
         return ByteTokenizer()
-    if not os.path.isdir(path):
-        raise ValueError(f"tokenizer directory {path!r} does not exist; give a local tokenizer folder or omit it for bytes.")
     from transformers import AutoTokenizer
 
     try:

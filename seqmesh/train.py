@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
-from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
+from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
 from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from .hf import parallelize, workable_degrees
 from .mesh import SPMesh, init_mesh
@@ -85,26 +85,15 @@ def _tokenizer(cfg: TrainConfig, vocab: int):
     return tokenizer
 
 
-def check_data(cfg: TrainConfig, vocab: int) -> None:
-    """``make_dataset``'s configuration checks (files, tokenizer, vocabulary, copy task) without reading
-    the documents."""
-    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
-        raise ValueError(f"tokenizer directory {cfg.tokenizer!r} does not exist.")
-    if not cfg.data:
-        _copy_task(cfg, vocab)
-    else:
-        check_data_paths(cfg.data)
-        _tokenizer(cfg, vocab)
-
-
 def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText:
-    """The run's data: the copy task, or ``cfg.data`` packed into rows. Raises when the model's
-    vocabulary (``vocab``; by default read from ``cfg.model``'s config, no model built) is too small."""
+    """The run's data: the copy task, or ``cfg.data`` packed into rows. Raises for missing files or
+    tokenizer, or a model vocabulary (``vocab``; by default read from ``cfg.model``'s config, no model
+    built) too small for the data. ``train`` and ``verify`` call it before building anything."""
     vocab = model_shape(cfg.model).vocab if vocab is None else vocab
     if not cfg.data:
-        check_data(cfg, vocab)
+        check_tokenizer_path(cfg.tokenizer)  # unused by the copy task, but a wrong path is still a mistake
         return _copy_task(cfg, vocab)
-    check_data_paths(cfg.data)  # before loading the tokenizer, as check_data does
+    check_data_paths(cfg.data)  # cheaper than loading a tokenizer first
     return PackedText(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), text_key=cfg.text_key, seed=cfg.seed)
 
 
@@ -114,13 +103,10 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def build(cfg: TrainConfig, *, data_checked: bool = False) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
-    """Check the configuration (the data too, unless ``make_dataset`` already did), then build the mesh
-    and the parallelized, sharded model."""
-    shape = model_shape(cfg.model)  # a preset, a config.json, or a checkpoint folder's config
-    q_heads = shape.heads
-    if not data_checked:
-        check_data(cfg, shape.vocab)
+def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
+    """Check the degrees and devices, then build the mesh and the parallelized, sharded model (the
+    data is checked by ``make_dataset``, which callers run first)."""
+    q_heads = model_shape(cfg.model).heads  # a preset, a config.json, or a checkpoint folder's config
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses, ring, dp = resolve_degrees(cfg, world, q_heads, ranks_per_node)
@@ -167,7 +153,7 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
 def train(cfg: TrainConfig) -> dict:
     """Run ``cfg`` on this rank; returns the final figures (the same on every rank)."""
     data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
-    mesh, module, device = build(cfg, data_checked=True)
+    mesh, module, device = build(cfg)
     rank0 = dist.get_rank() == 0
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     folder = os.path.join(cfg.out, "checkpoints")

@@ -44,13 +44,13 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     """Returns ``{"loss_diff", "worst": [(name, relative difference)], "tolerance", "ok"}``."""
     from .data import shard_batch
 
+    data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
     mesh, module, device = build(cfg)
     reference = build_model(cfg.model, seed=cfg.seed, device=device)
     with torch.no_grad():  # the same weights, however the sharded model was initialised
         ref_params = dict(reference.named_parameters())
         for name, p in module.named_parameters():
             ref_params[name.removeprefix("lm.")].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
-    data = make_dataset(cfg, reference.config.vocab_size)
     batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
     ref_loss = _reference_loss(reference, batches, device)
     ref_loss.backward()

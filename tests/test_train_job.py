@@ -13,7 +13,7 @@ import pytest
 from seqmesh.checkpoint import latest_checkpoint
 from seqmesh.config import TrainConfig
 from seqmesh.train import resolve_degrees
-from train_job_cases import build_error, run_train, run_verify, run_verify_with_a_bug, train_error
+from train_job_cases import entry_error, run_train, run_verify, run_verify_with_a_bug
 
 
 def _records(folder, kind: str) -> list[tuple[int, float]]:
@@ -90,11 +90,11 @@ def test_verify_passes_and_fails_loudly(pools, tmp_path):
     (dict(symbols=600), "the copy task uses 603 tokens (600 symbols + 3 reserved) but the model's vocabulary has 256"),
     (dict(data=["{tmp}/a.txt"], tokenizer="{tmp}"), "no tokenizer could be loaded from"),  # a folder, no tokenizer
 ])
-@pytest.mark.parametrize("entry", [build_error, train_error], ids=["build", "train"])
+@pytest.mark.parametrize("entry", ["train", "verify"])
 def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, message, entry):
     (tmp_path / "a.txt").write_text("some text")
     at_tmp = lambda v: [at_tmp(x) for x in v] if isinstance(v, list) else v.format(tmp=tmp_path) if isinstance(v, str) else v  # noqa: E731
-    errors = pools.run(4, entry, _cfg(tmp_path, **{k: at_tmp(v) for k, v in change.items()}))
+    errors = pools.run(4, entry_error, entry, _cfg(tmp_path, **{k: at_tmp(v) for k, v in change.items()}))
     assert all(message in e for e in errors), errors
 
 

@@ -17,31 +17,23 @@ def run_verify(cfg: TrainConfig, rtol: float | None) -> dict:
     return verify(cfg, rtol=rtol)
 
 
-def build_error(cfg: TrainConfig) -> str:
-    from seqmesh.train import build
-
-    try:
-        build(cfg)
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
-def train_error(cfg: TrainConfig) -> str:
-    """train(cfg)'s configuration error; building a mesh or a model before raising it is a failure."""
+def entry_error(entry: str, cfg: TrainConfig) -> str:
+    """The configuration error of ``train(cfg)`` or ``verify(cfg)``; building a mesh or a model before
+    raising it is a failure."""
     import seqmesh.train as job
+    import seqmesh.verify as check
 
     def too_early(*args, **kwargs):
         raise AssertionError("a mesh or a model was built before the configuration was checked")
 
-    original = job.init_mesh, job.build_model
-    job.init_mesh = job.build_model = too_early
+    original = job.init_mesh, job.build_model, check.build_model
+    job.init_mesh = job.build_model = check.build_model = too_early
     try:
-        train(cfg)
+        {"train": train, "verify": verify}[entry](cfg)
     except ValueError as err:
         return str(err)
     finally:
-        job.init_mesh, job.build_model = original
+        job.init_mesh, job.build_model, check.build_model = original
     return "no error"
 
 
