@@ -16,7 +16,7 @@ from .hardware import GiB, Cluster, HardwareSpec
 from .memory import MemoryBreakdown, memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
 from .timing import StepTime, axis_groups, step_time, world_rank
-from .traffic import (INT64, VALIDATION_FIELDS, HeadDeal, attention_traffic, fsdp_traffic, padded_length,
+from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, padded_length,
                       tensor_parallel_traffic, worst_rank)
 from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
 
@@ -150,7 +150,7 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     else:
         att = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                                 ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
-                                layout=work.layout, validate=False)
+                                layout=work.layout, validate=work.validate)
         fwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "forward"),
                "ring_p2p": worst_rank(att, "p2p", "forward")}
         bwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "backward"),
@@ -159,8 +159,7 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
                      ring_p2p=_link_name(hw, axis_groups(layout, "ring")))
         sp_group = [world_rank(layout, u, r, 0) for r in range(layout.ring) for u in range(layout.ulysses)]
         links["input_check_all_gather"] = _link_name(hw, [sp_group])
-        if work.validate and layout.sp > 1:
-            check = (layout.sp - 1) * VALIDATION_FIELDS * INT64
+        check = worst_rank(att, "control", "forward")  # once per step, not per layer
     recompute = {k: v if work.checkpointing else 0 for k, v in fwd.items()}
     fwd |= {"fsdp_all_gather": fsdp["all_gather_forward"], "fsdp_reduce_scatter": 0}
     bwd |= {"fsdp_all_gather": fsdp["all_gather_backward"], "fsdp_reduce_scatter": fsdp["reduce_scatter_backward"]}
