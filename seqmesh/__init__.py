@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
-    "attention": ".sharded_attention.usp",
+    "attention": ".sharded_attention.api",
     "comm_stats": ".comm.stats",
     "CommStats": ".comm.stats",
-    "SequenceInfo": ".data",
-    "shard_batch": ".data",
-    "chunked_linear_cross_entropy": ".loss",
-    "sequence_parallel_cross_entropy": ".loss",
+    "SequenceInfo": ".training.data",
+    "shard_batch": ".training.data",
+    "chunked_linear_cross_entropy": ".training.loss",
+    "sequence_parallel_cross_entropy": ".training.loss",
     "LayoutKind": ".layout",
     "Run": ".layout",
     "SequenceLayout": ".layout",
@@ -31,9 +31,16 @@ _EXPORTS: dict[str, str] = {
     "shard_sequence": ".sharding",
 }
 
-_SUBMODULES = {
-    "bench", "checkpoint", "comm", "data", "datasets", "fsdp", "hf", "kernels", "launch", "layout",
-    "loss", "mesh", "metrics", "model", "planner", "presets", "sharded_attention", "sharding", "train", "verify",
+# Packages, and the older module names users reach as attributes (``seqmesh.model.SequenceParallelLM``).
+_SUBMODULES: dict[str, str] = {
+    **{name: f".{name}" for name in (
+        "comm", "hf", "kernels", "layout", "mesh", "planner", "sharded_attention", "sharding", "tools",
+        "training",
+    )},
+    **{name: f".training.{name}" for name in (
+        "checkpoint", "config", "data", "datasets", "fsdp", "loss", "metrics", "model", "presets", "train", "verify",
+    )},
+    **{name: f".tools.{name}" for name in ("bench", "cli", "launch")},
 }
 
 __all__ = sorted(_EXPORTS)
@@ -41,7 +48,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:  # `import seqmesh; seqmesh.hf.parallelize(...)` works without importing seqmesh.hf
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(_SUBMODULES[name], __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'seqmesh' has no attribute {name!r}")
@@ -55,10 +62,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from .sharded_attention.usp import attention
+    from .sharded_attention.api import attention
     from .comm.stats import CommStats, comm_stats
-    from .data import SequenceInfo, shard_batch
+    from .training.data import SequenceInfo, shard_batch
     from .layout import LayoutKind, Run, SequenceLayout
-    from .loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
+    from .training.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
     from .mesh import MeshAxis, SPMesh, init_mesh, mesh_from_device_mesh
     from .sharding import gather_sequence, sequence_layout, sequence_positions, shard_sequence

@@ -15,7 +15,8 @@ The sequence-parallel group is ring x Ulysses flattened, ring-major: sequence sh
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,9 @@ class SPMesh:
     ring: int
     dp_shard: int
     dp_replicate: int
+    # Attention calls this mesh's sequence group has already agreed on (see seqmesh.attention's
+    # ``validate``): signatures, most recent last, at most VALIDATED_CALLS of them.
+    validated_calls: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -92,11 +96,6 @@ class SPMesh:
     def all_group(self) -> dist.ProcessGroup:
         """Every rank of the mesh: data-parallel and sequence-parallel ranks together."""
         return self.all_mesh.get_group()
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        """Ranks that hold different samples (dp_replicate x dp_shard)."""
-        return self.dp_mesh.get_group()
 
     # -- coordinates ------------------------------------------------------------------------------
     @property
@@ -165,7 +164,7 @@ def init_mesh(
     if not dist.is_initialized():
         raise ValueError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group() first "
-            "(torchrun sets the environment for it), or use seqmesh.launch.spawn() for local processes."
+            "(torchrun sets the environment for it), or use seqmesh.tools.launch.spawn() for local processes."
         )
     world = dist.get_world_size()
     product = ulysses * ring * dp_shard * dp_replicate

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_cases import pooled_loss, shard_batch_roundtrip
-from seqmesh.loss import chunked_linear_cross_entropy
+from seqmesh.training.loss import chunked_linear_cross_entropy
 
 
 @pytest.mark.parametrize("ulysses,ring,layout", [(2, 2, "zigzag"), (1, 4, "contiguous"), (4, 1, "zigzag")])
@@ -73,7 +73,7 @@ def test_chunked_head_equals_full_logits():
 
 
 def test_shard_batch_errors():
-    from seqmesh.data import _documents_from_positions, _real_lengths
+    from seqmesh.training.data import _documents_from_positions, _real_lengths
 
     with pytest.raises(ValueError, match="different packed documents"):
         _documents_from_positions(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))
@@ -95,7 +95,7 @@ def parallelize_roundtrip() -> str:
     from transformers import AttentionInterface
 
     from seqmesh.hf import parallelize, unparallelize
-    from seqmesh.model import build_model
+    from seqmesh.training.model import build_model
 
     model = build_model("llama-tiny")
     parallelize(model, get_mesh(2, 1))

@@ -9,7 +9,7 @@ import torch
 
 from reference import reference_attention
 from seqmesh.sharded_attention.blocks import document_bounds
-from seqmesh.sharded_attention.emulate import emulate_ring
+from seqmesh.tools.emulate import emulate_ring
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask

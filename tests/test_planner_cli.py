@@ -12,7 +12,7 @@ import time
 import pytest
 
 from planner_cases import TrafficCase  # noqa: F401  (keeps the case module importable for spawned ranks)
-from seqmesh.cli import main
+from seqmesh.tools.cli import main
 from seqmesh.planner.calibrate import Calibration, apply_calibration, measure_compute, measure_links
 from seqmesh.planner.hardware import PRESETS
 

@@ -14,7 +14,7 @@ from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.plan import communication
 from seqmesh.planner.traffic import HeadDeal, attention_traffic, fsdp_traffic, padded_length, tensor_parallel_traffic
 from seqmesh.planner.workload import Layout, Workload
-from seqmesh.presets import MODELS, ModelShape
+from seqmesh.training.presets import MODELS, ModelShape
 
 CASES = [
     TrafficCase(32, 4, 4, "float64"),  # MHA

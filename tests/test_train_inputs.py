@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from seqmesh.config import TrainConfig
+from seqmesh.training.config import TrainConfig
 
 # A Llama config that differs from the defaults in everything a shape-only rebuild would drop.
 USER_LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -31,8 +31,8 @@ def _write_config(folder, config: dict, name: str = "config.json") -> str:
 def test_user_config_is_built_as_written(tmp_path, as_folder):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from seqmesh.model import build_model
-    from seqmesh.presets import model_shape
+    from seqmesh.training.model import build_model
+    from seqmesh.training.presets import model_shape
 
     path = _write_config(tmp_path / "user", USER_LLAMA, "config.json" if as_folder else "my-model.json")
     model = build_model(str(tmp_path / "user") if as_folder else path).eval()
@@ -49,7 +49,7 @@ def test_user_config_is_built_as_written(tmp_path, as_folder):
 
 
 def test_user_sliding_window_is_left_as_written(tmp_path):
-    from seqmesh.model import build_model
+    from seqmesh.training.model import build_model
 
     mistral = dict(model_type="mistral", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=64, sliding_window=16)
@@ -85,7 +85,7 @@ def _pieces(ids: list[int], positions: list[int]) -> list[list[int]]:
 
 
 def test_packed_text_trains_on_every_token_of_long_documents(tmp_path):
-    from seqmesh.datasets import PackedText
+    from seqmesh.training.datasets import PackedText
 
     seq_len = 16
     lengths = [40, 3, 21, 7, 5]  # documents 0 and 2 are longer than a row; the last (4) is held out
@@ -109,7 +109,7 @@ def test_packed_text_trains_on_every_token_of_long_documents(tmp_path):
 
 
 def test_packed_text_holds_out_documents_and_is_deterministic(tmp_path):
-    from seqmesh.datasets import PackedText
+    from seqmesh.training.datasets import PackedText
 
     lengths = [5 + d % 7 for d in range(45)]  # documents 19 and 39 are held out (every 20th)
     path = _corpus(tmp_path, lengths)
@@ -127,7 +127,7 @@ def test_packed_text_holds_out_documents_and_is_deterministic(tmp_path):
 
 
 def test_two_documents_hold_one_out(tmp_path):
-    from seqmesh.datasets import PackedText
+    from seqmesh.training.datasets import PackedText
 
     data = PackedText([_corpus(tmp_path, [6, 9])], 8, _NumberTokenizer())
     assert {t // 100 for t in data.eval_batch(0)["input_ids"].flatten().tolist()} == {1}
@@ -135,8 +135,8 @@ def test_two_documents_hold_one_out(tmp_path):
 
 
 def test_data_checks_read_the_vocabulary_without_a_model(tmp_path):
-    from seqmesh.datasets import ByteTokenizer
-    from seqmesh.train import make_dataset
+    from seqmesh.training.datasets import ByteTokenizer
+    from seqmesh.training.train import make_dataset
 
     text = tmp_path / "a.txt"
     text.write_text("first document\n\nsecond one\n\nthird, ÿ", encoding="utf-8")
@@ -167,7 +167,7 @@ def test_config_rejects(change, message):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saves and loads here
 def test_checkpoint_latest_always_names_a_complete_checkpoint(tmp_path, monkeypatch):
-    import seqmesh.checkpoint as ckpt
+    import seqmesh.training.checkpoint as ckpt
 
     folder = str(tmp_path / "checkpoints")
     checked = []

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from seqmesh.checkpoint import latest_checkpoint
-from seqmesh.config import TrainConfig
-from seqmesh.train import resolve_degrees
+from seqmesh.training.checkpoint import latest_checkpoint
+from seqmesh.training.config import TrainConfig
+from seqmesh.training.train import resolve_degrees
 from train_job_cases import entry_error, run_train, run_verify, run_verify_with_a_bug
 
 

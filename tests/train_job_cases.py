@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from seqmesh.config import TrainConfig
-from seqmesh.train import train
-from seqmesh.verify import verify
+from seqmesh.training.config import TrainConfig
+from seqmesh.training.train import train
+from seqmesh.training.verify import verify
 
 
 def run_train(cfg: TrainConfig) -> dict:
@@ -20,8 +20,8 @@ def run_verify(cfg: TrainConfig, rtol: float | None) -> dict:
 def entry_error(entry: str, cfg: TrainConfig) -> str:
     """The configuration error of ``train(cfg)`` or ``verify(cfg)``; building a mesh or a model before
     raising it is a failure."""
-    import seqmesh.train as job
-    import seqmesh.verify as check
+    import seqmesh.training.train as job
+    import seqmesh.training.verify as check
 
     def too_early(*args, **kwargs):
         raise AssertionError("a mesh or a model was built before the configuration was checked")
@@ -42,7 +42,7 @@ def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
     far (the classic off-by-one of shifting after slicing)."""
     import torch
 
-    import seqmesh.data as data
+    import seqmesh.training.data as data
 
     original = data.shard_batch
 
@@ -60,8 +60,8 @@ def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
 
 def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: int) -> dict:
     """build() with FSDP allocates only shards (meta device first): what the initialised weights look like."""
-    from seqmesh.config import TrainConfig
-    from seqmesh.train import build
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.train import build
 
     mesh, module, _ = build(TrainConfig(model=model, seq_len=64, ulysses=ulysses, ring=ring, dp=1,
                                         dp_replicate=dp_replicate))
@@ -69,7 +69,7 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
     q_proj = lm.model.layers[0].self_attn.q_proj.weight
     whole = q_proj.full_tensor().detach()
     fsdp_mesh = mesh.fsdp_mesh
-    from seqmesh.model import build_model
+    from seqmesh.training.model import build_model
 
     embedding = lm.get_input_embeddings()
     pad = embedding.padding_idx

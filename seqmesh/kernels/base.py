@@ -64,6 +64,12 @@ def segment_ids(bounds: tuple[int, ...], device: torch.device | str = "cpu") -> 
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
 
 
+# Input dtypes seqmesh attention accepts (fp64 runs only where a kernel has it: CPU and the math
+# kernel), and the half types the fused GPU kernels take. The one table: checks and kernels read it.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The precision of log-sum-exp and of every merge: float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockMask, PerDocumentKernel, lse_dtype
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+from .base import SUPPORTED_DTYPES, BlockMask, PerDocumentKernel, lse_dtype
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -25,8 +23,8 @@ class CpuFlashKernel(PerDocumentKernel):
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
         if q.device.type != "cpu":
             return f"tensors are on {q.device}, not the CPU"
-        if q.dtype not in _DTYPES:
-            return f"dtype {q.dtype} is not one of {_DTYPES}"
+        if q.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {q.dtype} is not one of {SUPPORTED_DTYPES}"
         return None
 
     def dense_forward(self, q, k, v, causal, scale):

@@ -22,16 +22,14 @@ import functools
 
 import torch
 
-from .base import AttentionKernel, BlockMask, PerDocumentKernel
-
-_HALF = (torch.float16, torch.bfloat16)
-
+from .base import HALF_DTYPES, AttentionKernel, BlockMask, PerDocumentKernel
+from .gqa import expand_kv_heads, fold_kv_heads
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _cuda_problem(q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int) -> str | None:
+def cuda_problem(q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int) -> str | None:
     if q.device.type != "cuda":
         return f"tensors are on {q.device}, not a CUDA device"
     if q.dtype not in dtypes:
@@ -42,17 +40,6 @@ def _cuda_problem(q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return "needs an sm80 (Ampere) or newer GPU"
     return None
-
-
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
-
-
-def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    if g.shape[2] == kv_heads:
-        return g
-    b, s, h, d = g.shape
-    return g.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
 
 
 @functools.lru_cache(maxsize=256)  # the same boundaries recur in every layer and in backward
@@ -79,7 +66,7 @@ class CudaFlashKernel(AttentionKernel):
             return "this torch build has no flash attention"
         if not torch.backends.cuda.flash_sdp_enabled():
             return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
-        return _cuda_problem(q, _HALF, 256, 8)
+        return cuda_problem(q, HALF_DTYPES, 256, 8)
 
     def forward(self, q, k, v, mask, scale):
         b, sq, h, d = q.shape
@@ -127,12 +114,12 @@ class CudaEfficientKernel(PerDocumentKernel):
         if not torch.backends.cuda.mem_efficient_sdp_enabled():
             return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
         align = 4 if q.dtype == torch.float32 else 8
-        return _cuda_problem(q, (torch.float32, *_HALF), 512, align)
+        return cuda_problem(q, (torch.float32, *HALF_DTYPES), 512, align)
 
     def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
-            _last_contiguous(q), _last_contiguous(_expand_kv(k, h)), _last_contiguous(_expand_kv(v, h)),
+            _last_contiguous(q), _last_contiguous(expand_kv_heads(k, h)), _last_contiguous(expand_kv_heads(v, h)),
             None, None, None, None, None, 0.0, int(causal), True, scale=scale,  # custom mask type 1: causal, top-left
         )
         return out, lse[:, :, : q.shape[1]]
@@ -143,11 +130,11 @@ class CudaEfficientKernel(PerDocumentKernel):
         padded[:, :, :sq] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            dout.contiguous(), _last_contiguous(q), _last_contiguous(_expand_kv(k, h)), _last_contiguous(_expand_kv(v, h)),
+            dout.contiguous(), _last_contiguous(q), _last_contiguous(expand_kv_heads(k, h)), _last_contiguous(expand_kv_heads(v, h)),
             None, out.to(q.dtype).contiguous(), None, None, sq, k.shape[1], padded, 0.0, seed, seed,
             int(causal), False, scale=scale,
         )
-        return dq, _fold_kv(dk, k.shape[2]), _fold_kv(dv, k.shape[2])
+        return dq, fold_kv_heads(dk, k.shape[2]), fold_kv_heads(dv, k.shape[2])
 
 
 class CudaCudnnKernel(PerDocumentKernel):
@@ -161,23 +148,23 @@ class CudaCudnnKernel(PerDocumentKernel):
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
-        return _cuda_problem(q, _HALF, 128, 8)
+        return cuda_problem(q, HALF_DTYPES, 128, 8)
 
     def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2),
+            q.transpose(1, 2), expand_kv_heads(k, h).transpose(1, 2), expand_kv_heads(v, h).transpose(1, 2),
             None, True, 0.0, causal, False, scale=scale,
         )
         return out.transpose(1, 2), lse.view(lse.shape[0], lse.shape[1], lse.shape[2])  # (B, H, S, 1) -> (B, H, S)
 
     def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         h = q.shape[2]
-        ke, ve = _expand_kv(k, h), _expand_kv(v, h)
+        ke, ve = expand_kv_heads(k, h), expand_kv_heads(v, h)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout.transpose(1, 2), q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2),
             out.transpose(1, 2), lse.float().unsqueeze(-1).contiguous(), seed, seed, None, None, None,
             q.shape[1], k.shape[1], 0.0, causal, scale=scale,
         )
-        return dq.transpose(1, 2), _fold_kv(dk.transpose(1, 2), k.shape[2]), _fold_kv(dv.transpose(1, 2), k.shape[2])
+        return dq.transpose(1, 2), fold_kv_heads(dk.transpose(1, 2), k.shape[2]), fold_kv_heads(dv.transpose(1, 2), k.shape[2])

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .base import AttentionKernel, BlockMask
-from .cuda import _cuda_problem, varlen_args
+from .base import HALF_DTYPES, AttentionKernel, BlockMask
+from .cuda import cuda_problem, varlen_args
 
 _NEUTRAL: dict[str, Any] = {
     "dropout_p": 0.0, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
@@ -61,7 +61,7 @@ class FlashAttnKernel(AttentionKernel):
         major_minor = tuple(int(x) for x in found[1].split(".")[:2] if x.isdigit())
         if major_minor < (2, 7):
             return f"flash-attn {found[1]} is older than 2.7"
-        return _cuda_problem(q, (torch.float16, torch.bfloat16), 256, 8)
+        return cuda_problem(q, HALF_DTYPES, 256, 8)
 
     def forward(self, q, k, v, mask, scale):
         fa, _ = _interface()  # type: ignore[misc]

@@ -10,20 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionKernel, BlockMask, lse_dtype
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(B, H, S, D) with H | heads -> (B, heads, S, D), grouped-query style (each kv head serves a
-    run of consecutive query heads)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _fold_heads(g: torch.Tensor, heads: int) -> torch.Tensor:
-    """Adjoint of :func:`_expand_heads`: sum each group of query-head gradients into its kv head."""
-    if g.shape[1] == heads:
-        return g
-    b, h, s, d = g.shape
-    return g.view(b, heads, h // heads, s, d).sum(dim=2)
+from .gqa import expand_kv_heads, fold_kv_heads
 
 
 class MathKernel(AttentionKernel):
@@ -36,7 +23,7 @@ class MathKernel(AttentionKernel):
         """Upcast q, k (kv heads expanded) and the masked scaled scores (B, Hq, Sq, Sk)."""
         ct = lse_dtype(q.dtype)
         qf = q.transpose(1, 2).to(ct)  # (B, Hq, Sq, D)
-        kf = _expand_heads(k.transpose(1, 2).to(ct), q.shape[2])  # (B, Hq, Sk, D)
+        kf = expand_kv_heads(k.transpose(1, 2).to(ct), q.shape[2], dim=1)  # (B, Hq, Sk, D)
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
         allowed = mask.allowed(q.shape[1], k.shape[1], q.device)
         return qf, kf, scores.masked_fill(~allowed, float("-inf"))
@@ -50,7 +37,7 @@ class MathKernel(AttentionKernel):
         _, _, scores = self._scores(q, k, mask, scale)
         lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq); -inf where nothing is visible
         probs = self._probs(scores, lse)
-        vf = _expand_heads(v.transpose(1, 2).to(probs.dtype), q.shape[2])
+        vf = expand_kv_heads(v.transpose(1, 2).to(probs.dtype), q.shape[2], dim=1)
         out = torch.matmul(probs, vf)  # (B, Hq, Sq, D)
         return out.transpose(1, 2).to(q.dtype), lse
 
@@ -58,7 +45,7 @@ class MathKernel(AttentionKernel):
         qf, kf, scores = self._scores(q, k, mask, scale)
         ct = qf.dtype
         probs = self._probs(scores, lse.to(ct))  # with the lse given, which may be a merged one
-        vf = _expand_heads(v.transpose(1, 2).to(ct), q.shape[2])
+        vf = expand_kv_heads(v.transpose(1, 2).to(ct), q.shape[2], dim=1)
         do = dout.transpose(1, 2).to(ct)
         delta = (do * out.transpose(1, 2).to(ct)).sum(-1, keepdim=True)  # (B, Hq, Sq, 1)
         dv = torch.matmul(probs.transpose(-1, -2), do)
@@ -68,6 +55,6 @@ class MathKernel(AttentionKernel):
         hk = k.shape[2]
         return (
             dq.transpose(1, 2).to(q.dtype),
-            _fold_heads(dk, hk).transpose(1, 2).to(k.dtype),
-            _fold_heads(dv, hk).transpose(1, 2).to(v.dtype),
+            fold_kv_heads(dk, hk, dim=1).transpose(1, 2).to(k.dtype),
+            fold_kv_heads(dv, hk, dim=1).transpose(1, 2).to(v.dtype),
         )

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ..presets import MODELS, model_shape
+from ..training.presets import MODELS, model_shape
 from .hardware import GB, GiB, PRESETS, HardwareSpec, make_cluster, parse_link
 from .plan import longest_plan, plan
 from .report import format_longest, format_plan

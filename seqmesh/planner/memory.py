@@ -14,7 +14,7 @@ The peak is the largest of three moments of backward, each adding what coexists 
 
 Assumptions (each figure's docstring says what it counts):
 
-- Mixed precision as FSDP2 does it, with seqmesh's units (``seqmesh.fsdp.apply_fsdp``): each decoder
+- Mixed precision as FSDP2 does it, with seqmesh's units (``seqmesh.training.fsdp.apply_fsdp``): each decoder
   layer is one unit; an input embedding not tied to the LM head is a unit of its own; the root unit
   holds the rest: the final norm and the LM head (and the embedding when it is tied to the head, once).
   The sharded parameters are the fp32 master weights; a unit is all-gathered into compute-dtype copies
@@ -36,7 +36,7 @@ Assumptions (each figure's docstring says what it counts):
 - The attention working set is seqmesh's: all-to-all send/receive buffers, two K/V blocks in flight,
   float32 output/LSE accumulators forward and float32 dQ and dK/dV partials backward.
 - Logits: without chunking, the local tokens' full-vocabulary logits in the compute dtype plus an fp32
-  copy and an fp32 gradient (10 bytes per logit in bf16); with chunking (``seqmesh.loss``), one chunk of
+  copy and an fp32 gradient (10 bytes per logit in bf16); with chunking (``seqmesh.training.loss``), one chunk of
   that plus the fp32 accumulator of the head's weight gradient, ``vocab x hidden`` floats, that the
   chunked backward allocates before casting it to the compute dtype.
 """

@@ -4,7 +4,7 @@ them overlap.
 Assumptions:
 
 - Matmuls: 2 FLOPs per parameter per token forward, twice that backward. The LM head likewise, plus
-  2 more with the chunked loss, whose backward recomputes each tile's logits (``seqmesh.loss``): 8
+  2 more with the chunked loss, whose backward recomputes each tile's logits (``seqmesh.training.loss``): 8
   FLOPs per head weight per local token with it, 6 without.
 - Attention: 4 * D FLOPs per visible (query, key) pair per query head forward (QK^T and PV), with
   causal masking keeping S(S+1)/2 pairs; backward costs 2.5x forward (flash attention recomputes
@@ -18,7 +18,7 @@ Assumptions:
   ``c``; backward ``(ring-1) * max(c, t_kv + t_dkv) + c + t_dkv`` (K/V blocks and dK/dV partials
   share the link; the last partial's hop home is exposed). The slowest hop of the ring sets the pace.
   A hop longer than ``c`` is exposed; ``StepTime.ring_exposed`` says so and the plan's reason repeats it.
-- FSDP units as ``seqmesh.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
+- FSDP units as ``seqmesh.training.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
   ahead, so a layer takes the longer of its own compute + exposed communication and its FSDP traffic
   (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (final norm and LM
   head; with a tied head, embedding, norm and head) is gathered before anything can run and kept

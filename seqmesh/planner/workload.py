@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..presets import ModelShape
+from ..training.presets import ModelShape
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -112,13 +112,13 @@ def embedding_params(m: ModelShape) -> int:
 
 
 def embedding_unit_params(m: ModelShape) -> int:
-    """Parameters of the input embedding's own FSDP unit (``seqmesh.fsdp.apply_fsdp``): the embedding
+    """Parameters of the input embedding's own FSDP unit (``seqmesh.training.fsdp.apply_fsdp``): the embedding
     when it is not tied to the LM head, 0 when tied (a tied weight stays in the root unit)."""
     return 0 if m.tie_embeddings else embedding_params(m)
 
 
 def root_params(m: ModelShape) -> int:
-    """Parameters of seqmesh's root FSDP unit (``seqmesh.fsdp.apply_fsdp``): everything outside the decoder
+    """Parameters of seqmesh's root FSDP unit (``seqmesh.training.fsdp.apply_fsdp``): everything outside the decoder
     layers and the embedding's own unit, i.e. the final RMSNorm and the LM head; when the head is tied,
     the embedding (= the head, counted once) and the final RMSNorm."""
     return m.hidden + m.vocab * m.hidden

@@ -8,16 +8,99 @@ rank is left waiting in a collective that its peers never reach.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_single
 from ..comm.stats import record
+from ..kernels.base import SUPPORTED_DTYPES
+from ..layout import LayoutKind, SequenceLayout
+from ..mesh import SPMesh
+from .heads import HeadPlan
 
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 FIELDS = ("batch", "local tokens", "query heads", "kv heads", "head dim", "dtype", "causal", "layout",
           "sequence length", "documents")
+_LAYOUTS = tuple(LayoutKind)
+VALIDATED_CALLS = 256  # signatures remembered per mesh (packed batches bring new boundaries each step)
+
+
+def _as_ints(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    return tuple(int(x) for x in cu_seqlens)
+
+
+def _fingerprint(cu: tuple[int, ...] | None) -> int:
+    """The same integer on every process for the same boundaries (int tuples hash deterministically)."""
+    return 0 if cu is None else (hash(cu) & (2**62 - 1)) + 1
+
+
+@dataclass(frozen=True)
+class CheckedCall:
+    """What a checked ``seqmesh.attention`` call resolved to, the same on every rank."""
+
+    layout: SequenceLayout
+    heads: HeadPlan
+    cu_seqlens: tuple[int, ...] | None
+    real_len: int  # tokens that are not padding
+
+
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
+    cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, validate: bool | None,
+) -> CheckedCall:
+    """Check one rank's inputs and, with ``validate``, that the sequence group agrees on them; raise the
+    same ValueError on every rank otherwise. ``validate=None`` agrees once per call signature (shapes,
+    dtype, flags, length, documents) and remembers it on the mesh, so a training loop pays one small
+    exchange per new shape rather than one per layer."""
+    p = mesh.sp_size
+    problem = describe_shapes(q, k, v)
+    try:
+        cu = _as_ints(cu_seqlens)
+    except (TypeError, ValueError) as err:  # reported through the group below, so no peer is left waiting
+        cu, problem = None, problem or f"cu_seqlens could not be read as integers: {err}"
+    values = [0] * len(FIELDS)
+    lay = plan = None
+    if problem is None:
+        b, n, hq, d = q.shape
+        total = n * p
+        try:
+            lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, total)  # type: ignore[arg-type]  # parsed inside
+            plan = HeadPlan(hq, k.shape[2], mesh.ulysses)
+        except ValueError as err:
+            problem = str(err)
+        if problem is None and cu is not None:
+            problem = check_cu_seqlens(cu, total)
+        if problem is None and seq_len is not None and not 1 <= seq_len <= total:
+            problem = f"seq_len={seq_len} must be in [1, {total}] (local tokens {n} x sequence degree {p})."
+        if problem is None and q.device.type != mesh.device_type:
+            problem = f"the tensors are on {q.device.type} but the mesh was built for {mesh.device_type}."
+        values = [b, n, hq, k.shape[2], d, SUPPORTED_DTYPES.index(q.dtype) + 1, int(causal),
+                  _LAYOUTS.index(lay.kind) if lay else -1, seq_len or 0, _fingerprint(cu)]
+    key = (problem is None, *values)
+    if validate is None:
+        validate = problem is not None or key not in mesh.validated_calls
+    if validate and p > 1:
+        readable = None  # FIELDS as a user writes them
+        if problem is None:
+            readable = [b, n, hq, k.shape[2], d, str(q.dtype).removeprefix("torch."), causal,
+                        lay.kind.value if lay else None, seq_len, list(cu) if cu is not None else None]
+        agree(mesh.sp_group, values, problem, mesh.collective_device(), readable)
+    elif problem:
+        raise ValueError(problem)
+    assert lay is not None and plan is not None
+    mesh.validated_calls[key] = True
+    mesh.validated_calls.move_to_end(key)
+    while len(mesh.validated_calls) > VALIDATED_CALLS:
+        mesh.validated_calls.popitem(last=False)
+    real = cu[-1] if cu is not None else (seq_len or lay.padded_len)
+    return CheckedCall(lay, plan, cu, real)
 
 
 def describe_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -37,8 +120,8 @@ def describe_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | 
                 "attention needs query heads = kv heads x group size.")
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}. Cast them first."
-    if q.dtype not in _DTYPES:
-        return f"dtype {q.dtype} is not supported; use one of {', '.join(map(str, _DTYPES))}."
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not supported; use one of {', '.join(map(str, SUPPORTED_DTYPES))}."
     if not (q.device == k.device == v.device):
         return f"q, k and v are on different devices ({q.device}, {k.device}, {v.device})."
     return None
@@ -60,9 +143,14 @@ def check_cu_seqlens(cu: Sequence[int], total: int) -> str | None:
     return None
 
 
-def agree(group: dist.ProcessGroup, values: Sequence[int], problem: str | None, device: torch.device) -> None:
+def agree(
+    group: dist.ProcessGroup, values: Sequence[int], problem: str | None, device: torch.device,
+    readable: Sequence[object] | None = None,
+) -> None:
     """All-gather ``values`` (one int per :data:`FIELDS` entry) and each rank's problem flag over
-    ``group``; raise the same ValueError on every rank if anyone has a problem or they differ."""
+    ``group``; raise the same ValueError on every rank if anyone has a problem or they differ.
+    ``readable`` holds the same fields as a user would write them (dtype names, the boundaries
+    themselves); it is exchanged only on the error path, to name what differs."""
     world = dist.get_world_size(group)
     mine = torch.tensor([1 if problem else 0, *values], dtype=torch.int64, device=device)
     rows = mine.new_empty(world * mine.numel())
@@ -83,6 +171,10 @@ def agree(group: dist.ProcessGroup, values: Sequence[int], problem: str | None, 
     for i, name in enumerate(FIELDS, start=1):
         seen = [table[r][i] for r in range(world)]
         if len(set(seen)) > 1:
+            words: list[Sequence[object] | None] = [None] * world
+            dist.all_gather_object(words, readable, group=group)  # every rank is here: the table is shared
+            if all(w is not None for w in words):
+                seen = [w[i - 1] for w in words]  # type: ignore[index]
             raise ValueError(
                 f"the ranks of a sequence group disagree on {name}: {seen} (by rank in the group). Every rank "
                 "must call seqmesh.attention with the same shapes, dtype, causal flag, layout, length and "

@@ -15,29 +15,31 @@ call per piece and :func:`merge_into`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from ..comm.ring import RingExchange
 from ..kernels import ChooseKernel
 from ..kernels.base import lse_dtype
+from ..kernels.gqa import fold_selected_heads, select_kv_heads
 from .merge import merge_into
 from .schedule import RingSchedule
 
 KV_TAG, DKV_TAG = 11, 12
 
 
-def _expand_kv(x: torch.Tensor, kv_map: torch.Tensor | None) -> torch.Tensor:
-    """(B, S, Hk, D) -> (B, S, Hq, D) when query heads do not group evenly over kv heads."""
-    return x if kv_map is None else x.index_select(2, kv_map)
+def _without_autocast(forward):
+    """Run an attention Function's forward with autocast off, as its backward runs: the kernels pick
+    their own compute dtypes (and merges are fp32), so an active autocast must not recast them."""
 
+    @functools.wraps(forward)
+    def wrapped(ctx, q, *args):
+        with torch.autocast(q.device.type, enabled=False):
+            return forward(ctx, q, *args)
 
-def _fold_kv(g: torch.Tensor, kv_map: torch.Tensor | None, heads: int) -> torch.Tensor:
-    """Adjoint of :func:`_expand_kv`."""
-    if kv_map is None:
-        return g
-    out = g.new_zeros(g.shape[0], g.shape[1], heads, g.shape[3])
-    return out.index_add_(2, kv_map, g)
+    return wrapped
 
 
 def block_forward(q, kv, pieces, choose, kv_map, scale, acc_out, acc_lse) -> None:
@@ -45,7 +47,7 @@ def block_forward(q, kv, pieces, choose, kv_map, scale, acc_out, acc_lse) -> Non
     piece, merged into the accumulators ``acc_out`` (B, Lr, Hq, D) and ``acc_lse`` (B, Hq, Lr)."""
     for p in pieces:
         qs, ks, vs = q[:, p.q0 : p.q1], kv[0, :, p.k0 : p.k1], kv[1, :, p.k0 : p.k1]
-        ks, vs = _expand_kv(ks, kv_map), _expand_kv(vs, kv_map)
+        ks, vs = select_kv_heads(ks, kv_map), select_kv_heads(vs, kv_map)
         out, lse = choose(qs, ks, p.mask).forward(qs, ks, vs, p.mask, scale)
         merge_into(acc_out[:, p.q0 : p.q1], acc_lse[:, :, p.q0 : p.q1], out, lse)
 
@@ -56,13 +58,13 @@ def block_backward(dout, q, kv, out, lse, pieces, choose, kv_map, scale, dq, dkv
     hk = kv.shape[3]
     for p in pieces:
         qs, ks, vs = q[:, p.q0 : p.q1], kv[0, :, p.k0 : p.k1], kv[1, :, p.k0 : p.k1]
-        ks, vs = _expand_kv(ks, kv_map), _expand_kv(vs, kv_map)
+        ks, vs = select_kv_heads(ks, kv_map), select_kv_heads(vs, kv_map)
         dq_p, dk_p, dv_p = choose(qs, ks, p.mask).backward(
             dout[:, p.q0 : p.q1], qs, ks, vs, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, scale
         )
         dq[:, p.q0 : p.q1] += dq_p
-        dkv[0, :, p.k0 : p.k1] += _fold_kv(dk_p, kv_map, hk)
-        dkv[1, :, p.k0 : p.k1] += _fold_kv(dv_p, kv_map, hk)
+        dkv[0, :, p.k0 : p.k1] += fold_selected_heads(dk_p, kv_map, hk)
+        dkv[1, :, p.k0 : p.k1] += fold_selected_heads(dv_p, kv_map, hk)
 
 
 class LocalAttention(torch.autograd.Function):
@@ -70,9 +72,10 @@ class LocalAttention(torch.autograd.Function):
     without the ring's float32 accumulators. Forward: the kernel; backward: its backward."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, q, k, v, schedule, choose, kv_map, scale):  # type: ignore[override]
         (piece,) = schedule.pieces(0, 0)  # the diagonal: the whole block, causal and/or documents
-        ks, vs = _expand_kv(k, kv_map), _expand_kv(v, kv_map)
+        ks, vs = select_kv_heads(k, kv_map), select_kv_heads(v, kv_map)
         kernel = choose(q, ks, piece.mask)
         out, lse = kernel.forward(q, ks, vs, piece.mask, scale)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -82,10 +85,10 @@ class LocalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        ks, vs = _expand_kv(k, ctx.kv_map), _expand_kv(v, ctx.kv_map)
+        ks, vs = select_kv_heads(k, ctx.kv_map), select_kv_heads(v, ctx.kv_map)
         dq, dk, dv = ctx.kernel.backward(dout, q, ks, vs, out, lse, ctx.mask, ctx.scale)
         hk = k.shape[2]
-        return dq, _fold_kv(dk, ctx.kv_map, hk), _fold_kv(dv, ctx.kv_map, hk), None, None, None, None
+        return dq, fold_selected_heads(dk, ctx.kv_map, hk), fold_selected_heads(dv, ctx.kv_map, hk), None, None, None, None
 
 
 class RingAttention(torch.autograd.Function):
@@ -93,18 +96,18 @@ class RingAttention(torch.autograd.Function):
     backward: dQ locally, dK/dV travel the ring back to their owners."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, q, k, v, group, schedule, choose, kv_map, scale):  # type: ignore[override]
         # q (B, Lr, Hq, D); k, v (B, Lr, Hk, D): this ring rank's block, positions per schedule.layout
-        ring = schedule.layout.ring
-        rank = dist.get_rank(group) if ring > 1 else 0
+        ring, rank = schedule.layout.ring, dist.get_rank(group)  # ring > 1: see ring_attention
         b, n, hq, d = q.shape
         ct = lse_dtype(q.dtype)
         acc_out = q.new_zeros((b, n, hq, d), dtype=ct)
         acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
         kv = torch.stack([k, v])  # (2, B, Lr, Hk, D): one message per hop
-        exchange = RingExchange(group, "forward", KV_TAG) if ring > 1 else None
+        exchange = RingExchange(group, "forward", KV_TAG)
         for step in range(ring):
-            pending = exchange.start(kv) if exchange is not None and step < ring - 1 else None
+            pending = exchange.start(kv) if step < ring - 1 else None
             block_forward(q, kv, schedule.pieces(rank, step), choose, kv_map, scale, acc_out, acc_lse)
             if pending is not None:
                 kv = pending.wait()
@@ -117,26 +120,26 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         schedule, choose, kv_map, scale = ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale
-        ring = schedule.layout.ring
-        rank = dist.get_rank(ctx.group) if ring > 1 else 0
+        ring, rank = schedule.layout.ring, dist.get_rank(ctx.group)
         ct = lse.dtype
         dq = torch.zeros_like(q, dtype=ct)
         kv = torch.stack([k, v])
-        kv_exchange = RingExchange(ctx.group, "backward", KV_TAG) if ring > 1 else None
-        dkv_exchange = RingExchange(ctx.group, "backward", DKV_TAG) if ring > 1 else None
+        kv_exchange = RingExchange(ctx.group, "backward", KV_TAG)
+        dkv_exchange = RingExchange(ctx.group, "backward", DKV_TAG)
         incoming = None  # partial dK/dV of the block held this step, from the previous rank
+        # Order invariant: at every step every rank posts the K/V exchange, then the dK/dV one, and no
+        # rank skips either. NCCL ignores P2P tags and pairs messages by issue order alone, so this
+        # order (not KV_TAG/DKV_TAG, which only gloo reads) is what keeps the two streams apart.
         for step in range(ring):
-            pending = kv_exchange.start(kv) if kv_exchange is not None and step < ring - 1 else None
+            pending = kv_exchange.start(kv) if step < ring - 1 else None
             dkv = torch.zeros_like(kv, dtype=ct)
             block_backward(dout, q, kv, out, lse, schedule.pieces(rank, step), choose, kv_map, scale, dq, dkv)
             if incoming is not None:
                 dkv += incoming.wait()
-            if dkv_exchange is not None:
-                incoming = dkv_exchange.start(dkv)  # after the last step this sends each block home
+            incoming = dkv_exchange.start(dkv)  # after the last step this sends each block home
             if pending is not None:
                 kv = pending.wait()
-        if incoming is not None:
-            dkv = incoming.wait()
+        dkv = incoming.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 

@@ -7,6 +7,7 @@ document boundaries, so no plan is ever exchanged.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from ..layout import SequenceLayout
@@ -40,3 +41,10 @@ class RingSchedule:
         """max / mean work across ring ranks: 1.0 is perfect balance."""
         works = [self.work(r) for r in range(self.layout.ring)]
         return max(works) * len(works) / sum(works)
+
+
+@functools.lru_cache(maxsize=256)
+def ring_schedule(layout: SequenceLayout, bounds: tuple[int, ...], causal: bool) -> RingSchedule:
+    """The schedule for a layout, document boundaries and causality, built once and shared by every
+    layer and step that meets them (its block plans are filled in on first use)."""
+    return RingSchedule(layout, bounds, causal)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .loss import IGNORE_INDEX
-from .mesh import SPMesh
-from .sharding import sequence_layout, shard_sequence
+from ..mesh import SPMesh
+from ..sharding import sequence_layout, shard_sequence
 
 
 @dataclass(frozen=True)

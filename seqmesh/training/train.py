@@ -20,8 +20,8 @@ from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
 from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
-from .hf import parallelize, workable_degrees
-from .mesh import SPMesh, init_mesh
+from ..hf import parallelize, workable_degrees
+from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .presets import model_shape

@@ -1,7 +1,7 @@
 """Weights sharded with FSDP2 over the data-parallel and sequence-parallel ranks together.
 
 The sequence ranks hold different tokens of the same samples and the data-parallel ranks hold
-different samples; with the loss of ``seqmesh.loss`` (each rank's gradient is its share of the
+different samples; with the loss of ``seqmesh.training.loss`` (each rank's gradient is its share of the
 one-device gradient) the right reduction over all of them is a *sum*. FSDP2 averages by default,
 which would scale gradients by 1 / (dp x sp), so seqmesh sets its divide factor to 1.
 
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm.stats import record
-from .mesh import SPMesh
+from ..comm.stats import record
+from ..mesh import SPMesh
 from .model import decoder_layers
 
 

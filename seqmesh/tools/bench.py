@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .sharded_attention.blocks import document_bounds
-from .sharded_attention.emulate import emulate_ring
-from .sharded_attention.schedule import RingSchedule
-from .kernels import kernel_chooser
-from .kernels.base import BlockMask
-from .layout import SequenceLayout
+from ..sharded_attention.blocks import document_bounds
+from .emulate import emulate_ring
+from ..sharded_attention.schedule import RingSchedule
+from ..kernels import kernel_chooser
+from ..kernels.base import BlockMask
+from ..layout import SequenceLayout
 
 
 @dataclass
@@ -68,7 +68,7 @@ def _run_rank(cfg: AttentionBench, ulysses: int, ring: int, reference_path: str 
     """Runs on every rank: time forward+backward, count bytes, compare with the one-device result."""
     import torch.distributed as dist
 
-    from . import attention, comm_stats, gather_sequence, init_mesh, shard_sequence
+    from .. import attention, comm_stats, gather_sequence, init_mesh, shard_sequence
 
     device = torch.device(cfg.device)
     mesh = init_mesh(ulysses, ring, dp_shard=dist.get_world_size() // (ulysses * ring), device_type=device.type)

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from .data import SequenceInfo
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
-from .mesh import SPMesh
+from ..mesh import SPMesh
 from .presets import MODELS, ModelShape, model_shape
 
 
@@ -131,7 +131,7 @@ class SequenceParallelLM(nn.Module):
     """Wraps a transformers causal LM; ``forward(**shard_batch(...))`` returns the loss.
 
     The loss is the one-device mean next-token cross-entropy of the whole batch (see
-    ``seqmesh.loss``), computed with a chunked LM head so full-vocabulary logits never exist for the
+    ``seqmesh.training.loss``), computed with a chunked LM head so full-vocabulary logits never exist for the
     whole local shard. It lives in a module's forward so FSDP2 has the LM head's weight gathered.
     """
 

@@ -95,7 +95,7 @@ def _degree(text: str) -> int | str:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from .config import TrainConfig
+    from ..training.config import TrainConfig
 
     d = TrainConfig()
     p.add_argument("--model", default=d.model, help="preset (llama-tiny, qwen3-tiny, llama3-8b, qwen3-0.6b, ...), "
@@ -129,7 +129,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_config(args: argparse.Namespace):
-    from .config import TrainConfig
+    from ..training.config import TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -151,7 +151,7 @@ def _init_distributed() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .train import train
+    from ..training.train import train
 
     cfg = _train_config(args)  # configuration errors surface before any process group work
     _init_distributed()
@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from ..training.verify import verify
 
     cfg = _train_config(args)
     _init_distributed()
@@ -188,14 +188,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _demo_rank(cfg) -> dict:
-    from .train import train
+    from ..training.train import train
 
     return train(cfg)
 
 
 def cmd_demo_train(args: argparse.Namespace) -> int:
     from .launch import WorkerPool
-    from .config import TrainConfig
+    from ..training.config import TrainConfig
 
     # 8 symbols: the copy task's plateau is escaped far more reliably than with 32 (every seed tried at 512
     # tokens, against one in four); when it is escaped still depends on the initial draw, hence a fixed seed
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--device", default="cpu")
     bm.set_defaults(func=cmd_bench_merge)
 
-    from .planner.cli import register_plan
+    from ..planner.cli import register_plan
 
     register_plan(sub)
     return parser

@@ -11,8 +11,8 @@ import torch
 
 from ..kernels import ChooseKernel
 from ..kernels.base import lse_dtype
-from .ring import block_backward, block_forward
-from .schedule import RingSchedule
+from ..sharded_attention.ring import block_backward, block_forward
+from ..sharded_attention.schedule import RingSchedule
 
 
 def _blocks(x: torch.Tensor, schedule: RingSchedule) -> list[torch.Tensor]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .sharded_attention.usp import attention
-from .data import SequenceInfo
-from .mesh import SPMesh
+from ..sharded_attention.api import attention
+from ..training.data import SequenceInfo
+from ..mesh import SPMesh
 
 MIN_TRANSFORMERS = (5, 0)
 _ATTR = "_seqmesh_attention"

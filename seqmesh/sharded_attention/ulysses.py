@@ -1,0 +1,39 @@
+"""Ulysses around any inner attention: all-to-all from sequence shards to head shards and back.
+
+::
+
+    q (B, L, Hq, D), k, v (B, L, Hk, D)       this rank's tokens, every head
+      -- one all-to-all (q, k, v packed) in the Ulysses group -->
+    q (B, U*L, hq, D), k, v (B, U*L, hk, D)     U ranks' tokens, this rank's heads (HeadPlan)
+      -- inner attention (a ring of one is plain local attention) -->
+    o (B, U*L, hq, D)
+      -- inverse all-to-all -->
+    o (B, L, Hq, D)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..comm.collectives import head_to_seq, seq_to_head
+from ..mesh import SPMesh
+from .heads import HeadPlan
+
+# inner(q, k, v, kv_map) -> out, on the gathered tokens of this rank's heads
+InnerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, plan: HeadPlan, inner: InnerAttention
+) -> torch.Tensor:
+    """Scatter heads and gather tokens over ``mesh``'s Ulysses group, run ``inner`` on this rank's
+    heads, and bring the output back to this rank's tokens; ``(B, L, Hq, D)``."""
+    u, ulysses = mesh.ulysses_rank, mesh.ulysses
+    nq, nk = plan.q_count(u), plan.kv_count(u)
+    packed = seq_to_head([q, k, v], mesh.ulysses_group, plan.send_chunks(), plan.send_heads(), nq + 2 * nk)
+    qh, kh, vh = packed.split([nq, nk, nk], dim=2)  # (B, U*L, h, D) each
+    out = inner(qh, kh, vh, plan.kv_map(u, q.device))
+    chunks = [(0, *plan.q_range(r)) for r in range(ulysses)]
+    return head_to_seq(out, mesh.ulysses_group, chunks, [plan.q_count(r) for r in range(ulysses)], nq, q.shape)
