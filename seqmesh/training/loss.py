@@ -29,10 +29,30 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def pool_mean(local_sum: torch.Tensor, local_count: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Value: sum over ``group`` / count over ``group``; gradient: d(local_sum) / count over ``group``."""
+def invalid_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """``labels``-shaped bool: targets that are neither ``ignore_index`` nor a class in ``[0, vocab)``."""
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+
+
+def _describe_invalid(labels: torch.Tensor, bad: torch.Tensor, total_bad: int, vocab: int, ignore_index: int) -> str:
+    example = f" (this rank holds e.g. {int(labels[bad][0])})" if bool(bad.any()) else ""
+    return (
+        f"{total_bad} target label(s) across the group are outside [0, {vocab}) and not the ignore index "
+        f"{ignore_index}{example}. Labels must be token ids below the vocabulary size, or {ignore_index} for "
+        "positions not to score; if your data marks those with another value, pass that value as ignore_index "
+        "to seqmesh.shard_batch and to the loss alike."
+    )
+
+
+def pool_mean(
+    local_sum: torch.Tensor, local_count: torch.Tensor, group: dist.ProcessGroup | None,
+    local_invalid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Value: sum over ``group`` / count over ``group``; gradient: d(local_sum) / count over ``group``.
+    Also returns the group's total of ``local_invalid`` (bad labels), pooled in the same all-reduce."""
     wide = _wide(local_sum.dtype)
-    totals = torch.stack([local_sum.detach().to(wide), local_count.detach().to(wide)])
+    invalid = local_invalid if local_invalid is not None else torch.zeros((), device=local_sum.device)
+    totals = torch.stack([local_sum.detach().to(wide), local_count.detach().to(wide), invalid.detach().to(wide)])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)
         world = dist.get_world_size(group)
@@ -40,7 +60,18 @@ def pool_mean(local_sum: torch.Tensor, local_count: torch.Tensor, group: dist.Pr
         record("all_reduce", "forward", nbytes, nbytes)
     total_sum, total_count = totals[0], totals[1]
     denominator = total_count.clamp(min=1.0)
-    return (local_sum.to(wide) + (total_sum - local_sum.detach().to(wide))) / denominator
+    return (local_sum.to(wide) + (total_sum - local_sum.detach().to(wide))) / denominator, int(totals[2])
+
+
+def _checked_mean(
+    local_sum: torch.Tensor, labels: torch.Tensor, bad: torch.Tensor, group: dist.ProcessGroup | None,
+    vocab: int, ignore_index: int,
+) -> torch.Tensor:
+    """Pool the loss and the count of bad labels in one all-reduce; raise on every rank if any is bad."""
+    mean, total_bad = pool_mean(local_sum, ((labels != ignore_index) & ~bad).sum(), group, bad.sum())
+    if total_bad:
+        raise ValueError(_describe_invalid(labels, bad, total_bad, vocab, ignore_index))
+    return mean
 
 
 def sequence_parallel_cross_entropy(
@@ -52,8 +83,11 @@ def sequence_parallel_cross_entropy(
     shifted (``seqmesh.shard_batch`` does it before slicing). Computed in float32 (float64 for float64).
     """
     flat = shift_labels.reshape(-1)
-    local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(_wide(logits.dtype)), flat, ignore_index=ignore_index, reduction="sum")
-    return pool_mean(local_sum, (flat != ignore_index).sum(), group)
+    vocab = logits.shape[-1]
+    bad = invalid_labels(flat, vocab, ignore_index)  # masked here, reported on every rank after the pooling
+    safe = flat.masked_fill(bad, ignore_index)
+    local_sum = F.cross_entropy(logits.reshape(-1, vocab).to(_wide(logits.dtype)), safe, ignore_index=ignore_index, reduction="sum")
+    return _checked_mean(local_sum, flat, bad, group, vocab, ignore_index)
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -129,5 +163,7 @@ def chunked_linear_cross_entropy(
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}.")
     flat_labels = shift_labels.reshape(-1)
-    local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_labels, chunk, ignore_index)
-    return pool_mean(local_sum, (flat_labels != ignore_index).sum(), group)
+    bad = invalid_labels(flat_labels, weight.shape[0], ignore_index)  # masked here, reported after pooling
+    safe = flat_labels.masked_fill(bad, ignore_index)
+    local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, safe, chunk, ignore_index)
+    return _checked_mean(local_sum, flat_labels, bad, group, weight.shape[0], ignore_index)
