@@ -1,9 +1,13 @@
-"""Local process groups: run a function on N spawned ranks (gloo on CPU) with time limits.
+"""Local process groups: run a function on N spawned ranks (gloo on CPU, or NCCL) with time limits.
 
 ``WorkerPool`` keeps N initialised ranks alive and runs many jobs on them, which is how the tests
 amortise process start-up; ``spawn`` is a pool used once. A job that raises on any rank, or runs past
 its time limit, ends the whole pool (a rank stuck in a collective would otherwise wait forever) and
 raises a ``RuntimeError`` carrying every rank's traceback.
+
+With ``backend="nccl"`` each rank takes GPU ``rank`` (``torch.cuda.set_device``) before joining, so
+a machine with several GPUs can run distributed jobs over NCCL (the jobs put their tensors on
+``torch.cuda.current_device()``).
 """
 
 from __future__ import annotations
@@ -27,13 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, threads: int, pg_timeout: float) -> None:
+BACKENDS = ("gloo", "nccl")
+
+
+def _worker(
+    rank: int, world: int, port: int, jobs: Any, results: Any, threads: int, pg_timeout: float, backend: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
     except BaseException:  # report start-up failures instead of dying silently
@@ -53,16 +64,26 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, threads: 
 
 
 class WorkerPool:
-    """``world_size`` spawned gloo ranks that run jobs until closed.
+    """``world_size`` spawned ranks that run jobs until closed.
 
     Args:
         world_size: number of ranks.
         threads: torch intra-op threads per rank (keep ranks x threads <= cores).
-        collective_timeout: gloo's own limit for one collective, a second safety net.
+        collective_timeout: the process group's own limit for one collective, a second safety net.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
     """
 
-    def __init__(self, world_size: int, *, threads: int = 1, collective_timeout: float = 120.0, start_timeout: float = 180.0):
+    def __init__(
+        self, world_size: int, *, threads: int = 1, collective_timeout: float = 120.0, start_timeout: float = 180.0,
+        backend: str = "gloo",
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {BACKENDS}.")
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"backend='nccl' with {world_size} ranks needs {world_size} GPUs; "
+                             f"this machine has {torch.cuda.device_count()}. Use backend='gloo' or fewer ranks.")
         self.world_size = world_size
+        self.backend = backend
         ctx = mp.get_context("spawn")
         port = free_port()
         self._results = ctx.Queue()
@@ -70,7 +91,7 @@ class WorkerPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, self._jobs[r], self._results, threads, collective_timeout),
+                args=(r, world_size, port, self._jobs[r], self._results, threads, collective_timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)
