@@ -7,10 +7,16 @@ always the one ``latest`` names. Saving a step that already has a folder (a run 
 ``out``) renames the old one aside to ``step_NNNNNNN.old`` and deletes it only once ``latest`` names
 the new one; were the save cut between the two renames, resume reads the ``.old`` one. Each rank
 writes its own shards (FSDP2 DTensors), so the folder must be on storage every rank can reach.
+
+Every file of a checkpoint has its size and SHA-256 in ``seqmesh.json`` (each rank hashes the files
+it wrote). Loading checks them first, spread over the ranks, and every rank raises the same
+ValueError naming the damaged file; :func:`newest_intact_checkpoint` finds the newest step that
+passes, so a damaged newest checkpoint never ends a run that has an intact older one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,6 +39,94 @@ def _barrier() -> None:
         dist.barrier()
 
 
+CHUNK = 1 << 22  # bytes read at a time while hashing
+
+
+def _digest(path: str) -> list:
+    """``[size, sha256 hex]`` of one file."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            sha.update(block)
+    return [os.path.getsize(path), sha.hexdigest()]
+
+
+def _all_gather(obj: object) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _checksums(folder: str) -> dict[str, list]:
+    """Size and SHA-256 of every file in ``folder``, the files dealt round-robin over the ranks."""
+    rank, world = _rank_world()
+    names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)) and n != "seqmesh.json")
+    mine = {n: _digest(os.path.join(folder, n)) for i, n in enumerate(names) if i % world == rank}
+    merged: dict[str, list] = {}
+    for part in _all_gather(mine):
+        merged.update(part)
+    return merged
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted, or None if every file matches its checksum.
+    Collective when a process group is up (the files are checked in parallel, the verdict shared)."""
+    meta = os.path.join(path, "seqmesh.json")
+    try:
+        with open(meta) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        verdict: str | None = f"{meta} cannot be read ({err})"
+        return _all_gather(verdict)[0]
+    files = saved.get("files")
+    if files is None:
+        return None  # written before checksums existed: nothing to compare
+    rank, world = _rank_world()
+    found: list[str] = []
+    for i, (name, (size, sha)) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            found.append(f"{file} is missing")
+        elif os.path.getsize(file) != size:
+            found.append(f"{file} has {os.path.getsize(file)} bytes, {size} were written")
+        elif _digest(file)[1] != sha:
+            found.append(f"{file} does not match the SHA-256 written with it (its bytes changed)")
+    problems = sorted(p for part in _all_gather(found) for p in part)
+    return "; ".join(problems) if problems else None
+
+
+def _steps(folder: str) -> list[str]:
+    """Complete checkpoint folders in ``folder``, newest step first."""
+    if not os.path.isdir(folder):
+        return []
+    names = [n for n in os.listdir(folder) if n.startswith("step_") and n[5:].isdigit()]
+    return [os.path.join(folder, n) for n in sorted(names, reverse=True)]
+
+
+def newest_intact_checkpoint(folder: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint in ``folder`` whose files all match their checksums, and the newer ones
+    passed over with the reason. Collective when a process group is up."""
+    skipped: list[tuple[str, str]] = []
+    candidates = _steps(folder)
+    named = latest_checkpoint_name(folder)
+    if named is not None and named not in candidates:
+        candidates.insert(0, named)  # a ``.old`` folder that latest resolves to
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
 def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict | None = None) -> str:
     """Save model and optimizer state after ``step`` completed steps; returns the checkpoint path."""
     name = f"step_{step:07d}"
@@ -45,9 +139,10 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
     _barrier()
+    files = _checksums(partial)
     if _is_rank0():
         with open(os.path.join(partial, "seqmesh.json"), "w") as f:
-            json.dump({"step": step, **(extra or {})}, f)
+            json.dump({"step": step, **(extra or {}), "files": files}, f)
         old = final + ".old"
         if os.path.exists(final):  # never delete what ``latest`` may name before the new one is in place
             shutil.rmtree(old, ignore_errors=True)
@@ -62,8 +157,8 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
     return final
 
 
-def latest_checkpoint(folder: str) -> str | None:
-    """The checkpoint ``latest`` names, or None when there is none yet."""
+def latest_checkpoint_name(folder: str) -> str | None:
+    """The folder ``latest`` points at (its ``.old`` twin if a save was cut between renames), unchecked."""
     pointer = os.path.join(folder, LATEST)
     if not os.path.isfile(pointer):
         return None
@@ -71,16 +166,33 @@ def latest_checkpoint(folder: str) -> str | None:
         path = os.path.join(folder, f.read().strip())
     if not os.path.exists(path) and os.path.isfile(os.path.join(path + ".old", "seqmesh.json")):
         return path + ".old"  # a save of the same step was cut between renaming the old one aside and its own
-    if not os.path.isfile(os.path.join(path, "seqmesh.json")):
-        raise ValueError(f"{pointer} names {path}, which is not a complete seqmesh checkpoint; delete {pointer} to start over.")
+    return path
+
+
+def latest_checkpoint(folder: str) -> str | None:
+    """The checkpoint ``latest`` names, or None when there is none yet."""
+    path = latest_checkpoint_name(folder)
+    if path is not None and not os.path.isfile(os.path.join(path, "seqmesh.json")):
+        raise ValueError(f"{os.path.join(folder, LATEST)} names {path}, which is not a complete seqmesh checkpoint. "
+                         "Resume with --resume, which takes the newest intact checkpoint in the folder, or move the "
+                         "folder aside to start over.")
     return path
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
-    """Load into ``model`` and ``optimizer`` (sharded as they are now); returns the saved extras."""
+    """Load into ``model`` and ``optimizer`` (sharded as they are now); returns the saved extras.
+    Every file is checked against its checksum first; a damaged one raises a ValueError on every rank."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"the checkpoint {path} is damaged: {problem}. Resume from an older step "
+                         "(--resume takes the newest intact one) or start over in another --out.")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as err:  # e.g. a .metadata cut short in a checkpoint written before checksums
+        raise ValueError(f"the checkpoint {path} could not be read ({type(err).__name__}: {err}); it is probably "
+                         "damaged. Resume from an older step or start over in another --out.") from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)

@@ -1,0 +1,86 @@
+"""Damaged checkpoints are named, never loaded; the newest intact one is found."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import seqmesh.training.checkpoint as ckpt
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process saves and loads
+
+
+def _save_two(folder: str) -> torch.nn.Module:
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt.save_checkpoint(folder, 1, model, optimizer)
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    ckpt.save_checkpoint(folder, 2, model, optimizer)
+    return model
+
+
+def _flip(path: str, offset: int = 64, count: int = 64) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = bytearray(f.read(count))
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _data_file(step_folder: str) -> str:
+    return next(os.path.join(step_folder, n) for n in sorted(os.listdir(step_folder)) if n.endswith(".distcp"))
+
+
+def test_flipped_bytes_are_refused_and_the_older_step_is_offered(tmp_path):
+    folder = str(tmp_path / "checkpoints")
+    _save_two(folder)
+    newest = os.path.join(folder, "step_0000002")
+    assert ckpt.checkpoint_problem(newest) is None
+    _flip(_data_file(newest))
+    problem = ckpt.checkpoint_problem(newest)
+    assert problem is not None and "does not match the SHA-256" in problem and ".distcp" in problem
+    fresh = torch.nn.Linear(64, 32)
+    with pytest.raises(ValueError, match="step_0000002 is damaged"):
+        ckpt.load_checkpoint(newest, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert not torch.equal(fresh.weight, torch.full((32, 64), 3.0))  # nothing was loaded
+    path, skipped = ckpt.newest_intact_checkpoint(folder)
+    assert path == os.path.join(folder, "step_0000001")
+    assert [s for s, _ in skipped] == [newest]
+
+
+@pytest.mark.parametrize("damage", ["truncated metadata", "missing shard", "unreadable seqmesh.json"])
+def test_other_damage_is_named(tmp_path, damage):
+    folder = str(tmp_path / "checkpoints")
+    _save_two(folder)
+    newest = os.path.join(folder, "step_0000002")
+    if damage == "truncated metadata":
+        meta = os.path.join(newest, ".metadata")
+        os.truncate(meta, os.path.getsize(meta) // 2)
+        want = ".metadata has"
+    elif damage == "missing shard":
+        os.remove(_data_file(newest))
+        want = "is missing"
+    else:
+        with open(os.path.join(newest, "seqmesh.json"), "w") as f:
+            f.write('{"step": 2, "fi')
+        want = "cannot be read"
+    assert want in (ckpt.checkpoint_problem(newest) or "")
+    assert ckpt.newest_intact_checkpoint(folder)[0] == os.path.join(folder, "step_0000001")
+
+
+def _verdicts_agree(folder: str) -> str | None:
+    return ckpt.checkpoint_problem(folder)
+
+
+def test_every_rank_gets_the_same_verdict(pools, tmp_path):
+    """Files are checked round-robin over the ranks; a file only rank 1 hashes still fails rank 0."""
+    folder = str(tmp_path / "checkpoints")
+    _save_two(folder)
+    newest = os.path.join(folder, "step_0000002")
+    names = sorted(n for n in os.listdir(newest) if n != "seqmesh.json")
+    _flip(os.path.join(newest, names[1]), offset=8, count=8)  # dealt to rank 1 of 2
+    verdicts = pools.run(2, _verdicts_agree, newest)
+    assert verdicts[0] == verdicts[1] and names[1] in verdicts[0]
