@@ -84,3 +84,23 @@ def test_every_rank_gets_the_same_verdict(pools, tmp_path):
     _flip(os.path.join(newest, names[1]), offset=8, count=8)  # dealt to rank 1 of 2
     verdicts = pools.run(2, _verdicts_agree, newest)
     assert verdicts[0] == verdicts[1] and names[1] in verdicts[0]
+
+
+def test_metrics_log_survives_a_torn_last_line(tmp_path):
+    from seqmesh.training.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path / "metrics.jsonl"))
+    for step in (1, 2, 3):
+        log.write({"kind": "train", "step": step, "loss": 1.0 / step})
+    with open(log.path, "a") as f:
+        f.write('{"kind": "train", "step": 4, "lo')  # the write a power cut interrupted
+    with pytest.warns(UserWarning, match="line 4 is cut short"):
+        assert [r["step"] for r in log.read()] == [1, 2, 3]
+    with pytest.warns(UserWarning):
+        assert log.keep_until(2) == 1  # the resume path rewrites the file without the torn line
+    assert [r["step"] for r in log.read()] == [1, 2]
+    with open(log.path, "a") as f:
+        f.write("not json\n")
+        f.write('{"kind": "train", "step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3, is not a JSON record"):
+        log.read()

@@ -7,6 +7,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 
 import torch
 
@@ -63,10 +64,25 @@ class MetricsLog:
         return len(records) - len(kept)
 
     def read(self) -> list[dict]:
+        """Every record. A torn last line (power loss, full disk) is dropped with a warning; a bad line
+        anywhere else is a ValueError naming the file and line."""
         if not os.path.isfile(self.path):
             return []
-        with open(self.path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
+        records = []
+        numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+        for i, (number, line) in enumerate(numbered):
+            try:
+                records.append(json.loads(line))
+            except ValueError as err:
+                if i == len(numbered) - 1:
+                    warnings.warn(f"{self.path}: line {number} is cut short ({err}); dropping it, as a run stopped "
+                                  "mid-write leaves it.", stacklevel=2)
+                    break
+                raise ValueError(f"{self.path}, line {number}, is not a JSON record ({err}). Fix or delete that "
+                                 "line; seqmesh writes one JSON object per line.") from err
+        return records
 
 
 def plot_loss_curve(records: list[dict], path: str, title: str, chance: float | None = None) -> str | None:
