@@ -119,20 +119,48 @@ def check_data_paths(paths: list[str]) -> None:
             raise ValueError(f"data file {path!r} does not exist.")
 
 
+def _read_text(path: str) -> str:
+    """The file as UTF-8, or a ValueError naming the line and byte that are not."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 (byte {err.start} of the file, {raw[err.start:err.start + 1]!r}). "
+                         "Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8), or drop that line.") from None
+
+
+def _read_jsonl(path: str, text_key: str) -> list[str]:
+    docs = []
+    for n, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{path}:{n} is not valid JSON ({err.args[0] if err.args else err}); each line of a "
+                             ".jsonl file must be one JSON object.") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n} is a JSON {type(record).__name__}, not an object with a {text_key!r} field.")
+        if text_key not in record:
+            raise ValueError(f"{path}:{n} has no {text_key!r} field; name the text field with --text-key.")
+        text = record[text_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{n}: the {text_key!r} field is {text!r} ({type(text).__name__}), not a string. "
+                             "Fix or drop that record, or name another field with --text-key.")
+        docs.append(text)
+    return docs
+
+
 def _read_documents(paths: list[str], text_key: str) -> list[str]:
     check_data_paths(paths)
     docs = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith((".jsonl", ".json")):
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        record = json.loads(line)
-                        if text_key not in record:
-                            raise ValueError(f"{path}:{n} has no {text_key!r} field; name the text field with --text-key.")
-                        docs.append(record[text_key])
-            else:
-                docs.extend(part for part in f.read().split("\n\n") if part.strip())
+        if path.endswith((".jsonl", ".json")):
+            docs.extend(_read_jsonl(path, text_key))
+        else:
+            docs.extend(part for part in _read_text(path).split("\n\n") if part.strip())
     if not docs:
         raise ValueError(f"no documents found in {paths}.")
     return docs

@@ -1,4 +1,4 @@
-"""Damaged checkpoints are named, never loaded; the newest intact one is found."""
+"""Nothing lost, nothing silently wrong: damaged checkpoints, torn metrics, bad data files."""
 
 from __future__ import annotations
 
@@ -104,3 +104,28 @@ def test_metrics_log_survives_a_torn_last_line(tmp_path):
         f.write('{"kind": "train", "step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 3, is not a JSON record"):
         log.read()
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"text": "a"}\n{"text": "b"\n{"text": "c"}\n', r"data.jsonl:2 is not valid JSON"),
+    ('{"text": "a"}\n\n{"text": 12345}\n', r"data.jsonl:3: the 'text' field is 12345 \(int\), not a string"),
+    ('{"text": null}\n', r"data.jsonl:1: the 'text' field is None"),
+    ('["text"]\n', r"data.jsonl:1 is a JSON list"),
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"data.jsonl:2 is not UTF-8 \(byte 28"),
+])
+def test_bad_data_files_are_named_by_line(tmp_path, content, message):
+    from seqmesh.training.datasets import PackedText
+
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=message):
+        PackedText([str(path)], 64)
+
+
+def test_non_utf8_text_file_is_named(tmp_path):
+    from seqmesh.training.datasets import PackedText
+
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"first document\n\nsecond\nwith \xff in it\n")
+    with pytest.raises(ValueError, match=r"notes.txt:4 is not UTF-8"):
+        PackedText([str(path)], 64)
