@@ -129,3 +129,35 @@ def test_non_utf8_text_file_is_named(tmp_path):
     path.write_bytes(b"first document\n\nsecond\nwith \xff in it\n")
     with pytest.raises(ValueError, match=r"notes.txt:4 is not UTF-8"):
         PackedText([str(path)], 64)
+
+
+def test_unwritable_output_dir_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: a file where the folder should be instead
+            locked.chmod(0o700)
+            target = tmp_path / "a-file"
+            target.write_text("x")
+            out = str(target / "run")
+        else:
+            out = str(locked / "run")
+        with pytest.raises(ValueError, match="cannot be written"):
+            ckpt.check_output_dir(out)
+    finally:
+        locked.chmod(0o700)
+    ckpt.check_output_dir(str(tmp_path / "fine"))
+
+
+def test_a_failed_save_names_the_disk_and_keeps_the_last_good_one(tmp_path, monkeypatch):
+    folder = str(tmp_path / "checkpoints")
+    model = _save_two(folder)
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file: unexpected pos")
+
+    monkeypatch.setattr(ckpt.dcp, "save", full_disk)
+    with pytest.raises(RuntimeError, match=r"GiB free; a full disk is the usual cause.*step_0000002\) is untouched"):
+        ckpt.save_checkpoint(folder, 3, model, torch.optim.AdamW(model.parameters()))
+    assert ckpt.latest_checkpoint(folder).endswith("step_0000002")

@@ -127,6 +127,32 @@ def newest_intact_checkpoint(folder: str) -> tuple[str | None, list[tuple[str, s
     return None, skipped
 
 
+def check_output_dir(out: str) -> None:
+    """Raise a ValueError now, before any model is built, if ``out`` cannot be created or written."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".seqmesh-write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"the output directory {out!r} cannot be written ({err.strerror or err}); choose another "
+                         "--out, or fix its permissions.") from None
+
+
+def _save_failure(folder: str, partial: str, err: Exception) -> str:
+    """What to tell the user when writing a checkpoint failed: the error, the free space, what is safe."""
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free"
+    except OSError:
+        free = "an unknown amount free"
+    latest = latest_checkpoint_name(folder)
+    kept = f"the last good checkpoint ({latest}) is untouched" if latest else "no earlier checkpoint exists"
+    return (f"writing the checkpoint {partial} failed ({type(err).__name__}: {err}). The disk holding it has {free}; "
+            f"a full disk is the usual cause (torch reports it as 'unexpected pos' or 'No space left'). Free space or "
+            f"point --out at a larger disk; {kept}.")
+
+
 def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict | None = None) -> str:
     """Save model and optimizer state after ``step`` completed steps; returns the checkpoint path."""
     name = f"step_{step:07d}"
@@ -137,7 +163,10 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    except Exception as err:  # dcp gathers every rank's write result, so each rank raises here
+        raise RuntimeError(_save_failure(folder, partial, err)) from err
     _barrier()
     files = _checksums(partial)
     if _is_rank0():
