@@ -219,10 +219,12 @@ def test_fsdp_models_are_initialised_shard_by_shard(pools, tmp_path):
     padded.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                   "vocab_size": 256, "pad_token_id": 37}))
-    for model, ulysses, ring, replicate, tied in (("llama-tiny", 2, 2, 1, False), ("qwen3-tiny", 1, 2, 2, True),
-                                                  (str(padded), 2, 2, 1, False)):
-        results = pools.run(4, meta_initialised_weights, model, ulysses, ring, replicate)
-        for r in results:
+    for world, model, ulysses, ring, replicate, tied in (
+            (4, "llama-tiny", 2, 2, 1, False), (2, "llama-tiny", 2, 1, 1, False), (4, "qwen3-tiny", 1, 2, 2, True),
+            (4, str(padded), 2, 2, 1, False)):
+        results = pools.run(world, meta_initialised_weights, model, ulysses, ring, replicate)
+        for r in results:  # the same seed gives the one-process model whatever the world size and mesh
+            assert r["equals_one_process"], (world, model, ulysses, ring, replicate)
             assert r["inv_freq_matches"], (model, r)
             assert r["pad_row_norm"] in (None, 0.0), (model, r)
             assert abs(r["std"] - 0.02) < 0.002, (model, r)

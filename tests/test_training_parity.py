@@ -28,7 +28,9 @@ def test_training_matches_one_process(pools, case):
         # element, so a near-zero gradient whose sign rounding flips moves that weight by up to 2 x lr.
         # A wrong gradient (scale, mask, shift) is off by O(1), far above these bounds.
         assert max(r["grad"]) < 1e-3, (rank, r)
-        assert r["weight"] < 1e-4, (rank, r)
+        # Measured: at most 1.1e-4 over these cases (one element whose gradient sits at rounding level).
+        # A missed or extra AdamW step moves every weight by about lr = 1e-3, well above this bound.
+        assert r["weight"] < 5e-4, (rank, r)
 
 
 def test_bf16_mixed_precision_stays_close(pools):

@@ -73,8 +73,10 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
 
     embedding = lm.get_input_embeddings()
     pad = embedding.padding_idx
-    eager = build_model(model)  # the whole model, initialised the usual way: buffers must agree
+    eager = build_model(model)  # the whole model on one process: buffers, and every weight, must agree
+    shards = dict(lm.named_parameters())
     return {
+        "equals_one_process": all(torch.equal(shards[name].full_tensor(), p) for name, p in eager.named_parameters()),
         "pad_row_norm": None if pad is None else float(embedding.weight.full_tensor()[pad].norm()),
         "inv_freq_matches": bool(torch.equal(lm.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq)),
         "std": float(whole.std()),

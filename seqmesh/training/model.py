@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 import torch.nn as nn
@@ -56,7 +57,7 @@ def has_weights(path: str) -> bool:
 
 def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A causal LM: a preset, or a ``config.json`` (file or folder without weights) with random
-    weights, or a local checkpoint folder (config.json plus weights) loaded without any download.
+    weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local checkpoint folder (config.json plus weights) loaded without any download.
 
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM
@@ -68,54 +69,87 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
         return model.to(device)
     shape = model_shape(name_or_path)  # unknown names fail here, listing the presets
     config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if torch.device(device).type != "meta":  # values from (seed, module name): see initialize_by_name
+        materialize(model, device, seed)
     return model
 
 
-def _zero_padding_rows(lm: nn.Module) -> None:
-    """Zero each embedding's ``padding_idx`` row in the shard that holds it. transformers' own init
-    does ``weight[padding_idx].zero_()``, which on a sharded DTensor writes to a copy and is lost.
-    FSDP2 shards dim 0 as ``torch.chunk`` does: shard i holds rows from ``i * ceil(rows / shards)``."""
-    from torch.distributed.tensor import DTensor, Shard
+def _parameter_seed(seed: int, name: str) -> int:
+    """A generator seed from the run's seed and a module's qualified name (stable across processes)."""
+    return zlib.crc32(f"{seed}:{name}".encode()) + (seed << 32)
 
-    for module in lm.modules():
-        pad = getattr(module, "padding_idx", None)
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Embedding) or pad is None or weight is None:
-            continue
-        with torch.no_grad():
-            if not isinstance(weight, DTensor):
-                weight[pad].zero_()
+
+def _init_functions(model: nn.Module, fn, prefix: str = ""):
+    """``(qualified name, module, init function)`` in the order transformers' ``initialize_weights``
+    visits them: children first, each sub-model (a ``PreTrainedModel`` inside) with its own
+    ``_init_weights``."""
+    from transformers import PreTrainedModel
+
+    for name, child in model.named_children():
+        child_fn = child._init_weights if isinstance(child, PreTrainedModel) else fn
+        yield from _init_functions(child, child_fn, f"{prefix}{name}.")
+    yield prefix.rstrip("."), model, fn
+
+
+@torch.no_grad()
+def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> None:
+    """Initialise ``lm`` (allocated on ``device``, possibly FSDP-sharded) as transformers does, but with
+    every module's values drawn from ``(seed, the module's qualified name)`` on the CPU generator.
+
+    Each module's parameters are initialised whole, on the CPU, one module at a time, and each rank keeps
+    the slice its shard covers. The same seed therefore gives the same model for every world size,
+    mesh, sharding and device (CPU or CUDA), and no rank ever holds more than one module's weights whole.
+    Buffers (RoPE frequencies) are computed in place on ``device``. A parameter shared by two modules
+    (tied embeddings) is initialised once, by the first module that owns it.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from transformers.initialization import guard_torch_init_functions
+
+    done: set[int] = set()
+    for name, module, init in _init_functions(lm, lm._init_weights):
+        owned = {n: p for n, p in module._parameters.items() if p is not None}
+        whole = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                 for n, p in owned.items()}  # (full shape) on the CPU; init never touches the real ones
+        module._parameters.update(whole)
+        module._is_hf_initialized = False
+        torch.manual_seed(_parameter_seed(seed, name))
+        try:
+            with guard_torch_init_functions():
+                init(module)
+        finally:
+            module._parameters.update(owned)
+        for n, p in owned.items():
+            if id(p) in done:  # already initialised by its first owner
                 continue
-            local, offset = weight.to_local(), 0
-            for axis, placement in enumerate(weight.placements):
-                if isinstance(placement, Shard) and placement.dim == 0:
-                    shards = weight.device_mesh.size(axis)
-                    offset = weight.device_mesh.get_local_rank(axis) * -(-weight.shape[0] // shards)
-            if offset <= pad < offset + local.shape[0]:
-                local[pad - offset].zero_()
+            done.add(id(p))
+            values = whole[n].detach()
+            if isinstance(p, DTensor):  # every rank holds the same whole tensor: slice locally, no traffic
+                local = distribute_tensor(values.to(p.device_mesh.device_type), p.device_mesh, p.placements,
+                                          src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(values.to(p.device))
+        module._is_hf_initialized = True
 
 
-def materialize(root: nn.Module, device: torch.device | str, seed: int, shard_rank: int) -> None:
-    """Allocate a model built on the meta device, after FSDP sharded ``root``, on ``device``, and initialise
-    it as transformers does (``initialize_weights``: normal weights, unit norms, RoPE frequencies, zero
-    padding rows).
-
-    Every rank then holds only its shards: no rank ever materialises the whole model. On CUDA, DTensor's
-    random-number tracker gives each shard its own stream from one shared seed. On CPU DTensor's random
-    ops give every shard the same values, so there each shard draws from ``seed + shard_rank``:
-    independent draws, while replicas of a shard (HSDP) agree."""
+def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
+    """Allocate a model built on the meta device (after FSDP sharded ``root``, or whole) on ``device``
+    and initialise it with :func:`initialize_by_name`: every rank holds only its shards, and the values
+    do not depend on how the model is sharded."""
     device = torch.device(device)
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter is one object in several modules
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
     root.to_empty(device=device)  # the FSDP root (a SequenceParallelLM or the model itself)
-    lm = getattr(root, "lm", root)
-    for module in lm.modules():
-        if getattr(module, "_is_hf_initialized", False):
-            module._is_hf_initialized = False
-    torch.manual_seed(seed * 1_000_003 + (shard_rank if device.type == "cpu" else 0))
-    lm.initialize_weights()
-    _zero_padding_rows(lm)
+    for tied in owners.values():  # to_empty off the meta device gives each owner its own copy: re-tie them
+        first, name = tied[0]
+        for module, other in tied[1:]:
+            module._parameters[other] = first._parameters[name]
+    initialize_by_name(getattr(root, "lm", root), device, seed)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -129,8 +129,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     if cfg.fsdp:
         apply_fsdp(module, mesh, bf16=cfg.bf16)
     if on_meta:
-        fsdp_mesh = mesh.fsdp_mesh
-        materialize(module, device, cfg.seed, shard_rank=fsdp_mesh.get_local_rank(fsdp_mesh.ndim - 1))
+        materialize(module, device, cfg.seed)
     return mesh, module, device
 
 
