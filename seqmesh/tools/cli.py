@@ -124,7 +124,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true", help="a fresh run may replace the checkpoints and metrics in OUT")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even if settings that change the run differ from the checkpoint's (recorded)")
+    p.add_argument("--on-nonfinite", default=d.on_nonfinite, choices=["stop", "skip"],
+                   help="a NaN/inf loss or gradient norm: stop naming the step, or skip the step (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds a collective may wait for a stalled or lost rank before the job ends (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -135,8 +142,9 @@ def _train_config(args: argparse.Namespace):
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def _init_distributed() -> None:
-    """From torchrun's environment (NCCL when GPUs are present, gloo otherwise), or a group of one."""
+def _init_distributed(timeout: float = 600.0) -> None:
+    """From torchrun's environment (NCCL when GPUs are present, gloo otherwise), or a group of one.
+    A collective that waits ``timeout`` seconds for a rank ends the job (NCCL's watchdog aborts it)."""
     import torch
     import torch.distributed as dist
 
@@ -147,14 +155,14 @@ def _init_distributed() -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ..training.train import train
 
     cfg = _train_config(args)  # configuration errors surface before any process group work
-    _init_distributed()
+    _init_distributed(cfg.timeout)
     summary = train(cfg)
     import torch.distributed as dist
 
@@ -170,7 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..training.verify import verify
 
     cfg = _train_config(args)
-    _init_distributed()
+    _init_distributed(cfg.timeout)
     report = verify(cfg, rtol=args.rtol)
     import torch.distributed as dist
 
@@ -257,9 +265,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors a user acts on: seqmesh raises them on every rank at once (its checks are collective).
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, FloatingPointError)
+USER_ERROR_EXIT = 2
+
+
+def _report_user_error(err: BaseException) -> int:
+    """One readable message for the whole job: rank 0 prints it, the other ranks exit quietly with the
+    same code (under torchrun the error is the same on every rank)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"seqmesh: error: {err}", file=sys.stderr, flush=True)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a peer may already be gone; the exit code says what happened
+        pass
+    return USER_ERROR_EXIT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    if args.command not in ("train", "verify"):
+        return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as err:
+        if os.environ.get("SEQMESH_TRACEBACK"):
+            raise
+        return _report_user_error(err)
 
 
 if __name__ == "__main__":

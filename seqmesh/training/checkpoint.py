@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
@@ -103,7 +104,7 @@ def checkpoint_problem(path: str) -> str | None:
     return "; ".join(problems) if problems else None
 
 
-def _steps(folder: str) -> list[str]:
+def steps_in(folder: str) -> list[str]:
     """Complete checkpoint folders in ``folder``, newest step first."""
     if not os.path.isdir(folder):
         return []
@@ -115,7 +116,7 @@ def newest_intact_checkpoint(folder: str) -> tuple[str | None, list[tuple[str, s
     """The newest checkpoint in ``folder`` whose files all match their checksums, and the newer ones
     passed over with the reason. Collective when a process group is up."""
     skipped: list[tuple[str, str]] = []
-    candidates = _steps(folder)
+    candidates = steps_in(folder)
     named = latest_checkpoint_name(folder)
     if named is not None and named not in candidates:
         candidates.insert(0, named)  # a ``.old`` folder that latest resolves to
@@ -153,6 +154,17 @@ def _save_failure(folder: str, partial: str, err: Exception) -> str:
             f"point --out at a larger disk; {kept}.")
 
 
+def _refuse_nonfinite(model: nn.Module, step: int) -> None:
+    """Raise on every rank if any rank holds a NaN or inf weight: such a checkpoint is never written."""
+    bad = [name for name, p in model.named_parameters()
+           if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
+    verdicts = _all_gather(bad[:3])
+    names = sorted({n for part in verdicts for n in part})
+    if names:
+        raise RuntimeError(f"refusing to write the checkpoint of step {step}: {', '.join(names)} hold NaN or inf "
+                           "values. The earlier checkpoints are untouched; resume from one with a lower --lr.")
+
+
 def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimizer, extra: dict | None = None) -> str:
     """Save model and optimizer state after ``step`` completed steps; returns the checkpoint path."""
     name = f"step_{step:07d}"
@@ -162,6 +174,7 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
         os.makedirs(folder, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()
+    _refuse_nonfinite(model, step)
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)

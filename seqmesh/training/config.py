@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -37,7 +38,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # held-out accuracy (0: only at the end)
     save_every: int = 0  # checkpoint interval in steps (0: only at the end)
-    resume: bool = False  # continue from out/checkpoints/latest
+    resume: bool = False  # continue from the newest intact checkpoint in out/checkpoints
+    overwrite: bool = False  # a fresh run may replace the checkpoints and metrics already in out
+    allow_config_change: bool = False  # resume even if settings that change the run differ (recorded)
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (naming the step) or skip the step
+    timeout: float = 300.0  # seconds a collective may wait before the job ends (a stalled or lost rank)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -54,8 +59,17 @@ class TrainConfig:
                              f"{self.copy_period}; omit it for seq_len // 4.")
         if self.symbols < 1:
             raise ValueError(f"symbols must be at least 1, got {self.symbols}.")
-        if self.warmup < 0 or self.lr <= 0:
-            raise ValueError(f"warmup ({self.warmup}) must be >= 0 and lr ({self.lr}) > 0.")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}.")
+        for name, low, high in (("lr", 0.0, None), ("grad_clip", 0.0, None), ("weight_decay", 0.0, None),
+                                ("min_lr_ratio", 0.0, 1.0), ("timeout", 0.0, None)):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < low or (high is not None and value > high) or (
+                    name in ("lr", "timeout") and value == 0):
+                bound = f"in [{low:g}, {high:g}]" if high is not None else ("> 0" if name in ("lr", "timeout") else ">= 0")
+                raise ValueError(f"{name} must be a finite number {bound}, got {value}.")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
         if self.data and self.batch != 1:
             raise ValueError(
                 f"packed text data takes one sequence per data-parallel rank (batch=1, got {self.batch}): its rows "

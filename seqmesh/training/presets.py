@@ -61,6 +61,22 @@ MODELS: dict[str, ModelShape] = {
 }
 
 
+def read_config_json(path: str) -> dict:
+    """The object in a ``config.json``; a file that is not JSON is named with the line and column."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); a transformers config.json "
+                         "is a UTF-8 JSON file.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {err.lineno}, column {err.colno}, is not valid JSON ({err.msg}). Fix the file, "
+                         "or give a preset name or another config.json.") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object of config fields.")
+    return cfg
+
+
 def model_shape(name_or_path: str) -> ModelShape:
     """A preset by name, or the shape in a transformers ``config.json`` (file or directory)."""
     if name_or_path in MODELS:
@@ -70,8 +86,7 @@ def model_shape(name_or_path: str) -> ModelShape:
         raise ValueError(
             f"unknown model {name_or_path!r}: not a preset ({', '.join(MODELS)}) and no config.json at {path!r}."
         )
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_config_json(path)
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

@@ -7,15 +7,17 @@ any model is built.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
@@ -25,6 +27,8 @@ from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .presets import model_shape
+from .resume import choose_start, config_changes, refuse_changes, run_record
+from .watch import StallWatch, global_norm, nonfinite_message
 
 
 def resolve_degrees(cfg: TrainConfig, world: int, q_heads: int, ranks_per_node: int) -> tuple[int, int, int]:
@@ -133,7 +137,8 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     return mesh, module, device
 
 
-def _to(batch: dict, device: torch.device) -> dict:
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The tensors of a sharded batch moved to ``device`` (other entries as they are)."""
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
@@ -141,7 +146,7 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
     """Accuracy of argmax predictions on the scored tokens of the data's held-out batch."""
     module.eval()
     batch = data.eval_batch(mesh.dp_rank, cfg.batch, mesh.dp_size)
-    local = _to(shard_batch(batch, mesh, layout=cfg.layout), device)
+    local = to_device(shard_batch(batch, mesh, layout=cfg.layout), device)
     with torch.no_grad():
         counts = module(**local, score=True)
     dist.all_reduce(counts, group=mesh.all_group)
@@ -149,77 +154,148 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
     return float(counts[0] / counts[1].clamp(min=1))
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run ``cfg`` on this rank; returns the final figures (the same on every rank)."""
-    data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
-    mesh, module, device = build(cfg)
-    rank0 = dist.get_rank() == 0
-    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    folder = os.path.join(cfg.out, "checkpoints")
-    start = 0
-    if cfg.resume and (path := latest_checkpoint(folder)) is not None:
-        start = load_checkpoint(path, module, optimizer)["step"]
-    log = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"))
-    if rank0 and start == 0 and os.path.exists(log.path):
-        os.remove(log.path)  # a fresh run starts a fresh curve; a resumed one continues it
-    elif rank0 and start:
-        log.keep_until(start)  # steps logged after the checkpoint are redone: drop them, or they would repeat
-    if rank0:
-        log.write({"kind": "config", "step": start, "config": asdict(cfg), "mesh": repr(mesh)})
-    progress = Progress(cfg.steps, start) if rank0 else None
-    tokens_per_step = mesh.dp_size * cfg.batch * cfg.seq_len
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp)
-    module.train()
-    loss_value, accuracy, window_start, window_steps = float("nan"), float("nan"), time.perf_counter(), 0
-    for step in range(start, cfg.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        local = _to(shard_batch(data.batch(step, mesh.dp_rank, cfg.batch, mesh.dp_size), mesh, layout=cfg.layout), device)
-        with autocast:
-            loss = module(**local)
+class TrainingRun:
+    """One run on this rank: where it starts, its model and optimizer, and what it logs and saves.
+
+    ``run()`` repeats :meth:`step` and, on their schedules, :meth:`log`, :meth:`evaluate` and :meth:`save`.
+    Every configuration, output-folder and resume error is raised before the model is built."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        check_output_dir(cfg.out)
+        self.data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
+        self.start_point = choose_start(cfg)
+        self.mesh, self.module, self.device = build(cfg)
+        self.rank0 = dist.get_rank() == 0
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.folder = os.path.join(cfg.out, "checkpoints")
+        self.start = self._resume()
+        self.log_file = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"))
+        self.tokens_per_step = self.mesh.dp_size * cfg.batch * cfg.seq_len
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp)
+        self.loss, self.accuracy, self.skipped = float("nan"), float("nan"), 0
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def _resume(self) -> int:
+        point = self.start_point
+        if point.checkpoint is None:
+            return 0
+        changes = config_changes(point.saved, self.cfg, self.mesh.dp_size)
+        if changes and not self.cfg.allow_config_change:
+            refuse_changes(point.checkpoint, changes)  # the data-parallel degree is known only now
+        point.changes = changes
+        load_checkpoint(point.checkpoint, self.module, self.optimizer)
+        return point.step
+
+    def _start_log(self) -> None:
+        if not self.rank0:
+            return
+        if self.start:
+            self.log_file.keep_until(self.start)  # steps logged after the checkpoint are redone: drop them
+        if self.start_point.changes:
+            self.log_file.write({"kind": "config_change", "step": self.start, "from": self.start_point.checkpoint,
+                                 "changes": self.start_point.changes})
+        self.log_file.write({"kind": "config", "step": self.start, "config": asdict(self.cfg), "mesh": repr(self.mesh)})
+
+    def step(self, step: int) -> bool:
+        """One optimizer step (0-based ``step``); False if it was skipped for a non-finite loss or gradient."""
+        cfg = self.cfg
+        lr = lr_at(cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.data.batch(step, self.mesh.dp_rank, cfg.batch, self.mesh.dp_size)
+        local = to_device(shard_batch(batch, self.mesh, layout=cfg.layout), self.device)
+        with self.autocast:
+            loss = self.module(**local)
         loss.backward()
         if not cfg.fsdp:
-            sync_gradients(module, mesh)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        window_steps += 1
-        done = step + 1
-        log_now = done % cfg.log_every == 0 or done == cfg.steps
-        eval_now = done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
-        save_now = cfg.save_every > 0 and done % cfg.save_every == 0 and done != cfg.steps
-        if not (log_now or eval_now or save_now):
-            continue
-        loss_value = float(loss.detach())  # waits for the step to finish: what follows is not training time
-        paused = time.perf_counter()
-        fields = {}
-        if log_now:
-            tokens_per_s = tokens_per_step * window_steps / (paused - window_start)
-            if rank0:
-                memory = peak_memory_bytes(device)
-                log.write({"kind": "train", "step": done, "loss": loss_value, "lr": lr_at(cfg, step),
-                           "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory})
-                fields = {"loss": f"{loss_value:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "mem": f"{memory / 2**30:.2f}GiB"}
-        if eval_now:
-            accuracy = evaluate(module, data, mesh, cfg, device)
-            if rank0:
-                log.write({"kind": "eval", "step": done, "accuracy": accuracy})
-                fields["acc"] = f"{accuracy:.3f}"
-        if rank0 and fields:
-            progress.update(done, fields)
-        if save_now:
-            save_checkpoint(folder, done, module, optimizer, {"config": asdict(cfg)})
-        if log_now:  # a new throughput window
-            window_start, window_steps = time.perf_counter(), 0
-        else:  # evaluation and saving are not training time
-            window_start += time.perf_counter() - paused
-    if start < cfg.steps:
-        save_checkpoint(folder, cfg.steps, module, optimizer, {"config": asdict(cfg)})
-    curve = None
-    if rank0:
-        title = (f"{cfg.model}, {cfg.seq_len:,} tokens, ulysses {mesh.ulysses} x ring {mesh.ring} "
-                 f"x dp {mesh.dp_size}")
-        chance = 1 / cfg.symbols if not cfg.data else None
-        curve = plot_loss_curve(log.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)
-    return {"loss": loss_value, "accuracy": accuracy, "mesh": repr(mesh), "loss_curve": curve, "steps": cfg.steps}
+            sync_gradients(self.module, self.mesh)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
+        norm = global_norm(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        self.loss_tensor = loss.detach()
+        finite = bool(torch.isfinite(self.loss_tensor) & torch.isfinite(norm))  # the same on every rank
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            if cfg.on_nonfinite == "stop":
+                raise FloatingPointError(nonfinite_message(step + 1, float(loss), float(norm), lr))
+            self.skipped += 1
+            if self.rank0:
+                self.log_file.write({"kind": "skipped", "step": step + 1, "loss": str(float(loss)),
+                                     "grad_norm": str(float(norm))})
+                print(f"step {step + 1}: non-finite loss {float(loss)} or gradient norm {float(norm)}; step skipped "
+                      f"({self.skipped} so far).", file=sys.stderr, flush=True)
+            return False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def log(self, done: int, paused: float) -> dict[str, str]:
+        tokens_per_s = self.tokens_per_step * self.window_steps / (paused - self.window_start)
+        if not self.rank0:
+            return {}
+        memory = peak_memory_bytes(self.device)
+        self.log_file.write({"kind": "train", "step": done, "loss": self.loss, "lr": lr_at(self.cfg, done - 1),
+                             "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory})
+        return {"loss": f"{self.loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "mem": f"{memory / 2**30:.2f}GiB"}
+
+    def evaluate(self, done: int) -> dict[str, str]:
+        self.accuracy = evaluate(self.module, self.data, self.mesh, self.cfg, self.device)
+        if not self.rank0:
+            return {}
+        self.log_file.write({"kind": "eval", "step": done, "accuracy": self.accuracy})
+        return {"acc": f"{self.accuracy:.3f}"}
+
+    def save(self, done: int) -> None:
+        save_checkpoint(self.folder, done, self.module, self.optimizer, run_record(self.cfg, self.mesh.dp_size))
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        self._start_log()
+        progress = Progress(cfg.steps, self.start) if self.rank0 else None
+        watch = StallWatch(after=120.0, timeout=cfg.timeout) if self.rank0 else contextlib.nullcontext()
+        self.module.train()
+        self.window_start = time.perf_counter()
+        with watch:
+            for step in range(self.start, cfg.steps):
+                self.step(step)
+                self.window_steps += 1
+                done = step + 1
+                if self.rank0:
+                    watch.beat(done)
+                log_now = done % cfg.log_every == 0 or done == cfg.steps
+                eval_now = done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
+                save_now = cfg.save_every > 0 and done % cfg.save_every == 0 and done != cfg.steps
+                if not (log_now or eval_now or save_now):
+                    continue
+                self.loss = float(self.loss_tensor)
+                paused = time.perf_counter()  # what follows is not training time
+                fields = self.log(done, paused) if log_now else {}
+                if eval_now:
+                    fields.update(self.evaluate(done))
+                if progress is not None and fields:
+                    progress.update(done, fields)
+                if save_now:
+                    self.save(done)
+                if log_now:  # a new throughput window
+                    self.window_start, self.window_steps = time.perf_counter(), 0
+                else:  # evaluation and saving are not training time
+                    self.window_start += time.perf_counter() - paused
+        if self.start < cfg.steps:
+            self.save(cfg.steps)
+        return self.summary()
+
+    def summary(self) -> dict:
+        cfg, mesh = self.cfg, self.mesh
+        curve = None
+        if self.rank0:
+            title = (f"{cfg.model}, {cfg.seq_len:,} tokens, ulysses {mesh.ulysses} x ring {mesh.ring} "
+                     f"x dp {mesh.dp_size}")
+            chance = 1 / cfg.symbols if not cfg.data else None
+            curve = plot_loss_curve(self.log_file.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)
+        return {"loss": self.loss, "accuracy": self.accuracy, "mesh": repr(mesh), "loss_curve": curve,
+                "steps": cfg.steps, "skipped": self.skipped}
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run ``cfg`` on this rank; returns the final figures (the same on every rank)."""
+    return TrainingRun(cfg).run()

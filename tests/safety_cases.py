@@ -1,0 +1,49 @@
+"""Rank functions for tests/test_run_safety.py: what every rank sees of the job's guards."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import seqmesh
+from dist_cases import get_mesh
+
+
+def train_error(cfg) -> str:
+    """The error ``train(cfg)`` raises on this rank, as ``"Type: message"`` ("" if it finished)."""
+    from seqmesh.training.train import train
+
+    try:
+        train(cfg)
+    except Exception as err:  # the test asserts which error, and that every rank raised it
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documents: tuple[int, ...] | None) -> list:
+    """Every point-to-point op this rank posts during one forward and backward of seqmesh.attention:
+    ``[kind, global peer, shape, dtype]`` in the order they were issued."""
+    from seqmesh.comm import ring as ring_comm
+
+    mesh = get_mesh(ulysses, ring, dist.get_world_size() // (ulysses * ring))
+    issued: list = []
+    original = ring_comm.dist.batch_isend_irecv
+
+    def recording(ops):
+        for op in ops:
+            kind = "send" if op.op in (dist.isend, dist.send) else "recv"
+            peer = dist.get_global_rank(op.group, op.group_peer) if op.group_peer is not None else op.peer
+            issued.append([kind, peer, list(op.tensor.shape), str(op.tensor.dtype)])
+        return original(ops)
+
+    torch.manual_seed(0)
+    full = torch.randn(3, 1, seq_len, 4, 8, dtype=torch.float64)
+    local = [seqmesh.shard_sequence(t, mesh, layout="zigzag", dim=1).requires_grad_() for t in full]
+    ring_comm.dist.batch_isend_irecv = recording
+    try:
+        out = seqmesh.attention(*local, mesh, causal=causal, cu_seqlens=documents,
+                                seq_len=None if documents else seq_len)
+        out.sum().backward()
+    finally:
+        ring_comm.dist.batch_isend_irecv = original
+    return issued

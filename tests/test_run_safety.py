@@ -1,0 +1,191 @@
+"""The job never trains on, saves or splices something silently wrong, and never replaces a user's
+files without a flag (issue 10: non-finite steps, resumes with another configuration, overwrites,
+stalls, unreadable configs, one error message per job, and the ring's point-to-point issue order)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+
+import pytest
+import torch.distributed as dist
+
+from safety_cases import p2p_issue_order, train_error
+from seqmesh.training import checkpoint as ckpt
+from seqmesh.training.config import TrainConfig
+
+
+def _cfg(out, **kw) -> TrainConfig:
+    base = dict(model="llama-tiny", seq_len=64, ulysses=2, ring=1, dp=1, steps=3, lr=1e-2, warmup=1, log_every=1,
+                eval_every=0, out=str(out), symbols=16)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _same_on_every_rank(errors: list[str]) -> str:
+    assert len(set(errors)) == 1, errors
+    return errors[0]
+
+
+def _records(out, kind: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")), ("grad_clip", float("nan")),
+                                          ("weight_decay", float("inf")), ("min_lr_ratio", 1.5), ("timeout", 0.0),
+                                          ("on_nonfinite", "ignore")])
+def test_nonsense_numbers_are_refused_before_any_work(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_a_nonfinite_step_stops_the_run_naming_it_and_nothing_nonfinite_is_saved(pools, tmp_path):
+    # lr 1e30 keeps step 1 finite (warm-up makes its lr 1e30 as well, but its gradients are finite) and
+    # sends the weights to ~1e30, so step 2's logits overflow
+    cfg = _cfg(tmp_path / "stop", lr=1e30, warmup=0, grad_clip=0.0, save_every=1, steps=4)
+    error = _same_on_every_rank(pools.run(2, train_error, cfg))
+    assert error.startswith("FloatingPointError: step 2:"), error
+    assert "--on-nonfinite skip" in error
+    saved = [os.path.basename(p) for p in ckpt.steps_in(str(tmp_path / "stop" / "checkpoints"))]
+    assert saved == ["step_0000001"], saved  # nothing after the last finite step
+
+
+def test_skipping_nonfinite_steps_is_recorded(pools, tmp_path):
+    cfg = _cfg(tmp_path / "skip", lr=1e30, warmup=0, grad_clip=0.0, steps=3, on_nonfinite="skip")
+    assert pools.run(2, train_error, cfg) == ["", ""]
+    skipped = _records(tmp_path / "skip", "skipped")
+    assert [r["step"] for r in skipped] == [2, 3], skipped
+
+
+def test_resuming_with_another_configuration_needs_a_flag_and_is_recorded(pools, tmp_path):
+    out = tmp_path / "run"
+    assert pools.run(2, train_error, _cfg(out, steps=2, save_every=1)) == ["", ""]
+    for change in ({"lr": 5e-3}, {"seq_len": 32}, {"seed": 1}):
+        error = _same_on_every_rank(pools.run(2, train_error, _cfg(out, steps=4, resume=True, **change)))
+        name = next(iter(change))
+        assert error.startswith("ValueError: --resume would continue") and f"{name} " in error, error
+        assert "--allow-config-change" in error
+    # the mesh and the length of the run may change: seqmesh is exact under any mesh
+    assert pools.run(2, train_error, _cfg(out, steps=3, resume=True, ulysses=1, ring=2)) == ["", ""]
+    assert pools.run(2, train_error, _cfg(out, steps=4, resume=True, lr=5e-3, allow_config_change=True)) == ["", ""]
+    (change,) = _records(out, "config_change")
+    assert change["step"] == 3 and change["changes"] == {"lr": [1e-2, 5e-3]}, change
+
+
+def test_existing_runs_are_never_overwritten_without_a_flag(pools, tmp_path):
+    out = tmp_path / "run"
+    assert pools.run(2, train_error, _cfg(out, steps=3, save_every=1)) == ["", ""]
+    folder = out / "checkpoints"
+    before = {p: os.path.getmtime(p) for p in ckpt.steps_in(str(folder))}
+    metrics = (out / "metrics.jsonl").read_text()
+    error = _same_on_every_rank(pools.run(2, train_error, _cfg(out, steps=3)))
+    assert "already holds a run" in error and "--overwrite" in error and "--resume" in error, error
+    assert {p: os.path.getmtime(p) for p in ckpt.steps_in(str(folder))} == before
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+    # the issue's case: a damaged newest checkpoint, and the user resumes
+    newest = folder / "step_0000003"
+    shard = next(p for p in sorted(newest.iterdir()) if p.name.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[100:164] = bytes(64)
+    shard.write_bytes(data)
+    assert pools.run(2, train_error, _cfg(out, steps=4, resume=True, save_every=1)) == ["", ""]
+    names = sorted(os.listdir(folder))
+    assert "step_0000003.damaged" in names and "step_0000001" in names and "step_0000004" in names, names
+    assert [r["step"] for r in _records(out, "train")] == [1, 2, 3, 4]  # resumed at 2, redid 3, then 4
+
+    assert pools.run(2, train_error, _cfg(out, steps=2, overwrite=True)) == ["", ""]
+    assert [r["step"] for r in _records(out, "train")] == [1, 2]
+    assert not (folder / "step_0000003.damaged").exists()
+
+
+def test_stall_warning():
+    import io
+
+    from seqmesh.training.watch import StallWatch
+
+    stream = io.StringIO()
+    watch = StallWatch(after=60.0, timeout=300.0, stream=stream)
+    watch.beat(1)
+    watch.last = 1000.0
+    watch.slowest = 2.0
+    assert watch.check(now=1030.0) is None  # within max(60, 10 x 2) seconds
+    message = watch.check(now=1061.0)
+    assert message and "no step has finished for 61 s" in message and "--timeout" in message
+    assert watch.check(now=1100.0) is None  # once per stall
+    watch.beat(2)
+    assert watch.limit() >= 60.0
+
+    fast = StallWatch(after=0.05, timeout=1.0, stream=stream, poll=0.01)
+    with fast:
+        import time
+
+        time.sleep(0.3)
+    assert "warning: no step has finished" in stream.getvalue()
+
+
+def test_timeout_reaches_the_process_group(monkeypatch):
+    from seqmesh.tools import cli
+
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: seen.update(timeout=timeout))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    cli._init_distributed(42.0)
+    assert seen["timeout"] == datetime.timedelta(seconds=42)
+
+
+def test_a_config_json_that_is_not_json_is_named(tmp_path):
+    from seqmesh.training.presets import model_shape
+
+    bad = tmp_path / "config.json"
+    bad.write_text('{\n  "model_type": "llama",\n  "hidden_size": 64,,\n}')
+    with pytest.raises(ValueError, match=r"config.json, line 3, column 21, is not valid JSON"):
+        model_shape(str(bad))
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("3", False)])
+def test_one_readable_error_per_job(monkeypatch, capsys, rank, printed):
+    from seqmesh.tools.cli import USER_ERROR_EXIT, main
+
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--lr", "nan"]) == USER_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert ("seqmesh: error: lr must be a finite number" in err) is printed, err
+    assert "Traceback" not in err
+
+
+def unmatched_p2p(issued: list[list]) -> str | None:
+    """Under NCCL a rank's sends to a peer pair with that peer's receives from it in issue order (tags are
+    ignored). The first pair whose sequences differ in count, shape or dtype, or None."""
+    for a, log in enumerate(issued):
+        for b in range(len(issued)):
+            sends = [op[2:] for op in log if op[0] == "send" and op[1] == b]
+            recvs = [op[2:] for op in issued[b] if op[0] == "recv" and op[1] == a]
+            if sends != recvs:
+                return f"rank {a} -> {b}: sends {sends} but receives {recvs}"
+    return None
+
+
+def test_the_ring_issues_its_sends_in_the_order_every_peer_receives_them(pools):
+    seen = 0
+    for ulysses, ring, causal, docs in ((1, 4, True, None), (2, 2, True, (0, 10, 40, 50)), (1, 4, False, None),
+                                        (1, 2, True, (0, 7, 50))):
+        issued = pools.run(4, p2p_issue_order, ulysses, ring, 50, causal, docs)
+        assert unmatched_p2p(issued) is None, (ulysses, ring, causal, docs)
+        seen += sum(len(log) for log in issued)
+        # the check fails if one rank reorders (here: swaps its first K/V and dK/dV sends) or skips a send
+        sends = [i for i, op in enumerate(issued[0]) if op[0] == "send"]
+        reordered = [list(log) for log in issued]
+        first, last = sends[0], sends[-1]
+        if reordered[0][first] != reordered[0][last]:
+            reordered[0][first], reordered[0][last] = reordered[0][last], reordered[0][first]
+            assert unmatched_p2p(reordered) is not None
+        skipped = [list(log) for log in issued]
+        del skipped[1][next(i for i, op in enumerate(skipped[1]) if op[0] == "send")]
+        assert unmatched_p2p(skipped) is not None
+    assert seen > 0
