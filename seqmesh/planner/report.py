@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from .candidate import PHASES, Candidate
 from .hardware import GiB, Cluster
-from .plan import PHASES, Candidate, Plan
+from .plan import Plan
 from .recommend import percent
 from .workload import Workload
 
