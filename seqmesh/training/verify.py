@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .loss import IGNORE_INDEX
 from .model import build_model
 from .config import TrainConfig
-from .train import _to, build, make_dataset
+from .train import build, make_dataset
 
 
 def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:
@@ -55,7 +55,8 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     ref_loss = _reference_loss(reference, batches, device)
     ref_loss.backward()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
-        loss = module(**_to(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
+        local = shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout)
+        loss = module(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()})
     loss.backward()
     if not cfg.fsdp:
         from .fsdp import sync_gradients
