@@ -22,6 +22,7 @@ import inspect
 import textwrap
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 T = typing.TypeVar("T")
@@ -42,7 +43,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _int_or(words: tuple[str, ...]):
+def _int_or(words: tuple[str, ...]) -> Callable[[str], int | str]:
     def int_or_word(text: str) -> int | str:
         if text in words:
             return text

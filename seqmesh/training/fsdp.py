@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..comm.stats import record
 from ..mesh import SPMesh
-from .model import decoder_layers
+from .model import SequenceParallelLM, decoder_layers
 
 
 def enable_checkpointing(lm: nn.Module) -> None:
@@ -63,7 +63,7 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     # the root's backward starts at once with the loss, which needs the head: keep it gathered (one
     # all-gather per step, not a reshard and a second all-gather)
     fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
-    if hasattr(root, "score"):  # SequenceParallelLM.score reads the weights outside forward: gather them for it too
+    if isinstance(root, SequenceParallelLM):  # its score() reads the weights outside forward: gather them for it too
         register_fsdp_forward_method(root, "score")
     for module in root.modules():
         if isinstance(module, FSDPModule):
