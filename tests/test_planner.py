@@ -11,7 +11,8 @@ from seqmesh.planner.hardware import GB, GiB, PRESETS, HardwareSpec, LinkLevel, 
 from seqmesh.planner.memory import (activation_memory, attention_working_set, end_of_backward_grads, logits_memory,
                                    memory_at, memory_per_gpu, parameter_memory)
 from seqmesh.planner.memory import MemoryBreakdown
-from seqmesh.planner.plan import Candidate, evaluate, longest_sequence, plan
+from seqmesh.planner.candidate import Candidate
+from seqmesh.planner.plan import evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
 from seqmesh.planner.timing import StepTime, all_to_all_seconds, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic

@@ -146,6 +146,12 @@ def test_table_mode_is_fast_and_recommends(capsys):
     assert time.perf_counter() - start < 20.0  # generous: a cold torch import on a loaded 2-core box
 
 
+def test_header_gives_parameters_in_a_unit_that_fits(capsys):
+    for model, params in (("llama-tiny", "106.8K params"), ("qwen3-0.6b", "596.0M params"), ("llama3-8b", "8.0B params")):
+        assert main(["plan", "--model", model, "--seq-len", "4096", "--gpus", "4"]) == 0
+        assert capsys.readouterr().out.startswith(f"model {model}: {params}, ")
+
+
 def test_max_seq_len_mode(capsys):
     schema = _schema()
     defs = {k: v for k, v in schema.items() if k.startswith("@")}

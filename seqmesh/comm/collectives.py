@@ -17,8 +17,11 @@ import torch.distributed as dist
 
 from .stats import record
 
-# all_gather_single replaces all_gather_into_tensor in recent torch; older releases only have the latter.
+# Recent torch (2.13 here) names these collectives all_gather_single / reduce_scatter_single and
+# deprecates all_gather_into_tensor / reduce_scatter_tensor with a FutureWarning; older releases that
+# pyproject.toml accepts (torch >= 2.6) have only the old names. Same arguments, same collective.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Chunk = tuple[int, int, int]  # (which input tensor, first head, end head) sent as one piece
 
@@ -137,7 +140,7 @@ def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int, pha
     world = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    reduce_scatter_single(out, moved, group=group)
     record("reduce_scatter", phase, (world - 1) * _nbytes(out), (world - 1) * _nbytes(out))
     return out.movedim(0, dim)
 

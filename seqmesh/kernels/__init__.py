@@ -50,12 +50,7 @@ def kernel_chooser(backend: str = "auto") -> ChooseKernel:
     return choose_named
 
 
-def available_backends(q: torch.Tensor, k: torch.Tensor, mask: BlockMask = CAUSAL) -> list[str]:
-    """Names of the kernels that can run a call like ``(q, k, mask)`` here."""
-    return [name for name in AUTO_ORDER if KERNELS[name].unsupported(q, k, mask) is None]
-
-
 __all__ = [
     "AttentionKernel", "BlockMask", "CAUSAL", "FULL", "KERNELS", "AUTO_ORDER", "BACKENDS",
-    "kernel_chooser", "available_backends", "lse_dtype",
+    "kernel_chooser", "lse_dtype",
 ]

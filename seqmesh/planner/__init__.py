@@ -4,15 +4,17 @@
 - :mod:`.traffic`   exact per-rank bytes of seqmesh's collectives; FSDP and tensor-parallel references
 - :mod:`.memory`    per-GPU memory by purpose
 - :mod:`.timing`    compute and communication time, with what overlaps
+- :mod:`.candidate` one evaluated layout (memory, traffic, time, feasibility)
 - :mod:`.plan`      candidates, feasibility, ranking, per-layer and per-step traffic, the longest sequence
 - :mod:`.recommend` the pick among close predictions and the sentence that says why
 - :mod:`.report`    the table and the text around it
 - :mod:`.calibrate` this machine's measured throughput and bandwidth
 """
 
+from .candidate import Candidate
 from .hardware import PRESETS, Cluster, HardwareSpec, LinkLevel, make_cluster
 from .memory import MemoryBreakdown, memory_per_gpu
-from .plan import Candidate, Plan, longest_plan, longest_sequence, plan
+from .plan import Plan, longest_plan, longest_sequence, plan
 from .timing import StepTime, step_time
 from .traffic import HeadDeal, attention_traffic, padded_length
 from .workload import Layout, Workload

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .candidate import Candidate
 from .hardware import GiB, Cluster, HardwareSpec
-from .memory import MemoryBreakdown, memory_per_gpu
+from .memory import memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
-from .timing import StepTime, axis_groups, step_time, world_rank
+from .timing import axis_groups, step_time, world_rank
 from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, padded_length,
                       tensor_parallel_traffic, worst_rank)
 from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
@@ -23,43 +24,6 @@ from .workload import Layout, Workload, embedding_unit_params, layer_params, roo
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-PHASES = ("forward", "backward", "recompute")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout, evaluated."""
-
-    layout: Layout
-    memory: MemoryBreakdown
-    comm_per_layer: dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
-    comm_links: dict[str, str]  # collective -> the link level it crosses
-    comm_per_step: dict[str, int]  # collective -> bytes the busiest rank sends in one step (all phases, every unit)
-    time: StepTime
-    tokens_per_s: float
-    feasible: bool
-    problems: tuple[str, ...] = ()  # why it is infeasible
-    notes: tuple[str, ...] = ()  # uneven heads, kv replication, reference only
-
-    def as_dict(self) -> dict:
-        return {
-            "layout": self.layout.as_dict(),
-            "label": self.layout.label(),
-            "runs_on_seqmesh": self.layout.runs_on_seqmesh,
-            "memory_bytes": self.memory.as_dict(),
-            "memory_peak_at": self.memory.moment,
-            "comm_bytes_per_layer": self.comm_per_layer,
-            "comm_bytes_per_step": self.comm_per_step,
-            "comm_links": self.comm_links,
-            "step_time_s": self.time.total,
-            "time_s": self.time.as_dict(),
-            "tokens_per_s": self.tokens_per_s,
-            "feasible": self.feasible,
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-        }
 
 
 @dataclass(frozen=True)

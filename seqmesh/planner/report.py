@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from .candidate import PHASES, Candidate
 from .hardware import GiB, Cluster
-from .plan import PHASES, Candidate, Plan
+from .plan import Plan
 from .recommend import percent
 from .workload import Workload
 
@@ -35,11 +36,19 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if x >= 0.001 else f"{x:.1e}"
 
 
+def _human_count(n: float) -> str:
+    """A parameter count with the unit that fits: 8.0B, 596.0M, 70.3K, 512."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def header(work: Workload, cluster: Cluster) -> str:
     m = work.model
     flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
                        "chunked loss" if work.chunked_loss else "full logits"])
-    return (f"model {m.name}: {m.params / 1e9:.1f}B params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv heads "
+    return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv heads "
             f"x {m.head_dim}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, cluster.hardware.gpus_per_node)}; "
             f"{cluster.hardware.describe()}")

@@ -12,7 +12,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -227,6 +227,3 @@ def format_merge_rows(cfg: MergeBench, rows: list[dict]) -> str:
         lines.append(f"{r['ring']:>5}{r['one_call_s']:>12.3f}{r['split_merge_s']:>15.3f}{r['efficiency']:>12.3f}")
     return "\n".join(lines)
 
-
-def to_json(obj: object) -> dict:
-    return asdict(obj)  # type: ignore[arg-type]

@@ -82,64 +82,18 @@ def cmd_demo_attention(args: argparse.Namespace) -> int:
     return 0 if worst <= tol else 1
 
 
-def _degree(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a degree is a positive integer or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a degree must be at least 1, got {value}")
-    return value
-
-
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from ..training.config import TrainConfig
+    from .flags import add_dataclass_flags
 
-    d = TrainConfig()
-    p.add_argument("--model", default=d.model, help="preset (llama-tiny, qwen3-tiny, llama3-8b, qwen3-0.6b, ...), "
-                   "a config.json, or a local checkpoint folder (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--ulysses", type=_degree, default=d.ulysses, help="Ulysses degree or auto")
-    p.add_argument("--ring", type=_degree, default=d.ring, help="ring degree or auto")
-    p.add_argument("--dp", type=_degree, default=d.dp, help="data-parallel (FSDP shard) degree or auto")
-    p.add_argument("--dp-replicate", type=int, default=d.dp_replicate, help="HSDP replicas")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per data-parallel rank per step")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reductions and master weights")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per decoder layer")
-    p.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="replicate weights instead of FSDP2")
-    p.add_argument("--data", nargs="*", default=[], help=".txt or .jsonl files (default: the built-in copy task)")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: UTF-8 bytes)")
-    p.add_argument("--text-key", default=d.text_key)
-    p.add_argument("--copy-period", type=int, default=None, help="period of the built-in copy task (default seq-len/4)")
-    p.add_argument("--layout", default=d.layout, choices=["zigzag", "contiguous"])
-    p.add_argument("--backend", default=d.backend)
-    p.add_argument("--out", default=d.out, help="folder for metrics.jsonl, loss_curve.png, checkpoints/")
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in OUT/checkpoints")
-    p.add_argument("--overwrite", action="store_true", help="a fresh run may replace the checkpoints and metrics in OUT")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="resume even if settings that change the run differ from the checkpoint's (recorded)")
-    p.add_argument("--on-nonfinite", default=d.on_nonfinite, choices=["stop", "skip"],
-                   help="a NaN/inf loss or gradient norm: stop naming the step, or skip the step (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="seconds a collective may wait for a stalled or lost rank before the job ends (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    add_dataclass_flags(p, TrainConfig)  # one flag per field: TrainConfig is the one place to add a setting
 
 
 def _train_config(args: argparse.Namespace):
     from ..training.config import TrainConfig
+    from .flags import dataclass_from_flags
 
-    fields = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    return dataclass_from_flags(TrainConfig, args)  # a value out of range: main() prints it once
 
 
 def _init_distributed(timeout: float = 600.0) -> None:

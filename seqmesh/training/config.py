@@ -4,51 +4,94 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
 class TrainConfig:
-    """One training run. Degrees given as ``"auto"`` are chosen from the world size and heads."""
+    """One training run. Degrees given as ``"auto"`` are chosen from the world size and heads.
 
-    model: str = "llama-tiny"  # a preset name, a config.json, or a local checkpoint directory
-    seq_len: int = 8192  # tokens per sequence
-    ulysses: int | str = "auto"  # Ulysses degree (all-to-all, innermost ranks)
-    ring: int | str = "auto"  # ring degree
-    dp: int | str = "auto"  # data-parallel shard degree (FSDP shards over dp x ulysses x ring)
-    dp_replicate: int = 1  # HSDP replicas (weights replicated across them)
+    ``seqmesh train`` has one flag per field (``seq_len`` is ``--seq-len``), generated from the
+    annotation, default and docstring below (``seqmesh.tools.flags``): a new field needs nothing more."""
+
+    model: str = "llama-tiny"
+    """A preset (llama-tiny, qwen3-tiny, llama3-8b, qwen3-0.6b, ...), a config.json, or a local checkpoint
+    folder."""
+    seq_len: int = 8192
+    """Tokens per sequence."""
+    ulysses: int | Literal["auto"] = "auto"
+    """Ulysses degree (all-to-all over the innermost ranks), or auto."""
+    ring: int | Literal["auto"] = "auto"
+    """Ring degree, or auto."""
+    dp: int | Literal["auto"] = "auto"
+    """Data-parallel shard degree, or auto; FSDP shards over dp x ulysses x ring."""
+    dp_replicate: int = 1
+    """HSDP replicas (weights replicated across them)."""
     steps: int = 200
-    lr: float = 1e-3  # peak learning rate (AdamW)
-    warmup: int = 20  # linear warm-up steps, then cosine decay to min_lr_ratio x lr
+    """Optimizer steps."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    warmup: int = 20
+    """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
     min_lr_ratio: float = 0.1
+    """Where the cosine decay ends, as a fraction of lr."""
     weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global gradient norm (0 disables)
-    batch: int = 1  # sequences per data-parallel rank per step
-    bf16: bool = False  # bf16 compute, fp32 reduction and master weights
-    checkpointing: bool = False  # recompute each decoder layer in backward
-    fsdp: bool = True  # shard weights, gradients and optimizer state with FSDP2
-    data: list[str] = field(default_factory=list)  # .txt / .jsonl files; empty: the built-in copy task
-    tokenizer: str | None = None  # local tokenizer folder; None: UTF-8 bytes
-    text_key: str = "text"  # JSONL field holding the text
-    symbols: int = 32  # alphabet of the built-in copy task
-    copy_period: int | None = None  # its period (default: seq_len // 4)
-    layout: str = "zigzag"
-    backend: str = "auto"  # attention kernel
-    loss_chunk: int = 4096  # tokens per LM-head tile in the loss
-    out: str = "runs/seqmesh"  # metrics.jsonl, loss_curve.png and checkpoints/
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+    batch: int = 1
+    """Sequences per data-parallel rank per step."""
+    bf16: bool = False
+    """bf16 compute, fp32 reductions and master weights."""
+    checkpointing: bool = False
+    """Recompute each decoder layer in backward (activation checkpointing)."""
+    fsdp: bool = True
+    """Shard weights, gradients and optimizer state with FSDP2; --no-fsdp replicates them."""
+    data: list[str] = field(default_factory=list)
+    """.txt or .jsonl files; none: the built-in copy task."""
+    tokenizer: str | None = None
+    """Local tokenizer folder; none: UTF-8 bytes."""
+    text_key: str = "text"
+    """JSONL field holding the text."""
+    symbols: int = 32
+    """Alphabet of the built-in copy task."""
+    copy_period: int | None = None
+    """Period of the built-in copy task; none: seq_len // 4."""
+    layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """How the sequence is split over the ranks (zigzag balances causal work)."""
+    backend: Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math"] = "auto"
+    """Attention kernel; auto takes the first that supports the call, in this order."""
+    loss_chunk: int = 4096
+    """Tokens per LM-head tile in the loss (smaller: less memory for logits)."""
+    out: str = "runs/seqmesh"
+    """Folder for metrics.jsonl, loss_curve.png and checkpoints/."""
     log_every: int = 10
-    eval_every: int = 50  # held-out accuracy (0: only at the end)
-    save_every: int = 0  # checkpoint interval in steps (0: only at the end)
-    resume: bool = False  # continue from the newest intact checkpoint in out/checkpoints
-    overwrite: bool = False  # a fresh run may replace the checkpoints and metrics already in out
-    allow_config_change: bool = False  # resume even if settings that change the run differ (recorded)
-    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: stop (naming the step) or skip the step
-    timeout: float = 300.0  # seconds a collective may wait before the job ends (a stalled or lost rank)
+    """Steps between progress lines."""
+    eval_every: int = 50
+    """Steps between held-out accuracy checks (0: only at the end)."""
+    save_every: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    resume: bool = False
+    """Continue from the newest intact checkpoint in out/checkpoints."""
+    overwrite: bool = False
+    """Let a fresh run replace the checkpoints and metrics already in out."""
+    allow_config_change: bool = False
+    """Resume even if settings that change the run (lr, seq_len, data, seed, ...) differ; recorded in metrics."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN or inf loss or gradient norm: stop, naming the step, or skip that step."""
+    timeout: float = 300.0
+    """Seconds a collective may wait for a stalled or lost rank before the job ends."""
     seed: int = 0
+    """Seed of the weights and the data."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "steps", "batch", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name in ("ulysses", "ring", "dp"):
+            value = getattr(self, name)
+            if value != "auto" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
         if self.dp_replicate < 1:
             raise ValueError(f"dp_replicate must be at least 1 (1: no replicas), got {self.dp_replicate}.")
         for name in ("eval_every", "save_every"):

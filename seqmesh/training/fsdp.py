@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..comm.stats import record
 from ..mesh import SPMesh
-from .model import decoder_layers
+from .model import SequenceParallelLM, decoder_layers
 
 
 def enable_checkpointing(lm: nn.Module) -> None:
@@ -51,7 +51,7 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
     master weights and optimizer states.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     lm = getattr(root, "lm", root)
@@ -63,6 +63,8 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     # the root's backward starts at once with the loss, which needs the head: keep it gathered (one
     # all-gather per step, not a reshard and a second all-gather)
     fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    if isinstance(root, SequenceParallelLM):  # its score() reads the weights outside forward: gather them for it too
+        register_fsdp_forward_method(root, "score")
     for module in root.modules():
         if isinstance(module, FSDPModule):
             _sum_not_average(module, mesh)

@@ -180,19 +180,19 @@ class SequenceParallelLM(nn.Module):
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state  # (B, L, hidden)
 
-    def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None, *,
-                score: bool = False) -> torch.Tensor:
-        """The loss; with ``score=True`` instead ``[correct, counted]`` argmax predictions of this rank's
-        valid targets (float64). Both go through forward so FSDP2 gathers the weights."""
+    def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+        """The loss (the same on every rank)."""
         hidden = self.hidden_states(input_ids, position_ids, seqmesh)
-        if score:
-            return self._correct(hidden, shift_labels)
         weight = self.lm.get_output_embeddings().weight
         group = self.mesh.all_group if self.mesh is not None else None
         return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk)
 
     @torch.no_grad()
-    def _correct(self, hidden: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+        """``[correct, counted]`` argmax predictions of this rank's valid targets (float64); sum them over
+        the ranks for the accuracy. Under FSDP2 ``apply_fsdp`` registers it as a forward method, so it
+        gathers the weights as ``forward`` does."""
+        hidden = self.hidden_states(input_ids, position_ids, seqmesh)  # (B, L, hidden)
         labels = shift_labels.reshape(-1)
         keep = labels != IGNORE_INDEX
         picked = hidden.reshape(-1, hidden.shape[-1])[keep]

@@ -148,7 +148,7 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
     batch = data.eval_batch(mesh.dp_rank, cfg.batch, mesh.dp_size)
     local = to_device(shard_batch(batch, mesh, layout=cfg.layout), device)
     with torch.no_grad():
-        counts = module(**local, score=True)
+        counts = module.score(**local)
     dist.all_reduce(counts, group=mesh.all_group)
     module.train()
     return float(counts[0] / counts[1].clamp(min=1))

@@ -1,0 +1,49 @@
+"""One evaluated layout of the planner: its memory, traffic and time, and whether it fits.
+
+Its own module so that ``plan`` (which builds candidates) and ``recommend`` (which chooses among them)
+both import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import MemoryBreakdown
+from .timing import StepTime
+from .workload import Layout
+
+PHASES = ("forward", "backward", "recompute")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout, evaluated."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    comm_per_layer: dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
+    comm_links: dict[str, str]  # collective -> the link level it crosses
+    comm_per_step: dict[str, int]  # collective -> bytes the busiest rank sends in one step (all phases, every unit)
+    time: StepTime
+    tokens_per_s: float
+    feasible: bool
+    problems: tuple[str, ...] = ()  # why it is infeasible
+    notes: tuple[str, ...] = ()  # uneven heads, kv replication, reference only
+
+    def as_dict(self) -> dict:
+        return {
+            "layout": self.layout.as_dict(),
+            "label": self.layout.label(),
+            "runs_on_seqmesh": self.layout.runs_on_seqmesh,
+            "memory_bytes": self.memory.as_dict(),
+            "memory_peak_at": self.memory.moment,
+            "comm_bytes_per_layer": self.comm_per_layer,
+            "comm_bytes_per_step": self.comm_per_step,
+            "comm_links": self.comm_links,
+            "step_time_s": self.time.total,
+            "time_s": self.time.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "feasible": self.feasible,
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,99 @@
+"""Command-line flags generated from a dataclass, so a config and its command never drift apart.
+
+Each field ``some_name`` becomes ``--some-name``: its type from the annotation, its default from the
+field and its help from the field's docstring (the string literal written under it, as torchtitan's
+configs and Sphinx have it). A new field needs nothing here.
+
+    annotation               flag
+    int, float, str          --x VALUE
+    bool                     --x / --no-x
+    Literal["a", "b"]        --x {a,b}
+    int | Literal["auto"]    --x N or --x auto
+    list[str]                --x [VALUE ...]
+    T | None                 as T, default None
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+T = typing.TypeVar("T")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field name: its docstring on one line}`` for the fields of ``cls`` that have one."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source shipped: the flags still work, without help
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _int_or(words: tuple[str, ...]) -> Callable[[str], int | str]:
+    def int_or_word(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer or {' or '.join(words)}, got {text!r}") from None
+
+    return int_or_word
+
+
+def _options(name: str, hint: Any) -> dict[str, Any]:
+    """``add_argument`` keywords for a field of type ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if hint in (int, float, str):
+        return {"type": hint}
+    if origin is Literal:
+        return {"type": type(args[0]), "choices": list(args)}
+    if origin is list and len(args) == 1 and args[0] in (int, float, str):
+        return {"type": args[0], "nargs": "*"}
+    if origin in (typing.Union, types.UnionType):
+        present = [a for a in args if a is not type(None)]
+        if len(present) == 1:  # T | None
+            return _options(name, present[0])
+        words = tuple(w for a in present if typing.get_origin(a) is Literal for w in typing.get_args(a))
+        if int in present and len(present) == 2 and words:  # int | Literal["auto"]
+            return {"type": _int_or(words), "metavar": "{" + ",".join((*words, "N")) + "}"}
+    raise TypeError(f"field {name!r}: no command-line flag for type {hint}. Use int, float, str, bool, a Literal, "
+                    "a list of int/float/str, int | Literal[...], or one of these | None.")
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` on ``parser`` for every field of the dataclass ``cls`` (``dest`` is the field name)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        text = docs.get(f.name, "").replace("%", "%%")
+        if default is dataclasses.MISSING:
+            extra: dict[str, Any] = {"required": True}
+        else:
+            extra = {"default": default}
+            if default is not None and default != []:
+                text = f"{text} (default: %(default)s)".lstrip()
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=text, **extra,
+                            **_options(f.name, hints[f.name]))
+
+
+def dataclass_from_flags(cls: type[T], args: argparse.Namespace) -> T:
+    """The ``cls`` that flags added by :func:`add_dataclass_flags` describe (its checks run as usual)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
