@@ -48,3 +48,31 @@ def test_other_ignore_index_is_ignored_not_class_zero(ignore):
     full = sequence_parallel_cross_entropy(hidden @ weight.t(), labels, None, ignore_index=ignore)
     assert got.item() == pytest.approx(want.item(), abs=1e-12)
     assert full.item() == pytest.approx(want.item(), abs=1e-12)
+
+
+def model_loss_with_ignore_index(ignore: int) -> list[float]:
+    """shard_batch(..., ignore_index) then the model's own loss, against plain cross-entropy of the
+    one-process model with the same ignore_index (the issue's case: -1 used to score as class 0)."""
+    import seqmesh
+    from dist_cases import get_mesh
+    from seqmesh.hf import parallelize
+    from seqmesh.training.model import SequenceParallelLM, build_model
+
+    mesh = get_mesh(2, 1)
+    reference = build_model("llama-tiny", seed=0)
+    sp = SequenceParallelLM(parallelize(build_model("llama-tiny", seed=0), mesh), mesh, chunk=8)
+    torch.manual_seed(3)
+    ids = torch.randint(0, reference.config.vocab_size, (1, 30))
+    labels = ids.clone()
+    labels[0, :9] = ignore  # a prompt that is not scored
+    labels[0, 20:23] = ignore
+    loss = sp(**seqmesh.shard_batch({"input_ids": ids, "labels": labels}, mesh, ignore_index=ignore))
+    logits = reference(input_ids=ids, use_cache=False).logits[0, :-1]
+    want = F.cross_entropy(logits, labels[0, 1:], ignore_index=ignore)
+    return [float(loss), float(want)]
+
+
+def test_shard_batch_ignore_index_reaches_the_model_loss(pools):
+    for ignore in (-100, -1):
+        got, want = pools.run(2, model_loss_with_ignore_index, ignore)[0]
+        assert got == pytest.approx(want, abs=1e-5), ignore

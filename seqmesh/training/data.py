@@ -25,6 +25,7 @@ class SequenceInfo:
     seq_len: int  # real tokens before the layout's padding
     cu_seqlens: tuple[int, ...] | None  # packed documents over the whole sequence, or None
     layout: str
+    ignore_index: int = IGNORE_INDEX  # the target value that scores nothing; the loss reads it from here
     # meshes whose ranks have already agreed on these inputs (the first attention call checks, once)
     validated: set[int] = field(default_factory=set, compare=False, repr=False)
 
@@ -143,5 +144,5 @@ def shard_batch(
         "input_ids": shard(input_ids),
         "position_ids": shard(positions.contiguous()),
         "shift_labels": shard(targets),
-        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout),
+        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index),
     }

@@ -185,7 +185,8 @@ class SequenceParallelLM(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, seqmesh)
         weight = self.lm.get_output_embeddings().weight
         group = self.mesh.all_group if self.mesh is not None else None
-        return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk)
+        ignore = seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX  # the one shard_batch used
+        return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
@@ -194,7 +195,7 @@ class SequenceParallelLM(nn.Module):
         gathers the weights as ``forward`` does."""
         hidden = self.hidden_states(input_ids, position_ids, seqmesh)  # (B, L, hidden)
         labels = shift_labels.reshape(-1)
-        keep = labels != IGNORE_INDEX
+        keep = labels != (seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX)
         picked = hidden.reshape(-1, hidden.shape[-1])[keep]
         weight = self.lm.get_output_embeddings().weight
         correct = sum(
