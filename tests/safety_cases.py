@@ -47,3 +47,39 @@ def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documen
     finally:
         ring_comm.dist.batch_isend_irecv = original
     return issued
+
+
+def attention_under_autocast(ulysses: int, ring: int) -> dict:
+    """seqmesh.attention with fp32 inputs inside bf16 autocast, against the same call without it: the
+    math kernel's forward and backward must both see autocast off and fp32 tensors, so the results
+    are bit-identical."""
+    from seqmesh.kernels import math as math_kernel
+
+    mesh = get_mesh(ulysses, ring, dist.get_world_size() // (ulysses * ring))
+    seen: list = []
+    kernel = math_kernel.MathKernel
+    forward, backward = kernel.forward, kernel.backward
+
+    def spy_forward(self, q, k, v, mask, scale):
+        seen.append(("forward", torch.is_autocast_enabled("cpu"), str(q.dtype)))
+        return forward(self, q, k, v, mask, scale)
+
+    def spy_backward(self, dout, q, k, v, out, lse, mask, scale):
+        seen.append(("backward", torch.is_autocast_enabled("cpu"), str(dout.dtype)))
+        return backward(self, dout, q, k, v, out, lse, mask, scale)
+
+    torch.manual_seed(1)
+    full = torch.randn(3, 1, 40, 4, 8)
+    results = []
+    kernel.forward, kernel.backward = spy_forward, spy_backward
+    try:
+        for autocast in (False, True):
+            local = [seqmesh.shard_sequence(t, mesh, layout="zigzag", dim=1).requires_grad_() for t in full]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = seqmesh.attention(*local, mesh, causal=True, backend="math")
+                out.square().sum().backward()
+            results.append([out.detach()] + [t.grad for t in local])
+    finally:
+        kernel.forward, kernel.backward = forward, backward
+    return {"seen": sorted(set(seen)), "out_dtype": str(results[1][0].dtype),
+            "identical": all(torch.equal(a, b) for a, b in zip(*results))}

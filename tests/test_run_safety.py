@@ -189,3 +189,12 @@ def test_the_ring_issues_its_sends_in_the_order_every_peer_receives_them(pools):
         del skipped[1][next(i for i, op in enumerate(skipped[1]) if op[0] == "send")]
         assert unmatched_p2p(skipped) is not None
     assert seen > 0
+
+
+def test_attention_ignores_autocast_in_forward_and_backward(pools):
+    from safety_cases import attention_under_autocast
+
+    for ulysses, ring in ((2, 1), (1, 2)):
+        for r in pools.run(2, attention_under_autocast, ulysses, ring):
+            assert r["seen"] == [("backward", False, "torch.float32"), ("forward", False, "torch.float32")], r
+            assert r["out_dtype"] == "torch.float32" and r["identical"], (ulysses, ring, r)

@@ -30,14 +30,15 @@ from .schedule import RingSchedule
 KV_TAG, DKV_TAG = 11, 12
 
 
-def _without_autocast(forward):
-    """Run an attention Function's forward with autocast off, as its backward runs: the kernels pick
-    their own compute dtypes (and merges are fp32), so an active autocast must not recast them."""
+def _without_autocast(method):
+    """Run an attention Function's forward or backward with autocast off (a backward called inside an
+    autocast region would otherwise run under it): the kernels pick their own compute dtypes, and the
+    merges are fp32, so an active autocast must not recast them."""
 
-    @functools.wraps(forward)
-    def wrapped(ctx, q, *args):
-        with torch.autocast(q.device.type, enabled=False):
-            return forward(ctx, q, *args)
+    @functools.wraps(method)
+    def wrapped(ctx, first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return method(ctx, first, *args)
 
     return wrapped
 
@@ -83,6 +84,7 @@ class LocalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ks, vs = select_kv_heads(k, ctx.kv_map), select_kv_heads(v, ctx.kv_map)
@@ -117,6 +119,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         schedule, choose, kv_map, scale = ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale
