@@ -1,0 +1,132 @@
+"""Host-side cost of one training input and one attention call, without any kernel time.
+
+``seqmesh bench host`` times, on a group of one process and at a long sequence (128K tokens by
+default), the Python and torch-op work that surrounds the kernels:
+
+- ``shard_batch`` of a plain row, a right-padded row and a row of packed documents (labels with
+  ``ignore_index`` holes): document finding, label shifting, positions, padding, placement;
+- one ``seqmesh.attention`` forward with a kernel that does nothing, so what is left is input
+  checking, the document bounds, the ring schedule and the kernel choice, with ``validate`` left
+  at its default and with ``validate=True``.
+
+It uses only the public API, so the same file measures an older checkout too::
+
+    PYTHONPATH=/path/to/old/checkout python seqmesh/tools/bench_host.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def packed_lengths(seq_len: int, mean: int, seed: int = 0) -> list[int]:
+    """Document lengths, uniform in ``[1, 2 * mean]``, that fill ``seq_len`` tokens exactly."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < seq_len:
+        n = min(int(torch.randint(1, 2 * mean + 1, (1,), generator=g)), seq_len - total)
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def _timed_ms(fn: Callable[[], object], repeats: int) -> dict:
+    """``{ms, best_ms}``: median and fastest of ``repeats`` calls after one warm-up call (the fastest
+    is the steadier figure on a machine shared with other work)."""
+    fn()  # warm-up: caches, allocator
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return {"ms": statistics.median(samples), "best_ms": min(samples)}
+
+
+def _null_chooser(backend: str = "auto"):
+    """A kernel chooser whose kernel returns its queries and a zero log-sum-exp: no kernel time."""
+    from seqmesh.kernels.base import AttentionKernel
+
+    class NullKernel(AttentionKernel):
+        name = "null"
+
+        def unsupported(self, q, k, mask):
+            return None
+
+        def forward(self, q, k, v, mask, scale):
+            return q, q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+
+        def backward(self, dout, q, k, v, out, lse, mask, scale):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    kernel = NullKernel()
+    return lambda q, k, mask: kernel
+
+
+def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 10) -> list[dict]:
+    """Rows ``{what, ms, best_ms}``: milliseconds per call on a one-process group."""
+    import torch.distributed as dist
+
+    import seqmesh
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        store = tempfile.mkstemp(prefix="seqmesh-host-")[1]
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        mesh = seqmesh.init_mesh(1, 1, device_type="cpu")
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 32000, (1, seq_len), generator=g)
+        labels = ids.clone()
+        labels[0, torch.randint(0, seq_len, (seq_len // 10,), generator=g)] = -100
+        lengths = packed_lengths(seq_len, mean_doc)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        mask = torch.ones(1, seq_len, dtype=torch.long)
+        mask[0, seq_len - 1000 :] = 0
+        rows = []
+        batches = {
+            "shard_batch, one document": {"input_ids": ids, "labels": labels},
+            "shard_batch, right padding": {"input_ids": ids, "labels": labels, "attention_mask": mask},
+            f"shard_batch, {len(lengths)} packed documents": {"input_ids": ids, "labels": labels,
+                                                              "position_ids": positions},
+        }
+        for what, batch in batches.items():
+            rows.append({"what": what, **_timed_ms(lambda: seqmesh.shard_batch(batch, mesh), repeats)})
+
+        api = sys.modules[seqmesh.attention.__module__]
+        saved = api.kernel_chooser
+        api.kernel_chooser = _null_chooser
+        try:
+            q = torch.randn(1, seq_len, 2, 16, generator=g)
+            cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0))
+            for docs in (None, cu):
+                for validate in (None, True):
+                    call = lambda: seqmesh.attention(q, q, q, mesh, cu_seqlens=docs, validate=validate)  # noqa: E731
+                    what = (f"attention (no kernel), {'no documents' if docs is None else f'{len(lengths)} documents'}, "
+                            f"validate={validate}")
+                    rows.append({"what": what, **_timed_ms(call, repeats * 4)})
+        finally:
+            api.kernel_chooser = saved
+        return rows
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+            os.unlink(store)
+
+
+def format_host_rows(seq_len: int, rows: list[dict]) -> str:
+    lines = [f"host overhead per call at {seq_len:,} tokens (batch 1, one process, CPU; median)",
+             f"{'call':<64}{'median ms':>11}{'best ms':>10}"]
+    lines += [f"{r['what']:<64}{r['ms']:>11.3f}{r['best_ms']:>10.3f}" for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # measures whichever seqmesh is on the path (an older checkout, say)
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
+    print(format_host_rows(n, bench_host(n)))
