@@ -32,17 +32,15 @@ class SequenceInfo:
 def _documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
     """Boundaries where positions do not continue by +1 (a new document starts); one tuple for all
     rows, which must agree."""
-    rows = []
-    for row in position_ids.tolist():
-        starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1] + 1]
-        rows.append(tuple(starts) + (len(row),))
-    if any(r != rows[0] for r in rows[1:]):
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # (B, S-1): token t+1 starts a document
+    if not torch.equal(starts, starts[:1].expand_as(starts)):
         raise ValueError(
             "the rows of position_ids describe different packed documents; seqmesh attention shares one set of "
             "boundaries across the batch. Pack the documents into one row (batch size 1), or give every row the "
             "same document lengths."
         )
-    return rows[0] if len(rows[0]) > 2 else None
+    inner = (starts[0].nonzero().flatten() + 1).tolist()
+    return (0, *inner, position_ids.shape[1]) if inner else None
 
 
 def _real_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -59,14 +57,14 @@ def _real_lengths(attention_mask: torch.Tensor) -> list[int]:
 
 
 def positions_in_documents(seq_len: int, cu_seqlens: tuple[int, ...] | None) -> torch.Tensor:
-    """``(seq_len,)`` position of each token inside its document (0 at every document start)."""
+    """``(seq_len,)`` position of each token inside its document (0 at every document start; tokens
+    past the last boundary keep their global position)."""
     positions = torch.arange(seq_len)
     if cu_seqlens is None:
         return positions
-    starts = torch.zeros(seq_len, dtype=torch.long)
-    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        starts[a:b] = a
-    return positions - starts
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    starts = torch.repeat_interleave(cu[:-1], cu.diff())  # (cu[-1],) first position of each token's document
+    return positions - torch.nn.functional.pad(starts, (0, seq_len - cu_seqlens[-1]))
 
 
 def shift_labels(
@@ -81,9 +79,9 @@ def shift_labels(
     if cu_seqlens is not None:
         ends = torch.tensor(cu_seqlens[1:], dtype=torch.long) - 1
         target[:, ends[ends < labels.shape[1]]] = ignore_index
-    if lengths is not None:
-        for row, n in enumerate(lengths):
-            target[row, max(n - 1, 0) :] = ignore_index
+    if lengths is not None:  # row r predicts nothing from column lengths[r] - 1 on
+        last = (torch.tensor(lengths, device=labels.device) - 1).clamp(min=0)
+        target.masked_fill_(torch.arange(labels.shape[1], device=labels.device) >= last[:, None], ignore_index)
     return target
 
 

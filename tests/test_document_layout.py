@@ -1,0 +1,121 @@
+"""The per_document layout: a permutation, exact ring attention, and balanced work per document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import document_ids, reference_attention
+from seqmesh.kernels import kernel_chooser
+from seqmesh.layout import SequenceLayout
+from seqmesh.sharded_attention.blocks import document_bounds
+from seqmesh.sharded_attention.schedule import RingSchedule
+from seqmesh.tools.emulate import emulate_ring
+
+# documents over 48 tokens: lengths 1, 3, 17 (not a multiple of 2R), 8 and padding after 29+8=37
+DOCS = (0, 1, 4, 21, 29, 37)
+
+
+def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int) -> list[list[int]]:
+    """The placement written out token by token: every document (the padding is one more) gives ring
+    rank r its chunk r from the start and chunk r from the end, c = len // 2R tokens each; the leftover
+    middle tokens of all documents, in order, are dealt out in ``ring`` equal consecutive pieces."""
+    bounds = list(documents or (0,)) + ([padded] if (documents or (0,))[-1] < padded else [])
+    ranks: list[list[int]] = [[] for _ in range(ring)]
+    middle = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        c = (b - a) // (2 * ring)
+        for t in range(a, b):
+            i = t - a
+            if i < ring * c:
+                ranks[i // c].append(t)
+            elif t >= b - ring * c:
+                ranks[(b - 1 - t) // c].append(t)
+            else:
+                middle.append(t)
+    share = len(middle) // ring
+    for r in range(ring):
+        ranks[r] += middle[r * share : (r + 1) * share]
+    return [sorted(x) for x in ranks]
+
+
+@pytest.mark.parametrize("ring,ulysses", [(1, 2), (2, 1), (2, 2), (4, 1), (3, 2), (8, 1)])
+@pytest.mark.parametrize("docs", [None, DOCS, (0, 48), (0, 5, 6, 7, 48)])
+def test_permutation_matches_the_hand_placement(ring, ulysses, docs):
+    layout = SequenceLayout.for_length("per_document", ring, ulysses, 48, docs)
+    n = layout.padded_len
+    order, restore = layout.indices(), layout.indices(restore=True)
+    assert sorted(order.tolist()) == list(range(n))
+    assert torch.equal(order[restore], torch.arange(n))
+    want = _positions_by_hand(docs, ring, n)
+    for r in range(ring):
+        runs = layout.ring_runs(r)
+        got = [t for run in runs for t in range(run.start, run.stop)]
+        assert got == want[r]
+        assert [run.offset for run in runs] == [sum(x.length for x in runs[:i]) for i in range(len(runs))]
+        for u in range(ulysses):  # Ulysses rank u holds the u-th equal piece of its ring rank's block
+            piece = layout.ring_len // ulysses
+            assert layout.local_positions(r * ulysses + u).tolist() == want[r][u * piece : (u + 1) * piece]
+
+
+def test_without_documents_it_is_zigzag_and_the_docstring_example_holds():
+    for ring, ulysses, n in [(2, 1, 16), (4, 2, 64), (3, 2, 36)]:
+        a = SequenceLayout("per_document", ring, ulysses, n)
+        assert torch.equal(a.indices(), SequenceLayout("zigzag", ring, ulysses, n).indices())
+    drawn = SequenceLayout("per_document", 2, 1, 16, (0, 8, 13))
+    assert drawn.indices().tolist() == [0, 1, 6, 7, 8, 10, 12, 13, 2, 3, 4, 5, 9, 11, 14, 15]
+    assert SequenceLayout("zigzag", 2, 1, 16, (0, 8, 13)).documents is None  # only per_document reads them
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SequenceLayout("per_document", 2, 1, 16, (0, 8, 8, 13))
+
+
+def _visible_pairs(positions: list[int], seq_len: int, cu: list[int]) -> int:
+    """Causal (query, key) pairs of the given query positions, counted on the whole sequence."""
+    docs = document_ids(seq_len, cu)
+    return sum(int(((docs == docs[p]) & (torch.arange(seq_len) <= p)).sum()) for p in positions)
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_schedule_computes_exactly_the_visible_pairs(ring):
+    cu = [0, 3, 4, 40, 41, 60]
+    layout = SequenceLayout("per_document", ring, 1, 64, tuple(cu))
+    schedule = RingSchedule(layout, document_bounds(64, 60, cu), causal=True)
+    for r in range(ring):
+        positions = [t for run in layout.ring_runs(r) for t in range(run.start, run.stop)]
+        pad = [t for t in positions if t >= 60]  # the padding is one document in the schedule
+        want = _visible_pairs([t for t in positions if t < 60], 64, cu) + sum(t - 60 + 1 for t in pad)
+        assert schedule.work(r) == want
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cu", [(0, 1, 4, 21, 29, 61), (0, 64), (0, 7, 9, 50)])
+def test_ring_is_exact_for_every_rank_on_one_device(ring, causal, cu):
+    """Every ring rank's kernel calls and merges (emulated on one device) give float64 attention."""
+    n = 64
+    layout = SequenceLayout("per_document", ring, 1, n, cu)
+    schedule = RingSchedule(layout, document_bounds(n, cu[-1], cu), causal)
+    g = torch.Generator().manual_seed(ring)
+    q, dout = (torch.randn(2, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dout[:, cu[-1] :] = 0
+    out, dq, dk, dv = emulate_ring(q, k, v, dout, schedule, kernel_chooser("auto"), 8**-0.5)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=causal, cu_seqlens=list(cu))
+    ref.backward(dout)
+    real = cu[-1]
+    assert (out - ref)[:, :real].abs().max() < 1e-12
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert (got - want).abs().max() < 1e-12
+
+
+def test_packed_documents_are_balanced_where_zigzag_is_not():
+    """One long document among short ones: zigzag leaves ranks far apart, per_document near 1."""
+    from seqmesh.tools.bench_balance import causal_work_per_rank
+
+    lengths = [40000] + [1000] * 24 + [1536]
+    for ring in (4, 8):
+        zig = causal_work_per_rank(lengths, ring, "zigzag")
+        per_doc = causal_work_per_rank(lengths, ring, "per_document")
+        assert sum(zig) == sum(per_doc)
+        assert max(per_doc) * ring / sum(per_doc) < 1.01 < 1.1 < max(zig) * ring / sum(zig)
