@@ -89,7 +89,7 @@ def shard_batch(
     batch: Mapping[str, torch.Tensor],
     mesh: SPMesh,
     *,
-    layout: str = "zigzag",
+    layout: str = "auto",
     ignore_index: int = IGNORE_INDEX,
 ) -> dict:
     """This rank's inputs for a causal LM from the whole batch (the same on every sequence rank).
@@ -99,12 +99,16 @@ def shard_batch(
             transformers; defaults to ``input_ids``); optional ``position_ids`` ``(B, S)`` that restart
             at each packed document, or ``attention_mask`` ``(B, S)`` of right padding.
         mesh: the mesh; the batch is split over its sequence group.
+        layout: ``"auto"`` (``"per_document"`` when ``position_ids`` pack several documents, so each
+            rank gets the same share of every document's causal work; ``"zigzag"`` otherwise), or a
+            :class:`~seqmesh.layout.LayoutKind` name.
 
     Returns:
         ``input_ids``, ``position_ids`` (the caller's, or positions from 0 in each document, for RoPE) and
         ``shift_labels`` (targets, ``ignore_index`` where nothing is to be predicted), each
         ``(B, padded_len / P)`` in the layout's local order, and ``seqmesh``: the
-        :class:`SequenceInfo` that ``seqmesh.hf`` attention reads from the model's kwargs.
+        :class:`SequenceInfo` that ``seqmesh.hf`` attention reads from the model's kwargs (with the
+        layout chosen).
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -129,14 +133,16 @@ def shard_batch(
         positions = batch["position_ids"].to(torch.long).expand(b, s)
     else:
         positions = positions_in_documents(s, cu).to(input_ids.device).expand(b, s)
-    lay = sequence_layout(mesh, s, layout)
+    if layout == "auto":
+        layout = "per_document" if cu is not None else "zigzag"
+    lay = sequence_layout(mesh, s, layout, cu)
     pad = lay.padded_len - s
     if pad:  # padding: token 0, nothing to predict, positions continuing past the end
         input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
         targets = torch.nn.functional.pad(targets, (0, pad), value=ignore_index)
         tail = positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)
         positions = torch.cat([positions, tail], dim=1)
-    shard = lambda t: shard_sequence(t, mesh, dim=1, layout=layout)  # noqa: E731
+    shard = lambda t: shard_sequence(t, mesh, dim=1, layout=layout, cu_seqlens=cu)  # noqa: E731
     return {
         "input_ids": shard(input_ids),
         "position_ids": shard(positions.contiguous()),
