@@ -119,3 +119,30 @@ def test_packed_documents_are_balanced_where_zigzag_is_not():
         per_doc = causal_work_per_rank(lengths, ring, "per_document")
         assert sum(zig) == sum(per_doc)
         assert max(per_doc) * ring / sum(per_doc) < 1.01 < 1.1 < max(zig) * ring / sum(zig)
+
+
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
+    """Forward and dq/dk/dv on per_document shards equal float64 attention on the whole sequence,
+    for documents of length 1, lengths that 2R does not divide, padding, GQA, causal and not."""
+    import itertools
+
+    from dist_cases import Case
+    from document_cases import per_document_attention
+
+    def docs(s: int) -> list[tuple[int, ...] | None]:
+        return [None, (0, 1, 2, 7, 8, s - 6, s - 1), (0, 13, s), (0, 3, 4, 21, s - 3)]
+
+    cases = [Case(s, hq, hk, causal, "per_document", cu, seed=i)
+             for i, (causal, (hq, hk), s) in enumerate(itertools.product((True, False), [(4, 4), (4, 2), (4, 1)], (32, 29)))
+             for cu in docs(s)]
+    cases.append(Case(61, 8, 2, True, "per_document", (0, 1, 20, 21, 45, 60), dtype="float32", seed=99))
+    per_rank = pools.run(ulysses * ring, per_document_attention, ulysses, ring, cases)
+    for results in per_rank:
+        assert len(results) == len(cases)
+        for case, r in zip(cases, results):
+            tol = 1e-5 if case.dtype == "float32" else 1e-10
+            assert max(r[k] for k in ("out", "dq", "dk", "dv")) < tol, r
