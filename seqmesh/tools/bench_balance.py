@@ -87,3 +87,20 @@ def format_balance_rows(seq_len: int, rows: list[dict]) -> str:
         lines.append(f"{r['mix']:<26}{r['documents']:>6}{r['ring']:>3}{r['contiguous']:>12.3f}{r['zigzag']:>9.3f}"
                      f"{r['per_document']:>9.3f}{r['calls_zigzag']:>10}{r['calls_per_document']:>10}")
     return "\n".join(lines)
+
+
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench balance``."""
+
+    def run(args) -> int:
+        import json
+
+        rows = bench_balance(args.seq_len, tuple(args.rings))
+        print(json.dumps(rows, indent=1) if args.json else format_balance_rows(args.seq_len, rows))
+        return 0
+
+    p = bench_sub.add_parser("balance", help="causal work per rank for packed documents: zigzag vs per_document")
+    p.add_argument("--seq-len", type=int, default=131072, help="tokens (default %(default)s)")
+    p.add_argument("--rings", type=int, nargs="+", default=[4, 8], help="ring degrees (default 4 8)")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.set_defaults(func=run)

@@ -9,7 +9,8 @@ default), the Python and torch-op work that surrounds the kernels:
   checking, the document bounds, the ring schedule and the kernel choice, with ``validate`` left
   at its default and with ``validate=True``.
 
-It uses only the public API, so the same file measures an older checkout too::
+Run it as ``seqmesh bench host``. It uses only the public API, so the same file measures an older
+checkout too::
 
     PYTHONPATH=/path/to/old/checkout python seqmesh/tools/bench_host.py
 """
@@ -125,6 +126,24 @@ def format_host_rows(seq_len: int, rows: list[dict]) -> str:
              f"{'call':<64}{'median ms':>11}{'best ms':>10}"]
     lines += [f"{r['what']:<64}{r['ms']:>11.3f}{r['best_ms']:>10.3f}" for r in rows]
     return "\n".join(lines)
+
+
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench host``."""
+
+    def run(args) -> int:
+        import json
+
+        rows = bench_host(args.seq_len, args.mean_doc, args.repeats)
+        print(json.dumps(rows, indent=1) if args.json else format_host_rows(args.seq_len, rows))
+        return 0
+
+    p = bench_sub.add_parser("host", help="host overhead of shard_batch and of one attention call (no kernel)")
+    p.add_argument("--seq-len", type=int, default=131072, help="tokens (default %(default)s)")
+    p.add_argument("--mean-doc", type=int, default=512, help="mean packed document length (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.set_defaults(func=run)
 
 
 if __name__ == "__main__":  # measures whichever seqmesh is on the path (an older checkout, say)
