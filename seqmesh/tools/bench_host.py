@@ -39,15 +39,17 @@ def packed_lengths(seq_len: int, mean: int, seed: int = 0) -> list[int]:
 
 
 def _timed_ms(fn: Callable[[], object], repeats: int) -> dict:
-    """``{ms, best_ms}``: median and fastest of ``repeats`` calls after one warm-up call (the fastest
-    is the steadier figure on a machine shared with other work)."""
-    fn()  # warm-up: caches, allocator
-    samples = []
+    """``{ms, best_ms, cpu_ms}``: median and fastest wall time of ``repeats`` calls after two warm-up
+    calls, and the median CPU time of this thread (torch runs one thread here), which other work on
+    a shared machine disturbs least."""
+    fn(), fn()  # warm-up: caches, the allocator's thresholds
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         fn()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return {"ms": statistics.median(samples), "best_ms": min(samples)}
+        cpu.append(1e3 * (time.thread_time() - start_cpu))
+        wall.append(1e3 * (time.perf_counter() - start))
+    return {"ms": statistics.median(wall), "best_ms": min(wall), "cpu_ms": statistics.median(cpu)}
 
 
 def _null_chooser(backend: str = "auto"):
@@ -70,12 +72,14 @@ def _null_chooser(backend: str = "auto"):
     return lambda q, k, mask: kernel
 
 
-def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 10) -> list[dict]:
-    """Rows ``{what, ms, best_ms}``: milliseconds per call on a one-process group."""
+def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 20) -> list[dict]:
+    """Rows ``{what, ms, best_ms, cpu_ms}``: milliseconds per call on a one-process group."""
     import torch.distributed as dist
 
     import seqmesh
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host overhead, measured in this thread's CPU time
     own_group = not dist.is_initialized()
     if own_group:
         store = tempfile.mkstemp(prefix="seqmesh-host-")[1]
@@ -106,25 +110,31 @@ def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 10) ->
         try:
             q = torch.randn(1, seq_len, 2, 16, generator=g)
             cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0))
-            for docs in (None, cu):
+            for docs, layout in ((None, "zigzag"), (cu, "zigzag"), (cu, "per_document")):
                 for validate in (None, True):
-                    call = lambda: seqmesh.attention(q, q, q, mesh, cu_seqlens=docs, validate=validate)  # noqa: E731
+                    call = lambda: seqmesh.attention(q, q, q, mesh, cu_seqlens=docs, layout=layout,  # noqa: E731
+                                                     validate=validate)
+                    try:
+                        call()
+                    except ValueError:  # a checkout without this layout
+                        continue
                     what = (f"attention (no kernel), {'no documents' if docs is None else f'{len(lengths)} documents'}, "
-                            f"validate={validate}")
+                            f"{layout}, validate={validate}")
                     rows.append({"what": what, **_timed_ms(call, repeats * 4)})
         finally:
             api.kernel_chooser = saved
         return rows
     finally:
+        torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
             os.unlink(store)
 
 
 def format_host_rows(seq_len: int, rows: list[dict]) -> str:
-    lines = [f"host overhead per call at {seq_len:,} tokens (batch 1, one process, CPU; median)",
-             f"{'call':<64}{'median ms':>11}{'best ms':>10}"]
-    lines += [f"{r['what']:<64}{r['ms']:>11.3f}{r['best_ms']:>10.3f}" for r in rows]
+    lines = [f"host overhead per call at {seq_len:,} tokens (batch 1, one process, one torch thread)",
+             f"{'call':<72}{'CPU ms':>9}{'wall ms':>10}{'best wall':>11}"]
+    lines += [f"{r['what']:<72}{r['cpu_ms']:>9.3f}{r['ms']:>10.3f}{r['best_ms']:>11.3f}" for r in rows]
     return "\n".join(lines)
 
 
@@ -141,7 +151,7 @@ def add_subcommand(bench_sub) -> None:
     p = bench_sub.add_parser("host", help="host overhead of shard_batch and of one attention call (no kernel)")
     p.add_argument("--seq-len", type=int, default=131072, help="tokens (default %(default)s)")
     p.add_argument("--mean-doc", type=int, default=512, help="mean packed document length (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.set_defaults(func=run)
 
