@@ -7,7 +7,8 @@ default), the Python and torch-op work that surrounds the kernels:
   ``ignore_index`` holes): document finding, label shifting, positions, padding, placement;
 - one ``seqmesh.attention`` forward with a kernel that does nothing, so what is left is input
   checking, the document bounds, the ring schedule and the kernel choice, with ``validate`` left
-  at its default and with ``validate=True``.
+  at its default and with ``validate=True``; then the same on two spawned ranks (Ulysses 2), where
+  ``validate=True`` adds an exchange with a host sync to every call.
 
 Run it as ``seqmesh bench host``. It uses only the public API, so the same file measures an older
 checkout too::
@@ -131,6 +132,30 @@ def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 20) ->
             os.unlink(store)
 
 
+def _validate_rank(repeats: int) -> list[dict]:
+    """On every rank of a 2-rank group: one attention call (Ulysses 2, no kernel) with ``validate``
+    at its default and with ``True``; the difference is the agreement exchange and its host sync.
+    64 tokens: the exchange carries a few integers whatever the length, and a long sequence would
+    bury it under the all-to-all."""
+    import seqmesh
+
+    mesh = seqmesh.init_mesh(2, 1, device_type="cpu")
+    api = sys.modules[seqmesh.attention.__module__]
+    api.kernel_chooser = _null_chooser
+    q = torch.randn(1, 32, 2, 8)
+    return [{"what": f"attention (no kernel), 2 ranks (Ulysses), 64 tokens, validate={validate}",
+             **_timed_ms(lambda: seqmesh.attention(q, q, q, mesh, validate=validate), repeats)}
+            for validate in (None, True)]
+
+
+def bench_validate(repeats: int = 200) -> list[dict]:
+    """Rows of :func:`_validate_rank` from rank 0 of two spawned gloo ranks."""
+    from .launch import WorkerPool
+
+    with WorkerPool(2, threads=1) as pool:
+        return pool.run(_validate_rank, repeats, timeout=600)[0]
+
+
 def format_host_rows(seq_len: int, rows: list[dict]) -> str:
     lines = [f"host overhead per call at {seq_len:,} tokens (batch 1, one process, one torch thread)",
              f"{'call':<72}{'CPU ms':>9}{'wall ms':>10}{'best wall':>11}"]
@@ -144,7 +169,7 @@ def add_subcommand(bench_sub) -> None:
     def run(args) -> int:
         import json
 
-        rows = bench_host(args.seq_len, args.mean_doc, args.repeats)
+        rows = bench_host(args.seq_len, args.mean_doc, args.repeats) + bench_validate(10 * args.repeats)
         print(json.dumps(rows, indent=1) if args.json else format_host_rows(args.seq_len, rows))
         return 0
 
