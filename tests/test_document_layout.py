@@ -146,3 +146,25 @@ def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
         for case, r in zip(cases, results):
             tol = 1e-5 if case.dtype == "float32" else 1e-10
             assert max(r[k] for k in ("out", "dq", "dk", "dv")) < tol, r
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "per_document", "contiguous"])
+def test_balance_report_counts_what_the_ring_computes(kind):
+    """bench balance's work per rank (a formula over token positions) equals the pairs the ring
+    schedule's kernel calls cover, padding included."""
+    from seqmesh.tools.bench_balance import causal_work_per_rank
+
+    lengths = [1, 30, 7, 2, 50, 9]  # 99 tokens: padded to 104 for ring 4
+    cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0))
+    for ring in (2, 4):
+        layout = SequenceLayout.for_length(kind, ring, 1, cu[-1], cu)
+        schedule = RingSchedule(layout, document_bounds(layout.padded_len, cu[-1], cu), causal=True)
+        assert causal_work_per_rank(lengths, ring, kind) == [schedule.work(r) for r in range(ring)]
+
+
+def test_bench_balance_command(capsys):
+    from seqmesh.tools.cli import main
+
+    assert main(["bench", "balance", "--seq-len", "4096", "--rings", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "per_doc" in out and "one long first + short" in out

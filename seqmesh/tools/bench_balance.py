@@ -16,8 +16,12 @@ from ..sharded_attention.blocks import document_bounds
 from ..sharded_attention.schedule import RingSchedule
 
 
+def _boundaries(lengths: list[int]) -> tuple[int, ...]:
+    return tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0).tolist())
+
+
 def _layout(lengths: list[int], ring: int, kind: str) -> SequenceLayout:
-    cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0).tolist())
+    cu = _boundaries(lengths)
     return SequenceLayout.for_length(kind, ring, 1, cu[-1], cu)
 
 
@@ -34,8 +38,7 @@ def causal_work_per_rank(lengths: list[int], ring: int, kind: str) -> list[int]:
 
 def kernel_calls(lengths: list[int], ring: int, kind: str) -> int:
     """Kernel calls of the busiest ring rank over one ring pass (causal)."""
-    layout = _layout(lengths, ring, kind)
-    cu = layout.documents or _layout(lengths, ring, "per_document").documents
+    layout, cu = _layout(lengths, ring, kind), _boundaries(lengths)
     schedule = RingSchedule(layout, document_bounds(layout.padded_len, sum(lengths), cu), causal=True)
     return max(sum(len(schedule.pieces(r, step)) for step in range(ring)) for r in range(ring))
 
