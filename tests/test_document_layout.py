@@ -168,3 +168,15 @@ def test_bench_balance_command(capsys):
     assert main(["bench", "balance", "--seq-len", "4096", "--rings", "2"]) == 0
     out = capsys.readouterr().out
     assert "per_doc" in out and "one long first + short" in out
+
+
+@pytest.mark.parametrize("ulysses,ring,layout", [(1, 4, "per_document"), (2, 2, "auto")])
+def test_training_with_packed_documents_matches_one_process(pools, ulysses, ring, layout):
+    """A transformers model trained on per_document shards (RoPE positions, loss, gradients, AdamW)
+    matches one process on the whole batch."""
+    from train_cases import TrainCase, training_parity
+
+    case = TrainCase("llama-tiny", ulysses, ring, fsdp=False, documents=True, layout=layout)
+    for rank, r in enumerate(pools.run(case.world, training_parity, case, timeout=600)):
+        assert max(r["loss"]) < 1e-5 and r["grad"][0] < 1e-5, (rank, r)
+        assert max(r["grad"]) < 1e-3 and r["weight"] < 1e-4, (rank, r)
