@@ -7,13 +7,16 @@ into ``2 * ring`` chunks of ``c = n // (2 * ring)`` tokens: ring rank r holds ch
 the document's start) and chunk ``2 * ring - 1 - r`` (counted from its end), so every ring rank
 does the same share of every triangle.
 
-The ``n - 2 * ring * c < 2 * ring`` tokens between the head and tail chunks (the *middle*; a whole
-document shorter than ``2 * ring``, and the padding past the last document, which is a document of
-its own) join one middle stream in global order, cut into ``ring`` equal consecutive pieces: ring
-rank r takes piece r. Each ring rank then holds its positions in ascending order (adjacent runs
-merged), and its Ulysses ranks split that block into ``ulysses`` equal pieces, as in zigzag.
+The ``n - 2 * ring * c < 2 * ring`` tokens between the head and tail chunks (the *middle*), every
+whole document too short for chunks of :data:`MIN_CHUNK` tokens (``c < MIN_CHUNK``), and the
+padding past the last document (a document of its own) join one middle stream in global order,
+cut into ``ring`` equal consecutive pieces: ring rank r takes piece r. Each ring rank then holds
+its positions in ascending order (adjacent runs merged), and its Ulysses ranks split that block into
+``ulysses`` equal pieces, as in zigzag.
 
-With ring=2 (4 chunks a document), a document A of 8 tokens, B of 5, and 3 tokens of padding::
+With ring=2 (4 chunks a document), a document A of 8 tokens, B of 5, and 3 tokens of padding,
+drawn with chunks of one token allowed (``MIN_CHUNK = 1``; the default keeps documents this short
+whole)::
 
     position  0 1 2 3 4 5 6 7 | 8 9 10 11 12 | 13 14 15
     document  A A A A A A A A | B B B  B  B  | padding
@@ -36,8 +39,8 @@ With ring=2 (4 chunks a document), a document A of 8 tokens, B of 5, and 3 token
 
 The layout is a permutation like every other (``SequenceLayout.indices``). Attention stays exact
 because the ring's block plan works from each block's runs of global positions and the document
-bounds, whatever the runs are; the cost is more kernel calls per ring step (about one per document
-that a step's two blocks share) where zigzag has one.
+bounds, whatever the runs are; the cost is more kernel calls per ring step (about one per cut
+document that a step's two blocks share) where zigzag has one.
 """
 
 from __future__ import annotations
@@ -47,13 +50,22 @@ import functools
 from .layout import Run
 
 
-def _document_pieces(bounds: tuple[int, ...], ring: int) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int]]]:
+# Smallest chunk a document is cut into: a shorter document stays whole in the middle stream. Each
+# chunk of a cut document costs a kernel call per ring step, and chunks below the 64-token tiles of
+# flash kernels waste them; whole short documents barely unbalance ranks (bench balance: <= 2%).
+MIN_CHUNK = 64
+
+
+def _document_pieces(
+    bounds: tuple[int, ...], ring: int, min_chunk: int
+) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int]]]:
     """Per ring rank, the ``(start, stop)`` head and tail chunks of every document; and the middle
     stream as ``(start, stop)`` intervals in global order."""
     chunks: list[list[tuple[int, int]]] = [[] for _ in range(ring)]
     middle: list[tuple[int, int]] = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         c = (b - a) // (2 * ring)
+        c = c if c >= min_chunk else 0
         if c:
             for r in range(ring):
                 chunks[r].append((a + r * c, a + (r + 1) * c))
@@ -81,12 +93,14 @@ def _cut(intervals: list[tuple[int, int]], parts: int) -> list[list[tuple[int, i
 
 
 @functools.lru_cache(maxsize=64)
-def per_document_runs(documents: tuple[int, ...] | None, ring: int, padded_len: int) -> tuple[tuple[Run, ...], ...]:
+def per_document_runs(
+    documents: tuple[int, ...] | None, ring: int, padded_len: int, min_chunk: int = MIN_CHUNK
+) -> tuple[tuple[Run, ...], ...]:
     """Runs of every ring rank (ascending, adjacent runs merged) of the ``per_document`` layout."""
     bounds = list(documents) if documents is not None else [0]
     if bounds[-1] < padded_len:
         bounds.append(padded_len)  # the padding is a document of its own
-    chunks, middle = _document_pieces(tuple(bounds), ring)
+    chunks, middle = _document_pieces(tuple(bounds), ring, min_chunk)
     for r, piece in enumerate(_cut(middle, ring)):
         chunks[r].extend(piece)
     result = []

@@ -87,7 +87,8 @@ class SequenceLayout:
             object.__setattr__(self, "documents", None)
         else:
             docs = tuple(int(x) for x in self.documents)
-            if len(docs) < 2 or docs[0] != 0 or any(b <= a for a, b in zip(docs, docs[1:])) or docs[-1] > self.padded_len:
+            ascending = all(a < b for a, b in zip(docs, docs[1:]))
+            if len(docs) < 2 or docs[0] != 0 or not ascending or docs[-1] > self.padded_len:
                 raise ValueError(
                     f"documents must be boundaries (0, e1, ..., en) strictly increasing up to at most the padded "
                     f"length {self.padded_len}, got {docs[:8]}{'...' if len(docs) > 8 else ''}."
@@ -132,9 +133,11 @@ class SequenceLayout:
             n = self.ring_len
             return (Run(ring_rank * n, n, 0),)
         if self.kind is LayoutKind.PER_DOCUMENT:
-            from .document_layout import per_document_runs
+            from . import document_layout
 
-            return per_document_runs(self.documents, self.ring, self.padded_len)[ring_rank]
+            runs = document_layout.per_document_runs(
+                self.documents, self.ring, self.padded_len, document_layout.MIN_CHUNK)
+            return runs[ring_rank]
         c = self.padded_len // (2 * self.ring)
         first, second = ring_rank, 2 * self.ring - 1 - ring_rank
         return (Run(first * c, c, 0), Run(second * c, c, c))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import seqmesh.document_layout as document_layout
 from reference import document_ids, reference_attention
 from seqmesh.kernels import kernel_chooser
 from seqmesh.layout import SequenceLayout
@@ -14,17 +15,33 @@ from seqmesh.tools.emulate import emulate_ring
 
 # documents over 48 tokens: lengths 1, 3, 17 (not a multiple of 2R), 8 and padding after 29+8=37
 DOCS = (0, 1, 4, 21, 29, 37)
+# over 1100 tokens at the default MIN_CHUNK of 64: some documents are cut, some stay whole
+LONG_DOCS = (0, 300, 301, 900, 1049)
 
 
-def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int) -> list[list[int]]:
+@pytest.fixture(params=[1, 64], ids=["chunks-of-1", "default-chunks"])
+def min_chunk(request, monkeypatch):
+    """Run with chunks of one token allowed (small examples get cut) and with the default."""
+    monkeypatch.setattr(document_layout, "MIN_CHUNK", request.param)
+    return request.param
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(document_layout, "MIN_CHUNK", 1)
+
+
+def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int, min_chunk: int) -> list[list[int]]:
     """The placement written out token by token: every document (the padding is one more) gives ring
-    rank r its chunk r from the start and chunk r from the end, c = len // 2R tokens each; the leftover
-    middle tokens of all documents, in order, are dealt out in ``ring`` equal consecutive pieces."""
+    rank r its chunk r from the start and chunk r from the end, c = len // 2R tokens each (none when
+    c < min_chunk); the leftover tokens of all documents, in order, are dealt out in ``ring`` equal
+    consecutive pieces."""
     bounds = list(documents or (0,)) + ([padded] if (documents or (0,))[-1] < padded else [])
     ranks: list[list[int]] = [[] for _ in range(ring)]
     middle = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         c = (b - a) // (2 * ring)
+        c = c if c >= min_chunk else 0
         for t in range(a, b):
             i = t - a
             if i < ring * c:
@@ -40,14 +57,15 @@ def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int
 
 
 @pytest.mark.parametrize("ring,ulysses", [(1, 2), (2, 1), (2, 2), (4, 1), (3, 2), (8, 1)])
-@pytest.mark.parametrize("docs", [None, DOCS, (0, 48), (0, 5, 6, 7, 48)])
-def test_permutation_matches_the_hand_placement(ring, ulysses, docs):
-    layout = SequenceLayout.for_length("per_document", ring, ulysses, 48, docs)
+@pytest.mark.parametrize("docs", [None, DOCS, (0, 48), (0, 5, 6, 7, 48), LONG_DOCS])
+def test_permutation_matches_the_hand_placement(ring, ulysses, docs, min_chunk):
+    length = docs[-1] + 51 if docs == LONG_DOCS else 48
+    layout = SequenceLayout.for_length("per_document", ring, ulysses, length, docs)
     n = layout.padded_len
     order, restore = layout.indices(), layout.indices(restore=True)
     assert sorted(order.tolist()) == list(range(n))
     assert torch.equal(order[restore], torch.arange(n))
-    want = _positions_by_hand(docs, ring, n)
+    want = _positions_by_hand(docs, ring, n, min_chunk)
     for r in range(ring):
         runs = layout.ring_runs(r)
         got = [t for run in runs for t in range(run.start, run.stop)]
@@ -58,7 +76,7 @@ def test_permutation_matches_the_hand_placement(ring, ulysses, docs):
             assert layout.local_positions(r * ulysses + u).tolist() == want[r][u * piece : (u + 1) * piece]
 
 
-def test_without_documents_it_is_zigzag_and_the_docstring_example_holds():
+def test_without_documents_it_is_zigzag_and_the_docstring_example_holds(small_chunks):
     for ring, ulysses, n in [(2, 1, 16), (4, 2, 64), (3, 2, 36)]:
         a = SequenceLayout("per_document", ring, ulysses, n)
         assert torch.equal(a.indices(), SequenceLayout("zigzag", ring, ulysses, n).indices())
@@ -76,7 +94,7 @@ def _visible_pairs(positions: list[int], seq_len: int, cu: list[int]) -> int:
 
 
 @pytest.mark.parametrize("ring", [2, 4, 8])
-def test_schedule_computes_exactly_the_visible_pairs(ring):
+def test_schedule_computes_exactly_the_visible_pairs(ring, small_chunks):
     cu = [0, 3, 4, 40, 41, 60]
     layout = SequenceLayout("per_document", ring, 1, 64, tuple(cu))
     schedule = RingSchedule(layout, document_bounds(64, 60, cu), causal=True)
@@ -89,10 +107,10 @@ def test_schedule_computes_exactly_the_visible_pairs(ring):
 
 @pytest.mark.parametrize("ring", [2, 4, 8])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("cu", [(0, 1, 4, 21, 29, 61), (0, 64), (0, 7, 9, 50)])
-def test_ring_is_exact_for_every_rank_on_one_device(ring, causal, cu):
+@pytest.mark.parametrize("cu", [(0, 1, 4, 21, 29, 61), (0, 64), (0, 7, 9, 50), LONG_DOCS])
+def test_ring_is_exact_for_every_rank_on_one_device(ring, causal, cu, min_chunk):
     """Every ring rank's kernel calls and merges (emulated on one device) give float64 attention."""
-    n = 64
+    n = 1056 if cu == LONG_DOCS else 64
     layout = SequenceLayout("per_document", ring, 1, n, cu)
     schedule = RingSchedule(layout, document_bounds(n, cu[-1], cu), causal)
     g = torch.Generator().manual_seed(ring)
@@ -127,7 +145,8 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
     """Forward and dq/dk/dv on per_document shards equal float64 attention on the whole sequence,
-    for documents of length 1, lengths that 2R does not divide, padding, GQA, causal and not."""
+    for documents of length 1, lengths that 2R does not divide, documents cut and kept whole,
+    padding, GQA, causal and not."""
     import itertools
 
     from dist_cases import Case
@@ -140,6 +159,10 @@ def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
              for i, (causal, (hq, hk), s) in enumerate(itertools.product((True, False), [(4, 4), (4, 2), (4, 1)], (32, 29)))
              for cu in docs(s)]
     cases.append(Case(61, 8, 2, True, "per_document", (0, 1, 20, 21, 45, 60), dtype="float32", seed=99))
+    # long enough for chunks of MIN_CHUNK = 64 tokens: documents cut at ring 2 and 4, others whole
+    cases += [Case(s, 4, 2, causal, "per_document", cu, batch=1, seed=7)
+              for causal in (True, False) for s in (560, 557)
+              for cu in ((0, 1, 2, 7, 530, s - 12), (0, 200, 201, s - 3))]
     per_rank = pools.run(ulysses * ring, per_document_attention, ulysses, ring, cases)
     for results in per_rank:
         assert len(results) == len(cases)
@@ -149,7 +172,7 @@ def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
 
 
 @pytest.mark.parametrize("kind", ["zigzag", "per_document", "contiguous"])
-def test_balance_report_counts_what_the_ring_computes(kind):
+def test_balance_report_counts_what_the_ring_computes(kind, small_chunks):
     """bench balance's work per rank (a formula over token positions) equals the pairs the ring
     schedule's kernel calls cover, padding included."""
     from seqmesh.tools.bench_balance import causal_work_per_rank
