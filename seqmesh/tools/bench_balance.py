@@ -59,8 +59,8 @@ def document_mixes(seq_len: int = 131072, seed: int = 0) -> dict[str, list[int]]
     short = fill(seq_len - half, 64, 2048)
     return {
         "many short (64..2048)": fill(seq_len, 64, 2048),
+        "many tiny (16..128)": fill(seq_len, 16, 128),
         "one long first + short": [half, *short],
-        "short + one long last": [*short, half],
         "one long in the middle": [*short[: len(short) // 2], half, *short[len(short) // 2 :]],
         "uniform (16 x S/16)": [seq_len // 16] * 16,
         "one document": [seq_len],
