@@ -34,8 +34,8 @@ def small_chunks(monkeypatch):
 def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int, min_chunk: int) -> list[list[int]]:
     """The placement written out token by token: every document (the padding is one more) gives ring
     rank r its chunk r from the start and chunk r from the end, c = len // 2R tokens each (none when
-    c < min_chunk); the leftover tokens of all documents, in order, are dealt out in ``ring`` equal
-    consecutive pieces."""
+    c < min_chunk); the leftover tokens of all documents, in order, are cut in 2R equal consecutive
+    pieces and rank r takes pieces r and 2R-1-r."""
     bounds = list(documents or (0,)) + ([padded] if (documents or (0,))[-1] < padded else [])
     ranks: list[list[int]] = [[] for _ in range(ring)]
     middle = []
@@ -50,9 +50,9 @@ def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int
                 ranks[(b - 1 - t) // c].append(t)
             else:
                 middle.append(t)
-    share = len(middle) // ring
+    share = len(middle) // (2 * ring)
     for r in range(ring):
-        ranks[r] += middle[r * share : (r + 1) * share]
+        ranks[r] += middle[r * share : (r + 1) * share] + middle[(2 * ring - 1 - r) * share : (2 * ring - r) * share]
     return [sorted(x) for x in ranks]
 
 
@@ -81,7 +81,7 @@ def test_without_documents_it_is_zigzag_and_the_docstring_example_holds(small_ch
         a = SequenceLayout("per_document", ring, ulysses, n)
         assert torch.equal(a.indices(), SequenceLayout("zigzag", ring, ulysses, n).indices())
     drawn = SequenceLayout("per_document", 2, 1, 16, (0, 8, 13))
-    assert drawn.indices().tolist() == [0, 1, 6, 7, 8, 10, 12, 13, 2, 3, 4, 5, 9, 11, 14, 15]
+    assert drawn.indices().tolist() == [0, 1, 6, 7, 8, 10, 12, 15, 2, 3, 4, 5, 9, 11, 13, 14]
     assert SequenceLayout("zigzag", 2, 1, 16, (0, 8, 13)).documents is None  # only per_document reads them
     with pytest.raises(ValueError, match="strictly increasing"):
         SequenceLayout("per_document", 2, 1, 16, (0, 8, 8, 13))
