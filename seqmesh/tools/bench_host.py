@@ -141,11 +141,14 @@ def _validate_rank(repeats: int) -> list[dict]:
 
     mesh = seqmesh.init_mesh(2, 1, device_type="cpu")
     api = sys.modules[seqmesh.attention.__module__]
-    api.kernel_chooser = _null_chooser
+    saved, api.kernel_chooser = api.kernel_chooser, _null_chooser
     q = torch.randn(1, 32, 2, 8)
-    return [{"what": f"attention (no kernel), 2 ranks (Ulysses), 64 tokens, validate={validate}",
-             **_timed_ms(lambda: seqmesh.attention(q, q, q, mesh, validate=validate), repeats)}
-            for validate in (None, True)]
+    try:
+        return [{"what": f"attention (no kernel), 2 ranks (Ulysses), 64 tokens, validate={validate}",
+                 **_timed_ms(lambda: seqmesh.attention(q, q, q, mesh, validate=validate), repeats)}
+                for validate in (None, True)]
+    finally:
+        api.kernel_chooser = saved
 
 
 def bench_validate(repeats: int = 200) -> list[dict]:
