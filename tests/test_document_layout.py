@@ -203,3 +203,14 @@ def test_training_with_packed_documents_matches_one_process(pools, ulysses, ring
     for rank, r in enumerate(pools.run(case.world, training_parity, case, timeout=600)):
         assert max(r["loss"]) < 1e-5 and r["grad"][0] < 1e-5, (rank, r)
         assert max(r["grad"]) < 1e-3 and r["weight"] < 1e-4, (rank, r)
+
+
+def test_many_runs_take_the_vectorised_permutation(small_chunks):
+    """Hundreds of documents (hundreds of runs): indices() still matches the hand placement."""
+    docs = tuple(range(0, 16 * 300 + 1, 16)) + (4817,)  # 300 documents of 16 tokens and one of 17
+    layout = SequenceLayout.for_length("per_document", 2, 2, 4820, docs)
+    assert sum(len(layout.ring_runs(r)) for r in range(2)) > 256
+    want = _positions_by_hand(docs, 2, layout.padded_len, 1)
+    assert layout.indices().tolist() == want[0] + want[1]
+    restore = layout.indices(restore=True)
+    assert torch.equal(layout.indices()[restore], torch.arange(layout.padded_len))

@@ -124,12 +124,52 @@ def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 20) ->
                     rows.append({"what": what, **_timed_ms(call, repeats * 4)})
         finally:
             api.kernel_chooser = saved
+        rows += _placement_rows(seq_len, cu, len(lengths), repeats)
         return rows
     finally:
         torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
             os.unlink(store)
+
+
+def _placement_rows(seq_len: int, cu: tuple[int, ...], documents: int, repeats: int) -> list[dict]:
+    """What a new batch of documents costs on a ring of 8 before any kernel runs, once per step
+    (fresh documents each step, so nothing is cached): the layout's permutation (``shard_batch``)
+    and one ring rank's block plans over the whole pass (the first attention layer)."""
+    from seqmesh.layout import SequenceLayout
+    from seqmesh.sharded_attention.blocks import document_bounds
+    from seqmesh.sharded_attention.schedule import RingSchedule
+
+    rows = []
+    for kind in ("zigzag", "per_document"):
+        try:
+            SequenceLayout(kind, 8, 1, seq_len)
+        except ValueError:  # a checkout without this layout
+            continue
+
+        def make() -> SequenceLayout:
+            try:
+                return SequenceLayout(kind, 8, 1, seq_len, cu)  # type: ignore[call-arg]
+            except TypeError:  # a checkout whose layouts take no documents
+                return SequenceLayout(kind, 8, 1, seq_len)
+
+        def place() -> SequenceLayout:
+            cached = getattr(sys.modules.get("seqmesh.document_layout"), "per_document_runs", None)
+            if cached is not None:
+                cached.cache_clear()
+            layout = make()
+            layout.indices()
+            return layout
+
+        def plan() -> None:
+            schedule = RingSchedule(place(), document_bounds(seq_len, seq_len, cu), causal=True)
+            for step in range(8):
+                schedule.pieces(0, step)
+
+        rows.append({"what": f"{kind} placement, {documents} documents, ring 8", **_timed_ms(place, repeats)})
+        rows.append({"what": "  the same + one rank's ring plans (first layer)", **_timed_ms(plan, repeats)})
+    return rows
 
 
 def _validate_rank(repeats: int) -> list[dict]:
