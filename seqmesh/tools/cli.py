@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     bm.add_argument("--device", default="cpu")
     bm.set_defaults(func=cmd_bench_merge)
+    from . import bench_balance, bench_host
+
+    bench_host.add_subcommand(bench_sub)
+    bench_balance.add_subcommand(bench_sub)
 
     from ..planner.cli import register_plan
 
