@@ -163,7 +163,7 @@ def cmd_demo_train(args: argparse.Namespace) -> int:
     # tokens, against one in four); when it is escaped still depends on the initial draw, hence a fixed seed
     cfg = TrainConfig(model="llama-tiny", seq_len=args.seq_len, ulysses=2, ring=2, dp=1, steps=args.steps, lr=1e-2,
                       warmup=10, min_lr_ratio=0.5, log_every=10, eval_every=25, out=args.out, symbols=8,
-                      seed=args.seed)
+                      seed=args.seed, overwrite=True)  # the demo replaces its own previous output (runs/demo)
     print(f"seqmesh demo: train {cfg.model} on the long-range copy task with USP ulysses=2 x ring=2 and FSDP2 over "
           f"4 CPU processes (gloo). Each {cfg.seq_len:,}-token sequence repeats one random block of "
           f"{cfg.seq_len // 4:,} symbols, so every scored token is predictable only from a block that lives on "
