@@ -188,3 +188,45 @@ def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
             errors[name] = float((g_sp - g_ref).abs().max())
         results.append({"case": case.name, "errors": errors, "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all")})
     return results
+
+
+def refusals(ulysses: int, ring: int) -> dict:
+    """What parallelize says to models it must not run, and whether unparallelize restores the layers."""
+    import torch.nn as nn
+
+    mesh = get_mesh(ulysses, ring)
+    out = {}
+
+    class ToyMambaMixer(nn.Module):  # a recurrent layer seqmesh does not know
+        def __init__(self):
+            super().__init__()
+            self.A_log = nn.Parameter(torch.zeros(2))
+
+    model = tiny_qwen3_5()
+    model.model.layers[0].mixer = ToyMambaMixer()
+    try:
+        parallelize(model, mesh)
+        out["unknown"] = "no error"
+    except ValueError as err:
+        out["unknown"] = str(err)
+    out["unknown_untouched"] = getattr(model, "_seqmesh_attention", None) is None and not any(
+        "forward" in vars(m) for m in model.modules())
+    try:
+        parallelize(tiny_qwen3_5(key_heads=1, value_heads=1), mesh)
+        out["too_few_heads"] = "no error"
+    except ValueError as err:
+        out["too_few_heads"] = str(err)
+    model = tiny_qwen3_5()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    before = model(input_ids=ids, use_cache=False).logits
+    parallelize(model, mesh)
+    out["installed"] = sum("forward" in vars(m) for m in model.modules())
+    try:
+        model(input_ids=ids, use_cache=False)
+        out["no_info"] = "no error"
+    except ValueError as err:
+        out["no_info"] = str(err)
+    unparallelize(model)
+    out["restored"] = sum("forward" in vars(m) for m in model.modules()) == 0 and torch.equal(
+        before, model(input_ids=ids, use_cache=False).logits)
+    return out
