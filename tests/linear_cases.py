@@ -104,7 +104,7 @@ def model_cases(ulysses: int, ring: int, cases: list[ModelCase]) -> list[dict]:
             want = want_grads[name]
             errors[name] = float((p.grad - want).abs().max() / want.abs().max().clamp(min=1e-30))
         unparallelize(model)
-        results.append({"case": case.name, "errors": errors})
+        results.append({"case": case.name, "errors": errors, "params": len(want_grads)})
     return results
 
 

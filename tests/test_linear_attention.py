@@ -89,7 +89,7 @@ def test_qwen3_5_matches_one_process(pools, ulysses, ring):
             assert errors.pop("logits") < LOGITS_RTOL, (rank, r["case"])
             worst = max(errors.items(), key=lambda kv: kv[1])
             assert worst[1] < GRAD_RTOL, (rank, r["case"], worst)
-            assert len(errors) == 50  # every parameter compared
+            assert len(errors) == r["params"] > 50  # every parameter compared
 
 
 def test_reference_noise_floor():

@@ -17,6 +17,11 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
     """A transformers config of ``shape``'s family with its sizes (random initialisation follows)."""
     from transformers import AutoConfig
 
+    hybrid = {}
+    if shape.full_attention_interval:  # Gated DeltaNet layers between the full-attention ones
+        hybrid = dict(layer_types=shape.layer_types(), linear_num_key_heads=shape.linear_key_heads,
+                      linear_num_value_heads=shape.linear_value_heads, linear_key_head_dim=shape.linear_key_dim,
+                      linear_value_head_dim=shape.linear_value_dim, linear_conv_kernel_dim=shape.linear_conv)
     return AutoConfig.for_model(
         shape.family,
         hidden_size=shape.hidden,
@@ -32,6 +37,7 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         attention_dropout=0.0,
         sliding_window=None,  # full attention (Mistral's configs default to a window)
         use_sliding_window=False,
+        **hybrid,
     )
 
 
@@ -98,6 +104,33 @@ def _zero_padding_rows(lm: nn.Module) -> None:
                 local[pad - offset].zero_()
 
 
+def _init_replaced_params(lm: nn.Module) -> None:
+    """Initialise the parameters transformers initialises by *replacing* them (``init.copy_(param, new)``,
+    e.g. Gated DeltaNet's ``A_log`` and ``dt_bias``): on an FSDP shard that copy mixes a whole plain tensor
+    with a DTensor and fails. Each such module runs its own init on whole plain stand-ins, this rank keeps
+    its shard of them, and the parameters are marked initialised so ``initialize_weights`` leaves them."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for module in lm.modules():
+        own = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+        if not own.keys() & set(REPLACED_BY_INIT):
+            continue
+        stand_ins = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)) for n, p in own.items()}
+        module._parameters.update(stand_ins)
+        try:
+            lm._init_weights(module)
+        finally:
+            module._parameters.update(own)
+        with torch.no_grad():
+            for name, p in own.items():
+                local = distribute_tensor(stand_ins[name].detach(), p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(local.to_local())
+                p._is_hf_initialized = True
+
+
+REPLACED_BY_INIT = ("A_log", "dt_bias")  # parameters whose transformers init copies a new tensor in
+
+
 def materialize(root: nn.Module, device: torch.device | str, seed: int, shard_rank: int) -> None:
     """Allocate a model built on the meta device, after FSDP sharded ``root``, on ``device``, and initialise
     it as transformers does (``initialize_weights``: normal weights, unit norms, RoPE frequencies, zero
@@ -114,6 +147,7 @@ def materialize(root: nn.Module, device: torch.device | str, seed: int, shard_ra
         if getattr(module, "_is_hf_initialized", False):
             module._is_hf_initialized = False
     torch.manual_seed(seed * 1_000_003 + (shard_rank if device.type == "cpu" else 0))
+    _init_replaced_params(lm)
     lm.initialize_weights()
     _zero_padding_rows(lm)
 
