@@ -179,7 +179,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"{report['reference_loss']:.6f} without (difference {report['loss_diff']:.2e})")
         print("largest relative gradient differences:")
         for name, diff in report["worst"]:
-            print(f"  {diff:.2e}  {name}")
+            print(f"  {diff:.2e}  {name}  (allowed {report['allowed'][name]:.0e})")
         verdict = "OK" if report["ok"] else "FAILED"
         print(f"{verdict}: tolerance {report['tolerance']:.0e}" + ("" if report["ok"] else
               " - the sequence-parallel step does not match; check the degrees, layout and data pipeline."))
