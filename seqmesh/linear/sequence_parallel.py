@@ -19,20 +19,23 @@ those read. With fewer key heads than ``P``, neighbouring ranks receive the same
 (replication); the backward of the all-to-all sums its gradients. ``P`` must not exceed the value
 heads.
 
-Traffic per layer and rank, forward (backward moves the same bytes the other way), with
-``L = S / P`` local tokens, ``h_u`` value heads and ``k_u`` key heads on rank ``u``::
+Traffic per layer and rank, with ``L = S / P`` local tokens, ``h_u`` value heads and ``k_u`` key
+heads on rank ``u``, ``c_u = 2 k_u Dk + h_u (Dv + 2)`` its input channels (elements of the
+activation dtype)::
 
-    in:  B * L * sum_{u != me} (2 k_u Dk + h_u (Dv + 2))      elements of the activation dtype
-    out: B * L * (P - 1) * h_me * Dv
-    even split, no replication: B * S * (P - 1) / P^2 * (2 Hk Dk + Hv (2 Dv + 2))
+    forward:  B * L * (sum_{u != me} c_u  +  (P - 1) h_me Dv)
+    backward: B * L * ((P - 1) c_me  +  (Hv - h_me) Dv)
+    even split, no replication, each: B * S * (P - 1) / P^2 * (2 Hk Dk + Hv (2 Dv + 2))
 
-(seqmesh.planner's ``linear_attention_bytes`` states it exactly; tests check it against
-``comm_stats``.) Memory: each rank holds ``1/P`` of the layer's channels over the whole sequence,
+(``seqmesh.planner.traffic.linear_attention_traffic`` derives it independently; tests check it
+against ``comm_stats``.) With Qwen3.5-9B's heads (Hk = 16, Hv = 32, Dk = Dv = 128), S = 128K, P = 8
+and bf16 that is 354 MB per layer and rank forward (and again backward): the bytes of a Ulysses
+attention layer of the same model (352 MB for its 16 + 2 x 4 + 16 heads of 256). Memory: each rank holds ``1/P`` of the layer's channels over the whole sequence,
 the same size as its share of the local activations; the recurrence keeps one (Dk x Dv) state per
 head and chunk for backward. Latency: two all-to-alls, no sequential dependence between ranks.
 
 The alternative keeps heads whole and passes, along the ring, the recurrent state of each chunk
-(``B * Hv * Dk * Dv`` float32, with Qwen3.5's 32 x 128 x 128 heads 2 MiB per sample) and the conv
+(``B * Hv * Dk * Dv`` float32, with Qwen3.5-9B's 32 x 128 x 128 heads 2 MiB per sample and hop) and the conv
 tail (``(K - 1) * conv channels``): far fewer bytes, independent of ``S``, but each ring rank must
 wait for the state of every earlier position, so in zigzag order (two chunks per rank, out of
 order) the ring runs ``2R - 1`` sequential stages; a parallel scan over per-chunk transitions
