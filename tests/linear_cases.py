@@ -16,27 +16,42 @@ from seqmesh.linear.gated_delta import segment_bounds
 from seqmesh.linear.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
 
 
-def tiny_qwen3_5(key_heads: int = 2, value_heads: int = 4, *, seed: int = 0, dtype=torch.float32):
-    """A random 4-layer Qwen3.5 (3 Gated DeltaNet layers, full attention 4th) with long memory: A in
-    (0.01, 0.2) keeps exp(g) near 1, so a recurrence cut at a shard boundary is visibly wrong
-    (transformers' init, A in (0.01, 16), forgets within a few tokens)."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+# transformers config class and the extra arguments of each family with Gated DeltaNet layers
+FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                 num_experts=4, num_experts_per_tok=2)),
+    "qwen3_next": ("Qwen3NextConfig", dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                                           num_experts_per_tok=2)),
+    "olmo_hybrid": ("OlmoHybridConfig", dict(pad_token_id=None, eos_token_id=None, bos_token_id=None,
+                                             linear_allow_neg_eigval=True)),
+}
 
-    config = Qwen3_5TextConfig(
+
+def tiny_qwen3_5(key_heads: int = 2, value_heads: int = 4, *, seed: int = 0, dtype=torch.float32, family: str = "qwen3_5"):
+    """A random 4-layer Qwen3.5 (3 Gated DeltaNet layers, full attention 4th), or another family's, with long
+    memory: A in (0.01, 0.2) keeps exp(g) near 1, so a recurrence cut at a shard boundary is visibly wrong
+    (transformers' init, A in (0.01, 16), forgets within a few tokens)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, name)(
         hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, vocab_size=97, linear_key_head_dim=8, linear_value_head_dim=6, linear_num_key_heads=key_heads,
-        linear_num_value_heads=value_heads, linear_conv_kernel_dim=4, attention_dropout=0.0,
+        linear_num_value_heads=value_heads, linear_conv_kernel_dim=4, attention_dropout=0.0, **extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for layer in model.model.layers:
-            if hasattr(layer, "linear_attn"):
-                gdn = layer.linear_attn
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is not None:
                 gdn.A_log.copy_(torch.empty(value_heads).uniform_(0.01, 0.2, generator=g).log())
                 gdn.dt_bias.copy_(torch.randn(value_heads, generator=g) * 0.5)
-                gdn.norm.weight.copy_(1 + 0.1 * torch.randn(gdn.head_v_dim, generator=g))
+                norm = gdn.norm if hasattr(gdn, "norm") else gdn.o_norm
+                norm.weight.copy_(1 + 0.1 * torch.randn(gdn.head_v_dim, generator=g))
     return model
 
 
@@ -48,10 +63,12 @@ class ModelCase:
     key_heads: int = 2
     value_heads: int = 4
     batch: int = 2
+    family: str = "qwen3_5"
 
     @property
     def name(self) -> str:
-        return f"S{self.seq_len}-{self.layout}-hk{self.key_heads}hv{self.value_heads}-{'docs' if self.documents else 'nodocs'}"
+        return (f"{self.family}-S{self.seq_len}-{self.layout}-hk{self.key_heads}hv{self.value_heads}-"
+                f"{'docs' if self.documents else 'nodocs'}")
 
 
 def _inputs(case: ModelCase, vocab: int):
@@ -83,7 +100,7 @@ def model_cases(ulysses: int, ring: int, cases: list[ModelCase]) -> list[dict]:
     mesh = get_mesh(ulysses, ring)
     results = []
     for case in cases:
-        reference = tiny_qwen3_5(case.key_heads, case.value_heads)
+        reference = tiny_qwen3_5(case.key_heads, case.value_heads, family=case.family)
         ids, dlogits = _inputs(case, reference.config.vocab_size)
         want_logits, want_grads = reference_logits_and_grads(reference, case, ids, dlogits)
         model = parallelize(copy.deepcopy(reference), mesh)
@@ -113,7 +130,7 @@ def reference_noise(cases: list[ModelCase]) -> list[dict]:
     batch rows and summed, vs in one pass (same math, other rounding). Relative errors per case."""
     results = []
     for case in cases:
-        model = tiny_qwen3_5(case.key_heads, case.value_heads)
+        model = tiny_qwen3_5(case.key_heads, case.value_heads, family=case.family)
         ids, dlogits = _inputs(case, model.config.vocab_size)
         logits, grads = reference_logits_and_grads(model, case, ids, dlogits)
         half = case.batch // 2

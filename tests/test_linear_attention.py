@@ -102,6 +102,20 @@ def test_qwen3_5_matches_one_process(pools, ulysses, ring):
             assert len(errors) == r["params"] > 50  # every parameter compared
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "olmo_hybrid"])
+def test_other_families_match_one_process(pools, family):
+    """The same layer in Qwen3.5-MoE, Qwen3-Next (fused, per-key-head interleaved projections) and
+    OLMo-hybrid (separate projections, beta in (0, 2)) on USP 2x2: logits and every gradient."""
+    cases = [ModelCase(23, "zigzag", DOCS[23], family=family), ModelCase(24, "contiguous", key_heads=1, family=family)]
+    for rank, results in enumerate(pools.run(4, model_cases, 2, 2, cases, timeout=600)):
+        for r in results:
+            errors = dict(r["errors"])
+            assert errors.pop("logits") < LOGITS_RTOL, (rank, r["case"])
+            worst = max(errors.items(), key=lambda kv: kv[1])
+            assert worst[1] < GRAD_RTOL, (rank, r["case"], worst)
+            assert len(errors) == r["params"]
+
+
 def test_reference_noise_floor():
     """The measurement behind LOGITS_RTOL and GRAD_RTOL: the reference differs from itself by rounding
     well below them (if transformers' rounding grows, this says so before the parity test does)."""

@@ -71,18 +71,22 @@ def _is_recurrent(module: nn.Module) -> bool:
 
 def check(model: nn.Module, mesh: SPMesh) -> list[tuple[str, nn.Module]]:
     """The Gated DeltaNet layers of ``model``; a ValueError for any other layer with recurrent state, or for
-    heads the sequence group cannot split."""
-    layers = []
+    heads the sequence group cannot split. A module that merely holds a supported layer (a decoder layer
+    named ``...LinearAttentionDecoderLayer``) is a container, not a recurrent layer of its own."""
+    layers = [(name, m) for name, m in model.named_modules() if _projection(m) is not None]
+    handled = {id(m) for _, m in layers}
+    for _, module in layers:
+        _heads(module, mesh)  # raises if P exceeds the value heads
     for name, module in model.named_modules():
-        if _projection(module) is not None:
-            _heads(module, mesh)  # raises if P exceeds the value heads
-            layers.append((name, module))
-        elif _is_recurrent(module):
-            raise ValueError(
-                f"layer {name!r} ({type(module).__name__}) carries state along the sequence, and seqmesh does not know how "
-                f"to run it sequence-parallel: on a shard it would silently compute another recurrence. seqmesh supports "
-                f"{SUPPORTED}; run this model without sequence parallelism."
-            )
+        if id(module) in handled or not _is_recurrent(module):
+            continue
+        if any(id(m) in handled for m in module.modules()):
+            continue
+        raise ValueError(
+            f"layer {name!r} ({type(module).__name__}) carries state along the sequence, and seqmesh does not know how "
+            f"to run it sequence-parallel: on a shard it would silently compute another recurrence. seqmesh supports "
+            f"{SUPPORTED}; run this model without sequence parallelism."
+        )
     return layers
 
 
