@@ -188,3 +188,33 @@ def test_planner_counts_gated_deltanet_layers():
     assert step["ulysses_all_to_all"] == 8 * sum(per_layer[p]["ulysses_all_to_all"] for p in per_layer)
     _, excluded = layouts(work, cluster)
     assert any(lay.ulysses * lay.ring == 64 and "32 Gated DeltaNet value heads" in why for lay, why in excluded)
+
+
+def test_recurrent_families_are_refused_by_name():
+    """transformers' families with recurrent token mixers (built on the meta device from their own config
+    classes): the Gated DeltaNet ones are taken, every other recurrent mixer is refused by its name
+    before any change, and plain attention models have nothing to take."""
+    import types
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from seqmesh.hf.linear import check
+
+    mesh = types.SimpleNamespace(sp_size=2)  # check() reads only the degree
+    small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer", "falcon_h1": "FalconH1Mixer",
+               "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
+               "minimax": "MiniMaxLightningAttention", "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
+               "rwkv": "RwkvSelfAttention", "nemotron_h": "NemotronHMamba2Mixer", "lfm2": "Lfm2ShortConv"}
+    taken = {"qwen3_5_text": 2, "qwen3_next": 2, "olmo_hybrid": 1, "llama": 0}
+    for family in [*refused, *taken]:
+        extra = {"layer_types": ["conv", "full_attention"]} if family == "lfm2" else {}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **small, **extra))
+        if family in taken:
+            assert len(check(model, mesh)) == taken[family], family
+            continue
+        with pytest.raises(ValueError, match=rf"\({refused[family]}\) carries state along the sequence") as err:
+            check(model, mesh)
+        assert "Gated DeltaNet layers of Qwen3.5" in str(err.value)

@@ -99,7 +99,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral and
     most decoder-only models of transformers >= 5.0) with full causal attention; sliding windows
     shorter than the sequence, logit soft-capping and attention sinks raise at the first call.
-    Returns the same model. The switch is stored on ``model.config``: another model built from the
+    Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-hybrid) run sequence-parallel too (``seqmesh.hf.linear``);
+    any other layer with recurrent state is refused here, before anything changes. Returns the same model. The switch is stored on ``model.config``: another model built from the
     same config object switches with it.
     """
     from transformers import AttentionInterface

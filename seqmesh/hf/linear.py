@@ -26,8 +26,8 @@ from ..mesh import SPMesh
 
 _ATTR = "_seqmesh_linear"
 # class names and parameters that mark a token mixer with state carried along the sequence
-_RECURRENT = re.compile(r"Mamba|Mixer|DeltaNet|DeltaAttention|LinearAttention|ShortConv|Lightning|Rwkv|Retention|SSM|Recurrent",
-                        re.IGNORECASE)
+_RECURRENT = re.compile(r"(Mixer|DeltaNet|DeltaAttention|LinearAttention|LightningAttention|ShortConv|Rwkv\w*Attention"
+                        r"|RecurrentBlock|Mamba\d*Layer|Retention|LSTM\w*|SSM)$")
 _STATE_PARAMS = ("A_log", "dt_bias")
 SUPPORTED = "the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid"
 
@@ -77,11 +77,10 @@ def check(model: nn.Module, mesh: SPMesh) -> list[tuple[str, nn.Module]]:
     handled = {id(m) for _, m in layers}
     for _, module in layers:
         _heads(module, mesh)  # raises if P exceeds the value heads
-    for name, module in model.named_modules():
-        if id(module) in handled or not _is_recurrent(module):
-            continue
-        if any(id(m) in handled for m in module.modules()):
-            continue
+    unknown = [(name, m) for name, m in model.named_modules()
+               if id(m) not in handled and _is_recurrent(m) and not any(id(d) in handled for d in m.modules())]
+    if unknown:  # the outermost such module: the mixer (its parts, e.g. a gate owning A_log, may match too)
+        name, module = unknown[0]
         raise ValueError(
             f"layer {name!r} ({type(module).__name__}) carries state along the sequence, and seqmesh does not know how "
             f"to run it sequence-parallel: on a shard it would silently compute another recurrence. seqmesh supports "
