@@ -122,7 +122,7 @@ def test_reference_noise_floor():
     for r in reference_noise(_model_cases()):
         errors = dict(r["errors"])
         assert errors.pop("logits") < LOGITS_RTOL / 3, r["case"]
-        assert max(errors.values()) < GRAD_RTOL / 10, r["case"]
+        assert max(errors.values()) < GRAD_RTOL / 5, r["case"]
 
 
 def test_refusals_and_restore(pools):
@@ -146,14 +146,15 @@ def _job(out, **kw):
 
 
 def test_job_trains_qwen3_5_like_one_process(pools, tmp_path):
-    """seqmesh train on the built-in copy task: USP 2x2 gives the loss curve of the same job on one process
+    """seqmesh train on the built-in copy task: USP 2x2 (with activation checkpointing, so the layers'
+    all-to-alls also run in the recompute) gives the loss curve of the same job on one process
     (without FSDP: on CPU FSDP's meta-device init draws each shard from its own seed, so the weights would
     differ by world size); seqmesh verify, with FSDP2 and meta-device init, passes on ring 4."""
     import json
 
     from train_job_cases import run_train, run_verify
 
-    pools.run(4, run_train, _job(tmp_path / "usp", fsdp=False))
+    pools.run(4, run_train, _job(tmp_path / "usp", fsdp=False, checkpointing=True))  # layers recomputed in backward
     pools.run(1, run_train, _job(tmp_path / "one", ulysses=1, ring=1, fsdp=False))
     curves = []
     for run in ("usp", "one"):
