@@ -124,15 +124,16 @@ def _run_rank(cfg: LinearBench, ulysses: int, ring: int, reference_path: str | N
 
 
 def bench_linear(cfg: LinearBench, *, check: bool = True) -> list[dict]:
-    """Rows ``{method, mesh, seconds, vs_one_device, mib_sent_per_rank, max_error}``; the one device uses as
-    many threads as all ranks together."""
+    """Rows ``{method, mesh, seconds, vs_one_device, mib_sent_per_rank, max_error}``. A "device" is one process
+    with ``cores // world`` threads, the one device as much as each rank (on a loaded machine, more threads
+    than free cores make one process spin rather than compute)."""
     from .launch import WorkerPool
 
     cores = os.cpu_count() or 1
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "one_device.pt") if check else None
-        with WorkerPool(1, threads=cores) as pool:
+        with WorkerPool(1, threads=max(1, cores // cfg.world)) as pool:
             single = pool.run(_run_single, cfg, path, timeout=3600)[0]
         rows.append({"method": "one device", "mesh": "1x1", "seconds": statistics.median(single["times"]),
                      "mib_sent_per_rank": 0.0})
