@@ -30,12 +30,16 @@ activation dtype)::
 (``seqmesh.planner.traffic.linear_attention_traffic`` derives it independently; tests check it
 against ``comm_stats``.) With Qwen3.5-9B's heads (Hk = 16, Hv = 32, Dk = Dv = 128), S = 128K, P = 8
 and bf16 that is 354 MB per layer and rank forward (and again backward): the bytes of a Ulysses
-attention layer of the same model (352 MB for its 16 + 2 x 4 + 16 heads of 256). Memory: each rank holds ``1/P`` of the layer's channels over the whole sequence,
-the same size as its share of the local activations; the recurrence keeps one (Dk x Dv) state per
-head and chunk for backward. Latency: two all-to-alls, no sequential dependence between ranks.
+attention layer of the same model (352 MB for its 16 + 2 x 4 + 16 heads of 256).
+
+Memory: each rank holds ``1/P`` of the layer's channels over the whole sequence, the same size as
+its share of the local activations; the recurrence keeps one float32 (Dk x Dv) state per head and
+64-token chunk for backward (the planner's ``linear_layer_saved_bytes``). Latency: two all-to-alls
+each way, no sequential dependence between ranks.
 
 The alternative keeps heads whole and passes, along the ring, the recurrent state of each chunk
-(``B * Hv * Dk * Dv`` float32, with Qwen3.5-9B's 32 x 128 x 128 heads 2 MiB per sample and hop) and the conv
+(``B * Hv * Dk * Dv`` float32, with Qwen3.5-9B's 32 x 128 x 128 heads 2 MiB per sample and hop;
+per rank it holds all heads of its tokens, the same activation memory as here) and the conv
 tail (``(K - 1) * conv channels``): far fewer bytes, independent of ``S``, but each ring rank must
 wait for the state of every earlier position, so in zigzag order (two chunks per rank, out of
 order) the ring runs ``2R - 1`` sequential stages; a parallel scan over per-chunk transitions
