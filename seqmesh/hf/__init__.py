@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..sharded_attention.api import attention
+from . import linear
 from ..training.data import SequenceInfo
 from ..mesh import SPMesh
 
@@ -98,7 +99,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral and
     most decoder-only models of transformers >= 5.0) with full causal attention; sliding windows
     shorter than the sequence, logit soft-capping and attention sinks raise at the first call.
-    Returns the same model. The switch is stored on ``model.config``: another model built from the
+    Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-hybrid) run sequence-parallel too (``seqmesh.hf.linear``);
+    any other layer with recurrent state is refused here, before anything changes. Returns the same model. The switch is stored on ``model.config``: another model built from the
     same config object switches with it.
     """
     from transformers import AttentionInterface
@@ -115,10 +117,12 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
                          "causal attention only. Set config.attention_chunk_size = None to train it with full attention.")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
+    linear.check(model, mesh)  # Gated DeltaNet layers: refuse unknown recurrent layers before any change
     name = f"seqmesh_{id(model):x}"
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
     model.set_attn_implementation(name)
+    linear.install(model, mesh)
     setattr(model, _ATTR, (name, previous))
     return model
 
@@ -132,6 +136,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
         return model
     name, previous = state
     model.set_attn_implementation(previous)
+    linear.uninstall(model)
     AttentionInterface._global_mapping.pop(name, None)  # the interface keeps registrations in this mapping
     setattr(model, _ATTR, None)
     return model

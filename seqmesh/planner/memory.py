@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .traffic import HeadDeal, padded_length
-from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
+from .workload import Layout, Workload, embedding_unit_params, layer_params, linear_state_bytes, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
 MOMENTS = ("layer backward", "loss backward", "end of backward")
@@ -148,7 +148,31 @@ def layer_saved_bytes(work: Workload, layout: Layout) -> int:
         per_token += e * m.heads * m.head_dim
     attn_tokens = tokens * layout.ulysses * (layout.tp if layout.tp > 1 else 1)  # tokens seen inside attention
     attention = attn_tokens * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
-    return tokens * per_token + attention
+    saved = tokens * per_token + attention
+    if m.linear_layers and layout.tp == 1:  # hybrid: the larger of the two kinds of layer
+        saved = max(saved, linear_layer_saved_bytes(work, layout))
+    return saved
+
+
+LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
+
+
+def linear_layer_saved_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes one Gated DeltaNet layer saves for backward on one GPU. Per local token as a full-attention
+    layer (norms, projections' inputs, MLP) plus z and the out projection's input; inside the token mixer,
+    over the whole sequence for this GPU's 1/P of the heads: the conv's input and output channels, beta,
+    the decay, the output (activation dtype), and the float32 recurrent state entering every chunk of
+    64 tokens (``linear_state_bytes`` per chunk: the torch reference keeps them all)."""
+    m, e = work.model, work.act_bytes
+    p = layout.ulysses * layout.ring
+    tokens = work.batch * local_tokens(work, layout)
+    whole = work.batch * padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
+    deal = HeadDeal(m.linear_value_heads, m.linear_key_heads, p)
+    h, k = deal.max_q, deal.max_kv
+    per_token = e * (4 * m.hidden + 4 * m.intermediate + 2 * m.linear_value_heads * m.linear_value_dim) + 2 * 4
+    mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
+    states = -(-whole // work.batch // LINEAR_CHUNK) * linear_state_bytes(m, work.batch, p)
+    return tokens * per_token + mixer + states
 
 
 def activation_memory(work: Workload, layout: Layout) -> int:

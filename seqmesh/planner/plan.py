@@ -17,9 +17,9 @@ from .hardware import GiB, Cluster, HardwareSpec
 from .memory import memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
 from .timing import axis_groups, step_time, world_rank
-from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, padded_length,
+from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic, padded_length,
                       tensor_parallel_traffic, worst_rank)
-from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
+from .workload import Layout, Workload, embedding_unit_params, layer_params, linear_layer_params, root_params
 
 
 def divisors(n: int) -> list[int]:
@@ -71,6 +71,8 @@ def layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[tuple[
             lay = Layout(u, sp // u, n // sp)
             if u > m.heads:
                 excluded.append((lay, f"ulysses {u} exceeds the {m.heads} query heads; put the rest on the ring"))
+            elif m.linear_layers and sp > m.linear_value_heads:
+                excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet value heads"))
             else:
                 ok.append(lay)
     for tp in divisors(n)[1:]:
@@ -124,12 +126,26 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
         sp_group = [world_rank(layout, u, r, 0) for r in range(layout.ring) for u in range(layout.ulysses)]
         links["input_check_all_gather"] = _link_name(hw, [sp_group])
         check = worst_rank(att, "control", "forward")  # once per step, not per layer
+        if m.linear_layers:  # Gated DeltaNet layers: their own all-to-all over the whole sequence group
+            lin = linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
+                                           seq_len=work.seq_len, batch=work.batch, ulysses=layout.ulysses,
+                                           ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
+            fwd["linear_all_to_all"] = worst_rank(lin, "all_to_all", "forward")
+            bwd["linear_all_to_all"] = worst_rank(lin, "all_to_all", "backward")
+            links["linear_all_to_all"] = _link_name(hw, [sp_group])
     recompute = {k: v if work.checkpointing else 0 for k, v in fwd.items()}
     fwd |= {"fsdp_all_gather": fsdp["all_gather_forward"], "fsdp_reduce_scatter": 0}
     bwd |= {"fsdp_all_gather": fsdp["all_gather_backward"], "fsdp_reduce_scatter": fsdp["reduce_scatter_backward"]}
     recompute |= {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}  # the layer stays gathered for its backward
     per_layer = {"forward": fwd, "backward": bwd, "recompute": recompute}
-    step = {k: m.layers * sum(phase[k] for phase in per_layer.values()) for k in fwd}
+    # per layer: a full-attention layer's figures, plus a Gated DeltaNet layer's all-to-all for hybrids
+    count = {k: m.layers - m.linear_layers for k in ("ulysses_all_to_all", "ring_p2p")} | {"linear_all_to_all": m.linear_layers}
+    step = {k: count.get(k, m.layers) * sum(phase[k] for phase in per_layer.values()) for k in fwd}
+    if m.linear_layers:  # their FSDP units hold other parameters than a full-attention layer's
+        lin_fsdp = fsdp_traffic(linear_layer_params(m), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+        step["fsdp_all_gather"] += m.linear_layers * (lin_fsdp["all_gather_forward"] + lin_fsdp["all_gather_backward"]
+                                                      - fsdp["all_gather_forward"] - fsdp["all_gather_backward"])
+        step["fsdp_reduce_scatter"] += m.linear_layers * (lin_fsdp["reduce_scatter_backward"] - fsdp["reduce_scatter_backward"])
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]

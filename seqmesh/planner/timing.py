@@ -44,8 +44,10 @@ from dataclasses import asdict, dataclass
 
 from .hardware import HardwareSpec
 from .memory import local_tokens
-from .traffic import HeadDeal, all_to_all_calls, fsdp_traffic, ring_block_bytes, tensor_parallel_traffic
-from .workload import Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
+from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic, ring_block_bytes,
+                      tensor_parallel_traffic)
+from .workload import (Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, linear_flops,
+                       linear_layer_params, root_params)
 
 ATTENTION_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
 MAX_GROUPS_CHECKED = 64
@@ -202,16 +204,49 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     emb_comm = 0.0
     if embedding_unit_params(m):
         emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd
-    total = m.layers * (layer_fwd + layer_bwd) + head + root_comm + emb_comm
-    compute = m.layers * compute_layer + head
-    serial = (m.layers * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
+    full = m.layers - (m.linear_layers if layout.tp == 1 else 0)  # under TP every layer is timed as attention
+    total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm
+    compute = full * compute_layer + head
+    serial = (full * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
               + 2 * emb_ag + emb_rs)
+    if full < m.layers:
+        lin = _linear_layer_seconds(work, layout, hw, fsdp_ranks)
+        total += m.linear_layers * lin["total"]
+        compute += m.linear_layers * lin["compute"]
+        serial += m.linear_layers * lin["serial"]
     hops = {}
     if layout.tp == 1 and layout.ring > 1:
         t_kv, t_dkv = ring_hops(work, layout, hw)
         hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / layout.ring,
                     ring_hop_backward=t_kv + t_dkv, ring_block_backward=attn_bwd / layout.ring)
     return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial, **hops)
+
+
+def _linear_layer_seconds(work: Workload, layout: Layout, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+    """One Gated DeltaNet layer (``seqmesh.linear``): projections on the local tokens, the recurrence on the whole
+    sequence for 1/P of the heads (backward ~2x forward), its two all-to-alls each way over the sequence group
+    (not overlapped with compute); FSDP gathers overlap the layer as for attention layers."""
+    m, p = work.model, layout.ulysses * layout.ring
+    peak = hw.flops_for(work.dtype)
+    mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
+    tokens = work.batch * local_tokens(work, layout)
+    mm_fwd = 2 * tokens * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
+    core_fwd = linear_flops(m, work.seq_len, work.batch) * -(-m.linear_value_heads // p) / m.linear_value_heads / core_rate
+    traffic = linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
+                                       seq_len=work.seq_len, batch=work.batch, ulysses=layout.ulysses,
+                                       ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
+    sp_ranks = [world_rank(layout, u, r, 0) for r in range(layout.ring) for u in range(layout.ulysses)]
+    calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
+    a2a_fwd, a2a_bwd = (sum(all_to_all_seconds(n, hw, sp_ranks) for n in phase) for phase in calls)
+    fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
+    if work.checkpointing:
+        bwd += fwd
+    fsdp = fsdp_traffic(linear_layer_params(m), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    ag, rs = (gather_seconds(fsdp[k], hw, fsdp_ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+    repeats = 2 if work.checkpointing else 1
+    return {"total": max(fwd, ag) + max(bwd, ag + rs),
+            "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,
+            "serial": a2a_fwd * repeats + a2a_bwd + 2 * ag + rs}
 
 
 def ring_merge_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:

@@ -174,6 +174,46 @@ def attention_traffic(
     return out
 
 
+def linear_attention_traffic(
+    key_heads: int,
+    value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    *,
+    seq_len: int,
+    batch: int,
+    ulysses: int,
+    ring: int,
+    dtype: str,
+    layout: str = "zigzag",
+) -> list[RankTraffic]:
+    """Per-rank traffic of one Gated DeltaNet layer (``seqmesh.linear``), forward+backward, indexed by
+    sequence rank. Its all-to-alls run over the whole sequence group (``P = ulysses x ring``): value heads
+    are dealt to the P ranks as query heads are to Ulysses ranks, each with the key heads it reads.
+
+    - forward in: rank u sends every other rank v, for its own ``L`` tokens, v's channels
+      ``c_v = 2 k_v Dk + h_v (Dv + 2)`` (q, k of its key heads; v, beta and the decay input of its value heads).
+    - forward out: it sends its ``h_u`` output heads of every other rank's tokens: ``(P - 1) h_u Dv``.
+    - backward: the adjoints: ``(Hv - h_u) Dv`` (output gradients) and ``(P - 1) c_u`` (input gradients)."""
+    p = ulysses * ring
+    if p == 1:
+        return [RankTraffic(0, 0, ())]
+    deal = HeadDeal(value_heads, key_heads, p)
+    local = padded_length(seq_len, ulysses, ring, layout) // p
+    unit = batch * local * dtype_bytes(dtype)  # one channel of this rank's tokens
+    channels = [2 * deal.kv(v) * key_dim + deal.q(v) * (value_dim + 2) for v in range(p)]
+    out = []
+    for rank in range(p):
+        h, c = deal.q(rank), channels[rank]
+        out.append(RankTraffic(rank % ulysses, rank // ulysses, (
+            Collective("all_to_all", "forward", 1, (sum(channels) - c) * unit, "linear"),
+            Collective("all_to_all", "forward", 1, (p - 1) * h * value_dim * unit, "linear"),
+            Collective("all_to_all", "backward", 1, (value_heads - h) * value_dim * unit, "linear"),
+            Collective("all_to_all", "backward", 1, (p - 1) * c * unit, "linear"),
+        )))
+    return out
+
+
 def worst_rank(ranks: list[RankTraffic], kind: str, phase: str) -> int:
     """The most bytes any rank sends for ``kind`` in ``phase``."""
     return max(t.sent(kind, phase) for t in ranks)

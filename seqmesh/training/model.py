@@ -18,6 +18,11 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
     """A transformers config of ``shape``'s family with its sizes (random initialisation follows)."""
     from transformers import AutoConfig
 
+    hybrid = {}
+    if shape.full_attention_interval:  # Gated DeltaNet layers between the full-attention ones
+        hybrid = dict(layer_types=shape.layer_types(), linear_num_key_heads=shape.linear_key_heads,
+                      linear_num_value_heads=shape.linear_value_heads, linear_key_head_dim=shape.linear_key_dim,
+                      linear_value_head_dim=shape.linear_value_dim, linear_conv_kernel_dim=shape.linear_conv)
     return AutoConfig.for_model(
         shape.family,
         hidden_size=shape.hidden,
@@ -33,6 +38,7 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         attention_dropout=0.0,
         sliding_window=None,  # full attention (Mistral's configs default to a window)
         use_sliding_window=False,
+        **hybrid,
     )
 
 

@@ -27,19 +27,52 @@ class ModelShape:
     vocab: int
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    # Gated DeltaNet layers of hybrid models (Qwen3.5): every ``full_attention_interval``-th layer is full
+    # attention, the others linear attention with these heads; 0 when every layer is full attention
+    full_attention_interval: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 4  # the short causal conv's kernel
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: {self.heads} query heads are not a multiple of {self.kv_heads} kv heads.")
+        if self.full_attention_interval and (not self.linear_key_heads or self.linear_value_heads % self.linear_key_heads):
+            raise ValueError(f"{self.name}: {self.linear_value_heads} linear value heads must be a positive multiple of "
+                             f"{self.linear_key_heads} linear key heads.")
+
+    @property
+    def linear_layers(self) -> int:
+        """Gated DeltaNet layers (the rest are full attention)."""
+        n = self.full_attention_interval
+        return self.layers - self.layers // n if n else 0
+
+    def layer_types(self) -> list[str] | None:
+        """transformers' ``layer_types`` of a hybrid model, or None."""
+        n = self.full_attention_interval
+        return None if not n else ["linear_attention" if (i + 1) % n else "full_attention" for i in range(self.layers)]
+
+    @property
+    def linear_layer_params(self) -> int:
+        """One Gated DeltaNet layer's token mixer: projections q|k|v, z, b, a, out; conv; A_log, dt_bias; gated norm."""
+        kd, vd = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+        conv_dim = 2 * kd + vd
+        return (self.hidden * (conv_dim + vd + 2 * self.linear_value_heads) + vd * self.hidden + conv_dim * self.linear_conv
+                + 2 * self.linear_value_heads + self.linear_value_dim)
 
     @property
     def params(self) -> int:
         """Parameter count (embeddings, attention, gated MLP, RMSNorms, LM head unless tied)."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
+        attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
-        norms = 2 * self.hidden + (2 * self.head_dim if self.family == "qwen3" else 0)
+        norms = 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text") else 0)
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-        return self.layers * (attn + mlp + norms) + embed + self.hidden
+        full = self.layers - self.linear_layers
+        return (full * attn + self.linear_layers * self.linear_layer_params + self.layers * (mlp + norms)
+                - self.linear_layers * (2 * self.head_dim if gated else 0) + embed + self.hidden)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +90,13 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("qwen3-4b", "qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1e6),
         ModelShape("qwen3-32b", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936, False, 1e6),
         ModelShape("mistral-7b", "mistral", 4096, 32, 32, 8, 128, 14336, 32768, False, 1e6),
+        # hybrid: Gated DeltaNet layers with full attention every 4th layer
+        ModelShape("qwen3.5-tiny", "qwen3_5_text", 64, 4, 4, 2, 16, 128, 256, True, 1e6, full_attention_interval=4,
+                   linear_key_heads=2, linear_value_heads=4, linear_key_dim=16, linear_value_dim=16),
+        # transformers' Qwen3_5TextConfig defaults, its "Qwen3.5-9B style configuration"
+        ModelShape("qwen3.5-9b", "qwen3_5_text", 4096, 32, 16, 4, 256, 12288, 248320, False, 1e7,
+                   full_attention_interval=4, linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
+                   linear_value_dim=128),
     )
 }
 
@@ -102,6 +142,18 @@ def model_shape(name_or_path: str) -> ModelShape:
             vocab=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            **_linear_fields(cfg),
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+def _linear_fields(cfg: dict) -> dict:
+    """The Gated DeltaNet shape of a hybrid config.json (Qwen3.5, Qwen3-Next), or nothing."""
+    if not cfg.get("linear_num_value_heads"):
+        return {}
+    types = cfg.get("layer_types") or []
+    interval = cfg.get("full_attention_interval") or (types.index("full_attention") + 1 if "full_attention" in types else 4)
+    return dict(full_attention_interval=interval, linear_key_heads=cfg["linear_num_key_heads"],
+                linear_value_heads=cfg["linear_num_value_heads"], linear_key_dim=cfg["linear_key_head_dim"],
+                linear_value_dim=cfg["linear_value_head_dim"], linear_conv=cfg.get("linear_conv_kernel_dim", 4))

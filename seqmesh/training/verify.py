@@ -18,11 +18,12 @@ from .config import TrainConfig
 from .train import build, make_dataset, to_device
 
 
-def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:
-    """Mean next-token loss over all valid targets of ``batches``, one device, whole sequences,
-    written without seqmesh's data pipeline: target t is label t+1, except where the next token starts
-    a new packed document (its position restarts at 0). transformers' SDPA attention keeps packed
-    documents apart from the same position_ids."""
+def _reference_sums(model, batches: list[dict], device: torch.device, parity: int | None = None) -> tuple[torch.Tensor, int]:
+    """Summed next-token loss and target count over ``batches``, one device, whole sequences, written without
+    seqmesh's data pipeline: target t is label t+1, except where the next token starts a new packed document
+    (its position restarts at 0). Each document runs through the model alone (transformers' recurrent layers,
+    unlike its attention, do not separate packed documents). ``parity``: only targets at even (0) or odd
+    (1) positions (the two halves of the loss)."""
     total = torch.zeros((), device=device)
     count = 0
     for batch in batches:
@@ -31,17 +32,51 @@ def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.T
         targets = batch.get("labels", batch["input_ids"])[:, 1:].clone()
         if positions is not None:
             targets[positions[:, 1:] == 0] = IGNORE_INDEX
-            positions = positions.to(device)
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
+        if parity is not None:
+            targets[:, torch.arange(targets.shape[1]) % 2 != parity] = IGNORE_INDEX
+        starts = [0] if positions is None else sorted({0, *(positions[0] == 0).nonzero().flatten().tolist()})
+        if positions is not None and not torch.equal(positions, positions[:1].expand_as(positions)):
+            starts = [0]  # rows with different documents: whole rows (the copy task and text data never make them)
+        bounds = starts + [ids.shape[1]]
+        logits = torch.cat([
+            model(input_ids=ids[:, a:b], position_ids=None if positions is None else positions[:, a:b].to(device),
+                  use_cache=False).logits
+            for a, b in zip(bounds[:-1], bounds[1:])], dim=1)[:, :-1]
         targets = targets.to(device)
         total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                                         reduction="sum")
         count += int((targets != IGNORE_INDEX).sum())
+    return total, count
+
+
+def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:
+    """Mean next-token loss over all valid targets of ``batches`` (see :func:`_reference_sums`)."""
+    total, count = _reference_sums(model, batches, device)
     return total / max(count, 1)
 
 
+def _reference_noise(model, batches: list[dict], device: torch.device, grads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The reference's own rounding: its gradients back-propagated as two halves of the loss and summed,
+    against ``grads`` from one pass; relative per parameter. Some gradients cancel heavily (Gated
+    DeltaNet's A_log and dt_bias: ~1e-3 in float32), so no fixed tolerance fits every model."""
+    _, count = _reference_sums(model, batches, device)
+    model.zero_grad()
+    for parity in (0, 1):
+        (_reference_sums(model, batches, device, parity)[0] / max(count, 1)).backward()
+    noise = {name: float((p.grad - grads[name]).abs().max() / grads[name].abs().max().clamp(min=1e-12))
+             for name, p in model.named_parameters()}
+    model.zero_grad()
+    return noise
+
+
+NOISE_FACTOR = 10  # a parameter's gradient may differ by this many times the reference's own rounding
+
+
 def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
-    """Returns ``{"loss_diff", "worst": [(name, relative difference)], "tolerance", "ok"}``."""
+    """Returns ``{"loss_diff", "worst": [(name, relative difference)], "tolerance", "allowed", "ok"}``.
+
+    A gradient passes within ``tolerance`` or ``NOISE_FACTOR`` times the reference's own rounding of it
+    (``allowed``: the bound of each of the worst five), whichever is larger."""
     from .data import shard_batch
 
     data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
@@ -54,6 +89,8 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
     ref_loss = _reference_loss(reference, batches, device)
     ref_loss.backward()
+    ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
+    noise = _reference_noise(reference, batches, device, ref_grads)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
         loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
     loss.backward()
@@ -61,16 +98,16 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
         from .fsdp import sync_gradients
 
         sync_gradients(module, mesh)
-    ref_params = dict(reference.named_parameters())
     diffs = []
     for name, p in module.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        want = ref_params[name.removeprefix("lm.")].grad
+        want = ref_grads[name.removeprefix("lm.")]
         diffs.append((name.removeprefix("lm."), float((grad.float() - want).abs().max() / want.abs().max().clamp(min=1e-12))))
     tolerance = rtol if rtol is not None else (5e-2 if cfg.bf16 else 1e-4)
     loss_diff = abs(float(loss) - float(ref_loss))
-    worst = sorted(diffs, key=lambda x: -x[1])[:5]
-    ok = loss_diff <= tolerance * max(1.0, abs(float(ref_loss))) and worst[0][1] <= tolerance
+    allowed = {name: max(tolerance, NOISE_FACTOR * noise[name]) for name, _ in diffs}
+    worst = sorted(diffs, key=lambda x: -x[1] / allowed[x[0]])[:5]
+    ok = loss_diff <= tolerance * max(1.0, abs(float(ref_loss))) and all(d <= allowed[n] for n, d in diffs)
     dist.barrier()
     return {"loss": float(loss), "reference_loss": float(ref_loss), "loss_diff": loss_diff, "worst": worst,
-            "tolerance": tolerance, "ok": ok, "mesh": repr(mesh)}
+            "tolerance": tolerance, "allowed": {n: allowed[n] for n, _ in worst}, "ok": ok, "mesh": repr(mesh)}

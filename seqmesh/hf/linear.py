@@ -1,0 +1,141 @@
+"""transformers' Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) run sequence-parallel.
+
+These layers do not go through the attention interface, so ``parallelize`` gives each one an
+instance-level ``forward`` (the class and transformers' code are untouched) and ``unparallelize``
+deletes it again. The new forward keeps the layer's own projections, gated norm and output
+projection, which act per token on the local shard, and replaces the conv and the recurrence by
+``seqmesh.linear.sequence_parallel_gated_delta``. It reads the sequence from the ``seqmesh`` entry
+of ``shard_batch`` that the decoder layers pass down in their kwargs.
+
+A layer with recurrent state that seqmesh does not know (Mamba mixers, short convolutions, other
+linear attentions) would, run on a shard, silently compute another recurrence; ``check`` refuses
+such models before anything is changed.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from ..linear.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
+from ..mesh import SPMesh
+
+_ATTR = "_seqmesh_linear"
+# class names and parameters that mark a token mixer with state carried along the sequence
+_RECURRENT = re.compile(r"(Mixer|DeltaNet|DeltaAttention|LinearAttention|LightningAttention|ShortConv|Rwkv\w*Attention"
+                        r"|RecurrentBlock|Mamba\d*Layer|Retention|LSTM\w*|SSM)$")
+_STATE_PARAMS = ("A_log", "dt_bias")
+SUPPORTED = "the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid"
+
+Projection = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _split_projections(m: nn.Module, x: torch.Tensor):
+    """Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+    return m.in_proj_qkv(x), m.in_proj_z(x), m.in_proj_b(x), m.in_proj_a(x)
+
+
+def _fused_projections(m: nn.Module, x: torch.Tensor):
+    """Qwen3-Next: in_proj_qkvz and in_proj_ba, interleaved per key head (the layer's own reordering)."""
+    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
+    mixed = torch.cat([t.reshape(*x.shape[:2], -1) for t in (q, k, v)], dim=-1)
+    return mixed, z, b, a
+
+
+def _separate_projections(m: nn.Module, x: torch.Tensor):
+    """OLMo-hybrid: q_proj, k_proj, v_proj, g_proj (the gate), b_proj, a_proj."""
+    mixed = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)
+    return mixed, m.g_proj(x), m.b_proj(x), m.a_proj(x)
+
+
+def _projection(module: nn.Module) -> Projection | None:
+    if not type(module).__name__.endswith("GatedDeltaNet"):
+        return None
+    if hasattr(module, "in_proj_qkv") and hasattr(module, "in_proj_z"):
+        return _split_projections
+    if hasattr(module, "in_proj_qkvz") and hasattr(module, "fix_query_key_value_ordering"):
+        return _fused_projections
+    if all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")):
+        return _separate_projections
+    return None
+
+
+def _is_recurrent(module: nn.Module) -> bool:
+    own = {name for name, _ in module.named_parameters(recurse=False)}
+    return bool(_RECURRENT.search(type(module).__name__)) or any(p in own for p in _STATE_PARAMS)
+
+
+def check(model: nn.Module, mesh: SPMesh) -> list[tuple[str, nn.Module]]:
+    """The Gated DeltaNet layers of ``model``; a ValueError for any other layer with recurrent state, or for
+    heads the sequence group cannot split. A module that merely holds a supported layer (a decoder layer
+    named ``...LinearAttentionDecoderLayer``) is a container, not a recurrent layer of its own."""
+    layers = [(name, m) for name, m in model.named_modules() if _projection(m) is not None]
+    handled = {id(m) for _, m in layers}
+    for _, module in layers:
+        _heads(module, mesh)  # raises if P exceeds the value heads
+    unknown = [(name, m) for name, m in model.named_modules()
+               if id(m) not in handled and _is_recurrent(m) and not any(id(d) in handled for d in m.modules())]
+    if unknown:  # the outermost such module: the mixer (its parts, e.g. a gate owning A_log, may match too)
+        name, module = unknown[0]
+        raise ValueError(
+            f"layer {name!r} ({type(module).__name__}) carries state along the sequence, and seqmesh does not know how "
+            f"to run it sequence-parallel: on a shard it would silently compute another recurrence. seqmesh supports "
+            f"{SUPPORTED}; run this model without sequence parallelism."
+        )
+    return layers
+
+
+def _heads(module: nn.Module, mesh: SPMesh) -> LinearHeads:
+    return LinearHeads(module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, mesh.sp_size)
+
+
+def _make_forward(mesh: SPMesh, project: Projection):
+    def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs) -> torch.Tensor:
+        info = kwargs.get("seqmesh")
+        if info is None:
+            raise ValueError(
+                f"{type(self).__name__} runs sequence-parallel but was called without the 'seqmesh' entry; call the model "
+                "with the batch returned by seqmesh.shard_batch (model(**batch)), or seqmesh.hf.unparallelize(model) first."
+            )
+        if cache_params is not None:
+            raise ValueError("seqmesh's sequence-parallel Gated DeltaNet trains on whole sequences and keeps no cache; "
+                             "call the model with use_cache=False.")
+        if attention_mask is not None:
+            raise ValueError(
+                f"{type(self).__name__} received a padding mask of shape {tuple(attention_mask.shape)}; seqmesh describes "
+                "padding and packed documents through shard_batch instead (pass position_ids, not attention_mask)."
+            )
+        b, n, _ = hidden_states.shape
+        mixed, z, beta_in, a_in = project(self, hidden_states)  # (B, L, conv_dim), (B, L, Hv*Dv), (B, L, Hv) x 2
+        params = GateParams(self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias, self.activation,
+                            2.0 if getattr(self, "allow_neg_eigval", False) else 1.0)
+        core = sequence_parallel_gated_delta(  # (B, L, Hv, Dv)
+            torch.cat([mixed, beta_in, a_in], dim=-1), params, _heads(self, mesh), mesh,
+            layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
+        )
+        norm = self.norm if hasattr(self, "norm") else self.o_norm
+        out = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(b, n, -1)
+        return (self.out_proj if hasattr(self, "out_proj") else self.o_proj)(out)
+
+    return forward
+
+
+def install(model: nn.Module, mesh: SPMesh) -> int:
+    """Give every Gated DeltaNet layer of ``model`` the sequence-parallel forward; returns how many."""
+    layers = check(model, mesh)
+    for _, module in layers:
+        module.forward = types.MethodType(_make_forward(mesh, _projection(module)), module)
+        setattr(module, _ATTR, True)
+    return len(layers)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Undo :func:`install`: the class's own forward again."""
+    for module in model.modules():
+        if getattr(module, _ATTR, False):
+            del module.forward
+            delattr(module, _ATTR)

@@ -1,0 +1,170 @@
+"""The Gated DeltaNet token mixer on whole sequences, in plain PyTorch: the reference every faster
+kernel is compared with, and the CPU path.
+
+Per value head, a state ``S`` (Dk x Dv) runs over the sequence::
+
+    S_t = exp(g_t) * S_{t-1}                          # decay
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T    # delta rule: write the part of v_t S_t misses
+    o_t = S_t^T q_t                                   # q, k L2-normalised, q scaled by Dk^-1/2
+
+Packed documents are *segments*: ``bounds = (0, b1, ..., S)``; the state and the short causal conv
+both restart at every bound, so a document never sees another one's tokens.
+
+The chunked form (as in flash-linear-attention) processes ``C`` tokens at a time: inside a chunk
+the delta-rule updates solve one unit-lower-triangular system; across chunks the state is carried.
+Segments are laid out so that each starts a new chunk (zero-padded to a multiple of ``C``; a
+padded slot has beta = 0 and g = 0, so it leaves the state untouched), and the carried state is
+zeroed at the first chunk of each segment: all documents run in the same batched matmuls.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def segment_bounds(total: int, cu_seqlens: Sequence[int] | None, seq_len: int | None = None) -> tuple[int, ...]:
+    """``(0, ..., total)``: document starts from ``cu_seqlens`` (global), plus ``seq_len`` where the
+    layout's padding begins, so padding is a segment of its own and never reaches a real token."""
+    cuts = {0, total}
+    if cu_seqlens is not None:
+        cuts.update(int(c) for c in cu_seqlens if 0 < c < total)
+    if seq_len is not None and 0 < seq_len < total:
+        cuts.add(seq_len)
+    return tuple(sorted(cuts))
+
+
+def positions_in_segments(bounds: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(S,)`` int64: each token's offset from the start of its segment."""
+    return _positions(bounds, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])]).to(device)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bounds: tuple[int, ...], activation: str = "silu"
+) -> torch.Tensor:
+    """Depthwise causal conv, restarting at every segment bound. ``x`` (B, S, C), ``weight`` (C, K).
+
+    ``out[t] = sum_s weight[:, K-1-s] * x[t-s]`` over the shifts ``s`` that stay inside t's segment
+    (what ``F.conv1d(x, w, padding=K-1)[..., :S]`` computes on each document alone)."""
+    b, s, c = x.shape
+    kernel = weight.shape[-1]
+    pos = positions_in_segments(bounds, x.device)  # (S,)
+    out = x * weight[:, kernel - 1]
+    for shift in range(1, min(kernel, s)):
+        keep = (pos[shift:] >= shift).to(x.dtype)[None, :, None]  # (1, S-shift, 1)
+        shifted = x[:, :-shift] * keep * weight[:, kernel - 1 - shift]  # (B, S-shift, C)
+        out = out + F.pad(shifted, (0, 0, shift, 0))
+    if bias is not None:
+        out = out + bias
+    if activation in ("silu", "swish"):
+        return F.silu(out)
+    if activation is None:
+        return out
+    raise ValueError(f"conv activation {activation!r} is not supported; seqmesh's Gated DeltaNet takes 'silu'.")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dim (flash-linear-attention's and transformers' form)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The recurrence runs in float32 for half-precision inputs, otherwise in the input's dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _chunk_layout(bounds: tuple[int, ...], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each token goes when every segment starts a chunk: ``(dest (S,), starts (N,) bool, padded)``."""
+    dest, starts, offset = [], [], 0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        n = -(-(b - a) // chunk)
+        dest.append(torch.arange(b - a) + offset)
+        starts += [True] + [False] * (n - 1)
+        offset += n * chunk
+    return torch.cat(dest).to(device), torch.tensor(starts, device=device), offset
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    bounds: tuple[int, ...],
+    *,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """The gated delta rule over segments. q, k (B, S, H, Dk) (not yet normalised; one key head per
+    value head), v (B, S, H, Dv), g and beta (B, S, H) -> (B, S, H, Dv) in v's dtype."""
+    out_dtype = v.dtype
+    dt = compute_dtype(q.dtype)
+    b, s, h, dk = q.shape
+    dv = v.shape[-1]
+    q = l2norm(q.to(dt)) * dk**-0.5
+    k = l2norm(k.to(dt))
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+
+    dest, starts, total = _chunk_layout(bounds, chunk, q.device)
+    n = total // chunk
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
+        padded = x.new_zeros(b, total, *x.shape[2:]).index_copy(1, dest, x)
+        return padded.transpose(1, 2).reshape(b, h, n, chunk, *x.shape[3:])
+
+    q, k, v, g, beta = (to_chunks(x) for x in (q, k, v, g, beta))
+    gc = g.cumsum(-1)  # (B, H, N, C): log decay from the chunk start to each token
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # (B, H, N, C, C)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # unit lower-triangular system of the chunk's delta-rule updates
+    system = (k_beta @ k.transpose(-1, -2) * decay).tril(-1) + torch.eye(chunk, dtype=dt, device=q.device)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)  # (B, H, N, C, Dv)
+    w = torch.linalg.solve_triangular(system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True)
+    intra = q @ k.transpose(-1, -2) * decay  # (B, H, N, C, C)
+    q_read = q * gc.exp()[..., None]  # reads the state entering the chunk
+    k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # writes decayed to the chunk's end
+    chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
+    keep = (~starts).to(dt)  # (N,): 0 where a segment starts, so the carried state is dropped
+
+    state = q.new_zeros(b, h, dk, dv)
+    outs = []
+    for i in range(n):
+        state = state * keep[i]
+        v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
+        outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, 2).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
+    return out.index_select(1, dest).to(out_dtype)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: tuple[int, ...]
+) -> torch.Tensor:
+    """Token-by-token form of :func:`chunk_gated_delta_rule` (same arguments): the test oracle."""
+    out_dtype = v.dtype
+    dt = compute_dtype(q.dtype)
+    b, s, h, dk = q.shape
+    q = l2norm(q.to(dt)) * dk**-0.5
+    k = l2norm(k.to(dt))
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+    starts = set(bounds[:-1])
+    state = q.new_zeros(b, h, dk, v.shape[-1])
+    outs = []
+    for t in range(s):
+        if t in starts:
+            state = torch.zeros_like(state)
+        state = state * g[:, t, :, None, None].exp()
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, 1).to(out_dtype)

@@ -1,0 +1,202 @@
+"""Gated DeltaNet with the sequence sharded over ``P = ring x ulysses`` ranks, exactly.
+
+Design: one all-to-all over the *whole* sequence group (ring and Ulysses ranks together) trades
+sequence for heads. Every rank then holds the whole sequence, in natural order, for a subset of
+the value heads (and the key heads they read), and runs the causal conv and the recurrence there
+with no further communication; the inverse all-to-all returns each token's output to the rank
+that holds it in the layout (zigzag or contiguous). The ring axis is not used by these layers, so
+Ulysses, ring and USP meshes are all exact by the same code::
+
+    local tokens (B, L, hidden) --projections (local)--> [q | k | v | b | a] (B, L, C)
+      --all-to-all over P (channels of each rank's heads)--> (B, S, C_r), layout order -> natural
+      --conv (rank's channel slice), gates (A_log, dt_bias sliced), recurrence--> (B, S, h_r, Dv)
+      --natural -> layout order, inverse all-to-all--> (B, L, Hv, Dv)
+      --gated norm with z (never communicated), out projection (local)--> (B, L, hidden)
+
+Heads are dealt as Ulysses deals attention heads (``sharded_attention.heads.HeadPlan``, value heads
+in the role of query heads): value heads in contiguous ranges, each rank receiving the key heads
+those read. With fewer key heads than ``P``, neighbouring ranks receive the same key head
+(replication); the backward of the all-to-all sums its gradients. ``P`` must not exceed the value
+heads.
+
+Traffic per layer and rank, with ``L = S / P`` local tokens, ``h_u`` value heads and ``k_u`` key
+heads on rank ``u``, ``c_u = 2 k_u Dk + h_u (Dv + 2)`` its input channels (elements of the
+activation dtype)::
+
+    forward:  B * L * (sum_{u != me} c_u  +  (P - 1) h_me Dv)
+    backward: B * L * ((P - 1) c_me  +  (Hv - h_me) Dv)
+    even split, no replication, each: B * S * (P - 1) / P^2 * (2 Hk Dk + Hv (2 Dv + 2))
+
+(``seqmesh.planner.traffic.linear_attention_traffic`` derives it independently; tests check it
+against ``comm_stats``.) With Qwen3.5-9B's heads (Hk = 16, Hv = 32, Dk = Dv = 128), S = 128K, P = 8
+and bf16 that is 354 MB per layer and rank forward (and again backward): the bytes of a Ulysses
+attention layer of the same model (352 MB for its 16 + 2 x 4 + 16 heads of 256).
+
+Memory: each rank holds ``1/P`` of the layer's channels over the whole sequence, the same size as
+its share of the local activations; the recurrence keeps one float32 (Dk x Dv) state per head and
+64-token chunk for backward (the planner's ``linear_layer_saved_bytes``). Latency: two all-to-alls
+each way, no sequential dependence between ranks.
+
+The alternative keeps heads whole and passes, along the ring, the recurrent state of each chunk
+(``B * Hv * Dk * Dv`` float32, with Qwen3.5-9B's 32 x 128 x 128 heads 2 MiB per sample and hop;
+per rank it holds all heads of its tokens, the same activation memory as here) and the conv
+tail (``(K - 1) * conv channels``): far fewer bytes, independent of ``S``, but each ring rank must
+wait for the state of every earlier position, so in zigzag order (two chunks per rank, out of
+order) the ring runs ``2R - 1`` sequential stages; a parallel scan over per-chunk transitions
+(``Dk x Dk`` per head) removes the wait at the price of a second pass. seqmesh takes the
+all-to-all: exact on every mesh, no serial latency, and the bytes are of the same order as the
+Ulysses attention layers of the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..comm.collectives import head_to_seq, seq_to_head
+from ..layout import SequenceLayout
+from ..mesh import SPMesh
+from ..sharded_attention.heads import HeadPlan
+from .gated_delta import segment_bounds
+from .kernels import causal_conv, gated_delta_rule
+
+
+@dataclass(frozen=True)
+class LinearHeads:
+    """The head shapes of one Gated DeltaNet layer, dealt to ``ranks`` ranks."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int  # per head
+    value_dim: int  # per head
+    ranks: int
+
+    def __post_init__(self) -> None:
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"{self.value_heads} linear value heads are not a multiple of {self.key_heads} key heads.")
+        if self.ranks > self.value_heads:
+            raise ValueError(
+                f"the Gated DeltaNet layers have {self.value_heads} value heads, fewer than the {self.ranks} ranks of the "
+                f"sequence group (ulysses x ring): each rank runs the recurrence of at least one head. Use a sequence "
+                f"degree of at most {self.value_heads}."
+            )
+
+    @property
+    def plan(self) -> HeadPlan:
+        return HeadPlan(self.value_heads, self.key_heads, self.ranks)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def channels(self) -> int:
+        """Channels of the packed input: q, k, v (the conv's), then b and a (one per value head)."""
+        return self.conv_dim + 2 * self.value_heads
+
+    def send_chunks(self) -> list[tuple[int, int, int]]:
+        """Destination-major channel ranges of the packed input each rank receives."""
+        kd, dk, dv = self.key_heads * self.key_dim, self.key_dim, self.value_dim
+        chunks = []
+        for u in range(self.ranks):
+            (k0, k1), (v0, v1) = self.plan.kv_range(u), self.plan.q_range(u)
+            chunks += [(0, k0 * dk, k1 * dk), (0, kd + k0 * dk, kd + k1 * dk), (0, 2 * kd + v0 * dv, 2 * kd + v1 * dv),
+                       (0, self.conv_dim + v0, self.conv_dim + v1),
+                       (0, self.conv_dim + self.value_heads + v0, self.conv_dim + self.value_heads + v1)]
+        return chunks
+
+    def in_channels(self, rank: int) -> int:
+        k, v = self.plan.kv_count(rank), self.plan.q_count(rank)
+        return 2 * k * self.key_dim + v * (self.value_dim + 2)
+
+    def conv_channels(self, rank: int) -> torch.Tensor:
+        """The conv channels (indices into q | k | v) of ``rank``'s heads, in the order received."""
+        return _conv_channels(self, rank)
+
+    def key_of_value_head(self, rank: int) -> torch.Tensor:
+        """For each value head of ``rank``, the index of the key head it reads among the rank's key heads."""
+        (k0, _), (v0, v1) = self.plan.kv_range(rank), self.plan.q_range(rank)
+        group = self.value_heads // self.key_heads
+        return torch.tensor([h // group - k0 for h in range(v0, v1)], dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=64)
+def _conv_channels(heads: LinearHeads, rank: int) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for i, a, b in heads.send_chunks()[5 * rank : 5 * rank + 3]])
+
+
+@dataclass(frozen=True)
+class GateParams:
+    """The layer's own parameters that act on the communicated channels."""
+
+    conv_weight: torch.Tensor  # (conv_dim, K)
+    conv_bias: torch.Tensor | None  # (conv_dim,)
+    A_log: torch.Tensor  # (Hv,)
+    dt_bias: torch.Tensor  # (Hv,)
+    activation: str = "silu"
+    beta_scale: float = 1.0  # 2.0 lets beta reach (0, 2) (negative eigenvalues, OLMo-hybrid)
+
+
+def gated_delta_heads(
+    packed: torch.Tensor, params: GateParams, heads: LinearHeads, rank: int, bounds: tuple[int, ...]
+) -> torch.Tensor:
+    """The token mixer on whole sequences for ``rank``'s heads: ``packed`` (B, S, in_channels(rank))
+    in natural order -> (B, S, h_rank, Dv)."""
+    b, s, _ = packed.shape
+    plan = heads.plan
+    nk, nv = plan.kv_count(rank), plan.q_count(rank)
+    v0, v1 = plan.q_range(rank)
+    conv_in, beta_in, a_in = packed.split([2 * nk * heads.key_dim + nv * heads.value_dim, nv, nv], dim=-1)
+    channels = heads.conv_channels(rank).to(packed.device)
+    weight = params.conv_weight.index_select(0, channels)
+    bias = None if params.conv_bias is None else params.conv_bias.index_select(0, channels)
+    mixed = causal_conv(conv_in, weight, bias, bounds, params.activation)  # (B, S, conv channels of the rank)
+    q, k, v = mixed.split([nk * heads.key_dim, nk * heads.key_dim, nv * heads.value_dim], dim=-1)
+    key_of = heads.key_of_value_head(rank).to(packed.device)
+    q = q.reshape(b, s, nk, heads.key_dim).index_select(2, key_of)  # (B, S, h, Dk): one key head per value head
+    k = k.reshape(b, s, nk, heads.key_dim).index_select(2, key_of)
+    v = v.reshape(b, s, nv, heads.value_dim)
+    beta = beta_in.sigmoid() * params.beta_scale if params.beta_scale != 1.0 else beta_in.sigmoid()
+    g = -params.A_log[v0:v1].float().exp() * F.softplus(a_in.float() + params.dt_bias[v0:v1])  # (B, S, h)
+    return gated_delta_rule(q, k, v, g, beta, bounds)
+
+
+def sequence_parallel_gated_delta(
+    packed: torch.Tensor,
+    params: GateParams,
+    heads: LinearHeads,
+    mesh: SPMesh,
+    *,
+    layout: str,
+    seq_len: int,
+    cu_seqlens: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """``packed`` (B, L, channels): this rank's tokens in the layout's order, channels q | k | v | b | a
+    before the conv -> (B, L, Hv, Dv), the recurrence's output for those tokens (before the gated norm).
+
+    ``seq_len``: real tokens (later positions are the layout's padding); ``cu_seqlens``: packed
+    documents over the whole sequence. The state and the conv restart at each document."""
+    p = mesh.sp_size
+    if heads.ranks != p:
+        raise ValueError(f"heads dealt to {heads.ranks} ranks, but the sequence group has {p}.")
+    b, n, c = packed.shape
+    if c != heads.channels:
+        raise ValueError(f"packed input has {c} channels; the layer's q | k | v | b | a have {heads.channels}.")
+    padded = n * p
+    bounds = segment_bounds(padded, cu_seqlens, seq_len)
+    if p == 1:
+        return gated_delta_heads(packed, params, heads, 0, bounds)
+    rank, group = mesh.sp_rank, mesh.sp_group
+    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded)  # type: ignore[arg-type]  # parsed inside
+    plan = heads.plan
+    sends = [heads.in_channels(u) for u in range(p)]
+    gathered = seq_to_head([packed.unsqueeze(-1)], group, heads.send_chunks(), sends, sends[rank])  # (B, S, c_r, 1)
+    natural = gathered.squeeze(-1).index_select(1, lay.indices(restore=True).to(packed.device))
+    out = gated_delta_heads(natural, params, heads, rank, bounds)  # (B, S, h_r, Dv)
+    out = out.index_select(1, lay.indices().to(out.device))  # layout order
+    counts = [plan.q_count(u) for u in range(p)]
+    chunks = [(0, *plan.q_range(u)) for u in range(p)]
+    return head_to_seq(out, group, chunks, counts, counts[rank], torch.Size((b, n, heads.value_heads, heads.value_dim)))

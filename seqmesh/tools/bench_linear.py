@@ -1,0 +1,163 @@
+"""Benchmark: sequence-parallel Gated DeltaNet (conv + recurrence, forward+backward) against one device.
+
+Every ``ulysses x ring`` factorisation of the world runs ``seqmesh.linear.sequence_parallel_gated_delta``
+(the all-to-all design: the same for every factorisation, which only changes the layout of the
+tokens), timed side by side with one process running the same math on the whole sequence; each
+result is checked against that process's and the bytes each rank sent are counted.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..linear.gated_delta import segment_bounds
+from ..linear.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
+
+
+@dataclass
+class LinearBench:
+    """One Gated DeltaNet workload. Every field has a CPU-friendly default."""
+
+    seq_len: int = 8192
+    batch: int = 1
+    key_heads: int = 4
+    value_heads: int = 8
+    key_dim: int = 64
+    value_dim: int = 64
+    kernel: int = 4
+    dtype: str = "float32"
+    layout: str = "zigzag"
+    world: int = 4
+    repeats: int = 3
+    warmup: int = 1
+    meshes: list[tuple[int, int]] = field(default_factory=list)  # (ulysses, ring); empty: all factorisations
+
+    def factorisations(self) -> list[tuple[int, int]]:
+        if self.meshes:
+            return list(self.meshes)
+        return [(u, self.world // u) for u in range(self.world, 0, -1) if self.world % u == 0]
+
+    def heads(self, ranks: int) -> LinearHeads:
+        return LinearHeads(self.key_heads, self.value_heads, self.key_dim, self.value_dim, ranks)
+
+
+def _inputs(cfg: LinearBench):
+    g = torch.Generator().manual_seed(1234)
+    dt = getattr(torch, cfg.dtype)
+    heads = cfg.heads(1)
+    packed = torch.randn(cfg.batch, cfg.seq_len, heads.channels, generator=g).to(dt)
+    params = GateParams((torch.randn(heads.conv_dim, cfg.kernel, generator=g) * 0.5).to(dt), None,
+                        torch.empty(cfg.value_heads).uniform_(0.01, 0.3, generator=g).log().to(dt),
+                        torch.randn(cfg.value_heads, generator=g).to(dt))
+    dout = torch.randn(cfg.batch, cfg.seq_len, cfg.value_heads, cfg.value_dim, generator=g).to(dt)
+    return packed, params, dout
+
+
+def _time(step, repeats: int, warmup: int, barrier=None) -> list[float]:
+    times = []
+    for i in range(warmup + repeats):
+        if barrier is not None:
+            barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        if barrier is not None:  # a step takes as long as its slowest rank
+            import torch.distributed as dist
+
+            t = torch.tensor([elapsed])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            elapsed = float(t)
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def _run_single(cfg: LinearBench, reference_path: str | None) -> dict:
+    packed, params, dout = _inputs(cfg)
+    bounds = segment_bounds(cfg.seq_len, None)
+    result = {}
+
+    def step():
+        x = packed.clone().requires_grad_()
+        out = gated_delta_heads(x, params, cfg.heads(1), 0, bounds)
+        out.backward(dout)
+        result.update(out=out.detach(), dx=x.grad)
+
+    times = _time(step, cfg.repeats, cfg.warmup)
+    if reference_path is not None:
+        torch.save(result, reference_path)
+    return {"times": times, "bytes_sent": 0}
+
+
+def _run_rank(cfg: LinearBench, ulysses: int, ring: int, reference_path: str | None) -> dict:
+    import torch.distributed as dist
+
+    from .. import comm_stats, gather_sequence, init_mesh, shard_sequence
+
+    mesh = init_mesh(ulysses, ring, dp_shard=dist.get_world_size() // (ulysses * ring), device_type="cpu")
+    packed, params, dout = _inputs(cfg)
+    local, dlocal = (shard_sequence(t, mesh, layout=cfg.layout).detach() for t in (packed, dout))
+    heads = cfg.heads(mesh.sp_size)
+    result = {}
+
+    def step():
+        x = local.clone().requires_grad_()
+        with comm_stats() as stats:
+            out = sequence_parallel_gated_delta(x, params, heads, mesh, layout=cfg.layout, seq_len=cfg.seq_len)
+            out.backward(dlocal)
+        result.update(out=out.detach(), dx=x.grad, stats=stats)
+
+    times = _time(step, cfg.repeats, cfg.warmup, barrier=dist.barrier)
+    row = {"times": times, "bytes_sent": result["stats"].sent()}
+    if reference_path is not None:
+        ref = torch.load(reference_path)
+        row["max_error"] = max(
+            float((gather_sequence(result[n], mesh, layout=cfg.layout, length=cfg.seq_len) - ref[n]).abs().max())
+            for n in ("out", "dx"))
+    return row
+
+
+def bench_linear(cfg: LinearBench, *, check: bool = True) -> list[dict]:
+    """Rows ``{method, mesh, seconds, vs_one_device, mib_sent_per_rank, max_error}``. A "device" is one process
+    with ``cores // world`` threads, the one device as much as each rank (on a loaded machine, more threads
+    than free cores make one process spin rather than compute)."""
+    from .launch import WorkerPool
+
+    cores = os.cpu_count() or 1
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "one_device.pt") if check else None
+        with WorkerPool(1, threads=max(1, cores // cfg.world)) as pool:
+            single = pool.run(_run_single, cfg, path, timeout=3600)[0]
+        rows.append({"method": "one device", "mesh": "1x1", "seconds": statistics.median(single["times"]),
+                     "mib_sent_per_rank": 0.0})
+        with WorkerPool(cfg.world, threads=max(1, cores // cfg.world)) as pool:
+            for ulysses, ring in cfg.factorisations():
+                per_rank = pool.run(_run_rank, cfg, ulysses, ring, path, timeout=3600)
+                row = {"method": "linear all-to-all", "mesh": f"{ulysses}x{ring}",
+                       "seconds": statistics.median(per_rank[0]["times"]),
+                       "mib_sent_per_rank": max(r["bytes_sent"] for r in per_rank) / 2**20}
+                if check:
+                    row["max_error"] = max(r["max_error"] for r in per_rank)
+                rows.append(row)
+    for r in rows:
+        r["vs_one_device"] = r["seconds"] / rows[0]["seconds"]
+    return rows
+
+
+def format_linear_rows(cfg: LinearBench, rows: list[dict]) -> str:
+    head = (f"Gated DeltaNet conv + recurrence fwd+bwd: {cfg.seq_len} tokens, batch {cfg.batch}, key/value heads "
+            f"{cfg.key_heads}/{cfg.value_heads} x {cfg.key_dim}/{cfg.value_dim}, {cfg.dtype}, {cfg.layout}, {cfg.world} "
+            f"CPU ranks (gloo); median of {cfg.repeats}")
+    lines = [head, f"{'method':<19}{'mesh UxR':>9}{'seconds':>10}{'/ 1 dev':>9}{'MiB sent/rank':>15}{'max |err|':>12}"]
+    for r in rows:
+        err = f"{r['max_error']:.2e}" if "max_error" in r else "-"
+        lines.append(f"{r['method']:<19}{r['mesh']:>9}{r['seconds']:>10.3f}{r['vs_one_device']:>9.2f}"
+                     f"{r['mib_sent_per_rank']:>15.2f}{err:>12}")
+    return "\n".join(lines)
