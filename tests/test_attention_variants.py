@@ -1,0 +1,52 @@
+"""Sliding windows, attention sinks and a value head dim unlike q's, on spawned gloo groups, against
+float64 attention with an explicit mask on the whole sequence (forward and every gradient)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dist_cases import Case, attention_cases
+
+# (ulysses, ring)
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+
+
+def _documents(seq_len: int) -> tuple[int, ...]:
+    return (0, 1, 9, 10, seq_len - 5)
+
+
+def _cases() -> list[Case]:
+    """Windows of 1 token, shorter than a zigzag chunk (48 tokens on 4 ring ranks: chunks of 6),
+    between a chunk and a shard, longer than a shard and longer than the sequence; lengths with and
+    without padding (45 is not a multiple of 2P); packed documents; sinks; Dv != D; both layouts."""
+    cases = [
+        Case(seq_len, 4, 2, True, layout, _documents(seq_len) if docs else None, window=window)
+        for layout, seq_len, docs, window in itertools.product(
+            ("zigzag", "contiguous"), (48, 45), (False, True), (1, 5, 9, 20, 64)
+        )
+    ]
+    cases += [Case(48, 4, 1, True, layout, None, window=7, sinks=True) for layout in ("zigzag", "contiguous")]
+    cases += [Case(45, 4, 2, causal, "zigzag", _documents(45), sinks=True) for causal in (True, False)]
+    cases += [Case(48, 4, 2, causal, "zigzag", None, v_dim=4) for causal in (True, False)]
+    cases += [Case(45, 4, 4, True, "contiguous", _documents(45), v_dim=12, window=6, sinks=True)]
+    cases += [Case(40, 4, 2, True, "zigzag", None, window=6, sinks=True, v_dim=4, dtype="float32", seed=2)]
+    return cases
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_window_sinks_value_dim_exact(pools, ulysses, ring):
+    """Output, dq, dk, dv and d(sinks) (summed over the sequence group) equal the reference."""
+    cases = _cases()
+    per_rank = pools.run(ulysses * ring, attention_cases, ulysses, ring, 1, cases)
+    worst: dict[str, dict[str, float]] = {"float64": {}, "float32": {}}
+    for results in per_rank:
+        for r in results:
+            dtype = "float32" if "float32" in r["case"] else "float64"
+            for name, err in r.items():
+                if name != "case":
+                    assert err < (1e-5 if dtype == "float32" else 1e-10), (r["case"], name, err)
+                    worst[dtype][name] = max(worst[dtype].get(name, 0.0), err)
+    assert len(per_rank[0]) == len(cases)
+    print(f"u{ulysses}xr{ring} worst errors: {worst}")
