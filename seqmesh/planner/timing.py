@@ -268,4 +268,4 @@ def ring_attention_seconds(work: Workload, layout: Layout, hw: HardwareSpec, att
     t_kv, t_dkv = ring_hops(work, layout, hw)
     if phase == "forward":
         return (ring - 1) * max(step, t_kv) + step, (ring - 1) * t_kv
-    return (ring - 1) * max(step, t_kv + t_dkv) + step + t_dkv, (ring - 1) * t_kv + ring * t_dkv
+    return (ring - 1) * max(step, t_kv + t_dkv) + step + t_dkv, (ring - 1) * (t_kv + t_dkv)
