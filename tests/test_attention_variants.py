@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dist_cases import Case, attention_cases
+from dist_cases import Case, attention_cases, traffic_cases
 
 # (ulysses, ring)
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
@@ -50,3 +50,28 @@ def test_window_sinks_value_dim_exact(pools, ulysses, ring):
                     worst[dtype][name] = max(worst[dtype].get(name, 0.0), err)
     assert len(per_rank[0]) == len(cases)
     print(f"u{ulysses}xr{ring} worst errors: {worst}")
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 4), (2, 2)], ids=["u1xr4", "u2xr2"])
+def test_window_traffic_equals_planner_formula(pools, ulysses, ring):
+    """Per-rank P2P and all-to-all bytes counted by comm_stats equal the planner's first-principles
+    formula, including the ring steps (and K/V transfers) a short window skips."""
+    from seqmesh.planner.traffic import attention_traffic, ring_steps
+
+    cases = [Case(64, 4, 2, True, layout, None, window=w) for layout in ("zigzag", "contiguous") for w in (1, 5, 9, 20, None)]
+    per_rank = pools.run(ulysses * ring, traffic_cases, ulysses, ring, cases)
+    for rank_results in per_rank:
+        for r in rank_results:
+            case, stats = r["case"], r["stats"]
+            sp_rank = r["ring_rank"] * ulysses + r["ulysses_rank"]
+            want = attention_traffic(4, 2, 8, seq_len=64, batch=case["batch"], ulysses=ulysses, ring=ring,
+                                     dtype="float64", layout=case["layout"], window=case["window"])[sp_rank]
+            for kind in ("p2p", "all_to_all"):
+                for phase in ("forward", "backward"):
+                    got = stats.get(kind, {}).get(phase, {})
+                    assert got.get("bytes_sent", 0) == want.sent(kind, phase), (case, kind, phase, got)
+                    assert got.get("calls", 0) == want.calls(kind, phase), (case, kind, phase, got)
+    # what the window saves: with a window shorter than a zigzag chunk only the two neighbours' blocks
+    # travel (steps 0, 1 and ring-1); contiguous needs only the previous rank's block
+    assert ring_steps(4, 64, "zigzag", 5) == 3 and ring_steps(4, 64, "contiguous", 5) == 2
+    assert ring_steps(4, 64, "zigzag", 1) == 1 and ring_steps(4, 64, "zigzag", None) == 4
