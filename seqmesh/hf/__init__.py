@@ -46,18 +46,25 @@ def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:
     )
 
 
-def _refuse_unsupported(kwargs: dict, info: SequenceInfo) -> None:
-    """Variants of attention seqmesh does not compute: fail rather than silently run full attention."""
+SUPPORTED_VARIANTS = ("full causal or bidirectional attention", "causal sliding windows (sliding_window)",
+                      "attention sinks (s_aux)", "MHA/GQA/MQA", "a value head dim unlike q's (MLA)", "packed documents")
+
+
+def refuse_unsupported(module: nn.Module, kwargs: dict, causal: bool) -> None:
+    """Variants of attention seqmesh does not compute raise here, before any work, naming the layer,
+    the variant and what seqmesh supports; nothing is silently replaced by full attention."""
+    layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    supported = "seqmesh supports " + ", ".join(SUPPORTED_VARIANTS) + "."
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{layer} uses attention logit soft-capping (softcap={kwargs['softcap']!r}), which seqmesh does "
+                         f"not compute; {supported} Set config.attn_logit_softcapping = None to train without it.")
     window = kwargs.get("sliding_window")
-    if window is not None and window < info.seq_len:
-        raise ValueError(
-            f"this layer uses sliding-window attention (window {window}) on a {info.seq_len}-token sequence; "
-            "seqmesh computes full causal attention only. Set config.sliding_window = None (and "
-            "use_sliding_window = False), or keep sequences within the window."
-        )
-    for name, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
+    if window is not None and not causal:
+        raise ValueError(f"{layer} uses a bidirectional sliding window (sliding_window={window}, is_causal=False), "
+                         f"which seqmesh does not compute; {supported}")
+    for name in ("attention_chunk_size", "chunk_size"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"this model uses {what} ({name}={kwargs[name]!r}), which seqmesh does not support.")
+            raise ValueError(f"{layer} uses chunked attention ({name}={kwargs[name]!r}); {supported}")
 
 
 def _make_attention(mesh: SPMesh, backend: str):
@@ -78,13 +85,15 @@ def _make_attention(mesh: SPMesh, backend: str):
                 "computes causal attention within the documents of seqmesh.shard_batch and cannot apply an arbitrary "
                 "mask. Describe padding and packed documents through shard_batch instead."
             )
-        _refuse_unsupported(kwargs, info)
+        causal = getattr(module, "is_causal", True)
+        refuse_unsupported(module, kwargs, causal)
         first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
+        sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per query head, in the denominator only
         out = attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
-            causal=getattr(module, "is_causal", True), layout=info.layout, cu_seqlens=info.cu_seqlens,
+            causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
-            validate=first,
+            validate=first, window=kwargs.get("sliding_window"), sinks=sinks,
         )
         info.validated.add(id(mesh))
         return out, None
@@ -95,9 +104,11 @@ def _make_attention(mesh: SPMesh, backend: str):
 def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.Module:
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
-    Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral and
-    most decoder-only models of transformers >= 5.0) with full causal attention; sliding windows
-    shorter than the sequence, logit soft-capping and attention sinks raise at the first call.
+    Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral,
+    Gemma 3, gpt-oss, DeepSeek-V3 and most decoder-only models of transformers >= 5.0): causal
+    attention with per-layer sliding windows (``sliding_window``, as transformers' masks: the last
+    ``sliding_window`` tokens), attention sinks (``s_aux``) and MLA head dims. Logit soft-capping and
+    bidirectional windows raise at the first call, naming the layer.
     Returns the same model. The switch is stored on ``model.config``: another model built from the
     same config object switches with it.
     """
@@ -132,7 +143,10 @@ def unparallelize(model: nn.Module) -> nn.Module:
         return model
     name, previous = state
     model.set_attn_implementation(previous)
-    AttentionInterface._global_mapping.pop(name, None)  # the interface keeps registrations in this mapping
+    # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
+    # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
+    # the registration is dropped from that mapping directly.
+    AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model
 
