@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..sharded_attention.api import attention
+from .layers import check_layers
 from ..training.data import SequenceInfo
 from ..mesh import SPMesh
 
@@ -120,10 +121,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
-    chunk = getattr(config, "attention_chunk_size", None)
-    if chunk:
-        raise ValueError(f"this model uses chunked attention (attention_chunk_size={chunk}); seqmesh computes full "
-                         "causal attention only. Set config.attention_chunk_size = None to train it with full attention.")
+    check_layers(model)
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"
