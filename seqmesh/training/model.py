@@ -17,6 +17,14 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
     """A transformers config of ``shape``'s family with its sizes (random initialisation follows)."""
     from transformers import AutoConfig
 
+    sizes = dict(
+        sliding_window=shape.sliding_window,  # None: full attention (Mistral's configs default to a window)
+        use_sliding_window=shape.sliding_window is not None,
+    )
+    if shape.family != "mistral":  # Mistral has one window for every layer and no layer_types
+        sizes["layer_types"] = list(shape.layer_types)
+    if shape.experts:
+        sizes.update(num_local_experts=shape.experts, num_experts_per_tok=shape.experts_per_token)
     return AutoConfig.for_model(
         shape.family,
         hidden_size=shape.hidden,
@@ -30,8 +38,8 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         rope_theta=shape.rope_theta,
         max_position_embeddings=max_positions,
         attention_dropout=0.0,
-        sliding_window=None,  # full attention (Mistral's configs default to a window)
-        use_sliding_window=False,
+        **sizes,
+        **dict(shape.extra),
     )
 
 
@@ -70,7 +78,10 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        # the single-device reference runs transformers' own attention: SDPA, or eager for models without
+        # an SDPA path (gpt-oss: its sinks); seqmesh.hf replaces either
+        sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
     return model
 
 

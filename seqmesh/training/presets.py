@@ -27,19 +27,52 @@ class ModelShape:
     vocab: int
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    sliding_window: int | None = None  # causal window of the sliding layers (transformers' sliding_window)
+    full_every: int = 0  # with a window: every full_every-th layer is full attention, the others slide (0: all slide)
+    experts: int = 0  # MoE experts per layer (0: a dense gated MLP)
+    experts_per_token: int = 0
+    extra: tuple[tuple[str, object], ...] = ()  # further config entries of the family (name, value)
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: {self.heads} query heads are not a multiple of {self.kv_heads} kv heads.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{self.name}: sliding_window must be a positive number of tokens, got {self.sliding_window}.")
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """transformers' per-layer attention kinds: every ``full_every``-th layer full, the rest sliding."""
+        if self.sliding_window is None:
+            return ("full_attention",) * self.layers
+        return tuple("full_attention" if self.full_every and (i + 1) % self.full_every == 0 else "sliding_attention"
+                     for i in range(self.layers))
+
+    @property
+    def sliding_layers(self) -> int:
+        return self.layer_types.count("sliding_attention")
+
+    @property
+    def mlp_params(self) -> int:
+        """One layer's MLP: a gated MLP, or ``experts`` of them and a router."""
+        if self.experts:
+            return self.experts * 3 * self.hidden * self.intermediate + self.experts * self.hidden
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def norm_params(self) -> int:
+        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Gemma 3)."""
+        if self.family == "gemma3_text":
+            return 4 * self.hidden + 2 * self.head_dim
+        return 2 * self.hidden + (2 * self.head_dim if self.family == "qwen3" else 0)
 
     @property
     def params(self) -> int:
-        """Parameter count (embeddings, attention, gated MLP, RMSNorms, LM head unless tied)."""
+        """Parameter count (embeddings, attention, gated MLP or experts, RMSNorms, LM head unless tied;
+        gpt-oss's biases and sinks, under 0.01%, are left out)."""
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        norms = 2 * self.hidden + (2 * self.head_dim if self.family == "qwen3" else 0)
+        norms = self.norm_params
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-        return self.layers * (attn + mlp + norms) + embed + self.hidden
+        return self.layers * (attn + self.mlp_params + norms) + embed + self.hidden
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +90,35 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("qwen3-4b", "qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1e6),
         ModelShape("qwen3-32b", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936, False, 1e6),
         ModelShape("mistral-7b", "mistral", 4096, 32, 32, 8, 128, 14336, 32768, False, 1e6),
+        # sliding windows and sinks (published configs: Mistral-7B-v0.1, Gemma 3 4B/27B, gpt-oss 20b/120b)
+        ModelShape("mistral-window-tiny", "mistral", 64, 2, 4, 2, 16, 128, 256, sliding_window=8),
+        ModelShape("mistral-7b-window", "mistral", 4096, 32, 32, 8, 128, 14336, 32000, False, 10000.0,
+                   sliding_window=4096),
+        ModelShape("gemma3-tiny", "gemma3_text", 64, 2, 4, 2, 16, 128, 256, True, 1e6, sliding_window=8, full_every=2,
+                   extra=(("query_pre_attn_scalar", 16),)),
+        ModelShape("gemma3-4b", "gemma3_text", 2560, 34, 8, 4, 256, 10240, 262208, True, 1e6, sliding_window=1024,
+                   full_every=6, extra=(("query_pre_attn_scalar", 256),)),
+        ModelShape("gemma3-27b", "gemma3_text", 5376, 62, 32, 16, 128, 21504, 262208, True, 1e6, sliding_window=1024,
+                   full_every=6, extra=(("query_pre_attn_scalar", 168),)),
+        ModelShape("gpt-oss-tiny", "gpt_oss", 64, 2, 4, 2, 16, 64, 256, False, 150000.0, sliding_window=8,
+                   full_every=2, experts=4, experts_per_token=2),
+        ModelShape("gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 150000.0, sliding_window=128,
+                   full_every=2, experts=32, experts_per_token=4),
+        ModelShape("gpt-oss-120b", "gpt_oss", 2880, 36, 64, 8, 64, 2880, 201088, False, 150000.0, sliding_window=128,
+                   full_every=2, experts=128, experts_per_token=4),
     )
 }
+
+
+def _window_fields(cfg: dict) -> dict:
+    """sliding_window and full_every from a config.json: its layer_types (the first full layer gives
+    the period), or one window for every layer (Mistral)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or []
+    if not window or cfg.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
+        return {}
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    return {"sliding_window": int(window), "full_every": full[0] + 1 if full else 0}
 
 
 def model_shape(name_or_path: str) -> ModelShape:
@@ -87,6 +147,7 @@ def model_shape(name_or_path: str) -> ModelShape:
             vocab=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            **_window_fields(cfg),
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None

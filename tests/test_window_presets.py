@@ -1,0 +1,52 @@
+"""The new families' presets through the main job: ``seqmesh verify`` on Gemma 3 (a preset and a
+config.json built from transformers' config class) and gpt-oss, and gpt-oss-tiny training on the
+built-in copy task with FSDP2 over a 2 x 2 ring x Ulysses mesh."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from seqmesh.training.config import TrainConfig
+from seqmesh.training.presets import MODELS, model_shape
+from train_job_cases import run_train, run_verify
+
+
+def _cfg(out, **kw) -> TrainConfig:
+    base = dict(model="gemma3-tiny", seq_len=77, ulysses=2, ring=2, dp=1, steps=4, lr=1e-2, warmup=1, log_every=1,
+                eval_every=0, out=str(out), symbols=16)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_presets_have_windows_and_published_shapes():
+    assert MODELS["gemma3-4b"].layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+    assert MODELS["gpt-oss-20b"].layer_types[:2] == ("sliding_attention", "full_attention")
+    assert MODELS["mistral-7b-window"].sliding_layers == 32
+    assert round(MODELS["gpt-oss-20b"].params / 1e9, 1) == 20.9  # 21B total parameters as published
+    assert round(MODELS["gemma3-27b"].params / 1e9) == 27
+
+
+def test_verify_gemma3_preset_and_config_json(pools, tmp_path):
+    from family_cases import family_config
+
+    good = pools.run(4, run_verify, _cfg(tmp_path / "preset"), None)[0]
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    config = family_config("gemma3")
+    path = tmp_path / "gemma3" / "config.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    shape = model_shape(str(path))
+    assert shape.sliding_window == 5 and shape.full_every == 2
+    good = pools.run(4, run_verify, _cfg(tmp_path / "json", model=str(path), ulysses=1, ring=4), None)[0]
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+
+
+def test_gpt_oss_verifies_and_trains_on_the_copy_task(pools, tmp_path):
+    good = pools.run(4, run_verify, _cfg(tmp_path / "verify", model="gpt-oss-tiny"), None)[0]
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    summary = pools.run(4, run_train, _cfg(tmp_path / "train", model="gpt-oss-tiny", steps=6, seq_len=64))[0]
+    with open(tmp_path / "train" / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert summary is not None
