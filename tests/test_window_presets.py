@@ -50,3 +50,34 @@ def test_gpt_oss_verifies_and_trains_on_the_copy_task(pools, tmp_path):
         losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     assert summary is not None
+
+
+def test_planner_window_work_equals_the_ring_schedule():
+    """The planner's visible pairs under a window (closed form) equal the pairs the ring schedule
+    computes over all ranks, for both layouts; the planner's per-step ring bytes count sliding
+    layers with the steps their window leaves."""
+    import pytest
+
+    from seqmesh.layout import SequenceLayout
+    from seqmesh.planner.plan import communication
+    from seqmesh.planner.hardware import PRESETS
+    from seqmesh.planner.timing import attention_pairs
+    from seqmesh.planner.traffic import attention_traffic, worst_rank
+    from seqmesh.planner.workload import Layout, Workload
+    from seqmesh.sharded_attention.blocks import document_bounds
+    from seqmesh.sharded_attention.schedule import RingSchedule
+
+    for kind in ("zigzag", "contiguous"):
+        for ring, s, w in [(4, 64, 5), (4, 64, 20), (8, 256, 3), (2, 48, 100), (4, 64, 1)]:
+            schedule = RingSchedule(SequenceLayout(kind, ring, 1, s), document_bounds(s, s, None), True, w)
+            assert sum(schedule.work(r) for r in range(ring)) == attention_pairs(s, True, w)
+    model = MODELS["gemma3-4b"]
+    work = Workload(model, 131072)
+    layout = Layout(1, 8, 1)
+    _, _, step = communication(work, layout, PRESETS["h100-nvlink"])
+    def ring_bytes(window):
+        t = attention_traffic(model.heads, model.kv_heads, model.head_dim, seq_len=131072, batch=1, ulysses=1, ring=8,
+                              dtype="bfloat16", window=window)
+        return 2 * worst_rank(t, "p2p", "forward") + worst_rank(t, "p2p", "backward")  # + checkpoint recompute
+    want = (model.layers - model.sliding_layers) * ring_bytes(None) + model.sliding_layers * ring_bytes(1024)
+    assert step["ring_p2p"] == want and ring_bytes(1024) == pytest.approx(ring_bytes(None) * 2 / 7)

@@ -151,6 +151,11 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
         att = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                                 ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
                                 layout=work.layout, validate=work.validate)
+        if m.sliding_window and m.sliding_layers:  # sliding layers skip the ring steps their window never reaches
+            windowed = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
+                                         ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
+                                         layout=work.layout, validate=False, window=m.sliding_window)
+            sliding_p2p = {ph: worst_rank(windowed, "p2p", ph) for ph in ("forward", "backward")}
         fwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "forward"),
                "ring_p2p": worst_rank(att, "p2p", "forward")}
         bwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "backward"),
@@ -166,6 +171,10 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     recompute |= {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}  # the layer stays gathered for its backward
     per_layer = {"forward": fwd, "backward": bwd, "recompute": recompute}
     step = {k: m.layers * sum(phase[k] for phase in per_layer.values()) for k in fwd}
+    if layout.tp == 1 and m.sliding_window and m.sliding_layers:  # per_layer shows a full-attention layer
+        per_sliding = sliding_p2p["forward"] * (2 if work.checkpointing else 1) + sliding_p2p["backward"]
+        per_full = sum(phase["ring_p2p"] for phase in per_layer.values())
+        step["ring_p2p"] = (m.layers - m.sliding_layers) * per_full + m.sliding_layers * per_sliding
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]

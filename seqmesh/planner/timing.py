@@ -140,9 +140,24 @@ def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
     return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
 
 
-def attention_pairs(seq_len: int, causal: bool) -> int:
-    """Visible (query, key) pairs of one sequence."""
+def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
+    """Visible (query, key) pairs of one sequence; a causal ``window`` keeps each query's last
+    ``window`` keys (itself included): ``w(w+1)/2 + (S - w) w`` with ``w = min(window, S)``."""
+    if window is not None and causal:
+        w = min(window, seq_len)
+        return w * (w + 1) // 2 + (seq_len - w) * w
     return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def layer_attention_pairs(work: Workload) -> float:
+    """Visible pairs of one layer, averaged over the model's full and sliding layers: the ring skips
+    the blocks (and their compute) a window never reaches."""
+    m = work.model
+    full = attention_pairs(work.seq_len, work.causal)
+    if not m.sliding_window or not m.sliding_layers:
+        return full
+    windowed = attention_pairs(work.seq_len, work.causal, m.sliding_window)
+    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * windowed) / m.layers
 
 
 def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
@@ -151,7 +166,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
     tokens = b * local_tokens(work, layout)
     mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # under TP: all tokens, 1/tp of the weights
-    pairs = attention_pairs(work.seq_len, work.causal)
+    pairs = layer_attention_pairs(work)
     if layout.tp > 1:
         heads = m.heads // layout.tp
         attn_fwd = 4 * m.head_dim * heads * b * pairs / attn_rate

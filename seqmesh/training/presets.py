@@ -75,7 +75,10 @@ class ModelShape:
         return self.layers * (attn + self.mlp_params + norms) + embed + self.hidden
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The shape as plain data (the family's ``extra`` config entries left out: they size nothing)."""
+        shape = asdict(self)
+        del shape["extra"]
+        return shape
 
 
 MODELS: dict[str, ModelShape] = {
