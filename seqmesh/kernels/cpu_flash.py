@@ -5,8 +5,8 @@ the output and log-sum-exp, so it serves ring attention directly. Packed documen
 per document (:class:`PerDocumentKernel`) rather than through a dense (S, S) mask. A row with no
 visible key would come back with lse = 0 rather than -inf; the block planner never produces one.
 
-Sliding windows run as bands: query rows in chunks of about the window, each against only the keys
-its window reaches, with an additive mask of that chunk's size (memory ~ S x window, never S x S).
+Sliding windows run as bands: query rows in chunks of a quarter window (128 at least), each against the keys
+its rows' windows reach, with an additive mask of that band (memory ~ S x window, never S x S).
 The op needs one head dim for q, k and v.
 """
 
@@ -21,12 +21,12 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # (B, S, H, D) -> (B, H, S, D) view
 
 
-MIN_BAND_ROWS = 64  # query rows per banded call at least, so short windows still make sizeable calls
+MIN_BAND_ROWS = 128  # query rows per banded call at least, so short windows still make sizeable calls
 
 
 def _bands(mask: BlockMask, sq: int, sk: int) -> list[tuple[int, int, int, int]]:
     """``(q0, q1, k0, k1)`` chunks of a windowed call: rows and the keys their window reaches."""
-    rows = max(MIN_BAND_ROWS, mask.window or 0)
+    rows = max(MIN_BAND_ROWS, (mask.window or 0) // 4)  # keys per band: rows + window, ~1.25x the pairs kept
     return [(a, min(sq, a + rows), *mask.key_span(a, min(sq, a + rows), sk)) for a in range(0, sq, rows)]
 
 
