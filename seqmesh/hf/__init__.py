@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..sharded_attention.api import attention
-from .layers import check_layers
+from .layers import SUPPORTED, check_layers
 from ..training.data import SequenceInfo
 from ..mesh import SPMesh
 
@@ -47,15 +47,11 @@ def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:
     )
 
 
-SUPPORTED_VARIANTS = ("full causal or bidirectional attention", "causal sliding windows (sliding_window)",
-                      "attention sinks (s_aux)", "MHA/GQA/MQA", "a value head dim unlike q's (MLA)", "packed documents")
-
-
 def refuse_unsupported(module: nn.Module, kwargs: dict, causal: bool) -> None:
     """Variants of attention seqmesh does not compute raise here, before any work, naming the layer,
     the variant and what seqmesh supports; nothing is silently replaced by full attention."""
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    supported = "seqmesh supports " + ", ".join(SUPPORTED_VARIANTS) + "."
+    supported = f"seqmesh supports {SUPPORTED}."
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{layer} uses attention logit soft-capping (softcap={kwargs['softcap']!r}), which seqmesh does "
                          f"not compute; {supported} Set config.attn_logit_softcapping = None to train without it.")
@@ -108,8 +104,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral,
     Gemma 3, gpt-oss, DeepSeek-V3 and most decoder-only models of transformers >= 5.0): causal
     attention with per-layer sliding windows (``sliding_window``, as transformers' masks: the last
-    ``sliding_window`` tokens), attention sinks (``s_aux``) and MLA head dims. Logit soft-capping and
-    bidirectional windows raise at the first call, naming the layer.
+    ``sliding_window`` tokens), attention sinks (``s_aux``) and MLA head dims. Layers it would not
+    compute exactly (soft-capping, chunked attention, Mamba / convolution / recurrent / linear-attention
+    layers) raise here, before any work (:func:`seqmesh.hf.layers.check_layers`); variants that show
+    only in a call's arguments raise at the first call. Both name the layer.
     Returns the same model. The switch is stored on ``model.config``: another model built from the
     same config object switches with it.
     """
