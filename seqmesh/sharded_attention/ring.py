@@ -27,6 +27,7 @@ from ..kernels import ChooseKernel
 from ..kernels.base import lse_dtype
 from ..kernels.gqa import fold_selected_heads, select_kv_heads
 from .merge import fold_sinks, merge_into, sink_grad
+from .blocks import Piece
 from .schedule import RingSchedule
 
 KV_TAG, DKV_TAG = 11, 12
@@ -44,7 +45,7 @@ def _without_autocast(forward):
     return wrapped
 
 
-def _split_kv(kv: torch.Tensor, dk: int, p) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_kv(kv: torch.Tensor, dk: int, p: Piece) -> tuple[torch.Tensor, torch.Tensor]:
     """The piece's keys (B, n, Hk, Dk) and values (B, n, Hk, Dv) from a packed K/V block."""
     rows = kv[:, p.k0 : p.k1]
     return rows[..., :dk], rows[..., dk:]
