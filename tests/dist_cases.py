@@ -173,6 +173,12 @@ def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
         v = torch.randn(b, n, 3, d)
     elif problem == "causal" and rank == 1:
         kwargs["causal"] = False
+    elif problem == "window" and rank == 1:  # one rank with another window: every rank raises
+        kwargs["window"] = 3
+    elif problem == "window_full":
+        kwargs.update(window=3, causal=False)
+    elif problem == "sinks":
+        kwargs["sinks"] = torch.zeros(h + 1)
     elif problem == "cu_not_ints" and rank == 2:
         kwargs["cu_seqlens"] = torch.tensor([[0, 5], [9, 16]])  # 2-D: this rank alone cannot read it
     try:
