@@ -25,7 +25,11 @@ def test_families_exact(pools, ulysses, ring):
     computations of the same model differ by float32 rounding (~1e-7 here); a mask, window or sink
     error shows as 1e-2 or more. Bounds: logits 1e-6, loss 1e-8, gradients 1e-5 of each parameter's
     largest gradient."""
+    worst = {}
     for results in pools.run(ulysses * ring, _run_all, _cases(ulysses, ring)):
         for r in results:
             assert r["logits"] < 1e-6 and r["loss"] < 1e-8, r
             assert r["grad"] < 1e-5, r
+            family = r["case"][0]
+            worst[family] = tuple(max(a, b) for a, b in zip(worst.get(family, (0.0, 0.0)), (r["logits"], r["grad"])))
+    print(f"u{ulysses}xr{ring} worst (logits, relative grad): {worst}")
