@@ -81,3 +81,7 @@ def test_planner_window_work_equals_the_ring_schedule():
         return 2 * worst_rank(t, "p2p", "forward") + worst_rank(t, "p2p", "backward")  # + checkpoint recompute
     want = (model.layers - model.sliding_layers) * ring_bytes(None) + model.sliding_layers * ring_bytes(1024)
     assert step["ring_p2p"] == want and ring_bytes(1024) == pytest.approx(ring_bytes(None) * 2 / 7)
+    from seqmesh.planner.timing import ring_hop_count
+
+    # 5 full layers make 7 hops each, 29 sliding layers 2 (steps 0, 1 and 7 of zigzag over 8)
+    assert ring_hop_count(work, layout) == pytest.approx((5 * 7 + 29 * 2) / 34)
