@@ -1,5 +1,5 @@
 """The 2026 decoder families through seqmesh.hf on every rank, against the unmodified transformers
-model (eager attention, which applies sliding windows, sinks and MLA head dims itself) on the whole
+model (its own attention, which applies sliding windows, sinks and MLA head dims itself) on the whole
 sequence: logits and every parameter's gradient.
 
 Tiny random-weight configs built from transformers' own config classes, each exercising what makes
@@ -46,12 +46,15 @@ def family_config(family: str):
 
 
 def build(config, seed: int = 0):
+    """The float64 model with transformers' own attention: SDPA (float64 throughout; eager attention
+    would take its softmax in float32), or eager where the family has no SDPA path (gpt-oss, whose
+    eager softmax keeps the input dtype)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64,
-                                             experts_implementation="eager")  # grouped_mm has no float64
-    return model
+    sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
+                                            experts_implementation="eager")  # grouped_mm has no float64
 
 
 def _batch(seq_len: int, vocab: int, documents: bool) -> dict:

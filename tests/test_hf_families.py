@@ -21,15 +21,16 @@ def _run_all(cases: list[tuple]) -> list[dict]:
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_families_exact(pools, ulysses, ring):
-    """The models are float64, but their RMSNorms compute in float32 (``x.to(float32)``), so two exact
-    computations of the same model differ by float32 rounding (~1e-7 here); a mask, window or sink
-    error shows as 1e-2 or more. Bounds: logits 1e-6, loss 1e-8, gradients 1e-5 of each parameter's
-    largest gradient."""
+    """Float64 models: logits and loss within 1e-12. Gradients within 1e-12 of each parameter's largest,
+    except where the model itself computes in float32 whatever the dtype: Gemma 3's RMSNorm
+    (``x.float()``) and DeepSeek-V3's router (``F.linear`` in float32) carry float32 rounding into their
+    gradients (~2e-7 here), so those two families are held to 1e-5. A mask, window or sink error
+    shows as 1e-2 or more."""
     worst = {}
     for results in pools.run(ulysses * ring, _run_all, _cases(ulysses, ring)):
         for r in results:
-            assert r["logits"] < 1e-6 and r["loss"] < 1e-8, r
-            assert r["grad"] < 1e-5, r
+            assert r["logits"] < 1e-12 and r["loss"] < 1e-12, r
+            assert r["grad"] < (1e-5 if r["case"][0] in ("gemma3", "deepseek-v3") else 1e-12), r
             family = r["case"][0]
             worst[family] = tuple(max(a, b) for a, b in zip(worst.get(family, (0.0, 0.0)), (r["logits"], r["grad"])))
     print(f"u{ulysses}xr{ring} worst (logits, relative grad): {worst}")
