@@ -85,3 +85,15 @@ def test_planner_window_work_equals_the_ring_schedule():
 
     # 5 full layers make 7 hops each, 29 sliding layers 2 (steps 0, 1 and 7 of zigzag over 8)
     assert ring_hop_count(work, layout) == pytest.approx((5 * 7 + 29 * 2) / 34)
+
+
+def test_window_bench_rows():
+    """``seqmesh bench window``'s figures without timing: steps, work saved and balance per layout."""
+    from seqmesh.tools.window_bench import WindowBench, window_rows
+
+    rows = window_rows(WindowBench(seq_len=1024, ring=4, windows=(None, 64), repeats=0))
+    by = {(r["layout"], r["window"]): r for r in rows}
+    assert by[("zigzag", None)]["balance"] == 1.0 and abs(by[("contiguous", None)]["balance"] - 1.75) < 0.01  # (2R-1)/R
+    assert by[("zigzag", 64)]["steps"] == 3 and by[("contiguous", 64)]["steps"] == 2  # neighbours only
+    assert by[("zigzag", 64)]["bytes_per_rank"] * 3 == by[("zigzag", None)]["bytes_per_rank"] * 2
+    assert by[("zigzag", 64)]["work_saved"] > 0.8
