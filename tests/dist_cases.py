@@ -34,22 +34,27 @@ class Case:
     dtype: str = "float64"
     backend: str = "auto"
     seed: int = 0
+    window: int | None = None
+    sinks: bool = False
+    v_dim: int | None = None  # value head dim when it differs from head_dim (MLA-style)
 
     @property
     def name(self) -> str:
         docs = "docs" if self.cu_seqlens else "nodocs"
+        extra = "".join(f"-{n}" for n, on in ((f"w{self.window}", self.window), ("sinks", self.sinks),
+                                                (f"dv{self.v_dim}", self.v_dim)) if on)
         return (f"S{self.seq_len}-h{self.q_heads}/{self.kv_heads}-{'causal' if self.causal else 'full'}-"
-                f"{self.layout}-{docs}-{self.dtype}-{self.backend}")
+                f"{self.layout}-{docs}-{self.dtype}-{self.backend}{extra}")
 
 
 def _inputs(case: Case, seed: int):
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, case.dtype)
-    b, s, d = case.batch, case.seq_len, case.head_dim
+    b, s, d, dv = case.batch, case.seq_len, case.head_dim, case.v_dim or case.head_dim
     q = torch.randn(b, s, case.q_heads, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, s, case.kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, s, case.kv_heads, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, s, case.q_heads, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, case.kv_heads, dv, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, case.q_heads, dv, generator=g, dtype=torch.float64)
     if case.cu_seqlens is not None:  # positions past the last document are padding: no gradient flows in
         dout[:, case.cu_seqlens[-1] :] = 0
     return q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
@@ -68,23 +73,34 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True):
     seed = case.seed * 1000 + mesh.dp_rank  # data-parallel ranks see different samples
     q, k, v, dout = _inputs(case, seed)
     q, k, v = (t.clone().requires_grad_(with_grad) for t in (q, k, v))
+    sinks = None
+    if case.sinks:
+        sinks = torch.randn(case.q_heads, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
+        sinks = sinks.to(q.dtype).requires_grad_(with_grad)
     shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout)  # noqa: E731
     with seqmesh.comm_stats() as stats:
         out = seqmesh.attention(
             shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
-            cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend,
+            cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend, window=case.window, sinks=sinks,
         )
         if with_grad:
             (out * shard(dout)).sum().backward()
     gathered = seqmesh.gather_sequence(out.detach(), mesh, layout=case.layout, length=case.seq_len)
 
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None)
+    sr = sinks.detach().double().requires_grad_() if sinks is not None else None
+    ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None,
+                              window=case.window, sinks=sr)
     ref.backward(dout.double())
     real = case.cu_seqlens[-1] if case.cu_seqlens else case.seq_len
     errors = {"out": _max_err(gathered, ref, real)}
     if with_grad:
         errors.update(dq=_max_err(q.grad, qr.grad), dk=_max_err(k.grad, kr.grad), dv=_max_err(v.grad, vr.grad))
+        if sinks is not None:  # each rank holds its heads' and rows' part: the group's sum is the gradient
+            grad = sinks.grad.clone()
+            if mesh.sp_size > 1:
+                torch.distributed.all_reduce(grad, group=mesh.sp_group)
+            errors["dsinks"] = _max_err(grad, sr.grad)
     return errors, stats
 
 
@@ -161,6 +177,12 @@ def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
         kwargs["cu_seqlens"] = [0, 6, n * mesh.sp_size]
     elif problem == "documents":
         kwargs["cu_seqlens"] = [0, 5, n * mesh.sp_size]
+    elif problem == "window" and rank == 1:  # one rank with another window: every rank raises
+        kwargs["window"] = 3
+    elif problem == "window_full":
+        kwargs.update(window=3, causal=False)
+    elif problem == "sinks":
+        kwargs["sinks"] = torch.zeros(h + 1)
     elif problem == "cu_not_ints" and rank == 2:
         kwargs["cu_seqlens"] = torch.tensor([[0, 5], [9, 16]])  # 2-D: this rank alone cannot read it
     try:
@@ -218,7 +240,7 @@ def named_backend_refuses_documents() -> str:
     class NoDocuments(MathKernel):
         name = "math"
 
-        def unsupported(self, q, k, mask):
+        def unsupported(self, q, k, mask, v=None):
             return "no documents" if mask.segments is not None else None
 
     mesh = get_mesh(1, 2)

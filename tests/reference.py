@@ -16,12 +16,14 @@ def document_ids(seq_len: int, cu_seqlens: list[int] | None) -> torch.Tensor:
 
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, cu_seqlens: list[int] | None = None,
-    scale: float | None = None,
+    scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (B, S, Hq, D), k/v (B, S, Hk, D) -> (B, S, Hq, D), computed in float64 with plain ops.
+    """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, S, Hq, Dv), in float64 with plain ops.
 
     Query head h reads kv head h // (Hq / Hk). Tokens see keys of their own document (and, if
-    causal, not later ones). Tokens outside every document see only themselves, so they stay finite.
+    causal, not later ones; with ``window``, only keys j with i - window < j, as transformers'
+    sliding_window_causal). Tokens outside every document see only themselves, so they stay
+    finite. ``sinks`` (Hq,): an extra logit per head in the softmax, with a zero value (gpt-oss).
     """
     b, s, hq, d = q.shape
     group = hq // k.shape[2]
@@ -35,7 +37,13 @@ def reference_attention(
     allowed |= torch.eye(s, dtype=torch.bool)
     if causal:
         allowed &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
     scores = (qf @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vf
-    return out.transpose(1, 2)
+    if sinks is not None:  # one more column, then dropped: it only enlarges the denominator
+        column = sinks.double()[None, :, None, None].expand(b, hq, s, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ vf).transpose(1, 2)

@@ -113,26 +113,3 @@ def parallelize_roundtrip() -> str:
 
 def test_parallelize_is_undone(pools):
     assert pools.run(2, parallelize_roundtrip) == ["ok", "ok"]
-
-
-def sliding_window_refused() -> str:
-    from dist_cases import get_mesh
-    from transformers import MistralConfig, MistralForCausalLM
-
-    import seqmesh
-    from seqmesh.hf import parallelize
-
-    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=64, sliding_window=4)
-    model = parallelize(MistralForCausalLM(config), get_mesh(2, 1))
-    batch = seqmesh.shard_batch({"input_ids": torch.zeros(1, 16, dtype=torch.long)}, get_mesh(2, 1))
-    try:
-        model(**batch)
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
-def test_sliding_window_models_are_refused_not_silently_changed(pools):
-    for answer in pools.run(2, sliding_window_refused):
-        assert "sliding-window attention (window 4) on a 16-token sequence" in answer, answer

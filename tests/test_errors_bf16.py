@@ -18,6 +18,9 @@ PROBLEMS = {
     "heads": "4 query heads are not a multiple of 3 kv heads",
     "causal": "disagree on causal",
     "cu_not_ints": "cu_seqlens must be a 1-D integer tensor",
+    "window": "disagree on window: [None, 3, None, None]",
+    "window_full": "sliding windows are supported with causal attention only",
+    "sinks": "sinks must be a float tensor of shape (query heads,) = (4,)",
 }
 
 

@@ -43,3 +43,21 @@ def test_chunked_attention_and_model_built_masks_are_refused(pools):
     assert "attention_chunk_size=8" in answers["chunked"] and "Set config.attention_chunk_size = None" in answers["chunked"]
     assert "passed its own attention mask (shape (1, 1, 8, 8))" in answers["own_mask"], answers
     assert answers["plain_shape"] == [1, 8, 4, 8]
+
+
+def test_layers_seqmesh_would_not_compute_are_named():
+    """Soft-capping (Gemma 2 style, set on Gemma 3) and bidirectional windows are refused by name before
+    any work; Gemma 3 as published (no soft-capping) passes."""
+    import pytest
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from seqmesh.hf.layers import check_layers
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, vocab_size=64, sliding_window=4)
+    check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small)))
+    assert Gemma3TextConfig().attn_logit_softcapping is None
+    with pytest.raises(ValueError, match=r"soft-capping \(attn_logit_softcapping=30.0.*seqmesh supports"):
+        check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, attn_logit_softcapping=30.0)))
+    with pytest.raises(ValueError, match="bidirectional"):
+        check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, use_bidirectional_attention=True)))

@@ -110,12 +110,13 @@ def test_llama70b_ulysses_versus_tensor_parallel_at_1m_tokens():
 
 def test_ring_bytes_textbook():
     """Pure ring, Llama-3-8B shape (8 kv heads x 128), 128K tokens on 8 ranks, bf16: forward sends 7
-    K/V blocks of 2 * (S/P) * Hkv * D * 2 bytes; backward 7 more and 8 float32 dK/dV partials."""
+    K/V blocks of 2 * (S/P) * Hkv * D * 2 bytes; backward 7 more and 7 float32 dK/dV partials, each
+    sent straight back to its block's owner."""
     s, p = 131072, 8
     block = 2 * (s // p) * 8 * 128
     (t,) = {(x.sent("p2p", "forward"), x.sent("p2p", "backward"))
             for x in attention_traffic(32, 8, 128, seq_len=s, batch=1, ulysses=1, ring=p, dtype="bfloat16")}
-    assert t == (7 * block * 2, 7 * block * 2 + 8 * block * 4)
+    assert t == (7 * block * 2, 7 * block * 2 + 7 * block * 4)
 
 
 # -- FSDP and tensor parallelism: per rank, per layer and per step, from the shapes by hand ----------------
@@ -189,14 +190,14 @@ def test_per_step_traffic_adds_recompute_and_one_input_check():
     tokens: 16384 x 128 x 2 B = 4 MiB. Forward, a rank sends its q/k/v heads that other ranks work on,
     (32 + 2 x 8) - (4 + 2 x 1) = 42 rows, and its 4 output heads of the 7 other ranks' tokens, 28 rows:
     280 MiB; backward the adjoints, the same; checkpointing recomputes the forward (another 280 MiB). Per
-    step: 32 x 840 MiB, and seqmesh.hf's input check once: 7 peers x 11 int64."""
+    step: 32 x 840 MiB, and seqmesh.hf's input check once: 7 peers x 14 int64."""
     row = 16384 * 128 * 2
     per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Layout(8, 1, 1),
                                            PRESETS["h100-nvlink"])
     for phase in ("forward", "backward", "recompute"):
         assert per_layer[phase]["ulysses_all_to_all"] == (42 + 28) * row == 280 * 2**20
     assert per_step["ulysses_all_to_all"] == 32 * 3 * 280 * 2**20
-    assert per_step["input_check_all_gather"] == 7 * 11 * 8
+    assert per_step["input_check_all_gather"] == 7 * 14 * 8
     no_ckpt, _, step2 = communication(Workload(MODELS["llama3-8b"], 131072, checkpointing=False), Layout(8, 1, 1),
                                       PRESETS["h100-nvlink"])
     assert no_ckpt["recompute"]["total"] == 0 and step2["ulysses_all_to_all"] == 32 * 2 * 280 * 2**20

@@ -1,4 +1,4 @@
-"""Point-to-point exchange around a ring: send to the next rank, receive from the previous one.
+"""Point-to-point exchange around a ring: send ``shift`` ranks ahead, receive from as far behind.
 
 This is the only communication ring attention does. The schedule (what travels at which step) lives
 in ``seqmesh.sharded_attention.ring``; here is only the mechanics, asynchronous so the caller can compute
@@ -30,7 +30,8 @@ class Pending:
 
 
 class RingExchange:
-    """Rotates tensors one step around ``group``: rank r sends to r+1 and receives from r-1.
+    """Moves tensors around ``group``: rank r sends to ``r + shift`` and receives from ``r - shift``
+    (mod the group size); ``shift=1`` rotates one step.
 
     ``tag`` keeps two exchanges that are in flight at the same time (K/V blocks and their
     gradients) apart on transports that match messages by tag.
@@ -42,16 +43,15 @@ class RingExchange:
         self.tag = tag
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.next = (self.rank + 1) % self.size
-        self.prev = (self.rank - 1) % self.size
 
-    def start(self, tensor: torch.Tensor) -> Pending:
-        """Post ``tensor`` to the next rank and a receive of the same shape from the previous one."""
+    def start(self, tensor: torch.Tensor, shift: int = 1) -> Pending:
+        """Post ``tensor`` to rank ``r + shift`` and a receive of the same shape from ``r - shift``."""
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
+        to, source = (self.rank + shift) % self.size, (self.rank - shift) % self.size
         ops = [
-            dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next, tag=self.tag),
-            dist.P2POp(dist.irecv, received, group=self.group, group_peer=self.prev, tag=self.tag),
+            dist.P2POp(dist.isend, tensor, group=self.group, group_peer=to, tag=self.tag),
+            dist.P2POp(dist.irecv, received, group=self.group, group_peer=source, tag=self.tag),
         ]
         works = dist.batch_isend_irecv(ops)
         nbytes = tensor.numel() * tensor.element_size()

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..sharded_attention.api import attention
 from . import linear
+from .layers import SUPPORTED, check_layers
 from ..training.data import SequenceInfo
 from ..mesh import SPMesh
 
@@ -47,18 +48,21 @@ def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:
     )
 
 
-def _refuse_unsupported(kwargs: dict, info: SequenceInfo) -> None:
-    """Variants of attention seqmesh does not compute: fail rather than silently run full attention."""
+def refuse_unsupported(module: nn.Module, kwargs: dict, causal: bool) -> None:
+    """Variants of attention seqmesh does not compute raise here, before any work, naming the layer,
+    the variant and what seqmesh supports; nothing is silently replaced by full attention."""
+    layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    supported = f"seqmesh supports {SUPPORTED}."
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{layer} uses attention logit soft-capping (softcap={kwargs['softcap']!r}), which seqmesh does "
+                         f"not compute; {supported} Set config.attn_logit_softcapping = None to train without it.")
     window = kwargs.get("sliding_window")
-    if window is not None and window < info.seq_len:
-        raise ValueError(
-            f"this layer uses sliding-window attention (window {window}) on a {info.seq_len}-token sequence; "
-            "seqmesh computes full causal attention only. Set config.sliding_window = None (and "
-            "use_sliding_window = False), or keep sequences within the window."
-        )
-    for name, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
+    if window is not None and not causal:
+        raise ValueError(f"{layer} uses a bidirectional sliding window (sliding_window={window}, is_causal=False), "
+                         f"which seqmesh does not compute; {supported}")
+    for name in ("attention_chunk_size", "chunk_size"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"this model uses {what} ({name}={kwargs[name]!r}), which seqmesh does not support.")
+            raise ValueError(f"{layer} uses chunked attention ({name}={kwargs[name]!r}); {supported}")
 
 
 def _make_attention(mesh: SPMesh, backend: str):
@@ -79,13 +83,15 @@ def _make_attention(mesh: SPMesh, backend: str):
                 "computes causal attention within the documents of seqmesh.shard_batch and cannot apply an arbitrary "
                 "mask. Describe padding and packed documents through shard_batch instead."
             )
-        _refuse_unsupported(kwargs, info)
+        causal = getattr(module, "is_causal", True)
+        refuse_unsupported(module, kwargs, causal)
         first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
+        sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per query head, in the denominator only
         out = attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
-            causal=getattr(module, "is_causal", True), layout=info.layout, cu_seqlens=info.cu_seqlens,
+            causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
-            validate=first,
+            validate=first, window=kwargs.get("sliding_window"), sinks=sinks,
         )
         info.validated.add(id(mesh))
         return out, None
@@ -96,11 +102,16 @@ def _make_attention(mesh: SPMesh, backend: str):
 def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.Module:
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
-    Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral and
-    most decoder-only models of transformers >= 5.0) with full causal attention; sliding windows
-    shorter than the sequence, logit soft-capping and attention sinks raise at the first call.
-    Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-hybrid) run sequence-parallel too (``seqmesh.hf.linear``);
-    any other layer with recurrent state is refused here, before anything changes. Returns the same model. The switch is stored on ``model.config``: another model built from the
+    Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral,
+    Gemma 3, gpt-oss, DeepSeek-V3 and most decoder-only models of transformers >= 5.0): causal
+    attention with per-layer sliding windows (``sliding_window``, as transformers' masks: the last
+    ``sliding_window`` tokens), attention sinks (``s_aux``) and MLA head dims. Layers it would not
+    compute exactly (soft-capping, chunked attention, Mamba / convolution / other recurrent layers)
+    raise here, before any work (:func:`seqmesh.hf.layers.check_layers`); variants that show only in a
+    call's arguments raise at the first call. Both name the layer. Gated DeltaNet layers (Qwen3.5,
+    Qwen3-Next, OLMo-hybrid) run sequence-parallel too, their forward replaced per instance
+    (:mod:`seqmesh.hf.linear`).
+    Returns the same model. The switch is stored on ``model.config``: another model built from the
     same config object switches with it.
     """
     from transformers import AttentionInterface
@@ -111,13 +122,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
-    chunk = getattr(config, "attention_chunk_size", None)
-    if chunk:
-        raise ValueError(f"this model uses chunked attention (attention_chunk_size={chunk}); seqmesh computes full "
-                         "causal attention only. Set config.attention_chunk_size = None to train it with full attention.")
+    linear_layers = linear.check(model, mesh)  # Gated DeltaNet layers; other recurrent layers are refused
+    check_layers(model, handled=[m for _, m in linear_layers])
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
-    linear.check(model, mesh)  # Gated DeltaNet layers: refuse unknown recurrent layers before any change
     name = f"seqmesh_{id(model):x}"
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
@@ -136,8 +144,11 @@ def unparallelize(model: nn.Module) -> nn.Module:
         return model
     name, previous = state
     model.set_attn_implementation(previous)
+    # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
+    # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
+    # the registration is dropped from that mapping directly.
     linear.uninstall(model)
-    AttentionInterface._global_mapping.pop(name, None)  # the interface keeps registrations in this mapping
+    AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model
 

@@ -20,20 +20,21 @@ KERNELS: dict[str, AttentionKernel] = {
 AUTO_ORDER: tuple[str, ...] = ("flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math")
 BACKENDS: tuple[str, ...] = ("auto", *AUTO_ORDER)
 
-ChooseKernel = Callable[[torch.Tensor, torch.Tensor, BlockMask], AttentionKernel]
+# choose(q, k, mask, v=None) -> kernel; v is passed where its head dim may differ from q's
+ChooseKernel = Callable[..., AttentionKernel]
 
 
 def kernel_chooser(backend: str = "auto") -> ChooseKernel:
-    """A function ``(q, k, mask) -> kernel`` for ``backend``; it raises if a named backend cannot
+    """A function ``(q, k, mask, v=None) -> kernel`` for ``backend``; it raises if a named backend cannot
     run a call, and ``"auto"`` falls through the kernels in :data:`AUTO_ORDER`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if backend == "auto":
 
-        def choose_auto(q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> AttentionKernel:
+        def choose_auto(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> AttentionKernel:
             for name in AUTO_ORDER:
                 kernel = KERNELS[name]
-                if kernel.unsupported(q, k, mask) is None:
+                if kernel.unsupported(q, k, mask, v) is None:
                     return kernel
             raise ValueError(f"no attention kernel supports q {tuple(q.shape)} {q.dtype} on {q.device}.")
 
@@ -41,8 +42,8 @@ def kernel_chooser(backend: str = "auto") -> ChooseKernel:
 
     kernel = KERNELS[backend]
 
-    def choose_named(q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> AttentionKernel:
-        reason = kernel.unsupported(q, k, mask)
+    def choose_named(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> AttentionKernel:
+        reason = kernel.unsupported(q, k, mask, v)
         if reason is not None:
             raise ValueError(f"attention backend {backend!r} cannot run this call: {reason}. Use backend='auto'.")
         return kernel

@@ -2,8 +2,8 @@
 
 Shapes (any strides)::
 
-    q    (B, Sq, Hq, D)      k, v  (B, Sk, Hk, D)   with Hq % Hk == 0 (grouped-query heads)
-    out  (B, Sq, Hq, D)      in q's dtype
+    q    (B, Sq, Hq, D)      k  (B, Sk, Hk, D)   v  (B, Sk, Hk, Dv)   with Hq % Hk == 0 (grouped-query heads)
+    out  (B, Sq, Hq, Dv)     in q's dtype; Dv may differ from D only where ``unsupported`` allows it
     lse  (B, Hq, Sq)         log-sum-exp of the scaled scores, float32 (float64 for float64 inputs)
 
 ``forward`` returns ``(out, lse)``. ``backward(dout, q, k, v, out, lse)`` returns ``(dq, dk, dv)``
@@ -23,26 +23,53 @@ import torch
 class BlockMask:
     """Which keys each query of one kernel call may see.
 
-    - ``causal``: query i sees key j only if j <= i (top-left aligned; only used with Sq == Sk).
+    - ``causal``: query a sees key b only if ``b <= a + offset`` (top-left aligned: offset is 0 on
+      the diagonal, the only place seqmesh uses it without a window).
     - ``segments``: local cumulative boundaries ``(0, ..., S)`` of packed documents inside this call;
       a query sees only keys of its own segment (Sq == Sk). ``None`` means one segment.
+    - ``window``: sliding window (transformers' ``sliding_window``): query at global position i sees
+      key j only if ``i - j < window``; with ``causal`` that is ``i - window < j <= i``, the last
+      ``window`` tokens including itself. ``None``: no window.
+    - ``offset``: global position of local query row 0 minus that of local key column 0, so local
+      query ``a`` and key ``b`` are ``offset + a - b`` positions apart: a ring block knows how far
+      its keys lie from its queries. Rows and columns of a windowed call are consecutive positions.
     """
 
     causal: bool = False
     segments: tuple[int, ...] | None = None
+    window: int | None = None
+    offset: int = 0
 
     def allowed(self, sq: int, sk: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dense ``(Sq, Sk)`` boolean matrix of the mask (for kernels without native support)."""
-        ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        return self.allowed_part(0, sq, 0, sk, device)
+
+    def allowed_part(self, q0: int, q1: int, k0: int, k1: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``allowed(...)[q0:q1, k0:k1]`` without building the whole matrix."""
+        rows = torch.arange(q0, q1, device=device)[:, None]
+        cols = torch.arange(k0, k1, device=device)[None, :]
+        gap = rows + self.offset - cols
+        ok = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
         if self.causal:
-            ok = torch.tril(ok)
+            ok &= gap >= 0
+        if self.window is not None:
+            ok &= gap < self.window
         if self.segments is not None:
             seg = segment_ids(self.segments, device)
-            ok = ok & (seg[:sq, None] == seg[None, :sk])
+            ok &= seg[q0:q1, None] == seg[None, k0:k1]
         return ok
+
+    def key_span(self, q0: int, q1: int, sk: int) -> tuple[int, int]:
+        """Key columns ``[k0, k1)`` that rows ``[q0, q1)`` of a windowed call can see."""
+        assert self.window is not None
+        k0 = max(0, q0 + self.offset - self.window + 1)
+        k1 = min(sk, q1 + self.offset) if self.causal else sk
+        return k0, max(k0, k1)
 
     def score_entries(self, sq: int, sk: int) -> int:
         """How many (query, key) pairs the mask keeps: the work of the call."""
+        if self.window is not None:
+            return self._windowed_entries(sq, sk)
         if self.segments is None:
             lengths = [sq] if self.causal else None
         else:
@@ -52,6 +79,19 @@ class BlockMask:
         if self.causal:
             return sum(n * (n + 1) // 2 for n in lengths)
         return sum(n * n for n in lengths)
+
+    def _windowed_entries(self, sq: int, sk: int) -> int:
+        """Visible pairs of a windowed call, one row at a time in closed form (O(Sq), no matrix)."""
+        rows = torch.arange(sq, dtype=torch.int64)
+        first = rows + self.offset - self.window + 1  # lowest key column inside the window
+        last = rows + self.offset if self.causal else torch.full_like(rows, sk - 1)
+        if self.segments is not None:  # only with Sq == Sk and offset 0: clip to the row's segment
+            seg = segment_ids(self.segments)
+            bounds = torch.tensor(self.segments, dtype=torch.int64)
+            first = torch.maximum(first, bounds[seg])
+            last = torch.minimum(last, bounds[seg + 1] - 1)
+        counts = (last.clamp(max=sk - 1) - first.clamp(min=0) + 1).clamp(min=0)
+        return int(counts.sum())
 
 
 FULL = BlockMask()
@@ -81,8 +121,9 @@ class AttentionKernel(abc.ABC):
     name: str = "?"
 
     @abc.abstractmethod
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
-        """``None`` if this kernel can run the call, else the reason it cannot (shown to users)."""
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
+        """``None`` if this kernel can run the call, else the reason it cannot (shown to users).
+        ``v`` is given when its head dim may differ from q's (MLA-style)."""
 
     @abc.abstractmethod
     def forward(

@@ -29,7 +29,16 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def cuda_problem(q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int) -> str | None:
+def cuda_problem(
+    q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int, mask: BlockMask | None = None,
+    v: torch.Tensor | None = None,
+) -> str | None:
+    """Why a fused CUDA kernel cannot run a call, or None. Sliding windows and a v head dim unlike
+    q's are not wired into these kernels: such calls fall back (``auto``) to one that computes them."""
+    if mask is not None and mask.window is not None:
+        return "sliding windows are not wired into this kernel"
+    if v is not None and v.shape[-1] != q.shape[-1]:
+        return f"it needs one head dim for q, k and v (got {q.shape[-1]} and {v.shape[-1]})"
     if q.device.type != "cuda":
         return f"tensors are on {q.device}, not a CUDA device"
     if q.dtype not in dtypes:
@@ -61,12 +70,12 @@ class CudaFlashKernel(AttentionKernel):
 
     name = "cuda_flash"
 
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if q.device.type == "cuda" and not torch.backends.cuda.is_flash_attention_available():
             return "this torch build has no flash attention"
         if not torch.backends.cuda.flash_sdp_enabled():
             return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
-        return cuda_problem(q, HALF_DTYPES, 256, 8)
+        return cuda_problem(q, HALF_DTYPES, 256, 8, mask, v)
 
     def forward(self, q, k, v, mask, scale):
         b, sq, h, d = q.shape
@@ -110,11 +119,11 @@ class CudaEfficientKernel(PerDocumentKernel):
 
     name = "cuda_efficient"
 
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if not torch.backends.cuda.mem_efficient_sdp_enabled():
             return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
         align = 4 if q.dtype == torch.float32 else 8
-        return cuda_problem(q, (torch.float32, *HALF_DTYPES), 512, align)
+        return cuda_problem(q, (torch.float32, *HALF_DTYPES), 512, align, mask, v)
 
     def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]
@@ -143,12 +152,12 @@ class CudaCudnnKernel(PerDocumentKernel):
 
     name = "cuda_cudnn"
 
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
-        return cuda_problem(q, HALF_DTYPES, 128, 8)
+        return cuda_problem(q, HALF_DTYPES, 128, 8, mask, v)
 
     def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]

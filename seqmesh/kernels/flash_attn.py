@@ -54,14 +54,14 @@ def _call(fn: Any, **given: Any) -> Any:
 class FlashAttnKernel(AttentionKernel):
     name = "flash_attn"
 
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         found = _interface()
         if found is None:
             return "the flash-attn package is not installed"
         major_minor = tuple(int(x) for x in found[1].split(".")[:2] if x.isdigit())
         if major_minor < (2, 7):
             return f"flash-attn {found[1]} is older than 2.7"
-        return cuda_problem(q, HALF_DTYPES, 256, 8)
+        return cuda_problem(q, HALF_DTYPES, 256, 8, mask, v)
 
     def forward(self, q, k, v, mask, scale):
         fa, _ = _interface()  # type: ignore[misc]

@@ -16,7 +16,7 @@ from .gqa import expand_kv_heads, fold_kv_heads
 class MathKernel(AttentionKernel):
     name = "math"
 
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask) -> str | None:
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         return None if q.is_floating_point() else f"dtype {q.dtype} is not a float type"
 
     def _scores(self, q, k, mask: BlockMask, scale: float):
@@ -38,7 +38,7 @@ class MathKernel(AttentionKernel):
         lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, Sq); -inf where nothing is visible
         probs = self._probs(scores, lse)
         vf = expand_kv_heads(v.transpose(1, 2).to(probs.dtype), q.shape[2], dim=1)
-        out = torch.matmul(probs, vf)  # (B, Hq, Sq, D)
+        out = torch.matmul(probs, vf)  # (B, Hq, Sq, Dv)
         return out.transpose(1, 2).to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):

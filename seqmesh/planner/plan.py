@@ -117,6 +117,11 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
         att = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                                 ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
                                 layout=work.layout, validate=work.validate)
+        if m.sliding_window and m.sliding_layers:  # sliding layers skip the ring steps their window never reaches
+            windowed = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
+                                         ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
+                                         layout=work.layout, validate=False, window=m.sliding_window)
+            sliding_p2p = {ph: worst_rank(windowed, "p2p", ph) for ph in ("forward", "backward")}
         fwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "forward"),
                "ring_p2p": worst_rank(att, "p2p", "forward")}
         bwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "backward"),
@@ -146,6 +151,11 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
         step["fsdp_all_gather"] += m.linear_layers * (lin_fsdp["all_gather_forward"] + lin_fsdp["all_gather_backward"]
                                                       - fsdp["all_gather_forward"] - fsdp["all_gather_backward"])
         step["fsdp_reduce_scatter"] += m.linear_layers * (lin_fsdp["reduce_scatter_backward"] - fsdp["reduce_scatter_backward"])
+    if layout.tp == 1 and m.sliding_window and m.sliding_layers:  # per_layer shows a full-attention layer
+        per_sliding = sliding_p2p["forward"] * (2 if work.checkpointing else 1) + sliding_p2p["backward"]
+        per_full = sum(phase["ring_p2p"] for phase in per_layer.values())
+        attention_layers = m.layers - m.linear_layers
+        step["ring_p2p"] = (attention_layers - m.sliding_layers) * per_full + m.sliding_layers * per_sliding
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]

@@ -18,6 +18,8 @@ Assumptions:
   ``c``; backward ``(ring-1) * max(c, t_kv + t_dkv) + c + t_dkv`` (K/V blocks and dK/dV partials
   share the link; the last partial's hop home is exposed). The slowest hop of the ring sets the pace.
   A hop longer than ``c`` is exposed; ``StepTime.ring_exposed`` says so and the plan's reason repeats it.
+  Sliding-window layers run fewer steps (``traffic.ring_steps``) with fewer visible pairs: a layer
+  is costed with the average hop count and pairs over the model's full and sliding layers.
 - FSDP units as ``seqmesh.training.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
   ahead, so a layer takes the longer of its own compute + exposed communication and its FSDP traffic
   (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (final norm and LM
@@ -44,8 +46,8 @@ from dataclasses import asdict, dataclass
 
 from .hardware import HardwareSpec
 from .memory import local_tokens
-from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic, ring_block_bytes,
-                      tensor_parallel_traffic)
+from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic, padded_length,
+                      ring_block_bytes, ring_steps, tensor_parallel_traffic)
 from .workload import (Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, linear_flops,
                        linear_layer_params, root_params)
 
@@ -142,9 +144,24 @@ def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
     return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
 
 
-def attention_pairs(seq_len: int, causal: bool) -> int:
-    """Visible (query, key) pairs of one sequence."""
+def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
+    """Visible (query, key) pairs of one sequence; a causal ``window`` keeps each query's last
+    ``window`` keys (itself included): ``w(w+1)/2 + (S - w) w`` with ``w = min(window, S)``."""
+    if window is not None and causal:
+        w = min(window, seq_len)
+        return w * (w + 1) // 2 + (seq_len - w) * w
     return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def layer_attention_pairs(work: Workload) -> float:
+    """Visible pairs of one layer, averaged over the model's full and sliding layers: the ring skips
+    the blocks (and their compute) a window never reaches."""
+    m = work.model
+    full = attention_pairs(work.seq_len, work.causal)
+    if not m.sliding_window or not m.sliding_layers:
+        return full
+    windowed = attention_pairs(work.seq_len, work.causal, m.sliding_window)
+    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * windowed) / m.layers
 
 
 def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
@@ -153,7 +170,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
     tokens = b * local_tokens(work, layout)
     mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # under TP: all tokens, 1/tp of the weights
-    pairs = attention_pairs(work.seq_len, work.causal)
+    pairs = layer_attention_pairs(work)
     if layout.tp > 1:
         heads = m.heads // layout.tp
         attn_fwd = 4 * m.head_dim * heads * b * pairs / attn_rate
@@ -217,8 +234,9 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     hops = {}
     if layout.tp == 1 and layout.ring > 1:
         t_kv, t_dkv = ring_hops(work, layout, hw)
-        hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / layout.ring,
-                    ring_hop_backward=t_kv + t_dkv, ring_block_backward=attn_bwd / layout.ring)
+        steps = ring_hop_count(work, layout) + 1
+        hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / steps,
+                    ring_hop_backward=t_kv + t_dkv, ring_block_backward=attn_bwd / steps)
     return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial, **hops)
 
 
@@ -294,13 +312,24 @@ def ring_hops(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[float, 
     return ring_hop_seconds(kv, hw, layout), ring_hop_seconds(dkv, hw, layout)
 
 
+def ring_hop_count(work: Workload, layout: Layout) -> float:
+    """K/V hops of one layer's ring pass, averaged over full and sliding-window layers."""
+    m = work.model
+    full = layout.ring - 1
+    if not m.sliding_window or not m.sliding_layers:
+        return full
+    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
+    sliding = ring_steps(layout.ring, padded, work.layout, m.sliding_window) - 1
+    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * sliding) / m.layers
+
+
 def ring_attention_seconds(work: Workload, layout: Layout, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:
     """(attention of one layer with the ring's P2P overlapped, the P2P time alone); see the module docstring."""
-    ring = layout.ring
-    if ring == 1:
+    if layout.ring == 1:
         return attention, 0.0
-    step = attention / ring
+    hops = ring_hop_count(work, layout)
+    step = attention / (hops + 1)
     t_kv, t_dkv = ring_hops(work, layout, hw)
     if phase == "forward":
-        return (ring - 1) * max(step, t_kv) + step, (ring - 1) * t_kv
-    return (ring - 1) * max(step, t_kv + t_dkv) + step + t_dkv, (ring - 1) * t_kv + ring * t_dkv
+        return hops * max(step, t_kv) + step, hops * t_kv
+    return hops * max(step, t_kv + t_dkv) + step + t_dkv, hops * (t_kv + t_dkv)

@@ -17,10 +17,11 @@ local length ``L = padded_len / P``, one "row" = ``B * L * D`` elements of the i
   heads of each other rank's tokens: ``(U - 1) q_u`` rows.
 - backward: the adjoints swap the two: ``(U - 1)(q_u + 2 k_u)`` rows for dq/dk/dv and
   ``Hq - q_u`` rows for dout (so with uneven heads forward and backward differ on one rank).
-- ring: a K/V block is ``2 * B * (U*L) * k_u * D`` elements; forward sends ``ring - 1`` of them; backward
-  sends ``ring - 1`` K/V blocks in the input dtype plus ``ring`` dK/dV partials in float32 (float64 for
-  float64 inputs).
-- input validation (``validate=True``, P > 1): one all-gather of 11 int64 over the sequence group.
+- ring: a K/V block is ``2 * B * (U*L) * k_u * D`` elements; forward sends ``n - 1`` of them; backward
+  sends ``n - 1`` K/V blocks in the input dtype plus ``n - 1`` dK/dV partials in float32 (float64 for
+  float64 inputs), each straight to or from its owner. ``n`` is the number of ring steps where some
+  rank sees a key (:func:`ring_steps`): ``ring`` without a sliding window, fewer with a short one.
+- input validation (``validate=True``, P > 1): one all-gather of 14 int64 over the sequence group.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-VALIDATION_FIELDS = 11  # the problem flag + 10 fields of seqmesh.sharded_attention.checks.FIELDS
+VALIDATION_FIELDS = 14  # the problem flag + 13 fields of seqmesh.sharded_attention.checks.FIELDS
 INT64 = 8
 
 
@@ -43,6 +44,27 @@ def dtype_bytes(dtype: str) -> int:
 def partial_bytes(dtype: str) -> int:
     """Element size of the ring's dK/dV partials: float32, or float64 for float64 inputs."""
     return 8 if dtype == "float64" else 4
+
+
+def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None) -> int:
+    """Ring steps that compute anything under a causal sliding ``window`` (``ring`` without one).
+
+    Ring rank r holds chunks ``{r, 2R-1-r}`` of ``padded_len / 2R`` tokens (zigzag) or chunk ``r`` of
+    ``padded_len / R`` (contiguous). A query chunk ``a`` sees a key chunk ``b < a`` iff its first query
+    and the key chunk's last key are closer than the window: ``(a - b - 1) * c + 1 < window``. Step t
+    is needed iff some rank r holds such a pair with rank ``(r - t) mod R``; step 0 always is.
+    """
+    if window is None or ring == 1:
+        return ring
+    zigzag = layout == "zigzag"
+    c = padded_len // (2 * ring) if zigzag else padded_len // ring
+    chunks = (lambda r: (r, 2 * ring - 1 - r)) if zigzag else (lambda r: (r,))  # noqa: E731
+    needed = {0}
+    for r in range(ring):
+        for s in range(ring):
+            if any(b < a and (a - b - 1) * c + 1 < window for a in chunks(r) for b in chunks(s)):
+                needed.add((r - s) % ring)
+    return len(needed)
 
 
 def padded_length(seq_len: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
@@ -140,9 +162,10 @@ def attention_traffic(
     dtype: str,
     layout: str = "zigzag",
     validate: bool = True,
+    window: int | None = None,
 ) -> list[RankTraffic]:
     """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank
-    ``ring_rank * ulysses + ulysses_rank``."""
+    ``ring_rank * ulysses + ulysses_rank``; ``window`` is a causal sliding window (None: none)."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     p = ulysses * ring
     local = padded_length(seq_len, ulysses, ring, layout) // p
@@ -163,12 +186,13 @@ def attention_traffic(
                     Collective("all_to_all", "backward", 1, (q_heads - q) * row, "ulysses"),
                     Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row, "ulysses"),
                 ]
-            if ring > 1:
+            hops = ring_steps(ring, local * p, layout, window) - 1
+            if hops:
                 block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
                 items += [
-                    Collective("p2p", "forward", ring - 1, (ring - 1) * block * e, "ring"),
-                    Collective("p2p", "backward", ring - 1, (ring - 1) * block * e, "ring"),
-                    Collective("p2p", "backward", ring, ring * block * ep, "ring"),
+                    Collective("p2p", "forward", hops, hops * block * e, "ring"),
+                    Collective("p2p", "backward", hops, hops * block * e, "ring"),
+                    Collective("p2p", "backward", hops, hops * block * ep, "ring"),
                 ]
             out.append(RankTraffic(u, r, tuple(items)))
     return out

@@ -96,10 +96,9 @@ class Workload:
 
 
 def layer_params(m: ModelShape) -> int:
-    """Parameters of one transformer layer: q, k, v, o projections, gated MLP, two RMSNorms (+ q/k norms)."""
+    """Parameters of one transformer layer: q, k, v, o projections, gated MLP (or all its experts), RMSNorms."""
     attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    norms = 2 * m.hidden + (2 * m.head_dim if m.family == "qwen3" else 0)
-    return attn + 3 * m.hidden * m.intermediate + norms
+    return attn + m.mlp_params + m.norm_params
 
 
 def linear_layer_params(m: ModelShape) -> int:
@@ -124,8 +123,10 @@ def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = 64) -> in
 
 
 def layer_matmul_params(m: ModelShape) -> int:
-    """Parameters of one layer that multiply every token (the projections)."""
-    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * m.hidden * m.intermediate
+    """Parameters of one layer that multiply every token (the projections; of an MoE layer, the
+    experts a token is routed to and the router)."""
+    mlp = 3 * m.hidden * m.intermediate * (m.experts_per_token or 1) + m.experts * m.hidden
+    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + mlp
 
 
 def embedding_params(m: ModelShape) -> int:

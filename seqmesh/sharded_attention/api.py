@@ -42,12 +42,15 @@ def attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     validate: bool | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded on ``mesh``'s sequence group.
 
     Args:
         q: ``(B, L, Hq, D)`` this rank's queries, in the layout's local order (``shard_sequence``).
-        k, v: ``(B, L, Hk, D)`` with ``Hq % Hk == 0`` (MHA, GQA, MQA).
+        k, v: ``(B, L, Hk, D)`` and ``(B, L, Hk, Dv)`` with ``Hq % Hk == 0`` (MHA, GQA, MQA); ``Dv`` may
+            differ from ``D`` (MLA-style heads): kernels that need one head dim are skipped by ``auto``.
         mesh: the :class:`SPMesh`; attention runs over its ``ring x ulysses`` sequence group.
         causal: causal masking by global position.
         layout: ``"zigzag"``, ``"contiguous"`` or ``"per_document"``, as the inputs were sharded
@@ -64,25 +67,40 @@ def attention(
             ``None`` (the default) checks each new call signature once per mesh and skips the
             exchange for signatures the group already agreed on; ``True`` checks every call (use it
             while debugging a loop whose ranks may diverge); ``False`` never does.
+        window: causal sliding window, as transformers' ``sliding_window`` (Mistral, Gemma, gpt-oss):
+            the query at global position i sees keys j with ``i - window < j <= i`` (itself and the
+            ``window - 1`` before it), within its document. The ring skips blocks (and, when the
+            window is shorter than a ring chunk, whole steps and their K/V transfers) it never sees.
+        sinks: ``(Hq,)`` learned per-head logits added to every row's softmax denominator only
+            (gpt-oss ``s_aux``), folded into the fp32 log-sum-exp once. Its gradient on each rank
+            is this rank's part (its Ulysses heads, its ring block's rows): sum it over the sequence
+            group, as FSDP/DDP does for every weight when the sequence ranks are data ranks too.
 
     Returns:
-        ``(B, L, Hq, D)`` in q's dtype and the same local order.
+        ``(B, L, Hq, Dv)`` in q's dtype and the same local order.
     """
     call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
-                                  seq_len=seq_len, validate=validate)
+                                  seq_len=seq_len, validate=validate, window=window, sinks=sinks)
     lay = call.layout
-    schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal)
+    if window is not None and window >= lay.padded_len:
+        window = None  # every key is inside it: plain causal attention
+    bounds = document_bounds(lay.padded_len, call.real_len, call.cu_seqlens)
+    schedule = ring_schedule(lay, bounds, causal, window)
     choose = kernel_chooser(backend)
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
         for r in range(lay.ring):
             for step in range(lay.ring):
                 for piece in schedule.pieces(r, step):
-                    choose(q, k, piece.mask)
+                    choose(q, k, piece.mask, v)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if lay.ring > 1 else None
 
     def ring_part(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kv_map: torch.Tensor | None) -> torch.Tensor:
-        return ring_attention(qr, kr, vr, ring_group, schedule, choose, scale, kv_map)
+        own_sinks = None
+        if sinks is not None:  # this Ulysses rank's query heads; autograd scatters the gradient back
+            a, b = call.heads.q_range(mesh.ulysses_rank) if mesh.ulysses > 1 else (0, q.shape[2])
+            own_sinks = sinks[a:b]
+        return ring_attention(qr, kr, vr, ring_group, schedule, choose, scale, kv_map, own_sinks)
 
     if mesh.ulysses == 1:
         return ring_part(q, k, v, None)

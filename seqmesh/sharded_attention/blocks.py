@@ -17,6 +17,16 @@ over the whole block:
 
 Full rectangles that share their rows and touch along keys (or share keys and touch along rows) are
 merged, so zigzag without documents runs exactly one call per ring step.
+
+A sliding window (causal only: query i sees keys ``i - window < j <= i``) plans every run pair on its
+own, so each call's rows and columns are consecutive positions and its mask carries their distance
+(``BlockMask.offset``). A rectangle is trimmed to the rows and keys the window reaches, skipped when
+nothing is left, and stays a plain full call when the window covers all of it::
+
+    keys before the queries, window w:    rows  qs .. qe-1,  keys ks .. ke-1  (ke <= qs)
+    keys kept    ks' = max(ks, qs - w + 1)         (older keys are out of every row's window)
+    rows kept    qe' = min(qe, ke - 1 + w)         (later rows see none of these keys)
+    full call    when qe' - 1 - ks' < w            (the farthest pair is inside the window)
 """
 
 from __future__ import annotations
@@ -111,10 +121,42 @@ def _coalesce(pieces: list[Piece]) -> list[Piece]:
             return sorted(pieces, key=lambda p: (p.q0, p.k0))
 
 
+def _diagonal_window(run: Run, bounds: Sequence[int], window: int) -> Piece:
+    """One run against itself under a causal window (no window mask when it spans the run)."""
+    segments = _segments((Run(run.start, run.length, 0),), bounds)
+    within = window if window < run.length else None
+    end = run.offset + run.length
+    return Piece(run.offset, end, run.offset, end, BlockMask(causal=True, segments=segments, window=within))
+
+
+def _cross_window(q: Run, k: Run, bounds: Sequence[int], window: int) -> Piece | None:
+    """The visible rectangle between two runs of disjoint positions under a causal window, trimmed."""
+    p = _cross(q, k, bounds, causal=True)
+    if p is None:
+        return None
+    qs, qe = q.start + p.q0 - q.offset, q.start + p.q1 - q.offset  # global positions
+    ks, ke = k.start + p.k0 - k.offset, k.start + p.k1 - k.offset
+    ks, qe = max(ks, qs - window + 1), min(qe, ke - 1 + window)
+    if ks >= ke or qe <= qs:
+        return None
+    mask = FULL if qe - 1 - ks < window else BlockMask(causal=True, window=window, offset=qs - ks)
+    return Piece(q.offset + qs - q.start, q.offset + qe - q.start, k.offset + ks - k.start,
+                 k.offset + ke - k.start, mask)
+
+
 def plan_block(
-    q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], causal: bool
+    q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], causal: bool, window: int | None = None
 ) -> tuple[Piece, ...]:
-    """Kernel calls that compute attention of the ``q_runs`` block over the ``k_runs`` block."""
+    """Kernel calls that compute attention of the ``q_runs`` block over the ``k_runs`` block, with an
+    optional causal sliding ``window``."""
+    if window is not None:
+        if not causal:
+            raise ValueError("sliding windows are causal here; non-causal windowed attention is not supported.")
+        pieces = [
+            (_diagonal_window(q, bounds, window) if q == k else _cross_window(q, k, bounds, window))
+            for q in q_runs for k in k_runs
+        ]
+        return tuple(_coalesce([p for p in pieces if p is not None]))
     if tuple(q_runs) == tuple(k_runs):
         n = q_runs[-1].offset + q_runs[-1].length
         return (Piece(0, n, 0, n, BlockMask(causal=causal, segments=_segments(q_runs, bounds))),)

@@ -21,7 +21,7 @@ from ..mesh import SPMesh
 from .heads import HeadPlan
 
 FIELDS = ("batch", "local tokens", "query heads", "kv heads", "head dim", "dtype", "causal", "layout",
-          "sequence length", "documents")
+          "sequence length", "documents", "value head dim", "window", "sinks")
 _LAYOUTS = tuple(LayoutKind)
 VALIDATED_CALLS = 256  # signatures remembered per mesh (packed batches bring new boundaries each step)
 
@@ -54,13 +54,14 @@ class CheckedCall:
 def check_attention_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, validate: bool | None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> CheckedCall:
     """Check one rank's inputs and, with ``validate``, that the sequence group agrees on them; raise the
     same ValueError on every rank otherwise. ``validate=None`` agrees once per call signature (shapes,
     dtype, flags, length, documents) and remembers it on the mesh, so a training loop pays one small
     exchange per new shape rather than one per layer."""
     p = mesh.sp_size
-    problem = describe_shapes(q, k, v)
+    problem = describe_shapes(q, k, v) or describe_variants(q, causal, window, sinks)
     try:
         cu = _as_ints(cu_seqlens)
     except (TypeError, ValueError) as err:  # reported through the group below, so no peer is left waiting
@@ -84,7 +85,8 @@ def check_attention_inputs(
         if problem is None and q.device.type != mesh.device_type:
             problem = f"the tensors are on {q.device.type} but the mesh was built for {mesh.device_type}."
         values = [b, n, hq, k.shape[2], d, SUPPORTED_DTYPES.index(q.dtype) + 1, int(causal),
-                  _LAYOUTS.index(lay.kind) if lay else -1, seq_len or 0, _fingerprint(cu)]
+                  _LAYOUTS.index(lay.kind) if lay else -1, seq_len or 0, _fingerprint(cu), v.shape[3], window or 0,
+                  int(sinks is not None)]
     key = (problem is None, *values)
     if validate is None:
         validate = problem is not None or key not in mesh.validated_calls
@@ -92,7 +94,8 @@ def check_attention_inputs(
         readable = None  # FIELDS as a user writes them
         if problem is None:
             readable = [b, n, hq, k.shape[2], d, str(q.dtype).removeprefix("torch."), causal,
-                        lay.kind.value if lay else None, seq_len, list(cu) if cu is not None else None]
+                        lay.kind.value if lay else None, seq_len, list(cu) if cu is not None else None, v.shape[3],
+                        window, sinks is not None]
         agree(mesh.sp_group, values, problem, mesh.collective_device(), readable)
     elif problem:
         raise ValueError(problem)
@@ -110,13 +113,14 @@ def describe_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return (f"q, k and v must be 4-D (batch, local tokens, heads, head dim); got {q.dim()}-D, "
                 f"{k.dim()}-D and {v.dim()}-D tensors.")
-    if k.shape != v.shape:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape."
+    if k.shape[:3] != v.shape[:3]:
+        return (f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on batch, tokens and heads (their head "
+                "dims may differ).")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
         return (f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and local tokens "
                 "(dims 0 and 1).")
     if q.shape[3] != k.shape[3]:
-        return f"q has head dim {q.shape[3]} but k and v have {k.shape[3]}; they must be equal."
+        return f"q has head dim {q.shape[3]} but k has {k.shape[3]}; they must be equal (v's may differ)."
     if q.shape[2] % k.shape[2]:
         return (f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads; grouped-query "
                 "attention needs query heads = kv heads x group size.")
@@ -126,6 +130,23 @@ def describe_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | 
         return f"dtype {q.dtype} is not supported; use one of {', '.join(map(str, SUPPORTED_DTYPES))}."
     if not (q.device == k.device == v.device):
         return f"q, k and v are on different devices ({q.device}, {k.device}, {v.device})."
+    return None
+
+
+def describe_variants(q: torch.Tensor, causal: bool, window: int | None, sinks: torch.Tensor | None) -> str | None:
+    """A problem with the sliding window or the attention sinks, or None."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            return f"window must be a positive int (tokens each query sees, itself included), got {window!r}."
+        if not causal:
+            return ("sliding windows are supported with causal attention only (query i sees keys i - window < j <= i); "
+                    "pass causal=True or window=None.")
+    if sinks is not None:
+        if sinks.shape != (q.shape[2],) or not sinks.is_floating_point():
+            return (f"sinks must be a float tensor of shape (query heads,) = ({q.shape[2]},), one logit per head; "
+                    f"got {tuple(sinks.shape)} {sinks.dtype}.")
+        if sinks.device != q.device:
+            return f"sinks are on {sinks.device} but q is on {q.device}."
     return None
 
 

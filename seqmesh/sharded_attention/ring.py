@@ -1,13 +1,15 @@
 """Ring attention: queries stay, key/value blocks travel, partial results merge through the LSE.
 
-Forward, on ring rank r, for steps t = 0 .. ring-1: post the current K/V block to r+1 (and a
-receive from r-1), compute the pieces of block ``(r - t) mod ring`` while it travels, merge them into
-the float32 accumulators, then take the received block.
+Forward, on ring rank r, for the schedule's steps t (0 .. ring-1 without a window; a window drops
+the steps where no rank sees anything): post its own K/V block to ``r + t_next`` (and a receive from
+``r - t_next``), compute the pieces of block ``(r - t) mod ring`` while the next travels, merge them
+into the float32 accumulators, then take the received block. Every block is sent straight from its
+owner, so a skipped step costs nothing and the others still need one hop each.
 
-Backward runs the same rotation once more. The gradient of each K/V block travels with it: at step
-t rank r adds its contribution to the partial gradient of block ``r - t`` that r-1 just passed on,
-and sends the sum to r+1; after the last step every partial has gone round and lands at home. The
-partials are float32 (float64 for float64 inputs), so no precision is lost between hops.
+Backward fetches the blocks the same way. At step t rank r computes the partial gradient of block
+``r - t`` and sends it straight back to its owner, which adds it to its own. The partials are
+float32 (float64 for float64 inputs), so no precision is lost. Attention sinks are folded in once,
+after the last merge, and the kernels' backward is given the output and log-sum-exp with the sinks.
 
 The schedule (which pieces, from :class:`RingSchedule`) is separate from the block math (a kernel
 call per piece and :func:`merge_into`).
@@ -24,7 +26,8 @@ from ..comm.ring import RingExchange
 from ..kernels import ChooseKernel
 from ..kernels.base import lse_dtype
 from ..kernels.gqa import fold_selected_heads, select_kv_heads
-from .merge import merge_into
+from .merge import fold_sinks, merge_into, sink_grad
+from .blocks import Piece
 from .schedule import RingSchedule
 
 KV_TAG, DKV_TAG = 11, 12
@@ -43,107 +46,158 @@ def _without_autocast(method):
     return wrapped
 
 
+def _split_kv(kv: torch.Tensor, dk: int, p: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """The piece's keys (B, n, Hk, Dk) and values (B, n, Hk, Dv) from a packed K/V block."""
+    rows = kv[:, p.k0 : p.k1]
+    return rows[..., :dk], rows[..., dk:]
+
+
 def block_forward(q, kv, pieces, choose, kv_map, scale, acc_out, acc_lse) -> None:
-    """Attention of ``q`` (B, Lr, Hq, D) over one K/V block ``kv`` (2, B, Lr, Hk, D), piece by
-    piece, merged into the accumulators ``acc_out`` (B, Lr, Hq, D) and ``acc_lse`` (B, Hq, Lr)."""
+    """Attention of ``q`` (B, Lr, Hq, Dk) over one K/V block ``kv`` (B, Lr, Hk, Dk + Dv), piece by
+    piece, merged into the accumulators ``acc_out`` (B, Lr, Hq, Dv) and ``acc_lse`` (B, Hq, Lr)."""
     for p in pieces:
-        qs, ks, vs = q[:, p.q0 : p.q1], kv[0, :, p.k0 : p.k1], kv[1, :, p.k0 : p.k1]
-        ks, vs = select_kv_heads(ks, kv_map), select_kv_heads(vs, kv_map)
-        out, lse = choose(qs, ks, p.mask).forward(qs, ks, vs, p.mask, scale)
+        ks, vs = _split_kv(kv, q.shape[-1], p)
+        qs, ks, vs = q[:, p.q0 : p.q1], select_kv_heads(ks, kv_map), select_kv_heads(vs, kv_map)
+        out, lse = choose(qs, ks, p.mask, vs).forward(qs, ks, vs, p.mask, scale)
         merge_into(acc_out[:, p.q0 : p.q1], acc_lse[:, :, p.q0 : p.q1], out, lse)
 
 
 def block_backward(dout, q, kv, out, lse, pieces, choose, kv_map, scale, dq, dkv) -> None:
     """Gradients of one block's pieces given the final ``out`` and ``lse`` of the whole row: added
-    into ``dq`` (B, Lr, Hq, D) and ``dkv`` (2, B, Lr, Hk, D)."""
-    hk = kv.shape[3]
+    into ``dq`` (B, Lr, Hq, Dk) and ``dkv`` (B, Lr, Hk, Dk + Dv)."""
+    hk, dk = kv.shape[2], q.shape[-1]
     for p in pieces:
-        qs, ks, vs = q[:, p.q0 : p.q1], kv[0, :, p.k0 : p.k1], kv[1, :, p.k0 : p.k1]
-        ks, vs = select_kv_heads(ks, kv_map), select_kv_heads(vs, kv_map)
-        dq_p, dk_p, dv_p = choose(qs, ks, p.mask).backward(
+        ks, vs = _split_kv(kv, dk, p)
+        qs, ks, vs = q[:, p.q0 : p.q1], select_kv_heads(ks, kv_map), select_kv_heads(vs, kv_map)
+        dq_p, dk_p, dv_p = choose(qs, ks, p.mask, vs).backward(
             dout[:, p.q0 : p.q1], qs, ks, vs, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, scale
         )
         dq[:, p.q0 : p.q1] += dq_p
-        dkv[0, :, p.k0 : p.k1] += fold_selected_heads(dk_p, kv_map, hk)
-        dkv[1, :, p.k0 : p.k1] += fold_selected_heads(dv_p, kv_map, hk)
+        dkv[:, p.k0 : p.k1, :, :dk] += fold_selected_heads(dk_p, kv_map, hk)
+        dkv[:, p.k0 : p.k1, :, dk:] += fold_selected_heads(dv_p, kv_map, hk)
+
+
+def _with_sinks(out, lse, sinks):
+    """``(out, lse)`` with the sinks folded in once (after every merge), or as they are."""
+    return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
 
 
 class LocalAttention(torch.autograd.Function):
     """A ring of one (pure Ulysses, or one process): a single kernel call over the whole block,
-    without the ring's float32 accumulators. Forward: the kernel; backward: its backward."""
+    without the ring's float32 accumulators. Forward: the kernel (then the sinks); backward: its
+    backward with the final output and log-sum-exp (and the sinks' gradient)."""
 
     @staticmethod
     @_without_autocast
-    def forward(ctx, q, k, v, schedule, choose, kv_map, scale):  # type: ignore[override]
-        (piece,) = schedule.pieces(0, 0)  # the diagonal: the whole block, causal and/or documents
+    def forward(ctx, q, k, v, sinks, schedule, choose, kv_map, scale):  # type: ignore[override]
+        # q (B, L, Hq, Dk), k (B, L, Hk, Dk), v (B, L, Hk, Dv); sinks (Hq,) or None
         ks, vs = select_kv_heads(k, kv_map), select_kv_heads(v, kv_map)
-        kernel = choose(q, ks, piece.mask)
-        out, lse = kernel.forward(q, ks, vs, piece.mask, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.mask, ctx.kv_map, ctx.scale = kernel, piece.mask, kv_map, scale
+        outs, lses = [], []
+        for piece in schedule.pieces(0, 0):  # the diagonal: causal and/or documents and/or window pieces
+            qp, kp, vp = q[:, piece.q0 : piece.q1], ks[:, piece.k0 : piece.k1], vs[:, piece.k0 : piece.k1]
+            out, lse = choose(qp, kp, piece.mask, vp).forward(qp, kp, vp, piece.mask, scale)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = _local_result(schedule, outs, lses, q, v)
+        out, lse = _with_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = schedule, choose, kv_map, scale
         return out
 
     @staticmethod
     @_without_autocast
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ks, vs = select_kv_heads(k, ctx.kv_map), select_kv_heads(v, ctx.kv_map)
-        dq, dk, dv = ctx.kernel.backward(dout, q, ks, vs, out, lse, ctx.mask, ctx.scale)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ks), torch.zeros_like(vs)
+        for p in ctx.schedule.pieces(0, 0):
+            qp, kp, vp = q[:, p.q0 : p.q1], ks[:, p.k0 : p.k1], vs[:, p.k0 : p.k1]
+            gq, gk, gv = ctx.choose(qp, kp, p.mask, vp).backward(
+                dout[:, p.q0 : p.q1], qp, kp, vp, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, ctx.scale
+            )
+            dq[:, p.q0 : p.q1] += gq
+            dk[:, p.k0 : p.k1] += gk
+            dv[:, p.k0 : p.k1] += gv
         hk = k.shape[2]
-        return dq, fold_selected_heads(dk, ctx.kv_map, hk), fold_selected_heads(dv, ctx.kv_map, hk), None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return (dq, fold_selected_heads(dk, ctx.kv_map, hk), fold_selected_heads(dv, ctx.kv_map, hk), dsinks,
+                None, None, None, None)
+
+
+def _local_result(schedule, outs, lses, q, v):
+    """One call: its result as it is. Several (a window split the diagonal by runs): merged in lse
+    precision (pieces of one row never overlap in keys)."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    b, n, hq = q.shape[0], q.shape[1], q.shape[2]
+    ct = lse_dtype(q.dtype)
+    acc_out = q.new_zeros((b, n, hq, v.shape[-1]), dtype=ct)
+    acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
+    for p, out, lse in zip(schedule.pieces(0, 0), outs, lses):
+        merge_into(acc_out[:, p.q0 : p.q1], acc_lse[:, :, p.q0 : p.q1], out, lse)
+    return acc_out, acc_lse
 
 
 class RingAttention(torch.autograd.Function):
-    """Forward: attention of the local query block over every ring rank's K/V, merged by LSE;
-    backward: dQ locally, dK/dV travel the ring back to their owners."""
+    """Forward: attention of the local query block over every needed ring rank's K/V, merged by LSE
+    (then the sinks); backward: dQ locally, each dK/dV partial sent straight back to its owner."""
 
     @staticmethod
     @_without_autocast
-    def forward(ctx, q, k, v, group, schedule, choose, kv_map, scale):  # type: ignore[override]
-        # q (B, Lr, Hq, D); k, v (B, Lr, Hk, D): this ring rank's block, positions per schedule.layout
-        ring, rank = schedule.layout.ring, dist.get_rank(group)  # ring > 1: see ring_attention
-        b, n, hq, d = q.shape
+    def forward(ctx, q, k, v, sinks, group, schedule, choose, kv_map, scale):  # type: ignore[override]
+        # q (B, Lr, Hq, Dk); k (B, Lr, Hk, Dk), v (B, Lr, Hk, Dv): this ring rank's block
+        rank, steps = dist.get_rank(group), schedule.steps  # ring > 1: see ring_attention
+        b, n, hq, _ = q.shape
         ct = lse_dtype(q.dtype)
-        acc_out = q.new_zeros((b, n, hq, d), dtype=ct)
+        acc_out = q.new_zeros((b, n, hq, v.shape[-1]), dtype=ct)
         acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
-        kv = torch.stack([k, v])  # (2, B, Lr, Hk, D): one message per hop
+        home = torch.cat([k, v], dim=-1)  # (B, Lr, Hk, Dk + Dv): one message per step
         exchange = RingExchange(group, "forward", KV_TAG)
-        for step in range(ring):
-            pending = exchange.start(kv) if step < ring - 1 else None
+        kv = home
+        for i, step in enumerate(steps):
+            pending = exchange.start(home, shift=steps[i + 1]) if i + 1 < len(steps) else None
             block_forward(q, kv, schedule.pieces(rank, step), choose, kv_map, scale, acc_out, acc_lse)
             if pending is not None:
                 kv = pending.wait()
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+        out, lse = _with_sinks(acc_out, acc_lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = group, schedule, choose, kv_map, scale
         return out
 
     @staticmethod
     @_without_autocast
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         schedule, choose, kv_map, scale = ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale
-        ring, rank = schedule.layout.ring, dist.get_rank(ctx.group)
+        rank, steps = dist.get_rank(ctx.group), schedule.steps
         ct = lse.dtype
         dq = torch.zeros_like(q, dtype=ct)
-        kv = torch.stack([k, v])
+        home = torch.cat([k, v], dim=-1)
+        dkv_home = torch.zeros_like(home, dtype=ct)
         kv_exchange = RingExchange(ctx.group, "backward", KV_TAG)
         dkv_exchange = RingExchange(ctx.group, "backward", DKV_TAG)
-        incoming = None  # partial dK/dV of the block held this step, from the previous rank
-        # Order invariant: at every step every rank posts the K/V exchange, then the dK/dV one, and no
-        # rank skips either. NCCL ignores P2P tags and pairs messages by issue order alone, so this
-        # order (not KV_TAG/DKV_TAG, which only gloo reads) is what keeps the two streams apart.
-        for step in range(ring):
-            pending = kv_exchange.start(kv) if step < ring - 1 else None
-            dkv = torch.zeros_like(kv, dtype=ct)
+        kv, returning = home, None  # returning: my block's partial gradient from rank r + step
+        # Order invariant: at every step of ``steps`` (the same list on every rank) every rank posts the
+        # K/V exchange, then the dK/dV one, and no rank skips either. NCCL ignores P2P tags and pairs
+        # messages by issue order alone, so this order (not KV_TAG/DKV_TAG, which only gloo reads)
+        # is what keeps the two streams apart.
+        for i, step in enumerate(steps):
+            pending = kv_exchange.start(home, shift=steps[i + 1]) if i + 1 < len(steps) else None
+            dkv = dkv_home if step == 0 else torch.zeros_like(home, dtype=ct)
             block_backward(dout, q, kv, out, lse, schedule.pieces(rank, step), choose, kv_map, scale, dq, dkv)
-            if incoming is not None:
-                dkv += incoming.wait()
-            incoming = dkv_exchange.start(dkv)  # after the last step this sends each block home
+            if returning is not None:
+                dkv_home += returning.wait()
+            if step:  # the block came from r - step: its partial goes straight home
+                returning = dkv_exchange.start(dkv, shift=-step)
             if pending is not None:
                 kv = pending.wait()
-        dkv = incoming.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        if returning is not None:
+            dkv_home += returning.wait()
+        dk, dv = dkv_home[..., : k.shape[-1]], dkv_home[..., k.shape[-1] :]
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
 
 
 def ring_attention(
@@ -155,8 +209,10 @@ def ring_attention(
     choose: ChooseKernel,
     scale: float,
     kv_map: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact attention of this ring rank's block over the whole ring; ``(B, Lr, Hq, D)``."""
+    """Exact attention of this ring rank's block over the whole ring; ``(B, Lr, Hq, Dv)``. ``sinks``
+    (Hq,): this rank's query heads' sink logits, or None."""
     if schedule.layout.ring == 1:
-        return LocalAttention.apply(q, k, v, schedule, choose, kv_map, scale)
-    return RingAttention.apply(q, k, v, group, schedule, choose, kv_map, scale)
+        return LocalAttention.apply(q, k, v, sinks, schedule, choose, kv_map, scale)
+    return RingAttention.apply(q, k, v, sinks, group, schedule, choose, kv_map, scale)

@@ -1,9 +1,14 @@
 """The ring schedule: which key block each ring rank meets at each step, and what it computes.
 
 Ring rank r holds its query block for the whole pass; at step t it holds the key/value block of
-ring rank ``(r - t) mod ring``. Every rank computes the same schedule from the layout and the
-document boundaries, so no plan is ever exchanged.
+ring rank ``(r - t) mod ring``. Every rank computes the same schedule from the layout, the
+document boundaries and the window, so no plan is ever exchanged.
+
+A sliding window leaves some steps empty on every rank; :attr:`RingSchedule.steps` lists the others,
+the only ones the ring runs and sends blocks for. With a window shorter than a chunk, contiguous
+keeps steps (0, 1) and zigzag (0, 1, ring-1): each rank needs only its neighbours' blocks.
 """
+
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ class RingSchedule:
     layout: SequenceLayout
     bounds: tuple[int, ...]  # document boundaries over the padded sequence (padding included)
     causal: bool
+    window: int | None = None  # causal sliding window in tokens; None: none
     _plans: dict[tuple[int, int], tuple[Piece, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, ring_rank: int, step: int) -> int:
@@ -30,12 +36,20 @@ class RingSchedule:
         key = (ring_rank, step)
         if key not in self._plans:
             runs = self.layout.ring_runs
-            self._plans[key] = plan_block(runs(ring_rank), runs(self.source(ring_rank, step)), self.bounds, self.causal)
+            self._plans[key] = plan_block(runs(ring_rank), runs(self.source(ring_rank, step)), self.bounds,
+                                          self.causal, self.window)
         return self._plans[key]
+
+    @functools.cached_property
+    def steps(self) -> tuple[int, ...]:
+        """Ring steps where some rank computes something (always step 0, the diagonal), ascending. The
+        same on every rank, so every rank issues the same exchanges in the same order."""
+        ring = self.layout.ring
+        return tuple(t for t in range(ring) if t == 0 or any(self.pieces(r, t) for r in range(ring)))
 
     def work(self, ring_rank: int) -> int:
         """(query, key) pairs ring rank ``ring_rank`` computes over the whole pass (per head)."""
-        return sum(p.work for step in range(self.layout.ring) for p in self.pieces(ring_rank, step))
+        return sum(p.work for step in self.steps for p in self.pieces(ring_rank, step))
 
     def balance(self) -> float:
         """max / mean work across ring ranks: 1.0 is perfect balance."""
@@ -44,7 +58,9 @@ class RingSchedule:
 
 
 @functools.lru_cache(maxsize=256)
-def ring_schedule(layout: SequenceLayout, bounds: tuple[int, ...], causal: bool) -> RingSchedule:
-    """The schedule for a layout, document boundaries and causality, built once and shared by every
-    layer and step that meets them (its block plans are filled in on first use)."""
-    return RingSchedule(layout, bounds, causal)
+def ring_schedule(
+    layout: SequenceLayout, bounds: tuple[int, ...], causal: bool, window: int | None = None
+) -> RingSchedule:
+    """The schedule for a layout, document boundaries, causality and window, built once and shared by
+    every layer and step that meets them (its block plans are filled in on first use)."""
+    return RingSchedule(layout, bounds, causal, window)

@@ -81,6 +81,17 @@ def cmd_bench_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_window(args: argparse.Namespace) -> int:
+    from .window_bench import WindowBench, format_window_rows, window_rows
+
+    cfg = WindowBench(seq_len=args.seq_len, ring=args.ring, windows=tuple(None if w == 0 else w for w in args.windows),
+                      q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                      repeats=args.repeats)
+    rows = window_rows(cfg)
+    print(json.dumps(rows, indent=1) if args.json else format_window_rows(cfg, rows))
+    return 0
+
+
 def cmd_demo_attention(args: argparse.Namespace) -> int:
     from .bench import bench_attention, format_attention_rows
 
@@ -243,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_host.add_subcommand(bench_sub)
     bench_balance.add_subcommand(bench_sub)
+    bw = bench_sub.add_parser("window", help="windowed vs full causal ring: work, bytes, balance per layout")
+    _add_attention_args(bw, 8192)
+    bw.add_argument("--ring", type=int, default=8)
+    bw.add_argument("--windows", type=int, nargs="+", default=[0, 4096, 1024, 256], help="0: full causal")
+    bw.set_defaults(func=cmd_bench_window)
 
     from ..planner.cli import register_plan
 

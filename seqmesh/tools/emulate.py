@@ -30,13 +30,13 @@ def emulate_ring_forward(q, k, v, schedule: RingSchedule, choose: ChooseKernel, 
     """q (B, S, Hq, D), k/v (B, S, Hk, D) over the padded length, natural order ->
     per-rank ``(out, lse)`` blocks, ring-layout order."""
     ring = schedule.layout.ring
-    qs, kvs = _blocks(q, schedule), [torch.stack(p) for p in zip(_blocks(k, schedule), _blocks(v, schedule))]
+    qs, kvs = _blocks(q, schedule), _blocks(torch.cat([k, v], dim=-1), schedule)
     results = []
     for r in range(ring):
-        b, n, h, d = qs[r].shape
-        acc_out = qs[r].new_zeros((b, n, h, d), dtype=lse_dtype(q.dtype))
+        b, n, h, _ = qs[r].shape
+        acc_out = qs[r].new_zeros((b, n, h, v.shape[-1]), dtype=lse_dtype(q.dtype))
         acc_lse = qs[r].new_full((b, h, n), float("-inf"), dtype=lse_dtype(q.dtype))
-        for step in range(ring):
+        for step in schedule.steps:
             kv = kvs[schedule.source(r, step)]
             block_forward(qs[r], kv, schedule.pieces(r, step), choose, None, scale, acc_out, acc_lse)
         results.append((acc_out.to(q.dtype), acc_lse))
@@ -48,18 +48,18 @@ def emulate_ring(q, k, v, dout, schedule: RingSchedule, choose: ChooseKernel, sc
     ``(out, dq, dk, dv)`` over the padded length."""
     ring = schedule.layout.ring
     qs, dos = _blocks(q, schedule), _blocks(dout, schedule)
-    kvs = [torch.stack(p) for p in zip(_blocks(k, schedule), _blocks(v, schedule))]
+    kvs = _blocks(torch.cat([k, v], dim=-1), schedule)
     fwd = emulate_ring_forward(q, k, v, schedule, choose, scale)
     ct = lse_dtype(q.dtype)
     dqs = [torch.zeros_like(x, dtype=ct) for x in qs]
     dkvs = [torch.zeros_like(x, dtype=ct) for x in kvs]
     for r in range(ring):
         out, lse = fwd[r]
-        for step in range(ring):
+        for step in schedule.steps:
             j = schedule.source(r, step)
             block_backward(dos[r], qs[r], kvs[j], out, lse, schedule.pieces(r, step), choose, None, scale, dqs[r], dkvs[j])
     out = _natural([o for o, _ in fwd], schedule)
     dq = _natural(dqs, schedule).to(q.dtype)
-    dk = _natural([x[0] for x in dkvs], schedule).to(k.dtype)
-    dv = _natural([x[1] for x in dkvs], schedule).to(v.dtype)
+    dk = _natural([x[..., : k.shape[-1]] for x in dkvs], schedule).to(k.dtype)
+    dv = _natural([x[..., k.shape[-1] :] for x in dkvs], schedule).to(v.dtype)
     return out, dq, dk, dv

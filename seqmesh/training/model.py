@@ -18,11 +18,18 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
     """A transformers config of ``shape``'s family with its sizes (random initialisation follows)."""
     from transformers import AutoConfig
 
-    hybrid = {}
+    sizes = dict(
+        sliding_window=shape.sliding_window,  # None: full attention (Mistral's configs default to a window)
+        use_sliding_window=shape.sliding_window is not None,
+    )
+    if shape.family != "mistral":  # Mistral has one window for every layer and no layer_types
+        sizes["layer_types"] = list(shape.layer_types)
+    if shape.experts:
+        sizes.update(num_local_experts=shape.experts, num_experts_per_tok=shape.experts_per_token)
     if shape.full_attention_interval:  # Gated DeltaNet layers between the full-attention ones
-        hybrid = dict(layer_types=shape.layer_types(), linear_num_key_heads=shape.linear_key_heads,
-                      linear_num_value_heads=shape.linear_value_heads, linear_key_head_dim=shape.linear_key_dim,
-                      linear_value_head_dim=shape.linear_value_dim, linear_conv_kernel_dim=shape.linear_conv)
+        sizes.update(linear_num_key_heads=shape.linear_key_heads, linear_num_value_heads=shape.linear_value_heads,
+                     linear_key_head_dim=shape.linear_key_dim, linear_value_head_dim=shape.linear_value_dim,
+                     linear_conv_kernel_dim=shape.linear_conv)
     return AutoConfig.for_model(
         shape.family,
         hidden_size=shape.hidden,
@@ -36,9 +43,8 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         rope_theta=shape.rope_theta,
         max_position_embeddings=max_positions,
         attention_dropout=0.0,
-        sliding_window=None,  # full attention (Mistral's configs default to a window)
-        use_sliding_window=False,
-        **hybrid,
+        **sizes,
+        **dict(shape.extra),
     )
 
 
@@ -75,8 +81,11 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
         return model.to(device)
     shape = model_shape(name_or_path)  # unknown names fail here, listing the presets
     config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
+    # the single-device reference runs transformers' own attention: SDPA, or eager for models without an
+    # SDPA path (gpt-oss: its sinks); seqmesh.hf replaces either
+    sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
     if torch.device(device).type != "meta":  # values from (seed, module name): see initialize_by_name
         materialize(model, device, seed)
     return model

@@ -35,6 +35,11 @@ class ModelShape:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv: int = 4  # the short causal conv's kernel
+    sliding_window: int | None = None  # causal window of the sliding layers (transformers' sliding_window)
+    full_every: int = 0  # with a window: every full_every-th layer is full attention, the others slide (0: all slide)
+    experts: int = 0  # MoE experts per layer (0: a dense gated MLP)
+    experts_per_token: int = 0
+    extra: tuple[tuple[str, object], ...] = ()  # further config entries of the family (name, value)
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -42,17 +47,29 @@ class ModelShape:
         if self.full_attention_interval and (not self.linear_key_heads or self.linear_value_heads % self.linear_key_heads):
             raise ValueError(f"{self.name}: {self.linear_value_heads} linear value heads must be a positive multiple of "
                              f"{self.linear_key_heads} linear key heads.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{self.name}: sliding_window must be a positive number of tokens, got {self.sliding_window}.")
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """transformers' per-layer kinds: a hybrid's Gated DeltaNet layers with every
+        ``full_attention_interval``-th full; with a window every ``full_every``-th full, the rest sliding."""
+        n = self.full_attention_interval
+        if n:
+            return tuple("linear_attention" if (i + 1) % n else "full_attention" for i in range(self.layers))
+        if self.sliding_window is None:
+            return ("full_attention",) * self.layers
+        return tuple("full_attention" if self.full_every and (i + 1) % self.full_every == 0 else "sliding_attention"
+                     for i in range(self.layers))
 
     @property
     def linear_layers(self) -> int:
-        """Gated DeltaNet layers (the rest are full attention)."""
-        n = self.full_attention_interval
-        return self.layers - self.layers // n if n else 0
+        """Gated DeltaNet layers (the rest are attention)."""
+        return self.layer_types.count("linear_attention")
 
-    def layer_types(self) -> list[str] | None:
-        """transformers' ``layer_types`` of a hybrid model, or None."""
-        n = self.full_attention_interval
-        return None if not n else ["linear_attention" if (i + 1) % n else "full_attention" for i in range(self.layers)]
+    @property
+    def sliding_layers(self) -> int:
+        return self.layer_types.count("sliding_attention")
 
     @property
     def linear_layer_params(self) -> int:
@@ -63,19 +80,35 @@ class ModelShape:
                 + 2 * self.linear_value_heads + self.linear_value_dim)
 
     @property
+    def mlp_params(self) -> int:
+        """One layer's MLP: a gated MLP, or ``experts`` of them and a router."""
+        if self.experts:
+            return self.experts * 3 * self.hidden * self.intermediate + self.experts * self.hidden
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def norm_params(self) -> int:
+        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3)."""
+        if self.family == "gemma3_text":
+            return 4 * self.hidden + 2 * self.head_dim
+        return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text") else 0)
+
+    @property
     def params(self) -> int:
-        """Parameter count (embeddings, attention, gated MLP, RMSNorms, LM head unless tied)."""
+        """Parameter count (embeddings, attention, gated MLP or experts, RMSNorms, Gated DeltaNet mixers, LM head
+        unless tied; gpt-oss's biases and sinks, under 0.01%, are left out)."""
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        norms = 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text") else 0)
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
         full = self.layers - self.linear_layers
-        return (full * attn + self.linear_layers * self.linear_layer_params + self.layers * (mlp + norms)
+        return (full * attn + self.linear_layers * self.linear_layer_params + self.layers * (self.mlp_params + self.norm_params)
                 - self.linear_layers * (2 * self.head_dim if gated else 0) + embed + self.hidden)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The shape as plain data (the family's ``extra`` config entries left out: they size nothing)."""
+        shape = asdict(self)
+        del shape["extra"]
+        return shape
 
 
 MODELS: dict[str, ModelShape] = {
@@ -97,6 +130,22 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("qwen3.5-9b", "qwen3_5_text", 4096, 32, 16, 4, 256, 12288, 248320, False, 1e7,
                    full_attention_interval=4, linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
                    linear_value_dim=128),
+        # sliding windows and sinks (published configs: Mistral-7B-v0.1, Gemma 3 4B/27B, gpt-oss 20b/120b)
+        ModelShape("mistral-window-tiny", "mistral", 64, 2, 4, 2, 16, 128, 256, sliding_window=8),
+        ModelShape("mistral-7b-window", "mistral", 4096, 32, 32, 8, 128, 14336, 32000, False, 10000.0,
+                   sliding_window=4096),
+        ModelShape("gemma3-tiny", "gemma3_text", 64, 2, 4, 2, 16, 128, 256, True, 1e6, sliding_window=8, full_every=2,
+                   extra=(("query_pre_attn_scalar", 16),)),
+        ModelShape("gemma3-4b", "gemma3_text", 2560, 34, 8, 4, 256, 10240, 262208, True, 1e6, sliding_window=1024,
+                   full_every=6, extra=(("query_pre_attn_scalar", 256),)),
+        ModelShape("gemma3-27b", "gemma3_text", 5376, 62, 32, 16, 128, 21504, 262208, True, 1e6, sliding_window=1024,
+                   full_every=6, extra=(("query_pre_attn_scalar", 168),)),
+        ModelShape("gpt-oss-tiny", "gpt_oss", 64, 2, 4, 2, 16, 64, 256, False, 150000.0, sliding_window=8,
+                   full_every=2, experts=4, experts_per_token=2),
+        ModelShape("gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 150000.0, sliding_window=128,
+                   full_every=2, experts=32, experts_per_token=4),
+        ModelShape("gpt-oss-120b", "gpt_oss", 2880, 36, 64, 8, 64, 2880, 201088, False, 150000.0, sliding_window=128,
+                   full_every=2, experts=128, experts_per_token=4),
     )
 }
 
@@ -115,6 +164,17 @@ def read_config_json(path: str) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object of config fields.")
     return cfg
+
+
+def _window_fields(cfg: dict) -> dict:
+    """sliding_window and full_every from a config.json: its layer_types (the first full layer gives
+    the period), or one window for every layer (Mistral)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or []
+    if not window or cfg.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
+        return {}
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    return {"sliding_window": int(window), "full_every": full[0] + 1 if full else 0}
 
 
 def model_shape(name_or_path: str) -> ModelShape:
@@ -143,6 +203,7 @@ def model_shape(name_or_path: str) -> ModelShape:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             **_linear_fields(cfg),
+            **_window_fields(cfg),
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None

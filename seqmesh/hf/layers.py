@@ -1,0 +1,95 @@
+"""Which layers of a transformers model seqmesh computes exactly, and a clear refusal for the rest.
+
+``parallelize`` swaps the attention function transformers calls through its ``AttentionInterface``.
+Everything else in a decoder runs per token on the local shard, which is exact only for per-token
+layers (norms, MLPs, MoE, projections). A layer that mixes tokens some other way (a Mamba/SSM
+mixer, a short convolution, a recurrent block, linear attention) or an attention variant seqmesh does
+not compute would run on the local shard alone: silently wrong. :func:`check_layers` finds such
+layers before any work and raises a ValueError naming the layer, the variant and what is supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch.nn as nn
+
+# config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "dense", "sparse", "moe")
+# parts of module class names that mix tokens outside the attention interface
+TOKEN_MIXER_NAMES = ("Mamba", "Mixer", "ShortConv", "GatedDeltaNet", "LinearAttention", "Lightning", "RecurrentBlock",
+                     "Rglru", "Rwkv", "xLSTM", "Lstm")
+
+
+def _mixes_tokens(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return isinstance(module, nn.Conv1d) or any(part.lower() in name for part in TOKEN_MIXER_NAMES)
+SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
+             "windows (sliding_window), attention sinks (s_aux), MHA/GQA/MQA, MLA head dims, packed documents; "
+             "per-token layers (MLP, MoE, norms)")
+
+
+def _routes_through_interface(model: nn.Module) -> bool:
+    """Whether ``model``'s attention goes through ``AttentionInterface``: the class says so
+    (``_supports_attention_backend``), or its attention modules look their function up there (Qwen3.5
+    does without setting the flag)."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")}
+    for cls in classes:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if "ALL_ATTENTION_FUNCTIONS" in source or "get_interface" in source:
+            return True
+    return False
+
+
+def _configs(model: nn.Module):
+    config = model.config
+    yield config
+    text = getattr(config, "text_config", None)
+    if text is not None and text is not config:
+        yield text
+
+
+def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
+    """Raise a ValueError naming every layer or variant of ``model`` seqmesh would not compute exactly.
+    ``handled``: token-mixing layers seqmesh runs sequence-parallel itself (Gated DeltaNet, see
+    :mod:`seqmesh.hf.linear`); they, and the ``linear_attention`` layer type, are then accepted."""
+    name = type(model).__name__
+    problems = []
+    supported = SUPPORTED_LAYER_TYPES + (("linear_attention",) if handled else ())
+    inside_handled = {id(part) for layer in handled for part in layer.modules()}
+    handled_ids = {id(layer) for layer in handled}
+    # a decoder layer that holds a handled layer (OlmoHybridLinearAttentionDecoderLayer) is its container
+    inside_handled |= {id(m) for m in model.modules() if handled_ids & {id(d) for d in m.modules()}}
+    for config in _configs(model):
+        for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
+            if kind not in supported:
+                problems.append(f"layer {i} is a {kind!r} layer")
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk:
+            problems.append(f"its attention is chunked (attention_chunk_size={chunk}). Set config.attention_chunk_size = "
+                            "None to train it with full attention")
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap is not None:
+            problems.append(f"its attention uses logit soft-capping (attn_logit_softcapping={softcap}; set it to None "
+                            "to train without it)")
+        if getattr(config, "use_bidirectional_attention", False) and getattr(config, "sliding_window", None):
+            problems.append("its sliding windows are bidirectional (use_bidirectional_attention=True)")
+    mixers = [(path, type(m).__name__) for path, m in model.named_modules()
+              if path and id(m) not in inside_handled and _mixes_tokens(m)]
+    seen = set()
+    for path, cls in mixers:  # the outermost match names the layer (a Mamba mixer, not the conv inside it)
+        if cls not in seen and not any(path.startswith(other + ".") for other, _ in mixers):
+            seen.add(cls)
+            problems.append(f"{path} is a {cls}, which mixes tokens outside the attention interface")
+    if not _routes_through_interface(model):
+        problems.append("it does not route its attention through transformers' AttentionInterface, so seqmesh cannot "
+                        "replace it (each rank would attend within its own shard only)")
+    if problems:
+        listed = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise ValueError(f"seqmesh cannot run {name} exactly: {listed}. seqmesh supports {SUPPORTED}.")

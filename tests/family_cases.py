@@ -1,0 +1,116 @@
+"""The 2026 decoder families through seqmesh.hf on every rank, against the unmodified transformers
+model (its own attention, which applies sliding windows, sinks and MLA head dims itself) on the whole
+sequence: logits and every parameter's gradient.
+
+Tiny random-weight configs built from transformers' own config classes, each exercising what makes
+the family different: Gemma 3 (sliding and full layers, query_pre_attn_scalar), Mistral with a
+window, gpt-oss (sinks, alternating sliding/full layers, MoE), DeepSeek-V3 (MLA: q/k head dim
+12, v head dim 6; MoE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import seqmesh
+from dist_cases import get_mesh
+from seqmesh.hf import parallelize, unparallelize
+from seqmesh.training.fsdp import sync_gradients
+from seqmesh.training.model import SequenceParallelLM
+
+WINDOW = 5  # shorter than a zigzag chunk of the 45-token sequences on 4 ring ranks (48 / 8 = 6)
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64, attention_dropout=0.0)
+
+
+def family_config(family: str):
+    """A tiny config of ``family`` from transformers' config classes."""
+    import transformers as tf
+
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                   sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=8)
+    if family == "mistral":
+        return tf.MistralConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW)
+    if family == "gpt-oss":
+        return tf.GptOssConfig(**SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                               layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                               num_experts_per_tok=2)
+    if family == "deepseek-v3":
+        return tf.DeepseekV3Config(**SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4,
+                                   q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                   first_k_dense_replace=1, n_shared_experts=1)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def build(config, seed: int = 0):
+    """The float64 model with transformers' own attention: SDPA (float64 throughout; eager attention
+    would take its softmax in float32), or eager where the family has no SDPA path (gpt-oss, whose
+    eager softmax keeps the input dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
+                                            experts_implementation="eager")  # grouped_mm has no float64
+
+
+def _batch(seq_len: int, vocab: int, documents: bool) -> dict:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
+    if not documents:
+        return {"input_ids": ids}
+    cuts = [0, 1, 9, 10, 30, seq_len]
+    return {"input_ids": ids, "position_ids": torch.cat([torch.arange(b - a) for a, b in zip(cuts[:-1], cuts[1:])])[None]}
+
+
+def _reference_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and loss of the whole sequence on one process; packed documents run one model call each
+    (gpt-oss's eager attention does not separate documents given by position_ids; this reference does
+    not rely on it)."""
+    ids = batch["input_ids"]
+    if "position_ids" in batch:
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        logits = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits
+                            for a, b in zip(starts[:-1], starts[1:])], dim=1)
+    else:
+        logits = model(input_ids=ids, use_cache=False).logits
+    targets = ids[0, 1:].clone()
+    if "position_ids" in batch:
+        targets[batch["position_ids"][0, 1:] == 0] = -100
+    loss = F.cross_entropy(logits[0, :-1], targets, ignore_index=-100, reduction="sum") / (targets != -100).sum()
+    return logits, loss
+
+
+def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
+                  seq_len: int = 45) -> dict:
+    """Largest logit error and largest relative gradient error over all parameters."""
+    mesh = get_mesh(ulysses, ring)
+    config = family_config(family)
+    reference = build(config)
+    batch = _batch(seq_len, config.vocab_size, documents)
+    ref_logits, ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+
+    lm = parallelize(build(family_config(family)), mesh)
+    local = seqmesh.shard_batch(batch, mesh, layout=layout)
+    with torch.no_grad():
+        logits = lm(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=local["seqmesh"],
+                    use_cache=False).logits
+    whole = seqmesh.gather_sequence(logits, mesh, layout=layout, length=seq_len)
+    sp = SequenceParallelLM(lm, mesh, chunk=16)
+    loss = sp(**seqmesh.shard_batch(batch, mesh, layout=layout))
+    loss.backward()
+    sync_gradients(sp, mesh)
+    want = dict(reference.named_parameters())
+    grad_err, worst_name = 0.0, ""
+    for name, p in lm.named_parameters():
+        ref = want[name].grad
+        err = float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        if err > grad_err:
+            grad_err, worst_name = err, name
+    unparallelize(lm)
+    return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.item()),
+            "grad": grad_err, "worst": worst_name, "params": len(want)}

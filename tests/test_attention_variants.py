@@ -1,0 +1,103 @@
+"""Sliding windows, attention sinks and a value head dim unlike q's, on spawned gloo groups, against
+float64 attention with an explicit mask on the whole sequence (forward and every gradient)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dist_cases import Case, attention_cases, traffic_cases
+
+# (ulysses, ring)
+MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+
+
+def _documents(seq_len: int) -> tuple[int, ...]:
+    return (0, 1, 9, 10, seq_len - 5)
+
+
+def _cases() -> list[Case]:
+    """Windows of 1 token, shorter than a zigzag chunk (48 tokens on 4 ring ranks: chunks of 6),
+    between a chunk and a shard, longer than a shard and longer than the sequence; lengths with and
+    without padding (45 is not a multiple of 2P); packed documents; sinks; Dv != D; both layouts."""
+    cases = [
+        Case(seq_len, 4, 2, True, layout, _documents(seq_len) if docs else None, window=window)
+        for layout, seq_len, docs, window in itertools.product(
+            ("zigzag", "contiguous"), (48, 45), (False, True), (1, 5, 9, 20, 64)
+        )
+    ]
+    cases += [Case(48, 4, 1, True, layout, None, window=7, sinks=True) for layout in ("zigzag", "contiguous")]
+    cases += [Case(45, 4, 2, causal, "zigzag", _documents(45), sinks=True) for causal in (True, False)]
+    cases += [Case(48, 4, 2, causal, "zigzag", None, v_dim=4) for causal in (True, False)]
+    cases += [Case(45, 4, 4, True, "contiguous", _documents(45), v_dim=12, window=6, sinks=True)]
+    cases += [Case(40, 4, 2, True, "zigzag", None, window=6, sinks=True, v_dim=4, dtype="float32", seed=2)]
+    return cases
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_window_sinks_value_dim_exact(pools, ulysses, ring):
+    """Output, dq, dk, dv and d(sinks) (summed over the sequence group) equal the reference."""
+    cases = _cases()
+    per_rank = pools.run(ulysses * ring, attention_cases, ulysses, ring, 1, cases)
+    worst: dict[str, dict[str, float]] = {"float64": {}, "float32": {}}
+    for results in per_rank:
+        for r in results:
+            dtype = "float32" if "float32" in r["case"] else "float64"
+            for name, err in r.items():
+                if name != "case":
+                    assert err < (1e-5 if dtype == "float32" else 1e-10), (r["case"], name, err)
+                    worst[dtype][name] = max(worst[dtype].get(name, 0.0), err)
+    assert len(per_rank[0]) == len(cases)
+    print(f"u{ulysses}xr{ring} worst errors: {worst}")
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 4), (2, 2)], ids=["u1xr4", "u2xr2"])
+def test_window_traffic_equals_planner_formula(pools, ulysses, ring):
+    """Per-rank P2P and all-to-all bytes counted by comm_stats equal the planner's first-principles
+    formula, including the ring steps (and K/V transfers) a short window skips."""
+    from seqmesh.planner.traffic import attention_traffic, ring_steps
+
+    cases = [Case(64, 4, 2, True, layout, None, window=w) for layout in ("zigzag", "contiguous") for w in (1, 5, 9, 20, None)]
+    per_rank = pools.run(ulysses * ring, traffic_cases, ulysses, ring, cases)
+    for rank_results in per_rank:
+        for r in rank_results:
+            case, stats = r["case"], r["stats"]
+            sp_rank = r["ring_rank"] * ulysses + r["ulysses_rank"]
+            want = attention_traffic(4, 2, 8, seq_len=64, batch=case["batch"], ulysses=ulysses, ring=ring,
+                                     dtype="float64", layout=case["layout"], window=case["window"])[sp_rank]
+            for kind in ("p2p", "all_to_all"):
+                for phase in ("forward", "backward"):
+                    got = stats.get(kind, {}).get(phase, {})
+                    assert got.get("bytes_sent", 0) == want.sent(kind, phase), (case, kind, phase, got)
+                    assert got.get("calls", 0) == want.calls(kind, phase), (case, kind, phase, got)
+    # what the window saves: with a window shorter than a zigzag chunk only the two neighbours' blocks
+    # travel (steps 0, 1 and ring-1); contiguous needs only the previous rank's block
+    assert ring_steps(4, 64, "zigzag", 5) == 3 and ring_steps(4, 64, "contiguous", 5) == 2
+    assert ring_steps(4, 64, "zigzag", 1) == 1 and ring_steps(4, 64, "zigzag", None) == 4
+
+
+def test_cpu_flash_bands_equal_the_math_kernel():
+    """cpu_flash runs a window as bands of rows (several here) with offsets and documents: forward and
+    backward equal the math kernel's dense mask; its work count equals the mask's visible pairs."""
+    import torch
+
+    from seqmesh.kernels.base import BlockMask
+    from seqmesh.kernels.cpu_flash import CpuFlashKernel
+    from seqmesh.kernels.math import MathKernel
+
+    g = torch.Generator().manual_seed(0)
+    for mask, sq, sk in [(BlockMask(causal=True, window=300), 700, 700),
+                         (BlockMask(causal=True, window=90, segments=(0, 250, 251, 700)), 700, 700),
+                         (BlockMask(causal=True, window=200, offset=150), 300, 300)]:  # every row sees a key
+        q = torch.randn(1, sq, 4, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, sk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(1, sq, 4, 8, generator=g, dtype=torch.float64)
+        rows = mask.allowed(sq, sk).any(1)
+        out, lse = CpuFlashKernel().forward(q, k, v, mask, 0.3)
+        ref_out, ref_lse = MathKernel().forward(q, k, v, mask, 0.3)
+        assert (out - ref_out)[:, rows].abs().max() < 1e-12 and (lse - ref_lse)[..., rows].abs().max() < 1e-12
+        grads = CpuFlashKernel().backward(dout, q, k, v, ref_out, ref_lse, mask, 0.3)
+        ref_grads = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, mask, 0.3)
+        assert max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads)) < 1e-12
+        assert mask.score_entries(sq, sk) == int(mask.allowed(sq, sk).sum())

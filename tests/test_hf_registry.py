@@ -1,0 +1,36 @@
+"""Item 6 of issue 12: nothing unknown runs silently or crashes inside. A sample of the decoder
+families in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, as tiny float32 models on a ring of 2:
+each is exact against the single-process model or refused before any work with a ValueError naming
+the layer or variant and what seqmesh supports. (Linear-attention hybrids of the Gated DeltaNet kind
+are covered with their own support, not here.)"""
+
+from __future__ import annotations
+
+from registry_cases import registry_sample
+
+EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", "gemma3_text", "mistral",
+         "gpt_oss", "deepseek_v3"]
+REFUSED = {
+    "gemma2": "soft-capping",  # attn_logit_softcapping
+    "llama4_text": "chunked",  # attention_chunk_size
+    "jamba": "Mamba",  # Mamba mixer layers
+    "lfm2": "conv",  # short convolutions
+    "falcon_h1": "Mamba",
+    "recurrent_gemma": "RecurrentBlock",  # recurrent (RG-LRU) blocks
+}
+
+
+def test_registry_sample_is_exact_or_refused(pools):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    families = EXACT + list(REFUSED)
+    assert all(f in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES for f in families)
+    results = pools.run(2, registry_sample, families, timeout=600)[0]
+    by_family = {r["family"]: r for r in results}
+    for family in EXACT:
+        r = by_family[family]
+        assert r["outcome"] == "exact" and r["err"] < 1e-5, r
+    for family, words in REFUSED.items():
+        r = by_family[family]
+        assert r["outcome"] == "refused", r
+        assert words.lower() in r["message"].lower() and "seqmesh supports" in r["message"], r
