@@ -82,7 +82,7 @@ def cmd_bench_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_window(args: argparse.Namespace) -> int:
-    from .window_bench import WindowBench, format_window_rows, window_rows
+    from .bench_window import WindowBench, format_window_rows, window_rows
 
     cfg = WindowBench(seq_len=args.seq_len, ring=args.ring, windows=tuple(None if w == 0 else w for w in args.windows),
                       q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
