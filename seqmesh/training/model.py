@@ -62,7 +62,7 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM
 
-    if has_weights(name_or_path):
+    if has_weights(name_or_path) and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
         )
@@ -134,10 +134,23 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
         module._is_hf_initialized = True
 
 
-def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate a model built on the meta device (after FSDP sharded ``root``, or whole) on ``device``
-    and initialise it with :func:`initialize_by_name`: every rank holds only its shards, and the values
-    do not depend on how the model is sharded."""
+@torch.no_grad()
+def initialize_buffers(lm: nn.Module) -> None:
+    """Compute the buffers of ``lm``'s parameter-free modules (RoPE frequencies) in place, as
+    :func:`initialize_by_name` does; for a model whose weights are then loaded."""
+    from transformers.initialization import guard_torch_init_functions
+
+    for _, module, init in _init_functions(lm, lm._init_weights):
+        if module._buffers and not any(p is not None for p in module._parameters.values()):
+            module._is_hf_initialized = False
+            with guard_torch_init_functions():
+                init(module)
+            module._is_hf_initialized = True
+
+
+def allocate(root: nn.Module, device: torch.device | str) -> None:
+    """Allocate a model built on the meta device (after FSDP sharded ``root``, or whole) on ``device``,
+    uninitialised: every rank holds only its shards. Tied parameters stay tied."""
     device = torch.device(device)
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter is one object in several modules
     for module in root.modules():
@@ -149,6 +162,12 @@ def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
         first, name = tied[0]
         for module, other in tied[1:]:
             module._parameters[other] = first._parameters[name]
+
+
+def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
+    """:func:`allocate` ``root`` on ``device`` and initialise it with :func:`initialize_by_name`: the
+    values do not depend on how the model is sharded."""
+    allocate(root, device)
     initialize_by_name(getattr(root, "lm", root), device, seed)
 
 

@@ -1,0 +1,65 @@
+"""Rank functions for tests/test_pretrained.py: transformers checkpoint folders in and out."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqmesh.training.config import TrainConfig
+
+
+def loaded_weights(folder: str, ulysses: int, ring: int, dp_replicate: int = 1) -> dict:
+    """build() of a checkpoint folder with FSDP: the full weights and buffers it ends up with (rank 0)."""
+    from seqmesh.training.train import build
+
+    _, module, _ = build(TrainConfig(model=folder, seq_len=64, ulysses=ulysses, ring=ring, dp=1,
+                                     dp_replicate=dp_replicate))
+    lm = module.lm
+    weights = {n: p.full_tensor().detach().clone() for n, p in lm.named_parameters()}
+    inv_freq = lm.model.rotary_emb.inv_freq.clone()
+    tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    return {"weights": weights, "inv_freq": inv_freq, "tied": tied,
+            "dtypes": sorted({str(p.dtype) for p in lm.parameters()})} if dist.get_rank() == 0 else {}
+
+
+def build_error(folder: str) -> str:
+    """The error build() raises for a checkpoint folder that does not match its config."""
+    from seqmesh.training.train import build
+
+    try:
+        build(TrainConfig(model=folder, seq_len=64, ulysses=2, ring=2, dp=1))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process. Not ``ru_maxrss``: a spawned
+    process starts with its parent's, which outlives the exec."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
+def loading_memory(folder: str, sharded: bool) -> dict:
+    """Host memory this fresh rank takes to load ``folder``: the peak resident size above
+    the resident size just before, and the bytes read from the files. ``sharded``: meta model, FSDP
+    over every rank, shard-by-shard read; otherwise transformers' whole ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    from seqmesh.mesh import init_mesh
+    from seqmesh.training.fsdp import apply_fsdp
+    from seqmesh.training.model import SequenceParallelLM, build_model
+    from seqmesh.training.pretrained import load_pretrained
+
+    read = 0
+    if sharded:
+        mesh = init_mesh(1, 1, dp_shard=dist.get_world_size(), device_type="cpu")
+        module = apply_fsdp(SequenceParallelLM(build_model(folder, device="meta"), mesh), mesh)
+        before = _status_bytes("VmRSS")
+        read = load_pretrained(module, folder, "cpu")
+    else:
+        before = _status_bytes("VmRSS")
+        module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    peak = _status_bytes("VmHWM")
+    held = sum(p.to_local().numel() * 4 if hasattr(p, "to_local") else p.numel() * 4 for p in module.parameters())
+    return {"peak_above_start": max(0, peak - before), "read": read, "held": held}
