@@ -63,3 +63,23 @@ def loading_memory(folder: str, sharded: bool) -> dict:
     peak = _status_bytes("VmHWM")
     held = sum(p.to_local().numel() * 4 if hasattr(p, "to_local") else p.numel() * 4 for p in module.parameters())
     return {"peak_above_start": max(0, peak - before), "read": read, "held": held}
+
+
+def trained_weights(cfg: TrainConfig) -> dict:
+    """Train as ``seqmesh train`` does (``train()`` is ``TrainingRun(cfg).run()``); rank 0 returns the
+    summary and the trained model's full weights."""
+    from seqmesh.training.train import TrainingRun
+
+    run = TrainingRun(cfg)
+    summary = run.run()
+    weights = {n: p.full_tensor().detach().clone() for n, p in run.module.lm.named_parameters()}
+    return {"summary": summary, "weights": weights} if dist.get_rank() == 0 else {}
+
+
+def export_loaded(folder: str, out: str, max_shard_bytes: int, dtype: torch.dtype | None) -> str:
+    """Load ``folder`` sharded over U2xR2, then export it with ``export_pretrained``."""
+    from seqmesh.training.export import export_pretrained
+    from seqmesh.training.train import build
+
+    _, module, _ = build(TrainConfig(model=folder, seq_len=64, ulysses=2, ring=2, dp=1))
+    return export_pretrained(module, out, max_shard_bytes=max_shard_bytes, dtype=dtype)

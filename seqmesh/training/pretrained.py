@@ -197,11 +197,11 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str) ->
         target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
         read += values.numel() * values.element_size()
         del values
-    _read_generation_config(lm, folder)
+    read_generation_config(lm, folder)
     return read
 
 
-def _read_generation_config(lm: nn.Module, folder: str) -> None:
+def read_generation_config(lm: nn.Module, folder: str) -> None:
     """The folder's ``generation_config.json`` on the model, as ``from_pretrained`` would set it."""
     if os.path.isfile(os.path.join(folder, "generation_config.json")) and hasattr(lm, "generation_config"):
         from transformers import GenerationConfig

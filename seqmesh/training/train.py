@@ -21,6 +21,7 @@ from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
+from .export import export_pretrained
 from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from ..hf import parallelize, workable_degrees
 from ..mesh import SPMesh, init_mesh
@@ -287,6 +288,8 @@ class TrainingRun:
                     self.window_start += time.perf_counter() - paused
         if self.start < cfg.steps:
             self.save(cfg.steps)
+        if cfg.export:  # the run's own output, replaced as its checkpoints are
+            export_pretrained(self.module, os.path.join(cfg.out, "model"), tokenizer=cfg.tokenizer, overwrite=True)
         return self.summary()
 
     def summary(self) -> dict:
