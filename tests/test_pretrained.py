@@ -14,6 +14,16 @@ from seqmesh.training.model import build_model
 
 
 def _saved(folder, preset: str, **kwargs) -> str:
+    """``preset`` saved with ``save_pretrained(**kwargs)``; ``"uneven"``: llama-tiny with a vocabulary and
+    MLP width that 4 ranks do not divide (shards of 65, 65, 65 and 63 rows)."""
+    if preset == "uneven":
+        from seqmesh.training.model import hf_config
+        from seqmesh.training.presets import MODELS
+
+        config = hf_config(MODELS["llama-tiny"])
+        config.update({"vocab_size": 258, "intermediate_size": 130})
+        config.save_pretrained(str(folder) + "-config")
+        preset = str(folder) + "-config"
     model = build_model(preset, seed=5)
     dtype = kwargs.pop("dtype", None)
     if dtype is not None:
@@ -32,6 +42,7 @@ def _reference(folder: str):
     ("llama-tiny", {"max_shard_size": "20KB"}, (2, 2, 1)),  # many files and an index; untied head
     ("qwen3-tiny", {"dtype": torch.bfloat16}, (2, 2, 1)),  # bf16 on disk into fp32; tied head absent from the file
     ("llama-tiny", {"dtype": torch.bfloat16, "max_shard_size": "50KB"}, (2, 1, 2)),  # HSDP (Replicate, Shard(0))
+    ("uneven", {}, (2, 2, 1)),  # rows that 4 ranks do not divide evenly
 ])
 def test_checkpoint_loads_shard_by_shard_as_from_pretrained(pools, tmp_path, preset, save, mesh):
     folder = _saved(tmp_path / "ckpt", preset, **save)

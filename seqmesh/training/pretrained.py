@@ -41,7 +41,8 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     if not files:
         found = ", ".join(sorted(n for n in os.listdir(folder) if n.endswith(".bin"))) or "no weight files"
         raise ValueError(f"{folder} holds {found} but no .safetensors: seqmesh reads safetensors shard by shard. "
-                         "Convert it once with transformers (from_pretrained, then save_pretrained).")
+                         "Convert it once with transformers (from_pretrained, then save_pretrained), or "
+                         "train with --no-fsdp, which loads it whole.")
     names: dict[str, str] = {}
     for file in files:
         path = os.path.join(folder, file)
