@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import struct
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -237,7 +238,9 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
     def read(name: str) -> torch.Tensor:
         meta = stored[keys[name]]
         values = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        dcp.load({"model": {f"lm.{name}": values}}, checkpoint_id=checkpoint, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {f"lm.{name}": values}}, checkpoint_id=checkpoint, no_dist=True)
         return values
 
     partial = start_folder(out, overwrite)

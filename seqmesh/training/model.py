@@ -57,7 +57,10 @@ def has_weights(path: str) -> bool:
 
 def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A causal LM: a preset, or a ``config.json`` (file or folder without weights) with random
-    weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local checkpoint folder (config.json plus weights) loaded without any download.
+    weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local
+    checkpoint folder (config.json plus weights) loaded whole without any download. On the meta device a
+    checkpoint folder gives its config's model, weights unread: ``pretrained.load_pretrained`` reads
+    each rank's shards after FSDP.
 
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM
