@@ -40,10 +40,24 @@ def _status_bytes(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
 
 
-def loading_memory(folder: str, sharded: bool) -> dict:
-    """Host memory this fresh rank takes to load ``folder``: the peak resident size above
-    the resident size just before, and the bytes read from the files. ``sharded``: meta model, FSDP
-    over every rank, shard-by-shard read; otherwise transformers' whole ``from_pretrained``."""
+def _peak_above_now(load) -> tuple[object, int]:
+    """``load()``'s result and the peak resident size it reached above the resident size before it:
+    freed memory goes back to the system first (malloc_trim) and the peak is reset (clear_refs 5)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    result = load()
+    return result, max(0, _status_bytes("VmHWM") - before)
+
+
+def loading_memory(folder: str) -> dict:
+    """Host memory this rank (a fresh process) takes to load ``folder``: shard by shard (meta model,
+    FSDP over every rank), then, on rank 0 only, whole with transformers' ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
     from seqmesh.mesh import init_mesh
@@ -51,18 +65,17 @@ def loading_memory(folder: str, sharded: bool) -> dict:
     from seqmesh.training.model import SequenceParallelLM, build_model
     from seqmesh.training.pretrained import load_pretrained
 
-    read = 0
-    if sharded:
-        mesh = init_mesh(1, 1, dp_shard=dist.get_world_size(), device_type="cpu")
-        module = apply_fsdp(SequenceParallelLM(build_model(folder, device="meta"), mesh), mesh)
-        before = _status_bytes("VmRSS")
-        read = load_pretrained(module, folder, "cpu")
-    else:
-        before = _status_bytes("VmRSS")
-        module = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    peak = _status_bytes("VmHWM")
-    held = sum(p.to_local().numel() * 4 if hasattr(p, "to_local") else p.numel() * 4 for p in module.parameters())
-    return {"peak_above_start": max(0, peak - before), "read": read, "held": held}
+    mesh = init_mesh(1, 1, dp_shard=dist.get_world_size(), device_type="cpu")
+    module = apply_fsdp(SequenceParallelLM(build_model(folder, device="meta"), mesh), mesh)
+    read, sharded = _peak_above_now(lambda: load_pretrained(module, folder, "cpu"))
+    held = sum(p.to_local().numel() * p.element_size() for p in module.parameters())
+    dist.barrier()
+    del module
+    whole = None
+    if dist.get_rank() == 0:  # the weights may be left mapped from the files: read them all, as training would
+        _, whole = _peak_above_now(lambda: [float(p.sum()) for p in AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32).parameters()])
+    return {"sharded": sharded, "whole": whole, "read": read, "held": held}
 
 
 def trained_weights(cfg: TrainConfig) -> dict:
