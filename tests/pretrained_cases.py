@@ -89,10 +89,10 @@ def trained_weights(cfg: TrainConfig) -> dict:
     return {"summary": summary, "weights": weights} if dist.get_rank() == 0 else {}
 
 
-def export_loaded(folder: str, out: str, max_shard_bytes: int, dtype: torch.dtype | None) -> str:
-    """Load ``folder`` sharded over U2xR2, then export it with ``export_pretrained``."""
+def export_loaded(folder: str, out: str, max_shard_bytes: int, dtype: torch.dtype | None, fsdp: bool) -> str:
+    """Load ``folder`` over U2xR2 (sharded, or whole on every rank), then export it with ``export_pretrained``."""
     from seqmesh.training.export import export_pretrained
     from seqmesh.training.train import build
 
-    _, module, _ = build(TrainConfig(model=folder, seq_len=64, ulysses=2, ring=2, dp=1))
+    _, module, _ = build(TrainConfig(model=folder, seq_len=64, ulysses=2, ring=2, dp=1, fsdp=fsdp))
     return export_pretrained(module, out, max_shard_bytes=max_shard_bytes, dtype=dtype)

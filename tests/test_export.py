@@ -69,11 +69,12 @@ def test_checkpoint_folder_trains_and_comes_back_as_a_transformers_folder(pools,
     assert json.loads((again / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_export_pretrained_writes_sharded_files_from_fsdp_shards(pools, tmp_path):
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_export_pretrained_writes_sharded_files_from_fsdp_shards_or_whole(pools, tmp_path, fsdp):
     folder = str(tmp_path / "start")
     build_model("llama-tiny", seed=4).save_pretrained(folder)
     out = str(tmp_path / "out")
-    pools.run(4, export_loaded, folder, out, 30_000, torch.bfloat16)
+    pools.run(4, export_loaded, folder, out, 30_000, torch.bfloat16, fsdp)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
