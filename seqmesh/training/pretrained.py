@@ -156,6 +156,7 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
 
 
 def local_part(p: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``p``: a DTensor's local shard, or the tensor itself."""
     return p.to_local() if hasattr(p, "to_local") else p
 
 
