@@ -1,4 +1,4 @@
-"""The ``seqmesh`` command: train, verify, demo, bench, plan."""
+"""The ``seqmesh`` command: train, verify, export, demo, bench, plan."""
 
 from __future__ import annotations
 
@@ -174,6 +174,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..training.export import export_checkpoint
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    out = export_checkpoint(args.checkpoint, args.out, model=args.model, tokenizer=args.tokenizer, dtype=dtype,
+                            max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
+    print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({out!r}) loads it")
+    return 0
+
+
 def _demo_rank(cfg) -> dict:
     from ..training.train import train
 
@@ -211,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(verify)
     verify.add_argument("--rtol", type=float, default=None, help="tolerance (default 1e-4, 5e-2 with --bf16)")
     verify.set_defaults(func=cmd_verify)
+
+    export = sub.add_parser("export", help="a seqmesh checkpoint as a transformers folder (from_pretrained loads it)")
+    export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/seqmesh/checkpoints/step_0000200")
+    export.add_argument("out", help="the folder to write (config.json, safetensors, generation config, tokenizer)")
+    export.add_argument("--model", default=None, help="the run's model (default: the one its seqmesh.json records)")
+    export.add_argument("--tokenizer", default=None, help="tokenizer folder to include (default: the run's, if any)")
+    export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="of the saved weights (default: as trained)")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default %(default)s)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo", help="run the built-in demonstration (default: training on 4 CPU processes)")
     demo_sub = demo.add_subparsers(dest="what")
@@ -288,7 +311,7 @@ def _report_user_error(err: BaseException) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command not in ("train", "verify"):
+    if args.command not in ("train", "verify", "export"):
         return int(args.func(args) or 0)
     try:
         return int(args.func(args) or 0)

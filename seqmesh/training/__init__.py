@@ -7,8 +7,8 @@ Nothing is imported here, so ``seqmesh plan`` (which reads the model presets) st
 import importlib
 from typing import Any
 
-_MODULES = ("checkpoint", "config", "data", "datasets", "fsdp", "loss", "metrics", "model", "presets", "train",
-            "verify")
+_MODULES = ("checkpoint", "config", "data", "datasets", "export", "fsdp", "loss", "metrics", "model", "presets",
+            "pretrained", "train", "verify")
 
 
 def __getattr__(name: str) -> Any:  # `seqmesh.training.model` without an import statement

@@ -72,6 +72,9 @@ class TrainConfig:
     """Steps between held-out accuracy checks (0: only at the end)."""
     save_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
+    export: bool = True
+    """At the end, write the trained model to out/model in transformers' format (config.json, safetensors,
+    the tokenizer's files): AutoModelForCausalLM.from_pretrained loads it."""
     resume: bool = False
     """Continue from the newest intact checkpoint in out/checkpoints."""
     overwrite: bool = False

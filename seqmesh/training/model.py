@@ -69,12 +69,15 @@ def has_weights(path: str) -> bool:
 
 def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """A causal LM: a preset, or a ``config.json`` (file or folder without weights) with random
-    weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local checkpoint folder (config.json plus weights) loaded without any download.
+    weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local
+    checkpoint folder (config.json plus weights) loaded whole without any download. On the meta device a
+    checkpoint folder gives its config's model, weights unread: ``pretrained.load_pretrained`` reads
+    each rank's shards after FSDP.
 
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM
 
-    if has_weights(name_or_path):
+    if has_weights(name_or_path) and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
         )
@@ -149,10 +152,23 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
         module._is_hf_initialized = True
 
 
-def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate a model built on the meta device (after FSDP sharded ``root``, or whole) on ``device``
-    and initialise it with :func:`initialize_by_name`: every rank holds only its shards, and the values
-    do not depend on how the model is sharded."""
+@torch.no_grad()
+def initialize_buffers(lm: nn.Module) -> None:
+    """Compute the buffers of ``lm``'s parameter-free modules (RoPE frequencies) in place, as
+    :func:`initialize_by_name` does; for a model whose weights are then loaded."""
+    from transformers.initialization import guard_torch_init_functions
+
+    for _, module, init in _init_functions(lm, lm._init_weights):
+        if module._buffers and not any(p is not None for p in module._parameters.values()):
+            module._is_hf_initialized = False
+            with guard_torch_init_functions():
+                init(module)
+            module._is_hf_initialized = True
+
+
+def allocate(root: nn.Module, device: torch.device | str) -> None:
+    """Allocate a model built on the meta device (after FSDP sharded ``root``, or whole) on ``device``,
+    uninitialised: every rank holds only its shards. Tied parameters stay tied."""
     device = torch.device(device)
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter is one object in several modules
     for module in root.modules():
@@ -164,6 +180,12 @@ def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
         first, name = tied[0]
         for module, other in tied[1:]:
             module._parameters[other] = first._parameters[name]
+
+
+def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
+    """:func:`allocate` ``root`` on ``device`` and initialise it with :func:`initialize_by_name`: the
+    values do not depend on how the model is sharded."""
+    allocate(root, device)
     initialize_by_name(getattr(root, "lm", root), device, seed)
 
 

@@ -84,9 +84,9 @@ class StartPoint:
 
 def _previous_run(out: str, folder: str) -> list[str]:
     found = [os.path.basename(p) for p in steps_in(folder)]
-    metrics = os.path.join(out, "metrics.jsonl")
-    if os.path.isfile(metrics):
-        found.append("metrics.jsonl")
+    for name in ("metrics.jsonl", "model"):  # model/: the exported transformers folder
+        if os.path.exists(os.path.join(out, name)):
+            found.append(name)
     return found
 
 
@@ -110,6 +110,7 @@ def choose_start(cfg: TrainConfig) -> StartPoint:
                              "replace it, or choose another --out.")
         if found and _rank0():
             shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(os.path.join(cfg.out, "model"), ignore_errors=True)
             for name in ("metrics.jsonl", "loss_curve.png"):
                 if os.path.exists(os.path.join(cfg.out, name)):
                     os.remove(os.path.join(cfg.out, name))

@@ -21,12 +21,14 @@ from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
+from .export import export_pretrained
 from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from ..hf import parallelize, workable_degrees
 from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .presets import model_shape
+from .pretrained import check_pretrained, load_pretrained
 from .resume import choose_start, config_changes, refuse_changes, run_record
 from .watch import StallWatch, global_norm, nonfinite_message
 
@@ -122,17 +124,21 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
         torch.set_flush_denormal(True)
     mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, device_type=device.type)
-    # With FSDP a randomly initialised model is built on the meta device and only its shards are ever
-    # allocated (Llama-3-70B could not otherwise start); a checkpoint folder is loaded whole, then sharded.
-    on_meta = cfg.fsdp and not has_weights(cfg.model)
+    # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
+    # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
+    on_meta, pretrained = cfg.fsdp, has_weights(cfg.model)
     lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
+    if on_meta and pretrained:
+        check_pretrained(lm, cfg.model)  # names and shapes, from the files' headers, before any work
     lm = parallelize(lm, mesh, backend=cfg.backend)
     module = SequenceParallelLM(lm, mesh, chunk=cfg.loss_chunk)
     if cfg.checkpointing:
         enable_checkpointing(lm)
     if cfg.fsdp:
         apply_fsdp(module, mesh, bf16=cfg.bf16)
-    if on_meta:
+    if on_meta and pretrained:
+        load_pretrained(module, cfg.model, device)
+    elif on_meta:
         materialize(module, device, cfg.seed)
     return mesh, module, device
 
@@ -282,6 +288,8 @@ class TrainingRun:
                     self.window_start += time.perf_counter() - paused
         if self.start < cfg.steps:
             self.save(cfg.steps)
+        if cfg.export:  # the run's own output, replaced as its checkpoints are
+            export_pretrained(self.module, os.path.join(cfg.out, "model"), tokenizer=cfg.tokenizer, overwrite=True)
         return self.summary()
 
     def summary(self) -> dict:

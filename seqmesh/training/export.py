@@ -1,0 +1,250 @@
+"""Writing a model in transformers' format: a folder ``AutoModelForCausalLM.from_pretrained`` loads.
+
+The folder holds ``config.json``, the weights in safetensors files (``model.safetensors``, or shards
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``), ``generation_config.json``
+when the model has one, and the tokenizer's files when a tokenizer folder is given.
+
+The weights are streamed, never gathered whole: every tensor's name, shape and dtype are known before
+any value is, so the files and each safetensors header are planned first, and the values are then
+written one tensor at a time in that order. Under FSDP2 each parameter is gathered alone
+(``full_tensor()``, a collective every rank joins) and rank 0 appends it to the open file, so a rank
+holds at most one whole tensor beyond its shards. :func:`export_checkpoint` does the same from a
+seqmesh (``torch.distributed.checkpoint``) checkpoint in one process, reading one tensor at a time.
+
+The folder is written as ``OUT.partial`` and renamed into place once complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import struct
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .pretrained import INDEX, SINGLE, unique_parameters
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+DEFAULT_SHARD_BYTES = 5 * 2**30  # save_pretrained's default max_shard_size
+
+
+def plan_files(entries: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> list[list[str]]:
+    """The tensors of each file, in order: a new file starts when the next tensor would pass
+    ``max_shard_bytes`` (a tensor larger than that gets a file of its own)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, dtype) in entries.items():
+        nbytes = _nbytes(shape, dtype)
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def file_names(count: int) -> list[str]:
+    """``save_pretrained``'s names for ``count`` weight files."""
+    if count == 1:
+        return [SINGLE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def safetensors_header(names: list[str], entries: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file holding ``names`` in that order
+    (padded with spaces to 8 bytes, as the format asks)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        shape, dtype = entries[name]
+        end = offset + _nbytes(shape, dtype)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_weights(folder: str, entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  tensor: Callable[[str], torch.Tensor], *, write: bool = True,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Stream the tensors named in ``entries`` (``{name: (shape, dtype)}``) into safetensors files in
+    ``folder``, calling ``tensor(name)`` once per name in the planned order (every rank must, when it
+    is a collective); only with ``write`` is anything written. Returns the files' names."""
+    files = plan_files(entries, max_shard_bytes)
+    names = file_names(len(files))
+    for file, members in zip(names, files):
+        handle = open(os.path.join(folder, file), "wb") if write else None
+        try:
+            if handle is not None:
+                handle.write(safetensors_header(members, entries))
+            for name in members:
+                values = tensor(name)
+                shape, dtype = entries[name]
+                if tuple(values.shape) != tuple(shape):
+                    raise ValueError(f"{name} has shape {list(values.shape)}, {list(shape)} was planned.")
+                if handle is not None:
+                    flat = values.detach().to("cpu", dtype).contiguous().reshape(-1)
+                    handle.write(flat.view(torch.uint8).numpy().tobytes())
+                del values
+        finally:
+            if handle is not None:
+                handle.close()
+    if write and len(names) > 1:
+        weight_map = {name: file for file, members in zip(names, files) for name in members}
+        total = sum(_nbytes(*entries[name]) for name in entries)
+        with open(os.path.join(folder, INDEX), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return names
+
+
+def write_metadata(lm: nn.Module, folder: str, dtype: torch.dtype, tokenizer: str | None) -> None:
+    """``config.json`` (as ``save_pretrained`` writes it: architectures and dtype set), the generation
+    config when the model can generate, and the tokenizer's files when ``tokenizer`` names a folder."""
+    config = copy.deepcopy(lm.config)
+    config.architectures = [type(lm).__name__]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    generation = getattr(lm, "generation_config", None)
+    if generation is not None and lm.can_generate():
+        generation.save_pretrained(folder)
+    if tokenizer is not None:
+        from .datasets import load_tokenizer
+
+        load_tokenizer(tokenizer).save_pretrained(folder)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _agree(value: object) -> object:
+    """Rank 0's ``value`` on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def start_folder(out: str, overwrite: bool) -> str:
+    """A fresh ``OUT.partial`` to write into; raises on every rank if ``out`` exists and not ``overwrite``."""
+    exists = _agree(os.path.exists(out))
+    if exists and not overwrite:
+        raise ValueError(f"{out} already exists; choose another output folder, or pass --overwrite to replace it.")
+    partial = out.rstrip("/") + ".partial"
+    if _rank0():
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    return partial
+
+
+def finish_folder(partial: str, out: str) -> None:
+    """Move the complete ``partial`` folder to ``out`` (replacing what was there)."""
+    if _rank0():
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(partial, out)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+@torch.no_grad()
+def export_pretrained(module: nn.Module, out: str, *, tokenizer: str | None = None, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> str:
+    """Write ``module`` (a transformers causal LM, or a ``SequenceParallelLM`` holding one as ``.lm``;
+    sharded with FSDP2 or whole) to ``out`` in transformers' format; returns ``out``.
+
+    Collective when a process group is up: every rank gathers each parameter in turn and rank 0
+    writes it (see the module docstring). ``dtype``: of the saved weights (default: the parameters').
+    A tied LM head is saved once, as the embedding, as ``save_pretrained`` does."""
+    lm = getattr(module, "lm", module)
+    params = unique_parameters(lm)
+    dtype = dtype or next(iter(params.values())).dtype
+    entries = {name: (tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for name, p in params.items()}
+    partial = start_folder(out, overwrite)
+    write_weights(partial, entries, lambda name: _full(params[name]), write=_rank0(), max_shard_bytes=max_shard_bytes)
+    if _rank0():
+        write_metadata(lm, partial, dtype, tokenizer)
+    finish_folder(partial, out)
+    return out
+
+
+def _saved_run(checkpoint: str) -> dict:
+    """The run configuration a seqmesh checkpoint stores in its ``seqmesh.json``."""
+    meta = os.path.join(checkpoint, "seqmesh.json")
+    if not os.path.isfile(meta):
+        raise ValueError(f"{checkpoint} is not a seqmesh checkpoint (no seqmesh.json); give a folder such as "
+                         "OUT/checkpoints/step_0000200.")
+    with open(meta, encoding="utf-8") as f:
+        saved = json.load(f)
+    if "config" not in saved:
+        raise ValueError(f"{meta} does not record its run's configuration; pass --model to say which model it holds.")
+    return saved["config"]
+
+
+@torch.no_grad()
+def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, tokenizer: str | None = None,
+                      dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      overwrite: bool = False) -> str:
+    """Write the model of a seqmesh checkpoint (``OUT/checkpoints/step_N``) to ``out`` in transformers'
+    format, in one process, one tensor at a time. ``model`` and ``tokenizer`` default to the run's
+    (its ``seqmesh.json``); ``model`` is needed when the run's model path has moved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from .checkpoint import checkpoint_problem
+    from .model import build_model, has_weights
+    from .pretrained import read_generation_config
+
+    run = _saved_run(checkpoint) if model is None or tokenizer is None else {}
+    model = model or run["model"]
+    tokenizer = tokenizer if tokenizer is not None else run.get("tokenizer")
+    problem = checkpoint_problem(checkpoint)
+    if problem is not None:
+        raise ValueError(f"the checkpoint {checkpoint} is damaged: {problem}; export an older step.")
+    lm = build_model(model, device="meta")
+    if has_weights(model):
+        read_generation_config(lm, model)
+    params = unique_parameters(lm)
+    stored = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    keys = {name: f"model.lm.{name}" for name in params}  # get_state_dict of a SequenceParallelLM, flattened
+    missing = [name for name, key in keys.items() if key not in stored]
+    shapes = [f"{name} is {list(stored[key].size)}, the model's is {list(params[name].shape)}"
+              for name, key in keys.items() if key in stored and tuple(stored[key].size) != tuple(params[name].shape)]
+    if missing or shapes:
+        raise ValueError(f"the checkpoint {checkpoint} does not hold the model {model!r}: "
+                         + "; ".join(([f"missing {', '.join(missing[:6])}"] if missing else []) + shapes[:6])
+                         + ". Pass --model with the model the run trained.")
+    dtype = dtype or stored[keys[next(iter(params))]].properties.dtype
+    entries = {name: (tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for name, p in params.items()}
+
+    def read(name: str) -> torch.Tensor:
+        meta = stored[keys[name]]
+        values = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {f"lm.{name}": values}}, checkpoint_id=checkpoint, no_dist=True)
+        return values
+
+    partial = start_folder(out, overwrite)
+    write_weights(partial, entries, read, write=_rank0(), max_shard_bytes=max_shard_bytes)
+    write_metadata(lm, partial, dtype, tokenizer)
+    finish_folder(partial, out)
+    return out

@@ -1,0 +1,211 @@
+"""Loading a transformers checkpoint folder shard by shard: each rank reads only what its shards cover.
+
+A folder written by ``save_pretrained`` holds ``config.json`` and one ``model.safetensors`` or several
+shards named by ``model.safetensors.index.json``. The model is built from ``config.json`` on the meta
+device and sharded with FSDP2; then every rank allocates its shards and fills each one with the rows
+it covers, read with safetensors' slicing (``safe_open(...).get_slice(name)[a:b]``), converted to the
+parameter's dtype (bf16 on disk, fp32 masters). No rank ever holds a whole tensor it does not own, so
+a rank's host memory while loading is its shard plus the slice being read.
+
+The checkpoint's names and shapes are checked against the model first, from the files' headers only,
+and every rank raises the same ValueError naming what is missing, unexpected, or of another shape.
+A tied LM head (``tie_word_embeddings``) is the embedding; transformers drops it from the files, and
+one saved anyway is accepted when it matches. Names are renamed as transformers renames them when it
+loads the family (Llama and Qwen3 map one to one); families whose loading fuses or splits tensors
+(mixtures of experts) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def checkpoint_files(folder: str) -> dict[str, str]:
+    """``{tensor name in the files: file path}`` of the safetensors checkpoint in ``folder``."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files:
+        found = ", ".join(sorted(n for n in os.listdir(folder) if n.endswith(".bin"))) or "no weight files"
+        raise ValueError(f"{folder} holds {found} but no .safetensors: seqmesh reads safetensors shard by shard. "
+                         "Convert it once with transformers (from_pretrained, then save_pretrained), or "
+                         "train with --no-fsdp, which loads it whole.")
+    names: dict[str, str] = {}
+    for file in files:
+        path = os.path.join(folder, file)
+        with safe_open(path, framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), path))
+    return names
+
+
+def _renamings(lm: nn.Module) -> list:
+    """transformers' renames of checkpoint keys for ``lm``'s family; raises for fusing conversions."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    transforms = get_model_conversion_mapping(lm)
+    fusing = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    if fusing:
+        raise ValueError(f"transformers converts {type(lm).__name__} checkpoints while loading ({fusing[0]!r}); "
+                         "seqmesh loads only families whose tensors map one to one (Llama, Qwen2/3, Mistral). "
+                         "Train this family without FSDP (--no-fsdp loads it whole).")
+    return transforms
+
+
+def model_name(key: str, renamings: list) -> str:
+    """The model's parameter name for checkpoint ``key`` (transformers' renames applied in order)."""
+    for transform in renamings:
+        key, _ = transform.rename_source_key(key)
+    return key
+
+
+def unique_parameters(lm: nn.Module) -> dict[str, nn.Parameter]:
+    """``{name: parameter}``, a tied parameter under its first name only (as ``save_pretrained`` writes)."""
+    return dict(lm.named_parameters())
+
+
+def _aliases(lm: nn.Module) -> dict[str, str]:
+    """``{second name: first name}`` of tied parameters (e.g. ``lm_head.weight``: the embedding's)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def check_pretrained(lm: nn.Module, folder: str) -> dict[str, tuple[str, str]]:
+    """Compare the checkpoint in ``folder`` with ``lm`` (on the meta device or sharded: full shapes are
+    compared) from the files' headers; raises a ValueError naming every difference. Returns
+    ``{parameter name: (file, key in the file)}``."""
+    from safetensors import safe_open
+
+    renamings = _renamings(lm)
+    params, aliases = unique_parameters(lm), _aliases(lm)
+    sources: dict[str, tuple[str, str]] = {}
+    unexpected, shapes = [], []
+    by_file: dict[str, list[str]] = {}
+    for key, file in checkpoint_files(folder).items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in sorted(by_file.items()):
+        with safe_open(file, framework="pt") as f:
+            for key in keys:
+                name = model_name(key, renamings)
+                target = params.get(name) if name in params else params.get(aliases.get(name, ""))
+                if target is None:
+                    unexpected.append(key)
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(target.shape):
+                    shapes.append(f"{key} is {list(shape)} in {os.path.basename(file)}, the model's is "
+                                  f"{list(target.shape)}")
+                if name in params:
+                    sources[name] = (file, key)
+    missing = sorted(set(params) - set(sources))
+    problems = []
+    if missing:
+        problems.append(f"missing {_listed(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_listed(sorted(unexpected))}")
+    if shapes:
+        problems.append(f"shapes differ: {_listed(shapes)}")
+    if problems:
+        raise ValueError(f"the checkpoint in {folder} does not match the model its config.json describes: "
+                         f"{'; '.join(problems)}. Use the config.json saved with these weights.")
+    return sources
+
+
+def _listed(items: list[str], shown: int = 6) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
+    """The region of the full tensor that this rank's part of ``p`` covers: the whole tensor for a plain
+    tensor; for a DTensor, each ``Shard(dim)`` of its mesh cut as ``torch.chunk`` cuts (what
+    ``distribute_tensor`` and FSDP2 keep locally), ``Replicate`` leaving the dim whole."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    bounds = [[0, n] for n in p.shape]
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        for axis, placement in enumerate(p.placements):
+            if not isinstance(placement, Shard):
+                continue
+            start, stop = bounds[placement.dim]
+            parts = mesh.size(axis)
+            chunk = -(-(stop - start) // parts)  # ceil
+            rank = mesh.get_local_rank(axis)
+            bounds[placement.dim] = [min(start + rank * chunk, stop), min(start + (rank + 1) * chunk, stop)]
+    return tuple(slice(a, b) for a, b in bounds)
+
+
+def local_part(p: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``p``: a DTensor's local shard, or the tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, values)`` of this rank's region of each parameter, read file by file, one at a time."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _) in sources.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                region = local_slices(params[name])
+                if any(s.start == s.stop for s in region):
+                    yield name, torch.empty(0)  # this rank holds no rows of it
+                    continue
+                yield name, f.get_slice(sources[name][1])[region]
+
+
+@torch.no_grad()
+def load_pretrained(root: nn.Module, folder: str, device: torch.device | str) -> int:
+    """Fill ``root`` (a model built on the meta device, sharded with FSDP2 or whole; or a
+    ``SequenceParallelLM`` holding one as ``.lm``) with the checkpoint in ``folder``: names and shapes
+    checked first, then every rank allocates its shards on ``device``, computes the buffers (RoPE
+    frequencies) as random initialisation does, and reads the rows its shards cover. Returns the bytes
+    this rank read from the files."""
+    from .model import allocate, initialize_buffers
+
+    lm = getattr(root, "lm", root)
+    sources = check_pretrained(lm, folder)
+    allocate(root, device)
+    initialize_buffers(lm)
+    params = unique_parameters(lm)
+    read = 0
+    for name, values in read_slices(sources, params):
+        target = local_part(params[name])
+        if values.numel() == 0 and target.numel() == 0:
+            continue
+        target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
+        read += values.numel() * values.element_size()
+        del values
+    read_generation_config(lm, folder)
+    return read
+
+
+def read_generation_config(lm: nn.Module, folder: str) -> None:
+    """The folder's ``generation_config.json`` on the model, as ``from_pretrained`` would set it."""
+    if os.path.isfile(os.path.join(folder, "generation_config.json")) and hasattr(lm, "generation_config"):
+        from transformers import GenerationConfig
+
+        lm.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
