@@ -103,7 +103,8 @@ class MemoryTracker(TorchDispatchMode):
         self._total = 0  # sum of the recorded sizes: never below the true live bytes
         self._saved: dict[int, int] = {}  # storage key -> saved-tensor slots holding it
         self._report = MemoryReport()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, self), lambda s: s.tensor)
+        self._pack, self._unpack = (lambda t: _Saved(t, self)), (lambda saved: saved.tensor)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # --- the live table -------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -200,11 +201,15 @@ class MemoryTracker(TorchDispatchMode):
             self._touch(t)
         self._check_peak()
         self._hooks.__enter__()
+        if self.offload is not None:  # what the offload keeps on the device is still a saved activation
+            self.offload.inner = (self._pack, self._unpack)
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._hooks.__exit__(*exc)
+        if self.offload is not None:
+            self.offload.inner = None
         if self.device.type == "cuda":
             self._report.cuda_max_allocated = torch.cuda.max_memory_allocated(self.device)
 
