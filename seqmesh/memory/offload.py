@@ -75,7 +75,7 @@ class ActivationOffload:
 
     def pack(self, t: torch.Tensor):
         if t.grad_fn is None or t.device != self.device:
-            return self.inner[0](t) if self.inner is not None else t
+            return t if self.inner is None else (self.inner[1], self.inner[0](t))  # unpacked by its own hook
         if self.live == 0:  # the previous step's graph is gone: start a new order
             self._order, self._seen = [], {}
         view = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -101,7 +101,7 @@ class ActivationOffload:
 
     def unpack(self, item):
         if not isinstance(item, OffloadedTensor):
-            return self.inner[1](item) if self.inner is not None and not isinstance(item, torch.Tensor) else item
+            return item[0](item[1]) if isinstance(item, tuple) else item
         for index in range(item.index - 1, max(item.index - 1 - self.prefetch, -1), -1):  # backward runs in reverse
             ahead = self._order[index]()
             if ahead is not None:

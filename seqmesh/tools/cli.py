@@ -113,9 +113,11 @@ def _init_distributed(timeout: float = 600.0) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..memory.allocator import configure_cuda_allocator
     from ..training.train import train
 
     cfg = _train_config(args)  # configuration errors surface before any process group work
+    configure_cuda_allocator()  # before CUDA's first allocation; a value the user set is kept
     _init_distributed(cfg.timeout)
     summary = train(cfg)
     import torch.distributed as dist
