@@ -158,3 +158,30 @@ def test_training_with_every_memory_option_follows_the_same_curve(pools, tmp_pat
     assert memory["peak_bytes"] == sum(memory[f"{c}_bytes"] for c in
                                        ("parameters", "gradients", "optimizer", "activations", "transient"))
     assert memory["host_bytes"] > 0 and "tensor_memory" not in off[-1]
+
+
+class _OneRank:
+    """The session's one-rank pool, as ``sweep`` calls a pool."""
+
+    def __init__(self, pools):
+        self.pools = pools
+
+    def run(self, fn, *args, timeout: float):
+        return self.pools.run(1, fn, *args, timeout=timeout)
+
+
+def test_bench_memory_finds_the_longest_length_within_a_budget(pools):
+    from seqmesh.tools.memory_bench import MemoryBench, bytes_per_token, longest_fitting, sweep
+
+    bench = MemoryBench(seq_lens=[64, 128, 256], options={"checkpointing": True})
+    rows = sweep(bench, _OneRank(pools))
+    peaks = [r["peak_bytes"] for r in rows]
+    assert peaks == sorted(set(peaks)) and all(r["fits"] for r in rows)
+    for r in rows:
+        assert r["peak_bytes"] == sum(r[f"{c}_bytes"] for c in ("parameters", "gradients", "optimizer",
+                                                               "activations", "transient"))
+    budgeted = sweep(MemoryBench(seq_lens=[64, 128, 256], budget=peaks[1], options={"checkpointing": True}),
+                     _OneRank(pools))
+    assert [r["peak_bytes"] for r in budgeted] == peaks  # the same steps, the same bytes
+    assert longest_fitting(budgeted) == 128
+    assert bytes_per_token(rows) > 0
