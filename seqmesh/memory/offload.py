@@ -68,7 +68,7 @@ class ActivationOffload:
         self.live = 0  # offloaded tensors alive (saved by a graph not yet run backward)
         self.moved_bytes = 0  # bytes copied to the host since the start
         self._order: list[weakref.ref] = []  # this step's offloaded tensors, in the order they were saved
-        self._seen: dict[tuple, weakref.ref] = {}  # a view saved twice (pow and mul both save x) moves once
+        self._seen: dict[tuple, tuple] = {}  # a view saved twice (pow and mul both save x) moves once
         self._handles: list = []
         self.inner = None
         """(pack, unpack) hooks for the tensors it keeps, e.g. a MemoryTracker's, as hooks do not stack."""
@@ -78,12 +78,13 @@ class ActivationOffload:
             return t if self.inner is None else (self.inner[1], self.inner[0](t))  # unpacked by its own hook
         if self.live == 0:  # the previous step's graph is gone: start a new order
             self._order, self._seen = [], {}
-        view = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        same = self._seen.get(view)
-        if same is not None and same() is not None:
-            return same()
+        storage = t.untyped_storage()
+        view = (storage._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        seen = self._seen.get(view)
+        if seen is not None and seen[0]() is storage and seen[1]() is not None:  # not a new storage at that address
+            return seen[1]()
         pinned = self.device.type == "cuda"
-        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pinned)
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)  # dense, as save_on_cpu
         copied = None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is written on the current stream
@@ -95,7 +96,7 @@ class ActivationOffload:
             host.copy_(t.detach())
         item = OffloadedTensor(host, t.device, copied, len(self._order), self)
         self._order.append(weakref.ref(item))
-        self._seen[view] = weakref.ref(item)
+        self._seen[view] = (weakref.ref(storage), weakref.ref(item))
         self.moved_bytes += host.nbytes
         return item
 

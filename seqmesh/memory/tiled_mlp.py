@@ -69,8 +69,11 @@ class TiledForward:
     """An MLP's ``forward`` in ``tiles`` sequence tiles (None: :func:`tile_count` of each input)."""
 
     def __init__(self, mlp: nn.Module, tiles: int | None):
-        self.original = type(mlp).forward.__get__(mlp)  # the class's forward, bound to this module
         self.mlp, self.tiles = mlp, tiles
+
+    def original(self, x: torch.Tensor) -> torch.Tensor:
+        """The class's forward (the instance's is this object)."""
+        return type(self.mlp).forward(self.mlp, x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.tiles or tile_count(x.shape[1], x.shape[-1])  # x: (B, L, hidden)
