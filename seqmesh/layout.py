@@ -18,6 +18,10 @@ equal pieces. With ring=2, chunks c0..c3, the causal mask seen by the two ring r
 
 After the Ulysses all-to-all each ring rank holds its whole pair, so a ring step only ever meets
 chunks whose positions are equal (the diagonal) or disjoint. With ring=1 zigzag equals contiguous.
+
+``per_document`` (packed documents; see :mod:`seqmesh.document_layout`): zigzag inside every
+document, so each ring rank holds the same share of every document's own causal triangle.
+Without documents it equals zigzag.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 class LayoutKind(str, enum.Enum):
     CONTIGUOUS = "contiguous"
     ZIGZAG = "zigzag"
+    PER_DOCUMENT = "per_document"
 
 
 @dataclass(frozen=True)
@@ -58,22 +63,37 @@ def _parse_kind(layout: str | LayoutKind) -> LayoutKind:
 
 def layout_multiple(kind: LayoutKind, ring: int, ulysses: int) -> int:
     """A padded length must be a multiple of this for ``kind`` on a ``ring x ulysses`` group."""
-    if kind is LayoutKind.ZIGZAG and ring > 1:
+    if kind is not LayoutKind.CONTIGUOUS and ring > 1:
         return ring * math.lcm(2, ulysses)
     return ring * ulysses
 
 
 @dataclass(frozen=True)
 class SequenceLayout:
-    """Where each of ``padded_len`` positions lives on a ``ring x ulysses`` sequence group."""
+    """Where each of ``padded_len`` positions lives on a ``ring x ulysses`` sequence group.
+
+    ``documents``: the packed documents' boundaries ``(0, e1, ..., en)`` with ``en <= padded_len``
+    (flash-attn's ``cu_seqlens``), read by the ``per_document`` kind only (the others keep None)."""
 
     kind: LayoutKind
     ring: int
     ulysses: int
     padded_len: int
+    documents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _parse_kind(self.kind))
+        if self.kind is not LayoutKind.PER_DOCUMENT or self.documents is None:
+            object.__setattr__(self, "documents", None)
+        else:
+            docs = tuple(int(x) for x in self.documents)
+            ascending = all(a < b for a, b in zip(docs, docs[1:]))
+            if len(docs) < 2 or docs[0] != 0 or not ascending or docs[-1] > self.padded_len:
+                raise ValueError(
+                    f"documents must be boundaries (0, e1, ..., en) strictly increasing up to at most the padded "
+                    f"length {self.padded_len}, got {docs[:8]}{'...' if len(docs) > 8 else ''}."
+                )
+            object.__setattr__(self, "documents", docs)
         multiple = layout_multiple(self.kind, self.ring, self.ulysses)
         if self.padded_len < 1 or self.padded_len % multiple:
             raise ValueError(
@@ -83,13 +103,15 @@ class SequenceLayout:
             )
 
     @classmethod
-    def for_length(cls, kind: str | LayoutKind, ring: int, ulysses: int, seq_len: int) -> SequenceLayout:
+    def for_length(
+        cls, kind: str | LayoutKind, ring: int, ulysses: int, seq_len: int, documents: tuple[int, ...] | None = None
+    ) -> SequenceLayout:
         """The layout of a ``seq_len``-token sequence padded to the next valid length."""
         kind = _parse_kind(kind)
         if seq_len < 1:
             raise ValueError(f"sequence length must be at least 1, got {seq_len}.")
         multiple = layout_multiple(kind, ring, ulysses)
-        return cls(kind, ring, ulysses, -(-seq_len // multiple) * multiple)
+        return cls(kind, ring, ulysses, -(-seq_len // multiple) * multiple, documents)
 
     @property
     def size(self) -> int:
@@ -110,15 +132,26 @@ class SequenceLayout:
         if self.kind is LayoutKind.CONTIGUOUS or self.ring == 1:
             n = self.ring_len
             return (Run(ring_rank * n, n, 0),)
+        if self.kind is LayoutKind.PER_DOCUMENT:
+            from . import document_layout
+
+            runs = document_layout.per_document_runs(
+                self.documents, self.ring, self.padded_len, document_layout.MIN_CHUNK)
+            return runs[ring_rank]
         c = self.padded_len // (2 * self.ring)
         first, second = ring_rank, 2 * self.ring - 1 - ring_rank
         return (Run(first * c, c, 0), Run(second * c, c, c))
 
     def indices(self, restore: bool = False) -> torch.Tensor:
         """``(padded_len,)`` int64. Shard order -> global position, or with ``restore`` the inverse."""
-        order = torch.cat(
-            [torch.arange(run.start, run.stop) for r in range(self.ring) for run in self.ring_runs(r)]
-        )
+        runs = [run for r in range(self.ring) for run in self.ring_runs(r)]
+        if len(runs) <= 256:  # few runs (zigzag, contiguous): one arange each is the cheapest
+            order = torch.cat([torch.arange(run.start, run.stop) for run in runs])
+        else:  # a run per document chunk: shard slot i of a run holds start + (i - the run's first slot)
+            starts = torch.tensor([run.start for run in runs], dtype=torch.long)
+            lengths = torch.tensor([run.length for run in runs], dtype=torch.long)
+            first_slot = lengths.cumsum(0) - lengths
+            order = torch.arange(self.padded_len) + torch.repeat_interleave(starts - first_slot, lengths)
         if not restore:
             return order
         inverse = torch.empty_like(order)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -10,9 +12,14 @@ from .layout import LayoutKind, SequenceLayout
 from .mesh import SPMesh
 
 
-def sequence_layout(mesh: SPMesh, seq_len: int, layout: str | LayoutKind = "zigzag") -> SequenceLayout:
-    """The layout a ``seq_len``-token sequence gets on ``mesh``'s sequence group (padded as needed)."""
-    return SequenceLayout.for_length(layout, mesh.ring, mesh.ulysses, seq_len)
+def sequence_layout(
+    mesh: SPMesh, seq_len: int, layout: str | LayoutKind = "zigzag", cu_seqlens: Sequence[int] | None = None
+) -> SequenceLayout:
+    """The layout a ``seq_len``-token sequence gets on ``mesh``'s sequence group (padded as needed).
+    ``cu_seqlens`` (packed documents) places the tokens of the ``per_document`` layout; the other
+    layouts ignore it."""
+    docs = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
+    return SequenceLayout.for_length(layout, mesh.ring, mesh.ulysses, seq_len, docs)
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -24,7 +31,12 @@ def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
 
 
 def shard_sequence(
-    x: torch.Tensor, mesh: SPMesh, *, dim: int = 1, layout: str | LayoutKind = "zigzag"
+    x: torch.Tensor,
+    mesh: SPMesh,
+    *,
+    dim: int = 1,
+    layout: str | LayoutKind = "zigzag",
+    cu_seqlens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """This rank's shard of ``x``, which every rank of the sequence group holds whole.
 
@@ -32,10 +44,11 @@ def shard_sequence(
     layout's multiple, permuted by the layout and cut into ``ring x ulysses`` shards; the result
     has ``padded_len / P`` tokens along ``dim``. When padding was added, tell ``seqmesh.attention``
     the real length (``seq_len=x.shape[dim]``) so no token attends to the zeros. Backward all-gathers the shards' gradients, so the
-    gradient of ``x`` is whole on every rank.
+    gradient of ``x`` is whole on every rank. The ``per_document`` layout needs the packed documents'
+    ``cu_seqlens``, the same that ``seqmesh.attention`` is given.
     """
     dim = dim % x.dim()
-    lay = sequence_layout(mesh, x.shape[dim], layout)
+    lay = sequence_layout(mesh, x.shape[dim], layout, cu_seqlens)
     if lay.size == 1:
         return x
     order = lay.indices().to(x.device)
@@ -50,6 +63,7 @@ def gather_sequence(
     dim: int = 1,
     layout: str | LayoutKind = "zigzag",
     length: int | None = None,
+    cu_seqlens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: all-gather the shards, restore natural order, and drop
     padding beyond ``length``. Backward is a reduce-scatter (each rank gets its shard's gradient
@@ -57,7 +71,8 @@ def gather_sequence(
     dim = dim % x_local.dim()
     p = mesh.sp_size
     padded = x_local.shape[dim] * p
-    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded)  # type: ignore[arg-type]  # parsed inside
+    docs = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
+    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded, docs)  # type: ignore[arg-type]  # parsed inside
     if length is not None and not 0 < length <= padded:
         raise ValueError(f"length={length} must be in [1, {padded}] (the gathered, padded length).")
     full = x_local if p == 1 else all_gather(x_local, mesh.sp_group, dim)
@@ -67,9 +82,14 @@ def gather_sequence(
 
 
 def sequence_positions(
-    seq_len: int, mesh: SPMesh, *, layout: str | LayoutKind = "zigzag", device: torch.device | str = "cpu"
+    seq_len: int,
+    mesh: SPMesh,
+    *,
+    layout: str | LayoutKind = "zigzag",
+    device: torch.device | str = "cpu",
+    cu_seqlens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``(padded_len / P,)`` int64 global position of every token this rank holds (for RoPE, masks).
     Positions at or past ``seq_len`` are padding."""
-    lay = sequence_layout(mesh, seq_len, layout)
+    lay = sequence_layout(mesh, seq_len, layout, cu_seqlens)
     return lay.local_positions(mesh.sp_rank).to(device)

@@ -157,6 +157,10 @@ def bad_inputs(ulysses: int, ring: int, problem: str) -> str:
         v = torch.randn(b, n, 3, d)
     elif problem == "causal" and rank == 1:
         kwargs["causal"] = False
+    elif problem == "documents" and rank == 3:  # valid boundaries, but not the other ranks'
+        kwargs["cu_seqlens"] = [0, 6, n * mesh.sp_size]
+    elif problem == "documents":
+        kwargs["cu_seqlens"] = [0, 5, n * mesh.sp_size]
     elif problem == "cu_not_ints" and rank == 2:
         kwargs["cu_seqlens"] = torch.tensor([[0, 5], [9, 16]])  # 2-D: this rank alone cannot read it
     try:

@@ -96,4 +96,4 @@ def test_bad_flags_exit_with_a_message_before_any_work(argv, message, capsys):
 def test_choices_are_the_libraries():
     hints = typing.get_type_hints(TrainConfig)
     assert typing.get_args(hints["backend"]) == BACKENDS  # the kernels' own list, in auto order
-    assert set(typing.get_args(hints["layout"])) <= {kind.value for kind in LayoutKind}
+    assert set(typing.get_args(hints["layout"])) == {kind.value for kind in LayoutKind} | {"auto"}

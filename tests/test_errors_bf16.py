@@ -11,7 +11,8 @@ from dist_cases import Case, bad_inputs, bf16_errors, plain_kernel_errors
 PROBLEMS = {
     "local_len": "disagree on local tokens: [4, 6, 4, 4]",
     "head_dim": "rejected their attention inputs|head dim 8 but k and v have 16",
-    "dtype": "disagree on dtype",
+    "dtype": "disagree on dtype: ['float32', 'float64', 'float32', 'float32']",  # names, not codes
+    "documents": "disagree on documents: [[0, 5, 16], [0, 5, 16], [0, 5, 16], [0, 6, 16]]",  # values, not hashes
     "cu_seqlens": "strictly increasing, but entry 2 is 3 after 5",
     "cu_too_long": "ends at 19 but the sequence holds 16 tokens",
     "heads": "4 query heads are not a multiple of 3 kv heads",

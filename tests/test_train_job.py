@@ -89,10 +89,12 @@ def test_verify_passes_and_fails_loudly(pools, tmp_path):
     (dict(model="gpt-9"), "unknown model 'gpt-9': not a preset"),
     (dict(symbols=600), "the copy task uses 603 tokens (600 symbols + 3 reserved) but the model's vocabulary has 256"),
     (dict(data=["{tmp}/a.txt"], tokenizer="{tmp}"), "no tokenizer could be loaded from"),  # a folder, no tokenizer
+    (dict(model="{tmp}/bad.json"), "bad.json, line 1, column 2, is not valid JSON"),
 ])
 @pytest.mark.parametrize("entry", ["train", "verify"])
 def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, message, entry):
     (tmp_path / "a.txt").write_text("some text")
+    (tmp_path / "bad.json").write_text("{oops")
     at_tmp = lambda v: [at_tmp(x) for x in v] if isinstance(v, list) else v.format(tmp=tmp_path) if isinstance(v, str) else v  # noqa: E731
     errors = pools.run(4, entry_error, entry, _cfg(tmp_path, **{k: at_tmp(v) for k, v in change.items()}))
     assert all(message in e for e in errors), errors
@@ -107,3 +109,9 @@ def test_degrees_auto_and_errors():
         resolve_degrees(TrainConfig(ulysses=8, ring=1), 8, 4, 8)
     with pytest.raises(ValueError, match="packed text data takes one sequence"):
         TrainConfig(data=["x.txt"], batch=2)
+
+
+def test_an_output_folder_that_cannot_be_written_fails_before_any_work(pools, tmp_path):
+    (tmp_path / "a-file").write_text("x")  # a file where a folder is needed (root ignores permission bits)
+    errors = pools.run(4, entry_error, "train", _cfg(tmp_path / "a-file" / "run"))
+    assert all("cannot be written" in e and "--out" in e for e in errors), errors

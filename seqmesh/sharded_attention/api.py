@@ -50,7 +50,8 @@ def attention(
         k, v: ``(B, L, Hk, D)`` with ``Hq % Hk == 0`` (MHA, GQA, MQA).
         mesh: the :class:`SPMesh`; attention runs over its ``ring x ulysses`` sequence group.
         causal: causal masking by global position.
-        layout: ``"zigzag"`` or ``"contiguous"``, as the inputs were sharded.
+        layout: ``"zigzag"``, ``"contiguous"`` or ``"per_document"``, as the inputs were sharded
+            (``per_document`` places tokens by ``cu_seqlens``: pass the same boundaries to both).
         cu_seqlens: global document boundaries ``(0, e1, e2, ...)`` (int, flash-attn style, shared by
             the batch): no token attends across a boundary and tokens past the last one are padding.
         seq_len: the real length when there are no documents; positions at or past it are padding.

@@ -1,7 +1,7 @@
 """What to compute for one (query block, key block) pair: the block math's plan, no communication.
 
-A block is a local buffer whose tokens are a few runs of consecutive global positions (see
-``seqmesh.layout.Run``), ascending. Two blocks on a ring are either the same block (the diagonal)
+A block is a local buffer whose tokens are runs of consecutive global positions (see
+``seqmesh.layout.Run``), ascending: two for zigzag, about two per document for ``per_document``. Two blocks on a ring are either the same block (the diagonal)
 or hold disjoint positions. Packed documents are intervals of positions given by ``bounds``
 (``0 = b0 < b1 < ... = padded_len``; the padding past the real length is a document of its own, so
 real tokens never see it and padded tokens still see themselves).
@@ -88,26 +88,27 @@ def _cross(q: Run, k: Run, bounds: Sequence[int], causal: bool) -> Piece | None:
 
 
 def _coalesce(pieces: list[Piece]) -> list[Piece]:
-    """Merge full rectangles that share rows and touch along keys, or share keys and touch along rows."""
-    merged = True
-    while merged:
-        merged = False
-        for i, a in enumerate(pieces):
-            for j, b in enumerate(pieces):
-                if i == j or a.mask != FULL or b.mask != FULL:
-                    continue
-                if (a.q0, a.q1) == (b.q0, b.q1) and a.k1 == b.k0:
-                    joined = Piece(a.q0, a.q1, a.k0, b.k1, FULL)
-                elif (a.k0, a.k1) == (b.k0, b.k1) and a.q1 == b.q0:
-                    joined = Piece(a.q0, b.q1, a.k0, a.k1, FULL)
-                else:
-                    continue
-                pieces = [p for n, p in enumerate(pieces) if n not in (i, j)] + [joined]
-                merged = True
-                break
-            if merged:
-                break
-    return sorted(pieces, key=lambda p: (p.q0, p.k0))
+    """Merge full rectangles that share rows and touch along keys, or share keys and touch along rows
+    (sweeps over the pieces sorted by rows, then by keys, until nothing merges)."""
+    by_rows = lambda p: (p.q0, p.q1, p.k0)  # noqa: E731
+    by_keys = lambda p: (p.k0, p.k1, p.q0)  # noqa: E731
+    while True:
+        count = len(pieces)
+        for order in (by_rows, by_keys):
+            merged: list[Piece] = []
+            for p in sorted(pieces, key=order):
+                last = merged[-1] if merged else None
+                if last is not None and last.mask == FULL and p.mask == FULL:
+                    if order is by_rows and (last.q0, last.q1) == (p.q0, p.q1) and last.k1 == p.k0:
+                        merged[-1] = Piece(last.q0, last.q1, last.k0, p.k1, FULL)
+                        continue
+                    if order is by_keys and (last.k0, last.k1) == (p.k0, p.k1) and last.q1 == p.q0:
+                        merged[-1] = Piece(last.q0, p.q1, last.k0, last.k1, FULL)
+                        continue
+                merged.append(p)
+            pieces = merged
+        if len(pieces) == count:
+            return sorted(pieces, key=lambda p: (p.q0, p.k0))
 
 
 def plan_block(
@@ -117,7 +118,16 @@ def plan_block(
     if tuple(q_runs) == tuple(k_runs):
         n = q_runs[-1].offset + q_runs[-1].length
         return (Piece(0, n, 0, n, BlockMask(causal=causal, segments=_segments(q_runs, bounds))),)
-    pieces = [p for q in q_runs for k in k_runs if (p := _cross(q, k, bounds, causal)) is not None]
+    # runs ascend, so the key runs a query run can see are a slice: those ending after the start of
+    # its first document and starting before its own start (causal) or the end of its last document
+    k_starts, k_stops = [k.start for k in k_runs], [k.stop for k in k_runs]
+    pieces = []
+    for q in q_runs:
+        lo = bounds[_doc(bounds, q.start)]
+        hi = q.start if causal else bounds[_doc(bounds, q.stop - 1) + 1]
+        for k in k_runs[bisect.bisect_right(k_stops, lo) : bisect.bisect_left(k_starts, hi)]:
+            if (p := _cross(q, k, bounds, causal)) is not None:
+                pieces.append(p)
     return tuple(_coalesce(pieces))
 
 

@@ -77,6 +77,8 @@ def check_attention_inputs(
             problem = str(err)
         if problem is None and cu is not None:
             problem = check_cu_seqlens(cu, total)
+        if problem is None and cu is not None and lay is not None and lay.kind is LayoutKind.PER_DOCUMENT:
+            lay = SequenceLayout(lay.kind, lay.ring, lay.ulysses, total, cu)  # its runs follow the documents
         if problem is None and seq_len is not None and not 1 <= seq_len <= total:
             problem = f"seq_len={seq_len} must be in [1, {total}] (local tokens {n} x sequence degree {p})."
         if problem is None and q.device.type != mesh.device_type:

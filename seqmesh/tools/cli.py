@@ -67,34 +67,6 @@ def cmd_bench_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_bytes(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    number = text.lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(number[-1:], 1)
-    try:
-        return int(float(number[:-1] if scale > 1 else number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r} must look like 512MiB, 2GiB or a number of bytes") from None
-
-
-def cmd_bench_memory(args: argparse.Namespace) -> int:
-    from .memory_bench import MemoryBench, compare, format_compare, format_sweep, sweep
-
-    options = {name: True for name in ("checkpointing", "tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload")
-               if getattr(args, name)}
-    if args.offload_checkpoints and not args.checkpointing:
-        raise SystemExit("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
-    bench = MemoryBench(model=args.model, seq_lens=args.seq_lens, world=args.world, ulysses=args.ulysses,
-                        ring=args.ring, budget=args.budget, options=options)
-    if args.compare:
-        rows = compare(bench)
-        print(json.dumps(rows, indent=1) if args.json else format_compare(bench, rows))
-    else:
-        rows = sweep(bench)
-        print(json.dumps(rows, indent=1) if args.json else format_sweep(bench, rows))
-    return 0
-
-
 def cmd_demo_attention(args: argparse.Namespace) -> int:
     from .bench import bench_attention, format_attention_rows
 
@@ -242,20 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     bm.add_argument("--device", default="cpu")
     bm.set_defaults(func=cmd_bench_merge)
-    bmem = bench_sub.add_parser("memory", help="peak tensor bytes per rank by category against the sequence length")
-    bmem.add_argument("--model", default="llama-tiny")
-    bmem.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
-    bmem.add_argument("--world", type=int, default=1, help="ranks to spawn (gloo, CPU)")
-    degree = lambda text: text if text == "auto" else int(text)  # noqa: E731
-    bmem.add_argument("--ulysses", type=degree, default="auto")
-    bmem.add_argument("--ring", type=degree, default="auto")
-    bmem.add_argument("--budget", type=_parse_bytes, help="bytes a rank may hold (512MiB, 2GiB): report the longest "
-                      "length that fits")
-    for name in ("checkpointing", "tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload"):
-        bmem.add_argument(f"--{name.replace('_', '-')}", action="store_true")
-    bmem.add_argument("--compare", action="store_true", help="every technique, and the bytes per token each saves")
-    bmem.add_argument("--json", action="store_true")
-    bmem.set_defaults(func=cmd_bench_memory)
+    from . import bench_balance, bench_host, memory_bench
+
+    bench_host.add_subcommand(bench_sub)
+    bench_balance.add_subcommand(bench_sub)
+    memory_bench.add_subcommand(bench_sub)
 
     from ..planner.cli import register_plan
 

@@ -10,6 +10,8 @@ the slope of the configuration it changes.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass, field, replace
 
@@ -145,3 +147,47 @@ def format_compare(bench: MemoryBench, rows: list[dict]) -> str:
         lines.append(f"{r['technique']:<21}{r['bytes_per_token']:>12.0f}{r['saved_per_token']:>13.0f}{r['vs']:>15}"
                      f"{r['model_state_bytes'] / 2**20:>17.2f}{r['host_bytes'] / 2**20:>10.2f}")
     return "\n".join(lines)
+
+
+def parse_bytes(text: str) -> int:
+    """``512MiB``, ``2GiB``, ``64M`` or a number of bytes."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    number = text.lower().removesuffix("ib").removesuffix("b")
+    scale = units.get(number[-1:], 1)
+    try:
+        return int(float(number[:-1] if scale > 1 else number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r} must look like 512MiB, 2GiB or a number of bytes") from None
+
+
+OPTIONS = ("checkpointing", "tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload")
+
+
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench memory``."""
+
+    def run(args) -> int:
+        if args.offload_checkpoints and not args.checkpointing:
+            raise SystemExit("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
+        bench = MemoryBench(model=args.model, seq_lens=args.seq_lens, world=args.world, ulysses=args.ulysses,
+                            ring=args.ring, budget=args.budget,
+                            options={name: True for name in OPTIONS if getattr(args, name)})
+        rows = compare(bench) if args.compare else sweep(bench)
+        text = format_compare(bench, rows) if args.compare else format_sweep(bench, rows)
+        print(json.dumps(rows, indent=1) if args.json else text)
+        return 0
+
+    degree = lambda text: text if text == "auto" else int(text)  # noqa: E731
+    p = bench_sub.add_parser("memory", help="peak tensor bytes per rank by category against the sequence length")
+    p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--world", type=int, default=1, help="ranks to spawn (gloo, CPU)")
+    p.add_argument("--ulysses", type=degree, default="auto")
+    p.add_argument("--ring", type=degree, default="auto")
+    p.add_argument("--budget", type=parse_bytes, help="bytes a rank may hold (512MiB, 2GiB): report the longest "
+                   "length that fits")
+    for name in OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", action="store_true")
+    p.add_argument("--compare", action="store_true", help="every technique, and the bytes per token each saves")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.set_defaults(func=run)

@@ -71,8 +71,9 @@ class TrainConfig:
     """Alphabet of the built-in copy task."""
     copy_period: int | None = None
     """Period of the built-in copy task; none: seq_len // 4."""
-    layout: Literal["zigzag", "contiguous"] = "zigzag"
-    """How the sequence is split over the ranks (zigzag balances causal work)."""
+    layout: Literal["auto", "zigzag", "contiguous", "per_document"] = "auto"
+    """How the sequence is split over the ranks: zigzag balances causal work, per_document balances each packed
+    document's own; auto takes per_document when documents are packed, zigzag otherwise."""
     backend: Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math"] = "auto"
     """Attention kernel; auto takes the first that supports the call, in this order."""
     loss_chunk: int = 4096

@@ -33,17 +33,15 @@ class SequenceInfo:
 def _documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
     """Boundaries where positions do not continue by +1 (a new document starts); one tuple for all
     rows, which must agree."""
-    rows = []
-    for row in position_ids.tolist():
-        starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1] + 1]
-        rows.append(tuple(starts) + (len(row),))
-    if any(r != rows[0] for r in rows[1:]):
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # (B, S-1): token t+1 starts a document
+    if not torch.equal(starts, starts[:1].expand_as(starts)):
         raise ValueError(
             "the rows of position_ids describe different packed documents; seqmesh attention shares one set of "
             "boundaries across the batch. Pack the documents into one row (batch size 1), or give every row the "
             "same document lengths."
         )
-    return rows[0] if len(rows[0]) > 2 else None
+    inner = (starts[0].nonzero().flatten() + 1).tolist()
+    return (0, *inner, position_ids.shape[1]) if inner else None
 
 
 def _real_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -60,14 +58,14 @@ def _real_lengths(attention_mask: torch.Tensor) -> list[int]:
 
 
 def positions_in_documents(seq_len: int, cu_seqlens: tuple[int, ...] | None) -> torch.Tensor:
-    """``(seq_len,)`` position of each token inside its document (0 at every document start)."""
+    """``(seq_len,)`` position of each token inside its document (0 at every document start; tokens
+    past the last boundary keep their global position)."""
     positions = torch.arange(seq_len)
     if cu_seqlens is None:
         return positions
-    starts = torch.zeros(seq_len, dtype=torch.long)
-    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        starts[a:b] = a
-    return positions - starts
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    starts = torch.repeat_interleave(cu[:-1], cu.diff())  # (cu[-1],) first position of each token's document
+    return positions - torch.nn.functional.pad(starts, (0, seq_len - cu_seqlens[-1]))
 
 
 def shift_labels(
@@ -82,7 +80,7 @@ def shift_labels(
     if cu_seqlens is not None:
         ends = torch.tensor(cu_seqlens[1:], dtype=torch.long) - 1
         target[:, ends[ends < labels.shape[1]]] = ignore_index
-    if lengths is not None:
+    if lengths is not None:  # one slice per row (not per token): cheaper than a (B, S) mask
         for row, n in enumerate(lengths):
             target[row, max(n - 1, 0) :] = ignore_index
     return target
@@ -92,7 +90,7 @@ def shard_batch(
     batch: Mapping[str, torch.Tensor],
     mesh: SPMesh,
     *,
-    layout: str = "zigzag",
+    layout: str = "auto",
     ignore_index: int = IGNORE_INDEX,
 ) -> dict:
     """This rank's inputs for a causal LM from the whole batch (the same on every sequence rank).
@@ -102,12 +100,16 @@ def shard_batch(
             transformers; defaults to ``input_ids``); optional ``position_ids`` ``(B, S)`` that restart
             at each packed document, or ``attention_mask`` ``(B, S)`` of right padding.
         mesh: the mesh; the batch is split over its sequence group.
+        layout: ``"auto"`` (``"per_document"`` when ``position_ids`` pack several documents, so each
+            rank gets the same share of every document's causal work; ``"zigzag"`` otherwise), or a
+            :class:`~seqmesh.layout.LayoutKind` name.
 
     Returns:
         ``input_ids``, ``position_ids`` (the caller's, or positions from 0 in each document, for RoPE) and
         ``shift_labels`` (targets, ``ignore_index`` where nothing is to be predicted), each
         ``(B, padded_len / P)`` in the layout's local order, and ``seqmesh``: the
-        :class:`SequenceInfo` that ``seqmesh.hf`` attention reads from the model's kwargs.
+        :class:`SequenceInfo` that ``seqmesh.hf`` attention reads from the model's kwargs (with the
+        layout chosen).
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -132,14 +134,16 @@ def shard_batch(
         positions = batch["position_ids"].to(torch.long).expand(b, s)
     else:
         positions = positions_in_documents(s, cu).to(input_ids.device).expand(b, s)
-    lay = sequence_layout(mesh, s, layout)
+    if layout == "auto":
+        layout = "per_document" if cu is not None else "zigzag"
+    lay = sequence_layout(mesh, s, layout, cu)
     pad = lay.padded_len - s
     if pad:  # padding: token 0, nothing to predict, positions continuing past the end
         input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
         targets = torch.nn.functional.pad(targets, (0, pad), value=ignore_index)
         tail = positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)
         positions = torch.cat([positions, tail], dim=1)
-    shard = lambda t: shard_sequence(t, mesh, dim=1, layout=layout)  # noqa: E731
+    shard = lambda t: shard_sequence(t, mesh, dim=1, layout=layout, cu_seqlens=cu)  # noqa: E731
     return {
         "input_ids": shard(input_ids),
         "position_ids": shard(positions.contiguous()),
