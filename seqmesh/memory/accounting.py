@@ -43,7 +43,7 @@ class MemoryReport:
     peak_bytes: int = 0
     by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     host_bytes: int = 0
-    """Peak bytes of activations offloaded to host memory (not part of ``peak_bytes``)."""
+    """Bytes the activation offload held in host memory at the peak (not part of ``peak_bytes``)."""
     cuda_max_allocated: int | None = None
     """``torch.cuda.max_memory_allocated`` over the same span, on a CUDA device."""
 
@@ -153,7 +153,7 @@ class MemoryTracker(TorchDispatchMode):
         param_keys, grad_keys, opt_keys = self._owned()
         host = self.offload.host_storage_keys() if self.offload is not None else set()
         by = dict.fromkeys(CATEGORIES, 0)
-        hosted = 0
+        hosted = self.offload.host_bytes() if self.offload is not None else 0
         for key, (_, size) in self._live.items():
             if key in param_keys:
                 by["parameters"] += size
@@ -161,8 +161,8 @@ class MemoryTracker(TorchDispatchMode):
                 by["gradients"] += size
             elif key in opt_keys:
                 by["optimizer"] += size
-            elif key in host:
-                hosted += size
+            elif key in host:  # a host copy (on a CPU-only run, where host and device are one memory)
+                continue
             elif key in self._saved:
                 by["activations"] += size
             else:
@@ -177,8 +177,7 @@ class MemoryTracker(TorchDispatchMode):
             return
         by, hosted = self._classify()
         if sum(by.values()) > self._report.peak_bytes:
-            self._report.peak_bytes, self._report.by_category = sum(by.values()), by
-        self._report.host_bytes = max(self._report.host_bytes, hosted)
+            self._report.peak_bytes, self._report.by_category, self._report.host_bytes = sum(by.values()), by, hosted
 
     def current(self) -> dict[str, int]:
         """Live device bytes by category now, plus ``host`` (offloaded)."""

@@ -113,6 +113,11 @@ class ActivationOffload:
         """Storages of the host copies alive now (for :class:`~seqmesh.memory.MemoryTracker`)."""
         return {item.host.untyped_storage()._cdata for item in (ref() for ref in self._order) if item is not None}
 
+    def host_bytes(self) -> int:
+        """Bytes of the host copies alive now."""
+        live = (ref() for ref in self._order)
+        return sum(item.host.nbytes for item in live if item is not None)
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """A context in which every saved activation is offloaded."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
