@@ -185,3 +185,12 @@ def test_bench_memory_finds_the_longest_length_within_a_budget(pools):
     assert [r["peak_bytes"] for r in budgeted] == peaks  # the same steps, the same bytes
     assert longest_fitting(budgeted) == 128
     assert bytes_per_token(rows) > 0
+
+
+def test_working_set_grows_no_faster_than_the_length(pools):
+    """Attention and loss allocate no (S, S) buffer: the transient bytes per token do not grow with S."""
+    from seqmesh.tools.memory_bench import MemoryBench, sweep
+
+    rows = sweep(MemoryBench(seq_lens=[256, 512, 1024], options={"checkpointing": True}), _OneRank(pools))
+    per_token = [r["transient_bytes"] / r["seq_len"] for r in rows]
+    assert all(later <= earlier for earlier, later in zip(per_token, per_token[1:])), per_token  # measured: 6122, 5833, 5689
