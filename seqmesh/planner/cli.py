@@ -50,6 +50,10 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="full activation checkpointing per layer (default on)")
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
                    help="cross-entropy in chunks, never the full logits (default on)")
+    for flag, what in (("tiled-mlp", "each layer's MLP in sequence tiles, recomputed in backward"),
+                       ("offload-checkpoints", "checkpointed layer inputs in host memory (needs --checkpointing)"),
+                       ("fsdp-cpu-offload", "FSDP2's fp32 shards, gradients and AdamW state in host memory")):
+        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=False, help=f"{what} (default off)")
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk (default %(default)s)")
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-GPU memory kept for the CUDA context, "
                    "communication buffers and allocator slack (default %(default)s)")
@@ -109,7 +113,8 @@ def workload_from_args(args: argparse.Namespace, seq_len: int) -> Workload:
     return Workload(
         model=model_shape(args.model), seq_len=seq_len, batch=args.batch, dtype=args.dtype,
         checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
-        layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB),
+        layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
+        offload_checkpoints=args.offload_checkpoints, fsdp_cpu_offload=args.fsdp_cpu_offload,
     )
 
 

@@ -56,6 +56,8 @@ class HardwareSpec:
     matmul_efficiency: float = 0.5  # achieved / peak for the model's matmuls
     attention_efficiency: float = 0.5  # achieved / peak for flash attention, forward and backward
     source: str = ""  # where the figures come from
+    host_bandwidth: float = 25e9  # bytes/s each way between one GPU and pinned host memory: PCIe 5.0 x16 is 64 GB/s
+    # raw, ~50 GB/s measured for pinned copies; halved as two GPUs of an HGX board share a PCIe switch
 
     def __post_init__(self) -> None:
         if not self.links or self.links[-1].group != 0:
@@ -143,6 +145,7 @@ class HardwareSpec:
             "gpus_per_node": self.gpus_per_node, "memory_bandwidth": self.memory_bandwidth,
             "matmul_efficiency": self.matmul_efficiency,
             "attention_efficiency": self.attention_efficiency, "source": self.source,
+            "host_bandwidth": self.host_bandwidth,
             "links": [{"name": lv.name, "group": lv.group, "bandwidth": lv.bandwidth, "latency": lv.latency}
                       for lv in self.links],
         }

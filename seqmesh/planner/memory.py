@@ -35,6 +35,12 @@ Assumptions (each figure's docstring says what it counts):
   (and its saved tensors live) at a time during backward.
 - The attention working set is seqmesh's: all-to-all send/receive buffers, two K/V blocks in flight,
   float32 output/LSE accumulators forward and float32 dQ and dK/dV partials backward.
+- Memory techniques (``seqmesh.memory``; ``Workload`` options): the tiled MLP saves only its input, and
+  its ``(token, intermediate)`` tensors exist for one tile (about ``hidden`` tokens) at a time; the
+  activation offload keeps on the GPU only the checkpointed inputs being fetched (the current layer's and
+  the next two), the rest, and the final norm's saved tensors, in host memory; FSDP2's CPU offload keeps
+  the fp32 shards, their gradients and AdamW's moments in host memory, and on the GPU only the fp32
+  shards of the units being gathered next to their gathered copies.
 - Logits: without chunking, the local tokens' full-vocabulary logits in the compute dtype plus an fp32
   copy and an fp32 gradient (10 bytes per logit in bf16); with chunking (``seqmesh.training.loss``), one chunk of
   that plus the fp32 accumulator of the head's weight gradient, ``vocab x hidden`` floats, that the
@@ -50,6 +56,7 @@ from .workload import Layout, Workload, embedding_unit_params, layer_params, lin
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
 MOMENTS = ("layer backward", "loss backward", "end of backward")
+OFFLOAD_PREFETCH = 2  # checkpointed inputs fetched ahead of the layer being recomputed (seqmesh.memory.offload)
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
         raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
     m, e, t = work.model, work.act_bytes, layout.tp
     shard = -(-m.params // (t * layout.fsdp_group))
-    if layout.fsdp_group == 1 and e == MASTER:
+    if layout.fsdp_group == 1 and e == MASTER and not work.fsdp_cpu_offload:
         return MASTER * shard, GRAD_SHARD * shard, ADAM * shard
     layer, root, head = (-(-n // t) for n in (layer_params(m), root_params(m), m.vocab * m.hidden))
     reduce_copy = 4 if e != 4 else 0  # FSDP copies the compute-dtype gradient into an fp32 reduce buffer
@@ -129,7 +136,30 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
     else:
         unsharded = max(end_of_backward_grads(work, layout).values())
     gathered = root + (0 if moment == "end of backward" else 2 * layer)
+    if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in
+        return gathered * e + MASTER * -(-gathered // layout.fsdp_group), unsharded, 0
     return MASTER * shard + gathered * e, GRAD_SHARD * shard + unsharded, ADAM * shard
+
+
+def host_memory(work: Workload, layout: Layout) -> int:
+    """Host bytes per GPU the techniques need: FSDP2's offloaded fp32 shards, gradients and AdamW moments,
+    and the offloaded checkpointed inputs with the final norm's input, output and fp32 scale."""
+    m, e = work.model, work.act_bytes
+    host = 0
+    if work.fsdp_cpu_offload:
+        host += (MASTER + GRAD_SHARD + ADAM) * -(-m.params // (layout.tp * layout.fsdp_group))
+    if work.offload_checkpoints:
+        tokens = work.batch * local_tokens(work, layout)
+        host += (m.layers + 2) * tokens * m.hidden * e + tokens * 4
+    return host
+
+
+def mlp_tile_tokens(work: Workload, layout: Layout) -> int:
+    """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's local tokens cut into
+    tiles of at most ``hidden`` (``seqmesh.memory.tiled_mlp.tile_count``)."""
+    local = local_tokens(work, layout)
+    tiles = max(1, -(-local // work.model.hidden))
+    return work.batch * -(-local // tiles)
 
 
 def layer_saved_bytes(work: Workload, layout: Layout) -> int:
@@ -143,7 +173,8 @@ def layer_saved_bytes(work: Workload, layout: Layout) -> int:
     m, e = work.model, work.act_bytes
     tokens = work.batch * local_tokens(work, layout)
     hq, hk = _heads(work, layout)
-    per_token = e * (4 * m.hidden + 4 * m.intermediate) + 2 * 4
+    mlp = 0 if work.tiled_mlp else 4 * m.intermediate  # tiled: only the MLP's input, among the 4 x hidden
+    per_token = e * (4 * m.hidden + mlp) + 2 * 4
     if layout.ulysses > 1:
         per_token += e * m.heads * m.head_dim
     attn_tokens = tokens * layout.ulysses * (layout.tp if layout.tp > 1 else 1)  # tokens seen inside attention
@@ -182,9 +213,14 @@ def activation_memory(work: Workload, layout: Layout) -> int:
     m, e = work.model, work.act_bytes
     tokens = work.batch * local_tokens(work, layout)
     one_layer = layer_saved_bytes(work, layout)
-    backward_buffers = tokens * e * (2 * m.hidden + 3 * m.intermediate)
+    if work.tiled_mlp:  # one tile's recomputed MLP tensors and their backward buffers
+        mlp_buffers = mlp_tile_tokens(work, layout) * e * 7 * m.intermediate
+    else:
+        mlp_buffers = tokens * e * 3 * m.intermediate
+    backward_buffers = tokens * e * 2 * m.hidden + mlp_buffers
     if work.checkpointing:
-        kept = m.layers * tokens * m.hidden * e + one_layer
+        inputs = min(m.layers, OFFLOAD_PREFETCH + 1) if work.offload_checkpoints else m.layers
+        kept = inputs * tokens * m.hidden * e + one_layer
     else:
         kept = m.layers * one_layer
     return kept + backward_buffers
@@ -195,6 +231,8 @@ def loss_activation_memory(work: Workload, layout: Layout) -> int:
     inputs) and the final norm's and LM head's inputs."""
     m, e = work.model, work.act_bytes
     tokens = work.batch * local_tokens(work, layout)
+    if work.offload_checkpoints:  # only the LM head's input is left on the GPU
+        return tokens * m.hidden * e
     per_layer = tokens * m.hidden * e if work.checkpointing else layer_saved_bytes(work, layout)
     return m.layers * per_layer + 2 * tokens * m.hidden * e
 

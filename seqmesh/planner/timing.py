@@ -198,14 +198,19 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
         comm_fwd, comm_bwd = a2a_fwd + p2p_fwd, a2a_bwd + p2p_bwd
     if work.checkpointing:
         bwd += fwd
-    compute_layer = (mm_fwd + attn_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd
+    # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer
+    mlp_recompute = mm_fwd * 3 * m.hidden * m.intermediate / layer_matmul_params(m) if work.tiled_mlp else 0.0
+    bwd += mlp_recompute
+    compute_layer = (mm_fwd + attn_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd + mlp_recompute
+    # offloaded checkpoints: each layer's input crosses PCIe once each way, on a side stream (hidden when shorter)
+    offload = tokens * m.hidden * work.act_bytes / hw.host_bandwidth if work.offload_checkpoints else 0.0
 
     fsdp_ranks = [world_rank(layout, u, r, d) for d in range(layout.dp_shard)
                   for r in range(layout.ring) for u in range(layout.ulysses)]
     layer_fsdp = fsdp_traffic(-(-layer_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
     ag = gather_seconds(layer_fsdp["all_gather_forward"], hw, fsdp_ranks)
     rs = gather_seconds(layer_fsdp["reduce_scatter_backward"], hw, fsdp_ranks)
-    layer_fwd, layer_bwd = max(fwd, ag), max(bwd, ag + rs)
+    layer_fwd, layer_bwd = max(fwd, ag, offload), max(bwd, ag + rs, offload)
 
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
     head = (8 if work.chunked_loss else 6) * tokens * m.vocab * m.hidden / mm_rate

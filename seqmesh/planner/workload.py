@@ -73,6 +73,9 @@ class Workload:
     reduce_dtype: str = "float32"  # FSDP gradient reduce-scatter dtype (torchtitan's default)
     reserve_bytes: int = 2 * GiB  # CUDA context, NCCL buffers and allocator slack per GPU
     validate: bool = True  # seqmesh.attention's input check (a tiny all-gather per call)
+    tiled_mlp: bool = False  # each layer's MLP in sequence tiles, recomputed in backward (seqmesh.memory.tiled_mlp)
+    offload_checkpoints: bool = False  # checkpointed layer inputs kept in host memory (seqmesh.memory.offload)
+    fsdp_cpu_offload: bool = False  # FSDP2's sharded weights, gradients and AdamW state in host memory
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -83,6 +86,8 @@ class Workload:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}.")
         if self.loss_chunk < 1:
             raise ValueError(f"loss chunk {self.loss_chunk} must be at least 1 token.")
+        if self.offload_checkpoints and not self.checkpointing:
+            raise ValueError("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
 
     @property
     def torch_dtype(self) -> str:

@@ -138,9 +138,11 @@ def _init_distributed(timeout: float = 600.0) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..memory.allocator import configure_cuda_allocator
     from ..training.train import train
 
     cfg = _train_config(args)  # configuration errors surface before any process group work
+    configure_cuda_allocator()  # before CUDA's first allocation; a value the user set is kept
     _init_distributed(cfg.timeout)
     summary = train(cfg)
     import torch.distributed as dist
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
     bm.add_argument("--device", default="cpu")
     bm.set_defaults(func=cmd_bench_merge)
-    from . import bench_balance, bench_host
+    from . import bench_balance, bench_host, bench_memory
 
     bench_host.add_subcommand(bench_sub)
     bench_balance.add_subcommand(bench_sub)
@@ -282,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--ring", type=int, default=8)
     bw.add_argument("--windows", type=int, nargs="+", default=[0, 4096, 1024, 256], help="0: full causal")
     bw.set_defaults(func=cmd_bench_window)
+    bench_memory.add_subcommand(bench_sub)
 
     from ..planner.cli import register_plan
 

@@ -47,6 +47,20 @@ class TrainConfig:
     """Recompute each decoder layer in backward (activation checkpointing)."""
     fsdp: bool = True
     """Shard weights, gradients and optimizer state with FSDP2; --no-fsdp replicates them."""
+    tiled_mlp: bool = False
+    """Compute each decoder layer's MLP in sequence tiles, recomputed in backward (exact; keeps only the MLP's
+    input for backward)."""
+    mlp_tiles: int | None = None
+    """Tiles per MLP with --tiled-mlp; none: local tokens / hidden size, rounded up."""
+    offload_checkpoints: bool = False
+    """Keep each checkpointed decoder layer's input in (pinned) host memory until backward; needs
+    --checkpointing."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2 keeps sharded parameters, gradients and optimizer state in host memory; the optimizer steps on
+    the CPU."""
+    track_memory: bool = False
+    """Count each step's peak live tensor bytes by category (parameters, gradients, optimizer, activations,
+    transient) into metrics.jsonl; costs Python work per operator."""
     data: list[str] = field(default_factory=list)
     """.txt or .jsonl files; none: the built-in copy task."""
     tokenizer: str | None = None
@@ -117,6 +131,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a finite number {bound}, got {value}.")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
+        if self.offload_checkpoints and not self.checkpointing:
+            raise ValueError("offload_checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
+        if self.fsdp_cpu_offload and not self.fsdp:
+            raise ValueError("fsdp_cpu_offload offloads FSDP2's shards; drop --no-fsdp or --fsdp-cpu-offload.")
+        if self.mlp_tiles is not None and self.mlp_tiles < 1:
+            raise ValueError(f"mlp_tiles must be at least 1 (omit it to choose from the shapes), got {self.mlp_tiles}.")
         if self.data and self.batch != 1:
             raise ValueError(
                 f"packed text data takes one sequence per data-parallel rank (batch=1, got {self.batch}): its rows "

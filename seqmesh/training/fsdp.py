@@ -42,7 +42,8 @@ def _sum_not_average(module: nn.Module, mesh: SPMesh) -> None:
         force_sum(True)
 
 
-def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> nn.Module:
     """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
     each decoder layer on its own, an untied input embedding on its own (gathered only for its forward
     and backward, at the two ends of the step), the rest (final norm, LM head, a tied embedding) at the
@@ -50,19 +51,26 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
 
     ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
     master weights and optimizer states.
+
+    ``cpu_offload``: sharded parameters, gradients and optimizer state live in (pinned) host memory; each
+    unit's parameters are copied to the device for its all-gather (torch's ``CPUOffloadPolicy``), and the
+    optimizer steps on the CPU.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                        register_fsdp_forward_method)
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    shard = dict(mesh=mesh.fsdp_mesh, mp_policy=policy, offload_policy=offload)
     lm = getattr(root, "lm", root)
     for layer in decoder_layers(lm):
-        fully_shard(layer, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
     embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     if head is None or head.weight is not embedding.weight:  # a tied weight must stay in one unit
-        fully_shard(embedding, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(embedding, reshard_after_forward=reshard_after_forward, **shard)
     # the root's backward starts at once with the loss, which needs the head: keep it gathered (one
     # all-gather per step, not a reshard and a second all-gather)
-    fully_shard(root, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(root, reshard_after_forward=False, **shard)
     if isinstance(root, SequenceParallelLM):  # its score() reads the weights outside forward: gather them for it too
         register_fsdp_forward_method(root, "score")
     for module in root.modules():

@@ -24,6 +24,9 @@ from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokeniz
 from .export import export_pretrained
 from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from ..hf import parallelize, workable_degrees
+from ..memory import MemoryTracker
+from ..memory.offload import enable_activation_offload
+from ..memory.tiled_mlp import enable_tiled_mlp
 from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
@@ -134,12 +137,19 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     module = SequenceParallelLM(lm, mesh, chunk=cfg.loss_chunk)
     if cfg.checkpointing:
         enable_checkpointing(lm)
+    if cfg.tiled_mlp:
+        enable_tiled_mlp(lm, cfg.mlp_tiles)
     if cfg.fsdp:
-        apply_fsdp(module, mesh, bf16=cfg.bf16)
+        apply_fsdp(module, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload)
+    home = "cpu" if cfg.fsdp_cpu_offload else device  # offloaded shards live on the host
     if on_meta and pretrained:
-        load_pretrained(module, cfg.model, device)
+        load_pretrained(module, cfg.model, home)
     elif on_meta:
-        materialize(module, device, cfg.seed)
+        materialize(module, home, cfg.seed)
+    if cfg.fsdp_cpu_offload:  # offloaded shards live on the host, buffers (RoPE tables) on the device
+        for sub in module.modules():
+            for name, buffer in sub.named_buffers(recurse=False):
+                setattr(sub, name, buffer.to(device))
     return mesh, module, device
 
 
@@ -180,6 +190,8 @@ class TrainingRun:
         self.tokens_per_step = self.mesh.dp_size * cfg.batch * cfg.seq_len
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp)
         self.loss, self.accuracy, self.skipped = float("nan"), float("nan"), 0
+        self.offload = enable_activation_offload(self.module.lm, self.device) if cfg.offload_checkpoints else None
+        self.memory = None  # the last step's MemoryReport, with --track-memory
         self.window_start, self.window_steps = time.perf_counter(), 0
 
     def _resume(self) -> int:
@@ -205,6 +217,14 @@ class TrainingRun:
 
     def step(self, step: int) -> bool:
         """One optimizer step (0-based ``step``); False if it was skipped for a non-finite loss or gradient."""
+        if not self.cfg.track_memory:
+            return self._step(step)
+        with MemoryTracker(self.module, self.optimizer, device=self.device, offload=self.offload) as tracker:
+            done = self._step(step)
+        self.memory = tracker.report()
+        return done
+
+    def _step(self, step: int) -> bool:
         cfg = self.cfg
         lr = lr_at(cfg, step)
         for group in self.optimizer.param_groups:
@@ -240,8 +260,11 @@ class TrainingRun:
         if not self.rank0:
             return {}
         memory = peak_memory_bytes(self.device)
-        self.log_file.write({"kind": "train", "step": done, "loss": self.loss, "lr": lr_at(self.cfg, done - 1),
-                             "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory})
+        record = {"kind": "train", "step": done, "loss": self.loss, "lr": lr_at(self.cfg, done - 1),
+                  "tokens_per_s": tokens_per_s, "peak_memory_bytes": memory}
+        if self.memory is not None:  # rank 0's tensors at its peak in the last step, by category
+            record["tensor_memory"] = self.memory.as_dict()
+        self.log_file.write(record)
         return {"loss": f"{self.loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "mem": f"{memory / 2**30:.2f}GiB"}
 
     def evaluate(self, done: int) -> dict[str, str]:

@@ -1,0 +1,229 @@
+"""Peak live tensor bytes of a rank, by category, counted from torch's own mechanisms.
+
+A ``TorchDispatchMode`` sees every tensor an operator reads or writes; each distinct storage is kept
+in a table with a weak reference whose callback removes it when torch frees it. The table's sum is
+the bytes alive on the tracked device, exact and deterministic on the CPU; on CUDA the same figure
+sits next to ``torch.cuda.max_memory_allocated`` (the allocator rounds each block up, so it reads a
+little higher). A ``saved_tensors_hooks`` pair marks what autograd keeps for backward.
+
+At the peak each live storage is put in the first category that claims it:
+
+    parameters    the module's parameters and buffers (local shards, and FSDP2's gathered copies
+                  while they are registered)
+    gradients     their ``.grad``
+    optimizer     the optimizer's state
+    activations   tensors autograd saved for backward (packed through the tracker's hooks, or, for a
+                  checkpointed layer, its inputs)
+    transient     everything else: the working set of the operator running now
+
+Storages held on the host by an :class:`~seqmesh.memory.offload.ActivationOffload` are counted apart
+(``host_bytes``), never in the device total. FSDP2 frees a gathered parameter by resizing its storage
+to zero, which no operator sees: sizes are refreshed whenever a storage is touched, and the whole table
+whenever its sum passes the peak, so a stale size never inflates the peak.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "transient")
+
+
+@dataclass
+class MemoryReport:
+    """What one rank held at its peak: ``peak_bytes`` = the sum of ``by_category``."""
+
+    peak_bytes: int = 0
+    by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    host_bytes: int = 0
+    """Bytes the activation offload held in host memory at the peak (not part of ``peak_bytes``)."""
+    cuda_max_allocated: int | None = None
+    """``torch.cuda.max_memory_allocated`` over the same span, on a CUDA device."""
+
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, **{f"{k}_bytes": v for k, v in self.by_category.items()},
+                "host_bytes": self.host_bytes, "cuda_max_allocated": self.cuda_max_allocated}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the bytes this rank holds), other tensors as they are."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (shared by all its views)."""
+    return _local(t).untyped_storage()._cdata
+
+
+class _Saved:
+    """One tensor autograd saved; the tracker counts its storage as an activation while this lives."""
+
+    __slots__ = ("tensor", "key", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, tracker: MemoryTracker):
+        self.tensor, self.tracker = tensor.detach(), tracker  # detached: no cycle through grad_fn
+        self.key = storage_key(tensor)
+        tracker._saved[self.key] = tracker._saved.get(self.key, 0) + 1
+
+    def __del__(self) -> None:
+        saved = self.tracker._saved
+        left = saved.get(self.key, 0) - 1
+        if left > 0:
+            saved[self.key] = left
+        else:
+            saved.pop(self.key, None)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """``with MemoryTracker(module, optimizer) as tracker: <a training step>``, then ``tracker.report()``.
+
+    Counts the storages on ``device`` (default: the module's) that operators touch while it is active,
+    and those of the module, its gradients and the optimizer's state from the start. Each rank tracks
+    its own. It costs Python work per operator: an option, off by default in ``seqmesh train``."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 device: torch.device | str | None = None, offload=None):
+        super().__init__()
+        self.module, self.optimizer, self.offload = module, optimizer, offload
+        first = next(iter(module.parameters()), None)
+        self.device = torch.device(device) if device is not None else (
+            _local(first).device if first is not None else torch.device("cpu"))
+        self._params = list(module.parameters())  # FSDP2's sharded parameters, kept once registered
+        self._live: dict[int, tuple[weakref.ref, int]] = {}  # storage key -> (storage, bytes when last seen)
+        self._total = 0  # sum of the recorded sizes: never below the true live bytes
+        self._saved: dict[int, int] = {}  # storage key -> saved-tensor slots holding it
+        self._report = MemoryReport()
+        self._pack, self._unpack = (lambda t: _Saved(t, self)), (lambda saved: saved.tensor)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # --- the live table -------------------------------------------------------------------------
+    def _forget(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._total -= entry[1]
+
+    def _touch(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        t = _local(t)
+        if t.device != self.device or t.is_meta:
+            return
+        storage = t.untyped_storage()
+        key, size = storage._cdata, storage.nbytes()
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = (weakref.ref(storage, lambda _, k=key: self._forget(k)), size)
+            self._total += size
+        elif entry[1] != size:
+            self._live[key] = (entry[0], size)
+            self._total += size - entry[1]
+
+    def _refresh(self) -> None:
+        total = 0
+        for key, (ref, size) in list(self._live.items()):
+            storage = ref()
+            now = storage.nbytes() if storage is not None else 0
+            self._live[key] = (ref, now)
+            total += now
+        self._total = total
+
+    def _owned(self) -> tuple[set[int], set[int], set[int]]:
+        """Storage keys of the parameters and buffers, their gradients and the optimizer state."""
+        params = {*self._params, *self.module.parameters()}
+        param_keys = {storage_key(p) for p in params} | {storage_key(b) for b in self.module.buffers()}
+        grad_keys = {storage_key(p.grad) for p in params if p.grad is not None}
+        opt_keys = set()
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                opt_keys.update(storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return param_keys, grad_keys, opt_keys
+
+    def _classify(self) -> tuple[dict[str, int], int]:
+        """Live device bytes by category, and the bytes held on the host by the offload."""
+        param_keys, grad_keys, opt_keys = self._owned()
+        host = self.offload.host_storage_keys() if self.offload is not None else set()
+        by = dict.fromkeys(CATEGORIES, 0)
+        hosted = self.offload.host_bytes() if self.offload is not None else 0
+        for key, (_, size) in self._live.items():
+            if key in param_keys:
+                by["parameters"] += size
+            elif key in grad_keys:
+                by["gradients"] += size
+            elif key in opt_keys:
+                by["optimizer"] += size
+            elif key in host:  # a host copy (on a CPU-only run, where host and device are one memory)
+                continue
+            elif key in self._saved:
+                by["activations"] += size
+            else:
+                by["transient"] += size
+        return by, hosted
+
+    def _check_peak(self) -> None:
+        if self._total <= self._report.peak_bytes:
+            return
+        self._refresh()  # drop sizes FSDP2 shrank behind the operators' backs
+        if self._total <= self._report.peak_bytes:
+            return
+        by, hosted = self._classify()
+        if sum(by.values()) > self._report.peak_bytes:
+            self._report.peak_bytes, self._report.by_category, self._report.host_bytes = sum(by.values()), by, hosted
+
+    def current(self) -> dict[str, int]:
+        """Live device bytes by category now, plus ``host`` (offloaded)."""
+        self._refresh()
+        by, hosted = self._classify()
+        return {**by, "host": hosted}
+
+    # --- the mode -------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs, out))[0]:
+            self._touch(t)
+        self._check_peak()
+        return out
+
+    def __enter__(self) -> MemoryTracker:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for t in self._state_tensors():
+            self._touch(t)
+        self._check_peak()
+        self._hooks.__enter__()
+        if self.offload is not None:  # what the offload keeps on the device is still a saved activation
+            self.offload.inner = (self._pack, self._unpack)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+        if self.offload is not None:
+            self.offload.inner = None
+        if self.device.type == "cuda":
+            self._report.cuda_max_allocated = torch.cuda.max_memory_allocated(self.device)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        params = {*self._params, *self.module.parameters()}
+        tensors = [*params, *self.module.buffers(), *(p.grad for p in params if p.grad is not None)]
+        if self.optimizer is not None:
+            tensors += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    def report(self) -> MemoryReport:
+        """The peak so far and what made it up."""
+        return self._report
+
+    def live_bytes(self) -> int:
+        """Bytes alive on the device now (host-offloaded storages included)."""
+        self._refresh()
+        return self._total

@@ -1,0 +1,72 @@
+"""Memory accounting and techniques on spawned ranks: each function returns plain numbers to assert on."""
+
+from __future__ import annotations
+
+import torch
+
+import seqmesh
+from dist_cases import get_mesh
+from seqmesh.hf import parallelize
+from seqmesh.memory import MemoryTracker
+from seqmesh.memory.tiled_mlp import enable_tiled_mlp
+from seqmesh.training.fsdp import apply_fsdp, enable_checkpointing
+from seqmesh.training.model import SequenceParallelLM, build_model
+
+
+def _batch(seq_len: int, vocab: int = 256) -> dict:
+    ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(7))
+    return {"input_ids": ids}
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of this rank's part of ``tensors``, counted from shapes (not from storages)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _step(ulysses: int, *, tiled: bool = False, cpu_offload: bool = False, checkpointing: bool = False,
+          seq_len: int = 96, steps: int = 1, track: bool = False) -> dict:
+    """``steps`` AdamW steps of llama-tiny, sequence-parallel over ``ulysses`` ranks with FSDP2."""
+    mesh = get_mesh(ulysses, 1)
+    model = SequenceParallelLM(parallelize(build_model("llama-tiny", seed=0), mesh), mesh, chunk=16)
+    if checkpointing:
+        enable_checkpointing(model.lm)
+    if tiled:
+        enable_tiled_mlp(model.lm, 3)
+    apply_fsdp(model, mesh, cpu_offload=cpu_offload)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = seqmesh.shard_batch(_batch(seq_len), mesh)
+    result = {"loss": [], "reports": [], "state": {}}
+    for _ in range(steps):
+        tracker = MemoryTracker(model, optimizer) if track else None
+        with tracker or torch.enable_grad():
+            if tracker is not None:
+                result.setdefault("start", tracker.current())
+            loss = model(**local)
+            loss.backward()
+            result.setdefault("grads", {n: p.grad.full_tensor() for n, p in model.named_parameters()})  # step 1
+            if tracker is not None:
+                result.setdefault("after_backward", tracker.current())
+                result.setdefault("grad_bytes", _local_bytes(p.grad for p in model.parameters()))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        result["loss"].append(loss.item())
+        if tracker is not None:
+            result["reports"].append(tracker.report().as_dict())
+    result["param_bytes"] = _local_bytes(model.parameters()) + _local_bytes(model.buffers())
+    result["optimizer_bytes"] = _local_bytes(v for s in optimizer.state.values() for v in s.values())
+    result["weights"] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    return result
+
+
+def tracked_fsdp_steps(ulysses: int) -> dict:
+    return _step(ulysses, steps=3, track=True)
+
+
+def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
+    """Two runs of two AdamW steps, without and with ``option`` (tiled, cpu_offload)."""
+    base = dict(checkpointing=True, steps=2)
+    return _step(ulysses, **base), _step(ulysses, **base, **{option: True})

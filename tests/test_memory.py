@@ -1,0 +1,196 @@
+"""Memory accounting against independent counts, and each memory technique exact against running
+without it (loss, every gradient, the weights after AdamW) while it lowers what it should."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from memory_cases import technique_pair, tracked_fsdp_steps
+from seqmesh.memory import MemoryTracker
+from seqmesh.memory.allocator import ALLOC_CONF, configure_cuda_allocator
+from seqmesh.memory.offload import enable_activation_offload
+from seqmesh.memory.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
+from seqmesh.training.config import TrainConfig
+from seqmesh.training.fsdp import enable_checkpointing
+from seqmesh.training.model import build_model
+from train_job_cases import run_train
+
+
+def _linear_step() -> tuple[dict, dict, int, int, MemoryTracker]:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32, bias=False)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    x = torch.randn(16, 64)  # (tokens, features)
+    with MemoryTracker(layer, optimizer) as tracker:
+        y = torch.tanh(layer(x))  # mm saves x (and the weight); tanh saves its output y
+        after_forward = tracker.current()
+        saved = x.nbytes + y.nbytes
+        y.sum().backward()
+        del y
+        optimizer.step()
+        after_step = tracker.current()
+    state = sum(v.nbytes for s in optimizer.state.values() for v in s.values())
+    return after_forward, after_step, saved, state, tracker
+
+
+def test_tracker_counts_a_known_op_sequence():
+    after_forward, after_step, saved, state, tracker = _linear_step()
+    weight = 64 * 32 * 4
+    assert after_forward["parameters"] == weight and after_forward["gradients"] == 0
+    assert after_forward["activations"] == saved  # x and tanh's output, nothing else
+    assert after_step["activations"] == 0  # backward freed the graph
+    assert after_step["gradients"] == weight
+    assert after_step["optimizer"] == state == 2 * weight + 4  # exp_avg, exp_avg_sq, a float32 step
+    report = tracker.report()
+    assert report.peak_bytes == sum(report.by_category.values())
+    assert report.peak_bytes >= weight * 4 + state - 4  # parameter, gradient and both moments at the step
+    assert _linear_step()[4].report() == report  # deterministic
+
+
+def test_tracker_counts_local_shards_under_fsdp(pools):
+    for rank in pools.run(2, tracked_fsdp_steps, 2):
+        assert rank["start"]["parameters"] == rank["param_bytes"]
+        assert rank["after_backward"]["gradients"] == rank["grad_bytes"] > 0
+        first, second, third = rank["reports"]
+        assert first["optimizer_bytes"] <= second["optimizer_bytes"] == rank["optimizer_bytes"] > 0
+        assert second == third  # the same step twice: the same peak, byte for byte
+        assert second["activations_bytes"] > 0 and second["transient_bytes"] > 0
+
+
+def _forward_backward(model, ids, offload=None) -> tuple[float, dict, dict]:
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker(model, offload=offload) as tracker:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        after_forward = tracker.current()
+        loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, after_forward
+
+
+def _worst_relative(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=1e-12)) for n in a)
+
+
+def test_tiled_mlp_is_exact_and_keeps_only_its_input():
+    model = build_model("llama-tiny", seed=0)
+    batch, length = 2, 100
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
+    loss, grads, plain = _forward_backward(model, ids)
+    enable_tiled_mlp(model, 3)
+    tiled_loss, tiled_grads, tiled = _forward_backward(model, ids)
+    disable_tiled_mlp(model)
+    again = _forward_backward(model, ids)
+    assert abs(tiled_loss - loss) <= 1e-6 * abs(loss)
+    assert _worst_relative(tiled_grads, grads) < 1e-5  # per-tile sums: fp32 summation order only
+    assert again[0] == loss and _worst_relative(again[1], grads) == 0  # disabled: the class's forward again
+    shape = model.config
+    dropped = shape.num_hidden_layers * 4 * batch * length * shape.intermediate_size * 4  # gate, act, up, product
+    assert plain["activations"] - tiled["activations"] == dropped
+
+
+def test_activation_offload_is_exact_and_empties_the_device():
+    model = build_model("llama-tiny", seed=0)
+    model.train()
+    enable_checkpointing(model)
+    batch, length = 2, 100
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
+    loss, grads, kept = _forward_backward(model, ids)
+    offload = enable_activation_offload(model, "cpu")
+    moved_loss, moved_grads, moved = _forward_backward(model, ids, offload)
+    assert moved_loss == loss and _worst_relative(moved_grads, grads) == 0  # copies, never changed
+    layer_inputs = model.config.num_hidden_layers * batch * length * model.config.hidden_size * 4
+    assert moved["host"] == offload.moved_bytes >= layer_inputs  # what the tracker sees = what the hook copied
+    assert kept["activations"] - moved["activations"] == moved["host"]  # every byte moved left the device
+    assert offload.live == 0  # backward released every host copy
+    offload.remove()
+    assert _forward_backward(model, ids)[2] == kept
+
+
+@pytest.mark.parametrize("option", ["tiled", "cpu_offload"])
+def test_technique_matches_without_it_under_fsdp(pools, option):
+    for plain, with_option in pools.run(2, technique_pair, 2, option):
+        assert with_option["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
+        assert _worst_relative(with_option["grads"], plain["grads"]) < 1e-5  # step 1: summation order only
+        # after AdamW (lr 1e-3), which turns rounding in a near-zero gradient into up to 2 x lr; a missed or
+        # wrong update moves every weight by about lr
+        worst = max(float((with_option["weights"][n] - w).abs().max()) for n, w in plain["weights"].items())
+        assert worst < 5e-4
+
+
+def test_allocator_setting_only_on_cuda_and_never_over_the_user(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    env: dict = {}
+    assert configure_cuda_allocator(env) == "expandable_segments:True" == env[ALLOC_CONF]
+    mine = {ALLOC_CONF: "max_split_size_mb:128"}
+    assert configure_cuda_allocator(mine) == "max_split_size_mb:128" == mine[ALLOC_CONF]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    env = {}
+    assert configure_cuda_allocator(env) is None and env == {}
+
+
+def test_config_refuses_options_without_what_they_need():
+    with pytest.raises(ValueError, match="--checkpointing"):
+        TrainConfig(offload_checkpoints=True)
+    with pytest.raises(ValueError, match="no-fsdp"):
+        TrainConfig(fsdp=False, fsdp_cpu_offload=True)
+    with pytest.raises(ValueError, match="mlp_tiles"):
+        TrainConfig(mlp_tiles=0)
+
+
+def test_training_with_every_memory_option_follows_the_same_curve(pools, tmp_path):
+    base = dict(model="llama-tiny", seq_len=96, ulysses=2, ring=1, dp=1, steps=3, lr=1e-2, warmup=1, log_every=1,
+                eval_every=3, symbols=16, checkpointing=True)
+    pools.run(2, run_train, TrainConfig(out=str(tmp_path / "off"), **base))
+    pools.run(2, run_train, TrainConfig(out=str(tmp_path / "on"), tiled_mlp=True, mlp_tiles=2,
+                                        offload_checkpoints=True, fsdp_cpu_offload=True, track_memory=True, **base))
+
+    def records(name):
+        with open(os.path.join(tmp_path, name, "metrics.jsonl")) as f:
+            return [r for r in map(json.loads, f) if r["kind"] == "train"]
+
+    off, on = records("off"), records("on")
+    assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=1e-5)
+    memory = on[-1]["tensor_memory"]
+    assert memory["peak_bytes"] == sum(memory[f"{c}_bytes"] for c in
+                                       ("parameters", "gradients", "optimizer", "activations", "transient"))
+    assert memory["host_bytes"] > 0 and "tensor_memory" not in off[-1]
+
+
+class _OneRank:
+    """The session's one-rank pool, as ``sweep`` calls a pool."""
+
+    def __init__(self, pools):
+        self.pools = pools
+
+    def run(self, fn, *args, timeout: float):
+        return self.pools.run(1, fn, *args, timeout=timeout)
+
+
+def test_bench_memory_finds_the_longest_length_within_a_budget(pools):
+    from seqmesh.tools.bench_memory import MemoryBench, bytes_per_token, longest_fitting, sweep
+
+    bench = MemoryBench(seq_lens=[64, 128, 256], options={"checkpointing": True})
+    rows = sweep(bench, _OneRank(pools))
+    peaks = [r["peak_bytes"] for r in rows]
+    assert peaks == sorted(set(peaks)) and all(r["fits"] for r in rows)
+    for r in rows:
+        assert r["peak_bytes"] == sum(r[f"{c}_bytes"] for c in ("parameters", "gradients", "optimizer",
+                                                               "activations", "transient"))
+    budgeted = sweep(MemoryBench(seq_lens=[64, 128, 256], budget=peaks[1], options={"checkpointing": True}),
+                     _OneRank(pools))
+    assert [r["peak_bytes"] for r in budgeted] == peaks  # the same steps, the same bytes
+    assert longest_fitting(budgeted) == 128
+    assert bytes_per_token(rows) > 0
+
+
+def test_working_set_grows_no_faster_than_the_length(pools):
+    """Attention and loss allocate no (S, S) buffer: the transient bytes per token do not grow with S."""
+    from seqmesh.tools.bench_memory import MemoryBench, sweep
+
+    rows = sweep(MemoryBench(seq_lens=[256, 512, 1024], options={"checkpointing": True}), _OneRank(pools))
+    per_token = [r["transient_bytes"] / r["seq_len"] for r in rows]
+    assert all(later <= earlier for earlier, later in zip(per_token, per_token[1:])), per_token  # measured: 6122, 5833, 5689

@@ -1,0 +1,85 @@
+"""The planner's model of the memory techniques: what each takes off the GPU, what it puts on the host,
+and what it costs in time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from seqmesh.planner.hardware import PRESETS
+from seqmesh.planner.memory import (OFFLOAD_PREFETCH, host_memory, layer_saved_bytes, local_tokens, memory_at,
+                                    memory_per_gpu, mlp_tile_tokens, parameter_memory)
+from seqmesh.planner.plan import longest_sequence
+from seqmesh.planner.timing import step_time
+from seqmesh.planner.workload import Layout, Workload
+from seqmesh.training.presets import MODELS
+
+LLAMA8B = MODELS["llama3-8b"]
+LAYOUTS = [Layout(1, 1, 1), Layout(8, 1, 1), Layout(2, 4, 1), Layout(1, 8, 4)]
+
+
+def test_tiled_mlp_keeps_only_the_mlp_input():
+    work = Workload(LLAMA8B, 131072, checkpointing=False)
+    for layout in LAYOUTS:
+        tokens = local_tokens(work, layout)
+        dropped = layer_saved_bytes(work, layout) - layer_saved_bytes(replace(work, tiled_mlp=True), layout)
+        assert dropped == tokens * 4 * LLAMA8B.intermediate * work.act_bytes  # gate, SiLU(gate), up, product
+        assert mlp_tile_tokens(work, layout) <= LLAMA8B.hidden
+
+
+def test_offload_leaves_the_prefetched_inputs_and_needs_checkpointing():
+    work = Workload(LLAMA8B, 524288)
+    moved = replace(work, offload_checkpoints=True)
+    layout = Layout(1, 1, 1)
+    layer_input = local_tokens(work, layout) * LLAMA8B.hidden * work.act_bytes
+    kept, offloaded = (memory_at(w, layout, "layer backward").activations for w in (work, moved))
+    assert kept - offloaded == (LLAMA8B.layers - OFFLOAD_PREFETCH - 1) * layer_input
+    assert memory_at(moved, layout, "loss backward").activations == layer_input  # the LM head's input only
+    assert host_memory(moved, layout) == (LLAMA8B.layers + 2) * layer_input + local_tokens(work, layout) * 4
+    with pytest.raises(ValueError, match="--checkpointing"):
+        Workload(LLAMA8B, 1024, checkpointing=False, offload_checkpoints=True)
+
+
+def test_fsdp_cpu_offload_moves_the_sharded_state_to_the_host():
+    work = Workload(LLAMA8B, 65536)
+    for layout in LAYOUTS:
+        weights, grads, optimizer = parameter_memory(work, layout)
+        offloaded = replace(work, fsdp_cpu_offload=True)
+        off_weights, off_grads, off_optimizer = parameter_memory(offloaded, layout)
+        shard = -(-LLAMA8B.params // layout.fsdp_group)
+        assert off_optimizer == 0 and off_grads == grads - 4 * shard
+        assert off_weights < weights
+        assert host_memory(offloaded, layout) == 16 * shard
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.label)
+def test_every_technique_lowers_the_peak_and_lengthens_the_longest(layout):
+    base = Workload(LLAMA8B, 262144)
+    budget = PRESETS["h100-nvlink"].memory_bytes
+    previous_peak, previous_longest = memory_per_gpu(base, layout).total, longest_sequence(base, layout, budget)
+    work = base
+    for option in ("tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload"):
+        work = replace(work, **{option: True})
+        peak, longest = memory_per_gpu(work, layout).total, longest_sequence(work, layout, budget)
+        assert peak < previous_peak and longest >= previous_longest, option
+        previous_peak, previous_longest = peak, longest
+
+
+def test_one_h100_fits_a_long_llama8b_sequence_only_with_the_techniques():
+    budget = PRESETS["h100-nvlink"].memory_bytes
+    plain = Workload(LLAMA8B, 1)
+    every = replace(plain, tiled_mlp=True, offload_checkpoints=True, fsdp_cpu_offload=True)
+    assert longest_sequence(plain, Layout(1, 1, 1), budget) == 0  # model state alone is 126.6 GiB
+    assert longest_sequence(every, Layout(1, 1, 1), budget) > 400_000
+
+
+def test_tiled_mlp_recompute_and_offload_traffic_cost_time():
+    hw = PRESETS["h100-nvlink"]
+    work, layout = Workload(LLAMA8B, 131072), Layout(8, 1, 1)
+    plain = step_time(work, layout, hw)
+    tiled = step_time(replace(work, tiled_mlp=True), layout, hw)
+    assert tiled.compute > plain.compute  # one more MLP forward per layer
+    slow_host = replace(hw, host_bandwidth=1e6)  # so slow that no layer hides the copy
+    assert step_time(replace(work, offload_checkpoints=True), layout, slow_host).total > plain.total
+    assert step_time(replace(work, offload_checkpoints=True), layout, hw).total == plain.total  # hidden by compute
