@@ -1,0 +1,75 @@
+"""seqmesh's Trainer on 4 gloo ranks against plain transformers Trainer in one process.
+
+The tolerance comes from rounding: the same single-process run in float64 tells how far float32
+rounding alone moves the loss curve and the weights after 10 AdamW steps; seqmesh (float32, other
+summation orders) must stay within a small multiple of that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from trainer_cases import sequence_parallel, single_process  # noqa: E402
+
+ROUNDING_MULTIPLE = 8.0
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == 10, (a, b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Single-process runs (float32 and float64), keyed by (batch, accumulation)."""
+    cache: dict = {}
+
+    def get(batch: int, accumulation: int) -> tuple[dict, dict]:
+        if (batch, accumulation) not in cache:
+            out = str(tmp_path_factory.mktemp("single"))
+            cache[batch, accumulation] = tuple(single_process(out, batch, accumulation, dtype)
+                                               for dtype in (torch.float32, torch.float64))
+        return cache[batch, accumulation]
+
+    return get
+
+
+CASES = [  # (ulysses, ring, per-rank batch, accumulation): single-process batch = dp x per-rank batch
+    pytest.param(2, 2, 4, 1, id="u2r2"),
+    pytest.param(2, 1, 2, 2, id="dp2u2-accumulation2"),
+]
+
+
+@pytest.mark.parametrize("ulysses, ring, batch, accumulation", CASES)
+def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, batch, accumulation):
+    from transformers import AutoModelForCausalLM
+
+    dp = 4 // (ulysses * ring)
+    ref32, ref64 = references(dp * batch, accumulation)
+    results = pools.run(4, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, timeout=600)
+    for r in results[1:]:  # every rank logs the same values
+        assert r == results[0]
+    ours = results[0]
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path, "final"), local_files_only=True)
+    weights = {k: v.to(torch.float64) for k, v in saved.state_dict().items()}
+
+    for key in ("loss", "grad_norm"):
+        rounding = _max_diff(ref32[key], ref64[key])
+        diff = _max_diff(ours[key], ref64[key])
+        assert diff <= ROUNDING_MULTIPLE * rounding + 1e-6, (key, diff, rounding, ours[key], ref64[key])
+    rounding = _weight_diff(ref32["weights"], ref64["weights"])
+    diff = _weight_diff(weights, ref64["weights"])
+    assert diff <= ROUNDING_MULTIPLE * rounding + 1e-6, ("weights", diff, rounding)
+    assert abs(ours["eval_loss"] - ref64["eval_loss"]) <= ROUNDING_MULTIPLE * abs(ref32["eval_loss"] - ref64["eval_loss"]) + 1e-5
+    print(f"parity {ulysses=} {ring=} {dp=}: loss {_max_diff(ours['loss'], ref32['loss']):.2e} "
+          f"weights {_weight_diff(weights, ref32['weights']):.2e} (vs float64: loss {diff:.2e})")

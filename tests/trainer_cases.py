@@ -1,0 +1,109 @@
+"""transformers Trainer cases: seqmesh's Trainer on spawned ranks, plain Trainer in one process.
+
+Both train a tiny Llama (built from LlamaConfig with a fixed seed) on the same local rows, whose
+first tokens (a varying number) are not scored, so micro-batches hold different numbers of targets
+and gradient accumulation must weight them as one device does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+VOCAB, SEQ = 256, 32
+
+
+def tiny_model(dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4 * SEQ,
+                         attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def rows(count: int, seed: int) -> list[dict[str, list[int]]]:
+    """``input_ids`` and ``labels`` rows; labels are -100 over a prompt of 0..SEQ/2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, SEQ // 2, (1,), generator=g))] = -100
+        out.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return out
+
+
+TRAIN_ROWS, EVAL_ROWS = rows(48, seed=1), rows(8, seed=2)
+
+
+def training_args(output_dir: str, batch: int, accumulation: int, **extra):
+    from transformers import TrainingArguments
+
+    settings = dict(
+        output_dir=output_dir, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+        gradient_accumulation_steps=accumulation, max_steps=10, learning_rate=2e-3, warmup_steps=2,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0,
+        disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
+    )
+    return TrainingArguments(**{**settings, **extra})
+
+
+def curves(trainer) -> dict[str, list[float]]:
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}
+
+
+def single_process(output_dir: str, batch: int, accumulation: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Plain transformers Trainer in this process (no process group) on the whole batch."""
+    from transformers import Trainer
+
+    trainer = Trainer(model=tiny_model(dtype), args=training_args(output_dir, batch, accumulation),
+                      train_dataset=TRAIN_ROWS, eval_dataset=EVAL_ROWS)
+    trainer.train()
+    result = curves(trainer)
+    result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    result["weights"] = {k: v.detach().to(torch.float64).clone() for k, v in trainer.model.state_dict().items()}
+    return result
+
+
+@contextlib.contextmanager
+def torchrun_environment():
+    """The variables torchrun sets, around a job on a spawned rank (its process group already exists),
+    and a fresh accelerate state after it (accelerate keeps its view of the processes in singletons)."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    saved = {n: os.environ.get(n) for n in names}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int) -> dict:
+    """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
+    from seqmesh.hf.trainer import SequenceParallelTrainer
+
+    with torchrun_environment():
+        trainer = SequenceParallelTrainer(
+            model=tiny_model(), args=training_args(output_dir, batch, accumulation), train_dataset=TRAIN_ROWS,
+            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring),
+        )
+        trainer.train()
+        result = curves(trainer)
+        result["eval_loss"] = trainer.evaluate()["eval_loss"]
+        trainer.save_model(os.path.join(output_dir, "final"))
+        return result
