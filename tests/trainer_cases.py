@@ -107,3 +107,15 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
         trainer.save_model(os.path.join(output_dir, "final"))
         return result
+
+
+def run_example(output_dir: str, *argv: str) -> list[dict]:
+    """``examples/trainer.py``'s main on this rank, as torchrun would start it."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trainer.py")
+    spec = importlib.util.spec_from_file_location("example_trainer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torchrun_environment():
+        return module.main(["--out", output_dir, *argv])
