@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from trainer_cases import sequence_parallel, single_process  # noqa: E402
+from trainer_cases import resume as resume_fn, sequence_parallel, single_process  # noqa: E402
 
 ROUNDING_MULTIPLE = 8.0
 
@@ -76,3 +76,13 @@ def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ri
     print(f"parity {ulysses=} {ring=} {dp=} vs float32 single process: loss {_max_diff(ours['loss'], ref32['loss']):.2e}, "
           f"weights {_weight_diff(weights, ref32['weights']):.2e}; float32 rounding (float32 vs float64 single "
           f"process): loss {_max_diff(ref32['loss'], ref64['loss']):.2e}, weights {rounding:.2e}")
+
+
+def test_trainer_resumes_the_same_curve(pools, tmp_path):
+    """A checkpoint at step 5 (weights as a transformers folder, optimizer shards, scheduler, RNG, data
+    position), resumed by a fresh Trainer: steps 6-10 log what the uninterrupted run logged."""
+    runs = pools.run(4, resume_fn, str(tmp_path), 2, 1, timeout=600)[0]
+    straight, resumed = runs["straight"], runs["resumed"]
+    assert len(straight["loss"]) == 10 and len(resumed["loss"]) == 5, runs
+    for key in ("loss", "grad_norm"):
+        assert max(abs(a - b) for a, b in zip(straight[key][5:], resumed[key])) < 1e-6, (key, runs)

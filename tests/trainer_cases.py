@@ -119,3 +119,18 @@ def run_example(output_dir: str, *argv: str) -> list[dict]:
     spec.loader.exec_module(module)
     with torchrun_environment():
         return module.main(["--out", output_dir, *argv])
+
+
+def resume(output_dir: str, ulysses: int, ring: int) -> dict:
+    """10 steps saving a checkpoint at step 5, then a fresh Trainer resumed from it: both curves."""
+    from seqmesh.hf.trainer import SequenceParallelTrainer
+
+    with torchrun_environment():
+        runs = {}
+        for name, start in (("straight", None), ("resumed", os.path.join(output_dir, "checkpoint-5"))):
+            args = training_args(output_dir, 2, 1, save_strategy="steps", save_steps=5, eval_strategy="no")
+            trainer = SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS,
+                                              seqmesh_degrees=(ulysses, ring))
+            trainer.train(resume_from_checkpoint=start)
+            runs[name] = curves(trainer)
+        return runs

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, IterableDataset
+import transformers
 from transformers import Trainer
 
 from . import parallelize
@@ -41,9 +42,10 @@ from ..training.fsdp import apply_fsdp
 from ..training.loss import IGNORE_INDEX
 from ..training.model import SequenceParallelLM
 
-# _get_dataloader, _get_num_items_in_batch, _clip_grad_norm and _get_grad_norm are the Trainer methods
-# overridden here; transformers 5.0 has them all.
-MIN_TRANSFORMERS = (5, 0)
+# Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
+# prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
+# (clipping over DTensor gradients) since 5.3. Earlier, Trainer clips inline and would miss the mesh.
+MIN_TRANSFORMERS = (5, 3)
 OPTIMIZER_FOLDER = "optimizer_dcp"
 
 
@@ -75,6 +77,8 @@ class SequenceParallelTrainerMixin:
         if (seqmesh_degrees is None) == (seqmesh_mesh is None):
             raise ValueError("give the sequence-parallel degrees as seqmesh_degrees=(ulysses, ring), or a mesh as "
                              "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
+        if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+            raise ValueError(f"seqmesh's Trainer needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; upgrade it.")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
         super().__init__(*args, **kwargs)
