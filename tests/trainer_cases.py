@@ -15,13 +15,13 @@ import torch
 VOCAB, SEQ = 256, 32
 
 
-def tiny_model(dtype: torch.dtype = torch.float32):
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4 * SEQ,
                          attention_dropout=0.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype)
 
 
@@ -122,15 +122,25 @@ def run_example(output_dir: str, *argv: str) -> list[dict]:
 
 
 def resume(output_dir: str, ulysses: int, ring: int) -> dict:
-    """10 steps saving a checkpoint at step 5, then a fresh Trainer resumed from it: both curves."""
+    """10 steps saving a checkpoint at step 5, then a fresh Trainer (other initial weights) resumed
+    from it: both curves (the resumed one holds the checkpoint's first 5 entries) and the steps run."""
+    from transformers import TrainerCallback
+
     from seqmesh.hf.trainer import SequenceParallelTrainer
+
+    class CountSteps(TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
 
     with torchrun_environment():
         runs = {}
-        for name, start in (("straight", None), ("resumed", os.path.join(output_dir, "checkpoint-5"))):
-            args = training_args(output_dir, 2, 1, save_strategy="steps", save_steps=5, eval_strategy="no")
-            trainer = SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS,
-                                              seqmesh_degrees=(ulysses, ring))
+        for name, seed, start in (("straight", 0, None), ("resumed", 1, os.path.join(output_dir, "checkpoint-5"))):
+            args = training_args(output_dir, 2, 1, save_strategy="steps", save_steps=5)
+            counter = CountSteps()
+            trainer = SequenceParallelTrainer(model=tiny_model(seed=seed), args=args, train_dataset=TRAIN_ROWS,
+                                              callbacks=[counter], seqmesh_degrees=(ulysses, ring))
             trainer.train(resume_from_checkpoint=start)
-            runs[name] = curves(trainer)
+            runs[name] = {**curves(trainer), "steps_run": counter.steps}
         return runs
