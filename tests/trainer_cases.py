@@ -144,3 +144,42 @@ def resume(output_dir: str, ulysses: int, ring: int) -> dict:
             trainer.train(resume_from_checkpoint=start)
             runs[name] = {**curves(trainer), "steps_run": counter.steps}
         return runs
+
+
+def byte_tokenizer():
+    """A local word-level tokenizer over the VOCAB ids (no download): what TRL's SFTTrainer requires."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"<pad>": VOCAB - 1}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="<pad>")
+
+
+def sft(output_dir: str, ulysses: int = 0, ring: int = 0) -> dict:
+    """TRL's SFTTrainer on token rows: plain in one process (ulysses=0), or with the seqmesh mixin."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from seqmesh.hf.trainer import SequenceParallelTrainerMixin
+
+    rows = Dataset.from_list([{"input_ids": r["input_ids"]} for r in TRAIN_ROWS])
+
+    def config() -> SFTConfig:
+        return SFTConfig(output_dir=output_dir, per_device_train_batch_size=4, max_steps=10, learning_rate=2e-3,
+                         logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+                         use_cpu=True, bf16=False, gradient_checkpointing=False, max_grad_norm=0.5, max_length=None)
+
+    if not ulysses:
+        trainer = SFTTrainer(model=tiny_model(), args=config(), train_dataset=rows, processing_class=byte_tokenizer())
+        trainer.train()
+        return curves(trainer)
+
+    class SequenceParallelSFTTrainer(SequenceParallelTrainerMixin, SFTTrainer):
+        pass
+
+    with torchrun_environment():
+        trainer = SequenceParallelSFTTrainer(model=tiny_model(), args=config(), train_dataset=rows,
+                                             processing_class=byte_tokenizer(), seqmesh_degrees=(ulysses, ring))
+        trainer.train()
+        return curves(trainer)
