@@ -98,3 +98,14 @@ def test_sft_trainer_subclass_matches_single_process(pools, tmp_path):
     ours = pools.run(4, sft, str(tmp_path / "sp"), 2, 2, timeout=600)[0]
     for key, bound in (("loss", 5e-6), ("grad_norm", 5e-6)):
         assert _max_diff(ours[key], reference[key]) <= bound, (key, ours[key], reference[key])
+
+
+def test_trainer_refuses_missing_degrees_and_missing_process_group(tmp_path):
+    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from trainer_cases import TRAIN_ROWS, tiny_model, training_args
+
+    args = training_args(str(tmp_path), 2, 1)
+    with pytest.raises(ValueError, match="seqmesh_degrees"):
+        SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS)
+    with pytest.raises(ValueError, match="torchrun"):  # this pytest process has no process group
+        SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1))
