@@ -1,0 +1,282 @@
+"""The Hugging Face ``Trainer`` with seqmesh sequence parallelism: switch the class, give the degrees.
+
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows, seqmesh_degrees=(2, 2))
+    class MySFTTrainer(SequenceParallelTrainerMixin, SFTTrainer): ...  # any Trainer subclass
+
+Launched with ``torchrun``, the world is ``dp x ring x ulysses`` (``dp = world / (ulysses * ring)``).
+Trainer keeps its optimizer, scheduler, callbacks, logging and checkpoint layout; the mixin changes:
+
+- data: the sampler is accelerate's own, sharded over the data-parallel ranks (``mesh.dp_size``,
+  ``mesh.dp_rank``) instead of the world, so every rank of a sequence group reads the same batch;
+- model: ``seqmesh.hf.parallelize`` (attention), ``SequenceParallelLM`` (chunked, pooled loss) and
+  FSDP2 over every rank of the mesh, applied once at construction. ``_wrap_model`` hands Trainer that
+  module, so accelerate prepares only the optimizer and never wraps the model in DDP or FSDP;
+- loss: the micro-batch's pooled mean times (its targets / the optimizer step's targets), which is
+  how single-device Trainer scales with ``num_items_in_batch``; the logged loss is the step's mean;
+- gradient accumulation: one FSDP2 reduce-scatter per optimizer step (``no_sync`` on the others);
+  clipping: the global norm over the DTensor gradients;
+- evaluation: the pooled loss of each batch; ``save_model``: every tensor gathered whole, one at a
+  time, and rank 0 writes a transformers folder; checkpoints keep the optimizer's shards with
+  ``torch.distributed.checkpoint``, so ``train(resume_from_checkpoint=...)`` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, IterableDataset
+import transformers
+from transformers import Trainer
+
+from . import parallelize
+from ..mesh import SPMesh, init_mesh
+from ..training.data import shard_batch
+from ..training.fsdp import apply_fsdp
+from ..training.loss import IGNORE_INDEX
+from ..training.model import SequenceParallelLM
+
+# Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
+# prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
+# (clipping over DTensor gradients) since 5.3. Earlier, Trainer clips inline and would miss the mesh.
+MIN_TRANSFORMERS = (5, 3)
+OPTIMIZER_FOLDER = "optimizer_dcp"
+
+
+class TrainerLM(SequenceParallelLM):
+    """``SequenceParallelLM`` with the ``no_sync`` that accelerate looks for: FSDP2 skips the
+    reduce-scatter on every micro-batch of an optimizer step but the last."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+
+class SequenceParallelTrainerMixin:
+    """Put before ``Trainer`` (or a subclass such as TRL's ``SFTTrainer``) in the bases.
+
+    Extra keyword arguments: ``seqmesh_degrees=(ulysses, ring)`` (the data-parallel degree is what
+    remains of the world) or ``seqmesh_mesh`` (an :class:`~seqmesh.mesh.SPMesh`); ``seqmesh_chunk``:
+    tokens whose logits exist at once in the loss.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss divides by the optimizer step's targets itself
+
+    def __init__(self, *args: Any, seqmesh_degrees: tuple[int, int] | None = None, seqmesh_mesh: SPMesh | None = None,
+                 seqmesh_chunk: int = 4096, **kwargs: Any):
+        if (seqmesh_degrees is None) == (seqmesh_mesh is None):
+            raise ValueError("give the sequence-parallel degrees as seqmesh_degrees=(ulysses, ring), or a mesh as "
+                             "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
+        if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
+            raise ValueError(f"seqmesh's Trainer needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; upgrade it.")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
+        super().__init__(*args, **kwargs)
+        self._refuse_other_parallelism()
+        if not dist.is_initialized():
+            raise ValueError("seqmesh's Trainer runs on a process group: launch the script with torchrun "
+                             "(torchrun --nproc-per-node N script.py), even for one process.")
+        mesh = seqmesh_mesh if seqmesh_mesh is not None else mesh_for_world(*seqmesh_degrees)
+        parallelize(self.model, mesh)
+        self.seqmesh_mesh = mesh
+        self.seqmesh_model = apply_fsdp(TrainerLM(self.model, mesh, chunk=seqmesh_chunk), mesh, bf16=self.args.bf16)
+        self.model_wrapped = self.seqmesh_model
+        self.gather_function = self.accelerator.gather  # every rank holds whole losses: no truncation to undo
+        self._targets_per_micro_batch: deque[float] = deque()
+
+    def _refuse_other_parallelism(self) -> None:
+        args = self.args
+        other = [name for name, on in (
+            ("deepspeed", self.is_deepspeed_enabled), ("fsdp", self.is_fsdp_enabled or bool(args.fsdp)),
+            ("parallelism_config", getattr(args, "parallelism_config", None) is not None),
+            ("model_parallel", self.is_model_parallel), ("n_gpu > 1 (DataParallel)", args.n_gpu > 1),
+            ("train_sampling_strategy='batch_rebalance'", getattr(args, "train_sampling_strategy", "") == "batch_rebalance"),
+        ) if on]
+        if other:
+            raise ValueError(f"seqmesh shards the model and the batches itself; turn off {', '.join(other)} in the "
+                             "TrainingArguments / accelerate config.")
+
+    # -- data ---------------------------------------------------------------------------------------
+    def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
+                        dataloader_key: str | None = None) -> DataLoader:
+        """Trainer's DataLoader, sharded over the data-parallel ranks only (accelerate's sampler and
+        seeding, as single-device Trainer gets them)."""
+        from accelerate.data_loader import prepare_data_loader
+        from transformers.utils import is_datasets_available
+
+        args, acc, mesh = self.args, self.accelerator, self.seqmesh_mesh
+        collator = self.data_collator
+        if is_datasets_available() and type(dataset).__module__.startswith("datasets"):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        params: dict[str, Any] = dict(
+            batch_size=batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+        )
+        if not isinstance(dataset, IterableDataset):
+            params["sampler"] = sampler_fn(dataset) if sampler_fn is not None else None
+            params["drop_last"] = args.dataloader_drop_last
+        loader = DataLoader(dataset, **params)
+        return prepare_data_loader(
+            loader, acc.device, num_processes=mesh.dp_size, process_index=mesh.dp_rank,
+            split_batches=acc.split_batches, put_on_device=acc.device_placement, rng_types=list(acc.rng_types),
+            dispatch_batches=False, even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=args.data_seed, non_blocking=acc.non_blocking,
+        )
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        """The optimizer step's targets over the whole mesh; keeps each micro-batch's for compute_loss."""
+        mesh = self.seqmesh_mesh
+        local = [float((shard_batch(b, mesh)["shift_labels"] != IGNORE_INDEX).sum()) for b in batch_samples]
+        counts = torch.tensor(local, dtype=torch.float64, device=mesh.collective_device())
+        dist.all_reduce(counts, group=mesh.all_group)  # sequence shards partition a batch: each counted once
+        self._targets_per_micro_batch = deque(counts.tolist())
+        return counts.sum().to(device)
+
+    # -- model, loss, gradients ---------------------------------------------------------------------
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
+        return self.seqmesh_model  # already sharded: Trainer then lets accelerate prepare the optimizer only
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        """The pooled loss of the micro-batch, scaled to its share of the optimizer step's targets."""
+        loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh))
+        if num_items_in_batch is not None and self.seqmesh_model.training:
+            if not self._targets_per_micro_batch:
+                raise RuntimeError("compute_loss got num_items_in_batch from a batch list seqmesh did not count; "
+                                   "call it through Trainer.training_step.")
+            loss = loss * (self._targets_per_micro_batch.popleft() / float(num_items_in_batch))
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """The batch's pooled loss (the same on every rank); no logits (they are sharded by sequence)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh))
+        return loss.detach(), None, None
+
+    def _grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The norm of the whole gradient (all shards of every parameter); clips to ``max_norm``."""
+        from torch.distributed.tensor import DTensor
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+        params = [p for p in self.seqmesh_model.parameters() if p.grad is not None]
+        norm = get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if max_norm != float("inf"):
+            clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return self._grad_norm(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        return self._grad_norm(float("inf")) if grad_norm is None else grad_norm
+
+    # -- saving and resuming ------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A transformers folder: each tensor gathered whole in turn (a collective on every rank), kept
+        on rank 0's host, written there with ``save_pretrained``."""
+        from torch.distributed.tensor import DTensor
+
+        output_dir = output_dir or self.args.output_dir
+        keep = self.args.should_save
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict().items():
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if keep:
+                state[name] = whole.detach().cpu()
+        if keep:
+            self._save(output_dir, state_dict=state)
+        dist.barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Each rank writes its optimizer shards (torch.distributed.checkpoint); rank 0 the scheduler."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from transformers.trainer import SCHEDULER_NAME
+
+        state = get_optimizer_state_dict(self.seqmesh_model, _torch_optimizer(self.optimizer))
+        dcp.save({"optimizer": state}, checkpoint_id=os.path.join(output_dir, OPTIMIZER_FOLDER))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        from transformers.trainer import SCHEDULER_NAME
+
+        if checkpoint is None:
+            return
+        optimizer = _torch_optimizer(self.optimizer)
+        state = {"optimizer": get_optimizer_state_dict(self.seqmesh_model, optimizer)}
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_FOLDER))
+        set_optimizer_state_dict(self.seqmesh_model, optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The weights of a folder written by :meth:`save_model`, each rank copying only its shards."""
+        load_sharded_weights(self.model, resume_from_checkpoint)
+
+
+def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
+    """``ulysses x ring`` sequence parallelism, data parallelism (FSDP) over the rest of the world."""
+    world = dist.get_world_size()
+    if world % (ulysses * ring):
+        raise ValueError(f"ulysses={ulysses} x ring={ring} does not divide the world of {world} processes; "
+                         "launch a multiple of ulysses * ring processes.")
+    return init_mesh(ulysses, ring, dp_shard=world // (ulysses * ring))
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+
+
+@torch.no_grad()
+def load_sharded_weights(model: nn.Module, folder: str) -> None:
+    """Copy the safetensors weights in ``folder`` into ``model`` (plain or FSDP2-sharded tensors), one
+    tensor at a time; a rank keeps only its slice."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            where = {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    else:
+        single = os.path.join(folder, "model.safetensors")
+        with safe_open(single, "pt") as f:
+            where = {name: single for name in f.keys()}
+    state = model.state_dict(keep_vars=True)  # a tied weight is one object under two names
+    found = {id(t) for name, t in state.items() if name in where}
+    missing = sorted(name for name, t in state.items() if id(t) not in found)
+    if missing:
+        raise ValueError(f"{folder} lacks weights the model has: {', '.join(missing[:8])}")
+    for name, target in state.items():
+        if name not in where:
+            continue
+        with safe_open(where[name], "pt") as f:
+            whole = f.get_tensor(name).to(target.dtype)
+        if isinstance(target, DTensor):
+            local = distribute_tensor(whole.to(target.device_mesh.device_type), target.device_mesh, target.placements,
+                                      src_data_rank=None).to_local()
+            target.to_local().copy_(local)
+        else:
+            target.copy_(whole)
+
+
+class SequenceParallelTrainer(SequenceParallelTrainerMixin, Trainer):
+    """transformers' ``Trainer`` with seqmesh sequence parallelism (see the module docstring)."""

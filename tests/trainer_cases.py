@@ -1,0 +1,185 @@
+"""transformers Trainer cases: seqmesh's Trainer on spawned ranks, plain Trainer in one process.
+
+Both train a tiny Llama (built from LlamaConfig with a fixed seed) on the same local rows, whose
+first tokens (a varying number) are not scored, so micro-batches hold different numbers of targets
+and gradient accumulation must weight them as one device does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+VOCAB, SEQ = 256, 32
+
+
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4 * SEQ,
+                         attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def rows(count: int, seed: int) -> list[dict[str, list[int]]]:
+    """``input_ids`` and ``labels`` rows; labels are -100 over a prompt of 0..SEQ/2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, SEQ // 2, (1,), generator=g))] = -100
+        out.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return out
+
+
+TRAIN_ROWS, EVAL_ROWS = rows(48, seed=1), rows(8, seed=2)
+
+
+def training_args(output_dir: str, batch: int, accumulation: int, **extra):
+    from transformers import TrainingArguments
+
+    settings = dict(
+        output_dir=output_dir, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+        gradient_accumulation_steps=accumulation, max_steps=10, learning_rate=2e-3, warmup_steps=2,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0,
+        disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
+    )
+    return TrainingArguments(**{**settings, **extra})
+
+
+def curves(trainer) -> dict[str, list[float]]:
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}
+
+
+def single_process(output_dir: str, batch: int, accumulation: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Plain transformers Trainer in this process (no process group) on the whole batch."""
+    from transformers import Trainer
+
+    trainer = Trainer(model=tiny_model(dtype), args=training_args(output_dir, batch, accumulation),
+                      train_dataset=TRAIN_ROWS, eval_dataset=EVAL_ROWS)
+    trainer.train()
+    result = curves(trainer)
+    result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    result["weights"] = {k: v.detach().to(torch.float64).clone() for k, v in trainer.model.state_dict().items()}
+    return result
+
+
+@contextlib.contextmanager
+def torchrun_environment():
+    """The variables torchrun sets, around a job on a spawned rank (its process group already exists),
+    and a fresh accelerate state after it (accelerate keeps its view of the processes in singletons)."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    saved = {n: os.environ.get(n) for n in names}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int) -> dict:
+    """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
+    from seqmesh.hf.trainer import SequenceParallelTrainer
+
+    with torchrun_environment():
+        trainer = SequenceParallelTrainer(
+            model=tiny_model(), args=training_args(output_dir, batch, accumulation), train_dataset=TRAIN_ROWS,
+            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring),
+        )
+        trainer.train()
+        result = curves(trainer)
+        result["eval_loss"] = trainer.evaluate()["eval_loss"]
+        trainer.save_model(os.path.join(output_dir, "final"))
+        return result
+
+
+def run_example(output_dir: str, *argv: str) -> list[dict]:
+    """``examples/trainer.py``'s main on this rank, as torchrun would start it."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trainer.py")
+    spec = importlib.util.spec_from_file_location("example_trainer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torchrun_environment():
+        return module.main(["--out", output_dir, *argv])
+
+
+def resume(output_dir: str, ulysses: int, ring: int) -> dict:
+    """10 steps saving a checkpoint at step 5, then a fresh Trainer (other initial weights) resumed
+    from it: both curves (the resumed one holds the checkpoint's first 5 entries) and the steps run."""
+    from transformers import TrainerCallback
+
+    from seqmesh.hf.trainer import SequenceParallelTrainer
+
+    class CountSteps(TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
+
+    with torchrun_environment():
+        runs = {}
+        for name, seed, start in (("straight", 0, None), ("resumed", 1, os.path.join(output_dir, "checkpoint-5"))):
+            args = training_args(output_dir, 2, 1, save_strategy="steps", save_steps=5)
+            counter = CountSteps()
+            trainer = SequenceParallelTrainer(model=tiny_model(seed=seed), args=args, train_dataset=TRAIN_ROWS,
+                                              callbacks=[counter], seqmesh_degrees=(ulysses, ring))
+            trainer.train(resume_from_checkpoint=start)
+            runs[name] = {**curves(trainer), "steps_run": counter.steps}
+        return runs
+
+
+def byte_tokenizer():
+    """A local word-level tokenizer over the VOCAB ids (no download): what TRL's SFTTrainer requires."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"<pad>": VOCAB - 1}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+                                   pad_token="<pad>", eos_token="<pad>")
+
+
+def sft(output_dir: str, ulysses: int = 0, ring: int = 0) -> dict:
+    """TRL's SFTTrainer on token rows: plain in one process (ulysses=0), or with the seqmesh mixin."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from seqmesh.hf.trainer import SequenceParallelTrainerMixin
+
+    rows = Dataset.from_list([{"input_ids": r["input_ids"]} for r in TRAIN_ROWS])
+
+    def config() -> SFTConfig:
+        return SFTConfig(output_dir=output_dir, per_device_train_batch_size=4, max_steps=10, learning_rate=2e-3,
+                         logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+                         use_cpu=True, bf16=False, gradient_checkpointing=False, max_grad_norm=0.5, max_length=None)
+
+    if not ulysses:
+        trainer = SFTTrainer(model=tiny_model(), args=config(), train_dataset=rows, processing_class=byte_tokenizer())
+        trainer.train()
+        return curves(trainer)
+
+    class SequenceParallelSFTTrainer(SequenceParallelTrainerMixin, SFTTrainer):
+        pass
+
+    with torchrun_environment():
+        trainer = SequenceParallelSFTTrainer(model=tiny_model(), args=config(), train_dataset=rows,
+                                             processing_class=byte_tokenizer(), seqmesh_degrees=(ulysses, ring))
+        trainer.train()
+        return curves(trainer)
