@@ -23,7 +23,6 @@ Trainer keeps its optimizer, scheduler, callbacks, logging and checkpoint layout
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections import deque
 from typing import Any
@@ -41,6 +40,7 @@ from ..training.data import shard_batch
 from ..training.fsdp import apply_fsdp
 from ..training.loss import IGNORE_INDEX
 from ..training.model import SequenceParallelLM
+from ..training.pretrained import copy_pretrained
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
 # prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
@@ -229,7 +229,7 @@ class SequenceParallelTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """The weights of a folder written by :meth:`save_model`, each rank copying only its shards."""
-        load_sharded_weights(self.model, resume_from_checkpoint)
+        copy_pretrained(getattr(self.model, "lm", self.model), resume_from_checkpoint)
 
 
 def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
@@ -243,39 +243,6 @@ def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-
-
-@torch.no_grad()
-def load_sharded_weights(model: nn.Module, folder: str) -> None:
-    """Copy the safetensors weights in ``folder`` into ``model`` (plain or FSDP2-sharded tensors), one
-    tensor at a time; a rank keeps only its slice."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            where = {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
-    else:
-        single = os.path.join(folder, "model.safetensors")
-        with safe_open(single, "pt") as f:
-            where = {name: single for name in f.keys()}
-    state = model.state_dict(keep_vars=True)  # a tied weight is one object under two names
-    found = {id(t) for name, t in state.items() if name in where}
-    missing = sorted(name for name, t in state.items() if id(t) not in found)
-    if missing:
-        raise ValueError(f"{folder} lacks weights the model has: {', '.join(missing[:8])}")
-    for name, target in state.items():
-        if name not in where:
-            continue
-        with safe_open(where[name], "pt") as f:
-            whole = f.get_tensor(name).to(target.dtype)
-        if isinstance(target, DTensor):
-            local = distribute_tensor(whole.to(target.device_mesh.device_type), target.device_mesh, target.placements,
-                                      src_data_rank=None).to_local()
-            target.to_local().copy_(local)
-        else:
-            target.copy_(whole)
 
 
 class SequenceParallelTrainer(SequenceParallelTrainerMixin, Trainer):

@@ -190,6 +190,17 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str) ->
     sources = check_pretrained(lm, folder)
     allocate(root, device)
     initialize_buffers(lm)
+    read = copy_pretrained(lm, folder, sources)
+    read_generation_config(lm, folder)
+    return read
+
+
+@torch.no_grad()
+def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, str]] | None = None) -> int:
+    """Copy the checkpoint in ``folder`` into ``lm``'s allocated parameters (FSDP2 shards or whole), each
+    rank reading only the rows its shards cover; names and shapes are checked first unless ``sources``
+    (from :func:`check_pretrained`) is given. Returns the bytes this rank read."""
+    sources = check_pretrained(lm, folder) if sources is None else sources
     params = unique_parameters(lm)
     read = 0
     for name, values in read_slices(sources, params):
@@ -199,7 +210,6 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str) ->
         target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
         read += values.numel() * values.element_size()
         del values
-    read_generation_config(lm, folder)
     return read
 
 
