@@ -40,6 +40,7 @@ from ..training.data import shard_batch
 from ..training.fsdp import apply_fsdp
 from ..training.loss import IGNORE_INDEX
 from ..training.model import SequenceParallelLM
+from ..training.export import write_model
 from ..training.pretrained import copy_pretrained
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
@@ -188,19 +189,20 @@ class SequenceParallelTrainerMixin:
 
     # -- saving and resuming ------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A transformers folder: each tensor gathered whole in turn (a collective on every rank), kept
-        on rank 0's host, written there with ``save_pretrained``."""
-        from torch.distributed.tensor import DTensor
+        """A transformers folder, streamed as ``seqmesh train`` exports: each parameter gathered whole in
+        turn (a collective on every rank) and appended by rank 0 to the open safetensors file, so no rank
+        holds more than one whole tensor beyond its shards; then the tokenizer and the training arguments."""
+        from transformers.trainer import TRAINING_ARGS_NAME
 
         output_dir = output_dir or self.args.output_dir
         keep = self.args.should_save
-        state: dict[str, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict().items():
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if keep:
-                state[name] = whole.detach().cpu()
         if keep:
-            self._save(output_dir, state_dict=state)
+            os.makedirs(output_dir, exist_ok=True)
+        write_model(self.model, output_dir, write=keep)
+        if keep:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         dist.barrier()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

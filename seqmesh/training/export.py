@@ -174,16 +174,25 @@ def export_pretrained(module: nn.Module, out: str, *, tokenizer: str | None = No
     Collective when a process group is up: every rank gathers each parameter in turn and rank 0
     writes it (see the module docstring). ``dtype``: of the saved weights (default: the parameters').
     A tied LM head is saved once, as the embedding, as ``save_pretrained`` does."""
+    partial = start_folder(out, overwrite)
+    write_model(module, partial, write=_rank0(), tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    finish_folder(partial, out)
+    return out
+
+
+@torch.no_grad()
+def write_model(module: nn.Module, folder: str, *, write: bool, tokenizer: str | None = None,
+                dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Stream ``module``'s weights and config into the existing ``folder`` (files of other kinds there are
+    kept: a Trainer checkpoint's). Collective: every rank gathers each parameter in turn; the rank with
+    ``write`` writes."""
     lm = getattr(module, "lm", module)
     params = unique_parameters(lm)
     dtype = dtype or next(iter(params.values())).dtype
     entries = {name: (tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for name, p in params.items()}
-    partial = start_folder(out, overwrite)
-    write_weights(partial, entries, lambda name: _full(params[name]), write=_rank0(), max_shard_bytes=max_shard_bytes)
-    if _rank0():
-        write_metadata(lm, partial, dtype, tokenizer)
-    finish_folder(partial, out)
-    return out
+    write_weights(folder, entries, lambda name: _full(params[name]), write=write, max_shard_bytes=max_shard_bytes)
+    if write:
+        write_metadata(lm, folder, dtype, tokenizer)
 
 
 def _saved_run(checkpoint: str) -> dict:
