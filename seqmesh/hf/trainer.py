@@ -16,7 +16,7 @@ Trainer keeps its optimizer, scheduler, callbacks, logging and checkpoint layout
 - gradient accumulation: one FSDP2 reduce-scatter per optimizer step (``no_sync`` on the others);
   clipping: the global norm over the DTensor gradients;
 - evaluation: the pooled loss of each batch; ``save_model``: every tensor gathered whole, one at a
-  time, and rank 0 writes a transformers folder; checkpoints keep the optimizer's shards with
+  time, and streamed by rank 0 into a transformers folder; checkpoints keep the optimizer's shards with
   ``torch.distributed.checkpoint``, so ``train(resume_from_checkpoint=...)`` works.
 """
 
