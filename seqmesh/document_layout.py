@@ -117,3 +117,33 @@ def per_document_runs(
                 runs.append(Run(a, b - a, runs[-1].offset + runs[-1].length if runs else 0))
         result.append(tuple(runs))
     return tuple(result)
+
+
+# zigzag is kept while its busiest ring rank does at most this much more causal work than the mean: the
+# per-document layout balances further, but pays about one kernel call per cut document per ring step
+ZIGZAG_IMBALANCE_LIMIT = 1.10
+
+
+def causal_work_per_ring_rank(layout, bounds: tuple[int, ...]) -> list[int]:
+    """(query, key) pairs each ring rank's queries see under causal attention within the documents
+    ``bounds`` (``0 = b0 < ... = layout.padded_len``; the padding is a document of its own)."""
+    import torch
+
+    edges = torch.tensor(bounds)
+    sizes = edges[1:] - edges[:-1]
+    starts = torch.repeat_interleave(edges[:-1], sizes)
+    keys_seen = torch.arange(layout.padded_len) - starts + 1  # (padded_len,) causal keys of each query
+    return keys_seen[layout.indices()].reshape(layout.ring, -1).sum(dim=1).tolist()
+
+
+def auto_layout(ring: int, ulysses: int, seq_len: int, cu_seqlens: tuple[int, ...] | None) -> str:
+    """``"zigzag"``, or ``"per_document"`` when packed documents leave zigzag's busiest ring rank more than
+    ``ZIGZAG_IMBALANCE_LIMIT`` times the mean causal work (one long document among short ones: up to 2x)."""
+    from .layout import SequenceLayout
+
+    if cu_seqlens is None or ring == 1:  # a ring of one computes every position: nothing to balance
+        return "zigzag"
+    zigzag = SequenceLayout.for_length("zigzag", ring, ulysses, seq_len)
+    bounds = tuple(cu_seqlens) + ((zigzag.padded_len,) if cu_seqlens[-1] < zigzag.padded_len else ())
+    work = causal_work_per_ring_rank(zigzag, bounds)
+    return "zigzag" if max(work) * len(work) <= ZIGZAG_IMBALANCE_LIMIT * sum(work) else "per_document"

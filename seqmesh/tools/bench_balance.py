@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import SequenceLayout
+from ..document_layout import causal_work_per_ring_rank
 from ..sharded_attention.blocks import document_bounds
 from ..sharded_attention.schedule import RingSchedule
 
@@ -29,11 +30,8 @@ def causal_work_per_rank(lengths: list[int], ring: int, kind: str) -> list[int]:
     """(query, key) pairs each ring rank computes for packed documents of ``lengths`` (the padding
     to the layout's multiple is a document of its own, as in attention)."""
     layout = _layout(lengths, ring, kind)
-    pad = layout.padded_len - sum(lengths)
-    sizes = torch.tensor([*lengths, pad] if pad else lengths)
-    starts = torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
-    keys_seen = torch.arange(layout.padded_len) - starts + 1  # (padded_len,) causal keys of each query
-    return keys_seen[layout.indices()].reshape(ring, -1).sum(dim=1).tolist()
+    cu = _boundaries(lengths)
+    return causal_work_per_ring_rank(layout, cu + ((layout.padded_len,) if cu[-1] < layout.padded_len else ()))
 
 
 def kernel_calls(lengths: list[int], ring: int, kind: str) -> int:
