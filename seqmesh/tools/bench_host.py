@@ -60,7 +60,7 @@ def _null_chooser(backend: str = "auto"):
     class NullKernel(AttentionKernel):
         name = "null"
 
-        def unsupported(self, q, k, mask):
+        def unsupported(self, q, k, mask, v=None):
             return None
 
         def forward(self, q, k, v, mask, scale):
@@ -70,7 +70,7 @@ def _null_chooser(backend: str = "auto"):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     kernel = NullKernel()
-    return lambda q, k, mask: kernel
+    return lambda q, k, mask, v=None: kernel  # the chooser's signature (v: its head dim may differ)
 
 
 def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 20) -> list[dict]:
