@@ -198,3 +198,65 @@ def test_attention_ignores_autocast_in_forward_and_backward(pools):
         for r in pools.run(2, attention_under_autocast, ulysses, ring):
             assert r["seen"] == [("backward", False, "torch.float32"), ("forward", False, "torch.float32")], r
             assert r["out_dtype"] == "torch.float32" and r["identical"], (ulysses, ring, r)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return kids
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):
+    """The issue's case: a rank stops answering without dying (SIGSTOP). With --timeout 10 the job
+    ends within about that (plus torchrun's teardown) instead of hanging for the default."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqmesh", "train",
+         "--model", "llama-tiny", "--seq-len", "64", "--steps", "100000", "--log-every", "1", "--eval-every", "0",
+         "--timeout", "10", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stopped = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        assert (out / "metrics.jsonl").exists(), "the job never started"
+        while time.monotonic() < deadline and len(_records(out, "train")) < 2:
+            time.sleep(0.5)
+        stopped = next(pid for pid in _children(job.pid) if _rank_of(pid) == 1)
+        os.kill(stopped, signal.SIGSTOP)
+        began = time.monotonic()
+        output, _ = job.communicate(timeout=200)
+        took = time.monotonic() - began
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            job.kill()
+    print(f"the job ended {took:.1f} s after rank 1 was stopped (--timeout 10)")
+    assert job.returncode != 0
+    assert took < 120, (took, output.decode(errors="replace")[-2000:])  # the default timeout alone is 300 s
