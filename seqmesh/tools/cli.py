@@ -44,13 +44,17 @@ def _parse_mesh(text: str) -> tuple[int, int]:
     return u, r
 
 
+def _check_meshes(meshes: list[tuple[int, int]], world: int) -> None:
+    for u, r in meshes:
+        if u * r != world:
+            raise SystemExit(f"mesh {u}x{r} has {u * r} ranks but --world is {world}.")
+
+
 def cmd_bench_attention(args: argparse.Namespace) -> int:
     from .bench import bench_attention, format_attention_rows
 
     cfg = _attention_bench_config(args, args.world, args.mesh or [])
-    for u, r in cfg.factorisations():
-        if u * r != args.world:
-            raise SystemExit(f"mesh {u}x{r} has {u * r} ranks but --world is {args.world}.")
+    _check_meshes(cfg.factorisations(), args.world)
     rows = bench_attention(cfg)
     print(json.dumps(rows, indent=1) if args.json else format_attention_rows(cfg, rows))
     return 0
@@ -62,9 +66,7 @@ def cmd_bench_linear(args: argparse.Namespace) -> int:
     cfg = LinearBench(seq_len=args.seq_len, batch=args.batch, key_heads=args.key_heads, value_heads=args.value_heads,
                       key_dim=args.head_dim, value_dim=args.head_dim, dtype=args.dtype, layout=args.layout,
                       world=args.world, repeats=args.repeats, meshes=args.mesh or [])
-    for u, r in cfg.factorisations():
-        if u * r != args.world:
-            raise SystemExit(f"mesh {u}x{r} has {u * r} ranks but --world is {args.world}.")
+    _check_meshes(cfg.factorisations(), args.world)
     rows = bench_linear(cfg)
     print(json.dumps(rows, indent=1) if args.json else format_linear_rows(cfg, rows))
     return 0
