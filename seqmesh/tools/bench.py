@@ -123,24 +123,34 @@ def _run_single(cfg: AttentionBench, reference_path: str | None) -> dict:
     return {"times": times, "bytes_sent": 0}
 
 
-def bench_attention(cfg: AttentionBench, *, check: bool = True) -> list[dict]:
-    """Rows ``{method, mesh, seconds, vs_one_device, vs_fastest, mib_sent_per_rank, max_error}``."""
+def side_by_side(cfg, run_single, run_rank, *, single_threads: int, check: bool = True) -> tuple[dict, list]:
+    """Run ``run_single(cfg, path)`` on one process, then ``run_rank(cfg, ulysses, ring, path)`` on
+    ``cfg.world`` spawned ranks for each of ``cfg.factorisations()``; ``path`` is where the one process
+    leaves its results for the ranks to check against (None without ``check``). Returns the one
+    process's result and ``[(ulysses, ring, per-rank results)]``."""
     from .launch import WorkerPool
 
     cores = os.cpu_count() or 1
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "one_device.pt") if check else None
-        with WorkerPool(1, threads=cores if cfg.device == "cpu" else 1) as pool:
-            single = pool.run(_run_single, cfg, path, timeout=3600)[0]
-        rows.append({"method": "one device", "mesh": "1x1", **_summary(single)})
+        with WorkerPool(1, threads=single_threads) as pool:
+            single = pool.run(run_single, cfg, path, timeout=3600)[0]
         with WorkerPool(cfg.world, threads=max(1, cores // cfg.world)) as pool:
-            for ulysses, ring in cfg.factorisations():
-                per_rank = pool.run(_run_rank, cfg, ulysses, ring, path, timeout=3600)
-                method = "ulysses" if ring == 1 else "ring" if ulysses == 1 else "usp"
-                row = {"method": method, "mesh": f"{ulysses}x{ring}", **_summary(per_rank[0])}
-                row["mib_sent_per_rank"] = max(r["bytes_sent"] for r in per_rank) / 2**20
-                rows.append(row)
+            meshes = [(u, r, pool.run(run_rank, cfg, u, r, path, timeout=3600)) for u, r in cfg.factorisations()]
+    return single, meshes
+
+
+def bench_attention(cfg: AttentionBench, *, check: bool = True) -> list[dict]:
+    """Rows ``{method, mesh, seconds, vs_one_device, vs_fastest, mib_sent_per_rank, max_error}``."""
+    cores = os.cpu_count() or 1
+    single, meshes = side_by_side(cfg, _run_single, _run_rank, single_threads=cores if cfg.device == "cpu" else 1,
+                                  check=check)
+    rows = [{"method": "one device", "mesh": "1x1", **_summary(single)}]
+    for ulysses, ring, per_rank in meshes:
+        method = "ulysses" if ring == 1 else "ring" if ulysses == 1 else "usp"
+        row = {"method": method, "mesh": f"{ulysses}x{ring}", **_summary(per_rank[0])}
+        row["mib_sent_per_rank"] = max(r["bytes_sent"] for r in per_rank) / 2**20
+        rows.append(row)
     one = rows[0]["seconds"]
     fastest = min(r["seconds"] for r in rows[1:]) if len(rows) > 1 else one
     for r in rows:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -127,25 +126,19 @@ def bench_linear(cfg: LinearBench, *, check: bool = True) -> list[dict]:
     """Rows ``{method, mesh, seconds, vs_one_device, mib_sent_per_rank, max_error}``. A "device" is one process
     with ``cores // world`` threads, the one device as much as each rank (on a loaded machine, more threads
     than free cores make one process spin rather than compute)."""
-    from .launch import WorkerPool
+    from .bench import side_by_side
 
-    cores = os.cpu_count() or 1
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "one_device.pt") if check else None
-        with WorkerPool(1, threads=max(1, cores // cfg.world)) as pool:
-            single = pool.run(_run_single, cfg, path, timeout=3600)[0]
-        rows.append({"method": "one device", "mesh": "1x1", "seconds": statistics.median(single["times"]),
-                     "mib_sent_per_rank": 0.0})
-        with WorkerPool(cfg.world, threads=max(1, cores // cfg.world)) as pool:
-            for ulysses, ring in cfg.factorisations():
-                per_rank = pool.run(_run_rank, cfg, ulysses, ring, path, timeout=3600)
-                row = {"method": "linear all-to-all", "mesh": f"{ulysses}x{ring}",
-                       "seconds": statistics.median(per_rank[0]["times"]),
-                       "mib_sent_per_rank": max(r["bytes_sent"] for r in per_rank) / 2**20}
-                if check:
-                    row["max_error"] = max(r["max_error"] for r in per_rank)
-                rows.append(row)
+    threads = max(1, (os.cpu_count() or 1) // cfg.world)
+    single, meshes = side_by_side(cfg, _run_single, _run_rank, single_threads=threads, check=check)
+    rows = [{"method": "one device", "mesh": "1x1", "seconds": statistics.median(single["times"]),
+             "mib_sent_per_rank": 0.0}]
+    for ulysses, ring, per_rank in meshes:
+        row = {"method": "linear all-to-all", "mesh": f"{ulysses}x{ring}",
+               "seconds": statistics.median(per_rank[0]["times"]),
+               "mib_sent_per_rank": max(r["bytes_sent"] for r in per_rank) / 2**20}
+        if check:
+            row["max_error"] = max(r["max_error"] for r in per_rank)
+        rows.append(row)
     for r in rows:
         r["vs_one_device"] = r["seconds"] / rows[0]["seconds"]
     return rows
