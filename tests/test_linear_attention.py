@@ -54,8 +54,9 @@ def test_chunked_rule_matches_token_recurrence():
 def _layer_cases(ulysses: int, ring: int) -> list[LayerCase]:
     p = ulysses * ring
     return [LayerCase(s, hk, hv, layout, DOCS[s] if docs else None)
-            for layout, s, docs, (hk, hv) in itertools.product(("zigzag", "contiguous"), (24, 23), (False, True), HEADS)
-            if hv >= p]
+            for layout, s, docs, (hk, hv) in itertools.product(("zigzag", "contiguous", "per_document"), (24, 23),
+                                                                (False, True), HEADS)
+            if hv >= p and (docs or layout != "per_document")]  # without documents per_document is zigzag
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])

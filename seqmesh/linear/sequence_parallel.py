@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.collectives import head_to_seq, seq_to_head
-from ..layout import SequenceLayout
+from ..sharding import sequence_layout
 from ..mesh import SPMesh
 from ..sharded_attention.heads import HeadPlan
 from .gated_delta import segment_bounds
@@ -190,7 +190,7 @@ def sequence_parallel_gated_delta(
     if p == 1:
         return gated_delta_heads(packed, params, heads, 0, bounds)
     rank, group = mesh.sp_rank, mesh.sp_group
-    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded)  # type: ignore[arg-type]  # parsed inside
+    lay = sequence_layout(mesh, padded, layout, cu_seqlens)  # per_document places tokens by the documents
     plan = heads.plan
     sends = [heads.in_channels(u) for u in range(p)]
     gathered = seq_to_head([packed.unsqueeze(-1)], group, heads.send_chunks(), sends, sends[rank])  # (B, S, c_r, 1)
