@@ -99,6 +99,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _clear_previous_run(out: str, folder: str) -> None:
+    """Remove an earlier run's checkpoints, exported model, metrics and curve (the user passed --overwrite)."""
+    if _rank0():
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)
+        for name in ("metrics.jsonl", "loss_curve.png"):
+            if os.path.exists(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+    _barrier()
+
+
 def choose_start(cfg: TrainConfig) -> StartPoint:
     """Decide where the run starts (see the module docstring); raises before any model is built."""
     folder = os.path.join(cfg.out, "checkpoints")
@@ -108,13 +119,8 @@ def choose_start(cfg: TrainConfig) -> StartPoint:
             shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
             raise ValueError(f"{cfg.out} already holds a run ({shown}). Pass --resume to continue it, --overwrite to "
                              "replace it, or choose another --out.")
-        if found and _rank0():
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.rmtree(os.path.join(cfg.out, "model"), ignore_errors=True)
-            for name in ("metrics.jsonl", "loss_curve.png"):
-                if os.path.exists(os.path.join(cfg.out, name)):
-                    os.remove(os.path.join(cfg.out, name))
-        _barrier()
+        if found:
+            _clear_previous_run(cfg.out, folder)
         return StartPoint()
     path, skipped = newest_intact_checkpoint(folder)
     if path is None and skipped:
@@ -126,6 +132,8 @@ def choose_start(cfg: TrainConfig) -> StartPoint:
         if found and not cfg.overwrite:
             raise ValueError(f"--resume found no checkpoint in {folder}, but {cfg.out} holds {', '.join(found)} from an "
                              "earlier run. Pass --overwrite to start over there, or choose another --out.")
+        if found:  # --overwrite: a fresh start, not new records appended to the old run's
+            _clear_previous_run(cfg.out, folder)
         return StartPoint()
     for damaged, why in skipped:
         if _rank0():
