@@ -110,15 +110,24 @@ class LocalAttention(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
         ks, vs = select_kv_heads(k, ctx.kv_map), select_kv_heads(v, ctx.kv_map)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ks), torch.zeros_like(vs)
-        for p in ctx.schedule.pieces(0, 0):
+        pieces = ctx.schedule.pieces(0, 0)
+        grads = []
+        for p in pieces:
             qp, kp, vp = q[:, p.q0 : p.q1], ks[:, p.k0 : p.k1], vs[:, p.k0 : p.k1]
-            gq, gk, gv = ctx.choose(qp, kp, p.mask, vp).backward(
+            grads.append(ctx.choose(qp, kp, p.mask, vp).backward(
                 dout[:, p.q0 : p.q1], qp, kp, vp, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, ctx.scale
-            )
-            dq[:, p.q0 : p.q1] += gq
-            dk[:, p.k0 : p.k1] += gk
-            dv[:, p.k0 : p.k1] += gv
+            ))
+        whole = len(pieces) == 1 and (pieces[0].q1 - pieces[0].q0, pieces[0].k1 - pieces[0].k0) == (q.shape[1], ks.shape[1])
+        if whole:  # one call covers the block: its gradients as they are
+            dq, dk, dv = grads[0]
+        else:  # window pieces overlap in keys: sum their partials in lse precision, as the ring does
+            ct = lse.dtype
+            dq, dk, dv = (torch.zeros_like(t, dtype=ct) for t in (q, ks, vs))
+            for p, (gq, gk, gv) in zip(pieces, grads):
+                dq[:, p.q0 : p.q1] += gq
+                dk[:, p.k0 : p.k1] += gk
+                dv[:, p.k0 : p.k1] += gv
+            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         hk = k.shape[2]
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return (dq, fold_selected_heads(dk, ctx.kv_map, hk), fold_selected_heads(dv, ctx.kv_map, hk), dsinks,
