@@ -198,6 +198,9 @@ class SequenceParallelTrainerMixin:
         keep = self.args.should_save
         if keep:
             os.makedirs(output_dir, exist_ok=True)
+            for name in os.listdir(output_dir):  # an earlier save's weights (its shards may be named otherwise)
+                if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
+                    os.remove(os.path.join(output_dir, name))
         write_model(self.model, output_dir, write=keep)
         if keep:
             if self.processing_class is not None:
