@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from reference import reference_attention
+from reference import explicit_mask, reference_attention
 from seqmesh.sharded_attention.blocks import document_bounds
 from seqmesh.tools.emulate import emulate_ring
 from seqmesh.sharded_attention.schedule import RingSchedule
@@ -115,17 +115,7 @@ def test_auto_backend_on_cpu_and_named_errors():
 
 
 def _explicit_mask(sq: int, sk: int, mask: BlockMask) -> torch.Tensor:
-    """(Sq, Sk) bool from positions, independently of seqmesh: query a sits at offset + a, key b at b."""
-    qpos, kpos = torch.arange(sq)[:, None] + mask.offset, torch.arange(sk)[None, :]
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if mask.causal:
-        ok &= kpos <= qpos
-    if mask.window is not None:
-        ok &= qpos - kpos < mask.window
-    if mask.segments is not None:
-        doc = torch.bucketize(torch.arange(sq), torch.tensor(mask.segments[1:-1]), right=True)
-        ok &= doc[:, None] == doc[None, :]
-    return ok
+    return explicit_mask(sq, sk, causal=mask.causal, window=mask.window, offset=mask.offset, segments=mask.segments)
 
 
 def _plain_attention(q, k, v, ok, scale):
