@@ -190,8 +190,8 @@ class CudaEfficientKernel(BandedWindowKernel):
 
 
 class CudaCudnnKernel(PerDocumentKernel):
-    """cuDNN fused attention: fp16/bf16; kv heads are expanded for grouped queries; packed documents
-    run one call per document."""
+    """cuDNN fused attention: fp16/bf16, one head dim <= 128; kv heads are expanded for grouped queries;
+    packed documents run one call per document. No windows: ``auto`` passes them to the next kernel."""
 
     name = "cuda_cudnn"
 

@@ -7,7 +7,9 @@ Two ways, both pure functions of the mask, so they are tested on the CPU without
 - Kernels that take an additive bias (torch's CPU flash op, the cutlass memory-efficient kernel) run a
   windowed call as row bands (:func:`window_bands`), each against the keys its rows' windows reach,
   with the band's mask as a 0 / -inf bias (:func:`additive_bias`): memory ~ S x window, never S x S.
-  :class:`BandedWindowKernel` holds that loop once.
+  :class:`BandedWindowKernel` holds that loop once. Bands overlap in keys: dK/dV partials are summed
+  in float32, but an fp16/bf16 op has already rounded each band's partial, so half-precision key
+  gradients carry one rounding per band a key falls in (about ``1 + window / rows``).
 """
 
 from __future__ import annotations
