@@ -105,8 +105,8 @@ def test_cuda_kernel_windows_and_value_head_dims(name, case, dtype, dv):
     """Windowed calls (offsets included) and a v head dim unlike q's on the CUDA kernels, forward and
     backward with grouped-query heads, against float64 attention on the explicit mask, within 4x the
     rounding noise of the same attention in the inputs' dtype (cutlass runs a window as row bands and
-    rounds a key's dk/dv once per band it falls in; torch's banded CPU op measures up to ~3.1x here). FA2 kernels must refuse dv != dk (auto
-    then picks cutlass); cutlass must take every case."""
+    rounds a key's dk/dv once per band it falls in; torch's banded CPU op measures up to ~3.1x here).
+    FA2 kernels must refuse dv != dk (auto then picks cutlass); cutlass must take every case."""
     mask, sq, sk = WINDOW_CASES[case]
     torch.manual_seed(0)
     q = torch.randn(2, sq, 8, 64, device="cuda", dtype=dtype)

@@ -265,3 +265,21 @@ def test_additive_bias_and_bands_are_the_mask(align):
             covered[a:b, k0:k1] = True
             rows_seen[a:b] += 1
         assert bool((rows_seen == 1).all()) and not bool((want & ~covered).any())
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+def test_ring_window_pieces_are_fa2_masks(kind):
+    """Every kernel call the ring plans under a window (all ranks, steps, with and without documents)
+    is one FA2 computes exactly, so the FA2 kernels never refuse a planned piece."""
+    from fake_flash_attn import documented_mask
+
+    for ring, window, cu in itertools.product((2, 4), (3, 17, 40), (None, (0, 5, 60, 95))):
+        layout = SequenceLayout.for_length(kind, ring, 1, 95)
+        schedule = RingSchedule(layout, document_bounds(layout.padded_len, 95, cu), True, window)
+        for r, step in itertools.product(range(ring), schedule.steps):
+            for p in schedule.pieces(r, step):
+                sq, sk = p.q1 - p.q0, p.k1 - p.k0
+                assert not isinstance(flash_window(p.mask, sq, sk), str), (p, ring, window, cu)
+                if p.mask.segments is None:  # varlen pieces: each segment is a square diagonal call
+                    fa2 = documented_mask(sq, sk, *fa2_arguments(p.mask, sq, sk))
+                    assert torch.equal(fa2, _explicit_mask(sq, sk, p.mask)), (p, ring, window, cu)

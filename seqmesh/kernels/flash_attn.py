@@ -76,7 +76,8 @@ class FlashAttnKernel(AttentionKernel):
         if major_minor < (2, 7):
             return f"flash-attn {found[1]} is older than 2.7"
         if v is not None and v.shape[-1] != q.shape[-1]:
-            return f"flash-attn {found[1]}'s FA2 kernels need one head dim for q, k and v (got {q.shape[-1]} and {v.shape[-1]})"
+            return (f"flash-attn {found[1]}'s FA2 kernels need one head dim for q, k and v "
+                    f"(got {q.shape[-1]} and {v.shape[-1]})")
         window = flash_window(mask, q.shape[1], k.shape[1])
         return window if isinstance(window, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
 
