@@ -62,7 +62,7 @@ def cuda_problem(
 def square_causal_problem(mask: BlockMask, sq: int, sk: int) -> str | None:
     """Why a kernel with only a top-left causal flag (and no window) cannot run ``mask``, or None."""
     if mask.window is not None:
-        return "sliding windows are not wired into this kernel"
+        return "this op takes no sliding window"
     if mask.causal and (mask.offset != 0 or sq != sk):
         return f"its causal flag is the square diagonal (got Sq={sq}, Sk={sk}, offset {mask.offset})"
     return None
