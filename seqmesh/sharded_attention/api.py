@@ -90,8 +90,10 @@ def attention(
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
         for r in range(lay.ring):
             for step in range(lay.ring):
-                for piece in schedule.pieces(r, step):
-                    choose(q, k, piece.mask, v)
+                for piece in schedule.pieces(r, step):  # FA2's window check reads the call's Sq and Sk
+                    rows = q[:, :1].expand(-1, piece.q1 - piece.q0, -1, -1)  # views: no memory
+                    keys = k[:, :1].expand(-1, piece.k1 - piece.k0, -1, -1)
+                    choose(rows, keys, piece.mask, v)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if lay.ring > 1 else None
 
