@@ -1,0 +1,117 @@
+"""How nodes reach one another: the NICs of a node and the switch fabric above them, and what traffic
+between nodes costs when every group of a layout sends at once.
+
+A link level (``hardware.LinkLevel``) says what *one* GPU can send; it cannot see that the GPUs of a
+node share the node's NICs, nor that a leaf switch with fewer uplinks than downlinks (oversubscribed)
+shares them again between its nodes. Every Ulysses group of a layout runs its all-to-all at the same
+moment, and every ring group its hop, so the bytes that leave a node are the sum over its GPUs. Two
+bounds follow, for the busiest node:
+
+- uplinks: the bytes leaving the node over ``nics_per_node x nic_bandwidth``;
+- bisection: the bytes leaving its leaf switch over that bandwidth divided by ``oversubscription``
+  (a leaf of N nodes has N node-bandwidths down and N / oversubscription up; every node under it sends
+  alike, so each gets 1 / oversubscription of its own bandwidth through the spine).
+
+Nodes are aligned blocks of ``gpus_per_node`` ranks and leaf switches aligned blocks of
+``nodes_per_switch`` nodes, following the rank placement of ``hardware``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The network side of a node."""
+
+    nics_per_node: int  # NICs of the compute fabric in one node
+    nic_bandwidth: float  # achievable bytes/s one NIC sends
+    oversubscription: float = 1.0  # leaf switch downlink / uplink bandwidth; 1 = non-blocking (full bisection)
+    nodes_per_switch: int = 0  # nodes under one leaf switch; 0 = every node under one (no spine crossed)
+    source: str = ""  # where the figures come from
+
+    def __post_init__(self) -> None:
+        if self.nics_per_node < 1 or self.nic_bandwidth <= 0:
+            raise ValueError(f"fabric: {self.nics_per_node} NICs per node of {self.nic_bandwidth / GB:g} GB/s; "
+                             "need at least 1 NIC with a positive bandwidth, e.g. --fabric 8:40.")
+        if self.oversubscription < 1:
+            raise ValueError(f"fabric: oversubscription {self.oversubscription:g} must be >= 1 (1 is non-blocking; "
+                             "2 means a leaf switch has half as much bandwidth up as down).")
+        if self.nodes_per_switch < 0:
+            raise ValueError(f"fabric: {self.nodes_per_switch} nodes per switch must be >= 1, or 0 for 'all'.")
+
+    @property
+    def node_bandwidth(self) -> float:
+        """Bytes/s one node can send to other nodes, all its NICs together."""
+        return self.nics_per_node * self.nic_bandwidth
+
+    def as_dict(self) -> dict:
+        return {"nics_per_node": self.nics_per_node, "nic_bandwidth": self.nic_bandwidth,
+                "oversubscription": self.oversubscription, "nodes_per_switch": self.nodes_per_switch,
+                "source": self.source}
+
+
+def _busiest_node_seconds(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
+    """The slower bound of the busiest node: its uplinks, or its share of its leaf switch's uplinks."""
+    uplinks = max(off_node.values(), default=0.0) / fabric.node_bandwidth
+    bisection = max(off_switch.values(), default=0.0) * fabric.oversubscription / fabric.node_bandwidth
+    return max(uplinks, bisection)
+
+
+def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric,
+                              gpus_per_node: int) -> float:
+    """Seconds the busiest node's uplinks need when every rank of every group in ``groups`` (all at once)
+    sends ``nbytes`` spread evenly over the other ranks of its group: a rank whose group has ``n``
+    ranks, ``m`` of them on its own node, sends ``(n - m) / (n - 1)`` of its bytes off the node."""
+    off_node, off_switch = Counter(), Counter()
+    per_switch = fabric.nodes_per_switch
+    for ranks in groups:
+        if len(ranks) < 2:
+            continue
+        nodes = Counter(r // gpus_per_node for r in ranks)
+        switches = Counter(r // gpus_per_node // per_switch for r in ranks) if per_switch else None
+        share = nbytes / (len(ranks) - 1)
+        for r in ranks:
+            node = r // gpus_per_node
+            off_node[node] += share * (len(ranks) - nodes[node])
+            if switches is not None:
+                off_switch[node] += share * (len(ranks) - switches[node // per_switch])
+    return _busiest_node_seconds(off_node, off_switch, fabric)
+
+
+def ring_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int,
+                        shift: int = 1) -> float:
+    """Seconds the busiest node's uplinks need when every rank of every group in ``groups`` (all at once)
+    sends ``nbytes`` to the rank ``shift`` places after it in its group (a ring hop: ``shift=1``)."""
+    off_node, off_switch = Counter(), Counter()
+    per_switch = fabric.nodes_per_switch
+    for ranks in groups:
+        for i, a in enumerate(ranks):
+            b = ranks[(i + shift) % len(ranks)]
+            node_a, node_b = a // gpus_per_node, b // gpus_per_node
+            if node_a != node_b:
+                off_node[node_a] += nbytes
+                if per_switch and node_a // per_switch != node_b // per_switch:
+                    off_switch[node_a] += nbytes
+    return _busiest_node_seconds(off_node, off_switch, fabric)
+
+
+def parse_fabric(text: str) -> Fabric:
+    """``NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]``, e.g. ``8:40`` (8 NICs of 40 GB/s achievable, non-blocking)
+    or ``8:40:2:16`` (2:1 oversubscribed above leaf switches of 16 nodes)."""
+    parts = text.split(":")
+    try:
+        if not 2 <= len(parts) <= 4:
+            raise ValueError(f"{len(parts)} fields")
+        nics, gbs = int(parts[0]), float(parts[1])
+        oversub = float(parts[2]) if len(parts) > 2 else 1.0
+        per_switch = int(parts[3]) if len(parts) > 3 else 0
+    except ValueError as err:
+        raise ValueError(f"--fabric {text!r} must look like NICS:GBS[:OVERSUBSCRIPTION[:NODES_PER_SWITCH]], e.g. "
+                         f"8:40 or 8:40:2:16 ({err}).") from None
+    return Fabric(nics, gbs * GB, oversub, per_switch, source=f"--fabric {text}")
