@@ -45,9 +45,9 @@ class RingEfficiency:
         if tokens != sorted(set(tokens)) or any(b < 1 for b in tokens):
             raise ValueError(f"ring efficiency points {self.points}: block tokens must be positive, distinct and "
                              "ascending.")
-        for b, eff in self.points:
-            if not 0 < eff <= 2:
-                raise ValueError(f"ring efficiency {eff} at {b} block tokens must be in (0, 2] (one call's time over "
+        for b, eff in self.points:  # above 1 is possible: smaller blocks can fit caches better (CPU: up to 1.04)
+            if not eff > 0:
+                raise ValueError(f"ring efficiency {eff} at {b} block tokens must be positive (one call's time over "
                                  "the split-and-merge time); check the bench output.")
         if self.overhead_tokens < 0:
             raise ValueError(f"ring efficiency overhead {self.overhead_tokens} tokens cannot be negative.")
