@@ -206,3 +206,19 @@ def test_cli_global_batch_in_tokens(capsys):
     assert "optimizer step (global batch 4 sequences = 65,536 tokens)" in capsys.readouterr().out
     assert main([*argv, "--global-batch-tokens", "50000"]) == 2
     assert "--global-batch-tokens 50000 is not a whole number of 16384-token sequences" in capsys.readouterr().err
+
+
+def test_cli_fabric_flags_and_one_group_longest(capsys):
+    """--link describes another machine, so the preset's NICs go; --fabric sets them; --one-group with
+    --max-seq-len tries only layouts whose one sequence group spans all 8 GPUs."""
+    argv = ["plan", "--model", "qwen3-0.6b", "--seq-len", "8192", "--gpus", "8", "--json"]
+    assert main([*argv, "--link", "pcie:4:20:10", "--link", "net:all:5:20"]) == 0
+    assert json.loads(capsys.readouterr().out)["hardware"]["fabric"] is None
+    assert main([*argv, "--fabric", "2:25:2:4"]) == 0
+    fabric = json.loads(capsys.readouterr().out)["hardware"]["fabric"]
+    assert (fabric["nics_per_node"], fabric["nic_bandwidth"], fabric["oversubscription"]) == (2, 25 * GB, 2.0)
+    assert main([*argv, "--fabric", "2:fast"]) == 2
+    assert "NICS:GBS" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen3-0.6b", "--gpus", "8", "--max-seq-len", "--one-group", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert rows and all(r["layout"]["dp_shard"] == 1 for r in rows)
