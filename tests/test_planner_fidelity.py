@@ -41,7 +41,8 @@ def test_all_to_all_over_two_nodes_shares_the_uplinks_over_one_node_does_not():
     assert all_to_all_seconds(n, hw, list(range(16))) == pytest.approx(64 * MB / (80 * GB))
     assert all_to_all_seconds(n, hw, list(range(8))) == pytest.approx(n / (100 * GB))
     # the two node-local groups of U8 x DP2 run at once and still leave no node
-    assert concurrent_all_to_all_seconds(n, hw, every_group(Layout(8, 1, 2), "ulysses")) == pytest.approx(n / (100 * GB))
+    local_groups = every_group(Layout(8, 1, 2), "ulysses")
+    assert concurrent_all_to_all_seconds(n, hw, local_groups) == pytest.approx(n / (100 * GB))
     # one NIC per GPU (8 x 40 GB/s, as a DGX H100): the node's share equals each GPU's, 8 MB / 40 GB/s
     assert all_to_all_seconds(n, _two_level(8, 8), list(range(16))) == pytest.approx(8 * MB / (40 * GB))
 

@@ -77,7 +77,8 @@ def format_plan(p: Plan, top: int) -> str:
         opt = f"{c.accumulation:>7}{_num(c.optimizer_step_s):>11}" if accum else ""
         lines.append(
             f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{_gib(c.memory.total):>9}"
-            f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}{exposed:>9}  "
+            f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}"
+            f"{exposed:>9}  "
             f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}"
         )
     if len(p.candidates) > top:

@@ -90,7 +90,8 @@ def from_merge_bench(rows: Iterable[dict], source: str = "seqmesh bench merge") 
                              "`seqmesh bench merge --json`.")
         by_block.setdefault(int(row["block_tokens"]), []).append(float(row["efficiency"]))
     if not by_block:
-        raise ValueError("ring efficiency: the bench output has no rows; run `seqmesh bench merge --json` with --rings.")
+        raise ValueError("ring efficiency: the bench output has no rows; run `seqmesh bench merge --json` with "
+                         "--rings.")
     points = tuple((b, sum(e) / len(e)) for b, e in sorted(by_block.items()))
     return RingEfficiency(points=points, source=source)
 
