@@ -13,6 +13,10 @@ Bandwidths are *achievable* bytes per second that one GPU can send on that level
 bidirectional figure); latencies are the fixed cost of one collective call on that level. The preset
 numbers come from public datasheets, derated as noted beside each; check them against your own
 cluster with ``seqmesh plan --calibrate`` or override them with ``--link``.
+
+A level's bandwidth is one GPU's; what the GPUs of a node share (its NICs, and an oversubscribed
+switch above them) is the ``fabric`` (:mod:`.fabric`, ``--fabric``). How ring attention's kernels slow
+down on smaller blocks is ``ring_efficiency`` (:mod:`.ring_efficiency`, ``--ring-efficiency``).
 """
 
 from __future__ import annotations
