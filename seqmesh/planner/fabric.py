@@ -19,7 +19,7 @@ Nodes are aligned blocks of ``gpus_per_node`` ranks and leaf switches aligned bl
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 GB = 10**9
@@ -56,18 +56,18 @@ class Fabric:
                 "source": self.source}
 
 
-def _busiest_node_seconds(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
-    """The slower bound of the busiest node: its uplinks, or its share of its leaf switch's uplinks."""
-    uplinks = max(off_node.values(), default=0.0) / fabric.node_bandwidth
-    bisection = max(off_switch.values(), default=0.0) * fabric.oversubscription / fabric.node_bandwidth
-    return max(uplinks, bisection)
+def _busiest_node_load(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
+    """Bytes the busiest node must push per byte of its uplinks' bandwidth: its own off-node bytes, or
+    its off-switch bytes times the oversubscription, whichever is larger."""
+    return max(max(off_node.values(), default=0.0),
+               max(off_switch.values(), default=0.0) * fabric.oversubscription)
 
 
-def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric,
-                              gpus_per_node: int) -> float:
-    """Seconds the busiest node's uplinks need when every rank of every group in ``groups`` (all at once)
-    sends ``nbytes`` spread evenly over the other ranks of its group: a rank whose group has ``n``
-    ranks, ``m`` of them on its own node, sends ``(n - m) / (n - 1)`` of its bytes off the node."""
+def all_to_all_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int) -> float:
+    """Bytes the busiest node sends off-node (or, scaled by the oversubscription, off its switch) per byte
+    each rank sends, when every rank of every group in ``groups`` (all at once) spreads its bytes evenly
+    over the other ranks of its group: a rank whose group has ``n`` ranks, ``m`` of them on its own node,
+    sends ``(n - m) / (n - 1)`` of its bytes off the node."""
     off_node, off_switch = Counter(), Counter()
     per_switch = fabric.nodes_per_switch
     for ranks in groups:
@@ -75,30 +75,42 @@ def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fa
             continue
         nodes = Counter(r // gpus_per_node for r in ranks)
         switches = Counter(r // gpus_per_node // per_switch for r in ranks) if per_switch else None
-        share = nbytes / (len(ranks) - 1)
         for r in ranks:
             node = r // gpus_per_node
-            off_node[node] += share * (len(ranks) - nodes[node])
+            off_node[node] += (len(ranks) - nodes[node]) / (len(ranks) - 1)
             if switches is not None:
-                off_switch[node] += share * (len(ranks) - switches[node // per_switch])
-    return _busiest_node_seconds(off_node, off_switch, fabric)
+                off_switch[node] += (len(ranks) - switches[node // per_switch]) / (len(ranks) - 1)
+    return _busiest_node_load(off_node, off_switch, fabric)
+
+
+def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int, shifts: Iterable[int] = (1,)) -> float:
+    """The same for ring messages: every rank of every group sends one message to the rank ``shift``
+    places after it in its group, all at once; the busiest node at the worst of ``shifts``."""
+    per_switch, worst = fabric.nodes_per_switch, 0.0
+    for shift in shifts:
+        off_node, off_switch = Counter(), Counter()
+        for ranks in groups:
+            for i, a in enumerate(ranks):
+                node_a, node_b = a // gpus_per_node, ranks[(i + shift) % len(ranks)] // gpus_per_node
+                if node_a != node_b:
+                    off_node[node_a] += 1
+                    if per_switch and node_a // per_switch != node_b // per_switch:
+                        off_switch[node_a] += 1
+        worst = max(worst, _busiest_node_load(off_node, off_switch, fabric))
+    return worst
+
+
+def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric,
+                              gpus_per_node: int) -> float:
+    """Seconds the busiest node's uplinks need for all-to-alls of ``nbytes`` per rank over ``groups`` at once."""
+    return nbytes * all_to_all_load(groups, fabric, gpus_per_node) / fabric.node_bandwidth
 
 
 def ring_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int,
-                        shift: int = 1) -> float:
-    """Seconds the busiest node's uplinks need when every rank of every group in ``groups`` (all at once)
-    sends ``nbytes`` to the rank ``shift`` places after it in its group (a ring hop: ``shift=1``)."""
-    off_node, off_switch = Counter(), Counter()
-    per_switch = fabric.nodes_per_switch
-    for ranks in groups:
-        for i, a in enumerate(ranks):
-            b = ranks[(i + shift) % len(ranks)]
-            node_a, node_b = a // gpus_per_node, b // gpus_per_node
-            if node_a != node_b:
-                off_node[node_a] += nbytes
-                if per_switch and node_a // per_switch != node_b // per_switch:
-                    off_switch[node_a] += nbytes
-    return _busiest_node_seconds(off_node, off_switch, fabric)
+                        shifts: Iterable[int] = (1,)) -> float:
+    """Seconds the busiest node's uplinks need when every rank of every group sends ``nbytes`` to the rank
+    ``shift`` places after it (a neighbour hop: ``shift=1``), at the worst of ``shifts``."""
+    return nbytes * ring_load(groups, fabric, gpus_per_node, shifts) / fabric.node_bandwidth
 
 
 def parse_fabric(text: str) -> Fabric:

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from .fabric import all_to_all_uplink_seconds, ring_uplink_seconds
+from .fabric import Fabric, all_to_all_load, all_to_all_uplink_seconds, ring_load
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic, padded_length,
@@ -112,7 +112,7 @@ def every_group(layout: Layout, kind: str) -> tuple[tuple[int, ...], ...]:
 
 
 def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
-    """A sample (every one, up to 64) of the Ulysses or ring groups of ``layout``."""
+    """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
     groups = [list(g) for g in every_group(layout, kind)]
     step = max(1, len(groups) // MAX_GROUPS_CHECKED)
     return groups[::step]
@@ -142,15 +142,30 @@ def _all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple
     return worst
 
 
-def uplink_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]], kind: str = "all_to_all") -> float:
-    """The network's latency plus the busiest node's uplink time when every group of ``groups`` runs an
-    all-to-all of ``nbytes`` per rank (or, ``kind="ring"``, a ring hop) at once; 0 without a fabric or
-    when nothing leaves a node."""
+@lru_cache(maxsize=1024)
+def _uplink_load(layout: Layout, kind: str, fabric: Fabric, gpus_per_node: int) -> float:
+    groups = every_group(layout, kind)
+    if kind == "ring":
+        return ring_load(groups, fabric, gpus_per_node, ring_shifts(layout))
+    return all_to_all_load(groups, fabric, gpus_per_node)
+
+
+def ring_shifts(layout: Layout) -> range:
+    """How far ring messages travel: seqmesh sends every K/V block straight from its owner (rank r sends to
+    ``r + t`` at step t, and the dK/dV partial straight back, ``sharded_attention/ring.py``), so every shift
+    ``1 .. ring - 1`` occurs once per pass."""
+    return range(1, layout.ring)
+
+
+def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Layout, kind: str) -> float:
+    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
+    ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
+    per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
+    leaves a node."""
     if hw.fabric is None or not nbytes:
         return 0.0
-    shared = (all_to_all_uplink_seconds if kind == "all_to_all" else ring_uplink_seconds)(
-        nbytes, groups, hw.fabric, hw.gpus_per_node)
-    return hw.links[-1].latency + shared if shared else 0.0
+    load = _uplink_load(layout, kind, hw.fabric, hw.gpus_per_node)
+    return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
 
 
 def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
@@ -158,7 +173,11 @@ def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequenc
     levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's
     uplinks, whichever is longer."""
     sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
-    return max(_all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample)), uplink_seconds(nbytes, hw, groups))
+    levels = _all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
+    if hw.fabric is None or not nbytes:
+        return levels
+    shared = all_to_all_uplink_seconds(nbytes, groups, hw.fabric, hw.gpus_per_node)
+    return max(levels, hw.links[-1].latency + shared if shared else 0.0)
 
 
 def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
@@ -292,9 +311,10 @@ def _linear_layer_seconds(work: Workload, layout: Layout, hw: HardwareSpec, fsdp
     traffic = linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
                                        seq_len=work.seq_len, batch=work.batch, ulysses=layout.ulysses,
                                        ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-    sp_groups = every_group(layout, "sequence")
+    sample = peer_patterns(hw, axis_groups(layout, "sequence"))
     calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
-    a2a_fwd, a2a_bwd = (sum(concurrent_all_to_all_seconds(n, hw, sp_groups) for n in phase) for phase in calls)
+    a2a_fwd, a2a_bwd = (sum(max(_all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
+                            for n in phase) for phase in calls)
     fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
     if work.checkpointing:
         bwd += fwd
@@ -330,20 +350,20 @@ def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: st
     calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                              ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
     patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
-    groups = every_group(layout, "ulysses")
-    return sum(max(_all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, groups))
+    return sum(max(_all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, layout, "ulysses"))
                for nbytes in calls[phase])
 
 
 def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
-    """One ring hop of ``nbytes``: the slowest neighbour pair of any ring group, or the busiest node's
-    uplinks shared by every hop that leaves it at once, whichever is longer."""
+    """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
+    group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
+    worst of :func:`ring_shifts`, whichever is longer."""
     worst = 0.0
     for g in axis_groups(layout, "ring"):
         for i, a in enumerate(g):
             lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
             worst = max(worst, lv.latency + nbytes / lv.bandwidth)
-    return max(worst, uplink_seconds(nbytes, hw, every_group(layout, "ring"), kind="ring"))
+    return max(worst, uplink_seconds(nbytes, hw, layout, "ring"))
 
 
 def ring_block_tokens(work: Workload, layout: Layout) -> int:
