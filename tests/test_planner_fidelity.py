@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -77,6 +79,40 @@ def test_ring_messages_that_leave_a_node_at_once_share_its_uplinks():
     assert ring_hop_seconds(n, hw, Layout(1, 16, 1)) == pytest.approx(8 * n / (80 * GB))
     assert ring_hop_seconds(n, hw, Layout(8, 2, 1)) == pytest.approx(8 * n / (80 * GB))
     assert ring_hop_seconds(n, replace(hw, fabric=None), Layout(8, 2, 1)) == pytest.approx(n / (40 * GB))
+
+
+def _messages_leaving(groups, fabric: Fabric, per_node: int, shifts) -> float:
+    """Rank by rank: at each shift, every rank's message to the rank that many places on in its group;
+    the busiest node's count off the node, or off its leaf switch times the oversubscription."""
+    worst = 0.0
+    for t in shifts:
+        off_node, off_switch = Counter(), Counter()
+        for g in groups:
+            for i, a in enumerate(g):
+                na, nb = a // per_node, g[(i + t) % len(g)] // per_node
+                off_node[na] += na != nb
+                per = fabric.nodes_per_switch
+                off_switch[na] += bool(per) and na // per != nb // per
+        worst = max(worst, max(off_node.values()), max(off_switch.values()) * fabric.oversubscription)
+    return worst
+
+
+def test_ring_load_counts_stretches_as_a_rank_by_rank_count_would():
+    """ring_load counts whole stretches of a group on one node and only the shifts where a count can peak;
+    a rank-by-rank count over every shift must agree, on random layouts, fabrics and scrambled groups."""
+    rng = random.Random(7)
+    for _ in range(150):
+        per_node, nodes = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 4, 6])
+        n = per_node * nodes
+        sp = rng.choice([d for d in range(1, n + 1) if n % d == 0])
+        u = rng.choice([d for d in range(1, sp + 1) if sp % d == 0])
+        fabric = Fabric(2, 1e9, rng.choice([1.0, 2.0]), rng.choice([0, 1, 2]))
+        groups = every_group(Layout(u, sp // u, n // sp), "ring")
+        for shifts in (range(1, max(2, sp // u)), (1,)):
+            assert ring_load(groups, fabric, per_node, shifts) == _messages_leaving(groups, fabric, per_node, shifts)
+        scrambled = rng.sample(range(n), n)
+        assert ring_load([scrambled], fabric, per_node, range(1, n)) == _messages_leaving(
+            [scrambled], fabric, per_node, range(1, n))
 
 
 def test_ulysses_time_in_the_step_model_uses_the_uplinks():

@@ -83,19 +83,64 @@ def all_to_all_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_no
     return _busiest_node_load(off_node, off_switch, fabric)
 
 
+def _runs(keys: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(key, start, length)`` of each stretch of equal consecutive ``keys``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, k in enumerate(keys):
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((k, i, 1))
+    return runs
+
+
+def _leaving(run: tuple[int, int, int], same_key: list[tuple[int, int, int]], shift: int, size: int) -> int:
+    """How many members of ``run`` send, ``shift`` places on in a group of ``size``, to a member outside
+    every run of ``same_key``: the run's length less its shifted copy's overlap with them (mod ``size``)."""
+    _, start, length = run
+    lo, hi = start + shift, start + shift + length  # below 2 * size
+    staying = 0
+    for _, s, n in same_key:
+        staying += max(0, min(hi, s + n) - max(lo, s)) + max(0, min(hi, s + size + n) - max(lo, s + size))
+    return length - staying
+
+
+def _deciding_shifts(shifts: Iterable[int], terms: list) -> Iterable[int]:
+    """The shifts worth evaluating. Each count of leaving members is piecewise linear in the shift, with
+    corners where the shifted run starts or stops overlapping a run it stays in (mod the group's size), so
+    over a range of shifts the busiest node's count peaks at a corner or at an end of the range."""
+    if not isinstance(shifts, range) or shifts.step != 1 or len(shifts) < 3:
+        return shifts
+    corners = {shifts.start, shifts.stop - 1}
+    for size, _, _, (_, start, length), node_same, switch_same in terms:
+        for _, s, n in (*node_same, *switch_same):
+            for d in (s - start, s - start + size):
+                corners.update((d - length, d + n - length, d, d + n))
+    return sorted(t for t in corners if t in shifts)
+
+
 def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int, shifts: Iterable[int] = (1,)) -> float:
     """The same for ring messages: every rank of every group sends one message to the rank ``shift``
-    places after it in its group, all at once; the busiest node at the worst of ``shifts``."""
-    per_switch, worst = fabric.nodes_per_switch, 0.0
-    for shift in shifts:
+    places after it in its group, all at once; the busiest node at the worst of ``shifts``. Counted per
+    stretch of a group on one node, so a shift costs the stretches, not the ranks; groups on the same
+    nodes in the same order are counted once, times their number."""
+    per_switch = fabric.nodes_per_switch
+    distinct = Counter(tuple(r // gpus_per_node for r in ranks) for ranks in groups if len(ranks) > 1)
+    terms = []  # (group size, copies, node, the node's run, runs of the same node, runs of the same switch)
+    for nodes, copies in distinct.items():
+        node_runs = _runs(nodes)
+        switch_runs = _runs([n // per_switch for n in nodes]) if per_switch else []
+        for run in node_runs:
+            node = run[0]
+            same_switch = [r for r in switch_runs if r[0] == node // per_switch] if per_switch else []
+            terms.append((len(nodes), copies, node, run, [r for r in node_runs if r[0] == node], same_switch))
+    worst = 0.0
+    for shift in _deciding_shifts(shifts, terms):
         off_node, off_switch = Counter(), Counter()
-        for ranks in groups:
-            for i, a in enumerate(ranks):
-                node_a, node_b = a // gpus_per_node, ranks[(i + shift) % len(ranks)] // gpus_per_node
-                if node_a != node_b:
-                    off_node[node_a] += 1
-                    if per_switch and node_a // per_switch != node_b // per_switch:
-                        off_switch[node_a] += 1
+        for size, copies, node, run, node_same, switch_same in terms:
+            off_node[node] += copies * _leaving(run, node_same, shift, size)
+            if per_switch:  # the node's own members whose message leaves its leaf switch
+                off_switch[node] += copies * _leaving(run, switch_same, shift, size)
         worst = max(worst, _busiest_node_load(off_node, off_switch, fabric))
     return worst
 
