@@ -134,6 +134,12 @@ def test_ulysses_time_in_the_step_model_uses_the_uplinks():
     assert shared - alone == pytest.approx(2 * 3 * (want - unshared))
 
 
+def test_fewer_gpus_per_node_keep_the_nics_per_gpu():
+    """A DGX H100 has one NIC per GPU; described as 4-GPU nodes it has 4, as 1-GPU nodes 1."""
+    assert make_cluster(H100, gpus=16, gpus_per_node=4).hardware.fabric.nics_per_node == 4
+    assert H100.with_gpus_per_node(1).fabric.nics_per_node == 1
+
+
 def test_parse_fabric_and_its_errors():
     assert parse_fabric("8:40") == Fabric(8, 40 * GB, source="--fabric 8:40")
     f = parse_fabric("8:50:2:16")

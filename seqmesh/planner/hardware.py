@@ -123,7 +123,8 @@ class HardwareSpec:
         return counts
 
     def with_gpus_per_node(self, per_node: int) -> HardwareSpec:
-        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it."""
+        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it, and
+        the fabric keeps its NICs per GPU (at least one per node)."""
         if per_node == self.gpus_per_node:
             return self
         inner = [lv for lv in self.links[:-1] if lv.group < per_node and per_node % lv.group == 0]
@@ -135,7 +136,10 @@ class HardwareSpec:
             levels = [*inner, replace(node_level[0], group=per_node)]
         else:
             levels = inner
-        return replace(self, gpus_per_node=per_node, links=(*levels, self.links[-1]))
+        fabric = self.fabric
+        if fabric is not None:
+            fabric = replace(fabric, nics_per_node=max(1, fabric.nics_per_node * per_node // self.gpus_per_node))
+        return replace(self, gpus_per_node=per_node, links=(*levels, self.links[-1]), fabric=fabric)
 
     def describe(self) -> str:
         """One line: memory, FLOP/s and the links."""
