@@ -27,6 +27,22 @@ LOGITS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 
 
+def test_route_from_the_head_deal_built_once():
+    """2 key and 4 value heads of dims 2 over 4 ranks: rank u runs value head u, which reads key head
+    u // 2; its conv channels are that key head's q (2k, 2k+1) and k (4 + 2k, ...) and its value head's v
+    (8 + 2u, ...), and each rank receives 2 x 2 + (2 + 2) = 8 channels. An equal deal returns the
+    same route, so no layer rebuilds it."""
+    from seqmesh.linear.sequence_parallel import LinearHeads
+
+    for u in range(4):
+        route = LinearHeads(2, 4, 2, 2, 4).route(u)
+        kh = u // 2
+        assert route.conv_channels.tolist() == [2 * kh, 2 * kh + 1, 4 + 2 * kh, 5 + 2 * kh, 8 + 2 * u, 9 + 2 * u]
+        assert route.key_of.tolist() == [0] and route.key_heads == 1 and route.value_heads == (u, u + 1)
+        assert route.sends == (8, 8, 8, 8) and route.out_counts == (1, 1, 1, 1)
+        assert route is LinearHeads(2, 4, 2, 2, 4).route(u, "cpu")
+
+
 def test_chunked_rule_matches_token_recurrence():
     """The chunked form, with documents starting mid-chunk and of length 1, equals the token-by-token
     recurrence in float64; without documents it matches transformers' own chunked reference; the conv

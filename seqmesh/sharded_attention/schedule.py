@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..kernels.base import BlockMask
 from ..layout import SequenceLayout
 from .blocks import Piece, plan_block
 
@@ -59,6 +60,13 @@ class RingSchedule:
         same on every rank, so every rank issues the same exchanges in the same order."""
         ring = self.layout.ring
         return tuple(t for t in range(ring) if t == 0 or any(self.pieces(r, t) for r in range(ring)))
+
+    @functools.cached_property
+    def masks(self) -> tuple[BlockMask, ...]:
+        """The distinct kernel masks of the whole pass, over every rank and step (often one to three):
+        what a named backend must accept before any rank sends."""
+        ring = self.layout.ring
+        return tuple(dict.fromkeys(p.mask for r in range(ring) for t in self.steps for p in self.pieces(r, t)))
 
     @functools.cached_property
     def relay(self) -> bool:
