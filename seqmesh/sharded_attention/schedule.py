@@ -19,7 +19,8 @@ Who sends what when (:attr:`RingSchedule.relay`, :attr:`kv_shifts`, :attr:`dkv_s
   each K/V block goes straight from its owner to the rank that needs it next (shift ``steps[i+1]``)
   and each dK/dV partial straight home (``-t``), so the skipped steps cost no transfer. With a window
   shorter than a chunk the steps are (0, 1, ring-1), whose shifts 1, ring-1 and their inverses are
-  neighbours anyway; a relay would have to carry blocks through the skipped steps.
+  neighbours anyway; a wider one, (0, 1, 2, ring-2, ring-1), also sends two ranks away. A relay
+  would have to carry blocks through the skipped steps, the transfers the window saves.
 """
 
 
