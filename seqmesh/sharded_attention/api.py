@@ -30,11 +30,14 @@ from .ulysses import ulysses_attention
 
 
 def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise, on every rank alike, if the chosen kernel refuses any block of the pass. The schedule keeps
-    its distinct masks, so a call checks each once; the check itself runs every call, as the kernels'
-    answers follow torch's backend switches (``torch.backends.cuda.enable_flash_sdp``)."""
-    for mask in schedule.masks:
-        choose(q, k, mask, v)
+    """Raise, on every rank alike, if the chosen kernel refuses any call of the pass. The schedule keeps
+    its distinct calls (mask, query and key lengths: FA2's window check reads them), so a call of
+    ``attention`` checks each once; the check itself runs every call, as the kernels' answers follow
+    torch's backend switches (``torch.backends.cuda.enable_flash_sdp``)."""
+    for mask, sq, sk in schedule.kernel_calls:
+        rows = q[:, :1].expand(-1, sq, -1, -1)  # views: no memory
+        keys = k[:, :1].expand(-1, sk, -1, -1)
+        choose(rows, keys, mask, v)
 
 
 def attention(

@@ -63,11 +63,13 @@ class RingSchedule:
         return tuple(t for t in range(ring) if t == 0 or any(self.pieces(r, t) for r in range(ring)))
 
     @functools.cached_property
-    def masks(self) -> tuple[BlockMask, ...]:
-        """The distinct kernel masks of the whole pass, over every rank and step (often one to three):
-        what a named backend must accept before any rank sends."""
+    def kernel_calls(self) -> tuple[tuple[BlockMask, int, int], ...]:
+        """The distinct kernel calls of the whole pass, ``(mask, query rows, key columns)`` over every
+        rank and step (a handful, or one per document chunk): what a named backend must accept before
+        any rank sends."""
         ring = self.layout.ring
-        return tuple(dict.fromkeys(p.mask for r in range(ring) for t in self.steps for p in self.pieces(r, t)))
+        return tuple(dict.fromkeys((p.mask, p.q1 - p.q0, p.k1 - p.k0)
+                                   for r in range(ring) for t in self.steps for p in self.pieces(r, t)))
 
     @functools.cached_property
     def relay(self) -> bool:

@@ -73,7 +73,9 @@ def _backend_check(ring: int = 8, seq_len: int = 8192, documents: int = 16) -> C
             for r in range(ring):
                 for step in range(ring):
                     for piece in schedule.pieces(r, step):
-                        choose(q, k, piece.mask, v)
+                        rows = q[:, :1].expand(-1, piece.q1 - piece.q0, -1, -1)
+                        keys = k[:, :1].expand(-1, piece.k1 - piece.k0, -1, -1)
+                        choose(rows, keys, piece.mask, v)
     return lambda: check(schedule, choose, q, q, q)
 
 
