@@ -70,13 +70,13 @@ def test_oversubscribed_leaf_switches_bound_by_bisection(oversub, want_mb):
 def test_ring_messages_that_leave_a_node_at_once_share_its_uplinks():
     """16 GPUs on 2 nodes of 8 with 2 NICs (80 GB/s); a message of n = 10 MB. One ring of 16 (U1 x R16):
     sending to the next rank, 1 message leaves each node (7 -> 8, 15 -> 0); to the rank 8 places on, all 8
-    do. seqmesh sends each K/V block straight from its owner (shifts 1 .. 15), so the worst step has 80 MB
-    through 80 GB/s. U8 x R2: the 8 ring groups send between the nodes together, 80 MB again; without the
-    fabric each GPU's 10 MB at its own 40 GB/s."""
+    do. seqmesh relays K/V blocks to the next rank (shift 1), so 10 MB per node through 80 GB/s, and the
+    crossing GPU's own 40 GB/s link is the bound. U8 x R2: the 8 ring groups send between the nodes
+    together, 80 MB through 80 GB/s; without the fabric each GPU's 10 MB at its own 40 GB/s."""
     hw, n = _two_level(8, 2), 10 * MB
     ring16 = every_group(Layout(1, 16, 1), "ring")
     assert [ring_load(ring16, hw.fabric, 8, (t,)) for t in (1, 2, 8)] == [1, 2, 8]
-    assert ring_hop_seconds(n, hw, Layout(1, 16, 1)) == pytest.approx(8 * n / (80 * GB))
+    assert ring_hop_seconds(n, hw, Layout(1, 16, 1)) == pytest.approx(n / (40 * GB))
     assert ring_hop_seconds(n, hw, Layout(8, 2, 1)) == pytest.approx(8 * n / (80 * GB))
     assert ring_hop_seconds(n, replace(hw, fabric=None), Layout(8, 2, 1)) == pytest.approx(n / (40 * GB))
 

@@ -151,10 +151,11 @@ def _uplink_load(layout: Layout, kind: str, fabric: Fabric, gpus_per_node: int) 
 
 
 def ring_shifts(layout: Layout) -> range:
-    """How far ring messages travel: seqmesh sends every K/V block straight from its owner (rank r sends to
-    ``r + t`` at step t, and the dK/dV partial straight back, ``sharded_attention/ring.py``), so every shift
-    ``1 .. ring - 1`` occurs once per pass."""
-    return range(1, layout.ring)
+    """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
+    partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
+    every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
+    (steps 0, 1, ring - 1) go to neighbours too, and a shift of -1 crosses as many node boundaries as +1."""
+    return range(1, min(2, layout.ring))
 
 
 def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Layout, kind: str) -> float:
