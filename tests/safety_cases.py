@@ -75,7 +75,7 @@ def attention_under_autocast(ulysses: int, ring: int) -> dict:
     kernel.forward, kernel.backward = spy_forward, spy_backward
     try:
         for autocast in (False, True):
-            local = [seqmesh.shard_sequence(t, mesh, layout=layout, dim=1).requires_grad_() for t in full]
+            local = [seqmesh.shard_sequence(t, mesh, layout="zigzag", dim=1).requires_grad_() for t in full]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = seqmesh.attention(*local, mesh, causal=True, backend="math")
                 out.square().sum().backward()
