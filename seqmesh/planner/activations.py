@@ -136,3 +136,93 @@ def linear_layer_saved_bytes(work: Workload, layout: Layout) -> int:
     mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
     states = -(-whole // work.batch // LINEAR_CHUNK) * linear_state_bytes(m, work.batch, p)
     return t * per_token + mixer + states
+
+
+NORM_BACKWARD_FP32 = 4  # float32 (token, hidden) temporaries an eager RMSNorm's backward adds at its peak
+
+
+def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+    """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the
+    state where it starts (every tensor the layer saved and the gradient of its output alive).
+
+    Each op allocates its outputs (and its temporaries, freed with its inputs); then the tensors it was
+    the last to need are freed. The figures follow what autograd runs for transformers' layer: linear
+    backward gives the input gradient (the weight's goes to the parameter gradients, counted apart); two
+    gradients of one tensor are summed into a new one; an eager RMSNorm's backward adds
+    ``NORM_BACKWARD_FP32`` float32 ``(token, hidden)`` temporaries (and one more in the compute dtype
+    when that is not fp32), measured on transformers' ``LlamaRMSNorm``; attention's backward allocates
+    its working set (:func:`attention_backward_bytes`) beside the gradients of q, k and v."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    hidden, inner = t * m.hidden * e, t * m.intermediate * e  # one (token, hidden) / (token, intermediate) tensor
+    norm_temps = NORM_BACKWARD_FP32 * t * m.hidden * 4 + (hidden if e != 4 else 0)
+    norm_kept = t * norm_saved(m, e)
+    qkv = t * (m.heads + 2 * m.kv_heads) * m.head_dim * e
+    out = t * m.heads * m.head_dim * e
+    steps: list[tuple[str, int, int]] = []
+    if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
+        tile = mlp_tile_tokens(work, layout)
+        tile_set = tile * (7 * m.intermediate + m.hidden) * e
+        steps += [("tiled MLP backward", hidden + tile_set, tile_set + hidden)]  # its input (norm output) freed
+    else:
+        steps += [("down_proj backward", inner, inner),  # d(product); the product freed
+                  ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
+                  ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
+                  ("gate/up_proj backward", 2 * hidden, 2 * inner + hidden),  # two input gradients, their sum
+                  ("sum of the two", hidden, 2 * hidden)]
+    n, hq, _ = attention_heads(work, layout)
+    o_input = out if layout.ulysses > 1 or layout.tp > 1 else 0  # the output projection's own input (Ulysses)
+    steps += [("post-attention norm backward", norm_temps + hidden, norm_temps + norm_kept + hidden),
+              ("residual gradient sum", hidden, 2 * hidden),
+              ("o_proj backward", out, o_input)]
+    d_out = out
+    if o_input:  # the output's gradient scattered to this rank's heads, the local one freed
+        d_out = n * hq * m.head_dim * e
+        steps += [("output all-to-all backward", d_out, out)]
+    work_set = attention_backward_bytes(work, layout)
+    steps += [("attention backward", work_set, work_set - qkv + attention_saved(work, layout) - o_input + d_out),
+              ("rotary backward", qkv, qkv),
+              ("q/k/v_proj backward", 3 * hidden, qkv + 2 * hidden + hidden),  # the norm's output freed too
+              ("input norm backward", norm_temps + hidden, norm_temps + norm_kept + hidden),
+              ("residual gradient sum", hidden, 2 * hidden)]
+    return steps
+
+
+def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
+    """The most bytes a timeline adds above its start, and the op at which it does."""
+    live, peak, where = 0, 0, "start"
+    for op, allocated, freed in steps:
+        live += allocated
+        if live > peak:
+            peak, where = live, op
+        live -= freed
+    return peak, where
+
+
+def attention_backward_bytes(work: Workload, layout: Layout) -> int:
+    """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient,
+    the q, k, v gradients it returns included. A ring of one: the kernel's gradients (those returned).
+    Ring: float32 dQ, the home dK/dV, this step's partial, the partial sent back a step earlier and the
+    one being received (float32), the packed home K/V block, the received one and the one in flight,
+    and the kernel's gradients of one block. Ulysses: the output gradient scattered to this rank's heads
+    (counted by the timeline) beside that, then the inner gradients packed for the inverse all-to-all next
+    to the result."""
+    m, e = work.model, work.act_bytes
+    n, hq, hk = attention_heads(work, layout)
+    d = m.head_dim
+    kernel = n * (hq + 2 * hk) * d * e
+    inner = kernel
+    if layout.ring > 1:  # a ring of two has no middle step: no partial in flight, no block being received
+        fp32_blocks, kv_blocks = (2, 2) if layout.ring == 2 else (4, 3)
+        inner += n * hq * d * 4 + n * 2 * hk * d * (fp32_blocks * 4 + kv_blocks * e)
+    if layout.ulysses == 1 and layout.tp == 1:
+        return inner
+    returned = tokens(work, layout) * (work.model.heads + 2 * work.model.kv_heads) * d * e // max(1, layout.tp)
+    return max(inner, 2 * kernel + returned)
+
+
+def mlp_tile_tokens(work: Workload, layout: Layout) -> int:
+    """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's local tokens cut into
+    ``mlp_tiles`` tiles, by default tiles of at most ``hidden`` (``seqmesh.memory.tiled_mlp.tile_count``)."""
+    local = local_tokens(work, layout)
+    tiles = work.mlp_tiles or max(1, -(-local // work.model.hidden))
+    return work.batch * -(-local // min(tiles, local))

@@ -48,18 +48,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .activations import (attention_heads, final_norm_bytes, layer_input_bytes, layer_saved_bytes,
-                          linear_layer_saved_bytes, local_tokens, mlp_saved, norm_saved, outside_layers_bytes, recomputed_layer_bytes, tokens)
+from .activations import (final_norm_bytes, layer_backward_timeline, layer_input_bytes, layer_saved_bytes,
+                          linear_layer_saved_bytes, local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes,
+                          recomputed_layer_bytes, timeline_peak, tokens)
 from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
-MOMENTS = ("loss forward", "loss backward", "layer backward", "attention backward", "end of backward",
+MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backward", "end of backward",
            "optimizer step")
-NORM_BACKWARD_TEMPS = 1  # float32 (token, hidden) temporaries of an eager RMSNorm's backward at its first op
 OFFLOAD_PREFETCH = 2  # checkpointed inputs fetched ahead of the layer being recomputed (seqmesh.memory.offload)
 
 __all__ = ["MOMENTS", "MemoryBreakdown", "memory_at", "memory_per_gpu", "parameter_memory", "host_memory",
-           "activation_memory", "loss_memory", "attention_working_set", "end_of_backward_grads", "local_tokens",
+           "activation_memory", "loss_memory", "end_of_backward_grads", "local_tokens",
            "layer_saved_bytes", "linear_layer_saved_bytes", "mlp_tile_tokens"]
 
 
@@ -117,10 +117,12 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
     shard = -(-m.params // (t * layout.fsdp_group))
     layer, root = (-(-n // t) for n in (layer_params(m), root_params(m)))
     gathered = {"loss forward": root, "loss backward": root, "layer backward": root + layer,
-                "attention backward": root + layer, "end of backward": root, "optimizer step": 0}[moment]
-    unsharded = {"layer backward": (root + layer) * e, "attention backward": (root + layer) * e,
+                "first layer backward": root + layer, "end of backward": root, "optimizer step": 0}[moment]
+    unsharded = {"layer backward": (root + layer) * e, "first layer backward": (root + layer) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
     grad_shards = GRAD_SHARD * shard if moment in ("end of backward", "optimizer step") else 0
+    if moment == "first layer backward":  # the layers above have been reduce-scattered
+        grad_shards = GRAD_SHARD * (m.layers - 1) * -(-layer // layout.fsdp_group)
     step_temps = 0
     if moment == "optimizer step":
         largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (t * layout.fsdp_group))
@@ -143,14 +145,6 @@ def host_memory(work: Workload, layout: Layout) -> int:
     return host
 
 
-def mlp_tile_tokens(work: Workload, layout: Layout) -> int:
-    """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's local tokens cut into
-    ``mlp_tiles`` tiles, by default tiles of at most ``hidden`` (``seqmesh.memory.tiled_mlp.tile_count``)."""
-    local = local_tokens(work, layout)
-    tiles = work.mlp_tiles or max(1, -(-local // work.model.hidden))
-    return work.batch * -(-local // min(tiles, local))
-
-
 def _kept_by_layers(work: Workload, layout: Layout, at_loss: bool) -> int:
     """What the layers below the one in backward keep (all of them at the loss)."""
     m = work.model
@@ -167,30 +161,19 @@ def _top_layer(work: Workload, layout: Layout) -> int:
     return recomputed_layer_bytes(work, layout) if work.checkpointing else layer_saved_bytes(work, layout)
 
 
-def activation_memory(work: Workload, layout: Layout) -> int:
-    """Activations inside the last layer's MLP backward (or, tiled, its post-attention norm's backward):
-    what the layers keep, the layer's own saved tensors, and the backward buffers."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
-    kept = _kept_by_layers(work, layout, at_loss=False) + _top_layer(work, layout) + outside_layers_bytes(work, layout)
-    residual_grad = t * m.hidden * e
-    if work.tiled_mlp:  # the MLP's input gradient and the norm's float32 temporaries
-        return kept + 2 * residual_grad + NORM_BACKWARD_TEMPS * t * m.hidden * 4
-    return kept + residual_grad + 2 * t * m.intermediate * e  # product freed; its gradient and the two it splits into
-
-
-def attention_working_set(work: Workload, layout: Layout) -> int:
-    """Peak bytes of seqmesh's attention backward beyond its saved tensors: dout and the kernels' dq, dk,
-    dv; the ring's float32 dQ and dK/dV accumulators (this step's partial and the incoming one) and two
-    K/V blocks in flight; Ulysses' packed gradient buffers for the inverse all-to-all."""
-    m, e = work.model, work.act_bytes
-    n, hq, hk = attention_heads(work, layout)
-    d = m.head_dim
-    grads = n * (hq + 2 * hk) * d * e + n * hq * d * e  # dq, dk, dv and dout
-    ring = 0
-    if layout.ring > 1:  # float32 dQ, dK/dV home and partial; the packed home block and the one in flight
-        ring = n * (hq + 2 * hk * 2) * d * 4 + 2 * n * 2 * hk * d * e
-    ulysses = n * (hq + 2 * hk) * d * e if layout.ulysses > 1 else 0  # after the ring: the packed send buffer
-    return grads + max(ring, ulysses)
+def activation_memory(work: Workload, layout: Layout, moment: str = "layer backward") -> tuple[int, str]:
+    """Activations at the peak of a layer's backward (the last layer's, or with ``first layer backward``
+    the first layer's, when the layers above have left only their gradient shards), and the op at which
+    it falls: what the layers below keep, the layer's own saved tensors (recomputed, with checkpointing),
+    the gradient of its output, and the peak of :func:`~seqmesh.planner.activations.layer_backward_timeline`."""
+    if moment == "first layer backward":
+        fetched = not work.offload_checkpoints or work.offload_prefetch
+        below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
+    else:
+        below = _kept_by_layers(work, layout, at_loss=False)
+    extra, op = timeline_peak(layer_backward_timeline(work, layout))
+    kept = below + _top_layer(work, layout) + outside_layers_bytes(work, layout)
+    return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
 
 
 def loss_memory(work: Workload, layout: Layout, moment: str) -> int:
@@ -220,12 +203,8 @@ def memory_at(work: Workload, layout: Layout, moment: str) -> MemoryBreakdown:
     if moment in ("loss forward", "loss backward"):
         activations = _kept_by_layers(work, layout, at_loss=True) + final_norm_bytes(work, layout) + outside
         logits = loss_memory(work, layout, moment)
-    elif moment == "layer backward":
-        activations = activation_memory(work, layout)
-    elif moment == "attention backward":  # the MLP's and post-attention norm's tensors are freed by now
-        top = _top_layer(work, layout) - mlp_saved(work, layout) - t * (norm_saved(m, e) + e * m.hidden)
-        activations = _kept_by_layers(work, layout, at_loss=False) + top + outside + t * m.hidden * e
-        attention = attention_working_set(work, layout)
+    elif moment in ("layer backward", "first layer backward"):
+        activations = activation_memory(work, layout, moment)[0]
     elif moment in ("end of backward", "optimizer step"):
         activations = outside
     return MemoryBreakdown(weights, grads, optimizer, activations, attention, logits, work.reserve_bytes, moment)
