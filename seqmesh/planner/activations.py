@@ -138,7 +138,27 @@ def linear_layer_saved_bytes(work: Workload, layout: Layout) -> int:
     return t * per_token + mixer + states
 
 
-NORM_BACKWARD_FP32 = 4  # float32 (token, hidden) temporaries an eager RMSNorm's backward adds at its peak
+def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+    """An eager RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to
+    its input's: ``weight * n`` gives dn and a temporary for the weight's gradient (n and the incoming
+    gradient freed); in bf16 dn is cast to float32; ``x * r`` gives dx and a temporary for dr; the mean
+    and the square give dx's second part (the gradient of the square, ``x``, ``2x`` and their product).
+    Autograd adds a gradient in place into the buffer of the node that consumes it: in fp32 ``x`` is the
+    residual stream itself, so both parts go straight into the residual gradient; in bf16 the float32
+    copy collects both parts, then is cast back. Checked against the tracked peak of transformers'
+    ``LlamaRMSNorm`` backward."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
+    kept = t * norm_saved(m, e) - c  # float32 input and scale (n is freed by the first step)
+    steps = [("norm weight backward", 2 * c, 3 * c)]  # dn and dn*n; dn*n, n and the incoming gradient freed
+    if e == 4:
+        return steps + [("norm scale backward", 2 * f, 3 * f),  # dx and dn*x; dn*x, dn freed, dx added in place
+                        ("norm square backward", 4 * f, 4 * f + kept)]  # its four tensors; x and r freed
+    return steps + [("norm cast backward", f, c),
+                    ("norm scale backward", 2 * f, 2 * f),  # dx and dn*x; dn*x and dn freed
+                    ("norm square backward", 4 * f, 3 * f),  # the product stays, to be added to dx
+                    ("norm gradient sum", 0, f + kept),  # in place into dx; the float32 copy and r freed
+                    ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
 
 
 def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
@@ -148,31 +168,30 @@ def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, i
     Each op allocates its outputs (and its temporaries, freed with its inputs); then the tensors it was
     the last to need are freed. The figures follow what autograd runs for transformers' layer: linear
     backward gives the input gradient (the weight's goes to the parameter gradients, counted apart); two
-    gradients of one tensor are summed into a new one; an eager RMSNorm's backward adds
-    ``NORM_BACKWARD_FP32`` float32 ``(token, hidden)`` temporaries (and one more in the compute dtype
-    when that is not fp32), measured on transformers' ``LlamaRMSNorm``; attention's backward allocates
-    its working set (:func:`attention_backward_bytes`) beside the gradients of q, k and v."""
+    gradients of one tensor are summed into a new one; an eager RMSNorm's backward is
+    :func:`norm_backward_steps`; attention's backward allocates its working set
+    (:func:`attention_backward_bytes`), which ends as the gradients of q, k and v."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     hidden, inner = t * m.hidden * e, t * m.intermediate * e  # one (token, hidden) / (token, intermediate) tensor
-    norm_temps = NORM_BACKWARD_FP32 * t * m.hidden * 4 + (hidden if e != 4 else 0)
-    norm_kept = t * norm_saved(m, e)
+    norm = norm_backward_steps(work, layout)
     qkv = t * (m.heads + 2 * m.kv_heads) * m.head_dim * e
     out = t * m.heads * m.head_dim * e
     steps: list[tuple[str, int, int]] = []
     if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
         tile = mlp_tile_tokens(work, layout)
         tile_set = tile * (7 * m.intermediate + m.hidden) * e
-        steps += [("tiled MLP backward", hidden + tile_set, tile_set + hidden)]  # its input (norm output) freed
+        tile_grads = 3 * m.hidden * m.intermediate * e  # this tile's weight gradients beside the running sums
+        steps += [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
     else:
         steps += [("down_proj backward", inner, inner),  # d(product); the product freed
                   ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
                   ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
-                  ("gate/up_proj backward", 2 * hidden, 2 * inner + hidden),  # two input gradients, their sum
-                  ("sum of the two", hidden, 2 * hidden)]
+                  # two input gradients, the second added in place into the first; the norm's output freed
+                  ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
     n, hq, _ = attention_heads(work, layout)
     o_input = out if layout.ulysses > 1 or layout.tp > 1 else 0  # the output projection's own input (Ulysses)
-    steps += [("post-attention norm backward", norm_temps + hidden, norm_temps + norm_kept + hidden),
-              ("residual gradient sum", hidden, 2 * hidden),
+    steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
+              ("residual gradient sum", 0, hidden),  # in place into the residual stream's gradient
               ("o_proj backward", out, o_input)]
     d_out = out
     if o_input:  # the output's gradient scattered to this rank's heads, the local one freed
@@ -181,9 +200,9 @@ def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, i
     work_set = attention_backward_bytes(work, layout)
     steps += [("attention backward", work_set, work_set - qkv + attention_saved(work, layout) - o_input + d_out),
               ("rotary backward", qkv, qkv),
-              ("q/k/v_proj backward", 3 * hidden, qkv + 2 * hidden + hidden),  # the norm's output freed too
-              ("input norm backward", norm_temps + hidden, norm_temps + norm_kept + hidden),
-              ("residual gradient sum", hidden, 2 * hidden)]
+              ("q/k/v_proj backward", 2 * hidden, qkv + 2 * hidden),  # summed in place; the norm's output freed
+              *(("input " + op, a, f) for op, a, f in norm),
+              ("residual gradient sum", 0, hidden)]
     return steps
 
 

@@ -116,7 +116,8 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
     m, e, t = work.model, work.act_bytes, layout.tp
     shard = -(-m.params // (t * layout.fsdp_group))
     layer, root = (-(-n // t) for n in (layer_params(m), root_params(m)))
-    gathered = {"loss forward": root, "loss backward": root, "layer backward": root + layer,
+    prefetched = layer if layout.fsdp_group > 1 else 0  # the next layer's all-gather, issued during this one's
+    gathered = {"loss forward": root, "loss backward": root, "layer backward": root + layer + prefetched,
                 "first layer backward": root + layer, "end of backward": root, "optimizer step": 0}[moment]
     unsharded = {"layer backward": (root + layer) * e, "first layer backward": (root + layer) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
