@@ -27,12 +27,12 @@ BF16 = {"bf16": True}
 
 # world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json
 CASES = {
-    1: [("llama-tiny", 1024, 1, 1, NONE), ("llama-tiny", 4096, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, CKPT),
+    1: [("llama-tiny", 1024, 1, 1, NONE), ("llama-tiny", 3072, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, CKPT),
         ("llama-tiny", 2048, 1, 1, TILED), ("llama-tiny", 2048, 1, 1, OFFLOAD), ("llama-tiny", 1024, 1, 1, FSDP_OFFLOAD),
         ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16}), ("wide", 2048, 1, 1, NONE), ("wide", 1024, 1, 1, TILED)],
-    2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 4096, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
-        ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("llama-tiny", 2048, 2, 1, {**CKPT, **BF16})],
-    4: [("llama-tiny", 4096, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 2048, 2, 2, CKPT),
+    2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
+        ("wide", 1024, 1, 2, FSDP_OFFLOAD)],
+    4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
         ("llama-tiny", 2048, 4, 1, OFFLOAD)],
 }
 
@@ -58,4 +58,5 @@ def test_predicted_peak_matches_the_measured_one(pools, tmp_path, world):
         if abs(ratio - 1) > TOLERANCE:
             bad.append(rows[-1])
     table = "\n".join(rows)
+    print(f"world {world}:\n{table}")  # shown with pytest -s
     assert not bad, f"predicted/measured outside 1 +- {TOLERANCE} on {len(bad)} case(s):\n{table}"
