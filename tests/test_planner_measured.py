@@ -28,7 +28,7 @@ BF16 = {"bf16": True}
 # world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json
 CASES = {
     1: [("llama-tiny", 1024, 1, 1, NONE), ("llama-tiny", 3072, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, CKPT),
-        ("llama-tiny", 2048, 1, 1, TILED), ("llama-tiny", 2048, 1, 1, OFFLOAD), ("llama-tiny", 1024, 1, 1, FSDP_OFFLOAD),
+        ("llama-tiny", 2048, 1, 1, TILED), ("llama-tiny", 2048, 1, 1, OFFLOAD),
         ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16}), ("wide", 2048, 1, 1, NONE), ("wide", 1024, 1, 1, TILED)],
     2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
         ("wide", 1024, 1, 2, FSDP_OFFLOAD)],

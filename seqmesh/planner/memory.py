@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .activations import (final_norm_bytes, layer_backward_timeline, layer_input_bytes, layer_saved_bytes,
+from .activations import (attention_backward_bytes, final_norm_bytes, layer_backward_timeline, layer_input_bytes, layer_saved_bytes,
                           linear_layer_saved_bytes, local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes,
                           recomputed_layer_bytes, timeline_peak, tokens)
 from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
@@ -81,7 +81,7 @@ class MemoryBreakdown:
     grads: int  # fp32 gradient shards + the unsharded gradients alive at this moment
     optimizer: int  # AdamW first and second moments, fp32, sharded, and the step's temporaries
     activations: int  # tensors saved for backward + backward buffers alive at this moment
-    attention: int  # the attention call's own working set beyond what it saves (inside a layer)
+    attention: int  # attention backward's buffers, when the peak falls inside it (else under activations)
     logits: int  # the chunked loss's working set (at the loss)
     reserved: int  # CUDA context, communication buffers, allocator slack
     moment: str = "layer backward"  # one of MOMENTS
@@ -215,7 +215,10 @@ def memory_at(work: Workload, layout: Layout, moment: str) -> MemoryBreakdown:
         activations = _kept_by_layers(work, layout, at_loss=True) + final_norm_bytes(work, layout) + outside
         logits = loss_memory(work, layout, moment)
     elif moment in ("layer backward", "first layer backward"):
-        activations = activation_memory(work, layout, moment)[0]
+        activations, op = activation_memory(work, layout, moment)
+        if op == "attention backward":  # the peak is inside attention: its buffers apart
+            attention = attention_backward_bytes(work, layout)
+            activations -= attention
     elif moment in ("end of backward", "optimizer step"):
         activations = outside
     return MemoryBreakdown(weights, grads, optimizer, activations, attention, logits, work.reserve_bytes, moment)
