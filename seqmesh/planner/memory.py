@@ -58,9 +58,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .activations import (attention_backward_bytes, final_norm_bytes, layer_backward_timeline, layer_input_bytes, layer_saved_bytes,
-                          linear_layer_saved_bytes, local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes,
-                          recomputed_layer_bytes, timeline_peak, tokens)
+from .activations import (attention_backward_bytes, final_norm_bytes, layer_backward_timeline, layer_input_bytes,
+                          layer_saved_bytes, linear_layer_saved_bytes, local_tokens, mlp_tile_tokens, norm_saved,
+                          outside_layers_bytes, recomputed_layer_bytes, timeline_peak, tokens)
 from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
@@ -208,7 +208,6 @@ def loss_memory(work: Workload, layout: Layout, moment: str) -> int:
 def memory_at(work: Workload, layout: Layout, moment: str) -> MemoryBreakdown:
     """What one GPU holds at ``moment`` (one of MOMENTS; see the module docstring)."""
     weights, grads, optimizer = parameter_memory(work, layout, moment)
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
     outside = outside_layers_bytes(work, layout)
     activations = attention = logits = 0
     if moment in ("loss forward", "loss backward"):
