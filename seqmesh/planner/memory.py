@@ -132,8 +132,9 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
     unsharded = {"layer backward": (root + layer) * e, "first layer backward": (root + layer) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
     grad_shards = GRAD_SHARD * shard if moment in ("end of backward", "optimizer step") else 0
-    if moment == "first layer backward":  # the layers above have been reduce-scattered
-        grad_shards = GRAD_SHARD * (m.layers - 1) * -(-layer // layout.fsdp_group)
+    if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered; FSDP2
+        # keeps the last reduce-scatter's float32 input until the next one is issued
+        grad_shards = GRAD_SHARD * (m.layers - 1) * -(-layer // layout.fsdp_group) + 4 * layer
     step_temps = 0
     if moment == "optimizer step":
         largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (t * layout.fsdp_group))
