@@ -62,3 +62,21 @@ def test_predicted_peak_matches_the_measured_one(pools, tmp_path, world):
     table = "\n".join(rows)
     print(f"world {world}:\n{table}")  # shown with pytest -s
     assert not bad, f"predicted/measured outside 1 +- {TOLERANCE} on {len(bad)} case(s):\n{table}"
+
+
+def test_plan_inputs_describe_the_run():
+    """A TrainConfig becomes the planner's Workload and Layout: degrees resolved as ``seqmesh train`` does,
+    bf16 as the compute dtype, the memory options carried; on a CPU run the offloads move nothing."""
+    cfg = TrainConfig(model="llama-tiny", seq_len=4096, ulysses=2, bf16=True, checkpointing=True, tiled_mlp=True,
+                      mlp_tiles=3, offload_checkpoints=True, fsdp_cpu_offload=True, loss_chunk=1024)
+    work, layout = plan_inputs(cfg, 8)
+    assert (layout.ulysses, layout.ring, layout.dp_shard) == (2, 4, 1)
+    assert (work.dtype, work.seq_len, work.loss_chunk, work.mlp_tiles, work.reserve_bytes) == ("bf16", 4096, 1024, 3, 0)
+    assert work.checkpointing and work.tiled_mlp and work.offload_checkpoints and work.fsdp_cpu_offload
+    assert work.offload_prefetch == 2 and work.optimizer_foreach
+    on_cpu, _ = plan_inputs(cfg, 8, device="cpu")
+    assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and not on_cpu.optimizer_foreach
+    with pytest.raises(ValueError, match="--no-fsdp"):
+        plan_inputs(TrainConfig(fsdp=False), 1)
+    with pytest.raises(ValueError, match="device 'tpu'"):
+        plan_inputs(cfg, 8, device="tpu")
