@@ -27,6 +27,7 @@ Without documents it equals zigzag.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -142,24 +143,37 @@ class SequenceLayout:
         first, second = ring_rank, 2 * self.ring - 1 - ring_rank
         return (Run(first * c, c, 0), Run(second * c, c, c))
 
-    def indices(self, restore: bool = False) -> torch.Tensor:
-        """``(padded_len,)`` int64. Shard order -> global position, or with ``restore`` the inverse."""
+    def indices(self, restore: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+        """``(padded_len,)`` int64 on ``device`` (default CPU). Shard order -> global position, or with
+        ``restore`` the inverse. Built once per layout, direction and device and shared by every layer
+        and caller that meets the same layout: read it, never write into it."""
+        return _indices(self, restore, torch.device("cpu") if device is None else torch.device(device))
+
+    def _order(self) -> torch.Tensor:
+        """``indices()`` computed afresh on the CPU."""
         runs = [run for r in range(self.ring) for run in self.ring_runs(r)]
         if len(runs) <= 256:  # few runs (zigzag, contiguous): one arange each is the cheapest
-            order = torch.cat([torch.arange(run.start, run.stop) for run in runs])
-        else:  # a run per document chunk: shard slot i of a run holds start + (i - the run's first slot)
-            starts = torch.tensor([run.start for run in runs], dtype=torch.long)
-            lengths = torch.tensor([run.length for run in runs], dtype=torch.long)
-            first_slot = lengths.cumsum(0) - lengths
-            order = torch.arange(self.padded_len) + torch.repeat_interleave(starts - first_slot, lengths)
-        if not restore:
-            return order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        return inverse
+            return torch.cat([torch.arange(run.start, run.stop) for run in runs])
+        # a run per document chunk: shard slot i of a run holds start + (i - the run's first slot)
+        starts = torch.tensor([run.start for run in runs], dtype=torch.long)
+        lengths = torch.tensor([run.length for run in runs], dtype=torch.long)
+        first_slot = lengths.cumsum(0) - lengths
+        return torch.arange(self.padded_len) + torch.repeat_interleave(starts - first_slot, lengths)
 
     def local_positions(self, sp_rank: int) -> torch.Tensor:
         """``(local_len,)`` global positions of the tokens held by sequence rank ``sp_rank``."""
         n = self.local_len
-        return self.indices()[sp_rank * n : (sp_rank + 1) * n]
+        return self.indices()[sp_rank * n : (sp_rank + 1) * n].clone()  # the caller's own: it may write into it
+
+
+# Per layout, direction and device. A few entries: a training step meets one layout per batch (a
+# per_document layout changes with every batch), each entry is padded_len int64 (8 bytes a token).
+@functools.lru_cache(maxsize=8)
+def _indices(layout: SequenceLayout, restore: bool, device: torch.device) -> torch.Tensor:
+    order = layout._order()
+    if restore:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        order = inverse
+    return order.to(device)
 

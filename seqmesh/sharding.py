@@ -51,7 +51,7 @@ def shard_sequence(
     lay = sequence_layout(mesh, x.shape[dim], layout, cu_seqlens)
     if lay.size == 1:
         return x
-    order = lay.indices().to(x.device)
+    order = lay.indices(device=x.device)
     full = _pad(x, dim, lay.padded_len).index_select(dim, order)  # shard order
     return split(full, mesh.sp_group, dim)
 
@@ -77,7 +77,7 @@ def gather_sequence(
         raise ValueError(f"length={length} must be in [1, {padded}] (the gathered, padded length).")
     full = x_local if p == 1 else all_gather(x_local, mesh.sp_group, dim)
     if p > 1:
-        full = full.index_select(dim, lay.indices(restore=True).to(full.device))
+        full = full.index_select(dim, lay.indices(restore=True, device=full.device))
     return full if length is None else full.narrow(dim, 0, length)
 
 

@@ -124,6 +124,43 @@ def traffic_cases(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
     return out
 
 
+def ring_peers(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
+    """Every point-to-point message this rank posts, seen by wrapping ``torch.distributed.batch_isend_irecv``
+    (not seqmesh's counters): per phase, ``{"send"/"recv": {offset: count}}`` where the offset is the
+    peer's ring rank minus this one's, mod ring."""
+    import torch.distributed as dist
+
+    mesh = get_mesh(ulysses, ring)
+    posted = dist.batch_isend_irecv
+    log: list[tuple[str, int]] = []
+
+    def spy(ops):
+        log.extend(("send" if op.op is dist.isend else "recv", (op.group_peer - mesh.ring_rank) % ring) for op in ops)
+        return posted(ops)
+
+    def tally() -> dict[str, dict[int, int]]:
+        out: dict[str, dict[int, int]] = {"send": {}, "recv": {}}
+        for kind, offset in log:
+            out[kind][offset] = out[kind].get(offset, 0) + 1
+        log.clear()
+        return out
+
+    results = []
+    dist.batch_isend_irecv = spy
+    try:
+        for case in cases:
+            q, k, v, dout = (seqmesh.shard_sequence(t, mesh, layout=case.layout) for t in _inputs(case, case.seed))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = seqmesh.attention(q, k, v, mesh, causal=case.causal, layout=case.layout, seq_len=case.seq_len,
+                                    window=case.window)
+            forward = tally()
+            (out * dout).sum().backward()
+            results.append({"case": case.name, "forward": forward, "backward": tally()})
+    finally:
+        dist.batch_isend_irecv = posted
+    return results
+
+
 def bf16_errors(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
     mesh = get_mesh(ulysses, ring)
     return [{"case": c.name, **run_attention(c, mesh)[0]} for c in cases]

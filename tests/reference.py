@@ -47,3 +47,22 @@ def reference_attention(
     else:
         probs = torch.softmax(scores, dim=-1)
     return (probs @ vf).transpose(1, 2)
+
+
+def explicit_mask(
+    sq: int, sk: int, *, causal: bool, window: int | None = None, offset: int = 0,
+    segments: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """(sq, sk) bool for one kernel call, from positions: query a sits at ``offset + a``, key b at b;
+    causal keeps keys not after the query, ``window`` those less than ``window`` before it, and
+    ``segments`` (local bounds, sq == sk) those of the query's own segment."""
+    qpos, kpos = torch.arange(sq)[:, None] + offset, torch.arange(sk)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        ok &= kpos <= qpos
+    if window is not None:
+        ok &= qpos - kpos < window
+    if segments is not None:
+        doc = torch.bucketize(torch.arange(sq), torch.tensor(segments[1:-1]), right=True)
+        ok &= doc[:, None] == doc[None, :]
+    return ok

@@ -20,7 +20,8 @@ def train_error(cfg) -> str:
     return ""
 
 
-def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documents: tuple[int, ...] | None) -> list:
+def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documents: tuple[int, ...] | None,
+                    layout: str = "zigzag", window: int | None = None) -> list:
     """Every point-to-point op this rank posts during one forward and backward of seqmesh.attention:
     ``[kind, global peer, shape, dtype]`` in the order they were issued."""
     from seqmesh.comm import ring as ring_comm
@@ -38,10 +39,10 @@ def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documen
 
     torch.manual_seed(0)
     full = torch.randn(3, 1, seq_len, 4, 8, dtype=torch.float64)
-    local = [seqmesh.shard_sequence(t, mesh, layout="zigzag", dim=1).requires_grad_() for t in full]
+    local = [seqmesh.shard_sequence(t, mesh, layout=layout, dim=1).requires_grad_() for t in full]
     ring_comm.dist.batch_isend_irecv = recording
     try:
-        out = seqmesh.attention(*local, mesh, causal=causal, cu_seqlens=documents,
+        out = seqmesh.attention(*local, mesh, causal=causal, cu_seqlens=documents, layout=layout, window=window,
                                 seq_len=None if documents else seq_len)
         out.sum().backward()
     finally:
@@ -74,7 +75,7 @@ def attention_under_autocast(ulysses: int, ring: int) -> dict:
     kernel.forward, kernel.backward = spy_forward, spy_backward
     try:
         for autocast in (False, True):
-            local = [seqmesh.shard_sequence(t, mesh, layout="zigzag", dim=1).requires_grad_() for t in full]
+            local = [seqmesh.shard_sequence(t, mesh, layout=layout, dim=1).requires_grad_() for t in full]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = seqmesh.attention(*local, mesh, causal=True, backend="math")
                 out.square().sum().backward()

@@ -101,3 +101,23 @@ def test_cpu_flash_bands_equal_the_math_kernel():
         ref_grads = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, mask, 0.3)
         assert max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads)) < 1e-12
         assert mask.score_entries(sq, sk) == int(mask.allowed(sq, sk).sum())
+
+
+def test_ring_messages_go_to_neighbours(pools):
+    """On a ring of 4 (S=64: zigzag chunks of 8, contiguous shards of 16), the peers of every message
+    each rank posts, as offsets from its ring rank. Whole ring (steps 0..3): blocks relay to r+1
+    (forward 3; backward 3 K/V and 4 dK/dV partials, the last hop home being r - 3 = r+1). Contiguous,
+    window 20 (steps 0, 1, 2): relay, then one partial jumps home 2 ranks back. Zigzag, window 5
+    (steps 0, 1, 3): direct sends, shifts 1 and 3 = -1, neighbours anyway."""
+    from dist_cases import ring_peers
+
+    cases = [Case(64, 2, 1, True, "zigzag", batch=1), Case(64, 2, 1, True, "contiguous", window=20, batch=1),
+             Case(64, 2, 1, True, "zigzag", window=5, batch=1)]
+    want = [
+        {"forward": {"send": {1: 3}, "recv": {3: 3}}, "backward": {"send": {1: 7}, "recv": {3: 7}}},
+        {"forward": {"send": {1: 2}, "recv": {3: 2}}, "backward": {"send": {1: 4, 2: 1}, "recv": {3: 4, 2: 1}}},
+        {"forward": {"send": {1: 1, 3: 1}, "recv": {3: 1, 1: 1}},
+         "backward": {"send": {1: 2, 3: 2}, "recv": {3: 2, 1: 2}}},
+    ]
+    for rank_results in pools.run(4, ring_peers, 1, 4, cases):
+        assert [{k: r[k] for k in ("forward", "backward")} for r in rank_results] == want

@@ -7,12 +7,13 @@ import itertools
 import pytest
 import torch
 
-from reference import reference_attention
+from reference import explicit_mask, reference_attention
 from seqmesh.sharded_attention.blocks import document_bounds
 from seqmesh.tools.emulate import emulate_ring
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask
+from seqmesh.kernels.windows import additive_bias, fa2_arguments, flash_window, window_bands
 from seqmesh.layout import SequenceLayout
 
 
@@ -94,9 +95,14 @@ def test_cuda_wrappers_shapes_on_meta():
             assert out.shape == q.shape and lse.shape == (2, 8, 48) and lse.dtype == torch.float32
             dq, dk, dv = KERNELS[name].backward(out, q, k, k, out, lse, mask, 0.125)
             assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
-    for mask in (BlockMask(causal=True), documents):
-        out, lse = KERNELS["cuda_efficient"].forward(q, k, k, mask, 0.125)
-        assert out.shape == q.shape and lse.shape == (2, 8, 48)
+    for mask in (BlockMask(causal=True, window=5), BlockMask(causal=True, window=7, segments=(0, 5, 20, 48))):
+        out, lse = KERNELS["cuda_flash"].forward(q, k, k, mask, 0.125)  # window sizes through torch's FA2 op
+        dq, dk, dv = KERNELS["cuda_flash"].backward(out, q, k, k, out, lse, mask, 0.125)
+        assert out.shape == q.shape and lse.shape == (2, 8, 48) and dk.shape == k.shape
+    v = torch.empty(2, 48, 2, 32, device="meta", dtype=torch.bfloat16)  # cutlass takes v's own head dim
+    for mask in (BlockMask(causal=True), documents, BlockMask(causal=True, window=5)):
+        out, lse = KERNELS["cuda_efficient"].forward(q, k, v, mask, 0.125)
+        assert out.shape == (2, 48, 8, 32) and lse.shape == (2, 8, 48)
 
 
 def test_auto_backend_on_cpu_and_named_errors():
@@ -108,11 +114,38 @@ def test_auto_backend_on_cpu_and_named_errors():
         kernel_chooser("fast")
 
 
-@pytest.mark.parametrize("mask", [BlockMask(causal=True), BlockMask(), BlockMask(causal=True, segments=(0, 1, 7, 19))],
-                         ids=["causal", "full", "documents"])
-def test_flash_attn_wrapper_against_a_stub_package(monkeypatch, mask):
-    """seqmesh's flash-attn wrapper drives a stand-in package with flash-attn 2.7's entry points (as
-    torch custom ops, like the real package): layouts, the varlen (H, total) lse, in-place gradients."""
+def _explicit_mask(sq: int, sk: int, mask: BlockMask) -> torch.Tensor:
+    return explicit_mask(sq, sk, causal=mask.causal, window=mask.window, offset=mask.offset, segments=mask.segments)
+
+
+def _plain_attention(q, k, v, ok, scale):
+    """float64 attention on an explicit (Sq, Sk) mask with autograd: out (B, Sq, Hq, Dv), lse (B, Hq, Sq)."""
+    h = q.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], 2)) * scale
+    s = s.masked_fill(~ok, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.repeat_interleave(h // k.shape[2], 2))
+    return out, torch.logsumexp(s, -1)
+
+
+def _check_against_plain(kernel, q, k, v, mask, scale, atol):
+    """The kernel's out, lse and gradients equal plain float64 attention with the explicit mask."""
+    ok = _explicit_mask(q.shape[1], k.shape[1], mask)
+    assert ok.any(1).all(), "every row must see a key (as the block planner guarantees)"
+    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=q.dtype)
+    out, lse = kernel.forward(q, k, v, mask, scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, mask, scale)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _plain_attention(qr, kr, vr, ok, scale)
+    ref_out.backward(dout.double())
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                               (ref_out, ref_lse, qr.grad, kr.grad, vr.grad)):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want.detach(), atol=atol, rtol=0, msg=name)
+
+
+@pytest.fixture
+def fake_flash_attn_package(monkeypatch):
+    """tests/fake_flash_attn.py installed as the flash_attn package (2.7.4) for one test; yields seqmesh's wrapper."""
     import sys
     import types
 
@@ -125,20 +158,128 @@ def test_flash_attn_wrapper_against_a_stub_package(monkeypatch, mask):
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fake_flash_attn)
     wrapper._interface.cache_clear()
-    try:
-        torch.manual_seed(0)
-        q = torch.randn(2, 19, 4, 8, dtype=torch.float64)
-        k, v = (torch.randn(2, 19, 2, 8, dtype=torch.float64) for _ in range(2))
-        dout = torch.randn_like(q)
-        kernel = KERNELS["flash_attn"]
-        out, lse = kernel.forward(q, k, v, mask, 0.3)
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, mask, 0.3)
-        got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-        want_out, want_lse = KERNELS["math"].forward(q, k, v, mask, 0.3)
-        want = dict(zip(("dq", "dk", "dv"), KERNELS["math"].backward(dout, q, k, v, want_out, want_lse, mask, 0.3)))
-        want.update(out=want_out, lse=want_lse)
-        for name in got:
-            assert got[name].shape == want[name].shape, name
-            torch.testing.assert_close(got[name].double(), want[name].double(), atol=1e-5, rtol=0, msg=name)
-    finally:
-        wrapper._interface.cache_clear()
+    yield wrapper
+    wrapper._interface.cache_clear()
+
+
+# (mask, Sq, Sk): the block planner's shapes (diagonal, documents, a ring block of earlier keys trimmed to
+# the window, with Sq < Sk and Sq > Sk) and a few it does not make (causal with an offset, non-causal window)
+STUB_MASKS = {
+    "causal": (BlockMask(causal=True), 19, 19),
+    "full": (BlockMask(), 19, 19),
+    "documents": (BlockMask(causal=True, segments=(0, 1, 7, 19)), 19, 19),
+    "window": (BlockMask(causal=True, window=5), 19, 19),
+    "window+documents": (BlockMask(causal=True, window=4, segments=(0, 1, 7, 19)), 19, 19),
+    "window,offset,sq<sk": (BlockMask(causal=True, window=9, offset=11), 7, 11),
+    "window,offset,sq>sk": (BlockMask(causal=True, window=8, offset=5), 6, 5),
+    "causal,offset": (BlockMask(causal=True, offset=3), 4, 6),
+    "window,noncausal": (BlockMask(window=6), 19, 19),
+}
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("case", list(STUB_MASKS), ids=list(STUB_MASKS))
+def test_flash_attn_wrapper_against_a_stub_package(fake_flash_attn_package, case, heads):
+    """seqmesh's flash-attn wrapper drives a stand-in package with flash-attn 2.7's entry points (torch
+    custom ops, like the real package, with flash-attn's documented window convention): layouts, the
+    varlen (H, total) lse, in-place gradients and the window sizes give plain attention's results."""
+    mask, sq, sk = STUB_MASKS[case]
+    torch.manual_seed(0)
+    q = torch.randn(2, sq, heads[0], 8, dtype=torch.float64)
+    k, v = (torch.randn(2, sk, heads[1], 8, dtype=torch.float64) for _ in range(2))
+    _check_against_plain(KERNELS["flash_attn"], q, k, v, mask, 0.3, atol=1e-5)  # the stub's lse is float32
+
+
+def test_flash_attn_refusals_fall_back(fake_flash_attn_package, monkeypatch):
+    """Masks FA2 cannot express and a v head dim unlike q's are refused with a reason, and ``auto``
+    computes them with the next kernel; expressible ones choose flash_attn (its device check is
+    lifted here, as if the tensors were on a GPU)."""
+    monkeypatch.setattr(fake_flash_attn_package, "cuda_problem", lambda *args, **kwargs: None)
+    choose, kernel = kernel_chooser("auto"), KERNELS["flash_attn"]
+    torch.manual_seed(0)
+    for case in ("window", "window+documents", "window,offset,sq<sk", "causal,offset"):
+        mask, sq, sk = STUB_MASKS[case]
+        q, k = torch.randn(1, sq, 2, 8), torch.randn(1, sk, 2, 8)
+        assert kernel.unsupported(q, k, mask) is None and choose(q, k, mask).name == "flash_attn", case
+    refused = [  # (mask, Sq, Sk, Dv, what the reason says)
+        (BlockMask(causal=True), 4, 6, 8, "left of FA2's bottom-right corner"),  # top-left causal, Sq < Sk
+        (BlockMask(causal=True, window=3), 4, 6, 8, "left of FA2's bottom-right corner"),
+        (BlockMask(causal=True), 6, 3, 8, "no bound"),  # right = 3 >= Sk: FA2 would drop the bound
+        (BlockMask(causal=True, window=5), 9, 9, 4, "one head dim"),
+    ]
+    for mask, sq, sk, dv, words in refused:
+        q, k, v = torch.randn(1, sq, 2, 8, dtype=torch.float64), torch.randn(1, sk, 1, 8, dtype=torch.float64), \
+            torch.randn(1, sk, 1, dv, dtype=torch.float64)
+        assert words in (kernel.unsupported(q, k, mask, v) or ""), (mask, sq, sk)
+        fallback = choose(q, k, mask, v)
+        assert fallback.name in ("cpu_flash", "math")
+        _check_against_plain(fallback, q, k, v, mask, 0.3, atol=1e-10)
+
+
+def _fa2_masks(sq: int, sk: int) -> set[bytes]:
+    """Every mask FA2 can make for an (Sq, Sk) call (the stub's documented convention), as bytes."""
+    from fake_flash_attn import documented_mask
+
+    sizes = range(-1, sk + 2)
+    return {documented_mask(sq, sk, c, l, r).numpy().tobytes()
+            for c in (False, True) for l in sizes for r in sizes}
+
+
+def test_flash_window_is_exact_and_refuses_only_the_inexpressible():
+    """For every small call shape, offset, window and causal flag: the sizes flash_window gives make
+    FA2's documented mask equal to the explicit one, and it refuses only masks no FA2 sizes make."""
+    from fake_flash_attn import documented_mask
+
+    refused = 0
+    for sq, sk in itertools.product(range(1, 6), range(1, 6)):
+        expressible = _fa2_masks(sq, sk)
+        for offset, causal, window in itertools.product(range(-3, 9), (False, True), (None, 1, 2, 3, 5)):
+            mask = BlockMask(causal=causal, window=window, offset=offset)
+            want = _explicit_mask(sq, sk, mask)
+            if isinstance(flash_window(mask, sq, sk), str):
+                refused += 1
+                assert want.numpy().tobytes() not in expressible, (mask, sq, sk)
+            else:
+                c, left, right = fa2_arguments(mask, sq, sk)
+                assert torch.equal(documented_mask(sq, sk, c, left, right), want), (mask, sq, sk)
+    assert refused > 0
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_additive_bias_and_bands_are_the_mask(align):
+    """The bias is 0 on visible pairs and -inf elsewhere, in the dtype asked, with the row stride the
+    cutlass kernel needs; the bands of a windowed call cover each row once and every visible pair."""
+    for mask, sq, sk in [(BlockMask(causal=True, window=200), 600, 600),
+                         (BlockMask(causal=True, window=50, segments=(0, 130, 131, 600)), 600, 600),
+                         (BlockMask(causal=True, window=300, offset=260), 270, 250)]:
+        want = _explicit_mask(sq, sk, mask)
+        covered = torch.zeros(sq, sk, dtype=torch.bool)
+        rows_seen = torch.zeros(sq, dtype=torch.int64)
+        for a, b, k0, k1 in window_bands(mask, sq, sk):
+            bias = additive_bias(mask, (a, b), (k0, k1), torch.bfloat16, align=align)
+            assert bias.dtype == torch.bfloat16 and bias.shape == (b - a, k1 - k0)
+            assert bias.stride(-1) == 1 and bias.stride(0) % align == 0
+            part = want[a:b, k0:k1]
+            assert torch.equal(bias == 0, part) and bool(torch.isneginf(bias[~part]).all())
+            assert bool(part.any(1).all()), "no band row is empty"
+            covered[a:b, k0:k1] = True
+            rows_seen[a:b] += 1
+        assert bool((rows_seen == 1).all()) and not bool((want & ~covered).any())
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+def test_ring_window_pieces_are_fa2_masks(kind):
+    """Every kernel call the ring plans under a window (all ranks, steps, with and without documents)
+    is one FA2 computes exactly, so the FA2 kernels never refuse a planned piece."""
+    from fake_flash_attn import documented_mask
+
+    for ring, window, cu in itertools.product((2, 4), (3, 17, 40), (None, (0, 5, 60, 95))):
+        layout = SequenceLayout.for_length(kind, ring, 1, 95)
+        schedule = RingSchedule(layout, document_bounds(layout.padded_len, 95, cu), True, window)
+        for r, step in itertools.product(range(ring), schedule.steps):
+            for p in schedule.pieces(r, step):
+                sq, sk = p.q1 - p.q0, p.k1 - p.k0
+                assert not isinstance(flash_window(p.mask, sq, sk), str), (p, ring, window, cu)
+                if p.mask.segments is None:  # varlen pieces: each segment is a square diagonal call
+                    fa2 = documented_mask(sq, sk, *fa2_arguments(p.mask, sq, sk))
+                    assert torch.equal(fa2, _explicit_mask(sq, sk, p.mask)), (p, ring, window, cu)

@@ -28,6 +28,17 @@ def test_indices_restore_is_the_inverse(kind, ring, ulysses):
     assert torch.equal(order[restore], torch.arange(lay.padded_len))
 
 
+def test_indices_are_built_once_per_layout_and_positions_are_the_callers_own():
+    """Every layer that meets an equal layout gets the same permutation tensor (no rebuild per call);
+    ``local_positions`` hands out a copy, so a caller writing into it leaves the permutation intact."""
+    lay = SequenceLayout("zigzag", 4, 1, 16)
+    assert lay.indices() is SequenceLayout("zigzag", 4, 1, 16).indices()
+    assert lay.indices(restore=True) is lay.indices(restore=True, device="cpu") is not lay.indices()
+    positions = lay.local_positions(1)
+    positions += 100
+    assert lay.indices().tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+
+
 def test_minimal_padding():
     assert SequenceLayout.for_length("zigzag", 2, 2, 17).padded_len == 20  # multiple of 2*lcm(2,2)=4
     assert SequenceLayout.for_length("zigzag", 2, 3, 17).padded_len == 24  # multiple of 2*lcm(2,3)=12

@@ -27,6 +27,22 @@ LOGITS_RTOL = 1e-6
 GRAD_RTOL = 1e-5
 
 
+def test_route_from_the_head_deal_built_once():
+    """2 key and 4 value heads of dims 2 over 4 ranks: rank u runs value head u, which reads key head
+    u // 2; its conv channels are that key head's q (2k, 2k+1) and k (4 + 2k, ...) and its value head's v
+    (8 + 2u, ...), and each rank receives 2 x 2 + (2 + 2) = 8 channels. An equal deal returns the
+    same route, so no layer rebuilds it."""
+    from seqmesh.linear.sequence_parallel import LinearHeads
+
+    for u in range(4):
+        route = LinearHeads(2, 4, 2, 2, 4).route(u)
+        kh = u // 2
+        assert route.conv_channels.tolist() == [2 * kh, 2 * kh + 1, 4 + 2 * kh, 5 + 2 * kh, 8 + 2 * u, 9 + 2 * u]
+        assert route.key_of.tolist() == [0] and route.key_heads == 1 and route.value_heads == (u, u + 1)
+        assert route.sends == (8, 8, 8, 8) and route.out_counts == (1, 1, 1, 1)
+        assert route is LinearHeads(2, 4, 2, 2, 4).route(u, "cpu")
+
+
 def test_chunked_rule_matches_token_recurrence():
     """The chunked form, with documents starting mid-chunk and of length 1, equals the token-by-token
     recurrence in float64; without documents it matches transformers' own chunked reference; the conv
@@ -130,7 +146,8 @@ def test_refusals_and_restore(pools):
     """A recurrent layer seqmesh does not know is refused by name before anything changes; so are
     fewer value heads than ranks; unparallelize restores the layers' own forward exactly."""
     r = pools.run(2, refusals, 1, 2)[0]
-    assert "'model.layers.0.mixer' (ToyMambaMixer)" in r["unknown"] and "Gated DeltaNet" in r["unknown"], r
+    assert "model.layers.0.mixer is a ToyMambaMixer, which mixes tokens" in r["unknown"], r
+    assert "Gated DeltaNet" in r["unknown"], r
     assert r["unknown_untouched"], r
     assert "1 value heads" in r["too_few_heads"] and "at most 1" in r["too_few_heads"], r
     assert r["installed"] == 3, r
@@ -203,29 +220,35 @@ def test_planner_counts_gated_deltanet_layers():
 
 def test_recurrent_families_are_refused_by_name():
     """transformers' families with recurrent token mixers (built on the meta device from their own config
-    classes): the Gated DeltaNet ones are taken, every other recurrent mixer is refused by its name
-    before any change, and plain attention models have nothing to take."""
+    classes): the Gated DeltaNet ones are taken and pass the one layer check, every other recurrent mixer
+    is refused by its name before any change, and plain attention models have nothing to take."""
     import types
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from seqmesh.hf.linear import check
+    from seqmesh.hf.layers import check_layers
+    from seqmesh.hf.linear import gated_delta_layers
 
-    mesh = types.SimpleNamespace(sp_size=2)  # check() reads only the degree
+    mesh = types.SimpleNamespace(sp_size=2)  # gated_delta_layers() reads only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer", "falcon_h1": "FalconH1Mixer",
                "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
                "minimax": "MiniMaxLightningAttention", "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
                "rwkv": "RwkvSelfAttention", "nemotron_h": "NemotronHMamba2Mixer", "lfm2": "Lfm2ShortConv"}
-    taken = {"qwen3_5_text": 2, "qwen3_next": 2, "olmo_hybrid": 1, "llama": 0}
+    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0}
+    hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     for family in [*refused, *taken]:
         extra = {"layer_types": ["conv", "full_attention"]} if family == "lfm2" else {}
+        extra = {"layer_types": hybrid} if family in taken and family != "llama" else extra
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **small, **extra))
+        layers = gated_delta_layers(model, mesh)
         if family in taken:
-            assert len(check(model, mesh)) == taken[family], family
+            assert len(layers) == taken[family], family
+            check_layers(model, handled=[m for _, m in layers])
             continue
-        with pytest.raises(ValueError, match=rf"\({refused[family]}\) carries state along the sequence") as err:
-            check(model, mesh)
+        assert layers == [], family
+        with pytest.raises(ValueError, match=rf"is a {refused[family]}, which mixes tokens outside") as err:
+            check_layers(model, handled=[])
         assert "Gated DeltaNet layers of Qwen3.5" in str(err.value)

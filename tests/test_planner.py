@@ -15,6 +15,7 @@ from seqmesh.planner.memory import MemoryBreakdown
 from seqmesh.planner.candidate import Candidate
 from seqmesh.planner.plan import evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
+from seqmesh.planner.ring_efficiency import IDEAL_RING
 from seqmesh.planner.timing import StepTime, all_to_all_seconds, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.planner.workload import Layout, Workload
@@ -25,9 +26,9 @@ H100 = PRESETS["h100-nvlink"]
 
 
 def _fast(hw: HardwareSpec) -> HardwareSpec:
-    """Links and memory so fast that only FLOPs count; efficiencies 1."""
-    return replace(hw, links=(LinkLevel("x", 0, 1e30, 0.0),), memory_bandwidth=1e30,
-                   matmul_efficiency=1.0, attention_efficiency=1.0)
+    """Links, NICs and memory so fast that only FLOPs count; efficiencies 1, smaller ring blocks included."""
+    return replace(hw, links=(LinkLevel("x", 0, 1e30, 0.0),), memory_bandwidth=1e30, fabric=None,
+                   matmul_efficiency=1.0, attention_efficiency=1.0, ring_efficiency=IDEAL_RING)
 
 
 # -- memory -------------------------------------------------------------------------------------------

@@ -110,13 +110,13 @@ def test_llama70b_ulysses_versus_tensor_parallel_at_1m_tokens():
 
 def test_ring_bytes_textbook():
     """Pure ring, Llama-3-8B shape (8 kv heads x 128), 128K tokens on 8 ranks, bf16: forward sends 7
-    K/V blocks of 2 * (S/P) * Hkv * D * 2 bytes; backward 7 more and 7 float32 dK/dV partials, each
-    sent straight back to its block's owner."""
+    K/V blocks of 2 * (S/P) * Hkv * D * 2 bytes; backward 7 more and 8 float32 dK/dV partials, each
+    travelling with its block from neighbour to neighbour and one hop more, home."""
     s, p = 131072, 8
     block = 2 * (s // p) * 8 * 128
     (t,) = {(x.sent("p2p", "forward"), x.sent("p2p", "backward"))
             for x in attention_traffic(32, 8, 128, seq_len=s, batch=1, ulysses=1, ring=p, dtype="bfloat16")}
-    assert t == (7 * block * 2, 7 * block * 2 + 7 * block * 4)
+    assert t == (7 * block * 2, 7 * block * 2 + 8 * block * 4)
 
 
 # -- FSDP and tensor parallelism: per rank, per layer and per step, from the shapes by hand ----------------

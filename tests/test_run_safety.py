@@ -173,10 +173,14 @@ def unmatched_p2p(issued: list[list]) -> str | None:
 
 def test_the_ring_issues_its_sends_in_the_order_every_peer_receives_them(pools):
     seen = 0
-    for ulysses, ring, causal, docs in ((1, 4, True, None), (2, 2, True, (0, 10, 40, 50)), (1, 4, False, None),
-                                        (1, 2, True, (0, 7, 50))):
-        issued = pools.run(4, p2p_issue_order, ulysses, ring, 50, causal, docs)
-        assert unmatched_p2p(issued) is None, (ulysses, ring, causal, docs)
+    # the whole ring and a contiguous window relay (the window's last partial jumps two ranks home);
+    # a zigzag window shorter than a chunk sends direct
+    for ulysses, ring, causal, docs, layout, window in (
+        (1, 4, True, None, "zigzag", None), (2, 2, True, (0, 10, 40, 50), "zigzag", None), (1, 4, False, None, "zigzag", None),
+        (1, 2, True, (0, 7, 50), "zigzag", None), (1, 4, True, None, "contiguous", 20), (1, 4, True, None, "zigzag", 5),
+    ):
+        issued = pools.run(4, p2p_issue_order, ulysses, ring, 50, causal, docs, layout, window)
+        assert unmatched_p2p(issued) is None, (ulysses, ring, causal, docs, layout, window)
         seen += sum(len(log) for log in issued)
         # the check fails if a rank skips a send (its entries, kind, peer, shape and dtype, cannot show a swap
         # of two same-shaped messages to one peer: every K/V and dK/dV message here has the same shape)

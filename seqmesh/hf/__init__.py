@@ -122,15 +122,15 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
-    linear_layers = linear.check(model, mesh)  # Gated DeltaNet layers; other recurrent layers are refused
-    check_layers(model, handled=[m for _, m in linear_layers])
+    linear_layers = linear.gated_delta_layers(model, mesh)  # run sequence-parallel; their heads checked
+    check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
     model.set_attn_implementation(name)
-    linear.install(model, mesh)
+    linear.install(model, mesh, linear_layers)
     setattr(model, _ATTR, (name, previous))
     return model
 

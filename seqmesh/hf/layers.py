@@ -11,23 +11,32 @@ layers before any work and raises a ValueError naming the layer, the variant and
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 
 import torch.nn as nn
 
 # config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "dense", "sparse", "moe")
-# parts of module class names that mix tokens outside the attention interface
-TOKEN_MIXER_NAMES = ("Mamba", "Mixer", "ShortConv", "GatedDeltaNet", "LinearAttention", "Lightning", "RecurrentBlock",
-                     "Rglru", "Rwkv", "xLSTM", "Lstm")
-
-
-def _mixes_tokens(module: nn.Module) -> bool:
-    name = type(module).__name__.lower()
-    return isinstance(module, nn.Conv1d) or any(part.lower() in name for part in TOKEN_MIXER_NAMES)
+# module class names that mix tokens outside the attention interface, matched at the end of the name so the
+# mixer itself is named, not the model or decoder layer that holds it (MambaModel, MambaBlock)
+TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|LinearAttention|LightningAttention"
+                               r"|RecurrentBlock|Rglru|Retention|SSM|Rwkv\w*Attention|Mamba\d*"
+                               r"|(LSTM|Lstm)\w*)$")
+# parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
+STATE_PARAMS = ("A_log", "dt_bias")
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
              "windows (sliding_window), attention sinks (s_aux), MHA/GQA/MQA, MLA head dims, packed documents; "
-             "per-token layers (MLP, MoE, norms)")
+             "per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and "
+             "OLMo-hybrid")
+
+
+def mixes_tokens(module: nn.Module) -> bool:
+    """Whether ``module`` mixes tokens outside the attention interface: a convolution over the sequence,
+    a class named as a recurrent or linear-attention mixer, or one that owns a recurrence's decay parameters."""
+    name = type(module).__name__
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    return isinstance(module, nn.Conv1d) or bool(TOKEN_MIXER_NAMES.search(name)) or any(p in own for p in STATE_PARAMS)
 
 
 def _routes_through_interface(model: nn.Module) -> bool:
@@ -81,12 +90,13 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
         if getattr(config, "use_bidirectional_attention", False) and getattr(config, "sliding_window", None):
             problems.append("its sliding windows are bidirectional (use_bidirectional_attention=True)")
     mixers = [(path, type(m).__name__) for path, m in model.named_modules()
-              if path and id(m) not in inside_handled and _mixes_tokens(m)]
+              if path and id(m) not in inside_handled and mixes_tokens(m)]
     seen = set()
     for path, cls in mixers:  # the outermost match names the layer (a Mamba mixer, not the conv inside it)
         if cls not in seen and not any(path.startswith(other + ".") for other, _ in mixers):
             seen.add(cls)
-            problems.append(f"{path} is a {cls}, which mixes tokens outside the attention interface")
+            problems.append(f"{path} is a {cls}, which mixes tokens outside the attention interface (run on a "
+                            "shard it would compute another recurrence or convolution)")
     if not _routes_through_interface(model):
         problems.append("it does not route its attention through transformers' AttentionInterface, so seqmesh cannot "
                         "replace it (each rank would attend within its own shard only)")

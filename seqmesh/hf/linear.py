@@ -8,13 +8,13 @@ projection, which act per token on the local shard, and replaces the conv and th
 of ``shard_batch`` that the decoder layers pass down in their kwargs.
 
 A layer with recurrent state that seqmesh does not know (Mamba mixers, short convolutions, other
-linear attentions) would, run on a shard, silently compute another recurrence; ``check`` refuses
-such models before anything is changed.
+linear attentions) would, run on a shard, silently compute another recurrence: the one check of
+:func:`seqmesh.hf.layers.check_layers` refuses such models before anything is changed, given the
+layers found here as the ones seqmesh handles.
 """
 
 from __future__ import annotations
 
-import re
 import types
 from collections.abc import Callable
 
@@ -25,11 +25,6 @@ from ..linear.sequence_parallel import GateParams, LinearHeads, sequence_paralle
 from ..mesh import SPMesh
 
 _ATTR = "_seqmesh_linear"
-# class names and parameters that mark a token mixer with state carried along the sequence
-_RECURRENT = re.compile(r"(Mixer|DeltaNet|DeltaAttention|LinearAttention|LightningAttention|ShortConv|Rwkv\w*Attention"
-                        r"|RecurrentBlock|Mamba\d*Layer|Retention|LSTM\w*|SSM)$")
-_STATE_PARAMS = ("A_log", "dt_bias")
-SUPPORTED = "the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid"
 
 Projection = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -64,28 +59,12 @@ def _projection(module: nn.Module) -> Projection | None:
     return None
 
 
-def _is_recurrent(module: nn.Module) -> bool:
-    own = {name for name, _ in module.named_parameters(recurse=False)}
-    return bool(_RECURRENT.search(type(module).__name__)) or any(p in own for p in _STATE_PARAMS)
-
-
-def check(model: nn.Module, mesh: SPMesh) -> list[tuple[str, nn.Module]]:
-    """The Gated DeltaNet layers of ``model``; a ValueError for any other layer with recurrent state, or for
-    heads the sequence group cannot split. A module that merely holds a supported layer (a decoder layer
-    named ``...LinearAttentionDecoderLayer``) is a container, not a recurrent layer of its own."""
+def gated_delta_layers(model: nn.Module, mesh: SPMesh) -> list[tuple[str, nn.Module]]:
+    """The Gated DeltaNet layers of ``model`` that seqmesh runs sequence-parallel; a ValueError for heads
+    the sequence group cannot split. Every other token mixer is left to ``check_layers`` to refuse."""
     layers = [(name, m) for name, m in model.named_modules() if _projection(m) is not None]
-    handled = {id(m) for _, m in layers}
     for _, module in layers:
         _heads(module, mesh)  # raises if P exceeds the value heads
-    unknown = [(name, m) for name, m in model.named_modules()
-               if id(m) not in handled and _is_recurrent(m) and not any(id(d) in handled for d in m.modules())]
-    if unknown:  # the outermost such module: the mixer (its parts, e.g. a gate owning A_log, may match too)
-        name, module = unknown[0]
-        raise ValueError(
-            f"layer {name!r} ({type(module).__name__}) carries state along the sequence, and seqmesh does not know how "
-            f"to run it sequence-parallel: on a shard it would silently compute another recurrence. seqmesh supports "
-            f"{SUPPORTED}; run this model without sequence parallelism."
-        )
     return layers
 
 
@@ -124,9 +103,8 @@ def _make_forward(mesh: SPMesh, project: Projection):
     return forward
 
 
-def install(model: nn.Module, mesh: SPMesh) -> int:
-    """Give every Gated DeltaNet layer of ``model`` the sequence-parallel forward; returns how many."""
-    layers = check(model, mesh)
+def install(model: nn.Module, mesh: SPMesh, layers: list[tuple[str, nn.Module]]) -> int:
+    """Give ``layers`` (from :func:`gated_delta_layers`, checked) the sequence-parallel forward; returns how many."""
     for _, module in layers:
         module.forward = types.MethodType(_make_forward(mesh, _projection(module)), module)
         setattr(module, _ATTR, True)

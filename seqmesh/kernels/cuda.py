@@ -5,9 +5,15 @@ Conventions these wrappers rely on (torch 2.9 - 2.13 source):
 - ``_flash_attention_forward`` takes (B, S, H, D) dense or (T, H, D) with int32 ``cu_seqlens``
   (varlen), supports grouped-query heads, returns lse (B, H, S) dense and (H, T) varlen, float32.
   Its backward chooses varlen when ``cum_seq_q`` is a tensor, so dense calls pass ``None``.
-  Causal is bottom-right aligned, which equals top-left for the square calls made here.
+  Causal is bottom-right aligned; ``window_size_left/right`` follow FA2's convention, which
+  :func:`~seqmesh.kernels.windows.flash_window` translates the mask into (or refuses). One head dim
+  for q, k and v (FA2 checks v against q's head size).
 - ``_efficient_attention_forward`` takes (B, S, H, D), needs Hq == Hk, and pads lse to
-  (B, H, ceil32(S)); its backward reads that padded shape (padding +inf).
+  (B, H, ceil32(S)); its backward reads that padded shape (padding +inf). Its custom mask type 1 is
+  causal top-left. It takes an additive ``bias`` of shape (B, H, Sq, Sk) in q's dtype with a
+  contiguous last dim and a row stride aligned for the kernel (batch and head strides may be 0:
+  an expanded (Sq, Sk) bias). Windows run as row bands with that bias (``windows.py``). v may
+  have its own head dim (torch's sdpa dispatch checks only q's against k's; both aligned).
 - ``_scaled_dot_product_cudnn_attention`` takes (B, H, S, D) and returns lse (B, H, S, 1).
 - The efficient and cuDNN ops take no document boundaries here: packed documents run one call per
   document (``PerDocumentKernel``); the flash op takes them natively (varlen).
@@ -24,30 +30,41 @@ import torch
 
 from .base import HALF_DTYPES, AttentionKernel, BlockMask, PerDocumentKernel
 from .gqa import expand_kv_heads, fold_kv_heads
+from .windows import BandedWindowKernel, fa2_arguments, flash_window
+
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def cuda_problem(
-    q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int, mask: BlockMask | None = None,
-    v: torch.Tensor | None = None,
+    q: torch.Tensor, dtypes: tuple[torch.dtype, ...], max_dim: int, align: int, v: torch.Tensor | None = None,
+    one_head_dim: bool = True,
 ) -> str | None:
-    """Why a fused CUDA kernel cannot run a call, or None. Sliding windows and a v head dim unlike
-    q's are not wired into these kernels: such calls fall back (``auto``) to one that computes them."""
-    if mask is not None and mask.window is not None:
-        return "sliding windows are not wired into this kernel"
-    if v is not None and v.shape[-1] != q.shape[-1]:
-        return f"it needs one head dim for q, k and v (got {q.shape[-1]} and {v.shape[-1]})"
+    """Why a fused CUDA kernel cannot run a call for its device, dtype or head dims, or None. With
+    ``one_head_dim`` it needs v's head dim equal to q's; either way both obey ``max_dim`` and ``align``.
+    Masks are each kernel's own check."""
+    dims = (q.shape[-1],) if v is None else (q.shape[-1], v.shape[-1])
+    if one_head_dim and len(set(dims)) > 1:
+        return f"it needs one head dim for q, k and v (got {dims[0]} and {dims[1]})"
     if q.device.type != "cuda":
         return f"tensors are on {q.device}, not a CUDA device"
     if q.dtype not in dtypes:
         return f"dtype {q.dtype} is not one of {dtypes}"
-    d = q.shape[-1]
-    if d > max_dim or d % align:
-        return f"head dim {d} must be a multiple of {align} and at most {max_dim}"
+    for d in dims:
+        if d > max_dim or d % align:
+            return f"head dim {d} must be a multiple of {align} and at most {max_dim}"
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return "needs an sm80 (Ampere) or newer GPU"
+    return None
+
+
+def square_causal_problem(mask: BlockMask, sq: int, sk: int) -> str | None:
+    """Why a kernel with only a top-left causal flag (and no window) cannot run ``mask``, or None."""
+    if mask.window is not None:
+        return "this op takes no sliding window"
+    if mask.causal and (mask.offset != 0 or sq != sk):
+        return f"its causal flag is the square diagonal (got Sq={sq}, Sk={sk}, offset {mask.offset})"
     return None
 
 
@@ -66,7 +83,8 @@ def _no_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class CudaFlashKernel(AttentionKernel):
-    """FA2 as vendored in torch: fp16/bf16, head dim <= 256, grouped-query heads, varlen documents."""
+    """FA2 as vendored in torch: fp16/bf16, one head dim <= 256 for q, k and v, grouped-query heads,
+    varlen documents, sliding windows as FA2 window sizes."""
 
     name = "cuda_flash"
 
@@ -75,80 +93,105 @@ class CudaFlashKernel(AttentionKernel):
             return "this torch build has no flash attention"
         if not torch.backends.cuda.flash_sdp_enabled():
             return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
-        return cuda_problem(q, HALF_DTYPES, 256, 8, mask, v)
+        window = flash_window(mask, q.shape[1], k.shape[1])
+        return window if isinstance(window, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
 
     def forward(self, q, k, v, mask, scale):
         b, sq, h, d = q.shape
         sk = k.shape[1]
+        causal, left, right = fa2_arguments(mask, sq, sk)
+        window = {"window_size_left": left, "window_size_right": right}
         if mask.segments is None:
             out, lse, *_ = torch.ops.aten._flash_attention_forward(
                 _last_contiguous(q), _last_contiguous(k), _last_contiguous(v), None, None, sq, sk, 0.0,
-                mask.causal, False, scale=scale,
+                causal, False, scale=scale, **window,
             )
             return out, lse  # (B, Sq, H, D), (B, H, Sq)
         cu, longest = varlen_args(mask.segments, b, sq, q.device)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             q.reshape(b * sq, h, d), k.reshape(b * sk, k.shape[2], d), v.reshape(b * sk, v.shape[2], d),
-            cu, cu, longest, longest, 0.0, mask.causal, False, scale=scale,
+            cu, cu, longest, longest, 0.0, causal, False, scale=scale, **window,
         )
         return out.view(b, sq, h, d), lse.view(h, b, sq).permute(1, 0, 2)  # lse (H, B*S) -> (B, H, S)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         b, sq, h, d = q.shape
         sk = k.shape[1]
+        causal, left, right = fa2_arguments(mask, sq, sk)
+        window = {"window_size_left": left, "window_size_right": right}
         rng, unused = _no_rng(q.device)
         if mask.segments is None:
             return torch.ops.aten._flash_attention_backward(
                 _last_contiguous(dout), _last_contiguous(q), _last_contiguous(k), _last_contiguous(v),
-                _last_contiguous(out), lse.float().contiguous(), None, None, sq, sk, 0.0, mask.causal, rng, unused,
-                scale=scale,
+                _last_contiguous(out), lse.float().contiguous(), None, None, sq, sk, 0.0, causal, rng, unused,
+                scale=scale, **window,
             )
         cu, longest = varlen_args(mask.segments, b, sq, q.device)
         hk = k.shape[2]
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout.reshape(b * sq, h, d), q.reshape(b * sq, h, d), k.reshape(b * sk, hk, d), v.reshape(b * sk, hk, d),
             out.reshape(b * sq, h, d), lse.float().permute(1, 0, 2).reshape(h, b * sq).contiguous(),
-            cu, cu, longest, longest, 0.0, mask.causal, rng, unused, scale=scale,
+            cu, cu, longest, longest, 0.0, causal, rng, unused, scale=scale, **window,
         )
         return dq.view(b, sq, h, d), dk.view(b, sk, hk, d), dv.view(b, sk, hk, d)
 
 
-class CudaEfficientKernel(PerDocumentKernel):
-    """cutlass memory-efficient attention: fp32/fp16/bf16; kv heads are expanded for grouped queries;
-    packed documents run one call per document."""
+class CudaEfficientKernel(BandedWindowKernel):
+    """cutlass memory-efficient attention: fp32/fp16/bf16, v's head dim free; kv heads are expanded for
+    grouped queries; packed documents run one call per document; windows as row bands with a bias."""
 
     name = "cuda_efficient"
+    bias_align = 16  # elements: what torch's sdpa pads its masks to for this kernel (any dtype's alignment)
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if not torch.backends.cuda.mem_efficient_sdp_enabled():
             return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
+        if mask.window is None and (reason := square_causal_problem(mask, q.shape[1], k.shape[1])):
+            return reason
         align = 4 if q.dtype == torch.float32 else 8
-        return cuda_problem(q, (torch.float32, *HALF_DTYPES), 512, align, mask, v)
+        return cuda_problem(q, (torch.float32, *HALF_DTYPES), 512, align, v, one_head_dim=False)
 
-    def dense_forward(self, q, k, v, causal, scale):
-        h = q.shape[2]
+    def _forward(self, q, k, v, bias, causal, scale):
+        b, sq, h, _ = q.shape
+        if bias is not None:
+            bias = bias.expand(b, h, sq, k.shape[1])  # (rows, keys) -> (B, H, rows, keys), strides 0
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             _last_contiguous(q), _last_contiguous(expand_kv_heads(k, h)), _last_contiguous(expand_kv_heads(v, h)),
-            None, None, None, None, None, 0.0, int(causal), True, scale=scale,  # custom mask type 1: causal, top-left
+            bias, None, None, None, None, 0.0, int(causal), True, scale=scale,  # custom mask type 1: causal, top-left
         )
-        return out, lse[:, :, : q.shape[1]]
+        return out, lse[:, :, :sq]  # (B, Sq, H, Dv), (B, H, Sq)
 
-    def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _backward(self, dout, q, k, v, out, lse, bias, causal, scale):
         b, sq, h, _ = q.shape
+        sk = k.shape[1]
+        if bias is not None:
+            bias = bias.expand(b, h, sq, sk)
         padded = torch.full((b, h, -(-sq // 32) * 32), float("inf"), dtype=torch.float32, device=q.device)
         padded[:, :, :sq] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            dout.contiguous(), _last_contiguous(q), _last_contiguous(expand_kv_heads(k, h)), _last_contiguous(expand_kv_heads(v, h)),
-            None, out.to(q.dtype).contiguous(), None, None, sq, k.shape[1], padded, 0.0, seed, seed,
-            int(causal), False, scale=scale,
+            dout.contiguous(), _last_contiguous(q), _last_contiguous(expand_kv_heads(k, h)),
+            _last_contiguous(expand_kv_heads(v, h)), bias, out.to(q.dtype).contiguous(), None, None, sq, sk, padded,
+            0.0, seed, seed, int(causal), False, scale=scale,
         )
         return dq, fold_kv_heads(dk, k.shape[2]), fold_kv_heads(dv, k.shape[2])
 
+    def dense_forward(self, q, k, v, causal, scale):
+        return self._forward(q, k, v, None, causal, scale)
+
+    def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
+        return self._backward(dout, q, k, v, out, lse, None, causal, scale)
+
+    def biased_forward(self, q, k, v, bias, scale):
+        return self._forward(q, k, v, bias, False, scale)
+
+    def biased_backward(self, dout, q, k, v, out, lse, bias, scale):
+        return self._backward(dout, q, k, v, out, lse, bias, False, scale)
+
 
 class CudaCudnnKernel(PerDocumentKernel):
-    """cuDNN fused attention: fp16/bf16; kv heads are expanded for grouped queries; packed documents
-    run one call per document."""
+    """cuDNN fused attention: fp16/bf16, one head dim <= 128; kv heads are expanded for grouped queries;
+    packed documents run one call per document. No windows: ``auto`` passes them to the next kernel."""
 
     name = "cuda_cudnn"
 
@@ -157,7 +200,7 @@ class CudaCudnnKernel(PerDocumentKernel):
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
-        return cuda_problem(q, HALF_DTYPES, 128, 8, mask, v)
+        return square_causal_problem(mask, q.shape[1], k.shape[1]) or cuda_problem(q, HALF_DTYPES, 128, 8, v)
 
     def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]

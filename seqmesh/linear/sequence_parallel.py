@@ -99,33 +99,55 @@ class LinearHeads:
 
     def send_chunks(self) -> list[tuple[int, int, int]]:
         """Destination-major channel ranges of the packed input each rank receives."""
-        kd, dk, dv = self.key_heads * self.key_dim, self.key_dim, self.value_dim
+        kd, dk, dv, plan = self.key_heads * self.key_dim, self.key_dim, self.value_dim, self.plan
         chunks = []
         for u in range(self.ranks):
-            (k0, k1), (v0, v1) = self.plan.kv_range(u), self.plan.q_range(u)
+            (k0, k1), (v0, v1) = plan.kv_range(u), plan.q_range(u)
             chunks += [(0, k0 * dk, k1 * dk), (0, kd + k0 * dk, kd + k1 * dk), (0, 2 * kd + v0 * dv, 2 * kd + v1 * dv),
                        (0, self.conv_dim + v0, self.conv_dim + v1),
                        (0, self.conv_dim + self.value_heads + v0, self.conv_dim + self.value_heads + v1)]
         return chunks
 
     def in_channels(self, rank: int) -> int:
-        k, v = self.plan.kv_count(rank), self.plan.q_count(rank)
-        return 2 * k * self.key_dim + v * (self.value_dim + 2)
+        plan = self.plan
+        return 2 * plan.kv_count(rank) * self.key_dim + plan.q_count(rank) * (self.value_dim + 2)
 
-    def conv_channels(self, rank: int) -> torch.Tensor:
-        """The conv channels (indices into q | k | v) of ``rank``'s heads, in the order received."""
-        return _conv_channels(self, rank)
+    def route(self, rank: int, device: torch.device | str = "cpu") -> Route:
+        """What ``rank`` sends, receives and indexes for these heads, built once per heads, rank and device."""
+        return _route(self, rank, torch.device(device))
 
-    def key_of_value_head(self, rank: int) -> torch.Tensor:
-        """For each value head of ``rank``, the index of the key head it reads among the rank's key heads."""
-        (k0, _), (v0, v1) = self.plan.kv_range(rank), self.plan.q_range(rank)
-        group = self.value_heads // self.key_heads
-        return torch.tensor([h // group - k0 for h in range(v0, v1)], dtype=torch.long)
+
+@dataclass(frozen=True)
+class Route:
+    """One rank's share of a :class:`LinearHeads` deal: the all-to-all chunks and counts both ways, and
+    the index tensors its conv and recurrence read (on the device of its activations)."""
+
+    send_chunks: tuple[tuple[int, int, int], ...]  # input all-to-all: destination-major channel ranges
+    sends: tuple[int, ...]  # input channels each rank receives
+    out_chunks: tuple[tuple[int, int, int], ...]  # output all-to-all: each rank's value-head range
+    out_counts: tuple[int, ...]  # value heads of each rank
+    key_heads: int  # this rank's key heads
+    value_heads: tuple[int, int]  # this rank's value heads [v0, v1)
+    conv_channels: torch.Tensor  # (conv channels of the rank,) indices into q | k | v, in the order received
+    key_of: torch.Tensor  # (value heads of the rank,) the local key head each reads
 
 
 @functools.lru_cache(maxsize=64)
-def _conv_channels(heads: LinearHeads, rank: int) -> torch.Tensor:
-    return torch.cat([torch.arange(a, b) for i, a, b in heads.send_chunks()[5 * rank : 5 * rank + 3]])
+def _route(heads: LinearHeads, rank: int, device: torch.device) -> Route:
+    plan = heads.plan
+    chunks = heads.send_chunks()
+    (k0, k1), (v0, v1) = plan.kv_range(rank), plan.q_range(rank)
+    group = heads.value_heads // heads.key_heads
+    return Route(
+        send_chunks=tuple(chunks),
+        sends=tuple(heads.in_channels(u) for u in range(heads.ranks)),
+        out_chunks=tuple((0, *plan.q_range(u)) for u in range(heads.ranks)),
+        out_counts=tuple(plan.q_count(u) for u in range(heads.ranks)),
+        key_heads=k1 - k0,
+        value_heads=(v0, v1),
+        conv_channels=torch.cat([torch.arange(a, b) for _, a, b in chunks[5 * rank : 5 * rank + 3]]).to(device),
+        key_of=torch.tensor([h // group - k0 for h in range(v0, v1)], dtype=torch.long, device=device),
+    )
 
 
 @dataclass(frozen=True)
@@ -146,18 +168,16 @@ def gated_delta_heads(
     """The token mixer on whole sequences for ``rank``'s heads: ``packed`` (B, S, in_channels(rank))
     in natural order -> (B, S, h_rank, Dv)."""
     b, s, _ = packed.shape
-    plan = heads.plan
-    nk, nv = plan.kv_count(rank), plan.q_count(rank)
-    v0, v1 = plan.q_range(rank)
+    route = heads.route(rank, packed.device)
+    nk, (v0, v1) = route.key_heads, route.value_heads
+    nv = v1 - v0
     conv_in, beta_in, a_in = packed.split([2 * nk * heads.key_dim + nv * heads.value_dim, nv, nv], dim=-1)
-    channels = heads.conv_channels(rank).to(packed.device)
-    weight = params.conv_weight.index_select(0, channels)
-    bias = None if params.conv_bias is None else params.conv_bias.index_select(0, channels)
+    weight = params.conv_weight.index_select(0, route.conv_channels)
+    bias = None if params.conv_bias is None else params.conv_bias.index_select(0, route.conv_channels)
     mixed = causal_conv(conv_in, weight, bias, bounds, params.activation)  # (B, S, conv channels of the rank)
     q, k, v = mixed.split([nk * heads.key_dim, nk * heads.key_dim, nv * heads.value_dim], dim=-1)
-    key_of = heads.key_of_value_head(rank).to(packed.device)
-    q = q.reshape(b, s, nk, heads.key_dim).index_select(2, key_of)  # (B, S, h, Dk): one key head per value head
-    k = k.reshape(b, s, nk, heads.key_dim).index_select(2, key_of)
+    q = q.reshape(b, s, nk, heads.key_dim).index_select(2, route.key_of)  # (B, S, h, Dk): one key head per value head
+    k = k.reshape(b, s, nk, heads.key_dim).index_select(2, route.key_of)
     v = v.reshape(b, s, nv, heads.value_dim)
     beta = beta_in.sigmoid() * params.beta_scale if params.beta_scale != 1.0 else beta_in.sigmoid()
     g = -params.A_log[v0:v1].float().exp() * F.softplus(a_in.float() + params.dt_bias[v0:v1])  # (B, S, h)
@@ -191,12 +211,10 @@ def sequence_parallel_gated_delta(
         return gated_delta_heads(packed, params, heads, 0, bounds)
     rank, group = mesh.sp_rank, mesh.sp_group
     lay = sequence_layout(mesh, padded, layout, cu_seqlens)  # per_document places tokens by the documents
-    plan = heads.plan
-    sends = [heads.in_channels(u) for u in range(p)]
-    gathered = seq_to_head([packed.unsqueeze(-1)], group, heads.send_chunks(), sends, sends[rank])  # (B, S, c_r, 1)
-    natural = gathered.squeeze(-1).index_select(1, lay.indices(restore=True).to(packed.device))
+    route = heads.route(rank, packed.device)
+    gathered = seq_to_head([packed.unsqueeze(-1)], group, route.send_chunks, route.sends, route.sends[rank])  # (B, S, c_r, 1)
+    natural = gathered.squeeze(-1).index_select(1, lay.indices(restore=True, device=packed.device))
     out = gated_delta_heads(natural, params, heads, rank, bounds)  # (B, S, h_r, Dv)
-    out = out.index_select(1, lay.indices().to(out.device))  # layout order
-    counts = [plan.q_count(u) for u in range(p)]
-    chunks = [(0, *plan.q_range(u)) for u in range(p)]
-    return head_to_seq(out, group, chunks, counts, counts[rank], torch.Size((b, n, heads.value_heads, heads.value_dim)))
+    out = out.index_select(1, lay.indices(device=out.device))  # layout order
+    return head_to_seq(out, group, route.out_chunks, route.out_counts, route.out_counts[rank],
+                       torch.Size((b, n, heads.value_heads, heads.value_dim)))

@@ -1,6 +1,9 @@
 """``seqmesh plan``: memory, traffic and step time of every layout of a cluster, and a recommendation.
 
 - :mod:`.hardware`  GPUs and their link hierarchy (presets, custom links, rank placement)
+- :mod:`.fabric`    a node's NICs and the switches above: uplinks and bisection shared by concurrent traffic
+- :mod:`.ring_efficiency` ring attention's split-and-merge efficiency by block size (published or measured)
+- :mod:`.global_batch` a fixed global batch: which layouts give it, with how much gradient accumulation
 - :mod:`.traffic`   exact per-rank bytes of seqmesh's collectives; FSDP and tensor-parallel references
 - :mod:`.memory`    per-GPU memory by purpose
 - :mod:`.timing`    compute and communication time, with what overlaps
@@ -12,15 +15,19 @@
 """
 
 from .candidate import Candidate
+from .fabric import Fabric
+from .global_batch import GlobalBatch
 from .hardware import PRESETS, Cluster, HardwareSpec, LinkLevel, make_cluster
 from .memory import MemoryBreakdown, memory_per_gpu
 from .plan import Plan, longest_plan, longest_sequence, plan
+from .ring_efficiency import RingEfficiency
 from .timing import StepTime, step_time
 from .traffic import HeadDeal, attention_traffic, padded_length
 from .workload import Layout, Workload
 
 __all__ = [
-    "attention_traffic", "Candidate", "Cluster", "HardwareSpec", "HeadDeal", "Layout", "LinkLevel",
+    "attention_traffic", "Candidate", "Cluster", "Fabric", "GlobalBatch", "HardwareSpec", "HeadDeal", "Layout",
+    "LinkLevel",
     "longest_plan", "longest_sequence", "make_cluster", "memory_per_gpu", "MemoryBreakdown", "padded_length",
-    "Plan", "plan", "PRESETS", "step_time", "StepTime", "Workload",
+    "Plan", "plan", "PRESETS", "RingEfficiency", "step_time", "StepTime", "Workload",
 ]

@@ -29,6 +29,12 @@ class Candidate:
     feasible: bool
     problems: tuple[str, ...] = ()  # why it is infeasible
     notes: tuple[str, ...] = ()  # uneven heads, kv replication, reference only
+    accumulation: int = 1  # micro-steps (gradient accumulation) per optimizer step for the global batch
+
+    @property
+    def optimizer_step_s(self) -> float:
+        """One optimizer step: ``accumulation`` micro-steps (see :mod:`.global_batch`)."""
+        return self.accumulation * self.time.total
 
     def as_dict(self) -> dict:
         return {
@@ -43,6 +49,8 @@ class Candidate:
             "step_time_s": self.time.total,
             "time_s": self.time.as_dict(),
             "tokens_per_s": self.tokens_per_s,
+            "grad_accumulation": self.accumulation,
+            "optimizer_step_s": self.optimizer_step_s,
             "feasible": self.feasible,
             "problems": list(self.problems),
             "notes": list(self.notes),

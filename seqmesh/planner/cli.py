@@ -8,8 +8,11 @@ import sys
 from dataclasses import replace
 
 from ..training.presets import MODELS, model_shape
+from .fabric import parse_fabric
+from .global_batch import global_batch_from
 from .hardware import GB, GiB, PRESETS, HardwareSpec, make_cluster, parse_link
 from .plan import longest_plan, plan
+from .ring_efficiency import load_ring_efficiency
 from .report import format_longest, format_plan
 from .workload import Workload
 
@@ -42,6 +45,19 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--link", action="append", metavar="NAME:GROUP:GBPS:US",
                    help="a link level, innermost first (repeat); GROUP 'all' for the outermost; replaces the "
                         "preset's links, e.g. --link pcie:4:24:10 --link host:8:12:15 --link ib:all:40:15")
+    p.add_argument("--fabric", metavar="NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]",
+                   help="the network of a node: NICs per node, achievable GB/s per NIC, the leaf switches' "
+                        "oversubscription (1 = non-blocking) and nodes per leaf switch (default: the preset's, "
+                        "e.g. DGX H100 8:40:1:32; none with --link)")
+    p.add_argument("--ring-efficiency", metavar="FILE",
+                   help="ring split-and-merge efficiency by block size, from `seqmesh bench merge --json > FILE` "
+                        "on the GPU being planned (default: 90.2%% at 8K-token blocks, ring-flash-attention on H800)")
+    p.add_argument("--global-batch-seqs", type=int, metavar="N",
+                   help="sequences per optimizer step over the cluster: only layouts whose dp_shard x --batch "
+                        "divides N, accumulating gradients over the rest")
+    p.add_argument("--global-batch-tokens", type=int, metavar="N", help="the same in tokens (a multiple of --seq-len)")
+    p.add_argument("--one-group", action="store_true",
+                   help="one sequence group over the whole cluster (ulysses x ring = GPUs, no data parallelism)")
     p.add_argument("--efficiency", type=float, help="achieved/peak FLOP/s for matmuls and attention (default 0.5)")
     p.add_argument("--matmul-efficiency", type=float, help="achieved/peak FLOP/s for matmuls")
     p.add_argument("--attention-efficiency", type=float, help="achieved/peak FLOP/s for attention")
@@ -104,6 +120,11 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
         changes["links"] = links
         changes["gpus_per_node"] = args.gpus_per_node or (max(inner) if inner else hw.gpus_per_node)
         changes["name"] = f"{hw.name}+custom-links"
+        changes["fabric"] = None  # the preset's NICs need not be the described machine's
+    if args.fabric:
+        changes["fabric"] = parse_fabric(args.fabric)
+    if args.ring_efficiency:
+        changes["ring_efficiency"] = load_ring_efficiency(args.ring_efficiency)
     if changes:
         hw = replace(hw, **changes)
     return hw
@@ -119,7 +140,8 @@ def workload_from_args(args: argparse.Namespace, seq_len: int) -> Workload:
 
 
 def check_args(args: argparse.Namespace):
-    """Everything the plan needs, checked; raises PlanInputError naming the problem and the fix."""
+    """Everything the plan needs (workload, cluster, global batch), checked; raises PlanInputError naming the
+    problem and the fix."""
     if args.seq_len is None and not args.max_seq_len:
         raise PlanInputError("give --seq-len N (tokens per sequence), or --max-seq-len to find the longest that fits.")
     if args.seq_len is not None and args.seq_len < 1:
@@ -132,6 +154,8 @@ def check_args(args: argparse.Namespace):
         hw = hardware_from_args(args)
         cluster = make_cluster(hw, args.gpus, args.nodes, args.gpus_per_node if not args.link else None)
         work = workload_from_args(args, args.seq_len or 1)
+        target = global_batch_from(args.global_batch_seqs, args.global_batch_tokens, args.seq_len, args.batch,
+                                   args.one_group)
     except PlanInputError:
         raise
     except ValueError as err:
@@ -141,12 +165,12 @@ def check_args(args: argparse.Namespace):
             f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the preset's bf16 peak, "
             "and fp32 without tensor cores is not a fixed fraction of it (1/15 on an H100, 1/2 on an L20); give "
             "--peak-tflops-fp32, or --calibrate to measure it.")
-    return work, cluster
+    return work, cluster, target
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
-        work, cluster = check_args(args)
+        work, cluster, target = check_args(args)
     except PlanInputError as err:
         print(f"seqmesh plan: error: {err}", file=sys.stderr)
         return 2
@@ -157,9 +181,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(format_calibration(measured), file=sys.stderr if args.json else sys.stdout)
         cluster = replace(cluster, hardware=apply_calibration(cluster.hardware, measured, work.dtype))
     if args.max_seq_len:
-        result = longest_plan(work, cluster)
+        result = longest_plan(work, cluster, target)
         print(json.dumps(result, indent=1) if args.json else format_longest(result, work, cluster, args.top))
         return 0
-    result = plan(work, cluster)
+    result = plan(work, cluster, target)
     print(json.dumps(result.as_dict(), indent=1) if args.json else format_plan(result, args.top))
     return 0

@@ -13,12 +13,19 @@ Bandwidths are *achievable* bytes per second that one GPU can send on that level
 bidirectional figure); latencies are the fixed cost of one collective call on that level. The preset
 numbers come from public datasheets, derated as noted beside each; check them against your own
 cluster with ``seqmesh plan --calibrate`` or override them with ``--link``.
+
+A level's bandwidth is one GPU's; what the GPUs of a node share (its NICs, and an oversubscribed
+switch above them) is the ``fabric`` (:mod:`.fabric`, ``--fabric``). How ring attention's kernels slow
+down on smaller blocks is ``ring_efficiency`` (:mod:`.ring_efficiency`, ``--ring-efficiency``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+from .fabric import Fabric
+from .ring_efficiency import DEFAULT_RING_EFFICIENCY, RingEfficiency
 
 GiB = 2**30
 GB = 10**9
@@ -58,6 +65,8 @@ class HardwareSpec:
     source: str = ""  # where the figures come from
     host_bandwidth: float = 25e9  # bytes/s each way between one GPU and pinned host memory: PCIe 5.0 x16 is 64 GB/s
     # raw, ~50 GB/s measured for pinned copies; halved as two GPUs of an HGX board share a PCIe switch
+    fabric: Fabric | None = None  # the node's NICs and the switches above; None: only the per-GPU link figures
+    ring_efficiency: RingEfficiency = DEFAULT_RING_EFFICIENCY  # ring split-and-merge efficiency by block size
 
     def __post_init__(self) -> None:
         if not self.links or self.links[-1].group != 0:
@@ -114,7 +123,8 @@ class HardwareSpec:
         return counts
 
     def with_gpus_per_node(self, per_node: int) -> HardwareSpec:
-        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it."""
+        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it, and
+        the fabric keeps its NICs per GPU (at least one per node)."""
         if per_node == self.gpus_per_node:
             return self
         inner = [lv for lv in self.links[:-1] if lv.group < per_node and per_node % lv.group == 0]
@@ -126,7 +136,10 @@ class HardwareSpec:
             levels = [*inner, replace(node_level[0], group=per_node)]
         else:
             levels = inner
-        return replace(self, gpus_per_node=per_node, links=(*levels, self.links[-1]))
+        fabric = self.fabric
+        if fabric is not None:
+            fabric = replace(fabric, nics_per_node=max(1, fabric.nics_per_node * per_node // self.gpus_per_node))
+        return replace(self, gpus_per_node=per_node, links=(*levels, self.links[-1]), fabric=fabric)
 
     def describe(self) -> str:
         """One line: memory, FLOP/s and the links."""
@@ -135,8 +148,14 @@ class HardwareSpec:
             for lv in self.links
         )
         fp32 = f" ({self.peak_flops_fp32 / 1e12:.4g} fp32)" if self.peak_flops_fp32 else ""
+        net = ""
+        if self.fabric is not None:
+            f = self.fabric
+            switch = f" per {f.nodes_per_switch}-node leaf" if f.nodes_per_switch else ""
+            net = (f"; {f.nics_per_node} NIC(s) x {f.nic_bandwidth / GB:.3g} GB/s per node, "
+                   f"oversubscription {f.oversubscription:g}{switch}")
         return (f"{self.name}: {self.memory_bytes / GiB:.1f} GiB, {self.peak_flops / 1e12:.4g} TFLOP/s bf16{fp32}, "
-                f"{self.gpus_per_node} per node; links {links}")
+                f"{self.gpus_per_node} per node; links {links}{net}")
 
     def as_dict(self) -> dict:
         return {
@@ -146,6 +165,8 @@ class HardwareSpec:
             "matmul_efficiency": self.matmul_efficiency,
             "attention_efficiency": self.attention_efficiency, "source": self.source,
             "host_bandwidth": self.host_bandwidth,
+            "fabric": None if self.fabric is None else self.fabric.as_dict(),
+            "ring_efficiency": self.ring_efficiency.as_dict(),
             "links": [{"name": lv.name, "group": lv.group, "bandwidth": lv.bandwidth, "latency": lv.latency}
                       for lv in self.links],
         }
@@ -156,7 +177,14 @@ def _node(nvlink_name: str, nv_bw: float, nv_lat: float, net_name: str, net_bw: 
 
 
 # Peaks from NVIDIA datasheets; achievable link and memory bandwidth taken as ~80% of the peak (links: of
-# one direction).
+# one direction). Fabrics: the compute-fabric NICs of NVIDIA's DGX systems (DGX H100/H200 user guides: eight
+# single-port ConnectX-7 at 400 Gb/s; DGX A100: eight ConnectX-6 at 200 Gb/s), 80% of line rate; the DGX
+# SuperPOD reference architectures build a non-blocking (1:1) rail-optimized fat tree of scalable units of
+# 32 (H100) or 20 (A100) nodes.
+_DGX_H100_FABRIC = Fabric(8, 40 * GB, 1.0, 32, source="DGX H100/H200: 8 x ConnectX-7 400 Gb/s (80% -> 40 GB/s "
+                          "each); SuperPOD: non-blocking fat tree, 32-node scalable units")
+_DGX_A100_FABRIC = Fabric(8, 20 * GB, 1.0, 20, source="DGX A100: 8 x ConnectX-6 200 Gb/s HDR (80% -> 20 GB/s each); "
+                          "SuperPOD: non-blocking fat tree, 20-node scalable units")
 PRESETS: dict[str, HardwareSpec] = {
     h.name: h
     for h in (
@@ -164,7 +192,7 @@ PRESETS: dict[str, HardwareSpec] = {
             "h100-nvlink", int(79.6 * GiB), 989.4e12,
             _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
             memory_bandwidth=2.7e12,  # HBM3 3.35 TB/s
-            peak_flops_fp32=67e12,
+            peak_flops_fp32=67e12, fabric=_DGX_H100_FABRIC,
             source="H100 SXM5 80GB: 989.4 TFLOP/s dense bf16, NVLink4 450 GB/s per direction (900 GB/s both), "
                    "one 400 Gb/s NDR NIC per GPU",
         ),
@@ -172,14 +200,14 @@ PRESETS: dict[str, HardwareSpec] = {
             "h200-nvlink", int(140.4 * GiB), 989.4e12,
             _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
             memory_bandwidth=3.8e12,  # HBM3e 4.8 TB/s
-            peak_flops_fp32=67e12,
+            peak_flops_fp32=67e12, fabric=_DGX_H100_FABRIC,
             source="H200 SXM 141GB: same compute and NVLink as H100 SXM, one 400 Gb/s NIC per GPU",
         ),
         HardwareSpec(
             "a100-nvlink", int(80.0 * GiB), 312e12,
             _node("nvlink3", 240 * GB, 5e-6, "infiniband-hdr", 20 * GB, 15e-6),
             memory_bandwidth=1.6e12,  # HBM2e 2.04 TB/s
-            peak_flops_fp32=19.5e12,
+            peak_flops_fp32=19.5e12, fabric=_DGX_A100_FABRIC,
             source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, "
                    "one 200 Gb/s HDR NIC per GPU",
         ),
@@ -188,10 +216,11 @@ PRESETS: dict[str, HardwareSpec] = {
             (
                 LinkLevel("pcie-switch", 4, 24 * GB, 10e-6),  # PCIe 4.0 x16: 32 GB/s per direction
                 LinkLevel("pcie-host", 8, 12 * GB, 15e-6),  # across switches through the CPU root complex
-                LinkLevel("ethernet", 0, 6 * GB, 25e-6),  # 400 Gb/s per node shared by 8 GPUs
+                LinkLevel("ethernet", 0, 12 * GB, 25e-6),  # one GPU to the node's NIC, through the host bridge
             ),
             memory_bandwidth=0.7e12,  # GDDR6 864 GB/s
             peak_flops_fp32=59.4e12,
+            fabric=Fabric(1, 40 * GB, source="one 400 Gb/s RoCE NIC per node (80% -> 40 GB/s), shared by its 8 GPUs"),
             source="L20 48GB: 119.5 TFLOP/s dense bf16, PCIe 4.0 x16, no NVLink; 4 GPUs per PCIe switch, "
                    "8 per node, 400 Gb/s RoCE per node",
         ),

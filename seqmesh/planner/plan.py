@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .candidate import Candidate
+from .global_batch import GlobalBatch
 from .hardware import GiB, Cluster, HardwareSpec
 from .memory import memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
@@ -36,6 +37,7 @@ class Plan:
     excluded: tuple[tuple[Layout, str], ...] = field(default_factory=tuple)  # layouts that cannot run at all
     recommended: Candidate | None = None
     reason: str = ""
+    target: GlobalBatch = GlobalBatch()  # the global batch asked for, if any
 
     def as_dict(self) -> dict:
         rec = None
@@ -45,6 +47,7 @@ class Plan:
         return {
             "mode": "plan",
             **workload_dict(self.work, self.cluster),
+            "global_batch_seqs": self.target.sequences, "one_group": self.target.one_group,
             "candidates": [c.as_dict() for c in self.candidates],
             "excluded": [{"layout": lay.as_dict(), "reason": why} for lay, why in self.excluded],
             "recommended": rec,
@@ -63,8 +66,20 @@ def workload_dict(work: Workload, cluster: Cluster) -> dict:
     }
 
 
-def layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[tuple[Layout, str]]]:
-    """Every layout of the cluster's GPUs, and the ones that cannot run with the reason."""
+def layouts(work: Workload, cluster: Cluster,
+            target: GlobalBatch = GlobalBatch()) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """Every layout of the cluster's GPUs, and the ones that cannot run (or cannot give ``target``'s
+    global batch) with the reason."""
+    ok, excluded = _all_layouts(work, cluster)
+    for lay in list(ok):
+        why = target.why_not(lay, work.batch)
+        if why:
+            ok.remove(lay)
+            excluded.append((lay, why))
+    return ok, excluded
+
+
+def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     m, n = work.model, cluster.gpus
     ok, excluded = [], []
     for sp in divisors(n):
@@ -167,7 +182,7 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     return per_layer, links, step
 
 
-def evaluate(work: Workload, layout: Layout, cluster: Cluster) -> Candidate:
+def evaluate(work: Workload, layout: Layout, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Candidate:
     hw = cluster.hardware
     mem = memory_per_gpu(work, layout)
     per_layer, links, per_step = communication(work, layout, hw)
@@ -187,22 +202,23 @@ def evaluate(work: Workload, layout: Layout, cluster: Cluster) -> Candidate:
         notes.append(f"padded to {padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)} tokens")
     tokens = layout.dp_shard * work.batch * work.seq_len
     return Candidate(layout, mem, per_layer, links, per_step, t, tokens / t.total, not problems,
-                     tuple(problems), tuple(notes))
+                     tuple(problems), tuple(notes), target.accumulation(layout, work.batch))
 
 
 def _rank_key(c: Candidate) -> tuple:
     return (not c.feasible, -c.tokens_per_s if c.feasible else c.memory.total)
 
 
-def plan(work: Workload, cluster: Cluster) -> Plan:
-    """Evaluate every layout; the recommendation first, then the others by predicted throughput."""
-    ok, excluded = layouts(work, cluster)
-    ranked = sorted((evaluate(work, lay, cluster) for lay in ok), key=_rank_key)
+def plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Plan:
+    """Evaluate every layout (that gives ``target``'s global batch); the recommendation first, then the
+    others by predicted throughput."""
+    ok, excluded = layouts(work, cluster, target)
+    ranked = sorted((evaluate(work, lay, cluster, target) for lay in ok), key=_rank_key)
     best = pick(ranked, cluster.hardware.memory_bytes)
     if best is not None:
         ranked = [best] + [c for c in ranked if c is not best]
     reason = explain(best, ranked, cluster) if best else nothing_fits(ranked, cluster)
-    return Plan(work, cluster, tuple(ranked), tuple(excluded), best, reason)
+    return Plan(work, cluster, tuple(ranked), tuple(excluded), best, reason, target)
 
 
 def longest_sequence(work: Workload, layout: Layout, memory_bytes: int, limit: int = 2**34) -> int:
@@ -224,12 +240,13 @@ def longest_sequence(work: Workload, layout: Layout, memory_bytes: int, limit: i
     return lo
 
 
-def longest_plan(work: Workload, cluster: Cluster) -> dict:
+def longest_plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> dict:
     """``--max-seq-len``: for every layout the longest sequence that fits and the plan at that length
     (rows longest first, then by tokens/s), and the seqmesh layout that fits the longest. A layout that
     cannot hold even one token has ``max_seq_len`` 0, ``step_time_s`` None, ``tokens_per_s`` 0, and its
-    memory and traffic evaluated at one token (to show what does not fit). JSON-ready."""
-    ok, _ = layouts(work, cluster)
+    memory and traffic evaluated at one token (to show what does not fit). Only layouts that give
+    ``target``'s global batch (in sequences) are tried. JSON-ready."""
+    ok, _ = layouts(work, cluster, target)
     rows = []
     for lay in ok:
         n = longest_sequence(work, lay, cluster.hardware.memory_bytes)

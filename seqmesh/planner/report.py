@@ -62,16 +62,23 @@ def format_plan(p: Plan, top: int) -> str:
              "SP comm/layer: sequence-parallel bytes the busiest rank sends per layer, forward + backward"
              + (" + checkpoint recompute" if work.checkpointing else ""),
              ""]
+    target = p.target
+    if target.sequences is not None or target.one_group:
+        lines.insert(-1, global_batch_line(p))
+    accum = target.sequences is not None
     best_tps = max((c.tokens_per_s for c in p.candidates if c.feasible), default=0.0)
-    lines.append(f"{'#':>3}  {'layout':<20}{'fits':>5}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}{'vs best':>8}"
+    lines.append(f"{'#':>3}  {'layout':<20}{'fits':>5}{'GiB/GPU':>9}{'step s':>9}"
+                 + (f"{'accum':>7}{'opt step s':>11}" if accum else "") + f"{'tokens/s':>11}{'vs best':>8}"
                  f"{'SP comm/layer':>15}{'exposed':>9}  {'Ulysses link':<15}{'ring link':<15}notes")
     for i, c in enumerate(p.candidates[:top], 1):
         rel = f"{c.tokens_per_s / best_tps:.3f}" if c.feasible and best_tps else "-"
         exposed = percent(c.time.exposed_comm / c.time.total)
         ulink = c.comm_links.get("ulysses_all_to_all") or c.comm_links.get("tp_all_gather", "-")
+        opt = f"{c.accumulation:>7}{_num(c.optimizer_step_s):>11}" if accum else ""
         lines.append(
             f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{_gib(c.memory.total):>9}"
-            f"{_num(c.time.total):>9}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}{exposed:>9}  "
+            f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}"
+            f"{exposed:>9}  "
             f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}"
         )
     if len(p.candidates) > top:
@@ -97,7 +104,25 @@ def format_plan(p: Plan, top: int) -> str:
                  f"total {_human_bytes(c.comm_per_step['total'])}")
     lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
                  f"{_num(c.time.exposed_comm)} s")
+    if accum:
+        tokens = target.sequences * work.seq_len
+        lines.append(f"optimizer step (global batch {target.sequences:,} sequences = {tokens:,} tokens): "
+                     f"{c.accumulation} micro-step(s) x {_num(c.time.total)} s = {_num(c.optimizer_step_s)} s, "
+                     f"{_num(tokens / c.optimizer_step_s)} tokens/s")
     return "\n".join(lines)
+
+
+def global_batch_line(p: Plan) -> str:
+    """What the global batch asks and how gradient accumulation is counted."""
+    t, work = p.target, p.work
+    parts = []
+    if t.one_group:
+        parts.append(f"one sequence group over all {p.cluster.gpus} GPUs (ulysses x ring = {p.cluster.gpus})")
+    if t.sequences is not None:
+        parts.append(f"global batch {t.sequences:,} sequences ({t.sequences * work.seq_len:,} tokens) per optimizer "
+                     f"step = dp_shard x micro-batch {work.batch} x gradient accumulation; each accumulation "
+                     "micro-step repeats FSDP's gathers and reduce-scatter")
+    return "; ".join(parts)
 
 
 def format_memory(c: Candidate, cluster: Cluster) -> str:

@@ -32,18 +32,26 @@ Assumptions:
   All-gather / reduce-scatter cost ``log2(G)`` latencies plus bytes over the slowest level's bandwidth
   (a ring through it).
 - Tensor parallelism (reference only): its 4 collectives per layer each way are not overlapped.
-- Ring merges cost GPU-memory time (``ring_merge_seconds``): each step rereads and rewrites the float32
-  accumulators of the whole block, so their cost grows with the ring degree.
+- Ring attention (ring > 1) runs at the split-and-merge efficiency of its block size
+  (``hw.ring_efficiency``, :mod:`.ring_efficiency`): its attention compute is one call's divided by it,
+  which covers both the smaller kernels and the merges into float32 accumulators. Without a ring the
+  one merge step costs GPU-memory time (``ring_merge_seconds``).
+- Traffic between nodes shares the node's NICs and, above an oversubscribed leaf switch, the spine
+  (``hw.fabric``, :mod:`.fabric`): every group's all-to-all (or ring hop) runs at once, and a call takes
+  at least the busiest node's bytes over its uplinks, besides each GPU's own share over its links.
 - Not modelled: the optimizer step, kernel launch gaps, contention between FSDP and sequence-parallel
-  traffic on a shared link, slower kernels on the smaller ring blocks.
+  traffic on a shared link, the fabric's sharing for FSDP's rings (they cross each node boundary once).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
+from .fabric import Fabric, all_to_all_load, all_to_all_uplink_seconds, ring_load
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic, padded_length,
@@ -91,17 +99,21 @@ def ring_ranks(layout: Layout, ulysses_rank: int, dp_rank: int) -> list[int]:
     return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
 
 
-def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
-    """A sample (every one, up to 64) of the Ulysses or ring groups of ``layout``."""
-    groups = []
+@lru_cache(maxsize=256)
+def every_group(layout: Layout, kind: str) -> tuple[tuple[int, ...], ...]:
+    """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
+    collective at the same moment."""
     if kind == "ulysses":
-        for d in range(layout.dp_shard):
-            for r in range(layout.ring):
-                groups.append(ulysses_ranks(layout, r, d))
-    else:
-        for d in range(layout.dp_shard):
-            for u in range(layout.ulysses):
-                groups.append(ring_ranks(layout, u, d))
+        return tuple(tuple(ulysses_ranks(layout, r, d)) for d in range(layout.dp_shard) for r in range(layout.ring))
+    if kind == "ring":
+        return tuple(tuple(ring_ranks(layout, u, d)) for d in range(layout.dp_shard) for u in range(layout.ulysses))
+    return tuple(tuple(world_rank(layout, u, r, d) for r in range(layout.ring) for u in range(layout.ulysses))
+                 for d in range(layout.dp_shard))
+
+
+def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
+    """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
+    groups = [list(g) for g in every_group(layout, kind)]
     step = max(1, len(groups) // MAX_GROUPS_CHECKED)
     return groups[::step]
 
@@ -130,10 +142,49 @@ def _all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple
     return worst
 
 
+@lru_cache(maxsize=1024)
+def _uplink_load(layout: Layout, kind: str, fabric: Fabric, gpus_per_node: int) -> float:
+    groups = every_group(layout, kind)
+    if kind == "ring":
+        return ring_load(groups, fabric, gpus_per_node, ring_shifts(layout))
+    return all_to_all_load(groups, fabric, gpus_per_node)
+
+
+def ring_shifts(layout: Layout) -> range:
+    """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
+    partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
+    every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
+    (steps 0, 1, ring - 1) go to neighbours too, and a shift of -1 crosses as many node boundaries as +1."""
+    return range(1, min(2, layout.ring))
+
+
+def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Layout, kind: str) -> float:
+    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
+    ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
+    per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
+    leaves a node."""
+    if hw.fabric is None or not nbytes:
+        return 0.0
+    load = _uplink_load(layout, kind, hw.fabric, hw.gpus_per_node)
+    return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
+
+
+def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
+    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's
+    levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's
+    uplinks, whichever is longer."""
+    sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
+    levels = _all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
+    if hw.fabric is None or not nbytes:
+        return levels
+    shared = all_to_all_uplink_seconds(nbytes, groups, hw.fabric, hw.gpus_per_node)
+    return max(levels, hw.links[-1].latency + shared if shared else 0.0)
+
+
 def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``:
-    the latency of the outermost level it crosses plus the slowest level's share over its bandwidth."""
-    return _all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, [ranks]))
+    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``
+    (alone on the cluster): see :func:`concurrent_all_to_all_seconds`."""
+    return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
 
 
 def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
@@ -178,7 +229,10 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
         heads = HeadDeal(m.heads, m.kv_heads, layout.ulysses).max_q
         attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
     attn_bwd = ATTENTION_BACKWARD * attn_fwd
-    if layout.tp == 1:  # seqmesh's merges into float32 accumulators, once per ring step
+    if layout.tp == 1 and layout.ring > 1:  # smaller kernels and the merges: the split-and-merge efficiency
+        efficiency = hw.ring_efficiency.at(ring_block_tokens(work, layout))
+        attn_fwd, attn_bwd = attn_fwd / efficiency, attn_bwd / efficiency
+    elif layout.tp == 1:  # seqmesh's merge into float32 accumulators, one step
         attn_fwd += ring_merge_seconds(work, layout, hw, "forward")
         attn_bwd += ring_merge_seconds(work, layout, hw, "backward")
 
@@ -258,9 +312,10 @@ def _linear_layer_seconds(work: Workload, layout: Layout, hw: HardwareSpec, fsdp
     traffic = linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
                                        seq_len=work.seq_len, batch=work.batch, ulysses=layout.ulysses,
                                        ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-    sp_ranks = [world_rank(layout, u, r, 0) for r in range(layout.ring) for u in range(layout.ulysses)]
+    sample = peer_patterns(hw, axis_groups(layout, "sequence"))
     calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
-    a2a_fwd, a2a_bwd = (sum(all_to_all_seconds(n, hw, sp_ranks) for n in phase) for phase in calls)
+    a2a_fwd, a2a_bwd = (sum(max(_all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
+                            for n in phase) for phase in calls)
     fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
     if work.checkpointing:
         bwd += fwd
@@ -296,17 +351,25 @@ def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: st
     calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                              ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
     patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
-    return sum(_all_to_all_from_patterns(nbytes, hw, patterns) for nbytes in calls[phase])
+    return sum(max(_all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, layout, "ulysses"))
+               for nbytes in calls[phase])
 
 
 def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
-    """One ring hop of ``nbytes``: the slowest neighbour pair of any ring group."""
+    """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
+    group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
+    worst of :func:`ring_shifts`, whichever is longer."""
     worst = 0.0
     for g in axis_groups(layout, "ring"):
         for i, a in enumerate(g):
             lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
             worst = max(worst, lv.latency + nbytes / lv.bandwidth)
-    return worst
+    return max(worst, uplink_seconds(nbytes, hw, layout, "ring"))
+
+
+def ring_block_tokens(work: Workload, layout: Layout) -> int:
+    """Query tokens of one ring block: the padded sequence over the ring degree."""
+    return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // layout.ring
 
 
 def ring_hops(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[float, float]:

@@ -18,9 +18,12 @@ local length ``L = padded_len / P``, one "row" = ``B * L * D`` elements of the i
 - backward: the adjoints swap the two: ``(U - 1)(q_u + 2 k_u)`` rows for dq/dk/dv and
   ``Hq - q_u`` rows for dout (so with uneven heads forward and backward differ on one rank).
 - ring: a K/V block is ``2 * B * (U*L) * k_u * D`` elements; forward sends ``n - 1`` of them; backward
-  sends ``n - 1`` K/V blocks in the input dtype plus ``n - 1`` dK/dV partials in float32 (float64 for
-  float64 inputs), each straight to or from its owner. ``n`` is the number of ring steps where some
-  rank sees a key (:func:`ring_steps`): ``ring`` without a sliding window, fewer with a short one.
+  sends ``n - 1`` K/V blocks in the input dtype plus dK/dV partials in float32 (float64 for float64
+  inputs). ``n`` is the number of ring steps where some rank sees a key (:func:`ring_step_list`):
+  ``ring`` without a sliding window, fewer with a short one. When those steps are 0, 1, ..., n-1 the
+  blocks relay neighbour to neighbour and each partial travels with its block, one hop per step and one
+  more home: ``n`` partials (``ring`` for the whole ring). When a window leaves a gap (zigzag) each
+  block goes straight from its owner and each partial straight back: ``n - 1`` partials.
 - input validation (``validate=True``, P > 1): one all-gather of 14 int64 over the sequence group.
 """
 
@@ -47,7 +50,12 @@ def partial_bytes(dtype: str) -> int:
 
 
 def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None) -> int:
-    """Ring steps that compute anything under a causal sliding ``window`` (``ring`` without one).
+    """How many ring steps compute anything under a causal sliding ``window`` (``ring`` without one)."""
+    return len(ring_step_list(ring, padded_len, layout, window))
+
+
+def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None) -> tuple[int, ...]:
+    """The ring steps that compute anything under a causal sliding ``window``, ascending.
 
     Ring rank r holds chunks ``{r, 2R-1-r}`` of ``padded_len / 2R`` tokens (zigzag) or chunk ``r`` of
     ``padded_len / R`` (contiguous). A query chunk ``a`` sees a key chunk ``b < a`` iff its first query
@@ -55,7 +63,7 @@ def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int |
     is needed iff some rank r holds such a pair with rank ``(r - t) mod R``; step 0 always is.
     """
     if window is None or ring == 1:
-        return ring
+        return tuple(range(ring))
     zigzag = layout == "zigzag"
     c = padded_len // (2 * ring) if zigzag else padded_len // ring
     chunks = (lambda r: (r, 2 * ring - 1 - r)) if zigzag else (lambda r: (r,))  # noqa: E731
@@ -64,7 +72,7 @@ def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int |
         for s in range(ring):
             if any(b < a and (a - b - 1) * c + 1 < window for a in chunks(r) for b in chunks(s)):
                 needed.add((r - s) % ring)
-    return len(needed)
+    return tuple(sorted(needed))
 
 
 def padded_length(seq_len: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
@@ -186,13 +194,16 @@ def attention_traffic(
                     Collective("all_to_all", "backward", 1, (q_heads - q) * row, "ulysses"),
                     Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row, "ulysses"),
                 ]
-            hops = ring_steps(ring, local * p, layout, window) - 1
+            steps = ring_step_list(ring, local * p, layout, window)
+            hops = len(steps) - 1
             if hops:
+                relay = steps == tuple(range(len(steps)))  # the partials make one more hop, home
+                partials = hops + 1 if relay else hops
                 block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
                 items += [
                     Collective("p2p", "forward", hops, hops * block * e, "ring"),
                     Collective("p2p", "backward", hops, hops * block * e, "ring"),
-                    Collective("p2p", "backward", hops, hops * block * ep, "ring"),
+                    Collective("p2p", "backward", partials, partials * block * ep, "ring"),
                 ]
             out.append(RankTraffic(u, r, tuple(items)))
     return out

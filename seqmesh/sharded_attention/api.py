@@ -19,14 +19,25 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import kernel_chooser
+from ..kernels import ChooseKernel, kernel_chooser
 from ..layout import LayoutKind
 from ..mesh import SPMesh
 from .blocks import document_bounds
 from .checks import check_attention_inputs
 from .ring import ring_attention
-from .schedule import ring_schedule
+from .schedule import RingSchedule, ring_schedule
 from .ulysses import ulysses_attention
+
+
+def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise, on every rank alike, if the chosen kernel refuses any call of the pass. The schedule keeps
+    its distinct calls (mask, query and key lengths: FA2's window check reads them), so a call of
+    ``attention`` checks each once; the check itself runs every call, as the kernels' answers follow
+    torch's backend switches (``torch.backends.cuda.enable_flash_sdp``)."""
+    for mask, sq, sk in schedule.kernel_calls:
+        rows = q[:, :1].expand(-1, sq, -1, -1)  # views: no memory
+        keys = k[:, :1].expand(-1, sk, -1, -1)
+        choose(rows, keys, mask, v)
 
 
 def attention(
@@ -88,10 +99,7 @@ def attention(
     schedule = ring_schedule(lay, bounds, causal, window)
     choose = kernel_chooser(backend)
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
-        for r in range(lay.ring):
-            for step in range(lay.ring):
-                for piece in schedule.pieces(r, step):
-                    choose(q, k, piece.mask, v)
+        check_backend(schedule, choose, q, k, v)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if lay.ring > 1 else None
 

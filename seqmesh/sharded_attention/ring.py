@@ -1,15 +1,18 @@
 """Ring attention: queries stay, key/value blocks travel, partial results merge through the LSE.
 
 Forward, on ring rank r, for the schedule's steps t (0 .. ring-1 without a window; a window drops
-the steps where no rank sees anything): post its own K/V block to ``r + t_next`` (and a receive from
-``r - t_next``), compute the pieces of block ``(r - t) mod ring`` while the next travels, merge them
-into the float32 accumulators, then take the received block. Every block is sent straight from its
-owner, so a skipped step costs nothing and the others still need one hop each.
+the steps where no rank sees anything): post a K/V message (:attr:`RingSchedule.kv_shifts`), compute
+the pieces of block ``(r - t) mod ring`` while the next block travels, merge them into the float32
+accumulators, then take the received block.
 
-Backward fetches the blocks the same way. At step t rank r computes the partial gradient of block
-``r - t`` and sends it straight back to its owner, which adds it to its own. The partials are
-float32 (float64 for float64 inputs), so no precision is lost. Attention sinks are folded in once,
-after the last merge, and the kernels' backward is given the output and log-sum-exp with the sinks.
+Backward fetches the blocks the same way and sends each dK/dV partial on (:attr:`dkv_shifts`). When
+the steps are 0, 1, ..., k (the whole ring, contiguous windows) the blocks *relay*: r passes the block
+it holds to r+1, and the block's partial gradient travels with it, each holder adding its share,
+until one last hop takes it home, as in the classic ring-attention backward. When a window leaves a
+gap in the steps (zigzag), every block goes straight from its owner to its holder and every partial
+straight back, so skipped steps cost nothing. The partials are float32 (float64 for float64
+inputs), so no precision is lost between hops. Attention sinks are folded in once, after the last
+merge, and the kernels' backward is given the output and log-sum-exp with the sinks.
 
 The schedule (which pieces, from :class:`RingSchedule`) is separate from the block math (a kernel
 call per piece and :func:`merge_into`).
@@ -150,7 +153,7 @@ def _local_result(schedule, outs, lses, q, v):
 
 class RingAttention(torch.autograd.Function):
     """Forward: attention of the local query block over every needed ring rank's K/V, merged by LSE
-    (then the sinks); backward: dQ locally, each dK/dV partial sent straight back to its owner."""
+    (then the sinks); backward: dQ locally, each dK/dV partial carried (relay) or sent (direct) home."""
 
     @staticmethod
     @_without_autocast
@@ -163,9 +166,10 @@ class RingAttention(torch.autograd.Function):
         acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
         home = torch.cat([k, v], dim=-1)  # (B, Lr, Hk, Dk + Dv): one message per step
         exchange = RingExchange(group, "forward", KV_TAG)
-        kv = home
+        kv, shifts = home, schedule.kv_shifts
         for i, step in enumerate(steps):
-            pending = exchange.start(home, shift=steps[i + 1]) if i + 1 < len(steps) else None
+            sent = kv if schedule.relay else home  # relay: pass the held block on; direct: my own, to its next holder
+            pending = exchange.start(sent, shift=shifts[i]) if i < len(shifts) else None
             block_forward(q, kv, schedule.pieces(rank, step), choose, kv_map, scale, acc_out, acc_lse)
             if pending is not None:
                 kv = pending.wait()
@@ -184,26 +188,30 @@ class RingAttention(torch.autograd.Function):
         ct = lse.dtype
         dq = torch.zeros_like(q, dtype=ct)
         home = torch.cat([k, v], dim=-1)
+        relay, kv_shifts, dkv_shifts = schedule.relay, schedule.kv_shifts, schedule.dkv_shifts
         dkv_home = torch.zeros_like(home, dtype=ct)
         kv_exchange = RingExchange(ctx.group, "backward", KV_TAG)
         dkv_exchange = RingExchange(ctx.group, "backward", DKV_TAG)
-        kv, returning = home, None  # returning: my block's partial gradient from rank r + step
+        # incoming: relay, the partial of the block held now, from r-1; direct, the partial of my own
+        # block, from the rank that held it at the previous step
+        kv, incoming = home, None
         # Order invariant: at every step of ``steps`` (the same list on every rank) every rank posts the
-        # K/V exchange, then the dK/dV one, and no rank skips either. NCCL ignores P2P tags and pairs
-        # messages by issue order alone, so this order (not KV_TAG/DKV_TAG, which only gloo reads)
-        # is what keeps the two streams apart.
+        # K/V exchange, then the dK/dV one, and whether either is posted depends on the step alone, never
+        # on the rank. NCCL ignores P2P tags and pairs messages by issue order alone, so this order (not
+        # KV_TAG/DKV_TAG, which only gloo reads) is what keeps the two streams apart.
         for i, step in enumerate(steps):
-            pending = kv_exchange.start(home, shift=steps[i + 1]) if i + 1 < len(steps) else None
+            pending = kv_exchange.start(kv if relay else home, shift=kv_shifts[i]) if i < len(kv_shifts) else None
             dkv = dkv_home if step == 0 else torch.zeros_like(home, dtype=ct)
             block_backward(dout, q, kv, out, lse, schedule.pieces(rank, step), choose, kv_map, scale, dq, dkv)
-            if returning is not None:
-                dkv_home += returning.wait()
-            if step:  # the block came from r - step: its partial goes straight home
-                returning = dkv_exchange.start(dkv, shift=-step)
+            if incoming is not None:
+                (dkv if relay else dkv_home).add_(incoming.wait())
+            shift = dkv_shifts[i]
+            incoming = dkv_exchange.start(dkv, shift=shift) if shift is not None else None
             if pending is not None:
                 kv = pending.wait()
-        if returning is not None:
-            dkv_home += returning.wait()
+        if incoming is not None:  # relay: my block's finished partial, home from its last holder
+            received = incoming.wait()
+            dkv_home = received if relay else dkv_home.add_(received)
         dk, dv = dkv_home[..., : k.shape[-1]], dkv_home[..., k.shape[-1] :]
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None

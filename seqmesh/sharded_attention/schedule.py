@@ -7,6 +7,20 @@ document boundaries and the window, so no plan is ever exchanged.
 A sliding window leaves some steps empty on every rank; :attr:`RingSchedule.steps` lists the others,
 the only ones the ring runs and sends blocks for. With a window shorter than a chunk, contiguous
 keeps steps (0, 1) and zigzag (0, 1, ring-1): each rank needs only its neighbours' blocks.
+
+Who sends what when (:attr:`RingSchedule.relay`, :attr:`kv_shifts`, :attr:`dkv_shifts`):
+
+- **relay**, when the steps are 0, 1, ..., k (the whole ring; contiguous under any window): each rank
+  passes the K/V block it holds on to r+1 and takes the next from r-1, and in backward the block's
+  dK/dV partial travels with it, each holder adding its share, then one last hop takes it home
+  (``-k``, which is r+1 for the whole ring). Every message but that last one goes to a neighbour, so a
+  ring laid over nodes crosses each node boundary once per hop and NCCL opens neighbour links only.
+- **direct**, when a window leaves a gap (zigzag: (0, 1, ..., ring-1) minus the middle steps):
+  each K/V block goes straight from its owner to the rank that needs it next (shift ``steps[i+1]``)
+  and each dK/dV partial straight home (``-t``), so the skipped steps cost no transfer. With a window
+  shorter than a chunk the steps are (0, 1, ring-1), whose shifts 1, ring-1 and their inverses are
+  neighbours anyway; a wider one, (0, 1, 2, ring-2, ring-1), also sends two ranks away. A relay
+  would have to carry blocks through the skipped steps, the transfers the window saves.
 """
 
 
@@ -15,6 +29,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..kernels.base import BlockMask
 from ..layout import SequenceLayout
 from .blocks import Piece, plan_block
 
@@ -46,6 +61,37 @@ class RingSchedule:
         same on every rank, so every rank issues the same exchanges in the same order."""
         ring = self.layout.ring
         return tuple(t for t in range(ring) if t == 0 or any(self.pieces(r, t) for r in range(ring)))
+
+    @functools.cached_property
+    def kernel_calls(self) -> tuple[tuple[BlockMask, int, int], ...]:
+        """The distinct kernel calls of the whole pass, ``(mask, query rows, key columns)`` over every
+        rank and step (a handful, or one per document chunk): what a named backend must accept before
+        any rank sends."""
+        ring = self.layout.ring
+        return tuple(dict.fromkeys((p.mask, p.q1 - p.q0, p.k1 - p.k0)
+                                   for r in range(ring) for t in self.steps for p in self.pieces(r, t)))
+
+    @functools.cached_property
+    def relay(self) -> bool:
+        """True when the steps are 0, 1, ..., k: blocks and their partials go neighbour to neighbour."""
+        return self.steps == tuple(range(len(self.steps)))
+
+    @functools.cached_property
+    def kv_shifts(self) -> tuple[int, ...]:
+        """For every step but the last, how far the K/V message posted during it travels (it brings the
+        next step's block): 1 in a relay (the held block moves on), ``steps[i + 1]`` direct (the owner's
+        block goes straight to its next holder)."""
+        return (1,) * (len(self.steps) - 1) if self.relay else self.steps[1:]
+
+    @functools.cached_property
+    def dkv_shifts(self) -> tuple[int | None, ...]:
+        """For every step, how far the dK/dV partial posted at its end travels (None: it stays). Relay:
+        on to the block's next holder, then home from the last step (``-steps[-1]``). Direct: straight
+        home (``-t``), except at step 0 where the block is the rank's own."""
+        n = len(self.steps)
+        if self.relay:
+            return (None,) if n == 1 else (1,) * (n - 1) + (-self.steps[-1],)
+        return tuple(-t if t else None for t in self.steps)
 
     def work(self, ring_rank: int) -> int:
         """(query, key) pairs ring rank ``ring_rank`` computes over the whole pass (per head)."""

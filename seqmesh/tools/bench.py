@@ -195,7 +195,8 @@ class MergeBench:
 
 
 def bench_merge(cfg: MergeBench) -> list[dict]:
-    """Rows ``{ring, one_call_s, split_merge_s, efficiency}``; efficiency = one call / split+merge."""
+    """Rows ``{ring, seq_len, block_tokens, one_call_s, split_merge_s, efficiency}``; efficiency = one call /
+    split+merge; ``block_tokens`` = one ring rank's query tokens (what ``seqmesh plan --ring-efficiency`` reads)."""
     device = torch.device(cfg.device)
     choose = kernel_chooser(cfg.backend)
     scale = cfg.head_dim**-0.5
@@ -225,7 +226,8 @@ def bench_merge(cfg: MergeBench) -> list[dict]:
         schedule = RingSchedule(layout, document_bounds(cfg.seq_len, cfg.seq_len, None), cfg.causal)
         one = timed(one_call)  # measured next to each split, so drift hits both alike
         split = timed(lambda: emulate_ring(q, k, v, dout, schedule, choose, scale))
-        rows.append({"ring": ring, "one_call_s": one, "split_merge_s": split, "efficiency": one / split})
+        rows.append({"ring": ring, "seq_len": cfg.seq_len, "block_tokens": layout.ring_len, "one_call_s": one,
+                     "split_merge_s": split, "efficiency": one / split})
     return rows
 
 

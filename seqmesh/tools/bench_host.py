@@ -155,9 +155,10 @@ def _placement_rows(seq_len: int, cu: tuple[int, ...], documents: int, repeats: 
                 return SequenceLayout(kind, 8, 1, seq_len)
 
         def place() -> SequenceLayout:
-            cached = getattr(sys.modules.get("seqmesh.document_layout"), "per_document_runs", None)
-            if cached is not None:
-                cached.cache_clear()
+            for module, name in (("seqmesh.document_layout", "per_document_runs"), ("seqmesh.layout", "_indices")):
+                cached = getattr(sys.modules.get(module), name, None)
+                if cached is not None:
+                    cached.cache_clear()
             layout = make()
             layout.indices()
             return layout

@@ -2,7 +2,8 @@
 
 Work and bytes come from the ring schedule every rank runs (the same plan ``seqmesh.attention``
 executes): pairs each ring rank computes, ring steps that run, and the K/V bytes each rank sends
-(forward ``hops`` K/V blocks; backward ``hops`` K/V blocks and ``hops`` float32 dK/dV partials).
+(forward ``hops`` K/V blocks; backward ``hops`` K/V blocks and the float32 dK/dV partials:
+``hops + 1`` when the blocks relay, ``hops`` when they go direct, see ``RingSchedule.dkv_shifts``).
 Time is measured by running every ring rank's kernel calls and merges on one device
 (``emulate_ring``, forward and backward), the compute a windowed ring does against a full one, as
 the process's CPU time (not wall time, which a shared machine inflates at random).
@@ -53,7 +54,8 @@ def window_rows(cfg: WindowBench) -> list[dict]:
             rows.append({
                 "layout": kind, "window": window, "steps": len(schedule.steps),
                 "work_total": sum(works), "work_max": max(works), "balance": max(works) * cfg.ring / sum(works),
-                "bytes_per_rank": hops * block * (2 * element + 4),  # fwd K/V, bwd K/V, bwd fp32 dK/dV
+                # fwd K/V, bwd K/V, bwd fp32 dK/dV partials (one more than the hops when they relay)
+                "bytes_per_rank": block * (2 * hops * element + 4 * sum(s is not None for s in schedule.dkv_shifts)),
                 "seconds": _time(cfg, schedule) if cfg.repeats else None,
             })
     for row in rows:

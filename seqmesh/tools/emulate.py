@@ -17,12 +17,12 @@ from ..sharded_attention.schedule import RingSchedule
 
 def _blocks(x: torch.Tensor, schedule: RingSchedule) -> list[torch.Tensor]:
     """(B, S, H, D) in natural order -> one (B, Lr, H, D) block per ring rank, in layout order."""
-    order = schedule.layout.indices().to(x.device)
+    order = schedule.layout.indices(device=x.device)
     return list(x.index_select(1, order).chunk(schedule.layout.ring, dim=1))
 
 
 def _natural(blocks: list[torch.Tensor], schedule: RingSchedule, dim: int = 1) -> torch.Tensor:
-    restore = schedule.layout.indices(restore=True).to(blocks[0].device)
+    restore = schedule.layout.indices(restore=True, device=blocks[0].device)
     return torch.cat(blocks, dim=dim).index_select(dim, restore)
 
 

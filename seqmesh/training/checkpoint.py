@@ -22,22 +22,14 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from .ranks import all_gather_object, barrier, is_rank0, local_part, rank_world
+
 LATEST = "latest"
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 CHUNK = 1 << 22  # bytes read at a time while hashing
@@ -52,25 +44,13 @@ def _digest(path: str) -> list:
     return [os.path.getsize(path), sha.hexdigest()]
 
 
-def _all_gather(obj: object) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _checksums(folder: str) -> dict[str, list]:
     """Size and SHA-256 of every file in ``folder``, the files dealt round-robin over the ranks."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)) and n != "seqmesh.json")
     mine = {n: _digest(os.path.join(folder, n)) for i, n in enumerate(names) if i % world == rank}
     merged: dict[str, list] = {}
-    for part in _all_gather(mine):
+    for part in all_gather_object(mine):
         merged.update(part)
     return merged
 
@@ -84,11 +64,11 @@ def checkpoint_problem(path: str) -> str | None:
             saved = json.load(f)
     except (OSError, ValueError) as err:
         verdict: str | None = f"{meta} cannot be read ({err})"
-        return _all_gather(verdict)[0]
+        return all_gather_object(verdict)[0]
     files = saved.get("files")
     if files is None:
         return None  # written before checksums existed: nothing to compare
-    rank, world = _rank_world()
+    rank, world = rank_world()
     found: list[str] = []
     for i, (name, (size, sha)) in enumerate(sorted(files.items())):
         if i % world != rank:
@@ -100,7 +80,7 @@ def checkpoint_problem(path: str) -> str | None:
             found.append(f"{file} has {os.path.getsize(file)} bytes, {size} were written")
         elif _digest(file)[1] != sha:
             found.append(f"{file} does not match the SHA-256 written with it (its bytes changed)")
-    problems = sorted(p for part in _all_gather(found) for p in part)
+    problems = sorted(p for part in all_gather_object(found) for p in part)
     return "; ".join(problems) if problems else None
 
 
@@ -156,9 +136,11 @@ def _save_failure(folder: str, partial: str, err: Exception) -> str:
 
 def _refuse_nonfinite(model: nn.Module, step: int) -> None:
     """Raise on every rank if any rank holds a NaN or inf weight: such a checkpoint is never written."""
-    bad = [name for name, p in model.named_parameters()
-           if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
-    verdicts = _all_gather(bad[:3])
+    named = list(model.named_parameters())
+    # one flag per parameter, computed on the device and read back in one transfer (not one sync each)
+    finite = torch.stack([torch.isfinite(local_part(p)).all() for _, p in named]).tolist() if named else []
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    verdicts = all_gather_object(bad[:3])
     names = sorted({n for part in verdicts for n in part})
     if names:
         raise RuntimeError(f"refusing to write the checkpoint of step {step}: {', '.join(names)} hold NaN or inf "
@@ -170,19 +152,19 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
     name = f"step_{step:07d}"
     final = os.path.join(folder, name)
     partial = final + ".partial"
-    if _is_rank0():
+    if is_rank0():
         os.makedirs(folder, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
+    barrier()
     _refuse_nonfinite(model, step)
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
     except Exception as err:  # dcp gathers every rank's write result, so each rank raises here
         raise RuntimeError(_save_failure(folder, partial, err)) from err
-    _barrier()
+    barrier()
     files = _checksums(partial)
-    if _is_rank0():
+    if is_rank0():
         with open(os.path.join(partial, "seqmesh.json"), "w") as f:
             json.dump({"step": step, **(extra or {}), "files": files}, f)
         old = final + ".old"
@@ -195,7 +177,7 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
             f.write(name)
         os.replace(pointer, os.path.join(folder, LATEST))
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 

@@ -25,10 +25,10 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .pretrained import INDEX, SINGLE, unique_parameters
+from .ranks import agree, barrier, full_value, is_rank0
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -126,26 +126,13 @@ def write_metadata(lm: nn.Module, folder: str, dtype: torch.dtype, tokenizer: st
         load_tokenizer(tokenizer).save_pretrained(folder)
 
 
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _agree(value: object) -> object:
-    """Rank 0's ``value`` on every rank."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def start_folder(out: str, overwrite: bool) -> str:
     """A fresh ``OUT.partial`` to write into; raises on every rank if ``out`` exists and not ``overwrite``."""
-    exists = _agree(os.path.exists(out))
+    exists = agree(os.path.exists(out))
     if exists and not overwrite:
         raise ValueError(f"{out} already exists; choose another output folder, or pass --overwrite to replace it.")
     partial = out.rstrip("/") + ".partial"
-    if _rank0():
+    if is_rank0():
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     return partial
@@ -153,16 +140,11 @@ def start_folder(out: str, overwrite: bool) -> str:
 
 def finish_folder(partial: str, out: str) -> None:
     """Move the complete ``partial`` folder to ``out`` (replacing what was there)."""
-    if _rank0():
+    if is_rank0():
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(partial, out)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
+    barrier()
 
 
 @torch.no_grad()
@@ -175,7 +157,7 @@ def export_pretrained(module: nn.Module, out: str, *, tokenizer: str | None = No
     writes it (see the module docstring). ``dtype``: of the saved weights (default: the parameters').
     A tied LM head is saved once, as the embedding, as ``save_pretrained`` does."""
     partial = start_folder(out, overwrite)
-    write_model(module, partial, write=_rank0(), tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    write_model(module, partial, write=is_rank0(), tokenizer=tokenizer, dtype=dtype, max_shard_bytes=max_shard_bytes)
     finish_folder(partial, out)
     return out
 
@@ -190,7 +172,7 @@ def write_model(module: nn.Module, folder: str, *, write: bool, tokenizer: str |
     params = unique_parameters(lm)
     dtype = dtype or next(iter(params.values())).dtype
     entries = {name: (tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for name, p in params.items()}
-    write_weights(folder, entries, lambda name: _full(params[name]), write=write, max_shard_bytes=max_shard_bytes)
+    write_weights(folder, entries, lambda name: full_value(params[name]), write=write, max_shard_bytes=max_shard_bytes)
     if write:
         write_metadata(lm, folder, dtype, tokenizer)
 
@@ -253,7 +235,7 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
         return values
 
     partial = start_folder(out, overwrite)
-    write_weights(partial, entries, read, write=_rank0(), max_shard_bytes=max_shard_bytes)
+    write_weights(partial, entries, read, write=is_rank0(), max_shard_bytes=max_shard_bytes)
     write_metadata(lm, partial, dtype, tokenizer)
     finish_folder(partial, out)
     return out

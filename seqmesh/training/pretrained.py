@@ -24,6 +24,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from .ranks import local_part
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -153,11 +155,6 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
             rank = mesh.get_local_rank(axis)
             bounds[placement.dim] = [min(start + rank * chunk, stop), min(start + (rank + 1) * chunk, stop)]
     return tuple(slice(a, b) for a, b in bounds)
-
-
-def local_part(p: torch.Tensor) -> torch.Tensor:
-    """This rank's values of ``p``: a DTensor's local shard, or the tensor itself."""
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,10 +23,10 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 
-import torch.distributed as dist
 
 from .checkpoint import newest_intact_checkpoint, steps_in
 from .config import TrainConfig
+from .ranks import barrier, is_rank0
 
 # Fields that change what the run computes. The mesh degrees, kernel, layout, checkpointing, FSDP and
 # output cadence do not (seqmesh is exact under any of them), so they may change across a resume; so may
@@ -90,24 +90,15 @@ def _previous_run(out: str, folder: str) -> list[str]:
     return found
 
 
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _clear_previous_run(out: str, folder: str) -> None:
     """Remove an earlier run's checkpoints, exported model, metrics and curve (the user passed --overwrite)."""
-    if _rank0():
+    if is_rank0():
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)
         for name in ("metrics.jsonl", "loss_curve.png"):
             if os.path.exists(os.path.join(out, name)):
                 os.remove(os.path.join(out, name))
-    _barrier()
+    barrier()
 
 
 def choose_start(cfg: TrainConfig) -> StartPoint:
@@ -136,12 +127,12 @@ def choose_start(cfg: TrainConfig) -> StartPoint:
             _clear_previous_run(cfg.out, folder)
         return StartPoint()
     for damaged, why in skipped:
-        if _rank0():
+        if is_rank0():
             warnings.warn(f"{damaged} is damaged ({why}); resuming from {path} instead and keeping it as "
                           f"{damaged}.damaged.", stacklevel=2)
             if not damaged.endswith(".old"):
                 os.replace(damaged, damaged + ".damaged")
-    _barrier()
+    barrier()
     with open(os.path.join(path, "seqmesh.json")) as f:
         saved = json.load(f)
     changes = config_changes(saved, cfg)

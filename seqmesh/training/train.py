@@ -33,7 +33,8 @@ from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .presets import model_shape
 from .pretrained import check_pretrained, load_pretrained
 from .resume import choose_start, config_changes, refuse_changes, run_record
-from .watch import StallWatch, global_norm, nonfinite_message
+from .ranks import full_value
+from .watch import StallWatch, nonfinite_message
 
 
 def resolve_degrees(cfg: TrainConfig, world: int, q_heads: int, ranks_per_node: int) -> tuple[int, int, int]:
@@ -237,7 +238,7 @@ class TrainingRun:
         if not cfg.fsdp:
             sync_gradients(self.module, self.mesh)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
-        norm = global_norm(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        norm = full_value(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))  # a DTensor under FSDP2
         self.loss_tensor = loss.detach()
         finite = bool(torch.isfinite(self.loss_tensor) & torch.isfinite(norm))  # the same on every rank
         if not finite:

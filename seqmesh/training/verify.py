@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .loss import IGNORE_INDEX
 from .model import build_model
 from .config import TrainConfig
+from .ranks import full_value
 from .train import build, make_dataset, to_device
 
 
@@ -85,7 +86,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     with torch.no_grad():  # the same weights, however the sharded model was initialised
         ref_params = dict(reference.named_parameters())
         for name, p in module.named_parameters():
-            ref_params[name.removeprefix("lm.")].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+            ref_params[name.removeprefix("lm.")].copy_(full_value(p))
     batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
     ref_loss = _reference_loss(reference, batches, device)
     ref_loss.backward()
@@ -100,7 +101,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
         sync_gradients(module, mesh)
     diffs = []
     for name, p in module.named_parameters():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grad = full_value(p.grad)
         want = ref_grads[name.removeprefix("lm.")]
         diffs.append((name.removeprefix("lm."), float((grad.float() - want).abs().max() / want.abs().max().clamp(min=1e-12))))
     tolerance = rtol if rtol is not None else (5e-2 if cfg.bf16 else 1e-4)

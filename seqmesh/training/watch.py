@@ -16,14 +16,8 @@ import sys
 import threading
 import time
 
-import torch
 
 NONFINITE_POLICIES = ("stop", "skip")
-
-
-def global_norm(norm: torch.Tensor) -> torch.Tensor:
-    """The total gradient norm ``clip_grad_norm_`` returned, as a plain tensor (a DTensor under FSDP2)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def nonfinite_message(step: int, loss: float, norm: float, lr: float) -> str:

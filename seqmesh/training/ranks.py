@@ -1,0 +1,49 @@
+"""Small rank-aware helpers shared by the training modules, each a no-op (or the obvious answer) when no
+process group is initialised, so the same code runs in one process and under torchrun."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def rank_world() -> tuple[int, int]:
+    """(this rank, world size); (0, 1) without a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def is_rank0() -> bool:
+    return rank_world()[0] == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_object(obj: object) -> list:
+    """Every rank's ``obj``, in rank order (a one-element list in one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree(value: object) -> object:
+    """Rank 0's ``value`` on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def local_part(p: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``p``: a DTensor's local shard, or the tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def full_value(p: torch.Tensor) -> torch.Tensor:
+    """The whole of ``p``: a DTensor gathered (a collective every rank of its mesh joins), or the tensor itself."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
