@@ -128,14 +128,14 @@ def test_attention_backward_buffers_by_hand():
     """Tiny model (4 query / 2 kv heads x 16), bf16. One GPU: the kernel's dq, dk, dv (64 tokens x 8 heads x
     16 x 2 B = 16384) are the gradients returned, nothing more. Ring 4 (16 local tokens, every head): the
     kernel's gradients of one block 16 x 8 x 16 x 2 = 4096; fp32 dQ 16 x 4 x 16 x 4 = 4096; four fp32
-    dK/dV blocks (home, this step's partial, the one sent back a step earlier, the one arriving) 4 x 16 x 4 x
-    16 x 4 = 16384; three bf16 K/V blocks (home, received, in flight) 3 x 16 x 4 x 16 x 2 = 6144: 30720.
-    A ring of two has no middle step: two fp32 dK/dV blocks and two K/V blocks."""
+    dK/dV blocks (home, this step's partial, the one sent on a step earlier, the one arriving) 4 x 16 x 4 x
+    16 x 4 = 16384; three bf16 K/V blocks (home, held, arriving) 3 x 16 x 4 x 16 x 2 = 6144: 30720.
+    A ring of two has no middle step: three fp32 dK/dV blocks and two K/V blocks."""
     assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 1, 1)) == 16384
     assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 4, 1)) == 4096 + 4096 + 16384 + 6144
-    # ring 2: 32 local tokens; kernel 32x8x16x2 = 8192, dQ 32x4x16x4 = 8192, two fp32 dK/dV 2x(32x4x16x4) = 16384,
-    # two bf16 K/V 2x(32x4x16x2) = 8192
-    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 2, 1)) == 8192 + 8192 + 16384 + 8192
+    # ring 2: 32 local tokens; kernel 32x8x16x2 = 8192, dQ 32x4x16x4 = 8192, three fp32 dK/dV (home, in
+    # flight, this step's) 3x(32x4x16x4) = 24576, two bf16 K/V 2x(32x4x16x2) = 8192
+    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 2, 1)) == 8192 + 8192 + 24576 + 8192
     # Ulysses 2: 64 tokens x (2 + 1 + 1) heads of this rank; the inner kernel's gradients 64x4x16x2 = 8192,
     # then packed (8192) beside the 32 local tokens' gradients of every head 32x8x16x2 = 8192
     assert attention_backward_bytes(Workload(TINY, 64), Layout(2, 1, 1)) == max(8192, 2 * 8192 + 8192)

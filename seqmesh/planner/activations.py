@@ -220,9 +220,9 @@ def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
 def attention_backward_bytes(work: Workload, layout: Layout) -> int:
     """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient,
     the q, k, v gradients it returns included. A ring of one: the kernel's gradients (those returned).
-    Ring: float32 dQ, the home dK/dV, this step's partial, the partial sent back a step earlier and the
-    one being received (float32), the packed home K/V block, the received one and the one in flight,
-    and the kernel's gradients of one block. Ulysses: the output gradient scattered to this rank's heads
+    Ring (blocks and their partial gradients relayed neighbour to neighbour): float32 dQ, the home dK/dV,
+    this step's partial, the one sent on a step earlier and the one being received (float32), the packed
+    home K/V block, the one held and the one arriving, and the kernel's gradients of one block. Ulysses: the output gradient scattered to this rank's heads
     (counted by the timeline) beside that, then the inner gradients packed for the inverse all-to-all next
     to the result."""
     m, e = work.model, work.act_bytes
@@ -230,8 +230,8 @@ def attention_backward_bytes(work: Workload, layout: Layout) -> int:
     d = m.head_dim
     kernel = n * (hq + 2 * hk) * d * e
     inner = kernel
-    if layout.ring > 1:  # a ring of two has no middle step: no partial in flight, no block being received
-        fp32_blocks, kv_blocks = (2, 2) if layout.ring == 2 else (4, 3)
+    if layout.ring > 1:  # a ring of two has no middle step: no block being received while one is computed
+        fp32_blocks, kv_blocks = (3, 2) if layout.ring == 2 else (4, 3)
         inner += n * hq * d * 4 + n * 2 * hk * d * (fp32_blocks * 4 + kv_blocks * e)
     if layout.ulysses == 1 and layout.tp == 1:
         return inner
