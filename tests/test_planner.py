@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 from seqmesh.planner.hardware import GB, GiB, PRESETS, HardwareSpec, LinkLevel, make_cluster, parse_link
-from seqmesh.planner.memory import (activation_memory, attention_working_set, end_of_backward_grads, logits_memory,
-                                   memory_at, memory_per_gpu, parameter_memory)
+from seqmesh.planner.activations import attention_backward_bytes
+from seqmesh.planner.memory import (end_of_backward_grads, layer_saved_bytes, loss_memory, memory_at, memory_per_gpu,
+                                   parameter_memory)
 from seqmesh.planner.memory import MemoryBreakdown
 from seqmesh.planner.candidate import Candidate
 from seqmesh.planner.plan import evaluate, longest_sequence, plan
@@ -41,31 +42,33 @@ def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
     embedding on its own, and the root with the final norm and LM head. Llama-3-8B, bf16, FSDP over 8
     ranks; per GPU:
 
-    - sharded, every moment: fp32 master 4 B + fp32 gradient 4 B + Adam 8 B per parameter / 8;
-    - gathered in bf16: the root (all step long: its forward holds every layer and the loss) + two layers
-      (current and prefetched), but at the end of backward only the root; never the embedding (gathered
-      only for its own forward and backward, at the two ends of the step, resharded before its reduce);
-    - unsharded gradients: inside a layer's backward the root's (LM head + final norm, bf16, since the loss
-      and the final norm ran backward) and the layer's (bf16 + its fp32 reduce-scatter copy); at the loss
-      the head's; at the end the larger of the embedding's reduce-scatter (its bf16 gradient + fp32 copy,
-      the root's bf16 gradient still alive) and the root's (bf16 + fp32 copy)."""
+    - sharded: fp32 master 4 B + Adam 8 B per parameter / 8 at every moment, the fp32 gradient shard 4 B
+      only from the reduce-scatters on (the step after zero_grad(set_to_none=True) starts without it);
+    - gathered in bf16: the root from the loss to the end of backward; inside a layer's backward also that
+      layer and the next one (its all-gather prefetched); at the step nothing;
+    - unsharded gradients: inside a layer's backward the root's and the layer's (bf16); at the end the
+      larger of the embedding's reduce-scatter (its bf16 gradient + fp32 copy, the root's bf16 gradient
+      still alive) and the root's (bf16 + fp32 copy); at the loss none yet (the loss's fp32 accumulator
+      of the head's gradient is counted with the loss);
+    - the step: AdamW's foreach path adds one fp32 temporary per parameter."""
     m = MODELS["llama3-8b"]
     params = 32 * LLAMA8B_LAYER + LLAMA8B_EMBEDDING + LLAMA8B_ROOT
     assert LLAMA8B_LAYER == 218_112_000 and m.params == params == 8_030_261_248
-    shard, head = -(-params // 8), 128256 * 4096
+    shard = -(-params // 8)
     w, lay = Workload(m, 8192), Layout(8, 1, 1)
     at_embedding_rs = 2 * LLAMA8B_ROOT + (2 + 4) * LLAMA8B_EMBEDDING
     at_root_rs = (2 + 4) * LLAMA8B_ROOT
     assert at_embedding_rs - at_root_rs == 2 * 128256 * 4096 - 4 * 4096 > 0  # the embedding's moment is larger
     assert end_of_backward_grads(w, lay) == {"embedding": at_embedding_rs, "root": at_root_rs}
-    gathered = 4 * shard + 2 * (LLAMA8B_ROOT + 2 * LLAMA8B_LAYER)
     want = {
-        "layer backward": (gathered, 4 * shard + 2 * LLAMA8B_ROOT + 6 * LLAMA8B_LAYER),
-        "loss backward": (gathered, 4 * shard + 2 * head),
-        "end of backward": (4 * shard + 2 * LLAMA8B_ROOT, 4 * shard + at_embedding_rs),
+        "layer backward": (4 * shard + 2 * (LLAMA8B_ROOT + 2 * LLAMA8B_LAYER), 2 * (LLAMA8B_ROOT + LLAMA8B_LAYER),
+                           8 * shard),
+        "loss backward": (4 * shard + 2 * LLAMA8B_ROOT, 0, 8 * shard),
+        "end of backward": (4 * shard + 2 * LLAMA8B_ROOT, 4 * shard + at_embedding_rs, 8 * shard),
+        "optimizer step": (4 * shard, 4 * shard, 12 * shard),
     }
-    for moment, (weights, grads) in want.items():
-        assert parameter_memory(w, lay, moment) == (weights, grads, 8 * shard), moment
+    for moment, expected in want.items():
+        assert parameter_memory(w, lay, moment) == expected, moment
     # fp32 (no reduce copy): the embedding's moment holds both fp32 gradients
     w32 = Workload(m, 8192, dtype="fp32")
     assert end_of_backward_grads(w32, lay) == {"embedding": 4 * (LLAMA8B_ROOT + LLAMA8B_EMBEDDING),
@@ -75,8 +78,8 @@ def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "llama3.2-1b"])
 def test_tied_head_is_one_root_weight_and_no_embedding_unit(name):
     """Qwen3-0.6B and Llama-3.2-1B tie the head to the embedding: no embedding unit (a tied weight stays in
-    one unit); the root is vocab x hidden + the final norm, once, gathered all step; the end of backward is
-    the root's reduce-scatter alone (its bf16 gradient + fp32 copy)."""
+    one unit); the root is vocab x hidden + the final norm, once; the end of backward is the root's
+    reduce-scatter alone (its bf16 gradient + fp32 copy)."""
     m = MODELS[name]
     per_layer = {"qwen3-0.6b": 1024 * 128 * (2 * 16 + 2 * 8) + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128,  # + q/k norms
                  "llama3.2-1b": 2048 * 64 * (2 * 32 + 2 * 8) + 3 * 2048 * 8192 + 2 * 2048}[name]
@@ -86,80 +89,95 @@ def test_tied_head_is_one_root_weight_and_no_embedding_unit(name):
     w, lay = Workload(m, 4096), Layout(4, 1, 1)
     assert end_of_backward_grads(w, lay) == {"root": 6 * root}
     want = {
-        "layer backward": (4 * shard + 2 * (root + 2 * per_layer), 4 * shard + 2 * root + 6 * per_layer),
-        "loss backward": (4 * shard + 2 * (root + 2 * per_layer), 4 * shard + 2 * (root - m.hidden)),
+        "layer backward": (4 * shard + 2 * (root + 2 * per_layer), 2 * (root + per_layer)),
+        "loss backward": (4 * shard + 2 * root, 0),
         "end of backward": (4 * shard + 2 * root, 4 * shard + 6 * root),
     }
     for moment, (weights, grads) in want.items():
         assert parameter_memory(w, lay, moment)[:2] == (weights, grads), moment
 
 
-def test_llama70b_on_16_gpus_end_of_backward_by_hand():
-    """Llama-3-70B on 16 H100s, one token. End of backward: 16 B per parameter / 16 + the root (head + norm)
-    gathered in bf16 + its bf16 gradient + the embedding's bf16 gradient and fp32 reduce copy + 2 GiB
-    reserve = 77.5 GiB: with the embedding in the root (both vocabulary matrices gathered all step, both
-    gradients and their fp32 copies at one reduce-scatter) it was 83.4 GiB, more than the 79.6 GiB GPU.
-    Now inside a layer's backward (the root + two 0.86B-parameter layers gathered, their gradients) is
-    the peak, and only a few tokens fit: far from 128K."""
+def test_llama70b_on_16_gpus_does_not_fit_with_a_foreach_adamw_step():
+    """Llama-3-70B on 16 H100s, one token. End of backward: 12 B per parameter / 16 (fp32 master, Adam) +
+    the fp32 gradient shard 4 B / 16 + the root (head + norm) gathered in bf16 + its bf16 gradient + the
+    embedding's bf16 gradient and fp32 reduce copy + 2 GiB reserve = 77.5 GiB. AdamW's foreach step adds
+    one fp32 copy of the parameters (4 B / 16 each, 16.4 GiB) to the 16 B: 84.1 GiB, more than the 79.6 GiB
+    of an H100, so no length fits; the per-tensor step (foreach off) needs only its largest tensor twice."""
     m = MODELS["llama3-70b"]
     layer = 8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672 + 2 * 8192
     emb, root = 128256 * 8192, 128256 * 8192 + 8192
     assert m.params == 80 * layer + emb + root
-    sharded = 16 * -(-m.params // 16)
-    end = memory_at(Workload(m, 1), Layout(1, 16, 1), "end of backward")
-    want = sharded + 2 * root + 2 * root + (2 + 4) * emb + 2 * GiB
+    shard = -(-m.params // 16)
+    one_token = Workload(m, 1)
+    end = memory_at(one_token, Layout(1, 16, 1), "end of backward")
+    want = 16 * shard + 2 * root + 2 * root + (2 + 4) * emb + 2 * GiB
     assert want / GiB == pytest.approx(77.49, abs=0.01)
-    assert end.total == want and end.activations == end.logits == end.attention == 0
-    old = sharded + 2 * (emb + root) + (2 + 4) * (emb + root) + 2 * GiB  # embedding inside the root
-    assert old / GiB == pytest.approx(83.37, abs=0.01) and old > H100.memory_bytes
-    peak = memory_per_gpu(Workload(m, 1), Layout(1, 16, 1))
-    assert peak.moment == "layer backward" and peak.total > end.total
-    assert 0 < longest_sequence(Workload(m, 1), Layout(1, 16, 1), H100.memory_bytes) < 131072
+    assert end.total - end.activations == want and end.logits == end.attention == 0
+    # zigzag over 16 ring ranks pads 1 token to 32: 2 local tokens' ids, positions, labels, the loss's copy
+    # (int64) and RoPE's cos and sin (bf16)
+    assert end.activations == 2 * (4 * 8 + 2 * 128 * 2)
+    step = memory_per_gpu(one_token, Layout(1, 16, 1))
+    assert step.moment == "optimizer step" and step.optimizer == 12 * shard
+    assert step.total - step.activations == 20 * shard + 2 * GiB > H100.memory_bytes
+    assert longest_sequence(one_token, Layout(1, 16, 1), H100.memory_bytes) == 0
+    per_tensor = replace(one_token, optimizer_foreach=False)
+    assert 0 < longest_sequence(per_tensor, Layout(1, 16, 1), H100.memory_bytes) < 262144
 
 
-def test_attention_working_set_by_hand():
-    """Tiny model (4 query / 2 kv heads x 16), 64 tokens on Ulysses 2 x ring 2, bf16: 16 local tokens; a
-    ring block is the Ulysses group's 32 tokens on this rank's 2 query heads and 1 kv head.
-    Forward: all-to-all send buffer 16 tok x (2+2+2+2) heads x 16 x 2 B = 4096; fp32 output + LSE
-    accumulators 32 x 2 x (16 x 4 + 4) = 4352; two K/V blocks in flight 2 x (2 x 32 x 1 x 16 x 2) = 4096;
-    the block's bf16 output 32 x 2 x 16 x 2 = 2048: 14592.
-    Backward: fp32 dQ 32 x 2 x 16 x 4 = 4096; this step's and the incoming fp32 dK/dV partial 2 x (2 x 32 x
-    16 x 4) = 8192; two K/V blocks 4096; the kernel's bf16 dq/dk/dv 32 x (2 + 2) x 16 x 2 = 4096; dout 2048;
-    two all-to-all buffers 8192: 30720, the larger."""
-    assert attention_working_set(Workload(TINY, 64), Layout(2, 2, 1)) == 30720
-    # one GPU, no ring, no Ulysses: dQ 64x4x16x4 + one fp32 dK/dV 2x64x2x16x4 + one K/V block 2x64x2x16x2
-    # + dq/dk/dv 64x8x16x2 + dout 64x4x16x2
-    assert attention_working_set(Workload(TINY, 64), Layout(1, 1, 1)) == 16384 + 16384 + 8192 + 16384 + 8192
+def test_attention_backward_buffers_by_hand():
+    """Tiny model (4 query / 2 kv heads x 16), bf16. One GPU: the kernel's dq, dk, dv (64 tokens x 8 heads x
+    16 x 2 B = 16384) are the gradients returned, nothing more. Ring 4 (16 local tokens, every head): the
+    kernel's gradients of one block 16 x 8 x 16 x 2 = 4096; fp32 dQ 16 x 4 x 16 x 4 = 4096; four fp32
+    dK/dV blocks (home, this step's partial, the one sent on a step earlier, the one arriving) 4 x 16 x 4 x
+    16 x 4 = 16384; three bf16 K/V blocks (home, held, arriving) 3 x 16 x 4 x 16 x 2 = 6144: 30720.
+    A ring of two has no middle step: three fp32 dK/dV blocks and two K/V blocks."""
+    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 1, 1)) == 16384
+    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 4, 1)) == 4096 + 4096 + 16384 + 6144
+    # ring 2: 32 local tokens; kernel 32x8x16x2 = 8192, dQ 32x4x16x4 = 8192, three fp32 dK/dV (home, in
+    # flight, this step's) 3x(32x4x16x4) = 24576, two bf16 K/V 2x(32x4x16x2) = 8192
+    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 2, 1)) == 8192 + 8192 + 24576 + 8192
+    # Ulysses 2: 64 tokens x (2 + 1 + 1) heads of this rank; the inner kernel's gradients 64x4x16x2 = 8192,
+    # then packed (8192) beside the 32 local tokens' gradients of every head 32x8x16x2 = 8192
+    assert attention_backward_bytes(Workload(TINY, 64), Layout(2, 1, 1)) == max(8192, 2 * 8192 + 8192)
 
 
 def test_saved_activations_per_layer_by_hand():
-    """Tiny model, one GPU, bf16, no checkpointing. Per token and layer: 2 norm inputs + q/k/v and gate/up
-    inputs (4 x 64), gate, up, SiLU and down input (4 x 128), two fp32 norm scales, q, k, v, out in
-    heads (16 x (4+2+2+4)) and an fp32 LSE per query head: 2*(256 + 512) + 8 + 2*16*12 + 4*4 = 1944
-    bytes. Checkpointing keeps one 64-wide bf16 input per layer and one layer's worth."""
+    """Tiny model, one GPU, no checkpointing. Per token and layer, what transformers' Llama layer with
+    seqmesh attention saves (listed with saved_tensors_hooks on a real llama-tiny step in fp32: 4,376 B):
+    two RMSNorms, each its float32 input, float32 scale, normalized tensor and output (the projections'
+    input); q, k, v, attention output (16 x (4 + 2 + 2 + 4)) and a float32 LSE per query head; gate, up,
+    SiLU(gate) and their product (4 x 128)."""
     s, lay = 64, Layout(1, 1, 1)
-    per_layer = 1944 * s
-    full = activation_memory(Workload(TINY, s, checkpointing=False), lay)
-    deeper = activation_memory(Workload(replace(TINY, layers=5), s, checkpointing=False), lay)
-    assert deeper - full == 2 * per_layer
-    ck, ck_deeper = (activation_memory(Workload(t, s), lay) for t in (TINY, replace(TINY, layers=5)))
-    assert ck_deeper - ck == 2 * s * 64 * 2
-    assert full - ck == (TINY.layers - 1) * per_layer - TINY.layers * s * 64 * 2
+    fp32 = 2 * (4 * 64 + 4 + 4 * 64 + 4 * 64) + 4 * 16 * 12 + 4 * 4 + 4 * 4 * 128
+    bf16 = 2 * (4 * 64 + 4 + 2 * 64 + 2 * 64) + 2 * 16 * 12 + 4 * 4 + 2 * 4 * 128  # the norms' fp32 copies stay
+    assert (fp32, bf16) == (4376, 2456)
+    assert layer_saved_bytes(Workload(TINY, s, dtype="fp32", checkpointing=False), lay) == fp32 * s
+    assert layer_saved_bytes(Workload(TINY, s, checkpointing=False), lay) == bf16 * s
+    # Ulysses 2: the attention tensors on 64 tokens x this rank's 2 + 1 + 1 + 2 heads, and the output
+    # projection's own input (every head, 32 local tokens)
+    uly = 32 * 2 * (4 * 64 + 4 + 2 * 64 + 2 * 64) + 64 * (2 * 16 * 6 + 4 * 2) + 32 * 2 * 64 + 32 * 2 * 4 * 128
+    assert layer_saved_bytes(Workload(TINY, s, checkpointing=False), Layout(2, 1, 1)) == uly
 
 
-def test_ring_divides_every_activation_by_its_degree():
-    """Pure ring keeps every per-token tensor on the local tokens only: 1/P of one GPU's, exactly."""
+def test_ring_divides_saved_activations_by_its_degree():
+    """Pure ring keeps every saved tensor on the local tokens only: 1/P of one GPU's, exactly."""
     w = Workload(MODELS["llama3-8b"], 65536, checkpointing=False)
-    one = activation_memory(w, Layout(1, 1, 8))
-    assert activation_memory(w, Layout(1, 8, 1)) * 8 == one
+    assert layer_saved_bytes(w, Layout(1, 8, 1)) * 8 == layer_saved_bytes(w, Layout(1, 1, 8))
 
 
-def test_chunked_loss_bounds_the_logits():
-    """bf16 logits + fp32 copy + fp32 gradient = 10 bytes per logit; chunking keeps 4096 tokens' worth and
-    the chunked backward's fp32 accumulator of the head's weight gradient (128256 x 4096 floats)."""
+def test_chunked_loss_by_hand():
+    """Llama-3-8B, bf16, 16,384 local tokens, chunks of 4,096. Forward: the float32 LSE per token + one
+    chunk's bf16 logits and their float32 copy (6 B per logit). Backward: the LSE, the hidden states'
+    bf16 gradient, the head's float32 gradient accumulator (128256 x 4096 x 4), and the larger of the
+    chunk's logit gradient in float32 next to its bf16 copy (6 B per logit) and the bf16 copy next to the
+    head-gradient matmul in bf16 and its float32 cast (128256 x 4096 x 6)."""
     m, lay = MODELS["llama3-8b"], Layout(4, 1, 1)
-    assert logits_memory(Workload(m, 65536, chunked_loss=False), lay) == 16384 * 128256 * 10
-    assert logits_memory(Workload(m, 65536), lay) == 4096 * 128256 * 10 + 128256 * 4096 * 4
+    t, n, v, h = 16384, 4096, 128256, 4096
+    w = Workload(m, 65536)
+    assert loss_memory(w, lay, "loss forward") == 4 * t + 6 * n * v
+    assert loss_memory(w, lay, "loss backward") == 4 * t + 2 * t * h + 4 * v * h + max(6 * n * v, 2 * n * v + 6 * v * h)
+    unchunked = Workload(m, 65536, chunked_loss=False)
+    assert loss_memory(unchunked, lay, "loss forward") == 4 * t + 6 * t * v
 
 
 def test_longest_sequence_is_the_memory_boundary():

@@ -162,11 +162,12 @@ def test_max_seq_len_mode(capsys):
     assert lengths[(8, 1, 1, 1)] > lengths[(1, 1, 8, 1)] > 0  # sharding the sequence 8 ways fits more
     assert out["recommended"]["max_seq_len"] == max(r["max_seq_len"] for r in out["candidates"] if r["layout"]["tp"] == 1)
     assert out["recommended"]["reason"] == out["reason"] and f"{out['recommended']['max_seq_len']:,}" in out["reason"]
-    # Llama-3-70B on 16 GPUs: with the embedding in its own FSDP unit a seqmesh layout holds a few tokens
+    # Llama-3-70B on 16 GPUs: 16 B per parameter / 16 and AdamW's foreach step (one more fp32 copy of the
+    # parameters / 16) exceed an H100 (test_planner.test_llama70b_on_16_gpus_does_not_fit_with_a_foreach_adamw_step)
     assert main(["plan", "--model", "llama3-70b", "--nodes", "2", "--max-seq-len", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     conform(out, schema["max_seq_len"], defs)
-    assert out["recommended"] is not None and 0 < out["recommended"]["max_seq_len"] < 1024
+    assert out["recommended"] is None
     # on 8 GPUs (16 B per parameter / 8 = 131 GiB) none holds one token; those rows have no step time
     assert main(["plan", "--model", "llama3-70b", "--gpus", "8", "--max-seq-len", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from seqmesh.planner.hardware import PRESETS
+from seqmesh.planner.activations import norm_saved, outside_layers_bytes
 from seqmesh.planner.memory import (OFFLOAD_PREFETCH, host_memory, layer_saved_bytes, local_tokens, memory_at,
                                     memory_per_gpu, mlp_tile_tokens, parameter_memory)
 from seqmesh.planner.plan import longest_sequence
@@ -35,8 +36,12 @@ def test_offload_leaves_the_prefetched_inputs_and_needs_checkpointing():
     layer_input = local_tokens(work, layout) * LLAMA8B.hidden * work.act_bytes
     kept, offloaded = (memory_at(w, layout, "layer backward").activations for w in (work, moved))
     assert kept - offloaded == (LLAMA8B.layers - OFFLOAD_PREFETCH - 1) * layer_input
-    assert memory_at(moved, layout, "loss backward").activations == layer_input  # the LM head's input only
-    assert host_memory(moved, layout) == (LLAMA8B.layers + 2) * layer_input + local_tokens(work, layout) * 4
+    # at the loss only the LM head's input stays (and the token ids, labels, RoPE tables)
+    assert memory_at(moved, layout, "loss backward").activations == layer_input + outside_layers_bytes(work, layout)
+    # the layers' inputs and the final norm's float32 input, float32 scale and bf16 normalized tensor
+    tokens = local_tokens(work, layout)
+    assert norm_saved(LLAMA8B, 2) == 4 * 4096 + 4 + 2 * 4096
+    assert host_memory(moved, layout) == LLAMA8B.layers * layer_input + tokens * (6 * LLAMA8B.hidden + 4)
     with pytest.raises(ValueError, match="--checkpointing"):
         Workload(LLAMA8B, 1024, checkpointing=False, offload_checkpoints=True)
 
@@ -44,9 +49,9 @@ def test_offload_leaves_the_prefetched_inputs_and_needs_checkpointing():
 def test_fsdp_cpu_offload_moves_the_sharded_state_to_the_host():
     work = Workload(LLAMA8B, 65536)
     for layout in LAYOUTS:
-        weights, grads, optimizer = parameter_memory(work, layout)
+        weights, grads, optimizer = parameter_memory(work, layout, "end of backward")
         offloaded = replace(work, fsdp_cpu_offload=True)
-        off_weights, off_grads, off_optimizer = parameter_memory(offloaded, layout)
+        off_weights, off_grads, off_optimizer = parameter_memory(offloaded, layout, "end of backward")
         shard = -(-LLAMA8B.params // layout.fsdp_group)
         assert off_optimizer == 0 and off_grads == grads - 4 * shard
         assert off_weights < weights

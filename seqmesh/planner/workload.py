@@ -76,6 +76,9 @@ class Workload:
     tiled_mlp: bool = False  # each layer's MLP in sequence tiles, recomputed in backward (seqmesh.memory.tiled_mlp)
     offload_checkpoints: bool = False  # checkpointed layer inputs kept in host memory (seqmesh.memory.offload)
     fsdp_cpu_offload: bool = False  # FSDP2's sharded weights, gradients and AdamW state in host memory
+    mlp_tiles: int | None = None  # tiles per MLP with tiled_mlp; None: local tokens / hidden, rounded up
+    offload_prefetch: int = 2  # offloaded inputs fetched back to the device ahead of use (0: used in place, CPU)
+    optimizer_foreach: bool = True  # AdamW's foreach path (torch's default on CUDA): one fp32 temporary per parameter
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -88,6 +91,10 @@ class Workload:
             raise ValueError(f"loss chunk {self.loss_chunk} must be at least 1 token.")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
+        if self.mlp_tiles is not None and self.mlp_tiles < 1:
+            raise ValueError(f"mlp_tiles={self.mlp_tiles} must be at least 1 (None: chosen from the shapes).")
+        if self.offload_prefetch < 0:
+            raise ValueError(f"offload_prefetch={self.offload_prefetch} must be >= 0.")
 
     @property
     def torch_dtype(self) -> str:
@@ -149,3 +156,32 @@ def root_params(m: ModelShape) -> int:
     layers and the embedding's own unit, i.e. the final RMSNorm and the LM head; when the head is tied,
     the embedding (= the head, counted once) and the final RMSNorm."""
     return m.hidden + m.vocab * m.hidden
+
+
+def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Layout]:
+    """The planner's ``(Workload, Layout)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world``
+    ranks, so a prediction and a measured run compare like with like.
+
+    ``reserve_bytes`` defaults to 0: a tensor count (``seqmesh.memory.MemoryTracker``) does not see the
+    CUDA context. ``device="cpu"`` describes a CPU-only run, where host and device are one memory: FSDP2's
+    CPU offload then moves nothing, the activation offload's host copies are used in place (nothing is
+    fetched back), and AdamW takes its per-tensor path (torch uses ``foreach`` only on CUDA)."""
+    from ..training.presets import model_shape
+    from ..training.train import resolve_degrees
+
+    if not cfg.fsdp:
+        raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it.")
+    if cfg.dp_replicate != 1:
+        raise ValueError(f"dp_replicate={cfg.dp_replicate}: the planner models one FSDP2 group (dp_replicate=1).")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
+    shape = model_shape(cfg.model)
+    ulysses, ring, dp = resolve_degrees(cfg, world, shape.heads, world)
+    on_cpu = device == "cpu"
+    work = Workload(shape, cfg.seq_len, batch=cfg.batch, dtype="bf16" if cfg.bf16 else "fp32",
+                    checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk,
+                    layout=cfg.layout if cfg.layout != "auto" else ("per_document" if cfg.data else "zigzag"),
+                    reserve_bytes=reserve_bytes, tiled_mlp=cfg.tiled_mlp, mlp_tiles=cfg.mlp_tiles,
+                    offload_checkpoints=cfg.offload_checkpoints, fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
+                    offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
+    return work, Layout(ulysses, ring, dp)

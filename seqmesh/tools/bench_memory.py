@@ -5,7 +5,8 @@ same build as ``seqmesh train``) on spawned CPU ranks, measured by :class:`~seqm
 on the step after the first (the optimizer state then exists). The sweep reports the longest length
 whose peak, on the rank that holds most, fits a budget. ``--compare`` runs every technique at each
 length and reports what each saves per local token: the slope of its peak against the length next to
-the slope of the configuration it changes.
+the slope of the configuration it changes. Each measured peak is printed next to the planner's
+prediction for the same ``TrainConfig`` (``seqmesh.planner.workload.plan_inputs``) and their ratio.
 """
 
 from __future__ import annotations
@@ -44,16 +45,32 @@ class MemoryBench:
     """TrainConfig memory options: checkpointing, tiled_mlp, mlp_tiles, offload_checkpoints, fsdp_cpu_offload."""
 
 
-def _measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
+def bench_config(bench: MemoryBench, seq_len: int, options: dict):
+    """The ``TrainConfig`` of one point: ``bench``'s model and degrees at ``seq_len`` with ``options``."""
+    from ..training.config import TrainConfig
+
+    return TrainConfig(model=bench.model, seq_len=seq_len, ulysses=bench.ulysses, ring=bench.ring, steps=2,
+                       symbols=8, **options)
+
+
+def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int, str]:
+    """The planner's peak for the same run on these CPU ranks (no CUDA reserve: the tracker counts
+    tensors only), and the moment it falls at."""
+    from ..planner.memory import memory_per_gpu
+    from ..planner.workload import plan_inputs
+
+    peak = memory_per_gpu(*plan_inputs(bench_config(bench, seq_len, options), bench.world, device="cpu"))
+    return peak.total, peak.moment
+
+
+def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     """On every rank: two training steps at ``seq_len``; the second one's tracked peak."""
     from ..memory import MemoryTracker
     from ..memory.offload import enable_activation_offload
-    from ..training.config import TrainConfig
     from ..training.data import shard_batch
     from ..training.train import build, make_dataset, to_device
 
-    cfg = TrainConfig(model=bench.model, seq_len=seq_len, ulysses=bench.ulysses, ring=bench.ring, steps=2,
-                      symbols=8, **options)
+    cfg = bench_config(bench, seq_len, options)
     data = make_dataset(cfg)
     mesh, module, device = build(cfg)
     offload = enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None
@@ -77,8 +94,10 @@ def sweep(bench: MemoryBench, pool=None) -> list[dict]:
     rows = []
     try:
         for seq_len in sorted(bench.seq_lens):
-            ranks = pool.run(_measure_rank, bench, seq_len, bench.options, timeout=3600)
+            ranks = pool.run(measure_rank, bench, seq_len, bench.options, timeout=3600)
             row = {"seq_len": seq_len, **max(ranks, key=lambda r: r["peak_bytes"])}
+            row["predicted_bytes"], row["predicted_moment"] = predicted_peak(bench, seq_len, bench.options)
+            row["predicted_ratio"] = row["predicted_bytes"] / row["peak_bytes"]
             row["fits"] = bench.budget is None or row["peak_bytes"] <= bench.budget
             rows.append(row)
     finally:
@@ -126,12 +145,13 @@ def format_sweep(bench: MemoryBench, rows: list[dict]) -> str:
     options = ", ".join(f"{k}={v}" for k, v in bench.options.items()) or "no memory options"
     lines = [f"peak tensor memory per rank: {bench.model}, {bench.world} rank(s), {options} (MiB)",
              f"{'seq_len':>9}{'peak':>9}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'transient':>11}"
-             f"{'host':>9}{'fits':>6}"]
+             f"{'host':>9}{'fits':>6}{'planner':>9}{'ratio':>7}  planner's moment"]
     mib = lambda b: f"{b / 2**20:9.2f}"  # noqa: E731
     for r in rows:
         lines.append(f"{r['seq_len']:>9}{mib(r['peak_bytes'])}{mib(r['parameters_bytes'])}{mib(r['gradients_bytes'])}"
                      f"{mib(r['optimizer_bytes'])}{mib(r['activations_bytes'])}  {mib(r['transient_bytes'])}"
-                     f"{mib(r['host_bytes'])}{'yes' if r['fits'] else 'no':>6}")
+                     f"{mib(r['host_bytes'])}{'yes' if r['fits'] else 'no':>6}{mib(r['predicted_bytes'])}"
+                     f"{r['predicted_ratio']:>7.3f}  {r['predicted_moment']}")
     if bench.budget is not None:
         longest = longest_fitting(rows)
         lines.append(f"longest that fits {bench.budget / 2**20:.1f} MiB: "

@@ -1,0 +1,247 @@
+"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs.
+
+The decoder layer is transformers' own Llama-style layer (``LlamaDecoderLayer`` and its relatives) with
+seqmesh's attention in place of the model's; counts are bytes for all ``batch`` sequences of one GPU,
+``T`` its local tokens, ``e`` the compute dtype's element size. What each op saves, per token:
+
+- RMSNorm (eager, as transformers writes it): ``x.to(float32)``, ``x * rsqrt(mean(x^2) + eps)``, then
+  ``weight * normalized.to(dtype)``. Saved: the float32 input (in fp32 the layer's own input, in bf16 an
+  extra float32 copy), the float32 scale (one per token) and the normalized tensor in the compute dtype;
+  its output (``e * hidden``) is saved by the projections that read it.
+- Rotary embedding: ``q * cos + rotate_half(q) * sin`` saves only ``cos`` and ``sin`` (they need no
+  gradient), computed once per forward and shared by every layer: ``2 * head_dim`` values per token.
+- seqmesh attention saves its q, k, v inputs, its output and the float32 log-sum-exp. Without Ulysses
+  the inputs are the layer's rotated q, k and its v, and the output is also the output projection's
+  input. With Ulysses they are the received head-sharded block (one packed buffer of ``U * T`` tokens
+  and this rank's heads), its output and LSE on those tokens, and the output projection's input is the
+  output brought back to this rank's tokens and every head (a new tensor).
+- SwiGLU MLP: gate, up, SiLU(gate) and their product (4 x intermediate); tiled
+  (``seqmesh.memory.tiled_mlp``): only its input, already saved as the norm's output.
+- The residual adds save nothing.
+
+Outside the layers: the token ids, positions and labels of the batch (int64; the loss keeps its own
+masked copy of the labels), the final norm (as above, its output saved by the loss), and the loss's
+float32 log-sum-exp per token. With full activation checkpointing each layer keeps its input (in fp32
+that is the tensor its first norm would keep) and one layer's saved tensors exist again while it is
+recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from ..training.presets import ModelShape
+from .traffic import HeadDeal, padded_length
+from .workload import Layout, Workload, linear_state_bytes
+
+INT64 = 8
+LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
+
+
+def local_tokens(work: Workload, layout: Layout) -> int:
+    """Tokens of each sequence one GPU holds outside attention (the padded length over the sequence degree)."""
+    if layout.tp > 1:
+        return padded_length(work.seq_len, layout.tp, 1, "contiguous") // layout.tp
+    return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // (layout.ulysses * layout.ring)
+
+
+def tokens(work: Workload, layout: Layout) -> int:
+    """``T``: tokens one GPU holds outside attention, all ``batch`` sequences."""
+    return work.batch * local_tokens(work, layout)
+
+
+def attention_heads(work: Workload, layout: Layout) -> tuple[int, int, int]:
+    """(tokens, query heads, kv heads) inside attention on the busiest GPU: Ulysses gathers ``U`` ranks'
+    tokens for a share of the heads (the reference TP layouts: ``tp`` ranks' tokens, heads / tp)."""
+    m, t = work.model, tokens(work, layout)
+    if layout.tp > 1:
+        return t * layout.tp, m.heads // layout.tp, max(1, m.kv_heads // layout.tp)
+    deal = HeadDeal(m.heads, m.kv_heads, layout.ulysses)
+    return t * layout.ulysses, deal.max_q, deal.max_kv
+
+
+def norm_saved(m: ModelShape, e: int) -> int:
+    """Bytes per token an eager RMSNorm keeps (its output excluded): float32 input, float32 scale,
+    normalized tensor in the compute dtype."""
+    return 4 * m.hidden + 4 + e * m.hidden
+
+
+def attention_saved(work: Workload, layout: Layout) -> int:
+    """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE), and the output
+    projection's input where it is a separate tensor (Ulysses)."""
+    m, e = work.model, work.act_bytes
+    n, hq, hk = attention_heads(work, layout)
+    saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
+    if layout.ulysses > 1 or layout.tp > 1:
+        saved += tokens(work, layout) * e * m.heads * m.head_dim // max(1, layout.tp)
+    return saved
+
+
+def mlp_saved(work: Workload, layout: Layout) -> int:
+    """Bytes the MLP keeps beyond its input: gate, up, SiLU(gate), product; nothing when tiled."""
+    return 0 if work.tiled_mlp else tokens(work, layout) * 4 * work.model.intermediate * work.act_bytes
+
+
+def layer_saved_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes one decoder layer keeps for backward on one GPU: two norms and their outputs, attention,
+    the MLP (the module docstring lists them). A hybrid model's Gated DeltaNet layers are counted by
+    :func:`linear_layer_saved_bytes` and the larger kind is taken."""
+    m, e = work.model, work.act_bytes
+    per_token = 2 * (norm_saved(m, e) + e * m.hidden)
+    saved = tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
+    if m.linear_layers and layout.tp == 1:
+        saved = max(saved, linear_layer_saved_bytes(work, layout))
+    return saved
+
+
+def layer_input_bytes(work: Workload, layout: Layout) -> int:
+    """The input a checkpointed layer keeps (the residual stream, compute dtype)."""
+    return tokens(work, layout) * work.model.hidden * work.act_bytes
+
+
+def recomputed_layer_bytes(work: Workload, layout: Layout) -> int:
+    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32 the
+    first norm keeps that input itself rather than a float32 copy)."""
+    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 else 0
+    return layer_saved_bytes(work, layout) - shared
+
+
+def outside_layers_bytes(work: Workload, layout: Layout) -> int:
+    """Kept all step outside the layers: token ids, positions, labels (and the loss's masked copy), and
+    RoPE's cos and sin."""
+    t, m = tokens(work, layout), work.model
+    return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes)
+
+
+def final_norm_bytes(work: Workload, layout: Layout) -> int:
+    """The final norm's saved tensors and its output (saved by the loss); with the activation offload
+    only the output stays on the device (the norm is part of the offloaded decoder)."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    if work.offload_checkpoints:
+        return t * e * m.hidden
+    return t * (norm_saved(m, e) + e * m.hidden)
+
+
+def linear_layer_saved_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes one Gated DeltaNet layer saves for backward on one GPU (not yet checked against a measured
+    run). Per local token as a full-attention layer (norms, projections' inputs, MLP) plus z and the out
+    projection's input; inside the token mixer, over the whole sequence for this GPU's 1/P of the heads:
+    the conv's input and output channels, beta, the decay, the output (activation dtype), and the
+    float32 recurrent state entering every chunk of 64 tokens (``linear_state_bytes`` per chunk)."""
+    m, e = work.model, work.act_bytes
+    p = layout.ulysses * layout.ring
+    t = tokens(work, layout)
+    whole = work.batch * padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
+    deal = HeadDeal(m.linear_value_heads, m.linear_key_heads, p)
+    h, k = deal.max_q, deal.max_kv
+    per_token = e * (4 * m.hidden + 4 * m.intermediate + 2 * m.linear_value_heads * m.linear_value_dim) + 2 * 4
+    mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
+    states = -(-whole // work.batch // LINEAR_CHUNK) * linear_state_bytes(m, work.batch, p)
+    return t * per_token + mixer + states
+
+
+def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+    """An eager RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to
+    its input's: ``weight * n`` gives dn and a temporary for the weight's gradient (n and the incoming
+    gradient freed); in bf16 dn is cast to float32; ``x * r`` gives dx and a temporary for dr; the mean
+    and the square give dx's second part (the gradient of the square, ``x``, ``2x`` and their product).
+    Autograd adds a gradient in place into the buffer of the node that consumes it: in fp32 ``x`` is the
+    residual stream itself, so both parts go straight into the residual gradient; in bf16 the float32
+    copy collects both parts, then is cast back. Checked against the tracked peak of transformers'
+    ``LlamaRMSNorm`` backward."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
+    kept = t * norm_saved(m, e) - c  # float32 input and scale (n is freed by the first step)
+    steps = [("norm weight backward", 2 * c, 3 * c)]  # dn and dn*n; dn*n, n and the incoming gradient freed
+    if e == 4:
+        return steps + [("norm scale backward", 2 * f, 3 * f),  # dx and dn*x; dn*x, dn freed, dx added in place
+                        ("norm square backward", 4 * f, 4 * f + kept)]  # its four tensors; x and r freed
+    return steps + [("norm cast backward", f, c),
+                    ("norm scale backward", 2 * f, 2 * f),  # dx and dn*x; dn*x and dn freed
+                    ("norm square backward", 4 * f, 3 * f),  # the product stays, to be added to dx
+                    ("norm gradient sum", 0, f + kept),  # in place into dx; the float32 copy and r freed
+                    ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
+
+
+def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+    """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the
+    state where it starts (every tensor the layer saved and the gradient of its output alive).
+
+    Each op allocates its outputs (and its temporaries, freed with its inputs); then the tensors it was
+    the last to need are freed. The figures follow what autograd runs for transformers' layer: linear
+    backward gives the input gradient (the weight's goes to the parameter gradients, counted apart); two
+    gradients of one tensor are summed into a new one; an eager RMSNorm's backward is
+    :func:`norm_backward_steps`; attention's backward allocates its working set
+    (:func:`attention_backward_bytes`), which ends as the gradients of q, k and v."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    hidden, inner = t * m.hidden * e, t * m.intermediate * e  # one (token, hidden) / (token, intermediate) tensor
+    norm = norm_backward_steps(work, layout)
+    qkv = t * (m.heads + 2 * m.kv_heads) * m.head_dim * e
+    out = t * m.heads * m.head_dim * e
+    steps: list[tuple[str, int, int]] = []
+    if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
+        tile = mlp_tile_tokens(work, layout)
+        tile_set = tile * (7 * m.intermediate + m.hidden) * e
+        tile_grads = 3 * m.hidden * m.intermediate * e  # this tile's weight gradients beside the running sums
+        steps += [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
+    else:
+        steps += [("down_proj backward", inner, inner),  # d(product); the product freed
+                  ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
+                  ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
+                  # two input gradients, the second added in place into the first; the norm's output freed
+                  ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
+    n, hq, _ = attention_heads(work, layout)
+    o_input = out if layout.ulysses > 1 or layout.tp > 1 else 0  # the output projection's own input (Ulysses)
+    steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
+              ("residual gradient sum", 0, hidden),  # in place into the residual stream's gradient
+              ("o_proj backward", out, o_input)]
+    d_out = out
+    if o_input:  # the output's gradient scattered to this rank's heads, the local one freed
+        d_out = n * hq * m.head_dim * e
+        steps += [("output all-to-all backward", d_out, out)]
+    work_set = attention_backward_bytes(work, layout)
+    steps += [("attention backward", work_set, work_set - qkv + attention_saved(work, layout) - o_input + d_out),
+              ("rotary backward", qkv, qkv),
+              ("q/k/v_proj backward", 2 * hidden, qkv + 2 * hidden),  # summed in place; the norm's output freed
+              *(("input " + op, a, f) for op, a, f in norm),
+              ("residual gradient sum", 0, hidden)]
+    return steps
+
+
+def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
+    """The most bytes a timeline adds above its start, and the op at which it does."""
+    live, peak, where = 0, 0, "start"
+    for op, allocated, freed in steps:
+        live += allocated
+        if live > peak:
+            peak, where = live, op
+        live -= freed
+    return peak, where
+
+
+def attention_backward_bytes(work: Workload, layout: Layout) -> int:
+    """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient,
+    the q, k, v gradients it returns included. A ring of one: the kernel's gradients (those returned).
+    Ring (blocks and their partial gradients relayed neighbour to neighbour): float32 dQ, the home dK/dV,
+    this step's partial, the one sent on a step earlier and the one being received (float32), the packed
+    home K/V block, the one held and the one arriving, and the kernel's gradients of one block. Ulysses: the output gradient scattered to this rank's heads
+    (counted by the timeline) beside that, then the inner gradients packed for the inverse all-to-all next
+    to the result."""
+    m, e = work.model, work.act_bytes
+    n, hq, hk = attention_heads(work, layout)
+    d = m.head_dim
+    kernel = n * (hq + 2 * hk) * d * e
+    inner = kernel
+    if layout.ring > 1:  # a ring of two has no middle step: no block being received while one is computed
+        fp32_blocks, kv_blocks = (3, 2) if layout.ring == 2 else (4, 3)
+        inner += n * hq * d * 4 + n * 2 * hk * d * (fp32_blocks * 4 + kv_blocks * e)
+    if layout.ulysses == 1 and layout.tp == 1:
+        return inner
+    returned = tokens(work, layout) * (work.model.heads + 2 * work.model.kv_heads) * d * e // max(1, layout.tp)
+    return max(inner, 2 * kernel + returned)
+
+
+def mlp_tile_tokens(work: Workload, layout: Layout) -> int:
+    """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's local tokens cut into
+    ``mlp_tiles`` tiles, by default tiles of at most ``hidden`` (``seqmesh.memory.tiled_mlp.tile_count``)."""
+    local = local_tokens(work, layout)
+    tiles = work.mlp_tiles or max(1, -(-local // work.model.hidden))
+    return work.batch * -(-local // min(tiles, local))

@@ -1,0 +1,33 @@
+"""Rank-side cases of test_planner_measured: the tracked peak of real training steps, measured as
+``seqmesh bench memory`` measures it (the ``seqmesh train`` build, the second of two steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+
+from seqmesh.tools.bench_memory import MemoryBench, measure_rank
+
+# a wider Llama than llama-tiny: 3 layers, hidden 128, head dim 32, intermediate 352, vocab 512
+WIDE_CONFIG = {
+    "model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+    "tie_word_embeddings": False, "rope_theta": 10000.0, "max_position_embeddings": 65536, "rms_norm_eps": 1e-5,
+}
+
+
+def write_wide_config(folder: str) -> str:
+    """A config.json of the wider model in ``folder`` (a model argument of TrainConfig); its path."""
+    path = os.path.join(folder, "config.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(WIDE_CONFIG, f)
+    return path
+
+
+def measured_peaks(cases: list[tuple[str, int, int, int, dict]]) -> list[int]:
+    """On every rank: for each ``(model, seq_len, ulysses, ring, options)``, this rank's tracked peak bytes."""
+    world = dist.get_world_size()
+    return [measure_rank(MemoryBench(model=model, world=world, ulysses=u, ring=r), seq_len, options)["peak_bytes"]
+            for model, seq_len, u, r, options in cases]

@@ -1,0 +1,82 @@
+"""The planner's predicted peak against the peak tensor bytes of real training steps.
+
+Each case runs two steps of the ``seqmesh train`` build on spawned CPU ranks and takes the second
+step's tracked peak (``seqmesh.memory.MemoryTracker``; the rank that holds most). The prediction is
+``memory_per_gpu`` for the same ``TrainConfig`` (``plan_inputs``, CPU run, no CUDA reserve), computed
+from shapes alone. The tracker is exact and deterministic on the CPU, so the 5% allowed is the model's
+own error: it must know what every op keeps, not fit a constant. Lengths are chosen so activations
+dominate most cases (up to ~95% of the peak) while model state (FSDP2's shards and gathered copies,
+gradients, AdamW) dominates a few (the wider model at 128 tokens: ~75%).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner_measured_cases import measured_peaks, write_wide_config
+from seqmesh.planner.memory import memory_per_gpu
+from seqmesh.planner.workload import plan_inputs
+from seqmesh.training.config import TrainConfig
+
+TOLERANCE = 0.05
+NONE: dict = {}
+CKPT = {"checkpointing": True}
+TILED = {"checkpointing": True, "tiled_mlp": True}
+OFFLOAD = {"checkpointing": True, "offload_checkpoints": True}
+FSDP_OFFLOAD = {"fsdp_cpu_offload": True}
+BF16 = {"bf16": True}
+
+# world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json
+CASES = {
+    1: [("llama-tiny", 1024, 1, 1, NONE), ("llama-tiny", 3072, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, CKPT),
+        ("llama-tiny", 2048, 1, 1, TILED), ("llama-tiny", 2048, 1, 1, OFFLOAD),
+        ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16}), ("wide", 2048, 1, 1, NONE), ("wide", 1024, 1, 1, TILED),
+        ("wide", 128, 1, 1, NONE)],
+    2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
+        ("wide", 1024, 1, 2, FSDP_OFFLOAD)],
+    4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
+        ("llama-tiny", 2048, 4, 1, OFFLOAD)],
+}
+
+
+def _label(options: dict) -> str:
+    return "+".join(name for name in options) or "none"
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_predicted_peak_matches_the_measured_one(pools, tmp_path, world):
+    wide = write_wide_config(str(tmp_path))
+    cases = [(wide if model == "wide" else model, *rest) for model, *rest in CASES[world]]
+    per_rank = pools.run(world, measured_peaks, cases, timeout=600)
+    rows, bad = [], []
+    for i, (model, seq_len, u, r, options) in enumerate(cases):
+        measured = max(rank[i] for rank in per_rank)
+        cfg = TrainConfig(model=model, seq_len=seq_len, ulysses=u, ring=r, **options)
+        peak = memory_per_gpu(*plan_inputs(cfg, world, device="cpu"))
+        ratio = peak.total / measured
+        name = "wide" if model == wide else model
+        rows.append(f"{name:>10} {u}x{r} {seq_len:>5} {_label(options):<40} measured {measured / 2**20:8.2f} MiB "
+                    f"predicted {peak.total / 2**20:8.2f} MiB  ratio {ratio:.3f}  ({peak.moment})")
+        if abs(ratio - 1) > TOLERANCE:
+            bad.append(rows[-1])
+    table = "\n".join(rows)
+    print(f"world {world}:\n{table}")  # shown with pytest -s
+    assert not bad, f"predicted/measured outside 1 +- {TOLERANCE} on {len(bad)} case(s):\n{table}"
+
+
+def test_plan_inputs_describe_the_run():
+    """A TrainConfig becomes the planner's Workload and Layout: degrees resolved as ``seqmesh train`` does,
+    bf16 as the compute dtype, the memory options carried; on a CPU run the offloads move nothing."""
+    cfg = TrainConfig(model="llama-tiny", seq_len=4096, ulysses=2, bf16=True, checkpointing=True, tiled_mlp=True,
+                      mlp_tiles=3, offload_checkpoints=True, fsdp_cpu_offload=True, loss_chunk=1024)
+    work, layout = plan_inputs(cfg, 8)
+    assert (layout.ulysses, layout.ring, layout.dp_shard) == (2, 4, 1)
+    assert (work.dtype, work.seq_len, work.loss_chunk, work.mlp_tiles, work.reserve_bytes) == ("bf16", 4096, 1024, 3, 0)
+    assert work.checkpointing and work.tiled_mlp and work.offload_checkpoints and work.fsdp_cpu_offload
+    assert work.offload_prefetch == 2 and work.optimizer_foreach
+    on_cpu, _ = plan_inputs(cfg, 8, device="cpu")
+    assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and not on_cpu.optimizer_foreach
+    with pytest.raises(ValueError, match="--no-fsdp"):
+        plan_inputs(TrainConfig(fsdp=False), 1)
+    with pytest.raises(ValueError, match="device 'tpu'"):
+        plan_inputs(cfg, 8, device="tpu")
