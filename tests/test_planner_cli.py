@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -132,18 +131,14 @@ def test_reason_and_table_print_the_same_share():
     assert f"; {exposed} of the step waits on communication" in done.stdout
 
 
-def test_table_mode_is_fast_and_recommends(capsys):
-    """The planning itself takes well under a second; the process mostly imports torch (seqmesh's
-    package __init__ does)."""
-    start = time.perf_counter()
+def test_table_mode_recommends_in_process_and_as_a_command(capsys):
+    """The table mode recommends a layout and prints its memory, called in-process and as a command.
+    (How long planning takes is not asserted here: speed belongs in benchmarks, not tests.)"""
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink"]) == 0
-    assert time.perf_counter() - start < 3.0
     out = capsys.readouterr().out
     assert "recommended: U" in out and "memory per GPU" in out
-    start = time.perf_counter()
     done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink")
     assert done.returncode == 0 and "recommended:" in done.stdout
-    assert time.perf_counter() - start < 20.0  # generous: a cold torch import on a loaded 2-core box
 
 
 def test_header_gives_parameters_in_a_unit_that_fits(capsys):
@@ -246,3 +241,16 @@ def test_compute_measurement_and_its_use():
     assert fp32.flops_for("fp32") == 5e13 and fp32.peak_flops == PRESETS["h100-nvlink"].peak_flops
     with pytest.raises(ValueError, match="measured bfloat16 but the plan computes in fp32"):
         apply_calibration(PRESETS["l20-pcie"], cal, "fp32")
+
+
+def test_nothing_fits_names_the_moment_and_what_fills_it(capsys):
+    """Llama-3-70B on 16 GPUs holds no token: at the optimizer step each GPU has AdamW's two fp32 moments
+    and the foreach step's fp32 temporary (12 bytes per parameter), its fp32 shard and gradient (4 each),
+    all over 16 GPUs. The reason must say so, not blame activations or unsharded units."""
+    from seqmesh.training.presets import model_shape
+
+    params = model_shape("llama3-70b").params
+    assert main(["plan", "--model", "llama3-70b", "--nodes", "2", "--max-seq-len"]) == 0
+    out = capsys.readouterr().out
+    gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+    assert f"at the optimizer step: optimizer {gib(12 * params / 16)}, weights {gib(4 * params / 16)}" in out.replace("\n", " ")

@@ -123,6 +123,13 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     return "; ".join(parts)
 
 
+def peak_parts(memory: dict[str, int], moment: str) -> str:
+    """"at the optimizer step: optimizer 32.8, grads 16.4, weights 16.4 GiB": the moment of the peak and its
+    three largest parts (``memory`` as :meth:`.memory.MemoryBreakdown.as_dict` gives it)."""
+    parts = sorted(((v, k) for k, v in memory.items() if k != "total" and v > 0), reverse=True)[:3]
+    return f"at the {moment}: " + ", ".join(f"{k} {_gib(v)}" for v, k in parts) + " GiB"
+
+
 def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
     """Why there is no recommendation, and what to change."""
     runnable = [c for c in ranked if c.layout.runs_on_seqmesh]
@@ -130,11 +137,9 @@ def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
         return "no seqmesh layout can run this model on these GPUs"
     least = min(runnable, key=lambda c: c.memory.total)
     text = (f"the smallest seqmesh footprint, {least.layout.label()}, needs {_gib(least.memory.total)} GiB per "
-            f"GPU of {_gib(cluster.hardware.memory_bytes)}")
-    if least.memory.moment == "end of backward":
-        text += (" at the end of backward, where the unsharded gradients being reduce-scattered (the root's, and an "
-                 "untied embedding's) and their fp32 reduce copies meet the sharded states; no sequence length changes "
-                 "that: use more GPUs")
+            f"GPU of {_gib(cluster.hardware.memory_bytes)} ({peak_parts(least.memory.as_dict(), least.memory.moment)})")
+    if least.memory.moment in ("end of backward", "optimizer step"):
+        text += "; that moment holds no activations, so no sequence length changes it: use more GPUs"
     else:
         text += ("; use more GPUs or a shorter sequence, keep checkpointing and the chunked loss on "
                  "(--max-seq-len finds the longest that fits)")
@@ -148,10 +153,13 @@ def explain_longest(best: dict | None, rows: list[dict], cluster: Cluster) -> st
     """The reason for ``--max-seq-len``'s pick (rows as :func:`.plan.longest_plan` builds them)."""
     gpu = cluster.hardware.memory_bytes
     if best is None:
-        least = min((r["memory_bytes"]["total"] for r in rows if r["runs_on_seqmesh"]), default=0)
-        return (f"no seqmesh layout holds even one token: the smallest footprint is {_gib(least)} GiB per GPU of "
-                f"{_gib(gpu)} (sharded weights, gradients and optimizer states, with the root and embedding units' "
-                "unsharded weights and gradients); use more GPUs")
+        seqmesh_rows = [r for r in rows if r["runs_on_seqmesh"]]
+        if not seqmesh_rows:
+            return "no seqmesh layout can run this model on these GPUs"
+        least = min(seqmesh_rows, key=lambda r: r["memory_bytes"]["total"])
+        return (f"no seqmesh layout holds even one token: the smallest footprint is "
+                f"{_gib(least['memory_bytes']['total'])} GiB per GPU of {_gib(gpu)} "
+                f"({peak_parts(least['memory_bytes'], least['memory_peak_at'])}); use more GPUs")
     text = (f"the longest sequence of any seqmesh layout, {best['max_seq_len']:,} tokens "
             f"({_gib(best['memory_bytes']['total'])} GiB per GPU of {_gib(gpu)}); among layouts that fit as much, "
             "the most tokens/s")
