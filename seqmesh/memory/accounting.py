@@ -169,11 +169,19 @@ class MemoryTracker(TorchDispatchMode):
                 by["transient"] += size
         return by, hosted
 
+    def _device_total(self) -> int:
+        """The recorded sum less the offload's host copies it holds (on a CPU run host and device are one
+        memory, so they are in the table; they never count towards the peak, and without this every
+        operator after the first offload would reclassify the whole table)."""
+        if self.offload is None:
+            return self._total
+        return self._total - sum(self._live[k][1] for k in self.offload.host_storage_keys() if k in self._live)
+
     def _check_peak(self) -> None:
-        if self._total <= self._report.peak_bytes:
+        if self._device_total() <= self._report.peak_bytes:
             return
         self._refresh()  # drop sizes FSDP2 shrank behind the operators' backs
-        if self._total <= self._report.peak_bytes:
+        if self._device_total() <= self._report.peak_bytes:
             return
         by, hosted = self._classify()
         if sum(by.values()) > self._report.peak_bytes:

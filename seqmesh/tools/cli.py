@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--windows", type=int, nargs="+", default=[0, 4096, 1024, 256], help="0: full causal")
     bw.set_defaults(func=cmd_bench_window)
     bench_memory.add_subcommand(bench_sub)
+    from . import bench_baseline
+
+    bench_baseline.add_subcommand(bench_sub)
 
     from ..planner.cli import register_plan
 

@@ -1,0 +1,61 @@
+"""The buffer audit on spawned ranks: every tensor a training step creates that is (S, S)-sized or has a
+vocabulary-sized dimension, recorded by a dispatch mode, as plain data to assert on."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LargeBuffers(TorchDispatchMode):
+    """Records ``(op, shape)`` of every operator output with at least ``square`` elements (an (S, S)
+    buffer's size) or with a dimension of ``vocab`` entries, with how many times each was made."""
+
+    def __init__(self, square: int, vocab: int):
+        super().__init__()
+        self.square, self.vocab = square, vocab
+        self.squares: Counter = Counter()
+        self.vocab_sized: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            shape = tuple(t.shape)
+            if t.numel() >= self.square:
+                self.squares[str(func), shape] += 1
+            if self.vocab in shape:
+                self.vocab_sized[str(func), shape] += 1
+        return out
+
+
+def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, options: dict) -> dict:
+    """Two AdamW steps of the ``seqmesh train`` build (FSDP2, chunked loss) under :class:`LargeBuffers`,
+    with the square of the local length as the (S, S) threshold."""
+    import torch.distributed as dist
+
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.data import shard_batch
+    from seqmesh.training.train import build, make_dataset
+
+    cfg = TrainConfig(model="llama-tiny", seq_len=seq_len, ulysses=ulysses, ring=ring, dp=1, loss_chunk=loss_chunk,
+                      symbols=8, **options)
+    data = make_dataset(cfg)
+    mesh, module, _ = build(cfg)
+    module.train()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    local_len = seq_len // mesh.sp_size
+    vocab, hidden = module.lm.config.vocab_size, module.lm.config.hidden_size
+    recorder = LargeBuffers(local_len * local_len, vocab)
+    with recorder:
+        for step in range(2):  # the second step has the optimizer state in place
+            local = shard_batch(data.batch(step, 0, 1, 1), mesh)
+            module(**local).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {"rank": dist.get_rank(), "local_len": local_len, "vocab": vocab, "hidden": hidden,
+            "squares": dict(recorder.squares), "vocab_sized": dict(recorder.vocab_sized)}
