@@ -59,3 +59,29 @@ def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, o
             optimizer.zero_grad(set_to_none=True)
     return {"rank": dist.get_rank(), "local_len": local_len, "vocab": vocab, "hidden": hidden,
             "squares": dict(recorder.squares), "vocab_sized": dict(recorder.vocab_sized)}
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the operators a step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def attention_ops_of_both_sides(seq_len: int) -> dict[str, set[str]]:
+    """On one process: the attention and softmax operators of one training step of each side of
+    ``seqmesh bench baseline``."""
+    from seqmesh.tools.bench_baseline import BaselineBench, run_method
+
+    found = {}
+    for method in ("transformers", "seqmesh"):
+        recorder = OpNames()
+        with recorder:
+            run_method(BaselineBench(world=1), method, seq_len, track=False)
+        found[method] = {n for n in recorder.names if "attention" in n or "softmax" in n or "bmm" in n}
+    return found

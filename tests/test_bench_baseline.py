@@ -41,6 +41,17 @@ def test_both_sides_compute_the_same_loss_on_one_process(pools):
     assert ours["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
 
 
+def test_both_sides_run_the_same_cpu_attention_op(pools):
+    """What the docs say: transformers' SDPA and seqmesh's cpu_flash kernel call one op, forward and backward."""
+    from baseline_cases import attention_ops_of_both_sides
+
+    (found,) = pools.run(1, attention_ops_of_both_sides, 256)
+    flash = {"aten._scaled_dot_product_flash_attention_for_cpu.default",
+             "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"}
+    assert found["seqmesh"] == flash  # chunked loss: logsumexp, no softmax op
+    assert found["transformers"] == flash | {"aten._log_softmax.default", "aten._log_softmax_backward_data.default"}
+
+
 class _OneRank:
     def __init__(self, pools):
         self.pools = pools

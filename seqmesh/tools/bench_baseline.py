@@ -190,14 +190,15 @@ def longest_within(peak_of: Callable[[int], int], budget: int, start: int, resol
 def compare(bench: BaselineBench, methods: tuple[str, ...] = tuple(METHODS), pool=None,
             progress: Callable[[str], None] | None = None) -> dict:
     """Sweep every method on one pool of ``bench.world`` processes (``pool``, or one started here), then
-    time each pair side by side; ``progress`` is told each measurement. Returns ``{"methods": {method: {longest, peaks, reached_limit,
-    host_bytes}}, "pairs": [{seqmesh, baseline, longest_ratio, speed_ratio_at_both, both_seqmesh, ...}]}``."""
+    time each pair side by side; ``progress`` is told each measurement. Returns ``{"methods": {method:
+    {longest, peaks, reached_limit, host_bytes}}, "pairs": [{seqmesh, baseline, longest_ratio,
+    speed_ratio_at_both, both_seqmesh, both_baseline, own_seqmesh, own_baseline}]}``."""
     from .launch import WorkerPool
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}.")
-    out: dict = {"methods": {}, "pairs": []}
+    out: dict = {"methods": {}}
     threads = max(1, (os.cpu_count() or 1) // bench.world)
     with contextlib.nullcontext(pool) if pool is not None else WorkerPool(bench.world, threads=threads) as pool:
         def measure(method: str, seq_len: int, **kw) -> dict:
@@ -221,28 +222,36 @@ def compare(bench: BaselineBench, methods: tuple[str, ...] = tuple(METHODS), poo
             out["methods"][method] = {"longest": longest, "peaks": peaks,
                                       "reached_limit": all(p <= bench.budget for p in peaks.values()),
                                       "host_bytes": rows[longest]["host_bytes"] if longest else 0}
-        speeds: dict[tuple[str, int], float] = {}  # (method, length) -> tokens/s, each timed once
-
-        def tokens_per_s(method: str, seq_len: int) -> float:
-            if (method, seq_len) not in speeds:
-                timed = measure(method, seq_len, track=False, timed=bench.repeats)
-                speeds[method, seq_len] = timed["tokens_per_step"] / min(timed["seconds"])
-            return speeds[method, seq_len]
-
-        for ours, theirs in PAIRS:
-            if ours not in methods or theirs not in methods:
-                continue
-            mine, base = out["methods"][ours]["longest"], out["methods"][theirs]["longest"]
-            pair = {"seqmesh": ours, "baseline": theirs, "longest_ratio": mine / base if mine and base else None}
-            both = min(mine, base) if mine and base else None
-            for where, length, method in (("both_seqmesh", both, ours), ("both_baseline", both, theirs),
-                                          ("own_seqmesh", mine, ours), ("own_baseline", base, theirs)):
-                if length:
-                    pair[where] = {"seq_len": length, "tokens_per_s": tokens_per_s(method, length)}
-            if "both_seqmesh" in pair:
-                pair["speed_ratio_at_both"] = pair["both_seqmesh"]["tokens_per_s"] / pair["both_baseline"]["tokens_per_s"]
-            out["pairs"].append(pair)
+        out["pairs"] = _time_pairs(bench, out["methods"], methods, measure)
     return out
+
+
+def _time_pairs(bench: BaselineBench, swept: dict, methods: tuple[str, ...], measure: Callable) -> list[dict]:
+    """Each pair's tokens/s at the longest length both fit and at each one's own longest (each
+    ``(method, length)`` timed once, untracked), and the ratios seqmesh / baseline."""
+    speeds: dict[tuple[str, int], float] = {}
+
+    def tokens_per_s(method: str, seq_len: int) -> float:
+        if (method, seq_len) not in speeds:
+            timed = measure(method, seq_len, track=False, timed=bench.repeats)
+            speeds[method, seq_len] = timed["tokens_per_step"] / min(timed["seconds"])
+        return speeds[method, seq_len]
+
+    pairs = []
+    for ours, theirs in PAIRS:
+        if ours not in methods or theirs not in methods:
+            continue
+        mine, base = swept[ours]["longest"], swept[theirs]["longest"]
+        pair = {"seqmesh": ours, "baseline": theirs, "longest_ratio": mine / base if mine and base else None}
+        both = min(mine, base) if mine and base else None
+        for where, length, method in (("both_seqmesh", both, ours), ("both_baseline", both, theirs),
+                                      ("own_seqmesh", mine, ours), ("own_baseline", base, theirs)):
+            if length:
+                pair[where] = {"seq_len": length, "tokens_per_s": tokens_per_s(method, length)}
+        if both:
+            pair["speed_ratio_at_both"] = pair["both_seqmesh"]["tokens_per_s"] / pair["both_baseline"]["tokens_per_s"]
+        pairs.append(pair)
+    return pairs
 
 
 # --- the command ------------------------------------------------------------------------------------------
@@ -257,14 +266,16 @@ def format_comparison(bench: BaselineBench, result: dict) -> str:
         shown = f"{longest:,}" + ("+" if row["reached_limit"] else "") if longest else "none"
         peak = f"{peaks[longest] / 2**20:.2f}" if longest else "-"
         lines.append(f"{method:<19}{shown:>9}{above:>12}{peak:>10}{row['host_bytes'] / 2**20:>10.2f}")
-    lines.append(f"{'seqmesh / baseline':<32}{'longest':>9}{'tokens/s at both':>22}{'tokens/s, each at own':>30}")
+    lines.append(f"{'seqmesh / baseline':<32}{'longest':>9}{'tokens/s at both':>22}{'tokens/s, each at own':>34}")
     for pair in result["pairs"]:
         ratio = f"{pair['longest_ratio']:.2f}x" if pair["longest_ratio"] else "-"
         both = (f"{pair['speed_ratio_at_both']:.2f}x @ {pair['both_seqmesh']['seq_len']:,}"
                 if "speed_ratio_at_both" in pair else "-")
-        own = (f"{pair['own_seqmesh']['tokens_per_s']:,.0f} / {pair['own_baseline']['tokens_per_s']:,.0f}"
-               if "own_seqmesh" in pair and "own_baseline" in pair else "-")
-        lines.append(f"{pair['seqmesh'] + ' / ' + pair['baseline']:<32}{ratio:>9}{both:>22}{own:>30}")
+        own = "-"
+        if "own_seqmesh" in pair and "own_baseline" in pair:
+            mine, base = pair["own_seqmesh"]["tokens_per_s"], pair["own_baseline"]["tokens_per_s"]
+            own = f"{mine:,.0f} / {base:,.0f} = {mine / base:.2f}x"
+        lines.append(f"{pair['seqmesh'] + ' / ' + pair['baseline']:<32}{ratio:>9}{both:>22}{own:>34}")
     return "\n".join(lines)
 
 
