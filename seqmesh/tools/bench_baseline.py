@@ -19,6 +19,8 @@ The methods (the same model config and the same weights, from ``build_model``'s 
     seqmesh            the ``seqmesh train`` build: sequence parallelism over all processes, chunked loss
     seqmesh_all        and every memory technique: checkpointing, offloaded checkpoints, tiled MLP,
                        FSDP2 CPU offload (host-held bytes are reported apart, not in the peak)
+    seqmesh_replicated (on request) ``--no-fsdp``: weights replicated, gradients summed after backward;
+                       on one process, seqmesh without FSDP2's per-step cost, as plain transformers runs
 
 Each seqmesh method is compared with the transformers method of the same checkpointing.
 """
@@ -40,8 +42,11 @@ METHODS: dict[str, tuple[str, dict]] = {
     "transformers_ckpt": ("transformers", {"checkpointing": True}),
     "seqmesh": ("seqmesh", {}),
     "seqmesh_all": ("seqmesh", ALL_TECHNIQUES),
+    "seqmesh_replicated": ("seqmesh", {"fsdp": False}),
 }
-PAIRS: tuple[tuple[str, str], ...] = (("seqmesh", "transformers"), ("seqmesh_all", "transformers_ckpt"))
+DEFAULT_METHODS = ("transformers", "transformers_ckpt", "seqmesh", "seqmesh_all")
+PAIRS: tuple[tuple[str, str], ...] = (("seqmesh", "transformers"), ("seqmesh_all", "transformers_ckpt"),
+                                      ("seqmesh_replicated", "transformers"))
 
 
 @dataclass
@@ -102,7 +107,7 @@ def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
         batch = data.batch(step, rank, 1, world)
         return lm(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
 
-    return lm, None, loss_of, world * seq_len
+    return lm, None, loss_of, None, world * seq_len
 
 
 def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
@@ -110,6 +115,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     from ..memory.offload import enable_activation_offload
     from ..training.config import TrainConfig
     from ..training.data import shard_batch
+    from ..training.fsdp import sync_gradients
     from ..training.train import build, make_dataset, to_device
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)
@@ -122,7 +128,8 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
         local = to_device(shard_batch(data.batch(step, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
         return module(**local)
 
-    return module, offload, loss_of, mesh.dp_size * seq_len
+    after_backward = None if cfg.fsdp else (lambda: sync_gradients(module, mesh))  # as seqmesh train --no-fsdp
+    return module, offload, loss_of, after_backward, mesh.dp_size * seq_len
 
 
 BUILDERS: dict[str, Callable] = {"transformers": _transformers_build, "seqmesh": _seqmesh_build}
@@ -136,12 +143,14 @@ def run_method(bench: BaselineBench, method: str, seq_len: int, *, track: bool, 
     from ..memory import MemoryTracker
 
     framework, options = METHODS[method]
-    module, offload, loss_of, tokens = BUILDERS[framework](bench, options, seq_len)
+    module, offload, loss_of, after_backward, tokens = BUILDERS[framework](bench, options, seq_len)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
     def step(i: int) -> float:
         loss = loss_of(i)
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
@@ -187,7 +196,7 @@ def longest_within(peak_of: Callable[[int], int], budget: int, start: int, resol
     return fit, peaks
 
 
-def compare(bench: BaselineBench, methods: tuple[str, ...] = tuple(METHODS), pool=None,
+def compare(bench: BaselineBench, methods: tuple[str, ...] = DEFAULT_METHODS, pool=None,
             progress: Callable[[str], None] | None = None) -> dict:
     """Sweep every method on one pool of ``bench.world`` processes (``pool``, or one started here), then
     time each pair side by side; ``progress`` is told each measurement. Returns ``{"methods": {method:
@@ -266,7 +275,7 @@ def format_comparison(bench: BaselineBench, result: dict) -> str:
         shown = f"{longest:,}" + ("+" if row["reached_limit"] else "") if longest else "none"
         peak = f"{peaks[longest] / 2**20:.2f}" if longest else "-"
         lines.append(f"{method:<19}{shown:>9}{above:>12}{peak:>10}{row['host_bytes'] / 2**20:>10.2f}")
-    lines.append(f"{'seqmesh / baseline':<32}{'longest':>9}{'tokens/s at both':>22}{'tokens/s, each at own':>34}")
+    lines.append(f"{'seqmesh / baseline':<36}{'longest':>9}{'tokens/s at both':>22}{'tokens/s, each at own':>34}")
     for pair in result["pairs"]:
         ratio = f"{pair['longest_ratio']:.2f}x" if pair["longest_ratio"] else "-"
         both = (f"{pair['speed_ratio_at_both']:.2f}x @ {pair['both_seqmesh']['seq_len']:,}"
@@ -275,7 +284,7 @@ def format_comparison(bench: BaselineBench, result: dict) -> str:
         if "own_seqmesh" in pair and "own_baseline" in pair:
             mine, base = pair["own_seqmesh"]["tokens_per_s"], pair["own_baseline"]["tokens_per_s"]
             own = f"{mine:,.0f} / {base:,.0f} = {mine / base:.2f}x"
-        lines.append(f"{pair['seqmesh'] + ' / ' + pair['baseline']:<32}{ratio:>9}{both:>22}{own:>34}")
+        lines.append(f"{pair['seqmesh'] + ' / ' + pair['baseline']:<36}{ratio:>9}{both:>22}{own:>34}")
     return "\n".join(lines)
 
 
@@ -308,6 +317,7 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--limit", type=int, default=defaults.limit, help="longest length the doubling tries")
     p.add_argument("--repeats", type=int, default=defaults.repeats, help="timed steps per timing point (fastest kept)")
     p.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk, help="seqmesh's LM-head tile in tokens")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
+                   help="default: %(default)s; seqmesh_replicated (--no-fsdp) on request")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of a table")
     p.set_defaults(func=run)
