@@ -41,6 +41,18 @@ def test_both_sides_compute_the_same_loss_on_one_process(pools):
     assert ours["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
 
 
+def test_on_two_processes_seqmesh_trains_the_first_baseline_sequence(pools):
+    """Sequence parallel over 2 ranks: the loss of the whole sequence that data parallelism gives to its
+    rank 0 (plain transformers, whole sequence, FSDP2 over the 2), with and without FSDP2 in seqmesh."""
+    bench = BaselineBench(world=2, loss_chunk=100)
+    plain = pools.run(2, run_method, bench, "transformers", 512, track=False)
+    assert [r["tokens_per_step"] for r in plain] == [1024, 1024]  # two whole sequences per step
+    for method in ("seqmesh", "seqmesh_replicated"):
+        ours = pools.run(2, run_method, bench, method, 512, track=False)
+        assert ours[0]["tokens_per_step"] == 512 and ours[0]["loss"] == ours[1]["loss"]
+        assert ours[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6, abs=0)
+
+
 def test_both_sides_run_the_same_cpu_attention_op(pools):
     """What the docs say: transformers' SDPA and seqmesh's cpu_flash kernel call one op, forward and backward."""
     from baseline_cases import attention_ops_of_both_sides
