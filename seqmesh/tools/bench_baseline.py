@@ -5,8 +5,10 @@ measured by :class:`~seqmesh.memory.MemoryTracker` (the second step's peak, on t
 with the optimizer state in place) over a length sweep: doubling from ``start`` until a length no longer
 fits, then bisection between the last fitting and the first failing length down to ``resolution``
 tokens. The longest fitting length is reported, and the length ``resolution`` tokens above it was
-measured and does not fit. Then each pair is timed side by side (tracker off) at the longest length
-both fit and at the seqmesh method's own longest.
+measured and does not fit. Then each pair is timed side by side in the same processes (tracker off,
+the fastest of ``repeats`` steps) at the longest length both fit and at each one's own longest.
+Tokens/s counts the tokens a step trains: ``world`` whole sequences under data parallelism, one
+sequence split over the processes under seqmesh.
 
 The methods (the same model config and the same weights, from ``build_model``'s seed):
 
