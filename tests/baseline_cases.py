@@ -3,6 +3,9 @@ vocabulary-sized dimension, recorded by a dispatch mode, as plain data to assert
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections import Counter
 
 import torch
@@ -19,6 +22,7 @@ class LargeBuffers(TorchDispatchMode):
         self.square, self.vocab = square, vocab
         self.squares: Counter = Counter()
         self.vocab_sized: Counter = Counter()
+        self.largest_other: tuple[tuple[int, ...], int] = ((), 0)  # the largest output below ``square``
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -28,21 +32,42 @@ class LargeBuffers(TorchDispatchMode):
             shape = tuple(t.shape)
             if t.numel() >= self.square:
                 self.squares[str(func), shape] += 1
+            elif t.numel() > self.largest_other[1]:
+                self.largest_other = (shape, t.numel())
             if self.vocab in shape:
                 self.vocab_sized[str(func), shape] += 1
         return out
 
 
-def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, options: dict) -> dict:
+ODD_VOCAB = 320  # no sequence piece, head count or width of these runs has this size
+
+
+def odd_vocab_config(preset: str, folder: str) -> str:
+    """A config.json of ``preset`` with a vocabulary of :data:`ODD_VOCAB` tokens, so that a dimension of
+    that size can only be the vocabulary's."""
+    from dataclasses import replace
+
+    from seqmesh.training.model import hf_config
+    from seqmesh.training.presets import model_shape
+
+    hf_config(replace(model_shape(preset), vocab=ODD_VOCAB)).save_pretrained(folder)
+    return os.path.join(folder, "config.json")
+
+
+def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, options: dict,
+                       documents: tuple[int, ...] | None = None) -> dict:
     """Two AdamW steps of the ``seqmesh train`` build (FSDP2, chunked loss) under :class:`LargeBuffers`,
-    with the square of the local length as the (S, S) threshold."""
+    with the square of the local length as the (S, S) threshold. ``documents``: lengths of packed
+    documents (positions restart at each), which ``shard_batch`` lays out per document."""
     import torch.distributed as dist
 
     from seqmesh.training.config import TrainConfig
     from seqmesh.training.data import shard_batch
     from seqmesh.training.train import build, make_dataset
 
-    cfg = TrainConfig(model="llama-tiny", seq_len=seq_len, ulysses=ulysses, ring=ring, dp=1, loss_chunk=loss_chunk,
+    folder = tempfile.mkdtemp()
+    options = {**options, "model": odd_vocab_config(options.get("model", "llama-tiny"), folder)}
+    cfg = TrainConfig(seq_len=seq_len, ulysses=ulysses, ring=ring, dp=1, loss_chunk=loss_chunk,
                       symbols=8, **options)
     data = make_dataset(cfg)
     mesh, module, _ = build(cfg)
@@ -53,12 +78,17 @@ def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, o
     recorder = LargeBuffers(local_len * local_len, vocab)
     with recorder:
         for step in range(2):  # the second step has the optimizer state in place
-            local = shard_batch(data.batch(step, 0, 1, 1), mesh)
+            batch = data.batch(step, 0, 1, 1)
+            if documents is not None:  # (1, S) positions from 0 in each document
+                batch["position_ids"] = torch.cat([torch.arange(n) for n in documents]).unsqueeze(0)
+            local = shard_batch(batch, mesh)
+            layout = local["seqmesh"].layout
             module(**local).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {"rank": dist.get_rank(), "local_len": local_len, "vocab": vocab, "hidden": hidden,
-            "squares": dict(recorder.squares), "vocab_sized": dict(recorder.vocab_sized)}
+    shutil.rmtree(folder)
+    return {"rank": dist.get_rank(), "local_len": local_len, "layout": layout, "vocab": vocab, "hidden": hidden,
+            "squares": dict(recorder.squares), "largest_other": recorder.largest_other, "vocab_sized": dict(recorder.vocab_sized)}
 
 
 class OpNames(TorchDispatchMode):

@@ -2,9 +2,10 @@
 
 A dispatch mode records every operator output of two AdamW steps of the ``seqmesh train`` build
 (FSDP2, chunked loss) with at least S_local^2 elements or a dimension of the vocabulary's size. The
-shapes are chosen so S^2 dwarfs everything else: llama-tiny (hidden 64, 4 heads of 16, vocabulary 256),
-2,048 tokens on 2 ranks (S_local = 1,024: the (S, S) threshold is 1,048,576 elements, against at most
-131,072 for the largest activation, Ulysses' (S, hidden)), and a loss tile of 100 tokens.
+shapes are chosen so S^2 dwarfs everything else: the tiny presets' shapes (hidden 64, MLP 128, 4 heads of
+16), 2,048 tokens on 2 ranks (S_local = 1,024: the (S, S) threshold is 1,048,576 elements, and the test
+checks that every other tensor is at most an eighth of it), a loss tile of 100 tokens, and a vocabulary of
+320 tokens, a size no sequence piece, head count or width of these runs has.
 The positive controls run the same recorder on plain transformers, where it finds the buffers
 seqmesh avoids.
 """
@@ -35,12 +36,22 @@ def allowed_vocab_buffers(vocab: int, hidden: int) -> dict[tuple[int, ...], str]
     }
 
 
-@pytest.mark.parametrize("ulysses, ring, options", [(2, 1, {}), (1, 2, {"checkpointing": True, "tiled_mlp": True})],
-                         ids=["ulysses", "ring-checkpointed-tiled"])
-def test_no_square_buffer_and_only_tile_sized_logits(pools, ulysses, ring, options):
-    for rank in pools.run(2, audit_seqmesh_step, SEQ_LEN, ulysses, ring, LOSS_CHUNK, options):
-        assert rank["local_len"] == SEQ_LEN // 2
+CASES = {  # ulysses, ring, TrainConfig options, packed document lengths, the layout shard_batch takes
+    "ulysses": (2, 1, {}, None, "zigzag"),
+    "ring-checkpointed-tiled": (1, 2, {"checkpointing": True, "tiled_mlp": True}, None, "zigzag"),
+    "ring-packed-documents": (1, 2, {}, (1536, 512), "per_document"),  # one kernel call per document
+    "ulysses-sliding-window": (2, 1, {"model": "mistral-window-tiny"}, None, "zigzag"),  # banded calls
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_square_buffer_and_only_tile_sized_logits(pools, case):
+    ulysses, ring, options, documents, layout = CASES[case]
+    for rank in pools.run(2, audit_seqmesh_step, SEQ_LEN, ulysses, ring, LOSS_CHUNK, options, documents):
+        assert rank["local_len"] == SEQ_LEN // 2 and rank["layout"] == layout
         assert rank["squares"] == {}  # attention (cpu_flash op, ring merge, Ulysses all-to-all) and loss: none
+        # measured: 131,072 (the MLP's (S, 128), Ulysses' (8, 1, S, 16) all-to-all buffer), 65,536 (ring, tiled)
+        assert rank["largest_other"][1] <= rank["local_len"] ** 2 // 8  # so an (S, S) buffer would stand out
         allowed = allowed_vocab_buffers(rank["vocab"], rank["hidden"])
         found = {shape for _, shape in rank["vocab_sized"]}
         assert found == set(allowed), found ^ set(allowed)  # exactly the named ones, each of them made
