@@ -279,7 +279,11 @@ def format_comparison(bench: BaselineBench, result: dict) -> str:
         lines.append(f"{method:<19}{shown:>9}{above:>12}{peak:>10}{row['host_bytes'] / 2**20:>10.2f}")
     lines.append(f"{'seqmesh / baseline':<36}{'longest':>9}{'tokens/s at both':>22}{'tokens/s, each at own':>34}")
     for pair in result["pairs"]:
-        ratio = f"{pair['longest_ratio']:.2f}x" if pair["longest_ratio"] else "-"
+        ratio = "-"
+        if pair["longest_ratio"]:  # a side that reached --limit was not bounded by the budget
+            mine, base = (result["methods"][pair[side]]["reached_limit"] for side in ("seqmesh", "baseline"))
+            ratio = f"{pair['longest_ratio']:.2f}x"
+            ratio = f"<={ratio}" if base and not mine else f"{ratio}+" if mine and not base else ratio
         both = (f"{pair['speed_ratio_at_both']:.2f}x @ {pair['both_seqmesh']['seq_len']:,}"
                 if "speed_ratio_at_both" in pair else "-")
         own = "-"
