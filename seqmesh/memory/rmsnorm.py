@@ -42,6 +42,23 @@ def rms_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tens
     return x32 * rstd, rstd
 
 
+def tile_backward(x_t: torch.Tensor, g_t: torch.Tensor, r_t: torch.Tensor, weight: torch.Tensor,
+                  dweight: torch.Tensor | None, want_x: bool) -> torch.Tensor | None:
+    """One tile's input gradient in float32 (None unless ``want_x``), adding its weight gradient into the
+    float32 ``dweight``. The ops autograd runs through transformers' norm, on ``n`` tokens: at most three
+    ``(n, H)`` float32 tensors live at once (two in fp32, where ``x.float()`` is ``x`` itself)."""
+    x32 = x_t.to(torch.float32)  # (n, H)
+    if dweight is not None:  # (grad * normalized.to(dtype)) summed over tokens, here in float32
+        dweight += (g_t * (x32 * r_t).to(x_t.dtype)).sum(0, dtype=torch.float32)
+    if not want_x:
+        return None
+    hidden = x_t.shape[-1]
+    dn = (g_t * weight).to(torch.float32)  # (n, H)
+    dr = (dn * x32).sum(-1, keepdim=True)  # (n, 1): through x * rstd
+    dvariance = dr * -0.5 * r_t.pow(3) / hidden  # through rsqrt, then the mean
+    return dn.mul_(r_t).add_((x32 * 2).mul_(dvariance))  # dx = dn * rstd + 2x * dvariance
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Forward: transformers' RMSNorm, keeping x and its float32 rstd; backward: dx and dweight tile by tile."""
 
@@ -67,15 +84,10 @@ class RMSNormFunction(torch.autograd.Function):
         start = 0
         for x_t, g_t, r_t in zip(rows.tensor_split(tiles), grads.tensor_split(tiles), scales.tensor_split(tiles)):
             stop = start + x_t.shape[0]
-            x32 = x_t.to(torch.float32)  # (n, H): a copy in bf16, x itself in fp32
-            if want_w:  # as autograd: (grad * normalized.to(dtype)), summed over tokens (here in float32)
-                dweight += (g_t * (x32 * r_t).to(x.dtype)).sum(0, dtype=torch.float32)
-            if want_x:  # as autograd: dn = (grad * w).float(); dx = dn * r + (2x) * (-0.5 * dr * r^3) / H
-                dn = (g_t * weight).to(torch.float32)  # (n, H)
-                dr = (dn * x32).sum(-1, keepdim=True)  # (n, 1)
-                dvariance = dr * -0.5 * r_t.pow(3) / hidden
-                square = x32 * 2
-                dx[start:stop] = dn.mul_(r_t).add_(square.mul_(dvariance))
+            dx_t = tile_backward(x_t, g_t, r_t, weight, dweight, want_x)  # (n, H) float32 or None
+            if dx_t is not None:
+                dx[start:stop] = dx_t
+            del dx_t  # one tile's float32 temporaries at a time
             start = stop
         dx = dx.view_as(x) if want_x else None
         dweight = dweight.to(weight.dtype) if want_w else None
