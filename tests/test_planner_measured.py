@@ -25,15 +25,18 @@ TILED = {"checkpointing": True, "tiled_mlp": True}
 OFFLOAD = {"checkpointing": True, "offload_checkpoints": True}
 FSDP_OFFLOAD = {"fsdp_cpu_offload": True}
 BF16 = {"bf16": True}
+NORM = {"efficient_norm": True}
+EVERY = {**TILED, **OFFLOAD, **NORM}
 
 # world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json
 CASES = {
     1: [("llama-tiny", 1024, 1, 1, NONE), ("llama-tiny", 3072, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, CKPT),
         ("llama-tiny", 2048, 1, 1, TILED), ("llama-tiny", 2048, 1, 1, OFFLOAD),
         ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16}), ("wide", 2048, 1, 1, NONE), ("wide", 1024, 1, 1, TILED),
-        ("wide", 128, 1, 1, NONE)],
+        ("wide", 128, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, NORM), ("wide", 1024, 1, 1, {**CKPT, **NORM}),
+        ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16, **NORM}), ("wide", 2048, 1, 1, EVERY)],
     2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
-        ("wide", 1024, 1, 2, FSDP_OFFLOAD)],
+        ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("wide", 2048, 2, 1, {**EVERY, **FSDP_OFFLOAD})],
     4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
         ("llama-tiny", 2048, 4, 1, OFFLOAD)],
 }
