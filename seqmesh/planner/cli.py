@@ -136,7 +136,8 @@ def workload_from_args(args: argparse.Namespace, seq_len: int) -> Workload:
         model=model_shape(args.model), seq_len=seq_len, batch=args.batch, dtype=args.dtype,
         checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
         layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
-        efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints, fsdp_cpu_offload=args.fsdp_cpu_offload,
+        efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
+        fsdp_cpu_offload=args.fsdp_cpu_offload,
     )
 
 

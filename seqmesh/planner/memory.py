@@ -154,7 +154,8 @@ def host_memory(work: Workload, layout: Layout) -> int:
         host += (MASTER + GRAD_SHARD + ADAM) * -(-m.params // (layout.tp * layout.fsdp_group))
     if work.offload_checkpoints:
         t = tokens(work, layout)
-        host += m.layers * layer_input_bytes(work, layout) + t * (e * m.hidden if work.efficient_norm else norm_saved(m, e))
+        final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
+        host += m.layers * layer_input_bytes(work, layout) + t * final_norm
     return host
 
 
