@@ -113,3 +113,31 @@ def test_other_norms_are_left_as_they_are():
     assert "forward" not in impostor[0].__dict__
     with pytest.raises(ValueError, match="tiles"):
         enable_efficient_norm(impostor, tiles=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_holds_one_tile_of_float32_temporaries(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as TransformersNorm
+
+    hidden, length = 64, 4096  # 64 tiles of 64 tokens
+    grown = {}
+    for lean in (False, True):
+        norm = TransformersNorm(hidden).to(dtype)
+        if lean:
+            enable_efficient_norm(norm)
+        x = torch.randn(1, length, hidden, dtype=dtype, requires_grad=True)
+        y = norm(x)  # (1, L, H); forward outside the tracker: its own temporaries would set the peak
+        grad = torch.randn_like(y)
+        with MemoryTracker(norm) as tracker:  # counts storages as ops touch them: x, y and grad now
+            for t in (x, y, grad):
+                t.view_as(t)
+            before = sum(tracker.current().values())
+            y.backward(grad)
+        grown[lean] = tracker.report().peak_bytes - before  # + tensors first touched in backward (saved ones)
+    full, tile = length * hidden * 4, hidden * hidden * 4  # one float32 (L, H) / (tile, H) tensor
+    dx = length * hidden * x.element_size()
+    working = (2 if dtype == torch.float32 else 3) * tile  # x.float() (a copy in bf16), dn and one product
+    rstd = length * 4  # the saved float32 scale, first touched in backward
+    assert dx + working <= grown[True] <= dx + working + rstd + tile // 8  # + the (tile, 1) scales and sums
+    # transformers' norm: 5.0 (fp32) and 6.0 (bf16) float32 (L, H) tensors, its saved ones included
+    assert grown[False] >= 4.9 * full
