@@ -8,6 +8,7 @@ import seqmesh
 from dist_cases import get_mesh
 from seqmesh.hf import parallelize
 from seqmesh.memory import MemoryTracker
+from seqmesh.memory.rmsnorm import enable_efficient_norm
 from seqmesh.memory.tiled_mlp import enable_tiled_mlp
 from seqmesh.training.fsdp import apply_fsdp, enable_checkpointing
 from seqmesh.training.model import SequenceParallelLM, build_model
@@ -27,8 +28,8 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _step(ulysses: int, *, tiled: bool = False, cpu_offload: bool = False, checkpointing: bool = False,
-          seq_len: int = 96, steps: int = 1, track: bool = False) -> dict:
+def _step(ulysses: int, *, tiled: bool = False, norm: bool = False, cpu_offload: bool = False,
+          checkpointing: bool = False, seq_len: int = 96, steps: int = 1, track: bool = False) -> dict:
     """``steps`` AdamW steps of llama-tiny, sequence-parallel over ``ulysses`` ranks with FSDP2."""
     mesh = get_mesh(ulysses, 1)
     model = SequenceParallelLM(parallelize(build_model("llama-tiny", seed=0), mesh), mesh, chunk=16)
@@ -36,6 +37,8 @@ def _step(ulysses: int, *, tiled: bool = False, cpu_offload: bool = False, check
         enable_checkpointing(model.lm)
     if tiled:
         enable_tiled_mlp(model.lm, 3)
+    if norm:
+        assert enable_efficient_norm(model.lm) == 2 * 2 + 1  # two per layer, the final norm
     apply_fsdp(model, mesh, cpu_offload=cpu_offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     local = seqmesh.shard_batch(_batch(seq_len), mesh)
@@ -67,6 +70,6 @@ def tracked_fsdp_steps(ulysses: int) -> dict:
 
 
 def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
-    """Two runs of two AdamW steps, without and with ``option`` (tiled, cpu_offload)."""
+    """Two runs of two AdamW steps, without and with ``option`` (tiled, norm, cpu_offload)."""
     base = dict(checkpointing=True, steps=2)
     return _step(ulysses, **base), _step(ulysses, **base, **{option: True})

@@ -110,7 +110,7 @@ def test_activation_offload_is_exact_and_empties_the_device():
     assert _forward_backward(model, ids)[2] == kept
 
 
-@pytest.mark.parametrize("option", ["tiled", "cpu_offload"])
+@pytest.mark.parametrize("option", ["tiled", "norm", "cpu_offload"])
 def test_technique_matches_without_it_under_fsdp(pools, option):
     for plain, with_option in pools.run(2, technique_pair, 2, option):
         assert with_option["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
@@ -145,8 +145,8 @@ def test_training_with_every_memory_option_follows_the_same_curve(pools, tmp_pat
     base = dict(model="llama-tiny", seq_len=96, ulysses=2, ring=1, dp=1, steps=3, lr=1e-2, warmup=1, log_every=1,
                 eval_every=3, symbols=16, checkpointing=True)
     pools.run(2, run_train, TrainConfig(out=str(tmp_path / "off"), **base))
-    pools.run(2, run_train, TrainConfig(out=str(tmp_path / "on"), tiled_mlp=True, mlp_tiles=2,
-                                        offload_checkpoints=True, fsdp_cpu_offload=True, track_memory=True, **base))
+    every = dict(tiled_mlp=True, mlp_tiles=2, efficient_norm=True, offload_checkpoints=True, fsdp_cpu_offload=True)
+    pools.run(2, run_train, TrainConfig(out=str(tmp_path / "on"), track_memory=True, **every, **base))
 
     def records(name):
         with open(os.path.join(tmp_path, name, "metrics.jsonl")) as f:

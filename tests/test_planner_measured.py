@@ -25,15 +25,18 @@ TILED = {"checkpointing": True, "tiled_mlp": True}
 OFFLOAD = {"checkpointing": True, "offload_checkpoints": True}
 FSDP_OFFLOAD = {"fsdp_cpu_offload": True}
 BF16 = {"bf16": True}
+NORM = {"efficient_norm": True}
+EVERY = {**TILED, **OFFLOAD, **NORM}
 
 # world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json
 CASES = {
     1: [("llama-tiny", 1024, 1, 1, NONE), ("llama-tiny", 3072, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, CKPT),
         ("llama-tiny", 2048, 1, 1, TILED), ("llama-tiny", 2048, 1, 1, OFFLOAD),
         ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16}), ("wide", 2048, 1, 1, NONE), ("wide", 1024, 1, 1, TILED),
-        ("wide", 128, 1, 1, NONE)],
+        ("wide", 128, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, NORM), ("wide", 1024, 1, 1, {**CKPT, **NORM}),
+        ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16, **NORM}), ("wide", 2048, 1, 1, EVERY)],
     2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
-        ("wide", 1024, 1, 2, FSDP_OFFLOAD)],
+        ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("wide", 2048, 2, 1, {**EVERY, **FSDP_OFFLOAD})],
     4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
         ("llama-tiny", 2048, 4, 1, OFFLOAD)],
 }
@@ -68,11 +71,13 @@ def test_plan_inputs_describe_the_run():
     """A TrainConfig becomes the planner's Workload and Layout: degrees resolved as ``seqmesh train`` does,
     bf16 as the compute dtype, the memory options carried; on a CPU run the offloads move nothing."""
     cfg = TrainConfig(model="llama-tiny", seq_len=4096, ulysses=2, bf16=True, checkpointing=True, tiled_mlp=True,
-                      mlp_tiles=3, offload_checkpoints=True, fsdp_cpu_offload=True, loss_chunk=1024)
+                      mlp_tiles=3, offload_checkpoints=True, fsdp_cpu_offload=True, loss_chunk=1024,
+                      efficient_norm=True)
     work, layout = plan_inputs(cfg, 8)
     assert (layout.ulysses, layout.ring, layout.dp_shard) == (2, 4, 1)
     assert (work.dtype, work.seq_len, work.loss_chunk, work.mlp_tiles, work.reserve_bytes) == ("bf16", 4096, 1024, 3, 0)
     assert work.checkpointing and work.tiled_mlp and work.offload_checkpoints and work.fsdp_cpu_offload
+    assert work.efficient_norm and not plan_inputs(TrainConfig(model="llama-tiny"), 1)[0].efficient_norm
     assert work.offload_prefetch == 2 and work.optimizer_foreach
     on_cpu, _ = plan_inputs(cfg, 8, device="cpu")
     assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and not on_cpu.optimizer_foreach

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from seqmesh.planner.hardware import PRESETS
-from seqmesh.planner.activations import norm_saved, outside_layers_bytes
+from seqmesh.planner.activations import norm_backward_steps, norm_saved, outside_layers_bytes
 from seqmesh.planner.memory import (OFFLOAD_PREFETCH, host_memory, layer_saved_bytes, local_tokens, memory_at,
                                     memory_per_gpu, mlp_tile_tokens, parameter_memory)
 from seqmesh.planner.plan import longest_sequence
@@ -27,6 +27,19 @@ def test_tiled_mlp_keeps_only_the_mlp_input():
         dropped = layer_saved_bytes(work, layout) - layer_saved_bytes(replace(work, tiled_mlp=True), layout)
         assert dropped == tokens * 4 * LLAMA8B.intermediate * work.act_bytes  # gate, SiLU(gate), up, product
         assert mlp_tile_tokens(work, layout) <= LLAMA8B.hidden
+
+
+def test_efficient_norm_keeps_4_bytes_per_hidden_less_and_bounds_its_backward():
+    work = Workload(LLAMA8B, 131072, checkpointing=False)
+    lean = replace(work, efficient_norm=True)
+    for layout in LAYOUTS:
+        tokens = local_tokens(work, layout)
+        dropped = layer_saved_bytes(work, layout) - layer_saved_bytes(lean, layout)
+        assert dropped == 2 * tokens * 4 * LLAMA8B.hidden  # per norm: float32 copy + bf16 normalized - bf16 input
+        steps = dict((op, allocated) for op, allocated, _ in norm_backward_steps(lean, layout))
+        tile = 3 * LLAMA8B.hidden * LLAMA8B.hidden * 4  # three float32 (tile, hidden) tensors, tiles of <= hidden
+        working = min(tile, 3 * tokens * LLAMA8B.hidden * 4)
+        assert steps == {"norm tiled backward": tokens * LLAMA8B.hidden * 2 + working}  # + dx, compute dtype
 
 
 def test_offload_leaves_the_prefetched_inputs_and_needs_checkpointing():
@@ -64,7 +77,7 @@ def test_every_technique_lowers_the_peak_and_lengthens_the_longest(layout):
     budget = PRESETS["h100-nvlink"].memory_bytes
     previous_peak, previous_longest = memory_per_gpu(base, layout).total, longest_sequence(base, layout, budget)
     work = base
-    for option in ("tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload"):
+    for option in ("tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload", "efficient_norm"):
         work = replace(work, **{option: True})
         peak, longest = memory_per_gpu(work, layout).total, longest_sequence(work, layout, budget)
         assert peak < previous_peak and longest >= previous_longest, option

@@ -7,7 +7,8 @@ seqmesh's attention in place of the model's; counts are bytes for all ``batch`` 
 - RMSNorm (eager, as transformers writes it): ``x.to(float32)``, ``x * rsqrt(mean(x^2) + eps)``, then
   ``weight * normalized.to(dtype)``. Saved: the float32 input (in fp32 the layer's own input, in bf16 an
   extra float32 copy), the float32 scale (one per token) and the normalized tensor in the compute dtype;
-  its output (``e * hidden``) is saved by the projections that read it.
+  its output (``e * hidden``) is saved by the projections that read it. With ``efficient_norm``
+  (``seqmesh.memory.rmsnorm``): its input in its own dtype and the float32 scale only.
 - Rotary embedding: ``q * cos + rotate_half(q) * sin`` saves only ``cos`` and ``sin`` (they need no
   gradient), computed once per forward and shared by every layer: ``2 * head_dim`` values per token.
 - seqmesh attention saves its q, k, v inputs, its output and the float32 log-sum-exp. Without Ulysses
@@ -58,10 +59,11 @@ def attention_heads(work: Workload, layout: Layout) -> tuple[int, int, int]:
     return t * layout.ulysses, deal.max_q, deal.max_kv
 
 
-def norm_saved(m: ModelShape, e: int) -> int:
-    """Bytes per token an eager RMSNorm keeps (its output excluded): float32 input, float32 scale,
-    normalized tensor in the compute dtype."""
-    return 4 * m.hidden + 4 + e * m.hidden
+def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
+    """Bytes per token an RMSNorm keeps (its output excluded). Eager: float32 input, float32 scale,
+    normalized tensor in the compute dtype; efficient (``seqmesh.memory.rmsnorm``): its input in the
+    compute dtype and the float32 scale."""
+    return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + e * m.hidden
 
 
 def attention_saved(work: Workload, layout: Layout) -> int:
@@ -85,7 +87,7 @@ def layer_saved_bytes(work: Workload, layout: Layout) -> int:
     the MLP (the module docstring lists them). A hybrid model's Gated DeltaNet layers are counted by
     :func:`linear_layer_saved_bytes` and the larger kind is taken."""
     m, e = work.model, work.act_bytes
-    per_token = 2 * (norm_saved(m, e) + e * m.hidden)
+    per_token = 2 * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
     saved = tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
     if m.linear_layers and layout.tp == 1:
         saved = max(saved, linear_layer_saved_bytes(work, layout))
@@ -98,9 +100,9 @@ def layer_input_bytes(work: Workload, layout: Layout) -> int:
 
 
 def recomputed_layer_bytes(work: Workload, layout: Layout) -> int:
-    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32 the
-    first norm keeps that input itself rather than a float32 copy)."""
-    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 else 0
+    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32, or
+    with the efficient norm, the first norm keeps that input itself rather than a float32 copy)."""
+    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
     return layer_saved_bytes(work, layout) - shared
 
 
@@ -113,11 +115,12 @@ def outside_layers_bytes(work: Workload, layout: Layout) -> int:
 
 def final_norm_bytes(work: Workload, layout: Layout) -> int:
     """The final norm's saved tensors and its output (saved by the loss); with the activation offload
-    only the output stays on the device (the norm is part of the offloaded decoder)."""
+    only the output stays on the device (the norm is part of the offloaded decoder), and the efficient
+    norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     if work.offload_checkpoints:
-        return t * e * m.hidden
-    return t * (norm_saved(m, e) + e * m.hidden)
+        return t * (e * m.hidden + (4 if work.efficient_norm else 0))
+    return t * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
 
 
 def linear_layer_saved_bytes(work: Workload, layout: Layout) -> int:
@@ -149,6 +152,8 @@ def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, 
     ``LlamaRMSNorm`` backward."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
+    if work.efficient_norm:
+        return efficient_norm_backward_steps(work, layout)
     kept = t * norm_saved(m, e) - c  # float32 input and scale (n is freed by the first step)
     steps = [("norm weight backward", 2 * c, 3 * c)]  # dn and dn*n; dn*n, n and the incoming gradient freed
     if e == 4:
@@ -159,6 +164,17 @@ def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, 
                     ("norm square backward", 4 * f, 3 * f),  # the product stays, to be added to dx
                     ("norm gradient sum", 0, f + kept),  # in place into dx; the float32 copy and r freed
                     ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
+
+
+def efficient_norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+    """``seqmesh.memory.rmsnorm``'s backward as one step: the input gradient (compute dtype), then one
+    tile at a time at most three float32 ``(tile, hidden)`` tensors (two in fp32, where ``x.float()`` is
+    ``x``); then the tile's tensors, the incoming gradient and the saved input and scale are freed."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    c = t * m.hidden * e
+    tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
+    working = (2 if e == 4 else 3) * tile * m.hidden * 4
+    return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]
 
 
 def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:

@@ -67,6 +67,7 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
                    help="cross-entropy in chunks, never the full logits (default on)")
     for flag, what in (("tiled-mlp", "each layer's MLP in sequence tiles, recomputed in backward"),
+                       ("efficient-norm", "RMSNorms keep only their input and float32 scale; tiled backward"),
                        ("offload-checkpoints", "checkpointed layer inputs in host memory (needs --checkpointing)"),
                        ("fsdp-cpu-offload", "FSDP2's fp32 shards, gradients and AdamW state in host memory")):
         p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=False, help=f"{what} (default off)")
@@ -135,7 +136,8 @@ def workload_from_args(args: argparse.Namespace, seq_len: int) -> Workload:
         model=model_shape(args.model), seq_len=seq_len, batch=args.batch, dtype=args.dtype,
         checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
         layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
-        offload_checkpoints=args.offload_checkpoints, fsdp_cpu_offload=args.fsdp_cpu_offload,
+        efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
+        fsdp_cpu_offload=args.fsdp_cpu_offload,
     )
 
 

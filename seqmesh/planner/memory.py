@@ -40,6 +40,7 @@ each op saves):
 - The loss is seqmesh's chunked cross-entropy (``seqmesh.training.loss``), ``loss_chunk`` tokens of
   full-vocabulary logits at a time; without chunking the whole local shard is one chunk.
 - Memory techniques (``seqmesh.memory``; ``Workload`` options): the tiled MLP saves only its input; the
+  efficient RMSNorm only its input and float32 scale, and its backward's float32 temporaries are one tile's; the
   activation offload keeps on the device only the checkpointed inputs fetched back
   (``Workload.offload_prefetch``: the current layer's and the next two on CUDA; none on a CPU run, where
   the host copy is used in place), the rest and the final norm's saved tensors in host memory; FSDP2's
@@ -153,7 +154,8 @@ def host_memory(work: Workload, layout: Layout) -> int:
         host += (MASTER + GRAD_SHARD + ADAM) * -(-m.params // (layout.tp * layout.fsdp_group))
     if work.offload_checkpoints:
         t = tokens(work, layout)
-        host += m.layers * layer_input_bytes(work, layout) + t * norm_saved(m, e)
+        final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
+        host += m.layers * layer_input_bytes(work, layout) + t * final_norm
     return host
 
 

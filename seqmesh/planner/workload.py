@@ -74,6 +74,7 @@ class Workload:
     reserve_bytes: int = 2 * GiB  # CUDA context, NCCL buffers and allocator slack per GPU
     validate: bool = True  # seqmesh.attention's input check (a tiny all-gather per call)
     tiled_mlp: bool = False  # each layer's MLP in sequence tiles, recomputed in backward (seqmesh.memory.tiled_mlp)
+    efficient_norm: bool = False  # RMSNorms keep only x and float32 rstd, tiled backward (seqmesh.memory.rmsnorm)
     offload_checkpoints: bool = False  # checkpointed layer inputs kept in host memory (seqmesh.memory.offload)
     fsdp_cpu_offload: bool = False  # FSDP2's sharded weights, gradients and AdamW state in host memory
     mlp_tiles: int | None = None  # tiles per MLP with tiled_mlp; None: local tokens / hidden, rounded up
@@ -182,6 +183,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk,
                     layout=cfg.layout if cfg.layout != "auto" else ("per_document" if cfg.data else "zigzag"),
                     reserve_bytes=reserve_bytes, tiled_mlp=cfg.tiled_mlp, mlp_tiles=cfg.mlp_tiles,
+                    efficient_norm=cfg.efficient_norm,
                     offload_checkpoints=cfg.offload_checkpoints, fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
     return work, Layout(ulysses, ring, dp)

@@ -22,11 +22,12 @@ import torch
 TECHNIQUES: dict[str, tuple[dict, str]] = {
     "baseline": ({}, ""),
     "tiled_mlp": ({"tiled_mlp": True}, "baseline"),
+    "efficient_norm": ({"efficient_norm": True}, "baseline"),
     "checkpointing": ({"checkpointing": True}, "baseline"),
     "offload_checkpoints": ({"checkpointing": True, "offload_checkpoints": True}, "checkpointing"),
     "fsdp_cpu_offload": ({"fsdp_cpu_offload": True}, "baseline"),
-    "all": ({"checkpointing": True, "offload_checkpoints": True, "tiled_mlp": True, "fsdp_cpu_offload": True},
-            "baseline"),
+    "all": ({"checkpointing": True, "offload_checkpoints": True, "tiled_mlp": True, "fsdp_cpu_offload": True,
+             "efficient_norm": True}, "baseline"),
 }
 
 
@@ -42,7 +43,8 @@ class MemoryBench:
     budget: int | None = None
     """Bytes a rank may hold; None: report the peaks only."""
     options: dict = field(default_factory=dict)
-    """TrainConfig memory options: checkpointing, tiled_mlp, mlp_tiles, offload_checkpoints, fsdp_cpu_offload."""
+    """TrainConfig memory options: checkpointing, tiled_mlp, mlp_tiles, efficient_norm, offload_checkpoints,
+    fsdp_cpu_offload."""
 
 
 def bench_config(bench: MemoryBench, seq_len: int, options: dict):
@@ -180,7 +182,7 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"size {text!r} must look like 512MiB, 2GiB or a number of bytes") from None
 
 
-OPTIONS = ("checkpointing", "tiled_mlp", "offload_checkpoints", "fsdp_cpu_offload")
+OPTIONS = ("checkpointing", "tiled_mlp", "efficient_norm", "offload_checkpoints", "fsdp_cpu_offload")
 
 
 def add_subcommand(bench_sub) -> None:

@@ -50,6 +50,9 @@ class TrainConfig:
     tiled_mlp: bool = False
     """Compute each decoder layer's MLP in sequence tiles, recomputed in backward (exact; keeps only the MLP's
     input for backward)."""
+    efficient_norm: bool = False
+    """Run transformers' Llama-style RMSNorms through seqmesh.memory.rmsnorm (exact: the same forward ops;
+    keeps only the norm's input and a float32 scale per token, and computes its backward in sequence tiles)."""
     mlp_tiles: int | None = None
     """Tiles per MLP with --tiled-mlp; none: local tokens / hidden size, rounded up."""
     offload_checkpoints: bool = False

@@ -26,6 +26,7 @@ from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from ..hf import parallelize, workable_degrees
 from ..memory import MemoryTracker
 from ..memory.offload import enable_activation_offload
+from ..memory.rmsnorm import enable_efficient_norm
 from ..memory.tiled_mlp import enable_tiled_mlp
 from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
@@ -140,6 +141,8 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         enable_checkpointing(lm)
     if cfg.tiled_mlp:
         enable_tiled_mlp(lm, cfg.mlp_tiles)
+    if cfg.efficient_norm and enable_efficient_norm(lm) == 0:
+        raise ValueError(f"--efficient-norm: {cfg.model} has no Llama-style RMSNorm to replace; drop the flag.")
     if cfg.fsdp:
         apply_fsdp(module, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload)
     home = "cpu" if cfg.fsdp_cpu_offload else device  # offloaded shards live on the host
