@@ -20,7 +20,8 @@ The methods (the same model config and the same weights, from ``build_model``'s 
     transformers_ckpt  the same with transformers' gradient checkpointing
     seqmesh            the ``seqmesh train`` build: sequence parallelism over all processes, chunked loss
     seqmesh_all        and every memory technique: checkpointing, offloaded checkpoints, tiled MLP,
-                       FSDP2 CPU offload (host-held bytes are reported apart, not in the peak)
+                       the efficient RMSNorm, FSDP2 CPU offload (host-held bytes are reported apart, not
+                       in the peak)
     seqmesh_replicated (on request) ``--no-fsdp``: weights replicated, gradients summed after backward;
                        on one process, seqmesh without FSDP2's per-step cost, as plain transformers runs
 
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-ALL_TECHNIQUES = {"checkpointing": True, "offload_checkpoints": True, "tiled_mlp": True, "fsdp_cpu_offload": True}
+ALL_TECHNIQUES = {"checkpointing": True, "offload_checkpoints": True, "tiled_mlp": True, "efficient_norm": True,
+                  "fsdp_cpu_offload": True}
 # method -> (framework, TrainConfig memory options)
 METHODS: dict[str, tuple[str, dict]] = {
     "transformers": ("transformers", {}),
