@@ -84,3 +84,18 @@ def attention_under_autocast(ulysses: int, ring: int) -> dict:
         kernel.forward, kernel.backward = forward, backward
     return {"seen": sorted(set(seen)), "out_dtype": str(results[1][0].dtype),
             "identical": all(torch.equal(a, b) for a, b in zip(*results))}
+
+
+def overwrite_with_a_late_rank(cfg) -> dict:
+    """``choose_start`` with --overwrite where rank 1 looks a second after rank 0 (which clears the old
+    run at once): every rank must take the same path, so a collective right after pairs up."""
+    import time
+
+    from seqmesh.training.resume import choose_start
+
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+    start = choose_start(cfg)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dist.get_rank())  # pairs with a stray barrier if one rank skipped the clearing
+    return {"step": start.step, "ranks": ranks}

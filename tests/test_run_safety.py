@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch.distributed as dist
 
-from safety_cases import p2p_issue_order, train_error
+from safety_cases import overwrite_with_a_late_rank, p2p_issue_order, train_error
 from seqmesh.training import checkpoint as ckpt
 from seqmesh.training.config import TrainConfig
 
@@ -272,3 +272,14 @@ def test_resume_with_overwrite_and_no_checkpoint_starts_clean(tmp_path):
         choose_start(_cfg(out, resume=True))
     assert choose_start(_cfg(out, resume=True, overwrite=True)).step == 0
     assert not (out / "metrics.jsonl").exists() and not (out / "model").exists()
+
+
+def test_overwrite_clears_the_old_run_on_every_rank_even_when_one_looks_late(pools, tmp_path):
+    """Rank 0 clears an old run under --overwrite; a rank that looked for it afterwards used to find
+    nothing, skip the clearing's barrier and leave the ranks' collectives unpaired (the demo hung)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    results = pools.run(2, overwrite_with_a_late_rank, _cfg(out, steps=2, overwrite=True), timeout=60)
+    assert results == [{"step": 0, "ranks": [0, 1]}] * 2
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints" / "step_0000002").exists()

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from .ranks import all_gather_object, barrier, is_rank0, local_part, rank_world
+from .ranks import agree, all_gather_object, barrier, is_rank0, local_part, rank_world
 
 LATEST = "latest"
 
@@ -100,6 +100,7 @@ def newest_intact_checkpoint(folder: str) -> tuple[str | None, list[tuple[str, s
     named = latest_checkpoint_name(folder)
     if named is not None and named not in candidates:
         candidates.insert(0, named)  # a ``.old`` folder that latest resolves to
+    candidates = agree(candidates)  # rank 0's list: every rank must check the same folders, in step
     for path in candidates:
         problem = checkpoint_problem(path)
         if problem is None:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from .checkpoint import newest_intact_checkpoint, steps_in
 from .config import TrainConfig
-from .ranks import barrier, is_rank0
+from .ranks import agree, barrier, is_rank0
 
 # Fields that change what the run computes. The mesh degrees, kernel, layout, checkpointing, FSDP and
 # output cadence do not (seqmesh is exact under any of them), so they may change across a resume; so may
@@ -83,11 +83,14 @@ class StartPoint:
 
 
 def _previous_run(out: str, folder: str) -> list[str]:
-    found = [os.path.basename(p) for p in steps_in(folder)]
+    """What an earlier run left in ``out``, as rank 0 sees it, on every rank: each rank looking for itself
+    would race rank 0's clearing (a rank that looks after the files are gone would skip the clearing's
+    barrier, and the ranks' collectives would no longer pair)."""
+    found = [os.path.basename(p) for p in steps_in(folder)] if is_rank0() else []
     for name in ("metrics.jsonl", "model"):  # model/: the exported transformers folder
-        if os.path.exists(os.path.join(out, name)):
+        if is_rank0() and os.path.exists(os.path.join(out, name)):
             found.append(name)
-    return found
+    return agree(found)
 
 
 def _clear_previous_run(out: str, folder: str) -> None:
