@@ -180,6 +180,10 @@ def attention_traffic(
     e, ep = dtype_bytes(dtype), partial_bytes(dtype)
     row = batch * local * head_dim * e  # one head of this rank's tokens
     all_heads = sum(deal.q(v) + 2 * deal.kv(v) for v in range(ulysses))
+    steps = ring_step_list(ring, local * p, layout, window)  # the same on every rank
+    hops = len(steps) - 1
+    relay = steps == tuple(range(len(steps)))  # relayed partials make one more hop, home
+    partials = hops + 1 if relay else hops
     out: list[RankTraffic] = []
     for r in range(ring):
         for u in range(ulysses):
@@ -194,11 +198,7 @@ def attention_traffic(
                     Collective("all_to_all", "backward", 1, (q_heads - q) * row, "ulysses"),
                     Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row, "ulysses"),
                 ]
-            steps = ring_step_list(ring, local * p, layout, window)
-            hops = len(steps) - 1
             if hops:
-                relay = steps == tuple(range(len(steps)))  # the partials make one more hop, home
-                partials = hops + 1 if relay else hops
                 block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
                 items += [
                     Collective("p2p", "forward", hops, hops * block * e, "ring"),
