@@ -42,6 +42,7 @@ from ..training.loss import IGNORE_INDEX
 from ..training.model import SequenceParallelLM
 from ..training.export import write_model
 from ..training.pretrained import copy_pretrained
+from ..training.watch import gradient_norm
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
 # prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
@@ -171,15 +172,7 @@ class SequenceParallelTrainerMixin:
 
     def _grad_norm(self, max_norm: float) -> torch.Tensor:
         """The norm of the whole gradient (all shards of every parameter); clips to ``max_norm``."""
-        from torch.distributed.tensor import DTensor
-        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
-        params = [p for p in self.seqmesh_model.parameters() if p.grad is not None]
-        norm = get_total_norm([p.grad for p in params])
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if max_norm != float("inf"):
-            clip_grads_with_norm_(params, max_norm, norm)
-        return norm
+        return gradient_norm(self.seqmesh_model.parameters(), max_norm)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return self._grad_norm(self.args.max_grad_norm)

@@ -175,16 +175,17 @@ def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Ten
 
 
 @torch.no_grad()
-def load_pretrained(root: nn.Module, folder: str, device: torch.device | str) -> int:
+def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
+                    sources: dict[str, tuple[str, str]] | None = None) -> int:
     """Fill ``root`` (a model built on the meta device, sharded with FSDP2 or whole; or a
     ``SequenceParallelLM`` holding one as ``.lm``) with the checkpoint in ``folder``: names and shapes
     checked first, then every rank allocates its shards on ``device``, computes the buffers (RoPE
     frequencies) as random initialisation does, and reads the rows its shards cover. Returns the bytes
-    this rank read from the files."""
+    this rank read from the files. ``sources``: :func:`check_pretrained`'s answer, if the caller has it."""
     from .model import allocate, initialize_buffers
 
     lm = getattr(root, "lm", root)
-    sources = check_pretrained(lm, folder)
+    sources = check_pretrained(lm, folder) if sources is None else sources
     allocate(root, device)
     initialize_buffers(lm)
     read = copy_pretrained(lm, folder, sources)

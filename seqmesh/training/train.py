@@ -34,8 +34,7 @@ from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .presets import model_shape
 from .pretrained import check_pretrained, load_pretrained
 from .resume import choose_start, config_changes, refuse_changes, run_record
-from .ranks import full_value
-from .watch import StallWatch, nonfinite_message
+from .watch import StallWatch, gradient_norm, nonfinite_message
 
 
 def resolve_degrees(cfg: TrainConfig, world: int, q_heads: int, ranks_per_node: int) -> tuple[int, int, int]:
@@ -133,8 +132,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = cfg.fsdp, has_weights(cfg.model)
     lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
-    if on_meta and pretrained:
-        check_pretrained(lm, cfg.model)  # names and shapes, from the files' headers, before any work
+    sources = check_pretrained(lm, cfg.model) if on_meta and pretrained else None  # names and shapes, before any work
     lm = parallelize(lm, mesh, backend=cfg.backend)
     module = SequenceParallelLM(lm, mesh, chunk=cfg.loss_chunk)
     if cfg.checkpointing:
@@ -147,7 +145,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         apply_fsdp(module, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload)
     home = "cpu" if cfg.fsdp_cpu_offload else device  # offloaded shards live on the host
     if on_meta and pretrained:
-        load_pretrained(module, cfg.model, home)
+        load_pretrained(module, cfg.model, home, sources)
     elif on_meta:
         materialize(module, home, cfg.seed)
     if cfg.fsdp_cpu_offload:  # offloaded shards live on the host, buffers (RoPE tables) on the device
@@ -241,7 +239,7 @@ class TrainingRun:
         if not cfg.fsdp:
             sync_gradients(self.module, self.mesh)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
-        norm = full_value(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))  # a DTensor under FSDP2
+        norm = gradient_norm(self.module.parameters(), max_norm)
         self.loss_tensor = loss.detach()
         finite = bool(torch.isfinite(self.loss_tensor) & torch.isfinite(norm))  # the same on every rank
         if not finite:

@@ -50,17 +50,19 @@ def _reference_sums(model, batches: list[dict], device: torch.device, parity: in
     return total, count
 
 
-def _reference_loss(model, batches: list[dict], device: torch.device) -> torch.Tensor:
-    """Mean next-token loss over all valid targets of ``batches`` (see :func:`_reference_sums`)."""
+def _reference_loss(model, batches: list[dict], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Mean next-token loss over all valid targets of ``batches`` (see :func:`_reference_sums`), and
+    their count."""
     total, count = _reference_sums(model, batches, device)
-    return total / max(count, 1)
+    return total / max(count, 1), count
 
 
-def _reference_noise(model, batches: list[dict], device: torch.device, grads: dict[str, torch.Tensor]) -> dict[str, float]:
+def _reference_noise(model, batches: list[dict], device: torch.device, grads: dict[str, torch.Tensor],
+                     count: int) -> dict[str, float]:
     """The reference's own rounding: its gradients back-propagated as two halves of the loss and summed,
     against ``grads`` from one pass; relative per parameter. Some gradients cancel heavily (Gated
-    DeltaNet's A_log and dt_bias: ~1e-3 in float32), so no fixed tolerance fits every model."""
-    _, count = _reference_sums(model, batches, device)
+    DeltaNet's A_log and dt_bias: ~1e-3 in float32), so no fixed tolerance fits every model. ``count``:
+    the valid targets of ``batches``."""
     model.zero_grad()
     for parity in (0, 1):
         (_reference_sums(model, batches, device, parity)[0] / max(count, 1)).backward()
@@ -88,10 +90,10 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
         for name, p in module.named_parameters():
             ref_params[name.removeprefix("lm.")].copy_(full_value(p))
     batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
-    ref_loss = _reference_loss(reference, batches, device)
+    ref_loss, count = _reference_loss(reference, batches, device)
     ref_loss.backward()
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
-    noise = _reference_noise(reference, batches, device, ref_grads)
+    noise = _reference_noise(reference, batches, device, ref_grads, count)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
         loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
     loss.backward()
