@@ -147,7 +147,12 @@ class SequenceLayout:
         """``(padded_len,)`` int64 on ``device`` (default CPU). Shard order -> global position, or with
         ``restore`` the inverse. Built once per layout, direction and device and shared by every layer
         and caller that meets the same layout: read it, never write into it."""
-        return _indices(self, restore, torch.device("cpu") if device is None else torch.device(device))
+        from . import document_layout
+
+        # per_document runs read MIN_CHUNK when computed, so it is part of the key: a changed chunk size
+        # must never meet indices cached under the old one while ring_runs() answers with the new
+        return _indices(self, restore, torch.device("cpu") if device is None else torch.device(device),
+                        document_layout.MIN_CHUNK)
 
     def _order(self) -> torch.Tensor:
         """``indices()`` computed afresh on the CPU."""
@@ -169,7 +174,7 @@ class SequenceLayout:
 # Per layout, direction and device. A few entries: a training step meets one layout per batch (a
 # per_document layout changes with every batch), each entry is padded_len int64 (8 bytes a token).
 @functools.lru_cache(maxsize=8)
-def _indices(layout: SequenceLayout, restore: bool, device: torch.device) -> torch.Tensor:
+def _indices(layout: SequenceLayout, restore: bool, device: torch.device, min_chunk: int) -> torch.Tensor:
     order = layout._order()
     if restore:
         inverse = torch.empty_like(order)

@@ -3,13 +3,15 @@ and what it costs in time."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import pytest
 
+from seqmesh.memory.offload import ActivationOffload
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.activations import norm_backward_steps, norm_saved, outside_layers_bytes
-from seqmesh.planner.memory import (OFFLOAD_PREFETCH, host_memory, layer_saved_bytes, local_tokens, memory_at,
+from seqmesh.planner.memory import (host_memory, layer_saved_bytes, local_tokens, memory_at,
                                     memory_per_gpu, mlp_tile_tokens, parameter_memory)
 from seqmesh.planner.plan import longest_sequence
 from seqmesh.planner.timing import step_time
@@ -48,7 +50,9 @@ def test_offload_leaves_the_prefetched_inputs_and_needs_checkpointing():
     layout = Layout(1, 1, 1)
     layer_input = local_tokens(work, layout) * LLAMA8B.hidden * work.act_bytes
     kept, offloaded = (memory_at(w, layout, "layer backward").activations for w in (work, moved))
-    assert kept - offloaded == (LLAMA8B.layers - OFFLOAD_PREFETCH - 1) * layer_input
+    prefetch = inspect.signature(ActivationOffload).parameters["prefetch"].default  # what the offload fetches ahead
+    assert moved.offload_prefetch == prefetch
+    assert kept - offloaded == (LLAMA8B.layers - prefetch - 1) * layer_input
     # at the loss only the LM head's input stays (and the token ids, labels, RoPE tables)
     assert memory_at(moved, layout, "loss backward").activations == layer_input + outside_layers_bytes(work, layout)
     # the layers' inputs and the final norm's float32 input, float32 scale and bf16 normalized tensor

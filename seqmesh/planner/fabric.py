@@ -151,13 +151,6 @@ def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fa
     return nbytes * all_to_all_load(groups, fabric, gpus_per_node) / fabric.node_bandwidth
 
 
-def ring_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int,
-                        shifts: Iterable[int] = (1,)) -> float:
-    """Seconds the busiest node's uplinks need when every rank of every group sends ``nbytes`` to the rank
-    ``shift`` places after it (a neighbour hop: ``shift=1``), at the worst of ``shifts``."""
-    return nbytes * ring_load(groups, fabric, gpus_per_node, shifts) / fabric.node_bandwidth
-
-
 def parse_fabric(text: str) -> Fabric:
     """``NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]``, e.g. ``8:40`` (8 NICs of 40 GB/s achievable, non-blocking)
     or ``8:40:2:16`` (2:1 oversubscribed above leaf switches of 16 nodes)."""

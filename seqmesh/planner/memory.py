@@ -67,7 +67,6 @@ from .workload import Layout, Workload, embedding_unit_params, layer_params, roo
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
 MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backward", "end of backward",
            "optimizer step")
-OFFLOAD_PREFETCH = 2  # checkpointed inputs fetched ahead of the layer being recomputed (seqmesh.memory.offload)
 
 __all__ = ["MOMENTS", "MemoryBreakdown", "memory_at", "memory_per_gpu", "parameter_memory", "host_memory",
            "activation_memory", "loss_memory", "end_of_backward_grads", "local_tokens",

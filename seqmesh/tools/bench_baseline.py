@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-ALL_TECHNIQUES = {"checkpointing": True, "offload_checkpoints": True, "tiled_mlp": True, "efficient_norm": True,
-                  "fsdp_cpu_offload": True}
+from .bench_memory import TECHNIQUES
+
+ALL_TECHNIQUES = TECHNIQUES["all"][0]  # every memory technique, as `seqmesh bench memory --compare` runs them
 # method -> (framework, TrainConfig memory options)
 METHODS: dict[str, tuple[str, dict]] = {
     "transformers": ("transformers", {}),

@@ -12,6 +12,7 @@ prediction for the same ``TrainConfig`` (``seqmesh.planner.workload.plan_inputs`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -78,9 +79,10 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     offload = enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     module.train()
-    for step in range(2):
+    for step in range(2):  # the first step creates AdamW's state; only the second is tracked
         local = to_device(shard_batch(data.batch(step, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
-        with MemoryTracker(module, optimizer, device=device, offload=offload) as tracker:
+        tracker = MemoryTracker(module, optimizer, device=device, offload=offload)
+        with tracker if step == 1 else contextlib.nullcontext():
             module(**local).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
