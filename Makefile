@@ -1,25 +1,43 @@
-# Two entry points: `make demo` and `make test`. Both set up .venv on first use.
+# Two entry points: `make demo` and `make test`. Both set up .venv on first use, from the lock.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The development and CI machines serve torch 2.13.0 as a local CPU wheel; an unpinned torch would pull
-# a multi-GB CUDA build. The package itself accepts any torch >= 2.6 (see pyproject.toml); on a GPU
-# machine with torch already installed use e.g. `make test TORCH_SPEC= VENV_FLAGS=--system-site-packages`.
+# a multi-GB CUDA build. The package itself accepts the torch range in pyproject.toml; on a GPU machine
+# with torch already installed use e.g. `make test TORCH_SPEC= VENV_FLAGS=--system-site-packages`.
 TORCH_SPEC ?= torch==2.13.0
 VENV_FLAGS ?=
+# Every other package of the test environment, pinned (regenerate with `make lock`).
+LOCK ?= requirements/test.lock
+# The oldest versions seqmesh declares (pyproject.toml's floors), pinned the same way: `make test-floor`.
+FLOOR_VENV ?= .venv-floor
+FLOOR_LOCK ?= requirements/floor.lock
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-floor demo bench lock clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q $(if $(TORCH_SPEC),"$(TORCH_SPEC)") -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip check
 	touch $@
 
 install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# The focused subset (tests/floor_subset.txt) in a second environment at the declared floors.
+$(FLOOR_VENV)/.installed: pyproject.toml Makefile $(FLOOR_LOCK)
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q -r $(FLOOR_LOCK)
+	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(FLOOR_VENV)/bin/python -m pip check
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -m seqmesh versions
+	$(FLOOR_VENV)/bin/python -m pytest -q $$(grep -v '^#' tests/floor_subset.txt)
 
 demo: install
 	$(PY) -m seqmesh demo
@@ -28,5 +46,15 @@ bench: install
 	$(PY) -m seqmesh bench attention
 	$(PY) -m seqmesh bench merge
 
+# A fresh resolution of pyproject.toml's [test] extra beside TORCH_SPEC, written to the lock.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q $(if $(TORCH_SPEC),"$(TORCH_SPEC)") -e ".[test]"
+	head -3 $(LOCK) > $(LOCK).new
+	.venv-lock/bin/python -m pip freeze --exclude-editable | grep -iv '^torch==' >> $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf .venv-lock
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .venv-lock *.egg-info .pytest_cache

@@ -8,7 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .versions import warn_if_untested
+
 __version__ = "0.1.0"
+
+warn_if_untested()  # once per process: torch / transformers / accelerate outside the tested range
 
 _EXPORTS: dict[str, str] = {
     "attention": ".sharded_attention.api",

@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..versions import report as report_versions
+
 
 def _add_attention_args(p: argparse.ArgumentParser, seq_len: int) -> None:
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens in the sequence (default %(default)s)")
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_args(demo_attention, 16384)
     demo_attention.set_defaults(func=cmd_demo_attention, repeats=1)
     demo.set_defaults(func=lambda a: cmd_demo_train(demo_train.parse_args([])))
+
+    versions = sub.add_parser("versions", help="installed torch / transformers / accelerate beside the tested range")
+    versions.set_defaults(func=lambda a: report_versions())
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="what", required=True)
