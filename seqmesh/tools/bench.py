@@ -94,7 +94,7 @@ def _run_rank(cfg: AttentionBench, ulysses: int, ring: int, reference_path: str 
             stats = st
     result = {"times": times, "bytes_sent": stats.sent(), "bytes_by_kind": stats.as_dict()}
     if reference_path is not None:
-        ref = torch.load(reference_path)
+        ref = torch.load(reference_path, weights_only=True)
         got = {name: gather_sequence(t.detach(), mesh, layout=cfg.layout, length=cfg.seq_len).cpu()
                for name, t in (("out", out), *zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
         result["max_error"] = max(float((got[n].double() - ref[n].double()).abs().max()) for n in got)

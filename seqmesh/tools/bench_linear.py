@@ -115,7 +115,7 @@ def _run_rank(cfg: LinearBench, ulysses: int, ring: int, reference_path: str | N
     times = _time(step, cfg.repeats, cfg.warmup, barrier=dist.barrier)
     row = {"times": times, "bytes_sent": result["stats"].sent()}
     if reference_path is not None:
-        ref = torch.load(reference_path)
+        ref = torch.load(reference_path, weights_only=True)
         row["max_error"] = max(
             float((gather_sequence(result[n], mesh, layout=cfg.layout, length=cfg.seq_len) - ref[n]).abs().max())
             for n in ("out", "dx"))
