@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
+
+from .padding import padded_length, padding_multiple
 
 
 class LayoutKind(str, enum.Enum):
@@ -64,9 +65,7 @@ def _parse_kind(layout: str | LayoutKind) -> LayoutKind:
 
 def layout_multiple(kind: LayoutKind, ring: int, ulysses: int) -> int:
     """A padded length must be a multiple of this for ``kind`` on a ``ring x ulysses`` group."""
-    if kind is not LayoutKind.CONTIGUOUS and ring > 1:
-        return ring * math.lcm(2, ulysses)
-    return ring * ulysses
+    return padding_multiple(kind.value, ring, ulysses)
 
 
 @dataclass(frozen=True)
@@ -109,10 +108,7 @@ class SequenceLayout:
     ) -> SequenceLayout:
         """The layout of a ``seq_len``-token sequence padded to the next valid length."""
         kind = _parse_kind(kind)
-        if seq_len < 1:
-            raise ValueError(f"sequence length must be at least 1, got {seq_len}.")
-        multiple = layout_multiple(kind, ring, ulysses)
-        return cls(kind, ring, ulysses, -(-seq_len // multiple) * multiple, documents)
+        return cls(kind, ring, ulysses, padded_length(seq_len, ulysses, ring, kind.value), documents)
 
     @property
     def size(self) -> int:

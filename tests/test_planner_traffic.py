@@ -12,7 +12,8 @@ import pytest
 from planner_cases import TrafficCase, measured_traffic
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.plan import communication
-from seqmesh.planner.traffic import HeadDeal, attention_traffic, fsdp_traffic, padded_length, tensor_parallel_traffic
+from seqmesh.padding import padded_length
+from seqmesh.planner.traffic import HeadDeal, attention_traffic, fsdp_traffic, tensor_parallel_traffic
 from seqmesh.planner.workload import Layout, Workload
 from seqmesh.training.presets import MODELS, ModelShape
 
@@ -83,6 +84,18 @@ def test_padding_follows_the_layout():
     assert padded_length(30, 3, 2) == 36  # ring 2 x lcm(2, 3) = 12
     assert padded_length(30, 3, 2, "contiguous") == 30
     assert padded_length(30, 4, 1) == 32  # no ring: multiple of ulysses
+    assert padded_length(100, 3, 2, "per_document") == 108  # balanced like zigzag: 12 (the planner said 102)
+
+
+def test_planner_pads_as_the_runtime_layout_does():
+    """Hand-computed multiples above; here the runtime's SequenceLayout and the planner agree everywhere."""
+    from seqmesh.layout import SequenceLayout
+
+    for layout in ("zigzag", "contiguous", "per_document"):
+        for ulysses, ring in ((3, 2), (2, 2), (1, 4), (4, 1), (3, 1), (2, 3)):
+            for seq_len in (1, 7, 100, 4099):
+                runtime = SequenceLayout.for_length(layout, ring, ulysses, seq_len).padded_len
+                assert padded_length(seq_len, ulysses, ring, layout) == runtime, (layout, ulysses, ring, seq_len)
 
 
 def test_llama70b_ulysses_versus_tensor_parallel_at_1m_tokens():

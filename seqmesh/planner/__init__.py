@@ -22,7 +22,8 @@ from .memory import MemoryBreakdown, memory_per_gpu
 from .plan import Plan, longest_plan, longest_sequence, plan
 from .ring_efficiency import RingEfficiency
 from .timing import StepTime, step_time
-from .traffic import HeadDeal, attention_traffic, padded_length
+from ..padding import padded_length
+from .traffic import HeadDeal, attention_traffic
 from .workload import Layout, Workload
 
 __all__ = [

@@ -30,7 +30,8 @@ recomputed in backward.
 from __future__ import annotations
 
 from ..training.presets import ModelShape
-from .traffic import HeadDeal, padded_length
+from ..padding import padded_length
+from .traffic import HeadDeal
 from .workload import Layout, Workload, linear_state_bytes
 
 INT64 = 8

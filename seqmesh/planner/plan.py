@@ -18,7 +18,8 @@ from .hardware import GiB, Cluster, HardwareSpec
 from .memory import memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
 from .timing import axis_groups, step_time, world_rank
-from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic, padded_length,
+from ..padding import padded_length
+from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic,
                       tensor_parallel_traffic, worst_rank)
 from .workload import Layout, Workload, embedding_unit_params, layer_params, linear_layer_params, root_params
 

@@ -54,7 +54,8 @@ from functools import lru_cache
 from .fabric import Fabric, all_to_all_load, all_to_all_uplink_seconds, ring_load
 from .hardware import HardwareSpec
 from .memory import local_tokens
-from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic, padded_length,
+from ..padding import padded_length
+from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic,
                       ring_block_bytes, ring_steps, tensor_parallel_traffic)
 from .workload import (Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, linear_flops,
                        linear_layer_params, root_params)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..padding import padded_length
+
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 VALIDATION_FIELDS = 14  # the problem flag + 13 fields of seqmesh.sharded_attention.checks.FIELDS
 INT64 = 8
@@ -73,19 +75,6 @@ def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: i
             if any(b < a and (a - b - 1) * c + 1 < window for a in chunks(r) for b in chunks(s)):
                 needed.add((r - s) % ring)
     return tuple(sorted(needed))
-
-
-def padded_length(seq_len: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
-    """The length seqmesh pads a sequence to: a multiple of ``ring * lcm(2, ulysses)`` for zigzag over a
-    ring (each ring rank holds two equal chunks that its Ulysses ranks split evenly), else of ``ring *
-    ulysses``."""
-    if seq_len < 1:
-        raise ValueError(f"sequence length must be at least 1, got {seq_len}.")
-    if layout == "zigzag" and ring > 1:
-        multiple = ring * (ulysses if ulysses % 2 == 0 else 2 * ulysses)
-    else:
-        multiple = ring * ulysses
-    return -(-seq_len // multiple) * multiple
 
 
 @dataclass(frozen=True)
