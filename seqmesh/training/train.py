@@ -31,6 +31,7 @@ from ..memory.tiled_mlp import enable_tiled_mlp
 from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
+from .outlock import lock_output
 from .presets import model_shape
 from .pretrained import check_pretrained, load_pretrained
 from .resume import choose_start, config_changes, refuse_changes, run_record
@@ -176,11 +177,21 @@ class TrainingRun:
     """One run on this rank: where it starts, its model and optimizer, and what it logs and saves.
 
     ``run()`` repeats :meth:`step` and, on their schedules, :meth:`log`, :meth:`evaluate` and :meth:`save`.
-    Every configuration, output-folder and resume error is raised before the model is built."""
+    Every configuration, output-folder and resume error is raised before the model is built. The run
+    holds ``out``'s lock (:mod:`.outlock`) from before it reads anything there until ``run()`` ends."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         check_output_dir(cfg.out)
+        self.lock = lock_output(cfg.out)  # before the old run in out is looked at, let alone cleared
+        try:
+            self._prepare()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _prepare(self) -> None:
+        cfg = self.cfg
         self.data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
         self.start_point = choose_start(cfg)
         self.mesh, self.module, self.device = build(cfg)
@@ -280,6 +291,13 @@ class TrainingRun:
         save_checkpoint(self.folder, done, self.module, self.optimizer, run_record(self.cfg, self.mesh.dp_size))
 
     def run(self) -> dict:
+        """Train to ``cfg.steps``, save, export; returns :meth:`summary`. Releases ``out``'s lock however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         self._start_log()
         progress = Progress(cfg.steps, self.start) if self.rank0 else None

@@ -1,0 +1,98 @@
+"""Nothing loses a run or hides a fault in its output folder (issue 17): one run per --out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from safety_cases import train_error
+from seqmesh.training.config import TrainConfig
+from seqmesh.training.outlock import LOCK_NAME, OutputLock
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(out, **kw) -> TrainConfig:
+    base = dict(model="llama-tiny", seq_len=64, ulysses=2, ring=1, dp=1, steps=3, lr=1e-2, warmup=1, log_every=1,
+                eval_every=0, out=str(out), symbols=16, export=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _same_on_every_rank(errors: list[str]) -> str:
+    assert len(set(errors)) == 1, errors
+    return errors[0]
+
+
+def _snapshot(folder) -> dict[str, tuple[float, str]]:
+    """``{relative path: (mtime, sha256)}`` of every file under ``folder`` but the lock file."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if name != LOCK_NAME:
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, folder)] = (os.path.getmtime(path), hashlib.sha256(f.read()).hexdigest())
+    return found
+
+
+def _metric_lines(out) -> list[dict]:
+    """Every line of metrics.jsonl parsed on its own (a torn or glued line fails here)."""
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n"), text[-200:]
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+HOLDER = """
+import sys, time
+from seqmesh.training.outlock import OutputLock
+lock = OutputLock(sys.argv[1])
+assert lock.acquire() is None
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_lock_names_its_holder_and_is_released(tmp_path):
+    first, second = OutputLock(str(tmp_path)), OutputLock(str(tmp_path))
+    assert first.acquire() is None
+    refusal = second.acquire()  # another open file of the same process is refused too
+    assert refusal and f"pid {os.getpid()} on host {socket.gethostname()} since " in refusal, refusal
+    assert "choose another --out" in refusal and not second.held
+    first.release()
+    assert second.acquire() is None
+    second.release()
+
+
+def test_a_second_run_on_the_same_out_is_refused_until_the_holder_dies(pools, tmp_path):
+    out = tmp_path / "run"
+    assert pools.run(2, train_error, _cfg(out, steps=2, save_every=1)) == ["", ""]
+    # a run refused after taking the lock (an old run is there, no flag) lets it go on every exit path
+    assert "already holds a run" in _same_on_every_rank(pools.run(2, train_error, _cfg(out)))
+    probe = OutputLock(str(out))
+    assert probe.acquire() is None
+    probe.release()
+
+    before = _snapshot(out)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        # --overwrite would clear the holder's checkpoints and metrics: it does not get past the lock either
+        for cfg in (_cfg(out, overwrite=True), _cfg(out, resume=True, steps=4)):
+            error = _same_on_every_rank(pools.run(2, train_error, cfg))
+            assert error.startswith(f"ValueError: {out} is already used by a seqmesh run: pid {holder.pid} on host "
+                                    f"{socket.gethostname()} since "), error
+            assert "choose another --out" in error
+        assert _snapshot(out) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the kernel dropped the dead holder's lock: nothing stale is left to clear by hand
+    assert pools.run(2, train_error, _cfg(out, steps=2, overwrite=True)) == ["", ""]
+    assert [r["step"] for r in _metric_lines(out) if r["kind"] == "train"] == [1, 2]
