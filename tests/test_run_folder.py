@@ -1,4 +1,5 @@
-"""Nothing loses a run or hides a fault in its output folder (issue 17): one run per --out."""
+"""Nothing loses a run or hides a fault in its output folder (issue 17): one run per --out, and metrics that
+stay whole lines across resumes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from safety_cases import train_error
 from seqmesh.training.config import TrainConfig
 from seqmesh.training.outlock import LOCK_NAME, OutputLock
+from train_job_cases import entry_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,3 +98,25 @@ def test_a_second_run_on_the_same_out_is_refused_until_the_holder_dies(pools, tm
     # the kernel dropped the dead holder's lock: nothing stale is left to clear by hand
     assert pools.run(2, train_error, _cfg(out, steps=2, overwrite=True)) == ["", ""]
     assert [r["step"] for r in _metric_lines(out) if r["kind"] == "train"] == [1, 2]
+
+
+def test_a_torn_last_line_survives_two_resumes(pools, tmp_path):
+    out = tmp_path / "run"
+    assert pools.run(2, train_error, _cfg(out, steps=4, save_every=2)) == ["", ""]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "lo')  # a write cut by a power loss, no newline
+    for steps in (6, 8):
+        assert pools.run(2, train_error, _cfg(out, steps=steps, save_every=2, resume=True)) == ["", ""], steps
+    records = _metric_lines(out)
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))
+    assert [r["step"] for r in records if r["kind"] == "config"] == [0, 4, 6]
+    assert (out / "loss_curve.png").stat().st_size > 1000
+
+
+def test_a_bad_metrics_line_is_refused_on_every_rank_before_any_model(pools, tmp_path):
+    out = tmp_path / "run"
+    assert pools.run(2, train_error, _cfg(out, steps=2, save_every=1)) == ["", ""]
+    lines = (out / "metrics.jsonl").read_text().split("\n")
+    (out / "metrics.jsonl").write_text("\n".join(lines[:2] + ["garbage"] + lines[2:]))
+    errors = pools.run(2, entry_error, "train", _cfg(out, steps=3, resume=True))
+    assert all("metrics.jsonl, line 3, is not a JSON record" in e for e in errors), errors

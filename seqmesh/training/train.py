@@ -34,6 +34,7 @@ from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .outlock import lock_output
 from .presets import model_shape
 from .pretrained import check_pretrained, load_pretrained
+from .ranks import agree
 from .resume import choose_start, config_changes, refuse_changes, run_record
 from .watch import StallWatch, gradient_norm, nonfinite_message
 
@@ -337,12 +338,18 @@ class TrainingRun:
 
     def summary(self) -> dict:
         cfg, mesh = self.cfg, self.mesh
-        curve = None
-        if self.rank0:
+        curve = problem = None
+        if self.rank0:  # the verdict is shared: a rank left behind here would wait in a collective for ever
             title = (f"{cfg.model}, {cfg.seq_len:,} tokens, ulysses {mesh.ulysses} x ring {mesh.ring} "
                      f"x dp {mesh.dp_size}")
             chance = 1 / cfg.symbols if not cfg.data else None
-            curve = plot_loss_curve(self.log_file.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)
+            try:
+                curve = plot_loss_curve(self.log_file.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)
+            except ValueError as err:
+                problem = str(err)
+        curve, problem = agree((curve, problem))
+        if problem is not None:
+            raise ValueError(problem)
         return {"loss": self.loss, "accuracy": self.accuracy, "mesh": repr(mesh), "loss_curve": curve,
                 "steps": cfg.steps, "skipped": self.skipped}
 
