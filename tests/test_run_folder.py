@@ -1,5 +1,5 @@
-"""Nothing loses a run or hides a fault in its output folder (issue 17): one run per --out, and metrics that
-stay whole lines across resumes."""
+"""Nothing loses a run or hides a fault in its output folder (issue 17): one run per --out, metrics that
+stay whole lines across resumes, and data with nothing to train on refused."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from safety_cases import train_error
 from seqmesh.training.config import TrainConfig
@@ -120,3 +122,21 @@ def test_a_bad_metrics_line_is_refused_on_every_rank_before_any_model(pools, tmp
     (out / "metrics.jsonl").write_text("\n".join(lines[:2] + ["garbage"] + lines[2:]))
     errors = pools.run(2, entry_error, "train", _cfg(out, steps=3, resume=True))
     assert all("metrics.jsonl, line 3, is not a JSON record" in e for e in errors), errors
+
+
+def test_data_with_no_target_tokens_is_refused_before_any_model(pools, tmp_path):
+    singles = tmp_path / "letters.txt"
+    singles.write_text("\n\n".join("abcdefghijklmnopqrstuvwxyz"))  # 26 documents of one byte token each
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"text": a + b}) + "\n" for a, b in zip("abcdef", "ghijkl")))
+    for entry in ("train", "verify"):
+        errors = pools.run(2, entry_error, entry, _cfg(tmp_path / "a", data=[str(singles)]))
+        assert all(f"{singles} has no target tokens at --seq-len 64" in e and "single token" in e for e in errors), errors
+        errors = pools.run(2, entry_error, entry, _cfg(tmp_path / "b", data=[str(pairs)], seq_len=1, ulysses=1, dp=2))
+        assert all("no target tokens at --seq-len 1" in e and "Raise --seq-len" in e for e in errors), errors
+    # two-token documents do leave a target: such a run trains (its loss is a real cross-entropy)
+    assert pools.run(2, train_error, _cfg(tmp_path / "c", data=[str(pairs)], seq_len=8, steps=1)) == ["", ""]
+    (loss,) = [r["loss"] for r in _metric_lines(tmp_path / "c") if r["kind"] == "train"]
+    assert loss > 1.0, loss
+    with pytest.raises(ValueError, match=r"copy_period must be in \[1, 62\]"):
+        _cfg(tmp_path, copy_period=63)  # the copy task's first block and the token after it are never scored

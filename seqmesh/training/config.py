@@ -118,9 +118,10 @@ class TrainConfig:
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}.")
-        if self.copy_period is not None and not 1 <= self.copy_period < self.seq_len:
-            raise ValueError(f"copy_period must be in [1, {self.seq_len - 1}] (below seq_len={self.seq_len}), got "
-                             f"{self.copy_period}; omit it for seq_len // 4.")
+        if self.copy_period is not None and not 1 <= self.copy_period < self.seq_len - 1:
+            raise ValueError(f"copy_period must be in [1, {self.seq_len - 2}] (a token after the first block must be "
+                             f"left to score at seq_len={self.seq_len}), got {self.copy_period}; omit it for "
+                             "seq_len // 4.")
         if self.symbols < 1:
             raise ValueError(f"symbols must be at least 1, got {self.symbols}.")
         if self.warmup < 0:

@@ -34,7 +34,7 @@ from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .outlock import lock_output
 from .presets import model_shape
 from .pretrained import check_pretrained, load_pretrained
-from .ranks import agree
+from .ranks import agree, all_gather_object
 from .resume import choose_start, config_changes, refuse_changes, run_record
 from .watch import StallWatch, gradient_norm, nonfinite_message
 
@@ -107,6 +107,19 @@ def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | 
         return _copy_task(cfg, vocab)
     check_data_paths(cfg.data)  # cheaper than loading a tokenizer first
     return PackedText(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), text_key=cfg.text_key, seed=cfg.seed)
+
+
+def _same_error_on_every_rank(fn, *args):
+    """``fn(*args)``, with a ValueError raised on any rank raised on every rank (the first rank's message):
+    a check that fails on one rank alone would leave the others waiting in the next collective."""
+    try:
+        result, problem = fn(*args), None
+    except ValueError as err:
+        result, problem = None, str(err)
+    problems = [p for p in all_gather_object(problem) if p is not None]
+    if problems:
+        raise ValueError(problems[0])
+    return result
 
 
 def _device() -> torch.device:
@@ -193,7 +206,7 @@ class TrainingRun:
 
     def _prepare(self) -> None:
         cfg = self.cfg
-        self.data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
+        self.data = _same_error_on_every_rank(make_dataset, cfg)  # data and vocabulary errors, before any model
         self.start_point = choose_start(cfg)
         self.mesh, self.module, self.device = build(cfg)
         self.rank0 = dist.get_rank() == 0
