@@ -1,5 +1,5 @@
 """Nothing loses a run or hides a fault in its output folder (issue 17): one run per --out, metrics that
-stay whole lines across resumes, and data with nothing to train on refused."""
+stay whole lines across resumes, data with nothing to train on refused, and --keep-checkpoints."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from safety_cases import train_error
+from seqmesh.training import checkpoint as ckpt
 from seqmesh.training.config import TrainConfig
 from seqmesh.training.outlock import LOCK_NAME, OutputLock
 from train_job_cases import entry_error
@@ -140,3 +141,40 @@ def test_data_with_no_target_tokens_is_refused_before_any_model(pools, tmp_path)
     assert loss > 1.0, loss
     with pytest.raises(ValueError, match=r"copy_period must be in \[1, 62\]"):
         _cfg(tmp_path, copy_period=63)  # the copy task's first block and the token after it are never scored
+
+
+def _fake_checkpoint(folder, step: int, complete: bool = True) -> str:
+    path = folder / f"step_{step:07d}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / "seqmesh.json").write_text(json.dumps({"step": step}))
+    return str(path)
+
+
+def test_pruning_keeps_the_newest_and_spares_what_a_run_relies_on(tmp_path):
+    folder = tmp_path / "checkpoints"
+    paths = {step: _fake_checkpoint(folder, step) for step in (1, 2, 3, 4, 5, 6)}
+    _fake_checkpoint(folder, 7, complete=False)  # not a complete checkpoint: not counted, not touched
+    (folder / "step_0000008.partial").mkdir()
+    (folder / "step_0000002.damaged").mkdir()
+    (folder / "latest").write_text("step_0000004")  # as if a save of 5 and 6 were still being named
+    deleted = ckpt.prune_checkpoints(str(folder), 2, protect=paths[1])
+    assert sorted(deleted) == [paths[2], paths[3]], deleted
+    assert sorted(os.listdir(folder)) == ["latest", "step_0000001", "step_0000002.damaged", "step_0000004",
+                                          "step_0000005", "step_0000006", "step_0000007", "step_0000008.partial"]
+    with pytest.raises(ValueError, match="keep_checkpoints must be at least 1"):
+        _cfg(tmp_path, keep_checkpoints=0)
+
+
+def test_keep_checkpoints_in_a_run_and_its_resume(pools, tmp_path):
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    assert pools.run(2, train_error, _cfg(out, steps=7, save_every=1, keep_checkpoints=2)) == ["", ""]
+    assert [os.path.basename(p) for p in ckpt.steps_in(str(folder))] == ["step_0000007", "step_0000006"]
+    # resumed from step 7 with one to keep: 7 stays (the run started there) beside the newest
+    assert pools.run(2, train_error, _cfg(out, steps=10, save_every=1, keep_checkpoints=1, resume=True)) == ["", ""]
+    kept = ckpt.steps_in(str(folder))
+    assert [os.path.basename(p) for p in kept] == ["step_0000010", "step_0000007"], kept
+    assert sorted(os.listdir(folder)) == ["latest", "step_0000007", "step_0000010"]
+    assert all(ckpt.checkpoint_problem(p) is None for p in kept)
+    assert ckpt.latest_checkpoint(str(folder)) == kept[0]

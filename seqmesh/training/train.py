@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
@@ -303,6 +303,8 @@ class TrainingRun:
 
     def save(self, done: int) -> None:
         save_checkpoint(self.folder, done, self.module, self.optimizer, run_record(self.cfg, self.mesh.dp_size))
+        if self.cfg.keep_checkpoints is not None:  # once ``latest`` names the new one; rank 0 deletes
+            prune_checkpoints(self.folder, self.cfg.keep_checkpoints, protect=self.start_point.checkpoint)
 
     def run(self) -> dict:
         """Train to ``cfg.steps``, save, export; returns :meth:`summary`. Releases ``out``'s lock however it ends."""
