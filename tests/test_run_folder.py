@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from run_folder_cases import data_unreadable_on_rank1
 from safety_cases import train_error
 from seqmesh.training import checkpoint as ckpt
 from seqmesh.training.config import TrainConfig
@@ -141,6 +142,13 @@ def test_data_with_no_target_tokens_is_refused_before_any_model(pools, tmp_path)
     assert loss > 1.0, loss
     with pytest.raises(ValueError, match=r"copy_period must be in \[1, 62\]"):
         _cfg(tmp_path, copy_period=63)  # the copy task's first block and the token after it are never scored
+
+
+def test_a_data_error_on_one_rank_is_raised_on_every_rank(pools, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to train on")
+    errors = pools.run(2, data_unreadable_on_rank1, _cfg(tmp_path / "run", data=[str(corpus)]), timeout=120)
+    assert errors == [f"[Errno 13] Permission denied: '{corpus}'"] * 2, errors
 
 
 def _fake_checkpoint(folder, step: int, complete: bool = True) -> str:

@@ -110,11 +110,12 @@ def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | 
 
 
 def _same_error_on_every_rank(fn, *args):
-    """``fn(*args)``, with a ValueError raised on any rank raised on every rank (the first rank's message):
-    a check that fails on one rank alone would leave the others waiting in the next collective."""
+    """``fn(*args)``, with a ValueError or OSError (an unreadable file) raised on any rank raised on every
+    rank as a ValueError with the first such rank's message: a check that fails on one rank alone would
+    leave the others waiting in the next collective."""
     try:
         result, problem = fn(*args), None
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         result, problem = None, str(err)
     problems = [p for p in all_gather_object(problem) if p is not None]
     if problems:
