@@ -43,7 +43,8 @@ def _snapshot(folder) -> dict[str, tuple[float, str]]:
             path = os.path.join(root, name)
             if name != LOCK_NAME:
                 with open(path, "rb") as f:
-                    found[os.path.relpath(path, folder)] = (os.path.getmtime(path), hashlib.sha256(f.read()).hexdigest())
+                    digest = hashlib.sha256(f.read()).hexdigest()
+                found[os.path.relpath(path, folder)] = (os.path.getmtime(path), digest)
     return found
 
 
@@ -133,7 +134,8 @@ def test_data_with_no_target_tokens_is_refused_before_any_model(pools, tmp_path)
     pairs.write_text("".join(json.dumps({"text": a + b}) + "\n" for a, b in zip("abcdef", "ghijkl")))
     for entry in ("train", "verify"):
         errors = pools.run(2, entry_error, entry, _cfg(tmp_path / "a", data=[str(singles)]))
-        assert all(f"{singles} has no target tokens at --seq-len 64" in e and "single token" in e for e in errors), errors
+        want = f"{singles} has no target tokens at --seq-len 64"
+        assert all(want in e and "single token" in e for e in errors), errors
         errors = pools.run(2, entry_error, entry, _cfg(tmp_path / "b", data=[str(pairs)], seq_len=1, ulysses=1, dp=2))
         assert all("no target tokens at --seq-len 1" in e and "Raise --seq-len" in e for e in errors), errors
     # two-token documents do leave a target: such a run trains (its loss is a real cross-entropy)
