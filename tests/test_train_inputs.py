@@ -155,8 +155,9 @@ def test_data_checks_read_the_vocabulary_without_a_model(tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     (dict(dp_replicate=0), "dp_replicate must be at least 1"),
-    (dict(copy_period=0), r"copy_period must be in \[1, 63\] \(below seq_len=64\), got 0"),
-    (dict(copy_period=64), r"copy_period must be in \[1, 63\]"),
+    (dict(copy_period=0), r"copy_period must be in \[1, 62\] \(a token after the first block must be left to "
+                          r"score at seq_len=64\), got 0"),
+    (dict(copy_period=63), r"copy_period must be in \[1, 62\]"),  # nothing left to score: loss 0
     (dict(eval_every=-1), "eval_every must be >= 0"),
     (dict(symbols=0), "symbols must be at least 1"),
 ])

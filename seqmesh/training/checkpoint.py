@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -221,3 +222,31 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)
+
+
+def prune_checkpoints(folder: str, keep: int, protect: str | None = None) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints in ``folder``; returns the deleted paths.
+
+    Rank 0 deletes (the others return ``[]`` at once); call it after a save, once ``latest`` names the new
+    checkpoint. Never deleted: ``protect`` (the checkpoint a resumed run started from), the one ``latest``
+    names, and anything that is not a complete ``step_N`` folder (``.partial``, ``.damaged``). Each folder
+    is renamed aside before it is removed, so a deletion cut short never looks like a checkpoint."""
+    if keep < 1:
+        raise ValueError(f"keep_checkpoints must be at least 1, got {keep}.")
+    if not is_rank0():
+        return []
+    complete = [p for p in steps_in(folder) if os.path.isfile(os.path.join(p, "seqmesh.json"))]
+    spared = {os.path.normpath(p) for p in (protect, latest_checkpoint_name(folder)) if p is not None}
+    deleted = []
+    for path in complete[keep:]:
+        if os.path.normpath(path) in spared:
+            continue
+        doomed = path + ".deleting"
+        try:
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
+        except OSError as err:  # a checkpoint left over is no reason to stop the run
+            warnings.warn(f"could not delete the old checkpoint {path} ({err}); delete it by hand.", stacklevel=2)
+            continue
+        deleted.append(path)
+    return deleted

@@ -89,6 +89,9 @@ class TrainConfig:
     """Steps between held-out accuracy checks (0: only at the end)."""
     save_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
+    keep_checkpoints: int | None = None
+    """Keep only the newest N checkpoints, deleting older ones after each save (the one a resumed run started
+    from is kept too); none: keep them all."""
     export: bool = True
     """At the end, write the trained model to out/model in transformers' format (config.json, safetensors,
     the tokenizer's files): AutoModelForCausalLM.from_pretrained loads it."""
@@ -118,9 +121,10 @@ class TrainConfig:
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}.")
-        if self.copy_period is not None and not 1 <= self.copy_period < self.seq_len:
-            raise ValueError(f"copy_period must be in [1, {self.seq_len - 1}] (below seq_len={self.seq_len}), got "
-                             f"{self.copy_period}; omit it for seq_len // 4.")
+        if self.copy_period is not None and not 1 <= self.copy_period < self.seq_len - 1:
+            raise ValueError(f"copy_period must be in [1, {self.seq_len - 2}] (a token after the first block must be "
+                             f"left to score at seq_len={self.seq_len}), got {self.copy_period}; omit it for "
+                             "seq_len // 4.")
         if self.symbols < 1:
             raise ValueError(f"symbols must be at least 1, got {self.symbols}.")
         if self.warmup < 0:
@@ -138,6 +142,9 @@ class TrainConfig:
             raise ValueError("offload_checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
         if self.fsdp_cpu_offload and not self.fsdp:
             raise ValueError("fsdp_cpu_offload offloads FSDP2's shards; drop --no-fsdp or --fsdp-cpu-offload.")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 (omit it to keep every checkpoint), got "
+                             f"{self.keep_checkpoints}.")
         if self.mlp_tiles is not None and self.mlp_tiles < 1:
             raise ValueError(f"mlp_tiles must be at least 1 (omit it to choose from the shapes), got {self.mlp_tiles}.")
         if self.data and self.batch != 1:

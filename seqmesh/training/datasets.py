@@ -43,9 +43,10 @@ class LongRangeCopy:
             raise ValueError(f"the copy task needs at least 8 tokens, got seq_len={self.seq_len}; raise --seq-len.")
         if self.symbols < 1:
             raise ValueError(f"the copy task needs at least 1 symbol, got symbols={self.symbols}.")
-        if not 1 <= self.block < self.seq_len:
-            raise ValueError(f"the copy period must be in [1, {self.seq_len - 1}] (below seq_len={self.seq_len}), "
-                             f"got {self.block}; omit it for seq_len // 4.")
+        if not 1 <= self.block < self.seq_len - 1:  # the first block and the token after it are not scored
+            raise ValueError(f"the copy period must be in [1, {self.seq_len - 2}] (a token after the first block "
+                             f"must be left to score at seq_len={self.seq_len}), got {self.block}; omit it for "
+                             "seq_len // 4.")
 
     @property
     def block(self) -> int:
@@ -212,6 +213,20 @@ class _PackedStream:
         return torch.cat(ids), torch.cat(positions)
 
 
+def _check_targets(paths: list[str], seq_len: int, docs: list[torch.Tensor]) -> None:
+    """Raise when no row can hold a target: a token is scored only when the next token of its document
+    is in the same row, so rows of one token, or documents of one token, train nothing (loss 0)."""
+    files = ", ".join(paths)
+    if seq_len < 2:
+        raise ValueError(f"{files}: no target tokens at --seq-len {seq_len}: a row of one token has no next token to "
+                         "predict. Raise --seq-len to 2 or more.")
+    if max(d.numel() for d in docs) < 2:
+        raise ValueError(f"{files} has no target tokens at --seq-len {seq_len}: each of its {len(docs)} training "
+                         "documents is a single token, and a token is scored only when the next token of its own "
+                         "document follows it. Give documents of two or more tokens (in .txt files a blank line "
+                         "separates documents; in .jsonl files each record is one).")
+
+
 class PackedText:
     """Documents from local ``.txt`` (blank-line separated) or ``.jsonl`` files, tokenized, shuffled
     per epoch and packed end to end into ``seq_len``-token rows; ``position_ids`` restart at each
@@ -230,6 +245,7 @@ class PackedText:
         held = set(held_out_documents(len(docs)))
         self.train_docs = [d for i, d in enumerate(docs) if i not in held]
         self.eval_docs = [d for i, d in enumerate(docs) if i in held] or self.train_docs
+        _check_targets(paths, seq_len, self.train_docs)
         self._train = _PackedStream(self.train_docs, seed)
         self._eval = _PackedStream(self.eval_docs, seed + 1)
         self.tokens = self._train.tokens  # training tokens per epoch

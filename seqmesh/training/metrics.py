@@ -52,11 +52,12 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def keep_until(self, step: int) -> int:
-        """Drop the records after ``step`` (a resumed run redoes those steps); returns how many went.
-        The file is replaced atomically, so an interruption leaves the old one or the new one."""
-        records = self.read()
+        """Drop the records after ``step`` (a resumed run redoes those steps), and a torn last line, so the
+        records the resumed run appends follow whole lines; returns how many records went. The file is
+        replaced atomically, so an interruption leaves the old one or the new one."""
+        records, whole = self._parse()
         kept = [r for r in records if r.get("step", 0) <= step]
-        if len(kept) < len(records):
+        if len(kept) < len(records) or not whole:
             partial = self.path + ".tmp"
             with open(partial, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -66,23 +67,31 @@ class MetricsLog:
     def read(self) -> list[dict]:
         """Every record. A torn last line (power loss, full disk) is dropped with a warning; a bad line
         anywhere else is a ValueError naming the file and line."""
+        return self._parse()[0]
+
+    def _parse(self) -> tuple[list[dict], bool]:
+        """(the records, whether the file is whole lines only: no torn last line, a newline at the end)."""
         if not os.path.isfile(self.path):
-            return []
+            return [], True
         with open(self.path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().split("\n")
+            text = f.read()
+        lines = text.split("\n")
         records = []
         numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
         for i, (number, line) in enumerate(numbered):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
+                records.append(record)
             except ValueError as err:
                 if i == len(numbered) - 1:
                     warnings.warn(f"{self.path}: line {number} is cut short ({err}); dropping it, as a run stopped "
-                                  "mid-write leaves it.", stacklevel=2)
-                    break
+                                  "mid-write leaves it.", stacklevel=3)
+                    return records, False
                 raise ValueError(f"{self.path}, line {number}, is not a JSON record ({err}). Fix or delete that "
                                  "line; seqmesh writes one JSON object per line.") from err
-        return records
+        return records, text == "" or text.endswith("\n")
 
 
 def plot_loss_curve(records: list[dict], path: str, title: str, chance: float | None = None) -> str | None:

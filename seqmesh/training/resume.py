@@ -9,7 +9,9 @@ Nothing a user has is replaced without a flag:
   written over by the resumed run's saves);
 - a resumed run whose configuration differs from the checkpoint's in anything that changes the run
   (learning rate, sequence length, data, seed, ...) refuses, unless ``--allow-config-change``; the
-  accepted changes are then recorded in ``metrics.jsonl``.
+  accepted changes are then recorded in ``metrics.jsonl``;
+- a resumed run rewrites ``metrics.jsonl`` without the records after its checkpoint and without a torn
+  last line, so the records it appends follow whole lines; a bad line before the last is refused.
 
 All of this runs before the model is built, and every rank reaches the same verdict (the checksum
 checks are collective), so each error is raised on every rank.
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from .checkpoint import newest_intact_checkpoint, steps_in
 from .config import TrainConfig
+from .metrics import MetricsLog
 from .ranks import agree, barrier, is_rank0
 
 # Fields that change what the run computes. The mesh degrees, kernel, layout, checkpointing, FSDP and
@@ -104,6 +107,20 @@ def _clear_previous_run(out: str, folder: str) -> None:
     barrier()
 
 
+def check_metrics(out: str) -> None:
+    """Raise on every rank if ``out/metrics.jsonl`` has a bad line before its last (rank 0 reads it; a
+    resumed run rewrites it without its records after the checkpoint and a torn last line)."""
+    problem = None
+    if is_rank0():
+        try:
+            MetricsLog(os.path.join(out, "metrics.jsonl")).read()
+        except ValueError as err:
+            problem = str(err)
+    problem = agree(problem)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def choose_start(cfg: TrainConfig) -> StartPoint:
     """Decide where the run starts (see the module docstring); raises before any model is built."""
     folder = os.path.join(cfg.out, "checkpoints")
@@ -141,4 +158,5 @@ def choose_start(cfg: TrainConfig) -> StartPoint:
     changes = config_changes(saved, cfg)
     if changes and not cfg.allow_config_change:
         refuse_changes(path, changes)
+    check_metrics(cfg.out)  # before the model is built: the resumed run appends to it
     return StartPoint(path, saved, changes)

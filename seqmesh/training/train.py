@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
@@ -31,8 +31,10 @@ from ..memory.tiled_mlp import enable_tiled_mlp
 from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
+from .outlock import lock_output
 from .presets import model_shape
 from .pretrained import check_pretrained, load_pretrained
+from .ranks import agree, all_gather_object
 from .resume import choose_start, config_changes, refuse_changes, run_record
 from .watch import StallWatch, gradient_norm, nonfinite_message
 
@@ -107,6 +109,20 @@ def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | 
     return PackedText(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), text_key=cfg.text_key, seed=cfg.seed)
 
 
+def _same_error_on_every_rank(fn, *args):
+    """``fn(*args)``, with a ValueError or OSError (an unreadable file) raised on any rank raised on every
+    rank as a ValueError with the first such rank's message: a check that fails on one rank alone would
+    leave the others waiting in the next collective."""
+    try:
+        result, problem = fn(*args), None
+    except (ValueError, OSError) as err:
+        result, problem = None, str(err)
+    problems = [p for p in all_gather_object(problem) if p is not None]
+    if problems:
+        raise ValueError(problems[0])
+    return result
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -176,12 +192,22 @@ class TrainingRun:
     """One run on this rank: where it starts, its model and optimizer, and what it logs and saves.
 
     ``run()`` repeats :meth:`step` and, on their schedules, :meth:`log`, :meth:`evaluate` and :meth:`save`.
-    Every configuration, output-folder and resume error is raised before the model is built."""
+    Every configuration, output-folder and resume error is raised before the model is built. The run
+    holds ``out``'s lock (:mod:`.outlock`) from before it reads anything there until ``run()`` ends."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         check_output_dir(cfg.out)
-        self.data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
+        self.lock = lock_output(cfg.out)  # before the old run in out is looked at, let alone cleared
+        try:
+            self._prepare()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _prepare(self) -> None:
+        cfg = self.cfg
+        self.data = _same_error_on_every_rank(make_dataset, cfg)  # data and vocabulary errors, before any model
         self.start_point = choose_start(cfg)
         self.mesh, self.module, self.device = build(cfg)
         self.rank0 = dist.get_rank() == 0
@@ -278,8 +304,17 @@ class TrainingRun:
 
     def save(self, done: int) -> None:
         save_checkpoint(self.folder, done, self.module, self.optimizer, run_record(self.cfg, self.mesh.dp_size))
+        if self.cfg.keep_checkpoints is not None:  # once ``latest`` names the new one; rank 0 deletes
+            prune_checkpoints(self.folder, self.cfg.keep_checkpoints, protect=self.start_point.checkpoint)
 
     def run(self) -> dict:
+        """Train to ``cfg.steps``, save, export; returns :meth:`summary`. Releases ``out``'s lock however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.lock.release()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         self._start_log()
         progress = Progress(cfg.steps, self.start) if self.rank0 else None
@@ -319,12 +354,18 @@ class TrainingRun:
 
     def summary(self) -> dict:
         cfg, mesh = self.cfg, self.mesh
-        curve = None
-        if self.rank0:
+        curve = problem = None
+        if self.rank0:  # the verdict is shared: a rank left behind here would wait in a collective for ever
             title = (f"{cfg.model}, {cfg.seq_len:,} tokens, ulysses {mesh.ulysses} x ring {mesh.ring} "
                      f"x dp {mesh.dp_size}")
             chance = 1 / cfg.symbols if not cfg.data else None
-            curve = plot_loss_curve(self.log_file.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)
+            try:
+                curve = plot_loss_curve(self.log_file.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)
+            except ValueError as err:
+                problem = str(err)
+        curve, problem = agree((curve, problem))
+        if problem is not None:
+            raise ValueError(problem)
         return {"loss": self.loss, "accuracy": self.accuracy, "mesh": repr(mesh), "loss_curve": curve,
                 "steps": cfg.steps, "skipped": self.skipped}
 
