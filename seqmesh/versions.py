@@ -18,7 +18,7 @@ from typing import Mapping
 # package -> (oldest tested, newest tested)
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.9.1", "2.15.0"),
-    "transformers": ("5.10.4", "5.24.0"),
+    "transformers": ("5.15.0", "5.24.0"),
     "accelerate": ("1.3.0", "1.15.0"),
 }
 
