@@ -11,7 +11,10 @@ window, gpt-oss (sinks, alternating sliding/full layers, MoE), DeepSeek-V3 (MLA:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import seqmesh
 from dist_cases import get_mesh
@@ -84,33 +87,77 @@ def _reference_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, loss
 
 
+class _Float32Ops(TorchDispatchMode):
+    """Records whether any operator returns a float32 tensor (a float64 model that upcasts inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.seen:
+            self.seen = any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in tree_leaves(out))
+        return out
+
+
+def _worst_grad(model, want: dict) -> tuple[float, str]:
+    """The largest relative gradient error over the parameters, and whose it is."""
+    worst, name_of = 0.0, ""
+    for name, p in model.named_parameters():
+        ref = want[name].grad
+        err = float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        if err > worst:
+            worst, name_of = err, name
+    return worst, name_of
+
+
+def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, reference) -> dict:
+    """How far rounding alone moves the float64 reference: the same model and weights run in float32,
+    against float64 (logits, loss, relative gradients). Where the float64 model computes any operator
+    in float32 itself (an upcast norm or router), that operator's rounding reaches its logits and
+    gradients, so its tolerances are float32's; otherwise rounding is float64's, the float32 figure
+    scaled by the ratio of the two unit roundoffs (2**-53 / 2**-24)."""
+    with _Float32Ops() as ops, torch.no_grad():
+        _reference_loss(reference, batch)
+    low = build(config).to(torch.float32)
+    logits, loss = _reference_loss(low, batch)
+    loss.backward()
+    scale = 1.0 if ops.seen else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+    grad = _worst_grad(low, dict(reference.named_parameters()))[0]
+    return {"float32_inside": ops.seen, "logits": scale * float((logits.double() - ref_logits).abs().max()),
+            "loss": scale * abs(loss.item() - ref_loss.item()), "grad": scale * grad}
+
+
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                  seq_len: int = 45) -> dict:
-    """Largest logit error and largest relative gradient error over all parameters."""
+                  seq_len: int = 45, shift_positions_on: int | None = None) -> dict:
+    """Largest logit error and largest relative gradient error over all parameters, and the reference's
+    own rounding of each (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
+    for the test that the tolerance still sees one, the position ids of that rank's shard off by one
+    (its rotary embedding rotated one step too far) in the logits' forward."""
     mesh = get_mesh(ulysses, ring)
     config = family_config(family)
     reference = build(config)
     batch = _batch(seq_len, config.vocab_size, documents)
     ref_logits, ref_loss = _reference_loss(reference, batch)
     ref_loss.backward()
+    rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference)
 
     lm = parallelize(build(family_config(family)), mesh)
     local = seqmesh.shard_batch(batch, mesh, layout=layout)
+    positions = local["position_ids"]
+    if shift_positions_on == dist.get_rank():
+        positions = positions + 1
     with torch.no_grad():
-        logits = lm(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=local["seqmesh"],
+        logits = lm(input_ids=local["input_ids"], position_ids=positions, seqmesh=local["seqmesh"],
                     use_cache=False).logits
     whole = seqmesh.gather_sequence(logits, mesh, layout=layout, length=seq_len)
     sp = SequenceParallelLM(lm, mesh, chunk=16)
     loss = sp(**seqmesh.shard_batch(batch, mesh, layout=layout))
     loss.backward()
     sync_gradients(sp, mesh)
-    want = dict(reference.named_parameters())
-    grad_err, worst_name = 0.0, ""
-    for name, p in lm.named_parameters():
-        ref = want[name].grad
-        err = float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
-        if err > grad_err:
-            grad_err, worst_name = err, name
+    grad_err, worst_name = _worst_grad(lm, dict(reference.named_parameters()))
     unparallelize(lm)
-    return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.item()),
-            "grad": grad_err, "worst": worst_name, "params": len(want)}
+    return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.detach().item()),
+            "grad": grad_err, "worst": worst_name, "params": sum(1 for _ in reference.parameters()),
+            "rounding": rounding}

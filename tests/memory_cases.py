@@ -50,7 +50,8 @@ def _step(ulysses: int, *, tiled: bool = False, norm: bool = False, cpu_offload:
                 result.setdefault("start", tracker.current())
             loss = model(**local)
             loss.backward()
-            result.setdefault("grads", {n: p.grad.full_tensor() for n, p in model.named_parameters()})  # step 1
+            if "grads" not in result:  # step 1's (setdefault would gather them, and free them, every step)
+                result["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             if tracker is not None:
                 result.setdefault("after_backward", tracker.current())
                 result.setdefault("grad_bytes", _local_bytes(p.grad for p in model.parameters()))

@@ -1,5 +1,6 @@
 """Gemma 3, Mistral with a window, gpt-oss and DeepSeek-V3 (tiny, float64) through seqmesh.hf: logits
-and every parameter gradient equal the single-process model on the whole sequence."""
+and every parameter gradient equal the single-process model on the whole sequence, within the
+rounding the reference itself carries."""
 
 from __future__ import annotations
 
@@ -9,28 +10,51 @@ from family_cases import family_parity
 
 FAMILIES = ["gemma3", "mistral", "gpt-oss", "deepseek-v3"]
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+# The tolerance is a multiple of the reference's own rounding, measured in the same run
+# (family_cases.reference_rounding: the same model and weights in float32 against float64). These float64
+# models compute parts in float32 whatever their dtype (every family's RMSNorm, DeepSeek-V3's router:
+# ``F.linear`` in float32), and where a float32 matmul sees a shard's rows instead of the whole
+# sequence's it may round differently, so seqmesh can differ from the reference by float32 rounding
+# carried through the model: the bound tracks how far float32 rounding moves the model, not one
+# release's summation order. Measured (torch 2.13, CPU): the reference's rounding is 8e-8..3e-7 on
+# logits and 4e-7..2e-6 (relative) on gradients; seqmesh's largest error is 0.055 of it on logits
+# (DeepSeek-V3 on transformers 5.23: 4.3e-9, which the old fixed 1e-12 bound failed) and 0.45 on
+# gradients (DeepSeek-V3, 5.24). One shard's rotary off by one position moves the logits by 2.2e-4,
+# 600x the bound (test_tolerance_sees_a_shifted_rotary); a mask, window or sink error by 1e-2 or more.
+ROUNDING_MULTIPLE = 4
 
 
 def _cases(ulysses: int, ring: int) -> list[tuple]:
     return [(f, ulysses, ring, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("contiguous", True))]
 
 
-def _run_all(cases: list[tuple]) -> list[dict]:
-    return [{"case": c, **family_parity(*c)} for c in cases]
+def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+
+
+def _outside_rounding(r: dict) -> list[str]:
+    """What of logits, loss and gradients is farther from the reference than its own rounding allows."""
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_families_exact(pools, ulysses, ring):
-    """Float64 models: logits and loss within 1e-12. Gradients within 1e-12 of each parameter's largest,
-    except where the model itself computes in float32 whatever the dtype: Gemma 3's RMSNorm
-    (``x.float()``) and DeepSeek-V3's router (``F.linear`` in float32) carry float32 rounding into their
-    gradients (~2e-7 here), so those two families are held to 1e-5. A mask, window or sink error
-    shows as 1e-2 or more."""
+    """Logits, loss and each parameter's gradient (relative to its largest) within ROUNDING_MULTIPLE
+    times how far the reference's own rounding moves them."""
     worst = {}
     for results in pools.run(ulysses * ring, _run_all, _cases(ulysses, ring)):
         for r in results:
-            assert r["logits"] < 1e-12 and r["loss"] < 1e-12, r
-            assert r["grad"] < (1e-5 if r["case"][0] in ("gemma3", "deepseek-v3") else 1e-12), r
+            assert not _outside_rounding(r), r
             family = r["case"][0]
-            worst[family] = tuple(max(a, b) for a, b in zip(worst.get(family, (0.0, 0.0)), (r["logits"], r["grad"])))
-    print(f"u{ulysses}xr{ring} worst (logits, relative grad): {worst}")
+            ratios = (r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"])
+            worst[family] = tuple(max(a, b) for a, b in zip(worst.get(family, (0.0, 0.0)), ratios))
+    print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, relative grad): {worst}")
+
+
+def test_tolerance_sees_a_shifted_rotary(pools):
+    """A sharding error the tolerance must still see: one rank's shard given positions one too far (its
+    rotary embedding one step off). DeepSeek-V3, the family with the float32 router."""
+    for results in pools.run(2, _run_all, [("deepseek-v3", 1, 2, "zigzag", False)], shift_positions_on=1):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+            assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r  # not a near miss (~600x)
