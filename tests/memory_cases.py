@@ -70,6 +70,24 @@ def tracked_fsdp_steps(ulysses: int) -> dict:
     return _step(ulysses, steps=3, track=True)
 
 
+def tracked_steps_on_fake_world(rank: int, ulysses: int) -> dict:
+    """``tracked_fsdp_steps`` as ``rank`` of ``ulysses`` ranks, alone in a fresh process on torch's fake
+    process group: FSDP2 shards and the all-to-alls allocate exactly as on gloo, but every collective
+    completes on the calling thread and moves no data. On gloo, a collective's buffers are released by
+    gloo's worker thread after it wakes the caller, so whether one is still alive a few operators later
+    (and in a step's peak) depends on thread scheduling; here nothing does."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ulysses)
+    try:
+        result = tracked_fsdp_steps(ulysses)
+    finally:
+        dist.destroy_process_group()
+    keep = ("start", "after_backward", "reports", "param_bytes", "grad_bytes", "optimizer_bytes")
+    return {k: result[k] for k in keep}
+
+
 def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
     """Two runs of two AdamW steps, without and with ``option`` (tiled, norm, cpu_offload)."""
     base = dict(checkpointing=True, steps=2)

@@ -2,9 +2,12 @@
 
 A ``TorchDispatchMode`` sees every tensor an operator reads or writes; each distinct storage is kept
 in a table with a weak reference whose callback removes it when torch frees it. The table's sum is
-the bytes alive on the tracked device, exact and deterministic on the CPU; on CUDA the same figure
-sits next to ``torch.cuda.max_memory_allocated`` (the allocator rounds each block up, so it reads a
-little higher). A ``saved_tensors_hooks`` pair marks what autograd keeps for backward.
+the bytes alive on the tracked device, exact on the CPU; on CUDA the same figure sits next to
+``torch.cuda.max_memory_allocated`` (the allocator rounds each block up, so it reads a little higher).
+It is deterministic where the step is: a collective's buffers are freed when the backend lets go of
+them, which for gloo (its worker thread) and NCCL (its watchdog) happens on another thread's schedule,
+so two identical steps can peak one such buffer apart. The tests pin the byte-exact figure on torch's
+fake process group, where collectives complete on the calling thread. A ``saved_tensors_hooks`` pair marks what autograd keeps for backward.
 
 At the peak each live storage is put in the first category that claims it:
 
