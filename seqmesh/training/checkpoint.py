@@ -12,6 +12,10 @@ Every file of a checkpoint has its size and SHA-256 in ``seqmesh.json`` (each ra
 it wrote). Loading checks them first, spread over the ranks, and every rank raises the same
 ValueError naming the damaged file; :func:`newest_intact_checkpoint` finds the newest step that
 passes, so a damaged newest checkpoint never ends a run that has an intact older one.
+
+The checksums say nothing of a folder someone else wrote (they write ``seqmesh.json`` too), so loading
+also reads DCP's ``.metadata`` only through :mod:`.checkpoint_reader` (DCP metadata classes, nothing that
+runs code; storage files inside the folder; non-tensor items as plain data).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from .checkpoint_reader import UnsafeCheckpoint, load_checked, read_checked_metadata
 from .ranks import agree, all_gather_object, barrier, is_rank0, local_part, rank_world
 
 LATEST = "latest"
@@ -57,8 +62,9 @@ def _checksums(folder: str) -> dict[str, list]:
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint at ``path`` cannot be trusted, or None if every file matches its checksum.
-    Collective when a process group is up (the files are checked in parallel, the verdict shared)."""
+    """Why the checkpoint at ``path`` cannot be trusted, or None if every file matches its checksum and
+    its DCP metadata is safe to read (:func:`read_checked_metadata`, on rank 0). Collective when a
+    process group is up (the files are checked in parallel, the verdict shared)."""
     meta = os.path.join(path, "seqmesh.json")
     try:
         with open(meta) as f:
@@ -66,11 +72,14 @@ def checkpoint_problem(path: str) -> str | None:
     except (OSError, ValueError) as err:
         verdict: str | None = f"{meta} cannot be read ({err})"
         return all_gather_object(verdict)[0]
-    files = saved.get("files")
-    if files is None:
-        return None  # written before checksums existed: nothing to compare
+    files = saved.get("files") or {}  # none: written before checksums existed, nothing to compare
     rank, world = rank_world()
     found: list[str] = []
+    if rank == 0:  # checksums written with the folder prove nothing about who wrote it: check what it asks for
+        try:
+            read_checked_metadata(path)
+        except UnsafeCheckpoint as err:
+            found.append(str(err))
     for i, (name, (size, sha)) in enumerate(sorted(files.items())):
         if i % world != rank:
             continue
@@ -214,11 +223,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
                          "(--resume takes the newest intact one) or start over in another --out.")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as err:  # e.g. a .metadata cut short in a checkpoint written before checksums
-        raise ValueError(f"the checkpoint {path} could not be read ({type(err).__name__}: {err}); it is probably "
-                         "damaged. Resume from an older step or start over in another --out.") from err
+    load_checked(state, path, fix="it is probably damaged. Resume from an older step or start over in another --out.")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)
