@@ -120,9 +120,11 @@ class CheckedReader(FileSystemReader):
         self.checked = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        metadata = self.checked if rank is None and self.checked is not None else read_checked_metadata(
-            os.fspath(self.path), rank)
+        rank = kwargs.get("rank")  # DCP asks for rank-local metadata only when the global read failed
+        if rank is None and self.checked is not None:
+            metadata = self.checked
+        else:
+            metadata = read_checked_metadata(os.fspath(self.path), rank)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
