@@ -213,15 +213,20 @@ class SequenceParallelTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        import torch.distributed.checkpoint as dcp
+        """The optimizer shards through seqmesh's checked reader (a folder's DCP metadata and non-tensor
+        items cannot run code; every rank raises the same ValueError if they try); the scheduler with
+        ``weights_only``."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         from transformers.trainer import SCHEDULER_NAME
+
+        from ..training.checkpoint_reader import load_checked
 
         if checkpoint is None:
             return
         optimizer = _torch_optimizer(self.optimizer)
         state = {"optimizer": get_optimizer_state_dict(self.seqmesh_model, optimizer)}
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint, OPTIMIZER_FOLDER))
+        load_checked(state, os.path.join(checkpoint, OPTIMIZER_FOLDER),
+                     fix="resume from a checkpoint this Trainer saved, or start without resume_from_checkpoint.")
         set_optimizer_state_dict(self.seqmesh_model, optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 

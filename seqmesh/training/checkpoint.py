@@ -12,6 +12,11 @@ Every file of a checkpoint has its size and SHA-256 in ``seqmesh.json`` (each ra
 it wrote). Loading checks them first, spread over the ranks, and every rank raises the same
 ValueError naming the damaged file; :func:`newest_intact_checkpoint` finds the newest step that
 passes, so a damaged newest checkpoint never ends a run that has an intact older one.
+
+The checksums say nothing of a folder someone else wrote (they write ``seqmesh.json`` too), so loading
+also reads DCP's ``.metadata`` only through :mod:`.checkpoint_reader` (DCP metadata classes, nothing that
+runs code; storage files inside the folder; non-tensor items as plain data), and ``latest`` must name a
+``step_N`` folder beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -28,9 +34,11 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from .checkpoint_reader import UnsafeCheckpoint, load_checked, read_checked_metadata
 from .ranks import agree, all_gather_object, barrier, is_rank0, local_part, rank_world
 
 LATEST = "latest"
+STEP_NAME = re.compile(r"step_[0-9]+")  # what ``latest`` may hold: a checkpoint folder beside it, by name
 
 
 CHUNK = 1 << 22  # bytes read at a time while hashing
@@ -57,8 +65,9 @@ def _checksums(folder: str) -> dict[str, list]:
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint at ``path`` cannot be trusted, or None if every file matches its checksum.
-    Collective when a process group is up (the files are checked in parallel, the verdict shared)."""
+    """Why the checkpoint at ``path`` cannot be trusted, or None if every file matches its checksum and
+    its DCP metadata is safe to read (:func:`read_checked_metadata`, on rank 0). Collective when a
+    process group is up (the files are checked in parallel, the verdict shared)."""
     meta = os.path.join(path, "seqmesh.json")
     try:
         with open(meta) as f:
@@ -66,11 +75,14 @@ def checkpoint_problem(path: str) -> str | None:
     except (OSError, ValueError) as err:
         verdict: str | None = f"{meta} cannot be read ({err})"
         return all_gather_object(verdict)[0]
-    files = saved.get("files")
-    if files is None:
-        return None  # written before checksums existed: nothing to compare
+    files = saved.get("files") or {}  # none: written before checksums existed, nothing to compare
     rank, world = rank_world()
     found: list[str] = []
+    if rank == 0:  # checksums written with the folder prove nothing about who wrote it: check what it asks for
+        try:
+            read_checked_metadata(path)
+        except UnsafeCheckpoint as err:
+            found.append(str(err))
     for i, (name, (size, sha)) in enumerate(sorted(files.items())):
         if i % world != rank:
             continue
@@ -98,7 +110,7 @@ def newest_intact_checkpoint(folder: str) -> tuple[str | None, list[tuple[str, s
     passed over with the reason. Collective when a process group is up."""
     skipped: list[tuple[str, str]] = []
     candidates = steps_in(folder)
-    named = latest_checkpoint_name(folder)
+    named = _latest_or_warn(folder)
     if named is not None and named not in candidates:
         candidates.insert(0, named)  # a ``.old`` folder that latest resolves to
     candidates = agree(candidates)  # rank 0's list: every rank must check the same folders, in step
@@ -108,6 +120,17 @@ def newest_intact_checkpoint(folder: str) -> tuple[str | None, list[tuple[str, s
             return path, skipped
         skipped.append((path, problem))
     return None, skipped
+
+
+def _latest_or_warn(folder: str) -> str | None:
+    """:func:`latest_checkpoint_name`, or None with a warning (on rank 0) when ``latest`` is not a step name:
+    for the callers that look at every checkpoint anyway, or only spare what it names."""
+    try:
+        return latest_checkpoint_name(folder)
+    except ValueError as err:
+        if is_rank0():
+            warnings.warn(f"ignoring {os.path.join(folder, LATEST)}: {err}", stacklevel=3)
+        return None
 
 
 def check_output_dir(out: str) -> None:
@@ -129,7 +152,7 @@ def _save_failure(folder: str, partial: str, err: Exception) -> str:
         free = f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free"
     except OSError:
         free = "an unknown amount free"
-    latest = latest_checkpoint_name(folder)
+    latest = _latest_or_warn(folder)
     kept = f"the last good checkpoint ({latest}) is untouched" if latest else "no earlier checkpoint exists"
     return (f"writing the checkpoint {partial} failed ({type(err).__name__}: {err}). The disk holding it has {free}; "
             f"a full disk is the usual cause (torch reports it as 'unexpected pos' or 'No space left'). Free space or "
@@ -184,12 +207,19 @@ def save_checkpoint(folder: str, step: int, model: nn.Module, optimizer: Optimiz
 
 
 def latest_checkpoint_name(folder: str) -> str | None:
-    """The folder ``latest`` points at (its ``.old`` twin if a save was cut between renames), unchecked."""
+    """The folder ``latest`` points at (its ``.old`` twin if a save was cut between renames), its files
+    unchecked. Raises a ValueError when ``latest`` holds anything but a ``step_N`` name: joined unchecked,
+    ``../x`` or an absolute path would lead outside the run's folder."""
     pointer = os.path.join(folder, LATEST)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer) as f:
-        path = os.path.join(folder, f.read().strip())
+    with open(pointer, encoding="utf-8", errors="replace") as f:
+        name = f.read().strip()
+    if not STEP_NAME.fullmatch(name):
+        raise ValueError(f"{pointer} holds {name[:80]!r}, not the name of a checkpoint folder beside it (step_NNNNNNN); "
+                         "seqmesh never writes that, and a path there could lead outside the run's folder. Delete the file or "
+                         "write a step's folder name into it (--resume ignores it and takes the newest intact checkpoint).")
+    path = os.path.join(folder, name)
     if not os.path.exists(path) and os.path.isfile(os.path.join(path + ".old", "seqmesh.json")):
         return path + ".old"  # a save of the same step was cut between renaming the old one aside and its own
     return path
@@ -214,11 +244,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
                          "(--resume takes the newest intact one) or start over in another --out.")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as err:  # e.g. a .metadata cut short in a checkpoint written before checksums
-        raise ValueError(f"the checkpoint {path} could not be read ({type(err).__name__}: {err}); it is probably "
-                         "damaged. Resume from an older step or start over in another --out.") from err
+    load_checked(state, path, fix="it is probably damaged. Resume from an older step or start over in another --out.")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)
@@ -236,7 +262,7 @@ def prune_checkpoints(folder: str, keep: int, protect: str | None = None) -> lis
     if not is_rank0():
         return []
     complete = [p for p in steps_in(folder) if os.path.isfile(os.path.join(p, "seqmesh.json"))]
-    spared = {os.path.normpath(p) for p in (protect, latest_checkpoint_name(folder)) if p is not None}
+    spared = {os.path.normpath(p) for p in (protect, _latest_or_warn(folder)) if p is not None}
     deleted = []
     for path in complete[keep:]:
         if os.path.normpath(path) in spared:

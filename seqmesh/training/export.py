@@ -196,11 +196,10 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
                       overwrite: bool = False) -> str:
     """Write the model of a seqmesh checkpoint (``OUT/checkpoints/step_N``) to ``out`` in transformers'
     format, in one process, one tensor at a time. ``model`` and ``tokenizer`` default to the run's
-    (its ``seqmesh.json``); ``model`` is needed when the run's model path has moved."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
+    (its ``seqmesh.json``); ``model`` is needed when the run's model path has moved. The checkpoint is
+    read only through :mod:`.checkpoint_reader`: nothing in it can run code."""
     from .checkpoint import checkpoint_problem
+    from .checkpoint_reader import load_checked, read_checked_metadata
     from .model import build_model, has_weights
     from .pretrained import read_generation_config
 
@@ -214,7 +213,8 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
     if has_weights(model):
         read_generation_config(lm, model)
     params = unique_parameters(lm)
-    stored = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    metadata = read_checked_metadata(checkpoint)
+    stored = metadata.state_dict_metadata
     keys = {name: f"model.lm.{name}" for name in params}  # get_state_dict of a SequenceParallelLM, flattened
     missing = [name for name, key in keys.items() if key not in stored]
     shapes = [f"{name} is {list(stored[key].size)}, the model's is {list(params[name].shape)}"
@@ -231,7 +231,8 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
         values = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": {f"lm.{name}": values}}, checkpoint_id=checkpoint, no_dist=True)
+            load_checked({"model": {f"lm.{name}": values}}, checkpoint, no_dist=True, metadata=metadata,
+                         fix="export an older step.")
         return values
 
     partial = start_folder(out, overwrite)
