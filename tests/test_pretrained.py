@@ -136,10 +136,12 @@ DAMAGE = {  # what is wrong, and what the one error line must say besides the fi
     "wrong shard": ("maps tensors to files that do not hold them", "save the folder again"),
     "outside": ("names '../", "a file outside", "Correct the weight_map"),
     "absolute": ("a file outside", "Correct the weight_map"),
+    "huge": ("(max |w| 2.4e+36)", "non-finite or absurdly large weights", "Download or save it again"),
+    "nan": ("(max |w| nan)", "non-finite or absurdly large weights", "Download or save it again"),
 }
 
 
-@pytest.mark.parametrize("damage, fsdp", [(d, True) for d in DAMAGE] + [("garbage header", False)])
+@pytest.mark.parametrize("damage, fsdp", [(d, True) for d in DAMAGE] + [("nan", False), ("garbage header", False)])
 def test_a_damaged_checkpoint_is_one_error_line_on_every_rank(pools, tmp_path, damage, fsdp):
     """``seqmesh train --model DIR`` on 2 ranks: exit 2 on both, the same error on both, one line on rank 0's
     stderr naming the file (and the tensor) and the fix, no traceback. The files' own damage is found before

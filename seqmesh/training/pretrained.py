@@ -7,8 +7,12 @@ it covers, read with safetensors' slicing (``safe_open(...).get_slice(name)[a:b]
 parameter's dtype (bf16 on disk, fp32 masters). No rank ever holds a whole tensor it does not own, so
 a rank's host memory while loading is its shard plus the slice being read.
 
-The checkpoint's names and shapes are checked against the model first, from the files' headers only,
-and every rank raises the same ValueError naming what is missing, unexpected, or of another shape.
+Before any tensor is read, from the files' headers only: every header parses and covers its file,
+the index names files inside the folder that hold the tensors it maps, and the checkpoint's names,
+shapes and (floating) dtypes match the model; every rank raises the same ValueError naming what is
+damaged, missing, unexpected, or of another shape. While the rows are read, each value is checked:
+nan, inf or an absurd magnitude (``LARGEST_WEIGHT``) is refused by tensor and file on every rank.
+safetensors carries no checksum, so a weight altered within plausible values cannot be told.
 A tied LM head (``tie_word_embeddings``) is the embedding; transformers drops it from the files, and
 one saved anyway is accepted when it matches. Names are renamed as transformers renames them when it
 loads the family (Llama and Qwen3 map one to one); families whose loading fuses or splits tensors
@@ -18,13 +22,14 @@ loads the family (Llama and Qwen3 map one to one); families whose loading fuses 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-from .ranks import local_part
+from .ranks import all_gather_object, local_part
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -255,18 +260,72 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
 def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, str]] | None = None) -> int:
     """Copy the checkpoint in ``folder`` into ``lm``'s allocated parameters (FSDP2 shards or whole), each
     rank reading only the rows its shards cover; names and shapes are checked first unless ``sources``
-    (from :func:`check_pretrained`) is given. Returns the bytes this rank read."""
+    (from :func:`check_pretrained`) is given. Every value read is checked as it passes
+    (:func:`refuse_bad_values`); every rank joins that verdict, so all raise or none. Returns the bytes
+    this rank read."""
     sources = check_pretrained(lm, folder) if sources is None else sources
     params = unique_parameters(lm)
-    read = 0
-    for name, values in read_slices(sources, params):
-        target = local_part(params[name])
-        if values.numel() == 0 and target.numel() == 0:
-            continue
-        target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
-        read += values.numel() * values.element_size()
-        del values
+    read, bad, failure = 0, {}, None
+    try:
+        for name, values in read_slices(sources, params):
+            target = local_part(params[name])
+            if values.numel() == 0 and target.numel() == 0:
+                continue
+            if values.is_floating_point():
+                peak = float(values.abs().amax())  # nan where any value is nan
+                if not peak <= LARGEST_WEIGHT:
+                    bad[name] = (os.path.basename(sources[name][0]), peak)
+            target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
+            read += values.numel() * values.element_size()
+            del values
+    except (ValueError, OSError) as err:  # a rank that stops here still joins the verdict below
+        failure = str(err)
+    refuse_bad_values(folder, bad, failure)
     return read
+
+
+# The largest |weight| a checkpoint may hold. Trained language models stay orders of magnitude below it:
+# projections and embeddings are O(0.01-1), their rare outliers ("super weights") a few units, and their
+# largest entries, norm scales and attention biases, at most in the hundreds; the tiny models of the tests
+# stay under 3 (Qwen3.5's A_log, log 16). A value past it is a damaged file or a diverged run (one flipped
+# exponent bit of a bf16 or fp32 weight gives ~1e36): the model would train to nothing (loss stuck at
+# ln(vocab)) and export the damage, so it is refused at load.
+LARGEST_WEIGHT = 1e4
+
+
+def refuse_bad_values(folder: str, bad: dict[str, tuple[str, float]], failure: str | None = None) -> None:
+    """Raise, on every rank at once, a ValueError naming the tensors any rank found non-finite or past
+    ``LARGEST_WEIGHT`` (``bad``: ``{name: (file, max |w| this rank saw)}``) or a rank's read ``failure``.
+    A collective: every rank calls it, whatever it found (a rank that raised alone would leave the others
+    waiting in their next collective)."""
+    verdicts = all_gather_object((bad, failure))
+    failures = [f for _, f in verdicts if f is not None]
+    if failures:
+        raise ValueError(failures[0])
+    worst: dict[str, tuple[str, float]] = {}
+    for found, _ in verdicts:  # a tensor split over ranks: its nan, or its largest value
+        for name, (file, peak) in found.items():
+            if name not in worst or math.isnan(peak) or peak > worst[name][1]:
+                worst[name] = (file, peak)
+    if worst:
+        listed = _listed([f"{name} in {file} (max |w| {peak:.3g})" for name, (file, peak) in sorted(worst.items())])
+        raise ValueError(f"the checkpoint in {folder} holds non-finite or absurdly large weights: {listed}. seqmesh "
+                         f"refuses nan, inf and any |w| above {LARGEST_WEIGHT:g} before training on them: the file is "
+                         "damaged or comes from a diverged run. Download or save it again, or start from an earlier "
+                         "checkpoint.")
+
+
+def check_values(lm: nn.Module, folder: str) -> None:
+    """:func:`refuse_bad_values` for a model ``from_pretrained`` loaded whole from ``folder`` (``--no-fsdp``),
+    from the parameters in memory; each named with the file that holds it where the names map one to one."""
+    files = checkpoint_files(folder, required=False)
+    bad = {}
+    for name, p in unique_parameters(lm).items():
+        if p.is_floating_point():
+            peak = float(p.detach().abs().amax())
+            if not peak <= LARGEST_WEIGHT:
+                bad[name] = (os.path.basename(files.get(name, folder)), peak)
+    refuse_bad_values(folder, bad)
 
 
 def read_generation_config(lm: nn.Module, folder: str) -> None:
