@@ -272,7 +272,8 @@ def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, st
             if values.numel() == 0 and target.numel() == 0:
                 continue
             if values.is_floating_point():
-                peak = float(values.abs().amax())  # nan where any value is nan
+                low, high = torch.aminmax(values)  # no |values| copy of the slice; nan where any value is nan
+                peak = float(torch.maximum(-low, high))
                 if not peak <= LARGEST_WEIGHT:
                     bad[name] = (os.path.basename(sources[name][0]), peak)
             target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
