@@ -40,6 +40,12 @@ def family_config(family: str):
         return tf.GptOssConfig(**SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
                                layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
                                num_experts_per_tok=2)
+    if family == "llama":
+        return tf.LlamaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8)
+    if family == "qwen3_5":  # a Gated DeltaNet layer, then full attention
+        return tf.Qwen3_5TextConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
     if family == "deepseek-v3":
         return tf.DeepseekV3Config(**SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4,
                                    q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -161,3 +167,53 @@ def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", 
     return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.detach().item()),
             "grad": grad_err, "worst": worst_name, "params": sum(1 for _ in reference.parameters()),
             "rounding": rounding}
+
+
+def plain_call_parity(family: str, ulysses: int, ring: int) -> dict:
+    """A user's own loop: the parallelized model called as ``model(**seqmesh.shard_batch(batch, mesh))``,
+    nothing else (so ``use_cache`` is the config's default, True), the loss taken from its logits as the
+    mean over the whole batch's targets, against the single-process model. Errors as
+    :func:`family_parity`'s, with the reference's rounding; the config's ``use_cache`` after
+    parallelize and the call, and whether the call returned a cache; and the refusals of a model call
+    that asks for a cache and of a Gated DeltaNet layer given one."""
+    mesh = get_mesh(ulysses, ring)
+    config = family_config(family)
+    reference = build(config)
+    batch = _batch(45, config.vocab_size, documents=False)
+    ref_logits, ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+    rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference)
+
+    lm = parallelize(build(family_config(family)), mesh)
+    local = seqmesh.shard_batch(batch, mesh)
+    out = lm(**local)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    targets = local["shift_labels"]
+    count = (targets != -100).sum()
+    dist.all_reduce(count, group=mesh.sp_group)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / count
+    loss.backward()
+    for p in lm.parameters():  # each rank holds its tokens' share of every gradient
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh.sp_group)
+    whole = seqmesh.gather_sequence(out.logits.detach(), mesh, layout=local["seqmesh"].layout, length=45)
+    grad_err, worst_name = _worst_grad(lm, dict(reference.named_parameters()))
+    refusals = {}
+    gated_delta = next((m for m in lm.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    for what in ("model", "layer"):
+        try:
+            if what == "model":
+                lm(**local, use_cache=True)
+            elif gated_delta is not None:  # given a cache by name, as transformers' decoder layer passes it
+                from transformers import DynamicCache
+
+                gated_delta(out.logits.new_zeros(1, local["input_ids"].shape[1], config.hidden_size),
+                            cache=DynamicCache(config=lm.config), seqmesh=local["seqmesh"])
+        except ValueError as err:
+            refusals[what] = str(err)
+    use_cache = lm.config.use_cache
+    unparallelize(lm)
+    return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(total.item() - ref_loss.detach().item()),
+            "grad": grad_err, "worst": worst_name, "rounding": rounding, "use_cache": use_cache,
+            "cache_returned": cache is not None, "refusals": refusals}

@@ -96,3 +96,42 @@ def export_loaded(folder: str, out: str, max_shard_bytes: int, dtype: torch.dtyp
 
     _, module, _ = build(TrainConfig(model=folder, seq_len=64, ulysses=2, ring=2, dp=1, fsdp=fsdp))
     return export_pretrained(module, out, max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+def train_command(argv: list[str], before_model: bool) -> dict:
+    """``seqmesh train ARGV`` on this rank as under torchrun (``RANK`` set, the process group up): its exit
+    code, what it printed to stderr, and the message of the user error it reported (None if none).
+    ``before_model``: building a model before the error is raised is a failure. The job's teardown of the
+    process group is skipped, so the pool's ranks stay joined for the next case."""
+    import contextlib
+    import io
+    import os
+
+    import seqmesh.training.train as job
+    from seqmesh.tools import cli
+
+    reported = []
+    report, destroy, build_model = cli._report_user_error, dist.destroy_process_group, job.build_model
+
+    def recording(err: BaseException) -> int:
+        reported.append(str(err))
+        return report(err)
+
+    def too_early(*args, **kwargs):
+        raise AssertionError("a model was built before the checkpoint's files were checked")
+
+    cli._report_user_error, dist.destroy_process_group = recording, lambda *args, **kwargs: None
+    if before_model:
+        job.build_model = too_early
+    rank, stderr = os.environ.get("RANK"), io.StringIO()
+    os.environ["RANK"] = str(dist.get_rank())
+    try:
+        with contextlib.redirect_stderr(stderr):
+            code = cli.main(["train", *argv])
+    finally:
+        cli._report_user_error, dist.destroy_process_group, job.build_model = report, destroy, build_model
+        if rank is None:
+            os.environ.pop("RANK")
+        else:
+            os.environ["RANK"] = rank
+    return {"code": code, "stderr": stderr.getvalue(), "error": reported[0] if reported else None}

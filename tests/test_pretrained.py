@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from pretrained_cases import build_error, loaded_weights, loading_memory
+from pretrained_cases import build_error, loaded_weights, loading_memory, train_command
 from seqmesh.tools.launch import spawn
 from seqmesh.training.model import build_model
 
@@ -98,3 +98,64 @@ def test_loading_holds_a_ranks_shard_not_the_whole_model(tmp_path):
     per_rank = ", ".join(f"{r['sharded'] / 2**20:.1f}" for r in ranks)
     print(f"\nwhole model {whole / 2**20:.1f} MiB; host memory above the start while loading, per rank: "
           f"{per_rank} MiB sharded over 4 ranks, {ranks[0]['whole'] / 2**20:.1f} MiB whole with from_pretrained")
+
+
+def _damaged(tmp_path, damage: str) -> tuple[str, str, str]:
+    """llama-tiny saved in several shards, then damaged as ``damage`` says: (folder, the file the error
+    must name, a tensor it must name, or "")."""
+    model = build_model("llama-tiny", seed=5)
+    name = "model.layers.0.mlp.up_proj.weight"  # (128, 64): its last row is on rank 1 of 2 alone
+    with torch.no_grad():
+        if damage in ("huge", "nan"):
+            dict(model.named_parameters())[name][-1, 7] = 2.4e36 if damage == "huge" else float("nan")
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(str(folder), max_shard_size="20KB")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"][name]
+    raw = shard.read_bytes()
+    header = int.from_bytes(raw[:8], "little")
+    if damage == "truncated header":
+        shard.write_bytes(raw[:8 + header // 2])
+    elif damage == "garbage header":
+        shard.write_bytes(raw[:8] + b"\xff" * 32 + raw[40:])
+    elif damage in ("wrong shard", "outside", "absolute"):
+        other = next(f for f in index["weight_map"].values() if f != shard.name)
+        index["weight_map"][name] = {"wrong shard": other, "outside": "../" + shard.name,
+                                     "absolute": str(shard)}[damage]
+        index_path.write_text(json.dumps(index))
+        return str(folder), str(index_path), name
+    if damage in ("huge", "nan"):  # named in the folder the error names
+        return str(folder), shard.name, name
+    return str(folder), str(shard), ""
+
+
+DAMAGE = {  # what is wrong, and what the one error line must say besides the file and the tensor
+    "truncated header": ("invalid header length", "truncated or damaged", "Download or save it again"),
+    "garbage header": ("invalid UTF-8 in header", "truncated or damaged", "Download or save it again"),
+    "wrong shard": ("maps tensors to files that do not hold them", "save the folder again"),
+    "outside": ("names '../", "a file outside", "Correct the weight_map"),
+    "absolute": ("a file outside", "Correct the weight_map"),
+    "huge": ("(max |w| 2.4e+36)", "non-finite or absurdly large weights", "Download or save it again"),
+    "nan": ("(max |w| nan)", "non-finite or absurdly large weights", "Download or save it again"),
+}
+
+
+@pytest.mark.parametrize("damage, fsdp", [(d, True) for d in DAMAGE] + [("nan", False), ("garbage header", False)])
+def test_a_damaged_checkpoint_is_one_error_line_on_every_rank(pools, tmp_path, damage, fsdp):
+    """``seqmesh train --model DIR`` on 2 ranks: exit 2 on both, the same error on both, one line on rank 0's
+    stderr naming the file (and the tensor) and the fix, no traceback. The files' own damage is found before
+    any model is built; the values (non-finite, absurd) as the shards are read, the tensor's bad row on rank
+    1 alone (its shard) yet the error raised by both ranks."""
+    folder, file, tensor = _damaged(tmp_path, damage)
+    argv = ["--model", folder, "--seq-len", "64", "--ulysses", "2", "--ring", "1", "--dp", "1", "--steps", "1",
+            "--eval-every", "0", "--no-export", "--out", str(tmp_path / "run")] + ([] if fsdp else ["--no-fsdp"])
+    files_damaged = damage not in ("huge", "nan")
+    ranks = pools.run(2, train_command, argv, files_damaged)
+    error = ranks[0]["error"]
+    assert [r["code"] for r in ranks] == [2, 2] and [r["error"] for r in ranks] == [error] * 2, ranks
+    assert folder in error and file in error and tensor in error and all(words in error for words in DAMAGE[damage]), error
+    assert [line for line in ranks[0]["stderr"].splitlines() if "seqmesh: error" in line] == [f"seqmesh: error: {error}"]
+    assert "\n" not in error and "seqmesh: error" not in ranks[1]["stderr"]
+    assert not any("Traceback" in r["stderr"] for r in ranks), ranks
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step

@@ -13,6 +13,8 @@ No attention mask is built (transformers skips mask creation for implementations
 
 from __future__ import annotations
 
+import inspect
+
 import torch.nn as nn
 
 from ..sharded_attention.api import attention
@@ -99,6 +101,38 @@ def _make_attention(mesh: SPMesh, backend: str):
     return seqmesh_attention
 
 
+# the names a transformers model takes its cache under (``past_key_values`` renamed ``cache`` in 5.x)
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of a parallelized model: its layers keep no cache (each rank holds a slice of the
+    sequence), so a call that does not choose runs with ``use_cache=False`` rather than
+    ``config.use_cache`` (True in most configs, for generation), and transformers builds no cache, which
+    Gated DeltaNet layers refuse and attention layers would fill with one rank's keys. The config is
+    left as it is. A call that asks for a cache is refused."""
+    cache = next((kwargs[n] for n in CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
+    if kwargs.get("use_cache") or cache is not None:
+        asked = "use_cache=True" if cache is None else f"a {type(cache).__name__}"
+        raise ValueError(f"{type(module).__name__} is parallelized by seqmesh and keeps no cache (each rank holds a "
+                         f"slice of the sequence), but was called with {asked}. Train and evaluate without one "
+                         "(leave use_cache unset); to generate, call seqmesh.hf.unparallelize(model) first.")
+    return args, {**kwargs, "use_cache": False}
+
+
+def _hook_calls(model: nn.Module) -> list:
+    """:func:`_without_cache` on ``model`` and on its decoder (``get_decoder()``, called directly by
+    ``SequenceParallelLM``); the hooks' handles."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    called = [model] + ([decoder] if decoder is not model else [])
+    return [m.register_forward_pre_hook(_without_cache, with_kwargs=True) for m in called if _takes_use_cache(m)]
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    parameters = inspect.signature(module.forward).parameters
+    return "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.Module:
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
@@ -111,8 +145,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     call's arguments raise at the first call. Both name the layer. Gated DeltaNet layers (Qwen3.5,
     Qwen3-Next, OLMo-hybrid) run sequence-parallel too, their forward replaced per instance
     (:mod:`seqmesh.hf.linear`).
-    Returns the same model. The switch is stored on ``model.config``: another model built from the
-    same config object switches with it.
+    The model (and its decoder) then keeps no cache: a call that does not pass ``use_cache`` runs
+    without one whatever ``config.use_cache`` says (the config is unchanged), and one that asks for a
+    cache raises. Returns the same model. The attention switch is stored on ``model.config``: another
+    model built from the same config object switches with it.
     """
     from transformers import AttentionInterface
 
@@ -131,18 +167,20 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     previous = config._attn_implementation
     model.set_attn_implementation(name)
     linear.install(model, mesh, linear_layers)
-    setattr(model, _ATTR, (name, previous))
+    setattr(model, _ATTR, (name, previous, _hook_calls(model)))
     return model
 
 
 def unparallelize(model: nn.Module) -> nn.Module:
-    """Undo :func:`parallelize`: the previous attention implementation, and no registration left."""
+    """Undo :func:`parallelize`: the previous attention implementation, no registration or cache hook left."""
     from transformers import AttentionInterface
 
     state = getattr(model, _ATTR, None)
     if state is None:
         return model
-    name, previous = state
+    name, previous, hooks = state
+    for hook in hooks:
+        hook.remove()
     model.set_attn_implementation(previous)
     # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so

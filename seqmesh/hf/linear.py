@@ -80,9 +80,11 @@ def _make_forward(mesh: SPMesh, project: Projection):
                 f"{type(self).__name__} runs sequence-parallel but was called without the 'seqmesh' entry; call the model "
                 "with the batch returned by seqmesh.shard_batch (model(**batch)), or seqmesh.hf.unparallelize(model) first."
             )
-        if cache_params is not None:
-            raise ValueError("seqmesh's sequence-parallel Gated DeltaNet trains on whole sequences and keeps no cache; "
-                             "call the model with use_cache=False.")
+        cache = cache_params if cache_params is not None else kwargs.get("cache")  # its name from transformers 5.2x
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} runs sequence-parallel and keeps no cache, but was given a "
+                             f"{type(cache).__name__}: call the parallelized model without one (leave use_cache "
+                             "unset); to generate, call seqmesh.hf.unparallelize(model) first.")
         if attention_mask is not None:
             raise ValueError(
                 f"{type(self).__name__} received a padding mask of shape {tuple(attention_mask.shape)}; seqmesh describes "

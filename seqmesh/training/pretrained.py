@@ -7,8 +7,12 @@ it covers, read with safetensors' slicing (``safe_open(...).get_slice(name)[a:b]
 parameter's dtype (bf16 on disk, fp32 masters). No rank ever holds a whole tensor it does not own, so
 a rank's host memory while loading is its shard plus the slice being read.
 
-The checkpoint's names and shapes are checked against the model first, from the files' headers only,
-and every rank raises the same ValueError naming what is missing, unexpected, or of another shape.
+Before any tensor is read, from the files' headers only: every header parses and covers its file,
+the index names files inside the folder that hold the tensors it maps, and the checkpoint's names,
+shapes and (floating) dtypes match the model; every rank raises the same ValueError naming what is
+damaged, missing, unexpected, or of another shape. While the rows are read, each value is checked:
+nan, inf or an absurd magnitude (``LARGEST_WEIGHT``) is refused by tensor and file on every rank.
+safetensors carries no checksum, so a weight altered within plausible values cannot be told.
 A tied LM head (``tie_word_embeddings``) is the embedding; transformers drops it from the files, and
 one saved anyway is accepted when it matches. Names are renamed as transformers renames them when it
 loads the family (Llama and Qwen3 map one to one); families whose loading fuses or splits tensors
@@ -18,28 +22,41 @@ loads the family (Llama and Qwen3 map one to one); families whose loading fuses 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-from .ranks import local_part
+from .ranks import all_gather_object, local_part
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def checkpoint_files(folder: str) -> dict[str, str]:
-    """``{tensor name in the files: file path}`` of the safetensors checkpoint in ``folder``."""
-    from safetensors import safe_open
-
+def checkpoint_files(folder: str, required: bool = True) -> dict[str, str]:
+    """``{tensor name in the files: file path}`` of the safetensors checkpoint in ``folder``, from the
+    files' headers only. Raises a ValueError naming the file and the fix for an index that is not JSON or
+    names a file outside ``folder`` or not there, a header that is truncated or damaged, and an index
+    that maps a tensor to a file that does not hold it. Cheap (no tensor is read): every rank runs it
+    before any model is built. A folder without safetensors raises, or gives ``{}`` if not ``required``
+    (``from_pretrained`` also reads ``.bin`` files)."""
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+        weight_map = _weight_map(index, folder)
+        keys = {file: _header_keys(file) for file in sorted(set(weight_map.values()))}
+        held = {name: os.path.basename(file) for file, names in keys.items() for name in names}
+        misplaced = [f"{name} to {os.path.basename(file)} (" + (f"it is in {held[name]}" if name in held else "in no file it names")
+                     + ")" for name, file in weight_map.items() if name not in keys[file]]
+        if misplaced:
+            raise ValueError(f"{index} maps tensors to files that do not hold them: {_listed(misplaced)}. The index "
+                             "belongs to other files: save the folder again (save_pretrained), or copy the index "
+                             "with its shards.")
+        return weight_map
     files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not files and not required:
+        return {}
     if not files:
         found = ", ".join(sorted(n for n in os.listdir(folder) if n.endswith(".bin"))) or "no weight files"
         raise ValueError(f"{folder} holds {found} but no .safetensors: seqmesh reads safetensors shard by shard. "
@@ -48,9 +65,45 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     names: dict[str, str] = {}
     for file in files:
         path = os.path.join(folder, file)
-        with safe_open(path, framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), path))
+        names.update(dict.fromkeys(_header_keys(path), path))
     return names
+
+
+def _weight_map(index: str, folder: str) -> dict[str, str]:
+    """The index's ``{tensor name: file path}``, every file a name inside ``folder`` that exists."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (ValueError, KeyError, TypeError) as err:  # json's errors are ValueErrors
+        raise ValueError(f"{index} is not a safetensors index ({type(err).__name__}: {err}); save the folder "
+                         "again (save_pretrained) or delete the index if a single model.safetensors holds every "
+                         "tensor.") from None
+    for file in sorted(set(weight_map.values())):
+        # a name that leaves the folder would read whatever file it points at: a relative name is all a
+        # folder written by save_pretrained holds (a file there may be a link, as in the hub's cache)
+        if not file or os.path.isabs(file) or ".." in file.replace("\\", "/").split("/"):
+            tensors = _listed(sorted(name for name, other in weight_map.items() if other == file))
+            raise ValueError(f"{index} names {file!r} for {tensors}, a file outside {folder}; a checkpoint's index "
+                             "names files inside its folder. Correct the weight_map, or save the folder again.")
+        if not os.path.isfile(os.path.join(folder, file)):
+            raise ValueError(f"{index} names {file}, which is not in {folder}: copy the missing shard, or the "
+                             "whole folder again.")
+    return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+
+
+def _header_keys(path: str) -> list[str]:
+    """The tensor names in the header of the safetensors file ``path``; a ValueError if it cannot be read
+    (safetensors checks the header's JSON, dtypes, shapes and that its offsets cover the file exactly)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err}): it is truncated or damaged. "
+                         "Download or save it again.") from None
 
 
 def _renamings(lm: nn.Module) -> list:
@@ -100,7 +153,7 @@ def check_pretrained(lm: nn.Module, folder: str) -> dict[str, tuple[str, str]]:
     renamings = _renamings(lm)
     params, aliases = unique_parameters(lm), _aliases(lm)
     sources: dict[str, tuple[str, str]] = {}
-    unexpected, shapes = [], []
+    unexpected, shapes, dtypes = [], [], []
     by_file: dict[str, list[str]] = {}
     for key, file in checkpoint_files(folder).items():
         by_file.setdefault(file, []).append(key)
@@ -112,10 +165,13 @@ def check_pretrained(lm: nn.Module, folder: str) -> dict[str, tuple[str, str]]:
                 if target is None:
                     unexpected.append(key)
                     continue
-                shape = tuple(f.get_slice(key).get_shape())
+                stored = f.get_slice(key)
+                shape, dtype = tuple(stored.get_shape()), stored.get_dtype()  # dtype: "BF16", "F32", "I64"...
                 if shape != tuple(target.shape):
                     shapes.append(f"{key} is {list(shape)} in {os.path.basename(file)}, the model's is "
                                   f"{list(target.shape)}")
+                if target.is_floating_point() and not dtype.startswith(("F", "BF")):
+                    dtypes.append(f"{key} is {dtype} in {os.path.basename(file)}, the model's is {target.dtype}")
                 if name in params:
                     sources[name] = (file, key)
     missing = sorted(set(params) - set(sources))
@@ -126,6 +182,8 @@ def check_pretrained(lm: nn.Module, folder: str) -> dict[str, tuple[str, str]]:
         problems.append(f"unexpected {_listed(sorted(unexpected))}")
     if shapes:
         problems.append(f"shapes differ: {_listed(shapes)}")
+    if dtypes:
+        problems.append(f"not floating point: {_listed(dtypes)}")
     if problems:
         raise ValueError(f"the checkpoint in {folder} does not match the model its config.json describes: "
                          f"{'; '.join(problems)}. Use the config.json saved with these weights.")
@@ -158,20 +216,25 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
 
 
 def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, values)`` of this rank's region of each parameter, read file by file, one at a time."""
-    from safetensors import safe_open
+    """``(name, values)`` of this rank's region of each parameter, read file by file, one at a time; a
+    ValueError naming the file if one cannot be read (changed since its header was checked)."""
+    from safetensors import SafetensorError, safe_open
 
     by_file: dict[str, list[str]] = {}
     for name, (file, _) in sources.items():
         by_file.setdefault(file, []).append(name)
     for file, names in sorted(by_file.items()):
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                region = local_slices(params[name])
-                if any(s.start == s.stop for s in region):
-                    yield name, torch.empty(0)  # this rank holds no rows of it
-                    continue
-                yield name, f.get_slice(sources[name][1])[region]
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    region = local_slices(params[name])
+                    if any(s.start == s.stop for s in region):
+                        yield name, torch.empty(0)  # this rank holds no rows of it
+                        continue
+                    yield name, f.get_slice(sources[name][1])[region]
+        except SafetensorError as err:
+            raise ValueError(f"{file} could not be read ({err}): it changed or was damaged while loading. "
+                             "Download or save it again.") from None
 
 
 @torch.no_grad()
@@ -197,18 +260,73 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
 def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, str]] | None = None) -> int:
     """Copy the checkpoint in ``folder`` into ``lm``'s allocated parameters (FSDP2 shards or whole), each
     rank reading only the rows its shards cover; names and shapes are checked first unless ``sources``
-    (from :func:`check_pretrained`) is given. Returns the bytes this rank read."""
+    (from :func:`check_pretrained`) is given. Every value read is checked as it passes
+    (:func:`refuse_bad_values`); every rank joins that verdict, so all raise or none. Returns the bytes
+    this rank read."""
     sources = check_pretrained(lm, folder) if sources is None else sources
     params = unique_parameters(lm)
-    read = 0
-    for name, values in read_slices(sources, params):
-        target = local_part(params[name])
-        if values.numel() == 0 and target.numel() == 0:
-            continue
-        target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
-        read += values.numel() * values.element_size()
-        del values
+    read, bad, failure = 0, {}, None
+    try:
+        for name, values in read_slices(sources, params):
+            target = local_part(params[name])
+            if values.numel() == 0 and target.numel() == 0:
+                continue
+            if values.is_floating_point():
+                low, high = torch.aminmax(values)  # no |values| copy of the slice; nan where any value is nan
+                peak = float(torch.maximum(-low, high))
+                if not peak <= LARGEST_WEIGHT:
+                    bad[name] = (os.path.basename(sources[name][0]), peak)
+            target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
+            read += values.numel() * values.element_size()
+            del values
+    except (ValueError, OSError) as err:  # a rank that stops here still joins the verdict below
+        failure = str(err)
+    refuse_bad_values(folder, bad, failure)
     return read
+
+
+# The largest |weight| a checkpoint may hold. Trained language models stay orders of magnitude below it:
+# projections and embeddings are O(0.01-1), their rare outliers ("super weights") a few units, and their
+# largest entries, norm scales and attention biases, at most in the hundreds; the tiny models of the tests
+# stay under 3 (Qwen3.5's A_log, log 16). A value past it is a damaged file or a diverged run (one flipped
+# exponent bit of a bf16 or fp32 weight gives ~1e36): the model would train to nothing (loss stuck at
+# ln(vocab)) and export the damage, so it is refused at load.
+LARGEST_WEIGHT = 1e4
+
+
+def refuse_bad_values(folder: str, bad: dict[str, tuple[str, float]], failure: str | None = None) -> None:
+    """Raise, on every rank at once, a ValueError naming the tensors any rank found non-finite or past
+    ``LARGEST_WEIGHT`` (``bad``: ``{name: (file, max |w| this rank saw)}``) or a rank's read ``failure``.
+    A collective: every rank calls it, whatever it found (a rank that raised alone would leave the others
+    waiting in their next collective)."""
+    verdicts = all_gather_object((bad, failure))
+    failures = [f for _, f in verdicts if f is not None]
+    if failures:
+        raise ValueError(failures[0])
+    worst: dict[str, tuple[str, float]] = {}
+    for found, _ in verdicts:  # a tensor split over ranks: its nan, or its largest value
+        for name, (file, peak) in found.items():
+            if name not in worst or math.isnan(peak) or peak > worst[name][1]:
+                worst[name] = (file, peak)
+    if worst:
+        listed = _listed([f"{name} in {file} (max |w| {peak:.3g})" for name, (file, peak) in sorted(worst.items())])
+        raise ValueError(f"the checkpoint in {folder} holds non-finite or absurdly large weights: {listed}. seqmesh "
+                         f"refuses nan, inf and any |w| above {LARGEST_WEIGHT:g} before training on them: the file is "
+                         "damaged or comes from a diverged run. Download or save it again, or start from an earlier "
+                         "checkpoint.")
+
+
+def check_values(lm: nn.Module, folder: str) -> None:
+    """:func:`refuse_bad_values` for a model ``from_pretrained`` loaded whole from ``folder`` (``--no-fsdp``),
+    from the parameters in memory; each named with the file that holds it where the names map one to one."""
+    files = checkpoint_files(folder, required=False)
+    bad = {}
+    for name, p in unique_parameters(lm).items():
+        if p.is_floating_point():
+            peak = float(p.detach().abs().amax())
+            if not peak <= LARGEST_WEIGHT:
+                bad[name] = (os.path.basename(files.get(name, folder)), peak)
+    refuse_bad_values(folder, bad)
 
 
 def read_generation_config(lm: nn.Module, folder: str) -> None:

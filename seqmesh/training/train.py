@@ -33,7 +33,7 @@ from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .outlock import lock_output
 from .presets import model_shape
-from .pretrained import check_pretrained, load_pretrained
+from .pretrained import check_pretrained, check_values, checkpoint_files, load_pretrained
 from .ranks import agree, all_gather_object
 from .resume import choose_start, config_changes, refuse_changes, run_record
 from .watch import StallWatch, gradient_norm, nonfinite_message
@@ -147,8 +147,13 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = cfg.fsdp, has_weights(cfg.model)
+    if pretrained:  # the files' index and headers, read on every rank: cheap, before any model is built
+        _same_error_on_every_rank(checkpoint_files, cfg.model, on_meta)  # without FSDP: .bin files too
     lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
-    sources = check_pretrained(lm, cfg.model) if on_meta and pretrained else None  # names and shapes, before any work
+    if pretrained and not on_meta:  # loaded whole by from_pretrained: its values checked in memory
+        check_values(lm, cfg.model)
+    # names and shapes, before any work
+    sources = _same_error_on_every_rank(check_pretrained, lm, cfg.model) if on_meta and pretrained else None
     lm = parallelize(lm, mesh, backend=cfg.backend)
     module = SequenceParallelLM(lm, mesh, chunk=cfg.loss_chunk)
     if cfg.checkpointing:
