@@ -16,7 +16,9 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from trainer_cases import EVAL_ROWS, resume as resume_fn, sequence_parallel, sft, single_process  # noqa: E402
+from trainer_cases import (  # noqa: E402
+    EVAL_ROWS, resume as resume_fn, rows_without_targets_in_step, sequence_parallel, sft, single_process,
+)
 
 ROUNDING_MULTIPLE = 8.0
 EPS32 = torch.finfo(torch.float32).eps
@@ -113,6 +115,31 @@ def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ri
           f"{_weight_diff(weights, ref64['weights']):.2e}; float32 rounding (float32 vs float64 single process): "
           f"loss {_max_diff(ref32['loss'], ref64['loss']):.2e}, grad_norm "
           f"{_max_diff(ref32['grad_norm'], ref64['grad_norm']):.2e}, weights {_weight_diff(ref32['weights'], ref64['weights']):.2e}")
+
+
+def test_trainer_step_without_targets_matches_single_process(pools, tmp_path):
+    """Optimizer steps whose labels are all -100 (rows read in order: the third step of each of the
+    two epochs): plain Trainer logs loss 0 and gradient norm 0 there and trains on. seqmesh's Trainer
+    (dp 2 x ulysses 2, 2 micro-batches a step) must log exactly 0 too (not NaN, which Trainer's
+    logging_nan_inf_filter would hide behind the running mean), not stop dividing by zero targets,
+    and log the single-process curve and end with its weights within the parity bound."""
+    step, batch, accumulation = 2, 2, 2
+    rows_per_step = 2 * batch * accumulation
+    rows = rows_without_targets_in_step(step, rows_per_step)
+    unscored = {step, step + len(rows) // rows_per_step}
+    ref32, ref64 = (single_process(str(tmp_path / str(dtype)), 2 * batch, accumulation, dtype, rows,
+                                   train_sampling_strategy="sequential") for dtype in (torch.float32, torch.float64))
+    results = pools.run(WORLD, sequence_parallel, str(tmp_path / "sp"), 2, 1, batch, accumulation, rows,
+                        train_sampling_strategy="sequential", timeout=600)
+    for r in results[1:]:
+        assert r == results[0]
+    ours = results[0]
+    for run in (ref64, ours):
+        assert [i for i, x in enumerate(run["loss"]) if x == 0.0] == sorted(unscored), run["loss"]
+        assert [i for i, x in enumerate(run["grad_norm"]) if x == 0.0] == sorted(unscored), run["grad_norm"]
+    weights = _saved_weights(os.path.join(tmp_path, "sp", "final"))
+    assert all(bool(w.isfinite().all()) for w in weights.values())
+    _assert_matches_reference(ours, weights, ref32, ref64, accumulation, len(EVAL_ROWS) // (2 * batch))
 
 
 def test_trainer_resumes_the_same_curve(pools, tmp_path):

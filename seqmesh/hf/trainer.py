@@ -159,7 +159,7 @@ class SequenceParallelTrainerMixin:
             if not self._targets_per_micro_batch:
                 raise RuntimeError("compute_loss got num_items_in_batch from a batch list seqmesh did not count; "
                                    "call it through Trainer.training_step.")
-            loss = loss * (self._targets_per_micro_batch.popleft() / float(num_items_in_batch))
+            loss = loss * _share_of_step(self._targets_per_micro_batch.popleft(), float(num_items_in_batch))
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -237,6 +237,15 @@ def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
         raise ValueError(f"ulysses={ulysses} x ring={ring} does not divide the world of {world} processes; "
                          "launch a multiple of ulysses * ring processes.")
     return init_mesh(ulysses, ring, dp_shard=world // (ulysses * ring))
+
+
+def _share_of_step(micro_batch_targets: float, step_targets: float) -> float:
+    """The weight of a micro-batch's pooled mean in its optimizer step: its targets / the step's.
+
+    A step whose labels are all ignored has no targets in any micro-batch: each pooled mean is already 0
+    with zero gradients, and one device's Trainer logs loss 0 and gradient norm 0 there and goes on, so
+    the weight is 0 rather than 0 / 0."""
+    return micro_batch_targets / step_targets if step_targets > 0 else 0.0
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
