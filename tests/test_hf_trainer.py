@@ -173,3 +173,23 @@ def test_trainer_refuses_missing_degrees_and_missing_process_group(tmp_path):
         SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS)
     with pytest.raises(ValueError, match="torchrun"):  # this pytest process has no process group
         SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1))
+
+
+def test_trainer_refuses_an_accelerator_that_scales_the_loss_again(monkeypatch, tmp_path):
+    """transformers 5.3-5.5.3 left accelerate's gradient_accumulation_steps at the TrainingArguments'
+    value, so accelerator.backward divided seqmesh's weighted loss again; emulated here, it is refused."""
+    from transformers import Trainer
+
+    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from trainer_cases import TRAIN_ROWS, tiny_model, training_args
+
+    create = Trainer.create_accelerator_and_postprocess
+
+    def accumulating_accelerator(self):
+        create(self)
+        self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+
+    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", accumulating_accelerator)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        SequenceParallelTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 2), train_dataset=TRAIN_ROWS,
+                                seqmesh_degrees=(2, 1))

@@ -108,6 +108,17 @@ class SequenceParallelTrainerMixin:
             raise ValueError(f"seqmesh shards the model and the batches itself; turn off {', '.join(other)} in the "
                              "TrainingArguments / accelerate config.")
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, checked to leave the loss as compute_loss weighted it."""
+        super().create_accelerator_and_postprocess()
+        # accelerator.backward divides the loss by accelerate's own gradient_accumulation_steps. transformers
+        # accumulates itself and sets that to 1 (5.15, the floor, and later); 5.3-5.5.3 left it at the
+        # TrainingArguments' value, which divided seqmesh's already weighted loss a second time.
+        if self.accelerator.gradient_accumulation_steps != 1:
+            raise ValueError(f"accelerate would divide the loss by gradient_accumulation_steps="
+                             f"{self.accelerator.gradient_accumulation_steps} after seqmesh weighted it; upgrade "
+                             "transformers to 5.15 or later, and set no num_steps in accelerator_config.")
+
     # -- data ---------------------------------------------------------------------------------------
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
                         dataloader_key: str | None = None) -> DataLoader:
