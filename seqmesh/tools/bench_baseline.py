@@ -121,7 +121,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     from ..training.config import TrainConfig
     from ..training.data import shard_batch
     from ..training.fsdp import sync_gradients
-    from ..training.train import build, make_dataset, to_device
+    from ..training.train import build, make_dataset, to_device, uses_fsdp
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)
     data = make_dataset(cfg)
@@ -133,7 +133,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
         local = to_device(shard_batch(data.batch(step, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
         return module(**local)
 
-    after_backward = None if cfg.fsdp else (lambda: sync_gradients(module, mesh))  # as seqmesh train --no-fsdp
+    after_backward = None if uses_fsdp(cfg) else (lambda: sync_gradients(module, mesh))  # as seqmesh train does
     return module, offload, loss_of, after_backward, mesh.dp_size * seq_len
 
 
