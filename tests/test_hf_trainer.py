@@ -114,7 +114,8 @@ def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ri
           f"grad_norm {_max_diff(ours['grad_norm'], ref64['grad_norm']):.2e}, weights "
           f"{_weight_diff(weights, ref64['weights']):.2e}; float32 rounding (float32 vs float64 single process): "
           f"loss {_max_diff(ref32['loss'], ref64['loss']):.2e}, grad_norm "
-          f"{_max_diff(ref32['grad_norm'], ref64['grad_norm']):.2e}, weights {_weight_diff(ref32['weights'], ref64['weights']):.2e}")
+          f"{_max_diff(ref32['grad_norm'], ref64['grad_norm']):.2e}, "
+          f"weights {_weight_diff(ref32['weights'], ref64['weights']):.2e}")
 
 
 def test_trainer_step_without_targets_matches_single_process(pools, tmp_path):
