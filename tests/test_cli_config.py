@@ -79,6 +79,18 @@ def test_the_flags_of_before_still_parse():
     assert (cfg.ulysses, cfg.ring, cfg.data, cfg.copy_period) == ("auto", 2, ["x.txt", "y.jsonl"], 16)
 
 
+def test_fsdp_unset_shards_on_several_processes_and_not_on_one():
+    """--fsdp / --no-fsdp decide; unset, FSDP2 on more than one process, and on one only where an option
+    needs it (its CPU offload; bf16 without CUDA, which runs through FSDP2's mixed precision)."""
+    parse = lambda *argv: dataclass_from_flags(TrainConfig, build_parser().parse_args(["train", *argv]))  # noqa: E731
+    assert (parse().fsdp, parse("--fsdp").fsdp, parse("--no-fsdp").fsdp) == (None, True, False)
+    unset = TrainConfig()
+    assert [unset.uses_fsdp(world, cuda) for world in (1, 2, 8) for cuda in (False, True)] == [False] * 2 + [True] * 4
+    assert TrainConfig(fsdp=True).uses_fsdp(1, cuda=False) and not TrainConfig(fsdp=False).uses_fsdp(8, cuda=True)
+    assert TrainConfig(fsdp_cpu_offload=True).uses_fsdp(1, cuda=True)
+    assert TrainConfig(bf16=True).uses_fsdp(1, cuda=False) and not TrainConfig(bf16=True).uses_fsdp(1, cuda=True)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ulysses", "two"], "expected an integer or auto, got 'two'"),
     (["--layout", "diagonal"], "invalid choice: 'diagonal'"),

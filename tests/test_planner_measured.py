@@ -54,7 +54,7 @@ def test_predicted_peak_matches_the_measured_one(pools, tmp_path, world):
     rows, bad = [], []
     for i, (model, seq_len, u, r, options) in enumerate(cases):
         measured = max(rank[i] for rank in per_rank)
-        cfg = TrainConfig(model=model, seq_len=seq_len, ulysses=u, ring=r, **options)
+        cfg = TrainConfig(model=model, seq_len=seq_len, ulysses=u, ring=r, fsdp=True, **options)  # as measured
         peak = memory_per_gpu(*plan_inputs(cfg, world, device="cpu"))
         ratio = peak.total / measured
         name = "wide" if model == wide else model
@@ -77,11 +77,13 @@ def test_plan_inputs_describe_the_run():
     assert (layout.ulysses, layout.ring, layout.dp_shard) == (2, 4, 1)
     assert (work.dtype, work.seq_len, work.loss_chunk, work.mlp_tiles, work.reserve_bytes) == ("bf16", 4096, 1024, 3, 0)
     assert work.checkpointing and work.tiled_mlp and work.offload_checkpoints and work.fsdp_cpu_offload
-    assert work.efficient_norm and not plan_inputs(TrainConfig(model="llama-tiny"), 1)[0].efficient_norm
+    assert work.efficient_norm and not plan_inputs(TrainConfig(model="llama-tiny", fsdp=True), 1)[0].efficient_norm
     assert work.offload_prefetch == 2 and work.optimizer_foreach
     on_cpu, _ = plan_inputs(cfg, 8, device="cpu")
     assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and not on_cpu.optimizer_foreach
     with pytest.raises(ValueError, match="--no-fsdp"):
-        plan_inputs(TrainConfig(fsdp=False), 1)
+        plan_inputs(TrainConfig(fsdp=False), 8)
+    with pytest.raises(ValueError, match="pass --fsdp"):  # one process shards only when asked
+        plan_inputs(TrainConfig(), 1)
     with pytest.raises(ValueError, match="device 'tpu'"):
         plan_inputs(cfg, 8, device="tpu")

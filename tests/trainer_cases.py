@@ -40,6 +40,13 @@ def rows(count: int, seed: int) -> list[dict[str, list[int]]]:
 TRAIN_ROWS, EVAL_ROWS = rows(48, seed=1), rows(8, seed=2)
 
 
+def rows_without_targets_in_step(step: int, rows_per_step: int) -> list[dict[str, list[int]]]:
+    """TRAIN_ROWS with every label of optimizer step ``step`` (0-based) set to -100: read in order
+    (``train_sampling_strategy="sequential"``), that step's batch has no target at all."""
+    unscored = range(step * rows_per_step, (step + 1) * rows_per_step)
+    return [{**r, "labels": [-100] * SEQ} if i in unscored else r for i, r in enumerate(TRAIN_ROWS)]
+
+
 def training_args(output_dir: str, batch: int, accumulation: int, **extra):
     from transformers import TrainingArguments
 
@@ -57,12 +64,14 @@ def curves(trainer) -> dict[str, list[float]]:
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs]}
 
 
-def single_process(output_dir: str, batch: int, accumulation: int, dtype: torch.dtype = torch.float32) -> dict:
-    """Plain transformers Trainer in this process (no process group) on the whole batch."""
+def single_process(output_dir: str, batch: int, accumulation: int, dtype: torch.dtype = torch.float32,
+                   train_rows: list | None = None, **extra) -> dict:
+    """Plain transformers Trainer in this process (no process group) on the whole batch; ``extra``
+    overrides training arguments."""
     from transformers import Trainer
 
-    trainer = Trainer(model=tiny_model(dtype), args=training_args(output_dir, batch, accumulation),
-                      train_dataset=TRAIN_ROWS, eval_dataset=EVAL_ROWS)
+    trainer = Trainer(model=tiny_model(dtype), args=training_args(output_dir, batch, accumulation, **extra),
+                      train_dataset=train_rows or TRAIN_ROWS, eval_dataset=EVAL_ROWS)
     trainer.train()
     result = curves(trainer)
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -93,13 +102,15 @@ def torchrun_environment():
                 os.environ[n] = v
 
 
-def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int) -> dict:
+def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
+                      train_rows: list | None = None, **extra) -> dict:
     """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
     from seqmesh.hf.trainer import SequenceParallelTrainer
 
     with torchrun_environment():
         trainer = SequenceParallelTrainer(
-            model=tiny_model(), args=training_args(output_dir, batch, accumulation), train_dataset=TRAIN_ROWS,
+            model=tiny_model(), args=training_args(output_dir, batch, accumulation, **extra),
+            train_dataset=train_rows or TRAIN_ROWS,
             eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring),
         )
         trainer.train()

@@ -108,6 +108,17 @@ class SequenceParallelTrainerMixin:
             raise ValueError(f"seqmesh shards the model and the batches itself; turn off {', '.join(other)} in the "
                              "TrainingArguments / accelerate config.")
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, checked to leave the loss as compute_loss weighted it."""
+        super().create_accelerator_and_postprocess()
+        # accelerator.backward divides the loss by accelerate's own gradient_accumulation_steps. transformers
+        # accumulates itself and sets that to 1 (5.15, the floor, and later); 5.3-5.5.3 left it at the
+        # TrainingArguments' value, which divided seqmesh's already weighted loss a second time.
+        if self.accelerator.gradient_accumulation_steps != 1:
+            raise ValueError(f"accelerate would divide the loss by gradient_accumulation_steps="
+                             f"{self.accelerator.gradient_accumulation_steps} after seqmesh weighted it; upgrade "
+                             "transformers to 5.15 or later, and set no num_steps in accelerator_config.")
+
     # -- data ---------------------------------------------------------------------------------------
     def _get_dataloader(self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
                         dataloader_key: str | None = None) -> DataLoader:
@@ -159,7 +170,7 @@ class SequenceParallelTrainerMixin:
             if not self._targets_per_micro_batch:
                 raise RuntimeError("compute_loss got num_items_in_batch from a batch list seqmesh did not count; "
                                    "call it through Trainer.training_step.")
-            loss = loss * (self._targets_per_micro_batch.popleft() / float(num_items_in_batch))
+            loss = loss * _share_of_step(self._targets_per_micro_batch.popleft(), float(num_items_in_batch))
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -242,6 +253,15 @@ def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
         raise ValueError(f"ulysses={ulysses} x ring={ring} does not divide the world of {world} processes; "
                          "launch a multiple of ulysses * ring processes.")
     return init_mesh(ulysses, ring, dp_shard=world // (ulysses * ring))
+
+
+def _share_of_step(micro_batch_targets: float, step_targets: float) -> float:
+    """The weight of a micro-batch's pooled mean in its optimizer step: its targets / the step's.
+
+    A step whose labels are all ignored has no targets in any micro-batch: each pooled mean is already 0
+    with zero gradients, and one device's Trainer logs loss 0 and gradient norm 0 there and goes on, so
+    the weight is 0 rather than 0 / 0."""
+    return micro_batch_targets / step_targets if step_targets > 0 else 0.0
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:

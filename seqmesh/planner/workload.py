@@ -170,8 +170,9 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     from ..training.presets import model_shape
     from ..training.train import resolve_degrees
 
-    if not cfg.fsdp:
-        raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it.")
+    if not cfg.uses_fsdp(world, cuda=device == "cuda"):
+        raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process, "
+                         "where seqmesh train does not shard unless asked, pass --fsdp).")
     if cfg.dp_replicate != 1:
         raise ValueError(f"dp_replicate={cfg.dp_replicate}: the planner models one FSDP2 group (dp_replicate=1).")
     if device not in ("cuda", "cpu"):

@@ -18,12 +18,13 @@ The methods (the same model config and the same weights, from ``build_model``'s 
                        on ``world`` > 1 plain data parallelism, FSDP2 over all processes, each holding
                        whole sequences
     transformers_ckpt  the same with transformers' gradient checkpointing
-    seqmesh            the ``seqmesh train`` build: sequence parallelism over all processes, chunked loss
+    seqmesh            the ``seqmesh train`` build: sequence parallelism over all processes, chunked loss,
+                       FSDP2 on more than one process (none on one, as ``seqmesh train`` without ``--fsdp``)
     seqmesh_all        and every memory technique: checkpointing, offloaded checkpoints, tiled MLP,
                        the efficient RMSNorm, FSDP2 CPU offload (host-held bytes are reported apart, not
                        in the peak)
-    seqmesh_replicated (on request) ``--no-fsdp``: weights replicated, gradients summed after backward;
-                       on one process, seqmesh without FSDP2's per-step cost, as plain transformers runs
+    seqmesh_replicated (on request) ``--no-fsdp``: weights replicated, gradients summed after backward
+    seqmesh_fsdp       (on request) ``--fsdp``: FSDP2 even on one process, what FSDP2's per-step copies cost
 
 Each seqmesh method is compared with the transformers method of the same checkpointing.
 """
@@ -48,10 +49,11 @@ METHODS: dict[str, tuple[str, dict]] = {
     "seqmesh": ("seqmesh", {}),
     "seqmesh_all": ("seqmesh", ALL_TECHNIQUES),
     "seqmesh_replicated": ("seqmesh", {"fsdp": False}),
+    "seqmesh_fsdp": ("seqmesh", {"fsdp": True}),
 }
 DEFAULT_METHODS = ("transformers", "transformers_ckpt", "seqmesh", "seqmesh_all")
 PAIRS: tuple[tuple[str, str], ...] = (("seqmesh", "transformers"), ("seqmesh_all", "transformers_ckpt"),
-                                      ("seqmesh_replicated", "transformers"))
+                                      ("seqmesh_replicated", "transformers"), ("seqmesh_fsdp", "transformers"))
 
 
 @dataclass
@@ -121,7 +123,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     from ..training.config import TrainConfig
     from ..training.data import shard_batch
     from ..training.fsdp import sync_gradients
-    from ..training.train import build, make_dataset, to_device
+    from ..training.train import build, make_dataset, to_device, uses_fsdp
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)
     data = make_dataset(cfg)
@@ -133,7 +135,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
         local = to_device(shard_batch(data.batch(step, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
         return module(**local)
 
-    after_backward = None if cfg.fsdp else (lambda: sync_gradients(module, mesh))  # as seqmesh train --no-fsdp
+    after_backward = None if uses_fsdp(cfg) else (lambda: sync_gradients(module, mesh))  # as seqmesh train does
     return module, offload, loss_of, after_backward, mesh.dp_size * seq_len
 
 
@@ -327,6 +329,6 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=defaults.repeats, help="timed steps per timing point (fastest kept)")
     p.add_argument("--loss-chunk", type=int, default=defaults.loss_chunk, help="seqmesh's LM-head tile in tokens")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
-                   help="default: %(default)s; seqmesh_replicated (--no-fsdp) on request")
+                   help="default: %(default)s; seqmesh_replicated (--no-fsdp) and seqmesh_fsdp (--fsdp) on request")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of a table")
     p.set_defaults(func=run)

@@ -49,11 +49,13 @@ class MemoryBench:
 
 
 def bench_config(bench: MemoryBench, seq_len: int, options: dict):
-    """The ``TrainConfig`` of one point: ``bench``'s model and degrees at ``seq_len`` with ``options``."""
+    """The ``TrainConfig`` of one point: ``bench``'s model and degrees at ``seq_len`` with ``options``, with
+    FSDP2 on any number of processes (the planner's prediction printed beside each peak models FSDP2 runs;
+    ``seqmesh train`` on one process shards only with ``--fsdp``)."""
     from ..training.config import TrainConfig
 
     return TrainConfig(model=bench.model, seq_len=seq_len, ulysses=bench.ulysses, ring=bench.ring, steps=2,
-                       symbols=8, **options)
+                       symbols=8, **{"fsdp": True, **options})
 
 
 def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int, str]:

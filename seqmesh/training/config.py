@@ -45,8 +45,11 @@ class TrainConfig:
     """bf16 compute, fp32 reductions and master weights."""
     checkpointing: bool = False
     """Recompute each decoder layer in backward (activation checkpointing)."""
-    fsdp: bool = True
-    """Shard weights, gradients and optimizer state with FSDP2; --no-fsdp replicates them."""
+    fsdp: bool | None = None
+    """Shard weights, gradients and optimizer state with FSDP2 over every rank (--fsdp), or replicate them
+    and sum the gradients after backward (--no-fsdp). Unset: FSDP2 on more than one process, none on one
+    (nothing to shard there, and FSDP2's per-step copies cost time), unless --fsdp-cpu-offload, or --bf16
+    without CUDA (FSDP2's mixed precision instead of autocast), needs it."""
     tiled_mlp: bool = False
     """Compute each decoder layer's MLP in sequence tiles, recomputed in backward (exact; keeps only the MLP's
     input for backward)."""
@@ -108,6 +111,13 @@ class TrainConfig:
     seed: int = 0
     """Seed of the weights and the data."""
 
+    def uses_fsdp(self, world: int, cuda: bool) -> bool:
+        """Whether a run on ``world`` processes (on CUDA devices or not) shards with FSDP2: ``fsdp`` when
+        given, else on more than one process, for FSDP2's CPU offload, or for bf16 without CUDA."""
+        if self.fsdp is not None:
+            return self.fsdp
+        return world > 1 or self.fsdp_cpu_offload or (self.bf16 and not cuda)
+
     def __post_init__(self) -> None:
         for name in ("seq_len", "steps", "batch", "log_every"):
             if getattr(self, name) < 1:
@@ -140,7 +150,7 @@ class TrainConfig:
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
-        if self.fsdp_cpu_offload and not self.fsdp:
+        if self.fsdp_cpu_offload and self.fsdp is False:
             raise ValueError("fsdp_cpu_offload offloads FSDP2's shards; drop --no-fsdp or --fsdp-cpu-offload.")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 (omit it to keep every checkpoint), got "

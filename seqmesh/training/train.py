@@ -129,15 +129,21 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def uses_fsdp(cfg: TrainConfig) -> bool:
+    """Whether this run shards with FSDP2 (``TrainConfig.fsdp``, resolved for this world and device)."""
+    return cfg.uses_fsdp(dist.get_world_size(), _device().type == "cuda")
+
+
 def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
-    """Check the degrees and devices, then build the mesh and the parallelized, sharded model (the
-    data is checked by ``make_dataset``, which callers run first)."""
+    """Check the degrees and devices, then build the mesh and the parallelized model, sharded with FSDP2
+    when :func:`uses_fsdp` (the data is checked by ``make_dataset``, which callers run first)."""
     q_heads = model_shape(cfg.model).heads  # a preset, a config.json, or a checkpoint folder's config
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses, ring, dp = resolve_degrees(cfg, world, q_heads, ranks_per_node)
-    if cfg.bf16 and not cfg.fsdp and not torch.cuda.is_available():
-        raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; keep FSDP on.")
+    fsdp = uses_fsdp(cfg)
+    if cfg.bf16 and not fsdp and not torch.cuda.is_available():
+        raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -146,7 +152,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, device_type=device.type)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
-    on_meta, pretrained = cfg.fsdp, has_weights(cfg.model)
+    on_meta, pretrained = fsdp, has_weights(cfg.model)
     if pretrained:  # the files' index and headers, read on every rank: cheap, before any model is built
         _same_error_on_every_rank(checkpoint_files, cfg.model, on_meta)  # without FSDP: .bin files too
     lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
@@ -162,7 +168,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         enable_tiled_mlp(lm, cfg.mlp_tiles)
     if cfg.efficient_norm and enable_efficient_norm(lm) == 0:
         raise ValueError(f"--efficient-norm: {cfg.model} has no Llama-style RMSNorm to replace; drop the flag.")
-    if cfg.fsdp:
+    if fsdp:
         apply_fsdp(module, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload)
     home = "cpu" if cfg.fsdp_cpu_offload else device  # offloaded shards live on the host
     if on_meta and pretrained:
@@ -215,13 +221,14 @@ class TrainingRun:
         self.data = _same_error_on_every_rank(make_dataset, cfg)  # data and vocabulary errors, before any model
         self.start_point = choose_start(cfg)
         self.mesh, self.module, self.device = build(cfg)
+        self.fsdp = uses_fsdp(cfg)
         self.rank0 = dist.get_rank() == 0
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.folder = os.path.join(cfg.out, "checkpoints")
         self.start = self._resume()
         self.log_file = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"))
         self.tokens_per_step = self.mesh.dp_size * cfg.batch * cfg.seq_len
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp)
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not self.fsdp)
         self.loss, self.accuracy, self.skipped = float("nan"), float("nan"), 0
         self.offload = enable_activation_offload(self.module.lm, self.device) if cfg.offload_checkpoints else None
         self.memory = None  # the last step's MemoryReport, with --track-memory
@@ -246,7 +253,8 @@ class TrainingRun:
         if self.start_point.changes:
             self.log_file.write({"kind": "config_change", "step": self.start, "from": self.start_point.checkpoint,
                                  "changes": self.start_point.changes})
-        self.log_file.write({"kind": "config", "step": self.start, "config": asdict(self.cfg), "mesh": repr(self.mesh)})
+        self.log_file.write({"kind": "config", "step": self.start, "config": asdict(self.cfg), "mesh": repr(self.mesh),
+                             "fsdp": self.fsdp})  # config's fsdp may be unset: what this world made of it
 
     def step(self, step: int) -> bool:
         """One optimizer step (0-based ``step``); False if it was skipped for a non-finite loss or gradient."""
@@ -267,7 +275,7 @@ class TrainingRun:
         with self.autocast:
             loss = self.module(**local)
         loss.backward()
-        if not cfg.fsdp:
+        if not self.fsdp:
             sync_gradients(self.module, self.mesh)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
         norm = gradient_norm(self.module.parameters(), max_norm)

@@ -16,7 +16,7 @@ from .loss import IGNORE_INDEX
 from .model import build_model
 from .config import TrainConfig
 from .ranks import full_value
-from .train import build, make_dataset, to_device
+from .train import build, make_dataset, to_device, uses_fsdp
 
 
 def _reference_sums(model, batches: list[dict], device: torch.device, parity: int | None = None) -> tuple[torch.Tensor, int]:
@@ -84,6 +84,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
 
     data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
     mesh, module, device = build(cfg)
+    fsdp = uses_fsdp(cfg)
     reference = build_model(cfg.model, seed=cfg.seed, device=device)
     with torch.no_grad():  # the same weights, however the sharded model was initialised
         ref_params = dict(reference.named_parameters())
@@ -94,10 +95,10 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     ref_loss.backward()
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
     noise = _reference_noise(reference, batches, device, ref_grads, count)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not cfg.fsdp):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not fsdp):
         loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
     loss.backward()
-    if not cfg.fsdp:
+    if not fsdp:
         from .fsdp import sync_gradients
 
         sync_gradients(module, mesh)
