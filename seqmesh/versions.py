@@ -70,6 +70,19 @@ def untested(installed: Mapping[str, str]) -> list[str]:
     return problems
 
 
+def require(name: str, what: str) -> None:
+    """Refuse to run ``what`` with ``name`` older than its tested floor (a hard floor: below it something
+    fails or trains differently; see pyproject.toml). Nothing happens when ``name`` is not installed."""
+    try:
+        version = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return
+    oldest = TESTED[name][0]
+    if release(version) < release(oldest):
+        raise ValueError(f"{what} needs {name} >= {oldest} (installed: {version}); "
+                         f"upgrade it: pip install '{name}>={oldest}'.")
+
+
 def warn_if_untested() -> None:
     """Warn once per process (``import seqmesh`` calls this) for every package outside its range."""
     for problem in untested(installed_versions()):

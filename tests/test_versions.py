@@ -10,7 +10,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-from seqmesh.versions import TESTED, UntestedVersionWarning, installed_versions, release, untested
+from seqmesh.versions import TESTED, UntestedVersionWarning, installed_versions, release, require, untested
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +42,16 @@ def test_import_warns_once_outside_the_range(tmp_path):
                           env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": ""}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("UntestedVersionWarning") == 1 and "torch 2.6.0" in done.stderr, done.stderr
+
+
+def test_below_the_floor_the_hf_entry_points_refuse(monkeypatch):
+    import seqmesh.versions as versions
+
+    monkeypatch.setattr(versions.metadata, "version", lambda name: "5.14.1")
+    with pytest.raises(ValueError, match=r"seqmesh.hf needs transformers >= 5\.15\.0 \(installed: 5\.14\.1\)"):
+        require("transformers", "seqmesh.hf")
+    monkeypatch.setattr(versions.metadata, "version", lambda name: TESTED[name][0])
+    require("transformers", "seqmesh.hf")  # the floor itself runs
 
 
 def test_this_environment_is_inside_the_range():

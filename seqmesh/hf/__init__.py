@@ -22,15 +22,10 @@ from . import linear
 from .layers import SUPPORTED, check_layers
 from ..training.data import SequenceInfo
 from ..mesh import SPMesh
+from ..versions import require
 
-MIN_TRANSFORMERS = (5, 0)
 _ATTR = "_seqmesh_attention"
 
-
-def _transformers_version() -> tuple[int, ...]:
-    import transformers
-
-    return tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
 
 
 def workable_degrees(q_heads: int, world: int) -> list[tuple[int, int]]:
@@ -152,8 +147,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     """
     from transformers import AttentionInterface
 
-    if _transformers_version() < MIN_TRANSFORMERS:
-        raise ValueError(f"seqmesh.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; upgrade it.")
+    require("transformers", "seqmesh.hf")
     config = model.config
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads

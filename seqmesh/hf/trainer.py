@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, IterableDataset
-import transformers
 from transformers import Trainer
 
 from . import parallelize
@@ -43,11 +42,12 @@ from ..training.model import SequenceParallelLM
 from ..training.export import write_model
 from ..training.pretrained import copy_pretrained
 from ..training.watch import gradient_norm
+from ..versions import require
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
 # prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
-# (clipping over DTensor gradients) since 5.3. Earlier, Trainer clips inline and would miss the mesh.
-MIN_TRANSFORMERS = (5, 3)
+# (clipping over DTensor gradients) since 5.3 (earlier, Trainer clips inline and would miss the mesh).
+# The floor enforced is the tested one (seqmesh/versions.py).
 OPTIMIZER_FOLDER = "optimizer_dcp"
 
 
@@ -79,8 +79,7 @@ class SequenceParallelTrainerMixin:
         if (seqmesh_degrees is None) == (seqmesh_mesh is None):
             raise ValueError("give the sequence-parallel degrees as seqmesh_degrees=(ulysses, ring), or a mesh as "
                              "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
-        if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
-            raise ValueError(f"seqmesh's Trainer needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; upgrade it.")
+        require("transformers", "seqmesh's Trainer")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
         super().__init__(*args, **kwargs)

@@ -26,17 +26,8 @@ def enable_checkpointing(lm: nn.Module) -> None:
     lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _sum_not_average(module: nn.Module, mesh: SPMesh) -> None:
-    setter = getattr(module, "set_gradient_divide_factor", None)
-    if setter is None:  # torch < 2.8: the older setter covers the reduce-scatter only
-        if mesh.dp_replicate > 1:
-            raise ValueError(
-                f"HSDP (dp_replicate={mesh.dp_replicate}) needs torch >= 2.8 here: this torch {torch.__version__} "
-                "cannot stop FSDP2 from averaging in the replicate all-reduce, which would scale gradients by "
-                f"1/{mesh.dp_replicate}. Upgrade torch, or use dp_replicate=1 (shard over all ranks)."
-            )
-        setter = module.set_reduce_scatter_divide_factor
-    setter(1.0)
+def _sum_not_average(module: nn.Module) -> None:
+    module.set_gradient_divide_factor(1.0)  # torch >= 2.8 (the floor is 2.9.1): covers the replicate all-reduce too
     force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
     if force_sum is not None:  # plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's SUM is zero-copy
         force_sum(True)
@@ -75,7 +66,7 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
         register_fsdp_forward_method(root, "score")
     for module in root.modules():
         if isinstance(module, FSDPModule):
-            _sum_not_average(module, mesh)
+            _sum_not_average(module)
     return root
 
 
