@@ -13,8 +13,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import seqmesh
-from seqmesh.training.fsdp import apply_fsdp
-from seqmesh.training.model import SequenceParallelLM
+from seqmesh.compose import parallelize_model
 
 
 def run(steps: int = 10, seq_len: int = 1024) -> list[float]:
@@ -29,8 +28,7 @@ def run(steps: int = 10, seq_len: int = 1024) -> list[float]:
         reference = float(model(input_ids=ids, labels=ids).loss)
 
     mesh = seqmesh.init_mesh(ulysses=2, ring=dist.get_world_size() // 2, device_type=device.type)
-    module = SequenceParallelLM(seqmesh.hf.parallelize(model, mesh), mesh)     # forward -> the exact loss
-    apply_fsdp(module, mesh)                                                    # weights sharded over ranks
+    module = parallelize_model(model, mesh)  # sequence-parallel attention, the exact loss, FSDP2 over ranks
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):

@@ -13,7 +13,7 @@ import torch
 
 from seqmesh.training.checkpoint import latest_checkpoint
 from seqmesh.training.config import TrainConfig
-from seqmesh.training.train import resolve_degrees
+from seqmesh.degrees import resolve_degrees
 from train_job_cases import entry_error, run_train, run_verify, run_verify_with_a_bug
 
 
@@ -160,12 +160,15 @@ def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, messag
 
 
 def test_degrees_auto_and_errors():
-    cfg = TrainConfig(ulysses="auto", ring="auto", dp="auto")
-    assert resolve_degrees(cfg, 16, 32, 8) == (8, 2, 1)  # Ulysses fills a node, the ring crosses nodes
-    assert resolve_degrees(cfg, 16, 4, 8) == (4, 4, 1)  # no more Ulysses ranks than query heads
-    assert resolve_degrees(TrainConfig(ulysses=2, ring=2), 8, 4, 8) == (2, 2, 2)  # dp takes the rest
+    auto = TrainConfig(ulysses="auto", ring="auto", dp="auto").degrees()
+    assert resolve_degrees(16, **auto, q_heads=32, ranks_per_node=8) == (8, 2, 1)  # Ulysses fills a node, the ring crosses nodes
+    assert resolve_degrees(16, **auto, q_heads=4, ranks_per_node=8) == (4, 4, 1)  # no more Ulysses ranks than query heads
+    assert resolve_degrees(8, **TrainConfig(ulysses=2, ring=2).degrees(), q_heads=4) == (2, 2, 2)  # dp takes the rest
+    assert resolve_degrees(8, ulysses=2, ring=2) == (2, 2, 2)  # as the Trainer asks: no heads known yet
     with pytest.raises(ValueError, match="too few for ulysses=8; with 8 sequence ranks use one of: ulysses=1 ring=8, ulysses=2 ring=4, ulysses=4 ring=2"):
-        resolve_degrees(TrainConfig(ulysses=8, ring=1), 8, 4, 8)
+        resolve_degrees(8, **TrainConfig(ulysses=8, ring=1).degrees(), q_heads=4, ranks_per_node=8)
+    with pytest.raises(ValueError, match="ulysses=2 x ring=2 does not divide the 6 ranks per replica"):
+        resolve_degrees(6, ulysses=2, ring=2)
     with pytest.raises(ValueError, match="packed text data takes one sequence"):
         TrainConfig(data=["x.txt"], batch=2)
 

@@ -23,15 +23,10 @@ from .layers import SUPPORTED, check_layers
 from ..training.data import SequenceInfo
 from ..mesh import SPMesh
 from ..versions import require
+from ..degrees import workable_degrees
 
 _ATTR = "_seqmesh_attention"
 
-
-
-def workable_degrees(q_heads: int, world: int) -> list[tuple[int, int]]:
-    """``(ulysses, ring)`` pairs with ``ulysses * ring == world`` that a model with these heads can run
-    (Ulysses needs at least one query head per rank; kv heads are replicated as needed)."""
-    return [(u, world // u) for u in range(1, world + 1) if world % u == 0 and u <= q_heads]
 
 
 def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:

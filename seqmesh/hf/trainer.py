@@ -8,8 +8,8 @@ Trainer keeps its optimizer, scheduler, callbacks, logging and checkpoint layout
 
 - data: the sampler is accelerate's own, sharded over the data-parallel ranks (``mesh.dp_size``,
   ``mesh.dp_rank``) instead of the world, so every rank of a sequence group reads the same batch;
-- model: ``seqmesh.hf.parallelize`` (attention), ``SequenceParallelLM`` (chunked, pooled loss) and
-  FSDP2 over every rank of the mesh, applied once at construction. ``_wrap_model`` hands Trainer that
+- model: ``seqmesh.compose.parallelize_model`` (attention, the chunked pooled loss, FSDP2 over every
+  rank of the mesh), applied once at construction. ``_wrap_model`` hands Trainer that
   module, so accelerate prepares only the optimizer and never wraps the model in DDP or FSDP;
 - loss: the micro-batch's pooled mean times (its targets / the optimizer step's targets), which is
   how single-device Trainer scales with ``num_items_in_batch``; the logged loss is the step's mean;
@@ -33,16 +33,16 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer
 
-from . import parallelize
+from ..compose import ParallelPlan, parallelize_model
 from ..mesh import SPMesh, init_mesh
 from ..training.data import shard_batch
-from ..training.fsdp import apply_fsdp
 from ..training.loss import IGNORE_INDEX
 from ..training.model import SequenceParallelLM
 from ..training.export import write_model
 from ..training.pretrained import copy_pretrained
 from ..training.watch import gradient_norm
 from ..versions import require
+from ..degrees import resolve_degrees
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
 # prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
@@ -88,9 +88,9 @@ class SequenceParallelTrainerMixin:
             raise ValueError("seqmesh's Trainer runs on a process group: launch the script with torchrun "
                              "(torchrun --nproc-per-node N script.py), even for one process.")
         mesh = seqmesh_mesh if seqmesh_mesh is not None else mesh_for_world(*seqmesh_degrees)
-        parallelize(self.model, mesh)
         self.seqmesh_mesh = mesh
-        self.seqmesh_model = apply_fsdp(TrainerLM(self.model, mesh, chunk=seqmesh_chunk), mesh, bf16=self.args.bf16)
+        plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16)
+        self.seqmesh_model = parallelize_model(self.model, mesh, plan, wrapper=TrainerLM)
         self.model_wrapped = self.seqmesh_model
         self.gather_function = self.accelerator.gather  # every rank holds whole losses: no truncation to undo
         self._targets_per_micro_batch: deque[float] = deque()
@@ -247,11 +247,8 @@ class SequenceParallelTrainerMixin:
 
 def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
     """``ulysses x ring`` sequence parallelism, data parallelism (FSDP) over the rest of the world."""
-    world = dist.get_world_size()
-    if world % (ulysses * ring):
-        raise ValueError(f"ulysses={ulysses} x ring={ring} does not divide the world of {world} processes; "
-                         "launch a multiple of ulysses * ring processes.")
-    return init_mesh(ulysses, ring, dp_shard=world // (ulysses * ring))
+    ulysses, ring, dp = resolve_degrees(dist.get_world_size(), ulysses=ulysses, ring=ring)
+    return init_mesh(ulysses, ring, dp_shard=dp)
 
 
 def _share_of_step(micro_batch_targets: float, step_targets: float) -> float:

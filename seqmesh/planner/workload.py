@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..degrees import resolve_degrees
 from ..training.presets import ModelShape
 
 GiB = 2**30
@@ -168,7 +169,6 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     CPU offload then moves nothing, the activation offload's host copies are used in place (nothing is
     fetched back), and AdamW takes its per-tensor path (torch uses ``foreach`` only on CUDA)."""
     from ..training.presets import model_shape
-    from ..training.train import resolve_degrees
 
     if not cfg.uses_fsdp(world, cuda=device == "cuda"):
         raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process, "
@@ -178,7 +178,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
     shape = model_shape(cfg.model)
-    ulysses, ring, dp = resolve_degrees(cfg, world, shape.heads, world)
+    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)
     on_cpu = device == "cpu"
     work = Workload(shape, cfg.seq_len, batch=cfg.batch, dtype="bf16" if cfg.bf16 else "fp32",
                     checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from ..compose import ParallelPlan
 
 
 @dataclass
@@ -110,6 +113,18 @@ class TrainConfig:
     """Seconds a collective may wait for a stalled or lost rank before the job ends."""
     seed: int = 0
     """Seed of the weights and the data."""
+
+    def degrees(self) -> dict:
+        """The degrees as given (``auto`` kept), as keywords of :func:`seqmesh.degrees.resolve_degrees`."""
+        return {"ulysses": self.ulysses, "ring": self.ring, "dp": self.dp, "dp_replicate": self.dp_replicate}
+
+    def parallel_plan(self, fsdp: bool) -> ParallelPlan:
+        """What ``seqmesh.compose.parallelize_model`` applies for this run (``fsdp``: :meth:`uses_fsdp`)."""
+        from ..compose import ParallelPlan
+
+        return ParallelPlan(backend=self.backend, loss_chunk=self.loss_chunk, checkpointing=self.checkpointing,
+                            tiled_mlp=self.tiled_mlp, mlp_tiles=self.mlp_tiles, efficient_norm=self.efficient_norm,
+                            fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload)
 
     def uses_fsdp(self, world: int, cuda: bool) -> bool:
         """Whether a run on ``world`` processes (on CUDA devices or not) shards with FSDP2: ``fsdp`` when

@@ -22,12 +22,11 @@ from .config import TrainConfig
 from .data import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
 from .export import export_pretrained
-from .fsdp import apply_fsdp, enable_checkpointing, sync_gradients
-from ..hf import parallelize, workable_degrees
+from .fsdp import sync_gradients
+from ..degrees import resolve_degrees
+from ..compose import parallelize_model
 from ..memory import MemoryTracker
 from ..memory.offload import enable_activation_offload
-from ..memory.rmsnorm import enable_efficient_norm
-from ..memory.tiled_mlp import enable_tiled_mlp
 from ..mesh import SPMesh, init_mesh
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .model import SequenceParallelLM, build_model, has_weights, materialize
@@ -37,40 +36,6 @@ from .pretrained import check_pretrained, check_values, checkpoint_files, load_p
 from .ranks import agree, all_gather_object
 from .resume import choose_start, config_changes, refuse_changes, run_record
 from .watch import StallWatch, gradient_norm, nonfinite_message
-
-
-def resolve_degrees(cfg: TrainConfig, world: int, q_heads: int, ranks_per_node: int) -> tuple[int, int, int]:
-    """``(ulysses, ring, dp_shard)`` for ``world`` ranks; raises listing the choices that would work."""
-    per_replica, rem = divmod(world, cfg.dp_replicate)
-    if rem:
-        raise ValueError(f"dp_replicate={cfg.dp_replicate} does not divide the {world} ranks.")
-    fixed = {k: int(v) for k, v in (("ulysses", cfg.ulysses), ("ring", cfg.ring), ("dp", cfg.dp)) if v != "auto"}
-    dp = fixed.get("dp", 1 if "ulysses" not in fixed or "ring" not in fixed else 0)
-    if not dp:  # both sequence degrees fixed: data parallelism takes what is left
-        dp, rem = divmod(per_replica, fixed["ulysses"] * fixed["ring"])
-        if rem or dp < 1:
-            raise ValueError(f"ulysses={fixed['ulysses']} x ring={fixed['ring']} does not divide the {per_replica} "
-                             f"ranks per replica; choose degrees whose product divides {per_replica}.")
-    sp, rem = divmod(per_replica, dp)
-    if rem:
-        raise ValueError(f"dp={dp} does not divide the {per_replica} ranks per replica.")
-    if "ulysses" in fixed:
-        ulysses = fixed["ulysses"]
-    elif "ring" in fixed:
-        ulysses = sp // fixed["ring"]
-    else:  # Ulysses inside a node, as wide as the heads allow; the ring takes the rest
-        ulysses = max(u for u in range(1, sp + 1) if sp % u == 0 and u <= q_heads and u <= max(ranks_per_node, 1))
-    ring = fixed.get("ring", sp // max(ulysses, 1))
-    if ulysses * ring != sp:
-        raise ValueError(f"ulysses={ulysses} x ring={ring} = {ulysses * ring} but the sequence group has {sp} ranks "
-                         f"({world} ranks / dp {dp} / dp_replicate {cfg.dp_replicate}).")
-    if ulysses > q_heads:
-        options = ", ".join(f"ulysses={u} ring={r}" for u, r in workable_degrees(q_heads, sp))
-        raise ValueError(f"the model has {q_heads} query heads, too few for ulysses={ulysses}; with {sp} sequence "
-                         f"ranks use one of: {options}.")
-    if cfg.seq_len < sp:
-        raise ValueError(f"seq_len={cfg.seq_len} is smaller than the sequence degree {sp}; every rank needs a token.")
-    return ulysses, ring, dp
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -140,7 +105,8 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     q_heads = model_shape(cfg.model).heads  # a preset, a config.json, or a checkpoint folder's config
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ulysses, ring, dp = resolve_degrees(cfg, world, q_heads, ranks_per_node)
+    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
+                                        seq_len=cfg.seq_len)
     fsdp = uses_fsdp(cfg)
     if cfg.bf16 and not fsdp and not torch.cuda.is_available():
         raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
@@ -160,16 +126,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         check_values(lm, cfg.model)
     # names and shapes, before any work
     sources = _same_error_on_every_rank(check_pretrained, lm, cfg.model) if on_meta and pretrained else None
-    lm = parallelize(lm, mesh, backend=cfg.backend)
-    module = SequenceParallelLM(lm, mesh, chunk=cfg.loss_chunk)
-    if cfg.checkpointing:
-        enable_checkpointing(lm)
-    if cfg.tiled_mlp:
-        enable_tiled_mlp(lm, cfg.mlp_tiles)
-    if cfg.efficient_norm and enable_efficient_norm(lm) == 0:
-        raise ValueError(f"--efficient-norm: {cfg.model} has no Llama-style RMSNorm to replace; drop the flag.")
-    if fsdp:
-        apply_fsdp(module, mesh, bf16=cfg.bf16, cpu_offload=cfg.fsdp_cpu_offload)
+    module = parallelize_model(lm, mesh, cfg.parallel_plan(fsdp))
     home = "cpu" if cfg.fsdp_cpu_offload else device  # offloaded shards live on the host
     if on_meta and pretrained:
         load_pretrained(module, cfg.model, home, sources)

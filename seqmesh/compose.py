@@ -1,0 +1,83 @@
+"""The one place a model is put together for sequence-parallel training.
+
+``parallelize_model(model, mesh, plan)`` applies every transformation seqmesh makes to a transformers
+model, in this order (each step sees the model the previous one left):
+
+    1. sequence parallelism   attention layers run Ulysses / ring / USP, Gated DeltaNet layers pass
+                              their state along the sequence (``seqmesh.hf.parallelize``)
+    2. the loss               ``SequenceParallelLM``: the LM head and cross-entropy in chunks, over the
+                              sequence shards, the mean of every valid target of the whole batch
+    3. memory techniques      activation checkpointing, tiled MLP, the lean RMSNorm: each replaces a
+                              layer's forward, so they come after the layers are final
+    4. (tensor parallelism)   the innermost mesh axis, inside Ulysses: it shards the linear layers and
+                              must run before FSDP2 flattens them
+    5. (torch.compile)        per decoder layer, once no later step changes what a layer runs
+    6. FSDP2                  over dp_shard x ring x ulysses (every rank of a replica), last: it wraps
+                              what the steps above produced
+
+The job (``seqmesh train``), the Trainer and a user's own loop call it; nothing else composes. Weights
+are loaded or materialized after it (FSDP2 shards are allocated by step 6); the activation offload and
+the memory tracker act on a step, not on the model, and are set up by the loop that runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .hf import parallelize
+from .memory.rmsnorm import enable_efficient_norm
+from .memory.tiled_mlp import enable_tiled_mlp
+from .mesh import SPMesh
+from .training.fsdp import apply_fsdp, enable_checkpointing
+from .training.model import SequenceParallelLM
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What :func:`parallelize_model` applies besides sequence parallelism (which it always applies)."""
+
+    backend: str = "auto"
+    """Attention kernel: ``auto`` picks the fastest available (see ``seqmesh.kernels``)."""
+    loss_chunk: int = 4096
+    """Tokens per LM-head tile of the loss: full-vocabulary logits never exist for more."""
+    checkpointing: bool = False
+    """Recompute each decoder layer in backward (activation checkpointing)."""
+    tiled_mlp: bool = False
+    """Run each MLP in sequence tiles (``mlp_tiles`` of them), keeping only its input for backward."""
+    mlp_tiles: int | None = None
+    """Tiles of the tiled MLP; None chooses from the shapes."""
+    efficient_norm: bool = False
+    """Replace Llama-style RMSNorm with one that keeps only its input for backward."""
+    fsdp: bool = True
+    """Shard weights, gradients and optimizer state with FSDP2 over every rank of a replica."""
+    bf16: bool = False
+    """FSDP2's mixed precision: bf16 compute, fp32 reductions and master weights (without FSDP2 the
+    loop that runs the step autocasts instead, as ``seqmesh train`` does on CUDA)."""
+    fsdp_cpu_offload: bool = False
+    """With FSDP2: keep the shards, gradients and optimizer state in host memory."""
+
+    def __post_init__(self) -> None:
+        if self.fsdp_cpu_offload and not self.fsdp:
+            raise ValueError("fsdp_cpu_offload offloads FSDP2's shards: set fsdp=True, or turn it off.")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be at least 1 token, got {self.loss_chunk}.")
+
+
+def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = ParallelPlan(), *,
+                      wrapper: type[SequenceParallelLM] = SequenceParallelLM) -> SequenceParallelLM:
+    """``model`` (a transformers causal LM) ready to train on ``mesh``: the steps of the module docstring,
+    in order. Returns the ``wrapper`` (a ``SequenceParallelLM``) whose forward on
+    ``seqmesh.shard_batch(batch, mesh)`` is the batch's exact loss."""
+    lm = parallelize(model, mesh, backend=plan.backend)
+    module = wrapper(lm, mesh, chunk=plan.loss_chunk)
+    if plan.checkpointing:
+        enable_checkpointing(lm)
+    if plan.tiled_mlp:
+        enable_tiled_mlp(lm, plan.mlp_tiles)
+    if plan.efficient_norm and enable_efficient_norm(lm) == 0:
+        raise ValueError(f"efficient_norm: {type(lm).__name__} has no Llama-style RMSNorm to replace; turn it off.")
+    if plan.fsdp:
+        apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload)
+    return module

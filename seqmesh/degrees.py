@@ -1,0 +1,66 @@
+"""How many ranks each parallelism gets: the one place ``auto`` degrees are resolved and refused.
+
+The mesh is ``(dp_replicate, dp_shard, ring, ulysses)``, outermost first (``seqmesh.mesh.AXES``); a
+tensor-parallel axis, when it comes, goes innermost, after ``ulysses``. The job, the Trainer and the
+planner all resolve their degrees here, so they agree on what ``auto`` means and on every refusal.
+Torch-free: ``seqmesh plan`` imports it without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+Degree = Union[int, str]  # a positive int, or "auto"
+
+
+def workable_degrees(q_heads: int, sp: int) -> list[tuple[int, int]]:
+    """``(ulysses, ring)`` pairs with ``ulysses * ring == sp`` that a model with ``q_heads`` query heads
+    can run (Ulysses needs at least one query head per rank; kv heads are replicated as needed)."""
+    return [(u, sp // u) for u in range(1, sp + 1) if sp % u == 0 and u <= q_heads]
+
+
+def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "auto", dp: Degree = "auto",
+                    dp_replicate: int = 1, q_heads: int | None = None, ranks_per_node: int | None = None,
+                    seq_len: int | None = None) -> tuple[int, int, int]:
+    """``(ulysses, ring, dp_shard)`` for ``world`` ranks, ``dp_replicate`` replicas of ``dp_shard x ring x
+    ulysses``; raises a ValueError that names the degrees that would work.
+
+    ``auto``: with both sequence degrees given, data parallelism takes the ranks left; otherwise dp is 1
+    unless given, and Ulysses fills a node (``ranks_per_node``, default the world) up to the query heads
+    while the ring takes the rest. ``q_heads`` and ``seq_len``, when given, are checked: at least one
+    query head and one token per rank of the sequence group."""
+    per_replica, rem = divmod(world, dp_replicate)
+    if rem:
+        raise ValueError(f"dp_replicate={dp_replicate} does not divide the {world} ranks.")
+    fixed = {k: int(v) for k, v in (("ulysses", ulysses), ("ring", ring), ("dp", dp)) if v != "auto"}
+    for name, value in fixed.items():
+        if value < 1:
+            raise ValueError(f"{name}={value}: a degree is a positive number of ranks, or auto.")
+    dp_shard = fixed.get("dp", 1 if "ulysses" not in fixed or "ring" not in fixed else 0)
+    if not dp_shard:  # both sequence degrees fixed: data parallelism takes what is left
+        dp_shard, rem = divmod(per_replica, fixed["ulysses"] * fixed["ring"])
+        if rem or dp_shard < 1:
+            raise ValueError(f"ulysses={fixed['ulysses']} x ring={fixed['ring']} does not divide the {per_replica} "
+                             f"ranks per replica; choose degrees whose product divides {per_replica}.")
+    sp, rem = divmod(per_replica, dp_shard)
+    if rem:
+        raise ValueError(f"dp={dp_shard} does not divide the {per_replica} ranks per replica.")
+    heads = q_heads if q_heads is not None else sp
+    if "ulysses" in fixed:
+        u = fixed["ulysses"]
+    elif "ring" in fixed:
+        u = sp // fixed["ring"]
+    else:  # Ulysses inside a node, as wide as the heads allow; the ring takes the rest
+        node = max(ranks_per_node if ranks_per_node is not None else world, 1)
+        u = max(d for d in range(1, sp + 1) if sp % d == 0 and d <= heads and d <= node)
+    r = fixed.get("ring", sp // max(u, 1))
+    if u * r != sp:
+        raise ValueError(f"ulysses={u} x ring={r} = {u * r} but the sequence group has {sp} ranks "
+                         f"({world} ranks / dp {dp_shard} / dp_replicate {dp_replicate}).")
+    if u > heads:
+        options = ", ".join(f"ulysses={a} ring={b}" for a, b in workable_degrees(heads, sp))
+        raise ValueError(f"the model has {heads} query heads, too few for ulysses={u}; with {sp} sequence "
+                         f"ranks use one of: {options}.")
+    if seq_len is not None and seq_len < sp:
+        raise ValueError(f"seq_len={seq_len} is smaller than the sequence degree {sp}; every rank needs a token.")
+    return u, r, dp_shard
