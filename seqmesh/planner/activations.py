@@ -1,30 +1,6 @@
-"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs.
-
-The decoder layer is transformers' own Llama-style layer (``LlamaDecoderLayer`` and its relatives) with
-seqmesh's attention in place of the model's; counts are bytes for all ``batch`` sequences of one GPU,
-``T`` its local tokens, ``e`` the compute dtype's element size. What each op saves, per token:
-
-- RMSNorm (eager, as transformers writes it): ``x.to(float32)``, ``x * rsqrt(mean(x^2) + eps)``, then
-  ``weight * normalized.to(dtype)``. Saved: the float32 input (in fp32 the layer's own input, in bf16 an
-  extra float32 copy), the float32 scale (one per token) and the normalized tensor in the compute dtype;
-  its output (``e * hidden``) is saved by the projections that read it. With ``efficient_norm``
-  (``seqmesh.memory.rmsnorm``): its input in its own dtype and the float32 scale only.
-- Rotary embedding: ``q * cos + rotate_half(q) * sin`` saves only ``cos`` and ``sin`` (they need no
-  gradient), computed once per forward and shared by every layer: ``2 * head_dim`` values per token.
-- seqmesh attention saves its q, k, v inputs, its output and the float32 log-sum-exp. Without Ulysses
-  the inputs are the layer's rotated q, k and its v, and the output is also the output projection's
-  input. With Ulysses they are the received head-sharded block (one packed buffer of ``U * T`` tokens
-  and this rank's heads), its output and LSE on those tokens, and the output projection's input is the
-  output brought back to this rank's tokens and every head (a new tensor).
-- SwiGLU MLP: gate, up, SiLU(gate) and their product (4 x intermediate); tiled
-  (``seqmesh.memory.tiled_mlp``): only its input, already saved as the norm's output.
-- The residual adds save nothing.
-
-Outside the layers: the token ids, positions and labels of the batch (int64; the loss keeps its own
-masked copy of the labels), the final norm (as above, its output saved by the loss), and the loss's
-float32 log-sum-exp per token. With full activation checkpointing each layer keeps its input (in fp32
-that is the tensor its first norm would keep) and one layer's saved tensors exist again while it is
-recomputed in backward.
+"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs
+(transformers' decoder layer with seqmesh's attention). What each op saves, per token: docs/planner.md
+("Activations").
 """
 
 from __future__ import annotations

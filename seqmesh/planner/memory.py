@@ -1,58 +1,6 @@
-"""Bytes one GPU holds at its peak during a training step, by what they are for.
-
-The peak is the largest of the step's moments, each adding what coexists then (tensors only: the CUDA
-context and allocator slack are ``Workload.reserve_bytes``):
-
-- ``loss forward``: what every layer kept, the final norm's tensors, and one chunk of the chunked loss:
-  its logits in the compute dtype and their float32 copy;
-- ``loss backward``: the same tensors, the loss's gradient of the hidden states, the float32
-  accumulator of the LM head's gradient (``vocab x hidden``), and one chunk's float32 logit gradient
-  with its compute-dtype copy or the matmul it feeds;
-- ``layer backward``: the last layer's backward (the first to run; with checkpointing, just
-  recomputed), op by op (``seqmesh.planner.activations.layer_backward_timeline``): every layer's kept
-  tensors, the layer's own, the gradient of its output, and at the timeline's peak the MLP's gradient
-  buffers, the tiled MLP's tile, the RMSNorm backward's float32 temporaries or attention's buffers; the
-  layer gathered, the next one's all-gather prefetched (with more than one rank), the root's and the
-  layer's gradients;
-- ``first layer backward``: the same timeline in the first layer, when the layers above have left
-  their fp32 gradient shards and only its own input is still kept;
-- ``end of backward``: the reduce-scatters after the last layer (no activations left);
-- ``optimizer step``: AdamW on the sharded state, with its temporaries (one float32 copy of every
-  parameter with ``foreach``, torch's default on CUDA; two of the largest parameter otherwise).
-
-Assumptions (each figure's docstring says what it counts; ``seqmesh.planner.activations`` lists what
-each op saves):
-
-- Tensors as they exist between ops (what ``seqmesh.memory.MemoryTracker`` counts, exactly, on the CPU):
-  scratch an op allocates and frees inside itself (``logsumexp``'s exponentials over a loss chunk, an
-  attention kernel's workspace, NCCL buffers) is not counted: it belongs to ``reserve_bytes``.
-- FSDP2 as seqmesh applies it (``seqmesh.training.fsdp.apply_fsdp``): each decoder layer is a unit; an
-  untied input embedding is a unit of its own; the root holds the final norm and the LM head (and a tied
-  embedding). The sharded parameters are fp32; a unit is all-gathered into new compute-dtype tensors
-  (also in fp32, also on one rank) before use. The root stays gathered from forward to the end of
-  backward; a layer is gathered for its forward and again for its backward, one at a time at the
-  moments counted here. Unsharded gradients live until their unit's reduce-scatter, which in bf16 first
-  copies them into fp32; the fp32 gradient shards exist from the reduce-scatter to the step (the step
-  after ``zero_grad(set_to_none=True)`` starts without them). AdamW keeps two fp32 moments per parameter.
-- The decoder layer is transformers' own (eager RMSNorm, rotary embedding, SwiGLU MLP, residual adds)
-  with seqmesh's attention; no ``S^2`` term. Full activation checkpointing keeps each layer's input and
-  recomputes one layer at a time in backward.
-- The loss is seqmesh's chunked cross-entropy (``seqmesh.training.loss``), ``loss_chunk`` tokens of
-  full-vocabulary logits at a time; without chunking the whole local shard is one chunk.
-- Memory techniques (``seqmesh.memory``; ``Workload`` options): the tiled MLP saves only its input; the
-  efficient RMSNorm only its input and float32 scale, and its backward's float32 temporaries are one tile's; the
-  activation offload keeps on the device only the checkpointed inputs fetched back
-  (``Workload.offload_prefetch``: the current layer's and the next two on CUDA; none on a CPU run, where
-  the host copy is used in place), the rest and the final norm's saved tensors in host memory; FSDP2's
-  CPU offload keeps the fp32 shards, their gradients and AdamW's moments in host memory, and on the GPU
-  only the fp32 shards of the units being gathered next to their gathered copies.
-- Checked (``tests/test_planner_measured.py``) within 5% of the tracked peak of real CPU steps in fp32 and
-  bf16: Llama shapes on worlds 1, 2 and 4 (Ulysses, ring and both), with and without checkpointing, the
-  tiled MLP, the activation offload and FSDP2's CPU offload. Not checked: other families' extra tensors
-  (Qwen3's q/k norms, Gemma's extra norms, MoE routing, sliding windows), hybrid models' Gated DeltaNet
-  layers (:func:`~seqmesh.planner.activations.linear_layer_saved_bytes`), the tensor-parallel reference
-  layouts, batches above 1, and anything on CUDA (the same ops, but the caching allocator rounds blocks
-  and keeps freed ones: ``reserve_bytes``).
+"""Bytes one GPU holds at its peak during a training step, by what they are for: the largest of the
+step's moments (``MOMENTS``). What each moment holds and what was checked: docs/planner.md ("Memory
+moments"); what each op saves: :mod:`.activations`.
 """
 
 from __future__ import annotations

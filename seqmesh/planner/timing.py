@@ -1,46 +1,5 @@
 """Seconds per training step: FLOPs over achieved throughput, bytes over link bandwidth, and which of
-them overlap.
-
-Assumptions:
-
-- Matmuls: 2 FLOPs per parameter per token forward, twice that backward. The LM head likewise, plus
-  2 more with the chunked loss, whose backward recomputes each tile's logits (``seqmesh.training.loss``): 8
-  FLOPs per head weight per local token with it, 6 without.
-- Attention: 4 * D FLOPs per visible (query, key) pair per query head forward (QK^T and PV), with
-  causal masking keeping S(S+1)/2 pairs; backward costs 2.5x forward (flash attention recomputes
-  the scores: 5 matmuls against 2). Zigzag gives every ring rank and every ring step the same work;
-  with uneven heads the busiest Ulysses rank sets the pace.
-- Activation checkpointing recomputes each layer's forward, its all-to-alls and ring hops included.
-- Ulysses all-to-alls are not overlapped with anything. A call costs the latency of the outermost
-  level it crosses plus, per level, the bytes sent to peers over that level divided by its bandwidth
-  (levels carry their share in parallel; the slowest sets the time).
-- Ring P2P overlaps with block compute: forward ``(ring-1) * max(c, t_kv) + c`` for per-step compute
-  ``c``; backward ``(ring-1) * max(c, t_kv + t_dkv) + c + t_dkv`` (K/V blocks and dK/dV partials
-  share the link; the last partial's hop home is exposed). The slowest hop of the ring sets the pace.
-  A hop longer than ``c`` is exposed; ``StepTime.ring_exposed`` says so and the plan's reason repeats it.
-  Sliding-window layers run fewer steps (``traffic.ring_steps``) with fewer visible pairs: a layer
-  is costed with the average hop count and pairs over the model's full and sliding layers.
-- FSDP units as ``seqmesh.training.fsdp.apply_fsdp`` makes them: one per decoder layer, prefetched one layer
-  ahead, so a layer takes the longer of its own compute + exposed communication and its FSDP traffic
-  (forward: its all-gather; backward: all-gather + reduce-scatter). The root unit (final norm and LM
-  head; with a tied head, embedding, norm and head) is gathered before anything can run and kept
-  gathered through backward (``reshard_after_forward=False``: the loss's backward needs the head at
-  once), then reduce-scattered at the end: both are exposed. An untied embedding is a unit of its own: its forward all-gather (before the first
-  layer) and its reduce-scatter (after the last backward) are exposed; its backward all-gather is
-  prefetched during the first layer's backward in place of a next layer's, so that layer takes the
-  longer of its compute and the embedding's all-gather + its own reduce-scatter.
-  All-gather / reduce-scatter cost ``log2(G)`` latencies plus bytes over the slowest level's bandwidth
-  (a ring through it).
-- Tensor parallelism (reference only): its 4 collectives per layer each way are not overlapped.
-- Ring attention (ring > 1) runs at the split-and-merge efficiency of its block size
-  (``hw.ring_efficiency``, :mod:`.ring_efficiency`): its attention compute is one call's divided by it,
-  which covers both the smaller kernels and the merges into float32 accumulators. Without a ring the
-  one merge step costs GPU-memory time (``ring_merge_seconds``).
-- Traffic between nodes shares the node's NICs and, above an oversubscribed leaf switch, the spine
-  (``hw.fabric``, :mod:`.fabric`): every group's all-to-all (or ring hop) runs at once, and a call takes
-  at least the busiest node's bytes over its uplinks, besides each GPU's own share over its links.
-- Not modelled: the optimizer step, kernel launch gaps, contention between FSDP and sequence-parallel
-  traffic on a shared link, the fabric's sharing for FSDP's rings (they cross each node boundary once).
+them overlap. The assumptions are listed in docs/planner.md ("Modelling assumptions", "Time").
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
-"""Bytes each rank sends, per collective, from first principles.
+"""Bytes each rank sends, per collective, from first principles (counted as ``seqmesh.comm.stats`` counts).
 
-Everything here is a pure function of shapes and degrees; nothing imports seqmesh's attention code, so
-the tests can compare these numbers with the counters of a real run (``seqmesh.comm_stats``) as two
-independent derivations. Counting follows ``seqmesh.comm.stats``: bytes this rank sends to *other*
-ranks; an all-to-all leaves its own chunk out; every P2P send counts; an all-gather or reduce-scatter
-over G ranks counts ``(G - 1) x chunk``.
-
-**What seqmesh's attention sends** (one call, forward and backward, on a ``ring x ulysses`` group,
-local length ``L = padded_len / P``, one "row" = ``B * L * D`` elements of the input dtype):
-
-- Ulysses deals query heads in contiguous ranges, the first ``Hq % U`` ranks one more; rank u needs the
-  kv heads its query heads read (query head h reads kv head ``h // (Hq / Hkv)``), so neighbouring ranks
-  may both need one kv head when ``U > Hkv`` (replication) and each copy is sent.
-- forward q/k/v all-to-all: rank u sends every other rank v its ``q_v + 2 k_v`` heads of u's tokens:
-  ``sum_v (q_v + 2 k_v) - (q_u + 2 k_u)`` rows.  Forward output all-to-all: it sends its ``q_u`` output
-  heads of each other rank's tokens: ``(U - 1) q_u`` rows.
-- backward: the adjoints swap the two: ``(U - 1)(q_u + 2 k_u)`` rows for dq/dk/dv and
-  ``Hq - q_u`` rows for dout (so with uneven heads forward and backward differ on one rank).
-- ring: a K/V block is ``2 * B * (U*L) * k_u * D`` elements; forward sends ``n - 1`` of them; backward
-  sends ``n - 1`` K/V blocks in the input dtype plus dK/dV partials in float32 (float64 for float64
-  inputs). ``n`` is the number of ring steps where some rank sees a key (:func:`ring_step_list`):
-  ``ring`` without a sliding window, fewer with a short one. When those steps are 0, 1, ..., n-1 the
-  blocks relay neighbour to neighbour and each partial travels with its block, one hop per step and one
-  more home: ``n`` partials (``ring`` for the whole ring). When a window leaves a gap (zigzag) each
-  block goes straight from its owner and each partial straight back: ``n - 1`` partials.
-- input validation (``validate=True``, P > 1): one all-gather of 14 int64 over the sequence group.
+Pure functions of shapes and degrees that import none of seqmesh's attention code, so tests compare them
+with a real run's counters as two independent derivations. What each collective sends: docs/planner.md,
+"What the code counts".
 """
 
 from __future__ import annotations
