@@ -12,10 +12,10 @@ from seqmesh.planner.activations import attention_backward_bytes
 from seqmesh.planner.memory import (end_of_backward_grads, layer_saved_bytes, loss_memory, memory_at, memory_per_gpu,
                                    parameter_memory)
 from seqmesh.planner.memory import MemoryBreakdown
-from seqmesh.planner.candidate import Candidate
+from seqmesh.planner.plan import Candidate
 from seqmesh.planner.plan import evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
-from seqmesh.planner.ring_efficiency import IDEAL_RING
+from seqmesh.planner.hardware import IDEAL_RING
 from seqmesh.planner.timing import StepTime, all_to_all_seconds, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.planner.workload import Layout, Workload

@@ -9,12 +9,10 @@ from dataclasses import replace
 
 from ..training.presets import MODELS, model_shape
 from .fabric import parse_fabric
-from .global_batch import global_batch_from
-from .hardware import GB, GiB, PRESETS, HardwareSpec, make_cluster, parse_link
+from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
-from .ring_efficiency import load_ring_efficiency
 from .report import format_longest, format_plan
-from .workload import Workload
+from .workload import Workload, global_batch_from
 
 
 class PlanInputError(ValueError):

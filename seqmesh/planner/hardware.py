@@ -1,34 +1,108 @@
-"""Clusters the planner reasons about: GPUs with memory and peak FLOP/s, joined by a hierarchy of links.
+"""Clusters the planner reasons about: GPUs with memory and peak FLOP/s, a hierarchy of links, and how
+ring attention's kernels slow down on smaller blocks.
 
 A link hierarchy lists levels innermost first. Level ``i`` joins aligned blocks of ``group`` consecutive
-ranks (ranks ``[k*group, (k+1)*group)``); the outermost level joins everything (``group=0``). Two ranks
-talk over the innermost level whose block holds both. Rank placement follows seqmesh's mesh, Ulysses
-innermost, then ring, then data-parallel (``seqmesh.mesh``)::
-
-    world rank = ulysses_rank + U * (ring_rank + R * dp_rank)
-
-so a Ulysses group is ``U`` adjacent ranks, a ring group strides by ``U``, and FSDP spans them all.
-
-Bandwidths are *achievable* bytes per second that one GPU can send on that level (not the marketing
-bidirectional figure); latencies are the fixed cost of one collective call on that level. The preset
-numbers come from public datasheets, derated as noted beside each; check them against your own
-cluster with ``seqmesh plan --calibrate`` or override them with ``--link``.
-
-A level's bandwidth is one GPU's; what the GPUs of a node share (its NICs, and an oversubscribed
-switch above them) is the ``fabric`` (:mod:`.fabric`, ``--fabric``). How ring attention's kernels slow
-down on smaller blocks is ``ring_efficiency`` (:mod:`.ring_efficiency`, ``--ring-efficiency``).
+ranks; the outermost level joins everything (``group=0``). Two ranks talk over the innermost level whose
+block holds both. Ranks are placed TP innermost, then Ulysses, ring and data parallel (``Layout``).
+Bandwidths are *achievable* bytes/s one GPU sends on a level; latencies the fixed cost of one call. What
+a node's GPUs share (NICs, an oversubscribed spine) is the ``fabric`` (:mod:`.fabric`). The ring's
+split-and-merge efficiency (``RingEfficiency``) is measured by ``seqmesh bench merge`` or, by default,
+fitted through a published figure. Sources and derating of the presets: docs/planner.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from .fabric import Fabric
-from .ring_efficiency import DEFAULT_RING_EFFICIENCY, RingEfficiency
 
 GiB = 2**30
 GB = 10**9
+PUBLISHED_BLOCK_TOKENS = 8192
+PUBLISHED_EFFICIENCY = 0.902
+PUBLISHED_SOURCE = ("ring-flash-attention README: zigzag ring fwd+bwd 90.2% of ideal on 8 x H800 (89.8% on "
+                    "8 x A100), Llama-3.1-8B attention, 8K tokens per GPU; efficiency = b / (b + t0) through it")
+
+
+@dataclass(frozen=True)
+class RingEfficiency:
+    """Split-and-merge efficiency as a function of ring block tokens: measured ``points``, or, without
+    points, the fixed-overhead form ``b / (b + overhead_tokens)``."""
+
+    points: tuple[tuple[int, float], ...] = ()  # (block tokens, efficiency), ascending tokens
+    overhead_tokens: float = 0.0  # t0 of the fixed-overhead form; used when there are no points
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        tokens = [b for b, _ in self.points]
+        if tokens != sorted(set(tokens)) or any(b < 1 for b in tokens):
+            raise ValueError(f"ring efficiency points {self.points}: block tokens must be positive, distinct and "
+                             "ascending.")
+        for b, eff in self.points:  # above 1 is possible: smaller blocks can fit caches better (CPU: up to 1.04)
+            if not eff > 0:
+                raise ValueError(f"ring efficiency {eff} at {b} block tokens must be positive (one call's time over "
+                                 "the split-and-merge time); check the bench output.")
+        if self.overhead_tokens < 0:
+            raise ValueError(f"ring efficiency overhead {self.overhead_tokens} tokens cannot be negative.")
+
+    @classmethod
+    def through(cls, block_tokens: int, efficiency: float, source: str = "") -> RingEfficiency:
+        """The fixed-overhead form that keeps ``efficiency`` at ``block_tokens``."""
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"ring efficiency {efficiency} must be in (0, 1] for the fixed-overhead form.")
+        return cls(overhead_tokens=block_tokens * (1 / efficiency - 1), source=source)
+
+    def at(self, block_tokens: float) -> float:
+        """Efficiency of a ring whose blocks hold ``block_tokens`` query tokens."""
+        if not self.points:
+            return block_tokens / (block_tokens + self.overhead_tokens)
+        if block_tokens <= self.points[0][0]:
+            return self.points[0][1]
+        for (b0, e0), (b1, e1) in zip(self.points, self.points[1:]):
+            if block_tokens <= b1:
+                w = (math.log2(block_tokens) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+                return e0 + w * (e1 - e0)
+        return self.points[-1][1]
+
+    def as_dict(self) -> dict:
+        return {"points": [list(p) for p in self.points], "overhead_tokens": self.overhead_tokens,
+                "source": self.source}
+
+
+DEFAULT_RING_EFFICIENCY = RingEfficiency.through(PUBLISHED_BLOCK_TOKENS, PUBLISHED_EFFICIENCY, PUBLISHED_SOURCE)
+IDEAL_RING = RingEfficiency(points=((1, 1.0),), source="ideal: no loss on smaller blocks")
+
+
+def from_merge_bench(rows: Iterable[dict], source: str = "seqmesh bench merge") -> RingEfficiency:
+    """The measured curve from ``seqmesh bench merge --json`` rows (``block_tokens`` and ``efficiency``;
+    rows of one block size are averaged)."""
+    by_block: dict[int, list[float]] = {}
+    for i, row in enumerate(rows):
+        if "block_tokens" not in row or "efficiency" not in row:
+            raise ValueError(f"ring efficiency row {i} {row} lacks block_tokens or efficiency; give the output of "
+                             "`seqmesh bench merge --json`.")
+        by_block.setdefault(int(row["block_tokens"]), []).append(float(row["efficiency"]))
+    if not by_block:
+        raise ValueError("ring efficiency: the bench output has no rows; run `seqmesh bench merge --json` with "
+                         "--rings.")
+    points = tuple((b, sum(e) / len(e)) for b, e in sorted(by_block.items()))
+    return RingEfficiency(points=points, source=source)
+
+
+def load_ring_efficiency(path: str) -> RingEfficiency:
+    """Read ``seqmesh bench merge --json``'s output from ``path``."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--ring-efficiency {path}: cannot read it as JSON ({err}); save `seqmesh bench merge "
+                         "--json > FILE` and pass FILE.") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"--ring-efficiency {path}: expected a list of rows as `seqmesh bench merge --json` prints.")
+    return from_merge_bench(rows, source=f"seqmesh bench merge ({path})")
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,65 @@
-"""Enumerate the layouts of a cluster, predict memory, traffic and time for each, and rank them.
-
-Candidates are every ``ulysses x ring x dp_shard`` factorisation of the GPUs that seqmesh can run
-(FSDP shards over all of them), plus Megatron tensor parallelism inside a node as a reference point.
-Ranking is by predicted throughput (tokens per second over the whole cluster): a layout with
-``dp_shard`` data-parallel groups processes ``dp_shard`` micro-batches per step, so its step time is
-compared per sequence, not per step. The recommendation among close predictions is
-:mod:`.recommend`'s.
+"""Enumerate the layouts of a cluster, evaluate each (a ``Candidate``: memory, traffic, time,
+feasibility) and rank them by cluster throughput (tokens/s: a layout with ``dp_shard`` groups processes
+``dp_shard`` micro-batches per step). The recommendation among close predictions is :mod:`.recommend`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .candidate import Candidate
-from .global_batch import GlobalBatch
 from .hardware import GiB, Cluster, HardwareSpec
-from .memory import memory_per_gpu
+from .memory import MemoryBreakdown, memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
-from .timing import axis_groups, step_time, world_rank
+from .timing import StepTime, axis_groups, step_time, world_rank
 from ..padding import padded_length
 from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic,
                       tensor_parallel_traffic, worst_rank)
-from .workload import Layout, Workload, embedding_unit_params, layer_params, linear_layer_params, root_params
+from .workload import GlobalBatch, Layout, Workload, embedding_unit_params, layer_params, linear_layer_params, root_params
+
+
+PHASES = ("forward", "backward", "recompute")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout, evaluated."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    comm_per_layer: dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
+    comm_links: dict[str, str]  # collective -> the link level it crosses
+    comm_per_step: dict[str, int]  # collective -> bytes the busiest rank sends in one step (all phases, every unit)
+    time: StepTime
+    tokens_per_s: float
+    feasible: bool
+    problems: tuple[str, ...] = ()  # why it is infeasible
+    notes: tuple[str, ...] = ()  # uneven heads, kv replication, reference only
+    accumulation: int = 1  # micro-steps (gradient accumulation) per optimizer step for the global batch
+
+    @property
+    def optimizer_step_s(self) -> float:
+        """One optimizer step: ``accumulation`` micro-steps (see :mod:`.global_batch`)."""
+        return self.accumulation * self.time.total
+
+    def as_dict(self) -> dict:
+        return {
+            "layout": self.layout.as_dict(),
+            "label": self.layout.label(),
+            "runs_on_seqmesh": self.layout.runs_on_seqmesh,
+            "memory_bytes": self.memory.as_dict(),
+            "memory_peak_at": self.memory.moment,
+            "comm_bytes_per_layer": self.comm_per_layer,
+            "comm_bytes_per_step": self.comm_per_step,
+            "comm_links": self.comm_links,
+            "step_time_s": self.time.total,
+            "time_s": self.time.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "grad_accumulation": self.accumulation,
+            "optimizer_step_s": self.optimizer_step_s,
+            "feasible": self.feasible,
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
 
 
 def divisors(n: int) -> list[int]:

@@ -18,8 +18,12 @@ The rule (:func:`pick`), over the seqmesh layouts that fit:
 
 from __future__ import annotations
 
-from .candidate import Candidate
+from typing import TYPE_CHECKING
+
 from .hardware import GiB, Cluster
+
+if TYPE_CHECKING:  # plan imports this module
+    from .plan import Candidate
 
 TIE = 0.01  # throughput predictions closer than this are within the model's resolution
 HEADROOM = 0.10  # footprints closer than this fraction of one GPU's memory are within the memory model's

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .candidate import PHASES, Candidate
 from .hardware import GiB, Cluster
-from .plan import Plan
+from .plan import PHASES, Candidate, Plan
 from .recommend import percent
 from .workload import Workload
 

@@ -1,4 +1,6 @@
-"""What is being planned: a layout of the GPUs and a training workload on a model shape."""
+"""What is being planned: a layout of the GPUs, a training workload on a model shape, and a fixed
+global batch (which layouts give it, with how much gradient accumulation; docs/planner.md).
+"""
 
 from __future__ import annotations
 
@@ -188,3 +190,52 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     offload_checkpoints=cfg.offload_checkpoints, fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
     return work, Layout(ulysses, ring, dp)
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """What one optimizer step must process over the whole cluster."""
+
+    sequences: int | None = None  # sequences per optimizer step; None: no fixed global batch
+    one_group: bool = False  # only layouts whose one sequence group spans every GPU
+
+    def __post_init__(self) -> None:
+        if self.sequences is not None and self.sequences < 1:
+            raise ValueError(f"--global-batch-seqs {self.sequences}: a global batch needs at least 1 sequence.")
+
+    def accumulation(self, layout: Layout, micro_batch: int) -> int:
+        """Micro-steps per optimizer step: ``sequences / (dp_shard x micro_batch)`` (1 without a target)."""
+        if self.sequences is None:
+            return 1
+        return self.sequences // (layout.dp_shard * micro_batch)
+
+    def why_not(self, layout: Layout, micro_batch: int) -> str | None:
+        """Why ``layout`` cannot give this batch, or None when it can."""
+        if self.one_group and layout.dp_shard > 1:
+            return f"--one-group: {layout.dp_shard} data-parallel groups, not one sequence group over every GPU"
+        if self.sequences is not None and self.sequences % (layout.dp_shard * micro_batch):
+            return (f"global batch {self.sequences} is not a whole number of steps of dp_shard {layout.dp_shard} x "
+                    f"micro-batch {micro_batch} sequences")
+        return None
+
+
+def global_batch_from(sequences: int | None, tokens: int | None, seq_len: int | None, micro_batch: int,
+                      one_group: bool = False) -> GlobalBatch:
+    """``--global-batch-seqs`` / ``--global-batch-tokens`` / ``--one-group`` checked against the sequence length
+    and the micro-batch; raises ValueError naming the number and the fix."""
+    if sequences is not None and tokens is not None:
+        raise ValueError(f"give --global-batch-seqs {sequences} or --global-batch-tokens {tokens}, not both.")
+    if tokens is not None:
+        if seq_len is None:
+            raise ValueError(f"--global-batch-tokens {tokens} needs --seq-len (tokens per sequence) to count "
+                             "sequences; with --max-seq-len give --global-batch-seqs instead.")
+        if tokens < 1 or tokens % seq_len:
+            lower, upper = max(seq_len, tokens // seq_len * seq_len), -(-max(tokens, 1) // seq_len) * seq_len
+            raise ValueError(f"--global-batch-tokens {tokens} is not a whole number of {seq_len}-token sequences; "
+                             f"use {lower:,}" + (f" or {upper:,}" if upper != lower else "")
+                             + " or --global-batch-seqs.")
+        sequences = tokens // seq_len
+    if sequences is not None and sequences % micro_batch:
+        raise ValueError(f"--global-batch-seqs {sequences} is not a multiple of the micro-batch --batch {micro_batch}; "
+                         f"use a multiple of {micro_batch} or --batch 1.")
+    return GlobalBatch(sequences, one_group)
