@@ -16,7 +16,8 @@ from seqmesh.planner.plan import Candidate
 from seqmesh.planner.plan import evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
 from seqmesh.planner.hardware import IDEAL_RING
-from seqmesh.planner.timing import StepTime, all_to_all_seconds, attention_pairs, ring_attention_seconds, step_time
+from seqmesh.planner.network import all_to_all_seconds
+from seqmesh.planner.timing import StepTime, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.planner.workload import Layout, Workload
 from seqmesh.training.presets import MODELS, ModelShape

@@ -12,14 +12,14 @@ from dataclasses import replace
 
 import pytest
 
-from seqmesh.planner.fabric import Fabric, parse_fabric, ring_load
 from seqmesh.planner.workload import GlobalBatch, global_batch_from
 from seqmesh.planner.hardware import GB, PRESETS, LinkLevel
 from seqmesh.planner.plan import plan
 from seqmesh.planner.hardware import make_cluster
 from seqmesh.planner.hardware import DEFAULT_RING_EFFICIENCY, IDEAL_RING, RingEfficiency, from_merge_bench
-from seqmesh.planner.timing import (_ulysses_seconds, all_to_all_seconds, concurrent_all_to_all_seconds,
-                                    every_group, ring_hop_seconds, step_time)
+from seqmesh.planner.network import (Fabric, all_to_all_seconds, concurrent_all_to_all_seconds, every_group,
+                                     parse_fabric, ring_hop_seconds, ring_load)
+from seqmesh.planner.timing import _ulysses_seconds, step_time
 from seqmesh.planner.workload import Layout, Workload
 from seqmesh.tools.cli import main
 from seqmesh.training.presets import MODELS, ModelShape

@@ -2,7 +2,7 @@
 
 - :mod:`.workload`  what is planned: the layout, the training step, a fixed global batch
 - :mod:`.hardware`  GPUs, their link hierarchy (presets, custom links) and ring kernel efficiency
-- :mod:`.fabric`    a node's NICs and the switches above: uplinks and bisection shared by concurrent traffic
+- :mod:`.network`   collective time over link levels and a node's shared NICs and switches (the fabric)
 - :mod:`.traffic`   exact per-rank bytes of seqmesh's collectives; FSDP and tensor-parallel references
 - :mod:`.memory`    per-GPU memory by purpose
 - :mod:`.timing`    compute and communication time, with what overlaps
@@ -12,7 +12,7 @@
 - :mod:`.calibrate` this machine's measured throughput and bandwidth
 """
 
-from .fabric import Fabric
+from .network import Fabric
 from .hardware import PRESETS, Cluster, HardwareSpec, LinkLevel, RingEfficiency, make_cluster
 from .memory import MemoryBreakdown, memory_per_gpu
 from .plan import Candidate, Plan, longest_plan, longest_sequence, plan

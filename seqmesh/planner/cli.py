@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from ..training.presets import MODELS, model_shape
-from .fabric import parse_fabric
+from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
 from .report import format_longest, format_plan

@@ -5,7 +5,7 @@ A link hierarchy lists levels innermost first. Level ``i`` joins aligned blocks 
 ranks; the outermost level joins everything (``group=0``). Two ranks talk over the innermost level whose
 block holds both. Ranks are placed TP innermost, then Ulysses, ring and data parallel (``Layout``).
 Bandwidths are *achievable* bytes/s one GPU sends on a level; latencies the fixed cost of one call. What
-a node's GPUs share (NICs, an oversubscribed spine) is the ``fabric`` (:mod:`.fabric`). The ring's
+a node's GPUs share (NICs, an oversubscribed spine) is the ``fabric`` (:mod:`.network`). The ring's
 split-and-merge efficiency (``RingEfficiency``) is measured by ``seqmesh bench merge`` or, by default,
 fitted through a published figure. Sources and derating of the presets: docs/planner.md.
 """
@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from .fabric import Fabric
+from .network import Fabric
 
 GiB = 2**30
 GB = 10**9

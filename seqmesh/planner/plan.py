@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 from .hardware import GiB, Cluster, HardwareSpec
 from .memory import MemoryBreakdown, memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
-from .timing import StepTime, axis_groups, step_time, world_rank
+from .network import axis_groups, world_rank
+from .timing import StepTime, step_time
 from ..padding import padded_length
 from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic,
                       tensor_parallel_traffic, worst_rank)

@@ -4,15 +4,12 @@ them overlap. The assumptions are listed in docs/planner.md ("Modelling assumpti
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 
-from .fabric import Fabric, all_to_all_load, all_to_all_uplink_seconds, ring_load
 from .hardware import HardwareSpec
 from .memory import local_tokens
+from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
+                      uplink_seconds, world_rank)
 from ..padding import padded_length
 from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic,
                       ring_block_bytes, ring_steps, tensor_parallel_traffic)
@@ -20,7 +17,6 @@ from .workload import (Layout, Workload, embedding_unit_params, layer_matmul_par
                        linear_layer_params, root_params)
 
 ATTENTION_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
-MAX_GROUPS_CHECKED = 64
 
 
 @dataclass(frozen=True)
@@ -45,114 +41,6 @@ class StepTime:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-def world_rank(layout: Layout, ulysses_rank: int, ring_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-    return tp_rank + layout.tp * (ulysses_rank + layout.ulysses * (ring_rank + layout.ring * dp_rank))
-
-
-def ulysses_ranks(layout: Layout, ring_rank: int, dp_rank: int) -> list[int]:
-    return [world_rank(layout, u, ring_rank, dp_rank) for u in range(layout.ulysses)]
-
-
-def ring_ranks(layout: Layout, ulysses_rank: int, dp_rank: int) -> list[int]:
-    return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
-
-
-@lru_cache(maxsize=256)
-def every_group(layout: Layout, kind: str) -> tuple[tuple[int, ...], ...]:
-    """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
-    collective at the same moment."""
-    if kind == "ulysses":
-        return tuple(tuple(ulysses_ranks(layout, r, d)) for d in range(layout.dp_shard) for r in range(layout.ring))
-    if kind == "ring":
-        return tuple(tuple(ring_ranks(layout, u, d)) for d in range(layout.dp_shard) for u in range(layout.ulysses))
-    return tuple(tuple(world_rank(layout, u, r, d) for r in range(layout.ring) for u in range(layout.ulysses))
-                 for d in range(layout.dp_shard))
-
-
-def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
-    """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
-    groups = [list(g) for g in every_group(layout, kind)]
-    step = max(1, len(groups) // MAX_GROUPS_CHECKED)
-    return groups[::step]
-
-
-def peer_patterns(hw: HardwareSpec, groups: list[list[int]]) -> set[tuple[int, ...]]:
-    """Distinct ``peers per level`` tuples seen by the ranks of ``groups`` (an all-to-all's cost
-    depends only on these)."""
-    patterns = set()
-    for ranks in groups:
-        blocks = [Counter(r // lv.group if lv.group else 0 for r in ranks) for lv in hw.links]
-        for me in ranks:
-            same = [blocks[i][me // lv.group if lv.group else 0] for i, lv in enumerate(hw.links)]
-            patterns.add(tuple(n - (same[i - 1] if i else 1) for i, n in enumerate(same)))
-    return patterns
-
-
-def _all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple[int, ...]]) -> float:
-    worst = 0.0
-    for peers in patterns:
-        others = sum(peers)
-        if not others or not nbytes:
-            continue
-        top = max(i for i, n in enumerate(peers) if n)
-        transfer = max(n * nbytes / others / hw.links[i].bandwidth for i, n in enumerate(peers) if n)
-        worst = max(worst, hw.links[top].latency + transfer)
-    return worst
-
-
-@lru_cache(maxsize=1024)
-def _uplink_load(layout: Layout, kind: str, fabric: Fabric, gpus_per_node: int) -> float:
-    groups = every_group(layout, kind)
-    if kind == "ring":
-        return ring_load(groups, fabric, gpus_per_node, ring_shifts(layout))
-    return all_to_all_load(groups, fabric, gpus_per_node)
-
-
-def ring_shifts(layout: Layout) -> range:
-    """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
-    partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
-    every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
-    (steps 0, 1, ring - 1) go to neighbours too, and a shift of -1 crosses as many node boundaries as +1."""
-    return range(1, min(2, layout.ring))
-
-
-def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Layout, kind: str) -> float:
-    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
-    ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
-    per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
-    leaves a node."""
-    if hw.fabric is None or not nbytes:
-        return 0.0
-    load = _uplink_load(layout, kind, hw.fabric, hw.gpus_per_node)
-    return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
-
-
-def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
-    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's
-    levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's
-    uplinks, whichever is longer."""
-    sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
-    levels = _all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
-    if hw.fabric is None or not nbytes:
-        return levels
-    shared = all_to_all_uplink_seconds(nbytes, groups, hw.fabric, hw.gpus_per_node)
-    return max(levels, hw.links[-1].latency + shared if shared else 0.0)
-
-
-def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``
-    (alone on the cluster): see :func:`concurrent_all_to_all_seconds`."""
-    return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
-
-
-def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """An all-gather or reduce-scatter in which each rank sends ``nbytes``."""
-    if len(ranks) < 2 or nbytes == 0:
-        return 0.0
-    level = hw.links[hw.level_of_group(ranks)]
-    return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
 
 
 def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
@@ -274,7 +162,7 @@ def _linear_layer_seconds(work: Workload, layout: Layout, hw: HardwareSpec, fsdp
                                        ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
     sample = peer_patterns(hw, axis_groups(layout, "sequence"))
     calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
-    a2a_fwd, a2a_bwd = (sum(max(_all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
+    a2a_fwd, a2a_bwd = (sum(max(all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
                             for n in phase) for phase in calls)
     fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
     if work.checkpointing:
@@ -311,20 +199,8 @@ def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: st
     calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
                              ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
     patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
-    return sum(max(_all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, layout, "ulysses"))
+    return sum(max(all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, layout, "ulysses"))
                for nbytes in calls[phase])
-
-
-def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
-    """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
-    group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
-    worst of :func:`ring_shifts`, whichever is longer."""
-    worst = 0.0
-    for g in axis_groups(layout, "ring"):
-        for i, a in enumerate(g):
-            lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
-            worst = max(worst, lv.latency + nbytes / lv.bandwidth)
-    return max(worst, uplink_seconds(nbytes, hw, layout, "ring"))
 
 
 def ring_block_tokens(work: Workload, layout: Layout) -> int:

@@ -1,28 +1,24 @@
-"""How nodes reach one another: the NICs of a node and the switch fabric above them, and what traffic
-between nodes costs when every group of a layout sends at once.
-
-A link level (``hardware.LinkLevel``) says what *one* GPU can send; it cannot see that the GPUs of a
-node share the node's NICs, nor that a leaf switch with fewer uplinks than downlinks (oversubscribed)
-shares them again between its nodes. Every Ulysses group of a layout runs its all-to-all at the same
-moment, and every ring group its hop, so the bytes that leave a node are the sum over its GPUs. Two
-bounds follow, for the busiest node:
-
-- uplinks: the bytes leaving the node over ``nics_per_node x nic_bandwidth``;
-- bisection: the bytes leaving its leaf switch over that bandwidth divided by ``oversubscription``
-  (a leaf of N nodes has N node-bandwidths down and N / oversubscription up; every node under it sends
-  alike, so each gets 1 / oversubscription of its own bandwidth through the spine).
-
-Nodes are aligned blocks of ``gpus_per_node`` ranks and leaf switches aligned blocks of
-``nodes_per_switch`` nodes, following the rank placement of ``hardware``.
+"""How long bytes take on a cluster: every group of a layout that runs a collective at once, the
+per-GPU link levels each crosses, and what a node's GPUs share (its NICs, and an oversubscribed leaf
+switch above them: the ``Fabric``). Ranks are placed TP innermost, then Ulysses, ring, data parallel.
+The uplink and bisection bounds are explained in docs/planner.md ("Between nodes").
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # hardware imports Fabric from here
+    from .hardware import HardwareSpec
+    from .workload import Layout
 
 GB = 10**9
+MAX_GROUPS_CHECKED = 64
 
 
 @dataclass(frozen=True)
@@ -165,3 +161,123 @@ def parse_fabric(text: str) -> Fabric:
         raise ValueError(f"--fabric {text!r} must look like NICS:GBS[:OVERSUBSCRIPTION[:NODES_PER_SWITCH]], e.g. "
                          f"8:40 or 8:40:2:16 ({err}).") from None
     return Fabric(nics, gbs * GB, oversub, per_switch, source=f"--fabric {text}")
+
+
+def world_rank(layout: Layout, ulysses_rank: int, ring_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+    return tp_rank + layout.tp * (ulysses_rank + layout.ulysses * (ring_rank + layout.ring * dp_rank))
+
+
+def ulysses_ranks(layout: Layout, ring_rank: int, dp_rank: int) -> list[int]:
+    return [world_rank(layout, u, ring_rank, dp_rank) for u in range(layout.ulysses)]
+
+
+def ring_ranks(layout: Layout, ulysses_rank: int, dp_rank: int) -> list[int]:
+    return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
+
+
+@lru_cache(maxsize=256)
+def every_group(layout: Layout, kind: str) -> tuple[tuple[int, ...], ...]:
+    """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
+    collective at the same moment."""
+    if kind == "ulysses":
+        return tuple(tuple(ulysses_ranks(layout, r, d)) for d in range(layout.dp_shard) for r in range(layout.ring))
+    if kind == "ring":
+        return tuple(tuple(ring_ranks(layout, u, d)) for d in range(layout.dp_shard) for u in range(layout.ulysses))
+    return tuple(tuple(world_rank(layout, u, r, d) for r in range(layout.ring) for u in range(layout.ulysses))
+                 for d in range(layout.dp_shard))
+
+
+def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
+    """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
+    groups = [list(g) for g in every_group(layout, kind)]
+    step = max(1, len(groups) // MAX_GROUPS_CHECKED)
+    return groups[::step]
+
+
+def peer_patterns(hw: HardwareSpec, groups: list[list[int]]) -> set[tuple[int, ...]]:
+    """Distinct ``peers per level`` tuples seen by the ranks of ``groups`` (an all-to-all's cost
+    depends only on these)."""
+    patterns = set()
+    for ranks in groups:
+        blocks = [Counter(r // lv.group if lv.group else 0 for r in ranks) for lv in hw.links]
+        for me in ranks:
+            same = [blocks[i][me // lv.group if lv.group else 0] for i, lv in enumerate(hw.links)]
+            patterns.add(tuple(n - (same[i - 1] if i else 1) for i, n in enumerate(same)))
+    return patterns
+
+
+def all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple[int, ...]]) -> float:
+    worst = 0.0
+    for peers in patterns:
+        others = sum(peers)
+        if not others or not nbytes:
+            continue
+        top = max(i for i, n in enumerate(peers) if n)
+        transfer = max(n * nbytes / others / hw.links[i].bandwidth for i, n in enumerate(peers) if n)
+        worst = max(worst, hw.links[top].latency + transfer)
+    return worst
+
+
+@lru_cache(maxsize=1024)
+def _uplink_load(layout: Layout, kind: str, fabric: Fabric, gpus_per_node: int) -> float:
+    groups = every_group(layout, kind)
+    if kind == "ring":
+        return ring_load(groups, fabric, gpus_per_node, ring_shifts(layout))
+    return all_to_all_load(groups, fabric, gpus_per_node)
+
+
+def ring_shifts(layout: Layout) -> range:
+    """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
+    partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
+    every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
+    (steps 0, 1, ring - 1) go to neighbours too, and a shift of -1 crosses as many node boundaries as +1."""
+    return range(1, min(2, layout.ring))
+
+
+def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Layout, kind: str) -> float:
+    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
+    ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
+    per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
+    leaves a node."""
+    if hw.fabric is None or not nbytes:
+        return 0.0
+    load = _uplink_load(layout, kind, hw.fabric, hw.gpus_per_node)
+    return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
+
+
+def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
+    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's
+    levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's
+    uplinks, whichever is longer."""
+    sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
+    levels = all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
+    if hw.fabric is None or not nbytes:
+        return levels
+    shared = all_to_all_uplink_seconds(nbytes, groups, hw.fabric, hw.gpus_per_node)
+    return max(levels, hw.links[-1].latency + shared if shared else 0.0)
+
+
+def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
+    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``
+    (alone on the cluster): see :func:`concurrent_all_to_all_seconds`."""
+    return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
+
+
+def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
+    """An all-gather or reduce-scatter in which each rank sends ``nbytes``."""
+    if len(ranks) < 2 or nbytes == 0:
+        return 0.0
+    level = hw.links[hw.level_of_group(ranks)]
+    return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
+
+
+def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
+    """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
+    group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
+    worst of :func:`ring_shifts`, whichever is longer."""
+    worst = 0.0
+    for g in axis_groups(layout, "ring"):
+        for i, a in enumerate(g):
+            lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
+            worst = max(worst, lv.latency + nbytes / lv.bandwidth)
+    return max(worst, uplink_seconds(nbytes, hw, layout, "ring"))
