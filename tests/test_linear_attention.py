@@ -208,11 +208,11 @@ def test_planner_counts_gated_deltanet_layers():
     _, excluded = layouts(work, cluster)
     assert any(lay.ulysses * lay.ring == 64 and "32 Gated DeltaNet value heads" in why for lay, why in excluded)
     # state memory: one float32 (Dk x Dv) per value head of the rank's share, kept per 64-token chunk
-    from seqmesh.planner.memory import layer_saved_bytes, linear_layer_saved_bytes
-    from seqmesh.planner.workload import linear_state_bytes
+    from seqmesh.planner.layers import GatedDeltaNet, linear_state_bytes
+    from seqmesh.planner.memory import layer_saved_bytes
 
     assert linear_state_bytes(m, 1, 8) == 4 * 4 * 128 * 128
-    at8, at1 = (linear_layer_saved_bytes(work, lay) for lay in (Layout(8, 1, 1), Layout(1, 1, 8)))
+    at8, at1 = (GatedDeltaNet(work, lay).saved_bytes() for lay in (Layout(8, 1, 1), Layout(1, 1, 8)))
     assert at8 > 2048 * linear_state_bytes(m, 1, 8)  # 131072 / 64 chunk states, 512 MiB
     assert 7.9 < at1 / at8 < 8.1  # everything of the layer scales as 1/P
     assert at8 == layer_saved_bytes(work, Layout(8, 1, 1))  # the hybrid's larger layer kind

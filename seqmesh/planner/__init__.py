@@ -4,6 +4,7 @@
 - :mod:`.hardware`  GPUs, their link hierarchy (presets, custom links) and ring kernel efficiency
 - :mod:`.network`   collective time over link levels and a node's shared NICs and switches (the fabric)
 - :mod:`.traffic`   exact per-rank bytes of seqmesh's collectives; FSDP and tensor-parallel references
+- :mod:`.layers`    one decoder layer's cost by kind: full, sliding-window, Gated DeltaNet, tensor-parallel
 - :mod:`.memory`    per-GPU memory by purpose
 - :mod:`.timing`    compute and communication time, with what overlaps
 - :mod:`.plan`      candidates (one evaluated layout each), ranking, per-layer and per-step traffic, longest sequence

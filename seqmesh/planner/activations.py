@@ -8,10 +8,9 @@ from __future__ import annotations
 from ..training.presets import ModelShape
 from ..padding import padded_length
 from .traffic import HeadDeal
-from .workload import Layout, Workload, linear_state_bytes
+from .workload import Layout, Workload
 
 INT64 = 8
-LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
 
 
 def local_tokens(work: Workload, layout: Layout) -> int:
@@ -59,28 +58,17 @@ def mlp_saved(work: Workload, layout: Layout) -> int:
     return 0 if work.tiled_mlp else tokens(work, layout) * 4 * work.model.intermediate * work.act_bytes
 
 
-def layer_saved_bytes(work: Workload, layout: Layout) -> int:
-    """Bytes one decoder layer keeps for backward on one GPU: two norms and their outputs, attention,
-    the MLP (the module docstring lists them). A hybrid model's Gated DeltaNet layers are counted by
-    :func:`linear_layer_saved_bytes` and the larger kind is taken."""
+def decoder_layer_saved_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes one attention decoder layer keeps for backward on one GPU: two norms and their outputs,
+    attention, the MLP (docs/planner.md lists them)."""
     m, e = work.model, work.act_bytes
     per_token = 2 * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
-    saved = tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
-    if m.linear_layers and layout.tp == 1:
-        saved = max(saved, linear_layer_saved_bytes(work, layout))
-    return saved
+    return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
 
 
 def layer_input_bytes(work: Workload, layout: Layout) -> int:
     """The input a checkpointed layer keeps (the residual stream, compute dtype)."""
     return tokens(work, layout) * work.model.hidden * work.act_bytes
-
-
-def recomputed_layer_bytes(work: Workload, layout: Layout) -> int:
-    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32, or
-    with the efficient norm, the first norm keeps that input itself rather than a float32 copy)."""
-    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
-    return layer_saved_bytes(work, layout) - shared
 
 
 def outside_layers_bytes(work: Workload, layout: Layout) -> int:
@@ -98,24 +86,6 @@ def final_norm_bytes(work: Workload, layout: Layout) -> int:
     if work.offload_checkpoints:
         return t * (e * m.hidden + (4 if work.efficient_norm else 0))
     return t * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
-
-
-def linear_layer_saved_bytes(work: Workload, layout: Layout) -> int:
-    """Bytes one Gated DeltaNet layer saves for backward on one GPU (not yet checked against a measured
-    run). Per local token as a full-attention layer (norms, projections' inputs, MLP) plus z and the out
-    projection's input; inside the token mixer, over the whole sequence for this GPU's 1/P of the heads:
-    the conv's input and output channels, beta, the decay, the output (activation dtype), and the
-    float32 recurrent state entering every chunk of 64 tokens (``linear_state_bytes`` per chunk)."""
-    m, e = work.model, work.act_bytes
-    p = layout.ulysses * layout.ring
-    t = tokens(work, layout)
-    whole = work.batch * padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
-    deal = HeadDeal(m.linear_value_heads, m.linear_key_heads, p)
-    h, k = deal.max_q, deal.max_kv
-    per_token = e * (4 * m.hidden + 4 * m.intermediate + 2 * m.linear_value_heads * m.linear_value_dim) + 2 * 4
-    mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
-    states = -(-whole // work.batch // LINEAR_CHUNK) * linear_state_bytes(m, work.batch, p)
-    return t * per_token + mixer + states
 
 
 def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:

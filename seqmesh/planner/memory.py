@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .activations import (attention_backward_bytes, final_norm_bytes, layer_backward_timeline, layer_input_bytes,
-                          layer_saved_bytes, linear_layer_saved_bytes, local_tokens, mlp_tile_tokens, norm_saved,
-                          outside_layers_bytes, recomputed_layer_bytes, timeline_peak, tokens)
+                          local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes, timeline_peak, tokens)
+from .layers import layer_kinds
 from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
@@ -18,7 +18,7 @@ MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backw
 
 __all__ = ["MOMENTS", "MemoryBreakdown", "memory_at", "memory_per_gpu", "parameter_memory", "host_memory",
            "activation_memory", "loss_memory", "end_of_backward_grads", "local_tokens",
-           "layer_saved_bytes", "linear_layer_saved_bytes", "mlp_tile_tokens"]
+           "layer_saved_bytes", "mlp_tile_tokens"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,18 @@ def host_memory(work: Workload, layout: Layout) -> int:
         final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
         host += m.layers * layer_input_bytes(work, layout) + t * final_norm
     return host
+
+
+def layer_saved_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes one layer keeps for backward on one GPU: the largest of the model's layer kinds."""
+    return max(kind.saved_bytes() for kind, _ in layer_kinds(work, layout))
+
+
+def recomputed_layer_bytes(work: Workload, layout: Layout) -> int:
+    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32, or
+    with the efficient norm, the first norm keeps that input itself rather than a float32 copy)."""
+    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
+    return layer_saved_bytes(work, layout) - shared
 
 
 def _kept_by_layers(work: Workload, layout: Layout, at_loss: bool) -> int:

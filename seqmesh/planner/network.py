@@ -281,3 +281,11 @@ def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
             lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
             worst = max(worst, lv.latency + nbytes / lv.bandwidth)
     return max(worst, uplink_seconds(nbytes, hw, layout, "ring"))
+
+
+def link_name(hw: HardwareSpec, groups: list[list[int]]) -> str:
+    """The slowest link level any of ``groups`` crosses ("-" when no group has two ranks)."""
+    groups = [g for g in groups if len(g) > 1]
+    if not groups:
+        return "-"
+    return hw.links[max(hw.level_of_group(g) for g in groups)].name

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, replace
 from .hardware import GiB, Cluster, HardwareSpec
 from .memory import MemoryBreakdown, memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
-from .network import axis_groups, world_rank
+from .layers import Attention, GatedDeltaNet, LayerKind, TensorParallel, layer_kinds
+from .network import every_group, link_name
 from .timing import StepTime, step_time
 from ..padding import padded_length
-from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic,
-                      tensor_parallel_traffic, worst_rank)
-from .workload import GlobalBatch, Layout, Workload, embedding_unit_params, layer_params, linear_layer_params, root_params
+from .traffic import HeadDeal, fsdp_traffic
+from .workload import GlobalBatch, Layout, Workload, embedding_unit_params, root_params
 
 
 PHASES = ("forward", "backward", "recompute")
@@ -143,84 +143,54 @@ def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[t
     return ok, excluded
 
 
-def _link_name(hw: HardwareSpec, groups: list[list[int]]) -> str:
-    groups = [g for g in groups if len(g) > 1]
-    if not groups:
-        return "-"
-    return hw.links[max(hw.level_of_group(g) for g in groups)].name
-
-
 def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dict, dict, dict]:
     """(bytes per layer by phase and collective, link of each collective, bytes per step by collective),
-    all for the busiest rank. Phases: ``forward``; ``backward`` (the backward pass proper); ``recompute``
-    (activation checkpointing re-running the layer's forward inside backward: its all-to-alls and ring hops
-    again; zeros without checkpointing). Per step adds the FSDP traffic of the root unit (gathered once and
-    kept for backward) and of an untied embedding's own unit (gathered twice), each reduce-scattered once, and seqmesh's input check (one tiny
-    all-gather per step: ``seqmesh.hf`` validates the first attention call of a batch)."""
+    all for the busiest rank. Phases: ``forward``, ``backward``, ``recompute`` (activation checkpointing
+    re-running the forward inside backward: its all-to-alls and ring hops again, not FSDP's gathers). Per
+    layer shows a full-attention layer (with a hybrid's Gated DeltaNet all-to-all beside it); per step sums
+    every layer kind (:func:`.layers.layer_kinds`), adds the root unit (gathered once and kept for backward)
+    and an untied embedding's unit (gathered twice), each reduce-scattered once, and seqmesh's input check."""
     m = work.model
-    fsdp = fsdp_traffic(-(-layer_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    attention = Attention(work, layout)
+    shown = [TensorParallel(attention)] if layout.tp > 1 else [attention]
+    if m.linear_layers and layout.tp == 1:
+        shown.append(GatedDeltaNet(work, layout))
+    per_layer = {phase: {} for phase in PHASES}
+    fsdp_link = link_name(hw, [[r for group in every_group(layout, "sequence") for r in group]])
+    links = {"fsdp_all_gather": fsdp_link, "fsdp_reduce_scatter": fsdp_link}
+    for kind in shown:
+        for phase, sent in kind.traffic().items():
+            per_layer[phase] |= sent
+        links |= kind.links(hw)
+    for phase, sent in with_fsdp(shown[0], work, layout).items():
+        per_layer[phase] |= {k: sent[k] for k in ("fsdp_all_gather", "fsdp_reduce_scatter")}
+    step = dict.fromkeys(per_layer["forward"], 0)
+    for kind, count in layer_kinds(work, layout):
+        for sent in with_fsdp(kind, work, layout).values():
+            for k, v in sent.items():
+                step[k] += count * v
     units = [(fsdp_traffic(-(-n // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype), gathers)
              for n, gathers in ((root_params(m), 1), (embedding_unit_params(m), 2)) if n]  # root, untied embedding
-    all_ranks = [world_rank(layout, u, r, d) for d in range(layout.dp_shard)
-                 for r in range(layout.ring) for u in range(layout.ulysses)]
-    links = {"fsdp_all_gather": _link_name(hw, [all_ranks]), "fsdp_reduce_scatter": _link_name(hw, [all_ranks])}
-    check = 0
-    if layout.tp > 1:
-        tp = tensor_parallel_traffic(work.batch * work.seq_len, m.hidden, layout.tp, work.torch_dtype)
-        fwd = {"tp_all_gather": tp["all_gather"], "tp_reduce_scatter": tp["reduce_scatter"]}
-        bwd = dict(fwd)
-        links["tp_all_gather"] = links["tp_reduce_scatter"] = _link_name(hw, [list(range(layout.tp))])
-    else:
-        att = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
-                                ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
-                                layout=work.layout, validate=work.validate)
-        if m.sliding_window and m.sliding_layers:  # sliding layers skip the ring steps their window never reaches
-            windowed = attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
-                                         ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype,
-                                         layout=work.layout, validate=False, window=m.sliding_window)
-            sliding_p2p = {ph: worst_rank(windowed, "p2p", ph) for ph in ("forward", "backward")}
-        fwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "forward"),
-               "ring_p2p": worst_rank(att, "p2p", "forward")}
-        bwd = {"ulysses_all_to_all": worst_rank(att, "all_to_all", "backward"),
-               "ring_p2p": worst_rank(att, "p2p", "backward")}
-        links.update(ulysses_all_to_all=_link_name(hw, axis_groups(layout, "ulysses")),
-                     ring_p2p=_link_name(hw, axis_groups(layout, "ring")))
-        sp_group = [world_rank(layout, u, r, 0) for r in range(layout.ring) for u in range(layout.ulysses)]
-        links["input_check_all_gather"] = _link_name(hw, [sp_group])
-        check = worst_rank(att, "control", "forward")  # once per step, not per layer
-        if m.linear_layers:  # Gated DeltaNet layers: their own all-to-all over the whole sequence group
-            lin = linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
-                                           seq_len=work.seq_len, batch=work.batch, ulysses=layout.ulysses,
-                                           ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-            fwd["linear_all_to_all"] = worst_rank(lin, "all_to_all", "forward")
-            bwd["linear_all_to_all"] = worst_rank(lin, "all_to_all", "backward")
-            links["linear_all_to_all"] = _link_name(hw, [sp_group])
-    recompute = {k: v if work.checkpointing else 0 for k, v in fwd.items()}
-    fwd |= {"fsdp_all_gather": fsdp["all_gather_forward"], "fsdp_reduce_scatter": 0}
-    bwd |= {"fsdp_all_gather": fsdp["all_gather_backward"], "fsdp_reduce_scatter": fsdp["reduce_scatter_backward"]}
-    recompute |= {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}  # the layer stays gathered for its backward
-    per_layer = {"forward": fwd, "backward": bwd, "recompute": recompute}
-    # per layer: a full-attention layer's figures, plus a Gated DeltaNet layer's all-to-all for hybrids
-    count = {k: m.layers - m.linear_layers for k in ("ulysses_all_to_all", "ring_p2p")} | {"linear_all_to_all": m.linear_layers}
-    step = {k: count.get(k, m.layers) * sum(phase[k] for phase in per_layer.values()) for k in fwd}
-    if m.linear_layers:  # their FSDP units hold other parameters than a full-attention layer's
-        lin_fsdp = fsdp_traffic(linear_layer_params(m), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-        step["fsdp_all_gather"] += m.linear_layers * (lin_fsdp["all_gather_forward"] + lin_fsdp["all_gather_backward"]
-                                                      - fsdp["all_gather_forward"] - fsdp["all_gather_backward"])
-        step["fsdp_reduce_scatter"] += m.linear_layers * (lin_fsdp["reduce_scatter_backward"] - fsdp["reduce_scatter_backward"])
-    if layout.tp == 1 and m.sliding_window and m.sliding_layers:  # per_layer shows a full-attention layer
-        per_sliding = sliding_p2p["forward"] * (2 if work.checkpointing else 1) + sliding_p2p["backward"]
-        per_full = sum(phase["ring_p2p"] for phase in per_layer.values())
-        attention_layers = m.layers - m.linear_layers
-        step["ring_p2p"] = (attention_layers - m.sliding_layers) * per_full + m.sliding_layers * per_sliding
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     if layout.tp == 1:
-        step["input_check_all_gather"] = check
+        step["input_check_all_gather"] = attention.input_check()
     for phase in (*per_layer.values(), step):
         phase["total"] = sum(phase.values())
     return per_layer, links, step
+
+
+def with_fsdp(kind: LayerKind, work: Workload, layout: Layout) -> dict[str, dict[str, int]]:
+    """``kind``'s traffic per phase with its FSDP unit's: gathered forward and again backward (not in the
+    recompute: the layer stays gathered for its backward), reduce-scattered backward."""
+    fsdp = fsdp_traffic(kind.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    sent = kind.traffic()
+    sent["forward"] |= {"fsdp_all_gather": fsdp["all_gather_forward"], "fsdp_reduce_scatter": 0}
+    sent["backward"] |= {"fsdp_all_gather": fsdp["all_gather_backward"],
+                         "fsdp_reduce_scatter": fsdp["reduce_scatter_backward"]}
+    sent["recompute"] |= {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}
+    return sent
 
 
 def evaluate(work: Workload, layout: Layout, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Candidate:

@@ -8,13 +8,14 @@ from dataclasses import asdict, dataclass
 
 from .hardware import HardwareSpec
 from .memory import local_tokens
+from .layers import Attention, GatedDeltaNet, TensorParallel, attention_average, attention_pairs
 from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
                       uplink_seconds, world_rank)
 from ..padding import padded_length
-from .traffic import (HeadDeal, all_to_all_calls, fsdp_traffic, linear_attention_traffic,
-                      ring_block_bytes, ring_steps, tensor_parallel_traffic)
-from .workload import (Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, linear_flops,
-                       linear_layer_params, root_params)
+from .traffic import HeadDeal, all_to_all_calls, fsdp_traffic, ring_block_bytes
+from .workload import Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
+
+__all__ = ["ATTENTION_BACKWARD", "StepTime", "attention_pairs", "ring_attention_seconds", "ring_hop_count", "step_time"]
 
 ATTENTION_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
 
@@ -43,33 +44,13 @@ class StepTime:
         return asdict(self)
 
 
-def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
-    """Visible (query, key) pairs of one sequence; a causal ``window`` keeps each query's last
-    ``window`` keys (itself included): ``w(w+1)/2 + (S - w) w`` with ``w = min(window, S)``."""
-    if window is not None and causal:
-        w = min(window, seq_len)
-        return w * (w + 1) // 2 + (seq_len - w) * w
-    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-
-
-def layer_attention_pairs(work: Workload) -> float:
-    """Visible pairs of one layer, averaged over the model's full and sliding layers: the ring skips
-    the blocks (and their compute) a window never reaches."""
-    m = work.model
-    full = attention_pairs(work.seq_len, work.causal)
-    if not m.sliding_window or not m.sliding_layers:
-        return full
-    windowed = attention_pairs(work.seq_len, work.causal, m.sliding_window)
-    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * windowed) / m.layers
-
-
 def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     m, b = work.model, work.batch
     peak = hw.flops_for(work.dtype)
     mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
     tokens = b * local_tokens(work, layout)
     mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # under TP: all tokens, 1/tp of the weights
-    pairs = layer_attention_pairs(work)
+    pairs = attention_average(work, layout, Attention.pairs)
     if layout.tp > 1:
         heads = m.heads // layout.tp
         attn_fwd = 4 * m.head_dim * heads * b * pairs / attn_rate
@@ -85,10 +66,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
         attn_bwd += ring_merge_seconds(work, layout, hw, "backward")
 
     if layout.tp > 1:
-        tp_ranks = list(range(layout.tp))
-        tp = tensor_parallel_traffic(b * work.seq_len, m.hidden, layout.tp, work.torch_dtype)
-        per_call = tp["all_gather"] // 2  # 2 all-gathers and 2 reduce-scatters of the same size each way
-        comm_fwd = comm_bwd = 4 * gather_seconds(per_call, hw, tp_ranks)
+        comm_fwd = comm_bwd = TensorParallel(Attention(work, layout)).comm_seconds(hw)
         fwd = mm_fwd + attn_fwd + comm_fwd
         bwd = 2 * mm_fwd + attn_bwd + comm_bwd
     else:
@@ -134,7 +112,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     serial = (full * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
               + 2 * emb_ag + emb_rs)
     if full < m.layers:
-        lin = _linear_layer_seconds(work, layout, hw, fsdp_ranks)
+        lin = GatedDeltaNet(work, layout).seconds(hw, fsdp_ranks)
         total += m.linear_layers * lin["total"]
         compute += m.linear_layers * lin["compute"]
         serial += m.linear_layers * lin["serial"]
@@ -145,34 +123,6 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
         hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / steps,
                     ring_hop_backward=t_kv + t_dkv, ring_block_backward=attn_bwd / steps)
     return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial, **hops)
-
-
-def _linear_layer_seconds(work: Workload, layout: Layout, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
-    """One Gated DeltaNet layer (``seqmesh.linear``): projections on the local tokens, the recurrence on the whole
-    sequence for 1/P of the heads (backward ~2x forward), its two all-to-alls each way over the sequence group
-    (not overlapped with compute); FSDP gathers overlap the layer as for attention layers."""
-    m, p = work.model, layout.ulysses * layout.ring
-    peak = hw.flops_for(work.dtype)
-    mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
-    tokens = work.batch * local_tokens(work, layout)
-    mm_fwd = 2 * tokens * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
-    core_fwd = linear_flops(m, work.seq_len, work.batch) * -(-m.linear_value_heads // p) / m.linear_value_heads / core_rate
-    traffic = linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
-                                       seq_len=work.seq_len, batch=work.batch, ulysses=layout.ulysses,
-                                       ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-    sample = peer_patterns(hw, axis_groups(layout, "sequence"))
-    calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
-    a2a_fwd, a2a_bwd = (sum(max(all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
-                            for n in phase) for phase in calls)
-    fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
-    if work.checkpointing:
-        bwd += fwd
-    fsdp = fsdp_traffic(linear_layer_params(m), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    ag, rs = (gather_seconds(fsdp[k], hw, fsdp_ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
-    repeats = 2 if work.checkpointing else 1
-    return {"total": max(fwd, ag) + max(bwd, ag + rs),
-            "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,
-            "serial": a2a_fwd * repeats + a2a_bwd + 2 * ag + rs}
 
 
 def ring_merge_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:
@@ -218,13 +168,7 @@ def ring_hops(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[float, 
 
 def ring_hop_count(work: Workload, layout: Layout) -> float:
     """K/V hops of one layer's ring pass, averaged over full and sliding-window layers."""
-    m = work.model
-    full = layout.ring - 1
-    if not m.sliding_window or not m.sliding_layers:
-        return full
-    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
-    sliding = ring_steps(layout.ring, padded, work.layout, m.sliding_window) - 1
-    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * sliding) / m.layers
+    return attention_average(work, layout, Attention.ring_hops)
 
 
 def ring_attention_seconds(work: Workload, layout: Layout, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:

@@ -117,27 +117,6 @@ def layer_params(m: ModelShape) -> int:
     return attn + m.mlp_params + m.norm_params
 
 
-def linear_layer_params(m: ModelShape) -> int:
-    """Parameters of one Gated DeltaNet layer of a hybrid model: its token mixer, gated MLP, two RMSNorms."""
-    return m.linear_layer_params + 3 * m.hidden * m.intermediate + 2 * m.hidden
-
-
-def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
-    """float32 recurrent state of one Gated DeltaNet layer on the busiest rank: (Dk x Dv) per value head of its
-    share (value heads dealt over the ``sp`` sequence ranks) and per sample; the chunked kernels keep one per
-    chunk of the sequence for backward, a multiple of this."""
-    heads = -(-m.linear_value_heads // sp)
-    return 4 * batch * heads * m.linear_key_dim * m.linear_value_dim
-
-
-def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = 64) -> int:
-    """Forward FLOPs of one Gated DeltaNet layer's recurrence over the whole sequence (all heads), chunked
-    form: per chunk of C tokens and head, the C x C products (k k^T, q k^T, two triangular solves ~ C^2 Dk
-    each, attn @ v) and the state reads and writes (4 C Dk Dv). Linear in the sequence length."""
-    per_token_head = 2 * (4 * chunk * m.linear_key_dim + chunk * m.linear_value_dim + 4 * m.linear_key_dim * m.linear_value_dim)
-    return batch * seq_len * m.linear_value_heads * per_token_head
-
-
 def layer_matmul_params(m: ModelShape) -> int:
     """Parameters of one layer that multiply every token (the projections; of an MoE layer, the
     experts a token is routed to and the router)."""

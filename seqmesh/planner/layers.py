@@ -1,0 +1,228 @@
+"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (a full layer, or a
+sliding-window layer: the same with a causal window, so fewer ring steps and visible pairs), a Gated
+DeltaNet layer, and a layer of the tensor-parallel reference.
+
+Each kind gives its FSDP unit's parameters, the bytes its own collectives send per phase (forward,
+backward, the checkpoint recompute) and the tensors it saves; Gated DeltaNet also its seconds. The step
+walks (``plan.communication``, ``timing.step_time``, ``memory``) take the model's kinds from
+:func:`layer_kinds` instead of branching on the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..padding import padded_length
+from ..training.presets import ModelShape
+from .activations import decoder_layer_saved_bytes, local_tokens, tokens
+from .hardware import HardwareSpec
+from .network import all_to_all_from_patterns, axis_groups, gather_seconds, link_name, peer_patterns, uplink_seconds
+from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic, ring_steps,
+                      tensor_parallel_traffic, worst_rank)
+from .workload import Layout, Workload, layer_params
+
+LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
+Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
+
+
+def phases(forward: dict[str, int], backward: dict[str, int], checkpointing: bool) -> Phases:
+    """A layer's three phases: checkpointing re-runs the forward's collectives inside backward."""
+    return {"forward": forward, "backward": backward,
+            "recompute": {k: v if checkpointing else 0 for k, v in forward.items()}}
+
+
+def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
+    """Visible (query, key) pairs of one sequence; a causal ``window`` keeps each query's last
+    ``window`` keys (itself included): ``w(w+1)/2 + (S - w) w`` with ``w = min(window, S)``."""
+    if window is not None and causal:
+        w = min(window, seq_len)
+        return w * (w + 1) // 2 + (seq_len - w) * w
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A decoder layer with seqmesh attention over ``ulysses x ring``; ``window``: a causal sliding window."""
+
+    work: Workload
+    layout: Layout
+    window: int | None = None
+
+    def params(self) -> int:
+        return -(-layer_params(self.work.model) // self.layout.tp)
+
+    def _ranks(self):
+        w, lay, m = self.work, self.layout, self.work.model
+        return attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=w.seq_len, batch=w.batch,
+                                 ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype, layout=w.layout,
+                                 validate=w.validate and self.window is None, window=self.window)
+
+    def traffic(self) -> Phases:
+        ranks = self._ranks()
+        fwd, bwd = ({"ulysses_all_to_all": worst_rank(ranks, "all_to_all", ph), "ring_p2p": worst_rank(ranks, "p2p", ph)}
+                    for ph in ("forward", "backward"))
+        return phases(fwd, bwd, self.work.checkpointing)
+
+    def input_check(self) -> int:
+        """seqmesh's input check: one tiny all-gather per step (the first attention call of a batch)."""
+        return worst_rank(self._ranks(), "control", "forward")
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {"ulysses_all_to_all": link_name(hw, axis_groups(self.layout, "ulysses")),
+                "ring_p2p": link_name(hw, axis_groups(self.layout, "ring")),
+                "input_check_all_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+
+    def pairs(self) -> int:
+        return attention_pairs(self.work.seq_len, self.work.causal, self.window)
+
+    def ring_hops(self) -> int:
+        """K/V hops of one ring pass: the ring steps that compute anything, less the local one."""
+        padded = padded_length(self.work.seq_len, self.layout.ulysses, self.layout.ring, self.work.layout)
+        return ring_steps(self.layout.ring, padded, self.work.layout, self.window) - 1
+
+    def saved_bytes(self) -> int:
+        return decoder_layer_saved_bytes(self.work, self.layout)
+
+
+def attention_average(work: Workload, layout: Layout, cost: Callable[[Attention], int]) -> float:
+    """``cost`` of one attention layer averaged over the model's full and sliding layers: the step model
+    costs every attention layer alike, with the average visible pairs and ring hops."""
+    m = work.model
+    full = cost(Attention(work, layout))
+    if not m.sliding_window or not m.sliding_layers:
+        return full
+    windowed = cost(Attention(work, layout, m.sliding_window))
+    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * windowed) / m.layers
+
+
+def linear_layer_params(m: ModelShape) -> int:
+    """Parameters of one Gated DeltaNet layer of a hybrid model: its token mixer, gated MLP, two RMSNorms."""
+    return m.linear_layer_params + 3 * m.hidden * m.intermediate + 2 * m.hidden
+
+
+def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
+    """float32 recurrent state of one Gated DeltaNet layer on the busiest rank: (Dk x Dv) per value head of its
+    share (value heads dealt over the ``sp`` sequence ranks) and per sample; the chunked kernels keep one per
+    chunk of the sequence for backward, a multiple of this."""
+    heads = -(-m.linear_value_heads // sp)
+    return 4 * batch * heads * m.linear_key_dim * m.linear_value_dim
+
+
+def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = LINEAR_CHUNK) -> int:
+    """Forward FLOPs of one Gated DeltaNet layer's recurrence over the whole sequence (all heads), chunked
+    form: per chunk of C tokens and head, the C x C products (k k^T, q k^T, two triangular solves ~ C^2 Dk
+    each, attn @ v) and the state reads and writes (4 C Dk Dv). Linear in the sequence length."""
+    per_token_head = 2 * (4 * chunk * m.linear_key_dim + chunk * m.linear_value_dim + 4 * m.linear_key_dim * m.linear_value_dim)
+    return batch * seq_len * m.linear_value_heads * per_token_head
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """A Gated DeltaNet layer (``seqmesh.linear``): its all-to-alls run over the whole sequence group."""
+
+    work: Workload
+    layout: Layout
+
+    def params(self) -> int:  # not divided by tp: the TP reference does not split these layers' units
+        return linear_layer_params(self.work.model)
+
+    def _ranks(self):
+        w, lay, m = self.work, self.layout, self.work.model
+        return linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
+                                        seq_len=w.seq_len, batch=w.batch, ulysses=lay.ulysses, ring=lay.ring,
+                                        dtype=w.torch_dtype, layout=w.layout)
+
+    def traffic(self) -> Phases:
+        ranks = self._ranks()
+        fwd, bwd = ({"linear_all_to_all": worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward"))
+        return phases(fwd, bwd, self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {"linear_all_to_all": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward (not yet checked against a measured run; docs/planner.md, "Activations"):
+        per local token as a full-attention layer plus z and the out projection's input; inside the mixer,
+        over the whole sequence for 1/P of the heads, the conv's channels, beta, the decay, the output and
+        the float32 state entering every chunk."""
+        w, lay, m = self.work, self.layout, self.work.model
+        e, p = w.act_bytes, lay.ulysses * lay.ring
+        whole = w.batch * padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
+        deal = HeadDeal(m.linear_value_heads, m.linear_key_heads, p)
+        h, k = deal.max_q, deal.max_kv
+        per_token = e * (4 * m.hidden + 4 * m.intermediate + 2 * m.linear_value_heads * m.linear_value_dim) + 2 * 4
+        mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
+        states = -(-whole // w.batch // LINEAR_CHUNK) * linear_state_bytes(m, w.batch, p)
+        return tokens(w, lay) * per_token + mixer + states
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer: projections
+        on the local tokens, the recurrence on the whole sequence for 1/P of the heads (backward ~2x forward),
+        two all-to-alls each way over the sequence group (not overlapped); FSDP overlaps as for attention."""
+        work, layout, m = self.work, self.layout, self.work.model
+        p = layout.ulysses * layout.ring
+        peak = hw.flops_for(work.dtype)
+        mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
+        mm_fwd = 2 * work.batch * local_tokens(work, layout) * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
+        core_fwd = linear_flops(m, work.seq_len, work.batch) * -(-m.linear_value_heads // p) / m.linear_value_heads / core_rate
+        traffic = self._ranks()
+        sample = peer_patterns(hw, axis_groups(layout, "sequence"))
+        calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
+        a2a_fwd, a2a_bwd = (sum(max(all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
+                                for n in phase) for phase in calls)
+        fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
+        if work.checkpointing:
+            bwd += fwd
+        fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+        ag, rs = (gather_seconds(fsdp[k], hw, fsdp_ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        repeats = 2 if work.checkpointing else 1
+        return {"total": max(fwd, ag) + max(bwd, ag + rs),
+                "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,
+                "serial": a2a_fwd * repeats + a2a_bwd + 2 * ag + rs}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """``inner``'s layer under Megatron tensor + sequence parallelism (a reference seqmesh does not run):
+    its FSDP unit, with 2 all-gathers and 2 reduce-scatters of the activations each way instead of
+    sequence-parallel traffic."""
+
+    inner: Attention | GatedDeltaNet
+
+    def params(self) -> int:
+        return self.inner.params()
+
+    def traffic(self) -> Phases:
+        w, lay = self.inner.work, self.inner.layout
+        tp = tensor_parallel_traffic(w.batch * w.seq_len, w.model.hidden, lay.tp, w.torch_dtype)
+        fwd = {"tp_all_gather": tp["all_gather"], "tp_reduce_scatter": tp["reduce_scatter"]}
+        return phases(fwd, dict(fwd), w.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        link = link_name(hw, [list(range(self.inner.layout.tp))])
+        return {"tp_all_gather": link, "tp_reduce_scatter": link}
+
+    def comm_seconds(self, hw: HardwareSpec) -> float:
+        """One layer's TP collectives, one way (forward or backward), none overlapped."""
+        per_call = self.traffic()["forward"]["tp_all_gather"] // 2  # 2 all-gathers and 2 reduce-scatters, alike
+        return 4 * gather_seconds(per_call, hw, list(range(self.inner.layout.tp)))
+
+    def saved_bytes(self) -> int:
+        return decoder_layer_saved_bytes(self.inner.work, self.inner.layout)
+
+
+LayerKind = Attention | GatedDeltaNet | TensorParallel
+
+
+def layer_kinds(work: Workload, layout: Layout) -> list[tuple[LayerKind, int]]:
+    """The model's layers by kind, with how many of each (kinds with none left out)."""
+    m = work.model
+    full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0)
+    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
+    if m.sliding_window:
+        kinds.append((Attention(work, layout, m.sliding_window), m.sliding_layers))
+    kinds.append((GatedDeltaNet(work, layout), m.linear_layers))
+    if layout.tp > 1:
+        kinds = [(TensorParallel(kind), n) for kind, n in kinds]
+    return [(kind, n) for kind, n in kinds if n]
