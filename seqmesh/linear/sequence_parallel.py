@@ -34,7 +34,7 @@ attention layer of the same model (352 MB for its 16 + 2 x 4 + 16 heads of 256).
 
 Memory: each rank holds ``1/P`` of the layer's channels over the whole sequence, the same size as
 its share of the local activations; the recurrence keeps one float32 (Dk x Dv) state per head and
-64-token chunk for backward (the planner's ``linear_layer_saved_bytes``). Latency: two all-to-alls
+64-token chunk for backward (the planner's ``GatedDeltaNet.saved_bytes``). Latency: two all-to-alls
 each way, no sequential dependence between ranks.
 
 The alternative keeps heads whole and passes, along the ring, the recurrent state of each chunk
