@@ -13,7 +13,8 @@ from planner_cases import TrafficCase, measured_traffic
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.plan import communication
 from seqmesh.padding import padded_length
-from seqmesh.planner.traffic import HeadDeal, attention_traffic, fsdp_traffic, tensor_parallel_traffic
+from seqmesh.heads import HeadDeal
+from seqmesh.planner.traffic import attention_traffic, fsdp_traffic, tensor_parallel_traffic
 from seqmesh.planner.workload import Layout, Workload
 from seqmesh.training.presets import MODELS, ModelShape
 
@@ -67,13 +68,13 @@ def test_uneven_heads_forward_and_backward_differ_per_rank():
     """6 query heads over 4 Ulysses ranks deal (2, 2, 1, 1) with 2 kv heads of 3 query heads each: rank 1
     holds query heads 2 and 3, which read both kv heads. Rows of B*L*D elements (here 1*8*8*4 bytes)."""
     deal = HeadDeal(6, 2, 4)
-    assert [deal.q(u) for u in range(4)] == [2, 2, 1, 1]
-    assert [deal.kv(u) for u in range(4)] == [1, 2, 1, 1]
+    assert [deal.q_count(u) for u in range(4)] == [2, 2, 1, 1]
+    assert [deal.kv_count(u) for u in range(4)] == [1, 2, 1, 1]
     ranks = attention_traffic(6, 2, 8, seq_len=32, batch=1, ulysses=4, ring=1, dtype="float32")
     row = 1 * 8 * 8 * 4
-    total = sum(deal.q(u) + 2 * deal.kv(u) for u in range(4))  # 4 + 6 + 3 + 3 = 16 heads sent in all
+    total = sum(deal.q_count(u) + 2 * deal.kv_count(u) for u in range(4))  # 4 + 6 + 3 + 3 = 16 heads sent in all
     for u, t in enumerate(ranks):
-        q, kv = deal.q(u), deal.kv(u)
+        q, kv = deal.q_count(u), deal.kv_count(u)
         assert t.sent("all_to_all", "forward") == (total - q - 2 * kv + 3 * q) * row
         assert t.sent("all_to_all", "backward") == (6 - q + 3 * (q + 2 * kv)) * row
     assert ranks[1].sent("all_to_all", "forward") != ranks[1].sent("all_to_all", "backward")

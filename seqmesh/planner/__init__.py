@@ -19,7 +19,8 @@ from .memory import MemoryBreakdown, memory_per_gpu
 from .plan import Candidate, Plan, longest_plan, longest_sequence, plan
 from .timing import StepTime, step_time
 from ..padding import padded_length
-from .traffic import HeadDeal, attention_traffic
+from ..heads import HeadDeal
+from .traffic import attention_traffic
 from .workload import GlobalBatch, Layout, Workload
 
 __all__ = [

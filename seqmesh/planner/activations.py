@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..training.presets import ModelShape
 from ..padding import padded_length
-from .traffic import HeadDeal
+from ..heads import HeadDeal
 from .workload import Layout, Workload
 
 INT64 = 8

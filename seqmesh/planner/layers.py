@@ -18,7 +18,8 @@ from ..training.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens
 from .hardware import HardwareSpec
 from .network import all_to_all_from_patterns, axis_groups, gather_seconds, link_name, peer_patterns, uplink_seconds
-from .traffic import (HeadDeal, attention_traffic, fsdp_traffic, linear_attention_traffic, ring_steps,
+from ..heads import HeadDeal
+from .traffic import (attention_traffic, fsdp_traffic, linear_attention_traffic, ring_steps,
                       tensor_parallel_traffic, worst_rank)
 from .workload import Layout, Workload, layer_params
 

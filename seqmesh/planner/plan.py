@@ -14,7 +14,8 @@ from .layers import Attention, GatedDeltaNet, LayerKind, TensorParallel, layer_k
 from .network import every_group, link_name
 from .timing import StepTime, step_time
 from ..padding import padded_length
-from .traffic import HeadDeal, fsdp_traffic
+from ..heads import HeadDeal
+from .traffic import fsdp_traffic
 from .workload import GlobalBatch, Layout, Workload, embedding_unit_params, root_params
 
 

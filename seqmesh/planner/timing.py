@@ -12,7 +12,8 @@ from .layers import Attention, GatedDeltaNet, TensorParallel, attention_average,
 from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
                       uplink_seconds, world_rank)
 from ..padding import padded_length
-from .traffic import HeadDeal, all_to_all_calls, fsdp_traffic, ring_block_bytes
+from ..heads import HeadDeal
+from .traffic import all_to_all_calls, fsdp_traffic, ring_block_bytes
 from .workload import Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
 
 __all__ = ["ATTENTION_BACKWARD", "StepTime", "attention_pairs", "ring_attention_seconds", "ring_hop_count", "step_time"]

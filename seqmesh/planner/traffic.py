@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..heads import HeadDeal
 from ..padding import padded_length
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -53,50 +54,6 @@ def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: i
             if any(b < a and (a - b - 1) * c + 1 < window for a in chunks(r) for b in chunks(s)):
                 needed.add((r - s) % ring)
     return tuple(sorted(needed))
-
-
-@dataclass(frozen=True)
-class HeadDeal:
-    """Which query and kv heads Ulysses rank ``u`` works on (see the module docstring)."""
-
-    q_heads: int
-    kv_heads: int
-    ulysses: int
-
-    def __post_init__(self) -> None:
-        if self.kv_heads < 1 or self.q_heads % self.kv_heads:
-            raise ValueError(f"{self.q_heads} query heads are not a multiple of {self.kv_heads} kv heads.")
-        if not 1 <= self.ulysses <= self.q_heads:
-            raise ValueError(f"ulysses={self.ulysses} must be between 1 and the {self.q_heads} query heads.")
-
-    def query_heads(self, u: int) -> range:
-        base, extra = divmod(self.q_heads, self.ulysses)
-        start = u * base + min(u, extra)
-        return range(start, start + base + (1 if u < extra else 0))
-
-    def key_heads(self, u: int) -> range:
-        per_kv = self.q_heads // self.kv_heads
-        q = self.query_heads(u)
-        return range(q.start // per_kv, (q.stop - 1) // per_kv + 1)
-
-    def q(self, u: int) -> int:
-        return len(self.query_heads(u))
-
-    def kv(self, u: int) -> int:
-        return len(self.key_heads(u))
-
-    @property
-    def max_q(self) -> int:
-        return max(self.q(u) for u in range(self.ulysses))
-
-    @property
-    def max_kv(self) -> int:
-        return max(self.kv(u) for u in range(self.ulysses))
-
-    @property
-    def replicated(self) -> bool:
-        """True when some kv head goes to more than one rank."""
-        return sum(self.kv(u) for u in range(self.ulysses)) > self.kv_heads
 
 
 @dataclass(frozen=True)
@@ -146,7 +103,7 @@ def attention_traffic(
     local = padded_length(seq_len, ulysses, ring, layout) // p
     e, ep = dtype_bytes(dtype), partial_bytes(dtype)
     row = batch * local * head_dim * e  # one head of this rank's tokens
-    all_heads = sum(deal.q(v) + 2 * deal.kv(v) for v in range(ulysses))
+    all_heads = sum(deal.q_count(v) + 2 * deal.kv_count(v) for v in range(ulysses))
     steps = ring_step_list(ring, local * p, layout, window)  # the same on every rank
     hops = len(steps) - 1
     relay = steps == tuple(range(len(steps)))  # relayed partials make one more hop, home
@@ -154,7 +111,7 @@ def attention_traffic(
     out: list[RankTraffic] = []
     for r in range(ring):
         for u in range(ulysses):
-            q, kv = deal.q(u), deal.kv(u)
+            q, kv = deal.q_count(u), deal.kv_count(u)
             items: list[Collective] = []
             if validate and p > 1:
                 items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64, "validate"))
@@ -203,10 +160,10 @@ def linear_attention_traffic(
     deal = HeadDeal(value_heads, key_heads, p)
     local = padded_length(seq_len, ulysses, ring, layout) // p
     unit = batch * local * dtype_bytes(dtype)  # one channel of this rank's tokens
-    channels = [2 * deal.kv(v) * key_dim + deal.q(v) * (value_dim + 2) for v in range(p)]
+    channels = [2 * deal.kv_count(v) * key_dim + deal.q_count(v) * (value_dim + 2) for v in range(p)]
     out = []
     for rank in range(p):
-        h, c = deal.q(rank), channels[rank]
+        h, c = deal.q_count(rank), channels[rank]
         out.append(RankTraffic(rank % ulysses, rank // ulysses, (
             Collective("all_to_all", "forward", 1, (sum(channels) - c) * unit, "linear"),
             Collective("all_to_all", "forward", 1, (p - 1) * h * value_dim * unit, "linear"),
@@ -231,11 +188,11 @@ def all_to_all_calls(
         return {"forward": [], "backward": []}
     local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
     row = batch * local * head_dim * dtype_bytes(dtype)
-    all_heads = sum(deal.q(v) + 2 * deal.kv(v) for v in range(ulysses))
-    fwd = [max((all_heads - deal.q(u) - 2 * deal.kv(u)) * row for u in range(ulysses)),
-           max((ulysses - 1) * deal.q(u) * row for u in range(ulysses))]
-    bwd = [max((q_heads - deal.q(u)) * row for u in range(ulysses)),
-           max((ulysses - 1) * (deal.q(u) + 2 * deal.kv(u)) * row for u in range(ulysses))]
+    all_heads = sum(deal.q_count(v) + 2 * deal.kv_count(v) for v in range(ulysses))
+    fwd = [max((all_heads - deal.q_count(u) - 2 * deal.kv_count(u)) * row for u in range(ulysses)),
+           max((ulysses - 1) * deal.q_count(u) * row for u in range(ulysses))]
+    bwd = [max((q_heads - deal.q_count(u)) * row for u in range(ulysses)),
+           max((ulysses - 1) * (deal.q_count(u) + 2 * deal.kv_count(u)) * row for u in range(ulysses))]
     return {"forward": fwd, "backward": bwd}
 
 

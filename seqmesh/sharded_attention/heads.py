@@ -1,10 +1,7 @@
-"""How Ulysses deals heads to ranks: even or uneven query heads, grouped kv heads, replication.
+"""The Ulysses head deal on tensors: which local kv head each local query head reads.
 
-Query heads go to Ulysses ranks in contiguous ranges, as evenly as possible (the first
-``Hq % U`` ranks take one more). A rank needs exactly the kv heads its query heads read
-(query head h reads kv head ``h // (Hq / Hkv)``), which is again a contiguous range. When the
-degree exceeds the kv heads, neighbouring ranks need the same kv head: each source sends it to
-every rank that needs it and nowhere else, so no rank receives a head it does not use.
+Which heads each rank works on is :mod:`seqmesh.heads` (``HeadDeal``), the one rule the engine and
+the planner share; :class:`HeadPlan` adds what only the kernels need.
 """
 
 from __future__ import annotations
@@ -14,64 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-
-def even_split(total: int, parts: int) -> list[int]:
-    """``total`` items in ``parts`` contiguous groups, the first ``total % parts`` one larger."""
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+from ..heads import HeadDeal
 
 
 @dataclass(frozen=True)
-class HeadPlan:
-    q_heads: int
-    kv_heads: int
-    ulysses: int
-
-    def __post_init__(self) -> None:
-        if self.q_heads % self.kv_heads:
-            raise ValueError(
-                f"{self.q_heads} query heads cannot share {self.kv_heads} kv heads evenly; grouped-query "
-                "attention needs the query heads to be a multiple of the kv heads."
-            )
-        if self.ulysses > self.q_heads:
-            divisors = [u for u in range(1, self.q_heads + 1) if self.q_heads % u == 0]
-            raise ValueError(
-                f"ulysses={self.ulysses} exceeds the {self.q_heads} query heads: each Ulysses rank needs at "
-                f"least one head. Use ulysses <= {self.q_heads} (even splits: {divisors}) and put the rest "
-                "of the sequence degree on the ring axis."
-            )
-
-    @property
-    def group(self) -> int:
-        """Query heads per kv head."""
-        return self.q_heads // self.kv_heads
-
-    def q_range(self, rank: int) -> tuple[int, int]:
-        sizes = even_split(self.q_heads, self.ulysses)
-        start = sum(sizes[:rank])
-        return start, start + sizes[rank]
-
-    def kv_range(self, rank: int) -> tuple[int, int]:
-        a, b = self.q_range(rank)
-        return a // self.group, (b - 1) // self.group + 1
-
-    def send_chunks(self) -> list[tuple[int, int, int]]:
-        """Destination-major ``(tensor, first head, end head)`` for the packed (q, k, v) all-to-all."""
-        chunks = []
-        for u in range(self.ulysses):
-            (qa, qb), (ka, kb) = self.q_range(u), self.kv_range(u)
-            chunks += [(0, qa, qb), (1, ka, kb), (2, ka, kb)]
-        return chunks
-
-    def send_heads(self) -> list[int]:
-        return [self.q_count(u) + 2 * self.kv_count(u) for u in range(self.ulysses)]
-
-    def q_count(self, rank: int) -> int:
-        a, b = self.q_range(rank)
-        return b - a
-
-    def kv_count(self, rank: int) -> int:
-        a, b = self.kv_range(rank)
-        return b - a
+class HeadPlan(HeadDeal):
+    """:class:`seqmesh.heads.HeadDeal` (the rule, shared with the planner) with the kernel's kv head map."""
 
     def kv_map(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """Local kv head of each local query head, or None when they group evenly (the kernel's own
