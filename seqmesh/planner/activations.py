@@ -29,7 +29,7 @@ recomputed in backward.
 
 from __future__ import annotations
 
-from ..training.presets import ModelShape
+from ..model.presets import ModelShape
 from ..padding import padded_length
 from .traffic import HeadDeal
 from .workload import Layout, Workload, linear_state_bytes

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ..training.presets import MODELS, model_shape
+from ..model.presets import MODELS, model_shape
 from .fabric import parse_fabric
 from .global_batch import global_batch_from
 from .hardware import GB, GiB, PRESETS, HardwareSpec, make_cluster, parse_link

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..degrees import resolve_degrees
-from ..training.presets import ModelShape
+from ..model.presets import ModelShape
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -168,7 +168,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     CUDA context. ``device="cpu"`` describes a CPU-only run, where host and device are one memory: FSDP2's
     CPU offload then moves nothing, the activation offload's host copies are used in place (nothing is
     fetched back), and AdamW takes its per-tensor path (torch uses ``foreach`` only on CUDA)."""
-    from ..training.presets import model_shape
+    from ..model.presets import model_shape
 
     if not cfg.uses_fsdp(world, cuda=device == "cuda"):
         raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process, "
