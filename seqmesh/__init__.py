@@ -20,8 +20,8 @@ _EXPORTS: dict[str, str] = {
     "CommStats": ".comm.stats",
     "SequenceInfo": ".training.data",
     "shard_batch": ".training.data",
-    "chunked_linear_cross_entropy": ".training.loss",
-    "sequence_parallel_cross_entropy": ".training.loss",
+    "chunked_linear_cross_entropy": ".model.loss",
+    "sequence_parallel_cross_entropy": ".model.loss",
     "LayoutKind": ".layout",
     "Run": ".layout",
     "SequenceLayout": ".layout",
@@ -35,14 +35,15 @@ _EXPORTS: dict[str, str] = {
     "shard_sequence": ".sharding",
 }
 
-# Packages, and the older module names users reach as attributes (``seqmesh.model.SequenceParallelLM``).
+# Packages, and the older module names users reach as attributes (``seqmesh.fsdp.apply_fsdp``).
 _SUBMODULES: dict[str, str] = {
     **{name: f".{name}" for name in (
-        "comm", "hf", "kernels", "layout", "mesh", "planner", "sharded_attention", "sharding", "tools",
+        "comm", "hf", "kernels", "layout", "mesh", "model", "planner", "sharded_attention", "sharding", "tools",
         "training",
     )},
+    **{name: f".model.{name}" for name in ("fsdp", "loss", "presets")},
     **{name: f".training.{name}" for name in (
-        "checkpoint", "config", "data", "datasets", "fsdp", "loss", "metrics", "model", "presets", "train", "verify",
+        "checkpoint", "config", "data", "datasets", "metrics", "train", "verify",
     )},
     **{name: f".tools.{name}" for name in ("bench", "cli", "launch")},
 }
@@ -70,6 +71,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .comm.stats import CommStats, comm_stats
     from .training.data import SequenceInfo, shard_batch
     from .layout import LayoutKind, Run, SequenceLayout
-    from .training.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
+    from .model.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
     from .mesh import MeshAxis, SPMesh, init_mesh, mesh_from_device_mesh
     from .sharding import gather_sequence, sequence_layout, sequence_positions, shard_sequence

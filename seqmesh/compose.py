@@ -30,8 +30,8 @@ from .hf import parallelize
 from .memory.rmsnorm import enable_efficient_norm
 from .memory.tiled_mlp import enable_tiled_mlp
 from .mesh import SPMesh
-from .training.fsdp import apply_fsdp, enable_checkpointing
-from .training.model import SequenceParallelLM
+from .model.fsdp import apply_fsdp, enable_checkpointing
+from .model.lm import SequenceParallelLM
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ def odd_vocab_config(preset: str, folder: str) -> str:
     that size can only be the vocabulary's."""
     from dataclasses import replace
 
-    from seqmesh.training.model import hf_config
-    from seqmesh.training.presets import model_shape
+    from seqmesh.model.lm import hf_config
+    from seqmesh.model.presets import model_shape
 
     hf_config(replace(model_shape(preset), vocab=ODD_VOCAB)).save_pretrained(folder)
     return os.path.join(folder, "config.json")

@@ -10,8 +10,8 @@ import seqmesh
 from dist_cases import get_mesh
 from family_cases import build, family_config, reference_rounding
 from seqmesh.compose import ParallelPlan, parallelize_model
-from seqmesh.training.fsdp import sync_gradients
-from seqmesh.training.model import SequenceParallelLM
+from seqmesh.model.fsdp import sync_gradients
+from seqmesh.model.lm import SequenceParallelLM
 
 SEQ_LEN = 45
 

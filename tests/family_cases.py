@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_leaves
 import seqmesh
 from dist_cases import get_mesh
 from seqmesh.hf import parallelize, unparallelize
-from seqmesh.training.fsdp import sync_gradients
-from seqmesh.training.model import SequenceParallelLM
+from seqmesh.model.fsdp import sync_gradients
+from seqmesh.model.lm import SequenceParallelLM
 
 WINDOW = 5  # shorter than a zigzag chunk of the 45-token sequences on 4 ring ranks (48 / 8 = 6)
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64, attention_dropout=0.0)

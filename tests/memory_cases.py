@@ -10,8 +10,8 @@ from seqmesh.hf import parallelize
 from seqmesh.memory import MemoryTracker
 from seqmesh.memory.rmsnorm import enable_efficient_norm
 from seqmesh.memory.tiled_mlp import enable_tiled_mlp
-from seqmesh.training.fsdp import apply_fsdp, enable_checkpointing
-from seqmesh.training.model import SequenceParallelLM, build_model
+from seqmesh.model.fsdp import apply_fsdp, enable_checkpointing
+from seqmesh.model.lm import SequenceParallelLM, build_model
 
 
 def _batch(seq_len: int, vocab: int = 256) -> dict:

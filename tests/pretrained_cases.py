@@ -61,9 +61,9 @@ def loading_memory(folder: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from seqmesh.mesh import init_mesh
-    from seqmesh.training.fsdp import apply_fsdp
-    from seqmesh.training.model import SequenceParallelLM, build_model
-    from seqmesh.training.pretrained import load_pretrained
+    from seqmesh.model.fsdp import apply_fsdp
+    from seqmesh.model.lm import SequenceParallelLM, build_model
+    from seqmesh.model.pretrained import load_pretrained
 
     mesh = init_mesh(1, 1, dp_shard=dist.get_world_size(), device_type="cpu")
     module = apply_fsdp(SequenceParallelLM(build_model(folder, device="meta"), mesh), mesh)
@@ -91,7 +91,7 @@ def trained_weights(cfg: TrainConfig) -> dict:
 
 def export_loaded(folder: str, out: str, max_shard_bytes: int, dtype: torch.dtype | None, fsdp: bool) -> str:
     """Load ``folder`` over U2xR2 (sharded, or whole on every rank), then export it with ``export_pretrained``."""
-    from seqmesh.training.export import export_pretrained
+    from seqmesh.model.writer import export_pretrained
     from seqmesh.training.train import build
 
     _, module, _ = build(TrainConfig(model=folder, seq_len=64, ulysses=2, ring=2, dp=1, fsdp=fsdp))

@@ -63,7 +63,7 @@ def test_no_square_buffer_and_only_tile_sized_logits(pools, case):
 def test_the_recorder_finds_what_plain_transformers_allocates():
     """Positive controls: eager attention makes (B, H, S, S) scores; transformers' loss makes the whole
     (B, S, V) logits."""
-    from seqmesh.training.model import build_model
+    from seqmesh.model.lm import build_model
 
     length = 512
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))

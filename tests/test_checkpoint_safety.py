@@ -169,7 +169,7 @@ def test_latest_naming_a_folder_outside_is_refused_and_resume_ignores_it(tmp_pat
 def test_non_tensor_items_are_read_as_plain_data_only(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from seqmesh.training.checkpoint_reader import UnsafeCheckpoint, load_checked
+    from seqmesh.model.checkpoint_reader import UnsafeCheckpoint, load_checked
 
     marker = tmp_path / "ran"
     with warnings.catch_warnings():
@@ -185,7 +185,7 @@ def test_non_tensor_items_are_read_as_plain_data_only(tmp_path):
 
 @pytest.mark.parametrize("name", ["../outside.distcp", "/etc/passwd", "sub/file.distcp"])
 def test_storage_files_outside_the_folder_are_refused(tmp_path, name):
-    from seqmesh.training.checkpoint_reader import UnsafeCheckpoint, read_checked_metadata
+    from seqmesh.model.checkpoint_reader import UnsafeCheckpoint, read_checked_metadata
 
     model = torch.nn.Linear(8, 4)
     ckpt.save_checkpoint(str(tmp_path), 1, model, torch.optim.AdamW(model.parameters()))

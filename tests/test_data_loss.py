@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_cases import pooled_loss, shard_batch_roundtrip
-from seqmesh.training.loss import chunked_linear_cross_entropy
+from seqmesh.model.loss import chunked_linear_cross_entropy
 
 
 @pytest.mark.parametrize("ulysses,ring,layout", [(2, 2, "zigzag"), (1, 4, "contiguous"), (4, 1, "zigzag")])
@@ -95,7 +95,7 @@ def parallelize_roundtrip() -> str:
     from transformers import AttentionInterface
 
     from seqmesh.hf import parallelize, unparallelize
-    from seqmesh.training.model import build_model
+    from seqmesh.model.lm import build_model
 
     model = build_model("llama-tiny")
     parallelize(model, get_mesh(2, 1))

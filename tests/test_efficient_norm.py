@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from seqmesh.memory import MemoryTracker
 from seqmesh.memory.rmsnorm import disable_efficient_norm, enable_efficient_norm
-from seqmesh.training.fsdp import enable_checkpointing
+from seqmesh.model.fsdp import enable_checkpointing
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=256, rms_norm_eps=1e-5)

@@ -12,7 +12,7 @@ import torch
 from pretrained_cases import export_loaded, trained_weights
 from seqmesh.tools.cli import main
 from seqmesh.training.config import TrainConfig
-from seqmesh.training.model import build_model
+from seqmesh.model.lm import build_model
 
 
 def _from_pretrained(folder):

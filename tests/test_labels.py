@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seqmesh.training.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
+from seqmesh.model.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
 
 
 def bad_label_on_one_rank(bad: int, which: str) -> str:
@@ -56,7 +56,7 @@ def model_loss_with_ignore_index(ignore: int) -> list[float]:
     import seqmesh
     from dist_cases import get_mesh
     from seqmesh.hf import parallelize
-    from seqmesh.training.model import SequenceParallelLM, build_model
+    from seqmesh.model.lm import SequenceParallelLM, build_model
 
     mesh = get_mesh(2, 1)
     reference = build_model("llama-tiny", seed=0)

@@ -194,7 +194,7 @@ def test_planner_counts_gated_deltanet_layers():
     from seqmesh.planner.hardware import PRESETS, make_cluster
     from seqmesh.planner.plan import communication, layouts
     from seqmesh.planner.workload import Layout, Workload
-    from seqmesh.training.presets import MODELS
+    from seqmesh.model.presets import MODELS
 
     m = MODELS["qwen3.5-9b"]
     work = Workload(m, 131072)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from seqmesh.training.loss import chunked_linear_cross_entropy
+from seqmesh.model.loss import chunked_linear_cross_entropy
 
 
 def test_chunked_loss_under_autocast_matches_plain_autocast_accuracy():

@@ -17,8 +17,8 @@ from seqmesh.memory.allocator import ALLOC_CONF, configure_cuda_allocator
 from seqmesh.memory.offload import enable_activation_offload
 from seqmesh.memory.tiled_mlp import disable_tiled_mlp, enable_tiled_mlp
 from seqmesh.training.config import TrainConfig
-from seqmesh.training.fsdp import enable_checkpointing
-from seqmesh.training.model import build_model
+from seqmesh.model.fsdp import enable_checkpointing
+from seqmesh.model.lm import build_model
 from train_job_cases import run_train
 
 

@@ -20,7 +20,7 @@ from seqmesh.planner.network import all_to_all_seconds
 from seqmesh.planner.timing import StepTime, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.planner.workload import Layout, Workload
-from seqmesh.training.presets import MODELS, ModelShape
+from seqmesh.model.presets import MODELS, ModelShape
 
 TINY = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 H100 = PRESETS["h100-nvlink"]
@@ -39,7 +39,7 @@ LLAMA8B_ROOT = 128256 * 4096 + 4096  # LM head + final norm
 
 
 def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
-    """seqmesh's FSDP units (seqmesh.training.fsdp.apply_fsdp) for an untied model: one per decoder layer, the input
+    """seqmesh's FSDP units (seqmesh.model.fsdp.apply_fsdp) for an untied model: one per decoder layer, the input
     embedding on its own, and the root with the final norm and LM head. Llama-3-8B, bf16, FSDP over 8
     ranks; per GPU:
 
@@ -194,7 +194,7 @@ def test_compute_time_by_hand():
     """With free communication and peak FLOP/s: per layer 2 FLOPs per weight per token forward, 4
     backward, 2 again to recompute under checkpointing; attention 4*D*H FLOPs per visible pair with
     S(S+1)/2 causal pairs, x (1 + 2.5 + 1); the LM head 2 forward + 4 backward FLOPs per weight per token,
-    + 2 when the chunked loss recomputes the logits in backward (seqmesh.training.loss)."""
+    + 2 when the chunked loss recomputes the logits in backward (seqmesh.model.loss)."""
     hw, s = _fast(H100), 1024
     mm = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
     attention = 4 * 16 * 4 * (s * (s + 1) // 2)

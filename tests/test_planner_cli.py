@@ -247,7 +247,7 @@ def test_nothing_fits_names_the_moment_and_what_fills_it(capsys):
     """Llama-3-70B on 16 GPUs holds no token: at the optimizer step each GPU has AdamW's two fp32 moments
     and the foreach step's fp32 temporary (12 bytes per parameter), its fp32 shard and gradient (4 each),
     all over 16 GPUs. The reason must say so, not blame activations or unsharded units."""
-    from seqmesh.training.presets import model_shape
+    from seqmesh.model.presets import model_shape
 
     params = model_shape("llama3-70b").params
     assert main(["plan", "--model", "llama3-70b", "--nodes", "2", "--max-seq-len"]) == 0

@@ -22,7 +22,7 @@ from seqmesh.planner.network import (Fabric, all_to_all_seconds, concurrent_all_
 from seqmesh.planner.timing import _ulysses_seconds, step_time
 from seqmesh.planner.workload import Layout, Workload
 from seqmesh.tools.cli import main
-from seqmesh.training.presets import MODELS, ModelShape
+from seqmesh.model.presets import MODELS, ModelShape
 
 MB = 10**6
 H100 = PRESETS["h100-nvlink"]

@@ -16,7 +16,7 @@ from seqmesh.planner.memory import (host_memory, layer_saved_bytes, local_tokens
 from seqmesh.planner.plan import longest_sequence
 from seqmesh.planner.timing import step_time
 from seqmesh.planner.workload import Layout, Workload
-from seqmesh.training.presets import MODELS
+from seqmesh.model.presets import MODELS
 
 LLAMA8B = MODELS["llama3-8b"]
 LAYOUTS = [Layout(1, 1, 1), Layout(8, 1, 1), Layout(2, 4, 1), Layout(1, 8, 4)]

@@ -16,7 +16,7 @@ from seqmesh.padding import padded_length
 from seqmesh.heads import HeadDeal
 from seqmesh.planner.traffic import attention_traffic, fsdp_traffic, tensor_parallel_traffic
 from seqmesh.planner.workload import Layout, Workload
-from seqmesh.training.presets import MODELS, ModelShape
+from seqmesh.model.presets import MODELS, ModelShape
 
 CASES = [
     TrafficCase(32, 4, 4, "float64"),  # MHA

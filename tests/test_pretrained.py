@@ -10,15 +10,15 @@ import torch
 
 from pretrained_cases import build_error, loaded_weights, loading_memory, train_command
 from seqmesh.tools.launch import spawn
-from seqmesh.training.model import build_model
+from seqmesh.model.lm import build_model
 
 
 def _saved(folder, preset: str, **kwargs) -> str:
     """``preset`` saved with ``save_pretrained(**kwargs)``; ``"uneven"``: llama-tiny with a vocabulary and
     MLP width that 4 ranks do not divide (shards of 65, 65, 65 and 63 rows)."""
     if preset == "uneven":
-        from seqmesh.training.model import hf_config
-        from seqmesh.training.presets import MODELS
+        from seqmesh.model.lm import hf_config
+        from seqmesh.model.presets import MODELS
 
         config = hf_config(MODELS["llama-tiny"])
         config.update({"vocab_size": 258, "intermediate_size": 130})

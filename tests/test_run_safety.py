@@ -140,7 +140,7 @@ def test_timeout_reaches_the_process_group(monkeypatch):
 
 
 def test_a_config_json_that_is_not_json_is_named(tmp_path):
-    from seqmesh.training.presets import model_shape
+    from seqmesh.model.presets import model_shape
 
     bad = tmp_path / "config.json"
     bad.write_text('{\n  "model_type": "llama",\n  "hidden_size": 64,,\n}')

@@ -31,8 +31,8 @@ def _write_config(folder, config: dict, name: str = "config.json") -> str:
 def test_user_config_is_built_as_written(tmp_path, as_folder):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from seqmesh.training.model import build_model
-    from seqmesh.training.presets import model_shape
+    from seqmesh.model.lm import build_model
+    from seqmesh.model.presets import model_shape
 
     path = _write_config(tmp_path / "user", USER_LLAMA, "config.json" if as_folder else "my-model.json")
     model = build_model(str(tmp_path / "user") if as_folder else path).eval()
@@ -49,7 +49,7 @@ def test_user_config_is_built_as_written(tmp_path, as_folder):
 
 
 def test_user_sliding_window_is_left_as_written(tmp_path):
-    from seqmesh.training.model import build_model
+    from seqmesh.model.lm import build_model
 
     mistral = dict(model_type="mistral", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=64, sliding_window=16)

@@ -8,7 +8,7 @@ import json
 import math
 
 from seqmesh.training.config import TrainConfig
-from seqmesh.training.presets import MODELS, model_shape
+from seqmesh.model.presets import MODELS, model_shape
 from train_job_cases import run_train, run_verify
 
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 import seqmesh
 from dist_cases import get_mesh
-from seqmesh.training.fsdp import apply_fsdp, enable_checkpointing, sync_gradients
+from seqmesh.model.fsdp import apply_fsdp, enable_checkpointing, sync_gradients
 from seqmesh.hf import parallelize
-from seqmesh.training.model import SequenceParallelLM, build_model
+from seqmesh.model.lm import SequenceParallelLM, build_model
 
 
 @dataclass(frozen=True)

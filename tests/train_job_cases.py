@@ -69,7 +69,7 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
     q_proj = lm.model.layers[0].self_attn.q_proj.weight
     whole = q_proj.full_tensor().detach()
     fsdp_mesh = mesh.fsdp_mesh
-    from seqmesh.training.model import build_model
+    from seqmesh.model.lm import build_model
 
     embedding = lm.get_input_embeddings()
     pad = embedding.padding_idx

@@ -36,11 +36,11 @@ from transformers import Trainer
 from ..compose import ParallelPlan, parallelize_model
 from ..mesh import SPMesh, init_mesh
 from ..training.data import shard_batch
-from ..training.loss import IGNORE_INDEX
-from ..training.model import SequenceParallelLM
-from ..training.export import write_model
-from ..training.pretrained import copy_pretrained
-from ..training.watch import gradient_norm
+from ..model.fsdp import gradient_norm
+from ..model.lm import SequenceParallelLM
+from ..model.loss import IGNORE_INDEX
+from ..model.pretrained import copy_pretrained
+from ..model.writer import write_model
 from ..versions import require
 from ..degrees import resolve_degrees
 
@@ -229,7 +229,7 @@ class SequenceParallelTrainerMixin:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         from transformers.trainer import SCHEDULER_NAME
 
-        from ..training.checkpoint_reader import load_checked
+        from ..model.checkpoint_reader import load_checked
 
         if checkpoint is None:
             return

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..training.model import decoder_layers
+from ..model.lm import decoder_layers
 
 
 def tile_count(tokens: int, hidden: int) -> int:

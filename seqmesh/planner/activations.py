@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ..training.presets import ModelShape
+from ..model.presets import ModelShape
 from ..padding import padded_length
 from ..heads import HeadDeal
 from .workload import Layout, Workload

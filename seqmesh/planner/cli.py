@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ..training.presets import MODELS, model_shape
+from ..model.presets import MODELS, model_shape
 from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..padding import padded_length
-from ..training.presets import ModelShape
+from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens
 from .hardware import HardwareSpec
 from .network import all_to_all_from_patterns, axis_groups, gather_seconds, link_name, peer_patterns, uplink_seconds

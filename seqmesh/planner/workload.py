@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..degrees import resolve_degrees
-from ..training.presets import ModelShape
+from ..model.presets import ModelShape
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -129,13 +129,13 @@ def embedding_params(m: ModelShape) -> int:
 
 
 def embedding_unit_params(m: ModelShape) -> int:
-    """Parameters of the input embedding's own FSDP unit (``seqmesh.training.fsdp.apply_fsdp``): the embedding
+    """Parameters of the input embedding's own FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the embedding
     when it is not tied to the LM head, 0 when tied (a tied weight stays in the root unit)."""
     return 0 if m.tie_embeddings else embedding_params(m)
 
 
 def root_params(m: ModelShape) -> int:
-    """Parameters of seqmesh's root FSDP unit (``seqmesh.training.fsdp.apply_fsdp``): everything outside the decoder
+    """Parameters of seqmesh's root FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): everything outside the decoder
     layers and the embedding's own unit, i.e. the final RMSNorm and the LM head; when the head is tied,
     the embedding (= the head, counted once) and the final RMSNorm."""
     return m.hidden + m.vocab * m.hidden
@@ -149,7 +149,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     CUDA context. ``device="cpu"`` describes a CPU-only run, where host and device are one memory: FSDP2's
     CPU offload then moves nothing, the activation offload's host copies are used in place (nothing is
     fetched back), and AdamW takes its per-tensor path (torch uses ``foreach`` only on CUDA)."""
-    from ..training.presets import model_shape
+    from ..model.presets import model_shape
 
     if not cfg.uses_fsdp(world, cuda=device == "cuda"):
         raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process, "

@@ -94,8 +94,8 @@ def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
     from torch.distributed.fsdp import fully_shard
 
     from ..training.config import TrainConfig
-    from ..training.fsdp import enable_checkpointing
-    from ..training.model import build_model, decoder_layers
+    from ..model.fsdp import enable_checkpointing
+    from ..model.lm import build_model, decoder_layers
     from ..training.train import make_dataset
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, **options)
@@ -122,7 +122,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     from ..memory.offload import enable_activation_offload
     from ..training.config import TrainConfig
     from ..training.data import shard_batch
-    from ..training.fsdp import sync_gradients
+    from ..model.fsdp import sync_gradients
     from ..training.train import build, make_dataset, to_device, uses_fsdp
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)

@@ -14,7 +14,7 @@ ValueError naming the damaged file; :func:`newest_intact_checkpoint` finds the n
 passes, so a damaged newest checkpoint never ends a run that has an intact older one.
 
 The checksums say nothing of a folder someone else wrote (they write ``seqmesh.json`` too), so loading
-also reads DCP's ``.metadata`` only through :mod:`.checkpoint_reader` (DCP metadata classes, nothing that
+also reads DCP's ``.metadata`` only through :mod:`seqmesh.model.checkpoint_reader` (DCP metadata classes, nothing that
 runs code; storage files inside the folder; non-tensor items as plain data), and ``latest`` must name a
 ``step_N`` folder beside it.
 """
@@ -34,8 +34,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from .checkpoint_reader import UnsafeCheckpoint, load_checked, read_checked_metadata
-from .ranks import agree, all_gather_object, barrier, is_rank0, local_part, rank_world
+from ..model.checkpoint_reader import UnsafeCheckpoint, load_checked, read_checked_metadata
+from ..comm.ranks import agree, all_gather_object, barrier, is_rank0, local_part, rank_world
 
 LATEST = "latest"
 STEP_NAME = re.compile(r"step_[0-9]+")  # what ``latest`` may hold: a checkpoint folder beside it, by name

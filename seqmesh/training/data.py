@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .loss import IGNORE_INDEX
+from ..model.loss import IGNORE_INDEX
 from ..mesh import SPMesh
 from ..document_layout import auto_layout
 from ..sharding import sequence_layout, shard_sequence

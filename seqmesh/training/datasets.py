@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss import IGNORE_INDEX
+from ..model.loss import IGNORE_INDEX
+from ..model.pretrained import load_tokenizer_folder
 
 FIRST_SYMBOL = 3  # tokens 0-2 are reserved (padding and markers)
 HELD_OUT_STEP = 10**9  # the copy task is seeded by step: training never reaches this one
@@ -92,25 +93,9 @@ def tokenizer_vocab(tokenizer) -> int:
     return int(len(tokenizer)) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
 
 
-def check_tokenizer_path(path: str | None) -> None:
-    """Raise when a tokenizer folder is named but does not exist."""
-    if path is not None and not os.path.isdir(path):
-        raise ValueError(f"tokenizer directory {path!r} does not exist; give a local tokenizer folder or omit it for bytes.")
-
-
 def load_tokenizer(path: str | None):
     """A local transformers tokenizer directory (never downloaded), or bytes when ``path`` is None."""
-    check_tokenizer_path(path)
-    if path is None:
-        return ByteTokenizer()
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"no tokenizer could be loaded from {path!r} ({first}); give a folder holding tokenizer.json "
-                         "(or tokenizer_config.json and its vocabulary), or omit the tokenizer for bytes.") from err
+    return ByteTokenizer() if path is None else load_tokenizer_folder(path)
 
 
 def check_data_paths(paths: list[str]) -> None:

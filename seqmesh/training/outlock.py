@@ -23,7 +23,7 @@ import os
 import socket
 from typing import IO
 
-from .ranks import agree, is_rank0
+from ..comm.ranks import agree, is_rank0
 
 LOCK_NAME = ".seqmesh.lock"
 

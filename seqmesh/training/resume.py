@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from .checkpoint import newest_intact_checkpoint, steps_in
 from .config import TrainConfig
 from .metrics import MetricsLog
-from .ranks import agree, barrier, is_rank0
+from ..comm.ranks import agree, barrier, is_rank0
 
 # Fields that change what the run computes. The mesh degrees, kernel, layout, checkpointing, FSDP and
 # output cadence do not (seqmesh is exact under any of them), so they may change across a resume; so may

@@ -17,25 +17,25 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
-from .config import TrainConfig
-from .data import shard_batch
-from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
-from .export import export_pretrained
-from .fsdp import sync_gradients
-from ..degrees import resolve_degrees
+from ..comm.ranks import agree, all_gather_object
 from ..compose import parallelize_model
+from ..degrees import resolve_degrees
 from ..memory import MemoryTracker
 from ..memory.offload import enable_activation_offload
 from ..mesh import SPMesh, init_mesh
+from ..model.fsdp import gradient_norm, sync_gradients
+from ..model.lm import SequenceParallelLM, build_model, has_weights, materialize
+from ..model.presets import model_shape
+from ..model.pretrained import check_pretrained, check_tokenizer_path, check_values, checkpoint_files, load_pretrained
+from ..model.writer import export_pretrained
+from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
+from .config import TrainConfig
+from .data import shard_batch
+from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
-from .model import SequenceParallelLM, build_model, has_weights, materialize
 from .outlock import lock_output
-from .presets import model_shape
-from .pretrained import check_pretrained, check_values, checkpoint_files, load_pretrained
-from .ranks import agree, all_gather_object
 from .resume import choose_start, config_changes, refuse_changes, run_record
-from .watch import StallWatch, gradient_norm, nonfinite_message
+from .watch import StallWatch, nonfinite_message
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .loss import IGNORE_INDEX
-from .model import build_model
+from ..model.loss import IGNORE_INDEX
+from ..model.lm import build_model
 from .config import TrainConfig
-from .ranks import full_value
+from ..comm.ranks import full_value
 from .train import build, make_dataset, to_device, uses_fsdp
 
 
@@ -99,7 +99,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
         loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
     loss.backward()
     if not fsdp:
-        from .fsdp import sync_gradients
+        from ..model.fsdp import sync_gradients
 
         sync_gradients(module, mesh)
     diffs = []

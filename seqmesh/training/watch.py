@@ -20,20 +20,6 @@ import time
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-def gradient_norm(parameters, max_norm: float = float("inf")):
-    """The norm of the whole gradient (every shard of every parameter; a plain tensor, also under FSDP2),
-    clipping the gradients to ``max_norm`` only when it is finite (no multiply-by-1 over every gradient)."""
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
-    from .ranks import full_value
-
-    params = [p for p in parameters if p.grad is not None]
-    norm = full_value(get_total_norm([p.grad for p in params]))
-    if max_norm != float("inf"):
-        clip_grads_with_norm_(params, max_norm, norm)
-    return norm
-
-
 def nonfinite_message(step: int, loss: float, norm: float, lr: float) -> str:
     return (f"step {step}: the loss is {loss} and the gradient norm {norm}; stopped before the optimizer step, so the "
             f"weights and every checkpoint are finite. Lower --lr (now {lr:g} at this step), check the data, or pass "

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from .ranks import all_gather_object, local_part
+from ..comm.ranks import all_gather_object, local_part
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -245,7 +245,7 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
     checked first, then every rank allocates its shards on ``device``, computes the buffers (RoPE
     frequencies) as random initialisation does, and reads the rows its shards cover. Returns the bytes
     this rank read from the files. ``sources``: :func:`check_pretrained`'s answer, if the caller has it."""
-    from .model import allocate, initialize_buffers
+    from .lm import allocate, initialize_buffers
 
     lm = getattr(root, "lm", root)
     sources = check_pretrained(lm, folder) if sources is None else sources
@@ -335,3 +335,22 @@ def read_generation_config(lm: nn.Module, folder: str) -> None:
         from transformers import GenerationConfig
 
         lm.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+
+
+def check_tokenizer_path(path: str | None) -> None:
+    """Raise when a tokenizer folder is named but does not exist."""
+    if path is not None and not os.path.isdir(path):
+        raise ValueError(f"tokenizer directory {path!r} does not exist; give a local tokenizer folder or omit it for bytes.")
+
+
+def load_tokenizer_folder(path: str):
+    """The transformers tokenizer in the local folder ``path`` (never downloaded)."""
+    check_tokenizer_path(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"no tokenizer could be loaded from {path!r} ({first}); give a folder holding tokenizer.json "
+                         "(or tokenizer_config.json and its vocabulary), or omit the tokenizer for bytes.") from err

@@ -5,7 +5,7 @@ samples, all sequence shards), as one device computing the whole batch would rep
 computes the *sum* over its own targets; one all-reduce of ``(sum, count)`` over the pooling group
 gives the global mean. The returned tensor has that mean as its value on every rank, and as its
 gradient ``d(local sum) / global count``, so that summing gradients over the ranks (FSDP with a
-divide factor of 1, or :func:`seqmesh.training.fsdp.sync_gradients`) gives exactly the one-device gradient.
+divide factor of 1, or :func:`seqmesh.model.fsdp.sync_gradients`) gives exactly the one-device gradient.
 A group without a single valid target gets loss 0 and zero gradients.
 
 ``chunked_linear_cross_entropy`` computes the LM head and the loss tile by tile, so the

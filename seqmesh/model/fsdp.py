@@ -1,7 +1,7 @@
 """Weights sharded with FSDP2 over the data-parallel and sequence-parallel ranks together.
 
 The sequence ranks hold different tokens of the same samples and the data-parallel ranks hold
-different samples; with the loss of ``seqmesh.training.loss`` (each rank's gradient is its share of the
+different samples; with the loss of ``seqmesh.model.loss`` (each rank's gradient is its share of the
 one-device gradient) the right reduction over all of them is a *sum*. FSDP2 averages by default,
 which would scale gradients by 1 / (dp x sp), so seqmesh sets its divide factor to 1.
 
@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm.ranks import full_value
 from ..comm.stats import record
 from ..mesh import SPMesh
-from .model import SequenceParallelLM, decoder_layers
+from .lm import SequenceParallelLM, decoder_layers
 
 
 def enable_checkpointing(lm: nn.Module) -> None:
@@ -92,3 +93,15 @@ def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
             bucket, size = [], 0
+
+
+def gradient_norm(parameters, max_norm: float = float("inf")):
+    """The norm of the whole gradient (every shard of every parameter; a plain tensor, also under FSDP2),
+    clipping the gradients to ``max_norm`` only when it is finite (no multiply-by-1 over every gradient)."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    params = [p for p in parameters if p.grad is not None]
+    norm = full_value(get_total_norm([p.grad for p in params]))
+    if max_norm != float("inf"):
+        clip_grads_with_norm_(params, max_norm, norm)
+    return norm

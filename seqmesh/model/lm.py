@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from .data import SequenceInfo
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from ..mesh import SPMesh
 from .presets import MODELS, ModelShape, model_shape
+
+if TYPE_CHECKING:  # annotations only: the model reads what shard_batch built, it never builds one
+    from ..training.data import SequenceInfo
 
 
 def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
@@ -202,7 +205,7 @@ class SequenceParallelLM(nn.Module):
     """Wraps a transformers causal LM; ``forward(**shard_batch(...))`` returns the loss.
 
     The loss is the one-device mean next-token cross-entropy of the whole batch (see
-    ``seqmesh.training.loss``), computed with a chunked LM head so full-vocabulary logits never exist for the
+    ``seqmesh.model.loss``), computed with a chunked LM head so full-vocabulary logits never exist for the
     whole local shard. It lives in a module's forward so FSDP2 has the LM head's weight gathered.
     """
 

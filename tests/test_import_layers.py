@@ -1,0 +1,46 @@
+"""The library never imports the job: nothing in seqmesh.model, seqmesh.hf, seqmesh.memory or
+seqmesh.compose imports seqmesh.training (the ``seqmesh train`` job), so the job can change freely and
+a user's own loop does not load it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "seqmesh"
+LIBRARY = ("seqmesh.model", "seqmesh.hf", "seqmesh.memory", "seqmesh.compose")
+# The data path (shard_batch, SequenceInfo) still sits in training/ until the sequence package holds it.
+NOT_THE_JOB = ("seqmesh.training.data",)
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, relative ones resolved; ``from M import name``
+    gives ``M.name`` so a submodule imported by name is seen."""
+    importer, found = _module_name(path), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = importer.split(".")
+                parts = parts[: len(parts) - node.level + (1 if path.name == "__init__.py" else 0)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_the_library_does_not_import_the_job():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if not _module_name(path).startswith(LIBRARY):
+            continue
+        for line, module in imports_of(path):
+            if (module + ".").startswith("seqmesh.training.") and not module.startswith(NOT_THE_JOB):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}")
+    assert wrong == [], "the job may import the library, not the other way: move the shared code into seqmesh.model"
