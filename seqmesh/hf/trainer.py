@@ -35,7 +35,7 @@ from transformers import Trainer
 
 from ..compose import ParallelPlan, parallelize_model
 from ..mesh import SPMesh, init_mesh
-from ..training.data import shard_batch
+from ..sequence.batch import shard_batch
 from ..training.loss import IGNORE_INDEX
 from ..training.model import SequenceParallelLM
 from ..training.export import write_model

@@ -1,5 +1,5 @@
-"""Training with sequence parallelism: the model wrapper and its exact loss, FSDP2, data and
-``shard_batch``, checkpoints, metrics, the ``TrainConfig`` and the ``seqmesh train`` / ``verify`` job.
+"""Training with sequence parallelism: the model wrapper and its exact loss, FSDP2, datasets,
+checkpoints, metrics, the ``TrainConfig`` and the ``seqmesh train`` / ``verify`` job.
 
 Nothing is imported here, so ``seqmesh plan`` (which reads the model presets) starts without torch.
 """
@@ -7,7 +7,7 @@ Nothing is imported here, so ``seqmesh plan`` (which reads the model presets) st
 import importlib
 from typing import Any
 
-_MODULES = ("checkpoint", "config", "data", "datasets", "export", "fsdp", "loss", "metrics", "model", "presets",
+_MODULES = ("checkpoint", "config", "datasets", "export", "fsdp", "loss", "metrics", "model", "presets",
             "pretrained", "train", "verify")
 
 

@@ -8,7 +8,7 @@ import zlib
 import torch
 import torch.nn as nn
 
-from .data import SequenceInfo
+from ..sequence.batch import SequenceInfo
 from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from ..mesh import SPMesh
 from .presets import MODELS, ModelShape, model_shape

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
-from .data import shard_batch
+from ..sequence.batch import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, check_tokenizer_path, load_tokenizer, tokenizer_vocab
 from .export import export_pretrained
 from .fsdp import sync_gradients
