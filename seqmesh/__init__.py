@@ -18,32 +18,32 @@ _EXPORTS: dict[str, str] = {
     "attention": ".sharded_attention.api",
     "comm_stats": ".comm.stats",
     "CommStats": ".comm.stats",
-    "SequenceInfo": ".training.data",
-    "shard_batch": ".training.data",
+    "SequenceInfo": ".sequence.batch",
+    "shard_batch": ".sequence.batch",
     "chunked_linear_cross_entropy": ".model.loss",
     "sequence_parallel_cross_entropy": ".model.loss",
-    "LayoutKind": ".layout",
-    "Run": ".layout",
-    "SequenceLayout": ".layout",
+    "LayoutKind": ".sequence.layout",
+    "Run": ".sequence.runs",
+    "SequenceLayout": ".sequence.layout",
     "MeshAxis": ".mesh",
     "SPMesh": ".mesh",
     "init_mesh": ".mesh",
     "mesh_from_device_mesh": ".mesh",
-    "gather_sequence": ".sharding",
-    "sequence_layout": ".sharding",
-    "sequence_positions": ".sharding",
-    "shard_sequence": ".sharding",
+    "gather_sequence": ".sequence.sharding",
+    "sequence_layout": ".sequence.sharding",
+    "sequence_positions": ".sequence.sharding",
+    "shard_sequence": ".sequence.sharding",
 }
 
 # Packages, and the older module names users reach as attributes (``seqmesh.fsdp.apply_fsdp``).
 _SUBMODULES: dict[str, str] = {
     **{name: f".{name}" for name in (
-        "comm", "hf", "kernels", "layout", "mesh", "model", "planner", "sharded_attention", "sharding", "tools",
-        "training",
+        "comm", "hf", "kernels", "mesh", "model", "planner", "sequence", "sharded_attention", "tools", "training",
     )},
+    **{"layout": ".sequence.layout", "sharding": ".sequence.sharding", "data": ".sequence.batch"},
     **{name: f".model.{name}" for name in ("fsdp", "loss", "presets")},
     **{name: f".training.{name}" for name in (
-        "checkpoint", "config", "data", "datasets", "metrics", "train", "verify",
+        "checkpoint", "config", "datasets", "metrics", "train", "verify",
     )},
     **{name: f".tools.{name}" for name in ("bench", "cli", "launch")},
 }
@@ -69,8 +69,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .sharded_attention.api import attention
     from .comm.stats import CommStats, comm_stats
-    from .training.data import SequenceInfo, shard_batch
-    from .layout import LayoutKind, Run, SequenceLayout
+    from .sequence.batch import SequenceInfo, shard_batch
+    from .sequence.layout import LayoutKind, SequenceLayout
+    from .sequence.runs import Run
     from .model.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy
     from .mesh import MeshAxis, SPMesh, init_mesh, mesh_from_device_mesh
-    from .sharding import gather_sequence, sequence_layout, sequence_positions, shard_sequence
+    from .sequence.sharding import gather_sequence, sequence_layout, sequence_positions, shard_sequence

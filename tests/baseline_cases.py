@@ -62,7 +62,7 @@ def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, o
     import torch.distributed as dist
 
     from seqmesh.training.config import TrainConfig
-    from seqmesh.training.data import shard_batch
+    from seqmesh.sequence.batch import shard_batch
     from seqmesh.training.train import build, make_dataset
 
     folder = tempfile.mkdtemp()

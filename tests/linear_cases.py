@@ -178,39 +178,35 @@ def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
     """``sequence_parallel_gated_delta`` in float64 against the same math on the whole sequence on one
     process: max abs error of the output and of the input's and every parameter's gradient, and the
     bytes the all-to-alls moved."""
-    from seqmesh import document_layout
-
     mesh = get_mesh(ulysses, ring)
     results = []
-    default_chunk, document_layout.MIN_CHUNK = document_layout.MIN_CHUNK, 1  # cut even these short documents
-    try:  # (so per_document differs from zigzag); the pool's process runs later tests: restore it
-        for case in cases:
-            p = mesh.sp_size
-            heads = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, p)
-            packed, params, dout = _layer_inputs(case, heads)
-            leaves = [packed, params.conv_weight, params.conv_bias, params.A_log, params.dt_bias]
-            for t in leaves:
-                t.requires_grad_(True)
-            whole = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, 1)
-            want = gated_delta_heads(packed, params, whole, 0, segment_bounds(case.seq_len, case.documents))
-            want_grads = torch.autograd.grad((want * dout).sum(), leaves)
-            shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout, cu_seqlens=case.documents)  # noqa: E731
-            with comm_stats() as stats:
-                out = sequence_parallel_gated_delta(shard(packed), params, heads, mesh, layout=case.layout,
-                                                    seq_len=case.seq_len, cu_seqlens=case.documents)
-                grads = torch.autograd.grad((out * shard(dout)).sum(), leaves)
-            a2a = {ph: stats.sent("all_to_all", ph) for ph in ("forward", "backward")}
-            got = seqmesh.gather_sequence(out.detach(), mesh, layout=case.layout, length=case.seq_len,
-                                          cu_seqlens=case.documents)
-            errors = {"out": float((got - want.detach()).abs().max())}
-            for name, g_sp, g_ref in zip(("packed", "conv_weight", "conv_bias", "A_log", "dt_bias"), grads, want_grads):
-                if name != "packed":  # parameters: each rank holds a part of the gradient, the sum is the whole
-                    g_sp = g_sp.clone()
-                    dist.all_reduce(g_sp, group=mesh.sp_group)
-                errors[name] = float((g_sp - g_ref).abs().max())
-            results.append({"case": case.name, "errors": errors, "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all")})
-    finally:
-        document_layout.MIN_CHUNK = default_chunk
+    min_chunk = 1  # cut even these short documents (so per_document differs from zigzag)
+    for case in cases:
+        p = mesh.sp_size
+        heads = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, p)
+        packed, params, dout = _layer_inputs(case, heads)
+        leaves = [packed, params.conv_weight, params.conv_bias, params.A_log, params.dt_bias]
+        for t in leaves:
+            t.requires_grad_(True)
+        whole = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, 1)
+        want = gated_delta_heads(packed, params, whole, 0, segment_bounds(case.seq_len, case.documents))
+        want_grads = torch.autograd.grad((want * dout).sum(), leaves)
+        shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout, cu_seqlens=case.documents,  # noqa: E731
+                                                 min_chunk=min_chunk)
+        with comm_stats() as stats:
+            out = sequence_parallel_gated_delta(shard(packed), params, heads, mesh, layout=case.layout,
+                                                seq_len=case.seq_len, cu_seqlens=case.documents, min_chunk=min_chunk)
+            grads = torch.autograd.grad((out * shard(dout)).sum(), leaves)
+        a2a = {ph: stats.sent("all_to_all", ph) for ph in ("forward", "backward")}
+        got = seqmesh.gather_sequence(out.detach(), mesh, layout=case.layout, length=case.seq_len,
+                                      cu_seqlens=case.documents, min_chunk=min_chunk)
+        errors = {"out": float((got - want.detach()).abs().max())}
+        for name, g_sp, g_ref in zip(("packed", "conv_weight", "conv_bias", "A_log", "dt_bias"), grads, want_grads):
+            if name != "packed":  # parameters: each rank holds a part of the gradient, the sum is the whole
+                g_sp = g_sp.clone()
+                dist.all_reduce(g_sp, group=mesh.sp_group)
+            errors[name] = float((g_sp - g_ref).abs().max())
+        results.append({"case": case.name, "errors": errors, "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all")})
     return results
 
 

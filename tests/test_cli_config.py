@@ -10,7 +10,7 @@ import typing
 import pytest
 
 from seqmesh.kernels import BACKENDS
-from seqmesh.layout import LayoutKind
+from seqmesh.sequence.layout import LayoutKind
 from seqmesh.tools.cli import build_parser, main
 from seqmesh.tools.flags import dataclass_from_flags, field_docs
 from seqmesh.training.config import TrainConfig

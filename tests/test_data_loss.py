@@ -73,7 +73,7 @@ def test_chunked_head_equals_full_logits():
 
 
 def test_shard_batch_errors():
-    from seqmesh.training.data import _documents_from_positions, _real_lengths
+    from seqmesh.sequence.batch import _documents_from_positions, _real_lengths
 
     with pytest.raises(ValueError, match="different packed documents"):
         _documents_from_positions(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))

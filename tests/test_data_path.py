@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from document_cases import shard_batch_gathered
-from seqmesh.training.data import _documents_from_positions, positions_in_documents, shift_labels
+from seqmesh.sequence.batch import _documents_from_positions, positions_in_documents, shift_labels
 
 IGNORE = -100
 
@@ -101,8 +101,8 @@ def test_shard_batch_equals_reference_after_gather(pools, ulysses, ring, layout)
     ([8192], 4, "zigzag"),
 ])
 def test_auto_layout_takes_per_document_only_where_zigzag_is_unbalanced(lengths, ring, want):
-    from seqmesh.document_layout import auto_layout
-    from seqmesh.layout import SequenceLayout
+    from seqmesh.sequence.layout import auto_layout
+    from seqmesh.sequence.layout import SequenceLayout
 
     cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0))
     assert auto_layout(ring, 1, cu[-1], cu) == want

@@ -5,30 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-import seqmesh.document_layout as document_layout
 from reference import document_ids, reference_attention
 from seqmesh.kernels import kernel_chooser
-from seqmesh.layout import SequenceLayout
+from seqmesh.sequence.layout import SequenceLayout
 from seqmesh.sharded_attention.blocks import document_bounds
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.tools.emulate import emulate_ring
 
 # documents over 48 tokens: lengths 1, 3, 17 (not a multiple of 2R), 8 and padding after 29+8=37
 DOCS = (0, 1, 4, 21, 29, 37)
-# over 1100 tokens at the default MIN_CHUNK of 64: some documents are cut, some stay whole
+# over 1100 tokens at the default min_chunk of 64: some documents are cut, some stay whole
 LONG_DOCS = (0, 300, 301, 900, 1049)
 
 
-@pytest.fixture(params=[1, 64], ids=["chunks-of-1", "default-chunks"])
-def min_chunk(request, monkeypatch):
+# chunks of one token allowed: the small examples here get cut
+SMALL_CHUNKS = 1
+
+
+@pytest.fixture(params=[SMALL_CHUNKS, 64], ids=["chunks-of-1", "default-chunks"])
+def min_chunk(request):
     """Run with chunks of one token allowed (small examples get cut) and with the default."""
-    monkeypatch.setattr(document_layout, "MIN_CHUNK", request.param)
     return request.param
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(document_layout, "MIN_CHUNK", 1)
 
 
 def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int, min_chunk: int) -> list[list[int]]:
@@ -60,7 +57,7 @@ def _positions_by_hand(documents: tuple[int, ...] | None, ring: int, padded: int
 @pytest.mark.parametrize("docs", [None, DOCS, (0, 48), (0, 5, 6, 7, 48), LONG_DOCS])
 def test_permutation_matches_the_hand_placement(ring, ulysses, docs, min_chunk):
     length = docs[-1] + 51 if docs == LONG_DOCS else 48
-    layout = SequenceLayout.for_length("per_document", ring, ulysses, length, docs)
+    layout = SequenceLayout.for_length("per_document", ring, ulysses, length, docs, min_chunk)
     n = layout.padded_len
     order, restore = layout.indices(), layout.indices(restore=True)
     assert sorted(order.tolist()) == list(range(n))
@@ -76,15 +73,28 @@ def test_permutation_matches_the_hand_placement(ring, ulysses, docs, min_chunk):
             assert layout.local_positions(r * ulysses + u).tolist() == want[r][u * piece : (u + 1) * piece]
 
 
-def test_without_documents_it_is_zigzag_and_the_docstring_example_holds(small_chunks):
+def test_without_documents_it_is_zigzag_and_the_docstring_example_holds():
     for ring, ulysses, n in [(2, 1, 16), (4, 2, 64), (3, 2, 36)]:
-        a = SequenceLayout("per_document", ring, ulysses, n)
+        a = SequenceLayout("per_document", ring, ulysses, n, min_chunk=SMALL_CHUNKS)
         assert torch.equal(a.indices(), SequenceLayout("zigzag", ring, ulysses, n).indices())
-    drawn = SequenceLayout("per_document", 2, 1, 16, (0, 8, 13))
+    drawn = SequenceLayout("per_document", 2, 1, 16, (0, 8, 13), SMALL_CHUNKS)
     assert drawn.indices().tolist() == [0, 1, 6, 7, 8, 10, 12, 15, 2, 3, 4, 5, 9, 11, 13, 14]
     assert SequenceLayout("zigzag", 2, 1, 16, (0, 8, 13)).documents is None  # only per_document reads them
     with pytest.raises(ValueError, match="strictly increasing"):
-        SequenceLayout("per_document", 2, 1, 16, (0, 8, 8, 13))
+        SequenceLayout("per_document", 2, 1, 16, (0, 8, 8, 13), SMALL_CHUNKS)
+
+
+def test_the_chunk_size_is_a_field_of_the_layout():
+    """Two layouts that differ only in min_chunk place tokens differently side by side in one process
+    (nothing global, nothing cached across them); kinds that never cut documents ignore it."""
+    small = SequenceLayout("per_document", 2, 1, 16, (0, 8, 13), SMALL_CHUNKS)
+    default = SequenceLayout("per_document", 2, 1, 16, (0, 8, 13))  # documents too short to cut: zigzag
+    assert small != default and default.min_chunk == 64
+    assert small.indices().tolist() == [0, 1, 6, 7, 8, 10, 12, 15, 2, 3, 4, 5, 9, 11, 13, 14]
+    assert torch.equal(default.indices(), SequenceLayout("zigzag", 2, 1, 16).indices())
+    assert SequenceLayout("zigzag", 2, 1, 16, min_chunk=SMALL_CHUNKS) == SequenceLayout("zigzag", 2, 1, 16)
+    with pytest.raises(ValueError, match="min_chunk"):
+        SequenceLayout("per_document", 2, 1, 16, (0, 8, 13), 0)
 
 
 def _visible_pairs(positions: list[int], seq_len: int, cu: list[int]) -> int:
@@ -94,9 +104,9 @@ def _visible_pairs(positions: list[int], seq_len: int, cu: list[int]) -> int:
 
 
 @pytest.mark.parametrize("ring", [2, 4, 8])
-def test_schedule_computes_exactly_the_visible_pairs(ring, small_chunks):
+def test_schedule_computes_exactly_the_visible_pairs(ring):
     cu = [0, 3, 4, 40, 41, 60]
-    layout = SequenceLayout("per_document", ring, 1, 64, tuple(cu))
+    layout = SequenceLayout("per_document", ring, 1, 64, tuple(cu), SMALL_CHUNKS)
     schedule = RingSchedule(layout, document_bounds(64, 60, cu), causal=True)
     for r in range(ring):
         positions = [t for run in layout.ring_runs(r) for t in range(run.start, run.stop)]
@@ -111,7 +121,7 @@ def test_schedule_computes_exactly_the_visible_pairs(ring, small_chunks):
 def test_ring_is_exact_for_every_rank_on_one_device(ring, causal, cu, min_chunk):
     """Every ring rank's kernel calls and merges (emulated on one device) give float64 attention."""
     n = 1056 if cu == LONG_DOCS else 64
-    layout = SequenceLayout("per_document", ring, 1, n, cu)
+    layout = SequenceLayout("per_document", ring, 1, n, cu, min_chunk)
     schedule = RingSchedule(layout, document_bounds(n, cu[-1], cu), causal)
     g = torch.Generator().manual_seed(ring)
     q, dout = (torch.randn(2, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -159,7 +169,7 @@ def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
              for i, (causal, (hq, hk), s) in enumerate(itertools.product((True, False), [(4, 4), (4, 2), (4, 1)], (32, 29)))
              for cu in docs(s)]
     cases.append(Case(61, 8, 2, True, "per_document", (0, 1, 20, 21, 45, 60), dtype="float32", seed=99))
-    # long enough for chunks of MIN_CHUNK = 64 tokens: documents cut at ring 2 and 4, others whole
+    # long enough for chunks of the default min_chunk = 64 tokens: documents cut at ring 2 and 4, others whole
     cases += [Case(s, 4, 2, causal, "per_document", cu, batch=1, seed=7)
               for causal in (True, False) for s in (560, 557)
               for cu in ((0, 1, 2, 7, 530, s - 12), (0, 200, 201, s - 3))]
@@ -172,7 +182,7 @@ def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
 
 
 @pytest.mark.parametrize("kind", ["zigzag", "per_document", "contiguous"])
-def test_balance_report_counts_what_the_ring_computes(kind, small_chunks):
+def test_balance_report_counts_what_the_ring_computes(kind):
     """bench balance's work per rank (a formula over token positions) equals the pairs the ring
     schedule's kernel calls cover, padding included."""
     from seqmesh.tools.bench_balance import causal_work_per_rank
@@ -180,9 +190,9 @@ def test_balance_report_counts_what_the_ring_computes(kind, small_chunks):
     lengths = [1, 30, 7, 2, 50, 9]  # 99 tokens: padded to 104 for ring 4
     cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0))
     for ring in (2, 4):
-        layout = SequenceLayout.for_length(kind, ring, 1, cu[-1], cu)
+        layout = SequenceLayout.for_length(kind, ring, 1, cu[-1], cu, SMALL_CHUNKS)
         schedule = RingSchedule(layout, document_bounds(layout.padded_len, cu[-1], cu), causal=True)
-        assert causal_work_per_rank(lengths, ring, kind) == [schedule.work(r) for r in range(ring)]
+        assert causal_work_per_rank(lengths, ring, kind, SMALL_CHUNKS) == [schedule.work(r) for r in range(ring)]
 
 
 def test_bench_balance_command(capsys):
@@ -205,12 +215,12 @@ def test_training_with_packed_documents_matches_one_process(pools, ulysses, ring
         assert max(r["grad"]) < 1e-3 and r["weight"] < 1e-4, (rank, r)
 
 
-def test_many_runs_take_the_vectorised_permutation(small_chunks):
+def test_many_runs_take_the_vectorised_permutation():
     """Hundreds of documents (hundreds of runs): indices() still matches the hand placement."""
     docs = tuple(range(0, 16 * 300 + 1, 16)) + (4817,)  # 300 documents of 16 tokens and one of 17
-    layout = SequenceLayout.for_length("per_document", 2, 2, 4820, docs)
+    layout = SequenceLayout.for_length("per_document", 2, 2, 4820, docs, SMALL_CHUNKS)
     assert sum(len(layout.ring_runs(r)) for r in range(2)) > 256
-    want = _positions_by_hand(docs, 2, layout.padded_len, 1)
+    want = _positions_by_hand(docs, 2, layout.padded_len, SMALL_CHUNKS)
     assert layout.indices().tolist() == want[0] + want[1]
     restore = layout.indices(restore=True)
     assert torch.equal(layout.indices()[restore], torch.arange(layout.padded_len))

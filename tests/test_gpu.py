@@ -12,7 +12,7 @@ from seqmesh.tools.emulate import emulate_ring
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask
-from seqmesh.layout import SequenceLayout
+from seqmesh.sequence.layout import SequenceLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -14,7 +14,7 @@ from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask
 from seqmesh.kernels.windows import additive_bias, fa2_arguments, flash_window, window_bands
-from seqmesh.layout import SequenceLayout
+from seqmesh.sequence.layout import SequenceLayout
 
 
 def _reference_lse(q, k, causal, cu, scale):

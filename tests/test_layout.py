@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqmesh.layout import SequenceLayout
+from seqmesh.sequence.layout import SequenceLayout
 
 
 def test_zigzag_places_chunks_head_and_tail():

@@ -90,7 +90,7 @@ def test_padding_follows_the_layout():
 
 def test_planner_pads_as_the_runtime_layout_does():
     """Hand-computed multiples above; here the runtime's SequenceLayout and the planner agree everywhere."""
-    from seqmesh.layout import SequenceLayout
+    from seqmesh.sequence.layout import SequenceLayout
 
     for layout in ("zigzag", "contiguous", "per_document"):
         for ulysses, ring in ((3, 2), (2, 2), (1, 4), (4, 1), (3, 1), (2, 3)):

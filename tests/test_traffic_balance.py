@@ -9,7 +9,7 @@ from dist_cases import Case, saved_for_backward, traffic_cases
 from reference import document_ids
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.sharded_attention.blocks import document_bounds
-from seqmesh.layout import SequenceLayout
+from seqmesh.sequence.layout import SequenceLayout
 
 F64 = 8
 

@@ -58,7 +58,7 @@ def test_planner_window_work_equals_the_ring_schedule():
     layers with the steps their window leaves."""
     import pytest
 
-    from seqmesh.layout import SequenceLayout
+    from seqmesh.sequence.layout import SequenceLayout
     from seqmesh.planner.plan import communication
     from seqmesh.planner.hardware import PRESETS
     from seqmesh.planner.timing import attention_pairs

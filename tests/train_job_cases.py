@@ -42,7 +42,7 @@ def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
     far (the classic off-by-one of shifting after slicing)."""
     import torch
 
-    import seqmesh.training.data as data
+    import seqmesh.sequence.batch as data
 
     original = data.shard_batch
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..sharded_attention.api import attention
 from . import linear
 from .layers import SUPPORTED, check_layers
-from ..training.data import SequenceInfo
+from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..versions import require
 from ..degrees import workable_degrees

@@ -35,10 +35,9 @@ from transformers import Trainer
 
 from ..compose import ParallelPlan, parallelize_model
 from ..mesh import SPMesh, init_mesh
-from ..training.data import shard_batch
+from ..sequence.batch import IGNORE_INDEX, shard_batch
 from ..model.fsdp import gradient_norm
 from ..model.lm import SequenceParallelLM
-from ..model.loss import IGNORE_INDEX
 from ..model.pretrained import copy_pretrained
 from ..model.writer import write_model
 from ..versions import require

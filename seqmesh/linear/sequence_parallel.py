@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.collectives import head_to_seq, seq_to_head
-from ..sharding import sequence_layout
+from ..sequence.runs import DEFAULT_MIN_CHUNK
+from ..sequence.sharding import sequence_layout
 from ..mesh import SPMesh
 from ..sharded_attention.heads import HeadPlan
 from .gated_delta import segment_bounds
@@ -193,12 +194,14 @@ def sequence_parallel_gated_delta(
     layout: str,
     seq_len: int,
     cu_seqlens: tuple[int, ...] | None = None,
+    min_chunk: int = DEFAULT_MIN_CHUNK,
 ) -> torch.Tensor:
     """``packed`` (B, L, channels): this rank's tokens in the layout's order, channels q | k | v | b | a
     before the conv -> (B, L, Hv, Dv), the recurrence's output for those tokens (before the gated norm).
 
     ``seq_len``: real tokens (later positions are the layout's padding); ``cu_seqlens``: packed
-    documents over the whole sequence. The state and the conv restart at each document."""
+    documents over the whole sequence. The state and the conv restart at each document. ``layout``,
+    ``cu_seqlens`` and ``min_chunk`` are those the tokens were placed with (``seqmesh.shard_sequence``)."""
     p = mesh.sp_size
     if heads.ranks != p:
         raise ValueError(f"heads dealt to {heads.ranks} ranks, but the sequence group has {p}.")
@@ -210,7 +213,7 @@ def sequence_parallel_gated_delta(
     if p == 1:
         return gated_delta_heads(packed, params, heads, 0, bounds)
     rank, group = mesh.sp_rank, mesh.sp_group
-    lay = sequence_layout(mesh, padded, layout, cu_seqlens)  # per_document places tokens by the documents
+    lay = sequence_layout(mesh, padded, layout, cu_seqlens, min_chunk)  # per_document places tokens by the documents
     route = heads.route(rank, packed.device)
     gathered = seq_to_head([packed.unsqueeze(-1)], group, route.send_chunks, route.sends, route.sends[rank])  # (B, S, c_r, 1)
     natural = gathered.squeeze(-1).index_select(1, lay.indices(restore=True, device=packed.device))

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from .loss import IGNORE_INDEX, chunked_linear_cross_entropy
+from .loss import chunked_linear_cross_entropy
+from ..sequence.batch import IGNORE_INDEX
 from ..mesh import SPMesh
 from .presets import MODELS, ModelShape, model_shape
 
 if TYPE_CHECKING:  # annotations only: the model reads what shard_batch built, it never builds one
-    from ..training.data import SequenceInfo
+    from ..sequence.batch import SequenceInfo
 
 
 def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):

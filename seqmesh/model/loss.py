@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.stats import record
+from ..sequence.batch import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

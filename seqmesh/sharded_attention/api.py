@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import ChooseKernel, kernel_chooser
-from ..layout import LayoutKind
+from ..sequence.layout import LayoutKind
 from ..mesh import SPMesh
 from .blocks import document_bounds
 from .checks import check_attention_inputs

@@ -1,7 +1,7 @@
 """What to compute for one (query block, key block) pair: the block math's plan, no communication.
 
 A block is a local buffer whose tokens are runs of consecutive global positions (see
-``seqmesh.layout.Run``), ascending: two for zigzag, about two per document for ``per_document``. Two blocks on a ring are either the same block (the diagonal)
+``seqmesh.sequence.runs.Run``), ascending: two for zigzag, about two per document for ``per_document``. Two blocks on a ring are either the same block (the diagonal)
 or hold disjoint positions. Packed documents are intervals of positions given by ``bounds``
 (``0 = b0 < b1 < ... = padded_len``; the padding past the real length is a document of its own, so
 real tokens never see it and padded tokens still see themselves).
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..kernels.base import FULL, BlockMask
-from ..layout import Run
+from ..sequence.runs import Run
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather_single
 from ..comm.stats import record
 from ..kernels.base import SUPPORTED_DTYPES
-from ..layout import LayoutKind, SequenceLayout
+from ..sequence.layout import LayoutKind, SequenceLayout
 from ..mesh import SPMesh
 from .heads import HeadPlan
 

@@ -30,7 +30,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..kernels.base import BlockMask
-from ..layout import SequenceLayout
+from ..sequence.layout import SequenceLayout
 from .blocks import Piece, plan_block
 
 

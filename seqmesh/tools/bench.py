@@ -21,7 +21,7 @@ from .emulate import emulate_ring
 from ..sharded_attention.schedule import RingSchedule
 from ..kernels import kernel_chooser
 from ..kernels.base import BlockMask
-from ..layout import SequenceLayout
+from ..sequence.layout import SequenceLayout
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import SequenceLayout
-from ..document_layout import causal_work_per_ring_rank
+from ..sequence.layout import SequenceLayout, causal_work_per_ring_rank
+from ..sequence.runs import DEFAULT_MIN_CHUNK
 from ..sharded_attention.blocks import document_bounds
 from ..sharded_attention.schedule import RingSchedule
 
@@ -21,15 +21,15 @@ def _boundaries(lengths: list[int]) -> tuple[int, ...]:
     return tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0).tolist())
 
 
-def _layout(lengths: list[int], ring: int, kind: str) -> SequenceLayout:
+def _layout(lengths: list[int], ring: int, kind: str, min_chunk: int = DEFAULT_MIN_CHUNK) -> SequenceLayout:
     cu = _boundaries(lengths)
-    return SequenceLayout.for_length(kind, ring, 1, cu[-1], cu)
+    return SequenceLayout.for_length(kind, ring, 1, cu[-1], cu, min_chunk)
 
 
-def causal_work_per_rank(lengths: list[int], ring: int, kind: str) -> list[int]:
+def causal_work_per_rank(lengths: list[int], ring: int, kind: str, min_chunk: int = DEFAULT_MIN_CHUNK) -> list[int]:
     """(query, key) pairs each ring rank computes for packed documents of ``lengths`` (the padding
     to the layout's multiple is a document of its own, as in attention)."""
-    layout = _layout(lengths, ring, kind)
+    layout = _layout(lengths, ring, kind, min_chunk)
     cu = _boundaries(lengths)
     return causal_work_per_ring_rank(layout, cu + ((layout.padded_len,) if cu[-1] < layout.padded_len else ()))
 

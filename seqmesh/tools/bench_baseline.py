@@ -121,7 +121,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     """The ``seqmesh train`` build, sequence-parallel over every process."""
     from ..memory.offload import enable_activation_offload
     from ..training.config import TrainConfig
-    from ..training.data import shard_batch
+    from ..sequence.batch import shard_batch
     from ..model.fsdp import sync_gradients
     from ..training.train import build, make_dataset, to_device, uses_fsdp
 

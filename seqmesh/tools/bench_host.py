@@ -138,7 +138,7 @@ def _placement_rows(seq_len: int, cu: tuple[int, ...], documents: int, repeats: 
     """What a new batch of documents costs on a ring of 8 before any kernel runs, once per step
     (fresh documents each step, so nothing is cached): the layout's permutation (``shard_batch``)
     and one ring rank's block plans over the whole pass (the first attention layer)."""
-    from seqmesh.layout import SequenceLayout
+    from seqmesh import SequenceLayout  # public in every checkout, wherever its module lives
     from seqmesh.sharded_attention.blocks import document_bounds
     from seqmesh.sharded_attention.schedule import RingSchedule
 
@@ -156,7 +156,9 @@ def _placement_rows(seq_len: int, cu: tuple[int, ...], documents: int, repeats: 
                 return SequenceLayout(kind, 8, 1, seq_len)
 
         def place() -> SequenceLayout:
-            for module, name in (("seqmesh.document_layout", "per_document_runs"), ("seqmesh.layout", "_indices")):
+            caches = (("seqmesh.sequence.runs", "per_document_runs"), ("seqmesh.sequence.layout", "_indices"),
+                      ("seqmesh.document_layout", "per_document_runs"), ("seqmesh.layout", "_indices"))  # here, or older
+            for module, name in caches:
                 cached = getattr(sys.modules.get(module), name, None)
                 if cached is not None:
                     cached.cache_clear()

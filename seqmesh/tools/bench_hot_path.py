@@ -59,7 +59,7 @@ def _linear_routing(ranks: int = 8, seq_len: int = 8192) -> Callable[[], object]
 
 def _backend_check(ring: int = 8, seq_len: int = 8192, documents: int = 16) -> Callable[[], object]:
     from seqmesh.kernels import kernel_chooser
-    from seqmesh.layout import SequenceLayout
+    from seqmesh import SequenceLayout  # public in every checkout, wherever its module lives
     from seqmesh.sharded_attention import api
     from seqmesh.sharded_attention.blocks import document_bounds
     from seqmesh.sharded_attention.schedule import ring_schedule
@@ -81,7 +81,7 @@ def _backend_check(ring: int = 8, seq_len: int = 8192, documents: int = 16) -> C
 
 def bench_hot_path(repeats: int = 200) -> list[tuple[str, float]]:
     """``(what, CPU ms per call)`` rows."""
-    from seqmesh.layout import SequenceLayout
+    from seqmesh import SequenceLayout
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

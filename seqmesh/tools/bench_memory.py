@@ -72,7 +72,7 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     """On every rank: two training steps at ``seq_len``; the second one's tracked peak."""
     from ..memory import MemoryTracker
     from ..memory.offload import enable_activation_offload
-    from ..training.data import shard_batch
+    from ..sequence.batch import shard_batch
     from ..training.train import build, make_dataset, to_device
 
     cfg = bench_config(bench, seq_len, options)

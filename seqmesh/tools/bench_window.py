@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import kernel_chooser
-from ..layout import SequenceLayout
+from ..sequence.layout import SequenceLayout
 from ..sharded_attention.blocks import document_bounds
 from ..sharded_attention.schedule import RingSchedule
 from .emulate import emulate_ring

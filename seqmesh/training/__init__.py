@@ -9,7 +9,7 @@ Nothing is imported here: each module loads on first use.
 import importlib
 from typing import Any
 
-_MODULES = ("checkpoint", "config", "data", "datasets", "export", "metrics", "outlock", "resume", "train", "verify",
+_MODULES = ("checkpoint", "config", "datasets", "export", "metrics", "outlock", "resume", "train", "verify",
             "watch")
 
 

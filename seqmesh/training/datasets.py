@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.loss import IGNORE_INDEX
+from ..sequence.batch import IGNORE_INDEX
 from ..model.pretrained import load_tokenizer_folder
 
 FIRST_SYMBOL = 3  # tokens 0-2 are reserved (padding and markers)

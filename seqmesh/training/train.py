@@ -30,7 +30,7 @@ from ..model.pretrained import check_pretrained, check_tokenizer_path, check_val
 from ..model.writer import export_pretrained
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
-from .data import shard_batch
+from ..sequence.batch import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output

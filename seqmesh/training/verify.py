@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..model.loss import IGNORE_INDEX
+from ..sequence.batch import IGNORE_INDEX
 from ..model.lm import build_model
 from .config import TrainConfig
 from ..comm.ranks import full_value
@@ -80,7 +80,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
 
     A gradient passes within ``tolerance`` or ``NOISE_FACTOR`` times the reference's own rounding of it
     (``allowed``: the bound of each of the worst five), whichever is larger."""
-    from .data import shard_batch
+    from ..sequence.batch import shard_batch
 
     data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
     mesh, module, device = build(cfg)

@@ -1,4 +1,8 @@
-"""Moving whole sequences onto the sequence group and back, differentiably."""
+"""Moving whole sequences onto the sequence group and back, differentiably.
+
+Every function takes the layout by name (``layout``), the packed documents (``cu_seqlens``) and the
+``per_document`` layout's ``min_chunk``: give the same to every call that places one sequence
+(``seqmesh.attention`` and ``shard_batch`` keep the default ``min_chunk``)."""
 
 from __future__ import annotations
 
@@ -7,19 +11,24 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .comm.collectives import all_gather, split
+from ..comm.collectives import all_gather, split
+from ..mesh import SPMesh
 from .layout import LayoutKind, SequenceLayout
-from .mesh import SPMesh
+from .runs import DEFAULT_MIN_CHUNK
 
 
 def sequence_layout(
-    mesh: SPMesh, seq_len: int, layout: str | LayoutKind = "zigzag", cu_seqlens: Sequence[int] | None = None
+    mesh: SPMesh,
+    seq_len: int,
+    layout: str | LayoutKind = "zigzag",
+    cu_seqlens: Sequence[int] | None = None,
+    min_chunk: int = DEFAULT_MIN_CHUNK,
 ) -> SequenceLayout:
     """The layout a ``seq_len``-token sequence gets on ``mesh``'s sequence group (padded as needed).
-    ``cu_seqlens`` (packed documents) places the tokens of the ``per_document`` layout; the other
-    layouts ignore it."""
+    ``cu_seqlens`` (packed documents) and ``min_chunk`` place the tokens of the ``per_document`` layout;
+    the other layouts ignore them."""
     docs = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
-    return SequenceLayout.for_length(layout, mesh.ring, mesh.ulysses, seq_len, docs)
+    return SequenceLayout.for_length(layout, mesh.ring, mesh.ulysses, seq_len, docs, min_chunk)
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -37,6 +46,7 @@ def shard_sequence(
     dim: int = 1,
     layout: str | LayoutKind = "zigzag",
     cu_seqlens: Sequence[int] | None = None,
+    min_chunk: int = DEFAULT_MIN_CHUNK,
 ) -> torch.Tensor:
     """This rank's shard of ``x``, which every rank of the sequence group holds whole.
 
@@ -48,7 +58,7 @@ def shard_sequence(
     ``cu_seqlens``, the same that ``seqmesh.attention`` is given.
     """
     dim = dim % x.dim()
-    lay = sequence_layout(mesh, x.shape[dim], layout, cu_seqlens)
+    lay = sequence_layout(mesh, x.shape[dim], layout, cu_seqlens, min_chunk)
     if lay.size == 1:
         return x
     order = lay.indices(device=x.device)
@@ -64,6 +74,7 @@ def gather_sequence(
     layout: str | LayoutKind = "zigzag",
     length: int | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    min_chunk: int = DEFAULT_MIN_CHUNK,
 ) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: all-gather the shards, restore natural order, and drop
     padding beyond ``length``. Backward is a reduce-scatter (each rank gets its shard's gradient
@@ -72,7 +83,7 @@ def gather_sequence(
     p = mesh.sp_size
     padded = x_local.shape[dim] * p
     docs = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
-    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded, docs)  # type: ignore[arg-type]  # parsed inside
+    lay = SequenceLayout(layout, mesh.ring, mesh.ulysses, padded, docs, min_chunk)  # type: ignore[arg-type]  # parsed inside
     if length is not None and not 0 < length <= padded:
         raise ValueError(f"length={length} must be in [1, {padded}] (the gathered, padded length).")
     full = x_local if p == 1 else all_gather(x_local, mesh.sp_group, dim)
@@ -88,8 +99,9 @@ def sequence_positions(
     layout: str | LayoutKind = "zigzag",
     device: torch.device | str = "cpu",
     cu_seqlens: Sequence[int] | None = None,
+    min_chunk: int = DEFAULT_MIN_CHUNK,
 ) -> torch.Tensor:
     """``(padded_len / P,)`` int64 global position of every token this rank holds (for RoPE, masks).
     Positions at or past ``seq_len`` are padding."""
-    lay = sequence_layout(mesh, seq_len, layout, cu_seqlens)
+    lay = sequence_layout(mesh, seq_len, layout, cu_seqlens, min_chunk)
     return lay.local_positions(mesh.sp_rank).to(device)

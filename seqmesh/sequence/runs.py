@@ -1,4 +1,6 @@
-"""The ``per_document`` layout: zigzag inside every packed document.
+"""A ring rank's block as runs of consecutive global positions, and the runs of the ``per_document``
+layout: zigzag inside every packed document. Torch-free; :class:`~seqmesh.sequence.layout.SequenceLayout`
+turns runs into its permutation.
 
 Zigzag balances causal work over the whole sequence, but with packed documents a token only sees
 its own document, so the work is the sum of each document's own triangle and ranks holding the
@@ -8,15 +10,15 @@ the document's start) and chunk ``2 * ring - 1 - r`` (counted from its end), so 
 does the same share of every triangle.
 
 The ``n - 2 * ring * c < 2 * ring`` tokens between the head and tail chunks (the *middle*), every
-whole document too short for chunks of :data:`MIN_CHUNK` tokens (``c < MIN_CHUNK``), and the
-padding past the last document (a document of its own) join one middle stream in global order,
-placed by zigzag in its turn: cut into ``2 * ring`` equal consecutive pieces, ring rank r takes
-pieces r and ``2 * ring - 1 - r``. Each ring rank then holds
+whole document too short for chunks of ``min_chunk`` tokens (``c < min_chunk``; the layout's field,
+:data:`DEFAULT_MIN_CHUNK` unless set), and the padding past the last document (a document of its own)
+join one middle stream in global order, placed by zigzag in its turn: cut into ``2 * ring`` equal
+consecutive pieces, ring rank r takes pieces r and ``2 * ring - 1 - r``. Each ring rank then holds
 its positions in ascending order (adjacent runs merged), and its Ulysses ranks split that block into
 ``ulysses`` equal pieces, as in zigzag.
 
 With ring=2 (4 chunks a document), a document A of 8 tokens, B of 5, and 3 tokens of padding,
-drawn with chunks of one token allowed (``MIN_CHUNK = 1``; the default keeps documents this short
+drawn with chunks of one token allowed (``min_chunk=1``; the default keeps documents this short
 whole)::
 
     position  0 1 2 3 4 5 6 7 | 8 9 10 11 12 | 13 14 15
@@ -47,15 +49,28 @@ document that a step's two blocks share) where zigzag has one.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
-from .layout import Run
+# The layout's default smallest chunk a document is cut into: a shorter document stays whole in the
+# middle stream. Each chunk of a cut document costs a kernel call per ring step, and chunks below the
+# 64-token tiles of flash kernels waste them. Whole short documents cost a little balance (bench
+# balance, 128K tokens of 64..2048-token documents at ring 8: max/mean 1.02-1.04 here, 1.01 with 32,
+# 1.11 for zigzag).
+DEFAULT_MIN_CHUNK = 64
 
 
-# Smallest chunk a document is cut into: a shorter document stays whole in the middle stream. Each
-# chunk of a cut document costs a kernel call per ring step, and chunks below the 64-token tiles of
-# flash kernels waste them. Whole short documents cost a little balance (bench balance, 128K tokens of
-# 64..2048-token documents at ring 8: max/mean 1.02-1.04 here, 1.01 with 32, 1.11 for zigzag).
-MIN_CHUNK = 64
+@dataclass(frozen=True)
+class Run:
+    """Consecutive global positions ``[start, start + length)`` stored at ``[offset, offset + length)``
+    of a local buffer."""
+
+    start: int
+    length: int
+    offset: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
 
 
 def _document_pieces(
@@ -96,7 +111,7 @@ def _cut(intervals: list[tuple[int, int]], parts: int) -> list[list[tuple[int, i
 
 @functools.lru_cache(maxsize=64)
 def per_document_runs(
-    documents: tuple[int, ...] | None, ring: int, padded_len: int, min_chunk: int = MIN_CHUNK
+    documents: tuple[int, ...] | None, ring: int, padded_len: int, min_chunk: int = DEFAULT_MIN_CHUNK
 ) -> tuple[tuple[Run, ...], ...]:
     """Runs of every ring rank (ascending, adjacent runs merged) of the ``per_document`` layout."""
     bounds = list(documents) if documents is not None else [0]
@@ -117,33 +132,3 @@ def per_document_runs(
                 runs.append(Run(a, b - a, runs[-1].offset + runs[-1].length if runs else 0))
         result.append(tuple(runs))
     return tuple(result)
-
-
-# zigzag is kept while its busiest ring rank does at most this much more causal work than the mean: the
-# per-document layout balances further, but pays about one kernel call per cut document per ring step
-ZIGZAG_IMBALANCE_LIMIT = 1.10
-
-
-def causal_work_per_ring_rank(layout, bounds: tuple[int, ...]) -> list[int]:
-    """(query, key) pairs each ring rank's queries see under causal attention within the documents
-    ``bounds`` (``0 = b0 < ... = layout.padded_len``; the padding is a document of its own)."""
-    import torch
-
-    edges = torch.tensor(bounds)
-    sizes = edges[1:] - edges[:-1]
-    starts = torch.repeat_interleave(edges[:-1], sizes)
-    keys_seen = torch.arange(layout.padded_len) - starts + 1  # (padded_len,) causal keys of each query
-    return keys_seen[layout.indices()].reshape(layout.ring, -1).sum(dim=1).tolist()
-
-
-def auto_layout(ring: int, ulysses: int, seq_len: int, cu_seqlens: tuple[int, ...] | None) -> str:
-    """``"zigzag"``, or ``"per_document"`` when packed documents leave zigzag's busiest ring rank more than
-    ``ZIGZAG_IMBALANCE_LIMIT`` times the mean causal work (one long document among short ones: up to 2x)."""
-    from .layout import SequenceLayout
-
-    if cu_seqlens is None or ring == 1:  # a ring of one computes every position: nothing to balance
-        return "zigzag"
-    zigzag = SequenceLayout.for_length("zigzag", ring, ulysses, seq_len)
-    bounds = tuple(cu_seqlens) + ((zigzag.padded_len,) if cu_seqlens[-1] < zigzag.padded_len else ())
-    work = causal_work_per_ring_rank(zigzag, bounds)
-    return "zigzag" if max(work) * len(work) <= ZIGZAG_IMBALANCE_LIMIT * sum(work) else "per_document"

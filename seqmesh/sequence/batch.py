@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.loss import IGNORE_INDEX
 from ..mesh import SPMesh
-from ..document_layout import auto_layout
-from ..sharding import sequence_layout, shard_sequence
+from .layout import auto_layout
+from .sharding import sequence_layout, shard_sequence
+
+IGNORE_INDEX = -100  # the target that scores nothing (transformers' convention); the loss reads it from here
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def shard_batch(
         layout: ``"auto"`` (``"per_document"`` when ``position_ids`` pack documents that leave zigzag's
             busiest ring rank over 1.10x the mean causal work, so each rank gets the same share of every
             document's; ``"zigzag"`` otherwise, sparing per_document's extra kernel calls), or a
-            :class:`~seqmesh.layout.LayoutKind` name.
+            :class:`~seqmesh.sequence.layout.LayoutKind` name.
 
     Returns:
         ``input_ids``, ``position_ids`` (the caller's, or positions from 0 in each document, for RoPE) and

@@ -19,9 +19,10 @@ equal pieces. With ring=2, chunks c0..c3, the causal mask seen by the two ring r
 After the Ulysses all-to-all each ring rank holds its whole pair, so a ring step only ever meets
 chunks whose positions are equal (the diagonal) or disjoint. With ring=1 zigzag equals contiguous.
 
-``per_document`` (packed documents; see :mod:`seqmesh.document_layout`): zigzag inside every
+``per_document`` (packed documents; see :mod:`seqmesh.sequence.runs`): zigzag inside every
 document, so each ring rank holds the same share of every document's own causal triangle.
-Without documents it equals zigzag.
+Without documents it equals zigzag. Documents shorter than ``2 * ring * min_chunk`` tokens stay
+whole (``min_chunk`` is a field of the layout). :func:`auto_layout` picks zigzag or per_document.
 """
 
 from __future__ import annotations
@@ -32,27 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .padding import padded_length, padding_multiple
+from ..padding import padded_length, padding_multiple
+from .runs import DEFAULT_MIN_CHUNK, Run, per_document_runs
 
 
 class LayoutKind(str, enum.Enum):
     CONTIGUOUS = "contiguous"
     ZIGZAG = "zigzag"
     PER_DOCUMENT = "per_document"
-
-
-@dataclass(frozen=True)
-class Run:
-    """Consecutive global positions ``[start, start + length)`` stored at ``[offset, offset + length)``
-    of a local buffer."""
-
-    start: int
-    length: int
-    offset: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.length
 
 
 def _parse_kind(layout: str | LayoutKind) -> LayoutKind:
@@ -73,16 +61,23 @@ class SequenceLayout:
     """Where each of ``padded_len`` positions lives on a ``ring x ulysses`` sequence group.
 
     ``documents``: the packed documents' boundaries ``(0, e1, ..., en)`` with ``en <= padded_len``
-    (flash-attn's ``cu_seqlens``), read by the ``per_document`` kind only (the others keep None)."""
+    (flash-attn's ``cu_seqlens``), read by the ``per_document`` kind only (the others keep None).
+    ``min_chunk``: the smallest chunk ``per_document`` cuts a document into (shorter documents stay
+    whole); read by that kind only (the others keep the default)."""
 
     kind: LayoutKind
     ring: int
     ulysses: int
     padded_len: int
     documents: tuple[int, ...] | None = None
+    min_chunk: int = DEFAULT_MIN_CHUNK
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _parse_kind(self.kind))
+        if self.min_chunk < 1:
+            raise ValueError(f"min_chunk must be at least 1 token, got {self.min_chunk}.")
+        if self.kind is not LayoutKind.PER_DOCUMENT:  # equal permutations compare (and cache) equal
+            object.__setattr__(self, "min_chunk", DEFAULT_MIN_CHUNK)
         if self.kind is not LayoutKind.PER_DOCUMENT or self.documents is None:
             object.__setattr__(self, "documents", None)
         else:
@@ -104,11 +99,17 @@ class SequenceLayout:
 
     @classmethod
     def for_length(
-        cls, kind: str | LayoutKind, ring: int, ulysses: int, seq_len: int, documents: tuple[int, ...] | None = None
+        cls,
+        kind: str | LayoutKind,
+        ring: int,
+        ulysses: int,
+        seq_len: int,
+        documents: tuple[int, ...] | None = None,
+        min_chunk: int = DEFAULT_MIN_CHUNK,
     ) -> SequenceLayout:
         """The layout of a ``seq_len``-token sequence padded to the next valid length."""
         kind = _parse_kind(kind)
-        return cls(kind, ring, ulysses, padded_length(seq_len, ulysses, ring, kind.value), documents)
+        return cls(kind, ring, ulysses, padded_length(seq_len, ulysses, ring, kind.value), documents, min_chunk)
 
     @property
     def size(self) -> int:
@@ -130,11 +131,7 @@ class SequenceLayout:
             n = self.ring_len
             return (Run(ring_rank * n, n, 0),)
         if self.kind is LayoutKind.PER_DOCUMENT:
-            from . import document_layout
-
-            runs = document_layout.per_document_runs(
-                self.documents, self.ring, self.padded_len, document_layout.MIN_CHUNK)
-            return runs[ring_rank]
+            return per_document_runs(self.documents, self.ring, self.padded_len, self.min_chunk)[ring_rank]
         c = self.padded_len // (2 * self.ring)
         first, second = ring_rank, 2 * self.ring - 1 - ring_rank
         return (Run(first * c, c, 0), Run(second * c, c, c))
@@ -143,12 +140,7 @@ class SequenceLayout:
         """``(padded_len,)`` int64 on ``device`` (default CPU). Shard order -> global position, or with
         ``restore`` the inverse. Built once per layout, direction and device and shared by every layer
         and caller that meets the same layout: read it, never write into it."""
-        from . import document_layout
-
-        # per_document runs read MIN_CHUNK when computed, so it is part of the key: a changed chunk size
-        # must never meet indices cached under the old one while ring_runs() answers with the new
-        return _indices(self, restore, torch.device("cpu") if device is None else torch.device(device),
-                        document_layout.MIN_CHUNK)
+        return _indices(self, restore, torch.device("cpu") if device is None else torch.device(device))
 
     def _order(self) -> torch.Tensor:
         """``indices()`` computed afresh on the CPU."""
@@ -170,7 +162,7 @@ class SequenceLayout:
 # Per layout, direction and device. A few entries: a training step meets one layout per batch (a
 # per_document layout changes with every batch), each entry is padded_len int64 (8 bytes a token).
 @functools.lru_cache(maxsize=8)
-def _indices(layout: SequenceLayout, restore: bool, device: torch.device, min_chunk: int) -> torch.Tensor:
+def _indices(layout: SequenceLayout, restore: bool, device: torch.device) -> torch.Tensor:
     order = layout._order()
     if restore:
         inverse = torch.empty_like(order)
@@ -178,3 +170,28 @@ def _indices(layout: SequenceLayout, restore: bool, device: torch.device, min_ch
         order = inverse
     return order.to(device)
 
+
+# zigzag is kept while its busiest ring rank does at most this much more causal work than the mean: the
+# per-document layout balances further, but pays about one kernel call per cut document per ring step
+ZIGZAG_IMBALANCE_LIMIT = 1.10
+
+
+def causal_work_per_ring_rank(layout: SequenceLayout, bounds: tuple[int, ...]) -> list[int]:
+    """(query, key) pairs each ring rank's queries see under causal attention within the documents
+    ``bounds`` (``0 = b0 < ... = layout.padded_len``; the padding is a document of its own)."""
+    edges = torch.tensor(bounds)
+    sizes = edges[1:] - edges[:-1]
+    starts = torch.repeat_interleave(edges[:-1], sizes)
+    keys_seen = torch.arange(layout.padded_len) - starts + 1  # (padded_len,) causal keys of each query
+    return keys_seen[layout.indices()].reshape(layout.ring, -1).sum(dim=1).tolist()
+
+
+def auto_layout(ring: int, ulysses: int, seq_len: int, cu_seqlens: tuple[int, ...] | None) -> str:
+    """``"zigzag"``, or ``"per_document"`` when packed documents leave zigzag's busiest ring rank more than
+    ``ZIGZAG_IMBALANCE_LIMIT`` times the mean causal work (one long document among short ones: up to 2x)."""
+    if cu_seqlens is None or ring == 1:  # a ring of one computes every position: nothing to balance
+        return "zigzag"
+    zigzag = SequenceLayout.for_length("zigzag", ring, ulysses, seq_len)
+    bounds = tuple(cu_seqlens) + ((zigzag.padded_len,) if cu_seqlens[-1] < zigzag.padded_len else ())
+    work = causal_work_per_ring_rank(zigzag, bounds)
+    return "zigzag" if max(work) * len(work) <= ZIGZAG_IMBALANCE_LIMIT * sum(work) else "per_document"
