@@ -15,7 +15,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from seqmesh.tools.launch import spawn
+from seqmesh.comm.launch import spawn
 from seqmesh.training.config import TrainConfig
 from seqmesh.training.datasets import LongRangeCopy
 from seqmesh.training.train import train

@@ -50,6 +50,6 @@ if __name__ == "__main__":
         run()
         dist.destroy_process_group()
     else:
-        from seqmesh.tools.launch import spawn
+        from seqmesh.comm.launch import spawn
 
         spawn(run, 4, threads=1)

@@ -16,7 +16,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from seqmesh.hf.trainer import SequenceParallelTrainer
+from seqmesh.trainer import SequenceParallelTrainer
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -45,7 +45,8 @@ _SUBMODULES: dict[str, str] = {
     **{name: f".training.{name}" for name in (
         "checkpoint", "config", "datasets", "metrics", "train", "verify",
     )},
-    **{name: f".tools.{name}" for name in ("bench", "cli", "launch")},
+    **{name: f".tools.{name}" for name in ("bench", "cli")},
+    "launch": ".comm.launch",
 }
 
 __all__ = sorted(_EXPORTS)

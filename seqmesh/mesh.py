@@ -164,7 +164,7 @@ def init_mesh(
     if not dist.is_initialized():
         raise ValueError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group() first "
-            "(torchrun sets the environment for it), or use seqmesh.tools.launch.spawn() for local processes."
+            "(torchrun sets the environment for it), or use seqmesh.comm.launch.spawn() for local processes."
         )
     world = dist.get_world_size()
     product = ulysses * ring * dp_shard * dp_replicate

@@ -32,7 +32,7 @@ def cli_exit(argv: list[str]) -> dict:
 
 def trainer_checkpoint(output_dir: str) -> None:
     """Two steps of seqmesh's Trainer (ulysses 2) saving ``output_dir/checkpoint-2``."""
-    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from seqmesh.trainer import SequenceParallelTrainer
     from trainer_cases import TRAIN_ROWS, tiny_model, training_args, torchrun_environment
 
     with torchrun_environment():
@@ -44,7 +44,7 @@ def trainer_checkpoint(output_dir: str) -> None:
 def trainer_resume_error(output_dir: str) -> str:
     """``train(resume_from_checkpoint=output_dir/checkpoint-2)`` for 4 steps with a fresh Trainer: the error
     it raises on this rank as ``"Type: message"`` ("" if it resumed and finished)."""
-    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from seqmesh.trainer import SequenceParallelTrainer
     from trainer_cases import TRAIN_ROWS, tiny_model, training_args, torchrun_environment
 
     with torchrun_environment():

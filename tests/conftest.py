@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the case modules
 
-from seqmesh.tools.launch import WorkerPool  # noqa: E402
+from seqmesh.comm.launch import WorkerPool  # noqa: E402
 
 
 class Pools:

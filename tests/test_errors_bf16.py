@@ -90,7 +90,7 @@ def fail_mid_ring(fail_rank: int) -> str:
 def test_a_failing_rank_ends_the_group_instead_of_hanging():
     import time
 
-    from seqmesh.tools.launch import WorkerPool
+    from seqmesh.comm.launch import WorkerPool
 
     pool = WorkerPool(2, collective_timeout=300)
     start = time.monotonic()

@@ -166,7 +166,7 @@ def test_sft_trainer_subclass_matches_single_process(pools, tmp_path):
 
 
 def test_trainer_refuses_missing_degrees_and_missing_process_group(tmp_path):
-    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from seqmesh.trainer import SequenceParallelTrainer
     from trainer_cases import TRAIN_ROWS, tiny_model, training_args
 
     args = training_args(str(tmp_path), 2, 1)
@@ -181,7 +181,7 @@ def test_trainer_refuses_an_accelerator_that_scales_the_loss_again(monkeypatch, 
     value, so accelerator.backward divided seqmesh's weighted loss again; emulated here, it is refused."""
     from transformers import Trainer
 
-    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from seqmesh.trainer import SequenceParallelTrainer
     from trainer_cases import TRAIN_ROWS, tiny_model, training_args
 
     create = Trainer.create_accelerator_and_postprocess

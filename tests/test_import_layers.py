@@ -42,3 +42,31 @@ def test_the_library_does_not_import_the_job():
             if (module + ".").startswith("seqmesh.training."):
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}")
     assert wrong == [], "the job may import the library, not the other way: move the shared code into seqmesh.model"
+
+
+def _package(module: str) -> str:
+    """``seqmesh.model.lm`` -> ``seqmesh.model``; a top-level module is its own package."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycle_between_packages():
+    packages = {_package(_module_name(path)) for path in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = _package(_module_name(path))
+        for _, module in imports_of(path):
+            there = _package(module)
+            if there in packages and there != here:
+                edges.setdefault(here, set()).add(there)
+    cycles = []
+
+    def walk(node: str, trail: list[str]) -> None:
+        for nxt in sorted(edges.get(node, ())):
+            if nxt in trail:
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif len(trail) < 12:
+                walk(nxt, trail + [nxt])
+
+    for start in sorted(edges):
+        walk(start, [start])
+    assert cycles == [], "packages must import one way; move the shared part below both"

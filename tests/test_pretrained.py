@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrained_cases import build_error, loaded_weights, loading_memory, train_command
-from seqmesh.tools.launch import spawn
+from seqmesh.comm.launch import spawn
 from seqmesh.model.lm import build_model
 
 

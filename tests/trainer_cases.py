@@ -105,7 +105,7 @@ def torchrun_environment():
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
                       train_rows: list | None = None, **extra) -> dict:
     """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
-    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from seqmesh.trainer import SequenceParallelTrainer
 
     with torchrun_environment():
         trainer = SequenceParallelTrainer(
@@ -137,7 +137,7 @@ def resume(output_dir: str, ulysses: int, ring: int) -> dict:
     from it: both curves (the resumed one holds the checkpoint's first 5 entries) and the steps run."""
     from transformers import TrainerCallback
 
-    from seqmesh.hf.trainer import SequenceParallelTrainer
+    from seqmesh.trainer import SequenceParallelTrainer
 
     class CountSteps(TrainerCallback):
         steps = 0
@@ -172,7 +172,7 @@ def sft(output_dir: str, ulysses: int = 0, ring: int = 0) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from seqmesh.hf.trainer import SequenceParallelTrainerMixin
+    from seqmesh.trainer import SequenceParallelTrainerMixin
 
     rows = Dataset.from_list([{"input_ids": r["input_ids"]} for r in TRAIN_ROWS])
 

@@ -132,7 +132,7 @@ def calibrate(device: str | None = None, dtype: str = "bf16") -> Calibration:
     """Measure compute in ``dtype`` on ``device`` (cuda if present, else cpu) and links over 2 local gloo ranks."""
     import torch
 
-    from ..tools.launch import spawn
+    from ..comm.launch import spawn
 
     start = time.perf_counter()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

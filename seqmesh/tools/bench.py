@@ -128,7 +128,7 @@ def side_by_side(cfg, run_single, run_rank, *, single_threads: int, check: bool 
     ``cfg.world`` spawned ranks for each of ``cfg.factorisations()``; ``path`` is where the one process
     leaves its results for the ranks to check against (None without ``check``). Returns the one
     process's result and ``[(ulysses, ring, per-rank results)]``."""
-    from .launch import WorkerPool
+    from ..comm.launch import WorkerPool
 
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:

@@ -209,7 +209,7 @@ def compare(bench: BaselineBench, methods: tuple[str, ...] = DEFAULT_METHODS, po
     time each pair side by side; ``progress`` is told each measurement. Returns ``{"methods": {method:
     {longest, peaks, reached_limit, host_bytes}}, "pairs": [{seqmesh, baseline, longest_ratio,
     speed_ratio_at_both, both_seqmesh, both_baseline, own_seqmesh, own_baseline}]}``."""
-    from .launch import WorkerPool
+    from ..comm.launch import WorkerPool
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

@@ -197,7 +197,7 @@ def _validate_rank(repeats: int) -> list[dict]:
 
 def bench_validate(repeats: int = 200) -> list[dict]:
     """Rows of :func:`_validate_rank` from rank 0 of two spawned gloo ranks."""
-    from .launch import WorkerPool
+    from ..comm.launch import WorkerPool
 
     with WorkerPool(2, threads=1) as pool:
         return pool.run(_validate_rank, repeats, timeout=600)[0]

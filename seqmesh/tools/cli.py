@@ -131,7 +131,7 @@ def _init_distributed(timeout: float = 600.0) -> None:
     import torch
     import torch.distributed as dist
 
-    from .launch import free_port
+    from ..comm.launch import free_port
 
     if dist.is_initialized():
         return
@@ -199,7 +199,7 @@ def _demo_rank(cfg) -> dict:
 
 
 def cmd_demo_train(args: argparse.Namespace) -> int:
-    from .launch import WorkerPool
+    from ..comm.launch import WorkerPool
     from ..training.config import TrainConfig
 
     # 8 symbols: the copy task's plateau is escaped far more reliably than with 32 (every seed tried at 512

@@ -33,15 +33,15 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer
 
-from ..compose import ParallelPlan, parallelize_model
-from ..mesh import SPMesh, init_mesh
-from ..sequence.batch import IGNORE_INDEX, shard_batch
-from ..model.fsdp import gradient_norm
-from ..model.lm import SequenceParallelLM
-from ..model.pretrained import copy_pretrained
-from ..model.writer import write_model
-from ..versions import require
-from ..degrees import resolve_degrees
+from .compose import ParallelPlan, parallelize_model
+from .mesh import SPMesh, init_mesh
+from .sequence.batch import IGNORE_INDEX, shard_batch
+from .model.fsdp import gradient_norm
+from .model.lm import SequenceParallelLM
+from .model.pretrained import copy_pretrained
+from .model.writer import write_model
+from .versions import require
+from .degrees import resolve_degrees
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
 # prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm
@@ -228,7 +228,7 @@ class SequenceParallelTrainerMixin:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         from transformers.trainer import SCHEDULER_NAME
 
-        from ..model.checkpoint_reader import load_checked
+        from .model.checkpoint_reader import load_checked
 
         if checkpoint is None:
             return
