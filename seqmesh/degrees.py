@@ -8,6 +8,7 @@ Torch-free: ``seqmesh plan`` imports it without torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Union
 
 Degree = Union[int, str]  # a positive int, or "auto"
@@ -64,3 +65,46 @@ def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "aut
     if seq_len is not None and seq_len < sp:
         raise ValueError(f"seq_len={seq_len} is smaller than the sequence degree {sp}; every rank needs a token.")
     return u, r, dp_shard
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How the GPUs are split, as the planner compares them. seqmesh runs ``tp == 1``; ``tp > 1`` is Megatron-style tensor (+sequence)
+    parallelism, kept as a reference point. World rank = ``tp_rank + T*(ulysses_rank + U*(ring_rank +
+    R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel."""
+
+    ulysses: int
+    ring: int
+    dp_shard: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ulysses", "ring", "dp_shard", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree: GPUs that share one sequence (ulysses x ring, or tp)."""
+        return self.ulysses * self.ring * self.tp
+
+    @property
+    def gpus(self) -> int:
+        return self.ulysses * self.ring * self.dp_shard * self.tp
+
+    @property
+    def fsdp_group(self) -> int:
+        """Ranks FSDP shards the (TP-local) parameters over: dp_shard x ring x ulysses."""
+        return self.dp_shard * self.ulysses * self.ring
+
+    @property
+    def runs_on_seqmesh(self) -> bool:
+        return self.tp == 1
+
+    def label(self) -> str:
+        if self.tp > 1:
+            return f"TP{self.tp} x DP{self.dp_shard} (ref)"
+        return f"U{self.ulysses} x R{self.ring} x DP{self.dp_shard}"
+
+    def as_dict(self) -> dict[str, int]:
+        return {"ulysses": self.ulysses, "ring": self.ring, "dp_shard": self.dp_shard, "tp": self.tp}

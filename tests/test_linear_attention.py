@@ -193,13 +193,14 @@ def test_planner_counts_gated_deltanet_layers():
     are excluded, naming them; the closed form for even heads holds."""
     from seqmesh.planner.hardware import PRESETS, make_cluster
     from seqmesh.planner.plan import communication, layouts
-    from seqmesh.planner.workload import Layout, Workload
+    from seqmesh.degrees import Degrees
+    from seqmesh.planner.workload import Workload
     from seqmesh.model.presets import MODELS
 
     m = MODELS["qwen3.5-9b"]
     work = Workload(m, 131072)
     cluster = make_cluster(PRESETS["h100-nvlink"], nodes=8)
-    per_layer, links, step = communication(work, Layout(4, 2, 8), cluster.hardware)
+    per_layer, links, step = communication(work, Degrees(4, 2, 8), cluster.hardware)
     assert m.linear_layers == 24 and m.layers - m.linear_layers == 8
     lin = per_layer["forward"]["linear_all_to_all"]
     assert lin == 131072 * 7 * (2 * 16 * 128 + 32 * (2 * 128 + 2)) * 2 // 64  # B S (P-1)/P^2 (2 Hk Dk + Hv (2 Dv + 2)) bf16
@@ -212,10 +213,10 @@ def test_planner_counts_gated_deltanet_layers():
     from seqmesh.planner.memory import layer_saved_bytes
 
     assert linear_state_bytes(m, 1, 8) == 4 * 4 * 128 * 128
-    at8, at1 = (GatedDeltaNet(work, lay).saved_bytes() for lay in (Layout(8, 1, 1), Layout(1, 1, 8)))
+    at8, at1 = (GatedDeltaNet(work, lay).saved_bytes() for lay in (Degrees(8, 1, 1), Degrees(1, 1, 8)))
     assert at8 > 2048 * linear_state_bytes(m, 1, 8)  # 131072 / 64 chunk states, 512 MiB
     assert 7.9 < at1 / at8 < 8.1  # everything of the layer scales as 1/P
-    assert at8 == layer_saved_bytes(work, Layout(8, 1, 1))  # the hybrid's larger layer kind
+    assert at8 == layer_saved_bytes(work, Degrees(8, 1, 1))  # the hybrid's larger layer kind
 
 
 def test_recurrent_families_are_refused_by_name():

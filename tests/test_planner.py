@@ -19,7 +19,8 @@ from seqmesh.planner.hardware import IDEAL_RING
 from seqmesh.planner.network import all_to_all_seconds
 from seqmesh.planner.timing import StepTime, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
-from seqmesh.planner.workload import Layout, Workload
+from seqmesh.degrees import Degrees
+from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS, ModelShape
 
 TINY = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
@@ -56,7 +57,7 @@ def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
     params = 32 * LLAMA8B_LAYER + LLAMA8B_EMBEDDING + LLAMA8B_ROOT
     assert LLAMA8B_LAYER == 218_112_000 and m.params == params == 8_030_261_248
     shard = -(-params // 8)
-    w, lay = Workload(m, 8192), Layout(8, 1, 1)
+    w, lay = Workload(m, 8192), Degrees(8, 1, 1)
     at_embedding_rs = 2 * LLAMA8B_ROOT + (2 + 4) * LLAMA8B_EMBEDDING
     at_root_rs = (2 + 4) * LLAMA8B_ROOT
     assert at_embedding_rs - at_root_rs == 2 * 128256 * 4096 - 4 * 4096 > 0  # the embedding's moment is larger
@@ -87,7 +88,7 @@ def test_tied_head_is_one_root_weight_and_no_embedding_unit(name):
     root = {"qwen3-0.6b": 151936 * 1024 + 1024, "llama3.2-1b": 128256 * 2048 + 2048}[name]
     assert m.tie_embeddings and m.params == m.layers * per_layer + root
     shard = -(-m.params // 4)
-    w, lay = Workload(m, 4096), Layout(4, 1, 1)
+    w, lay = Workload(m, 4096), Degrees(4, 1, 1)
     assert end_of_backward_grads(w, lay) == {"root": 6 * root}
     want = {
         "layer backward": (4 * shard + 2 * (root + 2 * per_layer), 2 * (root + per_layer)),
@@ -110,19 +111,19 @@ def test_llama70b_on_16_gpus_does_not_fit_with_a_foreach_adamw_step():
     assert m.params == 80 * layer + emb + root
     shard = -(-m.params // 16)
     one_token = Workload(m, 1)
-    end = memory_at(one_token, Layout(1, 16, 1), "end of backward")
+    end = memory_at(one_token, Degrees(1, 16, 1), "end of backward")
     want = 16 * shard + 2 * root + 2 * root + (2 + 4) * emb + 2 * GiB
     assert want / GiB == pytest.approx(77.49, abs=0.01)
     assert end.total - end.activations == want and end.logits == end.attention == 0
     # zigzag over 16 ring ranks pads 1 token to 32: 2 local tokens' ids, positions, labels, the loss's copy
     # (int64) and RoPE's cos and sin (bf16)
     assert end.activations == 2 * (4 * 8 + 2 * 128 * 2)
-    step = memory_per_gpu(one_token, Layout(1, 16, 1))
+    step = memory_per_gpu(one_token, Degrees(1, 16, 1))
     assert step.moment == "optimizer step" and step.optimizer == 12 * shard
     assert step.total - step.activations == 20 * shard + 2 * GiB > H100.memory_bytes
-    assert longest_sequence(one_token, Layout(1, 16, 1), H100.memory_bytes) == 0
+    assert longest_sequence(one_token, Degrees(1, 16, 1), H100.memory_bytes) == 0
     per_tensor = replace(one_token, optimizer_foreach=False)
-    assert 0 < longest_sequence(per_tensor, Layout(1, 16, 1), H100.memory_bytes) < 262144
+    assert 0 < longest_sequence(per_tensor, Degrees(1, 16, 1), H100.memory_bytes) < 262144
 
 
 def test_attention_backward_buffers_by_hand():
@@ -132,14 +133,14 @@ def test_attention_backward_buffers_by_hand():
     dK/dV blocks (home, this step's partial, the one sent on a step earlier, the one arriving) 4 x 16 x 4 x
     16 x 4 = 16384; three bf16 K/V blocks (home, held, arriving) 3 x 16 x 4 x 16 x 2 = 6144: 30720.
     A ring of two has no middle step: three fp32 dK/dV blocks and two K/V blocks."""
-    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 1, 1)) == 16384
-    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 4, 1)) == 4096 + 4096 + 16384 + 6144
+    assert attention_backward_bytes(Workload(TINY, 64), Degrees(1, 1, 1)) == 16384
+    assert attention_backward_bytes(Workload(TINY, 64), Degrees(1, 4, 1)) == 4096 + 4096 + 16384 + 6144
     # ring 2: 32 local tokens; kernel 32x8x16x2 = 8192, dQ 32x4x16x4 = 8192, three fp32 dK/dV (home, in
     # flight, this step's) 3x(32x4x16x4) = 24576, two bf16 K/V 2x(32x4x16x2) = 8192
-    assert attention_backward_bytes(Workload(TINY, 64), Layout(1, 2, 1)) == 8192 + 8192 + 24576 + 8192
+    assert attention_backward_bytes(Workload(TINY, 64), Degrees(1, 2, 1)) == 8192 + 8192 + 24576 + 8192
     # Ulysses 2: 64 tokens x (2 + 1 + 1) heads of this rank; the inner kernel's gradients 64x4x16x2 = 8192,
     # then packed (8192) beside the 32 local tokens' gradients of every head 32x8x16x2 = 8192
-    assert attention_backward_bytes(Workload(TINY, 64), Layout(2, 1, 1)) == max(8192, 2 * 8192 + 8192)
+    assert attention_backward_bytes(Workload(TINY, 64), Degrees(2, 1, 1)) == max(8192, 2 * 8192 + 8192)
 
 
 def test_saved_activations_per_layer_by_hand():
@@ -148,7 +149,7 @@ def test_saved_activations_per_layer_by_hand():
     two RMSNorms, each its float32 input, float32 scale, normalized tensor and output (the projections'
     input); q, k, v, attention output (16 x (4 + 2 + 2 + 4)) and a float32 LSE per query head; gate, up,
     SiLU(gate) and their product (4 x 128)."""
-    s, lay = 64, Layout(1, 1, 1)
+    s, lay = 64, Degrees(1, 1, 1)
     fp32 = 2 * (4 * 64 + 4 + 4 * 64 + 4 * 64) + 4 * 16 * 12 + 4 * 4 + 4 * 4 * 128
     bf16 = 2 * (4 * 64 + 4 + 2 * 64 + 2 * 64) + 2 * 16 * 12 + 4 * 4 + 2 * 4 * 128  # the norms' fp32 copies stay
     assert (fp32, bf16) == (4376, 2456)
@@ -157,13 +158,13 @@ def test_saved_activations_per_layer_by_hand():
     # Ulysses 2: the attention tensors on 64 tokens x this rank's 2 + 1 + 1 + 2 heads, and the output
     # projection's own input (every head, 32 local tokens)
     uly = 32 * 2 * (4 * 64 + 4 + 2 * 64 + 2 * 64) + 64 * (2 * 16 * 6 + 4 * 2) + 32 * 2 * 64 + 32 * 2 * 4 * 128
-    assert layer_saved_bytes(Workload(TINY, s, checkpointing=False), Layout(2, 1, 1)) == uly
+    assert layer_saved_bytes(Workload(TINY, s, checkpointing=False), Degrees(2, 1, 1)) == uly
 
 
 def test_ring_divides_saved_activations_by_its_degree():
     """Pure ring keeps every saved tensor on the local tokens only: 1/P of one GPU's, exactly."""
     w = Workload(MODELS["llama3-8b"], 65536, checkpointing=False)
-    assert layer_saved_bytes(w, Layout(1, 8, 1)) * 8 == layer_saved_bytes(w, Layout(1, 1, 8))
+    assert layer_saved_bytes(w, Degrees(1, 8, 1)) * 8 == layer_saved_bytes(w, Degrees(1, 1, 8))
 
 
 def test_chunked_loss_by_hand():
@@ -172,7 +173,7 @@ def test_chunked_loss_by_hand():
     bf16 gradient, the head's float32 gradient accumulator (128256 x 4096 x 4), and the larger of the
     chunk's logit gradient in float32 next to its bf16 copy (6 B per logit) and the bf16 copy next to the
     head-gradient matmul in bf16 and its float32 cast (128256 x 4096 x 6)."""
-    m, lay = MODELS["llama3-8b"], Layout(4, 1, 1)
+    m, lay = MODELS["llama3-8b"], Degrees(4, 1, 1)
     t, n, v, h = 16384, 4096, 128256, 4096
     w = Workload(m, 65536)
     assert loss_memory(w, lay, "loss forward") == 4 * t + 6 * n * v
@@ -182,7 +183,7 @@ def test_chunked_loss_by_hand():
 
 
 def test_longest_sequence_is_the_memory_boundary():
-    w, lay = Workload(MODELS["llama3-8b"], 1), Layout(8, 1, 1)
+    w, lay = Workload(MODELS["llama3-8b"], 1), Degrees(8, 1, 1)
     n = longest_sequence(w, lay, H100.memory_bytes)
     assert n > 100_000
     assert memory_per_gpu(replace(w, seq_len=n), lay).total <= H100.memory_bytes
@@ -200,7 +201,7 @@ def test_compute_time_by_hand():
     attention = 4 * 16 * 4 * (s * (s + 1) // 2)
     assert attention_pairs(s, True) == s * (s + 1) // 2
     for chunked, head_flops in ((True, 8), (False, 6)):
-        t = step_time(Workload(TINY, s, chunked_loss=chunked), Layout(1, 1, 1), hw)
+        t = step_time(Workload(TINY, s, chunked_loss=chunked), Degrees(1, 1, 1), hw)
         flops = TINY.layers * (8 * s * mm + 4.5 * attention) + head_flops * s * 256 * 64
         assert t.compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
         assert t.total == pytest.approx(t.compute, rel=1e-9)
@@ -218,8 +219,8 @@ def test_attention_flops_per_rank_divide_by_the_sequence_degree(ulysses, ring, c
     attention = 4 * d * (hq // ulysses) * pairs // ring  # one rank, forward, FLOPs
     mm = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
     flops = TINY.layers * (8 * (s // 4) * mm + 4.5 * attention) + 8 * (s // 4) * 256 * 64
-    assert step_time(w, Layout(ulysses, ring, 1), hw).compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
-    one = step_time(w, Layout(1, 1, 1), hw).compute
+    assert step_time(w, Degrees(ulysses, ring, 1), hw).compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
+    one = step_time(w, Degrees(1, 1, 1), hw).compute
     assert one == pytest.approx((TINY.layers * (8 * s * mm + 4.5 * 4 * d * hq * pairs) + 8 * s * 256 * 64)
                                 / hw.peak_flops, rel=1e-9)
 
@@ -227,7 +228,7 @@ def test_attention_flops_per_rank_divide_by_the_sequence_degree(ulysses, ring, c
 def test_ring_overlaps_transfers_with_block_compute():
     """Forward over R ring steps of compute c with hop time h takes (R-1) * max(c, h) + c: compute when
     the link is fast, hops when it is slow."""
-    w, lay = Workload(MODELS["llama3-8b"], 131072), Layout(1, 4, 1)
+    w, lay = Workload(MODELS["llama3-8b"], 131072), Degrees(1, 4, 1)
     kv_bytes = 2 * (131072 // 4) * 8 * 128 * 2
     slow = replace(H100, links=(LinkLevel("slow", 0, 0.1 * GB, 0.0),))  # a hop: 1.34 s > a step: 0.25 s
     assert ring_attention_seconds(w, lay, _fast(H100), 1.0, "forward")[0] == pytest.approx(1.0)
@@ -253,7 +254,7 @@ def test_fsdp_units_timing_with_free_compute(tied):
         return (gathers * 3 * (n // 4) * 2 + 3 * (n // 4) * 4) / GB
 
     serial = 3 * unit(layer) + unit(root, gathers=1) + (0 if tied else unit(emb))
-    t = step_time(Workload(m, 64), Layout(1, 1, 4), hw)
+    t = step_time(Workload(m, 64), Degrees(1, 1, 4), hw)
     assert t.serial_comm == pytest.approx(serial, rel=1e-9)
     assert t.total == pytest.approx(serial - (0 if tied else 3 * (layer // 4) * 2 / GB), rel=1e-6)
 
@@ -321,7 +322,7 @@ def test_ulysses_beyond_kv_heads_works_by_replication():
     """Llama-3-8B has 8 kv heads; Ulysses 16 replicates each to two ranks and is still a valid plan whose
     traffic counts the copies."""
     p = plan(Workload(MODELS["llama3-8b"], 2**20), make_cluster(H100, nodes=2))
-    (u16,) = [c for c in p.candidates if c.layout == Layout(16, 1, 1)]
+    (u16,) = [c for c in p.candidates if c.layout == Degrees(16, 1, 1)]
     assert u16.feasible and any("kv replication" in n for n in u16.notes)
     sent = attention_traffic(32, 8, 128, seq_len=2**20, batch=1, ulysses=16, ring=1, dtype="bfloat16")
     row = (2**20 // 16) * 128 * 2
@@ -342,7 +343,7 @@ def _candidate(label: tuple[int, int, int], tokens_per_s: float, gib: float, ser
     """A made-up evaluated layout: ``gib`` of memory, ``serial`` of the (1 s) step in communication end to end."""
     mem = MemoryBreakdown(int(gib * GiB), 0, 0, 0, 0, 0, 0)
     t = StepTime(1.0, 1.0, 0.0, 0.0, 0.0, serial)
-    return Candidate(Layout(*label), mem, {}, {}, {}, t, tokens_per_s, True)
+    return Candidate(Degrees(*label), mem, {}, {}, {}, t, tokens_per_s, True)
 
 
 def test_a_tie_goes_to_clear_memory_headroom_then_to_less_exposed_communication():
@@ -374,7 +375,7 @@ def test_h100_128k_picks_headroom_and_says_so():
 def test_ring_reason_says_exposed_when_a_hop_outlasts_block_compute():
     """Ring 8 over Llama-3-8B at 128K: a forward hop carries 2 x 16384 x 8 x 128 x 2 B = 64 MiB. Over a
     1 GB/s link that is 67 ms against ~30 ms of block compute per step: exposed. Over NVLink: hidden."""
-    w, lay = Workload(MODELS["llama3-8b"], 131072), Layout(1, 8, 1)
+    w, lay = Workload(MODELS["llama3-8b"], 131072), Degrees(1, 8, 1)
     hop_bytes = 2 * 16384 * 8 * 128 * 2
     slow = replace(H100, links=(LinkLevel("slow", 0, 1 * GB, 0.0),))
     for hw, state in ((slow, "its P2P exposed"), (H100, "its P2P hidden behind block compute")):

@@ -20,7 +20,8 @@ from seqmesh.planner.hardware import DEFAULT_RING_EFFICIENCY, IDEAL_RING, RingEf
 from seqmesh.planner.network import (Fabric, all_to_all_seconds, concurrent_all_to_all_seconds, every_group,
                                      parse_fabric, ring_hop_seconds, ring_load)
 from seqmesh.planner.timing import _ulysses_seconds, step_time
-from seqmesh.planner.workload import Layout, Workload
+from seqmesh.degrees import Degrees
+from seqmesh.planner.workload import Workload
 from seqmesh.tools.cli import main
 from seqmesh.model.presets import MODELS, ModelShape
 
@@ -43,7 +44,7 @@ def test_all_to_all_over_two_nodes_shares_the_uplinks_over_one_node_does_not():
     assert all_to_all_seconds(n, hw, list(range(16))) == pytest.approx(64 * MB / (80 * GB))
     assert all_to_all_seconds(n, hw, list(range(8))) == pytest.approx(n / (100 * GB))
     # the two node-local groups of U8 x DP2 run at once and still leave no node
-    local_groups = every_group(Layout(8, 1, 2), "ulysses")
+    local_groups = every_group(Degrees(8, 1, 2), "ulysses")
     assert concurrent_all_to_all_seconds(n, hw, local_groups) == pytest.approx(n / (100 * GB))
     # one NIC per GPU (8 x 40 GB/s, as a DGX H100): the node's share equals each GPU's, 8 MB / 40 GB/s
     assert all_to_all_seconds(n, _two_level(8, 8), list(range(16))) == pytest.approx(8 * MB / (40 * GB))
@@ -53,7 +54,7 @@ def test_all_to_all_over_8_spanning_two_nodes_of_4():
     """16 GPUs in nodes of 4 with 1 NIC (40 GB/s): U8 x DP2 groups each span 2 nodes. A rank sends 4/7 of
     n = 7 MB off-node; a node's 4 ranks, all in one group, 16 MB through 40 GB/s: 0.4 ms."""
     hw, n = _two_level(4, 1), 7 * MB
-    groups = every_group(Layout(8, 1, 2), "ulysses")
+    groups = every_group(Degrees(8, 1, 2), "ulysses")
     assert groups == (tuple(range(8)), tuple(range(8, 16)))
     assert concurrent_all_to_all_seconds(n, hw, groups) == pytest.approx(16 * MB / (40 * GB))
 
@@ -74,11 +75,11 @@ def test_ring_messages_that_leave_a_node_at_once_share_its_uplinks():
     crossing GPU's own 40 GB/s link is the bound. U8 x R2: the 8 ring groups send between the nodes
     together, 80 MB through 80 GB/s; without the fabric each GPU's 10 MB at its own 40 GB/s."""
     hw, n = _two_level(8, 2), 10 * MB
-    ring16 = every_group(Layout(1, 16, 1), "ring")
+    ring16 = every_group(Degrees(1, 16, 1), "ring")
     assert [ring_load(ring16, hw.fabric, 8, (t,)) for t in (1, 2, 8)] == [1, 2, 8]
-    assert ring_hop_seconds(n, hw, Layout(1, 16, 1)) == pytest.approx(n / (40 * GB))
-    assert ring_hop_seconds(n, hw, Layout(8, 2, 1)) == pytest.approx(8 * n / (80 * GB))
-    assert ring_hop_seconds(n, replace(hw, fabric=None), Layout(8, 2, 1)) == pytest.approx(n / (40 * GB))
+    assert ring_hop_seconds(n, hw, Degrees(1, 16, 1)) == pytest.approx(n / (40 * GB))
+    assert ring_hop_seconds(n, hw, Degrees(8, 2, 1)) == pytest.approx(8 * n / (80 * GB))
+    assert ring_hop_seconds(n, replace(hw, fabric=None), Degrees(8, 2, 1)) == pytest.approx(n / (40 * GB))
 
 
 def _messages_leaving(groups, fabric: Fabric, per_node: int, shifts) -> float:
@@ -107,7 +108,7 @@ def test_ring_load_counts_stretches_as_a_rank_by_rank_count_would():
         sp = rng.choice([d for d in range(1, n + 1) if n % d == 0])
         u = rng.choice([d for d in range(1, sp + 1) if sp % d == 0])
         fabric = Fabric(2, 1e9, rng.choice([1.0, 2.0]), rng.choice([0, 1, 2]))
-        groups = every_group(Layout(u, sp // u, n // sp), "ring")
+        groups = every_group(Degrees(u, sp // u, n // sp), "ring")
         for shifts in (range(1, max(2, sp // u)), (1,)):
             assert ring_load(groups, fabric, per_node, shifts) == _messages_leaving(groups, fabric, per_node, shifts)
         scrambled = rng.sample(range(n), n)
@@ -123,7 +124,7 @@ def test_ulysses_time_in_the_step_model_uses_the_uplinks():
     GPU's 8/15 at 40 GB/s."""
     m = ModelShape("mha16", "llama", hidden=256, layers=2, heads=16, kv_heads=16, head_dim=16, intermediate=512,
                    vocab=256)
-    hw, work, lay = _two_level(8, 2), Workload(m, 4096), Layout(16, 1, 1)
+    hw, work, lay = _two_level(8, 2), Workload(m, 4096), Degrees(16, 1, 1)
     want = 8 * 8 / 15 * (45 + 15) * 8192 / (80 * GB)
     assert _ulysses_seconds(work, lay, hw, "forward") == pytest.approx(want)
     assert _ulysses_seconds(work, lay, hw, "backward") == pytest.approx(want)
@@ -174,7 +175,7 @@ def test_step_time_divides_ring_attention_by_the_curve():
     m = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
     base = replace(H100, links=(LinkLevel("x", 0, 1e30, 0.0),), memory_bandwidth=1e30, fabric=None,
                    matmul_efficiency=1.0, attention_efficiency=1.0, ring_efficiency=IDEAL_RING)
-    s, lay, w = 8192, Layout(1, 4, 1), Workload(m, 8192)
+    s, lay, w = 8192, Degrees(1, 4, 1), Workload(m, 8192)
     attention = 4.5 * 4 * 16 * 4 * (s * (s + 1) // 2) / 4 / base.peak_flops  # one rank, one layer
     ideal = step_time(w, lay, base).compute
     measured = step_time(w, lay, replace(base, ring_efficiency=from_merge_bench(MERGE_TABLE))).compute
@@ -215,10 +216,10 @@ def test_global_batch_counts_accumulation_steps():
     """64 sequences per optimizer step, micro-batch 2: DP8 runs 16 per micro-step, 4 micro-steps; DP64 would
     run 128 > 64; DP32 exactly 1."""
     gb = GlobalBatch(64)
-    assert gb.accumulation(Layout(8, 1, 8), 2) == 4 and gb.why_not(Layout(8, 1, 8), 2) is None
-    assert gb.accumulation(Layout(1, 2, 32), 2) == 1
-    assert "not a whole number" in gb.why_not(Layout(1, 1, 64), 2)
-    assert "--one-group" in GlobalBatch(one_group=True).why_not(Layout(8, 1, 8), 1)
+    assert gb.accumulation(Degrees(8, 1, 8), 2) == 4 and gb.why_not(Degrees(8, 1, 8), 2) is None
+    assert gb.accumulation(Degrees(1, 2, 32), 2) == 1
+    assert "not a whole number" in gb.why_not(Degrees(1, 1, 64), 2)
+    assert "--one-group" in GlobalBatch(one_group=True).why_not(Degrees(8, 1, 8), 1)
 
 
 def test_plan_keeps_only_layouts_that_give_the_global_batch():

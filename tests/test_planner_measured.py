@@ -68,7 +68,7 @@ def test_predicted_peak_matches_the_measured_one(pools, tmp_path, world):
 
 
 def test_plan_inputs_describe_the_run():
-    """A TrainConfig becomes the planner's Workload and Layout: degrees resolved as ``seqmesh train`` does,
+    """A TrainConfig becomes the planner's Workload and Degrees: degrees resolved as ``seqmesh train`` does,
     bf16 as the compute dtype, the memory options carried; on a CPU run the offloads move nothing."""
     cfg = TrainConfig(model="llama-tiny", seq_len=4096, ulysses=2, bf16=True, checkpointing=True, tiled_mlp=True,
                       mlp_tiles=3, offload_checkpoints=True, fsdp_cpu_offload=True, loss_chunk=1024,

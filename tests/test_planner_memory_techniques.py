@@ -15,11 +15,12 @@ from seqmesh.planner.memory import (host_memory, layer_saved_bytes, local_tokens
                                     memory_per_gpu, mlp_tile_tokens, parameter_memory)
 from seqmesh.planner.plan import longest_sequence
 from seqmesh.planner.timing import step_time
-from seqmesh.planner.workload import Layout, Workload
+from seqmesh.degrees import Degrees
+from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS
 
 LLAMA8B = MODELS["llama3-8b"]
-LAYOUTS = [Layout(1, 1, 1), Layout(8, 1, 1), Layout(2, 4, 1), Layout(1, 8, 4)]
+LAYOUTS = [Degrees(1, 1, 1), Degrees(8, 1, 1), Degrees(2, 4, 1), Degrees(1, 8, 4)]
 
 
 def test_tiled_mlp_keeps_only_the_mlp_input():
@@ -47,7 +48,7 @@ def test_efficient_norm_keeps_4_bytes_per_hidden_less_and_bounds_its_backward():
 def test_offload_leaves_the_prefetched_inputs_and_needs_checkpointing():
     work = Workload(LLAMA8B, 524288)
     moved = replace(work, offload_checkpoints=True)
-    layout = Layout(1, 1, 1)
+    layout = Degrees(1, 1, 1)
     layer_input = local_tokens(work, layout) * LLAMA8B.hidden * work.act_bytes
     kept, offloaded = (memory_at(w, layout, "layer backward").activations for w in (work, moved))
     prefetch = inspect.signature(ActivationOffload).parameters["prefetch"].default  # what the offload fetches ahead
@@ -92,13 +93,13 @@ def test_one_h100_fits_a_long_llama8b_sequence_only_with_the_techniques():
     budget = PRESETS["h100-nvlink"].memory_bytes
     plain = Workload(LLAMA8B, 1)
     every = replace(plain, tiled_mlp=True, offload_checkpoints=True, fsdp_cpu_offload=True)
-    assert longest_sequence(plain, Layout(1, 1, 1), budget) == 0  # model state alone is 126.6 GiB
-    assert longest_sequence(every, Layout(1, 1, 1), budget) > 400_000
+    assert longest_sequence(plain, Degrees(1, 1, 1), budget) == 0  # model state alone is 126.6 GiB
+    assert longest_sequence(every, Degrees(1, 1, 1), budget) > 400_000
 
 
 def test_tiled_mlp_recompute_and_offload_traffic_cost_time():
     hw = PRESETS["h100-nvlink"]
-    work, layout = Workload(LLAMA8B, 131072), Layout(8, 1, 1)
+    work, layout = Workload(LLAMA8B, 131072), Degrees(8, 1, 1)
     plain = step_time(work, layout, hw)
     tiled = step_time(replace(work, tiled_mlp=True), layout, hw)
     assert tiled.compute > plain.compute  # one more MLP forward per layer

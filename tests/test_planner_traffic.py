@@ -15,7 +15,8 @@ from seqmesh.planner.plan import communication
 from seqmesh.padding import padded_length
 from seqmesh.heads import HeadDeal
 from seqmesh.planner.traffic import attention_traffic, fsdp_traffic, tensor_parallel_traffic
-from seqmesh.planner.workload import Layout, Workload
+from seqmesh.degrees import Degrees
+from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS, ModelShape
 
 CASES = [
@@ -139,7 +140,7 @@ LLAMA8B_EMBEDDING = 128256 * 4096  # untied input embedding: its own FSDP unit
 LLAMA8B_ROOT = 128256 * 4096 + 4096  # LM head + final norm: seqmesh's root FSDP unit
 
 
-@pytest.mark.parametrize("layout", [Layout(2, 2, 2), Layout(8, 1, 1), Layout(1, 1, 8), Layout(1, 4, 2)])
+@pytest.mark.parametrize("layout", [Degrees(2, 2, 2), Degrees(8, 1, 1), Degrees(1, 1, 8), Degrees(1, 4, 2)])
 def test_fsdp_traffic_per_rank_over_dp_times_sp(layout):
     """FSDP shards over every rank, dp_shard x ring x ulysses = 8 here, whatever the split. Per layer a
     rank sends 7 of the 8 shards: all-gather 7 x 218,112,000/8 x 2 B (bf16) in forward and again in
@@ -164,7 +165,7 @@ def test_tied_model_has_no_embedding_unit_in_its_fsdp_traffic():
     + 2 x 128 = 15,730,944 parameters, 3,932,736 per rank)."""
     layer, root = 1024 * 128 * 48 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128, 151936 * 1024 + 1024
     assert (layer // 4, root // 4) == (3_932_736, 38_895_872)
-    _, _, per_step = communication(Workload(MODELS["qwen3-0.6b"], 4096), Layout(4, 1, 1), PRESETS["h100-nvlink"])
+    _, _, per_step = communication(Workload(MODELS["qwen3-0.6b"], 4096), Degrees(4, 1, 1), PRESETS["h100-nvlink"])
     assert per_step["fsdp_all_gather"] == 28 * 2 * 3 * (layer // 4) * 2 + 3 * (root // 4) * 2  # root: once
     assert per_step["fsdp_reduce_scatter"] == 28 * 3 * (layer // 4) * 4 + 3 * (root // 4) * 4
 
@@ -178,7 +179,7 @@ def test_fsdp_shard_rounds_up_to_whole_parameters():
     assert fsdp_traffic(36_992, 3, "bfloat16") == {"all_gather_forward": 2 * 12_331 * 2,
                                                    "all_gather_backward": 2 * 12_331 * 2,
                                                    "reduce_scatter_backward": 2 * 12_331 * 4}
-    per_layer, _, _ = communication(Workload(tiny, 96), Layout(1, 3, 1), PRESETS["h100-nvlink"])
+    per_layer, _, _ = communication(Workload(tiny, 96), Degrees(1, 3, 1), PRESETS["h100-nvlink"])
     assert per_layer["backward"]["fsdp_reduce_scatter"] == 2 * 12_331 * 4
 
 
@@ -190,7 +191,7 @@ def test_tensor_parallel_traffic_per_layer_and_step():
     one = 3 * 32768 * 4096 * 2
     assert one == 768 * 2**20
     assert tensor_parallel_traffic(131072, 4096, 4, "bfloat16") == {"all_gather": 2 * one, "reduce_scatter": 2 * one}
-    per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Layout(1, 1, 2, tp=4),
+    per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Degrees(1, 1, 2, tp=4),
                                            PRESETS["h100-nvlink"])
     for phase in ("forward", "backward", "recompute"):
         assert per_layer[phase]["tp_all_gather"] == per_layer[phase]["tp_reduce_scatter"] == 2 * one
@@ -206,13 +207,13 @@ def test_per_step_traffic_adds_recompute_and_one_input_check():
     280 MiB; backward the adjoints, the same; checkpointing recomputes the forward (another 280 MiB). Per
     step: 32 x 840 MiB, and seqmesh.hf's input check once: 7 peers x 14 int64."""
     row = 16384 * 128 * 2
-    per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Layout(8, 1, 1),
+    per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Degrees(8, 1, 1),
                                            PRESETS["h100-nvlink"])
     for phase in ("forward", "backward", "recompute"):
         assert per_layer[phase]["ulysses_all_to_all"] == (42 + 28) * row == 280 * 2**20
     assert per_step["ulysses_all_to_all"] == 32 * 3 * 280 * 2**20
     assert per_step["input_check_all_gather"] == 7 * 14 * 8
-    no_ckpt, _, step2 = communication(Workload(MODELS["llama3-8b"], 131072, checkpointing=False), Layout(8, 1, 1),
+    no_ckpt, _, step2 = communication(Workload(MODELS["llama3-8b"], 131072, checkpointing=False), Degrees(8, 1, 1),
                                       PRESETS["h100-nvlink"])
     assert no_ckpt["recompute"]["total"] == 0 and step2["ulysses_all_to_all"] == 32 * 2 * 280 * 2**20
     assert per_step["total"] == sum(v for k, v in per_step.items() if k != "total")

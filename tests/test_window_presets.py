@@ -63,7 +63,8 @@ def test_planner_window_work_equals_the_ring_schedule():
     from seqmesh.planner.hardware import PRESETS
     from seqmesh.planner.timing import attention_pairs
     from seqmesh.planner.traffic import attention_traffic, worst_rank
-    from seqmesh.planner.workload import Layout, Workload
+    from seqmesh.degrees import Degrees
+    from seqmesh.planner.workload import Workload
     from seqmesh.sharded_attention.blocks import document_bounds
     from seqmesh.sharded_attention.schedule import RingSchedule
 
@@ -73,7 +74,7 @@ def test_planner_window_work_equals_the_ring_schedule():
             assert sum(schedule.work(r) for r in range(ring)) == attention_pairs(s, True, w)
     model = MODELS["gemma3-4b"]
     work = Workload(model, 131072)
-    layout = Layout(1, 8, 1)
+    layout = Degrees(1, 8, 1)
     _, _, step = communication(work, layout, PRESETS["h100-nvlink"])
     def ring_bytes(window):
         t = attention_traffic(model.heads, model.kv_heads, model.head_dim, seq_len=131072, batch=1, ulysses=1, ring=8,

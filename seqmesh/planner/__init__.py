@@ -21,10 +21,11 @@ from .timing import StepTime, step_time
 from ..padding import padded_length
 from ..heads import HeadDeal
 from .traffic import attention_traffic
-from .workload import GlobalBatch, Layout, Workload
+from ..degrees import Degrees
+from .workload import GlobalBatch, Workload
 
 __all__ = [
-    "attention_traffic", "Candidate", "Cluster", "Fabric", "GlobalBatch", "HardwareSpec", "HeadDeal", "Layout",
+    "attention_traffic", "Candidate", "Cluster", "Fabric", "GlobalBatch", "HardwareSpec", "HeadDeal", "Degrees",
     "LinkLevel",
     "longest_plan", "longest_sequence", "make_cluster", "memory_per_gpu", "MemoryBreakdown", "padded_length",
     "Plan", "plan", "PRESETS", "RingEfficiency", "step_time", "StepTime", "Workload",

@@ -8,24 +8,25 @@ from __future__ import annotations
 from ..model.presets import ModelShape
 from ..padding import padded_length
 from ..heads import HeadDeal
-from .workload import Layout, Workload
+from ..degrees import Degrees
+from .workload import Workload
 
 INT64 = 8
 
 
-def local_tokens(work: Workload, layout: Layout) -> int:
+def local_tokens(work: Workload, layout: Degrees) -> int:
     """Tokens of each sequence one GPU holds outside attention (the padded length over the sequence degree)."""
     if layout.tp > 1:
         return padded_length(work.seq_len, layout.tp, 1, "contiguous") // layout.tp
     return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // (layout.ulysses * layout.ring)
 
 
-def tokens(work: Workload, layout: Layout) -> int:
+def tokens(work: Workload, layout: Degrees) -> int:
     """``T``: tokens one GPU holds outside attention, all ``batch`` sequences."""
     return work.batch * local_tokens(work, layout)
 
 
-def attention_heads(work: Workload, layout: Layout) -> tuple[int, int, int]:
+def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
     """(tokens, query heads, kv heads) inside attention on the busiest GPU: Ulysses gathers ``U`` ranks'
     tokens for a share of the heads (the reference TP layouts: ``tp`` ranks' tokens, heads / tp)."""
     m, t = work.model, tokens(work, layout)
@@ -42,7 +43,7 @@ def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
     return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + e * m.hidden
 
 
-def attention_saved(work: Workload, layout: Layout) -> int:
+def attention_saved(work: Workload, layout: Degrees) -> int:
     """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE), and the output
     projection's input where it is a separate tensor (Ulysses)."""
     m, e = work.model, work.act_bytes
@@ -53,12 +54,12 @@ def attention_saved(work: Workload, layout: Layout) -> int:
     return saved
 
 
-def mlp_saved(work: Workload, layout: Layout) -> int:
+def mlp_saved(work: Workload, layout: Degrees) -> int:
     """Bytes the MLP keeps beyond its input: gate, up, SiLU(gate), product; nothing when tiled."""
     return 0 if work.tiled_mlp else tokens(work, layout) * 4 * work.model.intermediate * work.act_bytes
 
 
-def decoder_layer_saved_bytes(work: Workload, layout: Layout) -> int:
+def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     """Bytes one attention decoder layer keeps for backward on one GPU: two norms and their outputs,
     attention, the MLP (docs/planner.md lists them)."""
     m, e = work.model, work.act_bytes
@@ -66,19 +67,19 @@ def decoder_layer_saved_bytes(work: Workload, layout: Layout) -> int:
     return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
 
 
-def layer_input_bytes(work: Workload, layout: Layout) -> int:
+def layer_input_bytes(work: Workload, layout: Degrees) -> int:
     """The input a checkpointed layer keeps (the residual stream, compute dtype)."""
     return tokens(work, layout) * work.model.hidden * work.act_bytes
 
 
-def outside_layers_bytes(work: Workload, layout: Layout) -> int:
+def outside_layers_bytes(work: Workload, layout: Degrees) -> int:
     """Kept all step outside the layers: token ids, positions, labels (and the loss's masked copy), and
     RoPE's cos and sin."""
     t, m = tokens(work, layout), work.model
     return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes)
 
 
-def final_norm_bytes(work: Workload, layout: Layout) -> int:
+def final_norm_bytes(work: Workload, layout: Degrees) -> int:
     """The final norm's saved tensors and its output (saved by the loss); with the activation offload
     only the output stays on the device (the norm is part of the offloaded decoder), and the efficient
     norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
@@ -88,7 +89,7 @@ def final_norm_bytes(work: Workload, layout: Layout) -> int:
     return t * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
 
 
-def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
     """An eager RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to
     its input's: ``weight * n`` gives dn and a temporary for the weight's gradient (n and the incoming
     gradient freed); in bf16 dn is cast to float32; ``x * r`` gives dx and a temporary for dr; the mean
@@ -113,7 +114,7 @@ def norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, 
                     ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
 
 
-def efficient_norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+def efficient_norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
     """``seqmesh.memory.rmsnorm``'s backward as one step: the input gradient (compute dtype), then one
     tile at a time at most three float32 ``(tile, hidden)`` tensors (two in fp32, where ``x.float()`` is
     ``x``); then the tile's tensors, the incoming gradient and the saved input and scale are freed."""
@@ -124,7 +125,7 @@ def efficient_norm_backward_steps(work: Workload, layout: Layout) -> list[tuple[
     return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]
 
 
-def layer_backward_timeline(work: Workload, layout: Layout) -> list[tuple[str, int, int]]:
+def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
     """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the
     state where it starts (every tensor the layer saved and the gradient of its output alive).
 
@@ -180,7 +181,7 @@ def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
     return peak, where
 
 
-def attention_backward_bytes(work: Workload, layout: Layout) -> int:
+def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
     """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient,
     the q, k, v gradients it returns included. A ring of one: the kernel's gradients (those returned).
     Ring (blocks and their partial gradients relayed neighbour to neighbour): float32 dQ, the home dK/dV,
@@ -202,7 +203,7 @@ def attention_backward_bytes(work: Workload, layout: Layout) -> int:
     return max(inner, 2 * kernel + returned)
 
 
-def mlp_tile_tokens(work: Workload, layout: Layout) -> int:
+def mlp_tile_tokens(work: Workload, layout: Degrees) -> int:
     """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's local tokens cut into
     ``mlp_tiles`` tiles, by default tiles of at most ``hidden`` (``seqmesh.memory.tiled_mlp.tile_count``)."""
     local = local_tokens(work, layout)

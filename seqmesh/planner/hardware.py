@@ -3,7 +3,7 @@ ring attention's kernels slow down on smaller blocks.
 
 A link hierarchy lists levels innermost first. Level ``i`` joins aligned blocks of ``group`` consecutive
 ranks; the outermost level joins everything (``group=0``). Two ranks talk over the innermost level whose
-block holds both. Ranks are placed TP innermost, then Ulysses, ring and data parallel (``Layout``).
+block holds both. Ranks are placed TP innermost, then Ulysses, ring and data parallel (``Degrees``).
 Bandwidths are *achievable* bytes/s one GPU sends on a level; latencies the fixed cost of one call. What
 a node's GPUs share (NICs, an oversubscribed spine) is the ``fabric`` (:mod:`.network`). The ring's
 split-and-merge efficiency (``RingEfficiency``) is measured by ``seqmesh bench merge`` or, by default,

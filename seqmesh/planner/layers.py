@@ -21,7 +21,8 @@ from .network import all_to_all_from_patterns, axis_groups, gather_seconds, link
 from ..heads import HeadDeal
 from .traffic import (attention_traffic, fsdp_traffic, linear_attention_traffic, ring_steps,
                       tensor_parallel_traffic, worst_rank)
-from .workload import Layout, Workload, layer_params
+from ..degrees import Degrees
+from .workload import Workload, layer_params
 
 LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
 Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
@@ -47,7 +48,7 @@ class Attention:
     """A decoder layer with seqmesh attention over ``ulysses x ring``; ``window``: a causal sliding window."""
 
     work: Workload
-    layout: Layout
+    layout: Degrees
     window: int | None = None
 
     def params(self) -> int:
@@ -86,7 +87,7 @@ class Attention:
         return decoder_layer_saved_bytes(self.work, self.layout)
 
 
-def attention_average(work: Workload, layout: Layout, cost: Callable[[Attention], int]) -> float:
+def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
     """``cost`` of one attention layer averaged over the model's full and sliding layers: the step model
     costs every attention layer alike, with the average visible pairs and ring hops."""
     m = work.model
@@ -123,7 +124,7 @@ class GatedDeltaNet:
     """A Gated DeltaNet layer (``seqmesh.linear``): its all-to-alls run over the whole sequence group."""
 
     work: Workload
-    layout: Layout
+    layout: Degrees
 
     def params(self) -> int:  # not divided by tp: the TP reference does not split these layers' units
         return linear_layer_params(self.work.model)
@@ -216,7 +217,7 @@ class TensorParallel:
 LayerKind = Attention | GatedDeltaNet | TensorParallel
 
 
-def layer_kinds(work: Workload, layout: Layout) -> list[tuple[LayerKind, int]]:
+def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     """The model's layers by kind, with how many of each (kinds with none left out)."""
     m = work.model
     full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0)

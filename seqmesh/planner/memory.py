@@ -10,7 +10,8 @@ from dataclasses import dataclass, fields
 from .activations import (attention_backward_bytes, final_norm_bytes, layer_backward_timeline, layer_input_bytes,
                           local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .layers import layer_kinds
-from .workload import Layout, Workload, embedding_unit_params, layer_params, root_params
+from ..degrees import Degrees
+from .workload import Workload, embedding_unit_params, layer_params, root_params
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
 MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backward", "end of backward",
@@ -48,7 +49,7 @@ def _check(moment: str) -> None:
         raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
 
 
-def end_of_backward_grads(work: Workload, layout: Layout) -> dict[str, int]:
+def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
     """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward (compute dtype, plus
     the fp32 copy FSDP reduces from in bf16): ``embedding`` (an untied embedding's unit, right after its
     backward, while the root's gradient is still alive; absent when tied) and ``root`` (last)."""
@@ -61,7 +62,7 @@ def end_of_backward_grads(work: Workload, layout: Layout) -> dict[str, int]:
     return out
 
 
-def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backward") -> tuple[int, int, int]:
+def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU at ``moment``.
 
     weights: the fp32 shards + the gathered units in the compute dtype: the root from the loss to the end
@@ -92,7 +93,7 @@ def parameter_memory(work: Workload, layout: Layout, moment: str = "layer backwa
     return MASTER * shard + gathered * e, grad_shards + unsharded, ADAM * shard + step_temps
 
 
-def host_memory(work: Workload, layout: Layout) -> int:
+def host_memory(work: Workload, layout: Degrees) -> int:
     """Host bytes per GPU the techniques need: FSDP2's offloaded fp32 shards, gradients and AdamW moments,
     and the offloaded checkpointed inputs with the final norm's saved tensors."""
     m, e = work.model, work.act_bytes
@@ -106,19 +107,19 @@ def host_memory(work: Workload, layout: Layout) -> int:
     return host
 
 
-def layer_saved_bytes(work: Workload, layout: Layout) -> int:
+def layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     """Bytes one layer keeps for backward on one GPU: the largest of the model's layer kinds."""
     return max(kind.saved_bytes() for kind, _ in layer_kinds(work, layout))
 
 
-def recomputed_layer_bytes(work: Workload, layout: Layout) -> int:
+def recomputed_layer_bytes(work: Workload, layout: Degrees) -> int:
     """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32, or
     with the efficient norm, the first norm keeps that input itself rather than a float32 copy)."""
     shared = layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
     return layer_saved_bytes(work, layout) - shared
 
 
-def _kept_by_layers(work: Workload, layout: Layout, at_loss: bool) -> int:
+def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
     """What the layers below the one in backward keep (all of them at the loss)."""
     m = work.model
     if work.checkpointing:
@@ -129,12 +130,12 @@ def _kept_by_layers(work: Workload, layout: Layout, at_loss: bool) -> int:
     return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout)
 
 
-def _top_layer(work: Workload, layout: Layout) -> int:
+def _top_layer(work: Workload, layout: Degrees) -> int:
     """The last layer's saved tensors as its backward starts (recomputed, with checkpointing)."""
     return recomputed_layer_bytes(work, layout) if work.checkpointing else layer_saved_bytes(work, layout)
 
 
-def activation_memory(work: Workload, layout: Layout, moment: str = "layer backward") -> tuple[int, str]:
+def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, str]:
     """Activations at the peak of a layer's backward (the last layer's, or with ``first layer backward``
     the first layer's, when the layers above have left only their gradient shards), and the op at which
     it falls: what the layers below keep, the layer's own saved tensors (recomputed, with checkpointing),
@@ -149,7 +150,7 @@ def activation_memory(work: Workload, layout: Layout, moment: str = "layer backw
     return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
 
 
-def loss_memory(work: Workload, layout: Layout, moment: str) -> int:
+def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
     """The chunked loss's working set beyond what the layers keep: its float32 LSE per token, and
     forward: one chunk's float32 logits and ``logsumexp``'s temporary; backward: the hidden states'
     gradient, the head's float32 gradient accumulator and one chunk's logit gradient with its copy or
@@ -167,7 +168,7 @@ def loss_memory(work: Workload, layout: Layout, moment: str) -> int:
     return t * 4 + t * h * e + head * 4 + chunk
 
 
-def memory_at(work: Workload, layout: Layout, moment: str) -> MemoryBreakdown:
+def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
     """What one GPU holds at ``moment`` (one of MOMENTS; see the module docstring)."""
     weights, grads, optimizer = parameter_memory(work, layout, moment)
     outside = outside_layers_bytes(work, layout)
@@ -185,7 +186,7 @@ def memory_at(work: Workload, layout: Layout, moment: str) -> MemoryBreakdown:
     return MemoryBreakdown(weights, grads, optimizer, activations, attention, logits, work.reserve_bytes, moment)
 
 
-def memory_per_gpu(work: Workload, layout: Layout) -> MemoryBreakdown:
+def memory_per_gpu(work: Workload, layout: Degrees) -> MemoryBreakdown:
     """The peak: the moment of the step at which one GPU holds the most."""
     return max((memory_at(work, layout, moment) for moment in MOMENTS), key=lambda b: b.total)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # hardware imports Fabric from here
     from .hardware import HardwareSpec
-    from .workload import Layout
+    from ..degrees import Degrees
 
 GB = 10**9
 MAX_GROUPS_CHECKED = 64
@@ -163,20 +163,20 @@ def parse_fabric(text: str) -> Fabric:
     return Fabric(nics, gbs * GB, oversub, per_switch, source=f"--fabric {text}")
 
 
-def world_rank(layout: Layout, ulysses_rank: int, ring_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+def world_rank(layout: Degrees, ulysses_rank: int, ring_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
     return tp_rank + layout.tp * (ulysses_rank + layout.ulysses * (ring_rank + layout.ring * dp_rank))
 
 
-def ulysses_ranks(layout: Layout, ring_rank: int, dp_rank: int) -> list[int]:
+def ulysses_ranks(layout: Degrees, ring_rank: int, dp_rank: int) -> list[int]:
     return [world_rank(layout, u, ring_rank, dp_rank) for u in range(layout.ulysses)]
 
 
-def ring_ranks(layout: Layout, ulysses_rank: int, dp_rank: int) -> list[int]:
+def ring_ranks(layout: Degrees, ulysses_rank: int, dp_rank: int) -> list[int]:
     return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
 
 
 @lru_cache(maxsize=256)
-def every_group(layout: Layout, kind: str) -> tuple[tuple[int, ...], ...]:
+def every_group(layout: Degrees, kind: str) -> tuple[tuple[int, ...], ...]:
     """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
     collective at the same moment."""
     if kind == "ulysses":
@@ -187,7 +187,7 @@ def every_group(layout: Layout, kind: str) -> tuple[tuple[int, ...], ...]:
                  for d in range(layout.dp_shard))
 
 
-def axis_groups(layout: Layout, kind: str) -> list[list[int]]:
+def axis_groups(layout: Degrees, kind: str) -> list[list[int]]:
     """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
     groups = [list(g) for g in every_group(layout, kind)]
     step = max(1, len(groups) // MAX_GROUPS_CHECKED)
@@ -219,14 +219,14 @@ def all_to_all_from_patterns(nbytes: int, hw: HardwareSpec, patterns: set[tuple[
 
 
 @lru_cache(maxsize=1024)
-def _uplink_load(layout: Layout, kind: str, fabric: Fabric, gpus_per_node: int) -> float:
+def _uplink_load(layout: Degrees, kind: str, fabric: Fabric, gpus_per_node: int) -> float:
     groups = every_group(layout, kind)
     if kind == "ring":
         return ring_load(groups, fabric, gpus_per_node, ring_shifts(layout))
     return all_to_all_load(groups, fabric, gpus_per_node)
 
 
-def ring_shifts(layout: Layout) -> range:
+def ring_shifts(layout: Degrees) -> range:
     """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
     partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
     every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
@@ -234,7 +234,7 @@ def ring_shifts(layout: Layout) -> range:
     return range(1, min(2, layout.ring))
 
 
-def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Layout, kind: str) -> float:
+def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees, kind: str) -> float:
     """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
     ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
     per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
@@ -271,7 +271,7 @@ def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
     return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
 
 
-def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Layout) -> float:
+def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
     """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
     group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
     worst of :func:`ring_shifts`, whichever is longer."""

@@ -16,7 +16,8 @@ from .timing import StepTime, step_time
 from ..padding import padded_length
 from ..heads import HeadDeal
 from .traffic import fsdp_traffic
-from .workload import GlobalBatch, Layout, Workload, embedding_unit_params, root_params
+from ..degrees import Degrees
+from .workload import GlobalBatch, Workload, embedding_unit_params, root_params
 
 
 PHASES = ("forward", "backward", "recompute")
@@ -26,7 +27,7 @@ PHASES = ("forward", "backward", "recompute")
 class Candidate:
     """One layout, evaluated."""
 
-    layout: Layout
+    layout: Degrees
     memory: MemoryBreakdown
     comm_per_layer: dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
     comm_links: dict[str, str]  # collective -> the link level it crosses
@@ -75,7 +76,7 @@ class Plan:
     work: Workload
     cluster: Cluster
     candidates: tuple[Candidate, ...]
-    excluded: tuple[tuple[Layout, str], ...] = field(default_factory=tuple)  # layouts that cannot run at all
+    excluded: tuple[tuple[Degrees, str], ...] = field(default_factory=tuple)  # layouts that cannot run at all
     recommended: Candidate | None = None
     reason: str = ""
     target: GlobalBatch = GlobalBatch()  # the global batch asked for, if any
@@ -109,7 +110,7 @@ def workload_dict(work: Workload, cluster: Cluster) -> dict:
 
 
 def layouts(work: Workload, cluster: Cluster,
-            target: GlobalBatch = GlobalBatch()) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+            target: GlobalBatch = GlobalBatch()) -> tuple[list[Degrees], list[tuple[Degrees, str]]]:
     """Every layout of the cluster's GPUs, and the ones that cannot run (or cannot give ``target``'s
     global batch) with the reason."""
     ok, excluded = _all_layouts(work, cluster)
@@ -121,12 +122,12 @@ def layouts(work: Workload, cluster: Cluster,
     return ok, excluded
 
 
-def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Degrees], list[tuple[Degrees, str]]]:
     m, n = work.model, cluster.gpus
     ok, excluded = [], []
     for sp in divisors(n):
         for u in divisors(sp):
-            lay = Layout(u, sp // u, n // sp)
+            lay = Degrees(u, sp // u, n // sp)
             if u > m.heads:
                 excluded.append((lay, f"ulysses {u} exceeds the {m.heads} query heads; put the rest on the ring"))
             elif m.linear_layers and sp > m.linear_value_heads:
@@ -134,7 +135,7 @@ def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[t
             else:
                 ok.append(lay)
     for tp in divisors(n)[1:]:
-        lay = Layout(1, 1, n // tp, tp)
+        lay = Degrees(1, 1, n // tp, tp)
         if tp > cluster.hardware.gpus_per_node:
             excluded.append((lay, f"tensor parallelism beyond one node ({tp} > {cluster.hardware.gpus_per_node})"))
         elif m.heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
@@ -144,7 +145,7 @@ def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Layout], list[t
     return ok, excluded
 
 
-def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dict, dict, dict]:
+def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[dict, dict, dict]:
     """(bytes per layer by phase and collective, link of each collective, bytes per step by collective),
     all for the busiest rank. Phases: ``forward``, ``backward``, ``recompute`` (activation checkpointing
     re-running the forward inside backward: its all-to-alls and ring hops again, not FSDP's gathers). Per
@@ -182,7 +183,7 @@ def communication(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[dic
     return per_layer, links, step
 
 
-def with_fsdp(kind: LayerKind, work: Workload, layout: Layout) -> dict[str, dict[str, int]]:
+def with_fsdp(kind: LayerKind, work: Workload, layout: Degrees) -> dict[str, dict[str, int]]:
     """``kind``'s traffic per phase with its FSDP unit's: gathered forward and again backward (not in the
     recompute: the layer stays gathered for its backward), reduce-scattered backward."""
     fsdp = fsdp_traffic(kind.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
@@ -194,7 +195,7 @@ def with_fsdp(kind: LayerKind, work: Workload, layout: Layout) -> dict[str, dict
     return sent
 
 
-def evaluate(work: Workload, layout: Layout, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Candidate:
+def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Candidate:
     hw = cluster.hardware
     mem = memory_per_gpu(work, layout)
     per_layer, links, per_step = communication(work, layout, hw)
@@ -233,7 +234,7 @@ def plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalBatch()) 
     return Plan(work, cluster, tuple(ranked), tuple(excluded), best, reason, target)
 
 
-def longest_sequence(work: Workload, layout: Layout, memory_bytes: int, limit: int = 2**34) -> int:
+def longest_sequence(work: Workload, layout: Degrees, memory_bytes: int, limit: int = 2**34) -> int:
     """The longest sequence whose step fits in ``memory_bytes`` per GPU on ``layout`` (0 if none)."""
 
     def fits(s: int) -> bool:

@@ -14,7 +14,8 @@ from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, pee
 from ..padding import padded_length
 from ..heads import HeadDeal
 from .traffic import all_to_all_calls, fsdp_traffic, ring_block_bytes
-from .workload import Layout, Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
+from ..degrees import Degrees
+from .workload import Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
 
 __all__ = ["ATTENTION_BACKWARD", "StepTime", "attention_pairs", "ring_attention_seconds", "ring_hop_count", "step_time"]
 
@@ -45,7 +46,7 @@ class StepTime:
         return asdict(self)
 
 
-def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
+def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     m, b = work.model, work.batch
     peak = hw.flops_for(work.dtype)
     mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
@@ -126,7 +127,7 @@ def step_time(work: Workload, layout: Layout, hw: HardwareSpec) -> StepTime:
     return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial, **hops)
 
 
-def ring_merge_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:
+def ring_merge_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
     """GPU-memory time of the ring's accumulations in one layer (every step, ring=1 included).
 
     Forward, per step: read and write the float32 output and LSE accumulators and read the block's
@@ -143,7 +144,7 @@ def ring_merge_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: 
     return layout.ring * per_step / hw.memory_bandwidth
 
 
-def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: str) -> float:
+def _ulysses_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
     if layout.ulysses == 1:
         return 0.0
     m = work.model
@@ -154,12 +155,12 @@ def _ulysses_seconds(work: Workload, layout: Layout, hw: HardwareSpec, phase: st
                for nbytes in calls[phase])
 
 
-def ring_block_tokens(work: Workload, layout: Layout) -> int:
+def ring_block_tokens(work: Workload, layout: Degrees) -> int:
     """Query tokens of one ring block: the padded sequence over the ring degree."""
     return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // layout.ring
 
 
-def ring_hops(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[float, float]:
+def ring_hops(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float, float]:
     """Seconds of one K/V-block hop and of one dK/dV-partial hop on the slowest ring link."""
     m = work.model
     kv, dkv = ring_block_bytes(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
@@ -167,12 +168,12 @@ def ring_hops(work: Workload, layout: Layout, hw: HardwareSpec) -> tuple[float, 
     return ring_hop_seconds(kv, hw, layout), ring_hop_seconds(dkv, hw, layout)
 
 
-def ring_hop_count(work: Workload, layout: Layout) -> float:
+def ring_hop_count(work: Workload, layout: Degrees) -> float:
     """K/V hops of one layer's ring pass, averaged over full and sliding-window layers."""
     return attention_average(work, layout, Attention.ring_hops)
 
 
-def ring_attention_seconds(work: Workload, layout: Layout, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:
+def ring_attention_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:
     """(attention of one layer with the ring's P2P overlapped, the P2P time alone); see the module docstring."""
     if layout.ring == 1:
         return attention, 0.0

@@ -6,54 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..degrees import resolve_degrees
+from ..degrees import Degrees, resolve_degrees
 from ..model.presets import ModelShape
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the GPUs are split. seqmesh runs ``tp == 1``; ``tp > 1`` is Megatron-style tensor (+sequence)
-    parallelism, kept as a reference point. World rank = ``tp_rank + T*(ulysses_rank + U*(ring_rank +
-    R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel."""
-
-    ulysses: int
-    ring: int
-    dp_shard: int
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("ulysses", "ring", "dp_shard", "tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
-
-    @property
-    def sp(self) -> int:
-        """Sequence-parallel degree: GPUs that share one sequence (ulysses x ring, or tp)."""
-        return self.ulysses * self.ring * self.tp
-
-    @property
-    def gpus(self) -> int:
-        return self.ulysses * self.ring * self.dp_shard * self.tp
-
-    @property
-    def fsdp_group(self) -> int:
-        """Ranks FSDP shards the (TP-local) parameters over: dp_shard x ring x ulysses."""
-        return self.dp_shard * self.ulysses * self.ring
-
-    @property
-    def runs_on_seqmesh(self) -> bool:
-        return self.tp == 1
-
-    def label(self) -> str:
-        if self.tp > 1:
-            return f"TP{self.tp} x DP{self.dp_shard} (ref)"
-        return f"U{self.ulysses} x R{self.ring} x DP{self.dp_shard}"
-
-    def as_dict(self) -> dict[str, int]:
-        return {"ulysses": self.ulysses, "ring": self.ring, "dp_shard": self.dp_shard, "tp": self.tp}
 
 
 @dataclass(frozen=True)
@@ -141,8 +98,8 @@ def root_params(m: ModelShape) -> int:
     return m.hidden + m.vocab * m.hidden
 
 
-def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Layout]:
-    """The planner's ``(Workload, Layout)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world``
+def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Degrees]:
+    """The planner's ``(Workload, Degrees)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world``
     ranks, so a prediction and a measured run compare like with like.
 
     ``reserve_bytes`` defaults to 0: a tensor count (``seqmesh.memory.MemoryTracker``) does not see the
@@ -168,7 +125,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     efficient_norm=cfg.efficient_norm,
                     offload_checkpoints=cfg.offload_checkpoints, fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
-    return work, Layout(ulysses, ring, dp)
+    return work, Degrees(ulysses, ring, dp)
 
 
 @dataclass(frozen=True)
@@ -182,13 +139,13 @@ class GlobalBatch:
         if self.sequences is not None and self.sequences < 1:
             raise ValueError(f"--global-batch-seqs {self.sequences}: a global batch needs at least 1 sequence.")
 
-    def accumulation(self, layout: Layout, micro_batch: int) -> int:
+    def accumulation(self, layout: Degrees, micro_batch: int) -> int:
         """Micro-steps per optimizer step: ``sequences / (dp_shard x micro_batch)`` (1 without a target)."""
         if self.sequences is None:
             return 1
         return self.sequences // (layout.dp_shard * micro_batch)
 
-    def why_not(self, layout: Layout, micro_batch: int) -> str | None:
+    def why_not(self, layout: Degrees, micro_batch: int) -> str | None:
         """Why ``layout`` cannot give this batch, or None when it can."""
         if self.one_group and layout.dp_shard > 1:
             return f"--one-group: {layout.dp_shard} data-parallel groups, not one sequence group over every GPU"
