@@ -1,2 +1,2 @@
-"""The ``seqmesh`` command, its benchmarks, the single-process ring emulator they use, and spawned
-gloo process groups (tests, demo, benchmarks)."""
+"""The ``seqmesh`` command, the single-process ring emulator the benchmarks (``seqmesh.bench``) use,
+and spawned gloo process groups (tests, demo, benchmarks)."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench_memory import TECHNIQUES
+from .memory import TECHNIQUES
 
 ALL_TECHNIQUES = TECHNIQUES["all"][0]  # every memory technique, as `seqmesh bench memory --compare` runs them
 # method -> (framework, TrainConfig memory options)
@@ -209,7 +209,7 @@ def compare(bench: BaselineBench, methods: tuple[str, ...] = DEFAULT_METHODS, po
     time each pair side by side; ``progress`` is told each measurement. Returns ``{"methods": {method:
     {longest, peaks, reached_limit, host_bytes}}, "pairs": [{seqmesh, baseline, longest_ratio,
     speed_ratio_at_both, both_seqmesh, both_baseline, own_seqmesh, own_baseline}]}``."""
-    from .launch import WorkerPool
+    from ..tools.launch import WorkerPool
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -304,7 +304,7 @@ def add_subcommand(bench_sub) -> None:
     import json
     import sys
 
-    from .bench_memory import parse_bytes
+    from .memory import parse_bytes
 
     def run(args) -> int:
         try:

@@ -93,7 +93,7 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
 
 def sweep(bench: MemoryBench, pool=None) -> list[dict]:
     """One row per length: the peak of the rank that holds most, its categories, and whether it fits."""
-    from .launch import WorkerPool
+    from ..tools.launch import WorkerPool
 
     owned = pool is None
     pool = pool or WorkerPool(bench.world, threads=max(1, (os.cpu_count() or 1) // bench.world))
@@ -127,7 +127,7 @@ def bytes_per_token(rows: list[dict]) -> float:
 
 def compare(bench: MemoryBench) -> list[dict]:
     """Every technique swept; rows ``{technique, bytes_per_token, saved_per_token, vs, model_state_bytes}``."""
-    from .launch import WorkerPool
+    from ..tools.launch import WorkerPool
 
     if len(bench.seq_lens) < 2:
         raise ValueError("--compare fits a slope: give at least two --seq-lens.")

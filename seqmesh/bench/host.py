@@ -13,7 +13,7 @@ default), the Python and torch-op work that surrounds the kernels:
 Run it as ``seqmesh bench host``. It uses only the public API, so the same file measures an older
 checkout too::
 
-    PYTHONPATH=/path/to/old/checkout python seqmesh/tools/bench_host.py
+    PYTHONPATH=/path/to/old/checkout python seqmesh/bench/host.py
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _validate_rank(repeats: int) -> list[dict]:
 
 def bench_validate(repeats: int = 200) -> list[dict]:
     """Rows of :func:`_validate_rank` from rank 0 of two spawned gloo ranks."""
-    from .launch import WorkerPool
+    from ..tools.launch import WorkerPool
 
     with WorkerPool(2, threads=1) as pool:
         return pool.run(_validate_rank, repeats, timeout=600)[0]
