@@ -38,14 +38,15 @@ _EXPORTS: dict[str, str] = {
 # Packages, and the older module names users reach as attributes (``seqmesh.fsdp.apply_fsdp``).
 _SUBMODULES: dict[str, str] = {
     **{name: f".{name}" for name in (
-        "comm", "hf", "kernels", "mesh", "model", "planner", "sequence", "sharded_attention", "tools", "training",
+        "bench", "comm", "hf", "kernels", "mesh", "model", "planner", "sequence", "sharded_attention", "tools",
+        "training",
     )},
     **{"layout": ".sequence.layout", "sharding": ".sequence.sharding", "data": ".sequence.batch"},
     **{name: f".model.{name}" for name in ("fsdp", "loss", "presets")},
     **{name: f".training.{name}" for name in (
         "checkpoint", "config", "datasets", "metrics", "train", "verify",
     )},
-    **{name: f".tools.{name}" for name in ("bench", "cli")},
+    **{name: f".tools.{name}" for name in ("cli",)},
     "launch": ".comm.launch",
 }
 

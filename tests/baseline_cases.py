@@ -106,7 +106,7 @@ class OpNames(TorchDispatchMode):
 def attention_ops_of_both_sides(seq_len: int) -> dict[str, set[str]]:
     """On one process: the attention and softmax operators of one training step of each side of
     ``seqmesh bench baseline``."""
-    from seqmesh.tools.bench_baseline import BaselineBench, run_method
+    from seqmesh.bench.baseline import BaselineBench, run_method
 
     found = {}
     for method in ("transformers", "seqmesh"):

@@ -8,7 +8,7 @@ import os
 
 import torch.distributed as dist
 
-from seqmesh.tools.bench_memory import MemoryBench, measure_rank
+from seqmesh.bench.memory import MemoryBench, measure_rank
 
 # a wider Llama than llama-tiny: 3 layers, hidden 128, head dim 32, intermediate 352, vocab 512
 WIDE_CONFIG = {

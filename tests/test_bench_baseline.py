@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from seqmesh.tools.bench_baseline import BaselineBench, longest_within, run_method
+from seqmesh.bench.baseline import BaselineBench, longest_within, run_method
 
 
 def test_search_finds_the_longest_multiple_within_the_budget():
@@ -75,7 +75,7 @@ class _OneRank:
 def test_longest_length_fits_and_the_next_one_does_not(pools):
     """A real sweep on one process: the reported longest fits the budget, and a fresh measurement of
     the length one resolution step above it does not."""
-    from seqmesh.tools.bench_baseline import compare
+    from seqmesh.bench.baseline import compare
 
     bench = BaselineBench(world=1, budget=6 << 20, start=128, resolution=64, limit=2048, repeats=1, loss_chunk=100)
     result = compare(bench, ("transformers", "seqmesh"), pool=_OneRank(pools))

@@ -120,7 +120,7 @@ def test_auto_layout_takes_per_document_only_where_zigzag_is_unbalanced(lengths,
 def test_bench_host_command_runs(capsys):
     """seqmesh bench host at a small size: every row is measured (its null kernel follows the chooser's
     signature, so a change there shows up here rather than only in a benchmark run)."""
-    from seqmesh.tools.bench_host import bench_host, format_host_rows
+    from seqmesh.bench.host import bench_host, format_host_rows
 
     rows = bench_host(2048, 64, 1)
     assert len(rows) >= 10 and all(r["cpu_ms"] >= 0 for r in rows), rows

@@ -10,7 +10,7 @@ from seqmesh.kernels import kernel_chooser
 from seqmesh.sequence.layout import SequenceLayout
 from seqmesh.sharded_attention.blocks import document_bounds
 from seqmesh.sharded_attention.schedule import RingSchedule
-from seqmesh.tools.emulate import emulate_ring
+from seqmesh.bench.emulate import emulate_ring
 
 # documents over 48 tokens: lengths 1, 3, 17 (not a multiple of 2R), 8 and padding after 29+8=37
 DOCS = (0, 1, 4, 21, 29, 37)
@@ -139,7 +139,7 @@ def test_ring_is_exact_for_every_rank_on_one_device(ring, causal, cu, min_chunk)
 
 def test_packed_documents_are_balanced_where_zigzag_is_not():
     """One long document among short ones: zigzag leaves ranks far apart, per_document near 1."""
-    from seqmesh.tools.bench_balance import causal_work_per_rank
+    from seqmesh.bench.balance import causal_work_per_rank
 
     lengths = [40000] + [1000] * 24 + [1536]
     for ring in (4, 8):
@@ -185,7 +185,7 @@ def test_attention_is_exact_on_spawned_groups(pools, ulysses, ring):
 def test_balance_report_counts_what_the_ring_computes(kind):
     """bench balance's work per rank (a formula over token positions) equals the pairs the ring
     schedule's kernel calls cover, padding included."""
-    from seqmesh.tools.bench_balance import causal_work_per_rank
+    from seqmesh.bench.balance import causal_work_per_rank
 
     lengths = [1, 30, 7, 2, 50, 9]  # 99 tokens: padded to 104 for ring 4
     cu = tuple(int(x) for x in torch.tensor([0, *lengths]).cumsum(0))

@@ -9,7 +9,7 @@ import torch
 
 from reference import explicit_mask, reference_attention
 from seqmesh.sharded_attention.blocks import document_bounds
-from seqmesh.tools.emulate import emulate_ring
+from seqmesh.bench.emulate import emulate_ring
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask

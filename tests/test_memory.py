@@ -188,7 +188,7 @@ class _OneRank:
 
 
 def test_bench_memory_finds_the_longest_length_within_a_budget(pools):
-    from seqmesh.tools.bench_memory import MemoryBench, bytes_per_token, longest_fitting, sweep
+    from seqmesh.bench.memory import MemoryBench, bytes_per_token, longest_fitting, sweep
 
     bench = MemoryBench(seq_lens=[64, 128, 256], options={"checkpointing": True})
     rows = sweep(bench, _OneRank(pools))
@@ -206,7 +206,7 @@ def test_bench_memory_finds_the_longest_length_within_a_budget(pools):
 
 def test_working_set_grows_no_faster_than_the_length(pools):
     """Attention and loss allocate no (S, S) buffer: the transient bytes per token do not grow with S."""
-    from seqmesh.tools.bench_memory import MemoryBench, sweep
+    from seqmesh.bench.memory import MemoryBench, sweep
 
     rows = sweep(MemoryBench(seq_lens=[256, 512, 1024], options={"checkpointing": True}), _OneRank(pools))
     per_token = [r["transient_bytes"] / r["seq_len"] for r in rows]

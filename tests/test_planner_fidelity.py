@@ -192,7 +192,7 @@ def test_default_curve_is_the_published_point():
 
 def test_bench_merge_rows_carry_their_block_size():
     """A 256-token bench over rings 2 and 4: blocks of 128 and 64 tokens, read back as the curve's points."""
-    from seqmesh.tools.bench import MergeBench, bench_merge
+    from seqmesh.bench.merge import MergeBench, bench_merge
 
     rows = bench_merge(MergeBench(seq_len=256, q_heads=2, kv_heads=1, head_dim=8, rings=(2, 4), repeats=1))
     assert [r["block_tokens"] for r in rows] == [128, 64]

@@ -93,7 +93,7 @@ def test_planner_window_work_equals_the_ring_schedule():
 
 def test_bench_window_rows():
     """``seqmesh bench window``'s figures without timing: steps, work saved and balance per layout."""
-    from seqmesh.tools.bench_window import WindowBench, window_rows
+    from seqmesh.bench.window import WindowBench, window_rows
 
     rows = window_rows(WindowBench(seq_len=1024, ring=4, windows=(None, 64), repeats=0))
     by = {(r["layout"], r["window"]): r for r in rows}

@@ -1,2 +1,2 @@
-"""The ``seqmesh`` command, its benchmarks, the single-process ring emulator they use, and spawned
-gloo process groups (tests, demo, benchmarks)."""
+"""The ``seqmesh`` command line (cli.py) and its train / verify flags generated from TrainConfig
+(flags.py). Benchmarks are ``seqmesh.bench``; spawned process groups ``seqmesh.comm.launch``."""

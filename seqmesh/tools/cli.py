@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -12,94 +11,10 @@ from collections.abc import Sequence
 from ..versions import report as report_versions
 
 
-def _add_attention_args(p: argparse.ArgumentParser, seq_len: int) -> None:
-    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens in the sequence (default %(default)s)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--full", action="store_true", help="non-causal attention")
-    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
-
-
-def _attention_bench_config(args: argparse.Namespace, world: int, meshes: list[tuple[int, int]]):
-    from .bench import AttentionBench
-
-    if args.seq_len < world:
-        raise SystemExit(f"--seq-len {args.seq_len} is shorter than the {world} ranks; give at least {world} tokens.")
-    return AttentionBench(
-        seq_len=args.seq_len, batch=args.batch, q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        dtype=args.dtype, causal=not args.full, layout=args.layout, world=world, repeats=args.repeats,
-        backend=args.backend, meshes=meshes,
-    )
-
-
-def _parse_mesh(text: str) -> tuple[int, int]:
-    try:
-        u, r = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"mesh {text!r} must look like ULYSSESxRING, e.g. 2x2") from None
-    return u, r
-
-
-def _check_meshes(meshes: list[tuple[int, int]], world: int) -> None:
-    for u, r in meshes:
-        if u * r != world:
-            raise SystemExit(f"mesh {u}x{r} has {u * r} ranks but --world is {world}.")
-
-
-def cmd_bench_attention(args: argparse.Namespace) -> int:
-    from .bench import bench_attention, format_attention_rows
-
-    cfg = _attention_bench_config(args, args.world, args.mesh or [])
-    _check_meshes(cfg.factorisations(), args.world)
-    rows = bench_attention(cfg)
-    print(json.dumps(rows, indent=1) if args.json else format_attention_rows(cfg, rows))
-    return 0
-
-
-def cmd_bench_linear(args: argparse.Namespace) -> int:
-    from .bench_linear import LinearBench, bench_linear, format_linear_rows
-
-    cfg = LinearBench(seq_len=args.seq_len, batch=args.batch, key_heads=args.key_heads, value_heads=args.value_heads,
-                      key_dim=args.head_dim, value_dim=args.head_dim, dtype=args.dtype, layout=args.layout,
-                      world=args.world, repeats=args.repeats, meshes=args.mesh or [])
-    _check_meshes(cfg.factorisations(), args.world)
-    rows = bench_linear(cfg)
-    print(json.dumps(rows, indent=1) if args.json else format_linear_rows(cfg, rows))
-    return 0
-
-
-def cmd_bench_merge(args: argparse.Namespace) -> int:
-    from .bench import MergeBench, bench_merge, format_merge_rows
-
-    cfg = MergeBench(seq_len=args.seq_len, q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                     dtype=args.dtype, causal=not args.full, rings=tuple(args.rings), repeats=args.repeats,
-                     backend=args.backend, device=args.device)
-    rows = bench_merge(cfg)
-    print(json.dumps(rows, indent=1) if args.json else format_merge_rows(cfg, rows))
-    return 0
-
-
-def cmd_bench_window(args: argparse.Namespace) -> int:
-    from .bench_window import WindowBench, format_window_rows, window_rows
-
-    cfg = WindowBench(seq_len=args.seq_len, ring=args.ring, windows=tuple(None if w == 0 else w for w in args.windows),
-                      q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                      repeats=args.repeats)
-    rows = window_rows(cfg)
-    print(json.dumps(rows, indent=1) if args.json else format_window_rows(cfg, rows))
-    return 0
-
-
 def cmd_demo_attention(args: argparse.Namespace) -> int:
-    from .bench import bench_attention, format_attention_rows
+    from ..bench.attention import attention_bench_config, bench_attention, format_attention_rows
 
-    cfg = _attention_bench_config(args, 4, [(4, 1), (1, 4), (2, 2)])
+    cfg = attention_bench_config(args, 4, [(4, 1), (1, 4), (2, 2)])
     print(f"seqmesh demo: exact sequence-parallel attention over {cfg.seq_len:,} tokens on 4 CPU processes "
           "(gloo): Ulysses 4x1, ring 1x4 and USP 2x2, each checked against one device.", flush=True)
     rows = bench_attention(cfg)
@@ -241,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.set_defaults(func=cmd_export)
 
+    from ..bench.common import add_attention_args
+
     demo = sub.add_parser("demo", help="run the built-in demonstration (default: training on 4 CPU processes)")
     demo_sub = demo.add_subparsers(dest="what")
     demo_train = demo_sub.add_parser("train", help="the long-range copy task with USP 2x2 + FSDP2 (the default)")
@@ -250,51 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo_train.add_argument("--seed", type=int, default=1, help="weights and data (default %(default)s)")
     demo_train.set_defaults(func=cmd_demo_train)
     demo_attention = demo_sub.add_parser("attention", help="USP/ring/Ulysses attention on 4 CPU processes")
-    _add_attention_args(demo_attention, 16384)
+    add_attention_args(demo_attention, 16384)
     demo_attention.set_defaults(func=cmd_demo_attention, repeats=1)
     demo.set_defaults(func=lambda a: cmd_demo_train(demo_train.parse_args([])))
 
     versions = sub.add_parser("versions", help="installed torch / transformers / accelerate beside the tested range")
     versions.set_defaults(func=lambda a: report_versions())
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="what", required=True)
-    ba = bench_sub.add_parser("attention", help="Ulysses / ring / USP fwd+bwd across spawned CPU ranks")
-    _add_attention_args(ba, 8192)
-    ba.add_argument("--world", type=int, default=4, help="ranks to spawn (gloo, CPU)")
-    ba.add_argument("--mesh", type=_parse_mesh, action="append", help="ULYSSESxRING to run (repeatable); default: all")
-    ba.set_defaults(func=cmd_bench_attention)
-    bl = bench_sub.add_parser("linear", help="sequence-parallel Gated DeltaNet fwd+bwd across spawned CPU ranks")
-    bl.add_argument("--seq-len", type=int, default=8192, help="tokens in the sequence (default %(default)s)")
-    bl.add_argument("--batch", type=int, default=1)
-    bl.add_argument("--key-heads", type=int, default=4)
-    bl.add_argument("--value-heads", type=int, default=8)
-    bl.add_argument("--head-dim", type=int, default=64, help="key and value head dim")
-    bl.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    bl.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
-    bl.add_argument("--repeats", type=int, default=3)
-    bl.add_argument("--world", type=int, default=4, help="ranks to spawn (gloo, CPU)")
-    bl.add_argument("--mesh", type=_parse_mesh, action="append", help="ULYSSESxRING to run (repeatable); default: all")
-    bl.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
-    bl.set_defaults(func=cmd_bench_linear)
-    bm = bench_sub.add_parser("merge", help="ring split-and-merge on one device vs one attention call")
-    _add_attention_args(bm, 8192)
-    bm.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8])
-    bm.add_argument("--device", default="cpu")
-    bm.set_defaults(func=cmd_bench_merge)
-    from . import bench_balance, bench_host, bench_memory
+    from ..bench import add_bench_command
 
-    bench_host.add_subcommand(bench_sub)
-    bench_balance.add_subcommand(bench_sub)
-    bw = bench_sub.add_parser("window", help="windowed vs full causal ring: work, bytes, balance per layout")
-    _add_attention_args(bw, 8192)
-    bw.add_argument("--ring", type=int, default=8)
-    bw.add_argument("--windows", type=int, nargs="+", default=[0, 4096, 1024, 256], help="0: full causal")
-    bw.set_defaults(func=cmd_bench_window)
-    bench_memory.add_subcommand(bench_sub)
-    from . import bench_baseline
-
-    bench_baseline.add_subcommand(bench_sub)
+    add_bench_command(sub)
 
     from ..planner.cli import register_plan
 

@@ -10,10 +10,12 @@ What a layer pays on the host before and after its kernels, per call, as this th
 - a named backend's check over a ring of 8 with 16 packed documents (what ``seqmesh.attention``
   runs before any rank sends).
 
-It reaches into seqmesh's modules only by names an older checkout has too, so the same file
-measures both sides of a change::
+Run it as ``python -m seqmesh.bench.hot_path``. It is no ``seqmesh bench`` subcommand: it replaces
+functions of ``seqmesh.linear`` with stand-ins for the rest of its process, which only a process that
+runs nothing else may do. It reaches into seqmesh's modules only by names an older checkout has too,
+so this file, run by its path, measures both sides of a change::
 
-    PYTHONPATH=/path/to/checkout python seqmesh/tools/bench_hot_path.py
+    PYTHONPATH=/path/to/other/checkout python seqmesh/bench/hot_path.py
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ default), the Python and torch-op work that surrounds the kernels:
 Run it as ``seqmesh bench host``. It uses only the public API, so the same file measures an older
 checkout too::
 
-    PYTHONPATH=/path/to/old/checkout python seqmesh/tools/bench_host.py
+    PYTHONPATH=/path/to/old/checkout python seqmesh/bench/host.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A windowed ring against the full causal ring: work and bytes saved, and balance per layout.
+"""``seqmesh bench window``: a windowed ring against the full causal ring: work and bytes saved, and balance per layout.
 
 Work and bytes come from the ring schedule every rank runs (the same plan ``seqmesh.attention``
 executes): pairs each ring rank computes, ring steps that run, and the K/V bytes each rank sends
@@ -11,6 +11,8 @@ the process's CPU time (not wall time, which a shared machine inflates at random
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from ..sequence.layout import SequenceLayout
 from ..sharded_attention.blocks import document_bounds
 from ..sharded_attention.schedule import RingSchedule
 from .emulate import emulate_ring
+from .common import add_attention_args
 
 
 @dataclass
@@ -87,3 +90,21 @@ def format_window_rows(cfg: WindowBench, rows: list[dict]) -> str:
         lines.append(f"{r['layout']:>11}{str(r['window'] or 'full'):>8}{r['steps']:>6}{r['work_saved']:>11.1%}"
                      f"{r['balance']:>9.3f}{r['bytes_per_rank'] / 2**20:>10.2f}{seconds:>9}")
     return "\n".join(lines)
+
+
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench window``."""
+
+    def run(args: argparse.Namespace) -> int:
+        cfg = WindowBench(seq_len=args.seq_len, ring=args.ring,
+                          windows=tuple(None if w == 0 else w for w in args.windows), q_heads=args.heads,
+                          kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats)
+        rows = window_rows(cfg)
+        print(json.dumps(rows, indent=1) if args.json else format_window_rows(cfg, rows))
+        return 0
+
+    p = bench_sub.add_parser("window", help="windowed vs full causal ring: work, bytes, balance per layout")
+    add_attention_args(p, 8192)
+    p.add_argument("--ring", type=int, default=8)
+    p.add_argument("--windows", type=int, nargs="+", default=[0, 4096, 1024, 256], help="0: full causal")
+    p.set_defaults(func=run)

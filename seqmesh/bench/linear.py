@@ -1,4 +1,4 @@
-"""Benchmark: sequence-parallel Gated DeltaNet (conv + recurrence, forward+backward) against one device.
+"""``seqmesh bench linear``: sequence-parallel Gated DeltaNet (conv + recurrence, forward+backward) against one device.
 
 Every ``ulysses x ring`` factorisation of the world runs ``seqmesh.linear.sequence_parallel_gated_delta``
 (the all-to-all design: the same for every factorisation, which only changes the layout of the
@@ -8,6 +8,8 @@ result is checked against that process's and the bytes each rank sent are counte
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import time
@@ -17,6 +19,7 @@ import torch
 
 from ..linear.gated_delta import segment_bounds
 from ..linear.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
+from .common import check_meshes, parse_mesh, side_by_side
 
 
 @dataclass
@@ -126,8 +129,6 @@ def bench_linear(cfg: LinearBench, *, check: bool = True) -> list[dict]:
     """Rows ``{method, mesh, seconds, vs_one_device, mib_sent_per_rank, max_error}``. A "device" is one process
     with ``cores // world`` threads, the one device as much as each rank (on a loaded machine, more threads
     than free cores make one process spin rather than compute)."""
-    from .bench import side_by_side
-
     threads = max(1, (os.cpu_count() or 1) // cfg.world)
     single, meshes = side_by_side(cfg, _run_single, _run_rank, single_threads=threads, check=check)
     rows = [{"method": "one device", "mesh": "1x1", "seconds": statistics.median(single["times"]),
@@ -154,3 +155,31 @@ def format_linear_rows(cfg: LinearBench, rows: list[dict]) -> str:
         lines.append(f"{r['method']:<19}{r['mesh']:>9}{r['seconds']:>10.3f}{r['vs_one_device']:>9.2f}"
                      f"{r['mib_sent_per_rank']:>15.2f}{err:>12}")
     return "\n".join(lines)
+
+
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench linear``."""
+
+    def run(args: argparse.Namespace) -> int:
+        cfg = LinearBench(seq_len=args.seq_len, batch=args.batch, key_heads=args.key_heads,
+                          value_heads=args.value_heads, key_dim=args.head_dim, value_dim=args.head_dim,
+                          dtype=args.dtype, layout=args.layout, world=args.world, repeats=args.repeats,
+                          meshes=args.mesh or [])
+        check_meshes(cfg.factorisations(), args.world)
+        rows = bench_linear(cfg)
+        print(json.dumps(rows, indent=1) if args.json else format_linear_rows(cfg, rows))
+        return 0
+
+    p = bench_sub.add_parser("linear", help="sequence-parallel Gated DeltaNet fwd+bwd across spawned CPU ranks")
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens in the sequence (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--key-heads", type=int, default=4)
+    p.add_argument("--value-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64, help="key and value head dim")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--world", type=int, default=4, help="ranks to spawn (gloo, CPU)")
+    p.add_argument("--mesh", type=parse_mesh, action="append", help="ULYSSESxRING to run (repeatable); default: all")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.set_defaults(func=run)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench_memory import TECHNIQUES
+from .memory import TECHNIQUES
 
 ALL_TECHNIQUES = TECHNIQUES["all"][0]  # every memory technique, as `seqmesh bench memory --compare` runs them
 # method -> (framework, TrainConfig memory options)
@@ -304,7 +304,7 @@ def add_subcommand(bench_sub) -> None:
     import json
     import sys
 
-    from .bench_memory import parse_bytes
+    from .memory import parse_bytes
 
     def run(args) -> int:
         try:

@@ -1,27 +1,24 @@
-"""Benchmarks: sequence-parallel attention across spawned ranks, and the ring's split-and-merge cost.
+"""``seqmesh bench attention``: sequence-parallel attention across spawned ranks against one device.
 
 ``bench_attention`` times forward+backward of every ``ulysses x ring`` factorisation of the world
 (pure Ulysses, pure ring, USP) side by side with one device holding the whole sequence, checks each
-result against that device's, and counts the bytes each rank sent. ``bench_merge`` runs every ring
-rank's kernel calls and merges on one device and compares with one kernel call over the same work.
+result against that device's, and counts the bytes each rank sent.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..sharded_attention.blocks import document_bounds
-from .emulate import emulate_ring
-from ..sharded_attention.schedule import RingSchedule
 from ..kernels import kernel_chooser
 from ..kernels.base import BlockMask
-from ..sequence.layout import SequenceLayout
+from .common import add_attention_args, check_meshes, parse_mesh, side_by_side, sync
 
 
 @dataclass
@@ -49,12 +46,8 @@ class AttentionBench:
         return [(u, self.world // u) for u in range(self.world, 0, -1) if self.world % u == 0 and u <= self.q_heads]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _inputs(cfg: AttentionBench, device: torch.device):
+def inputs(cfg: AttentionBench, device: torch.device):
+    """``q, k, v`` and the output gradient of the whole sequence, the same on every rank (a fixed seed)."""
     g = torch.Generator().manual_seed(1234)
     dt = getattr(torch, cfg.dtype)
     shape_q = (cfg.batch, cfg.seq_len, cfg.q_heads, cfg.head_dim)
@@ -72,7 +65,7 @@ def _run_rank(cfg: AttentionBench, ulysses: int, ring: int, reference_path: str 
 
     device = torch.device(cfg.device)
     mesh = init_mesh(ulysses, ring, dp_shard=dist.get_world_size() // (ulysses * ring), device_type=device.type)
-    q, k, v, dout = _inputs(cfg, device)
+    q, k, v, dout = inputs(cfg, device)
     shard = lambda t: shard_sequence(t, mesh, layout=cfg.layout)  # noqa: E731
     ql, kl, vl, dl = (shard(t).detach() for t in (q, k, v, dout))
     del q, k, v, dout
@@ -80,13 +73,13 @@ def _run_rank(cfg: AttentionBench, ulysses: int, ring: int, reference_path: str 
     for i in range(cfg.warmup + cfg.repeats):
         leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
         dist.barrier()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         with comm_stats() as st:
             out = attention(*leaves, mesh, causal=cfg.causal, layout=cfg.layout, seq_len=cfg.seq_len,
                             backend=cfg.backend, validate=False)
             out.backward(dl)
-        _sync(device)
+        sync(device)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
         if i >= cfg.warmup:
@@ -104,40 +97,23 @@ def _run_rank(cfg: AttentionBench, ulysses: int, ring: int, reference_path: str 
 def _run_single(cfg: AttentionBench, reference_path: str | None) -> dict:
     """One device, whole sequence: the same kernels, no communication."""
     device = torch.device(cfg.device)
-    q, k, v, dout = _inputs(cfg, device)
+    q, k, v, dout = inputs(cfg, device)
     choose = kernel_chooser(cfg.backend)
     mask = BlockMask(causal=cfg.causal)
     scale = cfg.head_dim**-0.5
     times = []
     for i in range(cfg.warmup + cfg.repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         kernel = choose(q, k, mask)
         out, lse = kernel.forward(q, k, v, mask, scale)
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, mask, scale)
-        _sync(device)
+        sync(device)
         if i >= cfg.warmup:
             times.append(time.perf_counter() - start)
     if reference_path is not None:
         torch.save({"out": out.cpu(), "dq": dq.cpu(), "dk": dk.cpu(), "dv": dv.cpu()}, reference_path)
     return {"times": times, "bytes_sent": 0}
-
-
-def side_by_side(cfg, run_single, run_rank, *, single_threads: int, check: bool = True) -> tuple[dict, list]:
-    """Run ``run_single(cfg, path)`` on one process, then ``run_rank(cfg, ulysses, ring, path)`` on
-    ``cfg.world`` spawned ranks for each of ``cfg.factorisations()``; ``path`` is where the one process
-    leaves its results for the ranks to check against (None without ``check``). Returns the one
-    process's result and ``[(ulysses, ring, per-rank results)]``."""
-    from ..comm.launch import WorkerPool
-
-    cores = os.cpu_count() or 1
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "one_device.pt") if check else None
-        with WorkerPool(1, threads=single_threads) as pool:
-            single = pool.run(run_single, cfg, path, timeout=3600)[0]
-        with WorkerPool(cfg.world, threads=max(1, cores // cfg.world)) as pool:
-            meshes = [(u, r, pool.run(run_rank, cfg, u, r, path, timeout=3600)) for u, r in cfg.factorisations()]
-    return single, meshes
 
 
 def bench_attention(cfg: AttentionBench, *, check: bool = True) -> list[dict]:
@@ -178,64 +154,29 @@ def format_attention_rows(cfg: AttentionBench, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@dataclass
-class MergeBench:
-    """The ring's split-and-merge on one device against one attention call over the same work."""
-
-    seq_len: int = 8192
-    q_heads: int = 8
-    kv_heads: int = 2
-    head_dim: int = 64
-    dtype: str = "float32"
-    causal: bool = True
-    rings: tuple[int, ...] = (2, 4, 8)
-    repeats: int = 3
-    backend: str = "auto"
-    device: str = "cpu"
+def attention_bench_config(args: argparse.Namespace, world: int, meshes: list[tuple[int, int]]) -> AttentionBench:
+    """The workload the attention flags describe (``seqmesh bench attention``, ``seqmesh demo attention``)."""
+    if args.seq_len < world:
+        raise SystemExit(f"--seq-len {args.seq_len} is shorter than the {world} ranks; give at least {world} tokens.")
+    return AttentionBench(
+        seq_len=args.seq_len, batch=args.batch, q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        dtype=args.dtype, causal=not args.full, layout=args.layout, world=world, repeats=args.repeats,
+        backend=args.backend, meshes=meshes,
+    )
 
 
-def bench_merge(cfg: MergeBench) -> list[dict]:
-    """Rows ``{ring, seq_len, block_tokens, one_call_s, split_merge_s, efficiency}``; efficiency = one call /
-    split+merge; ``block_tokens`` = one ring rank's query tokens (what ``seqmesh plan --ring-efficiency`` reads)."""
-    device = torch.device(cfg.device)
-    choose = kernel_chooser(cfg.backend)
-    scale = cfg.head_dim**-0.5
-    bench = AttentionBench(cfg.seq_len, 1, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.dtype, cfg.causal, device=cfg.device)
-    q, k, v, dout = _inputs(bench, device)
-    mask = BlockMask(causal=cfg.causal)
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench attention``."""
 
-    def one_call() -> None:
-        kernel = choose(q, k, mask)
-        out, lse = kernel.forward(q, k, v, mask, scale)
-        kernel.backward(dout, q, k, v, out, lse, mask, scale)
+    def run(args: argparse.Namespace) -> int:
+        cfg = attention_bench_config(args, args.world, args.mesh or [])
+        check_meshes(cfg.factorisations(), args.world)
+        rows = bench_attention(cfg)
+        print(json.dumps(rows, indent=1) if args.json else format_attention_rows(cfg, rows))
+        return 0
 
-    def timed(fn) -> float:
-        fn()  # warm-up
-        samples = []
-        for _ in range(cfg.repeats):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    rows = []
-    for ring in cfg.rings:
-        layout = SequenceLayout("zigzag", ring, 1, cfg.seq_len)
-        schedule = RingSchedule(layout, document_bounds(cfg.seq_len, cfg.seq_len, None), cfg.causal)
-        one = timed(one_call)  # measured next to each split, so drift hits both alike
-        split = timed(lambda: emulate_ring(q, k, v, dout, schedule, choose, scale))
-        rows.append({"ring": ring, "seq_len": cfg.seq_len, "block_tokens": layout.ring_len, "one_call_s": one,
-                     "split_merge_s": split, "efficiency": one / split})
-    return rows
-
-
-def format_merge_rows(cfg: MergeBench, rows: list[dict]) -> str:
-    lines = [f"ring split-and-merge vs one call (fwd+bwd, {cfg.seq_len} tokens, heads {cfg.q_heads}/{cfg.kv_heads}, "
-             f"head dim {cfg.head_dim}, {cfg.dtype}, {'causal' if cfg.causal else 'full'}, {cfg.device})",
-             f"{'ring':>5}{'one call s':>12}{'split+merge s':>15}{'efficiency':>12}"]
-    for r in rows:
-        lines.append(f"{r['ring']:>5}{r['one_call_s']:>12.3f}{r['split_merge_s']:>15.3f}{r['efficiency']:>12.3f}")
-    return "\n".join(lines)
-
+    p = bench_sub.add_parser("attention", help="Ulysses / ring / USP fwd+bwd across spawned CPU ranks")
+    add_attention_args(p, 8192)
+    p.add_argument("--world", type=int, default=4, help="ranks to spawn (gloo, CPU)")
+    p.add_argument("--mesh", type=parse_mesh, action="append", help="ULYSSESxRING to run (repeatable); default: all")
+    p.set_defaults(func=run)
