@@ -272,7 +272,7 @@ def named_backend_refuses_documents() -> str:
     """A named kernel that cannot mask documents, with documents only inside rank 0's diagonal block:
     every rank must raise before any rank sends (no rank left waiting)."""
     import seqmesh.kernels as kernels
-    from seqmesh.kernels.math import MathKernel
+    from seqmesh.kernels.reference import MathKernel
 
     class NoDocuments(MathKernel):
         name = "math"

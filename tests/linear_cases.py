@@ -12,8 +12,8 @@ import seqmesh
 from dist_cases import get_mesh
 from seqmesh.comm.stats import comm_stats
 from seqmesh.hf import parallelize, unparallelize
-from seqmesh.linear.gated_delta import segment_bounds
-from seqmesh.linear.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
+from seqmesh.linear_attention.gated_delta import segment_bounds
+from seqmesh.linear_attention.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
 
 
 # transformers config class and the extra arguments of each family with Gated DeltaNet layers

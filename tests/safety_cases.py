@@ -24,7 +24,7 @@ def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documen
                     layout: str = "zigzag", window: int | None = None) -> list:
     """Every point-to-point op this rank posts during one forward and backward of seqmesh.attention:
     ``[kind, global peer, shape, dtype]`` in the order they were issued."""
-    from seqmesh.comm import ring as ring_comm
+    from seqmesh.comm import p2p as ring_comm
 
     mesh = get_mesh(ulysses, ring, dist.get_world_size() // (ulysses * ring))
     issued: list = []
@@ -54,7 +54,7 @@ def attention_under_autocast(ulysses: int, ring: int) -> dict:
     """seqmesh.attention with fp32 inputs inside bf16 autocast, against the same call without it: the
     math kernel's forward and backward must both see autocast off and fp32 tensors, so the results
     are bit-identical."""
-    from seqmesh.kernels import math as math_kernel
+    from seqmesh.kernels import reference as math_kernel
 
     mesh = get_mesh(ulysses, ring, dist.get_world_size() // (ulysses * ring))
     seen: list = []

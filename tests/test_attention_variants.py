@@ -84,7 +84,7 @@ def test_cpu_flash_bands_equal_the_math_kernel():
 
     from seqmesh.kernels.base import BlockMask
     from seqmesh.kernels.cpu_flash import CpuFlashKernel
-    from seqmesh.kernels.math import MathKernel
+    from seqmesh.kernels.reference import MathKernel
 
     g = torch.Generator().manual_seed(0)
     for mask, sq, sk in [(BlockMask(causal=True, window=300), 700, 700),

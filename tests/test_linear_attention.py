@@ -9,7 +9,7 @@ import torch
 
 from linear_cases import LayerCase, ModelCase, layer_cases, model_cases, reference_noise, refusals
 from seqmesh.planner.traffic import linear_attention_traffic
-from seqmesh.linear.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from seqmesh.linear_attention.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (ulysses, ring)
 # (key heads, value heads): grouped, one key head for all (replicated over every rank), as many key as
@@ -32,7 +32,7 @@ def test_route_from_the_head_deal_built_once():
     u // 2; its conv channels are that key head's q (2k, 2k+1) and k (4 + 2k, ...) and its value head's v
     (8 + 2u, ...), and each rank receives 2 x 2 + (2 + 2) = 8 channels. An equal deal returns the
     same route, so no layer rebuilds it."""
-    from seqmesh.linear.sequence_parallel import LinearHeads
+    from seqmesh.linear_attention.sequence_parallel import LinearHeads
 
     for u in range(4):
         route = LinearHeads(2, 4, 2, 2, 4).route(u)
@@ -228,7 +228,7 @@ def test_recurrent_families_are_refused_by_name():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from seqmesh.hf.layers import check_layers
-    from seqmesh.hf.linear import gated_delta_layers
+    from seqmesh.hf.linear_attention import gated_delta_layers
 
     mesh = types.SimpleNamespace(sp_size=2)  # gated_delta_layers() reads only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -11,7 +11,7 @@ What a layer pays on the host before and after its kernels, per call, as this th
   runs before any rank sends).
 
 Run it as ``python -m seqmesh.bench.hot_path``. It is no ``seqmesh bench`` subcommand: it replaces
-functions of ``seqmesh.linear`` with stand-ins for the rest of its process, which only a process that
+functions of ``seqmesh.linear_attention`` with stand-ins for the rest of its process, which only a process that
 runs nothing else may do. It reaches into seqmesh's modules only by names an older checkout has too,
 so this file, run by its path, measures both sides of a change::
 
@@ -39,7 +39,7 @@ def _cpu_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _linear_routing(ranks: int = 8, seq_len: int = 8192) -> Callable[[], object]:
-    from seqmesh.linear import sequence_parallel as sp
+    from seqmesh.linear_attention import sequence_parallel as sp
 
     def to_heads(tensors, group, chunks, sends, mine):  # the all-to-all's output shape, zeros
         x = tensors[0]

@@ -1,6 +1,6 @@
 """``seqmesh bench linear``: sequence-parallel Gated DeltaNet (conv + recurrence, forward+backward) against one device.
 
-Every ``ulysses x ring`` factorisation of the world runs ``seqmesh.linear.sequence_parallel_gated_delta``
+Every ``ulysses x ring`` factorisation of the world runs ``seqmesh.linear_attention.sequence_parallel_gated_delta``
 (the all-to-all design: the same for every factorisation, which only changes the layout of the
 tokens), timed side by side with one process running the same math on the whole sequence; each
 result is checked against that process's and the bytes each rank sent are counted.
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..linear.gated_delta import segment_bounds
-from ..linear.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
+from ..linear_attention.gated_delta import segment_bounds
+from ..linear_attention.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
 from .common import check_meshes, parse_mesh, side_by_side
 
 

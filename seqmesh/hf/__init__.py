@@ -18,7 +18,7 @@ import inspect
 import torch.nn as nn
 
 from ..sharded_attention.api import attention
-from . import linear
+from . import linear_attention
 from .layers import SUPPORTED, check_layers
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
@@ -134,7 +134,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     raise here, before any work (:func:`seqmesh.hf.layers.check_layers`); variants that show only in a
     call's arguments raise at the first call. Both name the layer. Gated DeltaNet layers (Qwen3.5,
     Qwen3-Next, OLMo-hybrid) run sequence-parallel too, their forward replaced per instance
-    (:mod:`seqmesh.hf.linear`).
+    (:mod:`seqmesh.hf.linear_attention`).
     The model (and its decoder) then keeps no cache: a call that does not pass ``use_cache`` runs
     without one whatever ``config.use_cache`` says (the config is unchanged), and one that asks for a
     cache raises. Returns the same model. The attention switch is stored on ``model.config``: another
@@ -147,7 +147,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
-    linear_layers = linear.gated_delta_layers(model, mesh)  # run sequence-parallel; their heads checked
+    linear_layers = linear_attention.gated_delta_layers(model, mesh)  # run sequence-parallel; their heads checked
     check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
@@ -155,7 +155,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
     model.set_attn_implementation(name)
-    linear.install(model, mesh, linear_layers)
+    linear_attention.install(model, mesh, linear_layers)
     setattr(model, _ATTR, (name, previous, _hook_calls(model)))
     return model
 
@@ -174,7 +174,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
     # the registration is dropped from that mapping directly.
-    linear.uninstall(model)
+    linear_attention.uninstall(model)
     AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model

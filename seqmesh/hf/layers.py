@@ -67,7 +67,7 @@ def _configs(model: nn.Module):
 def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
     """Raise a ValueError naming every layer or variant of ``model`` seqmesh would not compute exactly.
     ``handled``: token-mixing layers seqmesh runs sequence-parallel itself (Gated DeltaNet, see
-    :mod:`seqmesh.hf.linear`); they, and the ``linear_attention`` layer type, are then accepted."""
+    :mod:`seqmesh.hf.linear_attention`); they, and the ``linear_attention`` layer type, are then accepted."""
     name = type(model).__name__
     problems = []
     supported = SUPPORTED_LAYER_TYPES + (("linear_attention",) if handled else ())

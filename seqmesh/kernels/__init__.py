@@ -10,7 +10,7 @@ from .base import CAUSAL, FULL, AttentionKernel, BlockMask, lse_dtype
 from .cpu_flash import CpuFlashKernel
 from .cuda import CudaCudnnKernel, CudaEfficientKernel, CudaFlashKernel
 from .flash_attn import FlashAttnKernel
-from .math import MathKernel
+from .reference import MathKernel
 
 KERNELS: dict[str, AttentionKernel] = {
     k.name: k

@@ -94,7 +94,7 @@ def measure_links(small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -
     import torch.distributed as dist
 
     from ..comm.collectives import all_to_all_rows
-    from ..comm.ring import RingExchange
+    from ..comm.p2p import RingExchange
     from ..comm.stats import comm_stats
 
     group = dist.group.WORLD

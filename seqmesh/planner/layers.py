@@ -121,7 +121,7 @@ def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = LINEAR_CH
 
 @dataclass(frozen=True)
 class GatedDeltaNet:
-    """A Gated DeltaNet layer (``seqmesh.linear``): its all-to-alls run over the whole sequence group."""
+    """A Gated DeltaNet layer (``seqmesh.linear_attention``): its all-to-alls run over the whole sequence group."""
 
     work: Workload
     layout: Degrees

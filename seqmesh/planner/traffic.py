@@ -146,7 +146,7 @@ def linear_attention_traffic(
     dtype: str,
     layout: str = "zigzag",
 ) -> list[RankTraffic]:
-    """Per-rank traffic of one Gated DeltaNet layer (``seqmesh.linear``), forward+backward, indexed by
+    """Per-rank traffic of one Gated DeltaNet layer (``seqmesh.linear_attention``), forward+backward, indexed by
     sequence rank. Its all-to-alls run over the whole sequence group (``P = ulysses x ring``): value heads
     are dealt to the P ranks as query heads are to Ulysses ranks, each with the key heads it reads.
 

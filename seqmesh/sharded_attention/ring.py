@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..comm.ring import RingExchange
+from ..comm.p2p import RingExchange
 from ..kernels import ChooseKernel
 from ..kernels.base import lse_dtype
 from ..kernels.gqa import fold_selected_heads, select_kv_heads

@@ -4,7 +4,7 @@ These layers do not go through the attention interface, so ``parallelize`` gives
 instance-level ``forward`` (the class and transformers' code are untouched) and ``unparallelize``
 deletes it again. The new forward keeps the layer's own projections, gated norm and output
 projection, which act per token on the local shard, and replaces the conv and the recurrence by
-``seqmesh.linear.sequence_parallel_gated_delta``. It reads the sequence from the ``seqmesh`` entry
+``seqmesh.linear_attention.sequence_parallel_gated_delta``. It reads the sequence from the ``seqmesh`` entry
 of ``shard_batch`` that the decoder layers pass down in their kwargs.
 
 A layer with recurrent state that seqmesh does not know (Mamba mixers, short convolutions, other
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..linear.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
+from ..linear_attention.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
 from ..mesh import SPMesh
 
 _ATTR = "_seqmesh_linear"
