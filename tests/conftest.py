@@ -1,5 +1,9 @@
 """Shared fixtures: one pool of spawned gloo ranks per world size, reused by every test.
 
+Test folders mirror seqmesh's packages (tests/attention, tests/sequence, tests/model, ...; tests/project
+for what spans the project). The functions spawned ranks run live in the ``*_cases.py`` modules here at
+the top, which every rank imports by module name.
+
 Starting a rank costs seconds (importing torch); a pool starts once per session and runs many
 cases. A case that fails or hangs on any rank ends its pool (so no rank waits forever) and the next
 test that needs that world size starts a fresh one.

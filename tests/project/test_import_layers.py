@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "seqmesh"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "seqmesh"
 LIBRARY = ("seqmesh.model", "seqmesh.hf", "seqmesh.memory", "seqmesh.compose", "seqmesh.sequence")
 
 

@@ -7,7 +7,7 @@ import ast
 import pathlib
 import sys
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "seqmesh"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "seqmesh"
 
 
 def _module_name(path: pathlib.Path) -> str:

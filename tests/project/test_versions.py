@@ -12,7 +12,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 from seqmesh.versions import TESTED, UntestedVersionWarning, installed_versions, release, require, untested
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_release_parses_local_pre_and_dev_versions():

@@ -20,7 +20,7 @@ from seqmesh.training.config import TrainConfig
 from seqmesh.training.outlock import LOCK_NAME, OutputLock
 from train_job_cases import entry_error
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cfg(out, **kw) -> TrainConfig:

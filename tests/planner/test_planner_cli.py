@@ -15,7 +15,7 @@ from seqmesh.tools.cli import main
 from seqmesh.planner.calibrate import Calibration, apply_calibration, measure_compute, measure_links
 from seqmesh.planner.hardware import PRESETS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SP_KEYS = {"ulysses_all_to_all", "ring_p2p", "fsdp_all_gather", "fsdp_reduce_scatter", "total"}
 TP_KEYS = {"tp_all_gather", "tp_reduce_scatter", "fsdp_all_gather", "fsdp_reduce_scatter", "total"}
 TYPES = {
