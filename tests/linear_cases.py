@@ -160,7 +160,8 @@ class LayerCase:
                 f"{'docs' if self.documents else 'nodocs'}")
 
 
-def _layer_inputs(case: LayerCase, heads: LinearHeads):
+def layer_inputs(case: LayerCase, heads: LinearHeads):
+    """float64 inputs of one layer case: the packed channels, the gate parameters, an output gradient."""
     g = torch.Generator().manual_seed(7)
     dt = torch.float64
     packed = torch.randn(case.batch, case.seq_len, heads.channels, generator=g, dtype=dt)
@@ -176,15 +177,16 @@ def _layer_inputs(case: LayerCase, heads: LinearHeads):
 
 def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
     """``sequence_parallel_gated_delta`` in float64 against the same math on the whole sequence on one
-    process: max abs error of the output and of the input's and every parameter's gradient, and the
-    bytes the all-to-alls moved."""
+    process (``gated_delta_heads`` on all heads, itself checked against transformers' own rules by
+    ``test_whole_sequence_heads_match_transformers``): max abs error of the output and of the input's
+    and every parameter's gradient, and the bytes the all-to-alls moved."""
     mesh = get_mesh(ulysses, ring)
     results = []
     min_chunk = 1  # cut even these short documents (so per_document differs from zigzag)
     for case in cases:
         p = mesh.sp_size
         heads = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, p)
-        packed, params, dout = _layer_inputs(case, heads)
+        packed, params, dout = layer_inputs(case, heads)
         leaves = [packed, params.conv_weight, params.conv_bias, params.A_log, params.dt_bias]
         for t in leaves:
             t.requires_grad_(True)

@@ -67,6 +67,54 @@ def test_chunked_rule_matches_token_recurrence():
     assert (causal_conv1d(x, w, None, bounds) - alone).abs().max() < 1e-12
 
 
+def _heads_from_transformers_pieces(packed, params, case: LayerCase, bounds: tuple[int, ...]) -> dict:
+    """The layer's token mixer on the whole sequence written from transformers' Qwen3.5 functions, one
+    document at a time (each starts from a zero state and a fresh conv): its chunked and its recurrent
+    rule. They compute in float32; their difference is that rounding, measured."""
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (causal_conv1d_fn, torch_chunk_gated_delta_rule,
+                                                               torch_recurrent_gated_delta_rule)
+
+    hk, hv, dk, dv = case.key_heads, case.value_heads, case.key_dim, case.value_dim
+    x, b_in, a_in = packed.split([2 * hk * dk + hv * dv, hv, hv], dim=-1)
+    outs: dict = {"chunk": [], "recurrent": []}
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        mixed = causal_conv1d_fn(x[:, a:e].transpose(1, 2), params.conv_weight, params.conv_bias,
+                                 activation="silu").transpose(1, 2)
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        n = e - a
+        q = q.reshape(case.batch, n, hk, dk).repeat_interleave(hv // hk, dim=2)  # value head h reads key head h // (hv/hk)
+        k = k.reshape(case.batch, n, hk, dk).repeat_interleave(hv // hk, dim=2)
+        v = v.reshape(case.batch, n, hv, dv)
+        beta = b_in[:, a:e].sigmoid()
+        g = -params.A_log.exp() * F.softplus(a_in[:, a:e] + params.dt_bias)
+        for name, rule in (("chunk", torch_chunk_gated_delta_rule), ("recurrent", torch_recurrent_gated_delta_rule)):
+            out, _ = rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            outs[name].append(out)
+    return {name: torch.cat(parts, dim=1).double() for name, parts in outs.items()}
+
+
+@pytest.mark.parametrize("key_heads, value_heads", HEADS)
+def test_whole_sequence_heads_match_transformers(key_heads, value_heads):
+    """The one-process mixer that the sharded layer is compared with (``gated_delta_heads`` on all heads)
+    against transformers' own conv and gated delta rules on each document, within 8x their measured
+    float32 rounding (the chunked vs the recurrent rule), floored at float32's eps times the output's
+    magnitude: so the layer test's reference is not seqmesh's code alone."""
+    from linear_cases import layer_inputs
+    from seqmesh.linear_attention.gated_delta import segment_bounds
+    from seqmesh.linear_attention.sequence_parallel import LinearHeads, gated_delta_heads
+
+    case = LayerCase(24, key_heads, value_heads, documents=DOCS[24])
+    whole = LinearHeads(key_heads, value_heads, case.key_dim, case.value_dim, 1)
+    packed, params, _ = layer_inputs(case, whole)
+    bounds = segment_bounds(case.seq_len, case.documents)
+    ours = gated_delta_heads(packed, params, whole, 0, bounds)
+    theirs = _heads_from_transformers_pieces(packed, params, case, bounds)
+    rounding = float((theirs["chunk"] - theirs["recurrent"]).abs().max())
+    bound = 8 * max(rounding, torch.finfo(torch.float32).eps * float(ours.abs().max()))
+    assert float((ours - theirs["chunk"]).abs().max()) <= bound, (rounding, bound)
+
+
 def _layer_cases(ulysses: int, ring: int) -> list[LayerCase]:
     p = ulysses * ring
     return [LayerCase(s, hk, hv, layout, DOCS[s] if docs else None)
