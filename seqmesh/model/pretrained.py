@@ -144,10 +144,11 @@ def _aliases(lm: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def check_pretrained(lm: nn.Module, folder: str) -> dict[str, tuple[str, str]]:
+def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:
     """Compare the checkpoint in ``folder`` with ``lm`` (on the meta device or sharded: full shapes are
     compared) from the files' headers; raises a ValueError naming every difference. Returns
-    ``{parameter name: (file, key in the file)}``."""
+    ``{parameter name: (file, key in the file)}``. ``files``: :func:`checkpoint_files`'s answer, if the
+    caller has it."""
     from safetensors import safe_open
 
     renamings = _renamings(lm)
@@ -155,7 +156,7 @@ def check_pretrained(lm: nn.Module, folder: str) -> dict[str, tuple[str, str]]:
     sources: dict[str, tuple[str, str]] = {}
     unexpected, shapes, dtypes = [], [], []
     by_file: dict[str, list[str]] = {}
-    for key, file in checkpoint_files(folder).items():
+    for key, file in (checkpoint_files(folder) if files is None else files).items():
         by_file.setdefault(file, []).append(key)
     for file, keys in sorted(by_file.items()):
         with safe_open(file, framework="pt") as f:
@@ -272,8 +273,7 @@ def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, st
             if values.numel() == 0 and target.numel() == 0:
                 continue
             if values.is_floating_point():
-                low, high = torch.aminmax(values)  # no |values| copy of the slice; nan where any value is nan
-                peak = float(torch.maximum(-low, high))
+                peak = _largest_magnitude(values)
                 if not peak <= LARGEST_WEIGHT:
                     bad[name] = (os.path.basename(sources[name][0]), peak)
             target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
@@ -283,6 +283,12 @@ def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, st
         failure = str(err)
     refuse_bad_values(folder, bad, failure)
     return read
+
+
+def _largest_magnitude(values: torch.Tensor) -> float:
+    """max |values|, nan if any value is nan, without an |values| copy of the tensor."""
+    low, high = torch.aminmax(values.detach())
+    return float(torch.maximum(-low, high))
 
 
 # The largest |weight| a checkpoint may hold. Trained language models stay orders of magnitude below it:
@@ -316,14 +322,14 @@ def refuse_bad_values(folder: str, bad: dict[str, tuple[str, float]], failure: s
                          "checkpoint.")
 
 
-def check_values(lm: nn.Module, folder: str) -> None:
+def check_values(lm: nn.Module, folder: str, files: dict[str, str]) -> None:
     """:func:`refuse_bad_values` for a model ``from_pretrained`` loaded whole from ``folder`` (``--no-fsdp``),
-    from the parameters in memory; each named with the file that holds it where the names map one to one."""
-    files = checkpoint_files(folder, required=False)
+    from the parameters in memory; each named with the file that holds it (``files``:
+    :func:`checkpoint_files`'s answer) where the names map one to one."""
     bad = {}
     for name, p in unique_parameters(lm).items():
-        if p.is_floating_point():
-            peak = float(p.detach().abs().amax())
+        if p.is_floating_point() and p.numel():
+            peak = _largest_magnitude(p)
             if not peak <= LARGEST_WEIGHT:
                 bad[name] = (os.path.basename(files.get(name, folder)), peak)
     refuse_bad_values(folder, bad)

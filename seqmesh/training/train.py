@@ -119,13 +119,14 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = fsdp, has_weights(cfg.model)
+    files = None
     if pretrained:  # the files' index and headers, read on every rank: cheap, before any model is built
-        _same_error_on_every_rank(checkpoint_files, cfg.model, on_meta)  # without FSDP: .bin files too
+        files = _same_error_on_every_rank(checkpoint_files, cfg.model, on_meta)  # without FSDP: .bin files too
     lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
     if pretrained and not on_meta:  # loaded whole by from_pretrained: its values checked in memory
-        check_values(lm, cfg.model)
+        check_values(lm, cfg.model, files)
     # names and shapes, before any work
-    sources = _same_error_on_every_rank(check_pretrained, lm, cfg.model) if on_meta and pretrained else None
+    sources = _same_error_on_every_rank(check_pretrained, lm, cfg.model, files) if on_meta and pretrained else None
     module = parallelize_model(lm, mesh, cfg.parallel_plan(fsdp))
     home = "cpu" if cfg.fsdp_cpu_offload else device  # offloaded shards live on the host
     if on_meta and pretrained:
