@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "comm_stats": ".comm.stats",
     "CommStats": ".comm.stats",
     "SequenceInfo": ".sequence.batch",
-    "shard_batch": ".sequence.batch",
+    "shard_batch": ".inputs",
     "chunked_linear_cross_entropy": ".model.loss",
     "sequence_parallel_cross_entropy": ".model.loss",
     "LayoutKind": ".sequence.layout",
@@ -71,7 +71,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .sharded_attention.api import attention
     from .comm.stats import CommStats, comm_stats
-    from .sequence.batch import SequenceInfo, shard_batch
+    from .inputs import shard_batch
+    from .sequence.batch import SequenceInfo
     from .sequence.layout import LayoutKind, SequenceLayout
     from .sequence.runs import Run
     from .model.loss import chunked_linear_cross_entropy, sequence_parallel_cross_entropy

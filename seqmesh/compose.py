@@ -32,6 +32,8 @@ from .memory.tiled_mlp import enable_tiled_mlp
 from .mesh import SPMesh
 from .model.fsdp import apply_fsdp, enable_checkpointing
 from .model.lm import SequenceParallelLM
+from .vision.families import is_multimodal
+from .vision.tower import VisionLanguageLM
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,13 @@ class ParallelPlan:
 
 
 def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = ParallelPlan(), *,
-                      wrapper: type[SequenceParallelLM] = SequenceParallelLM) -> SequenceParallelLM:
-    """``model`` (a transformers causal LM) ready to train on ``mesh``: the steps of the module docstring,
-    in order. Returns the ``wrapper`` (a ``SequenceParallelLM``) whose forward on
-    ``seqmesh.shard_batch(batch, mesh)`` is the batch's exact loss."""
+                      wrapper: type[SequenceParallelLM] | None = None) -> SequenceParallelLM:
+    """``model`` (a transformers causal LM, or a Qwen2.5-VL / Qwen3-VL vision-language model) ready to
+    train on ``mesh``: the steps of the module docstring, in order. Returns the ``wrapper`` (by default a
+    ``SequenceParallelLM``, a ``VisionLanguageLM`` for a vision-language model) whose forward on
+    ``seqmesh.shard_batch(batch, mesh, model=...)`` is the batch's exact loss."""
+    if wrapper is None:
+        wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
     lm = parallelize(model, mesh, backend=plan.backend)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:

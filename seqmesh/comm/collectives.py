@@ -6,6 +6,7 @@ loss), the adjoint pairs are:
 - scatter heads / gather sequence all-to-all  <->  the inverse all-to-all      (SeqToHead, HeadToSeq)
 - all-gather along a dim                      <->  reduce-scatter along it      (AllGather)
 - keep this rank's chunk of a replicated tensor <-> all-gather the chunks        (Split)
+- rows to chosen ranks, counts per rank        <->  the same all-to-all, counts swapped (ExchangeRows)
 """
 
 from __future__ import annotations
@@ -171,6 +172,30 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return _all_gather_dim(grad, ctx.group, ctx.dim, "backward"), None, None
+
+
+class ExchangeRows(torch.autograd.Function):
+    """Forward: an all-to-all over dim 0 that sends ``send_rows[r]`` consecutive rows to group rank ``r``
+    and receives ``recv_rows[r]`` from it; backward: the same exchange with the counts swapped, which
+    returns every row's gradient to the rank that sent it."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_rows, recv_rows):  # type: ignore[override]
+        ctx.group, ctx.send_rows, ctx.recv_rows = group, send_rows, recv_rows
+        return all_to_all_rows(x.contiguous(), group, send_rows, recv_rows, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return all_to_all_rows(grad.contiguous(), ctx.group, ctx.recv_rows, ctx.send_rows, "backward"), None, None, None
+
+
+def exchange_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, send_rows: Sequence[int], recv_rows: Sequence[int]
+) -> torch.Tensor:
+    """Differentiable uneven all-to-all: ``x`` ``(sum(send_rows), ...)`` sorted by destination rank ->
+    ``(sum(recv_rows), ...)`` sorted by source rank. Every rank of ``group`` must call it (with zero
+    counts when it has nothing to send or receive); its backward is collective too."""
+    return ExchangeRows.apply(x, group, tuple(send_rows), tuple(recv_rows))
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -24,18 +24,19 @@ from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..versions import require
 from ..degrees import workable_degrees
+from ..vision.families import is_multimodal, vision_family
 
 _ATTR = "_seqmesh_attention"
 
 
 
-def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh) -> None:
+def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh, what: str = "the model") -> None:
     """Raise a ValueError that lists the degrees that would work if the model's heads cannot be split."""
     if mesh.ulysses <= q_heads:
         return
     options = ", ".join(f"ulysses={u} x ring={r}" for u, r in workable_degrees(q_heads, mesh.sp_size))
     raise ValueError(
-        f"the model has {q_heads} query heads ({kv_heads} kv heads), too few for ulysses={mesh.ulysses}. "
+        f"{what} has {q_heads} query heads ({kv_heads} kv heads), too few for ulysses={mesh.ulysses}. "
         f"For a sequence degree of {mesh.sp_size} use one of: {options}."
     )
 
@@ -144,9 +145,14 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
 
     require("transformers", "seqmesh.hf")
     config = model.config
-    q_heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    text = config.get_text_config()  # the config itself for a text model; the decoder's for a multimodal one
+    q_heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
+    if is_multimodal(config):  # the vision tower runs sequence-parallel too: its heads are dealt by Ulysses
+        vision_family(config)  # a family seqmesh does not route is refused by name here
+        tower = config.vision_config
+        check_heads(tower.num_heads, tower.num_heads, mesh, "the vision tower")
     linear_layers = linear_attention.gated_delta_layers(model, mesh)  # run sequence-parallel; their heads checked
     check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
     if getattr(model, _ATTR, None) is not None:

@@ -223,7 +223,10 @@ class SequenceParallelLM(nn.Module):
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
         """The loss (the same on every rank)."""
-        hidden = self.hidden_states(input_ids, position_ids, seqmesh)
+        return self.loss_from_hidden(self.hidden_states(input_ids, position_ids, seqmesh), shift_labels, seqmesh)
+
+    def loss_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
+        """The loss of the final hidden states ``(B, L, hidden)``: chunked LM head and cross-entropy."""
         weight = self.lm.get_output_embeddings().weight
         group = self.mesh.all_group if self.mesh is not None else None
         ignore = seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX  # the one shard_batch used
@@ -234,7 +237,10 @@ class SequenceParallelLM(nn.Module):
         """``[correct, counted]`` argmax predictions of this rank's valid targets (float64); sum them over
         the ranks for the accuracy. Under FSDP2 ``apply_fsdp`` registers it as a forward method, so it
         gathers the weights as ``forward`` does."""
-        hidden = self.hidden_states(input_ids, position_ids, seqmesh)  # (B, L, hidden)
+        return self.score_from_hidden(self.hidden_states(input_ids, position_ids, seqmesh), shift_labels, seqmesh)
+
+    @torch.no_grad()
+    def score_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         labels = shift_labels.reshape(-1)
         keep = labels != (seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX)
         picked = hidden.reshape(-1, hidden.shape[-1])[keep]
@@ -244,4 +250,3 @@ class SequenceParallelLM(nn.Module):
             for i in range(0, picked.shape[0], self.chunk)
         )
         return torch.tensor([float(correct), float(keep.sum())], dtype=torch.float64, device=hidden.device)
-

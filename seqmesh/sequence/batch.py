@@ -32,7 +32,7 @@ class SequenceInfo:
     validated: set[int] = field(default_factory=set, compare=False, repr=False)
 
 
-def _documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
+def documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
     """Boundaries where positions do not continue by +1 (a new document starts); one tuple for all
     rows, which must agree."""
     starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # (B, S-1): token t+1 starts a document
@@ -46,7 +46,7 @@ def _documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | N
     return (0, *inner, position_ids.shape[1]) if inner else None
 
 
-def _real_lengths(attention_mask: torch.Tensor) -> list[int]:
+def real_lengths(attention_mask: torch.Tensor) -> list[int]:
     """Real tokens per row of a right-padded mask (ones, then zeros)."""
     mask = attention_mask.to(torch.long)
     lengths = mask.sum(dim=1)
@@ -129,8 +129,8 @@ def shard_batch(
         raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}.")
     cu = None
     if batch.get("position_ids") is not None:
-        cu = _documents_from_positions(batch["position_ids"])
-    lengths = _real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
+        cu = documents_from_positions(batch["position_ids"])
+    lengths = real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
 
     targets = shift_labels(labels, cu, lengths, ignore_index)
     if batch.get("position_ids") is not None:  # the caller's positions (they may not start at 0) go to RoPE

@@ -73,12 +73,12 @@ def test_chunked_head_equals_full_logits():
 
 
 def test_shard_batch_errors():
-    from seqmesh.sequence.batch import _documents_from_positions, _real_lengths
+    from seqmesh.sequence.batch import documents_from_positions, real_lengths
 
     with pytest.raises(ValueError, match="different packed documents"):
-        _documents_from_positions(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))
+        documents_from_positions(torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]))
     with pytest.raises(ValueError, match="right padding"):
-        _real_lengths(torch.tensor([[0, 1, 1, 1]]))
+        real_lengths(torch.tensor([[0, 1, 1, 1]]))
 
 
 def test_head_errors_list_the_degrees_that_work():

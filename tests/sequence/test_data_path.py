@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from document_cases import shard_batch_gathered
-from seqmesh.sequence.batch import _documents_from_positions, positions_in_documents, shift_labels
+from seqmesh.sequence.batch import documents_from_positions, positions_in_documents, shift_labels
 
 IGNORE = -100
 
@@ -57,7 +57,7 @@ def test_helpers_equal_the_per_token_reference(seed):
     s = 5 + seed * 7
     batch = random_batch(seed, s, 3, packed=seed % 3 != 0, padded=seed % 2 == 0)
     want = reference_inputs(batch)
-    cu = _documents_from_positions(batch["position_ids"]) if "position_ids" in batch else None
+    cu = documents_from_positions(batch["position_ids"]) if "position_ids" in batch else None
     assert cu == want["cu_seqlens"]
     lengths = batch["attention_mask"].sum(1).tolist() if "attention_mask" in batch else None
     assert shift_labels(batch["labels"], cu, lengths, IGNORE).tolist() == want["shift_labels"]
@@ -70,7 +70,7 @@ def test_helpers_equal_the_per_token_reference(seed):
 def test_rows_with_different_documents_are_refused():
     pos = torch.tensor([[0, 1, 2, 0], [0, 1, 0, 1]])
     with pytest.raises(ValueError, match="different packed documents"):
-        _documents_from_positions(pos)
+        documents_from_positions(pos)
 
 
 @pytest.mark.parametrize("ulysses,ring", [(2, 2), (1, 4), (4, 1)])

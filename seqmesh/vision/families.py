@@ -1,0 +1,70 @@
+"""The vision-language families seqmesh runs exactly, and how each one's tower and decoder are reached.
+
+A family names the transformers modules seqmesh drives (the tower, its embedding pieces, the language
+model) and the two things that differ between Qwen2.5-VL and Qwen3-VL: the order of the tower's
+sequence (windows or not) and what the decoder receives besides its input embeddings (Qwen3-VL's
+DeepStack features). Every other multimodal model is refused by name (:func:`vision_family`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+# model_type of the top-level config -> the families below
+SUPPORTED_VISION = ("qwen2_5_vl", "qwen3_vl")
+# multimodal model types seqmesh recognises but does not run yet, and why
+REFUSED_VISION = {
+    "gemma3": "Gemma 3's image tokens attend to each other bidirectionally inside an image (a mask seqmesh's "
+              "attention does not compute)",
+    "qwen3_5": "Qwen3.5's vision tower is not yet routed through seqmesh (its text-only model is supported: "
+               "build it with AutoModelForCausalLM)",
+    "qwen3_5_moe": "Qwen3.5-MoE's vision tower is not yet routed through seqmesh",
+    "qwen3_vl_moe": "Qwen3-VL-MoE is not yet routed through seqmesh (the dense Qwen3-VL is)",
+    "qwen2_vl": "Qwen2-VL is not yet routed through seqmesh (Qwen2.5-VL and Qwen3-VL are)",
+    "llava": "LLaVA's tower is not yet routed through seqmesh",
+    "llava_onevision": "LLaVA-OneVision's tower is not yet routed through seqmesh",
+    "internvl": "InternVL's tower is not yet routed through seqmesh",
+}
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    name: str
+    windows: bool  # Qwen2.5-VL: most tower blocks attend within windows of units
+    deepstack: bool  # Qwen3-VL: features of some tower blocks are added to the first decoder layers
+    learned_positions: bool  # Qwen3-VL: a learned position table resampled to each frame
+
+    @staticmethod
+    def inner(model: nn.Module) -> nn.Module:
+        """The ``*Model`` inside a ``*ForConditionalGeneration`` (it holds ``visual`` and ``language_model``)."""
+        return model.model if hasattr(model, "model") and hasattr(model.model, "visual") else model
+
+    def tower(self, model: nn.Module) -> nn.Module:
+        return self.inner(model).visual
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        return self.inner(model).language_model
+
+
+FAMILIES = {
+    "qwen2_5_vl": VisionFamily("Qwen2.5-VL", windows=True, deepstack=False, learned_positions=False),
+    "qwen3_vl": VisionFamily("Qwen3-VL", windows=False, deepstack=True, learned_positions=True),
+}
+
+
+def is_multimodal(config) -> bool:
+    """Whether ``config`` describes a model with a vision tower."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def vision_family(config) -> VisionFamily:
+    """The family of a multimodal ``config``, or a ValueError naming why seqmesh refuses it."""
+    kind = getattr(config, "model_type", None)
+    if kind in FAMILIES:
+        return FAMILIES[kind]
+    why = REFUSED_VISION.get(kind, f"its vision tower ({kind}) is not one seqmesh routes")
+    raise ValueError(f"seqmesh cannot run this multimodal model exactly: {why}. seqmesh runs the vision-language "
+                     f"models {', '.join(SUPPORTED_VISION)}; train the others' language model alone, or without "
+                     "sequence parallelism.")

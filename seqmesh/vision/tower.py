@@ -1,0 +1,84 @@
+"""The vision tower on this rank's share of the patches, and the model whose forward is the loss of a
+vision-language batch.
+
+Each rank embeds its patches, runs every tower block with the block's attention over the whole
+sequence group (``seqmesh.attention`` through the attention function ``seqmesh.hf.parallelize``
+registered: per frame in full blocks, per window in Qwen2.5-VL's windowed ones), merges its units and
+sends each merged unit (with Qwen3-VL's DeepStack features beside it) to the rank holding its
+placeholder token: one uneven all-to-all over the sequence group. The decoder then runs as for text.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm.collectives import exchange_rows
+from ..mesh import SPMesh
+from ..model.lm import SequenceParallelLM
+from ..sequence.batch import SequenceInfo
+from .batch import VisionShard
+from .families import VisionFamily, vision_family
+
+
+def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
+              mesh: SPMesh | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(rows (V, D), deepstack [(V, D)...])``: the embeddings of this rank's ``V`` placeholder tokens,
+    in their row-major order, computed by whichever rank holds each one's patches."""
+    dtype = tower.patch_embed.proj.weight.dtype
+    hidden = tower.patch_embed(shard.pixels.to(dtype))  # (n, C) per patch: the patch embedding is per patch
+    if family.learned_positions:
+        index, weight = shard.taps
+        hidden = hidden + (tower.pos_embed(index) * weight[:, :, None].to(hidden.dtype)).sum(1)
+    rotary = tower.rotary_pos_emb(hidden, shard.coordinates)
+    whole = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=hidden.device)  # no split of the shard
+    full_blocks = set(getattr(tower, "fullatt_block_indexes", None) or ())
+    deep_blocks = list(getattr(tower, "deepstack_visual_indexes", None) or ()) if family.deepstack else []
+    deep = []
+    for i, block in enumerate(tower.blocks):
+        info = shard.windows if family.windows and i not in full_blocks else shard.frames
+        hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, seqmesh=info)
+        if i in deep_blocks:
+            deep.append(tower.deepstack_merger_list[deep_blocks.index(i)](hidden))
+    payload = torch.cat([tower.merger(hidden), *deep], dim=-1)[shard.send_index]  # (sent, D * (1 + deep))
+    if mesh is not None and mesh.sp_size > 1:
+        payload = exchange_rows(payload, mesh.sp_group, shard.send_rows, shard.recv_rows)
+    rows = payload[shard.recv_order].chunk(1 + len(deep), dim=-1)
+    return rows[0], list(rows[1:])
+
+
+class VisionLanguageLM(SequenceParallelLM):
+    """A ``SequenceParallelLM`` for Qwen2.5-VL and Qwen3-VL: ``forward(**seqmesh.shard_batch(batch, mesh,
+    model=...))`` runs the sharded tower, routes its embeddings to their placeholder tokens and returns the
+    loss of the whole batch, as for a text model."""
+
+    def __init__(self, lm: nn.Module, mesh: SPMesh | None, *, chunk: int = 4096):
+        super().__init__(lm, mesh, chunk=chunk)
+        self.family = vision_family(lm.config)
+
+    def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
+                      seqmesh_vision: VisionShard | None = None) -> torch.Tensor:
+        if seqmesh_vision is None:
+            raise ValueError(f"{type(self.lm).__name__} is a vision-language model: call it with "
+                             "seqmesh.shard_batch(batch, mesh, model=model), which shards its images too.")
+        family = self.family
+        embeds = family.inner(self.lm).get_input_embeddings()(input_ids)  # (B, L, D)
+        rows, deep = run_tower(family, family.tower(self.lm), seqmesh_vision, self.mesh)
+        mask = seqmesh_vision.visual_mask
+        embeds = embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))
+        extra = {"seqmesh": seqmesh} if seqmesh is not None else {}
+        if family.deepstack:
+            extra.update(visual_pos_masks=mask, deepstack_visual_embeds=[d.to(embeds.dtype) for d in deep])
+        out = family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
+        return out.last_hidden_state
+
+    def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
+                seqmesh_vision: VisionShard | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
+        return self.loss_from_hidden(hidden, shift_labels, seqmesh)
+
+    @torch.no_grad()
+    def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
+              seqmesh_vision: VisionShard | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
+        return self.score_from_hidden(hidden, shift_labels, seqmesh)

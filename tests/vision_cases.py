@@ -1,0 +1,190 @@
+"""Vision-language models through seqmesh on every rank, against the unmodified transformers model on the
+whole batch on one process: logits, loss and every parameter's gradient (the vision tower's included).
+
+Tiny random-weight Qwen2.5-VL and Qwen3-VL models from transformers' config classes, float64. The
+batches hold several images of different sizes and a video, whose placeholder tokens cross shard
+boundaries; one variant packs two documents, each with its own images (the reference runs each
+document on its own); one has a row with no image at all on some ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import seqmesh
+from dist_cases import get_mesh
+from seqmesh.compose import ParallelPlan, parallelize_model
+from seqmesh.model.fsdp import sync_gradients
+
+IMAGE, VIDEO, START, END = 290, 291, 292, 293  # token ids of the tiny models
+TEXT_VOCAB = 280  # text tokens are drawn below the special ones
+
+
+def vision_config(family: str):
+    """A tiny config of ``family``: 2 decoder layers, a 3-block tower with 2x2-patch merging."""
+    from transformers import AutoConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=300, max_position_embeddings=4096, attention_dropout=0.0, rope_parameters=rope)
+    vision = dict(depth=3, hidden_size=32, num_heads=4, intermediate_size=48, out_hidden_size=64, patch_size=2,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if family == "qwen2_5_vl":  # windows of 2x2 units (8 pixels), block 1 full attention
+        vision.update(window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
+    else:  # a 4x4 learned position table, DeepStack features from blocks 0 and 2
+        text.update(head_dim=16)
+        rope["mrope_interleaved"] = True
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+    return AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def build(config, seed: int = 0, dtype: torch.dtype = torch.float64):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
+    """The placeholder tokens of one image or video as its processor writes them (Qwen3-VL: a video's
+    frames one by one, each after its timestamp's text)."""
+    t, h, w = grid
+    per_frame = h * w // 4
+    if token == VIDEO and family == "qwen3_vl":
+        return [tok for _ in range(t) for tok in text(2) + [START] + [token] * per_frame + [END]]
+    return [START] + [token] * (t * per_frame) + [END]
+
+
+def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
+    """A whole batch. ``kind``: ``mixed`` (two images of different shapes and a video, text between),
+    ``documents`` (two packed documents, each with an image; ``position_ids`` restart), ``text_only``
+    (a row with no image: every rank runs the tower on padding), ``tail`` (one image at the very end,
+    so most ranks hold no image token)."""
+    g = torch.Generator().manual_seed(seed)
+    text = lambda n: torch.randint(0, TEXT_VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    images, videos, docs = [], [], []
+    ids: list[int] = []
+
+    def image(grid):
+        images.append(grid)
+        return _media_tokens(family, grid, IMAGE, text)
+
+    def video(grid):
+        videos.append(grid)
+        return _media_tokens(family, grid, VIDEO, text)
+
+    if kind == "mixed":
+        ids = text(5) + image([1, 4, 6]) + text(7) + video([2, 4, 4]) + text(4) + image([1, 6, 4]) + text(6)
+    elif kind == "documents":
+        first = text(3) + image([1, 4, 4]) + text(5)
+        second = text(4) + image([1, 6, 4]) + text(3) + image([1, 2, 2]) + text(2)
+        ids, docs = first + second, [len(first), len(second)]
+    elif kind == "tail":
+        ids = text(30) + image([1, 4, 4])
+    elif kind == "text_only":
+        ids = text(29)
+    input_ids = torch.tensor([ids])
+    batch = {"input_ids": input_ids, "mm_token_type_ids": (input_ids == IMAGE).long() + 2 * (input_ids == VIDEO).long()}
+    for key, grid_key, grids in (("pixel_values", "image_grid_thw", images),
+                                 ("pixel_values_videos", "video_grid_thw", videos)):
+        if grids:
+            grid = torch.tensor(grids)
+            batch[grid_key] = grid
+            batch[key] = torch.randn(int(grid.prod(dim=1).sum()), 24, generator=g, dtype=torch.float64)
+    if docs:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in docs])[None]
+    return batch
+
+
+def _split_documents(batch: dict) -> list[dict]:
+    """Each packed document of a one-row batch as a batch of its own, with its own images."""
+    ids = batch["input_ids"]
+    if "position_ids" not in batch:
+        return [batch]
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+    grid = batch.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
+    sizes = grid.prod(dim=1).tolist()
+    out, image, patch = [], 0, 0
+    for a, b in zip(starts, starts[1:]):
+        part = ids[:, a:b]
+        need, n = int((part == IMAGE).sum()), 0
+        while need > 0:
+            need -= sizes[image + n] // 4
+            n += 1
+        doc = {"input_ids": part, "mm_token_type_ids": batch["mm_token_type_ids"][:, a:b]}
+        if n:
+            doc["image_grid_thw"] = grid[image : image + n]
+            count = sum(sizes[image : image + n])
+            doc["pixel_values"] = batch["pixel_values"][patch : patch + count]
+            image, patch = image + n, patch + count
+        out.append(doc)
+    return out
+
+
+def reference_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``(1, S, V)`` and the mean next-token loss of the whole batch on one process, no loss on a
+    placeholder token or across a document boundary; packed documents run one model call each."""
+    logits = torch.cat([model(**doc, use_cache=False).logits for doc in _split_documents(batch)], dim=1)
+    ids = batch["input_ids"]
+    labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
+    targets = labels[0, 1:].clone()
+    if "position_ids" in batch:
+        targets[batch["position_ids"][0, 1:] == 0] = -100
+    loss = F.cross_entropy(logits[0, :-1].float() if logits.dtype == torch.float32 else logits[0, :-1], targets,
+                           ignore_index=-100, reduction="sum") / (targets != -100).sum()
+    return logits, loss
+
+
+def _worst_grad(model, want: dict) -> tuple[float, str]:
+    worst, name_of = 0.0, ""
+    for name, p in model.named_parameters():
+        ref = want[name].grad
+        if ref is None:
+            continue
+        got = p.grad if p.grad is not None else torch.zeros_like(ref)
+        err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        if err > worst:
+            worst, name_of = err, name
+    return worst, name_of
+
+
+def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", layout: str = "auto",
+                  shift_positions_on: int | None = None) -> dict:
+    """Largest logit error, loss error and largest relative gradient error over all parameters against
+    the one-process model, and the same three for the reference run in float32 against float64 (the
+    reference's own rounding). ``shift_positions_on``: a deliberate error for the test that the
+    tolerance sees one, that rank's M-RoPE ids one position too far."""
+    mesh = get_mesh(ulysses, ring)
+    config = vision_config(family)
+    batch = vision_batch(family, kind)
+    reference = build(config)
+    ref_logits, ref_loss = reference_loss(reference, batch)
+    ref_loss.backward()
+    low = build(config).to(torch.float32)  # the same weights, rounded
+    low_logits, low_loss = reference_loss(low, {k: v.float() if v.is_floating_point() else v for k, v in batch.items()})
+    low_loss.backward()
+    rounding = {"logits": float((low_logits.detach().double() - ref_logits.detach()).abs().max()),
+                "loss": abs(low_loss.item() - ref_loss.item()),
+                "grad": _worst_grad(low, dict(reference.named_parameters()))[0]}
+
+    model = build(config)
+    sp = parallelize_model(model, mesh, ParallelPlan(fsdp=False, loss_chunk=16))
+    local = seqmesh.shard_batch(batch, mesh, model=sp, layout=layout)
+    if shift_positions_on == torch.distributed.get_rank():
+        local["position_ids"] = local["position_ids"] + 1
+    loss = sp(**local)
+    loss.backward()
+    sync_gradients(sp, mesh)
+    with torch.no_grad():
+        hidden = sp.hidden_states(local["input_ids"], local["position_ids"], local["seqmesh"], local["seqmesh_vision"])
+        logits = model.lm_head(hidden)
+    whole = seqmesh.gather_sequence(logits, mesh, layout=local["seqmesh"].layout, length=batch["input_ids"].shape[1],
+                                    cu_seqlens=local["seqmesh"].cu_seqlens)
+    grad, worst = _worst_grad(model, dict(reference.named_parameters()))
+    tower_grads = sum(1 for n, p in model.named_parameters() if "visual" in n and p.grad is not None and p.grad.abs().sum() > 0)
+    return {"logits": float((whole - ref_logits.detach()).abs().max()), "loss": abs(loss.item() - ref_loss.item()),
+            "grad": grad, "worst": worst, "tower_grads": tower_grads, "rounding": rounding,
+            "tokens": batch["input_ids"].shape[1], "layout": local["seqmesh"].layout,
+            "sent": sum(local["seqmesh_vision"].send_rows) - local["seqmesh_vision"].send_rows[mesh.sp_rank]}
