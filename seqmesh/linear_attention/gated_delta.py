@@ -146,25 +146,3 @@ def chunk_gated_delta_rule(
     out = torch.stack(outs, 2).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
     return out.index_select(1, dest).to(out_dtype)
 
-
-def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: tuple[int, ...]
-) -> torch.Tensor:
-    """Token-by-token form of :func:`chunk_gated_delta_rule` (same arguments): the test oracle."""
-    out_dtype = v.dtype
-    dt = compute_dtype(q.dtype)
-    b, s, h, dk = q.shape
-    q = l2norm(q.to(dt)) * dk**-0.5
-    k = l2norm(k.to(dt))
-    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
-    starts = set(bounds[:-1])
-    state = q.new_zeros(b, h, dk, v.shape[-1])
-    outs = []
-    for t in range(s):
-        if t in starts:
-            state = torch.zeros_like(state)
-        state = state * g[:, t, :, None, None].exp()
-        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(outs, 1).to(out_dtype)

@@ -77,32 +77,6 @@ def test_window_traffic_equals_planner_formula(pools, ulysses, ring):
     assert ring_steps(4, 64, "zigzag", 1) == 1 and ring_steps(4, 64, "zigzag", None) == 4
 
 
-def test_cpu_flash_bands_equal_the_math_kernel():
-    """cpu_flash runs a window as bands of rows (several here) with offsets and documents: forward and
-    backward equal the math kernel's dense mask; its work count equals the mask's visible pairs."""
-    import torch
-
-    from seqmesh.kernels.base import BlockMask
-    from seqmesh.kernels.cpu_flash import CpuFlashKernel
-    from seqmesh.kernels.reference import MathKernel
-
-    g = torch.Generator().manual_seed(0)
-    for mask, sq, sk in [(BlockMask(causal=True, window=300), 700, 700),
-                         (BlockMask(causal=True, window=90, segments=(0, 250, 251, 700)), 700, 700),
-                         (BlockMask(causal=True, window=200, offset=150), 300, 300)]:  # every row sees a key
-        q = torch.randn(1, sq, 4, 8, generator=g, dtype=torch.float64)
-        k, v = (torch.randn(1, sk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        dout = torch.randn(1, sq, 4, 8, generator=g, dtype=torch.float64)
-        rows = mask.allowed(sq, sk).any(1)
-        out, lse = CpuFlashKernel().forward(q, k, v, mask, 0.3)
-        ref_out, ref_lse = MathKernel().forward(q, k, v, mask, 0.3)
-        assert (out - ref_out)[:, rows].abs().max() < 1e-12 and (lse - ref_lse)[..., rows].abs().max() < 1e-12
-        grads = CpuFlashKernel().backward(dout, q, k, v, ref_out, ref_lse, mask, 0.3)
-        ref_grads = MathKernel().backward(dout, q, k, v, ref_out, ref_lse, mask, 0.3)
-        assert max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads)) < 1e-12
-        assert mask.score_entries(sq, sk) == int(mask.allowed(sq, sk).sum())
-
-
 def test_ring_messages_go_to_neighbours(pools):
     """On a ring of 4 (S=64: zigzag chunks of 8, contiguous shards of 16), the peers of every message
     each rank posts, as offsets from its ring rank. Whole ring (steps 0..3): blocks relay to r+1
