@@ -32,8 +32,15 @@ def vision_config(family: str):
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
     if family == "qwen2_5_vl":  # windows of 2x2 units (8 pixels), block 1 full attention
         vision.update(window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
-    else:  # a 4x4 learned position table, DeepStack features from blocks 0 and 2
+    elif family == "qwen3_5":  # a Gated DeltaNet layer, then attention with half the head dim rotated
+        text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+        rope.update(partial_rotary_factor=0.5, mrope_section=[2, 1, 1], mrope_interleaved=True)
+        vision.update(num_position_embeddings=16)
+    else:  # Qwen3-VL(-MoE): a 4x4 learned position table, DeepStack features from blocks 0 and 2
         text.update(head_dim=16)
+        if family == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         rope["mrope_interleaved"] = True
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
     return AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
@@ -44,7 +51,8 @@ def build(config, seed: int = 0, dtype: torch.dtype = torch.float64):
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                                   experts_implementation="eager")  # grouped_mm has no float64
 
 
 def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
@@ -52,7 +60,7 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
     frames one by one, each after its timestamp's text)."""
     t, h, w = grid
     per_frame = h * w // 4
-    if token == VIDEO and family == "qwen3_vl":
+    if token == VIDEO and family != "qwen2_5_vl":  # Qwen3-VL and Qwen3.5: timestamps between frames
         return [tok for _ in range(t) for tok in text(2) + [START] + [token] * per_frame + [END]]
     return [START] + [token] * (t * per_frame) + [END]
 
@@ -143,11 +151,41 @@ def _worst_grad(model, want: dict) -> tuple[float, str]:
         ref = want[name].grad
         if ref is None:
             continue
-        got = p.grad if p.grad is not None else torch.zeros_like(ref)
+        got = p.grad.double() if p.grad is not None else torch.zeros_like(ref)
         err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
         if err > worst:
             worst, name_of = err, name
     return worst, name_of
+
+
+# Transformers' Gated DeltaNet computes in float32 whatever the model's dtype, so a float64 Qwen3.5 is float64
+# everywhere but there, and its float32-vs-float64 spread cannot show that layer's own rounding (its float32
+# parts round alike in both runs), which seqmesh's float64 Gated DeltaNet does not share. The reference's noise
+# therefore also counts how far that layer's float32 rounding alone moves it: the same float64 reference with
+# transformers' token-by-token rule in place of its chunked one (:func:`_gated_delta_spread`).
+GATED_DELTA_FAMILIES = ("qwen3_5",)
+
+
+def _spread(logits, loss, model, ref_logits, ref_loss, reference) -> dict:
+    return {"logits": float((logits.detach().double() - ref_logits.detach()).abs().max()),
+            "loss": abs(loss.item() - ref_loss.item()), "grad": _worst_grad(model, dict(reference.named_parameters()))[0]}
+
+
+def _gated_delta_spread(config, batch: dict, ref_logits, ref_loss, reference) -> dict:
+    """How far the float64 reference moves when its Gated DeltaNet layers compute the same recurrence token
+    by token (``torch_recurrent_gated_delta_rule``) instead of by chunks: that layer's float32 rounding."""
+    from unittest import mock
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    def token_by_token(*args, chunk_size=None, **kwargs):
+        return modeling.torch_recurrent_gated_delta_rule(*args, **kwargs)
+
+    other = build(config)
+    with mock.patch.object(modeling, "torch_chunk_gated_delta_rule", token_by_token):
+        logits, loss = reference_loss(other, batch)
+        loss.backward()
+    return _spread(logits, loss, other, ref_logits, ref_loss, reference)
 
 
 def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", layout: str = "auto",
@@ -165,9 +203,10 @@ def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", lay
     low = build(config).to(torch.float32)  # the same weights, rounded
     low_logits, low_loss = reference_loss(low, {k: v.float() if v.is_floating_point() else v for k, v in batch.items()})
     low_loss.backward()
-    rounding = {"logits": float((low_logits.detach().double() - ref_logits.detach()).abs().max()),
-                "loss": abs(low_loss.item() - ref_loss.item()),
-                "grad": _worst_grad(low, dict(reference.named_parameters()))[0]}
+    rounding = _spread(low_logits, low_loss, low, ref_logits, ref_loss, reference)
+    if family in GATED_DELTA_FAMILIES:
+        algorithm = _gated_delta_spread(config, batch, ref_logits, ref_loss, reference)
+        rounding = {key: max(rounding[key], algorithm[key]) for key in rounding}
 
     model = build(config)
     sp = parallelize_model(model, mesh, ParallelPlan(fsdp=False, loss_chunk=16))
@@ -180,7 +219,7 @@ def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", lay
     with torch.no_grad():
         hidden = sp.hidden_states(local["input_ids"], local["position_ids"], local["seqmesh"], local["seqmesh_vision"])
         logits = model.lm_head(hidden)
-    whole = seqmesh.gather_sequence(logits, mesh, layout=local["seqmesh"].layout, length=batch["input_ids"].shape[1],
+    whole = seqmesh.gather_sequence(logits.double(), mesh, layout=local["seqmesh"].layout, length=batch["input_ids"].shape[1],
                                     cu_seqlens=local["seqmesh"].cu_seqlens)
     grad, worst = _worst_grad(model, dict(reference.named_parameters()))
     tower_grads = sum(1 for n, p in model.named_parameters() if "visual" in n and p.grad is not None and p.grad.abs().sum() > 0)

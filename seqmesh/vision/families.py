@@ -13,15 +13,12 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 # model_type of the top-level config -> the families below
-SUPPORTED_VISION = ("qwen2_5_vl", "qwen3_vl")
+SUPPORTED_VISION = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 # multimodal model types seqmesh recognises but does not run yet, and why
 REFUSED_VISION = {
     "gemma3": "Gemma 3's image tokens attend to each other bidirectionally inside an image (a mask seqmesh's "
               "attention does not compute)",
-    "qwen3_5": "Qwen3.5's vision tower is not yet routed through seqmesh (its text-only model is supported: "
-               "build it with AutoModelForCausalLM)",
-    "qwen3_5_moe": "Qwen3.5-MoE's vision tower is not yet routed through seqmesh",
-    "qwen3_vl_moe": "Qwen3-VL-MoE is not yet routed through seqmesh (the dense Qwen3-VL is)",
+    "qwen3_5_moe": "Qwen3.5-MoE's vision tower is not yet routed through seqmesh (the dense Qwen3.5's is)",
     "qwen2_vl": "Qwen2-VL is not yet routed through seqmesh (Qwen2.5-VL and Qwen3-VL are)",
     "llava": "LLaVA's tower is not yet routed through seqmesh",
     "llava_onevision": "LLaVA-OneVision's tower is not yet routed through seqmesh",
@@ -51,6 +48,9 @@ class VisionFamily:
 FAMILIES = {
     "qwen2_5_vl": VisionFamily("Qwen2.5-VL", windows=True, deepstack=False, learned_positions=False),
     "qwen3_vl": VisionFamily("Qwen3-VL", windows=False, deepstack=True, learned_positions=True),
+    "qwen3_vl_moe": VisionFamily("Qwen3-VL-MoE", windows=False, deepstack=True, learned_positions=True),
+    # Qwen3.5: Qwen3-VL's tower without DeepStack, before a decoder of Gated DeltaNet and attention layers
+    "qwen3_5": VisionFamily("Qwen3.5", windows=False, deepstack=False, learned_positions=True),
 }
 
 

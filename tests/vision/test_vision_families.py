@@ -8,7 +8,7 @@ import pytest
 
 from vision_cases import vision_parity
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
 # their own images (per_document); one image at the very end, so most ranks hold no image token
 # (contiguous); no image at all (every rank runs the tower on padding)
@@ -17,13 +17,17 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 # As in test_hf_families: a multiple of how far float32 rounding moves the reference (the same model and
 # weights run in float32 against float64, measured in the same run). Measured (torch 2.13, transformers 5.24,
 # CPU): the reference's rounding is 2e-7..3e-7 on logits and 7e-7..2e-6 (relative) on gradients; seqmesh's
-# error is 0 on logits and under 2e-15 on gradients (float64 summation order), 1e-9 of the bound.
+# error is 0 on logits and under 2e-15 on gradients (float64 summation order), 1e-9 of the bound. Qwen3.5 is the
+# exception (vision_cases.GATED_DELTA_FAMILIES): transformers' Gated DeltaNet rounds in float32, which moves its
+# dt_bias gradient by 7.5e-5 relative; seqmesh's float64 one differs from it by that much (1.0x).
 ROUNDING_MULTIPLE = 4
 
 
 def _cases(ulysses: int, ring: int) -> list[tuple]:
-    kinds = KINDS if ulysses * ring == 2 else KINDS[:2]  # 4-rank worlds: the two richest batches
-    return [(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in kinds]
+    if ulysses * ring == 2:
+        return [(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
+    # 4-rank worlds: the two richest batches, for the two towers (windows; learned positions and DeepStack)
+    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:2] for kind, layout in KINDS[:2]]
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
@@ -38,13 +42,17 @@ def _outside_rounding(r: dict) -> list[str]:
 def test_vision_language_models_exact(pools, ulysses, ring):
     """Every family and batch kind within ROUNDING_MULTIPLE times the reference's own rounding; the
     tower's parameters get gradients whenever the batch has images, and embeddings do cross ranks."""
-    crossed = 0
+    crossed, worst = 0, {}
     for results in pools.run(ulysses * ring, _run_all, _cases(ulysses, ring)):
         for r in results:
             assert not _outside_rounding(r), r
             assert (r["tower_grads"] > 0) == (r["case"][3] != "text_only"), r
             crossed += r["sent"]
+            family = r["case"][0]
+            ratios = tuple(r[k] / r["rounding"][k] for k in ("logits", "loss", "grad"))
+            worst[family] = tuple(max(a, b) for a, b in zip(worst.get(family, (0.0,) * 3), ratios))
     assert crossed > 0  # some image embedding was computed on one rank and used on another
+    print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, loss, grad): {worst}")
 
 
 def test_tolerance_sees_a_shifted_position(pools):
