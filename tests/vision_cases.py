@@ -227,3 +227,94 @@ def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", lay
             "grad": grad, "worst": worst, "tower_grads": tower_grads, "rounding": rounding,
             "tokens": batch["input_ids"].shape[1], "layout": local["seqmesh"].layout,
             "sent": sum(local["seqmesh_vision"].send_rows) - local["seqmesh_vision"].send_rows[mesh.sp_rank]}
+
+
+def _tiny_refused(kind: str):
+    """A multimodal config seqmesh refuses, built from transformers' config classes."""
+    from transformers import AutoConfig
+
+    text = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=16, vocab_size=300)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
+                  patch_size=2)
+    if kind == "llava":
+        text["model_type"] = "llama"
+        return AutoConfig.for_model("llava", text_config=text, vision_config={**vision, "model_type": "clip_vision_model"})
+    return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+
+
+def refusals(ulysses: int, ring: int) -> dict:
+    """The message of every refusal a user can meet before any work: families seqmesh does not route
+    (Gemma 3, LLaVA), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
+    placeholder tokens that do not match the images, and a vision-language model called with a text batch."""
+    from transformers import AutoModelForImageTextToText
+
+    from seqmesh.hf import parallelize
+
+    mesh = get_mesh(ulysses, ring)
+    out = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except ValueError as e:
+            out[name] = str(e)
+
+    for kind in ("gemma3", "llava"):
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(_tiny_refused(kind))
+        catch(kind, lambda: parallelize(model, mesh))
+    config = vision_config("qwen2_5_vl")
+    config.vision_config.num_heads = 1
+    with torch.device("meta"):
+        few_heads = AutoModelForImageTextToText.from_config(config)
+    catch("tower_heads", lambda: parallelize(few_heads, mesh))
+    sp = parallelize_model(build(vision_config("qwen2_5_vl")), mesh, ParallelPlan(fsdp=False))
+    batch = vision_batch("qwen2_5_vl")
+    catch("no_model", lambda: seqmesh.shard_batch(batch, mesh))
+    short = dict(batch, input_ids=batch["input_ids"].masked_fill(batch["input_ids"] == VIDEO, 7))
+    catch("placeholders", lambda: seqmesh.shard_batch(short, mesh, model=sp))
+    text = seqmesh.sequence.batch.shard_batch({"input_ids": batch["input_ids"]}, mesh)
+    catch("text_batch", lambda: sp(**text))
+    return out
+
+
+def fsdp_data_parallel_parity(family: str) -> dict:
+    """4 ranks: FSDP2 over 2 data-parallel x 2 ring ranks, the first replica's batch with images and a video,
+    the second's text only (its ranks run the tower on padding; nothing may hang). The loss and every
+    gradient against one process on both batches: the mean over every target of both, as seqmesh pools it."""
+    mesh = get_mesh(1, 2, dp_shard=2)
+    config = vision_config(family)
+    batches = [vision_batch(family, "mixed"), vision_batch(family, "text_only")]
+    reference = build(config)
+    sums, counts = [], []
+    for batch in batches:
+        logits, _ = reference_loss(reference, batch)
+        ids = batch["input_ids"]
+        targets = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)[0, 1:]
+        sums.append(F.cross_entropy(logits[0, :-1], targets, ignore_index=-100, reduction="sum"))
+        counts.append((targets != -100).sum())
+    ref_loss = sum(sums) / sum(counts)
+    ref_loss.backward()
+    low = build(config).to(torch.float32)
+    low_sums = []
+    for batch in batches:
+        logits, _ = reference_loss(low, {k: v.float() if v.is_floating_point() else v for k, v in batch.items()})
+        ids = batch["input_ids"]
+        targets = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)[0, 1:]
+        low_sums.append(F.cross_entropy(logits[0, :-1], targets, ignore_index=-100, reduction="sum"))
+    low_loss = sum(low_sums) / sum(counts)
+    low_loss.backward()
+    rounding = _spread(low_loss, low_loss, low, ref_loss, ref_loss, reference)
+
+    model = build(config)
+    sp = parallelize_model(model, mesh, ParallelPlan(fsdp=True, loss_chunk=16))
+    loss = sp(**seqmesh.shard_batch(batches[mesh.dp_rank], mesh, model=sp))
+    loss.backward()
+    worst = 0.0
+    want = dict(reference.named_parameters())
+    for name, p in sp.lm.named_parameters():
+        ref = want[name].grad
+        grad = p.grad.full_tensor() if p.grad is not None else torch.zeros_like(ref)
+        worst = max(worst, float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) if ref is not None else 0.0)
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "rounding": rounding}

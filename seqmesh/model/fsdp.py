@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..comm.ranks import full_value
 from ..comm.stats import record
 from ..mesh import SPMesh
-from .lm import SequenceParallelLM, decoder_layers
+from .lm import SequenceParallelLM, decoder_layers, vision_blocks
 
 
 def enable_checkpointing(lm: nn.Module) -> None:
@@ -37,7 +37,9 @@ def _sum_not_average(module: nn.Module) -> None:
 def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True,
                cpu_offload: bool = False) -> nn.Module:
     """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
-    each decoder layer on its own, an untied input embedding on its own (gathered only for its forward
+    each decoder layer on its own, each vision-tower block on its own (every rank runs the tower on every
+    step, on padding when its batch has no image, so every unit is gathered on every rank), an untied input
+    embedding on its own (gathered only for its forward
     and backward, at the two ends of the step), the rest (final norm, LM head, a tied embedding) at the
     root, which stays gathered for the step because the loss reads the head's weight inside it.
 
@@ -55,7 +57,7 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     shard = dict(mesh=mesh.fsdp_mesh, mp_policy=policy, offload_policy=offload)
     lm = getattr(root, "lm", root)
-    for layer in decoder_layers(lm):
+    for layer in vision_blocks(lm) + decoder_layers(lm):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
     embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     if head is None or head.weight is not embedding.weight:  # a tied weight must stay in one unit

@@ -202,6 +202,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a vision-language model's vision tower (``model.model.visual.blocks``, as Qwen-VL
+    models name them), or none for a text model: FSDP units of their own, like decoder layers."""
+    inner = getattr(model, "model", model)
+    return list(getattr(getattr(inner, "visual", None), "blocks", None) or ())
+
+
 class SequenceParallelLM(nn.Module):
     """Wraps a transformers causal LM; ``forward(**shard_batch(...))`` returns the loss.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vision_cases import vision_parity
+from vision_cases import fsdp_data_parallel_parity, vision_parity
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
@@ -61,3 +61,11 @@ def test_tolerance_sees_a_shifted_position(pools):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_fsdp_over_replicas_with_and_without_images(pools):
+    """FSDP2 over 2 data-parallel x 2 ring ranks, one replica's batch with images and the other's text only:
+    no hang, and the pooled loss and every gradient equal one process on both batches."""
+    for r in pools.run(4, fsdp_data_parallel_parity, "qwen3_vl"):
+        assert r["loss"] <= ROUNDING_MULTIPLE * r["rounding"]["loss"], r
+        assert r["grad"] <= ROUNDING_MULTIPLE * r["rounding"]["grad"], r
