@@ -35,9 +35,12 @@ from transformers import Trainer
 
 from .compose import ParallelPlan, parallelize_model
 from .mesh import SPMesh, init_mesh
-from .sequence.batch import IGNORE_INDEX, shard_batch
+from .inputs import shard_batch
+from .sequence.batch import IGNORE_INDEX
 from .model.fsdp import gradient_norm
 from .model.lm import SequenceParallelLM
+from .vision.families import is_multimodal
+from .vision.tower import VisionLanguageLM
 from .model.pretrained import copy_pretrained
 from .model.writer import write_model
 from .versions import require
@@ -50,9 +53,9 @@ from .degrees import resolve_degrees
 OPTIMIZER_FOLDER = "optimizer_dcp"
 
 
-class TrainerLM(SequenceParallelLM):
-    """``SequenceParallelLM`` with the ``no_sync`` that accelerate looks for: FSDP2 skips the
-    reduce-scatter on every micro-batch of an optimizer step but the last."""
+class NoSync:
+    """The ``no_sync`` that accelerate looks for: FSDP2 skips the reduce-scatter on every micro-batch of an
+    optimizer step but the last."""
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -61,6 +64,14 @@ class TrainerLM(SequenceParallelLM):
             yield
         finally:
             self.set_requires_gradient_sync(True)
+
+
+class TrainerLM(NoSync, SequenceParallelLM):
+    """``SequenceParallelLM`` with accelerate's ``no_sync``."""
+
+
+class TrainerVisionLM(NoSync, VisionLanguageLM):
+    """``VisionLanguageLM`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) with accelerate's ``no_sync``."""
 
 
 class SequenceParallelTrainerMixin:
@@ -89,7 +100,8 @@ class SequenceParallelTrainerMixin:
         mesh = seqmesh_mesh if seqmesh_mesh is not None else mesh_for_world(*seqmesh_degrees)
         self.seqmesh_mesh = mesh
         plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16)
-        self.seqmesh_model = parallelize_model(self.model, mesh, plan, wrapper=TrainerLM)
+        wrapper = TrainerVisionLM if is_multimodal(self.model.config) else TrainerLM
+        self.seqmesh_model = parallelize_model(self.model, mesh, plan, wrapper=wrapper)
         self.model_wrapped = self.seqmesh_model
         self.gather_function = self.accelerator.gather  # every rank holds whole losses: no truncation to undo
         self._targets_per_micro_batch: deque[float] = deque()
@@ -150,7 +162,8 @@ class SequenceParallelTrainerMixin:
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """The optimizer step's targets over the whole mesh; keeps each micro-batch's for compute_loss."""
         mesh = self.seqmesh_mesh
-        local = [float((shard_batch(b, mesh)["shift_labels"] != IGNORE_INDEX).sum()) for b in batch_samples]
+        local = [float((shard_batch(b, mesh, model=self.seqmesh_model)["shift_labels"] != IGNORE_INDEX).sum())
+                 for b in batch_samples]
         counts = torch.tensor(local, dtype=torch.float64, device=mesh.collective_device())
         dist.all_reduce(counts, group=mesh.all_group)  # sequence shards partition a batch: each counted once
         self._targets_per_micro_batch = deque(counts.tolist())
@@ -163,7 +176,7 @@ class SequenceParallelTrainerMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         """The pooled loss of the micro-batch, scaled to its share of the optimizer step's targets."""
-        loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh))
+        loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model))
         if num_items_in_batch is not None and self.seqmesh_model.training:
             if not self._targets_per_micro_batch:
                 raise RuntimeError("compute_loss got num_items_in_batch from a batch list seqmesh did not count; "
@@ -176,7 +189,7 @@ class SequenceParallelTrainerMixin:
         """The batch's pooled loss (the same on every rank); no logits (they are sharded by sequence)."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh))
+            loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model))
         return loss.detach(), None, None
 
     def _grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -194,3 +194,47 @@ def sft(output_dir: str, ulysses: int = 0, ring: int = 0) -> dict:
                                              processing_class=byte_tokenizer(), seqmesh_degrees=(ulysses, ring))
         trainer.train()
         return curves(trainer)
+
+
+# -- a vision-language model through the Trainer --------------------------------------------------------------
+
+def vision_rows(count: int = 6) -> list[dict]:
+    """Qwen2.5-VL batches of one row each (images, a video, packed-free), labels with no loss on placeholders."""
+    from vision_cases import IMAGE, VIDEO, vision_batch
+
+    kinds = ("mixed", "tail", "text_only")
+    out = []
+    for i in range(count):
+        batch = vision_batch("qwen2_5_vl", kinds[i % len(kinds)], seed=10 + i)
+        batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
+        ids = batch["input_ids"]
+        out.append({**batch, "labels": ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)})
+    return out
+
+
+def one_row(rows: list[dict]) -> dict:
+    """The collator of one-row multimodal batches (their pixel tables have different lengths)."""
+    assert len(rows) == 1, "one row per micro-batch"
+    return dict(rows[0])
+
+
+def vision_trainer(output_dir: str, ulysses: int = 0, ring: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """4 optimizer steps of a tiny Qwen2.5-VL: plain Trainer in this process (``ulysses=0``), or seqmesh's
+    Trainer on this rank with the tower and the sequence sharded."""
+    from transformers import Trainer
+
+    from seqmesh.trainer import SequenceParallelTrainer
+    from vision_cases import build, vision_config
+
+    model = build(vision_config("qwen2_5_vl"), dtype=torch.float64).to(dtype)
+    args = training_args(output_dir, 1, 1, max_steps=4, remove_unused_columns=False)
+    rows = vision_rows()
+    if not ulysses:
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=one_row)
+        trainer.train()
+        return curves(trainer)
+    with torchrun_environment():
+        trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows, data_collator=one_row,
+                                          seqmesh_degrees=(ulysses, ring))
+        trainer.train()
+        return curves(trainer)

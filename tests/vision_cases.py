@@ -68,7 +68,7 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
 def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
     """A whole batch. ``kind``: ``mixed`` (two images of different shapes and a video, text between),
     ``documents`` (two packed documents, each with an image; ``position_ids`` restart), ``text_only``
-    (a row with no image: every rank runs the tower on padding), ``tail`` (one image at the very end,
+    (a row with no image: no rank runs the tower), ``tail`` (one image at the very end,
     so most ranks hold no image token)."""
     g = torch.Generator().manual_seed(seed)
     text = lambda n: torch.randint(0, TEXT_VOCAB, (n,), generator=g).tolist()  # noqa: E731

@@ -49,6 +49,7 @@ class VisionShard:
     recv_rows: tuple[int, ...]  # merged units received from each sequence rank
     recv_order: torch.Tensor  # received rows -> the order of this rank's placeholder tokens
     visual_mask: torch.Tensor  # (B, L) bool: this rank's image and video placeholder tokens
+    has_media: bool  # whether the batch (this sequence group's) holds any image or video
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -244,7 +245,7 @@ def _vision_shard(batch: Mapping, mesh: SPMesh, family: VisionFamily, vision, im
         tower_order, windows = window_order(grid, merge, window_units)
     else:
         tower_order, windows = torch.arange(units), None
-    per_rank = max(-(-units // p), 1)  # every rank runs the tower, on padding when the batch has no media
+    per_rank = max(-(-units // p), 1)  # padding only when another replica's batch has media (VisionLanguageLM)
     mine = torch.arange(me * per_rank, (me + 1) * per_rank)
     real = mine < units
     patches = (tower_order[mine[real]][:, None] * unit + torch.arange(unit)).reshape(-1)  # merge-block order
@@ -274,5 +275,5 @@ def _vision_shard(batch: Mapping, mesh: SPMesh, family: VisionFamily, vision, im
     return VisionShard(
         pixels=pixels, coordinates=coordinates.to(device), taps=taps, frames=frames, windows=window_info,
         send_index=send_index.to(device), send_rows=send_rows, recv_rows=recv_rows, recv_order=recv_order.to(device),
-        visual_mask=(local >= 0).to(device),
+        visual_mask=(local >= 0).to(device), has_media=units > 0,
     )

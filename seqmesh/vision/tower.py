@@ -11,6 +11,7 @@ placeholder token: one uneven all-to-all over the sequence group. The decoder th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import exchange_rows
@@ -63,14 +64,26 @@ class VisionLanguageLM(SequenceParallelLM):
                              "seqmesh.shard_batch(batch, mesh, model=model), which shards its images too.")
         family = self.family
         embeds = family.inner(self.lm).get_input_embeddings()(input_ids)  # (B, L, D)
-        rows, deep = run_tower(family, family.tower(self.lm), seqmesh_vision, self.mesh)
-        mask = seqmesh_vision.visual_mask
-        embeds = embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))
         extra = {"seqmesh": seqmesh} if seqmesh is not None else {}
-        if family.deepstack:
-            extra.update(visual_pos_masks=mask, deepstack_visual_embeds=[d.to(embeds.dtype) for d in deep])
+        if self._any_media(seqmesh_vision):
+            rows, deep = run_tower(family, family.tower(self.lm), seqmesh_vision, self.mesh)
+            mask = seqmesh_vision.visual_mask
+            embeds = embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))
+            if family.deepstack:
+                extra.update(visual_pos_masks=mask, deepstack_visual_embeds=[d.to(embeds.dtype) for d in deep])
         out = family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state
+
+    def _any_media(self, shard: VisionShard) -> bool:
+        """Whether any rank's batch holds an image or a video. Then every rank runs the tower (on padding
+        if it has none), so the collectives of the tower and of FSDP2 match. Otherwise no rank runs it, and
+        its weights get no gradient, as on one device: an optimizer leaves them alone rather than moving
+        them on a zero gradient. One all-reduce of a flag when data-parallel replicas read different batches."""
+        if self.mesh is None or self.mesh.dp_size == 1:
+            return shard.has_media
+        flag = torch.tensor([float(shard.has_media)], device=self.mesh.collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.all_group)
+        return bool(flag.item())
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
                 seqmesh_vision: VisionShard | None = None) -> torch.Tensor:

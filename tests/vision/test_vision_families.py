@@ -11,7 +11,7 @@ from vision_cases import fsdp_data_parallel_parity, vision_parity
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
 # their own images (per_document); one image at the very end, so most ranks hold no image token
-# (contiguous); no image at all (every rank runs the tower on padding)
+# (contiguous); no image at all (no rank runs the tower: its weights get no gradient, as on one device)
 KINDS = [("mixed", "zigzag"), ("documents", "per_document"), ("tail", "contiguous"), ("text_only", "auto")]
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 # As in test_hf_families: a multiple of how far float32 rounding moves the reference (the same model and
