@@ -34,8 +34,7 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         sizes.update(linear_num_key_heads=shape.linear_key_heads, linear_num_value_heads=shape.linear_value_heads,
                      linear_key_head_dim=shape.linear_key_dim, linear_value_head_dim=shape.linear_value_dim,
                      linear_conv_kernel_dim=shape.linear_conv)
-    return AutoConfig.for_model(
-        shape.family,
+    text = dict(
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers,
@@ -50,6 +49,34 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
         **sizes,
         **dict(shape.extra),
     )
+    if shape.vision is None:
+        return AutoConfig.for_model(shape.family, **text)
+    return AutoConfig.for_model(shape.family, text_config=_mrope_text(shape, text), vision_config=shape.vision.config(),
+                                tie_word_embeddings=shape.tie_embeddings, **_media_token_ids(shape))
+
+
+def _mrope_text(shape: ModelShape, text: dict) -> dict:
+    """A Qwen-VL decoder's config entries: M-RoPE splits the rotary frequencies between time, height and
+    width (Qwen2.5-VL: a quarter to time, as its [16, 24, 24] of 64; Qwen3-VL: 3/8, interleaved, as its
+    [24, 20, 20])."""
+    half = shape.head_dim // 2
+    t = half * 3 // 8 if shape.family == "qwen3_vl" else half // 4
+    h = (half - t) // 2
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta, "mrope_section": [t, h, half - t - h]}
+    if shape.family == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    text = {k: v for k, v in text.items() if k not in ("rope_theta", "sliding_window", "use_sliding_window", "layer_types")}
+    return {**text, "rope_parameters": rope}
+
+
+# the published Qwen-VL ids of the image, video, vision-start and vision-end tokens
+QWEN_MEDIA_TOKENS = (151655, 151656, 151652, 151653)
+
+
+def _media_token_ids(shape: ModelShape) -> dict:
+    """The media tokens' ids: the published ones, or the vocabulary's last four when it is too small."""
+    ids = QWEN_MEDIA_TOKENS if shape.vocab > max(QWEN_MEDIA_TOKENS) else tuple(range(shape.vocab - 4, shape.vocab))
+    return dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"), ids))
 
 
 def load_config(path: str):
@@ -79,20 +106,21 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     each rank's shards after FSDP.
 
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    shape = model_shape(name_or_path)  # unknown names fail here, listing the presets
+    auto = AutoModelForImageTextToText if shape.vision is not None else AutoModelForCausalLM
     if has_weights(name_or_path) and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
         )
         return model.to(device)
-    shape = model_shape(name_or_path)  # unknown names fail here, listing the presets
     config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
     # the single-device reference runs transformers' own attention: SDPA, or eager for models without an
     # SDPA path (gpt-oss: its sinks); seqmesh.hf replaces either
-    sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
+    sdpa = auto._model_mapping[type(config)]._supports_sdpa
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
+        model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
     if torch.device(device).type != "meta":  # values from (seed, module name): see initialize_by_name
         materialize(model, device, seed)
     return model

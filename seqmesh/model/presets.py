@@ -13,6 +13,58 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """A Qwen-VL vision tower: ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks,
+    ``merge x merge`` patches fused into one language-model token by the patch merger."""
+
+    depth: int
+    hidden: int
+    heads: int
+    intermediate: int
+    out_hidden: int  # the decoder's hidden size: what each merged unit becomes
+    patch: int = 14
+    merge: int = 2
+    temporal: int = 2
+    window: int = 0  # Qwen2.5-VL: side of the attention windows in pixels (0: every block attends per frame)
+    full_blocks: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend per frame despite the windows
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: blocks whose merged features join the first decoder layers
+    position_table: int = 0  # Qwen3-VL: entries of the learned position table (a square)
+    in_channels: int = 3
+
+    @property
+    def patch_features(self) -> int:
+        """Values per patch (one row of ``pixel_values``)."""
+        return self.in_channels * self.temporal * self.patch * self.patch
+
+    @property
+    def params(self) -> int:
+        """Parameters. Qwen2.5-VL: a bias-free patch embedding; blocks of qkv and proj with biases, a gated MLP
+        with biases, two RMSNorms; a merger (RMSNorm, two linears). Qwen3-VL (``position_table``): a patch
+        embedding with a bias, the learned positions; blocks with a two-linear MLP and LayerNorms; the merger
+        and each DeepStack merger (LayerNorm over the merged unit) with LayerNorms."""
+        h, i, unit = self.hidden, self.intermediate, self.hidden * self.merge * self.merge
+        linears = unit * unit + unit + unit * self.out_hidden + self.out_hidden
+        attention = 4 * h * h + 4 * h
+        if not self.position_table:
+            block = attention + 3 * h * i + 2 * i + h + 2 * h
+            return self.patch_features * h + self.depth * block + h + linears
+        block = attention + 2 * h * i + i + h + 4 * h
+        return (self.patch_features * h + h + self.position_table * h + self.depth * block + 2 * h + linears
+                + len(self.deepstack) * (2 * unit + linears))
+
+    def config(self) -> dict:
+        """transformers' ``vision_config`` entries."""
+        out = dict(depth=self.depth, hidden_size=self.hidden, num_heads=self.heads, intermediate_size=self.intermediate,
+                   out_hidden_size=self.out_hidden, patch_size=self.patch, spatial_merge_size=self.merge,
+                   temporal_patch_size=self.temporal, in_channels=self.in_channels)
+        if self.window:
+            out.update(window_size=self.window, fullatt_block_indexes=list(self.full_blocks))
+        if self.position_table:
+            out.update(num_position_embeddings=self.position_table, deepstack_visual_indexes=list(self.deepstack))
+        return out
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the planner and the trainer need to know of a decoder-only transformer."""
 
@@ -40,6 +92,7 @@ class ModelShape:
     experts: int = 0  # MoE experts per layer (0: a dense gated MLP)
     experts_per_token: int = 0
     extra: tuple[tuple[str, object], ...] = ()  # further config entries of the family (name, value)
+    vision: VisionShape | None = None  # a vision-language model's tower (family "qwen2_5_vl", "qwen3_vl")
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -91,7 +144,7 @@ class ModelShape:
         """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3)."""
         if self.family == "gemma3_text":
             return 4 * self.hidden + 2 * self.head_dim
-        return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text") else 0)
+        return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0)
 
     @property
     def params(self) -> int:
@@ -99,15 +152,20 @@ class ModelShape:
         unless tied; gpt-oss's biases and sinks, under 0.01%, are left out)."""
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
+        if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases
+            attn += self.head_dim * (self.heads + 2 * self.kv_heads)
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
         full = self.layers - self.linear_layers
+        tower = self.vision.params if self.vision is not None else 0
         return (full * attn + self.linear_layers * self.linear_layer_params + self.layers * (self.mlp_params + self.norm_params)
-                - self.linear_layers * (2 * self.head_dim if gated else 0) + embed + self.hidden)
+                - self.linear_layers * (2 * self.head_dim if gated else 0) + embed + self.hidden + tower)
 
     def as_dict(self) -> dict:
         """The shape as plain data (the family's ``extra`` config entries left out: they size nothing)."""
         shape = asdict(self)
         del shape["extra"]
+        if shape["vision"] is None:
+            del shape["vision"]
         return shape
 
 
@@ -146,6 +204,15 @@ MODELS: dict[str, ModelShape] = {
                    full_every=2, experts=32, experts_per_token=4),
         ModelShape("gpt-oss-120b", "gpt_oss", 2880, 36, 64, 8, 64, 2880, 201088, False, 150000.0, sliding_window=128,
                    full_every=2, experts=128, experts_per_token=4),
+        # vision-language: a tower of 2x2-pixel patches before a tiny decoder; published Qwen2.5-VL-7B, Qwen3-VL-8B
+        ModelShape("qwen2.5-vl-tiny", "qwen2_5_vl", 64, 2, 4, 2, 16, 128, 256, False, 10000.0,
+                   vision=VisionShape(3, 32, 4, 48, 64, patch=2, window=8, full_blocks=(1,))),
+        ModelShape("qwen3-vl-tiny", "qwen3_vl", 64, 2, 4, 2, 16, 128, 256, False, 10000.0,
+                   vision=VisionShape(3, 32, 4, 48, 64, patch=2, deepstack=(0, 2), position_table=16)),
+        ModelShape("qwen2.5-vl-7b", "qwen2_5_vl", 3584, 28, 28, 4, 128, 18944, 152064, False, 1e6,
+                   vision=VisionShape(32, 1280, 16, 3420, 3584, window=112, full_blocks=(7, 15, 23, 31))),
+        ModelShape("qwen3-vl-8b", "qwen3_vl", 4096, 36, 32, 8, 128, 12288, 151936, False, 5e6,
+                   vision=VisionShape(27, 1152, 16, 4304, 4096, patch=16, deepstack=(8, 16, 24), position_table=2304)),
     )
 }
 
@@ -187,6 +254,10 @@ def model_shape(name_or_path: str) -> ModelShape:
             f"unknown model {name_or_path!r}: not a preset ({', '.join(MODELS)}) and no config.json at {path!r}."
         )
     cfg = read_config_json(path)
+    vision = _vision_fields(cfg)
+    if vision is not None:  # a vision-language model: the decoder's sizes are in text_config
+        cfg = {**cfg["text_config"], "model_type": cfg.get("model_type"),
+               "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -204,9 +275,27 @@ def model_shape(name_or_path: str) -> ModelShape:
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             **_linear_fields(cfg),
             **_window_fields(cfg),
+            vision=vision,
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+def _vision_fields(cfg: dict) -> VisionShape | None:
+    """The tower of a vision-language config.json (its ``vision_config``), or None for a text model."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict) or not isinstance(cfg.get("text_config"), dict):
+        return None
+    try:
+        return VisionShape(depth=v["depth"], hidden=v["hidden_size"], heads=v["num_heads"],
+                           intermediate=v["intermediate_size"], out_hidden=v["out_hidden_size"],
+                           patch=v.get("patch_size", 14), merge=v.get("spatial_merge_size", 2),
+                           temporal=v.get("temporal_patch_size", 2), window=v.get("window_size") or 0,
+                           full_blocks=tuple(v.get("fullatt_block_indexes") or ()),
+                           deepstack=tuple(v.get("deepstack_visual_indexes") or ()),
+                           position_table=v.get("num_position_embeddings") or 0, in_channels=v.get("in_channels", 3))
+    except KeyError as missing:
+        raise ValueError(f"its vision_config has no {missing} entry; seqmesh reads Qwen-VL style towers.") from None
 
 
 def _linear_fields(cfg: dict) -> dict:

@@ -24,14 +24,15 @@ from ..memory import MemoryTracker
 from ..memory.offload import enable_activation_offload
 from ..mesh import SPMesh, init_mesh
 from ..model.fsdp import gradient_norm, sync_gradients
-from ..model.lm import SequenceParallelLM, build_model, has_weights, materialize
-from ..model.presets import model_shape
+from ..model.lm import SequenceParallelLM, build_model, has_weights, hf_config, load_config, materialize
+from ..model.presets import MODELS, model_shape
 from ..model.pretrained import check_pretrained, check_tokenizer_path, check_values, checkpoint_files, load_pretrained
 from ..model.writer import export_pretrained
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
-from ..sequence.batch import shard_batch
+from ..inputs import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
+from .vision_data import ImageCopy
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
 from .resume import choose_start, config_changes, refuse_changes, run_record
@@ -62,11 +63,21 @@ def _tokenizer(cfg: TrainConfig, vocab: int):
     return tokenizer
 
 
-def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText:
-    """The run's data: the copy task, or ``cfg.data`` packed into rows. Raises for missing files or
-    tokenizer, or a model vocabulary (``vocab``; by default read from ``cfg.model``'s config, no model
-    built) too small for the data. ``train`` and ``verify`` call it before building anything."""
-    vocab = model_shape(cfg.model).vocab if vocab is None else vocab
+def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText | ImageCopy:
+    """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
+    into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
+    from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
+    before building anything."""
+    shape = model_shape(cfg.model)
+    vocab = shape.vocab if vocab is None else vocab
+    if shape.vision is not None:
+        if cfg.data:
+            raise ValueError(f"{cfg.model} is a vision-language model: seqmesh train runs it on its built-in image "
+                             "task (leave out --data); for your own images, use seqmesh.shard_batch in your loop or "
+                             "the Trainer.")
+        config = hf_config(shape) if cfg.model in MODELS else load_config(cfg.model)
+        return ImageCopy(cfg.seq_len, shape.vision, (config.image_token_id, config.vision_start_token_id,
+                                                     config.vision_end_token_id), seed=cfg.seed)
     if not cfg.data:
         check_tokenizer_path(cfg.tokenizer)  # unused by the copy task, but a wrong path is still a mistake
         return _copy_task(cfg, vocab)
@@ -149,7 +160,7 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
     """Accuracy of argmax predictions on the scored tokens of the data's held-out batch."""
     module.eval()
     batch = data.eval_batch(mesh.dp_rank, cfg.batch, mesh.dp_size)
-    local = to_device(shard_batch(batch, mesh, layout=cfg.layout), device)
+    local = to_device(shard_batch(batch, mesh, model=module, layout=cfg.layout), device)
     with torch.no_grad():
         counts = module.score(**local)
     dist.all_reduce(counts, group=mesh.all_group)
@@ -229,7 +240,7 @@ class TrainingRun:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = self.data.batch(step, self.mesh.dp_rank, cfg.batch, self.mesh.dp_size)
-        local = to_device(shard_batch(batch, self.mesh, layout=cfg.layout), self.device)
+        local = to_device(shard_batch(batch, self.mesh, model=self.module, layout=cfg.layout), self.device)
         with self.autocast:
             loss = self.module(**local)
         loss.backward()

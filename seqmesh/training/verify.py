@@ -17,6 +17,9 @@ from ..model.lm import build_model
 from .config import TrainConfig
 from ..comm.ranks import full_value
 from .train import build, make_dataset, to_device, uses_fsdp
+from ..vision.batch import VISION_KEYS
+
+MEDIA_KEYS = (*VISION_KEYS, "mm_token_type_ids")  # what the reference model of a vision-language batch takes
 
 
 def _reference_sums(model, batches: list[dict], device: torch.device, parity: int | None = None) -> tuple[torch.Tensor, int]:
@@ -39,10 +42,14 @@ def _reference_sums(model, batches: list[dict], device: torch.device, parity: in
         if positions is not None and not torch.equal(positions, positions[:1].expand_as(positions)):
             starts = [0]  # rows with different documents: whole rows (the copy task and text data never make them)
         bounds = starts + [ids.shape[1]]
-        logits = torch.cat([
-            model(input_ids=ids[:, a:b], position_ids=None if positions is None else positions[:, a:b].to(device),
-                  use_cache=False).logits
-            for a, b in zip(bounds[:-1], bounds[1:])], dim=1)[:, :-1]
+        media = {k: batch[k].to(device) for k in MEDIA_KEYS if batch.get(k) is not None}
+        if media:  # a vision-language batch (the image task packs no documents): the model whole, with its images
+            logits = model(input_ids=ids, **media, use_cache=False).logits[:, :-1]
+        else:
+            logits = torch.cat([
+                model(input_ids=ids[:, a:b], position_ids=None if positions is None else positions[:, a:b].to(device),
+                      use_cache=False).logits
+                for a, b in zip(bounds[:-1], bounds[1:])], dim=1)[:, :-1]
         targets = targets.to(device)
         total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                                         reduction="sum")
@@ -80,7 +87,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
 
     A gradient passes within ``tolerance`` or ``NOISE_FACTOR`` times the reference's own rounding of it
     (``allowed``: the bound of each of the worst five), whichever is larger."""
-    from ..sequence.batch import shard_batch
+    from ..inputs import shard_batch
 
     data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
     mesh, module, device = build(cfg)
@@ -96,7 +103,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
     noise = _reference_noise(reference, batches, device, ref_grads, count)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not fsdp):
-        loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, layout=cfg.layout), device))
+        loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, model=module, layout=cfg.layout), device))
     loss.backward()
     if not fsdp:
         from ..model.fsdp import sync_gradients

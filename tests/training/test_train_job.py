@@ -177,3 +177,15 @@ def test_an_output_folder_that_cannot_be_written_fails_before_any_work(pools, tm
     (tmp_path / "a-file").write_text("x")  # a file where a folder is needed (root ignores permission bits)
     errors = pools.run(4, entry_error, "train", _cfg(tmp_path / "a-file" / "run"))
     assert all("cannot be written" in e and "--out" in e for e in errors), errors
+
+
+def test_a_vision_language_model_trains_on_the_image_task_and_verifies(pools, tmp_path):
+    """qwen2.5-vl-tiny on the built-in image task, ring 2 x ulysses 2 (tower and sequence sharded, images
+    straddling shards): it learns to name the symbol each image shows (chance is 1/16), which it can only do
+    through the routed image embeddings; and ``seqmesh verify`` finds its step equal to the whole model's."""
+    cfg = _cfg(tmp_path / "run", model="qwen2.5-vl-tiny", seq_len=128, steps=80, lr=3e-3, warmup=10, log_every=10,
+               eval_every=80)
+    summary = pools.run(4, run_train, cfg)[0]
+    assert summary["accuracy"] >= 0.5, summary
+    check = pools.run(4, run_verify, _cfg(tmp_path / "verify", model="qwen2.5-vl-tiny", seq_len=128), None)[0]
+    assert check["ok"] and check["loss_diff"] < 1e-5, check
