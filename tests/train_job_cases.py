@@ -42,20 +42,20 @@ def run_verify_with_a_bug(cfg: TrainConfig) -> dict:
     far (the classic off-by-one of shifting after slicing)."""
     import torch
 
-    import seqmesh.sequence.batch as data
+    import seqmesh.inputs as data  # seqmesh.shard_batch hands a text batch to this name
 
-    original = data.shard_batch
+    original = data.shard_text_batch
 
     def broken(batch, mesh, **kwargs):
         labels = batch.get("labels", batch["input_ids"])
         shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
         return original({**batch, "labels": shifted}, mesh, **kwargs)
 
-    data.shard_batch = broken
+    data.shard_text_batch = broken
     try:
         return verify(cfg)
     finally:
-        data.shard_batch = original
+        data.shard_text_batch = original
 
 
 def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: int) -> dict:
