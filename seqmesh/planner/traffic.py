@@ -35,14 +35,37 @@ def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int |
     return len(ring_step_list(ring, padded_len, layout, window))
 
 
-def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None) -> tuple[int, ...]:
+def _document_steps(ring: int, padded_len: int, documents: tuple[int, ...], causal: bool) -> tuple[int, ...]:
+    """Contiguous layout with packed ``documents`` (boundaries; past the last one, padding is a document of
+    its own): step t is needed iff some ring rank's block shares a document with the block of rank
+    ``(r - t) mod R`` (under ``causal`` only an earlier or the same block). Images whose patches all lie
+    inside one rank's block need no ring step at all."""
+    c = padded_len // ring
+    bounds = tuple(documents) + ((padded_len,) if documents[-1] < padded_len else ())
+    first = lambda pos: max(i for i, b in enumerate(bounds) if b <= pos)  # noqa: E731  the document holding pos
+    spans = [range(first(r * c), first((r + 1) * c - 1) + 1) for r in range(ring)]
+    needed = {0}
+    for r in range(ring):
+        for s in range(ring):
+            if (s <= r or not causal) and set(spans[r]) & set(spans[s]):
+                needed.add((r - s) % ring)
+    return tuple(sorted(needed))
+
+
+def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None,
+                   documents: tuple[int, ...] | None = None, causal: bool = True) -> tuple[int, ...]:
     """The ring steps that compute anything under a causal sliding ``window``, ascending.
 
     Ring rank r holds chunks ``{r, 2R-1-r}`` of ``padded_len / 2R`` tokens (zigzag) or chunk ``r`` of
     ``padded_len / R`` (contiguous). A query chunk ``a`` sees a key chunk ``b < a`` iff its first query
     and the key chunk's last key are closer than the window: ``(a - b - 1) * c + 1 < window``. Step t
     is needed iff some rank r holds such a pair with rank ``(r - t) mod R``; step 0 always is.
+    ``documents`` (contiguous layout, no window): steps whose blocks share no document are skipped too.
     """
+    if documents is not None and ring > 1:
+        if layout != "contiguous" or window is not None:
+            raise ValueError("ring steps by documents are modelled for the contiguous layout without a window.")
+        return _document_steps(ring, padded_len, documents, causal)
     if window is None or ring == 1:
         return tuple(range(ring))
     zigzag = layout == "zigzag"
@@ -95,16 +118,20 @@ def attention_traffic(
     layout: str = "zigzag",
     validate: bool = True,
     window: int | None = None,
+    documents: tuple[int, ...] | None = None,
+    causal: bool = True,
 ) -> list[RankTraffic]:
     """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank
-    ``ring_rank * ulysses + ulysses_rank``; ``window`` is a causal sliding window (None: none)."""
+    ``ring_rank * ulysses + ulysses_rank``; ``window`` is a causal sliding window (None: none);
+    ``documents`` packed documents of a contiguous layout, whose ring steps are skipped where no block
+    pair shares one (:func:`ring_step_list`)."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     p = ulysses * ring
     local = padded_length(seq_len, ulysses, ring, layout) // p
     e, ep = dtype_bytes(dtype), partial_bytes(dtype)
     row = batch * local * head_dim * e  # one head of this rank's tokens
     all_heads = sum(deal.q_count(v) + 2 * deal.kv_count(v) for v in range(ulysses))
-    steps = ring_step_list(ring, local * p, layout, window)  # the same on every rank
+    steps = ring_step_list(ring, local * p, layout, window, documents, causal)  # the same on every rank
     hops = len(steps) - 1
     relay = steps == tuple(range(len(steps)))  # relayed partials make one more hop, home
     partials = hops + 1 if relay else hops
@@ -232,3 +259,41 @@ def tensor_parallel_traffic(tokens: int, hidden: int, tp: int, dtype: str) -> di
         return {"all_gather": 0, "reduce_scatter": 0}
     chunk = -(-tokens // tp) * hidden * dtype_bytes(dtype)
     return {"all_gather": 2 * (tp - 1) * chunk, "reduce_scatter": 2 * (tp - 1) * chunk}
+
+
+def vision_tower_traffic(depth: int, heads: int, head_dim: int, *, frames: tuple[int, ...], merge: int, ulysses: int,
+                         ring: int, dtype: str, windows: tuple[int, ...] | None = None,
+                         full_blocks: int = 0) -> list[RankTraffic]:
+    """Per-rank traffic of a sharded vision tower's ``depth`` blocks, forward+backward, indexed by sequence
+    rank. Each block is one bidirectional ``seqmesh.attention`` call over the tower's sequence: every patch
+    of the batch cut into ``P`` contiguous shares of whole merge units (``merge**2`` patches), so the
+    sequence is padded to ``merge**2 x P x ceil(units / P)`` patches. Its documents are the frames
+    (``frames``: their boundaries), or for Qwen2.5-VL's windowed blocks (all but ``full_blocks`` of them,
+    when ``windows`` is given) the windows; ring steps whose blocks share no document are skipped. The
+    one-off checks of the call (validation) are left out: the tower makes one or two per step, not one
+    per block."""
+    p = ulysses * ring
+    unit = merge * merge
+    padded = unit * p * -(-frames[-1] // (unit * p))
+
+    def blocks(documents: tuple[int, ...], count: int) -> list[RankTraffic]:
+        ranks = attention_traffic(heads, heads, head_dim, seq_len=padded, batch=1, ulysses=ulysses, ring=ring,
+                                  dtype=dtype, layout="contiguous", validate=False, documents=tuple(documents),
+                                  causal=False)
+        return [[Collective(c.kind, c.phase, count * c.calls, count * c.bytes_sent, "vision") for c in t.collectives]
+                for t in ranks]
+
+    windowed = depth - full_blocks if windows is not None else 0
+    parts = [blocks(frames, depth - windowed)] + ([blocks(windows, windowed)] if windowed else [])
+    return [RankTraffic(rank % ulysses, rank // ulysses, tuple(c for part in parts for c in part[rank]))
+            for rank in range(p)]
+
+
+def vision_route_traffic(units_sent: int, units_received: int, width: int, dtype: str) -> dict[str, int]:
+    """The route of the merged image embeddings, per rank: forward it sends each of the ``units_sent``
+    merged units it computed (``width`` values: the decoder's hidden size, times 1 + the DeepStack
+    features) whose token lies on another rank; backward it returns the gradients of the
+    ``units_received`` units that came from other ranks. The planner bounds both by the rank's share of
+    the tower's units."""
+    row = width * dtype_bytes(dtype)
+    return {"forward": units_sent * row, "backward": units_received * row}
