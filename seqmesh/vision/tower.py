@@ -10,6 +10,8 @@ placeholder token: one uneven all-to-all over the sequence group. The decoder th
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,6 +24,17 @@ from .batch import VisionShard
 from .families import VisionFamily, vision_family
 
 
+def _rotary(tower: nn.Module, hidden: torch.Tensor, coordinates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of each patch's (row, column) as the tower's own forward computes them: transformers
+    from 5.2x returns them from ``rotary_pos_emb(x, position_ids)``; earlier releases (the floor, 5.15)
+    return the angles from ``rotary_pos_emb(position_ids)``, which the forward doubles and turns to cos, sin."""
+    if len(inspect.signature(tower.rotary_pos_emb.forward).parameters) >= 2:
+        return tower.rotary_pos_emb(hidden, coordinates)
+    angles = tower.rotary_pos_emb(coordinates)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
 def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
               mesh: SPMesh | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(rows (V, D), deepstack [(V, D)...])``: the embeddings of this rank's ``V`` placeholder tokens,
@@ -31,7 +44,7 @@ def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
     if family.learned_positions:
         index, weight = shard.taps
         hidden = hidden + (tower.pos_embed(index) * weight[:, :, None].to(hidden.dtype)).sum(1)
-    rotary = tower.rotary_pos_emb(hidden, shard.coordinates)
+    rotary = _rotary(tower, hidden, shard.coordinates)
     whole = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=hidden.device)  # no split of the shard
     full_blocks = set(getattr(tower, "fullatt_block_indexes", None) or ())
     deep_blocks = list(getattr(tower, "deepstack_visual_indexes", None) or ()) if family.deepstack else []
