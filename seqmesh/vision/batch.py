@@ -135,32 +135,36 @@ def mrope_positions(model: nn.Module, input_ids: torch.Tensor, token_types: torc
     return out
 
 
-def _routing(unit_of_token: torch.Tensor, tower_order: torch.Tensor, per_rank: int, lay, p: int, me: int):
-    """Which merged units this rank sends where, and where the units it receives go.
+def routing(unit_of_token: torch.Tensor, place_units: torch.Tensor, per_rank: int, lay, p: int, me: int):
+    """Which of this rank's tower outputs it sends where, and where the rows it receives go.
 
     ``unit_of_token``: ``(B, padded_len)`` the unit each token takes (-1: none), in natural order;
-    ``tower_order``: ``(U,)`` the unit at each place of the tower's sequence; ``per_rank``: tower units per
-    rank (rank ``s`` holds places ``[s*per_rank, (s+1)*per_rank)``)."""
+    ``place_units``: ``(places,)`` the unit each place of the tower's sequence yields (-1: none, as a
+    class token); rank ``s`` holds places ``[s*per_rank, (s+1)*per_rank)``. Returns ``(send_index,
+    send_rows, recv_rows, recv_order)``: this rank's local places to send, sorted by destination rank
+    and then by the token's place there; rows per destination and per source; and the permutation that
+    puts the received rows into this rank's token order."""
     b = unit_of_token.shape[0]
     local = lay.local_len
     placed = unit_of_token[:, lay.indices()]  # (B, padded_len) in shard order
-    units = int(tower_order.numel())
+    units = int(unit_of_token.max()) + 1 if unit_of_token.numel() else 0
     owner = torch.full((units,), -1, dtype=torch.long)  # rank holding the unit's placeholder token
     slot = torch.full((units,), -1, dtype=torch.long)  # its place in that rank's (B, L) tokens, row-major
     rows, places = (placed >= 0).nonzero(as_tuple=True)
     unit = placed[rows, places]
     owner[unit] = places // local
     slot[unit] = rows * local + places % local
-    source = torch.arange(units) // per_rank  # rank computing each tower place
-    dest, dest_slot = owner[tower_order], slot[tower_order]  # per tower place
-    mine = torch.arange(min(me * per_rank, units), min((me + 1) * per_rank, units))
+    routed = (place_units >= 0).nonzero().flatten()  # tower places that yield a unit
+    source = routed // per_rank
+    dest, dest_slot = owner[place_units[routed]], slot[place_units[routed]]
+    mine = source == me
     key = dest[mine] * (b * local) + dest_slot[mine]
-    send_index = mine[key.argsort()] - me * per_rank
+    send_index = routed[mine][key.argsort()] - me * per_rank
     send_rows = torch.bincount(dest[mine], minlength=p).tolist()
-    to_me = (dest == me).nonzero().flatten()  # tower places, ascending: by source, then...
-    arrival = to_me[(source[to_me] * (b * local) + dest_slot[to_me]).argsort()]  # ...by slot, as each source sends
+    to_me = dest == me
+    arrival = (source[to_me] * (b * local) + dest_slot[to_me]).argsort()  # by source, then slot, as each sends
     recv_rows = torch.bincount(source[to_me], minlength=p).tolist()
-    recv_order = dest_slot[arrival].argsort()
+    recv_order = dest_slot[to_me][arrival].argsort()
     return send_index, tuple(send_rows), tuple(recv_rows), recv_order
 
 
@@ -270,7 +274,8 @@ def _vision_shard(batch: Mapping, mesh: SPMesh, family: VisionFamily, vision, im
     else:  # padding only: one document, attended to and then dropped
         frames = SequenceInfo(seq_len=total, cu_seqlens=None, layout="contiguous")
         window_info = frames if family.windows else None
-    send_index, send_rows, recv_rows, recv_order = _routing(units_of, tower_order, per_rank, lay, p, me)
+    places = torch.cat([tower_order, torch.full((per_rank * p - units,), -1, dtype=torch.long)])  # padding: none
+    send_index, send_rows, recv_rows, recv_order = routing(units_of, places, per_rank, lay, p, me)
     local = units_of[:, lay.indices()].reshape(units_of.shape[0], p, lay.local_len)[:, me]
     return VisionShard(
         pixels=pixels, coordinates=coordinates.to(device), taps=taps, frames=frames, windows=window_info,
