@@ -150,9 +150,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
     check_heads(q_heads, kv_heads, mesh)
     if is_multimodal(config):  # the vision tower runs sequence-parallel too: its heads are dealt by Ulysses
-        vision_family(config)  # a family seqmesh does not route is refused by name here
+        vision_family(config).check(config)  # a family or setting seqmesh does not route is refused by name here
         tower = config.vision_config
-        check_heads(tower.num_heads, tower.num_heads, mesh, "the vision tower")
+        heads = getattr(tower, "num_heads", None) or tower.num_attention_heads
+        check_heads(heads, heads, mesh, "the vision tower")
     linear_layers = linear_attention.gated_delta_layers(model, mesh)  # run sequence-parallel; their heads checked
     check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
     if getattr(model, _ATTR, None) is not None:

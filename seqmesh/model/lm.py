@@ -231,10 +231,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def vision_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a vision-language model's vision tower (``model.model.visual.blocks``, as Qwen-VL
-    models name them), or none for a text model: FSDP units of their own, like decoder layers."""
+    """The blocks of a vision-language model's vision tower (Qwen-VL's ``model.model.visual.blocks``, LLaVA's
+    CLIP encoder layers), or none for a text model: FSDP units of their own, like decoder layers."""
     inner = getattr(model, "model", model)
-    return list(getattr(getattr(inner, "visual", None), "blocks", None) or ())
+    visual = getattr(inner, "visual", None)
+    if visual is not None:
+        return list(getattr(visual, "blocks", None) or ())
+    tower = getattr(inner, "vision_tower", None)
+    tower = getattr(tower, "vision_model", tower)  # older releases nest CLIP's transformer once more
+    return list(getattr(getattr(tower, "encoder", None), "layers", None) or ())
 
 
 class SequenceParallelLM(nn.Module):

@@ -24,11 +24,12 @@ import torch
 import torch.nn as nn
 
 from ..mesh import SPMesh
-from ..sequence.batch import (IGNORE_INDEX, SequenceInfo, documents_from_positions, real_lengths,
-                              shift_labels)
+from ..sequence.batch import (IGNORE_INDEX, SequenceInfo, documents_from_positions, positions_in_documents,
+                              real_lengths, shift_labels)
 from ..sequence.layout import auto_layout
 from ..sequence.sharding import sequence_layout, shard_sequence
 from .families import VisionFamily, vision_family
+from .plain import check_plain_media, plain_shard
 from .grid import bilinear_taps, frame_bounds, frame_sizes, patch_coordinates, unit_counts, window_order
 
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
@@ -183,7 +184,6 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
     config = lm.config
     family = vision_family(config)
     vision = config.vision_config
-    merge = vision.spatial_merge_size
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}.")
@@ -191,8 +191,12 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
     if s < mesh.sp_size:
         raise ValueError(f"the sequence has {s} tokens but the sequence-parallel degree is {mesh.sp_size}; use "
                          f"sequences of at least {mesh.sp_size} tokens or a smaller degree.")
-    image_grid, video_grid = _check_media(batch, input_ids, config, merge)
-    is_image, is_video = input_ids == config.image_token_id, input_ids == config.video_token_id
+    if family.plain:
+        images = check_plain_media(batch, input_ids, config)
+        is_image, is_video = input_ids == config.image_token_id, torch.zeros_like(input_ids, dtype=torch.bool)
+    else:
+        image_grid, video_grid = _check_media(batch, input_ids, config, vision.spatial_merge_size)
+        is_image, is_video = input_ids == config.image_token_id, input_ids == config.video_token_id
     labels = batch.get("labels")
     if labels is None:  # nothing scored on a placeholder: its "next token" is an image, not text
         labels = input_ids.masked_fill(is_image | is_video, ignore_index)
@@ -204,11 +208,14 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
                          f"shape {tuple(positions.shape)}; seqmesh computes the 3-D M-RoPE ids itself, per document.")
     cu = documents_from_positions(positions) if positions is not None else None
     lengths = real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
-    token_types = batch.get("mm_token_type_ids")
-    if token_types is None:
-        token_types = is_image.long() + 2 * is_video.long()
-    seconds = batch.get("second_per_grid_ts")
-    rope = mrope_positions(lm, input_ids.cpu(), token_types.cpu(), image_grid, video_grid, seconds, cu)
+    if family.plain:  # one position per token, restarting per document, as for text
+        rope = positions.to(torch.long).cpu().expand(b, s) if positions is not None else positions_in_documents(s, cu).expand(b, s)
+    else:
+        token_types = batch.get("mm_token_type_ids")
+        if token_types is None:
+            token_types = is_image.long() + 2 * is_video.long()
+        seconds = batch.get("second_per_grid_ts")
+        rope = mrope_positions(lm, input_ids.cpu(), token_types.cpu(), image_grid, video_grid, seconds, cu)
     targets = shift_labels(labels, cu, lengths, ignore_index)
 
     if layout == "auto":
@@ -222,16 +229,17 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
     if pad:
         input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
         targets = torch.nn.functional.pad(targets, (0, pad), value=ignore_index)
-        rope = torch.cat([rope, rope[:, :, -1:] + torch.arange(1, pad + 1)], dim=2)
+        rope = torch.cat([rope, rope[..., -1:] + torch.arange(1, pad + 1)], dim=-1)
         units_of = torch.nn.functional.pad(units_of, (0, pad), value=-1)
     device = input_ids.device
     shard = lambda t, dim=1: shard_sequence(t, mesh, dim=dim, layout=layout, cu_seqlens=cu)  # noqa: E731
     return {
         "input_ids": shard(input_ids),
-        "position_ids": shard(rope.to(device), dim=2),
+        "position_ids": shard(rope.contiguous().to(device), dim=rope.dim() - 1),
         "shift_labels": shard(targets),
         "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index),
-        "seqmesh_vision": _vision_shard(batch, mesh, family, vision, image_grid, video_grid, units_of, lay, device),
+        "seqmesh_vision": (plain_shard(batch, mesh, config, images, units_of, lay, device) if family.plain else
+                           _vision_shard(batch, mesh, family, vision, image_grid, video_grid, units_of, lay, device)),
     }
 
 

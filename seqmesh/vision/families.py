@@ -13,14 +13,13 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 # model_type of the top-level config -> the families below
-SUPPORTED_VISION = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+SUPPORTED_VISION = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava")
 # multimodal model types seqmesh recognises but does not run yet, and why
 REFUSED_VISION = {
     "gemma3": "Gemma 3's image tokens attend to each other bidirectionally inside an image (a mask seqmesh's "
               "attention does not compute)",
     "qwen3_5_moe": "Qwen3.5-MoE's vision tower is not yet routed through seqmesh (the dense Qwen3.5's is)",
     "qwen2_vl": "Qwen2-VL is not yet routed through seqmesh (Qwen2.5-VL and Qwen3-VL are)",
-    "llava": "LLaVA's tower is not yet routed through seqmesh",
     "llava_onevision": "LLaVA-OneVision's tower is not yet routed through seqmesh",
     "internvl": "InternVL's tower is not yet routed through seqmesh",
 }
@@ -32,14 +31,24 @@ class VisionFamily:
     windows: bool  # Qwen2.5-VL: most tower blocks attend within windows of units
     deepstack: bool  # Qwen3-VL: features of some tower blocks are added to the first decoder layers
     learned_positions: bool  # Qwen3-VL: a learned position table resampled to each frame
+    plain: bool = False  # LLaVA: fixed-size images through a CLIP tower with a class token (seqmesh.vision.plain)
 
     @staticmethod
     def inner(model: nn.Module) -> nn.Module:
         """The ``*Model`` inside a ``*ForConditionalGeneration`` (it holds ``visual`` and ``language_model``)."""
-        return model.model if hasattr(model, "model") and hasattr(model.model, "visual") else model
+        inner = getattr(model, "model", None)
+        return inner if inner is not None and hasattr(inner, "language_model") else model
+
+    def check(self, config) -> None:
+        """Refuse, by name, settings of this family seqmesh does not route."""
+        if self.plain:
+            from .plain import check_plain
+
+            check_plain(config)
 
     def tower(self, model: nn.Module) -> nn.Module:
-        return self.inner(model).visual
+        inner = self.inner(model)
+        return inner.vision_tower if self.plain else inner.visual
 
     def language_model(self, model: nn.Module) -> nn.Module:
         return self.inner(model).language_model
@@ -51,6 +60,7 @@ FAMILIES = {
     "qwen3_vl_moe": VisionFamily("Qwen3-VL-MoE", windows=False, deepstack=True, learned_positions=True),
     # Qwen3.5: Qwen3-VL's tower without DeepStack, before a decoder of Gated DeltaNet and attention layers
     "qwen3_5": VisionFamily("Qwen3.5", windows=False, deepstack=False, learned_positions=True),
+    "llava": VisionFamily("LLaVA", windows=False, deepstack=False, learned_positions=False, plain=True),
 }
 
 

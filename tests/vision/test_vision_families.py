@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
+"""Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5 and LLaVA (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
 every parameter's gradient (tower included) equal the single-process transformers model on the whole
 batch, within the rounding the reference itself carries, on every mesh shape."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from vision_cases import fsdp_data_parallel_parity, vision_parity
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
 # their own images (per_document); one image at the very end, so most ranks hold no image token
 # (contiguous); no image at all (no rank runs the tower: its weights get no gradient, as on one device)
@@ -26,8 +26,9 @@ ROUNDING_MULTIPLE = 4
 def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
         return [(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
-    # 4-rank worlds: the two richest batches, for the two towers (windows; learned positions and DeepStack)
-    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:2] for kind, layout in KINDS[:2]]
+    # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
+    # CLIP's class token)
+    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]]
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
