@@ -32,6 +32,7 @@ from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, sa
 from .config import TrainConfig
 from ..inputs import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
+from .image_files import ImageJsonl
 from .vision_data import ImageCopy
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
@@ -63,19 +64,20 @@ def _tokenizer(cfg: TrainConfig, vocab: int):
     return tokenizer
 
 
-def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText | ImageCopy:
+def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl:
     """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
     into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
     from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
     before building anything."""
     shape = model_shape(cfg.model)
     vocab = shape.vocab if vocab is None else vocab
-    if shape.vision is not None:
-        if cfg.data:
-            raise ValueError(f"{cfg.model} is a vision-language model: seqmesh train runs it on its built-in image "
-                             "task (leave out --data); for your own images, use seqmesh.shard_batch in your loop or "
-                             "the Trainer.")
+    if shape.vision is not None:  # a vision-language model: your records and images, or the built-in image task
         config = hf_config(shape) if cfg.model in MODELS else load_config(cfg.model)
+        if cfg.data:
+            check_data_paths(cfg.data)
+            return ImageJsonl(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), config, text_key=cfg.text_key,
+                              seed=cfg.seed)
+        check_tokenizer_path(cfg.tokenizer)
         return ImageCopy(cfg.seq_len, shape.vision, (config.image_token_id, config.vision_start_token_id,
                                                      config.vision_end_token_id), seed=cfg.seed)
     if not cfg.data:

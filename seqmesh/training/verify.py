@@ -19,7 +19,39 @@ from ..comm.ranks import full_value
 from .train import build, make_dataset, to_device, uses_fsdp
 from ..vision.batch import VISION_KEYS
 
-MEDIA_KEYS = (*VISION_KEYS, "mm_token_type_ids")  # what the reference model of a vision-language batch takes
+
+def _media_documents(config, batch: dict, bounds: list[int]) -> list[dict]:
+    """A one-row vision-language batch cut at ``bounds`` into documents, each with the images (and grids) whose
+    placeholder tokens it holds: the model's own inputs for that document alone."""
+    from ..vision.families import vision_family
+    from ..vision.plain import tokens_per_image
+
+    ids = batch["input_ids"]
+    plain = vision_family(config).plain
+    grid = batch.get("image_grid_thw")
+    merge = None if plain else config.vision_config.spatial_merge_size
+    tokens = [tokens_per_image(config)] * len(batch["pixel_values"]) if plain else \
+        [int(g.prod()) // merge ** 2 for g in grid] if grid is not None else []
+    rows = [0] if plain else [int(g.prod()) for g in grid] if grid is not None else []
+    parts, image, row = [], 0, 0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        need, n = int((ids[:, a:b] == config.image_token_id).sum()), 0
+        while need > 0:
+            need -= tokens[image + n]
+            n += 1
+        part = {"input_ids": ids[:, a:b]}
+        if not plain:  # Qwen-VL's M-RoPE needs each token's modality (text 0, image 1, video 2)
+            video = getattr(config, "video_token_id", None)
+            part["mm_token_type_ids"] = (ids[:, a:b] == config.image_token_id).long() + 2 * (ids[:, a:b] == video).long()
+        if n and plain:
+            part["pixel_values"] = batch["pixel_values"][image : image + n]
+        elif n:
+            count = sum(rows[image : image + n])
+            part.update(pixel_values=batch["pixel_values"][row : row + count], image_grid_thw=grid[image : image + n])
+            row += count
+        image += n
+        parts.append(part)
+    return parts
 
 
 def _reference_sums(model, batches: list[dict], device: torch.device, parity: int | None = None) -> tuple[torch.Tensor, int]:
@@ -42,9 +74,9 @@ def _reference_sums(model, batches: list[dict], device: torch.device, parity: in
         if positions is not None and not torch.equal(positions, positions[:1].expand_as(positions)):
             starts = [0]  # rows with different documents: whole rows (the copy task and text data never make them)
         bounds = starts + [ids.shape[1]]
-        media = {k: batch[k].to(device) for k in MEDIA_KEYS if batch.get(k) is not None}
-        if media:  # a vision-language batch (the image task packs no documents): the model whole, with its images
-            logits = model(input_ids=ids, **media, use_cache=False).logits[:, :-1]
+        if any(batch.get(k) is not None for k in VISION_KEYS):  # each document with its own images
+            logits = torch.cat([model(**{k: v.to(device) for k, v in part.items()}, use_cache=False).logits
+                                for part in _media_documents(model.config, batch, bounds)], dim=1)[:, :-1]
         else:
             logits = torch.cat([
                 model(input_ids=ids[:, a:b], position_ids=None if positions is None else positions[:, a:b].to(device),
@@ -74,7 +106,7 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     for parity in (0, 1):
         (_reference_sums(model, batches, device, parity)[0] / max(count, 1)).backward()
     noise = {name: float((p.grad - grads[name]).abs().max() / grads[name].abs().max().clamp(min=1e-12))
-             for name, p in model.named_parameters()}
+             for name, p in model.named_parameters() if name in grads}
     model.zero_grad()
     return noise
 
@@ -100,7 +132,8 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
     ref_loss, count = _reference_loss(reference, batches, device)
     ref_loss.backward()
-    ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters()}
+    # parameters the loss never reaches (a tower layer past the one LLaVA reads) have no gradient on either side
+    ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
     noise = _reference_noise(reference, batches, device, ref_grads, count)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not fsdp):
         loss = module(**to_device(shard_batch(batches[mesh.dp_rank], mesh, model=module, layout=cfg.layout), device))
@@ -111,6 +144,8 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
         sync_gradients(module, mesh)
     diffs = []
     for name, p in module.named_parameters():
+        if name.removeprefix("lm.") not in ref_grads:
+            continue
         grad = full_value(p.grad)
         want = ref_grads[name.removeprefix("lm.")]
         diffs.append((name.removeprefix("lm."), float((grad.float() - want).abs().max() / want.abs().max().clamp(min=1e-12))))
