@@ -105,7 +105,7 @@ def check_data_paths(paths: list[str]) -> None:
             raise ValueError(f"data file {path!r} does not exist.")
 
 
-def _read_text(path: str) -> str:
+def read_text(path: str) -> str:
     """The file as UTF-8, or a ValueError naming the line and byte that are not."""
     with open(path, "rb") as f:
         raw = f.read()
@@ -119,7 +119,7 @@ def _read_text(path: str) -> str:
 
 def _read_jsonl(path: str, text_key: str) -> list[str]:
     docs = []
-    for n, line in enumerate(_read_text(path).split("\n"), 1):
+    for n, line in enumerate(read_text(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -146,7 +146,7 @@ def _read_documents(paths: list[str], text_key: str) -> list[str]:
         if path.endswith((".jsonl", ".json")):
             docs.extend(_read_jsonl(path, text_key))
         else:
-            docs.extend(part for part in _read_text(path).split("\n\n") if part.strip())
+            docs.extend(part for part in read_text(path).split("\n\n") if part.strip())
     if not docs:
         raise ValueError(f"no documents found in {paths}.")
     return docs

@@ -18,7 +18,7 @@ import os
 import torch
 
 from ..sequence.batch import IGNORE_INDEX
-from .datasets import _read_text, held_out_documents
+from .datasets import read_text, held_out_documents
 
 MARKER = "<image>"
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # the CLIP normalisation the Qwen-VL and LLaVA processors apply
@@ -80,7 +80,7 @@ class ImageJsonl:
     @staticmethod
     def _records(path: str, text_key: str):
         folder = os.path.dirname(os.path.abspath(path))
-        for n, line in enumerate(_read_text(path).split("\n"), 1):
+        for n, line in enumerate(read_text(path).split("\n"), 1):
             if not line.strip():
                 continue
             try:
