@@ -119,24 +119,27 @@ def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
     tower, media, v = Tower(work, c.layout), work.media, work.model.vision
     shown = [f"{media.images} image(s)"] if media.images else []
     shown += [f"a video of {media.video_frames} frames"] if media.video_frames else []
-    frame, units = media.frame_patches(v), media.frame_patches(v) // v.merge ** 2
+    each = " and ".join(x for x, n in (("image", media.images), (f"{v.temporal} video frames", media.video_frames)) if n)
+    frame = media.frame_patches(v)
     kept, peak = tower.memory()
     traffic = tower.traffic()
     phases = [ph for ph in PHASES if any(traffic[ph].values())]
     sent = "; ".join(f"{k} {' / '.join(_human_bytes(traffic[ph][k]) for ph in phases)}" for k in TOWER_KEYS
                      if any(traffic[ph][k] for ph in phases))
+    sent = f" ({' / '.join(phases)}): {sent}" if sent else ": no sequence-parallel traffic (one rank per group)"
     fsdp = "; ".join(f"{k} {_human_bytes(n)}" for k, n in tower.fsdp().items())
     s = tower.seconds(cluster.hardware)
     return [
         f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per sequence, "
-        f"{frame:,} patches ({units:,} tokens) per frame; {tower.patches:,} patches and "
-        f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches per rank",
+        f"{frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
+        f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
+        "per rank",
         f"vision tower memory per GPU: {_gib(kept)} GiB kept through the decoder, {_gib(peak)} GiB in its top "
-        f"block's backward",
-        "vision tower traffic per step, busiest rank" + (f" ({' / '.join(phases)}): {sent}" if sent else
-                                                         ": no sequence-parallel traffic (one rank per group)") + f"; {fsdp}",
-        f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step ({percent(s['total'] / c.time.total)}):"
-        f" compute {_num(s['compute'])} s, exposed communication {_num(s['total'] - s['compute'])} s",
+        "block's backward",
+        f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
+        f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
+        f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
+        f"{_num(s['total'] - s['compute'])} s",
     ]
 
 
