@@ -16,7 +16,7 @@ from .timing import StepTime, step_time
 from ..padding import padded_length
 from ..heads import HeadDeal
 from .traffic import fsdp_traffic
-from .vision import tower_memory, with_tower_time, with_tower_traffic
+from .vision import tower_memory, with_tower
 from ..degrees import Degrees
 from .workload import GlobalBatch, Workload, embedding_unit_params, root_params
 
@@ -209,7 +209,7 @@ def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBa
     per_layer, links, per_step = communication(work, layout, hw)
     t = step_time(work, layout, hw)
     if work.media is not None:  # the tower runs before the decoder's forward and after its backward
-        t, per_step = with_tower_time(t, work, layout, hw), with_tower_traffic(per_step, work, layout)
+        t, per_step = with_tower(t, per_step, work, layout, hw)
     m = work.model
     problems, notes = [], []
     if mem.total > hw.memory_bytes:

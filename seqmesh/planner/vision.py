@@ -15,7 +15,8 @@ from ..model.presets import ModelShape, VisionShape
 from .activations import outside_layers_bytes
 from .hardware import HardwareSpec
 from .memory import MOMENTS, MemoryBreakdown, memory_at, parameter_memory
-from .network import all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds, uplink_seconds
+from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
+                      uplink_seconds)
 from .timing import ATTENTION_BACKWARD, StepTime
 from .traffic import RankTraffic, fsdp_traffic, vision_route_traffic, vision_tower_traffic
 
@@ -153,34 +154,32 @@ class Tower:
             out["recompute"] |= {k: out["forward"][k] for k in TOWER_KEYS[:2]}
         return out
 
-    def fsdp(self) -> dict[str, int]:
-        """FSDP bytes per step: each block's unit gathered forward and backward and reduce-scattered; the rest
-        (patch embedding, mergers) in the root unit, gathered once."""
+    def _units(self) -> tuple[dict[str, int], dict[str, int]]:
+        """FSDP traffic of a block's unit and of the tower's part of the root unit (patch embedding, mergers)."""
         v, w = self.vision, self.work
-        block, rest = (fsdp_traffic(n, self.group.fsdp_group, w.torch_dtype, w.reduce_dtype)
-                       for n in (v.block_params, v.params - v.depth * v.block_params))
+        return tuple(fsdp_traffic(n, self.group.fsdp_group, w.torch_dtype, w.reduce_dtype)
+                     for n in (v.block_params, v.params - v.depth * v.block_params))
+
+    def fsdp(self) -> dict[str, int]:
+        """FSDP bytes per step: each block's unit gathered forward and backward and reduce-scattered; the root's
+        part gathered once (kept for backward) and reduce-scattered."""
+        v, (block, rest) = self.vision, self._units()
         return {"fsdp_all_gather": 2 * v.depth * block["all_gather_forward"] + rest["all_gather_forward"],
                 "fsdp_reduce_scatter": v.depth * block["reduce_scatter_backward"] + rest["reduce_scatter_backward"]}
 
     def memory(self) -> tuple[int, int]:
-        """``(kept, peak)`` bytes. Kept from the tower's forward to its backward, so through the whole decoder: the
-        pixels (float32 and the patch embedding's compute-dtype copy), rotary cos and sin (float32), each block's
-        input with checkpointing (else its saved tensors) and each merger's. Peak, in the top block's backward (the
-        mergers done): the block's saved tensors, its output's and input's gradients, and the larger of the MLP's
-        gradients and attention's (q, k, v; a ring adds float32 dQ, four dK/dV partials, three K/V blocks).
-        A block saves per patch two norms (eager RMSNorm: float32 input and scale, the normalized tensor; LayerNorm:
-        its input, float32 mean and rstd) and their outputs; q, k, v, output, float32 LSE (Ulysses: for ``U`` x the
-        patches, ceil(H/U) heads, and the projection's own input); the MLP's gate, up, SiLU, product (two: fc1, GELU)."""
+        """``(kept, peak)`` bytes: kept from the tower's forward to its backward, i.e. through the whole decoder, and
+        at its peak, in the top block's backward. What each counts per patch: docs/planner.md, "Vision towers"."""
         v, e, g, w = self.vision, self.work.act_bytes, self.group, self.work
         c, d, heads = v.hidden, v.hidden // v.heads, g.ulysses * -(-v.heads // g.ulysses)
-        norm = 4 * c + 4 + e * c if v.gated else e * c + 8
-        attention = heads * (4 * d * e + 4) + (e * c if g.ulysses > 1 else 0)
-        block = 2 * (norm + e * c) + attention + (4 if v.gated else 2) * v.intermediate * e
+        norm = 4 * c + 4 + e * c if v.gated else e * c + 8  # eager RMSNorm (fp32 x, rstd, normed) or LayerNorm
+        attention = heads * (4 * d * e + 4) + (e * c if g.ulysses > 1 else 0)  # q, k, v, out, LSE; o_proj input
+        block = 2 * (norm + e * c) + attention + (4 if v.gated else 2) * v.intermediate * e  # + norm outputs, MLP
         mergers = (1 + len(v.deepstack)) * (norm + 3 * e * c)  # the norm, its output, fc1's output, GELU's
-        outside = v.patch_features * (4 + (e if e != 4 else 0)) + 2 * d * 4
+        outside = v.patch_features * (4 + (e if e != 4 else 0)) + 2 * d * 4  # pixels, their copy; cos, sin
         kept = outside + mergers + v.depth * (e * c if w.checkpointing else block)
-        grads = heads * d * (3 * e + (4 + 2 * (16 + 3 * e) if g.ring > 1 else 0))
-        working = 2 * e * c + max((3 if v.gated else 2) * v.intermediate * e, grads)
+        grads = heads * d * (3 * e + (4 + 2 * (16 + 3 * e) if g.ring > 1 else 0))  # dq, dk, dv; ring buffers
+        working = 2 * e * c + max((3 if v.gated else 2) * v.intermediate * e, grads)  # d(out), d(in), the larger
         peak = kept - mergers + (block if w.checkpointing else 0) + working
         return self.rank_patches * kept, self.rank_patches * peak
 
@@ -196,17 +195,13 @@ class Tower:
         return seconds
 
     def seconds(self, hw: HardwareSpec) -> dict[str, float]:
-        """``total``, ``compute`` and ``serial`` (communication end to end) seconds per step. A block: matmuls on the
-        rank's patches; attention on the pairs inside each frame (window) for ceil(H/U) heads over ``R`` ring ranks
-        (backward 2.5x); its all-to-alls and ring hops exposed (ring steps past the first compute only the pairs of
-        documents that straddle a block boundary); its FSDP unit prefetched as a decoder layer's. Outside the
-        blocks: the patch embedding and mergers; the route and the root part's FSDP, exposed."""
+        """``total``, ``compute`` and ``serial`` (communication end to end) seconds per step; docs/planner.md,
+        "Vision towers", says what is counted and what overlaps."""
         v, w, g, n = self.vision, self.work, self.group, self.rank_patches
         peak, ranks, repeat = hw.flops_for(w.dtype), list(range(g.gpus)), 2 if w.checkpointing else 1
         mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
         mm = 2 * n * (4 * v.hidden ** 2 + (3 if v.gated else 2) * v.hidden * v.intermediate) / mm_rate
-        block, rest = (fsdp_traffic(p, g.fsdp_group, w.torch_dtype, w.reduce_dtype)
-                       for p in (v.block_params, v.params - v.depth * v.block_params))
+        block, rest = self._units()
         ag, rs = (gather_seconds(block[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
         total = compute = serial = 0.0
         for bounds, count in self.documents():
@@ -224,16 +219,16 @@ class Tower:
         outside = 3 * 2 * n * (v.patch_features * v.hidden + mergers) / mm_rate  # forward, and backward 2x
         patterns = peer_patterns(hw, axis_groups(g, "sequence"))
         routes = [phase["vision_route"] for phase in self.traffic().values()]
-        exposed = sum(max(all_to_all_from_patterns(b, hw, patterns), uplink_seconds(b, hw, g, "sequence")) for b in routes)
+        exposed = sum(max(all_to_all_from_patterns(b, hw, patterns), uplink_seconds(b, hw, g, "sequence"))
+                      for b in routes)
         exposed += sum(gather_seconds(rest[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
         return {"total": total + outside + exposed, "compute": compute + outside, "serial": serial + exposed}
 
 
 def tower_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
     """The step's peak with the tower: what it keeps added to every moment inside the decoder, and one moment more,
-    ``vision backward``: the tower's peak with the decoder's outside tensors, over the parameter state of the first
-    decoder layer's backward (the root's gradient alive, the others reduce-scattered; a decoder layer gathered
-    stands for the smaller tower blocks)."""
+    ``vision backward``: its peak and the decoder's outside tensors over the parameter state of the first decoder
+    layer's backward (a decoder layer gathered stands for the smaller tower blocks)."""
     kept, peak = Tower(work, layout).memory()
     moments = [memory_at(work, layout, moment) for moment in MOMENTS]
     moments = [replace(b, activations=b.activations + kept) if b.moment in DURING_DECODER else b for b in moments]
@@ -243,18 +238,16 @@ def tower_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
     return max(moments, key=lambda b: b.total)
 
 
-def with_tower_time(t: StepTime, work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
-    """The step with the tower's forward before the decoder's and its backward after the decoder's."""
-    s = Tower(work, layout).seconds(hw)
-    total, compute = t.total + s["total"], t.compute + s["compute"]
-    return replace(t, total=total, compute=compute, exposed_comm=total - compute, serial_comm=t.serial_comm + s["serial"])
-
-
-def with_tower_traffic(per_step: dict[str, int], work: Workload, layout: Degrees) -> dict[str, int]:
-    """Bytes per step with the tower's collectives (``vision_*``) and its FSDP units."""
+def with_tower(t: StepTime, per_step: dict[str, int], work: Workload, layout: Degrees,
+               hw: HardwareSpec) -> tuple[StepTime, dict[str, int]]:
+    """The step's time and bytes with the tower's forward before the decoder's and its backward after it: its
+    collectives (``vision_*``) and FSDP units added to the bytes."""
     tower, out = Tower(work, layout), dict(per_step)
     for sent in (*tower.traffic().values(), tower.fsdp()):
         for k, v in sent.items():
             out[k] = out.get(k, 0) + v
     out["total"] = sum(v for k, v in out.items() if k != "total")
-    return out
+    s = tower.seconds(hw)
+    total, compute = t.total + s["total"], t.compute + s["compute"]
+    return replace(t, total=total, compute=compute, exposed_comm=total - compute,
+                   serial_comm=t.serial_comm + s["serial"]), out
