@@ -38,9 +38,10 @@ class Media:
     video_frames: int = 0  # 0: no video
 
     def __post_init__(self) -> None:
-        if min(self.images, self.video_frames) < 0 or min(self.height, self.width) < 1:
-            raise ValueError(f"--images {self.images}, --video-frames {self.video_frames}, --image-size "
-                             f"{self.height}x{self.width}: counts cannot be negative and sizes are positive pixels.")
+        counts = (self.images, self.video_frames)
+        if min(counts) < 0 or not any(counts) or min(self.height, self.width) < 1:
+            raise ValueError(f"--images {self.images}, --video-frames {self.video_frames}, --image-size {self.height}x"
+                             f"{self.width}: give an image or a video, no negative count, sizes in positive pixels.")
 
     def frames(self, v: VisionShape) -> int:
         """Frames the tower sees per sequence: one per image, one per ``temporal`` frames of the video."""

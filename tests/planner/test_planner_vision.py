@@ -37,6 +37,8 @@ def test_patches_tokens_and_documents():
     assert tower.documents() == [(frames, 1), (windows, 2)]
     video = Tower(Workload(TINY_VL, seq_len=64, media=Media(video_frames=6, height=8, width=12)), Degrees(1, 1, 4))
     assert video.patches == 6 // 2 * 24 and video.rank_patches == 72  # 3 temporal patches of 24
+    with pytest.raises(ValueError, match="give an image or a video"):
+        Media(images=0)
 
 
 def test_traffic_by_hand():
