@@ -37,19 +37,30 @@ class VisionShape:
         return self.in_channels * self.temporal * self.patch * self.patch
 
     @property
+    def gated(self) -> bool:
+        """Qwen2.5-VL's blocks: a gated MLP and RMSNorms; Qwen3-VL's (``position_table``): two linears, LayerNorms."""
+        return not self.position_table
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block (one FSDP unit): qkv and proj with biases, the MLP with biases, two norms."""
+        h, i = self.hidden, self.intermediate
+        attention = 4 * h * h + 4 * h
+        if self.gated:
+            return attention + 3 * h * i + 2 * i + h + 2 * h
+        return attention + 2 * h * i + i + h + 4 * h
+
+    @property
     def params(self) -> int:
         """Parameters. Qwen2.5-VL: a bias-free patch embedding; blocks of qkv and proj with biases, a gated MLP
         with biases, two RMSNorms; a merger (RMSNorm, two linears). Qwen3-VL (``position_table``): a patch
         embedding with a bias, the learned positions; blocks with a two-linear MLP and LayerNorms; the merger
         and each DeepStack merger (LayerNorm over the merged unit) with LayerNorms."""
-        h, i, unit = self.hidden, self.intermediate, self.hidden * self.merge * self.merge
+        h, unit = self.hidden, self.hidden * self.merge * self.merge
         linears = unit * unit + unit + unit * self.out_hidden + self.out_hidden
-        attention = 4 * h * h + 4 * h
-        if not self.position_table:
-            block = attention + 3 * h * i + 2 * i + h + 2 * h
-            return self.patch_features * h + self.depth * block + h + linears
-        block = attention + 2 * h * i + i + h + 4 * h
-        return (self.patch_features * h + h + self.position_table * h + self.depth * block + 2 * h + linears
+        if self.gated:
+            return self.patch_features * h + self.depth * self.block_params + h + linears
+        return (self.patch_features * h + h + self.position_table * h + self.depth * self.block_params + 2 * h + linears
                 + len(self.deepstack) * (2 * unit + linears))
 
     def config(self) -> dict:

@@ -12,6 +12,7 @@ from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
 from .report import format_longest, format_plan
+from .vision import Media, parse_image_size
 from .workload import Workload, global_batch_from
 
 
@@ -29,6 +30,10 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch of a sequence group (default 1)")
+    p.add_argument("--images", type=int, default=0, help="images per sequence, for a vision-language model's tower")
+    p.add_argument("--image-size", default="448x448", metavar="HxW",
+                   help="pixels of each image and video frame, multiples of patch x merge (default %(default)s)")
+    p.add_argument("--video-frames", type=int, default=0, help="frames of one video per sequence (default 0: none)")
     p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
     p.add_argument("--nodes", type=int, help="nodes (default: from --gpus)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware preset's)")
@@ -129,13 +134,18 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
     return hw
 
 
-def workload_from_args(args: argparse.Namespace, seq_len: int) -> Workload:
+def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workload:
+    model, media = model_shape(args.model), None
+    if args.images or args.video_frames:
+        media = Media(args.images, *parse_image_size(args.image_size), args.video_frames)
+        if seq_len is None and model.vision is not None:  # --max-seq-len: start from the placeholder tokens
+            seq_len = max(1, media.tokens(model.vision))
     return Workload(
-        model=model_shape(args.model), seq_len=seq_len, batch=args.batch, dtype=args.dtype,
+        model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
         checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
         layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
         efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
-        fsdp_cpu_offload=args.fsdp_cpu_offload,
+        fsdp_cpu_offload=args.fsdp_cpu_offload, media=media,
     )
 
 
@@ -153,7 +163,7 @@ def check_args(args: argparse.Namespace):
     try:
         hw = hardware_from_args(args)
         cluster = make_cluster(hw, args.gpus, args.nodes, args.gpus_per_node if not args.link else None)
-        work = workload_from_args(args, args.seq_len or 1)
+        work = workload_from_args(args, args.seq_len)
         target = global_batch_from(args.global_batch_seqs, args.global_batch_tokens, args.seq_len, args.batch,
                                    args.one_group)
     except PlanInputError:

@@ -16,6 +16,7 @@ from .timing import StepTime, step_time
 from ..padding import padded_length
 from ..heads import HeadDeal
 from .traffic import fsdp_traffic
+from .vision import tower_memory, with_tower
 from ..degrees import Degrees
 from .workload import GlobalBatch, Workload, embedding_unit_params, root_params
 
@@ -132,6 +133,8 @@ def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Degrees], list[
                 excluded.append((lay, f"ulysses {u} exceeds the {m.heads} query heads; put the rest on the ring"))
             elif m.linear_layers and sp > m.linear_value_heads:
                 excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet value heads"))
+            elif work.media is not None and u > m.vision.heads:
+                excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
             else:
                 ok.append(lay)
     for tp in divisors(n)[1:]:
@@ -195,11 +198,18 @@ def with_fsdp(kind: LayerKind, work: Workload, layout: Degrees) -> dict[str, dic
     return sent
 
 
+def peak_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
+    """The step's peak per GPU, with a vision-language workload's tower (:mod:`.vision`)."""
+    return memory_per_gpu(work, layout) if work.media is None else tower_memory(work, layout)
+
+
 def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Candidate:
     hw = cluster.hardware
-    mem = memory_per_gpu(work, layout)
+    mem = peak_memory(work, layout)
     per_layer, links, per_step = communication(work, layout, hw)
     t = step_time(work, layout, hw)
+    if work.media is not None:  # the tower runs before the decoder's forward and after its backward
+        t, per_step = with_tower(t, per_step, work, layout, hw)
     m = work.model
     problems, notes = [], []
     if mem.total > hw.memory_bytes:
@@ -234,15 +244,21 @@ def plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalBatch()) 
     return Plan(work, cluster, tuple(ranked), tuple(excluded), best, reason, target)
 
 
+def shortest_sequence(work: Workload) -> int:
+    """The shortest sequence a workload can have: one token, or its images' placeholder tokens."""
+    return 1 if work.media is None else max(1, work.media.tokens(work.model.vision))
+
+
 def longest_sequence(work: Workload, layout: Degrees, memory_bytes: int, limit: int = 2**34) -> int:
     """The longest sequence whose step fits in ``memory_bytes`` per GPU on ``layout`` (0 if none)."""
 
     def fits(s: int) -> bool:
-        return memory_per_gpu(replace(work, seq_len=s), layout).total <= memory_bytes
+        return peak_memory(replace(work, seq_len=s), layout).total <= memory_bytes
 
-    if not fits(1):
+    lo = shortest_sequence(work)
+    if not fits(lo):
         return 0
-    lo, hi = 1, 2
+    hi = 2 * lo
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     if hi > limit:
@@ -263,7 +279,7 @@ def longest_plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalB
     rows = []
     for lay in ok:
         n = longest_sequence(work, lay, cluster.hardware.memory_bytes)
-        c = evaluate(replace(work, seq_len=max(n, 1)), lay, cluster)
+        c = evaluate(replace(work, seq_len=max(n, shortest_sequence(work))), lay, cluster)
         rows.append({
             "layout": lay.as_dict(), "label": lay.label(), "runs_on_seqmesh": lay.runs_on_seqmesh,
             "max_seq_len": n, "feasible": n > 0, "memory_bytes": c.memory.as_dict(), "memory_peak_at": c.memory.moment,

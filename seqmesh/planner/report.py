@@ -5,6 +5,7 @@ from __future__ import annotations
 from .hardware import GiB, Cluster
 from .plan import PHASES, Candidate, Plan
 from .recommend import percent
+from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
 SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")
@@ -103,12 +104,43 @@ def format_plan(p: Plan, top: int) -> str:
                  f"total {_human_bytes(c.comm_per_step['total'])}")
     lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
                  f"{_num(c.time.exposed_comm)} s")
+    if work.media is not None:
+        lines += format_tower(c, work, p.cluster)
     if accum:
         tokens = target.sequences * work.seq_len
         lines.append(f"optimizer step (global batch {target.sequences:,} sequences = {tokens:,} tokens): "
                      f"{c.accumulation} micro-step(s) x {_num(c.time.total)} s = {_num(c.optimizer_step_s)} s, "
                      f"{_num(tokens / c.optimizer_step_s)} tokens/s")
     return "\n".join(lines)
+
+
+def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
+    """The vision tower's part of ``c``: its sequence, memory, traffic and time on the busiest rank (:mod:`.vision`)."""
+    tower, media, v = Tower(work, c.layout), work.media, work.model.vision
+    shown = [f"{media.images} image(s)"] if media.images else []
+    shown += [f"a video of {media.video_frames} frames"] if media.video_frames else []
+    each = " and ".join(x for x, n in (("image", media.images), (f"{v.temporal} video frames", media.video_frames)) if n)
+    frame = media.frame_patches(v)
+    kept, peak = tower.memory()
+    traffic = tower.traffic()
+    phases = [ph for ph in PHASES if any(traffic[ph].values())]
+    sent = "; ".join(f"{k} {' / '.join(_human_bytes(traffic[ph][k]) for ph in phases)}" for k in TOWER_KEYS
+                     if any(traffic[ph][k] for ph in phases))
+    sent = f" ({' / '.join(phases)}): {sent}" if sent else ": no sequence-parallel traffic (one rank per group)"
+    fsdp = "; ".join(f"{k} {_human_bytes(n)}" for k, n in tower.fsdp().items())
+    s = tower.seconds(cluster.hardware)
+    return [
+        f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per sequence, "
+        f"{frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
+        f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
+        "per rank",
+        f"vision tower memory per GPU: {_gib(kept)} GiB kept through the decoder, {_gib(peak)} GiB in its top "
+        "block's backward",
+        f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
+        f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
+        f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
+        f"{_num(s['total'] - s['compute'])} s",
+    ]
 
 
 def global_batch_line(p: Plan) -> str:

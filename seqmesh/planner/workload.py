@@ -5,9 +5,13 @@ global batch (which layouts give it, with how much gradient accumulation; docs/p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..degrees import Degrees, resolve_degrees
 from ..model.presets import ModelShape
+
+if TYPE_CHECKING:  # the tower's module imports this one
+    from .vision import Media
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -40,6 +44,7 @@ class Workload:
     mlp_tiles: int | None = None  # tiles per MLP with tiled_mlp; None: local tokens / hidden, rounded up
     offload_prefetch: int = 2  # offloaded inputs fetched back to the device ahead of use (0: used in place, CPU)
     optimizer_foreach: bool = True  # AdamW's foreach path (torch's default on CUDA): one fp32 temporary per parameter
+    media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -54,6 +59,8 @@ class Workload:
             raise ValueError("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
         if self.mlp_tiles is not None and self.mlp_tiles < 1:
             raise ValueError(f"mlp_tiles={self.mlp_tiles} must be at least 1 (None: chosen from the shapes).")
+        if self.media is not None:
+            self.media.check(self.model, self.seq_len)
         if self.offload_prefetch < 0:
             raise ValueError(f"offload_prefetch={self.offload_prefetch} must be >= 0.")
 

@@ -1,0 +1,254 @@
+"""The vision tower of a vision-language workload (``--images``, ``--video-frames``) on the busiest rank: its
+sequence, what it keeps for backward, sends and computes, folded into the step's memory, traffic and time.
+The model and its assumptions: docs/planner.md, "Vision towers".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+from ..degrees import Degrees
+from ..model.presets import ModelShape, VisionShape
+from .activations import outside_layers_bytes
+from .hardware import HardwareSpec
+from .memory import MOMENTS, MemoryBreakdown, memory_at, parameter_memory
+from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
+                      uplink_seconds)
+from .timing import ATTENTION_BACKWARD, StepTime
+from .traffic import RankTraffic, fsdp_traffic, vision_route_traffic, vision_tower_traffic
+
+if TYPE_CHECKING:  # workload refers to Media
+    from .workload import Workload
+
+DURING_DECODER = ("loss forward", "loss backward", "layer backward", "first layer backward")
+TOWER_KEYS = ("vision_all_to_all", "vision_ring_p2p", "vision_route")
+
+
+@dataclass(frozen=True)
+class Media:
+    """What each sequence shows the tower: ``images`` images, then one video of ``video_frames`` frames, every
+    frame ``height x width`` pixels as the model's processor resized it."""
+
+    images: int = 0
+    height: int = 448
+    width: int = 448
+    video_frames: int = 0  # 0: no video
+
+    def __post_init__(self) -> None:
+        counts = (self.images, self.video_frames)
+        if min(counts) < 0 or not any(counts) or min(self.height, self.width) < 1:
+            raise ValueError(f"--images {self.images}, --video-frames {self.video_frames}, --image-size {self.height}x"
+                             f"{self.width}: give an image or a video, no negative count, sizes in positive pixels.")
+
+    def frames(self, v: VisionShape) -> int:
+        """Frames the tower sees per sequence: one per image, one per ``temporal`` frames of the video."""
+        return self.images + self.video_frames // v.temporal
+
+    def frame_patches(self, v: VisionShape) -> int:
+        return (self.height // v.patch) * (self.width // v.patch)
+
+    def tokens(self, v: VisionShape) -> int:
+        """Placeholder tokens per sequence: one per merged unit of ``merge**2`` patches."""
+        return self.frames(v) * self.frame_patches(v) // v.merge ** 2
+
+    def check(self, model: ModelShape, seq_len: int) -> None:
+        """Raise a ValueError naming the fix when the model has no tower, a size is not one its processor
+        makes, or the placeholder tokens do not fit in the sequence."""
+        v = model.vision
+        if v is None:
+            raise ValueError(f"--images / --video-frames need a vision-language model; {model.name} has no vision "
+                             "tower (presets: qwen2.5-vl-7b, qwen3-vl-8b, or a Qwen-VL config.json).")
+        side = v.patch * v.merge
+        if self.height % side or self.width % side:
+            near = lambda x: max(side, round(x / side) * side)  # noqa: E731
+            raise ValueError(f"--image-size {self.height}x{self.width}: {model.name}'s processor resizes to multiples "
+                             f"of patch x merge = {side} pixels; use {near(self.height)}x{near(self.width)}.")
+        if self.video_frames % v.temporal:
+            low = self.video_frames // v.temporal * v.temporal
+            raise ValueError(f"--video-frames {self.video_frames} is not a multiple of the {v.temporal} frames of a "
+                             f"temporal patch; use {' or '.join(str(f) for f in (low, low + v.temporal) if f)}.")
+        if self.tokens(v) > seq_len:
+            per = f"{self.frame_patches(v) // v.merge ** 2:,} tokens"
+            parts = ([f"{self.images} images x {per}"] if self.images else []) + (
+                [f"a video of {self.video_frames // v.temporal} frames x {per}"] if self.video_frames else [])
+            raise ValueError(f"{' + '.join(parts)} = {self.tokens(v):,} placeholder tokens do not fit in --seq-len "
+                             f"{seq_len:,}; use --seq-len {self.tokens(v):,} or more, or fewer or smaller images.")
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """``HEIGHTxWIDTH`` in pixels -> ``(height, width)``."""
+    try:
+        height, width = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--image-size {text!r} must look like HEIGHTxWIDTH in pixels, e.g. 448x448.") from None
+    return height, width
+
+
+@lru_cache(maxsize=256)
+def block_traffic(v: VisionShape, bounds: tuple[int, ...], group: Degrees, dtype: str) -> RankTraffic:
+    """The busiest rank's traffic in one tower block whose documents end at ``bounds``."""
+    ranks = vision_tower_traffic(1, v.heads, v.hidden // v.heads, frames=bounds, merge=v.merge, ulysses=group.ulysses,
+                                 ring=group.ring, dtype=dtype)
+    return max(ranks, key=lambda t: sum(c.bytes_sent for c in t.collectives))
+
+
+@dataclass(frozen=True)
+class Tower:
+    """The tower of one sequence group (its ``batch`` sequences' media) on its busiest rank. The TP reference
+    (``tp > 1``) is costed as seqmesh's tower over its TP group (Ulysses ``tp``)."""
+
+    work: Workload
+    layout: Degrees
+
+    @property
+    def vision(self) -> VisionShape:
+        return self.work.model.vision
+
+    @property
+    def group(self) -> Degrees:
+        lay = self.layout
+        return lay if lay.tp == 1 else Degrees(lay.tp, 1, lay.dp_shard)
+
+    @property
+    def patches(self) -> int:
+        """Patches of the group's batch (images, then videos)."""
+        return self.work.batch * self.work.media.frames(self.vision) * self.work.media.frame_patches(self.vision)
+
+    @property
+    def rank_patches(self) -> int:
+        """Patches per rank: ``P`` equal shares of whole merge units (padded to ``merge**2 x P x ceil(units / P)``)."""
+        unit = self.vision.merge ** 2
+        return unit * -(-self.patches // unit // self.group.sp)
+
+    def documents(self) -> list[tuple[tuple[int, ...], int]]:
+        """``(document boundaries, blocks)``: the frames, for full blocks; Qwen2.5-VL's windows of ``window``
+        pixels (edge windows smaller), for its windowed blocks."""
+        v, media, unit = self.vision, self.work.media, self.vision.merge ** 2
+        rows, cols = media.height // v.patch // v.merge, media.width // v.patch // v.merge  # units per side
+        frames = self.work.batch * media.frames(v)
+        full = tuple(accumulate([0] + [rows * cols * unit] * frames))
+        if not v.window:
+            return [(full, v.depth)]
+        k = v.window // v.patch // v.merge
+        sizes = [min(k, rows - i) * min(k, cols - j) * unit for i in range(0, rows, k) for j in range(0, cols, k)]
+        windows = tuple(accumulate([0] + sizes * frames))
+        return [(b, n) for b, n in ((full, len(v.full_blocks)), (windows, v.depth - len(v.full_blocks))) if n]
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes sent per step by phase (``recompute``: the blocks' forward replayed by checkpointing) and collective:
+        the blocks' all-to-alls and ring hops; the route, as many merged units as the rank's share sent forward and
+        their gradients returned backward (none on one rank)."""
+        v, dtype, g = self.vision, self.work.torch_dtype, self.group
+        out = {phase: dict.fromkeys(TOWER_KEYS, 0) for phase in ("forward", "backward", "recompute")}
+        for bounds, n in self.documents():
+            sent = block_traffic(v, bounds, g, dtype)
+            for phase in ("forward", "backward"):
+                out[phase]["vision_all_to_all"] += n * sent.sent("all_to_all", phase)
+                out[phase]["vision_ring_p2p"] += n * sent.sent("p2p", phase)
+        units = self.rank_patches // v.merge ** 2 if g.sp > 1 else 0
+        for phase, sent in vision_route_traffic(units, units, v.out_hidden * (1 + len(v.deepstack)), dtype).items():
+            out[phase]["vision_route"] = sent
+        if self.work.checkpointing:
+            out["recompute"] |= {k: out["forward"][k] for k in TOWER_KEYS[:2]}
+        return out
+
+    def _units(self) -> tuple[dict[str, int], dict[str, int]]:
+        """FSDP traffic of a block's unit and of the tower's part of the root unit (patch embedding, mergers)."""
+        v, w = self.vision, self.work
+        return tuple(fsdp_traffic(n, self.group.fsdp_group, w.torch_dtype, w.reduce_dtype)
+                     for n in (v.block_params, v.params - v.depth * v.block_params))
+
+    def fsdp(self) -> dict[str, int]:
+        """FSDP bytes per step: each block's unit gathered forward and backward and reduce-scattered; the root's
+        part gathered once (kept for backward) and reduce-scattered."""
+        v, (block, rest) = self.vision, self._units()
+        return {"fsdp_all_gather": 2 * v.depth * block["all_gather_forward"] + rest["all_gather_forward"],
+                "fsdp_reduce_scatter": v.depth * block["reduce_scatter_backward"] + rest["reduce_scatter_backward"]}
+
+    def memory(self) -> tuple[int, int]:
+        """``(kept, peak)`` bytes: kept from the tower's forward to its backward, i.e. through the whole decoder, and
+        at its peak, in the top block's backward. What each counts per patch: docs/planner.md, "Vision towers"."""
+        v, e, g, w = self.vision, self.work.act_bytes, self.group, self.work
+        c, d, heads = v.hidden, v.hidden // v.heads, g.ulysses * -(-v.heads // g.ulysses)
+        norm = 4 * c + 4 + e * c if v.gated else e * c + 8  # eager RMSNorm (fp32 x, rstd, normed) or LayerNorm
+        attention = heads * (4 * d * e + 4) + (e * c if g.ulysses > 1 else 0)  # q, k, v, out, LSE; o_proj input
+        block = 2 * (norm + e * c) + attention + (4 if v.gated else 2) * v.intermediate * e  # + norm outputs, MLP
+        mergers = (1 + len(v.deepstack)) * (norm + 3 * e * c)  # the norm, its output, fc1's output, GELU's
+        outside = v.patch_features * (4 + (e if e != 4 else 0)) + 2 * d * 4  # pixels, their copy; cos, sin
+        kept = outside + mergers + v.depth * (e * c if w.checkpointing else block)
+        grads = heads * d * (3 * e + (4 + 2 * (16 + 3 * e) if g.ring > 1 else 0))  # dq, dk, dv; ring buffers
+        working = 2 * e * c + max((3 if v.gated else 2) * v.intermediate * e, grads)  # d(out), d(in), the larger
+        peak = kept - mergers + (block if w.checkpointing else 0) + working
+        return self.rank_patches * kept, self.rank_patches * peak
+
+    def _comm_seconds(self, sent: RankTraffic, phase: str, hw: HardwareSpec) -> float:
+        """One block's all-to-alls and ring hops in ``phase``, call by call."""
+        g, seconds = self.group, 0.0
+        patterns = peer_patterns(hw, axis_groups(g, "ulysses"))
+        for c in (c for c in sent.collectives if c.phase == phase):
+            each = c.bytes_sent // c.calls
+            one = (ring_hop_seconds(each, hw, g) if c.kind == "p2p" else
+                   max(all_to_all_from_patterns(each, hw, patterns), uplink_seconds(each, hw, g, "ulysses")))
+            seconds += c.calls * one
+        return seconds
+
+    def seconds(self, hw: HardwareSpec) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` (communication end to end) seconds per step; docs/planner.md,
+        "Vision towers", says what is counted and what overlaps."""
+        v, w, g, n = self.vision, self.work, self.group, self.rank_patches
+        peak, ranks, repeat = hw.flops_for(w.dtype), list(range(g.gpus)), 2 if w.checkpointing else 1
+        mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
+        mm = 2 * n * (4 * v.hidden ** 2 + (3 if v.gated else 2) * v.hidden * v.intermediate) / mm_rate
+        block, rest = self._units()
+        ag, rs = (gather_seconds(block[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        total = compute = serial = 0.0
+        for bounds, count in self.documents():
+            pairs = sum((b - a) ** 2 for a, b in zip(bounds, bounds[1:])) + (g.sp * n - bounds[-1]) ** 2  # + padding
+            attn = 4 * (v.hidden // v.heads) * -(-v.heads // g.ulysses) * pairs / g.ring / attn_rate
+            sent = block_traffic(v, bounds, g, w.torch_dtype)
+            comm_fwd, comm_bwd = (self._comm_seconds(sent, phase, hw) for phase in ("forward", "backward"))
+            fwd = mm + attn + comm_fwd
+            bwd = 2 * mm + ATTENTION_BACKWARD * attn + comm_bwd + (fwd if w.checkpointing else 0.0)
+            total += count * (max(fwd, ag) + max(bwd, ag + rs))
+            compute += count * ((mm + attn) * repeat + 2 * mm + ATTENTION_BACKWARD * attn)
+            serial += count * (comm_fwd * repeat + comm_bwd + 2 * ag + rs)
+        unit = v.hidden * v.merge ** 2
+        mergers = (1 + len(v.deepstack)) * (unit * unit + unit * v.out_hidden) // v.merge ** 2  # per patch
+        outside = 3 * 2 * n * (v.patch_features * v.hidden + mergers) / mm_rate  # forward, and backward 2x
+        patterns = peer_patterns(hw, axis_groups(g, "sequence"))
+        routes = [phase["vision_route"] for phase in self.traffic().values()]
+        exposed = sum(max(all_to_all_from_patterns(b, hw, patterns), uplink_seconds(b, hw, g, "sequence"))
+                      for b in routes)
+        exposed += sum(gather_seconds(rest[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        return {"total": total + outside + exposed, "compute": compute + outside, "serial": serial + exposed}
+
+
+def tower_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
+    """The step's peak with the tower: what it keeps added to every moment inside the decoder, and one moment more,
+    ``vision backward``: its peak and the decoder's outside tensors over the parameter state of the first decoder
+    layer's backward (a decoder layer gathered stands for the smaller tower blocks)."""
+    kept, peak = Tower(work, layout).memory()
+    moments = [memory_at(work, layout, moment) for moment in MOMENTS]
+    moments = [replace(b, activations=b.activations + kept) if b.moment in DURING_DECODER else b for b in moments]
+    weights, grads, optimizer = parameter_memory(work, layout, "first layer backward")
+    moments.append(MemoryBreakdown(weights, grads, optimizer, outside_layers_bytes(work, layout) + peak, 0, 0,
+                                   work.reserve_bytes, "vision backward"))
+    return max(moments, key=lambda b: b.total)
+
+
+def with_tower(t: StepTime, per_step: dict[str, int], work: Workload, layout: Degrees,
+               hw: HardwareSpec) -> tuple[StepTime, dict[str, int]]:
+    """The step's time and bytes with the tower's forward before the decoder's and its backward after it: its
+    collectives (``vision_*``) and FSDP units added to the bytes."""
+    tower, out = Tower(work, layout), dict(per_step)
+    for sent in (*tower.traffic().values(), tower.fsdp()):
+        for k, v in sent.items():
+            out[k] = out.get(k, 0) + v
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    s = tower.seconds(hw)
+    total, compute = t.total + s["total"], t.compute + s["compute"]
+    return replace(t, total=total, compute=compute, exposed_comm=total - compute,
+                   serial_comm=t.serial_comm + s["serial"]), out
