@@ -172,11 +172,10 @@ class ModelShape:
                 - self.linear_layers * (2 * self.head_dim if gated else 0) + embed + self.hidden + tower)
 
     def as_dict(self) -> dict:
-        """The shape as plain data (the family's ``extra`` config entries left out: they size nothing)."""
+        """The decoder's shape as plain data (the family's ``extra`` config entries left out: they size
+        nothing; a vision tower is reported apart, by the planner's vision section)."""
         shape = asdict(self)
-        del shape["extra"]
-        if shape["vision"] is None:
-            del shape["vision"]
+        del shape["extra"], shape["vision"]
         return shape
 
 

@@ -254,3 +254,14 @@ def test_nothing_fits_names_the_moment_and_what_fills_it(capsys):
     out = capsys.readouterr().out
     gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
     assert f"at the optimizer step: optimizer {gib(12 * params / 16)}, weights {gib(4 * params / 16)}" in out.replace("\n", " ")
+
+
+def test_json_of_a_vision_language_plan_matches_the_schema():
+    """A vision-language preset with images: the model entry is the decoder's, the tower's bytes and seconds
+    are folded into each candidate; the JSON keeps the documented schema."""
+    out = _run("--model", "qwen2.5-vl-7b", "--seq-len", "131072", "--gpus", "8", "--images", "64", "--json")
+    assert out.returncode == 0, out.stderr
+    schema = _schema()
+    data = json.loads(out.stdout)
+    conform(data, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    assert any(key.startswith("vision") for key in data["candidates"][0]["comm_bytes_per_step"]), data["candidates"][0]
