@@ -13,7 +13,7 @@ LOCK ?= requirements/test.lock
 FLOOR_VENV ?= .venv-floor
 FLOOR_LOCK ?= requirements/floor.lock
 
-.PHONY: install test test-floor demo bench lock clean
+.PHONY: install test test-floor demo gpu-check bench lock clean
 
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -41,6 +41,10 @@ test-floor: $(FLOOR_VENV)/.installed
 
 demo: install
 	$(PY) -m seqmesh demo
+
+# The first GPU run (docs/gpu.md): in the environment seqmesh is installed in, with its CUDA torch; installs nothing.
+gpu-check:
+	$(PYTHON) -m seqmesh selftest
 
 bench: install
 	$(PY) -m seqmesh bench attention

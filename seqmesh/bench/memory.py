@@ -46,6 +46,8 @@ class MemoryBench:
     options: dict = field(default_factory=dict)
     """TrainConfig memory options: checkpointing, tiled_mlp, mlp_tiles, efficient_norm, offload_checkpoints,
     fsdp_cpu_offload."""
+    device: str = "cpu"
+    """``cuda``: one GPU per rank (NCCL); each point also reports ``torch.cuda.max_memory_allocated``."""
 
 
 def bench_config(bench: MemoryBench, seq_len: int, options: dict):
@@ -64,7 +66,7 @@ def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int
     from ..planner.memory import memory_per_gpu
     from ..planner.workload import plan_inputs
 
-    peak = memory_per_gpu(*plan_inputs(bench_config(bench, seq_len, options), bench.world, device="cpu"))
+    peak = memory_per_gpu(*plan_inputs(bench_config(bench, seq_len, options), bench.world, device=bench.device))
     return peak.total, peak.moment
 
 
@@ -81,14 +83,18 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     offload = enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     module.train()
+    cuda = device.type == "cuda"
     for step in range(2):  # the first step creates AdamW's state; only the second is tracked
         local = to_device(shard_batch(data.batch(step, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
         tracker = MemoryTracker(module, optimizer, device=device, offload=offload)
+        if cuda and step == 1:
+            torch.cuda.reset_peak_memory_stats(device)
         with tracker if step == 1 else contextlib.nullcontext():
             module(**local).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {**tracker.report().as_dict(), "local_tokens": seq_len // mesh.sp_size}
+    allocator = {"allocator_peak_bytes": torch.cuda.max_memory_allocated(device)} if cuda else {}
+    return {**tracker.report().as_dict(), **allocator, "local_tokens": seq_len // mesh.sp_size}
 
 
 def sweep(bench: MemoryBench, pool=None) -> list[dict]:
@@ -96,7 +102,8 @@ def sweep(bench: MemoryBench, pool=None) -> list[dict]:
     from ..comm.launch import WorkerPool
 
     owned = pool is None
-    pool = pool or WorkerPool(bench.world, threads=max(1, (os.cpu_count() or 1) // bench.world))
+    backend = "nccl" if bench.device == "cuda" else "gloo"
+    pool = pool or WorkerPool(bench.world, threads=max(1, (os.cpu_count() or 1) // bench.world), backend=backend)
     rows = []
     try:
         for seq_len in sorted(bench.seq_lens):

@@ -179,8 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(sub)
 
     from ..planner.cli import register_plan
+    from .selftest import add_command as add_selftest
 
     register_plan(sub)
+    add_selftest(sub)
     return parser
 
 

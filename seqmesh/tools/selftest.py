@@ -1,0 +1,293 @@
+"""``seqmesh selftest``: everything the first GPU run should tell us, from one command.
+
+On a machine with a CUDA device it installs nothing and runs, in order:
+
+1. ``environment``: torch, CUDA, the device, whether flash-attn is importable;
+2. ``gpu_tests``: the CUDA tests of the checkout (``tests/attention/test_gpu.py``) when there is one;
+3. ``kernels``: each local attention kernel's forward+backward against torch's own
+   ``scaled_dot_product_attention`` on the same shapes (bf16, causal, GQA), timed with CUDA events,
+   with the largest difference from SDPA's output;
+4. ``memory``: ``seqmesh bench memory`` on one GPU with every memory technique: the tracked tensor
+   peak, ``torch.cuda.max_memory_allocated`` and the planner's prediction, side by side;
+5. ``longest``: the longest Llama-3.1-8B-shaped sequence (the ``llama3-8b`` preset) that trains a step
+   on one GPU with every memory technique, by doubling then bisection, each trial in a fresh process,
+   an out-of-memory error counting as not fitting; bounded by ``--minutes`` (the best found so far is
+   reported, marked ``bounded``).
+
+It writes one JSON (``--out``) and prints a short table. On a machine without CUDA it prints what it
+would run and exits 0; ``--rehearse`` runs the same steps on the CPU at toy sizes (what ``make test``
+checks). docs/gpu.md says how to read the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+ALL_TECHNIQUES = dict(checkpointing=True, offload_checkpoints=True, tiled_mlp=True, efficient_norm=True,
+                      fsdp_cpu_offload=True)
+
+
+@dataclass
+class SelftestPlan:
+    device: str  # cuda, or cpu for the rehearsal
+    dtype: str
+    kernel_shapes: list[tuple[int, int, int, int]]  # (seq_len, q heads, kv heads, head dim), batch 1
+    memory_model: str
+    memory_seq_lens: list[int]
+    longest_model: str
+    longest_start: int
+    longest_resolution: int
+    longest_limit: int
+    budget_bytes: int  # what one trial may hold (CUDA: the device's memory; the rehearsal: a tracked budget)
+    minutes: float
+    gpu_tests: list[str] = field(default_factory=list)
+
+
+def cuda_plan(minutes: float) -> SelftestPlan:
+    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 << 30
+    return SelftestPlan("cuda", "bfloat16", [(8192, 32, 8, 128), (32768, 32, 8, 128)], "llama3.2-1b",
+                        [8192, 16384, 32768], "llama3-8b", 32768, 32768, 1 << 22, total, minutes,
+                        ["tests/attention/test_gpu.py"])
+
+
+def rehearsal_plan() -> SelftestPlan:
+    return SelftestPlan("cpu", "float32", [(256, 4, 2, 32)], "llama-tiny", [256, 512], "llama-tiny", 256, 256, 2048,
+                        4 << 20, 5.0)
+
+
+def describe(plan: SelftestPlan) -> str:
+    lines = [f"seqmesh selftest on {plan.device} would run:",
+             f"  gpu_tests  pytest {' '.join(plan.gpu_tests) or '(none)'}",
+             f"  kernels    every local kernel vs torch SDPA, fwd+bwd, {plan.dtype}, causal, shapes (S, Hq, Hk, D): "
+             f"{plan.kernel_shapes}",
+             f"  memory     {plan.memory_model} at {plan.memory_seq_lens} tokens, every memory technique: tracked "
+             "peak, allocator peak, planner",
+             f"  longest    {plan.longest_model}, every memory technique: doubling from {plan.longest_start:,} then "
+             f"bisection to {plan.longest_resolution:,} tokens, at most {plan.longest_limit:,}, "
+             f"{plan.budget_bytes / 2**30:.1f} GiB, {plan.minutes:g} minutes at most"]
+    return "\n".join(lines)
+
+
+# --- the steps -------------------------------------------------------------------------------------------------
+def environment() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": None, "memory_bytes": None}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(device=props.name, memory_bytes=props.total_memory, capability=list(torch.cuda.get_device_capability()))
+    try:
+        import flash_attn  # noqa: F401
+
+        out["flash_attn"] = getattr(flash_attn, "__version__", "present")
+    except ImportError:
+        out["flash_attn"] = None
+    return out
+
+
+def run_gpu_tests(plan: SelftestPlan) -> dict:
+    """pytest on the checkout's CUDA tests; the summary line and the exit code."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = [f for f in plan.gpu_tests if os.path.isfile(os.path.join(root, f))]
+    if not files:
+        return {"ran": False, "why": "no test files in this installation (run from a checkout)"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=root,
+                          capture_output=True, text=True)
+    summary = (done.stdout.strip().splitlines() or [""])[-1]
+    return {"ran": True, "exit_code": done.returncode, "summary": summary}
+
+
+def _timed(fn, device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def time_kernels(plan: SelftestPlan) -> list[dict]:
+    """Each kernel that supports the shape, forward+backward, against SDPA on the same tensors."""
+    import torch.nn.functional as F
+
+    from ..kernels import AUTO_ORDER, KERNELS, BlockMask
+
+    device, dtype = torch.device(plan.device), getattr(torch, plan.dtype)
+    mask = BlockMask(causal=True)
+    rows = []
+    for seq_len, hq, hk, d in plan.kernel_shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, seq_len, hq, d, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(1, seq_len, hk, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+        dout = torch.randn_like(q)
+        scale = d ** -0.5
+
+        def sdpa():
+            qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+            ks, vs = (t.repeat_interleave(hq // hk, dim=1) for t in (ks, vs))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            out.backward(dout.transpose(1, 2))
+            return out.transpose(1, 2)
+
+        want = sdpa().detach()
+        baseline = _timed(sdpa, device)
+        rows.append({"shape": [seq_len, hq, hk, d], "kernel": "torch_sdpa", "seconds": baseline, "vs_sdpa": 1.0,
+                     "max_diff": 0.0})
+        for name in AUTO_ORDER:
+            kernel = KERNELS[name]
+            why = kernel.unsupported(q, k, mask, v)
+            if why is not None:
+                rows.append({"shape": [seq_len, hq, hk, d], "kernel": name, "skipped": why})
+                continue
+
+            def run(kernel=kernel):
+                out, lse = kernel.forward(q, k, v, mask, scale)
+                kernel.backward(dout, q, k, v, out, lse, mask, scale)
+                return out
+
+            diff = float((run().float() - want.float()).abs().max())
+            seconds = _timed(run, device)
+            rows.append({"shape": [seq_len, hq, hk, d], "kernel": name, "seconds": seconds,
+                         "vs_sdpa": seconds / baseline, "max_diff": diff})
+    return rows
+
+
+def memory_rows(plan: SelftestPlan) -> list[dict]:
+    """``seqmesh bench memory`` on one device with every technique (FSDP2 on one process, as the planner models)."""
+    from ..bench.memory import MemoryBench, sweep
+
+    bench = MemoryBench(model=plan.memory_model, seq_lens=plan.memory_seq_lens, world=1, options=ALL_TECHNIQUES,
+                        device=plan.device)
+    return sweep(bench)
+
+
+def _trial(model: str, seq_len: int, device: str) -> dict:
+    """On a fresh rank: two training steps of ``model`` at ``seq_len`` with every technique; the peak."""
+    from ..bench.baseline import BaselineBench, run_method
+
+    bench = BaselineBench(model=model, world=1, start=8, resolution=8)
+    try:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        tracked = run_method(bench, "seqmesh_all", seq_len, track=True)["peak_bytes"]  # two steps, the second tracked
+        allocator = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        return {"peak_bytes": allocator if allocator is not None else tracked, "tracked_bytes": tracked, "oom": False}
+    except torch.OutOfMemoryError:
+        return {"peak_bytes": None, "oom": True}
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def longest_sequence(plan: SelftestPlan) -> dict:
+    """The longest length that trains within the budget (doubling, then bisection), trial by trial."""
+    from ..bench.baseline import longest_within
+    from ..comm.launch import WorkerPool
+
+    deadline = time.monotonic() + 60 * plan.minutes
+    trials: dict[int, dict] = {}
+
+    def peak_of(seq_len: int) -> int:
+        if time.monotonic() > deadline:
+            raise _OutOfTime
+        began = time.monotonic()
+        backend = "nccl" if plan.device == "cuda" else "gloo"
+        with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
+            result = pool.run(_trial, plan.longest_model, seq_len, plan.device, timeout=60 * plan.minutes)[0]
+        trials[seq_len] = {**result, "seconds": time.monotonic() - began}
+        return plan.budget_bytes + 1 if result["oom"] else result["peak_bytes"]
+
+    bounded = False
+    try:
+        longest, _ = longest_within(peak_of, plan.budget_bytes, plan.longest_start, plan.longest_resolution,
+                                    plan.longest_limit)
+    except _OutOfTime:
+        bounded = True
+        fitting = [n for n, t in trials.items() if not t["oom"] and t["peak_bytes"] <= plan.budget_bytes]
+        longest = max(fitting) if fitting else None
+    return {"model": plan.longest_model, "longest": longest, "bounded": bounded,
+            "trials": {str(n): t for n, t in sorted(trials.items())}}
+
+
+def run_selftest(plan: SelftestPlan, out: str | None) -> dict:
+    report = {"plan": asdict(plan), "environment": environment()}
+    report["gpu_tests"] = run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"}
+    report["kernels"] = time_kernels(plan)
+    report["memory"] = memory_rows(plan)
+    report["longest"] = longest_sequence(plan)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report
+
+
+def format_report(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"seqmesh selftest: {env['device'] or 'CPU (rehearsal)'}, torch {env['torch']}, CUDA {env['cuda']}, "
+             f"flash-attn {env['flash_attn'] or 'absent'}"]
+    tests = report["gpu_tests"]
+    lines.append(f"gpu tests: {tests['summary'] if tests['ran'] else 'not run (' + tests['why'] + ')'}")
+    lines.append(f"{'kernel':<16}{'S, Hq, Hk, D':>22}{'ms':>10}{'/ sdpa':>8}{'max diff':>10}")
+    for r in report["kernels"]:
+        if "skipped" in r:
+            lines.append(f"{r['kernel']:<16}{str(r['shape']):>22}  skipped: {r['skipped'][:60]}")
+        else:
+            lines.append(f"{r['kernel']:<16}{str(r['shape']):>22}{1000 * r['seconds']:>10.2f}{r['vs_sdpa']:>8.2f}"
+                         f"{r['max_diff']:>10.1e}")
+    lines.append(f"{'memory seq_len':<16}{'tracked MiB':>12}{'allocator MiB':>15}{'planner MiB':>13}{'planner/tracked':>17}")
+    for r in report["memory"]:
+        allocator = f"{r['allocator_peak_bytes'] / 2**20:15.1f}" if "allocator_peak_bytes" in r else f"{'-':>15}"
+        lines.append(f"{r['seq_len']:<16}{r['peak_bytes'] / 2**20:>12.1f}{allocator}{r['predicted_bytes'] / 2**20:>13.1f}"
+                     f"{r['predicted_ratio']:>17.3f}")
+    longest = report["longest"]
+    lines.append(f"longest {longest['model']} sequence with every memory technique: "
+                 f"{longest['longest'] if longest['longest'] is not None else 'none'} tokens"
+                 + (" (bounded by --minutes)" if longest["bounded"] else ""))
+    return "\n".join(lines)
+
+
+def add_command(sub) -> None:
+    """``seqmesh selftest``."""
+
+    def run(args: argparse.Namespace) -> int:
+        if args.rehearse:
+            plan = rehearsal_plan()
+        else:
+            plan = cuda_plan(args.minutes)
+            if args.dry_run or not torch.cuda.is_available():
+                print(describe(plan))
+                if not torch.cuda.is_available():
+                    print("no CUDA device here: nothing run (--rehearse runs the same steps on the CPU at toy sizes).")
+                return 0
+        report = run_selftest(plan, args.out)
+        print(format_report(report))
+        if args.out:
+            print(f"report: {args.out}")
+        return 0
+
+    p = sub.add_parser("selftest", help="the first GPU run: GPU tests, kernels vs SDPA, memory vs the planner, "
+                                        "the longest sequence on one GPU")
+    p.add_argument("--out", default="selftest.json", help="the JSON report (default %(default)s)")
+    p.add_argument("--minutes", type=float, default=30.0, help="time bound of the longest-sequence search")
+    p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    p.add_argument("--rehearse", action="store_true", help="run every step on the CPU at toy sizes")
+    p.set_defaults(func=run)
