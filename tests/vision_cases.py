@@ -82,7 +82,8 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
 def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
     """A whole batch. ``kind``: ``mixed`` (two images of different shapes and a video, text between),
     ``documents`` (two packed documents, each with an image; ``position_ids`` restart), ``text_only``
-    (a row with no image: no rank runs the tower), ``tail`` (one image at the very end,
+    (a row with no image: no rank runs the tower), ``two_rows`` (two rows, each with its images), ``tail``
+    (one image near the end,
     so most ranks hold no image token)."""
     g = torch.Generator().manual_seed(seed)
     text = lambda n: torch.randint(0, TEXT_VOCAB, (n,), generator=g).tolist()  # noqa: E731
@@ -109,7 +110,13 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
         ids = text(30) + image([1, 4, 4]) + text(2)
     elif kind == "text_only":
         ids = text(29)
-    input_ids = torch.tensor([ids])
+    rows = [ids]
+    if kind == "two_rows":  # two rows of the same length, each with its own images (row-major in the pixels)
+        first = text(5) + image([1, 4, 6]) + text(7)
+        second = text(2) + image([1, 2, 2]) + text(3) + image([1, 4, 4])
+        longest = max(len(first), len(second))
+        rows = [first + text(longest - len(first)), second + text(longest - len(second))]
+    input_ids = torch.tensor(rows)
     batch = {"input_ids": input_ids, "mm_token_type_ids": (input_ids == IMAGE).long() + 2 * (input_ids == VIDEO).long()}
     if family == "llava" and images:
         side = 2 * LLAVA_SIDE
@@ -123,6 +130,8 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
             batch[key] = torch.randn(int(grid.prod(dim=1).sum()), 24, generator=g, dtype=torch.float64)
     if docs:
         batch["position_ids"] = torch.cat([torch.arange(n) for n in docs])[None]
+    if family == "qwen2_5_vl" and videos:  # the video's frame pairs 0.5 s apart (its temporal M-RoPE ids spaced so)
+        batch["second_per_grid_ts"] = torch.tensor([0.5])
     return batch
 
 
@@ -161,11 +170,11 @@ def reference_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     logits = torch.cat([model(**doc, use_cache=False).logits for doc in _split_documents(batch)], dim=1)
     ids = batch["input_ids"]
     labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
-    targets = labels[0, 1:].clone()
+    targets = labels[:, 1:].clone()
     if "position_ids" in batch:
-        targets[batch["position_ids"][0, 1:] == 0] = -100
-    loss = F.cross_entropy(logits[0, :-1].float() if logits.dtype == torch.float32 else logits[0, :-1], targets,
-                           ignore_index=-100, reduction="sum") / (targets != -100).sum()
+        targets[batch["position_ids"][:, 1:] == 0] = -100
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100,
+                           reduction="sum") / (targets != -100).sum()
     return logits, loss
 
 
@@ -180,7 +189,11 @@ def _worst_grad(model, want: dict) -> tuple[float, str]:
     largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
     for name, p in model.named_parameters():
         ref = want[name].grad
-        if ref is None or float(ref.abs().max()) <= ZERO_GRADIENT * largest:
+        if ref is None:  # the loss never reaches it (a LLaVA tower layer past the one read): nor may seqmesh's
+            if p.grad is not None and float(p.grad.abs().max()) > 0:
+                return float("inf"), name
+            continue
+        if float(ref.abs().max()) <= ZERO_GRADIENT * largest:
             continue
         got = p.grad.double() if p.grad is not None else torch.zeros_like(ref)
         err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
@@ -351,3 +364,22 @@ def fsdp_data_parallel_parity(family: str) -> dict:
         grad = p.grad.full_tensor() if p.grad is not None else torch.zeros_like(ref)
         worst = max(worst, float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) if ref is not None else 0.0)
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "rounding": rounding}
+
+
+def fields_left_behind(family: str) -> list[str]:
+    """The tensor fields of a sharded multimodal batch that ``seqmesh train``'s ``to_device`` leaves off the
+    target device (the meta device here: every tensor must move)."""
+    import dataclasses
+
+    from seqmesh.training.train import to_device
+
+    mesh = get_mesh(1, 1)
+    model = parallelize_model(build(vision_config(family)), mesh, ParallelPlan(fsdp=False))
+    local = to_device(seqmesh.shard_batch(vision_batch(family), mesh, model=model), torch.device("meta"))
+    shard = local["seqmesh_vision"]
+    left = [k for k, v in local.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+    for f in dataclasses.fields(shard):
+        value = getattr(shard, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        left += [f.name for v in values if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+    return left

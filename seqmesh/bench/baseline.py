@@ -23,6 +23,7 @@ The methods (the same model config and the same weights, from ``build_model``'s 
     seqmesh_all        and every memory technique: checkpointing, offloaded checkpoints, tiled MLP,
                        the efficient RMSNorm, FSDP2 CPU offload (host-held bytes are reported apart, not
                        in the peak)
+    seqmesh_all_bf16   (on request, CUDA) the same in bf16, as ``seqmesh selftest`` trains its longest sequence
     seqmesh_replicated (on request) ``--no-fsdp``: weights replicated, gradients summed after backward
     seqmesh_fsdp       (on request) ``--fsdp``: FSDP2 even on one process, what FSDP2's per-step copies cost
 
@@ -48,6 +49,7 @@ METHODS: dict[str, tuple[str, dict]] = {
     "transformers_ckpt": ("transformers", {"checkpointing": True}),
     "seqmesh": ("seqmesh", {}),
     "seqmesh_all": ("seqmesh", ALL_TECHNIQUES),
+    "seqmesh_all_bf16": ("seqmesh", {**ALL_TECHNIQUES, "bf16": True}),  # on CUDA: what seqmesh selftest measures
     "seqmesh_replicated": ("seqmesh", {"fsdp": False}),
     "seqmesh_fsdp": ("seqmesh", {"fsdp": True}),
 }

@@ -77,6 +77,11 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     from ..sequence.batch import shard_batch
     from ..training.train import build, make_dataset, to_device
 
+    import gc
+
+    gc.collect()  # the previous point's model and optimizer, before this one is built
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     cfg = bench_config(bench, seq_len, options)
     data = make_dataset(cfg)
     mesh, module, device = build(cfg)

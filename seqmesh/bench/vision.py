@@ -44,9 +44,10 @@ class VisionBench:
         merge = vision.spatial_merge_size
         grid = torch.tensor([[self.frames, self.height, self.width]] * self.images)
         units = self.frames * self.height * self.width // (merge * merge)
+        text = [0] * 8  # eight text tokens before each image (token 0: any id below the media tokens)
         ids = []
         for _ in range(self.images):
-            ids += [5] * 8 + [config.vision_start_token_id] + [config.image_token_id] * units + [config.vision_end_token_id]
+            ids += text + [config.vision_start_token_id] + [config.image_token_id] * units + [config.vision_end_token_id]
         g = torch.Generator().manual_seed(0)
         features = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         pixels = torch.randn(int(grid.prod(dim=1).sum()), features, generator=g)
@@ -139,9 +140,17 @@ def add_subcommand(bench_sub) -> None:
     """``seqmesh bench vision``."""
 
     def run(args: argparse.Namespace) -> int:
+        from ..model.presets import model_shape
+
         bench = VisionBench(model=args.model, images=args.images, height=args.height, width=args.width,
                             frames=args.frames, world=args.world, meshes=args.mesh or [])
         check_meshes(bench.factorisations(), args.world)
+        vision = model_shape(args.model).vision  # a LLaVA config.json is refused here, by name
+        if vision is None:
+            raise SystemExit(f"{args.model} has no vision tower; give a vision-language preset or config.json.")
+        if args.height % vision.merge or args.width % vision.merge:
+            raise SystemExit(f"--height {args.height} and --width {args.width} must be multiples of the merge size "
+                             f"{vision.merge}.")
         rows = bench_vision(bench)
         print(json.dumps(rows, indent=1) if args.json else format_vision_rows(bench, rows))
         return 0
@@ -151,7 +160,8 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--height", type=int, default=32, help="patches per image column (a multiple of the merge size)")
     p.add_argument("--width", type=int, default=32, help="patches per image row (a multiple of the merge size)")
-    p.add_argument("--frames", type=int, default=1, help="frame pairs per image: more than 1 makes videos")
+    p.add_argument("--frames", type=int, default=1,
+                   help="temporal patches per image (t of its grid): more than 1 gives each image several frames")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (gloo, CPU)")
     p.add_argument("--mesh", type=parse_mesh, action="append", help="ULYSSESxRING to run (repeatable); default: all")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")

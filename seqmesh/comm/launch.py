@@ -43,6 +43,7 @@ def _worker(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: seqmesh train picks its GPU by it
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),

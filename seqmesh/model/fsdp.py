@@ -37,11 +37,11 @@ def _sum_not_average(module: nn.Module) -> None:
 def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True,
                cpu_offload: bool = False) -> nn.Module:
     """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
-    each decoder layer on its own, each vision-tower block on its own (in a step where any rank's batch
-    has an image every rank runs the tower, on padding if it has none; in one where none has, no rank does), an untied input
-    embedding on its own (gathered only for its forward
-    and backward, at the two ends of the step), the rest (final norm, LM head, a tied embedding) at the
-    root, which stays gathered for the step because the loss reads the head's weight inside it.
+    each decoder layer on its own; each vision-tower block on its own (in a step where any rank's batch
+    has an image every rank runs the tower, on padding if it has none; in one where none has, no rank
+    does); an untied input embedding on its own (gathered only for its forward and backward, at the two
+    ends of the step); the rest (final norm, LM head, a tied embedding) at the root, which stays gathered
+    for the step because the loss reads the head's weight inside it.
 
     ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
     master weights and optimizer states.

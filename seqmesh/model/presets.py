@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class VisionShape:
-    """A Qwen-VL vision tower: ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks,
-    ``merge x merge`` patches fused into one language-model token by the patch merger."""
+    """A Qwen-VL vision tower (what ``seqmesh train`` and ``seqmesh plan`` size; LLaVA's CLIP is not one):
+    ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks, ``merge x merge`` patches
+    fused into one language-model token by the patch merger."""
 
     depth: int
     hidden: int
@@ -264,10 +265,11 @@ def model_shape(name_or_path: str) -> ModelShape:
             f"unknown model {name_or_path!r}: not a preset ({', '.join(MODELS)}) and no config.json at {path!r}."
         )
     cfg = read_config_json(path)
-    vision = _vision_fields(cfg)
-    if vision is not None:  # a vision-language model: the decoder's sizes are in text_config
+    vision = _vision_fields(cfg, path)
+    if vision is not None and isinstance(cfg.get("text_config"), dict):  # the decoder's sizes in text_config
         cfg = {**cfg["text_config"], "model_type": cfg.get("model_type"),
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
+    # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -291,11 +293,17 @@ def model_shape(name_or_path: str) -> ModelShape:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
 
 
-def _vision_fields(cfg: dict) -> VisionShape | None:
-    """The tower of a vision-language config.json (its ``vision_config``), or None for a text model."""
+def _vision_fields(cfg: dict, path: str) -> VisionShape | None:
+    """The tower of a vision-language config.json (its ``vision_config``), or None for a text model. Other
+    towers than Qwen-VL's (LLaVA's CLIP) are refused by name: ``seqmesh train`` and ``seqmesh plan`` size
+    Qwen-VL towers; LLaVA trains through ``parallelize_model`` in your loop, or the Trainer."""
     v = cfg.get("vision_config")
-    if not isinstance(v, dict) or not isinstance(cfg.get("text_config"), dict):
+    if not isinstance(v, dict):
         return None
+    if "depth" not in v:
+        raise ValueError(f"{path} describes a {cfg.get('model_type')} model with a {v.get('model_type')} tower; seqmesh "
+                         "train and seqmesh plan size Qwen-VL towers (qwen2_5_vl, qwen3_vl, qwen3_5). Train it with "
+                         "seqmesh.compose.parallelize_model in your own loop, or seqmesh.trainer.SequenceParallelTrainer.")
     try:
         return VisionShape(depth=v["depth"], hidden=v["hidden_size"], heads=v["num_heads"],
                            intermediate=v["intermediate_size"], out_hidden=v["out_hidden_size"],

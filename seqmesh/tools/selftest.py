@@ -52,10 +52,30 @@ class SelftestPlan:
     gpu_tests: list[str] = field(default_factory=list)
 
 
+HOST_BYTES_PER_PARAMETER = 16 * 1.15  # FSDP2 CPU offload: fp32 weights, gradients, two AdamW states; 15% spare
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def longest_model(host_bytes: int) -> tuple[str, str]:
+    """Llama-3.1-8B's shape when the host can hold its offloaded training state, else the largest preset that
+    fits; and why."""
+    from ..model.presets import MODELS
+
+    for name in ("llama3-8b", "llama3.2-1b"):
+        need = MODELS[name].params * HOST_BYTES_PER_PARAMETER
+        if need <= host_bytes:
+            return name, f"{name}: its offloaded state needs {need / 2**30:.0f} GiB of the host's {host_bytes / 2**30:.0f}"
+    return "llama-tiny", f"the host's {host_bytes / 2**30:.0f} GiB hold no larger preset's offloaded state"
+
+
 def cuda_plan(minutes: float) -> SelftestPlan:
     total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 << 30
+    model, _ = longest_model(host_memory_bytes())
     return SelftestPlan("cuda", "bfloat16", [(8192, 32, 8, 128), (32768, 32, 8, 128)], "llama3.2-1b",
-                        [8192, 16384, 32768], "llama3-8b", 32768, 32768, 1 << 22, total, minutes,
+                        [8192, 16384, 32768], model, 32768, 32768, 1 << 22, total, minutes,
                         ["tests/attention/test_gpu.py"])
 
 
@@ -73,7 +93,8 @@ def describe(plan: SelftestPlan) -> str:
              "peak, allocator peak, planner",
              f"  longest    {plan.longest_model}, every memory technique: doubling from {plan.longest_start:,} then "
              f"bisection to {plan.longest_resolution:,} tokens, at most {plan.longest_limit:,}, "
-             f"{plan.budget_bytes / 2**30:.1f} GiB, {plan.minutes:g} minutes at most"]
+             f"{plan.budget_bytes / 2**30:.1f} GiB, {plan.minutes:g} minutes at most "
+             f"({longest_model(host_memory_bytes())[1]})"]
     return "\n".join(lines)
 
 
@@ -140,10 +161,9 @@ def time_kernels(plan: SelftestPlan) -> list[dict]:
         dout = torch.randn_like(q)
         scale = d ** -0.5
 
-        def sdpa():
+        def sdpa():  # torch's own GQA: compact K/V, as seqmesh's kernels get them
             qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-            ks, vs = (t.repeat_interleave(hq // hk, dim=1) for t in (ks, vs))
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             out.backward(dout.transpose(1, 2))
             return out.transpose(1, 2)
 
@@ -154,6 +174,8 @@ def time_kernels(plan: SelftestPlan) -> list[dict]:
         for name in AUTO_ORDER:
             kernel = KERNELS[name]
             why = kernel.unsupported(q, k, mask, v)
+            if name == "math" and device.type == "cuda":  # it builds the whole score matrix: 128 GiB at 32K
+                why = "the reference kernel holds every score at once; timed on the CPU only"
             if why is not None:
                 rows.append({"shape": [seq_len, hq, hk, d], "kernel": name, "skipped": why})
                 continue
@@ -163,10 +185,17 @@ def time_kernels(plan: SelftestPlan) -> list[dict]:
                 kernel.backward(dout, q, k, v, out, lse, mask, scale)
                 return out
 
-            diff = float((run().float() - want.float()).abs().max())
-            seconds = _timed(run, device)
+            try:
+                diff = float((run().float() - want.float()).abs().max())
+                seconds = _timed(run, device)
+            except torch.OutOfMemoryError as err:
+                rows.append({"shape": [seq_len, hq, hk, d], "kernel": name, "skipped": f"out of memory: {err}"[:200]})
+                continue
             rows.append({"shape": [seq_len, hq, hk, d], "kernel": name, "seconds": seconds,
                          "vs_sdpa": seconds / baseline, "max_diff": diff})
+        del q, k, v, dout, want
+        if device.type == "cuda":  # the steps after this run in other processes on the same GPU
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -185,11 +214,12 @@ def _trial(model: str, seq_len: int, device: str) -> dict:
 
     bench = BaselineBench(model=model, world=1, start=8, resolution=8)
     try:
-        if device == "cuda":
+        if device == "cuda":  # bf16 as the planner assumes; one step, its allocator peak (the optimizer is on the host)
             torch.cuda.reset_peak_memory_stats()
-        tracked = run_method(bench, "seqmesh_all", seq_len, track=True)["peak_bytes"]  # two steps, the second tracked
-        allocator = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        return {"peak_bytes": allocator if allocator is not None else tracked, "tracked_bytes": tracked, "oom": False}
+            run_method(bench, "seqmesh_all_bf16", seq_len, track=False)
+            return {"peak_bytes": torch.cuda.max_memory_allocated(), "oom": False}
+        # the CPU rehearsal: two fp32 steps, the second's tracked tensor peak
+        return {"peak_bytes": run_method(bench, "seqmesh_all", seq_len, track=True)["peak_bytes"], "oom": False}
     except torch.OutOfMemoryError:
         return {"peak_bytes": None, "oom": True}
 
@@ -211,8 +241,14 @@ def longest_sequence(plan: SelftestPlan) -> dict:
             raise _OutOfTime
         began = time.monotonic()
         backend = "nccl" if plan.device == "cuda" else "gloo"
-        with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
-            result = pool.run(_trial, plan.longest_model, seq_len, plan.device, timeout=60 * plan.minutes)[0]
+        try:
+            with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
+                result = pool.run(_trial, plan.longest_model, seq_len, plan.device,
+                                  timeout=max(60.0, deadline - time.monotonic()))[0]
+        except RuntimeError as err:  # the trial's time ran out, or the host killed it (no CUDA OOM to catch)
+            trials[seq_len] = {"peak_bytes": None, "oom": False, "failed": str(err)[-300:],
+                               "seconds": time.monotonic() - began}
+            raise _OutOfTime from None
         trials[seq_len] = {**result, "seconds": time.monotonic() - began}
         return plan.budget_bytes + 1 if result["oom"] else result["peak_bytes"]
 
@@ -222,21 +258,28 @@ def longest_sequence(plan: SelftestPlan) -> dict:
                                     plan.longest_limit)
     except _OutOfTime:
         bounded = True
-        fitting = [n for n, t in trials.items() if not t["oom"] and t["peak_bytes"] <= plan.budget_bytes]
+        fitting = [n for n, t in trials.items() if t["peak_bytes"] is not None and t["peak_bytes"] <= plan.budget_bytes]
         longest = max(fitting) if fitting else None
     return {"model": plan.longest_model, "longest": longest, "bounded": bounded,
             "trials": {str(n): t for n, t in sorted(trials.items())}}
 
 
 def run_selftest(plan: SelftestPlan, out: str | None) -> dict:
-    report = {"plan": asdict(plan), "environment": environment()}
-    report["gpu_tests"] = run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"}
-    report["kernels"] = time_kernels(plan)
-    report["memory"] = memory_rows(plan)
-    report["longest"] = longest_sequence(plan)
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    """Every step in order; a step that fails is recorded (``{"error": ...}``) and the next one runs; the
+    report is written after each step, so a run cut short still leaves what it measured."""
+    report = {"plan": asdict(plan), "environment": {**environment(), "host_bytes": host_memory_bytes(),
+                                                    "longest_model": longest_model(host_memory_bytes())[1]}}
+    steps = (("gpu_tests", lambda: run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"}),
+             ("kernels", lambda: time_kernels(plan)), ("memory", lambda: memory_rows(plan)),
+             ("longest", lambda: longest_sequence(plan)))
+    for name, step in steps:
+        try:
+            report[name] = step()
+        except Exception as err:  # noqa: BLE001  the other steps still tell us something
+            report[name] = {"error": f"{type(err).__name__}: {err}"[-2000:]}
+        if out:
+            with open(out, "w") as f:
+                json.dump(report, f, indent=1, default=str)
     return report
 
 
@@ -244,6 +287,13 @@ def format_report(report: dict) -> str:
     env = report["environment"]
     lines = [f"seqmesh selftest: {env['device'] or 'CPU (rehearsal)'}, torch {env['torch']}, CUDA {env['cuda']}, "
              f"flash-attn {env['flash_attn'] or 'absent'}"]
+    failed = [name for name in ("gpu_tests", "kernels", "memory", "longest") if isinstance(report[name], dict)
+              and "error" in report[name]]
+    for name in failed:
+        lines.append(f"{name}: FAILED: {report[name]['error'][-300:]}")
+    report = {**report, **{name: ({"ran": False, "why": "failed"} if name == "gpu_tests" else
+                                  {"model": "-", "longest": None, "bounded": True} if name == "longest" else [])
+                           for name in failed}}
     tests = report["gpu_tests"]
     lines.append(f"gpu tests: {tests['summary'] if tests['ran'] else 'not run (' + tests['why'] + ')'}")
     lines.append(f"{'kernel':<16}{'S, Hq, Hk, D':>22}{'ms':>10}{'/ sdpa':>8}{'max diff':>10}")

@@ -33,10 +33,28 @@ def read_image(path: str) -> torch.Tensor:
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
         raise ValueError(f"image {path!r} could not be read as a .npy array of numbers ({err}).") from None
+    if not isinstance(array, np.ndarray):  # an .npz archive
+        raise ValueError(f"image {path!r} is an archive of arrays; save each image alone with numpy.save.")
     if array.ndim != 3 or array.shape[2] != 3:
         raise ValueError(f"image {path!r} has shape {array.shape}; seqmesh reads (height, width, 3) RGB arrays.")
+    if array.dtype != np.uint8 and array.dtype.kind != "f":
+        raise ValueError(f"image {path!r} holds {array.dtype} values; save uint8 (0-255) or floats in [0, 1].")
+    if array.dtype.kind == "f" and array.size and not (0.0 <= float(array.min()) and float(array.max()) <= 1.0):
+        raise ValueError(f"image {path!r} holds floats from {float(array.min()):g} to {float(array.max()):g}; floats "
+                         "must lie in [0, 1] (divide 0-255 values by 255, or save them as uint8).")
     image = torch.from_numpy(array.astype("float32") / (255.0 if array.dtype == np.uint8 else 1.0))
     return image.permute(2, 0, 1)
+
+
+def _encode(tokenizer, text: str, first: bool) -> list[int]:
+    """A record's text piece: the tokenizer's special tokens (a BOS) at the record's start only, not after
+    each image."""
+    if first:
+        return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:  # the byte tokenizer adds none
+        return tokenizer.encode(text)
 
 
 def normalise(image: torch.Tensor) -> torch.Tensor:
@@ -102,7 +120,7 @@ class ImageJsonl:
         ids, pixels, grids = [], [], []
         parts = text.split(MARKER)
         for i, part in enumerate(parts):
-            tokens = tokenizer.encode(part)
+            tokens = _encode(tokenizer, part, first=i == 0)
             if media & set(tokens):
                 raise ValueError(f"{where}: the text encodes to the model's image token ids {sorted(media & set(tokens))}; "
                                  "use a tokenizer whose text tokens stay clear of them.")

@@ -79,7 +79,7 @@ def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | 
                               seed=cfg.seed)
         check_tokenizer_path(cfg.tokenizer)
         return ImageCopy(cfg.seq_len, shape.vision, (config.image_token_id, config.vision_start_token_id,
-                                                     config.vision_end_token_id), seed=cfg.seed)
+                                                     config.vision_end_token_id), symbols=cfg.symbols, seed=cfg.seed)
     if not cfg.data:
         check_tokenizer_path(cfg.tokenizer)  # unused by the copy task, but a wrong path is still a mistake
         return _copy_task(cfg, vocab)
@@ -115,7 +115,9 @@ def uses_fsdp(cfg: TrainConfig) -> bool:
 def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     """Check the degrees and devices, then build the mesh and the parallelized model, sharded with FSDP2
     when :func:`uses_fsdp` (the data is checked by ``make_dataset``, which callers run first)."""
-    q_heads = model_shape(cfg.model).heads  # a preset, a config.json, or a checkpoint folder's config
+    shape = model_shape(cfg.model)  # a preset, a config.json, or a checkpoint folder's config
+    # Ulysses deals the decoder's heads and, in a vision-language model, the tower's: the fewer bound it
+    q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
@@ -154,8 +156,14 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The tensors of a sharded batch moved to ``device`` (other entries as they are)."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The tensors of a sharded batch moved to ``device``, a vision shard's with them (other entries as they are)."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.to(device, non_blocking=True)
+        else:  # a VisionShard / PlainShard moves its own tensors; SequenceInfo holds none
+            out[key] = value.to(device) if key == "seqmesh_vision" else value
+    return out
 
 
 def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, device: torch.device) -> float:

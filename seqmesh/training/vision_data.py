@@ -35,6 +35,9 @@ class ImageCopy:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if FIRST_SYMBOL + self.symbols > min(self.tokens):
+            raise ValueError(f"the image task's {self.symbols} symbols take tokens {FIRST_SYMBOL}..{FIRST_SYMBOL + self.symbols - 1}, "
+                             f"which reach the model's image tokens ({min(self.tokens)} and up); lower --symbols.")
         shortest = min(self._length(g) for g in self._grids)
         if self.seq_len < shortest:
             raise ValueError(f"the image task needs at least {shortest} tokens per row (one image and its symbols), "

@@ -30,6 +30,7 @@ from ..sequence.layout import auto_layout
 from ..sequence.sharding import sequence_layout, shard_sequence
 from .families import VisionFamily, vision_family
 from .plain import check_plain_media, plain_shard
+from .route import moved, routing
 from .grid import bilinear_taps, frame_bounds, frame_sizes, patch_coordinates, unit_counts, window_order
 
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
@@ -51,6 +52,10 @@ class VisionShard:
     recv_order: torch.Tensor  # received rows -> the order of this rank's placeholder tokens
     visual_mask: torch.Tensor  # (B, L) bool: this rank's image and video placeholder tokens
     has_media: bool  # whether the batch (this sequence group's) holds any image or video
+
+    def to(self, device: torch.device | str) -> VisionShard:
+        """The same shard with every tensor on ``device``."""
+        return moved(self, device)
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -122,9 +127,13 @@ def mrope_positions(model: nn.Module, input_ids: torch.Tensor, token_types: torc
             take = {}
             for kind in (1, 2):
                 need, n = int((types == kind).sum()), used[kind]
-                while need > 0:
+                while need > 0 and n < len(units[kind]):
                     need -= units[kind][n]
                     n += 1
+                if need != 0:
+                    raise ValueError(f"row {row}, document [{a}, {e}) holds part of an image or video: a packed "
+                                     "document must hold each of its images and videos whole (every placeholder "
+                                     "token of it); move the document boundary (position_ids restarting at 0).")
                 take[kind] = (used[kind], n)
             args = dict(input_ids=input_ids[row : row + 1, a:e].cpu(), mm_token_type_ids=types.cpu(), attention_mask=None,
                         image_grid_thw=grids[1][slice(*take[1])] if take[1][1] > take[1][0] else None,
@@ -134,39 +143,6 @@ def mrope_positions(model: nn.Module, input_ids: torch.Tensor, token_types: torc
             out[:, row, a:e] = rope(**args)[:, 0]
             used = {kind: take[kind][1] for kind in (1, 2)}
     return out
-
-
-def routing(unit_of_token: torch.Tensor, place_units: torch.Tensor, per_rank: int, lay, p: int, me: int):
-    """Which of this rank's tower outputs it sends where, and where the rows it receives go.
-
-    ``unit_of_token``: ``(B, padded_len)`` the unit each token takes (-1: none), in natural order;
-    ``place_units``: ``(places,)`` the unit each place of the tower's sequence yields (-1: none, as a
-    class token); rank ``s`` holds places ``[s*per_rank, (s+1)*per_rank)``. Returns ``(send_index,
-    send_rows, recv_rows, recv_order)``: this rank's local places to send, sorted by destination rank
-    and then by the token's place there; rows per destination and per source; and the permutation that
-    puts the received rows into this rank's token order."""
-    b = unit_of_token.shape[0]
-    local = lay.local_len
-    placed = unit_of_token[:, lay.indices()]  # (B, padded_len) in shard order
-    units = int(unit_of_token.max()) + 1 if unit_of_token.numel() else 0
-    owner = torch.full((units,), -1, dtype=torch.long)  # rank holding the unit's placeholder token
-    slot = torch.full((units,), -1, dtype=torch.long)  # its place in that rank's (B, L) tokens, row-major
-    rows, places = (placed >= 0).nonzero(as_tuple=True)
-    unit = placed[rows, places]
-    owner[unit] = places // local
-    slot[unit] = rows * local + places % local
-    routed = (place_units >= 0).nonzero().flatten()  # tower places that yield a unit
-    source = routed // per_rank
-    dest, dest_slot = owner[place_units[routed]], slot[place_units[routed]]
-    mine = source == me
-    key = dest[mine] * (b * local) + dest_slot[mine]
-    send_index = routed[mine][key.argsort()] - me * per_rank
-    send_rows = torch.bincount(dest[mine], minlength=p).tolist()
-    to_me = dest == me
-    arrival = (source[to_me] * (b * local) + dest_slot[to_me]).argsort()  # by source, then slot, as each sends
-    recv_rows = torch.bincount(source[to_me], minlength=p).tolist()
-    recv_order = dest_slot[to_me][arrival].argsort()
-    return send_index, tuple(send_rows), tuple(recv_rows), recv_order
 
 
 def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, model: nn.Module, *,
@@ -215,6 +191,7 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         if token_types is None:
             token_types = is_image.long() + 2 * is_video.long()
         seconds = batch.get("second_per_grid_ts")
+        seconds = torch.as_tensor(seconds).cpu() if seconds is not None else None  # the M-RoPE ids are built on the CPU
         rope = mrope_positions(lm, input_ids.cpu(), token_types.cpu(), image_grid, video_grid, seconds, cu)
     targets = shift_labels(labels, cu, lengths, ignore_index)
 
@@ -268,7 +245,8 @@ def _vision_shard(batch: Mapping, mesh: SPMesh, family: VisionFamily, vision, im
     sizes = torch.ones(n, 2, dtype=torch.long)
     kept = patches.numel()
     if kept:
-        pixels[:kept] = torch.cat(media).to(device)[patches.to(device)]
+        whole = torch.cat(media) if len(media) > 1 else media[0]
+        pixels[:kept] = whole[patches.to(whole.device)].to(device)  # only this rank's rows reach its device
         coordinates[:kept] = patch_coordinates(grid, merge)[patches]
         sizes[:kept] = frame_sizes(grid)[patches]
     taps = None

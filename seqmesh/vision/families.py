@@ -1,9 +1,10 @@
 """The vision-language families seqmesh runs exactly, and how each one's tower and decoder are reached.
 
 A family names the transformers modules seqmesh drives (the tower, its embedding pieces, the language
-model) and the two things that differ between Qwen2.5-VL and Qwen3-VL: the order of the tower's
-sequence (windows or not) and what the decoder receives besides its input embeddings (Qwen3-VL's
-DeepStack features). Every other multimodal model is refused by name (:func:`vision_family`).
+model) and what differs between them: the order of the tower's sequence (Qwen2.5-VL's windows), what
+the decoder receives besides its input embeddings (Qwen3-VL's DeepStack features), learned positions,
+and a plain tower (LLaVA's CLIP, ``seqmesh.vision.plain``). Every other multimodal model is refused by
+name (:func:`vision_family`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..comm.collectives import exchange_rows
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
+from .route import moved, routing
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class PlainShard:
     recv_order: torch.Tensor
     visual_mask: torch.Tensor  # (B, L) bool: this rank's image placeholder tokens
     has_media: bool
+
+    def to(self, device: torch.device | str) -> PlainShard:
+        """The same shard with every tensor on ``device``."""
+        return moved(self, device)
 
 
 def feature_layers(config) -> list[int]:
@@ -70,8 +75,7 @@ def plain_places(config, images: int) -> tuple[torch.Tensor, torch.Tensor]:
     keep = config.vision_feature_select_strategy != "default"
     units = torch.full_like(positions, -1)
     yields = (positions > 0) | keep
-    units[yields] = torch.arange(int(yields.sum()))
-    assert int(yields.sum()) == per_image * images
+    units[yields] = torch.arange(int(yields.sum()))  # per_image * images of them
     return positions, units
 
 
@@ -82,8 +86,9 @@ def check_plain_media(batch, input_ids: torch.Tensor, config) -> int:
     pixels = batch.get("pixel_values")
     size = config.vision_config.image_size
     images = 0 if pixels is None else pixels.shape[0]
-    if pixels is not None and (pixels.dim() != 4 or tuple(pixels.shape[2:]) != (size, size)):
-        raise ValueError(f"pixel_values must be (images, channels, {size}, {size}) for this LLaVA tower, got "
+    channels = config.vision_config.num_channels
+    if pixels is not None and (pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size)):
+        raise ValueError(f"pixel_values must be (images, {channels}, {size}, {size}) for this LLaVA tower, got "
                          f"{tuple(pixels.shape)}; pass the processor's output unchanged.")
     tokens, per_image = int((input_ids == config.image_token_id).sum()), tokens_per_image(config)
     if tokens != images * per_image:
@@ -96,8 +101,6 @@ def check_plain_media(batch, input_ids: torch.Tensor, config) -> int:
 def plain_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor, lay,
                 device: torch.device) -> PlainShard:
     """This rank's places of the tower's sequence and the routing of their rows (module docstring)."""
-    from .batch import routing  # the routing rule is shared with the Qwen towers
-
     p, me = mesh.sp_size, mesh.sp_rank
     positions, units = plain_places(config, images)
     places = positions.numel()
@@ -116,7 +119,8 @@ def plain_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor
     if bool(is_patch.any()):
         image = torch.arange(per_rank * p)[mine] // (side * side + 1)
         index = image * side * side + positions[mine] - 1  # the patch's row in patch_pixels' order
-        local[is_patch.to(device)] = patch_pixels(pixels.to(device), patch)[index[is_patch].to(device)]
+        rows = patch_pixels(pixels, patch)[index[is_patch].to(pixels.device)]
+        local[is_patch.to(device)] = rows.to(device)  # only this rank's patches reach its device
     cu = tuple(range(0, places + 1, side * side + 1)) if images else None
     info = SequenceInfo(seq_len=places if images else per_rank * p, cu_seqlens=cu, layout="contiguous")
     send_index, send_rows, recv_rows, recv_order = routing(units_of, units, per_rank, lay, p, me)

@@ -63,9 +63,9 @@ def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
 
 
 class VisionLanguageLM(SequenceParallelLM):
-    """A ``SequenceParallelLM`` for Qwen2.5-VL and Qwen3-VL: ``forward(**seqmesh.shard_batch(batch, mesh,
-    model=...))`` runs the sharded tower, routes its embeddings to their placeholder tokens and returns the
-    loss of the whole batch, as for a text model."""
+    """A ``SequenceParallelLM`` for the vision-language families of ``seqmesh.vision.families``:
+    ``forward(**seqmesh.shard_batch(batch, mesh, model=...))`` runs the sharded tower, routes its
+    embeddings to their placeholder tokens and returns the loss of the whole batch, as for a text model."""
 
     def __init__(self, lm: nn.Module, mesh: SPMesh | None, *, chunk: int = 4096):
         super().__init__(lm, mesh, chunk=chunk)

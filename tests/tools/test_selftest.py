@@ -8,14 +8,22 @@ import subprocess
 import sys
 
 from seqmesh.kernels import AUTO_ORDER
-from seqmesh.tools.selftest import rehearsal_plan, run_selftest
+import pytest
+import torch
+
+import seqmesh.comm.launch
+from seqmesh.kernels import KERNELS
+from seqmesh.tools.selftest import (host_memory_bytes, longest_model, longest_sequence, rehearsal_plan, run_selftest,
+                                    time_kernels)
 
 
 def test_without_cuda_it_says_what_it_would_run_and_exits_0(tmp_path):
     done = subprocess.run([sys.executable, "-m", "seqmesh", "selftest", "--out", str(tmp_path / "r.json")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "would run" in done.stdout and "llama3-8b" in done.stdout and "no CUDA device here" in done.stdout
+    model, why = longest_model(host_memory_bytes())  # Llama-3.1-8B's shape where the host holds its offloaded state
+    assert "would run" in done.stdout and model in done.stdout and why in done.stdout, done.stdout
+    assert "no CUDA device here" in done.stdout
     assert not (tmp_path / "r.json").exists()  # nothing ran, nothing written
 
 
@@ -36,3 +44,34 @@ def test_the_rehearsal_runs_every_step_and_writes_the_report(tmp_path):
     assert trials[longest["longest"]]["peak_bytes"] <= plan.budget_bytes
     above = longest["longest"] + plan.longest_resolution
     assert above in trials and trials[above]["peak_bytes"] > plan.budget_bytes  # the search found the edge
+
+
+def test_a_kernel_out_of_memory_is_recorded_and_the_others_still_run(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(KERNELS["cpu_flash"], "forward", no_memory)
+    rows = {r["kernel"]: r for r in time_kernels(rehearsal_plan())}
+    assert "out of memory" in rows["cpu_flash"]["skipped"] and "seconds" in rows["math"], rows
+
+
+def test_a_failed_trial_ends_the_search_with_what_it_found(monkeypatch):
+    """A trial that dies without a CUDA out-of-memory error (its time ran out, the host killed it) is recorded,
+    and the search reports what it has, marked bounded, instead of dying."""
+    class DyingPool:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, *args, **kwargs):
+            raise RuntimeError("_trial failed on rank(s) [0]: killed")
+
+    monkeypatch.setattr(seqmesh.comm.launch, "WorkerPool", DyingPool)
+    result = longest_sequence(rehearsal_plan())
+    assert result["bounded"] and result["longest"] is None
+    assert "killed" in result["trials"]["256"]["failed"]

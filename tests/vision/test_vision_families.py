@@ -12,7 +12,8 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
 # their own images (per_document); one image at the very end, so most ranks hold no image token
 # (contiguous); no image at all (no rank runs the tower: its weights get no gradient, as on one device)
-KINDS = [("mixed", "zigzag"), ("documents", "per_document"), ("tail", "contiguous"), ("text_only", "auto")]
+KINDS = [("mixed", "zigzag"), ("documents", "per_document"), ("tail", "contiguous"), ("text_only", "auto"),
+         ("two_rows", "zigzag")]
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 # As in test_hf_families: a multiple of how far float32 rounding moves the reference (the same model and
 # weights run in float32 against float64, measured in the same run). Measured (torch 2.13, transformers 5.24,

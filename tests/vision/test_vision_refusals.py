@@ -14,3 +14,12 @@ def test_refusals_name_the_problem_and_the_way_out(pools):
         assert "model=model" in out["no_model"], out["no_model"]
         assert "0 video placeholder tokens" in out["placeholders"] and "8 embeddings" in out["placeholders"]
         assert "shard_batch(batch, mesh, model=model)" in out["text_batch"], out["text_batch"]
+
+
+def test_the_jobs_device_move_takes_every_tensor_of_a_vision_shard(pools):
+    """``seqmesh train`` builds batches on the CPU and moves them to the GPU: the vision shard's pixels,
+    positions, taps and routing indices must go too (the meta device stands in for the GPU here)."""
+    from vision_cases import fields_left_behind
+
+    for family in ("qwen2_5_vl", "qwen3_vl", "llava"):
+        assert pools.run(1, fields_left_behind, family)[0] == [], family
