@@ -117,8 +117,8 @@ def read_text(path: str) -> str:
                          "Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8), or drop that line.") from None
 
 
-def _read_jsonl(path: str, text_key: str) -> list[str]:
-    docs = []
+def jsonl_records(path: str):
+    """``(line number, record)`` of every non-blank line of a ``.jsonl`` file, each checked to be a JSON object."""
     for n, line in enumerate(read_text(path).split("\n"), 1):
         if not line.strip():
             continue
@@ -128,7 +128,13 @@ def _read_jsonl(path: str, text_key: str) -> list[str]:
             raise ValueError(f"{path}:{n} is not valid JSON ({err.args[0] if err.args else err}); each line of a "
                              ".jsonl file must be one JSON object.") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{n} is a JSON {type(record).__name__}, not an object with a {text_key!r} field.")
+            raise ValueError(f"{path}:{n} is a JSON {type(record).__name__}, not an object of fields.")
+        yield n, record
+
+
+def _read_jsonl(path: str, text_key: str) -> list[str]:
+    docs = []
+    for n, record in jsonl_records(path):
         if text_key not in record:
             raise ValueError(f"{path}:{n} has no {text_key!r} field; name the text field with --text-key.")
         text = record[text_key]

@@ -12,13 +12,12 @@ filled with an unscored document. Every 20th record (at least one) is held out f
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from ..sequence.batch import IGNORE_INDEX
-from .datasets import read_text, held_out_documents
+from .datasets import held_out_documents, jsonl_records
 
 MARKER = "<image>"
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # the CLIP normalisation the Qwen-VL and LLaVA processors apply
@@ -98,14 +97,8 @@ class ImageJsonl:
     @staticmethod
     def _records(path: str, text_key: str):
         folder = os.path.dirname(os.path.abspath(path))
-        for n, line in enumerate(read_text(path).split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise ValueError(f"{path}:{n} is not valid JSON ({err.args[0] if err.args else err}).") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+        for n, record in jsonl_records(path):
+            if not isinstance(record.get(text_key), str):
                 raise ValueError(f"{path}:{n} needs a string {text_key!r} field and an \"images\" list.")
             images = record.get("images", [])
             if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
