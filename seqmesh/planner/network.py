@@ -245,6 +245,13 @@ def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees, kind: str) ->
     return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
 
 
+def axis_all_to_all_seconds(calls: Iterable[int], hw: HardwareSpec, layout: Degrees, kind: str) -> float:
+    """All-to-alls of ``calls`` bytes per rank, one after another, run by every ``kind`` group of ``layout`` at once:
+    each takes the longer of its levels and the busiest node's uplinks."""
+    patterns = peer_patterns(hw, axis_groups(layout, kind))
+    return sum(max(all_to_all_from_patterns(n, hw, patterns), uplink_seconds(n, hw, layout, kind)) for n in calls)
+
+
 def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
     """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's
     levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's

@@ -9,11 +9,10 @@ from dataclasses import asdict, dataclass
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .layers import Attention, GatedDeltaNet, TensorParallel, attention_average, attention_pairs
-from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
-                      uplink_seconds, world_rank)
+from .network import axis_all_to_all_seconds, gather_seconds, ring_hop_seconds, world_rank
 from ..padding import padded_length
 from ..heads import HeadDeal
-from .traffic import all_to_all_calls, fsdp_traffic, ring_block_bytes
+from .traffic import call_bytes, fsdp_traffic, ring_block_bytes
 from ..degrees import Degrees
 from .workload import Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
 
@@ -145,14 +144,11 @@ def ring_merge_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase:
 
 
 def _ulysses_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
+    """One attention layer's Ulysses all-to-alls in ``phase``, one after another."""
     if layout.ulysses == 1:
         return 0.0
-    m = work.model
-    calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
-                             ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-    patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
-    return sum(max(all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, layout, "ulysses"))
-               for nbytes in calls[phase])
+    calls = call_bytes(Attention(work, layout).ranks(), "all_to_all", phase)
+    return axis_all_to_all_seconds(calls, hw, layout, "ulysses")
 
 
 def ring_block_tokens(work: Workload, layout: Degrees) -> int:

@@ -15,8 +15,7 @@ from ..model.presets import ModelShape, VisionShape
 from .activations import outside_layers_bytes
 from .hardware import HardwareSpec
 from .memory import MOMENTS, MemoryBreakdown, memory_at, parameter_memory
-from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
-                      uplink_seconds)
+from .network import axis_all_to_all_seconds, gather_seconds, ring_hop_seconds
 from .timing import ATTENTION_BACKWARD, StepTime
 from .traffic import RankTraffic, fsdp_traffic, vision_route_traffic, vision_tower_traffic
 
@@ -187,12 +186,10 @@ class Tower:
     def _comm_seconds(self, sent: RankTraffic, phase: str, hw: HardwareSpec) -> float:
         """One block's all-to-alls and ring hops in ``phase``, call by call."""
         g, seconds = self.group, 0.0
-        patterns = peer_patterns(hw, axis_groups(g, "ulysses"))
         for c in (c for c in sent.collectives if c.phase == phase):
             each = c.bytes_sent // c.calls
-            one = (ring_hop_seconds(each, hw, g) if c.kind == "p2p" else
-                   max(all_to_all_from_patterns(each, hw, patterns), uplink_seconds(each, hw, g, "ulysses")))
-            seconds += c.calls * one
+            seconds += c.calls * (ring_hop_seconds(each, hw, g) if c.kind == "p2p"
+                                  else axis_all_to_all_seconds([each], hw, g, "ulysses"))
         return seconds
 
     def seconds(self, hw: HardwareSpec) -> dict[str, float]:
@@ -218,10 +215,8 @@ class Tower:
         unit = v.hidden * v.merge ** 2
         mergers = (1 + len(v.deepstack)) * (unit * unit + unit * v.out_hidden) // v.merge ** 2  # per patch
         outside = 3 * 2 * n * (v.patch_features * v.hidden + mergers) / mm_rate  # forward, and backward 2x
-        patterns = peer_patterns(hw, axis_groups(g, "sequence"))
-        routes = [phase["vision_route"] for phase in self.traffic().values()]
-        exposed = sum(max(all_to_all_from_patterns(b, hw, patterns), uplink_seconds(b, hw, g, "sequence"))
-                      for b in routes)
+        exposed = axis_all_to_all_seconds([phase["vision_route"] for phase in self.traffic().values()], hw, g,
+                                          "sequence")
         exposed += sum(gather_seconds(rest[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
         return {"total": total + outside + exposed, "compute": compute + outside, "serial": serial + exposed}
 
