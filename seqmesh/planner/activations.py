@@ -1,6 +1,6 @@
-"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs
-(transformers' decoder layer with seqmesh's attention). What each op saves, per token: docs/planner.md
-("Activations").
+"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs (transformers'
+decoder layer with seqmesh's attention), and each layer's backward as a timeline of its ops. What each op saves
+and allocates: docs/planner.md ("Activations").
 """
 
 from __future__ import annotations
@@ -80,9 +80,8 @@ def outside_layers_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def final_norm_bytes(work: Workload, layout: Degrees) -> int:
-    """The final norm's saved tensors and its output (saved by the loss); with the activation offload
-    only the output stays on the device (the norm is part of the offloaded decoder), and the efficient
-    norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
+    """The final norm's saved tensors and its output (saved by the loss); offloaded, only the output stays, and the
+    efficient norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     if work.offload_checkpoints:
         return t * (e * m.hidden + (4 if work.efficient_norm else 0))
@@ -90,18 +89,11 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """An eager RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to
-    its input's: ``weight * n`` gives dn and a temporary for the weight's gradient (n and the incoming
-    gradient freed); in bf16 dn is cast to float32; ``x * r`` gives dx and a temporary for dr; the mean
-    and the square give dx's second part (the gradient of the square, ``x``, ``2x`` and their product).
-    Autograd adds a gradient in place into the buffer of the node that consumes it: in fp32 ``x`` is the
-    residual stream itself, so both parts go straight into the residual gradient; in bf16 the float32
-    copy collects both parts, then is cast back. Checked against the tracked peak of transformers'
-    ``LlamaRMSNorm`` backward."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
-    c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
+    """An RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to its input's."""
     if work.efficient_norm:
         return efficient_norm_backward_steps(work, layout)
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
     kept = t * norm_saved(m, e) - c  # float32 input and scale (n is freed by the first step)
     steps = [("norm weight backward", 2 * c, 3 * c)]  # dn and dn*n; dn*n, n and the incoming gradient freed
     if e == 4:
@@ -115,9 +107,7 @@ def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int,
 
 
 def efficient_norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """``seqmesh.memory.rmsnorm``'s backward as one step: the input gradient (compute dtype), then one
-    tile at a time at most three float32 ``(tile, hidden)`` tensors (two in fp32, where ``x.float()`` is
-    ``x``); then the tile's tensors, the incoming gradient and the saved input and scale are freed."""
+    """``seqmesh.memory.rmsnorm``'s backward as one step: the input gradient, and one tile's float32 tensors."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     c = t * m.hidden * e
     tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
@@ -126,15 +116,8 @@ def efficient_norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple
 
 
 def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the
-    state where it starts (every tensor the layer saved and the gradient of its output alive).
-
-    Each op allocates its outputs (and its temporaries, freed with its inputs); then the tensors it was
-    the last to need are freed. The figures follow what autograd runs for transformers' layer: linear
-    backward gives the input gradient (the weight's goes to the parameter gradients, counted apart); two
-    gradients of one tensor are summed into a new one; an eager RMSNorm's backward is
-    :func:`norm_backward_steps`; attention's backward allocates its working set
-    (:func:`attention_backward_bytes`), which ends as the gradients of q, k and v."""
+    """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the state where
+    it starts (every tensor the layer saved and the gradient of its output alive)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     hidden, inner = t * m.hidden * e, t * m.intermediate * e  # one (token, hidden) / (token, intermediate) tensor
     norm = norm_backward_steps(work, layout)
@@ -182,13 +165,8 @@ def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
 
 
 def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
-    """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient,
-    the q, k, v gradients it returns included. A ring of one: the kernel's gradients (those returned).
-    Ring (blocks and their partial gradients relayed neighbour to neighbour): float32 dQ, the home dK/dV,
-    this step's partial, the one sent on a step earlier and the one being received (float32), the packed
-    home K/V block, the one held and the one arriving, and the kernel's gradients of one block. Ulysses: the output gradient scattered to this rank's heads
-    (counted by the timeline) beside that, then the inner gradients packed for the inverse all-to-all next
-    to the result."""
+    """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient, the q, k, v
+    gradients it returns included."""
     m, e = work.model, work.act_bytes
     n, hq, hk = attention_heads(work, layout)
     d = m.head_dim

@@ -37,16 +37,12 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.attention + self.logits + self.reserved
+        return (self.weights + self.grads + self.optimizer + self.activations + self.attention + self.logits
+                + self.reserved)
 
     def as_dict(self) -> dict[str, int]:
         """Bytes by purpose and their total (the moment is left out: every value is an int)."""
         return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "moment"}, "total": self.total}
-
-
-def _check(moment: str) -> None:
-    if moment not in MOMENTS:
-        raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
 
 
 def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
@@ -63,15 +59,10 @@ def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
 
 
 def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
-    """(weights, grads, optimizer) bytes per GPU at ``moment``.
-
-    weights: the fp32 shards + the gathered units in the compute dtype: the root from the loss to the end
-    of backward, and one layer inside a layer's backward; none at the step.
-    grads: the fp32 shards at the end of backward and at the step; the unsharded gradients alive: in a
-    layer's backward the root's and the layer's, at the end :func:`end_of_backward_grads`. (At the loss
-    the LM head's gradient is still the loss's float32 accumulator: see :func:`loss_memory`.)
-    optimizer: AdamW's two moments, and at the step its temporaries."""
-    _check(moment)
+    """(weights, grads, optimizer) bytes per GPU at ``moment``, as docs/planner.md ("Memory") says FSDP2 holds them
+    (at the loss the LM head's gradient is still the loss's accumulator, counted in :func:`loss_memory`)."""
+    if moment not in MOMENTS:
+        raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
     m, e, t = work.model, work.act_bytes, layout.tp
     shard = -(-m.params // (t * layout.fsdp_group))
     layer, root = (-(-n // t) for n in (layer_params(m), root_params(m)))
@@ -112,13 +103,6 @@ def layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     return max(kind.saved_bytes() for kind, _ in layer_kinds(work, layout))
 
 
-def recomputed_layer_bytes(work: Workload, layout: Degrees) -> int:
-    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32, or
-    with the efficient norm, the first norm keeps that input itself rather than a float32 copy)."""
-    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
-    return layer_saved_bytes(work, layout) - shared
-
-
 def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
     """What the layers below the one in backward keep (all of them at the loss)."""
     m = work.model
@@ -130,23 +114,19 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
     return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout)
 
 
-def _top_layer(work: Workload, layout: Degrees) -> int:
-    """The last layer's saved tensors as its backward starts (recomputed, with checkpointing)."""
-    return recomputed_layer_bytes(work, layout) if work.checkpointing else layer_saved_bytes(work, layout)
-
-
 def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, str]:
-    """Activations at the peak of a layer's backward (the last layer's, or with ``first layer backward``
-    the first layer's, when the layers above have left only their gradient shards), and the op at which
-    it falls: what the layers below keep, the layer's own saved tensors (recomputed, with checkpointing),
-    the gradient of its output, and the peak of :func:`~seqmesh.planner.activations.layer_backward_timeline`."""
+    """Activations at the peak of the last (or the first) layer's backward, and the op at which it falls: what the
+    layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak."""
     if moment == "first layer backward":
         fetched = not work.offload_checkpoints or work.offload_prefetch
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
     else:
         below = _kept_by_layers(work, layout, at_loss=False)
+    top = layer_saved_bytes(work, layout)
+    if work.checkpointing:  # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself
+        top -= layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
     extra, op = timeline_peak(layer_backward_timeline(work, layout))
-    kept = below + _top_layer(work, layout) + outside_layers_bytes(work, layout)
+    kept = below + top + outside_layers_bytes(work, layout)
     return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
 
 
