@@ -46,11 +46,6 @@ class Fabric:
         """Bytes/s one node can send to other nodes, all its NICs together."""
         return self.nics_per_node * self.nic_bandwidth
 
-    def as_dict(self) -> dict:
-        return {"nics_per_node": self.nics_per_node, "nic_bandwidth": self.nic_bandwidth,
-                "oversubscription": self.oversubscription, "nodes_per_switch": self.nodes_per_switch,
-                "source": self.source}
-
 
 def _busiest_node_load(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
     """Bytes the busiest node must push per byte of its uplinks' bandwidth: its own off-node bytes, or
@@ -115,7 +110,8 @@ def _deciding_shifts(shifts: Iterable[int], terms: list) -> Iterable[int]:
     return sorted(t for t in corners if t in shifts)
 
 
-def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int, shifts: Iterable[int] = (1,)) -> float:
+def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int,
+              shifts: Iterable[int] = (1,)) -> float:
     """The same for ring messages: every rank of every group sends one message to the rank ``shift``
     places after it in its group, all at once; the busiest node at the worst of ``shifts``. Counted per
     stretch of a group on one node, so a shift costs the stretches, not the ranks; groups on the same
@@ -141,12 +137,6 @@ def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: in
     return worst
 
 
-def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric,
-                              gpus_per_node: int) -> float:
-    """Seconds the busiest node's uplinks need for all-to-alls of ``nbytes`` per rank over ``groups`` at once."""
-    return nbytes * all_to_all_load(groups, fabric, gpus_per_node) / fabric.node_bandwidth
-
-
 def parse_fabric(text: str) -> Fabric:
     """``NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]``, e.g. ``8:40`` (8 NICs of 40 GB/s achievable, non-blocking)
     or ``8:40:2:16`` (2:1 oversubscribed above leaf switches of 16 nodes)."""
@@ -167,24 +157,16 @@ def world_rank(layout: Degrees, ulysses_rank: int, ring_rank: int, dp_rank: int,
     return tp_rank + layout.tp * (ulysses_rank + layout.ulysses * (ring_rank + layout.ring * dp_rank))
 
 
-def ulysses_ranks(layout: Degrees, ring_rank: int, dp_rank: int) -> list[int]:
-    return [world_rank(layout, u, ring_rank, dp_rank) for u in range(layout.ulysses)]
-
-
-def ring_ranks(layout: Degrees, ulysses_rank: int, dp_rank: int) -> list[int]:
-    return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
-
-
 @lru_cache(maxsize=256)
 def every_group(layout: Degrees, kind: str) -> tuple[tuple[int, ...], ...]:
     """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
     collective at the same moment."""
+    u, r, d = range(layout.ulysses), range(layout.ring), range(layout.dp_shard)
     if kind == "ulysses":
-        return tuple(tuple(ulysses_ranks(layout, r, d)) for d in range(layout.dp_shard) for r in range(layout.ring))
+        return tuple(tuple(world_rank(layout, i, j, k) for i in u) for k in d for j in r)
     if kind == "ring":
-        return tuple(tuple(ring_ranks(layout, u, d)) for d in range(layout.dp_shard) for u in range(layout.ulysses))
-    return tuple(tuple(world_rank(layout, u, r, d) for r in range(layout.ring) for u in range(layout.ulysses))
-                 for d in range(layout.dp_shard))
+        return tuple(tuple(world_rank(layout, i, j, k) for j in r) for k in d for i in u)
+    return tuple(tuple(world_rank(layout, i, j, k) for j in r for i in u) for k in d)
 
 
 def axis_groups(layout: Degrees, kind: str) -> list[list[int]]:
@@ -227,10 +209,7 @@ def _uplink_load(layout: Degrees, kind: str, fabric: Fabric, gpus_per_node: int)
 
 
 def ring_shifts(layout: Degrees) -> range:
-    """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
-    partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
-    every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
-    (steps 0, 1, ring - 1) go to neighbours too, and a shift of -1 crosses as many node boundaries as +1."""
+    """How far ring messages travel: one rank (docs/planner.md, "Between nodes", says why)."""
     return range(1, min(2, layout.ring))
 
 
@@ -260,7 +239,7 @@ def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequenc
     levels = all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
     if hw.fabric is None or not nbytes:
         return levels
-    shared = all_to_all_uplink_seconds(nbytes, groups, hw.fabric, hw.gpus_per_node)
+    shared = nbytes * all_to_all_load(groups, hw.fabric, hw.gpus_per_node) / hw.fabric.node_bandwidth
     return max(levels, hw.links[-1].latency + shared if shared else 0.0)
 
 
