@@ -12,7 +12,7 @@ from ..padding import padded_length
 from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens
 from .hardware import HardwareSpec
-from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
+from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
 from ..heads import HeadDeal
 from .traffic import (attention_traffic, call_bytes, fsdp_traffic, linear_attention_traffic, ring_steps,
                       tensor_parallel_traffic, worst_rank)
@@ -168,8 +168,8 @@ class GatedDeltaNet:
         fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
         if work.checkpointing:
             bwd += fwd
-        fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-        ag, rs = (gather_seconds(fsdp[k], hw, fsdp_ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        ag, rs = fsdp_seconds(fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype), hw,
+                              fsdp_ranks)
         repeats = 2 if work.checkpointing else 1
         return {"total": max(fwd, ag) + max(bwd, ag + rs),
                 "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,

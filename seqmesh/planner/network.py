@@ -257,6 +257,11 @@ def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
     return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
 
 
+def fsdp_seconds(sent: dict[str, int], hw: HardwareSpec, ranks: list[int]) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of an FSDP unit over ``ranks`` sending ``sent`` (``fsdp_traffic``'s)."""
+    return tuple(gather_seconds(sent[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+
+
 def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
     """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
     group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the

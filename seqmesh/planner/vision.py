@@ -15,7 +15,7 @@ from ..model.presets import ModelShape, VisionShape
 from .activations import outside_layers_bytes
 from .hardware import HardwareSpec
 from .memory import MOMENTS, MemoryBreakdown, memory_at, parameter_memory
-from .network import axis_all_to_all_seconds, gather_seconds, ring_hop_seconds
+from .network import axis_all_to_all_seconds, fsdp_seconds, ring_hop_seconds
 from .timing import ATTENTION_BACKWARD, StepTime
 from .traffic import RankTraffic, fsdp_traffic, vision_route_traffic, vision_tower_traffic
 
@@ -200,7 +200,7 @@ class Tower:
         mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
         mm = 2 * n * (4 * v.hidden ** 2 + (3 if v.gated else 2) * v.hidden * v.intermediate) / mm_rate
         block, rest = self._units()
-        ag, rs = (gather_seconds(block[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        ag, rs = fsdp_seconds(block, hw, ranks)
         total = compute = serial = 0.0
         for bounds, count in self.documents():
             pairs = sum((b - a) ** 2 for a, b in zip(bounds, bounds[1:])) + (g.sp * n - bounds[-1]) ** 2  # + padding
@@ -217,7 +217,7 @@ class Tower:
         outside = 3 * 2 * n * (v.patch_features * v.hidden + mergers) / mm_rate  # forward, and backward 2x
         exposed = axis_all_to_all_seconds([phase["vision_route"] for phase in self.traffic().values()], hw, g,
                                           "sequence")
-        exposed += sum(gather_seconds(rest[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        exposed += sum(fsdp_seconds(rest, hw, ranks))
         return {"total": total + outside + exposed, "compute": compute + outside, "serial": serial + exposed}
 
 
