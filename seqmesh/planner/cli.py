@@ -94,23 +94,16 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
                              "(or describe yours with --memory-gib, --peak-tflops and --link).")
     hw = PRESETS[args.hardware]
     changes: dict = {}
-    if args.memory_gib is not None:
-        if args.memory_gib <= 0:
-            raise PlanInputError(f"--memory-gib {args.memory_gib} must be positive.")
-        changes["memory_bytes"] = int(args.memory_gib * GiB)
-    if args.peak_tflops is not None:
-        if args.peak_tflops <= 0:
-            raise PlanInputError(f"--peak-tflops {args.peak_tflops} must be positive.")
-        changes["peak_flops"] = args.peak_tflops * 1e12
-        changes["peak_flops_fp32"] = None  # the preset's no longer describes this GPU; fp32 plans must give it
-    if args.peak_tflops_fp32 is not None:
-        if args.peak_tflops_fp32 <= 0:
-            raise PlanInputError(f"--peak-tflops-fp32 {args.peak_tflops_fp32} must be positive.")
-        changes["peak_flops_fp32"] = args.peak_tflops_fp32 * 1e12
-    if args.memory_bandwidth_gbs is not None:
-        if args.memory_bandwidth_gbs <= 0:
-            raise PlanInputError(f"--memory-bandwidth-gbs {args.memory_bandwidth_gbs} must be positive.")
-        changes["memory_bandwidth"] = args.memory_bandwidth_gbs * GB
+    for flag, key, unit in (("memory_gib", "memory_bytes", GiB), ("peak_tflops", "peak_flops", 1e12),
+                            ("peak_tflops_fp32", "peak_flops_fp32", 1e12),
+                            ("memory_bandwidth_gbs", "memory_bandwidth", GB)):
+        value = getattr(args, flag)
+        if value is not None:
+            if value <= 0:
+                raise PlanInputError(f"--{flag.replace('_', '-')} {value} must be positive.")
+            changes[key] = int(value * unit) if key == "memory_bytes" else value * unit
+    if args.peak_tflops is not None:  # the preset's fp32 peak no longer describes this GPU; fp32 plans must give it
+        changes.setdefault("peak_flops_fp32", None)
     for name in ("matmul", "attention"):
         value = getattr(args, f"{name}_efficiency")
         value = value if value is not None else args.efficiency
@@ -129,9 +122,7 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
         changes["fabric"] = parse_fabric(args.fabric)
     if args.ring_efficiency:
         changes["ring_efficiency"] = load_ring_efficiency(args.ring_efficiency)
-    if changes:
-        hw = replace(hw, **changes)
-    return hw
+    return replace(hw, **changes) if changes else hw
 
 
 def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workload:
