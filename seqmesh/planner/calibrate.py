@@ -103,9 +103,11 @@ def measure_links(small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -
     return out
 
 
-def _bandwidth(big_s: float, big_bytes: int, small_s: float, small_bytes: int) -> float:
-    extra = max(big_s - small_s, 1e-9)
-    return max(big_bytes - small_bytes, 1) / extra
+def _bandwidth(r: dict, kind: str) -> float:
+    """Bytes/s of ``kind`` ("a2a" or "p2p") in :func:`measure_links`' figures: the large message's extra bytes over
+    its extra time."""
+    extra = max(r[f"{kind}_large_s"] - r[f"{kind}_small_s"], 1e-9)
+    return max(r[f"{kind}_large_bytes"] - r[f"{kind}_small_bytes"], 1) / extra
 
 
 def calibrate(device: str | None = None, dtype: str = "bf16") -> Calibration:
@@ -125,14 +127,10 @@ def calibrate(device: str | None = None, dtype: str = "bf16") -> Calibration:
         torch.set_num_threads(threads)
     ranks = spawn(measure_links, 2, timeout=120.0, threads=max(1, (os.cpu_count() or 2) // 2))
     r = {k: max(x[k] for x in ranks) for k in ranks[0]}
-    return Calibration(
-        device=device, dtype=measured_dtype, matmul_flops=mm, attention_flops=attn,
-        all_to_all_bandwidth=_bandwidth(r["a2a_large_s"], r["a2a_large_bytes"], r["a2a_small_s"], r["a2a_small_bytes"]),
-        all_to_all_latency=r["a2a_small_s"],
-        p2p_bandwidth=_bandwidth(r["p2p_large_s"], r["p2p_large_bytes"], r["p2p_small_s"], r["p2p_small_bytes"]),
-        p2p_latency=r["p2p_small_s"],
-        seconds=time.perf_counter() - start,
-    )
+    return Calibration(device=device, dtype=measured_dtype, matmul_flops=mm, attention_flops=attn,
+                       all_to_all_bandwidth=_bandwidth(r, "a2a"), all_to_all_latency=r["a2a_small_s"],
+                       p2p_bandwidth=_bandwidth(r, "p2p"), p2p_latency=r["p2p_small_s"],
+                       seconds=time.perf_counter() - start)
 
 
 def apply_calibration(hw: HardwareSpec, cal: Calibration, dtype: str) -> HardwareSpec:

@@ -22,11 +22,9 @@ class PlanInputError(ValueError):
 
 def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to ``seqmesh``'s subparsers."""
-    p = sub.add_parser(
-        "plan", help="predict memory, traffic and step time per layout, and recommend one",
-        description="Predict per-GPU memory, per-rank traffic and step time of every ulysses x ring x "
-                    "data-parallel layout (and tensor parallelism as a reference) and recommend one.",
-    )
+    p = sub.add_parser("plan", help="predict memory, traffic and step time per layout, and recommend one",
+                       description="Predict per-GPU memory, per-rank traffic and step time of every ulysses x ring x "
+                                   "data-parallel layout (and tensor parallelism as a reference) and recommend one.")
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch of a sequence group (default 1)")
@@ -131,13 +129,11 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
         media = Media(args.images, *parse_image_size(args.image_size), args.video_frames)
         if seq_len is None and model.vision is not None:  # --max-seq-len: start from the placeholder tokens
             seq_len = max(1, media.tokens(model.vision))
-    return Workload(
-        model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
-        checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
-        layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
-        efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
-        fsdp_cpu_offload=args.fsdp_cpu_offload, media=media,
-    )
+    return Workload(model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
+                    checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
+                    layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
+                    efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
+                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media)
 
 
 def check_args(args: argparse.Namespace):
@@ -162,10 +158,9 @@ def check_args(args: argparse.Namespace):
     except ValueError as err:
         raise PlanInputError(str(err)) from None
     if work.dtype == "fp32" and hw.peak_flops_fp32 is None and not args.calibrate:
-        raise PlanInputError(
-            f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the preset's bf16 peak, "
-            "and fp32 without tensor cores is not a fixed fraction of it (1/15 on an H100, 1/2 on an L20); give "
-            "--peak-tflops-fp32, or --calibrate to measure it.")
+        raise PlanInputError(f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the "
+                             "preset's bf16 peak, and fp32 without tensor cores is not a fixed fraction of it (1/15 "
+                             "on an H100, 1/2 on an L20); give --peak-tflops-fp32, or --calibrate to measure it.")
     return work, cluster, target
 
 

@@ -207,10 +207,8 @@ class HardwareSpec:
 
     def describe(self) -> str:
         """One line: memory, FLOP/s and the links."""
-        links = ", ".join(
-            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.0f} us"
-            for lv in self.links
-        )
+        links = ", ".join(f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s "
+                          f"{lv.latency * 1e6:.0f} us" for lv in self.links)
         fp32 = f" ({self.peak_flops_fp32 / 1e12:.4g} fp32)" if self.peak_flops_fp32 else ""
         net = ""
         if self.fabric is not None:

@@ -41,7 +41,7 @@ def tied(runnable: list[Candidate]) -> list[Candidate]:
 
 
 def pick(ranked: list[Candidate], memory_bytes: int) -> Candidate | None:
-    """The recommendation (the module docstring gives the rule); None when no seqmesh layout fits."""
+    """The recommendation (docs/planner.md gives the rule); None when no seqmesh layout fits."""
     runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
     if not runnable:
         return None
