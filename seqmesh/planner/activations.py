@@ -37,15 +37,13 @@ def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
 
 
 def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
-    """Bytes per token an RMSNorm keeps (its output excluded). Eager: float32 input, float32 scale,
-    normalized tensor in the compute dtype; efficient (``seqmesh.memory.rmsnorm``): its input in the
-    compute dtype and the float32 scale."""
+    """Bytes per token an RMSNorm keeps, its output excluded, eager or ``efficient`` (docs/planner.md, Activations)."""
     return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + e * m.hidden
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:
-    """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE), and the output
-    projection's input where it is a separate tensor (Ulysses)."""
+    """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE; Ulysses: the output projection's
+    own input)."""
     m, e = work.model, work.act_bytes
     n, hq, hk = attention_heads(work, layout)
     saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
@@ -54,17 +52,13 @@ def attention_saved(work: Workload, layout: Degrees) -> int:
     return saved
 
 
-def mlp_saved(work: Workload, layout: Degrees) -> int:
-    """Bytes the MLP keeps beyond its input: gate, up, SiLU(gate), product; nothing when tiled."""
-    return 0 if work.tiled_mlp else tokens(work, layout) * 4 * work.model.intermediate * work.act_bytes
-
-
 def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     """Bytes one attention decoder layer keeps for backward on one GPU: two norms and their outputs,
     attention, the MLP (docs/planner.md lists them)."""
     m, e = work.model, work.act_bytes
     per_token = 2 * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
-    return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
+    mlp = 0 if work.tiled_mlp else tokens(work, layout) * 4 * m.intermediate * e  # gate, up, SiLU(gate), product
+    return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:
@@ -90,10 +84,12 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
 
 def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
     """An RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to its input's."""
-    if work.efficient_norm:
-        return efficient_norm_backward_steps(work, layout)
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
+    if work.efficient_norm:  # seqmesh.memory.rmsnorm: one step, the input gradient and one tile's float32 tensors
+        tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
+        working = (2 if e == 4 else 3) * tile * m.hidden * 4
+        return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]
     kept = t * norm_saved(m, e) - c  # float32 input and scale (n is freed by the first step)
     steps = [("norm weight backward", 2 * c, 3 * c)]  # dn and dn*n; dn*n, n and the incoming gradient freed
     if e == 4:
@@ -104,15 +100,6 @@ def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int,
                     ("norm square backward", 4 * f, 3 * f),  # the product stays, to be added to dx
                     ("norm gradient sum", 0, f + kept),  # in place into dx; the float32 copy and r freed
                     ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
-
-
-def efficient_norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """``seqmesh.memory.rmsnorm``'s backward as one step: the input gradient, and one tile's float32 tensors."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
-    c = t * m.hidden * e
-    tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
-    working = (2 if e == 4 else 3) * tile * m.hidden * 4
-    return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]
 
 
 def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
