@@ -1,7 +1,6 @@
-"""How long bytes take on a cluster: every group of a layout that runs a collective at once, the
-per-GPU link levels each crosses, and what a node's GPUs share (its NICs, and an oversubscribed leaf
-switch above them: the ``Fabric``). Ranks are placed TP innermost, then Ulysses, ring, data parallel.
-The uplink and bisection bounds are explained in docs/planner.md ("Between nodes").
+"""How long bytes take on a cluster: every group of a layout that runs a collective at once (ranks placed TP
+innermost, then Ulysses, ring, data parallel), the link levels each crosses, and what a node's GPUs share (the
+``Fabric``: its NICs, an oversubscribed leaf switch). The bounds: docs/planner.md ("Between nodes").
 """
 
 from __future__ import annotations
@@ -55,10 +54,8 @@ def _busiest_node_load(off_node: Counter, off_switch: Counter, fabric: Fabric) -
 
 
 def all_to_all_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int) -> float:
-    """Bytes the busiest node sends off-node (or, scaled by the oversubscription, off its switch) per byte
-    each rank sends, when every rank of every group in ``groups`` (all at once) spreads its bytes evenly
-    over the other ranks of its group: a rank whose group has ``n`` ranks, ``m`` of them on its own node,
-    sends ``(n - m) / (n - 1)`` of its bytes off the node."""
+    """Bytes the busiest node sends off-node (or, times the oversubscription, off its switch) per byte each rank
+    sends, when every group in ``groups`` runs an all-to-all at once: ``(n - m) / (n - 1)`` of each rank's bytes."""
     off_node, off_switch = Counter(), Counter()
     per_switch = fabric.nodes_per_switch
     for ranks in groups:
@@ -112,10 +109,8 @@ def _deciding_shifts(shifts: Iterable[int], terms: list) -> Iterable[int]:
 
 def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int,
               shifts: Iterable[int] = (1,)) -> float:
-    """The same for ring messages: every rank of every group sends one message to the rank ``shift``
-    places after it in its group, all at once; the busiest node at the worst of ``shifts``. Counted per
-    stretch of a group on one node, so a shift costs the stretches, not the ranks; groups on the same
-    nodes in the same order are counted once, times their number."""
+    """The same for ring messages, each rank's to the rank ``shift`` places on, at the worst of ``shifts``: counted
+    per stretch of a group on one node (a shift costs the stretches, not the ranks), alike groups once."""
     per_switch = fabric.nodes_per_switch
     distinct = Counter(tuple(r // gpus_per_node for r in ranks) for ranks in groups if len(ranks) > 1)
     terms = []  # (group size, copies, node, the node's run, runs of the same node, runs of the same switch)
@@ -214,10 +209,8 @@ def ring_shifts(layout: Degrees) -> range:
 
 
 def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees, kind: str) -> float:
-    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
-    ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
-    per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
-    leaves a node."""
+    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout`` sends
+    ``nbytes`` per rank at once (an all-to-all, or a ring hop); 0 without a fabric or when nothing leaves a node."""
     if hw.fabric is None or not nbytes:
         return 0.0
     load = _uplink_load(layout, kind, hw.fabric, hw.gpus_per_node)
@@ -232,9 +225,8 @@ def axis_all_to_all_seconds(calls: Iterable[int], hw: HardwareSpec, layout: Degr
 
 
 def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
-    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's
-    levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's
-    uplinks, whichever is longer."""
+    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's levels or the
+    busiest node's uplinks, whichever is longer."""
     sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
     levels = all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
     if hw.fabric is None or not nbytes:
@@ -244,8 +236,7 @@ def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequenc
 
 
 def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``
-    (alone on the cluster): see :func:`concurrent_all_to_all_seconds`."""
+    """One all-to-all of ``nbytes`` per rank over ``ranks``, alone on the cluster."""
     return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
 
 
@@ -263,9 +254,8 @@ def fsdp_seconds(sent: dict[str, int], hw: HardwareSpec, ranks: list[int]) -> tu
 
 
 def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
-    """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
-    group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
-    worst of :func:`ring_shifts`, whichever is longer."""
+    """One ring hop of ``nbytes``: the slowest neighbour pair of any ring group, or the busiest node's uplinks
+    shared by every message that leaves it at once, whichever is longer."""
     worst = 0.0
     for g in axis_groups(layout, "ring"):
         for i, a in enumerate(g):

@@ -1,8 +1,6 @@
-"""Bytes each rank sends, per collective, from first principles (counted as ``seqmesh.comm.stats`` counts).
-
-Pure functions of shapes and degrees that import none of seqmesh's attention code, so tests compare them
-with a real run's counters as two independent derivations. What each collective sends: docs/planner.md,
-"What the code counts".
+"""Bytes each rank sends, per collective, from first principles (counted as ``seqmesh.comm.stats`` counts): pure
+functions of shapes and degrees that import none of seqmesh's attention code, so tests compare two independent
+derivations. What each collective sends: docs/planner.md ("Traffic").
 """
 
 from __future__ import annotations
@@ -36,10 +34,7 @@ def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int |
 
 
 def _document_steps(ring: int, padded_len: int, documents: tuple[int, ...], causal: bool) -> tuple[int, ...]:
-    """Contiguous layout with packed ``documents`` (boundaries; past the last one, padding is a document of
-    its own): step t is needed iff some ring rank's block shares a document with the block of rank
-    ``(r - t) mod R`` (under ``causal`` only an earlier or the same block). Images whose patches all lie
-    inside one rank's block need no ring step at all."""
+    """The ring steps of a contiguous layout packed with ``documents`` (their boundaries) that share a document."""
     c = padded_len // ring
     bounds = tuple(documents) + ((padded_len,) if documents[-1] < padded_len else ())
     first = lambda pos: max(i for i, b in enumerate(bounds) if b <= pos)  # noqa: E731  the document holding pos
@@ -54,14 +49,8 @@ def _document_steps(ring: int, padded_len: int, documents: tuple[int, ...], caus
 
 def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None,
                    documents: tuple[int, ...] | None = None, causal: bool = True) -> tuple[int, ...]:
-    """The ring steps that compute anything under a causal sliding ``window``, ascending.
-
-    Ring rank r holds chunks ``{r, 2R-1-r}`` of ``padded_len / 2R`` tokens (zigzag) or chunk ``r`` of
-    ``padded_len / R`` (contiguous). A query chunk ``a`` sees a key chunk ``b < a`` iff its first query
-    and the key chunk's last key are closer than the window: ``(a - b - 1) * c + 1 < window``. Step t
-    is needed iff some rank r holds such a pair with rank ``(r - t) mod R``; step 0 always is.
-    ``documents`` (contiguous layout, no window): steps whose blocks share no document are skipped too.
-    """
+    """The ring steps that compute anything under a causal sliding ``window`` or, in a contiguous layout, between
+    packed ``documents``, ascending (docs/planner.md, "Traffic", derives which)."""
     if documents is not None and ring > 1:
         if layout != "contiguous" or window is not None:
             raise ValueError("ring steps by documents are modelled for the contiguous layout without a window.")
@@ -107,10 +96,8 @@ class RankTraffic:
 def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int,
                       dtype: str, layout: str = "zigzag", validate: bool = True, window: int | None = None,
                       documents: tuple[int, ...] | None = None, causal: bool = True) -> list[RankTraffic]:
-    """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank
-    ``ring_rank * ulysses + ulysses_rank``; ``window`` is a causal sliding window (None: none);
-    ``documents`` packed documents of a contiguous layout, whose ring steps are skipped where no block
-    pair shares one (:func:`ring_step_list`)."""
+    """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank ``ring_rank * ulysses
+    + ulysses_rank``, with a causal sliding ``window`` or packed ``documents`` if given (:func:`ring_step_list`)."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     p = ulysses * ring
     local = padded_length(seq_len, ulysses, ring, layout) // p
