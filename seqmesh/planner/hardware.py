@@ -170,8 +170,7 @@ class HardwareSpec:
         return len(self.links) - 1
 
     def level_of_group(self, ranks: Sequence[int]) -> int:
-        """Index of the innermost level that joins every rank of ``ranks`` (their slowest pair). Blocks are
-        intervals, so it is the first level whose block holds both the lowest and the highest rank."""
+        """Index of the innermost level that joins every rank of ``ranks``: blocks are intervals, so their ends'."""
         return self.level_of_pair(min(ranks), max(ranks))
 
     def link_for_group(self, ranks: Sequence[int]) -> LinkLevel:
@@ -187,8 +186,7 @@ class HardwareSpec:
         return counts
 
     def with_gpus_per_node(self, per_node: int) -> HardwareSpec:
-        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it, and
-        the fabric keeps its NICs per GPU (at least one per node)."""
+        """The same GPUs ``per_node`` to a node: levels inside a node clipped to it, the fabric's NICs per GPU kept."""
         if per_node == self.gpus_per_node:
             return self
         inner = [lv for lv in self.links[:-1] if lv.group < per_node and per_node % lv.group == 0]

@@ -84,8 +84,7 @@ class Attention:
 
 
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
-    """``cost`` of one attention layer averaged over the model's full and sliding layers: the step model
-    costs every attention layer alike, with the average visible pairs and ring hops."""
+    """``cost`` of one attention layer averaged over the model's full and sliding layers (pairs, ring hops)."""
     m = work.model
     full = cost(Attention(work, layout))
     if not m.sliding_window or not m.sliding_layers:
@@ -101,8 +100,7 @@ def linear_layer_params(m: ModelShape) -> int:
 
 def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
     """float32 recurrent state of one Gated DeltaNet layer on the busiest rank: (Dk x Dv) per value head of its
-    share (value heads dealt over the ``sp`` sequence ranks) and per sample; the chunked kernels keep one per
-    chunk of the sequence for backward, a multiple of this."""
+    share over the ``sp`` sequence ranks and per sample (the chunked kernels keep one per chunk for backward)."""
     heads = -(-m.linear_value_heads // sp)
     return 4 * batch * heads * m.linear_key_dim * m.linear_value_dim
 
@@ -178,9 +176,8 @@ class GatedDeltaNet:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """``inner``'s layer under Megatron tensor + sequence parallelism (a reference seqmesh does not run):
-    its FSDP unit, with 2 all-gathers and 2 reduce-scatters of the activations each way instead of
-    sequence-parallel traffic."""
+    """``inner``'s layer under Megatron tensor + sequence parallelism (a reference seqmesh does not run): its FSDP
+    unit, and :func:`.traffic.tensor_parallel_traffic` instead of sequence-parallel traffic."""
 
     inner: Attention | GatedDeltaNet
 

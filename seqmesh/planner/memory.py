@@ -1,6 +1,5 @@
-"""Bytes one GPU holds at its peak during a training step, by what they are for: the largest of the
-step's moments (``MOMENTS``). What each moment holds and what was checked: docs/planner.md ("Memory
-moments"); what each op saves: :mod:`.activations`.
+"""Bytes one GPU holds at its peak during a training step, by purpose: the largest of the step's ``MOMENTS``. What
+each moment holds and what was checked: docs/planner.md ("Memory moments"); what each op saves: :mod:`.activations`.
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ class MemoryBreakdown:
 
 
 def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
-    """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward (compute dtype, plus
-    the fp32 copy FSDP reduces from in bf16): ``embedding`` (an untied embedding's unit, right after its
-    backward, while the root's gradient is still alive; absent when tied) and ``root`` (last)."""
+    """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward: ``embedding`` (an untied
+    embedding's, beside the root's; absent when tied) and ``root`` (last), as docs/planner.md ("Memory") says."""
     m, e, t = work.model, work.act_bytes, layout.tp
     root, emb = (-(-n // t) for n in (root_params(m), embedding_unit_params(m)))
     reduce_copy = 4 if e != 4 else 0
@@ -131,10 +129,8 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
-    """The chunked loss's working set beyond what the layers keep: its float32 LSE per token, and
-    forward: one chunk's float32 logits and ``logsumexp``'s temporary; backward: the hidden states'
-    gradient, the head's float32 gradient accumulator and one chunk's logit gradient with its copy or
-    the matmul it feeds."""
+    """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"): its float32
+    LSE per token and one chunk's logits; backward also the hidden states' and the head's gradients."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
     v, h = m.vocab, m.hidden

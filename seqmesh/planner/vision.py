@@ -54,8 +54,8 @@ class Media:
         return self.frames(v) * self.frame_patches(v) // v.merge ** 2
 
     def check(self, model: ModelShape, seq_len: int) -> None:
-        """Raise a ValueError naming the fix when the model has no tower, a size is not one its processor
-        makes, or the placeholder tokens do not fit in the sequence."""
+        """Raise a ValueError naming the fix when the model has no tower, a size is not its processor's or the tokens
+        do not fit."""
         v = model.vision
         if v is None:
             raise ValueError(f"--images / --video-frames need a vision-language model; {model.name} has no vision "
@@ -137,9 +137,7 @@ class Tower:
         return [(b, n) for b, n in ((full, len(v.full_blocks)), (windows, v.depth - len(v.full_blocks))) if n]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        """Bytes sent per step by phase (``recompute``: the blocks' forward replayed by checkpointing) and collective:
-        the blocks' all-to-alls and ring hops; the route, as many merged units as the rank's share sent forward and
-        their gradients returned backward (none on one rank)."""
+        """Bytes sent per step by phase (``recompute``: the blocks' forward replayed) and collective, ``TOWER_KEYS``."""
         v, dtype, g = self.vision, self.work.torch_dtype, self.group
         out = {phase: dict.fromkeys(TOWER_KEYS, 0) for phase in ("forward", "backward", "recompute")}
         for bounds, n in self.documents():
@@ -161,8 +159,7 @@ class Tower:
                      for n in (v.block_params, v.params - v.depth * v.block_params))
 
     def fsdp(self) -> dict[str, int]:
-        """FSDP bytes per step: each block's unit gathered forward and backward and reduce-scattered; the root's
-        part gathered once (kept for backward) and reduce-scattered."""
+        """FSDP bytes per step: each block's unit gathered twice, the root's part once; each reduce-scattered once."""
         v, (block, rest) = self.vision, self._units()
         return {"fsdp_all_gather": 2 * v.depth * block["all_gather_forward"] + rest["all_gather_forward"],
                 "fsdp_reduce_scatter": v.depth * block["reduce_scatter_backward"] + rest["reduce_scatter_backward"]}
@@ -223,8 +220,7 @@ class Tower:
 
 def tower_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
     """The step's peak with the tower: what it keeps added to every moment inside the decoder, and one moment more,
-    ``vision backward``: its peak and the decoder's outside tensors over the parameter state of the first decoder
-    layer's backward (a decoder layer gathered stands for the smaller tower blocks)."""
+    ``vision backward`` (docs/planner.md, "Vision towers")."""
     kept, peak = Tower(work, layout).memory()
     moments = [memory_at(work, layout, moment) for moment in MOMENTS]
     moments = [replace(b, activations=b.activations + kept) if b.moment in DURING_DECODER else b for b in moments]
