@@ -46,19 +46,17 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--link", action="append", metavar="NAME:GROUP:GBPS:US",
                    help="a link level, innermost first (repeat); GROUP 'all' for the outermost; replaces the "
                         "preset's links, e.g. --link pcie:4:24:10 --link host:8:12:15 --link ib:all:40:15")
-    p.add_argument("--fabric", metavar="NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]",
-                   help="the network of a node: NICs per node, achievable GB/s per NIC, the leaf switches' "
-                        "oversubscription (1 = non-blocking) and nodes per leaf switch (default: the preset's, "
-                        "e.g. DGX H100 8:40:1:32; none with --link)")
+    p.add_argument("--fabric", metavar="NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]", help="the network of a node: NICs "
+                   "per node, achievable GB/s per NIC, the leaf switches' oversubscription (1 = non-blocking) and "
+                   "nodes per leaf switch (default: the preset's, e.g. DGX H100 8:40:1:32; none with --link)")
     p.add_argument("--ring-efficiency", metavar="FILE",
                    help="ring split-and-merge efficiency by block size, from `seqmesh bench merge --json > FILE` "
                         "on the GPU being planned (default: 90.2%% at 8K-token blocks, ring-flash-attention on H800)")
-    p.add_argument("--global-batch-seqs", type=int, metavar="N",
-                   help="sequences per optimizer step over the cluster: only layouts whose dp_shard x --batch "
-                        "divides N, accumulating gradients over the rest")
+    p.add_argument("--global-batch-seqs", type=int, metavar="N", help="sequences per optimizer step over the "
+                   "cluster: only layouts whose dp_shard x --batch divides N, accumulating gradients over the rest")
     p.add_argument("--global-batch-tokens", type=int, metavar="N", help="the same in tokens (a multiple of --seq-len)")
-    p.add_argument("--one-group", action="store_true",
-                   help="one sequence group over the whole cluster (ulysses x ring = GPUs, no data parallelism)")
+    p.add_argument("--one-group", action="store_true", help="one sequence group over the whole cluster "
+                   "(ulysses x ring = GPUs, no data parallelism)")
     p.add_argument("--efficiency", type=float, help="achieved/peak FLOP/s for matmuls and attention (default 0.5)")
     p.add_argument("--matmul-efficiency", type=float, help="achieved/peak FLOP/s for matmuls")
     p.add_argument("--attention-efficiency", type=float, help="achieved/peak FLOP/s for attention")

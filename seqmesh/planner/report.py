@@ -1,4 +1,4 @@
-"""Text and JSON renderings of a plan."""
+"""The text of a plan: the table, the recommendation and its memory, traffic and time (JSON is ``Plan.as_dict``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,7 @@ from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
-SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")
-
-
-def _sp_bytes(c: Candidate) -> int:
-    """Sequence- or tensor-parallel bytes per layer, forward + backward + checkpoint recompute (FSDP left out)."""
-    return sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")  # the table's SP comm
 
 
 def _human_bytes(n: float) -> str:
@@ -69,9 +64,10 @@ def format_plan(p: Plan, top: int) -> str:
         exposed = percent(c.time.exposed_comm / c.time.total)
         ulink = c.comm_links.get("ulysses_all_to_all") or c.comm_links.get("tp_all_gather", "-")
         opt = f"{c.accumulation:>7}{_num(c.optimizer_step_s):>11}" if accum else ""
+        sp = sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
         lines.append(f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{gib(c.memory.total):>9}"
                      f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}"
-                     f"{_human_bytes(_sp_bytes(c)):>15}{exposed:>9}  "
+                     f"{_human_bytes(sp):>15}{exposed:>9}  "
                      f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}")
     if len(p.candidates) > top:
         lines.append(f"     ... {len(p.candidates) - top} more (--top {len(p.candidates)} shows all)")
