@@ -90,9 +90,8 @@ def host_memory(work: Workload, layout: Degrees) -> int:
     if work.fsdp_cpu_offload:
         host += (MASTER + GRAD_SHARD + ADAM) * -(-m.params // (layout.tp * layout.fsdp_group))
     if work.offload_checkpoints:
-        t = tokens(work, layout)
         final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
-        host += m.layers * layer_input_bytes(work, layout) + t * final_norm
+        host += m.layers * layer_input_bytes(work, layout) + tokens(work, layout) * final_norm
     return host
 
 

@@ -103,15 +103,13 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     if lay.ulysses == lay.ring == 1 and lay.dp_shard == 1:
         parts.append("one GPU holds the sequence")
     runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
-    versus = _versus(best, runnable, cluster.hardware.memory_bytes)
-    if versus:
-        parts.append(versus)
+    parts.append(_versus(best, runnable, cluster.hardware.memory_bytes))  # "" when nothing else runs
     tp = [c for c in ranked if c.feasible and not c.layout.runs_on_seqmesh]
     if tp:
         parts.append(f"tensor-parallel reference {tp[0].layout.label()[:-6]}: "
                      f"{percent(tp[0].tokens_per_s / best.tokens_per_s)} of this throughput")
     parts.append(f"{percent(best.time.exposed_comm / best.time.total)} of the step waits on communication")
-    return "; ".join(parts)
+    return "; ".join(part for part in parts if part)
 
 
 def peak_parts(memory: dict[str, int], moment: str) -> str:

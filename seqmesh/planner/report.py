@@ -133,10 +133,8 @@ def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
 
 def global_batch_line(p: Plan) -> str:
     """What the global batch asks and how gradient accumulation is counted."""
-    t, work = p.target, p.work
-    parts = []
-    if t.one_group:
-        parts.append(f"one sequence group over all {p.cluster.gpus} GPUs (ulysses x ring = {p.cluster.gpus})")
+    t, work, gpus = p.target, p.work, p.cluster.gpus
+    parts = [f"one sequence group over all {gpus} GPUs (ulysses x ring = {gpus})"] if t.one_group else []
     if t.sequences is not None:
         parts.append(f"global batch {t.sequences:,} sequences ({t.sequences * work.seq_len:,} tokens) per optimizer "
                      f"step = dp_shard x micro-batch {work.batch} x gradient accumulation; each accumulation "

@@ -100,14 +100,11 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
 
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
     head = (8 if work.chunked_loss else 6) * tokens * m.vocab * m.hidden / mm_rate
-    root_ag, root_rs = unit_seconds(root_params(m))
-    root_comm = root_ag + root_rs  # gathered once, kept gathered for backward
+    root_comm = sum(unit_seconds(root_params(m)))  # gathered once, kept gathered for backward, reduce-scattered
     # an untied embedding's own unit: gathered before the first layer (exposed), gathered again behind the
     # first layer's backward (prefetched in place of a next layer's) and reduce-scattered at the end (exposed)
     emb_ag, emb_rs = unit_seconds(embedding_unit_params(m))
-    emb_comm = 0.0
-    if embedding_unit_params(m):
-        emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd
+    emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd if embedding_unit_params(m) else 0.0
     full = m.layers - (m.linear_layers if layout.tp == 1 else 0)  # under TP every layer is timed as attention
     total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm
     compute = full * compute_layer + head
