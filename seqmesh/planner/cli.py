@@ -151,9 +151,7 @@ def check_args(args: argparse.Namespace):
         work = workload_from_args(args, args.seq_len)
         target = global_batch_from(args.global_batch_seqs, args.global_batch_tokens, args.seq_len, args.batch,
                                    args.one_group)
-    except PlanInputError:
-        raise
-    except ValueError as err:
+    except ValueError as err:  # a PlanInputError too: the same message again
         raise PlanInputError(str(err)) from None
     if work.dtype == "fp32" and hw.peak_flops_fp32 is None and not args.calibrate:
         raise PlanInputError(f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the "

@@ -189,13 +189,8 @@ class HardwareSpec:
             return self
         inner = [lv for lv in self.links[:-1] if lv.group < per_node and per_node % lv.group == 0]
         exact = [lv for lv in self.links[:-1] if lv.group == per_node]
-        node_level = [lv for lv in self.links[:-1] if lv.group == self.gpus_per_node]
-        if exact:
-            levels = [*inner, exact[0]]
-        elif node_level:
-            levels = [*inner, replace(node_level[0], group=per_node)]
-        else:
-            levels = inner
+        node_level = [replace(lv, group=per_node) for lv in self.links[:-1] if lv.group == self.gpus_per_node]
+        levels = [*inner, *(exact or node_level)[:1]]  # a level that joins the new node's GPUs, if any does
         fabric = self.fabric
         if fabric is not None:
             fabric = replace(fabric, nics_per_node=max(1, fabric.nics_per_node * per_node // self.gpus_per_node))

@@ -266,7 +266,5 @@ def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
 
 def link_name(hw: HardwareSpec, groups: list[list[int]]) -> str:
     """The slowest link level any of ``groups`` crosses ("-" when no group has two ranks)."""
-    groups = [g for g in groups if len(g) > 1]
-    if not groups:
-        return "-"
-    return hw.links[max(hw.level_of_group(g) for g in groups)].name
+    levels = [hw.level_of_group(g) for g in groups if len(g) > 1]
+    return hw.links[max(levels)].name if levels else "-"

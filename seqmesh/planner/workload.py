@@ -138,9 +138,7 @@ class GlobalBatch:
 
     def accumulation(self, layout: Degrees, micro_batch: int) -> int:
         """Micro-steps per optimizer step: ``sequences / (dp_shard x micro_batch)`` (1 without a target)."""
-        if self.sequences is None:
-            return 1
-        return self.sequences // (layout.dp_shard * micro_batch)
+        return 1 if self.sequences is None else self.sequences // (layout.dp_shard * micro_batch)
 
     def why_not(self, layout: Degrees, micro_batch: int) -> str | None:
         """Why ``layout`` cannot give this batch, or None when it can."""
