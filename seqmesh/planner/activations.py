@@ -110,18 +110,17 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
     norm = norm_backward_steps(work, layout)
     qkv = t * (m.heads + 2 * m.kv_heads) * m.head_dim * e
     out = t * m.heads * m.head_dim * e
-    steps: list[tuple[str, int, int]] = []
     if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
         tile = mlp_tile_tokens(work, layout)
         tile_set = tile * (7 * m.intermediate + m.hidden) * e
         tile_grads = 3 * m.hidden * m.intermediate * e  # this tile's weight gradients beside the running sums
-        steps += [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
+        steps = [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
     else:
-        steps += [("down_proj backward", inner, inner),  # d(product); the product freed
-                  ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
-                  ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
-                  # two input gradients, the second added in place into the first; the norm's output freed
-                  ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
+        steps = [("down_proj backward", inner, inner),  # d(product); the product freed
+                 ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
+                 ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
+                 # two input gradients, the second added in place into the first; the norm's output freed
+                 ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
     n, hq, _ = attention_heads(work, layout)
     o_input = out if layout.ulysses > 1 or layout.tp > 1 else 0  # the output projection's own input (Ulysses)
     steps += [*(("post-attention " + op, a, f) for op, a, f in norm),

@@ -13,10 +13,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from .network import Fabric
+from .network import GB, Fabric
 
 GiB = 2**30
-GB = 10**9
 
 
 @dataclass(frozen=True)
@@ -249,8 +248,7 @@ PRESETS: dict[str, HardwareSpec] = {h.name: h for h in (
                  memory_bandwidth=0.7e12, peak_flops_fp32=59.4e12,  # GDDR6 864 GB/s
                  fabric=_ROCE_NODE_FABRIC,
                  source="L20 48GB: 119.5 TFLOP/s dense bf16, PCIe 4.0 x16, no NVLink; 4 GPUs per PCIe switch, "
-                        "8 per node, 400 Gb/s RoCE per node"),
-)}
+                        "8 per node, 400 Gb/s RoCE per node"))}
 
 
 @dataclass(frozen=True)

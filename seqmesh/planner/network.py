@@ -49,8 +49,7 @@ class Fabric:
 def _busiest_node_load(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
     """Bytes the busiest node must push per byte of its uplinks' bandwidth: its own off-node bytes, or
     its off-switch bytes times the oversubscription, whichever is larger."""
-    return max(max(off_node.values(), default=0.0),
-               max(off_switch.values(), default=0.0) * fabric.oversubscription)
+    return max(max(off_node.values(), default=0.0), max(off_switch.values(), default=0.0) * fabric.oversubscription)
 
 
 def all_to_all_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int) -> float:
@@ -167,8 +166,7 @@ def every_group(layout: Degrees, kind: str) -> tuple[tuple[int, ...], ...]:
 def axis_groups(layout: Degrees, kind: str) -> list[list[int]]:
     """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
     groups = [list(g) for g in every_group(layout, kind)]
-    step = max(1, len(groups) // MAX_GROUPS_CHECKED)
-    return groups[::step]
+    return groups[:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
 
 
 def peer_patterns(hw: HardwareSpec, groups: list[list[int]]) -> set[tuple[int, ...]]:

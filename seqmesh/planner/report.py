@@ -117,18 +117,16 @@ def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
     sent = f" ({' / '.join(phases)}): {sent}" if sent else ": no sequence-parallel traffic (one rank per group)"
     fsdp = "; ".join(f"{k} {_human_bytes(n)}" for k, n in tower.fsdp().items())
     s = tower.seconds(cluster.hardware)
-    return [
-        f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per sequence, "
-        f"{frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
-        f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
-        "per rank",
-        f"vision tower memory per GPU: {gib(kept)} GiB kept through the decoder, {gib(peak)} GiB in its top "
-        "block's backward",
-        f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
-        f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
-        f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
-        f"{_num(s['total'] - s['compute'])} s",
-    ]
+    return [f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per "
+            f"sequence, {frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
+            f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
+            "per rank",
+            f"vision tower memory per GPU: {gib(kept)} GiB kept through the decoder, {gib(peak)} GiB in its top "
+            "block's backward",
+            f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
+            f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
+            f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
+            f"{_num(s['total'] - s['compute'])} s"]
 
 
 def global_batch_line(p: Plan) -> str:

@@ -17,10 +17,9 @@ INT64 = 8
 
 def dtype_bytes(dtype: str) -> int:
     """Element size of a dtype named as torch names it ("bfloat16", "float32", ...)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}.") from None
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}.")
+    return DTYPE_BYTES[dtype]
 
 
 def partial_bytes(dtype: str) -> int:
@@ -116,19 +115,15 @@ def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: in
             if validate and p > 1:
                 items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64))
             if ulysses > 1:
-                items += [
-                    Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row),
-                    Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row),
-                    Collective("all_to_all", "backward", 1, (q_heads - q) * row),
-                    Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row),
-                ]
+                items += [Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row),
+                          Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row),
+                          Collective("all_to_all", "backward", 1, (q_heads - q) * row),
+                          Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row)]
             if hops:
                 block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
-                items += [
-                    Collective("p2p", "forward", hops, hops * block * e),
-                    Collective("p2p", "backward", hops, hops * block * e),
-                    Collective("p2p", "backward", partials, partials * block * ep),
-                ]
+                items += [Collective("p2p", "forward", hops, hops * block * e),
+                          Collective("p2p", "backward", hops, hops * block * e),
+                          Collective("p2p", "backward", partials, partials * block * ep)]
             out.append(RankTraffic(u, r, tuple(items)))
     return out
 
@@ -153,8 +148,7 @@ def linear_attention_traffic(key_heads: int, value_heads: int, key_dim: int, val
             Collective("all_to_all", "forward", 1, (sum(channels) - c) * unit),
             Collective("all_to_all", "forward", 1, (p - 1) * h * value_dim * unit),
             Collective("all_to_all", "backward", 1, (value_heads - h) * value_dim * unit),
-            Collective("all_to_all", "backward", 1, (p - 1) * c * unit),
-        )))
+            Collective("all_to_all", "backward", 1, (p - 1) * c * unit))))
     return out
 
 

@@ -74,8 +74,7 @@ class Workload:
 
 def layer_params(m: ModelShape) -> int:
     """Parameters of one transformer layer: q, k, v, o projections, gated MLP (or all its experts), RMSNorms."""
-    attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    return attn + m.mlp_params + m.norm_params
+    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + m.mlp_params + m.norm_params
 
 
 def layer_matmul_params(m: ModelShape) -> int:
