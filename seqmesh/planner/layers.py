@@ -161,13 +161,13 @@ class GatedDeltaNet:
         mm_fwd = 2 * work.batch * local_tokens(work, layout) * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
         heads = -(-m.linear_value_heads // p)  # this rank's share of the value heads
         core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
-        a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(), "all_to_all", phase), hw, layout,
-                                                    "sequence") for phase in ("forward", "backward"))
+        a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(), "all_to_all", ph), hw, layout, "sequence")
+                            for ph in ("forward", "backward"))
         fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
         if work.checkpointing:
             bwd += fwd
-        ag, rs = fsdp_seconds(fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype), hw,
-                              fsdp_ranks)
+        fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+        ag, rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
         repeats = 2 if work.checkpointing else 1
         return {"total": max(fwd, ag) + max(bwd, ag + rs),
                 "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,
