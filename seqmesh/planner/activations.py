@@ -1,6 +1,6 @@
-"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs
-(transformers' decoder layer with seqmesh's attention). What each op saves, per token: docs/planner.md
-("Activations").
+"""What autograd keeps for backward on one GPU, op by op, for the modules seqmesh really runs (transformers'
+decoder layer with seqmesh's attention), and each layer's backward as a timeline of its ops. What each op saves
+and allocates: docs/planner.md ("Activations").
 """
 
 from __future__ import annotations
@@ -37,15 +37,13 @@ def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
 
 
 def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
-    """Bytes per token an RMSNorm keeps (its output excluded). Eager: float32 input, float32 scale,
-    normalized tensor in the compute dtype; efficient (``seqmesh.memory.rmsnorm``): its input in the
-    compute dtype and the float32 scale."""
+    """Bytes per token an RMSNorm keeps, its output excluded, eager or ``efficient`` (docs/planner.md, Activations)."""
     return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + e * m.hidden
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:
-    """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE), and the output
-    projection's input where it is a separate tensor (Ulysses)."""
+    """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE; Ulysses: the output projection's
+    own input)."""
     m, e = work.model, work.act_bytes
     n, hq, hk = attention_heads(work, layout)
     saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
@@ -54,17 +52,13 @@ def attention_saved(work: Workload, layout: Degrees) -> int:
     return saved
 
 
-def mlp_saved(work: Workload, layout: Degrees) -> int:
-    """Bytes the MLP keeps beyond its input: gate, up, SiLU(gate), product; nothing when tiled."""
-    return 0 if work.tiled_mlp else tokens(work, layout) * 4 * work.model.intermediate * work.act_bytes
-
-
 def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     """Bytes one attention decoder layer keeps for backward on one GPU: two norms and their outputs,
     attention, the MLP (docs/planner.md lists them)."""
     m, e = work.model, work.act_bytes
     per_token = 2 * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
-    return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp_saved(work, layout)
+    mlp = 0 if work.tiled_mlp else tokens(work, layout) * 4 * m.intermediate * e  # gate, up, SiLU(gate), product
+    return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:
@@ -80,9 +74,8 @@ def outside_layers_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def final_norm_bytes(work: Workload, layout: Degrees) -> int:
-    """The final norm's saved tensors and its output (saved by the loss); with the activation offload
-    only the output stays on the device (the norm is part of the offloaded decoder), and the efficient
-    norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
+    """The final norm's saved tensors and its output (saved by the loss); offloaded, only the output stays, and the
+    efficient norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     if work.offload_checkpoints:
         return t * (e * m.hidden + (4 if work.efficient_norm else 0))
@@ -90,18 +83,13 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """An eager RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to
-    its input's: ``weight * n`` gives dn and a temporary for the weight's gradient (n and the incoming
-    gradient freed); in bf16 dn is cast to float32; ``x * r`` gives dx and a temporary for dr; the mean
-    and the square give dx's second part (the gradient of the square, ``x``, ``2x`` and their product).
-    Autograd adds a gradient in place into the buffer of the node that consumes it: in fp32 ``x`` is the
-    residual stream itself, so both parts go straight into the residual gradient; in bf16 the float32
-    copy collects both parts, then is cast back. Checked against the tracked peak of transformers'
-    ``LlamaRMSNorm`` backward."""
+    """An RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to its input's."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
-    if work.efficient_norm:
-        return efficient_norm_backward_steps(work, layout)
+    if work.efficient_norm:  # seqmesh.memory.rmsnorm: one step, the input gradient and one tile's float32 tensors
+        tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
+        working = (2 if e == 4 else 3) * tile * m.hidden * 4
+        return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]
     kept = t * norm_saved(m, e) - c  # float32 input and scale (n is freed by the first step)
     steps = [("norm weight backward", 2 * c, 3 * c)]  # dn and dn*n; dn*n, n and the incoming gradient freed
     if e == 4:
@@ -114,44 +102,25 @@ def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int,
                     ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
 
 
-def efficient_norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """``seqmesh.memory.rmsnorm``'s backward as one step: the input gradient (compute dtype), then one
-    tile at a time at most three float32 ``(tile, hidden)`` tensors (two in fp32, where ``x.float()`` is
-    ``x``); then the tile's tensors, the incoming gradient and the saved input and scale are freed."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
-    c = t * m.hidden * e
-    tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
-    working = (2 if e == 4 else 3) * tile * m.hidden * 4
-    return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]
-
-
 def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the
-    state where it starts (every tensor the layer saved and the gradient of its output alive).
-
-    Each op allocates its outputs (and its temporaries, freed with its inputs); then the tensors it was
-    the last to need are freed. The figures follow what autograd runs for transformers' layer: linear
-    backward gives the input gradient (the weight's goes to the parameter gradients, counted apart); two
-    gradients of one tensor are summed into a new one; an eager RMSNorm's backward is
-    :func:`norm_backward_steps`; attention's backward allocates its working set
-    (:func:`attention_backward_bytes`), which ends as the gradients of q, k and v."""
+    """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the state where
+    it starts (every tensor the layer saved and the gradient of its output alive)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     hidden, inner = t * m.hidden * e, t * m.intermediate * e  # one (token, hidden) / (token, intermediate) tensor
     norm = norm_backward_steps(work, layout)
     qkv = t * (m.heads + 2 * m.kv_heads) * m.head_dim * e
     out = t * m.heads * m.head_dim * e
-    steps: list[tuple[str, int, int]] = []
     if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
         tile = mlp_tile_tokens(work, layout)
         tile_set = tile * (7 * m.intermediate + m.hidden) * e
         tile_grads = 3 * m.hidden * m.intermediate * e  # this tile's weight gradients beside the running sums
-        steps += [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
+        steps = [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
     else:
-        steps += [("down_proj backward", inner, inner),  # d(product); the product freed
-                  ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
-                  ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
-                  # two input gradients, the second added in place into the first; the norm's output freed
-                  ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
+        steps = [("down_proj backward", inner, inner),  # d(product); the product freed
+                 ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
+                 ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
+                 # two input gradients, the second added in place into the first; the norm's output freed
+                 ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
     n, hq, _ = attention_heads(work, layout)
     o_input = out if layout.ulysses > 1 or layout.tp > 1 else 0  # the output projection's own input (Ulysses)
     steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
@@ -182,13 +151,8 @@ def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
 
 
 def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
-    """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient,
-    the q, k, v gradients it returns included. A ring of one: the kernel's gradients (those returned).
-    Ring (blocks and their partial gradients relayed neighbour to neighbour): float32 dQ, the home dK/dV,
-    this step's partial, the one sent on a step earlier and the one being received (float32), the packed
-    home K/V block, the one held and the one arriving, and the kernel's gradients of one block. Ulysses: the output gradient scattered to this rank's heads
-    (counted by the timeline) beside that, then the inner gradients packed for the inverse all-to-all next
-    to the result."""
+    """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient, the q, k, v
+    gradients it returns included."""
     m, e = work.model, work.act_bytes
     n, hq, hk = attention_heads(work, layout)
     d = m.head_dim

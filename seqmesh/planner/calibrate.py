@@ -1,16 +1,6 @@
-"""``seqmesh plan --calibrate``: measure this machine instead of trusting a preset.
-
-Compute: a square matmul and one causal attention forward+backward through seqmesh's own kernel chooser,
-in the compute dtype being planned (bf16 or fp32; fp32 under torch's current float32 matmul precision,
-"highest" unless changed, so no TF32), counted with the same FLOP formulas the planner uses (so the
-measured rate plugs straight in as that dtype's peak).
-On the CPU, compute runs on half the cores, as one of the two measured processes would.
-Communication: two spawned gloo ranks time seqmesh's all-to-all (``all_to_all_rows``) and ring exchange
-(``RingExchange``) on a small and a large message; latency is the small message's time, bandwidth the
-large message's bytes over its time less that latency. Bounded to well under a minute on 2 CPU cores.
-
-On a GPU the compute figures are the GPU's; the links are measured over gloo between processes on
-this host, so they replace the preset's links only when the device is the CPU.
+"""``seqmesh plan --calibrate``: measure this machine's matmul and attention throughput (with the planner's FLOP
+formulas) and seqmesh's all-to-all and ring exchange over two gloo ranks, instead of trusting a preset. What is
+measured and where it replaces the preset: docs/planner.md ("Calibration").
 """
 
 from __future__ import annotations
@@ -18,7 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from .hardware import GB, HardwareSpec
 from .timing import ATTENTION_BACKWARD, attention_pairs
@@ -38,9 +28,6 @@ class Calibration:
     p2p_bandwidth: float  # bytes/s one rank sends in a ring exchange
     p2p_latency: float  # seconds per small ring exchange
     seconds: float  # wall time of the calibration
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _timed(fn, repeats: int, sync) -> float:
@@ -90,6 +77,8 @@ def measure_compute(device: str = "cpu", dtype: str = "fp32", size: int | None =
 def measure_links(small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -> dict:
     """Runs on each of 2 ranks: seconds of a small and a large all-to-all and ring exchange, and the
     bytes seqmesh's counters saw this rank send for one large call of each."""
+    from functools import partial
+
     import torch
     import torch.distributed as dist
 
@@ -99,33 +88,26 @@ def measure_links(small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -
 
     group = dist.group.WORLD
     world = dist.get_world_size(group)
-    exchange = RingExchange(group, "forward")
+    exchange, barrier = RingExchange(group, "forward"), partial(dist.barrier, group)
     out = {}
     for name, nbytes in (("small", small), ("large", large)):
         rows = max(1, nbytes // 4 // 256)  # float32 rows of 256 elements, per destination
         x = torch.randn(world * rows, 256)
-
-        def a2a() -> None:
-            all_to_all_rows(x, group, [rows] * world, [rows] * world, "forward")
-
-        def p2p() -> None:
-            exchange.start(x[:rows]).wait()
-
-        def barrier() -> None:
-            dist.barrier(group)
-
         with comm_stats() as stats:
-            out[f"a2a_{name}_s"] = _timed(a2a, repeats, barrier)
-            out[f"p2p_{name}_s"] = _timed(p2p, repeats, barrier)
+            out[f"a2a_{name}_s"] = _timed(lambda: all_to_all_rows(x, group, [rows] * world, [rows] * world, "forward"),
+                                          repeats, barrier)
+            out[f"p2p_{name}_s"] = _timed(lambda: exchange.start(x[:rows]).wait(), repeats, barrier)
         calls = repeats + 1
         out[f"a2a_{name}_bytes"] = stats.sent("all_to_all") // calls
         out[f"p2p_{name}_bytes"] = stats.sent("p2p") // calls
     return out
 
 
-def _bandwidth(big_s: float, big_bytes: int, small_s: float, small_bytes: int) -> float:
-    extra = max(big_s - small_s, 1e-9)
-    return max(big_bytes - small_bytes, 1) / extra
+def _bandwidth(r: dict, kind: str) -> float:
+    """Bytes/s of ``kind`` ("a2a" or "p2p") in :func:`measure_links`' figures: the large message's extra bytes over
+    its extra time."""
+    extra = max(r[f"{kind}_large_s"] - r[f"{kind}_small_s"], 1e-9)
+    return max(r[f"{kind}_large_bytes"] - r[f"{kind}_small_bytes"], 1) / extra
 
 
 def calibrate(device: str | None = None, dtype: str = "bf16") -> Calibration:
@@ -145,14 +127,10 @@ def calibrate(device: str | None = None, dtype: str = "bf16") -> Calibration:
         torch.set_num_threads(threads)
     ranks = spawn(measure_links, 2, timeout=120.0, threads=max(1, (os.cpu_count() or 2) // 2))
     r = {k: max(x[k] for x in ranks) for k in ranks[0]}
-    return Calibration(
-        device=device, dtype=measured_dtype, matmul_flops=mm, attention_flops=attn,
-        all_to_all_bandwidth=_bandwidth(r["a2a_large_s"], r["a2a_large_bytes"], r["a2a_small_s"], r["a2a_small_bytes"]),
-        all_to_all_latency=r["a2a_small_s"],
-        p2p_bandwidth=_bandwidth(r["p2p_large_s"], r["p2p_large_bytes"], r["p2p_small_s"], r["p2p_small_bytes"]),
-        p2p_latency=r["p2p_small_s"],
-        seconds=time.perf_counter() - start,
-    )
+    return Calibration(device=device, dtype=measured_dtype, matmul_flops=mm, attention_flops=attn,
+                       all_to_all_bandwidth=_bandwidth(r, "a2a"), all_to_all_latency=r["a2a_small_s"],
+                       p2p_bandwidth=_bandwidth(r, "p2p"), p2p_latency=r["p2p_small_s"],
+                       seconds=time.perf_counter() - start)
 
 
 def apply_calibration(hw: HardwareSpec, cal: Calibration, dtype: str) -> HardwareSpec:

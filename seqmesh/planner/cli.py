@@ -22,11 +22,9 @@ class PlanInputError(ValueError):
 
 def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to ``seqmesh``'s subparsers."""
-    p = sub.add_parser(
-        "plan", help="predict memory, traffic and step time per layout, and recommend one",
-        description="Predict per-GPU memory, per-rank traffic and step time of every ulysses x ring x "
-                    "data-parallel layout (and tensor parallelism as a reference) and recommend one.",
-    )
+    p = sub.add_parser("plan", help="predict memory, traffic and step time per layout, and recommend one",
+                       description="Predict per-GPU memory, per-rank traffic and step time of every ulysses x ring x "
+                                   "data-parallel layout (and tensor parallelism as a reference) and recommend one.")
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch of a sequence group (default 1)")
@@ -48,19 +46,17 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--link", action="append", metavar="NAME:GROUP:GBPS:US",
                    help="a link level, innermost first (repeat); GROUP 'all' for the outermost; replaces the "
                         "preset's links, e.g. --link pcie:4:24:10 --link host:8:12:15 --link ib:all:40:15")
-    p.add_argument("--fabric", metavar="NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]",
-                   help="the network of a node: NICs per node, achievable GB/s per NIC, the leaf switches' "
-                        "oversubscription (1 = non-blocking) and nodes per leaf switch (default: the preset's, "
-                        "e.g. DGX H100 8:40:1:32; none with --link)")
+    p.add_argument("--fabric", metavar="NICS:GBS[:OVERSUB[:NODES_PER_SWITCH]]", help="the network of a node: NICs "
+                   "per node, achievable GB/s per NIC, the leaf switches' oversubscription (1 = non-blocking) and "
+                   "nodes per leaf switch (default: the preset's, e.g. DGX H100 8:40:1:32; none with --link)")
     p.add_argument("--ring-efficiency", metavar="FILE",
                    help="ring split-and-merge efficiency by block size, from `seqmesh bench merge --json > FILE` "
                         "on the GPU being planned (default: 90.2%% at 8K-token blocks, ring-flash-attention on H800)")
-    p.add_argument("--global-batch-seqs", type=int, metavar="N",
-                   help="sequences per optimizer step over the cluster: only layouts whose dp_shard x --batch "
-                        "divides N, accumulating gradients over the rest")
+    p.add_argument("--global-batch-seqs", type=int, metavar="N", help="sequences per optimizer step over the "
+                   "cluster: only layouts whose dp_shard x --batch divides N, accumulating gradients over the rest")
     p.add_argument("--global-batch-tokens", type=int, metavar="N", help="the same in tokens (a multiple of --seq-len)")
-    p.add_argument("--one-group", action="store_true",
-                   help="one sequence group over the whole cluster (ulysses x ring = GPUs, no data parallelism)")
+    p.add_argument("--one-group", action="store_true", help="one sequence group over the whole cluster "
+                   "(ulysses x ring = GPUs, no data parallelism)")
     p.add_argument("--efficiency", type=float, help="achieved/peak FLOP/s for matmuls and attention (default 0.5)")
     p.add_argument("--matmul-efficiency", type=float, help="achieved/peak FLOP/s for matmuls")
     p.add_argument("--attention-efficiency", type=float, help="achieved/peak FLOP/s for attention")
@@ -94,23 +90,16 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
                              "(or describe yours with --memory-gib, --peak-tflops and --link).")
     hw = PRESETS[args.hardware]
     changes: dict = {}
-    if args.memory_gib is not None:
-        if args.memory_gib <= 0:
-            raise PlanInputError(f"--memory-gib {args.memory_gib} must be positive.")
-        changes["memory_bytes"] = int(args.memory_gib * GiB)
-    if args.peak_tflops is not None:
-        if args.peak_tflops <= 0:
-            raise PlanInputError(f"--peak-tflops {args.peak_tflops} must be positive.")
-        changes["peak_flops"] = args.peak_tflops * 1e12
-        changes["peak_flops_fp32"] = None  # the preset's no longer describes this GPU; fp32 plans must give it
-    if args.peak_tflops_fp32 is not None:
-        if args.peak_tflops_fp32 <= 0:
-            raise PlanInputError(f"--peak-tflops-fp32 {args.peak_tflops_fp32} must be positive.")
-        changes["peak_flops_fp32"] = args.peak_tflops_fp32 * 1e12
-    if args.memory_bandwidth_gbs is not None:
-        if args.memory_bandwidth_gbs <= 0:
-            raise PlanInputError(f"--memory-bandwidth-gbs {args.memory_bandwidth_gbs} must be positive.")
-        changes["memory_bandwidth"] = args.memory_bandwidth_gbs * GB
+    for flag, key, unit in (("memory_gib", "memory_bytes", GiB), ("peak_tflops", "peak_flops", 1e12),
+                            ("peak_tflops_fp32", "peak_flops_fp32", 1e12),
+                            ("memory_bandwidth_gbs", "memory_bandwidth", GB)):
+        value = getattr(args, flag)
+        if value is not None:
+            if value <= 0:
+                raise PlanInputError(f"--{flag.replace('_', '-')} {value} must be positive.")
+            changes[key] = int(value * unit) if key == "memory_bytes" else value * unit
+    if args.peak_tflops is not None:  # the preset's fp32 peak no longer describes this GPU; fp32 plans must give it
+        changes.setdefault("peak_flops_fp32", None)
     for name in ("matmul", "attention"):
         value = getattr(args, f"{name}_efficiency")
         value = value if value is not None else args.efficiency
@@ -129,9 +118,7 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
         changes["fabric"] = parse_fabric(args.fabric)
     if args.ring_efficiency:
         changes["ring_efficiency"] = load_ring_efficiency(args.ring_efficiency)
-    if changes:
-        hw = replace(hw, **changes)
-    return hw
+    return replace(hw, **changes) if changes else hw
 
 
 def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workload:
@@ -140,13 +127,11 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
         media = Media(args.images, *parse_image_size(args.image_size), args.video_frames)
         if seq_len is None and model.vision is not None:  # --max-seq-len: start from the placeholder tokens
             seq_len = max(1, media.tokens(model.vision))
-    return Workload(
-        model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
-        checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
-        layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
-        efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
-        fsdp_cpu_offload=args.fsdp_cpu_offload, media=media,
-    )
+    return Workload(model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
+                    checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
+                    layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
+                    efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
+                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media)
 
 
 def check_args(args: argparse.Namespace):
@@ -166,15 +151,12 @@ def check_args(args: argparse.Namespace):
         work = workload_from_args(args, args.seq_len)
         target = global_batch_from(args.global_batch_seqs, args.global_batch_tokens, args.seq_len, args.batch,
                                    args.one_group)
-    except PlanInputError:
-        raise
-    except ValueError as err:
+    except ValueError as err:  # a PlanInputError too: the same message again
         raise PlanInputError(str(err)) from None
     if work.dtype == "fp32" and hw.peak_flops_fp32 is None and not args.calibrate:
-        raise PlanInputError(
-            f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the preset's bf16 peak, "
-            "and fp32 without tensor cores is not a fixed fraction of it (1/15 on an H100, 1/2 on an L20); give "
-            "--peak-tflops-fp32, or --calibrate to measure it.")
+        raise PlanInputError(f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the "
+                             "preset's bf16 peak, and fp32 without tensor cores is not a fixed fraction of it (1/15 "
+                             "on an H100, 1/2 on an L20); give --peak-tflops-fp32, or --calibrate to measure it.")
     return work, cluster, target
 
 

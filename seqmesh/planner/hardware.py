@@ -1,13 +1,9 @@
-"""Clusters the planner reasons about: GPUs with memory and peak FLOP/s, a hierarchy of links, and how
-ring attention's kernels slow down on smaller blocks.
+"""Clusters the planner reasons about: GPUs with memory and peak FLOP/s, a hierarchy of links, the node's
+``fabric`` (:mod:`.network`), and how ring attention's kernels slow down on smaller blocks (``RingEfficiency``).
 
-A link hierarchy lists levels innermost first. Level ``i`` joins aligned blocks of ``group`` consecutive
-ranks; the outermost level joins everything (``group=0``). Two ranks talk over the innermost level whose
-block holds both. Ranks are placed TP innermost, then Ulysses, ring and data parallel (``Degrees``).
-Bandwidths are *achievable* bytes/s one GPU sends on a level; latencies the fixed cost of one call. What
-a node's GPUs share (NICs, an oversubscribed spine) is the ``fabric`` (:mod:`.network`). The ring's
-split-and-merge efficiency (``RingEfficiency``) is measured by ``seqmesh bench merge`` or, by default,
-fitted through a published figure. Sources and derating of the presets: docs/planner.md.
+Links are listed innermost first: level ``i`` joins aligned blocks of ``group`` consecutive ranks, the outermost
+every rank (``group=0``), and two ranks talk over the innermost level whose block holds both. Bandwidths are
+achievable bytes/s one GPU sends. Sources and derating of the presets: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -15,16 +11,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
-from .network import Fabric
+from .network import GB, Fabric
 
 GiB = 2**30
-GB = 10**9
-PUBLISHED_BLOCK_TOKENS = 8192
-PUBLISHED_EFFICIENCY = 0.902
-PUBLISHED_SOURCE = ("ring-flash-attention README: zigzag ring fwd+bwd 90.2% of ideal on 8 x H800 (89.8% on "
-                    "8 x A100), Llama-3.1-8B attention, 8K tokens per GPU; efficiency = b / (b + t0) through it")
 
 
 @dataclass(frozen=True)
@@ -72,7 +63,9 @@ class RingEfficiency:
                 "source": self.source}
 
 
-DEFAULT_RING_EFFICIENCY = RingEfficiency.through(PUBLISHED_BLOCK_TOKENS, PUBLISHED_EFFICIENCY, PUBLISHED_SOURCE)
+DEFAULT_RING_EFFICIENCY = RingEfficiency.through(  # the published figure: 90.2% at 8K-token blocks
+    8192, 0.902, "ring-flash-attention README: zigzag ring fwd+bwd 90.2% of ideal on 8 x H800 (89.8% on 8 x A100), "
+    "Llama-3.1-8B attention, 8K tokens per GPU; efficiency = b / (b + t0) through it")
 IDEAL_RING = RingEfficiency(points=((1, 1.0),), source="ideal: no loss on smaller blocks")
 
 
@@ -118,9 +111,8 @@ class LinkLevel:
         if self.group < 0:
             raise ValueError(f"link {self.name!r}: group {self.group} must be >= 1, or 0 for 'all ranks'.")
         if self.bandwidth <= 0 or self.latency < 0:
-            raise ValueError(
-                f"link {self.name!r}: bandwidth {self.bandwidth:g} B/s must be > 0 and latency {self.latency:g} s >= 0."
-            )
+            raise ValueError(f"link {self.name!r}: bandwidth {self.bandwidth:g} B/s must be > 0 and latency "
+                             f"{self.latency:g} s >= 0.")
 
 
 @dataclass(frozen=True)
@@ -148,28 +140,23 @@ class HardwareSpec:
         groups = [lv.group for lv in self.links[:-1]]
         for inner, outer in zip(groups, groups[1:]):
             if outer <= inner or outer % inner:
-                raise ValueError(
-                    f"hardware {self.name!r}: link groups {groups} must grow outward, each a multiple of the "
-                    f"one inside it ({outer} is not a multiple of {inner} larger than it)."
-                )
+                raise ValueError(f"hardware {self.name!r}: link groups {groups} must grow outward, each a multiple of "
+                                 f"the one inside it ({outer} is not a multiple of {inner} larger than it).")
         for what, eff in (("matmul", self.matmul_efficiency), ("attention", self.attention_efficiency)):
             if not 0 < eff <= 1:
                 raise ValueError(f"hardware {self.name!r}: {what} efficiency {eff} must be in (0, 1].")
         if self.memory_bytes <= 0 or self.peak_flops <= 0 or self.gpus_per_node < 1:
-            raise ValueError(
-                f"hardware {self.name!r}: memory {self.memory_bytes} B, peak {self.peak_flops:g} FLOP/s and "
-                f"{self.gpus_per_node} GPUs per node must all be positive."
-            )
+            raise ValueError(f"hardware {self.name!r}: memory {self.memory_bytes} B, peak {self.peak_flops:g} FLOP/s "
+                             f"and {self.gpus_per_node} GPUs per node must all be positive.")
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype`` ("bf16" or "fp32")."""
         if dtype != "fp32":
             return self.peak_flops
         if self.peak_flops_fp32 is None:
-            raise ValueError(
-                f"hardware {self.name!r} has no fp32 peak; give --peak-tflops-fp32 (fp32 without tensor cores is "
-                f"1/16 to 1/2 of the bf16 peak depending on the part) or measure it with --calibrate."
-            )
+            raise ValueError(f"hardware {self.name!r} has no fp32 peak; give --peak-tflops-fp32 (fp32 without tensor "
+                             "cores is 1/16 to 1/2 of the bf16 peak depending on the part) or measure it with "
+                             "--calibrate.")
         return self.peak_flops_fp32
 
     def level_of_pair(self, a: int, b: int) -> int:
@@ -180,8 +167,7 @@ class HardwareSpec:
         return len(self.links) - 1
 
     def level_of_group(self, ranks: Sequence[int]) -> int:
-        """Index of the innermost level that joins every rank of ``ranks`` (their slowest pair). Blocks are
-        intervals, so it is the first level whose block holds both the lowest and the highest rank."""
+        """Index of the innermost level that joins every rank of ``ranks``: blocks are intervals, so their ends'."""
         return self.level_of_pair(min(ranks), max(ranks))
 
     def link_for_group(self, ranks: Sequence[int]) -> LinkLevel:
@@ -197,19 +183,13 @@ class HardwareSpec:
         return counts
 
     def with_gpus_per_node(self, per_node: int) -> HardwareSpec:
-        """The same GPUs with ``per_node`` of them in a node: levels inside a node are clipped to it, and
-        the fabric keeps its NICs per GPU (at least one per node)."""
+        """The same GPUs ``per_node`` to a node: levels inside a node clipped to it, the fabric's NICs per GPU kept."""
         if per_node == self.gpus_per_node:
             return self
         inner = [lv for lv in self.links[:-1] if lv.group < per_node and per_node % lv.group == 0]
         exact = [lv for lv in self.links[:-1] if lv.group == per_node]
-        node_level = [lv for lv in self.links[:-1] if lv.group == self.gpus_per_node]
-        if exact:
-            levels = [*inner, exact[0]]
-        elif node_level:
-            levels = [*inner, replace(node_level[0], group=per_node)]
-        else:
-            levels = inner
+        node_level = [replace(lv, group=per_node) for lv in self.links[:-1] if lv.group == self.gpus_per_node]
+        levels = [*inner, *(exact or node_level)[:1]]  # a level that joins the new node's GPUs, if any does
         fabric = self.fabric
         if fabric is not None:
             fabric = replace(fabric, nics_per_node=max(1, fabric.nics_per_node * per_node // self.gpus_per_node))
@@ -217,10 +197,8 @@ class HardwareSpec:
 
     def describe(self) -> str:
         """One line: memory, FLOP/s and the links."""
-        links = ", ".join(
-            f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s {lv.latency * 1e6:.0f} us"
-            for lv in self.links
-        )
+        links = ", ".join(f"{lv.name} ({'all' if lv.group == 0 else lv.group}) {lv.bandwidth / GB:.3g} GB/s "
+                          f"{lv.latency * 1e6:.0f} us" for lv in self.links)
         fp32 = f" ({self.peak_flops_fp32 / 1e12:.4g} fp32)" if self.peak_flops_fp32 else ""
         net = ""
         if self.fabric is not None:
@@ -232,74 +210,45 @@ class HardwareSpec:
                 f"{self.gpus_per_node} per node; links {links}{net}")
 
     def as_dict(self) -> dict:
-        return {
-            "name": self.name, "memory_bytes": self.memory_bytes, "peak_flops": self.peak_flops,
-            "peak_flops_fp32": self.peak_flops_fp32,
-            "gpus_per_node": self.gpus_per_node, "memory_bandwidth": self.memory_bandwidth,
-            "matmul_efficiency": self.matmul_efficiency,
-            "attention_efficiency": self.attention_efficiency, "source": self.source,
-            "host_bandwidth": self.host_bandwidth,
-            "fabric": None if self.fabric is None else self.fabric.as_dict(),
-            "ring_efficiency": self.ring_efficiency.as_dict(),
-            "links": [{"name": lv.name, "group": lv.group, "bandwidth": lv.bandwidth, "latency": lv.latency}
-                      for lv in self.links],
-        }
+        keys = ("name", "memory_bytes", "peak_flops", "peak_flops_fp32", "gpus_per_node", "memory_bandwidth",
+                "matmul_efficiency", "attention_efficiency", "source", "host_bandwidth")
+        return {**{k: getattr(self, k) for k in keys}, "fabric": None if self.fabric is None else asdict(self.fabric),
+                "ring_efficiency": self.ring_efficiency.as_dict(), "links": [asdict(lv) for lv in self.links]}
 
 
 def _node(nvlink_name: str, nv_bw: float, nv_lat: float, net_name: str, net_bw: float, net_lat: float):
     return (LinkLevel(nvlink_name, 8, nv_bw, nv_lat), LinkLevel(net_name, 0, net_bw, net_lat))
 
 
-# Peaks from NVIDIA datasheets; achievable link and memory bandwidth taken as ~80% of the peak (links: of
-# one direction). Fabrics: the compute-fabric NICs of NVIDIA's DGX systems (DGX H100/H200 user guides: eight
-# single-port ConnectX-7 at 400 Gb/s; DGX A100: eight ConnectX-6 at 200 Gb/s), 80% of line rate; the DGX
-# SuperPOD reference architectures build a non-blocking (1:1) rail-optimized fat tree of scalable units of
-# 32 (H100) or 20 (A100) nodes.
+# Peaks from NVIDIA datasheets, link and memory bandwidth ~80% of peak, DGX fabrics: docs/planner.md gives the sources.
 _DGX_H100_FABRIC = Fabric(8, 40 * GB, 1.0, 32, source="DGX H100/H200: 8 x ConnectX-7 400 Gb/s (80% -> 40 GB/s "
                           "each); SuperPOD: non-blocking fat tree, 32-node scalable units")
 _DGX_A100_FABRIC = Fabric(8, 20 * GB, 1.0, 20, source="DGX A100: 8 x ConnectX-6 200 Gb/s HDR (80% -> 20 GB/s each); "
                           "SuperPOD: non-blocking fat tree, 20-node scalable units")
-PRESETS: dict[str, HardwareSpec] = {
-    h.name: h
-    for h in (
-        HardwareSpec(
-            "h100-nvlink", int(79.6 * GiB), 989.4e12,
-            _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
-            memory_bandwidth=2.7e12,  # HBM3 3.35 TB/s
-            peak_flops_fp32=67e12, fabric=_DGX_H100_FABRIC,
-            source="H100 SXM5 80GB: 989.4 TFLOP/s dense bf16, NVLink4 450 GB/s per direction (900 GB/s both), "
-                   "one 400 Gb/s NDR NIC per GPU",
-        ),
-        HardwareSpec(
-            "h200-nvlink", int(140.4 * GiB), 989.4e12,
-            _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
-            memory_bandwidth=3.8e12,  # HBM3e 4.8 TB/s
-            peak_flops_fp32=67e12, fabric=_DGX_H100_FABRIC,
-            source="H200 SXM 141GB: same compute and NVLink as H100 SXM, one 400 Gb/s NIC per GPU",
-        ),
-        HardwareSpec(
-            "a100-nvlink", int(80.0 * GiB), 312e12,
-            _node("nvlink3", 240 * GB, 5e-6, "infiniband-hdr", 20 * GB, 15e-6),
-            memory_bandwidth=1.6e12,  # HBM2e 2.04 TB/s
-            peak_flops_fp32=19.5e12, fabric=_DGX_A100_FABRIC,
-            source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, "
-                   "one 200 Gb/s HDR NIC per GPU",
-        ),
-        HardwareSpec(
-            "l20-pcie", int(45.0 * GiB), 119.5e12,
-            (
-                LinkLevel("pcie-switch", 4, 24 * GB, 10e-6),  # PCIe 4.0 x16: 32 GB/s per direction
-                LinkLevel("pcie-host", 8, 12 * GB, 15e-6),  # across switches through the CPU root complex
-                LinkLevel("ethernet", 0, 12 * GB, 25e-6),  # one GPU to the node's NIC, through the host bridge
-            ),
-            memory_bandwidth=0.7e12,  # GDDR6 864 GB/s
-            peak_flops_fp32=59.4e12,
-            fabric=Fabric(1, 40 * GB, source="one 400 Gb/s RoCE NIC per node (80% -> 40 GB/s), shared by its 8 GPUs"),
-            source="L20 48GB: 119.5 TFLOP/s dense bf16, PCIe 4.0 x16, no NVLink; 4 GPUs per PCIe switch, "
-                   "8 per node, 400 Gb/s RoCE per node",
-        ),
-    )
-}
+_ROCE_NODE_FABRIC = Fabric(1, 40 * GB, source="one 400 Gb/s RoCE NIC per node (80% -> 40 GB/s), shared by its 8 GPUs")
+PRESETS: dict[str, HardwareSpec] = {h.name: h for h in (
+    HardwareSpec("h100-nvlink", int(79.6 * GiB), 989.4e12,
+                 _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
+                 memory_bandwidth=2.7e12, peak_flops_fp32=67e12, fabric=_DGX_H100_FABRIC,  # HBM3 3.35 TB/s
+                 source="H100 SXM5 80GB: 989.4 TFLOP/s dense bf16, NVLink4 450 GB/s per direction (900 GB/s both), "
+                        "one 400 Gb/s NDR NIC per GPU"),
+    HardwareSpec("h200-nvlink", int(140.4 * GiB), 989.4e12,
+                 _node("nvlink4", 360 * GB, 5e-6, "infiniband-ndr", 40 * GB, 15e-6),
+                 memory_bandwidth=3.8e12, peak_flops_fp32=67e12, fabric=_DGX_H100_FABRIC,  # HBM3e 4.8 TB/s
+                 source="H200 SXM 141GB: same compute and NVLink as H100 SXM, one 400 Gb/s NIC per GPU"),
+    HardwareSpec("a100-nvlink", int(80.0 * GiB), 312e12,
+                 _node("nvlink3", 240 * GB, 5e-6, "infiniband-hdr", 20 * GB, 15e-6),
+                 memory_bandwidth=1.6e12, peak_flops_fp32=19.5e12, fabric=_DGX_A100_FABRIC,  # HBM2e 2.04 TB/s
+                 source="A100 SXM4 80GB: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, "
+                        "one 200 Gb/s HDR NIC per GPU"),
+    HardwareSpec("l20-pcie", int(45.0 * GiB), 119.5e12,
+                 (LinkLevel("pcie-switch", 4, 24 * GB, 10e-6),  # PCIe 4.0 x16: 32 GB/s per direction
+                  LinkLevel("pcie-host", 8, 12 * GB, 15e-6),  # across switches through the CPU root complex
+                  LinkLevel("ethernet", 0, 12 * GB, 25e-6)),  # one GPU to the node's NIC, through the host bridge
+                 memory_bandwidth=0.7e12, peak_flops_fp32=59.4e12,  # GDDR6 864 GB/s
+                 fabric=_ROCE_NODE_FABRIC,
+                 source="L20 48GB: 119.5 TFLOP/s dense bf16, PCIe 4.0 x16, no NVLink; 4 GPUs per PCIe switch, "
+                        "8 per node, 400 Gb/s RoCE per node"))}
 
 
 @dataclass(frozen=True)
@@ -315,23 +264,19 @@ class Cluster:
         if self.gpus < 1:
             raise ValueError(f"--gpus {self.gpus}: need at least one GPU.")
         if self.nodes > 1 and self.gpus != self.nodes * per_node:
-            raise ValueError(
-                f"--gpus {self.gpus} does not match --nodes {self.nodes} x --gpus-per-node {per_node} = "
-                f"{self.nodes * per_node}; give --gpus {self.nodes * per_node} or change --nodes/--gpus-per-node."
-            )
+            raise ValueError(f"--gpus {self.gpus} does not match --nodes {self.nodes} x --gpus-per-node {per_node} = "
+                             f"{self.nodes * per_node}; give --gpus {self.nodes * per_node} or change "
+                             "--nodes/--gpus-per-node.")
         if self.nodes == 1 and self.gpus > per_node:
-            raise ValueError(
-                f"--gpus {self.gpus} exceeds one node of {per_node} GPUs; give --nodes "
-                f"{-(-self.gpus // per_node)} with --gpus a multiple of {per_node}, or set --gpus-per-node."
-            )
+            raise ValueError(f"--gpus {self.gpus} exceeds one node of {per_node} GPUs; give --nodes "
+                             f"{-(-self.gpus // per_node)} with --gpus a multiple of {per_node}, or set "
+                             "--gpus-per-node.")
 
 
-def make_cluster(
-    hardware: HardwareSpec, gpus: int | None = None, nodes: int | None = None, gpus_per_node: int | None = None
-) -> Cluster:
-    """Resolve ``--gpus``, ``--nodes`` and ``--gpus-per-node`` (any may be omitted) into a cluster.
-
-    Raises ValueError naming the numbers when they contradict each other."""
+def make_cluster(hardware: HardwareSpec, gpus: int | None = None, nodes: int | None = None,
+                 gpus_per_node: int | None = None) -> Cluster:
+    """Resolve ``--gpus``, ``--nodes`` and ``--gpus-per-node`` (any may be omitted) into a cluster; raises
+    ValueError naming the numbers when they contradict each other."""
     if gpus_per_node is not None:
         if gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node {gpus_per_node} must be at least 1.")
@@ -343,10 +288,8 @@ def make_cluster(
         gpus = (nodes or 1) * per_node
     if nodes is None:
         if gpus > per_node and gpus % per_node:
-            raise ValueError(
-                f"--gpus {gpus} is not a whole number of {per_node}-GPU nodes; use a multiple of {per_node} "
-                "or set --gpus-per-node."
-            )
+            raise ValueError(f"--gpus {gpus} is not a whole number of {per_node}-GPU nodes; use a multiple of "
+                             f"{per_node} or set --gpus-per-node.")
         nodes = max(1, gpus // per_node) if gpus >= per_node else 1
     return Cluster(hardware, gpus, nodes)
 
@@ -360,7 +303,5 @@ def parse_link(text: str) -> LinkLevel:
         g = 0 if group.lower() in ("all", "0") else int(group)
         return LinkLevel(name, g, float(bw) * GB, float(lat) / 1e6)
     except ValueError as err:
-        raise ValueError(
-            f"--link {text!r} must look like NAME:GROUP:GBPS:MICROSECONDS, e.g. pcie:4:24:10 or ib:all:40:15 "
-            f"({err})."
-        ) from None
+        raise ValueError(f"--link {text!r} must look like NAME:GROUP:GBPS:MICROSECONDS, e.g. pcie:4:24:10 or "
+                         f"ib:all:40:15 ({err}).") from None

@@ -1,11 +1,6 @@
-"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (a full layer, or a
-sliding-window layer: the same with a causal window, so fewer ring steps and visible pairs), a Gated
-DeltaNet layer, and a layer of the tensor-parallel reference.
-
-Each kind gives its FSDP unit's parameters, the bytes its own collectives send per phase (forward,
-backward, the checkpoint recompute) and the tensors it saves; Gated DeltaNet also its seconds. The step
-walks (``plan.communication``, ``timing.step_time``, ``memory``) take the model's kinds from
-:func:`layer_kinds` instead of branching on the model.
+"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (full, or a causal sliding window),
+Gated DeltaNet, and the tensor-parallel reference. Each kind gives its FSDP unit's parameters, its collectives'
+bytes per phase and its saved tensors; the step walks take the model's kinds from :func:`layer_kinds`.
 """
 
 from __future__ import annotations
@@ -17,9 +12,9 @@ from ..padding import padded_length
 from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens
 from .hardware import HardwareSpec
-from .network import all_to_all_from_patterns, axis_groups, gather_seconds, link_name, peer_patterns, uplink_seconds
+from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
 from ..heads import HeadDeal
-from .traffic import (attention_traffic, fsdp_traffic, linear_attention_traffic, ring_steps,
+from .traffic import (attention_traffic, call_bytes, fsdp_traffic, linear_attention_traffic, ring_steps,
                       tensor_parallel_traffic, worst_rank)
 from ..degrees import Degrees
 from .workload import Workload, layer_params
@@ -54,21 +49,22 @@ class Attention:
     def params(self) -> int:
         return -(-layer_params(self.work.model) // self.layout.tp)
 
-    def _ranks(self):
+    def ranks(self):
+        """Each sequence rank's traffic in one layer (:func:`.traffic.attention_traffic`)."""
         w, lay, m = self.work, self.layout, self.work.model
         return attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=w.seq_len, batch=w.batch,
                                  ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype, layout=w.layout,
                                  validate=w.validate and self.window is None, window=self.window)
 
     def traffic(self) -> Phases:
-        ranks = self._ranks()
-        fwd, bwd = ({"ulysses_all_to_all": worst_rank(ranks, "all_to_all", ph), "ring_p2p": worst_rank(ranks, "p2p", ph)}
-                    for ph in ("forward", "backward"))
+        ranks = self.ranks()
+        fwd, bwd = ({"ulysses_all_to_all": worst_rank(ranks, "all_to_all", ph),
+                     "ring_p2p": worst_rank(ranks, "p2p", ph)} for ph in ("forward", "backward"))
         return phases(fwd, bwd, self.work.checkpointing)
 
     def input_check(self) -> int:
         """seqmesh's input check: one tiny all-gather per step (the first attention call of a batch)."""
-        return worst_rank(self._ranks(), "control", "forward")
+        return worst_rank(self.ranks(), "control", "forward")
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
         return {"ulysses_all_to_all": link_name(hw, axis_groups(self.layout, "ulysses")),
@@ -88,8 +84,7 @@ class Attention:
 
 
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
-    """``cost`` of one attention layer averaged over the model's full and sliding layers: the step model
-    costs every attention layer alike, with the average visible pairs and ring hops."""
+    """``cost`` of one attention layer averaged over the model's full and sliding layers (pairs, ring hops)."""
     m = work.model
     full = cost(Attention(work, layout))
     if not m.sliding_window or not m.sliding_layers:
@@ -105,8 +100,7 @@ def linear_layer_params(m: ModelShape) -> int:
 
 def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
     """float32 recurrent state of one Gated DeltaNet layer on the busiest rank: (Dk x Dv) per value head of its
-    share (value heads dealt over the ``sp`` sequence ranks) and per sample; the chunked kernels keep one per
-    chunk of the sequence for backward, a multiple of this."""
+    share over the ``sp`` sequence ranks and per sample (the chunked kernels keep one per chunk for backward)."""
     heads = -(-m.linear_value_heads // sp)
     return 4 * batch * heads * m.linear_key_dim * m.linear_value_dim
 
@@ -115,7 +109,8 @@ def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = LINEAR_CH
     """Forward FLOPs of one Gated DeltaNet layer's recurrence over the whole sequence (all heads), chunked
     form: per chunk of C tokens and head, the C x C products (k k^T, q k^T, two triangular solves ~ C^2 Dk
     each, attn @ v) and the state reads and writes (4 C Dk Dv). Linear in the sequence length."""
-    per_token_head = 2 * (4 * chunk * m.linear_key_dim + chunk * m.linear_value_dim + 4 * m.linear_key_dim * m.linear_value_dim)
+    dk, dv = m.linear_key_dim, m.linear_value_dim
+    per_token_head = 2 * (4 * chunk * dk + chunk * dv + 4 * dk * dv)
     return batch * seq_len * m.linear_value_heads * per_token_head
 
 
@@ -129,14 +124,15 @@ class GatedDeltaNet:
     def params(self) -> int:  # not divided by tp: the TP reference does not split these layers' units
         return linear_layer_params(self.work.model)
 
-    def _ranks(self):
+    def ranks(self):
+        """Each sequence rank's traffic in one layer (:func:`.traffic.linear_attention_traffic`)."""
         w, lay, m = self.work, self.layout, self.work.model
         return linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
                                         seq_len=w.seq_len, batch=w.batch, ulysses=lay.ulysses, ring=lay.ring,
                                         dtype=w.torch_dtype, layout=w.layout)
 
     def traffic(self) -> Phases:
-        ranks = self._ranks()
+        ranks = self.ranks()
         fwd, bwd = ({"linear_all_to_all": worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward"))
         return phases(fwd, bwd, self.work.checkpointing)
 
@@ -144,10 +140,7 @@ class GatedDeltaNet:
         return {"linear_all_to_all": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward (not yet checked against a measured run; docs/planner.md, "Activations"):
-        per local token as a full-attention layer plus z and the out projection's input; inside the mixer,
-        over the whole sequence for 1/P of the heads, the conv's channels, beta, the decay, the output and
-        the float32 state entering every chunk."""
+        """Bytes saved for backward, as docs/planner.md ("Activations") lists them (not yet checked against a run)."""
         w, lay, m = self.work, self.layout, self.work.model
         e, p = w.act_bytes, lay.ulysses * lay.ring
         whole = w.batch * padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
@@ -159,25 +152,22 @@ class GatedDeltaNet:
         return tokens(w, lay) * per_token + mixer + states
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
-        """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer: projections
-        on the local tokens, the recurrence on the whole sequence for 1/P of the heads (backward ~2x forward),
-        two all-to-alls each way over the sequence group (not overlapped); FSDP overlaps as for attention."""
+        """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and
+        what overlaps: docs/planner.md ("Time")."""
         work, layout, m = self.work, self.layout, self.work.model
         p = layout.ulysses * layout.ring
         peak = hw.flops_for(work.dtype)
         mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
         mm_fwd = 2 * work.batch * local_tokens(work, layout) * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
-        core_fwd = linear_flops(m, work.seq_len, work.batch) * -(-m.linear_value_heads // p) / m.linear_value_heads / core_rate
-        traffic = self._ranks()
-        sample = peer_patterns(hw, axis_groups(layout, "sequence"))
-        calls = [[max(t.collectives[i].bytes_sent for t in traffic) for i in idx] for idx in ((0, 1), (2, 3))] if p > 1 else [[], []]
-        a2a_fwd, a2a_bwd = (sum(max(all_to_all_from_patterns(n, hw, sample), uplink_seconds(n, hw, layout, "sequence"))
-                                for n in phase) for phase in calls)
+        heads = -(-m.linear_value_heads // p)  # this rank's share of the value heads
+        core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
+        a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(), "all_to_all", ph), hw, layout, "sequence")
+                            for ph in ("forward", "backward"))
         fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
         if work.checkpointing:
             bwd += fwd
         fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-        ag, rs = (gather_seconds(fsdp[k], hw, fsdp_ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        ag, rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
         repeats = 2 if work.checkpointing else 1
         return {"total": max(fwd, ag) + max(bwd, ag + rs),
                 "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,
@@ -186,9 +176,8 @@ class GatedDeltaNet:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """``inner``'s layer under Megatron tensor + sequence parallelism (a reference seqmesh does not run):
-    its FSDP unit, with 2 all-gathers and 2 reduce-scatters of the activations each way instead of
-    sequence-parallel traffic."""
+    """``inner``'s layer under Megatron tensor + sequence parallelism (a reference seqmesh does not run): its FSDP
+    unit, and :func:`.traffic.tensor_parallel_traffic` instead of sequence-parallel traffic."""
 
     inner: Attention | GatedDeltaNet
 

@@ -1,6 +1,5 @@
-"""Bytes one GPU holds at its peak during a training step, by what they are for: the largest of the
-step's moments (``MOMENTS``). What each moment holds and what was checked: docs/planner.md ("Memory
-moments"); what each op saves: :mod:`.activations`.
+"""Bytes one GPU holds at its peak during a training step, by purpose: the largest of the step's ``MOMENTS``. What
+each moment holds and what was checked: docs/planner.md ("Memory moments"); what each op saves: :mod:`.activations`.
 """
 
 from __future__ import annotations
@@ -37,22 +36,17 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.attention + self.logits + self.reserved
+        return (self.weights + self.grads + self.optimizer + self.activations + self.attention + self.logits
+                + self.reserved)
 
     def as_dict(self) -> dict[str, int]:
         """Bytes by purpose and their total (the moment is left out: every value is an int)."""
         return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "moment"}, "total": self.total}
 
 
-def _check(moment: str) -> None:
-    if moment not in MOMENTS:
-        raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
-
-
 def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
-    """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward (compute dtype, plus
-    the fp32 copy FSDP reduces from in bf16): ``embedding`` (an untied embedding's unit, right after its
-    backward, while the root's gradient is still alive; absent when tied) and ``root`` (last)."""
+    """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward: ``embedding`` (an untied
+    embedding's, beside the root's; absent when tied) and ``root`` (last), as docs/planner.md ("Memory") says."""
     m, e, t = work.model, work.act_bytes, layout.tp
     root, emb = (-(-n // t) for n in (root_params(m), embedding_unit_params(m)))
     reduce_copy = 4 if e != 4 else 0
@@ -63,15 +57,10 @@ def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
 
 
 def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
-    """(weights, grads, optimizer) bytes per GPU at ``moment``.
-
-    weights: the fp32 shards + the gathered units in the compute dtype: the root from the loss to the end
-    of backward, and one layer inside a layer's backward; none at the step.
-    grads: the fp32 shards at the end of backward and at the step; the unsharded gradients alive: in a
-    layer's backward the root's and the layer's, at the end :func:`end_of_backward_grads`. (At the loss
-    the LM head's gradient is still the loss's float32 accumulator: see :func:`loss_memory`.)
-    optimizer: AdamW's two moments, and at the step its temporaries."""
-    _check(moment)
+    """(weights, grads, optimizer) bytes per GPU at ``moment``, as docs/planner.md ("Memory") says FSDP2 holds them
+    (at the loss the LM head's gradient is still the loss's accumulator, counted in :func:`loss_memory`)."""
+    if moment not in MOMENTS:
+        raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
     m, e, t = work.model, work.act_bytes, layout.tp
     shard = -(-m.params // (t * layout.fsdp_group))
     layer, root = (-(-n // t) for n in (layer_params(m), root_params(m)))
@@ -101,22 +90,14 @@ def host_memory(work: Workload, layout: Degrees) -> int:
     if work.fsdp_cpu_offload:
         host += (MASTER + GRAD_SHARD + ADAM) * -(-m.params // (layout.tp * layout.fsdp_group))
     if work.offload_checkpoints:
-        t = tokens(work, layout)
         final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
-        host += m.layers * layer_input_bytes(work, layout) + t * final_norm
+        host += m.layers * layer_input_bytes(work, layout) + tokens(work, layout) * final_norm
     return host
 
 
 def layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     """Bytes one layer keeps for backward on one GPU: the largest of the model's layer kinds."""
     return max(kind.saved_bytes() for kind, _ in layer_kinds(work, layout))
-
-
-def recomputed_layer_bytes(work: Workload, layout: Degrees) -> int:
-    """A checkpointed layer's saved tensors while it is recomputed, beyond its kept input (in fp32, or
-    with the efficient norm, the first norm keeps that input itself rather than a float32 copy)."""
-    shared = layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
-    return layer_saved_bytes(work, layout) - shared
 
 
 def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
@@ -130,31 +111,25 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
     return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout)
 
 
-def _top_layer(work: Workload, layout: Degrees) -> int:
-    """The last layer's saved tensors as its backward starts (recomputed, with checkpointing)."""
-    return recomputed_layer_bytes(work, layout) if work.checkpointing else layer_saved_bytes(work, layout)
-
-
 def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, str]:
-    """Activations at the peak of a layer's backward (the last layer's, or with ``first layer backward``
-    the first layer's, when the layers above have left only their gradient shards), and the op at which
-    it falls: what the layers below keep, the layer's own saved tensors (recomputed, with checkpointing),
-    the gradient of its output, and the peak of :func:`~seqmesh.planner.activations.layer_backward_timeline`."""
+    """Activations at the peak of the last (or the first) layer's backward, and the op at which it falls: what the
+    layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak."""
     if moment == "first layer backward":
         fetched = not work.offload_checkpoints or work.offload_prefetch
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
     else:
         below = _kept_by_layers(work, layout, at_loss=False)
+    top = layer_saved_bytes(work, layout)
+    if work.checkpointing:  # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself
+        top -= layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
     extra, op = timeline_peak(layer_backward_timeline(work, layout))
-    kept = below + _top_layer(work, layout) + outside_layers_bytes(work, layout)
+    kept = below + top + outside_layers_bytes(work, layout)
     return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
-    """The chunked loss's working set beyond what the layers keep: its float32 LSE per token, and
-    forward: one chunk's float32 logits and ``logsumexp``'s temporary; backward: the hidden states'
-    gradient, the head's float32 gradient accumulator and one chunk's logit gradient with its copy or
-    the matmul it feeds."""
+    """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"): its float32
+    LSE per token and one chunk's logits; backward also the hidden states' and the head's gradients."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
     v, h = m.vocab, m.hidden

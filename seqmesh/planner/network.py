@@ -1,7 +1,6 @@
-"""How long bytes take on a cluster: every group of a layout that runs a collective at once, the
-per-GPU link levels each crosses, and what a node's GPUs share (its NICs, and an oversubscribed leaf
-switch above them: the ``Fabric``). Ranks are placed TP innermost, then Ulysses, ring, data parallel.
-The uplink and bisection bounds are explained in docs/planner.md ("Between nodes").
+"""How long bytes take on a cluster: every group of a layout that runs a collective at once (ranks placed TP
+innermost, then Ulysses, ring, data parallel), the link levels each crosses, and what a node's GPUs share (the
+``Fabric``: its NICs, an oversubscribed leaf switch). The bounds: docs/planner.md ("Between nodes").
 """
 
 from __future__ import annotations
@@ -46,24 +45,16 @@ class Fabric:
         """Bytes/s one node can send to other nodes, all its NICs together."""
         return self.nics_per_node * self.nic_bandwidth
 
-    def as_dict(self) -> dict:
-        return {"nics_per_node": self.nics_per_node, "nic_bandwidth": self.nic_bandwidth,
-                "oversubscription": self.oversubscription, "nodes_per_switch": self.nodes_per_switch,
-                "source": self.source}
-
 
 def _busiest_node_load(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
     """Bytes the busiest node must push per byte of its uplinks' bandwidth: its own off-node bytes, or
     its off-switch bytes times the oversubscription, whichever is larger."""
-    return max(max(off_node.values(), default=0.0),
-               max(off_switch.values(), default=0.0) * fabric.oversubscription)
+    return max(max(off_node.values(), default=0.0), max(off_switch.values(), default=0.0) * fabric.oversubscription)
 
 
 def all_to_all_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int) -> float:
-    """Bytes the busiest node sends off-node (or, scaled by the oversubscription, off its switch) per byte
-    each rank sends, when every rank of every group in ``groups`` (all at once) spreads its bytes evenly
-    over the other ranks of its group: a rank whose group has ``n`` ranks, ``m`` of them on its own node,
-    sends ``(n - m) / (n - 1)`` of its bytes off the node."""
+    """Bytes the busiest node sends off-node (or, times the oversubscription, off its switch) per byte each rank
+    sends, when every group in ``groups`` runs an all-to-all at once: ``(n - m) / (n - 1)`` of each rank's bytes."""
     off_node, off_switch = Counter(), Counter()
     per_switch = fabric.nodes_per_switch
     for ranks in groups:
@@ -115,11 +106,10 @@ def _deciding_shifts(shifts: Iterable[int], terms: list) -> Iterable[int]:
     return sorted(t for t in corners if t in shifts)
 
 
-def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int, shifts: Iterable[int] = (1,)) -> float:
-    """The same for ring messages: every rank of every group sends one message to the rank ``shift``
-    places after it in its group, all at once; the busiest node at the worst of ``shifts``. Counted per
-    stretch of a group on one node, so a shift costs the stretches, not the ranks; groups on the same
-    nodes in the same order are counted once, times their number."""
+def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: int,
+              shifts: Iterable[int] = (1,)) -> float:
+    """The same for ring messages, each rank's to the rank ``shift`` places on, at the worst of ``shifts``: counted
+    per stretch of a group on one node (a shift costs the stretches, not the ranks), alike groups once."""
     per_switch = fabric.nodes_per_switch
     distinct = Counter(tuple(r // gpus_per_node for r in ranks) for ranks in groups if len(ranks) > 1)
     terms = []  # (group size, copies, node, the node's run, runs of the same node, runs of the same switch)
@@ -139,12 +129,6 @@ def ring_load(groups: Sequence[Sequence[int]], fabric: Fabric, gpus_per_node: in
                 off_switch[node] += copies * _leaving(run, switch_same, shift, size)
         worst = max(worst, _busiest_node_load(off_node, off_switch, fabric))
     return worst
-
-
-def all_to_all_uplink_seconds(nbytes: float, groups: Sequence[Sequence[int]], fabric: Fabric,
-                              gpus_per_node: int) -> float:
-    """Seconds the busiest node's uplinks need for all-to-alls of ``nbytes`` per rank over ``groups`` at once."""
-    return nbytes * all_to_all_load(groups, fabric, gpus_per_node) / fabric.node_bandwidth
 
 
 def parse_fabric(text: str) -> Fabric:
@@ -167,31 +151,22 @@ def world_rank(layout: Degrees, ulysses_rank: int, ring_rank: int, dp_rank: int,
     return tp_rank + layout.tp * (ulysses_rank + layout.ulysses * (ring_rank + layout.ring * dp_rank))
 
 
-def ulysses_ranks(layout: Degrees, ring_rank: int, dp_rank: int) -> list[int]:
-    return [world_rank(layout, u, ring_rank, dp_rank) for u in range(layout.ulysses)]
-
-
-def ring_ranks(layout: Degrees, ulysses_rank: int, dp_rank: int) -> list[int]:
-    return [world_rank(layout, ulysses_rank, r, dp_rank) for r in range(layout.ring)]
-
-
 @lru_cache(maxsize=256)
 def every_group(layout: Degrees, kind: str) -> tuple[tuple[int, ...], ...]:
     """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
     collective at the same moment."""
+    u, r, d = range(layout.ulysses), range(layout.ring), range(layout.dp_shard)
     if kind == "ulysses":
-        return tuple(tuple(ulysses_ranks(layout, r, d)) for d in range(layout.dp_shard) for r in range(layout.ring))
+        return tuple(tuple(world_rank(layout, i, j, k) for i in u) for k in d for j in r)
     if kind == "ring":
-        return tuple(tuple(ring_ranks(layout, u, d)) for d in range(layout.dp_shard) for u in range(layout.ulysses))
-    return tuple(tuple(world_rank(layout, u, r, d) for r in range(layout.ring) for u in range(layout.ulysses))
-                 for d in range(layout.dp_shard))
+        return tuple(tuple(world_rank(layout, i, j, k) for j in r) for k in d for i in u)
+    return tuple(tuple(world_rank(layout, i, j, k) for j in r for i in u) for k in d)
 
 
 def axis_groups(layout: Degrees, kind: str) -> list[list[int]]:
     """A sample (every one, up to 64) of the Ulysses, ring or sequence groups of ``layout``."""
     groups = [list(g) for g in every_group(layout, kind)]
-    step = max(1, len(groups) // MAX_GROUPS_CHECKED)
-    return groups[::step]
+    return groups[:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
 
 
 def peer_patterns(hw: HardwareSpec, groups: list[list[int]]) -> set[tuple[int, ...]]:
@@ -227,39 +202,39 @@ def _uplink_load(layout: Degrees, kind: str, fabric: Fabric, gpus_per_node: int)
 
 
 def ring_shifts(layout: Degrees) -> range:
-    """How far ring messages travel: one rank. seqmesh relays K/V blocks (and, in backward, the dK/dV
-    partials travelling with them) from ring rank r to r + 1 whenever a layer's steps are 0..k, which is
-    every full-attention layer (``sharded_attention/schedule.py``); a zigzag window's direct sends
-    (steps 0, 1, ring - 1) go to neighbours too, and a shift of -1 crosses as many node boundaries as +1."""
+    """How far ring messages travel: one rank (docs/planner.md, "Between nodes", says why)."""
     return range(1, min(2, layout.ring))
 
 
 def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees, kind: str) -> float:
-    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout``
-    ("ulysses" or "sequence": an all-to-all of ``nbytes`` per rank; "ring": one message of ``nbytes``
-    per rank, at the worst of :func:`ring_shifts`) sends at once; 0 without a fabric or when nothing
-    leaves a node."""
+    """The network's latency plus the busiest node's uplink time when every ``kind`` group of ``layout`` sends
+    ``nbytes`` per rank at once (an all-to-all, or a ring hop); 0 without a fabric or when nothing leaves a node."""
     if hw.fabric is None or not nbytes:
         return 0.0
     load = _uplink_load(layout, kind, hw.fabric, hw.gpus_per_node)
     return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
 
 
+def axis_all_to_all_seconds(calls: Iterable[int], hw: HardwareSpec, layout: Degrees, kind: str) -> float:
+    """All-to-alls of ``calls`` bytes per rank, one after another, run by every ``kind`` group of ``layout`` at once:
+    each takes the longer of its levels and the busiest node's uplinks."""
+    patterns = peer_patterns(hw, axis_groups(layout, kind))
+    return sum(max(all_to_all_from_patterns(n, hw, patterns), uplink_seconds(n, hw, layout, kind)) for n in calls)
+
+
 def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
-    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's
-    levels (latency of the outermost crossed plus the slowest level's share), or the busiest node's
-    uplinks, whichever is longer."""
+    """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's levels or the
+    busiest node's uplinks, whichever is longer."""
     sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
     levels = all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
     if hw.fabric is None or not nbytes:
         return levels
-    shared = all_to_all_uplink_seconds(nbytes, groups, hw.fabric, hw.gpus_per_node)
+    shared = nbytes * all_to_all_load(groups, hw.fabric, hw.gpus_per_node) / hw.fabric.node_bandwidth
     return max(levels, hw.links[-1].latency + shared if shared else 0.0)
 
 
 def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all where each rank sends ``nbytes`` spread evenly over the other ranks of ``ranks``
-    (alone on the cluster): see :func:`concurrent_all_to_all_seconds`."""
+    """One all-to-all of ``nbytes`` per rank over ``ranks``, alone on the cluster."""
     return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
 
 
@@ -271,10 +246,14 @@ def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
     return level.latency * math.ceil(math.log2(len(ranks))) + nbytes / level.bandwidth
 
 
+def fsdp_seconds(sent: dict[str, int], hw: HardwareSpec, ranks: list[int]) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of an FSDP unit over ``ranks`` sending ``sent`` (``fsdp_traffic``'s)."""
+    return tuple(gather_seconds(sent[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+
+
 def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
-    """One ring hop of ``nbytes``: the slowest pair of any ring group (its neighbours cross every level the
-    group spans), or the busiest node's uplinks shared by every message that leaves it at once, at the
-    worst of :func:`ring_shifts`, whichever is longer."""
+    """One ring hop of ``nbytes``: the slowest neighbour pair of any ring group, or the busiest node's uplinks
+    shared by every message that leaves it at once, whichever is longer."""
     worst = 0.0
     for g in axis_groups(layout, "ring"):
         for i, a in enumerate(g):
@@ -285,7 +264,5 @@ def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
 
 def link_name(hw: HardwareSpec, groups: list[list[int]]) -> str:
     """The slowest link level any of ``groups`` crosses ("-" when no group has two ranks)."""
-    groups = [g for g in groups if len(g) > 1]
-    if not groups:
-        return "-"
-    return hw.links[max(hw.level_of_group(g) for g in groups)].name
+    levels = [hw.level_of_group(g) for g in groups if len(g) > 1]
+    return hw.links[max(levels)].name if levels else "-"

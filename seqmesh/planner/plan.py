@@ -42,28 +42,18 @@ class Candidate:
 
     @property
     def optimizer_step_s(self) -> float:
-        """One optimizer step: ``accumulation`` micro-steps (see :mod:`.global_batch`)."""
+        """One optimizer step: ``accumulation`` micro-steps (see :class:`.workload.GlobalBatch`)."""
         return self.accumulation * self.time.total
 
     def as_dict(self) -> dict:
-        return {
-            "layout": self.layout.as_dict(),
-            "label": self.layout.label(),
-            "runs_on_seqmesh": self.layout.runs_on_seqmesh,
-            "memory_bytes": self.memory.as_dict(),
-            "memory_peak_at": self.memory.moment,
-            "comm_bytes_per_layer": self.comm_per_layer,
-            "comm_bytes_per_step": self.comm_per_step,
-            "comm_links": self.comm_links,
-            "step_time_s": self.time.total,
-            "time_s": self.time.as_dict(),
-            "tokens_per_s": self.tokens_per_s,
-            "grad_accumulation": self.accumulation,
-            "optimizer_step_s": self.optimizer_step_s,
-            "feasible": self.feasible,
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-        }
+        lay = self.layout
+        return {"layout": lay.as_dict(), "label": lay.label(), "runs_on_seqmesh": lay.runs_on_seqmesh,
+                "memory_bytes": self.memory.as_dict(), "memory_peak_at": self.memory.moment,
+                "comm_bytes_per_layer": self.comm_per_layer, "comm_bytes_per_step": self.comm_per_step,
+                "comm_links": self.comm_links, "step_time_s": self.time.total, "time_s": self.time.as_dict(),
+                "tokens_per_s": self.tokens_per_s, "grad_accumulation": self.accumulation,
+                "optimizer_step_s": self.optimizer_step_s, "feasible": self.feasible,
+                "problems": list(self.problems), "notes": list(self.notes)}
 
 
 def divisors(n: int) -> list[int]:
@@ -83,47 +73,29 @@ class Plan:
     target: GlobalBatch = GlobalBatch()  # the global batch asked for, if any
 
     def as_dict(self) -> dict:
-        rec = None
-        if self.recommended is not None:
-            rec = {"layout": self.recommended.layout.as_dict(), "label": self.recommended.layout.label(),
-                   "reason": self.reason}
-        return {
-            "mode": "plan",
-            **workload_dict(self.work, self.cluster),
-            "global_batch_seqs": self.target.sequences, "one_group": self.target.one_group,
-            "candidates": [c.as_dict() for c in self.candidates],
-            "excluded": [{"layout": lay.as_dict(), "reason": why} for lay, why in self.excluded],
-            "recommended": rec,
-            "reason": self.reason,
-        }
+        best = self.recommended
+        rec = None if best is None else {"layout": best.layout.as_dict(), "label": best.layout.label(),
+                                         "reason": self.reason}
+        return {"mode": "plan", **workload_dict(self.work, self.cluster),
+                "global_batch_seqs": self.target.sequences, "one_group": self.target.one_group,
+                "candidates": [c.as_dict() for c in self.candidates],
+                "excluded": [{"layout": lay.as_dict(), "reason": why} for lay, why in self.excluded],
+                "recommended": rec, "reason": self.reason}
 
 
 def workload_dict(work: Workload, cluster: Cluster) -> dict:
     """The fields every JSON answer starts with: what was planned, on what."""
-    return {
-        "model": work.model.as_dict(),
-        "seq_len": work.seq_len, "batch": work.batch, "dtype": work.dtype,
-        "checkpointing": work.checkpointing, "chunked_loss": work.chunked_loss, "tiled_mlp": work.tiled_mlp,
-        "efficient_norm": work.efficient_norm,
-        "offload_checkpoints": work.offload_checkpoints, "fsdp_cpu_offload": work.fsdp_cpu_offload,
-        "gpus": cluster.gpus, "nodes": cluster.nodes, "hardware": cluster.hardware.as_dict(),
-    }
+    return {"model": work.model.as_dict(), "seq_len": work.seq_len, "batch": work.batch, "dtype": work.dtype,
+            "checkpointing": work.checkpointing, "chunked_loss": work.chunked_loss, "tiled_mlp": work.tiled_mlp,
+            "efficient_norm": work.efficient_norm, "offload_checkpoints": work.offload_checkpoints,
+            "fsdp_cpu_offload": work.fsdp_cpu_offload, "gpus": cluster.gpus, "nodes": cluster.nodes,
+            "hardware": cluster.hardware.as_dict()}
 
 
 def layouts(work: Workload, cluster: Cluster,
             target: GlobalBatch = GlobalBatch()) -> tuple[list[Degrees], list[tuple[Degrees, str]]]:
     """Every layout of the cluster's GPUs, and the ones that cannot run (or cannot give ``target``'s
     global batch) with the reason."""
-    ok, excluded = _all_layouts(work, cluster)
-    for lay in list(ok):
-        why = target.why_not(lay, work.batch)
-        if why:
-            ok.remove(lay)
-            excluded.append((lay, why))
-    return ok, excluded
-
-
-def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Degrees], list[tuple[Degrees, str]]]:
     m, n = work.model, cluster.gpus
     ok, excluded = [], []
     for sp in divisors(n):
@@ -132,7 +104,8 @@ def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Degrees], list[
             if u > m.heads:
                 excluded.append((lay, f"ulysses {u} exceeds the {m.heads} query heads; put the rest on the ring"))
             elif m.linear_layers and sp > m.linear_value_heads:
-                excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet value heads"))
+                excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet value "
+                                      "heads"))
             elif work.media is not None and u > m.vision.heads:
                 excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
             else:
@@ -145,16 +118,17 @@ def _all_layouts(work: Workload, cluster: Cluster) -> tuple[list[Degrees], list[
             excluded.append((lay, f"TP {tp} does not divide {m.heads} query / {m.kv_heads} kv heads"))
         else:
             ok.append(lay)
+    for lay in list(ok):
+        why = target.why_not(lay, work.batch)
+        if why:
+            ok.remove(lay)
+            excluded.append((lay, why))
     return ok, excluded
 
 
 def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[dict, dict, dict]:
-    """(bytes per layer by phase and collective, link of each collective, bytes per step by collective),
-    all for the busiest rank. Phases: ``forward``, ``backward``, ``recompute`` (activation checkpointing
-    re-running the forward inside backward: its all-to-alls and ring hops again, not FSDP's gathers). Per
-    layer shows a full-attention layer (with a hybrid's Gated DeltaNet all-to-all beside it); per step sums
-    every layer kind (:func:`.layers.layer_kinds`), adds the root unit (gathered once and kept for backward)
-    and an untied embedding's unit (gathered twice), each reduce-scattered once, and seqmesh's input check."""
+    """(bytes per layer by phase and collective, link of each collective, bytes per step by collective), all for
+    the busiest rank; what each counts is docs/planner.md's "JSON output" (``comm_bytes_per_layer``, ``_per_step``)."""
     m = work.model
     attention = Attention(work, layout)
     shown = [TensorParallel(attention)] if layout.tp > 1 else [attention]
@@ -213,7 +187,8 @@ def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBa
     m = work.model
     problems, notes = [], []
     if mem.total > hw.memory_bytes:
-        problems.append(f"needs {mem.total / GiB:.1f} GiB per GPU, more than the {hw.memory_bytes / GiB:.1f} GiB it has")
+        problems.append(f"needs {mem.total / GiB:.1f} GiB per GPU, more than the {hw.memory_bytes / GiB:.1f} GiB it "
+                        "has")
     if layout.tp > 1:
         notes.append("reference: seqmesh does not run tensor parallelism")
     elif layout.ulysses > 1:
@@ -221,22 +196,20 @@ def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBa
             notes.append(f"uneven heads: {m.heads} query heads over {layout.ulysses} Ulysses ranks")
         if HeadDeal(m.heads, m.kv_heads, layout.ulysses).replicated:
             notes.append(f"kv replication: {m.kv_heads} kv heads over {layout.ulysses} Ulysses ranks")
-    if padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) != work.seq_len and layout.tp == 1:
-        notes.append(f"padded to {padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)} tokens")
+    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
+    if padded != work.seq_len and layout.tp == 1:
+        notes.append(f"padded to {padded} tokens")
     tokens = layout.dp_shard * work.batch * work.seq_len
     return Candidate(layout, mem, per_layer, links, per_step, t, tokens / t.total, not problems,
                      tuple(problems), tuple(notes), target.accumulation(layout, work.batch))
-
-
-def _rank_key(c: Candidate) -> tuple:
-    return (not c.feasible, -c.tokens_per_s if c.feasible else c.memory.total)
 
 
 def plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Plan:
     """Evaluate every layout (that gives ``target``'s global batch); the recommendation first, then the
     others by predicted throughput."""
     ok, excluded = layouts(work, cluster, target)
-    ranked = sorted((evaluate(work, lay, cluster, target) for lay in ok), key=_rank_key)
+    ranked = sorted((evaluate(work, lay, cluster, target) for lay in ok),  # fitting ones fastest first, then smallest
+                    key=lambda c: (not c.feasible, -c.tokens_per_s if c.feasible else c.memory.total))
     best = pick(ranked, cluster.hardware.memory_bytes)
     if best is not None:
         ranked = [best] + [c for c in ranked if c is not best]
@@ -270,22 +243,19 @@ def longest_sequence(work: Workload, layout: Degrees, memory_bytes: int, limit: 
 
 
 def longest_plan(work: Workload, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> dict:
-    """``--max-seq-len``: for every layout the longest sequence that fits and the plan at that length
-    (rows longest first, then by tokens/s), and the seqmesh layout that fits the longest. A layout that
-    cannot hold even one token has ``max_seq_len`` 0, ``step_time_s`` None, ``tokens_per_s`` 0, and its
-    memory and traffic evaluated at one token (to show what does not fit). Only layouts that give
-    ``target``'s global batch (in sequences) are tried. JSON-ready."""
+    """``--max-seq-len``, JSON-ready: for every layout that gives ``target``'s global batch the longest sequence that
+    fits and the plan at that length (longest first, then by tokens/s), and the seqmesh layout that fits the longest;
+    a row that holds not one token is evaluated at the shortest sequence (docs/planner.md, ``@longest``)."""
     ok, _ = layouts(work, cluster, target)
     rows = []
     for lay in ok:
         n = longest_sequence(work, lay, cluster.hardware.memory_bytes)
         c = evaluate(replace(work, seq_len=max(n, shortest_sequence(work))), lay, cluster)
-        rows.append({
-            "layout": lay.as_dict(), "label": lay.label(), "runs_on_seqmesh": lay.runs_on_seqmesh,
-            "max_seq_len": n, "feasible": n > 0, "memory_bytes": c.memory.as_dict(), "memory_peak_at": c.memory.moment,
-            "step_time_s": c.time.total if n else None, "tokens_per_s": c.tokens_per_s if n else 0.0,
-            "comm_bytes_per_layer": c.comm_per_layer, "comm_bytes_per_step": c.comm_per_step,
-        })
+        rows.append({"layout": lay.as_dict(), "label": lay.label(), "runs_on_seqmesh": lay.runs_on_seqmesh,
+                     "max_seq_len": n, "feasible": n > 0, "memory_bytes": c.memory.as_dict(),
+                     "memory_peak_at": c.memory.moment, "step_time_s": c.time.total if n else None,
+                     "tokens_per_s": c.tokens_per_s if n else 0.0, "comm_bytes_per_layer": c.comm_per_layer,
+                     "comm_bytes_per_step": c.comm_per_step})
     rows.sort(key=lambda r: (-r["max_seq_len"], -r["tokens_per_s"]))
     best = next((r for r in rows if r["runs_on_seqmesh"] and r["max_seq_len"] > 0), None)
     reason = explain_longest(best, rows, cluster)

@@ -1,19 +1,5 @@
-"""Which layout to recommend among close predictions, and the sentence that says why.
-
-The rule (:func:`pick`), over the seqmesh layouts that fit:
-
-1. Predictions within ``TIE`` (1%) of the fastest are a tie. The assumptions that move every layout
-   together (achieved FLOP/s, kernel efficiency) cancel in a comparison; what is left, the
-   layout-specific parts (overlap, latencies, merge costs), is uncertain by about that much.
-2. Memory headroom first: among the tied, keep only those within ``HEADROOM`` (10% of one GPU's memory)
-   of the smallest tied footprint. Running out of memory is fatal and the memory model has its own
-   slack (allocator fragmentation, NCCL buffers, a longer document later); a prediction that is 1%
-   optimistic costs 1%. Differences smaller than 10% of the GPU are inside the memory model's own
-   uncertainty, so they do not decide.
-3. Then the smallest share of the step that communication would take if nothing overlapped (to 0.1%):
-   overlap is the least certain part of the timing model, so the layout that loses least without it
-   is the safer bet.
-4. Then the least memory, then the most tokens/s.
+"""Which layout to recommend among close predictions (:func:`pick`), and the sentence that says why.
+The rule and why each step comes in that order: docs/planner.md, "How the recommendation is chosen".
 """
 
 from __future__ import annotations
@@ -38,7 +24,8 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as GiB with one decimal, as every table and reason prints them."""
     return f"{n / GiB:.1f}"
 
 
@@ -54,7 +41,7 @@ def tied(runnable: list[Candidate]) -> list[Candidate]:
 
 
 def pick(ranked: list[Candidate], memory_bytes: int) -> Candidate | None:
-    """The recommendation (the module docstring gives the rule); None when no seqmesh layout fits."""
+    """The recommendation (docs/planner.md gives the rule); None when no seqmesh layout fits."""
     runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
     if not runnable:
         return None
@@ -90,14 +77,14 @@ def _versus(best: Candidate, runnable: list[Candidate], memory_bytes: int) -> st
     least = min(c.memory.total for c in tied(runnable))
     if fastest.memory.total > least + HEADROOM * memory_bytes:
         gpu = memory_bytes
-        return (f"{lead}, but needs {_gib(fastest.memory.total)} GiB per GPU ({fastest.memory.total / gpu:.0%} of "
-                f"{_gib(gpu)}) against {_gib(best.memory.total)} GiB ({best.memory.total / gpu:.0%}): in a tie the "
+        return (f"{lead}, but needs {gib(fastest.memory.total)} GiB per GPU ({fastest.memory.total / gpu:.0%} of "
+                f"{gib(gpu)}) against {gib(best.memory.total)} GiB ({best.memory.total / gpu:.0%}): in a tie the "
                 "memory headroom wins")
     mine, theirs = serial_share(best), serial_share(fastest)
     if mine < theirs:
         return (f"{lead}; this one is less exposed if overlap fails (its communication end to end is "
                 f"{percent(mine)} of the step vs {percent(theirs)})")
-    return f"{lead}; this one needs less memory ({_gib(best.memory.total)} vs {_gib(fastest.memory.total)} GiB per GPU)"
+    return f"{lead}; this one needs less memory ({gib(best.memory.total)} vs {gib(fastest.memory.total)} GiB per GPU)"
 
 
 def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
@@ -116,22 +103,20 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     if lay.ulysses == lay.ring == 1 and lay.dp_shard == 1:
         parts.append("one GPU holds the sequence")
     runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
-    versus = _versus(best, runnable, cluster.hardware.memory_bytes)
-    if versus:
-        parts.append(versus)
+    parts.append(_versus(best, runnable, cluster.hardware.memory_bytes))  # "" when nothing else runs
     tp = [c for c in ranked if c.feasible and not c.layout.runs_on_seqmesh]
     if tp:
         parts.append(f"tensor-parallel reference {tp[0].layout.label()[:-6]}: "
                      f"{percent(tp[0].tokens_per_s / best.tokens_per_s)} of this throughput")
     parts.append(f"{percent(best.time.exposed_comm / best.time.total)} of the step waits on communication")
-    return "; ".join(parts)
+    return "; ".join(part for part in parts if part)
 
 
 def peak_parts(memory: dict[str, int], moment: str) -> str:
     """"at the optimizer step: optimizer 32.8, grads 16.4, weights 16.4 GiB": the moment of the peak and its
     three largest parts (``memory`` as :meth:`.memory.MemoryBreakdown.as_dict` gives it)."""
     parts = sorted(((v, k) for k, v in memory.items() if k != "total" and v > 0), reverse=True)[:3]
-    return f"at the {moment}: " + ", ".join(f"{k} {_gib(v)}" for v, k in parts) + " GiB"
+    return f"at the {moment}: " + ", ".join(f"{k} {gib(v)}" for v, k in parts) + " GiB"
 
 
 def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
@@ -140,8 +125,8 @@ def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
     if not runnable:
         return "no seqmesh layout can run this model on these GPUs"
     least = min(runnable, key=lambda c: c.memory.total)
-    text = (f"the smallest seqmesh footprint, {least.layout.label()}, needs {_gib(least.memory.total)} GiB per "
-            f"GPU of {_gib(cluster.hardware.memory_bytes)} ({peak_parts(least.memory.as_dict(), least.memory.moment)})")
+    text = (f"the smallest seqmesh footprint, {least.layout.label()}, needs {gib(least.memory.total)} GiB per "
+            f"GPU of {gib(cluster.hardware.memory_bytes)} ({peak_parts(least.memory.as_dict(), least.memory.moment)})")
     if least.memory.moment in ("end of backward", "optimizer step"):
         text += "; that moment holds no activations, so no sequence length changes it: use more GPUs"
     else:
@@ -162,10 +147,10 @@ def explain_longest(best: dict | None, rows: list[dict], cluster: Cluster) -> st
             return "no seqmesh layout can run this model on these GPUs"
         least = min(seqmesh_rows, key=lambda r: r["memory_bytes"]["total"])
         return (f"no seqmesh layout holds even one token: the smallest footprint is "
-                f"{_gib(least['memory_bytes']['total'])} GiB per GPU of {_gib(gpu)} "
+                f"{gib(least['memory_bytes']['total'])} GiB per GPU of {gib(gpu)} "
                 f"({peak_parts(least['memory_bytes'], least['memory_peak_at'])}); use more GPUs")
     text = (f"the longest sequence of any seqmesh layout, {best['max_seq_len']:,} tokens "
-            f"({_gib(best['memory_bytes']['total'])} GiB per GPU of {_gib(gpu)}); among layouts that fit as much, "
+            f"({gib(best['memory_bytes']['total'])} GiB per GPU of {gib(gpu)}); among layouts that fit as much, "
             "the most tokens/s")
     tp = next((r for r in rows if not r["runs_on_seqmesh"] and r["max_seq_len"] > best["max_seq_len"]), None)
     if tp:

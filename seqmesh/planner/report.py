@@ -1,23 +1,14 @@
-"""Text and JSON renderings of a plan."""
+"""The text of a plan: the table, the recommendation and its memory, traffic and time (JSON is ``Plan.as_dict``)."""
 
 from __future__ import annotations
 
-from .hardware import GiB, Cluster
+from .hardware import Cluster
 from .plan import PHASES, Candidate, Plan
-from .recommend import percent
+from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
-SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f}"
-
-
-def _sp_bytes(c: Candidate) -> int:
-    """Sequence- or tensor-parallel bytes per layer, forward + backward + checkpoint recompute (FSDP left out)."""
-    return sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")  # the table's SP comm
 
 
 def _human_bytes(n: float) -> str:
@@ -45,42 +36,39 @@ def _human_count(n: float) -> str:
 
 
 def header(work: Workload, cluster: Cluster) -> str:
-    m = work.model
+    m, hw = work.model, cluster.hardware
     flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
                        "chunked loss" if work.chunked_loss else "full logits"])
-    return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv heads "
-            f"x {m.head_dim}, vocab {m.vocab:,}; {flags}\n"
-            f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, cluster.hardware.gpus_per_node)}; "
-            f"{cluster.hardware.describe()}")
+    return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
+            f"heads x {m.head_dim}, vocab {m.vocab:,}; {flags}\n"
+            f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
+            f"{hw.describe()}")
 
 
 def format_plan(p: Plan, top: int) -> str:
-    work = p.work
+    work, target = p.work, p.target
+    accum = target.sequences is not None
     lines = [header(work, p.cluster),
              f"sequence {work.seq_len:,} tokens x micro-batch {work.batch} per sequence group; "
              "ranked by predicted tokens/s (a step of a layout with DP groups processes that many micro-batches); "
              "SP comm/layer: sequence-parallel bytes the busiest rank sends per layer, forward + backward"
-             + (" + checkpoint recompute" if work.checkpointing else ""),
-             ""]
-    target = p.target
-    if target.sequences is not None or target.one_group:
-        lines.insert(-1, global_batch_line(p))
-    accum = target.sequences is not None
+             + (" + checkpoint recompute" if work.checkpointing else "")]
+    if accum or target.one_group:
+        lines.append(global_batch_line(p))
     best_tps = max((c.tokens_per_s for c in p.candidates if c.feasible), default=0.0)
-    lines.append(f"{'#':>3}  {'layout':<20}{'fits':>5}{'GiB/GPU':>9}{'step s':>9}"
-                 + (f"{'accum':>7}{'opt step s':>11}" if accum else "") + f"{'tokens/s':>11}{'vs best':>8}"
-                 f"{'SP comm/layer':>15}{'exposed':>9}  {'Ulysses link':<15}{'ring link':<15}notes")
+    lines += ["", f"{'#':>3}  {'layout':<20}{'fits':>5}{'GiB/GPU':>9}{'step s':>9}"
+              + (f"{'accum':>7}{'opt step s':>11}" if accum else "") + f"{'tokens/s':>11}{'vs best':>8}"
+              f"{'SP comm/layer':>15}{'exposed':>9}  {'Ulysses link':<15}{'ring link':<15}notes"]
     for i, c in enumerate(p.candidates[:top], 1):
         rel = f"{c.tokens_per_s / best_tps:.3f}" if c.feasible and best_tps else "-"
         exposed = percent(c.time.exposed_comm / c.time.total)
         ulink = c.comm_links.get("ulysses_all_to_all") or c.comm_links.get("tp_all_gather", "-")
         opt = f"{c.accumulation:>7}{_num(c.optimizer_step_s):>11}" if accum else ""
-        lines.append(
-            f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{_gib(c.memory.total):>9}"
-            f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}{_human_bytes(_sp_bytes(c)):>15}"
-            f"{exposed:>9}  "
-            f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}"
-        )
+        sp = sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
+        lines.append(f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{gib(c.memory.total):>9}"
+                     f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}"
+                     f"{_human_bytes(sp):>15}{exposed:>9}  "
+                     f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}")
     if len(p.candidates) > top:
         lines.append(f"     ... {len(p.candidates) - top} more (--top {len(p.candidates)} shows all)")
     if p.excluded:
@@ -89,21 +77,16 @@ def format_plan(p: Plan, top: int) -> str:
         lines.append(f"     not possible: {shown}{more}")
     lines.append("")
     if p.recommended is None:
-        lines.append(f"no seqmesh layout fits: {p.reason}")
-        return "\n".join(lines)
+        return "\n".join(lines + [f"no seqmesh layout fits: {p.reason}"])
     c = p.recommended
-    lines.append(f"recommended: {c.layout.label()} -- {p.reason}")
-    lines.append(format_memory(c, p.cluster))
-    layer = c.comm_per_layer
-    shown = [p for p in PHASES if layer[p]["total"]]
-    parts = [f"{k} {' / '.join(_human_bytes(layer[p][k]) for p in shown)}"
-             for k in sorted(layer["forward"]) if k != "total" and any(layer[p][k] for p in shown)]
-    lines.append(f"traffic per layer, busiest rank, {' / '.join(shown)}: " + ("; ".join(parts) or "none"))
+    phases, layer = _per_phase(c.comm_per_layer, [k for k in sorted(c.comm_per_layer["forward"]) if k != "total"])
     step = [f"{k} {_human_bytes(v)}" for k, v in sorted(c.comm_per_step.items()) if k != "total" and v]
-    lines.append(f"traffic per step, busiest rank (every FSDP unit included): {'; '.join(step) or 'none'}; "
-                 f"total {_human_bytes(c.comm_per_step['total'])}")
-    lines.append(f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
-                 f"{_num(c.time.exposed_comm)} s")
+    lines += [f"recommended: {c.layout.label()} -- {p.reason}", format_memory(c, p.cluster),
+              f"traffic per layer, busiest rank, {' / '.join(phases)}: " + (layer or "none"),
+              f"traffic per step, busiest rank (every FSDP unit included): {'; '.join(step) or 'none'}; "
+              f"total {_human_bytes(c.comm_per_step['total'])}",
+              f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
+              f"{_num(c.time.exposed_comm)} s"]
     if work.media is not None:
         lines += format_tower(c, work, p.cluster)
     if accum:
@@ -114,41 +97,42 @@ def format_plan(p: Plan, top: int) -> str:
     return "\n".join(lines)
 
 
+def _per_phase(sent: dict[str, dict[str, int]], keys: list[str]) -> tuple[list[str], str]:
+    """The phases in which anything of ``keys`` is sent, and "key a / b / c" (its bytes in each) per key sent."""
+    phases = [ph for ph in PHASES if any(sent[ph][k] for k in keys)]
+    return phases, "; ".join(f"{k} {' / '.join(_human_bytes(sent[ph][k]) for ph in phases)}" for k in keys
+                             if any(sent[ph][k] for ph in phases))
+
+
 def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
     """The vision tower's part of ``c``: its sequence, memory, traffic and time on the busiest rank (:mod:`.vision`)."""
     tower, media, v = Tower(work, c.layout), work.media, work.model.vision
     shown = [f"{media.images} image(s)"] if media.images else []
     shown += [f"a video of {media.video_frames} frames"] if media.video_frames else []
-    each = " and ".join(x for x, n in (("image", media.images), (f"{v.temporal} video frames", media.video_frames)) if n)
+    each = " and ".join(x for x, n in (("image", media.images), (f"{v.temporal} video frames", media.video_frames))
+                        if n)
     frame = media.frame_patches(v)
     kept, peak = tower.memory()
-    traffic = tower.traffic()
-    phases = [ph for ph in PHASES if any(traffic[ph].values())]
-    sent = "; ".join(f"{k} {' / '.join(_human_bytes(traffic[ph][k]) for ph in phases)}" for k in TOWER_KEYS
-                     if any(traffic[ph][k] for ph in phases))
+    phases, sent = _per_phase(tower.traffic(), list(TOWER_KEYS))
     sent = f" ({' / '.join(phases)}): {sent}" if sent else ": no sequence-parallel traffic (one rank per group)"
     fsdp = "; ".join(f"{k} {_human_bytes(n)}" for k, n in tower.fsdp().items())
     s = tower.seconds(cluster.hardware)
-    return [
-        f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per sequence, "
-        f"{frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
-        f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
-        "per rank",
-        f"vision tower memory per GPU: {_gib(kept)} GiB kept through the decoder, {_gib(peak)} GiB in its top "
-        "block's backward",
-        f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
-        f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
-        f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
-        f"{_num(s['total'] - s['compute'])} s",
-    ]
+    return [f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per "
+            f"sequence, {frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
+            f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
+            "per rank",
+            f"vision tower memory per GPU: {gib(kept)} GiB kept through the decoder, {gib(peak)} GiB in its top "
+            "block's backward",
+            f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
+            f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
+            f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
+            f"{_num(s['total'] - s['compute'])} s"]
 
 
 def global_batch_line(p: Plan) -> str:
     """What the global batch asks and how gradient accumulation is counted."""
-    t, work = p.target, p.work
-    parts = []
-    if t.one_group:
-        parts.append(f"one sequence group over all {p.cluster.gpus} GPUs (ulysses x ring = {p.cluster.gpus})")
+    t, work, gpus = p.target, p.work, p.cluster.gpus
+    parts = [f"one sequence group over all {gpus} GPUs (ulysses x ring = {gpus})"] if t.one_group else []
     if t.sequences is not None:
         parts.append(f"global batch {t.sequences:,} sequences ({t.sequences * work.seq_len:,} tokens) per optimizer "
                      f"step = dp_shard x micro-batch {work.batch} x gradient accumulation; each accumulation "
@@ -158,28 +142,24 @@ def global_batch_line(p: Plan) -> str:
 
 def format_memory(c: Candidate, cluster: Cluster) -> str:
     mb = c.memory
-    items = [("weights", mb.weights), ("grads", mb.grads), ("optimizer", mb.optimizer),
-             ("activations", mb.activations), ("attention", mb.attention), ("logits", mb.logits),
-             ("reserved", mb.reserved)]
-    body = ", ".join(f"{k} {_gib(v)}" for k, v in items)
+    body = ", ".join(f"{k} {gib(v)}" for k, v in mb.as_dict().items() if k != "total")
     return (f"memory per GPU ({c.layout.label()}) at its peak ({mb.moment}), GiB: {body}; total "
-            f"{_gib(mb.total)} of {_gib(cluster.hardware.memory_bytes)}")
+            f"{gib(mb.total)} of {gib(cluster.hardware.memory_bytes)}")
 
 
 def format_longest(result: dict, work: Workload, cluster: Cluster, top: int) -> str:
     """The ``--max-seq-len`` table (``result`` as :func:`.plan.longest_plan` returns it)."""
     rows = result["candidates"]
     lines = [header(work, cluster), "longest sequence that fits per layout (micro-batch "
-             f"{work.batch}), ranked by length then tokens/s at that length", ""]
-    lines.append(f"{'#':>3}  {'layout':<20}{'max tokens':>14}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}")
+             f"{work.batch}), ranked by length then tokens/s at that length", "",
+             f"{'#':>3}  {'layout':<20}{'max tokens':>14}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}"]
     for i, r in enumerate(rows[:top], 1):
         step = _num(r["step_time_s"]) if r["step_time_s"] is not None else "-"
-        lines.append(f"{i:>3}  {r['label']:<20}{r['max_seq_len']:>14,}{_gib(r['memory_bytes']['total']):>9}"
+        lines.append(f"{i:>3}  {r['label']:<20}{r['max_seq_len']:>14,}{gib(r['memory_bytes']['total']):>9}"
                      f"{step:>9}{_num(r['tokens_per_s']):>11}")
     if len(rows) > top:
         lines.append(f"     ... {len(rows) - top} more")
     rec = result["recommended"]
-    lines.append("")
-    lines.append(f"longest with seqmesh: {rec['label']} -- {result['reason']}" if rec
-                 else f"nothing fits: {result['reason']}")
+    lines += ["", f"longest with seqmesh: {rec['label']} -- {result['reason']}" if rec
+              else f"nothing fits: {result['reason']}"]
     return "\n".join(lines)

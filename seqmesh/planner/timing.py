@@ -9,11 +9,10 @@ from dataclasses import asdict, dataclass
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .layers import Attention, GatedDeltaNet, TensorParallel, attention_average, attention_pairs
-from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
-                      uplink_seconds, world_rank)
+from .network import axis_all_to_all_seconds, every_group, fsdp_seconds, ring_hop_seconds
 from ..padding import padded_length
 from ..heads import HeadDeal
-from .traffic import all_to_all_calls, fsdp_traffic, ring_block_bytes
+from .traffic import call_bytes, fsdp_traffic, ring_block_bytes
 from ..degrees import Degrees
 from .workload import Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
 
@@ -47,6 +46,7 @@ class StepTime:
 
 
 def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
+    """One step of ``work`` on ``layout``; docs/planner.md ("Time") lists what is counted and what overlaps."""
     m, b = work.model, work.batch
     peak = hw.flops_for(work.dtype)
     mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
@@ -61,7 +61,8 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
     attn_bwd = ATTENTION_BACKWARD * attn_fwd
     if layout.tp == 1 and layout.ring > 1:  # smaller kernels and the merges: the split-and-merge efficiency
-        efficiency = hw.ring_efficiency.at(ring_block_tokens(work, layout))
+        block = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // layout.ring  # query tokens
+        efficiency = hw.ring_efficiency.at(block)
         attn_fwd, attn_bwd = attn_fwd / efficiency, attn_bwd / efficiency
     elif layout.tp == 1:  # seqmesh's merge into float32 accumulators, one step
         attn_fwd += ring_merge_seconds(work, layout, hw, "forward")
@@ -72,7 +73,7 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         fwd = mm_fwd + attn_fwd + comm_fwd
         bwd = 2 * mm_fwd + attn_bwd + comm_bwd
     else:
-        a2a_fwd, a2a_bwd = _ulysses_seconds(work, layout, hw, "forward"), _ulysses_seconds(work, layout, hw, "backward")
+        a2a_fwd, a2a_bwd = (_ulysses_seconds(work, layout, hw, phase) for phase in ("forward", "backward"))
         ring_fwd, p2p_fwd = ring_attention_seconds(work, layout, hw, attn_fwd, "forward")
         ring_bwd, p2p_bwd = ring_attention_seconds(work, layout, hw, attn_bwd, "backward")
         fwd = mm_fwd + a2a_fwd + ring_fwd
@@ -87,27 +88,23 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     # offloaded checkpoints: each layer's input crosses PCIe once each way, on a side stream (hidden when shorter)
     offload = tokens * m.hidden * work.act_bytes / hw.host_bandwidth if work.offload_checkpoints else 0.0
 
-    fsdp_ranks = [world_rank(layout, u, r, d) for d in range(layout.dp_shard)
-                  for r in range(layout.ring) for u in range(layout.ulysses)]
-    layer_fsdp = fsdp_traffic(-(-layer_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    ag = gather_seconds(layer_fsdp["all_gather_forward"], hw, fsdp_ranks)
-    rs = gather_seconds(layer_fsdp["reduce_scatter_backward"], hw, fsdp_ranks)
+    fsdp_ranks = [r for group in every_group(layout, "sequence") for r in group]
+
+    def unit_seconds(params: int) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of an FSDP unit of ``params``, each TP rank its share."""
+        sent = fsdp_traffic(-(-params // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+        return fsdp_seconds(sent, hw, fsdp_ranks)
+
+    ag, rs = unit_seconds(layer_params(m))
     layer_fwd, layer_bwd = max(fwd, ag, offload), max(bwd, ag + rs, offload)
 
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
     head = (8 if work.chunked_loss else 6) * tokens * m.vocab * m.hidden / mm_rate
-    root = fsdp_traffic(-(-root_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    root_comm = (gather_seconds(root["all_gather_forward"], hw, fsdp_ranks)  # kept gathered for backward
-                 + gather_seconds(root["reduce_scatter_backward"], hw, fsdp_ranks))
+    root_comm = sum(unit_seconds(root_params(m)))  # gathered once, kept gathered for backward, reduce-scattered
     # an untied embedding's own unit: gathered before the first layer (exposed), gathered again behind the
     # first layer's backward (prefetched in place of a next layer's) and reduce-scattered at the end (exposed)
-    emb = fsdp_traffic(-(-embedding_unit_params(m) // layout.tp), layout.fsdp_group, work.torch_dtype,
-                       work.reduce_dtype)
-    emb_ag = gather_seconds(emb["all_gather_forward"], hw, fsdp_ranks)
-    emb_rs = gather_seconds(emb["reduce_scatter_backward"], hw, fsdp_ranks)
-    emb_comm = 0.0
-    if embedding_unit_params(m):
-        emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd
+    emb_ag, emb_rs = unit_seconds(embedding_unit_params(m))
+    emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd if embedding_unit_params(m) else 0.0
     full = m.layers - (m.linear_layers if layout.tp == 1 else 0)  # under TP every layer is timed as attention
     total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm
     compute = full * compute_layer + head
@@ -128,11 +125,9 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
 
 
 def ring_merge_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
-    """GPU-memory time of the ring's accumulations in one layer (every step, ring=1 included).
-
-    Forward, per step: read and write the float32 output and LSE accumulators and read the block's
-    output and LSE. Backward, per step: add the block's dQ into the float32 dQ, zero the dK/dV partial,
-    add the block's dK/dV into it and add the incoming partial."""
+    """GPU-memory time of the ring's accumulations in one layer (every step, ring=1 included). Per step forward:
+    read and write the float32 output and LSE accumulators, read the block's output and LSE; backward: add the
+    block's dQ into the float32 dQ, zero the dK/dV partial, add the block's dK/dV and the incoming partial."""
     m = work.model
     deal = HeadDeal(m.heads, m.kv_heads, layout.ulysses)
     tokens = work.batch * layout.ulysses * local_tokens(work, layout)  # one ring block
@@ -145,19 +140,11 @@ def ring_merge_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase:
 
 
 def _ulysses_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
+    """One attention layer's Ulysses all-to-alls in ``phase``, one after another."""
     if layout.ulysses == 1:
         return 0.0
-    m = work.model
-    calls = all_to_all_calls(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
-                             ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
-    patterns = peer_patterns(hw, axis_groups(layout, "ulysses"))
-    return sum(max(all_to_all_from_patterns(nbytes, hw, patterns), uplink_seconds(nbytes, hw, layout, "ulysses"))
-               for nbytes in calls[phase])
-
-
-def ring_block_tokens(work: Workload, layout: Degrees) -> int:
-    """Query tokens of one ring block: the padded sequence over the ring degree."""
-    return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // layout.ring
+    calls = call_bytes(Attention(work, layout).ranks(), "all_to_all", phase)
+    return axis_all_to_all_seconds(calls, hw, layout, "ulysses")
 
 
 def ring_hops(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float, float]:
@@ -173,8 +160,9 @@ def ring_hop_count(work: Workload, layout: Degrees) -> float:
     return attention_average(work, layout, Attention.ring_hops)
 
 
-def ring_attention_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, attention: float, phase: str) -> tuple[float, float]:
-    """(attention of one layer with the ring's P2P overlapped, the P2P time alone); see the module docstring."""
+def ring_attention_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, attention: float,
+                           phase: str) -> tuple[float, float]:
+    """(attention of one layer with the ring's P2P overlapped, the P2P time alone); docs/planner.md, "Time"."""
     if layout.ring == 1:
         return attention, 0.0
     hops = ring_hop_count(work, layout)

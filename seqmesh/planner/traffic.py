@@ -1,8 +1,6 @@
-"""Bytes each rank sends, per collective, from first principles (counted as ``seqmesh.comm.stats`` counts).
-
-Pure functions of shapes and degrees that import none of seqmesh's attention code, so tests compare them
-with a real run's counters as two independent derivations. What each collective sends: docs/planner.md,
-"What the code counts".
+"""Bytes each rank sends, per collective, from first principles (counted as ``seqmesh.comm.stats`` counts): pure
+functions of shapes and degrees that import none of seqmesh's attention code, so tests compare two independent
+derivations. What each collective sends: docs/planner.md ("Traffic").
 """
 
 from __future__ import annotations
@@ -19,10 +17,9 @@ INT64 = 8
 
 def dtype_bytes(dtype: str) -> int:
     """Element size of a dtype named as torch names it ("bfloat16", "float32", ...)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}.") from None
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}.")
+    return DTYPE_BYTES[dtype]
 
 
 def partial_bytes(dtype: str) -> int:
@@ -36,10 +33,7 @@ def ring_steps(ring: int, padded_len: int, layout: str = "zigzag", window: int |
 
 
 def _document_steps(ring: int, padded_len: int, documents: tuple[int, ...], causal: bool) -> tuple[int, ...]:
-    """Contiguous layout with packed ``documents`` (boundaries; past the last one, padding is a document of
-    its own): step t is needed iff some ring rank's block shares a document with the block of rank
-    ``(r - t) mod R`` (under ``causal`` only an earlier or the same block). Images whose patches all lie
-    inside one rank's block need no ring step at all."""
+    """The ring steps of a contiguous layout packed with ``documents`` (their boundaries) that share a document."""
     c = padded_len // ring
     bounds = tuple(documents) + ((padded_len,) if documents[-1] < padded_len else ())
     first = lambda pos: max(i for i, b in enumerate(bounds) if b <= pos)  # noqa: E731  the document holding pos
@@ -54,14 +48,8 @@ def _document_steps(ring: int, padded_len: int, documents: tuple[int, ...], caus
 
 def ring_step_list(ring: int, padded_len: int, layout: str = "zigzag", window: int | None = None,
                    documents: tuple[int, ...] | None = None, causal: bool = True) -> tuple[int, ...]:
-    """The ring steps that compute anything under a causal sliding ``window``, ascending.
-
-    Ring rank r holds chunks ``{r, 2R-1-r}`` of ``padded_len / 2R`` tokens (zigzag) or chunk ``r`` of
-    ``padded_len / R`` (contiguous). A query chunk ``a`` sees a key chunk ``b < a`` iff its first query
-    and the key chunk's last key are closer than the window: ``(a - b - 1) * c + 1 < window``. Step t
-    is needed iff some rank r holds such a pair with rank ``(r - t) mod R``; step 0 always is.
-    ``documents`` (contiguous layout, no window): steps whose blocks share no document are skipped too.
-    """
+    """The ring steps that compute anything under a causal sliding ``window`` or, in a contiguous layout, between
+    packed ``documents``, ascending (docs/planner.md, "Traffic", derives which)."""
     if documents is not None and ring > 1:
         if layout != "contiguous" or window is not None:
             raise ValueError("ring steps by documents are modelled for the contiguous layout without a window.")
@@ -87,7 +75,6 @@ class Collective:
     phase: str  # forward or backward
     calls: int
     bytes_sent: int
-    purpose: str = ""  # ulysses, ring, validate, fsdp, tp
 
 
 @dataclass(frozen=True)
@@ -105,26 +92,11 @@ class RankTraffic:
         return sum(c.calls for c in self.collectives if c.kind == kind and c.phase == phase)
 
 
-def attention_traffic(
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    *,
-    seq_len: int,
-    batch: int,
-    ulysses: int,
-    ring: int,
-    dtype: str,
-    layout: str = "zigzag",
-    validate: bool = True,
-    window: int | None = None,
-    documents: tuple[int, ...] | None = None,
-    causal: bool = True,
-) -> list[RankTraffic]:
-    """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank
-    ``ring_rank * ulysses + ulysses_rank``; ``window`` is a causal sliding window (None: none);
-    ``documents`` packed documents of a contiguous layout, whose ring steps are skipped where no block
-    pair shares one (:func:`ring_step_list`)."""
+def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int,
+                      dtype: str, layout: str = "zigzag", validate: bool = True, window: int | None = None,
+                      documents: tuple[int, ...] | None = None, causal: bool = True) -> list[RankTraffic]:
+    """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank ``ring_rank * ulysses
+    + ulysses_rank``, with a causal sliding ``window`` or packed ``documents`` if given (:func:`ring_step_list`)."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     p = ulysses * ring
     local = padded_length(seq_len, ulysses, ring, layout) // p
@@ -141,46 +113,27 @@ def attention_traffic(
             q, kv = deal.q_count(u), deal.kv_count(u)
             items: list[Collective] = []
             if validate and p > 1:
-                items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64, "validate"))
+                items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64))
             if ulysses > 1:
-                items += [
-                    Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row, "ulysses"),
-                    Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row, "ulysses"),
-                    Collective("all_to_all", "backward", 1, (q_heads - q) * row, "ulysses"),
-                    Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row, "ulysses"),
-                ]
+                items += [Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row),
+                          Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row),
+                          Collective("all_to_all", "backward", 1, (q_heads - q) * row),
+                          Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row)]
             if hops:
                 block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
-                items += [
-                    Collective("p2p", "forward", hops, hops * block * e, "ring"),
-                    Collective("p2p", "backward", hops, hops * block * e, "ring"),
-                    Collective("p2p", "backward", partials, partials * block * ep, "ring"),
-                ]
+                items += [Collective("p2p", "forward", hops, hops * block * e),
+                          Collective("p2p", "backward", hops, hops * block * e),
+                          Collective("p2p", "backward", partials, partials * block * ep)]
             out.append(RankTraffic(u, r, tuple(items)))
     return out
 
 
-def linear_attention_traffic(
-    key_heads: int,
-    value_heads: int,
-    key_dim: int,
-    value_dim: int,
-    *,
-    seq_len: int,
-    batch: int,
-    ulysses: int,
-    ring: int,
-    dtype: str,
-    layout: str = "zigzag",
-) -> list[RankTraffic]:
+def linear_attention_traffic(key_heads: int, value_heads: int, key_dim: int, value_dim: int, *, seq_len: int,
+                             batch: int, ulysses: int, ring: int, dtype: str,
+                             layout: str = "zigzag") -> list[RankTraffic]:
     """Per-rank traffic of one Gated DeltaNet layer (``seqmesh.linear_attention``), forward+backward, indexed by
-    sequence rank. Its all-to-alls run over the whole sequence group (``P = ulysses x ring``): value heads
-    are dealt to the P ranks as query heads are to Ulysses ranks, each with the key heads it reads.
-
-    - forward in: rank u sends every other rank v, for its own ``L`` tokens, v's channels
-      ``c_v = 2 k_v Dk + h_v (Dv + 2)`` (q, k of its key heads; v, beta and the decay input of its value heads).
-    - forward out: it sends its ``h_u`` output heads of every other rank's tokens: ``(P - 1) h_u Dv``.
-    - backward: the adjoints: ``(Hv - h_u) Dv`` (output gradients) and ``(P - 1) c_u`` (input gradients)."""
+    sequence rank: all-to-alls over the whole sequence group, each rank's channel count ``c_v`` as docs/planner.md
+    ("Traffic") derives it (q, k of its key heads; v, beta and the decay input of its value heads)."""
     p = ulysses * ring
     if p == 1:
         return [RankTraffic(0, 0, ())]
@@ -192,11 +145,10 @@ def linear_attention_traffic(
     for rank in range(p):
         h, c = deal.q_count(rank), channels[rank]
         out.append(RankTraffic(rank % ulysses, rank // ulysses, (
-            Collective("all_to_all", "forward", 1, (sum(channels) - c) * unit, "linear"),
-            Collective("all_to_all", "forward", 1, (p - 1) * h * value_dim * unit, "linear"),
-            Collective("all_to_all", "backward", 1, (value_heads - h) * value_dim * unit, "linear"),
-            Collective("all_to_all", "backward", 1, (p - 1) * c * unit, "linear"),
-        )))
+            Collective("all_to_all", "forward", 1, (sum(channels) - c) * unit),
+            Collective("all_to_all", "forward", 1, (p - 1) * h * value_dim * unit),
+            Collective("all_to_all", "backward", 1, (value_heads - h) * value_dim * unit),
+            Collective("all_to_all", "backward", 1, (p - 1) * c * unit))))
     return out
 
 
@@ -205,28 +157,15 @@ def worst_rank(ranks: list[RankTraffic], kind: str, phase: str) -> int:
     return max(t.sent(kind, phase) for t in ranks)
 
 
-def all_to_all_calls(
-    q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int, dtype: str,
-    layout: str = "zigzag",
-) -> dict[str, list[int]]:
-    """Bytes of each Ulysses all-to-all call on the busiest rank, by phase, in issue order (for timing)."""
-    deal = HeadDeal(q_heads, kv_heads, ulysses)
-    if ulysses == 1:
-        return {"forward": [], "backward": []}
-    local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
-    row = batch * local * head_dim * dtype_bytes(dtype)
-    all_heads = sum(deal.q_count(v) + 2 * deal.kv_count(v) for v in range(ulysses))
-    fwd = [max((all_heads - deal.q_count(u) - 2 * deal.kv_count(u)) * row for u in range(ulysses)),
-           max((ulysses - 1) * deal.q_count(u) * row for u in range(ulysses))]
-    bwd = [max((q_heads - deal.q_count(u)) * row for u in range(ulysses)),
-           max((ulysses - 1) * (deal.q_count(u) + 2 * deal.kv_count(u)) * row for u in range(ulysses))]
-    return {"forward": fwd, "backward": bwd}
+def call_bytes(ranks: list[RankTraffic], kind: str, phase: str) -> list[int]:
+    """Bytes of each ``kind`` call in ``phase``, in issue order, on the rank that sends the most in that call
+    (every rank issues the same calls)."""
+    sent = [[c.bytes_sent for c in t.collectives if c.kind == kind and c.phase == phase] for t in ranks]
+    return [max(call) for call in zip(*sent)]
 
 
-def ring_block_bytes(
-    q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int, dtype: str,
-    layout: str = "zigzag",
-) -> tuple[int, int]:
+def ring_block_bytes(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int,
+                     ring: int, dtype: str, layout: str = "zigzag") -> tuple[int, int]:
     """``(K/V block, dK/dV partial)`` bytes of one ring hop on the busiest rank."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
@@ -235,11 +174,9 @@ def ring_block_bytes(
 
 
 def fsdp_traffic(params: int, group: int, param_dtype: str, reduce_dtype: str = "float32") -> dict[str, int]:
-    """One FSDP unit of ``params`` parameters sharded over ``group`` ranks, per rank.
-
-    Forward all-gathers the unit in ``param_dtype``; backward all-gathers it again (FSDP2 frees
-    unsharded parameters after forward by default) and reduce-scatters its gradients in
-    ``reduce_dtype``. Each moves ``(G - 1) x shard`` bytes, the shard rounded up to whole elements."""
+    """One FSDP unit of ``params`` parameters sharded over ``group`` ranks, per rank: gathered in ``param_dtype``
+    forward and again backward (FSDP2 frees it after forward), its gradients reduce-scattered in ``reduce_dtype``;
+    each moves ``(G - 1) x shard`` bytes."""
     if group == 1:
         return {"all_gather_forward": 0, "all_gather_backward": 0, "reduce_scatter_backward": 0}
     shard = -(-params // group)
@@ -249,12 +186,8 @@ def fsdp_traffic(params: int, group: int, param_dtype: str, reduce_dtype: str = 
 
 
 def tensor_parallel_traffic(tokens: int, hidden: int, tp: int, dtype: str) -> dict[str, int]:
-    """Megatron tensor + sequence parallelism on ``tp`` ranks, one transformer layer, per rank.
-
-    Before attention and before the MLP the ``(tokens, hidden)`` activation is all-gathered along the
-    sequence; after each it is reduce-scattered: 2 all-gathers and 2 reduce-scatters forward, each moving
-    ``(tp - 1) x tokens/tp x hidden`` elements, and the adjoints (the same again) backward. Plain TP
-    without sequence parallelism does 2 all-reduces instead, which move the same bytes."""
+    """Megatron tensor + sequence parallelism on ``tp`` ranks, one layer, per rank, each way: the ``(tokens, hidden)``
+    activation all-gathered before attention and the MLP, reduce-scattered after each (docs/planner.md, "Traffic")."""
     if tp == 1:
         return {"all_gather": 0, "reduce_scatter": 0}
     chunk = -(-tokens // tp) * hidden * dtype_bytes(dtype)
@@ -264,14 +197,10 @@ def tensor_parallel_traffic(tokens: int, hidden: int, tp: int, dtype: str) -> di
 def vision_tower_traffic(depth: int, heads: int, head_dim: int, *, frames: tuple[int, ...], merge: int, ulysses: int,
                          ring: int, dtype: str, windows: tuple[int, ...] | None = None,
                          full_blocks: int = 0) -> list[RankTraffic]:
-    """Per-rank traffic of a sharded vision tower's ``depth`` blocks, forward+backward, indexed by sequence
-    rank. Each block is one bidirectional ``seqmesh.attention`` call over the tower's sequence: every patch
-    of the batch cut into ``P`` contiguous shares of whole merge units (``merge**2`` patches), so the
-    sequence is padded to ``merge**2 x P x ceil(units / P)`` patches. Its documents are the frames
-    (``frames``: their boundaries), or for Qwen2.5-VL's windowed blocks (all but ``full_blocks`` of them,
-    when ``windows`` is given) the windows; ring steps whose blocks share no document are skipped. The
-    one-off checks of the call (validation) are left out: the tower makes one or two per step, not one
-    per block."""
+    """Per-rank traffic of a sharded vision tower's ``depth`` blocks, forward+backward, indexed by sequence rank:
+    per block one bidirectional attention call whose documents end at ``frames`` (or, for all but ``full_blocks``
+    blocks when given, at ``windows``), as docs/planner.md, "Vision towers", says; the tower's one or two input
+    checks a step are left out."""
     p = ulysses * ring
     unit = merge * merge
     padded = unit * p * -(-frames[-1] // (unit * p))
@@ -280,7 +209,7 @@ def vision_tower_traffic(depth: int, heads: int, head_dim: int, *, frames: tuple
         ranks = attention_traffic(heads, heads, head_dim, seq_len=padded, batch=1, ulysses=ulysses, ring=ring,
                                   dtype=dtype, layout="contiguous", validate=False, documents=tuple(documents),
                                   causal=False)
-        return [[Collective(c.kind, c.phase, count * c.calls, count * c.bytes_sent, "vision") for c in t.collectives]
+        return [[Collective(c.kind, c.phase, count * c.calls, count * c.bytes_sent) for c in t.collectives]
                 for t in ranks]
 
     windowed = depth - full_blocks if windows is not None else 0
@@ -290,10 +219,7 @@ def vision_tower_traffic(depth: int, heads: int, head_dim: int, *, frames: tuple
 
 
 def vision_route_traffic(units_sent: int, units_received: int, width: int, dtype: str) -> dict[str, int]:
-    """The route of the merged image embeddings, per rank: forward it sends each of the ``units_sent``
-    merged units it computed (``width`` values: the decoder's hidden size, times 1 + the DeepStack
-    features) whose token lies on another rank; backward it returns the gradients of the
-    ``units_received`` units that came from other ranks. The planner bounds both by the rank's share of
-    the tower's units."""
+    """The route of the merged image embeddings, per rank: forward the ``units_sent`` merged units (``width`` values
+    each) whose token lies on another rank, backward the gradients of the ``units_received`` that came from one."""
     row = width * dtype_bytes(dtype)
     return {"forward": units_sent * row, "backward": units_received * row}

@@ -15,8 +15,7 @@ from ..model.presets import ModelShape, VisionShape
 from .activations import outside_layers_bytes
 from .hardware import HardwareSpec
 from .memory import MOMENTS, MemoryBreakdown, memory_at, parameter_memory
-from .network import (all_to_all_from_patterns, axis_groups, gather_seconds, peer_patterns, ring_hop_seconds,
-                      uplink_seconds)
+from .network import axis_all_to_all_seconds, fsdp_seconds, ring_hop_seconds
 from .timing import ATTENTION_BACKWARD, StepTime
 from .traffic import RankTraffic, fsdp_traffic, vision_route_traffic, vision_tower_traffic
 
@@ -55,8 +54,8 @@ class Media:
         return self.frames(v) * self.frame_patches(v) // v.merge ** 2
 
     def check(self, model: ModelShape, seq_len: int) -> None:
-        """Raise a ValueError naming the fix when the model has no tower, a size is not one its processor
-        makes, or the placeholder tokens do not fit in the sequence."""
+        """Raise a ValueError naming the fix when the model has no tower, a size is not its processor's or the tokens
+        do not fit."""
         v = model.vision
         if v is None:
             raise ValueError(f"--images / --video-frames need a vision-language model; {model.name} has no vision "
@@ -138,9 +137,7 @@ class Tower:
         return [(b, n) for b, n in ((full, len(v.full_blocks)), (windows, v.depth - len(v.full_blocks))) if n]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        """Bytes sent per step by phase (``recompute``: the blocks' forward replayed by checkpointing) and collective:
-        the blocks' all-to-alls and ring hops; the route, as many merged units as the rank's share sent forward and
-        their gradients returned backward (none on one rank)."""
+        """Bytes sent per step by phase (``recompute``: the blocks' forward replayed) and collective, ``TOWER_KEYS``."""
         v, dtype, g = self.vision, self.work.torch_dtype, self.group
         out = {phase: dict.fromkeys(TOWER_KEYS, 0) for phase in ("forward", "backward", "recompute")}
         for bounds, n in self.documents():
@@ -162,8 +159,7 @@ class Tower:
                      for n in (v.block_params, v.params - v.depth * v.block_params))
 
     def fsdp(self) -> dict[str, int]:
-        """FSDP bytes per step: each block's unit gathered forward and backward and reduce-scattered; the root's
-        part gathered once (kept for backward) and reduce-scattered."""
+        """FSDP bytes per step: each block's unit gathered twice, the root's part once; each reduce-scattered once."""
         v, (block, rest) = self.vision, self._units()
         return {"fsdp_all_gather": 2 * v.depth * block["all_gather_forward"] + rest["all_gather_forward"],
                 "fsdp_reduce_scatter": v.depth * block["reduce_scatter_backward"] + rest["reduce_scatter_backward"]}
@@ -187,12 +183,10 @@ class Tower:
     def _comm_seconds(self, sent: RankTraffic, phase: str, hw: HardwareSpec) -> float:
         """One block's all-to-alls and ring hops in ``phase``, call by call."""
         g, seconds = self.group, 0.0
-        patterns = peer_patterns(hw, axis_groups(g, "ulysses"))
         for c in (c for c in sent.collectives if c.phase == phase):
             each = c.bytes_sent // c.calls
-            one = (ring_hop_seconds(each, hw, g) if c.kind == "p2p" else
-                   max(all_to_all_from_patterns(each, hw, patterns), uplink_seconds(each, hw, g, "ulysses")))
-            seconds += c.calls * one
+            seconds += c.calls * (ring_hop_seconds(each, hw, g) if c.kind == "p2p"
+                                  else axis_all_to_all_seconds([each], hw, g, "ulysses"))
         return seconds
 
     def seconds(self, hw: HardwareSpec) -> dict[str, float]:
@@ -203,7 +197,7 @@ class Tower:
         mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
         mm = 2 * n * (4 * v.hidden ** 2 + (3 if v.gated else 2) * v.hidden * v.intermediate) / mm_rate
         block, rest = self._units()
-        ag, rs = (gather_seconds(block[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        ag, rs = fsdp_seconds(block, hw, ranks)
         total = compute = serial = 0.0
         for bounds, count in self.documents():
             pairs = sum((b - a) ** 2 for a, b in zip(bounds, bounds[1:])) + (g.sp * n - bounds[-1]) ** 2  # + padding
@@ -218,18 +212,15 @@ class Tower:
         unit = v.hidden * v.merge ** 2
         mergers = (1 + len(v.deepstack)) * (unit * unit + unit * v.out_hidden) // v.merge ** 2  # per patch
         outside = 3 * 2 * n * (v.patch_features * v.hidden + mergers) / mm_rate  # forward, and backward 2x
-        patterns = peer_patterns(hw, axis_groups(g, "sequence"))
-        routes = [phase["vision_route"] for phase in self.traffic().values()]
-        exposed = sum(max(all_to_all_from_patterns(b, hw, patterns), uplink_seconds(b, hw, g, "sequence"))
-                      for b in routes)
-        exposed += sum(gather_seconds(rest[k], hw, ranks) for k in ("all_gather_forward", "reduce_scatter_backward"))
+        exposed = axis_all_to_all_seconds([phase["vision_route"] for phase in self.traffic().values()], hw, g,
+                                          "sequence")
+        exposed += sum(fsdp_seconds(rest, hw, ranks))
         return {"total": total + outside + exposed, "compute": compute + outside, "serial": serial + exposed}
 
 
 def tower_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
     """The step's peak with the tower: what it keeps added to every moment inside the decoder, and one moment more,
-    ``vision backward``: its peak and the decoder's outside tensors over the parameter state of the first decoder
-    layer's backward (a decoder layer gathered stands for the smaller tower blocks)."""
+    ``vision backward`` (docs/planner.md, "Vision towers")."""
     kept, peak = Tower(work, layout).memory()
     moments = [memory_at(work, layout, moment) for moment in MOMENTS]
     moments = [replace(b, activations=b.activations + kept) if b.moment in DURING_DECODER else b for b in moments]

@@ -19,11 +19,8 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 @dataclass(frozen=True)
 class Workload:
-    """One training step of ``model`` on sequences of ``seq_len`` tokens.
-
-    Each sequence-parallel group processes ``batch`` sequences per step (its micro-batch); with
-    ``dp_shard`` groups a step processes ``dp_shard * batch`` sequences.
-    """
+    """One training step of ``model`` on sequences of ``seq_len`` tokens: each sequence-parallel group processes
+    ``batch`` sequences (its micro-batch), so a step of ``dp_shard`` groups processes ``dp_shard * batch``."""
 
     model: ModelShape
     seq_len: int
@@ -77,8 +74,7 @@ class Workload:
 
 def layer_params(m: ModelShape) -> int:
     """Parameters of one transformer layer: q, k, v, o projections, gated MLP (or all its experts), RMSNorms."""
-    attn = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
-    return attn + m.mlp_params + m.norm_params
+    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + m.mlp_params + m.norm_params
 
 
 def layer_matmul_params(m: ModelShape) -> int:
@@ -88,31 +84,22 @@ def layer_matmul_params(m: ModelShape) -> int:
     return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + mlp
 
 
-def embedding_params(m: ModelShape) -> int:
-    return m.vocab * m.hidden
-
-
 def embedding_unit_params(m: ModelShape) -> int:
     """Parameters of the input embedding's own FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the embedding
     when it is not tied to the LM head, 0 when tied (a tied weight stays in the root unit)."""
-    return 0 if m.tie_embeddings else embedding_params(m)
+    return 0 if m.tie_embeddings else m.vocab * m.hidden
 
 
 def root_params(m: ModelShape) -> int:
-    """Parameters of seqmesh's root FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): everything outside the decoder
-    layers and the embedding's own unit, i.e. the final RMSNorm and the LM head; when the head is tied,
-    the embedding (= the head, counted once) and the final RMSNorm."""
+    """Parameters of seqmesh's root FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the final RMSNorm and the LM head
+    (when tied, the embedding: the same weight, counted once)."""
     return m.hidden + m.vocab * m.hidden
 
 
 def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Degrees]:
-    """The planner's ``(Workload, Degrees)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world``
-    ranks, so a prediction and a measured run compare like with like.
-
-    ``reserve_bytes`` defaults to 0: a tensor count (``seqmesh.memory.MemoryTracker``) does not see the
-    CUDA context. ``device="cpu"`` describes a CPU-only run, where host and device are one memory: FSDP2's
-    CPU offload then moves nothing, the activation offload's host copies are used in place (nothing is
-    fetched back), and AdamW takes its per-tensor path (torch uses ``foreach`` only on CUDA)."""
+    """The planner's ``(Workload, Degrees)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world`` ranks, so a
+    prediction and a measured run compare like with like; ``reserve_bytes`` 0 because a tensor count
+    (``seqmesh.memory.MemoryTracker``) does not see the CUDA context."""
     from ..model.presets import model_shape
 
     if not cfg.uses_fsdp(world, cuda=device == "cuda"):
@@ -124,13 +111,15 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
         raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
     shape = model_shape(cfg.model)
     ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)
+    # on the CPU host and device are one memory: FSDP2's CPU offload moves nothing, the activation offload's host
+    # copies are used in place (nothing fetched back), and AdamW takes its per-tensor path (foreach is CUDA's)
     on_cpu = device == "cpu"
     work = Workload(shape, cfg.seq_len, batch=cfg.batch, dtype="bf16" if cfg.bf16 else "fp32",
                     checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk,
                     layout=cfg.layout if cfg.layout != "auto" else ("per_document" if cfg.data else "zigzag"),
                     reserve_bytes=reserve_bytes, tiled_mlp=cfg.tiled_mlp, mlp_tiles=cfg.mlp_tiles,
-                    efficient_norm=cfg.efficient_norm,
-                    offload_checkpoints=cfg.offload_checkpoints, fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
+                    efficient_norm=cfg.efficient_norm, offload_checkpoints=cfg.offload_checkpoints,
+                    fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
     return work, Degrees(ulysses, ring, dp)
 
@@ -148,9 +137,7 @@ class GlobalBatch:
 
     def accumulation(self, layout: Degrees, micro_batch: int) -> int:
         """Micro-steps per optimizer step: ``sequences / (dp_shard x micro_batch)`` (1 without a target)."""
-        if self.sequences is None:
-            return 1
-        return self.sequences // (layout.dp_shard * micro_batch)
+        return 1 if self.sequences is None else self.sequences // (layout.dp_shard * micro_batch)
 
     def why_not(self, layout: Degrees, micro_batch: int) -> str | None:
         """Why ``layout`` cannot give this batch, or None when it can."""
