@@ -104,10 +104,13 @@ class LinkLevel:
 
     name: str
     group: int  # ranks in one aligned block joined by this level; 0 = every rank (the outermost level)
-    bandwidth: float  # achievable bytes/s one GPU sends on this level
+    bandwidth: float  # achievable bytes/s one GPU sends on this level (with shared_by > 1: one link carries)
     latency: float  # seconds of fixed cost per collective call (or per P2P hop) on this level
+    shared_by: int = 1  # aligned GPUs whose traffic on this level shares one link (a PCIe switch's uplink: its 4)
 
     def __post_init__(self) -> None:
+        if self.shared_by < 1:
+            raise ValueError(f"link {self.name!r}: shared_by {self.shared_by} must be >= 1 (1: a link per GPU).")
         if self.group < 0:
             raise ValueError(f"link {self.name!r}: group {self.group} must be >= 1, or 0 for 'all ranks'.")
         if self.bandwidth <= 0 or self.latency < 0:
@@ -243,7 +246,8 @@ PRESETS: dict[str, HardwareSpec] = {h.name: h for h in (
                         "one 200 Gb/s HDR NIC per GPU"),
     HardwareSpec("l20-pcie", int(45.0 * GiB), 119.5e12,
                  (LinkLevel("pcie-switch", 4, 24 * GB, 10e-6),  # PCIe 4.0 x16: 32 GB/s per direction
-                  LinkLevel("pcie-host", 8, 12 * GB, 15e-6),  # across switches through the CPU root complex
+                  # across switches through the CPU root complex: a switch's 4 GPUs share its one uplink
+                  LinkLevel("pcie-host", 8, 12 * GB, 15e-6, shared_by=4),
                   LinkLevel("ethernet", 0, 12 * GB, 25e-6)),  # one GPU to the node's NIC, through the host bridge
                  memory_bandwidth=0.7e12, peak_flops_fp32=59.4e12,  # GDDR6 864 GB/s
                  fabric=_ROCE_NODE_FABRIC,

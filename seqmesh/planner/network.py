@@ -215,18 +215,54 @@ def uplink_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees, kind: str) ->
     return hw.links[-1].latency + nbytes * load / hw.fabric.node_bandwidth if load else 0.0
 
 
+def shared_links_load(hw: HardwareSpec, groups: Sequence[Sequence[int]], ring: bool = False) -> dict[int, float]:
+    """Per link level shared by several GPUs (``LinkLevel.shared_by``): the busiest shared link's load, in
+    multiples of the bytes one rank sends, when every group of ``groups`` runs at once. An all-to-all rank
+    sends ``1 / (n - 1)`` of its bytes to each of its group's other ranks; a ring rank sends all of them to the
+    next rank of its group. What crosses the level from a block of ``shared_by`` GPUs goes through its one
+    link. Blocks of the first node stand for every node (they are alike)."""
+    loads: dict[int, float] = {}
+    first = hw.gpus_per_node
+    for i, lv in enumerate(hw.links):
+        if lv.shared_by <= 1:
+            continue
+        load: Counter = Counter()
+        for ranks in groups:
+            n = len(ranks)
+            if n < 2 or min(ranks) >= first:
+                continue
+            for k, r in enumerate(ranks):
+                if r >= first:
+                    continue
+                peers = [ranks[(k + 1) % n]] if ring else [p for p in ranks if p != r]
+                share = 1.0 if ring else 1.0 / (n - 1)
+                load[r // lv.shared_by] += share * sum(hw.level_of_pair(r, p) == i for p in peers)
+        if load and max(load.values()) > 0:
+            loads[i] = max(load.values())
+    return loads
+
+
+def shared_links_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]], ring: bool = False) -> float:
+    """The slowest shared link's time for ``nbytes`` per rank (:func:`shared_links_load`); 0 without one."""
+    loads = shared_links_load(hw, tuple(tuple(g) for g in groups), ring) if nbytes else {}
+    return max((hw.links[i].latency + nbytes * load / hw.links[i].bandwidth for i, load in loads.items() if load),
+               default=0.0)
+
+
 def axis_all_to_all_seconds(calls: Iterable[int], hw: HardwareSpec, layout: Degrees, kind: str) -> float:
     """All-to-alls of ``calls`` bytes per rank, one after another, run by every ``kind`` group of ``layout`` at once:
-    each takes the longer of its levels and the busiest node's uplinks."""
+    each takes the longest of its levels, the busiest shared link within a node and the busiest node's uplinks."""
     patterns = peer_patterns(hw, axis_groups(layout, kind))
-    return sum(max(all_to_all_from_patterns(n, hw, patterns), uplink_seconds(n, hw, layout, kind)) for n in calls)
+    groups = every_group(layout, kind)
+    return sum(max(all_to_all_from_patterns(n, hw, patterns), shared_links_seconds(n, hw, groups),
+                   uplink_seconds(n, hw, layout, kind)) for n in calls)
 
 
 def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequence[Sequence[int]]) -> float:
     """All-to-alls of ``nbytes`` per rank over every group of ``groups`` at once: the slowest rank's levels or the
     busiest node's uplinks, whichever is longer."""
     sample = [list(g) for g in groups][:: max(1, len(groups) // MAX_GROUPS_CHECKED)]
-    levels = all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample))
+    levels = max(all_to_all_from_patterns(nbytes, hw, peer_patterns(hw, sample)), shared_links_seconds(nbytes, hw, groups))
     if hw.fabric is None or not nbytes:
         return levels
     shared = nbytes * all_to_all_load(groups, hw.fabric, hw.gpus_per_node) / hw.fabric.node_bandwidth
@@ -259,7 +295,8 @@ def ring_hop_seconds(nbytes: int, hw: HardwareSpec, layout: Degrees) -> float:
         for i, a in enumerate(g):
             lv = hw.links[hw.level_of_pair(a, g[(i + 1) % len(g)])]
             worst = max(worst, lv.latency + nbytes / lv.bandwidth)
-    return max(worst, uplink_seconds(nbytes, hw, layout, "ring"))
+    shared = shared_links_seconds(nbytes, hw, every_group(layout, "ring"), ring=True)
+    return max(worst, shared, uplink_seconds(nbytes, hw, layout, "ring"))
 
 
 def link_name(hw: HardwareSpec, groups: list[list[int]]) -> str:
