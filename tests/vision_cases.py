@@ -322,6 +322,13 @@ def refusals(ulysses: int, ring: int) -> dict:
     catch("placeholders", lambda: seqmesh.shard_batch(short, mesh, model=sp))
     text = seqmesh.sequence.batch.shard_batch({"input_ids": batch["input_ids"]}, mesh)
     catch("text_batch", lambda: sp(**text))
+    media = {k: v for k, v in batch.items() if k not in ("input_ids", "mm_token_type_ids")}
+    for family in ("qwen2_5_vl", "qwen3_vl", "llava"):  # the model's own forward given the whole images
+        model = parallelize(build(vision_config(family)), mesh)
+        pixels = media if family != "llava" else vision_batch("llava")
+        pixels = {k: v for k, v in pixels.items() if k not in ("input_ids", "mm_token_type_ids")}
+        catch(f"whole_tower_{family}", lambda: model(input_ids=text["input_ids"], position_ids=text["position_ids"],
+                                                     seqmesh=text["seqmesh"], **pixels))
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels import kernel_chooser
 from ..kernels.base import BlockMask
-from .common import add_attention_args, check_meshes, parse_mesh, side_by_side, sync
+from .common import add_attention_args, check_meshes, factorisations, parse_mesh, side_by_side, sync
 
 
 @dataclass
@@ -41,9 +41,7 @@ class AttentionBench:
     meshes: list[tuple[int, int]] = field(default_factory=list)  # (ulysses, ring); empty: all factorisations
 
     def factorisations(self) -> list[tuple[int, int]]:
-        if self.meshes:
-            return list(self.meshes)
-        return [(u, self.world // u) for u in range(self.world, 0, -1) if self.world % u == 0 and u <= self.q_heads]
+        return factorisations(self.world, self.meshes, self.q_heads)
 
 
 def inputs(cfg: AttentionBench, device: torch.device):

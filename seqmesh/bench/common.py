@@ -34,6 +34,14 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return u, r
 
 
+def factorisations(world: int, meshes: list[tuple[int, int]], max_ulysses: int | None = None) -> list[tuple[int, int]]:
+    """``meshes`` when given, else every ``(ulysses, ring)`` with ``ulysses x ring = world``, the most
+    Ulysses first (at most ``max_ulysses``: the heads it deals)."""
+    if meshes:
+        return list(meshes)
+    return [(u, world // u) for u in range(world, 0, -1) if world % u == 0 and u <= (max_ulysses or world)]
+
+
 def check_meshes(meshes: list[tuple[int, int]], world: int) -> None:
     for u, r in meshes:
         if u * r != world:

@@ -19,7 +19,7 @@ import torch
 
 from ..linear_attention.gated_delta import segment_bounds
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
-from .common import check_meshes, parse_mesh, side_by_side
+from .common import check_meshes, factorisations, parse_mesh, side_by_side
 
 
 @dataclass
@@ -41,9 +41,7 @@ class LinearBench:
     meshes: list[tuple[int, int]] = field(default_factory=list)  # (ulysses, ring); empty: all factorisations
 
     def factorisations(self) -> list[tuple[int, int]]:
-        if self.meshes:
-            return list(self.meshes)
-        return [(u, self.world // u) for u in range(self.world, 0, -1) if self.world % u == 0]
+        return factorisations(self.world, self.meshes)
 
     def heads(self, ranks: int) -> LinearHeads:
         return LinearHeads(self.key_heads, self.value_heads, self.key_dim, self.value_dim, ranks)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import check_meshes, parse_mesh
+from .common import check_meshes, factorisations, parse_mesh
 
 
 @dataclass
@@ -34,9 +34,7 @@ class VisionBench:
     meshes: list[tuple[int, int]] = field(default_factory=list)  # (ulysses, ring); empty: all factorisations
 
     def factorisations(self) -> list[tuple[int, int]]:
-        if self.meshes:
-            return list(self.meshes)
-        return [(u, self.world // u) for u in range(self.world, 0, -1) if self.world % u == 0]
+        return factorisations(self.world, self.meshes)
 
     def batch(self, config) -> dict:
         """Text, then each image's placeholders between its start and end tokens; random pixels."""

@@ -119,6 +119,24 @@ def _hook_calls(model: nn.Module) -> list:
     return [m.register_forward_pre_hook(_without_cache, with_kwargs=True) for m in called if _takes_use_cache(m)]
 
 
+def _tower_called_whole(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a parallelized model's vision tower: its blocks attend over the sequence group,
+    so the tower runs only through ``seqmesh.vision`` (each rank on its share of the patches, from
+    ``shard_batch(batch, mesh, model=...)``), never on a whole image list inside the model's own forward,
+    where its attention would be given the text's sequence and compute something else."""
+    raise ValueError(f"{type(module).__name__} is the vision tower of a model parallelized by seqmesh and runs on "
+                     "each rank's share of the patches only: call the model through seqmesh.compose.parallelize_model "
+                     "with seqmesh.shard_batch(batch, mesh, model=model), not with pixel_values directly (or "
+                     "seqmesh.hf.unparallelize(model) first).")
+
+
+def _hook_tower(model: nn.Module) -> list:
+    """:func:`_tower_called_whole` on a vision-language model's tower; the hook's handle (none for a text model)."""
+    if not is_multimodal(model.config):
+        return []
+    return [vision_family(model.config).tower(model).register_forward_pre_hook(_tower_called_whole, with_kwargs=True)]
+
+
 def _takes_use_cache(module: nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters
     return "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
@@ -163,7 +181,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     previous = config._attn_implementation
     model.set_attn_implementation(name)
     linear_attention.install(model, mesh, linear_layers)
-    setattr(model, _ATTR, (name, previous, _hook_calls(model)))
+    setattr(model, _ATTR, (name, previous, _hook_calls(model) + _hook_tower(model)))
     return model
 
 

@@ -7,7 +7,11 @@ from vision_cases import refusals
 
 def test_refusals_name_the_problem_and_the_way_out(pools):
     for out in pools.run(2, refusals, 2, 1):
-        assert sorted(out) == ["gemma3", "llava_onevision", "no_model", "placeholders", "text_batch", "tower_heads"], out
+        towers = [f"whole_tower_{f}" for f in ("llava", "qwen2_5_vl", "qwen3_vl")]
+        assert sorted(out) == ["gemma3", "llava_onevision", "no_model", "placeholders", "text_batch", "tower_heads",
+                               *towers], out
+        # the model's own forward given the whole images: its tower's attention would see the text's sequence
+        assert all("runs on each rank's share of the patches" in out[t] for t in towers), out
         assert "bidirectionally" in out["gemma3"] and "qwen2_5_vl" in out["gemma3"], out["gemma3"]
         assert "LLaVA-OneVision" in out["llava_onevision"], out["llava_onevision"]
         assert "vision tower has 1 query heads" in out["tower_heads"] and "ulysses=1 x ring=2" in out["tower_heads"]
