@@ -9,8 +9,10 @@ model, in this order (each step sees the model the previous one left):
                               sequence shards, the mean of every valid target of the whole batch
     3. memory techniques      activation checkpointing, tiled MLP, the lean RMSNorm: each replaces a
                               layer's forward, so they come after the layers are final
-    4. (tensor parallelism)   the innermost mesh axis, inside Ulysses: it shards the linear layers and
-                              must run before FSDP2 flattens them
+    4. tensor parallelism     the innermost mesh axis (``mesh.tp``), inside Ulysses: DTensor shards the
+                              projections, the embedding and the LM head, with sequence-parallel norms
+                              between them (``seqmesh.tensor_parallel``); before FSDP2, which shards the
+                              DTensor weights further (2-D FSDP x TP)
     5. (torch.compile)        per decoder layer, once no later step changes what a layer runs
     6. FSDP2                  over dp_shard x ring x ulysses (every rank of a replica), last: it wraps
                               what the steps above produced
@@ -32,6 +34,7 @@ from .memory.tiled_mlp import enable_tiled_mlp
 from .mesh import SPMesh
 from .model.fsdp import apply_fsdp, enable_checkpointing
 from .model.lm import SequenceParallelLM
+from .tensor_parallel.plan import apply_tensor_parallel, check_tensor_parallel
 from .vision.families import is_multimodal
 from .vision.tower import VisionLanguageLM
 
@@ -75,6 +78,12 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     ``seqmesh.shard_batch(batch, mesh, model=...)`` is the batch's exact loss."""
     if wrapper is None:
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
+    if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers do not yet run on DTensors
+        check_tensor_parallel(model, mesh)
+        if plan.tiled_mlp or plan.efficient_norm:
+            which = "tiled_mlp" if plan.tiled_mlp else "efficient_norm"
+            raise ValueError(f"{which} replaces layers that tensor parallelism (tp={mesh.tp}) shards; turn it off with "
+                             "tp > 1 (TP already keeps the MLP's and the norms' activations 1/tp per rank).")
     lm = parallelize(model, mesh, backend=plan.backend)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:
@@ -83,6 +92,7 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
         enable_tiled_mlp(lm, plan.mlp_tiles)
     if plan.efficient_norm and enable_efficient_norm(lm) == 0:
         raise ValueError(f"efficient_norm: {type(lm).__name__} has no Llama-style RMSNorm to replace; turn it off.")
+    apply_tensor_parallel(lm, mesh)
     if plan.fsdp:
         apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload)
     return module

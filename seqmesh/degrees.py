@@ -22,14 +22,25 @@ def workable_degrees(q_heads: int, sp: int) -> list[tuple[int, int]]:
 
 def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "auto", dp: Degree = "auto",
                     dp_replicate: int = 1, q_heads: int | None = None, ranks_per_node: int | None = None,
-                    seq_len: int | None = None) -> tuple[int, int, int]:
+                    seq_len: int | None = None, tp: int = 1) -> tuple[int, int, int]:
     """``(ulysses, ring, dp_shard)`` for ``world`` ranks, ``dp_replicate`` replicas of ``dp_shard x ring x
-    ulysses``; raises a ValueError that names the degrees that would work.
+    ulysses x tp``; raises a ValueError that names the degrees that would work.
+
+    ``tp`` (tensor parallelism, innermost) is taken first: the other degrees share ``world / tp`` ranks,
+    a node holds ``ranks_per_node / tp`` Ulysses ranks, and each Ulysses group deals ``q_heads / tp`` heads.
 
     ``auto``: with both sequence degrees given, data parallelism takes the ranks left; otherwise dp is 1
     unless given, and Ulysses fills a node (``ranks_per_node``, default the world) up to the query heads
     while the ring takes the rest. ``q_heads`` and ``seq_len``, when given, are checked: at least one
     query head and one token per rank of the sequence group."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}: the tensor-parallel degree is a positive number of ranks (1: none).")
+    if world % (tp * dp_replicate):
+        raise ValueError(f"tp={tp} x dp_replicate={dp_replicate} does not divide the {world} ranks; choose a tp that "
+                         f"divides {world // dp_replicate if world % dp_replicate == 0 else world}.")
+    world //= tp
+    q_heads = q_heads // tp if q_heads is not None else None
+    ranks_per_node = max(ranks_per_node // tp, 1) if ranks_per_node is not None else None
     per_replica, rem = divmod(world, dp_replicate)
     if rem:
         raise ValueError(f"dp_replicate={dp_replicate} does not divide the {world} ranks.")

@@ -1,15 +1,18 @@
-"""The process mesh: data-parallel replicate x data-parallel shard x ring x Ulysses.
+"""The process mesh: data-parallel replicate x data-parallel shard x ring x Ulysses x tensor-parallel.
 
-Ranks are laid out with Ulysses innermost (adjacent ranks, the fastest links), then ring, then the
-data-parallel axes, so that for world rank ``w``::
+Ranks are laid out with tensor parallelism innermost (adjacent ranks, the fastest links: it talks at
+every linear layer), then Ulysses, then ring, then the data-parallel axes, so that for world rank ``w``::
 
-    ulysses_rank = w % ulysses
-    ring_rank    = (w // ulysses) % ring
-    dp_shard     = (w // (ulysses * ring)) % dp_shard
-    dp_replicate = w // (ulysses * ring * dp_shard)
+    tp_rank      = w % tp
+    ulysses_rank = (w // tp) % ulysses
+    ring_rank    = (w // (tp * ulysses)) % ring
+    dp_shard     = (w // (tp * ulysses * ring)) % dp_shard
+    dp_replicate = w // (tp * ulysses * ring * dp_shard)
 
 The sequence-parallel group is ring x Ulysses flattened, ring-major: sequence shard index
-``ring_rank * ulysses + ulysses_rank``. Nothing here is global: an SPMesh is passed to every call.
+``ring_rank * ulysses + ulysses_rank``. The ``tp`` ranks of one sequence shard hold the same tokens
+(and, between the tensor-parallel regions, a 1/tp slice of them each). Nothing here is global: an
+SPMesh is passed to every call.
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ class MeshAxis(str, enum.Enum):
     DP_SHARD = "dp_shard"
     RING = "ring"
     ULYSSES = "ulysses"
+    TP = "tp"
 
 
-AXES: tuple[MeshAxis, ...] = (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.RING, MeshAxis.ULYSSES)
+AXES: tuple[MeshAxis, ...] = (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.RING, MeshAxis.ULYSSES, MeshAxis.TP)
 SP_AXIS_NAME = "sp"  # ring x ulysses flattened
 DP_AXIS_NAME = "dp"  # dp_replicate x dp_shard flattened
 FSDP_AXIS_NAME = "dp_shard_sp"  # dp_shard x ring x ulysses flattened: what FSDP2 shards over
 ALL_AXIS_NAME = "all"  # every axis flattened
+BATCH_AXIS_NAME = "batch"  # every axis but tp flattened: the ranks that hold different tokens
 
 
 @dataclass(frozen=True)
 class SPMesh:
-    """A 4-D device mesh ``(dp_replicate, dp_shard, ring, ulysses)`` with its process groups.
+    """A 5-D device mesh ``(dp_replicate, dp_shard, ring, ulysses, tp)`` with its process groups.
 
     Build it with :func:`init_mesh` or :func:`mesh_from_device_mesh`. Attributes:
 
@@ -51,8 +56,11 @@ class SPMesh:
     - ``fsdp_mesh``: what FSDP2 shards over: 1-D over dp_shard x ring x ulysses (the sequence ranks
       hold different tokens of the same samples, so they share the weight shards too), or 2-D
       ``(dp_replicate, dp_shard_sp)`` for HSDP when ``dp_replicate > 1``.
-    - ``all_mesh``: every rank of the mesh as a 1-D mesh (losses pooled over the whole batch).
-    - ``ulysses``, ``ring``, ``dp_shard``, ``dp_replicate``: the degree of each axis.
+    - ``all_mesh``: every rank of the mesh as a 1-D mesh.
+    - ``batch_mesh``: every rank but the tensor-parallel axis, 1-D: the ranks that hold different tokens
+      (losses and token counts pooled over the whole batch); ``all_mesh`` itself when ``tp == 1``.
+    - ``tp_mesh``: this rank's tensor-parallel group as a 1-D mesh (what DTensor shards weights over).
+    - ``ulysses``, ``ring``, ``dp_shard``, ``dp_replicate``, ``tp``: the degree of each axis.
     """
 
     device_mesh: DeviceMesh
@@ -60,10 +68,13 @@ class SPMesh:
     dp_mesh: DeviceMesh  # 1-D: dp_replicate x dp_shard
     fsdp_mesh: DeviceMesh  # 1-D dp_shard x ring x ulysses, or 2-D (dp_replicate, that)
     all_mesh: DeviceMesh  # 1-D: every rank of the mesh
+    batch_mesh: DeviceMesh  # 1-D: every rank but the tp axis
+    tp_mesh: DeviceMesh | None  # 1-D: the tensor-parallel group (None for a 4-D DeviceMesh without one)
     ulysses: int
     ring: int
     dp_shard: int
     dp_replicate: int
+    tp: int = 1
     # Attention calls this mesh's sequence group has already agreed on (see seqmesh.attention's
     # ``validate``): signatures, most recent last, at most VALIDATED_CALLS of them.
     validated_calls: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
@@ -94,8 +105,18 @@ class SPMesh:
 
     @property
     def all_group(self) -> dist.ProcessGroup:
-        """Every rank of the mesh: data-parallel and sequence-parallel ranks together."""
+        """Every rank of the mesh: data-parallel, sequence-parallel and tensor-parallel ranks together."""
         return self.all_mesh.get_group()
+
+    @property
+    def batch_group(self) -> dist.ProcessGroup:
+        """The ranks that hold different tokens (all but the tensor-parallel axis): what a loss, a token count
+        or a gradient of replicated weights is summed over."""
+        return self.batch_mesh.get_group()
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp_mesh is None else self.tp_mesh.get_local_rank()
 
     # -- coordinates ------------------------------------------------------------------------------
     @property
@@ -131,7 +152,7 @@ class SPMesh:
     def __repr__(self) -> str:
         return (
             f"SPMesh(ulysses={self.ulysses}, ring={self.ring}, dp_shard={self.dp_shard}, "
-            f"dp_replicate={self.dp_replicate}, device_type={self.device_type!r})"
+            f"dp_replicate={self.dp_replicate}, tp={self.tp}, device_type={self.device_type!r})"
         )
 
 
@@ -140,8 +161,8 @@ def _default_device_type() -> str:
     return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
 
 
-def _check_degrees(ulysses: int, ring: int, dp_shard: int, dp_replicate: int) -> None:
-    for name, value in (("ulysses", ulysses), ("ring", ring), ("dp_shard", dp_shard), ("dp_replicate", dp_replicate)):
+def _check_degrees(**degrees: int) -> None:
+    for name, value in degrees.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
@@ -152,31 +173,33 @@ def init_mesh(
     *,
     dp_shard: int = 1,
     dp_replicate: int = 1,
+    tp: int = 1,
     device_type: str | None = None,
 ) -> SPMesh:
-    """Build the ``(dp_replicate, dp_shard, ring, ulysses)`` mesh over the default process group.
+    """Build the ``(dp_replicate, dp_shard, ring, ulysses, tp)`` mesh over the default process group.
 
     ``torch.distributed`` must already be initialised (torchrun + ``init_process_group``). The
     product of the degrees must equal the world size. ``device_type`` defaults to ``"cuda"`` on an
     NCCL group and ``"cpu"`` otherwise.
     """
-    _check_degrees(ulysses, ring, dp_shard, dp_replicate)
+    _check_degrees(ulysses=ulysses, ring=ring, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp)
     if not dist.is_initialized():
         raise ValueError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group() first "
             "(torchrun sets the environment for it), or use seqmesh.comm.launch.spawn() for local processes."
         )
     world = dist.get_world_size()
-    product = ulysses * ring * dp_shard * dp_replicate
+    product = ulysses * ring * dp_shard * dp_replicate * tp
     if product != world:
+        inner = ulysses * ring * tp
         raise ValueError(
-            f"mesh ulysses={ulysses} x ring={ring} x dp_shard={dp_shard} x dp_replicate={dp_replicate} "
+            f"mesh ulysses={ulysses} x ring={ring} x tp={tp} x dp_shard={dp_shard} x dp_replicate={dp_replicate} "
             f"= {product} ranks, but the world has {world}. Choose degrees whose product is {world}"
-            + (f", e.g. dp_shard={world // (ulysses * ring)}." if world % (ulysses * ring) == 0 else ".")
+            + (f", e.g. dp_shard={world // inner}." if world % inner == 0 else ".")
         )
     device_type = device_type or _default_device_type()
     device_mesh = init_device_mesh(
-        device_type, (dp_replicate, dp_shard, ring, ulysses), mesh_dim_names=tuple(a.value for a in AXES)
+        device_type, (dp_replicate, dp_shard, ring, ulysses, tp), mesh_dim_names=tuple(a.value for a in AXES)
     )
     return mesh_from_device_mesh(device_mesh)
 
@@ -201,20 +224,22 @@ def _hsdp_mesh(device_mesh: DeviceMesh, shard_sp: DeviceMesh) -> DeviceMesh:
 
 
 def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
-    """Wrap an existing 4-D DeviceMesh whose axes are named by :class:`MeshAxis` (outermost first).
+    """Wrap an existing 5-D DeviceMesh whose axes are named by :class:`MeshAxis` (outermost first), or a 4-D
+    one without the ``tp`` axis (no tensor parallelism: the mesh seqmesh built before it had one).
 
-    Missing axes are not allowed: give size-1 axes for degrees you do not use. The flattened
-    sequence, data and FSDP sub-meshes are created here (once per mesh).
+    Other missing axes are not allowed: give size-1 axes for degrees you do not use. The flattened
+    sequence, data, batch and FSDP sub-meshes are created here (once per mesh).
     """
     names = tuple(device_mesh.mesh_dim_names or ())
     expected = tuple(a.value for a in AXES)
-    if names != expected:
+    if names not in (expected, expected[:-1]):
         raise ValueError(
-            f"the DeviceMesh has axes {names}; seqmesh needs exactly {expected} (outermost first). "
-            "Build it with init_device_mesh(device, (dp_replicate, dp_shard, ring, ulysses), "
+            f"the DeviceMesh has axes {names}; seqmesh needs exactly {expected} (outermost first), or the first four "
+            "of them. Build it with init_device_mesh(device, (dp_replicate, dp_shard, ring, ulysses, tp), "
             f"mesh_dim_names={expected}) or use seqmesh.init_mesh()."
         )
-    dp_replicate, dp_shard, ring, ulysses = (int(s) for s in device_mesh.shape)
+    dp_replicate, dp_shard, ring, ulysses = (int(s) for s in device_mesh.shape[:4])
+    tp = int(device_mesh.shape[4]) if len(names) == 5 else 1
     sp_mesh = device_mesh[(MeshAxis.RING.value, MeshAxis.ULYSSES.value)]._flatten(SP_AXIS_NAME)
     dp_mesh = device_mesh[(MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)]._flatten(DP_AXIS_NAME)
     shard_sp = device_mesh[(MeshAxis.DP_SHARD.value, MeshAxis.RING.value, MeshAxis.ULYSSES.value)]._flatten(FSDP_AXIS_NAME)
@@ -223,4 +248,10 @@ def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
     else:  # HSDP: replicate across dp_replicate, shard across everything inside it
         fsdp_mesh = _hsdp_mesh(device_mesh, shard_sp)
     all_mesh = device_mesh._flatten(ALL_AXIS_NAME)
-    return SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, all_mesh, ulysses, ring, dp_shard, dp_replicate)
+    if tp == 1:
+        batch_mesh = all_mesh
+    else:
+        batch_mesh = device_mesh[tuple(a.value for a in AXES[:4])]._flatten(BATCH_AXIS_NAME)
+    tp_mesh = device_mesh[MeshAxis.TP.value] if len(names) == 5 else None  # a 4-D mesh has no tp axis
+    return SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, all_mesh, batch_mesh, tp_mesh, ulysses, ring, dp_shard,
+                  dp_replicate, tp)

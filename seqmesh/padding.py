@@ -15,9 +15,10 @@ def padding_multiple(layout: str, ring: int, ulysses: int) -> int:
     return ring * ulysses
 
 
-def padded_length(seq_len: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
-    """``seq_len`` rounded up to the next multiple of :func:`padding_multiple`."""
+def padded_length(seq_len: int, ulysses: int, ring: int, layout: str = "zigzag", tp: int = 1) -> int:
+    """``seq_len`` rounded up to the next multiple of :func:`padding_multiple`, times ``tp``: with tensor
+    parallelism each rank's share is cut into ``tp`` equal slices between the tensor-parallel regions."""
     if seq_len < 1:
         raise ValueError(f"sequence length must be at least 1, got {seq_len}.")
-    multiple = padding_multiple(layout, ring, ulysses)
+    multiple = padding_multiple(layout, ring, ulysses) * tp
     return -(-seq_len // multiple) * multiple

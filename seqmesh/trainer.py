@@ -1,9 +1,11 @@
 """The Hugging Face ``Trainer`` with seqmesh sequence parallelism: switch the class, give the degrees.
 
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows, seqmesh_degrees=(2, 2))
+    trainer = SequenceParallelTrainer(..., seqmesh_degrees=(2, 1, 2))   # ulysses, ring, tensor-parallel
     class MySFTTrainer(SequenceParallelTrainerMixin, SFTTrainer): ...  # any Trainer subclass
 
-Launched with ``torchrun``, the world is ``dp x ring x ulysses`` (``dp = world / (ulysses * ring)``).
+Launched with ``torchrun``, the world is ``dp x ring x ulysses x tp`` (``dp = world / (ulysses * ring * tp)``;
+``tp`` is 1 unless ``seqmesh_degrees`` names a third degree).
 Trainer keeps its optimizer, scheduler, callbacks, logging and checkpoint layout; the mixin changes:
 
 - data: the sampler is accelerate's own, sharded over the data-parallel ranks (``mesh.dp_size``,
@@ -77,18 +79,20 @@ class TrainerVisionLM(NoSync, VisionLanguageLM):
 class SequenceParallelTrainerMixin:
     """Put before ``Trainer`` (or a subclass such as TRL's ``SFTTrainer``) in the bases.
 
-    Extra keyword arguments: ``seqmesh_degrees=(ulysses, ring)`` (the data-parallel degree is what
-    remains of the world) or ``seqmesh_mesh`` (an :class:`~seqmesh.mesh.SPMesh`); ``seqmesh_chunk``:
+    Extra keyword arguments: ``seqmesh_degrees=(ulysses, ring)`` or ``(ulysses, ring, tp)`` (the
+    data-parallel degree is what remains of the world) or ``seqmesh_mesh`` (an :class:`~seqmesh.mesh.SPMesh`); ``seqmesh_chunk``:
     tokens whose logits exist at once in the loss.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the optimizer step's targets itself
 
-    def __init__(self, *args: Any, seqmesh_degrees: tuple[int, int] | None = None, seqmesh_mesh: SPMesh | None = None,
+    def __init__(self, *args: Any, seqmesh_degrees: tuple[int, ...] | None = None, seqmesh_mesh: SPMesh | None = None,
                  seqmesh_chunk: int = 4096, **kwargs: Any):
         if (seqmesh_degrees is None) == (seqmesh_mesh is None):
-            raise ValueError("give the sequence-parallel degrees as seqmesh_degrees=(ulysses, ring), or a mesh as "
+            raise ValueError("give the degrees as seqmesh_degrees=(ulysses, ring) or (ulysses, ring, tp), or a mesh as "
                              "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
+        if seqmesh_degrees is not None and len(seqmesh_degrees) not in (2, 3):
+            raise ValueError(f"seqmesh_degrees={seqmesh_degrees!r}: give (ulysses, ring) or (ulysses, ring, tp).")
         require("transformers", "seqmesh's Trainer")
         if kwargs.get("model_init") is not None:
             raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
@@ -165,7 +169,7 @@ class SequenceParallelTrainerMixin:
         local = [float((shard_batch(b, mesh, model=self.seqmesh_model)["shift_labels"] != IGNORE_INDEX).sum())
                  for b in batch_samples]
         counts = torch.tensor(local, dtype=torch.float64, device=mesh.collective_device())
-        dist.all_reduce(counts, group=mesh.all_group)  # sequence shards partition a batch: each counted once
+        dist.all_reduce(counts, group=mesh.batch_group)  # sequence shards partition a batch: each counted once
         self._targets_per_micro_batch = deque(counts.tolist())
         return counts.sum().to(device)
 
@@ -257,10 +261,11 @@ class SequenceParallelTrainerMixin:
         copy_pretrained(getattr(self.model, "lm", self.model), resume_from_checkpoint)
 
 
-def mesh_for_world(ulysses: int, ring: int) -> SPMesh:
-    """``ulysses x ring`` sequence parallelism, data parallelism (FSDP) over the rest of the world."""
-    ulysses, ring, dp = resolve_degrees(dist.get_world_size(), ulysses=ulysses, ring=ring)
-    return init_mesh(ulysses, ring, dp_shard=dp)
+def mesh_for_world(ulysses: int, ring: int, tp: int = 1) -> SPMesh:
+    """``ulysses x ring`` sequence parallelism with ``tp``-way tensor parallelism inside, data parallelism (FSDP)
+    over the rest of the world."""
+    ulysses, ring, dp = resolve_degrees(dist.get_world_size(), ulysses=ulysses, ring=ring, tp=tp)
+    return init_mesh(ulysses, ring, dp_shard=dp, tp=tp)
 
 
 def _share_of_step(micro_batch_targets: float, step_targets: float) -> float:

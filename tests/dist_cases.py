@@ -13,11 +13,11 @@ from reference import reference_attention
 _MESHES: dict[tuple[int, int, int, int], seqmesh.SPMesh] = {}
 
 
-def get_mesh(ulysses: int, ring: int, dp_shard: int = 1, dp_replicate: int = 1) -> seqmesh.SPMesh:
+def get_mesh(ulysses: int, ring: int, dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1) -> seqmesh.SPMesh:
     """One mesh per shape per process: building a mesh creates process groups, which is collective."""
-    key = (ulysses, ring, dp_shard, dp_replicate)
+    key = (ulysses, ring, dp_shard, dp_replicate, tp)
     if key not in _MESHES:
-        _MESHES[key] = seqmesh.init_mesh(ulysses, ring, dp_shard=dp_shard, dp_replicate=dp_replicate)
+        _MESHES[key] = seqmesh.init_mesh(ulysses, ring, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp)
     return _MESHES[key]
 
 

@@ -42,6 +42,8 @@ def family_config(family: str):
                                num_experts_per_tok=2)
     if family == "llama":
         return tf.LlamaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8)
+    if family == "qwen3":  # per-head q/k norms; tied embeddings
+        return tf.Qwen3Config(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     if family == "qwen3_5":  # a Gated DeltaNet layer, then full attention
         return tf.Qwen3_5TextConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8,
                                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,

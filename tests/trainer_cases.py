@@ -103,7 +103,7 @@ def torchrun_environment():
 
 
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
-                      train_rows: list | None = None, **extra) -> dict:
+                      train_rows: list | None = None, tp: int = 1, **extra) -> dict:
     """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
     from seqmesh.trainer import SequenceParallelTrainer
 
@@ -111,7 +111,7 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
         trainer = SequenceParallelTrainer(
             model=tiny_model(), args=training_args(output_dir, batch, accumulation, **extra),
             train_dataset=train_rows or TRAIN_ROWS,
-            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring),
+            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp),
         )
         trainer.train()
         result = curves(trainer)

@@ -31,7 +31,8 @@ _ATTR = "_seqmesh_attention"
 
 
 def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh, what: str = "the model") -> None:
-    """Raise a ValueError that lists the degrees that would work if the model's heads cannot be split."""
+    """Raise a ValueError that lists the degrees that would work if the model's heads cannot be split.
+    ``q_heads``: the heads each Ulysses group deals (a tensor-parallel rank's share, under TP)."""
     if mesh.ulysses <= q_heads:
         return
     options = ", ".join(f"ulysses={u} x ring={r}" for u, r in workable_degrees(q_heads, mesh.sp_size))
@@ -80,6 +81,8 @@ def _make_attention(mesh: SPMesh, backend: str):
         refuse_unsupported(module, kwargs, causal)
         first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
         sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per query head, in the denominator only
+        if sinks is not None and hasattr(sinks, "to_local"):  # tensor parallelism: this rank's heads' sinks
+            sinks = sinks.to_local()
         out = attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
             causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
@@ -166,7 +169,11 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     text = config.get_text_config()  # the config itself for a text model; the decoder's for a multimodal one
     q_heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
-    check_heads(q_heads, kv_heads, mesh)
+    tp = getattr(mesh, "tp", 1)
+    if tp > 1:  # each tensor-parallel rank keeps heads / tp of them (seqmesh.tensor_parallel checks the division)
+        check_heads(q_heads // tp, max(kv_heads // tp, 1), mesh, f"each of the tp={tp} tensor-parallel ranks")
+    else:
+        check_heads(q_heads, kv_heads, mesh)
     if is_multimodal(config):  # the vision tower runs sequence-parallel too: its heads are dealt by Ulysses
         vision_family(config).check(config)  # a family or setting seqmesh does not route is refused by name here
         tower = config.vision_config

@@ -74,12 +74,15 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
 
 
 def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20) -> None:
-    """Without FSDP: sum every gradient over all ranks of the mesh, in flat buckets."""
-    group = mesh.all_group
+    """Without FSDP: sum every gradient over the ranks that hold different tokens (all ranks of the mesh but the
+    tensor-parallel axis), in flat buckets."""
+    group = mesh.batch_group
     world = dist.get_world_size(group)
     if world == 1:
         return
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    # tensor parallelism: each rank sums its own slices (DTensor gradients, local parts), over the ranks that
+    # hold other tokens of the same slices (the batch group: every rank with the same tp coordinate)
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in module.parameters() if p.grad is not None]
     bucket: list[torch.Tensor] = []
     size = 0
     for i, g in enumerate(grads):

@@ -221,6 +221,12 @@ def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
     initialize_by_name(getattr(root, "lm", root), device, seed)
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -268,8 +274,12 @@ class SequenceParallelLM(nn.Module):
     def loss_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         """The loss of the final hidden states ``(B, L, hidden)``: chunked LM head and cross-entropy."""
         weight = self.lm.get_output_embeddings().weight
-        group = self.mesh.all_group if self.mesh is not None else None
+        group = self.mesh.batch_group if self.mesh is not None else None
         ignore = seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX  # the one shard_batch used
+        if _is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
+            from .vocab_parallel import vocab_parallel_loss
+
+            return vocab_parallel_loss(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
         return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
 
     @torch.no_grad()
@@ -283,8 +293,18 @@ class SequenceParallelLM(nn.Module):
     def score_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         labels = shift_labels.reshape(-1)
         keep = labels != (seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX)
-        picked = hidden.reshape(-1, hidden.shape[-1])[keep]
         weight = self.lm.get_output_embeddings().weight
+        if _is_dtensor(weight):  # tensor parallelism: every rank of the group scores the same tokens, counted once
+            from .vocab_parallel import gathered_tokens, vocab_parallel_argmax
+
+            tokens = gathered_tokens(hidden)
+            local = weight.to_local()
+            start = weight.device_mesh.get_local_rank() * local.shape[0]
+            guess = vocab_parallel_argmax(tokens.reshape(-1, tokens.shape[-1])[keep], local, start,
+                                          weight.device_mesh.get_group(), self.chunk)
+            return torch.tensor([float((guess == labels[keep]).sum()), float(keep.sum())], dtype=torch.float64,
+                                device=tokens.device)
+        picked = hidden.reshape(-1, hidden.shape[-1])[keep]
         correct = sum(
             int(((picked[i : i + self.chunk] @ weight.t()).argmax(-1) == labels[keep][i : i + self.chunk]).sum())
             for i in range(0, picked.shape[0], self.chunk)

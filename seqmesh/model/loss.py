@@ -24,7 +24,7 @@ from ..sequence.batch import IGNORE_INDEX
 
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """Losses accumulate in float32, or float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -50,7 +50,7 @@ def pool_mean(
 ) -> tuple[torch.Tensor, int]:
     """Value: sum over ``group`` / count over ``group``; gradient: d(local_sum) / count over ``group``.
     Also returns the group's total of ``local_invalid`` (bad labels), pooled in the same all-reduce."""
-    wide = _wide(local_sum.dtype)
+    wide = wide_dtype(local_sum.dtype)
     invalid = local_invalid if local_invalid is not None else torch.zeros((), device=local_sum.device)
     totals = torch.stack([local_sum.detach().to(wide), local_count.detach().to(wide), invalid.detach().to(wide)])
     if group is not None and dist.get_world_size(group) > 1:
@@ -63,7 +63,7 @@ def pool_mean(
     return (local_sum.to(wide) + (total_sum - local_sum.detach().to(wide))) / denominator, int(totals[2])
 
 
-def _checked_mean(
+def checked_mean(
     local_sum: torch.Tensor, labels: torch.Tensor, bad: torch.Tensor, group: dist.ProcessGroup | None,
     vocab: int, ignore_index: int,
 ) -> torch.Tensor:
@@ -86,11 +86,11 @@ def sequence_parallel_cross_entropy(
     vocab = logits.shape[-1]
     bad = invalid_labels(flat, vocab, ignore_index)  # masked here, reported on every rank after the pooling
     safe = flat.masked_fill(bad, ignore_index)
-    local_sum = F.cross_entropy(logits.reshape(-1, vocab).to(_wide(logits.dtype)), safe, ignore_index=ignore_index, reduction="sum")
-    return _checked_mean(local_sum, flat, bad, group, vocab, ignore_index)
+    local_sum = F.cross_entropy(logits.reshape(-1, vocab).to(wide_dtype(logits.dtype)), safe, ignore_index=ignore_index, reduction="sum")
+    return checked_mean(local_sum, flat, bad, group, vocab, ignore_index)
 
 
-def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The LM head's matmul dtype: autocast's when it is on (as ``F.linear`` would use), else the
     inputs' common dtype. Forward and the backward's recomputation must agree on it."""
     device = hidden.device.type
@@ -106,8 +106,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, ignore_index):  # type: ignore[override]
         # hidden (N, H), weight (V, H), labels (N,)
-        wide = _wide(hidden.dtype)
-        mm = _matmul_dtype(hidden, weight)
+        wide = wide_dtype(hidden.dtype)
+        mm = matmul_dtype(hidden, weight)
         w = weight.to(mm)
         lse = hidden.new_empty(hidden.shape[0], dtype=wide)
         total = hidden.new_zeros((), dtype=wide)
@@ -166,4 +166,4 @@ def chunked_linear_cross_entropy(
     bad = invalid_labels(flat_labels, weight.shape[0], ignore_index)  # masked here, reported after pooling
     safe = flat_labels.masked_fill(bad, ignore_index)
     local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, safe, chunk, ignore_index)
-    return _checked_mean(local_sum, flat_labels, bad, group, weight.shape[0], ignore_index)
+    return checked_mean(local_sum, flat_labels, bad, group, weight.shape[0], ignore_index)

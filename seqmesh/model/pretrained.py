@@ -198,22 +198,16 @@ def _listed(items: list[str], shown: int = 6) -> str:
 
 def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
     """The region of the full tensor that this rank's part of ``p`` covers: the whole tensor for a plain
-    tensor; for a DTensor, each ``Shard(dim)`` of its mesh cut as ``torch.chunk`` cuts (what
-    ``distribute_tensor`` and FSDP2 keep locally), ``Replicate`` leaving the dim whole."""
-    from torch.distributed.tensor import DTensor, Shard
+    tensor; for a DTensor, what its placements keep locally (each ``Shard(dim)`` cut as ``torch.chunk``
+    cuts, as ``distribute_tensor`` and FSDP2 do; FSDP2 over tensor-parallel shards of the same dim nests
+    the cuts, which torch's own layout arithmetic resolves), ``Replicate`` leaving the dim whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    bounds = [[0, n] for n in p.shape]
-    if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        for axis, placement in enumerate(p.placements):
-            if not isinstance(placement, Shard):
-                continue
-            start, stop = bounds[placement.dim]
-            parts = mesh.size(axis)
-            chunk = -(-(stop - start) // parts)  # ceil
-            rank = mesh.get_local_rank(axis)
-            bounds[placement.dim] = [min(start + rank * chunk, stop), min(start + (rank + 1) * chunk, stop)]
-    return tuple(slice(a, b) for a, b in bounds)
+    if not isinstance(p, DTensor):
+        return tuple(slice(0, n) for n in p.shape)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

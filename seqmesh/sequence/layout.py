@@ -106,10 +106,12 @@ class SequenceLayout:
         seq_len: int,
         documents: tuple[int, ...] | None = None,
         min_chunk: int = DEFAULT_MIN_CHUNK,
+        tp: int = 1,
     ) -> SequenceLayout:
-        """The layout of a ``seq_len``-token sequence padded to the next valid length."""
+        """The layout of a ``seq_len``-token sequence padded to the next valid length (one whose local
+        shares split into ``tp`` equal slices, for tensor parallelism's sequence-parallel regions)."""
         kind = _parse_kind(kind)
-        return cls(kind, ring, ulysses, padded_length(seq_len, ulysses, ring, kind.value), documents, min_chunk)
+        return cls(kind, ring, ulysses, padded_length(seq_len, ulysses, ring, kind.value, tp), documents, min_chunk)
 
     @property
     def size(self) -> int:

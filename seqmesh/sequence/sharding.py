@@ -26,9 +26,10 @@ def sequence_layout(
 ) -> SequenceLayout:
     """The layout a ``seq_len``-token sequence gets on ``mesh``'s sequence group (padded as needed).
     ``cu_seqlens`` (packed documents) and ``min_chunk`` place the tokens of the ``per_document`` layout;
-    the other layouts ignore them."""
+    the other layouts ignore them. With tensor parallelism each share is padded to split into ``mesh.tp``
+    equal slices."""
     docs = tuple(int(x) for x in cu_seqlens) if cu_seqlens is not None else None
-    return SequenceLayout.for_length(layout, mesh.ring, mesh.ulysses, seq_len, docs, min_chunk)
+    return SequenceLayout.for_length(layout, mesh.ring, mesh.ulysses, seq_len, docs, min_chunk, getattr(mesh, "tp", 1))
 
 
 def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -30,6 +30,9 @@ class TrainConfig:
     """Data-parallel shard degree, or auto; FSDP shards over dp x ulysses x ring."""
     dp_replicate: int = 1
     """HSDP replicas (weights replicated across them)."""
+    tp: int = 1
+    """Tensor-parallel degree, innermost (inside Ulysses): projections, embedding and LM head sharded over tp ranks
+    that share a sequence shard, norms and residuals sequence-parallel between them (1: none)."""
     steps: int = 200
     """Optimizer steps."""
     lr: float = 1e-3
@@ -116,7 +119,7 @@ class TrainConfig:
 
     def degrees(self) -> dict:
         """The degrees as given (``auto`` kept), as keywords of :func:`seqmesh.degrees.resolve_degrees`."""
-        return {"ulysses": self.ulysses, "ring": self.ring, "dp": self.dp, "dp_replicate": self.dp_replicate}
+        return {"ulysses": self.ulysses, "ring": self.ring, "dp": self.dp, "dp_replicate": self.dp_replicate, "tp": self.tp}
 
     def parallel_plan(self, fsdp: bool) -> ParallelPlan:
         """What ``seqmesh.compose.parallelize_model`` applies for this run (``fsdp``: :meth:`uses_fsdp`)."""
@@ -143,6 +146,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
         if self.dp_replicate < 1:
             raise ValueError(f"dp_replicate must be at least 1 (1: no replicas), got {self.dp_replicate}.")
+        if self.tp < 1:
+            raise ValueError(f"tp must be at least 1 (1: no tensor parallelism), got {self.tp}.")
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}.")

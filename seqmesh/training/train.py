@@ -121,7 +121,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
-                                        seq_len=cfg.seq_len)
+                                        seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
     fsdp = uses_fsdp(cfg)
     if cfg.bf16 and not fsdp and not torch.cuda.is_available():
         raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
@@ -130,7 +130,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         torch.cuda.set_device(device)
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
         torch.set_flush_denormal(True)
-    mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, device_type=device.type)
+    mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, tp=cfg.tp, device_type=device.type)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = fsdp, has_weights(cfg.model)
@@ -173,7 +173,7 @@ def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, d
     local = to_device(shard_batch(batch, mesh, model=module, layout=cfg.layout), device)
     with torch.no_grad():
         counts = module.score(**local)
-    dist.all_reduce(counts, group=mesh.all_group)
+    dist.all_reduce(counts, group=mesh.batch_group)
     module.train()
     return float(counts[0] / counts[1].clamp(min=1))
 
@@ -349,7 +349,7 @@ class TrainingRun:
         curve = problem = None
         if self.rank0:  # the verdict is shared: a rank left behind here would wait in a collective for ever
             title = (f"{cfg.model}, {cfg.seq_len:,} tokens, ulysses {mesh.ulysses} x ring {mesh.ring} "
-                     f"x dp {mesh.dp_size}")
+                     + (f"x tp {mesh.tp} " if mesh.tp > 1 else "") + f"x dp {mesh.dp_size}")
             chance = 1 / cfg.symbols if not cfg.data else None
             try:
                 curve = plot_loss_curve(self.log_file.read(), os.path.join(cfg.out, "loss_curve.png"), title, chance)

@@ -100,7 +100,7 @@ class VisionLanguageLM(SequenceParallelLM):
         if self.mesh is None or self.mesh.dp_size == 1:
             return shard.has_media
         flag = torch.tensor([float(shard.has_media)], device=self.mesh.collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.all_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.batch_group)
         return bool(flag.item())
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,

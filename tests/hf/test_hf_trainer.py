@@ -93,25 +93,26 @@ def references(tmp_path_factory):
     return get
 
 
-# (ulysses, ring, per-rank batch, accumulation): the single-process batch is dp x the per-rank batch, so
-# both cases share one reference (4 rows x 2 micro-batches a step)
+# (ulysses, ring, tp, per-rank batch, accumulation): the single-process batch is dp x the per-rank batch, so
+# every case shares one reference (4 rows x 2 micro-batches a step)
 CASES = [
-    pytest.param(2, 2, 4, 2, id="u2r2"),
-    pytest.param(2, 1, 2, 2, id="dp2u2"),
+    pytest.param(2, 2, 1, 4, 2, id="u2r2"),
+    pytest.param(2, 1, 1, 2, 2, id="dp2u2"),
+    pytest.param(2, 1, 2, 4, 2, id="u2tp2"),
 ]
 
 
-@pytest.mark.parametrize("ulysses, ring, batch, accumulation", CASES)
-def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, batch, accumulation):
-    dp = WORLD // (ulysses * ring)
+@pytest.mark.parametrize("ulysses, ring, tp, batch, accumulation", CASES)
+def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, tp, batch, accumulation):
+    dp = WORLD // (ulysses * ring * tp)
     ref32, ref64 = references(dp * batch, accumulation)
-    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, timeout=600)
+    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, tp=tp, timeout=600)
     for r in results[1:]:  # every rank logs the same values
         assert r == results[0]
     ours = results[0]
     weights = _saved_weights(os.path.join(tmp_path, "final"))
     _assert_matches_reference(ours, weights, ref32, ref64, accumulation, -(-len(EVAL_ROWS) // (dp * batch)))
-    print(f"parity {ulysses=} {ring=} {dp=} vs float64 single process: loss {_max_diff(ours['loss'], ref64['loss']):.2e}, "
+    print(f"parity {ulysses=} {ring=} {tp=} {dp=} vs float64 single process: loss {_max_diff(ours['loss'], ref64['loss']):.2e}, "
           f"grad_norm {_max_diff(ours['grad_norm'], ref64['grad_norm']):.2e}, weights "
           f"{_weight_diff(weights, ref64['weights']):.2e}; float32 rounding (float32 vs float64 single process): "
           f"loss {_max_diff(ref32['loss'], ref64['loss']):.2e}, grad_norm "

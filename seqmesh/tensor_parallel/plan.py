@@ -1,0 +1,156 @@
+"""Tensor parallelism of a transformers decoder inside the sequence mesh, with torch's DTensor
+(``torch.distributed.tensor.parallel``): Megatron's TP with sequence parallelism between the regions.
+
+On a rank of tensor-parallel group ``T`` that holds a sequence shard of ``L = S / P`` tokens::
+
+    embedding (vocabulary-parallel)       ids (B, L)            -> (B, L/T, hidden)   reduce-scatter
+    norm (sequence-parallel)              (B, L/T, hidden)      -> (B, L/T, hidden)   none
+    attention input                       (B, L/T, hidden)      -> (B, L, hidden)     all-gather
+    q / k / v (column-wise)               (B, L, hidden)        -> (B, L, heads/T * D)
+    seqmesh attention over the sequence group: Ulysses deals these heads/T heads, the ring passes K/V
+    o (row-wise)                          (B, L, heads/T * D)   -> (B, L/T, hidden)   reduce-scatter
+    MLP: all-gather, gate / up column-wise, down row-wise, reduce-scatter, as attention
+    final norm                            (B, L/T, hidden)
+    loss (vocabulary-parallel head)       all-gather, each rank its V/T logits (seqmesh.model.vocab_parallel)
+
+So every per-token activation outside attention and the MLP is ``1 / (T x P)`` of the sequence per rank,
+and each weight matrix ``1 / T`` before FSDP2 shards it further over the data and sequence ranks. Between
+the regions activations are ``DTensor`` sharded on the sequence dimension; inside them, plain tensors.
+Per-head parameters (Qwen3's q/k norms, gpt-oss's sinks) follow their heads.
+
+What cannot be split is refused by :func:`check_tensor_parallel` before any work, naming the degrees
+that would work.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..mesh import SPMesh
+from ..model.lm import decoder_layers
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _workable(sizes: dict[str, int], limit: int) -> list[int]:
+    """Tensor-parallel degrees up to ``limit`` that divide every size in ``sizes``."""
+    return [t for t in _divisors(limit) if all(v % t == 0 for v in sizes.values())]
+
+
+def tensor_parallel_sizes(config) -> dict[str, int]:
+    """The sizes a tensor-parallel degree must divide, by name: heads, kv heads, the MLP's intermediate
+    size and the vocabulary (each rank holds whole heads, whole MLP columns and a whole vocabulary slice)."""
+    heads = config.num_attention_heads
+    return {
+        "query heads (num_attention_heads)": heads,
+        "kv heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None) or heads,
+        "MLP intermediate size (intermediate_size)": config.intermediate_size,
+        "vocabulary (vocab_size)": config.vocab_size,
+    }
+
+
+def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
+    """Raise a ValueError, before any work, for a model ``mesh.tp`` cannot split: sizes it does not divide
+    (listing the degrees that would work), or layers seqmesh does not yet shard by heads (mixture of
+    experts, Gated DeltaNet, a vision tower), naming the layer and the way out (``tp=1``)."""
+    tp = mesh.tp
+    if tp == 1:
+        return
+    from ..vision.families import is_multimodal
+
+    config = model.config
+    if is_multimodal(config):
+        raise ValueError(f"{type(model).__name__} is a vision-language model; seqmesh's tensor parallelism covers "
+                         "text decoders only so far. Train it with tp=1 (Ulysses and ring shard its tower and decoder).")
+    text = config.get_text_config()
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith(("Experts", "SparseMoeBlock", "MoE", "Moe")) or "MoE" in kind:
+            raise ValueError(f"{name} ({kind}) is a mixture of experts, which seqmesh's tensor parallelism does not "
+                             f"split yet; train with tp=1 (experts stay whole, FSDP2 shards them) or a dense model.")
+        if "DeltaNet" in kind or "LinearAttention" in kind:
+            raise ValueError(f"{name} ({kind}) is a Gated DeltaNet layer, which seqmesh's tensor parallelism does not "
+                             "split by heads yet; train this model with tp=1 (its sequence parallelism is exact).")
+    sizes = tensor_parallel_sizes(text)
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        listed = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        options = ", ".join(map(str, _workable(sizes, max(sizes.values()))[:8]))
+        raise ValueError(f"tp={tp} does not divide the model's {listed}: each tensor-parallel rank must hold whole "
+                         f"heads, MLP columns and an equal vocabulary slice. Degrees that divide them all: {options}.")
+    heads = sizes["query heads (num_attention_heads)"]
+    if heads // tp < mesh.ulysses:
+        options = [t for t in _workable(sizes, heads) if heads // t >= mesh.ulysses]
+        raise ValueError(f"tp={tp} x ulysses={mesh.ulysses} needs at least one query head per rank, but the model has "
+                         f"{heads} query heads: each tensor-parallel rank keeps {heads // tp} and Ulysses deals them over "
+                         f"{mesh.ulysses} ranks. Lower ulysses (the ring takes the rest) or use tp in {options}.")
+
+
+def _layer_plan(layer: nn.Module) -> dict:
+    """The parallel styles of one decoder layer, keyed by submodule path (names as transformers' Llama,
+    Qwen3, Mistral, Gemma 3 and their relatives spell them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan = {}
+    for name, child in layer.named_children():  # every norm of the layer runs on the sequence slices
+        if type(child).__name__.endswith(("RMSNorm", "LayerNorm")):
+            plan[name] = SequenceParallel()
+    attn, mlp = layer.self_attn, layer.mlp
+    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                           desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        plan[f"self_attn.{proj}"] = ColwiseParallel()
+    plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    for norm in ("q_norm", "k_norm"):  # per-head norms (Qwen3, Gemma 3) on (B, L, heads/T, D): this rank's heads
+        if getattr(attn, norm, None) is not None:
+            plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for proj in ("gate_proj", "up_proj"):
+        if getattr(mlp, proj, None) is not None:
+            plan[f"mlp.{proj}"] = ColwiseParallel()
+    plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    missing = [p for p in plan if layer.get_submodule(p) is None]
+    if missing or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        raise ValueError(f"{type(layer).__name__} does not have the q/k/v/o and gate/up/down projections seqmesh's "
+                         "tensor parallelism splits; train it with tp=1.")
+    return plan
+
+
+def _shard_sinks(attn: nn.Module, mesh: SPMesh) -> None:
+    """gpt-oss's per-head sinks: each rank keeps those of its heads (the attention function reads the local part)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sinks = getattr(attn, "sinks", None)
+    if isinstance(sinks, nn.Parameter):
+        attn.sinks = nn.Parameter(distribute_tensor(sinks.data, mesh.tp_mesh, [Shard(0)]), requires_grad=sinks.requires_grad)
+
+
+def apply_tensor_parallel(lm: nn.Module, mesh: SPMesh) -> nn.Module:
+    """Shard ``lm`` (a transformers causal LM, parallelized by ``seqmesh.hf``) over ``mesh.tp_mesh`` as the
+    module docstring lays out; a no-op for ``mesh.tp == 1``. Returns ``lm``. Run before FSDP2 (which then
+    shards each DTensor weight over the data and sequence ranks: 2-D FSDP x TP)."""
+    if mesh.tp == 1:
+        return lm
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    check_tensor_parallel(lm, mesh)
+    tp_mesh = mesh.tp_mesh
+    decoder = lm.get_decoder()
+    head = lm.get_output_embeddings()
+    tied = head is not None and head.weight is lm.get_input_embeddings().weight
+    parallelize_module(lm.get_input_embeddings(), tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False))
+    parallelize_module(decoder.norm, tp_mesh, SequenceParallel())
+    if head is not None:  # called only by the model's own forward: whole-vocabulary logits of this shard's tokens
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
+        if tied:  # both are Shard(0) over the vocabulary: one parameter again
+            head.weight = lm.get_input_embeddings().weight
+    for layer in decoder_layers(lm):
+        parallelize_module(layer, tp_mesh, _layer_plan(layer))
+        _shard_sinks(layer.self_attn, mesh)
+    return lm

@@ -1,0 +1,66 @@
+"""Tensor parallelism inside the sequence mesh on spawned ranks, against the unmodified transformers model
+on the whole sequence in one process (float64): the loss and every parameter's gradient, and the
+reference's own rounding (``family_cases.reference_rounding``)."""
+
+from __future__ import annotations
+
+import torch
+
+import seqmesh
+from dist_cases import get_mesh
+from family_cases import _batch, _reference_loss, build, family_config, reference_rounding
+from seqmesh.compose import ParallelPlan, parallelize_model
+from seqmesh.model.fsdp import sync_gradients
+
+SEQ_LEN = 45
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
+              documents: bool = False, fsdp: bool = True, batch_size: int = 1, shift_positions_on: int | None = None,
+              kv_heads: int | None = None) -> dict:
+    """Loss error, worst relative gradient error (and whose), the reference's rounding of both, for
+    ``family`` composed on a ``dp x ring x ulysses x tp`` mesh, each data-parallel rank on its own samples.
+    ``shift_positions_on``: a deliberate error for the test that the comparison sees one, the position ids of
+    that rank one too far (so only its tensor-parallel slice of the heads rotates wrongly)."""
+    mesh = get_mesh(ulysses, ring, dp, 1, tp)
+    config = family_config(family)
+    if kv_heads is not None:
+        config.num_key_value_heads = kv_heads
+    batches = [_batch(SEQ_LEN, config.vocab_size, documents) for _ in range(dp * batch_size)]
+    g = torch.Generator().manual_seed(11)
+    for b in batches[1:]:  # different samples per data-parallel rank
+        b["input_ids"] = torch.randint(0, config.vocab_size, b["input_ids"].shape, generator=g)
+    reference = build(config)
+    total_targets, total = 0, 0.0
+    for b in batches:  # the whole batch's mean: sum of each sample's target losses over all targets
+        logits, loss = _reference_loss(reference, b)
+        n = SEQ_LEN - 1 - (int((b["position_ids"][0, 1:] == 0).sum()) if "position_ids" in b else 0)
+        total = total + loss * n
+        total_targets += n
+    ref_loss = total / total_targets
+    ref_loss.backward()
+    rounding = reference_rounding(config, batches[-1], logits.detach(), loss.detach(), reference)
+
+    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16))
+    mine = batches[mesh.dp_rank * batch_size : (mesh.dp_rank + 1) * batch_size]
+    batch = {k: torch.cat([b[k] for b in mine]) for k in mine[0]}
+    local = seqmesh.shard_batch(batch, mesh, layout=layout)
+    if shift_positions_on == torch.distributed.get_rank():
+        local["position_ids"] = local["position_ids"] + 1
+    loss = module(**local)
+    loss.backward()
+    if not fsdp:
+        sync_gradients(module, mesh)
+    want = dict(reference.named_parameters())
+    worst, name_of = 0.0, ""
+    for name, p in module.lm.named_parameters():
+        ref = want[name].grad
+        err = float((_full(p.grad) - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        if err > worst:
+            worst, name_of = err, name
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "worst": name_of, "rounding": rounding,
+            "tp_sharded": sum(1 for p in module.parameters() if "Shard" in str(getattr(p, "placements", "")))}
