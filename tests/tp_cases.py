@@ -64,3 +64,29 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
             worst, name_of = err, name
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "worst": name_of, "rounding": rounding,
             "tp_sharded": sum(1 for p in module.parameters() if "Shard" in str(getattr(p, "placements", "")))}
+
+
+def tp_traffic(family: str, ulysses: int, ring: int, tp: int, seq_len: int = SEQ_LEN) -> dict:
+    """What one forward and backward of ``family`` on a ``ring x ulysses x tp`` mesh sends, by collective and
+    phase (``comm_stats``), with the shapes the counts follow from."""
+    from seqmesh.comm.stats import comm_stats
+
+    mesh = get_mesh(ulysses, ring, 1, 1, tp)
+    config = family_config(family)
+    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=False, loss_chunk=16))
+    local = seqmesh.shard_batch(_batch(seq_len, config.vocab_size, False), mesh)
+    with comm_stats() as stats:
+        module(**local).backward()
+    return {"stats": stats.as_dict(), "local_tokens": local["input_ids"].shape[1], "hidden": config.hidden_size,
+            "layers": config.num_hidden_layers, "heads": config.num_attention_heads, "head_dim": config.head_dim,
+            "kv_heads": config.num_key_value_heads}
+
+
+def settled_gradients() -> list[str]:
+    """Placements of every gradient after a step without FSDP2 and ``sync_gradients``: none may stay partial."""
+    mesh = get_mesh(1, 1, 1, 1, 2)
+    config = family_config("qwen3")
+    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=False, loss_chunk=16))
+    module(**seqmesh.shard_batch(_batch(SEQ_LEN, config.vocab_size, False), mesh)).backward()
+    sync_gradients(module, mesh)
+    return sorted({str(getattr(p.grad, "placements", "plain")) for p in module.parameters()})

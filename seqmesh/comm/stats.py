@@ -72,7 +72,8 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def comm_stats() -> Iterator[CommStats]:
-    """Count the collectives seqmesh issues on this process inside the ``with`` block.
+    """Count the collectives seqmesh issues on this process inside the ``with`` block, and those DTensor
+    issues for tensor parallelism (its gathers and reductions between the sharded layers).
 
     Autograd may run backward on another thread, so the recorders are process-wide, not per thread.
     Nested blocks each see everything issued while they are open.
@@ -81,10 +82,67 @@ def comm_stats() -> Iterator[CommStats]:
     with _lock:
         _active.append(stats)
     try:
-        yield stats
+        with _dtensor_collectives():
+            yield stats
     finally:
         with _lock:
             _active.remove(stats)
+
+
+def _phase() -> str:
+    import torch
+
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"  # inside autograd's engine
+
+
+def _group_size(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name).size()
+
+
+def _record_functional(name: str, args: tuple) -> None:
+    """What one of torch's functional collectives (``_c10d_functional``, which DTensor issues) sends, counted
+    as seqmesh's own collectives are (see the module docstring)."""
+    t = args[0]
+    nbytes = t.numel() * t.element_size()
+    if name == "all_gather_into_tensor":  # (input, group_size, group_name): each rank's chunk to the others
+        g = int(args[1])
+        record("all_gather", _phase(), (g - 1) * nbytes, (g - 1) * nbytes)
+    elif name == "reduce_scatter_tensor":  # (input, op, group_size, group_name): all but one chunk sent
+        g = int(args[2])
+        record("reduce_scatter", _phase(), (g - 1) * nbytes // g, (g - 1) * nbytes // g)
+    elif name == "all_reduce":  # (input, op, group_name)
+        g = _group_size(args[2])
+        record("all_reduce", _phase(), 2 * (g - 1) * nbytes // g, 2 * (g - 1) * nbytes // g)
+    elif name == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group_name)
+        g = _group_size(args[3])
+        record("all_to_all", _phase(), (g - 1) * nbytes // g, (g - 1) * nbytes // g)
+
+
+@contextlib.contextmanager
+def _dtensor_collectives() -> Iterator[None]:
+    """A dispatch mode that sees the functional collectives DTensor lowers its redistributions to. A DTensor
+    operator is first handed back (``NotImplemented``) so DTensor runs and its collectives come through here
+    as plain operators; nothing is changed. Without DTensor (torch without distributed) it does nothing."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        yield
+        return
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            if func.namespace == "_c10d_functional":
+                _record_functional(func._opname, args)
+            return out
+
+    with Collectives():
+        yield
 
 
 def record(kind: str, phase: str, sent: int, received: int) -> None:

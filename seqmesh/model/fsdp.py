@@ -73,9 +73,23 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     return root
 
 
+def settle_partial_gradients(module: nn.Module) -> None:
+    """Tensor parallelism leaves the gradient of a weight it replicates (a norm's, used on every rank's slice of
+    the tokens) as a pending sum over the tensor-parallel group (DTensor ``Partial``): sum it into the weight's
+    own placement (an all-reduce). FSDP2 does this itself when it reduces; a loop without FSDP calls this
+    (through :func:`sync_gradients`) before reading, clipping or stepping on the gradients."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
 def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20) -> None:
     """Without FSDP: sum every gradient over the ranks that hold different tokens (all ranks of the mesh but the
     tensor-parallel axis), in flat buckets."""
+    settle_partial_gradients(module)
     group = mesh.batch_group
     world = dist.get_world_size(group)
     if world == 1:

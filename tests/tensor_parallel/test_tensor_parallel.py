@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tp_cases import tp_parity
+from tp_cases import settled_gradients, tp_parity
 
 # Measured (torch 2.13, transformers 5.24, CPU, float64): seqmesh's largest error is 0.0 to 1.5e-9 of the
 # reference's rounding (loss and gradients: 0 to 9e-16 against 3e-8..5e-7); the bound is that rounding times 4,
@@ -109,3 +109,11 @@ def test_memory_techniques_that_replace_tp_layers_are_refused():
     for plan in (ParallelPlan(tiled_mlp=True), ParallelPlan(efficient_norm=True)):
         with pytest.raises(ValueError, match="turn it off with tp > 1"):
             parallelize_model(_model("llama"), _mesh(2), plan)
+
+
+def test_no_gradient_left_partial_without_fsdp(pools):
+    """A norm's weight is replicated over the tensor-parallel ranks, each of which sees a slice of the tokens: its
+    gradient must be summed over them (FSDP2 does it; without FSDP2 ``sync_gradients`` must), or each rank would
+    step on a part of it. (Comparing ``full_tensor()`` alone would not see this: it sums a pending partial.)"""
+    for placements in pools.run(2, settled_gradients):
+        assert placements == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)"], placements
