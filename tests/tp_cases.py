@@ -21,12 +21,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
               documents: bool = False, fsdp: bool = True, batch_size: int = 1, shift_positions_on: int | None = None,
-              kv_heads: int | None = None) -> dict:
+              kv_heads: int | None = None, replicas: int = 1) -> dict:
     """Loss error, worst relative gradient error (and whose), the reference's rounding of both, for
     ``family`` composed on a ``dp x ring x ulysses x tp`` mesh, each data-parallel rank on its own samples.
     ``shift_positions_on``: a deliberate error for the test that the comparison sees one, the position ids of
     that rank one too far (so only its tensor-parallel slice of the heads rotates wrongly)."""
-    mesh = get_mesh(ulysses, ring, dp, 1, tp)
+    mesh = get_mesh(ulysses, ring, dp, replicas, tp)
+    dp = mesh.dp_size  # samples: one stream per data-parallel rank, replicas included
     config = family_config(family)
     if kv_heads is not None:
         config.num_key_value_heads = kv_heads

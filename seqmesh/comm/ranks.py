@@ -3,6 +3,8 @@ process group is initialised, so the same code runs in one process and under tor
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -45,5 +47,17 @@ def local_part(p: torch.Tensor) -> torch.Tensor:
 
 
 def full_value(p: torch.Tensor) -> torch.Tensor:
-    """The whole of ``p``: a DTensor gathered (a collective every rank of its mesh joins), or the tensor itself."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
+    """The whole of ``p``: a DTensor gathered (a collective every rank of its mesh joins), or the tensor itself.
+
+    FSDP2 over tensor-parallel shards of the same dimension nests the two cuts, which torch gathers in two
+    steps and logs a warning for on every rank; the gather is still exact, and a one-off whole copy (export,
+    verify) is no hot path, so that warning is silenced here."""
+    if not hasattr(p, "full_tensor"):
+        return p
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return p.full_tensor()
+    finally:
+        log.setLevel(level)

@@ -29,6 +29,7 @@ WORLD_4 = [
     ("mistral", 2, 1, 2, {}),
     ("llama", 1, 1, 4, {"kv_heads": 4}),
     ("llama", 1, 1, 2, {"dp": 2}),
+    ("qwen3", 1, 1, 2, {"replicas": 2}),
 ]
 WORLD_8 = [
     ("llama", 2, 2, 2, {}),
