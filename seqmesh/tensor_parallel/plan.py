@@ -40,15 +40,20 @@ def _workable(sizes: dict[str, int], limit: int) -> list[int]:
 
 
 def tensor_parallel_sizes(config) -> dict[str, int]:
-    """The sizes a tensor-parallel degree must divide, by name: heads, kv heads, the MLP's intermediate
-    size and the vocabulary (each rank holds whole heads, whole MLP columns and a whole vocabulary slice)."""
-    heads = config.num_attention_heads
+    """The sizes a tensor-parallel degree must divide, by name: heads, the MLP's intermediate size and the
+    vocabulary (each rank holds whole heads, whole MLP columns and a whole vocabulary slice). The kv heads
+    must be divided by it or divide it (:func:`kv_heads_fit`)."""
     return {
-        "query heads (num_attention_heads)": heads,
-        "kv heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None) or heads,
+        "query heads (num_attention_heads)": config.num_attention_heads,
         "MLP intermediate size (intermediate_size)": config.intermediate_size,
         "vocabulary (vocab_size)": config.vocab_size,
     }
+
+
+def kv_heads_fit(kv_heads: int, tp: int) -> bool:
+    """Whether ``tp`` ranks can hold ``kv_heads``: each a whole share of them (``tp`` divides them), or, with fewer
+    kv heads than ranks (MQA, narrow GQA), each the one its query heads read (they divide ``tp``)."""
+    return kv_heads % tp == 0 or tp % kv_heads == 0
 
 
 def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
@@ -74,12 +79,16 @@ def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
             raise ValueError(f"{name} ({kind}) is a Gated DeltaNet layer, which seqmesh's tensor parallelism does not "
                              "split by heads yet; train this model with tp=1 (its sequence parallelism is exact).")
     sizes = tensor_parallel_sizes(text)
+    kv = getattr(text, "num_key_value_heads", None) or sizes["query heads (num_attention_heads)"]
     bad = {k: v for k, v in sizes.items() if v % tp}
+    if not kv_heads_fit(kv, tp):
+        bad["kv heads (num_key_value_heads)"] = kv
     if bad:
         listed = ", ".join(f"{k} = {v}" for k, v in bad.items())
-        options = ", ".join(map(str, _workable(sizes, max(sizes.values()))[:8]))
-        raise ValueError(f"tp={tp} does not divide the model's {listed}: each tensor-parallel rank must hold whole "
-                         f"heads, MLP columns and an equal vocabulary slice. Degrees that divide them all: {options}.")
+        options = ", ".join(map(str, [t for t in _workable(sizes, max(sizes.values())) if kv_heads_fit(kv, t)][:8]))
+        raise ValueError(f"tp={tp} does not fit the model's {listed}: each tensor-parallel rank must hold whole "
+                         f"heads (kv heads divided by tp, or dividing it), MLP columns and an equal vocabulary slice. "
+                         f"Degrees that fit them all: {options}.")
     heads = sizes["query heads (num_attention_heads)"]
     if heads // tp < mesh.ulysses:
         options = [t for t in _workable(sizes, heads) if heads // t >= mesh.ulysses]
@@ -88,7 +97,7 @@ def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
                          f"{mesh.ulysses} ranks. Lower ulysses (the ring takes the rest) or use tp in {options}.")
 
 
-def _layer_plan(layer: nn.Module) -> dict:
+def _layer_plan(layer: nn.Module, kv_heads: int, tp: int) -> dict:
     """The parallel styles of one decoder layer, keyed by submodule path (names as transformers' Llama,
     Qwen3, Mistral, Gemma 3 and their relatives spell them)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -102,8 +111,10 @@ def _layer_plan(layer: nn.Module) -> dict:
     attn, mlp = layer.self_attn, layer.mlp
     plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        plan[f"self_attn.{proj}"] = ColwiseParallel()
+    plan["self_attn.q_proj"] = ColwiseParallel()
+    if kv_heads % tp == 0:
+        plan["self_attn.k_proj"] = plan["self_attn.v_proj"] = ColwiseParallel()
+    # else: fewer kv heads than ranks, see _replicate_key_value (applied after)
     plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     for norm in ("q_norm", "k_norm"):  # per-head norms (Qwen3, Gemma 3) on (B, L, heads/T, D): this rank's heads
         if getattr(attn, norm, None) is not None:
@@ -118,6 +129,28 @@ def _layer_plan(layer: nn.Module) -> dict:
         raise ValueError(f"{type(layer).__name__} does not have the q/k/v/o and gate/up/down projections seqmesh's "
                          "tensor parallelism splits; train it with tp=1.")
     return plan
+
+
+def _replicate_key_value(attn: nn.Module, mesh: SPMesh, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Fewer kv heads than tensor-parallel ranks (``tp`` a multiple of them; MQA): k_proj and v_proj stay whole
+    on every rank (replicated DTensors) and each rank keeps the columns of the one kv head its query heads
+    read, rank ``t`` head ``t // (tp / kv_heads)``. Each rank's gradient then covers its own head's columns
+    only: the kept output's gradient is marked partial, so the weights' gradients are summed over the group
+    (as a norm's are) and the input's join the column-parallel projections' partial sums."""
+    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+
+    tp = mesh.tp
+    head = mesh.tp_rank // (tp // kv_heads)
+    keep = slice(head * head_dim, (head + 1) * head_dim)
+
+    def one_head(module, args, out):  # out: a Replicate DTensor (B, L, kv_heads * head_dim)
+        return out.to_local(grad_placements=[Partial()])[..., keep]
+
+    for proj in (attn.k_proj, attn.v_proj):
+        for name, p in list(proj.named_parameters(recurse=False)):
+            whole = distribute_tensor(p.data, mesh.tp_mesh, [Replicate()])
+            proj.register_parameter(name, nn.Parameter(whole, requires_grad=p.requires_grad))
+        proj.register_forward_hook(one_head)
 
 
 def _shard_sinks(attn: nn.Module, mesh: SPMesh) -> None:
@@ -150,7 +183,13 @@ def apply_tensor_parallel(lm: nn.Module, mesh: SPMesh) -> nn.Module:
         parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
         if tied:  # both are Shard(0) over the vocabulary: one parameter again
             head.weight = lm.get_input_embeddings().weight
+    text = lm.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     for layer in decoder_layers(lm):
-        parallelize_module(layer, tp_mesh, _layer_plan(layer))
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, kv_heads, mesh.tp))
+        if kv_heads % mesh.tp:
+            _replicate_key_value(layer.self_attn, mesh, heads, kv_heads, head_dim)
         _shard_sinks(layer.self_attn, mesh)
     return lm

@@ -19,7 +19,7 @@ from tp_cases import settled_gradients, tp_parity
 ROUNDING_MULTIPLE = 4
 
 # (family, ulysses, ring, tp, options): every sequence parallelism, data parallelism, packed documents,
-# FSDP2 on top of TP or not
+# FSDP2 on top of TP or not, kv heads divided by tp or fewer than it
 WORLD_4 = [
     ("llama", 2, 1, 2, {}),
     ("llama", 1, 2, 2, {"layout": "zigzag"}),
@@ -28,6 +28,8 @@ WORLD_4 = [
     ("mistral", 1, 1, 2, {"dp": 2, "fsdp": False, "batch_size": 2}),
     ("mistral", 2, 1, 2, {}),
     ("llama", 1, 1, 4, {"kv_heads": 4}),
+    ("llama", 1, 1, 4, {}),  # 2 kv heads on 4 ranks: each keeps the one its query heads read
+    ("llama", 2, 1, 2, {"kv_heads": 1, "fsdp": False}),  # MQA, Ulysses replicating the kept head
     ("llama", 1, 1, 2, {"dp": 2}),
     ("qwen3", 1, 1, 2, {"replicas": 2}),
 ]
@@ -87,9 +89,11 @@ def _mesh(tp: int, ulysses: int = 1):
 
 
 @pytest.mark.parametrize("family,changes,tp,ulysses,words", [
-    ("llama", {"num_key_value_heads": 4}, 4, 2, ["tp=4 x ulysses=2", "4 query heads", "use tp in [1, 2]"]),
-    ("llama", {"intermediate_size": 66}, 4, 1, ["intermediate_size) = 66", "Degrees that divide them all: 1, 2"]),
-    ("llama", {"vocab_size": 63}, 2, 1, ["vocab_size) = 63", "Degrees that divide them all: 1."]),
+    ("llama", {}, 4, 2, ["tp=4 x ulysses=2", "4 query heads", "use tp in [1, 2]"]),
+    ("llama", {"intermediate_size": 66}, 4, 1, ["intermediate_size) = 66", "Degrees that fit them all: 1, 2"]),
+    ("llama", {"vocab_size": 63}, 2, 1, ["vocab_size) = 63", "Degrees that fit them all: 1."]),
+    ("llama", {"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, ["kv heads (num_key_value_heads) = 3",
+                                                                           "Degrees that fit them all: 1."]),
     ("gpt-oss", {}, 2, 1, ["mixture of experts", "tp=1"]),
     ("qwen3_5", {}, 2, 1, ["Gated DeltaNet", "tp=1"]),
 ])
