@@ -21,7 +21,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
               documents: bool = False, fsdp: bool = True, batch_size: int = 1, shift_positions_on: int | None = None,
-              kv_heads: int | None = None, replicas: int = 1) -> dict:
+              kv_heads: int | None = None, replicas: int = 1, checkpointing: bool = False, offload: bool = False) -> dict:
     """Loss error, worst relative gradient error (and whose), the reference's rounding of both, for
     ``family`` composed on a ``dp x ring x ulysses x tp`` mesh, each data-parallel rank on its own samples.
     ``shift_positions_on``: a deliberate error for the test that the comparison sees one, the position ids of
@@ -46,13 +46,21 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     ref_loss.backward()
     rounding = reference_rounding(config, batches[-1], logits.detach(), loss.detach(), reference)
 
-    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16))
+    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16, checkpointing=checkpointing))
+    moved = 0
+    if offload:  # the activation offload the training loop sets up: the layers' saved DTensor inputs moved
+        from seqmesh.memory.offload import enable_activation_offload
+
+        offloader = enable_activation_offload(module.lm, "cpu")
     mine = batches[mesh.dp_rank * batch_size : (mesh.dp_rank + 1) * batch_size]
     batch = {k: torch.cat([b[k] for b in mine]) for k in mine[0]}
     local = seqmesh.shard_batch(batch, mesh, layout=layout)
     if shift_positions_on == torch.distributed.get_rank():
         local["position_ids"] = local["position_ids"] + 1
+    module.train()
     loss = module(**local)
+    if offload:
+        moved = offloader.moved_bytes
     loss.backward()
     if not fsdp:
         sync_gradients(module, mesh)
@@ -64,7 +72,8 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
         if err > worst:
             worst, name_of = err, name
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "worst": name_of, "rounding": rounding,
-            "tp_sharded": sum(1 for p in module.parameters() if "Shard" in str(getattr(p, "placements", "")))}
+            "tp_sharded": sum(1 for p in module.parameters() if "Shard" in str(getattr(p, "placements", ""))),
+            "offloaded_bytes": moved}
 
 
 def tp_traffic(family: str, ulysses: int, ring: int, tp: int, seq_len: int = SEQ_LEN) -> dict:

@@ -58,6 +58,21 @@ class OffloadedTensor:
         return fetched
 
 
+class _Distributed:
+    """A saved DTensor whose local part was packed: how to put it back together."""
+
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local, mesh, placements, shape, stride):
+        self.local, self.mesh, self.placements, self.shape, self.stride = local, mesh, placements, shape, stride
+
+    def rebuild(self, local: torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
+
+
 class ActivationOffload:
     """Pack and unpack hooks that keep saved activations in host memory (see the module docstring)."""
 
@@ -76,6 +91,13 @@ class ActivationOffload:
     def pack(self, t: torch.Tensor):
         if t.grad_fn is None or t.device != self.device:
             return t if self.inner is None else (self.inner[1], self.inner[0](t))  # unpacked by its own hook
+        if hasattr(t, "device_mesh"):  # a DTensor (tensor parallelism): its local part moves, its layout stays
+            with torch.no_grad():
+                local = t.to_local()
+            return _Distributed(self._offload(local), t.device_mesh, t.placements, t.shape, t.stride())
+        return self._offload(t)
+
+    def _offload(self, t: torch.Tensor) -> OffloadedTensor:
         if self.live == 0:  # the previous step's graph is gone: start a new order
             self._order, self._seen = [], {}
         storage = t.untyped_storage()
@@ -101,6 +123,8 @@ class ActivationOffload:
         return item
 
     def unpack(self, item):
+        if isinstance(item, _Distributed):
+            return item.rebuild(self.unpack(item.local))
         if not isinstance(item, OffloadedTensor):
             return item[0](item[1]) if isinstance(item, tuple) else item
         for index in range(item.index - 1, max(item.index - 1 - self.prefetch, -1), -1):  # backward runs in reverse

@@ -30,6 +30,7 @@ WORLD_4 = [
     ("llama", 1, 1, 4, {"kv_heads": 4}),
     ("llama", 1, 1, 4, {}),  # 2 kv heads on 4 ranks: each keeps the one its query heads read
     ("llama", 2, 1, 2, {"kv_heads": 1, "fsdp": False}),  # MQA, Ulysses replicating the kept head
+    ("qwen3", 1, 2, 2, {"checkpointing": True, "offload": True}),  # recomputed layers, their DTensor inputs offloaded
     ("llama", 1, 1, 2, {"dp": 2}),
     ("qwen3", 1, 1, 2, {"replicas": 2}),
 ]
@@ -58,6 +59,7 @@ def test_tensor_parallel_exact(pools, world, cases):
         for r in results:
             assert not _outside_rounding(r), r
             assert r["tp_sharded"] > 0, r
+            assert (r["offloaded_bytes"] > 0) == dict(r["case"][4]).get("offload", False), r
             key = r["case"][:4]
             worst[key] = max(worst.get(key, 0.0), r["loss"] / r["rounding"]["loss"], r["grad"] / r["rounding"]["grad"])
     print(f"world {world}: worst error / reference rounding per (family, ulysses, ring, tp): {worst}")
