@@ -28,6 +28,9 @@ import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..model.lm import decoder_layers
+from .linear_attention import check_heads as check_gated_delta_heads
+from .linear_attention import shard_gated_delta
+from .linear_attention import supports as supports_gated_delta
 
 
 def _divisors(n: int) -> list[int]:
@@ -75,9 +78,12 @@ def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
         if kind.endswith(("Experts", "SparseMoeBlock", "MoE", "Moe")) or "MoE" in kind:
             raise ValueError(f"{name} ({kind}) is a mixture of experts, which seqmesh's tensor parallelism does not "
                              f"split yet; train with tp=1 (experts stay whole, FSDP2 shards them) or a dense model.")
-        if "DeltaNet" in kind or "LinearAttention" in kind:
-            raise ValueError(f"{name} ({kind}) is a Gated DeltaNet layer, which seqmesh's tensor parallelism does not "
-                             "split by heads yet; train this model with tp=1 (its sequence parallelism is exact).")
+        if kind.endswith("GatedDeltaNet") and supports_gated_delta(module):
+            check_gated_delta_heads(module, tp, mesh.ulysses * mesh.ring)
+        elif "DeltaNet" in kind or "LinearAttention" in kind:
+            raise ValueError(f"{name} ({kind}) is a linear-attention layer seqmesh's tensor parallelism does not split "
+                             "(it runs Qwen3.5's Gated DeltaNet, with separate q/k/v, z, b and a projections); train this "
+                             "model with tp=1 (its sequence parallelism is exact).")
     sizes = tensor_parallel_sizes(text)
     kv = getattr(text, "num_key_value_heads", None) or sizes["query heads (num_attention_heads)"]
     bad = {k: v for k, v in sizes.items() if v % tp}
@@ -108,7 +114,27 @@ def _layer_plan(layer: nn.Module, kv_heads: int, tp: int) -> dict:
     for name, child in layer.named_children():  # every norm of the layer runs on the sequence slices
         if type(child).__name__.endswith(("RMSNorm", "LayerNorm")):
             plan[name] = SequenceParallel()
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+    if attn is not None:  # else a Gated DeltaNet layer, which takes and returns the sequence slices itself
+        plan.update(_attention_plan(attn, kv_heads, tp))
+    plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for proj in ("gate_proj", "up_proj"):
+        if getattr(mlp, proj, None) is not None:
+            plan[f"mlp.{proj}"] = ColwiseParallel()
+    plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    missing = [p for p in plan if layer.get_submodule(p) is None]
+    if missing or (attn is not None and not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))):
+        raise ValueError(f"{type(layer).__name__} does not have the q/k/v/o and gate/up/down projections seqmesh's "
+                         "tensor parallelism splits; train it with tp=1.")
+    return plan
+
+
+def _attention_plan(attn: nn.Module, kv_heads: int, tp: int) -> dict:
+    """The parallel styles of an attention block, keyed by path from the decoder layer."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    plan = {}
     plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
     plan["self_attn.q_proj"] = ColwiseParallel()
@@ -119,15 +145,6 @@ def _layer_plan(layer: nn.Module, kv_heads: int, tp: int) -> dict:
     for norm in ("q_norm", "k_norm"):  # per-head norms (Qwen3, Gemma 3) on (B, L, heads/T, D): this rank's heads
         if getattr(attn, norm, None) is not None:
             plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    for proj in ("gate_proj", "up_proj"):
-        if getattr(mlp, proj, None) is not None:
-            plan[f"mlp.{proj}"] = ColwiseParallel()
-    plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-    missing = [p for p in plan if layer.get_submodule(p) is None]
-    if missing or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        raise ValueError(f"{type(layer).__name__} does not have the q/k/v/o and gate/up/down projections seqmesh's "
-                         "tensor parallelism splits; train it with tp=1.")
     return plan
 
 
@@ -137,7 +154,7 @@ def _replicate_key_value(attn: nn.Module, mesh: SPMesh, heads: int, kv_heads: in
     read, rank ``t`` head ``t // (tp / kv_heads)``. Each rank's gradient then covers its own head's columns
     only: the kept output's gradient is marked partial, so the weights' gradients are summed over the group
     (as a norm's are) and the input's join the column-parallel projections' partial sums."""
-    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     tp = mesh.tp
     head = mesh.tp_rank // (tp // kv_heads)
@@ -148,7 +165,7 @@ def _replicate_key_value(attn: nn.Module, mesh: SPMesh, heads: int, kv_heads: in
 
     for proj in (attn.k_proj, attn.v_proj):
         for name, p in list(proj.named_parameters(recurse=False)):
-            whole = distribute_tensor(p.data, mesh.tp_mesh, [Replicate()])
+            whole = DTensor.from_local(p.data, mesh.tp_mesh, [Replicate()], run_check=False)  # the same on every rank
             proj.register_parameter(name, nn.Parameter(whole, requires_grad=p.requires_grad))
         proj.register_forward_hook(one_head)
 
@@ -189,7 +206,12 @@ def apply_tensor_parallel(lm: nn.Module, mesh: SPMesh) -> nn.Module:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     for layer in decoder_layers(lm):
         parallelize_module(layer, tp_mesh, _layer_plan(layer, kv_heads, mesh.tp))
-        if kv_heads % mesh.tp:
-            _replicate_key_value(layer.self_attn, mesh, heads, kv_heads, head_dim)
-        _shard_sinks(layer.self_attn, mesh)
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and kv_heads % mesh.tp:
+            _replicate_key_value(attn, mesh, heads, kv_heads, head_dim)
+        if attn is not None:
+            _shard_sinks(attn, mesh)
+        for module in layer.modules():
+            if type(module).__name__.endswith("GatedDeltaNet"):
+                shard_gated_delta(module, mesh)
     return lm
