@@ -20,6 +20,46 @@ def workable_degrees(q_heads: int, sp: int) -> list[tuple[int, int]]:
     return [(u, sp // u) for u in range(1, sp + 1) if sp % u == 0 and u <= q_heads]
 
 
+def kv_heads_fit(kv_heads: int, tp: int) -> bool:
+    """Whether ``tp`` tensor-parallel ranks can hold ``kv_heads``: each a whole share of them (``tp`` divides them),
+    or, with fewer kv heads than ranks (MQA, narrow GQA), each the one its query heads read (they divide ``tp``)."""
+    return kv_heads % tp == 0 or tp % kv_heads == 0
+
+
+def tensor_parallel_degrees(*, heads: int, kv_heads: int, intermediate: int, vocab: int, ulysses: int = 1,
+                            limit: int | None = None) -> list[int]:
+    """Tensor-parallel degrees (up to ``limit``, default the heads) a model's sizes allow with ``ulysses``: each
+    rank whole query heads (at least ``ulysses`` of them, which Ulysses then deals), kv heads that fit
+    (:func:`kv_heads_fit`), whole MLP columns and an equal vocabulary slice."""
+    top = limit if limit is not None else heads
+    return [t for t in range(1, top + 1) if heads % t == 0 and intermediate % t == 0 and vocab % t == 0
+            and kv_heads_fit(kv_heads, t) and heads // t >= ulysses]
+
+
+def check_tensor_parallel_sizes(tp: int, ulysses: int, *, heads: int, kv_heads: int, intermediate: int, vocab: int) -> None:
+    """Raise a ValueError naming the sizes ``tp`` does not fit and the degrees that would, for the job (before any
+    mesh or model exists), the runtime and the planner alike."""
+    if tp == 1:
+        return
+    sizes = {"query heads (num_attention_heads)": heads, "MLP intermediate size (intermediate_size)": intermediate,
+             "vocabulary (vocab_size)": vocab}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if not kv_heads_fit(kv_heads, tp):
+        bad["kv heads (num_key_value_heads)"] = kv_heads
+    shape = dict(heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab)
+    if bad:
+        listed = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        options = ", ".join(map(str, tensor_parallel_degrees(**shape)[:8]))
+        raise ValueError(f"tp={tp} does not fit the model's {listed}: each tensor-parallel rank must hold whole "
+                         f"heads (kv heads divided by tp, or dividing it), MLP columns and an equal vocabulary slice. "
+                         f"Degrees that fit them all: {options}.")
+    if heads // tp < ulysses:
+        options = tensor_parallel_degrees(**shape, ulysses=ulysses)
+        raise ValueError(f"tp={tp} x ulysses={ulysses} needs at least one query head per rank, but the model has "
+                         f"{heads} query heads: each tensor-parallel rank keeps {heads // tp} and Ulysses deals them over "
+                         f"{ulysses} ranks. Lower ulysses (the ring takes the rest) or use tp in {options}.")
+
+
 def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "auto", dp: Degree = "auto",
                     dp_replicate: int = 1, q_heads: int | None = None, ranks_per_node: int | None = None,
                     seq_len: int | None = None, tp: int = 1) -> tuple[int, int, int]:

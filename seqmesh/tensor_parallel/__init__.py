@@ -2,6 +2,6 @@
 vocabulary-parallel LM head, is the model's (``seqmesh.model.vocab_parallel``).
 ``seqmesh.compose.parallelize_model`` applies it (step 4)."""
 
-from .plan import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_sizes
+from .plan import apply_tensor_parallel, check_tensor_parallel
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "tensor_parallel_sizes"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel"]

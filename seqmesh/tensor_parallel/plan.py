@@ -26,37 +26,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ..degrees import check_tensor_parallel_sizes
 from ..mesh import SPMesh
 from ..model.lm import decoder_layers
 from .linear_attention import check_heads as check_gated_delta_heads
 from .linear_attention import shard_gated_delta
 from .linear_attention import supports as supports_gated_delta
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _workable(sizes: dict[str, int], limit: int) -> list[int]:
-    """Tensor-parallel degrees up to ``limit`` that divide every size in ``sizes``."""
-    return [t for t in _divisors(limit) if all(v % t == 0 for v in sizes.values())]
-
-
-def tensor_parallel_sizes(config) -> dict[str, int]:
-    """The sizes a tensor-parallel degree must divide, by name: heads, the MLP's intermediate size and the
-    vocabulary (each rank holds whole heads, whole MLP columns and a whole vocabulary slice). The kv heads
-    must be divided by it or divide it (:func:`kv_heads_fit`)."""
-    return {
-        "query heads (num_attention_heads)": config.num_attention_heads,
-        "MLP intermediate size (intermediate_size)": config.intermediate_size,
-        "vocabulary (vocab_size)": config.vocab_size,
-    }
-
-
-def kv_heads_fit(kv_heads: int, tp: int) -> bool:
-    """Whether ``tp`` ranks can hold ``kv_heads``: each a whole share of them (``tp`` divides them), or, with fewer
-    kv heads than ranks (MQA, narrow GQA), each the one its query heads read (they divide ``tp``)."""
-    return kv_heads % tp == 0 or tp % kv_heads == 0
 
 
 def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
@@ -84,23 +59,10 @@ def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
             raise ValueError(f"{name} ({kind}) is a linear-attention layer seqmesh's tensor parallelism does not split "
                              "(it runs Qwen3.5's Gated DeltaNet, with separate q/k/v, z, b and a projections); train this "
                              "model with tp=1 (its sequence parallelism is exact).")
-    sizes = tensor_parallel_sizes(text)
-    kv = getattr(text, "num_key_value_heads", None) or sizes["query heads (num_attention_heads)"]
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if not kv_heads_fit(kv, tp):
-        bad["kv heads (num_key_value_heads)"] = kv
-    if bad:
-        listed = ", ".join(f"{k} = {v}" for k, v in bad.items())
-        options = ", ".join(map(str, [t for t in _workable(sizes, max(sizes.values())) if kv_heads_fit(kv, t)][:8]))
-        raise ValueError(f"tp={tp} does not fit the model's {listed}: each tensor-parallel rank must hold whole "
-                         f"heads (kv heads divided by tp, or dividing it), MLP columns and an equal vocabulary slice. "
-                         f"Degrees that fit them all: {options}.")
-    heads = sizes["query heads (num_attention_heads)"]
-    if heads // tp < mesh.ulysses:
-        options = [t for t in _workable(sizes, heads) if heads // t >= mesh.ulysses]
-        raise ValueError(f"tp={tp} x ulysses={mesh.ulysses} needs at least one query head per rank, but the model has "
-                         f"{heads} query heads: each tensor-parallel rank keeps {heads // tp} and Ulysses deals them over "
-                         f"{mesh.ulysses} ranks. Lower ulysses (the ring takes the rest) or use tp in {options}.")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    check_tensor_parallel_sizes(tp, mesh.ulysses, heads=heads, kv_heads=kv_heads, intermediate=text.intermediate_size,
+                                vocab=text.vocab_size)
 
 
 def _layer_plan(layer: nn.Module, kv_heads: int, tp: int) -> dict:

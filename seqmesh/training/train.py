@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..comm.ranks import agree, all_gather_object
 from ..compose import parallelize_model
-from ..degrees import resolve_degrees
+from ..degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..memory import MemoryTracker
 from ..memory.offload import enable_activation_offload
 from ..mesh import SPMesh, init_mesh
@@ -122,6 +122,12 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
                                         seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
+    if cfg.tp > 1:  # the sizes tensor parallelism splits, before any mesh or model (the layers are checked once built)
+        if shape.vision is not None:
+            raise ValueError(f"{cfg.model} is a vision-language model; seqmesh's tensor parallelism covers text "
+                             "decoders only so far. Train it with --tp 1 (Ulysses and ring shard its tower and decoder).")
+        check_tensor_parallel_sizes(cfg.tp, ulysses, heads=shape.heads, kv_heads=shape.kv_heads,
+                                    intermediate=shape.intermediate, vocab=shape.vocab)
     fsdp = uses_fsdp(cfg)
     if cfg.bf16 and not fsdp and not torch.cuda.is_available():
         raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")

@@ -176,11 +176,16 @@ def test_verify_passes_and_fails_loudly(pools, tmp_path):
     (dict(symbols=600), "the copy task uses 603 tokens (600 symbols + 3 reserved) but the model's vocabulary has 256"),
     (dict(data=["{tmp}/a.txt"], tokenizer="{tmp}"), "no tokenizer could be loaded from"),  # a folder, no tokenizer
     (dict(model="{tmp}/bad.json"), "bad.json, line 1, column 2, is not valid JSON"),
+    (dict(model="{tmp}/odd.json", ulysses=1, ring=1, dp=1, tp=4),
+     "tp=4 does not fit the model's MLP intermediate size (intermediate_size) = 130"),
 ])
 @pytest.mark.parametrize("entry", ["train", "verify"])
 def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, message, entry):
     (tmp_path / "a.txt").write_text("some text")
     (tmp_path / "bad.json").write_text("{oops")
+    (tmp_path / "odd.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 130,
+                                                   "num_hidden_layers": 2, "vocab_size": 256}))
     at_tmp = lambda v: [at_tmp(x) for x in v] if isinstance(v, list) else v.format(tmp=tmp_path) if isinstance(v, str) else v  # noqa: E731
     errors = pools.run(4, entry_error, entry, _cfg(tmp_path, **{k: at_tmp(v) for k, v in change.items()}))
     assert all(message in e for e in errors), errors
@@ -196,6 +201,10 @@ def test_degrees_auto_and_errors():
         resolve_degrees(8, **TrainConfig(ulysses=8, ring=1).degrees(), q_heads=4, ranks_per_node=8)
     with pytest.raises(ValueError, match="ulysses=2 x ring=2 does not divide the 6 ranks per replica"):
         resolve_degrees(6, ulysses=2, ring=2)
+    # tensor parallelism takes its ranks first: the others share world / tp, and Ulysses deals heads / tp
+    assert resolve_degrees(16, **{**auto, "tp": 2}, q_heads=32, ranks_per_node=8) == (4, 2, 1)
+    with pytest.raises(ValueError, match="tp=3 x dp_replicate=1 does not divide the 8 ranks"):
+        resolve_degrees(8, **{**auto, "tp": 3})
     with pytest.raises(ValueError, match="packed text data takes one sequence"):
         TrainConfig(data=["x.txt"], batch=2)
 
