@@ -37,7 +37,8 @@ from .linear_attention import supports as supports_gated_delta
 def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
     """Raise a ValueError, before any work, for a model ``mesh.tp`` cannot split: sizes it does not divide
     (listing the degrees that would work), or layers seqmesh does not yet shard by heads (mixture of
-    experts, Gated DeltaNet, a vision tower), naming the layer and the way out (``tp=1``)."""
+    experts, linear attention other than Qwen3.5's Gated DeltaNet, a vision tower), naming the layer and the
+    way out (``tp=1``)."""
     tp = mesh.tp
     if tp == 1:
         return
@@ -84,11 +85,19 @@ def _layer_plan(layer: nn.Module, kv_heads: int, tp: int) -> dict:
         if getattr(mlp, proj, None) is not None:
             plan[f"mlp.{proj}"] = ColwiseParallel()
     plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-    missing = [p for p in plan if layer.get_submodule(p) is None]
+    missing = [p for p in plan if not _has_submodule(layer, p)]
     if missing or (attn is not None and not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))):
         raise ValueError(f"{type(layer).__name__} does not have the q/k/v/o and gate/up/down projections seqmesh's "
                          "tensor parallelism splits; train it with tp=1.")
     return plan
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _attention_plan(attn: nn.Module, kv_heads: int, tp: int) -> dict:
