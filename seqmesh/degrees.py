@@ -1,7 +1,7 @@
 """How many ranks each parallelism gets: the one place ``auto`` degrees are resolved and refused.
 
-The mesh is ``(dp_replicate, dp_shard, ring, ulysses)``, outermost first (``seqmesh.mesh.AXES``); a
-tensor-parallel axis, when it comes, goes innermost, after ``ulysses``. The job, the Trainer and the
+The mesh is ``(dp_replicate, dp_shard, ring, ulysses, tp)``, outermost first (``seqmesh.mesh.AXES``): tensor
+parallelism innermost, after ``ulysses``. The job, the Trainer and the
 planner all resolve their degrees here, so they agree on what ``auto`` means and on every refusal.
 Torch-free: ``seqmesh plan`` imports it without torch.
 """
@@ -120,9 +120,9 @@ def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "aut
 
 @dataclass(frozen=True)
 class Degrees:
-    """How the GPUs are split, as the planner compares them. seqmesh runs ``tp == 1``; ``tp > 1`` is Megatron-style tensor (+sequence)
-    parallelism, kept as a reference point. World rank = ``tp_rank + T*(ulysses_rank + U*(ring_rank +
-    R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel."""
+    """How the GPUs are split, as the planner compares them: ``tp`` tensor-parallel ranks inside each of the
+    ``ulysses x ring`` sequence ranks (``seqmesh.tensor_parallel``), ``dp_shard`` groups of them. World rank =
+    ``tp_rank + T*(ulysses_rank + U*(ring_rank + R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel."""
 
     ulysses: int
     ring: int
@@ -136,7 +136,7 @@ class Degrees:
 
     @property
     def sp(self) -> int:
-        """Sequence-parallel degree: GPUs that share one sequence (ulysses x ring, or tp)."""
+        """GPUs that share one sequence: ulysses x ring x tp."""
         return self.ulysses * self.ring * self.tp
 
     @property
@@ -150,12 +150,12 @@ class Degrees:
 
     @property
     def runs_on_seqmesh(self) -> bool:
-        return self.tp == 1
+        """Every layout the planner lists runs on seqmesh (tensor parallelism included: it runs inside the sequence mesh)."""
+        return True
 
     def label(self) -> str:
-        if self.tp > 1:
-            return f"TP{self.tp} x DP{self.dp_shard} (ref)"
-        return f"U{self.ulysses} x R{self.ring} x DP{self.dp_shard}"
+        tp = f" x TP{self.tp}" if self.tp > 1 else ""
+        return f"U{self.ulysses} x R{self.ring}{tp} x DP{self.dp_shard}"
 
     def as_dict(self) -> dict[str, int]:
         return {"ulysses": self.ulysses, "ring": self.ring, "dp_shard": self.dp_shard, "tp": self.tp}

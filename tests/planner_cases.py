@@ -42,3 +42,39 @@ def measured_traffic(ulysses: int, ring: int, cases: list[TrafficCase]) -> list[
         out.append({"case": asdict(case), "ulysses_rank": mesh.ulysses_rank, "ring_rank": mesh.ring_rank,
                     "stats": stats.as_dict()})
     return out
+
+
+@dataclass(frozen=True)
+class ModelTrafficCase:
+    """One forward and backward of a tiny transformers model composed on a ``ring x ulysses x tp`` mesh."""
+
+    family: str
+    seq_len: int
+    batch: int = 1
+    dtype: str = "float64"
+    checkpointing: bool = False
+    loss_chunk: int = 16
+    fsdp: bool = False
+
+
+def measured_model_traffic(ulysses: int, ring: int, tp: int, cases: list[ModelTrafficCase]) -> list[dict]:
+    """Per case: what ``comm_stats`` counted on this rank for one training step's forward and backward, with the
+    model's shape for the planner. The batch is sharded outside the counted block."""
+    from family_cases import build, family_config
+    from seqmesh.compose import ParallelPlan, parallelize_model
+
+    mesh = get_mesh(ulysses, ring, 1, 1, tp)
+    out = []
+    for case in cases:
+        config = family_config(case.family)
+        model = build(config).to(getattr(torch, case.dtype))
+        plan = ParallelPlan(fsdp=case.fsdp, loss_chunk=case.loss_chunk, checkpointing=case.checkpointing)
+        module = parallelize_model(model, mesh, plan)
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, config.vocab_size, (case.batch, case.seq_len), generator=g)
+        local = seqmesh.shard_batch({"input_ids": ids}, mesh)
+        with seqmesh.comm_stats() as stats:
+            module(**local).backward()
+        out.append({"case": asdict(case), "ulysses_rank": mesh.ulysses_rank, "ring_rank": mesh.ring_rank,
+                    "stats": stats.as_dict(), "config": config.to_dict()})
+    return out

@@ -41,6 +41,8 @@ class MemoryBench:
     world: int = 1
     ulysses: int | str = "auto"
     ring: int | str = "auto"
+    tp: int = 1
+    """Tensor-parallel degree, innermost (``TrainConfig.tp``)."""
     budget: int | None = None
     """Bytes a rank may hold; None: report the peaks only."""
     options: dict = field(default_factory=dict)
@@ -56,8 +58,8 @@ def bench_config(bench: MemoryBench, seq_len: int, options: dict):
     ``seqmesh train`` on one process shards only with ``--fsdp``)."""
     from ..training.config import TrainConfig
 
-    return TrainConfig(model=bench.model, seq_len=seq_len, ulysses=bench.ulysses, ring=bench.ring, steps=2,
-                       symbols=8, **{"fsdp": True, **options})
+    return TrainConfig(model=bench.model, seq_len=seq_len, ulysses=bench.ulysses, ring=bench.ring, tp=bench.tp,
+                       steps=2, symbols=8, **{"fsdp": True, **options})
 
 
 def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int, str]:
@@ -99,7 +101,7 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     allocator = {"allocator_peak_bytes": torch.cuda.max_memory_allocated(device)} if cuda else {}
-    return {**tracker.report().as_dict(), **allocator, "local_tokens": seq_len // mesh.sp_size}
+    return {**tracker.report().as_dict(), **allocator, "local_tokens": seq_len // (mesh.sp_size * mesh.tp)}
 
 
 def sweep(bench: MemoryBench, pool=None) -> list[dict]:
@@ -208,7 +210,7 @@ def add_subcommand(bench_sub) -> None:
         if args.offload_checkpoints and not args.checkpointing:
             raise SystemExit("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
         bench = MemoryBench(model=args.model, seq_lens=args.seq_lens, world=args.world, ulysses=args.ulysses,
-                            ring=args.ring, budget=args.budget,
+                            ring=args.ring, tp=args.tp, budget=args.budget,
                             options={name: True for name in OPTIONS if getattr(args, name)})
         rows = compare(bench) if args.compare else sweep(bench)
         text = format_compare(bench, rows) if args.compare else format_sweep(bench, rows)
@@ -222,6 +224,7 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--world", type=int, default=1, help="ranks to spawn (gloo, CPU)")
     p.add_argument("--ulysses", type=degree, default="auto")
     p.add_argument("--ring", type=degree, default="auto")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, innermost (default 1: none)")
     p.add_argument("--budget", type=parse_bytes, help="bytes a rank may hold (512MiB, 2GiB): report the longest "
                    "length that fits")
     for name in OPTIONS:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "transient")
@@ -56,10 +56,14 @@ class MemoryReport:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the bytes this rank holds), other tensors as they are."""
+    """A DTensor's local shard (the bytes this rank holds), another wrapper subclass's inner tensor (each view of an
+    ``AsyncCollectiveTensor`` reports a storage of its own, with no bytes behind it), other tensors as they are."""
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.to_local()
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return _local(getattr(t, inner[0]))
     return t
 
 

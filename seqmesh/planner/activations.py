@@ -15,25 +15,32 @@ INT64 = 8
 
 
 def local_tokens(work: Workload, layout: Degrees) -> int:
-    """Tokens of each sequence one GPU holds outside attention (the padded length over the sequence degree)."""
-    if layout.tp > 1:
-        return padded_length(work.seq_len, layout.tp, 1, "contiguous") // layout.tp
-    return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // (layout.ulysses * layout.ring)
+    """Tokens of each sequence one GPU holds between the layers (the padded length over ulysses x ring x tp)."""
+    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
+    return padded // (layout.ulysses * layout.ring * layout.tp)
 
 
 def tokens(work: Workload, layout: Degrees) -> int:
-    """``T``: tokens one GPU holds outside attention, all ``batch`` sequences."""
+    """``T``: tokens one GPU holds between the layers (the residual stream, the norms), all ``batch`` sequences."""
     return work.batch * local_tokens(work, layout)
+
+
+def gathered_tokens(work: Workload, layout: Degrees) -> int:
+    """Tokens of one GPU inside the tensor-parallel regions (attention's projections, the MLP, the loss): its TP
+    group's slices gathered, ``B x L``; :func:`tokens` without TP."""
+    return tokens(work, layout) * layout.tp
+
+
+def tp_heads(m: ModelShape, layout: Degrees) -> tuple[int, int]:
+    """(query heads, kv heads) one TP rank projects (``tp`` divides both: the planner refuses other layouts)."""
+    return m.heads // layout.tp, m.kv_heads // layout.tp
 
 
 def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
     """(tokens, query heads, kv heads) inside attention on the busiest GPU: Ulysses gathers ``U`` ranks'
-    tokens for a share of the heads (the reference TP layouts: ``tp`` ranks' tokens, heads / tp)."""
-    m, t = work.model, tokens(work, layout)
-    if layout.tp > 1:
-        return t * layout.tp, m.heads // layout.tp, max(1, m.kv_heads // layout.tp)
-    deal = HeadDeal(m.heads, m.kv_heads, layout.ulysses)
-    return t * layout.ulysses, deal.max_q, deal.max_kv
+    tokens for a share of this TP rank's heads."""
+    deal = HeadDeal(*tp_heads(work.model, layout), layout.ulysses)
+    return gathered_tokens(work, layout) * layout.ulysses, deal.max_q, deal.max_kv
 
 
 def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
@@ -47,18 +54,18 @@ def attention_saved(work: Workload, layout: Degrees) -> int:
     m, e = work.model, work.act_bytes
     n, hq, hk = attention_heads(work, layout)
     saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
-    if layout.ulysses > 1 or layout.tp > 1:
-        saved += tokens(work, layout) * e * m.heads * m.head_dim // max(1, layout.tp)
+    if layout.ulysses > 1:
+        saved += gathered_tokens(work, layout) * e * m.heads // layout.tp * m.head_dim
     return saved
 
 
 def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
-    """Bytes one attention decoder layer keeps for backward on one GPU: two norms and their outputs,
-    attention, the MLP (docs/planner.md lists them)."""
-    m, e = work.model, work.act_bytes
-    per_token = 2 * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
-    mlp = 0 if work.tiled_mlp else tokens(work, layout) * 4 * m.intermediate * e  # gate, up, SiLU(gate), product
-    return tokens(work, layout) * per_token + attention_saved(work, layout) + mlp
+    """Bytes one attention decoder layer keeps for backward on one GPU: two norms, the projections' inputs (the
+    norms' outputs; under TP their gathered copies), attention, the MLP (docs/planner.md lists them)."""
+    m, e, g = work.model, work.act_bytes, gathered_tokens(work, layout)
+    norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
+    mlp = 0 if work.tiled_mlp else g * 4 * m.intermediate // layout.tp * e  # gate, up, SiLU(gate), product
+    return norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:
@@ -69,8 +76,9 @@ def layer_input_bytes(work: Workload, layout: Degrees) -> int:
 def outside_layers_bytes(work: Workload, layout: Degrees) -> int:
     """Kept all step outside the layers: token ids, positions, labels (and the loss's masked copy), and
     RoPE's cos and sin."""
-    t, m = tokens(work, layout), work.model
-    return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes)
+    t, m = gathered_tokens(work, layout), work.model  # every TP rank of a group holds its sequence rank's L tokens
+    first_input = 2 * layer_input_bytes(work, layout) if layout.tp > 1 else 0
+    return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes) + first_input
 
 
 def final_norm_bytes(work: Workload, layout: Degrees) -> int:
@@ -79,7 +87,8 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     if work.offload_checkpoints:
         return t * (e * m.hidden + (4 if work.efficient_norm else 0))
-    return t * (norm_saved(m, e, work.efficient_norm) + e * m.hidden)
+    output = e * m.hidden if layout.tp == 1 else 0  # under TP the loss keeps its gathered copy instead
+    return t * (norm_saved(m, e, work.efficient_norm) + output)
 
 
 def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
@@ -102,30 +111,52 @@ def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int,
                     ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
 
 
+def gather_backward(name: str, gathered: int) -> tuple[str, int, int]:
+    """The adjoint of a TP region's reduce-scatter on its output: the output's gradient all-gathered over the TP
+    group, ``(B, L, hidden)``. DTensor waits for it lazily and cuts the dim-0 result into the sequence dim, which
+    leaves three such tensors until the projection's backward has used them (measured, torch 2.13)."""
+    return (f"{name} output gather backward", 3 * gathered, 0)
+
+
+def scatter_backward(name: str, gathered: int, local: int) -> tuple[str, int, int]:
+    """The adjoint of a TP region's input all-gather: its gradient reduce-scattered to this rank's slice, through a
+    dim-0-contiguous copy; the copy and the gathered gradient freed."""
+    return (f"{name} input reduce-scatter backward", gathered + local, 2 * gathered)
+
+
 def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
     """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the state where
-    it starts (every tensor the layer saved and the gradient of its output alive)."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
-    hidden, inner = t * m.hidden * e, t * m.intermediate * e  # one (token, hidden) / (token, intermediate) tensor
+    it starts (every tensor the layer saved and the gradient of its output alive). Under TP the regions between
+    the norms work on the gathered tokens with 1/tp of the heads and MLP columns."""
+    m, e, t, g = work.model, work.act_bytes, tokens(work, layout), gathered_tokens(work, layout)
+    hidden, wide = t * m.hidden * e, g * m.hidden * e  # one (token, hidden) tensor: a slice, a TP group's tokens
+    inner = g * m.intermediate // layout.tp * e  # one (token, intermediate) tensor, this rank's columns
+    tp = layout.tp > 1
+    hq_rank, hk_rank = tp_heads(m, layout)
     norm = norm_backward_steps(work, layout)
-    qkv = t * (m.heads + 2 * m.kv_heads) * m.head_dim * e
-    out = t * m.heads * m.head_dim * e
+    qkv = g * (hq_rank + 2 * hk_rank) * m.head_dim * e
+    out = g * hq_rank * m.head_dim * e
+    steps = [gather_backward("down_proj", wide)] if tp else []
     if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
         tile = mlp_tile_tokens(work, layout)
         tile_set = tile * (7 * m.intermediate + m.hidden) * e
         tile_grads = 3 * m.hidden * m.intermediate * e  # this tile's weight gradients beside the running sums
-        steps = [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
+        steps += [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
     else:
-        steps = [("down_proj backward", inner, inner),  # d(product); the product freed
-                 ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
-                 ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
-                 # two input gradients, the second added in place into the first; the norm's output freed
-                 ("gate/up_proj backward", 2 * hidden, 2 * inner + 2 * hidden)]
+        steps += [("down_proj backward", inner, inner + (3 * wide if tp else 0)),  # d(product); the product (and
+                  # the gathered output gradient) freed
+                  ("SwiGLU product backward", 2 * inner, 3 * inner),  # d(SiLU), d(up); SiLU, up, d(product) freed
+                  ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
+                  # two input gradients, the second added in place into the first; the norm's output freed
+                  ("gate/up_proj backward", 2 * wide, 2 * inner + 2 * wide)]
+    if tp:
+        steps += [scatter_backward("MLP", wide, hidden)]
     n, hq, _ = attention_heads(work, layout)
-    o_input = out if layout.ulysses > 1 or layout.tp > 1 else 0  # the output projection's own input (Ulysses)
+    o_input = out if layout.ulysses > 1 else 0  # the output projection's own input (Ulysses)
     steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
-              ("residual gradient sum", 0, hidden),  # in place into the residual stream's gradient
-              ("o_proj backward", out, o_input)]
+              ("residual gradient sum", 0, hidden)]  # in place into the residual stream's gradient
+    steps += [gather_backward("o_proj", wide)] if tp else []
+    steps += [("o_proj backward", out, o_input + (3 * wide if tp else 0))]
     d_out = out
     if o_input:  # the output's gradient scattered to this rank's heads, the local one freed
         d_out = n * hq * m.head_dim * e
@@ -133,8 +164,10 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
     work_set = attention_backward_bytes(work, layout)
     steps += [("attention backward", work_set, work_set - qkv + attention_saved(work, layout) - o_input + d_out),
               ("rotary backward", qkv, qkv),
-              ("q/k/v_proj backward", 2 * hidden, qkv + 2 * hidden),  # summed in place; the norm's output freed
-              *(("input " + op, a, f) for op, a, f in norm),
+              ("q/k/v_proj backward", 2 * wide, qkv + 2 * wide)]  # summed in place; the norm's output freed
+    if tp:
+        steps += [scatter_backward("attention", wide, hidden)]
+    steps += [*(("input " + op, a, f) for op, a, f in norm),
               ("residual gradient sum", 0, hidden)]
     return steps
 
@@ -161,9 +194,10 @@ def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
     if layout.ring > 1:  # a ring of two has no middle step: no block being received while one is computed
         fp32_blocks, kv_blocks = (3, 2) if layout.ring == 2 else (4, 3)
         inner += n * hq * d * 4 + n * 2 * hk * d * (fp32_blocks * 4 + kv_blocks * e)
-    if layout.ulysses == 1 and layout.tp == 1:
+    if layout.ulysses == 1:
         return inner
-    returned = tokens(work, layout) * (work.model.heads + 2 * work.model.kv_heads) * d * e // max(1, layout.tp)
+    hq_rank, hk_rank = tp_heads(m, layout)
+    returned = gathered_tokens(work, layout) * (hq_rank + 2 * hk_rank) * d * e
     return max(inner, 2 * kernel + returned)
 
 

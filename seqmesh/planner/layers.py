@@ -1,5 +1,5 @@
-"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (full, or a causal sliding window),
-Gated DeltaNet, and the tensor-parallel reference. Each kind gives its FSDP unit's parameters, its collectives'
+"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (full, or a causal sliding window;
+with tensor parallelism inside, :mod:`.tensor_parallel`) and Gated DeltaNet. Each kind gives its FSDP unit's parameters, its collectives'
 bytes per phase and its saved tensors; the step walks take the model's kinds from :func:`layer_kinds`.
 """
 
@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 from ..padding import padded_length
 from ..model.presets import ModelShape
-from .activations import decoder_layer_saved_bytes, local_tokens, tokens
+from .activations import decoder_layer_saved_bytes, local_tokens, tokens, tp_heads
 from .hardware import HardwareSpec
-from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
+from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, link_name
 from ..heads import HeadDeal
-from .traffic import (attention_traffic, call_bytes, fsdp_traffic, linear_attention_traffic, ring_steps,
-                      tensor_parallel_traffic, worst_rank)
+from .tensor_parallel import layer_traffic, split_params
+from .traffic import attention_traffic, call_bytes, fsdp_traffic, linear_attention_traffic, ring_steps, worst_rank
 from ..degrees import Degrees
-from .workload import Workload, layer_params
+from .workload import Workload
 
 LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
 Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
@@ -40,19 +40,23 @@ def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> in
 
 @dataclass(frozen=True)
 class Attention:
-    """A decoder layer with seqmesh attention over ``ulysses x ring``; ``window``: a causal sliding window."""
+    """A decoder layer with seqmesh attention over ``ulysses x ring`` (each TP rank its ``1 / tp`` of the heads);
+    ``window``: a causal sliding window."""
 
     work: Workload
     layout: Degrees
     window: int | None = None
 
     def params(self) -> int:
-        return -(-layer_params(self.work.model) // self.layout.tp)
+        """Parameters of the layer's FSDP unit on one TP rank."""
+        return split_params(self.work.model, self.layout.tp)["layer"]
 
     def ranks(self):
-        """Each sequence rank's traffic in one layer (:func:`.traffic.attention_traffic`)."""
+        """Each sequence rank's traffic in one layer (:func:`.traffic.attention_traffic`), over this TP rank's heads
+        and its sequence share (padded so that tp divides it)."""
         w, lay, m = self.work, self.layout, self.work.model
-        return attention_traffic(m.heads, m.kv_heads, m.head_dim, seq_len=w.seq_len, batch=w.batch,
+        padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout, lay.tp)
+        return attention_traffic(*tp_heads(m, lay), m.head_dim, seq_len=padded, batch=w.batch,
                                  ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype, layout=w.layout,
                                  validate=w.validate and self.window is None, window=self.window)
 
@@ -60,23 +64,32 @@ class Attention:
         ranks = self.ranks()
         fwd, bwd = ({"ulysses_all_to_all": worst_rank(ranks, "all_to_all", ph),
                      "ring_p2p": worst_rank(ranks, "p2p", ph)} for ph in ("forward", "backward"))
-        return phases(fwd, bwd, self.work.checkpointing)
+        sent = phases(fwd, bwd, self.work.checkpointing)
+        if self.layout.tp > 1:  # the TP regions' gathers and reduce-scatters
+            for phase, tp in layer_traffic(self.work, self.layout).items():
+                sent[phase] |= tp
+        return sent
 
     def input_check(self) -> int:
         """seqmesh's input check: one tiny all-gather per step (the first attention call of a batch)."""
         return worst_rank(self.ranks(), "control", "forward")
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {"ulysses_all_to_all": link_name(hw, axis_groups(self.layout, "ulysses")),
-                "ring_p2p": link_name(hw, axis_groups(self.layout, "ring")),
-                "input_check_all_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        links = {"ulysses_all_to_all": link_name(hw, axis_groups(self.layout, "ulysses")),
+                 "ring_p2p": link_name(hw, axis_groups(self.layout, "ring")),
+                 "input_check_all_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        if self.layout.tp > 1:
+            tp = link_name(hw, axis_groups(self.layout, "tp"))
+            links |= {"tp_all_gather": tp, "tp_reduce_scatter": tp, "tp_all_reduce": tp}
+        return links
 
     def pairs(self) -> int:
         return attention_pairs(self.work.seq_len, self.work.causal, self.window)
 
     def ring_hops(self) -> int:
         """K/V hops of one ring pass: the ring steps that compute anything, less the local one."""
-        padded = padded_length(self.work.seq_len, self.layout.ulysses, self.layout.ring, self.work.layout)
+        padded = padded_length(self.work.seq_len, self.layout.ulysses, self.layout.ring, self.work.layout,
+                               self.layout.tp)
         return ring_steps(self.layout.ring, padded, self.work.layout, self.window) - 1
 
     def saved_bytes(self) -> int:
@@ -121,7 +134,7 @@ class GatedDeltaNet:
     work: Workload
     layout: Degrees
 
-    def params(self) -> int:  # not divided by tp: the TP reference does not split these layers' units
+    def params(self) -> int:  # tp is 1: seqmesh's tensor parallelism does not split these layers
         return linear_layer_params(self.work.model)
 
     def ranks(self):
@@ -174,36 +187,7 @@ class GatedDeltaNet:
                 "serial": a2a_fwd * repeats + a2a_bwd + 2 * ag + rs}
 
 
-@dataclass(frozen=True)
-class TensorParallel:
-    """``inner``'s layer under Megatron tensor + sequence parallelism (a reference seqmesh does not run): its FSDP
-    unit, and :func:`.traffic.tensor_parallel_traffic` instead of sequence-parallel traffic."""
-
-    inner: Attention | GatedDeltaNet
-
-    def params(self) -> int:
-        return self.inner.params()
-
-    def traffic(self) -> Phases:
-        w, lay = self.inner.work, self.inner.layout
-        tp = tensor_parallel_traffic(w.batch * w.seq_len, w.model.hidden, lay.tp, w.torch_dtype)
-        fwd = {"tp_all_gather": tp["all_gather"], "tp_reduce_scatter": tp["reduce_scatter"]}
-        return phases(fwd, dict(fwd), w.checkpointing)
-
-    def links(self, hw: HardwareSpec) -> dict[str, str]:
-        link = link_name(hw, [list(range(self.inner.layout.tp))])
-        return {"tp_all_gather": link, "tp_reduce_scatter": link}
-
-    def comm_seconds(self, hw: HardwareSpec) -> float:
-        """One layer's TP collectives, one way (forward or backward), none overlapped."""
-        per_call = self.traffic()["forward"]["tp_all_gather"] // 2  # 2 all-gathers and 2 reduce-scatters, alike
-        return 4 * gather_seconds(per_call, hw, list(range(self.inner.layout.tp)))
-
-    def saved_bytes(self) -> int:
-        return decoder_layer_saved_bytes(self.inner.work, self.inner.layout)
-
-
-LayerKind = Attention | GatedDeltaNet | TensorParallel
+LayerKind = Attention | GatedDeltaNet
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
@@ -214,6 +198,4 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     if m.sliding_window:
         kinds.append((Attention(work, layout, m.sliding_window), m.sliding_layers))
     kinds.append((GatedDeltaNet(work, layout), m.linear_layers))
-    if layout.tp > 1:
-        kinds = [(TensorParallel(kind), n) for kind, n in kinds]
     return [(kind, n) for kind, n in kinds if n]

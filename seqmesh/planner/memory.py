@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .activations import (attention_backward_bytes, final_norm_bytes, layer_backward_timeline, layer_input_bytes,
-                          local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes, timeline_peak, tokens)
+from .activations import (attention_backward_bytes, final_norm_bytes, gathered_tokens, layer_backward_timeline,
+                          layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes,
+                          timeline_peak, tokens)
 from .layers import layer_kinds
+from .tensor_parallel import split_params
 from ..degrees import Degrees
-from .workload import Workload, embedding_unit_params, layer_params, root_params
+from .workload import Workload
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
 MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backward", "end of backward",
@@ -47,8 +49,8 @@ class MemoryBreakdown:
 def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
     """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward: ``embedding`` (an untied
     embedding's, beside the root's; absent when tied) and ``root`` (last), as docs/planner.md ("Memory") says."""
-    m, e, t = work.model, work.act_bytes, layout.tp
-    root, emb = (-(-n // t) for n in (root_params(m), embedding_unit_params(m)))
+    e, split = work.act_bytes, split_params(work.model, layout.tp)
+    root, emb = split["root"], split["embedding"]
     reduce_copy = 4 if e != 4 else 0
     out = {"root": root * (e + reduce_copy)}
     if emb:
@@ -61,9 +63,9 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     (at the loss the LM head's gradient is still the loss's accumulator, counted in :func:`loss_memory`)."""
     if moment not in MOMENTS:
         raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
-    m, e, t = work.model, work.act_bytes, layout.tp
-    shard = -(-m.params // (t * layout.fsdp_group))
-    layer, root = (-(-n // t) for n in (layer_params(m), root_params(m)))
+    m, e, split = work.model, work.act_bytes, split_params(work.model, layout.tp)
+    shard = -(-split["total"] // layout.fsdp_group)
+    layer, root = split["layer"], split["root"]
     prefetched = layer if layout.fsdp_group > 1 else 0  # the next layer's all-gather, issued during this one's
     gathered = {"loss forward": root, "loss backward": root, "layer backward": root + layer + prefetched,
                 "first layer backward": root + layer, "end of backward": root, "optimizer step": 0}[moment]
@@ -75,7 +77,7 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
         grad_shards = GRAD_SHARD * (m.layers - 1) * -(-layer // layout.fsdp_group) + 4 * layer
     step_temps = 0
     if moment == "optimizer step":
-        largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (t * layout.fsdp_group))
+        largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (layout.tp * layout.fsdp_group))
         step_temps = 4 * shard if work.optimizer_foreach else 2 * 4 * largest
     if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in
         return gathered * e + MASTER * -(-gathered // layout.fsdp_group), unsharded, 0
@@ -88,7 +90,7 @@ def host_memory(work: Workload, layout: Degrees) -> int:
     m, e = work.model, work.act_bytes
     host = 0
     if work.fsdp_cpu_offload:
-        host += (MASTER + GRAD_SHARD + ADAM) * -(-m.params // (layout.tp * layout.fsdp_group))
+        host += (MASTER + GRAD_SHARD + ADAM) * -(-split_params(m, layout.tp)["total"] // layout.fsdp_group)
     if work.offload_checkpoints:
         final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
         host += m.layers * layer_input_bytes(work, layout) + tokens(work, layout) * final_norm
@@ -129,18 +131,22 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
     """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"): its float32
-    LSE per token and one chunk's logits; backward also the hidden states' and the head's gradients."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    LSE per token and one chunk's logits; backward also the hidden states' and the head's gradients. Under TP
+    (``seqmesh.model.vocab_parallel``) the loss works on its group's gathered tokens, keeps that gathered copy of
+    the hidden states, and each tile's logits are this rank's ``V / tp`` columns, three float32 tiles at once
+    (the logits, less their maximum, and its exponential)."""
+    m, e, t = work.model, work.act_bytes, gathered_tokens(work, layout)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
-    v, h = m.vocab, m.hidden
+    v, h, tp = m.vocab // layout.tp, m.hidden, layout.tp > 1
+    kept = t * h * e if tp else 0  # the gathered hidden states the loss saves (without TP: the final norm's output)
     if moment == "loss forward":  # the compute-dtype logits and their float32 copy (one tensor in fp32)
-        return t * 4 + n * v * (4 + (e if e != 4 else 0))
-    head = -(-v * h // layout.tp)
+        return kept + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
+    head = -(-m.vocab * h // layout.tp)
     if e == 4:
         chunk = n * v * 4 + 4 * max(n * h, head)
     else:
         chunk = max(n * v * (4 + e), n * v * e + max(n * h * e, head * (e + 4)))
-    return t * 4 + t * h * e + head * 4 + chunk
+    return kept + t * 4 + t * h * e + head * 4 + chunk
 
 
 def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:

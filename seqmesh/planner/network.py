@@ -153,14 +153,17 @@ def world_rank(layout: Degrees, ulysses_rank: int, ring_rank: int, dp_rank: int,
 
 @lru_cache(maxsize=256)
 def every_group(layout: Degrees, kind: str) -> tuple[tuple[int, ...], ...]:
-    """Every Ulysses, ring or sequence (ulysses x ring) group of ``layout``: the groups that run a
-    collective at the same moment."""
-    u, r, d = range(layout.ulysses), range(layout.ring), range(layout.dp_shard)
+    """Every Ulysses, ring, sequence (ulysses x ring) or tensor-parallel group of ``layout``: the groups that run
+    a collective at the same moment (one set per TP rank: each TP rank's heads have their own Ulysses and ring
+    groups, all busy at once)."""
+    u, r, d, t = range(layout.ulysses), range(layout.ring), range(layout.dp_shard), range(layout.tp)
+    if kind == "tp":
+        return tuple(tuple(world_rank(layout, i, j, k, x) for x in t) for k in d for j in r for i in u)
     if kind == "ulysses":
-        return tuple(tuple(world_rank(layout, i, j, k) for i in u) for k in d for j in r)
+        return tuple(tuple(world_rank(layout, i, j, k, x) for i in u) for k in d for j in r for x in t)
     if kind == "ring":
-        return tuple(tuple(world_rank(layout, i, j, k) for j in r) for k in d for i in u)
-    return tuple(tuple(world_rank(layout, i, j, k) for j in r for i in u) for k in d)
+        return tuple(tuple(world_rank(layout, i, j, k, x) for j in r) for k in d for i in u for x in t)
+    return tuple(tuple(world_rank(layout, i, j, k, x) for j in r for i in u) for k in d for x in t)
 
 
 def axis_groups(layout: Degrees, kind: str) -> list[list[int]]:

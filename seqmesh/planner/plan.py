@@ -10,15 +10,16 @@ from dataclasses import dataclass, field, replace
 from .hardware import GiB, Cluster, HardwareSpec
 from .memory import MemoryBreakdown, memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
-from .layers import Attention, GatedDeltaNet, LayerKind, TensorParallel, layer_kinds
+from .layers import Attention, GatedDeltaNet, LayerKind, layer_kinds
 from .network import every_group, link_name
 from .timing import StepTime, step_time
 from ..padding import padded_length
 from ..heads import HeadDeal
+from .tensor_parallel import pooled_loss_bytes, split_params, step_traffic, tensor_parallel_refusal
 from .traffic import fsdp_traffic
 from .vision import tower_memory, with_tower
 from ..degrees import Degrees
-from .workload import GlobalBatch, Workload, embedding_unit_params, root_params
+from .workload import GlobalBatch, Workload
 
 
 PHASES = ("forward", "backward", "recompute")
@@ -94,30 +95,29 @@ def workload_dict(work: Workload, cluster: Cluster) -> dict:
 
 def layouts(work: Workload, cluster: Cluster,
             target: GlobalBatch = GlobalBatch()) -> tuple[list[Degrees], list[tuple[Degrees, str]]]:
-    """Every layout of the cluster's GPUs, and the ones that cannot run (or cannot give ``target``'s
-    global batch) with the reason."""
+    """Every layout of the cluster's GPUs, ``tp x ulysses x ring x dp_shard``, and the ones that cannot run (or
+    cannot give ``target``'s global batch) with the reason."""
     m, n = work.model, cluster.gpus
     ok, excluded = [], []
-    for sp in divisors(n):
-        for u in divisors(sp):
-            lay = Degrees(u, sp // u, n // sp)
-            if u > m.heads:
-                excluded.append((lay, f"ulysses {u} exceeds the {m.heads} query heads; put the rest on the ring"))
-            elif m.linear_layers and sp > m.linear_value_heads:
-                excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet value "
-                                      "heads"))
-            elif work.media is not None and u > m.vision.heads:
-                excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
-            else:
-                ok.append(lay)
-    for tp in divisors(n)[1:]:
-        lay = Degrees(1, 1, n // tp, tp)
-        if tp > cluster.hardware.gpus_per_node:
-            excluded.append((lay, f"tensor parallelism beyond one node ({tp} > {cluster.hardware.gpus_per_node})"))
-        elif m.heads % tp or (m.kv_heads % tp and tp % m.kv_heads):
-            excluded.append((lay, f"TP {tp} does not divide {m.heads} query / {m.kv_heads} kv heads"))
-        else:
-            ok.append(lay)
+    for tp in divisors(n):
+        for sp in divisors(n // tp):
+            for u in divisors(sp):
+                lay = Degrees(u, sp // u, n // tp // sp, tp)
+                why = tensor_parallel_refusal(work, cluster.hardware, lay) if tp > 1 else None
+                heads = m.heads // tp
+                if why:
+                    excluded.append((lay, why))
+                elif u > heads:
+                    excluded.append((lay, f"ulysses {u} exceeds the {heads} query heads"
+                                          + (f" each of the {tp} TP ranks keeps" if tp > 1 else "")
+                                          + "; put the rest on the ring"))
+                elif m.linear_layers and sp > m.linear_value_heads:
+                    excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet "
+                                          "value heads"))
+                elif work.media is not None and u > m.vision.heads:
+                    excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
+                else:
+                    ok.append(lay)
     for lay in list(ok):
         why = target.why_not(lay, work.batch)
         if why:
@@ -131,9 +131,7 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
     the busiest rank; what each counts is docs/planner.md's "JSON output" (``comm_bytes_per_layer``, ``_per_step``)."""
     m = work.model
     attention = Attention(work, layout)
-    shown = [TensorParallel(attention)] if layout.tp > 1 else [attention]
-    if m.linear_layers and layout.tp == 1:
-        shown.append(GatedDeltaNet(work, layout))
+    shown = [attention] + ([GatedDeltaNet(work, layout)] if m.linear_layers else [])
     per_layer = {phase: {} for phase in PHASES}
     fsdp_link = link_name(hw, [[r for group in every_group(layout, "sequence") for r in group]])
     links = {"fsdp_all_gather": fsdp_link, "fsdp_reduce_scatter": fsdp_link}
@@ -148,13 +146,18 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
         for sent in with_fsdp(kind, work, layout).values():
             for k, v in sent.items():
                 step[k] += count * v
-    units = [(fsdp_traffic(-(-n // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype), gathers)
-             for n, gathers in ((root_params(m), 1), (embedding_unit_params(m), 2)) if n]  # root, untied embedding
+    split = split_params(m, layout.tp)
+    units = [(fsdp_traffic(n, layout.fsdp_group, work.torch_dtype, work.reduce_dtype), gathers)
+             for n, gathers in ((split["root"], 1), (split["embedding"], 2)) if n]  # root, untied embedding
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
-    if layout.tp == 1:
-        step["input_check_all_gather"] = attention.input_check()
+    step["input_check_all_gather"] = attention.input_check()
+    step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
+    if layout.tp > 1:  # the embedding's and the loss's TP collectives, the loss tiles' and norm gradients' all-reduces
+        for sent in step_traffic(work, layout).values():
+            for k, v in sent.items():
+                step[k] = step.get(k, 0) + v
     for phase in (*per_layer.values(), step):
         phase["total"] = sum(phase.values())
     return per_layer, links, step
@@ -189,15 +192,15 @@ def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBa
     if mem.total > hw.memory_bytes:
         problems.append(f"needs {mem.total / GiB:.1f} GiB per GPU, more than the {hw.memory_bytes / GiB:.1f} GiB it "
                         "has")
-    if layout.tp > 1:
-        notes.append("reference: seqmesh does not run tensor parallelism")
-    elif layout.ulysses > 1:
-        if m.heads % layout.ulysses:
-            notes.append(f"uneven heads: {m.heads} query heads over {layout.ulysses} Ulysses ranks")
-        if HeadDeal(m.heads, m.kv_heads, layout.ulysses).replicated:
-            notes.append(f"kv replication: {m.kv_heads} kv heads over {layout.ulysses} Ulysses ranks")
-    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
-    if padded != work.seq_len and layout.tp == 1:
+    heads, kv_heads = m.heads // layout.tp, m.kv_heads // layout.tp  # each TP rank's, dealt by its Ulysses group
+    each = f" (each TP rank's)" if layout.tp > 1 else ""
+    if layout.ulysses > 1:
+        if heads % layout.ulysses:
+            notes.append(f"uneven heads: {heads} query heads{each} over {layout.ulysses} Ulysses ranks")
+        if HeadDeal(heads, kv_heads, layout.ulysses).replicated:
+            notes.append(f"kv replication: {kv_heads} kv heads{each} over {layout.ulysses} Ulysses ranks")
+    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
+    if padded != work.seq_len:
         notes.append(f"padded to {padded} tokens")
     tokens = layout.dp_shard * work.batch * work.seq_len
     return Candidate(layout, mem, per_layer, links, per_step, t, tokens / t.total, not problems,

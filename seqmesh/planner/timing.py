@@ -8,13 +8,15 @@ from dataclasses import asdict, dataclass
 
 from .hardware import HardwareSpec
 from .memory import local_tokens
-from .layers import Attention, GatedDeltaNet, TensorParallel, attention_average, attention_pairs
+from .activations import tp_heads
+from .layers import Attention, GatedDeltaNet, attention_average, attention_pairs
 from .network import axis_all_to_all_seconds, every_group, fsdp_seconds, ring_hop_seconds
 from ..padding import padded_length
 from ..heads import HeadDeal
+from .tensor_parallel import layer_seconds, split_params, step_seconds
 from .traffic import call_bytes, fsdp_traffic, ring_block_bytes
 from ..degrees import Degrees
-from .workload import Workload, embedding_unit_params, layer_matmul_params, layer_params, root_params
+from .workload import Workload, layer_matmul_params
 
 __all__ = ["ATTENTION_BACKWARD", "StepTime", "attention_pairs", "ring_attention_seconds", "ring_hop_count", "step_time"]
 
@@ -50,37 +52,29 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     m, b = work.model, work.batch
     peak = hw.flops_for(work.dtype)
     mm_rate, attn_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
-    tokens = b * local_tokens(work, layout)
-    mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # under TP: all tokens, 1/tp of the weights
+    tokens = b * local_tokens(work, layout)  # between the layers; inside the TP regions tp times as many
+    mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # = the TP group's tokens x 1/tp of the weights
     pairs = attention_average(work, layout, Attention.pairs)
-    if layout.tp > 1:
-        heads = m.heads // layout.tp
-        attn_fwd = 4 * m.head_dim * heads * b * pairs / attn_rate
-    else:
-        heads = HeadDeal(m.heads, m.kv_heads, layout.ulysses).max_q
-        attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
+    heads = HeadDeal(*tp_heads(m, layout), layout.ulysses).max_q
+    attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
     attn_bwd = ATTENTION_BACKWARD * attn_fwd
-    if layout.tp == 1 and layout.ring > 1:  # smaller kernels and the merges: the split-and-merge efficiency
-        block = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // layout.ring  # query tokens
-        efficiency = hw.ring_efficiency.at(block)
+    if layout.ring > 1:  # smaller kernels and the merges: the split-and-merge efficiency
+        block = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp) // layout.ring
+        efficiency = hw.ring_efficiency.at(block)  # of query tokens
         attn_fwd, attn_bwd = attn_fwd / efficiency, attn_bwd / efficiency
-    elif layout.tp == 1:  # seqmesh's merge into float32 accumulators, one step
+    else:  # seqmesh's merge into float32 accumulators, one step
         attn_fwd += ring_merge_seconds(work, layout, hw, "forward")
         attn_bwd += ring_merge_seconds(work, layout, hw, "backward")
 
-    if layout.tp > 1:
-        comm_fwd = comm_bwd = TensorParallel(Attention(work, layout)).comm_seconds(hw)
-        fwd = mm_fwd + attn_fwd + comm_fwd
-        bwd = 2 * mm_fwd + attn_bwd + comm_bwd
-    else:
-        a2a_fwd, a2a_bwd = (_ulysses_seconds(work, layout, hw, phase) for phase in ("forward", "backward"))
-        ring_fwd, p2p_fwd = ring_attention_seconds(work, layout, hw, attn_fwd, "forward")
-        ring_bwd, p2p_bwd = ring_attention_seconds(work, layout, hw, attn_bwd, "backward")
-        fwd = mm_fwd + a2a_fwd + ring_fwd
-        bwd = 2 * mm_fwd + a2a_bwd + ring_bwd
-        comm_fwd, comm_bwd = a2a_fwd + p2p_fwd, a2a_bwd + p2p_bwd
-    if work.checkpointing:
-        bwd += fwd
+    a2a_fwd, a2a_bwd = (_ulysses_seconds(work, layout, hw, phase) for phase in ("forward", "backward"))
+    ring_fwd, p2p_fwd = ring_attention_seconds(work, layout, hw, attn_fwd, "forward")
+    ring_bwd, p2p_bwd = ring_attention_seconds(work, layout, hw, attn_bwd, "backward")
+    tp = layer_seconds(work, layout, hw)  # TP collectives: on the critical path, nothing hides them
+    fwd = mm_fwd + a2a_fwd + ring_fwd + tp["forward"]
+    bwd = 2 * mm_fwd + a2a_bwd + ring_bwd + tp["backward"]
+    comm_fwd, comm_bwd = a2a_fwd + p2p_fwd + tp["forward"], a2a_bwd + p2p_bwd + tp["backward"]
+    if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
+        bwd += fwd - tp["forward"] + tp["recompute"]
     # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer
     mlp_recompute = mm_fwd * 3 * m.hidden * m.intermediate / layer_matmul_params(m) if work.tiled_mlp else 0.0
     bwd += mlp_recompute
@@ -91,32 +85,34 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     fsdp_ranks = [r for group in every_group(layout, "sequence") for r in group]
 
     def unit_seconds(params: int) -> tuple[float, float]:
-        """(all-gather, reduce-scatter) seconds of an FSDP unit of ``params``, each TP rank its share."""
-        sent = fsdp_traffic(-(-params // layout.tp), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+        """(all-gather, reduce-scatter) seconds of an FSDP unit of ``params`` on one TP rank."""
+        sent = fsdp_traffic(params, layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
         return fsdp_seconds(sent, hw, fsdp_ranks)
 
-    ag, rs = unit_seconds(layer_params(m))
+    split = split_params(m, layout.tp)
+    ag, rs = unit_seconds(split["layer"])
     layer_fwd, layer_bwd = max(fwd, ag, offload), max(bwd, ag + rs, offload)
 
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
     head = (8 if work.chunked_loss else 6) * tokens * m.vocab * m.hidden / mm_rate
-    root_comm = sum(unit_seconds(root_params(m)))  # gathered once, kept gathered for backward, reduce-scattered
+    root_comm = sum(unit_seconds(split["root"]))  # gathered once, kept gathered for backward, reduce-scattered
     # an untied embedding's own unit: gathered before the first layer (exposed), gathered again behind the
     # first layer's backward (prefetched in place of a next layer's) and reduce-scattered at the end (exposed)
-    emb_ag, emb_rs = unit_seconds(embedding_unit_params(m))
-    emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd if embedding_unit_params(m) else 0.0
-    full = m.layers - (m.linear_layers if layout.tp == 1 else 0)  # under TP every layer is timed as attention
-    total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm
+    emb_ag, emb_rs = unit_seconds(split["embedding"])
+    emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd if split["embedding"] else 0.0
+    tp_step = step_seconds(work, layout, hw)  # the embedding's, the loss's and the norm gradients' TP collectives
+    full = m.layers - m.linear_layers
+    total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm + tp_step
     compute = full * compute_layer + head
-    serial = (full * (comm_fwd * (2 if work.checkpointing else 1) + comm_bwd + 2 * ag + rs) + root_comm
-              + 2 * emb_ag + emb_rs)
+    recompute = comm_fwd - tp["forward"] + tp["recompute"] if work.checkpointing else 0.0
+    serial = (full * (comm_fwd + recompute + comm_bwd + 2 * ag + rs) + root_comm + 2 * emb_ag + emb_rs + tp_step)
     if full < m.layers:
         lin = GatedDeltaNet(work, layout).seconds(hw, fsdp_ranks)
         total += m.linear_layers * lin["total"]
         compute += m.linear_layers * lin["compute"]
         serial += m.linear_layers * lin["serial"]
     hops = {}
-    if layout.tp == 1 and layout.ring > 1:
+    if layout.ring > 1:
         t_kv, t_dkv = ring_hops(work, layout, hw)
         steps = ring_hop_count(work, layout) + 1
         hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / steps,
@@ -129,8 +125,8 @@ def ring_merge_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase:
     read and write the float32 output and LSE accumulators, read the block's output and LSE; backward: add the
     block's dQ into the float32 dQ, zero the dK/dV partial, add the block's dK/dV and the incoming partial."""
     m = work.model
-    deal = HeadDeal(m.heads, m.kv_heads, layout.ulysses)
-    tokens = work.batch * layout.ulysses * local_tokens(work, layout)  # one ring block
+    deal = HeadDeal(*tp_heads(m, layout), layout.ulysses)
+    tokens = work.batch * layout.ulysses * layout.tp * local_tokens(work, layout)  # one ring block
     e, d = work.act_bytes, m.head_dim
     if phase == "forward":
         per_step = tokens * deal.max_q * (d * (8 + e) + 12)
@@ -150,7 +146,8 @@ def _ulysses_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: s
 def ring_hops(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float, float]:
     """Seconds of one K/V-block hop and of one dK/dV-partial hop on the slowest ring link."""
     m = work.model
-    kv, dkv = ring_block_bytes(m.heads, m.kv_heads, m.head_dim, seq_len=work.seq_len, batch=work.batch,
+    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
+    kv, dkv = ring_block_bytes(*tp_heads(m, layout), m.head_dim, seq_len=padded, batch=work.batch,
                                ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
     return ring_hop_seconds(kv, hw, layout), ring_hop_seconds(dkv, hw, layout)
 

@@ -121,7 +121,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     efficient_norm=cfg.efficient_norm, offload_checkpoints=cfg.offload_checkpoints,
                     fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
-    return work, Degrees(ulysses, ring, dp)
+    return work, Degrees(ulysses, ring, dp, cfg.tp)
 
 
 @dataclass(frozen=True)
