@@ -32,6 +32,8 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec, layout: Degrees) -
         return "seqmesh's tensor parallelism covers text decoders only, not vision-language models (tp 1 only)"
     if work.tiled_mlp or work.efficient_norm:
         return "--tiled-mlp and --efficient-norm are refused with tensor parallelism (it splits those activations)"
+    if work.offload_checkpoints:  # seqmesh.memory.offload copies a plain tensor into the DTensor layer input
+        return "--offload-checkpoints does not yet move tensor parallelism's DTensor layer inputs (tp 1 only)"
     sizes = {"query heads": m.heads, "kv heads": m.kv_heads, "intermediate size": m.intermediate, "vocabulary": m.vocab}
     bad = [f"{v} {k}" for k, v in sizes.items() if v % tp]
     if bad:
