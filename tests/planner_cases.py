@@ -55,6 +55,8 @@ class ModelTrafficCase:
     checkpointing: bool = False
     loss_chunk: int = 16
     fsdp: bool = False
+    bf16: bool = False  # FSDP2's mixed precision (float32 weights and reductions, bf16 compute); needs fsdp
+    kv_heads: int | None = None  # the family's kv heads replaced (tp 4 needs 4)
 
 
 def measured_model_traffic(ulysses: int, ring: int, tp: int, cases: list[ModelTrafficCase]) -> list[dict]:
@@ -67,8 +69,11 @@ def measured_model_traffic(ulysses: int, ring: int, tp: int, cases: list[ModelTr
     out = []
     for case in cases:
         config = family_config(case.family)
+        if case.kv_heads is not None:
+            config.num_key_value_heads = case.kv_heads
         model = build(config).to(getattr(torch, case.dtype))
-        plan = ParallelPlan(fsdp=case.fsdp, loss_chunk=case.loss_chunk, checkpointing=case.checkpointing)
+        plan = ParallelPlan(fsdp=case.fsdp, loss_chunk=case.loss_chunk, checkpointing=case.checkpointing,
+                            bf16=case.bf16)
         module = parallelize_model(model, mesh, plan)
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(0, config.vocab_size, (case.batch, case.seq_len), generator=g)

@@ -185,15 +185,6 @@ def fsdp_traffic(params: int, group: int, param_dtype: str, reduce_dtype: str = 
             "reduce_scatter_backward": (group - 1) * shard * dtype_bytes(reduce_dtype)}
 
 
-def tensor_parallel_traffic(tokens: int, hidden: int, tp: int, dtype: str) -> dict[str, int]:
-    """Megatron tensor + sequence parallelism on ``tp`` ranks, one layer, per rank, each way: the ``(tokens, hidden)``
-    activation all-gathered before attention and the MLP, reduce-scattered after each (docs/planner.md, "Traffic")."""
-    if tp == 1:
-        return {"all_gather": 0, "reduce_scatter": 0}
-    chunk = -(-tokens // tp) * hidden * dtype_bytes(dtype)
-    return {"all_gather": 2 * (tp - 1) * chunk, "reduce_scatter": 2 * (tp - 1) * chunk}
-
-
 def vision_tower_traffic(depth: int, heads: int, head_dim: int, *, frames: tuple[int, ...], merge: int, ulysses: int,
                          ring: int, dtype: str, windows: tuple[int, ...] | None = None,
                          full_blocks: int = 0) -> list[RankTraffic]:

@@ -20,6 +20,21 @@ from .sharding import sequence_layout, shard_sequence
 IGNORE_INDEX = -100  # the target that scores nothing (transformers' convention); the loss reads it from here
 
 
+class ValidatedMeshes:
+    """The meshes whose ranks have agreed on a batch's inputs. Not a set: FSDP2's cast of a layer's forward inputs
+    (mixed precision) rebuilds the containers it walks, which would hand every layer an empty copy and repeat the
+    check once per layer; an object it does not know is passed on as it is."""
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+
+    def add(self, mesh_id: int) -> None:
+        self._ids.add(mesh_id)
+
+    def __contains__(self, mesh_id: object) -> bool:
+        return mesh_id in self._ids
+
+
 @dataclass(frozen=True)
 class SequenceInfo:
     """What attention needs to know about the whole sequence, carried beside the local inputs."""
@@ -29,7 +44,7 @@ class SequenceInfo:
     layout: str
     ignore_index: int = IGNORE_INDEX  # the target value that scores nothing; the loss reads it from here
     # meshes whose ranks have already agreed on these inputs (the first attention call checks, once)
-    validated: set[int] = field(default_factory=set, compare=False, repr=False)
+    validated: ValidatedMeshes = field(default_factory=ValidatedMeshes, compare=False, repr=False)
 
 
 def documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:

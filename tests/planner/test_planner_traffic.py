@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import pytest
 
-from planner_cases import TrafficCase, measured_traffic
+from planner_cases import ModelTrafficCase, TrafficCase, measured_model_traffic, measured_traffic
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.plan import communication
 from seqmesh.padding import padded_length
 from seqmesh.heads import HeadDeal
-from seqmesh.planner.traffic import attention_traffic, fsdp_traffic, tensor_parallel_traffic
+from seqmesh.planner.layers import Attention
+from seqmesh.planner.tensor_parallel import layer_traffic, pooled_loss_bytes, step_traffic
+from seqmesh.planner.traffic import attention_traffic, fsdp_traffic
 from seqmesh.degrees import Degrees
 from seqmesh.planner.workload import Workload
-from seqmesh.model.presets import MODELS, ModelShape
+from seqmesh.model.presets import MODELS, ModelShape, model_shape
 
 CASES = [
     TrafficCase(32, 4, 4, "float64"),  # MHA
@@ -124,8 +126,9 @@ def test_llama70b_ulysses_versus_tensor_parallel_at_1m_tokens():
 
     Ulysses, per layer forward, per rank: q, k, v go out and the output comes back, each rank keeping
     its own share: (Hq + 2*Hkv + Hq) * D * (S/P) * (P-1)/P * 2 bytes.
-    Megatron TP + sequence parallelism, per layer forward, per rank: the (S, hidden) activation is
-    all-gathered and reduce-scattered twice (attention and MLP): 4 * S * h * (P-1)/P * 2 bytes.
+    Tensor parallelism 8 with sequence-parallel norms (seqmesh's TP, as Megatron's TP + SP), per layer forward, per
+    rank: the (S, hidden) activation is all-gathered and reduce-scattered twice (attention and MLP):
+    4 * S * h * (P-1)/P * 2 bytes.
     Their ratio is 4*h*P / ((2*Hq + 2*Hkv) * D) = 14.2: TP's traffic does not shrink with P."""
     m = MODELS["llama3-70b"]
     s, p = 2**20, 8
@@ -136,8 +139,8 @@ def test_llama70b_ulysses_versus_tensor_parallel_at_1m_tokens():
     assert tp_formula == 60_129_542_144  # 56 GiB
     ranks = attention_traffic(64, 8, 128, seq_len=s, batch=1, ulysses=p, ring=1, dtype="bfloat16", validate=False)
     assert {t.sent("all_to_all", "forward") for t in ranks} == {ulysses_formula}
-    tp = tensor_parallel_traffic(s, 8192, p, "bfloat16")
-    assert tp["all_gather"] + tp["reduce_scatter"] == tp_formula
+    tp = layer_traffic(Workload(m, s), Degrees(1, 1, 1, p))["forward"]
+    assert tp["tp_all_gather"] + tp["tp_reduce_scatter"] == tp_formula
     assert tp_formula / ulysses_formula == pytest.approx(4 * 8192 * 8 / (144 * 128))
     assert tp_formula / ulysses_formula == pytest.approx(14.22, abs=0.01)
 
@@ -203,19 +206,23 @@ def test_fsdp_shard_rounds_up_to_whole_parameters():
 
 
 def test_tensor_parallel_traffic_per_layer_and_step():
-    """Megatron TP4 + sequence parallelism, Llama-3-8B (hidden 4096), 131072 tokens, bf16: per layer and
-    direction 2 all-gathers and 2 reduce-scatters of the (S, hidden) activation, each rank sending 3 of 4
-    chunks: 3 x 32768 x 4096 x 2 B = 768 MiB per collective. Checkpointing replays the forward's in backward.
-    FSDP then shards over the 2 data-parallel ranks only (each holds 1/4 of every weight already)."""
+    """TP4 x DP2, Llama-3-8B (hidden 4096), 131072 tokens, bf16: per layer and direction 2 all-gathers and 2
+    reduce-scatters of the (S, hidden) activation, each rank sending 3 of 4 slices: 3 x 32768 x 4096 x 2 B = 768 MiB
+    per collective. Checkpointing replays the forward's in backward up to the MLP's down projection (torch's
+    recompute stops at the last tensor backward needs): 2 all-gathers, 1 reduce-scatter. Per step also the
+    embedding's reduce-scatter and the loss's all-gather forward, their adjoints backward. FSDP then shards over the
+    2 data-parallel ranks only (each TP rank holds 1/4 of every projection and whole norms)."""
     one = 3 * 32768 * 4096 * 2
     assert one == 768 * 2**20
-    assert tensor_parallel_traffic(131072, 4096, 4, "bfloat16") == {"all_gather": 2 * one, "reduce_scatter": 2 * one}
     per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Degrees(1, 1, 2, tp=4),
                                            PRESETS["h100-nvlink"])
-    for phase in ("forward", "backward", "recompute"):
+    for phase in ("forward", "backward"):
         assert per_layer[phase]["tp_all_gather"] == per_layer[phase]["tp_reduce_scatter"] == 2 * one
-    assert per_step["tp_all_gather"] == 32 * 3 * 2 * one
-    layer_shard = LLAMA8B_LAYER // 4 // 2  # TP-local weights over the 2 FSDP ranks
+    assert per_layer["recompute"]["tp_all_gather"] == 2 * one and per_layer["recompute"]["tp_reduce_scatter"] == one
+    assert per_step["tp_all_gather"] == 32 * 3 * 2 * one + 2 * one
+    assert per_step["tp_reduce_scatter"] == 32 * 5 * one + 2 * one
+    norms = 2 * 4096
+    layer_shard = ((LLAMA8B_LAYER - norms) // 4 + norms) // 2  # TP-local weights over the 2 FSDP ranks
     assert per_layer["forward"]["fsdp_all_gather"] == 1 * layer_shard * 2
 
 
@@ -236,3 +243,68 @@ def test_per_step_traffic_adds_recompute_and_one_input_check():
                                       PRESETS["h100-nvlink"])
     assert no_ckpt["recompute"]["total"] == 0 and step2["ulysses_all_to_all"] == 32 * 2 * 280 * 2**20
     assert per_step["total"] == sum(v for k, v in per_step.items() if k != "total")
+
+
+# -- tensor parallelism inside the sequence mesh: a whole model's step, planner against comm_stats ----------------
+# Tiny Llama (hidden 32, 4 query / 2 kv heads of 8, 2 layers) and Qwen3 (q/k norms, tied embeddings), float32 (the
+# planner's dtypes are bf16 and fp32), one forward and backward each; FSDP2's own collectives are not counted
+# (comm_stats sees seqmesh's and DTensor's), so FSDP2 matters only through the norm gradients' TP all-reduce.
+TP_CASES = [
+    ModelTrafficCase("llama", 45, dtype="float32"),
+    ModelTrafficCase("llama", 37, batch=2, dtype="float32", checkpointing=True, loss_chunk=24),
+    ModelTrafficCase("qwen3", 45, dtype="float32", checkpointing=True, fsdp=True),
+    ModelTrafficCase("llama", 45, dtype="float32", fsdp=True, bf16=True),
+]
+TP_LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (1, 1, 4)], 8: [(2, 2, 2)]}
+
+
+def _tp_workload(case: ModelTrafficCase, config: dict, folder) -> Workload:
+    path = folder / f"{case.family}-{config['num_key_value_heads']}.json"
+    path.write_text(__import__("json").dumps(config))
+    return Workload(model_shape(str(path)), case.seq_len, batch=case.batch, dtype="bf16" if case.bf16 else "fp32",
+                    checkpointing=case.checkpointing, loss_chunk=case.loss_chunk)
+
+
+def _tp_predicted(work: Workload, layout: Degrees, fsdp: bool) -> dict:
+    """The planner's bytes per (kind, phase) as comm_stats files them: the TP collectives of a checkpointed layer's
+    recompute run inside autograd's backward (DTensor's phase), seqmesh's own all-to-alls and P2P count it as
+    forward (their op's forward runs again)."""
+    per_layer, _, _ = communication(work, layout, PRESETS["h100-nvlink"])
+    n, extra = work.model.layers, step_traffic(work, layout)
+    layer = {ph: {k: n * v for k, v in sent.items()} for ph, sent in per_layer.items()}
+    out = {("all_gather", "forward"): layer["forward"]["tp_all_gather"] + extra["forward"]["tp_all_gather"],
+           ("all_gather", "backward"): layer["backward"]["tp_all_gather"] + layer["recompute"]["tp_all_gather"]
+           + extra["backward"]["tp_all_gather"],
+           ("reduce_scatter", "forward"): layer["forward"]["tp_reduce_scatter"] + extra["forward"]["tp_reduce_scatter"],
+           ("reduce_scatter", "backward"): layer["backward"]["tp_reduce_scatter"]
+           + layer["recompute"]["tp_reduce_scatter"] + extra["backward"]["tp_reduce_scatter"],
+           ("all_reduce", "forward"): extra["forward"]["tp_all_reduce"] + pooled_loss_bytes(work, layout),
+           ("all_reduce", "backward"): extra["backward"]["tp_all_reduce"] if fsdp else 0,  # else sync_gradients'
+           ("all_to_all", "forward"): layer["forward"]["ulysses_all_to_all"] + layer["recompute"]["ulysses_all_to_all"],
+           ("all_to_all", "backward"): layer["backward"]["ulysses_all_to_all"],
+           ("p2p", "forward"): layer["forward"]["ring_p2p"] + layer["recompute"]["ring_p2p"],
+           ("p2p", "backward"): layer["backward"]["ring_p2p"],
+           ("control", "forward"): Attention(work, layout).input_check()}
+    return {k: v for k, v in out.items() if v}
+
+
+@pytest.mark.parametrize("world", sorted(TP_LAYOUTS))
+def test_tensor_parallel_bytes_equal_measured(pools, tmp_path, world):
+    """U2 x TP2, R2 x TP2 and TP4 on 4 ranks, U2 x R2 x TP2 on 8: every rank's bytes per collective kind and phase,
+    as comm_stats counts them in a whole training step, equal the planner's (per layer, per step outside the layers,
+    the loss's all-reduces and input check), with checkpointing, a batch of 2, tied embeddings, q/k norms, FSDP2."""
+    checked = 0
+    for u, r, t in TP_LAYOUTS[world]:
+        cases = [c if t < 4 else ModelTrafficCase(**{**c.__dict__, "kv_heads": 4}) for c in TP_CASES]
+        if world == 8:
+            cases = cases[1:3]  # the 8-rank world only for the layout that needs it
+        per_rank = pools.run(world, measured_model_traffic, u, r, t, cases, timeout=600)
+        layout = Degrees(u, r, 1, t)
+        for i, case in enumerate(cases):
+            work = _tp_workload(case, per_rank[0][i]["config"], tmp_path)
+            want = _tp_predicted(work, layout, case.fsdp)
+            for rank in per_rank:
+                got = {(kind, ph): v["bytes_sent"] for kind, phases in rank[i]["stats"].items() for ph, v in phases.items()}
+                assert got == want, (case, (u, r, t))
+                checked += 1
+    assert checked == sum(world * (2 if world == 8 else len(TP_CASES)) for _ in TP_LAYOUTS[world])
