@@ -27,7 +27,12 @@ def write_wide_config(folder: str) -> str:
 
 
 def measured_peaks(cases: list[tuple[str, int, int, int, dict]]) -> list[int]:
-    """On every rank: for each ``(model, seq_len, ulysses, ring, options)``, this rank's tracked peak bytes."""
+    """On every rank: for each ``(model, seq_len, ulysses, ring, options)``, this rank's tracked peak bytes (``tp`` in
+    the options is the bench's tensor-parallel degree, the rest TrainConfig's memory options)."""
     world = dist.get_world_size()
-    return [measure_rank(MemoryBench(model=model, world=world, ulysses=u, ring=r), seq_len, options)["peak_bytes"]
-            for model, seq_len, u, r, options in cases]
+    peaks = []
+    for model, seq_len, u, r, options in cases:
+        rest = {k: v for k, v in options.items() if k != "tp"}
+        bench = MemoryBench(model=model, world=world, ulysses=u, ring=r, tp=options.get("tp", 1))
+        peaks.append(measure_rank(bench, seq_len, rest)["peak_bytes"])
+    return peaks

@@ -24,7 +24,7 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to ``seqmesh``'s subparsers."""
     p = sub.add_parser("plan", help="predict memory, traffic and step time per layout, and recommend one",
                        description="Predict per-GPU memory, per-rank traffic and step time of every ulysses x ring x "
-                                   "data-parallel layout (and tensor parallelism as a reference) and recommend one.")
+                                   "tensor-parallel x data-parallel layout and recommend one.")
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch of a sequence group (default 1)")

@@ -38,7 +38,7 @@ class Candidate:
     tokens_per_s: float
     feasible: bool
     problems: tuple[str, ...] = ()  # why it is infeasible
-    notes: tuple[str, ...] = ()  # uneven heads, kv replication, reference only
+    notes: tuple[str, ...] = ()  # uneven heads, kv replication, padding
     accumulation: int = 1  # micro-steps (gradient accumulation) per optimizer step for the global batch
 
     @property

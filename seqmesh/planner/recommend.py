@@ -91,23 +91,22 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     """A short reason for the recommendation: where each axis runs, and why it beats the others."""
     lay, links = best.layout, best.comm_links
     parts = []
+    if lay.tp > 1:
+        parts.append(f"tensor parallelism {lay.tp} inside {links['tp_all_gather']}, its gathers and reduce-scatters "
+                     "on the critical path")
     if lay.ulysses > 1:
         inner = links["ulysses_all_to_all"] == cluster.hardware.links[0].name
         parts.append(f"Ulysses {lay.ulysses} {'inside' if inner else 'over'} {links['ulysses_all_to_all']}")
     if lay.ring > 1:
         parts.append(_ring_part(best, cluster))
     if lay.dp_shard > 1:
-        sp = lay.ulysses * lay.ring
+        sp = lay.sp
         parts.append(f"the sequence fits on {sp} GPU{'s' if sp > 1 else ''}, so {lay.dp_shard} data-parallel "
                      "groups add throughput without attention traffic")
-    if lay.ulysses == lay.ring == 1 and lay.dp_shard == 1:
+    if lay.sp == 1 and lay.dp_shard == 1:
         parts.append("one GPU holds the sequence")
     runnable = [c for c in ranked if c.feasible and c.layout.runs_on_seqmesh]
     parts.append(_versus(best, runnable, cluster.hardware.memory_bytes))  # "" when nothing else runs
-    tp = [c for c in ranked if c.feasible and not c.layout.runs_on_seqmesh]
-    if tp:
-        parts.append(f"tensor-parallel reference {tp[0].layout.label()[:-6]}: "
-                     f"{percent(tp[0].tokens_per_s / best.tokens_per_s)} of this throughput")
     parts.append(f"{percent(best.time.exposed_comm / best.time.total)} of the step waits on communication")
     return "; ".join(part for part in parts if part)
 
@@ -132,9 +131,6 @@ def nothing_fits(ranked: list[Candidate], cluster: Cluster) -> str:
     else:
         text += ("; use more GPUs or a shorter sequence, keep checkpointing and the chunked loss on "
                  "(--max-seq-len finds the longest that fits)")
-    tp = [c for c in ranked if c.feasible and not c.layout.runs_on_seqmesh]
-    if tp:
-        text += f"; the tensor-parallel reference {tp[0].layout.label()[:-6]} would fit"
     return text
 
 
@@ -152,7 +148,4 @@ def explain_longest(best: dict | None, rows: list[dict], cluster: Cluster) -> st
     text = (f"the longest sequence of any seqmesh layout, {best['max_seq_len']:,} tokens "
             f"({gib(best['memory_bytes']['total'])} GiB per GPU of {gib(gpu)}); among layouts that fit as much, "
             "the most tokens/s")
-    tp = next((r for r in rows if not r["runs_on_seqmesh"] and r["max_seq_len"] > best["max_seq_len"]), None)
-    if tp:
-        text += f"; the tensor-parallel reference {tp['label'][:-6]} would fit {tp['max_seq_len']:,}"
     return text

@@ -96,8 +96,8 @@ def block_traffic(v: VisionShape, bounds: tuple[int, ...], group: Degrees, dtype
 
 @dataclass(frozen=True)
 class Tower:
-    """The tower of one sequence group (its ``batch`` sequences' media) on its busiest rank. The TP reference
-    (``tp > 1``) is costed as seqmesh's tower over its TP group (Ulysses ``tp``)."""
+    """The tower of one sequence group (its ``batch`` sequences' media) on its busiest rank (tp is 1: the planner
+    refuses tensor parallelism for vision-language models, as seqmesh does)."""
 
     work: Workload
     layout: Degrees
@@ -108,8 +108,7 @@ class Tower:
 
     @property
     def group(self) -> Degrees:
-        lay = self.layout
-        return lay if lay.tp == 1 else Degrees(lay.tp, 1, lay.dp_shard)
+        return self.layout
 
     @property
     def patches(self) -> int:

@@ -53,6 +53,24 @@ def test_tracker_counts_a_known_op_sequence():
     assert _linear_step()[4].report() == report  # deterministic
 
 
+def test_tracker_counts_a_wrapped_collective_result_once():
+    """An ``AsyncCollectiveTensor`` (what a functional collective returns before it is waited for; DTensor's TP
+    gathers are such) and each view of it report a storage of their own without bytes behind it: the tracker
+    counts the one inner tensor."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from seqmesh.memory import MemoryTracker
+
+    module = torch.nn.Linear(4, 4, bias=False)  # 64 bytes of parameters
+    with MemoryTracker(module) as tracker:
+        wrapped = AsyncCollectiveTensor(torch.zeros(256))  # 1 KiB
+        views = [wrapped.view(16, 16), wrapped.view(2, 128)[1:]]
+        assert wrapped.untyped_storage()._cdata != views[0].untyped_storage()._cdata  # what misled the count
+        live = tracker.current()
+    assert live["transient"] == 1024 and live["parameters"] == 64, live
+
+
 def _check_local_shards(rank: dict) -> None:
     assert rank["start"]["parameters"] == rank["param_bytes"]
     assert rank["after_backward"]["gradients"] == rank["grad_bytes"] > 0

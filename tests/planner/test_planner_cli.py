@@ -17,7 +17,7 @@ from seqmesh.planner.hardware import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SP_KEYS = {"ulysses_all_to_all", "ring_p2p", "fsdp_all_gather", "fsdp_reduce_scatter", "total"}
-TP_KEYS = {"tp_all_gather", "tp_reduce_scatter", "fsdp_all_gather", "fsdp_reduce_scatter", "total"}
+TP_KEYS = SP_KEYS | {"tp_all_gather", "tp_reduce_scatter"}
 TYPES = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, float),
@@ -106,14 +106,16 @@ def test_json_matches_the_documented_schema_and_its_arithmetic():
         layer, step = c["comm_bytes_per_layer"], c["comm_bytes_per_step"]
         keys = TP_KEYS if n["tp"] > 1 else SP_KEYS
         assert all(set(layer[p]) == keys for p in ("forward", "backward", "recompute"))
-        assert set(step) == keys | ({"input_check_all_gather"} if n["tp"] == 1 else set())
+        assert set(step) == keys | {"input_check_all_gather", "loss_all_reduce"} | ({"tp_all_reduce"} if n["tp"] > 1 else set())
         for phase in (*layer.values(), step):
             assert phase["total"] == sum(v for k, v in phase.items() if k != "total")
         for k in keys - {"total", "fsdp_all_gather", "fsdp_reduce_scatter"}:
-            assert step[k] == 32 * (layer["forward"][k] + layer["backward"][k] + layer["recompute"][k])
-            assert layer["recompute"][k] == layer["forward"][k]  # checkpointing is on
+            outside = layer["forward"][k] if k.startswith("tp_") else 0  # the embedding's and the loss's: one each (a layer's forward has two)
+            assert step[k] == 32 * (layer["forward"][k] + layer["backward"][k] + layer["recompute"][k]) + outside
+            if k != "tp_reduce_scatter":  # the recompute stops before the MLP's reduce-scatter: half of it
+                assert layer["recompute"][k] == layer["forward"][k]  # checkpointing is on
         group = n["dp_shard"] * n["ulysses"] * n["ring"]  # FSDP ranks; TP splits each unit first
-        shards = [math.ceil(math.ceil(u / n["tp"]) / group) for u in units]
+        shards = [math.ceil((math.ceil((u - h) / n["tp"]) + h) / group) for u, h in zip(units, (0, m["hidden"]))]
         root_gathers = sum(g * (group - 1) * sh * 2 for g, sh in zip((2, 1), shards))  # bf16: embedding twice, root once
         root_reduce = sum((group - 1) * sh * 4 for sh in shards)  # fp32
         assert step["fsdp_all_gather"] == 32 * 2 * layer["forward"]["fsdp_all_gather"] + root_gathers

@@ -27,6 +27,7 @@ FSDP_OFFLOAD = {"fsdp_cpu_offload": True}
 BF16 = {"bf16": True}
 NORM = {"efficient_norm": True}
 EVERY = {**TILED, **OFFLOAD, **NORM}
+TP2 = {"tp": 2}  # tensor parallelism inside the sequence mesh (seqmesh.tensor_parallel)
 
 # world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json
 CASES = {
@@ -36,9 +37,12 @@ CASES = {
         ("wide", 128, 1, 1, NONE), ("llama-tiny", 2048, 1, 1, NORM), ("wide", 1024, 1, 1, {**CKPT, **NORM}),
         ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16, **NORM}), ("wide", 2048, 1, 1, EVERY)],
     2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
-        ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("wide", 2048, 2, 1, {**EVERY, **FSDP_OFFLOAD})],
+        ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("wide", 2048, 2, 1, {**EVERY, **FSDP_OFFLOAD}),
+        ("llama-tiny", 2048, 1, 1, TP2), ("llama-tiny", 2048, 1, 1, {**TP2, **CKPT, **BF16}), ("wide", 2048, 1, 1, TP2),
+        ("wide", 1024, 1, 1, {**TP2, **FSDP_OFFLOAD})],
     4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
-        ("llama-tiny", 2048, 4, 1, OFFLOAD)],
+        ("llama-tiny", 2048, 4, 1, OFFLOAD), ("llama-tiny", 2048, 2, 1, TP2), ("llama-tiny", 4096, 1, 2, {**TP2, **CKPT}),
+        ("wide", 1024, 2, 1, {**TP2, **CKPT}), ("llama-tiny", 2048, 1, 1, TP2)],
 }
 
 
@@ -58,7 +62,7 @@ def test_predicted_peak_matches_the_measured_one(pools, tmp_path, world):
         peak = memory_per_gpu(*plan_inputs(cfg, world, device="cpu"))
         ratio = peak.total / measured
         name = "wide" if model == wide else model
-        rows.append(f"{name:>10} {u}x{r} {seq_len:>5} {_label(options):<40} measured {measured / 2**20:8.2f} MiB "
+        rows.append(f"{name:>10} {u}x{r}x{options.get('tp', 1)} {seq_len:>5} {_label(options):<40} measured {measured / 2**20:8.2f} MiB "
                     f"predicted {peak.total / 2**20:8.2f} MiB  ratio {ratio:.3f}  ({peak.moment})")
         if abs(ratio - 1) > TOLERANCE:
             bad.append(rows[-1])
@@ -81,6 +85,8 @@ def test_plan_inputs_describe_the_run():
     assert work.offload_prefetch == 2 and work.optimizer_foreach
     on_cpu, _ = plan_inputs(cfg, 8, device="cpu")
     assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and not on_cpu.optimizer_foreach
+    tp_work, tp_layout = plan_inputs(TrainConfig(model="llama-tiny", seq_len=4096, tp=2, ulysses=2, fsdp=True), 8)
+    assert (tp_layout.ulysses, tp_layout.ring, tp_layout.dp_shard, tp_layout.tp) == (2, 2, 1, 2)
     with pytest.raises(ValueError, match="--no-fsdp"):
         plan_inputs(TrainConfig(fsdp=False), 8)
     with pytest.raises(ValueError, match="pass --fsdp"):  # one process shards only when asked

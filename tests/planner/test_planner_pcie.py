@@ -44,14 +44,16 @@ def _recommended(*argv: str) -> dict:
 
 @pytest.mark.parametrize("seq_len", [32768, 131072])
 def test_l20_pcie_ranks_a_ulysses_ring_hybrid_first(seq_len):
-    """The USP paper's ordering on this box: Ulysses inside a switch, the ring across (one sequence group)."""
+    """The USP paper's ordering on this box: the head-split degrees (Ulysses, and tensor parallelism inside it)
+    inside a switch, the ring across (one sequence group)."""
     layout = _recommended("--seq-len", str(seq_len), "--gpus", "8", "--hardware", "l20-pcie")
-    assert layout["ulysses"] > 1 and layout["ring"] > 1 and layout["ulysses"] <= 4, layout
+    assert layout["ring"] > 1 and 1 < layout["ulysses"] * layout["tp"] <= 4, layout
 
 
 @pytest.mark.parametrize("hardware", ["h100-nvlink", "a100-nvlink"])
 def test_nvlink_ranks_ulysses_inside_a_node_and_the_ring_across_nodes(hardware):
-    assert _recommended("--seq-len", "131072", "--gpus", "8", "--hardware", hardware) == \
-        {"ulysses": 8, "ring": 1, "dp_shard": 1, "tp": 1}
-    assert _recommended("--seq-len", "131072", "--gpus", "16", "--hardware", hardware) == \
-        {"ulysses": 8, "ring": 2, "dp_shard": 1, "tp": 1}
+    """Ulysses (with tensor parallelism inside it, when that is predicted as fast: TP splits the loss's logits and
+    the ring's K/V heads too) fills the node; the ring crosses nodes."""
+    for gpus, ring in ((8, 1), (16, 2)):
+        layout = _recommended("--seq-len", "131072", "--gpus", str(gpus), "--hardware", hardware)
+        assert layout["ulysses"] * layout["tp"] == 8 and layout["ring"] == ring and layout["dp_shard"] == 1, layout
