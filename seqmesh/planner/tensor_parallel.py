@@ -49,7 +49,8 @@ def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     head = m.vocab * m.hidden
     out = {"layer": -(-layer_split // tp) + m.norm_params, "root": -(-head // tp) + m.hidden,
            "embedding": 0 if m.tie_embeddings else -(-head // tp)}
-    out["total"] = m.layers * out["layer"] + out["root"] + out["embedding"]
+    # tp 1: every parameter (hybrid, gated or vision-language models have more than these units; TP refuses them)
+    out["total"] = m.params if tp == 1 else m.layers * out["layer"] + out["root"] + out["embedding"]
     return out
 
 
