@@ -87,7 +87,8 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     if work.offload_checkpoints:
         return t * (e * m.hidden + (4 if work.efficient_norm else 0))
-    output = e * m.hidden if layout.tp == 1 else 0  # under TP the loss keeps its gathered copy instead
+    output = e * m.hidden if layout.tp == 1 else 0  # under TP the loss keeps its gathered copy (and the output only
+    # while its forward runs: memory.loss_memory)
     return t * (norm_saved(m, e, work.efficient_norm) + output)
 
 

@@ -139,8 +139,10 @@ def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
     n = min(t, work.loss_chunk) if work.chunked_loss else t
     v, h, tp = m.vocab // layout.tp, m.hidden, layout.tp > 1
     kept = t * h * e if tp else 0  # the gathered hidden states the loss saves (without TP: the final norm's output)
-    if moment == "loss forward":  # the compute-dtype logits and their float32 copy (one tensor in fp32)
-        return kept + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
+    if moment == "loss forward":  # the compute-dtype logits and their float32 copy (one tensor in fp32); under TP
+        # the final norm's output, which the caller holds until the loss returns, and three float32 tiles
+        output = tokens(work, layout) * h * e if tp else 0
+        return kept + output + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
     head = -(-m.vocab * h // layout.tp)
     if e == 4:
         chunk = n * v * 4 + 4 * max(n * h, head)
