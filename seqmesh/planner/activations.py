@@ -77,7 +77,8 @@ def outside_layers_bytes(work: Workload, layout: Degrees) -> int:
     """Kept all step outside the layers: token ids, positions, labels (and the loss's masked copy), and
     RoPE's cos and sin."""
     t, m = gathered_tokens(work, layout), work.model  # every TP rank of a group holds its sequence rank's L tokens
-    first_input = 2 * layer_input_bytes(work, layout) if layout.tp > 1 else 0
+    # under TP the first layer's input is kept twice more (in host memory with the other inputs when offloaded)
+    first_input = 2 * layer_input_bytes(work, layout) if layout.tp > 1 and not work.offload_checkpoints else 0
     return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes) + first_input
 
 

@@ -8,7 +8,7 @@ tokens, ``L = padded / (U x R)``; one collective moves ``(T - 1)`` such slices, 
 
 from __future__ import annotations
 
-from ..degrees import Degrees
+from ..degrees import Degrees, kv_heads_fit
 from ..model.presets import ModelShape
 from ..padding import padded_length
 from .hardware import HardwareSpec
@@ -26,18 +26,20 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec, layout: Degrees) -
         return f"tensor parallelism beyond one node (TP {tp} over nodes of {node} GPUs)"
     if m.experts:
         return "seqmesh's tensor parallelism does not split mixture-of-experts layers (tp 1 only)"
-    if m.linear_layers:
-        return "seqmesh's tensor parallelism does not split Gated DeltaNet layers (tp 1 only)"
+    if m.linear_layers:  # seqmesh runs them (seqmesh.tensor_parallel.linear_attention); their cost is not modelled
+        return "the planner does not model Gated DeltaNet layers under tensor parallelism yet (tp 1 only)"
     if m.vision is not None or work.media is not None:
         return "seqmesh's tensor parallelism covers text decoders only, not vision-language models (tp 1 only)"
     if work.tiled_mlp or work.efficient_norm:
         return "--tiled-mlp and --efficient-norm are refused with tensor parallelism (it splits those activations)"
-    if work.offload_checkpoints:  # seqmesh.memory.offload copies a plain tensor into the DTensor layer input
-        return "--offload-checkpoints does not yet move tensor parallelism's DTensor layer inputs (tp 1 only)"
-    sizes = {"query heads": m.heads, "kv heads": m.kv_heads, "intermediate size": m.intermediate, "vocabulary": m.vocab}
+    sizes = {"query heads": m.heads, "intermediate size": m.intermediate, "vocabulary": m.vocab}
     bad = [f"{v} {k}" for k, v in sizes.items() if v % tp]
+    if not kv_heads_fit(m.kv_heads, tp):
+        bad.append(f"{m.kv_heads} kv heads")
     if bad:
-        return f"TP {tp} does not divide the {', '.join(bad)}"
+        return f"TP {tp} does not fit the {', '.join(bad)} (seqmesh.degrees.check_tensor_parallel_sizes)"
+    if m.kv_heads % tp:  # seqmesh runs it, replicating k/v over the group; the planner splits k/v by tp
+        return f"the planner does not model {m.kv_heads} kv heads replicated over TP {tp} yet (tp dividing them only)"
     return None
 
 
