@@ -80,10 +80,9 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
     if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers do not yet run on DTensors
         check_tensor_parallel(model, mesh)
-        if plan.tiled_mlp or plan.efficient_norm:
-            which = "tiled_mlp" if plan.tiled_mlp else "efficient_norm"
-            raise ValueError(f"{which} replaces layers that tensor parallelism (tp={mesh.tp}) shards; turn it off with "
-                             "tp > 1 (TP already keeps the MLP's and the norms' activations 1/tp per rank).")
+        if plan.tiled_mlp:
+            raise ValueError(f"tiled_mlp replaces the MLP that tensor parallelism (tp={mesh.tp}) shards; turn it off with "
+                             "tp > 1 (TP already keeps the MLP's intermediate activations 1/tp per rank).")
     lm = parallelize(model, mesh, backend=plan.backend)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:

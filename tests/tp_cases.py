@@ -21,7 +21,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
               documents: bool = False, fsdp: bool = True, batch_size: int = 1, shift_positions_on: int | None = None,
-              kv_heads: int | None = None, replicas: int = 1, checkpointing: bool = False, offload: bool = False) -> dict:
+              kv_heads: int | None = None, replicas: int = 1, checkpointing: bool = False, offload: bool = False,
+              efficient_norm: bool = False) -> dict:
     """Loss error, worst relative gradient error (and whose), the reference's rounding of both, for
     ``family`` composed on a ``dp x ring x ulysses x tp`` mesh, each data-parallel rank on its own samples.
     ``shift_positions_on``: a deliberate error for the test that the comparison sees one, the position ids of
@@ -46,7 +47,8 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     ref_loss.backward()
     rounding = reference_rounding(config, batches[-1], logits.detach(), loss.detach(), reference)
 
-    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16, checkpointing=checkpointing))
+    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16, checkpointing=checkpointing,
+                                                                  efficient_norm=efficient_norm))
     moved = 0
     if offload:  # the activation offload the training loop sets up: the layers' saved DTensor inputs moved
         from seqmesh.memory.offload import enable_activation_offload

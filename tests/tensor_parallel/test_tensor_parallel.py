@@ -37,6 +37,8 @@ WORLD_4 = [
     ("llama", 1, 1, 4, {}),  # 2 kv heads on 4 ranks: each keeps the one its query heads read
     ("llama", 2, 1, 2, {"kv_heads": 1, "fsdp": False}),  # MQA, Ulysses replicating the kept head
     ("qwen3", 1, 2, 2, {"checkpointing": True, "offload": True}),  # recomputed layers, their DTensor inputs offloaded
+    ("llama", 1, 2, 2, {"efficient_norm": True}),  # the lean norm on each rank's slice, its weight's gradient summed
+    ("qwen3", 2, 1, 2, {"efficient_norm": True, "checkpointing": True, "fsdp": False}),  # and on Qwen3's q/k norms
     ("qwen3_5", 1, 2, 2, {}),  # Gated DeltaNet: heads dealt by TP, then the sequence all-to-all
     ("qwen3_5", 2, 1, 2, {"layout": "contiguous", "fsdp": False}),
     ("llama", 1, 1, 2, {"dp": 2}),
@@ -120,12 +122,11 @@ def test_refused_before_any_work(family, changes, tp, ulysses, words):
         assert w in str(err.value), str(err.value)
 
 
-def test_memory_techniques_that_replace_tp_layers_are_refused():
+def test_the_tiled_mlp_is_refused_with_tp():
     from seqmesh.compose import ParallelPlan, parallelize_model
 
-    for plan in (ParallelPlan(tiled_mlp=True), ParallelPlan(efficient_norm=True)):
-        with pytest.raises(ValueError, match="turn it off with tp > 1"):
-            parallelize_model(_model("llama"), _mesh(2), plan)
+    with pytest.raises(ValueError, match="turn it off with tp > 1"):
+        parallelize_model(_model("llama"), _mesh(2), ParallelPlan(tiled_mlp=True))
 
 
 def test_no_gradient_left_partial_without_fsdp(pools):
