@@ -78,11 +78,8 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     ``seqmesh.shard_batch(batch, mesh, model=...)`` is the batch's exact loss."""
     if wrapper is None:
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
-    if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers do not yet run on DTensors
+    if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers cannot split
         check_tensor_parallel(model, mesh)
-        if plan.tiled_mlp:
-            raise ValueError(f"tiled_mlp replaces the MLP that tensor parallelism (tp={mesh.tp}) shards; turn it off with "
-                             "tp > 1 (TP already keeps the MLP's intermediate activations 1/tp per rank).")
     lm = parallelize(model, mesh, backend=plan.backend)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:

@@ -22,7 +22,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
               documents: bool = False, fsdp: bool = True, batch_size: int = 1, shift_positions_on: int | None = None,
               kv_heads: int | None = None, replicas: int = 1, checkpointing: bool = False, offload: bool = False,
-              efficient_norm: bool = False) -> dict:
+              efficient_norm: bool = False, tiled_mlp: bool = False) -> dict:
     """Loss error, worst relative gradient error (and whose), the reference's rounding of both, for
     ``family`` composed on a ``dp x ring x ulysses x tp`` mesh, each data-parallel rank on its own samples.
     ``shift_positions_on``: a deliberate error for the test that the comparison sees one, the position ids of
@@ -48,7 +48,8 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     rounding = reference_rounding(config, batches[-1], logits.detach(), loss.detach(), reference)
 
     module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16, checkpointing=checkpointing,
-                                                                  efficient_norm=efficient_norm))
+                                                                  efficient_norm=efficient_norm, tiled_mlp=tiled_mlp,
+                                                                  mlp_tiles=3))
     moved = 0
     if offload:  # the activation offload the training loop sets up: the layers' saved DTensor inputs moved
         from seqmesh.memory.offload import enable_activation_offload

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..model.lm import decoder_layers
 
@@ -78,12 +79,40 @@ class TiledForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.tiles or tile_count(x.shape[1], x.shape[-1])  # x: (B, L, hidden)
         tiles = min(tiles, x.shape[1])
+        if hasattr(x, "device_mesh"):  # tensor parallelism: x gathered over the group (a replicated DTensor)
+            return self.tensor_parallel(x, tiles)
         if tiles <= 1:
             return self.original(x)
         if not torch.is_grad_enabled():
             return torch.cat([self.original(part) for part in x.tensor_split(tiles, dim=1)], dim=1)
         params = list(self.mlp.parameters())  # FSDP2's gathered parameters while the layer runs
         return TiledMLPFunction.apply(self.original, params, tiles, x, *params)
+
+
+    def tensor_parallel(self, x, tiles: int):
+        """Under tensor parallelism: this rank's ``intermediate / T`` columns of gate and up and rows of down, tile
+        by tile on the gathered ``(B, L, hidden)`` input, summed over the group once for the whole sequence (the
+        reduce-scatter row-wise down would make), to ``(B, L/T, hidden)`` slices. The input's gradient is this
+        rank's part of a sum over the group, as the column-parallel projections' is."""
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        m = self.mlp
+        projections = (m.gate_proj, m.up_proj, m.down_proj)
+        if any(p.bias is not None for p in projections):
+            raise ValueError(f"{type(m).__name__} has biases, which the tiled MLP under tensor parallelism does not add; "
+                             "turn off tiled_mlp with tp > 1 for this model.")
+        mesh = x.device_mesh
+        gate, up, down = (p.weight.to_local() for p in projections)  # (I/T, H), (I/T, H), (H, I/T)
+
+        def local(part: torch.Tensor) -> torch.Tensor:  # (B, tile, H) -> this rank's share of the output
+            return F.linear(m.act_fn(F.linear(part, gate)) * F.linear(part, up), down)
+
+        tokens = x.to_local(grad_placements=[Partial()])  # (B, L, H)
+        if torch.is_grad_enabled() and tiles > 1:
+            out = TiledMLPFunction.apply(local, [gate, up, down], tiles, tokens, gate, up, down)
+        else:
+            out = torch.cat([local(part) for part in tokens.tensor_split(max(tiles, 1), dim=1)], dim=1)
+        return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
 
 
 def enable_tiled_mlp(model: nn.Module, tiles: int | None = None) -> None:

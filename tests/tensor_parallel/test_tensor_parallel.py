@@ -39,6 +39,8 @@ WORLD_4 = [
     ("qwen3", 1, 2, 2, {"checkpointing": True, "offload": True}),  # recomputed layers, their DTensor inputs offloaded
     ("llama", 1, 2, 2, {"efficient_norm": True}),  # the lean norm on each rank's slice, its weight's gradient summed
     ("qwen3", 2, 1, 2, {"efficient_norm": True, "checkpointing": True, "fsdp": False}),  # and on Qwen3's q/k norms
+    ("llama", 1, 2, 2, {"tiled_mlp": True}),  # the MLP in 3 tiles of this rank's columns, one reduce-scatter
+    ("qwen3", 2, 1, 2, {"tiled_mlp": True, "checkpointing": True, "efficient_norm": True, "fsdp": False}),
     ("qwen3_5", 1, 2, 2, {}),  # Gated DeltaNet: heads dealt by TP, then the sequence all-to-all
     ("qwen3_5", 2, 1, 2, {"layout": "contiguous", "fsdp": False}),
     ("llama", 1, 1, 2, {"dp": 2}),
@@ -120,18 +122,3 @@ def test_refused_before_any_work(family, changes, tp, ulysses, words):
         check_tensor_parallel(_model(family, **changes), _mesh(tp, ulysses))
     for w in words:
         assert w in str(err.value), str(err.value)
-
-
-def test_the_tiled_mlp_is_refused_with_tp():
-    from seqmesh.compose import ParallelPlan, parallelize_model
-
-    with pytest.raises(ValueError, match="turn it off with tp > 1"):
-        parallelize_model(_model("llama"), _mesh(2), ParallelPlan(tiled_mlp=True))
-
-
-def test_no_gradient_left_partial_without_fsdp(pools):
-    """A norm's weight is replicated over the tensor-parallel ranks, each of which sees a slice of the tokens: its
-    gradient must be summed over them (FSDP2 does it; without FSDP2 ``sync_gradients`` must), or each rank would
-    step on a part of it. (Comparing ``full_tensor()`` alone would not see this: it sums a pending partial.)"""
-    for placements in pools.run(2, settled_gradients):
-        assert placements == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)"], placements
