@@ -57,6 +57,7 @@ class ModelTrafficCase:
     fsdp: bool = False
     bf16: bool = False  # FSDP2's mixed precision (float32 weights and reductions, bf16 compute); needs fsdp
     kv_heads: int | None = None  # the family's kv heads replaced (tp 4 needs 4)
+    mlp_tiles: int = 0  # the MLP in this many sequence tiles (seqmesh.memory.tiled_mlp); 0: untiled
 
 
 def measured_model_traffic(ulysses: int, ring: int, tp: int, cases: list[ModelTrafficCase]) -> list[dict]:
@@ -73,7 +74,8 @@ def measured_model_traffic(ulysses: int, ring: int, tp: int, cases: list[ModelTr
             config.num_key_value_heads = case.kv_heads
         model = build(config).to(getattr(torch, case.dtype))
         plan = ParallelPlan(fsdp=case.fsdp, loss_chunk=case.loss_chunk, checkpointing=case.checkpointing,
-                            bf16=case.bf16)
+                            bf16=case.bf16, tiled_mlp=case.mlp_tiles > 0,
+                            mlp_tiles=case.mlp_tiles or None)
         module = parallelize_model(model, mesh, plan)
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(0, config.vocab_size, (case.batch, case.seq_len), generator=g)

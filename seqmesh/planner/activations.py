@@ -12,6 +12,7 @@ from ..degrees import Degrees
 from .workload import Workload
 
 INT64 = 8
+TILED_RECOMPUTE = "tiled MLP recompute"  # under TP, checkpointed: a layer's peak before its weight gradients exist
 
 
 def local_tokens(work: Workload, layout: Degrees) -> int:
@@ -138,12 +139,20 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
     norm = norm_backward_steps(work, layout)
     qkv = g * (hq_rank + 2 * hk_rank) * m.head_dim * e
     out = g * hq_rank * m.head_dim * e
-    steps = [gather_backward("down_proj", wide)] if tp else []
+    steps = [gather_backward("down_proj", wide)] if tp and not work.tiled_mlp else []
+    if tp and work.tiled_mlp:  # the tiled MLP waits for its gathered output gradient at once: one (B, L, hidden)
+        steps += [("MLP output gather backward", 2 * wide, wide)]
+    if tp and work.tiled_mlp and work.checkpointing:  # the recompute reaches the tiled MLP's input, the last tensor
+        # saved, after running its forward whole: the tiles' partial outputs and their concatenation, beside the
+        # residual and the norm's output slices; before the layer's weight gradients exist (memory.memory_at)
+        recompute = 2 * wide + 2 * hidden
+        steps += [(TILED_RECOMPUTE, recompute, recompute)]
     if work.tiled_mlp:  # dx, then one tile at a time: recomputed gate, up, SiLU, product, output and their gradients
-        tile = mlp_tile_tokens(work, layout)
-        tile_set = tile * (7 * m.intermediate + m.hidden) * e
-        tile_grads = 3 * m.hidden * m.intermediate * e  # this tile's weight gradients beside the running sums
-        steps += [("tiled MLP backward", hidden + tile_set + tile_grads, tile_set + tile_grads + hidden)]
+        columns = m.intermediate // layout.tp  # under TP each tile of the gathered tokens has this rank's columns
+        tile_set = mlp_tile_tokens(work, layout) * (7 * columns + m.hidden) * e
+        tile_grads = 3 * m.hidden * columns * e  # this tile's weight gradients beside the running sums
+        incoming = wide  # the output's gradient (under TP its gathered copy) freed at the end
+        steps += [("tiled MLP backward", wide + tile_set + tile_grads, tile_set + tile_grads + incoming)]
     else:
         steps += [("down_proj backward", inner, inner + (3 * wide if tp else 0)),  # d(product); the product (and
                   # the gathered output gradient) freed
@@ -204,8 +213,9 @@ def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def mlp_tile_tokens(work: Workload, layout: Degrees) -> int:
-    """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's local tokens cut into
-    ``mlp_tiles`` tiles, by default tiles of at most ``hidden`` (``seqmesh.memory.tiled_mlp.tile_count``)."""
-    local = local_tokens(work, layout)
+    """Tokens of one MLP tile on one GPU, all ``batch`` sequences: each sequence's tokens inside the MLP (under TP
+    its group's gathered ``L``) cut into ``mlp_tiles`` tiles, by default tiles of at most ``hidden``
+    (``seqmesh.memory.tiled_mlp.tile_count``)."""
+    local = local_tokens(work, layout) * layout.tp
     tiles = work.mlp_tiles or max(1, -(-local // work.model.hidden))
     return work.batch * -(-local // min(tiles, local))

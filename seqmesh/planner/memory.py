@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .activations import (attention_backward_bytes, final_norm_bytes, gathered_tokens, layer_backward_timeline,
-                          layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes,
-                          timeline_peak, tokens)
+from .activations import (TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes, gathered_tokens,
+                          layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
+                          outside_layers_bytes, timeline_peak, tokens)
 from .layers import layer_kinds
 from .tensor_parallel import split_params
 from ..degrees import Degrees
@@ -113,9 +113,11 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
     return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout)
 
 
-def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, str]:
+def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward",
+                      after_recompute: bool = False) -> tuple[int, str]:
     """Activations at the peak of the last (or the first) layer's backward, and the op at which it falls: what the
-    layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak."""
+    layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak (from the
+    tiled MLP's recompute on, or ``after_recompute``, once it is done)."""
     if moment == "first layer backward":
         fetched = not work.offload_checkpoints or work.offload_prefetch
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
@@ -124,7 +126,10 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     top = layer_saved_bytes(work, layout)
     if work.checkpointing:  # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself
         top -= layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
-    extra, op = timeline_peak(layer_backward_timeline(work, layout))
+    steps = layer_backward_timeline(work, layout)
+    if after_recompute:
+        steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
+    extra, op = timeline_peak(steps)
     kept = below + top + outside_layers_bytes(work, layout)
     return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
 
@@ -161,6 +166,13 @@ def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
         logits = loss_memory(work, layout, moment)
     elif moment in ("layer backward", "first layer backward"):
         activations, op = activation_memory(work, layout, moment)
+        if op == TILED_RECOMPUTE:  # the layer's own weight gradients come after it: the larger of the two moments
+            own = split_params(work.model, layout.tp)["layer"] * work.act_bytes
+            later, later_op = activation_memory(work, layout, moment, after_recompute=True)
+            if later + own > activations:
+                activations, op = later, later_op
+            else:
+                grads -= own
         if op == "attention backward":  # the peak is inside attention: its buffers apart
             attention = attention_backward_bytes(work, layout)
             activations -= attention

@@ -30,8 +30,6 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec, layout: Degrees) -
         return "the planner does not model Gated DeltaNet layers under tensor parallelism yet (tp 1 only)"
     if m.vision is not None or work.media is not None:
         return "seqmesh's tensor parallelism covers text decoders only, not vision-language models (tp 1 only)"
-    if work.tiled_mlp:
-        return "--tiled-mlp is refused with tensor parallelism (it splits the MLP's activations itself)"
     sizes = {"query heads": m.heads, "intermediate size": m.intermediate, "vocabulary": m.vocab}
     bad = [f"{v} {k}" for k, v in sizes.items() if v % tp]
     if not kv_heads_fit(m.kv_heads, tp):

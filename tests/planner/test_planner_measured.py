@@ -40,10 +40,13 @@ CASES = {
         ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("wide", 2048, 2, 1, {**EVERY, **FSDP_OFFLOAD}),
         ("llama-tiny", 2048, 1, 1, TP2), ("llama-tiny", 2048, 1, 1, {**TP2, **CKPT, **BF16}), ("wide", 2048, 1, 1, TP2),
         ("wide", 1024, 1, 1, {**TP2, **FSDP_OFFLOAD}), ("llama-tiny", 3072, 1, 1, {**TP2, **OFFLOAD}),
-        ("llama-tiny", 2048, 1, 1, {**TP2, **NORM}), ("wide", 1024, 1, 1, {**TP2, **OFFLOAD, **NORM})],
+        ("llama-tiny", 2048, 1, 1, {**TP2, **NORM}), ("wide", 1024, 1, 1, {**TP2, **OFFLOAD, **NORM}),
+        ("llama-tiny", 2048, 1, 1, {**TP2, **TILED}), ("wide", 2048, 1, 1, {**TP2, **TILED})],
     4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
         ("llama-tiny", 2048, 4, 1, OFFLOAD), ("llama-tiny", 2048, 2, 1, TP2), ("llama-tiny", 4096, 1, 2, {**TP2, **CKPT}),
-        ("wide", 1024, 2, 1, {**TP2, **CKPT}), ("llama-tiny", 2048, 1, 1, TP2), ("llama-tiny", 2048, 2, 1, {**TP2, **OFFLOAD})],
+        ("wide", 1024, 2, 1, {**TP2, **CKPT}), ("llama-tiny", 2048, 1, 1, TP2),
+        ("llama-tiny", 2048, 2, 1, {**TP2, **OFFLOAD}), ("llama-tiny", 4096, 1, 2, {**TP2, **TILED}),
+        ("llama-tiny", 2048, 2, 1, {**TP2, **EVERY})],
 }
 
 

@@ -254,6 +254,8 @@ TP_CASES = [
     ModelTrafficCase("llama", 37, batch=2, dtype="float32", checkpointing=True, loss_chunk=24),
     ModelTrafficCase("qwen3", 45, dtype="float32", checkpointing=True, fsdp=True),
     ModelTrafficCase("llama", 45, dtype="float32", fsdp=True, bf16=True),
+    ModelTrafficCase("llama", 37, dtype="float32", checkpointing=True, mlp_tiles=3),  # the recompute runs the
+    # tiled MLP's forward whole and stops before its reduce-scatter, as the untiled one stops before down_proj's
 ]
 TP_LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (1, 1, 4)], 8: [(2, 2, 2)]}
 
@@ -262,7 +264,8 @@ def _tp_workload(case: ModelTrafficCase, config: dict, folder) -> Workload:
     path = folder / f"{case.family}-{config['num_key_value_heads']}.json"
     path.write_text(__import__("json").dumps(config))
     return Workload(model_shape(str(path)), case.seq_len, batch=case.batch, dtype="bf16" if case.bf16 else "fp32",
-                    checkpointing=case.checkpointing, loss_chunk=case.loss_chunk)
+                    checkpointing=case.checkpointing, loss_chunk=case.loss_chunk, tiled_mlp=case.mlp_tiles > 0,
+                    mlp_tiles=case.mlp_tiles or None)
 
 
 def _tp_predicted(work: Workload, layout: Degrees, fsdp: bool) -> dict:
