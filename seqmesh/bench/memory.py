@@ -62,13 +62,19 @@ def bench_config(bench: MemoryBench, seq_len: int, options: dict):
                        steps=2, symbols=8, **{"fsdp": True, **options})
 
 
-def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int, str]:
+def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int | None, str]:
     """The planner's peak for the same run on these CPU ranks (no CUDA reserve: the tracker counts
-    tensors only), and the moment it falls at."""
+    tensors only), and the moment it falls at; ``(None, why)`` for a run seqmesh does but the planner does not
+    model (fewer kv heads than tensor-parallel ranks, Gated DeltaNet under TP)."""
     from ..planner.memory import memory_per_gpu
+    from ..planner.tensor_parallel import tensor_parallel_refusal
     from ..planner.workload import plan_inputs
 
-    peak = memory_per_gpu(*plan_inputs(bench_config(bench, seq_len, options), bench.world, device=bench.device))
+    work, layout = plan_inputs(bench_config(bench, seq_len, options), bench.world, device=bench.device)
+    refused = tensor_parallel_refusal(work, None, layout) if layout.tp > 1 else None
+    if refused is not None:
+        return None, f"not modelled: {refused}"
+    peak = memory_per_gpu(work, layout)
     return peak.total, peak.moment
 
 
@@ -117,7 +123,7 @@ def sweep(bench: MemoryBench, pool=None) -> list[dict]:
             ranks = pool.run(measure_rank, bench, seq_len, bench.options, timeout=3600)
             row = {"seq_len": seq_len, **max(ranks, key=lambda r: r["peak_bytes"])}
             row["predicted_bytes"], row["predicted_moment"] = predicted_peak(bench, seq_len, bench.options)
-            row["predicted_ratio"] = row["predicted_bytes"] / row["peak_bytes"]
+            row["predicted_ratio"] = row["predicted_bytes"] / row["peak_bytes"] if row["predicted_bytes"] else None
             row["fits"] = bench.budget is None or row["peak_bytes"] <= bench.budget
             rows.append(row)
     finally:
@@ -170,8 +176,9 @@ def format_sweep(bench: MemoryBench, rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['seq_len']:>9}{mib(r['peak_bytes'])}{mib(r['parameters_bytes'])}{mib(r['gradients_bytes'])}"
                      f"{mib(r['optimizer_bytes'])}{mib(r['activations_bytes'])}  {mib(r['transient_bytes'])}"
-                     f"{mib(r['host_bytes'])}{'yes' if r['fits'] else 'no':>6}{mib(r['predicted_bytes'])}"
-                     f"{r['predicted_ratio']:>7.3f}  {r['predicted_moment']}")
+                     f"{mib(r['host_bytes'])}{'yes' if r['fits'] else 'no':>6}"
+                     + (f"{mib(r['predicted_bytes'])}{r['predicted_ratio']:>7.3f}" if r["predicted_bytes"] else f"{'-':>9}{'-':>7}")
+                     + f"  {r['predicted_moment']}")
     if bench.budget is not None:
         longest = longest_fitting(rows)
         lines.append(f"longest that fits {bench.budget / 2**20:.1f} MiB: "

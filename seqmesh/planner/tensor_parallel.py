@@ -18,10 +18,11 @@ from .workload import Workload
 POOLED_VALUES = 3  # seqmesh.model.loss.pool_mean: the loss sum, the valid targets and the bad labels, one all-reduce
 
 
-def tensor_parallel_refusal(work: Workload, hw: HardwareSpec, layout: Degrees) -> str | None:
+def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Degrees) -> str | None:
     """Why seqmesh cannot run ``layout``'s tensor parallelism (``seqmesh.tensor_parallel.check_tensor_parallel`` and
     ``seqmesh.compose`` refuse the same), or None. TP stays inside a node: its group is the innermost ranks."""
-    m, tp, node = work.model, layout.tp, hw.gpus_per_node
+    m, tp = work.model, layout.tp
+    node = hw.gpus_per_node if hw is not None else tp  # None: ranks of one host (seqmesh bench memory)
     if tp > node or node % tp:
         return f"tensor parallelism beyond one node (TP {tp} over nodes of {node} GPUs)"
     if m.experts:
