@@ -113,6 +113,8 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
              for name, p in model.named_parameters() if name in grads}
     model.zero_grad()
     wide = copy.deepcopy(model).to(torch.float64)
+    if hasattr(wide, "set_experts_implementation"):  # grouped_mm (MoE experts' default) has no float64 kernel
+        wide.set_experts_implementation("eager")
     (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
     for name, p in wide.named_parameters():
         if name in grads:
