@@ -46,7 +46,8 @@ BATCH_AXIS_NAME = "batch"  # every axis but tp flattened: the ranks that hold di
 
 @dataclass(frozen=True)
 class SPMesh:
-    """A 5-D device mesh ``(dp_replicate, dp_shard, ring, ulysses, tp)`` with its process groups.
+    """A 5-D device mesh ``(dp_replicate, dp_shard, ring, ulysses, tp)`` with its process groups (4-D, without
+    the ``tp`` axis, when there is no tensor parallelism).
 
     Build it with :func:`init_mesh` or :func:`mesh_from_device_mesh`. Attributes:
 
@@ -198,9 +199,11 @@ def init_mesh(
             + (f", e.g. dp_shard={world // inner}." if world % inner == 0 else ".")
         )
     device_type = device_type or _default_device_type()
-    device_mesh = init_device_mesh(
-        device_type, (dp_replicate, dp_shard, ring, ulysses, tp), mesh_dim_names=tuple(a.value for a in AXES)
-    )
+    # without tensor parallelism the tp axis is left out (4-D): every axis costs a process group per rank, and
+    # a gloo group keeps two threads for the life of the process
+    axes = AXES if tp > 1 else AXES[:-1]
+    sizes = (dp_replicate, dp_shard, ring, ulysses, tp)[: len(axes)]
+    device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=tuple(a.value for a in axes))
     return mesh_from_device_mesh(device_mesh)
 
 
