@@ -80,6 +80,13 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
     if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers cannot split
         check_tensor_parallel(model, mesh)
+        if plan.fsdp and mesh.dp_replicate > 1 and not hasattr(type(mesh.device_mesh), "_concatenate"):
+            import torch
+
+            raise ValueError(f"HSDP (dp_replicate={mesh.dp_replicate}) with tensor parallelism needs torch 2.10 or later "
+                             f"(this is {torch.__version__}): FSDP2 needs its 2-D mesh and the TP mesh cut from one mesh, "
+                             "which older releases cannot build. Upgrade torch, or use dp_replicate=1 (FSDP2 over every "
+                             "data and sequence rank).")
     lm = parallelize(model, mesh, backend=plan.backend)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:

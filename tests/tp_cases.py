@@ -103,3 +103,13 @@ def settled_gradients() -> list[str]:
     module(**seqmesh.shard_batch(_batch(SEQ_LEN, config.vocab_size, False), mesh)).backward()
     sync_gradients(module, mesh)
     return sorted({str(getattr(p.grad, "placements", "plain")) for p in module.parameters()})
+
+
+def hsdp_refusal() -> str:
+    """The error of composing TP 2 under two HSDP replicas (on a torch that cannot build that mesh)."""
+    mesh = get_mesh(1, 1, 1, 2, 2)
+    try:
+        parallelize_model(build(family_config("qwen3")), mesh, ParallelPlan())
+    except ValueError as err:
+        return str(err)
+    return "no error"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tp_cases import settled_gradients, tp_parity
+from tp_cases import hsdp_refusal, settled_gradients, tp_parity
 
 # Measured (torch 2.13, transformers 5.24, CPU, float64): seqmesh's largest error is 0.0 to 1.5e-9 of the
 # reference's rounding (loss and gradients: 0 to 9e-16 against 3e-8..5e-7); the bound is that rounding times 4,
@@ -44,7 +44,6 @@ WORLD_4 = [
     ("qwen3_5", 1, 2, 2, {}),  # Gated DeltaNet: heads dealt by TP, then the sequence all-to-all
     ("qwen3_5", 2, 1, 2, {"layout": "contiguous", "fsdp": False}),
     ("llama", 1, 1, 2, {"dp": 2}),
-    ("qwen3", 1, 1, 2, {"replicas": 2}),
 ]
 WORLD_8 = [
     ("llama", 2, 2, 2, {}),
@@ -122,3 +121,16 @@ def test_refused_before_any_work(family, changes, tp, ulysses, words):
         check_tensor_parallel(_model(family, **changes), _mesh(tp, ulysses))
     for w in words:
         assert w in str(err.value), str(err.value)
+
+
+def test_hsdp_with_tensor_parallelism(pools):
+    """HSDP (two replicas) over TP 2: exact on torch 2.10 and later; refused by name before, where FSDP2 cannot
+    build its 2-D mesh from the same root as the TP mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if hasattr(DeviceMesh, "_concatenate"):
+        for results in pools.run(4, _run_all, [("qwen3", 1, 1, 2, {"replicas": 2})]):
+            assert not _outside_rounding(results[0]), results[0]
+    else:
+        for error in pools.run(4, hsdp_refusal):
+            assert "needs torch 2.10 or later" in error and "dp_replicate=1" in error, error
