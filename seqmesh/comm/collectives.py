@@ -198,6 +198,16 @@ def exchange_rows(
     return ExchangeRows.apply(x, group, tuple(send_rows), tuple(recv_rows))
 
 
+def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, phase: str = "forward") -> torch.Tensor:
+    """``t`` all-reduced over ``group`` in place (not differentiable: totals, maxima, summed gradients), counted
+    as the ring algorithm sends it, ``2 (G - 1) / G`` of its bytes; returns ``t``."""
+    dist.all_reduce(t, op=op, group=group)
+    world = dist.get_world_size(group)
+    nbytes = 2 * (world - 1) * _nbytes(t) // world
+    record("all_reduce", phase, nbytes, nbytes)
+    return t
+
+
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """Differentiable all-gather along ``dim`` (backward: reduce-scatter)."""
     return AllGather.apply(x, group, dim)

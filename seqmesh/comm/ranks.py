@@ -41,6 +41,30 @@ def agree(value: object) -> object:
     return box[0]
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (tensor parallelism's, or FSDP2's sharded parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def partial_local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's local copy, whose gradient is this rank's part of a sum over the DTensor's mesh: what
+    a rank computes from a weight or input every rank of a tensor-parallel group holds whole, when each uses it
+    for its own share (its heads, columns, tokens)."""
+    from torch.distributed.tensor import Partial
+
+    return t.to_local(grad_placements=[Partial()])
+
+
+def summed_to_slices(partial: torch.Tensor, mesh) -> torch.Tensor:
+    """Each rank's ``(B, L, ...)`` share of a sum over the 1-D ``mesh`` (a row-parallel output), summed and cut
+    along the sequence: the DTensor of ``(B, L/T, ...)`` slices (a reduce-scatter; its adjoint an all-gather)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    return DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
+
+
 def local_part(p: torch.Tensor) -> torch.Tensor:
     """This rank's values of ``p``: a DTensor's local shard, or the tensor itself."""
     return p.to_local() if hasattr(p, "to_local") else p

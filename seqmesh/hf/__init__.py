@@ -17,6 +17,7 @@ import inspect
 
 import torch.nn as nn
 
+from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import linear_attention
 from .layers import SUPPORTED, check_layers
@@ -81,8 +82,8 @@ def _make_attention(mesh: SPMesh, backend: str):
         refuse_unsupported(module, kwargs, causal)
         first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
         sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per query head, in the denominator only
-        if sinks is not None and hasattr(sinks, "to_local"):  # tensor parallelism: this rank's heads' sinks
-            sinks = sinks.to_local()
+        if sinks is not None:  # under tensor parallelism, this rank's heads' sinks
+            sinks = local_part(sinks)
         out = attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
             causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,

@@ -23,6 +23,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..comm.ranks import is_dtensor
+
 
 class OffloadedTensor:
     """One saved activation in host memory, and its way back to the device."""
@@ -91,7 +93,7 @@ class ActivationOffload:
     def pack(self, t: torch.Tensor):
         if t.grad_fn is None or t.device != self.device:
             return t if self.inner is None else (self.inner[1], self.inner[0](t))  # unpacked by its own hook
-        if hasattr(t, "device_mesh"):  # a DTensor (tensor parallelism): its local part moves, its layout stays
+        if is_dtensor(t):  # a DTensor (tensor parallelism): its local part moves, its layout stays
             with torch.no_grad():
                 local = t.to_local()
             return _Distributed(self._offload(local), t.device_mesh, t.placements, t.shape, t.stride())

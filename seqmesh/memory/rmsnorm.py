@@ -25,6 +25,8 @@ import warnings
 import torch
 import torch.nn as nn
 
+from ..comm.ranks import is_dtensor, partial_local
+
 from .tiled_mlp import tile_count
 
 # transformers' RMSNorm classes written as weight * normalize(x.float()).to(x.dtype)
@@ -108,12 +110,12 @@ class EfficientNormForward:
         weight = self.norm.weight  # FSDP2's gathered weight while the layer runs
         if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
             return self.original(x)
-        if hasattr(x, "device_mesh"):  # tensor parallelism: x a DTensor sliced over the group, the weight replicated
-            from torch.distributed.tensor import DTensor, Partial
+        if is_dtensor(x):  # tensor parallelism: x a DTensor sliced over the group, the weight replicated
+            from torch.distributed.tensor import DTensor
 
             # each rank normalizes its own slice (per token: no traffic); the weight's gradient, summed over
             # its slice's tokens, is its part of a sum over the group
-            out = RMSNormFunction.apply(x.to_local(), weight.to_local(grad_placements=[Partial()]), self.eps, self.tiles)
+            out = RMSNormFunction.apply(x.to_local(), partial_local(weight), self.eps, self.tiles)
             return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
         return RMSNormFunction.apply(x, weight, self.eps, self.tiles)
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..comm.ranks import is_dtensor, partial_local, summed_to_slices
 from ..model.lm import decoder_layers
 
 
@@ -79,7 +80,7 @@ class TiledForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.tiles or tile_count(x.shape[1], x.shape[-1])  # x: (B, L, hidden)
         tiles = min(tiles, x.shape[1])
-        if hasattr(x, "device_mesh"):  # tensor parallelism: x gathered over the group (a replicated DTensor)
+        if is_dtensor(x):  # tensor parallelism: x gathered over the group (a replicated DTensor)
             return self.tensor_parallel(x, tiles)
         if tiles <= 1:
             return self.original(x)
@@ -94,8 +95,6 @@ class TiledForward:
         by tile on the gathered ``(B, L, hidden)`` input, summed over the group once for the whole sequence (the
         reduce-scatter row-wise down would make), to ``(B, L/T, hidden)`` slices. The input's gradient is this
         rank's part of a sum over the group, as the column-parallel projections' is."""
-        from torch.distributed.tensor import DTensor, Partial, Shard
-
         m = self.mlp
         projections = (m.gate_proj, m.up_proj, m.down_proj)
         if any(p.bias is not None for p in projections):
@@ -107,12 +106,12 @@ class TiledForward:
         def local(part: torch.Tensor) -> torch.Tensor:  # (B, tile, H) -> this rank's share of the output
             return F.linear(m.act_fn(F.linear(part, gate)) * F.linear(part, up), down)
 
-        tokens = x.to_local(grad_placements=[Partial()])  # (B, L, H)
+        tokens = partial_local(x)  # (B, L, H)
         if torch.is_grad_enabled() and tiles > 1:
             out = TiledMLPFunction.apply(local, [gate, up, down], tiles, tokens, gate, up, down)
         else:
             out = torch.cat([local(part) for part in tokens.tensor_split(max(tiles, 1), dim=1)], dim=1)
-        return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
+        return summed_to_slices(out, mesh)
 
 
 def enable_tiled_mlp(model: nn.Module, tiles: int | None = None) -> None:

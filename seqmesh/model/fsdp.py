@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.ranks import full_value
-from ..comm.stats import record
+from ..comm.collectives import all_reduce_
 from ..mesh import SPMesh
 from .lm import SequenceParallelLM, decoder_layers, vision_blocks
 
@@ -104,9 +104,7 @@ def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20
         size += g.numel() * g.element_size()
         if size >= bucket_bytes or i == len(grads) - 1:
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=group)
-            record("all_reduce", "backward", (world - 1) * flat.numel() * flat.element_size() * 2 // world,
-                   (world - 1) * flat.numel() * flat.element_size() * 2 // world)
+            all_reduce_(flat, group, phase="backward")
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from ..comm.ranks import is_dtensor
 from .loss import chunked_linear_cross_entropy
 from ..sequence.batch import IGNORE_INDEX
 from ..mesh import SPMesh
@@ -221,12 +222,6 @@ def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
     initialize_by_name(getattr(root, "lm", root), device, seed)
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -276,7 +271,7 @@ class SequenceParallelLM(nn.Module):
         weight = self.lm.get_output_embeddings().weight
         group = self.mesh.batch_group if self.mesh is not None else None
         ignore = seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX  # the one shard_batch used
-        if _is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
+        if is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
             from .vocab_parallel import vocab_parallel_loss
 
             return vocab_parallel_loss(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
@@ -294,7 +289,7 @@ class SequenceParallelLM(nn.Module):
         labels = shift_labels.reshape(-1)
         keep = labels != (seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX)
         weight = self.lm.get_output_embeddings().weight
-        if _is_dtensor(weight):  # tensor parallelism: every rank of the group scores the same tokens, counted once
+        if is_dtensor(weight):  # tensor parallelism: every rank of the group scores the same tokens, counted once
             from .vocab_parallel import gathered_tokens, vocab_parallel_argmax
 
             tokens = gathered_tokens(hidden)

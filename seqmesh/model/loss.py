@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm.stats import record
+from ..comm.collectives import all_reduce_
 from ..sequence.batch import IGNORE_INDEX
 
 
@@ -54,10 +54,7 @@ def pool_mean(
     invalid = local_invalid if local_invalid is not None else torch.zeros((), device=local_sum.device)
     totals = torch.stack([local_sum.detach().to(wide), local_count.detach().to(wide), invalid.detach().to(wide)])
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
-        world = dist.get_world_size(group)
-        nbytes = 2 * (world - 1) * totals.numel() * totals.element_size() // world
-        record("all_reduce", "forward", nbytes, nbytes)
+        all_reduce_(totals, group)
     total_sum, total_count = totals[0], totals[1]
     denominator = total_count.clamp(min=1.0)
     return (local_sum.to(wide) + (total_sum - local_sum.detach().to(wide))) / denominator, int(totals[2])

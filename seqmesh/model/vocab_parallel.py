@@ -21,23 +21,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.stats import record
+from ..comm.collectives import all_reduce_
+from ..comm.ranks import partial_local
 from .loss import checked_mean, matmul_dtype, wide_dtype, invalid_labels
 
 
 def gathered_tokens(hidden) -> torch.Tensor:
     """A DTensor ``(B, L/T, H)`` sharded on the sequence over the tensor-parallel group, as the plain local
     ``(B, L, H)`` of the whole group; its gradient is taken as each rank's partial sum (reduce-scattered)."""
-    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Replicate
 
-    return hidden.redistribute(hidden.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-
-
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, phase: str = "forward") -> None:
-    dist.all_reduce(t, op=op, group=group)
-    world = dist.get_world_size(group)
-    nbytes = 2 * (world - 1) * t.numel() * t.element_size() // world
-    record("all_reduce", phase, nbytes, nbytes)
+    return partial_local(hidden.redistribute(hidden.device_mesh, [Replicate()]))
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -58,13 +52,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             for s in range(0, hidden.shape[0], chunk):
                 logits = (hidden[s : s + chunk].to(mm) @ w.t()).to(wide)  # (n, V/T)
                 top = logits.max(dim=-1).values
-                _all_reduce(top, group, dist.ReduceOp.MAX)
+                all_reduce_(top, group, dist.ReduceOp.MAX)
                 target = labels[s : s + chunk]
                 local = target - start
                 mine = (local >= 0) & (local < rows)
                 picked = logits.gather(1, local.clamp(0, rows - 1).unsqueeze(1)).squeeze(1) * mine
                 sums = torch.stack([(logits - top.unsqueeze(1)).exp().sum(-1), picked])  # (2, n)
-                _all_reduce(sums, group)
+                all_reduce_(sums, group)
                 tile_lse = sums[0].log() + top
                 lse[s : s + chunk] = tile_lse
                 total += ((tile_lse - sums[1]) * (target != ignore_index)).sum()

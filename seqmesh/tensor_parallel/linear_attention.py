@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
+from ..comm.ranks import partial_local, summed_to_slices
 from ..mesh import SPMesh
 
 
@@ -55,15 +56,16 @@ def _rows(module: nn.Module, rank: int, tp: int) -> tuple[torch.Tensor, torch.Te
     return torch.cat([q, key_dim + q, 2 * key_dim + v]), v, torch.arange(rank * hv, (rank + 1) * hv)
 
 
-def _whole(p: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor weight as a plain tensor whose gradient is this rank's part of a sum over the group."""
-    from torch.distributed.tensor import Partial
-
-    return p.to_local(grad_placements=[Partial()])
+def _rows_on(module: nn.Module, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`_rows` of this rank, kept on ``device`` after the first step (not copied there every step)."""
+    rows = module._seqmesh_tp_rows
+    if rows[0].device != device:
+        rows = module._seqmesh_tp_rows = tuple(r.to(device) for r in rows)
+    return rows
 
 
 def _make_forward(mesh: SPMesh):
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     tp_mesh = mesh.tp_mesh
 
@@ -72,24 +74,24 @@ def _make_forward(mesh: SPMesh):
         if info is None or cache_params is not None or kwargs.get("cache") is not None or attention_mask is not None:
             raise ValueError(f"{type(self).__name__} runs tensor- and sequence-parallel: call the model with "
                              "seqmesh.shard_batch's output, without a cache or a padding mask.")
-        qkv_rows, v_rows, v_heads = (r.to(hidden_states.device) for r in self._seqmesh_tp_rows)
-        x = hidden_states.redistribute(tp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])  # (B, L, hidden)
+        qkv_rows, v_rows, v_heads = _rows_on(self, hidden_states.device)
+        x = partial_local(hidden_states.redistribute(tp_mesh, [Replicate()]))  # (B, L, hidden)
         b, n, _ = x.shape
-        mixed = F.linear(x, _whole(self.in_proj_qkv.weight)[qkv_rows])  # (B, L, this rank's conv channels)
-        z = F.linear(x, _whole(self.in_proj_z.weight)[v_rows])  # (B, L, Hv/T * Dv)
-        beta_in = F.linear(x, _whole(self.in_proj_b.weight)[v_heads])  # (B, L, Hv/T)
-        a_in = F.linear(x, _whole(self.in_proj_a.weight)[v_heads])
-        conv = _whole(self.conv1d.weight).squeeze(1)[qkv_rows]
-        bias = _whole(self.conv1d.bias)[qkv_rows] if self.conv1d.bias is not None else None
-        params = GateParams(conv, bias, _whole(self.A_log)[v_heads], _whole(self.dt_bias)[v_heads], self.activation)
+        mixed = F.linear(x, partial_local(self.in_proj_qkv.weight)[qkv_rows])  # (B, L, this rank's conv channels)
+        z = F.linear(x, partial_local(self.in_proj_z.weight)[v_rows])  # (B, L, Hv/T * Dv)
+        beta_in = F.linear(x, partial_local(self.in_proj_b.weight)[v_heads])  # (B, L, Hv/T)
+        a_in = F.linear(x, partial_local(self.in_proj_a.weight)[v_heads])
+        conv = partial_local(self.conv1d.weight).squeeze(1)[qkv_rows]
+        bias = partial_local(self.conv1d.bias)[qkv_rows] if self.conv1d.bias is not None else None
+        params = GateParams(conv, bias, partial_local(self.A_log)[v_heads], partial_local(self.dt_bias)[v_heads], self.activation)
         heads = LinearHeads(self.num_k_heads // mesh.tp, self.num_v_heads // mesh.tp, self.head_k_dim, self.head_v_dim,
                             mesh.sp_size)
         core = sequence_parallel_gated_delta(torch.cat([mixed, beta_in, a_in], dim=-1), params, heads, mesh,
                                              layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
         rows = lambda t: DTensor.from_local(t.reshape(-1, self.head_v_dim), tp_mesh, [Shard(0)])  # noqa: E731
         normed = self.norm(rows(core), rows(z)).to_local().reshape(b, n, -1)  # per head; the weight replicated
-        out = F.linear(normed, _whole(self.out_proj.weight)[:, v_rows])  # (B, L, hidden), this rank's heads' share
-        return DTensor.from_local(out, tp_mesh, [Partial()]).redistribute(tp_mesh, [Shard(1)])
+        out = F.linear(normed, partial_local(self.out_proj.weight)[:, v_rows])  # (B, L, hidden), this rank's heads' share
+        return summed_to_slices(out, tp_mesh)
 
     return forward
 

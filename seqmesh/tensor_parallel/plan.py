@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ..comm.ranks import partial_local
 from ..degrees import check_tensor_parallel_sizes
 from ..mesh import SPMesh
 from ..model.lm import decoder_layers
@@ -125,14 +126,14 @@ def _replicate_key_value(attn: nn.Module, mesh: SPMesh, heads: int, kv_heads: in
     read, rank ``t`` head ``t // (tp / kv_heads)``. Each rank's gradient then covers its own head's columns
     only: the kept output's gradient is marked partial, so the weights' gradients are summed over the group
     (as a norm's are) and the input's join the column-parallel projections' partial sums."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import DTensor, Replicate
 
     tp = mesh.tp
     head = mesh.tp_rank // (tp // kv_heads)
     keep = slice(head * head_dim, (head + 1) * head_dim)
 
     def one_head(module, args, out):  # out: a Replicate DTensor (B, L, kv_heads * head_dim)
-        return out.to_local(grad_placements=[Partial()])[..., keep]
+        return partial_local(out)[..., keep]
 
     for proj in (attn.k_proj, attn.v_proj):
         for name, p in list(proj.named_parameters(recurse=False)):
