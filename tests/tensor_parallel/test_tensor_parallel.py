@@ -1,8 +1,8 @@
 """Tensor parallelism inside the sequence mesh (TP x Ulysses x ring x data-parallel, FSDP2 on top), composed by
 ``parallelize_model``: loss and every parameter's gradient equal the single-process transformers model on the
 whole batch, within the reference's own rounding, measured in the same run (``family_cases.reference_rounding``:
-the same model in float32 against float64). Llama, Qwen3 (per-head q/k norms, tied embeddings) and Mistral
-(a sliding window). Each world runs all its cases in one spawned group."""
+the same model in float32 against float64). Llama, Qwen3 (per-head q/k norms, tied embeddings), Mistral
+(a sliding window), Gemma 3 (sliding and full layers) and Qwen3.5 (Gated DeltaNet). Each world runs all its cases in one spawned group."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ WORLD_4 = [
     ("qwen3", 2, 1, 2, {"tiled_mlp": True, "checkpointing": True, "efficient_norm": True, "fsdp": False}),
     ("qwen3_5", 1, 2, 2, {}),  # Gated DeltaNet: heads dealt by TP, then the sequence all-to-all
     ("qwen3_5", 2, 1, 2, {"layout": "contiguous", "fsdp": False}),
+    ("gemma3", 1, 2, 2, {"documents": True, "layout": "per_document"}),  # sliding + full layers, 4 norms, q/k norms
     ("llama", 1, 1, 2, {"dp": 2}),
 ]
 WORLD_8 = [
@@ -109,6 +110,7 @@ def _mesh(tp: int, ulysses: int = 1):
     ("llama", {"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, ["kv heads (num_key_value_heads) = 3",
                                                                            "Degrees that fit them all: 1."]),
     ("gpt-oss", {}, 2, 1, ["mixture of experts", "tp=1"]),
+    ("deepseek-v3", {}, 2, 1, ["mixture of experts", "tp=1"]),
     ("qwen3_5", {"linear_num_value_heads": 6, "linear_num_key_heads": 3}, 2, 1, ["3 key and 6 value heads",
                                                                                   "use tp in [1, 3]"]),
 ])
