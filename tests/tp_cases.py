@@ -9,14 +9,11 @@ import torch
 import seqmesh
 from dist_cases import get_mesh
 from family_cases import _batch, _reference_loss, build, family_config, reference_rounding
+from seqmesh.comm.ranks import full_value
 from seqmesh.compose import ParallelPlan, parallelize_model
 from seqmesh.model.fsdp import sync_gradients
 
 SEQ_LEN = 45
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
@@ -71,28 +68,12 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     worst, name_of = 0.0, ""
     for name, p in module.lm.named_parameters():
         ref = want[name].grad
-        err = float((_full(p.grad) - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        err = float((full_value(p.grad) - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
         if err > worst:
             worst, name_of = err, name
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "worst": name_of, "rounding": rounding,
             "tp_sharded": sum(1 for p in module.parameters() if "Shard" in str(getattr(p, "placements", ""))),
             "offloaded_bytes": moved}
-
-
-def tp_traffic(family: str, ulysses: int, ring: int, tp: int, seq_len: int = SEQ_LEN) -> dict:
-    """What one forward and backward of ``family`` on a ``ring x ulysses x tp`` mesh sends, by collective and
-    phase (``comm_stats``), with the shapes the counts follow from."""
-    from seqmesh.comm.stats import comm_stats
-
-    mesh = get_mesh(ulysses, ring, 1, 1, tp)
-    config = family_config(family)
-    module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=False, loss_chunk=16))
-    local = seqmesh.shard_batch(_batch(seq_len, config.vocab_size, False), mesh)
-    with comm_stats() as stats:
-        module(**local).backward()
-    return {"stats": stats.as_dict(), "local_tokens": local["input_ids"].shape[1], "hidden": config.hidden_size,
-            "layers": config.num_hidden_layers, "heads": config.num_attention_heads, "head_dim": config.head_dim,
-            "kv_heads": config.num_key_value_heads}
 
 
 def settled_gradients() -> list[str]:
