@@ -119,7 +119,7 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     for name, p in wide.named_parameters():
         if name in grads:
             exact = p.grad
-            rounding = float((grads[name].double() - exact).abs().max() / exact.abs().max().clamp(min=1e-300))
+            rounding = float((grads[name].double() - exact).abs().max() / exact.abs().max().clamp(min=1e-12))
             noise[name] = max(noise[name], rounding)
     del wide
     return noise
