@@ -61,10 +61,24 @@ def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
             raise ValueError(f"{name} ({kind}) is a linear-attention layer seqmesh's tensor parallelism does not split "
                              "(it runs Qwen3.5's Gated DeltaNet, with separate q/k/v, z, b and a projections); train this "
                              "model with tp=1 (its sequence parallelism is exact).")
+    embedding = model.get_input_embeddings()
+    if type(embedding).forward is not nn.Embedding.forward and _torch_release() < (2, 13):
+        import torch
+
+        raise ValueError(f"{type(embedding).__name__} computes on the looked-up rows (Gemma 3 scales them), which DTensor's "
+                         f"vocabulary-parallel embedding loses track of in torch {torch.__version__} (tested from 2.13). "
+                         "Upgrade torch to 2.13 or later for tensor parallelism of this model, or train it with tp=1.")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     check_tensor_parallel_sizes(tp, mesh.ulysses, heads=heads, kv_heads=kv_heads, intermediate=text.intermediate_size,
                                 vocab=text.vocab_size)
+
+
+def _torch_release() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _layer_plan(layer: nn.Module, kv_heads: int, tp: int) -> dict:
