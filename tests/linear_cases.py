@@ -65,11 +65,12 @@ class ModelCase:
     value_heads: int = 4
     batch: int = 2
     family: str = "qwen3_5"
+    design: str = "auto"  # parallelize's linear_attention
 
     @property
     def name(self) -> str:
         return (f"{self.family}-S{self.seq_len}-{self.layout}-hk{self.key_heads}hv{self.value_heads}-"
-                f"{'docs' if self.documents else 'nodocs'}")
+                f"{'docs' if self.documents else 'nodocs'}-{self.design}")
 
 
 def _inputs(case: ModelCase, vocab: int):
@@ -104,7 +105,7 @@ def model_cases(ulysses: int, ring: int, cases: list[ModelCase]) -> list[dict]:
         reference = tiny_qwen3_5(case.key_heads, case.value_heads, family=case.family)
         ids, dlogits = _inputs(case, reference.config.vocab_size)
         want_logits, want_grads = reference_logits_and_grads(reference, case, ids, dlogits)
-        model = parallelize(copy.deepcopy(reference), mesh)
+        model = parallelize(copy.deepcopy(reference), mesh, linear_attention=case.design)
         model.zero_grad()
         batch = {"input_ids": ids}
         if case.documents is not None:
@@ -241,7 +242,7 @@ def refusals(ulysses: int, ring: int) -> dict:
     out["unknown_untouched"] = getattr(model, "_seqmesh_attention", None) is None and not any(
         "forward" in vars(m) for m in model.modules())
     try:
-        parallelize(tiny_qwen3_5(key_heads=1, value_heads=1), mesh)
+        parallelize(tiny_qwen3_5(key_heads=1, value_heads=1), mesh, linear_attention="all_to_all")
         out["too_few_heads"] = "no error"
     except ValueError as err:
         out["too_few_heads"] = str(err)

@@ -55,3 +55,54 @@ def test_state_passing_exact_float64(pools, ulysses, ring):
                 assert max(r["gather_bytes"]["forward"] for r in (x[cases.index(case)] for x in per_rank)) == want, \
                     (r["case"], want)
                 assert r["gather_bytes"]["backward"] == r["gather_bytes"]["forward"], r
+
+
+def _model_cases() -> list[ModelCase]:
+    return [
+        ModelCase(23, "zigzag", design="state_passing"),  # padding
+        ModelCase(24, "contiguous", DOCS[24], key_heads=1, value_heads=4, design="state_passing"),
+        ModelCase(24, "per_document", DOCS[24], key_heads=1, value_heads=2, design="state_passing"),  # Hv < P on 4
+        ModelCase(23, "zigzag", DOCS[23], key_heads=1, value_heads=2, design="auto"),  # auto: state passing if Hv < P
+    ]
+
+
+# the model-level bounds of test_linear_attention (measured noise of the one-process reference)
+LOGITS_RTOL, GRAD_RTOL = 1e-6, 1e-5
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 4), (2, 2)], ids=["u1xr4", "u2xr2"])
+def test_qwen3_5_by_state_passing_matches_one_process(pools, ulysses, ring):
+    """A random Qwen3.5 through seqmesh.hf.parallelize(linear_attention="state_passing"): logits and every
+    parameter's gradient equal the unmodified model on the whole sequence (each packed document alone), also
+    with fewer value heads than ranks, which the all-to-all design refuses."""
+    per_rank = pools.run(ulysses * ring, model_cases, ulysses, ring, _model_cases(), timeout=600)
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            errors = dict(r["errors"])
+            assert errors.pop("logits") < LOGITS_RTOL, (rank, r["case"])
+            worst = max(errors.items(), key=lambda kv: kv[1])
+            assert worst[1] < GRAD_RTOL, (rank, r["case"], worst)
+            assert len(errors) == r["params"] > 50
+
+
+def test_choice_rule():
+    """auto: the all-to-all when the state outweighs the sequence's channels (short sequences), state passing
+    for long ones and whenever the ranks outnumber the value heads; an explicit all-to-all with too few heads
+    is refused naming the fix; the bytes of both designs as the module docstring writes them."""
+    from seqmesh.linear_attention.choice import LinearDesign, LinearShape, all_to_all_bytes, choose_design
+
+    qwen = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, kernel=4, batch=1)
+    short, long = (LinearShape(**qwen, seq_len=s, ulysses=1, ring=8) for s in (4096, 131072))
+    assert choose_design(short) is LinearDesign.ALL_TO_ALL
+    assert choose_design(long) is LinearDesign.STATE_PASSING
+    assert choose_design(long, "all_to_all") is LinearDesign.ALL_TO_ALL
+    few = LinearShape(**{**qwen, "value_heads": 4, "key_heads": 2}, seq_len=1024, ulysses=2, ring=4)
+    assert choose_design(few) is LinearDesign.STATE_PASSING
+    with pytest.raises(ValueError, match="4 value heads, fewer than the 8 ranks.*'state_passing'"):
+        choose_design(few, "all_to_all")
+    with pytest.raises(ValueError, match="unknown linear_attention design 'ring'"):
+        choose_design(long, "ring")
+    # Qwen3.5-9B at 128K on 8 ranks, bf16: 354 MB all-to-all (sequence_parallel.py's figure) vs two 4 MiB states
+    assert all_to_all_bytes(long) == 131072 * 7 * (2 * 16 * 128 + 32 * (2 * 128 + 2)) * 2 // 64
+    assert state_passing_bytes(16, 32, 128, 128, batch=1, ulysses=1, ring=8, layout="zigzag", kernel=4,
+                               dtype_bytes=2) == 7 * (2 * 32 * 128 * 256 * 4 + 2 * 3 * (2 * 16 * 128 + 32 * 128) * 2)
