@@ -309,7 +309,7 @@ def test_planner_counts_gated_deltanet_layers():
     from seqmesh.model.presets import MODELS
 
     m = MODELS["qwen3.5-9b"]
-    work = Workload(m, 131072)
+    work = Workload(m, 131072, linear_attention="all_to_all")  # state passing: test_state_passing
     cluster = make_cluster(PRESETS["h100-nvlink"], nodes=8)
     per_layer, links, step = communication(work, Degrees(4, 2, 8), cluster.hardware)
     assert m.linear_layers == 24 and m.layers - m.linear_layers == 8
@@ -319,6 +319,7 @@ def test_planner_counts_gated_deltanet_layers():
     assert step["ulysses_all_to_all"] == 8 * sum(per_layer[p]["ulysses_all_to_all"] for p in per_layer)
     _, excluded = layouts(work, cluster)
     assert any(lay.ulysses * lay.ring == 64 and "32 Gated DeltaNet value heads" in why for lay, why in excluded)
+    assert not any("value heads" in why for _, why in layouts(Workload(m, 131072), cluster)[1])  # auto: no limit
     # state memory: one float32 (Dk x Dv) per value head of the rank's share, kept per 64-token chunk
     from seqmesh.planner.layers import GatedDeltaNet, linear_state_bytes
     from seqmesh.planner.memory import layer_saved_bytes

@@ -106,3 +106,28 @@ def test_choice_rule():
     assert all_to_all_bytes(long) == 131072 * 7 * (2 * 16 * 128 + 32 * (2 * 128 + 2)) * 2 // 64
     assert state_passing_bytes(16, 32, 128, 128, batch=1, ulysses=1, ring=8, layout="zigzag", kernel=4,
                                dtype_bytes=2) == 7 * (2 * 32 * 128 * 256 * 4 + 2 * 3 * (2 * 16 * 128 + 32 * 128) * 2)
+
+
+def test_planner_costs_state_passing():
+    """seqmesh plan on Qwen3.5-9B at 128K over 8 H100s (one NVLink node): auto takes state passing (the rule of
+    the layers, given the node's link); a layer then sends the closed form's bytes in two all-gathers instead of
+    the all-to-all's 354 MB (59 MB: every rank receives every run's [B | A]), and its communication time drops; the all-to-all stays what test_linear_attention
+    checks. Sequence degrees above the 32 value heads are no longer excluded."""
+    from seqmesh.degrees import Degrees
+    from seqmesh.model.presets import MODELS
+    from seqmesh.planner.hardware import PRESETS, make_cluster
+    from seqmesh.planner.layers import GatedDeltaNet
+    from seqmesh.planner.workload import Workload
+
+    m = MODELS["qwen3.5-9b"]
+    hw = make_cluster(PRESETS["h100-nvlink"], nodes=1).hardware
+    layout = Degrees(1, 8, 1)
+    auto, a2a = (GatedDeltaNet(Workload(m, 131072, **kw), layout) for kw in ({}, {"linear_attention": "all_to_all"}))
+    assert auto.design(hw).value == "state_passing" and a2a.design(hw).value == "all_to_all"
+    want = state_passing_bytes(16, 32, 128, 128, batch=1, ulysses=1, ring=8, layout="zigzag", kernel=4, dtype_bytes=2)
+    assert auto.traffic()["forward"] == {"linear_state_gather": want}
+    assert a2a.traffic()["forward"]["linear_all_to_all"] > 5 * want  # 354 MB against 59 MB
+    fsdp = list(range(8))
+    sp, base = auto.seconds(hw, fsdp), a2a.seconds(hw, fsdp)
+    assert sp["serial"] < base["serial"] and sp["total"] < base["total"]
+    assert sp["compute"] > base["compute"]  # the widened recurrence
