@@ -131,3 +131,19 @@ def test_planner_costs_state_passing():
     sp, base = auto.seconds(hw, fsdp), a2a.seconds(hw, fsdp)
     assert sp["serial"] < base["serial"] and sp["total"] < base["total"]
     assert sp["compute"] > base["compute"]  # the widened recurrence
+
+
+def test_bench_linear_runs_both_designs():
+    """seqmesh bench linear: both designs on every mesh of the world, side by side in one run, each checked
+    against the one process, state passing's time as a ratio to the all-to-all's on the same mesh."""
+    from seqmesh.bench.linear import LinearBench, bench_linear, format_linear_rows
+
+    cfg = LinearBench(seq_len=256, key_heads=2, value_heads=4, key_dim=16, value_dim=16, world=2, repeats=1,
+                      warmup=0)
+    rows = bench_linear(cfg)
+    assert [(r["method"], r["mesh"]) for r in rows] == [("one device", "1x1"), ("all to all", "2x1"),
+                                                        ("state passing", "2x1"), ("all to all", "1x2"),
+                                                        ("state passing", "1x2")]
+    assert all(r["max_error"] < 1e-5 for r in rows[1:]), rows
+    assert all(r["vs_all_to_all"] > 0 for r in rows if r["method"] == "state passing")
+    assert "/ a2a" in format_linear_rows(cfg, rows)
