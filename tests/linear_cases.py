@@ -215,8 +215,9 @@ def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
                 g_sp = g_sp.clone()
                 dist.all_reduce(g_sp, group=mesh.sp_group)
             errors[name] = float((g_sp - g_ref).abs().max())
-        results.append({"case": case.name, "errors": errors, "A_log_scale": float(want_grads[3].abs().max()), "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all"),
-                        "gather_bytes": gathered, "gather_calls": (stats.count("all_gather", "forward"), stats.count("reduce_scatter"))})
+        results.append({"case": case.name, "errors": errors, "A_log_scale": float(want_grads[3].abs().max()),
+                        "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all"), "gather_bytes": gathered,
+                        "gather_calls": (stats.count("all_gather", "forward"), stats.count("reduce_scatter"))})
     return results
 
 

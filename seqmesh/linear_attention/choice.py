@@ -86,7 +86,8 @@ def state_passing_bytes(key_heads: int, value_heads: int, key_dim: int, value_di
     p = ulysses * ring
     runs, tails = runs_and_tails(ulysses, ring, layout)
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-    per_rank = runs * value_heads * key_dim * (key_dim + value_dim) * state_bytes + tails * (kernel - 1) * conv_dim * dtype_bytes
+    states = runs * value_heads * key_dim * (key_dim + value_dim) * state_bytes  # [B | A] of each run
+    per_rank = states + tails * (kernel - 1) * conv_dim * dtype_bytes
     return (p - 1) * batch * per_rank
 
 

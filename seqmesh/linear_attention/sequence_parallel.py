@@ -37,15 +37,9 @@ its share of the local activations; the recurrence keeps one float32 (Dk x Dv) s
 64-token chunk for backward (the planner's ``GatedDeltaNet.saved_bytes``). Latency: two all-to-alls
 each way, no sequential dependence between ranks.
 
-The alternative keeps heads whole and passes, along the ring, the recurrent state of each chunk
-(``B * Hv * Dk * Dv`` float32, with Qwen3.5-9B's 32 x 128 x 128 heads 2 MiB per sample and hop;
-per rank it holds all heads of its tokens, the same activation memory as here) and the conv
-tail (``(K - 1) * conv channels``): far fewer bytes, independent of ``S``, but each ring rank must
-wait for the state of every earlier position, so in zigzag order (two chunks per rank, out of
-order) the ring runs ``2R - 1`` sequential stages; a parallel scan over per-chunk transitions
-(``Dk x Dk`` per head) removes the wait at the price of a second pass. seqmesh takes the
-all-to-all: exact on every mesh, no serial latency, and the bytes are of the same order as the
-Ulysses attention layers of the same model.
+The alternative keeps heads whole and passes the recurrent state between the ranks instead
+(``state_passing.py``: bytes independent of ``S``, no limit on heads, about twice the recurrence's
+FLOPs); ``choice.choose_design`` picks between the two per layer.
 """
 
 from __future__ import annotations

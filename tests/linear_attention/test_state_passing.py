@@ -111,8 +111,8 @@ def test_choice_rule():
 def test_planner_costs_state_passing():
     """seqmesh plan on Qwen3.5-9B at 128K over 8 H100s (one NVLink node): auto takes state passing (the rule of
     the layers, given the node's link); a layer then sends the closed form's bytes in two all-gathers instead of
-    the all-to-all's 354 MB (59 MB: every rank receives every run's [B | A]), and its communication time drops; the all-to-all stays what test_linear_attention
-    checks. Sequence degrees above the 32 value heads are no longer excluded."""
+    the all-to-all's 354 MB (59 MB: every rank receives every run's [B | A]), and its communication time drops;
+    the all-to-all stays what test_linear_attention checks."""
     from seqmesh.degrees import Degrees
     from seqmesh.model.presets import MODELS
     from seqmesh.planner.hardware import PRESETS, make_cluster
