@@ -53,15 +53,12 @@ class Chain:
 def chain_for(layout: SequenceLayout, bounds: tuple[int, ...], kernel: int) -> Chain:
     """The :class:`Chain` of ``layout`` whose tokens fall into the segments ``bounds`` (0, ..., padded_len)."""
     p, n = layout.size, layout.local_len
-    order = layout.indices().reshape(p, n).tolist()  # (P, L) global position of every shard slot
+    order = layout.indices().reshape(p, n)  # (P, L) global position of every shard slot
     runs = []
     for positions in order:
-        mine, first = [], 0
-        for i in range(1, n + 1):
-            if i == n or positions[i] != positions[i - 1] + 1:
-                mine.append(Run(positions[first], i - first, first))
-                first = i
-        runs.append(tuple(mine))
+        cuts = ((positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1).tolist()  # slots that start a run
+        firsts, starts = [0] + cuts, positions[[0] + cuts].tolist()
+        runs.append(tuple(Run(start, end - first, first) for start, first, end in zip(starts, firsts, cuts + [n])))
     by_start = sorted(((run.start, r, j) for r, mine in enumerate(runs) for j, run in enumerate(mine)))
     tails = sorted({t for _, r, j in by_start for t in range(max(0, runs[r][j].start - kernel + 1), runs[r][j].start)})
     restore = layout.indices(restore=True)
