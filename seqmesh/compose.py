@@ -83,6 +83,9 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     if wrapper is None:
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
     if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers cannot split
+        if plan.linear_attention == "state_passing":
+            raise ValueError(f"linear_attention='state_passing' with tp={mesh.tp}: the tensor-parallel Gated DeltaNet "
+                             "layers run the all-to-all design only; use linear_attention='all_to_all' or 'auto'.")
         check_tensor_parallel(model, mesh)
         if plan.fsdp and mesh.dp_replicate > 1 and not hasattr(type(mesh.device_mesh), "_concatenate"):
             import torch
