@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from .hf import parallelize
+from .linear_attention.choice import parse_design
 from .memory.rmsnorm import enable_efficient_norm
 from .memory.tiled_mlp import enable_tiled_mlp
 from .mesh import SPMesh
@@ -45,6 +46,8 @@ class ParallelPlan:
 
     backend: str = "auto"
     """Attention kernel: ``auto`` picks the fastest available (see ``seqmesh.kernels``)."""
+    linear_attention: str = "auto"
+    """Gated DeltaNet layers: ``all_to_all``, ``state_passing`` or ``auto`` (``seqmesh.linear_attention.choice``)."""
     loss_chunk: int = 4096
     """Tokens per LM-head tile of the loss: full-vocabulary logits never exist for more."""
     checkpointing: bool = False
@@ -66,6 +69,7 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         if self.fsdp_cpu_offload and not self.fsdp:
             raise ValueError("fsdp_cpu_offload offloads FSDP2's shards: set fsdp=True, or turn it off.")
+        parse_design(self.linear_attention)  # an unknown name is refused here, listing the known ones
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be at least 1 token, got {self.loss_chunk}.")
 
@@ -79,6 +83,9 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     if wrapper is None:
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
     if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers cannot split
+        if plan.linear_attention == "state_passing":
+            raise ValueError(f"linear_attention='state_passing' with tp={mesh.tp}: the tensor-parallel Gated DeltaNet "
+                             "layers run the all-to-all design only; use linear_attention='all_to_all' or 'auto'.")
         check_tensor_parallel(model, mesh)
         if plan.fsdp and mesh.dp_replicate > 1 and not hasattr(type(mesh.device_mesh), "_concatenate"):
             import torch
@@ -87,7 +94,7 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
                              f"(this is {torch.__version__}): FSDP2 needs its 2-D mesh and the TP mesh cut from one mesh, "
                              "which older releases cannot build. Upgrade torch, or use dp_replicate=1 (FSDP2 over every "
                              "data and sequence rank).")
-    lm = parallelize(model, mesh, backend=plan.backend)
+    lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:
         enable_checkpointing(lm)

@@ -14,6 +14,7 @@ from seqmesh.comm.stats import comm_stats
 from seqmesh.hf import parallelize, unparallelize
 from seqmesh.linear_attention.gated_delta import segment_bounds
 from seqmesh.linear_attention.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
+from seqmesh.linear_attention.state_passing import state_passing_gated_delta
 
 
 # transformers config class and the extra arguments of each family with Gated DeltaNet layers
@@ -64,11 +65,12 @@ class ModelCase:
     value_heads: int = 4
     batch: int = 2
     family: str = "qwen3_5"
+    design: str = "auto"  # parallelize's linear_attention
 
     @property
     def name(self) -> str:
         return (f"{self.family}-S{self.seq_len}-{self.layout}-hk{self.key_heads}hv{self.value_heads}-"
-                f"{'docs' if self.documents else 'nodocs'}")
+                f"{'docs' if self.documents else 'nodocs'}-{self.design}")
 
 
 def _inputs(case: ModelCase, vocab: int):
@@ -103,7 +105,7 @@ def model_cases(ulysses: int, ring: int, cases: list[ModelCase]) -> list[dict]:
         reference = tiny_qwen3_5(case.key_heads, case.value_heads, family=case.family)
         ids, dlogits = _inputs(case, reference.config.vocab_size)
         want_logits, want_grads = reference_logits_and_grads(reference, case, ids, dlogits)
-        model = parallelize(copy.deepcopy(reference), mesh)
+        model = parallelize(copy.deepcopy(reference), mesh, linear_attention=case.design)
         model.zero_grad()
         batch = {"input_ids": ids}
         if case.documents is not None:
@@ -153,11 +155,12 @@ class LayerCase:
     value_dim: int = 3
     kernel: int = 4
     batch: int = 2
+    design: str = "all_to_all"  # or "state_passing"
 
     @property
     def name(self) -> str:
         return (f"S{self.seq_len}-hk{self.key_heads}hv{self.value_heads}-{self.layout}-"
-                f"{'docs' if self.documents else 'nodocs'}")
+                f"{'docs' if self.documents else 'nodocs'}-k{self.kernel}-{self.design}")
 
 
 def layer_inputs(case: LayerCase, heads: LinearHeads):
@@ -185,7 +188,8 @@ def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
     min_chunk = 1  # cut even these short documents (so per_document differs from zigzag)
     for case in cases:
         p = mesh.sp_size
-        heads = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, p)
+        ranks = p if case.design == "all_to_all" else 1  # state passing keeps every head on every rank
+        heads = LinearHeads(case.key_heads, case.value_heads, case.key_dim, case.value_dim, ranks)
         packed, params, dout = layer_inputs(case, heads)
         leaves = [packed, params.conv_weight, params.conv_bias, params.A_log, params.dt_bias]
         for t in leaves:
@@ -195,11 +199,14 @@ def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
         want_grads = torch.autograd.grad((want * dout).sum(), leaves)
         shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout, cu_seqlens=case.documents,  # noqa: E731
                                                  min_chunk=min_chunk)
+        design = sequence_parallel_gated_delta if case.design == "all_to_all" else state_passing_gated_delta
+        local, dlocal = shard(packed), shard(dout)  # shard_sequence's backward all-gathers (phase "backward")
         with comm_stats() as stats:
-            out = sequence_parallel_gated_delta(shard(packed), params, heads, mesh, layout=case.layout,
-                                                seq_len=case.seq_len, cu_seqlens=case.documents, min_chunk=min_chunk)
-            grads = torch.autograd.grad((out * shard(dout)).sum(), leaves)
+            out = design(local, params, heads, mesh, layout=case.layout, seq_len=case.seq_len, cu_seqlens=case.documents,
+                         min_chunk=min_chunk)
+            grads = torch.autograd.grad((out * dlocal).sum(), leaves)
         a2a = {ph: stats.sent("all_to_all", ph) for ph in ("forward", "backward")}
+        gathered = {"forward": stats.sent("all_gather", "forward"), "backward": stats.sent("reduce_scatter", "backward")}
         got = seqmesh.gather_sequence(out.detach(), mesh, layout=case.layout, length=case.seq_len,
                                       cu_seqlens=case.documents, min_chunk=min_chunk)
         errors = {"out": float((got - want.detach()).abs().max())}
@@ -208,7 +215,9 @@ def layer_cases(ulysses: int, ring: int, cases: list[LayerCase]) -> list[dict]:
                 g_sp = g_sp.clone()
                 dist.all_reduce(g_sp, group=mesh.sp_group)
             errors[name] = float((g_sp - g_ref).abs().max())
-        results.append({"case": case.name, "errors": errors, "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all")})
+        results.append({"case": case.name, "errors": errors, "A_log_scale": float(want_grads[3].abs().max()),
+                        "a2a_bytes": a2a, "a2a_calls": stats.count("all_to_all"), "gather_bytes": gathered,
+                        "gather_calls": (stats.count("all_gather", "forward"), stats.count("reduce_scatter"))})
     return results
 
 
@@ -234,7 +243,7 @@ def refusals(ulysses: int, ring: int) -> dict:
     out["unknown_untouched"] = getattr(model, "_seqmesh_attention", None) is None and not any(
         "forward" in vars(m) for m in model.modules())
     try:
-        parallelize(tiny_qwen3_5(key_heads=1, value_heads=1), mesh)
+        parallelize(tiny_qwen3_5(key_heads=1, value_heads=1), mesh, linear_attention="all_to_all")
         out["too_few_heads"] = "no error"
     except ValueError as err:
         out["too_few_heads"] = str(err)

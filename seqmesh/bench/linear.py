@@ -1,9 +1,11 @@
 """``seqmesh bench linear``: sequence-parallel Gated DeltaNet (conv + recurrence, forward+backward) against one device.
 
-Every ``ulysses x ring`` factorisation of the world runs ``seqmesh.linear_attention.sequence_parallel_gated_delta``
-(the all-to-all design: the same for every factorisation, which only changes the layout of the
-tokens), timed side by side with one process running the same math on the whole sequence; each
-result is checked against that process's and the bytes each rank sent are counted.
+Every ``ulysses x ring`` factorisation of the world runs both designs in the same spawned group, one
+after the other: the all-to-all (``sequence_parallel_gated_delta``, heads dealt to ranks) and state
+passing (``state_passing_gated_delta``, every head on every rank, the recurrent state gathered), timed
+side by side with one process running the same math on the whole sequence; each result is checked
+against that process's, the bytes each rank sent are counted, and state passing's time is given as a
+ratio to the all-to-all's on the same mesh.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ..linear_attention.gated_delta import segment_bounds
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, gated_delta_heads, sequence_parallel_gated_delta
+from ..linear_attention.state_passing import state_passing_gated_delta
 from .common import check_meshes, factorisations, parse_mesh, side_by_side
 
 
@@ -39,6 +42,7 @@ class LinearBench:
     repeats: int = 3
     warmup: int = 1
     meshes: list[tuple[int, int]] = field(default_factory=list)  # (ulysses, ring); empty: all factorisations
+    designs: tuple[str, ...] = ("all_to_all", "state_passing")
 
     def factorisations(self) -> list[tuple[int, int]]:
         return factorisations(self.world, self.meshes)
@@ -96,6 +100,8 @@ def _run_single(cfg: LinearBench, reference_path: str | None) -> dict:
 
 
 def _run_rank(cfg: LinearBench, ulysses: int, ring: int, reference_path: str | None) -> dict:
+    """Each of ``cfg.designs`` on this mesh, one after the other: ``{design: row}`` (an all-to-all the heads cannot
+    split is left out)."""
     import torch.distributed as dist
 
     from .. import comm_stats, gather_sequence, init_mesh, shard_sequence
@@ -103,24 +109,30 @@ def _run_rank(cfg: LinearBench, ulysses: int, ring: int, reference_path: str | N
     mesh = init_mesh(ulysses, ring, dp_shard=dist.get_world_size() // (ulysses * ring), device_type="cpu")
     packed, params, dout = _inputs(cfg)
     local, dlocal = (shard_sequence(t, mesh, layout=cfg.layout).detach() for t in (packed, dout))
-    heads = cfg.heads(mesh.sp_size)
-    result = {}
+    ref = torch.load(reference_path, weights_only=True) if reference_path is not None else None
+    rows = {}
+    for design in cfg.designs:
+        if design == "all_to_all" and mesh.sp_size > cfg.value_heads:
+            continue
+        run = sequence_parallel_gated_delta if design == "all_to_all" else state_passing_gated_delta
+        heads = cfg.heads(mesh.sp_size if design == "all_to_all" else 1)
+        result = {}
 
-    def step():
-        x = local.clone().requires_grad_()
-        with comm_stats() as stats:
-            out = sequence_parallel_gated_delta(x, params, heads, mesh, layout=cfg.layout, seq_len=cfg.seq_len)
-            out.backward(dlocal)
-        result.update(out=out.detach(), dx=x.grad, stats=stats)
+        def step():
+            x = local.clone().requires_grad_()
+            with comm_stats() as stats:
+                out = run(x, params, heads, mesh, layout=cfg.layout, seq_len=cfg.seq_len)
+                out.backward(dlocal)
+            result.update(out=out.detach(), dx=x.grad, stats=stats)
 
-    times = _time(step, cfg.repeats, cfg.warmup, barrier=dist.barrier)
-    row = {"times": times, "bytes_sent": result["stats"].sent()}
-    if reference_path is not None:
-        ref = torch.load(reference_path, weights_only=True)
-        row["max_error"] = max(
-            float((gather_sequence(result[n], mesh, layout=cfg.layout, length=cfg.seq_len) - ref[n]).abs().max())
-            for n in ("out", "dx"))
-    return row
+        times = _time(step, cfg.repeats, cfg.warmup, barrier=dist.barrier)
+        row = {"times": times, "bytes_sent": result["stats"].sent()}
+        if ref is not None:
+            row["max_error"] = max(
+                float((gather_sequence(result[n], mesh, layout=cfg.layout, length=cfg.seq_len) - ref[n]).abs().max())
+                for n in ("out", "dx"))
+        rows[design] = row
+    return rows
 
 
 def bench_linear(cfg: LinearBench, *, check: bool = True) -> list[dict]:
@@ -132,12 +144,18 @@ def bench_linear(cfg: LinearBench, *, check: bool = True) -> list[dict]:
     rows = [{"method": "one device", "mesh": "1x1", "seconds": statistics.median(single["times"]),
              "mib_sent_per_rank": 0.0}]
     for ulysses, ring, per_rank in meshes:
-        row = {"method": "linear all-to-all", "mesh": f"{ulysses}x{ring}",
-               "seconds": statistics.median(per_rank[0]["times"]),
-               "mib_sent_per_rank": max(r["bytes_sent"] for r in per_rank) / 2**20}
-        if check:
-            row["max_error"] = max(r["max_error"] for r in per_rank)
-        rows.append(row)
+        for design in cfg.designs:
+            if design not in per_rank[0]:
+                continue
+            ranks = [r[design] for r in per_rank]
+            row = {"method": design.replace("_", " "), "mesh": f"{ulysses}x{ring}",
+                   "seconds": statistics.median(ranks[0]["times"]),
+                   "mib_sent_per_rank": max(r["bytes_sent"] for r in ranks) / 2**20}
+            if check:
+                row["max_error"] = max(r["max_error"] for r in ranks)
+            if design == "state_passing" and "all_to_all" in per_rank[0]:  # the ratio on the same mesh and run
+                row["vs_all_to_all"] = row["seconds"] / statistics.median(per_rank[0]["all_to_all"]["times"])
+            rows.append(row)
     for r in rows:
         r["vs_one_device"] = r["seconds"] / rows[0]["seconds"]
     return rows
@@ -147,10 +165,12 @@ def format_linear_rows(cfg: LinearBench, rows: list[dict]) -> str:
     head = (f"Gated DeltaNet conv + recurrence fwd+bwd: {cfg.seq_len} tokens, batch {cfg.batch}, key/value heads "
             f"{cfg.key_heads}/{cfg.value_heads} x {cfg.key_dim}/{cfg.value_dim}, {cfg.dtype}, {cfg.layout}, {cfg.world} "
             f"CPU ranks (gloo); median of {cfg.repeats}")
-    lines = [head, f"{'method':<19}{'mesh UxR':>9}{'seconds':>10}{'/ 1 dev':>9}{'MiB sent/rank':>15}{'max |err|':>12}"]
+    lines = [head, f"{'method':<19}{'mesh UxR':>9}{'seconds':>10}{'/ 1 dev':>9}{'/ a2a':>8}{'MiB sent/rank':>15}"
+                   f"{'max |err|':>12}"]
     for r in rows:
         err = f"{r['max_error']:.2e}" if "max_error" in r else "-"
-        lines.append(f"{r['method']:<19}{r['mesh']:>9}{r['seconds']:>10.3f}{r['vs_one_device']:>9.2f}"
+        ratio = f"{r['vs_all_to_all']:.2f}" if "vs_all_to_all" in r else "-"
+        lines.append(f"{r['method']:<19}{r['mesh']:>9}{r['seconds']:>10.3f}{r['vs_one_device']:>9.2f}{ratio:>8}"
                      f"{r['mib_sent_per_rank']:>15.2f}{err:>12}")
     return "\n".join(lines)
 
@@ -162,7 +182,7 @@ def add_subcommand(bench_sub) -> None:
         cfg = LinearBench(seq_len=args.seq_len, batch=args.batch, key_heads=args.key_heads,
                           value_heads=args.value_heads, key_dim=args.head_dim, value_dim=args.head_dim,
                           dtype=args.dtype, layout=args.layout, world=args.world, repeats=args.repeats,
-                          meshes=args.mesh or [])
+                          meshes=args.mesh or [], designs=tuple(args.design or ("all_to_all", "state_passing")))
         check_meshes(cfg.factorisations(), args.world)
         rows = bench_linear(cfg)
         print(json.dumps(rows, indent=1) if args.json else format_linear_rows(cfg, rows))
@@ -179,5 +199,7 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--world", type=int, default=4, help="ranks to spawn (gloo, CPU)")
     p.add_argument("--mesh", type=parse_mesh, action="append", help="ULYSSESxRING to run (repeatable); default: all")
+    p.add_argument("--design", action="append", choices=["all_to_all", "state_passing"],
+                   help="Gated DeltaNet design to run (repeatable); default: both, side by side")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.set_defaults(func=run)

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
-from . import linear_attention
+from . import linear_attention as gated_delta_net
 from .layers import SUPPORTED, check_layers
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
@@ -146,7 +146,7 @@ def _takes_use_cache(module: nn.Module) -> bool:
     return "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.Module:
+def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear_attention: str = "auto") -> nn.Module:
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral,
@@ -157,7 +157,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     raise here, before any work (:func:`seqmesh.hf.layers.check_layers`); variants that show only in a
     call's arguments raise at the first call. Both name the layer. Gated DeltaNet layers (Qwen3.5,
     Qwen3-Next, OLMo-hybrid) run sequence-parallel too, their forward replaced per instance
-    (:mod:`seqmesh.hf.linear_attention`).
+    (:mod:`seqmesh.hf.linear_attention`) by ``linear_attention``: ``all_to_all``, ``state_passing`` or
+    ``auto`` (per call, from the shapes: :func:`seqmesh.linear_attention.choice.choose_design`).
     The model (and its decoder) then keeps no cache: a call that does not pass ``use_cache`` runs
     without one whatever ``config.use_cache`` says (the config is unchanged), and one that asks for a
     cache raises. Returns the same model. The attention switch is stored on ``model.config``: another
@@ -180,7 +181,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
         tower = config.vision_config
         heads = getattr(tower, "num_heads", None) or tower.num_attention_heads
         check_heads(heads, heads, mesh, "the vision tower")
-    linear_layers = linear_attention.gated_delta_layers(model, mesh)  # run sequence-parallel; their heads checked
+    linear_layers = gated_delta_net.gated_delta_layers(model, mesh, linear_attention)  # their heads checked
     check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
@@ -188,7 +189,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto") -> nn.
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
     model.set_attn_implementation(name)
-    linear_attention.install(model, mesh, linear_layers)
+    gated_delta_net.install(model, mesh, linear_layers, linear_attention)
     setattr(model, _ATTR, (name, previous, _hook_calls(model) + _hook_tower(model)))
     return model
 
@@ -207,7 +208,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
     # the registration is dropped from that mapping directly.
-    linear_attention.uninstall(model)
+    gated_delta_net.uninstall(model)
     AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model

@@ -4,7 +4,8 @@ These layers do not go through the attention interface, so ``parallelize`` gives
 instance-level ``forward`` (the class and transformers' code are untouched) and ``unparallelize``
 deletes it again. The new forward keeps the layer's own projections, gated norm and output
 projection, which act per token on the local shard, and replaces the conv and the recurrence by
-``seqmesh.linear_attention.sequence_parallel_gated_delta``. It reads the sequence from the ``seqmesh`` entry
+one of the two sequence-parallel designs (``design``: ``all_to_all``, ``state_passing`` or ``auto``, which
+:func:`seqmesh.linear_attention.choice.choose_design` resolves per call from the shapes). It reads the sequence from the ``seqmesh`` entry
 of ``shard_batch`` that the decoder layers pass down in their kwargs.
 
 A layer with recurrent state that seqmesh does not know (Mamba mixers, short convolutions, other
@@ -21,7 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from ..linear_attention.choice import LinearDesign, LinearShape, choose_design, parse_design
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
+from ..linear_attention.state_passing import state_passing_gated_delta
 from ..mesh import SPMesh
 
 _ATTR = "_seqmesh_linear"
@@ -59,20 +62,30 @@ def _projection(module: nn.Module) -> Projection | None:
     return None
 
 
-def gated_delta_layers(model: nn.Module, mesh: SPMesh) -> list[tuple[str, nn.Module]]:
+def gated_delta_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
     """The Gated DeltaNet layers of ``model`` that seqmesh runs sequence-parallel; a ValueError for heads
-    the sequence group cannot split. Every other token mixer is left to ``check_layers`` to refuse."""
+    the all-to-all design (when named) cannot split. Every other token mixer is left to ``check_layers``."""
+    design = parse_design(design)
     layers = [(name, m) for name, m in model.named_modules() if _projection(m) is not None]
     for _, module in layers:
-        _heads(module, mesh)  # raises if P exceeds the value heads
+        if design is LinearDesign.ALL_TO_ALL:
+            _heads(module, mesh)  # raises if P exceeds the value heads
     return layers
 
 
 def _heads(module: nn.Module, mesh: SPMesh) -> LinearHeads:
+    if mesh.sp_size > module.num_v_heads:  # the message names the other design
+        choose_design(_shape(module, mesh, 1, 1, torch.float32), LinearDesign.ALL_TO_ALL)
     return LinearHeads(module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, mesh.sp_size)
 
 
-def _make_forward(mesh: SPMesh, project: Projection):
+def _shape(module: nn.Module, mesh: SPMesh, seq_len: int, batch: int, dtype: torch.dtype, layout: str = "zigzag"):
+    return LinearShape(module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim,
+                       module.conv1d.weight.shape[-1], seq_len, batch, mesh.ulysses, mesh.ring, layout,
+                       torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4)
+
+
+def _make_forward(mesh: SPMesh, project: Projection, design: LinearDesign):
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs) -> torch.Tensor:
         info = kwargs.get("seqmesh")
         if info is None:
@@ -94,8 +107,14 @@ def _make_forward(mesh: SPMesh, project: Projection):
         mixed, z, beta_in, a_in = project(self, hidden_states)  # (B, L, conv_dim), (B, L, Hv*Dv), (B, L, Hv) x 2
         params = GateParams(self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias, self.activation,
                             2.0 if getattr(self, "allow_neg_eigval", False) else 1.0)
-        core = sequence_parallel_gated_delta(  # (B, L, Hv, Dv)
-            torch.cat([mixed, beta_in, a_in], dim=-1), params, _heads(self, mesh), mesh,
+        chosen = choose_design(_shape(self, mesh, info.seq_len, b, mixed.dtype, info.layout), design)
+        if chosen is LinearDesign.STATE_PASSING:
+            run, heads = state_passing_gated_delta, LinearHeads(self.num_k_heads, self.num_v_heads, self.head_k_dim,
+                                                                self.head_v_dim, 1)
+        else:
+            run, heads = sequence_parallel_gated_delta, _heads(self, mesh)
+        core = run(  # (B, L, Hv, Dv)
+            torch.cat([mixed, beta_in, a_in], dim=-1), params, heads, mesh,
             layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
         )
         norm = self.norm if hasattr(self, "norm") else self.o_norm
@@ -105,10 +124,12 @@ def _make_forward(mesh: SPMesh, project: Projection):
     return forward
 
 
-def install(model: nn.Module, mesh: SPMesh, layers: list[tuple[str, nn.Module]]) -> int:
-    """Give ``layers`` (from :func:`gated_delta_layers`, checked) the sequence-parallel forward; returns how many."""
+def install(model: nn.Module, mesh: SPMesh, layers: list[tuple[str, nn.Module]], design: str = "auto") -> int:
+    """Give ``layers`` (from :func:`gated_delta_layers`, checked) the sequence-parallel forward of ``design``;
+    returns how many."""
+    design = parse_design(design)
     for _, module in layers:
-        module.forward = types.MethodType(_make_forward(mesh, _projection(module)), module)
+        module.forward = types.MethodType(_make_forward(mesh, _projection(module), design), module)
         setattr(module, _ATTR, True)
     return len(layers)
 

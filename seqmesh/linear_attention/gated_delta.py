@@ -106,6 +106,23 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     """The gated delta rule over segments. q, k (B, S, H, Dk) (not yet normalised; one key head per
     value head), v (B, S, H, Dv), g and beta (B, S, H) -> (B, S, H, Dv) in v's dtype."""
+    return chunk_gated_delta_rule_states(q, k, v, g, beta, bounds, None, chunk=chunk)[0]
+
+
+def chunk_gated_delta_rule_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    bounds: tuple[int, ...],
+    initial_state: torch.Tensor | None,
+    *,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`chunk_gated_delta_rule`, each segment starting from ``initial_state[:, i]`` (B, N, H, Dk, Dv)
+    (zero when None) instead of zero: ``(out (B, S, H, Dv) in v's dtype, final states (B, N, H, Dk, Dv) in the
+    compute dtype)`` for the ``N = len(bounds) - 1`` segments."""
     out_dtype = v.dtype
     dt = compute_dtype(q.dtype)
     b, s, h, dk = q.shape
@@ -116,6 +133,8 @@ def chunk_gated_delta_rule(
 
     dest, starts, total = _chunk_layout(bounds, chunk, q.device)
     n = total // chunk
+    first_chunks = starts.nonzero().flatten().tolist()  # the chunk each segment starts at
+    last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
         padded = x.new_zeros(b, total, *x.shape[2:]).index_copy(1, dest, x)
@@ -135,14 +154,19 @@ def chunk_gated_delta_rule(
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # writes decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
     keep = (~starts).to(dt)  # (N,): 0 where a segment starts, so the carried state is dropped
+    entering = {c: i for i, c in enumerate(first_chunks)}
+    leaving = set(last_chunks)
 
     state = q.new_zeros(b, h, dk, dv)
-    outs = []
+    outs, finals = [], []
     for i in range(n):
         state = state * keep[i]
+        if initial_state is not None and i in entering:
+            state = state + initial_state[:, entering[i]].to(dt)
         v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
         outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
+        if i in leaving:
+            finals.append(state)
     out = torch.stack(outs, 2).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
-    return out.index_select(1, dest).to(out_dtype)
-
+    return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)

@@ -54,6 +54,24 @@ def gated_delta_rule(
     return out.reshape(b, s, h, -1)
 
 
+def gated_delta_rule_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: tuple[int, ...],
+    initial_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gated_delta.chunk_gated_delta_rule_states`: each of the ``N`` segments starts from
+    ``initial_state`` (B, N, H, Dk, Dv) -> (out (B, S, H, Dv), final states (B, N, H, Dk, Dv) in float32 or float64)."""
+    rule = _fla_rule() if q.is_cuda else None
+    if rule is None:
+        return gated_delta.chunk_gated_delta_rule_states(q, k, v, g, beta, bounds, initial_state)
+    b, s, h, _ = q.shape
+    segments = initial_state.shape[1]
+    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
+    out, final = rule(*flat[:3], g=g.reshape(1, b * s, h).float(), beta=flat[3], scale=q.shape[-1] ** -0.5,
+                      initial_state=initial_state.float().flatten(0, 1), output_final_state=True,  # (B*N, H, Dk, Dv)
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=_row_bounds(bounds, b, q.device, torch.long))
+    return out.reshape(b, s, h, -1), final.reshape(b, segments, *final.shape[1:])
+
+
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bounds: tuple[int, ...], activation: str = "silu"
 ) -> torch.Tensor:

@@ -37,15 +37,9 @@ its share of the local activations; the recurrence keeps one float32 (Dk x Dv) s
 64-token chunk for backward (the planner's ``GatedDeltaNet.saved_bytes``). Latency: two all-to-alls
 each way, no sequential dependence between ranks.
 
-The alternative keeps heads whole and passes, along the ring, the recurrent state of each chunk
-(``B * Hv * Dk * Dv`` float32, with Qwen3.5-9B's 32 x 128 x 128 heads 2 MiB per sample and hop;
-per rank it holds all heads of its tokens, the same activation memory as here) and the conv
-tail (``(K - 1) * conv channels``): far fewer bytes, independent of ``S``, but each ring rank must
-wait for the state of every earlier position, so in zigzag order (two chunks per rank, out of
-order) the ring runs ``2R - 1`` sequential stages; a parallel scan over per-chunk transitions
-(``Dk x Dk`` per head) removes the wait at the price of a second pass. seqmesh takes the
-all-to-all: exact on every mesh, no serial latency, and the bytes are of the same order as the
-Ulysses attention layers of the same model.
+The alternative keeps heads whole and passes the recurrent state between the ranks instead
+(``state_passing.py``: bytes independent of ``S``, no limit on heads, about twice the recurrence's
+FLOPs); ``choice.choose_design`` picks between the two per layer.
 """
 
 from __future__ import annotations
@@ -168,21 +162,31 @@ def gated_delta_heads(
 ) -> torch.Tensor:
     """The token mixer on whole sequences for ``rank``'s heads: ``packed`` (B, S, in_channels(rank))
     in natural order -> (B, S, h_rank, Dv)."""
-    b, s, _ = packed.shape
     route = heads.route(rank, packed.device)
     nk, (v0, v1) = route.key_heads, route.value_heads
-    nv = v1 - v0
-    conv_in, beta_in, a_in = packed.split([2 * nk * heads.key_dim + nv * heads.value_dim, nv, nv], dim=-1)
+    conv_in, beta_in, a_in = packed.split([2 * nk * heads.key_dim + (v1 - v0) * heads.value_dim, v1 - v0, v1 - v0], dim=-1)
     weight = params.conv_weight.index_select(0, route.conv_channels)
     bias = None if params.conv_bias is None else params.conv_bias.index_select(0, route.conv_channels)
     mixed = causal_conv(conv_in, weight, bias, bounds, params.activation)  # (B, S, conv channels of the rank)
+    return gated_delta_rule(*rule_inputs(mixed, beta_in, a_in, params, heads, rank), bounds)
+
+
+def rule_inputs(
+    mixed: torch.Tensor, beta_in: torch.Tensor, a_in: torch.Tensor, params: GateParams, heads: LinearHeads, rank: int
+) -> tuple[torch.Tensor, ...]:
+    """The recurrence's inputs for ``rank``'s heads from the conv's output ``mixed`` (B, S, conv channels of
+    the rank) and the gate channels (B, S, h_rank) each: q, k (B, S, h, Dk), v (B, S, h, Dv), g, beta (B, S, h)."""
+    b, s, _ = mixed.shape
+    route = heads.route(rank, mixed.device)
+    nk, (v0, v1) = route.key_heads, route.value_heads
+    nv = v1 - v0
     q, k, v = mixed.split([nk * heads.key_dim, nk * heads.key_dim, nv * heads.value_dim], dim=-1)
     q = q.reshape(b, s, nk, heads.key_dim).index_select(2, route.key_of)  # (B, S, h, Dk): one key head per value head
     k = k.reshape(b, s, nk, heads.key_dim).index_select(2, route.key_of)
     v = v.reshape(b, s, nv, heads.value_dim)
     beta = beta_in.sigmoid() * params.beta_scale if params.beta_scale != 1.0 else beta_in.sigmoid()
     g = -params.A_log[v0:v1].float().exp() * F.softplus(a_in.float() + params.dt_bias[v0:v1])  # (B, S, h)
-    return gated_delta_rule(q, k, v, g, beta, bounds)
+    return q, k, v, g, beta
 
 
 def sequence_parallel_gated_delta(

@@ -74,6 +74,8 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-GPU memory kept for the CUDA context, "
                    "communication buffers and allocator slack (default %(default)s)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"], help="sequence layout")
+    p.add_argument("--linear-attention", default="auto", choices=["auto", "all_to_all", "state_passing"],
+                   help="Gated DeltaNet layers: one all-to-all, state passing, or auto (the layers' own rule)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits per layout")
     p.add_argument("--calibrate", action="store_true",
@@ -131,7 +133,7 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
                     checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
                     layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
                     efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
-                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media)
+                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media, linear_attention=args.linear_attention)
 
 
 def check_args(args: argparse.Namespace):

@@ -12,10 +12,13 @@ from ..padding import padded_length
 from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens, tp_heads
 from .hardware import HardwareSpec
-from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, link_name
+from ..linear_attention.choice import (LinearDesign, LinearShape, choose_design, state_passing_bytes,
+                                       state_passing_extra_flops)
+from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
 from ..heads import HeadDeal
 from .tensor_parallel import layer_traffic, split_params
-from .traffic import attention_traffic, call_bytes, fsdp_traffic, linear_attention_traffic, ring_steps, worst_rank
+from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes, fsdp_traffic,
+                      linear_attention_traffic, ring_steps, worst_rank)
 from ..degrees import Degrees
 from .workload import Workload
 
@@ -129,7 +132,9 @@ def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = LINEAR_CH
 
 @dataclass(frozen=True)
 class GatedDeltaNet:
-    """A Gated DeltaNet layer (``seqmesh.linear_attention``): its all-to-alls run over the whole sequence group."""
+    """A Gated DeltaNet layer (``seqmesh.linear_attention``) over the whole sequence group, by the design
+    ``work.linear_attention`` names (``auto``: :func:`seqmesh.linear_attention.choice.choose_design`, the rule the
+    layers use, given this cluster's sequence link and FLOP rate when known, else its H100 defaults)."""
 
     work: Workload
     layout: Degrees
@@ -137,20 +142,44 @@ class GatedDeltaNet:
     def params(self) -> int:  # tp is 1: seqmesh's tensor parallelism does not split these layers
         return linear_layer_params(self.work.model)
 
-    def ranks(self):
-        """Each sequence rank's traffic in one layer (:func:`.traffic.linear_attention_traffic`)."""
+    def shape(self) -> LinearShape:
         w, lay, m = self.work, self.layout, self.work.model
+        return LinearShape(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim, m.linear_conv,
+                           w.seq_len, w.batch, lay.ulysses, lay.ring, w.layout, w.act_bytes)
+
+    def design(self, hw: HardwareSpec | None = None) -> LinearDesign:
+        if hw is None:
+            return choose_design(self.shape(), self.work.linear_attention)
+        link = hw.link_for_group(axis_groups(self.layout, "sequence")[0])
+        rate = hw.flops_for(self.work.dtype) * hw.attention_efficiency
+        return choose_design(self.shape(), self.work.linear_attention, bandwidth=link.bandwidth, flops=rate)
+
+    def ranks(self, hw: HardwareSpec | None = None):
+        """Each sequence rank's traffic in one layer: :func:`.traffic.linear_attention_traffic` for the all-to-all,
+        two all-gathers forward and their reduce-scatters backward for state passing."""
+        w, lay, m = self.work, self.layout, self.work.model
+        if self.design(hw) is LinearDesign.STATE_PASSING:
+            sent = state_passing_bytes(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
+                                       batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout,
+                                       kernel=m.linear_conv, dtype_bytes=dtype_bytes(w.torch_dtype))
+            calls = (Collective("all_gather", "forward", 2, sent), Collective("reduce_scatter", "backward", 2, sent))
+            return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
         return linear_attention_traffic(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
                                         seq_len=w.seq_len, batch=w.batch, ulysses=lay.ulysses, ring=lay.ring,
                                         dtype=w.torch_dtype, layout=w.layout)
 
     def traffic(self) -> Phases:
         ranks = self.ranks()
-        fwd, bwd = ({"linear_all_to_all": worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward"))
+        if self.design() is LinearDesign.STATE_PASSING:
+            fwd = {"linear_state_gather": worst_rank(ranks, "all_gather", "forward")}
+            bwd = {"linear_state_gather": worst_rank(ranks, "reduce_scatter", "backward")}
+        else:
+            fwd, bwd = ({"linear_all_to_all": worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward"))
         return phases(fwd, bwd, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {"linear_all_to_all": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        name = "linear_state_gather" if self.design() is LinearDesign.STATE_PASSING else "linear_all_to_all"
+        return {name: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
         """Bytes saved for backward, as docs/planner.md ("Activations") lists them (not yet checked against a run)."""
@@ -162,6 +191,9 @@ class GatedDeltaNet:
         per_token = e * (4 * m.hidden + 4 * m.intermediate + 2 * m.linear_value_heads * m.linear_value_dim) + 2 * 4
         mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
         states = -(-whole // w.batch // LINEAR_CHUNK) * linear_state_bytes(m, w.batch, p)
+        if self.design() is LinearDesign.STATE_PASSING:  # every head, the local chunks, states Dk columns wider
+            widen = (m.linear_key_dim + m.linear_value_dim) / m.linear_value_dim
+            states = int(-(-whole // w.batch // p // LINEAR_CHUNK) * linear_state_bytes(m, w.batch, 1) * widen)
         return tokens(w, lay) * per_token + mixer + states
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
@@ -172,10 +204,17 @@ class GatedDeltaNet:
         peak = hw.flops_for(work.dtype)
         mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
         mm_fwd = 2 * work.batch * local_tokens(work, layout) * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
-        heads = -(-m.linear_value_heads // p)  # this rank's share of the value heads
-        core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
-        a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(), "all_to_all", ph), hw, layout, "sequence")
-                            for ph in ("forward", "backward"))
+        if self.design(hw) is LinearDesign.STATE_PASSING:  # all heads of the local tokens, Dk more value columns
+            local = -(-work.seq_len // p)
+            core_fwd = (linear_flops(m, local, work.batch) + state_passing_extra_flops(self.shape())) / core_rate
+            group = axis_groups(layout, "sequence")[0]
+            a2a_fwd, a2a_bwd = (gather_seconds(worst_rank(self.ranks(hw), kind, ph), hw, group)
+                                for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        else:
+            heads = -(-m.linear_value_heads // p)  # this rank's share of the value heads
+            core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
+            a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(hw), "all_to_all", ph), hw, layout,
+                                                        "sequence") for ph in ("forward", "backward"))
         fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
         if work.checkpointing:
             bwd += fwd

@@ -111,9 +111,9 @@ def layouts(work: Workload, cluster: Cluster,
                     excluded.append((lay, f"ulysses {u} exceeds the {heads} query heads"
                                           + (f" each of the {tp} TP ranks keeps" if tp > 1 else "")
                                           + "; put the rest on the ring"))
-                elif m.linear_layers and sp > m.linear_value_heads:
+                elif m.linear_layers and sp > m.linear_value_heads and work.linear_attention == "all_to_all":
                     excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet "
-                                          "value heads"))
+                                          "value heads the all-to-all design splits; state passing has no limit"))
                 elif work.media is not None and u > m.vision.heads:
                     excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
                 else:

@@ -42,6 +42,7 @@ class Workload:
     offload_prefetch: int = 2  # offloaded inputs fetched back to the device ahead of use (0: used in place, CPU)
     optimizer_foreach: bool = True  # AdamW's foreach path (torch's default on CUDA): one fp32 temporary per parameter
     media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
+    linear_attention: str = "auto"  # Gated DeltaNet design: all_to_all, state_passing or auto (linear_attention.choice)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -120,7 +121,8 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     reserve_bytes=reserve_bytes, tiled_mlp=cfg.tiled_mlp, mlp_tiles=cfg.mlp_tiles,
                     efficient_norm=cfg.efficient_norm, offload_checkpoints=cfg.offload_checkpoints,
                     fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
-                    offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu)
+                    offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu,
+                    linear_attention=getattr(cfg, "linear_attention", "auto"))
     return work, Degrees(ulysses, ring, dp, cfg.tp)
 
 

@@ -90,6 +90,9 @@ class TrainConfig:
     """Attention kernel; auto takes the first that supports the call, in this order."""
     loss_chunk: int = 4096
     """Tokens per LM-head tile in the loss (smaller: less memory for logits)."""
+    linear_attention: Literal["auto", "all_to_all", "state_passing"] = "auto"
+    """Gated DeltaNet layers across the sequence ranks: one all-to-all (heads dealt to ranks), passing the
+    recurrent state between them, or auto: the cheaper for the shapes (seqmesh.linear_attention.choice)."""
     out: str = "runs/seqmesh"
     """Folder for metrics.jsonl, loss_curve.png and checkpoints/."""
     log_every: int = 10
@@ -125,7 +128,8 @@ class TrainConfig:
         """What ``seqmesh.compose.parallelize_model`` applies for this run (``fsdp``: :meth:`uses_fsdp`)."""
         from ..compose import ParallelPlan
 
-        return ParallelPlan(backend=self.backend, loss_chunk=self.loss_chunk, checkpointing=self.checkpointing,
+        return ParallelPlan(backend=self.backend, linear_attention=self.linear_attention, loss_chunk=self.loss_chunk,
+                            checkpointing=self.checkpointing,
                             tiled_mlp=self.tiled_mlp, mlp_tiles=self.mlp_tiles, efficient_norm=self.efficient_norm,
                             fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload)
 

@@ -134,3 +134,45 @@ def test_cuda_kernel_windows_and_value_head_dims(name, case, dtype, dv):
         noise = (r.double() - t).abs().max().item()
         err = (g.double() - t).abs().max().item()
         assert err <= 4 * noise + floor * max(1.0, t.abs().max().item()), (label, err, noise)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gated_delta_states_on_gpu(dtype):
+    """State passing's one kernel call on CUDA (flash-linear-attention's chunked rule when installed, else the
+    torch reference): segments that start from given states, widened values [v | 0] and initial [0 | I], the
+    final state of each segment; output, final states and the gradients of q, k, v, g, beta and the initial
+    states against the float64 reference on the CPU, within 4x the reference's own error in ``dtype`` (the same
+    rounding of the inputs, computed in float32, its outputs rounded to ``dtype``)."""
+    from seqmesh.linear_attention.gated_delta import chunk_gated_delta_rule_states
+    from seqmesh.linear_attention.kernels import gated_delta_rule_states
+
+    g = torch.Generator().manual_seed(0)
+    b, s, h, dk, dv = 2, 300, 4, 64, 64
+    bounds = (0, 1, 130, 200, s)
+    q, k = (torch.randn(b, s, h, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.cat([torch.randn(b, s, h, dv, generator=g, dtype=torch.float64),
+                   torch.zeros(b, s, h, dk, dtype=torch.float64)], dim=-1)
+    decay = -torch.rand(b, s, h, generator=g, dtype=torch.float64) * 0.1
+    beta = torch.rand(b, s, h, generator=g, dtype=torch.float64)
+    initial = torch.zeros(b, len(bounds) - 1, h, dk, dv + dk, dtype=torch.float64)
+    initial[:, 0, :, :, :dv] = torch.randn(b, h, dk, dv, generator=g, dtype=torch.float64) * 0.3
+    initial[:, 2, :, :, dv:] = torch.eye(dk, dtype=torch.float64)
+    dout = torch.randn(b, s, h, dv + dk, generator=g, dtype=torch.float64)
+    dfinal = torch.randn(b, len(bounds) - 1, h, dk, dv + dk, generator=g, dtype=torch.float64)
+    inputs = (q, k, v, decay, beta, initial)
+
+    def run(fn, device, in_dtype):
+        leaves = [x.to(device=device, dtype=in_dtype if i < 5 else torch.float32 if in_dtype != torch.float64
+                       else in_dtype).requires_grad_() for i, x in enumerate(inputs)]
+        out, final = fn(*leaves[:5], bounds, leaves[5])
+        loss = (out.double() * dout.to(device)).sum() + (final.double() * dfinal.to(device)).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        return [t.detach().double().cpu() for t in (out, final, *grads)]
+
+    exact = run(chunk_gated_delta_rule_states, "cpu", torch.float64)
+    rounded = run(chunk_gated_delta_rule_states, "cpu", dtype)
+    got = run(gated_delta_rule_states, "cuda", dtype)
+    eps = torch.finfo(dtype).eps
+    for name, e, r, x in zip(("out", "final", "dq", "dk", "dv", "dg", "dbeta", "dinitial"), exact, rounded, got):
+        bound = 4 * max(float((r - e).abs().max()), eps * float(e.abs().max()))
+        assert float((x - e).abs().max()) <= bound, (name, float((x - e).abs().max()), bound)

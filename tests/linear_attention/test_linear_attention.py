@@ -16,6 +16,8 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (ulysses, ring)
 # value heads, value heads that do not split evenly over 4 ranks
 HEADS = [(2, 4), (1, 4), (4, 4), (2, 6)]
 DOCS = {24: (0, 1, 2, 9, 10, 20, 24), 23: (0, 1, 7, 8, 22, 23)}  # length-1 documents, one crossing shards
+# transformers' torch rules, called without a state (transformers 5.15's recurrent rule has no defaults for these)
+NO_STATE = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
 
 # The tolerance of the model comparison comes from the reference's own noise: transformers' Gated
 # DeltaNet computes in float32 whatever the model's dtype, so the one-process model is compared
@@ -66,7 +68,7 @@ def test_chunked_rule_and_conv_match_transformers_per_document():
     v = torch.randn(b, s, h, 5, generator=g)
     decay, beta = -torch.rand(b, s, h, generator=g), torch.rand(b, s, h, generator=g)
     for bounds in [(0, s), (0, 1, 2, 70, 71, 140, s)]:
-        theirs = [_per_document(lambda *x: rule(*x, use_qk_l2norm_in_kernel=True)[0], bounds, q, k, v, decay, beta)
+        theirs = [_per_document(lambda *x: rule(*x, **NO_STATE)[0], bounds, q, k, v, decay, beta)
                   .double() for rule in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule)]
         rounding = float((theirs[0] - theirs[1]).abs().max())
         for chunk, dtype in itertools.product((16, 64), (torch.float64, torch.float32)):
@@ -115,7 +117,7 @@ def _heads_from_transformers_pieces(packed, params, case: LayerCase, bounds: tup
         beta = b_in[:, a:e].sigmoid()
         g = -params.A_log.exp() * F.softplus(a_in[:, a:e] + params.dt_bias)
         for name, rule in (("chunk", torch_chunk_gated_delta_rule), ("recurrent", torch_recurrent_gated_delta_rule)):
-            out, _ = rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            out, _ = rule(q, k, v, g=g, beta=beta, **NO_STATE)
             outs[name].append(out)
     return {name: torch.cat(parts, dim=1).double() for name, parts in outs.items()}
 
@@ -309,7 +311,7 @@ def test_planner_counts_gated_deltanet_layers():
     from seqmesh.model.presets import MODELS
 
     m = MODELS["qwen3.5-9b"]
-    work = Workload(m, 131072)
+    work = Workload(m, 131072, linear_attention="all_to_all")  # state passing: test_state_passing
     cluster = make_cluster(PRESETS["h100-nvlink"], nodes=8)
     per_layer, links, step = communication(work, Degrees(4, 2, 8), cluster.hardware)
     assert m.linear_layers == 24 and m.layers - m.linear_layers == 8
@@ -319,6 +321,7 @@ def test_planner_counts_gated_deltanet_layers():
     assert step["ulysses_all_to_all"] == 8 * sum(per_layer[p]["ulysses_all_to_all"] for p in per_layer)
     _, excluded = layouts(work, cluster)
     assert any(lay.ulysses * lay.ring == 64 and "32 Gated DeltaNet value heads" in why for lay, why in excluded)
+    assert not any("value heads" in why for _, why in layouts(Workload(m, 131072), cluster)[1])  # auto: no limit
     # state memory: one float32 (Dk x Dv) per value head of the rank's share, kept per 64-token chunk
     from seqmesh.planner.layers import GatedDeltaNet, linear_state_bytes
     from seqmesh.planner.memory import layer_saved_bytes

@@ -109,3 +109,6 @@ def test_choices_are_the_libraries():
     hints = typing.get_type_hints(TrainConfig)
     assert typing.get_args(hints["backend"]) == BACKENDS  # the kernels' own list, in auto order
     assert set(typing.get_args(hints["layout"])) == {kind.value for kind in LayoutKind} | {"auto"}
+    from seqmesh.linear_attention.choice import LinearDesign
+
+    assert set(typing.get_args(hints["linear_attention"])) == {d.value for d in LinearDesign}
