@@ -65,6 +65,9 @@ class ParallelPlan:
     loop that runs the step autocasts instead, as ``seqmesh train`` does on CUDA)."""
     fsdp_cpu_offload: bool = False
     """With FSDP2: keep the shards, gradients and optimizer state in host memory."""
+    async_ulysses: bool = False
+    """Overlap the Ulysses all-to-alls with the q/k/v and output projections, forward and backward
+    (``seqmesh.hf.async_ulysses``); families it does not know and tensor parallelism are refused."""
 
     def __post_init__(self) -> None:
         if self.fsdp_cpu_offload and not self.fsdp:
@@ -94,7 +97,8 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
                              f"(this is {torch.__version__}): FSDP2 needs its 2-D mesh and the TP mesh cut from one mesh, "
                              "which older releases cannot build. Upgrade torch, or use dp_replicate=1 (FSDP2 over every "
                              "data and sequence rank).")
-    lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention)
+    lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
+                     async_ulysses=plan.async_ulysses)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:
         enable_checkpointing(lm)

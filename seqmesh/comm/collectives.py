@@ -35,12 +35,57 @@ def all_to_all_rows(
     x: torch.Tensor, group: dist.ProcessGroup, send_rows: Sequence[int], recv_rows: Sequence[int], phase: str
 ) -> torch.Tensor:
     """All-to-all over dim 0 with per-rank row counts; ``x`` must be contiguous."""
+    out, _ = launch_all_to_all_rows(x, group, send_rows, recv_rows, phase, async_op=False)
+    return out
+
+
+def launch_all_to_all_rows(
+    x: torch.Tensor, group: dist.ProcessGroup, send_rows: Sequence[int], recv_rows: Sequence[int], phase: str,
+    async_op: bool,
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """:func:`all_to_all_rows`, optionally launched without waiting: (the receive buffer, its work handle or
+    None). With ``async_op`` the buffer is valid only after ``work.wait()`` (on CUDA: NCCL's stream runs it,
+    ``wait`` makes the current stream wait for it; on gloo a worker thread runs it, ``wait`` blocks)."""
     out = x.new_empty((sum(recv_rows), *x.shape[1:]))
-    dist.all_to_all_single(out, x, list(recv_rows), list(send_rows), group=group)
+    work = dist.all_to_all_single(out, x, list(recv_rows), list(send_rows), group=group, async_op=async_op)
     row_bytes = _nbytes(x[:1]) if x.shape[0] else x.element_size() * int(torch.Size(x.shape[1:]).numel())
     me = dist.get_rank(group)
     record("all_to_all", phase, (sum(send_rows) - send_rows[me]) * row_bytes, (sum(recv_rows) - recv_rows[me]) * row_bytes)
-    return out
+    return out, work
+
+
+def pack_heads(xs: Sequence[torch.Tensor], chunks: Sequence[Chunk]) -> torch.Tensor:
+    """``xs[i]`` (B, L, H_i, D) -> the send buffer (sum of chunk heads, B, L, D), destination-major."""
+    head_major = [x.permute(2, 0, 1, 3) for x in xs]  # views (H_i, B, L, D)
+    return torch.cat([head_major[i][h0:h1] for i, h0, h1 in chunks])
+
+
+def unpack_heads(recv: torch.Tensor, world: int, recv_heads: int) -> torch.Tensor:
+    """Received (G*recv_heads, B, L, D), source-major -> (B, G*L, recv_heads, D)."""
+    _, b, n, d = recv.shape
+    recv = recv.view(world, recv_heads, b, n, d).permute(2, 0, 3, 1, 4)  # (B, G, L, recv_heads, D)
+    return recv.reshape(b, world * n, recv_heads, d)
+
+
+def pack_sequence(y: torch.Tensor, world: int, recv_heads: int) -> torch.Tensor:
+    """(B, G*L, recv_heads, D) -> the send buffer (G*recv_heads, B, L, D) of the inverse all-to-all."""
+    b, gl, _, d = y.shape
+    n = gl // world
+    send = y.reshape(b, world, n, recv_heads, d).permute(1, 3, 0, 2, 4).contiguous()  # (G, heads, B, L, D)
+    return send.view(world * recv_heads, b, n, d)
+
+
+def unpack_sequence(back: torch.Tensor, chunks: Sequence[Chunk], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Received (sum of chunk heads, B, L, D) -> one (B, L, H_i, D) per input, summing where a head came from
+    several ranks (kv heads replicated by the deal)."""
+    if len(shapes) == 1 and _covers_in_order(chunks, shapes[0][2]):
+        return [back.permute(1, 2, 0, 3).contiguous()]
+    outs = [back.new_zeros(shape) for shape in shapes]
+    row = 0
+    for i, h0, h1 in chunks:
+        outs[i][:, :, h0:h1] += back[row : row + h1 - h0].permute(1, 2, 0, 3)
+        row += h1 - h0
+    return outs
 
 
 def _scatter_heads(
@@ -53,13 +98,9 @@ def _scatter_heads(
 ) -> torch.Tensor:
     """``xs[i]``: (B, L, H_i, D) -> (B, G*L, recv_heads, D). ``chunks`` lists, destination-major, the
     head ranges sent; ``send_heads[g]`` is how many heads go to rank g."""
-    b, n, _, d = xs[0].shape
-    head_major = [x.permute(2, 0, 1, 3) for x in xs]  # views (H_i, B, L, D)
-    send = torch.cat([head_major[i][h0:h1] for i, h0, h1 in chunks])  # (sum(send_heads), B, L, D)
     world = len(send_heads)
-    recv = all_to_all_rows(send, group, send_heads, [recv_heads] * world, phase)  # (G*recv_heads, B, L, D)
-    recv = recv.view(world, recv_heads, b, n, d).permute(2, 0, 3, 1, 4)  # (B, G, L, recv_heads, D)
-    return recv.reshape(b, world * n, recv_heads, d)
+    recv = all_to_all_rows(pack_heads(xs, chunks), group, send_heads, [recv_heads] * world, phase)
+    return unpack_heads(recv, world, recv_heads)
 
 
 def _gather_heads(
@@ -74,18 +115,8 @@ def _gather_heads(
     """The adjoint of :func:`_scatter_heads`: (B, G*L, recv_heads, D) -> one (B, L, H_i, D) per input,
     summing where a head was sent to several ranks."""
     world = len(send_heads)
-    b, gl, _, d = y.shape
-    n = gl // world
-    send = y.reshape(b, world, n, recv_heads, d).permute(1, 3, 0, 2, 4).contiguous()  # (G, heads, B, L, D)
-    back = all_to_all_rows(send.view(world * recv_heads, b, n, d), group, [recv_heads] * world, send_heads, phase)
-    if len(shapes) == 1 and _covers_in_order(chunks, shapes[0][2]):
-        return [back.permute(1, 2, 0, 3).contiguous()]
-    outs = [y.new_zeros(shape) for shape in shapes]
-    row = 0
-    for i, h0, h1 in chunks:
-        outs[i][:, :, h0:h1] += back[row : row + h1 - h0].permute(1, 2, 0, 3)
-        row += h1 - h0
-    return outs
+    back = all_to_all_rows(pack_sequence(y, world, recv_heads), group, [recv_heads] * world, send_heads, phase)
+    return unpack_sequence(back, chunks, shapes)
 
 
 def _covers_in_order(chunks: Sequence[Chunk], heads: int) -> bool:

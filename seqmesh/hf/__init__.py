@@ -20,6 +20,8 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import linear_attention as gated_delta_net
+from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
+from ..overlap import ASYNC_PIECES
 from .layers import SUPPORTED, check_layers
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
@@ -146,7 +148,8 @@ def _takes_use_cache(module: nn.Module) -> bool:
     return "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear_attention: str = "auto") -> nn.Module:
+def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear_attention: str = "auto",
+                async_ulysses: bool = False, async_pieces: int = ASYNC_PIECES) -> nn.Module:
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral,
@@ -183,6 +186,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         check_heads(heads, heads, mesh, "the vision tower")
     linear_layers = gated_delta_net.gated_delta_layers(model, mesh, linear_attention)  # their heads checked
     check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
+    async_layers = check_async(model, mesh) if async_ulysses else []
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"
@@ -190,6 +194,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     previous = config._attn_implementation
     model.set_attn_implementation(name)
     gated_delta_net.install(model, mesh, linear_layers, linear_attention)
+    install_async(async_layers, mesh, backend, async_pieces)
     setattr(model, _ATTR, (name, previous, _hook_calls(model) + _hook_tower(model)))
     return model
 
@@ -209,6 +214,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
     # the registration is dropped from that mapping directly.
     gated_delta_net.uninstall(model)
+    uninstall_async(model)
     AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model

@@ -23,10 +23,11 @@ from ..kernels import ChooseKernel, kernel_chooser
 from ..sequence.layout import LayoutKind
 from ..mesh import SPMesh
 from .blocks import document_bounds
-from .checks import check_attention_inputs
+from .checks import CheckedCall, check_attention_inputs
 from .ring import ring_attention
 from .schedule import RingSchedule, ring_schedule
-from .ulysses import ulysses_attention
+from .async_ulysses import OutputProjection, Projection, async_ulysses_attention
+from .ulysses import InnerAttention, ulysses_attention
 
 
 def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -90,6 +91,21 @@ def attention(
     Returns:
         ``(B, L, Hq, Dv)`` in q's dtype and the same local order.
     """
+    call, ring_part = prepare_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
+                                        seq_len=seq_len, softmax_scale=softmax_scale, backend=backend,
+                                        validate=validate, window=window, sinks=sinks)
+    if mesh.ulysses == 1:
+        return ring_part(q, k, v, None)
+    return ulysses_attention(q, k, v, mesh, call.heads, ring_part)
+
+
+def prepare_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
+    cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, softmax_scale: float | None, backend: str,
+    validate: bool | None, window: int | None, sinks: torch.Tensor | None,
+) -> tuple[CheckedCall, InnerAttention]:
+    """Check a call of :func:`attention` (arguments as there; only q, k, v's shapes, dtype and device are read,
+    so expanded views do) and return it with the ring attention that runs on each Ulysses rank's heads."""
     call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                   seq_len=seq_len, validate=validate, window=window, sinks=sinks)
     lay = call.layout
@@ -110,6 +126,42 @@ def attention(
             own_sinks = sinks[a:b]
         return ring_attention(qr, kr, vr, ring_group, schedule, choose, scale, kv_map, own_sinks)
 
+    return call, ring_part
+
+
+def projected_attention(
+    hidden: torch.Tensor,
+    project: Projection,
+    output: OutputProjection,
+    mesh: SPMesh,
+    *,
+    pieces: int = 2,
+    causal: bool = True,
+    layout: str | LayoutKind = "zigzag",
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    seq_len: int | None = None,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    validate: bool | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``output(attention(*project(hidden)))`` with async Ulysses: ``hidden`` (B, L, E) is projected in
+    ``pieces`` pieces of tokens and each piece's all-to-all overlaps the next piece's projection; the
+    inverse all-to-alls overlap ``output`` likewise (``seqmesh.sharded_attention.async_ulysses``).
+
+    ``project(hidden[:, tokens], tokens)`` returns that piece's ``q (B, l, Hq, D), k, v (B, l, Hk, D)``
+    (one head dim for all three); ``output(o)`` maps ``(B, l, Hq, D)`` to ``(B, l, E')``; both act per
+    token. The other arguments are :func:`attention`'s. Without a Ulysses axis there is nothing to overlap
+    and this is the synchronous composition. Returns ``(B, L, E')``."""
+    options = dict(causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len, softmax_scale=softmax_scale,
+                   backend=backend, validate=validate, window=window, sinks=sinks)
     if mesh.ulysses == 1:
-        return ring_part(q, k, v, None)
-    return ulysses_attention(q, k, v, mesh, call.heads, ring_part)
+        q, k, v = project(hidden, slice(0, hidden.shape[1]))
+        return output(attention(q, k, v, mesh, **options))
+
+    def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        call, ring_part = prepare_attention(q, k, v, mesh, **options)
+        return call.heads, ring_part
+
+    return async_ulysses_attention(hidden, project, output, prepare, mesh, pieces)

@@ -62,6 +62,9 @@ class TrainConfig:
     efficient_norm: bool = False
     """Run transformers' Llama-style RMSNorms through seqmesh.memory.rmsnorm (exact: the same forward ops;
     keeps only the norm's input and a float32 scale per token, and computes its backward in sequence tiles)."""
+    async_ulysses: bool = False
+    """Overlap the Ulysses all-to-alls with the attention's q/k/v and output projections, forward and backward
+    (exact; seqmesh.hf.async_ulysses). Llama, Mistral, Qwen2/3, gpt-oss and Gemma 3 attention, without TP."""
     mlp_tiles: int | None = None
     """Tiles per MLP with --tiled-mlp; none: local tokens / hidden size, rounded up."""
     offload_checkpoints: bool = False
@@ -131,7 +134,8 @@ class TrainConfig:
         return ParallelPlan(backend=self.backend, linear_attention=self.linear_attention, loss_chunk=self.loss_chunk,
                             checkpointing=self.checkpointing,
                             tiled_mlp=self.tiled_mlp, mlp_tiles=self.mlp_tiles, efficient_norm=self.efficient_norm,
-                            fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload)
+                            fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload,
+                            async_ulysses=self.async_ulysses)
 
     def uses_fsdp(self, world: int, cuda: bool) -> bool:
         """Whether a run on ``world`` processes (on CUDA devices or not) shards with FSDP2: ``fsdp`` when
