@@ -48,10 +48,17 @@ def _run(config, batch: dict, mesh, layout: str, async_ulysses: bool, pieces: in
 
 
 def async_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                 pieces: int = 3, seq_len: int = 45) -> dict:
+                 pieces: int = 3, seq_len: int = 45, reversed_pieces: bool = False) -> dict:
     """Errors of the async and the synchronous path against the float64 single-process model, of the async
-    path against the synchronous one, and the reference's own rounding (``reference_rounding``)."""
+    path against the synchronous one, and the reference's own rounding (``reference_rounding``).
+    ``reversed_pieces``: a deliberate error for the test that the tolerance sees one, the async path's
+    pieces of tokens projected and reassembled in reverse order (each piece's rotary still its own)."""
     mesh = get_mesh(ulysses, ring)
+    if reversed_pieces:
+        from seqmesh.sharded_attention import async_ulysses
+
+        original = async_ulysses.token_pieces
+        async_ulysses.token_pieces = lambda tokens, n: original(tokens, n)[::-1]
     config = async_config(family)
     reference = build(config)
     batch = _batch(seq_len, config.vocab_size, documents)
@@ -69,6 +76,8 @@ def async_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", d
                 worst, name = err, n
         out[mode] = {"logits": float((logits - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.item()),
                      "grad": worst, "worst": name}
+    if reversed_pieces:
+        async_ulysses.token_pieces = original
     (la, sa, ga), (ls, ss, gs) = runs["async"], runs["sync"]
     out["async_vs_sync"] = {
         "logits": float((la - ls).abs().max()), "loss": abs(sa.item() - ss.item()),
@@ -78,28 +87,41 @@ def async_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", d
 
 
 def issue_order(async_ulysses: bool, pieces: int = 2, seq_len: int = 64) -> dict:
-    """torch.profiler's record of one forward and backward of a tiny Llama on this rank (Ulysses over the
-    whole group): for the first attention layer, in issue order on the main thread, the q_proj matmuls and the
-    all-to-alls. Returns the sequence of ``"project"`` / ``"all_to_all"`` labels of that layer's forward."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """torch.profiler's record of one forward and backward of a tiny Llama, Ulysses over the whole group.
+    ``labels``: the main thread's matmuls (``"mm"``) and all-to-all launches (``"a2a"``) in issue order, from the
+    first all-to-all's layer on; ``overlap_us``: microseconds during which a gloo worker thread ran an
+    all-to-all while the main thread ran a matmul (``aten::mm``: the projections)."""
+    from torch.profiler import ProfilerActivity, profile
 
     mesh = get_mesh(dist.get_world_size(), 1)
     lm = parallelize(build(family_config("llama")), mesh, async_ulysses=async_ulysses, async_pieces=pieces)
     batch = seqmesh.shard_batch(_batch(seq_len, lm.config.vocab_size, False), mesh)
-    layer = lm.model.layers[0].self_attn
-    handles = [layer.q_proj.register_forward_pre_hook(lambda m, a: torch.ops.profiler._record_function_enter_new("q_proj", None))]
-    labels = []
+    lm(**batch).logits.sum().backward()  # the input check's one exchange happens here, outside the record
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with record_function("layer0"):
-            lm(**batch).logits.sum().backward()
-    for h in handles:
-        h.remove()
+        lm(**batch).logits.sum().backward()
     unparallelize(lm)
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    first_layer_end = next(e for e in events if e.name == "q_proj")  # noqa: F841 (keeps the hook's events named)
-    for e in events:
-        if e.name == "q_proj":
-            labels.append("project")
-        elif "all_to_all" in e.name or "alltoall" in e.name:
-            labels.append("all_to_all")
-    return {"labels": labels}
+    main = next(e.thread for e in events if e.name == "aten::mm")
+    labels = [{"aten::mm": "mm", "c10d::alltoall_base_": "a2a"}[e.name] for e in events
+              if e.thread == main and e.name in ("aten::mm", "c10d::alltoall_base_")]
+    comm = [(e.time_range.start, e.time_range.end) for e in events if e.name == "gloo:all_to_all" and e.thread != main]
+    mms = [(e.time_range.start, e.time_range.end) for e in events if e.name == "aten::mm" and e.thread == main]
+    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in mms)
+    return {"labels": labels[labels.index("a2a") - 3:], "overlap_us": overlap}
+
+
+def async_refusals() -> dict:
+    """What ``parallelize(..., async_ulysses=True)`` says for MLA (DeepSeek-V3), gated attention (Qwen3.5) and
+    tensor parallelism; and whether the refused model was left as it was."""
+    errors, untouched = {}, {}
+    for what, family, mesh in (("mla", "deepseek-v3", get_mesh(2, 1)), ("gated", "qwen3_5", get_mesh(2, 1)),
+                               ("tp", "llama", get_mesh(1, 1, tp=2))):
+        model = build(family_config(family))
+        before = model.config._attn_implementation
+        try:
+            parallelize(model, mesh, async_ulysses=True)
+        except ValueError as err:
+            errors[what] = str(err)
+        untouched[what] = (model.config._attn_implementation == before
+                           and not any("forward" in vars(m) for m in model.modules()))
+    return {"errors": errors, "untouched": untouched}
