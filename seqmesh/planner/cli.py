@@ -68,7 +68,8 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     for flag, what in (("tiled-mlp", "each layer's MLP in sequence tiles, recomputed in backward"),
                        ("efficient-norm", "RMSNorms keep only their input and float32 scale; tiled backward"),
                        ("offload-checkpoints", "checkpointed layer inputs in host memory (needs --checkpointing)"),
-                       ("fsdp-cpu-offload", "FSDP2's fp32 shards, gradients and AdamW state in host memory")):
+                       ("fsdp-cpu-offload", "FSDP2's fp32 shards, gradients and AdamW state in host memory"),
+                       ("async-ulysses", "Ulysses all-to-alls overlapped with the q/k/v and output projections (TP=1)")):
         p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=False, help=f"{what} (default off)")
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk (default %(default)s)")
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-GPU memory kept for the CUDA context, "
@@ -133,7 +134,8 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
                     checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
                     layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
                     efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
-                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media, linear_attention=args.linear_attention)
+                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media, linear_attention=args.linear_attention,
+                    async_ulysses=args.async_ulysses)
 
 
 def check_args(args: argparse.Namespace):

@@ -13,6 +13,7 @@ from .layers import Attention, GatedDeltaNet, attention_average, attention_pairs
 from .network import axis_all_to_all_seconds, every_group, fsdp_seconds, ring_hop_seconds
 from ..padding import padded_length
 from ..heads import HeadDeal
+from ..overlap import ASYNC_PIECES, pipelined_exposed
 from .tensor_parallel import layer_seconds, split_params, step_seconds
 from .traffic import call_bytes, fsdp_traffic, ring_block_bytes
 from ..degrees import Degrees
@@ -66,13 +67,14 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         attn_fwd += ring_merge_seconds(work, layout, hw, "forward")
         attn_bwd += ring_merge_seconds(work, layout, hw, "backward")
 
-    a2a_fwd, a2a_bwd = (_ulysses_seconds(work, layout, hw, phase) for phase in ("forward", "backward"))
+    a2a_fwd, a2a_bwd = (ulysses_exposed_seconds(work, layout, hw, phase) for phase in ("forward", "backward"))
+    a2a_serial_fwd, a2a_serial_bwd = (_ulysses_seconds(work, layout, hw, phase) for phase in ("forward", "backward"))
     ring_fwd, p2p_fwd = ring_attention_seconds(work, layout, hw, attn_fwd, "forward")
     ring_bwd, p2p_bwd = ring_attention_seconds(work, layout, hw, attn_bwd, "backward")
     tp = layer_seconds(work, layout, hw)  # TP collectives: on the critical path, nothing hides them
     fwd = mm_fwd + a2a_fwd + ring_fwd + tp["forward"]
     bwd = 2 * mm_fwd + a2a_bwd + ring_bwd + tp["backward"]
-    comm_fwd, comm_bwd = a2a_fwd + p2p_fwd + tp["forward"], a2a_bwd + p2p_bwd + tp["backward"]
+    comm_fwd, comm_bwd = a2a_serial_fwd + p2p_fwd + tp["forward"], a2a_serial_bwd + p2p_bwd + tp["backward"]
     if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
         bwd += fwd - tp["forward"] + tp["recompute"]
     # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer
@@ -141,6 +143,29 @@ def _ulysses_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: s
         return 0.0
     calls = call_bytes(Attention(work, layout).ranks(), "all_to_all", phase)
     return axis_all_to_all_seconds(calls, hw, layout, "ulysses")
+
+
+def async_applies(work: Workload, layout: Degrees) -> bool:
+    """Whether ``work`` runs async Ulysses on ``layout``: asked for, a Ulysses axis, no TP (refused there), text."""
+    return work.async_ulysses and layout.ulysses > 1 and layout.tp == 1 and work.media is None
+
+
+def ulysses_exposed_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
+    """One attention layer's Ulysses all-to-alls in ``phase`` left on the critical path: all of them, or with
+    async Ulysses what :func:`seqmesh.overlap.pipelined_exposed` leaves of each beside the projection it is
+    pipelined with. Forward: the q/k/v all-to-all beside the q/k/v projections, the output one beside the output
+    projection; backward (issued output first): each beside its projection's backward, twice the forward matmuls."""
+    if not async_applies(work, layout):
+        return _ulysses_seconds(work, layout, hw, phase)
+    m = work.model
+    calls = call_bytes(Attention(work, layout).ranks(), "all_to_all", phase)
+    comm = [axis_all_to_all_seconds([n], hw, layout, "ulysses") for n in calls]
+    rate = hw.flops_for(work.dtype) * hw.matmul_efficiency
+    tokens = work.batch * local_tokens(work, layout)
+    qkv = 2 * tokens * m.hidden * m.head_dim * (m.heads + 2 * m.kv_heads) / rate
+    out = 2 * tokens * m.hidden * m.head_dim * m.heads / rate
+    beside = [qkv, out] if phase == "forward" else [2 * out, 2 * qkv]
+    return sum(pipelined_exposed(c, p, ASYNC_PIECES) for c, p in zip(comm, beside))
 
 
 def ring_hops(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float, float]:

@@ -43,6 +43,7 @@ class Workload:
     optimizer_foreach: bool = True  # AdamW's foreach path (torch's default on CUDA): one fp32 temporary per parameter
     media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
     linear_attention: str = "auto"  # Gated DeltaNet design: all_to_all, state_passing or auto (linear_attention.choice)
+    async_ulysses: bool = False  # Ulysses all-to-alls pipelined with the projections (seqmesh.hf.async_ulysses; TP=1)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
