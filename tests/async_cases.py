@@ -90,13 +90,17 @@ def issue_order(async_ulysses: bool, pieces: int = 2, seq_len: int = 64) -> dict
     """torch.profiler's record of one forward and backward of a tiny Llama, Ulysses over the whole group.
     ``labels``: the main thread's matmuls (``"mm"``) and all-to-all launches (``"a2a"``) in issue order, from the
     first all-to-all's layer on; ``overlap_us``: microseconds during which a gloo worker thread ran an
-    all-to-all while the main thread ran a matmul (``aten::mm``: the projections)."""
+    all-to-all while the main thread ran a matmul (``aten::mm``: the projections); ``all_to_all``: per phase,
+    (calls, bytes sent) of the step."""
     from torch.profiler import ProfilerActivity, profile
+
+    from seqmesh.comm.stats import comm_stats
 
     mesh = get_mesh(dist.get_world_size(), 1)
     lm = parallelize(build(family_config("llama")), mesh, async_ulysses=async_ulysses, async_pieces=pieces)
     batch = seqmesh.shard_batch(_batch(seq_len, lm.config.vocab_size, False), mesh)
-    lm(**batch).logits.sum().backward()  # the input check's one exchange happens here, outside the record
+    with comm_stats() as stats:  # (a dispatch mode: kept apart from the profiled step, whose operators it would change)
+        lm(**batch).logits.sum().backward()  # the input check's one exchange happens here, outside the record
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         lm(**batch).logits.sum().backward()
     unparallelize(lm)
@@ -107,7 +111,8 @@ def issue_order(async_ulysses: bool, pieces: int = 2, seq_len: int = 64) -> dict
     comm = [(e.time_range.start, e.time_range.end) for e in events if e.name == "gloo:all_to_all" and e.thread != main]
     mms = [(e.time_range.start, e.time_range.end) for e in events if e.name == "aten::mm" and e.thread == main]
     overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in mms)
-    return {"labels": labels[labels.index("a2a") - 3:], "overlap_us": overlap}
+    moved = {phase: [stats.count("all_to_all", phase), stats.sent("all_to_all", phase)] for phase in ("forward", "backward")}
+    return {"labels": labels[labels.index("a2a") - 3:], "overlap_us": overlap, "all_to_all": moved}
 
 
 def async_refusals() -> dict:
@@ -125,3 +130,73 @@ def async_refusals() -> dict:
         untouched[what] = (model.config._attn_implementation == before
                            and not any("forward" in vars(m) for m in model.modules()))
     return {"errors": errors, "untouched": untouched}
+
+
+def cuda_exchange_parity(dtype: str = "bfloat16", device: str = "cuda") -> dict:
+    """On this rank's GPU (NCCL): the async start/wait pair against the synchronous all-to-all, forward and
+    backward, with a matmul queued on the current stream while the collective is in flight (NCCL runs it on its
+    own stream; ``wait`` orders the current stream after it). Both directions; largest differences. ``device``
+    "cpu" runs the same on gloo."""
+    from seqmesh.comm.async_collectives import head_to_seq_start, seq_to_head_start
+    from seqmesh.comm.collectives import head_to_seq, seq_to_head
+    from seqmesh.sharded_attention.heads import HeadPlan
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    plan = HeadPlan(6, 2, world)
+    g = torch.Generator(device=device).manual_seed(rank)
+    dt = getattr(torch, dtype)
+    q = torch.randn(2, 64, 6, 16, device=device, dtype=dt, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 64, 2, 16, device=device, dtype=dt, generator=g, requires_grad=True) for _ in range(2))
+    side = torch.randn(2048 if device == "cuda" else 128, 2048 if device == "cuda" else 128, device=device, dtype=dt,
+                       generator=g)
+    u = rank
+    nq, nk = plan.q_count(u), plan.kv_count(u)
+    chunks = [(0, *plan.q_range(r)) for r in range(world)]
+    counts = [plan.q_count(r) for r in range(world)]
+    results = {}
+    for mode in ("sync", "async"):
+        for t in (q, k, v):
+            t.grad = None
+        if mode == "sync":
+            heads = seq_to_head([q, k, v], group, plan.send_chunks(), plan.send_heads(), nq + 2 * nk)
+            busy = side @ side
+            back = head_to_seq(heads[:, :, :nq] * 2, group, chunks, counts, nq, q.shape)
+        else:
+            pending = seq_to_head_start([q, k, v], group, plan.send_chunks(), plan.send_heads(), nq + 2 * nk)
+            busy = side @ side  # queued on the current stream while the all-to-all runs on NCCL's
+            heads = pending.wait()
+            back = head_to_seq_start(heads[:, :, :nq] * 2, group, chunks, counts, nq, q.shape).wait()
+        (back.float() * torch.arange(back.numel(), device=device).view_as(back).sin()).sum().backward()
+        results[mode] = [back.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone(), busy.sum()]
+    return {"diffs": [float((a.float() - b.float()).abs().max()) for a, b in zip(results["sync"][:4], results["async"][:4])],
+            "scale": float(q.detach().float().abs().max())}
+
+
+def cuda_async_parity(family: str = "llama", device: str = "cuda") -> dict:
+    """Two GPUs (NCCL), Ulysses 2: the float32 model on CUDA with async Ulysses against the synchronous path
+    (logits and every gradient, relative to its largest) and both against the float64 single-process model."""
+    mesh = get_mesh(dist.get_world_size(), 1)  # a CUDA mesh on an NCCL group
+    config = async_config(family)
+    reference = build(config)
+    batch = _batch(64, config.vocab_size, False)
+    ref_logits, ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+    ref_logits = ref_logits.detach()
+    out = {}
+    for mode in ("sync", "async"):
+        lm = parallelize(build(config).to(device, torch.float32), mesh, async_ulysses=mode == "async", async_pieces=3)
+        local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in seqmesh.shard_batch(batch, mesh).items()}
+        logits = lm(**local).logits
+        logits.float().pow(2).mean().backward()
+        whole = seqmesh.gather_sequence(logits.detach(), mesh, layout="zigzag", length=64).cpu().double()
+        grads = {}
+        for n, p in lm.named_parameters():
+            dist.all_reduce(p.grad, group=mesh.sp_group)
+            grads[n] = p.grad.detach().cpu().double()
+        unparallelize(lm)
+        out[mode] = (whole, grads)
+    (ls, gs), (la, ga) = out["sync"], out["async"]
+    return {"logits_vs_sync": float((la - ls).abs().max()), "logits_vs_reference": float((la - ref_logits).abs().max()),
+            "sync_logits_vs_reference": float((ls - ref_logits).abs().max()),
+            "grad_vs_sync": max(float((ga[n] - gs[n]).abs().max() / gs[n].abs().max().clamp(min=1e-12)) for n in gs)}

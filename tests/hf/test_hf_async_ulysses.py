@@ -55,12 +55,15 @@ def test_all_to_all_issued_between_projections_and_in_flight_beside_them(pools):
     """From torch.profiler on both ranks: the async path launches the first piece's all-to-all right after that
     piece's q, k, v matmuls and before the next piece's (the synchronous path projects all tokens first, then
     sends them in one all-to-all, then sends the output back), and a gloo worker thread's all-to-all runs while
-    the main thread runs a matmul."""
-    for r in pools.run(2, issue_order, True, 2):
+    the main thread runs a matmul. Each piece is one all-to-all of the same kind: twice the calls, the same bytes."""
+    overlapped = pools.run(2, issue_order, True, 2)
+    serial = pools.run(2, issue_order, False, 2)
+    for r, s in zip(overlapped, serial):
         assert r["labels"][:8] == ["mm"] * 3 + ["a2a"] + ["mm"] * 3 + ["a2a"], r["labels"][:12]
         assert r["overlap_us"] > 0, r
-    for r in pools.run(2, issue_order, False, 2):
-        assert r["labels"][:6] == ["mm"] * 3 + ["a2a", "a2a", "mm"], r["labels"][:12]
+        assert s["labels"][:6] == ["mm"] * 3 + ["a2a", "a2a", "mm"], s["labels"][:12]
+        for phase in ("forward", "backward"):  # two pieces: twice the all-to-alls, the same bytes
+            assert r["all_to_all"][phase] == [2 * s["all_to_all"][phase][0], s["all_to_all"][phase][1]], (r, s)
 
 
 def test_refused_by_name_before_any_work(pools):
