@@ -11,25 +11,37 @@ import torch.distributed as dist
 import seqmesh
 from dist_cases import get_mesh
 from family_cases import _batch, _reference_loss, _worst_grad, build, family_config, reference_rounding
+from seqmesh.comm.stats import comm_stats
 from seqmesh.hf import parallelize, unparallelize
-from seqmesh.model.fsdp import sync_gradients
+from seqmesh.model.fsdp import enable_checkpointing, sync_gradients
 from seqmesh.model.lm import SequenceParallelLM
 
 
 def async_config(family: str):
-    """``family_config``'s families, and ``llama-uneven``: 5 query heads over 1 kv head (Ulysses 2 deals 3 + 2
-    query heads, Ulysses 4 deals 2 + 1 + 1 + 1; the kv head goes to every rank)."""
-    if family == "llama-uneven":
-        import transformers as tf
+    """``family_config``'s families; ``llama-uneven``: 5 query heads over 1 kv head (Ulysses 2 deals 3 + 2 query
+    heads, Ulysses 4 deals 2 + 1 + 1 + 1; the kv head goes to every rank); ``qwen2`` (q/k/v biases) and
+    ``qwen3-moe``, the other families async Ulysses lists."""
+    import transformers as tf
 
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                 intermediate_size=64, attention_dropout=0.0)
+    if family == "qwen2":
+        return tf.Qwen2Config(**small)
+    if family == "qwen3-moe":
+        return tf.Qwen3MoeConfig(**small, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    if family == "llama-uneven":
         return tf.LlamaConfig(hidden_size=40, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
                               head_dim=8, vocab_size=64, intermediate_size=64, attention_dropout=0.0)
     return family_config(family)
 
 
-def _run(config, batch: dict, mesh, layout: str, async_ulysses: bool, pieces: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Gathered logits, loss and every parameter's gradient (summed over the sequence group) of the parallelized model."""
+def _run(config, batch: dict, mesh, layout: str, async_ulysses: bool, pieces: int,
+         checkpointing: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Gathered logits, loss and every parameter's gradient (summed over the sequence group) of the parallelized
+    model; ``checkpointing``: each decoder layer recomputed in backward (its all-to-alls launched again)."""
     lm = parallelize(build(config), mesh, async_ulysses=async_ulysses, async_pieces=pieces)
+    if checkpointing:
+        enable_checkpointing(lm)
     installed = sum(1 for m in lm.modules() if getattr(m, "_seqmesh_async_ulysses", False))
     assert installed == (config.num_hidden_layers if async_ulysses else 0), installed
     local = seqmesh.shard_batch(batch, mesh, layout=layout)
@@ -39,20 +51,25 @@ def _run(config, batch: dict, mesh, layout: str, async_ulysses: bool, pieces: in
     whole = seqmesh.gather_sequence(logits, mesh, layout=layout, length=batch["input_ids"].shape[1])
     sp = SequenceParallelLM(lm, mesh, chunk=16)
     loss = sp(**seqmesh.shard_batch(batch, mesh, layout=layout))
-    loss.backward()
+    with comm_stats() as stats:
+        loss.backward()
     sync_gradients(sp, mesh)
     grads = {n: p.grad.detach().clone() for n, p in lm.named_parameters()}
     unparallelize(lm)
     assert not any(getattr(m, "_seqmesh_async_ulysses", False) for m in lm.modules())
+    calls = stats.count("all_to_all") if mesh.ulysses > 1 else None  # during backward, the recompute's included
+    per_layer = (2 * pieces if async_ulysses else 2) * (2 if checkpointing else 1)
+    assert calls in (None, config.num_hidden_layers * per_layer), (calls, per_layer)
     return whole, loss.detach(), grads
 
 
 def async_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                 pieces: int = 3, seq_len: int = 45, reversed_pieces: bool = False) -> dict:
+                 pieces: int = 3, seq_len: int = 45, reversed_pieces: bool = False, checkpointing: bool = False) -> dict:
     """Errors of the async and the synchronous path against the float64 single-process model, of the async
     path against the synchronous one, and the reference's own rounding (``reference_rounding``).
     ``reversed_pieces``: a deliberate error for the test that the tolerance sees one, the async path's
-    pieces of tokens projected and reassembled in reverse order (each piece's rotary still its own)."""
+    pieces of tokens projected and reassembled in reverse order (each piece's rotary still its own).
+    ``checkpointing``: both paths with activation checkpointing."""
     mesh = get_mesh(ulysses, ring)
     if reversed_pieces:
         from seqmesh.sharded_attention import async_ulysses
@@ -67,7 +84,7 @@ def async_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", d
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference)
     want = dict(reference.named_parameters())
     out = {"rounding": rounding}
-    runs = {mode: _run(config, batch, mesh, layout, mode == "async", pieces) for mode in ("sync", "async")}
+    runs = {mode: _run(config, batch, mesh, layout, mode == "async", pieces, checkpointing) for mode in ("sync", "async")}
     for mode, (logits, loss, grads) in runs.items():
         worst, name = 0.0, ""
         for n, ref in want.items():
@@ -93,8 +110,6 @@ def issue_order(async_ulysses: bool, pieces: int = 2, seq_len: int = 64) -> dict
     all-to-all while the main thread ran a matmul (``aten::mm``: the projections), in the first of up to 3
     profiled steps that shows any (``attempts``); ``all_to_all``: per phase, (calls, bytes sent) of the step."""
     from torch.profiler import ProfilerActivity, profile
-
-    from seqmesh.comm.stats import comm_stats
 
     mesh = get_mesh(dist.get_world_size(), 1)
     lm = parallelize(build(family_config("llama")), mesh, async_ulysses=async_ulysses, async_pieces=pieces)

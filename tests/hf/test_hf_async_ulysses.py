@@ -16,7 +16,7 @@ from async_cases import async_parity, async_refusals, issue_order
 # (test_tolerance_sees_reordered_pieces) moves the logits by more than 1e4 times the bound.
 ROUNDING_MULTIPLE = 4
 CASES = {
-    (2, 1): ["llama", "qwen3", "mistral", "llama-uneven", "gpt-oss", "gemma3"],
+    (2, 1): ["llama", "qwen3", "mistral", "llama-uneven", "gpt-oss", "gemma3", "qwen2", "qwen3-moe"],
     (2, 2): ["llama", "qwen3", "mistral", "llama-uneven", "gpt-oss"],
     (4, 1): ["qwen3", "llama-uneven"],
     (1, 2): ["llama"],  # no Ulysses axis: the installed forward is the synchronous composition
@@ -41,6 +41,15 @@ def test_async_ulysses_exact(pools, ulysses, ring):
     for results in pools.run(ulysses * ring, _run_all, cases):
         for r in results:
             assert not _outside(r), r
+
+
+def test_exact_with_activation_checkpointing(pools):
+    """Each decoder layer recomputed in backward: the recompute launches its all-to-alls again, in the same order
+    on every rank; still exact (Ulysses 2, and USP 2 x 2 with documents)."""
+    for world, case in ((2, ("qwen3", 2, 1, "zigzag", False)), (4, ("llama-uneven", 2, 2, "contiguous", True))):
+        for results in pools.run(world, _run_all, [case], checkpointing=True):
+            for r in results:
+                assert not _outside(r), r
 
 
 def test_tolerance_sees_reordered_pieces(pools):
