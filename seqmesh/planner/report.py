@@ -38,7 +38,8 @@ def _human_count(n: float) -> str:
 def header(work: Workload, cluster: Cluster) -> str:
     m, hw = work.model, cluster.hardware
     flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
-                       "chunked loss" if work.chunked_loss else "full logits"])
+                       "chunked loss" if work.chunked_loss else "full logits"]
+                      + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
             f"heads x {m.head_dim}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
