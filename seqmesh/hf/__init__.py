@@ -166,6 +166,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     without one whatever ``config.use_cache`` says (the config is unchanged), and one that asks for a
     cache raises. Returns the same model. The attention switch is stored on ``model.config``: another
     model built from the same config object switches with it.
+
+    ``async_ulysses``: the attention modules' q/k/v and output projections run in ``async_pieces`` pieces
+    of tokens, each piece's all-to-all overlapped with the next piece's projection, forward and backward
+    (:mod:`seqmesh.hf.async_ulysses`; families it does not know, and tensor parallelism, are refused here).
     """
     from transformers import AttentionInterface
 
