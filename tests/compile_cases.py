@@ -1,0 +1,89 @@
+"""``torch.compile`` of a model parallelized by seqmesh.hf, on every rank: graph breaks counted by
+``torch._dynamo.explain``, then the compiled model (``fullgraph=True``, which fails on any break) and the
+eager one against the unmodified single-process transformers model on the whole sequence (float64):
+logits, loss and every parameter's gradient, with the reference's own rounding as the scale."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import seqmesh
+from dist_cases import get_mesh
+from family_cases import _batch, _reference_loss, _worst_grad, build, reference_rounding
+from seqmesh.hf import parallelize, unparallelize
+
+
+def llama_config(layers: int = 4):
+    import transformers as tf
+
+    return tf.LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, intermediate_size=64, vocab_size=64, attention_dropout=0.0)
+
+
+def _loss_and_grads(call, lm, local: dict, mesh, seq_len: int, positions: torch.Tensor) -> dict:
+    """The whole sequence's logits, the mean loss over every target, and each parameter's gradient
+    summed over the sequence group, from ``call`` (the model, eager or compiled) on this rank's shard."""
+    lm.zero_grad(set_to_none=True)
+    logits = call(input_ids=local["input_ids"], position_ids=positions, seqmesh=local["seqmesh"]).logits
+    targets = local["shift_labels"]
+    count = (targets != -100).sum()
+    dist.all_reduce(count, group=mesh.sp_group)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / count
+    loss.backward()
+    for p in lm.parameters():
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh.sp_group)
+    whole = seqmesh.gather_sequence(logits.detach(), mesh, layout=local["seqmesh"].layout, length=seq_len)
+    return {"logits": whole, "loss": total, "grads": {n: p.grad.clone() for n, p in lm.named_parameters()}}
+
+
+def _errors(got: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, ref_grads: dict) -> dict:
+    worst, name = 0.0, ""
+    for n, g in got["grads"].items():
+        err = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1e-12))
+        if err > worst:
+            worst, name = err, n
+    return {"logits": float((got["logits"] - ref_logits).abs().max()), "loss": abs(got["loss"].item() - ref_loss.item()),
+            "grad": worst, "worst": name}
+
+
+def compiled_parity(ulysses: int, ring: int, documents: bool, backend: str = "aot_eager", seq_len: int = 45,
+                    shift_positions_on: int | None = None) -> dict:
+    """Graph breaks of the parallelized 4-layer Llama under ``torch._dynamo.explain`` (and their reasons),
+    and the errors against the float64 single-process reference of the eager and the compiled model, with
+    the reference's rounding (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
+    in the compiled run only (that rank's positions one too far), for the test that the bound sees one."""
+    mesh = get_mesh(ulysses, ring)
+    config = llama_config()
+    reference = build(config)
+    batch = _batch(seq_len, config.vocab_size, documents)
+    ref_logits, ref_loss = _reference_loss(reference, batch)
+    ref_loss.backward()
+    rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+
+    lm = parallelize(build(llama_config()), mesh)
+    local = seqmesh.shard_batch(batch, mesh)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lm)(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                                         seqmesh=seqmesh.shard_batch(batch, mesh)["seqmesh"])
+    reasons = sorted({str(b.reason).splitlines()[0][:160] for b in explained.break_reasons})
+    torch._dynamo.reset()
+    eager = _loss_and_grads(lm, lm, local, mesh, seq_len, local["position_ids"])
+    compiled_lm = torch.compile(lm, backend=backend, fullgraph=True)
+    positions = local["position_ids"] + (1 if shift_positions_on == dist.get_rank() else 0)
+    compiled = _loss_and_grads(compiled_lm, lm, seqmesh.shard_batch(batch, mesh), mesh, seq_len, positions)
+    apart = _errors(compiled, eager["logits"], eager["loss"], eager["grads"])
+    torch._dynamo.reset()
+    unparallelize(lm)
+    return {"breaks": explained.graph_break_count, "graphs": explained.graph_count, "reasons": reasons,
+            "eager": _errors(eager, ref_logits.detach(), ref_loss.detach(), ref_grads),
+            "compiled": _errors(compiled, ref_logits.detach(), ref_loss.detach(), ref_grads),
+            "compiled_vs_eager": apart, "rounding": rounding}
+
+
+def compiled_cases(cases: list[tuple], **kwargs) -> list[dict]:
+    return [{"case": c, **compiled_parity(*c, **kwargs)} for c in cases]
