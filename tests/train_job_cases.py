@@ -86,3 +86,12 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
         "tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
         "norm_ones": bool((lm.model.norm.weight.full_tensor() == 1).all()),
     }
+
+
+def compiled_layers(cfg: TrainConfig) -> list[bool]:
+    """Whether each decoder layer of the job's model is compiled (``nn.Module.compile``) after ``build``."""
+    from seqmesh.model.lm import decoder_layers
+    from seqmesh.training.train import build
+
+    _, module, _ = build(cfg)
+    return [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(module.lm)]
