@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-SUBCOMMANDS = ("attention", "linear", "merge", "host", "balance", "window", "memory", "baseline", "vision")
+SUBCOMMANDS = ("attention", "linear", "merge", "host", "balance", "window", "memory", "baseline", "vision", "compile")
 """The modules registered under ``seqmesh bench``, in the order ``--help`` lists them."""
 
 
