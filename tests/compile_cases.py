@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import seqmesh
 from dist_cases import get_mesh
-from family_cases import _batch, _reference_loss, _worst_grad, build, reference_rounding
+from family_cases import family_config, _batch, _reference_loss, _worst_grad, build, reference_rounding
 from seqmesh.hf import parallelize, unparallelize
 
 
@@ -50,14 +50,15 @@ def _errors(got: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, ref_gra
             "grad": worst, "worst": name}
 
 
-def compiled_parity(ulysses: int, ring: int, documents: bool, backend: str = "aot_eager", seq_len: int = 45,
-                    shift_positions_on: int | None = None) -> dict:
-    """Graph breaks of the parallelized 4-layer Llama under ``torch._dynamo.explain`` (and their reasons),
+def compiled_parity(ulysses: int, ring: int, documents: bool, family: str = "llama", backend: str = "aot_eager",
+                    seq_len: int = 45, shift_positions_on: int | None = None) -> dict:
+    """Graph breaks of the parallelized model (``family``: ``llama``, a 4-layer Llama, or a tiny config of
+    ``family_cases.family_config``, e.g. ``qwen3_5`` with a Gated DeltaNet layer) under ``torch._dynamo.explain`` (and their reasons),
     and the errors against the float64 single-process reference of the eager and the compiled model, with
     the reference's rounding (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
     in the compiled run only (that rank's positions one too far), for the test that the bound sees one."""
     mesh = get_mesh(ulysses, ring)
-    config = llama_config()
+    config = llama_config() if family == "llama" else family_config(family)
     reference = build(config)
     batch = _batch(seq_len, config.vocab_size, documents)
     ref_logits, ref_loss = _reference_loss(reference, batch)
@@ -65,7 +66,7 @@ def compiled_parity(ulysses: int, ring: int, documents: bool, backend: str = "ao
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference)
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
-    lm = parallelize(build(llama_config()), mesh)
+    lm = parallelize(build(config), mesh)
     local = seqmesh.shard_batch(batch, mesh)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lm)(input_ids=local["input_ids"], position_ids=local["position_ids"],

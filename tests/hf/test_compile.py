@@ -1,6 +1,6 @@
 """``torch.compile`` through seqmesh: a parallelized 4-layer Llama compiles with no graph break
 (``torch._dynamo.explain``, and ``fullgraph=True`` for the run) under Ulysses, ring, USP and packed
-documents, and the compiled model's logits, loss and gradients equal the float64 single-process
+documents, and a Gated DeltaNet model (Qwen3.5) under Ulysses and ring; the compiled model's logits, loss and gradients equal the float64 single-process
 model's within the reference's own rounding, as the eager seqmesh model's do."""
 
 from __future__ import annotations
@@ -23,12 +23,19 @@ def _outside(errors: dict, rounding: dict) -> list[str]:
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_compiled_model_has_no_graph_break_and_equals_eager(pools, ulysses, ring):
     cases = [(ulysses, ring, documents) for documents in (False, True)]
+    if ulysses * ring == 2:  # Gated DeltaNet (Qwen3.5: a linear-attention layer, then full attention)
+        cases += [(ulysses, ring, documents, "qwen3_5") for documents in (False, True)]
     for results in pools.run(ulysses * ring, compiled_cases, cases):
         for r in results:
             assert r["breaks"] == 0 and r["graphs"] == 1, (r["case"], r["breaks"], r["reasons"])
-            assert not _outside(r["eager"], r["rounding"]), r
-            assert not _outside(r["compiled"], r["rounding"]), r
-            assert not _outside(r["compiled_vs_eager"], r["rounding"]), r
+            # the scale: the reference's rounding, or eager seqmesh's own distance from the reference where that is
+            # larger (Gated DeltaNet: transformers' chunked kernel computes in float32 whatever the dtype, and a
+            # shard's chunks fall elsewhere; tests/linear_attention bounds that error itself)
+            scale = {key: max(r["rounding"][key], r["eager"][key]) for key in ("logits", "loss", "grad")}
+            if len(r["case"]) == 3:  # Llama: eager seqmesh itself within the reference's rounding
+                assert not _outside(r["eager"], r["rounding"]), r
+            assert not _outside(r["compiled"], scale), r
+            assert not _outside(r["compiled_vs_eager"], scale), r
 
 
 def test_tolerance_sees_a_shifted_rotary_in_the_compiled_model(pools):
