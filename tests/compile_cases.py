@@ -88,3 +88,36 @@ def compiled_parity(ulysses: int, ring: int, documents: bool, family: str = "lla
 
 def compiled_cases(cases: list[tuple], **kwargs) -> list[dict]:
     return [{"case": c, **compiled_parity(*c, **kwargs)} for c in cases]
+
+
+def compiles_over_packed_batches(ulysses: int, ring: int, cuts: list[list[int]]) -> dict:
+    """The compiled model (whole, aot_eager) over one packed batch per entry of ``cuts`` (document
+    boundaries of 48 tokens): dynamo frames compiled after each batch, the largest logit difference from the
+    eager model on every batch (the boundaries reach the op as ints, or as SymInts once they vary), and the
+    scale: the same model's float32 copy against it (the model computes its norms in float32 anyway)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = get_mesh(ulysses, ring)
+    lm = parallelize(build(llama_config()), mesh)
+    low = parallelize(build(llama_config()).float(), mesh)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lm, backend=counter)
+    frames, worst, rounding = [], 0.0, 0.0
+    g = torch.Generator().manual_seed(3)
+    for bounds in cuts:
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])])[None]
+        batch = {"input_ids": torch.randint(0, 64, (1, bounds[-1]), generator=g), "position_ids": positions}
+        local = seqmesh.shard_batch(batch, mesh, layout="zigzag")
+        inputs = {k: local[k] for k in ("input_ids", "position_ids", "seqmesh")}
+        with torch.no_grad():
+            got = compiled(**inputs).logits
+            want = lm(**{**inputs, "seqmesh": seqmesh.shard_batch(batch, mesh, layout="zigzag")["seqmesh"]}).logits
+            single = low(**{**inputs, "seqmesh": seqmesh.shard_batch(batch, mesh, layout="zigzag")["seqmesh"]}).logits
+        worst = max(worst, float((got - want).abs().max()))
+        rounding = max(rounding, float((single.double() - want).abs().max()))
+        frames.append(counter.frame_count)
+    torch._dynamo.reset()
+    unparallelize(lm)
+    unparallelize(low)
+    return {"frames": frames, "logits_diff": worst, "rounding": rounding}

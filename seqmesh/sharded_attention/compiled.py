@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..comm.collectives import _gather_heads, _scatter_heads
+from ..comm.collectives import gather_heads, scatter_heads
 from ..kernels import kernel_chooser
 from ..kernels.base import lse_dtype
 from ..mesh import SPMesh, mesh_by_name
@@ -96,15 +96,15 @@ def attention_forward(
         plan, u, group = call.heads, mesh.ulysses_rank, mesh.ulysses_group
         nq, nk = plan.q_count(u), plan.kv_count(u)
         qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-        qk = _scatter_heads([q, k], qk_chunks, [plan.q_count(r) + plan.kv_count(r) for r in range(mesh.ulysses)],
+        qk = scatter_heads([q, k], qk_chunks, [plan.q_count(r) + plan.kv_count(r) for r in range(mesh.ulysses)],
                             nq + nk, group, "forward")  # (B, U*L, nq + nk, D)
         v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-        vh = _scatter_heads([v], v_chunks, [plan.kv_count(r) for r in range(mesh.ulysses)], nk, group, "forward")
+        vh = scatter_heads([v], v_chunks, [plan.kv_count(r) for r in range(mesh.ulysses)], nk, group, "forward")
         qh, kh = qk.split([nq, nk], dim=2)
         oh, lse = _inner_forward(qh, kh, vh, own_sinks, mesh, schedule, choose, plan.kv_map(u, q.device), scale)
         chunks, counts = _query_chunks(call, mesh.ulysses)
         shape = torch.Size((*q.shape[:3], v.shape[-1]))
-        (out,) = _gather_heads(oh, chunks, [shape], counts, nq, group, "forward")
+        (out,) = gather_heads(oh, chunks, [shape], counts, nq, group, "forward")
         return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous(), qk, vh, oh.contiguous()
 
 
@@ -146,16 +146,16 @@ def attention_backward(
             plan, u, group = call.heads, mesh.ulysses_rank, mesh.ulysses_group
             nq, nk = plan.q_count(u), plan.kv_count(u)
             chunks, counts = _query_chunks(call, mesh.ulysses)
-            doh = _scatter_heads([dout], chunks, counts, nq, group, "backward")  # (B, U*L, nq, Dv)
+            doh = scatter_heads([dout], chunks, counts, nq, group, "backward")  # (B, U*L, nq, Dv)
             qh, kh = qk.split([nq, nk], dim=2)
             dqh, dkh, dvh, ds = _inner_backward(doh, qh, kh, vh, oh, lse, own_sinks, mesh, schedule, choose,
                                                 plan.kv_map(u, q.device), scale)
             qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-            dq, dk = _gather_heads(torch.cat([dqh, dkh], dim=2), qk_chunks, [q.shape, k.shape],
+            dq, dk = gather_heads(torch.cat([dqh, dkh], dim=2), qk_chunks, [q.shape, k.shape],
                                    [plan.q_count(r) + plan.kv_count(r) for r in range(mesh.ulysses)], nq + nk,
                                    group, "backward")
             v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-            (dv,) = _gather_heads(dvh, v_chunks, [v.shape], [plan.kv_count(r) for r in range(mesh.ulysses)], nk,
+            (dv,) = gather_heads(dvh, v_chunks, [v.shape], [plan.kv_count(r) for r in range(mesh.ulysses)], nk,
                                   group, "backward")
         dsinks = q.new_empty(0)
         if sinks is not None:  # this rank's heads' part; the sequence group's sum is the caller's (see attention)
@@ -203,7 +203,7 @@ def compiled_attention(
                          "pass tuple(cu_seqlens.tolist()) outside the compiled region.")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kind = layout.value if isinstance(layout, LayoutKind) else str(layout)
-    cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    cu = None if cu_seqlens is None else list(cu_seqlens)  # ints, or SymInts once dynamo sees them change
     out, *_ = attention_forward(q, k, v, sinks, mesh.name, causal, kind, cu, seq_len, float(scale), backend,
                                 _VALIDATE_CODES[validate], window)
     return out

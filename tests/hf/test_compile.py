@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from compile_cases import compiled_cases
+from compile_cases import compiled_cases, compiles_over_packed_batches
 
 # The bound is a multiple of how far float32 rounding moves the reference (family_cases.reference_rounding:
 # the same Llama in float32 against float64; its RMSNorm computes in float32 whatever the dtype, so the
@@ -44,3 +44,12 @@ def test_tolerance_sees_a_shifted_rotary_in_the_compiled_model(pools):
         for r in results:
             assert "logits" in _outside(r["compiled_vs_eager"], r["rounding"]), r
             assert r["compiled_vs_eager"]["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_new_document_boundaries_do_not_recompile_every_batch(pools):
+    """Packed batches bring new boundaries each step: dynamo recompiles once when their values change (they
+    become symbolic) and once when their count does, then reuses the graph; every output equals eager's."""
+    cuts = [[0, 9, 30, 48], [0, 5, 20, 48], [0, 11, 40, 48], [0, 3, 7, 30, 48], [0, 13, 17, 31, 48], [0, 2, 8, 44, 48]]
+    for r in pools.run(2, compiles_over_packed_batches, 1, 2, cuts):
+        assert r["frames"][-1] <= 3 and r["frames"][-1] == r["frames"][3], r
+        assert r["logits_diff"] <= ROUNDING_MULTIPLE * r["rounding"], r
