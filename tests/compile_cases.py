@@ -121,3 +121,26 @@ def compiles_over_packed_batches(ulysses: int, ring: int, cuts: list[list[int]])
     unparallelize(lm)
     unparallelize(low)
     return {"frames": frames, "logits_diff": worst, "rounding": rounding}
+
+
+def compiled_attention_on_device(device: str, cu_seqlens: tuple[int, ...] | None) -> dict:
+    """On one rank (NCCL for ``cuda``): bf16 ``seqmesh.attention`` eager and under ``torch.compile(fullgraph=True)``
+    (inductor), forward and backward, each one's largest error against float64 attention on the CPU."""
+    from reference import reference_attention
+
+    mesh = get_mesh(1, 1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 256, h, 64, generator=g) for h in (8, 2, 2, 8))
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=True, cu_seqlens=list(cu_seqlens) if cu_seqlens else None)
+    ref.backward(dout.double())
+    want = {"out": ref.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    errors = {}
+    torch._dynamo.reset()
+    for name, attend in (("eager", seqmesh.attention), ("compiled", torch.compile(seqmesh.attention, fullgraph=True))):
+        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, mesh, causal=True, cu_seqlens=cu_seqlens)
+        out.backward(dout.to(device, torch.bfloat16))
+        got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+        errors[name] = {key: float((got[key].double().cpu() - want[key]).abs().max()) for key in want}
+    return errors
