@@ -7,13 +7,14 @@ Both do the whole planning inside (checks, schedule, head deal), from arguments 
 tensors, numbers, strings, and the mesh by its :attr:`~seqmesh.mesh.SPMesh.name`::
 
     forward:  q, k, v (B, L, H, D) -> out (B, L, Hq, Dv), lse (B, hq, U*L),
-              and what backward needs: qk (B, U*L, hq + hk, D), vh (B, U*L, hk, Dv), oh (B, U*L, hq, Dv)
-              (this rank's heads after the all-to-all; empty for pure ring, which keeps q, k, v, out)
+              and what backward needs: heads (B, U*L, hq + 2 hk, D), this rank's q, k and v heads after the
+              all-to-all, packed (q and k only, and v_apart (B, U*L, hk, Dv), when v's head dim differs),
+              and oh (B, U*L, hq, Dv); empty for pure ring, which keeps q, k, v and out
     backward: dout (B, L, Hq, Dv) -> dq, dk, dv, dsinks
 
 The same saved tensors as eager (the ring's inputs, its output and log-sum-exp), and the same
 collectives: the inputs' all-to-all and the ring in forward; dout's all-to-all, the ring's backward
-and the gradients' all-to-all in backward. The fake implementations give the shapes from the head
+and the gradients' all-to-all in backward (q, k and v packed in one message, as eager). The fake implementations give the shapes from the head
 deal alone, so tracing moves no data and syncs nothing.
 
 Validation under compile: the ops run at every call, so the group agrees on each new call signature
@@ -76,13 +77,49 @@ def _query_chunks(call: CheckedCall, ulysses: int) -> tuple[list[tuple[int, int,
     return [(0, *call.heads.q_range(r)) for r in range(ulysses)], [call.heads.q_count(r) for r in range(ulysses)]
 
 
+def _to_heads(q, k, v, plan, nq: int, nk: int, group, ulysses: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Ulysses all-to-all of q (B, L, Hq, D), k, v (B, L, Hk, Dv) to this rank's nq query and nk kv
+    heads: one packed message (B, U*L, nq + 2 nk, D) and an empty v when the head dims agree (as eager
+    sends them), else q and k packed (B, U*L, nq + nk, D) and v on its own (B, U*L, nk, Dv)."""
+    if v.shape[-1] == q.shape[-1]:
+        return scatter_heads([q, k, v], plan.send_chunks(), plan.send_heads(), nq + 2 * nk, group, "forward"), q.new_empty(0)
+    qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
+    counts = [plan.q_count(r) + plan.kv_count(r) for r in range(ulysses)]
+    qk = scatter_heads([q, k], qk_chunks, counts, nq + nk, group, "forward")
+    v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
+    return qk, scatter_heads([v], v_chunks, [plan.kv_count(r) for r in range(ulysses)], nk, group, "forward")
+
+
+def _split_heads(heads: torch.Tensor, vh: torch.Tensor, nq: int, nk: int):
+    """qh, kh, vh (views) from :func:`_to_heads`' two tensors."""
+    if vh.numel() == 0:  # q, k and v packed
+        return heads.split([nq, nk, nk], dim=2)
+    qh, kh = heads.split([nq, nk], dim=2)
+    return qh, kh, vh
+
+
+def _from_heads(dqh, dkh, dvh, shapes, plan, group, ulysses: int):
+    """The adjoint of :func:`_to_heads`: gradients back to (B, L, H, D), summed over replicated kv heads."""
+    if dvh.shape[-1] == dqh.shape[-1]:
+        return gather_heads(torch.cat([dqh, dkh, dvh], dim=2), plan.send_chunks(), list(shapes), plan.send_heads(),
+                            dqh.shape[2] + dkh.shape[2] + dvh.shape[2], group, "backward")
+    qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
+    dq, dk = gather_heads(torch.cat([dqh, dkh], dim=2), qk_chunks, list(shapes[:2]),
+                          [plan.q_count(r) + plan.kv_count(r) for r in range(ulysses)], dqh.shape[2] + dkh.shape[2],
+                          group, "backward")
+    v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
+    (dv,) = gather_heads(dvh, v_chunks, [shapes[2]], [plan.kv_count(r) for r in range(ulysses)], dvh.shape[2], group,
+                         "backward")
+    return dq, dk, dv
+
+
 @torch.library.custom_op("seqmesh::attention_forward", mutates_args=())
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mesh_name: str, causal: bool,
     layout: str, cu_seqlens: list[int] | None, seq_len: int | None, scale: float, backend: str, validate: int,
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (B, L, Hq, Dv), lse (B, hq, U*L) and the head-sharded qk, vh, oh that backward reads."""
+    """out (B, L, Hq, Dv), lse (B, hq, U*L) and the head-sharded heads, v_apart, oh that backward reads."""
     mesh = mesh_by_name(mesh_name)
     with torch.autocast(q.device.type, enabled=False):
         call, schedule, choose = _plan(q, k, v, sinks, mesh, causal, layout, cu_seqlens, seq_len, backend,
@@ -95,17 +132,13 @@ def attention_forward(
             return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous(), empty, empty.clone(), empty.clone()
         plan, u, group = call.heads, mesh.ulysses_rank, mesh.ulysses_group
         nq, nk = plan.q_count(u), plan.kv_count(u)
-        qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-        qk = scatter_heads([q, k], qk_chunks, [plan.q_count(r) + plan.kv_count(r) for r in range(mesh.ulysses)],
-                            nq + nk, group, "forward")  # (B, U*L, nq + nk, D)
-        v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-        vh = scatter_heads([v], v_chunks, [plan.kv_count(r) for r in range(mesh.ulysses)], nk, group, "forward")
-        qh, kh = qk.split([nq, nk], dim=2)
+        heads, v_apart = _to_heads(q, k, v, plan, nq, nk, group, mesh.ulysses)
+        qh, kh, vh = _split_heads(heads, v_apart, nq, nk)
         oh, lse = _inner_forward(qh, kh, vh, own_sinks, mesh, schedule, choose, plan.kv_map(u, q.device), scale)
         chunks, counts = _query_chunks(call, mesh.ulysses)
         shape = torch.Size((*q.shape[:3], v.shape[-1]))
         (out,) = gather_heads(oh, chunks, [shape], counts, nq, group, "forward")
-        return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous(), qk, vh, oh.contiguous()
+        return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous(), heads, v_apart, oh.contiguous()
 
 
 @attention_forward.register_fake
@@ -122,14 +155,16 @@ def _attention_forward_fake(q, k, v, sinks, mesh_name, causal, layout, cu_seqlen
 
     plan, u = HeadPlan(hq, hk, mesh.ulysses), mesh.ulysses_rank
     nq, nk, rows = plan.q_count(u), plan.kv_count(u), n * mesh.ulysses
-    return (out, q.new_empty((b, nq, rows), dtype=lse_dtype(q.dtype)), q.new_empty((b, rows, nq + nk, d)),
-            q.new_empty((b, rows, nk, dv)), q.new_empty((b, rows, nq, dv)))
+    lse = q.new_empty((b, nq, rows), dtype=lse_dtype(q.dtype))
+    if dv == d:  # q, k and v packed, as _to_heads sends them
+        return out, lse, q.new_empty((b, rows, nq + 2 * nk, d)), q.new_empty(0), q.new_empty((b, rows, nq, dv))
+    return out, lse, q.new_empty((b, rows, nq + nk, d)), q.new_empty((b, rows, nk, dv)), q.new_empty((b, rows, nq, dv))
 
 
 @torch.library.custom_op("seqmesh::attention_backward", mutates_args=())
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-    out: torch.Tensor, lse: torch.Tensor, qk: torch.Tensor, vh: torch.Tensor, oh: torch.Tensor, mesh_name: str,
+    out: torch.Tensor, lse: torch.Tensor, heads: torch.Tensor, v_apart: torch.Tensor, oh: torch.Tensor, mesh_name: str,
     causal: bool, layout: str, cu_seqlens: list[int] | None, seq_len: int | None, scale: float, backend: str,
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,16 +182,10 @@ def attention_backward(
             nq, nk = plan.q_count(u), plan.kv_count(u)
             chunks, counts = _query_chunks(call, mesh.ulysses)
             doh = scatter_heads([dout], chunks, counts, nq, group, "backward")  # (B, U*L, nq, Dv)
-            qh, kh = qk.split([nq, nk], dim=2)
+            qh, kh, vh = _split_heads(heads, v_apart, nq, nk)
             dqh, dkh, dvh, ds = _inner_backward(doh, qh, kh, vh, oh, lse, own_sinks, mesh, schedule, choose,
                                                 plan.kv_map(u, q.device), scale)
-            qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-            dq, dk = gather_heads(torch.cat([dqh, dkh], dim=2), qk_chunks, [q.shape, k.shape],
-                                   [plan.q_count(r) + plan.kv_count(r) for r in range(mesh.ulysses)], nq + nk,
-                                   group, "backward")
-            v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-            (dv,) = gather_heads(dvh, v_chunks, [v.shape], [plan.kv_count(r) for r in range(mesh.ulysses)], nk,
-                                  group, "backward")
+            dq, dk, dv = _from_heads(dqh, dkh, dvh, (q.shape, k.shape, v.shape), plan, group, mesh.ulysses)
         dsinks = q.new_empty(0)
         if sinks is not None:  # this rank's heads' part; the sequence group's sum is the caller's (see attention)
             dsinks = torch.zeros_like(sinks)
@@ -165,7 +194,7 @@ def attention_backward(
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, sinks, out, lse, qk, vh, oh, mesh_name, causal, layout, cu_seqlens,
+def _attention_backward_fake(dout, q, k, v, sinks, out, lse, heads, v_apart, oh, mesh_name, causal, layout, cu_seqlens,
                              seq_len, scale, backend, window):
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
@@ -176,15 +205,16 @@ _SETTINGS = ("mesh_name", "causal", "layout", "cu_seqlens", "seq_len", "scale", 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, sinks, mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, _, window = inputs
-    out, lse, qk, vh, oh = output
-    ctx.save_for_backward(q, k, v, sinks, out, lse, qk, vh, oh)
+    out, lse, heads, v_apart, oh = output
+    ctx.save_for_backward(q, k, v, sinks, out, lse, heads, v_apart, oh)
     ctx.settings = (mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, window)
     ctx.has_sinks = sinks is not None
 
 
-def _backward(ctx, dout, _dlse, _dqk, _dvh, _doh):
-    q, k, v, sinks, out, lse, qk, vh, oh = ctx.saved_tensors
-    dq, dk, dv, dsinks = attention_backward(dout.contiguous(), q, k, v, sinks, out, lse, qk, vh, oh, *ctx.settings)
+def _backward(ctx, dout, _dlse, _dheads, _dv_apart, _doh):
+    q, k, v, sinks, out, lse, heads, v_apart, oh = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(dout.contiguous(), q, k, v, sinks, out, lse, heads, v_apart, oh,
+                                            *ctx.settings)
     return dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, None, None, None, None, None, None, None
 
 
