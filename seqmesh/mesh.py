@@ -83,8 +83,13 @@ class SPMesh:
     # The mesh as a string, for compiled code: a torch.library op takes strings, not meshes, and finds
     # the mesh again with :func:`mesh_by_name` (see seqmesh.sharded_attention.compiled).
     name: str = field(init=False, compare=False, repr=False, default="")
+    # This rank's coordinate on each axis, read once: compiled code (dynamo) then reads ints, not DeviceMesh
+    # lookups that torch 2.9's tracer cannot follow on a mesh of several dimensions.
+    local_ranks: dict = field(init=False, compare=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        for axis in (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.RING, MeshAxis.ULYSSES):
+            self.local_ranks[axis.value] = self.device_mesh.get_local_rank(axis.value)
         groups = [self.device_mesh.get_group(a.value).group_name for a in (MeshAxis.RING, MeshAxis.ULYSSES)]
         name = "/".join([*groups, self.sp_group.group_name])
         object.__setattr__(self, "name", name)
@@ -132,11 +137,11 @@ class SPMesh:
     # -- coordinates ------------------------------------------------------------------------------
     @property
     def ulysses_rank(self) -> int:
-        return self.device_mesh.get_local_rank(MeshAxis.ULYSSES.value)
+        return self.local_ranks[MeshAxis.ULYSSES.value]
 
     @property
     def ring_rank(self) -> int:
-        return self.device_mesh.get_local_rank(MeshAxis.RING.value)
+        return self.local_ranks[MeshAxis.RING.value]
 
     @property
     def sp_rank(self) -> int:
@@ -146,8 +151,7 @@ class SPMesh:
     @property
     def dp_rank(self) -> int:
         """Which sample-stream this rank reads: ``dp_replicate_rank * dp_shard + dp_shard_rank``."""
-        rep = self.device_mesh.get_local_rank(MeshAxis.DP_REPLICATE.value)
-        shard = self.device_mesh.get_local_rank(MeshAxis.DP_SHARD.value)
+        rep, shard = self.local_ranks[MeshAxis.DP_REPLICATE.value], self.local_ranks[MeshAxis.DP_SHARD.value]
         return rep * self.dp_shard + shard
 
     @property

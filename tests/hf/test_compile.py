@@ -28,14 +28,12 @@ def test_compiled_model_has_no_graph_break_and_equals_eager(pools, ulysses, ring
     for results in pools.run(ulysses * ring, compiled_cases, cases):
         for r in results:
             assert r["breaks"] == 0 and r["graphs"] == 1, (r["case"], r["breaks"], r["reasons"])
-            # the scale: the reference's rounding, or eager seqmesh's own distance from the reference where that is
-            # larger (Gated DeltaNet: transformers' chunked kernel computes in float32 whatever the dtype, and a
-            # shard's chunks fall elsewhere; tests/linear_attention bounds that error itself)
-            scale = {key: max(r["rounding"][key], r["eager"][key]) for key in ("logits", "loss", "grad")}
-            if len(r["case"]) == 3:  # Llama: eager seqmesh itself within the reference's rounding
-                assert not _outside(r["eager"], r["rounding"]), r
-            assert not _outside(r["compiled"], scale), r
-            assert not _outside(r["compiled_vs_eager"], scale), r
+            if len(r["case"]) == 3:  # Llama: eager seqmesh itself within the reference's rounding (Gated DeltaNet's
+                assert not _outside(r["eager"], r["rounding"]), r  # own bound is tests/linear_attention's)
+            # compiled: eager's own distance from the reference, plus the rounding; and as near eager as rounding
+            bound = {key: r["eager"][key] + ROUNDING_MULTIPLE * r["rounding"][key] for key in ("logits", "loss", "grad")}
+            assert all(r["compiled"][key] <= bound[key] for key in bound), r
+            assert not _outside(r["compiled_vs_eager"], r["rounding"]), r
 
 
 def test_tolerance_sees_a_shifted_rotary_in_the_compiled_model(pools):
