@@ -21,6 +21,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the
 from seqmesh.comm.launch import WorkerPool  # noqa: E402
 
 
+# Every mesh a case builds leaves its gloo groups' threads in the rank (torch's caches may still use the
+# groups, so they are not destroyed); past this many threads per rank a pool is replaced by a fresh one
+# (seconds to start) rather than slowing every later case.
+THREAD_LIMIT = 400
+
+
 class Pools:
     def __init__(self) -> None:
         self._pools: dict[int, WorkerPool] = {}
@@ -29,7 +35,10 @@ class Pools:
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
             pool = self._pools[world_size] = WorkerPool(world_size, threads=1, collective_timeout=60.0)
-        return pool.run(fn, *args, timeout=timeout, **kwargs)
+        results = pool.run(fn, *args, timeout=timeout, **kwargs)
+        if pool.threads_held() > THREAD_LIMIT:
+            pool.close()
+        return results
 
     def close(self) -> None:
         for pool in self._pools.values():

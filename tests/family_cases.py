@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -109,6 +110,22 @@ class _Float32Ops(TorchDispatchMode):
         return out
 
 
+class _KeepFloat64(TorchFunctionMode):
+    """Runs a float64 model's own casts to float32 (an upcast norm, a float32 router, transformers' Gated
+    DeltaNet, which computes in float32 whatever the model's dtype) in float64: the same model's code, in
+    float64 throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if args and isinstance(args[0], torch.Tensor):
+            if func is torch.Tensor.float:
+                return args[0].double()
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
+
+
 def _worst_grad(model, want: dict) -> tuple[float, str]:
     """The largest relative gradient error over the parameters, and whose it is."""
     worst, name_of = 0.0, ""
@@ -133,8 +150,18 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
     loss.backward()
     scale = 1.0 if ops.seen else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
     grad = _worst_grad(low, dict(reference.named_parameters()))[0]
-    return {"float32_inside": ops.seen, "logits": scale * float((logits.double() - ref_logits).abs().max()),
-            "loss": scale * abs(loss.item() - ref_loss.item()), "grad": scale * grad}
+    rounding = {"float32_inside": ops.seen, "logits": scale * float((logits.double() - ref_logits).abs().max()),
+                "loss": scale * abs(loss.item() - ref_loss.item()), "grad": scale * grad}
+    if ops.seen:  # the reference's own float32 steps: how far they move it from the same code all in float64
+        exact = build(config)
+        with _KeepFloat64():
+            logits64, loss64 = _reference_loss(exact, batch)
+        loss64.backward()
+        rounding["inside"] = {"logits": float((logits64 - ref_logits).abs().max()), "loss": abs(loss64.item() - ref_loss.item()),
+                              "grad": _worst_grad(exact, dict(reference.named_parameters()))[0]}
+        for key, value in rounding["inside"].items():
+            rounding[key] += value
+    return rounding
 
 
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,

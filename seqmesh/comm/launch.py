@@ -105,6 +105,18 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
+    def threads_held(self) -> int:
+        """The most OS threads any rank holds now (0 where /proc cannot tell). A gloo process group keeps its
+        threads until destroyed, and torch's own caches may hold a mesh's groups, so a long-lived pool that
+        builds many meshes grows; its owner can read this and start a fresh pool."""
+        counts = [0]
+        for p in self._procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+            except OSError:
+                pass
+        return max(counts)
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
         if not self.alive:
