@@ -275,9 +275,10 @@ def pooled_loss(empty_ranks: list[int]) -> dict:
     return {"value": float(loss), "ref": ref_value, "grad_err": float((mine.grad - ref_grad).abs().max())}
 
 
-def named_backend_refuses_documents() -> str:
+def named_backend_refuses_documents(compiled: str | None = None) -> str:
     """A named kernel that cannot mask documents, with documents only inside rank 0's diagonal block:
-    every rank must raise before any rank sends (no rank left waiting)."""
+    every rank must raise before any rank sends (no rank left waiting). ``compiled``: through
+    ``torch.compile(seqmesh.attention, backend=compiled, fullgraph=True)``."""
     import seqmesh.kernels as kernels
     from seqmesh.kernels.reference import MathKernel
 
@@ -292,7 +293,10 @@ def named_backend_refuses_documents() -> str:
     kernels.KERNELS["math"] = NoDocuments()
     try:
         q = torch.randn(1, 8, 2, 8)
-        seqmesh.attention(q, q, q, mesh, cu_seqlens=(0, 2, 16), backend="math")
+        torch._dynamo.reset()
+        attend = seqmesh.attention if compiled is None else torch.compile(seqmesh.attention, backend=compiled,
+                                                                          fullgraph=True)
+        attend(q, q, q, mesh, cu_seqlens=(0, 2, 16), backend="math")
     except ValueError as err:
         return str(err)
     finally:

@@ -14,8 +14,8 @@ tensors, numbers, strings, and the mesh by its :attr:`~seqmesh.mesh.SPMesh.name`
 
 The same saved tensors as eager (the ring's inputs, its output and log-sum-exp), and the same
 collectives: the inputs' all-to-all and the ring in forward; dout's all-to-all, the ring's backward
-and the gradients' all-to-all in backward (q, k and v packed in one message, as eager). The fake implementations give the shapes from the head
-deal alone, so tracing moves no data and syncs nothing.
+and the gradients' all-to-all in backward (q, k and v packed in one message, as eager). The fake
+implementations give the shapes from the head deal alone, so tracing moves no data and syncs nothing.
 
 Validation under compile: the ops run at every call, so the group agrees on each new call signature
 inside the forward op exactly as in eager (``validate``), with the host sync it implies.
@@ -52,7 +52,12 @@ def _plan(q, k, v, sinks, mesh, causal, layout, cu_seqlens, seq_len, backend, va
     if window is not None and window >= lay.padded_len:
         window = None  # every key is inside it: plain causal attention
     schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal, window)
-    return call, schedule, kernel_chooser(backend)
+    choose = kernel_chooser(backend)
+    if backend != "auto":  # a named kernel may refuse some blocks: every rank finds out before any sends
+        from .api import check_backend  # api imports this module
+
+        check_backend(schedule, choose, q, k, v)
+    return call, schedule, choose
 
 
 def _own_heads(call: CheckedCall, mesh: SPMesh, hq: int) -> tuple[int, int]:

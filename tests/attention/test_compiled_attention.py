@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_cases import Case, attention_cases
+from dist_cases import Case, attention_cases, named_backend_refuses_documents
 
 MESHES = [(1, 2), (2, 1), (2, 2)]
 DOCS = (0, 1, 2, 7, 8, 17, 22)  # length-1 documents, one crossing shards, padding after the last
@@ -28,3 +28,10 @@ def test_compiled_attention_exact_float64(pools, ulysses, ring):
            if any(v > 1e-10 for k, v in r.items() if k != "case")]
     assert not bad, bad[:3]
     assert len(per_rank[0]) == len(CASES)
+
+
+def test_compiled_attention_refuses_on_every_rank_like_eager(pools):
+    """A named kernel's refusal (documents only inside rank 0's blocks) reaches every rank before any sends,
+    from inside the compiled op as from the eager path."""
+    answers = pools.run(2, named_backend_refuses_documents, "aot_eager", timeout=120)
+    assert all("backend 'math' cannot run this call: no documents" in a for a in answers), answers
