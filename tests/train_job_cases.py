@@ -95,3 +95,12 @@ def compiled_layers(cfg: TrainConfig) -> list[bool]:
 
     _, module, _ = build(cfg)
     return [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(module.lm)]
+
+
+def run_train_counting_breaks(cfg: TrainConfig) -> dict:
+    """``train(cfg)``, and the graph breaks dynamo met on the way (its counters, cleared first)."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    summary = train(cfg)
+    return {"summary": summary, "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"], "reasons": [r[:200] for r in counters["graph_break"]]}
