@@ -34,6 +34,7 @@ from ..mesh import SPMesh, mesh_by_name
 from ..sequence.layout import LayoutKind
 from .blocks import document_bounds
 from .checks import CheckedCall, check_attention_inputs
+from .heads import HeadPlan
 from .ring import local_backward, local_forward, ring_backward, ring_forward
 from .schedule import ring_schedule
 
@@ -156,9 +157,7 @@ def _attention_forward_fake(q, k, v, sinks, mesh_name, causal, layout, cu_seqlen
     if mesh.ulysses == 1:
         empty = q.new_empty(0)
         return out, q.new_empty((b, hq, n), dtype=lse_dtype(q.dtype)), empty, empty.clone(), empty.clone()
-    from .heads import HeadPlan  # the same deal as the real op, from the shapes alone
-
-    plan, u = HeadPlan(hq, hk, mesh.ulysses), mesh.ulysses_rank
+    plan, u = HeadPlan(hq, hk, mesh.ulysses), mesh.ulysses_rank  # the real op's deal, from the shapes alone
     nq, nk, rows = plan.q_count(u), plan.kv_count(u), n * mesh.ulysses
     lse = q.new_empty((b, nq, rows), dtype=lse_dtype(q.dtype))
     if dv == d:  # q, k and v packed, as _to_heads sends them
