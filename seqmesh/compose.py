@@ -34,7 +34,7 @@ from .memory.rmsnorm import enable_efficient_norm
 from .memory.tiled_mlp import enable_tiled_mlp
 from .mesh import SPMesh
 from .model.fsdp import apply_fsdp, enable_checkpointing
-from .model.lm import SequenceParallelLM
+from .model.lm import SequenceParallelLM, decoder_layers
 from .tensor_parallel.plan import apply_tensor_parallel, check_tensor_parallel
 from .vision.families import is_multimodal
 from .vision.tower import VisionLanguageLM
@@ -58,6 +58,8 @@ class ParallelPlan:
     """Tiles of the tiled MLP; None chooses from the shapes."""
     efficient_norm: bool = False
     """Replace Llama-style RMSNorm with one that keeps only its input for backward."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (step 5): one graph per layer, attention included."""
     fsdp: bool = True
     """Shard weights, gradients and optimizer state with FSDP2 over every rank of a replica."""
     bf16: bool = False
@@ -107,6 +109,19 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     if plan.efficient_norm and enable_efficient_norm(lm) == 0:
         raise ValueError(f"efficient_norm: {type(lm).__name__} has no Llama-style RMSNorm to replace; turn it off.")
     apply_tensor_parallel(lm, mesh)
+    if plan.compile:
+        compile_layers(lm)
     if plan.fsdp:
         apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload)
     return module
+
+
+def compile_layers(model: nn.Module, **options) -> int:
+    """``torch.compile`` every decoder layer of ``model`` in place (``nn.Module.compile``: the layer stays the
+    same module, so FSDP2 and checkpoints see the same names); ``options`` go to ``torch.compile``. Returns
+    how many layers were compiled. Each layer is one graph (seqmesh attention is a single op inside it);
+    layers of the same class share the compiled code."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(**options)
+    return len(layers)

@@ -18,6 +18,7 @@ SPMesh is passed to every call.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -79,6 +80,20 @@ class SPMesh:
     # Attention calls this mesh's sequence group has already agreed on (see seqmesh.attention's
     # ``validate``): signatures, most recent last, at most VALIDATED_CALLS of them.
     validated_calls: OrderedDict = field(default_factory=OrderedDict, compare=False, repr=False)
+    # The mesh as a string, for compiled code: a torch.library op takes strings, not meshes, and finds
+    # the mesh again with :func:`mesh_by_name` (see seqmesh.sharded_attention.compiled).
+    name: str = field(init=False, compare=False, repr=False, default="")
+    # This rank's coordinate on each axis, read once: compiled code (dynamo) then reads ints, not DeviceMesh
+    # lookups that torch 2.9's tracer cannot follow on a mesh of several dimensions.
+    local_ranks: dict = field(init=False, compare=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for axis in (MeshAxis.DP_REPLICATE, MeshAxis.DP_SHARD, MeshAxis.RING, MeshAxis.ULYSSES):
+            self.local_ranks[axis.value] = self.device_mesh.get_local_rank(axis.value)
+        groups = [self.device_mesh.get_group(a.value).group_name for a in (MeshAxis.RING, MeshAxis.ULYSSES)]
+        name = "/".join([*groups, self.sp_group.group_name])
+        object.__setattr__(self, "name", name)
+        _LIVE_MESHES[name] = self
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -122,11 +137,11 @@ class SPMesh:
     # -- coordinates ------------------------------------------------------------------------------
     @property
     def ulysses_rank(self) -> int:
-        return self.device_mesh.get_local_rank(MeshAxis.ULYSSES.value)
+        return self.local_ranks[MeshAxis.ULYSSES.value]
 
     @property
     def ring_rank(self) -> int:
-        return self.device_mesh.get_local_rank(MeshAxis.RING.value)
+        return self.local_ranks[MeshAxis.RING.value]
 
     @property
     def sp_rank(self) -> int:
@@ -136,8 +151,7 @@ class SPMesh:
     @property
     def dp_rank(self) -> int:
         """Which sample-stream this rank reads: ``dp_replicate_rank * dp_shard + dp_shard_rank``."""
-        rep = self.device_mesh.get_local_rank(MeshAxis.DP_REPLICATE.value)
-        shard = self.device_mesh.get_local_rank(MeshAxis.DP_SHARD.value)
+        rep, shard = self.local_ranks[MeshAxis.DP_REPLICATE.value], self.local_ranks[MeshAxis.DP_SHARD.value]
         return rep * self.dp_shard + shard
 
     @property
@@ -155,6 +169,20 @@ class SPMesh:
             f"SPMesh(ulysses={self.ulysses}, ring={self.ring}, dp_shard={self.dp_shard}, "
             f"dp_replicate={self.dp_replicate}, tp={self.tp}, device_type={self.device_type!r})"
         )
+
+
+# Live meshes by name (weak: a mesh nobody holds is dropped), an index like torch's own registry of process
+# groups by name, which compiled code resolves the same way; no setting lives here.
+_LIVE_MESHES: "weakref.WeakValueDictionary[str, SPMesh]" = weakref.WeakValueDictionary()
+
+
+def mesh_by_name(name: str) -> SPMesh:
+    """The live :class:`SPMesh` whose :attr:`SPMesh.name` is ``name``."""
+    mesh = _LIVE_MESHES.get(name)
+    if mesh is None:
+        raise ValueError(f"no live seqmesh mesh is named {name!r}; keep a reference to the SPMesh (init_mesh) for as "
+                         "long as compiled code that uses it runs.")
+    return mesh
 
 
 def _default_device_type() -> str:

@@ -3,6 +3,7 @@ that the test asserts on in the main process."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,8 +67,9 @@ def _max_err(a: torch.Tensor, b: torch.Tensor, upto: int | None = None) -> float
     return float((a.detach().double() - b.detach().double()).abs().max())
 
 
-def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True):
-    """seqmesh on the sharded inputs vs the float64 reference on the whole sequence.
+def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, compiled: str | None = None):
+    """seqmesh on the sharded inputs vs the float64 reference on the whole sequence; ``compiled``: through
+    ``torch.compile(seqmesh.attention, backend=compiled, fullgraph=True)`` (a fresh compile per case).
 
     Returns ``(errors, stats)``: max abs error of out, dq, dk, dv over real tokens, and comm stats."""
     seed = case.seed * 1000 + mesh.dp_rank  # data-parallel ranks see different samples
@@ -78,8 +80,13 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True):
         sinks = torch.randn(case.q_heads, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
         sinks = sinks.to(q.dtype).requires_grad_(with_grad)
     shard = lambda t: seqmesh.shard_sequence(t, mesh, layout=case.layout)  # noqa: E731
-    with seqmesh.comm_stats() as stats:
-        out = seqmesh.attention(
+    attend = seqmesh.attention
+    if compiled is not None:
+        torch._dynamo.reset()  # each case compiles afresh: no fallback to eager past dynamo's recompile limit
+        attend = torch.compile(seqmesh.attention, backend=compiled, fullgraph=True)
+    # the byte counters are a dispatch mode, which torch.compile refuses: a compiled run counts nothing
+    with (seqmesh.comm_stats() if compiled is None else contextlib.nullcontext()) as stats:
+        out = attend(
             shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
             cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend, window=case.window, sinks=sinks,
         )
@@ -104,11 +111,11 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True):
     return errors, stats
 
 
-def attention_cases(ulysses: int, ring: int, dp_shard: int, cases: list[Case]) -> list[dict]:
+def attention_cases(ulysses: int, ring: int, dp_shard: int, cases: list[Case], compiled: str | None = None) -> list[dict]:
     mesh = get_mesh(ulysses, ring, dp_shard)
     results = []
     for case in cases:
-        errors, _ = run_attention(case, mesh)
+        errors, _ = run_attention(case, mesh, compiled=compiled)
         results.append({"case": case.name, **errors})
     return results
 
@@ -268,9 +275,10 @@ def pooled_loss(empty_ranks: list[int]) -> dict:
     return {"value": float(loss), "ref": ref_value, "grad_err": float((mine.grad - ref_grad).abs().max())}
 
 
-def named_backend_refuses_documents() -> str:
+def named_backend_refuses_documents(compiled: str | None = None) -> str:
     """A named kernel that cannot mask documents, with documents only inside rank 0's diagonal block:
-    every rank must raise before any rank sends (no rank left waiting)."""
+    every rank must raise before any rank sends (no rank left waiting). ``compiled``: through
+    ``torch.compile(seqmesh.attention, backend=compiled, fullgraph=True)``."""
     import seqmesh.kernels as kernels
     from seqmesh.kernels.reference import MathKernel
 
@@ -285,7 +293,10 @@ def named_backend_refuses_documents() -> str:
     kernels.KERNELS["math"] = NoDocuments()
     try:
         q = torch.randn(1, 8, 2, 8)
-        seqmesh.attention(q, q, q, mesh, cu_seqlens=(0, 2, 16), backend="math")
+        torch._dynamo.reset()
+        attend = seqmesh.attention if compiled is None else torch.compile(seqmesh.attention, backend=compiled,
+                                                                          fullgraph=True)
+        attend(q, q, q, mesh, cu_seqlens=(0, 2, 16), backend="math")
     except ValueError as err:
         return str(err)
     finally:

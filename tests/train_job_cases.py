@@ -86,3 +86,21 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
         "tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
         "norm_ones": bool((lm.model.norm.weight.full_tensor() == 1).all()),
     }
+
+
+def compiled_layers(cfg: TrainConfig) -> list[bool]:
+    """Whether each decoder layer of the job's model is compiled (``nn.Module.compile``) after ``build``."""
+    from seqmesh.model.lm import decoder_layers
+    from seqmesh.training.train import build
+
+    _, module, _ = build(cfg)
+    return [getattr(layer, "_compiled_call_impl", None) is not None for layer in decoder_layers(module.lm)]
+
+
+def run_train_counting_breaks(cfg: TrainConfig) -> dict:
+    """``train(cfg)``, and the graph breaks dynamo met on the way (its counters, cleared first)."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    summary = train(cfg)
+    return {"summary": summary, "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"], "reasons": [r[:200] for r in counters["graph_break"]]}

@@ -88,7 +88,7 @@ def unpack_sequence(back: torch.Tensor, chunks: Sequence[Chunk], shapes: Sequenc
     return outs
 
 
-def _scatter_heads(
+def scatter_heads(
     xs: Sequence[torch.Tensor],
     chunks: Sequence[Chunk],
     send_heads: Sequence[int],
@@ -103,7 +103,7 @@ def _scatter_heads(
     return unpack_heads(recv, world, recv_heads)
 
 
-def _gather_heads(
+def gather_heads(
     y: torch.Tensor,
     chunks: Sequence[Chunk],
     shapes: Sequence[torch.Size],
@@ -112,7 +112,7 @@ def _gather_heads(
     group: dist.ProcessGroup,
     phase: str,
 ) -> list[torch.Tensor]:
-    """The adjoint of :func:`_scatter_heads`: (B, G*L, recv_heads, D) -> one (B, L, H_i, D) per input,
+    """The adjoint of :func:`scatter_heads`: (B, G*L, recv_heads, D) -> one (B, L, H_i, D) per input,
     summing where a head was sent to several ranks."""
     world = len(send_heads)
     back = all_to_all_rows(pack_sequence(y, world, recv_heads), group, [recv_heads] * world, send_heads, phase)
@@ -136,11 +136,11 @@ class SeqToHead(torch.autograd.Function):
     def forward(ctx, group, chunks, send_heads, recv_heads, *xs):  # type: ignore[override]
         ctx.group, ctx.chunks, ctx.send_heads, ctx.recv_heads = group, chunks, send_heads, recv_heads
         ctx.shapes = [x.shape for x in xs]
-        return _scatter_heads(xs, chunks, send_heads, recv_heads, group, "forward")
+        return scatter_heads(xs, chunks, send_heads, recv_heads, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        grads = _gather_heads(grad, ctx.chunks, ctx.shapes, ctx.send_heads, ctx.recv_heads, ctx.group, "backward")
+        grads = gather_heads(grad, ctx.chunks, ctx.shapes, ctx.send_heads, ctx.recv_heads, ctx.group, "backward")
         return (None, None, None, None, *grads)
 
 
@@ -150,12 +150,12 @@ class HeadToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group, chunks, send_heads, recv_heads, shape):  # type: ignore[override]
         ctx.group, ctx.chunks, ctx.send_heads, ctx.recv_heads = group, chunks, send_heads, recv_heads
-        (out,) = _gather_heads(y, chunks, [shape], send_heads, recv_heads, group, "forward")
+        (out,) = gather_heads(y, chunks, [shape], send_heads, recv_heads, group, "forward")
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        y = _scatter_heads([grad], ctx.chunks, ctx.send_heads, ctx.recv_heads, ctx.group, "backward")
+        y = scatter_heads([grad], ctx.chunks, ctx.send_heads, ctx.recv_heads, ctx.group, "backward")
         return y, None, None, None, None, None
 
 

@@ -47,7 +47,12 @@ def check_heads(q_heads: int, kv_heads: int, mesh: SPMesh, what: str = "the mode
 
 def refuse_unsupported(module: nn.Module, kwargs: dict, causal: bool) -> None:
     """Variants of attention seqmesh does not compute raise here, before any work, naming the layer,
-    the variant and what seqmesh supports; nothing is silently replaced by full attention."""
+    the variant and what seqmesh supports; nothing is silently replaced by full attention. The messages are
+    built only to raise: under per-layer torch.compile ``layer_idx`` is a symbolic int, which no f-string takes
+    without a graph break."""
+    bidirectional_window = kwargs.get("sliding_window") is not None and not causal
+    if not bidirectional_window and all(kwargs.get(n) is None for n in ("softcap", "attention_chunk_size", "chunk_size")):
+        return
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     supported = f"seqmesh supports {SUPPORTED}."
     if kwargs.get("softcap") is not None:

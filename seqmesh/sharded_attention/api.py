@@ -24,6 +24,7 @@ from ..sequence.layout import LayoutKind
 from ..mesh import SPMesh
 from .blocks import document_bounds
 from .checks import CheckedCall, check_attention_inputs
+from .compiled import compiled_attention
 from .ring import ring_attention
 from .schedule import RingSchedule, ring_schedule
 from .async_ulysses import OutputProjection, Projection, async_ulysses_attention
@@ -91,6 +92,10 @@ def attention(
     Returns:
         ``(B, L, Hq, Dv)`` in q's dtype and the same local order.
     """
+    if torch.compiler.is_compiling():  # one graph node: two torch.library ops that plan inside (compiled.py)
+        return compiled_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len,
+                                  softmax_scale=softmax_scale, backend=backend, validate=validate, window=window,
+                                  sinks=sinks)
     call, ring_part = prepare_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                         seq_len=seq_len, softmax_scale=softmax_scale, backend=backend,
                                         validate=validate, window=window, sinks=sinks)

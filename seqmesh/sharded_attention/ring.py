@@ -85,6 +85,48 @@ def _with_sinks(out, lse, sinks):
     return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
 
 
+def local_forward(q, k, v, sinks, schedule, choose, kv_map, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring of one: q (B, L, Hq, Dk), k (B, L, Hk, Dk), v (B, L, Hk, Dv), sinks (Hq,) or None ->
+    out (B, L, Hq, Dv) in q's dtype and lse (B, Hq, L) in lse precision, sinks folded in."""
+    ks, vs = select_kv_heads(k, kv_map), select_kv_heads(v, kv_map)
+    outs, lses = [], []
+    for piece in schedule.pieces(0, 0):  # the diagonal: causal and/or documents and/or window pieces
+        qp, kp, vp = q[:, piece.q0 : piece.q1], ks[:, piece.k0 : piece.k1], vs[:, piece.k0 : piece.k1]
+        out, lse = choose(qp, kp, piece.mask, vp).forward(qp, kp, vp, piece.mask, scale)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = _local_result(schedule, outs, lses, q, v)
+    out, lse = _with_sinks(out, lse, sinks)
+    return out.to(q.dtype), lse
+
+
+def local_backward(dout, q, k, v, out, lse, sinks, schedule, choose, kv_map, scale):
+    """Gradients of :func:`local_forward` given its ``out`` and ``lse``: dq, dk, dv in the inputs'
+    dtypes and dsinks (or None)."""
+    ks, vs = select_kv_heads(k, kv_map), select_kv_heads(v, kv_map)
+    pieces = schedule.pieces(0, 0)
+    grads = []
+    for p in pieces:
+        qp, kp, vp = q[:, p.q0 : p.q1], ks[:, p.k0 : p.k1], vs[:, p.k0 : p.k1]
+        grads.append(choose(qp, kp, p.mask, vp).backward(
+            dout[:, p.q0 : p.q1], qp, kp, vp, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, scale
+        ))
+    whole = len(pieces) == 1 and (pieces[0].q1 - pieces[0].q0, pieces[0].k1 - pieces[0].k0) == (q.shape[1], ks.shape[1])
+    if whole:  # one call covers the block: its gradients as they are
+        dq, dk, dv = grads[0]
+    else:  # window pieces overlap in keys: sum their partials in lse precision, as the ring does
+        ct = lse.dtype
+        dq, dk, dv = (torch.zeros_like(t, dtype=ct) for t in (q, ks, vs))
+        for p, (gq, gk, gv) in zip(pieces, grads):
+            dq[:, p.q0 : p.q1] += gq
+            dk[:, p.k0 : p.k1] += gk
+            dv[:, p.k0 : p.k1] += gv
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    hk = k.shape[2]
+    dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+    return dq, fold_selected_heads(dk, kv_map, hk), fold_selected_heads(dv, kv_map, hk), dsinks
+
+
 class LocalAttention(torch.autograd.Function):
     """A ring of one (pure Ulysses, or one process): a single kernel call over the whole block,
     without the ring's float32 accumulators. Forward: the kernel (then the sinks); backward: its
@@ -93,17 +135,7 @@ class LocalAttention(torch.autograd.Function):
     @staticmethod
     @_without_autocast
     def forward(ctx, q, k, v, sinks, schedule, choose, kv_map, scale):  # type: ignore[override]
-        # q (B, L, Hq, Dk), k (B, L, Hk, Dk), v (B, L, Hk, Dv); sinks (Hq,) or None
-        ks, vs = select_kv_heads(k, kv_map), select_kv_heads(v, kv_map)
-        outs, lses = [], []
-        for piece in schedule.pieces(0, 0):  # the diagonal: causal and/or documents and/or window pieces
-            qp, kp, vp = q[:, piece.q0 : piece.q1], ks[:, piece.k0 : piece.k1], vs[:, piece.k0 : piece.k1]
-            out, lse = choose(qp, kp, piece.mask, vp).forward(qp, kp, vp, piece.mask, scale)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = _local_result(schedule, outs, lses, q, v)
-        out, lse = _with_sinks(out, lse, sinks)
-        out = out.to(q.dtype)
+        out, lse = local_forward(q, k, v, sinks, schedule, choose, kv_map, scale)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = schedule, choose, kv_map, scale
         return out
@@ -112,29 +144,8 @@ class LocalAttention(torch.autograd.Function):
     @_without_autocast
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        ks, vs = select_kv_heads(k, ctx.kv_map), select_kv_heads(v, ctx.kv_map)
-        pieces = ctx.schedule.pieces(0, 0)
-        grads = []
-        for p in pieces:
-            qp, kp, vp = q[:, p.q0 : p.q1], ks[:, p.k0 : p.k1], vs[:, p.k0 : p.k1]
-            grads.append(ctx.choose(qp, kp, p.mask, vp).backward(
-                dout[:, p.q0 : p.q1], qp, kp, vp, out[:, p.q0 : p.q1], lse[:, :, p.q0 : p.q1], p.mask, ctx.scale
-            ))
-        whole = len(pieces) == 1 and (pieces[0].q1 - pieces[0].q0, pieces[0].k1 - pieces[0].k0) == (q.shape[1], ks.shape[1])
-        if whole:  # one call covers the block: its gradients as they are
-            dq, dk, dv = grads[0]
-        else:  # window pieces overlap in keys: sum their partials in lse precision, as the ring does
-            ct = lse.dtype
-            dq, dk, dv = (torch.zeros_like(t, dtype=ct) for t in (q, ks, vs))
-            for p, (gq, gk, gv) in zip(pieces, grads):
-                dq[:, p.q0 : p.q1] += gq
-                dk[:, p.k0 : p.k1] += gk
-                dv[:, p.k0 : p.k1] += gv
-            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        hk = k.shape[2]
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return (dq, fold_selected_heads(dk, ctx.kv_map, hk), fold_selected_heads(dv, ctx.kv_map, hk), dsinks,
-                None, None, None, None)
+        grads = local_backward(dout, q, k, v, out, lse, sinks, ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale)
+        return (*grads, None, None, None, None)
 
 
 def _local_result(schedule, outs, lses, q, v):
@@ -151,6 +162,63 @@ def _local_result(schedule, outs, lses, q, v):
     return acc_out, acc_lse
 
 
+def ring_forward(q, k, v, sinks, group, schedule, choose, kv_map, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring loop: q (B, Lr, Hq, Dk); k (B, Lr, Hk, Dk), v (B, Lr, Hk, Dv) this ring rank's block ->
+    out (B, Lr, Hq, Dv) in q's dtype and lse (B, Hq, Lr) in lse precision, sinks folded in."""
+    rank, steps = dist.get_rank(group), schedule.steps  # ring > 1: see ring_attention
+    b, n, hq, _ = q.shape
+    ct = lse_dtype(q.dtype)
+    acc_out = q.new_zeros((b, n, hq, v.shape[-1]), dtype=ct)
+    acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
+    home = torch.cat([k, v], dim=-1)  # (B, Lr, Hk, Dk + Dv): one message per step
+    exchange = RingExchange(group, "forward", KV_TAG)
+    kv, shifts = home, schedule.kv_shifts
+    for i, step in enumerate(steps):
+        sent = kv if schedule.relay else home  # relay: pass the held block on; direct: my own, to its next holder
+        pending = exchange.start(sent, shift=shifts[i]) if i < len(shifts) else None
+        block_forward(q, kv, schedule.pieces(rank, step), choose, kv_map, scale, acc_out, acc_lse)
+        if pending is not None:
+            kv = pending.wait()
+    out, lse = _with_sinks(acc_out, acc_lse, sinks)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, sinks, group, schedule, choose, kv_map, scale):
+    """Gradients of :func:`ring_forward` given its ``out`` and ``lse``: dq, dk, dv in the inputs' dtypes
+    and dsinks (or None); each dK/dV partial carried (relay) or sent (direct) home."""
+    rank, steps = dist.get_rank(group), schedule.steps
+    ct = lse.dtype
+    dq = torch.zeros_like(q, dtype=ct)
+    home = torch.cat([k, v], dim=-1)
+    relay, kv_shifts, dkv_shifts = schedule.relay, schedule.kv_shifts, schedule.dkv_shifts
+    dkv_home = torch.zeros_like(home, dtype=ct)
+    kv_exchange = RingExchange(group, "backward", KV_TAG)
+    dkv_exchange = RingExchange(group, "backward", DKV_TAG)
+    # incoming: relay, the partial of the block held now, from r-1; direct, the partial of my own
+    # block, from the rank that held it at the previous step
+    kv, incoming = home, None
+    # Order invariant: at every step of ``steps`` (the same list on every rank) every rank posts the
+    # K/V exchange, then the dK/dV one, and whether either is posted depends on the step alone, never
+    # on the rank. NCCL ignores P2P tags and pairs messages by issue order alone, so this order (not
+    # KV_TAG/DKV_TAG, which only gloo reads) is what keeps the two streams apart.
+    for i, step in enumerate(steps):
+        pending = kv_exchange.start(kv if relay else home, shift=kv_shifts[i]) if i < len(kv_shifts) else None
+        dkv = dkv_home if step == 0 else torch.zeros_like(home, dtype=ct)
+        block_backward(dout, q, kv, out, lse, schedule.pieces(rank, step), choose, kv_map, scale, dq, dkv)
+        if incoming is not None:
+            (dkv if relay else dkv_home).add_(incoming.wait())
+        shift = dkv_shifts[i]
+        incoming = dkv_exchange.start(dkv, shift=shift) if shift is not None else None
+        if pending is not None:
+            kv = pending.wait()
+    if incoming is not None:  # relay: my block's finished partial, home from its last holder
+        received = incoming.wait()
+        dkv_home = received if relay else dkv_home.add_(received)
+    dk, dv = dkv_home[..., : k.shape[-1]], dkv_home[..., k.shape[-1] :]
+    dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
+
+
 class RingAttention(torch.autograd.Function):
     """Forward: attention of the local query block over every needed ring rank's K/V, merged by LSE
     (then the sinks); backward: dQ locally, each dK/dV partial carried (relay) or sent (direct) home."""
@@ -158,23 +226,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     @_without_autocast
     def forward(ctx, q, k, v, sinks, group, schedule, choose, kv_map, scale):  # type: ignore[override]
-        # q (B, Lr, Hq, Dk); k (B, Lr, Hk, Dk), v (B, Lr, Hk, Dv): this ring rank's block
-        rank, steps = dist.get_rank(group), schedule.steps  # ring > 1: see ring_attention
-        b, n, hq, _ = q.shape
-        ct = lse_dtype(q.dtype)
-        acc_out = q.new_zeros((b, n, hq, v.shape[-1]), dtype=ct)
-        acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=ct)
-        home = torch.cat([k, v], dim=-1)  # (B, Lr, Hk, Dk + Dv): one message per step
-        exchange = RingExchange(group, "forward", KV_TAG)
-        kv, shifts = home, schedule.kv_shifts
-        for i, step in enumerate(steps):
-            sent = kv if schedule.relay else home  # relay: pass the held block on; direct: my own, to its next holder
-            pending = exchange.start(sent, shift=shifts[i]) if i < len(shifts) else None
-            block_forward(q, kv, schedule.pieces(rank, step), choose, kv_map, scale, acc_out, acc_lse)
-            if pending is not None:
-                kv = pending.wait()
-        out, lse = _with_sinks(acc_out, acc_lse, sinks)
-        out = out.to(q.dtype)
+        out, lse = ring_forward(q, k, v, sinks, group, schedule, choose, kv_map, scale)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = group, schedule, choose, kv_map, scale
         return out
@@ -183,38 +235,8 @@ class RingAttention(torch.autograd.Function):
     @_without_autocast
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        schedule, choose, kv_map, scale = ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale
-        rank, steps = dist.get_rank(ctx.group), schedule.steps
-        ct = lse.dtype
-        dq = torch.zeros_like(q, dtype=ct)
-        home = torch.cat([k, v], dim=-1)
-        relay, kv_shifts, dkv_shifts = schedule.relay, schedule.kv_shifts, schedule.dkv_shifts
-        dkv_home = torch.zeros_like(home, dtype=ct)
-        kv_exchange = RingExchange(ctx.group, "backward", KV_TAG)
-        dkv_exchange = RingExchange(ctx.group, "backward", DKV_TAG)
-        # incoming: relay, the partial of the block held now, from r-1; direct, the partial of my own
-        # block, from the rank that held it at the previous step
-        kv, incoming = home, None
-        # Order invariant: at every step of ``steps`` (the same list on every rank) every rank posts the
-        # K/V exchange, then the dK/dV one, and whether either is posted depends on the step alone, never
-        # on the rank. NCCL ignores P2P tags and pairs messages by issue order alone, so this order (not
-        # KV_TAG/DKV_TAG, which only gloo reads) is what keeps the two streams apart.
-        for i, step in enumerate(steps):
-            pending = kv_exchange.start(kv if relay else home, shift=kv_shifts[i]) if i < len(kv_shifts) else None
-            dkv = dkv_home if step == 0 else torch.zeros_like(home, dtype=ct)
-            block_backward(dout, q, kv, out, lse, schedule.pieces(rank, step), choose, kv_map, scale, dq, dkv)
-            if incoming is not None:
-                (dkv if relay else dkv_home).add_(incoming.wait())
-            shift = dkv_shifts[i]
-            incoming = dkv_exchange.start(dkv, shift=shift) if shift is not None else None
-            if pending is not None:
-                kv = pending.wait()
-        if incoming is not None:  # relay: my block's finished partial, home from its last holder
-            received = incoming.wait()
-            dkv_home = received if relay else dkv_home.add_(received)
-        dk, dv = dkv_home[..., : k.shape[-1]], dkv_home[..., k.shape[-1] :]
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
+        grads = ring_backward(dout, q, k, v, out, lse, sinks, ctx.group, ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale)
+        return (*grads, None, None, None, None, None)
 
 
 def ring_attention(

@@ -51,6 +51,9 @@ class TrainConfig:
     """bf16 compute, fp32 reductions and master weights."""
     checkpointing: bool = False
     """Recompute each decoder layer in backward (activation checkpointing)."""
+    compile: bool = False
+    """torch.compile each decoder layer (as torchtitan does), after the memory techniques and before FSDP2;
+    seqmesh's attention is one graph node in it (seqmesh.sharded_attention.compiled)."""
     fsdp: bool | None = None
     """Shard weights, gradients and optimizer state with FSDP2 over every rank (--fsdp), or replicate them
     and sum the gradients after backward (--no-fsdp). Unset: FSDP2 on more than one process, none on one
@@ -132,7 +135,7 @@ class TrainConfig:
         from ..compose import ParallelPlan
 
         return ParallelPlan(backend=self.backend, linear_attention=self.linear_attention, loss_chunk=self.loss_chunk,
-                            checkpointing=self.checkpointing,
+                            checkpointing=self.checkpointing, compile=self.compile,
                             tiled_mlp=self.tiled_mlp, mlp_tiles=self.mlp_tiles, efficient_norm=self.efficient_norm,
                             fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload,
                             async_ulysses=self.async_ulysses)

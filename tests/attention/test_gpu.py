@@ -202,3 +202,16 @@ def test_async_ulysses_on_two_gpus():
         for r in pool.run(cuda_async_parity, "llama-uneven"):
             assert r["logits_vs_sync"] < 1e-5 and r["grad_vs_sync"] < 1e-4, r
             assert r["logits_vs_reference"] < 4 * r["sync_logits_vs_reference"] + 1e-6, r
+
+
+@pytest.mark.parametrize("documents", [None, (0, 100, 101, 256)], ids=["causal", "documents"])
+def test_compiled_attention_on_cuda_matches_eager_accuracy(documents):
+    """seqmesh.attention compiled with inductor (fullgraph) on one GPU: out and gradients as close to float64
+    as the eager path's (bf16: twice its error, plus one bf16 unit of rounding of unit-scale values)."""
+    from compile_cases import compiled_attention_on_device
+    from seqmesh.comm.launch import WorkerPool
+
+    with WorkerPool(1, backend="nccl") as pool:
+        errors = pool.run(compiled_attention_on_device, "cuda", documents, timeout=600)[0]
+    for key, eager in errors["eager"].items():
+        assert errors["compiled"][key] <= 2 * eager + 2**-8, (key, errors)
