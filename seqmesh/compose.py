@@ -75,6 +75,10 @@ class ParallelPlan:
         if self.fsdp_cpu_offload and not self.fsdp:
             raise ValueError("fsdp_cpu_offload offloads FSDP2's shards: set fsdp=True, or turn it off.")
         parse_design(self.linear_attention)  # an unknown name is refused here, listing the known ones
+        if self.compile and self.async_ulysses:
+            raise ValueError("compile=True with async_ulysses=True: async Ulysses waits on its all-to-alls between "
+                             "pieces of the projections, which torch.compile cannot keep in one graph. Turn one off "
+                             "(--compile or --async-ulysses).")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be at least 1 token, got {self.loss_chunk}.")
 

@@ -32,3 +32,5 @@ def test_a_plan_that_cannot_work_is_refused():
         ParallelPlan(fsdp=False, fsdp_cpu_offload=True)
     with pytest.raises(ValueError, match="loss_chunk must be at least 1"):
         ParallelPlan(loss_chunk=0)
+    with pytest.raises(ValueError, match="compile=True with async_ulysses=True"):
+        ParallelPlan(compile=True, async_ulysses=True)
