@@ -49,25 +49,45 @@ class Chain:
         return max(len(t) for t in self.tail_send)
 
 
+def _rank_runs(layout: SequenceLayout) -> list[tuple[Run, ...]]:
+    """Per rank of the sequence group, its runs in shard order: ring rank r's block (its ring runs, in
+    order) split into ``ulysses`` equal pieces of ``local_len`` slots, adjacent pieces of consecutive
+    positions merged. Plain integers, so torch.compile traces it as constants."""
+    n, ranks = layout.local_len, []
+    for r in range(layout.ring):
+        block = layout.ring_runs(r)
+        for u in range(layout.ulysses):
+            lo, hi, mine = u * n, (u + 1) * n, []
+            for run in block:  # run.offset: its first slot in the ring block
+                a, b = max(lo, run.offset), min(hi, run.offset + run.length)
+                if a >= b:
+                    continue
+                start = run.start + a - run.offset
+                if mine and mine[-1].start + mine[-1].length == start:
+                    mine[-1] = Run(mine[-1].start, mine[-1].length + b - a, mine[-1].offset)
+                else:
+                    mine.append(Run(start, b - a, a - lo))
+            ranks.append(tuple(mine))
+    return ranks
+
+
 @functools.lru_cache(maxsize=16)
 def chain_for(layout: SequenceLayout, bounds: tuple[int, ...], kernel: int) -> Chain:
     """The :class:`Chain` of ``layout`` whose tokens fall into the segments ``bounds`` (0, ..., padded_len)."""
     p, n = layout.size, layout.local_len
-    order = layout.indices().reshape(p, n)  # (P, L) global position of every shard slot
-    runs = []
-    for positions in order:
-        cuts = ((positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1).tolist()  # slots that start a run
-        firsts, starts = [0] + cuts, positions[[0] + cuts].tolist()
-        runs.append(tuple(Run(start, end - first, first) for start, first, end in zip(starts, firsts, cuts + [n])))
+    runs = _rank_runs(layout)
     by_start = sorted(((run.start, r, j) for r, mine in enumerate(runs) for j, run in enumerate(mine)))
     tails = sorted({t for _, r, j in by_start for t in range(max(0, runs[r][j].start - kernel + 1), runs[r][j].start)})
-    restore = layout.indices(restore=True)
     owners: list[list[int]] = [[] for _ in range(p)]
     where = {}
-    for t in tails:
-        slot = int(restore[t])
-        where[t] = (slot // n, len(owners[slot // n]))
-        owners[slot // n].append(slot % n)
+    for t in tails:  # the rank and shard slot holding global position t: the last run starting at or before it
+        for start, r, j in by_start:  # a scan, not bisect, which torch.compile cannot trace
+            if start > t:
+                break
+            held = (r, j)
+        r, j = held
+        where[t] = (r, len(owners[r]))
+        owners[r].append(runs[r][j].offset + t - runs[r][j].start)
     width = max(len(o) for o in owners)
     return Chain(tuple(runs), tuple((r, j) for _, r, j in by_start), frozenset(bounds[:-1]),
                  tuple(tuple(o) for o in owners), {t: owner * width + i for t, (owner, i) in where.items()})

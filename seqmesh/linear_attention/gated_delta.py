@@ -83,15 +83,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _chunk_layout(bounds: tuple[int, ...], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each token goes when every segment starts a chunk: ``(dest (S,), starts (N,) bool, padded)``."""
-    dest, starts, offset = [], [], 0
+def _chunk_layout(bounds: tuple[int, ...], chunk: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+    """Where each token goes when every segment starts a chunk: ``(dest (S,), starts (N,) bool, padded,
+    the chunk each segment starts at)``; the last as plain integers, so torch.compile traces them as constants."""
+    dest, starts, offset, firsts = [], [], 0, []
     for a, b in zip(bounds[:-1], bounds[1:]):
         n = -(-(b - a) // chunk)
         dest.append(torch.arange(b - a) + offset)
+        firsts.append(len(starts))
         starts += [True] + [False] * (n - 1)
         offset += n * chunk
-    return torch.cat(dest).to(device), torch.tensor(starts, device=device), offset
+    return torch.cat(dest).to(device), torch.tensor(starts, device=device), offset, firsts
 
 
 def chunk_gated_delta_rule(
@@ -131,9 +134,8 @@ def chunk_gated_delta_rule_states(
     k = l2norm(k.to(dt))
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
 
-    dest, starts, total = _chunk_layout(bounds, chunk, q.device)
+    dest, starts, total, first_chunks = _chunk_layout(bounds, chunk, q.device)
     n = total // chunk
-    first_chunks = starts.nonzero().flatten().tolist()  # the chunk each segment starts at
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
