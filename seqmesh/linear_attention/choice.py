@@ -132,6 +132,7 @@ def choose_design(shape: LinearShape, design: str | LinearDesign = LinearDesign.
             "linear_attention='state_passing' (or 'auto'), which keeps every head on every rank.")
     if design is not LinearDesign.AUTO:
         return design
-    costs = {d: design_seconds(shape, d, bandwidth=bandwidth, flops=flops)
-             for d in (LinearDesign.ALL_TO_ALL, LinearDesign.STATE_PASSING)}
-    return min(costs, key=lambda d: (costs[d], d is not LinearDesign.ALL_TO_ALL))
+    # two plain comparisons, not min(..., key=...), which torch 2.9's dynamo cannot trace under --compile
+    all_to_all = design_seconds(shape, LinearDesign.ALL_TO_ALL, bandwidth=bandwidth, flops=flops)
+    passing = design_seconds(shape, LinearDesign.STATE_PASSING, bandwidth=bandwidth, flops=flops)
+    return LinearDesign.STATE_PASSING if passing < all_to_all else LinearDesign.ALL_TO_ALL
