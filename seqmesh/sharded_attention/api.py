@@ -19,27 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import ChooseKernel, kernel_chooser
 from ..sequence.layout import LayoutKind
 from ..mesh import SPMesh
-from .blocks import document_bounds
-from .checks import CheckedCall, check_attention_inputs
+from .checks import CheckedCall
 from .compiled import compiled_attention
 from .ring import ring_attention
-from .schedule import RingSchedule, ring_schedule
+from .planning import check_backend, plan_attention  # noqa: F401  (check_backend: read by bench hot_path)
 from .async_ulysses import OutputProjection, Projection, async_ulysses_attention
 from .ulysses import InnerAttention, ulysses_attention
-
-
-def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise, on every rank alike, if the chosen kernel refuses any call of the pass. The schedule keeps
-    its distinct calls (mask, query and key lengths: FA2's window check reads them), so a call of
-    ``attention`` checks each once; the check itself runs every call, as the kernels' answers follow
-    torch's backend switches (``torch.backends.cuda.enable_flash_sdp``)."""
-    for mask, sq, sk in schedule.kernel_calls:
-        rows = q[:, :1].expand(-1, sq, -1, -1)  # views: no memory
-        keys = k[:, :1].expand(-1, sk, -1, -1)
-        choose(rows, keys, mask, v)
 
 
 def attention(
@@ -111,18 +98,11 @@ def prepare_attention(
 ) -> tuple[CheckedCall, InnerAttention]:
     """Check a call of :func:`attention` (arguments as there; only q, k, v's shapes, dtype and device are read,
     so expanded views do) and return it with the ring attention that runs on each Ulysses rank's heads."""
-    call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
-                                  seq_len=seq_len, validate=validate, window=window, sinks=sinks)
-    lay = call.layout
-    if window is not None and window >= lay.padded_len:
-        window = None  # every key is inside it: plain causal attention
-    bounds = document_bounds(lay.padded_len, call.real_len, call.cu_seqlens)
-    schedule = ring_schedule(lay, bounds, causal, window)
-    choose = kernel_chooser(backend)
-    if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
-        check_backend(schedule, choose, q, k, v)
+    call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
+                                            seq_len=seq_len, backend=backend, validate=validate, window=window,
+                                            sinks=sinks)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    ring_group = mesh.ring_group if lay.ring > 1 else None
+    ring_group = mesh.ring_group if call.layout.ring > 1 else None
 
     def ring_part(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kv_map: torch.Tensor | None) -> torch.Tensor:
         own_sinks = None

@@ -28,37 +28,19 @@ from collections.abc import Sequence
 import torch
 
 from ..comm.collectives import gather_heads, scatter_heads
-from ..kernels import kernel_chooser
 from ..kernels.base import lse_dtype
 from ..mesh import SPMesh, mesh_by_name
 from ..sequence.layout import LayoutKind
-from .blocks import document_bounds
-from .checks import CheckedCall, check_attention_inputs
+from .checks import CheckedCall
 from .heads import HeadPlan
+from .planning import plan_attention
 from .ring import local_backward, local_forward, ring_backward, ring_forward
-from .schedule import ring_schedule
 
 _VALIDATE_CODES = {None: -1, False: 0, True: 1}
 
 
 def _validate_flag(code: int) -> bool | None:
     return {-1: None, 0: False, 1: True}[code]
-
-
-def _plan(q, k, v, sinks, mesh, causal, layout, cu_seqlens, seq_len, backend, validate, window):
-    """The checked call and what the ring needs; the same on every rank of the sequence group."""
-    call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
-                                  seq_len=seq_len, validate=validate, window=window, sinks=sinks)
-    lay = call.layout
-    if window is not None and window >= lay.padded_len:
-        window = None  # every key is inside it: plain causal attention
-    schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal, window)
-    choose = kernel_chooser(backend)
-    if backend != "auto":  # a named kernel may refuse some blocks: every rank finds out before any sends
-        from .api import check_backend  # api imports this module
-
-        check_backend(schedule, choose, q, k, v)
-    return call, schedule, choose
 
 
 def _own_heads(call: CheckedCall, mesh: SPMesh, hq: int) -> tuple[int, int]:
@@ -128,8 +110,9 @@ def attention_forward(
     """out (B, L, Hq, Dv), lse (B, hq, U*L) and the head-sharded heads, v_apart, oh that backward reads."""
     mesh = mesh_by_name(mesh_name)
     with torch.autocast(q.device.type, enabled=False):
-        call, schedule, choose = _plan(q, k, v, sinks, mesh, causal, layout, cu_seqlens, seq_len, backend,
-                                       _validate_flag(validate), window)
+        call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
+                                                seq_len=seq_len, backend=backend, validate=_validate_flag(validate),
+                                                window=window, sinks=sinks)
         a, b = _own_heads(call, mesh, q.shape[2])
         own_sinks = None if sinks is None else sinks[a:b]
         if mesh.ulysses == 1:
@@ -175,8 +158,9 @@ def attention_backward(
     """dq, dk, dv in the inputs' shapes and dsinks (Hq,) (empty without sinks)."""
     mesh = mesh_by_name(mesh_name)
     with torch.autocast(q.device.type, enabled=False):
-        call, schedule, choose = _plan(q, k, v, sinks, mesh, causal, layout, cu_seqlens, seq_len, backend, False,
-                                       window)
+        call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
+                                                seq_len=seq_len, backend=backend, validate=False, window=window,
+                                                sinks=sinks)
         a, b = _own_heads(call, mesh, q.shape[2])
         own_sinks = None if sinks is None else sinks[a:b]
         if mesh.ulysses == 1:

@@ -1,0 +1,46 @@
+"""What one call of ``seqmesh.attention`` runs, decided before any rank sends: the checked call, the ring's
+schedule and the kernel. Shared by the eager path (:mod:`.api`) and the compiled ops (:mod:`.compiled`), so
+both plan a call the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..kernels import ChooseKernel, kernel_chooser
+from ..mesh import SPMesh
+from ..sequence.layout import LayoutKind
+from .blocks import document_bounds
+from .checks import CheckedCall, check_attention_inputs
+from .schedule import RingSchedule, ring_schedule
+
+
+def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise, on every rank alike, if the chosen kernel refuses any call of the pass. The schedule keeps
+    its distinct calls (mask, query and key lengths: FA2's window check reads them), so a call of
+    ``attention`` checks each once; the check itself runs every call, as the kernels' answers follow
+    torch's backend switches (``torch.backends.cuda.enable_flash_sdp``)."""
+    for mask, sq, sk in schedule.kernel_calls:
+        rows = q[:, :1].expand(-1, sq, -1, -1)  # views: no memory
+        keys = k[:, :1].expand(-1, sk, -1, -1)
+        choose(rows, keys, mask, v)
+
+
+def plan_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
+    cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, backend: str, validate: bool | None,
+    window: int | None, sinks: torch.Tensor | None,
+) -> tuple[CheckedCall, RingSchedule, ChooseKernel]:
+    """The checked call of ``seqmesh.attention`` (arguments as there; only q, k, v's shapes, dtype and device
+    are read), its ring schedule and kernel chooser; a named kernel's refusal raises here on every rank."""
+    call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
+                                  seq_len=seq_len, validate=validate, window=window, sinks=sinks)
+    lay = call.layout
+    if window is not None and window >= lay.padded_len:
+        window = None  # every key is inside it: plain causal attention
+    schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal, window)
+    choose = kernel_chooser(backend)
+    if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
+        check_backend(schedule, choose, q, k, v)
+    return call, schedule, choose
