@@ -53,6 +53,14 @@ def _timed_ms(fn: Callable[[], object], repeats: int) -> dict:
     return {"ms": statistics.median(wall), "best_ms": min(wall), "cpu_ms": statistics.median(cpu)}
 
 
+def _chooser_home(attention):
+    """The module whose ``kernel_chooser`` seqmesh.attention calls (its planning module where the checkout has
+    one, else the module of ``attention`` itself), for the bench to swap in a kernel that computes nothing."""
+    api = sys.modules[attention.__module__]
+    plan = getattr(api, "plan_attention", None)
+    return sys.modules[plan.__module__] if plan is not None else api
+
+
 def _null_chooser(backend: str = "auto"):
     """A kernel chooser whose kernel returns its queries and a zero log-sum-exp: no kernel time."""
     from seqmesh.kernels.base import AttentionKernel
@@ -105,7 +113,7 @@ def bench_host(seq_len: int = 131072, mean_doc: int = 512, repeats: int = 20) ->
         for what, batch in batches.items():
             rows.append({"what": what, **_timed_ms(lambda: seqmesh.shard_batch(batch, mesh), repeats)})
 
-        api = sys.modules[seqmesh.attention.__module__]
+        api = _chooser_home(seqmesh.attention)
         saved = api.kernel_chooser
         api.kernel_chooser = _null_chooser
         try:
@@ -184,7 +192,7 @@ def _validate_rank(repeats: int) -> list[dict]:
     import seqmesh
 
     mesh = seqmesh.init_mesh(2, 1, device_type="cpu")
-    api = sys.modules[seqmesh.attention.__module__]
+    api = _chooser_home(seqmesh.attention)
     saved, api.kernel_chooser = api.kernel_chooser, _null_chooser
     q = torch.randn(1, 32, 2, 8)
     try:
