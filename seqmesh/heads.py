@@ -76,6 +76,19 @@ class HeadDeal:
         """Heads of the packed (q, k, v) send to each rank."""
         return [self.q_count(u) + 2 * self.kv_count(u) for u in range(self.ulysses)]
 
+    def split_sends(self) -> tuple[tuple[list[tuple[int, int, int]], list[int]], tuple[list[tuple[int, int, int]], list[int]]]:
+        """``((qk_chunks, qk_heads), (v_chunks, v_heads))``: the deal as two all-to-alls, q and k packed in
+        one and v in the other, for heads whose value dim differs from the query's (MLA)."""
+        ranks = range(self.ulysses)
+        qk = ([c for c in self.send_chunks() if c[0] != 2], [self.q_count(u) + self.kv_count(u) for u in ranks])
+        v = ([(0, ka, kb) for i, ka, kb in self.send_chunks() if i == 2], [self.kv_count(u) for u in ranks])
+        return qk, v
+
+    def query_sends(self) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """``(chunks, heads)`` of a query-shaped tensor's all-to-all (out, dout): each rank's query heads."""
+        ranks = range(self.ulysses)
+        return [(0, *self.q_range(u)) for u in ranks], [self.q_count(u) for u in ranks]
+
     @property
     def max_q(self) -> int:
         return max(self.q_count(u) for u in range(self.ulysses))

@@ -77,8 +77,7 @@ def async_ulysses_attention(
     out = inner(qh, kh, vh, plan.kv_map(u, hidden.device))  # (B, U*L, hq, D)
 
     out = out.view(b, world, n, nq, out.shape[-1])
-    chunks = [(0, *plan.q_range(r)) for r in range(world)]
-    counts = [plan.q_count(r) for r in range(world)]
+    chunks, counts = plan.query_sends()
     back = []
     for tokens in token_pieces(n, pieces):  # every piece launched before the first output projection
         piece = out[:, :, tokens].reshape(b, -1, nq, out.shape[-1])  # (B, U*l, hq, D)

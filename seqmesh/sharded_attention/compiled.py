@@ -60,22 +60,15 @@ def _inner_backward(dout, q, k, v, out, lse, sinks, mesh, schedule, choose, kv_m
     return ring_backward(dout, q, k, v, out, lse, sinks, mesh.ring_group, schedule, choose, kv_map, scale)
 
 
-def _query_chunks(call: CheckedCall, ulysses: int) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """The all-to-all of a query-shaped tensor (out, dout): each rank's query heads."""
-    return [(0, *call.heads.q_range(r)) for r in range(ulysses)], [call.heads.q_count(r) for r in range(ulysses)]
-
-
-def _to_heads(q, k, v, plan, nq: int, nk: int, group, ulysses: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_heads(q, k, v, plan, nq: int, nk: int, group) -> tuple[torch.Tensor, torch.Tensor]:
     """The Ulysses all-to-all of q (B, L, Hq, D), k, v (B, L, Hk, Dv) to this rank's nq query and nk kv
     heads: one packed message (B, U*L, nq + 2 nk, D) and an empty v when the head dims agree (as eager
     sends them), else q and k packed (B, U*L, nq + nk, D) and v on its own (B, U*L, nk, Dv)."""
     if v.shape[-1] == q.shape[-1]:
         return scatter_heads([q, k, v], plan.send_chunks(), plan.send_heads(), nq + 2 * nk, group, "forward"), q.new_empty(0)
-    qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-    counts = [plan.q_count(r) + plan.kv_count(r) for r in range(ulysses)]
-    qk = scatter_heads([q, k], qk_chunks, counts, nq + nk, group, "forward")
-    v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-    return qk, scatter_heads([v], v_chunks, [plan.kv_count(r) for r in range(ulysses)], nk, group, "forward")
+    (qk_chunks, qk_heads), (v_chunks, v_heads) = plan.split_sends()
+    qk = scatter_heads([q, k], qk_chunks, qk_heads, nq + nk, group, "forward")
+    return qk, scatter_heads([v], v_chunks, v_heads, nk, group, "forward")
 
 
 def _split_heads(heads: torch.Tensor, vh: torch.Tensor, nq: int, nk: int):
@@ -86,18 +79,15 @@ def _split_heads(heads: torch.Tensor, vh: torch.Tensor, nq: int, nk: int):
     return qh, kh, vh
 
 
-def _from_heads(dqh, dkh, dvh, shapes, plan, group, ulysses: int):
+def _from_heads(dqh, dkh, dvh, shapes, plan, group):
     """The adjoint of :func:`_to_heads`: gradients back to (B, L, H, D), summed over replicated kv heads."""
     if dvh.shape[-1] == dqh.shape[-1]:
         return gather_heads(torch.cat([dqh, dkh, dvh], dim=2), plan.send_chunks(), list(shapes), plan.send_heads(),
                             dqh.shape[2] + dkh.shape[2] + dvh.shape[2], group, "backward")
-    qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-    dq, dk = gather_heads(torch.cat([dqh, dkh], dim=2), qk_chunks, list(shapes[:2]),
-                          [plan.q_count(r) + plan.kv_count(r) for r in range(ulysses)], dqh.shape[2] + dkh.shape[2],
-                          group, "backward")
-    v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-    (dv,) = gather_heads(dvh, v_chunks, [shapes[2]], [plan.kv_count(r) for r in range(ulysses)], dvh.shape[2], group,
-                         "backward")
+    (qk_chunks, qk_heads), (v_chunks, v_heads) = plan.split_sends()
+    dq, dk = gather_heads(torch.cat([dqh, dkh], dim=2), qk_chunks, list(shapes[:2]), qk_heads,
+                          dqh.shape[2] + dkh.shape[2], group, "backward")
+    (dv,) = gather_heads(dvh, v_chunks, [shapes[2]], v_heads, dvh.shape[2], group, "backward")
     return dq, dk, dv
 
 
@@ -121,10 +111,10 @@ def attention_forward(
             return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous(), empty, empty.clone(), empty.clone()
         plan, u, group = call.heads, mesh.ulysses_rank, mesh.ulysses_group
         nq, nk = plan.q_count(u), plan.kv_count(u)
-        heads, v_apart = _to_heads(q, k, v, plan, nq, nk, group, mesh.ulysses)
+        heads, v_apart = _to_heads(q, k, v, plan, nq, nk, group)
         qh, kh, vh = _split_heads(heads, v_apart, nq, nk)
         oh, lse = _inner_forward(qh, kh, vh, own_sinks, mesh, schedule, choose, plan.kv_map(u, q.device), scale)
-        chunks, counts = _query_chunks(call, mesh.ulysses)
+        chunks, counts = call.heads.query_sends()
         shape = torch.Size((*q.shape[:3], v.shape[-1]))
         (out,) = gather_heads(oh, chunks, [shape], counts, nq, group, "forward")
         return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous(), heads, v_apart, oh.contiguous()
@@ -168,12 +158,12 @@ def attention_backward(
         else:
             plan, u, group = call.heads, mesh.ulysses_rank, mesh.ulysses_group
             nq, nk = plan.q_count(u), plan.kv_count(u)
-            chunks, counts = _query_chunks(call, mesh.ulysses)
+            chunks, counts = call.heads.query_sends()
             doh = scatter_heads([dout], chunks, counts, nq, group, "backward")  # (B, U*L, nq, Dv)
             qh, kh, vh = _split_heads(heads, v_apart, nq, nk)
             dqh, dkh, dvh, ds = _inner_backward(doh, qh, kh, vh, oh, lse, own_sinks, mesh, schedule, choose,
                                                 plan.kv_map(u, q.device), scale)
-            dq, dk, dv = _from_heads(dqh, dkh, dvh, (q.shape, k.shape, v.shape), plan, group, mesh.ulysses)
+            dq, dk, dv = _from_heads(dqh, dkh, dvh, (q.shape, k.shape, v.shape), plan, group)
         dsinks = q.new_empty(0)
         if sinks is not None:  # this rank's heads' part; the sequence group's sum is the caller's (see attention)
             dsinks = torch.zeros_like(sinks)

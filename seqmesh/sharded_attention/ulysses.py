@@ -30,19 +30,16 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Scatter heads and gather tokens over ``mesh``'s Ulysses group, run ``inner`` on this rank's
     heads, and bring the output back to this rank's tokens; ``(B, L, Hq, D)``."""
-    u, ulysses = mesh.ulysses_rank, mesh.ulysses
+    u = mesh.ulysses_rank
     nq, nk = plan.q_count(u), plan.kv_count(u)
     group = mesh.ulysses_group
     if v.shape[-1] == q.shape[-1]:  # one packed all-to-all
         packed = seq_to_head([q, k, v], group, plan.send_chunks(), plan.send_heads(), nq + 2 * nk)
         qh, kh, vh = packed.split([nq, nk, nk], dim=2)  # (B, U*L, h, D) each
     else:  # MLA-style heads: q and k packed, v (B, L, Hk, Dv) on its own
-        qk_chunks = [c for c in plan.send_chunks() if c[0] != 2]
-        qk = seq_to_head([q, k], group, qk_chunks, [plan.q_count(r) + plan.kv_count(r) for r in range(ulysses)], nq + nk)
-        qh, kh = qk.split([nq, nk], dim=2)
-        v_chunks = [(0, h0, h1) for i, h0, h1 in plan.send_chunks() if i == 2]
-        vh = seq_to_head([v], group, v_chunks, [plan.kv_count(r) for r in range(ulysses)], nk)
+        (qk_chunks, qk_heads), (v_chunks, v_heads) = plan.split_sends()
+        qh, kh = seq_to_head([q, k], group, qk_chunks, qk_heads, nq + nk).split([nq, nk], dim=2)
+        vh = seq_to_head([v], group, v_chunks, v_heads, nk)
     out = inner(qh, kh, vh, plan.kv_map(u, q.device))  # (B, U*L, hq, Dv)
-    chunks = [(0, *plan.q_range(r)) for r in range(ulysses)]
-    shape = torch.Size((*q.shape[:3], v.shape[-1]))
-    return head_to_seq(out, group, chunks, [plan.q_count(r) for r in range(ulysses)], nq, shape)
+    chunks, heads = plan.query_sends()
+    return head_to_seq(out, group, chunks, heads, nq, torch.Size((*q.shape[:3], v.shape[-1])))
