@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..sequence.layout import LayoutKind
 
-LINEAR_CHUNK = 64  # tokens per chunk of the chunked recurrence (gated_delta.CHUNK)
+LINEAR_CHUNK = 64  # tokens per chunk of the chunked recurrence: gated_delta's CHUNK and the planner's
 # one H100 SXM node: NVLink bytes/s one GPU sends, dense bf16 FLOP/s achieved by the recurrence's kernels
 H100_NVLINK_BANDWIDTH = 360e9
 H100_RECURRENCE_FLOPS = 0.3 * 989e12

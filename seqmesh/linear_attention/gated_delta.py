@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64
+from .choice import LINEAR_CHUNK as CHUNK  # tokens per chunk: the one value, which the planner reads too
 
 
 def segment_bounds(total: int, cu_seqlens: Sequence[int] | None, seq_len: int | None = None) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from ..padding import padded_length
 from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens, tp_heads
 from .hardware import HardwareSpec
-from ..linear_attention.choice import (LinearDesign, LinearShape, choose_design, state_passing_bytes,
+from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
                                        state_passing_extra_flops)
 from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
 from ..heads import HeadDeal
@@ -22,7 +22,6 @@ from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dt
 from ..degrees import Degrees
 from .workload import Workload
 
-LINEAR_CHUNK = 64  # tokens per chunk of the chunked gated delta rule
 Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
 
 
