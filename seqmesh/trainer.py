@@ -109,6 +109,7 @@ class SequenceParallelTrainerMixin:
         self.model_wrapped = self.seqmesh_model
         self.gather_function = self.accelerator.gather  # every rank holds whole losses: no truncation to undo
         self._targets_per_micro_batch: deque[float] = deque()
+        self._sharded: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()  # (batch, shard) of the step's micro-batches
 
     def _refuse_other_parallelism(self) -> None:
         args = self.args
@@ -166,12 +167,20 @@ class SequenceParallelTrainerMixin:
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """The optimizer step's targets over the whole mesh; keeps each micro-batch's for compute_loss."""
         mesh = self.seqmesh_mesh
-        local = [float((shard_batch(b, mesh, model=self.seqmesh_model)["shift_labels"] != IGNORE_INDEX).sum())
-                 for b in batch_samples]
+        self._sharded = deque((b, shard_batch(b, mesh, model=self.seqmesh_model)) for b in batch_samples)
+        local = [float((shard["shift_labels"] != IGNORE_INDEX).sum()) for _, shard in self._sharded]
         counts = torch.tensor(local, dtype=torch.float64, device=mesh.collective_device())
         dist.all_reduce(counts, group=mesh.batch_group)  # sequence shards partition a batch: each counted once
         self._targets_per_micro_batch = deque(counts.tolist())
         return counts.sum().to(device)
+
+    def _shard(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shard of ``inputs``: the one the step's count already cut when ``inputs`` is its next
+        micro-batch (the same keys and equal tensors: the Trainer hands it over as a copy), else cut now."""
+        if self._sharded and _same_batch(self._sharded[0][0], inputs):
+            return self._sharded.popleft()[1]
+        self._sharded.clear()  # called outside the step's order: the cached shards no longer line up
+        return shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model)
 
     # -- model, loss, gradients ---------------------------------------------------------------------
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
@@ -180,7 +189,7 @@ class SequenceParallelTrainerMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         """The pooled loss of the micro-batch, scaled to its share of the optimizer step's targets."""
-        loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model))
+        loss = self.seqmesh_model(**self._shard(inputs))
         if num_items_in_batch is not None and self.seqmesh_model.training:
             if not self._targets_per_micro_batch:
                 raise RuntimeError("compute_loss got num_items_in_batch from a batch list seqmesh did not count; "
@@ -266,6 +275,22 @@ def mesh_for_world(ulysses: int, ring: int, tp: int = 1) -> SPMesh:
     over the rest of the world."""
     ulysses, ring, dp = resolve_degrees(dist.get_world_size(), ulysses=ulysses, ring=ring, tp=tp)
     return init_mesh(ulysses, ring, dp_shard=dp, tp=tp)
+
+
+def _same_batch(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two batches hold the same keys and equal values (tensors compared on their own devices)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y.to(x.device)):
+                return False
+        elif x is not y and not (isinstance(x, (int, float, str, bool, type(None))) and x == y):
+            return False  # other values (lists of tensors, ...) only when they are the same object
+    return True
 
 
 def _share_of_step(micro_batch_targets: float, step_targets: float) -> float:

@@ -105,7 +105,15 @@ def torchrun_environment():
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
                       train_rows: list | None = None, tp: int = 1, **extra) -> dict:
     """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
+    import seqmesh.trainer
     from seqmesh.trainer import SequenceParallelTrainer
+
+    cut = seqmesh.trainer.shard_batch
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return cut(*args, **kwargs)
 
     with torchrun_environment():
         trainer = SequenceParallelTrainer(
@@ -113,8 +121,13 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
             train_dataset=train_rows or TRAIN_ROWS,
             eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp),
         )
-        trainer.train()
+        seqmesh.trainer.shard_batch = counted
+        try:
+            trainer.train()
+        finally:
+            seqmesh.trainer.shard_batch = cut
         result = curves(trainer)
+        result["shard_calls"] = len(calls)  # while training: one per micro-batch when each is cut once
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
         trainer.save_model(os.path.join(output_dir, "final"))
         return result

@@ -112,6 +112,7 @@ def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ri
     ours = results[0]
     weights = _saved_weights(os.path.join(tmp_path, "final"))
     _assert_matches_reference(ours, weights, ref32, ref64, accumulation, -(-len(EVAL_ROWS) // (dp * batch)))
+    assert ours["shard_calls"] == len(ours["loss"]) * accumulation, ours  # each micro-batch cut once, not twice
     print(f"parity {ulysses=} {ring=} {tp=} {dp=} vs float64 single process: loss {_max_diff(ours['loss'], ref64['loss']):.2e}, "
           f"grad_norm {_max_diff(ours['grad_norm'], ref64['grad_norm']):.2e}, weights "
           f"{_weight_diff(weights, ref64['weights']):.2e}; float32 rounding (float32 vs float64 single process): "
