@@ -1,4 +1,4 @@
-"""Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5 and LLaVA (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE) and LLaVA (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
 every parameter's gradient (tower included) equal the single-process transformers model on the whole
 batch, within the rounding the reference itself carries, on every mesh shape."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from vision_cases import fsdp_data_parallel_parity, vision_parity
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5", "qwen2_vl", "qwen3_5_moe"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
 # their own images (per_document); one image at the very end, so most ranks hold no image token
 # (contiguous); no image at all (no rank runs the tower: its weights get no gradient, as on one device)
@@ -28,7 +28,8 @@ def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
         return [(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
     # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
-    # CLIP's class token)
+    # CLIP's class token). The others add no code path there: Qwen2-VL's tower is Qwen2.5-VL's full blocks,
+    # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's
     return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]]
 
 
