@@ -1,7 +1,7 @@
 """Vision-language models through seqmesh on every rank, against the unmodified transformers model on the
 whole batch on one process: logits, loss and every parameter's gradient (the vision tower's included).
 
-Tiny random-weight Qwen2.5-VL and Qwen3-VL models from transformers' config classes, float64. The
+Tiny random-weight models of every family seqmesh routes, from transformers' config classes, float64. The
 batches hold several images of different sizes and a video, whose placeholder tokens cross shard
 boundaries; one variant packs two documents, each with its own images (the reference runs each
 document on its own); one has a row with no image at all on some ranks.
