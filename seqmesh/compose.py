@@ -85,7 +85,7 @@ class ParallelPlan:
 
 def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = ParallelPlan(), *,
                       wrapper: type[SequenceParallelLM] | None = None) -> SequenceParallelLM:
-    """``model`` (a transformers causal LM, or a Qwen2.5-VL / Qwen3-VL vision-language model) ready to
+    """``model`` (a transformers causal LM, or a vision-language model of ``seqmesh.vision.families``) ready to
     train on ``mesh``: the steps of the module docstring, in order. Returns the ``wrapper`` (by default a
     ``SequenceParallelLM``, a ``VisionLanguageLM`` for a vision-language model) whose forward on
     ``seqmesh.shard_batch(batch, mesh, model=...)`` is the batch's exact loss."""

@@ -73,7 +73,7 @@ class TrainerLM(NoSync, SequenceParallelLM):
 
 
 class TrainerVisionLM(NoSync, VisionLanguageLM):
-    """``VisionLanguageLM`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) with accelerate's ``no_sync``."""
+    """``VisionLanguageLM`` (the families of ``seqmesh.vision.families``) with accelerate's ``no_sync``."""
 
 
 class SequenceParallelTrainerMixin:

@@ -1,7 +1,7 @@
 """Vision-language models through seqmesh on every rank, against the unmodified transformers model on the
 whole batch on one process: logits, loss and every parameter's gradient (the vision tower's included).
 
-Tiny random-weight Qwen2.5-VL and Qwen3-VL models from transformers' config classes, float64. The
+Tiny random-weight models of every family seqmesh routes, from transformers' config classes, float64. The
 batches hold several images of different sizes and a video, whose placeholder tokens cross shard
 boundaries; one variant packs two documents, each with its own images (the reference runs each
 document on its own); one has a row with no image at all on some ranks.
@@ -44,9 +44,14 @@ def vision_config(family: str):
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
     if family == "qwen2_5_vl":  # windows of 2x2 units (8 pixels), block 1 full attention
         vision.update(window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
-    elif family == "qwen3_5":  # a Gated DeltaNet layer, then attention with half the head dim rotated
+    elif family == "qwen2_vl":  # every block per frame; the tower's width is embed_dim, hidden_size the merger's output
+        vision = dict(depth=3, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=2,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    elif family in ("qwen3_5", "qwen3_5_moe"):  # a Gated DeltaNet layer, then attention with half the head dim rotated
         text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
                     linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+        if family == "qwen3_5_moe":  # both layers' MLPs: 4 routed experts (2 per token) beside a shared one
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
         rope.update(partial_rotary_factor=0.5, mrope_section=[2, 1, 1], mrope_interleaved=True)
         vision.update(num_position_embeddings=16)
     else:  # Qwen3-VL(-MoE): a 4x4 learned position table, DeepStack features from blocks 0 and 2
@@ -74,7 +79,7 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
     if family == "llava":  # a fixed size: every image is LLAVA_SIDE x LLAVA_SIDE patches, no start or end token
         return [token] * LLAVA_SIDE ** 2
     per_frame = h * w // 4
-    if token == VIDEO and family != "qwen2_5_vl":  # Qwen3-VL and Qwen3.5: timestamps between frames
+    if token == VIDEO and family not in ("qwen2_vl", "qwen2_5_vl"):  # Qwen3-VL and Qwen3.5: timestamps between frames
         return [tok for _ in range(t) for tok in text(2) + [START] + [token] * per_frame + [END]]
     return [START] + [token] * (t * per_frame) + [END]
 
@@ -207,7 +212,7 @@ def _worst_grad(model, want: dict) -> tuple[float, str]:
 # parts round alike in both runs), which seqmesh's float64 Gated DeltaNet does not share. The reference's noise
 # therefore also counts how far that layer's float32 rounding alone moves it: the same float64 reference with
 # transformers' token-by-token rule in place of its chunked one (:func:`_gated_delta_spread`).
-GATED_DELTA_FAMILIES = ("qwen3_5",)
+GATED_DELTA_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 def _spread(logits, loss, model, ref_logits, ref_loss, reference) -> dict:
@@ -218,9 +223,10 @@ def _spread(logits, loss, model, ref_logits, ref_loss, reference) -> dict:
 def _gated_delta_spread(config, batch: dict, ref_logits, ref_loss, reference) -> dict:
     """How far the float64 reference moves when its Gated DeltaNet layers compute the same recurrence token
     by token (``torch_recurrent_gated_delta_rule``) instead of by chunks: that layer's float32 rounding."""
+    import importlib
     from unittest import mock
 
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+    modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
 
     def token_by_token(*args, chunk_size=None, **kwargs):
         return modeling.torch_recurrent_gated_delta_rule(*args, **kwargs)

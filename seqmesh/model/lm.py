@@ -52,7 +52,7 @@ def hf_config(shape: ModelShape, *, max_positions: int = 1 << 20):
     )
     if shape.vision is None:
         return AutoConfig.for_model(shape.family, **text)
-    return AutoConfig.for_model(shape.family, text_config=_mrope_text(shape, text), vision_config=shape.vision.config(),
+    return AutoConfig.for_model(shape.family, text_config=_mrope_text(shape, text), vision_config=shape.vision.config(shape.family),
                                 tie_word_embeddings=shape.tie_embeddings, **_media_token_ids(shape))
 
 

@@ -31,16 +31,12 @@ class VisionShape:
     deepstack: tuple[int, ...] = ()  # Qwen3-VL: blocks whose merged features join the first decoder layers
     position_table: int = 0  # Qwen3-VL: entries of the learned position table (a square)
     in_channels: int = 3
+    gated: bool = True  # Qwen2.5-VL's blocks: a gated MLP and RMSNorms; Qwen2-VL's and Qwen3-VL's: two linears, LayerNorms
 
     @property
     def patch_features(self) -> int:
         """Values per patch (one row of ``pixel_values``)."""
         return self.in_channels * self.temporal * self.patch * self.patch
-
-    @property
-    def gated(self) -> bool:
-        """Qwen2.5-VL's blocks: a gated MLP and RMSNorms; Qwen3-VL's (``position_table``): two linears, LayerNorms."""
-        return not self.position_table
 
     @property
     def block_params(self) -> int:
@@ -54,21 +50,27 @@ class VisionShape:
     @property
     def params(self) -> int:
         """Parameters. Qwen2.5-VL: a bias-free patch embedding; blocks of qkv and proj with biases, a gated MLP
-        with biases, two RMSNorms; a merger (RMSNorm, two linears). Qwen3-VL (``position_table``): a patch
-        embedding with a bias, the learned positions; blocks with a two-linear MLP and LayerNorms; the merger
-        and each DeepStack merger (LayerNorm over the merged unit) with LayerNorms."""
+        with biases, two RMSNorms; a merger (RMSNorm, two linears). Qwen2-VL: the same with a two-linear MLP,
+        LayerNorms in the blocks and the merger. Qwen3-VL (``position_table``): as Qwen2-VL, with a bias in the
+        patch embedding, the learned positions, and each DeepStack merger (LayerNorm over the merged unit)."""
         h, unit = self.hidden, self.hidden * self.merge * self.merge
         linears = unit * unit + unit + unit * self.out_hidden + self.out_hidden
         if self.gated:
             return self.patch_features * h + self.depth * self.block_params + h + linears
-        return (self.patch_features * h + h + self.position_table * h + self.depth * self.block_params + 2 * h + linears
-                + len(self.deepstack) * (2 * unit + linears))
+        learned = h + self.position_table * h + len(self.deepstack) * (2 * unit + linears) if self.position_table else 0
+        return self.patch_features * h + self.depth * self.block_params + 2 * h + linears + learned
 
-    def config(self) -> dict:
-        """transformers' ``vision_config`` entries."""
-        out = dict(depth=self.depth, hidden_size=self.hidden, num_heads=self.heads, intermediate_size=self.intermediate,
-                   out_hidden_size=self.out_hidden, patch_size=self.patch, spatial_merge_size=self.merge,
-                   temporal_patch_size=self.temporal, in_channels=self.in_channels)
+    def config(self, family: str) -> dict:
+        """transformers' ``vision_config`` entries for a tower of ``family`` (the model type)."""
+        common = dict(depth=self.depth, num_heads=self.heads, patch_size=self.patch, spatial_merge_size=self.merge,
+                      temporal_patch_size=self.temporal, in_channels=self.in_channels)
+        if family == "qwen2_vl":  # the tower's width is embed_dim, hidden_size the merger's output, the MLP a ratio
+            if self.intermediate % self.hidden:
+                raise ValueError(f"a Qwen2-VL tower's MLP is a whole multiple (mlp_ratio) of its width {self.hidden}; "
+                                 f"intermediate {self.intermediate} is not. Use a multiple of {self.hidden}.")
+            return dict(common, embed_dim=self.hidden, hidden_size=self.out_hidden,
+                        mlp_ratio=self.intermediate // self.hidden)
+        out = dict(common, hidden_size=self.hidden, intermediate_size=self.intermediate, out_hidden_size=self.out_hidden)
         if self.window:
             out.update(window_size=self.window, fullatt_block_indexes=list(self.full_blocks))
         if self.position_table:
@@ -219,11 +221,12 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("qwen2.5-vl-tiny", "qwen2_5_vl", 64, 2, 4, 2, 16, 128, 256, False, 10000.0,
                    vision=VisionShape(3, 32, 4, 48, 64, patch=2, window=8, full_blocks=(1,))),
         ModelShape("qwen3-vl-tiny", "qwen3_vl", 64, 2, 4, 2, 16, 128, 256, False, 10000.0,
-                   vision=VisionShape(3, 32, 4, 48, 64, patch=2, deepstack=(0, 2), position_table=16)),
+                   vision=VisionShape(3, 32, 4, 48, 64, patch=2, deepstack=(0, 2), position_table=16, gated=False)),
         ModelShape("qwen2.5-vl-7b", "qwen2_5_vl", 3584, 28, 28, 4, 128, 18944, 152064, False, 1e6,
                    vision=VisionShape(32, 1280, 16, 3420, 3584, window=112, full_blocks=(7, 15, 23, 31))),
         ModelShape("qwen3-vl-8b", "qwen3_vl", 4096, 36, 32, 8, 128, 12288, 151936, False, 5e6,
-                   vision=VisionShape(27, 1152, 16, 4304, 4096, patch=16, deepstack=(8, 16, 24), position_table=2304)),
+                   vision=VisionShape(27, 1152, 16, 4304, 4096, patch=16, deepstack=(8, 16, 24), position_table=2304,
+                                      gated=False)),
     )
 }
 
@@ -281,10 +284,10 @@ def model_shape(name_or_path: str) -> ModelShape:
             heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
-            intermediate=cfg["intermediate_size"],
             vocab=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            **_mlp_fields(cfg),
             **_linear_fields(cfg),
             **_window_fields(cfg),
             vision=vision,
@@ -302,18 +305,35 @@ def _vision_fields(cfg: dict, path: str) -> VisionShape | None:
         return None
     if "depth" not in v:
         raise ValueError(f"{path} describes a {cfg.get('model_type')} model with a {v.get('model_type')} tower; seqmesh "
-                         "train and seqmesh plan size Qwen-VL towers (qwen2_5_vl, qwen3_vl, qwen3_5). Train it with "
+                         "train and seqmesh plan size Qwen-VL towers (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5). Train it with "
                          "seqmesh.compose.parallelize_model in your own loop, or seqmesh.trainer.SequenceParallelTrainer.")
     try:
-        return VisionShape(depth=v["depth"], hidden=v["hidden_size"], heads=v["num_heads"],
-                           intermediate=v["intermediate_size"], out_hidden=v["out_hidden_size"],
+        if "embed_dim" in v:  # Qwen2-VL: the tower's width is embed_dim, hidden_size the merger's output
+            widths = dict(hidden=v["embed_dim"], intermediate=int(v["embed_dim"] * v.get("mlp_ratio", 4)),
+                          out_hidden=v["hidden_size"])
+        else:
+            widths = dict(hidden=v["hidden_size"], intermediate=v["intermediate_size"], out_hidden=v["out_hidden_size"])
+        table = v.get("num_position_embeddings") or 0
+        return VisionShape(depth=v["depth"], heads=v["num_heads"], **widths,
                            patch=v.get("patch_size", 14), merge=v.get("spatial_merge_size", 2),
                            temporal=v.get("temporal_patch_size", 2), window=v.get("window_size") or 0,
                            full_blocks=tuple(v.get("fullatt_block_indexes") or ()),
                            deepstack=tuple(v.get("deepstack_visual_indexes") or ()),
-                           position_table=v.get("num_position_embeddings") or 0, in_channels=v.get("in_channels", 3))
+                           position_table=table, in_channels=v.get("in_channels", 3),
+                           gated=not table and "embed_dim" not in v)  # Qwen2.5-VL's blocks only
     except KeyError as missing:
         raise ValueError(f"its vision_config has no {missing} entry; seqmesh reads Qwen-VL style towers.") from None
+
+
+def _mlp_fields(cfg: dict) -> dict:
+    """The MLP of a config.json: its experts (each of ``moe_intermediate_size`` where the config names one, as
+    Qwen3.5-MoE, whose config has no dense ``intermediate_size``; gpt-oss's are ``intermediate_size``), or one
+    dense MLP. Shared experts are left out (under 1% of an MoE layer's experts in the published configs)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if not experts:
+        return dict(intermediate=cfg["intermediate_size"])
+    return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
+                experts_per_token=cfg.get("num_experts_per_tok") or 1)
 
 
 def _linear_fields(cfg: dict) -> dict:

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 # model_type of the top-level config -> the families below
-SUPPORTED_VISION = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "llava")
+SUPPORTED_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava")
 # multimodal model types seqmesh recognises but does not run yet, and why
 REFUSED_VISION = {
     "gemma3": "Gemma 3's image tokens attend to each other bidirectionally inside an image (a mask seqmesh's "
               "attention does not compute)",
-    "qwen3_5_moe": "Qwen3.5-MoE's vision tower is not yet routed through seqmesh (the dense Qwen3.5's is)",
-    "qwen2_vl": "Qwen2-VL is not yet routed through seqmesh (Qwen2.5-VL and Qwen3-VL are)",
     "llava_onevision": "LLaVA-OneVision's tower is not yet routed through seqmesh",
     "internvl": "InternVL's tower is not yet routed through seqmesh",
 }
@@ -56,11 +54,14 @@ class VisionFamily:
 
 
 FAMILIES = {
+    # Qwen2-VL: Qwen2.5-VL's tower without windows (every block per frame; LayerNorm blocks, 2-D rotary)
+    "qwen2_vl": VisionFamily("Qwen2-VL", windows=False, deepstack=False, learned_positions=False),
     "qwen2_5_vl": VisionFamily("Qwen2.5-VL", windows=True, deepstack=False, learned_positions=False),
     "qwen3_vl": VisionFamily("Qwen3-VL", windows=False, deepstack=True, learned_positions=True),
     "qwen3_vl_moe": VisionFamily("Qwen3-VL-MoE", windows=False, deepstack=True, learned_positions=True),
     # Qwen3.5: Qwen3-VL's tower without DeepStack, before a decoder of Gated DeltaNet and attention layers
     "qwen3_5": VisionFamily("Qwen3.5", windows=False, deepstack=False, learned_positions=True),
+    "qwen3_5_moe": VisionFamily("Qwen3.5-MoE", windows=False, deepstack=False, learned_positions=True),  # MoE MLPs
     "llava": VisionFamily("LLaVA", windows=False, deepstack=False, learned_positions=False, plain=True),
 }
 

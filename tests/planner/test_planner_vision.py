@@ -150,3 +150,26 @@ def test_ulysses_beyond_the_tower_heads_is_set_aside():
     work = Workload(MODELS["qwen2.5-vl-7b"], seq_len=131072, media=Media(images=64))
     assert (Degrees(24, 1, 1), "ulysses 24 exceeds the vision tower's 16 heads") in layouts(work, cluster)[1]
     assert Degrees(24, 1, 1) in layouts(replace(work, media=None), cluster)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl"])
+def test_a_config_json_sizes_the_tower_transformers_builds(tmp_path, family):
+    """``seqmesh plan`` / ``seqmesh train`` read a Qwen-VL config.json: the tower's parameters equal those of the
+    model transformers builds from it (Qwen2-VL names its tower's width embed_dim and its merger's output
+    hidden_size); Qwen3.5-MoE's decoder, which has no dense MLP, is read as its experts."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from vision_cases import vision_config
+
+    from seqmesh.model.presets import model_shape
+
+    config = vision_config(family)
+    config.save_pretrained(tmp_path)
+    shape = model_shape(str(tmp_path))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    assert shape.vision.params == tower, (shape.vision, tower)
+    assert shape.vision.gated == (family == "qwen2_5_vl")
+    if family == "qwen3_5_moe":
+        assert (shape.experts, shape.experts_per_token, shape.intermediate) == (4, 2, 32), shape

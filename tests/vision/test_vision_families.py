@@ -1,4 +1,4 @@
-"""Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5 and LLaVA (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE) and LLaVA (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
 every parameter's gradient (tower included) equal the single-process transformers model on the whole
 batch, within the rounding the reference itself carries, on every mesh shape."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from vision_cases import fsdp_data_parallel_parity, vision_parity
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5", "qwen2_vl", "qwen3_5_moe"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
 # their own images (per_document); one image at the very end, so most ranks hold no image token
 # (contiguous); no image at all (no rank runs the tower: its weights get no gradient, as on one device)
@@ -18,9 +18,10 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 # As in test_hf_families: a multiple of how far float32 rounding moves the reference (the same model and
 # weights run in float32 against float64, measured in the same run). Measured (torch 2.13, transformers 5.24,
 # CPU): the reference's rounding is 2e-7..3e-7 on logits and 7e-7..2e-6 (relative) on gradients; seqmesh's
-# error is 0 on logits and under 2e-15 on gradients (float64 summation order), 1e-9 of the bound. Qwen3.5 is the
-# exception (vision_cases.GATED_DELTA_FAMILIES): transformers' Gated DeltaNet rounds in float32, which moves its
-# dt_bias gradient by 7.5e-5 relative; seqmesh's float64 one differs from it by that much (1.0x).
+# error is 0 on logits and under 2e-15 on gradients (float64 summation order), 1e-9 of the bound. Qwen3.5 and
+# Qwen3.5-MoE are the exception (vision_cases.GATED_DELTA_FAMILIES): transformers' Gated DeltaNet rounds in
+# float32, which moves its dt_bias / A_log gradients by up to 7.5e-5 relative; seqmesh's float64 one differs from it
+# by that much (1.0x; logits 0.36x).
 ROUNDING_MULTIPLE = 4
 
 
@@ -28,7 +29,8 @@ def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
         return [(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
     # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
-    # CLIP's class token)
+    # CLIP's class token). The others add no code path there: Qwen2-VL's tower is Qwen2.5-VL's full blocks,
+    # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's
     return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]]
 
 
