@@ -339,20 +339,17 @@ def _tiny_refused(kind: str):
     from transformers import AutoConfig
 
     text = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=16, vocab_size=300)
+                head_dim=16, vocab_size=300, model_type="qwen2")
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
-                  patch_size=2)
-    if kind == "llava_onevision":
-        text["model_type"] = "qwen2"
-        return AutoConfig.for_model("llava_onevision", text_config=text,
-                                    vision_config={**vision, "model_type": "siglip_vision_model"})
-    return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+                  patch_size=2, model_type="siglip_vision_model")
+    return AutoConfig.for_model(kind, text_config=text, vision_config=vision)
 
 
 def refusals(ulysses: int, ring: int) -> dict:
     """The message of every refusal a user can meet before any work: families seqmesh does not route
-    (Gemma 3, LLaVA-OneVision), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
-    placeholder tokens that do not match the images, and a vision-language model called with a text batch."""
+    (LLaVA-OneVision), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
+    placeholder tokens that do not match the images, a vision-language model called with a text batch, and
+    Gemma 3's two: rows placing their images differently, and an image longer than the sliding window."""
     from transformers import AutoModelForImageTextToText
 
     from seqmesh.hf import parallelize
@@ -366,10 +363,17 @@ def refusals(ulysses: int, ring: int) -> dict:
         except ValueError as e:
             out[name] = str(e)
 
-    for kind in ("gemma3", "llava_onevision"):
-        with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(_tiny_refused(kind))
-        catch(kind, lambda: parallelize(model, mesh))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(_tiny_refused("llava_onevision"))
+    catch("llava_onevision", lambda: parallelize(model, mesh))
+    gemma = vision_config("gemma3")
+    gemma.text_config.sliding_window = GEMMA_TOKENS - 1
+    sp = parallelize_model(build(gemma), mesh, ParallelPlan(fsdp=False))
+    batch = vision_batch("gemma3")
+    catch("gemma3_long_image", lambda: sp(**seqmesh.shard_batch(batch, mesh, model=sp)))
+    rows = {k: torch.cat([v, v.roll(1, dims=1)]) if k in ("input_ids", "token_type_ids") else v for k, v in batch.items()}
+    rows["pixel_values"] = torch.cat([batch["pixel_values"]] * 2)
+    catch("gemma3_rows", lambda: seqmesh.shard_batch(rows, mesh, model=sp))
     config = vision_config("qwen2_5_vl")
     config.vision_config.num_heads = 1
     with torch.device("meta"):
