@@ -38,12 +38,14 @@ class Case:
     window: int | None = None
     sinks: bool = False
     v_dim: int | None = None  # value head dim when it differs from head_dim (MLA-style)
+    image_blocks: tuple[tuple[int, int], ...] | None = None  # Gemma 3's images: seen both ways by their tokens
 
     @property
     def name(self) -> str:
         docs = "docs" if self.cu_seqlens else "nodocs"
         extra = "".join(f"-{n}" for n, on in ((f"w{self.window}", self.window), ("sinks", self.sinks),
-                                                (f"dv{self.v_dim}", self.v_dim)) if on)
+                                                (f"dv{self.v_dim}", self.v_dim), ("images", self.image_blocks))
+                        if on)
         return (f"S{self.seq_len}-h{self.q_heads}/{self.kv_heads}-{'causal' if self.causal else 'full'}-"
                 f"{self.layout}-{docs}-{self.dtype}-{self.backend}{extra}")
 
@@ -89,6 +91,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
         out = attend(
             shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
             cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend, window=case.window, sinks=sinks,
+            image_blocks=case.image_blocks,
         )
         if with_grad:
             (out * shard(dout)).sum().backward()
@@ -97,7 +100,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     sr = sinks.detach().double().requires_grad_() if sinks is not None else None
     ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None,
-                              window=case.window, sinks=sr)
+                              window=case.window, sinks=sr, image_blocks=case.image_blocks)
     ref.backward(dout.double())
     real = case.cu_seqlens[-1] if case.cu_seqlens else case.seq_len
     errors = {"out": _max_err(gathered, ref, real)}

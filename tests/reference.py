@@ -17,6 +17,7 @@ def document_ids(seq_len: int, cu_seqlens: list[int] | None) -> torch.Tensor:
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, cu_seqlens: list[int] | None = None,
     scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+    image_blocks: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, S, Hq, Dv), in float64 with plain ops.
 
@@ -24,6 +25,8 @@ def reference_attention(
     causal, not later ones; with ``window``, only keys j with i - window < j, as transformers'
     sliding_window_causal). Tokens outside every document see only themselves, so they stay
     finite. ``sinks`` (Hq,): an extra logit per head in the softmax, with a zero value (gpt-oss).
+    ``image_blocks``: ``[start, stop)`` intervals whose tokens see each other whatever causality says (Gemma 3's
+    images, as transformers' ``blockwise_overlay``: OR'ed with the causal mask, AND'ed with the window).
     """
     b, s, hq, d = q.shape
     group = hq // k.shape[2]
@@ -36,7 +39,10 @@ def reference_attention(
     allowed = (docs[:, None] == docs[None, :]) & (docs[:, None] >= 0)
     allowed |= torch.eye(s, dtype=torch.bool)
     if causal:
-        allowed &= pos[None, :] <= pos[:, None]
+        block = torch.full((s,), -1, dtype=torch.long)
+        for i, (a, e) in enumerate(image_blocks or ()):
+            block[a:e] = i
+        allowed &= (pos[None, :] <= pos[:, None]) | ((block[:, None] == block[None, :]) & (block[:, None] >= 0))
     if window is not None:
         allowed &= pos[:, None] - pos[None, :] < window
     scores = (qf @ kf.transpose(-1, -2)) * scale

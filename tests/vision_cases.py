@@ -9,6 +9,10 @@ document on its own); one has a row with no image at all on some ranks.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +26,14 @@ TEXT_VOCAB = 280  # text tokens are drawn below the special ones
 
 
 LLAVA_SIDE = 4  # LLaVA's tiny CLIP: 8x8-pixel images of 2x2-pixel patches, 16 patches, 16 placeholder tokens
+# Gemma 3's tiny SigLIP: the same 16 patches pooled 2x2 into 4 placeholder tokens; its decoder alternates a layer
+# with a sliding window of GEMMA_WINDOW tokens and a full one, so windows matter on these ~40-token batches
+GEMMA_TOKENS, GEMMA_WINDOW = 4, 8
+FIXED_SIZE = ("llava", "gemma3")  # families whose images all have one size (no grid): pixel_values (N, 3, 8, 8)
+
+
+def _tokens_per_image(family: str) -> int:
+    return GEMMA_TOKENS if family == "gemma3" else LLAVA_SIDE ** 2
 
 
 def vision_config(family: str):
@@ -29,6 +41,15 @@ def vision_config(family: str):
     3-layer CLIP read after its second layer, no merging)."""
     from transformers import AutoConfig
 
+    if family == "gemma3":
+        text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=4096,
+                    attention_dropout=0.0, sliding_window=GEMMA_WINDOW, query_pre_attn_scalar=16,
+                    layer_types=["sliding_attention", "full_attention"])
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=48, image_size=2 * LLAVA_SIDE, patch_size=2, vision_use_head=False)
+        return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA_TOKENS,
+                                    image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
     if family == "llava":
         text = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=4096, attention_dropout=0.0)
@@ -68,8 +89,13 @@ def build(config, seed: int = 0, dtype: torch.dtype = torch.float64):
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa",
-                                                   experts_implementation="eager")  # grouped_mm has no float64
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                                    experts_implementation="eager")  # grouped_mm has no float64
+    if config.model_type == "gemma3":  # its projection starts at zero, which would hide the image features
+        with torch.no_grad():
+            weight = model.model.multi_modal_projector.mm_input_projection_weight
+            weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 0.2)
+    return model
 
 
 def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
@@ -78,6 +104,8 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
     t, h, w = grid
     if family == "llava":  # a fixed size: every image is LLAVA_SIDE x LLAVA_SIDE patches, no start or end token
         return [token] * LLAVA_SIDE ** 2
+    if family == "gemma3":  # a fixed size, pooled to GEMMA_TOKENS tokens between start and end tokens
+        return [START] + [token] * GEMMA_TOKENS + [END]
     per_frame = h * w // 4
     if token == VIDEO and family not in ("qwen2_vl", "qwen2_5_vl"):  # Qwen3-VL and Qwen3.5: timestamps between frames
         return [tok for _ in range(t) for tok in text(2) + [START] + [token] * per_frame + [END]]
@@ -105,6 +133,9 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
 
     if kind == "mixed" and family == "llava":  # images only
         ids = text(5) + image([1, 4, 6]) + text(7) + image([1, 4, 4]) + text(4) + image([1, 6, 4]) + text(6)
+    elif kind in ("mixed", "untyped") and family == "gemma3":  # images only; two back to back make one 8-token block
+        ids = text(5) + image([1, 4, 4]) + text(7) + image([1, 4, 4])[:-1] + image([1, 4, 4])[1:] + text(9)
+        ids += image([1, 4, 4]) + text(6)
     elif kind == "mixed":
         ids = text(5) + image([1, 4, 6]) + text(7) + video([2, 4, 4]) + text(4) + image([1, 6, 4]) + text(6)
     elif kind == "documents":
@@ -123,7 +154,11 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
         rows = [first + text(longest - len(first)), second + text(longest - len(second))]
     input_ids = torch.tensor(rows)
     batch = {"input_ids": input_ids, "mm_token_type_ids": (input_ids == IMAGE).long() + 2 * (input_ids == VIDEO).long()}
-    if family == "llava" and images:
+    if family == "gemma3":  # its processor's name for them; "untyped": without them (transformers' mask is causal)
+        types = batch.pop("mm_token_type_ids")
+        if kind != "untyped":
+            batch["token_type_ids"] = types
+    if family in FIXED_SIZE and images:
         side = 2 * LLAVA_SIDE
         batch["pixel_values"] = torch.randn(len(images), 3, side, side, generator=g, dtype=torch.float64)
         images = []
@@ -148,7 +183,8 @@ def _split_documents(batch: dict) -> list[dict]:
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
     llava = "image_grid_thw" not in batch and "pixel_values" in batch  # fixed-size images, one row each
     grid = batch.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
-    sizes = [4 * LLAVA_SIDE ** 2] * len(batch["pixel_values"]) if llava else grid.prod(dim=1).tolist()
+    per_image = GEMMA_TOKENS if "mm_token_type_ids" not in batch else LLAVA_SIDE ** 2  # Gemma 3 has no such key
+    sizes = [4 * per_image] * len(batch["pixel_values"]) if llava else grid.prod(dim=1).tolist()
     out, image, patch = [], 0, 0
     for a, b in zip(starts, starts[1:]):
         part = ids[:, a:b]
@@ -156,7 +192,8 @@ def _split_documents(batch: dict) -> list[dict]:
         while need > 0:
             need -= sizes[image + n] // 4
             n += 1
-        doc = {"input_ids": part, "mm_token_type_ids": batch["mm_token_type_ids"][:, a:b]}
+        doc = {"input_ids": part, **{key: batch[key][:, a:b] for key in ("mm_token_type_ids", "token_type_ids")
+                                     if key in batch}}
         if n and llava:
             doc["pixel_values"] = batch["pixel_values"][image : image + n]
             image += n
@@ -224,7 +261,6 @@ def _gated_delta_spread(config, batch: dict, ref_logits, ref_loss, reference) ->
     """How far the float64 reference moves when its Gated DeltaNet layers compute the same recurrence token
     by token (``torch_recurrent_gated_delta_rule``) instead of by chunks: that layer's float32 rounding."""
     import importlib
-    from unittest import mock
 
     modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
 
@@ -238,12 +274,35 @@ def _gated_delta_spread(config, batch: dict, ref_logits, ref_loss, reference) ->
     return _spread(logits, loss, other, ref_logits, ref_loss, reference)
 
 
+def _norms_in_input_dtype(family: str):
+    """Gemma 3's RMSNorm computes in float32 whatever the model's dtype, so a float64 Gemma 3 rounds to float32
+    at every norm and two exact computations whose inputs differ in the 16th digit can differ in the 7th.
+    Within this context (both the reference's runs and seqmesh's) the norm computes in its input's dtype: the
+    same function, bitwise the same in float32, and float64 in float64, so the comparison sees float64 errors."""
+    if family != "gemma3":
+        return contextlib.nullcontext()
+    from transformers.models.gemma3 import modeling_gemma3
+
+    def forward(self, x):
+        return self._norm(x) * (1.0 + self.weight.to(x.dtype))
+
+    return mock.patch.object(modeling_gemma3.Gemma3RMSNorm, "forward", forward)
+
+
 def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", layout: str = "auto",
-                  shift_positions_on: int | None = None) -> dict:
+                  shift_positions_on: int | None = None, drop_image_blocks: bool = False) -> dict:
+    """:func:`_vision_parity` (see there), Gemma 3's norms in float64 for a float64 model."""
+    with _norms_in_input_dtype(family):
+        return _vision_parity(family, ulysses, ring, kind, layout, shift_positions_on, drop_image_blocks)
+
+
+def _vision_parity(family: str, ulysses: int, ring: int, kind: str, layout: str, shift_positions_on: int | None,
+                   drop_image_blocks: bool) -> dict:
     """Largest logit error, loss error and largest relative gradient error over all parameters against
     the one-process model, and the same three for the reference run in float32 against float64 (the
     reference's own rounding). ``shift_positions_on``: a deliberate error for the test that the
-    tolerance sees one, that rank's M-RoPE ids one position too far."""
+    tolerance sees one, that rank's M-RoPE ids one position too far. ``drop_image_blocks``: another, Gemma 3's
+    decoder run plainly causal (its image tokens no longer see their image's later tokens)."""
     mesh = get_mesh(ulysses, ring)
     config = vision_config(family)
     batch = vision_batch(family, kind)
@@ -261,6 +320,8 @@ def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", lay
     model = build(config)
     sp = parallelize_model(model, mesh, ParallelPlan(fsdp=False, loss_chunk=16))
     local = seqmesh.shard_batch(batch, mesh, model=sp, layout=layout)
+    if drop_image_blocks:
+        local["seqmesh"] = dataclasses.replace(local["seqmesh"], image_blocks=None)
     if shift_positions_on == torch.distributed.get_rank():
         local["position_ids"] = local["position_ids"] + 1
     loss = sp(**local)
@@ -285,20 +346,17 @@ def _tiny_refused(kind: str):
     from transformers import AutoConfig
 
     text = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=16, vocab_size=300)
+                head_dim=16, vocab_size=300, model_type="qwen2")
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
-                  patch_size=2)
-    if kind == "llava_onevision":
-        text["model_type"] = "qwen2"
-        return AutoConfig.for_model("llava_onevision", text_config=text,
-                                    vision_config={**vision, "model_type": "siglip_vision_model"})
-    return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+                  patch_size=2, model_type="siglip_vision_model")
+    return AutoConfig.for_model(kind, text_config=text, vision_config=vision)
 
 
 def refusals(ulysses: int, ring: int) -> dict:
     """The message of every refusal a user can meet before any work: families seqmesh does not route
-    (Gemma 3, LLaVA-OneVision), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
-    placeholder tokens that do not match the images, and a vision-language model called with a text batch."""
+    (LLaVA-OneVision), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
+    placeholder tokens that do not match the images, a vision-language model called with a text batch, and
+    Gemma 3's two: rows placing their images differently, and an image longer than the sliding window."""
     from transformers import AutoModelForImageTextToText
 
     from seqmesh.hf import parallelize
@@ -312,10 +370,17 @@ def refusals(ulysses: int, ring: int) -> dict:
         except ValueError as e:
             out[name] = str(e)
 
-    for kind in ("gemma3", "llava_onevision"):
-        with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(_tiny_refused(kind))
-        catch(kind, lambda: parallelize(model, mesh))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(_tiny_refused("llava_onevision"))
+    catch("llava_onevision", lambda: parallelize(model, mesh))
+    gemma = vision_config("gemma3")
+    gemma.text_config.sliding_window = GEMMA_TOKENS - 1
+    sp = parallelize_model(build(gemma), mesh, ParallelPlan(fsdp=False))
+    batch = vision_batch("gemma3")
+    catch("gemma3_long_image", lambda: sp(**seqmesh.shard_batch(batch, mesh, model=sp)))
+    rows = {k: torch.cat([v, v.roll(1, dims=1)]) if k in ("input_ids", "token_type_ids") else v for k, v in batch.items()}
+    rows["pixel_values"] = torch.cat([batch["pixel_values"]] * 2)
+    catch("gemma3_rows", lambda: seqmesh.shard_batch(rows, mesh, model=sp))
     config = vision_config("qwen2_5_vl")
     config.vision_config.num_heads = 1
     with torch.device("meta"):
@@ -382,8 +447,6 @@ def fsdp_data_parallel_parity(family: str) -> dict:
 def fields_left_behind(family: str) -> list[str]:
     """The tensor fields of a sharded multimodal batch that ``seqmesh train``'s ``to_device`` leaves off the
     target device (the meta device here: every tensor must move)."""
-    import dataclasses
-
     from seqmesh.training.train import to_device
 
     mesh = get_mesh(1, 1)

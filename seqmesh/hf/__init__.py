@@ -7,7 +7,8 @@ transformers is patched. ``unparallelize(model)`` switches back and removes the 
 
 The model is then called with the output of ``seqmesh.shard_batch``: its ``position_ids`` give RoPE
 every local token's global position (within its document), and its ``seqmesh`` entry travels down
-the model's ``**kwargs`` to the attention function with the sequence length and document boundaries.
+the model's ``**kwargs`` to the attention function with the sequence length, document boundaries and
+image blocks (Gemma 3: the tokens of one image see each other both ways).
 No attention mask is built (transformers skips mask creation for implementations it does not know).
 """
 
@@ -95,7 +96,7 @@ def _make_attention(mesh: SPMesh, backend: str):
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh,
             causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
-            validate=first, window=kwargs.get("sliding_window"), sinks=sinks,
+            validate=first, window=kwargs.get("sliding_window"), sinks=sinks, image_blocks=info.image_blocks,
         )
         info.validated.add(id(mesh))
         return out, None

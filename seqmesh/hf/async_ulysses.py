@@ -116,7 +116,7 @@ def _make_forward(mesh: SPMesh, backend: str, pieces: int):
             hidden_states, project, output, mesh, pieces=pieces, causal=getattr(self, "is_causal", True),
             layout=info.layout, cu_seqlens=info.cu_seqlens, seq_len=info.seq_len if info.cu_seqlens is None else None,
             softmax_scale=self.scaling, backend=backend, validate=id(mesh) not in info.validated, window=window,
-            sinks=getattr(self, "sinks", None),
+            sinks=getattr(self, "sinks", None), image_blocks=info.image_blocks,
         )
         info.validated.add(id(mesh))
         return out, None

@@ -43,6 +43,8 @@ class SequenceInfo:
     cu_seqlens: tuple[int, ...] | None  # packed documents over the whole sequence, or None
     layout: str
     ignore_index: int = IGNORE_INDEX  # the target value that scores nothing; the loss reads it from here
+    # [start, stop) over the whole sequence of each image block whose tokens see each other both ways (Gemma 3)
+    image_blocks: tuple[tuple[int, int], ...] | None = None
     # meshes whose ranks have already agreed on these inputs (the first attention call checks, once)
     validated: ValidatedMeshes = field(default_factory=ValidatedMeshes, compare=False, repr=False)
 

@@ -44,6 +44,7 @@ def attention(
     validate: bool | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    image_blocks: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded on ``mesh``'s sequence group.
 
@@ -75,6 +76,10 @@ def attention(
             (gpt-oss ``s_aux``), folded into the fp32 log-sum-exp once. Its gradient on each rank
             is this rank's part (its Ulysses heads, its ring block's rows): sum it over the sequence
             group, as FSDP/DDP does for every weight when the sequence ranks are data ranks too.
+        image_blocks: global ``[start, stop)`` intervals of positions, ascending, each inside one document,
+            whose tokens see each other both ways (Gemma 3's images): with ``causal``, a query in a block
+            also sees the block's later keys. Under a ``window`` a block may hold at most ``window`` tokens.
+            Without ``causal`` they change nothing. ``seqmesh.shard_batch`` finds them (``SequenceInfo``).
 
     Returns:
         ``(B, L, Hq, Dv)`` in q's dtype and the same local order.
@@ -82,10 +87,10 @@ def attention(
     if torch.compiler.is_compiling():  # one graph node: two torch.library ops that plan inside (compiled.py)
         return compiled_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len,
                                   softmax_scale=softmax_scale, backend=backend, validate=validate, window=window,
-                                  sinks=sinks)
+                                  sinks=sinks, image_blocks=image_blocks)
     call, ring_part = prepare_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                         seq_len=seq_len, softmax_scale=softmax_scale, backend=backend,
-                                        validate=validate, window=window, sinks=sinks)
+                                        validate=validate, window=window, sinks=sinks, image_blocks=image_blocks)
     if mesh.ulysses == 1:
         return ring_part(q, k, v, None)
     return ulysses_attention(q, k, v, mesh, call.heads, ring_part)
@@ -95,12 +100,13 @@ def prepare_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, softmax_scale: float | None, backend: str,
     validate: bool | None, window: int | None, sinks: torch.Tensor | None,
+    image_blocks: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[CheckedCall, InnerAttention]:
     """Check a call of :func:`attention` (arguments as there; only q, k, v's shapes, dtype and device are read,
     so expanded views do) and return it with the ring attention that runs on each Ulysses rank's heads."""
     call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                             seq_len=seq_len, backend=backend, validate=validate, window=window,
-                                            sinks=sinks)
+                                            sinks=sinks, image_blocks=image_blocks)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if call.layout.ring > 1 else None
 
@@ -130,6 +136,7 @@ def projected_attention(
     validate: bool | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    image_blocks: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """``output(attention(*project(hidden)))`` with async Ulysses: ``hidden`` (B, L, E) is projected in
     ``pieces`` pieces of tokens and each piece's all-to-all overlaps the next piece's projection; the
@@ -140,7 +147,7 @@ def projected_attention(
     token. The other arguments are :func:`attention`'s. Without a Ulysses axis there is nothing to overlap
     and this is the synchronous composition. Returns ``(B, L, E')``."""
     options = dict(causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len, softmax_scale=softmax_scale,
-                   backend=backend, validate=validate, window=window, sinks=sinks)
+                   backend=backend, validate=validate, window=window, sinks=sinks, image_blocks=image_blocks)
     if mesh.ulysses == 1:
         q, k, v = project(hidden, slice(0, hidden.shape[1]))
         return output(attention(q, k, v, mesh, **options))

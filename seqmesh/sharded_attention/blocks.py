@@ -27,6 +27,16 @@ nothing is left, and stays a plain full call when the window covers all of it::
     keys kept    ks' = max(ks, qs - w + 1)         (older keys are out of every row's window)
     rows kept    qe' = min(qe, ke - 1 + w)         (later rows see none of these keys)
     full call    when qe' - 1 - ks' < w            (the farthest pair is inside the window)
+
+Image blocks (Gemma 3: the tokens of one image see each other both ways) are intervals of positions,
+each inside one document, given with causal attention. A query in a block sees, besides the keys
+causality gives it, every later key of its own block: its highest visible key is the block's last
+position instead of itself. The block's later keys are always inside a causal window (``j > i > i - w``)
+as long as the block is no longer than the window, which the checks require. ``plan_block`` cuts every
+run at block boundaries into finer runs, each wholly inside one block or outside all, and plans every
+pair of them: a block's run against itself is one full call; keys before the queries as above; keys
+after the queries one full rectangle when both runs lie in the same block, nothing otherwise. No kernel
+learns a new mask.
 """
 
 from __future__ import annotations
@@ -144,14 +154,58 @@ def _cross_window(q: Run, k: Run, bounds: Sequence[int], window: int) -> Piece |
                  k.offset + ke - k.start, mask)
 
 
+def _split_at_blocks(runs: Sequence[Run], blocks: Sequence[tuple[int, int]]) -> list[tuple[Run, int]]:
+    """Every run cut at the image blocks' starts and stops, each piece with the index of the block
+    holding it (-1: outside every block)."""
+    starts = [a for a, _ in blocks]
+    edges = sorted({x for block in blocks for x in block})
+    out = []
+    for run in runs:
+        cuts = [run.start, *edges[bisect.bisect_right(edges, run.start) : bisect.bisect_left(edges, run.stop)], run.stop]
+        for a, b in zip(cuts, cuts[1:]):
+            i = bisect.bisect_right(starts, a) - 1
+            inside = i >= 0 and a < blocks[i][1]
+            out.append((Run(a, b - a, run.offset + a - run.start), i if inside else -1))
+    return out
+
+
+def _plan_with_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], window: int | None,
+                      blocks: Sequence[tuple[int, int]]) -> list[Piece]:
+    """Causal attention (optionally windowed) with image blocks, one finer run pair at a time."""
+    pieces = []
+    q_parts, k_parts = _split_at_blocks(q_runs, blocks), _split_at_blocks(k_runs, blocks)
+    for q, q_block in q_parts:
+        for k, k_block in k_parts:
+            if q == k and q_block >= 0:  # an image's run against itself: both ways (one document, within a window)
+                p = Piece(q.offset, q.offset + q.length, k.offset, k.offset + k.length, FULL)
+            elif q == k:  # text on the diagonal: causal within its documents
+                p = (_diagonal_window(q, bounds, window) if window is not None else
+                     Piece(q.offset, q.offset + q.length, q.offset, q.offset + q.length,
+                           BlockMask(causal=True, segments=_segments((Run(q.start, q.length, 0),), bounds))))
+            elif k.stop <= q.start:  # keys before the queries: as without blocks
+                p = _cross_window(q, k, bounds, window) if window is not None else _cross(q, k, bounds, causal=True)
+            elif q_block >= 0 and q_block == k_block:  # later keys of the queries' own image
+                p = Piece(q.offset, q.offset + q.length, k.offset, k.offset + k.length, FULL)
+            else:
+                p = None
+            if p is not None:
+                pieces.append(p)
+    return pieces
+
+
 def plan_block(
-    q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], causal: bool, window: int | None = None
+    q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], causal: bool, window: int | None = None,
+    blocks: Sequence[tuple[int, int]] = (),
 ) -> tuple[Piece, ...]:
     """Kernel calls that compute attention of the ``q_runs`` block over the ``k_runs`` block, with an
-    optional causal sliding ``window``."""
+    optional causal sliding ``window`` and image ``blocks`` (``[start, stop)`` intervals of positions,
+    ascending, each inside one document and no longer than ``window``; read with causal attention only,
+    as without causality every key of a document is visible already)."""
+    if window is not None and not causal:
+        raise ValueError("sliding windows are causal here; non-causal windowed attention is not supported.")
+    if blocks and causal:
+        return tuple(_coalesce(_plan_with_blocks(q_runs, k_runs, bounds, window, blocks)))
     if window is not None:
-        if not causal:
-            raise ValueError("sliding windows are causal here; non-causal windowed attention is not supported.")
         pieces = [
             (_diagonal_window(q, bounds, window) if q == k else _cross_window(q, k, bounds, window))
             for q in q_runs for k in k_runs

@@ -21,7 +21,7 @@ from ..mesh import SPMesh
 from .heads import HeadPlan
 
 FIELDS = ("batch", "local tokens", "query heads", "kv heads", "head dim", "dtype", "causal", "layout",
-          "sequence length", "documents", "value head dim", "window", "sinks")
+          "sequence length", "documents", "value head dim", "window", "sinks", "image blocks")
 _LAYOUTS = tuple(LayoutKind)
 VALIDATED_CALLS = 256  # signatures remembered per mesh (packed batches bring new boundaries each step)
 
@@ -36,9 +36,13 @@ def _as_ints(cu_seqlens: torch.Tensor | Sequence[int] | None) -> tuple[int, ...]
     return tuple(int(x) for x in cu_seqlens)
 
 
-def _fingerprint(cu: tuple[int, ...] | None) -> int:
+def _as_blocks(blocks: Sequence[tuple[int, int]] | None) -> tuple[tuple[int, int], ...]:
+    return () if blocks is None else tuple((int(a), int(b)) for a, b in blocks)
+
+
+def _fingerprint(cu: tuple | None) -> int:
     """The same integer on every process for the same boundaries (int tuples hash deterministically)."""
-    return 0 if cu is None else (hash(cu) & (2**62 - 1)) + 1
+    return 0 if not cu else (hash(cu) & (2**62 - 1)) + 1
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,14 @@ class CheckedCall:
     heads: HeadPlan
     cu_seqlens: tuple[int, ...] | None
     real_len: int  # tokens that are not padding
+    image_blocks: tuple[tuple[int, int], ...] = ()  # [start, stop) of each image block, ascending
 
 
 def check_attention_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, validate: bool | None,
     window: int | None = None, sinks: torch.Tensor | None = None,
+    image_blocks: Sequence[tuple[int, int]] | None = None,
 ) -> CheckedCall:
     """Check one rank's inputs and, with ``validate``, that the sequence group agrees on them; raise the
     same ValueError on every rank otherwise. ``validate=None`` agrees once per call signature (shapes,
@@ -66,6 +72,10 @@ def check_attention_inputs(
         cu = _as_ints(cu_seqlens)
     except (TypeError, ValueError) as err:  # reported through the group below, so no peer is left waiting
         cu, problem = None, problem or f"cu_seqlens could not be read as integers: {err}"
+    try:
+        blocks = _as_blocks(image_blocks)
+    except (TypeError, ValueError) as err:
+        blocks, problem = (), problem or f"image_blocks must be (start, stop) pairs of ints: {err}"
     values = [0] * len(FIELDS)
     lay = plan = None
     if problem is None:
@@ -82,11 +92,13 @@ def check_attention_inputs(
             lay = SequenceLayout(lay.kind, lay.ring, lay.ulysses, total, cu)  # its runs follow the documents
         if problem is None and seq_len is not None and not 1 <= seq_len <= total:
             problem = f"seq_len={seq_len} must be in [1, {total}] (local tokens {n} x sequence degree {p})."
+        if problem is None and blocks:
+            problem = check_image_blocks(blocks, cu, cu[-1] if cu is not None else (seq_len or total), window)
         if problem is None and q.device.type != mesh.device_type:
             problem = f"the tensors are on {q.device.type} but the mesh was built for {mesh.device_type}."
         values = [b, n, hq, k.shape[2], d, SUPPORTED_DTYPES.index(q.dtype) + 1, int(causal),
                   _LAYOUTS.index(lay.kind) if lay else -1, seq_len or 0, _fingerprint(cu), v.shape[3], window or 0,
-                  int(sinks is not None)]
+                  int(sinks is not None), _fingerprint(blocks)]
     key = (problem is None, *values)
     if validate is None:
         validate = problem is not None or key not in mesh.validated_calls
@@ -95,7 +107,7 @@ def check_attention_inputs(
         if problem is None:
             readable = [b, n, hq, k.shape[2], d, str(q.dtype).removeprefix("torch."), causal,
                         lay.kind.value if lay else None, seq_len, list(cu) if cu is not None else None, v.shape[3],
-                        window, sinks is not None]
+                        window, sinks is not None, [list(b) for b in blocks]]
         agree(mesh.sp_group, values, problem, mesh.collective_device(), readable)
     elif problem:
         raise ValueError(problem)
@@ -105,7 +117,7 @@ def check_attention_inputs(
     while len(mesh.validated_calls) > VALIDATED_CALLS:
         mesh.validated_calls.popitem(last=False)
     real = cu[-1] if cu is not None else (seq_len or lay.padded_len)
-    return CheckedCall(lay, plan, cu, real)
+    return CheckedCall(lay, plan, cu, real, blocks)
 
 
 def describe_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -163,6 +175,28 @@ def check_cu_seqlens(cu: Sequence[int], total: int) -> str | None:
     if cu[-1] > total:
         return (f"cu_seqlens ends at {cu[-1]} but the sequence holds {total} tokens "
                 "(local tokens x sequence-parallel degree); the last boundary must not exceed it.")
+    return None
+
+
+def check_image_blocks(blocks: Sequence[tuple[int, int]], cu: Sequence[int] | None, real: int,
+                       window: int | None) -> str | None:
+    """A problem with image blocks (``[start, stop)`` positions whose tokens see each other both ways) over a
+    sequence of ``real`` tokens in the documents ``cu``, under a causal ``window``, or None."""
+    previous = 0
+    for a, b in blocks:
+        if not previous <= a < b <= real:
+            return (f"image block [{a}, {b}) is not a non-empty interval of real positions after the previous block "
+                    f"(which ends at {previous}) and before {real}; give ascending, disjoint blocks of the sequence.")
+        inside = [c for c in (cu or ()) if a < c < b]
+        if inside:
+            return (f"image block [{a}, {b}) crosses the document boundary {inside[0]}; an image lies inside one "
+                    "document: cut the block there (each document sees only its own tokens).")
+        if window is not None and b - a > window:
+            return (f"image block [{a}, {b}) holds {b - a} tokens, more than the sliding window of {window}: its first "
+                    "tokens would see later image tokens farther away than the window (transformers' Gemma 3 mask "
+                    "allows that), which seqmesh does not compute. Use images of at most the window's tokens "
+                    "(mm_tokens_per_image) or a longer sliding_window.")
+        previous = b
     return None
 
 

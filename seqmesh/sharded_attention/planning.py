@@ -30,16 +30,19 @@ def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor,
 def plan_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, backend: str, validate: bool | None,
-    window: int | None, sinks: torch.Tensor | None,
+    window: int | None, sinks: torch.Tensor | None, image_blocks: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[CheckedCall, RingSchedule, ChooseKernel]:
     """The checked call of ``seqmesh.attention`` (arguments as there; only q, k, v's shapes, dtype and device
     are read), its ring schedule and kernel chooser; a named kernel's refusal raises here on every rank."""
     call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
-                                  seq_len=seq_len, validate=validate, window=window, sinks=sinks)
+                                  seq_len=seq_len, validate=validate, window=window, sinks=sinks,
+                                  image_blocks=image_blocks)
     lay = call.layout
     if window is not None and window >= lay.padded_len:
         window = None  # every key is inside it: plain causal attention
-    schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal, window)
+    blocks = call.image_blocks if causal else ()  # without causality a document's keys are all visible already
+    schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal, window,
+                             blocks)
     choose = kernel_chooser(backend)
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
         check_backend(schedule, choose, q, k, v)

@@ -2,7 +2,9 @@
 
 Ring rank r holds its query block for the whole pass; at step t it holds the key/value block of
 ring rank ``(r - t) mod ring``. Every rank computes the same schedule from the layout, the
-document boundaries and the window, so no plan is ever exchanged.
+document boundaries, the window and the image blocks (Gemma 3: positions that see their whole image,
+later keys included), so no plan is ever exchanged: a step whose only work is an image's later keys
+on another rank is a step with work like any other.
 
 A sliding window leaves some steps empty on every rank; :attr:`RingSchedule.steps` lists the others,
 the only ones the ring runs and sends blocks for. With a window shorter than a chunk, contiguous
@@ -40,6 +42,7 @@ class RingSchedule:
     bounds: tuple[int, ...]  # document boundaries over the padded sequence (padding included)
     causal: bool
     window: int | None = None  # causal sliding window in tokens; None: none
+    blocks: tuple[tuple[int, int], ...] = ()  # image blocks [start, stop): bidirectional inside (causal only)
     _plans: dict[tuple[int, int], tuple[Piece, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, ring_rank: int, step: int) -> int:
@@ -52,7 +55,7 @@ class RingSchedule:
         if key not in self._plans:
             runs = self.layout.ring_runs
             self._plans[key] = plan_block(runs(ring_rank), runs(self.source(ring_rank, step)), self.bounds,
-                                          self.causal, self.window)
+                                          self.causal, self.window, self.blocks)
         return self._plans[key]
 
     @functools.cached_property
@@ -105,8 +108,9 @@ class RingSchedule:
 
 @functools.lru_cache(maxsize=256)
 def ring_schedule(
-    layout: SequenceLayout, bounds: tuple[int, ...], causal: bool, window: int | None = None
+    layout: SequenceLayout, bounds: tuple[int, ...], causal: bool, window: int | None = None,
+    blocks: tuple[tuple[int, int], ...] = (),
 ) -> RingSchedule:
-    """The schedule for a layout, document boundaries, causality and window, built once and shared by
-    every layer and step that meets them (its block plans are filled in on first use)."""
-    return RingSchedule(layout, bounds, causal, window)
+    """The schedule for a layout, document boundaries, causality, window and image blocks, built once and
+    shared by every layer and step that meets them (its block plans are filled in on first use)."""
+    return RingSchedule(layout, bounds, causal, window, blocks)

@@ -30,6 +30,7 @@ from ..sequence.layout import auto_layout
 from ..sequence.sharding import sequence_layout, shard_sequence
 from .families import VisionFamily, vision_family
 from .plain import check_plain_media, plain_shard
+from .pooled import check_pooled_media, image_blocks, pooled_shard
 from .route import moved, routing
 from .grid import bilinear_taps, frame_bounds, frame_sizes, patch_coordinates, unit_counts, window_order
 
@@ -153,7 +154,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
 
     ``batch``: the model's processor output: ``input_ids``, ``pixel_values`` / ``image_grid_thw``,
     ``pixel_values_videos`` / ``video_grid_thw`` (and ``second_per_grid_ts`` for Qwen2.5-VL videos),
-    optional ``mm_token_type_ids``, ``labels`` (default: the inputs, with no loss on image or video
+    optional ``mm_token_type_ids`` (Gemma 3: ``token_type_ids``, whose runs of 1 are the image blocks its
+    decoder sees both ways; without them its mask is causal, as transformers'), ``labels`` (default: the inputs, with no loss on image or video
     placeholder tokens), ``position_ids`` restarting at 0 per packed document, or ``attention_mask`` of
     right padding. ``model``: the parallelized transformers model (or its ``SequenceParallelLM``)."""
     lm = _inner(model)
@@ -167,8 +169,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
     if s < mesh.sp_size:
         raise ValueError(f"the sequence has {s} tokens but the sequence-parallel degree is {mesh.sp_size}; use "
                          f"sequences of at least {mesh.sp_size} tokens or a smaller degree.")
-    if family.plain:
-        images = check_plain_media(batch, input_ids, config)
+    if family.plain or family.pooled:
+        images = (check_plain_media if family.plain else check_pooled_media)(batch, input_ids, config)
         is_image, is_video = input_ids == config.image_token_id, torch.zeros_like(input_ids, dtype=torch.bool)
     else:
         image_grid, video_grid = _check_media(batch, input_ids, config, vision.spatial_merge_size)
@@ -184,7 +186,7 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
                          f"shape {tuple(positions.shape)}; seqmesh computes the 3-D M-RoPE ids itself, per document.")
     cu = documents_from_positions(positions) if positions is not None else None
     lengths = real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
-    if family.plain:  # one position per token, restarting per document, as for text
+    if family.plain or family.pooled:  # one position per token, restarting per document, as for text
         rope = positions.to(torch.long).cpu().expand(b, s) if positions is not None else positions_in_documents(s, cu).expand(b, s)
     else:
         token_types = batch.get("mm_token_type_ids")
@@ -209,14 +211,20 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         rope = torch.cat([rope, rope[..., -1:] + torch.arange(1, pad + 1)], dim=-1)
         units_of = torch.nn.functional.pad(units_of, (0, pad), value=-1)
     device = input_ids.device
+    blocks = image_blocks(batch.get("token_type_ids"), cu) if family.pooled else None  # Gemma 3's mask
+    if family.plain:
+        vision_shard = plain_shard(batch, mesh, config, images, units_of, lay, device)
+    elif family.pooled:
+        vision_shard = pooled_shard(batch, mesh, config, images, units_of, lay, device)
+    else:
+        vision_shard = _vision_shard(batch, mesh, family, vision, image_grid, video_grid, units_of, lay, device)
     shard = lambda t, dim=1: shard_sequence(t, mesh, dim=dim, layout=layout, cu_seqlens=cu)  # noqa: E731
     return {
         "input_ids": shard(input_ids),
         "position_ids": shard(rope.contiguous().to(device), dim=rope.dim() - 1),
         "shift_labels": shard(targets),
-        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index),
-        "seqmesh_vision": (plain_shard(batch, mesh, config, images, units_of, lay, device) if family.plain else
-                           _vision_shard(batch, mesh, family, vision, image_grid, video_grid, units_of, lay, device)),
+        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index, image_blocks=blocks),
+        "seqmesh_vision": vision_shard,
     }
 
 

@@ -3,8 +3,9 @@
 A family names the transformers modules seqmesh drives (the tower, its embedding pieces, the language
 model) and what differs between them: the order of the tower's sequence (Qwen2.5-VL's windows), what
 the decoder receives besides its input embeddings (Qwen3-VL's DeepStack features), learned positions,
-and a plain tower (LLaVA's CLIP, ``seqmesh.vision.plain``). Every other multimodal model is refused by
-name (:func:`vision_family`).
+a plain tower (LLaVA's CLIP, ``seqmesh.vision.plain``) and a pooled one whose image tokens see each other
+both ways (Gemma 3's SigLIP, ``seqmesh.vision.pooled``). Every other multimodal model is refused by name
+(:func:`vision_family`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 # model_type of the top-level config -> the families below
-SUPPORTED_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava")
+SUPPORTED_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3")
 # multimodal model types seqmesh recognises but does not run yet, and why
 REFUSED_VISION = {
-    "gemma3": "Gemma 3's image tokens attend to each other bidirectionally inside an image (a mask seqmesh's "
-              "attention does not compute)",
     "llava_onevision": "LLaVA-OneVision's tower is not yet routed through seqmesh",
     "internvl": "InternVL's tower is not yet routed through seqmesh",
 }
@@ -31,6 +30,7 @@ class VisionFamily:
     deepstack: bool  # Qwen3-VL: features of some tower blocks are added to the first decoder layers
     learned_positions: bool  # Qwen3-VL: a learned position table resampled to each frame
     plain: bool = False  # LLaVA: fixed-size images through a CLIP tower with a class token (seqmesh.vision.plain)
+    pooled: bool = False  # Gemma 3: fixed-size images through SigLIP, pooled per token, seen both ways (.pooled)
 
     @staticmethod
     def inner(model: nn.Module) -> nn.Module:
@@ -44,10 +44,14 @@ class VisionFamily:
             from .plain import check_plain
 
             check_plain(config)
+        if self.pooled:
+            from .pooled import check_pooled
+
+            check_pooled(config)
 
     def tower(self, model: nn.Module) -> nn.Module:
         inner = self.inner(model)
-        return inner.vision_tower if self.plain else inner.visual
+        return inner.vision_tower if self.plain or self.pooled else inner.visual
 
     def language_model(self, model: nn.Module) -> nn.Module:
         return self.inner(model).language_model
@@ -63,6 +67,7 @@ FAMILIES = {
     "qwen3_5": VisionFamily("Qwen3.5", windows=False, deepstack=False, learned_positions=True),
     "qwen3_5_moe": VisionFamily("Qwen3.5-MoE", windows=False, deepstack=False, learned_positions=True),  # MoE MLPs
     "llava": VisionFamily("LLaVA", windows=False, deepstack=False, learned_positions=False, plain=True),
+    "gemma3": VisionFamily("Gemma 3", windows=False, deepstack=False, learned_positions=False, pooled=True),
 }
 
 

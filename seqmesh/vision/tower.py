@@ -23,6 +23,7 @@ from ..sequence.batch import SequenceInfo
 from .batch import VisionShard
 from .families import VisionFamily, vision_family
 from .plain import PlainShard, run_plain_tower
+from .pooled import PooledShard, run_pooled_tower
 
 
 def _rotary(tower: nn.Module, hidden: torch.Tensor, coordinates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,16 +73,20 @@ class VisionLanguageLM(SequenceParallelLM):
         self.family = vision_family(lm.config)
 
     def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
-                      seqmesh_vision: VisionShard | PlainShard | None = None) -> torch.Tensor:
+                      seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
         if seqmesh_vision is None:
             raise ValueError(f"{type(self.lm).__name__} is a vision-language model: call it with "
                              "seqmesh.shard_batch(batch, mesh, model=model), which shards its images too.")
         family = self.family
-        embeds = family.inner(self.lm).get_input_embeddings()(input_ids)  # (B, L, D)
+        table = family.inner(self.lm).get_input_embeddings()
+        image_id = getattr(self.lm.config, "image_token_id", None)
+        if family.pooled and image_id is not None and image_id >= table.num_embeddings:
+            input_ids = input_ids.masked_fill(input_ids == image_id, 0)  # Gemma 3 looks an id past its table up as 0
+        embeds = table(input_ids)  # (B, L, D)
         extra = {"seqmesh": seqmesh} if seqmesh is not None else {}
         media = self._any_media(seqmesh_vision)
-        if media and family.plain:
-            rows = run_plain_tower(self.lm, seqmesh_vision, self.mesh)
+        if media and (family.plain or family.pooled):
+            rows = (run_plain_tower if family.plain else run_pooled_tower)(self.lm, seqmesh_vision, self.mesh)
             embeds = embeds.masked_scatter(seqmesh_vision.visual_mask[..., None], rows.to(embeds.dtype))
         elif media:
             rows, deep = run_tower(family, family.tower(self.lm), seqmesh_vision, self.mesh)
@@ -92,7 +97,7 @@ class VisionLanguageLM(SequenceParallelLM):
         out = family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state
 
-    def _any_media(self, shard: VisionShard | PlainShard) -> bool:
+    def _any_media(self, shard: VisionShard | PlainShard | PooledShard) -> bool:
         """Whether any rank's batch holds an image or a video. Then every rank runs the tower (on padding
         if it has none), so the collectives of the tower and of FSDP2 match. Otherwise no rank runs it, and
         its weights get no gradient, as on one device: an optimizer leaves them alone rather than moving
@@ -104,12 +109,12 @@ class VisionLanguageLM(SequenceParallelLM):
         return bool(flag.item())
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-                seqmesh_vision: VisionShard | PlainShard | None = None) -> torch.Tensor:
+                seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
         return self.loss_from_hidden(hidden, shift_labels, seqmesh)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-              seqmesh_vision: VisionShard | PlainShard | None = None) -> torch.Tensor:
+              seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
         return self.score_from_hidden(hidden, shift_labels, seqmesh)

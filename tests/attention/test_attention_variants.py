@@ -32,6 +32,11 @@ def _cases() -> list[Case]:
     cases += [Case(48, 4, 2, causal, "zigzag", None, v_dim=4) for causal in (True, False)]
     cases += [Case(45, 4, 4, True, "contiguous", _documents(45), v_dim=12, window=6, sinks=True)]
     cases += [Case(40, 4, 2, True, "zigzag", None, window=6, sinks=True, v_dim=4, dtype="float32", seed=2)]
+    # images seen both ways by their tokens (Gemma 3): across shards and chunks, back to back at a document
+    # boundary, under windows shorter than a chunk and none, in every layout
+    images = ((2, 7), (9, 10), (10, 16), (20, 27), (33, 40))
+    cases += [Case(45, 4, 2, True, layout, _documents(45), window=window, image_blocks=images)
+              for layout, window in itertools.product(("zigzag", "contiguous", "per_document"), (None, 7))]
     return cases
 
 

@@ -18,6 +18,8 @@ CASES = [
     Case(24, 4, 2, True, "zigzag", window=5, sinks=True),
     Case(24, 4, 4, True, "contiguous", v_dim=6),  # MLA-style value head dim
     Case(24, 4, 1, False, "zigzag", DOCS, sinks=True),  # MQA: kv replication under Ulysses
+    # images seen both ways by their tokens (Gemma 3), across shards, in documents, under a window
+    Case(24, 4, 2, True, "zigzag", DOCS, window=5, image_blocks=((2, 6), (9, 13), (13, 16), (18, 21))),
 ]
 
 

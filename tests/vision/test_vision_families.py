@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE) and LLaVA (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE), LLaVA and Gemma 3 (tiny, float64) through seqmesh with the vision tower sharded: logits, loss and
 every parameter's gradient (tower included) equal the single-process transformers model on the whole
 batch, within the rounding the reference itself carries, on every mesh shape."""
 
@@ -25,13 +25,22 @@ MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
 ROUNDING_MULTIPLE = 4
 
 
+# Gemma 3 (images seen both ways by their own tokens, a sliding-window layer and a full one): its images all
+# have one size and its rows must place them alike (one mask for the batch), so no two_rows; "untyped" leaves out
+# token_type_ids, where transformers' mask is plainly causal. On 2x2 its three richest batches.
+GEMMA_KINDS = [k for k in KINDS if k[0] != "two_rows"] + [("untyped", "zigzag")]
+
+
 def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
-        return [(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
+        return ([(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
+                + [("gemma3", ulysses, ring, kind, layout) for kind, layout in GEMMA_KINDS])
     # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
     # CLIP's class token). The others add no code path there: Qwen2-VL's tower is Qwen2.5-VL's full blocks,
-    # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's
-    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]]
+    # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's;
+    # Gemma 3 (its pooled tower and image blocks) on 2x2 only
+    gemma = [("gemma3", 2, 2, kind, layout) for kind, layout in GEMMA_KINDS[:3]] if (ulysses, ring) == (2, 2) else []
+    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]] + gemma
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
@@ -62,6 +71,15 @@ def test_vision_language_models_exact(pools, ulysses, ring):
 def test_tolerance_sees_a_shifted_position(pools):
     """One rank's M-RoPE ids one position off must fail the tolerance by a wide margin."""
     for results in pools.run(2, _run_all, [("qwen2_5_vl", 1, 2, "mixed", "zigzag")], shift_positions_on=1):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+            assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_tolerance_sees_the_image_mask_dropped(pools):
+    """Gemma 3's decoder run plainly causal (image tokens blind to their image's later tokens) must fail the
+    tolerance by a wide margin: the test sees the mask."""
+    for results in pools.run(2, _run_all, [("gemma3", 1, 2, "mixed", "zigzag")], drop_image_blocks=True):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
