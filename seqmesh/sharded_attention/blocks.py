@@ -32,11 +32,11 @@ Image blocks (Gemma 3: the tokens of one image see each other both ways) are int
 each inside one document, given with causal attention. A query in a block sees, besides the keys
 causality gives it, every later key of its own block: its highest visible key is the block's last
 position instead of itself. The block's later keys are always inside a causal window (``j > i > i - w``)
-as long as the block is no longer than the window, which the checks require. ``plan_block`` cuts every
-run at block boundaries into finer runs, each wholly inside one block or outside all, and plans every
-pair of them: a block's run against itself is one full call; keys before the queries as above; keys
-after the queries one full rectangle when both runs lie in the same block, nothing otherwise. No kernel
-learns a new mask.
+as long as the block is no longer than the window, which the checks require. Keys before a query are
+visible or not whatever the blocks, so pairs of disjoint runs are planned as without blocks, plus one
+full rectangle for each image that reaches from the queries into later keys; a run against itself is cut
+at block edges into parts, each part against itself (an image's one full call, text causal) and against
+the run's keys before it. No kernel learns a new mask.
 """
 
 from __future__ import annotations
