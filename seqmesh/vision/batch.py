@@ -214,7 +214,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         "input_ids": shard(input_ids),
         "position_ids": shard(rope.contiguous().to(device), dim=rope.dim() - 1),
         "shift_labels": shard(targets),
-        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index),
+        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index,
+                                lengths=tuple(lengths) if lengths is not None else None),
         "seqmesh_vision": (plain_shard(batch, mesh, config, images, units_of, lay, device) if family.plain else
                            _vision_shard(batch, mesh, family, vision, image_grid, video_grid, units_of, lay, device)),
     }
