@@ -36,7 +36,7 @@ from .loss import pool_sum
 # model_type of the causal LMs (and vision-language models) whose aux seqmesh reproduces: each adds the term above,
 # with its config's top-k over every MoE layer's router logits, masked by the batch's attention_mask (read in
 # transformers 5.15 and 5.24; measured against the model in tests/model/test_router_aux.py for qwen3_moe, gpt_oss,
-# mixtral and qwen3_5_moe)
+# mixtral and qwen3_vl_moe, the others read only)
 SAME_AUX = ("qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "gpt_oss", "olmoe", "phimoe", "qwen3_vl_moe",
             "qwen3_5_moe", "qwen3_5_moe_text")
 
