@@ -121,8 +121,8 @@ class _KeepFloat64(TorchFunctionMode):
             if func is torch.Tensor.float:
                 return args[0].double()
             args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
+        if kwargs.get("dtype") is torch.float32:  # casts and new tensors alike (the router loss's float32 sums)
+            kwargs["dtype"] = torch.float64
         return func(*args, **kwargs)
 
 
@@ -137,16 +137,18 @@ def _worst_grad(model, want: dict) -> tuple[float, str]:
     return worst, name_of
 
 
-def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, reference) -> dict:
+def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, reference,
+                       loss_fn=_reference_loss) -> dict:
     """How far rounding alone moves the float64 reference: the same model and weights run in float32,
     against float64 (logits, loss, relative gradients). Where the float64 model computes any operator
     in float32 itself (an upcast norm or router), that operator's rounding reaches its logits and
     gradients, so its tolerances are float32's; otherwise rounding is float64's, the float32 figure
-    scaled by the ratio of the two unit roundoffs (2**-53 / 2**-24)."""
+    scaled by the ratio of the two unit roundoffs (2**-53 / 2**-24). ``loss_fn(model, batch)``: the
+    reference's ``(logits, loss)``."""
     with _Float32Ops() as ops, torch.no_grad():
-        _reference_loss(reference, batch)
+        loss_fn(reference, batch)
     low = build(config).to(torch.float32)
-    logits, loss = _reference_loss(low, batch)
+    logits, loss = loss_fn(low, batch)
     loss.backward()
     scale = 1.0 if ops.seen else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
     grad = _worst_grad(low, dict(reference.named_parameters()))[0]
@@ -155,7 +157,7 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
     if ops.seen:  # the reference's own float32 steps: how far they move it from the same code all in float64
         exact = build(config)
         with _KeepFloat64():
-            logits64, loss64 = _reference_loss(exact, batch)
+            logits64, loss64 = loss_fn(exact, batch)
         loss64.backward()
         rounding["inside"] = {"logits": float((logits64 - ref_logits).abs().max()), "loss": abs(loss64.item() - ref_loss.item()),
                               "grad": _worst_grad(exact, dict(reference.named_parameters()))[0]}

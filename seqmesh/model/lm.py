@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from ..comm.ranks import is_dtensor
 from .loss import chunked_linear_cross_entropy
-from ..sequence.batch import IGNORE_INDEX
+from .router_aux import RouterAux, load_balancing_loss, router_aux
+from ..sequence.batch import IGNORE_INDEX, real_tokens
 from ..mesh import SPMesh
 from .presets import MODELS, ModelShape, model_shape
 
@@ -247,7 +248,8 @@ class SequenceParallelLM(nn.Module):
     """Wraps a transformers causal LM; ``forward(**shard_batch(...))`` returns the loss.
 
     The loss is the one-device mean next-token cross-entropy of the whole batch (see
-    ``seqmesh.model.loss``), computed with a chunked LM head so full-vocabulary logits never exist for the
+    ``seqmesh.model.loss``), plus an MoE model's router load-balancing term where its config asks for it
+    (``seqmesh.model.router_aux``), computed with a chunked LM head so full-vocabulary logits never exist for the
     whole local shard. It lives in a module's forward so FSDP2 has the LM head's weight gathered.
     """
 
@@ -257,14 +259,32 @@ class SequenceParallelLM(nn.Module):
         self.mesh = mesh
         self.chunk = chunk
 
-    def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+    def decode(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None, *, router_logits: bool = False):
+        """The decoder's output: ``last_hidden_state`` ``(B, L, hidden)`` and, with ``router_logits``, the
+        ``router_logits`` of every MoE layer (``(B * L, E)`` each)."""
         extra = {} if seqmesh is None else {"seqmesh": seqmesh}
-        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
-        return out.last_hidden_state  # (B, L, hidden)
+        if router_logits:
+            extra["output_router_logits"] = True
+        return self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+
+    def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
+        return self.decode(input_ids, position_ids, seqmesh).last_hidden_state  # (B, L, hidden)
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
         """The loss (the same on every rank)."""
-        return self.loss_from_hidden(self.hidden_states(input_ids, position_ids, seqmesh), shift_labels, seqmesh)
+        aux = router_aux(self.lm)
+        out = self.decode(input_ids, position_ids, seqmesh, router_logits=aux is not None)
+        return self.loss_of(out, shift_labels, seqmesh, aux)
+
+    def loss_of(self, out, shift_labels, seqmesh: SequenceInfo | None, aux: RouterAux | None) -> torch.Tensor:
+        """The loss of the decoder's output: the cross-entropy, plus ``aux`` (``router_aux(self.lm)``: the routers'
+        load-balancing term, where the model adds one), both pooled over the batch group."""
+        loss = self.loss_from_hidden(out.last_hidden_state, shift_labels, seqmesh)
+        if aux is None:
+            return loss
+        group = self.mesh.batch_group if self.mesh is not None else None
+        real = real_tokens(seqmesh, self.mesh, tuple(shift_labels.shape), shift_labels.device)
+        return loss + (aux.coef * load_balancing_loss(out.router_logits, aux, real, group)).to(loss.dtype)
 
     def loss_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         """The loss of the final hidden states ``(B, L, hidden)``: chunked LM head and cross-entropy."""

@@ -44,6 +44,16 @@ def _describe_invalid(labels: torch.Tensor, bad: torch.Tensor, total_bad: int, v
     )
 
 
+def pool_sum(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Value: ``local`` summed over ``group`` (one all-reduce of its detached copy); gradient: d(local) only,
+    so each rank's gradient flows through its own tokens and summing gradients over the ranks gives the
+    whole batch's. The one pooling rule of every loss term (cross-entropy, router load balancing)."""
+    totals = local.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        all_reduce_(totals, group)
+    return local + (totals - local.detach())
+
+
 def pool_mean(
     local_sum: torch.Tensor, local_count: torch.Tensor, group: dist.ProcessGroup | None,
     local_invalid: torch.Tensor | None = None,
@@ -52,12 +62,8 @@ def pool_mean(
     Also returns the group's total of ``local_invalid`` (bad labels), pooled in the same all-reduce."""
     wide = wide_dtype(local_sum.dtype)
     invalid = local_invalid if local_invalid is not None else torch.zeros((), device=local_sum.device)
-    totals = torch.stack([local_sum.detach().to(wide), local_count.detach().to(wide), invalid.detach().to(wide)])
-    if group is not None and dist.get_world_size(group) > 1:
-        all_reduce_(totals, group)
-    total_sum, total_count = totals[0], totals[1]
-    denominator = total_count.clamp(min=1.0)
-    return (local_sum.to(wide) + (total_sum - local_sum.detach().to(wide))) / denominator, int(totals[2])
+    totals = pool_sum(torch.stack([local_sum.to(wide), local_count.detach().to(wide), invalid.detach().to(wide)]), group)
+    return totals[0] / totals[1].detach().clamp(min=1.0), int(totals[2])
 
 
 def checked_mean(

@@ -15,7 +15,7 @@ import torch
 
 from ..mesh import SPMesh
 from .layout import auto_layout
-from .sharding import sequence_layout, shard_sequence
+from .sharding import sequence_layout, sequence_positions, shard_sequence
 
 IGNORE_INDEX = -100  # the target that scores nothing (transformers' convention); the loss reads it from here
 
@@ -45,8 +45,28 @@ class SequenceInfo:
     ignore_index: int = IGNORE_INDEX  # the target value that scores nothing; the loss reads it from here
     # [start, stop) over the whole sequence of each image block whose tokens see each other both ways (Gemma 3)
     image_blocks: tuple[tuple[int, int], ...] | None = None
+    lengths: tuple[int, ...] | None = None  # real tokens per row (the batch's right padding), or None: rows are whole
     # meshes whose ranks have already agreed on these inputs (the first attention call checks, once)
     validated: ValidatedMeshes = field(default_factory=ValidatedMeshes, compare=False, repr=False)
+
+
+def real_tokens(info: SequenceInfo | None, mesh: SPMesh | None, shape: tuple[int, int],
+                device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """``shape`` ``(B, L)`` bool: which of this rank's tokens are the batch's own, neither the layout's padding
+    nor past a row's real length (the batch's ``attention_mask``); None when all are (no padding anywhere)."""
+    if info is None:
+        return None
+    if mesh is None:
+        positions = torch.arange(shape[1], device=device)
+    else:
+        positions = sequence_positions(info.seq_len, mesh, layout=info.layout, device=device, cu_seqlens=info.cu_seqlens)
+    if positions.shape[0] != shape[1]:
+        raise ValueError(f"this rank holds {shape[1]} tokens but the layout {info.layout!r} of a {info.seq_len}-token "
+                         f"sequence gives it {positions.shape[0]}: pass the SequenceInfo shard_batch returned with "
+                         "the inputs it returned.")
+    lengths = info.lengths if info.lengths is not None else (info.seq_len,) * shape[0]
+    real = positions[None, :] < torch.tensor(lengths, device=device)[:, None]  # (B, L)
+    return None if bool(real.all()) else real
 
 
 def documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
@@ -168,5 +188,6 @@ def shard_batch(
         "input_ids": shard(input_ids),
         "position_ids": shard(positions.contiguous()),
         "shift_labels": shard(targets),
-        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index),
+        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index,
+                                lengths=tuple(lengths) if lengths is not None else None),
     }

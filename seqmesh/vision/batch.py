@@ -223,7 +223,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         "input_ids": shard(input_ids),
         "position_ids": shard(rope.contiguous().to(device), dim=rope.dim() - 1),
         "shift_labels": shard(targets),
-        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index, image_blocks=blocks),
+        "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index, image_blocks=blocks,
+                                lengths=tuple(lengths) if lengths is not None else None),
         "seqmesh_vision": vision_shard,
     }
 

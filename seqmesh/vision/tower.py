@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..comm.collectives import exchange_rows
 from ..mesh import SPMesh
 from ..model.lm import SequenceParallelLM
+from ..model.router_aux import router_aux
 from ..sequence.batch import SequenceInfo
 from .batch import VisionShard
 from .families import VisionFamily, vision_family
@@ -74,6 +75,12 @@ class VisionLanguageLM(SequenceParallelLM):
 
     def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
                       seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+        return self.decode(input_ids, position_ids, seqmesh, seqmesh_vision).last_hidden_state  # (B, L, D)
+
+    def decode(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
+               seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None, *, router_logits: bool = False):
+        """The language model's output on the tokens with the tower's rows in their placeholders: as
+        ``SequenceParallelLM.decode``."""
         if seqmesh_vision is None:
             raise ValueError(f"{type(self.lm).__name__} is a vision-language model: call it with "
                              "seqmesh.shard_batch(batch, mesh, model=model), which shards its images too.")
@@ -94,8 +101,9 @@ class VisionLanguageLM(SequenceParallelLM):
             embeds = embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))
             if family.deepstack:
                 extra.update(visual_pos_masks=mask, deepstack_visual_embeds=[d.to(embeds.dtype) for d in deep])
-        out = family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
-        return out.last_hidden_state
+        if router_logits:
+            extra["output_router_logits"] = True
+        return family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
 
     def _any_media(self, shard: VisionShard | PlainShard | PooledShard) -> bool:
         """Whether any rank's batch holds an image or a video. Then every rank runs the tower (on padding
@@ -110,8 +118,9 @@ class VisionLanguageLM(SequenceParallelLM):
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
                 seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
-        return self.loss_from_hidden(hidden, shift_labels, seqmesh)
+        aux = router_aux(self.lm)
+        out = self.decode(input_ids, position_ids, seqmesh, seqmesh_vision, router_logits=aux is not None)
+        return self.loss_of(out, shift_labels, seqmesh, aux)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
