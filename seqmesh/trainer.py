@@ -40,7 +40,7 @@ from .mesh import SPMesh, init_mesh
 from .inputs import shard_batch
 from .sequence.batch import IGNORE_INDEX
 from .model.fsdp import gradient_norm
-from .model.lm import SequenceParallelLM
+from .model.lm import LossTerms, SequenceParallelLM
 from .vision.families import is_multimodal
 from .vision.tower import VisionLanguageLM
 from .model.pretrained import copy_pretrained
@@ -68,12 +68,22 @@ class NoSync:
             self.set_requires_gradient_sync(True)
 
 
-class TrainerLM(NoSync, SequenceParallelLM):
-    """``SequenceParallelLM`` with accelerate's ``no_sync``."""
+class TermsApart:
+    """``forward`` returns the loss's :class:`~seqmesh.model.lm.LossTerms`, not their sum: the Trainer weights
+    the cross-entropy by its micro-batch's share of the step's targets and adds the router term as it is, as
+    transformers' Trainer does (the model's own loss, divided by the step's targets, plus its router term)."""
+
+    def loss_of(self, out, shift_labels, seqmesh, aux) -> LossTerms:
+        return self.loss_terms(out, shift_labels, seqmesh, aux)
 
 
-class TrainerVisionLM(NoSync, VisionLanguageLM):
-    """``VisionLanguageLM`` (the families of ``seqmesh.vision.families``) with accelerate's ``no_sync``."""
+class TrainerLM(NoSync, TermsApart, SequenceParallelLM):
+    """``SequenceParallelLM`` with accelerate's ``no_sync``, its loss in terms."""
+
+
+class TrainerVisionLM(NoSync, TermsApart, VisionLanguageLM):
+    """``VisionLanguageLM`` (the families of ``seqmesh.vision.families``) with accelerate's ``no_sync``, its loss
+    in terms."""
 
 
 class SequenceParallelTrainerMixin:
@@ -188,13 +198,17 @@ class SequenceParallelTrainerMixin:
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
-        """The pooled loss of the micro-batch, scaled to its share of the optimizer step's targets."""
-        loss = self.seqmesh_model(**self._shard(inputs))
+        """The pooled cross-entropy of the micro-batch, scaled to its share of the optimizer step's targets, plus
+        its router term (MoE models asking for one) unscaled, as transformers' Trainer adds the model's own."""
+        terms = self.seqmesh_model(**self._shard(inputs))
+        loss = terms.cross_entropy
         if num_items_in_batch is not None and self.seqmesh_model.training:
             if not self._targets_per_micro_batch:
                 raise RuntimeError("compute_loss got num_items_in_batch from a batch list seqmesh did not count; "
                                    "call it through Trainer.training_step.")
             loss = loss * _share_of_step(self._targets_per_micro_batch.popleft(), float(num_items_in_batch))
+        if terms.router is not None:
+            loss = loss + terms.router
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -202,7 +216,8 @@ class SequenceParallelTrainerMixin:
         """The batch's pooled loss (the same on every rank); no logits (they are sharded by sequence)."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model))
+            terms = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model))
+        loss = terms.cross_entropy if terms.router is None else terms.cross_entropy + terms.router
         return loss.detach(), None, None
 
     def _grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -15,14 +15,19 @@ import torch
 VOCAB, SEQ = 256, 32
 
 
-def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, family: str = "llama"):
+    """A tiny Llama; ``family="qwen3_moe"``: a tiny Qwen3-MoE (4 experts, top 2) whose loss adds its routers'
+    load-balancing term (``output_router_logits``, a coefficient large enough to move the curves)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4 * SEQ,
-                         attention_dropout=0.0, tie_word_embeddings=False)
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                 max_position_embeddings=4 * SEQ, attention_dropout=0.0, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(dtype)
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(**shape, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, head_dim=16, output_router_logits=True, router_aux_loss_coef=0.5)
+        return AutoModelForCausalLM.from_config(config, experts_implementation="eager").to(dtype)  # float64 experts
+    return LlamaForCausalLM(LlamaConfig(**shape, intermediate_size=128)).to(dtype)
 
 
 def rows(count: int, seed: int) -> list[dict[str, list[int]]]:
@@ -65,12 +70,12 @@ def curves(trainer) -> dict[str, list[float]]:
 
 
 def single_process(output_dir: str, batch: int, accumulation: int, dtype: torch.dtype = torch.float32,
-                   train_rows: list | None = None, **extra) -> dict:
+                   train_rows: list | None = None, family: str = "llama", **extra) -> dict:
     """Plain transformers Trainer in this process (no process group) on the whole batch; ``extra``
     overrides training arguments."""
     from transformers import Trainer
 
-    trainer = Trainer(model=tiny_model(dtype), args=training_args(output_dir, batch, accumulation, **extra),
+    trainer = Trainer(model=tiny_model(dtype, family=family), args=training_args(output_dir, batch, accumulation, **extra),
                       train_dataset=train_rows or TRAIN_ROWS, eval_dataset=EVAL_ROWS)
     trainer.train()
     result = curves(trainer)
@@ -103,7 +108,7 @@ def torchrun_environment():
 
 
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
-                      train_rows: list | None = None, tp: int = 1, **extra) -> dict:
+                      train_rows: list | None = None, tp: int = 1, family: str = "llama", **extra) -> dict:
     """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
     import seqmesh.trainer
     from seqmesh.trainer import SequenceParallelTrainer
@@ -117,7 +122,7 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
 
     with torchrun_environment():
         trainer = SequenceParallelTrainer(
-            model=tiny_model(), args=training_args(output_dir, batch, accumulation, **extra),
+            model=tiny_model(family=family), args=training_args(output_dir, batch, accumulation, **extra),
             train_dataset=train_rows or TRAIN_ROWS,
             eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp),
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -244,6 +244,14 @@ def vision_blocks(model: nn.Module) -> list[nn.Module]:
     return list(getattr(getattr(tower, "encoder", None), "layers", None) or ())
 
 
+class LossTerms(NamedTuple):
+    """A batch's loss in its terms: the mean next-token cross-entropy, and ``router_aux_loss_coef`` x the
+    routers' load-balancing loss (None where the model adds none)."""
+
+    cross_entropy: torch.Tensor  # ()
+    router: torch.Tensor | None  # ()
+
+
 class SequenceParallelLM(nn.Module):
     """Wraps a transformers causal LM; ``forward(**shard_batch(...))`` returns the loss.
 
@@ -279,12 +287,18 @@ class SequenceParallelLM(nn.Module):
     def loss_of(self, out, shift_labels, seqmesh: SequenceInfo | None, aux: RouterAux | None) -> torch.Tensor:
         """The loss of the decoder's output: the cross-entropy, plus ``aux`` (``router_aux(self.lm)``: the routers'
         load-balancing term, where the model adds one), both pooled over the batch group."""
+        terms = self.loss_terms(out, shift_labels, seqmesh, aux)
+        return terms.cross_entropy if terms.router is None else terms.cross_entropy + terms.router
+
+    def loss_terms(self, out, shift_labels, seqmesh: SequenceInfo | None, aux: RouterAux | None) -> LossTerms:
+        """The two terms of :meth:`loss_of` apart (the Trainer weights only the cross-entropy by its micro-batch's
+        share of the step's targets, as transformers' Trainer does)."""
         loss = self.loss_from_hidden(out.last_hidden_state, shift_labels, seqmesh)
         if aux is None:
-            return loss
+            return LossTerms(loss, None)
         group = self.mesh.batch_group if self.mesh is not None else None
         real = real_tokens(seqmesh, self.mesh, tuple(shift_labels.shape), shift_labels.device)
-        return loss + (aux.coef * load_balancing_loss(out.router_logits, aux, real, group)).to(loss.dtype)
+        return LossTerms(loss, (aux.coef * load_balancing_loss(out.router_logits, aux, real, group)).to(loss.dtype))
 
     def loss_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         """The loss of the final hidden states ``(B, L, hidden)``: chunked LM head and cross-entropy."""

@@ -83,12 +83,12 @@ def references(tmp_path_factory):
     """Single-process runs (float32 and float64), keyed by (batch, accumulation)."""
     cache: dict = {}
 
-    def get(batch: int, accumulation: int) -> tuple[dict, dict]:
-        if (batch, accumulation) not in cache:
+    def get(batch: int, accumulation: int, family: str = "llama") -> tuple[dict, dict]:
+        if (batch, accumulation, family) not in cache:
             out = str(tmp_path_factory.mktemp("single"))
-            cache[batch, accumulation] = tuple(single_process(out, batch, accumulation, dtype)
-                                               for dtype in (torch.float32, torch.float64))
-        return cache[batch, accumulation]
+            cache[batch, accumulation, family] = tuple(single_process(out, batch, accumulation, dtype, family=family)
+                                                       for dtype in (torch.float32, torch.float64))
+        return cache[batch, accumulation, family]
 
     return get
 
@@ -119,6 +119,21 @@ def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ri
           f"loss {_max_diff(ref32['loss'], ref64['loss']):.2e}, grad_norm "
           f"{_max_diff(ref32['grad_norm'], ref64['grad_norm']):.2e}, "
           f"weights {_weight_diff(ref32['weights'], ref64['weights']):.2e}")
+
+
+def test_trainer_adds_the_router_loss_as_transformers_trainer_does(pools, references, tmp_path):
+    """A Qwen3-MoE whose loss adds its routers' load-balancing term (coefficient 0.5), 2 data-parallel x Ulysses 2,
+    2 micro-batches a step: the curves, final weights and evaluation loss of transformers' Trainer on one process,
+    which divides the cross-entropy by the step's targets and adds each micro-batch's router term as it is."""
+    ulysses, ring, batch, accumulation = 2, 1, 2, 2
+    dp = WORLD // (ulysses * ring)
+    ref32, ref64 = references(dp * batch, accumulation, "qwen3_moe")
+    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, family="qwen3_moe",
+                        timeout=600)
+    for r in results[1:]:
+        assert r == results[0]
+    weights = _saved_weights(os.path.join(tmp_path, "final"))
+    _assert_matches_reference(results[0], weights, ref32, ref64, accumulation, -(-len(EVAL_ROWS) // (dp * batch)))
 
 
 def test_trainer_step_without_targets_matches_single_process(pools, tmp_path):
