@@ -86,11 +86,13 @@ def aux_reference(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, ce + model.router_aux_loss_coef * balance
 
 
-def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, drop_aux: bool = False) -> dict:
+def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, drop_aux: bool = False,
+               plan: dict | None = None) -> dict:
     """Loss error and largest relative gradient error against :func:`aux_reference`, with the reference's own
     rounding (``family_cases.reference_rounding``). ``dp``: data-parallel replicas, each given its share of the
     rows, against one process on all of them. ``drop_aux``: seqmesh's model told coefficient 0 (the behaviour
-    before seqmesh added the term), for the test that the comparison sees the term."""
+    before seqmesh added the term), for the test that the comparison sees the term. ``plan``: ParallelPlan options,
+    the model then composed by ``parallelize_model`` (activation checkpointing recomputes the routers in backward)."""
     mesh = get_mesh(ulysses, ring, dp_shard=dp)
     config = moe_config(family)
     reference = build(config)
@@ -104,12 +106,17 @@ def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, dro
             own = reference(**batch, labels=labels, use_cache=False).loss.item()
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn=aux_reference)
 
-    lm = parallelize(build(config), mesh)
+    lm = build(config)
+    if plan is not None:
+        from seqmesh.compose import ParallelPlan, parallelize_model
+
+        sp = parallelize_model(lm, mesh, ParallelPlan(fsdp=False, loss_chunk=16, **plan))
+    else:
+        sp = SequenceParallelLM(parallelize(lm, mesh), mesh, chunk=16)
     if drop_aux:
         lm.router_aux_loss_coef = 0.0
     rows = batch["input_ids"].shape[0] // dp
     local = {k: v[mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows] for k, v in batch.items()}
-    sp = SequenceParallelLM(lm, mesh, chunk=16)
     loss = sp(**seqmesh.shard_batch(local, mesh))
     loss.backward()
     sync_gradients(sp, mesh)

@@ -51,6 +51,15 @@ def test_router_aux_exact_on_two_ranks(pools):
     _check(2, pools, [(f, u, r, k) for u, r in ((2, 1), (1, 2)) for f in FAMILIES for k in KINDS])
 
 
+def test_router_aux_with_recomputed_layers(pools):
+    """Activation checkpointing recomputes the routers in backward: the term still counts each layer once,
+    Ulysses 2 and ring 2."""
+    cases = [("qwen3_moe", 2, 1, "rows"), ("gpt-oss", 1, 2, "documents")]
+    for rank_results in pools.run(2, _run_all, cases, plan={"checkpointing": True}):
+        for r in rank_results:
+            assert not _outside(r), r
+
+
 def test_router_aux_exact_on_four_ranks(pools):
     """USP 2 x 2, and two data-parallel replicas each holding one of the two rows (sequence over 2 ranks), against
     one process on both rows."""
