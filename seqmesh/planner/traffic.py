@@ -11,7 +11,7 @@ from ..heads import HeadDeal
 from ..padding import padded_length
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-VALIDATION_FIELDS = 14  # the problem flag + 13 fields of seqmesh.sharded_attention.checks.FIELDS
+VALIDATION_FIELDS = 15  # the problem flag + 14 fields of seqmesh.sharded_attention.checks.FIELDS (image blocks the 14th)
 INT64 = 8
 
 

@@ -231,14 +231,14 @@ def test_per_step_traffic_adds_recompute_and_one_input_check():
     tokens: 16384 x 128 x 2 B = 4 MiB. Forward, a rank sends its q/k/v heads that other ranks work on,
     (32 + 2 x 8) - (4 + 2 x 1) = 42 rows, and its 4 output heads of the 7 other ranks' tokens, 28 rows:
     280 MiB; backward the adjoints, the same; checkpointing recomputes the forward (another 280 MiB). Per
-    step: 32 x 840 MiB, and seqmesh.hf's input check once: 7 peers x 14 int64."""
+    step: 32 x 840 MiB, and seqmesh.hf's input check once: 7 peers x 15 int64 (the problem flag and 14 fields)."""
     row = 16384 * 128 * 2
     per_layer, _, per_step = communication(Workload(MODELS["llama3-8b"], 131072), Degrees(8, 1, 1),
                                            PRESETS["h100-nvlink"])
     for phase in ("forward", "backward", "recompute"):
         assert per_layer[phase]["ulysses_all_to_all"] == (42 + 28) * row == 280 * 2**20
     assert per_step["ulysses_all_to_all"] == 32 * 3 * 280 * 2**20
-    assert per_step["input_check_all_gather"] == 7 * 14 * 8
+    assert per_step["input_check_all_gather"] == 7 * 15 * 8
     no_ckpt, _, step2 = communication(Workload(MODELS["llama3-8b"], 131072, checkpointing=False), Degrees(8, 1, 1),
                                       PRESETS["h100-nvlink"])
     assert no_ckpt["recompute"]["total"] == 0 and step2["ulysses_all_to_all"] == 32 * 2 * 280 * 2**20
