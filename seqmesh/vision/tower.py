@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm.collectives import exchange_rows
 from ..mesh import SPMesh
 from ..model.lm import SequenceParallelLM
 from ..sequence.batch import SequenceInfo
 from .batch import VisionShard
 from .families import VisionFamily, vision_family
 from .plain import PlainShard, run_plain_tower
-from .pooled import PooledShard, run_pooled_tower
+from .pooled import run_pooled_tower
+from .route import route_rows
+from .windows import WindowShard
 
 
 def _rotary(tower: nn.Module, hidden: torch.Tensor, coordinates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +57,8 @@ def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
         hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, seqmesh=info)
         if i in deep_blocks:
             deep.append(tower.deepstack_merger_list[deep_blocks.index(i)](hidden))
-    payload = torch.cat([tower.merger(hidden), *deep], dim=-1)[shard.send_index]  # (sent, D * (1 + deep))
-    if mesh is not None and mesh.sp_size > 1:
-        payload = exchange_rows(payload, mesh.sp_group, shard.send_rows, shard.recv_rows)
-    rows = payload[shard.recv_order].chunk(1 + len(deep), dim=-1)
+    payload = torch.cat([tower.merger(hidden), *deep], dim=-1)  # (units, D * (1 + deep))
+    rows = route_rows(payload, shard, mesh).chunk(1 + len(deep), dim=-1)
     return rows[0], list(rows[1:])
 
 
@@ -73,7 +72,7 @@ class VisionLanguageLM(SequenceParallelLM):
         self.family = vision_family(lm.config)
 
     def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
-                      seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+                      seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
         if seqmesh_vision is None:
             raise ValueError(f"{type(self.lm).__name__} is a vision-language model: call it with "
                              "seqmesh.shard_batch(batch, mesh, model=model), which shards its images too.")
@@ -97,7 +96,7 @@ class VisionLanguageLM(SequenceParallelLM):
         out = family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state
 
-    def _any_media(self, shard: VisionShard | PlainShard | PooledShard) -> bool:
+    def _any_media(self, shard: VisionShard | PlainShard | WindowShard) -> bool:
         """Whether any rank's batch holds an image or a video. Then every rank runs the tower (on padding
         if it has none), so the collectives of the tower and of FSDP2 match. Otherwise no rank runs it, and
         its weights get no gradient, as on one device: an optimizer leaves them alone rather than moving
@@ -109,12 +108,12 @@ class VisionLanguageLM(SequenceParallelLM):
         return bool(flag.item())
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-                seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+                seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
         return self.loss_from_hidden(hidden, shift_labels, seqmesh)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-              seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+              seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
         return self.score_from_hidden(hidden, shift_labels, seqmesh)
