@@ -24,6 +24,7 @@ from .families import VisionFamily, vision_family
 from .plain import PlainShard, run_plain_tower
 from .pooled import run_pooled_tower
 from .route import route_rows
+from .shuffled import run_shuffled_tower
 from .windows import WindowShard
 
 
@@ -84,8 +85,9 @@ class VisionLanguageLM(SequenceParallelLM):
         embeds = table(input_ids)  # (B, L, D)
         extra = {"seqmesh": seqmesh} if seqmesh is not None else {}
         media = self._any_media(seqmesh_vision)
-        if media and (family.plain or family.pooled):
-            rows = (run_plain_tower if family.plain else run_pooled_tower)(self.lm, seqmesh_vision, self.mesh)
+        if media and family.fixed_size:
+            run = run_plain_tower if family.plain else run_pooled_tower if family.pooled else run_shuffled_tower
+            rows = run(self.lm, seqmesh_vision, self.mesh)
             embeds = embeds.masked_scatter(seqmesh_vision.visual_mask[..., None], rows.to(embeds.dtype))
         elif media:
             rows, deep = run_tower(family, family.tower(self.lm), seqmesh_vision, self.mesh)

@@ -33,14 +33,16 @@ GEMMA_KINDS = [k for k in KINDS if k[0] != "two_rows"] + [("untyped", "zigzag")]
 
 def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
-        return ([(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
+        return ([(f, ulysses, ring, kind, layout) for f in FAMILIES + ["internvl"] for kind, layout in KINDS]
                 + [("gemma3", ulysses, ring, kind, layout) for kind, layout in GEMMA_KINDS])
     # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
     # CLIP's class token). The others add no code path there: Qwen2-VL's tower is Qwen2.5-VL's full blocks,
     # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's;
     # Gemma 3 (its pooled tower and image blocks) on 2x2 only
+    # InternVL (its class-token window and pixel shuffle) on 2x2 only, its three richest batches
     gemma = [("gemma3", 2, 2, kind, layout) for kind, layout in GEMMA_KINDS[:3]] if (ulysses, ring) == (2, 2) else []
-    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]] + gemma
+    internvl = [("internvl", 2, 2, kind, layout) for kind, layout in KINDS[:3]] if (ulysses, ring) == (2, 2) else []
+    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]] + gemma + internvl
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
@@ -80,6 +82,15 @@ def test_tolerance_sees_the_image_mask_dropped(pools):
     """Gemma 3's decoder run plainly causal (image tokens blind to their image's later tokens) must fail the
     tolerance by a wide margin: the test sees the mask."""
     for results in pools.run(2, _run_all, [("gemma3", 1, 2, "mixed", "zigzag")], drop_image_blocks=True):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+            assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_tolerance_sees_a_transposed_pixel_shuffle(pools):
+    """InternVL's windows concatenated column-major (each patch keeping its pixels and position, so only the
+    pixel shuffle's order is wrong) must fail the tolerance by a wide margin: the test sees the patch order."""
+    for results in pools.run(2, _run_all, [("internvl", 1, 2, "mixed", "zigzag")], transpose_windows=True):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
