@@ -401,7 +401,8 @@ def refusals(ulysses: int, ring: int) -> dict:
     """The message of every refusal a user can meet before any work: families seqmesh does not route
     (LLaVA-OneVision), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
     placeholder tokens that do not match the images, a vision-language model called with a text batch, and
-    Gemma 3's two: rows placing their images differently, and an image longer than the sliding window."""
+    Gemma 3's two: rows placing their images differently, and an image longer than the sliding window; InternVL's
+    settings its pixel shuffle cannot take whole (the class token kept, a downsample ratio that is not 1/k)."""
     from transformers import AutoModelForImageTextToText
 
     from seqmesh.hf import parallelize
@@ -418,6 +419,14 @@ def refusals(ulysses: int, ring: int) -> dict:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(_tiny_refused("llava_onevision"))
     catch("llava_onevision", lambda: parallelize(model, mesh))
+    for name, setting in (("internvl_strategy", {"vision_feature_select_strategy": "full"}),
+                          ("internvl_ratio", {"downsample_ratio": 0.3})):
+        internvl = vision_config("internvl")
+        for key, value in setting.items():
+            setattr(internvl, key, value)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(internvl)
+        catch(name, lambda: parallelize(model, mesh))
     gemma = vision_config("gemma3")
     gemma.text_config.sliding_window = GEMMA_TOKENS - 1
     sp = parallelize_model(build(gemma), mesh, ParallelPlan(fsdp=False))
