@@ -29,11 +29,13 @@ LLAVA_SIDE = 4  # LLaVA's tiny CLIP: 8x8-pixel images of 2x2-pixel patches, 16 p
 # Gemma 3's tiny SigLIP: the same 16 patches pooled 2x2 into 4 placeholder tokens; its decoder alternates a layer
 # with a sliding window of GEMMA_WINDOW tokens and a full one, so windows matter on these ~40-token batches
 GEMMA_TOKENS, GEMMA_WINDOW = 4, 8
-FIXED_SIZE = ("llava", "gemma3")  # families whose images all have one size (no grid): pixel_values (N, 3, 8, 8)
+# InternVL's tiny InternViT: 8x8-pixel tiles of the same 16 patches, a class token, the 2x2 windows pixel-shuffled into
+# 4 placeholder tokens (GEMMA_TOKENS); an image may span several tiles (its tokens one run between start and end)
+FIXED_SIZE = ("llava", "gemma3", "internvl")  # families whose images all have one size (no grid): (N, 3, 8, 8)
 
 
 def _tokens_per_image(family: str) -> int:
-    return GEMMA_TOKENS if family == "gemma3" else LLAVA_SIDE ** 2
+    return GEMMA_TOKENS if family in ("gemma3", "internvl") else LLAVA_SIDE ** 2
 
 
 def vision_config(family: str):
@@ -50,6 +52,14 @@ def vision_config(family: str):
                       intermediate_size=48, image_size=2 * LLAVA_SIDE, patch_size=2, vision_use_head=False)
         return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA_TOKENS,
                                     image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
+    if family == "internvl":  # a Qwen2 decoder; the tower read after its last layer and final LayerNorm
+        text = dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=4096, attention_dropout=0.0)
+        vision = dict(model_type="internvl_vision", hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                      intermediate_size=48, image_size=2 * LLAVA_SIDE, patch_size=2, use_mean_pooling=False)
+        return AutoConfig.for_model("internvl", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                    image_seq_length=GEMMA_TOKENS, downsample_ratio=0.5, vision_feature_layer=-1,
+                                    vision_feature_select_strategy="default")
     if family == "llava":
         text = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=4096, attention_dropout=0.0)
@@ -95,6 +105,12 @@ def build(config, seed: int = 0, dtype: torch.dtype = torch.float64):
         with torch.no_grad():
             weight = model.model.multi_modal_projector.mm_input_projection_weight
             weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * 0.2)
+    if config.model_type == "internvl":  # its class token and position table start at zero, which would hide their
+        embeddings = model.model.vision_tower.embeddings  # place: a patch at the wrong position must show
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for weight in (embeddings.cls_token, embeddings.position_embeddings):
+                weight.copy_(torch.randn(weight.shape, generator=g, dtype=dtype))
     return model
 
 
@@ -106,6 +122,8 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
         return [token] * LLAVA_SIDE ** 2
     if family == "gemma3":  # a fixed size, pooled to GEMMA_TOKENS tokens between start and end tokens
         return [START] + [token] * GEMMA_TOKENS + [END]
+    if family == "internvl":  # t tiles of a fixed size, each shuffled to GEMMA_TOKENS tokens, between start and end
+        return [START] + [token] * (GEMMA_TOKENS * t) + [END]
     per_frame = h * w // 4
     if token == VIDEO and family not in ("qwen2_vl", "qwen2_5_vl"):  # Qwen3-VL and Qwen3.5: timestamps between frames
         return [tok for _ in range(t) for tok in text(2) + [START] + [token] * per_frame + [END]]
@@ -124,7 +142,7 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
     ids: list[int] = []
 
     def image(grid):
-        images.append(grid)
+        images.extend([grid] * (grid[0] if family == "internvl" else 1))  # InternVL: one pixel_values row per tile
         return _media_tokens(family, grid, IMAGE, text)
 
     def video(grid):
@@ -136,6 +154,8 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
     elif kind in ("mixed", "untyped") and family == "gemma3":  # images only; two back to back make one 8-token block
         ids = text(5) + image([1, 4, 4]) + text(7) + image([1, 4, 4])[:-1] + image([1, 4, 4])[1:] + text(9)
         ids += image([1, 4, 4]) + text(6)
+    elif kind == "mixed" and family == "internvl":  # a two-tile image, then two one-tile ones
+        ids = text(5) + image([2, 4, 4]) + text(7) + image([1, 4, 4]) + text(4) + image([1, 4, 4]) + text(6)
     elif kind == "mixed":
         ids = text(5) + image([1, 4, 6]) + text(7) + video([2, 4, 4]) + text(4) + image([1, 6, 4]) + text(6)
     elif kind == "documents":
@@ -154,6 +174,8 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
         rows = [first + text(longest - len(first)), second + text(longest - len(second))]
     input_ids = torch.tensor(rows)
     batch = {"input_ids": input_ids, "mm_token_type_ids": (input_ids == IMAGE).long() + 2 * (input_ids == VIDEO).long()}
+    if family == "internvl":  # its processor writes none
+        batch.pop("mm_token_type_ids")
     if family == "gemma3":  # its processor's name for them; "untyped": without them (transformers' mask is causal)
         types = batch.pop("mm_token_type_ids")
         if kind != "untyped":
@@ -183,7 +205,7 @@ def _split_documents(batch: dict) -> list[dict]:
     starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
     llava = "image_grid_thw" not in batch and "pixel_values" in batch  # fixed-size images, one row each
     grid = batch.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long))
-    per_image = GEMMA_TOKENS if "mm_token_type_ids" not in batch else LLAVA_SIDE ** 2  # Gemma 3 has no such key
+    per_image = int((ids == IMAGE).sum()) // len(batch["pixel_values"]) if llava else 0  # tokens per fixed-size image
     sizes = [4 * per_image] * len(batch["pixel_values"]) if llava else grid.prod(dim=1).tolist()
     out, image, patch = [], 0, 0
     for a, b in zip(starts, starts[1:]):
@@ -289,10 +311,33 @@ def _norms_in_input_dtype(family: str):
     return mock.patch.object(modeling_gemma3.Gemma3RMSNorm, "forward", forward)
 
 
+def _transposed_windows(transpose: bool):
+    """A deliberate error for the test that the tolerance sees one: every window's patches column-major instead
+    of row-major (a transposed pixel shuffle). Each patch keeps its pixels and its position, so the tower's
+    attention is unchanged; only the order in which a token's row concatenates its window's patches is wrong."""
+    if not transpose:
+        return contextlib.nullcontext()
+    from seqmesh.vision import windows
+
+    right = windows.window_places
+
+    def transposed(grid, images):
+        patches, tokens = right(grid, images)
+        k = grid.kernel
+        by_window = patches.reshape(-1, k, k)
+        whole = (by_window >= 0).flatten(1).all(dim=1)  # windows of patches (not a class window)
+        by_window[whole] = by_window[whole].transpose(1, 2)
+        return by_window.reshape(-1), tokens
+
+    return mock.patch.object(windows, "window_places", transposed)
+
+
 def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", layout: str = "auto",
-                  shift_positions_on: int | None = None, drop_image_blocks: bool = False) -> dict:
-    """:func:`_vision_parity` (see there), Gemma 3's norms in float64 for a float64 model."""
-    with _norms_in_input_dtype(family):
+                  shift_positions_on: int | None = None, drop_image_blocks: bool = False,
+                  transpose_windows: bool = False) -> dict:
+    """:func:`_vision_parity` (see there), Gemma 3's norms in float64 for a float64 model; ``transpose_windows``:
+    :func:`_transposed_windows`."""
+    with _norms_in_input_dtype(family), _transposed_windows(transpose_windows):
         return _vision_parity(family, ulysses, ring, kind, layout, shift_positions_on, drop_image_blocks)
 
 
@@ -356,7 +401,8 @@ def refusals(ulysses: int, ring: int) -> dict:
     """The message of every refusal a user can meet before any work: families seqmesh does not route
     (LLaVA-OneVision), a tower with too few heads for Ulysses, a multimodal batch sharded without its model,
     placeholder tokens that do not match the images, a vision-language model called with a text batch, and
-    Gemma 3's two: rows placing their images differently, and an image longer than the sliding window."""
+    Gemma 3's two: rows placing their images differently, and an image longer than the sliding window; InternVL's
+    settings its pixel shuffle cannot take whole (the class token kept, a downsample ratio that is not 1/k)."""
     from transformers import AutoModelForImageTextToText
 
     from seqmesh.hf import parallelize
@@ -373,6 +419,14 @@ def refusals(ulysses: int, ring: int) -> dict:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(_tiny_refused("llava_onevision"))
     catch("llava_onevision", lambda: parallelize(model, mesh))
+    for name, setting in (("internvl_strategy", {"vision_feature_select_strategy": "full"}),
+                          ("internvl_ratio", {"downsample_ratio": 0.3})):
+        internvl = vision_config("internvl")
+        for key, value in setting.items():
+            setattr(internvl, key, value)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(internvl)
+        catch(name, lambda: parallelize(model, mesh))
     gemma = vision_config("gemma3")
     gemma.text_config.sliding_window = GEMMA_TOKENS - 1
     sp = parallelize_model(build(gemma), mesh, ParallelPlan(fsdp=False))

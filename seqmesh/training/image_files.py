@@ -79,10 +79,11 @@ class ImageJsonl:
         from ..vision.plain import tokens_per_image
 
         self.seq_len, self.seed, self.config = seq_len, seed, config
-        if vision_family(config).pooled:
-            raise ValueError("seqmesh train's image records are cut for Qwen-VL and LLaVA towers, not Gemma 3's; train "
-                             "Gemma 3 through your loop or the Trainer, with seqmesh.shard_batch(batch, mesh, model=model) "
-                             "on its processor's output.")
+        family = vision_family(config)
+        if family.pooled or family.shuffled:
+            raise ValueError(f"seqmesh train's image records are cut for Qwen-VL and LLaVA towers, not {family.name}'s; "
+                             f"train {family.name} through your loop or the Trainer, with seqmesh.shard_batch(batch, mesh, "
+                             "model=model) on its processor's output.")
         self.plain = vision_family(config).plain
         vision = config.vision_config
         self.image_tokens = tokens_per_image(config) if self.plain else None

@@ -32,6 +32,7 @@ from .families import VisionFamily, vision_family
 from .plain import check_plain_media, plain_shard
 from .pooled import check_pooled_media, image_blocks, pooled_shard
 from .route import moved, routing
+from .shuffled import check_shuffled_media, shuffled_shard
 from .grid import bilinear_taps, frame_bounds, frame_sizes, patch_coordinates, unit_counts, window_order
 
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
@@ -169,8 +170,9 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
     if s < mesh.sp_size:
         raise ValueError(f"the sequence has {s} tokens but the sequence-parallel degree is {mesh.sp_size}; use "
                          f"sequences of at least {mesh.sp_size} tokens or a smaller degree.")
-    if family.plain or family.pooled:
-        images = (check_plain_media if family.plain else check_pooled_media)(batch, input_ids, config)
+    if family.fixed_size:
+        check = check_plain_media if family.plain else check_pooled_media if family.pooled else check_shuffled_media
+        images = check(batch, input_ids, config)
         is_image, is_video = input_ids == config.image_token_id, torch.zeros_like(input_ids, dtype=torch.bool)
     else:
         image_grid, video_grid = _check_media(batch, input_ids, config, vision.spatial_merge_size)
@@ -186,7 +188,7 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
                          f"shape {tuple(positions.shape)}; seqmesh computes the 3-D M-RoPE ids itself, per document.")
     cu = documents_from_positions(positions) if positions is not None else None
     lengths = real_lengths(batch["attention_mask"]) if batch.get("attention_mask") is not None else None
-    if family.plain or family.pooled:  # one position per token, restarting per document, as for text
+    if family.fixed_size:  # one position per token, restarting per document, as for text
         rope = positions.to(torch.long).cpu().expand(b, s) if positions is not None else positions_in_documents(s, cu).expand(b, s)
     else:
         token_types = batch.get("mm_token_type_ids")
@@ -216,6 +218,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         vision_shard = plain_shard(batch, mesh, config, images, units_of, lay, device)
     elif family.pooled:
         vision_shard = pooled_shard(batch, mesh, config, images, units_of, lay, device)
+    elif family.shuffled:
+        vision_shard = shuffled_shard(batch, mesh, config, images, units_of, lay, device)
     else:
         vision_shard = _vision_shard(batch, mesh, family, vision, image_grid, video_grid, units_of, lay, device)
     shard = lambda t, dim=1: shard_sequence(t, mesh, dim=dim, layout=layout, cu_seqlens=cu)  # noqa: E731

@@ -3,8 +3,9 @@
 A family names the transformers modules seqmesh drives (the tower, its embedding pieces, the language
 model) and what differs between them: the order of the tower's sequence (Qwen2.5-VL's windows), what
 the decoder receives besides its input embeddings (Qwen3-VL's DeepStack features), learned positions,
-a plain tower (LLaVA's CLIP, ``seqmesh.vision.plain``) and a pooled one whose image tokens see each other
-both ways (Gemma 3's SigLIP, ``seqmesh.vision.pooled``). Every other multimodal model is refused by name
+a plain tower (LLaVA's CLIP, ``seqmesh.vision.plain``), a pooled one whose image tokens see each other
+both ways (Gemma 3's SigLIP, ``seqmesh.vision.pooled``) and a pixel-shuffled one (InternVL's InternViT,
+``seqmesh.vision.shuffled``). Every other multimodal model is refused by name
 (:func:`vision_family`).
 """
 
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 # model_type of the top-level config -> the families below
-SUPPORTED_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3")
+SUPPORTED_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3",
+                    "internvl")
 # multimodal model types seqmesh recognises but does not run yet, and why
 REFUSED_VISION = {
     "llava_onevision": "LLaVA-OneVision's tower is not yet routed through seqmesh",
-    "internvl": "InternVL's tower is not yet routed through seqmesh",
 }
 
 
@@ -31,6 +32,12 @@ class VisionFamily:
     learned_positions: bool  # Qwen3-VL: a learned position table resampled to each frame
     plain: bool = False  # LLaVA: fixed-size images through a CLIP tower with a class token (seqmesh.vision.plain)
     pooled: bool = False  # Gemma 3: fixed-size images through SigLIP, pooled per token, seen both ways (.pooled)
+    shuffled: bool = False  # InternVL: fixed-size tiles, a class token, k x k patches concatenated per token (.shuffled)
+
+    @property
+    def fixed_size(self) -> bool:
+        """Images of one size, no grid, one position per decoder token (LLaVA, Gemma 3, InternVL)."""
+        return self.plain or self.pooled or self.shuffled
 
     @staticmethod
     def inner(model: nn.Module) -> nn.Module:
@@ -48,10 +55,14 @@ class VisionFamily:
             from .pooled import check_pooled
 
             check_pooled(config)
+        if self.shuffled:
+            from .shuffled import check_shuffled
+
+            check_shuffled(config)
 
     def tower(self, model: nn.Module) -> nn.Module:
         inner = self.inner(model)
-        return inner.vision_tower if self.plain or self.pooled else inner.visual
+        return inner.vision_tower if self.fixed_size else inner.visual
 
     def language_model(self, model: nn.Module) -> nn.Module:
         return self.inner(model).language_model
@@ -68,6 +79,7 @@ FAMILIES = {
     "qwen3_5_moe": VisionFamily("Qwen3.5-MoE", windows=False, deepstack=False, learned_positions=True),  # MoE MLPs
     "llava": VisionFamily("LLaVA", windows=False, deepstack=False, learned_positions=False, plain=True),
     "gemma3": VisionFamily("Gemma 3", windows=False, deepstack=False, learned_positions=False, pooled=True),
+    "internvl": VisionFamily("InternVL", windows=False, deepstack=False, learned_positions=False, shuffled=True),
 }
 
 

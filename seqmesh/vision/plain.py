@@ -16,10 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm.collectives import exchange_rows
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
-from .route import moved, routing
+from .route import moved, route_rows, routing
 
 
 @dataclass(frozen=True)
@@ -79,23 +78,30 @@ def plain_places(config, images: int) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, units
 
 
-def check_plain_media(batch, input_ids: torch.Tensor, config) -> int:
-    """The number of images, after checking their pixels and placeholder tokens."""
+def check_fixed_size_media(batch, input_ids: torch.Tensor, config, family: str, size: int, per_image: int,
+                           counted: str) -> int:
+    """The number of fixed-size images (or tiles) of a batch, after checking their pixels ``(images, C, size,
+    size)`` and that each has ``per_image`` placeholder tokens (``counted``: the setting that says so, as ``"name="``)."""
     if batch.get("pixel_values_videos") is not None:
-        raise ValueError("LLaVA takes images only; the batch holds pixel_values_videos.")
+        raise ValueError(f"{family} takes images only; the batch holds pixel_values_videos.")
     pixels = batch.get("pixel_values")
-    size = config.vision_config.image_size
     images = 0 if pixels is None else pixels.shape[0]
     channels = config.vision_config.num_channels
     if pixels is not None and (pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size)):
-        raise ValueError(f"pixel_values must be (images, {channels}, {size}, {size}) for this LLaVA tower, got "
+        raise ValueError(f"pixel_values must be (images, {channels}, {size}, {size}) for this {family} tower, got "
                          f"{tuple(pixels.shape)}; pass the processor's output unchanged.")
-    tokens, per_image = int((input_ids == config.image_token_id).sum()), tokens_per_image(config)
+    tokens = int((input_ids == config.image_token_id).sum())
     if tokens != images * per_image:
         raise ValueError(f"the batch has {tokens} image placeholder tokens (id {config.image_token_id}) but its {images} "
-                         f"image(s) make {images * per_image} embeddings ({per_image} each); each image needs exactly "
-                         "that many placeholder tokens, as the model's processor writes them.")
+                         f"image(s) make {images * per_image} embeddings ({counted}{per_image} each); each image needs "
+                         "exactly that many placeholder tokens, as the model's processor writes them.")
     return images
+
+
+def check_plain_media(batch, input_ids: torch.Tensor, config) -> int:
+    """The number of images, after checking their pixels and placeholder tokens."""
+    return check_fixed_size_media(batch, input_ids, config, "LLaVA", config.vision_config.image_size,
+                                  tokens_per_image(config), "")
 
 
 def plain_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor, lay,
@@ -156,7 +162,4 @@ def run_plain_tower(model: nn.Module, shard: PlainShard, mesh: SPMesh | None) ->
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         states[i] = hidden
     features = torch.cat([states[i] for i in wanted], dim=-1)[0]  # (n, C * layers)
-    rows = inner.multi_modal_projector(features)[shard.send_index]  # every row: the projector is used on every rank
-    if mesh is not None and mesh.sp_size > 1:
-        rows = exchange_rows(rows, mesh.sp_group, shard.send_rows, shard.recv_rows)
-    return rows[shard.recv_order]
+    return route_rows(inner.multi_modal_projector(features), shard, mesh)  # every row: the projector runs on every rank

@@ -8,6 +8,8 @@ import dataclasses
 
 import torch
 
+from ..comm.collectives import exchange_rows
+from ..mesh import SPMesh
 from ..sequence.layout import SequenceLayout
 
 Routing = tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], torch.Tensor]
@@ -45,6 +47,17 @@ def routing(unit_of_token: torch.Tensor, place_units: torch.Tensor, per_rank: in
     recv_rows = torch.bincount(source[to_me], minlength=p).tolist()
     recv_order = dest_slot[to_me][arrival].argsort()
     return send_index, tuple(send_rows), tuple(recv_rows), recv_order
+
+
+def route_rows(rows: torch.Tensor, shard, mesh: SPMesh | None) -> torch.Tensor:
+    """``(V, D)``: the rows of this rank's tower outputs ``rows`` (one per place of its share, ``(places, D)``)
+    that yield a placeholder token, sent to the ranks holding those tokens (one uneven all-to-all over the
+    sequence group, :func:`routing`'s plan in ``shard``), and the rows this rank receives, in the order of
+    its own ``V`` placeholder tokens."""
+    rows = rows[shard.send_index]  # (sent, D) sorted by destination rank
+    if mesh is not None and mesh.sp_size > 1:
+        rows = exchange_rows(rows, mesh.sp_group, shard.send_rows, shard.recv_rows)
+    return rows[shard.recv_order]
 
 
 def moved(shard, device: torch.device | str):

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm.collectives import exchange_rows
 from ..mesh import SPMesh
 from ..model.lm import SequenceParallelLM
 from ..model.router_aux import router_aux
@@ -24,7 +23,10 @@ from ..sequence.batch import SequenceInfo
 from .batch import VisionShard
 from .families import VisionFamily, vision_family
 from .plain import PlainShard, run_plain_tower
-from .pooled import PooledShard, run_pooled_tower
+from .pooled import run_pooled_tower
+from .route import route_rows
+from .shuffled import run_shuffled_tower
+from .windows import WindowShard
 
 
 def _rotary(tower: nn.Module, hidden: torch.Tensor, coordinates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +59,8 @@ def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
         hidden = block(hidden, cu_seqlens=whole, position_embeddings=rotary, seqmesh=info)
         if i in deep_blocks:
             deep.append(tower.deepstack_merger_list[deep_blocks.index(i)](hidden))
-    payload = torch.cat([tower.merger(hidden), *deep], dim=-1)[shard.send_index]  # (sent, D * (1 + deep))
-    if mesh is not None and mesh.sp_size > 1:
-        payload = exchange_rows(payload, mesh.sp_group, shard.send_rows, shard.recv_rows)
-    rows = payload[shard.recv_order].chunk(1 + len(deep), dim=-1)
+    payload = torch.cat([tower.merger(hidden), *deep], dim=-1)  # (units, D * (1 + deep))
+    rows = route_rows(payload, shard, mesh).chunk(1 + len(deep), dim=-1)
     return rows[0], list(rows[1:])
 
 
@@ -74,11 +74,11 @@ class VisionLanguageLM(SequenceParallelLM):
         self.family = vision_family(lm.config)
 
     def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
-                      seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+                      seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
         return self.decode(input_ids, position_ids, seqmesh, seqmesh_vision).last_hidden_state  # (B, L, D)
 
     def decode(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
-               seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None, *, router_logits: bool = False):
+               seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None, *, router_logits: bool = False):
         """The language model's output on the tokens with the tower's rows in their placeholders: as
         ``SequenceParallelLM.decode``."""
         if seqmesh_vision is None:
@@ -92,8 +92,9 @@ class VisionLanguageLM(SequenceParallelLM):
         embeds = table(input_ids)  # (B, L, D)
         extra = {"seqmesh": seqmesh} if seqmesh is not None else {}
         media = self._any_media(seqmesh_vision)
-        if media and (family.plain or family.pooled):
-            rows = (run_plain_tower if family.plain else run_pooled_tower)(self.lm, seqmesh_vision, self.mesh)
+        if media and family.fixed_size:
+            run = run_plain_tower if family.plain else run_pooled_tower if family.pooled else run_shuffled_tower
+            rows = run(self.lm, seqmesh_vision, self.mesh)
             embeds = embeds.masked_scatter(seqmesh_vision.visual_mask[..., None], rows.to(embeds.dtype))
         elif media:
             rows, deep = run_tower(family, family.tower(self.lm), seqmesh_vision, self.mesh)
@@ -105,7 +106,7 @@ class VisionLanguageLM(SequenceParallelLM):
             extra["output_router_logits"] = True
         return family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
 
-    def _any_media(self, shard: VisionShard | PlainShard | PooledShard) -> bool:
+    def _any_media(self, shard: VisionShard | PlainShard | WindowShard) -> bool:
         """Whether any rank's batch holds an image or a video. Then every rank runs the tower (on padding
         if it has none), so the collectives of the tower and of FSDP2 match. Otherwise no rank runs it, and
         its weights get no gradient, as on one device: an optimizer leaves them alone rather than moving
@@ -117,13 +118,13 @@ class VisionLanguageLM(SequenceParallelLM):
         return bool(flag.item())
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-                seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+                seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
         aux = router_aux(self.lm)
         out = self.decode(input_ids, position_ids, seqmesh, seqmesh_vision, router_logits=aux is not None)
         return self.loss_of(out, shift_labels, seqmesh, aux)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-              seqmesh_vision: VisionShard | PlainShard | PooledShard | None = None) -> torch.Tensor:
+              seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
         return self.score_from_hidden(hidden, shift_labels, seqmesh)

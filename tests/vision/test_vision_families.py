@@ -33,14 +33,16 @@ GEMMA_KINDS = [k for k in KINDS if k[0] != "two_rows"] + [("untyped", "zigzag")]
 
 def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
-        return ([(f, ulysses, ring, kind, layout) for f in FAMILIES for kind, layout in KINDS]
+        return ([(f, ulysses, ring, kind, layout) for f in FAMILIES + ["internvl"] for kind, layout in KINDS]
                 + [("gemma3", ulysses, ring, kind, layout) for kind, layout in GEMMA_KINDS])
     # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
     # CLIP's class token). The others add no code path there: Qwen2-VL's tower is Qwen2.5-VL's full blocks,
     # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's;
     # Gemma 3 (its pooled tower and image blocks) on 2x2 only
+    # InternVL (its class-token window and pixel shuffle) on 2x2 only, its three richest batches
     gemma = [("gemma3", 2, 2, kind, layout) for kind, layout in GEMMA_KINDS[:3]] if (ulysses, ring) == (2, 2) else []
-    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]] + gemma
+    internvl = [("internvl", 2, 2, kind, layout) for kind, layout in KINDS[:3]] if (ulysses, ring) == (2, 2) else []
+    return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]] + gemma + internvl
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
@@ -85,9 +87,19 @@ def test_tolerance_sees_the_image_mask_dropped(pools):
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
 
 
+def test_tolerance_sees_a_transposed_pixel_shuffle(pools):
+    """InternVL's windows concatenated column-major (each patch keeping its pixels and position, so only the
+    pixel shuffle's order is wrong) must fail the tolerance by a wide margin: the test sees the patch order."""
+    for results in pools.run(2, _run_all, [("internvl", 1, 2, "mixed", "zigzag")], transpose_windows=True):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+            assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
 def test_fsdp_over_replicas_with_and_without_images(pools):
     """FSDP2 over 2 data-parallel x 2 ring ranks, one replica's batch with images and the other's text only:
     no hang, and the pooled loss and every gradient equal one process on both batches."""
-    for r in pools.run(4, fsdp_data_parallel_parity, "qwen3_vl"):
-        assert r["loss"] <= ROUNDING_MULTIPLE * r["rounding"]["loss"], r
-        assert r["grad"] <= ROUNDING_MULTIPLE * r["rounding"]["grad"], r
+    for family in ("qwen3_vl", "internvl"):  # InternVL: its tower in the root unit (its layers run from their modules)
+        for r in pools.run(4, fsdp_data_parallel_parity, family):
+            assert r["loss"] <= ROUNDING_MULTIPLE * r["rounding"]["loss"], (family, r)
+            assert r["grad"] <= ROUNDING_MULTIPLE * r["rounding"]["grad"], (family, r)

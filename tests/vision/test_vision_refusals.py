@@ -8,14 +8,17 @@ from vision_cases import refusals
 def test_refusals_name_the_problem_and_the_way_out(pools):
     for out in pools.run(2, refusals, 2, 1):
         towers = [f"whole_tower_{f}" for f in ("llava", "qwen2_5_vl", "qwen3_vl")]
-        assert sorted(out) == ["gemma3_long_image", "gemma3_rows", "llava_onevision", "no_model", "placeholders",
-                               "text_batch", "tower_heads", *towers], out
+        assert sorted(out) == ["gemma3_long_image", "gemma3_rows", "internvl_ratio", "internvl_strategy",
+                               "llava_onevision", "no_model", "placeholders", "text_batch", "tower_heads", *towers], out
         # the model's own forward given the whole images: its tower's attention would see the text's sequence
         assert all("runs on each rank's share of the patches" in out[t] for t in towers), out
         assert "holds 4 tokens, more than the sliding window of 3" in out["gemma3_long_image"], out["gemma3_long_image"]
         assert "place their images differently" in out["gemma3_rows"], out["gemma3_rows"]
         supported = out["llava_onevision"].split("seqmesh runs the vision-language models ")[1]  # what a refusal offers
-        assert all(f in supported for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_5_moe", "gemma3")), out["llava_onevision"]
+        assert all(f in supported for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_5_moe", "gemma3", "internvl")), out["llava_onevision"]
+        assert "vision_feature_select_strategy='full'" in out["internvl_strategy"] and "set it to 'default'" in \
+            out["internvl_strategy"], out["internvl_strategy"]
+        assert "downsample_ratio=0.3 must be 1/k" in out["internvl_ratio"], out["internvl_ratio"]
         assert "LLaVA-OneVision" in out["llava_onevision"], out["llava_onevision"]
         assert "vision tower has 1 query heads" in out["tower_heads"] and "ulysses=1 x ring=2" in out["tower_heads"]
         assert "model=model" in out["no_model"], out["no_model"]
@@ -28,5 +31,5 @@ def test_the_jobs_device_move_takes_every_tensor_of_a_vision_shard(pools):
     positions, taps and routing indices must go too (the meta device stands in for the GPU here)."""
     from vision_cases import fields_left_behind
 
-    for family in ("qwen2_5_vl", "qwen3_vl", "llava"):
+    for family in ("qwen2_5_vl", "qwen3_vl", "llava", "internvl"):
         assert pools.run(1, fields_left_behind, family)[0] == [], family

@@ -1,0 +1,139 @@
+"""Towers whose placeholder tokens each take one ``k x k`` window of an image's patches (Gemma 3's average
+pool, ``seqmesh.vision.pooled``; InternVL's pixel shuffle, ``seqmesh.vision.shuffled``): the tower's
+sequence in window order, cut into equal shares of whole windows.
+
+Fixed-size images of ``side x side`` patches, one document per image, learned positions added before the
+encoder. Attention inside an image does not care about the order of its tokens once the positions are
+added, so each window's ``k * k`` patches are put next to each other (row-major inside the window, which
+is the order both the pool and the pixel shuffle read them in), windows in the row-major order of the
+``side/k x side/k`` token grid. The sequence is then cut into ``P`` equal contiguous shares of whole
+windows: every window is on one rank, its token's row is made there, and only that row travels to the
+rank holding the placeholder token, ``k * k`` times fewer rows than the patches.
+
+A class token (InternVL) is one place more per image, which would break the cut into whole windows. It
+gets a window of its own, at its image's start, whose first ``k * k - 1`` places are padding outside any
+image (a document of their own, attended to and then dropped), so the image's document is
+``[class, window 0, window 1, ...]`` and every share still holds whole windows. A class window yields no
+token (InternVL drops the class token's features); it costs ``k * k - 1`` places per image (3 of 1028 for a
+448-pixel tile of 14-pixel patches).
+
+    tower sequence, k = 2, class token:  | pad pad pad | cls w0 w0 w0 w0 w1 w1 w1 w1 ... | pad pad pad | cls ...
+                                           own document  one image's document
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..mesh import SPMesh
+from ..sequence.batch import SequenceInfo
+from .plain import patch_pixels
+from .route import moved, routing
+
+PADDING, CLASS = -2, -1  # what window_places gives a place that holds no patch
+
+
+@dataclass(frozen=True)
+class WindowGrid:
+    """The geometry of one fixed-size image of a window tower."""
+
+    side: int  # patches per image side
+    kernel: int  # the window's side in patches: side = kernel * tokens per side
+    patch: int  # pixels per patch side
+    channels: int
+    class_token: bool  # each image starts with a class token (InternVL), whose features are dropped
+
+    @property
+    def tokens(self) -> int:
+        """Placeholder tokens (windows that yield one) per image."""
+        return (self.side // self.kernel) ** 2
+
+    @property
+    def windows(self) -> int:
+        """Windows of ``kernel * kernel`` places per image, the class window included."""
+        return self.tokens + self.class_token
+
+
+@dataclass(frozen=True)
+class WindowShard:
+    """This rank's share of a window tower (``n = windows x k x k`` places) and the routing of its rows."""
+
+    patches: torch.Tensor  # (n, C, p, p) pixels of each place (zeros for class tokens and padding), window by window
+    is_class: torch.Tensor  # (n,) bool: the place holds its image's class token
+    positions: torch.Tensor  # (n,) the place's row of the learned position table (the class token's 0 if any)
+    images: SequenceInfo  # one document per image over the tower's sequence (and one per class window's padding)
+    send_index: torch.Tensor
+    send_rows: tuple[int, ...]
+    recv_rows: tuple[int, ...]
+    recv_order: torch.Tensor
+    visual_mask: torch.Tensor  # (B, L) bool: this rank's image placeholder tokens
+    has_media: bool
+
+    def to(self, device: torch.device | str) -> WindowShard:
+        """The same shard with every tensor on ``device``."""
+        return moved(self, device)
+
+
+def window_places(grid: WindowGrid, images: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(patches, tokens)``: for every place of the tower's sequence, window by window, the patch it holds
+    (its row-major index in its image; ``CLASS`` or ``PADDING`` for none), ``(images * windows * k * k,)``;
+    and for every window the placeholder token it yields, counted over the batch (-1: a class window),
+    ``(images * windows,)``."""
+    k, pooled = grid.kernel, grid.side // grid.kernel
+    token, inside = torch.arange(pooled * pooled)[:, None], torch.arange(k * k)[None]  # (tokens, 1), (1, k*k)
+    row, col = (token // pooled) * k + inside // k, (token % pooled) * k + inside % k
+    patches = (row * grid.side + col).reshape(-1)  # (tokens * k * k,) one image, window by window
+    tokens = torch.arange(pooled * pooled)
+    if grid.class_token:
+        lead = torch.full((k * k,), PADDING)
+        lead[-1] = CLASS
+        patches, tokens = torch.cat([lead, patches]), torch.cat([torch.tensor([-1]), tokens])
+    image_tokens = torch.where(tokens >= 0, torch.arange(images)[:, None] * grid.tokens + tokens, -1)
+    return patches.repeat(images), image_tokens.reshape(-1)
+
+
+def image_documents(grid: WindowGrid, images: int) -> tuple[int, ...]:
+    """``cu_seqlens`` of the tower's sequence: each image, and before it its class window's padding."""
+    per_image = grid.windows * grid.kernel ** 2
+    pad = grid.kernel ** 2 - 1 if grid.class_token else 0
+    starts = [i * per_image for i in range(images)]
+    return tuple(sorted({*starts, *(s + pad for s in starts), images * per_image}))
+
+
+def window_shard(batch, mesh: SPMesh, grid: WindowGrid, images: int, units_of: torch.Tensor, lay,
+                 device: torch.device) -> WindowShard:
+    """This rank's places of the tower's sequence and the routing of its windows' rows (module docstring).
+    ``units_of``: ``(B, padded_len)`` the placeholder token each token is (counted over the batch), -1: none."""
+    p, me = mesh.sp_size, mesh.sp_rank
+    per_window = grid.kernel ** 2
+    windows = images * grid.windows
+    per_rank = max(-(-windows // p), 1)  # padding only when another replica's batch has images
+    patch_of, window_tokens = window_places(grid, images)
+    length, places = patch_of.numel(), per_rank * per_window
+    patch_of = F.pad(patch_of, (0, places * p - length), value=PADDING)
+    mine = torch.arange(me * places, (me + 1) * places)
+    local_patch = patch_of[mine]  # (places,)
+    is_patch = local_patch >= 0
+    pixels = batch.get("pixel_values")
+    local = torch.zeros(places, grid.channels, grid.patch, grid.patch,
+                        dtype=pixels.dtype if pixels is not None else torch.float32, device=device)
+    if bool(is_patch.any()):
+        image = mine[is_patch] // (grid.windows * per_window)
+        index = image * grid.side ** 2 + local_patch[is_patch]  # the patch's row in patch_pixels' order
+        local[is_patch.to(device)] = patch_pixels(pixels, grid.patch)[index.to(pixels.device)].to(device)
+    positions = (local_patch + int(grid.class_token)).clamp(min=0)  # the class token's row 0; padding's unused
+    if images:
+        info = SequenceInfo(seq_len=length, cu_seqlens=image_documents(grid, images), layout="contiguous")
+    else:  # padding only: one document, attended to and then dropped
+        info = SequenceInfo(seq_len=places * p, cu_seqlens=None, layout="contiguous")
+    window_tokens = F.pad(window_tokens, (0, per_rank * p - windows), value=-1)
+    send_index, send_rows, recv_rows, recv_order = routing(units_of, window_tokens, per_rank, lay, p, me)
+    token_units = units_of[:, lay.indices()].reshape(units_of.shape[0], p, lay.local_len)[:, me]
+    return WindowShard(
+        patches=local, is_class=(local_patch == CLASS).to(device), positions=positions.to(device), images=info,
+        send_index=send_index.to(device), send_rows=send_rows, recv_rows=recv_rows, recv_order=recv_order.to(device),
+        visual_mask=(token_units >= 0).to(device), has_media=images > 0,
+    )
