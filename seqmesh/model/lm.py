@@ -233,15 +233,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def vision_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a vision-language model's vision tower (Qwen-VL's ``model.model.visual.blocks``, LLaVA's
-    CLIP encoder layers), or none for a text model: FSDP units of their own, like decoder layers."""
+    """The blocks of a vision-language model's vision tower (Qwen-VL's ``model.model.visual.blocks``, the encoder
+    layers of LLaVA's CLIP, Gemma 3's SigLIP, InternVL's InternViT), or none for a text model: FSDP units of their
+    own, like decoder layers."""
     inner = getattr(model, "model", model)
     visual = getattr(inner, "visual", None)
     if visual is not None:
         return list(getattr(visual, "blocks", None) or ())
     tower = getattr(inner, "vision_tower", None)
-    tower = getattr(tower, "vision_model", tower)  # older releases nest CLIP's transformer once more
-    return list(getattr(getattr(tower, "encoder", None), "layers", None) or ())
+    tower = getattr(tower, "vision_model", tower)  # CLIP's and SigLIP's transformer (older releases nest it once more)
+    encoder = getattr(tower, "encoder", None)
+    return list(getattr(encoder, "layers", None) or getattr(encoder, "layer", None) or ())  # InternViT: encoder.layer
 
 
 class LossTerms(NamedTuple):

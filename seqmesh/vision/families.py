@@ -60,6 +60,20 @@ class VisionFamily:
 
             check_shuffled(config)
 
+    def layer_step(self):
+        """The function that runs one layer of this family's tower from the layer's own modules
+        (``windows.LayerStep``: SigLIP's and InternViT's layers do not hand ``seqmesh`` on to their attention), or
+        None where the layer's own forward is called."""
+        if self.pooled:
+            from .pooled import encoder_layer
+
+            return encoder_layer
+        if self.shuffled:
+            from .shuffled import encoder_layer
+
+            return encoder_layer
+        return None
+
     def tower(self, model: nn.Module) -> nn.Module:
         inner = self.inner(model)
         return inner.vision_tower if self.fixed_size else inner.visual

@@ -22,7 +22,7 @@ from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from .plain import check_fixed_size_media
 from .route import route_rows
-from .windows import WindowGrid, WindowShard, window_shard
+from .windows import WindowGrid, WindowShard, run_layers, window_shard
 
 
 def pooled_sizes(config) -> tuple[int, int, int]:
@@ -85,7 +85,7 @@ def pooled_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tenso
     return window_shard(batch, mesh, pooled_grid(config), images, units_of, lay, device)
 
 
-def _encoder_layer(layer: nn.Module, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
+def encoder_layer(layer: nn.Module, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
     """One SigLIP encoder layer on ``hidden`` (1, n, C), its attention through the function ``seqmesh.hf``
     registered: SigLIP's attention does not pass its keyword arguments on to that function, so the ``seqmesh``
     entry (the images as documents) is given here, and the layer's other steps are its own modules in its order."""
@@ -110,8 +110,7 @@ def run_pooled_tower(model: nn.Module, shard: WindowShard, mesh: SPMesh | None) 
     conv = embeddings.patch_embedding
     hidden = conv(shard.patches.to(conv.weight.dtype)).flatten(1)  # (n, C): stride = kernel, one patch at a time
     hidden = (hidden + embeddings.position_embedding(shard.positions))[None]  # (1, n, C): layers take a batch dim
-    for layer in tower.encoder.layers:
-        hidden = _encoder_layer(layer, hidden, shard.images)
+    hidden = run_layers(tower.encoder.layers, encoder_layer, hidden, shard.images)
     hidden = tower.post_layernorm(hidden)[0]  # (n, C)
     projector = inner.multi_modal_projector
     pooled = hidden.unflatten(0, (-1, projector.kernel_size ** 2)).mean(dim=1)  # (units, C): one pooling window each

@@ -24,7 +24,7 @@ from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from .plain import check_fixed_size_media
 from .route import route_rows
-from .windows import WindowGrid, WindowShard, window_shard
+from .windows import WindowGrid, WindowShard, run_layers, window_shard
 
 
 def _pair(value) -> tuple[int, int]:
@@ -81,7 +81,7 @@ def shuffled_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Ten
     return window_shard(batch, mesh, shuffled_grid(config), images, units_of, lay, device)
 
 
-def _encoder_layer(layer: nn.Module, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
+def encoder_layer(layer: nn.Module, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
     """One InternViT layer on ``hidden`` (1, n, C): norm, attention over the images as documents, layer scale,
     residual; norm, MLP, dropout, layer scale, residual."""
     attended, _ = layer.attention(layer.layernorm_before(hidden), seqmesh=images)
@@ -103,8 +103,7 @@ def run_shuffled_tower(model: nn.Module, shard: WindowShard, mesh: SPMesh | None
     hidden = embeddings.dropout(hidden)[None]  # (1, n, C): the layers take a batch dimension
     layers = tower.encoder.layer
     read = inner.config.vision_feature_layer  # -1: after the last layer and the tower's final norm
-    for layer in layers[: read % (len(layers) + 1)] if read != -1 else layers:
-        hidden = _encoder_layer(layer, hidden, shard.images)
+    hidden = run_layers(layers[: read % (len(layers) + 1)] if read != -1 else layers, encoder_layer, hidden, shard.images)
     if read == -1:
         hidden = tower.layernorm(hidden)
     rows = hidden[0].reshape(-1, shuffle_kernel(inner.config) ** 2 * hidden.shape[-1])  # (windows, k*k*C): the shuffle

@@ -23,9 +23,11 @@ token (InternVL drops the class token's features); it costs ``k * k - 1`` places
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..mesh import SPMesh
@@ -137,3 +139,26 @@ def window_shard(batch, mesh: SPMesh, grid: WindowGrid, images: int, units_of: t
         send_index=send_index.to(device), send_rows=send_rows, recv_rows=recv_rows, recv_order=recv_order.to(device),
         visual_mask=(token_units >= 0).to(device), has_media=images > 0,
     )
+
+
+# The method through which the tower runners call a layer they run from its own modules (SigLIP's and InternViT's
+# layers do not hand the ``seqmesh`` entry on to their attention): FSDP2 registers it as a forward method of the
+# layer's unit, so the layer's parameters are gathered around it as around the layer's own forward.
+LAYER_METHOD = "seqmesh_layer"
+LayerStep = Callable[[nn.Module, torch.Tensor, SequenceInfo], torch.Tensor]  # (layer, hidden (1, n, C), images)
+
+
+def attach_layer_steps(layers: Sequence[nn.Module], step: LayerStep) -> None:
+    """Give each of ``layers`` the method ``LAYER_METHOD``: ``step`` on that layer (an attribute, not a parameter
+    or submodule: the model's state dict is unchanged)."""
+    for layer in layers:
+        setattr(layer, LAYER_METHOD, step.__get__(layer))
+
+
+def run_layers(layers: Sequence[nn.Module], step: LayerStep, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
+    """``hidden`` (1, n, C) through every layer, each by its ``LAYER_METHOD`` where it has one (under FSDP2), else
+    by ``step`` itself."""
+    for layer in layers:
+        method = getattr(layer, LAYER_METHOD, None)
+        hidden = method(hidden, images) if method is not None else step(layer, hidden, images)
+    return hidden
