@@ -167,7 +167,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
             out[key] = value.to(device, non_blocking=True)
-        else:  # a VisionShard / PlainShard moves its own tensors; SequenceInfo holds none
+        else:  # a VisionShard / FixedSizeShard moves its own tensors; SequenceInfo holds none
             out[key] = value.to(device) if key == "seqmesh_vision" else value
     return out
 

@@ -10,7 +10,6 @@ holding its placeholder token; with the ``default`` strategy the class token's r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -18,27 +17,7 @@ import torch.nn.functional as F
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
-from .route import moved, route_rows, routing
-
-
-@dataclass(frozen=True)
-class PlainShard:
-    """This rank's share of a plain tower (``n`` places) and the routing of its rows."""
-
-    patches: torch.Tensor  # (n, C, p, p) pixels of each place (zeros for class tokens and padding)
-    is_class: torch.Tensor  # (n,) bool: the place holds its image's class token
-    positions: torch.Tensor  # (n,) index of the place in its image (0: the class token)
-    images: SequenceInfo  # one document per image
-    send_index: torch.Tensor
-    send_rows: tuple[int, ...]
-    recv_rows: tuple[int, ...]
-    recv_order: torch.Tensor
-    visual_mask: torch.Tensor  # (B, L) bool: this rank's image placeholder tokens
-    has_media: bool
-
-    def to(self, device: torch.device | str) -> PlainShard:
-        """The same shard with every tensor on ``device``."""
-        return moved(self, device)
+from .route import FixedSizeShard, route_rows, routing
 
 
 def feature_layers(config) -> list[int]:
@@ -105,7 +84,7 @@ def check_plain_media(batch, input_ids: torch.Tensor, config) -> int:
 
 
 def plain_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor, lay,
-                device: torch.device) -> PlainShard:
+                device: torch.device) -> FixedSizeShard:
     """This rank's places of the tower's sequence and the routing of their rows (module docstring)."""
     p, me = mesh.sp_size, mesh.sp_rank
     positions, units = plain_places(config, images)
@@ -131,7 +110,7 @@ def plain_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor
     info = SequenceInfo(seq_len=places if images else per_rank * p, cu_seqlens=cu, layout="contiguous")
     send_index, send_rows, recv_rows, recv_order = routing(units_of, units, per_rank, lay, p, me)
     token_units = units_of[:, lay.indices()].reshape(units_of.shape[0], p, lay.local_len)[:, me]
-    return PlainShard(
+    return FixedSizeShard(
         patches=local, is_class=(real[mine] & (positions[mine] == 0)).to(device), positions=positions[mine].to(device),
         images=info, send_index=send_index.to(device), send_rows=send_rows, recv_rows=recv_rows,
         recv_order=recv_order.to(device), visual_mask=(token_units >= 0).to(device), has_media=images > 0,
@@ -145,7 +124,7 @@ def patch_pixels(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
     return grid.permute(0, 2, 4, 1, 3, 5).reshape(-1, c, patch, patch)
 
 
-def run_plain_tower(model: nn.Module, shard: PlainShard, mesh: SPMesh | None) -> torch.Tensor:
+def run_plain_tower(model: nn.Module, shard: FixedSizeShard, mesh: SPMesh | None) -> torch.Tensor:
     """``(V, D)``: the projected features of this rank's ``V`` placeholder tokens, in their row-major order."""
     inner = model.model
     tower = getattr(inner.vision_tower, "vision_model", inner.vision_tower)  # older releases nest it once more

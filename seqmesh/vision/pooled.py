@@ -22,7 +22,8 @@ from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from .plain import check_fixed_size_media
 from .route import route_rows
-from .windows import WindowGrid, WindowShard, run_layers, window_shard
+from .route import FixedSizeShard
+from .windows import WindowGrid, run_layers, window_shard
 
 
 def pooled_sizes(config) -> tuple[int, int, int]:
@@ -80,7 +81,7 @@ def pooled_grid(config) -> WindowGrid:
 
 
 def pooled_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor, lay,
-                 device: torch.device) -> WindowShard:
+                 device: torch.device) -> FixedSizeShard:
     """This rank's patches of the tower's sequence and the routing of their pooled rows (module docstring)."""
     return window_shard(batch, mesh, pooled_grid(config), images, units_of, lay, device)
 
@@ -102,7 +103,7 @@ def encoder_layer(layer: nn.Module, hidden: torch.Tensor, images: SequenceInfo) 
     return hidden + layer.mlp(layer.layer_norm2(hidden))
 
 
-def run_pooled_tower(model: nn.Module, shard: WindowShard, mesh: SPMesh | None) -> torch.Tensor:
+def run_pooled_tower(model: nn.Module, shard: FixedSizeShard, mesh: SPMesh | None) -> torch.Tensor:
     """``(V, D)``: the projected features of this rank's ``V`` placeholder tokens, in their row-major order."""
     inner = model.model
     tower = getattr(inner.vision_tower, "vision_model", inner.vision_tower)  # older releases nest it once more

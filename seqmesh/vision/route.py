@@ -10,6 +10,7 @@ import torch
 
 from ..comm.collectives import exchange_rows
 from ..mesh import SPMesh
+from ..sequence.batch import SequenceInfo
 from ..sequence.layout import SequenceLayout
 
 Routing = tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], torch.Tensor]
@@ -70,3 +71,24 @@ def moved(shard, device: torch.device | str):
         return value
 
     return dataclasses.replace(shard, **{f.name: move(getattr(shard, f.name)) for f in dataclasses.fields(shard)})
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeShard:
+    """This rank's share of a fixed-size-image tower (LLaVA's, Gemma 3's, InternVL's: ``n`` places of its
+    sequence) and the routing of its rows."""
+
+    patches: torch.Tensor  # (n, C, p, p) pixels of each place (zeros for class tokens and padding)
+    is_class: torch.Tensor  # (n,) bool: the place holds its image's class token
+    positions: torch.Tensor  # (n,) the place's row of the learned position table (the class token's 0 if any)
+    images: SequenceInfo  # one document per image over the tower's sequence (and one per class window's padding)
+    send_index: torch.Tensor
+    send_rows: tuple[int, ...]
+    recv_rows: tuple[int, ...]
+    recv_order: torch.Tensor
+    visual_mask: torch.Tensor  # (B, L) bool: this rank's image placeholder tokens
+    has_media: bool
+
+    def to(self, device: torch.device | str) -> FixedSizeShard:
+        """The same shard with every tensor on ``device``."""
+        return moved(self, device)

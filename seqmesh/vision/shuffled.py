@@ -24,7 +24,8 @@ from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from .plain import check_fixed_size_media
 from .route import route_rows
-from .windows import WindowGrid, WindowShard, run_layers, window_shard
+from .route import FixedSizeShard
+from .windows import WindowGrid, run_layers, window_shard
 
 
 def _pair(value) -> tuple[int, int]:
@@ -76,7 +77,7 @@ def check_shuffled_media(batch, input_ids: torch.Tensor, config) -> int:
 
 
 def shuffled_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor, lay,
-                   device: torch.device) -> WindowShard:
+                   device: torch.device) -> FixedSizeShard:
     """This rank's places of the tower's sequence and the routing of their shuffled rows (module docstring)."""
     return window_shard(batch, mesh, shuffled_grid(config), images, units_of, lay, device)
 
@@ -89,7 +90,7 @@ def encoder_layer(layer: nn.Module, hidden: torch.Tensor, images: SequenceInfo) 
     return hidden + layer.lambda_2 * layer.dropout(layer.mlp(layer.layernorm_after(hidden)))
 
 
-def run_shuffled_tower(model: nn.Module, shard: WindowShard, mesh: SPMesh | None) -> torch.Tensor:
+def run_shuffled_tower(model: nn.Module, shard: FixedSizeShard, mesh: SPMesh | None) -> torch.Tensor:
     """``(V, D)``: the projected features of this rank's ``V`` placeholder tokens, in their row-major order."""
     inner = model.model
     tower = inner.vision_tower

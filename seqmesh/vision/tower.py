@@ -22,11 +22,11 @@ from ..model.router_aux import router_aux
 from ..sequence.batch import SequenceInfo
 from .batch import VisionShard
 from .families import VisionFamily, vision_family
-from .plain import PlainShard, run_plain_tower
+from .plain import run_plain_tower
 from .pooled import run_pooled_tower
 from .route import route_rows
 from .shuffled import run_shuffled_tower
-from .windows import WindowShard
+from .route import FixedSizeShard
 
 
 def _rotary(tower: nn.Module, hidden: torch.Tensor, coordinates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +74,11 @@ class VisionLanguageLM(SequenceParallelLM):
         self.family = vision_family(lm.config)
 
     def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
-                      seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
+                      seqmesh_vision: VisionShard | FixedSizeShard | None = None) -> torch.Tensor:
         return self.decode(input_ids, position_ids, seqmesh, seqmesh_vision).last_hidden_state  # (B, L, D)
 
     def decode(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None,
-               seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None, *, router_logits: bool = False):
+               seqmesh_vision: VisionShard | FixedSizeShard | None = None, *, router_logits: bool = False):
         """The language model's output on the tokens with the tower's rows in their placeholders: as
         ``SequenceParallelLM.decode``."""
         if seqmesh_vision is None:
@@ -106,7 +106,7 @@ class VisionLanguageLM(SequenceParallelLM):
             extra["output_router_logits"] = True
         return family.language_model(self.lm)(inputs_embeds=embeds, position_ids=position_ids, use_cache=False, **extra)
 
-    def _any_media(self, shard: VisionShard | PlainShard | WindowShard) -> bool:
+    def _any_media(self, shard: VisionShard | FixedSizeShard) -> bool:
         """Whether any rank's batch holds an image or a video. Then every rank runs the tower (on padding
         if it has none), so the collectives of the tower and of FSDP2 match. Otherwise no rank runs it, and
         its weights get no gradient, as on one device: an optimizer leaves them alone rather than moving
@@ -118,13 +118,13 @@ class VisionLanguageLM(SequenceParallelLM):
         return bool(flag.item())
 
     def forward(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-                seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
+                seqmesh_vision: VisionShard | FixedSizeShard | None = None) -> torch.Tensor:
         aux = router_aux(self.lm)
         out = self.decode(input_ids, position_ids, seqmesh, seqmesh_vision, router_logits=aux is not None)
         return self.loss_of(out, shift_labels, seqmesh, aux)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None,
-              seqmesh_vision: VisionShard | PlainShard | WindowShard | None = None) -> torch.Tensor:
+              seqmesh_vision: VisionShard | FixedSizeShard | None = None) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, seqmesh, seqmesh_vision)
         return self.score_from_hidden(hidden, shift_labels, seqmesh)

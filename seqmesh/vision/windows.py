@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from .plain import patch_pixels
-from .route import moved, routing
+from .route import FixedSizeShard, routing
 
 PADDING, CLASS = -2, -1  # what window_places gives a place that holds no patch
 
@@ -57,26 +57,6 @@ class WindowGrid:
     def windows(self) -> int:
         """Windows of ``kernel * kernel`` places per image, the class window included."""
         return self.tokens + self.class_token
-
-
-@dataclass(frozen=True)
-class WindowShard:
-    """This rank's share of a window tower (``n = windows x k x k`` places) and the routing of its rows."""
-
-    patches: torch.Tensor  # (n, C, p, p) pixels of each place (zeros for class tokens and padding), window by window
-    is_class: torch.Tensor  # (n,) bool: the place holds its image's class token
-    positions: torch.Tensor  # (n,) the place's row of the learned position table (the class token's 0 if any)
-    images: SequenceInfo  # one document per image over the tower's sequence (and one per class window's padding)
-    send_index: torch.Tensor
-    send_rows: tuple[int, ...]
-    recv_rows: tuple[int, ...]
-    recv_order: torch.Tensor
-    visual_mask: torch.Tensor  # (B, L) bool: this rank's image placeholder tokens
-    has_media: bool
-
-    def to(self, device: torch.device | str) -> WindowShard:
-        """The same shard with every tensor on ``device``."""
-        return moved(self, device)
 
 
 def window_places(grid: WindowGrid, images: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +86,7 @@ def image_documents(grid: WindowGrid, images: int) -> tuple[int, ...]:
 
 
 def window_shard(batch, mesh: SPMesh, grid: WindowGrid, images: int, units_of: torch.Tensor, lay,
-                 device: torch.device) -> WindowShard:
+                 device: torch.device) -> FixedSizeShard:
     """This rank's places of the tower's sequence and the routing of its windows' rows (module docstring).
     ``units_of``: ``(B, padded_len)`` the placeholder token each token is (counted over the batch), -1: none."""
     p, me = mesh.sp_size, mesh.sp_rank
@@ -134,7 +114,7 @@ def window_shard(batch, mesh: SPMesh, grid: WindowGrid, images: int, units_of: t
     window_tokens = F.pad(window_tokens, (0, per_rank * p - windows), value=-1)
     send_index, send_rows, recv_rows, recv_order = routing(units_of, window_tokens, per_rank, lay, p, me)
     token_units = units_of[:, lay.indices()].reshape(units_of.shape[0], p, lay.local_len)[:, me]
-    return WindowShard(
+    return FixedSizeShard(
         patches=local, is_class=(local_patch == CLASS).to(device), positions=positions.to(device), images=info,
         send_index=send_index.to(device), send_rows=send_rows, recv_rows=recv_rows, recv_order=recv_order.to(device),
         visual_mask=(token_units >= 0).to(device), has_media=images > 0,
