@@ -334,15 +334,29 @@ def _transposed_windows(transpose: bool):
 
 def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", layout: str = "auto",
                   shift_positions_on: int | None = None, drop_image_blocks: bool = False,
-                  transpose_windows: bool = False) -> dict:
+                  transpose_windows: bool = False, checkpointing: bool = False) -> dict:
     """:func:`_vision_parity` (see there), Gemma 3's norms in float64 for a float64 model; ``transpose_windows``:
     :func:`_transposed_windows`."""
     with _norms_in_input_dtype(family), _transposed_windows(transpose_windows):
-        return _vision_parity(family, ulysses, ring, kind, layout, shift_positions_on, drop_image_blocks)
+        return _vision_parity(family, ulysses, ring, kind, layout, shift_positions_on, drop_image_blocks, checkpointing)
+
+
+def _counting_layer_steps(family: str, calls: list):
+    """Gemma 3's and InternVL's tower layer step (the function seqmesh runs each layer with), counting its calls."""
+    import importlib
+
+    module = importlib.import_module({"gemma3": "seqmesh.vision.pooled", "internvl": "seqmesh.vision.shuffled"}[family])
+    step = module.encoder_layer
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return step(*args, **kwargs)
+
+    return mock.patch.object(module, "encoder_layer", counted)
 
 
 def _vision_parity(family: str, ulysses: int, ring: int, kind: str, layout: str, shift_positions_on: int | None,
-                   drop_image_blocks: bool) -> dict:
+                   drop_image_blocks: bool, checkpointing: bool = False) -> dict:
     """Largest logit error, loss error and largest relative gradient error over all parameters against
     the one-process model, and the same three for the reference run in float32 against float64 (the
     reference's own rounding). ``shift_positions_on``: a deliberate error for the test that the
@@ -363,14 +377,16 @@ def _vision_parity(family: str, ulysses: int, ring: int, kind: str, layout: str,
         rounding = {key: max(rounding[key], algorithm[key]) for key in rounding}
 
     model = build(config)
-    sp = parallelize_model(model, mesh, ParallelPlan(fsdp=False, loss_chunk=16))
+    sp = parallelize_model(model, mesh, ParallelPlan(fsdp=False, loss_chunk=16, checkpointing=checkpointing))
     local = seqmesh.shard_batch(batch, mesh, model=sp, layout=layout)
     if drop_image_blocks:
         local["seqmesh"] = dataclasses.replace(local["seqmesh"], image_blocks=None)
     if shift_positions_on == torch.distributed.get_rank():
         local["position_ids"] = local["position_ids"] + 1
-    loss = sp(**local)
-    loss.backward()
+    step_calls: list = []
+    with _counting_layer_steps(family, step_calls) if family in ("gemma3", "internvl") else contextlib.nullcontext():
+        loss = sp(**local)
+        loss.backward()
     sync_gradients(sp, mesh)
     with torch.no_grad():
         hidden = sp.hidden_states(local["input_ids"], local["position_ids"], local["seqmesh"], local["seqmesh_vision"])
@@ -383,7 +399,8 @@ def _vision_parity(family: str, ulysses: int, ring: int, kind: str, layout: str,
     return {"logits": float((whole - ref_logits.detach()).abs().max()), "loss": abs(loss.item() - ref_loss.item()),
             "grad": grad, "worst": worst, "tower_grads": tower_grads, "rounding": rounding,
             "tokens": batch["input_ids"].shape[1], "layout": local["seqmesh"].layout,
-            "sent": sum(local["seqmesh_vision"].send_rows) - local["seqmesh_vision"].send_rows[mesh.sp_rank]}
+            "sent": sum(local["seqmesh_vision"].send_rows) - local["seqmesh_vision"].send_rows[mesh.sp_rank],
+            "tower_layer_steps": len(step_calls)}
 
 
 def _tiny_refused(kind: str):

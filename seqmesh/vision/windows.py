@@ -23,6 +23,7 @@ token (InternVL drops the class token's features); it costs ``k * k - 1`` places
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -128,17 +129,26 @@ LAYER_METHOD = "seqmesh_layer"
 LayerStep = Callable[[nn.Module, torch.Tensor, SequenceInfo], torch.Tensor]  # (layer, hidden (1, n, C), images)
 
 
+def _checkpointed(layer: nn.Module, step: LayerStep, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
+    """``step`` on ``layer``, recomputed in backward when the model's gradient checkpointing is on (transformers
+    sets ``gradient_checkpointing`` and ``_gradient_checkpointing_func`` on each layer), as the layer's own forward
+    would be; inside FSDP2's gather, as transformers keeps module hooks outside the checkpoint."""
+    if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+        return layer._gradient_checkpointing_func(step, layer, hidden, images)
+    return step(layer, hidden, images)
+
+
 def attach_layer_steps(layers: Sequence[nn.Module], step: LayerStep) -> None:
-    """Give each of ``layers`` the method ``LAYER_METHOD``: ``step`` on that layer (an attribute, not a parameter
-    or submodule: the model's state dict is unchanged)."""
+    """Give each of ``layers`` the method ``LAYER_METHOD``: ``step`` on that layer, checkpointed where the model
+    is (an attribute, not a parameter or submodule: the model's state dict is unchanged)."""
     for layer in layers:
-        setattr(layer, LAYER_METHOD, step.__get__(layer))
+        setattr(layer, LAYER_METHOD, functools.partial(_checkpointed, layer, step))
 
 
 def run_layers(layers: Sequence[nn.Module], step: LayerStep, hidden: torch.Tensor, images: SequenceInfo) -> torch.Tensor:
     """``hidden`` (1, n, C) through every layer, each by its ``LAYER_METHOD`` where it has one (under FSDP2), else
-    by ``step`` itself."""
+    by ``step`` itself, checkpointed where the model is."""
     for layer in layers:
         method = getattr(layer, LAYER_METHOD, None)
-        hidden = method(hidden, images) if method is not None else step(layer, hidden, images)
+        hidden = method(hidden, images) if method is not None else _checkpointed(layer, step, hidden, images)
     return hidden

@@ -70,6 +70,18 @@ def test_vision_language_models_exact(pools, ulysses, ring):
     print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, loss, grad): {worst}")
 
 
+def test_checkpointing_recomputes_the_towers_seqmesh_runs(pools):
+    """Gemma 3's and InternVL's tower layers, which seqmesh runs from their modules, are recomputed in backward
+    under activation checkpointing as their own forward would be (each layer's step runs twice: forward and
+    recompute), and the model stays exact."""
+    cases = [("gemma3", 1, 2, "mixed", "zigzag"), ("internvl", 2, 1, "documents", "per_document")]
+    for results in pools.run(2, _run_all, cases, checkpointing=True):
+        for r in results:
+            assert not _outside_rounding(r), r
+            layers = 2 if r["case"][0] == "gemma3" else 3  # the tiny towers' layers (vision_cases.vision_config)
+            assert r["tower_layer_steps"] == 2 * layers, r
+
+
 def test_tolerance_sees_a_shifted_position(pools):
     """One rank's M-RoPE ids one position off must fail the tolerance by a wide margin."""
     for results in pools.run(2, _run_all, [("qwen2_5_vl", 1, 2, "mixed", "zigzag")], shift_positions_on=1):
