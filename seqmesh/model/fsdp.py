@@ -60,13 +60,10 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     for layer in vision_blocks(lm) + decoder_layers(lm):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
     family = getattr(root, "family", None)  # a VisionLanguageLM's
-    step = family.layer_step() if family is not None else None
-    if step is not None:  # tower layers seqmesh runs from their modules: gathered around that call as for forward
-        from ..vision.windows import LAYER_METHOD, attach_layer_steps
-
-        attach_layer_steps(vision_blocks(lm), step)
+    method = family.attach_layer_steps(vision_blocks(lm)) if family is not None else None
+    if method is not None:  # tower layers seqmesh runs from their modules: gathered around that call as for forward
         for layer in vision_blocks(lm):
-            register_fsdp_forward_method(layer, LAYER_METHOD)
+            register_fsdp_forward_method(layer, method)
     embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     if head is None or head.weight is not embedding.weight:  # a tied weight must stay in one unit
         fully_shard(embedding, reshard_after_forward=reshard_after_forward, **shard)

@@ -74,6 +74,17 @@ class VisionFamily:
             return encoder_layer
         return None
 
+    def attach_layer_steps(self, layers: list[nn.Module]) -> str | None:
+        """Give the tower ``layers`` that seqmesh runs from their modules the method it calls them through, and
+        return its name (for FSDP2 to register as a forward); None where the layers' own forward runs."""
+        step = self.layer_step()
+        if step is None:
+            return None
+        from .windows import LAYER_METHOD, attach_layer_steps
+
+        attach_layer_steps(layers, step)
+        return LAYER_METHOD
+
     def tower(self, model: nn.Module) -> nn.Module:
         inner = self.inner(model)
         return inner.vision_tower if self.fixed_size else inner.visual
