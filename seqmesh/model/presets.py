@@ -14,9 +14,12 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class VisionShape:
-    """A Qwen-VL vision tower (what ``seqmesh train`` and ``seqmesh plan`` size; LLaVA's CLIP is not one):
-    ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks, ``merge x merge`` patches
-    fused into one language-model token by the patch merger."""
+    """A vision tower: ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks, ``merge x merge``
+    patches fused into one language-model token. ``tower`` "qwen_vl": Qwen-VL's (any image size, a patch merger;
+    what ``seqmesh train`` and ``seqmesh plan`` size). The fixed-size towers of ``image_size`` images, which
+    ``seqmesh plan`` sizes: "clip" (LLaVA, merge 1, a class token), "siglip" (Gemma 3, merge = the average pool's
+    k), "internvit" (InternVL, merge = the pixel shuffle's k, a class token); each ends in a projector whose rows
+    are the decoder's (``out_hidden``)."""
 
     depth: int
     hidden: int
@@ -32,6 +35,44 @@ class VisionShape:
     position_table: int = 0  # Qwen3-VL: entries of the learned position table (a square)
     in_channels: int = 3
     gated: bool = True  # Qwen2.5-VL's blocks: a gated MLP and RMSNorms; Qwen2-VL's and Qwen3-VL's: two linears, LayerNorms
+    tower: str = "qwen_vl"  # "qwen_vl", or a fixed-size tower: "clip" (LLaVA), "siglip" (Gemma 3), "internvit" (InternVL)
+    image_size: int = 0  # fixed-size towers: pixels per image (InternVL: tile) side; 0 for Qwen-VL
+    read_blocks: int = 0  # fixed-size towers: blocks run up to the layer the model reads (0: all ``depth``)
+    feature_layers: int = 1  # LLaVA: layers whose features are concatenated into the projector's input
+    routes_class: bool = False  # LLaVA's "full" strategy: the class token's row is a placeholder token too
+    head: bool = False  # SigLIP's attention-pooling head: built, never run (Gemma 3 pools the patches itself)
+    qkv_bias: bool = True  # InternViT: attention_bias
+    qk_norm: bool = False  # InternViT: use_qk_norm (an RMSNorm over q and over k)
+    final_norm: bool = True  # InternViT: its final LayerNorm (absent with use_mean_pooling)
+    mask_token: bool = False  # InternViT: use_mask_token (a parameter, unused in training)
+
+    @property
+    def fixed_size(self) -> bool:
+        """Every image is ``image_size`` pixels square (LLaVA, Gemma 3, InternVL)."""
+        return self.tower != "qwen_vl"
+
+    @property
+    def class_token(self) -> bool:
+        """Each image starts with a class token (LLaVA's CLIP, InternViT)."""
+        return self.tower in ("clip", "internvit")
+
+    @property
+    def run_blocks(self) -> int:
+        """Blocks a step runs (LLaVA reads the features of an earlier layer than the last, by default -2)."""
+        return self.read_blocks or self.depth
+
+    @property
+    def projector_macs(self) -> int:
+        """Multiply-accumulates per placeholder token's row from the tower's last block to the decoder: Qwen-VL's
+        mergers (and DeepStack's), or a fixed-size tower's projector."""
+        unit, out = self.hidden * self.merge * self.merge, self.out_hidden
+        if self.tower == "siglip":
+            return self.hidden * out
+        if self.tower == "clip":
+            return self.hidden * self.feature_layers * out + out * out
+        if self.tower == "internvit":
+            return unit * out + out * out
+        return (1 + len(self.deepstack)) * (unit * unit + unit * out)
 
     @property
     def patch_features(self) -> int:
@@ -43,6 +84,9 @@ class VisionShape:
         """Parameters of one block (one FSDP unit): qkv and proj with biases, the MLP with biases, two norms."""
         h, i = self.hidden, self.intermediate
         attention = 4 * h * h + 4 * h
+        if self.tower == "internvit":  # q, k, v biased only with attention_bias; layer scale; RMSNorms are one vector
+            attention += (0 if self.qkv_bias else -3 * h) + (2 * h if self.qk_norm else 0)
+            return attention + 2 * h * i + i + h + 2 * h + 4 * h
         if self.gated:
             return attention + 3 * h * i + 2 * i + h + 2 * h
         return attention + 2 * h * i + i + h + 4 * h
@@ -54,14 +98,35 @@ class VisionShape:
         LayerNorms in the blocks and the merger. Qwen3-VL (``position_table``): as Qwen2-VL, with a bias in the
         patch embedding, the learned positions, and each DeepStack merger (LayerNorm over the merged unit)."""
         h, unit = self.hidden, self.hidden * self.merge * self.merge
+        if self.fixed_size:
+            return self._fixed_size_params
         linears = unit * unit + unit + unit * self.out_hidden + self.out_hidden
         if self.gated:
             return self.patch_features * h + self.depth * self.block_params + h + linears
         learned = h + self.position_table * h + len(self.deepstack) * (2 * unit + linears) if self.position_table else 0
         return self.patch_features * h + self.depth * self.block_params + 2 * h + linears + learned
 
+    @property
+    def _fixed_size_params(self) -> int:
+        """A fixed-size tower's parameters: the patch embedding (biased but in CLIP), class token and learned
+        positions, every block (run or not), the final norm, and the projector; SigLIP's unused head counted."""
+        h, i, out, unit = self.hidden, self.intermediate, self.out_hidden, self.hidden * self.merge * self.merge
+        places = (self.image_size // self.patch) ** 2 + self.class_token
+        embed = self.patch_features * h + (self.tower != "clip") * h + places * h + self.class_token * h
+        blocks = self.depth * self.block_params + (2 * h if self.final_norm else 0)
+        if self.tower == "clip":  # pre_layrnorm; linear_1, linear_2 with biases
+            return embed + 2 * h + blocks + h * self.feature_layers * out + out + out * out + out
+        if self.tower == "siglip":  # the head: probe, attention (in and out projections), LayerNorm, MLP
+            head = h + 4 * h * h + 4 * h + 2 * h + 2 * h * i + i + h if self.head else 0
+            return embed + blocks + head + h * out + h  # mm_input_projection_weight, mm_soft_emb_norm
+        # InternViT: the mask token; the projector's LayerNorm over k*k patches, linear_1, linear_2 with biases
+        return embed + self.mask_token * h + blocks + 2 * unit + unit * out + out + out * out + out
+
     def config(self, family: str) -> dict:
-        """transformers' ``vision_config`` entries for a tower of ``family`` (the model type)."""
+        """transformers' ``vision_config`` entries for a Qwen-VL tower of ``family`` (the model type)."""
+        if self.fixed_size:
+            raise ValueError(f"seqmesh builds Qwen-VL towers only; a {self.tower} tower is read from its config.json "
+                             "for seqmesh plan. Train it with seqmesh.compose.parallelize_model in your own loop.")
         common = dict(depth=self.depth, num_heads=self.heads, patch_size=self.patch, spatial_merge_size=self.merge,
                       temporal_patch_size=self.temporal, in_channels=self.in_channels)
         if family == "qwen2_vl":  # the tower's width is embed_dim, hidden_size the merger's output, the MLP a ratio
@@ -297,16 +362,18 @@ def model_shape(name_or_path: str) -> ModelShape:
 
 
 def _vision_fields(cfg: dict, path: str) -> VisionShape | None:
-    """The tower of a vision-language config.json (its ``vision_config``), or None for a text model. Other
-    towers than Qwen-VL's (LLaVA's CLIP) are refused by name: ``seqmesh train`` and ``seqmesh plan`` size
-    Qwen-VL towers; LLaVA trains through ``parallelize_model`` in your loop, or the Trainer."""
+    """The tower of a vision-language config.json (its ``vision_config``), or None for a text model: a Qwen-VL
+    tower, or a fixed-size one (LLaVA's CLIP, Gemma 3's SigLIP, InternVL's InternViT: :func:`_fixed_size_tower`).
+    ``seqmesh train`` builds Qwen-VL towers only; the others train through ``parallelize_model`` in your loop."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return None
+    if v.get("model_type") in FIXED_SIZE_TOWERS:
+        return _fixed_size_tower(cfg, v)
     if "depth" not in v:
         raise ValueError(f"{path} describes a {cfg.get('model_type')} model with a {v.get('model_type')} tower; seqmesh "
-                         "train and seqmesh plan size Qwen-VL towers (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5). Train it with "
-                         "seqmesh.compose.parallelize_model in your own loop, or seqmesh.trainer.SequenceParallelTrainer.")
+                         "plan sizes Qwen-VL towers (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5) and the fixed-size towers of "
+                         "LLaVA (clip_vision_model), Gemma 3 (siglip_vision_model) and InternVL (internvl_vision).")
     try:
         if "embed_dim" in v:  # Qwen2-VL: the tower's width is embed_dim, hidden_size the merger's output
             widths = dict(hidden=v["embed_dim"], intermediate=int(v["embed_dim"] * v.get("mlp_ratio", 4)),
@@ -323,6 +390,52 @@ def _vision_fields(cfg: dict, path: str) -> VisionShape | None:
                            gated=not table and "embed_dim" not in v)  # Qwen2.5-VL's blocks only
     except KeyError as missing:
         raise ValueError(f"its vision_config has no {missing} entry; seqmesh reads Qwen-VL style towers.") from None
+
+
+FIXED_SIZE_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "internvl_vision": "internvit"}
+
+
+def _side(value) -> int:
+    """A square size given as one number or a pair (InternVL's image_size, patch_size)."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"size {value}: seqmesh plans square images of square patches.")
+        return int(value[0])
+    return int(value)
+
+
+def _fixed_size_tower(cfg: dict, v: dict) -> VisionShape:
+    """A LLaVA, Gemma 3 or InternVL tower from its config.json, with transformers' defaults for what a saved
+    config leaves out; ``merge`` is the side of the window each placeholder token takes (LLaVA: 1, a patch)."""
+    tower = FIXED_SIZE_TOWERS[v["model_type"]]
+    text = cfg.get("text_config") or {}
+    default_size, default_patch = {"clip": (224, 32), "siglip": (224, 16), "internvit": (448, 14)}[tower]
+    size, patch = _side(v.get("image_size", default_size)), _side(v.get("patch_size", default_patch))
+    side = size // patch
+    depth = v.get("num_hidden_layers", 12)
+    extra: dict = {}
+    if tower == "siglip":
+        pooled = round(cfg.get("mm_tokens_per_image", 256) ** 0.5)
+        if pooled < 1 or side % pooled:
+            raise ValueError(f"mm_tokens_per_image={cfg.get('mm_tokens_per_image', 256)} must be a square whose side "
+                             f"divides the {side} patches of an image side, so each token pools whole patches.")
+        extra = dict(merge=side // pooled, head=bool(v.get("vision_use_head", True)))
+    else:  # both read one layer's hidden states (InternVL: -1, LLaVA: -2 by default); LLaVA may read several
+        layers = cfg.get("vision_feature_layer", -1 if tower == "internvit" else -2)
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        read = max(x % (depth + 1) for x in layers)  # index into the hidden states: 0 the embeddings
+        extra = dict(read_blocks=read, feature_layers=len(layers))
+        if tower == "clip":
+            extra.update(merge=1, routes_class=cfg.get("vision_feature_select_strategy", "default") == "full")
+        else:
+            ratio = cfg.get("downsample_ratio", 0.5)
+            extra.update(merge=max(round(1 / ratio), 1), qkv_bias=bool(v.get("attention_bias", False)),
+                         qk_norm=bool(v.get("use_qk_norm", False)), final_norm=not v.get("use_mean_pooling", True),
+                         mask_token=bool(v.get("use_mask_token", False)))
+    return VisionShape(depth=depth, hidden=v.get("hidden_size", 768), heads=v.get("num_attention_heads", 12),
+                       intermediate=v.get("intermediate_size", 3072), out_hidden=text.get("hidden_size", 4096),
+                       patch=patch, temporal=1, in_channels=v.get("num_channels", 3), gated=False, tower=tower,
+                       image_size=size, **extra)
 
 
 def _mlp_fields(cfg: dict) -> dict:

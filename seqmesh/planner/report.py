@@ -112,16 +112,16 @@ def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
     shown += [f"a video of {media.video_frames} frames"] if media.video_frames else []
     each = " and ".join(x for x, n in (("image", media.images), (f"{v.temporal} video frames", media.video_frames))
                         if n)
-    frame = media.frame_patches(v)
+    frame, tokens = media.frame_patches(v), media.tokens(v) // media.frames(v)
     kept, peak = tower.memory()
     phases, sent = _per_phase(tower.traffic(), list(TOWER_KEYS))
     sent = f" ({' / '.join(phases)}): {sent}" if sent else ": no sequence-parallel traffic (one rank per group)"
     fsdp = "; ".join(f"{k} {_human_bytes(n)}" for k, n in tower.fsdp().items())
     s = tower.seconds(cluster.hardware)
     return [f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per "
-            f"sequence, {frame:,} patches ({frame // v.merge ** 2:,} tokens) per {each}; {tower.patches:,} patches and "
-            f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} patches "
-            "per rank",
+            f"sequence, {frame:,} patches ({tokens:,} tokens) per {each}; {tower.patches:,} patches and "
+            f"{work.batch * media.tokens(v):,} placeholder tokens per sequence group, {tower.rank_patches:,} "
+            + ("places (patches, class windows, padding)" if v.class_token else "patches") + " per rank",
             f"vision tower memory per GPU: {gib(kept)} GiB kept through the decoder, {gib(peak)} GiB in its top "
             "block's backward",
             f"vision tower traffic per step, busiest rank{sent}; {fsdp}",

@@ -50,8 +50,9 @@ class Media:
         return (self.height // v.patch) * (self.width // v.patch)
 
     def tokens(self, v: VisionShape) -> int:
-        """Placeholder tokens per sequence: one per merged unit of ``merge**2`` patches."""
-        return self.frames(v) * self.frame_patches(v) // v.merge ** 2
+        """Placeholder tokens per sequence: one per merged unit of ``merge**2`` patches (LLaVA's "full": and the
+        class token)."""
+        return self.frames(v) * (self.frame_patches(v) // v.merge ** 2 + v.routes_class)
 
     def check(self, model: ModelShape, seq_len: int) -> None:
         """Raise a ValueError naming the fix when the model has no tower, a size is not its processor's or the tokens
@@ -60,6 +61,11 @@ class Media:
         if v is None:
             raise ValueError(f"--images / --video-frames need a vision-language model; {model.name} has no vision "
                              "tower (presets: qwen2.5-vl-7b, qwen3-vl-8b, or a Qwen-VL config.json).")
+        if v.fixed_size:  # the processor resizes every image (InternVL: cuts every tile) to one size
+            if self.video_frames or (self.height, self.width) != (v.image_size, v.image_size):
+                raise ValueError(f"{model.name}'s tower takes images of {v.image_size}x{v.image_size} px only (InternVL: "
+                                 f"--images counts tiles); drop --video-frames and give --image-size "
+                                 f"{v.image_size}x{v.image_size} or leave it out.")
         side = v.patch * v.merge
         if self.height % side or self.width % side:
             near = lambda x: max(side, round(x / side) * side)  # noqa: E731
@@ -116,15 +122,45 @@ class Tower:
         return self.work.batch * self.work.media.frames(self.vision) * self.work.media.frame_patches(self.vision)
 
     @property
+    def image_places(self) -> int:
+        """Places of one frame in the tower's sequence: its patches, and a class token's window of ``merge**2``
+        places (its padding first; LLaVA's is the class token alone), seqmesh.vision.windows."""
+        v = self.vision
+        return self.work.media.frame_patches(v) + v.class_token * v.merge ** 2
+
+    @property
     def rank_patches(self) -> int:
-        """Patches per rank: ``P`` equal shares of whole merge units (padded to ``merge**2 x P x ceil(units / P)``)."""
+        """Places per rank: ``P`` equal shares of whole merge units (padded to ``merge**2 x P x ceil(units / P)``);
+        Qwen-VL's are all patches."""
         unit = self.vision.merge ** 2
-        return unit * -(-self.patches // unit // self.group.sp)
+        places = self.work.batch * self.work.media.frames(self.vision) * self.image_places
+        return unit * -(-places // unit // self.group.sp)
+
+    def routed_rows(self) -> int:
+        """Rows the busiest rank sends to placeholder tokens: the windows of its share that yield one (a class
+        window yields none, but LLaVA's under "full"); 0 on one rank."""
+        v, g = self.vision, self.group
+        if g.sp == 1:
+            return 0
+        unit = v.merge ** 2
+        share, per_image = self.rank_patches // unit, self.image_places // unit
+        windows = self.work.batch * self.work.media.frames(v) * per_image
+        idle = v.class_token and not v.routes_class  # each image's first window yields no token
+        counts = []
+        for r in range(g.sp):
+            lo, hi = min(r * share, windows), min((r + 1) * share, windows)
+            counts.append(hi - lo - (idle * (-(-hi // per_image) - -(-lo // per_image))))
+        return max(counts)
 
     def documents(self) -> list[tuple[tuple[int, ...], int]]:
         """``(document boundaries, blocks)``: the frames, for full blocks; Qwen2.5-VL's windows of ``window``
         pixels (edge windows smaller), for its windowed blocks."""
         v, media, unit = self.vision, self.work.media, self.vision.merge ** 2
+        if v.fixed_size:  # one document per image; InternVL's class window's padding a document before it
+            pad = unit - 1 if v.class_token else 0
+            starts = [i * self.image_places for i in range(self.work.batch * media.frames(v))]
+            ends = {*starts, *(s + pad for s in starts), len(starts) * self.image_places}
+            return [(tuple(sorted(ends)), v.run_blocks)]
         rows, cols = media.height // v.patch // v.merge, media.width // v.patch // v.merge  # units per side
         frames = self.work.batch * media.frames(v)
         full = tuple(accumulate([0] + [rows * cols * unit] * frames))
@@ -144,7 +180,7 @@ class Tower:
             for phase in ("forward", "backward"):
                 out[phase]["vision_all_to_all"] += n * sent.sent("all_to_all", phase)
                 out[phase]["vision_ring_p2p"] += n * sent.sent("p2p", phase)
-        units = self.rank_patches // v.merge ** 2 if g.sp > 1 else 0
+        units = self.routed_rows()
         for phase, sent in vision_route_traffic(units, units, v.out_hidden * (1 + len(v.deepstack)), dtype).items():
             out[phase]["vision_route"] = sent
         if self.work.checkpointing:
@@ -158,10 +194,11 @@ class Tower:
                      for n in (v.block_params, v.params - v.depth * v.block_params))
 
     def fsdp(self) -> dict[str, int]:
-        """FSDP bytes per step: each block's unit gathered twice, the root's part once; each reduce-scattered once."""
+        """FSDP bytes per step: each block's unit gathered twice, the root's part once; each reduce-scattered once
+        (blocks past the layer LLaVA or InternVL reads never run, so are never gathered)."""
         v, (block, rest) = self.vision, self._units()
-        return {"fsdp_all_gather": 2 * v.depth * block["all_gather_forward"] + rest["all_gather_forward"],
-                "fsdp_reduce_scatter": v.depth * block["reduce_scatter_backward"] + rest["reduce_scatter_backward"]}
+        return {"fsdp_all_gather": 2 * v.run_blocks * block["all_gather_forward"] + rest["all_gather_forward"],
+                "fsdp_reduce_scatter": v.run_blocks * block["reduce_scatter_backward"] + rest["reduce_scatter_backward"]}
 
     def memory(self) -> tuple[int, int]:
         """``(kept, peak)`` bytes: kept from the tower's forward to its backward, i.e. through the whole decoder, and
@@ -171,9 +208,15 @@ class Tower:
         norm = 4 * c + 4 + e * c if v.gated else e * c + 8  # eager RMSNorm (fp32 x, rstd, normed) or LayerNorm
         attention = heads * (4 * d * e + 4) + (e * c if g.ulysses > 1 else 0)  # q, k, v, out, LSE; o_proj input
         block = 2 * (norm + e * c) + attention + (4 if v.gated else 2) * v.intermediate * e  # + norm outputs, MLP
-        mergers = (1 + len(v.deepstack)) * (norm + 3 * e * c)  # the norm, its output, fc1's output, GELU's
-        outside = v.patch_features * (4 + (e if e != 4 else 0)) + 2 * d * 4  # pixels, their copy; cos, sin
-        kept = outside + mergers + v.depth * (e * c if w.checkpointing else block)
+        pixels = v.patch_features * (4 + (e if e != 4 else 0))  # pixels in float32, their compute-dtype copy
+        if v.fixed_size:  # learned positions (no cos, sin); the final norm, and the projector's rows per place
+            block += 2 * e * c if v.tower == "internvit" else 0  # layer scale: the scaled attention and MLP outputs
+            mergers = (norm if v.final_norm else 0) + v.feature_layers * e * c + 3 * e * v.out_hidden // v.merge ** 2
+            outside = pixels
+        else:
+            mergers = (1 + len(v.deepstack)) * (norm + 3 * e * c)  # the norm, its output, fc1's output, GELU's
+            outside = pixels + 2 * d * 4  # cos, sin
+        kept = outside + mergers + v.run_blocks * (e * c if w.checkpointing else block)
         grads = heads * d * (3 * e + (4 + 2 * (16 + 3 * e) if g.ring > 1 else 0))  # dq, dk, dv; ring buffers
         working = 2 * e * c + max((3 if v.gated else 2) * v.intermediate * e, grads)  # d(out), d(in), the larger
         peak = kept - mergers + (block if w.checkpointing else 0) + working
@@ -208,8 +251,7 @@ class Tower:
             total += count * (max(fwd, ag) + max(bwd, ag + rs))
             compute += count * ((mm + attn) * repeat + 2 * mm + ATTENTION_BACKWARD * attn)
             serial += count * (comm_fwd * repeat + comm_bwd + 2 * ag + rs)
-        unit = v.hidden * v.merge ** 2
-        mergers = (1 + len(v.deepstack)) * (unit * unit + unit * v.out_hidden) // v.merge ** 2  # per patch
+        mergers = v.projector_macs // v.merge ** 2  # per patch
         outside = 3 * 2 * n * (v.patch_features * v.hidden + mergers) / mm_rate  # forward, and backward 2x
         exposed = axis_all_to_all_seconds([phase["vision_route"] for phase in self.traffic().values()], hw, g,
                                           "sequence")
