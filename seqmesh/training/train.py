@@ -70,6 +70,10 @@ def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | 
     from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
     before building anything."""
     shape = model_shape(cfg.model)
+    if shape.vision is not None and shape.vision.fixed_size:
+        raise ValueError(f"{cfg.model}: seqmesh train builds Qwen-VL towers; a {shape.vision.tower} tower (LLaVA, Gemma 3, "
+                         "InternVL) trains with seqmesh.compose.parallelize_model in your own loop, or "
+                         "seqmesh.trainer.SequenceParallelTrainer; seqmesh plan sizes it.")
     vocab = shape.vocab if vocab is None else vocab
     if shape.vision is not None:  # a vision-language model: your records and images, or the built-in image task
         config = hf_config(shape) if cfg.model in MODELS else load_config(cfg.model)
