@@ -112,3 +112,15 @@ def test_a_fixed_size_tower_refuses_other_sizes_and_video(tmp_path, capsys):
     assert main(["plan", "--model", path, "--seq-len", "64", "--gpus", "4", "--images", "1", "--image-size",
                  "16x16"]) == 2
     assert "takes images of 8x8 px only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["gemma3", "internvl", "llava"])
+def test_seqmesh_train_refuses_a_fixed_size_tower_by_name(tmp_path, family):
+    """``seqmesh train`` builds Qwen-VL towers only: a config.json with a fixed-size tower is refused before any
+    model is built, naming the way to train it."""
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.train import make_dataset
+
+    _, path = _config_dir(tmp_path, family)
+    with pytest.raises(ValueError, match="parallelize_model in your own loop"):
+        make_dataset(TrainConfig(model=path, seq_len=64, ulysses=1, ring=1, dp=1))
