@@ -31,7 +31,7 @@ LLAVA_SIDE = 4  # LLaVA's tiny CLIP: 8x8-pixel images of 2x2-pixel patches, 16 p
 GEMMA_TOKENS, GEMMA_WINDOW = 4, 8
 # InternVL's tiny InternViT: 8x8-pixel tiles of the same 16 patches, a class token, the 2x2 windows pixel-shuffled into
 # 4 placeholder tokens (GEMMA_TOKENS); an image may span several tiles (its tokens one run between start and end)
-FIXED_SIZE = ("llava", "gemma3", "internvl")  # families whose images all have one size (no grid): (N, 3, 8, 8)
+FIXED_SIZE = ("llava", "llava_full", "gemma3", "internvl")  # families whose images all have one size (no grid): (N, 3, 8, 8)
 
 
 def _tokens_per_image(family: str) -> int:
@@ -60,13 +60,15 @@ def vision_config(family: str):
         return AutoConfig.for_model("internvl", text_config=text, vision_config=vision, image_token_id=IMAGE,
                                     image_seq_length=GEMMA_TOKENS, downsample_ratio=0.5, vision_feature_layer=-1,
                                     vision_feature_select_strategy="default")
-    if family == "llava":
+    if family in ("llava", "llava_full"):  # llava_full: the "full" strategy, the class token's row an image token too
         text = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=4096, attention_dropout=0.0)
         vision = dict(model_type="clip_vision_model", hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                       intermediate_size=48, image_size=2 * LLAVA_SIDE, patch_size=2)
+        full = family == "llava_full"
         return AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_id=IMAGE,
-                                    image_seq_length=LLAVA_SIDE ** 2)
+                                    image_seq_length=LLAVA_SIDE ** 2 + full,
+                                    vision_feature_select_strategy="full" if full else "default")
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -118,8 +120,8 @@ def _media_tokens(family: str, grid: list[int], token: int, text) -> list[int]:
     """The placeholder tokens of one image or video as its processor writes them (Qwen3-VL: a video's
     frames one by one, each after its timestamp's text)."""
     t, h, w = grid
-    if family == "llava":  # a fixed size: every image is LLAVA_SIDE x LLAVA_SIDE patches, no start or end token
-        return [token] * LLAVA_SIDE ** 2
+    if family in ("llava", "llava_full"):  # a fixed size: LLAVA_SIDE x LLAVA_SIDE patches (and the class token's row)
+        return [token] * (LLAVA_SIDE ** 2 + (family == "llava_full"))
     if family == "gemma3":  # a fixed size, pooled to GEMMA_TOKENS tokens between start and end tokens
         return [START] + [token] * GEMMA_TOKENS + [END]
     if family == "internvl":  # t tiles of a fixed size, each shuffled to GEMMA_TOKENS tokens, between start and end
@@ -149,7 +151,7 @@ def vision_batch(family: str, kind: str = "mixed", seed: int = 3) -> dict:
         videos.append(grid)
         return _media_tokens(family, grid, VIDEO, text)
 
-    if kind == "mixed" and family == "llava":  # images only
+    if kind == "mixed" and family in ("llava", "llava_full"):  # images only
         ids = text(5) + image([1, 4, 6]) + text(7) + image([1, 4, 4]) + text(4) + image([1, 6, 4]) + text(6)
     elif kind in ("mixed", "untyped") and family == "gemma3":  # images only; two back to back make one 8-token block
         ids = text(5) + image([1, 4, 4]) + text(7) + image([1, 4, 4])[:-1] + image([1, 4, 4])[1:] + text(9)

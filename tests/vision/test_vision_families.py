@@ -70,6 +70,16 @@ def test_vision_language_models_exact(pools, ulysses, ring):
     print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, loss, grad): {worst}")
 
 
+def test_llava_full_strategy_routes_the_class_tokens(pools):
+    """LLaVA with vision_feature_select_strategy="full": each image's class-token row is its first placeholder
+    token's embedding, routed like the patches' (the window tower's routed class window)."""
+    cases = [("llava_full", 1, 2, kind, layout) for kind, layout in KINDS[:3]] + [("llava_full", 2, 1, "mixed", "zigzag")]
+    for results in pools.run(2, _run_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+            assert r["tower_grads"] > 0, r
+
+
 def test_checkpointing_recomputes_the_towers_seqmesh_runs(pools):
     """Gemma 3's and InternVL's tower layers, which seqmesh runs from their modules, are recomputed in backward
     under activation checkpointing as their own forward would be (each layer's step runs twice: forward and
