@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..mesh import SPMesh
-from ..sequence.batch import SequenceInfo
-from .route import FixedSizeShard, route_rows, routing
+from .route import FixedSizeShard, route_rows
+from .windows import WindowGrid, check_fixed_size_media, window_shard
 
 
 def feature_layers(config) -> list[int]:
@@ -44,84 +44,26 @@ def check_plain(config) -> None:
                          "CLIP towers.")
 
 
-def plain_places(config, images: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions, units)`` of every place of the tower's sequence: the place's index in its image, and
-    the unit (placeholder token, counted over the batch) it yields, -1 for a class token LLaVA drops."""
-    per_image = tokens_per_image(config)
-    side = config.vision_config.image_size // config.vision_config.patch_size
-    positions = torch.arange(side * side + 1).repeat(images)
-    keep = config.vision_feature_select_strategy != "default"
-    units = torch.full_like(positions, -1)
-    yields = (positions > 0) | keep
-    units[yields] = torch.arange(int(yields.sum()))  # per_image * images of them
-    return positions, units
-
-
-def check_fixed_size_media(batch, input_ids: torch.Tensor, config, family: str, size: int, per_image: int,
-                           counted: str) -> int:
-    """The number of fixed-size images (or tiles) of a batch, after checking their pixels ``(images, C, size,
-    size)`` and that each has ``per_image`` placeholder tokens (``counted``: the setting that says so, as ``"name="``)."""
-    if batch.get("pixel_values_videos") is not None:
-        raise ValueError(f"{family} takes images only; the batch holds pixel_values_videos.")
-    pixels = batch.get("pixel_values")
-    images = 0 if pixels is None else pixels.shape[0]
-    channels = config.vision_config.num_channels
-    if pixels is not None and (pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size)):
-        raise ValueError(f"pixel_values must be (images, {channels}, {size}, {size}) for this {family} tower, got "
-                         f"{tuple(pixels.shape)}; pass the processor's output unchanged.")
-    tokens = int((input_ids == config.image_token_id).sum())
-    if tokens != images * per_image:
-        raise ValueError(f"the batch has {tokens} image placeholder tokens (id {config.image_token_id}) but its {images} "
-                         f"image(s) make {images * per_image} embeddings ({counted}{per_image} each); each image needs "
-                         "exactly that many placeholder tokens, as the model's processor writes them.")
-    return images
-
-
 def check_plain_media(batch, input_ids: torch.Tensor, config) -> int:
     """The number of images, after checking their pixels and placeholder tokens."""
     return check_fixed_size_media(batch, input_ids, config, "LLaVA", config.vision_config.image_size,
                                   tokens_per_image(config), "")
 
 
+def plain_grid(config) -> WindowGrid:
+    """LLaVA's image as a window tower's: windows of one patch after the class token's, whose row yields the image's
+    first placeholder token unless the ``default`` strategy drops it."""
+    vision = config.vision_config
+    return WindowGrid(side=vision.image_size // vision.patch_size, kernel=1, patch=vision.patch_size,
+                      channels=vision.num_channels, class_token=True,
+                      class_routed=config.vision_feature_select_strategy != "default")
+
+
 def plain_shard(batch, mesh: SPMesh, config, images: int, units_of: torch.Tensor, lay,
                 device: torch.device) -> FixedSizeShard:
-    """This rank's places of the tower's sequence and the routing of their rows (module docstring)."""
-    p, me = mesh.sp_size, mesh.sp_rank
-    positions, units = plain_places(config, images)
-    places = positions.numel()
-    per_rank = max(-(-places // p), 1)  # padding only when another replica's batch has images
-    positions = F.pad(positions, (0, per_rank * p - places))
-    units = F.pad(units, (0, per_rank * p - places), value=-1)
-    real = torch.arange(per_rank * p) < places
-    mine = slice(me * per_rank, (me + 1) * per_rank)
-    patch = config.vision_config.patch_size
-    channels = config.vision_config.num_channels
-    side = config.vision_config.image_size // patch
-    pixels = batch.get("pixel_values")
-    local = torch.zeros(per_rank, channels, patch, patch, dtype=pixels.dtype if pixels is not None else torch.float32,
-                        device=device)
-    is_patch = real[mine] & (positions[mine] > 0)
-    if bool(is_patch.any()):
-        image = torch.arange(per_rank * p)[mine] // (side * side + 1)
-        index = image * side * side + positions[mine] - 1  # the patch's row in patch_pixels' order
-        rows = patch_pixels(pixels, patch)[index[is_patch].to(pixels.device)]
-        local[is_patch.to(device)] = rows.to(device)  # only this rank's patches reach its device
-    cu = tuple(range(0, places + 1, side * side + 1)) if images else None
-    info = SequenceInfo(seq_len=places if images else per_rank * p, cu_seqlens=cu, layout="contiguous")
-    send_index, send_rows, recv_rows, recv_order = routing(units_of, units, per_rank, lay, p, me)
-    token_units = units_of[:, lay.indices()].reshape(units_of.shape[0], p, lay.local_len)[:, me]
-    return FixedSizeShard(
-        patches=local, is_class=(real[mine] & (positions[mine] == 0)).to(device), positions=positions[mine].to(device),
-        images=info, send_index=send_index.to(device), send_rows=send_rows, recv_rows=recv_rows,
-        recv_order=recv_order.to(device), visual_mask=(token_units >= 0).to(device), has_media=images > 0,
-    )
-
-
-def patch_pixels(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
-    """``(images * N, C, p, p)``: each image's patches in the order the convolution emits them (row-major)."""
-    n, c, h, w = pixel_values.shape
-    grid = pixel_values.reshape(n, c, h // patch, patch, w // patch, patch)
-    return grid.permute(0, 2, 4, 1, 3, 5).reshape(-1, c, patch, patch)
+    """This rank's places of the tower's sequence and the routing of their rows (module docstring): a window
+    shard of windows of one patch (``seqmesh.vision.windows``)."""
+    return window_shard(batch, mesh, plain_grid(config), images, units_of, lay, device)
 
 
 def run_plain_tower(model: nn.Module, shard: FixedSizeShard, mesh: SPMesh | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
-from .plain import check_fixed_size_media
+from .windows import check_fixed_size_media
 from .route import route_rows
 from .route import FixedSizeShard
 from .windows import WindowGrid, run_layers, window_shard

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
-from .plain import patch_pixels
 from .route import FixedSizeShard, routing
 
 PADDING, CLASS = -2, -1  # what window_places gives a place that holds no patch
@@ -47,33 +46,62 @@ class WindowGrid:
     kernel: int  # the window's side in patches: side = kernel * tokens per side
     patch: int  # pixels per patch side
     channels: int
-    class_token: bool  # each image starts with a class token (InternVL), whose features are dropped
+    class_token: bool  # each image starts with a class token (InternVL, LLaVA) in a window of its own
+    class_routed: bool = False  # the class token's row yields the image's first placeholder token (LLaVA's "full")
 
     @property
     def tokens(self) -> int:
         """Placeholder tokens (windows that yield one) per image."""
-        return (self.side // self.kernel) ** 2
+        return (self.side // self.kernel) ** 2 + self.class_routed
 
     @property
     def windows(self) -> int:
         """Windows of ``kernel * kernel`` places per image, the class window included."""
-        return self.tokens + self.class_token
+        return (self.side // self.kernel) ** 2 + self.class_token
+
+
+def patch_pixels(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
+    """``(images * N, C, p, p)``: each image's patches in the order the convolution emits them (row-major)."""
+    n, c, h, w = pixel_values.shape
+    grid = pixel_values.reshape(n, c, h // patch, patch, w // patch, patch)
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(-1, c, patch, patch)
+
+
+def check_fixed_size_media(batch, input_ids: torch.Tensor, config, family: str, size: int, per_image: int,
+                           counted: str) -> int:
+    """The number of fixed-size images (or tiles) of a batch, after checking their pixels ``(images, C, size,
+    size)`` and that each has ``per_image`` placeholder tokens (``counted``: the setting that says so, as ``"name="``)."""
+    if batch.get("pixel_values_videos") is not None:
+        raise ValueError(f"{family} takes images only; the batch holds pixel_values_videos.")
+    pixels = batch.get("pixel_values")
+    images = 0 if pixels is None else pixels.shape[0]
+    channels = config.vision_config.num_channels
+    if pixels is not None and (pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size)):
+        raise ValueError(f"pixel_values must be (images, {channels}, {size}, {size}) for this {family} tower, got "
+                         f"{tuple(pixels.shape)}; pass the processor's output unchanged.")
+    tokens = int((input_ids == config.image_token_id).sum())
+    if tokens != images * per_image:
+        raise ValueError(f"the batch has {tokens} image placeholder tokens (id {config.image_token_id}) but its {images} "
+                         f"image(s) make {images * per_image} embeddings ({counted}{per_image} each); each image needs "
+                         "exactly that many placeholder tokens, as the model's processor writes them.")
+    return images
 
 
 def window_places(grid: WindowGrid, images: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(patches, tokens)``: for every place of the tower's sequence, window by window, the patch it holds
     (its row-major index in its image; ``CLASS`` or ``PADDING`` for none), ``(images * windows * k * k,)``;
-    and for every window the placeholder token it yields, counted over the batch (-1: a class window),
+    and for every window the placeholder token it yields, counted over the batch (-1: a class window whose row
+    is dropped),
     ``(images * windows,)``."""
     k, pooled = grid.kernel, grid.side // grid.kernel
     token, inside = torch.arange(pooled * pooled)[:, None], torch.arange(k * k)[None]  # (tokens, 1), (1, k*k)
     row, col = (token // pooled) * k + inside // k, (token % pooled) * k + inside % k
     patches = (row * grid.side + col).reshape(-1)  # (tokens * k * k,) one image, window by window
-    tokens = torch.arange(pooled * pooled)
+    tokens = torch.arange(pooled * pooled) + int(grid.class_routed)
     if grid.class_token:
         lead = torch.full((k * k,), PADDING)
         lead[-1] = CLASS
-        patches, tokens = torch.cat([lead, patches]), torch.cat([torch.tensor([-1]), tokens])
+        patches, tokens = torch.cat([lead, patches]), torch.cat([torch.tensor([0 if grid.class_routed else -1]), tokens])
     image_tokens = torch.where(tokens >= 0, torch.arange(images)[:, None] * grid.tokens + tokens, -1)
     return patches.repeat(images), image_tokens.reshape(-1)
 
