@@ -7,6 +7,8 @@ rank is left waiting in a collective that its peers never reach.
 
 from __future__ import annotations
 
+import bisect
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -187,9 +189,9 @@ def check_image_blocks(blocks: Sequence[tuple[int, int]], cu: Sequence[int] | No
         if not previous <= a < b <= real:
             return (f"image block [{a}, {b}) is not a non-empty interval of real positions after the previous block "
                     f"(which ends at {previous}) and before {real}; give ascending, disjoint blocks of the sequence.")
-        inside = [c for c in (cu or ()) if a < c < b]
-        if inside:
-            return (f"image block [{a}, {b}) crosses the document boundary {inside[0]}; an image lies inside one "
+        after = bisect.bisect_right(cu or (), a)  # the first document boundary past the block's start
+        if cu and after < len(cu) and cu[after] < b:
+            return (f"image block [{a}, {b}) crosses the document boundary {cu[after]}; an image lies inside one "
                     "document: cut the block there (each document sees only its own tokens).")
         if window is not None and b - a > window:
             return (f"image block [{a}, {b}) holds {b - a} tokens, more than the sliding window of {window}: its first "
