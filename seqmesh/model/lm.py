@@ -265,6 +265,7 @@ class SequenceParallelLM(nn.Module):
 
     def __init__(self, lm: nn.Module, mesh: SPMesh | None, *, chunk: int = 4096):
         super().__init__()
+        router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
         self.lm = lm
         self.mesh = mesh
         self.chunk = chunk

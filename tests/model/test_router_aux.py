@@ -105,6 +105,11 @@ def test_families_without_the_term_and_unchecked_ones():
                             output_router_logits=True)) is None
     with pytest.raises(ValueError, match="output_router_logits=False"):
         router_aux(_meta(tf.GraniteMoeConfig, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True))
+    from seqmesh.model.lm import SequenceParallelLM
+
+    with pytest.raises(ValueError, match="output_router_logits=False"):  # when the model is wrapped, before any batch
+        SequenceParallelLM(_meta(tf.GraniteMoeConfig, num_local_experts=4, num_experts_per_tok=2,
+                                 output_router_logits=True), None)
     assert router_aux(_meta(tf.GraniteMoeConfig, num_local_experts=4, output_router_logits=True,
                             router_aux_loss_coef=0.0)) is None
     assert router_aux(_meta(tf.Qwen3MoeConfig, num_experts=4, output_router_logits=False)) is None
