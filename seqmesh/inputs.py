@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn as nn
 
+from .hf.positions import own_positions
 from .mesh import SPMesh
 from .sequence.batch import IGNORE_INDEX
 from .sequence.batch import shard_batch as shard_text_batch
@@ -23,7 +24,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, *, model: nn.Mo
                 layout: str = "auto", ignore_index: int = IGNORE_INDEX) -> dict:
     """This rank's inputs (see :func:`seqmesh.sequence.batch.shard_batch` for a text batch and
     :func:`seqmesh.vision.batch.shard_multimodal_batch` for a vision-language one). ``model``: the
-    parallelized model (or its ``SequenceParallelLM``), needed for a vision-language model only."""
+    parallelized model (or its ``SequenceParallelLM``), needed for a vision-language model, and for a family that
+    numbers its positions itself (RoBERTa-style offsets, :func:`seqmesh.hf.positions.own_positions`), whose positions
+    are then the family's own on the whole batch."""
     lm = getattr(model, "lm", model)
     if lm is not None and is_multimodal(lm.config):
         return shard_multimodal_batch(batch, mesh, lm, layout=layout, ignore_index=ignore_index)
@@ -31,4 +34,5 @@ def shard_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, *, model: nn.Mo
     if media:
         raise ValueError(f"the batch holds {', '.join(media)}: shard it with the vision-language model it is for, "
                          "seqmesh.shard_batch(batch, mesh, model=model).")
-    return shard_text_batch(batch, mesh, layout=layout, ignore_index=ignore_index)
+    numbered = own_positions(lm, batch["input_ids"]) if lm is not None and batch.get("position_ids") is None else None
+    return shard_text_batch(batch, mesh, layout=layout, ignore_index=ignore_index, own_positions=numbered)

@@ -21,11 +21,13 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import linear_attention as gated_delta_net
+from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..overlap import ASYNC_PIECES
 from .layers import SUPPORTED, check_layers
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
+from ..model.lm import decoder_of
 from ..versions import require
 from ..degrees import workable_degrees
 from ..vision.families import is_multimodal, vision_family
@@ -126,7 +128,7 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 def _hook_calls(model: nn.Module) -> list:
     """:func:`_without_cache` on ``model`` and on its decoder (``get_decoder()``, called directly by
     ``SequenceParallelLM``); the hooks' handles."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_of(model)
     called = [model] + ([decoder] if decoder is not model else [])
     return [m.register_forward_pre_hook(_without_cache, with_kwargs=True) for m in called if _takes_use_cache(m)]
 
@@ -182,7 +184,13 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     require("transformers", "seqmesh.hf")
     config = model.config
     text = config.get_text_config()  # the config itself for a text model; the decoder's for a multimodal one
-    q_heads = text.num_attention_heads
+    linear_layers = gated_delta_net.gated_delta_layers(model, mesh, linear_attention)  # their heads checked
+    check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
+    q_heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(q_heads, int) or q_heads < 1:
+        raise ValueError(f"seqmesh cannot run {type(model).__name__}: its config has no attention heads "
+                         f"(num_attention_heads={q_heads!r}); seqmesh shards attention layers by their heads "
+                         "(Ulysses) or their keys (ring). Supported: " + SUPPORTED + ".")
     kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
     tp = getattr(mesh, "tp", 1)
     if tp > 1:  # each tensor-parallel rank keeps heads / tp of them (seqmesh.tensor_parallel checks the division)
@@ -194,8 +202,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         tower = config.vision_config
         heads = getattr(tower, "num_heads", None) or tower.num_attention_heads
         check_heads(heads, heads, mesh, "the vision tower")
-    linear_layers = gated_delta_net.gated_delta_layers(model, mesh, linear_attention)  # their heads checked
-    check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
+    positions.check_positions(model)
     async_layers = check_async(model, mesh) if async_ulysses else []
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
@@ -205,7 +212,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     model.set_attn_implementation(name)
     gated_delta_net.install(model, mesh, linear_layers, linear_attention)
     install_async(async_layers, mesh, backend, async_pieces)
-    setattr(model, _ATTR, (name, previous, _hook_calls(model) + _hook_tower(model)))
+    hooks = _hook_calls(model) + _hook_tower(model) + positions.install(model, mesh)
+    setattr(model, _ATTR, (name, previous, hooks))
     return model
 
 
@@ -225,6 +233,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # the registration is dropped from that mapping directly.
     gated_delta_net.uninstall(model)
     uninstall_async(model)
+    positions.uninstall(model)
     AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model

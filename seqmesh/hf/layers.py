@@ -10,8 +10,11 @@ layers before any work and raises a ValueError naming the layer, the variant and
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import re
+import textwrap
 from collections.abc import Sequence
 
 import torch.nn as nn
@@ -33,10 +36,26 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
 
 def mixes_tokens(module: nn.Module) -> bool:
     """Whether ``module`` mixes tokens outside the attention interface: a convolution over the sequence,
-    a class named as a recurrent or linear-attention mixer, or one that owns a recurrence's decay parameters."""
+    a class named as a recurrent or linear-attention mixer (unless its forward calls the attention interface:
+    Kimi Linear's MLA is a ``KimiLinearAttention``), or one that owns a recurrence's decay parameters."""
     name = type(module).__name__
     own = {n for n, _ in module.named_parameters(recurse=False)}
-    return isinstance(module, nn.Conv1d) or bool(TOKEN_MIXER_NAMES.search(name)) or any(p in own for p in STATE_PARAMS)
+    named = bool(TOKEN_MIXER_NAMES.search(name)) and not _calls_interface(type(module))
+    return isinstance(module, nn.Conv1d) or named or any(p in own for p in STATE_PARAMS)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _calls_interface(cls: type) -> bool:
+    """Whether ``cls``'s forward looks its attention function up in transformers' ``AttentionInterface``."""
+    source = _forward_source(cls)
+    return "ALL_ATTENTION_FUNCTIONS" in source or "get_interface" in source
 
 
 def _routes_through_interface(model: nn.Module) -> bool:
@@ -45,15 +64,33 @@ def _routes_through_interface(model: nn.Module) -> bool:
     does without setting the flag)."""
     if getattr(model, "_supports_attention_backend", False):
         return True
-    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")}
-    for cls in classes:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            continue
-        if "ALL_ATTENTION_FUNCTIONS" in source or "get_interface" in source:
-            return True
-    return False
+    return any(_calls_interface(cls) for cls in {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")})
+
+
+@functools.lru_cache(maxsize=256)
+def _calls_without_kwargs(cls: type, child: str) -> bool:
+    """Whether ``cls``'s forward calls ``self.<child>(...)`` and never passes it ``**kwargs`` (the way seqmesh's entry
+    travels from the model's call down to the attention function)."""
+    source = textwrap.dedent(_forward_source(cls))
+    if not source:
+        return False
+    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == child
+             and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"]
+    return bool(calls) and not any(k.arg is None for call in calls for k in call.keywords)
+
+
+def attention_without_entry(model: nn.Module) -> list[str]:
+    """The layer classes of ``model`` that call an attention module of the interface without passing their
+    ``**kwargs`` on (Nemotron, StableLM): seqmesh's entry never reaches the attention function. One line each."""
+    found = {}
+    for path, module in model.named_modules():
+        for child, sub in module.named_children():
+            cls = type(module)
+            if cls not in found and type(sub).__name__.endswith("Attention") and _calls_interface(type(sub)) and \
+                    _calls_without_kwargs(cls, child):
+                found[cls] = f"{path} ({cls.__name__}) calls its {child} without passing its **kwargs on"
+    return list(found.values())
 
 
 def _configs(model: nn.Module):
@@ -97,6 +134,10 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
             seen.add(cls)
             problems.append(f"{path} is a {cls}, which mixes tokens outside the attention interface (run on a "
                             "shard it would compute another recurrence or convolution)")
+    dropping = attention_without_entry(model)
+    if dropping:
+        problems.append(f"{'; '.join(dropping)}, so the sequence information seqmesh's attention needs never "
+                        "reaches it (transformers' layer would have to pass **kwargs to its attention)")
     if not _routes_through_interface(model):
         problems.append("it does not route its attention through transformers' AttentionInterface, so seqmesh cannot "
                         "replace it (each rank would attend within its own shard only)")

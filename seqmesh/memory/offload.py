@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.ranks import is_dtensor
+from ..model.lm import decoder_of
 
 
 class OffloadedTensor:
@@ -172,5 +173,5 @@ class ActivationOffload:
 def enable_activation_offload(model: nn.Module, device: torch.device | str, *, prefetch: int = 2) -> ActivationOffload:
     """Offload the activations ``model``'s decoder (transformers' ``get_decoder()``) saves for backward;
     with activation checkpointing, the input hidden state of every decoder layer. ``remove()`` undoes it."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_of(model)
     return ActivationOffload(device, prefetch=prefetch).attach(decoder)

@@ -223,9 +223,20 @@ def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
     initialize_by_name(getattr(root, "lm", root), device, seed)
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder of a transformers causal LM: the module whose forward returns ``last_hidden_state``.
+    ``get_decoder()``, except where transformers' lookup returns the causal LM itself (Llama 4's text model, whose
+    ``base_model_prefix`` names an attribute it does not have): then its ``model``."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    inner = getattr(model, "model", None)
+    if base is model and hasattr(model, "lm_head") and isinstance(inner, nn.Module):
+        return inner
+    return base
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    base = decoder_of(model)
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; expected a '.layers' list.")
@@ -276,7 +287,7 @@ class SequenceParallelLM(nn.Module):
         extra = {} if seqmesh is None else {"seqmesh": seqmesh}
         if router_logits:
             extra["output_router_logits"] = True
-        return self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        return decoder_of(self.lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
 
     def hidden_states(self, input_ids, position_ids, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
         return self.decode(input_ids, position_ids, seqmesh).last_hidden_state  # (B, L, hidden)

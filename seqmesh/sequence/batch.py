@@ -46,6 +46,12 @@ class SequenceInfo:
     # [start, stop) over the whole sequence of each image block whose tokens see each other both ways (Gemma 3)
     image_blocks: tuple[tuple[int, int], ...] | None = None
     lengths: tuple[int, ...] | None = None  # real tokens per row (the batch's right padding), or None: rows are whole
+    # the largest position of the whole batch, before the layout's padding: transformers decides a length-dependent
+    # rotary scaling (dynamic NTK, longrope) from it, which no shard can see (None: not known, e.g. hand-built)
+    max_position: int | None = None
+    # who numbered the positions the model is given: "documents" (seqmesh: from 0 in each document), "caller"
+    # (the batch's own position_ids) or "model" (the family's own rule on the whole sequence: RoBERTa-style offsets)
+    positions: str = "documents"
     # meshes whose ranks have already agreed on these inputs (the first attention call checks, once)
     validated: ValidatedMeshes = field(default_factory=ValidatedMeshes, compare=False, repr=False)
 
@@ -131,6 +137,7 @@ def shard_batch(
     *,
     layout: str = "auto",
     ignore_index: int = IGNORE_INDEX,
+    own_positions: torch.Tensor | None = None,
 ) -> dict:
     """This rank's inputs for a causal LM from the whole batch (the same on every sequence rank).
 
@@ -143,6 +150,9 @@ def shard_batch(
             busiest ring rank over 1.10x the mean causal work, so each rank gets the same share of every
             document's; ``"zigzag"`` otherwise, sparing per_document's extra kernel calls), or a
             :class:`~seqmesh.sequence.layout.LayoutKind` name.
+        own_positions: ``(B, S)`` the positions the model's family numbers itself from the whole sequence when the
+            batch gives none (RoBERTa-style: from ``padding_idx + 1``, padding tokens kept at ``padding_idx``;
+            :func:`seqmesh.hf.positions.own_positions`); they go to the model as they are and describe no documents.
 
     Returns:
         ``input_ids``, ``position_ids`` (the caller's, or positions from 0 in each document, for RoPE) and
@@ -171,9 +181,17 @@ def shard_batch(
 
     targets = shift_labels(labels, cu, lengths, ignore_index)
     if batch.get("position_ids") is not None:  # the caller's positions (they may not start at 0) go to RoPE
-        positions = batch["position_ids"].to(torch.long).expand(b, s)
+        positions, numbered = batch["position_ids"].to(torch.long).expand(b, s), "caller"
+        largest = int(positions.max())  # the ids were read already (documents_from_positions)
+    elif own_positions is not None:
+        if own_positions.shape != input_ids.shape:
+            raise ValueError(f"own_positions {tuple(own_positions.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}.")
+        positions, numbered = own_positions.to(torch.long), "model"
+        largest = int(positions.max())
     else:
-        positions = positions_in_documents(s, cu).to(input_ids.device).expand(b, s)
+        positions, numbered = torch.arange(s, device=input_ids.device).expand(b, s), "documents"  # no documents
+        largest = s - 1
     if layout == "auto":
         layout = auto_layout(mesh.ring, mesh.ulysses, s, cu)
     lay = sequence_layout(mesh, s, layout, cu)
@@ -189,5 +207,6 @@ def shard_batch(
         "position_ids": shard(positions.contiguous()),
         "shift_labels": shard(targets),
         "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index,
-                                lengths=tuple(lengths) if lengths is not None else None),
+                                lengths=tuple(lengths) if lengths is not None else None, max_position=largest,
+                                positions=numbered),
     }

@@ -29,7 +29,7 @@ import torch.nn as nn
 from ..comm.ranks import partial_local
 from ..degrees import check_tensor_parallel_sizes
 from ..mesh import SPMesh
-from ..model.lm import decoder_layers
+from ..model.lm import decoder_layers, decoder_of
 from .linear_attention import check_heads as check_gated_delta_heads
 from .linear_attention import shard_gated_delta
 from .linear_attention import supports as supports_gated_delta
@@ -176,7 +176,7 @@ def apply_tensor_parallel(lm: nn.Module, mesh: SPMesh) -> nn.Module:
 
     check_tensor_parallel(lm, mesh)
     tp_mesh = mesh.tp_mesh
-    decoder = lm.get_decoder()
+    decoder = decoder_of(lm)
     head = lm.get_output_embeddings()
     tied = head is not None and head.weight is lm.get_input_embeddings().weight
     parallelize_module(lm.get_input_embeddings(), tp_mesh,

@@ -198,6 +198,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         seconds = torch.as_tensor(seconds).cpu() if seconds is not None else None  # the M-RoPE ids are built on the CPU
         rope = mrope_positions(lm, input_ids.cpu(), token_types.cpu(), image_grid, video_grid, seconds, cu)
     targets = shift_labels(labels, cu, lengths, ignore_index)
+    numbered = "caller" if positions is not None else "documents" if family.fixed_size else "model"
+    largest = int(rope.max())  # (3, B, S) M-RoPE ids or (B, S): transformers' rotary scaling reads their largest
 
     if layout == "auto":
         layout = auto_layout(mesh.ring, mesh.ulysses, s, cu)
@@ -228,7 +230,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
         "position_ids": shard(rope.contiguous().to(device), dim=rope.dim() - 1),
         "shift_labels": shard(targets),
         "seqmesh": SequenceInfo(seq_len=s, cu_seqlens=cu, layout=layout, ignore_index=ignore_index, image_blocks=blocks,
-                                lengths=tuple(lengths) if lengths is not None else None),
+                                lengths=tuple(lengths) if lengths is not None else None, max_position=largest,
+                                positions=numbered),
         "seqmesh_vision": vision_shard,
     }
 

@@ -1,0 +1,52 @@
+"""Families whose positions depend on the whole sequence (positions_cases): exact on every mesh, plain and with
+packed documents, and each fix seen by its test when it is undone."""
+
+from __future__ import annotations
+
+import pytest
+
+from positions_cases import position_parity, unsharded_refusal
+
+FAMILIES = ["phi3-longrope", "llama-dynamic", "llama4-temperature", "roberta"]
+MESHES = [(1, 2), (2, 1)]
+ROUNDING_MULTIPLE = 4  # as tests/hf/test_hf_families.py: a multiple of the reference's own measured rounding
+
+
+def _outside(r: dict) -> list[str]:
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+
+
+def _cases(ulysses: int, ring: int) -> list[tuple]:
+    return [(f, ulysses, ring, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("contiguous", True))]
+
+
+def _run_all(cases: list[tuple], mutation: str | None = None) -> list[dict]:
+    return [{"case": c, **position_parity(*c, mutation=mutation)} for c in cases]
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_whole_sequence_positions_exact(pools, ulysses, ring):
+    """Logits, loss and every gradient within ROUNDING_MULTIPLE of the reference's rounding."""
+    for results in pools.run(ulysses * ring, _run_all, _cases(ulysses, ring)):
+        for r in results:
+            assert not _outside(r), r
+    print({r["case"]: (r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"]) for r in results})
+
+
+@pytest.mark.parametrize("family,mutation", [("phi3-longrope", "shard_largest_position"),
+                                             ("llama-dynamic", "shard_largest_position"),
+                                             ("llama4-temperature", "local_temperature"),
+                                             ("roberta", "positions_from_zero")])
+def test_each_fix_undone_is_seen(pools, family, mutation):
+    """Each fix reverted on ring 2 (contiguous, no documents: rank 0's tokens all lie before every threshold, where
+    zigzag would give both ranks a token near the end): the logits leave the bound by far."""
+    for results in pools.run(2, _run_all, [(family, 1, 2, "contiguous", False)], mutation=mutation):
+        for r in results:
+            assert "logits" in _outside(r), r
+            assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_offset_positions_need_the_model(pools):
+    """RoBERTa sharded without the model (positions from 0) is refused at the decoder, naming the fix."""
+    for message in pools.run(2, unsharded_refusal, "roberta"):
+        assert "numbers its positions itself" in message and "model=model" in message, message
