@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.ranks import is_dtensor
+from .head import logit_scale
 from .loss import chunked_linear_cross_entropy
 from .router_aux import RouterAux, load_balancing_loss, router_aux
 from ..sequence.batch import IGNORE_INDEX, real_tokens
@@ -277,6 +278,7 @@ class SequenceParallelLM(nn.Module):
     def __init__(self, lm: nn.Module, mesh: SPMesh | None, *, chunk: int = 4096):
         super().__init__()
         router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
+        self.logit_scale = logit_scale(lm)  # what the model does to its logits, refused now where the loss would not
         self.lm = lm
         self.mesh = mesh
         self.chunk = chunk
@@ -316,6 +318,7 @@ class SequenceParallelLM(nn.Module):
 
     def loss_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         """The loss of the final hidden states ``(B, L, hidden)``: chunked LM head and cross-entropy."""
+        hidden = self._scaled(hidden)
         weight = self.lm.get_output_embeddings().weight
         group = self.mesh.batch_group if self.mesh is not None else None
         ignore = seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX  # the one shard_batch used
@@ -332,8 +335,13 @@ class SequenceParallelLM(nn.Module):
         gathers the weights as ``forward`` does."""
         return self.score_from_hidden(self.hidden_states(input_ids, position_ids, seqmesh), shift_labels, seqmesh)
 
+    def _scaled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` times the model's constant logit scale (Cohere, Granite): ``(s x) W^T`` is its logits."""
+        return hidden if self.logit_scale == 1.0 else hidden * self.logit_scale
+
     @torch.no_grad()
     def score_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
+        hidden = self._scaled(hidden)
         labels = shift_labels.reshape(-1)
         keep = labels != (seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX)
         weight = self.lm.get_output_embeddings().weight

@@ -1,0 +1,153 @@
+"""What a causal LM does between its decoder's output and its logits, as ``SequenceParallelLM``'s loss reproduces it.
+
+The loss never builds a shard's whole logits: it multiplies chunks of the decoder's output by the output embedding's
+matrix inside the cross-entropy (``seqmesh.model.loss``). That equals the model's own logits where its forward
+computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly times a constant: Cohere's
+``logit_scale``, Granite's ``1 / logits_scaling``, which the loss applies to the hidden states instead
+(``(s x) W^T = s (x W^T)``). :func:`logit_scale` reads the model's forward (its source, as transformers ships it)
+and returns that constant; anything else the forward does to its logits (a head that transforms the hidden states
+first, RoBERTa's; a bias, Phi-2's; soft-capped logits, Gemma 2's) is refused by name, so the loss is never silently
+another model's. Statements under a condition on the model's attributes (``if self.config.final_logit_softcapping
+is not None``) count where the condition holds for this model.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import numbers
+import textwrap
+
+import torch.nn as nn
+
+_PASS_THROUGH = ("float", "to", "contiguous")  # calls on the logits that change no value the loss sees
+_UNKNOWN = object()
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_tree(cls: type) -> ast.AST | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _value(node: ast.AST, model: nn.Module):
+    """The value of an attribute chain on ``self`` (``self.config.logits_scaling``), a constant, or ``_UNKNOWN``."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id == "self":
+        return model
+    if isinstance(node, ast.Attribute):
+        owner = _value(node.value, model)
+        return _UNKNOWN if owner is _UNKNOWN else getattr(owner, node.attr, _UNKNOWN)
+    return _UNKNOWN
+
+
+def _holds(test: ast.AST, model: nn.Module):
+    """Whether an ``if`` test on the model's attributes holds: True, False, or ``_UNKNOWN``."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _holds(test.operand, model)
+        return inner if inner is _UNKNOWN else not inner
+    if isinstance(test, ast.BoolOp):
+        parts = [_holds(v, model) for v in test.values]
+        if isinstance(test.op, ast.And):
+            return False if False in parts else _UNKNOWN if _UNKNOWN in parts else True
+        return True if True in parts else _UNKNOWN if _UNKNOWN in parts else False
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot)):
+        left, right = _value(test.left, model), _value(test.comparators[0], model)
+        if _UNKNOWN in (left, right):
+            return _UNKNOWN
+        return (left is right) == isinstance(test.ops[0], ast.Is)
+    value = _value(test, model)
+    return value if value is _UNKNOWN else bool(value)
+
+
+def _statements(body: list[ast.stmt], model: nn.Module):
+    """The statements of ``body`` in order, branches whose condition does not hold for ``model`` left out."""
+    for stmt in body:
+        if isinstance(stmt, ast.If):
+            holds = _holds(stmt.test, model)
+            if holds is not False:
+                yield from _statements(stmt.body, model)
+            if holds is not True:
+                yield from _statements(stmt.orelse, model)
+        elif isinstance(stmt, (ast.With, ast.For, ast.While, ast.Try)):
+            yield from _statements(stmt.body, model)
+        else:
+            yield stmt
+
+
+def _head_call(stmt: ast.stmt) -> tuple[str, str] | None:
+    """``(target, attribute)`` of ``target = self.<attribute>(...)``, or None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call = stmt.value
+    while isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _PASS_THROUGH \
+            and isinstance(call.func.value, ast.Call):  # self.lm_head(x).contiguous()
+        call = call.func.value
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
+            isinstance(call.func.value, ast.Name) and call.func.value.id == "self":
+        return stmt.targets[0].id, call.func.attr
+    return None
+
+
+def _factor(stmt: ast.stmt, name: str, model: nn.Module):
+    """What ``stmt`` does to the logits ``name``: None (nothing), a float factor, or ``_UNKNOWN`` (something else)."""
+    if isinstance(stmt, ast.AugAssign):
+        target, op, operand = stmt.target, stmt.op, stmt.value
+    elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target, value = stmt.targets[0], stmt.value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _PASS_THROUGH \
+                and isinstance(value.func.value, ast.Name) and value.func.value.id == name:
+            return None
+        if not (isinstance(value, ast.BinOp) and isinstance(value.left, ast.Name) and value.left.id == name):
+            return _UNKNOWN if isinstance(target, ast.Name) and target.id == name else None
+        op, operand = value.op, value.right
+    else:
+        return None
+    if not (isinstance(target, ast.Name) and target.id == name):
+        return None
+    number = _value(operand, model)
+    if not isinstance(op, (ast.Mult, ast.Div)) or isinstance(number, bool) or not isinstance(number, numbers.Real):
+        return _UNKNOWN
+    return float(number) if isinstance(op, ast.Mult) else 1.0 / float(number)
+
+
+def logit_scale(lm: nn.Module) -> float:
+    """The constant ``s`` with ``logits = s * (hidden @ W^T)`` in ``lm``'s forward (``W``: its output embedding's
+    weight); a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
+    name = type(lm).__name__
+    head = lm.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{name} has no output embedding (get_output_embeddings() is {head!r}): seqmesh's loss "
+                         "multiplies the decoder's output by its weight. Train it with your own loss on model(**batch).")
+    tree = _forward_tree(type(lm))
+    statements = list(_statements(tree.body[0].body, lm)) if tree is not None else []
+    found = next(((i, call) for i, s in enumerate(statements) if (call := _head_call(s))
+                  and isinstance(getattr(lm, call[1], None), nn.Module)
+                  and any(m is head for m in getattr(lm, call[1]).modules())), None)
+    if found is None:
+        raise ValueError(f"seqmesh cannot read how {name} computes its logits from its decoder's output (no "
+                         "'logits = self.<head>(...)' in its forward), so its chunked loss might be another model's; "
+                         "train it with your own loss on model(**batch).logits.")
+    index, (logits, attribute) = found
+    called = getattr(lm, attribute)
+    if called is not head:
+        raise ValueError(f"{name}'s LM head {attribute} ({type(called).__name__}) transforms the decoder's output "
+                         f"before its output embedding ({type(head).__name__}), which seqmesh's chunked loss does not; "
+                         "train it with your own loss on model(**batch).logits.")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to its logits, which seqmesh's chunked "
+                         "loss does not; train it with your own loss on model(**batch).logits.")
+    scale = 1.0
+    for stmt in statements[index + 1:]:
+        factor = _factor(stmt, logits, lm)
+        if factor is _UNKNOWN:
+            raise ValueError(f"{name}'s forward changes its logits after the LM head ({ast.unparse(stmt)!r}), which "
+                             "seqmesh's chunked loss does not reproduce; train it with your own loss on "
+                             "model(**batch).logits, or turn that setting off in its config.")
+        if factor is not None:
+            scale *= factor
+    return scale

@@ -1,0 +1,62 @@
+"""SequenceParallelLM's loss is the model's own: a constant logit scale (Cohere, Granite) applied, anything else the
+model's forward does to its logits refused by name when the model is wrapped (seqmesh.model.head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seqmesh.model.lm import SequenceParallelLM
+
+SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+             vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _model(family: str, **settings):
+    import transformers as tf
+
+    config = {"cohere": tf.CohereConfig, "granite": tf.GraniteConfig, "gemma2": tf.Gemma2Config, "phi": tf.PhiConfig,
+              "roberta": tf.RobertaConfig, "llama": tf.LlamaConfig}[family](**SMALL, **settings)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("family,settings,scale", [("cohere", {"logit_scale": 0.3}, 0.3),
+                                                   ("granite", {"logits_scaling": 4.0}, 0.25),
+                                                   ("llama", {}, 1.0)])
+def test_a_constant_logit_scale_is_the_models_loss(family, settings, scale):
+    """The wrapped loss (one process, chunks of 7 tokens) equals transformers' own loss of the model, whose forward
+    scales its logits; without the scale it would not."""
+    model = _model(family, **settings)
+    ids = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the model's own logits, cross-entropy in float64 (transformers' loss upcasts to float32)
+        want = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_scale == pytest.approx(scale)
+    with torch.no_grad():
+        got = sp(ids, torch.arange(40)[None], targets)
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    if scale != 1.0:  # the scale left out is far outside
+        sp.logit_scale = 1.0
+        with torch.no_grad():
+            assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+
+
+@pytest.mark.parametrize("family,settings,words", [
+    ("gemma2", {"final_logit_softcapping": 30.0, "head_dim": 8}, ["tanh", "after the LM head"]),
+    ("phi", {}, ["bias"]),
+    ("roberta", {"is_decoder": True}, ["RobertaLMHead", "transforms the decoder's output"]),
+])
+def test_what_the_loss_would_not_reproduce_is_refused(family, settings, words):
+    with pytest.raises(ValueError) as err:
+        SequenceParallelLM(_model(family, **settings), None)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert "model(**batch).logits" in str(err.value)
+
+
+def test_a_condition_that_does_not_hold_is_not_refused():
+    """Gemma 2 without final soft-capping: the capping branch of its forward does not run, and the loss is its own."""
+    sp = SequenceParallelLM(_model("gemma2", final_logit_softcapping=None, head_dim=8), None)
+    assert sp.logit_scale == 1.0
