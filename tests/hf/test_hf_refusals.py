@@ -61,3 +61,51 @@ def test_layers_seqmesh_would_not_compute_are_named():
         check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, attn_logit_softcapping=30.0)))
     with pytest.raises(ValueError, match="bidirectional"):
         check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, use_bidirectional_attention=True)))
+
+
+def _parallelize_refusal(config) -> str:
+    """parallelize's refusal of the model of ``config`` on one rank (a mesh of 1 x 1: every check runs, none of them
+    needs peers), or "" where it accepts it."""
+    from transformers import AutoModelForCausalLM
+
+    from dist_cases import get_mesh
+    from seqmesh.hf import parallelize, unparallelize
+
+    model = AutoModelForCausalLM.from_config(config)
+    try:
+        unparallelize(parallelize(model, get_mesh(1, 1)))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def refusals_first() -> dict:
+    """parallelize on models whose refusal used to come late or wrong (issue 30)."""
+    import transformers as tf
+
+    small = dict(hidden_size=32, num_hidden_layers=2, vocab_size=64)
+    heads = dict(small, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return {
+        "mamba": _parallelize_refusal(tf.MambaConfig(**small)),  # no attention heads at all
+        "rwkv": _parallelize_refusal(tf.RwkvConfig(**small)),
+        "nemotron": _parallelize_refusal(tf.NemotronConfig(**heads)),  # layers drop **kwargs
+        "stablelm": _parallelize_refusal(tf.StableLmConfig(**heads)),
+        "kimi": _parallelize_refusal(tf.KimiLinearConfig(**heads, **ids, layer_types=["linear_attention",
+                                                                                    "full_attention"])),
+        "llama": _parallelize_refusal(tf.LlamaConfig(**heads)),
+    }
+
+
+def test_refusals_are_right_and_first(pools):
+    """A model without attention heads is refused for its mixer (it raised AttributeError on num_attention_heads);
+    layers that do not pass **kwargs to attention are refused at parallelize (they were refused at the first
+    forward for a missing 'seqmesh' entry); Kimi Linear is refused for its delta attention only, its MLA
+    attention (KimiLinearAttention) not named a token mixer."""
+    (answers,) = pools.run(1, refusals_first)
+    assert "MambaMixer, which mixes tokens" in answers["mamba"], answers["mamba"]
+    assert "mixes tokens" in answers["rwkv"] and "Rwkv" in answers["rwkv"], answers["rwkv"]
+    for family, layer in (("nemotron", "NemotronDecoderLayer"), ("stablelm", "StableLmDecoderLayer")):
+        assert f"({layer}) calls its self_attn without passing its **kwargs on" in answers[family], answers[family]
+    assert "KimiLinearDeltaAttention" in answers["kimi"] and "KimiLinearAttention," not in answers["kimi"], answers["kimi"]
+    assert answers["llama"] == ""
