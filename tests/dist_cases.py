@@ -39,12 +39,14 @@ class Case:
     sinks: bool = False
     v_dim: int | None = None  # value head dim when it differs from head_dim (MLA-style)
     image_blocks: tuple[tuple[int, int], ...] | None = None  # Gemma 3's images: seen both ways by their tokens
+    chunk: int | None = None  # Llama 4's chunked attention: keys of the query's own chunk of the row only
 
     @property
     def name(self) -> str:
         docs = "docs" if self.cu_seqlens else "nodocs"
         extra = "".join(f"-{n}" for n, on in ((f"w{self.window}", self.window), ("sinks", self.sinks),
-                                                (f"dv{self.v_dim}", self.v_dim), ("images", self.image_blocks))
+                                                (f"dv{self.v_dim}", self.v_dim), ("images", self.image_blocks),
+                                                (f"chunk{self.chunk}", self.chunk))
                         if on)
         return (f"S{self.seq_len}-h{self.q_heads}/{self.kv_heads}-{'causal' if self.causal else 'full'}-"
                 f"{self.layout}-{docs}-{self.dtype}-{self.backend}{extra}")
@@ -91,7 +93,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
         out = attend(
             shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
             cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend, window=case.window, sinks=sinks,
-            image_blocks=case.image_blocks,
+            image_blocks=case.image_blocks, chunk=case.chunk,
         )
         if with_grad:
             (out * shard(dout)).sum().backward()
@@ -100,7 +102,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     sr = sinks.detach().double().requires_grad_() if sinks is not None else None
     ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None,
-                              window=case.window, sinks=sr, image_blocks=case.image_blocks)
+                              window=case.window, sinks=sr, image_blocks=case.image_blocks, chunk=case.chunk)
     ref.backward(dout.double())
     real = case.cu_seqlens[-1] if case.cu_seqlens else case.seq_len
     errors = {"out": _max_err(gathered, ref, real)}
@@ -121,6 +123,19 @@ def attention_cases(ulysses: int, ring: int, dp_shard: int, cases: list[Case], c
         errors, _ = run_attention(case, mesh, compiled=compiled)
         results.append({"case": case.name, **errors})
     return results
+
+
+def shifted_chunk_cases(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
+    """:func:`attention_cases` with seqmesh's chunk boundaries one position late (a mutation the test must see)."""
+    from seqmesh.sharded_attention import planning
+
+    right = planning.chunk_bounds
+    planning.chunk_bounds = lambda bounds, chunk: tuple(sorted(set(bounds) | set(range(1, bounds[-1], chunk))))
+    # (one late in every document of one: the cases have none)
+    try:
+        return attention_cases(ulysses, ring, 1, cases)
+    finally:
+        planning.chunk_bounds = right
 
 
 def traffic_cases(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:

@@ -43,6 +43,10 @@ def position_config(family: str):
         return tf.Llama4TextConfig(**heads, intermediate_size_mlp=64, attention_chunk_size=None, floor_scale=8,
                                    attn_scale=0.5, no_rope_layers=[1, 0], num_local_experts=2, moe_layers=[0],
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "llama4-chunked":  # layer 0 rotary and chunked (chunks of 8: across shards and documents)
+        return tf.Llama4TextConfig(**heads, intermediate_size_mlp=64, attention_chunk_size=8, floor_scale=8,
+                                   attn_scale=0.5, no_rope_layers=[1, 0], num_local_experts=2, moe_layers=[0],
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "roberta":
         return tf.RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                 vocab_size=64, is_decoder=True, attention_probs_dropout_prob=0.0,

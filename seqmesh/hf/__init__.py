@@ -24,7 +24,7 @@ from . import linear_attention as gated_delta_net
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..overlap import ASYNC_PIECES
-from .layers import SUPPORTED, check_layers
+from .layers import SUPPORTED, check_layers, chunked_layers
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
@@ -33,6 +33,7 @@ from ..degrees import workable_degrees
 from ..vision.families import is_multimodal, vision_family
 
 _ATTR = "_seqmesh_attention"
+_CHUNK = "_seqmesh_chunk"  # on the attention module of a chunked-attention layer (Llama 4): its chunk
 
 
 
@@ -99,6 +100,7 @@ def _make_attention(mesh: SPMesh, backend: str):
             causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
             validate=first, window=kwargs.get("sliding_window"), sinks=sinks, image_blocks=info.image_blocks,
+            chunk=getattr(module, _CHUNK, None),
         )
         info.validated.add(id(mesh))
         return out, None
@@ -210,6 +212,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
     model.set_attn_implementation(name)
+    for module, chunk in chunked_layers(model):
+        setattr(module, _CHUNK, chunk)
     gated_delta_net.install(model, mesh, linear_layers, linear_attention)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + positions.install(model, mesh)
@@ -234,6 +238,9 @@ def unparallelize(model: nn.Module) -> nn.Module:
     gated_delta_net.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)
+    for module in model.modules():
+        if hasattr(module, _CHUNK):
+            delattr(module, _CHUNK)
     AttentionInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model

@@ -29,7 +29,8 @@ TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|Linear
 # parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
 STATE_PARAMS = ("A_log", "dt_bias")
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
-             "windows (sliding_window), attention sinks (s_aux), MHA/GQA/MQA, MLA head dims, packed documents; "
+             "windows (sliding_window), attention sinks (s_aux), chunked attention (Llama 4's chunked_attention "
+             "layers), MHA/GQA/MQA, MLA head dims, packed documents; "
              "per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and "
              "OLMo-hybrid")
 
@@ -101,6 +102,30 @@ def _configs(model: nn.Module):
         yield text
 
 
+def _chunk(config) -> int | None:
+    """The chunk of a config whose layer types include chunked attention (Llama 4), or None."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" not in (getattr(config, "layer_types", None) or ()) or isinstance(chunk, bool) \
+            or not isinstance(chunk, int) or chunk < 1:
+        return None
+    return chunk
+
+
+def chunked_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The attention modules of ``model``'s chunked-attention layers (``config.layer_types``: Llama 4) and their
+    chunk: transformers gives them a chunked mask, which a registered attention function never sees, so seqmesh
+    reads the chunk from the layer. A layer whose module is not found is refused by :func:`check_layers`."""
+    found = []
+    for config in _configs(model):
+        chunk = _chunk(config)
+        if chunk is None:
+            continue
+        chunked = {i for i, kind in enumerate(config.layer_types) if kind == "chunked_attention"}
+        found += [(m, chunk) for m in model.modules() if type(m).__name__.endswith("Attention")
+                  and getattr(m, "config", None) is config and getattr(m, "layer_idx", None) in chunked]
+    return found
+
+
 def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
     """Raise a ValueError naming every layer or variant of ``model`` seqmesh would not compute exactly.
     ``handled``: token-mixing layers seqmesh runs sequence-parallel itself (Gated DeltaNet, see
@@ -112,12 +137,17 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
     handled_ids = {id(layer) for layer in handled}
     # a decoder layer that holds a handled layer (OlmoHybridLinearAttentionDecoderLayer) is its container
     inside_handled |= {id(m) for m in model.modules() if handled_ids & {id(d) for d in m.modules()}}
+    chunked = [(id(m.config), m.layer_idx) for m, _ in chunked_layers(model)]
     for config in _configs(model):
-        for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
-            if kind not in supported:
+        kinds = getattr(config, "layer_types", None) or ()
+        for i, kind in enumerate(kinds):
+            if kind == "chunked_attention" and _chunk(config) is not None:
+                if chunked.count((id(config), i)) != 1:
+                    problems.append(f"layer {i} is a chunked-attention layer whose attention module seqmesh cannot find")
+            elif kind not in supported:
                 problems.append(f"layer {i} is a {kind!r} layer")
         chunk = getattr(config, "attention_chunk_size", None)
-        if chunk:
+        if chunk and _chunk(config) is None:
             problems.append(f"its attention is chunked (attention_chunk_size={chunk}). Set config.attention_chunk_size = "
                             "None to train it with full attention")
         softcap = getattr(config, "attn_logit_softcapping", None)

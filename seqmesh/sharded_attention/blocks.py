@@ -260,3 +260,10 @@ def document_bounds(padded_len: int, seq_len: int, cu_seqlens: Sequence[int] | N
     if bounds[-1] < padded_len:
         bounds.append(padded_len)
     return tuple(bounds)
+
+
+def chunk_bounds(bounds: Sequence[int], chunk: int) -> tuple[int, ...]:
+    """``bounds`` (from :func:`document_bounds`) with a boundary every ``chunk`` positions of each document added:
+    chunked attention (Llama 4) as documents, for the mask only. Chunks count from each document's start, as
+    transformers' chunked mask does on packed documents (it reads their positions)."""
+    return tuple(sorted({a + i for a, b in zip(bounds[:-1], bounds[1:]) for i in range(0, b - a, chunk)} | {bounds[-1]}))

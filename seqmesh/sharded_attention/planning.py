@@ -11,7 +11,7 @@ import torch
 from ..kernels import ChooseKernel, kernel_chooser
 from ..mesh import SPMesh
 from ..sequence.layout import LayoutKind
-from .blocks import document_bounds
+from .blocks import chunk_bounds, document_bounds
 from .checks import CheckedCall, check_attention_inputs
 from .schedule import RingSchedule, ring_schedule
 
@@ -31,9 +31,15 @@ def plan_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, backend: str, validate: bool | None,
     window: int | None, sinks: torch.Tensor | None, image_blocks: Sequence[tuple[int, int]] | None = None,
+    chunk: int | None = None,
 ) -> tuple[CheckedCall, RingSchedule, ChooseKernel]:
     """The checked call of ``seqmesh.attention`` (arguments as there; only q, k, v's shapes, dtype and device
     are read), its ring schedule and kernel chooser; a named kernel's refusal raises here on every rank."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk={chunk!r}: chunked attention needs a whole number of positions per chunk, at least 1.")
+    if chunk is not None and image_blocks:
+        raise ValueError("chunked attention (chunk) with image_blocks: an image may cross a chunk's edge, which "
+                         "seqmesh does not plan; pass one of the two.")
     call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                   seq_len=seq_len, validate=validate, window=window, sinks=sinks,
                                   image_blocks=image_blocks)
@@ -41,8 +47,10 @@ def plan_attention(
     if window is not None and window >= lay.padded_len:
         window = None  # every key is inside it: plain causal attention
     blocks = call.image_blocks if causal else ()  # without causality a document's keys are all visible already
-    schedule = ring_schedule(lay, document_bounds(lay.padded_len, call.real_len, call.cu_seqlens), causal, window,
-                             blocks)
+    bounds = document_bounds(lay.padded_len, call.real_len, call.cu_seqlens)
+    if chunk is not None:  # the mask's documents only: the layout placed the tokens by the documents alone
+        bounds = chunk_bounds(bounds, chunk)
+    schedule = ring_schedule(lay, bounds, causal, window, blocks)
     choose = kernel_chooser(backend)
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
         check_backend(schedule, choose, q, k, v)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dist_cases import Case, attention_cases, traffic_cases
+from dist_cases import Case, attention_cases, shifted_chunk_cases, traffic_cases
 
 # (ulysses, ring)
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
@@ -37,6 +37,12 @@ def _cases() -> list[Case]:
     images = ((2, 7), (9, 10), (10, 16), (20, 27), (33, 40))
     cases += [Case(45, 4, 2, True, layout, _documents(45), window=window, image_blocks=images)
               for layout, window in itertools.product(("zigzag", "contiguous", "per_document"), (None, 7))]
+    # chunked attention (Llama 4): chunks of 1 token, shorter than a zigzag chunk, across shards, longer than the
+    # sequence; with packed documents (chunks count from each document's start) and with a window
+    cases += [Case(45, 4, 2, True, layout, _documents(45) if docs else None, chunk=chunk)
+              for layout, docs, chunk in itertools.product(("zigzag", "contiguous", "per_document"), (False, True),
+                                                           (1, 5, 16, 64))]
+    cases += [Case(48, 4, 2, True, "zigzag", None, chunk=16, window=7, sinks=True)]
     return cases
 
 
@@ -55,6 +61,14 @@ def test_window_sinks_value_dim_exact(pools, ulysses, ring):
                     worst[dtype][name] = max(worst[dtype].get(name, 0.0), err)
     assert len(per_rank[0]) == len(cases)
     print(f"u{ulysses}xr{ring} worst errors: {worst}")
+
+
+def test_a_chunk_boundary_off_by_one_is_seen(pools):
+    """Chunk boundaries one position late in seqmesh's plan (ring 2): the output leaves the float64 bound by far."""
+    cases = [Case(45, 4, 2, True, layout, None, chunk=16) for layout in ("zigzag", "per_document")]
+    for results in pools.run(2, shifted_chunk_cases, 1, 2, cases):
+        for r in results:
+            assert r["out"] > 1e-3, r
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 4), (2, 2)], ids=["u1xr4", "u2xr2"])

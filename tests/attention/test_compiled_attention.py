@@ -20,6 +20,7 @@ CASES = [
     Case(24, 4, 1, False, "zigzag", DOCS, sinks=True),  # MQA: kv replication under Ulysses
     # images seen both ways by their tokens (Gemma 3), across shards, in documents, under a window
     Case(24, 4, 2, True, "zigzag", DOCS, window=5, image_blocks=((2, 6), (9, 13), (13, 16), (18, 21))),
+    Case(24, 4, 2, True, "per_document", DOCS, chunk=4),  # Llama 4's chunked attention
 ]
 
 

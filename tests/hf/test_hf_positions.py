@@ -7,7 +7,7 @@ import pytest
 
 from positions_cases import position_parity, unsharded_refusal
 
-FAMILIES = ["phi3-longrope", "llama-dynamic", "llama4-temperature", "roberta"]
+FAMILIES = ["phi3-longrope", "llama-dynamic", "llama4-temperature", "llama4-chunked", "roberta"]
 MESHES = [(1, 2), (2, 1), (2, 2)]
 ROUNDING_MULTIPLE = 4  # as tests/hf/test_hf_families.py: a multiple of the reference's own measured rounding
 
