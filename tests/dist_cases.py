@@ -40,13 +40,14 @@ class Case:
     v_dim: int | None = None  # value head dim when it differs from head_dim (MLA-style)
     image_blocks: tuple[tuple[int, int], ...] | None = None  # Gemma 3's images: seen both ways by their tokens
     chunk: int | None = None  # Llama 4's chunked attention: keys of the query's own chunk of the row only
+    softcap: float | None = None  # Gemma 2's logit soft-capping: scores capped before the softmax
 
     @property
     def name(self) -> str:
         docs = "docs" if self.cu_seqlens else "nodocs"
         extra = "".join(f"-{n}" for n, on in ((f"w{self.window}", self.window), ("sinks", self.sinks),
                                                 (f"dv{self.v_dim}", self.v_dim), ("images", self.image_blocks),
-                                                (f"chunk{self.chunk}", self.chunk))
+                                                (f"chunk{self.chunk}", self.chunk), (f"cap{self.softcap}", self.softcap))
                         if on)
         return (f"S{self.seq_len}-h{self.q_heads}/{self.kv_heads}-{'causal' if self.causal else 'full'}-"
                 f"{self.layout}-{docs}-{self.dtype}-{self.backend}{extra}")
@@ -93,7 +94,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
         out = attend(
             shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
             cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend, window=case.window, sinks=sinks,
-            image_blocks=case.image_blocks, chunk=case.chunk,
+            image_blocks=case.image_blocks, chunk=case.chunk, softcap=case.softcap,
         )
         if with_grad:
             (out * shard(dout)).sum().backward()
@@ -102,7 +103,8 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     sr = sinks.detach().double().requires_grad_() if sinks is not None else None
     ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None,
-                              window=case.window, sinks=sr, image_blocks=case.image_blocks, chunk=case.chunk)
+                              window=case.window, sinks=sr, image_blocks=case.image_blocks, chunk=case.chunk,
+                              softcap=case.softcap)
     ref.backward(dout.double())
     real = case.cu_seqlens[-1] if case.cu_seqlens else case.seq_len
     errors = {"out": _max_err(gathered, ref, real)}

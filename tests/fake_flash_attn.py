@@ -42,11 +42,16 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.double().repeat_interleave(heads // x.shape[2], dim=2)  # (B, S, Hk, D) -> (B, S, Hq, D)
 
 
-def _attend(q, k, v, scale, ok):
+def _capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """flash-attn's softcap (2.6+): the scaled scores as ``softcap * tanh(s / softcap)``; 0.0 leaves them."""
+    return s if softcap == 0.0 else torch.tanh(s / softcap) * softcap
+
+
+def _attend(q, k, v, scale, ok, softcap=0.0):
     """One call in float64: out (B, Sq, H, Dv) and lse (B, H, Sq) float32; a row seeing nothing gives
     out 0 and lse +inf, as flash-attn's softmax.h writes it."""
     assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash-attn 2 checks v against q's head size"
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), _expand(k, q.shape[2])) * scale
+    s = _capped(torch.einsum("bqhd,bkhd->bhqk", q.double(), _expand(k, q.shape[2])) * scale, softcap)
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.nan_to_num(posinf=0.0, neginf=0.0)[..., None])
@@ -54,15 +59,17 @@ def _attend(q, k, v, scale, ok):
     return out.to(q.dtype), lse.masked_fill(torch.isneginf(lse), float("inf")).float()
 
 
-def _attend_backward(dout, q, k, v, out, lse, scale, ok):
+def _attend_backward(dout, q, k, v, out, lse, scale, ok, softcap=0.0):
     """Gradients from the given out and lse (as flash-attn's backward recomputes them), kv heads summed."""
     h, hk = q.shape[2], k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), _expand(k, h)) * scale
+    s = _capped(torch.einsum("bqhd,bkhd->bhqk", q.double(), _expand(k, h)) * scale, softcap)
     p = torch.exp(s.masked_fill(~ok, float("-inf")) - lse.double()[..., None])  # (B, H, Sq, Sk)
     do = dout.double()
     delta = (do * out.double()).sum(-1).transpose(1, 2)[..., None]  # (B, H, Sq, 1)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, _expand(v, h))
     ds = p * (dp - delta)
+    if softcap != 0.0:
+        ds = ds * (1 - (s / softcap) ** 2)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, _expand(k, h)) * scale
     fold = lambda g: g.reshape(g.shape[0], g.shape[1], hk, h // hk, g.shape[3]).sum(3)  # noqa: E731
     dk = fold(torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale)
@@ -75,9 +82,9 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
                         causal: bool, window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and not return_softmax
+    assert dropout_p == 0.0 and alibi_slopes is None and not return_softmax
     ok = documented_mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
-    out, lse = _attend(q, k, v, softmax_scale, ok)
+    out, lse = _attend(q, k, v, softmax_scale, ok, softcap)
     return out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
 
 
@@ -88,7 +95,7 @@ def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                          window_size_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
                          deterministic: bool, rng_state: torch.Tensor | None = None) -> torch.Tensor:
     ok = documented_mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
-    for target, grad in zip((dq, dk, dv), _attend_backward(dout, q, k, v, out, softmax_lse, softmax_scale, ok)):
+    for target, grad in zip((dq, dk, dv), _attend_backward(dout, q, k, v, out, softmax_lse, softmax_scale, ok, softcap)):
         target.copy_(grad)
     return softmax_lse.clone()
 
@@ -106,13 +113,13 @@ def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                window_size_right: int = -1, softcap: float = 0.0,
                                alibi_slopes: torch.Tensor | None = None, return_softmax: bool = False
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and not return_softmax
+    assert dropout_p == 0.0 and alibi_slopes is None and not return_softmax
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # (H, total)
     for a, b, c, d in _pairs(cu_seqlens_q, cu_seqlens_k):
         # flash_api.cpp clamps the sizes against max_seqlen_k; each sequence aligns to its own corner
         ok = documented_mask(b - a, d - c, causal, window_size_left, window_size_right, max_seqlen_k)
-        o, l = _attend(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale, ok)
+        o, l = _attend(q[None, a:b], k[None, c:d], v[None, c:d], softmax_scale, ok, softcap)
         out[a:b], lse[:, a:b] = o[0], l[0]
     return out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
 
@@ -129,6 +136,6 @@ def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         ok = documented_mask(b - a, d - c, causal, window_size_left, window_size_right, max_seqlen_k)
         lse = softmax_lse[:, a:b][None]  # (1, H, n)
         grads = _attend_backward(dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b], lse,
-                                 softmax_scale, ok)
+                                 softmax_scale, ok, softcap)
         dq[a:b], dk[c:d], dv[c:d] = (g[0] for g in grads)
     return softmax_lse.clone()

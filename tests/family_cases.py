@@ -35,6 +35,10 @@ def family_config(family: str):
         return tf.Gemma3TextConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8,
                                    sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                    query_pre_attn_scalar=8)
+    if family == "gemma2":  # soft-capped attention scores and logits; caps that bite (without either, the logits move by 1.6e-3 and 5e-2)
+        return tf.Gemma2Config(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                               layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8,
+                               attn_logit_softcapping=0.05, final_logit_softcapping=0.6)
     if family == "mistral":
         return tf.MistralConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW)
     if family == "gpt-oss":

@@ -17,7 +17,7 @@ def document_ids(seq_len: int, cu_seqlens: list[int] | None) -> torch.Tensor:
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, cu_seqlens: list[int] | None = None,
     scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-    image_blocks: list[tuple[int, int]] | None = None, chunk: int | None = None,
+    image_blocks: list[tuple[int, int]] | None = None, chunk: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, S, Hq, Dv), in float64 with plain ops.
 
@@ -28,7 +28,8 @@ def reference_attention(
     ``image_blocks``: ``[start, stop)`` intervals whose tokens see each other whatever causality says (Gemma 3's
     images, as transformers' ``blockwise_overlay``: OR'ed with the causal mask, AND'ed with the window).
     ``chunk``: keys of the query's own chunk only, chunks counted from its document's start (transformers'
-    chunked mask, Llama 4, evaluated on packed documents' own positions), AND'ed with the rest.
+    chunked mask, Llama 4, evaluated on packed documents' own positions), AND'ed with the rest. ``softcap``: the
+    scaled scores capped as Gemma 2's eager attention does (``s / c``, tanh, ``* c``) before the mask.
     """
     b, s, hq, d = q.shape
     group = hq // k.shape[2]
@@ -52,6 +53,8 @@ def reference_attention(
         own = pos - starts[(pos[:, None] >= starts[None, :]).sum(1) - 1]  # position inside its document
         allowed &= (own[:, None] // chunk) == (own[None, :] // chunk)
     scores = (qf @ kf.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:  # one more column, then dropped: it only enlarges the denominator
         column = sinks.double()[None, :, None, None].expand(b, hq, s, 1)

@@ -55,13 +55,10 @@ def refuse_unsupported(module: nn.Module, kwargs: dict, causal: bool) -> None:
     built only to raise: under per-layer torch.compile ``layer_idx`` is a symbolic int, which no f-string takes
     without a graph break."""
     bidirectional_window = kwargs.get("sliding_window") is not None and not causal
-    if not bidirectional_window and all(kwargs.get(n) is None for n in ("softcap", "attention_chunk_size", "chunk_size")):
+    if not bidirectional_window and all(kwargs.get(n) is None for n in ("attention_chunk_size", "chunk_size")):
         return
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     supported = f"seqmesh supports {SUPPORTED}."
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{layer} uses attention logit soft-capping (softcap={kwargs['softcap']!r}), which seqmesh does "
-                         f"not compute; {supported} Set config.attn_logit_softcapping = None to train without it.")
     window = kwargs.get("sliding_window")
     if window is not None and not causal:
         raise ValueError(f"{layer} uses a bidirectional sliding window (sliding_window={window}, is_causal=False), "
@@ -100,7 +97,7 @@ def _make_attention(mesh: SPMesh, backend: str):
             causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
             validate=first, window=kwargs.get("sliding_window"), sinks=sinks, image_blocks=info.image_blocks,
-            chunk=getattr(module, _CHUNK, None),
+            chunk=getattr(module, _CHUNK, None), softcap=kwargs.get("softcap"),
         )
         info.validated.add(id(mesh))
         return out, None

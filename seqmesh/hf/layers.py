@@ -29,7 +29,7 @@ TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|Linear
 # parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
 STATE_PARAMS = ("A_log", "dt_bias")
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
-             "windows (sliding_window), attention sinks (s_aux), chunked attention (Llama 4's chunked_attention "
+             "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention (Llama 4's chunked_attention "
              "layers), MHA/GQA/MQA, MLA head dims, packed documents; "
              "per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and "
              "OLMo-hybrid")
@@ -150,10 +150,6 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
         if chunk and _chunk(config) is None:
             problems.append(f"its attention is chunked (attention_chunk_size={chunk}). Set config.attention_chunk_size = "
                             "None to train it with full attention")
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        if softcap is not None:
-            problems.append(f"its attention uses logit soft-capping (attn_logit_softcapping={softcap}; set it to None "
-                            "to train without it)")
         if getattr(config, "use_bidirectional_attention", False) and getattr(config, "sliding_window", None):
             problems.append("its sliding windows are bidirectional (use_bidirectional_attention=True)")
     mixers = [(path, type(m).__name__) for path, m in model.named_modules()

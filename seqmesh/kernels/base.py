@@ -33,12 +33,16 @@ class BlockMask:
     - ``offset``: global position of local query row 0 minus that of local key column 0, so local
       query ``a`` and key ``b`` are ``offset + a - b`` positions apart: a ring block knows how far
       its keys lie from its queries. Rows and columns of a windowed call are consecutive positions.
+    - ``softcap``: not a mask but the one score transform seqmesh computes, carried with it to every kernel
+      call: the scaled scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's
+      ``attn_logit_softcapping``). A kernel that cannot apply it says so in ``unsupported``.
     """
 
     causal: bool = False
     segments: tuple[int, ...] | None = None
     window: int | None = None
     offset: int = 0
+    softcap: float | None = None
 
     def allowed(self, sq: int, sk: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dense ``(Sq, Sk)`` boolean matrix of the mask (for kernels without native support)."""

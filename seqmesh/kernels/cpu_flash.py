@@ -32,6 +32,8 @@ class CpuFlashKernel(BandedWindowKernel):
             return f"dtype {q.dtype} is not one of {SUPPORTED_DTYPES}"
         if v is not None and v.shape[-1] != q.shape[-1]:
             return f"torch's CPU flash op needs one head dim for q, k and v (got {q.shape[-1]} and {v.shape[-1]})"
+        if mask.softcap is not None:
+            return "torch's CPU flash op does not soft-cap scores"
         return None
 
     def biased_forward(self, q, k, v, bias, scale):

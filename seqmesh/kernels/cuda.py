@@ -93,6 +93,8 @@ class CudaFlashKernel(AttentionKernel):
             return "this torch build has no flash attention"
         if not torch.backends.cuda.flash_sdp_enabled():
             return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
+        if mask.softcap is not None:
+            return "torch's FA2 op does not soft-cap scores (the flash-attn package does)"
         window = flash_window(mask, q.shape[1], k.shape[1])
         return window if isinstance(window, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
 
@@ -146,6 +148,8 @@ class CudaEfficientKernel(BandedWindowKernel):
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if not torch.backends.cuda.mem_efficient_sdp_enabled():
             return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
+        if mask.softcap is not None:
+            return "torch's memory-efficient attention does not soft-cap scores"
         if mask.window is None and (reason := square_causal_problem(mask, q.shape[1], k.shape[1])):
             return reason
         align = 4 if q.dtype == torch.float32 else 8
@@ -200,6 +204,8 @@ class CudaCudnnKernel(PerDocumentKernel):
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
+        if mask.softcap is not None:
+            return "torch's cuDNN attention does not soft-cap scores"
         return square_causal_problem(mask, q.shape[1], k.shape[1]) or cuda_problem(q, HALF_DTYPES, 128, 8, v)
 
     def dense_forward(self, q, k, v, causal, scale):

@@ -3,7 +3,8 @@
 Its forward/backward entry points (``_flash_attn_forward``, ``_flash_attn_varlen_forward`` and the
 backward pair) take the same tensors as torch's vendored FA2 but their optional arguments have moved
 between releases, so calls are built from each function's signature: the tensors, flags and window
-sizes named here, and neutral values (no softcap, no ALiBi, no dropout) for the rest.
+sizes named here, the soft-cap (Gemma 2: FA2's ``softcap``, backward included), and neutral values (no ALiBi,
+no dropout) for the rest.
 
 Sliding windows and causal masks go in as FA2's ``(window_size_left, window_size_right)``, bottom-right
 aligned; :func:`~seqmesh.kernels.windows.flash_window` derives them from the mask's offset and
@@ -59,7 +60,8 @@ def _call(fn: Any, **given: Any) -> Any:
 def _window_arguments(mask: BlockMask, sq: int, sk: int) -> dict[str, Any]:
     """causal and the window sizes, under each name a release may use (``_call`` keeps the ones it takes)."""
     causal, left, right = fa2_arguments(mask, sq, sk)
-    return {"causal": causal, "window_size": (left, right), "window_size_left": left, "window_size_right": right}
+    return {"causal": causal, "window_size": (left, right), "window_size_left": left, "window_size_right": right,
+            "softcap": 0.0 if mask.softcap is None else float(mask.softcap)}  # FA2's 0.0: no capping
 
 
 class FlashAttnKernel(AttentionKernel):

@@ -20,11 +20,14 @@ class MathKernel(AttentionKernel):
         return None if q.is_floating_point() else f"dtype {q.dtype} is not a float type"
 
     def _scores(self, q, k, mask: BlockMask, scale: float):
-        """Upcast q, k (kv heads expanded) and the masked scaled scores (B, Hq, Sq, Sk)."""
+        """Upcast q, k (kv heads expanded) and the masked scaled scores (B, Hq, Sq, Sk), soft-capped where the
+        mask says so."""
         ct = lse_dtype(q.dtype)
         qf = q.transpose(1, 2).to(ct)  # (B, Hq, Sq, D)
         kf = expand_kv_heads(k.transpose(1, 2).to(ct), q.shape[2], dim=1)  # (B, Hq, Sk, D)
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        if mask.softcap is not None:
+            scores = torch.tanh(scores / mask.softcap) * mask.softcap
         allowed = mask.allowed(q.shape[1], k.shape[1], q.device)
         return qf, kf, scores.masked_fill(~allowed, float("-inf"))
 
@@ -50,6 +53,9 @@ class MathKernel(AttentionKernel):
         delta = (do * out.transpose(1, 2).to(ct)).sum(-1, keepdim=True)  # (B, Hq, Sq, 1)
         dv = torch.matmul(probs.transpose(-1, -2), do)
         ds = probs * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+        if mask.softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh^2; masked entries have ds = 0 already
+            capped = torch.nan_to_num(scores / mask.softcap, neginf=0.0)
+            ds = ds * (1 - capped * capped)
         dq = torch.matmul(ds, kf) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
         hk = k.shape[2]

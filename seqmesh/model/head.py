@@ -4,20 +4,22 @@ The loss never builds a shard's whole logits: it multiplies chunks of the decode
 matrix inside the cross-entropy (``seqmesh.model.loss``). That equals the model's own logits where its forward
 computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly times a constant: Cohere's
 ``logit_scale``, Granite's ``1 / logits_scaling``, which the loss applies to the hidden states instead
-(``(s x) W^T = s (x W^T)``). :func:`logit_scale` reads the model's forward (its source, as transformers ships it)
-and returns that constant; anything else the forward does to its logits (a head that transforms the hidden states
-first, RoBERTa's; a bias, Phi-2's; soft-capped logits, Gemma 2's) is refused by name, so the loss is never silently
-another model's. Statements under a condition on the model's attributes (``if self.config.final_logit_softcapping
+(``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``), which
+the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
+ships it) and returns both; anything else the forward does to its logits (a head that transforms the hidden states
+first, RoBERTa's; a bias, Phi-2's) is refused by name, so the loss is never silently another model's. Statements under a condition on the model's attributes (``if self.config.final_logit_softcapping
 is not None``) count where the condition holds for this model.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 import functools
 import inspect
 import numbers
 import textwrap
+from typing import NamedTuple
 
 import torch.nn as nn
 
@@ -115,9 +117,23 @@ def _factor(stmt: ast.stmt, name: str, model: nn.Module):
     return float(number) if isinstance(op, ast.Mult) else 1.0 / float(number)
 
 
-def logit_scale(lm: nn.Module) -> float:
-    """The constant ``s`` with ``logits = s * (hidden @ W^T)`` in ``lm``'s forward (``W``: its output embedding's
-    weight); a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
+class LogitHead(NamedTuple):
+    """``logits = softcap * tanh(scale * (hidden @ W^T) / softcap)`` (no tanh where ``softcap`` is None)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+def _is_tanh(stmt: ast.stmt, name: str) -> bool:
+    """Whether ``stmt`` is ``name = torch.tanh(name)``."""
+    value = stmt.value if isinstance(stmt, ast.Assign) else None
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "tanh"
+            and len(value.args) == 1 and isinstance(value.args[0], ast.Name) and value.args[0].id == name)
+
+
+def logit_head(lm: nn.Module) -> LogitHead:
+    """The constant ``scale`` and the final ``softcap`` of ``lm``'s logits (``W``: its output embedding's weight);
+    a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
     name = type(lm).__name__
     head = lm.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
@@ -141,13 +157,24 @@ def logit_scale(lm: nn.Module) -> float:
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to its logits, which seqmesh's chunked "
                          "loss does not; train it with your own loss on model(**batch).logits.")
-    scale = 1.0
+    effects: list[tuple[float | None, ast.stmt]] = []  # each change of the logits: a factor, or None for tanh
     for stmt in statements[index + 1:]:
         factor = _factor(stmt, logits, lm)
-        if factor is _UNKNOWN:
+        if factor is _UNKNOWN and not _is_tanh(stmt, logits):
             raise ValueError(f"{name}'s forward changes its logits after the LM head ({ast.unparse(stmt)!r}), which "
                              "seqmesh's chunked loss does not reproduce; train it with your own loss on "
                              "model(**batch).logits, or turn that setting off in its config.")
         if factor is not None:
-            scale *= factor
-    return scale
+            effects.append((None if factor is _UNKNOWN else factor, stmt))
+    tanh = [i for i, (factor, _) in enumerate(effects) if factor is None]
+    softcap = None
+    if tanh:  # only "/ c, tanh, * c" last: a soft-cap of the scaled logits
+        i = tanh[0]
+        cap = effects[i + 1][0] if i + 1 < len(effects) else None
+        if len(tanh) > 1 or i == 0 or cap is None or i + 2 != len(effects) or cap <= 0 \
+                or not math.isclose(effects[i - 1][0] * cap, 1.0, rel_tol=1e-12):
+            raise ValueError(f"{name}'s forward applies tanh to its logits ({ast.unparse(effects[i][1])!r}) other "
+                             "than as a final soft-cap (logits / c, tanh, * c), which seqmesh's chunked loss does not "
+                             "reproduce; train it with your own loss on model(**batch).logits.")
+        softcap, effects = cap, effects[: i - 1]
+    return LogitHead(math.prod(factor for factor, _ in effects), softcap)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.ranks import is_dtensor
-from .head import logit_scale
+from .head import logit_head
 from .loss import chunked_linear_cross_entropy
 from .router_aux import RouterAux, load_balancing_loss, router_aux
 from ..sequence.batch import IGNORE_INDEX, real_tokens
@@ -278,7 +278,8 @@ class SequenceParallelLM(nn.Module):
     def __init__(self, lm: nn.Module, mesh: SPMesh | None, *, chunk: int = 4096):
         super().__init__()
         router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
-        self.logit_scale = logit_scale(lm)  # what the model does to its logits, refused now where the loss would not
+        # what the model does to its logits (a constant scale, a final soft-cap), refused now where the loss would not
+        self.logit_scale, self.logit_softcap = logit_head(lm)
         self.lm = lm
         self.mesh = mesh
         self.chunk = chunk
@@ -325,8 +326,13 @@ class SequenceParallelLM(nn.Module):
         if is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
             from .vocab_parallel import vocab_parallel_loss
 
+            if self.logit_softcap is not None:
+                raise ValueError(f"{type(self.lm).__name__} soft-caps its logits (final_logit_softcapping="
+                                 f"{self.logit_softcap}), which seqmesh's vocabulary-parallel loss under tensor "
+                                 "parallelism does not; use tp=1, or set final_logit_softcapping=None.")
             return vocab_parallel_loss(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
-        return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
+        return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore,
+                                            softcap=self.logit_softcap)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:

@@ -102,12 +102,18 @@ def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in place (Gemma 2's final soft-cap), or ``logits`` as they are."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Forward: sum of cross-entropy of ``hidden @ weight.T`` tile by tile, keeping one lse per token;
-    backward: recompute each tile's softmax with the same matmul dtype and return d(hidden), d(weight)."""
+    """Forward: sum of cross-entropy of ``hidden @ weight.T`` (soft-capped where asked) tile by tile, keeping one
+    lse per token; backward: recompute each tile's softmax with the same matmul dtype and return d(hidden),
+    d(weight) (through the cap: ``1 - tanh^2``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, ignore_index):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, softcap=None):  # type: ignore[override]
         # hidden (N, H), weight (V, H), labels (N,)
         wide = wide_dtype(hidden.dtype)
         mm = matmul_dtype(hidden, weight)
@@ -116,7 +122,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=wide)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen explicitly above
             for start in range(0, hidden.shape[0], chunk):
-                logits = (hidden[start : start + chunk].to(mm) @ w.t()).to(wide)  # (n, V)
+                logits = _capped((hidden[start : start + chunk].to(mm) @ w.t()).to(wide), softcap)  # (n, V)
                 tile_lse = torch.logsumexp(logits, dim=-1)
                 lse[start : start + chunk] = tile_lse
                 target = labels[start : start + chunk]
@@ -124,13 +130,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
                 total += ((tile_lse - picked) * valid).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk, ctx.ignore_index, ctx.mm = chunk, ignore_index, mm
+        ctx.chunk, ctx.ignore_index, ctx.mm, ctx.softcap = chunk, ignore_index, mm, softcap
         return total
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         hidden, weight, labels, lse = ctx.saved_tensors
-        chunk, ignore_index, mm = ctx.chunk, ctx.ignore_index, ctx.mm
+        chunk, ignore_index, mm, softcap = ctx.chunk, ctx.ignore_index, ctx.mm, ctx.softcap
         w = weight.to(mm)
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
@@ -140,13 +146,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 target = labels[start : start + chunk]
                 valid = (target != ignore_index).unsqueeze(1)
                 # one (n, V) buffer, updated in place: softmax, minus one-hot, masked and scaled
-                d_logits = (h @ w.t()).to(lse.dtype).sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
+                capped = _capped((h @ w.t()).to(lse.dtype), softcap)
+                slope = None if softcap is None else 1 - (capped / softcap).square_()  # d(capped) / d(logits)
+                d_logits = capped.sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
                 d_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))
                 d_logits.mul_(valid).mul_(grad)
+                if slope is not None:
+                    d_logits.mul_(slope)
                 d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
                 d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
                 d_weight += (d_logits.t() @ h).to(d_weight.dtype)
-        return d_hidden, d_weight.to(weight.dtype), None, None, None
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -157,8 +167,10 @@ def chunked_linear_cross_entropy(
     *,
     chunk: int = 4096,
     ignore_index: int = IGNORE_INDEX,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """:func:`sequence_parallel_cross_entropy` of ``hidden @ weight.T`` without materialising the logits.
+    """:func:`sequence_parallel_cross_entropy` of ``hidden @ weight.T`` without materialising the logits;
+    ``softcap``: the logits capped as ``softcap * tanh(z / softcap)`` first (Gemma 2's final soft-cap).
 
     ``hidden`` ``(B, L, H)``, ``weight`` ``(V, H)`` (the LM head), ``shift_labels`` ``(B, L)``;
     at most ``chunk`` tokens' logits exist at a time.
@@ -168,5 +180,6 @@ def chunked_linear_cross_entropy(
     flat_labels = shift_labels.reshape(-1)
     bad = invalid_labels(flat_labels, weight.shape[0], ignore_index)  # masked here, reported after pooling
     safe = flat_labels.masked_fill(bad, ignore_index)
-    local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, safe, chunk, ignore_index)
+    local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, safe, chunk, ignore_index,
+                                                softcap)
     return checked_mean(local_sum, flat_labels, bad, group, weight.shape[0], ignore_index)

@@ -46,6 +46,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     image_blocks: Sequence[tuple[int, int]] | None = None,
     chunk: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded on ``mesh``'s sequence group.
 
@@ -85,6 +86,9 @@ def attention(
             positions of each document and a query sees only keys of its own chunk (as transformers' chunked
             mask on packed documents: chunks count from each document's start). The layout is the
             documents' alone; the ring skips the blocks no chunk crosses. Not with ``image_blocks``.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): each scaled score becomes
+            ``softcap * tanh(s / softcap)`` inside every kernel call, backward included; the log-sum-exp
+            merge is unchanged. Kernels that cannot cap (torch's CPU and CUDA ops) are skipped by ``auto``.
 
     Returns:
         ``(B, L, Hq, Dv)`` in q's dtype and the same local order.
@@ -92,11 +96,11 @@ def attention(
     if torch.compiler.is_compiling():  # one graph node: two torch.library ops that plan inside (compiled.py)
         return compiled_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len,
                                   softmax_scale=softmax_scale, backend=backend, validate=validate, window=window,
-                                  sinks=sinks, image_blocks=image_blocks, chunk=chunk)
+                                  sinks=sinks, image_blocks=image_blocks, chunk=chunk, softcap=softcap)
     call, ring_part = prepare_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                         seq_len=seq_len, softmax_scale=softmax_scale, backend=backend,
                                         validate=validate, window=window, sinks=sinks, image_blocks=image_blocks,
-                                        chunk=chunk)
+                                        chunk=chunk, softcap=softcap)
     if mesh.ulysses == 1:
         return ring_part(q, k, v, None)
     return ulysses_attention(q, k, v, mesh, call.heads, ring_part)
@@ -106,13 +110,13 @@ def prepare_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, softmax_scale: float | None, backend: str,
     validate: bool | None, window: int | None, sinks: torch.Tensor | None,
-    image_blocks: Sequence[tuple[int, int]] | None = None, chunk: int | None = None,
+    image_blocks: Sequence[tuple[int, int]] | None = None, chunk: int | None = None, softcap: float | None = None,
 ) -> tuple[CheckedCall, InnerAttention]:
     """Check a call of :func:`attention` (arguments as there; only q, k, v's shapes, dtype and device are read,
     so expanded views do) and return it with the ring attention that runs on each Ulysses rank's heads."""
     call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                             seq_len=seq_len, backend=backend, validate=validate, window=window,
-                                            sinks=sinks, image_blocks=image_blocks, chunk=chunk)
+                                            sinks=sinks, image_blocks=image_blocks, chunk=chunk, softcap=softcap)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if call.layout.ring > 1 else None
 

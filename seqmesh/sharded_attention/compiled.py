@@ -100,7 +100,7 @@ def _from_heads(dqh, dkh, dvh, shapes, plan, group):
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mesh_name: str, causal: bool,
     layout: str, cu_seqlens: list[int] | None, seq_len: int | None, scale: float, backend: str, validate: int,
-    window: int | None, image_blocks: list[int] | None, chunk: int | None,
+    window: int | None, image_blocks: list[int] | None, chunk: int | None, softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, L, Hq, Dv), lse (B, hq, U*L) and the head-sharded heads, v_apart, oh that backward reads."""
     mesh = mesh_by_name(mesh_name)
@@ -108,7 +108,7 @@ def attention_forward(
         call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                                 seq_len=seq_len, backend=backend, validate=_validate_flag(validate),
                                                 window=window, sinks=sinks, image_blocks=_pairs(image_blocks),
-                                                chunk=chunk)
+                                                chunk=chunk, softcap=softcap)
         a, b = _own_heads(call, mesh, q.shape[2])
         own_sinks = None if sinks is None else sinks[a:b]
         if mesh.ulysses == 1:
@@ -128,7 +128,7 @@ def attention_forward(
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, sinks, mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend,
-                            validate, window, image_blocks, chunk):
+                            validate, window, image_blocks, chunk, softcap):
     mesh = mesh_by_name(mesh_name)
     b, n, hq, d = q.shape
     hk, dv = k.shape[2], v.shape[-1]
@@ -149,14 +149,15 @@ def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
     out: torch.Tensor, lse: torch.Tensor, heads: torch.Tensor, v_apart: torch.Tensor, oh: torch.Tensor, mesh_name: str,
     causal: bool, layout: str, cu_seqlens: list[int] | None, seq_len: int | None, scale: float, backend: str,
-    window: int | None, image_blocks: list[int] | None, chunk: int | None,
+    window: int | None, image_blocks: list[int] | None, chunk: int | None, softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the inputs' shapes and dsinks (Hq,) (empty without sinks)."""
     mesh = mesh_by_name(mesh_name)
     with torch.autocast(q.device.type, enabled=False):
         call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                                 seq_len=seq_len, backend=backend, validate=False, window=window,
-                                                sinks=sinks, image_blocks=_pairs(image_blocks), chunk=chunk)
+                                                sinks=sinks, image_blocks=_pairs(image_blocks), chunk=chunk,
+                                                softcap=softcap)
         a, b = _own_heads(call, mesh, q.shape[2])
         own_sinks = None if sinks is None else sinks[a:b]
         if mesh.ulysses == 1:
@@ -179,20 +180,21 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, sinks, out, lse, heads, v_apart, oh, mesh_name, causal, layout, cu_seqlens,
-                             seq_len, scale, backend, window, image_blocks, chunk):
+                             seq_len, scale, backend, window, image_blocks, chunk, softcap):
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 _SETTINGS = ("mesh_name", "causal", "layout", "cu_seqlens", "seq_len", "scale", "backend", "window", "image_blocks",
-             "chunk")
+             "chunk", "softcap")
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, sinks, mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, _, window, image_blocks, chunk = inputs
+    q, k, v, sinks, mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, _, window, image_blocks, chunk, \
+        softcap = inputs
     out, lse, heads, v_apart, oh = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, heads, v_apart, oh)
-    ctx.settings = (mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, window, image_blocks, chunk)
+    ctx.settings = (mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, window, image_blocks, chunk, softcap)
     ctx.has_sinks = sinks is not None
 
 
@@ -200,7 +202,7 @@ def _backward(ctx, dout, _dlse, _dheads, _dv_apart, _doh):
     q, k, v, sinks, out, lse, heads, v_apart, oh = ctx.saved_tensors
     dq, dk, dv, dsinks = attention_backward(dout.contiguous(), q, k, v, sinks, out, lse, heads, v_apart, oh,
                                             *ctx.settings)
-    return dq, dk, dv, (dsinks if ctx.has_sinks else None), *(None,) * 11
+    return dq, dk, dv, (dsinks if ctx.has_sinks else None), *(None,) * 12
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -210,7 +212,7 @@ def compiled_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, softmax_scale: float | None, backend: str,
     validate: bool | None, window: int | None, sinks: torch.Tensor | None,
-    image_blocks: Sequence[tuple[int, int]] | None = None, chunk: int | None = None,
+    image_blocks: Sequence[tuple[int, int]] | None = None, chunk: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`seqmesh.attention` through the ops above; the same arguments, ``(B, L, Hq, Dv)``."""
     if isinstance(cu_seqlens, torch.Tensor):
@@ -222,5 +224,6 @@ def compiled_attention(
     cu = None if cu_seqlens is None else list(cu_seqlens)  # ints, or SymInts once dynamo sees them change
     flat = [x for block in image_blocks for x in block] if image_blocks else None  # an op takes flat int lists
     out, *_ = attention_forward(q, k, v, sinks, mesh.name, causal, kind, cu, seq_len, float(scale), backend,
-                                _VALIDATE_CODES[validate], window, flat, chunk)
+                                _VALIDATE_CODES[validate], window, flat, chunk,
+                                None if softcap is None else float(softcap))
     return out

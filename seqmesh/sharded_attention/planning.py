@@ -31,7 +31,7 @@ def plan_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, backend: str, validate: bool | None,
     window: int | None, sinks: torch.Tensor | None, image_blocks: Sequence[tuple[int, int]] | None = None,
-    chunk: int | None = None,
+    chunk: int | None = None, softcap: float | None = None,
 ) -> tuple[CheckedCall, RingSchedule, ChooseKernel]:
     """The checked call of ``seqmesh.attention`` (arguments as there; only q, k, v's shapes, dtype and device
     are read), its ring schedule and kernel chooser; a named kernel's refusal raises here on every rank."""
@@ -40,6 +40,9 @@ def plan_attention(
     if chunk is not None and image_blocks:
         raise ValueError("chunked attention (chunk) with image_blocks: an image may cross a chunk's edge, which "
                          "seqmesh does not plan; pass one of the two.")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap={softcap!r}: soft-capping needs a positive cap (scores become "
+                         "softcap * tanh(s / softcap)); pass None for none.")
     call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                   seq_len=seq_len, validate=validate, window=window, sinks=sinks,
                                   image_blocks=image_blocks)
@@ -50,7 +53,7 @@ def plan_attention(
     bounds = document_bounds(lay.padded_len, call.real_len, call.cu_seqlens)
     if chunk is not None:  # the mask's documents only: the layout placed the tokens by the documents alone
         bounds = chunk_bounds(bounds, chunk)
-    schedule = ring_schedule(lay, bounds, causal, window, blocks)
+    schedule = ring_schedule(lay, bounds, causal, window, blocks, None if softcap is None else float(softcap))
     choose = kernel_chooser(backend)
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
         check_backend(schedule, choose, q, k, v)

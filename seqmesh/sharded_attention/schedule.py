@@ -29,7 +29,7 @@ Who sends what when (:attr:`RingSchedule.relay`, :attr:`kv_shifts`, :attr:`dkv_s
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..kernels.base import BlockMask
 from ..sequence.layout import SequenceLayout
@@ -43,6 +43,7 @@ class RingSchedule:
     causal: bool
     window: int | None = None  # causal sliding window in tokens; None: none
     blocks: tuple[tuple[int, int], ...] = ()  # image blocks [start, stop): bidirectional inside (causal only)
+    softcap: float | None = None  # scores capped as softcap * tanh(s / softcap) in every kernel call (Gemma 2)
     _plans: dict[tuple[int, int], tuple[Piece, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, ring_rank: int, step: int) -> int:
@@ -54,8 +55,11 @@ class RingSchedule:
         key = (ring_rank, step)
         if key not in self._plans:
             runs = self.layout.ring_runs
-            self._plans[key] = plan_block(runs(ring_rank), runs(self.source(ring_rank, step)), self.bounds,
-                                          self.causal, self.window, self.blocks)
+            plan = plan_block(runs(ring_rank), runs(self.source(ring_rank, step)), self.bounds, self.causal,
+                              self.window, self.blocks)
+            if self.softcap is not None:  # the same calls, each told to cap its scores
+                plan = tuple(replace(p, mask=replace(p.mask, softcap=self.softcap)) for p in plan)
+            self._plans[key] = plan
         return self._plans[key]
 
     @functools.cached_property
@@ -109,8 +113,8 @@ class RingSchedule:
 @functools.lru_cache(maxsize=256)
 def ring_schedule(
     layout: SequenceLayout, bounds: tuple[int, ...], causal: bool, window: int | None = None,
-    blocks: tuple[tuple[int, int], ...] = (),
+    blocks: tuple[tuple[int, int], ...] = (), softcap: float | None = None,
 ) -> RingSchedule:
-    """The schedule for a layout, document boundaries, causality, window and image blocks, built once and
-    shared by every layer and step that meets them (its block plans are filled in on first use)."""
-    return RingSchedule(layout, bounds, causal, window, blocks)
+    """The schedule for a layout, document boundaries, causality, window, image blocks and soft-cap, built once
+    and shared by every layer and step that meets them (its block plans are filled in on first use)."""
+    return RingSchedule(layout, bounds, causal, window, blocks, softcap)

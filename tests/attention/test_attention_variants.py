@@ -43,6 +43,10 @@ def _cases() -> list[Case]:
               for layout, docs, chunk in itertools.product(("zigzag", "contiguous", "per_document"), (False, True),
                                                            (1, 5, 16, 64))]
     cases += [Case(48, 4, 2, True, "zigzag", None, chunk=16, window=7, sinks=True)]
+    # soft-capping (Gemma 2), a cap that bites (scores of about 1 against 0.7): with documents, windows, sinks
+    cases += [Case(45, 4, 2, causal, layout, _documents(45), softcap=0.7, window=window, sinks=sinks)
+              for causal, layout, window, sinks in ((True, "zigzag", None, False), (True, "per_document", 7, True),
+                                                    (False, "contiguous", None, False))]
     return cases
 
 

@@ -118,10 +118,13 @@ def _explicit_mask(sq: int, sk: int, mask: BlockMask) -> torch.Tensor:
     return explicit_mask(sq, sk, causal=mask.causal, window=mask.window, offset=mask.offset, segments=mask.segments)
 
 
-def _plain_attention(q, k, v, ok, scale):
-    """float64 attention on an explicit (Sq, Sk) mask with autograd: out (B, Sq, Hq, Dv), lse (B, Hq, Sq)."""
+def _plain_attention(q, k, v, ok, scale, softcap=None):
+    """float64 attention on an explicit (Sq, Sk) mask with autograd: out (B, Sq, Hq, Dv), lse (B, Hq, Sq);
+    ``softcap``: the scaled scores capped as Gemma 2's eager attention does (``s / c``, tanh, ``* c``)."""
     h = q.shape[2]
     s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], 2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~ok, float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.repeat_interleave(h // k.shape[2], 2))
     return out, torch.logsumexp(s, -1)
@@ -135,7 +138,7 @@ def _check_against_plain(kernel, q, k, v, mask, scale, atol):
     out, lse = kernel.forward(q, k, v, mask, scale)
     grads = kernel.backward(dout, q, k, v, out, lse, mask, scale)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = _plain_attention(qr, kr, vr, ok, scale)
+    ref_out, ref_lse = _plain_attention(qr, kr, vr, ok, scale, mask.softcap)
     ref_out.backward(dout.double())
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
                                (ref_out, ref_lse, qr.grad, kr.grad, vr.grad)):
@@ -222,6 +225,9 @@ STUB_MASKS = {
     "window,offset,sq>sk": (BlockMask(causal=True, window=8, offset=5), 6, 5),
     "causal,offset": (BlockMask(causal=True, offset=3), 4, 6),
     "window,noncausal": (BlockMask(window=6), 19, 19),
+    "causal,softcap": (BlockMask(causal=True, softcap=0.8), 19, 19),  # Gemma 2: scores capped before the softmax
+    "documents,softcap": (BlockMask(causal=True, segments=(0, 1, 7, 19), softcap=0.8), 19, 19),
+    "window,offset,softcap": (BlockMask(causal=True, window=9, offset=11, softcap=0.8), 7, 11),
 }
 
 
@@ -331,3 +337,36 @@ def test_ring_window_pieces_are_fa2_masks(kind):
                 if p.mask.segments is None:  # varlen pieces: each segment is a square diagonal call
                     fa2 = documented_mask(sq, sk, *fa2_arguments(p.mask, sq, sk))
                     assert torch.equal(fa2, _explicit_mask(sq, sk, p.mask)), (p, ring, window, cu)
+
+
+SOFTCAP_MASKS = ("causal,softcap", "documents,softcap", "window,offset,softcap")
+
+
+@pytest.mark.parametrize("case", SOFTCAP_MASKS)
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_math_kernel_soft_caps(case, dtype, atol):
+    """The math kernel's soft-capped scores (cap small enough to bite: 0.8 against scores of about 1): out, lse and
+    every gradient equal plain float64 attention on capped scores."""
+    mask, sq, sk = STUB_MASKS[case]
+    torch.manual_seed(0)
+    q = torch.randn(2, sq, 4, 8, dtype=dtype) * 2
+    k, v = (torch.randn(2, sk, 2, 8, dtype=dtype) for _ in range(2))
+    _check_against_plain(KERNELS["math"], q, k, v, mask, 0.5, atol=atol)
+
+
+def test_soft_capping_is_computed_or_refused_by_every_kernel(fake_flash_attn_package, monkeypatch):
+    """torch's CPU and CUDA ops refuse a soft-capped call by name and ``auto`` falls through to one that caps (the
+    flash-attn package where installed, else math); leaving the cap out moves the output far past the rounding."""
+    mask, sq, sk = STUB_MASKS["causal,softcap"]
+    q = torch.randn(1, sq, 2, 8, dtype=torch.float64) * 2
+    k = torch.randn(1, sk, 2, 8, dtype=torch.float64)
+    for name in ("cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"):
+        reason = KERNELS[name].unsupported(q, k, mask)
+        assert reason is not None and ("soft-cap" in reason or name.startswith("cuda")), (name, reason)
+    assert "soft-cap" in KERNELS["cpu_flash"].unsupported(q, k, mask)
+    assert kernel_chooser("auto")(q, k, mask).name == "math"  # the stub's device check says: not on a GPU
+    monkeypatch.setattr(fake_flash_attn_package, "cuda_problem", lambda *args, **kwargs: None)
+    assert kernel_chooser("auto")(q.float(), k.float(), mask).name == "flash_attn"
+    uncapped, _ = KERNELS["math"].forward(q, k, k, BlockMask(causal=True), 0.5)
+    capped, _ = KERNELS["math"].forward(q, k, k, mask, 0.5)
+    assert float((capped - uncapped).abs().max()) > 1e-3

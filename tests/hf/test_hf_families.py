@@ -51,6 +51,16 @@ def test_families_exact(pools, ulysses, ring):
     print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, relative grad): {worst}")
 
 
+@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1), (2, 2)], ids=["u1xr2", "u2xr1", "u2xr2"])
+def test_soft_capped_family_exact(pools, ulysses, ring):
+    """Gemma 2: attention scores soft-capped inside every kernel call and the logits soft-capped inside the chunked
+    loss, as ROUNDING_MULTIPLE of the reference's rounding; both caps small enough to matter."""
+    cases = [("gemma2", ulysses, ring, layout, docs) for layout, docs in (("zigzag", False), ("contiguous", True))]
+    for results in pools.run(ulysses * ring, _run_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+
+
 def test_tolerance_sees_a_shifted_rotary(pools):
     """A sharding error the tolerance must still see: one rank's shard given positions one too far (its
     rotary embedding one step off). DeepSeek-V3, the family with the float32 router."""

@@ -9,10 +9,8 @@ from __future__ import annotations
 from registry_cases import registry_sample
 
 EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", "gemma3_text", "mistral",
-         "gpt_oss", "deepseek_v3"]
+         "gpt_oss", "deepseek_v3", "gemma2", "llama4_text"]  # soft-capping; chunked attention (8192: one chunk here)
 REFUSED = {
-    "gemma2": "soft-capping",  # attn_logit_softcapping
-    "llama4_text": "chunked",  # attention_chunk_size
     "jamba": "Mamba",  # Mamba mixer layers
     "lfm2": "conv",  # short convolutions
     "falcon_h1": "Mamba",

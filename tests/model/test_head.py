@@ -1,5 +1,6 @@
-"""SequenceParallelLM's loss is the model's own: a constant logit scale (Cohere, Granite) applied, anything else the
-model's forward does to its logits refused by name when the model is wrapped (seqmesh.model.head)."""
+"""SequenceParallelLM's loss is the model's own: a constant logit scale (Cohere, Granite) and a final soft-cap
+(Gemma 2) applied, anything else the model's forward does to its logits refused by name when the model is wrapped
+(seqmesh.model.head)."""
 
 from __future__ import annotations
 
@@ -21,31 +22,38 @@ def _model(family: str, **settings):
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("family,settings,scale", [("cohere", {"logit_scale": 0.3}, 0.3),
-                                                   ("granite", {"logits_scaling": 4.0}, 0.25),
-                                                   ("llama", {}, 1.0)])
-def test_a_constant_logit_scale_is_the_models_loss(family, settings, scale):
-    """The wrapped loss (one process, chunks of 7 tokens) equals transformers' own loss of the model, whose forward
-    scales its logits; without the scale it would not."""
+@pytest.mark.parametrize("family,settings,scale,softcap", [
+    ("cohere", {"logit_scale": 0.3}, 0.3, None),
+    ("granite", {"logits_scaling": 4.0}, 0.25, None),
+    ("gemma2", {"final_logit_softcapping": 0.5, "head_dim": 8}, 1.0, 0.5),  # a cap that bites: logits of about 1
+    ("llama", {}, 1.0, None),
+])
+def test_the_loss_is_the_models_own(family, settings, scale, softcap):
+    """The wrapped loss (one process, chunks of 7 tokens) and every gradient equal the cross-entropy of the model's
+    own logits (float64), whose forward scales or soft-caps them; without the scale or the cap they would not."""
     model = _model(family, **settings)
     ids = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():  # the model's own logits, cross-entropy in float64 (transformers' loss upcasts to float32)
-        want = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    want = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     sp = SequenceParallelLM(model, None, chunk=7)
-    assert sp.logit_scale == pytest.approx(scale)
-    with torch.no_grad():
-        got = sp(ids, torch.arange(40)[None], targets)
+    assert (sp.logit_scale, sp.logit_softcap) == (pytest.approx(scale), softcap)
+    got = sp(ids, torch.arange(40)[None], targets)
+    got.backward()
     tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
     assert abs(float(got - want)) < tolerance, (float(got), float(want))
-    if scale != 1.0:  # the scale left out is far outside
-        sp.logit_scale = 1.0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-12 * float(grads[name].abs().max()) + 1e-15, rtol=0,
+                                   msg=name)
+    if (scale, softcap) != (1.0, None):  # the scale or the cap left out is far outside
+        sp.logit_scale, sp.logit_softcap = 1.0, None
         with torch.no_grad():
             assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
 
 
 @pytest.mark.parametrize("family,settings,words", [
-    ("gemma2", {"final_logit_softcapping": 30.0, "head_dim": 8}, ["tanh", "after the LM head"]),
     ("phi", {}, ["bias"]),
     ("roberta", {"is_decoder": True}, ["RobertaLMHead", "transforms the decoder's output"]),
 ])
@@ -59,4 +67,4 @@ def test_what_the_loss_would_not_reproduce_is_refused(family, settings, words):
 def test_a_condition_that_does_not_hold_is_not_refused():
     """Gemma 2 without final soft-capping: the capping branch of its forward does not run, and the loss is its own."""
     sp = SequenceParallelLM(_model("gemma2", final_logit_softcapping=None, head_dim=8), None)
-    assert sp.logit_scale == 1.0
+    assert (sp.logit_scale, sp.logit_softcap) == (1.0, None)
