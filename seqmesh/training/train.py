@@ -124,14 +124,16 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
-                                        seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
+    sizes = dict(heads=shape.heads, kv_heads=shape.kv_heads, intermediate=shape.intermediate, vocab=shape.vocab)
     if cfg.tp > 1:  # the sizes tensor parallelism splits, before any mesh or model (the layers are checked once built)
         if shape.vision is not None:
             raise ValueError(f"{cfg.model} is a vision-language model; seqmesh's tensor parallelism covers text "
                              "decoders only so far. Train it with --tp 1 (Ulysses and ring shard its tower and decoder).")
-        check_tensor_parallel_sizes(cfg.tp, ulysses, heads=shape.heads, kv_heads=shape.kv_heads,
-                                    intermediate=shape.intermediate, vocab=shape.vocab)
+        # every size first, so tp at or above the heads is named with the degrees that fit all of them
+        check_tensor_parallel_sizes(cfg.tp, cfg.ulysses if isinstance(cfg.ulysses, int) else 1, **sizes)
+    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
+                                        seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
+    check_tensor_parallel_sizes(cfg.tp, ulysses, **sizes)
     fsdp = uses_fsdp(cfg)
     if cfg.bf16 and not fsdp and not torch.cuda.is_available():
         raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
