@@ -25,7 +25,7 @@ from ..memory.offload import enable_activation_offload
 from ..mesh import SPMesh, init_mesh
 from ..model.fsdp import gradient_norm, sync_gradients
 from ..model.lm import SequenceParallelLM, build_model, has_weights, hf_config, load_config, materialize
-from ..model.presets import MODELS, model_shape
+from ..model.presets import MODELS, model_shape, read_config_json
 from ..model.pretrained import check_pretrained, check_tokenizer_path, check_values, checkpoint_files, load_pretrained
 from ..model.writer import export_pretrained
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -34,6 +34,7 @@ from ..inputs import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
 from .image_files import ImageJsonl
 from .vision_data import ImageCopy
+from ..vision.families import family_of, vision_family
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
 from .resume import choose_start, config_changes, refuse_changes, run_record
@@ -64,13 +65,27 @@ def _tokenizer(cfg: TrainConfig, vocab: int):
     return tokenizer
 
 
+def _check_vision_family(model: str) -> None:
+    """A vision-language config.json of a family seqmesh does not run (LLaVA-OneVision) refused by that, the true
+    reason, before its sizes are read as another family's (and before any advice to train it some other way)."""
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if model in MODELS or not os.path.isfile(path):
+        return  # a preset, or no file: model_shape names it
+    raw = read_config_json(path)
+    if isinstance(raw.get("vision_config"), dict):
+        family_of(raw.get("model_type"))
+
+
 def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl:
     """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
     into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
     from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
     before building anything."""
+    _check_vision_family(cfg.model)
     shape = model_shape(cfg.model)
     if shape.vision is not None and shape.vision.fixed_size:
+        config = load_config(cfg.model)
+        vision_family(config).check(config)  # a setting parallelize_model would refuse: that refusal, not the advice
         raise ValueError(f"{cfg.model}: seqmesh train builds Qwen-VL towers; a {shape.vision.tower} tower (LLaVA, Gemma 3, "
                          "InternVL) trains with seqmesh.compose.parallelize_model in your own loop, or "
                          "seqmesh.trainer.SequenceParallelTrainer; seqmesh plan sizes it.")
