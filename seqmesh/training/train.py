@@ -260,7 +260,10 @@ class TrainingRun:
             self.log_file.write({"kind": "config_change", "step": self.start, "from": self.start_point.checkpoint,
                                  "changes": self.start_point.changes})
         self.log_file.write({"kind": "config", "step": self.start, "config": asdict(self.cfg), "mesh": repr(self.mesh),
-                             "fsdp": self.fsdp})  # config's fsdp may be unset: what this world made of it
+                             "fsdp": self.fsdp,  # config's fsdp may be unset: what this world made of it
+                             "resumed_from": self.start_point.checkpoint})
+        if self.start_point.checkpoint is not None:
+            print(self.start_point.describe(), flush=True)
 
     def step(self, step: int) -> bool:
         """One optimizer step (0-based ``step``); False if it was skipped for a non-finite loss or gradient."""
