@@ -68,7 +68,13 @@ def _mrope_text(shape: ModelShape, text: dict) -> dict:
     if shape.family == "qwen3_vl":
         rope["mrope_interleaved"] = True
     text = {k: v for k, v in text.items() if k not in ("rope_theta", "sliding_window", "use_sliding_window", "layer_types")}
+    if shape.vocab <= max(QWEN_TEXT_TOKENS):  # Qwen's BOS/EOS ids lie past a tiny vocabulary: none (transformers warned
+        text.update(bos_token_id=None, eos_token_id=None)  # of ids out of the vocabulary, on every rank)
     return {**text, "rope_parameters": rope}
+
+
+# the published Qwen ids of <|endoftext|> (BOS) and <|im_end|> (EOS), Qwen2-VL's and Qwen2.5-VL's defaults
+QWEN_TEXT_TOKENS = (151643, 151645)
 
 
 # the published Qwen-VL ids of the image, video, vision-start and vision-end tokens

@@ -41,3 +41,16 @@ def test_a_decoder_is_built(tmp_path):
 
     GPTNeoXConfig(**SIZES).to_json_file(str(tmp_path / "config.json"))  # declares is_decoder=False, attends causally
     assert type(build_model(str(tmp_path), device="meta")).__name__ == "GPTNeoXForCausalLM"
+
+
+def test_no_preset_names_a_token_outside_its_vocabulary():
+    """qwen2.5-vl-tiny kept Qwen's BOS/EOS ids (151643, 151645) in a 256-token vocabulary, and transformers warned of
+    them on every rank of every run."""
+    from seqmesh.model.lm import hf_config
+    from seqmesh.model.presets import MODELS
+
+    for name, shape in MODELS.items():
+        text = hf_config(shape).get_text_config(decoder=True)
+        outside = {k: getattr(text, k) for k in text if k.endswith("_token_id") and isinstance(getattr(text, k), int)
+                   and not 0 <= getattr(text, k) < shape.vocab}
+        assert not outside, (name, outside)
