@@ -340,7 +340,8 @@ class TrainingRun:
         cfg = self.cfg
         self._start_log()
         progress = Progress(cfg.steps, self.start) if self.rank0 else None
-        watch = StallWatch(after=120.0, timeout=cfg.timeout) if self.rank0 else contextlib.nullcontext()
+        watch = (StallWatch(after=120.0, timeout=cfg.timeout, compiling=cfg.compile) if self.rank0
+                 else contextlib.nullcontext())
         self.module.train()
         self.window_start = time.perf_counter()
         with watch:

@@ -147,6 +147,22 @@ def test_stall_warning():
     assert "warning: no step has finished" in stream.getvalue()
 
 
+def test_compiling_the_first_step_is_not_a_stall():
+    """--compile: rank 0 warned "a rank may be stuck" while the first step compiled, and that step, 10 times over,
+    set the limit for every later one."""
+    import io
+
+    from seqmesh.training.watch import StallWatch
+
+    watch = StallWatch(after=60.0, timeout=300.0, stream=io.StringIO(), compiling=True)
+    watch.last = 1000.0
+    assert watch.check(now=1250.0) is None  # 250 s compiling: no warning
+    watch.beat(1)  # the compiled first step ends
+    assert watch.slowest == 0.0 and watch.limit() == 60.0  # its time counts for no step
+    watch.last = 2000.0
+    assert "no step has finished for 61 s" in watch.check(now=2061.0)  # later steps are watched as ever
+
+
 def test_timeout_reaches_the_process_group(monkeypatch):
     from seqmesh.tools import cli
 
