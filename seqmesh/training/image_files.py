@@ -257,8 +257,9 @@ class ImageJsonl:
         pixels = [p for r in rows for p in r[3]]
         if pixels:
             out["pixel_values"] = torch.cat(pixels)
-            if not self.plain:
+            if not self.plain:  # Qwen-VL: the grids, and each token's modality, which its M-RoPE reads
                 out["image_grid_thw"] = torch.tensor([g for r in rows for g in r[4]])
+                out["mm_token_type_ids"] = (out["input_ids"] == self.config.image_token_id).long()
         return out
 
     def batch(self, step: int, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:

@@ -129,3 +129,13 @@ def test_a_non_finite_pixel_is_named_with_its_file(tmp_path, value, named):
         read_image(str(tmp_path / "a.npy"))
     assert str(err.value).startswith(f"image {str(tmp_path / 'a.npy')!r} {named}; every pixel must be a finite number"), \
         str(err.value)
+
+
+def test_qwen_vl_batches_carry_each_tokens_modality(tmp_path):
+    """Qwen-VL's M-RoPE reads mm_token_type_ids (transformers 5.24): the records' batches carry them, 1 on the image
+    placeholder tokens, as its processor writes them."""
+    config = hf_config(MODELS["qwen2.5-vl-7b"])
+    data = ImageJsonl([_records(tmp_path, "an <image> here", ["a.npy"])], 64, ByteTokenizer(), config)
+    batch = data.batch(0, 0)
+    assert torch.equal(batch["mm_token_type_ids"], (batch["input_ids"] == config.image_token_id).long())
+    assert int(batch["mm_token_type_ids"].sum()) == 1  # 28x28 pixels: one merged unit
