@@ -74,8 +74,9 @@ def check_head_dim(where: str, head_dim: int, rotary_fraction: float = 1.0, give
     source = "head_dim" if given else "hidden_size / num_attention_heads"
     part = f" (its rotary part, partial_rotary_factor {rotary_fraction:g}, is {rotary})" if rotary != head_dim else ""
     fix = "an even head_dim" if given else "sizes whose quotient is even, or an even head_dim"
+    example = f" (e.g. {head_dim + 1})" if rotary == head_dim else ""
     raise ValueError(f"{where}: the head dim {source} = {head_dim}{part} is odd: rotary position embeddings turn pairs of "
-                     f"dimensions, so each head needs an even number of them. Give {fix} (e.g. {rotary + 1}).")
+                     f"dimensions, so each head needs an even number of them. Give {fix}{example}.")
 
 
 def check_model_sizes(config: Mapping[str, Any] | object, where: str) -> None:

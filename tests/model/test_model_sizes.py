@@ -103,3 +103,15 @@ def test_shapes_built_in_python_obey_the_same_rules():
     with pytest.raises(ValueError, match="tiny: num_hidden_layers = 0"):
         ModelShape("tiny", "llama", hidden=64, layers=0, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
     check_model_sizes({**LLAMA, "vocab_size": MAX_VOCAB}, "largest")  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3", "gpt-oss", "qwen3_5", "deepseek-v3"])
+def test_the_families_seqmesh_runs_pass_as_transformers_configs(family):
+    """The check reads a transformers config as well as a config.json (parallelize holds one): every family's passes,
+    a rotary part of the head (partial_rotary_factor) included."""
+    from family_cases import family_config
+
+    config = family_config(family)
+    check_model_sizes(config, family)
+    with pytest.raises(ValueError, match="its rotary part, partial_rotary_factor 0.5, is 3"):
+        check_model_sizes({**LLAMA, "head_dim": 6, "partial_rotary_factor": 0.5}, "partial")
