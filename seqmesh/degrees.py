@@ -26,38 +26,46 @@ def kv_heads_fit(kv_heads: int, tp: int) -> bool:
     return kv_heads % tp == 0 or tp % kv_heads == 0
 
 
-def tensor_parallel_degrees(*, heads: int, kv_heads: int, intermediate: int, vocab: int, ulysses: int = 1,
-                            limit: int | None = None) -> list[int]:
+def tensor_parallel_degrees(*, heads: int, kv_heads: int | None = None, intermediate: int | None = None,
+                            vocab: int | None = None, ulysses: int = 1, limit: int | None = None) -> list[int]:
     """Tensor-parallel degrees (up to ``limit``, default the heads) a model's sizes allow with ``ulysses``: each
     rank whole query heads (at least ``ulysses`` of them, which Ulysses then deals), kv heads that fit
-    (:func:`kv_heads_fit`), whole MLP columns and an equal vocabulary slice."""
+    (:func:`kv_heads_fit`), whole MLP columns and an equal vocabulary slice. A size given as None is not known
+    to the caller and not counted."""
     top = limit if limit is not None else heads
-    return [t for t in range(1, top + 1) if heads % t == 0 and intermediate % t == 0 and vocab % t == 0
-            and kv_heads_fit(kv_heads, t) and heads // t >= ulysses]
+    splits = [n for n in (intermediate, vocab) if n is not None]
+    return [t for t in range(1, top + 1) if heads % t == 0 and all(n % t == 0 for n in splits)
+            and (kv_heads is None or kv_heads_fit(kv_heads, t)) and heads // t >= ulysses]
 
 
-def check_tensor_parallel_sizes(tp: int, ulysses: int, *, heads: int, kv_heads: int, intermediate: int, vocab: int) -> None:
-    """Raise a ValueError naming the sizes ``tp`` does not fit and the degrees that would, for the job (before any
-    mesh or model exists), the runtime and the planner alike."""
+def check_tensor_parallel_sizes(tp: int, ulysses: int, *, heads: int, kv_heads: int | None = None,
+                                intermediate: int | None = None, vocab: int | None = None) -> None:
+    """Raise a ValueError naming tp, the sizes it does not fit and the degrees that would, for the job (before any
+    mesh or model exists), the runtime and the planner alike. A size given as None is not checked (the caller
+    does not know it: ``resolve_degrees`` knows only the heads)."""
     if tp == 1:
         return
+    shape = dict(heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab)
+    fitting = ", ".join(map(str, tensor_parallel_degrees(**shape)[:8]))
+    if tp > heads:  # before anything divides the heads by tp (0 heads a rank)
+        raise ValueError(f"tp={tp} is more than the model's {heads} query heads (num_attention_heads): each tensor-parallel "
+                         f"rank holds whole heads, at least one. Degrees that fit the model: {fitting}.")
     sizes = {"query heads (num_attention_heads)": heads, "MLP intermediate size (intermediate_size)": intermediate,
              "vocabulary (vocab_size)": vocab}
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if not kv_heads_fit(kv_heads, tp):
+    bad = {k: v for k, v in sizes.items() if v is not None and v % tp}
+    if kv_heads is not None and not kv_heads_fit(kv_heads, tp):
         bad["kv heads (num_key_value_heads)"] = kv_heads
-    shape = dict(heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab)
     if bad:
         listed = ", ".join(f"{k} = {v}" for k, v in bad.items())
-        options = ", ".join(map(str, tensor_parallel_degrees(**shape)[:8]))
         raise ValueError(f"tp={tp} does not fit the model's {listed}: each tensor-parallel rank must hold whole "
                          f"heads (kv heads divided by tp, or dividing it), MLP columns and an equal vocabulary slice. "
-                         f"Degrees that fit them all: {options}.")
+                         f"Degrees that fit them all: {fitting}.")
     if heads // tp < ulysses:
-        options = tensor_parallel_degrees(**shape, ulysses=ulysses)
+        options = ", ".join(map(str, tensor_parallel_degrees(**shape, ulysses=ulysses))) or "none"
         raise ValueError(f"tp={tp} x ulysses={ulysses} needs at least one query head per rank, but the model has "
                          f"{heads} query heads: each tensor-parallel rank keeps {heads // tp} and Ulysses deals them over "
-                         f"{ulysses} ranks. Lower ulysses (the ring takes the rest) or use tp in {options}.")
+                         f"{ulysses} ranks. Lower ulysses to {heads // tp} or less (the ring takes the rest), or use a tp "
+                         f"that leaves {ulysses} heads a rank: {options}.")
 
 
 def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "auto", dp: Degree = "auto",
@@ -78,8 +86,10 @@ def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "aut
     if world % (tp * dp_replicate):
         raise ValueError(f"tp={tp} x dp_replicate={dp_replicate} does not divide the {world} ranks; choose a tp that "
                          f"divides {world // dp_replicate if world % dp_replicate == 0 else world}.")
+    if q_heads is not None:  # tp at or above the heads, before they are divided by it
+        check_tensor_parallel_sizes(tp, ulysses if isinstance(ulysses, int) else 1, heads=q_heads)
     world //= tp
-    q_heads = q_heads // tp if q_heads is not None else None
+    model_heads, q_heads = q_heads, q_heads // tp if q_heads is not None else None
     ranks_per_node = max(ranks_per_node // tp, 1) if ranks_per_node is not None else None
     per_replica, rem = divmod(world, dp_replicate)
     if rem:
@@ -109,6 +119,8 @@ def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "aut
     if u * r != sp:
         raise ValueError(f"ulysses={u} x ring={r} = {u * r} but the sequence group has {sp} ranks "
                          f"({world} ranks / dp {dp_shard} / dp_replicate {dp_replicate}).")
+    if u > heads and model_heads is not None:
+        check_tensor_parallel_sizes(tp, u, heads=model_heads)  # under TP: tp x ulysses named against the heads
     if u > heads:
         options = ", ".join(f"ulysses={a} ring={b}" for a, b in workable_degrees(heads, sp))
         raise ValueError(f"the model has {heads} query heads, too few for ulysses={u}; with {sp} sequence "

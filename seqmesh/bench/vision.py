@@ -49,7 +49,9 @@ class VisionBench:
         g = torch.Generator().manual_seed(0)
         features = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         pixels = torch.randn(int(grid.prod(dim=1).sum()), features, generator=g)
-        return {"input_ids": torch.tensor([ids]), "pixel_values": pixels, "image_grid_thw": grid}
+        input_ids = torch.tensor([ids])
+        return {"input_ids": input_ids, "pixel_values": pixels, "image_grid_thw": grid,
+                "mm_token_type_ids": (input_ids == config.image_token_id).long()}
 
 
 def _measure_rank(bench: VisionBench, ulysses: int, ring: int) -> dict:

@@ -29,7 +29,7 @@ from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
 from ..versions import require
-from ..degrees import workable_degrees
+from ..degrees import check_tensor_parallel_sizes, workable_degrees
 from ..vision.families import is_multimodal, vision_family
 
 _ATTR = "_seqmesh_attention"
@@ -192,8 +192,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
                          "(Ulysses) or their keys (ring). Supported: " + SUPPORTED + ".")
     kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
     tp = getattr(mesh, "tp", 1)
-    if tp > 1:  # each tensor-parallel rank keeps heads / tp of them (seqmesh.tensor_parallel checks the division)
-        check_heads(q_heads // tp, max(kv_heads // tp, 1), mesh, f"each of the tp={tp} tensor-parallel ranks")
+    if tp > 1:  # tp, and tp x ulysses, against the heads, as the job refuses them (seqmesh.tensor_parallel: the rest)
+        check_tensor_parallel_sizes(tp, mesh.ulysses, heads=q_heads, kv_heads=kv_heads)
     else:
         check_heads(q_heads, kv_heads, mesh)
     if is_multimodal(config):  # the vision tower runs sequence-parallel too: its heads are dealt by Ulysses

@@ -69,7 +69,13 @@ def _mrope_text(shape: ModelShape, text: dict) -> dict:
     if shape.family == "qwen3_vl":
         rope["mrope_interleaved"] = True
     text = {k: v for k, v in text.items() if k not in ("rope_theta", "sliding_window", "use_sliding_window", "layer_types")}
+    if shape.vocab <= max(QWEN_TEXT_TOKENS):  # Qwen's BOS/EOS ids lie past a tiny vocabulary: none (transformers warned
+        text.update(bos_token_id=None, eos_token_id=None)  # of ids out of the vocabulary, on every rank)
     return {**text, "rope_parameters": rope}
+
+
+# the published Qwen ids of <|endoftext|> (BOS) and <|im_end|> (EOS), Qwen2-VL's and Qwen2.5-VL's defaults
+QWEN_TEXT_TOKENS = (151643, 151645)
 
 
 # the published Qwen-VL ids of the image, video, vision-start and vision-end tokens
@@ -111,22 +117,41 @@ def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    shape = model_shape(name_or_path)  # unknown names fail here, listing the presets
+    shape = model_shape(name_or_path)  # unknown names and sizes out of range fail here
     auto = AutoModelForImageTextToText if shape.vision is not None else AutoModelForCausalLM
+    config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
+    if type(config) not in auto._model_mapping:
+        raise ValueError(f"{name_or_path}: transformers has no {auto.__name__} for model type {config.model_type!r}; "
+                         "seqmesh trains decoder-only causal language models (Llama, Qwen, Mistral, Gemma 3, gpt-oss, "
+                         "...). Give one of those, or a preset.")
     if has_weights(name_or_path) and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
         model = auto.from_pretrained(
             name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
         )
+        check_causal(model, name_or_path)
         return model.to(device)
-    config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
     # the single-device reference runs transformers' own attention: SDPA, or eager for models without an
     # SDPA path (gpt-oss: its sinks); seqmesh.hf replaces either
     sdpa = auto._model_mapping[type(config)]._supports_sdpa
     with torch.device("meta"):
         model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
+    check_causal(model, name_or_path)
     if torch.device(device).type != "meta":  # values from (seed, module name): see initialize_by_name
         materialize(model, device, seed)
     return model
+
+
+def check_causal(model: nn.Module, name: str) -> None:
+    """Refuse a model whose decoder attends both ways (BERT and its kin: transformers builds them as "causal LMs" but
+    their attention, without ``is_decoder``, sees every token): seqmesh's loss predicts each token from those
+    before it, and such a model would see the answer. Names the layer and the fix."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model  # a vision tower's blocks left out
+    both_ways = next((n for n, m in decoder.named_modules() if getattr(m, "is_causal", True) is False), None)
+    if both_ways is not None:
+        raise ValueError(f"{name}: {type(model).__name__}'s attention ({both_ways}) sees the whole sequence both ways "
+                         f"(is_causal=False): {model.config.model_type} is an encoder, not a causal decoder. seqmesh trains "
+                         "causal language models, each token predicted from those before it: give a decoder-only model "
+                         "(Llama, Qwen, Mistral, Gemma 3, gpt-oss, ...).")
 
 
 def _parameter_seed(seed: int, name: str) -> int:

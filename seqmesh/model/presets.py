@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from ..model_sizes import check_model_sizes
+
 
 @dataclass(frozen=True)
 class VisionShape:
@@ -45,6 +47,16 @@ class VisionShape:
     qk_norm: bool = False  # InternViT: use_qk_norm (an RMSNorm over q and over k)
     final_norm: bool = True  # InternViT: its final LayerNorm (absent with use_mean_pooling)
     mask_token: bool = False  # InternViT: use_mask_token (a parameter, unused in training)
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "hidden", "heads", "intermediate", "out_hidden", "patch", "merge", "temporal", "in_channels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the vision tower's {name} = {value!r} (its vision_config entry) must be a positive "
+                                 "integer; fix the config.json.")
+        if self.hidden % self.heads:
+            raise ValueError(f"the vision tower's {self.heads} heads do not divide its width {self.hidden} (vision_config); "
+                             "each head takes an equal part of it: fix the config.json.")
 
     @property
     def fixed_size(self) -> bool:
@@ -174,13 +186,21 @@ class ModelShape:
     vision: VisionShape | None = None  # a vision-language model's tower (family "qwen2_5_vl", "qwen3_vl")
 
     def __post_init__(self) -> None:
-        if self.heads % self.kv_heads:
-            raise ValueError(f"{self.name}: {self.heads} query heads are not a multiple of {self.kv_heads} kv heads.")
+        check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.model_sizes)
         if self.full_attention_interval and (not self.linear_key_heads or self.linear_value_heads % self.linear_key_heads):
             raise ValueError(f"{self.name}: {self.linear_value_heads} linear value heads must be a positive multiple of "
                              f"{self.linear_key_heads} linear key heads.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"{self.name}: sliding_window must be a positive number of tokens, got {self.sliding_window}.")
+
+    def config_sizes(self) -> dict[str, object]:
+        """The sizes as a config.json names them (what :func:`seqmesh.model_sizes.check_model_sizes` reads)."""
+        sizes = {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
+                 "intermediate_size": self.intermediate}
+        if self.experts:
+            sizes.update(num_experts=self.experts, num_experts_per_tok=self.experts_per_token)
+        return sizes
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -333,11 +353,18 @@ def model_shape(name_or_path: str) -> ModelShape:
             f"unknown model {name_or_path!r}: not a preset ({', '.join(MODELS)}) and no config.json at {path!r}."
         )
     cfg = read_config_json(path)
+    if cfg.get("is_encoder_decoder"):
+        raise ValueError(f"{path} describes an encoder-decoder model ({cfg.get('model_type', 'is_encoder_decoder')}); "
+                         "seqmesh trains and plans decoder-only causal language models (Llama, Qwen, Mistral, ...). "
+                         "Give a preset or a decoder's config.json.")
     vision = _vision_fields(cfg, path)
+    where = path
     if vision is not None and isinstance(cfg.get("text_config"), dict):  # the decoder's sizes in text_config
         cfg = {**cfg["text_config"], "model_type": cfg.get("model_type"),
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
+        where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
+    check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

@@ -51,7 +51,8 @@ def format_plan(p: Plan, top: int) -> str:
     accum = target.sequences is not None
     lines = [header(work, p.cluster),
              f"sequence {work.seq_len:,} tokens x micro-batch {work.batch} per sequence group; "
-             "ranked by predicted tokens/s (a step of a layout with DP groups processes that many micro-batches); "
+             + ("row 1 is the recommendation (why: below), the others " if p.recommended is not None else "")
+             + "ranked by predicted tokens/s (a step of a layout with DP groups processes that many micro-batches); "
              "SP comm/layer: sequence-parallel bytes the busiest rank sends per layer, forward + backward"
              + (" + checkpoint recompute" if work.checkpointing else "")]
     if accum or target.one_group:

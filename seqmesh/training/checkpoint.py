@@ -243,11 +243,40 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
         raise ValueError(f"the checkpoint {path} is damaged: {problem}. Resume from an older step "
                          "(--resume takes the newest intact one) or start over in another --out.")
     model_state, optim_state = get_state_dict(model, optimizer)
+    metadata = read_checked_metadata(path)
+    _refuse_another_model(path, metadata, model_state)  # a sound checkpoint of other weights is not "damaged"
     state = {"model": model_state, "optim": optim_state}
-    load_checked(state, path, fix="it is probably damaged. Resume from an older step or start over in another --out.")
+    load_checked(state, path, fix="it is probably damaged. Resume from an older step or start over in another --out.",
+                 metadata=metadata)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)
+
+
+def _refuse_another_model(path: str, metadata, model_state: dict) -> None:
+    """Raise a ValueError naming the weights the checkpoint at ``path`` lacks, holds beyond the model's, or holds in
+    another shape (the first three), and the model it was saved from (``--allow-config-change`` accepts other
+    settings, not another model: loading would fail on the first difference, blamed on damage)."""
+    saved = {k.removeprefix("model."): tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(m, "size")}
+    wanted = {k: tuple(v.shape) for k, v in model_state.items()}
+    short = lambda name: name.removeprefix("lm.")  # noqa: E731
+    found = [f"{short(k)} is missing from it" for k in sorted(wanted.keys() - saved.keys())]
+    found += [f"{short(k)} is {list(saved[k])} there, {list(wanted[k])} here" for k in sorted(wanted.keys() & saved.keys())
+              if saved[k] != wanted[k]]
+    found += [f"it holds {short(k)}, which this model has not" for k in sorted(saved.keys() - wanted.keys())]
+    if not found:
+        return
+    try:
+        with open(os.path.join(path, "seqmesh.json")) as f:
+            model = json.load(f)["config"]["model"]
+        source = f" (it was saved by a run of --model {model})"
+    except (OSError, ValueError, KeyError, TypeError):
+        source, model = "", "the run's model"
+    more = f"; and {len(found) - 3} more" if len(found) > 3 else ""
+    raise ValueError(f"the checkpoint {path} holds another model's weights than this run builds{source}: "
+                     f"{'; '.join(found[:3])}{more}. --allow-config-change continues a run with other settings, not with "
+                     f"another model: resume with --model {model}, or start a new run in another --out.")
 
 
 def prune_checkpoints(folder: str, keep: int, protect: str | None = None) -> list[str]:

@@ -80,7 +80,9 @@ class TrainConfig:
     """Count each step's peak live tensor bytes by category (parameters, gradients, optimizer, activations,
     transient) into metrics.jsonl; costs Python work per operator."""
     data: list[str] = field(default_factory=list)
-    """.txt or .jsonl files; none: the built-in copy task."""
+    """.txt or .jsonl files; none: the built-in copy task. A vision-language model (Qwen-VL) takes .jsonl records
+    {"text": "a cat <image> on a mat", "images": ["cat.npy"]}, each image an (H, W, 3) uint8 or [0, 1] float .npy
+    array (docs/vision.md); none: the built-in image task."""
     tokenizer: str | None = None
     """Local tokenizer folder; none: UTF-8 bytes."""
     text_key: str = "text"

@@ -1,9 +1,11 @@
 """Your own images for ``seqmesh train``: JSONL records of text with ``<image>`` markers and ``.npy`` images.
 
 Each line is ``{"text": "a cat <image> on a mat", "images": ["cat.npy"]}`` (paths relative to the
-JSONL file): one ``<image>`` marker per image, in order. An image is an ``(H, W, 3)`` array (``uint8``,
-or floats in [0, 1]) read with ``numpy.load(allow_pickle=False)``, so a file can hold numbers only,
-never code. Images are normalised as the Qwen-VL and CLIP processors do and cut into the model's
+JSONL file): one ``<image>`` marker per image, in order. An image is an ``(H, W, 3)`` array, ``uint8`` (0-255)
+or ``float16`` / ``float32`` / ``float64`` in [0, 1], never empty, NaN or inf. Its header (shape, dtype) is
+read first and checked against the file's size and the sequence, so a damaged or oversized file is refused
+before its pixels are read; the pixels are read with ``numpy.load(allow_pickle=False)``, so a file can hold
+numbers only, never code. Images are normalised as the Qwen-VL and CLIP processors do and cut into the model's
 patches; seqmesh does not resize: Qwen-VL images must be multiples of ``patch x merge`` pixels on each
 side, LLaVA's exactly its tower's image size. Each record becomes one document; records are shuffled per
 epoch and packed whole into rows (a record is never cut, so its images stay whole), the rest of a row
@@ -24,23 +26,80 @@ MEAN = (0.48145466, 0.4578275, 0.40821073)  # the CLIP normalisation the Qwen-VL
 STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+ARCHIVE = b"PK\x03\x04"  # the start of a zip file: an .npz archive of arrays
+
+
+def image_header(path: str) -> tuple[int, int]:
+    """``(height, width)`` of the ``(H, W, 3)`` uint8 or float array in the ``.npy`` file ``path``, from its header
+    alone, after checking the header against the file's size: nothing is allocated for a file whose header claims
+    more pixels than it holds, and nothing is read before the caller has sized the image against the sequence.
+    Raises a ValueError naming the file and what is wrong with it."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if f.read(4) == ARCHIVE:
+                raise ValueError(f"image {path!r} is an archive of arrays; save each image alone with numpy.save.")
+            f.seek(0)
+            version = npy.read_magic(f)
+            if version not in ((1, 0), (2, 0)):  # 3.0 only adds utf-8 field names: structured arrays, never an image
+                raise ValueError(f".npy format version {version[0]}.{version[1]}, which numpy.save writes only for "
+                                 "structured arrays")
+            read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+            shape, _, dtype = read(f)  # a literal dict, parsed without running anything
+            offset = f.tell()
+    except ValueError as err:
+        if str(err).startswith(f"image {path!r}"):
+            raise
+        raise ValueError(f"image {path!r} could not be read as a .npy array of numbers ({err}).") from None
+    except OSError as err:
+        raise ValueError(f"image {path!r} could not be read as a .npy array of numbers ({err}).") from None
+    if dtype.hasobject:  # numpy.load would unpickle them: allow_pickle=False refuses, and so does this
+        raise ValueError(f"image {path!r} could not be read as a .npy array of numbers: it holds Python objects "
+                         f"({dtype}), which loading would unpickle.")
+    if len(shape) != 3 or shape[2] != 3:
+        raise ValueError(f"image {path!r} has shape {shape}; seqmesh reads (height, width, 3) RGB arrays.")
+    if dtype != np.uint8 and dtype.kind != "f":
+        raise ValueError(f"image {path!r} holds {dtype} values; save uint8 (0-255) or floats (float16, float32 or "
+                         "float64) in [0, 1].")
+    height, width = int(shape[0]), int(shape[1])
+    if not height or not width:
+        raise ValueError(f"image {path!r} is empty ({height}x{width} pixels); every image needs pixels: drop it and its "
+                         f"{MARKER} marker from the record.")
+    pixels = height * width * 3 * dtype.itemsize
+    if size - offset != pixels:
+        raise ValueError(f"image {path!r}: its header declares a {height}x{width}x3 {dtype} array ({pixels:,} bytes of "
+                         f"pixels) but the file holds {size - offset:,} bytes after its header: it is cut short or "
+                         "was not written by numpy.save. Save the image again with numpy.save.")
+    return height, width
+
+
 def read_image(path: str) -> torch.Tensor:
-    """``(3, H, W)`` float32 in [0, 1] from a ``.npy`` file of ``(H, W, 3)`` uint8 or floats."""
+    """``(3, H, W)`` float32 in [0, 1] from a ``.npy`` file of ``(H, W, 3)`` uint8 or floats, its header checked
+    first (:func:`image_header`); read with ``numpy.load(allow_pickle=False)``, so never running code from it."""
     import numpy as np
 
+    image_header(path)
     try:
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
         raise ValueError(f"image {path!r} could not be read as a .npy array of numbers ({err}).") from None
-    if not isinstance(array, np.ndarray):  # an .npz archive
-        raise ValueError(f"image {path!r} is an archive of arrays; save each image alone with numpy.save.")
-    if array.ndim != 3 or array.shape[2] != 3:
-        raise ValueError(f"image {path!r} has shape {array.shape}; seqmesh reads (height, width, 3) RGB arrays.")
-    if array.dtype != np.uint8 and array.dtype.kind != "f":
-        raise ValueError(f"image {path!r} holds {array.dtype} values; save uint8 (0-255) or floats in [0, 1].")
-    if array.dtype.kind == "f" and array.size and not (0.0 <= float(array.min()) and float(array.max()) <= 1.0):
-        raise ValueError(f"image {path!r} holds floats from {float(array.min()):g} to {float(array.max()):g}; floats "
-                         "must lie in [0, 1] (divide 0-255 values by 255, or save them as uint8).")
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(array)
+        if bad.any():
+            kinds = " and ".join(k for k, found in (("NaN", np.isnan(array).any()), ("inf", np.isinf(array).any()))
+                                 if found)
+            row, column, channel = (int(i) for i in np.argwhere(bad)[0])
+            count = int(bad.sum())
+            raise ValueError(f"image {path!r} holds {kinds} ({count:,} value{'s' if count > 1 else ''}, the first at row "
+                             f"{row}, column {column}, channel {channel}); every pixel must be a finite number in [0, 1]. "
+                             "Fix or drop the image.")
+        low, high = float(array.min()), float(array.max())
+        if not (0.0 <= low and high <= 1.0):
+            raise ValueError(f"image {path!r} holds floats from {low:g} to {high:g}; floats must lie in [0, 1] (divide "
+                             "0-255 values by 255, or save them as uint8).")
     image = torch.from_numpy(array.astype("float32") / (255.0 if array.dtype == np.uint8 else 1.0))
     return image.permute(2, 0, 1)
 
@@ -114,7 +173,6 @@ class ImageJsonl:
             yield n, (record[text_key], [os.path.join(folder, i) for i in images])
 
     def _encode(self, where: str, text: str, images: list[str], tokenizer, vision, media: set[int]) -> dict:
-        cfg = self.config
         ids, pixels, grids = [], [], []
         parts = text.split(MARKER)
         for i, part in enumerate(parts):
@@ -125,31 +183,44 @@ class ImageJsonl:
             ids += tokens
             if i == len(parts) - 1:
                 break
+            height, width = image_header(images[i])  # sized from the header: nothing read yet
+            placeholders = self._placeholders(images[i], height, width)
+            if len(ids) + len(placeholders) > self.seq_len:
+                raise ValueError(f"{where} is at least {len(ids) + len(placeholders)} tokens with its images ({images[i]} "
+                                 f"is {height}x{width} pixels, {len(placeholders)} tokens), longer than --seq-len "
+                                 f"{self.seq_len}; a record is never cut (its images stay whole): raise --seq-len, or "
+                                 "shrink the image or the record.")
             image = normalise(read_image(images[i]))
             if self.plain:
-                size = vision.image_size
-                if tuple(image.shape[1:]) != (size, size):
-                    raise ValueError(f"{images[i]} is {image.shape[1]}x{image.shape[2]} pixels; this LLaVA tower takes "
-                                     f"{size}x{size} images: resize it first.")
                 pixels.append(image[None])
-                ids += [cfg.image_token_id] * self.image_tokens
             else:
-                side = vision.patch_size * vision.spatial_merge_size
-                h, w = image.shape[1:]
-                if h % side or w % side:
-                    fit = lambda n: max(side, round(n / side) * side)  # noqa: E731
-                    raise ValueError(f"{images[i]} is {h}x{w} pixels; this model needs multiples of {side} on each side "
-                                     f"(patch {vision.patch_size} x merge {vision.spatial_merge_size}): resize it to "
-                                     f"{fit(h)}x{fit(w)}.")
                 rows, grid = qwen_patches(image, vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
                 pixels.append(rows)
                 grids.append(grid)
-                units = grid[1] * grid[2] // vision.spatial_merge_size ** 2
-                ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * units + [cfg.vision_end_token_id]
+            ids += placeholders
         if len(ids) > self.seq_len:
             raise ValueError(f"{where} is {len(ids)} tokens with its images, longer than --seq-len {self.seq_len}; a "
                              "record is never cut (its images stay whole): raise --seq-len or shorten the record.")
         return {"ids": ids, "pixels": pixels, "grids": grids}
+
+    def _placeholders(self, path: str, height: int, width: int) -> list[int]:
+        """The tokens an image of ``height x width`` pixels takes in the text, after checking its size against the
+        tower's: LLaVA's one image size, or Qwen-VL's multiples of ``patch x merge``."""
+        cfg, vision = self.config, self.config.vision_config
+        if self.plain:
+            size = vision.image_size
+            if (height, width) != (size, size):
+                raise ValueError(f"{path} is {height}x{width} pixels; this LLaVA tower takes {size}x{size} images: resize "
+                                 "it first.")
+            return [cfg.image_token_id] * self.image_tokens
+        side = vision.patch_size * vision.spatial_merge_size
+        if height % side or width % side:
+            fit = lambda n: max(side, round(n / side) * side)  # noqa: E731
+            raise ValueError(f"{path} is {height}x{width} pixels; this model needs multiples of {side} on each side "
+                             f"(patch {vision.patch_size} x merge {vision.spatial_merge_size}): resize it to "
+                             f"{fit(height)}x{fit(width)}.")
+        units = (height // side) * (width // side)
+        return [cfg.vision_start_token_id] + [cfg.image_token_id] * units + [cfg.vision_end_token_id]
 
     def _epoch_rows(self, records: list[dict], epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -186,8 +257,9 @@ class ImageJsonl:
         pixels = [p for r in rows for p in r[3]]
         if pixels:
             out["pixel_values"] = torch.cat(pixels)
-            if not self.plain:
+            if not self.plain:  # Qwen-VL: the grids, and each token's modality, which its M-RoPE reads
                 out["image_grid_thw"] = torch.tensor([g for r in rows for g in r[4]])
+                out["mm_token_type_ids"] = (out["input_ids"] == self.config.image_token_id).long()
         return out
 
     def batch(self, step: int, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:

@@ -84,6 +84,14 @@ class StartPoint:
     def step(self) -> int:
         return int(self.saved.get("step", 0))
 
+    def describe(self) -> str | None:
+        """The line a resumed run prints: which checkpoint, which step, and the changes it accepted (None: a fresh
+        start)."""
+        if self.checkpoint is None:
+            return None
+        accepted = f", with --allow-config-change: {describe_changes(self.changes)}" if self.changes else ""
+        return f"resuming from {self.checkpoint} (step {self.step}){accepted}"
+
 
 def _previous_run(out: str, folder: str) -> list[str]:
     """What an earlier run left in ``out``, as rank 0 sees it, on every rank: each rank looking for itself

@@ -25,7 +25,7 @@ from ..memory.offload import enable_activation_offload
 from ..mesh import SPMesh, init_mesh
 from ..model.fsdp import gradient_norm, sync_gradients
 from ..model.lm import SequenceParallelLM, build_model, has_weights, hf_config, load_config, materialize
-from ..model.presets import MODELS, model_shape
+from ..model.presets import MODELS, model_shape, read_config_json
 from ..model.pretrained import check_pretrained, check_tokenizer_path, check_values, checkpoint_files, load_pretrained
 from ..model.writer import export_pretrained
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -34,6 +34,7 @@ from ..inputs import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
 from .image_files import ImageJsonl
 from .vision_data import ImageCopy
+from ..vision.families import family_of, vision_family
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
 from .resume import choose_start, config_changes, refuse_changes, run_record
@@ -64,13 +65,27 @@ def _tokenizer(cfg: TrainConfig, vocab: int):
     return tokenizer
 
 
+def _check_vision_family(model: str) -> None:
+    """A vision-language config.json of a family seqmesh does not run (LLaVA-OneVision) refused by that, the true
+    reason, before its sizes are read as another family's (and before any advice to train it some other way)."""
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if model in MODELS or not os.path.isfile(path):
+        return  # a preset, or no file: model_shape names it
+    raw = read_config_json(path)
+    if isinstance(raw.get("vision_config"), dict):
+        family_of(raw.get("model_type"))
+
+
 def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl:
     """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
     into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
     from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
     before building anything."""
+    _check_vision_family(cfg.model)
     shape = model_shape(cfg.model)
     if shape.vision is not None and shape.vision.fixed_size:
+        config = load_config(cfg.model)
+        vision_family(config).check(config)  # a setting parallelize_model would refuse: that refusal, not the advice
         raise ValueError(f"{cfg.model}: seqmesh train builds Qwen-VL towers; a {shape.vision.tower} tower (LLaVA, Gemma 3, "
                          "InternVL) trains with seqmesh.compose.parallelize_model in your own loop, or "
                          "seqmesh.trainer.SequenceParallelTrainer; seqmesh plan sizes it.")
@@ -124,14 +139,16 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
-                                        seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
+    sizes = dict(heads=shape.heads, kv_heads=shape.kv_heads, intermediate=shape.intermediate, vocab=shape.vocab)
     if cfg.tp > 1:  # the sizes tensor parallelism splits, before any mesh or model (the layers are checked once built)
         if shape.vision is not None:
             raise ValueError(f"{cfg.model} is a vision-language model; seqmesh's tensor parallelism covers text "
                              "decoders only so far. Train it with --tp 1 (Ulysses and ring shard its tower and decoder).")
-        check_tensor_parallel_sizes(cfg.tp, ulysses, heads=shape.heads, kv_heads=shape.kv_heads,
-                                    intermediate=shape.intermediate, vocab=shape.vocab)
+        # every size first, so tp at or above the heads is named with the degrees that fit all of them
+        check_tensor_parallel_sizes(cfg.tp, cfg.ulysses if isinstance(cfg.ulysses, int) else 1, **sizes)
+    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=q_heads, ranks_per_node=ranks_per_node,
+                                        seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
+    check_tensor_parallel_sizes(cfg.tp, ulysses, **sizes)
     fsdp = uses_fsdp(cfg)
     if cfg.bf16 and not fsdp and not torch.cuda.is_available():
         raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
@@ -243,7 +260,10 @@ class TrainingRun:
             self.log_file.write({"kind": "config_change", "step": self.start, "from": self.start_point.checkpoint,
                                  "changes": self.start_point.changes})
         self.log_file.write({"kind": "config", "step": self.start, "config": asdict(self.cfg), "mesh": repr(self.mesh),
-                             "fsdp": self.fsdp})  # config's fsdp may be unset: what this world made of it
+                             "fsdp": self.fsdp,  # config's fsdp may be unset: what this world made of it
+                             "resumed_from": self.start_point.checkpoint})
+        if self.start_point.checkpoint is not None:
+            print(self.start_point.describe(), flush=True)
 
     def step(self, step: int) -> bool:
         """One optimizer step (0-based ``step``); False if it was skipped for a non-finite loss or gradient."""
@@ -320,7 +340,8 @@ class TrainingRun:
         cfg = self.cfg
         self._start_log()
         progress = Progress(cfg.steps, self.start) if self.rank0 else None
-        watch = StallWatch(after=120.0, timeout=cfg.timeout) if self.rank0 else contextlib.nullcontext()
+        watch = (StallWatch(after=120.0, timeout=cfg.timeout, compiling=cfg.compile) if self.rank0
+                 else contextlib.nullcontext())
         self.module.train()
         self.window_start = time.perf_counter()
         with watch:

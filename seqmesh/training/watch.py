@@ -28,22 +28,25 @@ def nonfinite_message(step: int, loss: float, norm: float, lr: float) -> str:
 
 class StallWatch:
     """Warns (once per stall) when no step has finished for ``after`` seconds, or for 10 times the
-    slowest step so far, whichever is longer."""
+    slowest step so far, whichever is longer. ``compiling``: the first step compiles (``--compile``), which is
+    not a stall: it is not watched, and its time is no step's (only the process-group timeout bounds it)."""
 
-    def __init__(self, after: float, timeout: float, stream=sys.stderr, poll: float = 5.0):
+    def __init__(self, after: float, timeout: float, stream=sys.stderr, poll: float = 5.0, compiling: bool = False):
         self.after, self.timeout, self.stream, self.poll = after, timeout, stream, poll
         self.last = time.monotonic()
         self.slowest = 0.0
         self.step = 0
         self.warned = False
+        self.compiling = compiling
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self, step: int) -> None:
         """Step ``step`` finished."""
         now = time.monotonic()
-        self.slowest = max(self.slowest, now - self.last)
-        self.last, self.step, self.warned = now, step, False
+        if not self.compiling:
+            self.slowest = max(self.slowest, now - self.last)
+        self.last, self.step, self.warned, self.compiling = now, step, False, False
 
     def limit(self) -> float:
         return max(self.after, 10 * self.slowest)
@@ -51,7 +54,7 @@ class StallWatch:
     def check(self, now: float | None = None) -> str | None:
         """The warning to print now, if the run has stalled and it was not yet printed."""
         waited = (time.monotonic() if now is None else now) - self.last
-        if self.warned or waited < self.limit():
+        if self.compiling or self.warned or waited < self.limit():
             return None
         self.warned = True
         return (f"warning: no step has finished for {waited:.0f} s (after step {self.step}; the slowest step took "

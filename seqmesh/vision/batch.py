@@ -108,6 +108,25 @@ def _rope_index(inner: nn.Module):
     return lambda **kw: rope(**{k: v for k, v in kw.items() if k in accepted})[0]
 
 
+def reads_token_types(model: nn.Module) -> bool:
+    """Whether the model's M-RoPE function takes ``mm_token_type_ids``: transformers then computes 3-D positions only
+    when a batch carries them (5.24: without them every token, an image's too, gets a text position), where earlier
+    releases found each token's modality in ``input_ids``."""
+    rope = VisionFamily.inner(_inner(model)).get_rope_index
+    return "mm_token_type_ids" in inspect.signature(rope).parameters
+
+
+def missing_token_types(family: str, images: int, videos: int) -> str:
+    """The refusal of a batch with media but no ``mm_token_type_ids`` for a model that needs them."""
+    import transformers
+
+    media = " and ".join(f"{n} {kind}{'s' if n > 1 else ''}" for n, kind in ((images, "image"), (videos, "video")) if n)
+    return (f"the batch holds {media} but no mm_token_type_ids: {family} in transformers {transformers.__version__} "
+            "computes its 3-D M-RoPE positions only when mm_token_type_ids is given, and without it gives every token, "
+            "an image's too, a plain text position. Pass the processor's mm_token_type_ids with the "
+            "batch (1 on image placeholder tokens, 2 on video ones, 0 elsewhere).")
+
+
 def mrope_positions(model: nn.Module, input_ids: torch.Tensor, token_types: torch.Tensor, image_grid: torch.Tensor,
                     video_grid: torch.Tensor, seconds: torch.Tensor | None, cu: tuple[int, ...] | None) -> torch.Tensor:
     """``(3, B, S)`` M-RoPE ids of the whole batch: the model's ``get_rope_index`` on every packed
@@ -155,7 +174,8 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
 
     ``batch``: the model's processor output: ``input_ids``, ``pixel_values`` / ``image_grid_thw``,
     ``pixel_values_videos`` / ``video_grid_thw`` (and ``second_per_grid_ts`` for Qwen2.5-VL videos),
-    optional ``mm_token_type_ids`` (Gemma 3: ``token_type_ids``, whose runs of 1 are the image blocks its
+    ``mm_token_type_ids`` (needed with images or videos where the model's M-RoPE reads them, as transformers 5.24's
+    does: :func:`reads_token_types`; Gemma 3: ``token_type_ids``, whose runs of 1 are the image blocks its
     decoder sees both ways; without them its mask is causal, as transformers'), ``labels`` (default: the inputs, with no loss on image or video
     placeholder tokens), ``position_ids`` restarting at 0 per packed document, or ``attention_mask`` of
     right padding. ``model``: the parallelized transformers model (or its ``SequenceParallelLM``)."""
@@ -193,7 +213,9 @@ def shard_multimodal_batch(batch: Mapping[str, torch.Tensor], mesh: SPMesh, mode
     else:
         token_types = batch.get("mm_token_type_ids")
         if token_types is None:
-            token_types = is_image.long() + 2 * is_video.long()
+            if image_grid.shape[0] + video_grid.shape[0] and reads_token_types(lm):
+                raise ValueError(missing_token_types(family.name, image_grid.shape[0], video_grid.shape[0]))
+            token_types = is_image.long() + 2 * is_video.long()  # a release whose M-RoPE reads them from input_ids
         seconds = batch.get("second_per_grid_ts")
         seconds = torch.as_tensor(seconds).cpu() if seconds is not None else None  # the M-RoPE ids are built on the CPU
         rope = mrope_positions(lm, input_ids.cpu(), token_types.cpu(), image_grid, video_grid, seconds, cu)

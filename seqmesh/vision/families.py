@@ -115,7 +115,12 @@ def is_multimodal(config) -> bool:
 
 def vision_family(config) -> VisionFamily:
     """The family of a multimodal ``config``, or a ValueError naming why seqmesh refuses it."""
-    kind = getattr(config, "model_type", None)
+    return family_of(getattr(config, "model_type", None))
+
+
+def family_of(kind: str | None) -> VisionFamily:
+    """The family of a multimodal model of ``model_type`` ``kind`` (a config.json's, read before its sizes), or a
+    ValueError naming why seqmesh refuses it."""
     if kind in FAMILIES:
         return FAMILIES[kind]
     why = REFUSED_VISION.get(kind, f"its vision tower ({kind}) is not one seqmesh routes")

@@ -149,6 +149,19 @@ def test_header_gives_parameters_in_a_unit_that_fits(capsys):
         assert capsys.readouterr().out.startswith(f"model {model}: {params}, ")
 
 
+def test_the_header_says_row_1_is_the_recommendation(capsys):
+    """The header said "ranked by predicted tokens/s" above a first row that is the recommendation, not the fastest."""
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "; row 1 is the recommendation (why: below), the others ranked by predicted tokens/s" in out
+    first = next(line for line in out.splitlines() if line.startswith("  1  "))
+    label = " ".join(first.split()[1:6])
+    assert label == "U8 x R1 x DP1" and f"recommended: {label} -- " in out, out
+    assert main(["plan", "--model", "llama3-70b", "--seq-len", "1048576", "--gpus", "8"]) == 0  # nothing fits
+    out = capsys.readouterr().out
+    assert "no seqmesh layout fits" in out and "row 1 is" not in out and "; ranked by predicted tokens/s" in out
+
+
 def test_max_seq_len_mode(capsys):
     schema = _schema()
     defs = {k: v for k, v in schema.items() if k.startswith("@")}

@@ -124,3 +124,18 @@ def test_seqmesh_train_refuses_a_fixed_size_tower_by_name(tmp_path, family):
     _, path = _config_dir(tmp_path, family)
     with pytest.raises(ValueError, match="parallelize_model in your own loop"):
         make_dataset(TrainConfig(model=path, seq_len=64, ulysses=1, ring=1, dp=1))
+
+
+def test_seqmesh_train_refuses_llava_onevision_once_with_the_true_reason(tmp_path):
+    """It told the user to train it with parallelize_model, which then refused it: now the family's own refusal."""
+    from vision_cases import _tiny_refused
+
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.train import make_dataset
+
+    _tiny_refused("llava_onevision").save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        make_dataset(TrainConfig(model=str(tmp_path), seq_len=64, ulysses=1, ring=1, dp=1))
+    assert str(err.value).startswith("seqmesh cannot run this multimodal model exactly: LLaVA-OneVision's tower is not "
+                                     "yet routed through seqmesh. seqmesh runs the vision-language models "), str(err.value)
+    assert "parallelize_model" not in str(err.value)

@@ -102,7 +102,7 @@ def _mesh(tp: int, ulysses: int = 1):
 
 
 @pytest.mark.parametrize("family,changes,tp,ulysses,words", [
-    ("llama", {}, 4, 2, ["tp=4 x ulysses=2", "4 query heads", "use tp in [1, 2]"]),
+    ("llama", {}, 4, 2, ["tp=4 x ulysses=2", "4 query heads", "use a tp that leaves 2 heads a rank: 1, 2."]),
     ("llama", {"intermediate_size": 66}, 4, 1, ["intermediate_size) = 66", "Degrees that fit them all: 1, 2"]),
     ("llama", {"vocab_size": 63}, 2, 1, ["vocab_size) = 63", "Degrees that fit them all: 1."]),
     ("llama", {"num_attention_heads": 6, "num_key_value_heads": 3}, 2, 1, ["kv heads (num_key_value_heads) = 3",
@@ -121,6 +121,21 @@ def test_refused_before_any_work(family, changes, tp, ulysses, words):
         check_tensor_parallel(_model(family, **changes), _mesh(tp, ulysses))
     for w in words:
         assert w in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("tp,ulysses,words", [
+    (8, 1, "tp=8 is more than the model's 4 query heads (num_attention_heads): each tensor-parallel rank holds whole "
+           "heads, at least one. Degrees that fit the model: 1, 2, 4."),  # before: "has 0 query heads ... use one of: ."
+    (2, 4, "tp=2 x ulysses=4 needs at least one query head per rank, but the model has 4 query heads: each "
+           "tensor-parallel rank keeps 2"),  # before: "each of the tp=2 tensor-parallel ranks has 2 query heads"
+])
+def test_parallelize_refuses_tp_at_or_above_the_heads_as_the_job_does(tp, ulysses, words):
+    from seqmesh.hf import parallelize
+
+    mesh = SimpleNamespace(tp=tp, ulysses=ulysses, ring=1, sp_size=ulysses)
+    with pytest.raises(ValueError) as err:
+        parallelize(_model("llama"), mesh)
+    assert words in str(err.value), str(err.value)
 
 
 def test_gemma3_under_tensor_parallelism(pools):

@@ -57,6 +57,12 @@ def test_defaults_and_help_come_from_the_config():
     assert "--symbols" in flags["symbols"].option_strings  # the flag train.py's vocabulary error names
 
 
+def test_data_help_names_image_records():
+    """``seqmesh train --help`` was silent on image records: --data says what a vision-language model reads."""
+    text = " ".join(_flags("train")["data"].help.split())
+    assert '{"text": "a cat <image> on a mat", "images": ["cat.npy"]}' in text and "uint8 or [0, 1] float .npy" in text
+
+
 def test_flags_round_trip_to_the_config():
     default = TrainConfig()
     changed = dict(model="qwen3-tiny", seq_len=4099, ulysses=2, ring=4, dp=3, dp_replicate=2, steps=7, lr=3e-4,

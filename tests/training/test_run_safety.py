@@ -73,6 +73,26 @@ def test_resuming_with_another_configuration_needs_a_flag_and_is_recorded(pools,
     assert pools.run(2, train_error, _cfg(out, steps=4, resume=True, lr=5e-3, allow_config_change=True)) == ["", ""]
     (change,) = _records(out, "config_change")
     assert change["step"] == 3 and change["changes"] == {"lr": [1e-2, 5e-3]}, change
+    # which checkpoint each resumed run started from is recorded (and printed: test_a_resumed_run_says_where_from)
+    folder = os.path.join(out, "checkpoints")
+    assert [r["resumed_from"] for r in _records(out, "config")] == [
+        None, os.path.join(folder, "step_0000002"), os.path.join(folder, "step_0000003")]
+    # another model's weights are named as such ("it is probably damaged", of a sound checkpoint, before)
+    error = _same_on_every_rank(pools.run(2, train_error, _cfg(out, steps=5, resume=True, lr=5e-3, model="qwen3-tiny",
+                                                               allow_config_change=True)))
+    assert error.startswith(f"ValueError: the checkpoint {os.path.join(folder, 'step_0000004')} holds another model's "
+                            "weights than this run builds (it was saved by a run of --model llama-tiny): "
+                            "model.layers.0.self_attn.k_norm.weight is missing from it;"), error
+    assert "resume with --model llama-tiny, or start a new run in another --out" in error and "damaged" not in error
+
+
+def test_a_resumed_run_says_where_from():
+    from seqmesh.training.resume import StartPoint
+
+    assert StartPoint().describe() is None
+    point = StartPoint("runs/x/checkpoints/step_0000040", {"step": 40}, {"lr": [0.01, 0.005]})
+    assert point.describe() == ("resuming from runs/x/checkpoints/step_0000040 (step 40), with --allow-config-change: "
+                                "lr 0.01 -> 0.005")
 
 
 def test_existing_runs_are_never_overwritten_without_a_flag(pools, tmp_path):
@@ -125,6 +145,22 @@ def test_stall_warning():
 
         time.sleep(0.3)
     assert "warning: no step has finished" in stream.getvalue()
+
+
+def test_compiling_the_first_step_is_not_a_stall():
+    """--compile: rank 0 warned "a rank may be stuck" while the first step compiled, and that step, 10 times over,
+    set the limit for every later one."""
+    import io
+
+    from seqmesh.training.watch import StallWatch
+
+    watch = StallWatch(after=60.0, timeout=300.0, stream=io.StringIO(), compiling=True)
+    watch.last = 1000.0
+    assert watch.check(now=1250.0) is None  # 250 s compiling: no warning
+    watch.beat(1)  # the compiled first step ends
+    assert watch.slowest == 0.0 and watch.limit() == 60.0  # its time counts for no step
+    watch.last = 2000.0
+    assert "no step has finished for 61 s" in watch.check(now=2061.0)  # later steps are watched as ever
 
 
 def test_timeout_reaches_the_process_group(monkeypatch):

@@ -178,14 +178,28 @@ def test_verify_passes_and_fails_loudly(pools, tmp_path):
     (dict(model="{tmp}/bad.json"), "bad.json, line 1, column 2, is not valid JSON"),
     (dict(model="{tmp}/odd.json", ulysses=1, ring=1, dp=1, tp=4),
      "tp=4 does not fit the model's MLP intermediate size (intermediate_size) = 130"),
+    # tp at or above the heads: "max() arg is an empty sequence", "has 0 query heads ... use one of: ." and "has 1
+    # query heads" of a 2-head model, before
+    (dict(model="{tmp}/two_heads.json", ulysses="auto", ring="auto", dp=1, tp=4),
+     "tp=4 is more than the model's 2 query heads (num_attention_heads): each tensor-parallel rank holds whole heads, "
+     "at least one. Degrees that fit the model: 1, 2."),
+    (dict(model="{tmp}/two_heads.json", ulysses=2, ring=1, dp=1, tp=2),
+     "tp=2 x ulysses=2 needs at least one query head per rank, but the model has 2 query heads: each tensor-parallel "
+     "rank keeps 1 and Ulysses deals them over 2 ranks. Lower ulysses to 1 or less"),
+    (dict(model="{tmp}/two_heads.json", ulysses="auto", ring=1, dp=1, tp=2),  # ulysses = 2: the ring takes 1 rank
+     "tp=2 x ulysses=2 needs at least one query head per rank"),
+    (dict(model="{tmp}/no_layers.json"), "no_layers.json: num_hidden_layers = 0: the number of decoder layers must be "
+                                         "at least 1"),  # it trained, and exited 0
 ])
 @pytest.mark.parametrize("entry", ["train", "verify"])
 def test_bad_configuration_fails_before_any_work(pools, tmp_path, change, message, entry):
     (tmp_path / "a.txt").write_text("some text")
     (tmp_path / "bad.json").write_text("{oops")
-    (tmp_path / "odd.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
-                                                   "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 130,
-                                                   "num_hidden_layers": 2, "vocab_size": 256}))
+    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256}
+    for name, changes in (("odd", {"intermediate_size": 130}), ("two_heads", {"num_attention_heads": 2}),
+                          ("no_layers", {"num_hidden_layers": 0})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**llama, **changes}))
     at_tmp = lambda v: [at_tmp(x) for x in v] if isinstance(v, list) else v.format(tmp=tmp_path) if isinstance(v, str) else v  # noqa: E731
     errors = pools.run(4, entry_error, entry, _cfg(tmp_path, **{k: at_tmp(v) for k, v in change.items()}))
     assert all(message in e for e in errors), errors
@@ -205,6 +219,17 @@ def test_degrees_auto_and_errors():
     assert resolve_degrees(16, **{**auto, "tp": 2}, q_heads=32, ranks_per_node=8) == (4, 2, 1)
     with pytest.raises(ValueError, match="tp=3 x dp_replicate=1 does not divide the 8 ranks"):
         resolve_degrees(8, **{**auto, "tp": 3})
+    # tp at or above the heads: one refusal naming tp, the heads and the degrees that fit (before: "max() arg is an
+    # empty sequence", "the model has 0 query heads ... use one of: .", "the model has 1 query heads" of 2)
+    above = r"tp=8 is more than the model's 4 query heads \(num_attention_heads\).* Degrees that fit the model: 1, 2, 4\."
+    for given in (auto, {**auto, "ulysses": 1, "ring": 1}):
+        with pytest.raises(ValueError, match=above):
+            resolve_degrees(8, **{**given, "tp": 8}, q_heads=4)
+    for given in ({**auto, "ulysses": 2, "ring": 1}, {**auto, "ring": 1}):
+        with pytest.raises(ValueError, match=r"tp=2 x ulysses=2 needs at least one query head per rank, but the model "
+                                             r"has 2 query heads: each tensor-parallel rank keeps 1 .* use a tp that "
+                                             r"leaves 2 heads a rank: 1\."):
+            resolve_degrees(4, **{**given, "tp": 2}, q_heads=2)
     with pytest.raises(ValueError, match="packed text data takes one sequence"):
         TrainConfig(data=["x.txt"], batch=2)
 

@@ -33,3 +33,29 @@ def test_the_jobs_device_move_takes_every_tensor_of_a_vision_shard(pools):
 
     for family in ("qwen2_5_vl", "qwen3_vl", "llava", "internvl"):
         assert pools.run(1, fields_left_behind, family)[0] == [], family
+
+
+def test_a_qwen_vl_batch_without_mm_token_type_ids_is_refused_naming_the_field():
+    """transformers 5.24 computes Qwen-VL's 3-D M-RoPE positions only when mm_token_type_ids is given (its processor
+    returns them); seqmesh computed them always, 2.8e-5 from the model's own output in float64. A batch with images
+    and without them is refused, naming the field, where the model's M-RoPE reads it."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from seqmesh.model.lm import build_model
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.train import make_dataset
+    from seqmesh.vision.batch import reads_token_types, shard_multimodal_batch
+
+    model = build_model("qwen2.5-vl-tiny", device="meta")
+    if not reads_token_types(model):
+        pytest.skip("this transformers release's M-RoPE finds each token's modality in input_ids")
+    batch = make_dataset(TrainConfig(model="qwen2.5-vl-tiny", seq_len=64)).batch(0, 0)
+    batch.pop("mm_token_type_ids")
+    with pytest.raises(ValueError) as err:
+        shard_multimodal_batch(batch, SimpleNamespace(sp_size=1), model)
+    images = len(batch["image_grid_thw"])
+    assert str(err.value).startswith(f"the batch holds {images} images but no mm_token_type_ids: Qwen2.5-VL in "
+                                     "transformers "), str(err.value)
+    assert "Pass the processor's mm_token_type_ids with the batch (1 on image placeholder tokens" in str(err.value)
