@@ -92,6 +92,7 @@ PER_FAMILY: dict[str, dict] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
               "use_mamba_kernels": False},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},  # its default is attention only; its checkpoints are not
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "mamba2": {"head_dim": 32, "n_groups": 1},  # hidden_size * expand = num_heads * head_dim; groups divide heads
     "musicgen": {"decoder": {"num_codebooks": 1}},  # one row of codes a token: the batch is (1, S) like any text's
@@ -107,8 +108,32 @@ PER_FAMILY: dict[str, dict] = {
 }
 PER_FAMILY["qwen4_exp"] = {"text_config": PER_FAMILY["qwen4_exp_text"]}
 PER_FAMILY["dots3_note"] = {"text_config": PER_FAMILY["dots3_note_text"]}
-# common variants beside every family's default: name -> (model type, constructor arguments over the tiny ones)
-VARIANTS: dict[str, tuple[str, dict]] = {}
+# Common variants beside every family's default: name -> (model type, constructor arguments over the tiny ones).
+# Rotary scalings that follow the sequence (longrope's factors by the largest position, dynamic NTK's base by the
+# length) set to change within the 128 tokens; those that do not (YaRN, Llama 3) beside them. ``rope_parameters``
+# is given as ``rope_scaling`` to a config class that takes that instead.
+_THETA = {"rope_theta": 10000.0}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # Phi-3/3.5/4-mini 128K: short factors up to original_max_position_embeddings, long ones past it (8 = head_dim / 2);
+    # Phi-3's config has the limit at its top level too, which wins over the rotary parameters'
+    "phi3+longrope": ("phi3", {"max_position_embeddings": 512, "original_max_position_embeddings": 64, "rope_parameters": {
+        **_THETA, "rope_type": "longrope", "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)]}}),
+    "llama+dynamic": ("llama", {"max_position_embeddings": 64,
+                                "rope_parameters": {**_THETA, "rope_type": "dynamic", "factor": 2.0}}),
+    "llama+yarn": ("llama", {"rope_parameters": {**_THETA, "rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 64}}),
+    "llama+llama3": ("llama", {"rope_parameters": {**_THETA, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    # what seqmesh's refusal of chunked attention tells a Llama 4 user to set; layer 1 without RoPE, whose attention
+    # temperature grows every floor_scale positions
+    "llama4_text+unchunked": ("llama4_text", {"attention_chunk_size": None, "floor_scale": 16, "no_rope_layers": [1, 0],
+                                              "layer_types": ["full_attention", "full_attention"]}),
+    "qwen2+sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1,
+                                "layer_types": ["full_attention", "sliding_attention"]}),
+    # RoBERTa as a causal LM: positions numbered from padding_idx + 1, skipping padding (id 1, among the random ids)
+    "roberta+decoder": ("roberta", {"is_decoder": True}),
+}
 
 _MISSING = object()
 
@@ -215,6 +240,8 @@ def census_config(name: str):
     family, extra = VARIANTS.get(name, (name, {}))
     config_cls = CONFIG_MAPPING[family]
     extra = {**PER_FAMILY.get(family, {}), **extra}
+    if "rope_parameters" in extra and not _takes(config_cls, "rope_parameters"):
+        extra["rope_scaling"] = extra.pop("rope_parameters")
     try:
         default = config_cls()
     except Exception:  # noqa: BLE001 - a default its own validation refuses (Gemma 4's assistant): with the extras
@@ -288,17 +315,18 @@ def _logits(out) -> torch.Tensor:
     return logits.reshape(1, logits.shape[-2], logits.shape[-1]).double()
 
 
-def logit_rounding(pristine: torch.nn.Module, batch: dict, ref: torch.Tensor) -> tuple[float, bool]:
-    """How far rounding alone moves the reference's logits (as family_cases.reference_rounding, logits only):
-    the same weights in float32 against float64, scaled to float64's unit roundoff where the float64 model runs
-    no float32 operator, plus how far its own float32 steps move it where it does. And whether it does."""
+def reference(pristine: torch.nn.Module, batch: dict) -> dict:
+    """The reference of one batch: its logits (``reference_logits``), how far rounding alone moves them (as
+    family_cases.reference_rounding, logits only: the same weights in float32 against float64, scaled to float64's
+    unit roundoff where the float64 model runs no float32 operator, plus how far its own float32 steps move it
+    where it does), whether it does, and for a packed batch the single-call logits."""
     from family_cases import _Float32Ops, _KeepFloat64
 
     with _Float32Ops() as ops:
-        reference_logits(copy.deepcopy(pristine), batch)
+        ref = reference_logits(copy.deepcopy(pristine), batch)  # a copy: dynamic rotary keeps state
     try:
         low = reference_logits(copy.deepcopy(pristine).float(), batch)
-    except Exception:  # noqa: BLE001 - a model that keeps its float64 dtype in its config (XGLM's mask): built so
+    except Exception:  # noqa: BLE001 - a model that keeps its float64 dtype in its config: built in float32
         model = build(pristine.config, dtype=torch.float32)
         model.load_state_dict(pristine.state_dict())
         low = reference_logits(model, batch)
@@ -307,11 +335,16 @@ def logit_rounding(pristine: torch.nn.Module, batch: dict, ref: torch.Tensor) ->
     if ops.seen:
         try:
             with _KeepFloat64():
-                exact = reference_logits(copy.deepcopy(pristine), batch)
-            rounding += float((exact - ref).abs().max())
+                rounding += float((reference_logits(copy.deepcopy(pristine), batch) - ref).abs().max())
         except Exception:  # noqa: BLE001 - a family the float64 mode cannot run: its float32 rounding alone
             pass
-    return rounding, ops.seen
+    single = None
+    if "position_ids" in batch:
+        try:
+            single = single_call_logits(copy.deepcopy(pristine), batch)
+        except Exception:  # noqa: BLE001 - a model that takes no position_ids: nothing to compare with
+            pass
+    return {"batch": batch, "ref": ref, "rounding": rounding, "float32": ops.seen, "single": single}
 
 
 class _Timeout(Exception):
@@ -319,7 +352,7 @@ class _Timeout(Exception):
 
 
 def _on_alarm(signum, frame):
-    raise _Timeout(f"ran past {FAMILY_LIMIT_S} s")
+    raise _Timeout(f"its model and references took over {FAMILY_LIMIT_S} s")
 
 
 def _seqmesh_refusal(err: BaseException) -> bool:
@@ -339,38 +372,29 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:400]}{where}"
 
 
-def _prepare(name: str) -> dict:
-    """The single-process part of one family: its tiny model and, for plain and packed batches, the reference
-    logits, their rounding and the single-call packed logits. Raises what building or running it raises."""
-    pristine = build(census_config(name))
-    out = {"model": pristine, "batches": {}}
-    for packed in (False, True):
-        batch = census_batch(pristine.config, packed)
-        ref = reference_logits(copy.deepcopy(pristine), batch)  # a copy: dynamic rotary keeps state
-        rounding, float32_inside = logit_rounding(pristine, batch, ref)
-        single = None
-        if packed:
-            try:
-                single = single_call_logits(copy.deepcopy(pristine), batch)
-            except Exception:  # noqa: BLE001 - a model that takes no position_ids: nothing to compare with
-                pass
-        out["batches"][packed] = {"batch": batch, "ref": ref, "rounding": rounding, "float32": float32_inside,
-                                  "single": single}
-    return out
+def _failed(err: BaseException, stage: str) -> dict:
+    return {"class": "refused" if _seqmesh_refusal(err) else "crash", "stage": stage, "message": _describe(err)}
 
 
-def _run_case(pristine: torch.nn.Module, mesh_name: str, prepared: dict) -> dict:
-    """One (mesh, batch) case of a family: parallelize a copy, run its shard, gather, compare."""
-    import seqmesh
+def _parallelized(pristine: torch.nn.Module, mesh_name: str) -> torch.nn.Module | dict:
+    """A copy of the model parallelized on the mesh, or the case's row if parallelize refuses it or fails (local
+    checks only: no collective runs)."""
     from dist_cases import get_mesh
     from seqmesh.hf import parallelize
 
-    mesh = get_mesh(*MESHES[mesh_name])
-    model = copy.deepcopy(pristine)
-    stage = "parallelize"
     try:
-        parallelize(model, mesh)
-        stage = "forward"
+        return parallelize(copy.deepcopy(pristine), get_mesh(*MESHES[mesh_name]))
+    except Exception as err:  # noqa: BLE001 - every failure is classified, none ends the census
+        return _failed(err, "parallelize")
+
+
+def _run_case(model: torch.nn.Module, mesh_name: str, prepared: dict) -> dict:
+    """One (mesh, batch) case of a parallelized model: run this rank's shard, gather the logits, compare."""
+    import seqmesh
+    from dist_cases import get_mesh
+
+    mesh = get_mesh(*MESHES[mesh_name])
+    try:
         local = seqmesh.shard_batch(prepared["batch"], mesh)
         info = local["seqmesh"]
         with torch.no_grad():
@@ -379,7 +403,7 @@ def _run_case(pristine: torch.nn.Module, mesh_name: str, prepared: dict) -> dict
         logits = logits.reshape(1, logits.shape[-2], logits.shape[-1])  # (1, S/P, V)
         whole = seqmesh.gather_sequence(logits, mesh, layout=info.layout, length=SEQ_LEN, cu_seqlens=info.cu_seqlens)
     except Exception as err:  # noqa: BLE001 - every failure is classified, none ends the census
-        return {"class": "refused" if _seqmesh_refusal(err) else "crash", "stage": stage, "message": _describe(err)}
+        return _failed(err, "forward")
     ref, rounding = prepared["ref"], prepared["rounding"]
     err = float((whole.double() - ref).abs().max())
     tol = max(ROUNDING_MULTIPLE * rounding, FLOAT64_FLOOR)
@@ -391,12 +415,42 @@ def _run_case(pristine: torch.nn.Module, mesh_name: str, prepared: dict) -> dict
     return row
 
 
-def census(names: list[str]) -> list[dict]:
-    """Every case of every family in ``names`` on this rank: one row per (family, mesh, plain/packed), or one
-    ``unbuildable`` row for a family whose tiny model or single-process reference cannot be made. Ranks build
-    and check the same families in the same order; they agree on going on with a family before its
-    sequence-parallel cases (so one rank's timeout cannot leave the other in a collective)."""
+def _family(name: str) -> list[dict]:
+    """Every case of one family on this rank. Its model is built and parallelized per mesh first (a family
+    refused at parallelize needs no reference); the references are computed only for a family some mesh runs.
+    The single-process part runs under FAMILY_LIMIT_S; the ranks agree on going on before any collective, so a
+    rank that gave up cannot leave the other waiting in one."""
     import torch.distributed as dist
+
+    signal.alarm(FAMILY_LIMIT_S)
+    try:
+        pristine = build(census_config(name))
+        models = {mesh_name: _parallelized(pristine, mesh_name) for mesh_name in MESHES}
+        running = any(isinstance(m, torch.nn.Module) for m in models.values())
+        prepared = {packed: reference(pristine, census_batch(pristine.config, packed))
+                    for packed in (False, True)} if running else {}
+        failure = None
+    except Exception as err:  # noqa: BLE001 - _Timeout included: the family cannot be built or run on one process
+        failure = _describe(err)
+    finally:
+        signal.alarm(0)
+    ready = torch.tensor([failure is None], dtype=torch.int32)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+    if not ready.item():
+        return [{"name": name, "mesh": "-", "packed": None, "class": "unbuildable",
+                 "message": failure or "another rank could not build it"}]
+    rows = []
+    for mesh_name, model in models.items():
+        for packed in (False, True):
+            row = _run_case(model, mesh_name, prepared[packed]) if isinstance(model, torch.nn.Module) else model
+            rows.append({"name": name, "mesh": mesh_name, "packed": packed, **row})
+    return rows
+
+
+def census(names: list[str]) -> list[dict]:
+    """Every case of every family in ``names`` on this rank, in order: one row per (family, mesh, plain/packed),
+    or one ``unbuildable`` row for a family whose tiny model or single-process reference cannot be made; each
+    family's last row carries its seconds."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -405,23 +459,7 @@ def census(names: list[str]) -> list[dict]:
     try:
         for name in names:
             start = time.monotonic()
-            signal.alarm(FAMILY_LIMIT_S)
-            try:
-                prepared, failure = _prepare(name), None
-            except Exception as err:  # noqa: BLE001 - _Timeout included
-                prepared, failure = None, _describe(err)
-            finally:
-                signal.alarm(0)
-            ready = torch.tensor([prepared is not None], dtype=torch.int32)
-            dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-            if not ready.item():
-                rows.append({"name": name, "mesh": "-", "packed": None, "class": "unbuildable",
-                             "message": failure or "another rank could not build it", "seconds": time.monotonic() - start})
-                continue
-            for mesh_name in MESHES:
-                for packed in (False, True):
-                    row = _run_case(prepared["model"], mesh_name, prepared["batches"][packed])
-                    rows.append({"name": name, "mesh": mesh_name, "packed": packed, **row})
+            rows += _family(name)
             rows[-1]["seconds"] = time.monotonic() - start
     finally:
         signal.signal(signal.SIGALRM, previous)
