@@ -289,15 +289,25 @@ def census_batch(config, packed: bool) -> dict:
     return {"input_ids": ids, "position_ids": positions}
 
 
-def reference_logits(model, batch: dict) -> torch.Tensor:
+# Variants whose model decides something from the whole row it is given (the largest position: longrope, dynamic
+# NTK; each token's index in the row: Llama 4's temperature), as transformers does on a packed batch in one call:
+# their packed reference is that one call, which seqmesh reproduces (seqmesh.hf.positions), not the documents apart
+WHOLE_ROW = ("phi3+longrope", "llama+dynamic", "llama4_text+unchunked")
+
+
+def reference_logits(model, batch: dict, whole_row: bool = False) -> torch.Tensor:
     """``(1, S, V)`` float64 logits of the whole sequence on one process, without position_ids (the model
-    numbers positions itself); packed documents one model call each."""
+    numbers positions itself); packed documents one model call each, with their own position_ids (the inputs the
+    batch gives: a family that numbers positions itself, RoBERTa's, takes them as given)."""
     ids = batch["input_ids"]
+    if whole_row and "position_ids" in batch:
+        return single_call_logits(model, batch)
     with torch.no_grad():
         if "position_ids" not in batch:
             return _logits(model(input_ids=ids, use_cache=False))
-        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-        return torch.cat([_logits(model(input_ids=ids[:, a:b], use_cache=False))
+        positions = batch["position_ids"]
+        starts = (positions[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        return torch.cat([_logits(model(input_ids=ids[:, a:b], position_ids=positions[:, a:b], use_cache=False))
                           for a, b in zip(starts[:-1], starts[1:])], dim=1)
 
 
@@ -315,7 +325,15 @@ def _logits(out) -> torch.Tensor:
     return logits.reshape(1, logits.shape[-2], logits.shape[-1]).double()
 
 
-def reference(pristine: torch.nn.Module, batch: dict) -> dict:
+def _after(model: torch.nn.Module, before: dict | None) -> torch.nn.Module:
+    """``model`` once it has run ``before`` (the batch the parallelized model ran first): dynamic NTK keeps the
+    longest length it has seen, so a reference needs the same history."""
+    if before is not None:
+        reference_logits(model, before)
+    return model
+
+
+def reference(pristine: torch.nn.Module, batch: dict, whole_row: bool = False, before: dict | None = None) -> dict:
     """The reference of one batch: its logits (``reference_logits``), how far rounding alone moves them (as
     family_cases.reference_rounding, logits only: the same weights in float32 against float64, scaled to float64's
     unit roundoff where the float64 model runs no float32 operator, plus how far its own float32 steps move it
@@ -323,19 +341,20 @@ def reference(pristine: torch.nn.Module, batch: dict) -> dict:
     from family_cases import _Float32Ops, _KeepFloat64
 
     with _Float32Ops() as ops:
-        ref = reference_logits(copy.deepcopy(pristine), batch)  # a copy: dynamic rotary keeps state
+        ref = reference_logits(_after(copy.deepcopy(pristine), before), batch, whole_row)  # a copy: rotary state
     try:
-        low = reference_logits(copy.deepcopy(pristine).float(), batch)
+        low = reference_logits(_after(copy.deepcopy(pristine).float(), before), batch, whole_row)
     except Exception:  # noqa: BLE001 - a model that keeps its float64 dtype in its config: built in float32
         model = build(pristine.config, dtype=torch.float32)
         model.load_state_dict(pristine.state_dict())
-        low = reference_logits(model, batch)
+        low = reference_logits(_after(model, before), batch, whole_row)
     scale = 1.0 if ops.seen else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
     rounding = scale * float((low - ref).abs().max())
     if ops.seen:
         try:
             with _KeepFloat64():
-                rounding += float((reference_logits(copy.deepcopy(pristine), batch) - ref).abs().max())
+                rounding += float((reference_logits(_after(copy.deepcopy(pristine), before), batch, whole_row)
+                                   - ref).abs().max())
         except Exception:  # noqa: BLE001 - a family the float64 mode cannot run: its float32 rounding alone
             pass
     single = None
@@ -395,7 +414,7 @@ def _run_case(model: torch.nn.Module, mesh_name: str, prepared: dict) -> dict:
 
     mesh = get_mesh(*MESHES[mesh_name])
     try:
-        local = seqmesh.shard_batch(prepared["batch"], mesh)
+        local = seqmesh.shard_batch(prepared["batch"], mesh, model=model)  # the family's own positions, if any
         info = local["seqmesh"]
         with torch.no_grad():
             out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=info)
@@ -427,7 +446,9 @@ def _family(name: str) -> list[dict]:
         pristine = build(census_config(name))
         models = {mesh_name: _parallelized(pristine, mesh_name) for mesh_name in MESHES}
         running = any(isinstance(m, torch.nn.Module) for m in models.values())
-        prepared = {packed: reference(pristine, census_batch(pristine.config, packed))
+        plain = census_batch(pristine.config, False)  # each parallelized model runs it before the packed one
+        prepared = {packed: reference(pristine, census_batch(pristine.config, packed), name in WHOLE_ROW,
+                                      before=plain if packed else None)
                     for packed in (False, True)} if running else {}
         failure = None
     except Exception as err:  # noqa: BLE001 - _Timeout included: the family cannot be built or run on one process

@@ -23,6 +23,7 @@ rank would decide from its own tokens and train silently wrong, so seqmesh gives
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 
 import torch
@@ -91,6 +92,11 @@ def _temperature_layers(model: nn.Module) -> list[nn.Module]:
 def check_positions(model: nn.Module) -> None:
     """Refuse, by name, a position-dependent quantity seqmesh would not make from the whole sequence."""
     decoder = decoder_of(model)
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder ({type(decoder).__name__}) "
+                         "takes no position_ids and numbers the tokens of each call from 0 (the decoder of an "
+                         "encoder-decoder family: BART, mBART, Marian, Pegasus, Blenderbot, MusicGen), so each rank "
+                         "would give its shard the first positions. seqmesh runs decoders that read position_ids.")
     inside = {id(m) for m in decoder.modules()}
     outside = [r for r in scaled_rotaries(model) if id(r) not in inside]
     if outside:

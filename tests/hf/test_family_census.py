@@ -16,27 +16,10 @@ from collections import Counter
 from census_cases import MESHES, census, census_names
 
 # Families and variants that are wrong or crash today, each with its cause; the test reports them and tolerates
-# them, and fails once one passes (so this list is emptied as fixes land, never left stale). Issue 30.
-_OFFSET = ("numbers positions from padding_idx + 1, skipping padding tokens; shard_batch's 0-based position_ids "
-           "are taken as given")
-_DECODER = ("the decoder of an encoder-decoder family: its position embeddings count from 0 on each shard "
-            "(torch.arange over the local tokens), position_ids are not read")
-_NO_HEADS = ("parallelize reads config.num_attention_heads before checking the layers: AttributeError for a model "
-             "without attention heads instead of the refusal of its mixer")
-_LOST_ENTRY = ("its decoder layers do not pass **kwargs on to attention: refused at the first forward as called "
-               "'without the seqmesh entry', which the census passed")
-KNOWN_OPEN: dict[str, str] = {
-    **dict.fromkeys(["roberta", "roberta+decoder", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
-                     "data2vec-text", "xmod"], _OFFSET),
-    **dict.fromkeys(["bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "bigbird_pegasus",
-                     "musicgen", "musicgen_melody"], _DECODER),
-    **dict.fromkeys(["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "blt"], _NO_HEADS),
-    **dict.fromkeys(["nemotron", "stablelm"], _LOST_ENTRY),
-    "phi3+longrope": "longrope picks the long or short factors from the largest position it is given: each shard its own",
-    "llama+dynamic": "dynamic NTK scales the rotary base by the largest position it is given: each shard its own",
-    "llama4_text+unchunked": "the no-RoPE layers' attention temperature counts positions from 0 on each shard "
-                             "(torch.arange over the local tokens), not position_ids",
-}
+# them, and fails once one passes (so this list is emptied as fixes land, never left stale). Empty: issue 30 fixed
+# every one the census found (offset positions, whole-row rotary scaling and temperature, encoder-decoder decoders,
+# refusals without heads or with layers that drop the seqmesh entry).
+KNOWN_OPEN: dict[str, str] = {}
 
 CLASSES = ("exact", "refused", "wrong", "crash", "unbuildable")
 CASES = [(mesh, packed) for mesh in MESHES for packed in (False, True)]
