@@ -140,7 +140,8 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         torch.cuda.set_device(device)
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
         torch.set_flush_denormal(True)
-    mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, tp=cfg.tp, device_type=device.type)
+    mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, tp=cfg.tp, device_type=device.type,
+                     timeout=cfg.timeout)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = fsdp, has_weights(cfg.model)
