@@ -123,8 +123,24 @@ def test_stall_warning():
     with fast:
         import time
 
+        fast.beat(1)
         time.sleep(0.3)
     assert "warning: no step has finished" in stream.getvalue()
+
+
+def test_the_first_step_is_not_timed_as_a_stall():
+    """Under --compile the first step compiles every layer (minutes on a large model): rank 0 warned "a rank
+    may be stuck" while it compiled, and the compile time made 10 x the slowest step the warning's bound."""
+    from seqmesh.training.watch import StallWatch
+
+    watch = StallWatch(after=60.0, timeout=300.0)
+    watch.last = 1000.0
+    assert watch.check(now=1250.0) is None  # 250 s into the first step: no warning
+    watch.beat(1)  # a first step of 250 s
+    assert watch.slowest == 0.0 and watch.limit() == 60.0
+    watch.beat(2)
+    watch.last = 2000.0
+    assert watch.check(now=2061.0) is not None
 
 
 def test_timeout_reaches_the_process_group(monkeypatch):
