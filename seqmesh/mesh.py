@@ -17,6 +17,7 @@ SPMesh is passed to every call.
 
 from __future__ import annotations
 
+import datetime
 import enum
 import weakref
 from collections import OrderedDict
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .comm.timeouts import as_timedelta, default_timeout, set_timeout
 
 
 class MeshAxis(str, enum.Enum):
@@ -204,12 +207,16 @@ def init_mesh(
     dp_replicate: int = 1,
     tp: int = 1,
     device_type: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
 ) -> SPMesh:
     """Build the ``(dp_replicate, dp_shard, ring, ulysses, tp)`` mesh over the default process group.
 
     ``torch.distributed`` must already be initialised (torchrun + ``init_process_group``). The
     product of the degrees must equal the world size. ``device_type`` defaults to ``"cuda"`` on an
-    NCCL group and ``"cpu"`` otherwise.
+    NCCL group and ``"cpu"`` otherwise. ``timeout`` (seconds) is how long a collective on any of the
+    process groups created for the mesh waits for a rank; by default the default group's
+    (``init_process_group``'s ``timeout``), which torch would not give them (see
+    :mod:`seqmesh.comm.timeouts`).
     """
     _check_degrees(ulysses=ulysses, ring=ring, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp)
     if not dist.is_initialized():
@@ -232,7 +239,7 @@ def init_mesh(
     axes = AXES if tp > 1 else AXES[:-1]
     sizes = (dp_replicate, dp_shard, ring, ulysses, tp)[: len(axes)]
     device_mesh = init_device_mesh(device_type, sizes, mesh_dim_names=tuple(a.value for a in axes))
-    return mesh_from_device_mesh(device_mesh)
+    return mesh_from_device_mesh(device_mesh, timeout=timeout)
 
 
 def _hsdp_mesh(device_mesh: DeviceMesh, shard_sp: DeviceMesh) -> DeviceMesh:
@@ -254,12 +261,28 @@ def _hsdp_mesh(device_mesh: DeviceMesh, shard_sp: DeviceMesh) -> DeviceMesh:
     )
 
 
-def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
+def mesh_process_groups(mesh: SPMesh) -> list[dist.ProcessGroup]:
+    """Every process group ``mesh`` holds for this rank (each axis and each flattened sub-mesh), once each,
+    but the default group (``init_process_group``'s own, which a mesh axis over every rank reuses)."""
+    default = dist.distributed_c10d._get_default_group()
+    groups: dict[str, dist.ProcessGroup] = {default.group_name: default}
+    for sub in (mesh.device_mesh, mesh.sp_mesh, mesh.dp_mesh, mesh.fsdp_mesh, mesh.all_mesh, mesh.batch_mesh,
+                mesh.tp_mesh):
+        if sub is not None:
+            for axis in range(sub.ndim):
+                group = sub.get_group(axis)
+                groups.setdefault(group.group_name, group)
+    return [group for group in groups.values() if group is not default]
+
+
+def mesh_from_device_mesh(device_mesh: DeviceMesh, timeout: float | datetime.timedelta | None = None) -> SPMesh:
     """Wrap an existing 5-D DeviceMesh whose axes are named by :class:`MeshAxis` (outermost first), or a 4-D
     one without the ``tp`` axis (no tensor parallelism: the mesh seqmesh built before it had one).
 
     Other missing axes are not allowed: give size-1 axes for degrees you do not use. The flattened
-    sequence, data, batch and FSDP sub-meshes are created here (once per mesh).
+    sequence, data, batch and FSDP sub-meshes are created here (once per mesh). Every process group of
+    the mesh but the default one, the DeviceMesh's own included, gets the collective ``timeout`` (seconds;
+    by default the default group's), as :func:`init_mesh` says.
     """
     names = tuple(device_mesh.mesh_dim_names or ())
     expected = tuple(a.value for a in AXES)
@@ -284,5 +307,9 @@ def mesh_from_device_mesh(device_mesh: DeviceMesh) -> SPMesh:
     else:
         batch_mesh = device_mesh[tuple(a.value for a in AXES[:4])]._flatten(BATCH_AXIS_NAME)
     tp_mesh = device_mesh[MeshAxis.TP.value] if len(names) == 5 else None  # a 4-D mesh has no tp axis
-    return SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, all_mesh, batch_mesh, tp_mesh, ulysses, ring, dp_shard,
+    mesh = SPMesh(device_mesh, sp_mesh, dp_mesh, fsdp_mesh, all_mesh, batch_mesh, tp_mesh, ulysses, ring, dp_shard,
                   dp_replicate, tp)
+    # torch gave the groups it created for the mesh its own default timeout (30 min on gloo, 10 on NCCL),
+    # not the job's: a rank stopped under tensor parallelism kept the others waiting that long
+    set_timeout(mesh_process_groups(mesh), default_timeout() if timeout is None else as_timedelta(timeout))
+    return mesh

@@ -38,6 +38,7 @@ from ..vision.families import family_of, vision_family
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
 from .resume import choose_start, config_changes, refuse_changes, run_record
+from .heartbeat import job_heartbeat
 from .watch import StallWatch, nonfinite_message
 
 
@@ -157,7 +158,8 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         torch.cuda.set_device(device)
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
         torch.set_flush_denormal(True)
-    mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, tp=cfg.tp, device_type=device.type)
+    mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, tp=cfg.tp, device_type=device.type,
+                     timeout=cfg.timeout)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = fsdp, has_weights(cfg.model)
@@ -210,27 +212,46 @@ class TrainingRun:
 
     ``run()`` repeats :meth:`step` and, on their schedules, :meth:`log`, :meth:`evaluate` and :meth:`save`.
     Every configuration, output-folder and resume error is raised before the model is built. The run
-    holds ``out``'s lock (:mod:`.outlock`) from before it reads anything there until ``run()`` ends."""
+    holds ``out``'s lock (:mod:`.outlock`) from before it reads anything there until ``run()`` ends, and
+    beats a heartbeat (:mod:`.heartbeat`) as long: a rank that stops answering ends the job within
+    ``cfg.timeout``, named with the phase it was in (:meth:`phase`)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         check_output_dir(cfg.out)
-        self.lock = lock_output(cfg.out)  # before the old run in out is looked at, let alone cleared
+        self.lock = None
+        self.heartbeat = job_heartbeat(cfg.timeout)
         try:
+            self.phase("setup: locking the output folder")
+            self.lock = lock_output(cfg.out)  # before the old run in out is looked at, let alone cleared
             self._prepare()
         except BaseException:
-            self.lock.release()
+            self._close()
             raise
+
+    def phase(self, name: str) -> None:
+        """This rank is now in ``name`` ("step 5: backward"): what the heartbeat tells if the rank stops."""
+        if self.heartbeat is not None:
+            self.heartbeat.enter(name)
+
+    def _close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     def _prepare(self) -> None:
         cfg = self.cfg
+        self.phase("setup: checking the data")
         self.data = _same_error_on_every_rank(make_dataset, cfg)  # data and vocabulary errors, before any model
         self.start_point = choose_start(cfg)
+        self.phase("setup: building the model")
         self.mesh, self.module, self.device = build(cfg)
         self.fsdp = uses_fsdp(cfg)
         self.rank0 = dist.get_rank() == 0
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.folder = os.path.join(cfg.out, "checkpoints")
+        self.phase("setup: loading the checkpoint")
         self.start = self._resume()
         self.log_file = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"))
         self.tokens_per_step = self.mesh.dp_size * cfg.batch * cfg.seq_len
@@ -279,11 +300,16 @@ class TrainingRun:
         lr = lr_at(cfg, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.phase(f"step {step + 1}: reading the batch")
         batch = self.data.batch(step, self.mesh.dp_rank, cfg.batch, self.mesh.dp_size)
         local = to_device(shard_batch(batch, self.mesh, model=self.module, layout=cfg.layout), self.device)
+        compiling = " (compiling)" if cfg.compile and step == self.start else ""
+        self.phase(f"step {step + 1}: forward{compiling}")
         with self.autocast:
             loss = self.module(**local)
+        self.phase(f"step {step + 1}: backward{compiling}")
         loss.backward()
+        self.phase(f"step {step + 1}: gradients and optimizer")
         if not self.fsdp:
             sync_gradients(self.module, self.mesh)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
@@ -318,6 +344,7 @@ class TrainingRun:
         return {"loss": f"{self.loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "mem": f"{memory / 2**30:.2f}GiB"}
 
     def evaluate(self, done: int) -> dict[str, str]:
+        self.phase(f"step {done}: evaluation")
         self.accuracy = evaluate(self.module, self.data, self.mesh, self.cfg, self.device)
         if not self.rank0:
             return {}
@@ -325,16 +352,24 @@ class TrainingRun:
         return {"acc": f"{self.accuracy:.3f}"}
 
     def save(self, done: int) -> None:
+        self.phase(f"step {done}: saving a checkpoint")
         save_checkpoint(self.folder, done, self.module, self.optimizer, run_record(self.cfg, self.mesh.dp_size))
         if self.cfg.keep_checkpoints is not None:  # once ``latest`` names the new one; rank 0 deletes
             prune_checkpoints(self.folder, self.cfg.keep_checkpoints, protect=self.start_point.checkpoint)
 
     def run(self) -> dict:
-        """Train to ``cfg.steps``, save, export; returns :meth:`summary`. Releases ``out``'s lock however it ends."""
+        """Train to ``cfg.steps``, save, export; returns :meth:`summary`. Releases ``out``'s lock and stops the
+        heartbeat however it ends; a collective that timed out is reported with where each rank was."""
         try:
             return self._run()
+        except RuntimeError as err:
+            if self.heartbeat is not None and "timed out" in str(err).lower():
+                print(f"seqmesh: error: a collective on rank {dist.get_rank()} gave up waiting after --timeout "
+                      f"{self.cfg.timeout:g} s ({str(err).splitlines()[0]}). Where each rank was at its last "
+                      f"heartbeat: {self.heartbeat.report()}.", file=sys.stderr, flush=True)
+            raise
         finally:
-            self.lock.release()
+            self._close()
 
     def _run(self) -> dict:
         cfg = self.cfg
@@ -372,10 +407,12 @@ class TrainingRun:
         if self.start < cfg.steps:
             self.save(cfg.steps)
         if cfg.export:  # the run's own output, replaced as its checkpoints are
+            self.phase("exporting the model")
             export_pretrained(self.module, os.path.join(cfg.out, "model"), tokenizer=cfg.tokenizer, overwrite=True)
         return self.summary()
 
     def summary(self) -> dict:
+        self.phase("finishing: the loss curve")
         cfg, mesh = self.cfg, self.mesh
         curve = problem = None
         if self.rank0:  # the verdict is shared: a rank left behind here would wait in a collective for ever
