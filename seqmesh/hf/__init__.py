@@ -24,7 +24,7 @@ from . import linear_attention as gated_delta_net
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..overlap import ASYNC_PIECES
-from .layers import SUPPORTED, check_layers, chunked_layers
+from .layers import SUPPORTED, check_layers, chunked_layers, chunks_per_document
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
@@ -89,6 +89,12 @@ def _make_attention(mesh: SPMesh, backend: str):
         causal = getattr(module, "is_causal", True)
         refuse_unsupported(module, kwargs, causal)
         first = id(mesh) not in info.validated  # ranks agree on the inputs once per batch: one small sync
+        chunk = getattr(module, _CHUNK, None)
+        if chunk is not None and info.cu_seqlens is not None and not chunks_per_document():
+            raise ValueError(f"{type(module).__name__} attends in chunks of {chunk} and the batch packs documents: this "
+                             "transformers counts the chunks from the row's start across the documents, which seqmesh "
+                             "does not compute (transformers 5.24 counts them from each document's start, as seqmesh "
+                             "does). Upgrade transformers, or do not pack documents for this model.")
         sinks = kwargs.get("s_aux")  # gpt-oss: a learned logit per query head, in the denominator only
         if sinks is not None:  # under tensor parallelism, this rank's heads' sinks
             sinks = local_part(sinks)
@@ -97,7 +103,7 @@ def _make_attention(mesh: SPMesh, backend: str):
             causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
             seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scaling, backend=backend,
             validate=first, window=kwargs.get("sliding_window"), sinks=sinks, image_blocks=info.image_blocks,
-            chunk=getattr(module, _CHUNK, None), softcap=kwargs.get("softcap"),
+            chunk=chunk, softcap=kwargs.get("softcap"),
         )
         info.validated.add(id(mesh))
         return out, None

@@ -75,22 +75,32 @@ def _calls_without_kwargs(cls: type, child: str) -> bool:
     source = textwrap.dedent(_forward_source(cls))
     if not source:
         return False
-    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Attribute) and node.func.attr == child
-             and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"]
+    tree = ast.parse(source)
+    # the layers a loop takes from the child (for layer in self.layers[: n]: layer(...)) are called by their name
+    names = {loop.target.id for loop in ast.walk(tree) if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name)
+             and any(isinstance(n, ast.Attribute) and n.attr == child and isinstance(n.value, ast.Name)
+                     and n.value.id == "self" for n in ast.walk(loop.iter))}
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Attribute) and node.func.attr == child and isinstance(node.func.value, ast.Name)
+         and node.func.value.id == "self") or (isinstance(node.func, ast.Name) and node.func.id in names))]
     return bool(calls) and not any(k.arg is None for call in calls for k in call.keywords)
 
 
 def attention_without_entry(model: nn.Module) -> list[str]:
-    """The layer classes of ``model`` that call an attention module of the interface without passing their
-    ``**kwargs`` on (Nemotron, StableLM): seqmesh's entry never reaches the attention function. One line each."""
+    """The classes of ``model`` that call an attention module of the interface, or a list of layers holding one,
+    without passing their ``**kwargs`` on (Nemotron's and StableLM's layers, Moshi's decoder at transformers 5.15):
+    seqmesh's entry never reaches the attention function. One line each."""
     found = {}
     for path, module in model.named_modules():
         for child, sub in module.named_children():
             cls = type(module)
-            if cls not in found and type(sub).__name__.endswith("Attention") and _calls_interface(type(sub)) and \
-                    _calls_without_kwargs(cls, child):
-                found[cls] = f"{path} ({cls.__name__}) calls its {child} without passing its **kwargs on"
+            if cls in found:
+                continue
+            attention = type(sub).__name__.endswith("Attention") and _calls_interface(type(sub))
+            holds = isinstance(sub, nn.ModuleList) and any(
+                type(m).__name__.endswith("Attention") and _calls_interface(type(m)) for m in sub.modules())
+            if (attention or holds) and _calls_without_kwargs(cls, child):
+                found[cls] = f"{path or 'the model'} ({cls.__name__}) calls its {child} without passing its **kwargs on"
     return list(found.values())
 
 
@@ -109,6 +119,15 @@ def _chunk(config) -> int | None:
             or not isinstance(chunk, int) or chunk < 1:
         return None
     return chunk
+
+
+@functools.lru_cache(maxsize=1)
+def chunks_per_document() -> bool:
+    """Whether the installed transformers counts chunked attention's chunks from each packed document's start (its
+    masks read packed documents' own positions, 5.2x) rather than from the row's start (5.15)."""
+    from transformers import masking_utils
+
+    return hasattr(masking_utils, "remap_positions_for_packed_sequence")
 
 
 def chunked_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:

@@ -47,11 +47,21 @@ def _update_code():
     return dynamic_rope_update(lambda self, x, position_ids: None).__code__
 
 
+def _update_wrapper(module: nn.Module):
+    """The ``dynamic_rope_update`` wrapper of ``module``'s class forward, under any decorators above it
+    (transformers 5.15 puts ``torch.no_grad()`` on top), or None."""
+    forward = getattr(type(module), "forward", None)
+    while forward is not None and _update_code() is not None:
+        if getattr(forward, "__code__", None) is _update_code():
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+    return None
+
+
 def _scaled_kinds(module: nn.Module) -> list[str | None]:
     """The layer types (None: the module's only one) whose rotary tables ``module`` rescales from the largest
     position of each call: transformers' ``dynamic_rope_update`` rule (``dynamic`` in the type, or ``longrope``)."""
-    forward = getattr(type(module), "forward", None)
-    if _update_code() is None or getattr(forward, "__code__", None) is not _update_code():
+    if _update_wrapper(module) is None:
         return []
     kinds = module.rope_type
     named = kinds.items() if isinstance(kinds, dict) else [(None, kinds)]
@@ -190,7 +200,7 @@ def install(model: nn.Module, mesh: SPMesh) -> list:
     hooks = []
     if rotaries:
         for rotary in rotaries:  # the class's forward without its per-call decision (functools.wraps keeps it)
-            rotary.forward = types.MethodType(type(rotary).forward.__wrapped__, rotary)
+            rotary.forward = types.MethodType(_update_wrapper(rotary).__wrapped__, rotary)
             setattr(rotary, _ATTR, True)
         hooks.append(decoder.register_forward_pre_hook(_decide_rotary_scaling(rotaries, name), with_kwargs=True))
     if numbering_embeddings(model) is not None:

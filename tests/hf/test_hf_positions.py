@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from positions_cases import position_parity, unsharded_refusal
+from positions_cases import position_parity, unrunnable, unsharded_refusal
 
-FAMILIES = ["phi3-longrope", "llama-dynamic", "llama4-temperature", "llama4-chunked", "roberta"]
+# each family the installed transformers runs on one process (at the floor, 5.15, Llama 4 needs its chunks)
+FAMILIES = [f for f in ("phi3-longrope", "llama-dynamic", "llama4-temperature", "llama4-chunked", "roberta")
+            if unrunnable(f) is None]
 MESHES = [(1, 2), (2, 1), (2, 2)]
 ROUNDING_MULTIPLE = 4  # as tests/hf/test_hf_families.py: a multiple of the reference's own measured rounding
 
@@ -17,7 +19,10 @@ def _outside(r: dict) -> list[str]:
 
 
 def _cases(ulysses: int, ring: int) -> list[tuple]:
-    return [(f, ulysses, ring, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("contiguous", True))]
+    from seqmesh.hf.layers import chunks_per_document
+
+    return [(f, ulysses, ring, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("contiguous", True))
+            if not (f == "llama4-chunked" and docs and not chunks_per_document())]  # refused there: test_..._refused
 
 
 def _run_all(cases: list[tuple], mutation: str | None = None) -> list[dict]:
@@ -38,6 +43,8 @@ def test_whole_sequence_positions_exact(pools, ulysses, ring):
                                              ("llama4-temperature", "local_temperature"),
                                              ("roberta", "positions_from_zero")])
 def test_each_fix_undone_is_seen(pools, family, mutation):
+    if family not in FAMILIES:
+        pytest.skip(f"transformers cannot run {family} here: {unrunnable(family)}")
     """Each fix reverted on ring 2 (contiguous, no documents: rank 0's tokens all lie before every threshold, where
     zigzag would give both ranks a token near the end): the logits leave the bound by far."""
     for results in pools.run(2, _run_all, [(family, 1, 2, "contiguous", False)], mutation=mutation):
@@ -50,3 +57,14 @@ def test_offset_positions_need_the_model(pools):
     """RoBERTa sharded without the model (positions from 0) is refused at the decoder, naming the fix."""
     for message in pools.run(2, unsharded_refusal, "roberta"):
         assert "numbers its positions itself" in message and "model=model" in message, message
+
+
+def test_packed_chunks_counted_from_the_row_are_refused(pools):
+    """A transformers that counts Llama 4's chunks from the row's start across packed documents (5.15) gets a
+    refusal naming the difference, not seqmesh's per-document chunks."""
+    from seqmesh.hf.layers import chunks_per_document
+
+    if chunks_per_document():
+        pytest.skip("this transformers counts chunks from each document's start, as seqmesh does")
+    with pytest.raises(RuntimeError, match="counts the chunks from the row's start"):
+        pools.run(2, _run_all, [("llama4-chunked", 1, 2, "contiguous", True)])
