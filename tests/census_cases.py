@@ -86,6 +86,8 @@ PER_FAMILY: dict[str, dict] = {
     "dots3_note_text": {"num_key_value_heads": 4, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 32,
                         "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16},
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # a tower whose pooled image tokens (mm_tokens_per_image) are whole squares of patches, which seqmesh routes
+    "gemma3": {"vision_config": {"image_size": 64, "patch_size": 4}, "mm_tokens_per_image": 16},
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,  # the last two reuse the first two's keys
                      "layer_types": ["sliding_attention", "full_attention"] * 2,
                      "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]},
@@ -246,7 +248,14 @@ def census_config(name: str):
         default = config_cls()
     except Exception:  # noqa: BLE001 - a default its own validation refuses (Gemma 4's assistant): with the extras
         default = config_cls(**extra)
-    return config_cls(**tiny_kwargs(config_cls, default, extra))
+    config = config_cls(**tiny_kwargs(config_cls, default, extra))
+    from transformers import PretrainedConfig
+
+    unshrunk = [k for k, v in vars(config).items()
+                if isinstance(v, PretrainedConfig) and not isinstance(getattr(default, k, None), PretrainedConfig)]
+    if unshrunk:  # a sub-config the default left None (Gemma 4's assistant before 5.24): made tiny from the built one
+        config = config_cls(**tiny_kwargs(config_cls, config, extra))
+    return config
 
 
 def build(config, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
