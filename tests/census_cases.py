@@ -3,10 +3,12 @@ variants, through seqmesh.hf on every rank, against the same model on one proces
 
 Each family is built tiny from its own config class (the class's defaults with the size fields it has made
 small), in float64, with every weight perturbed by seeded noise (so no zero-initialised branch hides a wrong
-mixer), and runs 128 random tokens on Ulysses 2 and ring 2, without and with packed documents. Each case is
-classified: ``exact`` (logits within a multiple of the reference's own rounding), ``refused`` (seqmesh raised a
-ValueError naming the reason), ``wrong`` (ran, but farther than that), ``crash`` (any other exception);
-``unbuildable`` families (their tiny config or model cannot be made) are counted apart, with the reason.
+mixer), and runs 128 random tokens on Ulysses 2 and ring 2, without and with packed documents (the reference
+runs each document alone). Each case is classified: ``exact`` (logits within a multiple of the reference's own
+rounding), ``refused`` (seqmesh raised a ValueError naming the reason), ``wrong`` (ran, but farther than that),
+``crash`` (any other exception, or a refusal whose reason is false); ``unbuildable`` families (their tiny model
+or its single-process reference cannot be made) are counted apart, with the reason. All families run in one
+spawned group, one after another, each built once per rank.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ NOISE = 0.02  # standard deviation of the seeded noise added to every weight
 
 ROUNDING_MULTIPLE = 4  # as test_hf_families: a case is exact within this many times the reference's own rounding
 FLOAT64_FLOOR = 1e-10  # the least tolerance, for families float64 throughout (DESIGN.md: fp64 ~1e-10)
-FAMILY_LIMIT_S = 60  # one family's single-process part (build and references) past this is a crash
+FAMILY_LIMIT_S = 60  # a family whose single-process part (build and references) takes longer is unbuildable
 
 # The sizes a tiny model takes, by the name a config uses for them (or an ``attribute_map`` alias of it). Only
 # fields the family's config takes in its constructor are set, and only where its default is an int (a field a
@@ -66,7 +68,8 @@ TINY = {
     # vision and audio towers (built, never run: the batches are text)
     "depth": 2, "num_heads": 4, "embed_dim": 64, "out_hidden_size": 64, "projection_dim": 64, "mlp_dim": 128,
     "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64, "adapter_in_dim": 64,
-    "adapter_input_size": 64, "adapter_out_dim": 64, "nemo_conv_channels": 64, "ext_pw_out_channel": 64, "depthwise_separable_out_channel": 64,
+    "adapter_input_size": 64, "adapter_out_dim": 64, "nemo_conv_channels": 64, "ext_pw_out_channel": 64,
+    "depthwise_separable_out_channel": 64,
 }
 NULLABLE = ("head_dim", "num_key_value_heads")
 # list fields with one kind per layer: a tiny model keeps one layer of each kind its family's default has
@@ -83,7 +86,8 @@ PER_FAMILY: dict[str, dict] = {
                                                 "full_attention": None}},
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default, which its router cannot take
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},  # dense without experts set
-    "dots3_note_text": {"num_key_value_heads": 4, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 32,
+    "dots3_note_text": {"num_key_value_heads": 4, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+                        "swa_q_lora_rank": 32,
                         "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16},
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     # a tower whose pooled image tokens (mm_tokens_per_image) are whole squares of patches, which seqmesh routes
@@ -115,18 +119,20 @@ PER_FAMILY["dots3_note"] = {"text_config": PER_FAMILY["dots3_note_text"]}
 # length) set to change within the 128 tokens; those that do not (YaRN, Llama 3) beside them. ``rope_parameters``
 # is given as ``rope_scaling`` to a config class that takes that instead.
 _THETA = {"rope_theta": 10000.0}
+_LONGROPE = {**_THETA, "rope_type": "longrope", "original_max_position_embeddings": 64,
+             "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)]}
 VARIANTS: dict[str, tuple[str, dict]] = {
     # Phi-3/3.5/4-mini 128K: short factors up to original_max_position_embeddings, long ones past it (8 = head_dim / 2);
     # Phi-3's config has the limit at its top level too, which wins over the rotary parameters'
-    "phi3+longrope": ("phi3", {"max_position_embeddings": 512, "original_max_position_embeddings": 64, "rope_parameters": {
-        **_THETA, "rope_type": "longrope", "original_max_position_embeddings": 64,
-        "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)]}}),
+    "phi3+longrope": ("phi3", {"max_position_embeddings": 512, "original_max_position_embeddings": 64,
+                               "rope_parameters": _LONGROPE}),
     "llama+dynamic": ("llama", {"max_position_embeddings": 64,
                                 "rope_parameters": {**_THETA, "rope_type": "dynamic", "factor": 2.0}}),
     "llama+yarn": ("llama", {"rope_parameters": {**_THETA, "rope_type": "yarn", "factor": 4.0,
                                                  "original_max_position_embeddings": 64}}),
-    "llama+llama3": ("llama", {"rope_parameters": {**_THETA, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama+llama3": ("llama", {"rope_parameters": {**_THETA, "rope_type": "llama3", "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64}}),
     # what seqmesh's refusal of chunked attention tells a Llama 4 user to set; layer 1 without RoPE, whose attention
     # temperature grows every floor_scale positions
     "llama4_text+unchunked": ("llama4_text", {"attention_chunk_size": None, "floor_scale": 16, "no_rope_layers": [1, 0],
@@ -146,7 +152,8 @@ def _read(config, field: str):
     try:
         return getattr(config, field)
     except Exception:  # noqa: BLE001 - any refusal to read: the declared default, if any
-        declared = {f.name: f.default for f in dataclasses.fields(type(config))} if dataclasses.is_dataclass(config) else {}
+        fields = dataclasses.fields(type(config)) if dataclasses.is_dataclass(config) else ()
+        declared = {f.name: f.default for f in fields}
         return declared.get(field, _MISSING)
 
 

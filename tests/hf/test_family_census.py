@@ -28,11 +28,11 @@ _LOST_ENTRY = ("its decoder layers do not pass **kwargs on to attention: refused
 KNOWN_OPEN: dict[str, str] = {
     **dict.fromkeys(["roberta", "roberta+decoder", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
                      "data2vec-text", "xmod"], _OFFSET),
-    **dict.fromkeys(["bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "bigbird_pegasus",
-                     "musicgen", "musicgen_melody"], _DECODER),
+    **dict.fromkeys(["bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart",
+                     "bigbird_pegasus", "musicgen", "musicgen_melody"], _DECODER),
     **dict.fromkeys(["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "blt"], _NO_HEADS),
     **dict.fromkeys(["nemotron", "stablelm"], _LOST_ENTRY),
-    "phi3+longrope": "longrope picks the long or short factors from the largest position it is given: each shard its own",
+    "phi3+longrope": "longrope picks the long or short factors by the largest position it is given: each shard its own",
     "llama+dynamic": "dynamic NTK scales the rotary base by the largest position it is given: each shard its own",
     "llama4_text+unchunked": "the no-RoPE layers' attention temperature counts positions from 0 on each shard "
                              "(torch.arange over the local tokens), not position_ids",
