@@ -44,16 +44,16 @@ KNOWN_OPEN_BEFORE: dict[str, tuple[str, str]] = {
 }
 
 CLASSES = ("exact", "refused", "wrong", "crash", "unbuildable")
+CASES = [(mesh, packed) for mesh in MESHES for packed in (False, True)]
 
 
 def known_open() -> dict[str, str]:
-    """KNOWN_OPEN, with the KNOWN_OPEN_BEFORE entries of a release older than their version."""
+    """KNOWN_OPEN, with the KNOWN_OPEN_BEFORE entries whose version is newer than the installed transformers."""
     import transformers
     from packaging.version import Version
 
     installed = Version(transformers.__version__)
     return {**KNOWN_OPEN, **{n: why for n, (v, why) in KNOWN_OPEN_BEFORE.items() if installed < Version(v)}}
-CASES = [(mesh, packed) for mesh in MESHES for packed in (False, True)]
 
 
 def _case_name(row: dict) -> str:
@@ -97,8 +97,8 @@ def _report(rows: list[dict], seconds: float) -> str:
 
 def test_no_family_is_silently_wrong_or_crashes(pools):
     """Every case of every family and variant is exact or refused by seqmesh by name (or the family cannot be
-    built tiny at all, which is reported); wrong and crashing ones fail the test unless KNOWN_OPEN lists them, and a
-    KNOWN_OPEN entry that now passes fails it too. Both ranks classify every case alike."""
+    built tiny at all, which is reported); wrong and crashing ones fail the test unless known_open() lists them,
+    and a listed family that now runs without one fails it too. Both ranks classify every case alike."""
     names = census_names()
     start = time.monotonic()
     per_rank = pools.run(2, census, names, timeout=900.0)
