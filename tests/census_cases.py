@@ -336,9 +336,9 @@ def reference(pristine: torch.nn.Module, batch: dict) -> dict:
     family_cases.reference_rounding, logits only: the same weights in float32 against float64, scaled to float64's
     unit roundoff where the float64 model runs no float32 operator, plus how far its own float32 steps move it
     where it does), whether it does, and for a packed batch the single-call logits."""
-    from family_cases import _Float32Ops, _KeepFloat64
+    from family_cases import Float32Ops, KeepFloat64
 
-    with _Float32Ops() as ops:
+    with Float32Ops() as ops:
         ref = reference_logits(copy.deepcopy(pristine), batch)  # a copy: dynamic rotary keeps state
     try:
         low = reference_logits(copy.deepcopy(pristine).float(), batch)
@@ -350,7 +350,7 @@ def reference(pristine: torch.nn.Module, batch: dict) -> dict:
     rounding = scale * float((low - ref).abs().max())
     if ops.seen:
         try:
-            with _KeepFloat64():
+            with KeepFloat64():
                 rounding += float((reference_logits(copy.deepcopy(pristine), batch) - ref).abs().max())
         except Exception:  # noqa: BLE001 - a family the float64 mode cannot run: its float32 rounding alone
             pass
