@@ -94,10 +94,12 @@ PER_FAMILY: dict[str, dict] = {
                  "axial_pos_embds_dim": [32, 32]},
     "xmod": {"default_language": "en_XX"},  # its adapters need a language
     "zaya": {"num_experts_per_tok": 1},
-    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # tied: two
+    # its hybrid layers share one tied transformer block, which needs two of them to tie
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
 }
 PER_FAMILY["qwen4_exp"] = {"text_config": PER_FAMILY["qwen4_exp_text"]}
 PER_FAMILY["dots3_note"] = {"text_config": PER_FAMILY["dots3_note_text"]}
+
 # Common variants beside every family's default: name -> (model type, constructor arguments over the tiny ones).
 # Rotary scalings that follow the sequence (longrope's factors by the largest position, dynamic NTK's base by the
 # length) set to change within the 128 tokens; those that do not (YaRN, Llama 3) beside them. ``rope_parameters``
