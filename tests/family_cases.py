@@ -100,7 +100,7 @@ def _reference_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, loss
 
 
-class _Float32Ops(TorchDispatchMode):
+class Float32Ops(TorchDispatchMode):
     """Records whether any operator returns a float32 tensor (a float64 model that upcasts inside)."""
 
     def __init__(self) -> None:
@@ -114,7 +114,7 @@ class _Float32Ops(TorchDispatchMode):
         return out
 
 
-class _KeepFloat64(TorchFunctionMode):
+class KeepFloat64(TorchFunctionMode):
     """Runs a float64 model's own casts to float32 (an upcast norm, a float32 router, transformers' Gated
     DeltaNet, which computes in float32 whatever the model's dtype) in float64: the same model's code, in
     float64 throughout."""
@@ -157,7 +157,7 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
     gradients, so its tolerances are float32's; otherwise rounding is float64's, the float32 figure
     scaled by the ratio of the two unit roundoffs (2**-53 / 2**-24). ``loss_fn(model, batch)``: the
     reference's ``(logits, loss)``."""
-    with _Float32Ops() as ops, torch.no_grad():
+    with Float32Ops() as ops, torch.no_grad():
         loss_fn(reference, batch)
     low = build(config).to(torch.float32)
     logits, loss = loss_fn(low, batch)
@@ -168,7 +168,7 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
                 "loss": scale * abs(loss.item() - ref_loss.item()), "grad": scale * grad}
     if ops.seen:  # the reference's own float32 steps: how far they move it from the same code all in float64
         exact = build(config)
-        with _KeepFloat64():
+        with KeepFloat64():
             logits64, loss64 = loss_fn(exact, batch)
         loss64.backward()
         rounding["inside"] = {"logits": float((logits64 - ref_logits).abs().max()), "loss": abs(loss64.item() - ref_loss.item()),
