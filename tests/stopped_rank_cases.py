@@ -27,7 +27,7 @@ class StoppedJob:
     output: list[str] = field(repr=False)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -40,7 +40,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _rank_of(pid: int) -> int | None:
+def rank_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
@@ -83,7 +83,7 @@ def stop_a_rank(out: str, args: list[str], *, nproc: int, rank: int, limit: floa
         deadline = time.monotonic() + start_limit
         while time.monotonic() < deadline and job.poll() is None and _train_records(out) < steps_before:
             time.sleep(0.5)
-        ranks = {_rank_of(pid): pid for pid in _children(job.pid)}
+        ranks = {rank_of(pid): pid for pid in children(job.pid)}
         if _train_records(out) < steps_before or rank not in ranks:
             raise AssertionError("the job did not start:\n" + "".join(line for _, line in lines)[-3000:])
         os.kill(ranks[rank], signal.SIGSTOP)

@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from safety_cases import overwrite_with_a_late_rank, p2p_issue_order, train_error
+from stopped_rank_cases import children, rank_of
 from seqmesh.training import checkpoint as ckpt
 from seqmesh.training.config import TrainConfig
 
@@ -235,28 +236,6 @@ def test_attention_ignores_autocast_in_forward_and_backward(pools):
             assert r["out_dtype"] == "torch.float32" and r["identical"], (ulysses, ring, r)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return kids
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    return int(env[b"RANK"]) if b"RANK" in env else None
-
-
 def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):
     """The issue's case: a rank stops answering without dying (SIGSTOP). With --timeout 10 the job
     ends within about that (plus torchrun's teardown) instead of hanging for the default."""
@@ -279,7 +258,7 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout(tmp_path):
         assert (out / "metrics.jsonl").exists(), "the job never started"
         while time.monotonic() < deadline and len(_records(out, "train")) < 2:
             time.sleep(0.5)
-        stopped = next(pid for pid in _children(job.pid) if _rank_of(pid) == 1)
+        stopped = next(pid for pid in children(job.pid) if rank_of(pid) == 1)
         os.kill(stopped, signal.SIGSTOP)
         began = time.monotonic()
         output, _ = job.communicate(timeout=200)
