@@ -130,12 +130,13 @@ class KeepFloat64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _worst_grad(model, want: dict) -> tuple[float, str]:
+def _worst_grad(model, want: dict, relative_floor: float = 0.0) -> tuple[float, str]:
     """The largest relative gradient error over the parameters, and whose it is. Each parameter's error is relative
-    to its largest gradient, or to a thousandth of the model's largest where its own is smaller: a gradient that is
-    zero but for rounding (an attention key's bias, which every score of a query shares) has no scale of its own,
-    and its noise would otherwise set the figure (a whole gradient wrong still reads 0.1 or more)."""
-    floor = 1e-3 * max((float(w.grad.abs().max()) for w in want.values() if w.grad is not None), default=0.0)
+    to its largest gradient, or with ``relative_floor`` to that fraction of the model's largest where its own is
+    smaller: a gradient that is zero but for rounding (an attention key's bias, which every score of a query shares)
+    has no scale of its own, and its noise would otherwise set the figure (positions_cases uses 1e-3, where a whole
+    gradient wrong still reads 0.1 or more)."""
+    floor = relative_floor * max((float(w.grad.abs().max()) for w in want.values() if w.grad is not None), default=0.0)
     worst, name_of = 0.0, ""
     for name, p in model.named_parameters():
         ref = want[name].grad
@@ -150,7 +151,7 @@ def _worst_grad(model, want: dict) -> tuple[float, str]:
 
 
 def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, reference,
-                       loss_fn=_reference_loss) -> dict:
+                       loss_fn=_reference_loss, relative_floor: float = 0.0) -> dict:
     """How far rounding alone moves the float64 reference: the same model and weights run in float32,
     against float64 (logits, loss, relative gradients). Where the float64 model computes any operator
     in float32 itself (an upcast norm or router), that operator's rounding reaches its logits and
@@ -163,7 +164,7 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
     logits, loss = loss_fn(low, batch)
     loss.backward()
     scale = 1.0 if ops.seen else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
-    grad = _worst_grad(low, dict(reference.named_parameters()))[0]
+    grad = _worst_grad(low, dict(reference.named_parameters()), relative_floor)[0]
     rounding = {"float32_inside": ops.seen, "logits": scale * float((logits.double() - ref_logits).abs().max()),
                 "loss": scale * abs(loss.item() - ref_loss.item()), "grad": scale * grad}
     if ops.seen:  # the reference's own float32 steps: how far they move it from the same code all in float64
@@ -172,7 +173,7 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
             logits64, loss64 = loss_fn(exact, batch)
         loss64.backward()
         rounding["inside"] = {"logits": float((logits64 - ref_logits).abs().max()), "loss": abs(loss64.item() - ref_loss.item()),
-                              "grad": _worst_grad(exact, dict(reference.named_parameters()))[0]}
+                              "grad": _worst_grad(exact, dict(reference.named_parameters()), relative_floor)[0]}
         for key, value in rounding["inside"].items():
             rounding[key] += value
     return rounding
