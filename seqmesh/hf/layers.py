@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
+from ..model.lm import decoder_of
+
 # config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "dense", "sparse", "moe")
 # module class names that mix tokens outside the attention interface, matched at the end of the name so the
@@ -89,9 +91,14 @@ def _calls_without_kwargs(cls: type, child: str) -> bool:
 def attention_without_entry(model: nn.Module) -> list[str]:
     """The classes of ``model`` that call an attention module of the interface, or a list of layers holding one,
     without passing their ``**kwargs`` on (Nemotron's and StableLM's layers, Moshi's decoder at transformers 5.15):
-    seqmesh's entry never reaches the attention function. One line each."""
+    seqmesh's entry never reaches the attention function. One line each. The decoder's only: a vision tower's layers
+    are run by seqmesh itself from their modules (``seqmesh.vision``), whatever their forward passes on."""
     found = {}
+    decoder = decoder_of(model)
+    inside = {id(m) for m in decoder.modules()}
     for path, module in model.named_modules():
+        if id(module) not in inside and module is not model:
+            continue
         for child, sub in module.named_children():
             cls = type(module)
             if cls in found:

@@ -32,7 +32,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, mesh
     said = [line for line in job.output if "seqmesh: error" in line]
     tail = "".join(said or job.output[-40:])
     print(f"{mesh}, rank {stopped} stopped: {job}")
-    assert job.others_ended is not None and job.others_ended < TIMEOUT + 5, (job, tail)
+    # the others end once the rank that noticed has exited: seconds after the verdict, more on a loaded machine
+    # (33 s measured with the suite and two other tests sharing 2 cores); the old code never ended them
+    assert job.others_ended is not None and job.others_ended < TIMEOUT + 30, (job, tail)
     assert job.named is not None and job.named < TIMEOUT + 5, (job, tail)
     assert job.returncode not in (None, 0), (job, tail)
     assert job.ended < TIMEOUT + TORCHRUN_GRACE + 10, (job, tail)
