@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import re
-import textwrap
 from collections.abc import Sequence
 
 import torch.nn as nn
 
+from ..model.head import forward_source
 from ..model.lm import decoder_of
 
 # config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs
@@ -31,10 +30,9 @@ TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|Linear
 # parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
 STATE_PARAMS = ("A_log", "dt_bias")
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
-             "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention (Llama 4's chunked_attention "
-             "layers), MHA/GQA/MQA, MLA head dims, packed documents; "
-             "per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and "
-             "OLMo-hybrid")
+             "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
+             "(Llama 4's chunked_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
+             "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid")
 
 
 def mixes_tokens(module: nn.Module) -> bool:
@@ -47,17 +45,9 @@ def mixes_tokens(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv1d) or named or any(p in own for p in STATE_PARAMS)
 
 
-@functools.lru_cache(maxsize=256)
-def _forward_source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return ""
-
-
 def _calls_interface(cls: type) -> bool:
     """Whether ``cls``'s forward looks its attention function up in transformers' ``AttentionInterface``."""
-    source = _forward_source(cls)
+    source = forward_source(cls)
     return "ALL_ATTENTION_FUNCTIONS" in source or "get_interface" in source
 
 
@@ -74,7 +64,7 @@ def _routes_through_interface(model: nn.Module) -> bool:
 def _calls_without_kwargs(cls: type, child: str) -> bool:
     """Whether ``cls``'s forward calls ``self.<child>(...)`` and never passes it ``**kwargs`` (the way seqmesh's entry
     travels from the model's call down to the attention function)."""
-    source = textwrap.dedent(_forward_source(cls))
+    source = forward_source(cls)
     if not source:
         return False
     tree = ast.parse(source)

@@ -198,10 +198,10 @@ def install(model: nn.Module, mesh: SPMesh) -> list:
     name = type(model).__name__
     rotaries = scaled_rotaries(model)
     hooks = []
+    for rotary in rotaries:  # the class's forward without its per-call decision (functools.wraps keeps it)
+        rotary.forward = types.MethodType(_update_wrapper(rotary).__wrapped__, rotary)
+        setattr(rotary, _ATTR, True)
     if rotaries:
-        for rotary in rotaries:  # the class's forward without its per-call decision (functools.wraps keeps it)
-            rotary.forward = types.MethodType(_update_wrapper(rotary).__wrapped__, rotary)
-            setattr(rotary, _ATTR, True)
         hooks.append(decoder.register_forward_pre_hook(_decide_rotary_scaling(rotaries, name), with_kwargs=True))
     if numbering_embeddings(model) is not None:
         hooks.append(decoder.register_forward_pre_hook(_numbered_by_model(name), with_kwargs=True))

@@ -7,8 +7,9 @@ computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly tim
 (``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``), which
 the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
 ships it) and returns both; anything else the forward does to its logits (a head that transforms the hidden states
-first, RoBERTa's; a bias, Phi-2's) is refused by name, so the loss is never silently another model's. Statements under a condition on the model's attributes (``if self.config.final_logit_softcapping
-is not None``) count where the condition holds for this model.
+first, RoBERTa's; a bias, Phi-2's) is refused by name, so the loss is never silently another model's. Statements
+under a condition on the model's attributes (``if self.config.final_logit_softcapping is not None``) count where
+the condition holds for this model.
 """
 
 from __future__ import annotations
@@ -27,11 +28,20 @@ _PASS_THROUGH = ("float", "to", "contiguous")  # calls on the logits that change
 _UNKNOWN = object()
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
+def forward_source(cls: type) -> str:
+    """The source of ``cls.forward`` as transformers ships it, dedented ("" where Python cannot read it): what
+    seqmesh reads of a family's code (its logits here, its attention calls in ``seqmesh.hf.layers``)."""
+    try:
+        return textwrap.dedent(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return ""
+
+
 def _forward_tree(cls: type) -> ast.AST | None:
     try:
-        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+        return ast.parse(forward_source(cls)) if forward_source(cls) else None
+    except SyntaxError:
         return None
 
 

@@ -145,7 +145,7 @@ def check_causal(model: nn.Module, name: str) -> None:
     """Refuse a model whose decoder attends both ways (BERT and its kin: transformers builds them as "causal LMs" but
     their attention, without ``is_decoder``, sees every token): seqmesh's loss predicts each token from those
     before it, and such a model would see the answer. Names the layer and the fix."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model  # a vision tower's blocks left out
+    decoder = decoder_of(model)  # a vision tower's blocks left out
     both_ways = next((n for n, m in decoder.named_modules() if getattr(m, "is_causal", True) is False), None)
     if both_ways is not None:
         raise ValueError(f"{name}: {type(model).__name__}'s attention ({both_ways}) sees the whole sequence both ways "
