@@ -200,12 +200,12 @@ class CudaCudnnKernel(PerDocumentKernel):
     name = "cuda_cudnn"
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
+        if mask.softcap is not None:  # first: whatever the machine, the call itself is out of reach
+            return "torch's cuDNN attention does not soft-cap scores"
         if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp)"
-        if mask.softcap is not None:
-            return "torch's cuDNN attention does not soft-cap scores"
         return square_causal_problem(mask, q.shape[1], k.shape[1]) or cuda_problem(q, HALF_DTYPES, 128, 8, v)
 
     def dense_forward(self, q, k, v, causal, scale):

@@ -360,10 +360,9 @@ def test_soft_capping_is_computed_or_refused_by_every_kernel(fake_flash_attn_pac
     mask, sq, sk = STUB_MASKS["causal,softcap"]
     q = torch.randn(1, sq, 2, 8, dtype=torch.float64) * 2
     k = torch.randn(1, sk, 2, 8, dtype=torch.float64)
-    for name in ("cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"):
+    for name in ("cpu_flash", "cuda_flash", "cuda_efficient", "cuda_cudnn"):  # each names the cap, not the device
         reason = KERNELS[name].unsupported(q, k, mask)
-        assert reason is not None and ("soft-cap" in reason or name.startswith("cuda")), (name, reason)
-    assert "soft-cap" in KERNELS["cpu_flash"].unsupported(q, k, mask)
+        assert reason is not None and "soft-cap" in reason, (name, reason)
     assert kernel_chooser("auto")(q, k, mask).name == "math"  # the stub's device check says: not on a GPU
     monkeypatch.setattr(fake_flash_attn_package, "cuda_problem", lambda *args, **kwargs: None)
     assert kernel_chooser("auto")(q.float(), k.float(), mask).name == "flash_attn"
