@@ -91,8 +91,8 @@ def _statements(body: list[ast.stmt], model: nn.Module):
             yield stmt
 
 
-def _head_call(stmt: ast.stmt) -> tuple[str, str] | None:
-    """``(target, attribute)`` of ``target = self.<attribute>(...)``, or None."""
+def _head_call(stmt: ast.stmt) -> tuple[str, str, ast.Call] | None:
+    """``(target, attribute, call)`` of ``target = self.<attribute>(...)``, or None."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
     call = stmt.value
@@ -101,8 +101,69 @@ def _head_call(stmt: ast.stmt) -> tuple[str, str] | None:
         call = call.func.value
     if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
             isinstance(call.func.value, ast.Name) and call.func.value.id == "self":
-        return stmt.targets[0].id, call.func.attr
+        return stmt.targets[0].id, call.func.attr, call
     return None
+
+
+def _strip(node: ast.AST) -> ast.AST:
+    """``node`` without what keeps its values: slices (``x[:, keep, :]``, ``slice_logits_to_keep(x, n)``) and casts
+    (``x.to(dtype)``, ``x.float()``, ``x.contiguous()``)."""
+    while True:
+        if isinstance(node, ast.Subscript) and not _decoder_output(node):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "slice_logits_to_keep" \
+                and node.args:
+            node = node.args[0]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _PASS_THROUGH:
+            node = node.func.value
+        else:
+            return node
+
+
+def _decoder_output(node: ast.AST) -> bool:
+    """Whether ``node`` reads the decoder's output: ``outputs.last_hidden_state`` or ``outputs[0]`` (or either, as
+    ``outputs.last_hidden_state if return_dict else outputs[0]``)."""
+    if isinstance(node, ast.IfExp):
+        return _decoder_output(_strip(node.body)) and _decoder_output(_strip(node.orelse))
+    if isinstance(node, ast.Attribute):
+        return node.attr == "last_hidden_state"
+    return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+            and isinstance(node.slice, ast.Constant) and node.slice.value == 0)
+
+
+def _input_scale(statements: list[ast.stmt], call: ast.Call, model: nn.Module, name: str) -> float:
+    """The constant the decoder's output is multiplied by on its way to the LM head (MiniCPM's ``hidden_states /
+    logits_scaling``): the head's argument traced back to ``outputs.last_hidden_state`` / ``outputs[0]`` through
+    slices and constant factors; a ValueError for anything else (ProphetNet's n-gram streams)."""
+    arg = _strip(call.args[0]) if call.args else None  # hidden_states[:, slice_indices, :], .to(dtype)
+    if arg is not None and _decoder_output(arg):
+        return 1.0
+    if not isinstance(arg, ast.Name):
+        raise ValueError(f"{name}'s LM head reads {ast.unparse(call)!r}, not the decoder's output, which is what "
+                         "seqmesh's chunked loss multiplies; train it with your own loss on model(**batch).logits.")
+    variable, scale = arg.id, 1.0
+    for stmt in reversed(statements):
+        target = stmt.target if isinstance(stmt, ast.AugAssign) else stmt.targets[0] \
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if not (isinstance(target, ast.Name) and target.id == variable):
+            continue
+        core = _strip(stmt.value)
+        if isinstance(stmt, ast.Assign) and _decoder_output(core):
+            return scale
+        if isinstance(stmt, ast.Assign) and isinstance(core, ast.BinOp) and _decoder_output(_strip(core.left)):
+            number = _value(core.right, model)  # outputs[0] / self.config.logits_mup_width_multiplier
+            if isinstance(core.op, (ast.Mult, ast.Div)) and isinstance(number, numbers.Real) \
+                    and not isinstance(number, bool) and number:
+                return scale * (float(number) if isinstance(core.op, ast.Mult) else 1.0 / float(number))
+        kept = isinstance(stmt, ast.Assign) and isinstance(core, ast.Name) and core.id == variable
+        factor = None if kept else _factor(stmt, variable, model)
+        if factor is _UNKNOWN:
+            raise ValueError(f"{name}'s forward changes the decoder's output before its LM head "
+                             f"({ast.unparse(stmt)!r}), which seqmesh's chunked loss does not reproduce; train it with "
+                             "your own loss on model(**batch).logits.")
+        scale *= 1.0 if factor is None else factor
+    raise ValueError(f"seqmesh cannot trace {name}'s LM head input ({variable}) back to its decoder's output; train "
+                     "it with your own loss on model(**batch).logits.")
 
 
 def _factor(stmt: ast.stmt, name: str, model: nn.Module):
@@ -158,12 +219,17 @@ def logit_head(lm: nn.Module) -> LogitHead:
         raise ValueError(f"seqmesh cannot read how {name} computes its logits from its decoder's output (no "
                          "'logits = self.<head>(...)' in its forward), so its chunked loss might be another model's; "
                          "train it with your own loss on model(**batch).logits.")
-    index, (logits, attribute) = found
+    index, (logits, attribute, call) = found
     called = getattr(lm, attribute)
     if called is not head:
         raise ValueError(f"{name}'s LM head {attribute} ({type(called).__name__}) transforms the decoder's output "
                          f"before its output embedding ({type(head).__name__}), which seqmesh's chunked loss does not; "
                          "train it with your own loss on model(**batch).logits.")
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise ValueError(f"{name}'s LM head ({type(head).__name__}) computes its logits with a forward of its own, not "
+                         "a plain linear map, which seqmesh's chunked loss does not reproduce; train it with your own "
+                         "loss on model(**batch).logits.")
+    scale = _input_scale(statements[:index], call, lm, name)
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to its logits, which seqmesh's chunked "
                          "loss does not; train it with your own loss on model(**batch).logits.")
@@ -187,4 +253,4 @@ def logit_head(lm: nn.Module) -> LogitHead:
                              "than as a final soft-cap (logits / c, tanh, * c), which seqmesh's chunked loss does not "
                              "reproduce; train it with your own loss on model(**batch).logits.")
         softcap, effects = cap, effects[: i - 1]
-    return LogitHead(math.prod(factor for factor, _ in effects), softcap)
+    return LogitHead(scale * math.prod(factor for factor, _ in effects), softcap)
