@@ -64,11 +64,14 @@ def family_config(family: str):
 def build(config, seed: int = 0):
     """The float64 model with transformers' own attention: SDPA (float64 throughout; eager attention
     would take its softmax in float32), or eager where the family has no SDPA path (gpt-oss, whose
-    eager softmax keeps the input dtype)."""
+    eager softmax keeps the input dtype) or soft-caps its attention scores: transformers' SDPA call
+    drops the cap, and Gemma 2 still claimed SDPA up to transformers 5.15 (its reference then had no
+    cap, 1.6e-3 off on these logits)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa
+    capped = getattr(config, "attn_logit_softcapping", None) is not None
+    sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa and not capped
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
                                             experts_implementation="eager")  # grouped_mm has no float64
 
