@@ -56,7 +56,8 @@ def census_batch(config, packed: bool) -> dict:
 # Variants whose model decides something from the whole row it is given (the largest position: longrope, dynamic
 # NTK; each token's index in the row: Llama 4's temperature), as transformers does on a packed batch in one call:
 # their packed reference is that one call, which seqmesh reproduces (seqmesh.hf.positions), not the documents apart
-WHOLE_ROW = ("phi3+longrope", "llama+dynamic", "llama4_text+unchunked")
+WHOLE_ROW = ("phi3+longrope", "llama+dynamic", "llama4_text+unchunked",
+             "deepseek_v32", "glm_moe_dsa")  # DSA: the indexer's top-k over the row (ties fall as over the row)
 
 
 def reference_logits(model, batch: dict, whole_row: bool = False) -> torch.Tensor:

@@ -58,6 +58,14 @@ def family_config(family: str):
                                    q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                    v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                                    first_k_dense_replace=1, n_shared_experts=1)
+    if family in ("deepseek-v3.2", "glm-5"):  # MLA whose queries see their indexer's top 6 earlier keys only
+        dsa = dict(**SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4, q_lora_rank=16,
+                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4,
+                   num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                   index_topk=6, index_head_dim=8, index_n_heads=4)
+        if family == "deepseek-v3.2":
+            return tf.DeepseekV32Config(**dsa)
+        return tf.GlmMoeDsaConfig(**{**dsa, "num_hidden_layers": 3}, indexer_types=["full", "shared", "full"])
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -101,6 +109,23 @@ def _reference_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         targets[batch["position_ids"][0, 1:] == 0] = -100
     loss = F.cross_entropy(logits[0, :-1], targets, ignore_index=-100, reduction="sum") / (targets != -100).sum()
     return logits, loss
+
+
+def _row_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`_reference_loss`, with packed documents in one call over the whole row (transformers' packed-sequence
+    mask from position_ids): the indexer of DeepSeek Sparse Attention then takes its top-k over the row, as seqmesh
+    does, so ties among equal scores (a ReLU's zeros) fall the same way; per-document calls would break them over
+    rows of another length."""
+    logits = model(**batch, use_cache=False).logits
+    targets = batch["input_ids"][0, 1:].clone()
+    if "position_ids" in batch:
+        targets[batch["position_ids"][0, 1:] == 0] = -100
+    loss = F.cross_entropy(logits[0, :-1], targets, ignore_index=-100, reduction="sum") / (targets != -100).sum()
+    return logits, loss
+
+
+# families whose reference is one call over the packed row (:func:`_row_loss`)
+ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5")
 
 
 class Float32Ops(TorchDispatchMode):
@@ -183,20 +208,24 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
 
 
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                  seq_len: int = 45, shift_positions_on: int | None = None) -> dict:
+                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None) -> dict:
     """Largest logit error and largest relative gradient error over all parameters, and the reference's
     own rounding of each (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
     for the test that the tolerance still sees one, the position ids of that rank's shard off by one
-    (its rotary embedding rotated one step too far) in the logits' forward."""
+    (its rotary embedding rotated one step too far) in the logits' forward. ``alter(model)``: a deliberate change
+    to the parallelized model only (a mutation its test must see)."""
     mesh = get_mesh(ulysses, ring)
     config = family_config(family)
     reference = build(config)
     batch = _batch(seq_len, config.vocab_size, documents)
-    ref_logits, ref_loss = _reference_loss(reference, batch)
+    loss_fn = _row_loss if family in ONE_ROW_FAMILIES else _reference_loss
+    ref_logits, ref_loss = loss_fn(reference, batch)
     ref_loss.backward()
-    rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference)
+    rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn)
 
     lm = parallelize(build(family_config(family)), mesh)
+    if alter is not None:
+        alter(lm)
     local = seqmesh.shard_batch(batch, mesh, layout=layout)
     positions = local["position_ids"]
     if shift_positions_on == dist.get_rank():

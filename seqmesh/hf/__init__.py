@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
+from . import indexed_attention
 from . import linear_attention as gated_delta_net
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
@@ -190,7 +191,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     config = model.config
     text = config.get_text_config()  # the config itself for a text model; the decoder's for a multimodal one
     linear_layers = gated_delta_net.gated_delta_layers(model, mesh, linear_attention)  # their heads checked
-    check_layers(model, handled=[m for _, m in linear_layers])  # the one check: every other token mixer refused
+    indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
+    check_layers(model, handled=[m for _, m in linear_layers], indexed=indexed)  # every other token mixer refused
     q_heads = getattr(text, "num_attention_heads", None)
     if not isinstance(q_heads, int) or q_heads < 1:
         raise ValueError(f"seqmesh cannot run {type(model).__name__}: its config has no attention heads "
@@ -218,6 +220,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     for module, chunk in chunked_layers(model):
         setattr(module, _CHUNK, chunk)
     gated_delta_net.install(model, mesh, linear_layers, linear_attention)
+    indexed_attention.install(indexed, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + positions.install(model, mesh)
     setattr(model, _ATTR, (name, previous, hooks))
@@ -239,6 +242,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
     # the registration is dropped from that mapping directly.
     gated_delta_net.uninstall(model)
+    indexed_attention.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)
     for module in model.modules():

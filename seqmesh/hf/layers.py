@@ -31,7 +31,8 @@ TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|Linear
 STATE_PARAMS = ("A_log", "dt_bias")
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
-             "(Llama 4's chunked_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
+             "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (DeepSeek-V3.2 and GLM-5's "
+             "indexed_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
              "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid")
 
 
@@ -142,13 +143,16 @@ def chunked_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return found
 
 
-def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
+def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: Sequence[nn.Module] = ()) -> None:
     """Raise a ValueError naming every layer or variant of ``model`` seqmesh would not compute exactly.
     ``handled``: token-mixing layers seqmesh runs sequence-parallel itself (Gated DeltaNet, see
-    :mod:`seqmesh.hf.linear_attention`); they, and the ``linear_attention`` layer type, are then accepted."""
+    :mod:`seqmesh.hf.linear_attention`); they, and the ``linear_attention`` layer type, are then accepted.
+    ``indexed``: the attention modules of ``indexed_attention`` layers seqmesh runs itself
+    (:mod:`seqmesh.hf.indexed_attention`); a layer of that type whose module is not among them is refused."""
     name = type(model).__name__
     problems = []
     supported = SUPPORTED_LAYER_TYPES + (("linear_attention",) if handled else ())
+    indexed_at = [(id(getattr(m, "config", None)), getattr(m, "layer_idx", None)) for m in indexed]
     inside_handled = {id(part) for layer in handled for part in layer.modules()}
     handled_ids = {id(layer) for layer in handled}
     # a decoder layer that holds a handled layer (OlmoHybridLinearAttentionDecoderLayer) is its container
@@ -160,6 +164,9 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = ()) -> None:
             if kind == "chunked_attention" and _chunk(config) is not None:
                 if chunked.count((id(config), i)) != 1:
                     problems.append(f"layer {i} is a chunked-attention layer whose attention module seqmesh cannot find")
+            elif kind == "indexed_attention" and indexed:
+                if indexed_at.count((id(config), i)) != 1:
+                    problems.append(f"layer {i} is an indexed-attention layer whose attention module seqmesh cannot find")
             elif kind not in supported:
                 problems.append(f"layer {i} is a {kind!r} layer")
         chunk = getattr(config, "attention_chunk_size", None)

@@ -23,8 +23,13 @@ from .lm import SequenceParallelLM, decoder_layers, vision_blocks
 
 def enable_checkpointing(lm: nn.Module) -> None:
     """Recompute each decoder layer in backward instead of keeping its activations (transformers'
-    own non-reentrant checkpointing; active in training mode)."""
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    own non-reentrant checkpointing; active in training mode). transformers 5.24 renamed the method
+    (``activation_checkpointing_enable``; the old name warns at every call and goes in v6)."""
+    enable = getattr(lm, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _sum_not_average(module: nn.Module) -> None:

@@ -1,0 +1,243 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) exact under sequence parallelism.
+
+An ``indexed_attention`` layer is MLA whose every query attends only to ``index_topk`` keys: a lightning indexer
+scores the query against every earlier key of its row, ``sum_h w_h relu(q_h . k_t) / sqrt(D) / sqrt(H)`` (one
+shared key per token, ``H`` small query heads weighted per token), and the top ``k`` of those scores are the keys
+it sees. transformers (5.24) runs the indexer under ``no_grad``: the selection is a constant, trained by nothing.
+
+On a shard the indexer would choose among the shard's own keys. Here each rank all-gathers, in row order, the two
+things every query may read from any earlier token, both per token and small:
+
+- the indexer's key (``index_head_dim`` values, rotated; no gradient), and
+- MLA's latent: the normalised ``kv_lora_rank`` values and the rotated ``qk_rope_head_dim`` key (gradient back by
+  the gather's adjoint, a reduce-scatter),
+
+then scores its own queries against the whole row (the same float32 products as transformers, the same
+``topk`` call over a row of the same length, so ties fall the same way), and attends over the selected keys in
+MLA's latent space: the query's no-RoPE part taken through ``kv_b_proj``'s key half, the output back through its
+value half (the same products, associated the other way). Nothing per head ever crosses a link: a token moves
+``index_head_dim + kv_lora_rank + qk_rope_head_dim`` values (704 for DeepSeek-V3.2), on every mesh (Ulysses, ring,
+or both: the sequence group is one group here). Queries are scored and attend in blocks whose score tensors stay
+under ``BLOCK_ELEMENTS``; each block's attention is recomputed in backward rather than kept.
+
+GLM-5's ``shared`` layers reuse the previous full layer's selection, which travels between layers as transformers
+passes it (``prev_topk_indices``): the local queries' indices into the whole row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..mesh import SPMesh
+from ..sequence.batch import SequenceInfo
+from ..sequence.sharding import gather_sequence, sequence_positions
+
+_ATTR = "_seqmesh_indexed"
+LAYER_TYPE = "indexed_attention"
+# the score tensor of one block of queries, (B, block, H, T) floats, at most this many elements (1 GiB of float32)
+BLOCK_ELEMENTS = 1 << 28
+_MLA = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+_INDEXER = ("wq_b", "wk", "k_norm", "weights_proj")
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def is_indexed(module: nn.Module) -> bool:
+    """Whether ``module`` is the attention of an indexed-attention layer (it holds, or shares, an indexer)."""
+    return type(module).__name__.endswith("Attention") and (hasattr(module, "indexer") or hasattr(module, "skip_topk"))
+
+
+def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
+    """The indexed-attention modules of ``model`` that seqmesh computes; a ValueError naming the first it cannot
+    (another indexer, a trained indexer, tensor parallelism). Layers of that type left unfound are refused by
+    :func:`seqmesh.hf.layers.check_layers`."""
+    found = [m for m in model.modules() if is_indexed(m)]
+    for module in found:
+        problem = _problem(module, mesh)
+        if problem:
+            raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
+                             f"exactly: {problem}. seqmesh computes DeepSeek Sparse Attention as DeepSeek-V3.2 and "
+                             "GLM-5 define it in transformers: MLA with a lightning indexer run without gradients.")
+    return found
+
+
+def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
+    missing = [n for n in _MLA if not hasattr(module, n)]
+    if missing:
+        return f"it is not MLA as DeepSeek lays it out (no {', '.join(missing)})"
+    if getattr(module.kv_b_proj, "bias", None) is not None:
+        return "its kv_b_proj has a bias, which the latent-space attention does not carry"
+    if getattr(mesh, "tp", 1) > 1:
+        return f"tensor parallelism (tp={mesh.tp}) is not combined with indexed attention; use tp=1"
+    forward = _source(type(module).forward)
+    if "apply_rotary_pos_emb_interleave(q_rot, k_rot" not in forward:
+        return "its MLA rotary is not the interleaved one DeepSeek-V3.2 and GLM-5 apply"
+    indexer = getattr(module, "indexer", None)
+    if indexer is None:
+        if not getattr(module, "skip_topk", False) or "prev_topk_indices" not in inspect.signature(module.forward).parameters:
+            return "it has no indexer and does not take the previous layer's selection (prev_topk_indices)"
+        return None
+    missing = [n for n in _INDEXER if not hasattr(indexer, n)]
+    if missing:
+        return f"its indexer ({type(indexer).__name__}) has no {', '.join(missing)}"
+    source = _source(type(indexer).forward)
+    if "torch.no_grad" not in source:
+        return (f"its indexer ({type(indexer).__name__}) is trained (its forward is not under torch.no_grad), which "
+                "seqmesh's selection, a constant, would not train")
+    if "F.relu(scores)" not in source:
+        return f"its indexer ({type(indexer).__name__}) does not score by a ReLU of its heads' products"
+    return None
+
+
+def _rotary(indexer: nn.Module):
+    """The rotary function the indexer's own module applies (half-split for DeepSeek-V3.2, interleaved for GLM-5)."""
+    namespace = sys.modules[type(indexer).__module__]
+    interleaved = "apply_rotary_pos_emb_interleave(q_rot, k_rot" in _source(type(indexer).forward)
+    return getattr(namespace, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
+
+
+def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings, mesh: SPMesh,
+            info: SequenceInfo, allowed) -> torch.Tensor:
+    """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient)."""
+    with torch.no_grad():
+        b, length, _ = hidden.shape
+        rotate = _rotary(indexer)
+        rope = indexer.qk_rope_head_dim
+        q = indexer.wq_b(q_resid).view(b, length, indexer.n_heads, indexer.head_dim)  # (B, L, H, D)
+        q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
+        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # (B, L, 1, D)
+        k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
+        q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # (B, L, D)
+        keys = _whole_row(k, mesh, info).float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
+        weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+        total = keys.shape[-1]
+        top = min(indexer.index_topk, total)
+        step = max(1, BLOCK_ELEMENTS // max(1, b * indexer.n_heads * total))
+        picks = []
+        for start in range(0, length, step):
+            block = slice(start, start + step)
+            scores = F.relu(torch.matmul(q[:, block].float(), keys) * indexer.softmax_scale)  # (B, l, H, T)
+            index = torch.matmul(weights[:, block].unsqueeze(-2), scores).squeeze(-2)  # (B, l, T)
+            index = index.masked_fill(~allowed(block), float("-inf"))
+            picks.append(index.topk(top, dim=-1).indices)
+        return torch.cat(picks, dim=1)
+
+
+def _whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor:
+    """``x`` (B, L, ...) of every rank, in row order, without the layout's padding: (B, T, ...)."""
+    return gather_sequence(x, mesh, dim=1, layout=info.layout, length=info.seq_len, cu_seqlens=info.cu_seqlens)
+
+
+def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
+    """``allowed(block) -> (1, l, T)`` bool: which keys of the row each local query of ``block`` may see (its own
+    document's, up to itself). A padding query sees the row's first token, so that nothing is empty."""
+    index = sequence_positions(info.seq_len, mesh, layout=info.layout, device=device, cu_seqlens=info.cu_seqlens)
+    keys = torch.arange(info.seq_len, device=device)
+    bounds = torch.tensor(info.cu_seqlens or (0, info.seq_len), device=device)
+    doc_of = lambda t: torch.bucketize(t, bounds[1:], right=True)  # noqa: E731  the document each position is in
+    padding = index >= info.seq_len
+    query_doc, key_doc = doc_of(index.clamp(max=info.seq_len - 1)), doc_of(keys)
+
+    def allowed(block: slice) -> torch.Tensor:
+        q, d, pad = index[block, None], query_doc[block, None], padding[block, None]
+        return (((keys[None] <= q) & (key_doc[None] == d)) | (pad & (keys[None] == 0)))[None]
+
+    return allowed
+
+
+def _latent_attention(module: nn.Module, q_pass, q_rot, latent, k_rot, picks, valid) -> torch.Tensor:
+    """MLA over the selected keys, in latent space. q_pass (B, l, H, Dn), q_rot (B, l, H, Dr); latent (B, T, R),
+    k_rot (B, T, Dr) of the whole row; picks (B, l, k) indices into it, valid (B, l, k) those the query may see
+    -> (B, l, H, Dv)."""
+    heads, nope, dv = q_pass.shape[2], module.qk_nope_head_dim, module.v_head_dim
+    weight = module.kv_b_proj.weight.view(heads, nope + dv, -1)  # (H, Dn + Dv, R)
+    w_key, w_value = weight[:, :nope], weight[:, nope:]
+    rows = torch.arange(picks.shape[0], device=picks.device)[:, None, None]
+    chosen, chosen_rot = latent[rows, picks], k_rot[rows, picks]  # (B, l, k, R), (B, l, k, Dr)
+    q_latent = torch.einsum("blhn,hnr->blhr", q_pass, w_key)
+    scores = (torch.einsum("blhr,blkr->blhk", q_latent, chosen)
+              + torch.einsum("blhd,blkd->blhk", q_rot, chosen_rot)) * module.scaling
+    precise = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(precise).masked_fill(~valid[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(latent.dtype)
+    return torch.einsum("blhr,hvr->blhv", torch.einsum("blhk,blkr->blhr", probs, chosen), w_value)
+
+
+def _make_forward(mesh: SPMesh):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
+                position_ids=None, prev_topk_indices=None, **kwargs):
+        # hidden_states (B, L, E) -> ((B, L, E), None[, (B, L, k) the selection, for GLM-5's shared layers])
+        info: SequenceInfo | None = kwargs.get("seqmesh")
+        name = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
+        if info is None:
+            raise ValueError(f"{name} runs sequence-parallel but was called without the 'seqmesh' entry; call the "
+                             "model with the batch returned by seqmesh.shard_batch (model(**batch)).")
+        if cache is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError(f"{name} runs sequence-parallel and keeps no cache: call the model without one.")
+        if self.training and self.attention_dropout:
+            raise ValueError(f"attention dropout ({self.attention_dropout}) is not supported by seqmesh; set "
+                             "attention_dropout=0.")
+        b, length = hidden_states.shape[:-1]
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        query = self.q_b_proj(q_resid).view(b, length, -1, self.qk_head_dim)  # (B, L, H, Dn + Dr)
+        q_pass, q_rot = torch.split(query, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
+                                     dim=-1)
+        latent = self.kv_a_layernorm(kv_pass)  # (B, L, R)
+        rotate = getattr(sys.modules[type(self).__module__], "apply_rotary_pos_emb_interleave")
+        q_rot, k_rot = rotate(q_rot.transpose(1, 2), k_rot[:, None], *position_embeddings)  # (B, H, L, Dr), (B, 1, L, Dr)
+        q_rot, k_rot = q_rot.transpose(1, 2), k_rot[:, 0]
+        allowed = _key_rules(mesh, info, hidden_states.device)
+        if getattr(self, "indexer", None) is not None:
+            picks = _select(self.indexer, hidden_states, q_resid, position_embeddings, mesh, info, allowed)
+        elif prev_topk_indices is None:
+            raise ValueError(f"{name} shares the previous full layer's selection, but none was passed to it.")
+        else:
+            picks = prev_topk_indices.long()
+        latent_row, rot_row = _whole_row(latent, mesh, info), _whole_row(k_rot, mesh, info)  # (B, T, R), (B, T, Dr)
+        step = max(1, BLOCK_ELEMENTS // max(1, b * q_pass.shape[2] * picks.shape[-1] * latent.shape[-1]))
+        outputs = []
+        for start in range(0, length, step):
+            block = slice(start, start + step)
+            valid = torch.gather(allowed(block).expand(b, -1, -1), 2, picks[:, block])  # (B, l, k)
+            inputs = (q_pass[:, block], q_rot[:, block], latent_row, rot_row, picks[:, block], valid)
+            if torch.is_grad_enabled():
+                outputs.append(checkpoint(_latent_attention, self, *inputs, use_reentrant=False))
+            else:
+                outputs.append(_latent_attention(self, *inputs))
+        out = self.o_proj(torch.cat(outputs, dim=1).reshape(b, length, -1))
+        if "prev_topk_indices" in inspect.signature(type(self).forward).parameters:
+            return out, None, picks
+        return out, None
+
+    return forward
+
+
+def install(layers: list[nn.Module], mesh: SPMesh) -> None:
+    """Give ``layers`` (from :func:`indexed_layers`) the sequence-parallel forward; the class is untouched."""
+    forward = _make_forward(mesh)
+    for module in layers:
+        module.forward = types.MethodType(forward, module)
+        setattr(module, _ATTR, True)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Undo :func:`install`: the class's own forward again."""
+    for module in model.modules():
+        if getattr(module, _ATTR, False):
+            del module.forward
+            delattr(module, _ATTR)
