@@ -46,3 +46,33 @@ def test_a_selection_one_key_short_is_seen(pools):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_a_deepseek_v32_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train`` on a tiny DeepSeek-V3.2 config.json (selection of 16 keys among up
+    to 77) over 2 x 2 Ulysses x ring with FSDP2: the loss and gradients of the single-process model, then training."""
+    import json
+    import math
+
+    import transformers as tf
+
+    from seqmesh.training.config import TrainConfig
+    from train_job_cases import run_train, run_verify
+
+    config = tf.DeepseekV32Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                                  intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4, q_lora_rank=16,
+                                  kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  first_k_dense_replace=1, n_shared_experts=1, index_topk=16, index_head_dim=8,
+                                  index_n_heads=4, attention_dropout=0.0)
+    path = tmp_path / "dsa" / "config.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    base = dict(model=str(path), seq_len=77, ulysses=2, ring=2, dp=1, lr=1e-2, warmup=1, log_every=1, eval_every=0,
+                symbols=16)
+    good = pools.run(4, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    pools.run(4, run_train, TrainConfig(**base, steps=6, out=str(tmp_path / "train")))
+    with open(tmp_path / "train" / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
