@@ -29,6 +29,20 @@ TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|Linear
                                r"|(LSTM|Lstm)\w*)$")
 # parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
 STATE_PARAMS = ("A_log", "dt_bias")
+# layer types seqmesh refuses with their own reason: what the layer computes that seqmesh does not, and what would
+# make it computable (from transformers 5.24's code)
+_COMPRESSED = ("adds to its sliding window's keys one compressed entry per {what} of the row, counted from the row's "
+               "start and rotated at that window's row index (not the documents' position_ids), {then}; seqmesh would "
+               "need each entry built by the rank that holds its window (or its halo) and gathered, and a kernel that "
+               "takes a sliding window and those entries in one softmax with the sinks: not computed yet")
+LAYER_TYPE_REASONS = {
+    "heavily_compressed_attention": "DeepSeek-V4's heavily compressed attention, which " + _COMPRESSED.format(
+        what="window of compress_rates['heavily_compressed_attention'] tokens (a softmax-gated sum)",
+        then="seen by every later query"),
+    "compressed_sparse_attention": "DeepSeek-V4's compressed sparse attention, which " + _COMPRESSED.format(
+        what="overlapping window of 2 x compress_rates['compressed_sparse_attention'] tokens",
+        then="of which a lightning indexer keeps each query's top index_topk"),
+}
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
              "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (DeepSeek-V3.2 and GLM-5's "
@@ -158,6 +172,7 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: S
     # a decoder layer that holds a handled layer (OlmoHybridLinearAttentionDecoderLayer) is its container
     inside_handled |= {id(m) for m in model.modules() if handled_ids & {id(d) for d in m.modules()}}
     chunked = [(id(m.config), m.layer_idx) for m, _ in chunked_layers(model)]
+    explained = set()
     for config in _configs(model):
         kinds = getattr(config, "layer_types", None) or ()
         for i, kind in enumerate(kinds):
@@ -167,8 +182,10 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: S
             elif kind == "indexed_attention" and indexed:
                 if indexed_at.count((id(config), i)) != 1:
                     problems.append(f"layer {i} is an indexed-attention layer whose attention module seqmesh cannot find")
-            elif kind not in supported:
-                problems.append(f"layer {i} is a {kind!r} layer")
+            elif kind not in supported:  # a kind's reason once, with its first layer
+                reason = LAYER_TYPE_REASONS.get(kind) if kind not in explained else None
+                explained.add(kind)
+                problems.append(f"layer {i} is a {kind!r} layer" + (f" ({reason})" if reason else ""))
         chunk = getattr(config, "attention_chunk_size", None)
         if chunk and _chunk(config) is None:
             problems.append(f"its attention is chunked (attention_chunk_size={chunk}). Set config.attention_chunk_size = "

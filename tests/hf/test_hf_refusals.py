@@ -108,3 +108,22 @@ def test_refusals_are_right_and_first(pools):
         assert f"({layer}) calls its self_attn without passing its **kwargs on" in answers[family], answers[family]
     assert "KimiLinearDeltaAttention" in answers["kimi"] and "KimiLinearAttention," not in answers["kimi"], answers["kimi"]
     assert answers["llama"] == ""
+
+
+def test_deepseek_v4_compressed_attention_is_refused_with_its_reason_once():
+    """DeepSeek-V4's two compressed attentions: each kind named with what it computes that seqmesh does not, once
+    however many layers have it."""
+    import pytest
+    import transformers as tf
+
+    from seqmesh.hf.layers import check_layers
+
+    config = tf.DeepseekV4Config(hidden_size=64, num_hidden_layers=4, vocab_size=64, num_attention_heads=4,
+                                 layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                              "heavily_compressed_attention", "compressed_sparse_attention"])
+    with pytest.raises(ValueError) as refused:
+        check_layers(tf.AutoModelForCausalLM.from_config(config))
+    message = str(refused.value)
+    for kind in ("heavily compressed attention", "compressed sparse attention"):
+        assert message.count(f"DeepSeek-V4's {kind}") == 1, message
+    assert "layer 2 is a 'heavily_compressed_attention' layer" in message and "lightning indexer" in message
