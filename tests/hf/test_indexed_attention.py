@@ -35,10 +35,15 @@ def test_indexed_attention_exact(pools, ulysses, ring):
     transformers computes on one process: zigzag without documents, per_document with packed documents."""
     cases = [(f, ulysses, ring, layout, docs) for f in FAMILIES
              for layout, docs in (("zigzag", False), ("per_document", True))]
+    worst = {}
     for results in pools.run(ulysses * ring, _run_all, cases):
         for r in results:
             assert not _outside_rounding(r), r
             assert r["rounding"]["logits"] < 1e-4, r  # a bound that could not hide a wrong selection (~1e-2)
+            key = r["case"][0]
+            errors = tuple(r[k] for k in ("logits", "loss", "grad"))
+            worst[key] = tuple(max(a, b) for a, b in zip(worst.get(key, (0.0,) * 3), errors))
+    print(f"u{ulysses}xr{ring} worst (logits, loss, relative grad): {worst}")
 
 
 def test_a_selection_one_key_short_is_seen(pools):
