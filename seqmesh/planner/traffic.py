@@ -152,6 +152,26 @@ def linear_attention_traffic(key_heads: int, value_heads: int, key_dim: int, val
     return out
 
 
+def indexed_attention_traffic(index_head_dim: int, kv_lora_rank: int, rope_dim: int, *, seq_len: int, batch: int,
+                              ulysses: int, ring: int, dtype: str, layout: str = "zigzag",
+                              indexer: bool = True) -> list[RankTraffic]:
+    """Per-rank traffic of one DeepSeek Sparse Attention layer (``indexed_attention``), forward+backward, indexed by
+    sequence rank: forward one all-gather over the whole sequence group per tensor of the row every query may read,
+    the indexer's key (``index_head_dim`` a token; without ``indexer``, a layer reusing the previous selection, not
+    gathered), MLA's latent (``kv_lora_rank``) and its rotary key (``rope_dim``); backward a reduce-scatter of the
+    latent's and the rotary key's gradients (the indexer runs without gradients). ``(P - 1) x`` this rank's share
+    each, the same on every rank and for every ``ulysses x ring`` split of ``P``."""
+    p = ulysses * ring
+    if p == 1:
+        return [RankTraffic(0, 0, ())]
+    local = padded_length(seq_len, ulysses, ring, layout) // p
+    unit = (p - 1) * batch * local * dtype_bytes(dtype)  # one value of each token of every other rank
+    gathered = ((index_head_dim,) if indexer else ()) + (kv_lora_rank, rope_dim)
+    calls = (Collective("all_gather", "forward", len(gathered), sum(gathered) * unit),
+             Collective("reduce_scatter", "backward", 2, (kv_lora_rank + rope_dim) * unit))
+    return [RankTraffic(rank % ulysses, rank // ulysses, calls) for rank in range(p)]
+
+
 def worst_rank(ranks: list[RankTraffic], kind: str, phase: str) -> int:
     """The most bytes any rank sends for ``kind`` in ``phase``."""
     return max(t.sent(kind, phase) for t in ranks)
