@@ -64,13 +64,21 @@ def indexed_attention_saved(work: Workload, layout: Degrees) -> int:
 def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     """Peak bytes of a DeepSeek Sparse Attention layer beyond what it keeps, the larger of two moments. The selection
     (forward, and again in a checkpointed layer's recompute): the gathered row of indexer keys (B, S, Di), its float32
-    copy, and two float32 score blocks of ``BLOCK_ELEMENTS`` (the product and its scaled copy). A block's backward:
-    the chosen latents and rotary keys and their gradients (under ``BLOCK_ELEMENTS`` elements each) and the gathered
+    copy, and two float32 score blocks (B, l, Hi, S) of up to ``BLOCK_ELEMENTS`` (the product and its scaled copy). A
+    block's backward: the chosen latents and rotary keys (B, l, k, R + Dr) and their gradients, and the gathered
     row's gradient (B, S, R + Dr) before its reduce-scatter."""
-    e, lat, row = work.act_bytes, work.model.latent, work.batch * work.seq_len
-    select = row * lat.index_head_dim * (e + 4) + 2 * BLOCK_ELEMENTS * 4
-    block = 2 * BLOCK_ELEMENTS * e * (lat.kv_lora_rank + lat.qk_rope_head_dim) // lat.kv_lora_rank
-    return max(select, block + row * (lat.kv_lora_rank + lat.qk_rope_head_dim) * e)
+    m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
+    row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
+    scores = block_queries(b * lat.index_n_heads * work.seq_len, local) * b * lat.index_n_heads * work.seq_len
+    select = row * lat.index_head_dim * (e + 4) + 2 * scores * 4
+    chosen = block_queries(b * m.heads * top * lat.kv_lora_rank, local) * b * top * (lat.kv_lora_rank + lat.qk_rope_head_dim)
+    return max(select, 2 * chosen * e + row * (lat.kv_lora_rank + lat.qk_rope_head_dim) * e)
+
+
+def block_queries(per_query: int, queries: int) -> int:
+    """Queries in one block of ``seqmesh.hf.indexed_attention``: as many as keep ``per_query`` elements each under
+    ``BLOCK_ELEMENTS`` (at least one), at most the rank's ``queries``."""
+    return min(max(1, BLOCK_ELEMENTS // max(1, per_query)), queries)
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:
