@@ -288,6 +288,11 @@ class ModelShape:
         return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0)
 
     @property
+    def value_dim(self) -> int:
+        """v's head dim (MLA's differs from q's and k's, ``head_dim``)."""
+        return self.latent.v_head_dim if self.latent is not None else self.head_dim
+
+    @property
     def indexed_layers(self) -> int:
         """DeepSeek Sparse Attention layers (``indexed_attention``; the rest of the attention layers are full)."""
         return self.latent.indexed_layers if self.latent is not None else 0

@@ -60,7 +60,8 @@ class Attention:
         padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout, lay.tp)
         return attention_traffic(*tp_heads(m, lay), m.head_dim, seq_len=padded, batch=w.batch,
                                  ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype, layout=w.layout,
-                                 validate=w.validate and self.window is None, window=self.window)
+                                 validate=w.validate and self.window is None, window=self.window,
+                                 value_dim=m.value_dim)
 
     def traffic(self) -> Phases:
         ranks = self.ranks()

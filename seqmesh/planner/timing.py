@@ -57,7 +57,7 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # = the TP group's tokens x 1/tp of the weights
     pairs = attention_average(work, layout, Attention.pairs)
     heads = HeadDeal(*tp_heads(m, layout), layout.ulysses).max_q
-    attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
+    attn_fwd = 2 * (m.head_dim + m.value_dim) * heads * b * pairs / layout.ring / attn_rate  # q.k and p.v
     attn_bwd = ATTENTION_BACKWARD * attn_fwd
     if layout.ring > 1:  # smaller kernels and the merges: the split-and-merge efficiency
         block = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp) // layout.ring
@@ -174,7 +174,8 @@ def ring_hops(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float,
     m = work.model
     padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
     kv, dkv = ring_block_bytes(*tp_heads(m, layout), m.head_dim, seq_len=padded, batch=work.batch,
-                               ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
+                               ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout,
+                               value_dim=m.value_dim)
     return ring_hop_seconds(kv, hw, layout), ring_hop_seconds(dkv, hw, layout)
 
 

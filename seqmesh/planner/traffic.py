@@ -94,15 +94,21 @@ class RankTraffic:
 
 def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int,
                       dtype: str, layout: str = "zigzag", validate: bool = True, window: int | None = None,
-                      documents: tuple[int, ...] | None = None, causal: bool = True) -> list[RankTraffic]:
+                      documents: tuple[int, ...] | None = None, causal: bool = True,
+                      value_dim: int | None = None) -> list[RankTraffic]:
     """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank ``ring_rank * ulysses
-    + ulysses_rank``, with a causal sliding ``window`` or packed ``documents`` if given (:func:`ring_step_list`)."""
+    + ulysses_rank``, with a causal sliding ``window`` or packed ``documents`` if given (:func:`ring_step_list`).
+    ``value_dim`` (MLA: v's head dim, not q's and k's): Ulysses moves q and k in one all-to-all, v in another, the
+    output at v's dim; the ring's K/V blocks are ``head_dim + value_dim`` wide."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     p = ulysses * ring
     local = padded_length(seq_len, ulysses, ring, layout) // p
     e, ep = dtype_bytes(dtype), partial_bytes(dtype)
-    row = batch * local * head_dim * e  # one head of this rank's tokens
+    dv = head_dim if value_dim is None else value_dim
+    row, v_row = batch * local * head_dim * e, batch * local * dv * e  # one head of this rank's tokens: q/k, v
     all_heads = sum(deal.q_count(v) + 2 * deal.kv_count(v) for v in range(ulysses))
+    all_kv = sum(deal.kv_count(v) for v in range(ulysses))
+    all_qk = all_heads - all_kv
     steps = ring_step_list(ring, local * p, layout, window, documents, causal)  # the same on every rank
     hops = len(steps) - 1
     relay = steps == tuple(range(len(steps)))  # relayed partials make one more hop, home
@@ -114,13 +120,20 @@ def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: in
             items: list[Collective] = []
             if validate and p > 1:
                 items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64))
-            if ulysses > 1:
+            if ulysses > 1 and dv == head_dim:
                 items += [Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row),
                           Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row),
                           Collective("all_to_all", "backward", 1, (q_heads - q) * row),
                           Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row)]
+            elif ulysses > 1:  # q and k packed, v on its own (seqmesh.sharded_attention.ulysses), output at dv
+                items += [Collective("all_to_all", "forward", 1, (all_qk - q - kv) * row),
+                          Collective("all_to_all", "forward", 1, (all_kv - kv) * v_row),
+                          Collective("all_to_all", "forward", 1, (ulysses - 1) * q * v_row),
+                          Collective("all_to_all", "backward", 1, (q_heads - q) * v_row),
+                          Collective("all_to_all", "backward", 1, (ulysses - 1) * kv * v_row),
+                          Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + kv) * row)]
             if hops:
-                block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
+                block = batch * ulysses * local * kv * (head_dim + dv)  # elements of one K/V block
                 items += [Collective("p2p", "forward", hops, hops * block * e),
                           Collective("p2p", "backward", hops, hops * block * e),
                           Collective("p2p", "backward", partials, partials * block * ep)]
@@ -185,11 +198,11 @@ def call_bytes(ranks: list[RankTraffic], kind: str, phase: str) -> list[int]:
 
 
 def ring_block_bytes(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int,
-                     ring: int, dtype: str, layout: str = "zigzag") -> tuple[int, int]:
-    """``(K/V block, dK/dV partial)`` bytes of one ring hop on the busiest rank."""
+                     ring: int, dtype: str, layout: str = "zigzag", value_dim: int | None = None) -> tuple[int, int]:
+    """``(K/V block, dK/dV partial)`` bytes of one ring hop on the busiest rank (``value_dim``: v's, MLA's)."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
-    block = 2 * batch * ulysses * local * deal.max_kv * head_dim
+    block = batch * ulysses * local * deal.max_kv * (head_dim + (head_dim if value_dim is None else value_dim))
     return block * dtype_bytes(dtype), block * partial_bytes(dtype)
 
 

@@ -131,3 +131,30 @@ def test_seqmesh_plan_reports_sparse_attention(tmp_path, capsys):
     assert step_time(sparse, layout, hw).total > step_time(dense, layout, hw).total
     quick = step_time(sparse, layout, replace(hw, peak_flops_fp32=hw.peak_flops, memory_bandwidth=1e18))
     assert quick.total < step_time(dense, layout, hw).total  # an indexer at the bf16 rate, in place: faster
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_dense_mla_bytes_equal_measured(pools, ulysses, ring, tmp_path):
+    """Dense MLA (DeepSeek-V3) through seqmesh attention, v's head dim (6) apart from q's and k's (12): Ulysses' q/k
+    and v all-to-alls and its output at v's dim, the ring's K/V blocks ``12 + 6`` wide, per rank, against the
+    planner's per-layer figures (the recompute's filed as forward)."""
+    cases = [ModelTrafficCase("deepseek-v3", 45, dtype="float32", checkpointing=c) for c in (False, True)]
+    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
+    layout = Degrees(ulysses, ring, 1)
+    for i, case in enumerate(cases):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(per_rank[0][i]["config"]))
+        work = Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+        assert work.model.value_dim == 6 and work.model.head_dim == 12
+        per_layer, _, step = communication(work, layout, PRESETS["h100-nvlink"])
+        n = work.model.layers
+        want = {("all_to_all", "forward"): n * (per_layer["forward"]["ulysses_all_to_all"]
+                                                + per_layer["recompute"]["ulysses_all_to_all"]),
+                ("all_to_all", "backward"): n * per_layer["backward"]["ulysses_all_to_all"],
+                ("p2p", "forward"): n * (per_layer["forward"]["ring_p2p"] + per_layer["recompute"]["ring_p2p"]),
+                ("p2p", "backward"): n * per_layer["backward"]["ring_p2p"],
+                ("control", "forward"): step["input_check_all_gather"],
+                ("all_reduce", "forward"): pooled_loss_bytes(work, layout)}
+        for rank in per_rank:
+            got = {(kind, ph): v["bytes_sent"] for kind, phases in rank[i]["stats"].items() for ph, v in phases.items()}
+            assert got == {k: v for k, v in want.items() if v}, (case, ulysses, ring)
