@@ -197,7 +197,7 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
     if tp:
         steps += [scatter_backward("MLP", wide, hidden)]
     n, hq, _ = attention_heads(work, layout)
-    o_input = out if layout.ulysses > 1 else 0  # the output projection's own input (Ulysses)
+    o_input = out if layout.ulysses > 1 and not m.indexed_layers else 0  # o_proj's own input (Ulysses; not DSA)
     steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
               ("residual gradient sum", 0, hidden)]  # in place into the residual stream's gradient
     steps += [gather_backward("o_proj", wide)] if tp else []
