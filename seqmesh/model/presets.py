@@ -277,7 +277,8 @@ class ModelShape:
         """One layer's MLP: a gated MLP, or ``experts`` of them, the shared experts and a router (the MoE layer's,
         where the first ``dense_layers`` have a dense MLP: the larger FSDP unit)."""
         if self.experts:
-            return (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate + self.experts * self.hidden
+            experts = (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate
+            return experts + self.experts * self.hidden  # + the router
         return 3 * self.hidden * self.intermediate
 
     @property
@@ -322,7 +323,8 @@ class ModelShape:
                          + (full - own) * self.latent.attention_params(self.hidden, self.heads))
         tower = self.vision.params if self.vision is not None else 0
         dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate)
-        return (attention + self.linear_layers * self.linear_layer_params + self.layers * (self.mlp_params + self.norm_params)
+        per_layer = self.mlp_params + self.norm_params
+        return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
                 - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower)
 
     def as_dict(self) -> dict:

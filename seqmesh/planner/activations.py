@@ -71,8 +71,9 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
     scores = block_queries(b * lat.index_n_heads * work.seq_len, local) * b * lat.index_n_heads * work.seq_len
     select = row * lat.index_head_dim * (e + 4) + 2 * scores * 4
-    chosen = block_queries(b * m.heads * top * lat.kv_lora_rank, local) * b * top * (lat.kv_lora_rank + lat.qk_rope_head_dim)
-    return max(select, 2 * chosen * e + row * (lat.kv_lora_rank + lat.qk_rope_head_dim) * e)
+    width = lat.kv_lora_rank + lat.qk_rope_head_dim
+    chosen = block_queries(b * m.heads * top * lat.kv_lora_rank, local) * b * top * width
+    return max(select, 2 * chosen * e + row * width * e)
 
 
 def block_queries(per_query: int, queries: int) -> int:

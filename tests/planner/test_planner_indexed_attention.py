@@ -26,9 +26,9 @@ from seqmesh.tools.cli import main
 FAMILIES = ["deepseek-v3.2", "glm-5"]  # GLM-5's tiny config: a layer sharing the previous layer's selection
 # DeepSeek-V3.2 as published (transformers does not build its multi-token-prediction layer)
 V32 = dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
-           intermediate_size=18432, moe_intermediate_size=2048, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-           qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
-           first_k_dense_replace=3, n_shared_experts=1, max_position_embeddings=163840)
+           intermediate_size=18432, moe_intermediate_size=2048, q_lora_rank=1536, kv_lora_rank=512,
+           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+           n_group=8, topk_group=4, first_k_dense_replace=3, n_shared_experts=1, max_position_embeddings=163840)
 INDEXER = dict(index_topk=2048, index_head_dim=128, index_n_heads=64)
 
 
