@@ -163,3 +163,12 @@ def test_dense_mla_bytes_equal_measured(pools, ulysses, ring, tmp_path):
         for rank in per_rank:
             got = {(kind, ph): v["bytes_sent"] for kind, phases in rank[i]["stats"].items() for ph, v in phases.items()}
             assert got == {k: v for k, v in want.items() if v}, (case, ulysses, ring)
+
+
+def test_a_bf16_peak_alone_is_refused_by_name(tmp_path, capsys):
+    """The indexer's float32 scores need the fp32 peak, which --peak-tflops clears: an error naming the fix."""
+    family_config("deepseek-v3.2").save_pretrained(tmp_path)
+    argv = ["plan", "--model", str(tmp_path), "--seq-len", "4096", "--gpus", "4", "--peak-tflops", "100"]
+    assert main(argv) == 2
+    assert "--peak-tflops-fp32" in capsys.readouterr().err
+    assert main([*argv, "--peak-tflops-fp32", "10"]) == 0
