@@ -156,6 +156,43 @@ class VisionShape:
 
 
 @dataclass(frozen=True)
+class LatentShape:
+    """Multi-head latent attention (MLA: DeepSeek-V3, DeepSeek-V3.2, GLM-5): each token's keys and values come from
+    one ``kv_lora_rank`` latent and one shared ``qk_rope_head_dim`` rotary key; with DeepSeek Sparse Attention
+    (``index_topk`` > 0) ``indexed_layers`` of the layers are ``indexed_attention`` (``seqmesh.hf.indexed_attention``),
+    each query attending to the top ``index_topk`` keys its lightning indexer (``index_n_heads`` heads of
+    ``index_head_dim``) picks; ``shared_layers`` of them (GLM-5's indexer_types "shared") reuse the previous
+    layer's selection and have no indexer."""
+
+    q_lora_rank: int  # 0: queries projected from the hidden state directly
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_topk: int = 0  # keys each query of an indexed layer attends to (0: no indexed layers)
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    indexed_layers: int = 0
+    shared_layers: int = 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def attention_params(self, hidden: int, heads: int, indexer: bool = False) -> int:
+        """One layer's MLA (q_a, its norm, q_b or q; kv_a, its norm, kv_b; o) and, with ``indexer``, its lightning
+        indexer (wq_b, wk, the key's LayerNorm, weights_proj)."""
+        r, q = self.kv_lora_rank, heads * self.qk_head_dim
+        query = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q if self.q_lora_rank else hidden * q
+        kv = hidden * (r + self.qk_rope_head_dim) + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        own = query + kv + heads * self.v_head_dim * hidden
+        if not indexer:
+            return own
+        di, hi = self.index_head_dim, self.index_n_heads
+        return own + (self.q_lora_rank or hidden) * hi * di + hidden * di + 2 * di + hidden * hi
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the planner and the trainer need to know of a decoder-only transformer."""
 
@@ -184,6 +221,10 @@ class ModelShape:
     experts_per_token: int = 0
     extra: tuple[tuple[str, object], ...] = ()  # further config entries of the family (name, value)
     vision: VisionShape | None = None  # a vision-language model's tower (family "qwen2_5_vl", "qwen3_vl")
+    latent: LatentShape | None = None  # MLA's sizes (head_dim is then its query/key head dim); None: q, k, v heads
+    shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
+    dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
+    dense_intermediate: int = 0
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.model_sizes)
@@ -233,9 +274,11 @@ class ModelShape:
 
     @property
     def mlp_params(self) -> int:
-        """One layer's MLP: a gated MLP, or ``experts`` of them and a router."""
+        """One layer's MLP: a gated MLP, or ``experts`` of them, the shared experts and a router (the MoE layer's,
+        where the first ``dense_layers`` have a dense MLP: the larger FSDP unit)."""
         if self.experts:
-            return self.experts * 3 * self.hidden * self.intermediate + self.experts * self.hidden
+            experts = (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate
+            return experts + self.experts * self.hidden  # + the router
         return 3 * self.hidden * self.intermediate
 
     @property
@@ -246,18 +289,43 @@ class ModelShape:
         return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0)
 
     @property
+    def value_dim(self) -> int:
+        """v's head dim (MLA's differs from q's and k's, ``head_dim``)."""
+        return self.latent.v_head_dim if self.latent is not None else self.head_dim
+
+    @property
+    def indexed_layers(self) -> int:
+        """DeepSeek Sparse Attention layers (``indexed_attention``; the rest of the attention layers are full)."""
+        return self.latent.indexed_layers if self.latent is not None else 0
+
+    @property
+    def attention_params(self) -> int:
+        """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's)."""
+        if self.latent is not None:
+            return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    @property
     def params(self) -> int:
         """Parameter count (embeddings, attention, gated MLP or experts, RMSNorms, Gated DeltaNet mixers, LM head
-        unless tied; gpt-oss's biases and sinks, under 0.01%, are left out)."""
+        unless tied; gpt-oss's biases and sinks, under 0.01%, are left out). As transformers builds the model:
+        DeepSeek-V3.2's multi-token-prediction layer is not built, nor counted."""
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
         if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases
             attn += self.head_dim * (self.heads + 2 * self.kv_heads)
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
         full = self.layers - self.linear_layers
+        attention = full * attn
+        if self.latent is not None:  # MLA; an indexer in each indexed layer but GLM-5's shared ones
+            own = self.latent.indexed_layers - self.latent.shared_layers
+            attention = (own * self.latent.attention_params(self.hidden, self.heads, indexer=True)
+                         + (full - own) * self.latent.attention_params(self.hidden, self.heads))
         tower = self.vision.params if self.vision is not None else 0
-        return (full * attn + self.linear_layers * self.linear_layer_params + self.layers * (self.mlp_params + self.norm_params)
-                - self.linear_layers * (2 * self.head_dim if gated else 0) + embed + self.hidden + tower)
+        dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate)
+        per_layer = self.mlp_params + self.norm_params
+        return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
+                - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower)
 
     def as_dict(self) -> dict:
         """The decoder's shape as plain data (the family's ``extra`` config entries left out: they size
@@ -375,10 +443,10 @@ def model_shape(name_or_path: str) -> ModelShape:
             layers=cfg["num_hidden_layers"],
             heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
             vocab=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            **({"head_dim": cfg.get("head_dim") or hidden // heads} | _latent_fields(cfg)),
             **_mlp_fields(cfg),
             **_linear_fields(cfg),
             **_window_fields(cfg),
@@ -468,12 +536,36 @@ def _fixed_size_tower(cfg: dict, v: dict) -> VisionShape:
 def _mlp_fields(cfg: dict) -> dict:
     """The MLP of a config.json: its experts (each of ``moe_intermediate_size`` where the config names one, as
     Qwen3.5-MoE, whose config has no dense ``intermediate_size``; gpt-oss's are ``intermediate_size``), or one
-    dense MLP. Shared experts are left out (under 1% of an MoE layer's experts in the published configs)."""
+    dense MLP. DeepSeek's and GLM's ``n_shared_experts`` (each an expert's size) and first dense layers
+    (``mlp_layer_types`` "dense", or the first ``first_k_dense_replace``; of ``intermediate_size``) are counted."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return dict(intermediate=cfg["intermediate_size"])
+    kinds = cfg.get("mlp_layer_types")
+    dense = kinds.count("dense") if kinds else min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])
     return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
-                experts_per_token=cfg.get("num_experts_per_tok") or 1)
+                experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=cfg.get("n_shared_experts") or 0,
+                dense_layers=dense, dense_intermediate=cfg.get("intermediate_size") or 0 if dense else 0)
+
+
+def _latent_fields(cfg: dict) -> dict:
+    """MLA's sizes (DeepSeek-V3, V3.2, GLM-5) and the head dim its attention runs at (the query/key head's, no-RoPE
+    and RoPE parts; config.json's ``head_dim`` is the RoPE part only), with DeepSeek Sparse Attention's indexer where
+    ``layer_types`` names ``indexed_attention`` layers (GLM-5's ``indexer_types`` "shared": no indexer of their own)."""
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    types = cfg.get("layer_types") or []
+    indexed = types.count("indexed_attention")
+    if indexed and not cfg.get("index_topk"):
+        raise ValueError(f"{indexed} indexed_attention layers but no index_topk: DeepSeek Sparse Attention needs the "
+                         "keys each query attends to (index_topk), index_head_dim and index_n_heads.")
+    shared = [k for t, k in zip(types, cfg.get("indexer_types") or ["full"] * len(types)) if t == "indexed_attention"]
+    latent = LatentShape(cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
+                         cfg["qk_rope_head_dim"], cfg["v_head_dim"],
+                         **(dict(index_topk=cfg["index_topk"], index_head_dim=cfg["index_head_dim"],
+                                 index_n_heads=cfg["index_n_heads"], indexed_layers=indexed,
+                                 shared_layers=shared.count("shared")) if indexed else {}))
+    return dict(latent=latent, head_dim=latent.qk_head_dim)
 
 
 def _linear_fields(cfg: dict) -> dict:

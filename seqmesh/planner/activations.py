@@ -5,6 +5,7 @@ and allocates: docs/planner.md ("Activations").
 
 from __future__ import annotations
 
+from ..hf.indexed_attention import BLOCK_ELEMENTS
 from ..model.presets import ModelShape
 from ..padding import padded_length
 from ..heads import HeadDeal
@@ -49,10 +50,44 @@ def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
     return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + e * m.hidden
 
 
+def indexed_attention_saved(work: Workload, layout: Degrees) -> int:
+    """Bytes one DeepSeek Sparse Attention layer (``seqmesh.hf.indexed_attention``) keeps for backward: its queries'
+    no-RoPE and rotary parts (B, L, H, Dn + Dr), MLA's gathered latent row and rotary keys (B, S, R + Dr), each
+    query's top-k picks (int64) and which it may see (bool), and the output, ``o_proj``'s input (B, L, H, Dv)."""
+    m, e, lat = work.model, work.act_bytes, work.model.latent
+    t, row = tokens(work, layout), work.batch * work.seq_len
+    top = min(lat.index_topk, work.seq_len)
+    return t * (m.heads * (lat.qk_head_dim + lat.v_head_dim) * e + top * (INT64 + 1)) + row * (
+        lat.kv_lora_rank + lat.qk_rope_head_dim) * e
+
+
+def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
+    """Peak bytes of a DeepSeek Sparse Attention layer beyond what it keeps, the larger of two moments. The selection
+    (forward, and again in a checkpointed layer's recompute): the gathered row of indexer keys (B, S, Di), its float32
+    copy, and two float32 score blocks (B, l, Hi, S) of up to ``BLOCK_ELEMENTS`` (the product and its scaled copy). A
+    block's backward: the chosen latents and rotary keys (B, l, k, R + Dr) and their gradients, and the gathered
+    row's gradient (B, S, R + Dr) before its reduce-scatter."""
+    m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
+    row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
+    scores = block_queries(b * lat.index_n_heads * work.seq_len, local) * b * lat.index_n_heads * work.seq_len
+    select = row * lat.index_head_dim * (e + 4) + 2 * scores * 4
+    width = lat.kv_lora_rank + lat.qk_rope_head_dim
+    chosen = block_queries(b * m.heads * top * lat.kv_lora_rank, local) * b * top * width
+    return max(select, 2 * chosen * e + row * width * e)
+
+
+def block_queries(per_query: int, queries: int) -> int:
+    """Queries in one block of ``seqmesh.hf.indexed_attention``: as many as keep ``per_query`` elements each under
+    ``BLOCK_ELEMENTS`` (at least one), at most the rank's ``queries``."""
+    return min(max(1, BLOCK_ELEMENTS // max(1, per_query)), queries)
+
+
 def attention_saved(work: Workload, layout: Degrees) -> int:
     """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE; Ulysses: the output projection's
-    own input)."""
+    own input); a DeepSeek Sparse Attention model's layers: :func:`indexed_attention_saved`."""
     m, e = work.model, work.act_bytes
+    if m.indexed_layers:
+        return indexed_attention_saved(work, layout)
     n, hq, hk = attention_heads(work, layout)
     saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
     if layout.ulysses > 1:
@@ -163,7 +198,7 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
     if tp:
         steps += [scatter_backward("MLP", wide, hidden)]
     n, hq, _ = attention_heads(work, layout)
-    o_input = out if layout.ulysses > 1 else 0  # the output projection's own input (Ulysses)
+    o_input = out if layout.ulysses > 1 and not m.indexed_layers else 0  # o_proj's own input (Ulysses; not DSA)
     steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
               ("residual gradient sum", 0, hidden)]  # in place into the residual stream's gradient
     steps += [gather_backward("o_proj", wide)] if tp else []
@@ -196,8 +231,10 @@ def timeline_peak(steps: list[tuple[str, int, int]]) -> tuple[int, str]:
 
 def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
     """Peak bytes of seqmesh's attention backward beyond its saved tensors and the output's gradient, the q, k, v
-    gradients it returns included."""
+    gradients it returns included; a DeepSeek Sparse Attention model's layers: :func:`indexed_attention_working_bytes`."""
     m, e = work.model, work.act_bytes
+    if m.indexed_layers:
+        return indexed_attention_working_bytes(work, layout)
     n, hq, hk = attention_heads(work, layout)
     d = m.head_dim
     kernel = n * (hq + 2 * hk) * d * e

@@ -1,5 +1,5 @@
 """What one decoder layer costs on the busiest rank, by kind: seqmesh attention (full, or a causal sliding window;
-with tensor parallelism inside, :mod:`.tensor_parallel`) and Gated DeltaNet. Each kind gives its FSDP unit's parameters, its collectives'
+with tensor parallelism inside, :mod:`.tensor_parallel`), Gated DeltaNet and DeepSeek Sparse Attention. Each kind gives its FSDP unit's parameters, its collectives'
 bytes per phase and its saved tensors; the step walks take the model's kinds from :func:`layer_kinds`.
 """
 
@@ -18,9 +18,9 @@ from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_
 from ..heads import HeadDeal
 from .tensor_parallel import layer_traffic, split_params
 from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes, fsdp_traffic,
-                      linear_attention_traffic, ring_steps, worst_rank)
+                      indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
 from ..degrees import Degrees
-from .workload import Workload
+from .workload import Workload, layer_matmul_params, layer_params
 
 Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
 
@@ -60,7 +60,8 @@ class Attention:
         padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout, lay.tp)
         return attention_traffic(*tp_heads(m, lay), m.head_dim, seq_len=padded, batch=w.batch,
                                  ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype, layout=w.layout,
-                                 validate=w.validate and self.window is None, window=self.window)
+                                 validate=w.validate and self.window is None, window=self.window,
+                                 value_dim=m.value_dim)
 
     def traffic(self) -> Phases:
         ranks = self.ranks()
@@ -225,15 +226,114 @@ class GatedDeltaNet:
                 "serial": a2a_fwd * repeats + a2a_bwd + 2 * ag + rs}
 
 
-LayerKind = Attention | GatedDeltaNet
+def sparse_attention_flops(m: ModelShape, queries: int, keys: int, batch: int) -> int:
+    """Forward FLOPs of one indexed layer's attention (all heads), in MLA's latent space as
+    ``seqmesh.hf.indexed_attention`` runs it: each of ``queries`` scores and reads ``min(index_topk, keys)`` keys of
+    the row (the picks beyond its causal keys masked, not skipped), ``H x (R + Dr)`` multiply-adds a key for the score
+    and ``H x R`` for the output. The absorption of ``kv_b_proj`` into each query is counted with the projections."""
+    lat = m.latent
+    return 2 * batch * queries * min(lat.index_topk, keys) * m.heads * (2 * lat.kv_lora_rank + lat.qk_rope_head_dim)
+
+
+def indexer_flops(m: ModelShape, queries: int, keys: int, batch: int) -> int:
+    """Forward FLOPs of one lightning indexer, float32 as transformers scores: ``queries`` against the whole row of
+    ``keys`` (masked after scoring, so every pair is computed), ``Hi x Di`` multiply-adds a pair and ``Hi`` for the
+    per-head weights."""
+    lat = m.latent
+    return 2 * batch * queries * keys * lat.index_n_heads * (lat.index_head_dim + 1)
+
+
+def indexer_memory_bytes(m: ModelShape, queries: int, keys: int, batch: int) -> int:
+    """GPU-memory bytes one indexer moves beyond its FLOPs: the float32 ``(queries, Hi, keys)`` scores written by the
+    product, read and written by the scale and by the ReLU, read by the weighted sum; the ``(queries, keys)`` index
+    written, masked (read and written) and read by the top-k."""
+    return batch * queries * keys * 4 * (6 * m.latent.index_n_heads + 4)
+
+
+@dataclass(frozen=True)
+class IndexedAttention:
+    """A DeepSeek Sparse Attention layer (``seqmesh.hf.indexed_attention``) over the whole sequence group (one flat
+    group: the same for every ``ulysses x ring`` split of it); ``indexer`` False: a GLM-5 layer that reuses the
+    previous layer's selection."""
+
+    work: Workload
+    layout: Degrees
+    indexer: bool = True
+
+    def params(self) -> int:  # tp is 1: seqmesh refuses tensor parallelism with indexed attention
+        m = self.work.model
+        return layer_params(m) - self._indexer_params()
+
+    def _indexer_params(self) -> int:
+        """The indexer's parameters this layer lacks (a shared layer's), of the model's largest layer."""
+        m = self.work.model
+        return 0 if self.indexer else m.attention_params - m.latent.attention_params(m.hidden, m.heads)
+
+    def ranks(self):
+        """Each sequence rank's traffic in one layer (:func:`.traffic.indexed_attention_traffic`)."""
+        w, lay, lat = self.work, self.layout, self.work.model.latent
+        return indexed_attention_traffic(lat.index_head_dim, lat.kv_lora_rank, lat.qk_rope_head_dim, seq_len=w.seq_len,
+                                         batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype,
+                                         layout=w.layout, indexer=self.indexer)
+
+    def traffic(self) -> Phases:
+        ranks = self.ranks()
+        return phases({"indexed_row_gather": worst_rank(ranks, "all_gather", "forward")},
+                      {"indexed_row_gather": worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {"indexed_row_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+
+    def saved_bytes(self) -> int:
+        return decoder_layer_saved_bytes(self.work, self.layout)
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`GatedDeltaNet.seconds` counts them:
+        the projections; the sparse attention of this rank's queries, recomputed block by block in
+        backward (forward once more, then twice its FLOPs); the indexer's float32 scores of this rank's queries
+        against the whole row and the bytes they move (no backward; run again with the layer's recompute); the
+        row's all-gathers before them and the reduce-scatter of its gradient, which nothing overlaps."""
+        work, layout, m = self.work, self.layout, self.work.model
+        p = layout.ulysses * layout.ring
+        padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
+        local, b = padded // p, work.batch
+        peak = hw.flops_for(work.dtype)
+        mm_fwd = 2 * b * local * (layer_matmul_params(m) - self._indexer_params()) / (peak * hw.matmul_efficiency)
+        sparse_fwd = sparse_attention_flops(m, local, work.seq_len, b) / (peak * hw.attention_efficiency)
+        select = 0.0
+        if self.indexer:
+            select = (indexer_flops(m, local, work.seq_len, b) / (hw.flops_for("fp32") * hw.matmul_efficiency)
+                      + indexer_memory_bytes(m, local, work.seq_len, b) / hw.memory_bandwidth)
+        group = axis_groups(layout, "sequence")[0]
+        lat, unit = m.latent, b * local * dtype_bytes(work.torch_dtype) * (p - 1)
+        gathered = ([lat.index_head_dim] if self.indexer else []) + [lat.kv_lora_rank, lat.qk_rope_head_dim]
+        ag = sum(gather_seconds(n * unit, hw, group) for n in gathered)
+        rs = sum(gather_seconds(n * unit, hw, group) for n in gathered[-2:])
+        fwd = mm_fwd + select + sparse_fwd + ag
+        bwd = 2 * mm_fwd + 3 * sparse_fwd + rs
+        if work.checkpointing:
+            bwd += fwd
+        fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+        fsdp_ag, fsdp_rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
+        repeats = 2 if work.checkpointing else 1
+        return {"total": max(fwd, fsdp_ag) + max(bwd, fsdp_ag + fsdp_rs),
+                "compute": (mm_fwd + select + sparse_fwd) * repeats + 2 * mm_fwd + 3 * sparse_fwd,
+                "serial": ag * repeats + rs + 2 * fsdp_ag + fsdp_rs}
+
+
+LayerKind = Attention | GatedDeltaNet | IndexedAttention
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     """The model's layers by kind, with how many of each (kinds with none left out)."""
     m = work.model
-    full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0)
+    full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0) - m.indexed_layers
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:
         kinds.append((Attention(work, layout, m.sliding_window), m.sliding_layers))
     kinds.append((GatedDeltaNet(work, layout), m.linear_layers))
+    if m.indexed_layers:
+        shared = m.latent.shared_layers
+        kinds += [(IndexedAttention(work, layout), m.indexed_layers - shared),
+                  (IndexedAttention(work, layout, indexer=False), shared)]
     return [(kind, n) for kind, n in kinds if n]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from .hardware import GiB, Cluster, HardwareSpec
 from .memory import MemoryBreakdown, memory_per_gpu
 from .recommend import explain, explain_longest, nothing_fits, pick
-from .layers import Attention, GatedDeltaNet, LayerKind, layer_kinds
+from .layers import Attention, LayerKind, layer_kinds
 from .network import every_group, link_name
 from .timing import StepTime, step_time
 from ..padding import padded_length
@@ -131,7 +131,10 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
     the busiest rank; what each counts is docs/planner.md's "JSON output" (``comm_bytes_per_layer``, ``_per_step``)."""
     m = work.model
     attention = Attention(work, layout)
-    shown = [attention] + ([GatedDeltaNet(work, layout)] if m.linear_layers else [])
+    shown: list[LayerKind] = []  # one layer of each kind (the first: full attention before sliding, an indexer's)
+    for kind, _ in layer_kinds(work, layout):
+        if not any(type(k) is type(kind) for k in shown):
+            shown.append(kind)
     per_layer = {phase: {} for phase in PHASES}
     fsdp_link = link_name(hw, [[r for group in every_group(layout, "sequence") for r in group]])
     links = {"fsdp_all_gather": fsdp_link, "fsdp_reduce_scatter": fsdp_link}
@@ -152,7 +155,8 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
-    step["input_check_all_gather"] = attention.input_check()
+    # the first seqmesh attention call of a batch checks the inputs (indexed layers do not call it)
+    step["input_check_all_gather"] = attention.input_check() if m.layers > m.linear_layers + m.indexed_layers else 0
     step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
     if layout.tp > 1:  # the embedding's and the loss's TP collectives, the loss tiles' and norm gradients' all-reduces
         for sent in step_traffic(work, layout).values():

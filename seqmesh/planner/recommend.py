@@ -94,11 +94,14 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     if lay.tp > 1:
         parts.append(f"tensor parallelism {lay.tp} inside {links['tp_all_gather']}, its gathers and reduce-scatters "
                      "on the critical path")
-    if lay.ulysses > 1:
+    if lay.ulysses > 1 and "ulysses_all_to_all" in links:
         inner = links["ulysses_all_to_all"] == cluster.hardware.links[0].name
         parts.append(f"Ulysses {lay.ulysses} {'inside' if inner else 'over'} {links['ulysses_all_to_all']}")
-    if lay.ring > 1:
+    if lay.ring > 1 and "ring_p2p" in links:
         parts.append(_ring_part(best, cluster))
+    if lay.sp > 1 and "indexed_row_gather" in links:  # DeepSeek Sparse Attention: one flat group, any split
+        parts.append(f"the sparse attention's rows gathered over the {lay.sp} GPUs of the sequence group, over "
+                     f"{links['indexed_row_gather']} (the same bytes for every Ulysses x ring split of them)")
     if lay.dp_shard > 1:
         sp = lay.sp
         parts.append(f"the sequence fits on {sp} GPU{'s' if sp > 1 else ''}, so {lay.dp_shard} data-parallel "

@@ -8,7 +8,8 @@ from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
-SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "tp_all_gather", "tp_reduce_scatter")  # the table's SP comm
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "tp_all_gather",
+                  "tp_reduce_scatter")  # the table's SP comm
 
 
 def _human_bytes(n: float) -> str:
@@ -41,9 +42,22 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
-            f"heads x {m.head_dim}, vocab {m.vocab:,}; {flags}\n"
+            f"heads x {m.head_dim}{_latent(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
+
+
+def _latent(m) -> str:
+    """MLA's latent and, with DeepSeek Sparse Attention, its selection, as the header names them."""
+    lat = m.latent
+    if lat is None:
+        return ""
+    text = f" (MLA: latent {lat.kv_lora_rank} + rotary {lat.qk_rope_head_dim}, v {lat.v_head_dim})"
+    if lat.indexed_layers:
+        shared = f", {lat.shared_layers} sharing the previous selection" if lat.shared_layers else ""
+        text += (f", sparse attention on {lat.indexed_layers} layers: top {lat.index_topk:,} keys a query, indexer "
+                 f"{lat.index_n_heads} heads x {lat.index_head_dim}{shared}")
+    return text
 
 
 def format_plan(p: Plan, top: int) -> str:

@@ -29,6 +29,8 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
         return "seqmesh's tensor parallelism does not split mixture-of-experts layers (tp 1 only)"
     if m.linear_layers:  # seqmesh runs them (seqmesh.tensor_parallel.linear_attention); their cost is not modelled
         return "the planner does not model Gated DeltaNet layers under tensor parallelism yet (tp 1 only)"
+    if m.latent is not None:  # seqmesh.hf.indexed_attention refuses tp > 1; MLA's split is not modelled
+        return "the planner does not model MLA under tensor parallelism (tp 1 only)"
     if m.vision is not None or work.media is not None:
         return "seqmesh's tensor parallelism covers text decoders only, not vision-language models (tp 1 only)"
     sizes = {"query heads": m.heads, "intermediate size": m.intermediate, "vocabulary": m.vocab}
@@ -46,7 +48,7 @@ def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     """Parameters one TP rank holds before FSDP2 shards them: each projection, the embedding and the LM head
     ``1 / tp``; RMSNorm weights (and per-head q/k norms) whole on every TP rank. Keys: ``layer`` (one decoder
     layer), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``."""
-    layer_split = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + m.mlp_params
+    layer_split = m.attention_params + m.mlp_params
     head = m.vocab * m.hidden
     out = {"layer": -(-layer_split // tp) + m.norm_params, "root": -(-head // tp) + m.hidden,
            "embedding": 0 if m.tie_embeddings else -(-head // tp)}

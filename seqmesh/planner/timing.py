@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .activations import tp_heads
-from .layers import Attention, GatedDeltaNet, attention_average, attention_pairs
+from .layers import Attention, GatedDeltaNet, IndexedAttention, attention_average, attention_pairs, layer_kinds
 from .network import axis_all_to_all_seconds, every_group, fsdp_seconds, ring_hop_seconds
 from ..padding import padded_length
 from ..heads import HeadDeal
@@ -57,7 +57,7 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     mm_fwd = 2 * tokens * layer_matmul_params(m) / mm_rate  # = the TP group's tokens x 1/tp of the weights
     pairs = attention_average(work, layout, Attention.pairs)
     heads = HeadDeal(*tp_heads(m, layout), layout.ulysses).max_q
-    attn_fwd = 4 * m.head_dim * heads * b * pairs / layout.ring / attn_rate
+    attn_fwd = 2 * (m.head_dim + m.value_dim) * heads * b * pairs / layout.ring / attn_rate  # q.k and p.v
     attn_bwd = ATTENTION_BACKWARD * attn_fwd
     if layout.ring > 1:  # smaller kernels and the merges: the split-and-merge efficiency
         block = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp) // layout.ring
@@ -103,18 +103,19 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     emb_ag, emb_rs = unit_seconds(split["embedding"])
     emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd if split["embedding"] else 0.0
     tp_step = step_seconds(work, layout, hw)  # the embedding's, the loss's and the norm gradients' TP collectives
-    full = m.layers - m.linear_layers
+    full = m.layers - m.linear_layers - m.indexed_layers  # seqmesh attention's layers, full or sliding
     total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm + tp_step
     compute = full * compute_layer + head
     recompute = comm_fwd - tp["forward"] + tp["recompute"] if work.checkpointing else 0.0
     serial = (full * (comm_fwd + recompute + comm_bwd + 2 * ag + rs) + root_comm + 2 * emb_ag + emb_rs + tp_step)
-    if full < m.layers:
-        lin = GatedDeltaNet(work, layout).seconds(hw, fsdp_ranks)
-        total += m.linear_layers * lin["total"]
-        compute += m.linear_layers * lin["compute"]
-        serial += m.linear_layers * lin["serial"]
+    for kind, count in layer_kinds(work, layout):  # the layers that time themselves: Gated DeltaNet, indexed
+        if isinstance(kind, (GatedDeltaNet, IndexedAttention)):
+            own = kind.seconds(hw, fsdp_ranks)
+            total += count * own["total"]
+            compute += count * own["compute"]
+            serial += count * own["serial"]
     hops = {}
-    if layout.ring > 1:
+    if layout.ring > 1 and full:
         t_kv, t_dkv = ring_hops(work, layout, hw)
         steps = ring_hop_count(work, layout) + 1
         hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / steps,
@@ -173,7 +174,8 @@ def ring_hops(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float,
     m = work.model
     padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
     kv, dkv = ring_block_bytes(*tp_heads(m, layout), m.head_dim, seq_len=padded, batch=work.batch,
-                               ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout)
+                               ulysses=layout.ulysses, ring=layout.ring, dtype=work.torch_dtype, layout=work.layout,
+                               value_dim=m.value_dim)
     return ring_hop_seconds(kv, hw, layout), ring_hop_seconds(dkv, hw, layout)
 
 

@@ -94,15 +94,21 @@ class RankTraffic:
 
 def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int, ring: int,
                       dtype: str, layout: str = "zigzag", validate: bool = True, window: int | None = None,
-                      documents: tuple[int, ...] | None = None, causal: bool = True) -> list[RankTraffic]:
+                      documents: tuple[int, ...] | None = None, causal: bool = True,
+                      value_dim: int | None = None) -> list[RankTraffic]:
     """Per-rank traffic of one ``seqmesh.attention`` forward+backward, indexed by sequence rank ``ring_rank * ulysses
-    + ulysses_rank``, with a causal sliding ``window`` or packed ``documents`` if given (:func:`ring_step_list`)."""
+    + ulysses_rank``, with a causal sliding ``window`` or packed ``documents`` if given (:func:`ring_step_list`).
+    ``value_dim`` (MLA: v's head dim, not q's and k's): Ulysses moves q and k in one all-to-all, v in another, the
+    output at v's dim; the ring's K/V blocks are ``head_dim + value_dim`` wide."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     p = ulysses * ring
     local = padded_length(seq_len, ulysses, ring, layout) // p
     e, ep = dtype_bytes(dtype), partial_bytes(dtype)
-    row = batch * local * head_dim * e  # one head of this rank's tokens
+    dv = head_dim if value_dim is None else value_dim
+    row, v_row = batch * local * head_dim * e, batch * local * dv * e  # one head of this rank's tokens: q/k, v
     all_heads = sum(deal.q_count(v) + 2 * deal.kv_count(v) for v in range(ulysses))
+    all_kv = sum(deal.kv_count(v) for v in range(ulysses))
+    all_qk = all_heads - all_kv
     steps = ring_step_list(ring, local * p, layout, window, documents, causal)  # the same on every rank
     hops = len(steps) - 1
     relay = steps == tuple(range(len(steps)))  # relayed partials make one more hop, home
@@ -114,13 +120,20 @@ def attention_traffic(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: in
             items: list[Collective] = []
             if validate and p > 1:
                 items.append(Collective("control", "forward", 1, (p - 1) * VALIDATION_FIELDS * INT64))
-            if ulysses > 1:
+            if ulysses > 1 and dv == head_dim:
                 items += [Collective("all_to_all", "forward", 1, (all_heads - q - 2 * kv) * row),
                           Collective("all_to_all", "forward", 1, (ulysses - 1) * q * row),
                           Collective("all_to_all", "backward", 1, (q_heads - q) * row),
                           Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + 2 * kv) * row)]
+            elif ulysses > 1:  # q and k packed, v on its own (seqmesh.sharded_attention.ulysses), output at dv
+                items += [Collective("all_to_all", "forward", 1, (all_qk - q - kv) * row),
+                          Collective("all_to_all", "forward", 1, (all_kv - kv) * v_row),
+                          Collective("all_to_all", "forward", 1, (ulysses - 1) * q * v_row),
+                          Collective("all_to_all", "backward", 1, (q_heads - q) * v_row),
+                          Collective("all_to_all", "backward", 1, (ulysses - 1) * kv * v_row),
+                          Collective("all_to_all", "backward", 1, (ulysses - 1) * (q + kv) * row)]
             if hops:
-                block = 2 * batch * ulysses * local * kv * head_dim  # elements of one K/V block
+                block = batch * ulysses * local * kv * (head_dim + dv)  # elements of one K/V block
                 items += [Collective("p2p", "forward", hops, hops * block * e),
                           Collective("p2p", "backward", hops, hops * block * e),
                           Collective("p2p", "backward", partials, partials * block * ep)]
@@ -152,6 +165,26 @@ def linear_attention_traffic(key_heads: int, value_heads: int, key_dim: int, val
     return out
 
 
+def indexed_attention_traffic(index_head_dim: int, kv_lora_rank: int, rope_dim: int, *, seq_len: int, batch: int,
+                              ulysses: int, ring: int, dtype: str, layout: str = "zigzag",
+                              indexer: bool = True) -> list[RankTraffic]:
+    """Per-rank traffic of one DeepSeek Sparse Attention layer (``indexed_attention``), forward+backward, indexed by
+    sequence rank: forward one all-gather over the whole sequence group per tensor of the row every query may read,
+    the indexer's key (``index_head_dim`` a token; without ``indexer``, a layer reusing the previous selection, not
+    gathered), MLA's latent (``kv_lora_rank``) and its rotary key (``rope_dim``); backward a reduce-scatter of the
+    latent's and the rotary key's gradients (the indexer runs without gradients). ``(P - 1) x`` this rank's share
+    each, the same on every rank and for every ``ulysses x ring`` split of ``P``."""
+    p = ulysses * ring
+    if p == 1:
+        return [RankTraffic(0, 0, ())]
+    local = padded_length(seq_len, ulysses, ring, layout) // p
+    unit = (p - 1) * batch * local * dtype_bytes(dtype)  # one value of each token of every other rank
+    gathered = ((index_head_dim,) if indexer else ()) + (kv_lora_rank, rope_dim)
+    calls = (Collective("all_gather", "forward", len(gathered), sum(gathered) * unit),
+             Collective("reduce_scatter", "backward", 2, (kv_lora_rank + rope_dim) * unit))
+    return [RankTraffic(rank % ulysses, rank // ulysses, calls) for rank in range(p)]
+
+
 def worst_rank(ranks: list[RankTraffic], kind: str, phase: str) -> int:
     """The most bytes any rank sends for ``kind`` in ``phase``."""
     return max(t.sent(kind, phase) for t in ranks)
@@ -165,11 +198,11 @@ def call_bytes(ranks: list[RankTraffic], kind: str, phase: str) -> list[int]:
 
 
 def ring_block_bytes(q_heads: int, kv_heads: int, head_dim: int, *, seq_len: int, batch: int, ulysses: int,
-                     ring: int, dtype: str, layout: str = "zigzag") -> tuple[int, int]:
-    """``(K/V block, dK/dV partial)`` bytes of one ring hop on the busiest rank."""
+                     ring: int, dtype: str, layout: str = "zigzag", value_dim: int | None = None) -> tuple[int, int]:
+    """``(K/V block, dK/dV partial)`` bytes of one ring hop on the busiest rank (``value_dim``: v's, MLA's)."""
     deal = HeadDeal(q_heads, kv_heads, ulysses)
     local = padded_length(seq_len, ulysses, ring, layout) // (ulysses * ring)
-    block = 2 * batch * ulysses * local * deal.max_kv * head_dim
+    block = batch * ulysses * local * deal.max_kv * (head_dim + (head_dim if value_dim is None else value_dim))
     return block * dtype_bytes(dtype), block * partial_bytes(dtype)
 
 

@@ -75,15 +75,18 @@ class Workload:
 
 
 def layer_params(m: ModelShape) -> int:
-    """Parameters of one transformer layer: q, k, v, o projections, gated MLP (or all its experts), RMSNorms."""
-    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + m.mlp_params + m.norm_params
+    """Parameters of one transformer layer: q, k, v, o projections (MLA's, with its indexer), gated MLP (or all its
+    experts), RMSNorms."""
+    return m.attention_params + m.mlp_params + m.norm_params
 
 
 def layer_matmul_params(m: ModelShape) -> int:
     """Parameters of one layer that multiply every token (the projections; of an MoE layer, the
-    experts a token is routed to and the router)."""
-    mlp = 3 * m.hidden * m.intermediate * (m.experts_per_token or 1) + m.experts * m.hidden
-    return m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + mlp
+    experts a token is routed to, the shared experts and the router). MLA's ``kv_b_proj`` multiplies every token
+    (dense: the keys and values of every head) or, as indexed attention runs it, every query (its two halves
+    absorbed into the query and the output): the same products."""
+    mlp = 3 * m.hidden * m.intermediate * ((m.experts_per_token or 1) + m.shared_experts) + m.experts * m.hidden
+    return m.attention_params + mlp
 
 
 def embedding_unit_params(m: ModelShape) -> int:

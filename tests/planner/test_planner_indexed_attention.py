@@ -1,0 +1,174 @@
+"""The planner on DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): its parameter count against the model transformers
+builds, its per-layer bytes against what seqmesh.hf.indexed_attention really sends (``comm_stats``), and
+``seqmesh plan`` on a DeepSeek-V3.2-sized config.json against the same model with dense MLA."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from family_cases import family_config
+from planner_cases import ModelTrafficCase, measured_model_traffic
+from seqmesh.degrees import Degrees
+from seqmesh.model.presets import model_shape
+from seqmesh.planner.hardware import PRESETS
+from seqmesh.planner.memory import memory_at
+from seqmesh.planner.layers import IndexedAttention, layer_kinds, sparse_attention_flops
+from seqmesh.planner.plan import communication
+from seqmesh.planner.tensor_parallel import pooled_loss_bytes
+from seqmesh.planner.timing import step_time
+from seqmesh.planner.workload import Workload
+from seqmesh.tools.cli import main
+
+FAMILIES = ["deepseek-v3.2", "glm-5"]  # GLM-5's tiny config: a layer sharing the previous layer's selection
+# DeepSeek-V3.2 as published (transformers does not build its multi-token-prediction layer)
+V32 = dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+           intermediate_size=18432, moe_intermediate_size=2048, q_lora_rank=1536, kv_lora_rank=512,
+           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+           n_group=8, topk_group=4, first_k_dense_replace=3, n_shared_experts=1, max_position_embeddings=163840)
+INDEXER = dict(index_topk=2048, index_head_dim=128, index_n_heads=64)
+
+
+def _shape(config, folder):
+    config.save_pretrained(folder)
+    return model_shape(str(folder))
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", *FAMILIES])
+def test_parameters_are_what_transformers_builds(family, tmp_path):
+    """MLA's projections and norms, each indexer (none in GLM-5's shared layer), routed and shared experts and the
+    first dense layers, counted exactly."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(family)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert _shape(config, tmp_path).params == built
+
+
+def test_deepseek_v32_has_671_9b_parameters(tmp_path):
+    import transformers as tf
+
+    assert _shape(tf.DeepseekV32Config(**V32, **INDEXER), tmp_path / "v32").params == 671_877_929_216
+    assert _shape(tf.DeepseekV3Config(**V32), tmp_path / "v3").params == 671_026_404_352
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_predicted_bytes_equal_measured(pools, ulysses, ring, tmp_path):
+    """One step's all-gathers (forward; with checkpointing, again in the recompute, filed as forward) and
+    reduce-scatters (backward: the latent and the rotary key, never the indexer's key) per rank, calls and bytes,
+    against the planner's per-layer figures times the layers of each kind; the loss's all-reduce beside them."""
+    cases = [ModelTrafficCase(f, 45, dtype="float32", checkpointing=c) for f in FAMILIES for c in (False, True)]
+    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
+    layout = Degrees(ulysses, ring, 1)
+    for i, case in enumerate(cases):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(per_rank[0][i]["config"]))
+        work = Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+        kinds = layer_kinds(work, layout)
+        assert all(isinstance(k, IndexedAttention) for k, _ in kinds) and sum(n for _, n in kinds) == work.model.layers
+        sent = {(kind, ph): 0 for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward"))}
+        calls = dict.fromkeys(sent, 0)
+        for kind, count in kinds:
+            mine = kind.ranks()[0]
+            runs = 2 if case.checkpointing else 1
+            for key, repeats in ((("all_gather", "forward"), runs), (("reduce_scatter", "backward"), 1)):
+                sent[key] += count * repeats * mine.sent(*key)
+                calls[key] += count * repeats * mine.calls(*key)
+            per_layer = kind.traffic()
+            assert per_layer["forward"]["indexed_row_gather"] == mine.sent("all_gather", "forward")
+            assert per_layer["backward"]["indexed_row_gather"] == mine.sent("reduce_scatter", "backward")
+        want = {**{k: {"calls": calls[k], "bytes_sent": v} for k, v in sent.items()},
+                ("all_reduce", "forward"): {"calls": 1, "bytes_sent": pooled_loss_bytes(work, layout)}}
+        for rank in per_rank:
+            got = {(kind, ph): {"calls": v["calls"], "bytes_sent": v["bytes_sent"]}
+                   for kind, phases in rank[i]["stats"].items() for ph, v in phases.items()}
+            assert got == want, (case, ulysses, ring)
+
+
+def test_bytes_are_the_same_for_every_split_of_the_group(tmp_path):
+    """The row is gathered over the whole sequence group: U8 x R1, U2 x R4 and U1 x R8 send the same, per rank,
+    ``7/8 x S x 704`` values forward and ``7/8 x S x 576`` backward at DeepSeek-V3.2's sizes, and hold and take the
+    same (no Ulysses output all-to-all, no ring)."""
+    import transformers as tf
+
+    work = Workload(_shape(tf.DeepseekV32Config(**V32, **INDEXER), tmp_path), 131072)
+    hw = PRESETS["h100-nvlink"]
+    seen, seen_memory, seen_time = set(), set(), set()
+    for u, r in ((8, 1), (2, 4), (1, 8)):
+        per_layer, links, _ = communication(work, Degrees(u, r, 1), hw)
+        seen.add(tuple(per_layer[ph]["indexed_row_gather"] for ph in ("forward", "backward", "recompute")))
+        seen_memory.add(tuple(memory_at(work, Degrees(u, r, 1), "layer backward").as_dict().items()))
+        seen_time.add(step_time(work, Degrees(u, r, 1), hw).total)
+        assert "ulysses_all_to_all" not in per_layer["forward"] and links["indexed_row_gather"] == "nvlink4"
+    local = 131072 // 8
+    assert seen == {(7 * local * 704 * 2, 7 * local * 576 * 2, 7 * local * 704 * 2)}
+    assert len(seen_memory) == 1 and len(seen_time) == 1
+
+
+def test_seqmesh_plan_reports_sparse_attention(tmp_path, capsys):
+    """``seqmesh plan`` on DeepSeek-V3.2's config.json names the sparse attention and its row's traffic; its sparse
+    attention is under a ninth of dense MLA's work at 128K (2,048 keys a query instead of 65,536 on average, each 3.4
+    times dearer in latent space: ``2R + Dr`` = 1,088 multiply-adds a head against ``Dqk + Dv`` = 320)."""
+    import transformers as tf
+
+    tf.DeepseekV32Config(**V32, **INDEXER).save_pretrained(tmp_path / "v32")
+    tf.DeepseekV3Config(**V32).save_pretrained(tmp_path / "v3")
+    argv = ["plan", "--model", str(tmp_path / "v32" / "config.json"), "--seq-len", "131072", "--gpus", "8"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "671.9B params" in text and "sparse attention on 61 layers: top 2,048 keys a query" in text, text
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert best["comm_bytes_per_layer"]["forward"]["indexed_row_gather"] == 7 * 16384 * 704 * 2
+
+    sparse, dense = (Workload(model_shape(str(tmp_path / name)), 131072) for name in ("v32", "v3"))
+    m, s = sparse.model, 131072
+    dense_flops = 2 * s * (s + 1) // 2 * m.heads * (m.latent.qk_head_dim + m.latent.v_head_dim)
+    assert 9 < dense_flops / sparse_attention_flops(m, s, s, 1) < 10
+    layout, hw = Degrees(8, 1, 1), PRESETS["h100-nvlink"]
+    # what seqmesh runs: transformers' float32 indexer scores every query against the whole row (64 heads x 128,
+    # 8,192 multiply-adds a pair at the fp32 rate, its score blocks through memory six times); at 128K that costs
+    # more than dense MLA's bf16 attention, so the step is slower, not faster
+    assert step_time(sparse, layout, hw).total > step_time(dense, layout, hw).total
+    quick = step_time(sparse, layout, replace(hw, peak_flops_fp32=hw.peak_flops, memory_bandwidth=1e18))
+    assert quick.total < step_time(dense, layout, hw).total  # an indexer at the bf16 rate, in place: faster
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_dense_mla_bytes_equal_measured(pools, ulysses, ring, tmp_path):
+    """Dense MLA (DeepSeek-V3) through seqmesh attention, v's head dim (6) apart from q's and k's (12): Ulysses' q/k
+    and v all-to-alls and its output at v's dim, the ring's K/V blocks ``12 + 6`` wide, per rank, against the
+    planner's per-layer figures (the recompute's filed as forward)."""
+    cases = [ModelTrafficCase("deepseek-v3", 45, dtype="float32", checkpointing=c) for c in (False, True)]
+    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
+    layout = Degrees(ulysses, ring, 1)
+    for i, case in enumerate(cases):
+        path = tmp_path / f"{i}.json"
+        path.write_text(json.dumps(per_rank[0][i]["config"]))
+        work = Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+        assert work.model.value_dim == 6 and work.model.head_dim == 12
+        per_layer, _, step = communication(work, layout, PRESETS["h100-nvlink"])
+        n = work.model.layers
+        want = {("all_to_all", "forward"): n * (per_layer["forward"]["ulysses_all_to_all"]
+                                                + per_layer["recompute"]["ulysses_all_to_all"]),
+                ("all_to_all", "backward"): n * per_layer["backward"]["ulysses_all_to_all"],
+                ("p2p", "forward"): n * (per_layer["forward"]["ring_p2p"] + per_layer["recompute"]["ring_p2p"]),
+                ("p2p", "backward"): n * per_layer["backward"]["ring_p2p"],
+                ("control", "forward"): step["input_check_all_gather"],
+                ("all_reduce", "forward"): pooled_loss_bytes(work, layout)}
+        for rank in per_rank:
+            got = {(kind, ph): v["bytes_sent"] for kind, phases in rank[i]["stats"].items() for ph, v in phases.items()}
+            assert got == {k: v for k, v in want.items() if v}, (case, ulysses, ring)
+
+
+def test_a_bf16_peak_alone_is_refused_by_name(tmp_path, capsys):
+    """The indexer's float32 scores need the fp32 peak, which --peak-tflops clears: an error naming the fix."""
+    family_config("deepseek-v3.2").save_pretrained(tmp_path)
+    argv = ["plan", "--model", str(tmp_path), "--seq-len", "4096", "--gpus", "4", "--peak-tflops", "100"]
+    assert main(argv) == 2
+    assert "--peak-tflops-fp32" in capsys.readouterr().err
+    assert main([*argv, "--peak-tflops-fp32", "10"]) == 0
