@@ -12,8 +12,9 @@ things every query may read from any earlier token, both per token and small:
 - MLA's latent: the normalised ``kv_lora_rank`` values and the rotated ``qk_rope_head_dim`` key (gradient back by
   the gather's adjoint, a reduce-scatter),
 
-then scores its own queries against the whole row (the same float32 products as transformers, the same
-``topk`` call over a row of the same length, so ties fall the same way), and attends over the selected keys in
+then scores its own queries against the row up to each block's last query (the same float32 products as
+transformers; the later keys, masked for the whole block, are not scored but filled with the mask's ``-inf``, so the
+``topk`` call sees a row of the same length and values and ties fall the same way), and attends over the selected keys in
 MLA's latent space: the query's no-RoPE part taken through ``kv_b_proj``'s key half, the output back through its
 value half (the same products, associated the other way). Nothing per head ever crosses a link: a token moves
 ``index_head_dim + kv_lora_rank + qk_rope_head_dim`` values (704 for DeepSeek-V3.2), on every mesh (Ulysses, ring,
@@ -108,6 +109,24 @@ def _rotary(indexer: nn.Module):
     return getattr(namespace, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
 
 
+def block_queries(batch: int, heads: int, keys: int) -> int:
+    """How many queries one block scores or attends at once: its ``(B, block, heads, keys)`` tensor within
+    ``BLOCK_ELEMENTS``."""
+    return max(1, BLOCK_ELEMENTS // max(1, batch * heads * keys))
+
+
+def scored_keys(positions: list[int], seq_len: int, step: int) -> list[int]:
+    """How many keys of the row the indexer scores for each block of ``step`` consecutive local queries
+    (``positions``: each local token's index in the row, padding at or past ``seq_len``): those up to the block's
+    last real query, since every later key is masked for all of them (a block of padding: the first key). The rest of
+    the row is filled with the mask's ``-inf``, so ``topk`` still sees the row transformers sees."""
+    counts = []
+    for start in range(0, len(positions), step):
+        real = [p for p in positions[start:start + step] if p < seq_len]
+        counts.append(max(real) + 1 if real else 1)
+    return counts
+
+
 def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings, mesh: SPMesh,
             info: SequenceInfo, allowed) -> torch.Tensor:
     """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient)."""
@@ -126,12 +145,14 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
         total = keys.shape[-1]
         top = min(indexer.index_topk, total)
-        step = max(1, BLOCK_ELEMENTS // max(1, b * indexer.n_heads * total))
+        step = block_queries(b, indexer.n_heads, total)
+        positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).tolist()
         picks = []
-        for start in range(0, length, step):
+        for start, count in zip(range(0, length, step), scored_keys(positions, info.seq_len, step)):
             block = slice(start, start + step)
-            scores = F.relu(torch.matmul(q[:, block].float(), keys) * indexer.softmax_scale)  # (B, l, H, T)
-            index = torch.matmul(weights[:, block].unsqueeze(-2), scores).squeeze(-2)  # (B, l, T)
+            scores = F.relu(torch.matmul(q[:, block].float(), keys[..., :count]) * indexer.softmax_scale)  # (B,l,H,n)
+            index = torch.matmul(weights[:, block].unsqueeze(-2), scores).squeeze(-2)  # (B, l, n)
+            index = F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
             index = index.masked_fill(~allowed(block), float("-inf"))
             picks.append(index.topk(top, dim=-1).indices)
         return torch.cat(picks, dim=1)
@@ -209,7 +230,7 @@ def _make_forward(mesh: SPMesh):
         else:
             picks = prev_topk_indices.long()
         latent_row, rot_row = _whole_row(latent, mesh, info), _whole_row(k_rot, mesh, info)  # (B, T, R), (B, T, Dr)
-        step = max(1, BLOCK_ELEMENTS // max(1, b * q_pass.shape[2] * picks.shape[-1] * latent.shape[-1]))
+        step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
         outputs = []
         for start in range(0, length, step):
             block = slice(start, start + step)

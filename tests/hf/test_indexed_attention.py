@@ -22,6 +22,19 @@ def _outside_rounding(r: dict) -> list[str]:
     return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
 
 
+def _run_in_small_blocks(cases: list[tuple]) -> list[dict]:
+    """:func:`_run_all` with blocks of 3 queries for the indexer and 1 for the attention (the sizes of the test's
+    models), so that each block scores only the keys up to its last query and the rest of the row is filled."""
+    from seqmesh.hf import indexed_attention
+
+    saved = indexed_attention.BLOCK_ELEMENTS
+    indexed_attention.BLOCK_ELEMENTS = 3 * 4 * 45
+    try:
+        return _run_all(cases)
+    finally:
+        indexed_attention.BLOCK_ELEMENTS = saved
+
+
 def one_key_short(model) -> None:
     """The mutation: every indexer of the parallelized model keeps one key fewer than the model's top-k."""
     for module in model.modules():
@@ -44,6 +57,13 @@ def test_indexed_attention_exact(pools, ulysses, ring):
             errors = tuple(r[k] for k in ("logits", "loss", "grad"))
             worst[key] = tuple(max(a, b) for a, b in zip(worst.get(key, (0.0,) * 3), errors))
     print(f"u{ulysses}xr{ring} worst (logits, loss, relative grad): {worst}")
+
+
+def test_exact_in_blocks_of_a_few_queries(pools):
+    cases = [(f, 2, 2, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("per_document", True))]
+    for results in pools.run(4, _run_in_small_blocks, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
 
 
 def test_a_selection_one_key_short_is_seen(pools):
