@@ -5,7 +5,7 @@ and allocates: docs/planner.md ("Activations").
 
 from __future__ import annotations
 
-from ..hf.indexed_attention import BLOCK_ELEMENTS
+from ..hf import indexed_attention
 from ..model.presets import ModelShape
 from ..padding import padded_length
 from ..heads import HeadDeal
@@ -77,9 +77,9 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def block_queries(per_query: int, queries: int) -> int:
-    """Queries in one block of ``seqmesh.hf.indexed_attention``: as many as keep ``per_query`` elements each under
-    ``BLOCK_ELEMENTS`` (at least one), at most the rank's ``queries``."""
-    return min(max(1, BLOCK_ELEMENTS // max(1, per_query)), queries)
+    """Queries in one block of ``seqmesh.hf.indexed_attention`` (its ``block_queries``) of ``per_query`` elements each,
+    at most the rank's ``queries``."""
+    return min(indexed_attention.block_queries(1, 1, per_query), queries)
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:

@@ -8,7 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import functools
+
+from ..hf.indexed_attention import block_queries, scored_keys
 from ..padding import padded_length
+from ..sequence.layout import SequenceLayout
 from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens, tp_heads
 from .hardware import HardwareSpec
@@ -235,19 +239,33 @@ def sparse_attention_flops(m: ModelShape, queries: int, keys: int, batch: int) -
     return 2 * batch * queries * min(lat.index_topk, keys) * m.heads * (2 * lat.kv_lora_rank + lat.qk_rope_head_dim)
 
 
-def indexer_flops(m: ModelShape, queries: int, keys: int, batch: int) -> int:
-    """Forward FLOPs of one lightning indexer, float32 as transformers scores: ``queries`` against the whole row of
-    ``keys`` (masked after scoring, so every pair is computed), ``Hi x Di`` multiply-adds a pair and ``Hi`` for the
-    per-head weights."""
+@functools.lru_cache(maxsize=64)
+def indexer_pairs(layout: str, ulysses: int, ring: int, seq_len: int, batch: int, index_heads: int) -> int:
+    """The (query, key) pairs the busiest rank's indexer scores in one row: each block of its queries against the keys
+    up to the block's last query, as ``seqmesh.hf.indexed_attention`` blocks and truncates them (its
+    ``block_queries`` and ``scored_keys``); about half the rank's queries times the row on a balanced layout."""
+    lay = SequenceLayout.for_length(layout, ring, ulysses, seq_len)
+    step = block_queries(batch, index_heads, seq_len)
+    busiest = 0
+    for rank in range(ring * ulysses):
+        positions = lay.local_positions(rank).tolist()
+        counts = scored_keys(positions, seq_len, step)
+        busiest = max(busiest, sum(min(step, len(positions) - i * step) * n for i, n in enumerate(counts)))
+    return busiest
+
+
+def indexer_flops(m: ModelShape, pairs: int, batch: int) -> int:
+    """Forward FLOPs of one lightning indexer, float32 as transformers scores: ``pairs`` (query, key) pairs of a row
+    (:func:`indexer_pairs`), ``Hi x Di`` multiply-adds a pair and ``Hi`` for the per-head weights."""
     lat = m.latent
-    return 2 * batch * queries * keys * lat.index_n_heads * (lat.index_head_dim + 1)
+    return 2 * batch * pairs * lat.index_n_heads * (lat.index_head_dim + 1)
 
 
-def indexer_memory_bytes(m: ModelShape, queries: int, keys: int, batch: int) -> int:
-    """GPU-memory bytes one indexer moves beyond its FLOPs: the float32 ``(queries, Hi, keys)`` scores written by the
-    product, read and written by the scale and by the ReLU, read by the weighted sum; the ``(queries, keys)`` index
-    written, masked (read and written) and read by the top-k."""
-    return batch * queries * keys * 4 * (6 * m.latent.index_n_heads + 4)
+def indexer_memory_bytes(m: ModelShape, pairs: int, batch: int) -> int:
+    """GPU-memory bytes one indexer moves beyond its FLOPs: the float32 ``(queries, Hi, keys)`` scores of its ``pairs``
+    written by the product, read and written by the scale and by the ReLU, read by the weighted sum; the
+    ``(queries, keys)`` index written, masked (read and written) and read by the top-k."""
+    return batch * pairs * 4 * (6 * m.latent.index_n_heads + 4)
 
 
 @dataclass(frozen=True)
@@ -291,7 +309,7 @@ class IndexedAttention:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`GatedDeltaNet.seconds` counts them:
         the projections; the sparse attention of this rank's queries, recomputed block by block in
         backward (forward once more, then twice its FLOPs); the indexer's float32 scores of this rank's queries
-        against the whole row and the bytes they move (no backward; run again with the layer's recompute); the
+        against the row up to each block's last query (:func:`indexer_pairs`) and the bytes they move (no backward; run again with the layer's recompute); the
         row's all-gathers before them and the reduce-scatter of its gradient, which nothing overlaps."""
         work, layout, m = self.work, self.layout, self.work.model
         p = layout.ulysses * layout.ring
@@ -302,8 +320,9 @@ class IndexedAttention:
         sparse_fwd = sparse_attention_flops(m, local, work.seq_len, b) / (peak * hw.attention_efficiency)
         select = 0.0
         if self.indexer:
-            select = (indexer_flops(m, local, work.seq_len, b) / (hw.flops_for("fp32") * hw.matmul_efficiency)
-                      + indexer_memory_bytes(m, local, work.seq_len, b) / hw.memory_bandwidth)
+            pairs = indexer_pairs(work.layout, layout.ulysses, layout.ring, work.seq_len, b, m.latent.index_n_heads)
+            select = (indexer_flops(m, pairs, b) / (hw.flops_for("fp32") * hw.matmul_efficiency)
+                      + indexer_memory_bytes(m, pairs, b) / hw.memory_bandwidth)
         group = axis_groups(layout, "sequence")[0]
         lat, unit = m.latent, b * local * dtype_bytes(work.torch_dtype) * (p - 1)
         gathered = ([lat.index_head_dim] if self.indexer else []) + [lat.kv_lora_rank, lat.qk_rope_head_dim]

@@ -16,7 +16,7 @@ from seqmesh.degrees import Degrees
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.memory import memory_at
-from seqmesh.planner.layers import IndexedAttention, layer_kinds, sparse_attention_flops
+from seqmesh.planner.layers import IndexedAttention, indexer_pairs, layer_kinds, sparse_attention_flops
 from seqmesh.planner.plan import communication
 from seqmesh.planner.tensor_parallel import pooled_loss_bytes
 from seqmesh.planner.timing import step_time
@@ -91,22 +91,27 @@ def test_predicted_bytes_equal_measured(pools, ulysses, ring, tmp_path):
 
 def test_bytes_are_the_same_for_every_split_of_the_group(tmp_path):
     """The row is gathered over the whole sequence group: U8 x R1, U2 x R4 and U1 x R8 send the same, per rank,
-    ``7/8 x S x 704`` values forward and ``7/8 x S x 576`` backward at DeepSeek-V3.2's sizes, and hold and take the
-    same (no Ulysses output all-to-all, no ring)."""
+    ``7/8 x S x 704`` values forward and ``7/8 x S x 576`` backward at DeepSeek-V3.2's sizes, and hold the same (no
+    Ulysses output all-to-all, no ring); only the indexer's work differs, with the layout's balance."""
     import transformers as tf
 
     work = Workload(_shape(tf.DeepseekV32Config(**V32, **INDEXER), tmp_path), 131072)
     hw = PRESETS["h100-nvlink"]
-    seen, seen_memory, seen_time = set(), set(), set()
+    seen, seen_memory, seen_time = set(), set(), {}
     for u, r in ((8, 1), (2, 4), (1, 8)):
         per_layer, links, _ = communication(work, Degrees(u, r, 1), hw)
         seen.add(tuple(per_layer[ph]["indexed_row_gather"] for ph in ("forward", "backward", "recompute")))
         seen_memory.add(tuple(memory_at(work, Degrees(u, r, 1), "layer backward").as_dict().items()))
-        seen_time.add(step_time(work, Degrees(u, r, 1), hw).total)
+        seen_time[u, r] = step_time(work, Degrees(u, r, 1), hw).total
         assert "ulysses_all_to_all" not in per_layer["forward"] and links["indexed_row_gather"] == "nvlink4"
     local = 131072 // 8
     assert seen == {(7 * local * 704 * 2, 7 * local * 576 * 2, 7 * local * 704 * 2)}
-    assert len(seen_memory) == 1 and len(seen_time) == 1
+    assert len(seen_memory) == 1
+    # the time is the busiest rank's indexer: zigzag over 8 ring ranks balances it (each scores about half the row);
+    # a ring of 1 or 4 cuts its chunks over the Ulysses ranks, whose last ranks score nearly the whole row
+    assert indexer_pairs("zigzag", 1, 8, 131072, 1, 64) < 0.51 * local * 131072
+    assert indexer_pairs("zigzag", 2, 4, 131072, 1, 64) > 0.9 * local * 131072
+    assert seen_time[1, 8] < seen_time[2, 4] == pytest.approx(seen_time[8, 1])
 
 
 def test_seqmesh_plan_reports_sparse_attention(tmp_path, capsys):
