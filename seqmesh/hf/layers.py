@@ -36,6 +36,8 @@ _COMPRESSED = ("adds to its sliding window's keys one compressed entry per {what
                "need each entry built by the rank that holds its window (or its halo) and gathered, and a kernel that "
                "takes a sliding window and those entries in one softmax with the sinks: not computed yet")
 LAYER_TYPE_REASONS = {
+    "deepseek_sparse_attention": "DeepSeek Sparse Attention as older transformers lay it out (5.15); seqmesh computes "
+                                 "the indexed_attention layers of transformers 5.24: upgrade transformers",
     "heavily_compressed_attention": "DeepSeek-V4's heavily compressed attention, which " + _COMPRESSED.format(
         what="window of compress_rates['heavily_compressed_attention'] tokens (a softmax-gated sum)",
         then="seen by every later query"),
