@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from .hf import parallelize
+from .hf.indexed_attention import is_indexed
 from .linear_attention.choice import parse_design
 from .memory.rmsnorm import enable_efficient_norm
 from .memory.tiled_mlp import enable_tiled_mlp
@@ -91,6 +92,10 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     ``seqmesh.shard_batch(batch, mesh, model=...)`` is the batch's exact loss."""
     if wrapper is None:
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
+    if plan.compile and any(is_indexed(m) for m in model.modules()):
+        raise ValueError("compile=True with DeepSeek Sparse Attention (indexed_attention layers): seqmesh selects each "
+                         "block of queries' keys in Python from the layout (how many keys a block scores), which "
+                         "torch.compile would cut into many graphs. Turn compile off (--no-compile) for this model.")
     if mesh.tp > 1:  # refused before any work: what the tensor-parallel layers cannot split
         if plan.linear_attention == "state_passing":
             raise ValueError(f"linear_attention='state_passing' with tp={mesh.tp}: the tensor-parallel Gated DeltaNet "

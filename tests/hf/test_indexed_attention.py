@@ -101,3 +101,26 @@ def test_a_deepseek_v32_config_json_verifies_and_trains_on_four_ranks(pools, tmp
     with open(tmp_path / "train" / "metrics.jsonl") as f:
         losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def _compile_refusal() -> tuple[str, bool]:
+    """parallelize_model's refusal of compile on a DeepSeek-V3.2 model, and whether anything was installed first."""
+    import transformers as tf
+
+    from dist_cases import get_mesh
+    from family_cases import family_config
+    from seqmesh.compose import ParallelPlan, parallelize_model
+
+    model = tf.AutoModelForCausalLM.from_config(family_config("deepseek-v3.2"))
+    try:
+        parallelize_model(model, get_mesh(1, 1), ParallelPlan(compile=True, fsdp=False))
+        message = ""
+    except ValueError as err:
+        message = str(err)
+    return message, any(hasattr(m, "_seqmesh_indexed") for m in model.modules())
+
+
+def test_compile_is_refused_by_name_before_any_work(pools):
+    message, installed = pools.run(1, _compile_refusal)[0]
+    assert "compile=True with DeepSeek Sparse Attention" in message and "--no-compile" in message, message
+    assert not installed
