@@ -9,13 +9,13 @@ On a shard the indexer would choose among the shard's own keys. Here each rank a
 things every query may read from any earlier token, both per token and small:
 
 - the indexer's key (``index_head_dim`` values, rotated; no gradient), and
-- MLA's latent: the normalised ``kv_lora_rank`` values and the rotated ``qk_rope_head_dim`` key (gradient back by
-  the gather's adjoint, a reduce-scatter),
+- MLA's latent: the normalised ``kv_lora_rank`` values and the rotated ``qk_rope_head_dim`` key, in one gather
+  (gradient back by its adjoint, one reduce-scatter),
 
 then scores its own queries against the row up to each block's last query (the same float32 products as
 transformers; the later keys, masked for the whole block, are not scored but filled with the mask's ``-inf``, so the
-``topk`` call sees a row of the same length and values and ties fall the same way), and attends over the selected keys in
-MLA's latent space: the query's no-RoPE part taken through ``kv_b_proj``'s key half, the output back through its
+``topk`` call sees a row of the same length and values and ties fall the same way), and attends over the selected
+keys in MLA's latent space: the query's no-RoPE part taken through ``kv_b_proj``'s key half, the output back through its
 value half (the same products, associated the other way). Nothing per head ever crosses a link: a token moves
 ``index_head_dim + kv_lora_rank + qk_rope_head_dim`` values (704 for DeepSeek-V3.2), on every mesh (Ulysses, ring,
 or both: the sequence group is one group here). Queries are scored and attend in blocks whose score tensors stay
@@ -87,7 +87,8 @@ def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
         return "its MLA rotary is not the interleaved one DeepSeek-V3.2 and GLM-5 apply"
     indexer = getattr(module, "indexer", None)
     if indexer is None:
-        if not getattr(module, "skip_topk", False) or "prev_topk_indices" not in inspect.signature(module.forward).parameters:
+        takes_selection = "prev_topk_indices" in inspect.signature(module.forward).parameters
+        if not getattr(module, "skip_topk", False) or not takes_selection:
             return "it has no indexer and does not take the previous layer's selection (prev_topk_indices)"
         return None
     missing = [n for n in _INDEXER if not hasattr(indexer, n)]
@@ -128,8 +129,9 @@ def scored_keys(positions: list[int], seq_len: int, step: int) -> list[int]:
 
 
 def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings, mesh: SPMesh,
-            info: SequenceInfo, allowed) -> torch.Tensor:
-    """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient)."""
+            info: SequenceInfo, positions: list[int], allowed) -> torch.Tensor:
+    """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient); ``positions``
+    and ``allowed`` from :func:`_key_rules`."""
     with torch.no_grad():
         b, length, _ = hidden.shape
         rotate = _rotary(indexer)
@@ -146,7 +148,6 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         total = keys.shape[-1]
         top = min(indexer.index_topk, total)
         step = block_queries(b, indexer.n_heads, total)
-        positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).tolist()
         picks = []
         for start, count in zip(range(0, length, step), scored_keys(positions, info.seq_len, step)):
             block = slice(start, start + step)
@@ -164,9 +165,11 @@ def _whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tenso
 
 
 def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
-    """``allowed(block) -> (1, l, T)`` bool: which keys of the row each local query of ``block`` may see (its own
-    document's, up to itself). A padding query sees the row's first token, so that nothing is empty."""
-    index = sequence_positions(info.seq_len, mesh, layout=info.layout, device=device, cu_seqlens=info.cu_seqlens)
+    """Each local token's index in the row (a list), and ``allowed(block) -> (1, l, T)`` bool: which keys of the row
+    each local query of ``block`` may see (its own document's, up to itself). A padding query sees the row's first
+    token, so that nothing is empty."""
+    positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens)  # on the host
+    index = positions.to(device)
     keys = torch.arange(info.seq_len, device=device)
     bounds = torch.tensor(info.cu_seqlens or (0, info.seq_len), device=device)
     doc_of = lambda t: torch.bucketize(t, bounds[1:], right=True)  # noqa: E731  the document each position is in
@@ -177,7 +180,7 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
         q, d, pad = index[block, None], query_doc[block, None], padding[block, None]
         return (((keys[None] <= q) & (key_doc[None] == d)) | (pad & (keys[None] == 0)))[None]
 
-    return allowed
+    return positions.tolist(), allowed
 
 
 def _latent_attention(module: nn.Module, q_pass, q_rot, latent, k_rot, picks, valid) -> torch.Tensor:
@@ -220,16 +223,18 @@ def _make_forward(mesh: SPMesh):
                                      dim=-1)
         latent = self.kv_a_layernorm(kv_pass)  # (B, L, R)
         rotate = getattr(sys.modules[type(self).__module__], "apply_rotary_pos_emb_interleave")
-        q_rot, k_rot = rotate(q_rot.transpose(1, 2), k_rot[:, None], *position_embeddings)  # (B, H, L, Dr), (B, 1, L, Dr)
+        # (B, H, L, Dr), (B, 1, L, Dr)
+        q_rot, k_rot = rotate(q_rot.transpose(1, 2), k_rot[:, None], *position_embeddings)
         q_rot, k_rot = q_rot.transpose(1, 2), k_rot[:, 0]
-        allowed = _key_rules(mesh, info, hidden_states.device)
+        positions, allowed = _key_rules(mesh, info, hidden_states.device)
         if getattr(self, "indexer", None) is not None:
-            picks = _select(self.indexer, hidden_states, q_resid, position_embeddings, mesh, info, allowed)
+            picks = _select(self.indexer, hidden_states, q_resid, position_embeddings, mesh, info, positions, allowed)
         elif prev_topk_indices is None:
             raise ValueError(f"{name} shares the previous full layer's selection, but none was passed to it.")
         else:
             picks = prev_topk_indices.long()
-        latent_row, rot_row = _whole_row(latent, mesh, info), _whole_row(k_rot, mesh, info)  # (B, T, R), (B, T, Dr)
+        row = _whole_row(torch.cat([latent, k_rot], dim=-1), mesh, info)  # (B, T, R + Dr): one gather, one scatter
+        latent_row, rot_row = row.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
         outputs = []
         for start in range(0, length, step):

@@ -219,15 +219,8 @@ class GatedDeltaNet:
             core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
             a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(hw), "all_to_all", ph), hw, layout,
                                                         "sequence") for ph in ("forward", "backward"))
-        fwd, bwd = mm_fwd + core_fwd + a2a_fwd, 2 * mm_fwd + 2 * core_fwd + a2a_bwd
-        if work.checkpointing:
-            bwd += fwd
-        fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-        ag, rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
-        repeats = 2 if work.checkpointing else 1
-        return {"total": max(fwd, ag) + max(bwd, ag + rs),
-                "compute": (mm_fwd + core_fwd) * repeats + 2 * mm_fwd + 2 * core_fwd,
-                "serial": a2a_fwd * repeats + a2a_bwd + 2 * ag + rs}
+        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + core_fwd, 2 * mm_fwd + 2 * core_fwd),
+                                     (a2a_fwd, a2a_bwd))
 
 
 def sparse_attention_flops(m: ModelShape, queries: int, keys: int, batch: int) -> int:
@@ -309,8 +302,9 @@ class IndexedAttention:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`GatedDeltaNet.seconds` counts them:
         the projections; the sparse attention of this rank's queries, recomputed block by block in
         backward (forward once more, then twice its FLOPs); the indexer's float32 scores of this rank's queries
-        against the row up to each block's last query (:func:`indexer_pairs`) and the bytes they move (no backward; run again with the layer's recompute); the
-        row's all-gathers before them and the reduce-scatter of its gradient, which nothing overlaps."""
+        against the row up to each block's last query (:func:`indexer_pairs`) and the bytes they move (no backward;
+        run again with the layer's recompute); the row's all-gathers before them and the reduce-scatter of its
+        gradient, which nothing overlaps (:func:`_serial_layer_seconds`)."""
         work, layout, m = self.work, self.layout, self.work.model
         p = layout.ulysses * layout.ring
         padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
@@ -325,19 +319,27 @@ class IndexedAttention:
                       + indexer_memory_bytes(m, pairs, b) / hw.memory_bandwidth)
         group = axis_groups(layout, "sequence")[0]
         lat, unit = m.latent, b * local * dtype_bytes(work.torch_dtype) * (p - 1)
-        gathered = ([lat.index_head_dim] if self.indexer else []) + [lat.kv_lora_rank, lat.qk_rope_head_dim]
+        gathered = ([lat.index_head_dim] if self.indexer else []) + [lat.kv_lora_rank + lat.qk_rope_head_dim]
         ag = sum(gather_seconds(n * unit, hw, group) for n in gathered)
-        rs = sum(gather_seconds(n * unit, hw, group) for n in gathered[-2:])
-        fwd = mm_fwd + select + sparse_fwd + ag
-        bwd = 2 * mm_fwd + 3 * sparse_fwd + rs
-        if work.checkpointing:
-            bwd += fwd
-        fsdp = fsdp_traffic(self.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-        fsdp_ag, fsdp_rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
-        repeats = 2 if work.checkpointing else 1
-        return {"total": max(fwd, fsdp_ag) + max(bwd, fsdp_ag + fsdp_rs),
-                "compute": (mm_fwd + select + sparse_fwd) * repeats + 2 * mm_fwd + 3 * sparse_fwd,
-                "serial": ag * repeats + rs + 2 * fsdp_ag + fsdp_rs}
+        rs = gather_seconds(gathered[-1] * unit, hw, group)
+        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + sparse_fwd, 2 * mm_fwd + 3 * sparse_fwd),
+                                     (ag, rs))
+
+
+def _serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareSpec, fsdp_ranks: list[int],
+                          compute: tuple[float, float], comm: tuple[float, float]) -> dict[str, float]:
+    """``total``, ``compute`` and ``serial`` seconds of a layer whose sequence communication overlaps nothing:
+    ``compute`` and ``comm`` its (forward, backward) seconds of each, the forward run again in backward under
+    checkpointing; its FSDP gathers prefetched beside its forward and backward, the reduce-scatter beside backward."""
+    work, layout = layer.work, layer.layout
+    fwd, bwd = compute[0] + comm[0], compute[1] + comm[1]
+    if work.checkpointing:
+        bwd += fwd
+    fsdp = fsdp_traffic(layer.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    ag, rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
+    repeats = 2 if work.checkpointing else 1
+    return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] * repeats + compute[1],
+            "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}
 
 
 LayerKind = Attention | GatedDeltaNet | IndexedAttention

@@ -171,17 +171,17 @@ def indexed_attention_traffic(index_head_dim: int, kv_lora_rank: int, rope_dim: 
     """Per-rank traffic of one DeepSeek Sparse Attention layer (``indexed_attention``), forward+backward, indexed by
     sequence rank: forward one all-gather over the whole sequence group per tensor of the row every query may read,
     the indexer's key (``index_head_dim`` a token; without ``indexer``, a layer reusing the previous selection, not
-    gathered), MLA's latent (``kv_lora_rank``) and its rotary key (``rope_dim``); backward a reduce-scatter of the
-    latent's and the rotary key's gradients (the indexer runs without gradients). ``(P - 1) x`` this rank's share
+    gathered), and MLA's latent (``kv_lora_rank``) with its rotary key (``rope_dim``) in one; backward one
+    reduce-scatter of their gradients (the indexer runs without gradients). ``(P - 1) x`` this rank's share
     each, the same on every rank and for every ``ulysses x ring`` split of ``P``."""
     p = ulysses * ring
     if p == 1:
         return [RankTraffic(0, 0, ())]
     local = padded_length(seq_len, ulysses, ring, layout) // p
     unit = (p - 1) * batch * local * dtype_bytes(dtype)  # one value of each token of every other rank
-    gathered = ((index_head_dim,) if indexer else ()) + (kv_lora_rank, rope_dim)
+    gathered = ((index_head_dim,) if indexer else ()) + (kv_lora_rank + rope_dim,)
     calls = (Collective("all_gather", "forward", len(gathered), sum(gathered) * unit),
-             Collective("reduce_scatter", "backward", 2, (kv_lora_rank + rope_dim) * unit))
+             Collective("reduce_scatter", "backward", 1, (kv_lora_rank + rope_dim) * unit))
     return [RankTraffic(rank % ulysses, rank // ulysses, calls) for rank in range(p)]
 
 

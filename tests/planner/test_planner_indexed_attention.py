@@ -56,18 +56,22 @@ def test_deepseek_v32_has_671_9b_parameters(tmp_path):
     assert _shape(tf.DeepseekV3Config(**V32), tmp_path / "v3").params == 671_026_404_352
 
 
+def _measured_workload(case: ModelTrafficCase, measured: dict, path) -> Workload:
+    """The planner's workload of the model a measured case ran (its config.json written to ``path``)."""
+    path.write_text(json.dumps(measured["config"]))
+    return Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+
+
 @pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
 def test_predicted_bytes_equal_measured(pools, ulysses, ring, tmp_path):
     """One step's all-gathers (forward; with checkpointing, again in the recompute, filed as forward) and
-    reduce-scatters (backward: the latent and the rotary key, never the indexer's key) per rank, calls and bytes,
+    reduce-scatter (backward: the latent with the rotary key, never the indexer's key) per rank, calls and bytes,
     against the planner's per-layer figures times the layers of each kind; the loss's all-reduce beside them."""
     cases = [ModelTrafficCase(f, 45, dtype="float32", checkpointing=c) for f in FAMILIES for c in (False, True)]
     per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
     layout = Degrees(ulysses, ring, 1)
     for i, case in enumerate(cases):
-        path = tmp_path / f"{i}.json"
-        path.write_text(json.dumps(per_rank[0][i]["config"]))
-        work = Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+        work = _measured_workload(case, per_rank[0][i], tmp_path / f"{i}.json")
         kinds = layer_kinds(work, layout)
         assert all(isinstance(k, IndexedAttention) for k, _ in kinds) and sum(n for _, n in kinds) == work.model.layers
         sent = {(kind, ph): 0 for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward"))}
@@ -152,9 +156,7 @@ def test_dense_mla_bytes_equal_measured(pools, ulysses, ring, tmp_path):
     per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
     layout = Degrees(ulysses, ring, 1)
     for i, case in enumerate(cases):
-        path = tmp_path / f"{i}.json"
-        path.write_text(json.dumps(per_rank[0][i]["config"]))
-        work = Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+        work = _measured_workload(case, per_rank[0][i], tmp_path / f"{i}.json")
         assert work.model.value_dim == 6 and work.model.head_dim == 12
         per_layer, _, step = communication(work, layout, PRESETS["h100-nvlink"])
         n = work.model.layers
