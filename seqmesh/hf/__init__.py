@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import indexed_attention
-from . import linear_attention as gated_delta_net
+from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..overlap import ASYNC_PIECES
@@ -190,9 +190,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     require("transformers", "seqmesh.hf")
     config = model.config
     text = config.get_text_config()  # the config itself for a text model; the decoder's for a multimodal one
-    linear_layers = gated_delta_net.gated_delta_layers(model, mesh, linear_attention)  # their heads checked
+    mixer_layers = mixers.mixer_layers(model, mesh, linear_attention)  # recurrences and convs, each checked
     indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
-    check_layers(model, handled=[m for _, m in linear_layers], indexed=indexed)  # every other token mixer refused
+    check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed,
+                 handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types))  # every other mixer refused
     q_heads = getattr(text, "num_attention_heads", None)
     if not isinstance(q_heads, int) or q_heads < 1:
         raise ValueError(f"seqmesh cannot run {type(model).__name__}: its config has no attention heads "
@@ -219,7 +220,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     model.set_attn_implementation(name)
     for module, chunk in chunked_layers(model):
         setattr(module, _CHUNK, chunk)
-    gated_delta_net.install(model, mesh, linear_layers, linear_attention)
+    for kind, layers in mixer_layers.items():
+        kind.install(layers, mesh, linear_attention)
     indexed_attention.install(indexed, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + positions.install(model, mesh)
@@ -241,7 +243,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
     # the registration is dropped from that mapping directly.
-    gated_delta_net.uninstall(model)
+    mixers.uninstall(model)
     indexed_attention.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)

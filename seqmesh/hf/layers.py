@@ -159,15 +159,16 @@ def chunked_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return found
 
 
-def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: Sequence[nn.Module] = ()) -> None:
+def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: Sequence[nn.Module] = (),
+                 handled_types: Sequence[str] = ()) -> None:
     """Raise a ValueError naming every layer or variant of ``model`` seqmesh would not compute exactly.
-    ``handled``: token-mixing layers seqmesh runs sequence-parallel itself (Gated DeltaNet, see
-    :mod:`seqmesh.hf.linear_attention`); they, and the ``linear_attention`` layer type, are then accepted.
+    ``handled``: token-mixing layers seqmesh runs sequence-parallel itself (:mod:`seqmesh.hf.mixers`); they, and
+    their ``handled_types`` of ``config.layer_types``, are then accepted.
     ``indexed``: the attention modules of ``indexed_attention`` layers seqmesh runs itself
     (:mod:`seqmesh.hf.indexed_attention`); a layer of that type whose module is not among them is refused."""
     name = type(model).__name__
     problems = []
-    supported = SUPPORTED_LAYER_TYPES + (("linear_attention",) if handled else ())
+    supported = SUPPORTED_LAYER_TYPES + tuple(handled_types)
     indexed_at = [(id(getattr(m, "config", None)), getattr(m, "layer_idx", None)) for m in indexed]
     inside_handled = {id(part) for layer in handled for part in layer.modules()}
     handled_ids = {id(layer) for layer in handled}

@@ -16,7 +16,6 @@ layers found here as the ones seqmesh handles.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
@@ -26,8 +25,8 @@ from ..linear_attention.choice import LinearDesign, LinearShape, choose_design, 
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
 from ..linear_attention.state_passing import state_passing_gated_delta
 from ..mesh import SPMesh
+from .mixers import MixerKind, check_mixer_context
 
-_ATTR = "_seqmesh_linear"
 
 Projection = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -88,21 +87,8 @@ def _shape(module: nn.Module, mesh: SPMesh, seq_len: int, batch: int, dtype: tor
 def _make_forward(mesh: SPMesh, project: Projection, design: LinearDesign):
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs) -> torch.Tensor:
         info = kwargs.get("seqmesh")
-        if info is None:
-            raise ValueError(
-                f"{type(self).__name__} runs sequence-parallel but was called without the 'seqmesh' entry; call the model "
-                "with the batch returned by seqmesh.shard_batch (model(**batch)), or seqmesh.hf.unparallelize(model) first."
-            )
         cache = cache_params if cache_params is not None else kwargs.get("cache")  # its name from transformers 5.2x
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} runs sequence-parallel and keeps no cache, but was given a "
-                             f"{type(cache).__name__}: call the parallelized model without one (leave use_cache "
-                             "unset); to generate, call seqmesh.hf.unparallelize(model) first.")
-        if attention_mask is not None:
-            raise ValueError(
-                f"{type(self).__name__} received a padding mask of shape {tuple(attention_mask.shape)}; seqmesh describes "
-                "padding and packed documents through shard_batch instead (pass position_ids, not attention_mask)."
-            )
+        check_mixer_context(self, info, cache, attention_mask)
         b, n, _ = hidden_states.shape
         mixed, z, beta_in, a_in = project(self, hidden_states)  # (B, L, conv_dim), (B, L, Hv*Dv), (B, L, Hv) x 2
         params = GateParams(self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias, self.activation,
@@ -124,19 +110,8 @@ def _make_forward(mesh: SPMesh, project: Projection, design: LinearDesign):
     return forward
 
 
-def install(model: nn.Module, mesh: SPMesh, layers: list[tuple[str, nn.Module]], design: str = "auto") -> int:
-    """Give ``layers`` (from :func:`gated_delta_layers`, checked) the sequence-parallel forward of ``design``;
-    returns how many."""
-    design = parse_design(design)
-    for _, module in layers:
-        module.forward = types.MethodType(_make_forward(mesh, _projection(module), design), module)
-        setattr(module, _ATTR, True)
-    return len(layers)
+def _forward_for(module: nn.Module, mesh: SPMesh, design: str):
+    return _make_forward(mesh, _projection(module), parse_design(design))
 
 
-def uninstall(model: nn.Module) -> None:
-    """Undo :func:`install`: the class's own forward again."""
-    for module in model.modules():
-        if getattr(module, _ATTR, False):
-            del module.forward
-            delattr(module, _ATTR)
+KIND = MixerKind("Gated DeltaNet", ("linear_attention",), gated_delta_layers, _forward_for)

@@ -1,0 +1,74 @@
+"""The state pass across ranks, shared by every recurrence that is affine in its state.
+
+Over a run of consecutive positions a linear recurrence (Gated DeltaNet, KDA, Mamba, Mamba2,
+lightning attention) maps the state entering the run to the state leaving it affinely, and adds
+to each output a term linear in the entering state::
+
+    S_out = T(S_in) + S_0      T: the run's transition (a matrix, a diagonal or a scalar per head)
+    o_t   = o_t(0) + R_t(S_in) R_t: read through the run's decay up to t
+
+Each rank runs its runs from zero (``o(0)``, ``S_0``) and its transition at once, with no rank waiting
+for another; this module is the rest, the schedule, the same for every mixer::
+
+    1. all-gather every run's [S_0 | T], packed flat (B, P * R, X)             (one collective)
+    2. scan the runs in global order: S_in(j) = T_{j-1}(S_in(j-1)) + S_0(j-1), zero at segment starts
+    3. o += R(S_in) on each run that does not start a segment
+
+A mixer gives its packing (``carry``: a run's packed row and a state -> the next state) and its read
+(``read``: the run's slice of ``lift`` and the entering state -> the output's correction). Backward is
+autograd through the same steps; the all-gather's adjoint (a reduce-scatter) carries the gradient back
+to the rank that produced each run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..comm.collectives import all_gather
+from .halo import Placement, _pad_rows
+
+Carry = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (packed run (B, X), state) -> state
+Read = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (lift (B, t, ...), state) -> (B, t, ...) correction
+
+
+class _Tie(torch.autograd.Function):
+    """Forward: ``out`` unchanged; backward: ``out``'s gradient, and zeros for ``tied``. A rank whose
+    output does not read the gathered states (its runs all start segments) still runs the gather's
+    adjoint, which the other ranks wait for."""
+
+    @staticmethod
+    def forward(ctx, out, tied):  # type: ignore[override]
+        ctx.shape, ctx.dtype = tied.shape, tied.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+
+
+def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, place: Placement, zero_state: torch.Tensor,
+                *, carry: Carry, read: Read) -> torch.Tensor:
+    """``out`` (B, L, ...) the rank's outputs from zero entering states, shard order; ``lift`` (B, L, ...) what
+    ``read`` needs per token; ``finals`` (B, N, X) every segment's packed [S_0 | T] (N: the segments of
+    ``place.mine.segment_bounds``); ``zero_state`` the state at a segment start -> ``out`` with every
+    run's entering state read in."""
+    chain, mine, rank = place.chain, place.mine, place.rank
+    leaving = _pad_rows(finals[:, list(mine.last_segment)], chain.max_runs)  # (B, R, X)
+    every = all_gather(leaving, place.group, dim=1)  # (B, P * R, X)
+
+    state, entering = zero_state, {}
+    last = max(j for j, (r, _) in enumerate(chain.order) if r == rank)
+    for r, j in chain.order[: last + 1]:
+        if r == rank:
+            entering[j] = state
+        state = carry(every[:, r * chain.max_runs + j], state)  # zero T where the run ends in a new segment
+
+    pieces, at = [], 0
+    for segment, j in zip(mine.incoming, mine.run_of_incoming):
+        a, e = mine.segment_bounds[segment], mine.segment_bounds[segment + 1]
+        pieces += [out[:, at:a], (out[:, a:e] + read(lift[:, a:e], entering[j])).to(out.dtype)]
+        at = e
+    out = torch.cat(pieces + [out[:, at:]], dim=1) if pieces else out
+    return _Tie.apply(out, every) if every.requires_grad else out
