@@ -1,0 +1,75 @@
+"""transformers' Kimi Delta Attention layers (Kimi Linear's ``KimiLinearDeltaAttention``, Ling/Ring hybrid's
+``BailingHybridDeltaAttention``) run sequence-parallel.
+
+The new forward keeps everything of the layer that acts per token on the local shard: the q, k, v
+projections, the layer's own forget gate (its per-channel log decay g), beta, the output gate, the
+gated norm and the output projection. Only the short conv of q | k | v and the recurrence see the
+sequence; they run by state passing (:func:`seqmesh.linear_attention.kda_state_passing.state_passing_kda`),
+whatever ``design`` names: seqmesh has no all-to-all design for KDA yet, and state passing's bytes do
+not grow with the sequence. The sequence is read from the ``seqmesh`` entry of ``shard_batch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from ..linear_attention.choice import parse_design
+from ..linear_attention.kda_state_passing import KdaHeads, state_passing_kda
+from ..mesh import SPMesh
+from .mixers import MixerKind, check_mixer_context
+
+_PARTS = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "o_norm", "o_proj")
+
+
+def _output_gate(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Kimi Linear: g_b_proj(g_a_proj(x)) (low rank); Bailing hybrid: g_proj(x)."""
+    if hasattr(module, "g_a_proj") and hasattr(module, "g_b_proj"):
+        return lambda x: module.g_b_proj(module.g_a_proj(x))
+    if hasattr(module, "g_proj"):
+        return module.g_proj
+    return None
+
+
+def _is_kda(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("DeltaAttention") and all(hasattr(module, p) for p in _PARTS)
+            and _output_gate(module) is not None)
+
+
+def kda_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
+    """The KDA layers of ``model`` that seqmesh runs sequence-parallel, checked; every other mixer is left to
+    ``check_layers``."""
+    parse_design(design)  # a wrong name is refused here too; every design runs state passing
+    layers = [(name, m) for name, m in model.named_modules() if _is_kda(m)]
+    for name, m in layers:
+        if m.activation not in ("silu", "swish"):
+            raise ValueError(f"{name} ({type(m).__name__}) applies {m.activation!r} after its short conv; seqmesh's "
+                             "KDA conv takes 'silu' (set config.hidden_act = 'silu').")
+    return layers
+
+
+def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
+    gate = _output_gate(module)
+    heads = KdaHeads(module.num_heads, module.head_dim, module.head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+        info = kwargs.get("seqmesh")
+        cache = cache if cache is not None else kwargs.get("cache_params")  # its name before transformers 5.2x
+        check_mixer_context(self, info, cache, attention_mask)
+        b, n, _ = hidden_states.shape
+        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        g = self.forget_gate(hidden_states)  # (B, L, H, Dk): the layer's own per-channel log decay
+        beta = torch.sigmoid(self.b_proj(hidden_states))  # (B, L, H)
+        core = state_passing_kda(  # (B, L, H, Dv)
+            qkv, g, beta, self.conv1d.weight.squeeze(1), self.conv1d.bias, heads, mesh,
+            layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens, activation=self.activation,
+        )
+        out = self.o_norm(core, gate(hidden_states).view(b, n, heads.heads, heads.value_dim)).reshape(b, n, -1)
+        return self.o_proj(out)
+
+    return forward
+
+
+KIND = MixerKind("Kimi Delta Attention", ("linear_attention",), kda_layers, _make_forward)

@@ -1,0 +1,126 @@
+"""Kimi Delta Attention (KDA) on whole sequences, in plain PyTorch: the reference and the CPU path.
+
+KDA is the gated delta rule of ``gated_delta.py`` with a decay per key channel instead of one per head.
+Per head, a state ``S`` (Dk x Dv) runs over the sequence::
+
+    S_t = diag(exp(g_t)) S_{t-1}                      # g_t (Dk,): log decay of each key channel, <= 0
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T    # delta rule
+    o_t = S_t^T q_t                                   # q, k L2-normalised, q scaled by Dk^-1/2
+
+The chunked form follows the scalar one (``gated_delta.chunk_gated_delta_rule_states``): inside a
+chunk of ``C`` tokens, with ``G`` the log decay cumulated from the chunk's start (C, Dk), the
+updates solve one unit-lower-triangular system, and the state is carried between chunks. What
+changes is that every token pair now decays per channel, ``sum_d a_td b_sd exp(G_td - G_sd)``
+(:func:`decayed_products`), which is no longer a (C x C) decay matrix times a product of two
+matrices. It is computed without overflow by a second split into sub-chunks of ``c`` tokens:
+
+- pairs in one sub-chunk: ``exp(G_t - G_s)`` per pair and channel (c x c x Dk each), masked before
+  the exponential so no ``exp`` of a positive number is taken;
+- pairs across sub-chunks, ``s`` before sub-chunk ``i``, ``t`` in it: split at ``r``, the last token
+  before sub-chunk ``i``: ``exp(G_t - G_r) * exp(G_r - G_s)``, both factors ``<= 1`` since
+  ``s <= r < t``, so a product of two matrices per sub-chunk again.
+
+Packed documents are segments (``bounds``) that each start a chunk, as in ``gated_delta.py``; each
+may start from an initial state, and the state leaving each is returned (state passing's widened
+run, ``kda_state_passing.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gated_delta import CHUNK, _chunk_layout, compute_dtype, l2norm
+
+SUB_CHUNK = 16  # tokens per sub-chunk of the pairwise decay
+
+
+def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: int = SUB_CHUNK) -> torch.Tensor:
+    """``out[..., t, s] = sum_d a[..., t, d] b[..., s, d] exp(gc[..., t, d] - gc[..., s, d])`` for ``s <= t``,
+    zero above the diagonal. ``a``, ``b``, ``gc`` (..., C, D) with ``gc`` non-increasing along C (a cumulated
+    log decay) and ``C`` a multiple of ``sub`` -> (..., C, C)."""
+    *lead, c, d = a.shape
+    if c % sub:
+        raise ValueError(f"chunk of {c} tokens is not a multiple of the sub-chunk {sub}; pick a chunk that is.")
+    m = c // sub
+    a_s, gc_s = a.reshape(*lead, m, sub, d), gc.reshape(*lead, m, sub, d)  # (..., m, c, D)
+    # within a sub-chunk: every pair and channel, masked before the exponential
+    lower = torch.ones(sub, sub, dtype=torch.bool, device=a.device).tril()
+    diff = (gc_s[..., :, None, :] - gc_s[..., None, :, :]).masked_fill(~lower[..., None], float("-inf"))
+    b_s = b.reshape(*lead, m, sub, d)
+    diag = (a_s[..., :, None, :] * b_s[..., None, :, :] * diff.exp()).sum(-1)  # (..., m, c, c)
+    # across sub-chunks: split at the last token r before sub-chunk i (row i reads columns before i*sub)
+    ref = torch.cat([gc_s.new_zeros(*lead, 1, d), gc_s[..., :-1, -1, :]], dim=-2)  # (..., m, D): G_r of row block i
+    a_read = a_s * (gc_s - ref[..., None, :]).exp()  # (..., m, c, D): exp(G_t - G_r) <= 1
+    before = torch.arange(c, device=a.device)[None, :] < (torch.arange(m, device=a.device) * sub)[:, None]  # (m, C)
+    lift = (ref[..., None, :] - gc[..., None, :, :]).masked_fill(~before[..., None], float("-inf"))  # (..., m, C, D)
+    b_write = b[..., None, :, :] * lift.exp()  # exp(G_r - G_s) <= 1 for s <= r, zero for s > r
+    out = a_read @ b_write.transpose(-1, -2)  # (..., m, c, C)
+    blocks = torch.arange(m, device=a.device)
+    cols = (blocks[:, None] * sub + torch.arange(sub, device=a.device)[None, :])  # (m, c): the diagonal block's columns
+    index = cols[:, None, :].expand(m, sub, sub).expand(*lead, m, sub, sub)
+    out = out.scatter_add(-1, index, diag)
+    return out.reshape(*lead, c, c)
+
+
+def chunk_kda_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    bounds: tuple[int, ...],
+    initial_state: torch.Tensor | None = None,
+    *,
+    chunk: int = CHUNK,
+    sub: int = SUB_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over segments: q, k (B, S, H, Dk) (not yet normalised), v (B, S, H, Dv), g (B, S, H, Dk) the log decay
+    of each key channel (<= 0), beta (B, S, H); each of the ``N = len(bounds) - 1`` segments starts from
+    ``initial_state[:, i]`` (B, N, H, Dk, Dv) (zero when None) -> ``(out (B, S, H, Dv) in v's dtype, final
+    states (B, N, H, Dk, Dv) in the compute dtype)``. float64 inputs stay float64; half precision runs in float32."""
+    out_dtype = v.dtype
+    dt = compute_dtype(q.dtype)
+    b, s, h, dk = q.shape
+    dv = v.shape[-1]
+    if g.shape != k.shape:
+        raise ValueError(f"KDA's decay g has shape {tuple(g.shape)}; it needs one per key channel, {tuple(k.shape)}.")
+    q = l2norm(q.to(dt)) * dk**-0.5
+    k = l2norm(k.to(dt))
+    v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
+
+    dest, starts, total, first_chunks = _chunk_layout(bounds, chunk, q.device)
+    n = total // chunk
+    last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
+        padded = x.new_zeros(b, total, *x.shape[2:]).index_copy(1, dest, x)
+        return padded.transpose(1, 2).reshape(b, h, n, chunk, *x.shape[3:])
+
+    q, k, v, g, beta = (to_chunks(x) for x in (q, k, v, g, beta))
+    gc = g.cumsum(-2)  # (B, H, N, C, Dk): log decay from the chunk start to each token, per channel
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    eye = torch.eye(chunk, dtype=dt, device=q.device)
+    system = decayed_products(k_beta, k, gc, sub).tril(-1) + eye  # (B, H, N, C, C)
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)  # (B, H, N, C, Dv)
+    w = torch.linalg.solve_triangular(system, k_beta * gc.exp(), upper=False, unitriangular=True)  # (.., C, Dk)
+    intra = decayed_products(q, k, gc, sub)  # (B, H, N, C, C), diagonal included
+    q_read = q * gc.exp()  # reads the state entering the chunk
+    k_write = k * (gc[..., -1:, :] - gc).exp()  # writes decayed to the chunk's end
+    chunk_decay = gc[..., -1, :].exp()[..., None]  # (B, H, N, Dk, 1): each state row's decay over the chunk
+    keep = (~starts).to(dt)  # (N,): 0 where a segment starts, so the carried state is dropped
+    entering = {c: i for i, c in enumerate(first_chunks)}
+    leaving = set(last_chunks)
+
+    state = q.new_zeros(b, h, dk, dv)
+    outs, finals = [], []
+    for i in range(n):
+        state = state * keep[i]
+        if initial_state is not None and i in entering:
+            state = state + initial_state[:, entering[i]].to(dt)
+        v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
+        outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
+        if i in leaving:
+            finals.append(state)
+    out = torch.stack(outs, 2).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
+    return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)
