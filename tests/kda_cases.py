@@ -14,6 +14,7 @@ import seqmesh
 from dist_cases import get_mesh
 from seqmesh.comm.stats import comm_stats
 from seqmesh.linear_attention import kda_state_passing
+from seqmesh.linear_attention.kda_all_to_all import all_to_all_kda
 from seqmesh.linear_attention.kda_state_passing import KdaHeads, state_passing_kda
 
 
@@ -58,10 +59,12 @@ class KdaCase:
     value_dim: int = 3
     kernel: int = 4
     batch: int = 2
+    design: str = "state_passing"  # or "all_to_all"
 
     @property
     def name(self) -> str:
-        return f"S{self.seq_len}-{self.layout}-{'docs' if self.documents else 'nodocs'}-k{self.kernel}"
+        return (f"S{self.seq_len}-{self.layout}-{'docs' if self.documents else 'nodocs'}-k{self.kernel}-h{self.heads}-"
+                f"{self.design}")
 
 
 def kda_inputs(case: KdaCase):
@@ -89,8 +92,8 @@ def whole_sequence_kda(heads: KdaHeads, qkv, weight, g, beta, starts: tuple[int,
 
 
 def kda_layer_cases(ulysses: int, ring: int, cases: list[KdaCase], mutation: str | None = None) -> list[dict]:
-    """``state_passing_kda`` on the mesh against :func:`whole_sequence_kda`: max abs error of the output and of
-    every input's gradient, and the all-gathers' bytes. ``mutation="no_pass"``: the runs' states are not passed
+    """``state_passing_kda`` or ``all_to_all_kda`` (``case.design``) on the mesh against :func:`whole_sequence_kda`:
+    max abs error of the output and of every input's gradient, and the collectives' bytes. ``mutation="no_pass"``: the runs' states are not passed
     between ranks (each run starts from zero), which the test must see."""
     mesh = get_mesh(ulysses, ring)
     min_chunk = 1  # cut even short documents
@@ -112,7 +115,8 @@ def kda_layer_cases(ulysses: int, ring: int, cases: list[KdaCase], mutation: str
             kda_state_passing.pass_states = lambda out, *args, **kwargs: out
         try:
             with comm_stats() as stats:
-                out = state_passing_kda(shard(qkv), shard(g), shard(beta), weight, None, heads, mesh, layout=case.layout,
+                design = all_to_all_kda if case.design == "all_to_all" else state_passing_kda
+                out = design(shard(qkv), shard(g), shard(beta), weight, None, heads, mesh, layout=case.layout,
                                         seq_len=case.seq_len, cu_seqlens=case.documents, min_chunk=min_chunk)
                 grads = torch.autograd.grad((out * shard(dout)).sum(), leaves)
         finally:
@@ -127,6 +131,8 @@ def kda_layer_cases(ulysses: int, ring: int, cases: list[KdaCase], mutation: str
             errors[name] = float((g_sp - g_ref).abs().max() / g_ref.abs().max())
         results.append({"case": case.name, "errors": errors, "scale": float(want.abs().max()),
                         "gather_bytes": stats.sent("all_gather", "forward"),
+                        "a2a_bytes": {ph: stats.sent("all_to_all", ph) for ph in ("forward", "backward")},
+                        "a2a_calls": (stats.count("all_to_all", "forward"), stats.count("all_to_all", "backward")),
                         "gather_calls": (stats.count("all_gather", "forward"), stats.count("reduce_scatter"))})
     return results
 

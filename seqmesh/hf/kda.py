@@ -4,9 +4,11 @@
 The new forward keeps everything of the layer that acts per token on the local shard: the q, k, v
 projections, the layer's own forget gate (its per-channel log decay g), beta, the output gate, the
 gated norm and the output projection. Only the short conv of q | k | v and the recurrence see the
-sequence; they run by state passing (:func:`seqmesh.linear_attention.kda_state_passing.state_passing_kda`),
-whatever ``design`` names: seqmesh has no all-to-all design for KDA yet, and state passing's bytes do
-not grow with the sequence. The sequence is read from the ``seqmesh`` entry of ``shard_batch``.
+sequence; they run by one of two designs (``design``, parallelize's ``linear_attention``): ``state_passing``
+(:func:`seqmesh.linear_attention.kda_state_passing.state_passing_kda`), ``all_to_all`` (by heads,
+:func:`seqmesh.linear_attention.kda_all_to_all.all_to_all_kda`) or ``auto``, which
+:func:`~seqmesh.linear_attention.kda_all_to_all.choose_kda_design` resolves per call from the shapes. The
+sequence is read from the ``seqmesh`` entry of ``shard_batch``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..linear_attention.choice import parse_design
+from ..linear_attention.choice import LinearDesign, parse_design
+from ..linear_attention.kda_all_to_all import all_to_all_kda, choose_kda_design
 from ..linear_attention.kda_state_passing import KdaHeads, state_passing_kda
 from ..mesh import SPMesh
 from .mixers import MixerKind, check_mixer_context
@@ -39,11 +42,14 @@ def _is_kda(module: nn.Module) -> bool:
 
 
 def kda_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
-    """The KDA layers of ``model`` that seqmesh runs sequence-parallel, checked; every other mixer is left to
-    ``check_layers``."""
-    parse_design(design)  # a wrong name is refused here too; every design runs state passing
+    """The KDA layers of ``model`` that seqmesh runs sequence-parallel, checked (the all-to-all, when named, for
+    heads it can split); every other mixer is left to ``check_layers``."""
+    design = parse_design(design)
     layers = [(name, m) for name, m in model.named_modules() if _is_kda(m)]
     for name, m in layers:
+        if design is LinearDesign.ALL_TO_ALL:  # raises if the ranks outnumber the heads
+            choose_kda_design(KdaHeads(m.num_heads, m.head_dim, m.head_dim), mesh, design, batch=1, seq_len=1,
+                              layout="zigzag", kernel=m.conv_kernel_size, dtype_bytes=2)
         if m.activation not in ("silu", "swish"):
             raise ValueError(f"{name} ({type(m).__name__}) applies {m.activation!r} after its short conv; seqmesh's "
                              "KDA conv takes 'silu' (set config.hidden_act = 'silu').")
@@ -53,6 +59,7 @@ def kda_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tup
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
     gate = _output_gate(module)
     heads = KdaHeads(module.num_heads, module.head_dim, module.head_dim)
+    design = parse_design(design)
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         info = kwargs.get("seqmesh")
@@ -62,7 +69,10 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
         qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
         g = self.forget_gate(hidden_states)  # (B, L, H, Dk): the layer's own per-channel log decay
         beta = torch.sigmoid(self.b_proj(hidden_states))  # (B, L, H)
-        core = state_passing_kda(  # (B, L, H, Dv)
+        chosen = choose_kda_design(heads, mesh, design, batch=b, seq_len=info.seq_len, layout=info.layout,
+                                   kernel=self.conv_kernel_size, dtype_bytes=qkv.element_size(), g_bytes=g.element_size())
+        run = all_to_all_kda if chosen is LinearDesign.ALL_TO_ALL and mesh.sp_size > 1 else state_passing_kda
+        core = run(  # (B, L, H, Dv)
             qkv, g, beta, self.conv1d.weight.squeeze(1), self.conv1d.bias, heads, mesh,
             layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens, activation=self.activation,
         )

@@ -10,6 +10,7 @@ import torch
 from family_cases import KeepFloat64, family_parity
 from kda_cases import KdaCase, kda_layer_cases, token_loop_kda, without_document_resets
 from seqmesh.linear_attention.kda import chunk_kda_states
+from seqmesh.linear_attention.kda_all_to_all import kda_all_to_all_bytes
 from seqmesh.linear_attention.kda_state_passing import KdaHeads, kda_state_passing_bytes
 
 ROUNDING_MULTIPLE = 4  # as test_hf_families: the error may be this multiple of the reference's own rounding
@@ -93,6 +94,32 @@ def test_kda_state_passing_exact_float64(pools, ulysses, ring):
                                            ulysses=ulysses, ring=ring, layout=case.layout, kernel=case.kernel,
                                            dtype_bytes=8, state_bytes=8)
             assert max(results[cases.index(case)]["gather_bytes"] for results in per_rank) == want, case
+
+
+def _all_to_all_cases(p: int) -> list[KdaCase]:
+    cases = [KdaCase(24, layout, DOCS[24] if docs else None, heads=4, design="all_to_all")
+             for layout in ("zigzag", "contiguous", "per_document") for docs in (False, True)
+             if docs or layout != "per_document"]
+    cases.append(KdaCase(23, "zigzag", DOCS[23], heads=4, design="all_to_all"))
+    return cases + ([KdaCase(24, "zigzag", DOCS[24], heads=3, design="all_to_all")] if p <= 3 else [])  # uneven
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_kda_all_to_all_exact_float64(pools, ulysses, ring):
+    """The all-to-all by heads on the mesh equals the whole sequence on one process (as the state passing test),
+    also with heads that do not split evenly; three all-to-alls forward (q | k | v | beta, g, the output) and their
+    adjoints backward, no all-gather, of the closed form's bytes."""
+    p = ulysses * ring
+    cases = _all_to_all_cases(p)
+    per_rank = pools.run(p, kda_layer_cases, ulysses, ring, cases, timeout=600)
+    for rank, results in enumerate(per_rank):
+        for case, r in zip(cases, results):
+            assert max(r["errors"].values()) < FLOAT64_ATOL, (rank, r)
+            assert r["a2a_calls"] == (3, 3) and r["gather_calls"] == (0, 0), (rank, r)
+            if case.heads % p == 0 and case.seq_len % p == 0:
+                want = kda_all_to_all_bytes(KdaHeads(case.heads, case.key_dim, case.value_dim), batch=case.batch,
+                                            seq_len=case.seq_len, ranks=p, dtype_bytes=8, g_bytes=8)
+                assert r["a2a_bytes"] == {"forward": want, "backward": want}, (rank, r, want)
 
 
 def test_a_state_not_passed_is_seen(pools):
