@@ -70,7 +70,7 @@ def family_config(family: str):
         return tf.KimiLinearConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, num_key_value_heads=4,
                                    q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                    v_head_dim=6, moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                                   n_shared_experts=1, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
+                                   n_shared_experts=1, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
                                    layer_types=["linear_attention", "full_attention", "linear_attention"],
                                    mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2)

@@ -149,3 +149,13 @@ def without_document_resets(lm) -> None:
                 return _forward(hidden_states, *args, **kwargs)
 
             module.forward = through
+
+
+def with_design(lm, *, design: str, ulysses: int, ring: int) -> None:
+    """Reinstall a parallelized model's KDA layers with ``design`` (``state_passing`` or ``all_to_all``), as
+    ``parallelize(..., linear_attention=design)`` installs them (for family_parity's ``alter``, as a partial)."""
+    from seqmesh.hf import kda
+
+    layers = [(path, m) for path, m in lm.named_modules() if getattr(m, "_seqmesh_mixer", None) == kda.KIND.name]
+    assert layers, "no KDA layer installed"
+    kda.KIND.install(layers, get_mesh(ulysses, ring), design)

@@ -99,14 +99,15 @@ def state_passing_kda(
     h, dk, dv = heads.heads, heads.key_dim, heads.value_dim
     if mesh.sp_size == 1:
         bounds = segment_bounds(n, cu_seqlens, seq_len)
-        mixed = causal_conv(qkv, conv_weight, conv_bias, bounds, activation)
+        mixed = causal_conv(qkv, conv_weight, conv_bias, bounds, activation).to(qkv.dtype)
         return chunk_kda_states(*_split_heads(mixed, heads), g, beta, bounds)[0]
     place = placement(mesh, n, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens, min_chunk=min_chunk,
                       kernel=conv_weight.shape[-1])
     mine = place.mine
 
     # 1. the conv over the rank's runs, each preceded by its halo
-    q, k, v = _split_heads(halo_causal_conv(qkv, conv_weight, conv_bias, place, activation), heads)
+    mixed = halo_causal_conv(qkv, conv_weight, conv_bias, place, activation)  # in a float32 weight's dtype, as
+    q, k, v = _split_heads(mixed.to(qkv.dtype), heads)  # transformers' (Bailing keeps its conv in float32)
 
     # 2. the widened recurrence: values [v | 0], runs that receive a state start from [0 | I]
     widened = torch.cat([v, v.new_zeros(b, n, h, dk)], dim=-1)  # (B, L, H, Dv + Dk)

@@ -99,14 +99,14 @@ def refusals_first() -> dict:
 def test_refusals_are_right_and_first(pools):
     """A model without attention heads is refused for its mixer (it raised AttributeError on num_attention_heads);
     layers that do not pass **kwargs to attention are refused at parallelize (they were refused at the first
-    forward for a missing 'seqmesh' entry); Kimi Linear is refused for its delta attention only, its MLA
-    attention (KimiLinearAttention) not named a token mixer."""
+    forward for a missing 'seqmesh' entry); Kimi Linear is taken: its delta attention is a mixer seqmesh runs
+    (seqmesh.hf.kda), its MLA attention (KimiLinearAttention) goes through the interface, not named a token mixer."""
     (answers,) = pools.run(1, refusals_first)
     assert "MambaMixer, which mixes tokens" in answers["mamba"], answers["mamba"]
     assert "mixes tokens" in answers["rwkv"] and "Rwkv" in answers["rwkv"], answers["rwkv"]
     for family, layer in (("nemotron", "NemotronDecoderLayer"), ("stablelm", "StableLmDecoderLayer")):
         assert f"({layer}) calls its self_attn without passing its **kwargs on" in answers[family], answers[family]
-    assert "KimiLinearDeltaAttention" in answers["kimi"] and "KimiLinearAttention," not in answers["kimi"], answers["kimi"]
+    assert answers["kimi"] == "", answers["kimi"]
     assert answers["llama"] == ""
 
 

@@ -1,14 +1,16 @@
-"""Kimi Delta Attention (transformers' kimi_linear) sequence-parallel by state passing: the chunked rule against
-the recurrence one token at a time, the layer on a mesh against the whole sequence on one process, and Kimi Linear
-through seqmesh.hf against the unmodified transformers model."""
+"""Kimi Delta Attention (transformers' kimi_linear) sequence-parallel, by state passing and by the all-to-all: the
+chunked rule against the recurrence one token at a time, the layer on a mesh against the whole sequence on one
+process, and Kimi Linear through seqmesh.hf against the unmodified transformers model."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from family_cases import KeepFloat64, family_parity
-from kda_cases import KdaCase, kda_layer_cases, token_loop_kda, without_document_resets
+from kda_cases import KdaCase, kda_layer_cases, token_loop_kda, with_design, without_document_resets
 from seqmesh.linear_attention.kda import chunk_kda_states
 from seqmesh.linear_attention.kda_all_to_all import kda_all_to_all_bytes
 from seqmesh.linear_attention.kda_state_passing import KdaHeads, kda_state_passing_bytes
@@ -134,21 +136,28 @@ def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
     return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
 
 
+def _run_designs(cases: list[tuple], designs: tuple[str, ...]) -> list[dict]:
+    """Each family_parity case once per KDA design."""
+    return [{"case": (*c, design), **family_parity(*c, alter=functools.partial(with_design, design=design,
+                                                                               ulysses=c[1], ring=c[2]))}
+            for c in cases for design in designs]
+
+
 def _outside_rounding(r: dict) -> list[str]:
     return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_kimi_linear_exact(pools, ulysses, ring):
-    """Kimi Linear (two KDA layers around an MLA layer, MoE) through seqmesh.hf: logits, loss and every parameter's
-    gradient within ROUNDING_MULTIPLE of the reference's own rounding (transformers' KDA computes in float32), zigzag
-    on one sequence and on packed documents."""
+    """Kimi Linear (two KDA layers around an MLA layer, MoE) through seqmesh.hf, KDA by state passing and by the
+    all-to-all: logits, loss and every parameter's gradient within ROUNDING_MULTIPLE of the reference's own rounding
+    (transformers' KDA computes in float32), zigzag on one sequence and on packed documents."""
     cases = [("kimi_linear", ulysses, ring, "zigzag", docs) for docs in (False, True)]
-    for results in pools.run(ulysses * ring, _run_all, cases, timeout=600):
+    for results in pools.run(ulysses * ring, _run_designs, cases, ("state_passing", "all_to_all"), timeout=600):
         for r in results:
             assert not _outside_rounding(r), r
-    print(f"u{ulysses}xr{ring} error / reference rounding (logits, grad):",
-          [(r["case"][4], r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"]) for r in results])
+    print(f"u{ulysses}xr{ring} error / reference rounding (docs, design, logits, grad):",
+          [(*r["case"][4:], r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"]) for r in results])
 
 
 def test_tolerance_sees_kda_without_document_resets(pools):
@@ -156,3 +165,32 @@ def test_tolerance_sees_kda_without_document_resets(pools):
     for results in pools.run(2, _run_all, [("kimi_linear", 1, 2, "zigzag", True)], alter=without_document_resets):
         for r in results:
             assert _outside_rounding(r), r
+    print("without document resets, error / reference rounding (logits, grad):",
+          r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"])
+
+
+def test_design_rule():
+    """auto: the all-to-all for short sequences, state passing for long ones and whenever the ranks outnumber the
+    heads; an explicit all-to-all with too few heads is refused naming the fix. Kimi-Linear-48B's KDA (32 heads of
+    128, conv 4) at 128K on 8 ranks (ring), bf16 with a float32 gate: the all-to-all sends 706 MB a layer and rank, state
+    passing 60 MB."""
+    import types
+
+    from seqmesh.linear_attention.choice import LinearDesign
+    from seqmesh.linear_attention.kda_all_to_all import choose_kda_design
+
+    kimi = KdaHeads(32, 128, 128)
+    mesh = types.SimpleNamespace(sp_size=8, ulysses=1, ring=8)
+    shape = dict(batch=1, layout="zigzag", kernel=4, dtype_bytes=2)
+    assert choose_kda_design(kimi, mesh, "auto", seq_len=131072, **shape) is LinearDesign.STATE_PASSING
+    assert choose_kda_design(kimi, mesh, "auto", seq_len=2048, **shape) is LinearDesign.ALL_TO_ALL
+    assert choose_kda_design(kimi, mesh, "all_to_all", seq_len=131072, **shape) is LinearDesign.ALL_TO_ALL
+    few = KdaHeads(4, 128, 128)
+    assert choose_kda_design(few, mesh, "auto", seq_len=2048, **shape) is LinearDesign.STATE_PASSING
+    with pytest.raises(ValueError, match="4 heads, fewer than the 8 ranks.*'state_passing'"):
+        choose_kda_design(few, mesh, "all_to_all", seq_len=2048, **shape)
+    a2a = kda_all_to_all_bytes(kimi, batch=1, seq_len=131072, ranks=8, dtype_bytes=2)
+    passing = kda_state_passing_bytes(kimi, batch=1, ulysses=1, ring=8, layout="zigzag", kernel=4, dtype_bytes=2)
+    assert a2a == 131072 * 7 * 32 * ((2 * 128 + 2 * 128 + 1) * 2 + 128 * 4) // 64
+    assert passing == 7 * (2 * 32 * 128 * 256 * 4 + 2 * 3 * 3 * 32 * 128 * 2)
+    print(f"Kimi-Linear-48B KDA, 128K on U1xR8, bf16: all-to-all {a2a / 1e6:.0f} MB, state passing {passing / 1e6:.1f} MB")
