@@ -159,3 +159,59 @@ def with_design(lm, *, design: str, ulysses: int, ring: int) -> None:
     layers = [(path, m) for path, m in lm.named_modules() if getattr(m, "_seqmesh_mixer", None) == kda.KIND.name]
     assert layers, "no KDA layer installed"
     kda.KIND.install(layers, get_mesh(ulysses, ring), design)
+
+
+def tiny_bailing_layer(seed: int = 0):
+    """The KDA layer of a tiny Bailing hybrid (Ling/Ring linear), all float64: transformers keeps its conv, A_log
+    and dt_bias in float32 (``_keep_in_fp32_modules_strict``), cast up here so its own forward runs in float64."""
+    import transformers as tf
+
+    from family_cases import build
+
+    config = tf.BailingHybridConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+        intermediate_size=64, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+        topk_group=1, head_dim=8, short_conv_kernel_size=4, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], num_mtp_layers=0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return build(config, seed).model.layers[0].self_attn.double()
+
+
+def bailing_layer_cases(ulysses: int, ring: int, cases: list[tuple[str, tuple[int, ...] | None, str]]) -> list[dict]:
+    """Bailing hybrid's KDA layer through seqmesh's forward on the mesh (cases: layout, documents, design) against
+    transformers' own forward of the layer on each document alone, both in float64 (KeepFloat64: transformers' KDA
+    and gate cast to float32 themselves): relative errors of the output, the input's and every parameter's gradient."""
+    from family_cases import KeepFloat64
+    from seqmesh.hf import kda
+    from seqmesh.sequence.batch import SequenceInfo
+
+    mesh = get_mesh(ulysses, ring)
+    results = []
+    for layout, documents, design in cases:
+        layer = tiny_bailing_layer()
+        gen = torch.Generator().manual_seed(3)
+        s = 24
+        x = torch.randn(2, s, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+        dout = torch.randn(2, s, 32, generator=gen, dtype=torch.float64)
+        params = dict(layer.named_parameters())
+        bounds = documents or (0, s)
+        with KeepFloat64():
+            want = torch.cat([layer(x[:, a:e]) for a, e in zip(bounds[:-1], bounds[1:])], 1)
+        want_grads = torch.autograd.grad((want * dout).sum(), [x, *params.values()])
+
+        def shard(t):
+            return seqmesh.shard_sequence(t, mesh, layout=layout, cu_seqlens=documents)
+
+        forward = kda._make_forward(layer, mesh, design)
+        info = SequenceInfo(seq_len=s, cu_seqlens=documents, layout=layout)
+        with KeepFloat64():
+            out = forward(layer, shard(x), seqmesh=info)
+        grads = list(torch.autograd.grad((out * shard(dout)).sum(), [x, *params.values()]))
+        for g in grads[1:]:
+            dist.all_reduce(g, group=mesh.sp_group)
+        got = seqmesh.gather_sequence(out.detach(), mesh, layout=layout, length=s, cu_seqlens=documents)
+        errors = {"out": float((got - want.detach()).abs().max() / want.abs().max())}
+        for name, g, ref in zip(["input", *params], grads, want_grads):
+            errors[name] = float((g - ref).abs().max() / ref.abs().max())
+        results.append({"case": (layout, documents, design), "errors": errors})
+    return results
