@@ -93,8 +93,8 @@ def whole_sequence_kda(heads: KdaHeads, qkv, weight, g, beta, starts: tuple[int,
 
 def kda_layer_cases(ulysses: int, ring: int, cases: list[KdaCase], mutation: str | None = None) -> list[dict]:
     """``state_passing_kda`` or ``all_to_all_kda`` (``case.design``) on the mesh against :func:`whole_sequence_kda`:
-    max abs error of the output and of every input's gradient, and the collectives' bytes. ``mutation="no_pass"``: the runs' states are not passed
-    between ranks (each run starts from zero), which the test must see."""
+    max abs error of the output and of every input's gradient, and the collectives' bytes. ``mutation="no_pass"``:
+    the runs' states are not passed between ranks (each run starts from zero), which the test must see."""
     mesh = get_mesh(ulysses, ring)
     min_chunk = 1  # cut even short documents
     results = []

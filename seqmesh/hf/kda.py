@@ -70,7 +70,8 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
         g = self.forget_gate(hidden_states)  # (B, L, H, Dk): the layer's own per-channel log decay
         beta = torch.sigmoid(self.b_proj(hidden_states))  # (B, L, H)
         chosen = choose_kda_design(heads, mesh, design, batch=b, seq_len=info.seq_len, layout=info.layout,
-                                   kernel=self.conv_kernel_size, dtype_bytes=qkv.element_size(), g_bytes=g.element_size())
+                                   kernel=self.conv_kernel_size, dtype_bytes=qkv.element_size(),
+                                   g_bytes=g.element_size())
         run = all_to_all_kda if chosen is LinearDesign.ALL_TO_ALL and mesh.sp_size > 1 else state_passing_kda
         core = run(  # (B, L, H, Dv)
             qkv, g, beta, self.conv1d.weight.squeeze(1), self.conv1d.bias, heads, mesh,

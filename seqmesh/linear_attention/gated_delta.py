@@ -83,7 +83,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _chunk_layout(bounds: tuple[int, ...], chunk: int,
+def chunk_layout(bounds: tuple[int, ...], chunk: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
     """Where each token goes when every segment starts a chunk: ``(dest (S,), starts (N,) bool, padded,
     the chunk each segment starts at)``; the last as plain integers, so torch.compile traces them as constants."""
@@ -134,7 +134,7 @@ def chunk_gated_delta_rule_states(
     k = l2norm(k.to(dt))
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
 
-    dest, starts, total, first_chunks = _chunk_layout(bounds, chunk, q.device)
+    dest, starts, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 

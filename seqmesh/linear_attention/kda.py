@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta import CHUNK, _chunk_layout, compute_dtype, l2norm
+from .gated_delta import CHUNK, chunk_layout, compute_dtype, l2norm
 
 SUB_CHUNK = 16  # tokens per sub-chunk of the pairwise decay
 
@@ -88,7 +88,7 @@ def chunk_kda_states(
     k = l2norm(k.to(dt))
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
 
-    dest, starts, total, first_chunks = _chunk_layout(bounds, chunk, q.device)
+    dest, starts, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 

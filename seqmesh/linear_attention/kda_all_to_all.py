@@ -110,8 +110,8 @@ def all_to_all_kda(
     conv_in, beta_mine = received.split([h_r * (2 * dk + dv), h_r], dim=-1)
     rows = torch.cat([torch.arange(a * dk, e * dk), torch.arange(h * dk + a * dk, h * dk + e * dk),
                       torch.arange(2 * h * dk + a * dv, 2 * h * dk + e * dv)]).to(qkv.device)
-    mixed = causal_conv(conv_in, conv_weight.index_select(0, rows),
-                        None if conv_bias is None else conv_bias.index_select(0, rows), bounds, activation).to(qkv.dtype)
+    bias = None if conv_bias is None else conv_bias.index_select(0, rows)
+    mixed = causal_conv(conv_in, conv_weight.index_select(0, rows), bias, bounds, activation).to(qkv.dtype)
     q, k, v = mixed.split([h_r * dk, h_r * dk, h_r * dv], dim=-1)
     s = padded
     out, _ = chunk_kda_states(q.reshape(b, s, h_r, dk), k.reshape(b, s, h_r, dk), v.reshape(b, s, h_r, dv), g_mine,

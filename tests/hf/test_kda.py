@@ -90,7 +90,8 @@ def test_kda_state_passing_exact_float64(pools, ulysses, ring):
         for case, r in zip(cases, results):
             assert max(r["errors"].values()) < FLOAT64_ATOL, (rank, r)
             assert r["gather_calls"] == (2, 2), (rank, r)
-    print(f"state passing u{ulysses}xr{ring}: worst error {max(max(r['errors'].values()) for x in per_rank for r in x):.1e}")
+    worst = max(max(r["errors"].values()) for results in per_rank for r in results)
+    print(f"state passing u{ulysses}xr{ring}: worst error {worst:.1e}")
     for case in cases:
         if case.documents is None:  # the runs of zigzag and contiguous follow from the mesh alone
             want = kda_state_passing_bytes(KdaHeads(case.heads, case.key_dim, case.value_dim), batch=case.batch,
@@ -123,7 +124,8 @@ def test_kda_all_to_all_exact_float64(pools, ulysses, ring):
                 want = kda_all_to_all_bytes(KdaHeads(case.heads, case.key_dim, case.value_dim), batch=case.batch,
                                             seq_len=case.seq_len, ranks=p, dtype_bytes=8, g_bytes=8)
                 assert r["a2a_bytes"] == {"forward": want, "backward": want}, (rank, r, want)
-    print(f"all-to-all u{ulysses}xr{ring}: worst error {max(max(r['errors'].values()) for x in per_rank for r in x):.1e}")
+    worst = max(max(r["errors"].values()) for results in per_rank for r in results)
+    print(f"all-to-all u{ulysses}xr{ring}: worst error {worst:.1e}")
 
 
 def test_a_state_not_passed_is_seen(pools):
@@ -175,8 +177,8 @@ def test_tolerance_sees_kda_without_document_resets(pools):
 def test_design_rule():
     """auto: the all-to-all for short sequences, state passing for long ones and whenever the ranks outnumber the
     heads; an explicit all-to-all with too few heads is refused naming the fix. Kimi-Linear-48B's KDA (32 heads of
-    128, conv 4) at 128K on 8 ranks (ring), bf16 with a float32 gate: the all-to-all sends 706 MB a layer and rank, state
-    passing 60 MB."""
+    128, conv 4) at 128K on 8 ranks (ring), bf16 with a float32 gate: the all-to-all sends 706 MB a layer and rank,
+    state passing 60 MB."""
     import types
 
     from seqmesh.linear_attention.choice import LinearDesign
@@ -196,7 +198,8 @@ def test_design_rule():
     passing = kda_state_passing_bytes(kimi, batch=1, ulysses=1, ring=8, layout="zigzag", kernel=4, dtype_bytes=2)
     assert a2a == 131072 * 7 * 32 * ((2 * 128 + 2 * 128 + 1) * 2 + 128 * 4) // 64
     assert passing == 7 * (2 * 32 * 128 * 256 * 4 + 2 * 3 * 3 * 32 * 128 * 2)
-    print(f"Kimi-Linear-48B KDA, 128K on U1xR8, bf16: all-to-all {a2a / 1e6:.0f} MB, state passing {passing / 1e6:.1f} MB")
+    print(f"Kimi-Linear-48B KDA, 128K on U1xR8, bf16: all-to-all {a2a / 1e6:.0f} MB, "
+          f"state passing {passing / 1e6:.1f} MB")
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 2)], ids=["u1xr2", "u2xr2"])
