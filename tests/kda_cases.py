@@ -215,3 +215,30 @@ def bailing_layer_cases(ulysses: int, ring: int, cases: list[tuple[str, tuple[in
             errors[name] = float((g - ref).abs().max() / ref.abs().max())
         results.append({"case": (layout, documents, design), "errors": errors})
     return results
+
+
+def kda_refusals() -> dict:
+    """What a parallelized Kimi Linear's KDA layer says when called without seqmesh's entry, with a cache, or with
+    a padding mask; and whether parallelize installs and unparallelize removes its forward."""
+    from transformers import DynamicCache
+
+    from family_cases import build, family_config
+    from seqmesh.hf import parallelize, unparallelize
+    from seqmesh.sequence.batch import SequenceInfo
+
+    model = parallelize(build(family_config("kimi_linear")), get_mesh(1, 1))
+    layer = model.model.layers[0].self_attn
+    out = {"installed": sum("forward" in vars(m) for m in model.modules())}
+    x = torch.zeros(1, 6, model.config.hidden_size, dtype=torch.float64)
+    info = SequenceInfo(seq_len=6, cu_seqlens=None, layout="zigzag")
+    calls = {"no_entry": dict(), "cache": dict(cache=DynamicCache(config=model.config), seqmesh=info),
+             "mask": dict(attention_mask=torch.ones(1, 6), seqmesh=info)}
+    for what, kwargs in calls.items():
+        try:
+            layer(x, **kwargs)
+            out[what] = "no error"
+        except ValueError as err:
+            out[what] = str(err)
+    unparallelize(model)
+    out["left"] = sum("forward" in vars(m) for m in model.modules())
+    return out

@@ -218,3 +218,15 @@ def test_bailing_hybrid_layer_exact_float64(pools, ulysses, ring):
             assert len(r["errors"]) > 8 and max(r["errors"].values()) < FLOAT64_ATOL, (rank, r)
     worst = max(max(r["errors"].values()) for results in per_rank for r in results)
     print(f"bailing hybrid layer u{ulysses}xr{ring}: worst relative error {worst:.1e}")
+
+
+def test_kda_layer_refusals(pools):
+    """parallelize installs a forward on each KDA layer of Kimi Linear (two), which refuses a call without the
+    seqmesh entry, with a cache or with a padding mask, naming the way out; unparallelize removes both."""
+    from kda_cases import kda_refusals
+
+    (r,) = pools.run(1, kda_refusals)
+    assert r["installed"] == 2 and r["left"] == 0, r
+    assert "without the 'seqmesh' entry" in r["no_entry"] and "shard_batch" in r["no_entry"], r
+    assert "keeps no cache" in r["cache"] and "unparallelize" in r["cache"], r
+    assert "padding mask" in r["mask"] and "position_ids" in r["mask"], r
