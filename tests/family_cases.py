@@ -66,6 +66,24 @@ def family_config(family: str):
         if family == "deepseek-v3.2":
             return tf.DeepseekV32Config(**dsa)
         return tf.GlmMoeDsaConfig(**{**dsa, "num_hidden_layers": 3}, indexer_types=["full", "shared", "full"])
+    mamba2 = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, intermediate_size=64,
+                  attention_dropout=0.0)  # Mamba2: 4 heads of 16 in 2 groups of B/C (state 8), a conv of 4
+    if family == "nemotron-h":  # Mamba2, MoE, attention and MLP layers
+        return tf.NemotronHConfig(**mamba2, num_hidden_layers=4, layer_types=["linear_attention", "moe", "full_attention",
+                                  "linear_attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+                                  head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  moe_shared_expert_intermediate_size=16)
+    if family == "granite-4-hybrid":
+        return tf.GraniteMoeHybridConfig(**mamba2, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2)
+    if family == "bamba":
+        return tf.BambaConfig(**mamba2, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                              mamba_d_state=8, mamba_n_groups=2)
+    if family == "falcon-h1":  # attention and Mamba2 side by side in every layer, muP multipliers that bite
+        return tf.FalconH1Config(**mamba2, num_hidden_layers=2, head_dim=8, mamba_n_heads=4, mamba_d_head=16,
+                                 mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=2,
+                                 ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], ssm_in_multiplier=1.25,
+                                 lm_head_multiplier=0.8)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -80,8 +98,22 @@ def build(config, seed: int = 0):
     torch.manual_seed(seed)
     capped = getattr(config, "attn_logit_softcapping", None) is not None
     sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa and not capped
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
-                                            experts_implementation="eager")  # grouped_mm has no float64
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
+                                             experts_implementation="eager")  # grouped_mm has no float64
+    return _long_memory(model)
+
+
+def _long_memory(model):
+    """State space mixers with a memory longer than a rank's tokens: transformers initialises Mamba2's decay per
+    token to exp(-A dt) with A = 1..H and dt ~ 1.3, which forgets within a few tokens, so a state lost between
+    ranks would barely show. Here A = 0.05..0.2 and dt ~ 0.13 (a decay of about 0.99 a token)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if ("Mamba" in type(m).__name__ or type(m).__name__.endswith("Mixer")) and hasattr(m, "A_log") \
+                    and hasattr(m, "dt_bias"):
+                m.A_log.copy_(torch.linspace(0.05, 0.2, m.A_log.numel()).log().view_as(m.A_log))
+                m.dt_bias.fill_(-2.0)
+    return model
 
 
 def _batch(seq_len: int, vocab: int, documents: bool) -> dict:

@@ -342,16 +342,17 @@ def test_recurrent_families_are_refused_by_name():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from seqmesh.hf.layers import check_layers
-    from seqmesh.hf.linear_attention import gated_delta_layers
+    from seqmesh.hf.mixers import mixer_layers
 
     mesh = types.SimpleNamespace(sp_size=2)  # gated_delta_layers() reads only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer", "falcon_h1": "FalconH1Mixer",
+    refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer",
                "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
                "minimax": "MiniMaxLightningAttention", "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
-               "rwkv": "RwkvSelfAttention", "nemotron_h": "NemotronHMamba2Mixer", "lfm2": "Lfm2ShortConv"}
-    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0}
+               "rwkv": "RwkvSelfAttention", "lfm2": "Lfm2ShortConv"}
+    # Gated DeltaNet (1 layer each) and Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers)
+    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2}
     hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -359,13 +360,16 @@ def test_recurrent_families_are_refused_by_name():
     assert all(family in CONFIG_MAPPING for family in taken)
     for family in [f for f in (*refused, *taken) if f in CONFIG_MAPPING]:
         extra = {"layer_types": ["conv", "full_attention"]} if family == "lfm2" else {}
-        extra = {"layer_types": hybrid} if family in taken and family != "llama" else extra
+        extra = {"layer_types": hybrid} if family in taken and family not in ("llama", "falcon_h1") else extra
+        extra = {**extra, "mamba_d_ssm": 64, "mamba_n_heads": 4} if family == "falcon_h1" else extra
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **small, **extra))
-        layers = gated_delta_layers(model, mesh)
+        found = mixer_layers(model, mesh, "auto")
+        layers = [layer for kind in found.values() for layer in kind]
         if family in taken:
             assert len(layers) == taken[family], family
-            check_layers(model, handled=[m for _, m in layers], handled_types=("linear_attention",))
+            check_layers(model, handled=[m for _, m in layers],
+                         handled_types=tuple(t for kind in found for t in kind.layer_types))
             continue
         assert layers == [], family
         with pytest.raises(ValueError, match=rf"is a {refused[family]}, which mixes tokens outside") as err:
