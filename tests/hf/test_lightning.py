@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from family_cases import family_parity
-from lightning_cases import mutated_parity
+from lightning_cases import mutated_parity, state_pass_traffic
 
 ROUNDING_MULTIPLE = 4  # as test_hf_families
 MESHES = [(2, 1), (1, 2), (2, 2)]
@@ -75,3 +75,19 @@ def test_a_call_it_cannot_run_exactly_is_refused():
         forward(layer, x, attention_mask=torch.ones(1, 4), seqmesh=info)
     with pytest.raises(ValueError, match="unknown linear_attention design"):
         KIND.find(model, mesh, "heads")
+
+
+# the runs a rank holds (zigzag over the ring: two chunks a rank, one run where they meet; Ulysses within a chunk)
+TRAFFIC = [(2, 1, "zigzag", False, 1), (1, 2, "zigzag", False, 2), (1, 2, "zigzag", True, 2), (2, 2, "zigzag", False, 1)]
+
+
+@pytest.mark.parametrize("ulysses,ring,layout,documents,runs", TRAFFIC)
+def test_one_state_gather_per_layer(pools, ulysses, ring, layout, documents, runs):
+    """A forward's lightning layer makes one all-gather, of every run's [S_0 | exp(sum g)] per head: a rank receives
+    (P - 1) x runs x B x H x (Dk Dv + 1) values (float64 here), whatever the sequence's length."""
+    heads, dim, p = 4, 8, ulysses * ring
+    for calls in pools.run(p, state_pass_traffic, ulysses, ring, layout, documents):
+        assert len(calls) == 1, calls
+        assert calls[0]["sent"] == (1, runs, heads * (dim * dim + 1)), calls
+        assert calls[0]["received"] == (p - 1) * runs * heads * (dim * dim + 1) * 8, calls
+    print(f"u{ulysses}xr{ring} {layout} documents={documents}: {calls[0]['received']} bytes received per layer and rank")
