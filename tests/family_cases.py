@@ -84,6 +84,10 @@ def family_config(family: str):
                                  mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=2,
                                  ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], ssm_in_multiplier=1.25,
                                  lm_head_multiplier=0.8)
+    if family == "minimax":  # a lightning attention layer (decay slope per head), then full attention; MoE
+        return tf.MiniMaxConfig(**SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=8, block_size=8,
+                                layer_types=["linear_attention", "full_attention"], num_local_experts=4,
+                                num_experts_per_tok=2, linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1)
     raise ValueError(f"unknown family {family!r}")
 
 

@@ -349,10 +349,11 @@ def test_recurrent_families_are_refused_by_name():
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer",
                "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
-               "minimax": "MiniMaxLightningAttention", "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
+               "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
                "rwkv": "RwkvSelfAttention", "lfm2": "Lfm2ShortConv"}
-    # Gated DeltaNet (1 layer each) and Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers)
-    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2}
+    # Gated DeltaNet (1 layer each), Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers), lightning
+    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2,
+             "minimax": 1}
     hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
