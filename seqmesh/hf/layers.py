@@ -63,6 +63,12 @@ def mixes_tokens(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv1d) or named or any(p in own for p in STATE_PARAMS)
 
 
+def has_attention(model: nn.Module, skip: set[int] = frozenset()) -> bool:
+    """Whether ``model`` has an attention module (a class named ``...Attention``) outside the modules ``skip`` names
+    (by id): a pure state space model (Mamba2) has none, and then no attention to route."""
+    return any(type(m).__name__.endswith("Attention") for m in model.modules() if id(m) not in skip)
+
+
 def _calls_interface(cls: type) -> bool:
     """Whether ``cls``'s forward looks its attention function up in transformers' ``AttentionInterface``."""
     source = forward_source(cls)
@@ -208,7 +214,7 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: S
     if dropping:
         problems.append(f"{'; '.join(dropping)}, so the sequence information seqmesh's attention needs never "
                         "reaches it (transformers' layer would have to pass **kwargs to its attention)")
-    if not _routes_through_interface(model):
+    if has_attention(model, inside_handled) and not _routes_through_interface(model):
         problems.append("it does not route its attention through transformers' AttentionInterface, so seqmesh cannot "
                         "replace it (each rank would attend within its own shard only)")
     if problems:

@@ -1,4 +1,4 @@
-"""Mamba2 hybrids (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1) through seqmesh.hf: the halo conv and the
+"""Mamba2 hybrids (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1) and the pure Mamba2 model through seqmesh.hf: the halo conv and the
 state pass across ranks give the logits, the loss and every parameter's gradient of the unmodified model on one
 process (each packed document alone), within the reference's own rounding (test_hf_families's bound)."""
 
@@ -11,7 +11,7 @@ import pytest
 from family_cases import family_parity
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
-FAMILIES = ["nemotron-h", "granite-4-hybrid", "bamba", "falcon-h1"]
+FAMILIES = ["nemotron-h", "granite-4-hybrid", "bamba", "falcon-h1", "mamba2"]  # mamba2: no attention at all
 MESHES = [(2, 1), (1, 2), (2, 2)]
 
 
