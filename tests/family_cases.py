@@ -247,12 +247,13 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
 
 
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None) -> dict:
+                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None, design: str = "auto") -> dict:
     """Largest logit error and largest relative gradient error over all parameters, and the reference's
     own rounding of each (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
     for the test that the tolerance still sees one, the position ids of that rank's shard off by one
     (its rotary embedding rotated one step too far) in the logits' forward. ``alter(model)``: a deliberate change
-    to the parallelized model only (a mutation its test must see)."""
+    to the parallelized model only (a mutation its test must see). ``design``: the recurrent mixers' design
+    (``linear_attention`` of ``parallelize``)."""
     mesh = get_mesh(ulysses, ring)
     config = family_config(family)
     reference = build(config)
@@ -262,7 +263,7 @@ def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", 
     ref_loss.backward()
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn)
 
-    lm = parallelize(build(family_config(family)), mesh)
+    lm = parallelize(build(family_config(family)), mesh, linear_attention=design)
     if alter is not None:
         alter(lm)
     local = seqmesh.shard_batch(batch, mesh, layout=layout)
