@@ -146,3 +146,18 @@ def test_auto_takes_state_passing_at_long_context():
     sent = ssd_design_bytes(heads, 4, seq_len=131072, **shape)
     print(f"128K on 8 ranks, per layer and rank: state passing {sent[LinearDesign.STATE_PASSING] / 1e6:.1f} MB, "
           f"all-to-all {sent[LinearDesign.ALL_TO_ALL] / 1e6:.1f} MB")
+
+
+def test_tensor_parallelism_is_refused_by_name():
+    """tp=2 on a Mamba2 model: refused before any work, naming the layer and tp=1 (the mixers are sequence-parallel
+    only)."""
+    import types
+
+    import transformers as tf
+
+    from family_cases import family_config
+    from seqmesh.tensor_parallel.plan import check_tensor_parallel
+
+    mesh = types.SimpleNamespace(tp=2, ulysses=1, ring=2, sp_size=2)
+    with pytest.raises(ValueError, match=r"backbone.layers.0.mixer \(Mamba2Mixer\) is a Mamba2 layer.*tp=1"):
+        check_tensor_parallel(tf.AutoModelForCausalLM.from_config(family_config("mamba2")), mesh)
