@@ -35,12 +35,16 @@ def test_short_conv_families_exact(pools, ulysses, ring):
 
 def test_a_halo_one_token_short_is_seen(pools):
     """The conv's halo one token short (each run's first token misses its farthest tap): far outside the tolerance,
-    for the narrowest conv (lfm2, width 3: a halo of 1 becomes none) and the widest (lfm3, 6 becomes 5)."""
+    for the narrowest conv (lfm2, width 3: a halo of 1 becomes none) and the widest (lfm3, 6 becomes 5). The tiny
+    models' conv moves their logits little (weights of std 0.02), their gradients much."""
     cases = [("lfm2", 1, 2, "zigzag", False), ("lfm3", 2, 1, "zigzag", True)]
     for results in pools.run(2, parity_with_a_short_halo, cases):
         for r in results:
             assert {"logits", "grad"} <= set(_outside_rounding(r)), r
-            assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+            tolerance = {k: ROUNDING_MULTIPLE * r["rounding"][k] for k in ("logits", "grad")}
+            assert r["logits"] > 10 * tolerance["logits"] and r["grad"] > 1000 * tolerance["grad"], r  # not near misses
+            print(f"{r['case']}: error / tolerance {r['logits'] / tolerance['logits']:.0f} (logits), "
+                  f"{r['grad'] / tolerance['grad']:.0f} (grad)")
 
 
 def test_halo_traffic_per_layer(pools):
