@@ -36,7 +36,8 @@ def is_short_conv(module: nn.Module) -> bool:
     conv, in_proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
     return (type(module).__name__.endswith("ShortConv") and isinstance(conv, nn.Conv1d)
             and conv.groups == conv.in_channels == conv.out_channels and isinstance(in_proj, nn.Linear)
-            and in_proj.out_features == 3 * conv.in_channels and isinstance(getattr(module, "out_proj", None), nn.Linear))
+            and in_proj.out_features == 3 * conv.in_channels
+            and isinstance(getattr(module, "out_proj", None), nn.Linear))
 
 
 def short_conv_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
