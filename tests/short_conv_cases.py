@@ -62,3 +62,31 @@ def halo_traffic(family: str, ulysses: int, ring: int, layout: str, documents: b
     received = [(p - 1) * shape[0] * shape[1] * shape[2] * size for shape, size in calls]
     return {"convs": convs, "calls": len(calls), "max_tail": sorted({shape[1] for shape, _ in calls}),
             "channels": config.hidden_size, "bytes_per_layer": max(received, default=0)}
+
+
+def layer_refusals() -> dict:
+    """What a parallelized LFM2 short-conv layer says when called without seqmesh's entry, with a cache, with a
+    padding mask, and what the model says asked for a cache: each ValueError's message (or None if none came)."""
+    from transformers import DynamicCache
+
+    mesh = get_mesh(1, 2)
+    config = family_config("lfm2")
+    model = parallelize(build(config), mesh)
+    layer = next(m for m in model.modules() if is_short_conv(m))
+    batch = seqmesh.shard_batch(_batch(45, config.vocab_size, False), mesh)
+    hidden = torch.zeros(1, batch["input_ids"].shape[1], config.hidden_size, dtype=torch.float64)
+    calls = {
+        "no entry": lambda: layer(hidden),
+        "cache": lambda: layer(hidden, cache=DynamicCache(config=config), seqmesh=batch["seqmesh"]),
+        "padding mask": lambda: layer(hidden, attention_mask=torch.ones(1, hidden.shape[1]), seqmesh=batch["seqmesh"]),
+        "model cache": lambda: model(**batch, use_cache=True),
+    }
+    said = {}
+    for what, call in calls.items():
+        try:
+            call()
+            said[what] = None
+        except ValueError as err:
+            said[what] = str(err)
+    unparallelize(model)
+    return said

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from short_conv_cases import halo_traffic, parity_all, parity_with_a_short_halo
+from short_conv_cases import halo_traffic, layer_refusals, parity_all, parity_with_a_short_halo
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
 # lfm2: conv width 3, no bias; lfm2-hybrid: width 5 with a bias, conv conv attention conv; lfm2_moe: experts after
@@ -80,3 +80,22 @@ def test_an_lfm2_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
     with open(tmp_path / "train" / "metrics.jsonl") as f:
         losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_a_short_conv_refuses_what_it_cannot_compute(pools):
+    """A parallelized short-conv layer called without seqmesh's entry, with a cache or with a padding mask, and the
+    model asked for a cache, each raise a ValueError naming the way out; tensor parallelism is refused by name
+    before any change (it would cut in_proj's B | C | x)."""
+    import types
+
+    from family_cases import build, family_config
+    from seqmesh.hf.short_conv import short_conv_layers
+
+    said = pools.run(2, layer_refusals)[0]
+    assert "shard_batch" in said["no entry"] and "unparallelize" in said["no entry"], said
+    assert all("keeps no cache" in said[k] and "unparallelize" in said[k] for k in ("cache", "model cache")), said
+    assert "padding mask" in said["padding mask"] and "position_ids" in said["padding mask"], said
+    model = build(family_config("lfm2"))
+    assert len(short_conv_layers(model, types.SimpleNamespace(tp=1))) == 1
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.conv \(Lfm2ShortConv\) .* tp=1"):
+        short_conv_layers(model, types.SimpleNamespace(tp=2))
