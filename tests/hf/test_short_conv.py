@@ -17,20 +17,21 @@ from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 # a dense conv layer; lfm3: width 7 (a halo of 6 tokens, a whole zigzag run on U2xR2), sliding and full attention
 FAMILIES = ["lfm2", "lfm2-hybrid", "lfm2_moe", "lfm3"]
 MESHES = [(2, 1), (1, 2), (2, 2)]
-LAYOUTS = [("zigzag", False), ("zigzag", True), ("contiguous", True)]
+LAYOUTS = [("zigzag", False), ("zigzag", True), ("contiguous", True), ("per_document", True)]
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_short_conv_families_exact(pools, ulysses, ring):
-    """Every family, zigzag plain and packed, contiguous packed, in one pool call per mesh."""
+    """Every family, zigzag plain and packed, contiguous and per_document packed, in one pool call per mesh."""
     cases = [(f, ulysses, ring, layout, docs) for f in FAMILIES for layout, docs in LAYOUTS]
     worst = {}
     for results in pools.run(ulysses * ring, parity_all, cases):
         for r in results:
             assert not _outside_rounding(r), r
-            ratios = (r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"])
-            worst[r["case"][0]] = tuple(max(a, b) for a, b in zip(worst.get(r["case"][0], (0.0, 0.0)), ratios))
-    print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, relative grad): {worst}")
+            seen = (r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"], r["logits"], r["grad"])
+            worst[r["case"][0]] = tuple(max(a, b) for a, b in zip(worst.get(r["case"][0], (0.0,) * 4), seen))
+    print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, relative grad), worst error (same): "
+          + ", ".join(f"{f} {' '.join(f'{v:.1e}' for v in w)}" for f, w in worst.items()))
 
 
 def test_a_halo_one_token_short_is_seen(pools):
