@@ -15,9 +15,9 @@ from seqmesh.hf import parallelize, unparallelize
 from seqmesh.hf.short_conv import is_short_conv
 
 
-def parity_all(cases: list[tuple]) -> list[dict]:
-    """family_parity of each ``(family, ulysses, ring, layout, documents)``."""
-    return [{"case": c, **family_parity(*c)} for c in cases]
+def parity_all(cases: list[tuple], seq_len: int = 45) -> list[dict]:
+    """family_parity of each ``(family, ulysses, ring, layout, documents)`` on ``seq_len`` tokens."""
+    return [{"case": c, **family_parity(*c, seq_len=seq_len)} for c in cases]
 
 
 def parity_with_a_short_halo(cases: list[tuple]) -> list[dict]:

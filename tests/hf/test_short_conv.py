@@ -34,6 +34,15 @@ def test_short_conv_families_exact(pools, ulysses, ring):
           + ", ".join(f"{f} {' '.join(f'{v:.1e}' for v in w)}" for f, w in worst.items()))
 
 
+@pytest.mark.parametrize("seq_len,documents", [(20, False), (31, True)], ids=["plain", "documents"])
+def test_a_halo_wider_than_a_run(pools, seq_len, documents):
+    """LFM3's halo of 6 tokens on ring 4, zigzag, 20 or 31 tokens (padded to 24 or 32: runs of 3 or 4 tokens): a run's
+    halo spans earlier runs of two or more other ranks, and packed documents (cut at 1, 9, 10, 30) restart it inside."""
+    for results in pools.run(4, parity_all, [("lfm3", 1, 4, "zigzag", documents)], seq_len=seq_len):
+        for r in results:
+            assert not _outside_rounding(r), r
+
+
 def test_a_halo_one_token_short_is_seen(pools):
     """The conv's halo one token short (each run's first token misses its farthest tap): far outside the tolerance,
     for the narrowest conv (lfm2, width 3: a halo of 1 becomes none) and the widest (lfm3, 6 becomes 5). The tiny
