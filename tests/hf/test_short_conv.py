@@ -70,7 +70,8 @@ def test_halo_traffic_per_layer(pools):
 
 def test_an_lfm2_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
     """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny LFM2-shaped config (conv, attention,
-    conv, attention) over 2 x 2 Ulysses x ring: the single-process model's loss, then a finite, falling loss."""
+    conv, attention) over 2 x 2 Ulysses x ring: the single-process model's loss, then a finite, falling loss with the
+    layers recomputed in backward (the halo's all-gather runs again in the recompute)."""
     import transformers as tf
 
     from seqmesh.training.config import TrainConfig
@@ -86,7 +87,7 @@ def test_an_lfm2_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
                 symbols=16)
     good = pools.run(4, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
     assert good["ok"] and good["loss_diff"] < 1e-5, good
-    pools.run(4, run_train, TrainConfig(**base, steps=6, out=str(tmp_path / "train")))
+    pools.run(4, run_train, TrainConfig(**base, steps=6, checkpointing=True, out=str(tmp_path / "train")))
     with open(tmp_path / "train" / "metrics.jsonl") as f:
         losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
