@@ -91,6 +91,20 @@ def family_config(family: str):
     if family == "mamba2":  # a pure state space model: no attention layer at all
         return tf.Mamba2Config(hidden_size=32, num_hidden_layers=2, vocab_size=64, num_heads=4, head_dim=16, expand=2,
                                state_size=8, n_groups=2, conv_kernel=4)
+    if family in ("lfm2", "lfm2-hybrid"):  # gated short convs (width conv_L_cache) and attention; no ff auto-sizing
+        lfm = dict(**SMALL, intermediate_size=64, num_key_value_heads=2, block_auto_adjust_ff_dim=False)
+        if family == "lfm2":
+            return tf.Lfm2Config(**lfm, layer_types=["conv", "full_attention"])
+        return tf.Lfm2Config(**{**lfm, "num_hidden_layers": 4}, layer_types=["conv", "conv", "full_attention", "conv"],
+                             conv_bias=True, conv_L_cache=5)  # a bias, and a halo of 4 tokens
+    if family == "lfm2_moe":  # a dense conv layer, attention, then a conv layer with 4 experts
+        return tf.Lfm2MoeConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, moe_intermediate_size=16,
+                                num_key_value_heads=2, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                layer_types=["conv", "full_attention", "conv"])
+    if family == "lfm3":  # convs of width 7 (a halo of 6: a whole zigzag run on U2xR2), sliding and full attention
+        return tf.Lfm3Config(**{**SMALL, "num_hidden_layers": 4}, intermediate_size=64, num_key_value_heads=2,
+                             head_dim=8, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             layer_types=["conv", "sliding_attention", "conv", "full_attention"])
     raise ValueError(f"unknown family {family!r}")
 
 

@@ -200,7 +200,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     call's arguments raise at the first call. Both name the layer. Gated DeltaNet layers (Qwen3.5,
     Qwen3-Next, OLMo-hybrid) run sequence-parallel too, their forward replaced per instance
     (:mod:`seqmesh.hf.linear_attention`) by ``linear_attention``: ``all_to_all``, ``state_passing`` or
-    ``auto`` (per call, from the shapes: :func:`seqmesh.linear_attention.choice.choose_design`).
+    ``auto`` (per call, from the shapes: :func:`seqmesh.linear_attention.choice.choose_design`), and so do
+    the gated short convolutions of LFM2, LFM2-MoE and LFM3 (:mod:`seqmesh.hf.short_conv`, their halo).
     The model (and its decoder) then keeps no cache: a call that does not pass ``use_cache`` runs
     without one whatever ``config.use_cache`` says (the config is unchanged), and one that asks for a
     cache raises. Returns the same model. The attention switch is stored on ``model.config``: another
