@@ -96,6 +96,8 @@ def _head_call(stmt: ast.stmt) -> tuple[str, str, ast.Call] | None:
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
     call = stmt.value
+    if isinstance(call, ast.BinOp) and isinstance(call.op, (ast.Mult, ast.Div)):  # self.lm_head(x) * multiplier
+        call = call.left
     while isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _PASS_THROUGH \
             and isinstance(call.func.value, ast.Call):  # self.lm_head(x).contiguous()
         call = call.func.value
@@ -230,6 +232,13 @@ def logit_head(lm: nn.Module) -> LogitHead:
                          "a plain linear map, which seqmesh's chunked loss does not reproduce; train it with your own "
                          "loss on model(**batch).logits.")
     scale = _input_scale(statements[:index], call, lm, name)
+    value = statements[index].value
+    if isinstance(value, ast.BinOp):  # Falcon-H1: logits = self.lm_head(hidden) * self.model.lm_head_multiplier
+        number = _value(value.right, lm)
+        if isinstance(number, bool) or not isinstance(number, numbers.Real) or not number:
+            raise ValueError(f"{name}'s forward scales its logits by {ast.unparse(value.right)!r}, which is not a "
+                             "constant seqmesh can read; train it with your own loss on model(**batch).logits.")
+        scale *= float(number) if isinstance(value.op, ast.Mult) else 1.0 / float(number)
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to its logits, which seqmesh's chunked "
                          "loss does not; train it with your own loss on model(**batch).logits.")

@@ -432,6 +432,7 @@ def model_shape(name_or_path: str) -> ModelShape:
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
+    cfg = _with_layer_count(cfg)
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:
         heads = cfg["num_attention_heads"]
@@ -454,6 +455,18 @@ def model_shape(name_or_path: str) -> ModelShape:
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+def _with_layer_count(cfg: dict) -> dict:
+    """``cfg`` with ``num_hidden_layers`` counted from its list of layer kinds where it names the kinds only (Nemotron-H
+    as transformers 5.24 writes it: ``layers_block_type``; its older releases: ``hybrid_override_pattern``)."""
+    if cfg.get("num_hidden_layers") is not None:
+        return cfg
+    for key in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+        kinds = cfg.get(key)
+        if isinstance(kinds, (list, str)) and kinds:
+            return {**cfg, "num_hidden_layers": len(kinds)}
+    return cfg
 
 
 def _vision_fields(cfg: dict, path: str) -> VisionShape | None:
