@@ -151,16 +151,6 @@ def without_document_resets(lm) -> None:
             module.forward = through
 
 
-def with_design(lm, *, design: str, ulysses: int, ring: int) -> None:
-    """Reinstall a parallelized model's KDA layers with ``design`` (``state_passing`` or ``all_to_all``), as
-    ``parallelize(..., linear_attention=design)`` installs them (for family_parity's ``alter``, as a partial)."""
-    from seqmesh.hf import kda
-
-    layers = [(path, m) for path, m in lm.named_modules() if getattr(m, "_seqmesh_mixer", None) == kda.KIND.name]
-    assert layers, "no KDA layer installed"
-    kda.KIND.install(layers, get_mesh(ulysses, ring), design)
-
-
 def tiny_bailing_layer(seed: int = 0):
     """The KDA layer of a tiny Bailing hybrid (Ling/Ring linear), all float64: transformers keeps its conv, A_log
     and dt_bias in float32 (``_keep_in_fp32_modules_strict``), cast up here so its own forward runs in float64."""

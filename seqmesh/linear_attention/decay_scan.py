@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .choice import LINEAR_CHUNK as CHUNK
-from .gated_delta import _chunk_layout, compute_dtype
+from .gated_delta import chunk_layout, compute_dtype
 from .halo import Placement
 from .passing import pass_states
 
@@ -33,7 +33,7 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out_dtype, dt = v.dtype, compute_dtype(q.dtype)
     b, s, h, dk = q.shape
     dv = v.shape[-1]
-    dest, _, total, first_chunks = _chunk_layout(bounds, chunk, q.device)
+    dest, _, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 

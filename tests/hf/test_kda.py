@@ -4,13 +4,11 @@ process, and Kimi Linear through seqmesh.hf against the unmodified transformers 
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from family_cases import KeepFloat64, family_parity
-from kda_cases import KdaCase, kda_layer_cases, token_loop_kda, with_design, without_document_resets
+from kda_cases import KdaCase, kda_layer_cases, token_loop_kda, without_document_resets
 from seqmesh.linear_attention.kda import chunk_kda_states
 from seqmesh.linear_attention.kda_all_to_all import kda_all_to_all_bytes
 from seqmesh.linear_attention.kda_state_passing import KdaHeads, kda_state_passing_bytes
@@ -143,9 +141,7 @@ def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
 
 def _run_designs(cases: list[tuple], designs: tuple[str, ...]) -> list[dict]:
     """Each family_parity case once per KDA design."""
-    return [{"case": (*c, design), **family_parity(*c, alter=functools.partial(with_design, design=design,
-                                                                               ulysses=c[1], ring=c[2]))}
-            for c in cases for design in designs]
+    return [{"case": (*c, design), **family_parity(*c, design=design)} for c in cases for design in designs]
 
 
 def _outside_rounding(r: dict) -> list[str]:
