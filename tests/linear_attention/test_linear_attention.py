@@ -337,8 +337,7 @@ def test_recurrent_families_are_refused_by_name():
     """transformers' families with recurrent token mixers (built on the meta device from their own config
     classes): the Gated DeltaNet ones, the gated short convs (LFM2, LFM2-MoE, LFM3) and KDA (Kimi Linear, Bailing
     hybrid) are taken and pass the one layer check, every other recurrent mixer is refused by its name before any
-    change, and plain attention models
-    have nothing to take."""
+    change, and plain attention models have nothing to take."""
     import types
 
     from transformers import AutoConfig, AutoModelForCausalLM
