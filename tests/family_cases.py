@@ -66,6 +66,10 @@ def family_config(family: str):
         if family == "deepseek-v3.2":
             return tf.DeepseekV32Config(**dsa)
         return tf.GlmMoeDsaConfig(**{**dsa, "num_hidden_layers": 3}, indexer_types=["full", "shared", "full"])
+    if family == "jamba":  # a Mamba (v1) layer, then attention with a small MoE
+        return tf.JambaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, attn_layer_period=2,
+                              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                              num_experts_per_tok=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)
     raise ValueError(f"unknown family {family!r}")
 
 

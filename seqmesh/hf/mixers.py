@@ -53,9 +53,9 @@ def uninstall(model: nn.Module) -> None:
 
 def kinds() -> tuple[MixerKind, ...]:
     """Every mixer seqmesh runs sequence-parallel, in the order ``parallelize`` looks for them."""
-    from . import linear_attention
+    from . import linear_attention, mamba
 
-    return (linear_attention.KIND,)
+    return (linear_attention.KIND, mamba.KIND)
 
 
 def mixer_layers(model: nn.Module, mesh: SPMesh, design: str) -> dict[MixerKind, Layers]:

@@ -1,0 +1,56 @@
+"""Jamba (a Mamba v1 layer, then attention with a small MoE; tiny, float64) through seqmesh.hf: logits and every
+parameter's gradient equal the unmodified transformers model on one process (packed documents one call each),
+within a multiple of the reference's own rounding (family_cases.reference_rounding); and a state not reset at a
+document start is caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_cases import family_parity
+
+# the reference rounds x, B and A to float32 inside its float64 scan (``.float()``), so its rounding is float32's
+ROUNDING_MULTIPLE = 4
+MESHES = [(2, 1), (1, 2), (2, 2)]
+
+
+def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+
+
+def _outside_rounding(r: dict) -> list[str]:
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_jamba_exact(pools, ulysses, ring):
+    """Zigzag plain and with packed documents, on one mesh, in one pools.run call."""
+    cases = [("jamba", ulysses, ring, "zigzag", docs) for docs in (False, True)]
+    for r in pools.run(ulysses * ring, _run_all, cases)[0]:
+        assert not _outside_rounding(r), r
+        print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
+              f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")
+
+
+def _no_reset_at_documents(lm) -> None:
+    """The mutation: every Mamba mixer scans as if the row were one document (its state carried across starts)."""
+    import dataclasses
+
+    from seqmesh.hf import mamba
+
+    for module in lm.modules():
+        if mamba.is_mamba1(module):
+            forward = module.forward
+
+            def one_document(hidden_states, *args, _forward=forward, **kwargs):
+                entry = module.__dict__.get(mamba._ENTRY) or kwargs.pop("seqmesh", None)
+                whole = dataclasses.replace(entry, cu_seqlens=None)
+                module.__dict__[mamba._ENTRY] = whole
+                return _forward(hidden_states, *args, **kwargs)
+
+            module.forward = one_document
+
+
+def test_a_state_not_reset_at_a_document_start_is_caught(pools):
+    r = pools.run(2, _run_all, [("jamba", 2, 1, "zigzag", True)], alter=_no_reset_at_documents)[0][0]
+    assert "logits" in _outside_rounding(r), r
