@@ -42,10 +42,10 @@ def _no_reset_at_documents(lm) -> None:
         if mamba.is_mamba1(module):
             forward = module.forward
 
-            def one_document(hidden_states, *args, _forward=forward, **kwargs):
-                entry = module.__dict__.get(mamba._ENTRY) or kwargs.pop("seqmesh", None)
+            def one_document(hidden_states, *args, _forward=forward, _module=module, **kwargs):
+                entry = _module.__dict__.get(mamba._ENTRY) or kwargs.pop("seqmesh", None)
                 whole = dataclasses.replace(entry, cu_seqlens=None)
-                module.__dict__[mamba._ENTRY] = whole
+                _module.__dict__[mamba._ENTRY] = whole
                 return _forward(hidden_states, *args, **kwargs)
 
             module.forward = one_document
@@ -53,4 +53,5 @@ def _no_reset_at_documents(lm) -> None:
 
 def test_a_state_not_reset_at_a_document_start_is_caught(pools):
     r = pools.run(2, _run_all, [("jamba", 2, 1, "zigzag", True)], alter=_no_reset_at_documents)[0][0]
-    assert "logits" in _outside_rounding(r), r
+    assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+    print(f"not reset at document starts: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
