@@ -49,7 +49,8 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
              "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (DeepSeek-V3.2 and GLM-5's "
              "indexed_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
-             "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid")
+             "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the "
+             "Mamba (v1) layers of Jamba")
 
 
 def mixes_tokens(module: nn.Module) -> bool:

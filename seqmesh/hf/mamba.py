@@ -59,20 +59,20 @@ def mamba_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers
     """The Mamba (v1) mixers of ``model`` and the carriers that hand them the seqmesh entry; a ValueError for a
     design name seqmesh does not know or a carrier that would hide another token mixer."""
     parse_design(design)  # every name runs state passing (module docstring)
-    mixers = [(path, m) for path, m in model.named_modules() if is_mamba1(m)]
-    carriers = {}
-    for path, mixer in mixers:
+    mixers, carriers = [], {}
+    for path, mixer in [(path, m) for path, m in model.named_modules() if is_mamba1(m)]:
         found = _carrier(model, path)
-        if found is None:
-            continue
-        where, carrier = found
-        inside = {id(part) for _, m in mixers for part in m.modules()}
+        if found is not None and found[1] is model:  # the entry reaches no module below the model (Mamba, Falcon-
+            continue  # Mamba: their backbone and blocks drop **kwargs): left to check_layers, which refuses it
+        mixers.append((path, mixer))
+        if found is not None:
+            carriers[id(found[1])] = found
+    inside = {id(part) for _, m in mixers for part in m.modules()}
+    for where, carrier in carriers.values():
         others = [p for p, m in carrier.named_modules() if id(m) not in inside and mixes_tokens(m)]
-        if carrier is model or others:
-            raise ValueError(f"the seqmesh entry reaches {path} ({type(mixer).__name__}) only through "
-                             f"{where or 'the model'} ({type(carrier).__name__}), which also holds {others or 'the model'}; "
-                             "seqmesh runs this family's Mamba layers only where their decoder layer receives the entry.")
-        carriers[id(carrier)] = (where, carrier)
+        if others:
+            raise ValueError(f"the seqmesh entry reaches the Mamba mixers in {where} ({type(carrier).__name__}) only "
+                             f"through that module, which also holds {others}: seqmesh cannot run those mixers.")
     return mixers + list(carriers.values()) if mixers else []
 
 
