@@ -55,3 +55,18 @@ def test_a_state_not_reset_at_a_document_start_is_caught(pools):
     r = pools.run(2, _run_all, [("jamba", 2, 1, "zigzag", True)], alter=_no_reset_at_documents)[0][0]
     assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
     print(f"not reset at document starts: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
+
+
+def test_each_mamba_mixer_exact_on_its_own(pools):
+    """Jamba's, Mamba's and Falcon-Mamba's mixers alone (tests/mamba_cases.py) on ulysses=2 x ring=2, zigzag with
+    packed documents and contiguous without: outputs and parameter gradients within float64 rounding of the
+    mixer's own forward on each whole document."""
+    from mamba_cases import all_mixers
+
+    cases = [(f, 2, 2, layout, docs) for f in ("jamba", "mamba", "falcon_mamba")
+             for layout, docs in (("zigzag", True), ("contiguous", False))]
+    results = pools.run(4, all_mixers, cases)[0]
+    for r in results:
+        print(f"{r['case']}: output {r['out']:.1e} (of {r['scale']:.1e}), relative grad {r['grad']:.1e} ({r['worst']})")
+    for r in results:
+        assert r["out"] <= 1e-12 * r["scale"] and r["grad"] <= 1e-10, r
