@@ -68,10 +68,11 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         t = torch.nn.functional.pad(t, (0,) * (2 * (t.dim() - 2)) + (0, pad)) if pad else t
         return t.reshape(batch, chunks, chunk, *t.shape[2:])
 
-    decay_k, inp_k = to_chunks(decay), to_chunks(inp)  # (B, K, Q, C, N)
-    state, local = inp_k[:, :, 0], [inp_k[:, :, 0]]
+    # unbound once: indexing a step inside the loop would make backward fill a whole-size gradient per step
+    decay_q, inp_q = to_chunks(decay).unbind(2), to_chunks(inp).unbind(2)  # Q x (B, K, C, N)
+    state, local = inp_q[0], [inp_q[0]]
     for q in range(1, chunk):  # 1. inside every chunk at once, from zero
-        state = decay_k[:, :, q] * state + inp_k[:, :, q]
+        state = decay_q[q] * state + inp_q[q]
         local.append(state)
     local = torch.stack(local, dim=2)  # (B, K, Q, C, N)
     # each token's decay since its chunk's start, zero once a segment started in between (or at the chunk's start)
@@ -80,9 +81,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     open_ = (counts == before).to(dtype)[None, :, :, None, None]  # (1, K, Q, 1, 1)
     cum = torch.exp(torch.cumsum(to_chunks(log_decay), dim=2)) * open_  # (B, K, Q, C, N)
 
-    entering = [torch.zeros_like(local[:, 0, 0])]  # 2. the chunks' states, one chunk at a time
+    through, leaving = cum[:, :, -1].unbind(1), local[:, :, -1].unbind(1)  # K x (B, C, N)
+    entering = [torch.zeros_like(leaving[0])]  # 2. the chunks' states, one chunk at a time
     for k in range(1, chunks):
-        entering.append(cum[:, k - 1, -1] * entering[-1] + local[:, k - 1, -1])
+        entering.append(through[k - 1] * entering[-1] + leaving[k - 1])
     states = local + cum * torch.stack(entering, dim=1)[:, :, None]  # (B, K, Q, C, N)
     states = states.reshape(batch, chunks * chunk, channels, -1)[:, :length]  # (B, L, C, N)
     y = torch.einsum("blcn,bln->blc", states, C)
