@@ -70,3 +70,30 @@ def test_each_mamba_mixer_exact_on_its_own(pools):
         print(f"{r['case']}: output {r['out']:.1e} (of {r['scale']:.1e}), relative grad {r['grad']:.1e} ({r['worst']})")
     for r in results:
         assert r["out"] <= 1e-12 * r["scale"] and r["grad"] <= 1e-10, r
+
+
+def test_jamba_layers_found_installed_and_removed():
+    """Jamba's Mamba mixer and its decoder layer (which calls the mixer without **kwargs, so hands it the entry) get
+    instance forwards, which unparallelize's uninstall deletes; Mamba's and Falcon-Mamba's models, whose backbone
+    drops **kwargs, are left to the layer check (refused)."""
+    import types
+
+    import torch
+    import transformers as tf
+
+    from family_cases import family_config
+    from seqmesh.hf import mamba, mixers
+
+    mesh = types.SimpleNamespace(sp_size=2)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(family_config("jamba"))
+        pure = [tf.AutoModelForCausalLM.from_config(c(hidden_size=32, num_hidden_layers=2, vocab_size=64))
+                for c in (tf.MambaConfig, tf.FalconMambaConfig)]
+    layers = mamba.mamba_layers(model, mesh)
+    assert [(p, type(m).__name__) for p, m in layers] == [("model.layers.0.mamba", "JambaMambaMixer"),
+                                                          ("model.layers.0", "JambaMambaDecoderLayer")]
+    assert [mamba.mamba_layers(m, mesh) for m in pure] == [[], []]
+    assert mamba.KIND.install(layers, mesh, "auto") == 2
+    assert all("forward" in m.__dict__ for _, m in layers)
+    mixers.uninstall(model)
+    assert not any("forward" in m.__dict__ for _, m in layers)
