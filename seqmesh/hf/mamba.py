@@ -109,7 +109,7 @@ def _make_mixer_forward(mesh: SPMesh):
         if mesh.sp_size == 1:
             y = selective_scan(x, dt, A, b_in, c_in, bounds)[0]
         else:
-            y = state_passing_selective_scan(x, dt, A, b_in, c_in, place, mesh)  # (B, L, I)
+            y = state_passing_selective_scan(x, dt, A, b_in, c_in, place)  # (B, L, I)
         y = (y + x.to(y.dtype) * self.D.to(y.dtype)) * F.silu(z.to(y.dtype))
         return self.out_proj(y.to(hidden_states.dtype))
 

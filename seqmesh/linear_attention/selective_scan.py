@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from ..mesh import SPMesh
 from .gated_delta import compute_dtype
 from .halo import Placement
 from .passing import pass_states
@@ -93,11 +92,11 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
 
 
 def state_passing_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                                 C: torch.Tensor, place: Placement, mesh: SPMesh) -> torch.Tensor:
+                                 C: torch.Tensor, place: Placement) -> torch.Tensor:
     """The selective scan of the whole sequence at this rank's tokens (shard order, placed as ``place``
     says): ``x`` / ``dt`` (B, L, C), ``A`` (C, N), ``B`` / ``C`` (B, L, N) -> ``y`` (B, L, C) without ``D x``,
     exactly what :func:`selective_scan` gives on the unsharded sequence. One all-gather forward of every
-    run's [S_0 | T], its reduce-scatter backward; ``mesh`` only names the group (``place.group``)."""
+    run's [S_0 | T] over ``place.group``, its reduce-scatter backward."""
     mine = place.mine
     batch, length, channels = x.shape
     states = A.shape[-1]
