@@ -12,7 +12,7 @@ A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 MAMBA2 = "mamba2"
 ATTENTION = "attention"
@@ -112,6 +112,12 @@ class HybridShape:
         """Every layer's parameters (no embedding, final norm or head)."""
         return sum(n * self.layer_params(block, hidden, attention) for block, n in self.kinds())
 
+    def as_dict(self) -> dict:
+        """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
+        return {"mamba": asdict(self.mamba), "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
+                "attention_bias": self.attention_bias}
+
 
 def _positive(cfg: dict, *names: str, default=None) -> int:
     for name in names:
@@ -183,7 +189,7 @@ def _nemotron_h(cfg: dict) -> dict:
                         _positive(cfg, "ssm_state_size"), _positive(cfg, "n_groups", "mamba_n_groups", default=8),
                         _positive(cfg, "conv_kernel", "mamba_d_conv", default=4),
                         bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
-                        bool(cfg.get("mamba_proj_bias", False)))
+                        bool(cfg.get("use_bias", False)))  # Nemotron-H biases in_proj and out_proj by use_bias
     return {"hybrid": HybridShape(mamba, tuple(blocks), tuple(ffns.items()), norms=1,
                                   attention_bias=bool(cfg.get("attention_bias"))), "layers": len(blocks)}
 

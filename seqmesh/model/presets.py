@@ -350,6 +350,7 @@ class ModelShape:
         nothing; a vision tower is reported apart, by the planner's vision section)."""
         shape = asdict(self)
         del shape["extra"], shape["vision"]
+        shape["hybrid"] = self.hybrid.as_dict() if self.hybrid is not None else None
         return shape
 
 

@@ -156,7 +156,7 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     # the first seqmesh attention call of a batch checks the inputs (indexed layers do not call it)
-    step["input_check_all_gather"] = attention.input_check() if m.layers > m.linear_layers + m.indexed_layers else 0
+    step["input_check_all_gather"] = attention.input_check() if m.layers > m.non_attention_layers + m.indexed_layers else 0
     step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
     if layout.tp > 1:  # the embedding's and the loss's TP collectives, the loss tiles' and norm gradients' all-reduces
         for sent in step_traffic(work, layout).values():

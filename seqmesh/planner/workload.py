@@ -84,7 +84,11 @@ def layer_matmul_params(m: ModelShape) -> int:
     """Parameters of one layer that multiply every token (the projections; of an MoE layer, the
     experts a token is routed to, the shared experts and the router). MLA's ``kv_b_proj`` multiplies every token
     (dense: the keys and values of every head) or, as indexed attention runs it, every query (its two halves
-    absorbed into the query and the output): the same products."""
+    absorbed into the query and the output): the same products. A Mamba2 hybrid's attention layer: its attention
+    and its own feed-forward (none in Nemotron-H)."""
+    if m.hybrid is not None:
+        blocks = [ffn for mixer, ffn in m.hybrid.blocks if mixer == "attention"]
+        return m.attention_params + (m.hybrid.ffn(blocks[0]).macs if blocks else 0)
     mlp = 3 * m.hidden * m.intermediate * ((m.experts_per_token or 1) + m.shared_experts) + m.experts * m.hidden
     return m.attention_params + mlp
 
