@@ -130,19 +130,20 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 def hybrid_fields(cfg: dict) -> dict:
     """The :class:`HybridShape` of a Mamba2 hybrid config.json (``hybrid``, with ``layers`` the blocks' number), or
-    nothing for another model. Falcon-H1 and other Mamba mixers the planner cannot size are refused by name."""
+    nothing for another model. Falcon-H1 and other Mamba mixers the planner cannot size get ``unplanned``, the reason
+    the planner gives (training reads their shape all the same)."""
     family = cfg.get("model_type", "")
     if family == "falcon_h1":
-        raise ValueError("seqmesh plan does not size Falcon-H1 yet (attention and Mamba2 side by side in every layer, "
-                         "with muP multipliers); seqmesh trains it (seqmesh.hf.parallelize). Plan a Nemotron-H, "
-                         "Granite-4 hybrid (granitemoehybrid) or Bamba config.json.")
+        return {"unplanned": "seqmesh plan does not size Falcon-H1 yet (attention and Mamba2 side by side in every "
+                             "layer, with muP multipliers); seqmesh trains it (seqmesh.hf.parallelize). Plan a "
+                             "Nemotron-H, Granite-4 hybrid (granitemoehybrid) or Bamba config.json."}
     if family == "nemotron_h":
         return _nemotron_h(cfg)
     if family in ("granitemoehybrid", "bamba"):
         return _granite_or_bamba(cfg, family)
     if any(k.startswith("mamba_") or k == "ssm_state_size" for k in cfg):
-        raise ValueError(f"seqmesh plan does not size {family or 'this'} model's Mamba layers; it sizes the Mamba2 "
-                         "hybrids Nemotron-H (nemotron_h), Granite-4 hybrid (granitemoehybrid) and Bamba (bamba).")
+        return {"unplanned": f"seqmesh plan does not size the Mamba layers of {family or 'this model'}; it sizes the "
+                             "Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 hybrid (granitemoehybrid) and Bamba."}
     return {}
 
 

@@ -227,6 +227,7 @@ class ModelShape:
     dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
     hybrid: HybridShape | None = None  # a Mamba2 hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba; .hybrid)
+    unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.model_sizes)
@@ -349,7 +350,7 @@ class ModelShape:
         """The decoder's shape as plain data (the family's ``extra`` config entries left out: they size
         nothing; a vision tower is reported apart, by the planner's vision section)."""
         shape = asdict(self)
-        del shape["extra"], shape["vision"]
+        del shape["extra"], shape["vision"], shape["unplanned"]
         shape["hybrid"] = self.hybrid.as_dict() if self.hybrid is not None else None
         return shape
 
@@ -452,7 +453,7 @@ def model_shape(name_or_path: str) -> ModelShape:
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
     hybrid = hybrid_fields(cfg)  # Nemotron-H names its layers' number by their list
-    if hybrid:
+    if "layers" in hybrid:
         cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:

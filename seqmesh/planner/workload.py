@@ -46,6 +46,8 @@ class Workload:
     async_ulysses: bool = False  # Ulysses all-to-alls pipelined with the projections (seqmesh.hf.async_ulysses; TP=1)
 
     def __post_init__(self) -> None:
+        if self.model.unplanned:
+            raise ValueError(f"{self.model.name}: {self.model.unplanned}")
         if self.seq_len < 1:
             raise ValueError(f"--seq-len {self.seq_len}: a sequence needs at least 1 token.")
         if self.batch < 1:
