@@ -142,8 +142,10 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, gpus):
     from seqmesh.tools.cli import main
 
     path = _write(tmp_path, cfg)
+    mamba_layers = {"nemotron_h": ("mamba2", 24), "granitemoehybrid": ("mamba2+moe", 36)}[cfg["model_type"]]
     assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", gpus]) == 0
-    assert "recommended:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "recommended:" in out and f"layers: {mamba_layers[1]} {mamba_layers[0]}," in out, out
     assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", gpus, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     best = plan["recommended"]["layout"]
@@ -154,7 +156,6 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, gpus):
     row = next(c for c in plan["candidates"] if c["layout"] == best)
     assert row["comm_bytes_per_layer"]["forward"]["mamba2_state_gather"] == want > 0
     assert row["comm_bytes_per_step"]["mamba2_state_gather"] == 3 * want * shape.hybrid.count(mixer="mamba2")
-    mamba_layers = {"nemotron_h": ("mamba2", 24), "granitemoehybrid": ("mamba2+moe", 36)}[cfg["model_type"]]
     assert plan["model"]["hybrid"]["blocks"].count(mamba_layers[0]) == mamba_layers[1]
     assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", gpus, "--json"]) == 0
     short = json.loads(capsys.readouterr().out)
