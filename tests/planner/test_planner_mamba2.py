@@ -148,6 +148,10 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, gpus):
     assert "recommended:" in out and f"layers: {mamba_layers[1]} {mamba_layers[0]}," in out, out
     assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", gpus, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
+    from test_planner_cli import _schema, conform  # the JSON as docs/planner.md documents it, "@hybrid" included
+
+    schema = _schema()
+    conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
     best = plan["recommended"]["layout"]
     shape = model_shape(path)
     m = shape.hybrid.mamba
