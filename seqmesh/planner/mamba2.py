@@ -29,12 +29,18 @@ from .workload import Workload
 
 
 def mamba2_scan_flops(mamba: Mamba2Shape, tokens: int, chunk: int = LINEAR_CHUNK) -> int:
-    """Forward FLOPs of one Mamba2 layer's token mixing over ``tokens`` tokens (all heads), as
+    """Forward matmul FLOPs of one Mamba2 layer's chunked scan over ``tokens`` tokens (all heads), as
     ``decay_scan.chunk_decay_scan`` computes it: per token and head, its row of the chunk's ``C x C`` scores
-    (``C N``), their product with v (``C P``), the state read, the state write and, by state passing, the entering
-    state's read (``N P`` each); and the depthwise conv (``conv_dim x K``)."""
+    (``C N``), their product with v (``C P``), the state read and the state write (``N P`` each)."""
     h, n, p = mamba.heads, mamba.state, mamba.head_dim
-    return 2 * tokens * (h * (chunk * (n + p) + 3 * n * p) + mamba.conv_dim * mamba.conv)
+    return 2 * tokens * h * (chunk * (n + p) + 2 * n * p)
+
+
+def mamba2_mixing_flops(mamba: Mamba2Shape, tokens: int) -> int:
+    """Forward FLOPs of all a Mamba2 layer's token mixing on a rank: the scan (:func:`mamba2_scan_flops`), the
+    entering state's read by state passing (``N P`` per token and head) and the depthwise conv (``conv_dim x K``)."""
+    extra = 2 * tokens * (mamba.heads * mamba.state * mamba.head_dim + mamba.conv_dim * mamba.conv)
+    return mamba2_scan_flops(mamba, tokens) + extra
 
 
 def _local_tokens(work: Workload, layout: Degrees) -> int:
@@ -106,14 +112,14 @@ class Mamba2Layer:
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer: the projections and feed-forward, the scan
-        (:func:`mamba2_scan_flops`; backward twice), the halo's and the states' collectives, which nothing overlaps."""
+        (:func:`mamba2_mixing_flops`; backward twice), the halo's and the states' collectives, which nothing overlaps."""
         from .layers import _serial_layer_seconds
 
         work, m = self.work, self.work.model
         mm_rate, scan_rate = _rates(work, hw)
         local = work.batch * _local_tokens(work, self.layout)
         mm_fwd = 2 * local * (m.hybrid.mamba.matmul_params(m.hidden) + self._ffn.macs) / mm_rate
-        scan_fwd = mamba2_scan_flops(m.hybrid.mamba, local) / scan_rate
+        scan_fwd = mamba2_mixing_flops(m.hybrid.mamba, local) / scan_rate
         group = axis_groups(self.layout, "sequence")[0]
         ranks = self.ranks()
         ag, rs = (gather_seconds(worst_rank(ranks, kind, ph), hw, group)

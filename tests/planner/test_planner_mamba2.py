@@ -46,9 +46,9 @@ def _write(tmp_path, cfg: dict, name: str = "model") -> str:
     return str(path)
 
 
-def _meta_layers(path: str) -> tuple[int, list[int]]:
-    """Every parameter of the model transformers builds from the config.json at ``path`` on the meta device, and each
-    layer's."""
+def _meta_layers(path: str) -> tuple[int, list[int], int]:
+    """Every parameter of the model transformers builds from the config.json at ``path`` on the meta device, each
+    layer's, and the weights of a Mamba2 mixer's two projections."""
     import os
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -57,7 +57,9 @@ def _meta_layers(path: str) -> tuple[int, list[int]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    return count(model), [count(layer) for layer in model.model.layers]
+    mixer = next(m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "in_proj"))
+    projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()  # what multiplies every token
+    return count(model), [count(layer) for layer in model.model.layers], projections
 
 
 TINY = {
@@ -77,15 +79,17 @@ TINY = {
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_parameters_equal_the_transformers_model(tmp_path, name):
-    """Each layer's parameters (mixer, feed-forward, norms) and the whole model's equal the model transformers builds
-    from the same config.json."""
+    """Each layer's parameters (mixer, feed-forward, norms), the whole model's and the Mamba2 projections' (the
+    weights the planner's matmul time multiplies every token by) equal the model transformers builds from the same
+    config.json."""
     family, changes = TINY[name]
     cfg = {k: v for k, v in _tiny(family, **changes).items() if v is not None}
     path = _write(tmp_path, cfg)
-    total, layers = _meta_layers(path)
+    total, layers, projections = _meta_layers(path)
     shape = model_shape(path)
     hybrid = shape.hybrid
     assert shape.layers == len(hybrid.blocks) == len(layers)
+    assert hybrid.mamba.matmul_params(shape.hidden) == projections
     assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
     assert shape.params == total
 
@@ -93,7 +97,7 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
 def test_a_published_size_nemotron_h_counts_as_transformers_builds_it(tmp_path):
     """Nemotron-H-8B's 8.1B parameters, layer by layer (the meta device allocates nothing)."""
     path = _write(tmp_path, NEMOTRON_H_8B)
-    total, layers = _meta_layers(path)
+    total, layers, _ = _meta_layers(path)
     shape = model_shape(path)
     assert shape.params == total and 8.0e9 < total < 8.2e9
     assert [shape.hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in shape.hybrid.blocks] == layers
@@ -113,6 +117,24 @@ def test_falcon_h1_and_unknown_mamba_mixers_are_refused_by_name(tmp_path, capsys
         assert model_shape(path).vocab == 64
         assert main(["plan", "--model", path, "--seq-len", "4096", "--gpus", "2"]) == 2
         assert re.search(says, capsys.readouterr().err), name
+
+
+def test_scan_flops_equal_what_torch_counts():
+    """The planner's scan FLOPs equal the matmul FLOPs torch's FlopCounterMode counts while the runtime's chunked scan
+    (``decay_scan.chunk_decay_scan``) runs: 2 sequences of 3 chunks, 4 heads of 16, state 8."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from seqmesh.linear_attention.choice import LINEAR_CHUNK
+    from seqmesh.linear_attention.decay_scan import chunk_decay_scan
+    from seqmesh.model.hybrid import Mamba2Shape
+    from seqmesh.planner.mamba2 import mamba2_scan_flops
+
+    b, s, h, n, p = 2, 3 * LINEAR_CHUNK, 4, 8, 16
+    q, k = torch.randn(b, s, h, n), torch.randn(b, s, h, n)
+    v, g = torch.randn(b, s, h, p), -torch.rand(b, s, h)
+    with FlopCounterMode(display=False) as counter:
+        chunk_decay_scan(q, k, v, g, (0, s))
+    assert counter.get_total_flops() == mamba2_scan_flops(Mamba2Shape(h, p, n, 2), b * s)
 
 
 @pytest.mark.parametrize("ulysses,ring,seq_len", [(1, 2, 40), (2, 1, 40)], ids=["u1xr2", "u2xr1"])
