@@ -1,6 +1,6 @@
-"""Mamba2 hybrids as the planner sizes them: Nemotron-H (each layer ONE block: Mamba2, attention, MLP or MoE) and
-Granite-4 hybrid / Bamba (each layer a mixer, Mamba2 or attention, and its feed-forward), read from a transformers
-``config.json``. Falcon-H1 (attention and Mamba2 side by side in every layer) is refused by name.
+"""Mamba2 hybrids as the planner sizes them: Nemotron-H (each layer ONE block: Mamba2, attention, MLP or MoE),
+Granite-4 hybrid / Bamba (each layer a mixer, Mamba2 or attention, and its feed-forward) and Falcon-H1 (attention and
+Mamba2 side by side in every layer, then an MLP), read from a transformers ``config.json``.
 
 A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``d_inner = H P`` and
 ``conv_dim = d_inner + 2 G N``::
@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 MAMBA2 = "mamba2"
 ATTENTION = "attention"
+PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
 _ATTENTION_NAMES = {"full_attention", "attention", "*"}
@@ -33,7 +34,9 @@ class Mamba2Shape:
     groups: int
     conv: int = 4
     conv_bias: bool = True
-    proj_bias: bool = False
+    proj_bias: bool = False  # in_proj's bias (and out_proj's unless out_bias says otherwise)
+    out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's (Falcon-H1's projectors_bias)
+    gated_norm: bool = True  # the gated RMSNorm (Falcon-H1 without mamba_rms_norm gates with silu(z) alone)
 
     def __post_init__(self) -> None:
         for name in ("heads", "head_dim", "state", "groups", "conv"):
@@ -60,9 +63,10 @@ class Mamba2Shape:
 
     def params(self, hidden: int) -> int:
         """Every parameter of the mixer (the module docstring's list)."""
-        biases = (self.inner + self.conv_dim + self.heads + hidden) if self.proj_bias else 0
+        out_bias = self.proj_bias if self.out_bias is None else self.out_bias
+        biases = (self.inner + self.conv_dim + self.heads if self.proj_bias else 0) + (hidden if out_bias else 0)
         conv = self.conv_dim * self.conv + (self.conv_dim if self.conv_bias else 0)
-        return self.matmul_params(hidden) + biases + conv + 3 * self.heads + self.inner
+        return self.matmul_params(hidden) + biases + conv + 3 * self.heads + (self.inner if self.gated_norm else 0)
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,8 @@ class FeedForward:
 
 @dataclass(frozen=True)
 class HybridShape:
-    """A Mamba2 hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"attention"`` or ``""`` (a
-    Nemotron-H MLP/MoE block), ffn ``"mlp"``, ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the
+    """A Mamba2 hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"attention"``,
+    ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``, ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the
     feed-forward of each name; ``norms`` RMSNorms of the hidden size per layer; ``attention_bias``: q, k, v, o biased."""
 
     mamba: Mamba2Shape
@@ -95,6 +99,15 @@ class HybridShape:
         """Layers with this mixer and/or this feed-forward."""
         return sum((mixer is None or m == mixer) and (ffn is None or f == ffn) for m, f in self.blocks)
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers with attention (alone, or beside Mamba2 in Falcon-H1)."""
+        return self.count(ATTENTION) + self.count(PARALLEL)
+
+    def attention_ffn(self) -> str:
+        """The feed-forward of the attention layers (one per family: Nemotron-H's none)."""
+        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL)), "")
+
     def kinds(self) -> list[tuple[tuple[str, str], int]]:
         """Each distinct (mixer, ffn) with its number of layers, in the order they first appear."""
         seen: dict[tuple[str, str], int] = {}
@@ -105,7 +118,8 @@ class HybridShape:
     def layer_params(self, block: tuple[str, str], hidden: int, attention: int) -> int:
         """One layer's parameters: its mixer (``attention``: an attention mixer's projections), feed-forward, norms."""
         mixer, ffn = block
-        own = {MAMBA2: self.mamba.params(hidden), ATTENTION: attention, "": 0}[mixer]
+        own = {MAMBA2: self.mamba.params(hidden), ATTENTION: attention, PARALLEL: attention + self.mamba.params(hidden),
+               "": 0}[mixer]
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -134,16 +148,15 @@ def hybrid_fields(cfg: dict) -> dict:
     the planner gives (training reads their shape all the same)."""
     family = cfg.get("model_type", "")
     if family == "falcon_h1":
-        return {"unplanned": "seqmesh plan does not size Falcon-H1 yet (attention and Mamba2 side by side in every "
-                             "layer, with muP multipliers); seqmesh trains it (seqmesh.hf.parallelize). Plan a "
-                             "Nemotron-H, Granite-4 hybrid (granitemoehybrid) or Bamba config.json."}
+        return _falcon_h1(cfg)
     if family == "nemotron_h":
         return _nemotron_h(cfg)
     if family in ("granitemoehybrid", "bamba"):
         return _granite_or_bamba(cfg, family)
     if any(k.startswith("mamba_") or k == "ssm_state_size" for k in cfg):
         return {"unplanned": f"seqmesh plan does not size the Mamba layers of {family or 'this model'}; it sizes the "
-                             "Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 hybrid (granitemoehybrid) and Bamba."}
+                             "Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 hybrid (granitemoehybrid), Bamba and "
+                             "Falcon-H1 (falcon_h1)."}
     return {}
 
 
@@ -195,6 +208,35 @@ def _nemotron_h(cfg: dict) -> dict:
                                   attention_bias=bool(cfg.get("attention_bias"))), "layers": len(blocks)}
 
 
+def _mamba_heads(cfg: dict, inner: int) -> tuple[int, int]:
+    """(heads, head_dim) of Granite's, Bamba's and Falcon-H1's Mamba2 (``mamba_d_head`` "auto": inner / heads)."""
+    heads = _positive(cfg, "mamba_n_heads", default=128)
+    head_dim = cfg.get("mamba_d_head")
+    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+    if heads * head_dim != inner:
+        raise ValueError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} must equal the Mamba2 width {inner} "
+                         "(mamba_expand x hidden_size, or Falcon-H1's mamba_d_ssm; transformers checks the same); fix "
+                         "the config.json.")
+    return heads, head_dim
+
+
+def _falcon_h1(cfg: dict) -> dict:
+    """Falcon-H1: in every layer attention and Mamba2 side by side on one normed input, then a gated MLP (two
+    RMSNorms a layer); Mamba2's width ``mamba_d_ssm``, its gated norm only with ``mamba_rms_norm``, out_proj biased by
+    ``projectors_bias``. Its muP multipliers are buffers, not parameters."""
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    i, bias = cfg["intermediate_size"], bool(cfg.get("mlp_bias"))
+    inner = cfg.get("mamba_d_ssm") or int(_positive(cfg, "mamba_expand", default=2) * h)
+    heads, head_dim = _mamba_heads(cfg, inner)
+    mamba = Mamba2Shape(heads, head_dim, _positive(cfg, "mamba_d_state", default=256),
+                        _positive(cfg, "mamba_n_groups", default=1), _positive(cfg, "mamba_d_conv", default=4),
+                        bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)),
+                        out_bias=bool(cfg.get("projectors_bias", False)), gated_norm=bool(cfg.get("mamba_rms_norm")))
+    mlp = FeedForward(3 * h * i + (2 * i + h if bias else 0), 3 * h * i, h + 4 * i)
+    return {"hybrid": HybridShape(mamba, ((PARALLEL, "mlp"),) * n, (("mlp", mlp),), norms=2,
+                                  attention_bias=bool(cfg.get("attention_bias"))), "layers": n}
+
+
 def _granite_or_bamba(cfg: dict, family: str) -> dict:
     """Granite-4 hybrid (``layer_types``; a gated shared MLP in every layer, beside the MoE experts when
     ``num_local_experts`` > 0) and Bamba (``attn_layer_indices``; a gated MLP): two RMSNorms a layer."""
@@ -214,13 +256,7 @@ def _granite_or_bamba(cfg: dict, family: str) -> dict:
         ffn_name = "moe" if e else "mlp"
         ffn = FeedForward(3 * h * si + e * (3 * h * i + h), 3 * h * si + (k * 3 * h * i + e * h if e else 0),
                           h + 4 * si + (k * (h + 4 * i) if e else 0))
-    inner = int(_positive(cfg, "mamba_expand", default=2) * h)
-    heads = _positive(cfg, "mamba_n_heads", default=128)
-    head_dim = cfg.get("mamba_d_head")
-    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
-    if heads * head_dim != inner:
-        raise ValueError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} must equal mamba_expand x hidden_size = "
-                         f"{inner} (transformers checks the same); fix the config.json.")
+    heads, head_dim = _mamba_heads(cfg, int(_positive(cfg, "mamba_expand", default=2) * h))
     mamba = Mamba2Shape(heads, head_dim, _positive(cfg, "mamba_d_state", default=256),
                         _positive(cfg, "mamba_n_groups", default=1), _positive(cfg, "mamba_d_conv", default=4),
                         bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)))

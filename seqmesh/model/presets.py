@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from ..model_sizes import check_model_sizes
-from .hybrid import ATTENTION, HybridShape, hybrid_fields
+from .hybrid import HybridShape, hybrid_fields
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ class ModelShape:
     def non_attention_layers(self) -> int:
         """Layers without attention: Gated DeltaNet, a hybrid's Mamba2 layers and Nemotron-H's MLP and MoE blocks."""
         if self.hybrid is not None:
-            return self.layers - self.hybrid.count(mixer=ATTENTION)
+            return self.layers - self.hybrid.attention_layers
         return self.linear_layers
 
     @property

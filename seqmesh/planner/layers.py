@@ -58,8 +58,7 @@ class Attention:
         """Parameters of the layer's FSDP unit on one TP rank (a Mamba2 hybrid's attention layer: its own)."""
         m = self.work.model
         if m.hybrid is not None:
-            ffn = next(f for mixer, f in m.hybrid.blocks if mixer == "attention")
-            return m.hybrid.layer_params(("attention", ffn), m.hidden, m.attention_params)
+            return m.hybrid.layer_params(("attention", m.hybrid.attention_ffn()), m.hidden, m.attention_params)
         return split_params(m, self.layout.tp)["layer"]
 
     def ranks(self):
@@ -370,15 +369,17 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
 
 def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     """A Mamba2 hybrid's layers: attention first (the step's per-layer attention terms), then each Mamba2 layer and
-    each Nemotron-H MLP or MoE block by its feed-forward. Its attention layers are costed as :class:`Attention`
+    each Nemotron-H MLP or MoE block by its feed-forward; a Falcon-H1 layer as its attention layer (norms and MLP
+    included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). Its attention layers are costed as :class:`Attention`
     costs any decoder layer: with the model's largest feed-forward (Nemotron-H's have none: an over-estimate)."""
-    from ..model.hybrid import ATTENTION, MAMBA2
+    from ..model.hybrid import ATTENTION, MAMBA2, PARALLEL
 
     hybrid = work.model.hybrid
-    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.count(mixer=ATTENTION))]
+    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.attention_layers)]
     for (mixer, ffn), n in hybrid.kinds():
-        if mixer == MAMBA2:
-            kinds.append((Mamba2Layer(work, layout, ffn), n))
+        if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
+            beside = mixer == PARALLEL
+            kinds.append((Mamba2Layer(work, layout, "" if beside else ffn, beside_attention=beside), n))
         elif mixer != ATTENTION:
             kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

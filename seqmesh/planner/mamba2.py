@@ -1,5 +1,6 @@
 """What a Mamba2 hybrid's layers cost on the busiest rank (:mod:`seqmesh.model.hybrid` reads their shapes): a Mamba2
-layer as ``seqmesh.hf.mamba2`` runs it, and Nemotron-H's MLP and MoE blocks, which mix no tokens.
+layer as ``seqmesh.hf.mamba2`` runs it (Falcon-H1's beside its attention), and Nemotron-H's MLP and MoE blocks,
+which mix no tokens.
 
 A Mamba2 layer, per rank and sequence (``L`` local tokens, ``H`` heads of ``P`` channels, state ``N``, groups ``G``)::
 
@@ -57,11 +58,13 @@ def _rates(work: Workload, hw: HardwareSpec) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Mamba2Layer:
-    """A Mamba2 layer of a hybrid with its feed-forward ``ffn`` (``""``: Nemotron-H's, the mixer alone)."""
+    """A Mamba2 layer of a hybrid with its feed-forward ``ffn`` (``""``: Nemotron-H's, the mixer alone);
+    ``beside_attention``: Falcon-H1's mixer alone, its layer's norms and MLP counted with the attention beside it."""
 
     work: Workload
     layout: Degrees
     ffn: str = ""
+    beside_attention: bool = False
 
     @property
     def _ffn(self) -> FeedForward:
@@ -69,6 +72,8 @@ class Mamba2Layer:
 
     def params(self) -> int:
         m = self.work.model
+        if self.beside_attention:
+            return m.hybrid.mamba.params(m.hidden)
         return m.hybrid.layer_params((MAMBA2, self.ffn), m.hidden, m.attention_params)
 
     def sent_bytes(self) -> int:
@@ -99,15 +104,21 @@ class Mamba2Layer:
         """Bytes saved for backward (an estimate, not yet checked against a run): per token its norms, in_proj's input
         and output, the conv's input and output, dt, the scan's float32 tensors (q and k widened to every head, v,
         the chunk's decays and scores, the decayed reads and writes, both outputs), the gated norm and out_proj's
-        input, the feed-forward's; per chunk and head one float32 ``N x P`` state."""
+        input, the feed-forward's; per chunk and head one float32 ``N x P`` state. Beside attention (Falcon-H1): the
+        whole layer's, the attention layer's saved tensors added (the step takes the largest kind as a layer's)."""
         w, m, mamba = self.work, self.work.model, self.work.model.hybrid.mamba
         e, t = w.act_bytes, tokens(w, self.layout)
         h, n, p, c = mamba.heads, mamba.state, mamba.head_dim, LINEAR_CHUNK
         proj = e * (m.hidden + 2 * mamba.inner + mamba.conv_dim + h) + e * 2 * mamba.conv_dim + 3 * 4 * h
         scan = 4 * h * (4 * n + 3 * p + 2 * c + 1)
         tail = e * 4 * mamba.inner
-        per_token = m.hybrid.norms * norm_saved(m, e, w.efficient_norm) + proj + scan + tail + e * self._ffn.kept
+        norms = 0 if self.beside_attention else m.hybrid.norms * norm_saved(m, e, w.efficient_norm)
+        per_token = norms + proj + scan + tail + e * self._ffn.kept
         states = -(-t // w.batch // c) * w.batch * h * n * p * 4
+        if self.beside_attention:  # the whole Falcon-H1 layer: the attention layer's beside it
+            from .layers import Attention
+
+            states += Attention(w, self.layout).saved_bytes()
         return t * per_token + states
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:

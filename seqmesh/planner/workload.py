@@ -89,8 +89,7 @@ def layer_matmul_params(m: ModelShape) -> int:
     absorbed into the query and the output): the same products. A Mamba2 hybrid's attention layer: its attention
     and its own feed-forward (none in Nemotron-H)."""
     if m.hybrid is not None:
-        blocks = [ffn for mixer, ffn in m.hybrid.blocks if mixer == "attention"]
-        return m.attention_params + (m.hybrid.ffn(blocks[0]).macs if blocks else 0)
+        return m.attention_params + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
     mlp = 3 * m.hidden * m.intermediate * ((m.experts_per_token or 1) + m.shared_experts) + m.experts * m.hidden
     return m.attention_params + mlp
 
