@@ -84,6 +84,27 @@ def family_config(family: str):
                                  mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=2,
                                  ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], ssm_in_multiplier=1.25,
                                  lm_head_multiplier=0.8)
+    if family == "minimax":  # a lightning attention layer (decay slope per head), then full attention; MoE
+        return tf.MiniMaxConfig(**SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=8, block_size=8,
+                                layer_types=["linear_attention", "full_attention"], num_local_experts=4,
+                                num_experts_per_tok=2, linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1)
+    if family == "mamba2":  # a pure state space model: no attention layer at all
+        return tf.Mamba2Config(hidden_size=32, num_hidden_layers=2, vocab_size=64, num_heads=4, head_dim=16, expand=2,
+                               state_size=8, n_groups=2, conv_kernel=4)
+    if family in ("lfm2", "lfm2-hybrid"):  # gated short convs (width conv_L_cache) and attention; no ff auto-sizing
+        lfm = dict(**SMALL, intermediate_size=64, num_key_value_heads=2, block_auto_adjust_ff_dim=False)
+        if family == "lfm2":
+            return tf.Lfm2Config(**lfm, layer_types=["conv", "full_attention"])
+        return tf.Lfm2Config(**{**lfm, "num_hidden_layers": 4}, layer_types=["conv", "conv", "full_attention", "conv"],
+                             conv_bias=True, conv_L_cache=5)  # a bias, and a halo of 4 tokens
+    if family == "lfm2_moe":  # a dense conv layer, attention, then a conv layer with 4 experts
+        return tf.Lfm2MoeConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, moe_intermediate_size=16,
+                                num_key_value_heads=2, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                layer_types=["conv", "full_attention", "conv"])
+    if family == "lfm3":  # convs of width 7 (a halo of 6: a whole zigzag run on U2xR2), sliding and full attention
+        return tf.Lfm3Config(**{**SMALL, "num_hidden_layers": 4}, intermediate_size=64, num_key_value_heads=2,
+                             head_dim=8, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             layer_types=["conv", "sliding_attention", "conv", "full_attention"])
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -240,12 +261,13 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
 
 
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None) -> dict:
+                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None, design: str = "auto") -> dict:
     """Largest logit error and largest relative gradient error over all parameters, and the reference's
     own rounding of each (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
     for the test that the tolerance still sees one, the position ids of that rank's shard off by one
     (its rotary embedding rotated one step too far) in the logits' forward. ``alter(model)``: a deliberate change
-    to the parallelized model only (a mutation its test must see)."""
+    to the parallelized model only (a mutation its test must see). ``design``: the recurrent mixers' design
+    (``linear_attention`` of ``parallelize``)."""
     mesh = get_mesh(ulysses, ring)
     config = family_config(family)
     reference = build(config)
@@ -255,7 +277,7 @@ def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", 
     ref_loss.backward()
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn)
 
-    lm = parallelize(build(family_config(family)), mesh)
+    lm = parallelize(build(family_config(family)), mesh, linear_attention=design)
     if alter is not None:
         alter(lm)
     local = seqmesh.shard_batch(batch, mesh, layout=layout)

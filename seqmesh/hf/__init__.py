@@ -25,7 +25,7 @@ from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..overlap import ASYNC_PIECES
-from .layers import SUPPORTED, check_layers, chunked_layers, chunks_per_document
+from .layers import SUPPORTED, check_layers, chunked_layers, chunks_per_document, has_attention
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
@@ -139,6 +139,31 @@ def _hook_calls(model: nn.Module) -> list:
     return [m.register_forward_pre_hook(_without_cache, with_kwargs=True) for m in called if _takes_use_cache(m)]
 
 
+def _hook_entry(model: nn.Module) -> list:
+    """Forward pre-hooks that carry seqmesh's entry from the model's call to its decoder's where the model's own
+    forward drops its ``**kwargs`` (Mamba2ForCausalLM calls its backbone with named arguments only): the entry
+    given to the model is handed to the decoder when its caller did not pass one. The hooks' handles."""
+    decoder = decoder_of(model)
+    if decoder is model or "seqmesh" in inspect.signature(decoder.forward).parameters or not any(
+            p.kind is p.VAR_KEYWORD for p in inspect.signature(decoder.forward).parameters.values()):
+        return []
+    held: dict = {}
+
+    def take(module, args, kwargs):
+        held["entry"] = kwargs.get("seqmesh")
+
+    def give(module, args, kwargs):
+        if kwargs.get("seqmesh") is None and held.get("entry") is not None:
+            return args, {**kwargs, "seqmesh": held["entry"]}
+        return None
+
+    def drop(module, args, kwargs, output):
+        held.pop("entry", None)
+
+    return [model.register_forward_pre_hook(take, with_kwargs=True), decoder.register_forward_pre_hook(give, with_kwargs=True),
+            model.register_forward_hook(drop, with_kwargs=True)]
+
+
 def _tower_called_whole(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a parallelized model's vision tower: its blocks attend over the sequence group,
     so the tower runs only through ``seqmesh.vision`` (each rank on its share of the patches, from
@@ -175,7 +200,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     call's arguments raise at the first call. Both name the layer. Gated DeltaNet layers (Qwen3.5,
     Qwen3-Next, OLMo-hybrid) run sequence-parallel too, their forward replaced per instance
     (:mod:`seqmesh.hf.linear_attention`) by ``linear_attention``: ``all_to_all``, ``state_passing`` or
-    ``auto`` (per call, from the shapes: :func:`seqmesh.linear_attention.choice.choose_design`).
+    ``auto`` (per call, from the shapes: :func:`seqmesh.linear_attention.choice.choose_design`), and so do
+    the gated short convolutions of LFM2, LFM2-MoE and LFM3 (:mod:`seqmesh.hf.short_conv`, their halo).
     The model (and its decoder) then keeps no cache: a call that does not pass ``use_cache`` runs
     without one whatever ``config.use_cache`` says (the config is unchanged), and one that asks for a
     cache raises. Returns the same model. The attention switch is stored on ``model.config``: another
@@ -195,16 +221,21 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed,
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types))  # every other mixer refused
     q_heads = getattr(text, "num_attention_heads", None)
-    if not isinstance(q_heads, int) or q_heads < 1:
+    handled = {id(part) for layers in mixer_layers.values() for _, m in layers for part in m.modules()}
+    tp = getattr(mesh, "tp", 1)
+    if mixer_layers and not has_attention(model, handled):  # a pure state space model (Mamba2): no heads to deal
+        if tp > 1:
+            raise ValueError(f"{type(model).__name__} has no attention layer and tp={tp}: seqmesh's tensor parallelism "
+                             "splits attention heads and MLPs, not state space mixers; use tp=1.")
+    elif not isinstance(q_heads, int) or q_heads < 1:
         raise ValueError(f"seqmesh cannot run {type(model).__name__}: its config has no attention heads "
                          f"(num_attention_heads={q_heads!r}); seqmesh shards attention layers by their heads "
                          "(Ulysses) or their keys (ring). Supported: " + SUPPORTED + ".")
-    kv_heads = getattr(text, "num_key_value_heads", None) or q_heads
-    tp = getattr(mesh, "tp", 1)
-    if tp > 1:  # tp, and tp x ulysses, against the heads, as the job refuses them (seqmesh.tensor_parallel: the rest)
-        check_tensor_parallel_sizes(tp, mesh.ulysses, heads=q_heads, kv_heads=kv_heads)
+    elif tp > 1:  # tp, and tp x ulysses, against the heads, as the job refuses them (seqmesh.tensor_parallel: the rest)
+        check_tensor_parallel_sizes(tp, mesh.ulysses, heads=q_heads,
+                                    kv_heads=getattr(text, "num_key_value_heads", None) or q_heads)
     else:
-        check_heads(q_heads, kv_heads, mesh)
+        check_heads(q_heads, getattr(text, "num_key_value_heads", None) or q_heads, mesh)
     if is_multimodal(config):  # the vision tower runs sequence-parallel too: its heads are dealt by Ulysses
         vision_family(config).check(config)  # a family or setting seqmesh does not route is refused by name here
         tower = config.vision_config
@@ -224,7 +255,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         kind.install(layers, mesh, linear_attention)
     indexed_attention.install(indexed, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
-    hooks = _hook_calls(model) + _hook_tower(model) + positions.install(model, mesh)
+    hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + positions.install(model, mesh)
     setattr(model, _ATTR, (name, previous, hooks))
     return model
 

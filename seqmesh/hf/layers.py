@@ -49,7 +49,9 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
              "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (DeepSeek-V3.2 and GLM-5's "
              "indexed_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
-             "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid")
+             "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; "
+             "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the lightning attention "
+             "layers of MiniMax-01; the gated short convolutions of LFM2, LFM2-MoE and LFM3")
 
 
 def mixes_tokens(module: nn.Module) -> bool:
@@ -60,6 +62,12 @@ def mixes_tokens(module: nn.Module) -> bool:
     own = {n for n, _ in module.named_parameters(recurse=False)}
     named = bool(TOKEN_MIXER_NAMES.search(name)) and not _calls_interface(type(module))
     return isinstance(module, nn.Conv1d) or named or any(p in own for p in STATE_PARAMS)
+
+
+def has_attention(model: nn.Module, skip: set[int] = frozenset()) -> bool:
+    """Whether ``model`` has an attention module (a class named ``...Attention``) outside the modules ``skip`` names
+    (by id): a pure state space model (Mamba2) has none, and then no attention to route."""
+    return any(type(m).__name__.endswith("Attention") for m in model.modules() if id(m) not in skip)
 
 
 def _calls_interface(cls: type) -> bool:
@@ -207,7 +215,7 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: S
     if dropping:
         problems.append(f"{'; '.join(dropping)}, so the sequence information seqmesh's attention needs never "
                         "reaches it (transformers' layer would have to pass **kwargs to its attention)")
-    if not _routes_through_interface(model):
+    if has_attention(model, inside_handled) and not _routes_through_interface(model):
         problems.append("it does not route its attention through transformers' AttentionInterface, so seqmesh cannot "
                         "replace it (each rank would attend within its own shard only)")
     if problems:

@@ -8,8 +8,8 @@ one of the two sequence-parallel designs (``design``: ``all_to_all``, ``state_pa
 :func:`seqmesh.linear_attention.choice.choose_design` resolves per call from the shapes). It reads the sequence from the ``seqmesh`` entry
 of ``shard_batch`` that the decoder layers pass down in their kwargs.
 
-A layer with recurrent state that seqmesh does not know (Mamba mixers, short convolutions, other
-linear attentions) would, run on a shard, silently compute another recurrence: the one check of
+A layer with recurrent state that seqmesh does not know (Mamba mixers, other linear attentions) would,
+run on a shard, silently compute another recurrence: the one check of
 :func:`seqmesh.hf.layers.check_layers` refuses such models before anything is changed, given the
 layers found here as the ones seqmesh handles.
 """

@@ -9,12 +9,13 @@ the output projection act per token::
     tokens (B, L, hidden) --in_proj (local)--> z | xBC | dt
       --halo conv (halo.halo_causal_conv: one all-gather of K - 1 rows per run)--> x | B | C
       --dt = clamp(softplus(dt + dt_bias)), g = dt A--> decay_scan.pass_decay_states(q = C, k = B, v = dt x, g)
-      --+ D x, gated norm with z, out_proj (local)--> (B, L, hidden)
+      --+ D x--> y (B, L, H, head_dim) --gated norm with z, out_proj (local)--> (B, L, hidden)
 
 Packed documents restart the conv and the state (transformers passes ``seq_idx`` to mamba-ssm's kernels
 for the same; its torch path has none, so a one-process reference runs each document alone). B and C
-are shared by the heads of a group (``n_groups``), as key heads by query heads. Only the state-passing
-design is built for these layers: every design name runs it (its bytes do not grow with the sequence).
+are shared by the heads of a group (``n_groups``), as key heads by query heads. ``linear_attention`` picks the
+design (:mod:`seqmesh.linear_attention.mamba2`): ``state_passing`` (drawn above), ``all_to_all`` (whole sequences of
+some heads per rank) or ``auto``, the one that sends fewer bytes for the call's shapes.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..linear_attention.decay_scan import pass_decay_states
-from ..linear_attention.halo import halo_causal_conv, placement
+from ..linear_attention.choice import LinearDesign, parse_design
+from ..linear_attention.mamba2 import SSDHeads, SSDParams, choose_ssd_design, ssd_all_to_all, ssd_state_passing
 from ..mesh import SPMesh
 from .mixers import Layers, MixerKind, check_mixer_context
 
@@ -38,8 +39,15 @@ def is_mamba2(module: nn.Module) -> bool:
 
 
 def mamba2_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers:
-    """The Mamba2 mixers of ``model``; any design name runs state passing."""
-    return [(name, m) for name, m in model.named_modules() if is_mamba2(m)]
+    """The Mamba2 mixers of ``model``; a ValueError for heads the all-to-all design (when named) cannot split."""
+    design = parse_design(design)
+    layers = [(name, m) for name, m in model.named_modules() if is_mamba2(m)]
+    for name, m in layers:
+        if design is LinearDesign.ALL_TO_ALL and mesh.sp_size > m.num_heads:
+            raise ValueError(f"{name} has {m.num_heads} Mamba2 heads, fewer than the {mesh.sp_size} ranks of the "
+                             f"sequence group: the all-to-all design needs a sequence degree of at most {m.num_heads}; "
+                             "choose linear_attention='state_passing' (or 'auto').")
+    return layers
 
 
 def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -56,28 +64,19 @@ def _gate(module: nn.Module, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return y * F.silu(z)
 
 
-def mamba2_forward(module: nn.Module, hidden: torch.Tensor, mesh: SPMesh, info) -> torch.Tensor:
+def mamba2_forward(module: nn.Module, hidden: torch.Tensor, mesh: SPMesh, info, design: str = "auto") -> torch.Tensor:
     """The layer at this rank's tokens: ``hidden`` (B, L, hidden) in the layout's order -> (B, L, hidden)."""
     b, n, _ = hidden.shape
-    heads, p, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
-    inner = module.intermediate_size
-    z, xbc, dt = _project(module, hidden).split([inner, inner + 2 * groups * state, heads], dim=-1)
-    kernel = module.conv1d.weight.shape[-1]
-    place = placement(mesh, n, layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens, kernel=kernel)
-    xbc = halo_causal_conv(xbc, module.conv1d.weight.squeeze(1), module.conv1d.bias, place, module.activation)
-    x, bm, cm = xbc.split([inner, groups * state, groups * state], dim=-1)
-    x = x.reshape(b, n, heads, p)  # (B, L, H, P)
-    per_group = heads // groups
-    bm = bm.reshape(b, n, groups, state).repeat_interleave(per_group, dim=2)  # (B, L, H, N)
-    cm = cm.reshape(b, n, groups, state).repeat_interleave(per_group, dim=2)
-    low, high = module.time_step_limit
-    dt = F.softplus(dt + module.dt_bias).clamp(min=low, max=high)  # (B, L, H)
-    a = -module.A_log.float().exp()  # (H,)
-    g = dt * a.to(dt.dtype) if dt.dtype == torch.float64 else dt.float() * a  # (B, L, H) log decay
-    v = x * dt[..., None].to(x.dtype)
-    y = pass_decay_states(cm, bm, v, g, place)  # (B, L, H, P)
-    y = y + module.D[:, None].to(y.dtype) * x
-    out = _gate(module, y.reshape(b, n, inner), z)
+    heads = SSDHeads(module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size)
+    z, xbc, dt = _project(module, hidden).split([heads.inner, heads.conv_dim, heads.heads], dim=-1)
+    params = SSDParams(module.conv1d.weight.squeeze(1), module.conv1d.bias, module.dt_bias, module.A_log, module.D,
+                       tuple(module.time_step_limit), module.activation)
+    kernel = params.conv_weight.shape[-1]
+    chosen = choose_ssd_design(heads, kernel, design, seq_len=n * mesh.sp_size, batch=b, ulysses=mesh.ulysses,
+                               ring=mesh.ring, layout=info.layout, dtype_bytes=hidden.element_size())
+    run = ssd_all_to_all if chosen is LinearDesign.ALL_TO_ALL else ssd_state_passing
+    y = run(xbc, dt, params, heads, mesh, layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
+    out = _gate(module, y.reshape(b, n, heads.inner), z)  # (B, L, d_inner)
     return module.out_proj(out.to(hidden.dtype))
 
 
@@ -85,7 +84,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         check_mixer_context(self, kwargs.get("seqmesh"), cache if cache is not None else kwargs.get("cache_params"),
                             attention_mask)
-        return mamba2_forward(self, hidden_states, mesh, kwargs["seqmesh"])
+        return mamba2_forward(self, hidden_states, mesh, kwargs["seqmesh"], design)
 
     return forward
 

@@ -102,7 +102,9 @@ def _temperature_layers(model: nn.Module) -> list[nn.Module]:
 def check_positions(model: nn.Module) -> None:
     """Refuse, by name, a position-dependent quantity seqmesh would not make from the whole sequence."""
     decoder = decoder_of(model)
-    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+    from .layers import has_attention  # a model without attention (Mamba2) reads no position at all
+
+    if "position_ids" not in inspect.signature(decoder.forward).parameters and has_attention(model):
         raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder ({type(decoder).__name__}) "
                          "takes no position_ids and numbers the tokens of each call from 0 (the decoder of an "
                          "encoder-decoder family: BART, mBART, Marian, Pegasus, Blenderbot, MusicGen), so each rank "

@@ -55,6 +55,8 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
     ``place.mine.segment_bounds``); ``zero_state`` the state at a segment start -> ``out`` with every
     run's entering state read in."""
     chain, mine, rank = place.chain, place.mine, place.rank
+    if len(chain.runs) == 1:  # one rank: every run starts a segment, nothing to pass
+        return out
     leaving = _pad_rows(finals[:, list(mine.last_segment)], chain.max_runs)  # (B, R, X)
     every = all_gather(leaving, place.group, dim=1)  # (B, P * R, X)
 

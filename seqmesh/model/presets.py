@@ -452,7 +452,8 @@ def model_shape(name_or_path: str) -> ModelShape:
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
-    hybrid = hybrid_fields(cfg)  # Nemotron-H names its layers' number by their list
+    cfg = _with_layer_count(cfg)
+    hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
     if "layers" in hybrid:
         cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
@@ -478,6 +479,18 @@ def model_shape(name_or_path: str) -> ModelShape:
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+def _with_layer_count(cfg: dict) -> dict:
+    """``cfg`` with ``num_hidden_layers`` counted from its list of layer kinds where it names the kinds only (Nemotron-H
+    as transformers 5.24 writes it: ``layers_block_type``; its older releases: ``hybrid_override_pattern``)."""
+    if cfg.get("num_hidden_layers") is not None:
+        return cfg
+    for key in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+        kinds = cfg.get(key)
+        if isinstance(kinds, (list, str)) and kinds:
+            return {**cfg, "num_hidden_layers": len(kinds)}
+    return cfg
 
 
 def _vision_fields(cfg: dict, path: str) -> VisionShape | None:

@@ -61,6 +61,13 @@ def check_tensor_parallel(model: nn.Module, mesh: SPMesh) -> None:
             raise ValueError(f"{name} ({kind}) is a linear-attention layer seqmesh's tensor parallelism does not split "
                              "(it runs Qwen3.5's Gated DeltaNet, with separate q/k/v, z, b and a projections); train this "
                              "model with tp=1 (its sequence parallelism is exact).")
+    from ..hf.mixers import mixer_layers  # recurrent mixers other than Gated DeltaNet: sequence-parallel only
+
+    for kind, layers in mixer_layers(model, mesh, "auto").items():
+        if kind.name != "Gated DeltaNet":
+            raise ValueError(f"{layers[0][0]} ({type(layers[0][1]).__name__}) is a {kind.name} layer, which seqmesh's "
+                             "tensor parallelism does not split; train this model with tp=1 (its sequence parallelism "
+                             "is exact).")
     embedding = model.get_input_embeddings()
     if type(embedding).forward is not nn.Embedding.forward and _torch_release() < (2, 13):
         import torch

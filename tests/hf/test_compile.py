@@ -1,6 +1,6 @@
 """``torch.compile`` through seqmesh: a parallelized 4-layer Llama compiles with no graph break
 (``torch._dynamo.explain``, and ``fullgraph=True`` for the run) under Ulysses, ring, USP and packed
-documents, and a Gated DeltaNet model (Qwen3.5) under Ulysses and ring; the compiled model's logits, loss and gradients equal the float64 single-process
+documents, a Gated DeltaNet model (Qwen3.5) under Ulysses and ring, and a Mamba2 model under ring; the compiled model's logits, loss and gradients equal the float64 single-process
 model's within the reference's own rounding, as the eager seqmesh model's do."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def test_compiled_model_has_no_graph_break_and_equals_eager(pools, ulysses, ring
     cases = [(ulysses, ring, documents) for documents in (False, True)]
     if ulysses * ring == 2:  # Gated DeltaNet (Qwen3.5: a linear-attention layer, then full attention)
         cases += [(ulysses, ring, documents, "qwen3_5") for documents in (False, True)]
+    if (ulysses, ring) == (1, 2):  # Mamba2 (no attention at all), packed documents
+        cases += [(ulysses, ring, True, "mamba2")]
     for results in pools.run(ulysses * ring, compiled_cases, cases):
         for r in results:
             assert r["breaks"] == 0 and r["graphs"] == 1, (r["case"], r["breaks"], r["reasons"])

@@ -9,11 +9,11 @@ from __future__ import annotations
 from registry_cases import registry_sample
 
 EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", "gemma3_text", "mistral",
-         "gpt_oss", "deepseek_v3", "gemma2", "llama4_text"]  # soft-capping; chunked attention (8192: one chunk here)
+         "gpt_oss", "deepseek_v3", "gemma2", "llama4_text",  # soft-capping; chunked attention (8192: one chunk here)
+         "lfm2",  # a gated short convolution (its halo across ranks) and attention
+         "falcon_h1"]  # Mamba2 beside attention in every layer (the state passed across ranks)
 REFUSED = {
     "jamba": "Mamba",  # Mamba mixer layers
-    "lfm2": "conv",  # short convolutions
-    "falcon_h1": "Mamba",
     "recurrent_gemma": "RecurrentBlock",  # recurrent (RG-LRU) blocks
 }
 

@@ -335,8 +335,9 @@ def test_planner_counts_gated_deltanet_layers():
 
 def test_recurrent_families_are_refused_by_name():
     """transformers' families with recurrent token mixers (built on the meta device from their own config
-    classes): the Gated DeltaNet ones are taken and pass the one layer check, every other recurrent mixer
-    is refused by its name before any change, and plain attention models have nothing to take."""
+    classes): the Gated DeltaNet ones and the gated short convs (LFM2, LFM2-MoE, LFM3) are taken and pass the one
+    layer check, every other recurrent mixer is refused by its name before any change, and plain attention models
+    have nothing to take."""
     import types
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -344,23 +345,24 @@ def test_recurrent_families_are_refused_by_name():
     from seqmesh.hf.layers import check_layers
     from seqmesh.hf.mixers import mixer_layers
 
-    mesh = types.SimpleNamespace(sp_size=2)  # gated_delta_layers() reads only the degree
+    mesh = types.SimpleNamespace(sp_size=2)  # the mixers' find() read only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer",
                "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
-               "minimax": "MiniMaxLightningAttention", "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
-               "rwkv": "RwkvSelfAttention", "lfm2": "Lfm2ShortConv"}
-    # Gated DeltaNet (1 layer each) and Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers)
-    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2}
+               "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "rwkv": "RwkvSelfAttention"}
+    # Gated DeltaNet (1 layer each), Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers), lightning,
+    # LFM's gated short convolutions
+    taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2,
+             "minimax": 1, "lfm2": 1, "lfm2_moe": 1, "lfm3": 1}
     hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # families a release does not have (kimi_linear before transformers 5.17) cannot reach seqmesh there
     assert all(family in CONFIG_MAPPING for family in taken)
     for family in [f for f in (*refused, *taken) if f in CONFIG_MAPPING]:
-        extra = {"layer_types": ["conv", "full_attention"]} if family == "lfm2" else {}
-        extra = {"layer_types": hybrid} if family in taken and family not in ("llama", "falcon_h1") else extra
+        extra = {"layer_types": hybrid} if family in taken and family not in ("llama", "falcon_h1") else {}
+        extra = {"layer_types": ["conv", "full_attention"]} if family.startswith("lfm") else extra
         extra = {**extra, "mamba_d_ssm": 64, "mamba_n_heads": 4} if family == "falcon_h1" else extra
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **small, **extra))
