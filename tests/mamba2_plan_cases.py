@@ -13,21 +13,23 @@ from seqmesh.hf.mamba2 import mamba2_forward
 from seqmesh.sequence.batch import SequenceInfo
 
 
-def mamba2_layer_bytes(ulysses: int, ring: int, seq_len: int, batch: int, layout: str) -> dict:
-    """Layer 0 of the tiny float64 Nemotron-H (a Mamba2 mixer: 4 heads of 16, state 8, 2 groups, conv 4) on this
-    rank's tokens, forward and backward: the bytes and calls of its all-gathers (forward) and reduce-scatters
-    (backward), and the output's distance from the layer on the whole sequence (so the run counted is a right one)."""
+def mamba2_layer_bytes(ulysses: int, ring: int, seq_len: int, batch: int, layout: str, design: str) -> dict:
+    """Layer 0 of the tiny Nemotron-H (a Mamba2 mixer: 4 heads of 16, state 8, 2 groups, conv 4) in float32 on this
+    rank's tokens by ``design``, forward and backward: the bytes and calls of its all-gathers and all-to-alls
+    (forward) and of its reduce-scatters and all-to-alls (backward), and the output's distance from the layer on the
+    whole sequence, relative to its largest value (so the run counted is a right one)."""
     mesh = get_mesh(ulysses, ring)
-    mixer = build(family_config("nemotron-h")).model.layers[0].mixer
+    mixer = build(family_config("nemotron-h")).model.layers[0].mixer.float()
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(batch, seq_len, mixer.hidden_size, generator=g, dtype=torch.float64)
+    hidden = torch.randn(batch, seq_len, mixer.hidden_size, generator=g)
     want = mixer(hidden)  # transformers' own torch path on the whole sequence
     local = seqmesh.shard_sequence(hidden, mesh, layout=layout).clone().requires_grad_(True)
     info = SequenceInfo(seq_len=seq_len, cu_seqlens=None, layout=layout)
     with comm_stats() as stats:
-        out = mamba2_forward(mixer, local, mesh, info)
+        out = mamba2_forward(mixer, local, mesh, info, design)
         out.pow(2).sum().backward()
     got = seqmesh.gather_sequence(out.detach(), mesh, layout=layout, length=seq_len)
-    return {"all_gather": stats.sent("all_gather", "forward"), "reduce_scatter": stats.sent("reduce_scatter", "backward"),
-            "calls": (stats.count("all_gather", "forward"), stats.count("reduce_scatter", "backward")),
-            "error": float((got - want.detach()).abs().max())}
+    sent = {(kind, ph): stats.sent(kind, ph) for kind in ("all_gather", "reduce_scatter", "all_to_all")
+            for ph in ("forward", "backward")}
+    calls = {(kind, ph): stats.count(kind, ph) for kind, ph in sent}
+    return {"sent": sent, "calls": calls, "error": float((got - want.detach()).abs().max() / want.abs().max())}

@@ -91,18 +91,6 @@ def state_passing_bytes(key_heads: int, value_heads: int, key_dim: int, value_di
     return (p - 1) * batch * per_rank
 
 
-def mamba2_state_passing_bytes(heads: int, head_dim: int, state: int, groups: int, *, batch: int, ulysses: int,
-                               ring: int, layout: str, kernel: int, dtype_bytes: int, state_bytes: int = 4) -> int:
-    """Bytes each rank sends forward (and again backward) in a Mamba2 layer's two all-gathers
-    (``seqmesh.hf.mamba2``): the conv halo, ``kernel - 1`` rows of ``x | B | C`` (``H P + 2 G N`` channels) per
-    tail in the activations' dtype, and every run's packed ``[S_0 (H x N x P) | decay (H)]`` in float32 (float64
-    for float64)."""
-    runs, tails = runs_and_tails(ulysses, ring, layout)
-    conv_dim = heads * head_dim + 2 * groups * state
-    per_rank = runs * heads * (state * head_dim + 1) * state_bytes + tails * (kernel - 1) * conv_dim * dtype_bytes
-    return (ulysses * ring - 1) * batch * per_rank
-
-
 def all_to_all_bytes(shape: LinearShape) -> int:
     """Bytes each rank sends forward in the all-to-all design, heads split evenly."""
     p = shape.ranks

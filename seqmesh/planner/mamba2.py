@@ -2,16 +2,18 @@
 layer as ``seqmesh.hf.mamba2`` runs it (Falcon-H1's beside its attention), and Nemotron-H's MLP and MoE blocks,
 which mix no tokens.
 
-A Mamba2 layer, per rank and sequence (``L`` local tokens, ``H`` heads of ``P`` channels, state ``N``, groups ``G``)::
+A Mamba2 layer runs in_proj and out_proj on its local tokens, and its token mixing by the design
+``seqmesh.linear_attention.mamba2.choose_ssd_design`` picks (``work.linear_attention``; ``auto``: fewer bytes)::
 
-    in_proj, out_proj      local matmuls (no communication)
-    halo conv              one all-gather of K - 1 rows of x | B | C per tail forward, its reduce-scatter backward
-    chunked scan           local (decay_scan.chunk_decay_scan), every head on every rank
-    state pass             one all-gather of every run's [S_0 | decay] (float32) forward, its reduce-scatter backward
+    state_passing   every head of the local tokens: one all-gather of the conv halo (K - 1 rows of x | B | C per
+                    tail), the chunked scan, one all-gather of every run's [S_0 | decay] (float32); backward their
+                    reduce-scatters
+    all_to_all      two all-to-alls (x | B | C | dt in, y out) forward and two backward; the conv and the scan of
+                    the whole sequence for 1/P of the heads
 
-The bytes are :func:`seqmesh.linear_attention.choice.mamba2_state_passing_bytes` (the runtime's own formula); they do
-not grow with the sequence. Neither collective overlaps compute (the scan waits for the halo, the outputs for the
-states), so the layer's time is :func:`.layers._serial_layer_seconds`'s.
+The bytes are the runtime's own :func:`seqmesh.linear_attention.mamba2.ssd_design_bytes`. No collective overlaps
+compute (the scan waits for its inputs, the outputs for the states), so the layer's time is
+:func:`.layers._serial_layer_seconds`'s.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..degrees import Degrees
-from ..linear_attention.choice import LINEAR_CHUNK, mamba2_state_passing_bytes
+from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
+from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
 from ..model.hybrid import MAMBA2, FeedForward, Mamba2Shape
 from ..padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
-from .network import axis_groups, gather_seconds, link_name
-from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
+from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
 from .workload import Workload
 
 
@@ -76,29 +79,50 @@ class Mamba2Layer:
             return m.hybrid.mamba.params(m.hidden)
         return m.hybrid.layer_params((MAMBA2, self.ffn), m.hidden, m.attention_params)
 
-    def sent_bytes(self) -> int:
-        """Bytes each rank sends in the layer's two all-gathers forward (the same again in the reduce-scatters)."""
+    def _shape(self) -> tuple[SSDHeads, dict]:
+        """The layer's heads and the call's shape as the runtime passes them to ``choose_ssd_design``."""
         w, lay, mamba = self.work, self.layout, self.work.model.hybrid.mamba
-        e = dtype_bytes(w.torch_dtype)
-        return mamba2_state_passing_bytes(mamba.heads, mamba.head_dim, mamba.state, mamba.groups, batch=w.batch,
-                                          ulysses=lay.ulysses, ring=lay.ring, layout=w.layout, kernel=mamba.conv,
-                                          dtype_bytes=e, state_bytes=8 if e == 8 else 4)
+        heads = SSDHeads(mamba.heads, mamba.head_dim, mamba.groups, mamba.state)
+        padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
+        return heads, dict(seq_len=padded, batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout,
+                           dtype_bytes=dtype_bytes(w.torch_dtype))
+
+    def design(self) -> LinearDesign:
+        """The design the layer runs (the runtime's rule, given ``work.linear_attention``)."""
+        heads, shape = self._shape()
+        return choose_ssd_design(heads, self.work.model.hybrid.mamba.conv, self.work.linear_attention, **shape)
+
+    def sent_bytes(self) -> int:
+        """Bytes each rank sends forward in the layer's two collectives (the same again backward)."""
+        heads, shape = self._shape()
+        return ssd_design_bytes(heads, self.work.model.hybrid.mamba.conv, **shape)[self.design()]
+
+    def _key(self) -> str:
+        return "mamba2_state_gather" if self.design() is LinearDesign.STATE_PASSING else "mamba2_all_to_all"
 
     def ranks(self) -> list[RankTraffic]:
-        """Each sequence rank's traffic in one layer: two all-gathers forward, their reduce-scatters backward."""
+        """Each sequence rank's traffic in one layer: two all-gathers forward and their reduce-scatters backward
+        (state passing), or two all-to-alls each way, half the bytes each (an even split of the heads)."""
         lay, sent = self.layout, self.sent_bytes()
-        calls = (Collective("all_gather", "forward", 2, sent), Collective("reduce_scatter", "backward", 2, sent))
+        if self.design() is LinearDesign.STATE_PASSING:
+            calls = (Collective("all_gather", "forward", 2, sent), Collective("reduce_scatter", "backward", 2, sent))
+        else:
+            calls = tuple(Collective("all_to_all", ph, 1, half) for ph in ("forward", "backward")
+                          for half in (sent // 2, sent - sent // 2))
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
         from .layers import phases
 
-        ranks = self.ranks()
-        return phases({"mamba2_state_gather": worst_rank(ranks, "all_gather", "forward")},
-                      {"mamba2_state_gather": worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        ranks, key = self.ranks(), self._key()
+        if self.design() is LinearDesign.STATE_PASSING:
+            return phases({key: worst_rank(ranks, "all_gather", "forward")},
+                          {key: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        return phases(*({key: worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward")),
+                      self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {"mamba2_state_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        return {self._key(): link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
         """Bytes saved for backward (an estimate, not yet checked against a run): per token its norms, in_proj's input
@@ -122,20 +146,31 @@ class Mamba2Layer:
         return t * per_token + states
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
-        """``total``, ``compute`` and ``serial`` seconds of one layer: the projections and feed-forward, the scan
-        (:func:`mamba2_mixing_flops`; backward twice), the halo's and the states' collectives, which nothing overlaps."""
+        """``total``, ``compute`` and ``serial`` seconds of one layer: the projections and feed-forward, the token mixing
+        (state passing: :func:`mamba2_mixing_flops` of the local tokens; all-to-all: the scan and conv of the whole
+        sequence for this rank's share of the heads; backward twice), the design's collectives, which nothing
+        overlaps."""
         from .layers import _serial_layer_seconds
 
-        work, m = self.work, self.work.model
+        work, layout, m = self.work, self.layout, self.work.model
+        mamba = m.hybrid.mamba
         mm_rate, scan_rate = _rates(work, hw)
-        local = work.batch * _local_tokens(work, self.layout)
-        mm_fwd = 2 * local * (m.hybrid.mamba.matmul_params(m.hidden) + self._ffn.macs) / mm_rate
-        scan_fwd = mamba2_mixing_flops(m.hybrid.mamba, local) / scan_rate
-        group = axis_groups(self.layout, "sequence")[0]
+        local = work.batch * _local_tokens(work, layout)
+        mm_fwd = 2 * local * (mamba.matmul_params(m.hidden) + self._ffn.macs) / mm_rate
         ranks = self.ranks()
-        ag, rs = (gather_seconds(worst_rank(ranks, kind, ph), hw, group)
-                  for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
-        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan_fwd, 2 * mm_fwd + 2 * scan_fwd), (ag, rs))
+        if self.design() is LinearDesign.STATE_PASSING:
+            scan_fwd = mamba2_mixing_flops(mamba, local) / scan_rate
+            group = axis_groups(layout, "sequence")[0]
+            comm = tuple(gather_seconds(worst_rank(ranks, kind, ph), hw, group)
+                         for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        else:  # the whole sequence of this rank's share of the heads, no state read
+            p = layout.ulysses * layout.ring
+            share = -(-mamba.heads // p) / mamba.heads
+            whole = local * p
+            scan_fwd = share * (mamba2_scan_flops(mamba, whole) + 2 * whole * mamba.conv_dim * mamba.conv) / scan_rate
+            comm = tuple(axis_all_to_all_seconds(call_bytes(ranks, "all_to_all", ph), hw, layout, "sequence")
+                         for ph in ("forward", "backward"))
+        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan_fwd, 2 * mm_fwd + 2 * scan_fwd), comm)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from seqmesh.linear_attention.choice import mamba2_state_passing_bytes
+from seqmesh.linear_attention.mamba2 import SSDHeads, ssd_design_bytes
 from seqmesh.model.presets import model_shape
 
 # Nemotron-H-8B's shape (NVIDIA's published Nemotron-H-8B-Base config.json, from memory: 52 layers, 24 Mamba2,
@@ -146,21 +146,47 @@ def test_scan_flops_equal_what_torch_counts():
     assert counter.get_total_flops() == mamba2_scan_flops(Mamba2Shape(h, p, n, 2), b * s)
 
 
-@pytest.mark.parametrize("ulysses,ring,seq_len", [(1, 2, 40), (2, 1, 40)], ids=["u1xr2", "u2xr1"])
-def test_bytes_equal_what_the_layer_sends(pools, ulysses, ring, seq_len):
-    """The formula's bytes (conv halo + every run's float64 [S_0 | decay], float64 activations) equal what every rank
-    of the real layer sends forward in its two all-gathers and backward in their two reduce-scatters, at the most;
-    the layer is right (its output is the whole sequence's)."""
-    from mamba2_plan_cases import mamba2_layer_bytes
+def _tiny_workload(tmp_path, seq_len: int, design: str, ulysses: int, ring: int):
+    """The planner's Mamba2 layer of the tiny Nemotron-H (tests/family_cases.py's), float32, ``batch`` 2."""
+    from seqmesh.degrees import Degrees
+    from seqmesh.planner.mamba2 import Mamba2Layer
+    from seqmesh.planner.workload import Workload
 
-    batch = 2
-    per_rank = pools.run(ulysses * ring, mamba2_layer_bytes, ulysses, ring, seq_len, batch, "zigzag")
-    want = mamba2_state_passing_bytes(4, 16, 8, 2, batch=batch, ulysses=ulysses, ring=ring, layout="zigzag",
-                                      kernel=4, dtype_bytes=8, state_bytes=8)
-    # measured 2.3e-9 (transformers' decay in float32); a state or a halo lost between ranks is off by far more
-    assert all(r["error"] < 1e-6 and r["calls"] == (2, 2) for r in per_rank), per_rank
-    assert max(r["all_gather"] for r in per_rank) == want, (per_rank, want)
-    assert max(r["reduce_scatter"] for r in per_rank) == want, (per_rank, want)
+    shape = model_shape(_write(tmp_path, _tiny("nemotron-h")))
+    work = Workload(shape, seq_len, batch=2, dtype="fp32", linear_attention=design)
+    return Mamba2Layer(work, Degrees(ulysses, ring, 1))
+
+
+# (ulysses, ring, seq_len, design): both designs on both meshes; at 40 tokens auto takes state passing on these
+CASES = [(1, 2, 40, "auto"), (2, 1, 40, "auto"), (1, 2, 8, "all_to_all"), (2, 1, 40, "all_to_all")]
+
+
+@pytest.mark.parametrize("ulysses,ring,seq_len,design", CASES, ids=[f"u{u}xr{r}-{n}-{d}" for u, r, n, d in CASES])
+def test_bytes_equal_what_the_layer_sends(pools, tmp_path, ulysses, ring, seq_len, design):
+    """What the planner's Mamba2 layer says the busiest rank sends (the runtime's ssd_design_bytes, by the design the
+    runtime's rule picks) equals what comm_stats counts while the real layer runs on 2 ranks in float32: state
+    passing's two all-gathers forward and two reduce-scatters backward, or the all-to-all's two each way; the layer
+    is right (its output is the whole sequence's)."""
+    from mamba2_plan_cases import mamba2_layer_bytes
+    from seqmesh.linear_attention.choice import LinearDesign
+
+    layer = _tiny_workload(tmp_path, seq_len, design, ulysses, ring)
+    chosen = layer.design()
+    assert chosen is (LinearDesign.ALL_TO_ALL if design == "all_to_all" else LinearDesign.STATE_PASSING)
+    per_rank = pools.run(ulysses * ring, mamba2_layer_bytes, ulysses, ring, seq_len, 2, "zigzag", design)
+    # measured 3e-7 (float32; transformers' torch path); a state or a halo lost between ranks is off by far more
+    assert all(r["error"] < 1e-4 for r in per_rank), per_rank
+    traffic = layer.traffic()
+    if chosen is LinearDesign.STATE_PASSING:
+        kinds = {("all_gather", "forward"): 2, ("reduce_scatter", "backward"): 2}
+        fwd, bwd = ("all_gather", "forward"), ("reduce_scatter", "backward")
+    else:
+        kinds = {("all_to_all", "forward"): 2, ("all_to_all", "backward"): 2}
+        fwd, bwd = ("all_to_all", "forward"), ("all_to_all", "backward")
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    key = layer._key()
+    assert traffic["forward"][key] == max(r["sent"][fwd] for r in per_rank) > 0, (traffic, per_rank)
+    assert traffic["backward"][key] == max(r["sent"][bwd] for r in per_rank), (traffic, per_rank)
 
 
 # Granite-4.0-H-Small's 32B parameters and AdamW state (16 bytes a parameter) fill 8 GPUs' 80 GiB before activations
@@ -170,6 +196,7 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, gpus):
     """``seqmesh plan --model config.json --seq-len 131072 --gpus 8`` (16) runs and recommends a layout; each Mamba2
     layer sends the runtime's formula's bytes (bf16 halo, float32 states), the same at 32K: they do not grow with the
     sequence; the step counts them once per Mamba2 layer."""
+    from seqmesh.linear_attention.choice import LinearDesign
     from seqmesh.tools.cli import main
 
     path = _write(tmp_path, cfg)
@@ -187,8 +214,9 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, gpus):
     best = plan["recommended"]["layout"]
     shape = model_shape(path)
     m = shape.hybrid.mamba
-    want = mamba2_state_passing_bytes(m.heads, m.head_dim, m.state, m.groups, batch=1, ulysses=best["ulysses"],
-                                      ring=best["ring"], layout="zigzag", kernel=m.conv, dtype_bytes=2)
+    want = ssd_design_bytes(SSDHeads(m.heads, m.head_dim, m.groups, m.state), m.conv, seq_len=131072, batch=1,
+                            ulysses=best["ulysses"], ring=best["ring"], layout="zigzag", dtype_bytes=2)
+    want = want[LinearDesign.STATE_PASSING]  # auto's pick at 128K: it sends far less than the all-to-all
     row = next(c for c in plan["candidates"] if c["layout"] == best)
     assert row["comm_bytes_per_layer"]["forward"]["mamba2_state_gather"] == want > 0
     assert row["comm_bytes_per_step"]["mamba2_state_gather"] == 3 * want * mamba_layers[1]
