@@ -105,6 +105,10 @@ def family_config(family: str):
         return tf.Lfm3Config(**{**SMALL, "num_hidden_layers": 4}, intermediate_size=64, num_key_value_heads=2,
                              head_dim=8, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                              layer_types=["conv", "sliding_attention", "conv", "full_attention"])
+    if family == "jamba":  # a Mamba (v1) layer, then attention with a small MoE
+        return tf.JambaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, attn_layer_period=2,
+                              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                              num_experts_per_tok=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)
     raise ValueError(f"unknown family {family!r}")
 
 

@@ -28,6 +28,8 @@ def tiny_config(family: str):
     cls = CONFIG_MAPPING[family]
     if family == "lfm2":  # one short-convolution layer and one attention layer
         return cls(**{k: v for k, v in SIZES.items() if k in set(vars(cls()))}, layer_types=["conv", "full_attention"])
+    if family == "jamba":  # a Mamba layer and an attention layer (its default puts attention at layer 4 of 8)
+        return cls(**{k: v for k, v in SIZES.items() if k in set(vars(cls()))}, attn_layer_period=2, attn_layer_offset=1)
     names = set(inspect.signature(cls.__init__).parameters)
     defaults = cls()
     keys = names | set(vars(defaults))

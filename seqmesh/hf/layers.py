@@ -50,8 +50,9 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (DeepSeek-V3.2 and GLM-5's "
              "indexed_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
              "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; "
-             "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the lightning attention "
-             "layers of MiniMax-01; the gated short convolutions of LFM2, LFM2-MoE and LFM3")
+             "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
+             "Jamba, Mamba and Falcon-Mamba; the lightning attention layers of MiniMax-01; the gated short convolutions "
+             "of LFM2, LFM2-MoE and LFM3")
 
 
 def mixes_tokens(module: nn.Module) -> bool:

@@ -53,9 +53,9 @@ def uninstall(model: nn.Module) -> None:
 
 def kinds() -> tuple[MixerKind, ...]:
     """Every mixer seqmesh runs sequence-parallel, in the order ``parallelize`` looks for them."""
-    from . import lightning, linear_attention, mamba2, short_conv
+    from . import lightning, linear_attention, mamba, mamba2, short_conv
 
-    return (linear_attention.KIND, mamba2.KIND, lightning.KIND, short_conv.KIND)
+    return (linear_attention.KIND, mamba2.KIND, mamba.KIND, lightning.KIND, short_conv.KIND)
 
 
 def mixer_layers(model: nn.Module, mesh: SPMesh, design: str) -> dict[MixerKind, Layers]:

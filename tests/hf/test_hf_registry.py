@@ -11,9 +11,9 @@ from registry_cases import registry_sample
 EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", "gemma3_text", "mistral",
          "gpt_oss", "deepseek_v3", "gemma2", "llama4_text",  # soft-capping; chunked attention (8192: one chunk here)
          "lfm2",  # a gated short convolution (its halo across ranks) and attention
-         "falcon_h1"]  # Mamba2 beside attention in every layer (the state passed across ranks)
+         "falcon_h1",  # Mamba2 beside attention in every layer (the state passed across ranks)
+         "jamba"]  # a Mamba (v1) layer and an attention layer
 REFUSED = {
-    "jamba": "Mamba",  # Mamba mixer layers
     "recurrent_gemma": "RecurrentBlock",  # recurrent (RG-LRU) blocks
 }
 
