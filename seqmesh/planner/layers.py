@@ -370,8 +370,8 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
 def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     """A Mamba2 hybrid's layers: attention first (the step's per-layer attention terms), then each Mamba2 layer and
     each Nemotron-H MLP or MoE block by its feed-forward; a Falcon-H1 layer as its attention layer (norms and MLP
-    included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). Its attention layers are costed as :class:`Attention`
-    costs any decoder layer: with the model's largest feed-forward (Nemotron-H's have none: an over-estimate)."""
+    included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
+    attention layers carry their own feed-forward (Nemotron-H's none)."""
     from ..model.hybrid import ATTENTION, MAMBA2, PARALLEL
 
     hybrid = work.model.hybrid
