@@ -109,6 +109,10 @@ def family_config(family: str):
         return tf.JambaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, attn_layer_period=2,
                               attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                               num_experts_per_tok=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)
+    if family in ("mamba", "falcon-mamba"):  # pure Mamba (v1) models: no attention layer at all
+        cls = tf.MambaConfig if family == "mamba" else tf.FalconMambaConfig
+        return cls(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4, conv_kernel=4, expand=2,
+                   time_step_rank=8)
     raise ValueError(f"unknown family {family!r}")
 
 

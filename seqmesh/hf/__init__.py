@@ -255,7 +255,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         kind.install(layers, mesh, linear_attention)
     indexed_attention.install(indexed, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
-    hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + positions.install(model, mesh)
+    hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
+    hooks += positions.install(model, mesh)
     setattr(model, _ATTR, (name, previous, hooks))
     return model
 

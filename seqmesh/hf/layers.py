@@ -87,7 +87,7 @@ def _routes_through_interface(model: nn.Module) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _calls_without_kwargs(cls: type, child: str) -> bool:
+def calls_without_kwargs(cls: type, child: str) -> bool:
     """Whether ``cls``'s forward calls ``self.<child>(...)`` and never passes it ``**kwargs`` (the way seqmesh's entry
     travels from the model's call down to the attention function)."""
     source = forward_source(cls)
@@ -122,7 +122,7 @@ def attention_without_entry(model: nn.Module) -> list[str]:
             attention = type(sub).__name__.endswith("Attention") and _calls_interface(type(sub))
             holds = isinstance(sub, nn.ModuleList) and any(
                 type(m).__name__.endswith("Attention") and _calls_interface(type(m)) for m in sub.modules())
-            if (attention or holds) and _calls_without_kwargs(cls, child):
+            if (attention or holds) and calls_without_kwargs(cls, child):
                 found[cls] = f"{path or 'the model'} ({cls.__name__}) calls its {child} without passing its **kwargs on"
     return list(found.values())
 

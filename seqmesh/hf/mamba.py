@@ -12,9 +12,8 @@ x_proj's input (all channels of a token) after the exchange, so an all-to-all of
 x_proj; not built.
 
 The ``seqmesh`` entry of ``shard_batch`` reaches the mixer in its kwargs where transformers' layers
-pass them on. Jamba's decoder layer calls its mixer without them: the layer (the *carrier*, the
-deepest module on the mixer's path that still receives the entry) then gets an instance-level
-forward too, which hands the entry to its mixers for the duration of its own call.
+pass them on; Jamba's decoder layer and Mamba's backbone call theirs without them, and the module
+that still receives the entry hands it over (:func:`seqmesh.hf.mixers.carry_entry`).
 """
 
 from __future__ import annotations
@@ -29,10 +28,8 @@ from ..linear_attention.halo import halo_causal_conv, placement
 from ..linear_attention.kernels import causal_conv
 from ..linear_attention.selective_scan import selective_scan, state_passing_selective_scan
 from ..mesh import SPMesh
-from .layers import _calls_without_kwargs, mixes_tokens
 from .mixers import Layers, MixerKind, check_mixer_context
 
-_ENTRY = "_seqmesh_entry"  # on a mixer, during its carrier's call: the seqmesh entry the carrier received
 MIXERS = ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer")  # whose slow_forward this module follows
 _PARTS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D")
 _NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")  # Jamba (weighted), Falcon-Mamba (weightless)
@@ -43,37 +40,11 @@ def is_mamba1(module: nn.Module) -> bool:
     return type(module).__name__ in MIXERS and all(hasattr(module, p) for p in _PARTS)
 
 
-def _carrier(model: nn.Module, path: str) -> tuple[str, nn.Module] | None:
-    """The deepest module on ``path`` whose callers all pass their ``**kwargs`` on (so it receives the seqmesh
-    entry), or None when that is the mixer itself."""
-    names = path.split(".")
-    module, at = model, []
-    for child in names:
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _calls_without_kwargs(type(module), child):
-            return ".".join(at), module
-        module, at = getattr(module, child), at + [child]
-    return None
-
-
 def mamba_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers:
-    """The Mamba (v1) mixers of ``model`` and the carriers that hand them the seqmesh entry; a ValueError for a
-    design name seqmesh does not know or a carrier that would hide another token mixer."""
-    parse_design(design)  # every name runs state passing (module docstring)
-    mixers, carriers = [], {}
-    for path, mixer in [(path, m) for path, m in model.named_modules() if is_mamba1(m)]:
-        found = _carrier(model, path)
-        if found is not None and found[1] is model:  # the entry reaches no module below the model (Mamba, Falcon-
-            continue  # Mamba: their backbone and blocks drop **kwargs): left to check_layers, which refuses it
-        mixers.append((path, mixer))
-        if found is not None:
-            carriers[id(found[1])] = found
-    inside = {id(part) for _, m in mixers for part in m.modules()}
-    for where, carrier in carriers.values():
-        others = [p for p, m in carrier.named_modules() if id(m) not in inside and mixes_tokens(m)]
-        if others:
-            raise ValueError(f"the seqmesh entry reaches the Mamba mixers in {where} ({type(carrier).__name__}) only "
-                             f"through that module, which also holds {others}: seqmesh cannot run those mixers.")
-    return mixers + list(carriers.values()) if mixers else []
+    """The Mamba (v1) mixers of ``model``; a ValueError for a design name seqmesh does not know (every name runs
+    state passing: module docstring)."""
+    parse_design(design)
+    return [(path, m) for path, m in model.named_modules() if is_mamba1(m)]
 
 
 def _scan_inputs(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,7 +63,7 @@ def _scan_inputs(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _make_mixer_forward(mesh: SPMesh):
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
-        info = self.__dict__.get(_ENTRY) or kwargs.get("seqmesh")
+        info = kwargs.get("seqmesh")
         check_mixer_context(self, info, cache if cache is not None else kwargs.get("cache_params"), attention_mask)
         b, n, _ = hidden_states.shape
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, L, I) each
@@ -116,23 +87,8 @@ def _make_mixer_forward(mesh: SPMesh):
     return forward
 
 
-def _make_carrier_forward(carrier: nn.Module):
-    held = [m for m in carrier.modules() if is_mamba1(m)]
-
-    def forward(self, *args, **kwargs):
-        for mixer in held:
-            mixer.__dict__[_ENTRY] = kwargs.get("seqmesh")
-        try:
-            return type(self).forward(self, *args, **kwargs)
-        finally:
-            for mixer in held:
-                mixer.__dict__.pop(_ENTRY, None)
-
-    return forward
-
-
 def _forward_for(module: nn.Module, mesh: SPMesh, design: str):
-    return _make_mixer_forward(mesh) if is_mamba1(module) else _make_carrier_forward(module)
+    return _make_mixer_forward(mesh)
 
 
 KIND = MixerKind("Mamba", ("linear_attention",), mamba_layers, _forward_for)

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..mesh import SPMesh
+from ..model.lm import decoder_of
+from .layers import calls_without_kwargs
 
 Layers = list[tuple[str, nn.Module]]
 _ATTR = "_seqmesh_mixer"  # on a module whose forward seqmesh replaced: the kind's name
+_ENTRY = "_seqmesh_entry"  # on a mixer, during its carrier's call: the seqmesh entry the carrier received
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,65 @@ class MixerKind:
 
     def install(self, layers: Layers, mesh: SPMesh, design: str) -> int:
         for _, module in layers:
-            module.forward = types.MethodType(self.make_forward(module, mesh, design), module)
+            module.forward = types.MethodType(_taking_entry(self.make_forward(module, mesh, design)), module)
             setattr(module, _ATTR, self.name)
         return len(layers)
+
+
+def _taking_entry(forward: Callable) -> Callable:
+    """``forward`` given the seqmesh entry its carrier handed over (:func:`carry_entry`) where its caller passed none."""
+    def with_entry(self, *args, **kwargs):
+        if kwargs.get("seqmesh") is None and self.__dict__.get(_ENTRY) is not None:
+            kwargs["seqmesh"] = self.__dict__[_ENTRY]
+        return forward(self, *args, **kwargs)
+
+    return with_entry
+
+
+def _carrier(decoder: nn.Module, path: str) -> nn.Module | None:
+    """The deepest module on ``path`` (from ``decoder``) whose callers all pass their ``**kwargs`` on, so that it
+    receives the seqmesh entry; None when the mixer itself does."""
+    module = decoder
+    for child in path.split(".") if path else ():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and calls_without_kwargs(type(module), child):
+            return module
+        module = getattr(module, child)
+    return None
+
+
+def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
+    """Forward hooks that hand seqmesh's entry to mixers whose callers drop their ``**kwargs`` (Jamba's decoder layer
+    calls its Mamba mixer with named arguments only; at transformers 5.15 LFM2's and Mamba2's do too): the deepest
+    module on the mixer's path that still receives the entry (its *carrier*) holds it on its mixers for the length of
+    its own call (a checkpointed layer's recompute calls it again). The hooks' handles."""
+    decoder = decoder_of(model)
+    where = next((p for p, m in model.named_modules() if m is decoder), "")
+    held: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
+    for _, layers in found.items():
+        for path, mixer in layers:
+            if where and not path.startswith(where + "."):
+                continue  # outside the decoder: not a decoder's mixer
+            carrier = _carrier(decoder, path[len(where) + 1:] if where else path)
+            if carrier is not None:
+                held.setdefault(id(carrier), (carrier, []))[1].append(mixer)
+
+    def hand(mixers: list[nn.Module]):
+        def give(module, args, kwargs):
+            for m in mixers:
+                m.__dict__[_ENTRY] = kwargs.get("seqmesh")
+
+        def take_back(module, args, kwargs, output):
+            for m in mixers:
+                m.__dict__.pop(_ENTRY, None)
+
+        return give, take_back
+
+    handles = []
+    for carrier, mixers in held.values():
+        give, take_back = hand(mixers)
+        handles += [carrier.register_forward_pre_hook(give, with_kwargs=True),
+                    carrier.register_forward_hook(take_back, with_kwargs=True, always_call=True)]
+    return handles
 
 
 def uninstall(model: nn.Module) -> None:
@@ -49,6 +108,7 @@ def uninstall(model: nn.Module) -> None:
         if getattr(module, _ATTR, None) is not None:
             del module.forward
             delattr(module, _ATTR)
+        module.__dict__.pop(_ENTRY, None)
 
 
 def kinds() -> tuple[MixerKind, ...]:

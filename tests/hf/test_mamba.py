@@ -36,17 +36,15 @@ def _no_reset_at_documents(lm) -> None:
     """The mutation: every Mamba mixer scans as if the row were one document (its state carried across starts)."""
     import dataclasses
 
-    from seqmesh.hf import mamba
+    from seqmesh.hf import mamba, mixers
 
     for module in lm.modules():
         if mamba.is_mamba1(module):
             forward = module.forward
 
             def one_document(hidden_states, *args, _forward=forward, _module=module, **kwargs):
-                entry = _module.__dict__.get(mamba._ENTRY) or kwargs.pop("seqmesh", None)
-                whole = dataclasses.replace(entry, cu_seqlens=None)
-                _module.__dict__[mamba._ENTRY] = whole
-                return _forward(hidden_states, *args, **kwargs)
+                entry = kwargs.pop("seqmesh", None) or _module.__dict__.get(mixers._ENTRY)
+                return _forward(hidden_states, *args, seqmesh=dataclasses.replace(entry, cu_seqlens=None), **kwargs)
 
             module.forward = one_document
 
@@ -72,10 +70,10 @@ def test_each_mamba_mixer_exact_on_its_own(pools):
         assert r["out"] <= 1e-12 * r["scale"] and r["grad"] <= 1e-10, r
 
 
-def test_jamba_layers_found_installed_and_removed():
-    """Jamba's Mamba mixer and its decoder layer (which calls the mixer without **kwargs, so hands it the entry) get
-    instance forwards, which unparallelize's uninstall deletes; Mamba's and Falcon-Mamba's models, whose backbone
-    drops **kwargs, are left to the layer check (refused)."""
+def test_mamba_layers_found_and_their_entry_carried():
+    """Jamba's decoder layer calls its Mamba mixer without **kwargs, and Mamba's and Falcon-Mamba's backbones call
+    their blocks without them: each mixer is found, and the module that still receives seqmesh's entry (the layer;
+    the backbone) carries it (one pre-hook and one hook); unparallelize's uninstall deletes the forwards."""
     import types
 
     import torch
@@ -86,14 +84,29 @@ def test_jamba_layers_found_installed_and_removed():
 
     mesh = types.SimpleNamespace(sp_size=2)
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(family_config("jamba"))
-        pure = [tf.AutoModelForCausalLM.from_config(c(hidden_size=32, num_hidden_layers=2, vocab_size=64))
-                for c in (tf.MambaConfig, tf.FalconMambaConfig)]
-    layers = mamba.mamba_layers(model, mesh)
-    assert [(p, type(m).__name__) for p, m in layers] == [("model.layers.0.mamba", "JambaMambaMixer"),
-                                                          ("model.layers.0", "JambaMambaDecoderLayer")]
-    assert [mamba.mamba_layers(m, mesh) for m in pure] == [[], []]
-    assert mamba.KIND.install(layers, mesh, "auto") == 2
-    assert all("forward" in m.__dict__ for _, m in layers)
-    mixers.uninstall(model)
-    assert not any("forward" in m.__dict__ for _, m in layers)
+        models = [tf.AutoModelForCausalLM.from_config(family_config(f)) for f in ("jamba", "mamba", "falcon-mamba")]
+    for model, carrier in zip(models, ("model.layers.0", "backbone", "backbone")):
+        found = mixers.mixer_layers(model, mesh, "auto")
+        assert list(found) == [mamba.KIND] and len(found[mamba.KIND]) >= 1, found
+        before = {p: len(m._forward_pre_hooks) for p, m in model.named_modules()}
+        handles = mixers.carry_entry(model, found)
+        hooked = [p for p, m in model.named_modules() if len(m._forward_pre_hooks) > before[p]]
+        assert hooked == [carrier] and len(handles) == 2, (hooked, handles)
+        for h in handles:
+            h.remove()
+        mamba.KIND.install(found[mamba.KIND], mesh, "auto")
+        assert all("forward" in m.__dict__ for _, m in found[mamba.KIND])
+        mixers.uninstall(model)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon-mamba"])
+def test_pure_mamba_models_exact(pools, family):
+    """Mamba and Falcon-Mamba (no attention at all; the backbone drops **kwargs, so it carries the entry) on ring 2
+    and U2 x R2, zigzag plain and with packed documents."""
+    for ulysses, ring in ((1, 2), (2, 2)):
+        cases = [(family, ulysses, ring, "zigzag", docs) for docs in (False, True)]
+        for r in pools.run(ulysses * ring, _run_all, cases)[0]:
+            assert not _outside_rounding(r), r
+            print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
+                  f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")

@@ -348,20 +348,20 @@ def test_recurrent_families_are_refused_by_name():
     mesh = types.SimpleNamespace(sp_size=2)  # the mixers' find() read only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    refused = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer",
-               "jamba": "JambaMambaMixer", "kimi_linear": "KimiLinearDeltaAttention",
+    refused = {"kimi_linear": "KimiLinearDeltaAttention",
                "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "rwkv": "RwkvSelfAttention"}
     # Gated DeltaNet (1 layer each), Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers), lightning,
     # LFM's gated short convolutions
     taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2,
-             "minimax": 1, "lfm2": 1, "lfm2_moe": 1, "lfm3": 1}
+             "minimax": 1, "lfm2": 1, "lfm2_moe": 1, "lfm3": 1, "mamba": 2, "falcon_mamba": 2, "jamba": 2}
     hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # families a release does not have (kimi_linear before transformers 5.17) cannot reach seqmesh there
     assert all(family in CONFIG_MAPPING for family in taken)
     for family in [f for f in (*refused, *taken) if f in CONFIG_MAPPING]:
-        extra = {"layer_types": hybrid} if family in taken and family not in ("llama", "falcon_h1") else {}
+        extra = {"layer_types": hybrid} if family in taken and family not in (
+            "llama", "falcon_h1", "mamba", "falcon_mamba", "jamba") else {}
         extra = {"layer_types": ["conv", "full_attention"]} if family.startswith("lfm") else extra
         extra = {**extra, "mamba_d_ssm": 64, "mamba_n_heads": 4} if family == "falcon_h1" else extra
         with torch.device("meta"):
