@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from ..model_sizes import check_model_sizes
+from .hybrid import HybridShape, hybrid_fields
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,8 @@ class ModelShape:
     shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
     dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
+    hybrid: HybridShape | None = None  # a Mamba2 hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba; .hybrid)
+    unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.model_sizes)
@@ -261,6 +264,13 @@ class ModelShape:
         return self.layer_types.count("linear_attention")
 
     @property
+    def non_attention_layers(self) -> int:
+        """Layers without attention: Gated DeltaNet, a hybrid's Mamba2 layers and Nemotron-H's MLP and MoE blocks."""
+        if self.hybrid is not None:
+            return self.layers - self.hybrid.attention_layers
+        return self.linear_layers
+
+    @property
     def sliding_layers(self) -> int:
         return self.layer_types.count("sliding_attention")
 
@@ -275,7 +285,9 @@ class ModelShape:
     @property
     def mlp_params(self) -> int:
         """One layer's MLP: a gated MLP, or ``experts`` of them, the shared experts and a router (the MoE layer's,
-        where the first ``dense_layers`` have a dense MLP: the larger FSDP unit)."""
+        where the first ``dense_layers`` have a dense MLP: the larger FSDP unit); a hybrid's largest feed-forward."""
+        if self.hybrid is not None:
+            return max(ffn.params for _, ffn in self.hybrid.ffns) if self.hybrid.ffns else 0
         if self.experts:
             experts = (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate
             return experts + self.experts * self.hidden  # + the router
@@ -286,6 +298,8 @@ class ModelShape:
         """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3)."""
         if self.family == "gemma3_text":
             return 4 * self.hidden + 2 * self.head_dim
+        if self.hybrid is not None:
+            return self.hybrid.norms * self.hidden
         return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0)
 
     @property
@@ -303,13 +317,18 @@ class ModelShape:
         """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's)."""
         if self.latent is not None:
             return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias
 
     @property
     def params(self) -> int:
         """Parameter count (embeddings, attention, gated MLP or experts, RMSNorms, Gated DeltaNet mixers, LM head
         unless tied; gpt-oss's biases and sinks, under 0.01%, are left out). As transformers builds the model:
-        DeepSeek-V3.2's multi-token-prediction layer is not built, nor counted."""
+        DeepSeek-V3.2's multi-token-prediction layer is not built, nor counted. A Mamba2 hybrid: its layers
+        (:meth:`.hybrid.HybridShape.params`)."""
+        if self.hybrid is not None:
+            embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+            return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params)
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
         if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases
@@ -331,7 +350,8 @@ class ModelShape:
         """The decoder's shape as plain data (the family's ``extra`` config entries left out: they size
         nothing; a vision tower is reported apart, by the planner's vision section)."""
         shape = asdict(self)
-        del shape["extra"], shape["vision"]
+        del shape["extra"], shape["vision"], shape["unplanned"]
+        shape["hybrid"] = self.hybrid.as_dict() if self.hybrid is not None else None
         return shape
 
 
@@ -433,6 +453,9 @@ def model_shape(name_or_path: str) -> ModelShape:
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
     cfg = _with_layer_count(cfg)
+    hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
+    if "layers" in hybrid:
+        cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:
         heads = cfg["num_attention_heads"]
@@ -451,6 +474,7 @@ def model_shape(name_or_path: str) -> ModelShape:
             **_mlp_fields(cfg),
             **_linear_fields(cfg),
             **_window_fields(cfg),
+            **hybrid,
             vision=vision,
         )
     except KeyError as missing:

@@ -97,8 +97,13 @@ def attention_saved(work: Workload, layout: Degrees) -> int:
 
 def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     """Bytes one attention decoder layer keeps for backward on one GPU: two norms, the projections' inputs (the
-    norms' outputs; under TP their gathered copies), attention, the MLP (docs/planner.md lists them)."""
+    norms' outputs; under TP their gathered copies), attention, the MLP (docs/planner.md lists them); a Mamba2
+    hybrid's: its norms and feed-forward (an estimate, :class:`seqmesh.model.hybrid.FeedForward`)."""
     m, e, g = work.model, work.act_bytes, gathered_tokens(work, layout)
+    if m.hybrid is not None:  # a Mamba2 hybrid's attention layer: its own norms and feed-forward (Nemotron-H's: none)
+        ffn = m.hybrid.ffn(m.hybrid.attention_ffn())  # its saved elements include its input's row (tp is 1)
+        norms = m.hybrid.norms * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
+        return norms + g * e * m.hidden + attention_saved(work, layout) + (0 if work.tiled_mlp else g * e * ffn.kept)
     norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
     mlp = 0 if work.tiled_mlp else g * 4 * m.intermediate // layout.tp * e  # gate, up, SiLU(gate), product
     return norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp

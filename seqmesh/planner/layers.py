@@ -20,6 +20,7 @@ from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, 
                                        state_passing_extra_flops)
 from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
 from ..heads import HeadDeal
+from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .tensor_parallel import layer_traffic, split_params
 from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes, fsdp_traffic,
                       indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
@@ -54,8 +55,11 @@ class Attention:
     window: int | None = None
 
     def params(self) -> int:
-        """Parameters of the layer's FSDP unit on one TP rank."""
-        return split_params(self.work.model, self.layout.tp)["layer"]
+        """Parameters of the layer's FSDP unit on one TP rank (a Mamba2 hybrid's attention layer: its own)."""
+        m = self.work.model
+        if m.hybrid is not None:
+            return m.hybrid.layer_params(("attention", m.hybrid.attention_ffn()), m.hidden, m.attention_params)
+        return split_params(m, self.layout.tp)["layer"]
 
     def ranks(self):
         """Each sequence rank's traffic in one layer (:func:`.traffic.attention_traffic`), over this TP rank's heads
@@ -342,12 +346,15 @@ def _serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareS
             "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}
 
 
-LayerKind = Attention | GatedDeltaNet | IndexedAttention
+LayerKind = Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
-    """The model's layers by kind, with how many of each (kinds with none left out)."""
+    """The model's layers by kind, with how many of each (kinds with none left out); a Mamba2 hybrid's by
+    :func:`hybrid_layer_kinds`."""
     m = work.model
+    if m.hybrid is not None:
+        return hybrid_layer_kinds(work, layout)
     full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0) - m.indexed_layers
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:
@@ -357,4 +364,22 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
         shared = m.latent.shared_layers
         kinds += [(IndexedAttention(work, layout), m.indexed_layers - shared),
                   (IndexedAttention(work, layout, indexer=False), shared)]
+    return [(kind, n) for kind, n in kinds if n]
+
+
+def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
+    """A Mamba2 hybrid's layers: attention first (the step's per-layer attention terms), then each Mamba2 layer and
+    each Nemotron-H MLP or MoE block by its feed-forward; a Falcon-H1 layer as its attention layer (norms and MLP
+    included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
+    attention layers carry their own feed-forward (Nemotron-H's none)."""
+    from ..model.hybrid import ATTENTION, MAMBA2, PARALLEL
+
+    hybrid = work.model.hybrid
+    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.attention_layers)]
+    for (mixer, ffn), n in hybrid.kinds():
+        if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
+            beside = mixer == PARALLEL
+            kinds.append((Mamba2Layer(work, layout, "" if beside else ffn, beside_attention=beside), n))
+        elif mixer != ATTENTION:
+            kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

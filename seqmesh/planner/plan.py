@@ -114,6 +114,9 @@ def layouts(work: Workload, cluster: Cluster,
                 elif m.linear_layers and sp > m.linear_value_heads and work.linear_attention == "all_to_all":
                     excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet "
                                           "value heads the all-to-all design splits; state passing has no limit"))
+                elif m.hybrid is not None and sp > m.hybrid.mamba.heads and work.linear_attention == "all_to_all":
+                    excluded.append((lay, f"sequence degree {sp} exceeds the {m.hybrid.mamba.heads} Mamba2 heads the "
+                                          "all-to-all design splits; state passing has no limit"))
                 elif work.media is not None and u > m.vision.heads:
                     excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
                 else:
@@ -156,7 +159,7 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     # the first seqmesh attention call of a batch checks the inputs (indexed layers do not call it)
-    step["input_check_all_gather"] = attention.input_check() if m.layers > m.linear_layers + m.indexed_layers else 0
+    step["input_check_all_gather"] = attention.input_check() if m.layers > m.non_attention_layers + m.indexed_layers else 0
     step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
     if layout.tp > 1:  # the embedding's and the loss's TP collectives, the loss tiles' and norm gradients' all-reduces
         for sent in step_traffic(work, layout).values():

@@ -42,9 +42,19 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
-            f"heads x {m.head_dim}{_latent(m)}, vocab {m.vocab:,}; {flags}\n"
+            f"heads x {m.head_dim}{_latent(m)}{_hybrid(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
+
+
+def _hybrid(m) -> str:
+    """A Mamba2 hybrid's layers by kind and its Mamba2 sizes, as the header names them."""
+    if m.hybrid is None:
+        return ""
+    mb = m.hybrid.mamba
+    kinds = ", ".join(f"{n} {'+'.join(x for x in block if x)}" for block, n in m.hybrid.kinds())
+    return (f" (layers: {kinds}; Mamba2 {mb.heads} heads x {mb.head_dim}, state {mb.state}, {mb.groups} groups, "
+            f"conv {mb.conv})")
 
 
 def _latent(m) -> str:

@@ -29,6 +29,8 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
         return "seqmesh's tensor parallelism does not split mixture-of-experts layers (tp 1 only)"
     if m.linear_layers:  # seqmesh runs them (seqmesh.tensor_parallel.linear_attention); their cost is not modelled
         return "the planner does not model Gated DeltaNet layers under tensor parallelism yet (tp 1 only)"
+    if m.hybrid is not None:
+        return "the planner does not model Mamba2 hybrids under tensor parallelism (tp 1 only)"
     if m.latent is not None:  # seqmesh.hf.indexed_attention refuses tp > 1; MLA's split is not modelled
         return "the planner does not model MLA under tensor parallelism (tp 1 only)"
     if m.vision is not None or work.media is not None:
@@ -47,13 +49,15 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
 def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     """Parameters one TP rank holds before FSDP2 shards them: each projection, the embedding and the LM head
     ``1 / tp``; RMSNorm weights (and per-head q/k norms) whole on every TP rank. Keys: ``layer`` (one decoder
-    layer), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``."""
+    layer; a Mamba2 hybrid's largest), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``."""
     layer_split = m.attention_params + m.mlp_params
     head = m.vocab * m.hidden
     out = {"layer": -(-layer_split // tp) + m.norm_params, "root": -(-head // tp) + m.hidden,
            "embedding": 0 if m.tie_embeddings else -(-head // tp)}
     # tp 1: every parameter (hybrid, gated or vision-language models have more than these units; TP refuses them)
     out["total"] = m.params if tp == 1 else m.layers * out["layer"] + out["root"] + out["embedding"]
+    if m.hybrid is not None:  # a Mamba2 hybrid's layers differ: its largest (tp is 1)
+        out["layer"] = max(m.hybrid.layer_params(block, m.hidden, m.attention_params) for block, _ in m.hybrid.kinds())
     return out
 
 

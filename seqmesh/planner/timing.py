@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from .hardware import HardwareSpec
 from .memory import local_tokens
 from .activations import tp_heads
-from .layers import Attention, GatedDeltaNet, IndexedAttention, attention_average, attention_pairs, layer_kinds
+from .layers import Attention, attention_average, attention_pairs, layer_kinds
 from .network import axis_all_to_all_seconds, every_group, fsdp_seconds, ring_hop_seconds
 from ..padding import padded_length
 from ..heads import HeadDeal
@@ -92,7 +92,7 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         return fsdp_seconds(sent, hw, fsdp_ranks)
 
     split = split_params(m, layout.tp)
-    ag, rs = unit_seconds(split["layer"])
+    ag, rs = unit_seconds(Attention(work, layout).params())  # split["layer"] but in a Mamba2 hybrid
     layer_fwd, layer_bwd = max(fwd, ag, offload), max(bwd, ag + rs, offload)
 
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
@@ -103,13 +103,13 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     emb_ag, emb_rs = unit_seconds(split["embedding"])
     emb_comm = emb_ag + emb_rs + max(bwd, emb_ag + rs) - layer_bwd if split["embedding"] else 0.0
     tp_step = step_seconds(work, layout, hw)  # the embedding's, the loss's and the norm gradients' TP collectives
-    full = m.layers - m.linear_layers - m.indexed_layers  # seqmesh attention's layers, full or sliding
+    full = m.layers - m.non_attention_layers - m.indexed_layers  # seqmesh attention's layers, full or sliding
     total = full * (layer_fwd + layer_bwd) + head + root_comm + emb_comm + tp_step
     compute = full * compute_layer + head
     recompute = comm_fwd - tp["forward"] + tp["recompute"] if work.checkpointing else 0.0
     serial = (full * (comm_fwd + recompute + comm_bwd + 2 * ag + rs) + root_comm + 2 * emb_ag + emb_rs + tp_step)
-    for kind, count in layer_kinds(work, layout):  # the layers that time themselves: Gated DeltaNet, indexed
-        if isinstance(kind, (GatedDeltaNet, IndexedAttention)):
+    for kind, count in layer_kinds(work, layout):  # the layers that time themselves: Gated DeltaNet, indexed, Mamba2
+        if not isinstance(kind, Attention):
             own = kind.seconds(hw, fsdp_ranks)
             total += count * own["total"]
             compute += count * own["compute"]

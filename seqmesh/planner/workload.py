@@ -46,6 +46,8 @@ class Workload:
     async_ulysses: bool = False  # Ulysses all-to-alls pipelined with the projections (seqmesh.hf.async_ulysses; TP=1)
 
     def __post_init__(self) -> None:
+        if self.model.unplanned:
+            raise ValueError(f"{self.model.name}: {self.model.unplanned}")
         if self.seq_len < 1:
             raise ValueError(f"--seq-len {self.seq_len}: a sequence needs at least 1 token.")
         if self.batch < 1:
@@ -84,7 +86,10 @@ def layer_matmul_params(m: ModelShape) -> int:
     """Parameters of one layer that multiply every token (the projections; of an MoE layer, the
     experts a token is routed to, the shared experts and the router). MLA's ``kv_b_proj`` multiplies every token
     (dense: the keys and values of every head) or, as indexed attention runs it, every query (its two halves
-    absorbed into the query and the output): the same products."""
+    absorbed into the query and the output): the same products. A Mamba2 hybrid's attention layer: its attention
+    and its own feed-forward (none in Nemotron-H)."""
+    if m.hybrid is not None:
+        return m.attention_params + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
     mlp = 3 * m.hidden * m.intermediate * ((m.experts_per_token or 1) + m.shared_experts) + m.experts * m.hidden
     return m.attention_params + mlp
 

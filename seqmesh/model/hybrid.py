@@ -1,0 +1,264 @@
+"""Mamba2 hybrids as the planner sizes them: Nemotron-H (each layer ONE block: Mamba2, attention, MLP or MoE),
+Granite-4 hybrid / Bamba (each layer a mixer, Mamba2 or attention, and its feed-forward) and Falcon-H1 (attention and
+Mamba2 side by side in every layer, then an MLP), read from a transformers ``config.json``.
+
+A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``d_inner = H P`` and
+``conv_dim = d_inner + 2 G N``::
+
+    in_proj   hidden x (2 d_inner + 2 G N + H)      (bias with mamba_proj_bias)
+    conv1d    conv_dim x K, depthwise               (bias with the conv bias)
+    dt_bias, A_log, D    H each;  norm (gated RMSNorm)  d_inner;  out_proj  d_inner x hidden
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MAMBA2 = "mamba2"
+ATTENTION = "attention"
+PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
+# the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
+_MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
+_ATTENTION_NAMES = {"full_attention", "attention", "*"}
+_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """One Mamba2 mixer: ``heads`` of ``head_dim`` channels, a ``state``-wide state per channel, B and C shared by the
+    heads of each of ``groups``, a depthwise causal conv of ``conv`` taps."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    conv: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj's bias (and out_proj's unless out_bias says otherwise)
+    out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's (Falcon-H1's projectors_bias)
+    gated_norm: bool = True  # the gated RMSNorm (Falcon-H1 without mamba_rms_norm gates with silu(z) alone)
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "state", "groups", "conv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the Mamba2 layers' {name} = {value!r} must be a positive integer; fix the config.json.")
+        if self.heads % self.groups:
+            raise ValueError(f"the Mamba2 layers' {self.groups} groups do not divide their {self.heads} heads "
+                             "(n_groups / mamba_n_groups); each group's B and C serve whole heads: fix the config.json.")
+
+    @property
+    def inner(self) -> int:
+        """d_inner: the channels the scan runs (heads x head_dim)."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (x | B | C), which the conv halo carries."""
+        return self.inner + 2 * self.groups * self.state
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: in_proj and out_proj."""
+        return hidden * (self.inner + self.conv_dim + self.heads) + self.inner * hidden
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the mixer (the module docstring's list)."""
+        out_bias = self.proj_bias if self.out_bias is None else self.out_bias
+        biases = (self.inner + self.conv_dim + self.heads if self.proj_bias else 0) + (hidden if out_bias else 0)
+        conv = self.conv_dim * self.conv + (self.conv_dim if self.conv_bias else 0)
+        return self.matmul_params(hidden) + biases + conv + 3 * self.heads + (self.inner if self.gated_norm else 0)
+
+
+@dataclass(frozen=True)
+class FeedForward:
+    """One layer's MLP or MoE block: its parameters, and the multiply-adds per token (a token's routed experts, the
+    shared experts, the router); ``kept``: the activation elements per token it keeps for backward (an estimate:
+    its input and its intermediates; not yet checked against a run)."""
+
+    params: int
+    macs: int
+    kept: int
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """A Mamba2 hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"attention"``,
+    ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``, ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the
+    feed-forward of each name; ``norms`` RMSNorms of the hidden size per layer; ``attention_bias``: q, k, v, o biased."""
+
+    mamba: Mamba2Shape
+    blocks: tuple[tuple[str, str], ...]
+    ffns: tuple[tuple[str, FeedForward], ...]
+    norms: int
+    attention_bias: bool = False
+
+    def ffn(self, name: str) -> FeedForward:
+        return dict(self.ffns).get(name, FeedForward(0, 0, 0))
+
+    def count(self, mixer: str | None = None, ffn: str | None = None) -> int:
+        """Layers with this mixer and/or this feed-forward."""
+        return sum((mixer is None or m == mixer) and (ffn is None or f == ffn) for m, f in self.blocks)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with attention (alone, or beside Mamba2 in Falcon-H1)."""
+        return self.count(ATTENTION) + self.count(PARALLEL)
+
+    def attention_ffn(self) -> str:
+        """The feed-forward of the attention layers (one per family: Nemotron-H's none)."""
+        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL)), "")
+
+    def kinds(self) -> list[tuple[tuple[str, str], int]]:
+        """Each distinct (mixer, ffn) with its number of layers, in the order they first appear."""
+        seen: dict[tuple[str, str], int] = {}
+        for block in self.blocks:
+            seen[block] = seen.get(block, 0) + 1
+        return list(seen.items())
+
+    def layer_params(self, block: tuple[str, str], hidden: int, attention: int) -> int:
+        """One layer's parameters: its mixer (``attention``: an attention mixer's projections), feed-forward, norms."""
+        mixer, ffn = block
+        own = {MAMBA2: self.mamba.params(hidden), ATTENTION: attention, PARALLEL: attention + self.mamba.params(hidden),
+               "": 0}[mixer]
+        return own + self.ffn(ffn).params + self.norms * hidden
+
+    def params(self, hidden: int, attention: int) -> int:
+        """Every layer's parameters (no embedding, final norm or head)."""
+        return sum(n * self.layer_params(block, hidden, attention) for block, n in self.kinds())
+
+    def as_dict(self) -> dict:
+        """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
+        return {"mamba": asdict(self.mamba), "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
+                "attention_bias": self.attention_bias}
+
+
+def _positive(cfg: dict, *names: str, default=None) -> int:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    if default is None:
+        raise ValueError(f"the config.json has no {' / '.join(names)}: the Mamba2 layers' sizes need it.")
+    return default
+
+
+def hybrid_fields(cfg: dict) -> dict:
+    """The :class:`HybridShape` of a Mamba2 hybrid config.json (``hybrid``, with ``layers`` the blocks' number), or
+    nothing for another model. Falcon-H1 and other Mamba mixers the planner cannot size get ``unplanned``, the reason
+    the planner gives (training reads their shape all the same)."""
+    family = cfg.get("model_type", "")
+    if family == "falcon_h1":
+        return _falcon_h1(cfg)
+    if family == "nemotron_h":
+        return _nemotron_h(cfg)
+    if family in ("granitemoehybrid", "bamba"):
+        return _granite_or_bamba(cfg, family)
+    if any(k.startswith("mamba_") or k == "ssm_state_size" for k in cfg):
+        return {"unplanned": f"seqmesh plan does not size the Mamba layers of {family or 'this model'}; it sizes the "
+                             "Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 hybrid (granitemoehybrid), Bamba and "
+                             "Falcon-H1 (falcon_h1)."}
+    return {}
+
+
+def _mixer(kind: str, where: str) -> str:
+    if kind in _MAMBA_NAMES:
+        return MAMBA2
+    if kind in _ATTENTION_NAMES:
+        return ATTENTION
+    raise ValueError(f"{where}: layer type {kind!r} is neither a Mamba2 layer ({', '.join(sorted(_MAMBA_NAMES))}) nor "
+                     f"attention ({', '.join(sorted(_ATTENTION_NAMES))}); fix the config.json.")
+
+
+def _nemotron_h(cfg: dict) -> dict:
+    """Nemotron-H: ``layers_block_type`` / ``layer_types`` (or the original ``hybrid_override_pattern``), each layer
+    one block behind one RMSNorm; a squared-ReLU MLP (up, down) and MoE experts of the same form, one shared expert,
+    a float32 router (its correction bias is a buffer, not a parameter)."""
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if not types and cfg.get("hybrid_override_pattern"):
+        types = [_NEMOTRON_PATTERN.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    if not types:
+        raise ValueError("a Nemotron-H config.json names its layers in layers_block_type (or hybrid_override_pattern).")
+    blocks = []
+    for kind in types:
+        if kind in ("mlp", "moe", "-", "E"):
+            blocks.append(("", {"-": "mlp", "E": "moe"}.get(kind, kind)))
+        else:
+            blocks.append((_mixer(kind, "layers_block_type"), ""))
+    h = cfg["hidden_size"]
+    bias = bool(cfg.get("mlp_bias"))
+    ffns = {}
+    if ("", "mlp") in blocks:
+        i = cfg["intermediate_size"]
+        ffns["mlp"] = FeedForward(2 * h * i + (i + h if bias else 0), 2 * h * i, h + 2 * i)
+    if ("", "moe") in blocks:
+        e, k = _positive(cfg, "n_routed_experts"), _positive(cfg, "num_experts_per_tok", default=1)
+        i, shared = cfg["moe_intermediate_size"], cfg["moe_shared_expert_intermediate_size"]
+        width = cfg.get("moe_latent_size") or h  # the experts' input (a latent projection of the hidden state)
+        latent = 2 * h * width + (width + h if bias else 0) if cfg.get("moe_latent_size") else 0
+        mlp_shared = 2 * h * shared + (shared + h if bias else 0)
+        ffns["moe"] = FeedForward(e * 2 * i * width + mlp_shared + e * h + latent,
+                                  k * 2 * i * width + 2 * h * shared + e * h + (2 * h * width if latent else 0),
+                                  h + 2 * shared + k * (width + 2 * i))
+    mamba = Mamba2Shape(_positive(cfg, "mamba_num_heads"), _positive(cfg, "mamba_head_dim"),
+                        _positive(cfg, "ssm_state_size"), _positive(cfg, "n_groups", "mamba_n_groups", default=8),
+                        _positive(cfg, "conv_kernel", "mamba_d_conv", default=4),
+                        bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+                        bool(cfg.get("use_bias", False)))  # Nemotron-H biases in_proj and out_proj by use_bias
+    return {"hybrid": HybridShape(mamba, tuple(blocks), tuple(ffns.items()), norms=1,
+                                  attention_bias=bool(cfg.get("attention_bias"))), "layers": len(blocks)}
+
+
+def _mamba_heads(cfg: dict, inner: int) -> tuple[int, int]:
+    """(heads, head_dim) of Granite's, Bamba's and Falcon-H1's Mamba2 (``mamba_d_head`` "auto": inner / heads)."""
+    heads = _positive(cfg, "mamba_n_heads", default=128)
+    head_dim = cfg.get("mamba_d_head")
+    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+    if heads * head_dim != inner:
+        raise ValueError(f"mamba_n_heads {heads} x mamba_d_head {head_dim} must equal the Mamba2 width {inner} "
+                         "(mamba_expand x hidden_size, or Falcon-H1's mamba_d_ssm; transformers checks the same); fix "
+                         "the config.json.")
+    return heads, head_dim
+
+
+def _falcon_h1(cfg: dict) -> dict:
+    """Falcon-H1: in every layer attention and Mamba2 side by side on one normed input, then a gated MLP (two
+    RMSNorms a layer); Mamba2's width ``mamba_d_ssm``, its gated norm only with ``mamba_rms_norm``, out_proj biased by
+    ``projectors_bias``. Its muP multipliers are buffers, not parameters."""
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    i, bias = cfg["intermediate_size"], bool(cfg.get("mlp_bias"))
+    inner = cfg.get("mamba_d_ssm") or int(_positive(cfg, "mamba_expand", default=2) * h)
+    heads, head_dim = _mamba_heads(cfg, inner)
+    mamba = Mamba2Shape(heads, head_dim, _positive(cfg, "mamba_d_state", default=256),
+                        _positive(cfg, "mamba_n_groups", default=1), _positive(cfg, "mamba_d_conv", default=4),
+                        bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)),
+                        out_bias=bool(cfg.get("projectors_bias", False)), gated_norm=bool(cfg.get("mamba_rms_norm")))
+    mlp = FeedForward(3 * h * i + (2 * i + h if bias else 0), 3 * h * i, h + 4 * i)
+    return {"hybrid": HybridShape(mamba, ((PARALLEL, "mlp"),) * n, (("mlp", mlp),), norms=2,
+                                  attention_bias=bool(cfg.get("attention_bias"))), "layers": n}
+
+
+def _granite_or_bamba(cfg: dict, family: str) -> dict:
+    """Granite-4 hybrid (``layer_types``; a gated shared MLP in every layer, beside the MoE experts when
+    ``num_local_experts`` > 0) and Bamba (``attn_layer_indices``; a gated MLP): two RMSNorms a layer."""
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    if cfg.get("layer_types"):
+        mixers = [_mixer(t, "layer_types") for t in cfg["layer_types"]]
+    else:
+        attention = set(cfg.get("attn_layer_indices") or [])
+        mixers = [ATTENTION if i in attention else MAMBA2 for i in range(n)]
+    if family == "bamba":
+        i, bias = cfg["intermediate_size"], bool(cfg.get("mlp_bias"))
+        ffn_name, ffn = "mlp", FeedForward(3 * h * i + (2 * i + h if bias else 0), 3 * h * i, h + 4 * i)
+    else:
+        si = cfg.get("shared_intermediate_size", 1024)
+        e, k = cfg.get("num_local_experts") or 0, cfg.get("num_experts_per_tok") or 1
+        i = cfg["intermediate_size"]
+        ffn_name = "moe" if e else "mlp"
+        ffn = FeedForward(3 * h * si + e * (3 * h * i + h), 3 * h * si + (k * 3 * h * i + e * h if e else 0),
+                          h + 4 * si + (k * (h + 4 * i) if e else 0))
+    heads, head_dim = _mamba_heads(cfg, int(_positive(cfg, "mamba_expand", default=2) * h))
+    mamba = Mamba2Shape(heads, head_dim, _positive(cfg, "mamba_d_state", default=256),
+                        _positive(cfg, "mamba_n_groups", default=1), _positive(cfg, "mamba_d_conv", default=4),
+                        bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)))
+    return {"hybrid": HybridShape(mamba, tuple((m, ffn_name) for m in mixers), ((ffn_name, ffn),), norms=2,
+                                  attention_bias=bool(cfg.get("attention_bias"))), "layers": len(mixers)}

@@ -1,0 +1,209 @@
+"""What a Mamba2 hybrid's layers cost on the busiest rank (:mod:`seqmesh.model.hybrid` reads their shapes): a Mamba2
+layer as ``seqmesh.hf.mamba2`` runs it (Falcon-H1's beside its attention), and Nemotron-H's MLP and MoE blocks,
+which mix no tokens.
+
+A Mamba2 layer runs in_proj and out_proj on its local tokens, and its token mixing by the design
+``seqmesh.linear_attention.mamba2.choose_ssd_design`` picks (``work.linear_attention``; ``auto``: fewer bytes)::
+
+    state_passing   every head of the local tokens: one all-gather of the conv halo (K - 1 rows of x | B | C per
+                    tail), the chunked scan, one all-gather of every run's [S_0 | decay] (float32); backward their
+                    reduce-scatters
+    all_to_all      two all-to-alls (x | B | C | dt in, y out) forward and two backward; the conv and the scan of
+                    the whole sequence for 1/P of the heads
+
+The bytes are the runtime's own :func:`seqmesh.linear_attention.mamba2.ssd_design_bytes`. No collective overlaps
+compute (the scan waits for its inputs, the outputs for the states), so the layer's time is
+:func:`.layers._serial_layer_seconds`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..degrees import Degrees
+from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
+from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
+from ..model.hybrid import MAMBA2, FeedForward, Mamba2Shape
+from ..padding import padded_length
+from .activations import norm_saved, tokens
+from .hardware import HardwareSpec
+from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
+from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
+from .workload import Workload
+
+
+def mamba2_scan_flops(mamba: Mamba2Shape, tokens: int, chunk: int = LINEAR_CHUNK) -> int:
+    """Forward matmul FLOPs of one Mamba2 layer's chunked scan over ``tokens`` tokens (all heads), as
+    ``decay_scan.chunk_decay_scan`` computes it: per token and head, its row of the chunk's ``C x C`` scores
+    (``C N``), their product with v (``C P``), the state read and the state write (``N P`` each)."""
+    h, n, p = mamba.heads, mamba.state, mamba.head_dim
+    return 2 * tokens * h * (chunk * (n + p) + 2 * n * p)
+
+
+def mamba2_mixing_flops(mamba: Mamba2Shape, tokens: int) -> int:
+    """Forward FLOPs of all a Mamba2 layer's token mixing on a rank: the scan (:func:`mamba2_scan_flops`), the
+    entering state's read by state passing (``N P`` per token and head) and the depthwise conv (``conv_dim x K``)."""
+    extra = 2 * tokens * (mamba.heads * mamba.state * mamba.head_dim + mamba.conv_dim * mamba.conv)
+    return mamba2_scan_flops(mamba, tokens) + extra
+
+
+def _local_tokens(work: Workload, layout: Degrees) -> int:
+    """Tokens of one sequence a rank holds (tp is 1: the planner refuses tensor parallelism on hybrids)."""
+    p = layout.ulysses * layout.ring
+    return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // p
+
+
+def _rates(work: Workload, hw: HardwareSpec) -> tuple[float, float]:
+    """(matmul, scan) FLOP/s achieved: the scan's chunked products run at the attention kernels' efficiency."""
+    peak = hw.flops_for(work.dtype)
+    return peak * hw.matmul_efficiency, peak * hw.attention_efficiency
+
+
+@dataclass(frozen=True)
+class Mamba2Layer:
+    """A Mamba2 layer of a hybrid with its feed-forward ``ffn`` (``""``: Nemotron-H's, the mixer alone);
+    ``beside_attention``: Falcon-H1's mixer alone, its layer's norms and MLP counted with the attention beside it."""
+
+    work: Workload
+    layout: Degrees
+    ffn: str = ""
+    beside_attention: bool = False
+
+    @property
+    def _ffn(self) -> FeedForward:
+        return self.work.model.hybrid.ffn(self.ffn)
+
+    def params(self) -> int:
+        m = self.work.model
+        if self.beside_attention:
+            return m.hybrid.mamba.params(m.hidden)
+        return m.hybrid.layer_params((MAMBA2, self.ffn), m.hidden, m.attention_params)
+
+    def _shape(self) -> tuple[SSDHeads, dict]:
+        """The layer's heads and the call's shape as the runtime passes them to ``choose_ssd_design``."""
+        w, lay, mamba = self.work, self.layout, self.work.model.hybrid.mamba
+        heads = SSDHeads(mamba.heads, mamba.head_dim, mamba.groups, mamba.state)
+        padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
+        return heads, dict(seq_len=padded, batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout,
+                           dtype_bytes=dtype_bytes(w.torch_dtype))
+
+    def design(self) -> LinearDesign:
+        """The design the layer runs (the runtime's rule, given ``work.linear_attention``)."""
+        heads, shape = self._shape()
+        return choose_ssd_design(heads, self.work.model.hybrid.mamba.conv, self.work.linear_attention, **shape)
+
+    def sent_bytes(self) -> int:
+        """Bytes each rank sends forward in the layer's two collectives (the same again backward)."""
+        heads, shape = self._shape()
+        return ssd_design_bytes(heads, self.work.model.hybrid.mamba.conv, **shape)[self.design()]
+
+    def _key(self) -> str:
+        return "mamba2_state_gather" if self.design() is LinearDesign.STATE_PASSING else "mamba2_all_to_all"
+
+    def ranks(self) -> list[RankTraffic]:
+        """Each sequence rank's traffic in one layer: two all-gathers forward and their reduce-scatters backward
+        (state passing), or two all-to-alls each way, half the bytes each (an even split of the heads)."""
+        lay, sent = self.layout, self.sent_bytes()
+        if self.design() is LinearDesign.STATE_PASSING:
+            calls = (Collective("all_gather", "forward", 2, sent), Collective("reduce_scatter", "backward", 2, sent))
+        else:
+            calls = tuple(Collective("all_to_all", ph, 1, half) for ph in ("forward", "backward")
+                          for half in (sent // 2, sent - sent // 2))
+        return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        from .layers import phases
+
+        ranks, key = self.ranks(), self._key()
+        if self.design() is LinearDesign.STATE_PASSING:
+            return phases({key: worst_rank(ranks, "all_gather", "forward")},
+                          {key: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        return phases(*({key: worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward")),
+                      self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {self._key(): link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward (an estimate, not yet checked against a run): per token its norms, in_proj's input
+        and output, the conv's input and output, dt, the scan's float32 tensors (q and k widened to every head, v,
+        the chunk's decays and scores, the decayed reads and writes, both outputs), the gated norm and out_proj's
+        input, the feed-forward's; per chunk and head one float32 ``N x P`` state. Beside attention (Falcon-H1): the
+        whole layer's, the attention layer's saved tensors added (the step takes the largest kind as a layer's)."""
+        w, m, mamba = self.work, self.work.model, self.work.model.hybrid.mamba
+        e, t = w.act_bytes, tokens(w, self.layout)
+        h, n, p, c = mamba.heads, mamba.state, mamba.head_dim, LINEAR_CHUNK
+        proj = e * (m.hidden + 2 * mamba.inner + mamba.conv_dim + h) + e * 2 * mamba.conv_dim + 3 * 4 * h
+        scan = 4 * h * (4 * n + 3 * p + 2 * c + 1)
+        tail = e * 4 * mamba.inner
+        norms = 0 if self.beside_attention else m.hybrid.norms * norm_saved(m, e, w.efficient_norm)
+        per_token = norms + proj + scan + tail + e * self._ffn.kept
+        states = -(-t // w.batch // c) * w.batch * h * n * p * 4
+        if self.beside_attention:  # the whole Falcon-H1 layer: the attention layer's beside it
+            from .layers import Attention
+
+            states += Attention(w, self.layout).saved_bytes()
+        return t * per_token + states
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` seconds of one layer: the projections and feed-forward, the token mixing
+        (state passing: :func:`mamba2_mixing_flops` of the local tokens; all-to-all: the scan and conv of the whole
+        sequence for this rank's share of the heads; backward twice), the design's collectives, which nothing
+        overlaps."""
+        from .layers import _serial_layer_seconds
+
+        work, layout, m = self.work, self.layout, self.work.model
+        mamba = m.hybrid.mamba
+        mm_rate, scan_rate = _rates(work, hw)
+        local = work.batch * _local_tokens(work, layout)
+        mm_fwd = 2 * local * (mamba.matmul_params(m.hidden) + self._ffn.macs) / mm_rate
+        ranks = self.ranks()
+        if self.design() is LinearDesign.STATE_PASSING:
+            scan_fwd = mamba2_mixing_flops(mamba, local) / scan_rate
+            group = axis_groups(layout, "sequence")[0]
+            comm = tuple(gather_seconds(worst_rank(ranks, kind, ph), hw, group)
+                         for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        else:  # the whole sequence of this rank's share of the heads, no state read
+            p = layout.ulysses * layout.ring
+            share = -(-mamba.heads // p) / mamba.heads
+            whole = local * p
+            scan_fwd = share * (mamba2_scan_flops(mamba, whole) + 2 * whole * mamba.conv_dim * mamba.conv) / scan_rate
+            comm = tuple(axis_all_to_all_seconds(call_bytes(ranks, "all_to_all", ph), hw, layout, "sequence")
+                         for ph in ("forward", "backward"))
+        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan_fwd, 2 * mm_fwd + 2 * scan_fwd), comm)
+
+
+@dataclass(frozen=True)
+class FeedForwardBlock:
+    """A Nemotron-H MLP or MoE block: an RMSNorm and the feed-forward ``ffn``, per token, no sequence traffic."""
+
+    work: Workload
+    layout: Degrees
+    ffn: str
+
+    def params(self) -> int:
+        m = self.work.model
+        return m.hybrid.layer_params(("", self.ffn), m.hidden, m.attention_params)
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        from .layers import phases
+
+        return phases({}, {}, self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {}
+
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward (an estimate): the norm's, and the feed-forward's (:class:`FeedForward.kept`)."""
+        w, m = self.work, self.work.model
+        e = w.act_bytes
+        per_token = m.hybrid.norms * norm_saved(m, e, w.efficient_norm) + e * m.hybrid.ffn(self.ffn).kept
+        return tokens(w, self.layout) * per_token
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        from .layers import _serial_layer_seconds
+
+        mm_rate, _ = _rates(self.work, hw)
+        local = self.work.batch * _local_tokens(self.work, self.layout)
+        mm_fwd = 2 * local * self.work.model.hybrid.ffn(self.ffn).macs / mm_rate
+        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd, 2 * mm_fwd), (0.0, 0.0))
