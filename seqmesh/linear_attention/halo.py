@@ -54,7 +54,7 @@ def placement(mesh: SPMesh, local_len: int, *, layout: str, seq_len: int, cu_seq
     return Placement(chain, rank_chain(chain, mesh.sp_rank, kernel), mesh.sp_rank, mesh.sp_group, bounds, kernel)
 
 
-def _pad_rows(x: torch.Tensor, rows: int, dim: int = 1) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, rows: int, dim: int = 1) -> torch.Tensor:
     missing = rows - x.shape[dim]
     if missing == 0:
         return x
@@ -74,7 +74,7 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     source = x
     if chain.max_tail:
         send = torch.tensor(chain.tail_send[place.rank], dtype=torch.long, device=x.device)
-        tails = _pad_rows(x.index_select(1, send), chain.max_tail)  # (B, max_tail, C)
+        tails = pad_rows(x.index_select(1, send), chain.max_tail)  # (B, max_tail, C)
         source = torch.cat([x, all_gather(tails, place.group, dim=1)], dim=1)  # (B, L + P * max_tail, C)
     extended = source.index_select(1, mine.conv_source.to(x.device))  # (B, E, C): runs preceded by their halos
     mixed = causal_conv(extended, weight, bias, mine.conv_bounds, activation)

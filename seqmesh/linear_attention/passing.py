@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ..comm.collectives import all_gather
-from .halo import Placement, _pad_rows
+from .halo import Placement, pad_rows
 
 Carry = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (packed run (B, X), state) -> state
 Read = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (lift (B, t, ...), state) -> (B, t, ...) correction
@@ -57,7 +57,7 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
     chain, mine, rank = place.chain, place.mine, place.rank
     if len(chain.runs) == 1:  # one rank: every run starts a segment, nothing to pass
         return out
-    leaving = _pad_rows(finals[:, list(mine.last_segment)], chain.max_runs)  # (B, R, X)
+    leaving = pad_rows(finals[:, list(mine.last_segment)], chain.max_runs)  # (B, R, X)
     every = all_gather(leaving, place.group, dim=1)  # (B, P * R, X)
 
     state, entering = zero_state, {}

@@ -223,7 +223,7 @@ class GatedDeltaNet:
             core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
             a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(hw), "all_to_all", ph), hw, layout,
                                                         "sequence") for ph in ("forward", "backward"))
-        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + core_fwd, 2 * mm_fwd + 2 * core_fwd),
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + core_fwd, 2 * mm_fwd + 2 * core_fwd),
                                      (a2a_fwd, a2a_bwd))
 
 
@@ -308,7 +308,7 @@ class IndexedAttention:
         backward (forward once more, then twice its FLOPs); the indexer's float32 scores of this rank's queries
         against the row up to each block's last query (:func:`indexer_pairs`) and the bytes they move (no backward;
         run again with the layer's recompute); the row's all-gathers before them and the reduce-scatter of its
-        gradient, which nothing overlaps (:func:`_serial_layer_seconds`)."""
+        gradient, which nothing overlaps (:func:`serial_layer_seconds`)."""
         work, layout, m = self.work, self.layout, self.work.model
         p = layout.ulysses * layout.ring
         padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
@@ -326,11 +326,11 @@ class IndexedAttention:
         gathered = ([lat.index_head_dim] if self.indexer else []) + [lat.kv_lora_rank + lat.qk_rope_head_dim]
         ag = sum(gather_seconds(n * unit, hw, group) for n in gathered)
         rs = gather_seconds(gathered[-1] * unit, hw, group)
-        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + sparse_fwd, 2 * mm_fwd + 3 * sparse_fwd),
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + sparse_fwd, 2 * mm_fwd + 3 * sparse_fwd),
                                      (ag, rs))
 
 
-def _serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareSpec, fsdp_ranks: list[int],
+def serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareSpec, fsdp_ranks: list[int],
                           compute: tuple[float, float], comm: tuple[float, float]) -> dict[str, float]:
     """``total``, ``compute`` and ``serial`` seconds of a layer whose sequence communication overlaps nothing:
     ``compute`` and ``comm`` its (forward, backward) seconds of each, the forward run again in backward under

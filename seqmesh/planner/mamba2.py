@@ -13,7 +13,7 @@ A Mamba2 layer runs in_proj and out_proj on its local tokens, and its token mixi
 
 The bytes are the runtime's own :func:`seqmesh.linear_attention.mamba2.ssd_design_bytes`. No collective overlaps
 compute (the scan waits for its inputs, the outputs for the states), so the layer's time is
-:func:`.layers._serial_layer_seconds`'s.
+:func:`.layers.serial_layer_seconds`'s.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Mamba2Layer:
         (state passing: :func:`mamba2_mixing_flops` of the local tokens; all-to-all: the scan and conv of the whole
         sequence for this rank's share of the heads; backward twice), the design's collectives, which nothing
         overlaps."""
-        from .layers import _serial_layer_seconds
+        from .layers import serial_layer_seconds
 
         work, layout, m = self.work, self.layout, self.work.model
         mamba = m.hybrid.mamba
@@ -170,7 +170,7 @@ class Mamba2Layer:
             scan_fwd = share * (mamba2_scan_flops(mamba, whole) + 2 * whole * mamba.conv_dim * mamba.conv) / scan_rate
             comm = tuple(axis_all_to_all_seconds(call_bytes(ranks, "all_to_all", ph), hw, layout, "sequence")
                          for ph in ("forward", "backward"))
-        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan_fwd, 2 * mm_fwd + 2 * scan_fwd), comm)
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan_fwd, 2 * mm_fwd + 2 * scan_fwd), comm)
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,9 @@ class FeedForwardBlock:
         return tokens(w, self.layout) * per_token
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
-        from .layers import _serial_layer_seconds
+        from .layers import serial_layer_seconds
 
         mm_rate, _ = _rates(self.work, hw)
         local = self.work.batch * _local_tokens(self.work, self.layout)
         mm_fwd = 2 * local * self.work.model.hybrid.ffn(self.ffn).macs / mm_rate
-        return _serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd, 2 * mm_fwd), (0.0, 0.0))
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd, 2 * mm_fwd), (0.0, 0.0))
