@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..linear_attention.choice import parse_design
-from ..linear_attention.decay_scan import chunk_decay_scan, pass_decay_states
+from ..linear_attention.decay_scan import decay_scan_states, pass_decay_states
 from ..linear_attention.gated_delta import compute_dtype, segment_bounds
 from ..linear_attention.halo import placement
 from ..mesh import SPMesh
@@ -70,7 +70,7 @@ def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slop
     b, n, h, _ = q.shape
     g = (-slope.reshape(1, 1, h).to(compute_dtype(q.dtype))).expand(b, n, h)  # (B, L, H): log decay per token
     if mesh.sp_size == 1:
-        return chunk_decay_scan(q, k, v, g, segment_bounds(n, cu_seqlens, seq_len))[0]
+        return decay_scan_states(q, k, v, g, segment_bounds(n, cu_seqlens, seq_len))[0]
     place = placement(mesh, n, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens)
     return pass_decay_states(q, k, v, g, place)
 

@@ -22,6 +22,7 @@ import torch
 from .choice import LINEAR_CHUNK as CHUNK
 from .gated_delta import chunk_layout, compute_dtype
 from .halo import Placement
+from .kernels import row_bounds, simple_gla_rule
 from .passing import pass_states
 
 
@@ -67,6 +68,23 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)
 
 
+def decay_scan_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bounds: tuple[int, ...],
+                      initial: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`chunk_decay_scan`, by flash-linear-attention's ``chunk_simple_gla`` on CUDA where it is installed
+    (batch rows laid end to end as variable-length documents, no scale), else by the torch reference."""
+    rule = simple_gla_rule() if q.is_cuda else None
+    if rule is None:
+        return chunk_decay_scan(q, k, v, g, bounds, initial)
+    b, s, h, dk = q.shape
+    segments = len(bounds) - 1
+    if initial is None:
+        initial = q.new_zeros(b, segments, h, dk, v.shape[-1], dtype=torch.float32)
+    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v)]
+    out, final = rule(*flat, g=g.reshape(1, b * s, h).float(), scale=1.0, initial_state=initial.float().flatten(0, 1),
+                      output_final_state=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
+    return out.reshape(b, s, h, -1).to(v.dtype), final.reshape(b, segments, *final.shape[1:])
+
+
 def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       place: Placement) -> torch.Tensor:
     """The recurrence of the whole sequence at this rank's tokens, by state passing: q, k (B, L, H, Dk), v (B, L, H, Dv),
@@ -74,7 +92,7 @@ def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     mine = place.mine
     b, _, h, dk = q.shape
     dv = v.shape[-1]
-    out, finals = chunk_decay_scan(q, k, v, g, mine.segment_bounds)  # every run from zero
+    out, finals = decay_scan_states(q, k, v, g, mine.segment_bounds)  # every run from zero
     dt = finals.dtype
     # the transition of each segment: its total decay where it receives a state, zero where it restarts
     seg = mine.segment_bounds

@@ -1,4 +1,4 @@
-"""The fastest Gated DeltaNet kernels available, behind the signatures of the torch reference.
+"""The fastest recurrent-mixer kernels available, behind the signatures of the torch reference.
 
 On CUDA, flash-linear-attention's ``chunk_gated_delta_rule`` and the ``causal-conv1d`` package are
 used when installed; both take variable-length documents (the batch rows are laid end to end with
@@ -25,6 +25,17 @@ def _fla_rule():
 
 
 @functools.lru_cache(maxsize=1)
+def simple_gla_rule():
+    """flash-linear-attention's ``chunk_simple_gla`` (linear attention with a scalar decay per head and token: the
+    recurrence of :mod:`seqmesh.linear_attention.decay_scan`), or None where it is not installed."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError:
+        return None
+    return chunk_simple_gla
+
+
+@functools.lru_cache(maxsize=1)
 def _conv_fn():
     try:
         from causal_conv1d import causal_conv1d_fn
@@ -33,7 +44,7 @@ def _conv_fn():
     return causal_conv1d_fn
 
 
-def _row_bounds(bounds: tuple[int, ...], rows: int, device: torch.device, dtype=torch.int32) -> torch.Tensor:
+def row_bounds(bounds: tuple[int, ...], rows: int, device: torch.device, dtype=torch.int32) -> torch.Tensor:
     """The segments of ``rows`` batch rows laid end to end, as flash-linear-attention's cu_seqlens."""
     length = bounds[-1]
     cuts = [r * length + c for r in range(rows) for c in bounds[:-1]] + [rows * length]
@@ -50,7 +61,7 @@ def gated_delta_rule(
     b, s, h, _ = q.shape
     flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
     out, _ = rule(*flat[:3], g=g.reshape(1, b * s, h).float(), beta=flat[3], scale=q.shape[-1] ** -0.5,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=_row_bounds(bounds, b, q.device, torch.long))
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
     return out.reshape(b, s, h, -1)
 
 
@@ -68,7 +79,7 @@ def gated_delta_rule_states(
     flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
     out, final = rule(*flat[:3], g=g.reshape(1, b * s, h).float(), beta=flat[3], scale=q.shape[-1] ** -0.5,
                       initial_state=initial_state.float().flatten(0, 1), output_final_state=True,  # (B*N, H, Dk, Dv)
-                      use_qk_l2norm_in_kernel=True, cu_seqlens=_row_bounds(bounds, b, q.device, torch.long))
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
     return out.reshape(b, s, h, -1), final.reshape(b, segments, *final.shape[1:])
 
 

@@ -31,7 +31,7 @@ from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
 from ..sequence.sharding import sequence_layout
 from .choice import LinearDesign, parse_design, runs_and_tails
-from .decay_scan import chunk_decay_scan, pass_decay_states
+from .decay_scan import decay_scan_states, pass_decay_states
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .kernels import causal_conv
@@ -138,7 +138,7 @@ def ssd_all_to_all(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, heads
     bias = None if params.conv_bias is None else params.conv_bias.index_select(0, rows)
     mixed = causal_conv(conv_in, params.conv_weight.index_select(0, rows), bias, bounds, params.activation)
     q, k, v, decay, x = _scan_inputs(mixed, dt_in, params, heads, h, g)
-    y = chunk_decay_scan(q, k, v, decay, bounds)[0] + params.D[h[0]:h[1], None].to(x.dtype) * x  # (B, S, h, P)
+    y = decay_scan_states(q, k, v, decay, bounds)[0] + params.D[h[0]:h[1], None].to(x.dtype) * x  # (B, S, h, P)
     y = y.index_select(1, lay.indices(device=y.device))  # layout order
     return head_to_seq(y, mesh.sp_group, out_chunks, out_counts, out_counts[mesh.sp_rank],
                        torch.Size((b, n, heads.heads, heads.head_dim)))

@@ -178,6 +178,42 @@ def test_gated_delta_states_on_gpu(dtype):
         assert float((x - e).abs().max()) <= bound, (name, float((x - e).abs().max()), bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decay_scan_states_on_gpu(dtype):
+    """Mamba2's and lightning attention's scan on CUDA (flash-linear-attention's chunk_simple_gla when installed, else
+    the torch reference): segments from given states, each segment's final state; output, final states and the
+    gradients of q, k, v, g and the initial states against the float64 reference on the CPU, within 4x the
+    reference's own error in ``dtype``."""
+    from seqmesh.linear_attention.decay_scan import chunk_decay_scan, decay_scan_states
+
+    g = torch.Generator().manual_seed(1)
+    b, s, h, dk, dv = 2, 300, 4, 32, 48
+    bounds = (0, 1, 130, 200, s)
+    q, k = (torch.randn(b, s, h, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, s, h, dv, generator=g, dtype=torch.float64)
+    decay = -torch.rand(b, s, h, generator=g, dtype=torch.float64) * 0.1
+    initial = torch.randn(b, len(bounds) - 1, h, dk, dv, generator=g, dtype=torch.float64) * 0.3
+    dout = torch.randn(b, s, h, dv, generator=g, dtype=torch.float64)
+    dfinal = torch.randn(b, len(bounds) - 1, h, dk, dv, generator=g, dtype=torch.float64)
+    inputs = (q, k, v, decay, initial)
+
+    def run(fn, device, in_dtype):
+        leaves = [x.to(device=device, dtype=in_dtype if i < 3 else torch.float32 if in_dtype != torch.float64
+                       else in_dtype).requires_grad_() for i, x in enumerate(inputs)]
+        out, final = fn(*leaves[:4], bounds, leaves[4])
+        loss = (out.double() * dout.to(device)).sum() + (final.double() * dfinal.to(device)).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        return [t.detach().double().cpu() for t in (out, final, *grads)]
+
+    exact = run(chunk_decay_scan, "cpu", torch.float64)
+    rounded = run(chunk_decay_scan, "cpu", dtype)
+    got = run(decay_scan_states, "cuda", dtype)
+    eps = torch.finfo(dtype).eps
+    for name, e, r, x in zip(("out", "final", "dq", "dk", "dv", "dg", "dinitial"), exact, rounded, got):
+        bound = 4 * max(float((r - e).abs().max()), eps * float(e.abs().max()))
+        assert float((x - e).abs().max()) <= bound, (name, float((x - e).abs().max()), bound)
+
+
 def test_async_ulysses_exchange_on_cuda():
     """The async all-to-all pair on one GPU (NCCL, its own stream; a matmul queued on the current stream while it
     is in flight) equals the synchronous all-to-all forward and backward, bit for bit: both move the same bytes."""
