@@ -136,7 +136,6 @@ def chunk_gated_delta_rule_states(
 
     dest, starts, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
-    last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
         padded = x.new_zeros(b, total, *x.shape[2:]).index_copy(1, dest, x)
@@ -155,20 +154,31 @@ def chunk_gated_delta_rule_states(
     q_read = q * gc.exp()[..., None]  # reads the state entering the chunk
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # writes decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-    keep = (~starts).to(dt)  # (N,): 0 where a segment starts, so the carried state is dropped
-    entering = {c: i for i, c in enumerate(first_chunks)}
-    leaving = set(last_chunks)
+    out, finals = carry_chunks(u, w, q_read, intra, k_write, chunk_decay, starts, first_chunks, initial_state)
+    return out.index_select(1, dest).to(out_dtype), finals  # (B, S, H, Dv), (B, N, H, Dk, Dv)
 
-    state = q.new_zeros(b, h, dk, dv)
+
+def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: torch.Tensor, k_write: torch.Tensor,
+                 chunk_decay: torch.Tensor, starts: torch.Tensor, first_chunks: list[int],
+                 initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's state carried across chunks, shared by the scalar decay (Gated DeltaNet) and the per-channel
+    one (KDA), which differ only in how they decay within a chunk. Per chunk ``i`` of (B, H, N, C, ...) tensors:
+    ``v_new = u - w S``, output ``q_read S + intra v_new``, then ``S <- S * chunk_decay + k_write^T v_new``; the state
+    restarts (from ``initial_state[:, j]`` or zero) at each segment's first chunk -> (out (B, T, H, Dv) in chunk
+    order, each segment's final state (B, N, H, Dk, Dv))."""
+    b, h, n, chunk, dv = u.shape
+    keep = (~starts).to(u.dtype)  # (N,): 0 where a segment starts, so the carried state is dropped
+    entering = {c: i for i, c in enumerate(first_chunks)}
+    leaving = set([c - 1 for c in first_chunks[1:]] + [n - 1])
+    state = u.new_zeros(b, h, w.shape[-1], dv)
     outs, finals = [], []
     for i in range(n):
         state = state * keep[i]
         if initial_state is not None and i in entering:
-            state = state + initial_state[:, entering[i]].to(dt)
+            state = state + initial_state[:, entering[i]].to(u.dtype)
         v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
         outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
         if i in leaving:
             finals.append(state)
-    out = torch.stack(outs, 2).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
-    return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)
+    return torch.stack(outs, 2).reshape(b, h, n * chunk, dv).transpose(1, 2), torch.stack(finals, 1)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta import CHUNK, chunk_layout, compute_dtype, l2norm
+from .gated_delta import CHUNK, carry_chunks, chunk_layout, compute_dtype, l2norm
 
 SUB_CHUNK = 16  # tokens per sub-chunk of the pairwise decay
 
@@ -90,7 +90,6 @@ def chunk_kda_states(
 
     dest, starts, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
-    last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
         padded = x.new_zeros(b, total, *x.shape[2:]).index_copy(1, dest, x)
@@ -107,20 +106,5 @@ def chunk_kda_states(
     q_read = q * gc.exp()  # reads the state entering the chunk
     k_write = k * (gc[..., -1:, :] - gc).exp()  # writes decayed to the chunk's end
     chunk_decay = gc[..., -1, :].exp()[..., None]  # (B, H, N, Dk, 1): each state row's decay over the chunk
-    keep = (~starts).to(dt)  # (N,): 0 where a segment starts, so the carried state is dropped
-    entering = {c: i for i, c in enumerate(first_chunks)}
-    leaving = set(last_chunks)
-
-    state = q.new_zeros(b, h, dk, dv)
-    outs, finals = [], []
-    for i in range(n):
-        state = state * keep[i]
-        if initial_state is not None and i in entering:
-            state = state + initial_state[:, entering[i]].to(dt)
-        v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
-        outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
-        if i in leaving:
-            finals.append(state)
-    out = torch.stack(outs, 2).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
-    return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)
+    out, finals = carry_chunks(u, w, q_read, intra, k_write, chunk_decay, starts, first_chunks, initial_state)
+    return out.index_select(1, dest).to(out_dtype), finals  # (B, S, H, Dv), (B, N, H, Dk, Dv)
