@@ -118,6 +118,10 @@ def layouts(work: Workload, cluster: Cluster,
                       and work.linear_attention == "all_to_all"):
                     excluded.append((lay, f"sequence degree {sp} exceeds the {m.hybrid.mamba.heads} Mamba2 heads the "
                                           "all-to-all design splits; state passing has no limit"))
+                elif (m.hybrid is not None and m.hybrid.kda is not None and sp > m.hybrid.kda.heads
+                      and work.linear_attention == "all_to_all"):
+                    excluded.append((lay, f"sequence degree {sp} exceeds the {m.hybrid.kda.heads} KDA heads the "
+                                          "all-to-all design splits; state passing has no limit"))
                 elif work.media is not None and u > m.vision.heads:
                     excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
                 else:

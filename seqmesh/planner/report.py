@@ -48,8 +48,8 @@ def header(work: Workload, cluster: Cluster) -> str:
 
 
 def _hybrid(m) -> str:
-    """A hybrid's layers by kind and its recurrent mixer's sizes (Mamba2's, or LFM2's short conv), as the header names
-    them."""
+    """A hybrid's layers by kind and its recurrent mixer's sizes (Mamba2's, LFM2's short conv or Kimi Linear's KDA),
+    as the header names them."""
     if m.hybrid is None:
         return ""
     kinds = ", ".join(f"{n} {'+'.join(x for x in block if x)}" for block, n in m.hybrid.kinds())
@@ -57,6 +57,9 @@ def _hybrid(m) -> str:
     if mb is not None:
         return (f" (layers: {kinds}; Mamba2 {mb.heads} heads x {mb.head_dim}, state {mb.state}, {mb.groups} groups, "
                 f"conv {mb.conv})")
+    if m.hybrid.kda is not None:
+        kda = m.hybrid.kda
+        return f" (layers: {kinds}; KDA {kda.heads} heads x {kda.head_dim}, conv {kda.conv})"
     return f" (layers: {kinds}; gated short conv width {conv.kernel})" if conv is not None else f" (layers: {kinds})"
 
 

@@ -1,8 +1,9 @@
-"""seqmesh plan on the recurrent mixers beside Mamba2: LFM2's and LFM2-MoE's gated short convolutions, sized from
-their config.json (each layer's parameters against the model transformers builds on the meta device), their halo's
-bytes against the runtime's schedule and against what ``comm_stats`` counts while the real layer runs on 2 ranks,
-a plan of published-size models; and the mixers it does not size yet (KDA, lightning attention, Mamba, LFM3's
-convs) refused by name, never planned as attention."""
+"""seqmesh plan on the recurrent mixers beside Mamba2: LFM2's and LFM2-MoE's gated short convolutions and Kimi
+Linear's KDA, sized from their config.json (each layer's parameters against the model transformers builds on the
+meta device); the short conv's halo bytes against the runtime's schedule and against what ``comm_stats`` counts
+while the real layer runs on 2 ranks, KDA's against the runtime's own formulas by the design its rule picks
+(tests/hf/test_kda.py counts those while the layer runs); plans of published-size models; and the mixers it does
+not size yet (lightning attention, Mamba, LFM3's convs) refused by name, never planned as attention."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ LFM2_8B_A1B = dict(
     layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
     intermediate_size=7168, moe_intermediate_size=1792, num_dense_layers=2, num_experts=32, num_experts_per_tok=4,
     conv_L_cache=3, vocab_size=65536, tie_embedding=True)
+# Kimi-Linear-48B-A3B's shape as remembered (transformers' KimiLinearConfig defaults match it; not checked against
+# Moonshot's config.json): 27 layers, MLA in every 4th (7), KDA 32 heads of 128 in the rest, 256 experts of 1024
+# (8 a token) and one shared, the first layer dense (9216); written as the release writes it (linear_attn_config)
+KIMI_LINEAR_48B = dict(
+    model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    intermediate_size=9216, moe_intermediate_size=1024, num_experts=256, num_experts_per_token=8,
+    num_shared_experts=1, first_k_dense_replace=1, vocab_size=163840, tie_word_embeddings=False,
+    linear_attn_config=dict(head_dim=128, num_heads=32, short_conv_kernel_size=4,
+                            full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                            kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]))
 
 
 def _tiny(family: str, **changes) -> dict:
@@ -54,8 +66,13 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    conv = next(layer.conv for layer in model.model.layers if hasattr(layer, "conv"))
-    return count(model), [count(layer) for layer in model.model.layers], conv.in_proj.weight.numel() + conv.out_proj.weight.numel()
+    mixer = next((layer.conv for layer in model.model.layers if hasattr(layer, "conv")), None)
+    if mixer is not None:  # a short conv's projections
+        projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()
+    else:  # a KDA mixer's: every Linear but inside its conv
+        mixer = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "forget_gate"))
+        projections = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, torch.nn.Linear))
+    return count(model), [count(layer) for layer in model.model.layers], projections
 
 
 TINY = {
@@ -69,6 +86,13 @@ TINY = {
         "lfm2", dict(layer_types=None, full_attn_idxs=[1], block_ff_dim=48, intermediate_size=None,
                      tie_embedding=False, tie_word_embeddings=None)),
     "lfm2_moe": ("lfm2_moe", {}),
+    "kimi_linear": ("kimi_linear", {}),
+    # the release's names: linear_attn_config (1-indexed layers), first_k_dense_replace; MLA with a q latent
+    "kimi_linear: the release's names": (
+        "kimi_linear", dict(layer_types=None, mlp_layer_types=None, linear_head_dim=None, linear_num_heads=None,
+                            linear_conv_kernel_dim=None, first_k_dense_replace=2, q_lora_rank=24, num_hidden_layers=4,
+                            linear_attn_config=dict(head_dim=4, num_heads=2, short_conv_kernel_size=3,
+                                                    full_attn_layers=[2], kda_layers=[1, 3, 4]))),
 }
 
 
@@ -82,13 +106,13 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     shape = model_shape(path)
     hybrid = shape.hybrid
     assert shape.layers == len(hybrid.blocks) == len(layers)
-    assert hybrid.conv.matmul_params(shape.hidden) == projections
+    assert (hybrid.conv or hybrid.kda).matmul_params(shape.hidden) == projections
     assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
     assert shape.params == total
 
 
-@pytest.mark.parametrize("family,mixer", [("kimi_linear", "Kimi Delta Attention"), ("minimax", "lightning attention"),
-                                          ("jamba", "Mamba"), ("lfm3", "gated short convolution")])
+@pytest.mark.parametrize("family,mixer", [("minimax", "lightning attention"), ("jamba", "Mamba"),
+                                          ("lfm3", "gated short convolution")])
 def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
     """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
     than a plan that takes it for attention; the shape still reads (seqmesh train needs it)."""
@@ -187,3 +211,65 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, billions):
     short = json.loads(capsys.readouterr().out)
     same = next(c for c in short["candidates"] if c["layout"] == best)
     assert same["comm_bytes_per_layer"]["forward"].get("conv_halo_gather", 0) == want
+
+
+KDA_CASES = [(1, 2, 131072, "zigzag"), (2, 2, 131072, "zigzag"), (1, 4, 131072, "contiguous"), (1, 8, 2048, "zigzag"),
+             (2, 4, 2048, "zigzag")]
+
+
+@pytest.mark.parametrize("ulysses,ring,seq_len,layout", KDA_CASES, ids=[f"u{u}xr{r}-{n}-{lay}" for u, r, n, lay in KDA_CASES])
+def test_kda_bytes_follow_the_runtime(tmp_path, ulysses, ring, seq_len, layout):
+    """The planner's KDA layer runs the design the runtime's rule picks (``auto``: state passing at 128K, the
+    all-to-all at 2K for Kimi-Linear-48B's 32 heads of 128) and sends its bytes, written out here from
+    kda_all_to_all.py's docstring: state passing ``(P - 1) B (R H D 2D x 4 + T (K - 1) 3 H D x 2)`` with R runs and
+    T (K - 1) tail rows the busiest rank holds in the schedule the runtime builds (``chain_for``), the all-to-all
+    ``B S (P - 1) / P^2 H ((4 D + 1) x 2 + D x 4)``; each way, and again in the recompute."""
+    from seqmesh.degrees import Degrees
+    from seqmesh.linear_attention.chain import chain_for
+    from seqmesh.linear_attention.choice import LinearDesign
+    from seqmesh.planner.kda import KdaLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.sequence.layout import SequenceLayout
+
+    shape = model_shape(_write(tmp_path, KIMI_LINEAR_48B))
+    layer = KdaLayer(Workload(shape, seq_len, batch=1, layout=layout), Degrees(ulysses, ring, 1))
+    p, h, d, k = ulysses * ring, 32, 128, 4
+    seq = SequenceLayout.for_length(layout, ring, ulysses, seq_len, None, 1, 1)
+    chain = chain_for(seq, (0, seq.local_len * p), k)
+    if seq_len > 100_000:
+        assert layer.design() is LinearDesign.STATE_PASSING
+        want = (p - 1) * (chain.max_runs * h * d * 2 * d * 4 + chain.max_tail * 3 * h * d * 2)
+        key = "kda_state_gather"
+    else:
+        assert layer.design() is LinearDesign.ALL_TO_ALL
+        want = seq.local_len * p * (p - 1) * h * ((4 * d + 1) * 2 + d * 4) // (p * p)
+        key = "kda_all_to_all"
+    traffic = layer.traffic()
+    assert traffic["forward"] == traffic["backward"] == traffic["recompute"] == {key: want}, (traffic, want)
+
+
+def test_a_kimi_linear_plan_recommends_a_layout_at_128k(tmp_path, capsys):
+    """``seqmesh plan`` on Kimi-Linear-48B's shape at 128K on 16 GPUs (its 49B parameters' weights, gradients and
+    AdamW state do not fit 8 GPUs of 80 GiB) runs and recommends a layout; the model counts
+    as transformers builds it (48B); each KDA layer sends state passing's bytes (the runtime's pick at 128K), the
+    step counts them once per KDA layer and phase."""
+    from seqmesh.tools.cli import main
+    from test_planner_cli import _schema, conform
+
+    path = _write(tmp_path, KIMI_LINEAR_48B)
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 48e9 < total < 50e9
+    assert shape.hybrid.count(mixer="kda") == 20
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and re.search(r"layers: 1 kda\+mlp, 19 kda\+moe, 7 attention\+moe;", out), out
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    schema = _schema()
+    conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    best = plan["recommended"]["layout"]
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    if best["ulysses"] * best["ring"] > 1:
+        sent = row["comm_bytes_per_layer"]["forward"]["kda_state_gather"]
+        assert sent > 0 and row["comm_bytes_per_step"]["kda_state_gather"] == 3 * sent * 20
