@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .choice import LINEAR_CHUNK as CHUNK
+from .choice import runs_and_tails
 from .gated_delta import chunk_layout, compute_dtype
 from .halo import Placement
 from .passing import pass_states
@@ -65,6 +66,15 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     inter = q_read @ torch.stack(states, 2)  # (B, H, N, C, Dv)
     out = (intra + inter).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
     return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)
+
+
+def decay_state_bytes(heads: int, key_dim: int, value_dim: int, *, batch: int, ulysses: int, ring: int, layout: str,
+                      state_bytes: int = 4) -> int:
+    """Bytes each rank sends forward in :func:`pass_decay_states`'s all-gather (its reduce-scatter the same backward):
+    every run's ``[S_0 | exp(sum g)]``, ``(P - 1) x runs x B x H x (Dk Dv + 1)`` state values, ``runs`` the busiest
+    rank's (``choice.runs_and_tails``), whatever the sequence's length."""
+    runs, _ = runs_and_tails(ulysses, ring, layout)
+    return (ulysses * ring - 1) * batch * runs * heads * (key_dim * value_dim + 1) * state_bytes
 
 
 def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .kimi import KdaShape
     from .lfm import ShortConvShape
+    from .minimax import LightningShape
 
 MAMBA2 = "mamba2"
 CONV = "conv"  # LFM2's gated short convolution (seqmesh.model.lfm)
 KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
+LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
@@ -94,7 +96,7 @@ class HybridShape:
     ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the feed-forward of each name; ``norms`` RMSNorms of the
     hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
     attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
-    has (mixer ``"kda"``: Kimi Linear's)."""
+    has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's)."""
 
     mamba: Mamba2Shape | None
     blocks: tuple[tuple[str, str], ...]
@@ -104,6 +106,7 @@ class HybridShape:
     conv: ShortConvShape | None = None
     attention_norms: int = 0
     kda: KdaShape | None = None
+    lightning: LightningShape | None = None
 
     def ffn(self, name: str) -> FeedForward:
         return dict(self.ffns).get(name, FeedForward(0, 0, 0))
@@ -140,6 +143,8 @@ class HybridShape:
             own += self.conv.params(hidden)
         if mixer == KDA:
             own += self.kda.params(hidden)
+        if mixer == LIGHTNING:
+            own += self.lightning.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -150,7 +155,7 @@ class HybridShape:
         """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
         return {"mamba": asdict(self.mamba) if self.mamba else None,
                 "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
-                "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "lightning": asdict(self.lightning) if self.lightning else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
 
@@ -165,11 +170,11 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 
 # the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
-_UNSIZED = {"minimax": "lightning attention", "jamba": "Mamba",
+_UNSIZED = {"jamba": "Mamba",
             "mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution"}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
-          "lfm2_moe) and Kimi Linear's KDA (kimi_linear)")
+          "lfm2_moe), Kimi Linear's KDA (kimi_linear) and MiniMax-01's lightning attention (minimax)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -185,6 +190,10 @@ def hybrid_fields(cfg: dict) -> dict:
         from .kimi import kimi_linear_fields
 
         return kimi_linear_fields(cfg)
+    if family == "minimax":
+        from .minimax import minimax_fields
+
+        return minimax_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

@@ -57,6 +57,9 @@ def _hybrid(m) -> str:
     if mb is not None:
         return (f" (layers: {kinds}; Mamba2 {mb.heads} heads x {mb.head_dim}, state {mb.state}, {mb.groups} groups, "
                 f"conv {mb.conv})")
+    if m.hybrid.lightning is not None:
+        mixer = m.hybrid.lightning
+        return f" (layers: {kinds}; lightning attention {mixer.heads} heads x {mixer.head_dim})"
     if m.hybrid.kda is not None:
         kda = m.hybrid.kda
         return f" (layers: {kinds}; KDA {kda.heads} heads x {kda.head_dim}, conv {kda.conv})"

@@ -1,9 +1,10 @@
 """seqmesh plan on the recurrent mixers beside Mamba2: LFM2's and LFM2-MoE's gated short convolutions and Kimi
-Linear's KDA, sized from their config.json (each layer's parameters against the model transformers builds on the
+Linear's KDA and MiniMax-01's lightning attention, sized from their config.json (each layer's parameters against the model transformers builds on the
 meta device); the short conv's halo bytes against the runtime's schedule and against what ``comm_stats`` counts
 while the real layer runs on 2 ranks, KDA's against the runtime's own formulas by the design its rule picks
 (tests/hf/test_kda.py counts those while the layer runs); plans of published-size models; and the mixers it does
-not size yet (lightning attention, Mamba, LFM3's convs) refused by name, never planned as attention."""
+not size yet (Mamba, LFM3's convs) refused by name, never planned as attention. MiniMax-01's lightning attention:
+its state gather against the runtime's schedule (tests/hf/test_lightning.py counts it while the layer runs)."""
 
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
     mixer = next((layer.conv for layer in model.model.layers if hasattr(layer, "conv")), None)
     if mixer is not None:  # a short conv's projections
         projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()
-    else:  # a KDA mixer's: every Linear but inside its conv
-        mixer = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "forget_gate"))
+    else:  # a KDA or lightning mixer's: every Linear in it
+        mixer = next(layer.self_attn for layer in model.model.layers
+                     if hasattr(layer.self_attn, "forget_gate") or hasattr(layer.self_attn, "slope_rate"))
         projections = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, torch.nn.Linear))
     return count(model), [count(layer) for layer in model.model.layers], projections
 
@@ -93,6 +95,12 @@ TINY = {
                             linear_conv_kernel_dim=None, first_k_dense_replace=2, q_lora_rank=24, num_hidden_layers=4,
                             linear_attn_config=dict(head_dim=4, num_heads=2, short_conv_kernel_size=3,
                                                     full_attn_layers=[2], kda_layers=[1, 3, 4]))),
+    "minimax": ("minimax", {}),
+    # no layer_types: transformers' default (every other layer full, the first one), whatever the release's
+    # attn_type_list says (transformers 5.24 does not read it); 3 experts, head_dim from the width
+    "minimax: default layers, attn_type_list ignored": (
+        "minimax", dict(layer_types=None, attn_type_list=[0, 0, 1], num_hidden_layers=3, head_dim=None,
+                        num_local_experts=3, num_experts=None)),
 }
 
 
@@ -106,13 +114,12 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     shape = model_shape(path)
     hybrid = shape.hybrid
     assert shape.layers == len(hybrid.blocks) == len(layers)
-    assert (hybrid.conv or hybrid.kda).matmul_params(shape.hidden) == projections
+    assert (hybrid.conv or hybrid.kda or hybrid.lightning).matmul_params(shape.hidden) == projections
     assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
     assert shape.params == total
 
 
-@pytest.mark.parametrize("family,mixer", [("minimax", "lightning attention"), ("jamba", "Mamba"),
-                                          ("lfm3", "gated short convolution")])
+@pytest.mark.parametrize("family,mixer", [("jamba", "Mamba"), ("lfm3", "gated short convolution")])
 def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
     """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
     than a plan that takes it for attention; the shape still reads (seqmesh train needs it)."""
@@ -273,3 +280,58 @@ def test_a_kimi_linear_plan_recommends_a_layout_at_128k(tmp_path, capsys):
     if best["ulysses"] * best["ring"] > 1:
         sent = row["comm_bytes_per_layer"]["forward"]["kda_state_gather"]
         assert sent > 0 and row["comm_bytes_per_step"]["kda_state_gather"] == 3 * sent * 20
+
+
+# MiniMax-01's layer shapes scaled down (not a published model): MiniMax-Text-01 itself (from memory: width 6144,
+# 80 layers, 64 heads of 128, 32 experts of 9216, 456B) leaves no layout that fits the planner's per-layer FSDP
+# units on 128 GPUs. Softmax attention in every 8th layer
+MINIMAX_SHAPED = dict(
+    model_type="minimax", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, intermediate_size=4096, num_local_experts=16, num_experts_per_tok=2, vocab_size=200064,
+    tie_word_embeddings=False,
+    layer_types=["full_attention" if (i + 1) % 8 == 0 else "linear_attention" for i in range(32)])
+
+
+@pytest.mark.parametrize("ulysses,ring,layout", MESHES, ids=[f"u{u}xr{r}-{lay}" for u, r, lay in MESHES])
+def test_lightning_bytes_follow_the_runtime_schedule(tmp_path, ulysses, ring, layout):
+    """The planner's lightning layer sends, each way and in the recompute, what tests/hf/test_lightning.py counts:
+    ``(P - 1) x runs x B x H x (D^2 + 1)`` float32 values, ``runs`` the busiest rank's in the schedule the runtime
+    builds (``chain_for``); 2 sequences, 32 heads of 128."""
+    from seqmesh.degrees import Degrees
+    from seqmesh.linear_attention.chain import chain_for
+    from seqmesh.planner.lightning import LightningLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.sequence.layout import SequenceLayout
+
+    shape = model_shape(_write(tmp_path, MINIMAX_SHAPED))
+    layer = LightningLayer(Workload(shape, 131072, batch=2, layout=layout), Degrees(ulysses, ring, 1))
+    p = ulysses * ring
+    seq = SequenceLayout.for_length(layout, ring, ulysses, 131072, None, 1, 1)
+    runs = chain_for(seq, (0, seq.local_len * p), 1).max_runs
+    want = (p - 1) * runs * 2 * 32 * (128 * 128 + 1) * 4
+    traffic = layer.traffic()
+    assert traffic["forward"] == traffic["backward"] == traffic["recompute"] == {"lightning_state_gather": want} != {}
+
+
+def test_a_minimax_plan_recommends_a_layout_at_128k(tmp_path, capsys):
+    """``seqmesh plan`` on a MiniMax-shaped 30B at 128K on 8 GPUs runs and recommends a layout; the model counts as
+    transformers builds it; each lightning layer's gather is counted once per lightning layer and phase."""
+    from seqmesh.tools.cli import main
+    from test_planner_cli import _schema, conform
+
+    path = _write(tmp_path, MINIMAX_SHAPED)
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 29e9 < total < 31e9
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and re.search(r"layers: 28 lightning\+moe, 4 attention\+moe;", out), out
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    schema = _schema()
+    conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    best = plan["recommended"]["layout"]
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    if best["ulysses"] * best["ring"] > 1:
+        sent = row["comm_bytes_per_layer"]["forward"]["lightning_state_gather"]
+        assert sent > 0 and row["comm_bytes_per_step"]["lightning_state_gather"] == 3 * sent * 28
