@@ -80,15 +80,23 @@ def runs_and_tails(ulysses: int, ring: int, layout: str) -> tuple[int, int]:
     return 2, 2 if ring >= 3 or ulysses >= 3 else 1
 
 
+def halo_bytes(channels: int, kernel: int, *, batch: int, ulysses: int, ring: int, layout: str, dtype_bytes: int) -> int:
+    """Bytes each rank sends forward (its reduce-scatter the same backward) in the all-gather of a depthwise causal
+    conv's halo (:func:`seqmesh.linear_attention.halo.halo_causal_conv`): ``(P - 1) x max_tail`` rows of
+    ``channels`` per batch row, ``max_tail = tails x (kernel - 1)`` on the busiest rank (:func:`runs_and_tails`)."""
+    _, tails = runs_and_tails(ulysses, ring, layout)
+    return (ulysses * ring - 1) * batch * tails * (kernel - 1) * channels * dtype_bytes
+
+
 def state_passing_bytes(key_heads: int, value_heads: int, key_dim: int, value_dim: int, *, batch: int, ulysses: int,
                         ring: int, layout: str, kernel: int, dtype_bytes: int, state_bytes: int = 4) -> int:
     """Bytes each rank sends forward (and again backward) in the two all-gathers of state passing."""
     p = ulysses * ring
-    runs, tails = runs_and_tails(ulysses, ring, layout)
+    runs, _ = runs_and_tails(ulysses, ring, layout)
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     states = runs * value_heads * key_dim * (key_dim + value_dim) * state_bytes  # [B | A] of each run
-    per_rank = states + tails * (kernel - 1) * conv_dim * dtype_bytes
-    return (p - 1) * batch * per_rank
+    return (p - 1) * batch * states + halo_bytes(conv_dim, kernel, batch=batch, ulysses=ulysses, ring=ring,
+                                                 layout=layout, dtype_bytes=dtype_bytes)
 
 
 def all_to_all_bytes(shape: LinearShape) -> int:

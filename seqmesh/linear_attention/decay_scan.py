@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .choice import LINEAR_CHUNK as CHUNK
+from .choice import runs_and_tails
 from .gated_delta import chunk_layout, compute_dtype
 from .halo import Placement
 from .kernels import row_bounds, simple_gla_rule
@@ -83,6 +84,15 @@ def decay_scan_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     out, final = rule(*flat, g=g.reshape(1, b * s, h).float(), scale=1.0, initial_state=initial.float().flatten(0, 1),
                       output_final_state=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
     return out.reshape(b, s, h, -1).to(v.dtype), final.reshape(b, segments, *final.shape[1:])
+
+
+def decay_state_bytes(heads: int, key_dim: int, value_dim: int, *, batch: int, ulysses: int, ring: int, layout: str,
+                      state_bytes: int = 4) -> int:
+    """Bytes each rank sends forward in :func:`pass_decay_states`'s all-gather (its reduce-scatter the same backward):
+    every run's ``[S_0 | exp(sum g)]``, ``(P - 1) x runs x B x H x (Dk Dv + 1)`` state values, ``runs`` the busiest
+    rank's (``choice.runs_and_tails``), whatever the sequence's length."""
+    runs, _ = runs_and_tails(ulysses, ring, layout)
+    return (ulysses * ring - 1) * batch * runs * heads * (key_dim * value_dim + 1) * state_bytes
 
 
 def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

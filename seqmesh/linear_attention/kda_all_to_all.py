@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.collectives import head_to_seq, seq_to_head
+from ..degrees import Degrees
 from ..heads import HeadDeal
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
@@ -45,13 +46,14 @@ def kda_all_to_all_bytes(heads: KdaHeads, *, batch: int, seq_len: int, ranks: in
     return batch * seq_len * (ranks - 1) * heads.heads * per_head // (ranks * ranks)
 
 
-def choose_kda_design(heads: KdaHeads, mesh: SPMesh, design: str | LinearDesign, *, batch: int, seq_len: int,
-                      layout: str, kernel: int, dtype_bytes: int, g_bytes: int = 4,
+def choose_kda_design(heads: KdaHeads, mesh: SPMesh | Degrees, design: str | LinearDesign, *, batch: int,
+                      seq_len: int, layout: str, kernel: int, dtype_bytes: int, g_bytes: int = 4,
                       bandwidth: float = H100_NVLINK_BANDWIDTH, flops: float = H100_RECURRENCE_FLOPS) -> LinearDesign:
     """``design`` unless ``auto``: then the design of fewer seconds, bytes over ``bandwidth`` plus state passing's
     extra recurrence over ``flops`` (the all-to-all on a tie, state passing when the heads are fewer than the
-    ranks). An explicit all-to-all with more ranks than heads is refused, naming the fix."""
-    design, p = parse_design(design), mesh.sp_size
+    ranks). An explicit all-to-all with more ranks than heads is refused, naming the fix. ``mesh``: its ulysses
+    and ring degrees (the planner passes a layout's :class:`~seqmesh.degrees.Degrees`)."""
+    design, p = parse_design(design), mesh.ulysses * mesh.ring
     if design is LinearDesign.ALL_TO_ALL and p > heads.heads:
         raise ValueError(f"the KDA layers have {heads.heads} heads, fewer than the {p} ranks of the sequence group: "
                          f"the all-to-all design needs a sequence degree of at most {heads.heads}; choose "

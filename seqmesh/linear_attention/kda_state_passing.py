@@ -37,7 +37,7 @@ import torch
 
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
-from .choice import runs_and_tails
+from .choice import halo_bytes, runs_and_tails
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .kda import chunk_kda_states
@@ -61,9 +61,10 @@ class KdaHeads:
 def kda_state_passing_bytes(heads: KdaHeads, *, batch: int, ulysses: int, ring: int, layout: str, kernel: int,
                             dtype_bytes: int, state_bytes: int = 4) -> int:
     """Bytes each rank sends forward (and again backward) in the two all-gathers of one KDA layer."""
-    runs, tails = runs_and_tails(ulysses, ring, layout)
+    runs, _ = runs_and_tails(ulysses, ring, layout)
     states = runs * heads.heads * heads.key_dim * (heads.key_dim + heads.value_dim) * state_bytes
-    return (ulysses * ring - 1) * batch * (states + tails * (kernel - 1) * heads.conv_dim * dtype_bytes)
+    return (ulysses * ring - 1) * batch * states + halo_bytes(heads.conv_dim, kernel, batch=batch, ulysses=ulysses,
+                                                             ring=ring, layout=layout, dtype_bytes=dtype_bytes)
 
 
 def _split_heads(mixed: torch.Tensor, heads: KdaHeads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

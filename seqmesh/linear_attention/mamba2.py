@@ -30,8 +30,8 @@ from ..heads import HeadDeal
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
 from ..sequence.sharding import sequence_layout
-from .choice import LinearDesign, parse_design, runs_and_tails
-from .decay_scan import decay_scan_states, pass_decay_states
+from .choice import LinearDesign, halo_bytes, parse_design
+from .decay_scan import decay_scan_states, decay_state_bytes, pass_decay_states
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .kernels import causal_conv
@@ -151,9 +151,10 @@ def ssd_design_bytes(heads: SSDHeads, kernel: int, *, seq_len: int, batch: int, 
     p = ulysses * ring
     if p == 1:
         return {LinearDesign.STATE_PASSING: 0, LinearDesign.ALL_TO_ALL: 0}
-    runs, tails = runs_and_tails(ulysses, ring, layout)
-    passing = (p - 1) * batch * (runs * heads.heads * (heads.head_dim * heads.state + 1) * state_bytes
-                                 + tails * (kernel - 1) * heads.conv_dim * dtype_bytes)
+    passing = (decay_state_bytes(heads.heads, heads.state, heads.head_dim, batch=batch, ulysses=ulysses, ring=ring,
+                                 layout=layout, state_bytes=state_bytes)
+               + halo_bytes(heads.conv_dim, kernel, batch=batch, ulysses=ulysses, ring=ring, layout=layout,
+                            dtype_bytes=dtype_bytes))
     a2a = batch * seq_len * (p - 1) * (heads.conv_dim + heads.heads + heads.inner) * dtype_bytes // (p * p)
     return {LinearDesign.STATE_PASSING: passing, LinearDesign.ALL_TO_ALL: a2a if p <= heads.heads else float("inf")}
 

@@ -13,8 +13,17 @@ A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kimi import KdaShape
+    from .lfm import ShortConvShape
+    from .minimax import LightningShape
 
 MAMBA2 = "mamba2"
+CONV = "conv"  # LFM2's gated short convolution (seqmesh.model.lfm)
+KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
+LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
@@ -82,15 +91,22 @@ class FeedForward:
 
 @dataclass(frozen=True)
 class HybridShape:
-    """A Mamba2 hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"attention"``,
-    ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``, ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the
-    feed-forward of each name; ``norms`` RMSNorms of the hidden size per layer; ``attention_bias``: q, k, v, o biased."""
+    """A hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"conv"`` (LFM2's gated short conv),
+    ``"attention"``, ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``,
+    ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the feed-forward of each name; ``norms`` RMSNorms of the
+    hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
+    attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
+    has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's)."""
 
-    mamba: Mamba2Shape
+    mamba: Mamba2Shape | None
     blocks: tuple[tuple[str, str], ...]
     ffns: tuple[tuple[str, FeedForward], ...]
     norms: int
     attention_bias: bool = False
+    conv: ShortConvShape | None = None
+    attention_norms: int = 0
+    kda: KdaShape | None = None
+    lightning: LightningShape | None = None
 
     def ffn(self, name: str) -> FeedForward:
         return dict(self.ffns).get(name, FeedForward(0, 0, 0))
@@ -118,8 +134,17 @@ class HybridShape:
     def layer_params(self, block: tuple[str, str], hidden: int, attention: int) -> int:
         """One layer's parameters: its mixer (``attention``: an attention mixer's projections), feed-forward, norms."""
         mixer, ffn = block
-        own = {MAMBA2: self.mamba.params(hidden), ATTENTION: attention, PARALLEL: attention + self.mamba.params(hidden),
-               "": 0}[mixer]
+        own = 0
+        if mixer in (ATTENTION, PARALLEL):
+            own += attention + self.attention_norms
+        if mixer in (MAMBA2, PARALLEL):
+            own += self.mamba.params(hidden)
+        if mixer == CONV:
+            own += self.conv.params(hidden)
+        if mixer == KDA:
+            own += self.kda.params(hidden)
+        if mixer == LIGHTNING:
+            own += self.lightning.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -128,9 +153,11 @@ class HybridShape:
 
     def as_dict(self) -> dict:
         """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
-        return {"mamba": asdict(self.mamba), "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+        return {"mamba": asdict(self.mamba) if self.mamba else None,
+                "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
+                "lightning": asdict(self.lightning) if self.lightning else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
-                "attention_bias": self.attention_bias}
+                "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
 
 
 def _positive(cfg: dict, *names: str, default=None) -> int:
@@ -142,11 +169,36 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
     return default
 
 
+# the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
+_UNSIZED = {"jamba": "Mamba",
+            "mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution"}
+_SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
+          "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
+          "lfm2_moe), Kimi Linear's KDA (kimi_linear) and MiniMax-01's lightning attention (minimax)")
+
+
 def hybrid_fields(cfg: dict) -> dict:
-    """The :class:`HybridShape` of a Mamba2 hybrid config.json (``hybrid``, with ``layers`` the blocks' number), or
-    nothing for another model. Falcon-H1 and other Mamba mixers the planner cannot size get ``unplanned``, the reason
-    the planner gives (training reads their shape all the same)."""
+    """The :class:`HybridShape` of a hybrid config.json (``hybrid``, with ``layers`` the blocks' number): a Mamba2
+    hybrid's or an LFM2's (:mod:`.lfm`), or nothing for another model. A recurrent mixer the planner cannot size gets
+    ``unplanned``, the reason the planner gives (training reads their shape all the same), never attention's plan."""
     family = cfg.get("model_type", "")
+    if family in ("lfm2", "lfm2_moe"):
+        from .lfm import lfm2_fields
+
+        return lfm2_fields(cfg)
+    if family == "kimi_linear":
+        from .kimi import kimi_linear_fields
+
+        return kimi_linear_fields(cfg)
+    if family == "minimax":
+        from .minimax import minimax_fields
+
+        return minimax_fields(cfg)
+    if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
+        mixer = _UNSIZED.get(family, "gated short convolution")
+        return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "
+                             f"would plan them as attention, which they are not); it sizes {_SIZED}. seqmesh train "
+                             "runs the model all the same."}
     if family == "falcon_h1":
         return _falcon_h1(cfg)
     if family == "nemotron_h":
@@ -154,9 +206,8 @@ def hybrid_fields(cfg: dict) -> dict:
     if family in ("granitemoehybrid", "bamba"):
         return _granite_or_bamba(cfg, family)
     if any(k.startswith("mamba_") or k == "ssm_state_size" for k in cfg):
-        return {"unplanned": f"seqmesh plan does not size the Mamba layers of {family or 'this model'}; it sizes the "
-                             "Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 hybrid (granitemoehybrid), Bamba and "
-                             "Falcon-H1 (falcon_h1)."}
+        return {"unplanned": f"seqmesh plan does not size the Mamba layers of {family or 'this model'}; it sizes "
+                             f"{_SIZED}."}
     return {}
 
 

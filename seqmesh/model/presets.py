@@ -226,7 +226,7 @@ class ModelShape:
     shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
     dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
-    hybrid: HybridShape | None = None  # a Mamba2 hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba; .hybrid)
+    hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)
     unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
 
     def __post_init__(self) -> None:
@@ -454,6 +454,7 @@ def model_shape(name_or_path: str) -> ModelShape:
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
     cfg = _with_layer_count(cfg)
     hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
+    cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
     if "layers" in hybrid:
         cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix

@@ -21,6 +21,9 @@ from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, 
 from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
 from ..heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
+from .kda import KdaLayer
+from .lightning import LightningLayer
+from .short_conv import ShortConvLayer
 from .tensor_parallel import layer_traffic, split_params
 from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes, fsdp_traffic,
                       indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
@@ -346,7 +349,7 @@ def serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareSp
             "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}
 
 
-LayerKind = Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock
+LayerKind = Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer | LightningLayer
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
@@ -371,8 +374,9 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     """A Mamba2 hybrid's layers: attention first (the step's per-layer attention terms), then each Mamba2 layer and
     each Nemotron-H MLP or MoE block by its feed-forward; a Falcon-H1 layer as its attention layer (norms and MLP
     included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
-    attention layers carry their own feed-forward (Nemotron-H's none)."""
-    from ..model.hybrid import ATTENTION, MAMBA2, PARALLEL
+    attention layers carry their own feed-forward (Nemotron-H's none). LFM2's gated short convs: each by its
+    feed-forward; Kimi Linear's KDA and MiniMax-01's lightning layers likewise."""
+    from ..model.hybrid import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL
 
     hybrid = work.model.hybrid
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.attention_layers)]
@@ -380,6 +384,12 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
         if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
             beside = mixer == PARALLEL
             kinds.append((Mamba2Layer(work, layout, "" if beside else ffn, beside_attention=beside), n))
+        elif mixer == CONV:
+            kinds.append((ShortConvLayer(work, layout, ffn), n))
+        elif mixer == KDA:
+            kinds.append((KdaLayer(work, layout, ffn), n))
+        elif mixer == LIGHTNING:
+            kinds.append((LightningLayer(work, layout, ffn), n))
         elif mixer != ATTENTION:
             kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

@@ -114,8 +114,13 @@ def layouts(work: Workload, cluster: Cluster,
                 elif m.linear_layers and sp > m.linear_value_heads and work.linear_attention == "all_to_all":
                     excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet "
                                           "value heads the all-to-all design splits; state passing has no limit"))
-                elif m.hybrid is not None and sp > m.hybrid.mamba.heads and work.linear_attention == "all_to_all":
+                elif (m.hybrid is not None and m.hybrid.mamba is not None and sp > m.hybrid.mamba.heads
+                      and work.linear_attention == "all_to_all"):
                     excluded.append((lay, f"sequence degree {sp} exceeds the {m.hybrid.mamba.heads} Mamba2 heads the "
+                                          "all-to-all design splits; state passing has no limit"))
+                elif (m.hybrid is not None and m.hybrid.kda is not None and sp > m.hybrid.kda.heads
+                      and work.linear_attention == "all_to_all"):
+                    excluded.append((lay, f"sequence degree {sp} exceeds the {m.hybrid.kda.heads} KDA heads the "
                                           "all-to-all design splits; state passing has no limit"))
                 elif work.media is not None and u > m.vision.heads:
                     excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))

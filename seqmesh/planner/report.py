@@ -48,13 +48,22 @@ def header(work: Workload, cluster: Cluster) -> str:
 
 
 def _hybrid(m) -> str:
-    """A Mamba2 hybrid's layers by kind and its Mamba2 sizes, as the header names them."""
+    """A hybrid's layers by kind and its recurrent mixer's sizes (Mamba2's, LFM2's short conv or Kimi Linear's KDA),
+    as the header names them."""
     if m.hybrid is None:
         return ""
-    mb = m.hybrid.mamba
     kinds = ", ".join(f"{n} {'+'.join(x for x in block if x)}" for block, n in m.hybrid.kinds())
-    return (f" (layers: {kinds}; Mamba2 {mb.heads} heads x {mb.head_dim}, state {mb.state}, {mb.groups} groups, "
-            f"conv {mb.conv})")
+    mb, conv = m.hybrid.mamba, m.hybrid.conv
+    if mb is not None:
+        return (f" (layers: {kinds}; Mamba2 {mb.heads} heads x {mb.head_dim}, state {mb.state}, {mb.groups} groups, "
+                f"conv {mb.conv})")
+    if m.hybrid.lightning is not None:
+        mixer = m.hybrid.lightning
+        return f" (layers: {kinds}; lightning attention {mixer.heads} heads x {mixer.head_dim})"
+    if m.hybrid.kda is not None:
+        kda = m.hybrid.kda
+        return f" (layers: {kinds}; KDA {kda.heads} heads x {kda.head_dim}, conv {kda.conv})"
+    return f" (layers: {kinds}; gated short conv width {conv.kernel})" if conv is not None else f" (layers: {kinds})"
 
 
 def _latent(m) -> str:

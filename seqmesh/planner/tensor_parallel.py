@@ -30,7 +30,7 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
     if m.linear_layers:  # seqmesh runs them (seqmesh.tensor_parallel.linear_attention); their cost is not modelled
         return "the planner does not model Gated DeltaNet layers under tensor parallelism yet (tp 1 only)"
     if m.hybrid is not None:
-        return "the planner does not model Mamba2 hybrids under tensor parallelism (tp 1 only)"
+        return "the planner does not model hybrids (Mamba2, LFM2) under tensor parallelism (tp 1 only)"
     if m.latent is not None:  # seqmesh.hf.indexed_attention refuses tp > 1; MLA's split is not modelled
         return "the planner does not model MLA under tensor parallelism (tp 1 only)"
     if m.vision is not None or work.media is not None:

@@ -1,0 +1,91 @@
+"""What a MiniMax-01 lightning attention layer costs on the busiest rank (:mod:`seqmesh.model.minimax` reads its
+shape), as ``seqmesh.hf.lightning`` runs it: its projections, norm and gate on the local tokens, the chunked decay
+scan of every head over them, and one collective, the all-gather of every run's ``[S_0 | exp(sum g)]`` (backward its
+reduce-scatter, the same bytes): :func:`seqmesh.linear_attention.decay_scan.decay_state_bytes`, the runtime's own,
+in float32 (float64 for float64 inputs). There is no other design. The scan waits for nothing but the states'
+read waits for the gather, so the layer's time is :func:`.layers.serial_layer_seconds`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..degrees import Degrees
+from ..linear_attention.choice import LINEAR_CHUNK
+from ..linear_attention.decay_scan import decay_state_bytes
+from ..model.hybrid import LIGHTNING, Mamba2Shape
+from .activations import norm_saved, tokens
+from .hardware import HardwareSpec
+from .mamba2 import mamba2_scan_flops
+from .network import axis_groups, gather_seconds, link_name
+from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .workload import Workload
+
+KEY = "lightning_state_gather"
+
+
+@dataclass(frozen=True)
+class LightningLayer:
+    """A MiniMax-01 layer whose mixer is lightning attention, with its MoE block and two RMSNorms."""
+
+    work: Workload
+    layout: Degrees
+    ffn: str = "moe"
+
+    def params(self) -> int:
+        m = self.work.model
+        return m.hybrid.layer_params((LIGHTNING, self.ffn), m.hidden, m.attention_params)
+
+    def sent_bytes(self) -> int:
+        """Bytes each rank sends forward in the states' all-gather (its reduce-scatter the same backward)."""
+        w, lay, mixer = self.work, self.layout, self.work.model.hybrid.lightning
+        e = dtype_bytes(w.torch_dtype)
+        return decay_state_bytes(mixer.heads, mixer.head_dim, mixer.head_dim, batch=w.batch, ulysses=lay.ulysses,
+                                 ring=lay.ring, layout=w.layout, state_bytes=8 if e == 8 else 4)
+
+    def ranks(self) -> list[RankTraffic]:
+        lay, sent = self.layout, self.sent_bytes()
+        calls = (Collective("all_gather", "forward", 1, sent), Collective("reduce_scatter", "backward", 1, sent))
+        return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        from .layers import phases
+
+        ranks = self.ranks()
+        return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
+                      {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward (an estimate, not yet checked against a run): per token its two norms, qkv_proj's
+        input and output (before and after the activation), the scan's float32 q, k, v, lifted q and output, the
+        norm's input, the gate, out_proj's input, the MoE block's; per chunk and head one float32 ``D x D`` state."""
+        w, m, mixer = self.work, self.work.model, self.work.model.hybrid.lightning
+        e, t, q = w.act_bytes, tokens(w, self.layout), mixer.inner
+        per_token = (2 * norm_saved(m, e, w.efficient_norm) + e * (m.hidden + 6 * q + 3 * q) + 4 * 5 * q
+                     + e * m.hybrid.ffn(self.ffn).kept)
+        states = -(-t // w.batch // LINEAR_CHUNK) * w.batch * mixer.heads * mixer.head_dim ** 2 * 4
+        return t * per_token + states
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` seconds of one layer: projections and MoE on the local tokens, the
+        chunked decay scan of every head over them (:func:`.mamba2.mamba2_scan_flops`, the same kernel, with
+        ``N = P = D``) and the entering state's read (``D^2`` a token and head), backward twice; the gather, which
+        nothing overlaps."""
+        from .layers import serial_layer_seconds
+
+        work, m, mixer = self.work, self.work.model, self.work.model.hybrid.lightning
+        peak = hw.flops_for(work.dtype)
+        mm_rate, scan_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
+        local = tokens(work, self.layout)
+        mm_fwd = 2 * local * (mixer.matmul_params(m.hidden) + m.hybrid.ffn(self.ffn).macs) / mm_rate
+        d = mixer.head_dim
+        scan = mamba2_scan_flops(Mamba2Shape(mixer.heads, d, d, 1), local) + 2 * local * mixer.heads * d * d
+        group = axis_groups(self.layout, "sequence")[0]
+        ranks = self.ranks()
+        comm = tuple(gather_seconds(worst_rank(ranks, kind, ph), hw, group)
+                     for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan / scan_rate, 2 * mm_fwd + 2 * scan / scan_rate),
+                                    comm)

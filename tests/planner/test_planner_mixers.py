@@ -1,0 +1,337 @@
+"""seqmesh plan on the recurrent mixers beside Mamba2: LFM2's and LFM2-MoE's gated short convolutions and Kimi
+Linear's KDA and MiniMax-01's lightning attention, sized from their config.json (each layer's parameters against the model transformers builds on the
+meta device); the short conv's halo bytes against the runtime's schedule and against what ``comm_stats`` counts
+while the real layer runs on 2 ranks, KDA's against the runtime's own formulas by the design its rule picks
+(tests/hf/test_kda.py counts those while the layer runs); plans of published-size models; and the mixers it does
+not size yet (Mamba, LFM3's convs) refused by name, never planned as attention. MiniMax-01's lightning attention:
+its state gather against the runtime's schedule (tests/hf/test_lightning.py counts it while the layer runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from seqmesh.model.presets import model_shape
+
+# LFM2-2.6B's shape as remembered (not checked against Liquid AI's config.json): 30 layers, attention in 8 of
+# them, width 2560, 32 query / 8 kv heads, block_ff_dim 10752 (auto-adjusted to 7168), conv width 3, tied embeddings
+LFM2_2_6B = dict(
+    model_type="lfm2", hidden_size=2560, num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=8,
+    layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21, 24, 27) else "conv" for i in range(30)],
+    intermediate_size=10752, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+    conv_L_cache=3, conv_bias=False, vocab_size=65536, tie_word_embeddings=True)
+# LFM2-8B-A1B's shape as remembered (not checked): 24 layers, 6 attention, the first 2 dense (7168), then 32 experts
+# of 1792, 4 a token; as LFM2's original releases write it (full_attn_idxs, tie_embedding): about 8.3B parameters
+LFM2_8B_A1B = dict(
+    model_type="lfm2_moe", hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
+    layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+    intermediate_size=7168, moe_intermediate_size=1792, num_dense_layers=2, num_experts=32, num_experts_per_tok=4,
+    conv_L_cache=3, vocab_size=65536, tie_embedding=True)
+# Kimi-Linear-48B-A3B's shape as remembered (transformers' KimiLinearConfig defaults match it; not checked against
+# Moonshot's config.json): 27 layers, MLA in every 4th (7), KDA 32 heads of 128 in the rest, 256 experts of 1024
+# (8 a token) and one shared, the first layer dense (9216); written as the release writes it (linear_attn_config)
+KIMI_LINEAR_48B = dict(
+    model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    intermediate_size=9216, moe_intermediate_size=1024, num_experts=256, num_experts_per_token=8,
+    num_shared_experts=1, first_k_dense_replace=1, vocab_size=163840, tie_word_embeddings=False,
+    linear_attn_config=dict(head_dim=128, num_heads=32, short_conv_kernel_size=4,
+                            full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                            kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]))
+
+
+def _tiny(family: str, **changes) -> dict:
+    """A tiny config of ``family`` (tests/family_cases.py's) as config.json holds it, with ``changes``."""
+    from family_cases import family_config
+
+    return {**json.loads(family_config(family).to_json_string()), **changes}
+
+
+def _write(tmp_path, cfg: dict, name: str = "model") -> str:
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return str(path)
+
+
+def _meta_layers(path: str) -> tuple[int, list[int], int]:
+    """Every parameter of the model transformers builds from the config.json at ``path`` on the meta device, each
+    layer's, and the weights of a short conv's two projections."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(os.path.dirname(path), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    mixer = next((layer.conv for layer in model.model.layers if hasattr(layer, "conv")), None)
+    if mixer is not None:  # a short conv's projections
+        projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()
+    else:  # a KDA or lightning mixer's: every Linear in it
+        mixer = next(layer.self_attn for layer in model.model.layers
+                     if hasattr(layer.self_attn, "forget_gate") or hasattr(layer.self_attn, "slope_rate"))
+        projections = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, torch.nn.Linear))
+    return count(model), [count(layer) for layer in model.model.layers], projections
+
+
+TINY = {
+    "lfm2": ("lfm2", {}),
+    # the MLP's width auto-adjusted (2/3, x 1.5, rounded up to 16), a biased conv of width 5
+    "lfm2: auto-adjusted MLP, biased conv": (
+        "lfm2", dict(block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5, block_multiple_of=16, conv_bias=True,
+                     conv_L_cache=5, num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"])),
+    # LFM2's original release: full_attn_idxs and block_ff_dim instead of layer_types and intermediate_size, untied
+    "lfm2: original release's names": (
+        "lfm2", dict(layer_types=None, full_attn_idxs=[1], block_ff_dim=48, intermediate_size=None,
+                     tie_embedding=False, tie_word_embeddings=None)),
+    "lfm2_moe": ("lfm2_moe", {}),
+    "kimi_linear": ("kimi_linear", {}),
+    # the release's names: linear_attn_config (1-indexed layers), first_k_dense_replace; MLA with a q latent
+    "kimi_linear: the release's names": (
+        "kimi_linear", dict(layer_types=None, mlp_layer_types=None, linear_head_dim=None, linear_num_heads=None,
+                            linear_conv_kernel_dim=None, first_k_dense_replace=2, q_lora_rank=24, num_hidden_layers=4,
+                            linear_attn_config=dict(head_dim=4, num_heads=2, short_conv_kernel_size=3,
+                                                    full_attn_layers=[2], kda_layers=[1, 3, 4]))),
+    "minimax": ("minimax", {}),
+    # no layer_types: transformers' default (every other layer full, the first one), whatever the release's
+    # attn_type_list says (transformers 5.24 does not read it); 3 experts, head_dim from the width
+    "minimax: default layers, attn_type_list ignored": (
+        "minimax", dict(layer_types=None, attn_type_list=[0, 0, 1], num_hidden_layers=3, head_dim=None,
+                        num_local_experts=3, num_experts=None)),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_parameters_equal_the_transformers_model(tmp_path, name):
+    """Each layer's parameters (mixer, feed-forward, norms, LFM2's q/k norms), the whole model's and the short conv's
+    projections' (what the planner's matmul time multiplies every token by) equal the model transformers builds."""
+    family, changes = TINY[name]
+    path = _write(tmp_path, _tiny(family, **changes))
+    total, layers, projections = _meta_layers(path)
+    shape = model_shape(path)
+    hybrid = shape.hybrid
+    assert shape.layers == len(hybrid.blocks) == len(layers)
+    assert (hybrid.conv or hybrid.kda or hybrid.lightning).matmul_params(shape.hidden) == projections
+    assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
+    assert shape.params == total
+
+
+@pytest.mark.parametrize("family,mixer", [("jamba", "Mamba"), ("lfm3", "gated short convolution")])
+def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
+    """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
+    than a plan that takes it for attention; the shape still reads (seqmesh train needs it)."""
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, _tiny(family), family)
+    assert model_shape(path).unplanned
+    assert main(["plan", "--model", path, "--seq-len", "4096", "--gpus", "2"]) == 2
+    assert re.search(rf"does not size the {mixer}.* layers of {family}.*LFM2", capsys.readouterr().err)
+
+
+def _conv_layer(tmp_path, seq_len: int, ulysses: int, ring: int, layout: str = "zigzag", batch: int = 2,
+                family: str = "lfm2", dtype: str = "fp32"):
+    from seqmesh.degrees import Degrees
+    from seqmesh.planner.short_conv import ShortConvLayer
+    from seqmesh.planner.workload import Workload
+
+    shape = model_shape(_write(tmp_path, _tiny(family), family))
+    work = Workload(shape, seq_len, batch=batch, dtype=dtype, layout=layout)
+    return ShortConvLayer(work, Degrees(ulysses, ring, 1))
+
+
+MESHES = [(1, 2, "zigzag"), (2, 1, "zigzag"), (1, 4, "zigzag"), (2, 2, "zigzag"), (3, 2, "zigzag"), (1, 3, "zigzag"),
+          (1, 4, "contiguous"), (2, 4, "contiguous")]
+
+
+@pytest.mark.parametrize("ulysses,ring,layout", MESHES, ids=[f"u{u}xr{r}-{lay}" for u, r, lay in MESHES])
+def test_halo_bytes_follow_the_runtime_schedule(tmp_path, ulysses, ring, layout):
+    """The planner's halo bytes equal ``(P - 1) x B x max_tail x hidden x dtype`` with ``max_tail`` the busiest rank's
+    tail rows in the schedule the runtime builds (``chain_for`` on the layout ``shard_sequence`` places), for a conv
+    of width 3 (LFM2) and 5 (a halo of 4: two zigzag runs on one rank send 8 rows)."""
+    from seqmesh.linear_attention.chain import chain_for
+    from seqmesh.sequence.layout import SequenceLayout
+
+    for changes in ({}, dict(conv_L_cache=5)):
+        shape = model_shape(_write(tmp_path, _tiny("lfm2", **changes), "lfm2"))
+        layer = _conv_layer(tmp_path, 4096, ulysses, ring, layout)
+        layer = type(layer)(type(layer.work)(shape, 4096, batch=2, dtype="fp32", layout=layout), layer.layout)
+        p, k = ulysses * ring, shape.hybrid.conv.kernel
+        seq = SequenceLayout.for_length(layout, ring, ulysses, 4096, None, 1, 1)
+        padded = seq.local_len * p
+        tail = chain_for(seq, (0, padded), k).max_tail
+        assert layer.sent_bytes() == (p - 1) * 2 * tail * shape.hidden * 4 > 0, (changes, tail)
+        traffic = layer.traffic()
+        assert traffic["forward"] == traffic["backward"] == traffic["recompute"] == {"conv_halo_gather": layer.sent_bytes()}
+
+
+def test_bytes_equal_what_the_layer_sends(pools, tmp_path):
+    """What the planner's short-conv layer says the busiest rank sends equals what comm_stats counts while the real
+    layer runs on 2 ring ranks in float32 (2 sequences of 40 tokens): one all-gather forward, one reduce-scatter
+    backward; the layer is right (its output is transformers' on the whole sequence). tests/hf/test_short_conv.py
+    checks the halo's rows on 4 ranks for LFM2 and LFM3."""
+    from short_conv_plan_cases import short_conv_layer_bytes
+
+    layer = _conv_layer(tmp_path, 40, 1, 2)
+    per_rank = pools.run(2, short_conv_layer_bytes, 1, 2, 40, 2, "zigzag")
+    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
+    kinds = {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 1}
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    traffic = layer.traffic()
+    assert traffic["forward"]["conv_halo_gather"] == max(r["sent"][("all_gather", "forward")] for r in per_rank) > 0
+    assert traffic["backward"]["conv_halo_gather"] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+
+
+@pytest.mark.parametrize("cfg,billions", [(LFM2_2_6B, (2.4, 2.7)), (LFM2_8B_A1B, (8.0, 8.6))],
+                         ids=["lfm2-2.6b", "lfm2-8b-a1b"])
+def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, billions):
+    """``seqmesh plan --model config.json --seq-len 131072 --gpus 8`` runs and recommends a layout; the model counts
+    as transformers builds it; each conv layer sends the runtime's halo bytes (bf16), the same at 32K (they do not
+    grow with the sequence); the step counts them once per conv layer and phase."""
+    from seqmesh.linear_attention.choice import halo_bytes
+    from seqmesh.tools.cli import main
+    from test_planner_cli import _schema, conform
+
+    path = _write(tmp_path, cfg)
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and billions[0] * 1e9 < total < billions[1] * 1e9
+    convs = shape.hybrid.count(mixer="conv")
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and re.search(r"layers: \d+ conv\+", out), out
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    schema = _schema()
+    conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    best = plan["recommended"]["layout"]
+    want = halo_bytes(shape.hidden, 3, batch=1, ulysses=best["ulysses"], ring=best["ring"], layout="zigzag",
+                      dtype_bytes=2)
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    if best["ulysses"] * best["ring"] > 1:
+        assert row["comm_bytes_per_layer"]["forward"]["conv_halo_gather"] == want > 0
+        assert row["comm_bytes_per_step"]["conv_halo_gather"] == 3 * want * convs
+    assert sum(b.startswith("conv") for b in plan["model"]["hybrid"]["blocks"]) == convs
+    assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", "8", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    same = next(c for c in short["candidates"] if c["layout"] == best)
+    assert same["comm_bytes_per_layer"]["forward"].get("conv_halo_gather", 0) == want
+
+
+KDA_CASES = [(1, 2, 131072, "zigzag"), (2, 2, 131072, "zigzag"), (1, 4, 131072, "contiguous"), (1, 8, 2048, "zigzag"),
+             (2, 4, 2048, "zigzag")]
+
+
+@pytest.mark.parametrize("ulysses,ring,seq_len,layout", KDA_CASES, ids=[f"u{u}xr{r}-{n}-{lay}" for u, r, n, lay in KDA_CASES])
+def test_kda_bytes_follow_the_runtime(tmp_path, ulysses, ring, seq_len, layout):
+    """The planner's KDA layer runs the design the runtime's rule picks (``auto``: state passing at 128K, the
+    all-to-all at 2K for Kimi-Linear-48B's 32 heads of 128) and sends its bytes, written out here from
+    kda_all_to_all.py's docstring: state passing ``(P - 1) B (R H D 2D x 4 + T (K - 1) 3 H D x 2)`` with R runs and
+    T (K - 1) tail rows the busiest rank holds in the schedule the runtime builds (``chain_for``), the all-to-all
+    ``B S (P - 1) / P^2 H ((4 D + 1) x 2 + D x 4)``; each way, and again in the recompute."""
+    from seqmesh.degrees import Degrees
+    from seqmesh.linear_attention.chain import chain_for
+    from seqmesh.linear_attention.choice import LinearDesign
+    from seqmesh.planner.kda import KdaLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.sequence.layout import SequenceLayout
+
+    shape = model_shape(_write(tmp_path, KIMI_LINEAR_48B))
+    layer = KdaLayer(Workload(shape, seq_len, batch=1, layout=layout), Degrees(ulysses, ring, 1))
+    p, h, d, k = ulysses * ring, 32, 128, 4
+    seq = SequenceLayout.for_length(layout, ring, ulysses, seq_len, None, 1, 1)
+    chain = chain_for(seq, (0, seq.local_len * p), k)
+    if seq_len > 100_000:
+        assert layer.design() is LinearDesign.STATE_PASSING
+        want = (p - 1) * (chain.max_runs * h * d * 2 * d * 4 + chain.max_tail * 3 * h * d * 2)
+        key = "kda_state_gather"
+    else:
+        assert layer.design() is LinearDesign.ALL_TO_ALL
+        want = seq.local_len * p * (p - 1) * h * ((4 * d + 1) * 2 + d * 4) // (p * p)
+        key = "kda_all_to_all"
+    traffic = layer.traffic()
+    assert traffic["forward"] == traffic["backward"] == traffic["recompute"] == {key: want}, (traffic, want)
+
+
+def test_a_kimi_linear_plan_recommends_a_layout_at_128k(tmp_path, capsys):
+    """``seqmesh plan`` on Kimi-Linear-48B's shape at 128K on 16 GPUs (its 49B parameters' weights, gradients and
+    AdamW state do not fit 8 GPUs of 80 GiB) runs and recommends a layout; the model counts
+    as transformers builds it (48B); each KDA layer sends state passing's bytes (the runtime's pick at 128K), the
+    step counts them once per KDA layer and phase."""
+    from seqmesh.tools.cli import main
+    from test_planner_cli import _schema, conform
+
+    path = _write(tmp_path, KIMI_LINEAR_48B)
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 48e9 < total < 50e9
+    assert shape.hybrid.count(mixer="kda") == 20
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and re.search(r"layers: 1 kda\+mlp, 19 kda\+moe, 7 attention\+moe;", out), out
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    schema = _schema()
+    conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    best = plan["recommended"]["layout"]
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    if best["ulysses"] * best["ring"] > 1:
+        sent = row["comm_bytes_per_layer"]["forward"]["kda_state_gather"]
+        assert sent > 0 and row["comm_bytes_per_step"]["kda_state_gather"] == 3 * sent * 20
+
+
+# MiniMax-01's layer shapes scaled down (not a published model): MiniMax-Text-01 itself (from memory: width 6144,
+# 80 layers, 64 heads of 128, 32 experts of 9216, 456B) leaves no layout that fits the planner's per-layer FSDP
+# units on 128 GPUs. Softmax attention in every 8th layer
+MINIMAX_SHAPED = dict(
+    model_type="minimax", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, intermediate_size=4096, num_local_experts=16, num_experts_per_tok=2, vocab_size=200064,
+    tie_word_embeddings=False,
+    layer_types=["full_attention" if (i + 1) % 8 == 0 else "linear_attention" for i in range(32)])
+
+
+@pytest.mark.parametrize("ulysses,ring,layout", MESHES, ids=[f"u{u}xr{r}-{lay}" for u, r, lay in MESHES])
+def test_lightning_bytes_follow_the_runtime_schedule(tmp_path, ulysses, ring, layout):
+    """The planner's lightning layer sends, each way and in the recompute, what tests/hf/test_lightning.py counts:
+    ``(P - 1) x runs x B x H x (D^2 + 1)`` float32 values, ``runs`` the busiest rank's in the schedule the runtime
+    builds (``chain_for``); 2 sequences, 32 heads of 128."""
+    from seqmesh.degrees import Degrees
+    from seqmesh.linear_attention.chain import chain_for
+    from seqmesh.planner.lightning import LightningLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.sequence.layout import SequenceLayout
+
+    shape = model_shape(_write(tmp_path, MINIMAX_SHAPED))
+    layer = LightningLayer(Workload(shape, 131072, batch=2, layout=layout), Degrees(ulysses, ring, 1))
+    p = ulysses * ring
+    seq = SequenceLayout.for_length(layout, ring, ulysses, 131072, None, 1, 1)
+    runs = chain_for(seq, (0, seq.local_len * p), 1).max_runs
+    want = (p - 1) * runs * 2 * 32 * (128 * 128 + 1) * 4
+    traffic = layer.traffic()
+    assert traffic["forward"] == traffic["backward"] == traffic["recompute"] == {"lightning_state_gather": want} != {}
+
+
+def test_a_minimax_plan_recommends_a_layout_at_128k(tmp_path, capsys):
+    """``seqmesh plan`` on a MiniMax-shaped 30B at 128K on 8 GPUs runs and recommends a layout; the model counts as
+    transformers builds it; each lightning layer's gather is counted once per lightning layer and phase."""
+    from seqmesh.tools.cli import main
+    from test_planner_cli import _schema, conform
+
+    path = _write(tmp_path, MINIMAX_SHAPED)
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 29e9 < total < 31e9
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and re.search(r"layers: 28 lightning\+moe, 4 attention\+moe;", out), out
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    schema = _schema()
+    conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
+    best = plan["recommended"]["layout"]
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    if best["ulysses"] * best["ring"] > 1:
+        sent = row["comm_bytes_per_layer"]["forward"]["lightning_state_gather"]
+        assert sent > 0 and row["comm_bytes_per_step"]["lightning_state_gather"] == 3 * sent * 28
