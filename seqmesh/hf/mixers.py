@@ -49,8 +49,9 @@ class MixerKind:
 def _taking_entry(forward: Callable) -> Callable:
     """``forward`` given the seqmesh entry its carrier handed over (:func:`carry_entry`) where its caller passed none."""
     def with_entry(self, *args, **kwargs):
-        if kwargs.get("seqmesh") is None and self.__dict__.get(_ENTRY) is not None:
-            kwargs["seqmesh"] = self.__dict__[_ENTRY]
+        held = getattr(self, _ENTRY, None)
+        if kwargs.get("seqmesh") is None and held is not None:
+            kwargs["seqmesh"] = held
         return forward(self, *args, **kwargs)
 
     return with_entry
@@ -84,13 +85,13 @@ def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
                 held.setdefault(id(carrier), (carrier, []))[1].append(mixer)
 
     def hand(mixers: list[nn.Module]):
-        def give(module, args, kwargs):
+        def give(module, args, kwargs):  # plain attribute writes, which torch.compile traces (2.9 cannot trace pop)
             for m in mixers:
-                m.__dict__[_ENTRY] = kwargs.get("seqmesh")
+                setattr(m, _ENTRY, kwargs.get("seqmesh"))
 
         def take_back(module, args, kwargs, output):
             for m in mixers:
-                m.__dict__.pop(_ENTRY, None)
+                setattr(m, _ENTRY, None)
 
         return give, take_back
 
