@@ -68,6 +68,13 @@ class SSDParams:
     activation: str | None = "silu"
 
 
+@functools.lru_cache(maxsize=64)
+def _group_of(heads: SSDHeads, h: tuple[int, int], g: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(h1 - h0,) the local group each of heads [h0, h1) reads, built once per deal and device (not per layer call:
+    on CUDA each build is a host-to-device copy)."""
+    return torch.tensor([hh * heads.groups // heads.heads - g[0] for hh in range(*h)], device=device)
+
+
 def _scan_inputs(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, heads: SSDHeads, h: tuple[int, int],
                  g: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """The scan's q = C, k = B, v = dt x, log decay dt A and x for heads ``[h0, h1)`` reading groups ``[g0, g1)``,
@@ -76,7 +83,7 @@ def _scan_inputs(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, heads: 
     nh, ng = h[1] - h[0], g[1] - g[0]
     x, bm, cm = xbc.split([nh * heads.head_dim, ng * heads.state, ng * heads.state], dim=-1)
     x = x.reshape(b, t, nh, heads.head_dim)
-    group_of = torch.tensor([hh * heads.groups // heads.heads - g[0] for hh in range(*h)], device=xbc.device)
+    group_of = _group_of(heads, h, g, xbc.device)
     bm = bm.reshape(b, t, ng, heads.state).index_select(2, group_of)  # (B, T, h, N)
     cm = cm.reshape(b, t, ng, heads.state).index_select(2, group_of)
     low, high = params.dt_limit
