@@ -27,6 +27,7 @@ from ..model.hybrid import KDA
 from ..padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
+from .mamba2 import recurrent_traffic
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
 from .workload import Workload
@@ -87,14 +88,7 @@ class KdaLayer:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        from .layers import phases
-
-        ranks, key = self.ranks(), self._key()
-        if self.design() is LinearDesign.STATE_PASSING:
-            return phases({key: worst_rank(ranks, "all_gather", "forward")},
-                          {key: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
-        return phases(*({key: worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward")),
-                      self.work.checkpointing)
+        return recurrent_traffic(self.ranks(), self._key(), self.design(), self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
         return {self._key(): link_name(hw, axis_groups(self.layout, "sequence")[:1])}

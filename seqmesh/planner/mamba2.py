@@ -59,6 +59,18 @@ def _rates(work: Workload, hw: HardwareSpec) -> tuple[float, float]:
     return peak * hw.matmul_efficiency, peak * hw.attention_efficiency
 
 
+def recurrent_traffic(ranks: list[RankTraffic], key: str, design: LinearDesign,
+                      checkpointing: bool) -> dict[str, dict[str, int]]:
+    """A recurrent layer's traffic by phase, the busiest rank's (Mamba2's and KDA's): state passing's all-gather
+    forward and reduce-scatter backward, or the all-to-alls both ways."""
+    from .layers import phases
+
+    if design is LinearDesign.STATE_PASSING:
+        return phases({key: worst_rank(ranks, "all_gather", "forward")},
+                      {key: worst_rank(ranks, "reduce_scatter", "backward")}, checkpointing)
+    return phases(*({key: worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward")), checkpointing)
+
+
 @dataclass(frozen=True)
 class Mamba2Layer:
     """A Mamba2 layer of a hybrid with its feed-forward ``ffn`` (``""``: Nemotron-H's, the mixer alone);
@@ -112,14 +124,7 @@ class Mamba2Layer:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        from .layers import phases
-
-        ranks, key = self.ranks(), self._key()
-        if self.design() is LinearDesign.STATE_PASSING:
-            return phases({key: worst_rank(ranks, "all_gather", "forward")},
-                          {key: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
-        return phases(*({key: worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward")),
-                      self.work.checkpointing)
+        return recurrent_traffic(self.ranks(), self._key(), self.design(), self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
         return {self._key(): link_name(hw, axis_groups(self.layout, "sequence")[:1])}
