@@ -5,6 +5,8 @@ model, in this order (each step sees the model the previous one left):
 
     1. sequence parallelism   attention layers run Ulysses / ring / USP, Gated DeltaNet layers pass
                               their state along the sequence (``seqmesh.hf.parallelize``)
+    1b. expert parallelism    with ``ep > 1``, each MoE layer's routed experts split over expert groups of
+                              ``ep`` token ranks, tokens dispatched to them and back (``seqmesh.experts``)
     2. the loss               ``SequenceParallelLM``: the LM head and cross-entropy in chunks, over the
                               sequence shards, the mean of every valid target of the whole batch
     3. memory techniques      activation checkpointing, tiled MLP, the lean RMSNorm: each replaces a
@@ -15,7 +17,7 @@ model, in this order (each step sees the model the previous one left):
                               DTensor weights further (2-D FSDP x TP)
     5. (torch.compile)        per decoder layer, once no later step changes what a layer runs
     6. FSDP2                  over dp_shard x ring x ulysses (every rank of a replica), last: it wraps
-                              what the steps above produced
+                              what the steps above produced; split experts over the ranks holding the same ones
 
 The job (``seqmesh train``), the Trainer and a user's own loop call it; nothing else composes. Weights
 are loaded or materialized after it (FSDP2 shards are allocated by step 6); the activation offload and
@@ -30,6 +32,9 @@ import torch.nn as nn
 
 from .hf import parallelize
 from .hf.indexed_attention import is_indexed
+from .experts.layers import apply_expert_parallel, routed_experts
+from .experts.mesh import expert_mesh
+from .experts.rules import check_expert_parallel
 from .linear_attention.choice import parse_design
 from .memory.rmsnorm import enable_efficient_norm
 from .memory.tiled_mlp import enable_tiled_mlp
@@ -71,6 +76,10 @@ class ParallelPlan:
     async_ulysses: bool = False
     """Overlap the Ulysses all-to-alls with the q/k/v and output projections, forward and backward
     (``seqmesh.hf.async_ulysses``); families it does not know and tensor parallelism are refused."""
+    ep: int = 1
+    """Expert parallelism: each MoE layer's routed experts split over groups of ``ep`` ranks that hold different
+    tokens, tokens sent to their experts and back by two uneven all-to-alls (dropless, exact; ``seqmesh.experts``).
+    Needs FSDP2, which shards each rank's experts over the ranks holding the same ones."""
 
     def __post_init__(self) -> None:
         if self.fsdp_cpu_offload and not self.fsdp:
@@ -82,6 +91,8 @@ class ParallelPlan:
                              "(--compile or --async-ulysses).")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be at least 1 token, got {self.loss_chunk}.")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer, got {self.ep!r}.")
 
 
 def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = ParallelPlan(), *,
@@ -108,8 +119,15 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
                              f"(this is {torch.__version__}): FSDP2 needs its 2-D mesh and the TP mesh cut from one mesh, "
                              "which older releases cannot build. Upgrade torch, or use dp_replicate=1 (FSDP2 over every "
                              "data and sequence rank).")
+    experts = None
+    if plan.ep > 1:  # refused before any work, on every rank alike (the rule the planner calls too)
+        check_expert_parallel(plan.ep, experts=routed_experts(model), token_ranks=mesh.batch_mesh.size(), tp=mesh.tp,
+                              fsdp=plan.fsdp, compile=plan.compile, model=model.config.model_type)
+        experts = expert_mesh(mesh, plan.ep)
     lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
                      async_ulysses=plan.async_ulysses)
+    if experts is not None:
+        apply_expert_parallel(lm, experts)
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
     if plan.checkpointing:
         enable_checkpointing(lm)
@@ -121,7 +139,7 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     if plan.compile:
         compile_layers(lm)
     if plan.fsdp:
-        apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload)
+        apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload, experts=experts)
     return module
 
 

@@ -11,6 +11,8 @@ activation checkpointing, then FSDP2 per decoder layer and at the root.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -19,6 +21,9 @@ from ..comm.ranks import full_value
 from ..comm.collectives import all_reduce_
 from ..mesh import SPMesh
 from .lm import SequenceParallelLM, decoder_layers, vision_blocks
+
+if TYPE_CHECKING:
+    from ..experts.mesh import ExpertMesh
 
 
 def enable_checkpointing(lm: nn.Module) -> None:
@@ -39,8 +44,30 @@ def _sum_not_average(module: nn.Module) -> None:
         force_sum(True)
 
 
+def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
+    """The modules of ``layer`` whose own weights have another dtype than most of the layer's (DeepSeek-V3's router,
+    kept in float32 by transformers in a bfloat16 or float64 model): each is an FSDP2 unit of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sizes: dict[torch.dtype, int] = {}
+    for p in layer.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=sizes.get)
+    odd = []
+    for module in layer.modules():
+        own = {p.dtype for p in module.parameters(recurse=False)}
+        if own and own != {main} and not isinstance(module, FSDPModule):
+            if len(own) > 1:
+                raise ValueError(f"{type(module).__name__} holds weights of dtypes {sorted(map(str, own))}; FSDP2 "
+                                 "shards one dtype per unit. Cast the model to one dtype, or turn FSDP off.")
+            odd.append(module)
+    return odd
+
+
 def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, experts: "ExpertMesh | None" = None) -> nn.Module:
     """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
     each decoder layer on its own; each vision-tower block on its own (in a step where any rank's batch
     has an image every rank runs the tower, on padding if it has none; in one where none has, no rank
@@ -54,6 +81,9 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     ``cpu_offload``: sharded parameters, gradients and optimizer state live in (pinned) host memory; each
     unit's parameters are copied to the device for its all-gather (torch's ``CPUOffloadPolicy``), and the
     optimizer steps on the CPU.
+
+    ``experts``: the expert groups of a model whose experts ``seqmesh.experts`` split; each experts module is a
+    unit of its own, sharded over the ranks that hold the same experts (``ExpertMesh.shard_mesh``).
     """
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                         register_fsdp_forward_method)
@@ -62,7 +92,14 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     shard = dict(mesh=mesh.fsdp_mesh, mp_policy=policy, offload_policy=offload)
     lm = getattr(root, "lm", root)
+    if experts is not None:  # before their layers: a layer's unit then leaves the experts' weights to them
+        from ..experts.layers import experts_modules
+
+        for module in experts_modules(lm):
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **{**shard, "mesh": experts.shard_mesh})
     for layer in vision_blocks(lm) + decoder_layers(lm):
+        for odd in _other_dtype_modules(layer):  # FSDP2 needs one dtype per unit
+            fully_shard(odd, reshard_after_forward=reshard_after_forward, **shard)
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
     family = getattr(root, "family", None)  # a VisionLanguageLM's
     method = family.attach_layer_steps(vision_blocks(lm)) if family is not None else None

@@ -1,0 +1,110 @@
+"""Expert parallelism on a transformers model's MoE layers: each experts module keeps ``E / ep`` of its experts and
+runs through :func:`seqmesh.experts.dispatch.dispatch_combine`.
+
+transformers (5.x) keeps a layer's routed experts in one module whose weights are ``(E, ...)`` tensors and whose
+forward is ``experts(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`` (its ``use_experts_implementation``
+classes). seqmesh splits each ``(E, ...)`` weight over the expert group as a DTensor ``Shard(0)`` (so checkpoints
+hold the whole tensor and resume at any ``ep``), and runs the rows a rank receives through the module's own
+forward, given a view of the module that holds only the local experts: each family's expert math (biases, gpt-oss's
+clamped gate, transposed weights, a kernel chosen by ``config._experts_implementation``) is the model's, unchanged.
+The rows go in unweighted (weight 1) and the router's weights are applied on the token's own rank, which is exact
+because each of these families multiplies an expert's output by its weight last.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .dispatch import dispatch_combine
+from .mesh import ExpertMesh
+from .rules import check_expert_parallel
+
+# model_type of the families whose experts modules seqmesh splits, each measured against one process in
+# tests/experts (the others have the same experts forward; a family is added here once a test covers it)
+EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_vl_moe",
+                            "qwen3_vl_moe_text", "deepseek_v3", "deepseek_v2", "gpt_oss", "mixtral", "glm4_moe",
+                            "minimax_m2", "olmoe")
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers routed-experts module: ``num_experts`` experts stacked on dim 0 of its weights."""
+    experts = getattr(module, "num_experts", None)
+    weights = [p for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    return isinstance(experts, int) and experts > 1 and bool(weights) and all(p.shape[0] == experts for p in weights)
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_experts(m)]
+
+
+def routed_experts(model: nn.Module) -> int | None:
+    """The routed experts per MoE layer of ``model`` (None: it has no experts module)."""
+    found = {m.num_experts for m in experts_modules(model)}
+    if len(found) > 1:
+        raise ValueError(f"{type(model).__name__}'s MoE layers have different expert counts {sorted(found)}; seqmesh's "
+                         "expert parallelism needs one count. Use ep=1.")
+    return found.pop() if found else None
+
+
+class _LocalExperts:
+    """The experts module as its own forward should see it on this rank: the local experts' weights (plain
+    tensors, views of this rank's slice) and their count; everything else read from the module."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], experts: int) -> None:
+        self.__dict__.update(weights, _module=module, num_experts=experts)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_module"], name)
+
+
+def _expert_parallel_forward(module: nn.Module, emesh: ExpertMesh):
+    forward = type(module).forward  # the class's (transformers picks the kernel inside it)
+    experts, ep = module.num_experts, emesh.ep
+    local_count = experts // ep
+    group = emesh.ep_group
+
+    def run_local(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
+        weights = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
+        view = _LocalExperts(module, weights, local_count)
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        out = forward(view, rows, local_expert[:, None], ones)
+        if rows.shape[0] == 0:  # nothing came here, and the model's forward returns a constant: keep the rows in
+            # the graph (the dispatch's backward is collective: every rank must run it) and every weight (FSDP2
+            # reduces each weight's gradient, zeros here)
+            anchors = [rows.sum()] + [w.reshape(-1)[:1].sum() for w in weights.values()]
+            out = out + sum(anchors) * 0
+        return out
+
+    def ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return dispatch_combine(hidden_states, top_k_index, top_k_weights, experts, ep, group, run_local)
+
+    return ep_forward
+
+
+def apply_expert_parallel(model: nn.Module, emesh: ExpertMesh) -> int:
+    """Split every experts module of ``model`` (a transformers causal LM or vision-language model) over ``emesh``'s
+    expert groups, in place; returns how many were split. Families not in :data:`EXPERT_PARALLEL_FAMILIES` are
+    refused by name. Call before FSDP2 (which then shards each rank's experts over the ranks holding the same ones)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    family = model.config.model_type
+    found = experts_modules(model)
+    check_expert_parallel(emesh.ep, experts=routed_experts(model), token_ranks=emesh.mesh.size(), model=family)
+    if family not in EXPERT_PARALLEL_FAMILIES:
+        raise ValueError(f"ep={emesh.ep}: seqmesh splits the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)}; "
+                         f"{family} ({type(model).__name__}) is not among them. Use ep=1 (every rank holds every "
+                         "expert, FSDP2 shards them).")
+    rank, ep = emesh.ep_rank, emesh.ep
+    for module in found:
+        n = module.num_experts // ep
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.shape[0] != module.num_experts:
+                raise ValueError(f"{type(module).__name__}.{name} has shape {tuple(p.shape)}, not one row per expert; "
+                                 "seqmesh cannot split it. Use ep=1.")
+            local = p.detach()[rank * n:(rank + 1) * n].clone()
+            sharded = DTensor.from_local(local, emesh.ep_mesh, [Shard(0)], run_check=False,
+                                         shape=p.shape, stride=p.stride())
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        module.forward = _expert_parallel_forward(module, emesh)
+    return len(found)

@@ -1,0 +1,71 @@
+"""Expert parallelism (``ParallelPlan(ep=...)``): a model whose experts are split over expert groups trains as one
+process does. Qwen3-MoE (softmax top-k), DeepSeek-V3 (sigmoid scores with a routing bias, group-limited top-k, a
+shared expert, MLA, a dense first layer) and gpt-oss (router and expert biases, clamped interleaved gate) on Ulysses,
+USP and ring x data-parallel meshes, FSDP2, float64: every step's loss and the first step's gradients, against the
+transformers model on the whole batch in one process, within a multiple of the reference's own noise (the same
+batch with its rows in the other order). A rank whose tokens choose none of its experts, experts no token chooses,
+recomputation in backward, the bytes each exchange sends, and a mutation that sends tokens to the wrong rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from experts_cases import ep_all, ep_bytes
+from seqmesh.experts.rules import check_expert_parallel
+
+# Measured (torch 2.13, transformers 5.24, CPU): at most ~1.9 x the reference's noise (gpt-oss's sinks); the mutation
+# that sends each pair to the next rank's expert moves the loss 4e11 x and the gradients 1e15 x that noise.
+NOISE_MULTIPLE = 8
+FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
+def _check(results: list[dict]) -> None:
+    for r in results:
+        assert r["loss"] <= NOISE_MULTIPLE and r["grad"] <= NOISE_MULTIPLE, r
+
+
+def test_two_ranks_ulysses(pools):
+    """--ep 2 on U2; the experts past the first two unchosen (rank 1 receives nothing); the mutation fails."""
+    cases = [(f, 2, 1, 1, 2) for f in FAMILIES] + [("qwen3_moe", 2, 1, 1, 2, 2)]
+    for rank in pools.run(2, ep_all, cases):
+        _check(rank)
+    for rank in pools.run(2, ep_all, [("qwen3_moe", 2, 1, 1, 2), ("deepseek_v3", 2, 1, 1, 2)], wrong_rank=True):
+        for r in rank:
+            assert r["loss"] > 1e6 and r["grad"] > 1e6, r
+
+
+def test_four_ranks(pools):
+    """--ep 4 on U2 x R2 and --ep 2 on R2 x DP2, every family; with ep 4 and two experts chosen, three of the four
+    ranks receive nothing; DeepSeek-V3 with activation checkpointing (the exchanges run again in backward)."""
+    cases = ([(f, 2, 2, 1, 4) for f in FAMILIES] + [(f, 1, 2, 2, 2) for f in FAMILIES]
+             + [("qwen3_moe", 2, 2, 1, 4, 2)])
+    for rank in pools.run(4, ep_all, cases):
+        _check(rank)
+    for rank in pools.run(4, ep_all, [("deepseek_v3", 2, 2, 1, 4)], checkpointing=True):
+        _check(rank)
+
+
+@pytest.mark.parametrize("ring,dp,ep", [(2, 1, 2), (2, 2, 2), (2, 2, 4)])
+def test_counted_bytes_equal_formula(pools, ring, dp, ep):
+    """What the exchanges count equals seqmesh.experts.traffic's formula of the routes taken (forward: counts,
+    dispatch, combine; backward: the two exchanges reversed)."""
+    for rank in pools.run(ring * dp, ep_bytes, "qwen3_moe", ring, dp, ep):
+        assert rank["layers"] == 2 and rank["counted"] == rank["formula"], rank
+        assert rank["formula"]["forward"] > 0
+
+
+def test_refusals_name_the_value_and_fix():
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8 routed experts.*Use one of \\[1, 2, 4\\]"):
+        check_expert_parallel(3, experts=8, token_ranks=12)
+    with pytest.raises(ValueError, match="ep=4 does not divide the 6 ranks"):
+        check_expert_parallel(4, experts=8, token_ranks=6)
+    with pytest.raises(ValueError, match="no routed experts"):
+        check_expert_parallel(2, experts=None, token_ranks=4)
+    with pytest.raises(ValueError, match="tp=2"):
+        check_expert_parallel(2, experts=8, token_ranks=4, tp=2)
+    with pytest.raises(ValueError, match="without FSDP2"):
+        check_expert_parallel(2, experts=8, token_ranks=4, fsdp=False)
+    with pytest.raises(ValueError, match="compile"):
+        check_expert_parallel(2, experts=8, token_ranks=4, compile=True)
+    check_expert_parallel(1, experts=None, token_ranks=3)
+    check_expert_parallel(4, experts=8, token_ranks=8)

@@ -1,0 +1,207 @@
+"""Expert parallelism against one process: a tiny MoE model trained a few steps through ``parallelize_model`` with
+``ep`` (FSDP2, float64), and the unmodified transformers model trained the same steps on the whole batch in one
+process. Losses per step and, after the first backward, every parameter's gradient (the experts' gathered whole).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import seqmesh
+from dist_cases import get_mesh
+from family_cases import SMALL, WINDOW, build
+
+SEQ = 45
+ROWS = 2
+STEPS = 3
+LR = 0.05
+
+
+def ep_config(family: str, experts: int = 8):
+    """A tiny ``family`` with ``experts`` routed experts, 2 per token."""
+    import transformers as tf
+
+    if family == "qwen3_moe":  # softmax top-k, every layer MoE
+        return tf.Qwen3MoeConfig(**SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=2,
+                                 head_dim=8, num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True)
+    if family == "deepseek_v3":  # sigmoid scores with a bias, top groups then top-k, a shared expert, MLA, a dense layer
+        return tf.DeepseekV3Config(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, moe_intermediate_size=16,
+                                   num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                                   qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=experts, num_experts_per_tok=2,
+                                   n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1)
+    if family == "gpt_oss":  # router bias, softmax over the top-k, expert biases, clamped interleaved gate
+        return tf.GptOssConfig(**SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                               layer_types=["sliding_attention", "full_attention"], num_local_experts=experts,
+                               num_experts_per_tok=2)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def _model(family: str):
+    model = build(ep_config(family))
+    with torch.no_grad():  # DeepSeek's routing bias starts at zero: give it values, so the test sees it used
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.linspace(-0.5, 0.5, buf.numel(), dtype=buf.dtype))
+    return model
+
+
+def _batch(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"input_ids": torch.randint(0, vocab, (ROWS, SEQ), generator=g)}
+
+
+def rows_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the mean next-token cross-entropy of every row of the batch, one process."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return logits, loss
+
+
+def only_first_experts(model, keep: int) -> None:
+    """Route every token-expert pair to experts ``< keep`` only (its index modulo ``keep``; weights as routed), on
+    the reference and the parallel model alike: the experts past ``keep`` see no token, and with ``keep`` experts
+    per rank the other ranks of an expert group receive nothing."""
+    from seqmesh.experts.layers import experts_modules
+
+    def hook(module, args, kwargs):
+        hidden, index, weights = args
+        return (hidden, index % keep, weights), kwargs
+
+    for module in experts_modules(model):
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def reference_noise(reference, batch: dict, loss: float, want: dict) -> dict:
+    """How far the one-process reference moves when only its summation order changes (the batch's rows in reverse
+    order: the same mean loss and gradients, summed the other way round): the loss's spread, and per parameter dtype
+    the largest relative gradient spread (at least that dtype's unit roundoff). A float32 weight (DeepSeek's router)
+    has float32's noise; the float64 ones float64's."""
+    reference.zero_grad()
+    flipped = {k: v.flip(0) for k, v in batch.items()}
+    again = rows_loss(reference, flipped)[1]
+    again.backward()
+    grad: dict[str, float] = {}
+    for name, p in reference.named_parameters():
+        key = str(p.dtype)
+        err = float((p.grad - want[name]).abs().max() / want[name].abs().max().clamp(min=1e-12))
+        grad[key] = max(grad.get(key, float(torch.finfo(p.dtype).eps)), err)
+    for name, p in reference.named_parameters():  # back to the first order's gradients for the optimizer
+        p.grad.copy_(want[name])
+    return {"loss": max(abs(again.item() - loss), torch.finfo(torch.float64).eps * abs(loss)), "grad": grad}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def ep_parity(family: str, ulysses: int, ring: int, dp: int, ep: int, keep: int | None = None,
+              wrong_rank: bool = False, checkpointing: bool = False) -> dict:
+    """Per-step loss errors and the first step's largest relative gradient error against one process, with the
+    reference's own rounding. ``keep``: :func:`only_first_experts`. ``wrong_rank``: a mutation that sends each pair
+    to the same expert slot of the next rank of its group (the test that the comparison sees a misrouted token)."""
+    from seqmesh.compose import ParallelPlan, parallelize_model
+
+    mesh = get_mesh(ulysses, ring, dp_shard=dp)
+    reference = _model(family)
+    batch = _batch(reference.config.vocab_size)
+    if keep:
+        only_first_experts(reference, keep)
+    ref_logits, ref_loss = rows_loss(reference, batch)
+    ref_loss.backward()
+    want = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    rounding = reference_noise(reference, batch, ref_loss.item(), want)
+    ref_losses = [ref_loss.item()]
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for _ in range(STEPS - 1):
+        opt.step()
+        opt.zero_grad()
+        loss = rows_loss(reference, batch)[1]
+        loss.backward()
+        ref_losses.append(loss.item())
+
+    lm = _model(family)
+    if keep:
+        only_first_experts(lm, keep)
+    sp = parallelize_model(lm, mesh, ParallelPlan(fsdp=True, ep=ep, loss_chunk=16, checkpointing=checkpointing))
+    if wrong_rank:
+        _send_to_next_rank(lm, ep)
+    rows = ROWS // dp
+    local = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in batch.items()}
+    opt = torch.optim.SGD(sp.parameters(), lr=LR)
+    losses, grad, worst = [], 0.0, ""
+    for step in range(STEPS):
+        loss = sp(**seqmesh.shard_batch(local, mesh))
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            for name, p in lm.named_parameters():  # relative to this dtype's noise
+                g = _full(p.grad)
+                err = float((g - want[name]).abs().max() / want[name].abs().max().clamp(min=1e-12))
+                err /= rounding["grad"][str(want[name].dtype)]
+                if err > grad:
+                    grad, worst = err, name
+        opt.step()
+        opt.zero_grad()
+    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)) / rounding["loss"], "grad": grad, "worst": worst,
+            "rounding": rounding, "losses": losses}
+
+
+def _experts(lm):
+    from seqmesh.experts.layers import experts_modules
+
+    return experts_modules(lm)
+
+
+def _send_to_next_rank(lm, ep: int) -> None:
+    """The mutation: each pair's expert index moved to the same slot on the next rank of the group, for the
+    dispatch only (the weights stay): every token is computed by another rank's expert."""
+    for module in _experts(lm):
+        inner = module.forward
+        n = module.num_experts // ep
+
+        def shifted(hidden, index, weights, inner=inner, n=n, total=module.num_experts):
+            return inner(hidden, (index + n) % total, weights)
+
+        module.forward = shifted
+
+
+def ep_all(cases: list[tuple], **kwargs) -> list[dict]:
+    return [{"case": c, **ep_parity(*c, **kwargs)} for c in cases]
+
+
+def ep_bytes(family: str, ring: int, dp: int, ep: int) -> dict:
+    """One step on a mesh with no Ulysses axis (so every all-to-all is the experts'): the all-to-all bytes this rank
+    counted, and ``seqmesh.experts.traffic.exchange_bytes`` of the routes it took, summed over the MoE layers."""
+    import seqmesh.experts.dispatch as dispatch
+    from seqmesh.comm.stats import comm_stats
+    from seqmesh.compose import ParallelPlan, parallelize_model
+    from seqmesh.experts.traffic import exchange_bytes
+
+    mesh = get_mesh(1, ring, dp_shard=dp)
+    lm = _model(family)
+    sp = parallelize_model(lm, mesh, ParallelPlan(fsdp=True, ep=ep, loss_chunk=16))
+    routes = []
+    plan_route = dispatch.plan_route
+
+    def recorded(*args, **kwargs):
+        routes.append(plan_route(*args, **kwargs))
+        return routes[-1]
+
+    rows = ROWS // dp
+    local = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in _batch(lm.config.vocab_size).items()}
+    dispatch.plan_route = recorded
+    try:
+        with comm_stats() as stats:
+            sp(**seqmesh.shard_batch(local, mesh)).backward()
+    finally:
+        dispatch.plan_route = plan_route
+    experts = _experts(lm)[0].num_experts
+    from seqmesh.experts.mesh import expert_mesh
+
+    rank = expert_mesh(mesh, ep).ep_rank
+    formula = [exchange_bytes(r.send, r.receive, rank, lm.config.hidden_size, 8, experts // ep) for r in routes]
+    return {"counted": {phase: stats.sent("all_to_all", phase) for phase in ("forward", "backward")},
+            "formula": {"forward": sum(f.forward for f in formula), "backward": sum(f.backward for f in formula)},
+            "layers": len(routes), "pairs": [sum(r.send) for r in routes]}
