@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from .hf import parallelize
 from .hf.indexed_attention import is_indexed
-from .experts.layers import apply_expert_parallel, routed_experts
+from .experts.layers import apply_expert_parallel, check_family, routed_experts
 from .experts.mesh import expert_mesh
 from .experts.rules import check_expert_parallel
 from .linear_attention.choice import parse_design
@@ -123,6 +123,7 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     if plan.ep > 1:  # refused before any work, on every rank alike (the rule the planner calls too)
         check_expert_parallel(plan.ep, experts=routed_experts(model), token_ranks=mesh.batch_mesh.size(), tp=mesh.tp,
                               fsdp=plan.fsdp, compile=plan.compile, model=model.config.model_type)
+        check_family(model, plan.ep)
         experts = expert_mesh(mesh, plan.ep)
     lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
                      async_ulysses=plan.async_ulysses)

@@ -20,11 +20,20 @@ from .dispatch import dispatch_combine
 from .mesh import ExpertMesh
 from .rules import check_expert_parallel
 
-# model_type of the families whose experts modules seqmesh splits, each measured against one process in
-# tests/experts (the others have the same experts forward; a family is added here once a test covers it)
-EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_vl_moe",
-                            "qwen3_vl_moe_text", "deepseek_v3", "deepseek_v2", "gpt_oss", "mixtral", "glm4_moe",
-                            "minimax_m2", "olmoe")
+# model_type of the language models (a vision-language model's text config) whose experts modules seqmesh splits,
+# each measured against the model's own experts forward in tests/experts/test_expert_families.py (and Qwen3-MoE,
+# DeepSeek-V3 and gpt-oss end to end against one process in tests/experts/test_expert_parallel.py)
+EXPERT_PARALLEL_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_vl_moe_text",
+                            "deepseek_v3", "deepseek_v2", "gpt_oss", "mixtral", "glm4_moe", "minimax_m2", "olmoe")
+
+
+def check_family(model: nn.Module, ep: int) -> None:
+    """Refuse ``ep > 1`` for a family whose experts seqmesh has not measured, by name."""
+    family = model.config.get_text_config().model_type
+    if ep > 1 and family not in EXPERT_PARALLEL_FAMILIES:
+        raise ValueError(f"ep={ep}: seqmesh splits the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)}; {family} "
+                         f"({type(model).__name__}) is not among them. Use ep=1 (every rank holds every expert, FSDP2 "
+                         "shards them).")
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -58,23 +67,29 @@ class _LocalExperts:
         return getattr(self.__dict__["_module"], name)
 
 
+def run_local_experts(module: nn.Module, weights: dict[str, torch.Tensor], rows: torch.Tensor,
+                      local_expert: torch.Tensor) -> torch.Tensor:
+    """The unweighted output of the experts whose weights are ``weights`` (``{name: (n, ...)}``, a slice of
+    ``module``'s) for ``rows`` (N, H), row ``i`` through local expert ``local_expert[i]`` (N,): ``module``'s own
+    forward, given a view of it that holds these experts only."""
+    count = next(iter(weights.values())).shape[0]
+    view = _LocalExperts(module, weights, count)
+    ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+    out = type(module).forward(view, rows, local_expert[:, None], ones)  # the class's (transformers picks the kernel)
+    if rows.shape[0] == 0:  # nothing came here, and the model's forward returns a constant: keep the rows in the
+        # graph (the dispatch's backward is collective: every rank must run it) and every weight (FSDP2 reduces
+        # each weight's gradient, zeros here)
+        anchors = [rows.sum()] + [w.reshape(-1)[:1].sum() for w in weights.values()]
+        out = out + sum(anchors) * 0
+    return out
+
+
 def _expert_parallel_forward(module: nn.Module, emesh: ExpertMesh):
-    forward = type(module).forward  # the class's (transformers picks the kernel inside it)
-    experts, ep = module.num_experts, emesh.ep
-    local_count = experts // ep
-    group = emesh.ep_group
+    experts, ep, group = module.num_experts, emesh.ep, emesh.ep_group
 
     def run_local(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
-        weights = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
-        view = _LocalExperts(module, weights, local_count)
-        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        out = forward(view, rows, local_expert[:, None], ones)
-        if rows.shape[0] == 0:  # nothing came here, and the model's forward returns a constant: keep the rows in
-            # the graph (the dispatch's backward is collective: every rank must run it) and every weight (FSDP2
-            # reduces each weight's gradient, zeros here)
-            anchors = [rows.sum()] + [w.reshape(-1)[:1].sum() for w in weights.values()]
-            out = out + sum(anchors) * 0
-        return out
+        weights = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}  # (E / ep, ...) each
+        return run_local_experts(module, weights, rows, local_expert)
 
     def ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return dispatch_combine(hidden_states, top_k_index, top_k_weights, experts, ep, group, run_local)
@@ -88,13 +103,10 @@ def apply_expert_parallel(model: nn.Module, emesh: ExpertMesh) -> int:
     refused by name. Call before FSDP2 (which then shards each rank's experts over the ranks holding the same ones)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    family = model.config.model_type
     found = experts_modules(model)
-    check_expert_parallel(emesh.ep, experts=routed_experts(model), token_ranks=emesh.mesh.size(), model=family)
-    if family not in EXPERT_PARALLEL_FAMILIES:
-        raise ValueError(f"ep={emesh.ep}: seqmesh splits the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)}; "
-                         f"{family} ({type(model).__name__}) is not among them. Use ep=1 (every rank holds every "
-                         "expert, FSDP2 shards them).")
+    check_expert_parallel(emesh.ep, experts=routed_experts(model), token_ranks=emesh.mesh.size(),
+                          model=model.config.model_type)
+    check_family(model, emesh.ep)
     rank, ep = emesh.ep_rank, emesh.ep
     for module in found:
         n = module.num_experts // ep

@@ -1,0 +1,116 @@
+"""Every family seqmesh's expert parallelism accepts runs its experts exactly as split: the experts module's own
+forward on all its experts (the reference) against seqmesh's dispatch with the experts cut into ``ep`` slices, each
+slice run through the view of the module that holds it (what a rank of an expert group runs), the router's weights
+applied on the token's side; forward and the gradients of the hidden states, routing weights and expert weights.
+One process (the exchanges themselves are tested on several in test_expert_parallel.py). Families with experts
+that seqmesh has not measured are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from census_configs import build, census_config, census_names
+from seqmesh.experts.dispatch import dispatch_combine
+from seqmesh.experts.layers import EXPERT_PARALLEL_FAMILIES, check_family, experts_modules, run_local_experts
+
+TOKENS = 23
+NOISE_MULTIPLE = 8
+# the text model of a vision-language family is built from its text config, which the census names
+_CENSUS = {"qwen3_vl_moe_text": "qwen3_vl_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _experts_of(family: str):
+    """(an experts module of ``family``'s tiny model, its text config), float64 with seeded weights. A
+    vision-language family's text model has no causal-LM entry of its own: its experts class is built from the
+    text config."""
+    import importlib
+
+    name = _CENSUS.get(family, family)
+    if name in census_names():
+        model = build(census_config(name))
+        return experts_modules(model)[-1], model.config.get_text_config()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"{name} is not in this transformers")
+    text = census_config_text(name)
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    cls = next(c for n, c in vars(modeling).items() if n.endswith("TextExperts") or n.endswith("Experts"))
+    torch.manual_seed(0)
+    module = cls(text).to(torch.float64)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.1)
+    return module, text
+
+
+def census_config_text(name: str):
+    from census_configs import TINY
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    text = CONFIG_MAPPING[name]().get_text_config()
+    for field in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "intermediate_size"):
+        if hasattr(text, field):
+            setattr(text, field, TINY[field])
+    text._experts_implementation = "eager"
+    return text
+
+
+def _split_forward(module, hidden, index, weights, ep: int) -> torch.Tensor:
+    experts = module.num_experts
+    n = experts // ep
+    params = dict(module.named_parameters(recurse=False))
+
+    def run(rows, expert):  # every "rank" r runs the rows of its experts [r n, (r + 1) n) through its slice
+        out = rows.new_zeros(rows.shape)
+        for r in range(ep):
+            mine = (expert // n) == r
+            piece = {k: v[r * n:(r + 1) * n] for k, v in params.items()}
+            out = out.index_put((mine.nonzero().flatten(),), run_local_experts(module, piece, rows[mine], expert[mine] - r * n))
+        return out
+
+    return dispatch_combine(hidden, index, weights, experts, 1, None, run)
+
+
+def _grads(module, hidden, weights, out, probe) -> list[torch.Tensor]:
+    leaves = [hidden, weights, *module.parameters(recurse=False)]
+    return list(torch.autograd.grad((out * probe).sum(), leaves))
+
+
+@pytest.mark.parametrize("family", EXPERT_PARALLEL_FAMILIES)
+def test_split_experts_equal_the_module(family):
+    module, text = _experts_of(family)
+    k = text.num_experts_per_tok
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(TOKENS, text.hidden_size, dtype=torch.float64, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(module.num_experts, generator=g)[:k] for _ in range(TOKENS)])
+    weights = torch.rand(TOKENS, k, dtype=torch.float64, generator=g).requires_grad_()
+    probe = torch.randn(TOKENS, text.hidden_size, dtype=torch.float64, generator=g)
+    want = module(hidden, index, weights)
+    want_grads = _grads(module, hidden, weights, want, probe)
+    # the reference's own noise: the same tokens in the other order (another summation order), put back
+    flip = torch.arange(TOKENS - 1, -1, -1)
+    again = module(hidden[flip], index[flip], weights[flip])[flip]
+    again_grads = _grads(module, hidden, weights, again, probe)
+    noise = _noise(again, want)
+    grad_noise = [_noise(a, b) for a, b in zip(again_grads, want_grads)]
+    for ep in (e for e in (2, 4) if module.num_experts % e == 0):
+        got = _split_forward(module, hidden, index, weights, ep)
+        assert float((got - want).detach().abs().max()) <= NOISE_MULTIPLE * noise, (family, ep)
+        for a, b, spread in zip(_grads(module, hidden, weights, got, probe), want_grads, grad_noise):
+            assert float((a - b).abs().max()) <= NOISE_MULTIPLE * spread, (family, ep)
+
+
+def _noise(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How far two summation orders of the same values are apart (at least a unit roundoff of the values' size)."""
+    a, b = a.detach(), b.detach()
+    return max(float((a - b).abs().max()), float(torch.finfo(torch.float64).eps * b.abs().max()))
+
+
+def test_unmeasured_families_are_refused_by_name():
+    model = build(census_config("jamba"))
+    assert experts_modules(model)
+    with pytest.raises(ValueError, match="ep=2: seqmesh splits the experts of qwen3_moe.*jamba"):
+        check_family(model, 2)
+    check_family(model, 1)
