@@ -121,8 +121,15 @@ def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention
 
 
 def linear_layer_params(m: ModelShape) -> int:
-    """Parameters of one Gated DeltaNet layer of a hybrid model: its token mixer, gated MLP, two RMSNorms."""
-    return m.linear_layer_params + 3 * m.hidden * m.intermediate + 2 * m.hidden
+    """Parameters of one Gated DeltaNet layer of a hybrid model: its token mixer, gated MLP (Qwen3.5-MoE's: its
+    experts and router, as every layer of it has), two RMSNorms."""
+    return m.linear_layer_params + m.mlp_params + 2 * m.hidden
+
+
+def linear_layer_matmul_params(m: ModelShape) -> int:
+    """Parameters of one Gated DeltaNet layer that multiply every token: the mixer's projections and the MLP's
+    (of an MoE layer the experts a token is routed to, as :func:`.workload.layer_matmul_params` counts them)."""
+    return m.linear_layer_params + layer_matmul_params(m) - m.attention_params
 
 
 def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
@@ -214,7 +221,7 @@ class GatedDeltaNet:
         p = layout.ulysses * layout.ring
         peak = hw.flops_for(work.dtype)
         mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
-        mm_fwd = 2 * work.batch * local_tokens(work, layout) * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
+        mm_fwd = 2 * work.batch * local_tokens(work, layout) * linear_layer_matmul_params(m) / mm_rate
         if self.design(hw) is LinearDesign.STATE_PASSING:  # all heads of the local tokens, Dk more value columns
             local = -(-work.seq_len // p)
             core_fwd = (linear_flops(m, local, work.batch) + state_passing_extra_flops(self.shape())) / core_rate
