@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from ..model.presets import MODELS, model_shape
+from .experts import expert_degrees
 from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
@@ -172,6 +173,11 @@ def check_args(args: argparse.Namespace):
                                    args.one_group)
     except ValueError as err:  # a PlanInputError too: the same message again
         raise PlanInputError(str(err)) from None
+    if work.ep != "auto" and cluster.gpus % work.ep:
+        fitting = ", ".join(map(str, expert_degrees(work.model, cluster.gpus, "auto")))
+        raise PlanInputError(f"--ep {work.ep} does not divide the {cluster.gpus} GPUs: a MoE layer's experts are split "
+                             "over ranks holding different tokens (dp x ring x ulysses). Degrees dividing the GPUs and "
+                             f"the {work.model.experts} routed experts: {fitting}; or --ep auto.")
     if work.dtype == "fp32" and hw.peak_flops_fp32 is None and not args.calibrate:
         raise PlanInputError(f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the "
                              "preset's bf16 peak, and fp32 without tensor cores is not a fixed fraction of it (1/15 "

@@ -132,7 +132,7 @@ def test_memory_with_ep_is_lower_by_the_gathered_experts(configs):
         assert before.total - after.total == 6 * fewer - rows
 
 
-def test_refusals_name_the_number_and_the_fix(configs):
+def test_refusals_name_the_number_and_the_fix(configs, capsys):
     deepseek = model_shape(configs["deepseek-v3"])
     with pytest.raises(ValueError, match=r"--ep 3 does not divide .* 256 routed experts.*1, 2, 4, 8"):
         Workload(deepseek, seq_len=4096, ep=3)
@@ -148,6 +148,9 @@ def test_refusals_name_the_number_and_the_fix(configs):
     assert not ok and all("does not divide the 16 ranks" in why or "tensor parallelism" in why for _, why in excluded)
     assert main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "16", "--ep", "six"]) == 2
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--gpus", "8", "--ep", "2"]) == 2
+    assert main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "8", "--ep", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep 16 does not divide the 8 GPUs" in err and "experts: 1, 2, 4, 8; or --ep auto" in err
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "qwen3.5-moe"])
