@@ -134,15 +134,19 @@ def resolve_degrees(world: int, *, ulysses: Degree = "auto", ring: Degree = "aut
 class Degrees:
     """How the GPUs are split, as the planner compares them: ``tp`` tensor-parallel ranks inside each of the
     ``ulysses x ring`` sequence ranks (``seqmesh.tensor_parallel``), ``dp_shard`` groups of them. World rank =
-    ``tp_rank + T*(ulysses_rank + U*(ring_rank + R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel."""
+    ``tp_rank + T*(ulysses_rank + U*(ring_rank + R*dp_rank))``: TP innermost, then Ulysses, ring, data-parallel.
+    ``ep``: a mixture-of-experts layer's routed experts split over ``ep`` ranks that hold different tokens (the
+    innermost ``ep`` of the ``dp_shard x ring x ulysses`` batch ranks, folded as Megatron does: attention keeps its
+    groups), each expert sharded by FSDP over the ``fsdp_group / ep`` ranks holding it (1: no expert parallelism)."""
 
     ulysses: int
     ring: int
     dp_shard: int
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("ulysses", "ring", "dp_shard", "tp"):
+        for name in ("ulysses", "ring", "dp_shard", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
 
@@ -167,7 +171,10 @@ class Degrees:
 
     def label(self) -> str:
         tp = f" x TP{self.tp}" if self.tp > 1 else ""
-        return f"U{self.ulysses} x R{self.ring}{tp} x DP{self.dp_shard}"
+        ep = f" x EP{self.ep}" if self.ep > 1 else ""
+        return f"U{self.ulysses} x R{self.ring}{tp} x DP{self.dp_shard}{ep}"
 
     def as_dict(self) -> dict[str, int]:
-        return {"ulysses": self.ulysses, "ring": self.ring, "dp_shard": self.dp_shard, "tp": self.tp}
+        """The degrees by name; ``ep`` only where experts are split (a layout without it reads as before)."""
+        out = {"ulysses": self.ulysses, "ring": self.ring, "dp_shard": self.dp_shard, "tp": self.tp}
+        return out | ({"ep": self.ep} if self.ep > 1 else {})

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from ..model.presets import MODELS, model_shape
+from .experts import expert_degrees
 from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
@@ -77,6 +78,9 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"], help="sequence layout")
     p.add_argument("--linear-attention", default="auto", choices=["auto", "all_to_all", "state_passing"],
                    help="Gated DeltaNet layers: one all-to-all, state passing, or auto (the layers' own rule)")
+    p.add_argument("--ep", default="1", metavar="N|auto", help="expert parallelism of mixture-of-experts models: each "
+                   "MoE layer's routed experts split over N ranks holding different tokens (dividing the experts and "
+                   "dp x ring x ulysses; no TP), or auto to plan every degree each layout can take (default 1: none)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits per layout")
     p.add_argument("--calibrate", action="store_true",
@@ -137,7 +141,17 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
                     layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
                     efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
                     fsdp_cpu_offload=args.fsdp_cpu_offload, media=media, linear_attention=args.linear_attention,
-                    async_ulysses=args.async_ulysses)
+                    async_ulysses=args.async_ulysses, ep=expert_degree(args.ep))
+
+
+def expert_degree(text: str) -> int | str:
+    """``--ep``'s value: a positive number of ranks, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise PlanInputError(f"--ep {text!r}: give a number of ranks (1: no expert parallelism) or auto.") from None
 
 
 def check_args(args: argparse.Namespace):
@@ -159,6 +173,11 @@ def check_args(args: argparse.Namespace):
                                    args.one_group)
     except ValueError as err:  # a PlanInputError too: the same message again
         raise PlanInputError(str(err)) from None
+    if work.ep != "auto" and cluster.gpus % work.ep:
+        fitting = ", ".join(map(str, expert_degrees(work.model, cluster.gpus, "auto")))
+        raise PlanInputError(f"--ep {work.ep} does not divide the {cluster.gpus} GPUs: a MoE layer's experts are split "
+                             "over ranks holding different tokens (dp x ring x ulysses). Degrees dividing the GPUs and "
+                             f"the {work.model.experts} routed experts: {fitting}; or --ep auto.")
     if work.dtype == "fp32" and hw.peak_flops_fp32 is None and not args.calibrate:
         raise PlanInputError(f"--dtype fp32 needs the fp32 peak: --peak-tflops {args.peak_tflops} replaced the "
                              "preset's bf16 peak, and fp32 without tensor cores is not a fixed fraction of it (1/15 "

@@ -15,17 +15,18 @@ from ..padding import padded_length
 from ..sequence.layout import SequenceLayout
 from ..model.presets import ModelShape
 from .activations import decoder_layer_saved_bytes, local_tokens, tokens, tp_heads
+from .experts import dispatch_bytes, layer_fsdp_seconds
 from .hardware import HardwareSpec
 from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
                                        state_passing_extra_flops)
-from .network import axis_all_to_all_seconds, axis_groups, fsdp_seconds, gather_seconds, link_name
+from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from ..heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .kda import KdaLayer
 from .lightning import LightningLayer
 from .short_conv import ShortConvLayer
 from .tensor_parallel import layer_traffic, split_params
-from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes, fsdp_traffic,
+from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes,
                       indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
 from ..degrees import Degrees
 from .workload import Workload, layer_matmul_params, layer_params
@@ -107,7 +108,7 @@ class Attention:
         return ring_steps(self.layout.ring, padded, self.work.layout, self.window) - 1
 
     def saved_bytes(self) -> int:
-        return decoder_layer_saved_bytes(self.work, self.layout)
+        return decoder_layer_saved_bytes(self.work, self.layout) + dispatch_bytes(self.work, self.layout)
 
 
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
@@ -121,8 +122,13 @@ def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention
 
 
 def linear_layer_params(m: ModelShape) -> int:
-    """Parameters of one Gated DeltaNet layer of a hybrid model: its token mixer, gated MLP, two RMSNorms."""
-    return m.linear_layer_params + 3 * m.hidden * m.intermediate + 2 * m.hidden
+    """One Gated DeltaNet layer's parameters: token mixer, gated MLP (Qwen3.5-MoE's experts and router), norms."""
+    return m.linear_layer_params + m.mlp_params + 2 * m.hidden
+
+
+def linear_layer_matmul_params(m: ModelShape) -> int:
+    """Its parameters that multiply every token (an MoE layer's: :func:`.workload.layer_matmul_params`'s)."""
+    return m.linear_layer_params + layer_matmul_params(m) - m.attention_params
 
 
 def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
@@ -205,7 +211,7 @@ class GatedDeltaNet:
         if self.design() is LinearDesign.STATE_PASSING:  # every head, the local chunks, states Dk columns wider
             widen = (m.linear_key_dim + m.linear_value_dim) / m.linear_value_dim
             states = int(-(-whole // w.batch // p // LINEAR_CHUNK) * linear_state_bytes(m, w.batch, 1) * widen)
-        return tokens(w, lay) * per_token + mixer + states
+        return tokens(w, lay) * per_token + mixer + states + dispatch_bytes(w, lay)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and
@@ -214,7 +220,7 @@ class GatedDeltaNet:
         p = layout.ulysses * layout.ring
         peak = hw.flops_for(work.dtype)
         mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
-        mm_fwd = 2 * work.batch * local_tokens(work, layout) * (linear_layer_params(m) - 2 * m.hidden) / mm_rate
+        mm_fwd = 2 * work.batch * local_tokens(work, layout) * linear_layer_matmul_params(m) / mm_rate
         if self.design(hw) is LinearDesign.STATE_PASSING:  # all heads of the local tokens, Dk more value columns
             local = -(-work.seq_len // p)
             core_fwd = (linear_flops(m, local, work.batch) + state_passing_extra_flops(self.shape())) / core_rate
@@ -303,7 +309,7 @@ class IndexedAttention:
         return {"indexed_row_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        return decoder_layer_saved_bytes(self.work, self.layout)
+        return decoder_layer_saved_bytes(self.work, self.layout) + dispatch_bytes(self.work, self.layout)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`GatedDeltaNet.seconds` counts them:
@@ -342,8 +348,7 @@ def serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareSp
     fwd, bwd = compute[0] + comm[0], compute[1] + comm[1]
     if work.checkpointing:
         bwd += fwd
-    fsdp = fsdp_traffic(layer.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
-    ag, rs = fsdp_seconds(fsdp, hw, fsdp_ranks)
+    ag, rs = layer_fsdp_seconds(layer.params(), work, layout, hw, fsdp_ranks)
     repeats = 2 if work.checkpointing else 1
     return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] * repeats + compute[1],
             "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}

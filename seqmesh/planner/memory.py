@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from .activations import (TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes, gathered_tokens,
                           layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
                           outside_layers_bytes, timeline_peak, tokens)
+from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .tensor_parallel import split_params
 from ..degrees import Degrees
@@ -64,23 +65,26 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     if moment not in MOMENTS:
         raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
     m, e, split = work.model, work.act_bytes, split_params(work.model, layout.tp)
-    shard = -(-split["total"] // layout.fsdp_group)
-    layer, root = split["layer"], split["root"]
-    prefetched = layer if layout.fsdp_group > 1 else 0  # the next layer's all-gather, issued during this one's
-    gathered = {"loss forward": root, "loss backward": root, "layer backward": root + layer + prefetched,
-                "first layer backward": root + layer, "end of backward": root, "optimizer step": 0}[moment]
+    shard = sharded_params(m, layout, split["total"])
+    root = split["root"]
+    layer = local_layer_params(split["layer"], m, layout)  # under EP a rank gathers only its own experts
+    layers = {"layer backward": 2 if layout.fsdp_group > 1 else 1,  # with the next layer's all-gather, issued
+              "first layer backward": 1}.get(moment, 0)  # during this one's
+    gathered = 0 if moment == "optimizer step" else root + layers * layer
     unsharded = {"layer backward": (root + layer) * e, "first layer backward": (root + layer) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
     grad_shards = GRAD_SHARD * shard if moment in ("end of backward", "optimizer step") else 0
     if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered; FSDP2
         # keeps the last reduce-scatter's float32 input until the next one is issued
-        grad_shards = GRAD_SHARD * (m.layers - 1) * -(-layer // layout.fsdp_group) + 4 * layer
+        grad_shards = GRAD_SHARD * (m.layers - 1) * unit_shard(split["layer"], m, layout) + 4 * layer
     step_temps = 0
     if moment == "optimizer step":
         largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (layout.tp * layout.fsdp_group))
         step_temps = 4 * shard if work.optimizer_foreach else 2 * 4 * largest
     if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in
-        return gathered * e + MASTER * -(-gathered // layout.fsdp_group), unsharded, 0
+        copied = (-(-gathered // layout.fsdp_group) if layout.ep == 1 or not gathered else
+                  -(-root // layout.fsdp_group) + layers * unit_shard(split["layer"], m, layout))
+        return gathered * e + MASTER * copied, unsharded, 0
     return MASTER * shard + gathered * e, grad_shards + unsharded, ADAM * shard + step_temps
 
 
@@ -90,7 +94,7 @@ def host_memory(work: Workload, layout: Degrees) -> int:
     m, e = work.model, work.act_bytes
     host = 0
     if work.fsdp_cpu_offload:
-        host += (MASTER + GRAD_SHARD + ADAM) * -(-split_params(m, layout.tp)["total"] // layout.fsdp_group)
+        host += (MASTER + GRAD_SHARD + ADAM) * sharded_params(m, layout, split_params(m, layout.tp)["total"])
     if work.offload_checkpoints:
         final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
         host += m.layers * layer_input_bytes(work, layout) + tokens(work, layout) * final_norm
@@ -167,7 +171,7 @@ def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
     elif moment in ("layer backward", "first layer backward"):
         activations, op = activation_memory(work, layout, moment)
         if op == TILED_RECOMPUTE:  # the layer's own weight gradients come after it: the larger of the two moments
-            own = split_params(work.model, layout.tp)["layer"] * work.act_bytes
+            own = local_layer_params(split_params(work.model, layout.tp)["layer"], work.model, layout) * work.act_bytes
             later, later_op = activation_memory(work, layout, moment, after_recompute=True)
             if later + own > activations:
                 activations, op = later, later_op

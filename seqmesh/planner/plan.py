@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from .hardware import GiB, Cluster, HardwareSpec
 from .memory import MemoryBreakdown, memory_per_gpu
+from .experts import exchange_link, exchange_phases, expert_degrees, expert_parallel_refusal, layer_fsdp_traffic, moe_layers
 from .recommend import explain, explain_longest, nothing_fits, pick
 from .layers import Attention, LayerKind, layer_kinds
 from .network import every_group, link_name
@@ -126,12 +127,32 @@ def layouts(work: Workload, cluster: Cluster,
                     excluded.append((lay, f"ulysses {u} exceeds the vision tower's {m.vision.heads} heads"))
                 else:
                     ok.append(lay)
+    ok, excluded = _with_experts(work, ok, excluded)
     for lay in list(ok):
         why = target.why_not(lay, work.batch)
         if why:
             ok.remove(lay)
             excluded.append((lay, why))
     return ok, excluded
+
+
+def _with_experts(work: Workload, ok: list[Degrees],
+                  excluded: list[tuple[Degrees, str]]) -> tuple[list[Degrees], list[tuple[Degrees, str]]]:
+    """Each runnable layout at every expert-parallel degree ``work.ep`` asks for (``auto``: each one it can take; a
+    TP layout none), and those it cannot take with the reason."""
+    if work.ep == 1:
+        return ok, excluded
+    out = []
+    for lay in ok:
+        asked = 1 if lay.tp > 1 and work.ep == "auto" else work.ep
+        for ep in expert_degrees(work.model, lay.fsdp_group, asked):
+            with_ep = replace(lay, ep=ep)
+            why = expert_parallel_refusal(work.model, with_ep)
+            if why:
+                excluded.append((with_ep, why))
+            else:
+                out.append(with_ep)
+    return out, excluded
 
 
 def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[dict, dict, dict]:
@@ -166,6 +187,11 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
     # the first seqmesh attention call of a batch checks the inputs (indexed layers do not call it)
     step["input_check_all_gather"] = attention.input_check() if m.layers > m.non_attention_layers + m.indexed_layers else 0
     step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
+    if layout.ep > 1:  # every MoE layer's dispatch and combine (a balanced router: seqmesh.experts.traffic)
+        for phase, sent in exchange_phases(work, layout).items():
+            per_layer[phase]["ep_all_to_all"] = sent
+        step["ep_all_to_all"] = moe_layers(m) * sum(per_layer[phase]["ep_all_to_all"] for phase in PHASES)
+        links["ep_all_to_all"] = exchange_link(layout, hw)
     if layout.tp > 1:  # the embedding's and the loss's TP collectives, the loss tiles' and norm gradients' all-reduces
         for sent in step_traffic(work, layout).values():
             for k, v in sent.items():
@@ -178,7 +204,7 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
 def with_fsdp(kind: LayerKind, work: Workload, layout: Degrees) -> dict[str, dict[str, int]]:
     """``kind``'s traffic per phase with its FSDP unit's: gathered forward and again backward (not in the
     recompute: the layer stays gathered for its backward), reduce-scattered backward."""
-    fsdp = fsdp_traffic(kind.params(), layout.fsdp_group, work.torch_dtype, work.reduce_dtype)
+    fsdp = layer_fsdp_traffic(kind.params(), work, layout)  # under EP, the rank's experts over their holders
     sent = kind.traffic()
     sent["forward"] |= {"fsdp_all_gather": fsdp["all_gather_forward"], "fsdp_reduce_scatter": 0}
     sent["backward"] |= {"fsdp_all_gather": fsdp["all_gather_backward"],
@@ -193,6 +219,9 @@ def peak_memory(work: Workload, layout: Degrees) -> MemoryBreakdown:
 
 
 def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBatch = GlobalBatch()) -> Candidate:
+    why = expert_parallel_refusal(work.model, layout)
+    if why:
+        raise ValueError(f"{layout.label()}: {why}; choose an ep that fits (seqmesh plan --ep auto lists them).")
     hw = cluster.hardware
     mem = peak_memory(work, layout)
     per_layer, links, per_step = communication(work, layout, hw)

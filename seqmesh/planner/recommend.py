@@ -102,6 +102,10 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
     if lay.sp > 1 and "indexed_row_gather" in links:  # DeepSeek Sparse Attention: one flat group, any split
         parts.append(f"the sparse attention's rows gathered over the {lay.sp} GPUs of the sequence group, over "
                      f"{links['indexed_row_gather']} (the same bytes for every Ulysses x ring split of them)")
+    if lay.ep > 1:
+        inner = links["ep_all_to_all"] == cluster.hardware.links[0].name
+        parts.append(f"expert parallelism {lay.ep} {'inside' if inner else 'over'} {links['ep_all_to_all']}: each "
+                     f"rank gathers 1/{lay.ep} of an MoE layer's routed experts")
     if lay.dp_shard > 1:
         sp = lay.sp
         parts.append(f"the sequence fits on {sp} GPU{'s' if sp > 1 else ''}, so {lay.dp_shard} data-parallel "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .hardware import Cluster
-from .plan import PHASES, Candidate, Plan
+from .experts import moe_layers
+from .plan import PHASES, Candidate, Plan, evaluate
 from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
 from .workload import Workload
@@ -122,6 +125,8 @@ def format_plan(p: Plan, top: int) -> str:
               f"total {_human_bytes(c.comm_per_step['total'])}",
               f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
               f"{_num(c.time.exposed_comm)} s"]
+    if c.layout.ep > 1:
+        lines += format_experts(c, work, p.cluster)
     if work.media is not None:
         lines += format_tower(c, work, p.cluster)
     if accum:
@@ -130,6 +135,22 @@ def format_plan(p: Plan, top: int) -> str:
                      f"{c.accumulation} micro-step(s) x {_num(c.time.total)} s = {_num(c.optimizer_step_s)} s, "
                      f"{_num(tokens / c.optimizer_step_s)} tokens/s")
     return "\n".join(lines)
+
+
+def format_experts(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
+    """What expert parallelism changes on ``c``'s layout: its experts per rank, and its memory, bytes per MoE layer
+    and step beside the same layout without EP."""
+    m, lay = work.model, c.layout
+    base = evaluate(work, replace(lay, ep=1), cluster)
+    a2a = " / ".join(_human_bytes(c.comm_per_layer[ph]["ep_all_to_all"]) for ph in PHASES)
+    return [f"expert parallelism EP{lay.ep}: {m.experts // lay.ep} of the {m.experts} routed experts per rank in each of "
+            f"{moe_layers(m)} MoE layers, sharded over the {lay.fsdp_group // lay.ep} ranks holding them; per MoE "
+            f"layer, busiest rank: ep_all_to_all {a2a} (forward / backward / recompute)",
+            f"without EP ({base.layout.label()}): memory {gib(base.memory.total)} -> {gib(c.memory.total)} GiB per GPU; "
+            f"FSDP all-gather per layer {_human_bytes(base.comm_per_layer['forward']['fsdp_all_gather'])} -> "
+            f"{_human_bytes(c.comm_per_layer['forward']['fsdp_all_gather'])} each way; traffic per step "
+            f"{_human_bytes(base.comm_per_step['total'])} -> {_human_bytes(c.comm_per_step['total'])}; step "
+            f"{_num(base.time.total)} -> {_num(c.time.total)} s" + ("" if base.feasible else " (without EP it does not fit)")]
 
 
 def _per_phase(sent: dict[str, dict[str, int]], keys: list[str]) -> tuple[list[str], str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .hardware import HardwareSpec
+from .experts import exchange_seconds, layer_fsdp_seconds, moe_layers
 from .memory import local_tokens
 from .activations import tp_heads
 from .layers import Attention, attention_average, attention_pairs, layer_kinds
@@ -92,7 +93,8 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         return fsdp_seconds(sent, hw, fsdp_ranks)
 
     split = split_params(m, layout.tp)
-    ag, rs = unit_seconds(Attention(work, layout).params())  # split["layer"] but in a Mamba2 hybrid
+    # split["layer"] but in a Mamba2 hybrid; under EP the rest over every rank, the rank's experts over their holders
+    ag, rs = layer_fsdp_seconds(Attention(work, layout).params(), work, layout, hw, fsdp_ranks)
     layer_fwd, layer_bwd = max(fwd, ag, offload), max(bwd, ag + rs, offload)
 
     # the chunked loss recomputes the logits in backward; under TP the head is vocabulary-parallel (same FLOPs)
@@ -114,6 +116,9 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
             total += count * own["total"]
             compute += count * own["compute"]
             serial += count * own["serial"]
+    if layout.ep > 1:  # each MoE layer's dispatch and combine: the experts wait for them, nothing hides them
+        exchange = moe_layers(m) * sum(exchange_seconds(work, layout, hw).values())
+        total, serial = total + exchange, serial + exchange
     hops = {}
     if layout.ring > 1 and full:
         t_kv, t_dkv = ring_hops(work, layout, hw)

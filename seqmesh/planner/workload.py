@@ -44,6 +44,7 @@ class Workload:
     media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
     linear_attention: str = "auto"  # Gated DeltaNet design: all_to_all, state_passing or auto (linear_attention.choice)
     async_ulysses: bool = False  # Ulysses all-to-alls pipelined with the projections (seqmesh.hf.async_ulysses; TP=1)
+    ep: int | str = 1  # expert-parallel degree of every layout planned, or "auto": each degree a layout can take
 
     def __post_init__(self) -> None:
         if self.model.unplanned:
@@ -64,6 +65,13 @@ class Workload:
             self.media.check(self.model, self.seq_len)
         if self.offload_prefetch < 0:
             raise ValueError(f"offload_prefetch={self.offload_prefetch} must be >= 0.")
+        if self.ep != "auto":
+            if not isinstance(self.ep, int) or self.ep < 1:
+                raise ValueError(f"--ep {self.ep!r}: the expert-parallel degree is a positive number of ranks (1: "
+                                 "none) or auto.")
+            from .experts import check_expert_parallel  # it imports this module
+
+            check_expert_parallel(self.model, self.ep)
 
     @property
     def torch_dtype(self) -> str:
@@ -132,7 +140,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu,
                     linear_attention=getattr(cfg, "linear_attention", "auto"))
-    return work, Degrees(ulysses, ring, dp, cfg.tp)
+    return work, Degrees(ulysses, ring, dp, cfg.tp, getattr(cfg, "ep", 1))
 
 
 @dataclass(frozen=True)
