@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 
-def check_expert_parallel(ep: int, *, experts: int | None, token_ranks: int, tp: int = 1, fsdp: bool = True,
+def check_expert_parallel(ep: int, *, experts: int | None, token_ranks: int | None, tp: int = 1, fsdp: bool = True,
                           compile: bool = False, model: str = "the model") -> None:
     """Refuse an ``ep`` degree that cannot run, naming the value and the fix.
 
     ``experts``: the routed experts of each MoE layer (None or 0: the model has none); ``token_ranks``: the ranks
-    that hold different tokens (dp_replicate x dp_shard x ring x ulysses), which the expert groups are cut from.
+    that hold different tokens (dp_replicate x dp_shard x ring x ulysses), which the expert groups are cut from (None:
+    not known yet, e.g. the planner checking a model before its layouts).
     """
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be a positive integer, got {ep!r}.")
@@ -18,10 +19,10 @@ def check_expert_parallel(ep: int, *, experts: int | None, token_ranks: int, tp:
     if not experts:
         raise ValueError(f"ep={ep}: {model} has no routed experts to split; use ep=1.")
     if experts % ep:
-        fits = [d for d in range(1, experts + 1) if experts % d == 0 and token_ranks % d == 0]
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and (token_ranks or d) % d == 0]
         raise ValueError(f"ep={ep} does not divide the {experts} routed experts of {model}: each rank must hold the "
                          f"same number. Use one of {fits}.")
-    if token_ranks % ep:
+    if token_ranks is not None and token_ranks % ep:
         fits = [d for d in range(1, token_ranks + 1) if token_ranks % d == 0 and experts % d == 0]
         raise ValueError(f"ep={ep} does not divide the {token_ranks} ranks that hold different tokens (dp_replicate x "
                          f"dp x ring x ulysses): the expert groups are cut from them. Use one of {fits}, or change "

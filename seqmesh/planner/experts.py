@@ -12,6 +12,7 @@ runtime's counters are tested against. docs/planner.md, "Expert parallelism", li
 from __future__ import annotations
 
 from ..degrees import Degrees
+from ..experts.rules import check_expert_parallel as runtime_rule
 from ..experts.traffic import ExchangeBytes, expected_exchange_bytes
 from ..model.presets import ModelShape
 from .activations import tokens
@@ -47,33 +48,26 @@ def local_layer_params(params: int, m: ModelShape, layout: Degrees) -> int:
 
 
 def check_expert_parallel(m: ModelShape, ep: int) -> None:
-    """Refuse an ``ep`` no layout of ``m`` can take, naming the model's numbers and the fix."""
+    """Refuse an ``ep`` no layout of ``m`` can take, naming the model's numbers and the fix: the runtime's rule
+    (:func:`seqmesh.experts.rules.check_expert_parallel`) on the model alone, and what the planner does not model."""
     if ep == 1:
         return
-    if not m.experts:
-        raise ValueError(f"--ep {ep}: {m.name} has no routed experts (a dense MLP) to split; use --ep 1.")
-    if m.hybrid is not None:
+    if m.experts and m.hybrid is not None:
         raise ValueError(f"--ep {ep}: the planner does not model expert parallelism in {m.name}'s hybrid layers "
                          "(Mamba2, short conv, KDA, lightning) yet; use --ep 1.")
-    if m.experts % ep:
-        fitting = ", ".join(str(d) for d in range(1, m.experts + 1) if m.experts % d == 0)
-        raise ValueError(f"--ep {ep} does not divide {m.name}'s {m.experts} routed experts (n_routed_experts / "
-                         f"num_experts): each rank holds an equal share. Degrees that divide them: {fitting}.")
+    runtime_rule(ep, experts=m.experts, token_ranks=None, model=m.name)
 
 
 def expert_parallel_refusal(m: ModelShape, layout: Degrees) -> str | None:
-    """Why ``layout``'s ``ep`` cannot run on ``m`` (the model's own refusals: :func:`check_expert_parallel`), or None."""
+    """Why ``layout``'s ``ep`` cannot run on ``m`` (the runtime's rule, with the layout's ranks), or None. The expert
+    groups are cut from the ``dp_shard x ring x ulysses`` ranks (also under HSDP, inside a replica)."""
     if layout.ep == 1:
         return None
     try:
         check_expert_parallel(m, layout.ep)
+        runtime_rule(layout.ep, experts=m.experts, token_ranks=layout.fsdp_group, tp=layout.tp, model=m.name)
     except ValueError as err:
         return str(err)
-    if layout.tp > 1:
-        return f"expert parallelism {layout.ep} with tensor parallelism {layout.tp}: seqmesh runs one or the other"
-    if layout.fsdp_group % layout.ep:
-        return (f"ep {layout.ep} does not divide the {layout.fsdp_group} ranks holding different tokens "
-                f"(dp_shard {layout.dp_shard} x ring {layout.ring} x ulysses {layout.ulysses})")
     return None
 
 

@@ -134,18 +134,19 @@ def test_memory_with_ep_is_lower_by_the_gathered_experts(configs):
 
 def test_refusals_name_the_number_and_the_fix(configs, capsys):
     deepseek = model_shape(configs["deepseek-v3"])
-    with pytest.raises(ValueError, match=r"--ep 3 does not divide .* 256 routed experts.*1, 2, 4, 8"):
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the 256 routed experts.*\[1, 2, 4, 8, 16, 32, 64, 128, 256\]"):
         Workload(deepseek, seq_len=4096, ep=3)
     with pytest.raises(ValueError, match="has no routed experts"):
         Workload(MODELS["llama3-8b"], seq_len=4096, ep=2)
     work = Workload(deepseek, seq_len=4096, ep="auto")
     cluster = make_cluster(H100, 16, None, None)
-    with pytest.raises(ValueError, match=r"ep 32 does not divide the 16 ranks holding different tokens"):
+    with pytest.raises(ValueError, match=r"ep=32 does not divide the 16 ranks that hold different tokens"):
         evaluate(work, Degrees(4, 1, 4, ep=32), cluster)
-    with pytest.raises(ValueError, match="with tensor parallelism 2"):
+    with pytest.raises(ValueError, match="ep=2 with tp=2"):
         evaluate(work, Degrees(4, 1, 2, tp=2, ep=2), cluster)
     ok, excluded = layouts(replace(work, ep=32), cluster)
-    assert not ok and all("does not divide the 16 ranks" in why or "tensor parallelism" in why for _, why in excluded)
+    assert not ok and all("does not divide the 16 ranks" in why or "with tp=" in why or "tensor parallelism" in why
+                      for _, why in excluded), excluded
     assert main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "16", "--ep", "six"]) == 2
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--gpus", "8", "--ep", "2"]) == 2
     assert main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "8", "--ep", "16"]) == 2
