@@ -121,9 +121,9 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
                              "data and sequence rank).")
     experts = None
     if plan.ep > 1:  # refused before any work, on every rank alike (the rule the planner calls too)
+        check_family(model, plan.ep)
         check_expert_parallel(plan.ep, experts=routed_experts(model), token_ranks=mesh.batch_mesh.size(), tp=mesh.tp,
                               fsdp=plan.fsdp, compile=plan.compile, model=model.config.model_type)
-        check_family(model, plan.ep)
         experts = expert_mesh(mesh, plan.ep)
     lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
                      async_ulysses=plan.async_ulysses)

@@ -70,6 +70,10 @@ def plan_route(top_k_index: torch.Tensor, experts: int, ep: int, group: dist.Pro
     order, per_expert = pair_counts(top_k_index, experts)
     theirs = exchange_counts(per_expert, ep, group)
     sizes = torch.cat([per_expert.reshape(ep, -1).sum(1), theirs.sum(1)]).tolist()  # one device-to-host read
+    if sum(sizes[:ep]) != order.numel():
+        raise ValueError(f"a router picked {order.numel() - sum(sizes[:ep])} expert indices outside [0, {experts}) "
+                         "(a 'no expert' slot?): seqmesh's expert parallelism sends every pick to a real expert. "
+                         "Use ep=1 for this model.")
     return Route(order, tuple(int(s) for s in sizes[:ep]), tuple(int(s) for s in sizes[ep:]), received_experts(theirs))
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from experts_cases import ep_all, ep_bytes
+from experts_cases import ep_all, ep_bytes, replicas_all
+from seqmesh.experts.layers import EXPERT_PARALLEL_FAMILIES
 from seqmesh.experts.rules import check_expert_parallel
 
 # Measured (torch 2.13, transformers 5.24, CPU): at most ~1.9 x the reference's noise (gpt-oss's sinks); the mutation
@@ -43,6 +44,18 @@ def test_four_ranks(pools):
         _check(rank)
     for rank in pools.run(4, ep_all, [("deepseek_v3", 2, 2, 1, 4)], checkpointing=True):
         _check(rank)
+
+
+def test_every_family_with_and_without_ep(pools):
+    """Every other family seqmesh splits (census tiny configs, 4 experts) trains on U2 with ep 2 as on the same ranks
+    without it (whose exactness against one process the census and family tests establish)."""
+    from census_configs import census_names
+
+    here = set(census_names())  # the families this transformers has
+    others = [f for f in EXPERT_PARALLEL_FAMILIES if f not in FAMILIES and f in here]
+    for rank in pools.run(2, replicas_all, [(f, 2, 1, 1, 2) for f in others]):
+        for r in rank:
+            assert r["loss"] <= NOISE_MULTIPLE and r["grad"] <= NOISE_MULTIPLE, r
 
 
 @pytest.mark.parametrize("ring,dp,ep", [(2, 1, 2), (2, 2, 2), (2, 2, 4)])
