@@ -55,6 +55,9 @@ def test_every_family_with_and_without_ep(pools):
     others = [f for f in EXPERT_PARALLEL_FAMILIES if f not in FAMILIES and f in here]
     for rank in pools.run(2, replicas_all, [(f, 2, 1, 1, 2) for f in others]):
         for r in rank:
+            if "refused" in r:  # DeepSeek Sparse Attention as transformers 5.15 lays it out: refused without EP too
+                assert "upgrade transformers" in r["refused"], r
+                continue
             assert r["loss"] <= NOISE_MULTIPLE and r["grad"] <= NOISE_MULTIPLE, r
 
 
