@@ -93,3 +93,67 @@ def resume_at_other_ep(family: str, folder: str, ulysses: int, ring: int, dp: in
         del sp, opt
     dist.barrier()
     return out
+
+
+def save_tiny(family: str, folder: str) -> None:
+    """The tiny ``family`` as transformers saves it (per-expert tensors for the families that fuse on load)."""
+    _model(family).save_pretrained(folder)
+
+
+def _reference(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa",
+                                                experts_implementation="eager")
+
+
+def load_then_export(family: str, folder: str, out: str, ulysses: int, ring: int, dp: int, ep: int) -> dict:
+    """``folder`` loaded shard by shard (seqmesh's loader) into a meta model split with ``ep`` and FSDP2; the
+    largest difference of any parameter's gathered whole from ``from_pretrained``'s; one SGD step's loss against
+    the reference's in units of its noise; then ``export_pretrained`` to ``out`` and, on rank 0, the exported
+    folder through ``from_pretrained``: largest difference from the parallel model's gathered weights, and its
+    logits' relative difference from the one-process model after the same step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from seqmesh.compose import ParallelPlan, parallelize_model
+    from seqmesh.model.pretrained import load_pretrained
+    from seqmesh.model.writer import export_pretrained
+
+    mesh = get_mesh(ulysses, ring, dp_shard=dp)
+    reference = _reference(folder)
+    batch = _batch(reference.config.vocab_size)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float64,
+                                              attn_implementation="sdpa", experts_implementation="eager")
+    sp = parallelize_model(lm, mesh, ParallelPlan(fsdp=True, ep=ep, loss_chunk=16))
+    load_pretrained(sp, folder, "cpu")
+    want = dict(reference.named_parameters())
+    loaded = max(float((_full(p) - want[n]).abs().max()) for n, p in lm.named_parameters())
+
+    ref_loss = rows_loss(reference, batch)[1]
+    ref_loss.backward()
+    grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    noise = reference_noise(reference, batch, ref_loss.item(), grads)["loss"]
+    torch.optim.SGD(reference.parameters(), lr=LR).step()
+    rows = ROWS // dp
+    local = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in batch.items()}
+    opt = torch.optim.SGD(sp.parameters(), lr=LR)
+    loss = sp(**seqmesh.shard_batch(local, mesh))
+    loss.backward()
+    opt.step()
+    gathered = {n: _full(p).detach() for n, p in lm.named_parameters()}
+    export_pretrained(sp, out, overwrite=True)
+    result = {"loaded": loaded, "loss": abs(loss.item() - ref_loss.item()) / noise}
+    if dist.get_rank() == 0:
+        exported = _reference(out)
+        result["exported"] = max(float((p - gathered[n]).abs().max()) for n, p in exported.named_parameters())
+        result["names"] = sorted(exported.state_dict()) == sorted(reference.state_dict())
+        with torch.no_grad():
+            got, ref = rows_loss(exported, batch)[0], rows_loss(reference, batch)[0]
+        result["logits"] = float((got - ref).abs().max() / ref.abs().max())
+    dist.barrier()
+    return result
+
+
+def load_export_all(cases: list[tuple]) -> list[dict]:
+    return [{"case": c, **load_then_export(*c)} for c in cases]

@@ -75,6 +75,12 @@ def conversions(lm: nn.Module) -> tuple[list, list[ExpertMerge]]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightRenaming
 
+    quantized = getattr(lm.config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", "")
+        raise ValueError(f"{type(lm).__name__}'s config.json names a quantized checkpoint ({method}); seqmesh reads "
+                         "floating-point weights. Dequantize it once with transformers (from_pretrained with "
+                         "dequantize, then save_pretrained), or train with --no-fsdp.")
     renamings, merges = [], []
     for transform in get_model_conversion_mapping(lm):
         if isinstance(transform, WeightRenaming):
@@ -113,4 +119,5 @@ def missing_blocks(name: str, shape: torch.Size, merge: ExpertMerge, found: set[
     """The per-expert tensors of fused parameter ``name`` that no file holds, named as the files name them."""
     experts = shape[0]
     lost = [(e, i) for e in range(experts) for i in range(len(merge.sources)) if (e, i) not in found]
-    return [f"{merge.names[i].replace('*', str(e))} (of {name})" for e, i in lost]
+    prefix = name[:name.rindex(merge.target)]  # "model.layers.0."
+    return [f"{prefix}{merge.names[i].replace('*', str(e))} (of {name})" for e, i in lost]

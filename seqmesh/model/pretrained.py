@@ -121,6 +121,13 @@ def unique_parameters(lm: nn.Module) -> dict[str, nn.Parameter]:
     return dict(lm.named_parameters())
 
 
+def saved_tensors(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes of ``lm``: :func:`unique_parameters` and the persistent buffers (e.g.
+    DeepSeek-V3's routing bias ``e_score_correction_bias``, which training does not change)."""
+    buffers = {name: b for name, b in lm.named_buffers() if name in lm.state_dict(keep_vars=True)}
+    return {**unique_parameters(lm), **buffers}
+
+
 def _aliases(lm: nn.Module) -> dict[str, str]:
     """``{second name: first name}`` of tied parameters (e.g. ``lm_head.weight``: the embedding's)."""
     first: dict[int, str] = {}
@@ -141,7 +148,7 @@ def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = 
     from safetensors import safe_open
 
     renamings, merges = conversions(lm)
-    params, aliases = unique_parameters(lm), _aliases(lm)
+    params, aliases, buffers = unique_parameters(lm), _aliases(lm), saved_tensors(lm)
     sources: dict[str, list[Piece]] = {}
     blocks: dict[str, set[tuple[int, int]]] = {}  # fused name: (expert, source) found
     unexpected, shapes, dtypes = [], [], []
@@ -155,7 +162,7 @@ def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = 
                 merge, merged = next(((m, m.match(name)) for m in merges if m.match(name)), (None, None))
                 if merged is not None:
                     name, expert, source = merged
-                target = params.get(name) if name in params else params.get(aliases.get(name, ""))
+                target = buffers.get(name) if name in buffers else params.get(aliases.get(name, ""))
                 if target is None or merged is not None and not 0 <= merged[1] < target.shape[0]:
                     unexpected.append(key)
                     continue
@@ -170,7 +177,7 @@ def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = 
                 if merged is not None:
                     sources.setdefault(name, []).append(merge.piece(file, key, expert, source, target.shape))
                     blocks.setdefault(name, set()).add((expert, source))
-                elif name in params:
+                elif name in buffers:
                     sources[name] = [Piece(file, key, ())]
     missing = sorted(set(params) - set(sources))
     for name, found in blocks.items():
@@ -261,7 +268,7 @@ def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, list[Piece]] 
     (:func:`refuse_bad_values`); every rank joins that verdict, so all raise or none. Returns the bytes
     this rank read."""
     sources = check_pretrained(lm, folder) if sources is None else sources
-    params = unique_parameters(lm)
+    params = saved_tensors(lm)
     read, bad, failure = 0, {}, None
     try:
         for name, write, values in read_slices(sources, params):
