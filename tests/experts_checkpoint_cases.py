@@ -108,7 +108,8 @@ def _reference(folder: str):
 
 
 def load_then_export(family: str, folder: str, out: str, ulysses: int, ring: int, dp: int, ep: int) -> dict:
-    """``folder`` loaded shard by shard (seqmesh's loader) into a meta model split with ``ep`` and FSDP2; the
+    """``folder`` loaded shard by shard (seqmesh's loader) into a meta model split with ``ep`` and FSDP2: the bytes
+    this rank read and the bytes of its parts (equal: it read no expert and no row it does not hold); the
     largest difference of any parameter's gathered whole from ``from_pretrained``'s; one SGD step's loss against
     the reference's in units of its noise; then ``export_pretrained`` to ``out`` and, on rank 0, the exported
     folder through ``from_pretrained``: largest difference from the parallel model's gathered weights, and its
@@ -116,7 +117,8 @@ def load_then_export(family: str, folder: str, out: str, ulysses: int, ring: int
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from seqmesh.compose import ParallelPlan, parallelize_model
-    from seqmesh.model.pretrained import load_pretrained
+    from seqmesh.comm.ranks import local_part
+    from seqmesh.model.pretrained import load_pretrained, saved_tensors
     from seqmesh.model.writer import export_pretrained
 
     mesh = get_mesh(ulysses, ring, dp_shard=dp)
@@ -126,7 +128,8 @@ def load_then_export(family: str, folder: str, out: str, ulysses: int, ring: int
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float64,
                                               attn_implementation="sdpa", experts_implementation="eager")
     sp = parallelize_model(lm, mesh, ParallelPlan(fsdp=True, ep=ep, loss_chunk=16))
-    load_pretrained(sp, folder, "cpu")
+    read = load_pretrained(sp, folder, "cpu")
+    held = sum(local_part(t).numel() * t.element_size() for t in saved_tensors(lm).values())
     want = dict(reference.named_parameters())
     loaded = max(float((_full(p) - want[n]).abs().max()) for n, p in lm.named_parameters())
 
@@ -143,7 +146,7 @@ def load_then_export(family: str, folder: str, out: str, ulysses: int, ring: int
     opt.step()
     gathered = {n: _full(p).detach() for n, p in lm.named_parameters()}
     export_pretrained(sp, out, overwrite=True)
-    result = {"loaded": loaded, "loss": abs(loss.item() - ref_loss.item()) / noise}
+    result = {"loaded": loaded, "read": read, "held": held, "loss": abs(loss.item() - ref_loss.item()) / noise}
     if dist.get_rank() == 0:
         exported = _reference(out)
         result["exported"] = max(float((p - gathered[n]).abs().max()) for n, p in exported.named_parameters())
