@@ -63,10 +63,10 @@ class ExpertMerge:
 
 
 def _pattern(source: str) -> re.Pattern:
-    if source.count("*") != 1:
-        raise ValueError(source)
+    """``source`` (one ``*``: the expert index) as a regex matching the end of a checkpoint name."""
     head, tail = (re.escape(part) for part in source.split("*"))
-    return re.compile(rf"(?:^|(?<=\.)){head}(\d+){tail}$")
+    start = "" if source.startswith(".") else r"(?:^|(?<=\.))"  # a whole name component: "mlp." is not "xmlp."
+    return re.compile(rf"{start}{head}(\d+){tail}$")
 
 
 def conversions(lm: nn.Module) -> tuple[list, list[ExpertMerge]]:

@@ -50,7 +50,7 @@ def _meta(folder: str):
 
 def test_header_checks_name_the_per_expert_tensors(tmp_path):
     """A folder missing one expert's tensor, or holding one of another shape, is refused before any read, naming
-    the tensor as the file names it; gpt-oss (fused on disk) maps one to one; a quantized config is refused."""
+    the tensor as the file names it; Mixtral's w1/w3/w2 map to its fused experts; gpt-oss (fused on disk) maps one to one; a quantized config is refused."""
     import pytest
     from safetensors.torch import load_file, save_file
 
@@ -69,6 +69,15 @@ def test_header_checks_name_the_per_expert_tensors(tmp_path):
                                          r"model\.layers\.0\.mlp\.experts\.gate_up_proj\).*shapes differ: "
                                          r"model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight is \[32, 17\]"):
         check_pretrained(_meta(str(folder)), str(folder))
+    mixtral = tmp_path / "mixtral"  # w1, w3 -> gate_up_proj; w2 -> down_proj, block_sparse_moe renamed mlp
+    import transformers as tf
+
+    tf.AutoModelForCausalLM.from_config(tf.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)).save_pretrained(str(mixtral))
+    pieces = check_pretrained(_meta(str(mixtral)), str(mixtral))
+    assert {p.key for p in pieces["model.layers.0.mlp.experts.gate_up_proj"]} == {
+        f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w3")}
     oss = tmp_path / "gpt_oss"
     save_tiny("gpt_oss", str(oss))
     model = _meta(str(oss))
