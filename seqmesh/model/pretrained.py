@@ -15,8 +15,10 @@ nan, inf or an absurd magnitude (``LARGEST_WEIGHT``) is refused by tensor and fi
 safetensors carries no checksum, so a weight altered within plausible values cannot be told.
 A tied LM head (``tie_word_embeddings``) is the embedding; transformers drops it from the files, and
 one saved anyway is accepted when it matches. Names are renamed as transformers renames them when it
-loads the family (Llama and Qwen3 map one to one); families whose loading fuses or splits tensors
-(mixtures of experts) are refused with the reason.
+loads the family (Llama and Qwen3 map one to one); per-expert tensors that transformers stacks into a
+mixture of experts' ``(E, ...)`` parameters are read block by block, each rank only the experts and rows
+it holds (:mod:`seqmesh.model.fused_experts`); families whose loading converts tensors otherwise are
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.ranks import all_gather_object, local_part
+from .fused_experts import Piece, conversions, missing_blocks, overlap
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -106,20 +109,6 @@ def _header_keys(path: str) -> list[str]:
                          "Download or save it again.") from None
 
 
-def _renamings(lm: nn.Module) -> list:
-    """transformers' renames of checkpoint keys for ``lm``'s family; raises for fusing conversions."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    transforms = get_model_conversion_mapping(lm)
-    fusing = [t for t in transforms if not isinstance(t, WeightRenaming)]
-    if fusing:
-        raise ValueError(f"transformers converts {type(lm).__name__} checkpoints while loading ({fusing[0]!r}); "
-                         "seqmesh loads only families whose tensors map one to one (Llama, Qwen2/3, Mistral). "
-                         "Train this family without FSDP (--no-fsdp loads it whole).")
-    return transforms
-
-
 def model_name(key: str, renamings: list) -> str:
     """The model's parameter name for checkpoint ``key`` (transformers' renames applied in order)."""
     for transform in renamings:
@@ -130,6 +119,13 @@ def model_name(key: str, renamings: list) -> str:
 def unique_parameters(lm: nn.Module) -> dict[str, nn.Parameter]:
     """``{name: parameter}``, a tied parameter under its first name only (as ``save_pretrained`` writes)."""
     return dict(lm.named_parameters())
+
+
+def saved_tensors(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes of ``lm``: :func:`unique_parameters` and the persistent buffers (e.g.
+    DeepSeek-V3's routing bias ``e_score_correction_bias``, which training does not change)."""
+    buffers = {name: b for name, b in lm.named_buffers() if name in lm.state_dict(keep_vars=True)}
+    return {**unique_parameters(lm), **buffers}
 
 
 def _aliases(lm: nn.Module) -> dict[str, str]:
@@ -144,16 +140,17 @@ def _aliases(lm: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:
+def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = None) -> dict[str, list[Piece]]:
     """Compare the checkpoint in ``folder`` with ``lm`` (on the meta device or sharded: full shapes are
     compared) from the files' headers; raises a ValueError naming every difference. Returns
-    ``{parameter name: (file, key in the file)}``. ``files``: :func:`checkpoint_files`'s answer, if the
-    caller has it."""
+    ``{parameter name: the file tensors that fill it}`` (one, or one per expert and source of a fused
+    experts parameter). ``files``: :func:`checkpoint_files`'s answer, if the caller has it."""
     from safetensors import safe_open
 
-    renamings = _renamings(lm)
-    params, aliases = unique_parameters(lm), _aliases(lm)
-    sources: dict[str, tuple[str, str]] = {}
+    renamings, merges = conversions(lm)
+    params, aliases, buffers = unique_parameters(lm), _aliases(lm), saved_tensors(lm)
+    sources: dict[str, list[Piece]] = {}
+    blocks: dict[str, set[tuple[int, int]]] = {}  # fused name: (expert, source) found
     unexpected, shapes, dtypes = [], [], []
     by_file: dict[str, list[str]] = {}
     for key, file in (checkpoint_files(folder) if files is None else files).items():
@@ -162,20 +159,30 @@ def check_pretrained(lm: nn.Module, folder: str, files: dict[str, str] | None = 
         with safe_open(file, framework="pt") as f:
             for key in keys:
                 name = model_name(key, renamings)
-                target = params.get(name) if name in params else params.get(aliases.get(name, ""))
-                if target is None:
+                merge, merged = next(((m, m.match(name)) for m in merges if m.match(name)), (None, None))
+                if merged is not None:
+                    name, expert, source = merged
+                target = buffers.get(name) if name in buffers else params.get(aliases.get(name, ""))
+                if target is None or merged is not None and not 0 <= merged[1] < target.shape[0]:
                     unexpected.append(key)
                     continue
                 stored = f.get_slice(key)
                 shape, dtype = tuple(stored.get_shape()), stored.get_dtype()  # dtype: "BF16", "F32", "I64"...
-                if shape != tuple(target.shape):
-                    shapes.append(f"{key} is {list(shape)} in {os.path.basename(file)}, the model's is "
-                                  f"{list(target.shape)}")
+                want = tuple(target.shape) if merged is None else merge.block_shape(target.shape)
+                if shape != want:
+                    shapes.append(f"{key} is {list(shape)} in {os.path.basename(file)}, the model's is {list(want)}"
+                                  + ("" if merged is None else f" (a block of {name} {list(target.shape)})"))
                 if target.is_floating_point() and not dtype.startswith(("F", "BF")):
                     dtypes.append(f"{key} is {dtype} in {os.path.basename(file)}, the model's is {target.dtype}")
-                if name in params:
-                    sources[name] = (file, key)
+                if merged is not None:
+                    sources.setdefault(name, []).append(merge.piece(file, key, expert, source, target.shape))
+                    blocks.setdefault(name, set()).add((expert, source))
+                elif name in buffers:
+                    sources[name] = [Piece(file, key, ())]
     missing = sorted(set(params) - set(sources))
+    for name, found in blocks.items():
+        merge = next(merge for merge in merges if merge.target in name)
+        missing += missing_blocks(name, params[name].shape, merge, found)
     problems = []
     if missing:
         problems.append(f"missing {_listed(missing)}")
@@ -210,23 +217,25 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, values)`` of this rank's region of each parameter, read file by file, one at a time; a
+def read_slices(sources: dict[str, list[Piece]], params: dict[str, torch.Tensor]) -> Iterator[tuple[str, tuple[slice, ...], torch.Tensor]]:
+    """``(name, where in this rank's part, values)`` of what each file tensor holds of this rank's region of
+    its parameter, read file by file, one at a time (nothing for a tensor this rank holds none of); a
     ValueError naming the file if one cannot be read (changed since its header was checked)."""
     from safetensors import SafetensorError, safe_open
 
-    by_file: dict[str, list[str]] = {}
-    for name, (file, _) in sources.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
+    by_file: dict[str, list[tuple[str, Piece]]] = {}
+    for name, pieces in sources.items():
+        for piece in pieces:
+            by_file.setdefault(piece.file, []).append((name, piece))
+    for file, members in sorted(by_file.items()):
         try:
             with safe_open(file, framework="pt") as f:
-                for name in names:
-                    region = local_slices(params[name])
-                    if any(s.start == s.stop for s in region):
-                        yield name, torch.empty(0)  # this rank holds no rows of it
-                        continue
-                    yield name, f.get_slice(sources[name][1])[region]
+                for name, piece in members:
+                    met = overlap(piece, local_slices(params[name]))
+                    if met is not None:
+                        read, write = met
+                        values = f.get_slice(piece.key)[read]
+                        yield name, write, values if piece.whole else values.unsqueeze(0)
         except SafetensorError as err:
             raise ValueError(f"{file} could not be read ({err}): it changed or was damaged while loading. "
                              "Download or save it again.") from None
@@ -234,7 +243,7 @@ def read_slices(sources: dict[str, tuple[str, str]], params: dict[str, torch.Ten
 
 @torch.no_grad()
 def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
-                    sources: dict[str, tuple[str, str]] | None = None) -> int:
+                    sources: dict[str, list[Piece]] | None = None) -> int:
     """Fill ``root`` (a model built on the meta device, sharded with FSDP2 or whole; or a
     ``SequenceParallelLM`` holding one as ``.lm``) with the checkpoint in ``folder``: names and shapes
     checked first, then every rank allocates its shards on ``device``, computes the buffers (RoPE
@@ -252,24 +261,22 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
 
 
 @torch.no_grad()
-def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, tuple[str, str]] | None = None) -> int:
+def copy_pretrained(lm: nn.Module, folder: str, sources: dict[str, list[Piece]] | None = None) -> int:
     """Copy the checkpoint in ``folder`` into ``lm``'s allocated parameters (FSDP2 shards or whole), each
     rank reading only the rows its shards cover; names and shapes are checked first unless ``sources``
     (from :func:`check_pretrained`) is given. Every value read is checked as it passes
     (:func:`refuse_bad_values`); every rank joins that verdict, so all raise or none. Returns the bytes
     this rank read."""
     sources = check_pretrained(lm, folder) if sources is None else sources
-    params = unique_parameters(lm)
+    params = saved_tensors(lm)
     read, bad, failure = 0, {}, None
     try:
-        for name, values in read_slices(sources, params):
-            target = local_part(params[name])
-            if values.numel() == 0 and target.numel() == 0:
-                continue
-            if values.is_floating_point():
+        for name, write, values in read_slices(sources, params):
+            target = local_part(params[name])[write]
+            if values.is_floating_point() and values.numel():
                 peak = _largest_magnitude(values)
                 if not peak <= LARGEST_WEIGHT:
-                    bad[name] = (os.path.basename(sources[name][0]), peak)
+                    bad[name] = (os.path.basename(sources[name][0].file), peak)
             target.copy_(values.reshape(target.shape))  # the dtype conversion happens in the copy
             read += values.numel() * values.element_size()
             del values

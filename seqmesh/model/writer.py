@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.ranks import agree, barrier, full_value, is_rank0
-from .pretrained import INDEX, SINGLE, load_tokenizer_folder, unique_parameters
+from .pretrained import INDEX, SINGLE, load_tokenizer_folder, saved_tensors, unique_parameters
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -166,9 +166,11 @@ def write_model(module: nn.Module, folder: str, *, write: bool, tokenizer: str |
     kept: a Trainer checkpoint's). Collective: every rank gathers each parameter in turn; the rank with
     ``write`` writes."""
     lm = getattr(module, "lm", module)
-    params = unique_parameters(lm)
+    params = saved_tensors(lm)  # persistent buffers in their own dtype (DeepSeek's float32 routing bias)
     dtype = dtype or next(iter(params.values())).dtype
-    entries = {name: (tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for name, p in params.items()}
+    weights = set(unique_parameters(lm))
+    entries = {name: (tuple(p.shape), dtype if name in weights and p.is_floating_point() else p.dtype)
+               for name, p in params.items()}
     write_weights(folder, entries, lambda name: full_value(params[name]), write=write, max_shard_bytes=max_shard_bytes)
     if write:
         write_metadata(lm, folder, dtype, tokenizer)
