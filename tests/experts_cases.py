@@ -218,7 +218,7 @@ def ep_gradient_norm(family: str, ulysses: int, ring: int, dp: int, ep: int) -> 
     order), then clipped to a quarter of it: the largest relative error of the gathered gradients against the
     reference's scaled by torch's clip coefficient. ``meshes``: how many device meshes the gradients live on."""
     from seqmesh.compose import ParallelPlan, parallelize_model
-    from seqmesh.model.fsdp import _by_mesh, gradient_norm
+    from seqmesh.model.fsdp import gradients_by_mesh, gradient_norm
 
     mesh = get_mesh(ulysses, ring, dp_shard=dp)
     reference = _model(family)
@@ -235,7 +235,7 @@ def ep_gradient_norm(family: str, ulysses: int, ring: int, dp: int, ep: int) -> 
     rows = ROWS // dp
     local = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in batch.items()}
     sp(**seqmesh.shard_batch(local, mesh)).backward()
-    meshes = len(_by_mesh([p for p in sp.parameters() if p.grad is not None]))
+    meshes = len(gradients_by_mesh([p for p in sp.parameters() if p.grad is not None]))
     norm = gradient_norm(sp.parameters())
     limit = float(ref_norm) / 4
     again = gradient_norm(sp.parameters(), limit)  # the norm before clipping, then every group clipped by it

@@ -160,7 +160,7 @@ def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20
             bucket, size = [], 0
 
 
-def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def gradients_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` grouped by their gradient's device mesh (plain tensors in one group), in order of first
     appearance (the same on every rank: the groups' norms are collectives)."""
     groups: dict[object, list[torch.Tensor]] = {}
@@ -179,7 +179,7 @@ def gradient_norm(parameters, max_norm: float = float("inf")):
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     params = [p for p in parameters if p.grad is not None]
-    groups = _by_mesh(params)
+    groups = gradients_by_mesh(params)
     if len(groups) <= 1:  # one mesh (or none): torch's own lines, as they were
         norm = full_value(get_total_norm([p.grad for p in params]))
     else:
