@@ -91,13 +91,14 @@ class SequenceParallelTrainerMixin:
 
     Extra keyword arguments: ``seqmesh_degrees=(ulysses, ring)`` or ``(ulysses, ring, tp)`` (the
     data-parallel degree is what remains of the world) or ``seqmesh_mesh`` (an :class:`~seqmesh.mesh.SPMesh`); ``seqmesh_chunk``:
-    tokens whose logits exist at once in the loss.
+    tokens whose logits exist at once in the loss; ``seqmesh_ep``: the expert-parallel degree of an MoE model
+    (``ParallelPlan.ep``: each MoE layer's experts split over groups of that many ranks holding different tokens).
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the optimizer step's targets itself
 
     def __init__(self, *args: Any, seqmesh_degrees: tuple[int, ...] | None = None, seqmesh_mesh: SPMesh | None = None,
-                 seqmesh_chunk: int = 4096, **kwargs: Any):
+                 seqmesh_chunk: int = 4096, seqmesh_ep: int = 1, **kwargs: Any):
         if (seqmesh_degrees is None) == (seqmesh_mesh is None):
             raise ValueError("give the degrees as seqmesh_degrees=(ulysses, ring) or (ulysses, ring, tp), or a mesh as "
                              "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
@@ -113,7 +114,7 @@ class SequenceParallelTrainerMixin:
                              "(torchrun --nproc-per-node N script.py), even for one process.")
         mesh = seqmesh_mesh if seqmesh_mesh is not None else mesh_for_world(*seqmesh_degrees)
         self.seqmesh_mesh = mesh
-        plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16)
+        plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16, ep=seqmesh_ep)
         wrapper = TrainerVisionLM if is_multimodal(self.model.config) else TrainerLM
         self.seqmesh_model = parallelize_model(self.model, mesh, plan, wrapper=wrapper)
         self.model_wrapped = self.seqmesh_model

@@ -265,3 +265,44 @@ def ep_bytes(family: str, ring: int, dp: int, ep: int) -> dict:
     return {"counted": {phase: stats.sent("all_to_all", phase) for phase in ("forward", "backward")},
             "formula": {"forward": sum(f.forward for f in formula), "backward": sum(f.backward for f in formula)},
             "layers": len(routes), "pairs": [sum(r.send) for r in routes]}
+
+
+def _norm_of(grads) -> torch.Tensor:
+    """The 2-norm of every element of ``grads`` together, in float64 (the reference's, one process)."""
+    return torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in grads]))
+
+
+def ep_gradient_norm(family: str, ulysses: int, ring: int, dp: int, ep: int) -> dict:
+    """``seqmesh.model.fsdp.gradient_norm`` of the first step's gradients with ``ep`` against the one-process
+    model's gradient norm (relative error, and the reference's own spread when its rows are summed in the other
+    order), then clipped to a quarter of it: the largest relative error of the gathered gradients against the
+    reference's scaled by torch's clip coefficient. ``meshes``: how many device meshes the gradients live on."""
+    from seqmesh.compose import ParallelPlan, parallelize_model
+    from seqmesh.model.fsdp import gradients_by_mesh, gradient_norm
+
+    mesh = get_mesh(ulysses, ring, dp_shard=dp)
+    reference = _model(family)
+    batch = _batch(reference.config.vocab_size)
+    rows_loss(reference, batch)[1].backward()
+    want = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    ref_norm = _norm_of(want.values())
+    reference.zero_grad()
+    rows_loss(reference, {k: v.flip(0) for k, v in batch.items()})[1].backward()
+    spread = float((_norm_of(p.grad for p in reference.parameters()) - ref_norm).abs() / ref_norm)
+
+    lm = _model(family)
+    sp = parallelize_model(lm, mesh, ParallelPlan(fsdp=True, ep=ep, loss_chunk=16))
+    rows = ROWS // dp
+    local = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in batch.items()}
+    sp(**seqmesh.shard_batch(local, mesh)).backward()
+    meshes = len(gradients_by_mesh([p for p in sp.parameters() if p.grad is not None]))
+    norm = gradient_norm(sp.parameters())
+    limit = float(ref_norm) / 4
+    again = gradient_norm(sp.parameters(), limit)  # the norm before clipping, then every group clipped by it
+    coef = limit / (float(ref_norm) + 1e-6)  # torch's clip_grads_with_norm_ coefficient
+    clipped = 0.0
+    for name, p in lm.named_parameters():
+        expect = want[name] * coef
+        clipped = max(clipped, float((_full(p.grad) - expect).abs().max() / expect.abs().max().clamp(min=1e-12)))
+    return {"norm": abs(float(norm) - float(ref_norm)) / float(ref_norm), "again": float(again) == float(norm),
+            "spread": spread, "clipped": clipped, "meshes": meshes, "value": float(norm)}

@@ -108,8 +108,10 @@ def torchrun_environment():
 
 
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
-                      train_rows: list | None = None, tp: int = 1, family: str = "llama", **extra) -> dict:
-    """seqmesh's Trainer on this rank; rank 0 saves the final model to ``output_dir/final``."""
+                      train_rows: list | None = None, tp: int = 1, family: str = "llama", ep: int = 1,
+                      **extra) -> dict:
+    """seqmesh's Trainer on this rank (``ep``: its ``seqmesh_ep``); rank 0 saves the final model to
+    ``output_dir/final``."""
     import seqmesh.trainer
     from seqmesh.trainer import SequenceParallelTrainer
 
@@ -124,7 +126,7 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
         trainer = SequenceParallelTrainer(
             model=tiny_model(family=family), args=training_args(output_dir, batch, accumulation, **extra),
             train_dataset=train_rows or TRAIN_ROWS,
-            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp),
+            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp), seqmesh_ep=ep,
         )
         seqmesh.trainer.shard_batch = counted
         try:

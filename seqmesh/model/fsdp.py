@@ -11,6 +11,7 @@ activation checkpointing, then FSDP2 per decoder layer and at the root.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -159,13 +160,33 @@ def sync_gradients(module: nn.Module, mesh: SPMesh, bucket_bytes: int = 64 << 20
             bucket, size = [], 0
 
 
+def gradients_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by their gradient's device mesh (plain tensors in one group), in order of first
+    appearance (the same on every rank: the groups' norms are collectives)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
 def gradient_norm(parameters, max_norm: float = float("inf")):
-    """The norm of the whole gradient (every shard of every parameter; a plain tensor, also under FSDP2),
-    clipping the gradients to ``max_norm`` only when it is finite (no multiply-by-1 over every gradient)."""
+    """The 2-norm of the whole gradient (every shard of every parameter; a plain tensor, also under FSDP2),
+    clipping the gradients to ``max_norm`` only when it is finite (no multiply-by-1 over every gradient).
+
+    torch's norm and clip stack their DTensors, which must share one mesh; with expert parallelism the experts'
+    gradients live on their own 2-D mesh: each mesh's part is taken whole over its mesh, the parts combined (the
+    square root of the sum of their squares: inf or NaN if any is), and every group clipped by that one norm."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     params = [p for p in parameters if p.grad is not None]
-    norm = full_value(get_total_norm([p.grad for p in params]))
+    groups = gradients_by_mesh(params)
+    if len(groups) <= 1:  # one mesh (or none): torch's own lines, as they were
+        norm = full_value(get_total_norm([p.grad for p in params]))
+    else:
+        parts = [full_value(get_total_norm([p.grad for p in group])) for group in groups]
+        dtype = functools.reduce(torch.promote_types, [part.dtype for part in parts])
+        norm = torch.linalg.vector_norm(torch.stack([part.to(parts[0].device, dtype) for part in parts]))
     if max_norm != float("inf"):
-        clip_grads_with_norm_(params, max_norm, norm)
+        for group in groups:
+            clip_grads_with_norm_(group, max_norm, norm)
     return norm

@@ -33,6 +33,10 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel degree, innermost (inside Ulysses): projections, embedding and LM head sharded over tp ranks
     that share a sequence shard, norms and residuals sequence-parallel between them (1: none)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's routed experts split over groups of ep ranks that hold different
+    tokens, tokens sent to their experts and back by all-to-alls (exact); needs FSDP2, tp 1 and no compile; it must
+    divide the experts and the ranks (world / tp) (1: every rank holds every expert, FSDP2 shards them)."""
     steps: int = 200
     """Optimizer steps."""
     lr: float = 1e-3
@@ -140,7 +144,7 @@ class TrainConfig:
                             checkpointing=self.checkpointing, compile=self.compile,
                             tiled_mlp=self.tiled_mlp, mlp_tiles=self.mlp_tiles, efficient_norm=self.efficient_norm,
                             fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload,
-                            async_ulysses=self.async_ulysses)
+                            async_ulysses=self.async_ulysses, ep=self.ep)
 
     def uses_fsdp(self, world: int, cuda: bool) -> bool:
         """Whether a run on ``world`` processes (on CUDA devices or not) shards with FSDP2: ``fsdp`` when
@@ -161,6 +165,8 @@ class TrainConfig:
             raise ValueError(f"dp_replicate must be at least 1 (1: no replicas), got {self.dp_replicate}.")
         if self.tp < 1:
             raise ValueError(f"tp must be at least 1 (1: no tensor parallelism), got {self.tp}.")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer (1: no expert parallelism), got {self.ep!r}.")
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}.")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..comm.ranks import agree, all_gather_object
 from ..compose import parallelize_model
 from ..degrees import check_tensor_parallel_sizes, resolve_degrees
+from ..experts.rules import check_expert_parallel
 from ..memory import MemoryTracker
 from ..memory.offload import enable_activation_offload
 from ..mesh import SPMesh, init_mesh
@@ -153,6 +154,9 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     fsdp = uses_fsdp(cfg)
     if cfg.bf16 and not fsdp and not torch.cuda.is_available():
         raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
+    # the rule parallelize_model applies, from the model's shape: refused before any mesh, alike on every rank
+    check_expert_parallel(cfg.ep, experts=shape.experts, token_ranks=world // cfg.tp, tp=cfg.tp, fsdp=fsdp,
+                          compile=cfg.compile, model=cfg.model)
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from experts_cases import ep_all, ep_bytes, replicas_all
+from experts_cases import ep_all, ep_bytes, ep_gradient_norm, replicas_all
 from seqmesh.experts.layers import EXPERT_PARALLEL_FAMILIES
 from seqmesh.experts.rules import check_expert_parallel
 
@@ -85,3 +85,16 @@ def test_refusals_name_the_value_and_fix():
         check_expert_parallel(2, experts=8, token_ranks=4, compile=True)
     check_expert_parallel(1, experts=None, token_ranks=3)
     check_expert_parallel(4, experts=8, token_ranks=8)
+
+
+@pytest.mark.parametrize("ulysses,ring,ep", [(2, 2, 2), (2, 2, 1)])
+def test_gradient_norm_over_both_meshes(pools, ulysses, ring, ep):
+    """gradient_norm with the experts' gradients on their own 2-D mesh (and, ep=1, on the FSDP mesh alone) equals
+    the one-process model's gradient norm, and clipping scales every gradient of both meshes by torch's
+    coefficient."""
+    for rank in pools.run(ulysses * ring, ep_gradient_norm, "qwen3_moe", ulysses, ring, 1, ep):
+        assert rank["meshes"] == (2 if ep > 1 else 1), rank
+        # measured (torch 2.13, float64): 1.2e-16 relative (one ulp of the norm 0.919; the reference's own spread with
+        # its rows reversed is 0, hence the floor of 1e-15), clipped gradients 7.4e-16, at ep 2 and ep 1 alike
+        assert rank["norm"] <= NOISE_MULTIPLE * max(rank["spread"], 1e-15), rank
+        assert rank["again"] and rank["clipped"] <= 1e-12, rank

@@ -136,6 +136,20 @@ def test_trainer_adds_the_router_loss_as_transformers_trainer_does(pools, refere
     _assert_matches_reference(results[0], weights, ref32, ref64, accumulation, -(-len(EVAL_ROWS) // (dp * batch)))
 
 
+def test_trainer_with_experts_split_matches_single_process(pools, references, tmp_path):
+    """The same Qwen3-MoE with ``seqmesh_ep=2`` (its 4 experts split over pairs of ranks, FSDP2 over the ranks that
+    hold the same ones; clipped by the norm over both meshes): transformers' Trainer on one process, as above."""
+    ulysses, ring, batch, accumulation = 2, 1, 2, 2
+    dp = WORLD // (ulysses * ring)
+    ref32, ref64 = references(dp * batch, accumulation, "qwen3_moe")
+    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, family="qwen3_moe",
+                        ep=2, timeout=600)
+    for r in results[1:]:
+        assert r == results[0]
+    weights = _saved_weights(os.path.join(tmp_path, "final"))
+    _assert_matches_reference(results[0], weights, ref32, ref64, accumulation, -(-len(EVAL_ROWS) // (dp * batch)))
+
+
 def test_trainer_step_without_targets_matches_single_process(pools, tmp_path):
     """Optimizer steps whose labels are all -100 (rows read in order: the third step of each of the
     two epochs): plain Trainer logs loss 0 and gradient norm 0 there and trains on. seqmesh's Trainer
