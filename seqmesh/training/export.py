@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from ..comm.ranks import is_rank0
-from ..model.pretrained import unique_parameters
+from ..model.pretrained import saved_tensors, unique_parameters
 from ..model.writer import DEFAULT_SHARD_BYTES, finish_folder, start_folder, write_metadata, write_weights
 
 
@@ -54,7 +54,8 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
     lm = build_model(model, device="meta")
     if has_weights(model):
         read_generation_config(lm, model)
-    params = unique_parameters(lm)
+    params = saved_tensors(lm)  # the weights, then persistent buffers (DeepSeek's routing bias), as save_pretrained
+    weights = set(unique_parameters(lm))
     metadata = read_checked_metadata(checkpoint)
     stored = metadata.state_dict_metadata
     keys = {name: f"model.lm.{name}" for name in params}  # get_state_dict of a SequenceParallelLM, flattened
@@ -66,7 +67,8 @@ def export_checkpoint(checkpoint: str, out: str, *, model: str | None = None, to
                          + "; ".join(([f"missing {', '.join(missing[:6])}"] if missing else []) + shapes[:6])
                          + ". Pass --model with the model the run trained.")
     dtype = dtype or stored[keys[next(iter(params))]].properties.dtype
-    entries = {name: (tuple(p.shape), dtype if p.is_floating_point() else p.dtype) for name, p in params.items()}
+    entries = {name: (tuple(p.shape), dtype if name in weights and p.is_floating_point() else p.dtype)
+               for name, p in params.items()}  # a buffer keeps its own dtype
 
     def read(name: str) -> torch.Tensor:
         meta = stored[keys[name]]

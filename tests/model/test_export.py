@@ -83,3 +83,31 @@ def test_export_pretrained_writes_sharded_files_from_fsdp_shards_or_whole(pools,
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[n], p.to(torch.bfloat16).float()) for n, p in want.items())
     assert not os.path.exists(out + ".partial")
+
+
+def test_deepseek_with_experts_split_comes_back_with_its_routing_bias(pools, tmp_path):
+    """DeepSeek-V3 (its routing bias is a persistent buffer, not a weight) trained with --ep 2 from a transformers
+    folder, then exported from its checkpoint: the folder holds the trained weights and the bias it started with
+    (before, the export dropped the bias, and from_pretrained filled in zeros: another router)."""
+    from transformers import AutoModelForCausalLM
+
+    from experts_cases import ep_config
+
+    folder = tmp_path / "start"
+    start = AutoModelForCausalLM.from_config(ep_config("deepseek_v3", experts=4), dtype=torch.float32)
+    bias = {n: b for n, b in start.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert bias
+    with torch.no_grad():
+        for b in bias.values():
+            b.copy_(torch.linspace(-0.3, 0.3, b.numel()))
+    start.save_pretrained(str(folder))
+    cfg = TrainConfig(model=str(folder), seq_len=48, ulysses=2, ring=1, dp=1, ep=2, steps=2, lr=1e-2, warmup=1,
+                      log_every=1, eval_every=0, symbols=8, out=str(tmp_path / "run"), export=False)
+    trained = pools.run(2, trained_weights, cfg)[0]["weights"]
+    again = tmp_path / "again"
+    assert main(["export", str(tmp_path / "run" / "checkpoints" / "step_0000002"), str(again)]) == 0
+    reloaded = _from_pretrained(again)
+    buffers = dict(reloaded.named_buffers())
+    for name, b in bias.items():
+        assert torch.equal(buffers[name], b), name
+    assert all(torch.equal(p, trained[n]) for n, p in reloaded.named_parameters())
