@@ -476,10 +476,11 @@ def refusals(ulysses: int, ring: int) -> dict:
     return out
 
 
-def fsdp_data_parallel_parity(family: str) -> dict:
+def fsdp_data_parallel_parity(family: str, ep: int = 1) -> dict:
     """4 ranks: FSDP2 over 2 data-parallel x 2 ring ranks, the first replica's batch with images and a video,
     the second's text only (its ranks run the tower on padding; nothing may hang). The loss and every
-    gradient against one process on both batches: the mean over every target of both, as seqmesh pools it."""
+    gradient against one process on both batches: the mean over every target of both, as seqmesh pools it.
+    ``ep``: the language model's experts split over expert groups of that many ranks."""
     mesh = get_mesh(1, 2, dp_shard=2)
     config = vision_config(family)
     batches = [vision_batch(family, "mixed"), vision_batch(family, "text_only")]
@@ -505,7 +506,7 @@ def fsdp_data_parallel_parity(family: str) -> dict:
     rounding = _spread(low_loss, low_loss, low, ref_loss, ref_loss, reference)
 
     model = build(config)
-    sp = parallelize_model(model, mesh, ParallelPlan(fsdp=True, loss_chunk=16))
+    sp = parallelize_model(model, mesh, ParallelPlan(fsdp=True, loss_chunk=16, ep=ep))
     loss = sp(**seqmesh.shard_batch(batches[mesh.dp_rank], mesh, model=sp))
     loss.backward()
     worst = 0.0

@@ -61,6 +61,18 @@ def test_every_family_with_and_without_ep(pools):
             assert r["loss"] <= NOISE_MULTIPLE and r["grad"] <= NOISE_MULTIPLE, r
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl_moe"])
+def test_vision_language_moe(pools, family):
+    """A vision-language MoE (its tower sharded, images in one replica's batch, text only in the other's) with the
+    language model's experts split over groups of 2 and of 4 ranks (R2 x DP2), against one process on both batches,
+    within the bound of tests/vision (a multiple of the float32-vs-float64 spread of the reference)."""
+    from vision_cases import fsdp_data_parallel_parity
+
+    for ep in (2, 4):
+        for r in pools.run(4, fsdp_data_parallel_parity, family, ep=ep):
+            assert r["loss"] <= 4 * r["rounding"]["loss"] and r["grad"] <= 4 * r["rounding"]["grad"], (family, ep, r)
+
+
 @pytest.mark.parametrize("ring,dp,ep", [(2, 1, 2), (2, 2, 2), (2, 2, 4)])
 def test_counted_bytes_equal_formula(pools, ring, dp, ep):
     """What the exchanges count equals seqmesh.experts.traffic's formula of the routes taken (forward: counts,
