@@ -108,13 +108,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def ep_parity(family: str, ulysses: int, ring: int, dp: int, ep: int, keep: int | None = None,
-              wrong_rank: bool = False, checkpointing: bool = False) -> dict:
+              wrong_rank: bool = False, checkpointing: bool = False, replicate: int = 1) -> dict:
     """Per-step loss errors and the first step's largest relative gradient error against one process, with the
     reference's own rounding. ``keep``: :func:`only_first_experts`. ``wrong_rank``: a mutation that sends each pair
-    to the same expert slot of the next rank of its group (the test that the comparison sees a misrouted token)."""
-    from seqmesh.compose import ParallelPlan, parallelize_model
-
-    mesh = get_mesh(ulysses, ring, dp_shard=dp)
+    to the same expert slot of the next rank of its group (the test that the comparison sees a misrouted token).
+    ``replicate``: HSDP replicas besides the ``dp`` shards (the experts are then sharded over every replica)."""
+    mesh = get_mesh(ulysses, ring, dp_shard=dp, dp_replicate=replicate)
     reference = _model(family)
     batch = _batch(reference.config.vocab_size)
     if keep:

@@ -37,12 +37,15 @@ def test_two_ranks_ulysses(pools):
 
 def test_four_ranks(pools):
     """--ep 4 on U2 x R2 and --ep 2 on R2 x DP2, every family; with ep 4 and two experts chosen, three of the four
-    ranks receive nothing; DeepSeek-V3 with activation checkpointing (the exchanges run again in backward)."""
+    ranks receive nothing; DeepSeek-V3 with activation checkpointing (the exchanges run again in backward), and on
+    R2 x two HSDP replicas (the experts sharded over both)."""
     cases = ([(f, 2, 2, 1, 4) for f in FAMILIES] + [(f, 1, 2, 2, 2) for f in FAMILIES]
              + [("qwen3_moe", 2, 2, 1, 4, 2)])
     for rank in pools.run(4, ep_all, cases):
         _check(rank)
     for rank in pools.run(4, ep_all, [("deepseek_v3", 2, 2, 1, 4)], checkpointing=True):
+        _check(rank)
+    for rank in pools.run(4, ep_all, [("deepseek_v3", 1, 2, 1, 2)], replicate=2):  # HSDP: R2 x 2 replicas
         _check(rank)
 
 
