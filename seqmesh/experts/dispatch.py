@@ -45,12 +45,13 @@ def pair_counts(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, 
     return order, torch.bincount(flat, minlength=experts)[:experts].to(torch.int64)
 
 
-def received_experts(counts: torch.Tensor) -> torch.Tensor:
-    """``counts`` (ep, n): pairs each rank sends to each of this rank's ``n`` experts -> the local expert of every
-    received row, in arrival order (rank by rank, each rank's rows sorted by expert) (N,)."""
+def received_experts(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """``counts`` (ep, n): pairs each rank sends to each of this rank's ``n`` experts, ``rows`` in all (known on the
+    host: no second read of the device) -> the local expert of every received row, in arrival order (rank by rank,
+    each rank's rows sorted by expert) (N,)."""
     ep, n = counts.shape
     ids = torch.arange(n, device=counts.device).repeat(ep)
-    return torch.repeat_interleave(ids, counts.reshape(-1))
+    return torch.repeat_interleave(ids, counts.reshape(-1), output_size=rows)
 
 
 def exchange_counts(per_expert: torch.Tensor, ep: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -74,7 +75,8 @@ def plan_route(top_k_index: torch.Tensor, experts: int, ep: int, group: dist.Pro
         raise ValueError(f"a router picked {order.numel() - sum(sizes[:ep])} expert indices outside [0, {experts}) "
                          "(a 'no expert' slot?): seqmesh's expert parallelism sends every pick to a real expert. "
                          "Use ep=1 for this model.")
-    return Route(order, tuple(int(s) for s in sizes[:ep]), tuple(int(s) for s in sizes[ep:]), received_experts(theirs))
+    receive = tuple(int(s) for s in sizes[ep:])
+    return Route(order, tuple(int(s) for s in sizes[:ep]), receive, received_experts(theirs, sum(receive)))
 
 
 def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,
