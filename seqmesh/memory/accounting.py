@@ -161,7 +161,8 @@ class MemoryTracker(TorchDispatchMode):
         host = self.offload.host_storage_keys() if self.offload is not None else set()
         by = dict.fromkeys(CATEGORIES, 0)
         hosted = self.offload.host_bytes() if self.offload is not None else 0
-        for key, (_, size) in self._live.items():
+        # a snapshot: a storage freed on another thread (gloo's, autograd's) drops its entry while this loop runs
+        for key, (_, size) in list(self._live.items()):
             if key in param_keys:
                 by["parameters"] += size
             elif key in grad_keys:
@@ -182,7 +183,8 @@ class MemoryTracker(TorchDispatchMode):
         operator after the first offload would reclassify the whole table)."""
         if self.offload is None:
             return self._total
-        return self._total - sum(self._live[k][1] for k in self.offload.host_storage_keys() if k in self._live)
+        live = self._live
+        return self._total - sum(live.get(k, (None, 0))[1] for k in self.offload.host_storage_keys())
 
     def _check_peak(self) -> None:
         if self._device_total() <= self._report.peak_bytes:
