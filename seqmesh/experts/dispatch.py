@@ -90,10 +90,11 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     tokens, k = top_k_index.shape
     route = plan_route(top_k_index, experts, ep, group)
     rows = hidden[route.order // k]  # (T * k, H) by destination rank, then expert
-    if group is not None and ep > 1:
+    exchanged = group is not None and ep > 1  # else every expert is here (one process, a test's split)
+    if exchanged:
         rows = exchange_rows(rows, group, route.send, route.receive)
     out = run_experts(rows, route.local_experts)  # (N, H)
-    if group is not None and ep > 1:
+    if exchanged:
         out = exchange_rows(out, group, route.receive, route.send)
     back = torch.empty_like(route.order)
     back[route.order] = torch.arange(route.order.numel(), device=route.order.device)
