@@ -1,5 +1,5 @@
 """``torch.compile`` through seqmesh: a parallelized 4-layer Llama compiles with no graph break
-(``torch._dynamo.explain``, and ``fullgraph=True`` for the run) under Ulysses, ring, USP and packed
+(``fullgraph=True``, which raises on one, naming it) under Ulysses, ring, USP and packed
 documents, a Gated DeltaNet model (Qwen3.5) under Ulysses and ring, and a Mamba2 model under ring; the compiled model's logits, loss and gradients equal the float64 single-process
 model's within the reference's own rounding, as the eager seqmesh model's do."""
 
@@ -22,14 +22,14 @@ def _outside(errors: dict, rounding: dict) -> list[str]:
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_compiled_model_has_no_graph_break_and_equals_eager(pools, ulysses, ring):
-    cases = [(ulysses, ring, documents) for documents in (False, True)]
+    # Llama plain and packed on USP; packed only (the varlen path, which holds the plain one's ops) on one axis
+    cases = [(ulysses, ring, documents) for documents in ((False, True) if ulysses * ring == 4 else (True,))]
     if ulysses * ring == 2:  # Gated DeltaNet (Qwen3.5: a linear-attention layer, then full attention)
         cases += [(ulysses, ring, documents, "qwen3_5") for documents in (False, True)]
     if (ulysses, ring) == (1, 2):  # Mamba2 (no attention at all), packed documents
         cases += [(ulysses, ring, True, "mamba2")]
     for results in pools.run(ulysses * ring, compiled_cases, cases):
         for r in results:
-            assert r["breaks"] == 0 and r["graphs"] == 1, (r["case"], r["breaks"], r["reasons"])
             if len(r["case"]) == 3:  # Llama: eager seqmesh itself within the reference's rounding (Gated DeltaNet's
                 assert not _outside(r["eager"], r["rounding"]), r  # own bound is tests/linear_attention's)
             # compiled: eager's own distance from the reference, plus the rounding; and as near eager as rounding

@@ -33,8 +33,12 @@ GEMMA_KINDS = [k for k in KINDS if k[0] != "two_rows"] + [("untyped", "zigzag")]
 
 def _cases(ulysses: int, ring: int) -> list[tuple]:
     if ulysses * ring == 2:
-        return ([(f, ulysses, ring, kind, layout) for f in FAMILIES + ["internvl"] for kind, layout in KINDS]
-                + [("gemma3", ulysses, ring, kind, layout) for kind, layout in GEMMA_KINDS])
+        # The richest batch (mixed) for every family on both axes; each other (family, batch) pair on one of
+        # them, alternating like a chequerboard, so each axis still sees every family and every batch kind
+        side = ulysses - 1  # 0: ring 2, 1: Ulysses 2
+        kinds = {f: [k for j, k in enumerate(GEMMA_KINDS if f == "gemma3" else KINDS)
+                     if j == 0 or (i + j + side) % 2 == 0] for i, f in enumerate(FAMILIES + ["internvl", "gemma3"])}
+        return [(f, ulysses, ring, kind, layout) for f, chosen in kinds.items() for kind, layout in chosen]
     # 4-rank worlds: the two richest batches, for the three towers (windows; learned positions and DeepStack;
     # CLIP's class token). The others add no code path there: Qwen2-VL's tower is Qwen2.5-VL's full blocks,
     # Qwen3.5(-MoE)'s is Qwen3-VL's without DeepStack, and their decoders' 4-rank paths are tests/linear_attention's;
