@@ -2,7 +2,8 @@
 float64, every weight perturbed, 128 tokens on Ulysses 2 and ring 2, plain and packed, logits against the same
 model on one process (tests/census_cases.py). No family may be silently wrong or crash: each case is exact
 (within a multiple of the reference's own rounding) or refused by seqmesh by name. A new transformers release
-that adds or changes a family is caught here, at the newest and the floor versions (tests/floor_subset.txt runs it whole).
+that adds or changes a family is caught here, at the newest versions (`make test`; for time, the floor subset,
+tests/floor_subset.txt, checks only the main families there, in test_hf_families).
 
 ``pytest -s`` prints the counts, one line per family with its four cases, and every case that is not exact with
 its error or message.
