@@ -55,8 +55,9 @@ def compiled_parity(ulysses: int, ring: int, documents: bool, family: str = "lla
     """The parallelized model (``family``: ``llama``, a 4-layer Llama, or a tiny config of
     ``family_cases.family_config``, e.g. ``qwen3_5`` with a Gated DeltaNet layer) compiled whole
     (``fullgraph=True``: a graph break raises, with its reason, and fails the case), and the errors against the
-    float64 single-process reference of the eager and the compiled model, with the reference's rounding (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
-    in the compiled run only (that rank's positions one too far), for the test that the bound sees one."""
+    float64 single-process reference of the eager and the compiled model, with the reference's rounding
+    (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error in the compiled run only (that
+    rank's positions one too far), for the test that the bound sees one."""
     mesh = get_mesh(ulysses, ring)
     config = llama_config() if family == "llama" else family_config(family)
     reference = build(config)

@@ -183,8 +183,8 @@ class MemoryTracker(TorchDispatchMode):
         operator after the first offload would reclassify the whole table)."""
         if self.offload is None:
             return self._total
-        live = self._live
-        return self._total - sum(live.get(k, (None, 0))[1] for k in self.offload.host_storage_keys())
+        # .get: a storage freed on another thread may have left the table since host_storage_keys was read
+        return self._total - sum(self._live.get(k, (None, 0))[1] for k in self.offload.host_storage_keys())
 
     def _check_peak(self) -> None:
         if self._device_total() <= self._report.peak_bytes:
