@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 
 
-def documented_mask(sq: int, sk: int, causal: bool, left: int, right: int, clamp: int | None = None) -> torch.Tensor:
+def documented_mask(sq: int, sk: int, causal: bool, left: int, right: int, clamp: int | None = None,
+                    widen_open_side: bool = True) -> torch.Tensor:
     """(sq, sk) bool: which keys each query sees under flash-attn's causal flag and window sizes; sizes
-    >= ``clamp`` (seqlen_k, or max_seqlen_k for varlen calls) are read as -1."""
+    >= ``clamp`` (seqlen_k, or max_seqlen_k for varlen calls) are read as -1, and an open side beside a
+    bounded one is read as ``clamp`` keys wide (flash-attn's ``set_params_fprop``; seen on an H100, where an
+    open right side hid keys from the first rows of an Sq > Sk call); ``widen_open_side=False`` leaves it open."""
     clamp = sk if clamp is None else clamp
     if left >= clamp:
         left = -1
@@ -28,6 +31,11 @@ def documented_mask(sq: int, sk: int, causal: bool, left: int, right: int, clamp
         right = -1
     if causal:
         right = 0
+    # set_params_fprop: beside a bounded side, an open one becomes seqlen_k (max_seqlen_k for varlen calls) keys wide
+    if widen_open_side and left < 0 <= right:
+        left = clamp
+    elif widen_open_side and right < 0 <= left:
+        right = clamp
     i = torch.arange(sq)[:, None] + (sk - sq)  # each row's bottom-right aligned diagonal
     j = torch.arange(sk)[None, :]
     ok = torch.ones(sq, sk, dtype=torch.bool)

@@ -55,7 +55,7 @@ def reference_attention(
     scores = (qf @ kf.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))  # the mask is built on the CPU
     if sinks is not None:  # one more column, then dropped: it only enlarges the denominator
         column = sinks.double()[None, :, None, None].expand(b, hq, s, 1)
         probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]

@@ -6,7 +6,8 @@ Conventions these wrappers rely on (torch 2.9 - 2.13 source):
   (varlen), supports grouped-query heads, returns lse (B, H, S) dense and (H, T) varlen, float32.
   Its backward chooses varlen when ``cum_seq_q`` is a tensor, so dense calls pass ``None``.
   Causal is bottom-right aligned; ``window_size_left/right`` follow FA2's convention, which
-  :func:`~seqmesh.kernels.windows.flash_window` translates the mask into (or refuses). One head dim
+  :func:`~seqmesh.kernels.windows.flash_window` translates the mask into (or refuses; calls it reads
+  differently run split by rows, :class:`~seqmesh.kernels.windows.RowSplitFa2`). One head dim
   for q, k and v (FA2 checks v against q's head size).
 - ``_efficient_attention_forward`` takes (B, S, H, D), needs Hq == Hk, and pads lse to
   (B, H, ceil32(S)); its backward reads that padded shape (padding +inf). Its custom mask type 1 is
@@ -30,7 +31,7 @@ import torch
 
 from .base import HALF_DTYPES, AttentionKernel, BlockMask, PerDocumentKernel
 from .gqa import expand_kv_heads, fold_kv_heads
-from .windows import BandedWindowKernel, fa2_arguments, flash_window
+from .windows import BandedWindowKernel, RowSplitFa2, fa2_arguments, fa2_row_splits
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -82,9 +83,9 @@ def _no_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, dtype=torch.uint64, device=device)
 
 
-class CudaFlashKernel(AttentionKernel):
+class CudaFlashKernel(RowSplitFa2, AttentionKernel):
     """FA2 as vendored in torch: fp16/bf16, one head dim <= 256 for q, k and v, grouped-query heads,
-    varlen documents, sliding windows as FA2 window sizes."""
+    varlen documents, sliding windows as FA2 window sizes (split by rows where FA2 reads them differently)."""
 
     name = "cuda_flash"
 
@@ -95,10 +96,10 @@ class CudaFlashKernel(AttentionKernel):
             return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
         if mask.softcap is not None:
             return "torch's FA2 op does not soft-cap scores (the flash-attn package does)"
-        window = flash_window(mask, q.shape[1], k.shape[1])
-        return window if isinstance(window, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
+        splits = fa2_row_splits(mask, q.shape[1], k.shape[1])
+        return splits if isinstance(splits, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
 
-    def forward(self, q, k, v, mask, scale):
+    def call_forward(self, q, k, v, mask, scale):
         b, sq, h, d = q.shape
         sk = k.shape[1]
         causal, left, right = fa2_arguments(mask, sq, sk)
@@ -116,7 +117,7 @@ class CudaFlashKernel(AttentionKernel):
         )
         return out.view(b, sq, h, d), lse.view(h, b, sq).permute(1, 0, 2)  # lse (H, B*S) -> (B, H, S)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def call_backward(self, dout, q, k, v, out, lse, mask, scale):
         b, sq, h, d = q.shape
         sk = k.shape[1]
         causal, left, right = fa2_arguments(mask, sq, sk)
@@ -195,7 +196,7 @@ class CudaEfficientKernel(BandedWindowKernel):
 
 class CudaCudnnKernel(PerDocumentKernel):
     """cuDNN fused attention: fp16/bf16, one head dim <= 128; kv heads are expanded for grouped queries;
-    packed documents run one call per document. No windows: ``auto`` passes them to the next kernel."""
+    packed documents run one call per document (a one-token document, which cuDNN refuses, in plain ops). No windows: ``auto`` passes them to the next kernel."""
 
     name = "cuda_cudnn"
 
@@ -210,6 +211,9 @@ class CudaCudnnKernel(PerDocumentKernel):
 
     def dense_forward(self, q, k, v, causal, scale):
         h = q.shape[2]
+        if q.shape[1] == k.shape[1] == 1:  # cuDNN refuses s_q = s_kv = 1 (a one-token document): one key, softmax 1
+            lse = (q.float() * expand_kv_heads(k, h).float()).sum(-1).transpose(1, 2) * scale  # (B, H, 1)
+            return expand_kv_heads(v, h).to(q.dtype), lse
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q.transpose(1, 2), expand_kv_heads(k, h).transpose(1, 2), expand_kv_heads(v, h).transpose(1, 2),
             None, True, 0.0, causal, False, scale=scale,
@@ -218,6 +222,8 @@ class CudaCudnnKernel(PerDocumentKernel):
 
     def dense_backward(self, dout, q, k, v, out, lse, causal, scale):
         h = q.shape[2]
+        if q.shape[1] == k.shape[1] == 1:  # out = v whatever q and k are
+            return torch.zeros_like(q), torch.zeros_like(k), fold_kv_heads(dout.float(), k.shape[2]).to(v.dtype)
         ke, ve = expand_kv_heads(k, h), expand_kv_heads(v, h)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

@@ -8,7 +8,8 @@ no dropout) for the rest.
 
 Sliding windows and causal masks go in as FA2's ``(window_size_left, window_size_right)``, bottom-right
 aligned; :func:`~seqmesh.kernels.windows.flash_window` derives them from the mask's offset and
-refuses what FA2 cannot express. FA2 (every 2.x release) checks v against q's head size, so a v head
+refuses what FA2 cannot express, and :class:`~seqmesh.kernels.windows.RowSplitFa2` splits by rows the calls FA2
+would read differently. FA2 (every 2.x release) checks v against q's head size, so a v head
 dim unlike q's is refused and ``auto`` falls back to a kernel that takes it.
 """
 
@@ -23,7 +24,7 @@ import torch
 
 from .base import HALF_DTYPES, AttentionKernel, BlockMask
 from .cuda import cuda_problem, varlen_args
-from .windows import fa2_arguments, flash_window
+from .windows import RowSplitFa2, fa2_arguments, fa2_row_splits
 
 _NEUTRAL: dict[str, Any] = {
     "dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, "return_softmax": False, "deterministic": False, "rng_state": None,
@@ -64,7 +65,7 @@ def _window_arguments(mask: BlockMask, sq: int, sk: int) -> dict[str, Any]:
             "softcap": 0.0 if mask.softcap is None else float(mask.softcap)}  # FA2's 0.0: no capping
 
 
-class FlashAttnKernel(AttentionKernel):
+class FlashAttnKernel(RowSplitFa2, AttentionKernel):
     """The flash-attn package's FA2: fp16/bf16, one head dim <= 256, grouped-query heads, varlen
     documents, sliding windows as window sizes."""
 
@@ -80,10 +81,10 @@ class FlashAttnKernel(AttentionKernel):
         if v is not None and v.shape[-1] != q.shape[-1]:
             return (f"flash-attn {found[1]}'s FA2 kernels need one head dim for q, k and v "
                     f"(got {q.shape[-1]} and {v.shape[-1]})")
-        window = flash_window(mask, q.shape[1], k.shape[1])
-        return window if isinstance(window, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
+        splits = fa2_row_splits(mask, q.shape[1], k.shape[1])
+        return splits if isinstance(splits, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
 
-    def forward(self, q, k, v, mask, scale):
+    def call_forward(self, q, k, v, mask, scale):
         fa, _ = _interface()  # type: ignore[misc]
         b, sq, h, d = q.shape
         flags = _window_arguments(mask, sq, k.shape[1])
@@ -98,7 +99,7 @@ class FlashAttnKernel(AttentionKernel):
         )
         return out.view(b, sq, h, d), lse.view(h, b, sq).permute(1, 0, 2)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def call_backward(self, dout, q, k, v, out, lse, mask, scale):
         fa, _ = _interface()  # type: ignore[misc]
         b, sq, h, d = q.shape
         hk = k.shape[2]

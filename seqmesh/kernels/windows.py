@@ -3,7 +3,8 @@
 Two ways, both pure functions of the mask, so they are tested on the CPU without the kernels:
 
 - FA2-family kernels (the flash-attn package and torch's vendored copy) take window sizes
-  ``(left, right)``: :func:`flash_window` translates the mask into them, or says why it cannot.
+  ``(left, right)``: :func:`flash_window` translates the mask into them, or says why it cannot;
+  :class:`RowSplitFa2` runs a call FA2 reads differently as calls on row ranges it reads exactly.
 - Kernels that take an additive bias (torch's CPU flash op, the cutlass memory-efficient kernel) run a
   windowed call as row bands (:func:`window_bands`), each against the keys its rows' windows reach,
   with the band's mask as a 0 / -inf bias (:func:`additive_bias`): memory ~ S x window, never S x S.
@@ -15,10 +16,14 @@ Two ways, both pure functions of the mask, so they are tested on the CPU without
 from __future__ import annotations
 
 import abc
+import dataclasses
 
 import torch
 
 from .base import BlockMask, PerDocumentKernel, lse_dtype
+
+
+WIDENED_RIGHT = "beside its window, FA2 reads an open right side as"
 
 
 def flash_window(mask: BlockMask, sq: int, sk: int) -> tuple[int, int] | str:
@@ -31,6 +36,8 @@ def flash_window(mask: BlockMask, sq: int, sk: int) -> tuple[int, int] | str:
     mask keeps ``b <= a + offset`` (causal) and ``b >= a + offset - window + 1`` (window), so with
     ``shift = offset - D``: ``right = shift`` and ``left = window - 1 - shift``. A bound no row reaches
     is dropped (-1); a bound FA2 would read differently (a negative size, or ``right >= Sk``) is refused.
+    Beside a bounded left side, FA2 (``set_params_fprop``) reads an open right side as ``Sk`` keys wide, so
+    rows ``a < -D - 1`` of an ``Sq > Sk + 1`` call would lose keys: such a window is refused (seen on an H100).
     """
     if mask.segments is not None:
         if sq != sk or mask.offset != 0:
@@ -51,7 +58,63 @@ def flash_window(mask: BlockMask, sq: int, sk: int) -> tuple[int, int] | str:
         left = mask.window - 1 - shift
         if left < 0:
             return f"its window starts {-left} keys right of FA2's bottom-right diagonal"
+    if left >= 0 and right < 0 and d < -1:  # FA2 reads the open right side as Sk keys past its diagonal
+        return (WIDENED_RIGHT + f" Sk={sk} keys past the bottom-right diagonal,"
+                f" which hides keys from the first {-d - 1} rows of this Sq={sq} > Sk call")
     return left, right
+
+
+def fa2_row_splits(mask: BlockMask, sq: int, sk: int) -> list[tuple[int, int]] | str:
+    """Query row ranges ``[a, b)`` that FA2 computes exactly, each as one call on rows ``a:b`` with the mask
+    ``shift_rows(mask, a)``, or the reason it cannot. One range where :func:`flash_window` accepts the call.
+    A window beside an open right side on ``Sq > Sk + 1`` rows (a ring block of two query chunks against one
+    of keys) splits: the last ``Sk + 1`` rows are one call, the rows above are split again."""
+    window = flash_window(mask, sq, sk)
+    if not isinstance(window, str):
+        return [(0, sq)]
+    if not window.startswith(WIDENED_RIGHT):
+        return window
+    cut = sq - sk - 1  # rows cut: onward, D = -1 and the widened side covers every key
+    if isinstance(flash_window(shift_rows(mask, cut), sk + 1, sk), str):
+        return window
+    above = fa2_row_splits(mask, cut, sk)
+    return window if isinstance(above, str) else [*above, (cut, sq)]
+
+
+def shift_rows(mask: BlockMask, first: int) -> BlockMask:
+    """``mask`` for the call on query rows ``first:``: their first row is ``first`` positions later."""
+    return dataclasses.replace(mask, offset=mask.offset + first)
+
+
+class RowSplitFa2:
+    """forward/backward of an FA2 kernel as :func:`fa2_row_splits` calls: outputs and lse concatenated,
+    dk and dv summed in float32. Subclasses compute one exact call in ``call_forward``/``call_backward``."""
+
+    @abc.abstractmethod
+    def call_forward(self, q, k, v, mask, scale): ...
+
+    @abc.abstractmethod
+    def call_backward(self, dout, q, k, v, out, lse, mask, scale): ...
+
+    def forward(self, q, k, v, mask, scale):
+        splits = fa2_row_splits(mask, q.shape[1], k.shape[1])
+        if len(splits) == 1:
+            return self.call_forward(q, k, v, mask, scale)
+        parts = [self.call_forward(q[:, a:b], k, v, shift_rows(mask, a), scale) for a, b in splits]
+        return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        splits = fa2_row_splits(mask, q.shape[1], k.shape[1])
+        if len(splits) == 1:
+            return self.call_backward(dout, q, k, v, out, lse, mask, scale)
+        dq, dk, dv = [], torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        for a, b in splits:
+            gq, gk, gv = self.call_backward(dout[:, a:b], q[:, a:b], k, v, out[:, a:b], lse[:, :, a:b],
+                                            shift_rows(mask, a), scale)
+            dq.append(gq)
+            dk += gk
+            dv += gv
+        return torch.cat(dq, dim=1), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def fa2_arguments(mask: BlockMask, sq: int, sk: int) -> tuple[bool, int, int]:

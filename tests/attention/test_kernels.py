@@ -13,7 +13,7 @@ from seqmesh.bench.emulate import emulate_ring
 from seqmesh.sharded_attention.schedule import RingSchedule
 from seqmesh.kernels import KERNELS, kernel_chooser
 from seqmesh.kernels.base import BlockMask
-from seqmesh.kernels.windows import additive_bias, fa2_arguments, flash_window, window_bands
+from seqmesh.kernels.windows import additive_bias, fa2_arguments, fa2_row_splits, flash_window, shift_rows, window_bands
 from seqmesh.sequence.layout import SequenceLayout
 
 
@@ -146,6 +146,26 @@ def _check_against_plain(kernel, q, k, v, mask, scale, atol):
         torch.testing.assert_close(got.double(), want.detach(), atol=atol, rtol=0, msg=name)
 
 
+def test_auto_order_puts_cudnn_first_on_hopper_without_documents():
+    """cuDNN first on sm 9.0 and later for calls without packed documents; the plain order elsewhere."""
+    from seqmesh.kernels import AUTO_ORDER, auto_order
+
+    plain, packed = BlockMask(causal=True), BlockMask(causal=True, segments=(0, 5, 9))
+    assert auto_order(plain, None) == auto_order(plain, (8, 0)) == auto_order(packed, (9, 0)) == AUTO_ORDER
+    hopper = auto_order(plain, (9, 0))
+    assert hopper[0] == "cuda_cudnn" and sorted(hopper) == sorted(AUTO_ORDER) and auto_order(plain, (10, 0)) == hopper
+
+
+def test_cudnn_one_token_documents_run_without_cudnn():
+    """cuDNN refuses s_q = s_kv = 1 (seen on an H100 with one-token packed documents): such a document is
+    computed in plain ops (out = its value, lse = its one score, no gradient to q or k), here on the CPU
+    where no cuDNN call could hide in it; float32 lse, hence the tolerance."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, 2, 8, dtype=torch.float64) for _ in range(2))
+    _check_against_plain(KERNELS["cuda_cudnn"], q, k, v, BlockMask(causal=True, segments=(0, 1, 2, 3)), 0.3, atol=1e-5)
+
+
 def _plain_with_grads(q, k, v, dout, ok, scale) -> list[torch.Tensor]:
     """[out, lse, dq, dk, dv] of :func:`_plain_attention` on ``ok``, computed in the inputs' dtype."""
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -223,6 +243,10 @@ STUB_MASKS = {
     "window+documents": (BlockMask(causal=True, window=4, segments=(0, 1, 7, 19)), 19, 19),
     "window,offset,sq<sk": (BlockMask(causal=True, window=9, offset=11), 7, 11),
     "window,offset,sq>sk": (BlockMask(causal=True, window=8, offset=5), 6, 5),
+    # a ring block of two query chunks against one key chunk: FA2 widens the open right side to Sk keys, so
+    # the call runs as two calls on row ranges
+    "window,offset,sq>sk+1": (BlockMask(causal=True, window=17, offset=12), 16, 12),
+    "window,offset,sq>2sk+1": (BlockMask(causal=True, window=35, offset=12), 30, 12),
     "causal,offset": (BlockMask(causal=True, offset=3), 4, 6),
     "window,noncausal": (BlockMask(window=6), 19, 19),
     "causal,softcap": (BlockMask(causal=True, softcap=0.8), 19, 19),  # Gemma 2: scores capped before the softmax
@@ -271,12 +295,17 @@ def test_flash_attn_refusals_fall_back(fake_flash_attn_package, monkeypatch):
 
 
 def _fa2_masks(sq: int, sk: int) -> set[bytes]:
-    """Every mask FA2 can make for an (Sq, Sk) call (the stub's documented convention), as bytes."""
+    """Every mask FA2 makes for an (Sq, Sk) call as its sizes read (the stub's documented convention), as
+    bytes: sizes whose open side FA2 widens to Sk keys count only where widening changes nothing."""
     from fake_flash_attn import documented_mask
 
     sizes = range(-1, sk + 2)
-    return {documented_mask(sq, sk, c, l, r).numpy().tobytes()
-            for c in (False, True) for l in sizes for r in sizes}
+    masks = set()
+    for c, l, r in itertools.product((False, True), sizes, sizes):
+        made = documented_mask(sq, sk, c, l, r)
+        if torch.equal(made, documented_mask(sq, sk, c, l, r, widen_open_side=False)):
+            masks.add(made.numpy().tobytes())
+    return masks
 
 
 def test_flash_window_is_exact_and_refuses_only_the_inexpressible():
@@ -324,19 +353,24 @@ def test_additive_bias_and_bands_are_the_mask(align):
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
 def test_ring_window_pieces_are_fa2_masks(kind):
     """Every kernel call the ring plans under a window (all ranks, steps, with and without documents)
-    is one FA2 computes exactly, so the FA2 kernels never refuse a planned piece."""
+    is one FA2 computes exactly, as one call or split by rows, so the FA2 kernels never refuse a planned piece."""
     from fake_flash_attn import documented_mask
 
+    split_seen = False
     for ring, window, cu in itertools.product((2, 4), (3, 17, 40), (None, (0, 5, 60, 95))):
         layout = SequenceLayout.for_length(kind, ring, 1, 95)
         schedule = RingSchedule(layout, document_bounds(layout.padded_len, 95, cu), True, window)
         for r, step in itertools.product(range(ring), schedule.steps):
             for p in schedule.pieces(r, step):
                 sq, sk = p.q1 - p.q0, p.k1 - p.k0
-                assert not isinstance(flash_window(p.mask, sq, sk), str), (p, ring, window, cu)
+                splits = fa2_row_splits(p.mask, sq, sk)
+                assert not isinstance(splits, str), (p, ring, window, cu)
                 if p.mask.segments is None:  # varlen pieces: each segment is a square diagonal call
-                    fa2 = documented_mask(sq, sk, *fa2_arguments(p.mask, sq, sk))
+                    split_seen |= len(splits) > 1
+                    fa2 = torch.cat([documented_mask(b - a, sk, *fa2_arguments(shift_rows(p.mask, a), b - a, sk))
+                                     for a, b in splits])
                     assert torch.equal(fa2, _explicit_mask(sq, sk, p.mask)), (p, ring, window, cu)
+    assert split_seen, "some ring piece has Sq > Sk + 1 beside a window (FA2 reads it differently)"
 
 
 SOFTCAP_MASKS = ("causal,softcap", "documents,softcap", "window,offset,softcap")
