@@ -51,9 +51,10 @@ def p2p_issue_order(ulysses: int, ring: int, seq_len: int, causal: bool, documen
 
 
 def attention_under_autocast(ulysses: int, ring: int) -> dict:
-    """seqmesh.attention with fp32 inputs inside bf16 autocast, against the same call without it: the
-    math kernel's forward and backward must both see autocast off and fp32 tensors, so the results
-    are bit-identical."""
+    """seqmesh.attention with fp32 inputs inside bf16 autocast, against the same call without autocast on the
+    inputs cast to bf16 (torch's SDPA casts under autocast too; transformers' rotary leaves q and k in fp32 beside
+    a bf16 v there, which an H100 run of ``seqmesh train --bf16`` met): the math kernel's forward and backward
+    must both see autocast off and bf16 tensors, so output and fp32 gradients are bit-identical."""
     from seqmesh.kernels import reference as math_kernel
 
     mesh = get_mesh(ulysses, ring, dist.get_world_size() // (ulysses * ring))
@@ -74,16 +75,18 @@ def attention_under_autocast(ulysses: int, ring: int) -> dict:
     results = []
     kernel.forward, kernel.backward = spy_forward, spy_backward
     try:
-        for autocast in (False, True):
+        for autocast in (True, False):
             local = [seqmesh.shard_sequence(t, mesh, layout="zigzag", dim=1).requires_grad_() for t in full]
+            inputs = list(local) if autocast else [t.to(torch.bfloat16) for t in local]
+            inputs[2] = inputs[2].to(torch.bfloat16)  # v as a bf16 projection gives it, q and k in fp32
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = seqmesh.attention(*local, mesh, causal=True, backend="math")
-                out.square().sum().backward()
+                out = seqmesh.attention(*inputs, mesh, causal=True, backend="math")
+                out.float().square().sum().backward()
             results.append([out.detach()] + [t.grad for t in local])
     finally:
         kernel.forward, kernel.backward = forward, backward
-    return {"seen": sorted(set(seen)), "out_dtype": str(results[1][0].dtype),
-            "identical": all(torch.equal(a, b) for a, b in zip(*results))}
+    return {"seen": sorted(set(seen)), "out_dtype": str(results[0][0].dtype),
+            "grad_dtype": str(results[0][1].dtype), "identical": all(torch.equal(a, b) for a, b in zip(*results))}
 
 
 def overwrite_with_a_late_rank(cfg) -> dict:

@@ -90,9 +90,13 @@ def attention(
             ``softcap * tanh(s / softcap)`` inside every kernel call, backward included; the log-sum-exp
             merge is unchanged. Kernels that cannot cap (torch's CPU and CUDA ops) are skipped by ``auto``.
 
+    Under autocast, floating q, k and v are first cast to autocast's dtype, as torch's SDPA does (transformers'
+    rotary leaves q and k in float32 beside a bfloat16 v there); the kernels then run with autocast off.
+
     Returns:
-        ``(B, L, Hq, Dv)`` in q's dtype and the same local order.
+        ``(B, L, Hq, Dv)`` in q's dtype (autocast's under autocast) and the same local order.
     """
+    q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():  # one graph node: two torch.library ops that plan inside (compiled.py)
         return compiled_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len,
                                   softmax_scale=softmax_scale, backend=backend, validate=validate, window=window,
@@ -104,6 +108,15 @@ def attention(
     if mesh.ulysses == 1:
         return ring_part(q, k, v, None)
     return ulysses_attention(q, k, v, mesh, call.heads, ring_part)
+
+
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v in autocast's dtype where autocast is on for their device (float64 left, as autocast leaves it)."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t for t in (q, k, v))
 
 
 def prepare_attention(

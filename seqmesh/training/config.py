@@ -61,8 +61,8 @@ class TrainConfig:
     fsdp: bool | None = None
     """Shard weights, gradients and optimizer state with FSDP2 over every rank (--fsdp), or replicate them
     and sum the gradients after backward (--no-fsdp). Unset: FSDP2 on more than one process, none on one
-    (nothing to shard there, and FSDP2's per-step copies cost time), unless --fsdp-cpu-offload, or --bf16
-    without CUDA (FSDP2's mixed precision instead of autocast), needs it."""
+    (nothing to shard there, and FSDP2's per-step copies cost time), unless --fsdp-cpu-offload needs it, or --bf16
+    without CUDA asks for it (FSDP2's mixed precision rather than CPU autocast; --no-fsdp autocasts there too)."""
     tiled_mlp: bool = False
     """Compute each decoder layer's MLP in sequence tiles, recomputed in backward (exact; keeps only the MLP's
     input for backward)."""

@@ -152,8 +152,6 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
                                         seq_len=cfg.seq_len)  # tp is given (cfg.tp), never auto
     check_tensor_parallel_sizes(cfg.tp, ulysses, **sizes)
     fsdp = uses_fsdp(cfg)
-    if cfg.bf16 and not fsdp and not torch.cuda.is_available():
-        raise ValueError("--bf16 without FSDP uses autocast, which needs a CUDA device here; drop --no-fsdp.")
     # the rule parallelize_model applies, from the model's shape: refused before any mesh, alike on every rank
     check_expert_parallel(cfg.ep, experts=shape.experts, token_ranks=world // cfg.tp, tp=cfg.tp, fsdp=fsdp,
                           compile=cfg.compile, model=cfg.model)

@@ -226,13 +226,14 @@ def test_the_ring_issues_its_sends_in_the_order_every_peer_receives_them(pools):
     assert seen > 0
 
 
-def test_attention_ignores_autocast_in_forward_and_backward(pools):
+def test_attention_casts_like_sdpa_under_autocast_and_runs_without_it(pools):
     from safety_cases import attention_under_autocast
 
     for ulysses, ring in ((2, 1), (1, 2)):
         for r in pools.run(2, attention_under_autocast, ulysses, ring):
-            assert r["seen"] == [("backward", False, "torch.float32"), ("forward", False, "torch.float32")], r
-            assert r["out_dtype"] == "torch.float32" and r["identical"], (ulysses, ring, r)
+            assert r["seen"] == [("backward", False, "torch.bfloat16"), ("forward", False, "torch.bfloat16")], r
+            assert r["out_dtype"] == "torch.bfloat16" and r["grad_dtype"] == "torch.float32", (ulysses, ring, r)
+            assert r["identical"], (ulysses, ring, r)
 
 
 def test_resume_with_overwrite_and_no_checkpoint_starts_clean(tmp_path):
