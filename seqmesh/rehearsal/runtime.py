@@ -21,6 +21,7 @@ the fake mode must not leak into the caller.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -134,9 +135,10 @@ def _fake(mode, value):
     return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
 
-def rehearse_rank(cfg: TrainConfig, gpus: int) -> Rehearsal:
+def rehearse_rank(cfg: TrainConfig, gpus: int, *, fake: bool = True) -> Rehearsal:
     """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors; the second one measured.
-    Initialises (and destroys) the fake process group: call it in a process of its own."""
+    ``fake=False`` runs real tensors on the same fake process group (a toy size's reference: what the fake step
+    must match). Initialises (and destroys) the fake process group: call it in a process of its own."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -149,8 +151,8 @@ def rehearse_rank(cfg: TrainConfig, gpus: int) -> Rehearsal:
     try:
         data = make_dataset(cfg)  # real: the batch is drawn, sharded and only then made fake
         mesh, device = build_mesh(cfg)  # real: the mesh's rank tables are read on the host
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake:
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with mode:
             module = build_module(cfg, mesh, device)
             optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         fsdp = uses_fsdp(cfg)
@@ -160,8 +162,8 @@ def rehearse_rank(cfg: TrainConfig, gpus: int) -> Rehearsal:
         for step in range(2):  # the first creates AdamW's state; the second is the one every later step repeats
             batch = data.batch(step, mesh.dp_rank, cfg.batch, mesh.dp_size)
             local = shard_batch(batch, mesh, model=module, layout=cfg.layout)
-            with fake:
-                local = {k: _fake(fake, v) for k, v in local.items()}
+            with mode:
+                local = {k: _fake(mode, v) for k, v in local.items()} if fake else local
                 if step == 0:
                     forward_backward(module, local, mesh, cfg, autocast, fsdp)
                     optimizer.step()
