@@ -46,6 +46,7 @@ class PhaseTracker(MemoryTracker):
         super().__init__(module, optimizer, device=device)
         self.phase, self.op = "start", ""
         self.peak_phase, self.peak_op = "start", ""
+        self.peak_transients: list[int] = []  # the largest transient storages at the peak, bytes
         self.kernels: set[str] = set()
 
     def _check_peak(self) -> None:
@@ -53,6 +54,9 @@ class PhaseTracker(MemoryTracker):
         super()._check_peak()
         if self._report.peak_bytes > before:
             self.peak_phase, self.peak_op = self.phase, self.op
+            owned = set().union(*self._owned(), self._saved)
+            self.peak_transients = sorted((size for key, (_, size) in self._live.items() if key not in owned),
+                                          reverse=True)[:6]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op = func.name().split("::")[-1]
@@ -102,6 +106,7 @@ class Rehearsal:
     planned_peak_bytes: int | None
     planned_moment: str
     planned_by_purpose: dict[str, int] = field(default_factory=dict)
+    peak_transients: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
 
     @property
@@ -114,7 +119,8 @@ class Rehearsal:
                 "ratio": self.ratio, "peak_phase": self.peak_phase, "peak_op": self.peak_op,
                 "planned_moment": self.planned_moment, "kernels": self.kernels, "device": self.device,
                 "mesh": self.mesh, "measured_by_category": self.by_category,
-                "planned_by_purpose": self.planned_by_purpose, "wall_seconds": self.wall_seconds}
+                "planned_by_purpose": self.planned_by_purpose, "largest_transients_at_peak": self.peak_transients,
+                "wall_seconds": self.wall_seconds}
 
 
 def planned_peak(cfg: TrainConfig, gpus: int, device: str) -> tuple[int | None, str, dict[str, int]]:
@@ -185,7 +191,7 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, fake: bool = True) -> Rehearsa
         planned, moment, parts = planned_peak(cfg, gpus, device.type)
         return Rehearsal(report.peak_bytes, dict(report.by_category), tracker.peak_phase, tracker.peak_op,
                          sorted(tracker.kernels), device.type, repr(mesh), planned, moment, parts,
-                         time.perf_counter() - start)
+                         tracker.peak_transients, time.perf_counter() - start)
     finally:
         dist.destroy_process_group()
 
