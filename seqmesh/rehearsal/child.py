@@ -1,5 +1,5 @@
 """The rehearsal's own process: ``python -m seqmesh.rehearsal.child '{"config": {...}, "gpus": N}'``
-(``"fake": false`` for real tensors, the tests' reference).
+(``"device": "cpu"`` for the CPU kernels; ``"fake": false`` for real tensors, the tests' reference).
 
 Prints the :class:`~seqmesh.rehearsal.runtime.Rehearsal` as one JSON line (its last line of stdout); a
 configuration error exits 2 with ``seqmesh: error: <message>`` as the last line of stderr.
@@ -14,12 +14,14 @@ import sys
 def main(argv: list[str]) -> int:
     from ..training.config import TrainConfig
     from .runtime import rehearse_rank
+    from .workarounds import CannotRehearse
 
     request = json.loads(argv[0])
     try:
         result = rehearse_rank(TrainConfig(**request["config"]), int(request["gpus"]),
+                               device=request.get("device", "cuda"),
                                fake=request.get("fake", True))
-    except ValueError as err:
+    except (ValueError, CannotRehearse) as err:
         print(f"seqmesh: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
     print(json.dumps(result.as_dict()), flush=True)

@@ -24,6 +24,9 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        "bytes beside seqmesh plan's", description=__doc__.splitlines()[0])
     add_dataclass_flags(p, TrainConfig)
     p.add_argument("--gpus", type=int, required=True, help="ranks of the rehearsed world (rank 0 is run)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="fake cuda:0 tensors and CUDA's kernels (on a CPU build of torch: needs a C++ compiler), or "
+                        "the CPU kernels (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the last line)")
     p.set_defaults(func=cmd_rehearse)
     return p
@@ -61,16 +64,26 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, fake: bool = True) -> dict:
-    """Check ``cfg`` against ``gpus``, rehearse it in a fresh process and return its result (:class:`Rehearsal`'s
-    ``as_dict``; ``fake=False``: the same step on real tensors, a toy size's reference). Raises ValueError for a
-    bad configuration, RuntimeError naming the child's last words if it fails."""
+def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, device: str = "cuda",
+                  fake: bool = True) -> dict:
+    """Check ``cfg`` against ``gpus``, rehearse it on fake ``device`` tensors in a fresh process and return its result
+    (:class:`Rehearsal`'s ``as_dict``; ``fake=False``: the same step on real CPU tensors, a toy size's reference).
+    Raises ValueError for a bad configuration or a machine that cannot rehearse (naming what is missing),
+    RuntimeError naming the child's last words if it fails."""
     from dataclasses import asdict
 
+    from .workarounds import CannotRehearse, preload_environment
+
     check_world(cfg, gpus)
-    payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "fake": fake})
+    env = _child_env()
+    if device == "cuda":
+        try:
+            env = preload_environment(env)
+        except CannotRehearse as err:
+            raise ValueError(str(err)) from None
+    payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake})
     done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.child", payload], capture_output=True, text=True,
-                          env=_child_env(), timeout=timeout)
+                          env=env, timeout=timeout)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = "\n".join((done.stderr.strip().splitlines() or ["(no output)"])[-15:])
@@ -104,7 +117,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     try:
         cfg = dataclass_from_flags(TrainConfig, args)
-        result = run_rehearsal(cfg, args.gpus)
+        result = run_rehearsal(cfg, args.gpus, device=args.device)
     except ValueError as err:
         print(f"seqmesh rehearse: error: {err}", file=sys.stderr)
         return 2

@@ -141,10 +141,21 @@ def _fake(mode, value):
     return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
 
-def rehearse_rank(cfg: TrainConfig, gpus: int, *, fake: bool = True) -> Rehearsal:
-    """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors; the second one measured.
-    ``fake=False`` runs real tensors on the same fake process group (a toy size's reference: what the fake step
-    must match). Initialises (and destroys) the fake process group: call it in a process of its own."""
+def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True) -> Rehearsal:
+    """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``: fake
+    ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
+    second step measured. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
+    reference: what the fake step must match). Initialises (and destroys) the fake process group: call it in a
+    process of its own."""
+    from .workarounds import fake_cuda
+
+    if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
+        raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
+    with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where:
+        return _rehearse(cfg, gpus, where, fake)
+
+
+def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool) -> Rehearsal:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -156,7 +167,7 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, fake: bool = True) -> Rehearsa
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
     try:
         data = make_dataset(cfg)  # real: the batch is drawn, sharded and only then made fake
-        mesh, device = build_mesh(cfg)  # real: the mesh's rank tables are read on the host
+        mesh, device = build_mesh(cfg, where)  # real: the mesh's rank tables are read on the host
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
             module = build_module(cfg, mesh, device)

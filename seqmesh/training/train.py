@@ -141,10 +141,10 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     return mesh, build_module(cfg, mesh, device), device
 
 
-def build_mesh(cfg: TrainConfig) -> tuple[SPMesh, torch.device]:
-    """The checks of :func:`build` and its mesh: every configuration error is raised here, before any model.
-    Apart from :func:`build_module` so that ``seqmesh rehearse`` builds the mesh from real tensors and the model
-    from fake ones."""
+def build_mesh(cfg: TrainConfig, device: torch.device | None = None) -> tuple[SPMesh, torch.device]:
+    """The checks of :func:`build` and its mesh on ``device`` (default: this rank's): every configuration error is
+    raised here, before any model. Apart from :func:`build_module` so that ``seqmesh rehearse`` builds the mesh from
+    real tensors and the model from fake ones (on its fake device)."""
     shape = model_shape(cfg.model)  # a preset, a config.json, or a checkpoint folder's config
     # Ulysses deals the decoder's heads and, in a vision-language model, the tower's: the fewer bound it
     q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
@@ -166,7 +166,7 @@ def build_mesh(cfg: TrainConfig) -> tuple[SPMesh, torch.device]:
     # the rule parallelize_model applies, from the model's shape: refused before any mesh, alike on every rank
     check_expert_parallel(cfg.ep, experts=shape.experts, token_ranks=world // cfg.tp, tp=cfg.tp, fsdp=fsdp,
                           compile=cfg.compile, model=cfg.model)
-    device = _device()
+    device = device or _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
