@@ -156,6 +156,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if slope is not None:
                     d_logits.mul_(slope)
                 d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
+                del capped, slope  # in bf16, the float32 tile is freed before the matmuls below rather than after
                 d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
                 d_weight += (d_logits.t() @ h).to(d_weight.dtype)
         return d_hidden, d_weight.to(weight.dtype), None, None, None, None
