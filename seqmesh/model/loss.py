@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.collectives import all_reduce_
-from ..rehearsal.values import has_values
+from ..tensor_values import has_values
 from ..sequence.batch import IGNORE_INDEX
 
 

@@ -15,8 +15,8 @@ and a fake step at a toy size peak at the same byte). Two steps run; the second 
 then exists, as in every step of a run but the first). :class:`PhaseTracker` also notes the phase and the
 operator at the peak.
 
-:func:`rehearse_rank` is meant for a fresh process (:mod:`.command` starts one): the fake process group and
-the fake mode must not leak into the caller.
+:func:`rehearse_rank` is meant for a fresh process (:mod:`seqmesh.tools.rehearse` starts one): the fake process
+group and the fake mode must not leak into the caller.
 """
 
 from __future__ import annotations

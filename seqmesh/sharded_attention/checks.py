@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather_single
 from ..comm.stats import record
 from ..kernels.base import SUPPORTED_DTYPES
-from ..rehearsal.values import has_values
+from ..tensor_values import has_values
 from ..sequence.layout import LayoutKind, SequenceLayout
 from ..mesh import SPMesh
 from .heads import HeadPlan

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..planner.cli import register_plan
     from .selftest import add_command as add_selftest
 
-    from ..rehearsal.command import add_command as add_rehearse
+    from .rehearse import add_command as add_rehearse
 
     register_plan(sub)
     add_selftest(sub)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from seqmesh.rehearsal.command import run_rehearsal
+from seqmesh.tools.rehearse import run_rehearsal
 from seqmesh.tools.cli import main
 from seqmesh.training.config import TrainConfig
 

@@ -1,7 +1,7 @@
-"""``seqmesh rehearse``: ``seqmesh train``'s flags plus ``--gpus N`` and ``--json``; one rank's step, rehearsed.
+"""``seqmesh rehearse``: ``seqmesh train``'s flags plus ``--gpus N``, ``--device`` and ``--json``; one rank's step rehearsed.
 
 The flags are checked here (the degrees against ``--gpus``) before anything expensive; the step then runs in a
-fresh Python process (:mod:`.runtime`), so the fake process group and fake mode never touch the caller. The child
+fresh Python process (:mod:`seqmesh.rehearsal.child`), so the fake process group and fake mode never touch the caller. The child
 prints one JSON object as its last line; this command prints it (``--json``) or a short table.
 """
 
@@ -18,7 +18,7 @@ from ..training.config import TrainConfig
 
 def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``rehearse`` to ``seqmesh``'s subcommands."""
-    from ..tools.flags import add_dataclass_flags
+    from .flags import add_dataclass_flags
 
     p = sub.add_parser("rehearse", help="one rank's full-size training step on fake tensors: its peak tensor "
                        "bytes beside seqmesh plan's", description=__doc__.splitlines()[0])
@@ -72,7 +72,7 @@ def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, 
     RuntimeError naming the child's last words if it fails."""
     from dataclasses import asdict
 
-    from .workarounds import CannotRehearse, preload_environment
+    from ..rehearsal.workarounds import CannotRehearse, preload_environment
 
     check_world(cfg, gpus)
     env = _child_env()
@@ -113,7 +113,7 @@ def format_result(result: dict, cfg: TrainConfig, gpus: int) -> str:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from ..tools.flags import dataclass_from_flags
+    from .flags import dataclass_from_flags
 
     try:
         cfg = dataclass_from_flags(TrainConfig, args)
