@@ -60,7 +60,8 @@ def check_toolchain() -> None:
 
 def build_library() -> str:
     """Compile ``fake_cuda.cpp`` (cached by torch under its extensions folder) and return the shared library's path.
-    Loading it installs the fake guard in this process: call it in a process of its own (:func:`preload_environment`)."""
+    Loading it installs the fake guard in this process: call it in a process of its own
+    (:func:`preload_environment` does)."""
     from torch.utils.cpp_extension import load
 
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")

@@ -1,8 +1,8 @@
-"""``seqmesh rehearse``: ``seqmesh train``'s flags plus ``--gpus N``, ``--device`` and ``--json``; one rank's step rehearsed.
+"""``seqmesh rehearse``: ``seqmesh train``'s flags plus ``--gpus N``, ``--device`` and ``--json``.
 
 The flags are checked here (the degrees against ``--gpus``) before anything expensive; the step then runs in a
-fresh Python process (:mod:`seqmesh.rehearsal.child`), so the fake process group and fake mode never touch the caller. The child
-prints one JSON object as its last line; this command prints it (``--json``) or a short table.
+fresh Python process (:mod:`seqmesh.rehearsal.child`), so the fake process group and fake mode never touch the
+caller. The child prints one JSON object as its last line; this command prints it (``--json``) or a short table.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def check_world(cfg: TrainConfig, gpus: int) -> None:
         product *= value
     if gpus % product:
         named = " x ".join(f"--{k} {v}" for k, v in given.items())
-        raise ValueError(f"--gpus {gpus} is not divisible by {named}{f' = {product}' if len(given) > 1 else ''}: give --gpus a multiple of "
-                         f"{product}, or degrees whose product divides {gpus}.")
+        total = f" = {product}" if len(given) > 1 else ""
+        raise ValueError(f"--gpus {gpus} is not divisible by {named}{total}: give --gpus a multiple of {product}, "
+                         f"or degrees whose product divides {gpus}.")
     if all(isinstance(v, int) for v in (cfg.ulysses, cfg.ring, cfg.dp)) and product != gpus:
         raise ValueError(f"--gpus {gpus} but the degrees given multiply to {product}: make them multiply to {gpus} "
                          "or leave one of --ulysses/--ring/--dp auto.")

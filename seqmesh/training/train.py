@@ -346,8 +346,10 @@ class TrainingRun:
         batch = self.data.batch(step, self.mesh.dp_rank, cfg.batch, self.mesh.dp_size)
         local = to_device(shard_batch(batch, self.mesh, model=self.module, layout=cfg.layout), self.device)
         compiling = " (compiling)" if cfg.compile and step == self.start else ""
-        loss, norm = forward_backward(self.module, local, self.mesh, cfg, self.autocast, self.fsdp, lambda name: self.phase(
-            f"step {step + 1}: {name}{compiling if name != 'gradients and optimizer' else ''}"))
+        def phase(name: str) -> None:
+            self.phase(f"step {step + 1}: {name}{compiling if name != 'gradients and optimizer' else ''}")
+
+        loss, norm = forward_backward(self.module, local, self.mesh, cfg, self.autocast, self.fsdp, phase)
         self.loss_tensor = loss.detach()
         finite = bool(torch.isfinite(self.loss_tensor) & torch.isfinite(norm))  # the same on every rank
         if not finite:
