@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.collectives import all_reduce_
+from ..tensor_values import has_values
 from ..sequence.batch import IGNORE_INDEX
 
 
@@ -63,7 +64,8 @@ def pool_mean(
     wide = wide_dtype(local_sum.dtype)
     invalid = local_invalid if local_invalid is not None else torch.zeros((), device=local_sum.device)
     totals = pool_sum(torch.stack([local_sum.to(wide), local_count.detach().to(wide), invalid.detach().to(wide)]), group)
-    return totals[0] / totals[1].detach().clamp(min=1.0), int(totals[2])
+    # a fake tensor (seqmesh rehearse) has no labels to count: none are reported bad
+    return totals[0] / totals[1].detach().clamp(min=1.0), int(totals[2]) if has_values(totals) else 0
 
 
 def checked_mean(
@@ -154,6 +156,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if slope is not None:
                     d_logits.mul_(slope)
                 d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
+                del capped, slope  # in bf16, the float32 tile is freed before the matmuls below rather than after
                 d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
                 d_weight += (d_logits.t() @ h).to(d_weight.dtype)
         return d_hidden, d_weight.to(weight.dtype), None, None, None, None

@@ -1,4 +1,4 @@
-"""The ``seqmesh`` command: train, verify, export, demo, bench, plan."""
+"""The ``seqmesh`` command: train, verify, export, demo, bench, plan, selftest, rehearse."""
 
 from __future__ import annotations
 
@@ -181,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ..planner.cli import register_plan
     from .selftest import add_command as add_selftest
 
+    from .rehearse import add_command as add_rehearse
+
     register_plan(sub)
     add_selftest(sub)
+    add_rehearse(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -136,6 +137,14 @@ def uses_fsdp(cfg: TrainConfig) -> bool:
 def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     """Check the degrees and devices, then build the mesh and the parallelized model, sharded with FSDP2
     when :func:`uses_fsdp` (the data is checked by ``make_dataset``, which callers run first)."""
+    mesh, device = build_mesh(cfg)
+    return mesh, build_module(cfg, mesh, device), device
+
+
+def build_mesh(cfg: TrainConfig, device: torch.device | None = None) -> tuple[SPMesh, torch.device]:
+    """The checks of :func:`build` and its mesh on ``device`` (default: this rank's): every configuration error is
+    raised here, before any model. Apart from :func:`build_module` so that ``seqmesh rehearse`` builds the mesh from
+    real tensors and the model from fake ones (on its fake device)."""
     shape = model_shape(cfg.model)  # a preset, a config.json, or a checkpoint folder's config
     # Ulysses deals the decoder's heads and, in a vision-language model, the tower's: the fewer bound it
     q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
@@ -155,13 +164,19 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     # the rule parallelize_model applies, from the model's shape: refused before any mesh, alike on every rank
     check_expert_parallel(cfg.ep, experts=shape.experts, token_ranks=world // cfg.tp, tp=cfg.tp, fsdp=fsdp,
                           compile=cfg.compile, model=cfg.model)
-    device = _device()
+    device = device or _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # once attention sharpens, exp() underflows into denormals that slow CPU kernels several-fold
         torch.set_flush_denormal(True)
     mesh = init_mesh(ulysses, ring, dp_shard=dp, dp_replicate=cfg.dp_replicate, tp=cfg.tp, device_type=device.type,
                      timeout=cfg.timeout)
+    return mesh, device
+
+
+def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device) -> SequenceParallelLM:
+    """The parallelized model of :func:`build` on ``mesh``, its weights on ``device`` (or the host, offloaded)."""
+    fsdp = uses_fsdp(cfg)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = fsdp, has_weights(cfg.model)
@@ -183,7 +198,7 @@ def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
         for sub in module.modules():
             for name, buffer in sub.named_buffers(recurse=False):
                 setattr(sub, name, buffer.to(device))
-    return mesh, module, device
+    return module
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -195,6 +210,29 @@ def to_device(batch: dict, device: torch.device) -> dict:
         else:  # a VisionShard / FixedSizeShard moves its own tensors; SequenceInfo holds none
             out[key] = value.to(device) if key == "seqmesh_vision" else value
     return out
+
+
+def step_autocast(cfg: TrainConfig, device: torch.device, fsdp: bool) -> torch.autocast:
+    """bf16 autocast for a run without FSDP2 (with it, FSDP2's mixed precision casts the weights instead)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not fsdp)
+
+
+def forward_backward(module: SequenceParallelLM, local: dict, mesh: SPMesh, cfg: TrainConfig,
+                     autocast: torch.autocast, fsdp: bool,
+                     phase: Callable[[str], None] = lambda name: None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch shard's loss and gradients, summed over the ranks (without FSDP2) and clipped to ``cfg.grad_clip``:
+    the step up to the optimizer's, telling ``phase`` "forward", "backward", then "gradients and optimizer".
+    Returns the loss and the gradient norm. ``seqmesh train`` and ``seqmesh rehearse`` both step through it."""
+    phase("forward")
+    with autocast:
+        loss = module(**local)
+    phase("backward")
+    loss.backward()
+    phase("gradients and optimizer")
+    if not fsdp:
+        sync_gradients(module, mesh)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
+    return loss, gradient_norm(module.parameters(), max_norm)
 
 
 def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, device: torch.device) -> float:
@@ -257,7 +295,7 @@ class TrainingRun:
         self.start = self._resume()
         self.log_file = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"))
         self.tokens_per_step = self.mesh.dp_size * cfg.batch * cfg.seq_len
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not self.fsdp)
+        self.autocast = step_autocast(cfg, self.device, self.fsdp)
         self.loss, self.accuracy, self.skipped = float("nan"), float("nan"), 0
         self.offload = enable_activation_offload(self.module.lm, self.device) if cfg.offload_checkpoints else None
         self.memory = None  # the last step's MemoryReport, with --track-memory
@@ -306,16 +344,10 @@ class TrainingRun:
         batch = self.data.batch(step, self.mesh.dp_rank, cfg.batch, self.mesh.dp_size)
         local = to_device(shard_batch(batch, self.mesh, model=self.module, layout=cfg.layout), self.device)
         compiling = " (compiling)" if cfg.compile and step == self.start else ""
-        self.phase(f"step {step + 1}: forward{compiling}")
-        with self.autocast:
-            loss = self.module(**local)
-        self.phase(f"step {step + 1}: backward{compiling}")
-        loss.backward()
-        self.phase(f"step {step + 1}: gradients and optimizer")
-        if not self.fsdp:
-            sync_gradients(self.module, self.mesh)
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
-        norm = gradient_norm(self.module.parameters(), max_norm)
+        def phase(name: str) -> None:
+            self.phase(f"step {step + 1}: {name}{compiling if name != 'gradients and optimizer' else ''}")
+
+        loss, norm = forward_backward(self.module, local, self.mesh, cfg, self.autocast, self.fsdp, phase)
         self.loss_tensor = loss.detach()
         finite = bool(torch.isfinite(self.loss_tensor) & torch.isfinite(norm))  # the same on every rank
         if not finite:

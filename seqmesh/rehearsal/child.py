@@ -1,0 +1,32 @@
+"""The rehearsal's own process: ``python -m seqmesh.rehearsal.child '{"config": {...}, "gpus": N}'``
+(``"device": "cpu"`` for the CPU kernels; ``"fake": false`` for real tensors, the tests' reference).
+
+Prints the :class:`~seqmesh.rehearsal.runtime.Rehearsal` as one JSON line (its last line of stdout); a
+configuration error exits 2 with ``seqmesh: error: <message>`` as the last line of stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from ..training.config import TrainConfig
+    from .runtime import rehearse_rank
+    from .workarounds import CannotRehearse
+
+    request = json.loads(argv[0])
+    try:
+        result = rehearse_rank(TrainConfig(**request["config"]), int(request["gpus"]),
+                               device=request.get("device", "cuda"),
+                               fake=request.get("fake", True))
+    except (ValueError, CannotRehearse) as err:
+        print(f"seqmesh: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps(result.as_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

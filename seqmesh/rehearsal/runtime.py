@@ -1,0 +1,214 @@
+"""One rank's training step at full size without its memory: fake tensors on torch's fake process group.
+
+The step is ``seqmesh train``'s own: :func:`~seqmesh.training.train.build_mesh` and
+:func:`~seqmesh.training.train.build_module` (the model composed and sharded with FSDP2),
+:func:`~seqmesh.training.train.forward_backward` (loss, backward, clipping) and AdamW, run under torch's
+``FakeTensorMode`` as rank 0 of a world of ``--gpus`` ranks on the ``fake`` backend
+(``torch.testing._internal.distributed.fake_pg``), where every collective completes at once and moves
+nothing. Fake tensors carry shapes, dtypes, devices and storages of the right size, but no data: the
+8-billion-parameter model and its activations cost no memory and the kernels no time.
+
+The peak is counted by seqmesh's own :class:`~seqmesh.memory.MemoryTracker`, which works on fake tensors
+unchanged: each fake tensor has a storage of its true size, freed when the real one would be, so the
+tracker's weak references see the same live set as in a real step (``tests/rehearsal`` checks that a real
+and a fake step at a toy size peak at the same byte). Two steps run; the second is tracked (AdamW's state
+then exists, as in every step of a run but the first). :class:`PhaseTracker` also notes the phase and the
+operator at the peak.
+
+:func:`rehearse_rank` is meant for a fresh process (:mod:`seqmesh.tools.rehearse` starts one): the fake process
+group and the fake mode must not leak into the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..memory import MemoryTracker
+from ..training.config import TrainConfig
+
+# the attention kernel an operator belongs to (the rehearsal reports the ones its step ran)
+KERNEL_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "cpu_flash", "_flash_attention_forward": "cuda_flash",
+              "_efficient_attention_forward": "cuda_efficient", "_scaled_dot_product_cudnn_attention": "cuda_cudnn",
+              "_scaled_dot_product_flash_attention": "cuda_flash", "_scaled_dot_product_efficient_attention":
+              "cuda_efficient", "flash_attn_func": "flash_attn", "_flash_attn_forward": "flash_attn"}
+
+
+class PhaseTracker(MemoryTracker):
+    """A :class:`~seqmesh.memory.MemoryTracker` that also remembers the phase (set by the step) and the operator
+    running when the peak was reached, and the attention kernels it saw run."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device):
+        super().__init__(module, optimizer, device=device)
+        self.phase, self.op = "start", ""
+        self.peak_phase, self.peak_op = "start", ""
+        self.peak_transients: list[int] = []  # the largest transient storages at the peak, bytes
+        self.kernels: set[str] = set()
+
+    def _check_peak(self) -> None:
+        before = self._report.peak_bytes
+        super()._check_peak()
+        if self._report.peak_bytes > before:
+            self.peak_phase, self.peak_op = self.phase, self.op
+            owned = set().union(*self._owned(), self._saved)
+            self.peak_transients = sorted((size for key, (_, size) in self._live.items() if key not in owned),
+                                          reverse=True)[:6]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.op = func.name().split("::")[-1]
+        kernel = KERNEL_OPS.get(self.op.split(".")[0])
+        if kernel is not None:
+            self.kernels.add(kernel)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _phase_hooks(module: nn.Module, tracker: PhaseTracker) -> list:
+    """Hooks on the decoder layers that tell ``tracker`` which layer the step is in: "layer N forward", "loss
+    forward" once the last layer is done, "layer N backward" (its recompute included) from the moment its output's
+    gradient is ready, and "end of backward" once the first layer's input gradient is."""
+    from ..model.lm import decoder_layers
+
+    layers = decoder_layers(module.lm)
+    handles = []
+    for i, layer in enumerate(layers):
+        def before(_, args, i=i):
+            if "backward" not in tracker.phase:  # in backward, a checkpointed layer's recompute
+                tracker.phase = f"layer {i} forward"
+
+        def after(_, args, out, i=i):
+            if i == len(layers) - 1 and tracker.phase == f"layer {i} forward":
+                tracker.phase = "loss forward"
+
+        def before_backward(_, grad_out, i=i):
+            tracker.phase = f"layer {i} backward"
+
+        handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after),
+                    layer.register_full_backward_pre_hook(before_backward)]
+    handles.append(layers[0].register_full_backward_hook(lambda *_: setattr(tracker, "phase", "end of backward")))
+    return handles
+
+
+@dataclass
+class Rehearsal:
+    """What one rehearsed step measured on rank 0, beside the planner's prediction for the same run."""
+
+    measured_peak_bytes: int
+    by_category: dict[str, int]
+    peak_phase: str
+    peak_op: str
+    kernels: list[str]
+    device: str
+    mesh: str
+    planned_peak_bytes: int | None
+    planned_moment: str
+    planned_by_purpose: dict[str, int] = field(default_factory=dict)
+    peak_transients: list[int] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        """Planned over measured (1.0: the planner is exact; above 1: it over-predicts)."""
+        return self.planned_peak_bytes / self.measured_peak_bytes if self.planned_peak_bytes else None
+
+    def as_dict(self) -> dict:
+        return {"measured_peak_bytes": self.measured_peak_bytes, "planned_peak_bytes": self.planned_peak_bytes,
+                "ratio": self.ratio, "peak_phase": self.peak_phase, "peak_op": self.peak_op,
+                "planned_moment": self.planned_moment, "kernels": self.kernels, "device": self.device,
+                "mesh": self.mesh, "measured_by_category": self.by_category,
+                "planned_by_purpose": self.planned_by_purpose, "largest_transients_at_peak": self.peak_transients,
+                "wall_seconds": self.wall_seconds}
+
+
+def planned_peak(cfg: TrainConfig, gpus: int, device: str) -> tuple[int | None, str, dict[str, int]]:
+    """The planner's tensor peak for ``cfg`` on ``gpus`` ranks (``seqmesh plan``'s memory model, with no reserve:
+    the CUDA context and allocator slack are not tensors), its moment and its parts by purpose."""
+    from ..planner.memory import memory_per_gpu
+    from ..planner.workload import plan_inputs
+
+    try:
+        work, layout = plan_inputs(cfg, gpus, device=device, reserve_bytes=0)
+    except ValueError as err:
+        return None, f"not modelled: {err}", {}
+    peak = memory_per_gpu(work, layout)
+    return peak.total, peak.moment, peak.as_dict()
+
+
+def _fake(mode, value):
+    return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+
+def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True) -> Rehearsal:
+    """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``: fake
+    ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
+    second step measured. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
+    reference: what the fake step must match). Initialises (and destroys) the fake process group: call it in a
+    process of its own."""
+    from .workarounds import fake_cuda
+
+    if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
+        raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
+    with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where:
+        return _rehearse(cfg, gpus, where, fake)
+
+
+def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool) -> Rehearsal:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from ..inputs import shard_batch
+    from ..training.train import build_mesh, build_module, forward_backward, make_dataset, step_autocast, uses_fsdp
+
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    try:
+        data = make_dataset(cfg)  # real: the batch is drawn, sharded and only then made fake
+        mesh, device = build_mesh(cfg, where)  # real: the mesh's rank tables are read on the host
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with mode:
+            module = build_module(cfg, mesh, device)
+            optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        fsdp = uses_fsdp(cfg)
+        autocast = step_autocast(cfg, device, fsdp)
+        module.train()
+        tracker = None
+        for step in range(2):  # the first creates AdamW's state; the second is the one every later step repeats
+            batch = data.batch(step, mesh.dp_rank, cfg.batch, mesh.dp_size)
+            local = shard_batch(batch, mesh, model=module, layout=cfg.layout)
+            with mode:
+                local = {k: _fake(mode, v) for k, v in local.items()} if fake else local
+                if step == 0:
+                    forward_backward(module, local, mesh, cfg, autocast, fsdp)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
+                tracker = PhaseTracker(module, optimizer, device=device)
+                hooks = _phase_hooks(module, tracker)
+                try:
+                    with tracker:
+                        forward_backward(module, local, mesh, cfg, autocast, fsdp, phase=_setter(tracker))
+                        tracker.phase = "optimizer step"
+                        optimizer.step()
+                        tracker.phase = "zero grad"
+                        optimizer.zero_grad(set_to_none=True)
+                finally:
+                    for handle in hooks:
+                        handle.remove()
+        report = tracker.report()
+        planned, moment, parts = planned_peak(cfg, gpus, device.type)
+        return Rehearsal(report.peak_bytes, dict(report.by_category), tracker.peak_phase, tracker.peak_op,
+                         sorted(tracker.kernels), device.type, repr(mesh), planned, moment, parts,
+                         tracker.peak_transients, time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _setter(tracker: PhaseTracker):
+    def phase(name: str) -> None:
+        # forward_backward's "backward" starts at the loss: the layers' hooks take over from the top layer down
+        tracker.phase = {"backward": "loss backward", "gradients and optimizer": "gradient clipping"}.get(name, name)
+    return phase

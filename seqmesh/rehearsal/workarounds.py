@@ -1,0 +1,186 @@
+"""Every workaround that lets a CPU machine rehearse a CUDA step on fake ``cuda:0`` tensors, in one place.
+
+Fake tensors need no device memory, but torch still asks the device for streams, events, properties and a
+device guard. On a CPU build of torch none exist, so the rehearsal supplies inert ones, in two parts:
+
+1. C++ (``fake_cuda.cpp``): a CUDA device guard and CUDA hooks that do nothing. The autograd engine looks up
+   the device guard of every device its tensors are on and asks the current accelerator for its stream; a CPU
+   build has neither for CUDA and aborts. torch reads the hooks once, at import, so the library must be loaded
+   before torch is: :func:`preload_environment` compiles it (once; cached) in a throwaway process and returns the
+   ``LD_PRELOAD`` environment for the rehearsal's own process. Nothing is loaded into the caller.
+2. Python (:func:`fake_cuda`): inside the rehearsal only, and restored on exit, the ``torch.cuda`` calls the step
+   makes (FSDP2's streams and events, DeviceMesh's device count, the kernels' capability check, the memory
+   tracker's peak statistics) answer as one H100 would, and ``Tensor.record_stream`` (no fake kernel) does nothing.
+   Each patched attribute must exist in the installed torch: a missing one is named, not silently added.
+
+Not needed here, and not covered: the memory-efficient kernel (``cuda_efficient``; its meta backward lacks an
+argument), ``--efficient-norm`` and expert parallelism's host reads. The flash kernel is the one ``auto`` picks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+
+LIBRARY = "seqmesh_fake_cuda"
+# the GPU the fake device reports (the planner's default hardware, h100-nvlink)
+H100 = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 (seqmesh rehearse)", major=9, minor=0,
+                             total_memory=80 * 2**30, multi_processor_count=132, warp_size=32)
+
+
+class CannotRehearse(RuntimeError):
+    """This machine cannot rehearse the CUDA path; the message names what is missing and the alternative."""
+
+
+def needs_preload() -> bool:
+    """Whether this torch lacks CUDA (a CPU build): the C++ part must then be preloaded."""
+    return torch.version.cuda is None
+
+
+def check_toolchain() -> None:
+    """Raise :class:`CannotRehearse` unless a C++ compiler and ninja are here to build ``fake_cuda.cpp``."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise CannotRehearse(f"no C++ compiler ({compiler!r} not on PATH): a CPU build of torch needs one to rehearse "
+                             "the CUDA path. Install g++ (or set CXX), or pass --device cpu for the CPU kernels.")
+    if shutil.which("ninja") is None:
+        from torch.utils.cpp_extension import is_ninja_available
+
+        if not is_ninja_available():
+            raise CannotRehearse("no ninja: torch.utils.cpp_extension builds with it. pip install ninja, or pass "
+                                 "--device cpu for the CPU kernels.")
+
+
+def build_library() -> str:
+    """Compile ``fake_cuda.cpp`` (cached by torch under its extensions folder) and return the shared library's path.
+    Loading it installs the fake guard in this process: call it in a process of its own
+    (:func:`preload_environment` does)."""
+    from torch.utils.cpp_extension import load
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")
+    name = f"{LIBRARY}_{torch.__version__.replace('.', '_').replace('+', '_')}"
+    return load(name, sources=[source], is_python_module=False, verbose=False)  # the library's path
+
+
+def preload_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what the rehearsal's process needs to run fake CUDA tensors: nothing on a CUDA build of torch,
+    else the compiled library preloaded (built in a throwaway process). Raises :class:`CannotRehearse` naming what
+    is missing."""
+    if not needs_preload():
+        return env
+    if not sys.platform.startswith("linux"):
+        raise CannotRehearse(f"the fake CUDA library is preloaded with LD_PRELOAD, which {sys.platform} lacks; pass "
+                             "--device cpu for the CPU kernels.")
+    check_toolchain()
+    done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.workarounds"], capture_output=True, text=True,
+                          env=env)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not os.path.isfile(lines[-1]):
+        tail = "\n".join(done.stderr.strip().splitlines()[-10:])
+        raise CannotRehearse(f"building the fake CUDA library failed (exit {done.returncode}); pass --device cpu for "
+                             f"the CPU kernels. The compiler said:\n{tail}")
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    joined = lambda *parts: os.pathsep.join(p for p in parts if p)  # noqa: E731
+    return {**env, "LD_PRELOAD": joined(lines[-1], env.get("LD_PRELOAD")),
+            "LD_LIBRARY_PATH": joined(torch_lib, env.get("LD_LIBRARY_PATH"))}
+
+
+class _FakeEvent:
+    """A CUDA event that is always complete."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _FakeStream:
+    """A CUDA stream on which everything has already happened (fake tensors have no work to order)."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        self.device, self.priority = torch.device("cuda", 0), priority
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _FakeEvent:
+        return event if event is not None else _FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _replacements() -> list[tuple[object, str, object]]:
+    default = _FakeStream()
+    return [
+        (torch.cuda, "_lazy_init", lambda: None),  # factory functions initialise CUDA before dispatch
+        (torch.cuda, "device_count", lambda: 1),  # DeviceMesh picks rank % device count
+        (torch.cuda, "set_device", lambda device: None),
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "Stream", _FakeStream),  # FSDP2's all-gather and reduce-scatter streams
+        (torch.cuda, "Event", _FakeEvent),
+        (torch.cuda, "current_stream", lambda device=None: default),
+        (torch.cuda, "default_stream", lambda device=None: default),
+        (torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
+        (torch.cuda, "set_stream", lambda stream: None),
+        (torch.cuda, "synchronize", lambda device=None: None),
+        (torch.cuda, "get_device_capability", lambda device=None: (H100.major, H100.minor)),  # the kernels' check
+        (torch.cuda, "get_device_properties", lambda device=None: H100),
+        (torch.cuda, "get_device_name", lambda device=None: H100.name),
+        (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),  # the memory tracker's allocator figures
+        (torch.cuda, "max_memory_allocated", lambda device=None: 0),
+        (torch.cuda, "memory_allocated", lambda device=None: 0),
+        (torch.cuda, "empty_cache", lambda: None),
+        (torch.backends.cuda, "is_flash_attention_available", lambda: True),  # an H100's torch has it
+        (torch.Tensor, "record_stream", lambda self, stream: None),  # no fake kernel; nothing to keep alive
+    ]
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[torch.device]:
+    """Inside: ``torch.cuda`` answers as one H100 (see the module docstring); yields the fake device ``cuda:0``.
+    Every attribute is restored on exit. Raises :class:`CannotRehearse` when the C++ part is not in this process or
+    the installed torch lacks an attribute the step calls (the list above needs revisiting for that version)."""
+    if needs_preload() and getattr(torch.accelerator.current_accelerator(), "type", None) != "cuda":
+        raise CannotRehearse("the fake CUDA library is not loaded in this process: run the rehearsal through "
+                             "seqmesh rehearse (it preloads the library), or pass --device cpu.")
+    patches = _replacements()
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patches if not hasattr(owner, name)]
+    if missing:
+        raise CannotRehearse(f"torch {torch.__version__} has no {', '.join(missing)}, which the fake CUDA rehearsal "
+                             "replaces; pass --device cpu for the CPU kernels.")
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield torch.device("cuda", 0)
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+if __name__ == "__main__":  # the throwaway build process of preload_environment
+    print(build_library(), flush=True)

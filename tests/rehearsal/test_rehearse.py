@@ -1,0 +1,70 @@
+"""``seqmesh rehearse``: a fake step peaks at the same byte as the same step on real tensors, the planner's
+prediction sits beside it, fake CUDA runs CUDA's kernel, and a world the degrees cannot tile, or a machine that
+cannot build the fake CUDA library, is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from seqmesh.tools.rehearse import run_rehearsal
+from seqmesh.tools.cli import main
+from seqmesh.training.config import TrainConfig
+
+CONFIG = TrainConfig(model="llama-tiny", seq_len=256, ulysses=2, ring=1, checkpointing=True, bf16=True)
+
+TOY = ["--model", "llama-tiny", "--seq-len", "256", "--gpus", "2", "--ulysses", "2", "--checkpointing", "--bf16"]
+FIELDS = ("measured_peak_bytes", "planned_peak_bytes", "ratio", "peak_phase", "kernels", "wall_seconds")
+
+
+def test_a_fake_step_peaks_where_the_real_one_does_and_beside_the_plan():
+    done = subprocess.run([sys.executable, "-m", "seqmesh", "rehearse", *TOY, "--device", "cpu", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    fake = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(fake.get(k) is not None for k in FIELDS), fake
+    assert fake["kernels"] == ["cpu_flash"] and fake["device"] == "cpu"
+    # the same two steps on real tensors (same fake process group, so collectives free their buffers at once):
+    # every storage a fake tensor has is the size the real one has, freed at the same moment
+    real = run_rehearsal(CONFIG, 2, timeout=120, device="cpu", fake=False)
+    assert fake["measured_peak_bytes"] == real["measured_peak_bytes"]
+    assert fake["measured_by_category"] == real["measured_by_category"]
+    assert (fake["peak_phase"], fake["peak_op"]) == (real["peak_phase"], real["peak_op"])
+    # seqmesh bench memory's CPU runs hold the planner within 5% (tests/tools/test_selftest.py); here too
+    assert 0.95 <= fake["ratio"] <= 1.05, fake
+
+
+def test_a_world_the_degrees_cannot_tile_is_refused_at_once(capsys):
+    start = time.perf_counter()
+    assert main(["rehearse", "--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--ulysses", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus 8" in err and "--ulysses 3" in err and "multiple of 3" in err, err
+    assert time.perf_counter() - start < 10  # before any process or model
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
+def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu():
+    cuda = run_rehearsal(CONFIG, 2, timeout=180)  # the first run compiles the library (~15 s), then it is cached
+    assert cuda["device"] == "cuda" and cuda["kernels"] == ["cuda_flash"], cuda
+    cpu = run_rehearsal(CONFIG, 2, timeout=120, device="cpu")
+    # the weights are the same bytes on either device, and AdamW's moments; its step counters are host tensors,
+    # counted with the device's on the CPU only (4 bytes for each of llama-tiny's 21 parameters). The working set
+    # differs (flash's log-sum-exp layout, AdamW's foreach temporaries on CUDA), so the ratio is held to 10% only
+    mine, other = cuda["measured_by_category"], cpu["measured_by_category"]
+    assert mine["parameters"] == other["parameters"]
+    assert other["optimizer"] - mine["optimizer"] == 4 * 21
+    assert 0.9 <= cuda["ratio"] <= 1.1, cuda
+
+
+def test_a_machine_without_a_compiler_is_told_so(monkeypatch):
+    import seqmesh.rehearsal.workarounds as workarounds
+
+    monkeypatch.setattr(workarounds, "needs_preload", lambda: True)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler .*--device cpu"):
+        run_rehearsal(CONFIG, 2)
