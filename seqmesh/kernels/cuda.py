@@ -196,7 +196,8 @@ class CudaEfficientKernel(BandedWindowKernel):
 
 class CudaCudnnKernel(PerDocumentKernel):
     """cuDNN fused attention: fp16/bf16, one head dim <= 128; kv heads are expanded for grouped queries;
-    packed documents run one call per document (a one-token document, which cuDNN refuses, in plain ops). No windows: ``auto`` passes them to the next kernel."""
+    packed documents run one call per document (a one-token document, which cuDNN refuses, in plain ops).
+    No windows: ``auto`` passes them to the next kernel."""
 
     name = "cuda_cudnn"
 

@@ -23,9 +23,6 @@ import torch
 from .base import BlockMask, PerDocumentKernel, lse_dtype
 
 
-WIDENED_RIGHT = "beside its window, FA2 reads an open right side as"
-
-
 def flash_window(mask: BlockMask, sq: int, sk: int) -> tuple[int, int] | str:
     """FA2's ``(window_size_left, window_size_right)`` for ``mask`` on an (Sq, Sk) call, or the reason
     FA2 cannot express it exactly. Pass ``causal = (left < 0 and right == 0)`` with them.
@@ -59,7 +56,7 @@ def flash_window(mask: BlockMask, sq: int, sk: int) -> tuple[int, int] | str:
         if left < 0:
             return f"its window starts {-left} keys right of FA2's bottom-right diagonal"
     if left >= 0 and right < 0 and d < -1:  # FA2 reads the open right side as Sk keys past its diagonal
-        return (WIDENED_RIGHT + f" Sk={sk} keys past the bottom-right diagonal,"
+        return (f"beside its window, FA2 reads an open right side as Sk={sk} keys past the bottom-right diagonal,"
                 f" which hides keys from the first {-d - 1} rows of this Sq={sq} > Sk call")
     return left, right
 
@@ -67,12 +64,13 @@ def flash_window(mask: BlockMask, sq: int, sk: int) -> tuple[int, int] | str:
 def fa2_row_splits(mask: BlockMask, sq: int, sk: int) -> list[tuple[int, int]] | str:
     """Query row ranges ``[a, b)`` that FA2 computes exactly, each as one call on rows ``a:b`` with the mask
     ``shift_rows(mask, a)``, or the reason it cannot. One range where :func:`flash_window` accepts the call.
-    A window beside an open right side on ``Sq > Sk + 1`` rows (a ring block of two query chunks against one
-    of keys) splits: the last ``Sk + 1`` rows are one call, the rows above are split again."""
+    A refused call of ``Sq > Sk + 1`` rows (a window beside an open right side: a ring block of two query chunks
+    against one of keys) splits where every part is exact: the last ``Sk + 1`` rows are one call, the rows above
+    are split again."""
     window = flash_window(mask, sq, sk)
     if not isinstance(window, str):
         return [(0, sq)]
-    if not window.startswith(WIDENED_RIGHT):
+    if mask.segments is not None or sq <= sk + 1:  # no split helps: the bottom Sk + 1 rows would be the whole call
         return window
     cut = sq - sk - 1  # rows cut: onward, D = -1 and the widened side covers every key
     if isinstance(flash_window(shift_rows(mask, cut), sk + 1, sk), str):
