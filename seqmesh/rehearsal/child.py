@@ -1,5 +1,6 @@
 """The rehearsal's own process: ``python -m seqmesh.rehearsal.child '{"config": {...}, "gpus": N}'``
-(``"device": "cpu"`` for the CPU kernels; ``"fake": false`` for real tensors, the tests' reference).
+(``"device": "cpu"`` for the CPU kernels; ``"fake": false`` for real tensors, the tests' reference; ``"top": N``
+the largest storages at the peak to describe).
 
 Prints the :class:`~seqmesh.rehearsal.runtime.Rehearsal` as one JSON line (its last line of stdout); a
 configuration error exits 2 with ``seqmesh: error: <message>`` as the last line of stderr.
@@ -20,7 +21,7 @@ def main(argv: list[str]) -> int:
     try:
         result = rehearse_rank(TrainConfig(**request["config"]), int(request["gpus"]),
                                device=request.get("device", "cuda"),
-                               fake=request.get("fake", True))
+                               fake=request.get("fake", True), top=int(request.get("top", 6)))
     except (ValueError, CannotRehearse) as err:
         print(f"seqmesh: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..memory import MemoryTracker
+from ..memory.accounting import _local
 from ..training.config import TrainConfig
 
 # the attention kernel an operator belongs to (the rehearsal reports the ones its step ran)
@@ -40,23 +41,46 @@ KERNEL_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "cpu_flash", "_flas
 
 class PhaseTracker(MemoryTracker):
     """A :class:`~seqmesh.memory.MemoryTracker` that also remembers the phase (set by the step) and the operator
-    running when the peak was reached, and the attention kernels it saw run."""
+    running when the peak was reached, the attention kernels it saw run, and the ``top`` largest storages at the
+    peak that are neither weights, gradients nor optimizer state, each with the operator and phase that first
+    touched it (for a storage made while tracking: the operator that created it)."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, top: int = 6):
         super().__init__(module, optimizer, device=device)
         self.phase, self.op = "start", ""
         self.peak_phase, self.peak_op = "start", ""
-        self.peak_transients: list[int] = []  # the largest transient storages at the peak, bytes
+        self.top = top
+        self.origins: dict[int, tuple[str, str, list[int], str]] = {}  # storage key -> (op, phase, shape, dtype)
+        self.peak_largest: list[dict] = []  # the ``top`` largest saved or transient storages at the peak
         self.kernels: set[str] = set()
+
+    def _touch(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            local = _local(t)
+            if local.device == self.device and not local.is_meta:
+                key = local.untyped_storage()._cdata
+                if key not in self._live:
+                    self.origins[key] = (self.op, self.phase, list(local.shape), str(local.dtype).removeprefix("torch."))
+        super()._touch(t)
+
+    def _forget(self, key: int) -> None:
+        self.origins.pop(key, None)
+        super()._forget(key)
 
     def _check_peak(self) -> None:
         before = self._report.peak_bytes
         super()._check_peak()
         if self._report.peak_bytes > before:
             self.peak_phase, self.peak_op = self.phase, self.op
-            owned = set().union(*self._owned(), self._saved)
-            self.peak_transients = sorted((size for key, (_, size) in self._live.items() if key not in owned),
-                                          reverse=True)[:6]
+            owned = set().union(*self._owned())
+            largest = sorted(((size, key) for key, (_, size) in self._live.items() if key not in owned),
+                             reverse=True)[:self.top]
+            self.peak_largest = [self._describe(key, size) for size, key in largest]
+
+    def _describe(self, key: int, size: int) -> dict:
+        op, phase, shape, dtype = self.origins.get(key, ("", "", [], ""))
+        return {"bytes": size, "kind": "saved" if key in self._saved else "transient", "shape": shape,
+                "dtype": dtype, "op": op, "phase": phase}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op = func.name().split("::")[-1]
@@ -106,7 +130,7 @@ class Rehearsal:
     planned_peak_bytes: int | None
     planned_moment: str
     planned_by_purpose: dict[str, int] = field(default_factory=dict)
-    peak_transients: list[int] = field(default_factory=list)
+    largest_at_peak: list[dict] = field(default_factory=list)
     wall_seconds: float = 0.0
 
     @property
@@ -119,7 +143,7 @@ class Rehearsal:
                 "ratio": self.ratio, "peak_phase": self.peak_phase, "peak_op": self.peak_op,
                 "planned_moment": self.planned_moment, "kernels": self.kernels, "device": self.device,
                 "mesh": self.mesh, "measured_by_category": self.by_category,
-                "planned_by_purpose": self.planned_by_purpose, "largest_transients_at_peak": self.peak_transients,
+                "planned_by_purpose": self.planned_by_purpose, "largest_at_peak": self.largest_at_peak,
                 "wall_seconds": self.wall_seconds}
 
 
@@ -141,21 +165,22 @@ def _fake(mode, value):
     return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
 
-def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True) -> Rehearsal:
+def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True, top: int = 6) -> Rehearsal:
     """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``: fake
     ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
     second step measured. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
-    reference: what the fake step must match). Initialises (and destroys) the fake process group: call it in a
+    reference: what the fake step must match); ``top``: how many of the largest storages at the peak to describe.
+    Initialises (and destroys) the fake process group: call it in a
     process of its own."""
     from .workarounds import fake_cuda
 
     if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
         raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
     with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where:
-        return _rehearse(cfg, gpus, where, fake)
+        return _rehearse(cfg, gpus, where, fake, top)
 
 
-def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool) -> Rehearsal:
+def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int) -> Rehearsal:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -186,7 +211,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool) -> R
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     continue
-                tracker = PhaseTracker(module, optimizer, device=device)
+                tracker = PhaseTracker(module, optimizer, device=device, top=top)
                 hooks = _phase_hooks(module, tracker)
                 try:
                     with tracker:
@@ -202,7 +227,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool) -> R
         planned, moment, parts = planned_peak(cfg, gpus, device.type)
         return Rehearsal(report.peak_bytes, dict(report.by_category), tracker.peak_phase, tracker.peak_op,
                          sorted(tracker.kernels), device.type, repr(mesh), planned, moment, parts,
-                         tracker.peak_transients, time.perf_counter() - start)
+                         tracker.peak_largest, time.perf_counter() - start)
     finally:
         dist.destroy_process_group()
 

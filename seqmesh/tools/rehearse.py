@@ -27,6 +27,10 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="fake cuda:0 tensors and CUDA's kernels (on a CPU build of torch: needs a C++ compiler), or "
                         "the CPU kernels (default %(default)s)")
+    p.add_argument("--top", type=int, default=6, metavar="N",
+                   help="describe the N largest storages at the peak that are neither weights, gradients nor "
+                        "optimizer state: bytes, shape, dtype, saved or transient, and the operator and phase that "
+                        "made it (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the last line)")
     p.set_defaults(func=cmd_rehearse)
     return p
@@ -66,10 +70,10 @@ def _child_env() -> dict[str, str]:
 
 
 def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, device: str = "cuda",
-                  fake: bool = True) -> dict:
+                  fake: bool = True, top: int = 6) -> dict:
     """Check ``cfg`` against ``gpus``, rehearse it on fake ``device`` tensors in a fresh process and return its result
     (:class:`Rehearsal`'s ``as_dict``; ``fake=False``: the same step on real CPU tensors, a toy size's reference).
-    Raises ValueError for a bad configuration or a machine that cannot rehearse (naming what is missing),
+    ``top``: the largest storages at the peak to describe. Raises ValueError for a bad configuration or a machine that cannot rehearse (naming what is missing),
     RuntimeError naming the child's last words if it fails."""
     from dataclasses import asdict
 
@@ -82,7 +86,7 @@ def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, 
             env = preload_environment(env)
         except CannotRehearse as err:
             raise ValueError(str(err)) from None
-    payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake})
+    payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake, "top": top})
     done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.child", payload], capture_output=True, text=True,
                           env=env, timeout=timeout)
     lines = done.stdout.strip().splitlines()
@@ -110,7 +114,12 @@ def format_result(result: dict, cfg: TrainConfig, gpus: int) -> str:
             ("wall", f"{result['wall_seconds']:.1f} s")]
     rows += [(f"  measured {k}", gib(v)) for k, v in result["measured_by_category"].items()]
     title = f"seqmesh rehearse: {cfg.model}, {cfg.seq_len:,} tokens, {gpus} ranks (rank 0 measured)"
-    return "\n".join([title] + [f"  {name:<28}{value}" for name, value in rows])
+    lines = [title] + [f"  {name:<28}{value}" for name, value in rows]
+    if result.get("largest_at_peak"):
+        lines.append("  largest at the peak (not weights, gradients or optimizer state), and what made them:")
+        lines += [f"    {gib(s['bytes']):>11}  {s['kind']:<9} {s['dtype']:<8} {tuple(s['shape'])} from {s['op']} in "
+                  f"{s['phase']}" for s in result["largest_at_peak"]]
+    return "\n".join(lines)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -118,7 +127,9 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     try:
         cfg = dataclass_from_flags(TrainConfig, args)
-        result = run_rehearsal(cfg, args.gpus, device=args.device)
+        if args.top < 0:
+            raise ValueError(f"--top {args.top}: give a number of storages, 0 or more.")
+        result = run_rehearsal(cfg, args.gpus, device=args.device, top=args.top)
     except ValueError as err:
         print(f"seqmesh rehearse: error: {err}", file=sys.stderr)
         return 2
