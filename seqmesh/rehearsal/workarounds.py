@@ -12,6 +12,12 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    makes (FSDP2's streams and events, DeviceMesh's device count, the kernels' capability check, the memory
    tracker's peak statistics) answer as one H100 would, and ``Tensor.record_stream`` (no fake kernel) does nothing.
    Each patched attribute must exist in the installed torch: a missing one is named, not silently added.
+3. Dispatch (:data:`FUSED_CUDA_BACKWARDS`): an operator that has a CPU kernel and a decomposition
+   (``CompositeImplicitAutograd``) but, in a CPU build, no CUDA kernel, is decomposed on CUDA tensors, where a CUDA
+   build runs its one fused kernel. For SiLU's backward that is ``grad * (s * (1 + x * (1 - s)))``, ``s = sigmoid(x)``:
+   six (tokens x intermediate) tensors alive at its last product instead of one, 2.35 GB more than an H100 holds in
+   Llama-3-8B's MLP at 16,384 tokens a rank. Inside the rehearsal each gets a CUDA kernel that is never run (fake
+   tensors stop at the fake mode, above it), so autograd calls the fused operator as on a CUDA build.
 
 Not needed here, and not covered: the memory-efficient kernel (``cuda_efficient``; its meta backward lacks an
 argument), ``--efficient-norm`` and expert parallelism's host reads. The flash kernel is the one ``auto`` picks.
@@ -133,6 +139,28 @@ class _FakeStream:
         return True
 
 
+# operators a CUDA build runs as one kernel but a CPU build decomposes on CUDA tensors (its only such operators with a
+# CUDA kernel in a CUDA build; the third, native_channel_shuffle, is decomposed on a CUDA build too)
+FUSED_CUDA_BACKWARDS = ("silu_backward", "mish_backward")
+
+
+def _not_run(*args, **kwargs):
+    raise RuntimeError("seqmesh rehearse: this CUDA kernel stands in for one a CPU build lacks and runs only on fake "
+                       "tensors, which never reach it.")
+
+
+def _fused_backwards() -> torch.library.Library | None:
+    """On a CPU build, a never-run CUDA kernel for each of :data:`FUSED_CUDA_BACKWARDS` (see the module docstring);
+    ``_destroy()`` the returned library to take them back. None on a CUDA build, which has the real ones."""
+    if not needs_preload():
+        return None
+    lib = torch.library.Library("aten", "IMPL")
+    for name in FUSED_CUDA_BACKWARDS:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CUDA"):
+            lib.impl(name, _not_run, "CUDA")
+    return lib
+
+
 def _replacements() -> list[tuple[object, str, object]]:
     default = _FakeStream()
     return [
@@ -161,8 +189,8 @@ def _replacements() -> list[tuple[object, str, object]]:
 
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[torch.device]:
-    """Inside: ``torch.cuda`` answers as one H100 (see the module docstring); yields the fake device ``cuda:0``.
-    Every attribute is restored on exit. Raises :class:`CannotRehearse` when the C++ part is not in this process or
+    """Inside: ``torch.cuda`` answers as one H100 and the fused backwards a CPU build lacks have CUDA kernels (see
+    the module docstring); yields the fake device ``cuda:0``. Every attribute and kernel is restored on exit. Raises :class:`CannotRehearse` when the C++ part is not in this process or
     the installed torch lacks an attribute the step calls (the list above needs revisiting for that version)."""
     if needs_preload() and getattr(torch.accelerator.current_accelerator(), "type", None) != "cuda":
         raise CannotRehearse("the fake CUDA library is not loaded in this process: run the rehearsal through "
@@ -173,11 +201,15 @@ def fake_cuda() -> Iterator[torch.device]:
         raise CannotRehearse(f"torch {torch.__version__} has no {', '.join(missing)}, which the fake CUDA rehearsal "
                              "replaces; pass --device cpu for the CPU kernels.")
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    kernels = None
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
+        kernels = _fused_backwards()
         yield torch.device("cuda", 0)
     finally:
+        if kernels is not None:
+            kernels._destroy()
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
 

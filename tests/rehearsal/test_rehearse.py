@@ -68,3 +68,39 @@ def test_a_machine_without_a_compiler_is_told_so(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(ValueError, match="no C\\+\\+ compiler .*--device cpu"):
         run_rehearsal(CONFIG, 2)
+
+
+SILU_BACKWARD = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from seqmesh.rehearsal.workarounds import fake_cuda
+
+class Ops(TorchDispatchMode):
+    seen = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+with fake_cuda(), FakeTensorMode():
+    x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.nn.functional.silu(x)
+    with Ops():
+        y.backward(torch.ones_like(y))
+print(" ".join(Ops.seen))
+print(torch._C._dispatch_has_kernel_for_dispatch_key("aten::silu_backward", "CUDA"))
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
+def test_fake_cuda_runs_silu_backward_fused_as_a_cuda_build_does():
+    from seqmesh.rehearsal.workarounds import needs_preload, preload_environment
+    from seqmesh.tools.rehearse import _child_env
+
+    done = subprocess.run([sys.executable, "-c", SILU_BACKWARD], capture_output=True, text=True, timeout=180,
+                          env=preload_environment(_child_env()))
+    assert done.returncode == 0, done.stderr
+    ops, kernel_left = done.stdout.strip().splitlines()[-2:]
+    # one fused kernel, as on an H100, not the decomposition (sigmoid, 1 - s, products) a CPU build falls back to
+    assert "aten::silu_backward" in ops.split() and "aten::sigmoid" not in ops.split(), ops
+    assert kernel_left == str(not needs_preload())  # the stand-in kernel is taken back on leaving fake_cuda
