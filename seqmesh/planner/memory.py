@@ -12,6 +12,7 @@ from .activations import (TILED_RECOMPUTE, attention_backward_bytes, final_norm_
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .tensor_parallel import split_params
+from .traffic import dtype_bytes
 from ..degrees import Degrees
 from .workload import Workload
 
@@ -20,7 +21,7 @@ MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backw
            "optimizer step")
 
 __all__ = ["MOMENTS", "MemoryBreakdown", "memory_at", "memory_per_gpu", "parameter_memory", "host_memory",
-           "activation_memory", "loss_memory", "end_of_backward_grads", "local_tokens",
+           "activation_memory", "loss_memory", "end_of_backward_grads", "held_reduce_scatter_input", "local_tokens",
            "layer_saved_bytes", "mlp_tile_tokens"]
 
 
@@ -59,6 +60,28 @@ def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
     return out
 
 
+def held_reduce_scatter_input(work: Workload, layout: Degrees) -> int:
+    """Bytes of the float32 reduce-scatter input (the layer's unsharded gradients, in the reduce dtype) that FSDP2
+    keeps after a layer's gradients are reduce-scattered, through the whole backward of the layer below it. torch
+    2.13's ``FSDPParamGroup.post_backward`` appends it to ``comm_ctx.reduce_scatter_states``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, ``reduce_scatter_states.append(ReduceScatterState(
+    reduce_scatter_input, ...))``) and pops it only at the next group's ``post_backward``, once that layer's own
+    gradients are done (``reduce_scatter_max_input_buffers`` 1), on CUDA and CPU alike. The rehearsal of Llama-3-8B
+    (8 ranks, Ulysses 8, 131,072 tokens) measured it: one 872 MB float32 storage of the layer above in every layer's
+    backward but the top one's, which peaks 0.847 GB above the top's (this buffer, less one kept input, plus the
+    gradient shard reduced)."""
+    m = work.model
+    return dtype_bytes(work.reduce_dtype) * local_layer_params(split_params(m, layout.tp)["layer"], m, layout)
+
+
+def _one_layer_lower(work: Workload, layout: Degrees) -> int:
+    """What the layers below keep less when the layer in backward is the one under the top: its input
+    (checkpointed; offloaded, the fetched-back window is as wide) or its saved tensors."""
+    if not work.checkpointing:
+        return layer_saved_bytes(work, layout)
+    return 0 if work.offload_checkpoints else layer_input_bytes(work, layout)
+
+
 def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU at ``moment``, as docs/planner.md ("Memory") says FSDP2 holds them
     (at the loss the LM head's gradient is still the loss's accumulator, counted in :func:`loss_memory`)."""
@@ -68,22 +91,24 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     shard = sharded_params(m, layout, split["total"])
     root = split["root"]
     layer = local_layer_params(split["layer"], m, layout)  # under EP a rank gathers only its own experts
-    layers = {"layer backward": 2 if layout.fsdp_group > 1 else 1,  # with the next layer's all-gather, issued
-              "first layer backward": 1}.get(moment, 0)  # during this one's
+    prefetch = layout.fsdp_group > 1  # the next unit's all-gather, issued during this layer's backward
+    layers = {"layer backward": 2 if prefetch else 1, "first layer backward": 1}.get(moment, 0)
     gathered = 0 if moment == "optimizer step" else root + layers * layer
+    if moment == "first layer backward" and prefetch:  # the next unit is the input embedding's (untied; measured:
+        gathered += split["embedding"]  # its 1.05 GB bf16 all-gather of Llama-3-8B during layer 0's backward)
     unsharded = {"layer backward": (root + layer) * e, "first layer backward": (root + layer) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
     grad_shards = GRAD_SHARD * shard if moment in ("end of backward", "optimizer step") else 0
-    if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered; FSDP2
-        # keeps the last reduce-scatter's float32 input until the next one is issued
-        grad_shards = GRAD_SHARD * (m.layers - 1) * unit_shard(split["layer"], m, layout) + 4 * layer
+    if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered
+        grad_shards = (GRAD_SHARD * (m.layers - 1) * unit_shard(split["layer"], m, layout)
+                       + held_reduce_scatter_input(work, layout))
     step_temps = 0
     if moment == "optimizer step":
         largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (layout.tp * layout.fsdp_group))
         step_temps = 4 * shard if work.optimizer_foreach else 2 * 4 * largest
     if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in
         copied = (-(-gathered // layout.fsdp_group) if layout.ep == 1 or not gathered else
-                  -(-root // layout.fsdp_group) + layers * unit_shard(split["layer"], m, layout))
+                  -(-(gathered - layers * layer) // layout.fsdp_group) + layers * unit_shard(split["layer"], m, layout))
         return gathered * e + MASTER * copied, unsharded, 0
     return MASTER * shard + gathered * e, grad_shards + unsharded, ADAM * shard + step_temps
 
@@ -170,6 +195,14 @@ def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
         logits = loss_memory(work, layout, moment)
     elif moment in ("layer backward", "first layer backward"):
         activations, op = activation_memory(work, layout, moment)
+        if moment == "layer backward" and work.model.layers > 1:  # the top layer, or the one under it, which holds
+            # the top's reduce-scatter input and gradient shard but keeps one layer less below: the larger
+            held = held_reduce_scatter_input(work, layout)
+            shard = 0 if work.fsdp_cpu_offload else GRAD_SHARD * unit_shard(
+                split_params(work.model, layout.tp)["layer"], work.model, layout)
+            lower = _one_layer_lower(work, layout)
+            if held + shard > lower:
+                grads, activations = grads + held + shard, activations - lower
         if op == TILED_RECOMPUTE:  # the layer's own weight gradients come after it: the larger of the two moments
             own = local_layer_params(split_params(work.model, layout.tp)["layer"], work.model, layout) * work.act_bytes
             later, later_op = activation_memory(work, layout, moment, after_recompute=True)
