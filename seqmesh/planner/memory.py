@@ -68,18 +68,13 @@ def held_reduce_scatter_input(work: Workload, layout: Degrees) -> int:
     reduce_scatter_input, ...))``) and pops it only at the next group's ``post_backward``, once that layer's own
     gradients are done (``reduce_scatter_max_input_buffers`` 1), on CUDA and CPU alike. The rehearsal of Llama-3-8B
     (8 ranks, Ulysses 8, 131,072 tokens) measured it: one 872 MB float32 storage of the layer above in every layer's
-    backward but the top one's, which peaks 0.847 GB above the top's (this buffer, less one kept input, plus the
-    gradient shard reduced)."""
+    backward but the top one's. Counted at the first layer's backward; ``layer backward`` (the top layer) has none:
+    the layer under it peaks 0.847 GB higher there (this buffer and the top's gradient shard, one kept input less),
+    but the top layer's moment already counts all its weight gradients where only ``down_proj``'s exist at the MLP
+    peak (0.32 GB over at 8B), and on real CPU steps of small models (tests/planner/test_planner_measured.py) adding
+    it to every layer over-predicts by up to 8%: modelling both needs the weight gradients in the timeline."""
     m = work.model
     return dtype_bytes(work.reduce_dtype) * local_layer_params(split_params(m, layout.tp)["layer"], m, layout)
-
-
-def _one_layer_lower(work: Workload, layout: Degrees) -> int:
-    """What the layers below keep less when the layer in backward is the one under the top: its input
-    (checkpointed; offloaded, the fetched-back window is as wide) or its saved tensors."""
-    if not work.checkpointing:
-        return layer_saved_bytes(work, layout)
-    return 0 if work.offload_checkpoints else layer_input_bytes(work, layout)
 
 
 def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
@@ -195,14 +190,6 @@ def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
         logits = loss_memory(work, layout, moment)
     elif moment in ("layer backward", "first layer backward"):
         activations, op = activation_memory(work, layout, moment)
-        if moment == "layer backward" and work.model.layers > 1:  # the top layer, or the one under it, which holds
-            # the top's reduce-scatter input and gradient shard but keeps one layer less below: the larger
-            held = held_reduce_scatter_input(work, layout)
-            shard = 0 if work.fsdp_cpu_offload else GRAD_SHARD * unit_shard(
-                split_params(work.model, layout.tp)["layer"], work.model, layout)
-            lower = _one_layer_lower(work, layout)
-            if held + shard > lower:
-                grads, activations = grads + held + shard, activations - lower
         if op == TILED_RECOMPUTE:  # the layer's own weight gradients come after it: the larger of the two moments
             own = local_layer_params(split_params(work.model, layout.tp)["layer"], work.model, layout) * work.act_bytes
             later, later_op = activation_memory(work, layout, moment, after_recompute=True)
