@@ -15,8 +15,8 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
 3. Dispatch (:data:`FUSED_CUDA_BACKWARDS`): an operator that has a CPU kernel and a decomposition
    (``CompositeImplicitAutograd``) but, in a CPU build, no CUDA kernel, is decomposed on CUDA tensors, where a CUDA
    build runs its one fused kernel. For SiLU's backward that is ``grad * (s * (1 + x * (1 - s)))``, ``s = sigmoid(x)``:
-   six (tokens x intermediate) tensors alive at its last product instead of one, 2.35 GB more than an H100 holds in
-   Llama-3-8B's MLP at 16,384 tokens a rank. Inside the rehearsal each gets a CUDA kernel that is never run (fake
+   six (tokens x intermediate) tensors alive at its last product instead of one (in Llama-3-8B's MLP at 16,384 tokens
+   a rank, 470 MB each: a layer's backward peaked 1.19 GB above a CUDA build's). Inside the rehearsal each gets a CUDA kernel that is never run (fake
    tensors stop at the fake mode, above it), so autograd calls the fused operator as on a CUDA build.
 
 Not needed here, and not covered: the memory-efficient kernel (``cuda_efficient``; its meta backward lacks an
