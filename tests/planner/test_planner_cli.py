@@ -154,9 +154,12 @@ def test_the_header_says_row_1_is_the_recommendation(capsys):
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "; row 1 is the recommendation (why: below), the others ranked by predicted tokens/s" in out
-    first = next(line for line in out.splitlines() if line.startswith("  1  "))
-    label = " ".join(first.split()[1:6])
-    assert label == "U8 x R1 x DP1" and f"recommended: {label} -- " in out, out
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit() and " x " in line]
+    fits = [next(i for i, word in enumerate(row) if word in ("yes", "NO")) for row in rows]
+    label = " ".join(rows[0][1:fits[0]])
+    assert f"recommended: {label} -- " in out, out
+    speed = [int(row[i + 3].replace(",", "")) for row, i in zip(rows, fits)]  # tokens/s: after fits, GiB, step
+    assert speed[0] < max(speed) and speed[1:] == sorted(speed[1:], reverse=True), out  # not the fastest: a tie
     assert main(["plan", "--model", "llama3-70b", "--seq-len", "1048576", "--gpus", "8"]) == 0  # nothing fits
     out = capsys.readouterr().out
     assert "no seqmesh layout fits" in out and "row 1 is" not in out and "; ranked by predicted tokens/s" in out
