@@ -20,12 +20,13 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    tensors stop at the fake mode, above it), so autograd calls the fused operator as on a CUDA build.
 
 Not needed here, and not covered: the memory-efficient kernel (``cuda_efficient``; its meta backward lacks an
-argument), ``--efficient-norm`` and expert parallelism's host reads. The flash kernel is the one ``auto`` picks.
+argument) and expert parallelism's host reads. The flash kernel is the one ``auto`` picks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ from collections.abc import Iterator
 import torch
 
 LIBRARY = "seqmesh_fake_cuda"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")
 # the GPU the fake device reports (the planner's default hardware, h100-nvlink)
 H100 = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 (seqmesh rehearse)", major=9, minor=0,
                              total_memory=80 * 2**30, multi_processor_count=132, warp_size=32)
@@ -64,15 +66,31 @@ def check_toolchain() -> None:
                                  "--device cpu for the CPU kernels.")
 
 
+BUILD_SECONDS = 600  # a first build takes about 13 s on 2 cores; longer means a stale lock or a stuck compiler
+
+
+def library_folder() -> tuple[str, str]:
+    """(folder, name) of this source's library for this torch and Python: one folder per versions and source
+    digest, so checkouts of other versions never rebuild each other's and one with the same source reuses it."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + f"{torch.__version__} {sys.version_info[:2]}".encode()).hexdigest()[:12]
+    name = f"{LIBRARY}_{digest}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    return os.path.join(root, name), name
+
+
 def build_library() -> str:
-    """Compile ``fake_cuda.cpp`` (cached by torch under its extensions folder) and return the shared library's path.
-    Loading it installs the fake guard in this process: call it in a process of its own
-    (:func:`preload_environment` does)."""
+    """Compile ``fake_cuda.cpp`` once per :func:`library_folder` and return the shared library's path (a built one
+    is returned without taking torch's build lock). Loading it installs the fake guard in this process: call it in
+    a process of its own (:func:`preload_environment` does)."""
+    folder, name = library_folder()
+    built = os.path.join(folder, f"{name}.so")
+    if os.path.isfile(built):
+        return built
     from torch.utils.cpp_extension import load
 
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")
-    name = f"{LIBRARY}_{torch.__version__.replace('.', '_').replace('+', '_')}"
-    return load(name, sources=[source], is_python_module=False, verbose=False)  # the library's path
+    os.makedirs(folder, exist_ok=True)
+    return load(name, sources=[SOURCE], build_directory=folder, is_python_module=False, verbose=False)
 
 
 def preload_environment(env: dict[str, str]) -> dict[str, str]:
@@ -85,8 +103,14 @@ def preload_environment(env: dict[str, str]) -> dict[str, str]:
         raise CannotRehearse(f"the fake CUDA library is preloaded with LD_PRELOAD, which {sys.platform} lacks; pass "
                              "--device cpu for the CPU kernels.")
     check_toolchain()
-    done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.workarounds"], capture_output=True, text=True,
-                          env=env)
+    try:
+        done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.workarounds"], capture_output=True,
+                              text=True, env=env, timeout=BUILD_SECONDS)
+    except subprocess.TimeoutExpired:
+        lock = os.path.join(library_folder()[0], "lock")
+        raise CannotRehearse(f"building the fake CUDA library took over {BUILD_SECONDS} s. A build killed midway "
+                             f"leaves {lock} behind and the next one waits on it: delete it if no build is running, "
+                             "or pass --device cpu for the CPU kernels.") from None
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines or not os.path.isfile(lines[-1]):
         tail = "\n".join(done.stderr.strip().splitlines()[-10:])
