@@ -3,14 +3,26 @@
 Under ``seqmesh rehearse`` tensors are torch's fake tensors (shapes, dtypes and devices, no data): a check that
 reads values (that the ranks agree on a call, that no label is out of range) has nothing to check there, and
 reading one would raise torch's ``DataDependentOutputException``. Each such check asks :func:`has_values` first.
+A probe that computes on its own tensors (random inputs, nothing of the step's) runs inside :func:`real_tensors`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 
 def has_values(t: torch.Tensor) -> bool:
     """False for a fake tensor (torch's ``FakeTensor``, or a wrapper such as a DTensor around one)."""
     return not is_fake(t)
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Tensors made inside are real even under a rehearsal's fake mode (torch's ``unset_fake_temporarily``; a
+    no-op without one): for probes on their own data, never for the step's tensors."""
+    with unset_fake_temporarily():
+        yield

@@ -11,7 +11,7 @@ summed over tiles in float32 and cast to the weight's dtype once.
 
 Only modules whose forward is that formula are replaced: the class must be one of
 :data:`LLAMA_STYLE_NORMS` and a probe (a CPU copy of the module with random weights, fp32 and bf16
-inputs) must give bitwise the output of the class's own forward. Anything else (Gemma's
+inputs; its own tensors, real even in a rehearsal) must give bitwise the output of the class's own forward. Anything else (Gemma's
 ``1 + weight``, norms that cast before the weight, gated norms) is skipped and reported.
 transformers is not edited: :func:`enable_efficient_norm` sets an instance ``forward`` on each norm and
 :func:`disable_efficient_norm` deletes it, restoring the class's.
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.ranks import is_dtensor, partial_local
+from ..tensor_values import real_tensors
 
 from .tiled_mlp import tile_count
 
@@ -132,8 +133,19 @@ def matches_llama_norm(norm: nn.Module) -> bool:
     eps, weight = norm_epsilon(norm), getattr(norm, "weight", None)
     if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return False
+    if norm._modules:
+        return False
+    with real_tensors():
+        return _probe_agrees(norm, eps, weight)
+
+
+def _probe_agrees(norm: nn.Module, eps: float, weight: torch.Tensor) -> bool:
+    """:func:`matches_llama_norm`'s probe: a shallow copy of ``norm`` (its class and attributes, such as the epsilon)
+    with fresh CPU tensors of its parameters' and buffers' shapes; the module itself is not copied or touched."""
     gen = torch.Generator().manual_seed(0)
-    probe = copy.deepcopy(norm).to_empty(device="cpu")
+    probe = copy.copy(norm)
+    probe._parameters = {name: nn.Parameter(torch.empty(p.shape)) for name, p in norm._parameters.items()}
+    probe._buffers = {name: torch.empty(b.shape, dtype=b.dtype) for name, b in norm._buffers.items()}
     for w_dtype, x_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                              (torch.float32, torch.bfloat16)):
         probe.to(w_dtype)

@@ -115,6 +115,22 @@ def test_other_norms_are_left_as_they_are():
         enable_efficient_norm(impostor, tiles=0)
 
 
+
+def test_the_probe_runs_on_fake_modules_without_copying_them():
+    """Under a rehearsal's fake mode the probe decides as on real tensors (Llama's norm yes, Gemma's and the
+    impostor's no) and leaves the module untouched; it used to deep-copy the module, which fake mode refuses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as TransformersNorm
+
+    from seqmesh.memory.rmsnorm import matches_llama_norm
+
+    with FakeTensorMode():
+        norms = [TransformersNorm(8), GemmaRMSNorm(8), LlamaRMSNorm(8)]
+        weights = [norm.weight for norm in norms]
+        assert [matches_llama_norm(norm) for norm in norms] == [True, False, False]
+    assert all(norm.weight is w and is_fake(w) for norm, w in zip(norms, weights))
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_holds_one_tile_of_float32_temporaries(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm as TransformersNorm
