@@ -10,9 +10,9 @@ one tile of tokens at a time, so the float32 temporaries are one tile's. The wei
 summed over tiles in float32 and cast to the weight's dtype once.
 
 Only modules whose forward is that formula are replaced: the class must be one of
-:data:`LLAMA_STYLE_NORMS` and a probe (a CPU copy of the module with random weights, fp32 and bf16
-inputs; its own tensors, real even in a rehearsal) must give bitwise the output of the class's own forward. Anything else (Gemma's
-``1 + weight``, norms that cast before the weight, gated norms) is skipped and reported.
+:data:`LLAMA_STYLE_NORMS` and a probe (a shallow copy of the module with fresh random weights, fp32 and bf16
+inputs; its own tensors, real even in a rehearsal) must give bitwise the output of the class's own forward.
+Anything else (Gemma's ``1 + weight``, norms that cast before the weight, gated norms) is skipped and reported.
 transformers is not edited: :func:`enable_efficient_norm` sets an instance ``forward`` on each norm and
 :func:`disable_efficient_norm` deletes it, restoring the class's.
 """
@@ -131,9 +131,7 @@ def matches_llama_norm(norm: nn.Module) -> bool:
     """Whether ``norm``'s class forward equals :class:`RMSNormFunction`'s bitwise, on a CPU copy with random
     weights (meta or sharded modules included): fp32 and bf16 inputs, fp32 and bf16 weights."""
     eps, weight = norm_epsilon(norm), getattr(norm, "weight", None)
-    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        return False
-    if norm._modules:
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or norm._modules:
         return False
     with real_tensors():
         return _probe_agrees(norm, eps, weight)

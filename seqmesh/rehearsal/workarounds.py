@@ -1,7 +1,7 @@
 """Every workaround that lets a CPU machine rehearse a CUDA step on fake ``cuda:0`` tensors, in one place.
 
 Fake tensors need no device memory, but torch still asks the device for streams, events, properties and a
-device guard. On a CPU build of torch none exist, so the rehearsal supplies inert ones, in two parts:
+device guard. On a CPU build of torch none exist, so the rehearsal supplies inert ones, in four parts:
 
 1. C++ (``fake_cuda.cpp``): a CUDA device guard and CUDA hooks that do nothing. The autograd engine looks up
    the device guard of every device its tensors are on and asks the current accelerator for its stream; a CPU
@@ -16,11 +16,14 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    (``CompositeImplicitAutograd``) but, in a CPU build, no CUDA kernel, is decomposed on CUDA tensors, where a CUDA
    build runs its one fused kernel. For SiLU's backward that is ``grad * (s * (1 + x * (1 - s)))``, ``s = sigmoid(x)``:
    six (tokens x intermediate) tensors alive at its last product instead of one (in Llama-3-8B's MLP at 16,384 tokens
-   a rank, 470 MB each: a layer's backward peaked 1.19 GB above a CUDA build's). Inside the rehearsal each gets a CUDA kernel that is never run (fake
-   tensors stop at the fake mode, above it), so autograd calls the fused operator as on a CUDA build.
+   a rank, 470 MB each: a layer's backward peaked 1.19 GB above a CUDA build's). Inside the rehearsal each gets a
+   CUDA kernel that is never run (fake tensors stop at the fake mode, above it), so autograd calls the fused
+   operator as on a CUDA build.
 
-Not needed here, and not covered: the memory-efficient kernel (``cuda_efficient``; its meta backward lacks an
-argument) and expert parallelism's host reads. The flash kernel is the one ``auto`` picks.
+4. Meta (:func:`_efficient_backward_fix`): the memory-efficient kernel's backward gets a Meta kernel with its
+   schema's arguments where torch's meta function lacks ``out`` (torch 2.13's does, on every build).
+
+Not covered: expert parallelism's host reads.
 """
 
 from __future__ import annotations
@@ -185,6 +188,35 @@ def _fused_backwards() -> torch.library.Library | None:
     return lib
 
 
+def _efficient_backward_meta(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type,
+                             bias_requires_grad, *, scale=None, num_splits_key=None, window_size=None,
+                             shared_storage_dqdkdv=False):
+    """``aten::_efficient_attention_backward``'s schema, on torch's own meta function (the gradients' shapes do not
+    depend on ``out`` or ``window_size``, which it lacks)."""
+    from torch._meta_registrations import meta__efficient_attention_backward as meta
+
+    return meta(grad_out, query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+                dropout_p, philox_seed, philox_offset, custom_mask_type, bias_requires_grad, scale=scale,
+                num_splits_key=num_splits_key, shared_storage_dqdkdv=shared_storage_dqdkdv)
+
+
+def _efficient_backward_fix() -> torch.library.Library | None:
+    """torch's meta function for the memory-efficient kernel's backward omits the schema's ``out`` argument, so under
+    fake tensors every call fails ("got multiple values for argument 'scale'"), on any build. Where the installed
+    torch's still does, a Meta kernel with the schema's arguments (``_destroy()`` it to take it back); else None."""
+    import inspect
+
+    from torch import _meta_registrations
+
+    meta = getattr(_meta_registrations, "meta__efficient_attention_backward", None)
+    if meta is None or "out" in inspect.signature(meta).parameters:
+        return None
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_efficient_attention_backward", _efficient_backward_meta, "Meta")
+    return lib
+
+
 def _replacements() -> list[tuple[object, str, object]]:
     default = _FakeStream()
     return [
@@ -214,7 +246,8 @@ def _replacements() -> list[tuple[object, str, object]]:
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[torch.device]:
     """Inside: ``torch.cuda`` answers as one H100 and the fused backwards a CPU build lacks have CUDA kernels (see
-    the module docstring); yields the fake device ``cuda:0``. Every attribute and kernel is restored on exit. Raises :class:`CannotRehearse` when the C++ part is not in this process or
+    the module docstring); yields the fake device ``cuda:0``. Every attribute and kernel is restored on exit.
+    Raises :class:`CannotRehearse` when the C++ part is not in this process or
     the installed torch lacks an attribute the step calls (the list above needs revisiting for that version)."""
     if needs_preload() and getattr(torch.accelerator.current_accelerator(), "type", None) != "cuda":
         raise CannotRehearse("the fake CUDA library is not loaded in this process: run the rehearsal through "
@@ -225,15 +258,15 @@ def fake_cuda() -> Iterator[torch.device]:
         raise CannotRehearse(f"torch {torch.__version__} has no {', '.join(missing)}, which the fake CUDA rehearsal "
                              "replaces; pass --device cpu for the CPU kernels.")
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    kernels = None
+    kernels = []
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
-        kernels = _fused_backwards()
+        kernels = [lib for lib in (_fused_backwards(), _efficient_backward_fix()) if lib is not None]
         yield torch.device("cuda", 0)
     finally:
-        if kernels is not None:
-            kernels._destroy()
+        for lib in kernels:
+            lib._destroy()
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
 
