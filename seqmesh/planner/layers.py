@@ -358,7 +358,7 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
     attention layers carry their own feed-forward (Nemotron-H's none). LFM2's gated short convs: each by its
     feed-forward; Kimi Linear's KDA and MiniMax-01's lightning layers likewise."""
-    from ..model.hybrid import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL
+    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL
 
     hybrid = work.model.hybrid
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.attention_layers)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK
 from ..linear_attention.decay_scan import decay_state_bytes
-from ..model.hybrid import LIGHTNING, Mamba2Shape
+from ..model.hybrid_shape import LIGHTNING, Mamba2Shape
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import phases, serial_layer_seconds

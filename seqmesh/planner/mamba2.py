@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
-from ..model.hybrid import MAMBA2, FeedForward, Mamba2Shape
+from ..model.hybrid_shape import MAMBA2, FeedForward, Mamba2Shape
 from ..padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec

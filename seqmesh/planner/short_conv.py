@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..degrees import Degrees
 from ..linear_attention.choice import halo_bytes
-from ..model.hybrid import CONV
+from ..model.hybrid_shape import CONV
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import phases, serial_layer_seconds
