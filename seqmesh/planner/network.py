@@ -246,11 +246,6 @@ def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequenc
     return max(levels, hw.links[-1].latency + shared if shared else 0.0)
 
 
-def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all of ``nbytes`` per rank over ``ranks``, alone on the cluster."""
-    return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
-
-
 def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
     """An all-gather or reduce-scatter in which each rank sends ``nbytes``."""
     if len(ranks) < 2 or nbytes == 0:

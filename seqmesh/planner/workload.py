@@ -101,18 +101,6 @@ def layer_matmul_params(m: ModelShape) -> int:
     return m.attention_params + mlp
 
 
-def embedding_unit_params(m: ModelShape) -> int:
-    """Parameters of the input embedding's own FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the embedding
-    when it is not tied to the LM head, 0 when tied (a tied weight stays in the root unit)."""
-    return 0 if m.tie_embeddings else m.vocab * m.hidden
-
-
-def root_params(m: ModelShape) -> int:
-    """Parameters of seqmesh's root FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the final RMSNorm and the LM head
-    (when tied, the embedding: the same weight, counted once)."""
-    return m.hidden + m.vocab * m.hidden
-
-
 def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Degrees]:
     """The planner's ``(Workload, Degrees)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world`` ranks, so a
     prediction and a measured run compare like with like; ``reserve_bytes`` 0 because a tensor count
