@@ -19,6 +19,9 @@ model, in this order (each step sees the model the previous one left):
     6. FSDP2                  over dp_shard x ring x ulysses (every rank of a replica), last: it wraps
                               what the steps above produced; split experts over the ranks holding the same ones
 
+Rank 0 logs the mesh and each step it applies, one line each, on the ``seqmesh.compose`` logger at INFO
+(``parallelize: mesh ...``, ``parallelize: 1/4 sequence parallelism ...``).
+
 The job (``seqmesh train``), the Trainer and a user's own loop call it; nothing else composes. Weights
 are loaded or materialized after it (FSDP2 shards are allocated by step 6); the activation offload and
 the memory tracker act on a step, not on the model, and are set up by the loop that runs it.
@@ -26,10 +29,13 @@ the memory tracker act on a step, not on the model, and are set up by the loop t
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.nn as nn
 
+from .comm.ranks import is_rank0
 from .hf import parallelize
 from .hf.indexed_attention import is_indexed
 from .experts.layers import apply_expert_parallel, check_family, routed_experts
@@ -44,6 +50,8 @@ from .model.lm import SequenceParallelLM, decoder_layers
 from .tensor_parallel.plan import apply_tensor_parallel, check_tensor_parallel
 from .vision.families import is_multimodal
 from .vision.tower import VisionLanguageLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,23 +133,61 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
         check_expert_parallel(plan.ep, experts=routed_experts(model), token_ranks=mesh.batch_mesh.size(), tp=mesh.tp,
                               fsdp=plan.fsdp, compile=plan.compile, model=model.config.model_type)
         experts = expert_mesh(mesh, plan.ep)
+    steps = _step_lines(mesh, plan, wrapper)
+    _log_rank0(next(steps))  # the mesh
+    _log_rank0(next(steps))
     lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
                      async_ulysses=plan.async_ulysses)
     if experts is not None:
+        _log_rank0(next(steps))
         apply_expert_parallel(lm, experts)
+    _log_rank0(next(steps))
     module = wrapper(lm, mesh, chunk=plan.loss_chunk)
+    if plan.checkpointing or plan.tiled_mlp or plan.efficient_norm:
+        _log_rank0(next(steps))
     if plan.checkpointing:
         enable_checkpointing(lm)
     if plan.tiled_mlp:
         enable_tiled_mlp(lm, plan.mlp_tiles)
     if plan.efficient_norm and enable_efficient_norm(lm) == 0:
         raise ValueError(f"efficient_norm: {type(lm).__name__} has no Llama-style RMSNorm to replace; turn it off.")
+    if mesh.tp > 1:
+        _log_rank0(next(steps))
     apply_tensor_parallel(lm, mesh)
     if plan.compile:
+        _log_rank0(next(steps))
         compile_layers(lm)
     if plan.fsdp:
+        _log_rank0(next(steps))
         apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload, experts=experts)
     return module
+
+
+def _log_rank0(line: str) -> None:
+    if is_rank0():
+        log.info(line)
+
+
+def _step_lines(mesh: SPMesh, plan: ParallelPlan, wrapper: type[SequenceParallelLM]) -> Iterator[str]:
+    """The lines :func:`parallelize_model` logs: the mesh, then ``i/n`` and each step it applies, in its order."""
+    ranks = mesh.dp_replicate * mesh.dp_shard * mesh.ring * mesh.ulysses * mesh.tp
+    yield (f"parallelize: mesh dp_replicate={mesh.dp_replicate} dp_shard={mesh.dp_shard} ring={mesh.ring} "
+           f"ulysses={mesh.ulysses} tp={mesh.tp} ({ranks} ranks)")
+    memory = [name for name, on in (("activation checkpointing", plan.checkpointing),
+                                    (f"tiled MLP ({plan.mlp_tiles or 'auto'} tiles)", plan.tiled_mlp),
+                                    ("lean RMSNorm", plan.efficient_norm)) if on]
+    steps = [f"sequence parallelism (ulysses {mesh.ulysses} x ring {mesh.ring}, attention backend {plan.backend}, "
+             f"linear attention {plan.linear_attention}{', async Ulysses' if plan.async_ulysses else ''})"]
+    steps += [f"expert parallelism (ep={plan.ep})"] if plan.ep > 1 else []
+    steps += [f"the loss ({wrapper.__name__}, {plan.loss_chunk} tokens a chunk)"]
+    steps += [f"memory techniques ({', '.join(memory)})"] if memory else []
+    steps += [f"tensor parallel (tp={mesh.tp})"] if mesh.tp > 1 else []
+    steps += ["torch.compile per decoder layer"] if plan.compile else []
+    extras = [x for x, on in (("bf16", plan.bf16), ("cpu offload", plan.fsdp_cpu_offload)) if on]
+    steps += [f"FSDP2 over dp_shard x ring x ulysses = {mesh.dp_shard * mesh.ring * mesh.ulysses} ranks"
+              + (f" ({', '.join(extras)})" if extras else "")] if plan.fsdp else []
+    for i, step in enumerate(steps, 1):
+        yield f"parallelize: {i}/{len(steps)} {step}"
 
 
 def compile_layers(model: nn.Module, **options) -> int:

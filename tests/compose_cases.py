@@ -3,6 +3,8 @@ whole sequence, in float64: the loss and every parameter's gradient, and the ref
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +41,15 @@ def composed_parity(ulysses: int, ring: int, plan: dict) -> dict:
     rounding = reference_rounding(config, {"input_ids": ids}, logits.detach(), ref_loss.detach(), reference)
 
     _CountingLM.calls = 0
-    module = parallelize_model(build(config), mesh, ParallelPlan(**plan, loss_chunk=16), wrapper=_CountingLM)
+    logged = _Lines()
+    logger = logging.getLogger("seqmesh.compose")
+    logger.addHandler(logged)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        module = parallelize_model(build(config), mesh, ParallelPlan(**plan, loss_chunk=16), wrapper=_CountingLM)
+    finally:
+        logger.removeHandler(logged)
+        logger.setLevel(level)
     loss = module(**seqmesh.shard_batch({"input_ids": ids}, mesh))
     loss.backward()
     if not plan.get("fsdp", True):  # replicated weights: the loop sums the gradients, as seqmesh train does
@@ -52,4 +62,15 @@ def composed_parity(ulysses: int, ring: int, plan: dict) -> dict:
         worst = max(worst, float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)))
     sharded = any(hasattr(p, "full_tensor") for p in module.parameters())
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "rounding": rounding,
-            "sharded": sharded, "wrapper_calls": _CountingLM.calls}
+            "sharded": sharded, "wrapper_calls": _CountingLM.calls, "log": logged.lines}
+
+
+class _Lines(logging.Handler):
+    """The messages logged while it is attached, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

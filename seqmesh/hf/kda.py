@@ -22,7 +22,7 @@ from ..linear_attention.choice import LinearDesign, parse_design
 from ..linear_attention.kda_all_to_all import all_to_all_kda, choose_kda_design
 from ..linear_attention.kda_state_passing import KdaHeads, state_passing_kda
 from ..mesh import SPMesh
-from .mixers import MixerKind, check_mixer_context
+from .mixer_kind import MixerKind, check_mixer_context
 
 _PARTS = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "o_norm", "o_proj")
 

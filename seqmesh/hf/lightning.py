@@ -35,7 +35,7 @@ from ..linear_attention.decay_scan import decay_scan_states, pass_decay_states
 from ..linear_attention.gated_delta import compute_dtype, segment_bounds
 from ..linear_attention.halo import placement
 from ..mesh import SPMesh
-from .mixers import MixerKind, check_mixer_context
+from .mixer_kind import MixerKind, check_mixer_context
 
 # what a lightning attention module must have for seqmesh to read it (transformers 5.24's MiniMaxLightningAttention)
 _PARTS = ("qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "slope_rate", "num_attention_heads", "head_dim")

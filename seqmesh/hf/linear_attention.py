@@ -25,7 +25,7 @@ from ..linear_attention.choice import LinearDesign, LinearShape, choose_design, 
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
 from ..linear_attention.state_passing import state_passing_gated_delta
 from ..mesh import SPMesh
-from .mixers import MixerKind, check_mixer_context
+from .mixer_kind import MixerKind, check_mixer_context
 
 
 Projection = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]

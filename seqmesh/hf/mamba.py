@@ -28,7 +28,7 @@ from ..linear_attention.halo import halo_causal_conv, placement
 from ..linear_attention.kernels import causal_conv
 from ..linear_attention.selective_scan import selective_scan, state_passing_selective_scan
 from ..mesh import SPMesh
-from .mixers import Layers, MixerKind, check_mixer_context
+from .mixer_kind import Layers, MixerKind, check_mixer_context
 
 MIXERS = ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer")  # whose slow_forward this module follows
 _PARTS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..linear_attention.choice import LinearDesign, parse_design
 from ..linear_attention.mamba2 import SSDHeads, SSDParams, choose_ssd_design, ssd_all_to_all, ssd_state_passing
 from ..mesh import SPMesh
-from .mixers import Layers, MixerKind, check_mixer_context
+from .mixer_kind import Layers, MixerKind, check_mixer_context
 
 _NEEDS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "out_proj", "n_groups", "head_dim", "num_heads",
           "ssm_state_size", "intermediate_size", "time_step_limit")

@@ -3,7 +3,7 @@
 A transformers layer that mixes tokens outside the attention interface (a recurrence, a short
 convolution) gets an instance-level ``forward`` that runs it sequence-parallel, exactly; the class
 and transformers' code are untouched, and ``unparallelize`` deletes the forward again. Each kind
-of mixer is one module of ``seqmesh.hf`` exposing a :class:`MixerKind`:
+of mixer is one module of ``seqmesh.hf`` exposing a :class:`.mixer_kind.MixerKind`:
 
 - ``find(model, mesh, design)``: its layers in ``model`` (path, module), checked for ``mesh`` and the
   design before anything is changed (a ValueError naming the fix);
@@ -17,44 +17,13 @@ only reads a family's projections and parameters and calls it.
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
+from . import kda, lightning, linear_attention, mamba, mamba2, short_conv
 from .layers import calls_without_kwargs
-
-Layers = list[tuple[str, nn.Module]]
-_ATTR = "_seqmesh_mixer"  # on a module whose forward seqmesh replaced: the kind's name
-_ENTRY = "_seqmesh_entry"  # on a mixer, during its carrier's call: the seqmesh entry the carrier received
-
-
-@dataclass(frozen=True)
-class MixerKind:
-    name: str  # as a user knows it ("Gated DeltaNet", "Mamba2")
-    layer_types: tuple[str, ...]  # config.layer_types entries of its layers
-    find: Callable[[nn.Module, SPMesh, str], Layers]
-    make_forward: Callable[[nn.Module, SPMesh, str], Callable]  # (module, mesh, design) -> forward(self, ...)
-
-    def install(self, layers: Layers, mesh: SPMesh, design: str) -> int:
-        for _, module in layers:
-            module.forward = types.MethodType(_taking_entry(self.make_forward(module, mesh, design)), module)
-            setattr(module, _ATTR, self.name)
-        return len(layers)
-
-
-def _taking_entry(forward: Callable) -> Callable:
-    """``forward`` given the seqmesh entry its carrier handed over (:func:`carry_entry`) where its caller passed none."""
-    def with_entry(self, *args, **kwargs):
-        held = getattr(self, _ENTRY, None)
-        if kwargs.get("seqmesh") is None and held is not None:
-            kwargs["seqmesh"] = held
-        return forward(self, *args, **kwargs)
-
-    return with_entry
+from .mixer_kind import ENTRY_ATTR, REPLACED_ATTR, Layers, MixerKind
 
 
 def _carrier(decoder: nn.Module, path: str) -> nn.Module | None:
@@ -87,11 +56,11 @@ def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
     def hand(mixers: list[nn.Module]):
         def give(module, args, kwargs):  # plain attribute writes, which torch.compile traces (2.9 cannot trace pop)
             for m in mixers:
-                setattr(m, _ENTRY, kwargs.get("seqmesh"))
+                setattr(m, ENTRY_ATTR, kwargs.get("seqmesh"))
 
         def take_back(module, args, kwargs, output):
             for m in mixers:
-                setattr(m, _ENTRY, None)
+                setattr(m, ENTRY_ATTR, None)
 
         return give, take_back
 
@@ -106,16 +75,14 @@ def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
 def uninstall(model: nn.Module) -> None:
     """Every mixer's own forward again."""
     for module in model.modules():
-        if getattr(module, _ATTR, None) is not None:
+        if getattr(module, REPLACED_ATTR, None) is not None:
             del module.forward
-            delattr(module, _ATTR)
-        module.__dict__.pop(_ENTRY, None)
+            delattr(module, REPLACED_ATTR)
+        module.__dict__.pop(ENTRY_ATTR, None)
 
 
 def kinds() -> tuple[MixerKind, ...]:
     """Every mixer seqmesh runs sequence-parallel, in the order ``parallelize`` looks for them."""
-    from . import kda, lightning, linear_attention, mamba, mamba2, short_conv
-
     return (linear_attention.KIND, mamba2.KIND, mamba.KIND, lightning.KIND, short_conv.KIND, kda.KIND)
 
 
@@ -129,21 +96,3 @@ def mixer_layers(model: nn.Module, mesh: SPMesh, design: str) -> dict[MixerKind,
         if layers:
             found[kind] = layers
     return found
-
-
-def check_mixer_context(module: nn.Module, info, cache, attention_mask) -> None:
-    """The refusals every sequence-parallel mixer shares: a call without seqmesh's entry, with a cache, or with a
-    padding mask."""
-    name = type(module).__name__
-    if info is None:
-        raise ValueError(
-            f"{name} runs sequence-parallel but was called without the 'seqmesh' entry; call the model "
-            "with the batch returned by seqmesh.shard_batch (model(**batch)), or seqmesh.hf.unparallelize(model) first.")
-    if cache is not None:
-        raise ValueError(f"{name} runs sequence-parallel and keeps no cache, but was given a {type(cache).__name__}: "
-                         "call the parallelized model without one (leave use_cache unset); to generate, call "
-                         "seqmesh.hf.unparallelize(model) first.")
-    if attention_mask is not None:
-        raise ValueError(
-            f"{name} received a padding mask of shape {tuple(attention_mask.shape)}; seqmesh describes padding and "
-            "packed documents through shard_batch instead (pass position_ids, not attention_mask).")

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..linear_attention import halo
 from ..mesh import SPMesh
-from .mixers import MixerKind, check_mixer_context
+from .mixer_kind import MixerKind, check_mixer_context
 
 
 def is_short_conv(module: nn.Module) -> bool:

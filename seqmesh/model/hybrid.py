@@ -12,152 +12,15 @@ A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from .hybrid_shape import ATTENTION, CONV, MAMBA2, PARALLEL, FeedForward, HybridShape, Mamba2Shape
+from .kimi import kimi_linear_fields
+from .lfm import lfm2_fields
+from .minimax import minimax_fields
 
-if TYPE_CHECKING:
-    from .kimi import KdaShape
-    from .lfm import ShortConvShape
-    from .minimax import LightningShape
-
-MAMBA2 = "mamba2"
-CONV = "conv"  # LFM2's gated short convolution (seqmesh.model.lfm)
-KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
-LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
-ATTENTION = "attention"
-PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
 _ATTENTION_NAMES = {"full_attention", "attention", "*"}
 _NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-
-
-@dataclass(frozen=True)
-class Mamba2Shape:
-    """One Mamba2 mixer: ``heads`` of ``head_dim`` channels, a ``state``-wide state per channel, B and C shared by the
-    heads of each of ``groups``, a depthwise causal conv of ``conv`` taps."""
-
-    heads: int
-    head_dim: int
-    state: int
-    groups: int
-    conv: int = 4
-    conv_bias: bool = True
-    proj_bias: bool = False  # in_proj's bias (and out_proj's unless out_bias says otherwise)
-    out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's (Falcon-H1's projectors_bias)
-    gated_norm: bool = True  # the gated RMSNorm (Falcon-H1 without mamba_rms_norm gates with silu(z) alone)
-
-    def __post_init__(self) -> None:
-        for name in ("heads", "head_dim", "state", "groups", "conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the Mamba2 layers' {name} = {value!r} must be a positive integer; fix the config.json.")
-        if self.heads % self.groups:
-            raise ValueError(f"the Mamba2 layers' {self.groups} groups do not divide their {self.heads} heads "
-                             "(n_groups / mamba_n_groups); each group's B and C serve whole heads: fix the config.json.")
-
-    @property
-    def inner(self) -> int:
-        """d_inner: the channels the scan runs (heads x head_dim)."""
-        return self.heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the conv (x | B | C), which the conv halo carries."""
-        return self.inner + 2 * self.groups * self.state
-
-    def matmul_params(self, hidden: int) -> int:
-        """Weights that multiply every token: in_proj and out_proj."""
-        return hidden * (self.inner + self.conv_dim + self.heads) + self.inner * hidden
-
-    def params(self, hidden: int) -> int:
-        """Every parameter of the mixer (the module docstring's list)."""
-        out_bias = self.proj_bias if self.out_bias is None else self.out_bias
-        biases = (self.inner + self.conv_dim + self.heads if self.proj_bias else 0) + (hidden if out_bias else 0)
-        conv = self.conv_dim * self.conv + (self.conv_dim if self.conv_bias else 0)
-        return self.matmul_params(hidden) + biases + conv + 3 * self.heads + (self.inner if self.gated_norm else 0)
-
-
-@dataclass(frozen=True)
-class FeedForward:
-    """One layer's MLP or MoE block: its parameters, and the multiply-adds per token (a token's routed experts, the
-    shared experts, the router); ``kept``: the activation elements per token it keeps for backward (an estimate:
-    its input and its intermediates; not yet checked against a run)."""
-
-    params: int
-    macs: int
-    kept: int
-
-
-@dataclass(frozen=True)
-class HybridShape:
-    """A hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"conv"`` (LFM2's gated short conv),
-    ``"attention"``, ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``,
-    ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the feed-forward of each name; ``norms`` RMSNorms of the
-    hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
-    attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
-    has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's)."""
-
-    mamba: Mamba2Shape | None
-    blocks: tuple[tuple[str, str], ...]
-    ffns: tuple[tuple[str, FeedForward], ...]
-    norms: int
-    attention_bias: bool = False
-    conv: ShortConvShape | None = None
-    attention_norms: int = 0
-    kda: KdaShape | None = None
-    lightning: LightningShape | None = None
-
-    def ffn(self, name: str) -> FeedForward:
-        return dict(self.ffns).get(name, FeedForward(0, 0, 0))
-
-    def count(self, mixer: str | None = None, ffn: str | None = None) -> int:
-        """Layers with this mixer and/or this feed-forward."""
-        return sum((mixer is None or m == mixer) and (ffn is None or f == ffn) for m, f in self.blocks)
-
-    @property
-    def attention_layers(self) -> int:
-        """Layers with attention (alone, or beside Mamba2 in Falcon-H1)."""
-        return self.count(ATTENTION) + self.count(PARALLEL)
-
-    def attention_ffn(self) -> str:
-        """The feed-forward of the attention layers (one per family: Nemotron-H's none)."""
-        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL)), "")
-
-    def kinds(self) -> list[tuple[tuple[str, str], int]]:
-        """Each distinct (mixer, ffn) with its number of layers, in the order they first appear."""
-        seen: dict[tuple[str, str], int] = {}
-        for block in self.blocks:
-            seen[block] = seen.get(block, 0) + 1
-        return list(seen.items())
-
-    def layer_params(self, block: tuple[str, str], hidden: int, attention: int) -> int:
-        """One layer's parameters: its mixer (``attention``: an attention mixer's projections), feed-forward, norms."""
-        mixer, ffn = block
-        own = 0
-        if mixer in (ATTENTION, PARALLEL):
-            own += attention + self.attention_norms
-        if mixer in (MAMBA2, PARALLEL):
-            own += self.mamba.params(hidden)
-        if mixer == CONV:
-            own += self.conv.params(hidden)
-        if mixer == KDA:
-            own += self.kda.params(hidden)
-        if mixer == LIGHTNING:
-            own += self.lightning.params(hidden)
-        return own + self.ffn(ffn).params + self.norms * hidden
-
-    def params(self, hidden: int, attention: int) -> int:
-        """Every layer's parameters (no embedding, final norm or head)."""
-        return sum(n * self.layer_params(block, hidden, attention) for block, n in self.kinds())
-
-    def as_dict(self) -> dict:
-        """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
-        return {"mamba": asdict(self.mamba) if self.mamba else None,
-                "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
-                "lightning": asdict(self.lightning) if self.lightning else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
-                "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
-                "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
 
 
 def _positive(cfg: dict, *names: str, default=None) -> int:
@@ -183,16 +46,10 @@ def hybrid_fields(cfg: dict) -> dict:
     ``unplanned``, the reason the planner gives (training reads their shape all the same), never attention's plan."""
     family = cfg.get("model_type", "")
     if family in ("lfm2", "lfm2_moe"):
-        from .lfm import lfm2_fields
-
         return lfm2_fields(cfg)
     if family == "kimi_linear":
-        from .kimi import kimi_linear_fields
-
         return kimi_linear_fields(cfg)
     if family == "minimax":
-        from .minimax import minimax_fields
-
         return minimax_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")

@@ -15,39 +15,7 @@ as one shared gated MLP, and a router (its correction bias a buffer, not a param
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .hybrid import ATTENTION, KDA, FeedForward, HybridShape
-
-
-@dataclass(frozen=True)
-class KdaShape:
-    """One KDA mixer: ``heads`` of ``head_dim`` key and value channels, a depthwise causal conv of ``conv`` taps."""
-
-    heads: int
-    head_dim: int
-    conv: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("heads", "head_dim", "conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the KDA layers' {name} = {value!r} must be a positive integer (linear_num_heads, "
-                                 "linear_head_dim, linear_conv_kernel_dim); fix the config.json.")
-
-    @property
-    def inner(self) -> int:
-        """Channels of q, of k and of v (heads x head_dim)."""
-        return self.heads * self.head_dim
-
-    def matmul_params(self, hidden: int) -> int:
-        """Weights that multiply every token: q, k, v, the gates' two-step projections, b_proj and o_proj."""
-        q, d = self.inner, self.head_dim
-        return 3 * hidden * q + 2 * (hidden * d + d * q) + hidden * self.heads + q * hidden
-
-    def params(self, hidden: int) -> int:
-        """Every parameter of the mixer (the module docstring's list)."""
-        return self.matmul_params(hidden) + 3 * self.inner * self.conv + self.inner + self.heads + self.head_dim
+from .hybrid_shape import ATTENTION, KDA, FeedForward, HybridShape, KdaShape
 
 
 def _gated_mlp(hidden: int, width: int) -> FeedForward:

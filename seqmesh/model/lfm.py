@@ -17,32 +17,9 @@ expert bias is a buffer, not a parameter).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .hybrid import ATTENTION, CONV, FeedForward, HybridShape
+from .hybrid_shape import ATTENTION, CONV, FeedForward, HybridShape, ShortConvShape
 
 _ATTENTION_NAMES = ("full_attention", "attention")
-
-
-@dataclass(frozen=True)
-class ShortConvShape:
-    """One gated short convolution of ``kernel`` taps over the hidden channels; ``bias``: every part biased."""
-
-    kernel: int
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kernel, int) or isinstance(self.kernel, bool) or self.kernel < 1:
-            raise ValueError(f"conv_L_cache = {self.kernel!r}: the short convolutions' width must be a positive "
-                             "integer; fix the config.json.")
-
-    def matmul_params(self, hidden: int) -> int:
-        """Weights that multiply every token: in_proj and out_proj."""
-        return 4 * hidden * hidden
-
-    def params(self, hidden: int) -> int:
-        """Every parameter of the mixer (the module docstring's list)."""
-        return self.matmul_params(hidden) + hidden * self.kernel + (5 * hidden if self.bias else 0)
 
 
 def _gated_mlp(hidden: int, width: int) -> FeedForward:

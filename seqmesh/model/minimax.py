@@ -13,29 +13,7 @@ of ``intermediate_size`` and a router.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .hybrid import ATTENTION, LIGHTNING, FeedForward, HybridShape
-
-
-@dataclass(frozen=True)
-class LightningShape:
-    """One lightning attention mixer: ``heads`` of ``head_dim`` key and value channels."""
-
-    heads: int
-    head_dim: int
-
-    @property
-    def inner(self) -> int:
-        return self.heads * self.head_dim
-
-    def matmul_params(self, hidden: int) -> int:
-        """Weights that multiply every token: qkv_proj, output_gate, out_proj."""
-        return 5 * hidden * self.inner
-
-    def params(self, hidden: int) -> int:
-        """Every parameter of the mixer (the module docstring's list)."""
-        return self.matmul_params(hidden) + self.inner
+from .hybrid_shape import ATTENTION, LIGHTNING, FeedForward, HybridShape, LightningShape
 
 
 def _layer_types(cfg: dict, n: int) -> list[str]:

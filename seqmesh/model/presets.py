@@ -12,7 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from ..model_sizes import check_model_sizes
-from .hybrid import HybridShape, hybrid_fields
+from .hybrid import hybrid_fields
+from .hybrid_shape import HybridShape
 
 
 @dataclass(frozen=True)

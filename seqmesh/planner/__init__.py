@@ -2,7 +2,7 @@
 one idea each, are listed in docs/planner.md ("What the code counts, module by module").
 """
 
-from .network import Fabric
+from .fabric import Fabric
 from .hardware import PRESETS, Cluster, HardwareSpec, LinkLevel, RingEfficiency, make_cluster
 from .memory import MemoryBreakdown, memory_per_gpu
 from .plan import Candidate, Plan, longest_plan, longest_sequence, plan

@@ -13,7 +13,7 @@ from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
 from .report import format_longest, format_plan
-from .vision import Media, parse_image_size
+from .media import Media, parse_image_size
 from .workload import Workload, global_batch_from
 
 

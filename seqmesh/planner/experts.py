@@ -19,7 +19,7 @@ from .activations import tokens
 from .hardware import HardwareSpec
 from .network import concurrent_all_to_all_seconds, fsdp_seconds, link_name
 from .traffic import dtype_bytes, fsdp_traffic
-from .workload import Workload
+from .workload import Workload, check_expert_parallel
 
 __all__ = ["check_expert_parallel", "dispatch_bytes", "exchange", "exchange_phases", "exchange_seconds",
            "expert_degrees", "expert_groups", "expert_parallel_refusal", "layer_fsdp_seconds", "layer_fsdp_traffic",
@@ -45,17 +45,6 @@ def remote_expert_params(m: ModelShape, layout: Degrees) -> int:
 def local_layer_params(params: int, m: ModelShape, layout: Degrees) -> int:
     """What one rank gathers of a layer unit of ``params`` that holds the routed experts: all but the others'."""
     return params - remote_expert_params(m, layout)
-
-
-def check_expert_parallel(m: ModelShape, ep: int) -> None:
-    """Refuse an ``ep`` no layout of ``m`` can take, naming the model's numbers and the fix: the runtime's rule
-    (:func:`seqmesh.experts.rules.check_expert_parallel`) on the model alone, and what the planner does not model."""
-    if ep == 1:
-        return
-    if m.experts and m.hybrid is not None:
-        raise ValueError(f"--ep {ep}: the planner does not model expert parallelism in {m.name}'s hybrid layers "
-                         "(Mamba2, short conv, KDA, lightning) yet; use --ep 1.")
-    runtime_rule(ep, experts=m.experts, token_ranks=None, model=m.name)
 
 
 def expert_parallel_refusal(m: ModelShape, layout: Degrees) -> str | None:

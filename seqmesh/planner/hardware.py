@@ -1,5 +1,5 @@
 """Clusters the planner reasons about: GPUs with memory and peak FLOP/s, a hierarchy of links, the node's
-``fabric`` (:mod:`.network`), and how ring attention's kernels slow down on smaller blocks (``RingEfficiency``).
+``fabric`` (:mod:`.fabric`), and how ring attention's kernels slow down on smaller blocks (``RingEfficiency``).
 
 Links are listed innermost first: level ``i`` joins aligned blocks of ``group`` consecutive ranks, the outermost
 every rank (``group=0``), and two ranks talk over the innermost level whose block holds both. Bandwidths are
@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from .network import GB, Fabric
+from .fabric import GB, Fabric
 
 GiB = 2**30
 

@@ -11,7 +11,7 @@ runtime's rule, with its H100 defaults, as the layer itself calls it)::
                     recurrence of the whole sequence for 1/P of the heads
 
 The gate g travels in float32 (transformers' Kimi gate). No collective overlaps compute: the layer's time is
-:func:`.layers.serial_layer_seconds`'s. The recurrence's FLOPs are Gated DeltaNet's chunked form per head (an
+:func:`.layer_cost.serial_layer_seconds`'s. The recurrence's FLOPs are Gated DeltaNet's chunked form per head (an
 estimate: KDA's per-channel decay adds sub-chunk products not counted).
 """
 
@@ -23,10 +23,11 @@ from ..degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.kda_all_to_all import choose_kda_design, kda_all_to_all_bytes
 from ..linear_attention.kda_state_passing import KdaHeads, kda_state_passing_bytes
-from ..model.hybrid import KDA
+from ..model.hybrid_shape import KDA
 from ..padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
+from .layer_cost import serial_layer_seconds
 from .mamba2 import recurrent_traffic
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
@@ -109,8 +110,6 @@ class KdaLayer:
         """``total``, ``compute`` and ``serial`` seconds of one layer: projections and feed-forward on the local tokens,
         the recurrence (state passing: every head of the local tokens; all-to-all: the whole sequence of this rank's
         share of the heads), backward twice; the design's collectives, which nothing overlaps."""
-        from .layers import serial_layer_seconds
-
         work, layout, m = self.work, self.layout, self.work.model
         kda = m.hybrid.kda
         peak = hw.flops_for(work.dtype)

@@ -14,9 +14,10 @@ from ..hf.indexed_attention import block_queries, scored_keys
 from ..padding import padded_length
 from ..sequence.layout import SequenceLayout
 from ..model.presets import ModelShape
-from .activations import decoder_layer_saved_bytes, local_tokens, tokens, tp_heads
-from .experts import dispatch_bytes, layer_fsdp_seconds
+from .activations import local_tokens, tokens, tp_heads
+from .experts import dispatch_bytes
 from .hardware import HardwareSpec
+from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
 from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
                                        state_passing_extra_flops)
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
@@ -30,15 +31,6 @@ from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dt
                       indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
 from ..degrees import Degrees
 from .workload import Workload, layer_matmul_params, layer_params
-
-Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
-
-
-def phases(forward: dict[str, int], backward: dict[str, int], checkpointing: bool) -> Phases:
-    """A layer's three phases: checkpointing re-runs the forward's collectives inside backward."""
-    return {"forward": forward, "backward": backward,
-            "recompute": {k: v if checkpointing else 0 for k, v in forward.items()}}
-
 
 def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
     """Visible (query, key) pairs of one sequence; a causal ``window`` keeps each query's last
@@ -108,7 +100,7 @@ class Attention:
         return ring_steps(self.layout.ring, padded, self.work.layout, self.window) - 1
 
     def saved_bytes(self) -> int:
-        return decoder_layer_saved_bytes(self.work, self.layout) + dispatch_bytes(self.work, self.layout)
+        return attention_saved_bytes(self.work, self.layout)
 
 
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
@@ -309,7 +301,7 @@ class IndexedAttention:
         return {"indexed_row_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        return decoder_layer_saved_bytes(self.work, self.layout) + dispatch_bytes(self.work, self.layout)
+        return attention_saved_bytes(self.work, self.layout)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`GatedDeltaNet.seconds` counts them:
@@ -339,21 +331,6 @@ class IndexedAttention:
                                      (ag, rs))
 
 
-def serial_layer_seconds(layer: GatedDeltaNet | IndexedAttention, hw: HardwareSpec, fsdp_ranks: list[int],
-                          compute: tuple[float, float], comm: tuple[float, float]) -> dict[str, float]:
-    """``total``, ``compute`` and ``serial`` seconds of a layer whose sequence communication overlaps nothing:
-    ``compute`` and ``comm`` its (forward, backward) seconds of each, the forward run again in backward under
-    checkpointing; its FSDP gathers prefetched beside its forward and backward, the reduce-scatter beside backward."""
-    work, layout = layer.work, layer.layout
-    fwd, bwd = compute[0] + comm[0], compute[1] + comm[1]
-    if work.checkpointing:
-        bwd += fwd
-    ag, rs = layer_fsdp_seconds(layer.params(), work, layout, hw, fsdp_ranks)
-    repeats = 2 if work.checkpointing else 1
-    return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] * repeats + compute[1],
-            "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}
-
-
 LayerKind = Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer | LightningLayer
 
 
@@ -381,7 +358,7 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
     attention layers carry their own feed-forward (Nemotron-H's none). LFM2's gated short convs: each by its
     feed-forward; Kimi Linear's KDA and MiniMax-01's lightning layers likewise."""
-    from ..model.hybrid import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL
+    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL
 
     hybrid = work.model.hybrid
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.attention_layers)]

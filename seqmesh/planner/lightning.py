@@ -3,7 +3,7 @@ shape), as ``seqmesh.hf.lightning`` runs it: its projections, norm and gate on t
 scan of every head over them, and one collective, the all-gather of every run's ``[S_0 | exp(sum g)]`` (backward its
 reduce-scatter, the same bytes): :func:`seqmesh.linear_attention.decay_scan.decay_state_bytes`, the runtime's own,
 in float32 (float64 for float64 inputs). There is no other design. The scan waits for nothing but the states'
-read waits for the gather, so the layer's time is :func:`.layers.serial_layer_seconds`'s.
+read waits for the gather, so the layer's time is :func:`.layer_cost.serial_layer_seconds`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from ..degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK
 from ..linear_attention.decay_scan import decay_state_bytes
-from ..model.hybrid import LIGHTNING, Mamba2Shape
+from ..model.hybrid_shape import LIGHTNING, Mamba2Shape
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
+from .layer_cost import phases, serial_layer_seconds
 from .mamba2 import mamba2_scan_flops
 from .network import axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
@@ -49,8 +50,6 @@ class LightningLayer:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        from .layers import phases
-
         ranks = self.ranks()
         return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
                       {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
@@ -74,8 +73,6 @@ class LightningLayer:
         chunked decay scan of every head over them (:func:`.mamba2.mamba2_scan_flops`, the same kernel, with
         ``N = P = D``) and the entering state's read (``D^2`` a token and head), backward twice; the gather, which
         nothing overlaps."""
-        from .layers import serial_layer_seconds
-
         work, m, mixer = self.work, self.work.model, self.work.model.hybrid.lightning
         peak = hw.flops_for(work.dtype)
         mm_rate, scan_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency

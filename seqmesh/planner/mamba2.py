@@ -13,7 +13,7 @@ A Mamba2 layer runs in_proj and out_proj on its local tokens, and its token mixi
 
 The bytes are the runtime's own :func:`seqmesh.linear_attention.mamba2.ssd_design_bytes`. No collective overlaps
 compute (the scan waits for its inputs, the outputs for the states), so the layer's time is
-:func:`.layers.serial_layer_seconds`'s.
+:func:`.layer_cost.serial_layer_seconds`'s.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from ..degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
-from ..model.hybrid import MAMBA2, FeedForward, Mamba2Shape
+from ..model.hybrid_shape import MAMBA2, FeedForward, Mamba2Shape
 from ..padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
+from .layer_cost import attention_saved_bytes, phases, serial_layer_seconds
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
 from .workload import Workload
@@ -63,8 +64,6 @@ def recurrent_traffic(ranks: list[RankTraffic], key: str, design: LinearDesign,
                       checkpointing: bool) -> dict[str, dict[str, int]]:
     """A recurrent layer's traffic by phase, the busiest rank's (Mamba2's and KDA's): state passing's all-gather
     forward and reduce-scatter backward, or the all-to-alls both ways."""
-    from .layers import phases
-
     if design is LinearDesign.STATE_PASSING:
         return phases({key: worst_rank(ranks, "all_gather", "forward")},
                       {key: worst_rank(ranks, "reduce_scatter", "backward")}, checkpointing)
@@ -145,9 +144,7 @@ class Mamba2Layer:
         per_token = norms + proj + scan + tail + e * self._ffn.kept
         states = -(-t // w.batch // c) * w.batch * h * n * p * 4
         if self.beside_attention:  # the whole Falcon-H1 layer: the attention layer's beside it
-            from .layers import Attention
-
-            states += Attention(w, self.layout).saved_bytes()
+            states += attention_saved_bytes(w, self.layout)
         return t * per_token + states
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
@@ -155,8 +152,6 @@ class Mamba2Layer:
         (state passing: :func:`mamba2_mixing_flops` of the local tokens; all-to-all: the scan and conv of the whole
         sequence for this rank's share of the heads; backward twice), the design's collectives, which nothing
         overlaps."""
-        from .layers import serial_layer_seconds
-
         work, layout, m = self.work, self.layout, self.work.model
         mamba = m.hybrid.mamba
         mm_rate, scan_rate = _rates(work, hw)
@@ -191,8 +186,6 @@ class FeedForwardBlock:
         return m.hybrid.layer_params(("", self.ffn), m.hidden, m.attention_params)
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        from .layers import phases
-
         return phases({}, {}, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
@@ -206,8 +199,6 @@ class FeedForwardBlock:
         return tokens(w, self.layout) * per_token
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
-        from .layers import serial_layer_seconds
-
         mm_rate, _ = _rates(self.work, hw)
         local = self.work.batch * _local_tokens(self.work, self.layout)
         mm_fwd = 2 * local * self.work.model.hybrid.ffn(self.ffn).macs / mm_rate

@@ -1,6 +1,6 @@
 """How long bytes take on a cluster: every group of a layout that runs a collective at once (ranks placed TP
 innermost, then Ulysses, ring, data parallel), the link levels each crosses, and what a node's GPUs share (the
-``Fabric``: its NICs, an oversubscribed leaf switch). The bounds: docs/planner.md ("Between nodes").
+``Fabric`` of :mod:`.fabric`: its NICs, an oversubscribed leaf switch). The bounds: docs/planner.md ("Between nodes").
 """
 
 from __future__ import annotations
@@ -8,42 +8,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # hardware imports Fabric from here
+from .fabric import GB, Fabric
+
+if TYPE_CHECKING:
     from .hardware import HardwareSpec
     from ..degrees import Degrees
 
-GB = 10**9
 MAX_GROUPS_CHECKED = 64
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """The network side of a node."""
-
-    nics_per_node: int  # NICs of the compute fabric in one node
-    nic_bandwidth: float  # achievable bytes/s one NIC sends
-    oversubscription: float = 1.0  # leaf switch downlink / uplink bandwidth; 1 = non-blocking (full bisection)
-    nodes_per_switch: int = 0  # nodes under one leaf switch; 0 = every node under one (no spine crossed)
-    source: str = ""  # where the figures come from
-
-    def __post_init__(self) -> None:
-        if self.nics_per_node < 1 or self.nic_bandwidth <= 0:
-            raise ValueError(f"fabric: {self.nics_per_node} NICs per node of {self.nic_bandwidth / GB:g} GB/s; "
-                             "need at least 1 NIC with a positive bandwidth, e.g. --fabric 8:40.")
-        if self.oversubscription < 1:
-            raise ValueError(f"fabric: oversubscription {self.oversubscription:g} must be >= 1 (1 is non-blocking; "
-                             "2 means a leaf switch has half as much bandwidth up as down).")
-        if self.nodes_per_switch < 0:
-            raise ValueError(f"fabric: {self.nodes_per_switch} nodes per switch must be >= 1, or 0 for 'all'.")
-
-    @property
-    def node_bandwidth(self) -> float:
-        """Bytes/s one node can send to other nodes, all its NICs together."""
-        return self.nics_per_node * self.nic_bandwidth
 
 
 def _busiest_node_load(off_node: Counter, off_switch: Counter, fabric: Fabric) -> float:
@@ -270,11 +244,6 @@ def concurrent_all_to_all_seconds(nbytes: int, hw: HardwareSpec, groups: Sequenc
         return levels
     shared = nbytes * all_to_all_load(groups, hw.fabric, hw.gpus_per_node) / hw.fabric.node_bandwidth
     return max(levels, hw.links[-1].latency + shared if shared else 0.0)
-
-
-def all_to_all_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:
-    """One all-to-all of ``nbytes`` per rank over ``ranks``, alone on the cluster."""
-    return concurrent_all_to_all_seconds(nbytes, hw, [ranks])
 
 
 def gather_seconds(nbytes: int, hw: HardwareSpec, ranks: list[int]) -> float:

@@ -4,12 +4,8 @@ The rule and why each step comes in that order: docs/planner.md, "How the recomm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from .candidate import Candidate
 from .hardware import GiB, Cluster
-
-if TYPE_CHECKING:  # plan imports this module
-    from .plan import Candidate
 
 TIE = 0.01  # throughput predictions closer than this are within the model's resolution
 HEADROOM = 0.10  # footprints closer than this fraction of one GPU's memory are within the memory model's

@@ -3,7 +3,7 @@ as ``seqmesh.hf.short_conv`` runs it: in_proj and out_proj on the rank's local t
 ``K`` over them, and one collective, the halo's all-gather (``K - 1`` hidden rows before each run the rank holds;
 backward its reduce-scatter, the same bytes). There is no other design. The bytes are the runtime's own
 :func:`seqmesh.linear_attention.choice.halo_bytes`. The conv waits for its halo, so nothing overlaps it: the layer's
-time is :func:`.layers.serial_layer_seconds`'s.
+time is :func:`.layer_cost.serial_layer_seconds`'s.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from ..degrees import Degrees
 from ..linear_attention.choice import halo_bytes
-from ..model.hybrid import CONV
+from ..model.hybrid_shape import CONV
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
+from .layer_cost import phases, serial_layer_seconds
 from .network import axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
 from .workload import Workload
@@ -47,8 +48,6 @@ class ShortConvLayer:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        from .layers import phases
-
         ranks = self.ranks()
         return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
                       {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
@@ -69,8 +68,6 @@ class ShortConvLayer:
         """``total``, ``compute`` and ``serial`` seconds of one layer: the projections, the feed-forward and the
         conv (``2 hidden K`` FLOPs a token, at the matmul rate: an upper bound on its speed) on the local tokens,
         backward twice; the halo's all-gather and reduce-scatter, which nothing overlaps."""
-        from .layers import serial_layer_seconds
-
         work, m = self.work, self.work.model
         rate = hw.flops_for(work.dtype) * hw.matmul_efficiency
         local = tokens(work, self.layout)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..degrees import Degrees, resolve_degrees
+from ..experts.rules import check_expert_parallel as runtime_rule
 from ..model.presets import ModelShape
 
-if TYPE_CHECKING:  # the tower's module imports this one
-    from .vision import Media
+if TYPE_CHECKING:
+    from .media import Media
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -69,8 +70,6 @@ class Workload:
             if not isinstance(self.ep, int) or self.ep < 1:
                 raise ValueError(f"--ep {self.ep!r}: the expert-parallel degree is a positive number of ranks (1: "
                                  "none) or auto.")
-            from .experts import check_expert_parallel  # it imports this module
-
             check_expert_parallel(self.model, self.ep)
 
     @property
@@ -100,18 +99,6 @@ def layer_matmul_params(m: ModelShape) -> int:
         return m.attention_params + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
     mlp = 3 * m.hidden * m.intermediate * ((m.experts_per_token or 1) + m.shared_experts) + m.experts * m.hidden
     return m.attention_params + mlp
-
-
-def embedding_unit_params(m: ModelShape) -> int:
-    """Parameters of the input embedding's own FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the embedding
-    when it is not tied to the LM head, 0 when tied (a tied weight stays in the root unit)."""
-    return 0 if m.tie_embeddings else m.vocab * m.hidden
-
-
-def root_params(m: ModelShape) -> int:
-    """Parameters of seqmesh's root FSDP unit (``seqmesh.model.fsdp.apply_fsdp``): the final RMSNorm and the LM head
-    (when tied, the embedding: the same weight, counted once)."""
-    return m.hidden + m.vocab * m.hidden
 
 
 def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Degrees]:
@@ -188,3 +175,14 @@ def global_batch_from(sequences: int | None, tokens: int | None, seq_len: int | 
         raise ValueError(f"--global-batch-seqs {sequences} is not a multiple of the micro-batch --batch {micro_batch}; "
                          f"use a multiple of {micro_batch} or --batch 1.")
     return GlobalBatch(sequences, one_group)
+
+
+def check_expert_parallel(m: ModelShape, ep: int) -> None:
+    """Refuse an ``ep`` no layout of ``m`` can take, naming the model's numbers and the fix: the runtime's rule
+    (:func:`seqmesh.experts.rules.check_expert_parallel`) on the model alone, and what the planner does not model."""
+    if ep == 1:
+        return
+    if m.experts and m.hybrid is not None:
+        raise ValueError(f"--ep {ep}: the planner does not model expert parallelism in {m.name}'s hybrid layers "
+                         "(Mamba2, short conv, KDA, lightning) yet; use --ep 1.")
+    runtime_rule(ep, experts=m.experts, token_ranks=None, model=m.name)

@@ -16,7 +16,7 @@ from seqmesh.planner.plan import Candidate
 from seqmesh.planner.plan import evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
 from seqmesh.planner.hardware import IDEAL_RING
-from seqmesh.planner.network import all_to_all_seconds
+from seqmesh.planner.network import concurrent_all_to_all_seconds
 from seqmesh.planner.timing import StepTime, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.degrees import Degrees
@@ -265,8 +265,9 @@ def test_all_to_all_across_two_levels_waits_for_the_slower_share():
     hw, nbytes = H100, 15 * 2**20
     nv, ib = hw.links
     want = ib.latency + max(7 * 2**20 / nv.bandwidth, 8 * 2**20 / ib.bandwidth)
-    assert all_to_all_seconds(nbytes, hw, list(range(16))) == pytest.approx(want)
-    assert all_to_all_seconds(nbytes, hw, list(range(8))) == pytest.approx(nv.latency + nbytes / nv.bandwidth)
+    assert concurrent_all_to_all_seconds(nbytes, hw, [list(range(16))]) == pytest.approx(want)
+    alone = concurrent_all_to_all_seconds(nbytes, hw, [list(range(8))])
+    assert alone == pytest.approx(nv.latency + nbytes / nv.bandwidth)
 
 
 # -- hardware -----------------------------------------------------------------------------------------

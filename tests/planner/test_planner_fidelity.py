@@ -17,7 +17,7 @@ from seqmesh.planner.hardware import GB, PRESETS, LinkLevel
 from seqmesh.planner.plan import plan
 from seqmesh.planner.hardware import make_cluster
 from seqmesh.planner.hardware import DEFAULT_RING_EFFICIENCY, IDEAL_RING, RingEfficiency, from_merge_bench
-from seqmesh.planner.network import (Fabric, all_to_all_seconds, concurrent_all_to_all_seconds, every_group,
+from seqmesh.planner.network import (Fabric, concurrent_all_to_all_seconds, every_group,
                                      parse_fabric, ring_hop_seconds, ring_load)
 from seqmesh.planner.timing import _ulysses_seconds, step_time
 from seqmesh.degrees import Degrees
@@ -41,13 +41,14 @@ def test_all_to_all_over_two_nodes_shares_the_uplinks_over_one_node_does_not():
     8/15 n off its node, and the node's 8 ranks 64/15 n = 64 MB through 80 GB/s: 0.8 ms, above a GPU's own
     8 MB / 40 GB/s = 0.2 ms and 7 MB / 100 GB/s over NVLink. Over 8 ranks of one node: n / 100 GB/s."""
     hw, n = _two_level(8, 2), 15 * MB
-    assert all_to_all_seconds(n, hw, list(range(16))) == pytest.approx(64 * MB / (80 * GB))
-    assert all_to_all_seconds(n, hw, list(range(8))) == pytest.approx(n / (100 * GB))
+    assert concurrent_all_to_all_seconds(n, hw, [list(range(16))]) == pytest.approx(64 * MB / (80 * GB))
+    assert concurrent_all_to_all_seconds(n, hw, [list(range(8))]) == pytest.approx(n / (100 * GB))
     # the two node-local groups of U8 x DP2 run at once and still leave no node
     local_groups = every_group(Degrees(8, 1, 2), "ulysses")
     assert concurrent_all_to_all_seconds(n, hw, local_groups) == pytest.approx(n / (100 * GB))
     # one NIC per GPU (8 x 40 GB/s, as a DGX H100): the node's share equals each GPU's, 8 MB / 40 GB/s
-    assert all_to_all_seconds(n, _two_level(8, 8), list(range(16))) == pytest.approx(8 * MB / (40 * GB))
+    one_nic_each = concurrent_all_to_all_seconds(n, _two_level(8, 8), [list(range(16))])
+    assert one_nic_each == pytest.approx(8 * MB / (40 * GB))
 
 
 def test_all_to_all_over_8_spanning_two_nodes_of_4():
@@ -65,7 +66,7 @@ def test_oversubscribed_leaf_switches_bound_by_bisection(oversub, want_mb):
     n = 31 MB per rank. A rank sends 24/31 n = 24 MB off its node, 16/31 n = 16 MB off its leaf. Node: 8 x 24
     = 192 MB through 320 GB/s; through the spine: 8 x 16 = 128 MB at 320 / oversubscription GB/s."""
     hw, n = _two_level(8, 8, oversub, per_switch=2), 31 * MB
-    assert all_to_all_seconds(n, hw, list(range(32))) == pytest.approx(want_mb * MB / (320 * GB))
+    assert concurrent_all_to_all_seconds(n, hw, [list(range(32))]) == pytest.approx(want_mb * MB / (320 * GB))
 
 
 def test_ring_messages_that_leave_a_node_at_once_share_its_uplinks():

@@ -1,0 +1,214 @@
+"""The shapes of a hybrid model's layers as the planner sizes them, below the readers of config.json that make them
+(:mod:`.hybrid` for the Mamba2 families, :mod:`.lfm`, :mod:`.kimi`, :mod:`.minimax`): each layer's mixer kind, a Mamba2
+mixer, a gated short convolution, a KDA and a lightning attention mixer, a feed-forward block, and the whole
+``HybridShape``. What each mixer holds: the docstring of the module that reads its family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MAMBA2 = "mamba2"
+CONV = "conv"  # LFM2's gated short convolution (seqmesh.model.lfm)
+KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
+LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
+ATTENTION = "attention"
+PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """One Mamba2 mixer: ``heads`` of ``head_dim`` channels, a ``state``-wide state per channel, B and C shared by the
+    heads of each of ``groups``, a depthwise causal conv of ``conv`` taps."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    conv: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj's bias (and out_proj's unless out_bias says otherwise)
+    out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's (Falcon-H1's projectors_bias)
+    gated_norm: bool = True  # the gated RMSNorm (Falcon-H1 without mamba_rms_norm gates with silu(z) alone)
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "state", "groups", "conv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the Mamba2 layers' {name} = {value!r} must be a positive integer; fix the config.json.")
+        if self.heads % self.groups:
+            raise ValueError(f"the Mamba2 layers' {self.groups} groups do not divide their {self.heads} heads "
+                             "(n_groups / mamba_n_groups); each group's B and C serve whole heads: fix the config.json.")
+
+    @property
+    def inner(self) -> int:
+        """d_inner: the channels the scan runs (heads x head_dim)."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (x | B | C), which the conv halo carries."""
+        return self.inner + 2 * self.groups * self.state
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: in_proj and out_proj."""
+        return hidden * (self.inner + self.conv_dim + self.heads) + self.inner * hidden
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the mixer (the module docstring's list)."""
+        out_bias = self.proj_bias if self.out_bias is None else self.out_bias
+        biases = (self.inner + self.conv_dim + self.heads if self.proj_bias else 0) + (hidden if out_bias else 0)
+        conv = self.conv_dim * self.conv + (self.conv_dim if self.conv_bias else 0)
+        return self.matmul_params(hidden) + biases + conv + 3 * self.heads + (self.inner if self.gated_norm else 0)
+
+
+@dataclass(frozen=True)
+class FeedForward:
+    """One layer's MLP or MoE block: its parameters, and the multiply-adds per token (a token's routed experts, the
+    shared experts, the router); ``kept``: the activation elements per token it keeps for backward (an estimate:
+    its input and its intermediates; not yet checked against a run)."""
+
+    params: int
+    macs: int
+    kept: int
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """A hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"conv"`` (LFM2's gated short conv),
+    ``"attention"``, ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``,
+    ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the feed-forward of each name; ``norms`` RMSNorms of the
+    hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
+    attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
+    has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's)."""
+
+    mamba: Mamba2Shape | None
+    blocks: tuple[tuple[str, str], ...]
+    ffns: tuple[tuple[str, FeedForward], ...]
+    norms: int
+    attention_bias: bool = False
+    conv: ShortConvShape | None = None
+    attention_norms: int = 0
+    kda: KdaShape | None = None
+    lightning: LightningShape | None = None
+
+    def ffn(self, name: str) -> FeedForward:
+        return dict(self.ffns).get(name, FeedForward(0, 0, 0))
+
+    def count(self, mixer: str | None = None, ffn: str | None = None) -> int:
+        """Layers with this mixer and/or this feed-forward."""
+        return sum((mixer is None or m == mixer) and (ffn is None or f == ffn) for m, f in self.blocks)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with attention (alone, or beside Mamba2 in Falcon-H1)."""
+        return self.count(ATTENTION) + self.count(PARALLEL)
+
+    def attention_ffn(self) -> str:
+        """The feed-forward of the attention layers (one per family: Nemotron-H's none)."""
+        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL)), "")
+
+    def kinds(self) -> list[tuple[tuple[str, str], int]]:
+        """Each distinct (mixer, ffn) with its number of layers, in the order they first appear."""
+        seen: dict[tuple[str, str], int] = {}
+        for block in self.blocks:
+            seen[block] = seen.get(block, 0) + 1
+        return list(seen.items())
+
+    def layer_params(self, block: tuple[str, str], hidden: int, attention: int) -> int:
+        """One layer's parameters: its mixer (``attention``: an attention mixer's projections), feed-forward, norms."""
+        mixer, ffn = block
+        own = 0
+        if mixer in (ATTENTION, PARALLEL):
+            own += attention + self.attention_norms
+        if mixer in (MAMBA2, PARALLEL):
+            own += self.mamba.params(hidden)
+        if mixer == CONV:
+            own += self.conv.params(hidden)
+        if mixer == KDA:
+            own += self.kda.params(hidden)
+        if mixer == LIGHTNING:
+            own += self.lightning.params(hidden)
+        return own + self.ffn(ffn).params + self.norms * hidden
+
+    def params(self, hidden: int, attention: int) -> int:
+        """Every layer's parameters (no embedding, final norm or head)."""
+        return sum(n * self.layer_params(block, hidden, attention) for block, n in self.kinds())
+
+    def as_dict(self) -> dict:
+        """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
+        return {"mamba": asdict(self.mamba) if self.mamba else None,
+                "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
+                "lightning": asdict(self.lightning) if self.lightning else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
+                "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
+
+
+@dataclass(frozen=True)
+class ShortConvShape:
+    """One gated short convolution of ``kernel`` taps over the hidden channels; ``bias``: every part biased."""
+
+    kernel: int
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernel, int) or isinstance(self.kernel, bool) or self.kernel < 1:
+            raise ValueError(f"conv_L_cache = {self.kernel!r}: the short convolutions' width must be a positive "
+                             "integer; fix the config.json.")
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: in_proj and out_proj."""
+        return 4 * hidden * hidden
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the mixer (:mod:`.lfm`'s docstring lists them)."""
+        return self.matmul_params(hidden) + hidden * self.kernel + (5 * hidden if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class KdaShape:
+    """One KDA mixer: ``heads`` of ``head_dim`` key and value channels, a depthwise causal conv of ``conv`` taps."""
+
+    heads: int
+    head_dim: int
+    conv: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "conv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the KDA layers' {name} = {value!r} must be a positive integer (linear_num_heads, "
+                                 "linear_head_dim, linear_conv_kernel_dim); fix the config.json.")
+
+    @property
+    def inner(self) -> int:
+        """Channels of q, of k and of v (heads x head_dim)."""
+        return self.heads * self.head_dim
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: q, k, v, the gates' two-step projections, b_proj and o_proj."""
+        q, d = self.inner, self.head_dim
+        return 3 * hidden * q + 2 * (hidden * d + d * q) + hidden * self.heads + q * hidden
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the mixer (:mod:`.kimi`'s docstring lists them)."""
+        return self.matmul_params(hidden) + 3 * self.inner * self.conv + self.inner + self.heads + self.head_dim
+
+
+@dataclass(frozen=True)
+class LightningShape:
+    """One lightning attention mixer: ``heads`` of ``head_dim`` key and value channels."""
+
+    heads: int
+    head_dim: int
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: qkv_proj, output_gate, out_proj."""
+        return 5 * hidden * self.inner
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the mixer (:mod:`.minimax`'s docstring lists them)."""
+        return self.matmul_params(hidden) + self.inner

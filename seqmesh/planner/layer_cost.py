@@ -1,0 +1,54 @@
+"""What every decoder layer kind of :mod:`.layers` and the hybrid kinds (:mod:`.mamba2`, :mod:`.kda`,
+:mod:`.lightning`, :mod:`.short_conv`) count the same way: a layer's traffic by phase, the time of a layer whose
+communication overlaps nothing, and what an attention layer saves for backward. Below all of them, so none
+imports another's module for these.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from .activations import decoder_layer_saved_bytes
+from .experts import dispatch_bytes, layer_fsdp_seconds
+
+if TYPE_CHECKING:
+    from ..degrees import Degrees
+    from .hardware import HardwareSpec
+    from .workload import Workload
+
+Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
+
+
+class CostedLayer(Protocol):
+    """A layer kind as :func:`serial_layer_seconds` reads it: its workload, layout and FSDP unit's parameters."""
+
+    work: Workload
+    layout: Degrees
+
+    def params(self) -> int: ...
+
+
+def phases(forward: dict[str, int], backward: dict[str, int], checkpointing: bool) -> Phases:
+    """A layer's three phases: checkpointing re-runs the forward's collectives inside backward."""
+    return {"forward": forward, "backward": backward,
+            "recompute": {k: v if checkpointing else 0 for k, v in forward.items()}}
+
+
+def attention_saved_bytes(work: Workload, layout: Degrees) -> int:
+    """Bytes one attention decoder layer saves for backward, its MoE dispatch buffers included."""
+    return decoder_layer_saved_bytes(work, layout) + dispatch_bytes(work, layout)
+
+
+def serial_layer_seconds(layer: CostedLayer, hw: HardwareSpec, fsdp_ranks: list[int],
+                          compute: tuple[float, float], comm: tuple[float, float]) -> dict[str, float]:
+    """``total``, ``compute`` and ``serial`` seconds of a layer whose sequence communication overlaps nothing:
+    ``compute`` and ``comm`` its (forward, backward) seconds of each, the forward run again in backward under
+    checkpointing; its FSDP gathers prefetched beside its forward and backward, the reduce-scatter beside backward."""
+    work, layout = layer.work, layer.layout
+    fwd, bwd = compute[0] + comm[0], compute[1] + comm[1]
+    if work.checkpointing:
+        bwd += fwd
+    ag, rs = layer_fsdp_seconds(layer.params(), work, layout, hw, fsdp_ranks)
+    repeats = 2 if work.checkpointing else 1
+    return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] * repeats + compute[1],
+            "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}
