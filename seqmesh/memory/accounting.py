@@ -55,7 +55,7 @@ class MemoryReport:
                 "host_bytes": self.host_bytes, "cuda_max_allocated": self.cuda_max_allocated}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def held_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the bytes this rank holds), another wrapper subclass's inner tensor (each view of an
     ``AsyncCollectiveTensor`` reports a storage of its own, with no bytes behind it), other tensors as they are."""
     if isinstance(t, DTensor):
@@ -63,13 +63,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
             return t.to_local()
     if is_traceable_wrapper_subclass(t):
         inner, _ = t.__tensor_flatten__()
-        return _local(getattr(t, inner[0]))
+        return held_tensor(getattr(t, inner[0]))
     return t
 
 
 def storage_key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (shared by all its views)."""
-    return _local(t).untyped_storage()._cdata
+    return held_tensor(t).untyped_storage()._cdata
 
 
 class _Saved:
@@ -104,7 +104,7 @@ class MemoryTracker(TorchDispatchMode):
         self.module, self.optimizer, self.offload = module, optimizer, offload
         first = next(iter(module.parameters()), None)
         self.device = torch.device(device) if device is not None else (
-            _local(first).device if first is not None else torch.device("cpu"))
+            held_tensor(first).device if first is not None else torch.device("cpu"))
         self._params = list(module.parameters())  # FSDP2's sharded parameters, kept once registered
         self._live: dict[int, tuple[weakref.ref, int]] = {}  # storage key -> (storage, bytes when last seen)
         self._total = 0  # sum of the recorded sizes: never below the true live bytes
@@ -122,7 +122,7 @@ class MemoryTracker(TorchDispatchMode):
     def _touch(self, t) -> None:
         if not isinstance(t, torch.Tensor):
             return
-        t = _local(t)
+        t = held_tensor(t)
         if t.device != self.device or t.is_meta:
             return
         storage = t.untyped_storage()

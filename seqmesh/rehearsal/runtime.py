@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..memory import MemoryTracker
-from ..memory.accounting import _local
+from ..memory.accounting import held_tensor
 from ..training.config import TrainConfig
 
 # the attention kernel an operator belongs to (the rehearsal reports the ones its step ran)
@@ -56,7 +56,7 @@ class PhaseTracker(MemoryTracker):
 
     def _touch(self, t) -> None:
         if isinstance(t, torch.Tensor):
-            local = _local(t)
+            local = held_tensor(t)
             if local.device == self.device and not local.is_meta:
                 key = local.untyped_storage()._cdata
                 if key not in self._live:
