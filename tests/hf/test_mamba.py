@@ -36,14 +36,14 @@ def _no_reset_at_documents(lm) -> None:
     """The mutation: every Mamba mixer scans as if the row were one document (its state carried across starts)."""
     import dataclasses
 
-    from seqmesh.hf import mamba, mixers
+    from seqmesh.hf import mamba, mixer_kind
 
     for module in lm.modules():
         if mamba.is_mamba1(module):
             forward = module.forward
 
             def one_document(hidden_states, *args, _forward=forward, _module=module, **kwargs):
-                entry = kwargs.pop("seqmesh", None) or _module.__dict__.get(mixers._ENTRY)
+                entry = kwargs.pop("seqmesh", None) or _module.__dict__.get(mixer_kind.ENTRY_ATTR)
                 return _forward(hidden_states, *args, seqmesh=dataclasses.replace(entry, cu_seqlens=None), **kwargs)
 
             module.forward = one_document
