@@ -172,11 +172,12 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bo
     reference: what the fake step must match); ``top``: how many of the largest storages at the peak to describe.
     Initialises (and destroys) the fake process group: call it in a
     process of its own."""
-    from .workarounds import fake_cuda
+    from .workarounds import fake_cuda, real_device_meshes
 
     if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
         raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
-    with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where:
+    with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where, \
+            real_device_meshes():
         return _rehearse(cfg, gpus, where, fake, top)
 
 

@@ -23,6 +23,9 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
 4. Meta (:func:`_efficient_backward_fix`): the memory-efficient kernel's backward gets a Meta kernel with its
    schema's arguments where torch's meta function lacks ``out`` (torch 2.13's does, on every build).
 
+On either device, :func:`real_device_meshes` builds every ``DeviceMesh`` on real tensors (FSDP2 makes one inside
+the fake mode under tensor parallelism).
+
 Not covered: expert parallelism's host reads.
 """
 
@@ -241,6 +244,32 @@ def _replacements() -> list[tuple[object, str, object]]:
         (torch.backends.cuda, "is_flash_attention_available", lambda: True),  # an H100's torch has it
         (torch.Tensor, "record_stream", lambda self, stream: None),  # no fake kernel; nothing to keep alive
     ]
+
+
+@contextlib.contextmanager
+def real_device_meshes() -> Iterator[None]:
+    """Inside, every ``DeviceMesh`` is built on real tensors, fake mode or not. Its rank tables are host metadata,
+    but FSDP2 over a tensor-parallel model concatenates the data and TP meshes (``DeviceMesh._concatenate``) while
+    it wraps the model, inside the rehearsal's fake mode, where the new mesh's coordinate lookup (``nonzero``) has
+    no values and raises. Restored on exit; :class:`CannotRehearse` if this torch's ``DeviceMesh`` has no
+    ``__init__`` of its own to wrap."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__dict__.get("__init__")
+    if init is None:
+        raise CannotRehearse(f"torch {torch.__version__}'s DeviceMesh has no __init__ of its own, which the rehearsal "
+                             "wraps; rehearse without --tp, or with another torch.")
+
+    def real_init(self, *args, **kwargs) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
 
 
 @contextlib.contextmanager
