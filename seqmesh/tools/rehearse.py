@@ -40,6 +40,9 @@ def check_world(cfg: TrainConfig, gpus: int) -> None:
     """Raise a ValueError naming the value and the fix when ``cfg``'s degrees cannot tile ``gpus`` ranks."""
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: the rehearsed world needs at least 1 rank.")
+    if cfg.offload_checkpoints:  # seqmesh train attaches it in its Trainer, which the rehearsal does not build
+        raise ValueError("--offload-checkpoints is not rehearsed yet: the step would run without it and hold every "
+                         "checkpointed layer input on the GPU. Rehearse without it; seqmesh plan models it.")
     given = {name: value for name, value in (("ulysses", cfg.ulysses), ("ring", cfg.ring), ("dp", cfg.dp),
                                              ("dp-replicate", cfg.dp_replicate), ("tp", cfg.tp))
              if isinstance(value, int) and value > 1}

@@ -46,6 +46,8 @@ def test_a_world_the_degrees_cannot_tile_is_refused_at_once(capsys):
     err = capsys.readouterr().err
     assert "--gpus 8" in err and "--ulysses 3" in err and "multiple of 3" in err, err
     assert time.perf_counter() - start < 10  # before any process or model
+    assert main(["rehearse", *TOY, "--offload-checkpoints"]) == 2  # measured without it, silently, before
+    assert "--offload-checkpoints is not rehearsed yet" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
