@@ -44,7 +44,9 @@ def composed_parity(ulysses: int, ring: int, plan: dict) -> dict:
     logged = _Lines()
     logger = logging.getLogger("seqmesh.compose")
     logger.addHandler(logged)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # not `logger.level = ...`: that skips the cache logging keeps once a logger has
+    # been asked (a pooled rank that composed a model before answered "INFO is off" from it and logged nothing)
     try:
         module = parallelize_model(build(config), mesh, ParallelPlan(**plan, loss_chunk=16), wrapper=_CountingLM)
     finally:
