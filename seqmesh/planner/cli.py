@@ -13,7 +13,7 @@ from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
 from .plan import longest_plan, plan
 from .report import format_longest, format_plan
-from .media import Media, parse_image_size
+from .media import add_media_flags, media_from_flags
 from .workload import Workload, global_batch_from
 
 
@@ -29,10 +29,7 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(MODELS)}) or a config.json path")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch of a sequence group (default 1)")
-    p.add_argument("--images", type=int, default=0, help="images per sequence, for a vision-language model's tower")
-    p.add_argument("--image-size", metavar="HxW", help="pixels of each image and video frame, multiples of patch x "
-                   "merge (default 448x448; LLaVA, Gemma 3, InternVL: their tower's one size)")
-    p.add_argument("--video-frames", type=int, default=0, help="frames of one video per sequence (default 0: none)")
+    add_media_flags(p)
     p.add_argument("--gpus", type=int, help="GPUs in all (default: nodes x gpus-per-node)")
     p.add_argument("--nodes", type=int, help="nodes (default: from --gpus)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware preset's)")
@@ -129,13 +126,10 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
 
 
 def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workload:
-    model, media = model_shape(args.model), None
-    if args.images or args.video_frames:
-        fixed = model.vision is not None and model.vision.fixed_size  # LLaVA, Gemma 3, InternVL: one image size
-        size = args.image_size or (f"{model.vision.image_size}x{model.vision.image_size}" if fixed else "448x448")
-        media = Media(args.images, *parse_image_size(size), args.video_frames)
-        if seq_len is None and model.vision is not None:  # --max-seq-len: start from the placeholder tokens
-            seq_len = max(1, media.tokens(model.vision))
+    model = model_shape(args.model)
+    media = media_from_flags(model, args.images, args.image_size, args.video_frames)
+    if media is not None and seq_len is None and model.vision is not None:  # --max-seq-len: from the placeholders
+        seq_len = max(1, media.tokens(model.vision))
     return Workload(model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
                     checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
                     layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,

@@ -67,6 +67,29 @@ class Media:
                              f"{seq_len:,}; use --seq-len {self.tokens(v):,} or more, or fewer or smaller images.")
 
 
+def add_media_flags(p, *, video: bool = True) -> None:
+    """``--images``, ``--image-size`` and (``video``) ``--video-frames``, as ``seqmesh plan`` and ``seqmesh rehearse``
+    take them."""
+    p.add_argument("--images", type=int, default=0, help="images per sequence, for a vision-language model's tower")
+    p.add_argument("--image-size", metavar="HxW", help="pixels of each image and video frame, multiples of patch x "
+                   "merge (default 448x448; LLaVA, Gemma 3, InternVL: their tower's one size)")
+    if video:
+        p.add_argument("--video-frames", type=int, default=0,
+                       help="frames of one video per sequence (default 0: none)")
+
+
+def media_from_flags(model: ModelShape, images: int, image_size: str | None, video_frames: int = 0) -> Media | None:
+    """The :class:`Media` those flags describe for ``model`` (None: no image and no video); the size defaults to the
+    tower's one size (LLaVA, Gemma 3, InternVL), else 448x448."""
+    if not (images or video_frames):
+        if image_size:
+            raise ValueError(f"--image-size {image_size} without --images: give the images per sequence too.")
+        return None
+    fixed = model.vision is not None and model.vision.fixed_size
+    size = image_size or (f"{model.vision.image_size}x{model.vision.image_size}" if fixed else "448x448")
+    return Media(images, *parse_image_size(size), video_frames)
+
+
 def parse_image_size(text: str) -> tuple[int, int]:
     """``HEIGHTxWIDTH`` in pixels -> ``(height, width)``."""
     try:

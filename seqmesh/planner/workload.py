@@ -101,10 +101,12 @@ def layer_matmul_params(m: ModelShape) -> int:
     return m.attention_params + mlp
 
 
-def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0) -> tuple[Workload, Degrees]:
+def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0,
+                media: Media | None = None) -> tuple[Workload, Degrees]:
     """The planner's ``(Workload, Degrees)`` for a ``seqmesh train`` run (a ``TrainConfig``) on ``world`` ranks, so a
     prediction and a measured run compare like with like; ``reserve_bytes`` 0 because a tensor count
-    (``seqmesh.memory.MemoryTracker``) does not see the CUDA context."""
+    (``seqmesh.memory.MemoryTracker``) does not see the CUDA context; ``media``: the images each sequence shows a
+    vision-language model's tower (None: the tower is not sized)."""
     from ..model.presets import model_shape
 
     if not cfg.uses_fsdp(world, cuda=device == "cuda"):
@@ -126,7 +128,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
                     efficient_norm=cfg.efficient_norm, offload_checkpoints=cfg.offload_checkpoints,
                     fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
                     offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu,
-                    linear_attention=getattr(cfg, "linear_attention", "auto"))
+                    linear_attention=getattr(cfg, "linear_attention", "auto"), media=media)
     return work, Degrees(ulysses, ring, dp, cfg.tp, getattr(cfg, "ep", 1))
 
 

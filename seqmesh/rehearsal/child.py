@@ -1,6 +1,7 @@
 """The rehearsal's own process: ``python -m seqmesh.rehearsal.child '{"config": {...}, "gpus": N}'``
 (``"device": "cpu"`` for the CPU kernels; ``"fake": false`` for real tensors, the tests' reference; ``"top": N``
-the largest storages at the peak to describe).
+the largest storages at the peak to describe; ``"media": {"images": N, "height": H, "width": W}`` the images each
+sequence shows a vision-language model).
 
 Prints the :class:`~seqmesh.rehearsal.runtime.Rehearsal` as one JSON line (its last line of stdout); a
 configuration error exits 2 with ``seqmesh: error: <message>`` as the last line of stderr.
@@ -13,6 +14,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    from ..planner.media import Media
     from ..training.config import TrainConfig
     from .runtime import rehearse_rank
     from .workarounds import CannotRehearse
@@ -21,7 +23,8 @@ def main(argv: list[str]) -> int:
     try:
         result = rehearse_rank(TrainConfig(**request["config"]), int(request["gpus"]),
                                device=request.get("device", "cuda"),
-                               fake=request.get("fake", True), top=int(request.get("top", 6)))
+                               fake=request.get("fake", True), top=int(request.get("top", 6)),
+                               media=Media(**request["media"]) if request.get("media") else None)
     except (ValueError, CannotRehearse) as err:
         print(f"seqmesh: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2

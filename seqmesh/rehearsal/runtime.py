@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from ..memory import MemoryTracker
 from ..memory.accounting import held_tensor
+from ..planner.media import Media
 from ..training.config import TrainConfig
 
 # the attention kernel an operator belongs to (the rehearsal reports the ones its step ran)
@@ -45,8 +46,9 @@ class PhaseTracker(MemoryTracker):
     peak that are neither weights, gradients nor optimizer state, each with the operator and phase that first
     touched it (for a storage made while tracking: the operator that created it)."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, top: int = 6):
-        super().__init__(module, optimizer, device=device)
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device, top: int = 6,
+                 offload=None):
+        super().__init__(module, optimizer, device=device, offload=offload)
         self.phase, self.op = "start", ""
         self.peak_phase, self.peak_op = "start", ""
         self.top = top
@@ -147,14 +149,16 @@ class Rehearsal:
                 "wall_seconds": self.wall_seconds}
 
 
-def planned_peak(cfg: TrainConfig, gpus: int, device: str) -> tuple[int | None, str, dict[str, int]]:
+def planned_peak(cfg: TrainConfig, gpus: int, device: str,
+                 media: Media | None = None) -> tuple[int | None, str, dict[str, int]]:
     """The planner's tensor peak for ``cfg`` on ``gpus`` ranks (``seqmesh plan``'s memory model, with no reserve:
-    the CUDA context and allocator slack are not tensors), its moment and its parts by purpose."""
+    the CUDA context and allocator slack are not tensors) and ``media`` per sequence, its moment and its parts by
+    purpose."""
     from ..planner.memory import memory_per_gpu
     from ..planner.workload import plan_inputs
 
     try:
-        work, layout = plan_inputs(cfg, gpus, device=device, reserve_bytes=0)
+        work, layout = plan_inputs(cfg, gpus, device=device, reserve_bytes=0, media=media)
     except ValueError as err:
         return None, f"not modelled: {err}", {}
     peak = memory_per_gpu(work, layout)
@@ -165,11 +169,14 @@ def _fake(mode, value):
     return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
 
-def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True, top: int = 6) -> Rehearsal:
+def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True, top: int = 6,
+                  media: Media | None = None) -> Rehearsal:
     """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``: fake
     ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
     second step measured. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
-    reference: what the fake step must match); ``top``: how many of the largest storages at the peak to describe.
+    reference: what the fake step must match); ``top``: how many of the largest storages at the peak to describe;
+    ``media``: the images every sequence shows a vision-language model (:class:`~seqmesh.training.vision_data.ImageRows`
+    in place of the built-in image task, and the planner told the same).
     Initialises (and destroys) the fake process group: call it in a
     process of its own."""
     from .workarounds import fake_cuda, real_device_meshes
@@ -178,26 +185,28 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bo
         raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
     with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where, \
             real_device_meshes():
-        return _rehearse(cfg, gpus, where, fake, top)
+        return _rehearse(cfg, gpus, where, fake, top, media)
 
 
-def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int) -> Rehearsal:
+def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int, media: Media | None) -> Rehearsal:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from ..inputs import shard_batch
-    from ..training.train import build_mesh, build_module, forward_backward, make_dataset, step_autocast, uses_fsdp
+    from ..training.train import (build_mesh, build_module, forward_backward, make_dataset, step_autocast, step_offload,
+                                  to_device, uses_fsdp)
 
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
     try:
-        data = make_dataset(cfg)  # real: the batch is drawn, sharded and only then made fake
+        data = make_dataset(cfg, media=media)  # real: the batch is drawn, sharded and only then made fake
         mesh, device = build_mesh(cfg, where)  # real: the mesh's rank tables are read on the host
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
             module = build_module(cfg, mesh, device)
             optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            offload = step_offload(cfg, module, device)  # --offload-checkpoints: as seqmesh train's Trainer
         fsdp = uses_fsdp(cfg)
         autocast = step_autocast(cfg, device, fsdp)
         module.train()
@@ -208,15 +217,16 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
             with mode:
                 local = {k: _fake(mode, v) for k, v in local.items()} if fake else local
                 if step == 0:
-                    forward_backward(module, local, mesh, cfg, autocast, fsdp)
+                    forward_backward(module, to_device(local, device), mesh, cfg, autocast, fsdp)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     continue
-                tracker = PhaseTracker(module, optimizer, device=device, top=top)
+                tracker = PhaseTracker(module, optimizer, device=device, top=top, offload=offload)
                 hooks = _phase_hooks(module, tracker)
                 try:
-                    with tracker:
-                        forward_backward(module, local, mesh, cfg, autocast, fsdp, phase=_setter(tracker))
+                    with tracker:  # the batch goes to the device inside the step, as seqmesh train's does
+                        forward_backward(module, to_device(local, device), mesh, cfg, autocast, fsdp,
+                                         phase=_setter(tracker))
                         tracker.phase = "optimizer step"
                         optimizer.step()
                         tracker.phase = "zero grad"
@@ -225,7 +235,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
                     for handle in hooks:
                         handle.remove()
         report = tracker.report()
-        planned, moment, parts = planned_peak(cfg, gpus, device.type)
+        planned, moment, parts = planned_peak(cfg, gpus, device.type, media)
         return Rehearsal(report.peak_bytes, dict(report.by_category), tracker.peak_phase, tracker.peak_op,
                          sorted(tracker.kernels), device.type, repr(mesh), planned, moment, parts,
                          tracker.peak_largest, time.perf_counter() - start)

@@ -13,16 +13,20 @@ import os
 import subprocess
 import sys
 
+from ..model.presets import model_shape
+from ..planner.media import Media
 from ..training.config import TrainConfig
 
 
 def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``rehearse`` to ``seqmesh``'s subcommands."""
+    from ..planner.media import add_media_flags
     from .flags import add_dataclass_flags
 
     p = sub.add_parser("rehearse", help="one rank's full-size training step on fake tensors: its peak tensor "
                        "bytes beside seqmesh plan's", description=__doc__.splitlines()[0])
     add_dataclass_flags(p, TrainConfig)
+    add_media_flags(p, video=False)  # seqmesh plan's: rows of these images, then text, in place of the image task
     p.add_argument("--gpus", type=int, required=True, help="ranks of the rehearsed world (rank 0 is run)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="fake cuda:0 tensors and CUDA's kernels (on a CPU build of torch: needs a C++ compiler), or "
@@ -40,9 +44,6 @@ def check_world(cfg: TrainConfig, gpus: int) -> None:
     """Raise a ValueError naming the value and the fix when ``cfg``'s degrees cannot tile ``gpus`` ranks."""
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: the rehearsed world needs at least 1 rank.")
-    if cfg.offload_checkpoints:  # seqmesh train attaches it in its Trainer, which the rehearsal does not build
-        raise ValueError("--offload-checkpoints is not rehearsed yet: the step would run without it and hold every "
-                         "checkpointed layer input on the GPU. Rehearse without it; seqmesh plan models it.")
     given = {name: value for name, value in (("ulysses", cfg.ulysses), ("ring", cfg.ring), ("dp", cfg.dp),
                                              ("dp-replicate", cfg.dp_replicate), ("tp", cfg.tp))
              if isinstance(value, int) and value > 1}
@@ -58,7 +59,6 @@ def check_world(cfg: TrainConfig, gpus: int) -> None:
         raise ValueError(f"--gpus {gpus} but the degrees given multiply to {product}: make them multiply to {gpus} "
                          "or leave one of --ulysses/--ring/--dp auto.")
     from ..degrees import resolve_degrees
-    from ..model.presets import model_shape
 
     shape = model_shape(cfg.model)
     resolve_degrees(gpus, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)  # its own errors name the fix
@@ -73,23 +73,27 @@ def _child_env() -> dict[str, str]:
 
 
 def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, device: str = "cuda",
-                  fake: bool = True, top: int = 6) -> dict:
+                  fake: bool = True, top: int = 6, media: Media | None = None) -> dict:
     """Check ``cfg`` against ``gpus``, rehearse it on fake ``device`` tensors in a fresh process and return its result
     (:class:`Rehearsal`'s ``as_dict``; ``fake=False``: the same step on real CPU tensors, a toy size's reference).
-    ``top``: the largest storages at the peak to describe. Raises ValueError for a bad configuration or a machine that cannot rehearse (naming what is missing),
+    ``top``: the largest storages at the peak to describe; ``media``: the images each sequence shows a vision-language
+    model (``--images``), for the step and the planner alike. Raises ValueError for a bad configuration or a machine that cannot rehearse (naming what is missing),
     RuntimeError naming the child's last words if it fails."""
     from dataclasses import asdict
 
     from ..rehearsal.workarounds import CannotRehearse, preload_environment
 
     check_world(cfg, gpus)
+    if media is not None:  # before any process: the planner's checks of the images against the model
+        media.check(model_shape(cfg.model), cfg.seq_len)
     env = _child_env()
     if device == "cuda":
         try:
             env = preload_environment(env)
         except CannotRehearse as err:
             raise ValueError(str(err)) from None
-    payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake, "top": top})
+    payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake, "top": top,
+                          "media": asdict(media) if media is not None else None})
     done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.child", payload], capture_output=True, text=True,
                           env=env, timeout=timeout)
     lines = done.stdout.strip().splitlines()
@@ -126,13 +130,15 @@ def format_result(result: dict, cfg: TrainConfig, gpus: int) -> str:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
+    from ..planner.media import media_from_flags
     from .flags import dataclass_from_flags
 
     try:
         cfg = dataclass_from_flags(TrainConfig, args)
         if args.top < 0:
             raise ValueError(f"--top {args.top}: give a number of storages, 0 or more.")
-        result = run_rehearsal(cfg, args.gpus, device=args.device, top=args.top)
+        media = media_from_flags(model_shape(cfg.model), args.images, args.image_size)
+        result = run_rehearsal(cfg, args.gpus, device=args.device, top=args.top, media=media)
     except ValueError as err:
         print(f"seqmesh rehearse: error: {err}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from ..compose import parallelize_model
 from ..degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..experts.rules import check_expert_parallel
 from ..memory import MemoryTracker
-from ..memory.offload import enable_activation_offload
+from ..memory.offload import ActivationOffload, enable_activation_offload
 from ..mesh import SPMesh, init_mesh
 from ..model.fsdp import gradient_norm, sync_gradients
 from ..model.lm import SequenceParallelLM, build_model, has_weights, hf_config, load_config, materialize
@@ -35,7 +35,8 @@ from .config import TrainConfig
 from ..inputs import shard_batch
 from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
 from .image_files import ImageJsonl
-from .vision_data import ImageCopy
+from .vision_data import ImageCopy, ImageRows
+from ..planner.media import Media
 from ..vision.families import family_of, vision_family
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
@@ -79,13 +80,18 @@ def _check_vision_family(model: str) -> None:
         family_of(raw.get("model_type"))
 
 
-def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl:
+def make_dataset(cfg: TrainConfig, vocab: int | None = None,
+                 media: Media | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl | ImageRows:
     """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
     into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
     from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
-    before building anything."""
+    before building anything; ``seqmesh rehearse --images`` passes ``media``: rows showing those images."""
     _check_vision_family(cfg.model)
     shape = model_shape(cfg.model)
+    if media is not None:
+        media.check(shape, cfg.seq_len)  # the planner's own checks: a tower, the processor's sizes, the tokens fit
+        if media.video_frames or cfg.data:
+            raise ValueError("rehearsed images are rows of images then text: drop --video-frames and --data.")
     if shape.vision is not None and shape.vision.fixed_size:
         config = load_config(cfg.model)
         vision_family(config).check(config)  # a setting parallelize_model would refuse: that refusal, not the advice
@@ -99,9 +105,11 @@ def make_dataset(cfg: TrainConfig, vocab: int | None = None) -> LongRangeCopy | 
             check_data_paths(cfg.data)
             return ImageJsonl(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), config, text_key=cfg.text_key,
                               seed=cfg.seed)
+        tokens = (config.image_token_id, config.vision_start_token_id, config.vision_end_token_id)
+        if media is not None:
+            return ImageRows(cfg.seq_len, shape.vision, tokens, media.images, media.height, media.width, seed=cfg.seed)
         check_tokenizer_path(cfg.tokenizer)
-        return ImageCopy(cfg.seq_len, shape.vision, (config.image_token_id, config.vision_start_token_id,
-                                                     config.vision_end_token_id), symbols=cfg.symbols, seed=cfg.seed)
+        return ImageCopy(cfg.seq_len, shape.vision, tokens, symbols=cfg.symbols, seed=cfg.seed)
     if not cfg.data:
         check_tokenizer_path(cfg.tokenizer)  # unused by the copy task, but a wrong path is still a mistake
         return _copy_task(cfg, vocab)
@@ -217,6 +225,12 @@ def step_autocast(cfg: TrainConfig, device: torch.device, fsdp: bool) -> torch.a
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not fsdp)
 
 
+def step_offload(cfg: TrainConfig, module: SequenceParallelLM, device: torch.device) -> ActivationOffload | None:
+    """The activation offload ``--offload-checkpoints`` attaches to the decoder (None without it); ``seqmesh train``
+    and ``seqmesh rehearse`` both take it from here, and hand it to the memory tracker."""
+    return enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None
+
+
 def forward_backward(module: SequenceParallelLM, local: dict, mesh: SPMesh, cfg: TrainConfig,
                      autocast: torch.autocast, fsdp: bool,
                      phase: Callable[[str], None] = lambda name: None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +311,7 @@ class TrainingRun:
         self.tokens_per_step = self.mesh.dp_size * cfg.batch * cfg.seq_len
         self.autocast = step_autocast(cfg, self.device, self.fsdp)
         self.loss, self.accuracy, self.skipped = float("nan"), float("nan"), 0
-        self.offload = enable_activation_offload(self.module.lm, self.device) if cfg.offload_checkpoints else None
+        self.offload = step_offload(cfg, self.module, self.device)
         self.memory = None  # the last step's MemoryReport, with --track-memory
         self.window_start, self.window_steps = time.perf_counter(), 0
 

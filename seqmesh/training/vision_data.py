@@ -94,3 +94,54 @@ class ImageCopy:
     def eval_batch(self, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
         """A batch from a seed no training step draws."""
         return self.batch(HELD_OUT_STEP, dp_rank, batch_size, dp_size)
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """Rows of ``seq_len`` tokens that each show ``images`` images of ``height x width`` pixels (one frame each, no
+    video), then text: the workload ``seqmesh plan --images N --image-size HxW`` sizes, which ``seqmesh rehearse``
+    runs with the same flags. Pixels and tokens are random (a step's memory does not depend on their values); every
+    text token is scored."""
+
+    seq_len: int
+    vision: VisionShape
+    tokens: tuple[int, int, int]  # the model's (image, vision start, vision end) token ids
+    images: int
+    height: int
+    width: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.images < 1 or self.images * (self._units + 2) > self.seq_len:
+            raise ValueError(f"{self.images} images of {self._units:,} tokens (and a start and an end token each) do "
+                             f"not fit in --seq-len {self.seq_len:,}; give at least one image, fewer or smaller ones, "
+                             "or a longer sequence.")
+
+    @property
+    def _grid(self) -> tuple[int, int, int]:
+        return 1, self.height // self.vision.patch, self.width // self.vision.patch  # (t, h, w) in patches
+
+    @property
+    def _units(self) -> int:
+        t, h, w = self._grid
+        return t * h * w // self.vision.merge ** 2
+
+    def batch(self, step: int, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * dp_size + dp_rank)
+        image, start, end = self.tokens
+        shown = ([start] + [image] * self._units + [end]) * self.images
+        text = torch.randint(FIRST_SYMBOL, min(self.tokens), (batch_size, self.seq_len - len(shown)), generator=g)
+        input_ids = torch.cat([torch.tensor(shown).expand(batch_size, -1), text], dim=1)
+        labels = torch.where(input_ids == image, IGNORE_INDEX, input_ids)
+        t, h, w = self._grid
+        patches = batch_size * self.images * t * h * w
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "pixel_values": torch.randn(patches, self.vision.patch_features, generator=g),
+            "image_grid_thw": torch.tensor([self._grid] * (batch_size * self.images)),
+            "mm_token_type_ids": (input_ids == image).long(),
+        }
+
+    def eval_batch(self, dp_rank: int, batch_size: int = 1, dp_size: int = 1) -> dict[str, torch.Tensor]:
+        return self.batch(HELD_OUT_STEP, dp_rank, batch_size, dp_size)

@@ -50,7 +50,12 @@ def run_tower(family: VisionFamily, tower: nn.Module, shard: VisionShard,
         index, weight = shard.taps
         hidden = hidden + (tower.pos_embed(index) * weight[:, :, None].to(hidden.dtype)).sum(1)
     rotary = _rotary(tower, hidden, shard.coordinates)
-    whole = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=hidden.device)  # no split of the shard
+    # no split of the shard (seqmesh's attention reads the frames or windows from ``seqmesh=``). On the host: the
+    # blocks' attention splits the shard by its differences' ``tolist()``, a device-to-host sync per block for a
+    # device tensor, and a value a fake one (seqmesh rehearse) does not have
+    import numpy  # transformers' own dependency, as is every tower
+
+    whole = numpy.array([0, hidden.shape[0]], dtype=numpy.int64)
     full_blocks = set(getattr(tower, "fullatt_block_indexes", None) or ())
     deep_blocks = list(getattr(tower, "deepstack_visual_indexes", None) or ()) if family.deepstack else []
     deep = []

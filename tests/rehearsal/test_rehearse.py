@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from seqmesh.planner.media import Media
 from seqmesh.tools.rehearse import run_rehearsal
 from seqmesh.tools.cli import main
 from seqmesh.training.config import TrainConfig
@@ -46,8 +47,6 @@ def test_a_world_the_degrees_cannot_tile_is_refused_at_once(capsys):
     err = capsys.readouterr().err
     assert "--gpus 8" in err and "--ulysses 3" in err and "multiple of 3" in err, err
     assert time.perf_counter() - start < 10  # before any process or model
-    assert main(["rehearse", *TOY, "--offload-checkpoints"]) == 2  # measured without it, silently, before
-    assert "--offload-checkpoints is not rehearsed yet" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
@@ -65,9 +64,11 @@ def test_full_size_llama3_8b_on_the_cuda_flash_path_is_what_the_planner_predicts
 def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu():
     """Tensor parallelism, the memory-efficient kernel and the lean norm, all three of which failed on fake tensors
     before (FSDP2 built a DeviceMesh inside the fake mode; torch's meta backward lacks an argument; the norm's probe
-    deep-copied the module)."""
+    deep-copied the module), and the activation offload (pinned host copies on a side stream), which the rehearsal
+    left out before (seqmesh train attached it in its Trainer)."""
     tp = dataclasses.replace(CONFIG, ulysses=1, tp=2)
-    cuda = run_rehearsal(dataclasses.replace(tp, backend="cuda_efficient", efficient_norm=True), 2, timeout=180)
+    cuda = run_rehearsal(dataclasses.replace(tp, backend="cuda_efficient", efficient_norm=True,
+                                             offload_checkpoints=True), 2, timeout=180)
     assert cuda["device"] == "cuda" and cuda["kernels"] == ["cuda_efficient"], cuda
     cpu = run_rehearsal(tp, 2, timeout=120, device="cpu")
     # the weights are the same bytes on either device, and AdamW's moments; its step counters are host tensors,
@@ -77,6 +78,8 @@ def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu():
     mine, other = cuda["measured_by_category"], cpu["measured_by_category"]
     assert mine["parameters"] == other["parameters"]
     assert other["optimizer"] - mine["optimizer"] == 4 * 21
+    # offloaded: the checkpointed layers' inputs, all the activations the CPU step keeps on its device, are on the host
+    assert other["activations"] > 0 and mine["activations"] < other["activations"] / 4, (mine, other)
     assert 0.85 <= cuda["ratio"] <= 1.15, cuda
 
 
@@ -123,3 +126,45 @@ def test_fake_cuda_runs_silu_backward_fused_as_a_cuda_build_does():
     # one fused kernel, as on an H100, not the decomposition (sigmoid, 1 - s, products) a CPU build falls back to
     assert "aten::silu_backward" in ops.split() and "aten::sigmoid" not in ops.split(), ops
     assert kernel_left == str(not needs_preload())  # the stand-in kernel is taken back on leaving fake_cuda
+
+
+def test_a_hybrid_model_rehearses_on_fake_cuda_as_its_real_step_runs():
+    """Qwen3.5's Gated DeltaNet layers build index tensors from host lists in their checkpointed recompute, which runs
+    on autograd's device thread, where the fake mode's host-first rule was unset: on fake CUDA the step failed there
+    (a CUDA allocation on a CPU build). Beside the same step on real CPU tensors it holds the same weights, gradients
+    and, within AdamW's host step counters and the kernels' own working set, the same peak."""
+    cfg = dataclasses.replace(CONFIG, model="qwen3.5-tiny", seq_len=512)
+    cuda = run_rehearsal(cfg, 2, timeout=300)
+    real = run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False)
+    assert cuda["kernels"] == ["cuda_flash"] and real["kernels"] == ["cpu_flash"]
+    mine, other = cuda["measured_by_category"], real["measured_by_category"]
+    assert (mine["parameters"], mine["gradients"]) == (other["parameters"], other["gradients"])
+    assert abs(cuda["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.01, (cuda, real)
+
+
+def test_images_rehearse_as_the_real_step_shows_them_and_the_planner_is_told_the_same():
+    """``--images 2 --image-size 32x32``: every row shows two images, then text, on the step and in the plan. The fake
+    step holds what the real one does (the tower's sharded patches, their routed embeddings); on fake CUDA too (the
+    tower's attention read its shard's bounds back from the device, which a fake tensor cannot answer)."""
+    cfg = dataclasses.replace(CONFIG, model="qwen2.5-vl-tiny", seq_len=512)
+    media = Media(images=2, height=32, width=32)
+    fake = run_rehearsal(cfg, 2, timeout=300, device="cpu", media=media)
+    real = run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False, media=media)
+    for part in ("parameters", "gradients", "optimizer", "activations"):
+        assert fake["measured_by_category"][part] == real["measured_by_category"][part], (fake, real)
+    assert (fake["peak_phase"], fake["peak_op"]) == (real["peak_phase"], real["peak_op"])
+    assert abs(fake["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.005, (fake, real)
+    cuda = run_rehearsal(cfg, 2, timeout=300, media=media)
+    assert cuda["kernels"] == ["cuda_flash"] and cuda["planned_peak_bytes"] == fake["planned_peak_bytes"], cuda
+    assert abs(cuda["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.01, (cuda, real)
+
+
+def test_images_that_do_not_fit_are_refused_before_any_process(capsys):
+    start = time.perf_counter()
+    assert main(["rehearse", "--model", "qwen2.5-vl-tiny", "--seq-len", "512", "--gpus", "2", "--images", "2",
+                 "--image-size", "112x112"]) == 2
+    err = capsys.readouterr().err
+    assert "1,568 placeholder tokens do not fit in --seq-len 512" in err, err
+    assert main(["rehearse", *TOY, "--images", "1"]) == 2  # a text model has no tower
+    assert "need a vision-language model" in capsys.readouterr().err
+    assert time.perf_counter() - start < 10
