@@ -235,7 +235,18 @@ def allocate(root: nn.Module, device: torch.device | str) -> None:
         for name, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((module, name))
-    root.to_empty(device=device)  # the FSDP root (a SequenceParallelLM or the model itself)
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in root.modules()):
+        root.to_empty(device=device)  # FSDP2 allocates its own shards
+    else:  # new tensors in place of the meta ones: to_empty would swap them, which fake tensors refuse (rehearsals)
+        for module in root.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = torch.empty_like(b, device=device)
     for tied in owners.values():  # to_empty off the meta device gives each owner its own copy: re-tie them
         first, name = tied[0]
         for module, other in tied[1:]:

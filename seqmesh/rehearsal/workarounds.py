@@ -220,6 +220,42 @@ def _efficient_backward_fix() -> torch.library.Library | None:
     return lib
 
 
+@contextlib.contextmanager
+def lift_on_autograd_threads(device: torch.device) -> Iterator[None]:
+    """Inside, autograd's ``device`` thread builds ``torch.tensor(data, device=...)`` (and a list index's tensor) on
+    the host and moves it under the fake mode, as the step's own thread does. ``FakeTensorMode`` sets that
+    (``only_lift_cpu_tensors``) for its own thread only, so in a checkpointed layer's recompute, which runs on the
+    device's thread, Gated DeltaNet's halo indices were allocated on the real CUDA backend, which a CPU build lacks.
+    The flag is thread-local: a backward on ``device`` sets it there, and one more puts it back on exit."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    flags = ("_only_lift_cpu_tensors", "_set_only_lift_cpu_tensors")
+    if not all(hasattr(torch._C, name) for name in flags):
+        raise CannotRehearse(f"torch {torch.__version__} has no torch._C.{flags[1]}, which the rehearsal sets on "
+                             "autograd's device thread; pass --device cpu for the CPU kernels.")
+
+    def on_device_thread(value: bool | None) -> bool:
+        seen = []
+
+        def hook(grad):
+            seen.append(torch._C._only_lift_cpu_tensors())
+            if value is not None:
+                torch._C._set_only_lift_cpu_tensors(value)
+
+        with FakeTensorMode():
+            x = torch.zeros(1, device=device, requires_grad=True)
+            y = x * 1.0
+            y.register_hook(hook)
+            y.sum().backward()
+        return seen[0]
+
+    before = on_device_thread(True)
+    try:
+        yield
+    finally:
+        on_device_thread(before)
+
+
 def _replacements() -> list[tuple[object, str, object]]:
     default = _FakeStream()
     return [
@@ -292,7 +328,8 @@ def fake_cuda() -> Iterator[torch.device]:
         for owner, name, value in patches:
             setattr(owner, name, value)
         kernels = [lib for lib in (_fused_backwards(), _efficient_backward_fix()) if lib is not None]
-        yield torch.device("cuda", 0)
+        with lift_on_autograd_threads(torch.device("cuda", 0)):
+            yield torch.device("cuda", 0)
     finally:
         for lib in kernels:
             lib._destroy()
