@@ -9,7 +9,10 @@ On a machine with a CUDA device it installs nothing and runs, in order:
    with the largest difference from SDPA's output;
 4. ``memory``: ``seqmesh bench memory`` on one GPU with every memory technique: the tracked tensor
    peak, ``torch.cuda.max_memory_allocated`` and the planner's prediction, side by side;
-5. ``longest``: the longest Llama-3.1-8B-shaped sequence (the ``llama3-8b`` preset) that trains a step
+5. ``rehearsal``: the same model's step at the longest of those lengths, trained for real (``seqmesh train``'s
+   own step, tracked) and rehearsed on fake tensors (``seqmesh rehearse``, :mod:`seqmesh.rehearsal`), side by
+   side: the tracked peak, the allocator's and the rehearsal's, and where each fell;
+6. ``longest``: the longest Llama-3.1-8B-shaped sequence (the ``llama3-8b`` preset) that trains a step
    on one GPU with every memory technique, by doubling then bisection, each trial in a fresh process,
    an out-of-memory error counting as not fitting; bounded by ``--minutes`` (the best found so far is
    reported, marked ``bounded``).
@@ -91,6 +94,8 @@ def describe(plan: SelftestPlan) -> str:
              f"{plan.kernel_shapes}",
              f"  memory     {plan.memory_model} at {plan.memory_seq_lens} tokens, every memory technique: tracked "
              "peak, allocator peak, planner",
+             f"  rehearsal  {plan.memory_model} at {plan.memory_seq_lens[-1]} tokens, every memory technique but the "
+             "CPU offload: the tracked step beside seqmesh rehearse's",
              f"  longest    {plan.longest_model}, every memory technique: doubling from {plan.longest_start:,} then "
              f"bisection to {plan.longest_resolution:,} tokens, at most {plan.longest_limit:,}, "
              f"{plan.budget_bytes / 2**30:.1f} GiB, {plan.minutes:g} minutes at most "
@@ -224,6 +229,53 @@ def _trial(model: str, seq_len: int, device: str) -> dict:
         return {"peak_bytes": None, "oom": True}
 
 
+def _tracked_training(cfg) -> dict:
+    """On a fresh rank: ``seqmesh train``'s run of ``cfg`` (``track_memory`` set); the last step's tracked tensors."""
+    import torch.distributed as dist
+
+    from ..training.train import train
+
+    train(cfg)
+    if dist.get_rank() != 0:
+        return {}
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if r.get("kind") == "train"]
+    return steps[-1]["tensor_memory"]
+
+
+def rehearsal_rows(plan: SelftestPlan) -> list[dict]:
+    """The real step beside its rehearsal: :data:`ALL_TECHNIQUES` but the CPU offload (a one-device run without
+    FSDP2, the step ``seqmesh train`` takes on one GPU), two steps, the second tracked; then ``seqmesh rehearse`` of
+    the same run on fake tensors. Where the two differ, the rehearsal (and the planner, which models the same
+    tensors) misses what this device's kernels keep."""
+    import dataclasses
+    import tempfile
+
+    from ..comm.launch import WorkerPool
+    from ..training.config import TrainConfig
+    from .rehearse import run_rehearsal
+
+    techniques = {k: v for k, v in ALL_TECHNIQUES.items() if k != "fsdp_cpu_offload"}
+    rows = []
+    for seq_len in plan.memory_seq_lens[-1:]:
+        with tempfile.TemporaryDirectory() as out:
+            cfg = TrainConfig(model=plan.memory_model, seq_len=seq_len, steps=2, log_every=1, track_memory=True,
+                              bf16=plan.device == "cuda", out=out, **techniques)
+            backend = "nccl" if plan.device == "cuda" else "gloo"
+            with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
+                real = pool.run(_tracked_training, cfg, timeout=1800)[0]
+        fake = run_rehearsal(dataclasses.replace(cfg, out="unused"), 1, timeout=1800, device=plan.device, top=3)
+        rows.append({"seq_len": seq_len, "tracked_peak_bytes": real["peak_bytes"],
+                     "allocator_peak_bytes": real["cuda_max_allocated"],
+                     "tracked_by_category": {k.removesuffix("_bytes"): v for k, v in real.items()
+                                             if k.endswith("_bytes") and k != "peak_bytes"},
+                     "rehearsed_peak_bytes": fake["measured_peak_bytes"],
+                     "rehearsed_by_category": fake["measured_by_category"], "rehearsed_phase": fake["peak_phase"],
+                     "rehearsed_over_tracked": fake["measured_peak_bytes"] / real["peak_bytes"],
+                     "kernels": fake["kernels"]})
+    return rows
+
+
 class _OutOfTime(Exception):
     pass
 
@@ -271,7 +323,7 @@ def run_selftest(plan: SelftestPlan, out: str | None) -> dict:
                                                     "longest_model": longest_model(host_memory_bytes())[1]}}
     steps = (("gpu_tests", lambda: run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"}),
              ("kernels", lambda: time_kernels(plan)), ("memory", lambda: memory_rows(plan)),
-             ("longest", lambda: longest_sequence(plan)))
+             ("rehearsal", lambda: rehearsal_rows(plan)), ("longest", lambda: longest_sequence(plan)))
     for name, step in steps:
         try:
             report[name] = step()
@@ -287,7 +339,7 @@ def format_report(report: dict) -> str:
     env = report["environment"]
     lines = [f"seqmesh selftest: {env['device'] or 'CPU (rehearsal)'}, torch {env['torch']}, CUDA {env['cuda']}, "
              f"flash-attn {env['flash_attn'] or 'absent'}"]
-    failed = [name for name in ("gpu_tests", "kernels", "memory", "longest") if isinstance(report[name], dict)
+    failed = [name for name in ("gpu_tests", "kernels", "memory", "rehearsal", "longest") if isinstance(report[name], dict)
               and "error" in report[name]]
     for name in failed:
         lines.append(f"{name}: FAILED: {report[name]['error'][-300:]}")
@@ -308,6 +360,12 @@ def format_report(report: dict) -> str:
         allocator = f"{r['allocator_peak_bytes'] / 2**20:15.1f}" if "allocator_peak_bytes" in r else f"{'-':>15}"
         lines.append(f"{r['seq_len']:<16}{r['peak_bytes'] / 2**20:>12.1f}{allocator}{r['predicted_bytes'] / 2**20:>13.1f}"
                      f"{r['predicted_ratio']:>17.3f}")
+    lines.append(f"{'rehearsal seq_len':<18}{'tracked MiB':>12}{'allocator MiB':>15}{'rehearsed MiB':>15}"
+                 f"{'rehearsed/tracked':>19}")
+    for r in report["rehearsal"]:
+        allocator = "-" if r["allocator_peak_bytes"] is None else f"{r['allocator_peak_bytes'] / 2**20:.1f}"
+        lines.append(f"{r['seq_len']:<18}{r['tracked_peak_bytes'] / 2**20:>12.1f}{allocator:>15}"
+                     f"{r['rehearsed_peak_bytes'] / 2**20:>15.1f}{r['rehearsed_over_tracked']:>19.3f}")
     longest = report["longest"]
     lines.append(f"longest {longest['model']} sequence with every memory technique: "
                  f"{longest['longest'] if longest['longest'] is not None else 'none'} tokens"
@@ -334,8 +392,8 @@ def add_command(sub) -> None:
             print(f"report: {args.out}")
         return 0
 
-    p = sub.add_parser("selftest", help="the first GPU run: GPU tests, kernels vs SDPA, memory vs the planner, "
-                                        "the longest sequence on one GPU")
+    p = sub.add_parser("selftest", help="the first GPU run: GPU tests, kernels vs SDPA, memory vs the planner and "
+                                        "the rehearsal, the longest sequence on one GPU")
     p.add_argument("--out", default="selftest.json", help="the JSON report (default %(default)s)")
     p.add_argument("--minutes", type=float, default=30.0, help="time bound of the longest-sequence search")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")

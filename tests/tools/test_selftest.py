@@ -38,6 +38,14 @@ def test_the_rehearsal_runs_every_step_and_writes_the_report(tmp_path):
     # the planner's prediction beside each measured peak; on the CPU it is validated within 5% elsewhere
     assert [r["seq_len"] for r in report["memory"]] == plan.memory_seq_lens
     assert all(0.95 <= r["predicted_ratio"] <= 1.05 for r in report["memory"]), report["memory"]
+    # the real step (seqmesh train's, tracked) beside its rehearsal on fake tensors: the same storages, but for the
+    # unsharded batch, which the real step's data pipeline touches on the host (its device, on the CPU)
+    [row] = report["rehearsal"]
+    assert row["seq_len"] == plan.memory_seq_lens[-1] and row["kernels"] == ["cpu_flash"], row
+    whole_batch = 2 * 8 * row["seq_len"]  # input ids and labels, int64
+    assert abs(row["tracked_peak_bytes"] - row["rehearsed_peak_bytes"]) <= whole_batch, row
+    for part in ("parameters", "gradients", "optimizer", "activations"):
+        assert row["tracked_by_category"][part] == row["rehearsed_by_category"][part], row
     longest = report["longest"]
     trials = {int(n): t for n, t in longest["trials"].items()}
     assert longest["longest"] is not None and not longest["bounded"]
