@@ -4,12 +4,14 @@ Under ``seqmesh rehearse`` tensors are torch's fake tensors (shapes, dtypes and 
 reads values (that the ranks agree on a call, that no label is out of range) has nothing to check there, and
 reading one would raise torch's ``DataDependentOutputException``. Each such check asks :func:`has_values` first.
 A probe that computes on its own tensors (random inputs, nothing of the step's) runs inside :func:`real_tensors`.
+A read the step cannot do without (the expert-parallel exchange's sizes) goes through :func:`host_ints`, which
+takes the rehearsal's assumption where there are no values.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -26,3 +28,9 @@ def real_tensors() -> Iterator[None]:
     no-op without one): for probes on their own data, never for the step's tensors."""
     with unset_fake_temporarily():
         yield
+
+
+def host_ints(t: torch.Tensor, assumed: Callable[[], list[int]]) -> list[int]:
+    """``t``'s values on the host (one device-to-host read), or, for a fake tensor, ``assumed()``: what a rehearsal
+    takes them to be (its documented assumption, e.g. tokens routed evenly over the experts)."""
+    return t.tolist() if has_values(t) else assumed()

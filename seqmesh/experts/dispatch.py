@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import exchange_rows
 from ..comm.stats import record
+from ..tensor_values import host_ints
 from .traffic import INT64
 
 
@@ -42,7 +43,11 @@ def pair_counts(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, 
     """``top_k_index`` (T, k) -> (the pairs sorted by expert (T * k,), pairs per expert (E,) int64)."""
     flat = top_k_index.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    return order, torch.bincount(flat, minlength=experts)[:experts].to(torch.int64)
+    # a bin past the last expert takes picks outside [0, experts) (plan_route names them); unlike bincount's, the
+    # shape does not depend on the values, so a rehearsal's fake tensors have it too
+    bins = torch.where((flat >= 0) & (flat < experts), flat, experts)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    return order, counts.scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.int64))[:experts]
 
 
 def received_experts(counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -70,13 +75,20 @@ def plan_route(top_k_index: torch.Tensor, experts: int, ep: int, group: dist.Pro
     """The route of this rank's pairs (one small all-to-all and one read of the counts on the host)."""
     order, per_expert = pair_counts(top_k_index, experts)
     theirs = exchange_counts(per_expert, ep, group)
-    sizes = torch.cat([per_expert.reshape(ep, -1).sum(1), theirs.sum(1)]).tolist()  # one device-to-host read
+    # one device-to-host read; a rehearsal (fake tensors) routes every rank's pairs evenly over the ranks' experts
+    sizes = host_ints(torch.cat([per_expert.reshape(ep, -1).sum(1), theirs.sum(1)]),
+                      lambda: 2 * _even(order.numel(), ep))
     if sum(sizes[:ep]) != order.numel():
         raise ValueError(f"a router picked {order.numel() - sum(sizes[:ep])} expert indices outside [0, {experts}) "
                          "(a 'no expert' slot?): seqmesh's expert parallelism sends every pick to a real expert. "
                          "Use ep=1 for this model.")
     receive = tuple(int(s) for s in sizes[ep:])
     return Route(order, tuple(int(s) for s in sizes[:ep]), receive, received_experts(theirs, sum(receive)))
+
+
+def _even(pairs: int, ep: int) -> list[int]:
+    """``pairs`` split as evenly as whole numbers go over ``ep`` ranks."""
+    return [pairs // ep + (r < pairs % ep) for r in range(ep)]
 
 
 def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..tensor_values import real_tensors
 from ..comm.timeouts import default_timeout, set_timeout
 from ..mesh import SPMesh
 
@@ -51,9 +52,10 @@ class ExpertMesh:
 
 def expert_mesh(mesh: SPMesh, ep: int) -> ExpertMesh:
     """The expert groups of ``ep`` ranks for ``mesh`` (every rank of the mesh must call it: it creates the groups)."""
-    ranks = mesh.batch_mesh.mesh.reshape(-1)  # the token ranks in mesh order, innermost axis fastest
-    if ranks.numel() % ep:
-        raise ValueError(f"ep={ep} does not divide the {ranks.numel()} ranks that hold different tokens.")
-    root = DeviceMesh(mesh.device_type, ranks.reshape(-1, ep), mesh_dim_names=(EXPERT_SHARD_AXIS, EP_AXIS))
+    with real_tensors():  # the rank table is host metadata, real under a rehearsal's fake mode too
+        ranks = mesh.batch_mesh.mesh.reshape(-1)  # the token ranks in mesh order, innermost axis fastest
+        if ranks.numel() % ep:
+            raise ValueError(f"ep={ep} does not divide the {ranks.numel()} ranks that hold different tokens.")
+        root = DeviceMesh(mesh.device_type, ranks.reshape(-1, ep), mesh_dim_names=(EXPERT_SHARD_AXIS, EP_AXIS))
     set_timeout([root.get_group(a) for a in (EXPERT_SHARD_AXIS, EP_AXIS)], default_timeout())
     return ExpertMesh(root, ep)
