@@ -38,6 +38,24 @@ def tensor_parallel_degrees(*, heads: int, kv_heads: int | None = None, intermed
             and (kv_heads is None or kv_heads_fit(kv_heads, t)) and heads // t >= ulysses]
 
 
+# what each size tensor parallelism splits is called (keyed by its config.json field)
+TP_SIZE_NAMES = {"num_attention_heads": "query heads", "intermediate_size": "MLP intermediate size",
+                 "vocab_size": "vocabulary", "num_key_value_heads": "kv heads"}
+
+
+def tensor_parallel_misfits(tp: int, *, heads: int, kv_heads: int | None = None, intermediate: int | None = None,
+                            vocab: int | None = None) -> dict[str, int]:
+    """The sizes ``tp`` does not split into whole, equal parts, by config.json field (in :data:`TP_SIZE_NAMES`'s
+    order): the query heads, the MLP's columns and the vocabulary divided by tp, the kv heads divided by tp or
+    dividing it (replicated over the group). A size given as None is not checked. The one rule the job, the runtime
+    and the planner apply (``check_tensor_parallel_sizes``, ``seqmesh.planner.tensor_parallel``)."""
+    sizes = {"num_attention_heads": heads, "intermediate_size": intermediate, "vocab_size": vocab}
+    bad = {k: v for k, v in sizes.items() if v is not None and v % tp}
+    if kv_heads is not None and not kv_heads_fit(kv_heads, tp):
+        bad["num_key_value_heads"] = kv_heads
+    return bad
+
+
 def check_tensor_parallel_sizes(tp: int, ulysses: int, *, heads: int, kv_heads: int | None = None,
                                 intermediate: int | None = None, vocab: int | None = None) -> None:
     """Raise a ValueError naming tp, the sizes it does not fit and the degrees that would, for the job (before any
@@ -50,13 +68,9 @@ def check_tensor_parallel_sizes(tp: int, ulysses: int, *, heads: int, kv_heads: 
     if tp > heads:  # before anything divides the heads by tp (0 heads a rank)
         raise ValueError(f"tp={tp} is more than the model's {heads} query heads (num_attention_heads): each tensor-parallel "
                          f"rank holds whole heads, at least one. Degrees that fit the model: {fitting}.")
-    sizes = {"query heads (num_attention_heads)": heads, "MLP intermediate size (intermediate_size)": intermediate,
-             "vocabulary (vocab_size)": vocab}
-    bad = {k: v for k, v in sizes.items() if v is not None and v % tp}
-    if kv_heads is not None and not kv_heads_fit(kv_heads, tp):
-        bad["kv heads (num_key_value_heads)"] = kv_heads
+    bad = tensor_parallel_misfits(tp, heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab)
     if bad:
-        listed = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        listed = ", ".join(f"{TP_SIZE_NAMES[k]} ({k}) = {v}" for k, v in bad.items())
         raise ValueError(f"tp={tp} does not fit the model's {listed}: each tensor-parallel rank must hold whole "
                          f"heads (kv heads divided by tp, or dividing it), MLP columns and an equal vocabulary slice. "
                          f"Degrees that fit them all: {fitting}.")

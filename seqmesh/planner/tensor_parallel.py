@@ -8,7 +8,7 @@ tokens, ``L = padded / (U x R)``; one collective moves ``(T - 1)`` such slices, 
 
 from __future__ import annotations
 
-from ..degrees import Degrees, kv_heads_fit
+from ..degrees import TP_SIZE_NAMES, Degrees, tensor_parallel_misfits
 from ..model.presets import ModelShape
 from ..padding import padded_length
 from .hardware import HardwareSpec
@@ -35,10 +35,9 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
         return "the planner does not model MLA under tensor parallelism (tp 1 only)"
     if m.vision is not None or work.media is not None:
         return "seqmesh's tensor parallelism covers text decoders only, not vision-language models (tp 1 only)"
-    sizes = {"query heads": m.heads, "intermediate size": m.intermediate, "vocabulary": m.vocab}
-    bad = [f"{v} {k}" for k, v in sizes.items() if v % tp]
-    if not kv_heads_fit(m.kv_heads, tp):
-        bad.append(f"{m.kv_heads} kv heads")
+    misfits = tensor_parallel_misfits(tp, heads=m.heads, kv_heads=m.kv_heads, intermediate=m.intermediate,
+                                      vocab=m.vocab)
+    bad = [f"{v} {TP_SIZE_NAMES[k].removeprefix('MLP ')}" for k, v in misfits.items()]
     if bad:
         return f"TP {tp} does not fit the {', '.join(bad)} (seqmesh.degrees.check_tensor_parallel_sizes)"
     if m.kv_heads % tp:  # seqmesh runs it, replicating k/v over the group; the planner splits k/v by tp
