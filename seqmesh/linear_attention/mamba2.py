@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..comm.collectives import head_to_seq, seq_to_head
 from ..heads import HeadDeal
 from ..mesh import SPMesh
+from ..model.hybrid_shape import ssd_widths
 from ..sequence.runs import DEFAULT_MIN_CHUNK
 from ..sequence.sharding import sequence_layout
 from .choice import LinearDesign, halo_bytes, parse_design
@@ -48,11 +49,11 @@ class SSDHeads:
 
     @property
     def inner(self) -> int:
-        return self.heads * self.head_dim
+        return ssd_widths(self.heads, self.head_dim, self.groups, self.state)[0]
 
     @property
     def conv_dim(self) -> int:
-        return self.inner + 2 * self.groups * self.state
+        return ssd_widths(self.heads, self.head_dim, self.groups, self.state)[1]
 
 
 @dataclass(frozen=True)

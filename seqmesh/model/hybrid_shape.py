@@ -15,6 +15,14 @@ LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minim
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
+def ssd_widths(heads: int, head_dim: int, groups: int, state: int) -> tuple[int, int]:
+    """``(d_inner, conv channels)`` of a Mamba2 mixer: the channels its scan runs (heads x head_dim), and its conv's
+    (x | B | C), which the conv halo carries. The one formula the planner's shape (:class:`Mamba2Shape`) and the
+    runtime's scan (``seqmesh.linear_attention.mamba2.SSDHeads``) use."""
+    inner = heads * head_dim
+    return inner, inner + 2 * groups * state
+
+
 @dataclass(frozen=True)
 class Mamba2Shape:
     """One Mamba2 mixer: ``heads`` of ``head_dim`` channels, a ``state``-wide state per channel, B and C shared by the
@@ -42,12 +50,12 @@ class Mamba2Shape:
     @property
     def inner(self) -> int:
         """d_inner: the channels the scan runs (heads x head_dim)."""
-        return self.heads * self.head_dim
+        return ssd_widths(self.heads, self.head_dim, self.groups, self.state)[0]
 
     @property
     def conv_dim(self) -> int:
         """Channels of the conv (x | B | C), which the conv halo carries."""
-        return self.inner + 2 * self.groups * self.state
+        return ssd_widths(self.heads, self.head_dim, self.groups, self.state)[1]
 
     def matmul_params(self, hidden: int) -> int:
         """Weights that multiply every token: in_proj and out_proj."""
