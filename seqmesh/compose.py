@@ -30,7 +30,7 @@ the memory tracker act on a step, not on the model, and are set up by the loop t
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -133,34 +133,23 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
         check_expert_parallel(plan.ep, experts=routed_experts(model), token_ranks=mesh.batch_mesh.size(), tp=mesh.tp,
                               fsdp=plan.fsdp, compile=plan.compile, model=model.config.model_type)
         experts = expert_mesh(mesh, plan.ep)
-    steps = _step_lines(mesh, plan, wrapper)
-    _log_rank0(next(steps))  # the mesh
-    _log_rank0(next(steps))
-    lm = parallelize(model, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
-                     async_ulysses=plan.async_ulysses)
-    if experts is not None:
-        _log_rank0(next(steps))
-        apply_expert_parallel(lm, experts)
-    _log_rank0(next(steps))
-    module = wrapper(lm, mesh, chunk=plan.loss_chunk)
-    if plan.checkpointing or plan.tiled_mlp or plan.efficient_norm:
-        _log_rank0(next(steps))
-    if plan.checkpointing:
-        enable_checkpointing(lm)
-    if plan.tiled_mlp:
-        enable_tiled_mlp(lm, plan.mlp_tiles)
-    if plan.efficient_norm and enable_efficient_norm(lm) == 0:
-        raise ValueError(f"efficient_norm: {type(lm).__name__} has no Llama-style RMSNorm to replace; turn it off.")
-    if mesh.tp > 1:
-        _log_rank0(next(steps))
-    apply_tensor_parallel(lm, mesh)
-    if plan.compile:
-        _log_rank0(next(steps))
-        compile_layers(lm)
-    if plan.fsdp:
-        _log_rank0(next(steps))
-        apply_fsdp(module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload, experts=experts)
-    return module
+    built = _Built(model)
+    ranks = mesh.dp_replicate * mesh.dp_shard * mesh.ring * mesh.ulysses * mesh.tp
+    _log_rank0(f"parallelize: mesh dp_replicate={mesh.dp_replicate} dp_shard={mesh.dp_shard} ring={mesh.ring} "
+               f"ulysses={mesh.ulysses} tp={mesh.tp} ({ranks} ranks)")
+    steps = _steps(mesh, plan, wrapper, experts)
+    for i, (line, apply) in enumerate(steps, 1):
+        _log_rank0(f"parallelize: {i}/{len(steps)} {line}")
+        apply(built)
+    return built.module
+
+
+@dataclass
+class _Built:
+    """What the steps have made so far: the transformers model (its layers replaced in place) and its wrapper."""
+
+    lm: nn.Module
+    module: SequenceParallelLM | None = None
 
 
 def _log_rank0(line: str) -> None:
@@ -168,26 +157,43 @@ def _log_rank0(line: str) -> None:
         log.info(line)
 
 
-def _step_lines(mesh: SPMesh, plan: ParallelPlan, wrapper: type[SequenceParallelLM]) -> Iterator[str]:
-    """The lines :func:`parallelize_model` logs: the mesh, then ``i/n`` and each step it applies, in its order."""
-    ranks = mesh.dp_replicate * mesh.dp_shard * mesh.ring * mesh.ulysses * mesh.tp
-    yield (f"parallelize: mesh dp_replicate={mesh.dp_replicate} dp_shard={mesh.dp_shard} ring={mesh.ring} "
-           f"ulysses={mesh.ulysses} tp={mesh.tp} ({ranks} ranks)")
-    memory = [name for name, on in (("activation checkpointing", plan.checkpointing),
-                                    (f"tiled MLP ({plan.mlp_tiles or 'auto'} tiles)", plan.tiled_mlp),
-                                    ("lean RMSNorm", plan.efficient_norm)) if on]
-    steps = [f"sequence parallelism (ulysses {mesh.ulysses} x ring {mesh.ring}, attention backend {plan.backend}, "
-             f"linear attention {plan.linear_attention}{', async Ulysses' if plan.async_ulysses else ''})"]
-    steps += [f"expert parallelism (ep={plan.ep})"] if plan.ep > 1 else []
-    steps += [f"the loss ({wrapper.__name__}, {plan.loss_chunk} tokens a chunk)"]
-    steps += [f"memory techniques ({', '.join(memory)})"] if memory else []
-    steps += [f"tensor parallel (tp={mesh.tp})"] if mesh.tp > 1 else []
-    steps += ["torch.compile per decoder layer"] if plan.compile else []
+def _steps(mesh: SPMesh, plan: ParallelPlan, wrapper: type[SequenceParallelLM],
+           experts) -> list[tuple[str, Callable[[_Built], None]]]:
+    """The steps :func:`parallelize_model` applies to this plan, in its order: what each one logs, and the step."""
+    def sequence(b: _Built) -> None:
+        b.lm = parallelize(b.lm, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
+                           async_ulysses=plan.async_ulysses)
+
+    def loss(b: _Built) -> None:
+        b.module = wrapper(b.lm, mesh, chunk=plan.loss_chunk)
+
+    def memory(b: _Built) -> None:
+        if plan.checkpointing:
+            enable_checkpointing(b.lm)
+        if plan.tiled_mlp:
+            enable_tiled_mlp(b.lm, plan.mlp_tiles)
+        if plan.efficient_norm and enable_efficient_norm(b.lm) == 0:
+            raise ValueError(f"efficient_norm: {type(b.lm).__name__} has no Llama-style RMSNorm to replace; turn it "
+                             "off.")
+
+    techniques = [name for name, on in (("activation checkpointing", plan.checkpointing),
+                                        (f"tiled MLP ({plan.mlp_tiles or 'auto'} tiles)", plan.tiled_mlp),
+                                        ("lean RMSNorm", plan.efficient_norm)) if on]
     extras = [x for x, on in (("bf16", plan.bf16), ("cpu offload", plan.fsdp_cpu_offload)) if on]
-    steps += [f"FSDP2 over dp_shard x ring x ulysses = {mesh.dp_shard * mesh.ring * mesh.ulysses} ranks"
-              + (f" ({', '.join(extras)})" if extras else "")] if plan.fsdp else []
-    for i, step in enumerate(steps, 1):
-        yield f"parallelize: {i}/{len(steps)} {step}"
+    steps = [
+        (f"sequence parallelism (ulysses {mesh.ulysses} x ring {mesh.ring}, attention backend {plan.backend}, "
+         f"linear attention {plan.linear_attention}{', async Ulysses' if plan.async_ulysses else ''})", sequence, True),
+        (f"expert parallelism (ep={plan.ep})", lambda b: apply_expert_parallel(b.lm, experts), experts is not None),
+        (f"the loss ({wrapper.__name__}, {plan.loss_chunk} tokens a chunk)", loss, True),
+        (f"memory techniques ({', '.join(techniques)})", memory, bool(techniques)),
+        (f"tensor parallel (tp={mesh.tp})", lambda b: apply_tensor_parallel(b.lm, mesh), mesh.tp > 1),
+        ("torch.compile per decoder layer", lambda b: compile_layers(b.lm), plan.compile),
+        (f"FSDP2 over dp_shard x ring x ulysses = {mesh.dp_shard * mesh.ring * mesh.ulysses} ranks"
+         + (f" ({', '.join(extras)})" if extras else ""),
+         lambda b: apply_fsdp(b.module, mesh, bf16=plan.bf16, cpu_offload=plan.fsdp_cpu_offload, experts=experts),
+         plan.fsdp),
+    ]
+    return [(line, apply) for line, apply, on in steps if on]
 
 
 def compile_layers(model: nn.Module, **options) -> int:
