@@ -63,7 +63,8 @@ def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, o
 
     from seqmesh.training.config import TrainConfig
     from seqmesh.sequence.batch import shard_batch
-    from seqmesh.training.train import build, make_dataset
+    from seqmesh.training.train import build
+    from seqmesh.training.run_data import make_dataset
 
     folder = tempfile.mkdtemp()
     options = {**options, "model": odd_vocab_config(options.get("model", "llama-tiny"), folder)}

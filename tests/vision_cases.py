@@ -521,7 +521,7 @@ def fsdp_data_parallel_parity(family: str, ep: int = 1) -> dict:
 def fields_left_behind(family: str) -> list[str]:
     """The tensor fields of a sharded multimodal batch that ``seqmesh train``'s ``to_device`` leaves off the
     target device (the meta device here: every tensor must move)."""
-    from seqmesh.training.train import to_device
+    from seqmesh.training.step import to_device
 
     mesh = get_mesh(1, 1)
     model = parallelize_model(build(vision_config(family)), mesh, ParallelPlan(fsdp=False))

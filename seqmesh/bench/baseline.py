@@ -98,7 +98,7 @@ def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
     from ..training.config import TrainConfig
     from ..model.fsdp import enable_checkpointing
     from ..model.lm import build_model, decoder_layers
-    from ..training.train import make_dataset
+    from ..training.run_data import make_dataset
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, **options)
     data = make_dataset(cfg)
@@ -125,7 +125,9 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     from ..training.config import TrainConfig
     from ..sequence.batch import shard_batch
     from ..model.fsdp import sync_gradients
-    from ..training.train import build, make_dataset, to_device, uses_fsdp
+    from ..training.step import to_device
+    from ..training.train import build, uses_fsdp
+    from ..training.run_data import make_dataset
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)
     data = make_dataset(cfg)

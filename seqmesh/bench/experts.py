@@ -65,7 +65,9 @@ def measure_rank(bench: ExpertsBench, ep: int) -> dict:
     from ..experts.layers import experts_modules
     from ..memory import MemoryTracker
     from ..sequence.batch import shard_batch
-    from ..training.train import build, make_dataset, to_device
+    from ..training.step import to_device
+    from ..training.train import build
+    from ..training.run_data import make_dataset
 
     gc.collect()  # the previous degree's model and optimizer, before this one is built
     cfg = _config(bench, ep)

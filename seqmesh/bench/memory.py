@@ -83,7 +83,9 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     from ..memory import MemoryTracker
     from ..memory.offload import enable_activation_offload
     from ..sequence.batch import shard_batch
-    from ..training.train import build, make_dataset, to_device
+    from ..training.step import to_device
+    from ..training.train import build
+    from ..training.run_data import make_dataset
 
     import gc
 

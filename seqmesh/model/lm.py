@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import zlib
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -12,6 +11,7 @@ import torch.nn as nn
 from ..comm.ranks import is_dtensor
 from .head import logit_head
 from .loss import chunked_linear_cross_entropy
+from .materialize import materialize
 from .router_aux import RouterAux, load_balancing_loss, router_aux
 from ..sequence.batch import IGNORE_INDEX, real_tokens
 from ..mesh import SPMesh
@@ -152,112 +152,6 @@ def check_causal(model: nn.Module, name: str) -> None:
                          f"(is_causal=False): {model.config.model_type} is an encoder, not a causal decoder. seqmesh trains "
                          "causal language models, each token predicted from those before it: give a decoder-only model "
                          "(Llama, Qwen, Mistral, Gemma 3, gpt-oss, ...).")
-
-
-def _parameter_seed(seed: int, name: str) -> int:
-    """A generator seed from the run's seed and a module's qualified name (stable across processes)."""
-    return zlib.crc32(f"{seed}:{name}".encode()) + (seed << 32)
-
-
-def _init_functions(model: nn.Module, fn, prefix: str = ""):
-    """``(qualified name, module, init function)`` in the order transformers' ``initialize_weights``
-    visits them: children first, each sub-model (a ``PreTrainedModel`` inside) with its own
-    ``_init_weights``."""
-    from transformers import PreTrainedModel
-
-    for name, child in model.named_children():
-        child_fn = child._init_weights if isinstance(child, PreTrainedModel) else fn
-        yield from _init_functions(child, child_fn, f"{prefix}{name}.")
-    yield prefix.rstrip("."), model, fn
-
-
-@torch.no_grad()
-def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Initialise ``lm`` (allocated on ``device``, possibly FSDP-sharded) as transformers does, but with
-    every module's values drawn from ``(seed, the module's qualified name)`` on the CPU generator.
-
-    Each module's parameters are initialised whole, on the CPU, one module at a time, and each rank keeps
-    the slice its shard covers. The same seed therefore gives the same model for every world size,
-    mesh, sharding and device (CPU or CUDA), and no rank ever holds more than one module's weights whole.
-    Buffers (RoPE frequencies) are computed in place on ``device``. A parameter shared by two modules
-    (tied embeddings) is initialised once, by the first module that owns it.
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    from transformers.initialization import guard_torch_init_functions
-
-    done: set[int] = set()
-    for name, module, init in _init_functions(lm, lm._init_weights):
-        owned = {n: p for n, p in module._parameters.items() if p is not None}
-        whole = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                 for n, p in owned.items()}  # (full shape) on the CPU; init never touches the real ones
-        module._parameters.update(whole)
-        module._is_hf_initialized = False
-        torch.manual_seed(_parameter_seed(seed, name))
-        try:
-            with guard_torch_init_functions():
-                init(module)
-        finally:
-            module._parameters.update(owned)
-        for n, p in owned.items():
-            if id(p) in done:  # already initialised by its first owner
-                continue
-            done.add(id(p))
-            values = whole[n].detach()
-            if isinstance(p, DTensor):  # every rank holds the same whole tensor: slice locally, no traffic
-                local = distribute_tensor(values.to(p.device_mesh.device_type), p.device_mesh, p.placements,
-                                          src_data_rank=None).to_local()
-                p.to_local().copy_(local)
-            else:
-                p.copy_(values.to(p.device))
-        module._is_hf_initialized = True
-
-
-@torch.no_grad()
-def initialize_buffers(lm: nn.Module) -> None:
-    """Compute the buffers of ``lm``'s parameter-free modules (RoPE frequencies) in place, as
-    :func:`initialize_by_name` does; for a model whose weights are then loaded."""
-    from transformers.initialization import guard_torch_init_functions
-
-    for _, module, init in _init_functions(lm, lm._init_weights):
-        if module._buffers and not any(p is not None for p in module._parameters.values()):
-            module._is_hf_initialized = False
-            with guard_torch_init_functions():
-                init(module)
-            module._is_hf_initialized = True
-
-
-def allocate(root: nn.Module, device: torch.device | str) -> None:
-    """Allocate a model built on the meta device (after FSDP sharded ``root``, or whole) on ``device``,
-    uninitialised: every rank holds only its shards. Tied parameters stay tied."""
-    device = torch.device(device)
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter is one object in several modules
-    for module in root.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((module, name))
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in root.modules()):
-        root.to_empty(device=device)  # FSDP2 allocates its own shards
-    else:  # new tensors in place of the meta ones: to_empty would swap them, which fake tensors refuse (rehearsals)
-        for module in root.modules():
-            for name, p in module._parameters.items():
-                if p is not None:
-                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
-            for name, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[name] = torch.empty_like(b, device=device)
-    for tied in owners.values():  # to_empty off the meta device gives each owner its own copy: re-tie them
-        first, name = tied[0]
-        for module, other in tied[1:]:
-            module._parameters[other] = first._parameters[name]
-
-
-def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
-    """:func:`allocate` ``root`` on ``device`` and initialise it with :func:`initialize_by_name`: the
-    values do not depend on how the model is sharded."""
-    allocate(root, device)
-    initialize_by_name(getattr(root, "lm", root), device, seed)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -249,7 +249,7 @@ def load_pretrained(root: nn.Module, folder: str, device: torch.device | str,
     checked first, then every rank allocates its shards on ``device``, computes the buffers (RoPE
     frequencies) as random initialisation does, and reads the rows its shards cover. Returns the bytes
     this rank read from the files. ``sources``: :func:`check_pretrained`'s answer, if the caller has it."""
-    from .lm import allocate, initialize_buffers
+    from .materialize import allocate, initialize_buffers
 
     lm = getattr(root, "lm", root)
     sources = check_pretrained(lm, folder) if sources is None else sources

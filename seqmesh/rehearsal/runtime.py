@@ -2,7 +2,7 @@
 
 The step is ``seqmesh train``'s own: :func:`~seqmesh.training.train.build_mesh` and
 :func:`~seqmesh.training.train.build_module` (the model composed and sharded with FSDP2),
-:func:`~seqmesh.training.train.forward_backward` (loss, backward, clipping) and AdamW, run under torch's
+:func:`~seqmesh.training.step.forward_backward` (loss, backward, clipping) and AdamW, run under torch's
 ``FakeTensorMode`` as rank 0 of a world of ``--gpus`` ranks on the ``fake`` backend
 (``torch.testing._internal.distributed.fake_pg``), where every collective completes at once and moves
 nothing. Fake tensors carry shapes, dtypes, devices and storages of the right size, but no data: the
@@ -194,8 +194,9 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from ..inputs import shard_batch
-    from ..training.train import (build_mesh, build_module, forward_backward, make_dataset, step_autocast, step_offload,
-                                  to_device, uses_fsdp)
+    from ..training.run_data import make_dataset
+    from ..training.step import forward_backward, step_autocast, step_offload, to_device
+    from ..training.train import build_mesh, build_module, uses_fsdp
 
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)

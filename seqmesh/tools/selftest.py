@@ -255,8 +255,7 @@ def rehearsal_rows(plan: SelftestPlan) -> list[dict]:
     from ..training.config import TrainConfig
     from .rehearse import run_rehearsal
 
-    techniques = {k: v for k, v in ALL_TECHNIQUES.items() if k != "fsdp_cpu_offload"}
-    rows = []
+    techniques, rows = {k: v for k, v in ALL_TECHNIQUES.items() if k != "fsdp_cpu_offload"}, []
     for seq_len in plan.memory_seq_lens[-1:]:
         with tempfile.TemporaryDirectory() as out:
             cfg = TrainConfig(model=plan.memory_model, seq_len=seq_len, steps=2, log_every=1, track_memory=True,

@@ -12,7 +12,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -23,21 +22,16 @@ from ..compose import parallelize_model
 from ..degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..experts.rules import check_expert_parallel
 from ..memory import MemoryTracker
-from ..memory.offload import ActivationOffload, enable_activation_offload
 from ..mesh import SPMesh, init_mesh
-from ..model.fsdp import gradient_norm, sync_gradients
-from ..model.lm import SequenceParallelLM, build_model, has_weights, hf_config, load_config, materialize
-from ..model.presets import MODELS, model_shape, read_config_json
-from ..model.pretrained import check_pretrained, check_tokenizer_path, check_values, checkpoint_files, load_pretrained
+from ..model.lm import SequenceParallelLM, build_model, has_weights, materialize
+from ..model.presets import model_shape
+from ..model.pretrained import check_pretrained, check_values, checkpoint_files, load_pretrained
 from ..model.writer import export_pretrained
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
 from ..inputs import shard_batch
-from .datasets import LongRangeCopy, PackedText, check_data_paths, load_tokenizer, tokenizer_vocab
-from .image_files import ImageJsonl
-from .vision_data import ImageCopy, ImageRows
-from ..planner.media import Media
-from ..vision.families import family_of, vision_family
+from .run_data import make_dataset
+from .step import evaluate, forward_backward, step_autocast, step_offload, to_device
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
 from .resume import choose_start, config_changes, refuse_changes, run_record
@@ -51,70 +45,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
-def _copy_task(cfg: TrainConfig, vocab: int) -> LongRangeCopy:
-    task = LongRangeCopy(cfg.seq_len, symbols=cfg.symbols, period=cfg.copy_period, seed=cfg.seed)
-    if task.vocab > vocab:
-        raise ValueError(f"the copy task uses {task.vocab} tokens ({cfg.symbols} symbols + 3 reserved) but the model's "
-                         f"vocabulary has {vocab}; lower --symbols to {vocab - 3} or use a larger vocabulary.")
-    return task
-
-
-def _tokenizer(cfg: TrainConfig, vocab: int):
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer_vocab(tokenizer) > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab(tokenizer)} tokens but the model's vocabulary has {vocab}; "
-                         "use a model whose vocab_size covers the tokenizer.")
-    return tokenizer
-
-
-def _check_vision_family(model: str) -> None:
-    """A vision-language config.json of a family seqmesh does not run (LLaVA-OneVision) refused by that, the true
-    reason, before its sizes are read as another family's (and before any advice to train it some other way)."""
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    if model in MODELS or not os.path.isfile(path):
-        return  # a preset, or no file: model_shape names it
-    raw = read_config_json(path)
-    if isinstance(raw.get("vision_config"), dict):
-        family_of(raw.get("model_type"))
-
-
-def make_dataset(cfg: TrainConfig, vocab: int | None = None,
-                 media: Media | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl | ImageRows:
-    """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
-    into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
-    from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
-    before building anything; ``seqmesh rehearse --images`` passes ``media``: rows showing those images."""
-    _check_vision_family(cfg.model)
-    shape = model_shape(cfg.model)
-    if media is not None:
-        media.check(shape, cfg.seq_len)  # the planner's own checks: a tower, the processor's sizes, the tokens fit
-        if media.video_frames or cfg.data:
-            raise ValueError("rehearsed images are rows of images then text: drop --video-frames and --data.")
-    if shape.vision is not None and shape.vision.fixed_size:
-        config = load_config(cfg.model)
-        vision_family(config).check(config)  # a setting parallelize_model would refuse: that refusal, not the advice
-        raise ValueError(f"{cfg.model}: seqmesh train builds Qwen-VL towers; a {shape.vision.tower} tower (LLaVA, Gemma 3, "
-                         "InternVL) trains with seqmesh.compose.parallelize_model in your own loop, or "
-                         "seqmesh.trainer.SequenceParallelTrainer; seqmesh plan sizes it.")
-    vocab = shape.vocab if vocab is None else vocab
-    if shape.vision is not None:  # a vision-language model: your records and images, or the built-in image task
-        config = hf_config(shape) if cfg.model in MODELS else load_config(cfg.model)
-        if cfg.data:
-            check_data_paths(cfg.data)
-            return ImageJsonl(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), config, text_key=cfg.text_key,
-                              seed=cfg.seed)
-        tokens = (config.image_token_id, config.vision_start_token_id, config.vision_end_token_id)
-        if media is not None:
-            return ImageRows(cfg.seq_len, shape.vision, tokens, media.images, media.height, media.width, seed=cfg.seed)
-        check_tokenizer_path(cfg.tokenizer)
-        return ImageCopy(cfg.seq_len, shape.vision, tokens, symbols=cfg.symbols, seed=cfg.seed)
-    if not cfg.data:
-        check_tokenizer_path(cfg.tokenizer)  # unused by the copy task, but a wrong path is still a mistake
-        return _copy_task(cfg, vocab)
-    check_data_paths(cfg.data)  # cheaper than loading a tokenizer first
-    return PackedText(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), text_key=cfg.text_key, seed=cfg.seed)
 
 
 def _same_error_on_every_rank(fn, *args):
@@ -207,58 +137,6 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device) -> Sequen
             for name, buffer in sub.named_buffers(recurse=False):
                 setattr(sub, name, buffer.to(device))
     return module
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    """The tensors of a sharded batch moved to ``device``, a vision shard's with them (other entries as they are)."""
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = value.to(device, non_blocking=True)
-        else:  # a VisionShard / FixedSizeShard moves its own tensors; SequenceInfo holds none
-            out[key] = value.to(device) if key == "seqmesh_vision" else value
-    return out
-
-
-def step_autocast(cfg: TrainConfig, device: torch.device, fsdp: bool) -> torch.autocast:
-    """bf16 autocast for a run without FSDP2 (with it, FSDP2's mixed precision casts the weights instead)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and not fsdp)
-
-
-def step_offload(cfg: TrainConfig, module: SequenceParallelLM, device: torch.device) -> ActivationOffload | None:
-    """The activation offload ``--offload-checkpoints`` attaches to the decoder (None without it); ``seqmesh train``
-    and ``seqmesh rehearse`` both take it from here, and hand it to the memory tracker."""
-    return enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None
-
-
-def forward_backward(module: SequenceParallelLM, local: dict, mesh: SPMesh, cfg: TrainConfig,
-                     autocast: torch.autocast, fsdp: bool,
-                     phase: Callable[[str], None] = lambda name: None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch shard's loss and gradients, summed over the ranks (without FSDP2) and clipped to ``cfg.grad_clip``:
-    the step up to the optimizer's, telling ``phase`` "forward", "backward", then "gradients and optimizer".
-    Returns the loss and the gradient norm. ``seqmesh train`` and ``seqmesh rehearse`` both step through it."""
-    phase("forward")
-    with autocast:
-        loss = module(**local)
-    phase("backward")
-    loss.backward()
-    phase("gradients and optimizer")
-    if not fsdp:
-        sync_gradients(module, mesh)
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")  # inf: measure the norm, clip nothing
-    return loss, gradient_norm(module.parameters(), max_norm)
-
-
-def evaluate(module: SequenceParallelLM, data, mesh: SPMesh, cfg: TrainConfig, device: torch.device) -> float:
-    """Accuracy of argmax predictions on the scored tokens of the data's held-out batch."""
-    module.eval()
-    batch = data.eval_batch(mesh.dp_rank, cfg.batch, mesh.dp_size)
-    local = to_device(shard_batch(batch, mesh, model=module, layout=cfg.layout), device)
-    with torch.no_grad():
-        counts = module.score(**local)
-    dist.all_reduce(counts, group=mesh.batch_group)
-    module.train()
-    return float(counts[0] / counts[1].clamp(min=1))
 
 
 class TrainingRun:

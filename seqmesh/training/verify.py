@@ -16,7 +16,9 @@ from ..sequence.batch import IGNORE_INDEX
 from ..model.lm import build_model
 from .config import TrainConfig
 from ..comm.ranks import full_value
-from .train import build, make_dataset, to_device, uses_fsdp
+from .step import to_device
+from .train import build, uses_fsdp
+from .run_data import make_dataset
 from ..vision.batch import VISION_KEYS
 
 

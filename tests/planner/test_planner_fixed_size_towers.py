@@ -119,7 +119,7 @@ def test_seqmesh_train_refuses_a_fixed_size_tower_by_name(tmp_path, family):
     """``seqmesh train`` builds Qwen-VL towers only: a config.json with a fixed-size tower is refused before any
     model is built, naming the way to train it."""
     from seqmesh.training.config import TrainConfig
-    from seqmesh.training.train import make_dataset
+    from seqmesh.training.run_data import make_dataset
 
     _, path = _config_dir(tmp_path, family)
     with pytest.raises(ValueError, match="parallelize_model in your own loop"):
@@ -131,7 +131,7 @@ def test_seqmesh_train_refuses_llava_onevision_once_with_the_true_reason(tmp_pat
     from vision_cases import _tiny_refused
 
     from seqmesh.training.config import TrainConfig
-    from seqmesh.training.train import make_dataset
+    from seqmesh.training.run_data import make_dataset
 
     _tiny_refused("llava_onevision").save_pretrained(tmp_path)
     with pytest.raises(ValueError) as err:

@@ -136,7 +136,7 @@ def test_two_documents_hold_one_out(tmp_path):
 
 def test_data_checks_read_the_vocabulary_without_a_model(tmp_path):
     from seqmesh.training.datasets import ByteTokenizer
-    from seqmesh.training.train import make_dataset
+    from seqmesh.training.run_data import make_dataset
 
     text = tmp_path / "a.txt"
     text.write_text("first document\n\nsecond one\n\nthird, ÿ", encoding="utf-8")

@@ -45,7 +45,7 @@ def test_a_qwen_vl_batch_without_mm_token_type_ids_is_refused_naming_the_field()
 
     from seqmesh.model.lm import build_model
     from seqmesh.training.config import TrainConfig
-    from seqmesh.training.train import make_dataset
+    from seqmesh.training.run_data import make_dataset
     from seqmesh.vision.batch import reads_token_types, shard_multimodal_batch
 
     model = build_model("qwen2.5-vl-tiny", device="meta")
