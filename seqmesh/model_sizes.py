@@ -1,5 +1,5 @@
 """The sizes a decoder's config may hold: one check, shared by the config.json reader (``seqmesh train``, ``verify``
-and ``plan`` read every model through it), :class:`seqmesh.model.presets.ModelShape` and ``seqmesh.hf.parallelize``.
+and ``plan`` read every model through it), :class:`seqmesh.model.shapes.ModelShape` and ``seqmesh.hf.parallelize``.
 
 Each rule names the config.json field, its value, the rule and the fix, before any work: a size out of range
 otherwise surfaces as "max() arg is an empty sequence" while degrees are chosen, a raw traceback from deep inside

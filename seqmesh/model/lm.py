@@ -15,7 +15,8 @@ from .materialize import materialize
 from .router_aux import RouterAux, load_balancing_loss, router_aux
 from ..sequence.batch import IGNORE_INDEX, real_tokens
 from ..mesh import SPMesh
-from .presets import MODELS, ModelShape, model_shape
+from .presets import MODELS, model_shape
+from .shapes import ModelShape
 
 if TYPE_CHECKING:  # annotations only: the model reads what shard_batch built, it never builds one
     from ..sequence.batch import SequenceInfo

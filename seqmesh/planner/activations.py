@@ -6,7 +6,7 @@ and allocates: docs/planner.md ("Activations").
 from __future__ import annotations
 
 from ..hf import indexed_attention
-from ..model.presets import ModelShape
+from ..model.shapes import ModelShape
 from ..padding import padded_length
 from ..heads import HeadDeal
 from ..degrees import Degrees

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..degrees import Degrees
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..experts.traffic import ExchangeBytes, expected_exchange_bytes
-from ..model.presets import ModelShape
+from ..model.shapes import ModelShape
 from .activations import tokens
 from .hardware import HardwareSpec
 from .network import concurrent_all_to_all_seconds, fsdp_seconds, link_name

@@ -13,7 +13,7 @@ import functools
 from ..hf.indexed_attention import block_queries, scored_keys
 from ..padding import padded_length
 from ..sequence.layout import SequenceLayout
-from ..model.presets import ModelShape
+from ..model.shapes import ModelShape
 from .activations import local_tokens, tokens, tp_heads
 from .experts import dispatch_bytes
 from .hardware import HardwareSpec

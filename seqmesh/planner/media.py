@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.presets import ModelShape, VisionShape
+from ..model.shapes import ModelShape, VisionShape
 
 
 @dataclass(frozen=True)

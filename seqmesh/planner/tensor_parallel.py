@@ -9,7 +9,7 @@ tokens, ``L = padded / (U x R)``; one collective moves ``(T - 1)`` such slices, 
 from __future__ import annotations
 
 from ..degrees import TP_SIZE_NAMES, Degrees, tensor_parallel_misfits
-from ..model.presets import ModelShape
+from ..model.shapes import ModelShape
 from ..padding import padded_length
 from .hardware import HardwareSpec
 from .traffic import dtype_bytes

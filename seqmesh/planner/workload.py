@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..degrees import Degrees, resolve_degrees
 from ..experts.rules import check_expert_parallel as runtime_rule
-from ..model.presets import ModelShape
+from ..model.shapes import ModelShape
 
 if TYPE_CHECKING:
     from .media import Media

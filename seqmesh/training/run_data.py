@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 
 from ..model.lm import hf_config, load_config
-from ..model.presets import MODELS, model_shape, read_config_json
+from ..model.config_json import read_config_json
+from ..model.presets import MODELS, model_shape
 from ..model.pretrained import check_tokenizer_path
 from ..planner.media import Media
 from ..vision.families import family_of, vision_family

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.presets import VisionShape
+from ..model.shapes import VisionShape
 from ..sequence.batch import IGNORE_INDEX
 from .datasets import FIRST_SYMBOL, HELD_OUT_STEP
 

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from seqmesh.model.presets import ModelShape, model_shape
+from seqmesh.model.presets import model_shape
+from seqmesh.model.shapes import ModelShape
 from seqmesh.model_sizes import MAX_VOCAB, check_model_sizes
 from seqmesh.tools.cli import main
 

@@ -23,7 +23,8 @@ from seqmesh.planner.timing import _ulysses_seconds, step_time
 from seqmesh.degrees import Degrees
 from seqmesh.planner.workload import Workload
 from seqmesh.tools.cli import main
-from seqmesh.model.presets import MODELS, ModelShape
+from seqmesh.model.presets import MODELS
+from seqmesh.model.shapes import ModelShape
 
 MB = 10**6
 H100 = PRESETS["h100-nvlink"]

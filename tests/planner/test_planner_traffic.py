@@ -19,7 +19,8 @@ from seqmesh.planner.tensor_parallel import layer_traffic, pooled_loss_bytes, st
 from seqmesh.planner.traffic import attention_traffic, fsdp_traffic
 from seqmesh.degrees import Degrees
 from seqmesh.planner.workload import Workload
-from seqmesh.model.presets import MODELS, ModelShape, model_shape
+from seqmesh.model.presets import MODELS, model_shape
+from seqmesh.model.shapes import ModelShape
 
 CASES = [
     TrafficCase(32, 4, 4, "float64"),  # MHA

@@ -292,14 +292,15 @@ def test_a_vision_language_model_trains_and_verifies_on_image_records(pools, tmp
     """Your own records: text with <image> markers and .npy images (Qwen2.5-VL's 14-pixel patches, images of
     28 to 56 pixels). ``seqmesh verify`` finds the packed, sharded step (two records a row, positions restarting
     per record) equal to the whole model run on each record, and a few training steps run."""
-    from seqmesh.model.presets import MODELS, VisionShape
+    from seqmesh.model.presets import MODELS
+    from seqmesh.model.shapes import VisionShape
 
     data = _image_records(tmp_path)
     small = dict(MODELS["qwen2.5-vl-tiny"].__dict__)
     small["vision"] = VisionShape(2, 32, 4, 48, 64, patch=14, window=56, full_blocks=(1,))
     config = tmp_path / "config.json"
     from seqmesh.model.lm import hf_config
-    from seqmesh.model.presets import ModelShape
+    from seqmesh.model.shapes import ModelShape
 
     hf_config(ModelShape(**small)).to_json_file(str(config))
     cfg = _cfg(tmp_path / "run", model=str(config), seq_len=160, ulysses=2, ring=2, data=[data], steps=3, eval_every=0)

@@ -1,0 +1,219 @@
+"""A transformers ``config.json`` read into a :class:`~.shapes.ModelShape`: its decoder's sizes, windows, latent
+attention, experts, linear-attention and hybrid layers (:mod:`.hybrid`), and a vision tower (Qwen-VL's, or a
+fixed-size one: LLaVA's CLIP, Gemma 3's SigLIP, InternVL's InternViT). Every size is checked before it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..model_sizes import check_model_sizes
+from .hybrid import hybrid_fields
+from .shapes import LatentShape, ModelShape, VisionShape
+
+
+def read_config_json(path: str) -> dict:
+    """The object in a ``config.json``; a file that is not JSON is named with the line and column."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); a transformers config.json "
+                         "is a UTF-8 JSON file.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {err.lineno}, column {err.colno}, is not valid JSON ({err.msg}). Fix the file, "
+                         "or give a preset name or another config.json.") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object of config fields.")
+    return cfg
+
+
+def _window_fields(cfg: dict) -> dict:
+    """sliding_window and full_every from a config.json: its layer_types (the first full layer gives
+    the period), or one window for every layer (Mistral)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or []
+    if not window or cfg.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
+        return {}
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    return {"sliding_window": int(window), "full_every": full[0] + 1 if full else 0}
+
+
+def shape_from_config(path: str) -> ModelShape:
+    """The shape in the transformers ``config.json`` at ``path`` (a file)."""
+    cfg = read_config_json(path)
+    if cfg.get("is_encoder_decoder"):
+        raise ValueError(f"{path} describes an encoder-decoder model ({cfg.get('model_type', 'is_encoder_decoder')}); "
+                         "seqmesh trains and plans decoder-only causal language models (Llama, Qwen, Mistral, ...). "
+                         "Give a preset or a decoder's config.json.")
+    vision = _vision_fields(cfg, path)
+    where = path
+    if vision is not None and isinstance(cfg.get("text_config"), dict):  # the decoder's sizes in text_config
+        cfg = {**cfg["text_config"], "model_type": cfg.get("model_type"),
+               "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
+        where = f"{path} (text_config)"
+    # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
+    cfg = _with_layer_count(cfg)
+    hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
+    cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
+    if "layers" in hybrid:
+        cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
+    check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
+    try:
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        return ModelShape(
+            name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+            family=cfg.get("model_type", "llama"),
+            hidden=hidden,
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            vocab=cfg["vocab_size"],
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            **({"head_dim": cfg.get("head_dim") or hidden // heads} | _latent_fields(cfg)),
+            **_mlp_fields(cfg),
+            **_linear_fields(cfg),
+            **_window_fields(cfg),
+            **hybrid,
+            vision=vision,
+        )
+    except KeyError as missing:
+        raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+def _with_layer_count(cfg: dict) -> dict:
+    """``cfg`` with ``num_hidden_layers`` counted from its list of layer kinds where it names the kinds only (Nemotron-H
+    as transformers 5.24 writes it: ``layers_block_type``; its older releases: ``hybrid_override_pattern``)."""
+    if cfg.get("num_hidden_layers") is not None:
+        return cfg
+    for key in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+        kinds = cfg.get(key)
+        if isinstance(kinds, (list, str)) and kinds:
+            return {**cfg, "num_hidden_layers": len(kinds)}
+    return cfg
+
+
+def _vision_fields(cfg: dict, path: str) -> VisionShape | None:
+    """The tower of a vision-language config.json (its ``vision_config``), or None for a text model: a Qwen-VL
+    tower, or a fixed-size one (LLaVA's CLIP, Gemma 3's SigLIP, InternVL's InternViT: :func:`_fixed_size_tower`).
+    ``seqmesh train`` builds Qwen-VL towers only; the others train through ``parallelize_model`` in your loop."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        return None
+    if v.get("model_type") in FIXED_SIZE_TOWERS:
+        return _fixed_size_tower(cfg, v)
+    if "depth" not in v:
+        raise ValueError(f"{path} describes a {cfg.get('model_type')} model with a {v.get('model_type')} tower; seqmesh "
+                         "plan sizes Qwen-VL towers (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5) and the fixed-size towers of "
+                         "LLaVA (clip_vision_model), Gemma 3 (siglip_vision_model) and InternVL (internvl_vision).")
+    try:
+        if "embed_dim" in v:  # Qwen2-VL: the tower's width is embed_dim, hidden_size the merger's output
+            widths = dict(hidden=v["embed_dim"], intermediate=int(v["embed_dim"] * v.get("mlp_ratio", 4)),
+                          out_hidden=v["hidden_size"])
+        else:
+            widths = dict(hidden=v["hidden_size"], intermediate=v["intermediate_size"], out_hidden=v["out_hidden_size"])
+        table = v.get("num_position_embeddings") or 0
+        return VisionShape(depth=v["depth"], heads=v["num_heads"], **widths,
+                           patch=v.get("patch_size", 14), merge=v.get("spatial_merge_size", 2),
+                           temporal=v.get("temporal_patch_size", 2), window=v.get("window_size") or 0,
+                           full_blocks=tuple(v.get("fullatt_block_indexes") or ()),
+                           deepstack=tuple(v.get("deepstack_visual_indexes") or ()),
+                           position_table=table, in_channels=v.get("in_channels", 3),
+                           gated=not table and "embed_dim" not in v)  # Qwen2.5-VL's blocks only
+    except KeyError as missing:
+        raise ValueError(f"its vision_config has no {missing} entry; seqmesh reads Qwen-VL style towers.") from None
+
+
+FIXED_SIZE_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "internvl_vision": "internvit"}
+
+
+def _side(value) -> int:
+    """A square size given as one number or a pair (InternVL's image_size, patch_size)."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"size {value}: seqmesh plans square images of square patches.")
+        return int(value[0])
+    return int(value)
+
+
+def _fixed_size_tower(cfg: dict, v: dict) -> VisionShape:
+    """A LLaVA, Gemma 3 or InternVL tower from its config.json, with transformers' defaults for what a saved
+    config leaves out; ``merge`` is the side of the window each placeholder token takes (LLaVA: 1, a patch)."""
+    tower = FIXED_SIZE_TOWERS[v["model_type"]]
+    text = cfg.get("text_config") or {}
+    default_size, default_patch = {"clip": (224, 32), "siglip": (224, 16), "internvit": (448, 14)}[tower]
+    size, patch = _side(v.get("image_size", default_size)), _side(v.get("patch_size", default_patch))
+    side = size // patch
+    depth = v.get("num_hidden_layers", 12)
+    extra: dict = {}
+    if tower == "siglip":
+        pooled = round(cfg.get("mm_tokens_per_image", 256) ** 0.5)
+        if pooled < 1 or side % pooled:
+            raise ValueError(f"mm_tokens_per_image={cfg.get('mm_tokens_per_image', 256)} must be a square whose side "
+                             f"divides the {side} patches of an image side, so each token pools whole patches.")
+        extra = dict(merge=side // pooled, head=bool(v.get("vision_use_head", True)))
+    else:  # both read one layer's hidden states (InternVL: -1, LLaVA: -2 by default); LLaVA may read several
+        layers = cfg.get("vision_feature_layer", -1 if tower == "internvit" else -2)
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        read = max(x % (depth + 1) for x in layers)  # index into the hidden states: 0 the embeddings
+        extra = dict(read_blocks=read, feature_layers=len(layers))
+        if tower == "clip":
+            extra.update(merge=1, routes_class=cfg.get("vision_feature_select_strategy", "default") == "full")
+        else:
+            ratio = cfg.get("downsample_ratio", 0.5)
+            extra.update(merge=max(round(1 / ratio), 1), qkv_bias=bool(v.get("attention_bias", False)),
+                         qk_norm=bool(v.get("use_qk_norm", False)), final_norm=not v.get("use_mean_pooling", True),
+                         mask_token=bool(v.get("use_mask_token", False)))
+    return VisionShape(depth=depth, hidden=v.get("hidden_size", 768), heads=v.get("num_attention_heads", 12),
+                       intermediate=v.get("intermediate_size", 3072), out_hidden=text.get("hidden_size", 4096),
+                       patch=patch, temporal=1, in_channels=v.get("num_channels", 3), gated=False, tower=tower,
+                       image_size=size, **extra)
+
+
+def _mlp_fields(cfg: dict) -> dict:
+    """The MLP of a config.json: its experts (each of ``moe_intermediate_size`` where the config names one, as
+    Qwen3.5-MoE, whose config has no dense ``intermediate_size``; gpt-oss's are ``intermediate_size``), or one
+    dense MLP. DeepSeek's and GLM's ``n_shared_experts`` (each an expert's size) and first dense layers
+    (``mlp_layer_types`` "dense", or the first ``first_k_dense_replace``; of ``intermediate_size``) are counted."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if not experts:
+        return dict(intermediate=cfg["intermediate_size"])
+    kinds = cfg.get("mlp_layer_types")
+    dense = kinds.count("dense") if kinds else min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])
+    return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
+                experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=cfg.get("n_shared_experts") or 0,
+                dense_layers=dense, dense_intermediate=cfg.get("intermediate_size") or 0 if dense else 0)
+
+
+def _latent_fields(cfg: dict) -> dict:
+    """MLA's sizes (DeepSeek-V3, V3.2, GLM-5) and the head dim its attention runs at (the query/key head's, no-RoPE
+    and RoPE parts; config.json's ``head_dim`` is the RoPE part only), with DeepSeek Sparse Attention's indexer where
+    ``layer_types`` names ``indexed_attention`` layers (GLM-5's ``indexer_types`` "shared": no indexer of their own)."""
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    types = cfg.get("layer_types") or []
+    indexed = types.count("indexed_attention")
+    if indexed and not cfg.get("index_topk"):
+        raise ValueError(f"{indexed} indexed_attention layers but no index_topk: DeepSeek Sparse Attention needs the "
+                         "keys each query attends to (index_topk), index_head_dim and index_n_heads.")
+    shared = [k for t, k in zip(types, cfg.get("indexer_types") or ["full"] * len(types)) if t == "indexed_attention"]
+    latent = LatentShape(cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
+                         cfg["qk_rope_head_dim"], cfg["v_head_dim"],
+                         **(dict(index_topk=cfg["index_topk"], index_head_dim=cfg["index_head_dim"],
+                                 index_n_heads=cfg["index_n_heads"], indexed_layers=indexed,
+                                 shared_layers=shared.count("shared")) if indexed else {}))
+    return dict(latent=latent, head_dim=latent.qk_head_dim)
+
+
+def _linear_fields(cfg: dict) -> dict:
+    """The Gated DeltaNet shape of a hybrid config.json (Qwen3.5, Qwen3-Next), or nothing."""
+    if not cfg.get("linear_num_value_heads"):
+        return {}
+    types = cfg.get("layer_types") or []
+    interval = cfg.get("full_attention_interval") or (types.index("full_attention") + 1 if "full_attention" in types else 4)
+    return dict(full_attention_interval=interval, linear_key_heads=cfg["linear_num_key_heads"],
+                linear_value_heads=cfg["linear_num_value_heads"], linear_key_dim=cfg["linear_key_head_dim"],
+                linear_value_dim=cfg["linear_value_head_dim"], linear_conv=cfg.get("linear_conv_kernel_dim", 4))

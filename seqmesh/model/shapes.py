@@ -1,0 +1,351 @@
+"""The shapes the planner and the job read a model by: its decoder (:class:`ModelShape`), a vision tower
+(:class:`VisionShape`) and multi-head latent attention (:class:`LatentShape`). The presets are in :mod:`.presets`,
+the reader of a transformers ``config.json`` in :mod:`.config_json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..model_sizes import check_model_sizes
+from .hybrid_shape import HybridShape
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision tower: ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks, ``merge x merge``
+    patches fused into one language-model token. ``tower`` "qwen_vl": Qwen-VL's (any image size, a patch merger;
+    what ``seqmesh train`` and ``seqmesh plan`` size). The fixed-size towers of ``image_size`` images, which
+    ``seqmesh plan`` sizes: "clip" (LLaVA, merge 1, a class token), "siglip" (Gemma 3, merge = the average pool's
+    k), "internvit" (InternVL, merge = the pixel shuffle's k, a class token); each ends in a projector whose rows
+    are the decoder's (``out_hidden``)."""
+
+    depth: int
+    hidden: int
+    heads: int
+    intermediate: int
+    out_hidden: int  # the decoder's hidden size: what each merged unit becomes
+    patch: int = 14
+    merge: int = 2
+    temporal: int = 2
+    window: int = 0  # Qwen2.5-VL: side of the attention windows in pixels (0: every block attends per frame)
+    full_blocks: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend per frame despite the windows
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: blocks whose merged features join the first decoder layers
+    position_table: int = 0  # Qwen3-VL: entries of the learned position table (a square)
+    in_channels: int = 3
+    gated: bool = True  # Qwen2.5-VL's blocks: a gated MLP and RMSNorms; Qwen2-VL's and Qwen3-VL's: two linears, LayerNorms
+    tower: str = "qwen_vl"  # "qwen_vl", or a fixed-size tower: "clip" (LLaVA), "siglip" (Gemma 3), "internvit" (InternVL)
+    image_size: int = 0  # fixed-size towers: pixels per image (InternVL: tile) side; 0 for Qwen-VL
+    read_blocks: int = 0  # fixed-size towers: blocks run up to the layer the model reads (0: all ``depth``)
+    feature_layers: int = 1  # LLaVA: layers whose features are concatenated into the projector's input
+    routes_class: bool = False  # LLaVA's "full" strategy: the class token's row is a placeholder token too
+    head: bool = False  # SigLIP's attention-pooling head: built, never run (Gemma 3 pools the patches itself)
+    qkv_bias: bool = True  # InternViT: attention_bias
+    qk_norm: bool = False  # InternViT: use_qk_norm (an RMSNorm over q and over k)
+    final_norm: bool = True  # InternViT: its final LayerNorm (absent with use_mean_pooling)
+    mask_token: bool = False  # InternViT: use_mask_token (a parameter, unused in training)
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "hidden", "heads", "intermediate", "out_hidden", "patch", "merge", "temporal", "in_channels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the vision tower's {name} = {value!r} (its vision_config entry) must be a positive "
+                                 "integer; fix the config.json.")
+        if self.hidden % self.heads:
+            raise ValueError(f"the vision tower's {self.heads} heads do not divide its width {self.hidden} (vision_config); "
+                             "each head takes an equal part of it: fix the config.json.")
+
+    @property
+    def fixed_size(self) -> bool:
+        """Every image is ``image_size`` pixels square (LLaVA, Gemma 3, InternVL)."""
+        return self.tower != "qwen_vl"
+
+    @property
+    def class_token(self) -> bool:
+        """Each image starts with a class token (LLaVA's CLIP, InternViT)."""
+        return self.tower in ("clip", "internvit")
+
+    @property
+    def run_blocks(self) -> int:
+        """Blocks a step runs (LLaVA reads the features of an earlier layer than the last, by default -2)."""
+        return self.read_blocks or self.depth
+
+    @property
+    def projector_macs(self) -> int:
+        """Multiply-accumulates per placeholder token's row from the tower's last block to the decoder: Qwen-VL's
+        mergers (and DeepStack's), or a fixed-size tower's projector."""
+        unit, out = self.hidden * self.merge * self.merge, self.out_hidden
+        if self.tower == "siglip":
+            return self.hidden * out
+        if self.tower == "clip":
+            return self.hidden * self.feature_layers * out + out * out
+        if self.tower == "internvit":
+            return unit * out + out * out
+        return (1 + len(self.deepstack)) * (unit * unit + unit * out)
+
+    @property
+    def patch_features(self) -> int:
+        """Values per patch (one row of ``pixel_values``)."""
+        return self.in_channels * self.temporal * self.patch * self.patch
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block (one FSDP unit): qkv and proj with biases, the MLP with biases, two norms."""
+        h, i = self.hidden, self.intermediate
+        attention = 4 * h * h + 4 * h
+        if self.tower == "internvit":  # q, k, v biased only with attention_bias; layer scale; RMSNorms are one vector
+            attention += (0 if self.qkv_bias else -3 * h) + (2 * h if self.qk_norm else 0)
+            return attention + 2 * h * i + i + h + 2 * h + 4 * h
+        if self.gated:
+            return attention + 3 * h * i + 2 * i + h + 2 * h
+        return attention + 2 * h * i + i + h + 4 * h
+
+    @property
+    def params(self) -> int:
+        """Parameters. Qwen2.5-VL: a bias-free patch embedding; blocks of qkv and proj with biases, a gated MLP
+        with biases, two RMSNorms; a merger (RMSNorm, two linears). Qwen2-VL: the same with a two-linear MLP,
+        LayerNorms in the blocks and the merger. Qwen3-VL (``position_table``): as Qwen2-VL, with a bias in the
+        patch embedding, the learned positions, and each DeepStack merger (LayerNorm over the merged unit)."""
+        h, unit = self.hidden, self.hidden * self.merge * self.merge
+        if self.fixed_size:
+            return self._fixed_size_params
+        linears = unit * unit + unit + unit * self.out_hidden + self.out_hidden
+        if self.gated:
+            return self.patch_features * h + self.depth * self.block_params + h + linears
+        learned = h + self.position_table * h + len(self.deepstack) * (2 * unit + linears) if self.position_table else 0
+        return self.patch_features * h + self.depth * self.block_params + 2 * h + linears + learned
+
+    @property
+    def _fixed_size_params(self) -> int:
+        """A fixed-size tower's parameters: the patch embedding (biased but in CLIP), class token and learned
+        positions, every block (run or not), the final norm, and the projector; SigLIP's unused head counted."""
+        h, i, out, unit = self.hidden, self.intermediate, self.out_hidden, self.hidden * self.merge * self.merge
+        places = (self.image_size // self.patch) ** 2 + self.class_token
+        embed = self.patch_features * h + (self.tower != "clip") * h + places * h + self.class_token * h
+        blocks = self.depth * self.block_params + (2 * h if self.final_norm else 0)
+        if self.tower == "clip":  # pre_layrnorm; linear_1, linear_2 with biases
+            return embed + 2 * h + blocks + h * self.feature_layers * out + out + out * out + out
+        if self.tower == "siglip":  # the head: probe, attention (in and out projections), LayerNorm, MLP
+            head = h + 4 * h * h + 4 * h + 2 * h + 2 * h * i + i + h if self.head else 0
+            return embed + blocks + head + h * out + h  # mm_input_projection_weight, mm_soft_emb_norm
+        # InternViT: the mask token; the projector's LayerNorm over k*k patches, linear_1, linear_2 with biases
+        return embed + self.mask_token * h + blocks + 2 * unit + unit * out + out + out * out + out
+
+    def config(self, family: str) -> dict:
+        """transformers' ``vision_config`` entries for a Qwen-VL tower of ``family`` (the model type)."""
+        if self.fixed_size:
+            raise ValueError(f"seqmesh builds Qwen-VL towers only; a {self.tower} tower is read from its config.json "
+                             "for seqmesh plan. Train it with seqmesh.compose.parallelize_model in your own loop.")
+        common = dict(depth=self.depth, num_heads=self.heads, patch_size=self.patch, spatial_merge_size=self.merge,
+                      temporal_patch_size=self.temporal, in_channels=self.in_channels)
+        if family == "qwen2_vl":  # the tower's width is embed_dim, hidden_size the merger's output, the MLP a ratio
+            if self.intermediate % self.hidden:
+                raise ValueError(f"a Qwen2-VL tower's MLP is a whole multiple (mlp_ratio) of its width {self.hidden}; "
+                                 f"intermediate {self.intermediate} is not. Use a multiple of {self.hidden}.")
+            return dict(common, embed_dim=self.hidden, hidden_size=self.out_hidden,
+                        mlp_ratio=self.intermediate // self.hidden)
+        out = dict(common, hidden_size=self.hidden, intermediate_size=self.intermediate, out_hidden_size=self.out_hidden)
+        if self.window:
+            out.update(window_size=self.window, fullatt_block_indexes=list(self.full_blocks))
+        if self.position_table:
+            out.update(num_position_embeddings=self.position_table, deepstack_visual_indexes=list(self.deepstack))
+        return out
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """Multi-head latent attention (MLA: DeepSeek-V3, DeepSeek-V3.2, GLM-5): each token's keys and values come from
+    one ``kv_lora_rank`` latent and one shared ``qk_rope_head_dim`` rotary key; with DeepSeek Sparse Attention
+    (``index_topk`` > 0) ``indexed_layers`` of the layers are ``indexed_attention`` (``seqmesh.hf.indexed_attention``),
+    each query attending to the top ``index_topk`` keys its lightning indexer (``index_n_heads`` heads of
+    ``index_head_dim``) picks; ``shared_layers`` of them (GLM-5's indexer_types "shared") reuse the previous
+    layer's selection and have no indexer."""
+
+    q_lora_rank: int  # 0: queries projected from the hidden state directly
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_topk: int = 0  # keys each query of an indexed layer attends to (0: no indexed layers)
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    indexed_layers: int = 0
+    shared_layers: int = 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def attention_params(self, hidden: int, heads: int, indexer: bool = False) -> int:
+        """One layer's MLA (q_a, its norm, q_b or q; kv_a, its norm, kv_b; o) and, with ``indexer``, its lightning
+        indexer (wq_b, wk, the key's LayerNorm, weights_proj)."""
+        r, q = self.kv_lora_rank, heads * self.qk_head_dim
+        query = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q if self.q_lora_rank else hidden * q
+        kv = hidden * (r + self.qk_rope_head_dim) + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        own = query + kv + heads * self.v_head_dim * hidden
+        if not indexer:
+            return own
+        di, hi = self.index_head_dim, self.index_n_heads
+        return own + (self.q_lora_rank or hidden) * hi * di + hidden * di + 2 * di + hidden * hi
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner and the trainer need to know of a decoder-only transformer."""
+
+    name: str
+    family: str  # transformers model type: "llama", "qwen3", "qwen2", "mistral"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    # Gated DeltaNet layers of hybrid models (Qwen3.5): every ``full_attention_interval``-th layer is full
+    # attention, the others linear attention with these heads; 0 when every layer is full attention
+    full_attention_interval: int = 0
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 4  # the short causal conv's kernel
+    sliding_window: int | None = None  # causal window of the sliding layers (transformers' sliding_window)
+    full_every: int = 0  # with a window: every full_every-th layer is full attention, the others slide (0: all slide)
+    experts: int = 0  # MoE experts per layer (0: a dense gated MLP)
+    experts_per_token: int = 0
+    extra: tuple[tuple[str, object], ...] = ()  # further config entries of the family (name, value)
+    vision: VisionShape | None = None  # a vision-language model's tower (family "qwen2_5_vl", "qwen3_vl")
+    latent: LatentShape | None = None  # MLA's sizes (head_dim is then its query/key head dim); None: q, k, v heads
+    shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
+    dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
+    dense_intermediate: int = 0
+    hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)
+    unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
+
+    def __post_init__(self) -> None:
+        check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.model_sizes)
+        if self.full_attention_interval and (not self.linear_key_heads or self.linear_value_heads % self.linear_key_heads):
+            raise ValueError(f"{self.name}: {self.linear_value_heads} linear value heads must be a positive multiple of "
+                             f"{self.linear_key_heads} linear key heads.")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{self.name}: sliding_window must be a positive number of tokens, got {self.sliding_window}.")
+
+    def config_sizes(self) -> dict[str, object]:
+        """The sizes as a config.json names them (what :func:`seqmesh.model_sizes.check_model_sizes` reads)."""
+        sizes = {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                 "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
+                 "intermediate_size": self.intermediate}
+        if self.experts:
+            sizes.update(num_experts=self.experts, num_experts_per_tok=self.experts_per_token)
+        return sizes
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """transformers' per-layer kinds: a hybrid's Gated DeltaNet layers with every
+        ``full_attention_interval``-th full; with a window every ``full_every``-th full, the rest sliding."""
+        n = self.full_attention_interval
+        if n:
+            return tuple("linear_attention" if (i + 1) % n else "full_attention" for i in range(self.layers))
+        if self.sliding_window is None:
+            return ("full_attention",) * self.layers
+        return tuple("full_attention" if self.full_every and (i + 1) % self.full_every == 0 else "sliding_attention"
+                     for i in range(self.layers))
+
+    @property
+    def linear_layers(self) -> int:
+        """Gated DeltaNet layers (the rest are attention)."""
+        return self.layer_types.count("linear_attention")
+
+    @property
+    def non_attention_layers(self) -> int:
+        """Layers without attention: Gated DeltaNet, a hybrid's Mamba2 layers and Nemotron-H's MLP and MoE blocks."""
+        if self.hybrid is not None:
+            return self.layers - self.hybrid.attention_layers
+        return self.linear_layers
+
+    @property
+    def sliding_layers(self) -> int:
+        return self.layer_types.count("sliding_attention")
+
+    @property
+    def linear_layer_params(self) -> int:
+        """One Gated DeltaNet layer's token mixer: projections q|k|v, z, b, a, out; conv; A_log, dt_bias; gated norm."""
+        kd, vd = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+        conv_dim = 2 * kd + vd
+        return (self.hidden * (conv_dim + vd + 2 * self.linear_value_heads) + vd * self.hidden + conv_dim * self.linear_conv
+                + 2 * self.linear_value_heads + self.linear_value_dim)
+
+    @property
+    def mlp_params(self) -> int:
+        """One layer's MLP: a gated MLP, or ``experts`` of them, the shared experts and a router (the MoE layer's,
+        where the first ``dense_layers`` have a dense MLP: the larger FSDP unit); a hybrid's largest feed-forward."""
+        if self.hybrid is not None:
+            return max(ffn.params for _, ffn in self.hybrid.ffns) if self.hybrid.ffns else 0
+        if self.experts:
+            experts = (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate
+            return experts + self.experts * self.hidden  # + the router
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def norm_params(self) -> int:
+        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3)."""
+        if self.family == "gemma3_text":
+            return 4 * self.hidden + 2 * self.head_dim
+        if self.hybrid is not None:
+            return self.hybrid.norms * self.hidden
+        return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0)
+
+    @property
+    def value_dim(self) -> int:
+        """v's head dim (MLA's differs from q's and k's, ``head_dim``)."""
+        return self.latent.v_head_dim if self.latent is not None else self.head_dim
+
+    @property
+    def indexed_layers(self) -> int:
+        """DeepSeek Sparse Attention layers (``indexed_attention``; the rest of the attention layers are full)."""
+        return self.latent.indexed_layers if self.latent is not None else 0
+
+    @property
+    def attention_params(self) -> int:
+        """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's)."""
+        if self.latent is not None:
+            return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
+        bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias
+
+    @property
+    def params(self) -> int:
+        """Parameter count (embeddings, attention, gated MLP or experts, RMSNorms, Gated DeltaNet mixers, LM head
+        unless tied; gpt-oss's biases and sinks, under 0.01%, are left out). As transformers builds the model:
+        DeepSeek-V3.2's multi-token-prediction layer is not built, nor counted. A Mamba2 hybrid: its layers
+        (:meth:`.hybrid.HybridShape.params`)."""
+        if self.hybrid is not None:
+            embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+            return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params)
+        gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
+        attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
+        if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases
+            attn += self.head_dim * (self.heads + 2 * self.kv_heads)
+        embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        full = self.layers - self.linear_layers
+        attention = full * attn
+        if self.latent is not None:  # MLA; an indexer in each indexed layer but GLM-5's shared ones
+            own = self.latent.indexed_layers - self.latent.shared_layers
+            attention = (own * self.latent.attention_params(self.hidden, self.heads, indexer=True)
+                         + (full - own) * self.latent.attention_params(self.hidden, self.heads))
+        tower = self.vision.params if self.vision is not None else 0
+        dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate)
+        per_layer = self.mlp_params + self.norm_params
+        return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
+                - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower)
+
+    def as_dict(self) -> dict:
+        """The decoder's shape as plain data (the family's ``extra`` config entries left out: they size
+        nothing; a vision tower is reported apart, by the planner's vision section)."""
+        shape = asdict(self)
+        del shape["extra"], shape["vision"], shape["unplanned"]
+        shape["hybrid"] = self.hybrid.as_dict() if self.hybrid is not None else None
+        return shape
