@@ -46,7 +46,7 @@ from .vision.tower import VisionLanguageLM
 from .model.pretrained import copy_pretrained
 from .model.writer import write_model
 from .versions import require
-from .degrees import resolve_degrees
+from .rules.degrees import resolve_degrees
 
 # Trainer methods overridden here: _get_dataloader, _get_num_items_in_batch, _wrap_model, compute_loss,
 # prediction_step and the save/load hooks exist throughout 5.x; _clip_grad_norm and _get_grad_norm

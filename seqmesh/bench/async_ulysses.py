@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..overlap import ASYNC_PIECES
+from ..rules.overlap import ASYNC_PIECES
 
 
 @dataclass

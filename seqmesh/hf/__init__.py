@@ -24,13 +24,13 @@ from . import indexed_attention
 from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
-from ..overlap import ASYNC_PIECES
+from ..rules.overlap import ASYNC_PIECES
 from .layers import SUPPORTED, check_layers, chunked_layers, chunks_per_document, has_attention
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
 from ..versions import require
-from ..degrees import check_tensor_parallel_sizes, workable_degrees
+from ..rules.degrees import check_tensor_parallel_sizes, workable_degrees
 from ..vision.families import is_multimodal, vision_family
 
 _ATTR = "_seqmesh_attention"

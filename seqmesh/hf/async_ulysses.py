@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..mesh import SPMesh
-from ..overlap import ASYNC_PIECES
+from ..rules.overlap import ASYNC_PIECES
 from ..sequence.batch import SequenceInfo
 from ..sharded_attention.api import projected_attention
 

@@ -2,7 +2,7 @@
 exactly: Gated DeltaNet's first design (``sequence_parallel.py``) for KDA, and the rule that picks between it and
 state passing (``kda_state_passing.py``).
 
-Every rank receives the whole sequence of a contiguous range of heads (``seqmesh.heads.HeadDeal``: KDA has as
+Every rank receives the whole sequence of a contiguous range of heads (``seqmesh.rules.heads.HeadDeal``: KDA has as
 many key heads as value heads, so nothing is replicated), runs the conv and the recurrence there with no further
 communication, and sends each token's output back to the rank that holds it::
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..comm.collectives import head_to_seq, seq_to_head
-from ..degrees import Degrees
-from ..heads import HeadDeal
+from ..rules.degrees import Degrees
+from ..rules.heads import HeadDeal
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
 from ..sequence.sharding import sequence_layout
@@ -52,7 +52,7 @@ def choose_kda_design(heads: KdaHeads, mesh: SPMesh | Degrees, design: str | Lin
     """``design`` unless ``auto``: then the design of fewer seconds, bytes over ``bandwidth`` plus state passing's
     extra recurrence over ``flops`` (the all-to-all on a tie, state passing when the heads are fewer than the
     ranks). An explicit all-to-all with more ranks than heads is refused, naming the fix. ``mesh``: its ulysses
-    and ring degrees (the planner passes a layout's :class:`~seqmesh.degrees.Degrees`)."""
+    and ring degrees (the planner passes a layout's :class:`~seqmesh.rules.degrees.Degrees`)."""
     design, p = parse_design(design), mesh.ulysses * mesh.ring
     if design is LinearDesign.ALL_TO_ALL and p > heads.heads:
         raise ValueError(f"the KDA layers have {heads.heads} heads, fewer than the {p} ranks of the sequence group: "

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.collectives import head_to_seq, seq_to_head
-from ..heads import HeadDeal
+from ..rules.heads import HeadDeal
 from ..mesh import SPMesh
 from ..model.hybrid_shape import ssd_widths
 from ..sequence.runs import DEFAULT_MIN_CHUNK

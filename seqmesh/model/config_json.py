@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..model_sizes import check_model_sizes
+from ..rules.model_sizes import check_model_sizes
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 

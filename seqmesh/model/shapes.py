@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..model_sizes import check_model_sizes
+from ..rules.model_sizes import check_model_sizes
 from .hybrid_shape import HybridShape
 
 
@@ -226,7 +226,7 @@ class ModelShape:
     unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
 
     def __post_init__(self) -> None:
-        check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.model_sizes)
+        check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
         if self.full_attention_interval and (not self.linear_key_heads or self.linear_value_heads % self.linear_key_heads):
             raise ValueError(f"{self.name}: {self.linear_value_heads} linear value heads must be a positive multiple of "
                              f"{self.linear_key_heads} linear key heads.")
@@ -234,7 +234,7 @@ class ModelShape:
             raise ValueError(f"{self.name}: sliding_window must be a positive number of tokens, got {self.sliding_window}.")
 
     def config_sizes(self) -> dict[str, object]:
-        """The sizes as a config.json names them (what :func:`seqmesh.model_sizes.check_model_sizes` reads)."""
+        """The sizes as a config.json names them (what :func:`seqmesh.rules.model_sizes.check_model_sizes` reads)."""
         sizes = {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
                  "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
                  "intermediate_size": self.intermediate}

@@ -7,10 +7,10 @@ from .hardware import PRESETS, Cluster, HardwareSpec, LinkLevel, RingEfficiency,
 from .memory import MemoryBreakdown, memory_per_gpu
 from .plan import Candidate, Plan, longest_plan, longest_sequence, plan
 from .timing import StepTime, step_time
-from ..padding import padded_length
-from ..heads import HeadDeal
+from ..rules.padding import padded_length
+from ..rules.heads import HeadDeal
 from .traffic import attention_traffic
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from .workload import GlobalBatch, Workload
 
 __all__ = ["attention_traffic", "Candidate", "Cluster", "Fabric", "GlobalBatch", "HardwareSpec", "HeadDeal", "Degrees",

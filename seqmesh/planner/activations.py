@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from ..hf import indexed_attention
 from ..model.shapes import ModelShape
-from ..padding import padded_length
-from ..heads import HeadDeal
-from ..degrees import Degrees
+from ..rules.padding import padded_length
+from ..rules.heads import HeadDeal
+from ..rules.degrees import Degrees
 from .workload import Workload
 
 INT64 = 8

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..degrees import Degrees
+    from ..rules.degrees import Degrees
     from .memory import MemoryBreakdown
     from .timing import StepTime
 

@@ -11,7 +11,7 @@ runtime's counters are tested against. docs/planner.md, "Expert parallelism", li
 
 from __future__ import annotations
 
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..experts.traffic import ExchangeBytes, expected_exchange_bytes
 from ..model.shapes import ModelShape

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.kda_all_to_all import choose_kda_design, kda_all_to_all_bytes
 from ..linear_attention.kda_state_passing import KdaHeads, kda_state_passing_bytes
 from ..model.hybrid_shape import KDA
-from ..padding import padded_length
+from ..rules.padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import serial_layer_seconds

@@ -12,7 +12,7 @@ from .activations import decoder_layer_saved_bytes
 from .experts import dispatch_bytes, layer_fsdp_seconds
 
 if TYPE_CHECKING:
-    from ..degrees import Degrees
+    from ..rules.degrees import Degrees
     from .hardware import HardwareSpec
     from .workload import Workload
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import functools
 
 from ..hf.indexed_attention import block_queries, scored_keys
-from ..padding import padded_length
+from ..rules.padding import padded_length
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
 from .activations import local_tokens, tokens, tp_heads
@@ -21,7 +21,7 @@ from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seco
 from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
                                        state_passing_extra_flops)
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
-from ..heads import HeadDeal
+from ..rules.heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .kda import KdaLayer
 from .lightning import LightningLayer
@@ -29,7 +29,7 @@ from .short_conv import ShortConvLayer
 from .tensor_parallel import layer_traffic, split_params
 from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes,
                       indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from .workload import Workload, layer_matmul_params, layer_params
 
 def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK
 from ..linear_attention.decay_scan import decay_state_bytes
 from ..model.hybrid_shape import LIGHTNING, Mamba2Shape

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
 from ..model.hybrid_shape import MAMBA2, FeedForward, Mamba2Shape
-from ..padding import padded_length
+from ..rules.padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import attention_saved_bytes, phases, serial_layer_seconds

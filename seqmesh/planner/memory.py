@@ -13,7 +13,7 @@ from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .tensor_parallel import split_params
 from .traffic import dtype_bytes
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from .workload import Workload
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded

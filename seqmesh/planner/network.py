@@ -15,7 +15,7 @@ from .fabric import GB, Fabric
 
 if TYPE_CHECKING:
     from .hardware import HardwareSpec
-    from ..degrees import Degrees
+    from ..rules.degrees import Degrees
 
 MAX_GROUPS_CHECKED = 64
 

@@ -16,12 +16,12 @@ from .recommend import explain, explain_longest, nothing_fits, pick
 from .layers import Attention, LayerKind, layer_kinds
 from .network import every_group, link_name
 from .timing import StepTime, step_time
-from ..padding import padded_length
-from ..heads import HeadDeal
+from ..rules.padding import padded_length
+from ..rules.heads import HeadDeal
 from .tensor_parallel import pooled_loss_bytes, split_params, step_traffic, tensor_parallel_refusal
 from .traffic import fsdp_traffic
 from .vision import tower_memory, with_tower
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from .workload import GlobalBatch, Workload
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from ..linear_attention.choice import halo_bytes
 from ..model.hybrid_shape import CONV
 from .activations import norm_saved, tokens

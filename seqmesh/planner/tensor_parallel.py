@@ -8,9 +8,9 @@ tokens, ``L = padded / (U x R)``; one collective moves ``(T - 1)`` such slices, 
 
 from __future__ import annotations
 
-from ..degrees import TP_SIZE_NAMES, Degrees, tensor_parallel_misfits
+from ..rules.degrees import TP_SIZE_NAMES, Degrees, tensor_parallel_misfits
 from ..model.shapes import ModelShape
-from ..padding import padded_length
+from ..rules.padding import padded_length
 from .hardware import HardwareSpec
 from .traffic import dtype_bytes
 from .workload import Workload
@@ -39,7 +39,7 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
                                       vocab=m.vocab)
     bad = [f"{v} {TP_SIZE_NAMES[k].removeprefix('MLP ')}" for k, v in misfits.items()]
     if bad:
-        return f"TP {tp} does not fit the {', '.join(bad)} (seqmesh.degrees.check_tensor_parallel_sizes)"
+        return f"TP {tp} does not fit the {', '.join(bad)} (seqmesh.rules.degrees.check_tensor_parallel_sizes)"
     if m.kv_heads % tp:  # seqmesh runs it, replicating k/v over the group; the planner splits k/v by tp
         return f"the planner does not model {m.kv_heads} kv heads replicated over TP {tp} yet (tp dividing them only)"
     return None

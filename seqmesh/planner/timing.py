@@ -12,12 +12,12 @@ from .memory import local_tokens
 from .activations import tp_heads
 from .layers import Attention, attention_average, attention_pairs, layer_kinds
 from .network import axis_all_to_all_seconds, every_group, fsdp_seconds, ring_hop_seconds
-from ..padding import padded_length
-from ..heads import HeadDeal
-from ..overlap import ASYNC_PIECES, pipelined_exposed
+from ..rules.padding import padded_length
+from ..rules.heads import HeadDeal
+from ..rules.overlap import ASYNC_PIECES, pipelined_exposed
 from .tensor_parallel import layer_seconds, split_params, step_seconds
 from .traffic import call_bytes, fsdp_traffic, ring_block_bytes
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from .workload import Workload, layer_matmul_params
 
 __all__ = ["ATTENTION_BACKWARD", "StepTime", "attention_pairs", "ring_attention_seconds", "ring_hop_count", "step_time"]
@@ -158,7 +158,7 @@ def async_applies(work: Workload, layout: Degrees) -> bool:
 
 def ulysses_exposed_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:
     """One attention layer's Ulysses all-to-alls in ``phase`` left on the critical path: all of them, or with
-    async Ulysses what :func:`seqmesh.overlap.pipelined_exposed` leaves of each beside the projection it is
+    async Ulysses what :func:`seqmesh.rules.overlap.pipelined_exposed` leaves of each beside the projection it is
     pipelined with. Forward: the q/k/v all-to-all beside the q/k/v projections, the output one beside the output
     projection; backward (issued output first): each beside its projection's backward, twice the forward matmuls."""
     if not async_applies(work, layout):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..heads import HeadDeal
-from ..padding import padded_length
+from ..rules.heads import HeadDeal
+from ..rules.padding import padded_length
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 VALIDATION_FIELDS = 15  # the problem flag + 14 fields of seqmesh.sharded_attention.checks.FIELDS (image blocks the 14th)

@@ -10,7 +10,7 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from ..degrees import Degrees
+from ..rules.degrees import Degrees
 from ..model.shapes import ModelShape, VisionShape
 from .activations import outside_layers_bytes
 from .hardware import HardwareSpec

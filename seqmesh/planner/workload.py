@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..degrees import Degrees, resolve_degrees
+from ..rules.degrees import Degrees, resolve_degrees
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..model.shapes import ModelShape
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..padding import padded_length, padding_multiple
+from ..rules.padding import padded_length, padding_multiple
 from .runs import DEFAULT_MIN_CHUNK, Run, per_document_runs
 
 

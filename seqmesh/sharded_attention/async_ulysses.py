@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ..comm.async_collectives import head_to_seq_start, seq_to_head_start
-from ..heads import even_split
+from ..rules.heads import even_split
 from ..mesh import SPMesh
 from .heads import HeadPlan
 from .ulysses import InnerAttention

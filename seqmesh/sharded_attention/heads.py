@@ -1,6 +1,6 @@
 """The Ulysses head deal on tensors: which local kv head each local query head reads.
 
-Which heads each rank works on is :mod:`seqmesh.heads` (``HeadDeal``), the one rule the engine and
+Which heads each rank works on is :mod:`seqmesh.rules.heads` (``HeadDeal``), the one rule the engine and
 the planner share; :class:`HeadPlan` adds what only the kernels need.
 """
 
@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..heads import HeadDeal
+from ..rules.heads import HeadDeal
 
 
 @dataclass(frozen=True)
 class HeadPlan(HeadDeal):
-    """:class:`seqmesh.heads.HeadDeal` (the rule, shared with the planner) with the kernel's kv head map."""
+    """:class:`seqmesh.rules.heads.HeadDeal` (the rule, shared with the planner) with the kernel's kv head map."""
 
     def kv_map(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """Local kv head of each local query head, or None when they group evenly (the kernel's own

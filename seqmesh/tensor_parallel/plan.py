@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..comm.ranks import partial_local
-from ..degrees import check_tensor_parallel_sizes
+from ..rules.degrees import check_tensor_parallel_sizes
 from ..mesh import SPMesh
 from ..model.lm import decoder_layers, decoder_of
 from .linear_attention import check_heads as check_gated_delta_heads

@@ -58,7 +58,7 @@ def check_world(cfg: TrainConfig, gpus: int) -> None:
     if all(isinstance(v, int) for v in (cfg.ulysses, cfg.ring, cfg.dp)) and product != gpus:
         raise ValueError(f"--gpus {gpus} but the degrees given multiply to {product}: make them multiply to {gpus} "
                          "or leave one of --ulysses/--ring/--dp auto.")
-    from ..degrees import resolve_degrees
+    from ..rules.degrees import resolve_degrees
 
     shape = model_shape(cfg.model)
     resolve_degrees(gpus, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)  # its own errors name the fix

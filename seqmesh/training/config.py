@@ -133,7 +133,7 @@ class TrainConfig:
     """Seed of the weights and the data."""
 
     def degrees(self) -> dict:
-        """The degrees as given (``auto`` kept), as keywords of :func:`seqmesh.degrees.resolve_degrees`."""
+        """The degrees as given (``auto`` kept), as keywords of :func:`seqmesh.rules.degrees.resolve_degrees`."""
         return {"ulysses": self.ulysses, "ring": self.ring, "dp": self.dp, "dp_replicate": self.dp_replicate, "tp": self.tp}
 
     def parallel_plan(self, fsdp: bool) -> ParallelPlan:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..comm.ranks import agree, all_gather_object
 from ..compose import parallelize_model
-from ..degrees import check_tensor_parallel_sizes, resolve_degrees
+from ..rules.degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..experts.rules import check_expert_parallel
 from ..memory import MemoryTracker
 from ..mesh import SPMesh, init_mesh

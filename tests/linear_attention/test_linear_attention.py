@@ -306,7 +306,7 @@ def test_planner_counts_gated_deltanet_layers():
     are excluded, naming them; the closed form for even heads holds."""
     from seqmesh.planner.hardware import PRESETS, make_cluster
     from seqmesh.planner.plan import communication, layouts
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.planner.workload import Workload
     from seqmesh.model.presets import MODELS
 

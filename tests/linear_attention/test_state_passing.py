@@ -113,7 +113,7 @@ def test_planner_costs_state_passing():
     the layers, given the node's link); a layer then sends the closed form's bytes in two all-gathers instead of
     the all-to-all's 354 MB (59 MB: every rank receives every run's [B | A]), and its communication time drops;
     the all-to-all stays what test_linear_attention checks."""
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.model.presets import MODELS
     from seqmesh.planner.hardware import PRESETS, make_cluster
     from seqmesh.planner.layers import GatedDeltaNet

@@ -1,4 +1,4 @@
-"""A model's sizes are checked once (``seqmesh.model_sizes``), where every config.json is read: ``seqmesh train``,
+"""A model's sizes are checked once (``seqmesh.rules.model_sizes``), where every config.json is read: ``seqmesh train``,
 ``verify`` and ``plan`` refuse a size out of range with one line naming the field, its value and the rule, before
 any work. Before, these gave "max() arg is an empty sequence", raw tracebacks, a 0-layer run that trained and
 exited 0, and a plan for a "0 params" model."""
@@ -14,7 +14,7 @@ import pytest
 
 from seqmesh.model.presets import model_shape
 from seqmesh.model.shapes import ModelShape
-from seqmesh.model_sizes import MAX_VOCAB, check_model_sizes
+from seqmesh.rules.model_sizes import MAX_VOCAB, check_model_sizes
 from seqmesh.tools.cli import main
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -19,7 +19,7 @@ from seqmesh.planner.hardware import IDEAL_RING
 from seqmesh.planner.network import concurrent_all_to_all_seconds
 from seqmesh.planner.timing import StepTime, attention_pairs, ring_attention_seconds, step_time
 from seqmesh.planner.traffic import attention_traffic
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS
 from seqmesh.model.shapes import ModelShape

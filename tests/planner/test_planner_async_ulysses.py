@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.model.presets import model_shape
-from seqmesh.overlap import pipelined_exposed
+from seqmesh.rules.overlap import pipelined_exposed
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.timing import _ulysses_seconds, step_time, ulysses_exposed_seconds
 from seqmesh.planner.workload import Workload

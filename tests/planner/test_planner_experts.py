@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.experts.traffic import expected_exchange_bytes
 from seqmesh.model.presets import MODELS, model_shape
 from seqmesh.planner.hardware import PRESETS, make_cluster

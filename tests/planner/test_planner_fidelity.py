@@ -20,7 +20,7 @@ from seqmesh.planner.hardware import DEFAULT_RING_EFFICIENCY, IDEAL_RING, RingEf
 from seqmesh.planner.network import (Fabric, concurrent_all_to_all_seconds, every_group,
                                      parse_fabric, ring_hop_seconds, ring_load)
 from seqmesh.planner.timing import _ulysses_seconds, step_time
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.planner.workload import Workload
 from seqmesh.tools.cli import main
 from seqmesh.model.presets import MODELS

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.vision import Media, Tower
 from seqmesh.planner.workload import Workload

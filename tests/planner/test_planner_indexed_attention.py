@@ -12,7 +12,7 @@ import torch
 
 from family_cases import family_config
 from planner_cases import ModelTrafficCase, measured_model_traffic
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.memory import memory_at

@@ -148,7 +148,7 @@ def test_scan_flops_equal_what_torch_counts():
 
 def _tiny_workload(tmp_path, seq_len: int, design: str, ulysses: int, ring: int):
     """The planner's Mamba2 layer of the tiny Nemotron-H (tests/family_cases.py's), float32, ``batch`` 2."""
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.planner.mamba2 import Mamba2Layer
     from seqmesh.planner.workload import Workload
 

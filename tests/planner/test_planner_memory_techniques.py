@@ -15,7 +15,7 @@ from seqmesh.planner.memory import (host_memory, layer_saved_bytes, local_tokens
                                     memory_per_gpu, mlp_tile_tokens, parameter_memory)
 from seqmesh.planner.plan import longest_sequence
 from seqmesh.planner.timing import step_time
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS
 

@@ -133,7 +133,7 @@ def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
 
 def _conv_layer(tmp_path, seq_len: int, ulysses: int, ring: int, layout: str = "zigzag", batch: int = 2,
                 family: str = "lfm2", dtype: str = "fp32"):
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.planner.short_conv import ShortConvLayer
     from seqmesh.planner.workload import Workload
 
@@ -231,7 +231,7 @@ def test_kda_bytes_follow_the_runtime(tmp_path, ulysses, ring, seq_len, layout):
     kda_all_to_all.py's docstring: state passing ``(P - 1) B (R H D 2D x 4 + T (K - 1) 3 H D x 2)`` with R runs and
     T (K - 1) tail rows the busiest rank holds in the schedule the runtime builds (``chain_for``), the all-to-all
     ``B S (P - 1) / P^2 H ((4 D + 1) x 2 + D x 4)``; each way, and again in the recompute."""
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.linear_attention.chain import chain_for
     from seqmesh.linear_attention.choice import LinearDesign
     from seqmesh.planner.kda import KdaLayer
@@ -297,7 +297,7 @@ def test_lightning_bytes_follow_the_runtime_schedule(tmp_path, ulysses, ring, la
     """The planner's lightning layer sends, each way and in the recompute, what tests/hf/test_lightning.py counts:
     ``(P - 1) x runs x B x H x (D^2 + 1)`` float32 values, ``runs`` the busiest rank's in the schedule the runtime
     builds (``chain_for``); 2 sequences, 32 heads of 128."""
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.linear_attention.chain import chain_for
     from seqmesh.planner.lightning import LightningLayer
     from seqmesh.planner.workload import Workload

@@ -12,12 +12,12 @@ import pytest
 from planner_cases import ModelTrafficCase, TrafficCase, measured_model_traffic, measured_traffic
 from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.plan import communication
-from seqmesh.padding import padded_length
-from seqmesh.heads import HeadDeal
+from seqmesh.rules.padding import padded_length
+from seqmesh.rules.heads import HeadDeal
 from seqmesh.planner.layers import Attention
 from seqmesh.planner.tensor_parallel import layer_traffic, pooled_loss_bytes, step_traffic
 from seqmesh.planner.traffic import attention_traffic, fsdp_traffic
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS, model_shape
 from seqmesh.model.shapes import ModelShape
@@ -111,7 +111,7 @@ def _shortest_even_split(seq_len: int, ulysses: int, ring: int, layout: str) -> 
 
 def test_planner_and_runtime_pad_to_the_shortest_even_split():
     """Both the planner's padded length and the runtime's SequenceLayout against the requirement itself
-    (not against each other: they share seqmesh/padding.py)."""
+    (not against each other: they share seqmesh/rules/padding.py)."""
     from seqmesh.sequence.layout import SequenceLayout
 
     for layout in ("zigzag", "contiguous", "per_document"):

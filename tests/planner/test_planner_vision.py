@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from seqmesh.degrees import Degrees
+from seqmesh.rules.degrees import Degrees
 from seqmesh.model.presets import MODELS
 from seqmesh.planner.hardware import PRESETS, make_cluster
 from seqmesh.planner.plan import evaluate, layouts

@@ -13,7 +13,7 @@ import torch
 
 from seqmesh.training.checkpoint import latest_checkpoint
 from seqmesh.training.config import TrainConfig
-from seqmesh.degrees import resolve_degrees
+from seqmesh.rules.degrees import resolve_degrees
 from train_job_cases import entry_error, run_train, run_verify, run_verify_with_a_bug
 
 

@@ -63,7 +63,7 @@ def test_planner_window_work_equals_the_ring_schedule():
     from seqmesh.planner.hardware import PRESETS
     from seqmesh.planner.timing import attention_pairs
     from seqmesh.planner.traffic import attention_traffic, worst_rank
-    from seqmesh.degrees import Degrees
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.planner.workload import Workload
     from seqmesh.sharded_attention.blocks import document_bounds
     from seqmesh.sharded_attention.schedule import RingSchedule
