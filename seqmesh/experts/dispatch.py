@@ -41,7 +41,7 @@ class Route:
 
 def pair_counts(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``top_k_index`` (T, k) -> (the pairs sorted by expert (T * k,), pairs per expert (E,) int64)."""
-    flat = top_k_index.reshape(-1)
+    flat = top_k_index.reshape(-1).long()  # a router may pick in int32; scatter_add_ indexes in int64
     order = torch.sort(flat, stable=True).indices
     # a bin past the last expert takes picks outside [0, experts) (plan_route names them); unlike bincount's, the
     # shape does not depend on the values, so a rehearsal's fake tensors have it too
@@ -75,9 +75,13 @@ def plan_route(top_k_index: torch.Tensor, experts: int, ep: int, group: dist.Pro
     """The route of this rank's pairs (one small all-to-all and one read of the counts on the host)."""
     order, per_expert = pair_counts(top_k_index, experts)
     theirs = exchange_counts(per_expert, ep, group)
-    # one device-to-host read; a rehearsal (fake tensors) routes every rank's pairs evenly over the ranks' experts
-    sizes = host_ints(torch.cat([per_expert.reshape(ep, -1).sum(1), theirs.sum(1)]),
-                      lambda: 2 * _even(order.numel(), ep))
+    # one device-to-host read; a rehearsal (fake tensors) routes every rank's pairs evenly over the ranks' experts:
+    # it sends _even's share to each rank, and receives its own share from each
+    def even() -> list[int]:
+        send = _even(order.numel(), ep)
+        return send + [send[dist.get_rank(group) if group is not None else 0]] * ep
+
+    sizes = host_ints(torch.cat([per_expert.reshape(ep, -1).sum(1), theirs.sum(1)]), even)
     if sum(sizes[:ep]) != order.numel():
         raise ValueError(f"a router picked {order.numel() - sum(sizes[:ep])} expert indices outside [0, {experts}) "
                          "(a 'no expert' slot?): seqmesh's expert parallelism sends every pick to a real expert. "

@@ -83,7 +83,8 @@ def media_from_flags(model: ModelShape, images: int, image_size: str | None, vid
     tower's one size (LLaVA, Gemma 3, InternVL), else 448x448."""
     if not (images or video_frames):
         if image_size:
-            raise ValueError(f"--image-size {image_size} without --images: give the images per sequence too.")
+            raise ValueError(f"--image-size {image_size} without an image or a video: give --images N (or "
+                             "--video-frames N), or drop --image-size.")
         return None
     fixed = model.vision is not None and model.vision.fixed_size
     size = image_size or (f"{model.vision.image_size}x{model.vision.image_size}" if fixed else "448x448")

@@ -15,7 +15,7 @@ from .experts import exchange_link, exchange_phases, expert_degrees, expert_para
 from .recommend import explain, explain_longest, nothing_fits, pick
 from .layers import Attention, LayerKind, layer_kinds
 from .network import every_group, link_name
-from .timing import StepTime, step_time
+from .timing import step_time
 from ..rules.padding import padded_length
 from ..rules.heads import HeadDeal
 from .tensor_parallel import pooled_loss_bytes, split_params, step_traffic, tensor_parallel_refusal

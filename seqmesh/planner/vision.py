@@ -11,7 +11,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from ..rules.degrees import Degrees
-from ..model.shapes import ModelShape, VisionShape
+from ..model.shapes import VisionShape
 from .activations import outside_layers_bytes
 from .hardware import HardwareSpec
 from .media import Media  # noqa: F401 (where the tower's tests import it from)

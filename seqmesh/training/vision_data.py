@@ -112,10 +112,12 @@ class ImageRows:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.images < 1 or self.images * (self._units + 2) > self.seq_len:
+        if self.images < 1:
+            raise ValueError(f"--images {self.images}: give 1 or more images per sequence.")
+        if self.images * (self._units + 2) > self.seq_len:
             raise ValueError(f"{self.images} images of {self._units:,} tokens (and a start and an end token each) do "
-                             f"not fit in --seq-len {self.seq_len:,}; give at least one image, fewer or smaller ones, "
-                             "or a longer sequence.")
+                             f"not fit in --seq-len {self.seq_len:,}; give fewer or smaller images, or a longer "
+                             "sequence.")
 
     @property
     def _grid(self) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ def test_pair_counts_are_bincounts_and_the_order_sorts_by_expert():
     order, counts = pair_counts(picks, 8)  # expert 7 is never picked: a zero, not a shorter table
     assert torch.equal(counts, torch.bincount(picks.reshape(-1), minlength=8))
     assert torch.equal(picks.reshape(-1)[order], torch.sort(picks.reshape(-1)).values)
+    assert torch.equal(pair_counts(picks.int(), 8)[1], counts)  # a router that picks in int32
 
 
 def test_a_pick_outside_the_experts_is_named_not_counted():

@@ -14,6 +14,8 @@ import time
 import pytest
 
 from seqmesh.planner.media import Media
+from seqmesh.planner.memory import memory_per_gpu
+from seqmesh.planner.workload import plan_inputs
 from seqmesh.tools.rehearse import run_rehearsal
 from seqmesh.tools.cli import main
 from seqmesh.training.config import TrainConfig
@@ -155,7 +157,12 @@ def test_images_rehearse_as_the_real_step_shows_them_and_the_planner_is_told_the
     assert (fake["peak_phase"], fake["peak_op"]) == (real["peak_phase"], real["peak_op"])
     assert abs(fake["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.005, (fake, real)
     cuda = run_rehearsal(cfg, 2, timeout=300, media=media)
-    assert cuda["kernels"] == ["cuda_flash"] and cuda["planned_peak_bytes"] == fake["planned_peak_bytes"], cuda
+    assert cuda["kernels"] == ["cuda_flash"], cuda
+    # the planner is given the same images; at this toy size the tower does not set its peak (with or without them
+    # the plan's peak is the same), so docs/rehearse.md's Qwen2.5-VL-7B row is where they count
+    work, layout = plan_inputs(cfg, 2, device="cuda", reserve_bytes=0, media=media)
+    assert cuda["planned_peak_bytes"] == memory_per_gpu(work, layout).total, cuda
+    assert work.media == media and plan_inputs(cfg, 2, device="cuda", reserve_bytes=0)[0].media is None
     assert abs(cuda["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.01, (cuda, real)
 
 
