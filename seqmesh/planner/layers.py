@@ -130,6 +130,19 @@ def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
     return 4 * batch * heads * m.linear_key_dim * m.linear_value_dim
 
 
+def linear_rule_saved_bytes(m: ModelShape, tokens: int, heads: int, width: int, chunk: int = LINEAR_CHUNK) -> int:
+    """float32 bytes the chunked recurrence (``seqmesh.linear_attention.gated_delta.chunk_gated_delta_rule_states``,
+    the torch kernel, which the rehearsal runs) saves for backward over ``tokens`` tokens of ``heads`` value heads
+    with values ``width`` wide (Dv; state passing's widened ``[v | 0]``: Dv + Dk). Per token and head, counted from
+    its saved storages on CPU (within 0.5% for Dk 64-128, widths 192-256): 14 of Dk (q, k in float32 and
+    chunked, k_beta, w, q_read, k_write, and the copies the batched matmuls make of k^T and of each chunk's slices),
+    4 of the width (v in float32 and chunked, u, each chunk's v_new), 5 of C (the decays,
+    k k^T, the triangular system, q k^T, each chunk's intra scores), the state entering each chunk (Dk x width per
+    C tokens) and 7 scalars (norms, gates, decays)."""
+    dk = m.linear_key_dim
+    return 4 * tokens * heads * (14 * dk + 4 * width + 5 * chunk + dk * width // chunk + 7)
+
+
 def linear_flops(m: ModelShape, seq_len: int, batch: int, chunk: int = LINEAR_CHUNK) -> int:
     """Forward FLOPs of one Gated DeltaNet layer's recurrence over the whole sequence (all heads), chunked
     form: per chunk of C tokens and head, the C x C products (k k^T, q k^T, two triangular solves ~ C^2 Dk
@@ -191,19 +204,31 @@ class GatedDeltaNet:
         return {name: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward, as docs/planner.md ("Activations") lists them (not yet checked against a run)."""
+        """Bytes saved for backward, as docs/planner.md ("Activations") lists them. Qwen3.5-9B (state passing, 8 GPUs,
+        Ulysses 8, checkpointing, bf16, 131,072 tokens): the rehearsal's peak is layer 0's MLP backward, 38.55 GB;
+        planned 37.79 GB at "first layer backward" (33.04 GB at the loss before the recurrence was counted)."""
         w, lay, m = self.work, self.layout, self.work.model
         e, p = w.act_bytes, lay.ulysses * lay.ring
         whole = w.batch * padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
         deal = HeadDeal(m.linear_value_heads, m.linear_key_heads, p)
         h, k = deal.max_q, deal.max_kv
-        per_token = e * (4 * m.hidden + 4 * m.intermediate + 2 * m.linear_value_heads * m.linear_value_dim) + 2 * 4
-        mixer = whole * e * (2 * (2 * k * m.linear_key_dim + h * m.linear_value_dim) + 2 * h + h * m.linear_value_dim)
-        states = -(-whole // w.batch // LINEAR_CHUNK) * linear_state_bytes(m, w.batch, p)
-        if self.design() is LinearDesign.STATE_PASSING:  # every head, the local chunks, states Dk columns wider
-            widen = (m.linear_key_dim + m.linear_value_dim) / m.linear_value_dim
-            states = int(-(-whole // w.batch // p // LINEAR_CHUNK) * linear_state_bytes(m, w.batch, 1) * widen)
-        return tokens(w, lay) * per_token + mixer + states + dispatch_bytes(w, lay)
+        values = m.linear_value_heads * m.linear_value_dim
+        # transformers' gated RMSNorm on the mixer's output (B, L, Hv, Dv): its float32 input, gate and SiLU(gate);
+        # the normed and weighted tensors and the output (out_proj's input) in the compute dtype
+        gated_norm = values * (3 * 4 + 3 * e)
+        per_token = e * (4 * m.hidden + 4 * m.intermediate) + gated_norm + 2 * 4
+        # the causal conv (B, S, conv channels of the rank): its input, the K - 1 shifted products
+        # (gated_delta.causal_conv1d) and SiLU's input; beta and the decay
+        conv = 2 * k * m.linear_key_dim + h * m.linear_value_dim
+        mixer = whole * e * ((m.linear_conv + 1) * conv + 2 * h)
+        # the recurrence's float32 tensors, its chunks' entering states included: this rank's heads over the whole
+        # sequence; state passing, every head over the local tokens with values [v | 0], Dk columns wider
+        rule = linear_rule_saved_bytes(m, whole, h, m.linear_value_dim)
+        if self.design() is LinearDesign.STATE_PASSING:
+            rule = linear_rule_saved_bytes(m, whole // p, m.linear_value_heads, m.linear_value_dim + m.linear_key_dim)
+            # the state pass reads each entering state through G (B, L, Hv, Dk), kept in float32 (passing.pass_states)
+            rule += 4 * (whole // p) * m.linear_value_heads * m.linear_key_dim
+        return tokens(w, lay) * per_token + mixer + rule + dispatch_bytes(w, lay)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and
