@@ -136,9 +136,8 @@ def linear_rule_saved_bytes(m: ModelShape, tokens: int, heads: int, width: int, 
     with values ``width`` wide (Dv; state passing's widened ``[v | 0]``: Dv + Dk). Per token and head, counted from
     its saved storages on CPU (within 0.5% for Dk 64-128, widths 192-256): 14 of Dk (q, k in float32 and
     chunked, k_beta, w, q_read, k_write, and the copies the batched matmuls make of k^T and of each chunk's slices),
-    4 of the width (v in float32 and chunked, u, each chunk's v_new), 5 of C (the decays,
-    k k^T, the triangular system, q k^T, each chunk's intra scores), the state entering each chunk (Dk x width per
-    C tokens) and 7 scalars (norms, gates, decays)."""
+    4 of the width (v in float32 and chunked, u, each chunk's v_new), 5 of C (the decays, k k^T, the triangular
+    system, q k^T, each chunk's intra scores), the state entering each chunk (Dk x width per C tokens), 7 scalars."""
     dk = m.linear_key_dim
     return 4 * tokens * heads * (14 * dk + 4 * width + 5 * chunk + dk * width // chunk + 7)
 
@@ -204,9 +203,8 @@ class GatedDeltaNet:
         return {name: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward, as docs/planner.md ("Activations") lists them. Qwen3.5-9B (state passing, 8 GPUs,
-        Ulysses 8, checkpointing, bf16, 131,072 tokens): the rehearsal's peak is layer 0's MLP backward, 38.55 GB;
-        planned 37.79 GB at "first layer backward" (33.04 GB at the loss before the recurrence was counted)."""
+        """Bytes saved for backward, as docs/planner.md ("Activations") lists them; rehearsed with Qwen3.5-9B at 131,072
+        tokens on 8 GPUs (docs/rehearse.md: 37.79 GB planned, 38.55 GB measured)."""
         w, lay, m = self.work, self.layout, self.work.model
         e, p = w.act_bytes, lay.ulysses * lay.ring
         whole = w.batch * padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
