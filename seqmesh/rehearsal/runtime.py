@@ -183,7 +183,8 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bo
 
     if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
         raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
-    with fake_cuda() if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where, \
+    cudnn = cfg.backend == "cuda_cudnn"  # cuDNN answers only when asked for (see workarounds._replacements)
+    with fake_cuda(cudnn=cudnn) if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where, \
             real_device_meshes():
         return _rehearse(cfg, gpus, where, fake, top, media)
 

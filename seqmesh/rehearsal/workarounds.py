@@ -42,6 +42,7 @@ from collections.abc import Iterator
 
 import torch
 
+CUDNN_VERSION = 91002  # cuDNN 9.10, as torch.backends.cudnn.version() reports it (what `--backend cuda_cudnn` sees)
 LIBRARY = "seqmesh_fake_cuda"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")
 # the GPU the fake device reports (the planner's default hardware, h100-nvlink)
@@ -256,9 +257,13 @@ def lift_on_autograd_threads(device: torch.device) -> Iterator[None]:
         on_device_thread(before)
 
 
-def _replacements() -> list[tuple[object, str, object]]:
+def _replacements(cudnn: bool = False) -> list[tuple[object, str, object]]:
     default = _FakeStream()
-    return [
+    # cuDNN 9 answers only when asked for (--backend cuda_cudnn): `auto` would try its fused attention first on
+    # Hopper, and the grid of docs/rehearse.md was measured on cuda_flash (torch's meta kernels serve both)
+    cudnn_patches = [(torch.backends.cudnn, "is_available", lambda: True),
+                     (torch.backends.cudnn, "version", lambda: CUDNN_VERSION)] if cudnn else []
+    return cudnn_patches + [
         (torch.cuda, "_lazy_init", lambda: None),  # factory functions initialise CUDA before dispatch
         (torch.cuda, "device_count", lambda: 1),  # DeviceMesh picks rank % device count
         (torch.cuda, "set_device", lambda device: None),
@@ -309,7 +314,7 @@ def real_device_meshes() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_cuda() -> Iterator[torch.device]:
+def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
     """Inside: ``torch.cuda`` answers as one H100 and the fused backwards a CPU build lacks have CUDA kernels (see
     the module docstring); yields the fake device ``cuda:0``. Every attribute and kernel is restored on exit.
     Raises :class:`CannotRehearse` when the C++ part is not in this process or
@@ -317,7 +322,7 @@ def fake_cuda() -> Iterator[torch.device]:
     if needs_preload() and getattr(torch.accelerator.current_accelerator(), "type", None) != "cuda":
         raise CannotRehearse("the fake CUDA library is not loaded in this process: run the rehearsal through "
                              "seqmesh rehearse (it preloads the library), or pass --device cpu.")
-    patches = _replacements()
+    patches = _replacements(cudnn)
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patches if not hasattr(owner, name)]
     if missing:
         raise CannotRehearse(f"torch {torch.__version__} has no {', '.join(missing)}, which the fake CUDA rehearsal "

@@ -189,3 +189,13 @@ def test_expert_parallelism_rehearses_on_fake_cuda():
     mine, other = cuda["measured_by_category"], cpu["measured_by_category"]
     assert (mine["parameters"], mine["gradients"]) == (other["parameters"], other["gradients"])
     assert abs(cuda["measured_peak_bytes"] / cpu["measured_peak_bytes"] - 1) < 0.01, (cuda, cpu)
+
+
+def test_the_cudnn_path_rehearses_when_asked_for():
+    """``--backend cuda_cudnn`` runs cuDNN's fused attention on fake CUDA (fake CUDA reports cuDNN 9 only then: the
+    grid of docs/rehearse.md was measured on cuda_flash, which `auto` keeps choosing)."""
+    cudnn = run_rehearsal(dataclasses.replace(CONFIG, backend="cuda_cudnn"), 2, timeout=180)
+    assert cudnn["device"] == "cuda" and cudnn["kernels"] == ["cuda_cudnn"], cudnn
+    flash = run_rehearsal(CONFIG, 2, timeout=180)
+    assert flash["kernels"] == ["cuda_flash"], flash
+    assert cudnn["measured_by_category"]["parameters"] == flash["measured_by_category"]["parameters"]
