@@ -1,7 +1,7 @@
 """The rehearsal's own process: ``python -m seqmesh.rehearsal.child '{"config": {...}, "gpus": N}'``
 (``"device": "cpu"`` for the CPU kernels; ``"fake": false`` for real tensors, the tests' reference; ``"top": N``
-the largest storages at the peak to describe; ``"media": {"images": N, "height": H, "width": W}`` the images each
-sequence shows a vision-language model).
+the largest storages at the peak to describe; ``"rank": R`` the rank to run (default 0);
+``"media": {"images": N, "height": H, "width": W}`` the images each sequence shows a vision-language model).
 
 Prints the :class:`~seqmesh.rehearsal.runtime.Rehearsal` as one JSON line (its last line of stdout); a
 configuration error exits 2 with ``seqmesh: error: <message>`` as the last line of stderr.
@@ -24,7 +24,8 @@ def main(argv: list[str]) -> int:
         result = rehearse_rank(TrainConfig(**request["config"]), int(request["gpus"]),
                                device=request.get("device", "cuda"),
                                fake=request.get("fake", True), top=int(request.get("top", 6)),
-                               media=Media(**request["media"]) if request.get("media") else None)
+                               media=Media(**request["media"]) if request.get("media") else None,
+                               rank=int(request.get("rank", 0)))
     except (ValueError, CannotRehearse) as err:
         print(f"seqmesh: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2

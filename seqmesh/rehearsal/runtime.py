@@ -3,7 +3,7 @@
 The step is ``seqmesh train``'s own: :func:`~seqmesh.training.train.build_mesh` and
 :func:`~seqmesh.training.train.build_module` (the model composed and sharded with FSDP2),
 :func:`~seqmesh.training.step.forward_backward` (loss, backward, clipping) and AdamW, run under torch's
-``FakeTensorMode`` as rank 0 of a world of ``--gpus`` ranks on the ``fake`` backend
+``FakeTensorMode`` as one rank (``--rank``, 0 by default) of a world of ``--gpus`` ranks on the ``fake`` backend
 (``torch.testing._internal.distributed.fake_pg``), where every collective completes at once and moves
 nothing. Fake tensors carry shapes, dtypes, devices and storages of the right size, but no data: the
 8-billion-parameter model and its activations cost no memory and the kernels no time.
@@ -120,7 +120,7 @@ def _phase_hooks(module: nn.Module, tracker: PhaseTracker) -> list:
 
 @dataclass
 class Rehearsal:
-    """What one rehearsed step measured on rank 0, beside the planner's prediction for the same run."""
+    """What one rehearsed step measured on one rank, beside the planner's prediction for the same run."""
 
     measured_peak_bytes: int
     by_category: dict[str, int]
@@ -134,6 +134,7 @@ class Rehearsal:
     planned_by_purpose: dict[str, int] = field(default_factory=dict)
     largest_at_peak: list[dict] = field(default_factory=list)
     wall_seconds: float = 0.0
+    rank: int = 0
 
     @property
     def ratio(self) -> float | None:
@@ -146,7 +147,7 @@ class Rehearsal:
                 "planned_moment": self.planned_moment, "kernels": self.kernels, "device": self.device,
                 "mesh": self.mesh, "measured_by_category": self.by_category,
                 "planned_by_purpose": self.planned_by_purpose, "largest_at_peak": self.largest_at_peak,
-                "wall_seconds": self.wall_seconds}
+                "wall_seconds": self.wall_seconds, "rank": self.rank}
 
 
 def planned_peak(cfg: TrainConfig, gpus: int, device: str,
@@ -170,9 +171,9 @@ def _fake(mode, value):
 
 
 def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True, top: int = 6,
-                  media: Media | None = None) -> Rehearsal:
-    """Rank 0 of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``: fake
-    ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
+                  media: Media | None = None, rank: int = 0) -> Rehearsal:
+    """Rank ``rank`` of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``:
+    fake ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
     second step measured. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
     reference: what the fake step must match); ``top``: how many of the largest storages at the peak to describe;
     ``media``: the images every sequence shows a vision-language model (:class:`~seqmesh.training.vision_data.ImageRows`
@@ -186,10 +187,11 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bo
     cudnn = cfg.backend == "cuda_cudnn"  # cuDNN answers only when asked for (see workarounds._replacements)
     with fake_cuda(cudnn=cudnn) if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where, \
             real_device_meshes():
-        return _rehearse(cfg, gpus, where, fake, top, media)
+        return _rehearse(cfg, gpus, where, fake, top, media, rank)
 
 
-def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int, media: Media | None) -> Rehearsal:
+def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int, media: Media | None,
+              rank: int) -> Rehearsal:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -200,7 +202,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
     from ..training.train import build_mesh, build_module, uses_fsdp
 
     start = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=gpus)
     try:
         data = make_dataset(cfg, media=media)  # real: the batch is drawn, sharded and only then made fake
         mesh, device = build_mesh(cfg, where)  # real: the mesh's rank tables are read on the host
@@ -240,7 +242,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
         planned, moment, parts = planned_peak(cfg, gpus, device.type, media)
         return Rehearsal(report.peak_bytes, dict(report.by_category), tracker.peak_phase, tracker.peak_op,
                          sorted(tracker.kernels), device.type, repr(mesh), planned, moment, parts,
-                         tracker.peak_largest, time.perf_counter() - start)
+                         tracker.peak_largest, time.perf_counter() - start, rank)
     finally:
         dist.destroy_process_group()
 

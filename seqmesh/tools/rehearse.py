@@ -27,7 +27,9 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        "bytes beside seqmesh plan's", description=__doc__.splitlines()[0])
     add_dataclass_flags(p, TrainConfig)
     add_media_flags(p, video=False)  # seqmesh plan's: rows of these images, then text, in place of the image task
-    p.add_argument("--gpus", type=int, required=True, help="ranks of the rehearsed world (rank 0 is run)")
+    p.add_argument("--gpus", type=int, required=True, help="ranks of the rehearsed world")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose step is run (default %(default)s): ranks "
+                   "differ where their shares do (images, documents, the ring's last rank); run each one you doubt")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="fake cuda:0 tensors and CUDA's kernels (on a CPU build of torch: needs a C++ compiler), or "
                         "the CPU kernels (default %(default)s)")
@@ -73,17 +75,20 @@ def _child_env() -> dict[str, str]:
 
 
 def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, device: str = "cuda",
-                  fake: bool = True, top: int = 6, media: Media | None = None) -> dict:
+                  fake: bool = True, top: int = 6, media: Media | None = None, rank: int = 0) -> dict:
     """Check ``cfg`` against ``gpus``, rehearse it on fake ``device`` tensors in a fresh process and return its result
     (:class:`Rehearsal`'s ``as_dict``; ``fake=False``: the same step on real CPU tensors, a toy size's reference).
     ``top``: the largest storages at the peak to describe; ``media``: the images each sequence shows a vision-language
-    model (``--images``), for the step and the planner alike. Raises ValueError for a bad configuration or a machine that cannot rehearse (naming what is missing),
-    RuntimeError naming the child's last words if it fails."""
+    model (``--images``), for the step and the planner alike; ``rank``: the rank whose step runs. Raises ValueError
+    for a bad configuration or a machine that cannot rehearse (naming what is missing), RuntimeError naming the
+    child's last words if it fails."""
     from dataclasses import asdict
 
     from ..rehearsal.workarounds import CannotRehearse, preload_environment
 
     check_world(cfg, gpus)
+    if not 0 <= rank < gpus:
+        raise ValueError(f"--rank {rank}: the rehearsed world's ranks are 0 to {gpus - 1} (--gpus {gpus}).")
     if media is not None:  # before any process: the planner's checks of the images against the model
         media.check(model_shape(cfg.model), cfg.seq_len)
     env = _child_env()
@@ -93,7 +98,7 @@ def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, 
         except CannotRehearse as err:
             raise ValueError(str(err)) from None
     payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake, "top": top,
-                          "media": asdict(media) if media is not None else None})
+                          "rank": rank, "media": asdict(media) if media is not None else None})
     done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.child", payload], capture_output=True, text=True,
                           env=env, timeout=timeout)
     lines = done.stdout.strip().splitlines()
@@ -111,7 +116,8 @@ def format_result(result: dict, cfg: TrainConfig, gpus: int) -> str:
         return "-" if b is None else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
 
     ratio = f"{result['ratio']:.3f}" if result["ratio"] is not None else "-"
-    rows = [("measured peak (rank 0)", gib(result["measured_peak_bytes"])),
+    rank = result.get("rank", 0)
+    rows = [(f"measured peak (rank {rank})", gib(result["measured_peak_bytes"])),
             ("planned peak (no reserve)", gib(result["planned_peak_bytes"])),
             ("planned / measured", ratio),
             ("peak fell in", f"{result['peak_phase']} ({result['peak_op']})"),
@@ -120,7 +126,7 @@ def format_result(result: dict, cfg: TrainConfig, gpus: int) -> str:
             ("device", f"fake {result['device']}"), ("mesh", result["mesh"]),
             ("wall", f"{result['wall_seconds']:.1f} s")]
     rows += [(f"  measured {k}", gib(v)) for k, v in result["measured_by_category"].items()]
-    title = f"seqmesh rehearse: {cfg.model}, {cfg.seq_len:,} tokens, {gpus} ranks (rank 0 measured)"
+    title = f"seqmesh rehearse: {cfg.model}, {cfg.seq_len:,} tokens, {gpus} ranks (rank {rank} measured)"
     lines = [title] + [f"  {name:<28}{value}" for name, value in rows]
     if result.get("largest_at_peak"):
         lines.append("  largest at the peak (not weights, gradients or optimizer state), and what made them:")
@@ -138,7 +144,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         if args.top < 0:
             raise ValueError(f"--top {args.top}: give a number of storages, 0 or more.")
         media = media_from_flags(model_shape(cfg.model), args.images, args.image_size)
-        result = run_rehearsal(cfg, args.gpus, device=args.device, top=args.top, media=media)
+        result = run_rehearsal(cfg, args.gpus, device=args.device, top=args.top, media=media, rank=args.rank)
     except ValueError as err:
         print(f"seqmesh rehearse: error: {err}", file=sys.stderr)
         return 2

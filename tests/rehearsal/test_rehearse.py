@@ -199,3 +199,16 @@ def test_the_cudnn_path_rehearses_when_asked_for():
     flash = run_rehearsal(CONFIG, 2, timeout=180)
     assert flash["kernels"] == ["cuda_flash"], flash
     assert cudnn["measured_by_category"]["parameters"] == flash["measured_by_category"]["parameters"]
+
+
+def test_any_rank_rehearses_and_one_outside_the_world_is_refused(capsys):
+    """``--rank 3`` of a Ulysses 2 x ring 2 world: the fake step of that rank holds what its real step does (the same
+    fake process group, rank 3's tokens and heads), and a rank the world lacks is refused before any process."""
+    cfg = dataclasses.replace(CONFIG, ring=2)
+    fake = run_rehearsal(cfg, 4, timeout=120, device="cpu", rank=3)
+    real = run_rehearsal(cfg, 4, timeout=120, device="cpu", fake=False, rank=3)
+    assert fake["rank"] == 3 and "ring=2" in fake["mesh"], fake
+    assert fake["measured_peak_bytes"] == real["measured_peak_bytes"], (fake, real)
+    assert fake["measured_by_category"] == real["measured_by_category"]
+    assert main(["rehearse", *TOY, "--rank", "2"]) == 2
+    assert "--rank 2: the rehearsed world's ranks are 0 to 1 (--gpus 2)" in capsys.readouterr().err
