@@ -55,6 +55,7 @@ class SelftestPlan:
     gpu_tests: list[str] = field(default_factory=list)
 
 
+STEPS = ("gpu_tests", "kernels", "memory", "rehearsal", "longest")  # in the order run_selftest runs them
 HOST_BYTES_PER_PARAMETER = 16 * 1.15  # FSDP2 CPU offload: fp32 weights, gradients, two AdamW states; 15% spare
 
 
@@ -255,24 +256,22 @@ def rehearsal_rows(plan: SelftestPlan) -> list[dict]:
     from ..training.config import TrainConfig
     from .rehearse import run_rehearsal
 
-    techniques, rows = {k: v for k, v in ALL_TECHNIQUES.items() if k != "fsdp_cpu_offload"}, []
-    for seq_len in plan.memory_seq_lens[-1:]:
-        with tempfile.TemporaryDirectory() as out:
-            cfg = TrainConfig(model=plan.memory_model, seq_len=seq_len, steps=2, log_every=1, track_memory=True,
-                              bf16=plan.device == "cuda", out=out, **techniques)
-            backend = "nccl" if plan.device == "cuda" else "gloo"
-            with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
-                real = pool.run(_tracked_training, cfg, timeout=1800)[0]
-        fake = run_rehearsal(dataclasses.replace(cfg, out="unused"), 1, timeout=1800, device=plan.device, top=3)
-        rows.append({"seq_len": seq_len, "tracked_peak_bytes": real["peak_bytes"],
-                     "allocator_peak_bytes": real["cuda_max_allocated"],
-                     "tracked_by_category": {k.removesuffix("_bytes"): v for k, v in real.items()
-                                             if k.endswith("_bytes") and k != "peak_bytes"},
-                     "rehearsed_peak_bytes": fake["measured_peak_bytes"],
-                     "rehearsed_by_category": fake["measured_by_category"], "rehearsed_phase": fake["peak_phase"],
-                     "rehearsed_over_tracked": fake["measured_peak_bytes"] / real["peak_bytes"],
-                     "kernels": fake["kernels"]})
-    return rows
+    techniques = {k: v for k, v in ALL_TECHNIQUES.items() if k != "fsdp_cpu_offload"}
+    seq_len = plan.memory_seq_lens[-1]
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(model=plan.memory_model, seq_len=seq_len, steps=2, log_every=1, track_memory=True,
+                          bf16=plan.device == "cuda", out=out, **techniques)
+        backend = "nccl" if plan.device == "cuda" else "gloo"
+        with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
+            real = pool.run(_tracked_training, cfg, timeout=1800)[0]
+    fake = run_rehearsal(dataclasses.replace(cfg, out="unused"), 1, timeout=1800, device=plan.device, top=3)
+    return [{"seq_len": seq_len, "tracked_peak_bytes": real["peak_bytes"],
+             "allocator_peak_bytes": real["cuda_max_allocated"],
+             "tracked_by_category": {k.removesuffix("_bytes"): v for k, v in real.items()
+                                     if k.endswith("_bytes") and k != "peak_bytes"},
+             "rehearsed_peak_bytes": fake["measured_peak_bytes"], "rehearsed_by_category": fake["measured_by_category"],
+             "rehearsed_phase": fake["peak_phase"], "kernels": fake["kernels"],
+             "rehearsed_over_tracked": fake["measured_peak_bytes"] / real["peak_bytes"]}]
 
 
 class _OutOfTime(Exception):
@@ -320,12 +319,12 @@ def run_selftest(plan: SelftestPlan, out: str | None) -> dict:
     report is written after each step, so a run cut short still leaves what it measured."""
     report = {"plan": asdict(plan), "environment": {**environment(), "host_bytes": host_memory_bytes(),
                                                     "longest_model": longest_model(host_memory_bytes())[1]}}
-    steps = (("gpu_tests", lambda: run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"}),
-             ("kernels", lambda: time_kernels(plan)), ("memory", lambda: memory_rows(plan)),
-             ("rehearsal", lambda: rehearsal_rows(plan)), ("longest", lambda: longest_sequence(plan)))
-    for name, step in steps:
+    steps = {"gpu_tests": lambda: run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"},
+             "kernels": lambda: time_kernels(plan), "memory": lambda: memory_rows(plan),
+             "rehearsal": lambda: rehearsal_rows(plan), "longest": lambda: longest_sequence(plan)}
+    for name in STEPS:
         try:
-            report[name] = step()
+            report[name] = steps[name]()
         except Exception as err:  # noqa: BLE001  the other steps still tell us something
             report[name] = {"error": f"{type(err).__name__}: {err}"[-2000:]}
         if out:
@@ -338,7 +337,7 @@ def format_report(report: dict) -> str:
     env = report["environment"]
     lines = [f"seqmesh selftest: {env['device'] or 'CPU (rehearsal)'}, torch {env['torch']}, CUDA {env['cuda']}, "
              f"flash-attn {env['flash_attn'] or 'absent'}"]
-    failed = [name for name in ("gpu_tests", "kernels", "memory", "rehearsal", "longest") if isinstance(report[name], dict)
+    failed = [name for name in STEPS if isinstance(report[name], dict)
               and "error" in report[name]]
     for name in failed:
         lines.append(f"{name}: FAILED: {report[name]['error'][-300:]}")
