@@ -217,7 +217,8 @@ def _efficient_backward_fix() -> torch.library.Library | None:
     if meta is None or "out" in inspect.signature(meta).parameters:
         return None
     lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_efficient_attention_backward", _efficient_backward_meta, "Meta")
+    # torch registers its own meta function from Python; before torch 2.13 replacing it needs the explicit flag
+    lib.impl("_efficient_attention_backward", _efficient_backward_meta, "Meta", allow_override=True)
     return lib
 
 
