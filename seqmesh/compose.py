@@ -41,10 +41,10 @@ from .hf.indexed_attention import is_indexed
 from .experts.layers import apply_expert_parallel, check_family, routed_experts
 from .experts.mesh import expert_mesh
 from .experts.rules import check_expert_parallel
-from .linear_attention.choice import parse_design
 from .memory.rmsnorm import enable_efficient_norm
 from .memory.tiled_mlp import enable_tiled_mlp
 from .mesh import SPMesh
+from .rules.settings import RunSettings
 from .model.fsdp import apply_fsdp, enable_checkpointing
 from .model.lm import SequenceParallelLM, decoder_layers
 from .tensor_parallel.plan import apply_tensor_parallel, check_tensor_parallel
@@ -54,53 +54,23 @@ from .vision.tower import VisionLanguageLM
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ParallelPlan:
-    """What :func:`parallelize_model` applies besides sequence parallelism (which it always applies)."""
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan(RunSettings):
+    """What :func:`parallelize_model` applies: the run's settings (:class:`seqmesh.rules.settings.RunSettings`,
+    checked there), with FSDP2 on unless ``fsdp=False``. Sequence parallelism is always applied; the degrees are the
+    mesh's (a degree given here must match it); ``offload_checkpoints`` acts on a step and is set up by the loop that
+    runs it (``seqmesh.training.step.step_offload``). Without FSDP2, ``bf16`` is the loop's autocast (as
+    ``seqmesh train`` does on CUDA) rather than FSDP2's mixed precision."""
 
-    backend: str = "auto"
-    """Attention kernel: ``auto`` picks the fastest available (see ``seqmesh.kernels``)."""
-    linear_attention: str = "auto"
-    """Gated DeltaNet layers: ``all_to_all``, ``state_passing`` or ``auto`` (``seqmesh.linear_attention.choice``)."""
-    loss_chunk: int = 4096
-    """Tokens per LM-head tile of the loss: full-vocabulary logits never exist for more."""
-    checkpointing: bool = False
-    """Recompute each decoder layer in backward (activation checkpointing)."""
-    tiled_mlp: bool = False
-    """Run each MLP in sequence tiles (``mlp_tiles`` of them), keeping only its input for backward."""
-    mlp_tiles: int | None = None
-    """Tiles of the tiled MLP; None chooses from the shapes."""
-    efficient_norm: bool = False
-    """Replace Llama-style RMSNorm with one that keeps only its input for backward."""
-    compile: bool = False
-    """``torch.compile`` each decoder layer (step 5): one graph per layer, attention included."""
     fsdp: bool = True
     """Shard weights, gradients and optimizer state with FSDP2 over every rank of a replica."""
-    bf16: bool = False
-    """FSDP2's mixed precision: bf16 compute, fp32 reductions and master weights (without FSDP2 the
-    loop that runs the step autocasts instead, as ``seqmesh train`` does on CUDA)."""
-    fsdp_cpu_offload: bool = False
-    """With FSDP2: keep the shards, gradients and optimizer state in host memory."""
-    async_ulysses: bool = False
-    """Overlap the Ulysses all-to-alls with the q/k/v and output projections, forward and backward
-    (``seqmesh.hf.async_ulysses``); families it does not know and tensor parallelism are refused."""
-    ep: int = 1
-    """Expert parallelism: each MoE layer's routed experts split over groups of ``ep`` ranks that hold different
-    tokens, tokens sent to their experts and back by two uneven all-to-alls (dropless, exact; ``seqmesh.experts``).
-    Needs FSDP2, which shards each rank's experts over the ranks holding the same ones."""
 
     def __post_init__(self) -> None:
-        if self.fsdp_cpu_offload and not self.fsdp:
-            raise ValueError("fsdp_cpu_offload offloads FSDP2's shards: set fsdp=True, or turn it off.")
-        parse_design(self.linear_attention)  # an unknown name is refused here, listing the known ones
-        if self.compile and self.async_ulysses:
-            raise ValueError("compile=True with async_ulysses=True: async Ulysses waits on its all-to-alls between "
-                             "pieces of the projections, which torch.compile cannot keep in one graph. Turn one off "
-                             "(--compile or --async-ulysses).")
-        if self.loss_chunk < 1:
-            raise ValueError(f"loss_chunk must be at least 1 token, got {self.loss_chunk}.")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"ep must be a positive integer, got {self.ep!r}.")
+        super().__post_init__()
+        self.check_runnable()
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"fsdp={self.fsdp!r}: parallelize_model needs True or False (TrainConfig.uses_fsdp "
+                             "resolves an unset one).")
 
 
 def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = ParallelPlan(), *,
@@ -111,6 +81,14 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     ``seqmesh.shard_batch(batch, mesh, model=...)`` is the batch's exact loss."""
     if wrapper is None:
         wrapper = VisionLanguageLM if is_multimodal(model.config) else SequenceParallelLM
+    given = {name: getattr(plan, name) for name in ("ulysses", "ring", "dp", "dp_replicate", "tp")}
+    meshed = {"ulysses": mesh.ulysses, "ring": mesh.ring, "dp": mesh.dp_shard, "dp_replicate": mesh.dp_replicate,
+              "tp": mesh.tp}
+    differ = [f"{k}={v} (the mesh has {meshed[k]})" for k, v in given.items()
+              if v != "auto" and v != meshed[k] and not (k in ("dp_replicate", "tp") and v == 1)]
+    if differ:
+        raise ValueError(f"the plan's degrees are not the mesh's: {', '.join(differ)}. Build the mesh with those "
+                         "degrees, or leave them out of the plan (the mesh decides).")
     if plan.compile and any(is_indexed(m) for m in model.modules()):
         raise ValueError("compile=True with DeepSeek Sparse Attention (indexed_attention layers): seqmesh selects each "
                          "block of queries' keys in Python from the layout (how many keys a block scores), which "

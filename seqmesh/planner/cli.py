@@ -8,6 +8,8 @@ import sys
 from dataclasses import replace
 
 from ..model.presets import MODELS, model_shape
+from ..rules.settings import setting_names
+from ..rules.flags import add_dataclass_flags, flag_values
 from .experts import expert_degrees
 from .network import parse_fabric
 from .hardware import GB, GiB, PRESETS, HardwareSpec, load_ring_efficiency, make_cluster, parse_link
@@ -15,6 +17,9 @@ from .plan import longest_plan, plan
 from .report import format_longest, format_plan
 from .media import add_media_flags, media_from_flags
 from .workload import Workload, global_batch_from
+
+
+PLANNED = tuple(name for name in setting_names(planned=True) if name != "bf16")  # bf16 is --dtype's
 
 
 class PlanInputError(ValueError):
@@ -59,25 +64,11 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--matmul-efficiency", type=float, help="achieved/peak FLOP/s for matmuls")
     p.add_argument("--attention-efficiency", type=float, help="achieved/peak FLOP/s for attention")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype (default bf16)")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="full activation checkpointing per layer (default on)")
     p.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
                    help="cross-entropy in chunks, never the full logits (default on)")
-    for flag, what in (("tiled-mlp", "each layer's MLP in sequence tiles, recomputed in backward"),
-                       ("efficient-norm", "RMSNorms keep only their input and float32 scale; tiled backward"),
-                       ("offload-checkpoints", "checkpointed layer inputs in host memory (needs --checkpointing)"),
-                       ("fsdp-cpu-offload", "FSDP2's fp32 shards, gradients and AdamW state in host memory"),
-                       ("async-ulysses", "Ulysses all-to-alls overlapped with the q/k/v and output projections (TP=1)")):
-        p.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=False, help=f"{what} (default off)")
-    p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per loss chunk (default %(default)s)")
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-GPU memory kept for the CUDA context, "
                    "communication buffers and allocator slack (default %(default)s)")
-    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"], help="sequence layout")
-    p.add_argument("--linear-attention", default="auto", choices=["auto", "all_to_all", "state_passing"],
-                   help="Gated DeltaNet layers: one all-to-all, state passing, or auto (the layers' own rule)")
-    p.add_argument("--ep", default="1", metavar="N|auto", help="expert parallelism of mixture-of-experts models: each "
-                   "MoE layer's routed experts split over N ranks holding different tokens (dividing the experts and "
-                   "dp x ring x ulysses; no TP), or auto to plan every degree each layout can take (default 1: none)")
+    add_dataclass_flags(p, Workload, only=PLANNED)  # the run's settings the planner models, one flag each
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits per layout")
     p.add_argument("--calibrate", action="store_true",
@@ -130,22 +121,9 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
     media = media_from_flags(model, args.images, args.image_size, args.video_frames)
     if media is not None and seq_len is None and model.vision is not None:  # --max-seq-len: from the placeholders
         seq_len = max(1, media.tokens(model.vision))
-    return Workload(model=model, seq_len=seq_len or 1, batch=args.batch, dtype=args.dtype,
-                    checkpointing=args.checkpointing, chunked_loss=args.chunked_loss, loss_chunk=args.loss_chunk,
-                    layout=args.layout, reserve_bytes=int(args.reserve_gib * GiB), tiled_mlp=args.tiled_mlp,
-                    efficient_norm=args.efficient_norm, offload_checkpoints=args.offload_checkpoints,
-                    fsdp_cpu_offload=args.fsdp_cpu_offload, media=media, linear_attention=args.linear_attention,
-                    async_ulysses=args.async_ulysses, ep=expert_degree(args.ep))
-
-
-def expert_degree(text: str) -> int | str:
-    """``--ep``'s value: a positive number of ranks, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise PlanInputError(f"--ep {text!r}: give a number of ranks (1: no expert parallelism) or auto.") from None
+    return Workload(model=model, seq_len=seq_len or 1, batch=args.batch, bf16=args.dtype == "bf16",
+                    chunked_loss=args.chunked_loss, reserve_bytes=int(args.reserve_gib * GiB), media=media,
+                    **flag_values(Workload, args, only=PLANNED))
 
 
 def check_args(args: argparse.Namespace):

@@ -74,6 +74,8 @@ def layouts(work: Workload, cluster: Cluster,
         for sp in divisors(n // tp):
             for u in divisors(sp):
                 lay = Degrees(u, sp // u, n // tp // sp, tp)
+                if not work.admits(lay):  # a degree given as a number: only its layouts
+                    continue
                 why = tensor_parallel_refusal(work, cluster.hardware, lay) if tp > 1 else None
                 heads = m.heads // tp
                 if why:

@@ -4,73 +4,76 @@ global batch (which layouts give it, with how much gradient accumulation; docs/p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import KW_ONLY, dataclass
+from typing import Literal
 
 from ..rules.degrees import Degrees, resolve_degrees
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..model.shapes import ModelShape
-
-if TYPE_CHECKING:
-    from .media import Media
+from .media import Media
+from ..rules.settings import RunSettings, settings_values
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
-class Workload:
+class Workload(RunSettings):
     """One training step of ``model`` on sequences of ``seq_len`` tokens: each sequence-parallel group processes
-    ``batch`` sequences (its micro-batch), so a step of ``dp_shard`` groups processes ``dp_shard * batch``."""
+    ``batch`` sequences (its micro-batch), so a step of ``dp_shard`` groups processes ``dp_shard * batch``.
+
+    The run's settings are the record a run has (:class:`seqmesh.rules.settings.RunSettings`, checked there), with
+    the planner's defaults: bf16, activation checkpointing, the zigzag layout and every tensor-parallel degree. A
+    degree given as a number plans only the layouts with it; ``ep='auto'`` plans every degree a layout can take.
+    Below them, what only the planner models."""
 
     model: ModelShape
     seq_len: int
     batch: int = 1
-    dtype: str = "bf16"  # compute dtype: "bf16" (mixed precision, fp32 master weights) or "fp32"
-    checkpointing: bool = True  # full activation checkpointing of every transformer layer
-    chunked_loss: bool = True  # cross-entropy over chunks of tokens, never the full logits
-    loss_chunk: int = 4096  # tokens per chunk of the chunked loss
+    _: KW_ONLY
+    tp: int | Literal["auto"] = "auto"
+    """Tensor-parallel degree of the layouts planned, or auto: every degree the model's sizes take."""
+    layout: Literal["zigzag", "contiguous", "per_document"] = "zigzag"
+    """Sequence layout (zigzag balances causal work; per_document each packed document's own)."""
+    bf16: bool = True
+    """bf16 compute (mixed precision, fp32 master weights); off: fp32."""
+    checkpointing: bool = True
+    """Full activation checkpointing of every decoder layer."""
+    chunked_loss: bool = True
+    """Cross-entropy over chunks of tokens, never the full logits."""
     causal: bool = True
-    layout: str = "zigzag"  # seqmesh's sequence layout (zigzag balances causal work)
     reduce_dtype: str = "float32"  # FSDP gradient reduce-scatter dtype (torchtitan's default)
     reserve_bytes: int = 2 * GiB  # CUDA context, NCCL buffers and allocator slack per GPU
     validate: bool = True  # seqmesh.attention's input check (a tiny all-gather per call)
-    tiled_mlp: bool = False  # each layer's MLP in sequence tiles, recomputed in backward (seqmesh.memory.tiled_mlp)
-    efficient_norm: bool = False  # RMSNorms keep only x and float32 rstd, tiled backward (seqmesh.memory.rmsnorm)
-    offload_checkpoints: bool = False  # checkpointed layer inputs kept in host memory (seqmesh.memory.offload)
-    fsdp_cpu_offload: bool = False  # FSDP2's sharded weights, gradients and AdamW state in host memory
-    mlp_tiles: int | None = None  # tiles per MLP with tiled_mlp; None: local tokens / hidden, rounded up
     offload_prefetch: int = 2  # offloaded inputs fetched back to the device ahead of use (0: used in place, CPU)
     optimizer_foreach: bool = True  # AdamW's foreach path (torch's default on CUDA): one fp32 temporary per parameter
     media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
-    linear_attention: str = "auto"  # Gated DeltaNet design: all_to_all, state_passing or auto (linear_attention.choice)
-    async_ulysses: bool = False  # Ulysses all-to-alls pipelined with the projections (seqmesh.hf.async_ulysses; TP=1)
-    ep: int | str = 1  # expert-parallel degree of every layout planned, or "auto": each degree a layout can take
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.model.unplanned:
             raise ValueError(f"{self.model.name}: {self.model.unplanned}")
         if self.seq_len < 1:
             raise ValueError(f"--seq-len {self.seq_len}: a sequence needs at least 1 token.")
         if self.batch < 1:
             raise ValueError(f"--batch {self.batch}: the micro-batch needs at least 1 sequence.")
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}.")
-        if self.loss_chunk < 1:
-            raise ValueError(f"loss chunk {self.loss_chunk} must be at least 1 token.")
-        if self.offload_checkpoints and not self.checkpointing:
-            raise ValueError("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
-        if self.mlp_tiles is not None and self.mlp_tiles < 1:
-            raise ValueError(f"mlp_tiles={self.mlp_tiles} must be at least 1 (None: chosen from the shapes).")
+        if self.fsdp is False:
+            raise ValueError("the planner models FSDP2 runs (fsdp=False asks for none); drop --no-fsdp to compare "
+                             "with it.")
+        if self.dp_replicate != 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate}: the planner models one FSDP2 group "
+                             "(dp_replicate=1).")
         if self.media is not None:
             self.media.check(self.model, self.seq_len)
         if self.offload_prefetch < 0:
             raise ValueError(f"offload_prefetch={self.offload_prefetch} must be >= 0.")
         if self.ep != "auto":
-            if not isinstance(self.ep, int) or self.ep < 1:
-                raise ValueError(f"--ep {self.ep!r}: the expert-parallel degree is a positive number of ranks (1: "
-                                 "none) or auto.")
             check_expert_parallel(self.model, self.ep)
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype as the planner's options name it ("bf16", "fp32")."""
+        return "bf16" if self.bf16 else "fp32"
 
     @property
     def torch_dtype(self) -> str:
@@ -80,7 +83,13 @@ class Workload:
     @property
     def act_bytes(self) -> int:
         """Bytes per element of activations and unsharded parameters."""
-        return 2 if self.dtype == "bf16" else 4
+        return 2 if self.bf16 else 4
+
+    def admits(self, layout: Degrees) -> bool:
+        """Whether ``layout`` has every degree this workload gives as a number (``auto``: any)."""
+        return all(given == "auto" or given == value for given, value in
+                   ((self.ulysses, layout.ulysses), (self.ring, layout.ring), (self.dp, layout.dp_shard),
+                    (self.tp, layout.tp)))
 
 
 def layer_params(m: ModelShape) -> int:
@@ -112,8 +121,6 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     if not cfg.uses_fsdp(world, cuda=device == "cuda"):
         raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process, "
                          "where seqmesh train does not shard unless asked, pass --fsdp).")
-    if cfg.dp_replicate != 1:
-        raise ValueError(f"dp_replicate={cfg.dp_replicate}: the planner models one FSDP2 group (dp_replicate=1).")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
     shape = model_shape(cfg.model)
@@ -121,15 +128,11 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     # on the CPU host and device are one memory: FSDP2's CPU offload moves nothing, the activation offload's host
     # copies are used in place (nothing fetched back), and AdamW takes its per-tensor path (foreach is CUDA's)
     on_cpu = device == "cpu"
-    work = Workload(shape, cfg.seq_len, batch=cfg.batch, dtype="bf16" if cfg.bf16 else "fp32",
-                    checkpointing=cfg.checkpointing, loss_chunk=cfg.loss_chunk,
-                    layout=cfg.layout if cfg.layout != "auto" else ("per_document" if cfg.data else "zigzag"),
-                    reserve_bytes=reserve_bytes, tiled_mlp=cfg.tiled_mlp, mlp_tiles=cfg.mlp_tiles,
-                    efficient_norm=cfg.efficient_norm, offload_checkpoints=cfg.offload_checkpoints,
-                    fsdp_cpu_offload=cfg.fsdp_cpu_offload and not on_cpu,
-                    offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu,
-                    linear_attention=getattr(cfg, "linear_attention", "auto"), media=media)
-    return work, Degrees(ulysses, ring, dp, cfg.tp, getattr(cfg, "ep", 1))
+    layout = cfg.layout if cfg.layout != "auto" else ("per_document" if cfg.data else "zigzag")
+    settings = {**settings_values(cfg), "layout": layout, "fsdp_cpu_offload": cfg.fsdp_cpu_offload and not on_cpu}
+    work = Workload(shape, cfg.seq_len, batch=cfg.batch, **settings, reserve_bytes=reserve_bytes,
+                    offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu, media=media)
+    return work, Degrees(ulysses, ring, dp, cfg.tp, cfg.ep)
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,14 @@ def cmd_demo_attention(args: argparse.Namespace) -> int:
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from ..training.config import TrainConfig
-    from .flags import add_dataclass_flags
+    from ..rules.flags import add_dataclass_flags
 
     add_dataclass_flags(p, TrainConfig)  # one flag per field: TrainConfig is the one place to add a setting
 
 
 def _train_config(args: argparse.Namespace):
     from ..training.config import TrainConfig
-    from .flags import dataclass_from_flags
+    from ..rules.flags import dataclass_from_flags
 
     return dataclass_from_flags(TrainConfig, args)  # a value out of range: main() prints it once
 

@@ -21,7 +21,7 @@ from ..training.config import TrainConfig
 def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``rehearse`` to ``seqmesh``'s subcommands."""
     from ..planner.media import add_media_flags
-    from .flags import add_dataclass_flags
+    from ..rules.flags import add_dataclass_flags
 
     p = sub.add_parser("rehearse", help="one rank's full-size training step on fake tensors: its peak tensor "
                        "bytes beside seqmesh plan's", description=__doc__.splitlines()[0])
@@ -137,7 +137,7 @@ def format_result(result: dict, cfg: TrainConfig, gpus: int) -> str:
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from ..planner.media import media_from_flags
-    from .flags import dataclass_from_flags
+    from ..rules.flags import dataclass_from_flags
 
     try:
         cfg = dataclass_from_flags(TrainConfig, args)

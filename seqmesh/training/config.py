@@ -6,37 +6,27 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ..rules.settings import RunSettings, settings_values
+
 if TYPE_CHECKING:
     from ..compose import ParallelPlan
 
 
-@dataclass
-class TrainConfig:
-    """One training run. Degrees given as ``"auto"`` are chosen from the world size and heads.
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(RunSettings):
+    """One training run: the run's settings (degrees, kernels, techniques: :class:`seqmesh.rules.settings.RunSettings`,
+    checked there) and what only the job needs (the model, data, schedule and files). Degrees given as ``"auto"``
+    are chosen from the world size and heads.
 
     ``seqmesh train`` has one flag per field (``seq_len`` is ``--seq-len``), generated from the
-    annotation, default and docstring below (``seqmesh.tools.flags``): a new field needs nothing more."""
+    annotation, default and docstring below and in ``RunSettings`` (``seqmesh.rules.flags``): a new field needs
+    nothing more."""
 
     model: str = "llama-tiny"
     """A preset (llama-tiny, qwen3-tiny, llama3-8b, qwen3-0.6b, ...), a config.json, or a local checkpoint
     folder."""
     seq_len: int = 8192
     """Tokens per sequence."""
-    ulysses: int | Literal["auto"] = "auto"
-    """Ulysses degree (all-to-all over the innermost ranks), or auto."""
-    ring: int | Literal["auto"] = "auto"
-    """Ring degree, or auto."""
-    dp: int | Literal["auto"] = "auto"
-    """Data-parallel shard degree, or auto; FSDP shards over dp x ulysses x ring."""
-    dp_replicate: int = 1
-    """HSDP replicas (weights replicated across them)."""
-    tp: int = 1
-    """Tensor-parallel degree, innermost (inside Ulysses): projections, embedding and LM head sharded over tp ranks
-    that share a sequence shard, norms and residuals sequence-parallel between them (1: none)."""
-    ep: int = 1
-    """Expert-parallel degree: each MoE layer's routed experts split over groups of ep ranks that hold different
-    tokens, tokens sent to their experts and back by all-to-alls (exact); needs FSDP2, tp 1 and no compile; it must
-    divide the experts and the ranks (world / tp) (1: every rank holds every expert, FSDP2 shards them)."""
     steps: int = 200
     """Optimizer steps."""
     lr: float = 1e-3
@@ -51,35 +41,6 @@ class TrainConfig:
     """Max global gradient norm (0 disables clipping)."""
     batch: int = 1
     """Sequences per data-parallel rank per step."""
-    bf16: bool = False
-    """bf16 compute, fp32 reductions and master weights."""
-    checkpointing: bool = False
-    """Recompute each decoder layer in backward (activation checkpointing)."""
-    compile: bool = False
-    """torch.compile each decoder layer (as torchtitan does), after the memory techniques and before FSDP2;
-    seqmesh's attention is one graph node in it (seqmesh.sharded_attention.compiled)."""
-    fsdp: bool | None = None
-    """Shard weights, gradients and optimizer state with FSDP2 over every rank (--fsdp), or replicate them
-    and sum the gradients after backward (--no-fsdp). Unset: FSDP2 on more than one process, none on one
-    (nothing to shard there, and FSDP2's per-step copies cost time), unless --fsdp-cpu-offload needs it, or --bf16
-    without CUDA asks for it (FSDP2's mixed precision rather than CPU autocast; --no-fsdp autocasts there too)."""
-    tiled_mlp: bool = False
-    """Compute each decoder layer's MLP in sequence tiles, recomputed in backward (exact; keeps only the MLP's
-    input for backward)."""
-    efficient_norm: bool = False
-    """Run transformers' Llama-style RMSNorms through seqmesh.memory.rmsnorm (exact: the same forward ops;
-    keeps only the norm's input and a float32 scale per token, and computes its backward in sequence tiles)."""
-    async_ulysses: bool = False
-    """Overlap the Ulysses all-to-alls with the attention's q/k/v and output projections, forward and backward
-    (exact; seqmesh.hf.async_ulysses). Llama, Mistral, Qwen2/3, gpt-oss and Gemma 3 attention, without TP."""
-    mlp_tiles: int | None = None
-    """Tiles per MLP with --tiled-mlp; none: local tokens / hidden size, rounded up."""
-    offload_checkpoints: bool = False
-    """Keep each checkpointed decoder layer's input in (pinned) host memory until backward; needs
-    --checkpointing."""
-    fsdp_cpu_offload: bool = False
-    """FSDP2 keeps sharded parameters, gradients and optimizer state in host memory; the optimizer steps on
-    the CPU."""
     track_memory: bool = False
     """Count each step's peak live tensor bytes by category (parameters, gradients, optimizer, activations,
     transient) into metrics.jsonl; costs Python work per operator."""
@@ -95,16 +56,6 @@ class TrainConfig:
     """Alphabet of the built-in copy task."""
     copy_period: int | None = None
     """Period of the built-in copy task; none: seq_len // 4."""
-    layout: Literal["auto", "zigzag", "contiguous", "per_document"] = "auto"
-    """How the sequence is split over the ranks: zigzag balances causal work, per_document balances each packed
-    document's own; auto takes per_document when documents are packed, zigzag otherwise."""
-    backend: Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math"] = "auto"
-    """Attention kernel; auto takes the first that supports the call, in this order."""
-    loss_chunk: int = 4096
-    """Tokens per LM-head tile in the loss (smaller: less memory for logits)."""
-    linear_attention: Literal["auto", "all_to_all", "state_passing"] = "auto"
-    """Gated DeltaNet layers across the sequence ranks: one all-to-all (heads dealt to ranks), passing the
-    recurrent state between them, or auto: the cheaper for the shapes (seqmesh.linear_attention.choice)."""
     out: str = "runs/seqmesh"
     """Folder for metrics.jsonl, loss_curve.png and checkpoints/."""
     log_every: int = 10
@@ -140,11 +91,7 @@ class TrainConfig:
         """What ``seqmesh.compose.parallelize_model`` applies for this run (``fsdp``: :meth:`uses_fsdp`)."""
         from ..compose import ParallelPlan
 
-        return ParallelPlan(backend=self.backend, linear_attention=self.linear_attention, loss_chunk=self.loss_chunk,
-                            checkpointing=self.checkpointing, compile=self.compile,
-                            tiled_mlp=self.tiled_mlp, mlp_tiles=self.mlp_tiles, efficient_norm=self.efficient_norm,
-                            fsdp=fsdp, bf16=self.bf16, fsdp_cpu_offload=self.fsdp_cpu_offload,
-                            async_ulysses=self.async_ulysses, ep=self.ep)
+        return ParallelPlan(**{**settings_values(self), "fsdp": fsdp})
 
     def uses_fsdp(self, world: int, cuda: bool) -> bool:
         """Whether a run on ``world`` processes (on CUDA devices or not) shards with FSDP2: ``fsdp`` when
@@ -154,19 +101,11 @@ class TrainConfig:
         return world > 1 or self.fsdp_cpu_offload or (self.bf16 and not cuda)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_runnable()
         for name in ("seq_len", "steps", "batch", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        for name in ("ulysses", "ring", "dp"):
-            value = getattr(self, name)
-            if value != "auto" and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
-        if self.dp_replicate < 1:
-            raise ValueError(f"dp_replicate must be at least 1 (1: no replicas), got {self.dp_replicate}.")
-        if self.tp < 1:
-            raise ValueError(f"tp must be at least 1 (1: no tensor parallelism), got {self.tp}.")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"ep must be a positive integer (1: no expert parallelism), got {self.ep!r}.")
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: only at the end), got {getattr(self, name)}.")
@@ -185,17 +124,9 @@ class TrainConfig:
                     name in ("lr", "timeout") and value == 0):
                 bound = f"in [{low:g}, {high:g}]" if high is not None else ("> 0" if name in ("lr", "timeout") else ">= 0")
                 raise ValueError(f"{name} must be a finite number {bound}, got {value}.")
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
-        if self.offload_checkpoints and not self.checkpointing:
-            raise ValueError("offload_checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
-        if self.fsdp_cpu_offload and self.fsdp is False:
-            raise ValueError("fsdp_cpu_offload offloads FSDP2's shards; drop --no-fsdp or --fsdp-cpu-offload.")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 (omit it to keep every checkpoint), got "
                              f"{self.keep_checkpoints}.")
-        if self.mlp_tiles is not None and self.mlp_tiles < 1:
-            raise ValueError(f"mlp_tiles must be at least 1 (omit it to choose from the shapes), got {self.mlp_tiles}.")
         if self.data and self.batch != 1:
             raise ValueError(
                 f"packed text data takes one sequence per data-parallel rank (batch=1, got {self.batch}): its rows "

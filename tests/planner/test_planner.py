@@ -74,7 +74,7 @@ def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
     for moment, expected in want.items():
         assert parameter_memory(w, lay, moment) == expected, moment
     # fp32 (no reduce copy): the embedding's moment holds both fp32 gradients
-    w32 = Workload(m, 8192, dtype="fp32")
+    w32 = Workload(m, 8192, bf16=False)
     assert end_of_backward_grads(w32, lay) == {"embedding": 4 * (LLAMA8B_ROOT + LLAMA8B_EMBEDDING),
                                               "root": 4 * LLAMA8B_ROOT}
 
@@ -155,7 +155,7 @@ def test_saved_activations_per_layer_by_hand():
     fp32 = 2 * (4 * 64 + 4 + 4 * 64 + 4 * 64) + 4 * 16 * 12 + 4 * 4 + 4 * 4 * 128
     bf16 = 2 * (4 * 64 + 4 + 2 * 64 + 2 * 64) + 2 * 16 * 12 + 4 * 4 + 2 * 4 * 128  # the norms' fp32 copies stay
     assert (fp32, bf16) == (4376, 2456)
-    assert layer_saved_bytes(Workload(TINY, s, dtype="fp32", checkpointing=False), lay) == fp32 * s
+    assert layer_saved_bytes(Workload(TINY, s, bf16=False, checkpointing=False), lay) == fp32 * s
     assert layer_saved_bytes(Workload(TINY, s, checkpointing=False), lay) == bf16 * s
     # Ulysses 2: the attention tensors on 64 tokens x this rank's 2 + 1 + 1 + 2 heads, and the output
     # projection's own input (every head, 32 local tokens)

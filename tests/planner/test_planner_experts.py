@@ -147,7 +147,9 @@ def test_refusals_name_the_number_and_the_fix(configs, capsys):
     ok, excluded = layouts(replace(work, ep=32), cluster)
     assert not ok and all("does not divide the 16 ranks" in why or "with tp=" in why or "tensor parallelism" in why
                       for _, why in excluded), excluded
-    assert main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "16", "--ep", "six"]) == 2
+    with pytest.raises(SystemExit) as refused:  # the flag's type (the run settings' ep: a number or auto)
+        main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "16", "--ep", "six"])
+    assert refused.value.code == 2 and "--ep: expected an integer or auto, got 'six'" in capsys.readouterr().err
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--gpus", "8", "--ep", "2"]) == 2
     assert main(["plan", "--model", configs["deepseek-v3"], "--seq-len", "4096", "--gpus", "8", "--ep", "16"]) == 2
     err = capsys.readouterr().err

@@ -59,7 +59,7 @@ def test_deepseek_v32_has_671_9b_parameters(tmp_path):
 def _measured_workload(case: ModelTrafficCase, measured: dict, path) -> Workload:
     """The planner's workload of the model a measured case ran (its config.json written to ``path``)."""
     path.write_text(json.dumps(measured["config"]))
-    return Workload(model_shape(str(path)), case.seq_len, dtype="fp32", checkpointing=case.checkpointing)
+    return Workload(model_shape(str(path)), case.seq_len, bf16=False, checkpointing=case.checkpointing)
 
 
 @pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])

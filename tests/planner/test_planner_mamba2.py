@@ -153,7 +153,7 @@ def _tiny_workload(tmp_path, seq_len: int, design: str, ulysses: int, ring: int)
     from seqmesh.planner.workload import Workload
 
     shape = model_shape(_write(tmp_path, _tiny("nemotron-h")))
-    work = Workload(shape, seq_len, batch=2, dtype="fp32", linear_attention=design)
+    work = Workload(shape, seq_len, batch=2, bf16=False, linear_attention=design)
     return Mamba2Layer(work, Degrees(ulysses, ring, 1))
 
 

@@ -138,7 +138,7 @@ def _conv_layer(tmp_path, seq_len: int, ulysses: int, ring: int, layout: str = "
     from seqmesh.planner.workload import Workload
 
     shape = model_shape(_write(tmp_path, _tiny(family), family))
-    work = Workload(shape, seq_len, batch=batch, dtype=dtype, layout=layout)
+    work = Workload(shape, seq_len, batch=batch, bf16=dtype == "bf16", layout=layout)
     return ShortConvLayer(work, Degrees(ulysses, ring, 1))
 
 
@@ -157,7 +157,7 @@ def test_halo_bytes_follow_the_runtime_schedule(tmp_path, ulysses, ring, layout)
     for changes in ({}, dict(conv_L_cache=5)):
         shape = model_shape(_write(tmp_path, _tiny("lfm2", **changes), "lfm2"))
         layer = _conv_layer(tmp_path, 4096, ulysses, ring, layout)
-        layer = type(layer)(type(layer.work)(shape, 4096, batch=2, dtype="fp32", layout=layout), layer.layout)
+        layer = type(layer)(type(layer.work)(shape, 4096, batch=2, bf16=False, layout=layout), layer.layout)
         p, k = ulysses * ring, shape.hybrid.conv.kernel
         seq = SequenceLayout.for_length(layout, ring, ulysses, 4096, None, 1, 1)
         padded = seq.local_len * p

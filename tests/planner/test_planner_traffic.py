@@ -264,7 +264,7 @@ TP_LAYOUTS = {4: [(2, 1, 2), (1, 2, 2), (1, 1, 4)], 8: [(2, 2, 2)]}
 def _tp_workload(case: ModelTrafficCase, config: dict, folder) -> Workload:
     path = folder / f"{case.family}-{config['num_key_value_heads']}.json"
     path.write_text(__import__("json").dumps(config))
-    return Workload(model_shape(str(path)), case.seq_len, batch=case.batch, dtype="bf16" if case.bf16 else "fp32",
+    return Workload(model_shape(str(path)), case.seq_len, batch=case.batch, bf16=case.bf16,
                     checkpointing=case.checkpointing, loss_chunk=case.loss_chunk, tiled_mlp=case.mlp_tiles > 0,
                     mlp_tiles=case.mlp_tiles or None)
 

@@ -12,7 +12,7 @@ import pytest
 from seqmesh.kernels import BACKENDS
 from seqmesh.sequence.layout import LayoutKind
 from seqmesh.tools.cli import build_parser, main
-from seqmesh.tools.flags import dataclass_from_flags, field_docs
+from seqmesh.rules.flags import dataclass_from_flags, field_docs
 from seqmesh.training.config import TrainConfig
 
 FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -29,7 +29,16 @@ T = typing.TypeVar("T")
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field name: its docstring on one line}`` for the fields of ``cls`` that have one."""
+    """``{field name: its docstring on one line}`` for the fields of ``cls`` and its dataclass bases that have one (a
+    subclass's docstring of a field it redefines wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_docs(klass))
+    return docs
+
+
+def _own_docs(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # no source shipped: the flags still work, without help
@@ -77,11 +86,20 @@ def _options(name: str, hint: Any) -> dict[str, Any]:
                     "a list of int/float/str, int | Literal[...], or one of these | None.")
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--flag`` on ``parser`` for every field of the dataclass ``cls`` (``dest`` is the field name)."""
+def flag_fields(cls: type, only: tuple[str, ...] | None = None) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that get flags (``only``: those named), the class's own before its bases' (a job's
+    model and data before the run settings it inherits)."""
+    own = getattr(cls, "__annotations__", {})
+    chosen = [f for f in dataclasses.fields(cls) if only is None or f.name in only]
+    return sorted(chosen, key=lambda f: f.name not in own)
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
+    """One ``--flag`` on ``parser`` for every field of the dataclass ``cls`` (``only``: for the fields named;
+    ``dest`` is the field name)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
+    for f in flag_fields(cls, only):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         text = docs.get(f.name, "").replace("%", "%%")
         if default is dataclasses.MISSING:
@@ -94,6 +112,11 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                             **_options(f.name, hints[f.name]))
 
 
+def flag_values(cls: type, args: argparse.Namespace, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``{field: value}`` that flags added by :func:`add_dataclass_flags` (with the same ``only``) give."""
+    return {f.name: getattr(args, f.name) for f in flag_fields(cls, only)}
+
+
 def dataclass_from_flags(cls: type[T], args: argparse.Namespace) -> T:
     """The ``cls`` that flags added by :func:`add_dataclass_flags` describe (its checks run as usual)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    return cls(**flag_values(cls, args))  # type: ignore[arg-type]
