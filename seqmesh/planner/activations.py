@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from ..hf import indexed_attention
 from ..model.shapes import ModelShape
-from ..rules.padding import padded_length
-from ..rules.heads import HeadDeal
 from ..rules.degrees import Degrees
+from .placement import placement, tp_heads
 from .workload import Workload
 
 INT64 = 8
@@ -18,8 +17,7 @@ TILED_RECOMPUTE = "tiled MLP recompute"  # under TP, checkpointed: a layer's pea
 
 def local_tokens(work: Workload, layout: Degrees) -> int:
     """Tokens of each sequence one GPU holds between the layers (the padded length over ulysses x ring x tp)."""
-    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
-    return padded // (layout.ulysses * layout.ring * layout.tp)
+    return placement(work, layout).local_tokens
 
 
 def tokens(work: Workload, layout: Degrees) -> int:
@@ -33,15 +31,10 @@ def gathered_tokens(work: Workload, layout: Degrees) -> int:
     return tokens(work, layout) * layout.tp
 
 
-def tp_heads(m: ModelShape, layout: Degrees) -> tuple[int, int]:
-    """(query heads, kv heads) one TP rank projects (``tp`` divides both: the planner refuses other layouts)."""
-    return m.heads // layout.tp, m.kv_heads // layout.tp
-
-
 def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
     """(tokens, query heads, kv heads) inside attention on the busiest GPU: Ulysses gathers ``U`` ranks'
     tokens for a share of this TP rank's heads."""
-    deal = HeadDeal(*tp_heads(work.model, layout), layout.ulysses)
+    deal = placement(work, layout).heads
     return gathered_tokens(work, layout) * layout.ulysses, deal.max_q, deal.max_kv
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, replace
 
 from .hardware import GB, HardwareSpec
-from .timing import ATTENTION_BACKWARD, attention_pairs
+from .attention_layer import ATTENTION_BACKWARD, attention_pairs
 from .workload import COMPUTE_DTYPES
 
 

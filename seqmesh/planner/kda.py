@@ -24,11 +24,11 @@ from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.kda_all_to_all import choose_kda_design, kda_all_to_all_bytes
 from ..linear_attention.kda_state_passing import KdaHeads, kda_state_passing_bytes
 from ..model.hybrid_shape import KDA
-from ..rules.padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import serial_layer_seconds
 from .mamba2 import recurrent_traffic
+from .placement import placement
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
 from .workload import Workload
@@ -71,7 +71,7 @@ class KdaLayer:
             return kda_state_passing_bytes(self._heads(), batch=w.batch, ulysses=lay.ulysses, ring=lay.ring,
                                            layout=w.layout, kernel=w.model.hybrid.kda.conv, dtype_bytes=e,
                                            state_bytes=8 if e == 8 else 4)
-        padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
+        padded = placement(w, lay).sequence_padded
         return kda_all_to_all_bytes(self._heads(), batch=w.batch, seq_len=padded, ranks=lay.ulysses * lay.ring,
                                     dtype_bytes=e)
 

@@ -1,20 +1,22 @@
-"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (full, or a causal sliding window;
-with tensor parallelism inside, :mod:`.tensor_parallel`), Gated DeltaNet and DeepSeek Sparse Attention. Each kind gives its FSDP unit's parameters, its collectives'
-bytes per phase and its saved tensors; the step walks take the model's kinds from :func:`layer_kinds`.
+"""What one decoder layer costs on the busiest rank, by kind: seqmesh attention (:mod:`.attention_layer`: full, or a
+causal sliding window, with tensor parallelism inside), Gated DeltaNet, DeepSeek Sparse Attention and the hybrids'
+mixers (:mod:`.mamba2`, :mod:`.kda`, :mod:`.lightning`, :mod:`.short_conv`). Each kind gives its FSDP unit's
+parameters, its collectives' bytes per phase, its saved tensors and its time; the step walks take the model's kinds
+from :func:`layer_kinds`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import functools
 
 from ..hf.indexed_attention import block_queries, scored_keys
-from ..rules.padding import padded_length
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
-from .activations import local_tokens, tokens, tp_heads
+from .activations import local_tokens, tokens
+from .attention_layer import Attention
+from .placement import placement
 from .experts import dispatch_bytes
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
@@ -26,91 +28,11 @@ from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .kda import KdaLayer
 from .lightning import LightningLayer
 from .short_conv import ShortConvLayer
-from .tensor_parallel import layer_traffic, split_params
-from .traffic import (Collective, RankTraffic, attention_traffic, call_bytes, dtype_bytes,
-                      indexed_attention_traffic, linear_attention_traffic, ring_steps, worst_rank)
+from .traffic import (Collective, RankTraffic, call_bytes, dtype_bytes, indexed_attention_traffic,
+                      linear_attention_traffic, worst_rank)
 from ..rules.degrees import Degrees
 from .workload import Workload, layer_matmul_params, layer_params
 
-def attention_pairs(seq_len: int, causal: bool, window: int | None = None) -> int:
-    """Visible (query, key) pairs of one sequence; a causal ``window`` keeps each query's last
-    ``window`` keys (itself included): ``w(w+1)/2 + (S - w) w`` with ``w = min(window, S)``."""
-    if window is not None and causal:
-        w = min(window, seq_len)
-        return w * (w + 1) // 2 + (seq_len - w) * w
-    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-
-
-@dataclass(frozen=True)
-class Attention:
-    """A decoder layer with seqmesh attention over ``ulysses x ring`` (each TP rank its ``1 / tp`` of the heads);
-    ``window``: a causal sliding window."""
-
-    work: Workload
-    layout: Degrees
-    window: int | None = None
-
-    def params(self) -> int:
-        """Parameters of the layer's FSDP unit on one TP rank (a Mamba2 hybrid's attention layer: its own)."""
-        m = self.work.model
-        if m.hybrid is not None:
-            return m.hybrid.layer_params(("attention", m.hybrid.attention_ffn()), m.hidden, m.attention_params)
-        return split_params(m, self.layout.tp)["layer"]
-
-    def ranks(self):
-        """Each sequence rank's traffic in one layer (:func:`.traffic.attention_traffic`), over this TP rank's heads
-        and its sequence share (padded so that tp divides it)."""
-        w, lay, m = self.work, self.layout, self.work.model
-        padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout, lay.tp)
-        return attention_traffic(*tp_heads(m, lay), m.head_dim, seq_len=padded, batch=w.batch,
-                                 ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype, layout=w.layout,
-                                 validate=w.validate and self.window is None, window=self.window,
-                                 value_dim=m.value_dim)
-
-    def traffic(self) -> Phases:
-        ranks = self.ranks()
-        fwd, bwd = ({"ulysses_all_to_all": worst_rank(ranks, "all_to_all", ph),
-                     "ring_p2p": worst_rank(ranks, "p2p", ph)} for ph in ("forward", "backward"))
-        sent = phases(fwd, bwd, self.work.checkpointing)
-        if self.layout.tp > 1:  # the TP regions' gathers and reduce-scatters
-            for phase, tp in layer_traffic(self.work, self.layout).items():
-                sent[phase] |= tp
-        return sent
-
-    def input_check(self) -> int:
-        """seqmesh's input check: one tiny all-gather per step (the first attention call of a batch)."""
-        return worst_rank(self.ranks(), "control", "forward")
-
-    def links(self, hw: HardwareSpec) -> dict[str, str]:
-        links = {"ulysses_all_to_all": link_name(hw, axis_groups(self.layout, "ulysses")),
-                 "ring_p2p": link_name(hw, axis_groups(self.layout, "ring")),
-                 "input_check_all_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
-        if self.layout.tp > 1:
-            tp = link_name(hw, axis_groups(self.layout, "tp"))
-            links |= {"tp_all_gather": tp, "tp_reduce_scatter": tp, "tp_all_reduce": tp}
-        return links
-
-    def pairs(self) -> int:
-        return attention_pairs(self.work.seq_len, self.work.causal, self.window)
-
-    def ring_hops(self) -> int:
-        """K/V hops of one ring pass: the ring steps that compute anything, less the local one."""
-        padded = padded_length(self.work.seq_len, self.layout.ulysses, self.layout.ring, self.work.layout,
-                               self.layout.tp)
-        return ring_steps(self.layout.ring, padded, self.work.layout, self.window) - 1
-
-    def saved_bytes(self) -> int:
-        return attention_saved_bytes(self.work, self.layout)
-
-
-def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
-    """``cost`` of one attention layer averaged over the model's full and sliding layers (pairs, ring hops)."""
-    m = work.model
-    full = cost(Attention(work, layout))
-    if not m.sliding_window or not m.sliding_layers:
-        return full
-    windowed = cost(Attention(work, layout, m.sliding_window))
-    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * windowed) / m.layers
 
 
 def linear_layer_params(m: ModelShape) -> int:
@@ -207,7 +129,7 @@ class GatedDeltaNet:
         tokens on 8 GPUs (docs/rehearse.md: 37.79 GB planned, 38.55 GB measured)."""
         w, lay, m = self.work, self.layout, self.work.model
         e, p = w.act_bytes, lay.ulysses * lay.ring
-        whole = w.batch * padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
+        whole = w.batch * placement(w, lay).sequence_padded
         deal = HeadDeal(m.linear_value_heads, m.linear_key_heads, p)
         h, k = deal.max_q, deal.max_kv
         values = m.linear_value_heads * m.linear_value_dim
@@ -335,7 +257,7 @@ class IndexedAttention:
         gradient, which nothing overlaps (:func:`serial_layer_seconds`)."""
         work, layout, m = self.work, self.layout, self.work.model
         p = layout.ulysses * layout.ring
-        padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout)
+        padded = placement(work, layout).sequence_padded
         local, b = padded // p, work.batch
         peak = hw.flops_for(work.dtype)
         mm_fwd = 2 * b * local * (layer_matmul_params(m) - self._indexer_params()) / (peak * hw.matmul_efficiency)

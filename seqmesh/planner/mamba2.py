@@ -24,10 +24,10 @@ from ..rules.degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
 from ..model.hybrid_shape import MAMBA2, FeedForward, Mamba2Shape
-from ..rules.padding import padded_length
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import attention_saved_bytes, phases, serial_layer_seconds
+from .placement import placement
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
 from .workload import Workload
@@ -51,7 +51,7 @@ def mamba2_mixing_flops(mamba: Mamba2Shape, tokens: int) -> int:
 def _local_tokens(work: Workload, layout: Degrees) -> int:
     """Tokens of one sequence a rank holds (tp is 1: the planner refuses tensor parallelism on hybrids)."""
     p = layout.ulysses * layout.ring
-    return padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout) // p
+    return placement(work, layout).sequence_padded // p
 
 
 def _rates(work: Workload, hw: HardwareSpec) -> tuple[float, float]:
@@ -94,7 +94,7 @@ class Mamba2Layer:
         """The layer's heads and the call's shape as the runtime passes them to ``choose_ssd_design``."""
         w, lay, mamba = self.work, self.layout, self.work.model.hybrid.mamba
         heads = SSDHeads(mamba.heads, mamba.head_dim, mamba.groups, mamba.state)
-        padded = padded_length(w.seq_len, lay.ulysses, lay.ring, w.layout)
+        padded = placement(w, lay).sequence_padded
         return heads, dict(seq_len=padded, batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout,
                            dtype_bytes=dtype_bytes(w.torch_dtype))
 

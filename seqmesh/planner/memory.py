@@ -11,7 +11,7 @@ from .activations import (TILED_RECOMPUTE, attention_backward_bytes, final_norm_
                           outside_layers_bytes, timeline_peak, tokens)
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
-from .tensor_parallel import split_params
+from .placement import placement
 from .traffic import dtype_bytes
 from ..rules.degrees import Degrees
 from .workload import Workload
@@ -51,7 +51,7 @@ class MemoryBreakdown:
 def end_of_backward_grads(work: Workload, layout: Degrees) -> dict[str, int]:
     """Unsharded gradient bytes per GPU at each reduce-scatter of the end of backward: ``embedding`` (an untied
     embedding's, beside the root's; absent when tied) and ``root`` (last), as docs/planner.md ("Memory") says."""
-    e, split = work.act_bytes, split_params(work.model, layout.tp)
+    e, split = work.act_bytes, placement(work, layout).split
     root, emb = split["root"], split["embedding"]
     reduce_copy = 4 if e != 4 else 0
     out = {"root": root * (e + reduce_copy)}
@@ -74,7 +74,7 @@ def held_reduce_scatter_input(work: Workload, layout: Degrees) -> int:
     peak (0.32 GB over at 8B), and on real CPU steps of small models (tests/planner/test_planner_measured.py) adding
     it to every layer over-predicts by up to 8%: modelling both needs the weight gradients in the timeline."""
     m = work.model
-    return dtype_bytes(work.reduce_dtype) * local_layer_params(split_params(m, layout.tp)["layer"], m, layout)
+    return dtype_bytes(work.reduce_dtype) * local_layer_params(placement(work, layout).split["layer"], m, layout)
 
 
 def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
@@ -82,7 +82,7 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     (at the loss the LM head's gradient is still the loss's accumulator, counted in :func:`loss_memory`)."""
     if moment not in MOMENTS:
         raise ValueError(f"moment {moment!r}: choose one of {', '.join(MOMENTS)}.")
-    m, e, split = work.model, work.act_bytes, split_params(work.model, layout.tp)
+    m, e, split = work.model, work.act_bytes, placement(work, layout).split
     shard = sharded_params(m, layout, split["total"])
     root = split["root"]
     layer = local_layer_params(split["layer"], m, layout)  # under EP a rank gathers only its own experts
@@ -117,7 +117,7 @@ def host_memory(work: Workload, layout: Degrees) -> int:
     m, e = work.model, work.act_bytes
     host = 0
     if work.fsdp_cpu_offload:
-        host += (MASTER + GRAD_SHARD + ADAM) * sharded_params(m, layout, split_params(m, layout.tp)["total"])
+        host += (MASTER + GRAD_SHARD + ADAM) * sharded_params(m, layout, placement(work, layout).split["total"])
     if work.offload_checkpoints:
         final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
         host += m.layers * layer_input_bytes(work, layout) + tokens(work, layout) * final_norm
@@ -194,7 +194,7 @@ def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
     elif moment in ("layer backward", "first layer backward"):
         activations, op = activation_memory(work, layout, moment)
         if op == TILED_RECOMPUTE:  # the layer's own weight gradients come after it: the larger of the two moments
-            own = local_layer_params(split_params(work.model, layout.tp)["layer"], work.model, layout) * work.act_bytes
+            own = local_layer_params(placement(work, layout).split["layer"], work.model, layout) * work.act_bytes
             later, later_op = activation_memory(work, layout, moment, after_recompute=True)
             if later + own > activations:
                 activations, op = later, later_op

@@ -16,9 +16,8 @@ from .recommend import explain, explain_longest, nothing_fits, pick
 from .layers import Attention, LayerKind, layer_kinds
 from .network import every_group, link_name
 from .timing import step_time
-from ..rules.padding import padded_length
-from ..rules.heads import HeadDeal
-from .tensor_parallel import pooled_loss_bytes, split_params, step_traffic, tensor_parallel_refusal
+from .placement import placement, tp_heads
+from .tensor_parallel import pooled_loss_bytes, step_traffic, tensor_parallel_refusal
 from .traffic import fsdp_traffic
 from .vision import tower_memory, with_tower
 from ..rules.degrees import Degrees
@@ -150,7 +149,7 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
         for sent in with_fsdp(kind, work, layout).values():
             for k, v in sent.items():
                 step[k] += count * v
-    split = split_params(m, layout.tp)
+    split = placement(work, layout).split
     units = [(fsdp_traffic(n, layout.fsdp_group, work.torch_dtype, work.reduce_dtype), gathers)
              for n, gathers in ((split["root"], 1), (split["embedding"], 2)) if n]  # root, untied embedding
     for unit, gathers in units:  # the root gathered once, the embedding again for its backward; one reduce-scatter
@@ -205,14 +204,15 @@ def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBa
     if mem.total > hw.memory_bytes:
         problems.append(f"needs {mem.total / GiB:.1f} GiB per GPU, more than the {hw.memory_bytes / GiB:.1f} GiB it "
                         "has")
-    heads, kv_heads = m.heads // layout.tp, m.kv_heads // layout.tp  # each TP rank's, dealt by its Ulysses group
+    place = placement(work, layout)
+    heads, kv_heads = tp_heads(m, layout)  # each TP rank's, dealt by its Ulysses group
     each = f" (each TP rank's)" if layout.tp > 1 else ""
     if layout.ulysses > 1:
         if heads % layout.ulysses:
             notes.append(f"uneven heads: {heads} query heads{each} over {layout.ulysses} Ulysses ranks")
-        if HeadDeal(heads, kv_heads, layout.ulysses).replicated:
+        if place.heads.replicated:
             notes.append(f"kv replication: {kv_heads} kv heads{each} over {layout.ulysses} Ulysses ranks")
-    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
+    padded = place.padded
     if padded != work.seq_len:
         notes.append(f"padded to {padded} tokens")
     tokens = layout.dp_shard * work.batch * work.seq_len

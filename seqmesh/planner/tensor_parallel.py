@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from ..rules.degrees import TP_SIZE_NAMES, Degrees, tensor_parallel_misfits
 from ..model.shapes import ModelShape
-from ..rules.padding import padded_length
 from .hardware import HardwareSpec
 from .traffic import dtype_bytes
+from .placement import placement
 from .workload import Workload
 
 POOLED_VALUES = 3  # seqmesh.model.loss.pool_mean: the loss sum, the valid targets and the bad labels, one all-reduce
@@ -45,25 +45,9 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
     return None
 
 
-def split_params(m: ModelShape, tp: int) -> dict[str, int]:
-    """Parameters one TP rank holds before FSDP2 shards them: each projection, the embedding and the LM head
-    ``1 / tp``; RMSNorm weights (and per-head q/k norms) whole on every TP rank. Keys: ``layer`` (one decoder
-    layer; a Mamba2 hybrid's largest), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``."""
-    layer_split = m.attention_params + m.mlp_params
-    head = m.vocab * m.hidden
-    out = {"layer": -(-layer_split // tp) + m.norm_params, "root": -(-head // tp) + m.hidden,
-           "embedding": 0 if m.tie_embeddings else -(-head // tp)}
-    # tp 1: every parameter (hybrid, gated or vision-language models have more than these units; TP refuses them)
-    out["total"] = m.params if tp == 1 else m.layers * out["layer"] + out["root"] + out["embedding"]
-    if m.hybrid is not None:  # a Mamba2 hybrid's layers differ: its largest (tp is 1)
-        out["layer"] = max(m.hybrid.layer_params(block, m.hidden, m.attention_params) for block, _ in m.hybrid.kinds())
-    return out
-
-
 def sequence_share(work: Workload, layout: Degrees) -> int:
     """``L``: tokens of each sequence one sequence rank holds (its TP group together), padded so ``T`` divides it."""
-    padded = padded_length(work.seq_len, layout.ulysses, layout.ring, work.layout, layout.tp)
-    return padded // (layout.ulysses * layout.ring)
+    return placement(work, layout).sequence_share
 
 
 def slice_bytes(work: Workload, layout: Degrees) -> int:

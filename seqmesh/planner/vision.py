@@ -17,7 +17,8 @@ from .hardware import HardwareSpec
 from .media import Media  # noqa: F401 (where the tower's tests import it from)
 from .memory import MOMENTS, MemoryBreakdown, memory_at, parameter_memory
 from .network import axis_all_to_all_seconds, fsdp_seconds, ring_hop_seconds
-from .timing import ATTENTION_BACKWARD, StepTime
+from .attention_layer import ATTENTION_BACKWARD
+from .timing import StepTime
 from .traffic import RankTraffic, fsdp_traffic, vision_route_traffic, vision_tower_traffic
 
 if TYPE_CHECKING:

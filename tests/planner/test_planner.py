@@ -17,7 +17,8 @@ from seqmesh.planner.plan import evaluate, longest_sequence, plan
 from seqmesh.planner.recommend import explain, pick
 from seqmesh.planner.hardware import IDEAL_RING
 from seqmesh.planner.network import concurrent_all_to_all_seconds
-from seqmesh.planner.timing import StepTime, attention_pairs, ring_attention_seconds, step_time
+from seqmesh.planner.attention_layer import attention_pairs, ring_attention_seconds
+from seqmesh.planner.timing import StepTime, step_time
 from seqmesh.planner.traffic import attention_traffic
 from seqmesh.rules.degrees import Degrees
 from seqmesh.planner.workload import Workload

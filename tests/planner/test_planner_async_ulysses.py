@@ -11,7 +11,8 @@ from seqmesh.rules.degrees import Degrees
 from seqmesh.model.presets import model_shape
 from seqmesh.rules.overlap import pipelined_exposed
 from seqmesh.planner.hardware import PRESETS
-from seqmesh.planner.timing import _ulysses_seconds, step_time, ulysses_exposed_seconds
+from seqmesh.planner.attention_layer import _ulysses_seconds, ulysses_exposed_seconds
+from seqmesh.planner.timing import step_time
 from seqmesh.planner.workload import Workload
 
 

@@ -19,7 +19,8 @@ from seqmesh.planner.hardware import make_cluster
 from seqmesh.planner.hardware import DEFAULT_RING_EFFICIENCY, IDEAL_RING, RingEfficiency, from_merge_bench
 from seqmesh.planner.network import (Fabric, concurrent_all_to_all_seconds, every_group,
                                      parse_fabric, ring_hop_seconds, ring_load)
-from seqmesh.planner.timing import _ulysses_seconds, step_time
+from seqmesh.planner.attention_layer import _ulysses_seconds
+from seqmesh.planner.timing import step_time
 from seqmesh.rules.degrees import Degrees
 from seqmesh.planner.workload import Workload
 from seqmesh.tools.cli import main

@@ -14,7 +14,7 @@ from seqmesh.planner.hardware import PRESETS
 from seqmesh.planner.plan import communication
 from seqmesh.rules.padding import padded_length
 from seqmesh.rules.heads import HeadDeal
-from seqmesh.planner.layers import Attention
+from seqmesh.planner.attention_layer import Attention
 from seqmesh.planner.tensor_parallel import layer_traffic, pooled_loss_bytes, step_traffic
 from seqmesh.planner.traffic import attention_traffic, fsdp_traffic
 from seqmesh.rules.degrees import Degrees

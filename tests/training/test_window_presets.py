@@ -61,7 +61,7 @@ def test_planner_window_work_equals_the_ring_schedule():
     from seqmesh.sequence.layout import SequenceLayout
     from seqmesh.planner.plan import communication
     from seqmesh.planner.hardware import PRESETS
-    from seqmesh.planner.timing import attention_pairs
+    from seqmesh.planner.attention_layer import attention_pairs
     from seqmesh.planner.traffic import attention_traffic, worst_rank
     from seqmesh.rules.degrees import Degrees
     from seqmesh.planner.workload import Workload
@@ -85,7 +85,7 @@ def test_planner_window_work_equals_the_ring_schedule():
     # the recompute), 2 back and 2 float32 partials = 4 + 2 + 4 bf16 blocks; the whole ring relays 7, 7
     # and 8 partials = 14 + 7 + 16
     assert step["ring_p2p"] == want and ring_bytes(1024) * 37 == ring_bytes(None) * 10
-    from seqmesh.planner.timing import ring_hop_count
+    from seqmesh.planner.attention_layer import ring_hop_count
 
     # 5 full layers make 7 hops each, 29 sliding layers 2 (steps 0, 1 and 7 of zigzag over 8)
     assert ring_hop_count(work, layout) == pytest.approx((5 * 7 + 29 * 2) / 34)
