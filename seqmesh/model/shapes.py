@@ -11,7 +11,7 @@ from ..rules.model_sizes import check_model_sizes
 from .hybrid_shape import HybridShape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # every size named where a shape is built (the presets read as data)
 class VisionShape:
     """A vision tower: ``patch x patch`` pixel patches over ``temporal`` frames, ``depth`` blocks, ``merge x merge``
     patches fused into one language-model token. ``tower`` "qwen_vl": Qwen-VL's (any image size, a patch merger;
@@ -189,7 +189,7 @@ class LatentShape:
         return own + (self.q_lora_rank or hidden) * hi * di + hidden * di + 2 * di + hidden * hi
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # every size named where a shape is built (the presets read as data)
 class ModelShape:
     """What the planner and the trainer need to know of a decoder-only transformer."""
 

@@ -100,9 +100,11 @@ def test_an_encoder_decoder_config_is_refused_by_name(tmp_path):
 def test_shapes_built_in_python_obey_the_same_rules():
     """The planner's API takes a ModelShape: the same check, the same words."""
     with pytest.raises(ValueError, match="tiny: the head dim head_dim = 7 is odd"):
-        ModelShape("tiny", "llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=7, intermediate=128, vocab=256)
+        ModelShape(name="tiny", family="llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=7, intermediate=128,
+                   vocab=256)
     with pytest.raises(ValueError, match="tiny: num_hidden_layers = 0"):
-        ModelShape("tiny", "llama", hidden=64, layers=0, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+        ModelShape(name="tiny", family="llama", hidden=64, layers=0, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                   vocab=256)
     check_model_sizes({**LLAMA, "vocab_size": MAX_VOCAB}, "largest")  # the bound itself is allowed
 
 

@@ -25,7 +25,8 @@ from seqmesh.planner.workload import Workload
 from seqmesh.model.presets import MODELS
 from seqmesh.model.shapes import ModelShape
 
-TINY = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+TINY = ModelShape(name="tiny", family="llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                  vocab=256)
 H100 = PRESETS["h100-nvlink"]
 
 

@@ -125,8 +125,8 @@ def test_ulysses_time_in_the_step_model_uses_the_uplinks():
     the 45 heads of the other 15 ranks (3 each), the output all-to-all 15 heads; backward the same 15 and
     45. Each call: the node sends 8 x 8/15 of every rank's bytes through 80 GB/s; without the fabric each
     GPU's 8/15 at 40 GB/s."""
-    m = ModelShape("mha16", "llama", hidden=256, layers=2, heads=16, kv_heads=16, head_dim=16, intermediate=512,
-                   vocab=256)
+    m = ModelShape(name="mha16", family="llama", hidden=256, layers=2, heads=16, kv_heads=16, head_dim=16,
+                   intermediate=512, vocab=256)
     hw, work, lay = _two_level(8, 2), Workload(m, 4096), Degrees(16, 1, 1)
     want = 8 * 8 / 15 * (45 + 15) * 8192 / (80 * GB)
     assert _ulysses_seconds(work, lay, hw, "forward") == pytest.approx(want)
@@ -175,7 +175,8 @@ def test_step_time_divides_ring_attention_by_the_curve():
     """Free links, peak FLOP/s: a rank of U1 x R4 over 8192 tokens does 1/4 of the causal pairs' attention,
     4 x D x H FLOPs per pair forward, 3.5 x that forward + backward, + 1 x recompute; at 2048-token blocks
     the table's 0.9 stretches exactly that part."""
-    m = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+    m = ModelShape(name="tiny", family="llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                   vocab=256)
     base = replace(H100, links=(LinkLevel("x", 0, 1e30, 0.0),), memory_bandwidth=1e30, fabric=None,
                    matmul_efficiency=1.0, attention_efficiency=1.0, ring_efficiency=IDEAL_RING)
     s, lay, w = 8192, Degrees(1, 4, 1), Workload(m, 8192)

@@ -196,8 +196,8 @@ def test_tied_model_has_no_embedding_unit_in_its_fsdp_traffic():
 def test_fsdp_shard_rounds_up_to_whole_parameters():
     """3 ranks and the tiny model's 36,992-parameter layer (64 x 16 x 12 + 3 x 64 x 128 + 128): shards of
     12,331 parameters (the last one padded); a rank sends 2 of them."""
-    tiny = ModelShape("tiny", "llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-                      vocab=256)
+    tiny = ModelShape(name="tiny", family="llama", hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=256)
     assert 64 * 16 * 12 + 3 * 64 * 128 + 128 == 36_992
     assert fsdp_traffic(36_992, 3, "bfloat16") == {"all_gather_forward": 2 * 12_331 * 2,
                                                    "all_gather_backward": 2 * 12_331 * 2,

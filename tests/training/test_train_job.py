@@ -297,7 +297,8 @@ def test_a_vision_language_model_trains_and_verifies_on_image_records(pools, tmp
 
     data = _image_records(tmp_path)
     small = dict(MODELS["qwen2.5-vl-tiny"].__dict__)
-    small["vision"] = VisionShape(2, 32, 4, 48, 64, patch=14, window=56, full_blocks=(1,))
+    small["vision"] = VisionShape(depth=2, hidden=32, heads=4, intermediate=48, out_hidden=64, patch=14, window=56,
+                                  full_blocks=(1,))
     config = tmp_path / "config.json"
     from seqmesh.model.lm import hf_config
     from seqmesh.model.shapes import ModelShape
