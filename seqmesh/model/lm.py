@@ -108,24 +108,47 @@ def has_weights(path: str) -> bool:
     return os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
 
 
-def build_model(name_or_path: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+class ModelSource(NamedTuple):
+    """A run's model as read once: the preset, ``config.json`` or checkpoint folder as given, its shape, transformers'
+    config (a preset's :func:`hf_config`; a user's as written, :func:`load_config`) and whether the folder holds
+    weights. The job reads it once and hands it to its data, its mesh and its model."""
+
+    name: str
+    shape: ModelShape
+    config: object
+    pretrained: bool
+
+
+def read_model(name_or_path: str) -> ModelSource:
+    """``name_or_path`` read once (unknown names, sizes out of range and unreadable configs fail here)."""
+    shape = model_shape(name_or_path)
+    config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
+    return ModelSource(name_or_path, shape, config, has_weights(name_or_path))
+
+
+def build_model(model: str | ModelSource, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu"):
     """A causal LM: a preset, or a ``config.json`` (file or folder without weights) with random
     weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local
     checkpoint folder (config.json plus weights) loaded whole without any download. On the meta device a
     checkpoint folder gives its config's model, weights unread: ``pretrained.load_pretrained`` reads
     each rank's shards after FSDP.
 
-    A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`."""
+    A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`. ``model``: a name or
+    path, or the :class:`ModelSource` a job read once (its config is copied, never changed)."""
+    import copy
+
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    shape = model_shape(name_or_path)  # unknown names and sizes out of range fail here
+    source = model if isinstance(model, ModelSource) else read_model(model)
+    name_or_path, shape = source.name, source.shape
     auto = AutoModelForImageTextToText if shape.vision is not None else AutoModelForCausalLM
-    config = hf_config(shape) if name_or_path in MODELS else load_config(name_or_path)
+    config = copy.deepcopy(source.config)
     if type(config) not in auto._model_mapping:
         raise ValueError(f"{name_or_path}: transformers has no {auto.__name__} for model type {config.model_type!r}; "
                          "seqmesh trains decoder-only causal language models (Llama, Qwen, Mistral, Gemma 3, gpt-oss, "
                          "...). Give one of those, or a preset.")
-    if has_weights(name_or_path) and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
+    if source.pretrained and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
         model = auto.from_pretrained(
             name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
         )

@@ -197,18 +197,19 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from ..inputs import shard_batch
-    from ..training.run_data import make_dataset
+    from ..training.run_data import make_dataset, read_run_model
     from ..training.step import forward_backward, step_autocast, step_offload, to_device
     from ..training.train import build_mesh, build_module, uses_fsdp
 
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=gpus)
     try:
-        data = make_dataset(cfg, media=media)  # real: the batch is drawn, sharded and only then made fake
-        mesh, device = build_mesh(cfg, where)  # real: the mesh's rank tables are read on the host
+        source = read_run_model(cfg)  # the model read once, for the data, the mesh and the module
+        data = make_dataset(cfg, media=media, source=source)  # real: the batch is drawn, sharded and only then made fake
+        mesh, device = build_mesh(cfg, where, source=source)  # real: the mesh's rank tables are read on the host
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
-            module = build_module(cfg, mesh, device)
+            module = build_module(cfg, mesh, device, source)
             optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             offload = step_offload(cfg, module, device)  # --offload-checkpoints: as seqmesh train's Trainer
         fsdp = uses_fsdp(cfg)

@@ -96,8 +96,9 @@ class RunSettings:
             if value == "auto" and auto:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                hint = " or 'auto'" if auto else ""
-                raise ValueError(f"{name} must be a positive integer{hint}, got {value!r} ({_flag(name)}; 1: none).")
+                if auto:
+                    raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r} ({_flag(name)}).")
+                raise ValueError(f"{name} must be at least 1 (1: none), got {value!r} ({_flag(name)}).")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be at least 1 token ({_flag('loss_chunk')}), got {self.loss_chunk}.")
         if self.mlp_tiles is not None and self.mlp_tiles < 1:

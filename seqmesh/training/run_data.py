@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from ..model.lm import hf_config, load_config
+from ..model.lm import ModelSource, read_model
 from ..model.config_json import read_config_json
-from ..model.presets import MODELS, model_shape
+from ..model.presets import MODELS
 from ..model.pretrained import check_tokenizer_path
 from ..planner.media import Media
 from ..vision.families import family_of, vision_family
@@ -45,27 +45,35 @@ def _check_vision_family(model: str) -> None:
         family_of(raw.get("model_type"))
 
 
-def make_dataset(cfg: TrainConfig, vocab: int | None = None,
-                 media: Media | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl | ImageRows:
+def read_run_model(cfg: TrainConfig) -> ModelSource:
+    """``cfg.model`` read once for the whole job (its data, mesh and model); a vision-language family seqmesh does not
+    run is refused by that, first."""
+    _check_vision_family(cfg.model)
+    return read_model(cfg.model)
+
+
+def make_dataset(cfg: TrainConfig, vocab: int | None = None, media: Media | None = None,
+                 source: ModelSource | None = None) -> LongRangeCopy | PackedText | ImageCopy | ImageJsonl | ImageRows:
     """The run's data: the copy task (the image task for a vision-language model), or ``cfg.data`` packed
     into rows. Raises for missing files or tokenizer, or a model vocabulary (``vocab``; by default read
     from ``cfg.model``'s config, no model built) too small for the data. ``train`` and ``verify`` call it
-    before building anything; ``seqmesh rehearse --images`` passes ``media``: rows showing those images."""
-    _check_vision_family(cfg.model)
-    shape = model_shape(cfg.model)
+    before building anything; ``seqmesh rehearse --images`` passes ``media``: rows showing those images.
+    ``source``: the model as the job read it (:func:`read_run_model`; read here when not given)."""
+    source = source if source is not None else read_run_model(cfg)
+    shape = source.shape
     if media is not None:
         media.check(shape, cfg.seq_len)  # the planner's own checks: a tower, the processor's sizes, the tokens fit
         if media.video_frames or cfg.data:
             raise ValueError("rehearsed images are rows of images then text: drop --video-frames and --data.")
     if shape.vision is not None and shape.vision.fixed_size:
-        config = load_config(cfg.model)
+        config = source.config
         vision_family(config).check(config)  # a setting parallelize_model would refuse: that refusal, not the advice
         raise ValueError(f"{cfg.model}: seqmesh train builds Qwen-VL towers; a {shape.vision.tower} tower (LLaVA, Gemma 3, "
                          "InternVL) trains with seqmesh.compose.parallelize_model in your own loop, or "
                          "seqmesh.trainer.SequenceParallelTrainer; seqmesh plan sizes it.")
     vocab = shape.vocab if vocab is None else vocab
     if shape.vision is not None:  # a vision-language model: your records and images, or the built-in image task
-        config = hf_config(shape) if cfg.model in MODELS else load_config(cfg.model)
+        config = source.config
         if cfg.data:
             check_data_paths(cfg.data)
             return ImageJsonl(cfg.data, cfg.seq_len, _tokenizer(cfg, vocab), config, text_key=cfg.text_key,

@@ -23,14 +23,13 @@ from ..rules.degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..experts.rules import check_expert_parallel
 from ..memory import MemoryTracker
 from ..mesh import SPMesh, init_mesh
-from ..model.lm import SequenceParallelLM, build_model, has_weights, materialize
-from ..model.presets import model_shape
+from ..model.lm import ModelSource, SequenceParallelLM, build_model, materialize
 from ..model.pretrained import check_pretrained, check_values, checkpoint_files, load_pretrained
 from ..model.writer import export_pretrained
 from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
 from ..inputs import shard_batch
-from .run_data import make_dataset
+from .run_data import make_dataset, read_run_model
 from .step import evaluate, forward_backward, step_autocast, step_offload, to_device
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
@@ -72,18 +71,35 @@ def uses_fsdp(cfg: TrainConfig) -> bool:
     return cfg.uses_fsdp(dist.get_world_size(), _device().type == "cuda")
 
 
-def build(cfg: TrainConfig) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
+def build(cfg: TrainConfig, source: ModelSource | None = None,
+          files: dict[str, str] | None = None) -> tuple[SPMesh, SequenceParallelLM, torch.device]:
     """Check the degrees and devices, then build the mesh and the parallelized model, sharded with FSDP2
-    when :func:`uses_fsdp` (the data is checked by ``make_dataset``, which callers run first)."""
-    mesh, device = build_mesh(cfg)
-    return mesh, build_module(cfg, mesh, device), device
+    when :func:`uses_fsdp` (the data is checked by ``make_dataset``, which callers run first). ``source``: the model
+    as the job read it (read here when not given); ``files``: a checkpoint folder's, as :func:`read_inputs` read them."""
+    source = source if source is not None else read_run_model(cfg)
+    mesh, device = build_mesh(cfg, source=source)
+    return mesh, build_module(cfg, mesh, device, source, files), device
 
 
-def build_mesh(cfg: TrainConfig, device: torch.device | None = None) -> tuple[SPMesh, torch.device]:
+def read_inputs(cfg: TrainConfig) -> tuple[ModelSource, object, dict[str, str] | None]:
+    """What the job reads before any model, each once, with every rank given the same first error in one round:
+    the model (:func:`~.run_data.read_run_model`), the data (``make_dataset``) and a checkpoint folder's index and
+    headers."""
+    def read():
+        source = read_run_model(cfg)
+        data = make_dataset(cfg, source=source)
+        files = checkpoint_files(cfg.model, uses_fsdp(cfg)) if source.pretrained else None
+        return source, data, files
+
+    return _same_error_on_every_rank(read)
+
+
+def build_mesh(cfg: TrainConfig, device: torch.device | None = None, *,
+               source: ModelSource | None = None) -> tuple[SPMesh, torch.device]:
     """The checks of :func:`build` and its mesh on ``device`` (default: this rank's): every configuration error is
     raised here, before any model. Apart from :func:`build_module` so that ``seqmesh rehearse`` builds the mesh from
     real tensors and the model from fake ones (on its fake device)."""
-    shape = model_shape(cfg.model)  # a preset, a config.json, or a checkpoint folder's config
+    shape = (source if source is not None else read_run_model(cfg)).shape  # a preset, a config.json, or a folder's
     # Ulysses deals the decoder's heads and, in a vision-language model, the tower's: the fewer bound it
     q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
     world = dist.get_world_size()
@@ -112,16 +128,17 @@ def build_mesh(cfg: TrainConfig, device: torch.device | None = None) -> tuple[SP
     return mesh, device
 
 
-def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device) -> SequenceParallelLM:
+def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: ModelSource | None = None,
+                 files: dict[str, str] | None = None) -> SequenceParallelLM:
     """The parallelized model of :func:`build` on ``mesh``, its weights on ``device`` (or the host, offloaded)."""
     fsdp = uses_fsdp(cfg)
+    source = source if source is not None else read_run_model(cfg)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
-    on_meta, pretrained = fsdp, has_weights(cfg.model)
-    files = None
-    if pretrained:  # the files' index and headers, read on every rank: cheap, before any model is built
+    on_meta, pretrained = fsdp, source.pretrained
+    if pretrained and files is None:  # the files' index and headers, read on every rank: cheap, before any model
         files = _same_error_on_every_rank(checkpoint_files, cfg.model, on_meta)  # without FSDP: .bin files too
-    lm = build_model(cfg.model, seed=cfg.seed, device="meta" if on_meta else device)
+    lm = build_model(source, seed=cfg.seed, device="meta" if on_meta else device)
     if pretrained and not on_meta:  # loaded whole by from_pretrained: its values checked in memory
         check_values(lm, cfg.model, files)
     # names and shapes, before any work
@@ -175,10 +192,10 @@ class TrainingRun:
     def _prepare(self) -> None:
         cfg = self.cfg
         self.phase("setup: checking the data")
-        self.data = _same_error_on_every_rank(make_dataset, cfg)  # data and vocabulary errors, before any model
+        self.source, self.data, files = read_inputs(cfg)  # model, data and vocabulary errors, before any model
         self.start_point = choose_start(cfg)
         self.phase("setup: building the model")
-        self.mesh, self.module, self.device = build(cfg)
+        self.mesh, self.module, self.device = build(cfg, self.source, files)
         self.fsdp = uses_fsdp(cfg)
         self.rank0 = dist.get_rank() == 0
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

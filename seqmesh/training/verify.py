@@ -17,8 +17,7 @@ from ..model.lm import build_model
 from .config import TrainConfig
 from ..comm.ranks import full_value
 from .step import to_device
-from .train import build, uses_fsdp
-from .run_data import make_dataset
+from .train import build, read_inputs, uses_fsdp
 from ..vision.batch import VISION_KEYS
 
 
@@ -137,10 +136,10 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     (``allowed``: the bound of each of the worst five), whichever is larger."""
     from ..inputs import shard_batch
 
-    data = make_dataset(cfg)  # data and vocabulary errors come before any model is built
-    mesh, module, device = build(cfg)
+    source, data, files = read_inputs(cfg)  # model, data and vocabulary errors come before any model is built
+    mesh, module, device = build(cfg, source, files)
     fsdp = uses_fsdp(cfg)
-    reference = build_model(cfg.model, seed=cfg.seed, device=device)
+    reference = build_model(source, seed=cfg.seed, device=device)
     with torch.no_grad():  # the same weights, however the sharded model was initialised
         ref_params = dict(reference.named_parameters())
         for name, p in module.named_parameters():

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from run_folder_cases import data_unreadable_on_rank1
+from run_folder_cases import config_reads_in_a_run, data_unreadable_on_rank1
 from safety_cases import train_error
 from seqmesh.training import checkpoint as ckpt
 from seqmesh.training.config import TrainConfig
@@ -151,6 +151,15 @@ def test_a_data_error_on_one_rank_is_raised_on_every_rank(pools, tmp_path):
     corpus.write_text("some text to train on")
     errors = pools.run(2, data_unreadable_on_rank1, _cfg(tmp_path / "run", data=[str(corpus)]), timeout=120)
     assert errors == [f"[Errno 13] Permission denied: '{corpus}'"] * 2, errors
+
+
+def test_the_job_reads_its_model_once(pools, tmp_path):
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 97}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    reads = pools.run(2, config_reads_in_a_run, _cfg(tmp_path / "run", model=str(path), steps=1), timeout=240)
+    assert reads == [1, 1], reads
 
 
 def _fake_checkpoint(folder, step: int, complete: bool = True) -> str:
