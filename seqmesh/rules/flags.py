@@ -52,6 +52,12 @@ def _own_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def literal_words(hint: Any) -> tuple[str, ...]:
+    """The words a ``Literal`` annotation allows, also inside a union (``int | Literal["auto"]``); () for none."""
+    parts = typing.get_args(hint) if typing.get_origin(hint) is not Literal else (hint,)
+    return tuple(w for p in parts if typing.get_origin(p) is Literal for w in typing.get_args(p))
+
+
 def _int_or(words: tuple[str, ...]) -> Callable[[str], int | str]:
     def int_or_word(text: str) -> int | str:
         if text in words:
@@ -79,7 +85,7 @@ def _options(name: str, hint: Any) -> dict[str, Any]:
         present = [a for a in args if a is not type(None)]
         if len(present) == 1:  # T | None
             return _options(name, present[0])
-        words = tuple(w for a in present if typing.get_origin(a) is Literal for w in typing.get_args(a))
+        words = literal_words(hint)
         if int in present and len(present) == 2 and words:  # int | Literal["auto"]
             return {"type": _int_or(words), "metavar": "{" + ",".join((*words, "N")) + "}"}
     raise TypeError(f"field {name!r}: no command-line flag for type {hint}. Use int, float, str, bool, a Literal, "

@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from .flags import literal_words
+
 Kernel = Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math"]
 LinearDesign = Literal["auto", "all_to_all", "state_passing"]
 Layout = Literal["auto", "zigzag", "contiguous", "per_document"]
@@ -147,14 +149,8 @@ def _hints(cls: type) -> dict[str, Any]:
 @functools.cache
 def _word_choices(cls: type) -> dict[str, tuple[str, ...]]:
     """The fields of ``cls`` (this record or a subclass) whose annotation names words (a Literal), with them."""
-    out = {}
-    for f in fields(cls):
-        hint = _hints(cls)[f.name]
-        parts = typing.get_args(hint) if typing.get_origin(hint) is not Literal else (hint,)
-        words = tuple(w for p in parts if typing.get_origin(p) is Literal for w in typing.get_args(p))
-        if words:
-            out[f.name] = words
-    return out
+    words = {f.name: literal_words(_hints(cls)[f.name]) for f in fields(cls)}
+    return {name: allowed for name, allowed in words.items() if allowed}
 
 
 @functools.cache

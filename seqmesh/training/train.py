@@ -95,11 +95,11 @@ def read_inputs(cfg: TrainConfig) -> tuple[ModelSource, object, dict[str, str] |
 
 
 def build_mesh(cfg: TrainConfig, device: torch.device | None = None, *,
-               source: ModelSource | None = None) -> tuple[SPMesh, torch.device]:
+               source: ModelSource) -> tuple[SPMesh, torch.device]:
     """The checks of :func:`build` and its mesh on ``device`` (default: this rank's): every configuration error is
     raised here, before any model. Apart from :func:`build_module` so that ``seqmesh rehearse`` builds the mesh from
     real tensors and the model from fake ones (on its fake device)."""
-    shape = (source if source is not None else read_run_model(cfg)).shape  # a preset, a config.json, or a folder's
+    shape = source.shape  # a preset, a config.json, or a checkpoint folder's config
     # Ulysses deals the decoder's heads and, in a vision-language model, the tower's: the fewer bound it
     q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
     world = dist.get_world_size()
@@ -128,11 +128,10 @@ def build_mesh(cfg: TrainConfig, device: torch.device | None = None, *,
     return mesh, device
 
 
-def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: ModelSource | None = None,
+def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: ModelSource,
                  files: dict[str, str] | None = None) -> SequenceParallelLM:
     """The parallelized model of :func:`build` on ``mesh``, its weights on ``device`` (or the host, offloaded)."""
     fsdp = uses_fsdp(cfg)
-    source = source if source is not None else read_run_model(cfg)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
     on_meta, pretrained = fsdp, source.pretrained
@@ -192,10 +191,10 @@ class TrainingRun:
     def _prepare(self) -> None:
         cfg = self.cfg
         self.phase("setup: checking the data")
-        self.source, self.data, files = read_inputs(cfg)  # model, data and vocabulary errors, before any model
+        source, self.data, files = read_inputs(cfg)  # model, data and vocabulary errors, before any model
         self.start_point = choose_start(cfg)
         self.phase("setup: building the model")
-        self.mesh, self.module, self.device = build(cfg, self.source, files)
+        self.mesh, self.module, self.device = build(cfg, source, files)
         self.fsdp = uses_fsdp(cfg)
         self.rank0 = dist.get_rank() == 0
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
