@@ -11,6 +11,7 @@ padding tokens among the ids). ``mutation`` undoes one fix on purpose: the test 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -141,11 +142,10 @@ def _own_loss(lm, local: dict, mesh) -> torch.Tensor:
     return total
 
 
-def position_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                    mutation: str | None = None) -> dict:
-    """Largest logit, loss and relative gradient errors against the whole-row reference, and the reference's own
-    rounding of each (``family_cases.reference_rounding``)."""
-    mesh = get_mesh(ulysses, ring)
+@functools.lru_cache(maxsize=None)
+def position_reference(family: str, documents: bool) -> tuple:
+    """``(model, batch, logits, loss, rounding)`` of the whole-row float64 reference (gradients in the model, read
+    only), computed once per rank process: every mesh and layout of a family compares with the same one."""
     config = position_config(family)
     reference = build(config)
     batch = _batch(config.vocab_size, documents)
@@ -154,7 +154,15 @@ def position_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag"
     ref_loss.backward()
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn=whole,
                                   relative_floor=GRAD_FLOOR)
+    return reference, batch, ref_logits.detach(), ref_loss.detach(), rounding
 
+
+def position_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
+                    mutation: str | None = None) -> dict:
+    """Largest logit, loss and relative gradient errors against the whole-row reference, and the reference's own
+    rounding of each (``family_cases.reference_rounding``)."""
+    mesh = get_mesh(ulysses, ring)
+    reference, batch, ref_logits, ref_loss, rounding = position_reference(family, documents)
     lm = parallelize(build(position_config(family)), mesh)
     model = None if mutation == "positions_from_zero" else lm  # without the model: positions from 0
     local = _mutate(lm, seqmesh.shard_batch(batch, mesh, model=model, layout=layout), mutation)
