@@ -11,6 +11,8 @@ test that needs that world size starts a fresh one.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 
@@ -18,7 +20,26 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the case modules
 
-from seqmesh.comm.launch import WorkerPool  # noqa: E402
+from seqmesh.comm.launch import START_METHOD, WorkerPool  # noqa: E402
+
+# What nearly every rank imports (torch, seqmesh, transformers' model machinery and the families most cases build,
+# the case modules): the fork server imports them once, in the background while pytest collects, and every rank
+# of every pool starts with them (seqmesh.comm.launch); a spawned rank would take seconds to import them itself.
+PRELOAD = [
+    "torch", "torch.distributed", "seqmesh", "seqmesh.hf", "seqmesh.model.lm", "seqmesh.training.train",
+    "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+    "dist_cases", "family_cases",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """Starts the fork server inside the first test's capture, as a spawned rank inherits the output of the test that
+    starts it: what ranks print is captured (shown with ``-s``), not written over pytest's report."""
+    if START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+    yield
 
 
 # Every mesh a case builds leaves its gloo groups' threads in the rank (torch's caches may still use the

@@ -8,6 +8,12 @@ raises a ``RuntimeError`` carrying every rank's traceback.
 With ``backend="nccl"`` each rank takes GPU ``rank`` (``torch.cuda.set_device``) before joining, so
 a machine with several GPUs can run distributed jobs over NCCL (the jobs put their tensors on
 ``torch.cuda.current_device()``).
+
+Ranks start from multiprocessing's fork server where the platform has one (Linux, macOS), else by spawn. A
+fresh interpreter imports torch and whatever a job needs (seconds each); a rank forked from the server starts
+with every module the server preloaded (``multiprocessing.set_forkserver_preload``, called before the first
+pool of the process), which is how the tests start dozens of pools in a session at little cost. The server never
+runs a tensor operation or touches CUDA, so what it hands each rank is freshly imported modules only.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def free_port() -> int:
 
 
 BACKENDS = ("gloo", "nccl")
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 def _worker(
@@ -85,7 +92,7 @@ class WorkerPool:
                              f"this machine has {torch.cuda.device_count()}. Use backend='gloo' or fewer ranks.")
         self.world_size = world_size
         self.backend = backend
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(START_METHOD)
         port = free_port()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
