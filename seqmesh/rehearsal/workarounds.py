@@ -86,14 +86,21 @@ def library_folder() -> tuple[str, str]:
     return os.path.join(root, name), name
 
 
+def built_library() -> str | None:
+    """The path of this source's shared library where it is built already (see :func:`library_folder`), else None."""
+    folder, name = library_folder()
+    built = os.path.join(folder, f"{name}.so")
+    return built if os.path.isfile(built) else None
+
+
 def build_library() -> str:
     """Compile ``fake_cuda.cpp`` once per :func:`library_folder` and return the shared library's path (a built one
     is returned without taking torch's build lock). Loading it installs the fake guard in this process: call it in
     a process of its own (:func:`preload_environment` does)."""
-    folder, name = library_folder()
-    built = os.path.join(folder, f"{name}.so")
-    if os.path.isfile(built):
+    built = built_library()
+    if built is not None:
         return built
+    folder, name = library_folder()
     from torch.utils.cpp_extension import load
 
     os.makedirs(folder, exist_ok=True)
@@ -109,6 +116,15 @@ def preload_environment(env: dict[str, str]) -> dict[str, str]:
     if not sys.platform.startswith("linux"):
         raise CannotRehearse(f"the fake CUDA library is preloaded with LD_PRELOAD, which {sys.platform} lacks; pass "
                              "--device cpu for the CPU kernels.")
+    library = built_library() or _build_in_a_process(env)
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    joined = lambda *parts: os.pathsep.join(p for p in parts if p)  # noqa: E731
+    return {**env, "LD_PRELOAD": joined(library, env.get("LD_PRELOAD")),
+            "LD_LIBRARY_PATH": joined(torch_lib, env.get("LD_LIBRARY_PATH"))}
+
+
+def _build_in_a_process(env: dict[str, str]) -> str:
+    """:func:`build_library` in a throwaway process (loading the library installs its guard); the library's path."""
     check_toolchain()
     try:
         done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.workarounds"], capture_output=True,
@@ -123,10 +139,7 @@ def preload_environment(env: dict[str, str]) -> dict[str, str]:
         tail = "\n".join(done.stderr.strip().splitlines()[-10:])
         raise CannotRehearse(f"building the fake CUDA library failed (exit {done.returncode}); pass --device cpu for "
                              f"the CPU kernels. The compiler said:\n{tail}")
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    joined = lambda *parts: os.pathsep.join(p for p in parts if p)  # noqa: E731
-    return {**env, "LD_PRELOAD": joined(lines[-1], env.get("LD_PRELOAD")),
-            "LD_LIBRARY_PATH": joined(torch_lib, env.get("LD_LIBRARY_PATH"))}
+    return lines[-1]
 
 
 class _FakeEvent:

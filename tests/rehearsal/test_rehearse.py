@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -26,16 +27,24 @@ TOY = ["--model", "llama-tiny", "--seq-len", "256", "--gpus", "2", "--ulysses", 
 FIELDS = ("measured_peak_bytes", "planned_peak_bytes", "ratio", "peak_phase", "kernels", "wall_seconds")
 
 
+def _side_by_side(*calls):
+    """Each of ``calls`` (no-argument functions that each run a rehearsal in a process of its own) at once, their
+    results in order: a rehearsal keeps one core busy, and the machines the suite runs on have two."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 def test_a_fake_step_peaks_where_the_real_one_does_and_beside_the_plan():
-    done = subprocess.run([sys.executable, "-m", "seqmesh", "rehearse", *TOY, "--device", "cpu", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    # beside it, the same two steps on real tensors (same fake process group, so collectives free their buffers at
+    # once): every storage a fake tensor has is the size the real one has, freed at the same moment
+    done, real = _side_by_side(
+        lambda: subprocess.run([sys.executable, "-m", "seqmesh", "rehearse", *TOY, "--device", "cpu", "--json"],
+                               capture_output=True, text=True, timeout=120),
+        lambda: run_rehearsal(CONFIG, 2, timeout=120, device="cpu", fake=False))
     assert done.returncode == 0, done.stderr
     fake = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(fake.get(k) is not None for k in FIELDS), fake
     assert fake["kernels"] == ["cpu_flash"] and fake["device"] == "cpu"
-    # the same two steps on real tensors (same fake process group, so collectives free their buffers at once):
-    # every storage a fake tensor has is the size the real one has, freed at the same moment
-    real = run_rehearsal(CONFIG, 2, timeout=120, device="cpu", fake=False)
     assert fake["measured_peak_bytes"] == real["measured_peak_bytes"]
     assert fake["measured_by_category"] == real["measured_by_category"]
     assert (fake["peak_phase"], fake["peak_op"]) == (real["peak_phase"], real["peak_op"])
@@ -69,10 +78,11 @@ def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu():
     deep-copied the module), and the activation offload (pinned host copies on a side stream), which the rehearsal
     left out before (seqmesh train attached it in its Trainer)."""
     tp = dataclasses.replace(CONFIG, ulysses=1, tp=2)
-    cuda = run_rehearsal(dataclasses.replace(tp, backend="cuda_efficient", efficient_norm=True,
-                                             offload_checkpoints=True), 2, timeout=180)
+    cuda, cpu = _side_by_side(
+        lambda: run_rehearsal(dataclasses.replace(tp, backend="cuda_efficient", efficient_norm=True,
+                                                  offload_checkpoints=True), 2, timeout=180),
+        lambda: run_rehearsal(tp, 2, timeout=120, device="cpu"))
     assert cuda["device"] == "cuda" and cuda["kernels"] == ["cuda_efficient"], cuda
-    cpu = run_rehearsal(tp, 2, timeout=120, device="cpu")
     # the weights are the same bytes on either device, and AdamW's moments; its step counters are host tensors,
     # counted with the device's on the CPU only (4 bytes for each of llama-tiny's 21 parameters). The working set
     # differs (the CUDA kernel's log-sum-exp layout, AdamW's foreach temporaries on CUDA), so the ratio is held to
@@ -86,9 +96,12 @@ def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu():
 
 
 def test_a_machine_without_a_compiler_is_told_so(monkeypatch):
+    """A CPU build of torch whose fake CUDA library is not built yet needs a compiler to build it (once built, the
+    rehearsal preloads it without starting a build process)."""
     import seqmesh.rehearsal.workarounds as workarounds
 
     monkeypatch.setattr(workarounds, "needs_preload", lambda: True)
+    monkeypatch.setattr(workarounds, "built_library", lambda: None)
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(ValueError, match="no C\\+\\+ compiler .*--device cpu"):
         run_rehearsal(CONFIG, 2)
@@ -136,8 +149,8 @@ def test_a_hybrid_model_rehearses_on_fake_cuda_as_its_real_step_runs():
     (a CUDA allocation on a CPU build). Beside the same step on real CPU tensors it holds the same weights, gradients
     and, within AdamW's host step counters and the kernels' own working set, the same peak."""
     cfg = dataclasses.replace(CONFIG, model="qwen3.5-tiny", seq_len=512)
-    cuda = run_rehearsal(cfg, 2, timeout=300)
-    real = run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False)
+    cuda, real = _side_by_side(lambda: run_rehearsal(cfg, 2, timeout=300),
+                               lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False))
     assert cuda["kernels"] == ["cuda_flash"] and real["kernels"] == ["cpu_flash"]
     mine, other = cuda["measured_by_category"], real["measured_by_category"]
     assert (mine["parameters"], mine["gradients"]) == (other["parameters"], other["gradients"])
@@ -150,13 +163,13 @@ def test_images_rehearse_as_the_real_step_shows_them_and_the_planner_is_told_the
     tower's attention read its shard's bounds back from the device, which a fake tensor cannot answer)."""
     cfg = dataclasses.replace(CONFIG, model="qwen2.5-vl-tiny", seq_len=512)
     media = Media(images=2, height=32, width=32)
-    fake = run_rehearsal(cfg, 2, timeout=300, device="cpu", media=media)
-    real = run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False, media=media)
+    fake, real, cuda = _side_by_side(lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu", media=media),
+                                     lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False, media=media),
+                                     lambda: run_rehearsal(cfg, 2, timeout=300, media=media))
     for part in ("parameters", "gradients", "optimizer", "activations"):
         assert fake["measured_by_category"][part] == real["measured_by_category"][part], (fake, real)
     assert (fake["peak_phase"], fake["peak_op"]) == (real["peak_phase"], real["peak_op"])
     assert abs(fake["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.005, (fake, real)
-    cuda = run_rehearsal(cfg, 2, timeout=300, media=media)
     assert cuda["kernels"] == ["cuda_flash"], cuda
     # the planner is given the same images; at this toy size the tower does not set its peak (with or without them
     # the plan's peak is the same), so docs/rehearse.md's Qwen2.5-VL-7B row is where they count
@@ -183,8 +196,8 @@ def test_expert_parallelism_rehearses_on_fake_cuda():
     depends on the values, so the step failed on fake tensors). On either device the same weights, gradients and
     optimizer state, and the same peak within 1%."""
     cfg = dataclasses.replace(CONFIG, model="gpt-oss-tiny", seq_len=512, ep=2)
-    cuda = run_rehearsal(cfg, 2, timeout=300)
-    cpu = run_rehearsal(cfg, 2, timeout=300, device="cpu")
+    cuda, cpu = _side_by_side(lambda: run_rehearsal(cfg, 2, timeout=300),
+                              lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu"))
     assert cuda["kernels"] == ["cuda_flash"], cuda
     mine, other = cuda["measured_by_category"], cpu["measured_by_category"]
     assert (mine["parameters"], mine["gradients"]) == (other["parameters"], other["gradients"])
@@ -194,9 +207,9 @@ def test_expert_parallelism_rehearses_on_fake_cuda():
 def test_the_cudnn_path_rehearses_when_asked_for():
     """``--backend cuda_cudnn`` runs cuDNN's fused attention on fake CUDA (fake CUDA reports cuDNN 9 only then: the
     grid of docs/rehearse.md was measured on cuda_flash, which `auto` keeps choosing)."""
-    cudnn = run_rehearsal(dataclasses.replace(CONFIG, backend="cuda_cudnn"), 2, timeout=180)
+    cudnn, flash = _side_by_side(lambda: run_rehearsal(dataclasses.replace(CONFIG, backend="cuda_cudnn"), 2, timeout=180),
+                                 lambda: run_rehearsal(CONFIG, 2, timeout=180))
     assert cudnn["device"] == "cuda" and cudnn["kernels"] == ["cuda_cudnn"], cudnn
-    flash = run_rehearsal(CONFIG, 2, timeout=180)
     assert flash["kernels"] == ["cuda_flash"], flash
     assert cudnn["measured_by_category"]["parameters"] == flash["measured_by_category"]["parameters"]
 
@@ -205,8 +218,8 @@ def test_any_rank_rehearses_and_one_outside_the_world_is_refused(capsys):
     """``--rank 3`` of a Ulysses 2 x ring 2 world: the fake step of that rank holds what its real step does (the same
     fake process group, rank 3's tokens and heads), and a rank the world lacks is refused before any process."""
     cfg = dataclasses.replace(CONFIG, ring=2)
-    fake = run_rehearsal(cfg, 4, timeout=120, device="cpu", rank=3)
-    real = run_rehearsal(cfg, 4, timeout=120, device="cpu", fake=False, rank=3)
+    fake, real = _side_by_side(lambda: run_rehearsal(cfg, 4, timeout=120, device="cpu", rank=3),
+                               lambda: run_rehearsal(cfg, 4, timeout=120, device="cpu", fake=False, rank=3))
     assert fake["rank"] == 3 and "ring=2" in fake["mesh"], fake
     assert fake["measured_peak_bytes"] == real["measured_peak_bytes"], (fake, real)
     assert fake["measured_by_category"] == real["measured_by_category"]
