@@ -8,7 +8,8 @@ ring 2, without and with packed documents (the reference runs each document alon
 naming the reason), ``wrong`` (ran, but farther than that), ``crash`` (any other exception, or a refusal whose
 reason is false); ``unbuildable`` families (their tiny model or its single-process reference cannot be made)
 are counted apart, with the reason. All families run in one spawned group, one after another, each built once
-per rank.
+per rank; the single-process references, most of a family's time, are shared out: each rank computes those of
+one family of every group of as many families as ranks, and hands them to the others.
 """
 
 from __future__ import annotations
@@ -91,45 +92,55 @@ def _logits(out) -> torch.Tensor:
     return logits.reshape(1, logits.shape[-2], logits.shape[-1]).double()
 
 
-def _after(model: torch.nn.Module, before: dict | None) -> torch.nn.Module:
-    """``model`` once it has run ``before`` (the batch the parallelized model ran first): dynamic NTK keeps the
-    longest length it has seen, so a reference needs the same history."""
-    if before is not None:
-        reference_logits(model, before)
-    return model
+def _in_order(model: torch.nn.Module, batches: dict, whole_row: bool, out: dict) -> dict:
+    """Each batch's ``reference_logits`` from one model, in the order given, into ``out`` as each is done (so a
+    failure on a later batch keeps the earlier ones): dynamic NTK keeps the longest length it has seen, so each
+    batch's reference has the history the parallelized model has when it runs that batch."""
+    for key, batch in batches.items():
+        out[key] = reference_logits(model, batch, whole_row)
+    return out
 
 
-def reference(pristine: torch.nn.Module, batch: dict, whole_row: bool = False, before: dict | None = None) -> dict:
-    """The reference of one batch: its logits (``reference_logits``), how far rounding alone moves them (as
-    family_cases.reference_rounding, logits only: the same weights in float32 against float64, scaled to float64's
-    unit roundoff where the float64 model runs no float32 operator, plus how far its own float32 steps move it
-    where it does), whether it does, and for a packed batch the single-call logits."""
+def references(pristine: torch.nn.Module, batches: dict, whole_row: bool = False) -> dict:
+    """The reference of each batch (``{packed: batch}``, plain first: the order the parallelized models run them),
+    one model copy per precision running all of them: its logits (``reference_logits``), how far rounding alone moves
+    them (as family_cases.reference_rounding, logits only: the same weights in float32 against float64, scaled to
+    float64's unit roundoff where the float64 model has run no float32 operator so far, plus how far its own float32
+    steps move it where it has), whether it has, and for a packed batch the single-call logits."""
     from family_cases import Float32Ops, KeepFloat64
 
-    with Float32Ops() as ops:
-        ref = reference_logits(_after(copy.deepcopy(pristine), before), batch, whole_row)  # a copy: rotary state
+    model, ref, seen, upcast = copy.deepcopy(pristine), {}, {}, False  # a copy: rotary state
+    for key, batch in batches.items():
+        with Float32Ops() as ops:
+            ref[key] = reference_logits(model, batch, whole_row)
+        seen[key] = upcast = upcast or ops.seen
     try:
-        low = reference_logits(_after(copy.deepcopy(pristine).float(), before), batch, whole_row)
+        low = _in_order(copy.deepcopy(pristine).float(), batches, whole_row, {})
     except Exception:  # noqa: BLE001 - a model that keeps its float64 dtype in its config: built in float32
         model = build(pristine.config, dtype=torch.float32)
         model.load_state_dict(pristine.state_dict())
-        low = reference_logits(_after(model, before), batch, whole_row)
-    scale = 1.0 if ops.seen else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
-    rounding = scale * float((low - ref).abs().max())
-    if ops.seen:
+        low = _in_order(model, batches, whole_row, {})
+    inside: dict = {}
+    if upcast:
         try:
             with KeepFloat64():
-                rounding += float((reference_logits(_after(copy.deepcopy(pristine), before), batch, whole_row)
-                                   - ref).abs().max())
+                _in_order(copy.deepcopy(pristine), batches, whole_row, inside)
         except Exception:  # noqa: BLE001 - a family the float64 mode cannot run: its float32 rounding alone
             pass
-    single = None
-    if "position_ids" in batch:
-        try:
-            single = single_call_logits(copy.deepcopy(pristine), batch)
-        except Exception:  # noqa: BLE001 - a model that takes no position_ids: nothing to compare with
-            pass
-    return {"batch": batch, "ref": ref, "rounding": rounding, "float32": ops.seen, "single": single}
+    prepared = {}
+    for key, batch in batches.items():
+        scale = 1.0 if seen[key] else torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+        rounding = scale * float((low[key] - ref[key]).abs().max())
+        if seen[key] and key in inside:
+            rounding += float((inside[key] - ref[key]).abs().max())
+        single = None
+        if "position_ids" in batch:
+            try:
+                single = single_call_logits(copy.deepcopy(pristine), batch)
+            except Exception:  # noqa: BLE001 - a model that takes no position_ids: nothing to compare with
+                pass
+        prepared[key] = {"batch": batch, "ref": ref[key], "rounding": rounding, "float32": seen[key], "single": single}
+    return prepared
 
 
 class _Timeout(Exception):
@@ -200,54 +211,65 @@ def _run_case(model: torch.nn.Module, mesh_name: str, prepared: dict) -> dict:
     return row
 
 
-def _family(name: str) -> list[dict]:
-    """Every case of one family on this rank. Its model is built and parallelized per mesh first (a family
-    refused at parallelize needs no reference); the references are computed only for a family some mesh runs.
-    The single-process part runs under FAMILY_LIMIT_S; the ranks agree on going on before any collective, so a
-    rank that gave up cannot leave the other waiting in one."""
-    import torch.distributed as dist
-
+def _single_process(name: str, own: bool) -> tuple[dict, str | None]:
+    """This rank's single-process part of one family, under FAMILY_LIMIT_S: its model parallelized per mesh (a
+    family refused at parallelize needs no reference) and, where ``own``, the references of a family some mesh runs.
+    Returns ``({"models": ..., "prepared": ...}, None)`` or ``({}, why it cannot be built)``."""
     signal.alarm(FAMILY_LIMIT_S)
     try:
         pristine = build(census_config(name))
         models = {mesh_name: _parallelized(pristine, mesh_name) for mesh_name in MESHES}
         running = any(isinstance(m, torch.nn.Module) for m in models.values())
-        plain = census_batch(pristine.config, False)  # each parallelized model runs it before the packed one
-        prepared = {packed: reference(pristine, census_batch(pristine.config, packed), name in WHOLE_ROW,
-                                      before=plain if packed else None)
-                    for packed in (False, True)} if running else {}
-        failure = None
+        batches = {packed: census_batch(pristine.config, packed) for packed in (False, True)}
+        prepared = references(pristine, batches, name in WHOLE_ROW) if own and running else None
+        return {"models": models, "prepared": prepared}, None
     except Exception as err:  # noqa: BLE001 - _Timeout included: the family cannot be built or run on one process
-        failure = _describe(err)
+        return {}, _describe(err)
     finally:
         signal.alarm(0)
-    ready = torch.tensor([failure is None], dtype=torch.int32)
-    dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-    if not ready.item():
-        return [{"name": name, "mesh": "-", "packed": None, "class": "unbuildable",
-                 "message": failure or "another rank could not build it"}]
+
+
+def _group(names: list[str]) -> list[dict]:
+    """Every case of the families ``names`` (one per rank at most) on this rank. Every rank builds and parallelizes
+    each of them; rank i computes the references of ``names[i]`` only (the single-process references are most of a
+    family's time) and the ranks exchange them, agreeing in the same round on which families could not be built, so
+    a rank that gave up cannot leave another waiting in a collective."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    start = time.monotonic()
+    mine = {name: _single_process(name, own=i == rank) for i, name in enumerate(names)}
+    told: list = [None] * dist.get_world_size()
+    dist.all_gather_object(told, {name: (part.get("prepared"), failure) for name, (part, failure) in mine.items()})
     rows = []
-    for mesh_name, model in models.items():
-        for packed in (False, True):
-            row = _run_case(model, mesh_name, prepared[packed]) if isinstance(model, torch.nn.Module) else model
-            rows.append({"name": name, "mesh": mesh_name, "packed": packed, **row})
+    for i, name in enumerate(names):
+        why = mine[name][1] or next((said[name][1] for said in told if said[name][1] is not None), None)
+        if why is not None:
+            rows.append({"name": name, "mesh": "-", "packed": None, "class": "unbuildable", "message": why})
+            continue
+        prepared = told[i][name][0]  # rank i's references (None where every mesh refused the family)
+        for mesh_name, model in mine[name][0]["models"].items():
+            for packed in (False, True):
+                row = _run_case(model, mesh_name, prepared[packed]) if isinstance(model, torch.nn.Module) else model
+                rows.append({"name": name, "mesh": mesh_name, "packed": packed, **row})
+    rows[-1]["seconds"] = time.monotonic() - start
     return rows
 
 
 def census(names: list[str]) -> list[dict]:
     """Every case of every family in ``names`` on this rank, in order: one row per (family, mesh, plain/packed),
-    or one ``unbuildable`` row for a family whose tiny model or single-process reference cannot be made; each
-    family's last row carries its seconds."""
+    or one ``unbuildable`` row for a family whose tiny model or single-process reference cannot be made; the last
+    row of each group of families (one per rank, :func:`_group`) carries the group's seconds."""
+    import torch.distributed as dist
     import transformers
 
     transformers.logging.set_verbosity_error()
     rows = []
+    world = dist.get_world_size()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
-        for name in names:
-            start = time.monotonic()
-            rows += _family(name)
-            rows[-1]["seconds"] = time.monotonic() - start
+        for first in range(0, len(names), world):
+            rows += _group(names[first:first + world])
     finally:
         signal.signal(signal.SIGALRM, previous)
     return rows
