@@ -9,8 +9,9 @@ import pytest
 
 from dist_cases import Case, attention_cases, shifted_chunk_cases, traffic_cases
 
-# (ulysses, ring)
-MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+# (ulysses, ring): a ring of 4 and Ulysses 4 reach every line that ring 2, Ulysses 2 and U2 x R2 reached here
+# (docs/testing.md, the twins)
+MESHES = [(1, 4), (4, 1)]
 
 
 def _documents(seq_len: int) -> tuple[int, ...]:

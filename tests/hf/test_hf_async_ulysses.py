@@ -15,9 +15,10 @@ from async_cases import async_parity, async_refusals, issue_order
 # synchronous path's; async against sync 1e-9 and 0.1. Projecting and reassembling the pieces in the wrong order
 # (test_tolerance_sees_reordered_pieces) moves the logits by more than 1e4 times the bound.
 ROUNDING_MULTIPLE = 4
+# U2 x R2 ran llama, qwen3, mistral, llama-uneven and gpt-oss too: Ulysses 2 and 4 and ring 2 reach every line it
+# did (docs/testing.md)
 CASES = {
     (2, 1): ["llama", "qwen3", "mistral", "llama-uneven", "gpt-oss", "gemma3", "qwen2", "qwen3-moe"],
-    (2, 2): ["llama", "qwen3", "mistral", "llama-uneven", "gpt-oss"],
     (4, 1): ["qwen3", "llama-uneven"],
     (1, 2): ["llama"],  # no Ulysses axis: the installed forward is the synchronous composition
 }

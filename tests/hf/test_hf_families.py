@@ -9,7 +9,8 @@ import pytest
 from family_cases import family_parity, plain_call_parity
 
 FAMILIES = ["gemma3", "mistral", "gpt-oss", "deepseek-v3"]
-MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+# ring 2, Ulysses 2 and a ring of 4 reach every line that U2 x R2 and Ulysses 4 reached here (docs/testing.md)
+MESHES = [(1, 2), (2, 1), (1, 4)]
 # The tolerance is a multiple of the reference's own rounding, measured in the same run
 # (family_cases.reference_rounding: the same model and weights in float32 against float64). These float64
 # models compute parts in float32 whatever their dtype (every family's RMSNorm, DeepSeek-V3's router:

@@ -9,7 +9,7 @@ import pytest
 from family_cases import family_parity
 
 FAMILIES = ["deepseek-v3.2", "glm-5"]
-MESHES = [(1, 2), (2, 1), (2, 2)]
+MESHES = [(1, 2), (2, 1)]  # U2 x R2 reached no line they do not (docs/testing.md)
 # as tests/hf/test_hf_families.py: a multiple of how far the reference's own float32 rounding moves it
 ROUNDING_MULTIPLE = 4
 

@@ -106,7 +106,9 @@ def _all_to_all_cases(p: int) -> list[KdaCase]:
     return cases + ([KdaCase(24, "zigzag", DOCS[24], heads=3, design="all_to_all")] if p <= 3 else [])  # uneven
 
 
-@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+# ring 2 alone: the all-to-all runs over the whole sequence group, and Ulysses 2 and U2 x R2 reached no line it does
+# not (docs/testing.md)
+@pytest.mark.parametrize("ulysses,ring", [(1, 2)], ids=["u1xr2"])
 def test_kda_all_to_all_exact_float64(pools, ulysses, ring):
     """The all-to-all by heads on the mesh equals the whole sequence on one process (as the state passing test),
     also with heads that do not split evenly; three all-to-alls forward (q | k | v | beta, g, the output) and their
@@ -198,7 +200,7 @@ def test_design_rule():
           f"state passing {passing / 1e6:.1f} MB")
 
 
-@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 2)], ids=["u1xr2", "u2xr2"])
+@pytest.mark.parametrize("ulysses,ring", [(1, 2)], ids=["u1xr2"])  # U2 x R2 reached no other line (docs/testing.md)
 def test_bailing_hybrid_layer_exact_float64(pools, ulysses, ring):
     """Bailing hybrid's KDA layer (its own gate: a sigmoid bounded below, one output-gate projection) through seqmesh
     on the mesh, both designs, equals transformers' forward of the layer on each document in float64: output, input

@@ -11,7 +11,7 @@ from family_cases import family_parity
 
 # the reference rounds x, B and A to float32 inside its float64 scan (``.float()``), so its rounding is float32's
 ROUNDING_MULTIPLE = 4
-MESHES = [(2, 1), (1, 2), (2, 2)]
+MESHES = [(2, 1), (1, 2)]  # U2 x R2 reached no line they do not (docs/testing.md)
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:

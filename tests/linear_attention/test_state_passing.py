@@ -10,7 +10,9 @@ import torch
 from linear_cases import LayerCase, ModelCase, layer_cases, model_cases
 from seqmesh.linear_attention.choice import state_passing_bytes
 
-MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (ulysses, ring)
+# (ulysses, ring): ring 2 and U2 x R2 reach every line that Ulysses 2, a ring of 4 and Ulysses 4 reached
+# (docs/testing.md)
+MESHES = [(1, 2), (2, 2)]
 # documents of length 1 and 2 (shorter than the conv's tail of 3), documents crossing rank boundaries
 DOCS = {24: (0, 1, 2, 9, 10, 20, 24), 23: (0, 1, 7, 8, 22, 23), 48: (0, 2, 3, 30, 31, 46, 48)}
 # (key heads, value heads): grouped; fewer value heads than ranks, which the all-to-all design refuses

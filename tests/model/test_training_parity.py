@@ -6,13 +6,14 @@ import pytest
 
 from train_cases import TrainCase, training_parity
 
+# (ulysses, ring, dp_shard): sequence degrees 2 and 4. These six reach every line that eleven more reached here (the
+# three other meshes of llama without FSDP, llama with FSDP and documents on U2 x R2 and with data parallelism,
+# qwen3 with FSDP on U2 and U4, qwen3 with documents on U2 x R2 and with data parallelism, and the contiguous layout
+# on U2 x R2): docs/testing.md names them. Data parallelism stays in the HSDP case here and in tests/hf, tests/vision.
 CASES = [
-    # (ulysses, ring, dp_shard): sequence degrees 2 and 4, with and without data parallelism
-    *(TrainCase("llama-tiny", u, r, dp, fsdp=False, documents=False) for u, r, dp in [(1, 2, 1), (2, 1, 1), (2, 2, 1), (1, 4, 1), (4, 1, 1)]),
-    *(TrainCase("llama-tiny", u, r, dp, fsdp=True, documents=True) for u, r, dp in [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)]),
-    *(TrainCase("qwen3-tiny", u, r, dp, fsdp=True, documents=False) for u, r, dp in [(2, 1, 1), (1, 4, 1), (4, 1, 1)]),
-    *(TrainCase("qwen3-tiny", u, r, dp, fsdp=False, documents=True) for u, r, dp in [(2, 2, 1), (1, 2, 2)]),
-    TrainCase("llama-tiny", 2, 2, fsdp=False, documents=True, layout="contiguous"),
+    *(TrainCase("llama-tiny", u, r, dp, fsdp=False, documents=False) for u, r, dp in [(2, 2, 1), (4, 1, 1)]),
+    TrainCase("llama-tiny", 1, 2, 1, fsdp=True, documents=True),
+    TrainCase("qwen3-tiny", 1, 4, 1, fsdp=True, documents=False),
     TrainCase("llama-tiny", 2, 1, fsdp=True, documents=True, checkpointing=True),
     TrainCase("qwen3-tiny", 1, 2, fsdp=True, dp_replicate=2),  # HSDP: replicate x (shard over the sequence)
 ]

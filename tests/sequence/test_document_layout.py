@@ -149,7 +149,7 @@ def test_packed_documents_are_balanced_where_zigzag_is_not():
         assert max(per_doc) * ring / sum(per_doc) < 1.01 < 1.1 < max(zig) * ring / sum(zig)
 
 
-MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]
+MESHES = [(2, 1), (1, 4)]  # which reach every line ring 2, U2 x R2 and Ulysses 4 reached here (docs/testing.md)
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
