@@ -24,8 +24,9 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 
 install: $(VENV)/.installed
 
+# --durations=15: the 15 slowest tests, for the time ledger in docs/testing.md (no test asserts a duration)
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The focused subset (tests/floor_subset.txt) in a second environment at the declared floors.
 # torch 2.9.1 from PyPI is a CUDA build: 7 GB installed. Without pip's cache (which would keep the 4 GB of
@@ -47,7 +48,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile $(FLOOR_LOCK)
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m seqmesh versions
-	$(FLOOR_VENV)/bin/python -m pytest -q $$(grep -v '^#' tests/floor_subset.txt)
+	$(FLOOR_VENV)/bin/python -m pytest -q --durations=15 $$(grep -v '^#' tests/floor_subset.txt)
 
 demo: install
 	$(PY) -m seqmesh demo

@@ -15,7 +15,7 @@ from family_cases import family_config, _batch, _reference_loss, _worst_grad, bu
 from seqmesh.hf import parallelize, unparallelize
 
 
-def llama_config(layers: int = 4):
+def llama_config(layers: int = 2):
     import transformers as tf
 
     return tf.LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -52,7 +52,7 @@ def _errors(got: dict, ref_logits: torch.Tensor, ref_loss: torch.Tensor, ref_gra
 
 def compiled_parity(ulysses: int, ring: int, documents: bool, family: str = "llama", backend: str = "aot_eager",
                     seq_len: int = 45, shift_positions_on: int | None = None) -> dict:
-    """The parallelized model (``family``: ``llama``, a 4-layer Llama, or a tiny config of
+    """The parallelized model (``family``: ``llama``, a 2-layer Llama, or a tiny config of
     ``family_cases.family_config``, e.g. ``qwen3_5`` with a Gated DeltaNet layer) compiled whole
     (``fullgraph=True``: a graph break raises, with its reason, and fails the case), and the errors against the
     float64 single-process reference of the eager and the compiled model, with the reference's rounding

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 @dataclass
 class StoppedJob:
     """Seconds after the stop at which: the last other rank exited (``others_ended``), torchrun exited
-    (``ended``), a line naming the stopped rank was printed (``named``); None where it did not happen
-    within the limit. ``returncode``: torchrun's (None: killed at the limit); ``output``: every line."""
+    (``ended``: the stopped rank is killed once the others have ended, as torchrun itself does 30 s after the SIGTERM
+    a stopped process cannot act on), a line naming the stopped rank was printed (``named``); None where it did not
+    happen within the limit. ``returncode``: torchrun's (None: killed at the limit); ``output``: every line."""
 
     returncode: int | None
     others_ended: float | None
@@ -69,7 +70,9 @@ def _train_records(out: str) -> int:
 def stop_a_rank(out: str, args: list[str], *, nproc: int, rank: int, limit: float, steps_before: int = 2,
                 start_limit: float = 240.0) -> StoppedJob:
     """Run ``seqmesh train --out out ARGS`` on ``nproc`` CPU ranks, SIGSTOP ``rank`` once ``steps_before``
-    steps are logged, and watch for ``limit`` seconds; then kill whatever is left (the stopped rank too)."""
+    steps are logged, and watch for ``limit`` seconds; once the other ranks have ended, SIGKILL the stopped one (what
+    torchrun sends it after its own 30 s grace, which is torchrun's to keep, not seqmesh's); at the limit, kill
+    whatever is left."""
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "seqmesh", "train",
          "--model", "llama-tiny", "--seq-len", "64", "--steps", "100000", "--log-every", "1", "--eval-every", "0",
@@ -94,6 +97,7 @@ def stop_a_rank(out: str, args: list[str], *, nproc: int, rank: int, limit: floa
             now = time.monotonic() - stopped
             if others_ended is None and not any(_running(pid) for pid in others):
                 others_ended = now
+                os.kill(ranks[rank], signal.SIGKILL)
             if job.poll() is not None:
                 ended = now
             time.sleep(0.1)

@@ -1,4 +1,4 @@
-"""``torch.compile`` through seqmesh: a parallelized 4-layer Llama compiles with no graph break
+"""``torch.compile`` through seqmesh: a parallelized 2-layer Llama compiles with no graph break
 (``fullgraph=True``, which raises on one, naming it) under Ulysses and ring with packed documents, a Gated
 DeltaNet model (Qwen3.5) under Ulysses and ring, plain and packed, and a Mamba2 model under ring; the compiled
 model's logits, loss and gradients equal the float64 single-process model's within the reference's own rounding,

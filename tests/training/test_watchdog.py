@@ -16,9 +16,6 @@ from seqmesh.comm.launch import free_port
 from seqmesh.training.heartbeat import Heartbeat, own_connection
 
 TIMEOUT = 15.0  # longer than the skew between 4 ranks on 2 busy cores at start-up
-# torchrun sends the ranks SIGTERM once one has failed and SIGKILL 30 s later: a stopped process takes
-# only the second, so the job itself ends that much after the ranks that still run
-TORCHRUN_GRACE = 30.0
 
 
 # Ring 2 x data-parallel 2 (rank 0 stopped: it ended without saying which rank had stopped) takes the same
@@ -30,7 +27,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, mesh
     than 13 minutes with --timeout 30 (the mesh's sub-groups kept torch's 30-minute default); on a ring of
     two with data parallelism it ended without saying which rank had stopped."""
     job = stop_a_rank(str(tmp_path / "run"), [*mesh, "--timeout", f"{TIMEOUT:g}"], nproc=4, rank=stopped,
-                      limit=TIMEOUT + TORCHRUN_GRACE + 20)
+                      limit=TIMEOUT + 50)
     said = [line for line in job.output if "seqmesh: error" in line]
     tail = "".join(said or job.output[-40:])
     print(f"{mesh}, rank {stopped} stopped: {job}")
@@ -39,7 +36,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, mesh
     assert job.others_ended is not None and job.others_ended < TIMEOUT + 30, (job, tail)
     assert job.named is not None and job.named < TIMEOUT + 5, (job, tail)
     assert job.returncode not in (None, 0), (job, tail)
-    assert job.ended < TIMEOUT + TORCHRUN_GRACE + 10, (job, tail)
+    # torchrun sends the ranks SIGTERM once one has failed and SIGKILL 30 s later: a stopped process takes only the
+    # second, which stop_a_rank sends as soon as the others have ended; the job then ends at once
+    assert job.ended is not None and job.ended < job.others_ended + 10, (job, tail)
 
 
 def test_every_process_group_of_a_mesh_has_the_timeout(pools):
