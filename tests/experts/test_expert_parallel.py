@@ -15,8 +15,10 @@ from seqmesh.experts.layers import EXPERT_PARALLEL_FAMILIES
 from seqmesh.experts.rules import check_expert_parallel
 
 # Measured (torch 2.13, transformers 5.24, CPU): at most ~1.9 x the reference's noise (gpt-oss's sinks); the mutation
-# that sends each pair to the next rank's expert moves the loss 4e11 x and the gradients 1e15 x that noise.
+# that sends each pair to the next rank's expert moves the loss 2.5e5 x (DeepSeek-V3 at transformers 5.15, whose
+# noise includes its float32 router's) to 1.9e6 x and the gradients 5e6 x to 1.6e15 x that noise.
 NOISE_MULTIPLE = 8
+MUTATION_SEEN = 1e4  # over a thousand times the bound
 FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss"]
 
 
@@ -32,7 +34,7 @@ def test_two_ranks_ulysses(pools):
         _check(rank)
     for rank in pools.run(2, ep_all, [("qwen3_moe", 2, 1, 1, 2), ("deepseek_v3", 2, 1, 1, 2)], wrong_rank=True):
         for r in rank:
-            assert r["loss"] > 1e6 and r["grad"] > 1e6, r
+            assert r["loss"] > MUTATION_SEEN and r["grad"] > MUTATION_SEEN, r
 
 
 def test_four_ranks(pools):
