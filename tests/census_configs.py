@@ -42,6 +42,7 @@ TINY = {
     "o_lora_rank": 16, "index_topk": 16,
     # linear attention and state-space layers
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_num_heads": 4, "linear_head_dim": 8,  # Kimi Linear's KDA (its default, 32 heads of 128, was a quarter of the census)
     "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_head_dim": 16,
     "time_step_rank": 8, "mamba_d_ssm": 64,
     # per-layer embeddings (Gemma 3n, Gemma 4), BLT's global transformer
