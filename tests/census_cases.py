@@ -117,9 +117,9 @@ def references(pristine: torch.nn.Module, batches: dict, whole_row: bool = False
     try:
         low = _in_order(copy.deepcopy(pristine).float(), batches, whole_row, {})
     except Exception:  # noqa: BLE001 - a model that keeps its float64 dtype in its config: built in float32
-        model = build(pristine.config, dtype=torch.float32)
-        model.load_state_dict(pristine.state_dict())
-        low = _in_order(model, batches, whole_row, {})
+        low_model = build(pristine.config, dtype=torch.float32)
+        low_model.load_state_dict(pristine.state_dict())
+        low = _in_order(low_model, batches, whole_row, {})
     inside: dict = {}
     if upcast:
         try:

@@ -3,6 +3,7 @@ end, and what they said. The job runs as a subprocess of the test, so a hang is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -97,7 +98,8 @@ def stop_a_rank(out: str, args: list[str], *, nproc: int, rank: int, limit: floa
             now = time.monotonic() - stopped
             if others_ended is None and not any(_running(pid) for pid in others):
                 others_ended = now
-                os.kill(ranks[rank], signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # gone already: nothing to end
+                    os.kill(ranks[rank], signal.SIGKILL)
             if job.poll() is not None:
                 ended = now
             time.sleep(0.1)
