@@ -72,8 +72,8 @@ def family_config(family: str):
     mamba2 = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, intermediate_size=64,
                   attention_dropout=0.0)  # Mamba2: 4 heads of 16 in 2 groups of B/C (state 8), a conv of 4
     if family == "nemotron-h":  # Mamba2, MoE, attention and MLP layers
-        return tf.NemotronHConfig(**mamba2, num_hidden_layers=4, layer_types=["linear_attention", "moe", "full_attention",
-                                  "linear_attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+        return tf.NemotronHConfig(**mamba2, num_hidden_layers=5, layer_types=["linear_attention", "moe", "full_attention",
+                                  "mlp", "linear_attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
                                   head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                   moe_shared_expert_intermediate_size=16)
     if family == "granite-4-hybrid":

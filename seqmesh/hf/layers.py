@@ -20,8 +20,9 @@ import torch.nn as nn
 from ..model.head import forward_source
 from ..model.lm import decoder_of
 
-# config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "dense", "sparse", "moe")
+# config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs ("mlp": the MLP
+# blocks of every released Nemotron-H, the "-" of its pattern)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "dense", "sparse", "moe", "mlp")
 # module class names that mix tokens outside the attention interface, matched at the end of the name so the
 # mixer itself is named, not the model or decoder layer that holds it (MambaModel, MambaBlock)
 TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|LinearAttention|LightningAttention"
