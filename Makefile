@@ -24,9 +24,13 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 
 install: $(VENV)/.installed
 
+# Two pytest workers (pytest-xdist), one per core of the machines this project runs on: a multi-rank test leaves a
+# core idle a third of its time (its ranks wait on each other's messages), and the other worker fills it. Each test
+# file runs whole on one worker (--dist loadfile), so its cases share that worker's rank pools and references.
 # --durations=15: the 15 slowest tests, for the time ledger in docs/testing.md (no test asserts a duration)
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The focused subset (tests/floor_subset.txt) in a second environment at the declared floors.
 # torch 2.9.1 from PyPI is a CUDA build: 7 GB installed. Without pip's cache (which would keep the 4 GB of
@@ -48,7 +52,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile $(FLOOR_LOCK)
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m seqmesh versions
-	$(FLOOR_VENV)/bin/python -m pytest -q --durations=15 $$(grep -v '^#' tests/floor_subset.txt)
+	$(FLOOR_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $$(grep -v '^#' tests/floor_subset.txt)
 
 demo: install
 	$(PY) -m seqmesh demo

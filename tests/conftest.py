@@ -74,6 +74,35 @@ class Pools:
             pool.close()
 
 
+# torchrun's variables: with them set, transformers' TrainingArguments (accelerate) starts a process group itself
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def nothing_distributed_left():
+    """A test that leaves a process group, or torchrun's variables, in pytest's own process fails here, by name: the
+    tests after it in the process (which differ with the order pytest-xdist's workers take files in) would inherit
+    them. Both are undone first."""
+    before = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
+    yield
+    import torch.distributed as dist
+
+    left = []
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        left.append("a process group")
+    changed = sorted(name for name, value in before.items() if os.environ.get(name) != value)
+    for name in changed:
+        if before[name] is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before[name]
+    if changed:
+        left.append(f"torchrun's variables {', '.join(changed)}")
+    if left:
+        pytest.fail(f"this test left {' and '.join(left)} in pytest's process (undone now); later tests would see it")
+
+
 @pytest.fixture(scope="session")
 def pools():
     p = Pools()

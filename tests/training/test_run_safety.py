@@ -170,7 +170,8 @@ def test_timeout_reaches_the_process_group(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: seen.update(timeout=timeout))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded as absent before, so what _init_distributed writes is undone after
+        monkeypatch.delenv(name)
     cli._init_distributed(42.0)
     assert seen["timeout"] == datetime.timedelta(seconds=42)
 
