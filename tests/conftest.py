@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the case modules
 
 from seqmesh.comm.launch import START_METHOD, WorkerPool  # noqa: E402
+from trainer_cases import TORCHRUN_VARIABLES  # noqa: E402
 
 # What nearly every rank imports (torch, seqmesh, transformers' model machinery and the families most cases build,
 # the case modules): the fork server imports them once, in the background while pytest collects, and every rank
@@ -72,10 +73,6 @@ class Pools:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
-
-
-# torchrun's variables: with them set, transformers' TrainingArguments (accelerate) starts a process group itself
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)

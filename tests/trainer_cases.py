@@ -84,6 +84,11 @@ def single_process(output_dir: str, batch: int, accumulation: int, dtype: torch.
     return result
 
 
+# the variables torchrun sets for a rank; with them set, transformers' TrainingArguments (accelerate) starts a process
+# group itself
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @contextlib.contextmanager
 def torchrun_environment():
     """The variables torchrun sets, around a job on a spawned rank (its process group already exists),
@@ -91,7 +96,7 @@ def torchrun_environment():
     import torch.distributed as dist
     from accelerate.state import AcceleratorState
 
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    names = (*TORCHRUN_VARIABLES, "OMP_NUM_THREADS")
     saved = {n: os.environ.get(n) for n in names}
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),

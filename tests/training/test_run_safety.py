@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from safety_cases import overwrite_with_a_late_rank, p2p_issue_order, train_error
+from trainer_cases import TORCHRUN_VARIABLES
 from seqmesh.training import checkpoint as ckpt
 from seqmesh.training.config import TrainConfig
 
@@ -169,7 +170,7 @@ def test_timeout_reaches_the_process_group(monkeypatch):
     seen = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: seen.update(timeout=timeout))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in TORCHRUN_VARIABLES:
         monkeypatch.setenv(name, "")  # recorded as absent before, so what _init_distributed writes is undone after
         monkeypatch.delenv(name)
     cli._init_distributed(42.0)
