@@ -11,6 +11,7 @@ test that needs that world size starts a fresh one.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -23,6 +24,14 @@ sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the
 from seqmesh.comm.launch import START_METHOD, WorkerPool  # noqa: E402
 from trainer_cases import TORCHRUN_VARIABLES  # noqa: E402
 
+# One intra-op thread in each pytest-xdist worker and the processes it starts: the two workers already keep both
+# cores busy, and torch's default of one thread per core would have each worker's operators compete with the other's
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
 # What nearly every rank imports (torch, seqmesh, transformers' model machinery and the families most cases build,
 # the case modules): the fork server imports them once, in the background while pytest collects, and every rank
 # of every pool starts with them (seqmesh.comm.launch); a spawned rank would take seconds to import them itself.
@@ -31,6 +40,41 @@ PRELOAD = [
     "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
     "dist_cases", "family_cases",
 ]
+
+
+# The files that take longest, longest first, in seconds on two workers (measured 2026-11-29, docs/testing.md's
+# ledger): pytest-xdist runs them first, so the run does not end with one worker on a long file while the other
+# idles (xdist's own order, most tests first, left the one-test census and example files to the end). The rest
+# follow, most tests first. A stale figure only costs time, never a result.
+SLOWEST_FILES = {
+    "rehearsal/test_rehearse.py": 318, "hf/test_compile.py": 163, "planner/test_planner_measured.py": 134,
+    "training/test_train_job.py": 109, "hf/test_family_census.py": 97, "hf/test_hf_trainer.py": 90,
+    "vision/test_vision_families.py": 73, "tensor_parallel/test_tensor_parallel.py": 72,
+    "experts/test_expert_parallel.py": 68, "training/test_watchdog.py": 66, "hf/test_short_conv.py": 59,
+    "sequence/test_document_layout.py": 56, "hf/test_mamba2.py": 52, "memory/test_memory.py": 49,
+    "linear_attention/test_linear_attention.py": 44, "attention/test_attention_dist.py": 39,
+    "project/test_example_checkpoint_roundtrip.py": 38, "tools/test_selftest.py": 34,
+    "training/test_run_folder.py": 31, "hf/test_kda.py": 31, "attention/test_compiled_attention.py": 31,
+    "planner/test_planner_traffic.py": 30, "attention/test_attention_variants.py": 29,
+    "planner/test_planner_cli.py": 28,
+}
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's controller: keep the order the workers collect
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker, the files in SLOWEST_FILES first, longest first, then the others, most tests first
+    (xdist's ``--dist loadfile`` hands files out in this order; every worker collects the same)."""
+    if not hasattr(config, "workerinput"):
+        return  # one process: the files in their own order
+    here = os.path.dirname(__file__)
+    files = [os.path.relpath(str(item.path), here) for item in items]
+    count = collections.Counter(files)
+    order = {f: (-SLOWEST_FILES.get(f, 0), -count[f], f) for f in count}
+    items[:] = [item for _, _, item in sorted(zip(files, range(len(items)), items), key=lambda e: (order[e[0]], e[1]))]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -105,3 +149,23 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def rehearsal_server():
+    from rehearsal_server import RehearsalServer
+
+    server = RehearsalServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def rehearse(rehearsal_server):
+    """``seqmesh.tools.rehearse.run_rehearsal`` with each rehearsal forked from a process that imported torch once
+    (tests/rehearsal_server.py), instead of a fresh interpreter."""
+    import functools
+
+    from seqmesh.tools.rehearse import run_rehearsal
+
+    return functools.partial(run_rehearsal, launch=rehearsal_server)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Callable
 
 from ..model.presets import model_shape
 from ..planner.media import Media
@@ -74,12 +75,24 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+# How the rehearsal's process is started: (argv after the interpreter, its environment, timeout in seconds or None)
+# to the finished process (stdout and stderr as text); raises subprocess.TimeoutExpired past the timeout
+Launch = Callable[[list[str], dict[str, str], "float | None"], subprocess.CompletedProcess]
+
+
+def launch_process(argv: list[str], env: dict[str, str], timeout: float | None) -> subprocess.CompletedProcess:
+    """A fresh interpreter running ``argv`` (the default :data:`Launch`)."""
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout)
+
+
 def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, device: str = "cuda",
-                  fake: bool = True, top: int = 6, media: Media | None = None, rank: int = 0) -> dict:
+                  fake: bool = True, top: int = 6, media: Media | None = None, rank: int = 0,
+                  launch: Launch = launch_process) -> dict:
     """Check ``cfg`` against ``gpus``, rehearse it on fake ``device`` tensors in a fresh process and return its result
     (:class:`Rehearsal`'s ``as_dict``; ``fake=False``: the same step on real CPU tensors, a toy size's reference).
     ``top``: the largest storages at the peak to describe; ``media``: the images each sequence shows a vision-language
-    model (``--images``), for the step and the planner alike; ``rank``: the rank whose step runs. Raises ValueError
+    model (``--images``), for the step and the planner alike; ``rank``: the rank whose step runs; ``launch``: how the
+    process starts (a test suite running many rehearsals forks them from one that imported torch). Raises ValueError
     for a bad configuration or a machine that cannot rehearse (naming what is missing), RuntimeError naming the
     child's last words if it fails."""
     from dataclasses import asdict
@@ -99,8 +112,7 @@ def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, 
             raise ValueError(str(err)) from None
     payload = json.dumps({"config": asdict(cfg), "gpus": gpus, "device": device, "fake": fake, "top": top,
                           "rank": rank, "media": asdict(media) if media is not None else None})
-    done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.child", payload], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    done = launch(["-m", "seqmesh.rehearsal.child", payload], env, timeout)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = "\n".join((done.stderr.strip().splitlines() or ["(no output)"])[-15:])

@@ -34,13 +34,13 @@ def _side_by_side(*calls):
         return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
-def test_a_fake_step_peaks_where_the_real_one_does_and_beside_the_plan():
+def test_a_fake_step_peaks_where_the_real_one_does_and_beside_the_plan(rehearse):
     # beside it, the same two steps on real tensors (same fake process group, so collectives free their buffers at
     # once): every storage a fake tensor has is the size the real one has, freed at the same moment
     done, real = _side_by_side(
         lambda: subprocess.run([sys.executable, "-m", "seqmesh", "rehearse", *TOY, "--device", "cpu", "--json"],
                                capture_output=True, text=True, timeout=120),
-        lambda: run_rehearsal(CONFIG, 2, timeout=120, device="cpu", fake=False))
+        lambda: rehearse(CONFIG, 2, timeout=120, device="cpu", fake=False))
     assert done.returncode == 0, done.stderr
     fake = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(fake.get(k) is not None for k in FIELDS), fake
@@ -61,27 +61,27 @@ def test_a_world_the_degrees_cannot_tile_is_refused_at_once(capsys):
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
-def test_full_size_llama3_8b_on_the_cuda_flash_path_is_what_the_planner_predicts():
+def test_full_size_llama3_8b_on_the_cuda_flash_path_is_what_the_planner_predicts(rehearse):
     """The real step at a size users run (Llama-3-8B, 32,768 tokens, rank 0 of 8, Ulysses 8, FSDP2 bf16,
     checkpointing, AdamW) on CUDA's flash kernel: a change to a device, a dtype or a kernel's arguments on the GPU
     path fails here, and so does a planner that drifts from the step (docs/rehearse.md: 21.16 GB measured, 1.015)."""
     cfg = TrainConfig(model="llama3-8b", seq_len=32768, ulysses=8, checkpointing=True, bf16=True)
-    done = run_rehearsal(cfg, 8, timeout=600)  # the first run compiles the library (~15 s), then it is cached
+    done = rehearse(cfg, 8, timeout=600)  # the first run compiles the library (~15 s), then it is cached
     assert done["device"] == "cuda" and done["kernels"] == ["cuda_flash"], done
     assert 0.97 <= done["ratio"] <= 1.03, done
     assert 20e9 < done["measured_peak_bytes"] < 23e9, done  # 8B's sharded state and 4,096 tokens' activations
 
 
-def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu():
+def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu(rehearse):
     """Tensor parallelism, the memory-efficient kernel and the lean norm, all three of which failed on fake tensors
     before (FSDP2 built a DeviceMesh inside the fake mode; torch's meta backward lacks an argument; the norm's probe
     deep-copied the module), and the activation offload (pinned host copies on a side stream), which the rehearsal
     left out before (seqmesh train attached it in its Trainer)."""
     tp = dataclasses.replace(CONFIG, ulysses=1, tp=2)
     cuda, cpu = _side_by_side(
-        lambda: run_rehearsal(dataclasses.replace(tp, backend="cuda_efficient", efficient_norm=True,
+        lambda: rehearse(dataclasses.replace(tp, backend="cuda_efficient", efficient_norm=True,
                                                   offload_checkpoints=True), 2, timeout=180),
-        lambda: run_rehearsal(tp, 2, timeout=120, device="cpu"))
+        lambda: rehearse(tp, 2, timeout=120, device="cpu"))
     assert cuda["device"] == "cuda" and cuda["kernels"] == ["cuda_efficient"], cuda
     # the weights are the same bytes on either device, and AdamW's moments; its step counters are host tensors,
     # counted with the device's on the CPU only (4 bytes for each of llama-tiny's 21 parameters). The working set
@@ -143,29 +143,29 @@ def test_fake_cuda_runs_silu_backward_fused_as_a_cuda_build_does():
     assert kernel_left == str(not needs_preload())  # the stand-in kernel is taken back on leaving fake_cuda
 
 
-def test_a_hybrid_model_rehearses_on_fake_cuda_as_its_real_step_runs():
+def test_a_hybrid_model_rehearses_on_fake_cuda_as_its_real_step_runs(rehearse):
     """Qwen3.5's Gated DeltaNet layers build index tensors from host lists in their checkpointed recompute, which runs
     on autograd's device thread, where the fake mode's host-first rule was unset: on fake CUDA the step failed there
     (a CUDA allocation on a CPU build). Beside the same step on real CPU tensors it holds the same weights, gradients
     and, within AdamW's host step counters and the kernels' own working set, the same peak."""
     cfg = dataclasses.replace(CONFIG, model="qwen3.5-tiny", seq_len=512)
-    cuda, real = _side_by_side(lambda: run_rehearsal(cfg, 2, timeout=300),
-                               lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False))
+    cuda, real = _side_by_side(lambda: rehearse(cfg, 2, timeout=300),
+                               lambda: rehearse(cfg, 2, timeout=300, device="cpu", fake=False))
     assert cuda["kernels"] == ["cuda_flash"] and real["kernels"] == ["cpu_flash"]
     mine, other = cuda["measured_by_category"], real["measured_by_category"]
     assert (mine["parameters"], mine["gradients"]) == (other["parameters"], other["gradients"])
     assert abs(cuda["measured_peak_bytes"] / real["measured_peak_bytes"] - 1) < 0.01, (cuda, real)
 
 
-def test_images_rehearse_as_the_real_step_shows_them_and_the_planner_is_told_the_same():
+def test_images_rehearse_as_the_real_step_shows_them_and_the_planner_is_told_the_same(rehearse):
     """``--images 2 --image-size 32x32``: every row shows two images, then text, on the step and in the plan. The fake
     step holds what the real one does (the tower's sharded patches, their routed embeddings); on fake CUDA too (the
     tower's attention read its shard's bounds back from the device, which a fake tensor cannot answer)."""
     cfg = dataclasses.replace(CONFIG, model="qwen2.5-vl-tiny", seq_len=512)
     media = Media(images=2, height=32, width=32)
-    fake, real, cuda = _side_by_side(lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu", media=media),
-                                     lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu", fake=False, media=media),
-                                     lambda: run_rehearsal(cfg, 2, timeout=300, media=media))
+    fake, real, cuda = _side_by_side(lambda: rehearse(cfg, 2, timeout=300, device="cpu", media=media),
+                                     lambda: rehearse(cfg, 2, timeout=300, device="cpu", fake=False, media=media),
+                                     lambda: rehearse(cfg, 2, timeout=300, media=media))
     for part in ("parameters", "gradients", "optimizer", "activations"):
         assert fake["measured_by_category"][part] == real["measured_by_category"][part], (fake, real)
     assert (fake["peak_phase"], fake["peak_op"]) == (real["peak_phase"], real["peak_op"])
@@ -190,36 +190,36 @@ def test_images_that_do_not_fit_are_refused_before_any_process(capsys):
     assert time.perf_counter() - start < 10
 
 
-def test_expert_parallelism_rehearses_on_fake_cuda():
+def test_expert_parallelism_rehearses_on_fake_cuda(rehearse):
     """gpt-oss with its experts split over 2 ranks: the exchange's sizes are read on the host, which fake tensors
     answer with even routing (tensor_values.host_ints), and the per-expert counts have a fixed shape (bincount's
     depends on the values, so the step failed on fake tensors). On either device the same weights, gradients and
     optimizer state, and the same peak within 1%."""
     cfg = dataclasses.replace(CONFIG, model="gpt-oss-tiny", seq_len=512, ep=2)
-    cuda, cpu = _side_by_side(lambda: run_rehearsal(cfg, 2, timeout=300),
-                              lambda: run_rehearsal(cfg, 2, timeout=300, device="cpu"))
+    cuda, cpu = _side_by_side(lambda: rehearse(cfg, 2, timeout=300),
+                              lambda: rehearse(cfg, 2, timeout=300, device="cpu"))
     assert cuda["kernels"] == ["cuda_flash"], cuda
     mine, other = cuda["measured_by_category"], cpu["measured_by_category"]
     assert (mine["parameters"], mine["gradients"]) == (other["parameters"], other["gradients"])
     assert abs(cuda["measured_peak_bytes"] / cpu["measured_peak_bytes"] - 1) < 0.01, (cuda, cpu)
 
 
-def test_the_cudnn_path_rehearses_when_asked_for():
+def test_the_cudnn_path_rehearses_when_asked_for(rehearse):
     """``--backend cuda_cudnn`` runs cuDNN's fused attention on fake CUDA (fake CUDA reports cuDNN 9 only then: the
     grid of docs/rehearse.md was measured on cuda_flash, which `auto` keeps choosing)."""
-    cudnn, flash = _side_by_side(lambda: run_rehearsal(dataclasses.replace(CONFIG, backend="cuda_cudnn"), 2, timeout=180),
-                                 lambda: run_rehearsal(CONFIG, 2, timeout=180))
+    cudnn, flash = _side_by_side(lambda: rehearse(dataclasses.replace(CONFIG, backend="cuda_cudnn"), 2, timeout=180),
+                                 lambda: rehearse(CONFIG, 2, timeout=180))
     assert cudnn["device"] == "cuda" and cudnn["kernels"] == ["cuda_cudnn"], cudnn
     assert flash["kernels"] == ["cuda_flash"], flash
     assert cudnn["measured_by_category"]["parameters"] == flash["measured_by_category"]["parameters"]
 
 
-def test_any_rank_rehearses_and_one_outside_the_world_is_refused(capsys):
+def test_any_rank_rehearses_and_one_outside_the_world_is_refused(capsys, rehearse):
     """``--rank 3`` of a Ulysses 2 x ring 2 world: the fake step of that rank holds what its real step does (the same
     fake process group, rank 3's tokens and heads), and a rank the world lacks is refused before any process."""
     cfg = dataclasses.replace(CONFIG, ring=2)
-    fake, real = _side_by_side(lambda: run_rehearsal(cfg, 4, timeout=120, device="cpu", rank=3),
-                               lambda: run_rehearsal(cfg, 4, timeout=120, device="cpu", fake=False, rank=3))
+    fake, real = _side_by_side(lambda: rehearse(cfg, 4, timeout=120, device="cpu", rank=3),
+                               lambda: rehearse(cfg, 4, timeout=120, device="cpu", fake=False, rank=3))
     assert fake["rank"] == 3 and "ring=2" in fake["mesh"], fake
     assert fake["measured_peak_bytes"] == real["measured_peak_bytes"], (fake, real)
     assert fake["measured_by_category"] == real["measured_by_category"]
