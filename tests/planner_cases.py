@@ -3,6 +3,9 @@ return what the communication counters saw (plain data for the main process)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
 from dataclasses import asdict, dataclass
 
 import torch
@@ -85,3 +88,17 @@ def measured_model_traffic(ulysses: int, ring: int, tp: int, cases: list[ModelTr
         out.append({"case": asdict(case), "ulysses_rank": mesh.ulysses_rank, "ring_rank": mesh.ring_rank,
                     "stats": stats.as_dict(), "config": config.to_dict()})
     return out
+
+
+def in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """``seqmesh.tools.cli.main(argv)`` with what it prints captured, as a finished process (argparse's errors
+    exit 2)."""
+    from seqmesh.tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    return subprocess.CompletedProcess(["seqmesh", *argv], code, out.getvalue(), err.getvalue())

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from memory_cases import technique_pair, tracked_fsdp_steps, tracked_steps_on_fake_world
+from seqmesh.comm.launch import START_METHOD
 from seqmesh.memory import MemoryTracker
 from seqmesh.memory.allocator import ALLOC_CONF, configure_cuda_allocator
 from seqmesh.memory.offload import enable_activation_offload
@@ -87,8 +88,9 @@ def test_tracker_counts_local_shards_under_fsdp(pools):
 def test_tracker_peak_is_deterministic_when_collectives_complete_in_order():
     """The same step twice gives the same peak, byte for byte, on each rank. Run on torch's fake process
     group, one fresh process per rank: on gloo the peak of two identical steps can differ by a collective
-    buffer that gloo's worker thread frees on its own schedule (real bytes, but not the step's own)."""
-    context = multiprocessing.get_context("spawn")
+    buffer that gloo's worker thread frees on its own schedule (real bytes, but not the step's own). Each process
+    comes from the fork server (torch already imported, nothing initialised), as the suite's ranks do."""
+    context = multiprocessing.get_context(START_METHOD)
     with context.Pool(1, maxtasksperchild=1) as pool:
         ranks = pool.starmap(tracked_steps_on_fake_world, [(0, 2), (1, 2)])
     for rank in ranks:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from planner_cases import TrafficCase  # noqa: F401  (keeps the case module importable for spawned ranks)
+from planner_cases import in_process  # (also keeps the case module importable for spawned ranks)
 from seqmesh.tools.cli import main
 from seqmesh.planner.calibrate import Calibration, apply_calibration, measure_compute, measure_links
 from seqmesh.planner.hardware import PRESETS
@@ -28,9 +28,14 @@ TYPES = {
 }
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "seqmesh", "plan", *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+def _run(*argv: str, process: bool = False) -> subprocess.CompletedProcess:
+    """``seqmesh plan *argv``: in a fresh interpreter as a user runs it (``process``), else in this one (the same
+    ``main``, without a second import of torch: seconds less)."""
+    if process:
+        return subprocess.run([sys.executable, "-m", "seqmesh", "plan", *argv], capture_output=True, text=True,
+                              cwd=ROOT, timeout=120)
+    return in_process(["plan", *argv])
+
 
 
 def _schema() -> dict:
@@ -89,7 +94,8 @@ def test_json_matches_the_documented_schema_and_its_arithmetic():
     units of an untied model, each reduce-scattered once: the embedding (vocab x hidden parameters, gathered
     for its forward and again for its backward) and the root (LM head + final norm, vocab x hidden + hidden,
     gathered once and kept for backward)."""
-    done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink", "--json")
+    done = _run("--model", "llama3-8b", "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink", "--json",
+                process=True)
     assert done.returncode == 0, done.stderr
     out, schema = json.loads(done.stdout), _schema()
     conform(out, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})

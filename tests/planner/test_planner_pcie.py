@@ -4,11 +4,10 @@ the published measurements put first on 8 L20s over PCIe, one NVLink node and tw
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from planner_cases import in_process
 from seqmesh.planner.hardware import PRESETS as HARDWARE
 from seqmesh.planner.network import shared_links_load, shared_links_seconds
 
@@ -36,8 +35,7 @@ def test_nvlink_gives_every_gpu_its_own_link():
 
 
 def _recommended(*argv: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "seqmesh", "plan", "--model", "llama3-8b", "--one-group", "--json",
-                           *argv], capture_output=True, text=True)
+    done = in_process(["plan", "--model", "llama3-8b", "--one-group", "--json", *argv])
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["recommended"]["layout"]
 
