@@ -91,6 +91,10 @@ def family_config(family: str):
         return tf.MiniMaxConfig(**SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=8, block_size=8,
                                 layer_types=["linear_attention", "full_attention"], num_local_experts=4,
                                 num_experts_per_tok=2, linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.1)
+    if family == "stablelm":  # a decoder layer that calls its attention without its **kwargs; partial rotary
+        return tf.StableLmConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, partial_rotary_factor=0.5)
+    if family == "nemotron":  # the same kind of layer; squared-ReLU MLP, LayerNorm1P
+        return tf.NemotronConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8)
     if family == "mamba2":  # a pure state space model: no attention layer at all
         return tf.Mamba2Config(hidden_size=32, num_hidden_layers=2, vocab_size=64, num_heads=4, head_dim=16, expand=2,
                                state_size=8, n_groups=2, conv_kernel=4)

@@ -25,7 +25,7 @@ from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..rules.overlap import ASYNC_PIECES
-from .layers import SUPPORTED, check_layers, chunked_layers, chunks_per_document, has_attention
+from .layers import SUPPORTED, callees, check_layers, chunked_layers, chunks_per_document, entry_dropped, has_attention
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
@@ -139,29 +139,75 @@ def _hook_calls(model: nn.Module) -> list:
     return [m.register_forward_pre_hook(_without_cache, with_kwargs=True) for m in called if _takes_use_cache(m)]
 
 
-def _hook_entry(model: nn.Module) -> list:
-    """Forward pre-hooks that carry seqmesh's entry from the model's call to its decoder's where the model's own
-    forward drops its ``**kwargs`` (Mamba2ForCausalLM calls its backbone with named arguments only): the entry
-    given to the model is handed to the decoder when its caller did not pass one. The hooks' handles."""
-    decoder = decoder_of(model)
-    if decoder is model or "seqmesh" in inspect.signature(decoder.forward).parameters or not any(
-            p.kind is p.VAR_KEYWORD for p in inspect.signature(decoder.forward).parameters.values()):
-        return []
-    held: dict = {}
-
-    def take(module, args, kwargs):
-        held["entry"] = kwargs.get("seqmesh")
-
+def _give(held: dict):
+    """A forward pre-hook that passes ``held["entry"]`` as seqmesh's entry to a call made without one."""
     def give(module, args, kwargs):
         if kwargs.get("seqmesh") is None and held.get("entry") is not None:
             return args, {**kwargs, "seqmesh": held["entry"]}
         return None
 
+    return give
+
+
+def _carry_entry(source: nn.Module, targets: list[nn.Module]) -> list:
+    """Forward hooks that hand seqmesh's entry given to ``source``'s call to each of ``targets``' calls made without
+    one, during ``source``'s forward. The handles."""
+    held: dict = {}
+
+    def take(module, args, kwargs):
+        held["entry"] = kwargs.get("seqmesh")
+
     def drop(module, args, kwargs, output):
         held.pop("entry", None)
 
-    return [model.register_forward_pre_hook(take, with_kwargs=True), decoder.register_forward_pre_hook(give, with_kwargs=True),
-            model.register_forward_hook(drop, with_kwargs=True)]
+    return [source.register_forward_pre_hook(take, with_kwargs=True),
+            source.register_forward_hook(drop, with_kwargs=True),
+            *(t.register_forward_pre_hook(_give(held), with_kwargs=True) for t in targets)]
+
+
+class _EntryRelay:
+    """``module``'s class swapped for a subclass whose forward keeps the entry it is given while it runs, and a hook
+    on each of ``targets`` that gives it to their calls made without one. Inside the forward, not a hook on the call:
+    transformers' checkpointing recomputes a layer by calling its forward again (its hooks stay outside), and the
+    recompute must find the entry too. ``remove()`` puts the class back."""
+
+    def __init__(self, module: nn.Module, targets: list[nn.Module]):
+        held: dict = {}
+        original = type(module)
+
+        def forward(self, *args, **kwargs):
+            held["entry"] = kwargs.get("seqmesh")
+            try:
+                return super(relay, self).forward(*args, **kwargs)
+            finally:
+                held.pop("entry", None)
+
+        relay = type(original.__name__, (original,), {"forward": forward, "__module__": original.__module__,
+                                                      "__qualname__": original.__qualname__})
+        module.__class__ = relay
+        self.module, self.original, self.relay = module, original, relay
+        self.handles = [t.register_forward_pre_hook(_give(held), with_kwargs=True) for t in targets]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if type(self.module) is self.relay:
+            self.module.__class__ = self.original
+
+
+def _hook_entry(model: nn.Module) -> list:
+    """Seqmesh's entry carried wherever a forward drops its ``**kwargs``: the model's call to its decoder
+    (:func:`_carry_entry`: Mamba2ForCausalLM calls its backbone with named arguments only), and each layer that calls
+    its attention without them (:class:`_EntryRelay`: StableLM's and Nemotron's; ``seqmesh.hf.layers.entry_dropped``;
+    those where the entry cannot be carried were refused by ``check_layers``). The handles (``remove()``)."""
+    handles = []
+    decoder = decoder_of(model)
+    parameters = inspect.signature(decoder.forward).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if decoder is not model and "seqmesh" not in parameters and takes_kwargs:
+        handles += _carry_entry(model, [decoder])
+    handles += [_EntryRelay(module, callees(module, child)) for _, module, child in entry_dropped(model)]
+    return handles
 
 
 def _tower_called_whole(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import re
 from collections.abc import Sequence
 
@@ -105,26 +106,46 @@ def calls_without_kwargs(cls: type, child: str) -> bool:
     return bool(calls) and not any(k.arg is None for call in calls for k in call.keywords)
 
 
-def attention_without_entry(model: nn.Module) -> list[str]:
-    """The classes of ``model`` that call an attention module of the interface, or a list of layers holding one,
-    without passing their ``**kwargs`` on (Nemotron's and StableLM's layers, Moshi's decoder at transformers 5.15):
-    seqmesh's entry never reaches the attention function. One line each. The decoder's only: a vision tower's layers
-    are run by seqmesh itself from their modules (``seqmesh.vision``), whatever their forward passes on."""
-    found = {}
-    decoder = decoder_of(model)
-    inside = {id(m) for m in decoder.modules()}
+def _interface_attention(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention") and _calls_interface(type(module))
+
+
+def _takes_kwargs(module: nn.Module) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values())
+
+
+def entry_dropped(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """Every ``(path, module, child)`` where ``module`` (in the decoder) calls its attention module ``child``, or its
+    list of layers ``child`` holding one, without passing its ``**kwargs`` on (Nemotron's and StableLM's layers,
+    Moshi's decoder at transformers 5.15): seqmesh's entry would not reach the attention function. The decoder's
+    only: a vision tower's layers are run by seqmesh itself from their modules (``seqmesh.vision``)."""
+    found = []
+    inside = {id(m) for m in decoder_of(model).modules()}
     for path, module in model.named_modules():
         if id(module) not in inside and module is not model:
             continue
         for child, sub in module.named_children():
-            cls = type(module)
-            if cls in found:
-                continue
-            attention = type(sub).__name__.endswith("Attention") and _calls_interface(type(sub))
-            holds = isinstance(sub, nn.ModuleList) and any(
-                type(m).__name__.endswith("Attention") and _calls_interface(type(m)) for m in sub.modules())
-            if (attention or holds) and calls_without_kwargs(cls, child):
-                found[cls] = f"{path or 'the model'} ({cls.__name__}) calls its {child} without passing its **kwargs on"
+            holds = isinstance(sub, nn.ModuleList) and any(_interface_attention(m) for m in sub.modules())
+            if (_interface_attention(sub) or holds) and calls_without_kwargs(type(module), child):
+                found.append((path, module, child))
+    return found
+
+
+def callees(module: nn.Module, child: str) -> list[nn.Module]:
+    """What ``module`` calls as ``child``: the module, or each layer of a list."""
+    sub = getattr(module, child)
+    return list(sub) if isinstance(sub, nn.ModuleList) else [sub]
+
+
+def attention_without_entry(model: nn.Module) -> list[str]:
+    """The classes of ``model`` that drop seqmesh's entry (:func:`entry_dropped`) where seqmesh cannot hand it on
+    itself: the module does not receive ``**kwargs`` (so the entry never reaches it), or what it calls takes none.
+    Where both do, ``seqmesh.hf`` carries the entry across with hooks. One line each."""
+    found = {}
+    for path, module, child in entry_dropped(model):
+        cls = type(module)
+        if cls not in found and not (_takes_kwargs(module) and all(map(_takes_kwargs, callees(module, child)))):
+            found[cls] = f"{path or 'the model'} ({cls.__name__}) calls its {child} without passing its **kwargs on"
     return list(found.values())
 
 

@@ -52,6 +52,23 @@ def test_families_exact(pools, ulysses, ring):
     print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, relative grad): {worst}")
 
 
+def _checkpointed(lm) -> None:
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.train()
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["u1xr2", "u2xr1"])
+def test_layers_that_drop_the_entry_train_exactly_checkpointed(pools, ulysses, ring):
+    """StableLM's and Nemotron's decoder layers receive seqmesh's entry and call their attention without it (named
+    arguments only): seqmesh.hf carries it across with hooks, in the forward and in checkpointing's recompute, where
+    the layer is called again. Logits, loss and gradients within the reference's rounding, plain and packed."""
+    cases = [(f, ulysses, ring, layout, docs) for f in ("stablelm", "nemotron")
+             for layout, docs in (("zigzag", False), ("contiguous", True))]
+    for results in pools.run(ulysses * ring, _run_all, cases, alter=_checkpointed):
+        for r in results:
+            assert not _outside_rounding(r), r
+
+
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1), (2, 2)], ids=["u1xr2", "u2xr1", "u2xr2"])
 def test_soft_capped_family_exact(pools, ulysses, ring):
     """Gemma 2: attention scores soft-capped inside every kernel call and the logits soft-capped inside the chunked

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
 
 def refusals() -> dict:
     import torch
@@ -62,20 +64,34 @@ def test_layers_seqmesh_would_not_compute_are_named():
         check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, use_bidirectional_attention=True)))
 
 
-def _parallelize_refusal(config) -> str:
-    """parallelize's refusal of the model of ``config`` on one rank (a mesh of 1 x 1: every check runs, none of them
-    needs peers), or "" where it accepts it."""
+def _parallelize_refusal(config, layer: type | None = None) -> str:
+    """parallelize's refusal of the model of ``config`` (its decoder layers made ``layer``s, if given) on one rank (a
+    mesh of 1 x 1: every check runs, none of them needs peers), or "" where it accepts it."""
     from transformers import AutoModelForCausalLM
 
     from dist_cases import get_mesh
     from seqmesh.hf import parallelize, unparallelize
 
     model = AutoModelForCausalLM.from_config(config)
+    for decoder_layer in model.model.layers if layer is not None else ():
+        decoder_layer.__class__ = layer
     try:
         unparallelize(parallelize(model, get_mesh(1, 1)))
     except ValueError as err:
         return str(err)
     return ""
+
+
+class ClosedLayer(LlamaDecoderLayer):
+    """A Llama layer that takes no ``**kwargs`` and calls its attention with named arguments only: seqmesh's entry
+    cannot reach it, as it can a layer that receives the entry and drops it (StableLM's, carried by hooks)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None):
+        attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                     position_ids=position_ids, position_embeddings=position_embeddings)
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 def refusals_first() -> dict:
@@ -88,8 +104,9 @@ def refusals_first() -> dict:
     return {
         "mamba": _parallelize_refusal(tf.MambaConfig(**small)),  # no attention heads at all: its mixers are seqmesh's
         "rwkv": _parallelize_refusal(tf.RwkvConfig(**small)),
-        "nemotron": _parallelize_refusal(tf.NemotronConfig(**heads)),  # layers drop **kwargs
+        "nemotron": _parallelize_refusal(tf.NemotronConfig(**heads)),  # layers drop **kwargs: carried by hooks
         "stablelm": _parallelize_refusal(tf.StableLmConfig(**heads)),
+        "closed layer": _parallelize_refusal(tf.LlamaConfig(**heads), layer=ClosedLayer),
         "kimi": _parallelize_refusal(tf.KimiLinearConfig(**heads, **ids, layer_types=["linear_attention",
                                                                                     "full_attention"])),
         "llama": _parallelize_refusal(tf.LlamaConfig(**heads)),
@@ -99,14 +116,15 @@ def refusals_first() -> dict:
 def test_refusals_are_right_and_first(pools):
     """A model without attention heads runs when seqmesh runs its mixers (Mamba: it raised AttributeError on
     num_attention_heads, then was refused for its mixer);
-    layers that do not pass **kwargs to attention are refused at parallelize (they were refused at the first
+    layers that receive **kwargs and do not pass them to attention (StableLM's, Nemotron's) are taken, seqmesh's entry
+    carried across by hooks; a layer that takes none is refused at parallelize (such layers were refused at the first
     forward for a missing 'seqmesh' entry); Kimi Linear is taken: its delta attention is a mixer seqmesh runs
     (seqmesh.hf.kda), its MLA attention (KimiLinearAttention) goes through the interface, not named a token mixer."""
     (answers,) = pools.run(1, refusals_first)
     assert answers["mamba"] == "", answers["mamba"]  # taken now (it raised AttributeError, then was refused)
     assert "mixes tokens" in answers["rwkv"] and "Rwkv" in answers["rwkv"], answers["rwkv"]
-    for family, layer in (("nemotron", "NemotronDecoderLayer"), ("stablelm", "StableLmDecoderLayer")):
-        assert f"({layer}) calls its self_attn without passing its **kwargs on" in answers[family], answers[family]
+    assert answers["nemotron"] == answers["stablelm"] == "", answers  # their layers' dropped entry is carried
+    assert "(ClosedLayer) calls its self_attn without passing its **kwargs on" in answers["closed layer"], answers
     assert answers["kimi"] == "", answers["kimi"]
     assert answers["llama"] == ""
 
