@@ -84,7 +84,7 @@ PER_FAMILY: dict[str, dict] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
               "use_mamba_kernels": False},
     "lfm2": {"layer_types": ["conv", "full_attention"]},  # its default is attention only; its checkpoints are not
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # its default 2 left no MoE layer
     "mamba2": {"head_dim": 32, "n_groups": 1},  # hidden_size * expand = num_heads * head_dim; groups divide heads
     "musicgen": {"decoder": {"num_codebooks": 1}},  # one row of codes a token: the batch is (1, S) like any text's
     "musicgen_melody": {"decoder": {"num_codebooks": 1}},

@@ -29,16 +29,27 @@ EXPERT_PARALLEL_FAMILIES = (
     "deepseek_v3", "deepseek_v2", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "dots1",
     "gpt_oss", "mixtral", "phimoe", "minimax", "minimax_m2", "jamba", "granitemoe", "granitemoeshared",
     "granitemoehybrid", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "mimo_v2_flash", "laguna", "afmoe",
-    "solar_open")
+    "solar_open", "nemotron_h", "lfm2_moe")
+
+# MoE families whose experts module is not the (hidden, top_k_index, top_k_weights) one above: what they compute instead
+NOT_SPLIT = {
+    "llama4_text": "Llama 4's experts take every token, each scaled by its router score before the expert (their "
+                   "forward has no expert indices to send tokens by)",
+    "jetmoe": "JetMoE's experts take tokens already sorted by expert with per-expert counts, and its attention is a "
+              "mixture of experts too",
+    "dbrx": "DBRX keeps its experts' weights as one (experts x width, hidden) matrix each, not one row per expert",
+}
 
 
 def check_family(model: nn.Module, ep: int) -> None:
-    """Refuse ``ep > 1`` for a family whose experts seqmesh has not measured, by name."""
+    """Refuse ``ep > 1`` for a family whose experts seqmesh has not measured, by name (and with what its experts
+    compute instead, where seqmesh knows it)."""
     family = model.config.get_text_config().model_type
     if ep > 1 and family not in EXPERT_PARALLEL_FAMILIES:
+        why = f" ({NOT_SPLIT[family]})" if family in NOT_SPLIT else ""
         raise ValueError(f"ep={ep}: seqmesh splits the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)}; {family} "
-                         f"({type(model).__name__}) is not among them. Use ep=1 (every rank holds every expert, FSDP2 "
-                         "shards them).")
+                         f"({type(model).__name__}) is not among them{why}. Use ep=1 (every rank holds every expert, "
+                         "FSDP2 shards them).")
 
 
 def is_experts(module: nn.Module) -> bool:
