@@ -64,7 +64,9 @@ def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
                 raise ValueError(f"{type(module).__name__} holds weights of dtypes {sorted(map(str, own))}; FSDP2 "
                                  "shards one dtype per unit. Cast the model to one dtype, or turn FSDP off.")
             odd.append(module)
-    return odd
+    # innermost first (ERNIE-4.5-MoE's float32 router holds its float32 score-correction module): FSDP2 then leaves a
+    # nested unit's weights to it, where sharding the outer one first made them DTensors the inner one refused
+    return odd[::-1]
 
 
 def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True,
