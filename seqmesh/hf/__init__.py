@@ -25,7 +25,8 @@ from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..rules.overlap import ASYNC_PIECES
-from .layers import SUPPORTED, callees, check_layers, chunked_layers, chunks_per_document, entry_dropped, has_attention
+from .layers import (SUPPORTED, callees, check_layers, chunked_layers, chunks_per_document, entry_dropped,
+                     has_attention, takes_kwargs)
 from ..sequence.batch import SequenceInfo
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
@@ -202,9 +203,8 @@ def _hook_entry(model: nn.Module) -> list:
     those where the entry cannot be carried were refused by ``check_layers``). The handles (``remove()``)."""
     handles = []
     decoder = decoder_of(model)
-    parameters = inspect.signature(decoder.forward).parameters
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    if decoder is not model and "seqmesh" not in parameters and takes_kwargs:
+    named = inspect.signature(decoder.forward).parameters
+    if decoder is not model and "seqmesh" not in named and takes_kwargs(decoder):
         handles += _carry_entry(model, [decoder])
     handles += [_EntryRelay(module, callees(module, child)) for _, module, child in entry_dropped(model)]
     return handles
@@ -229,8 +229,7 @@ def _hook_tower(model: nn.Module) -> list:
 
 
 def _takes_use_cache(module: nn.Module) -> bool:
-    parameters = inspect.signature(module.forward).parameters
-    return "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    return "use_cache" in inspect.signature(module.forward).parameters or takes_kwargs(module)
 
 
 def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear_attention: str = "auto",

@@ -110,7 +110,8 @@ def _interface_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and _calls_interface(type(module))
 
 
-def _takes_kwargs(module: nn.Module) -> bool:
+def takes_kwargs(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes ``**kwargs`` (the way seqmesh's entry travels)."""
     return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values())
 
 
@@ -144,7 +145,7 @@ def attention_without_entry(model: nn.Module) -> list[str]:
     found = {}
     for path, module, child in entry_dropped(model):
         cls = type(module)
-        if cls not in found and not (_takes_kwargs(module) and all(map(_takes_kwargs, callees(module, child)))):
+        if cls not in found and not (takes_kwargs(module) and all(map(takes_kwargs, callees(module, child)))):
             found[cls] = f"{path or 'the model'} ({cls.__name__}) calls its {child} without passing its **kwargs on"
     return list(found.values())
 
