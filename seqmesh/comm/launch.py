@@ -39,6 +39,19 @@ def free_port() -> int:
 
 BACKENDS = ("gloo", "nccl")
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+# What a rank of seqmesh's own jobs imports (train, bench, selftest: torch, transformers, seqmesh): the fork server
+# imports it once, where the process has not chosen its own preload, instead of every rank importing it again
+RANK_MODULES = ("torch", "torch.distributed", "seqmesh.training.train")
+
+
+def _preload_rank_modules() -> None:
+    """``multiprocessing.set_forkserver_preload`` with :data:`RANK_MODULES`, if the fork server has not started and
+    its preload is still multiprocessing's default (a program, or the test suite, that set its own keeps it)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", 0) is None and getattr(server, "_preload_modules", None) == ["__main__"]:
+        mp.set_forkserver_preload(["__main__", *RANK_MODULES])
 
 
 def _worker(
@@ -92,6 +105,8 @@ class WorkerPool:
                              f"this machine has {torch.cuda.device_count()}. Use backend='gloo' or fewer ranks.")
         self.world_size = world_size
         self.backend = backend
+        if START_METHOD == "forkserver":
+            _preload_rank_modules()
         ctx = mp.get_context(START_METHOD)
         port = free_port()
         self._results = ctx.Queue()

@@ -59,8 +59,9 @@ def held_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the bytes this rank holds), another wrapper subclass's inner tensor (each view of an
     ``AsyncCollectiveTensor`` reports a storage of its own, with no bytes behind it), other tensors as they are."""
     if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
+        # the shard itself, as ``to_local`` returns it under no_grad, without dispatching an operator (the tracker
+        # asks for every parameter's at each new peak: through ``to_local`` that was most of a rehearsal's own time)
+        return t._local_tensor
     if is_traceable_wrapper_subclass(t):
         inner, _ = t.__tensor_flatten__()
         return held_tensor(getattr(t, inner[0]))
@@ -110,6 +111,7 @@ class MemoryTracker(TorchDispatchMode):
         self._total = 0  # sum of the recorded sizes: never below the true live bytes
         self._saved: dict[int, int] = {}  # storage key -> saved-tensor slots holding it
         self._report = MemoryReport()
+        self.owned_at_classify: tuple[set[int], set[int], set[int]] = (set(), set(), set())
         self._pack, self._unpack = (lambda t: _Saved(t, self)), (lambda saved: saved.tensor)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -156,8 +158,9 @@ class MemoryTracker(TorchDispatchMode):
         return param_keys, grad_keys, opt_keys
 
     def _classify(self) -> tuple[dict[str, int], int]:
-        """Live device bytes by category, and the bytes held on the host by the offload."""
-        param_keys, grad_keys, opt_keys = self._owned()
+        """Live device bytes by category, and the bytes held on the host by the offload; the keys of what the module
+        and optimizer own are kept in ``owned_at_classify`` for a subclass that reads the same moment."""
+        param_keys, grad_keys, opt_keys = self.owned_at_classify = self._owned()
         host = self.offload.host_storage_keys() if self.offload is not None else set()
         by = dict.fromkeys(CATEGORIES, 0)
         hosted = self.offload.host_bytes() if self.offload is not None else 0

@@ -74,7 +74,7 @@ class PhaseTracker(MemoryTracker):
         super()._check_peak()
         if self._report.peak_bytes > before:
             self.peak_phase, self.peak_op = self.phase, self.op
-            owned = set().union(*self._owned())
+            owned = set().union(*self.owned_at_classify)  # the new peak was just classified with them
             largest = sorted(((size, key) for key, (_, size) in self._live.items() if key not in owned),
                              reverse=True)[:self.top]
             self.peak_largest = [self._describe(key, size) for size, key in largest]

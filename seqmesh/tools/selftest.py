@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .rehearse import Launch, launch_process
+
 ALL_TECHNIQUES = dict(checkpointing=True, offload_checkpoints=True, tiled_mlp=True, efficient_norm=True,
                       fsdp_cpu_offload=True)
 
@@ -244,7 +246,7 @@ def _tracked_training(cfg) -> dict:
     return steps[-1]["tensor_memory"]
 
 
-def rehearsal_rows(plan: SelftestPlan) -> list[dict]:
+def rehearsal_rows(plan: SelftestPlan, launch: Launch = launch_process) -> list[dict]:
     """The real step beside its rehearsal: :data:`ALL_TECHNIQUES` but the CPU offload (a one-device run without
     FSDP2, the step ``seqmesh train`` takes on one GPU), two steps, the second tracked; then ``seqmesh rehearse`` of
     the same run on fake tensors. Where the two differ, the rehearsal (and the planner, which models the same
@@ -264,7 +266,8 @@ def rehearsal_rows(plan: SelftestPlan) -> list[dict]:
         backend = "nccl" if plan.device == "cuda" else "gloo"
         with WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend) as pool:
             real = pool.run(_tracked_training, cfg, timeout=1800)[0]
-    fake = run_rehearsal(dataclasses.replace(cfg, out="unused"), 1, timeout=1800, device=plan.device, top=3)
+    fake = run_rehearsal(dataclasses.replace(cfg, out="unused"), 1, timeout=1800, device=plan.device, top=3,
+                         launch=launch)
     return [{"seq_len": seq_len, "tracked_peak_bytes": real["peak_bytes"],
              "allocator_peak_bytes": real["cuda_max_allocated"],
              "tracked_by_category": {k.removesuffix("_bytes"): v for k, v in real.items()
@@ -314,14 +317,15 @@ def longest_sequence(plan: SelftestPlan) -> dict:
             "trials": {str(n): t for n, t in sorted(trials.items())}}
 
 
-def run_selftest(plan: SelftestPlan, out: str | None) -> dict:
+def run_selftest(plan: SelftestPlan, out: str | None, launch: Launch = launch_process) -> dict:
     """Every step in order; a step that fails is recorded (``{"error": ...}``) and the next one runs; the
-    report is written after each step, so a run cut short still leaves what it measured."""
+    report is written after each step, so a run cut short still leaves what it measured. ``launch``: how the
+    rehearsal's process starts (``seqmesh.tools.rehearse.run_rehearsal``'s)."""
     report = {"plan": asdict(plan), "environment": {**environment(), "host_bytes": host_memory_bytes(),
                                                     "longest_model": longest_model(host_memory_bytes())[1]}}
     steps = {"gpu_tests": lambda: run_gpu_tests(plan) if plan.device == "cuda" else {"ran": False, "why": "no CUDA device"},
              "kernels": lambda: time_kernels(plan), "memory": lambda: memory_rows(plan),
-             "rehearsal": lambda: rehearsal_rows(plan), "longest": lambda: longest_sequence(plan)}
+             "rehearsal": lambda: rehearsal_rows(plan, launch), "longest": lambda: longest_sequence(plan)}
     for name in STEPS:
         try:
             report[name] = steps[name]()

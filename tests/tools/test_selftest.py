@@ -27,9 +27,9 @@ def test_without_cuda_it_says_what_it_would_run_and_exits_0(tmp_path):
     assert not (tmp_path / "r.json").exists()  # nothing ran, nothing written
 
 
-def test_the_rehearsal_runs_every_step_and_writes_the_report(tmp_path):
+def test_the_rehearsal_runs_every_step_and_writes_the_report(tmp_path, rehearsal_server):
     plan = rehearsal_plan()
-    report = run_selftest(plan, str(tmp_path / "r.json"))
+    report = run_selftest(plan, str(tmp_path / "r.json"), launch=rehearsal_server)
     assert json.loads((tmp_path / "r.json").read_text())["longest"]["model"] == plan.longest_model
     kernels = {r["kernel"]: r for r in report["kernels"]}
     assert set(kernels) == {"torch_sdpa", *AUTO_ORDER}
