@@ -10,6 +10,7 @@ family's default. Nothing is loaded from the hub.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import torch
@@ -144,8 +145,10 @@ def _read(config, field: str):
         return declared.get(field, _MISSING)
 
 
+@functools.lru_cache(maxsize=None)
 def _takes(config_cls: type, field: str) -> bool:
-    """Whether ``config_cls``'s constructor takes ``field`` (a property, Falcon's head_dim, is derived)."""
+    """Whether ``config_cls``'s constructor takes ``field`` (a property, Falcon's head_dim, is derived). Cached: the
+    census asks it of every field name and alias of each of some 200 classes, each ``inspect.signature`` slow."""
     if isinstance(getattr(config_cls, field, None), property):
         return False
     fields = {f.name for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else set()
