@@ -146,6 +146,23 @@ def _check_against_plain(kernel, q, k, v, mask, scale, atol):
         torch.testing.assert_close(got.double(), want.detach(), atol=atol, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("widths", [(24, 16), (16, 24)], ids=["qk24-v16", "qk16-v24"])
+@pytest.mark.parametrize("params", [dict(causal=True), dict(causal=False, segments=(0, 1, 40, 150)),
+                                    dict(causal=True, window=60, segments=(0, 100, 150))],
+                         ids=["causal", "documents", "window+documents"])
+def test_cpu_flash_takes_two_head_dims_exactly(widths, params):
+    """MLA's q/k and v head dims differ (DeepSeek: 192 and 128): cpu_flash pads the narrower side with zeros and
+    matches plain float64 attention, forward and backward, dense, per document and in bands; auto picks it."""
+    dqk, dv = widths
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 150, 4, dqk, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 150, 2, dqk, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 150, 2, dv, generator=g, dtype=torch.float64)
+    mask = BlockMask(**params)
+    assert kernel_chooser("auto")(q, k, mask, v).name == "cpu_flash"
+    _check_against_plain(KERNELS["cpu_flash"], q, k, v, mask, dqk**-0.5, atol=1e-12)
+
+
 def test_auto_order_puts_cudnn_first_on_hopper_without_documents():
     """cuDNN first on sm 9.0 and later for calls without packed documents; the plain order elsewhere."""
     from seqmesh.kernels import AUTO_ORDER, auto_order

@@ -1,0 +1,233 @@
+"""``seqmesh bench families``: each frontier family's training step beside a dense model of the same width.
+
+One process, one device (the CPU over gloo, or one GPU over NCCL with bf16 autocast), the ``seqmesh train`` build
+with checkpointing: every family's small config (:func:`family_config`, built from its transformers config class
+and written as a config.json, as a user gives one) runs ``warmup`` steps, then ``repeats`` timed steps (the median
+counts), each a forward, backward and AdamW step of one sequence of ``seq_len`` tokens. Each row gives the step's
+seconds, tokens/s, the peak tensor bytes of one more step (the CPU: ``seqmesh.memory.MemoryTracker``, untimed; CUDA:
+the allocator's peak over the timed steps) and the step time over its reference's, measured in the same run:
+
+    llama        dense Llama (GQA 8/2): the reference of every mixer family
+    mla          dense MLA (DeepSeek-V3: 16 heads, q/k 192, v 128, a latent of width/2, 8 routed experts)
+    dsa          DeepSeek Sparse Attention (DeepSeek-V3.2: the same MLA, an indexer of 16 heads of 128, top-k
+                 ``dsa_topk``): measured against ``mla``, which attends to every earlier key
+    nemotron_h   Mamba2 (heads of 64, state 128) x 3, attention, MoE (Nemotron-H's shape)
+    qwen3_5      Gated DeltaNet x 3, then full attention (Qwen3.5)
+    kimi_linear  KDA x 3, then MLA (Kimi Linear), MoE after the first layer
+    lfm2         gated short convolutions and attention, alternating (LFM2)
+
+Issue 46's goal: DSA's step no longer than dense MLA's, and each mixer family's at most twice the dense Llama's
+(on a GPU: at least half its tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# family -> the family its step is compared with (None: a reference itself)
+REFERENCE: dict[str, str | None] = {"llama": None, "mla": "llama", "dsa": "mla", "nemotron_h": "llama",
+                                    "qwen3_5": "llama", "kimi_linear": "llama", "lfm2": "llama"}
+FAMILIES = tuple(REFERENCE)
+
+
+@dataclass
+class FamiliesBench:
+    """One run. The defaults are issue 46's CPU sizes (hidden 256, 4,096 tokens, DSA top-k 512)."""
+
+    width: int = 256
+    """hidden size; a multiple of 128 (the mixers' heads are 64 and 128 wide)."""
+    seq_len: int = 4096
+    layers: int = 4
+    """decoder layers of every family but Nemotron-H's shape (its 5: three Mamba2, attention, MoE)."""
+    vocab: int = 4096
+    """a small vocabulary, so that the LM head (the same in every family) does not hide the mixers' cost."""
+    dsa_topk: int = 512
+    device: str = "cpu"
+    warmup: int = 1
+    repeats: int = 2
+    families: tuple[str, ...] = FAMILIES
+
+    def __post_init__(self) -> None:
+        if self.width < 128 or self.width % 128:
+            raise ValueError(f"width={self.width} must be a positive multiple of 128 (heads of 64 and 128).")
+        for name in ("seq_len", "layers", "vocab", "dsa_topk", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be 0 or more, got {self.warmup}.")
+        unknown = [f for f in self.families if f not in REFERENCE]
+        if unknown:
+            raise ValueError(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}.")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: choose cpu or cuda.")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device here; use --device cpu.")
+
+    def measured(self) -> list[str]:
+        """The families to run, each reference before the families measured against it."""
+        chosen: list[str] = []
+
+        def add(name: str) -> None:
+            if REFERENCE[name] is not None:
+                add(REFERENCE[name])
+            if name not in chosen:
+                chosen.append(name)
+
+        for name in self.families:
+            add(name)
+        return chosen
+
+
+def family_config(name: str, bench: FamiliesBench):
+    """The transformers config of ``name`` at the bench's sizes."""
+    import transformers as tf
+
+    w, layers = bench.width, bench.layers
+    common = dict(hidden_size=w, vocab_size=bench.vocab, max_position_embeddings=max(bench.seq_len, 4096),
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # ids in any vocab
+    attention = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=w // 8)
+    mixers = ["linear_attention"] * (layers - 1) + ["full_attention"]  # three mixers to one attention, as released
+    mla = dict(num_attention_heads=16, num_key_value_heads=16, q_lora_rank=w // 2, kv_lora_rank=w // 2,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    experts = dict(moe_intermediate_size=w // 2, num_experts_per_tok=2)
+    if name == "llama":
+        return tf.LlamaConfig(**common, **attention, intermediate_size=3 * w, num_hidden_layers=layers)
+    if name in ("mla", "dsa"):
+        deepseek = dict(**common, **mla, **experts, intermediate_size=3 * w, num_hidden_layers=layers,
+                        n_routed_experts=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1)
+        if name == "mla":
+            return tf.DeepseekV3Config(**deepseek)
+        return tf.DeepseekV32Config(**deepseek, index_n_heads=16, index_head_dim=128, index_topk=bench.dsa_topk)
+    if name == "nemotron_h":
+        return tf.NemotronHConfig(**common, **attention, **experts, intermediate_size=3 * w, num_hidden_layers=5,
+                                  layer_types=["linear_attention"] * 3 + ["full_attention", "moe"],
+                                  mamba_num_heads=2 * w // 64, mamba_head_dim=64, ssm_state_size=128, n_groups=1,
+                                  n_routed_experts=8, moe_shared_expert_intermediate_size=w // 2)
+    if name == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**common, **attention, intermediate_size=3 * w, num_hidden_layers=layers,
+                                    layer_types=mixers, linear_key_head_dim=128, linear_value_head_dim=128,
+                                    linear_num_key_heads=w // 128, linear_num_value_heads=2 * w // 128)
+    if name == "kimi_linear":
+        return tf.KimiLinearConfig(**common, **mla, **experts, intermediate_size=3 * w, num_hidden_layers=layers,
+                                   num_local_experts=8, n_shared_experts=1, linear_head_dim=128,
+                                   linear_num_heads=w // 128, linear_conv_kernel_dim=4, layer_types=mixers,
+                                   mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
+    if name == "lfm2":
+        return tf.Lfm2Config(**common, num_attention_heads=8, num_key_value_heads=2, intermediate_size=3 * w,
+                             num_hidden_layers=layers, block_auto_adjust_ff_dim=False,
+                             layer_types=["conv", "full_attention"] * (layers // 2) + ["conv"] * (layers % 2))
+    raise ValueError(f"unknown family {name!r}; choose from {', '.join(FAMILIES)}.")
+
+
+def _measure(folder: str, bench: FamiliesBench) -> dict:
+    """On the one rank: the ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16
+    autocast on CUDA); its steps' seconds and peak tensor bytes."""
+    from ..memory import MemoryTracker
+    from .baseline import BUILDERS, BaselineBench
+    from .common import sync
+
+    cuda = bench.device == "cuda"
+    options = {"checkpointing": True, "bf16": cuda}
+    module, offload, loss_of, _, tokens = BUILDERS["seqmesh"](BaselineBench(model=folder, world=1), options,
+                                                              bench.seq_len)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    device = next(module.parameters()).device
+
+    def step(i: int) -> None:
+        loss_of(i).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for i in range(bench.warmup):
+        step(i)
+    peak = None
+    if not cuda:  # the tracker's Python work per operator would count in the timed steps
+        with MemoryTracker(module, optimizer, offload=offload) as tracker:
+            step(bench.warmup)
+        peak = tracker.report().peak_bytes
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = []
+    for i in range(bench.repeats):
+        sync(device)
+        start = time.perf_counter()
+        step(bench.warmup + 1 + i)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+    return {"seconds": seconds, "tokens": tokens, "peak_bytes": peak,
+            "parameters": sum(p.numel() for p in module.parameters())}
+
+
+def bench_families(bench: FamiliesBench) -> list[dict]:
+    """One row per family (references first), each with its ratio to its reference's step time."""
+    from ..comm.launch import WorkerPool
+
+    rows: dict[str, dict] = {}
+    backend = "nccl" if bench.device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as root, \
+            WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend, collective_timeout=3600.0) as pool:
+        for name in bench.measured():
+            folder = os.path.join(root, name)
+            family_config(name, bench).save_pretrained(folder)
+            result = pool.run(_measure, folder, bench, timeout=3600.0)[0]
+            median = statistics.median(result["seconds"])
+            row = {"family": name, "reference": REFERENCE[name], "seq_len": bench.seq_len, "width": bench.width,
+                   "step_seconds": median, "tokens_per_second": result["tokens"] / median,
+                   "peak_bytes": result["peak_bytes"], "parameters": result["parameters"],
+                   "seconds": result["seconds"]}
+            if REFERENCE[name] is not None:
+                row["over_reference"] = median / rows[REFERENCE[name]]["step_seconds"]
+            rows[name] = row
+    return [rows[name] for name in bench.measured()]
+
+
+def format_family_rows(bench: FamiliesBench, rows: list[dict]) -> str:
+    lines = [f"seqmesh bench families: one {bench.device} process, {bench.seq_len:,} tokens, hidden {bench.width}, "
+             f"checkpointing{', bf16' if bench.device == 'cuda' else ''}; median of {bench.repeats} steps",
+             f"{'family':<12} {'step s':>8} {'tokens/s':>10} {'peak MiB':>9} {'params':>10}  vs reference"]
+    for r in rows:
+        against = f"{r['over_reference']:.2f}x {r['reference']}" if r["reference"] else "(reference)"
+        peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9}"
+        lines.append(f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
+                     f"{r['parameters']:10,}  {against}")
+    return "\n".join(lines)
+
+
+def add_subcommand(bench_sub) -> None:
+    """``seqmesh bench families``."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            bench = FamiliesBench(width=args.width, seq_len=args.seq_len, layers=args.layers, vocab=args.vocab,
+                                  dsa_topk=args.dsa_topk, device=args.device, warmup=args.warmup,
+                                  repeats=args.repeats, families=tuple(args.family or FAMILIES))
+        except ValueError as err:
+            raise SystemExit(f"seqmesh bench families: {err}") from None
+        rows = bench_families(bench)
+        print(json.dumps({"bench": asdict(bench), "rows": rows}) if args.json else format_family_rows(bench, rows))
+        return 0
+
+    defaults = FamiliesBench()
+    p = bench_sub.add_parser("families", help="each frontier family's training step beside the dense one's")
+    p.add_argument("--family", action="append", choices=FAMILIES,
+                   help="a family to run (repeatable; its reference runs too); default: all")
+    p.add_argument("--device", default=defaults.device, choices=("cpu", "cuda"))
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--width", type=int, default=defaults.width, help="hidden size, a multiple of 128")
+    p.add_argument("--layers", type=int, default=defaults.layers)
+    p.add_argument("--vocab", type=int, default=defaults.vocab)
+    p.add_argument("--dsa-topk", type=int, default=defaults.dsa_topk, help="DeepSeek-V3.2's index_topk")
+    p.add_argument("--warmup", type=int, default=defaults.warmup)
+    p.add_argument("--repeats", type=int, default=defaults.repeats)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)

@@ -1,0 +1,58 @@
+"""``seqmesh bench families`` at toy size: every family's step runs the model its config describes, beside its
+reference, in one run; bad sizes are refused before any process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from seqmesh.bench.families import FAMILIES, REFERENCE, FamiliesBench, bench_families, family_config
+from seqmesh.tools.cli import main
+
+TOY = dict(width=128, seq_len=128, layers=2, vocab=256, dsa_topk=16, warmup=0, repeats=1)
+
+
+def test_every_family_is_timed_beside_its_reference_on_the_model_its_config_builds():
+    bench = FamiliesBench(**TOY)
+    rows = bench_families(bench)
+    assert [r["family"] for r in rows] == list(FAMILIES)  # each reference runs before what it is compared with
+    by = {r["family"]: r for r in rows}
+    for name, r in by.items():
+        # the bench trained the model transformers builds from the family's config (seqmesh adds no parameter)
+        expected = sum(p.numel() for p in AutoModelForCausalLM.from_config(family_config(name, bench)).parameters())
+        assert r["parameters"] == expected, (name, r["parameters"], expected)
+        assert r["step_seconds"] > 0 and r["peak_bytes"] > 0, r
+        assert r["tokens_per_second"] == pytest.approx(TOY["seq_len"] / r["step_seconds"]), r
+        if REFERENCE[name] is None:
+            assert "over_reference" not in r
+        else:
+            assert r["over_reference"] == pytest.approx(r["step_seconds"] / by[REFERENCE[name]]["step_seconds"]), r
+    assert family_config("dsa", bench).index_topk == TOY["dsa_topk"]
+    assert family_config("nemotron_h", bench).layer_types.count("linear_attention") == 3
+
+
+def test_one_family_brings_its_reference_and_the_cli_prints_json(capsys):
+    argv = ["bench", "families", "--family", "dsa", "--json"] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in TOY.items()]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["family"] for r in out["rows"]] == ["llama", "mla", "dsa"]
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"width": 100}, "width=100 must be a positive multiple of 128"),
+    ({"families": ("gpt9",)}, "unknown families ['gpt9']"),
+    ({"repeats": 0}, "repeats must be at least 1"),
+])
+def test_bad_sizes_are_refused_by_name(changes, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        FamiliesBench(**{**TOY, **changes})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_device_is_refused():
+    with pytest.raises(SystemExit, match="no CUDA device here; use --device cpu"):
+        main(["bench", "families", "--device", "cuda"])
