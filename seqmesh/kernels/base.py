@@ -151,6 +151,36 @@ class AttentionKernel(abc.ABC):
         return f"<attention kernel {self.name}>"
 
 
+def widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` (..., D) with zero columns up to ``width`` (x itself when it is that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+class PadsHeadDims:
+    """For a kernel whose op needs one head dim for q, k and v, listed before it among the bases: MLA's differ
+    (DeepSeek's q/k 192, v 128), and the narrower side is padded with zeros to the wider one, as transformers does
+    for flash-attn. It is exact: a zero value column only adds a zero output column (sliced off), zero query and key
+    columns add nothing to a score (the scale is passed, never derived from the width); in backward the output and
+    its gradient get the same zero columns, so ``dout . out`` per row and every ``dq``, ``dk`` and ``dv`` entry are
+    the unpadded ones, and the padded columns' gradients are dropped."""
+
+    def forward(self, q, k, v, mask, scale):
+        # (B, S, H, Dqk), (B, S, Hk, Dqk), (B, S, Hk, Dv) -> (B, S, H, Dv), (B, H, S)
+        width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+        if q.shape[-1] == dv:
+            return super().forward(q, k, v, mask, scale)
+        out, lse = super().forward(widen(q, width), widen(k, width), widen(v, width), mask, scale)
+        return out[..., :dv].contiguous(), lse
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        width, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        if dqk == dv:
+            return super().backward(dout, q, k, v, out, lse, mask, scale)
+        dq, dk, dval = super().backward(widen(dout, width), widen(q, width), widen(k, width), widen(v, width),
+                                        widen(out, width), lse, mask, scale)
+        return dq[..., :dqk].contiguous(), dk[..., :dqk].contiguous(), dval[..., :dv].contiguous()
+
+
 class PerDocumentKernel(AttentionKernel):
     """A kernel whose op only knows causal or full attention. Packed documents run as one call per
     document: each is a square block on the diagonal of the call (its tokens are adjacent in the

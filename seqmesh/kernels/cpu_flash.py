@@ -8,21 +8,16 @@ visible key would come back with lse = 0 rather than -inf; the block planner nev
 Sliding windows run as bands: query rows in chunks of a quarter window (128 at least), each against the keys
 its rows' windows reach, with an additive mask of that band (memory ~ S x window, never S x S; ``windows.py``).
 
-The op needs one head dim for q, k and v. MLA's differ (DeepSeek's q/k 192, v 128): the narrower side is padded with
-zeros to the wider one, as transformers does for flash-attn, which is exact. A zero value column only adds a zero
-output column (sliced off), and zero query and key columns add nothing to a score; in backward the output and its
-gradient get the same zero columns, so ``dout . out`` per row and every ``dq``, ``dk`` and ``dv`` entry are the
-unpadded ones, and the padded columns' gradients are dropped. Before, such a call fell to the math kernel, which
-holds the (S, S) scores: DeepSeek-V3's shape at 4,096 tokens took 28 times the dense Llama's step of the same
-width on the CPU (``seqmesh bench families``).
+The op needs one head dim for q, k and v; MLA's two (DeepSeek's q/k 192, v 128) are padded to one, exactly
+(``base.PadsHeadDims``). Before, such a call fell to the math kernel, which holds the (S, S) scores: DeepSeek-V3's
+shape at 4,096 tokens took 28 times the dense Llama's step of the same width on the CPU (``seqmesh bench families``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .base import SUPPORTED_DTYPES, BlockMask, lse_dtype
+from .base import SUPPORTED_DTYPES, BlockMask, PadsHeadDims, lse_dtype
 from .windows import BandedWindowKernel
 
 
@@ -30,12 +25,7 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # (B, S, H, D) -> (B, H, S, D) view
 
 
-def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` (..., D) with zero columns up to ``width`` (x itself when it is that wide)."""
-    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
-
-
-class CpuFlashKernel(BandedWindowKernel):
+class CpuFlashKernel(PadsHeadDims, BandedWindowKernel):
     name = "cpu_flash"
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
@@ -46,22 +36,6 @@ class CpuFlashKernel(BandedWindowKernel):
         if mask.softcap is not None:
             return "torch's CPU flash op does not soft-cap scores"
         return None
-
-    def forward(self, q, k, v, mask, scale):
-        # (B, S, H, Dqk), (B, S, Hk, Dqk), (B, S, Hk, Dv) -> (B, S, H, Dv), (B, H, S)
-        width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
-        if q.shape[-1] == dv:
-            return super().forward(q, k, v, mask, scale)
-        out, lse = super().forward(_widen(q, width), _widen(k, width), _widen(v, width), mask, scale)
-        return out[..., :dv].contiguous(), lse
-
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        width, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
-        if dqk == dv:
-            return super().backward(dout, q, k, v, out, lse, mask, scale)
-        dq, dk, dval = super().backward(_widen(dout, width), _widen(q, width), _widen(k, width), _widen(v, width),
-                                        _widen(out, width), lse, mask, scale)
-        return dq[..., :dqk].contiguous(), dk[..., :dqk].contiguous(), dval[..., :dv].contiguous()
 
     def biased_forward(self, q, k, v, bias, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -8,7 +8,8 @@ Conventions these wrappers rely on (torch 2.9 - 2.13 source):
   Causal is bottom-right aligned; ``window_size_left/right`` follow FA2's convention, which
   :func:`~seqmesh.kernels.windows.flash_window` translates the mask into (or refuses; calls it reads
   differently run split by rows, :class:`~seqmesh.kernels.windows.RowSplitFa2`). One head dim
-  for q, k and v (FA2 checks v against q's head size).
+  for q, k and v (FA2 checks v against q's head size): MLA's two are padded to one
+  (:class:`~seqmesh.kernels.base.PadsHeadDims`).
 - ``_efficient_attention_forward`` takes (B, S, H, D), needs Hq == Hk, and pads lse to
   (B, H, ceil32(S)); its backward reads that padded shape (padding +inf). Its custom mask type 1 is
   causal top-left. It takes an additive ``bias`` of shape (B, H, Sq, Sk) in q's dtype with a
@@ -29,7 +30,7 @@ import functools
 
 import torch
 
-from .base import HALF_DTYPES, AttentionKernel, BlockMask, PerDocumentKernel
+from .base import HALF_DTYPES, AttentionKernel, BlockMask, PadsHeadDims, PerDocumentKernel
 from .gqa import expand_kv_heads, fold_kv_heads
 from .windows import BandedWindowKernel, RowSplitFa2, fa2_arguments, fa2_row_splits
 
@@ -83,9 +84,10 @@ def _no_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, dtype=torch.uint64, device=device)
 
 
-class CudaFlashKernel(RowSplitFa2, AttentionKernel):
-    """FA2 as vendored in torch: fp16/bf16, one head dim <= 256 for q, k and v, grouped-query heads,
-    varlen documents, sliding windows as FA2 window sizes (split by rows where FA2 reads them differently)."""
+class CudaFlashKernel(PadsHeadDims, RowSplitFa2, AttentionKernel):
+    """FA2 as vendored in torch: fp16/bf16, one head dim <= 256 for q, k and v (MLA's two padded to one, exactly:
+    ``PadsHeadDims``), grouped-query heads, varlen documents, sliding windows as FA2 window sizes (split by rows
+    where FA2 reads them differently)."""
 
     name = "cuda_flash"
 
@@ -97,7 +99,7 @@ class CudaFlashKernel(RowSplitFa2, AttentionKernel):
         if mask.softcap is not None:
             return "torch's FA2 op does not soft-cap scores (the flash-attn package does)"
         splits = fa2_row_splits(mask, q.shape[1], k.shape[1])
-        return splits if isinstance(splits, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v)
+        return splits if isinstance(splits, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v, one_head_dim=False)
 
     def call_forward(self, q, k, v, mask, scale):
         b, sq, h, d = q.shape

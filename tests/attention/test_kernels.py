@@ -99,6 +99,13 @@ def test_cuda_wrappers_shapes_on_meta():
         out, lse = KERNELS["cuda_flash"].forward(q, k, k, mask, 0.125)  # window sizes through torch's FA2 op
         dq, dk, dv = KERNELS["cuda_flash"].backward(out, q, k, k, out, lse, mask, 0.125)
         assert out.shape == q.shape and lse.shape == (2, 8, 48) and dk.shape == k.shape
+    mla_q, mla_k = (torch.empty(2, 48, h, 192, device="meta", dtype=torch.bfloat16) for h in (8, 2))
+    mla_v = torch.empty(2, 48, 2, 128, device="meta", dtype=torch.bfloat16)  # MLA: FA2 on v padded to 192
+    for mask in (BlockMask(causal=True), documents):
+        out, lse = KERNELS["cuda_flash"].forward(mla_q, mla_k, mla_v, mask, 0.125)
+        dq, dk, dv = KERNELS["cuda_flash"].backward(out, mla_q, mla_k, mla_v, out, lse, mask, 0.125)
+        assert out.shape == (2, 48, 8, 128) and dq.shape == mla_q.shape and dk.shape == mla_k.shape
+        assert dv.shape == mla_v.shape and lse.shape == (2, 8, 48)
     v = torch.empty(2, 48, 2, 32, device="meta", dtype=torch.bfloat16)  # cutlass takes v's own head dim
     for mask in (BlockMask(causal=True), documents, BlockMask(causal=True, window=5)):
         out, lse = KERNELS["cuda_efficient"].forward(q, k, v, mask, 0.125)
