@@ -119,17 +119,23 @@ def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
     return lm, None, loss_of, None, world * seq_len
 
 
+def seqmesh_config(bench: BaselineBench, options: dict, seq_len: int):
+    """The ``TrainConfig`` the seqmesh methods build from (``options``: its memory options)."""
+    from ..training.config import TrainConfig
+
+    return TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)
+
+
 def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     """The ``seqmesh train`` build, sequence-parallel over every process."""
     from ..memory.offload import enable_activation_offload
-    from ..training.config import TrainConfig
     from ..sequence.batch import shard_batch
     from ..model.fsdp import sync_gradients
     from ..training.step import to_device
     from ..training.train import build, uses_fsdp
     from ..training.run_data import make_dataset
 
-    cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, dp=1, loss_chunk=bench.loss_chunk, **options)
+    cfg = seqmesh_config(bench, options, seq_len)
     data = make_dataset(cfg)
     mesh, module, device = build(cfg)
     offload = enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None

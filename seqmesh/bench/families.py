@@ -131,10 +131,9 @@ def _measure(folder: str, bench: FamiliesBench) -> dict:
     """On the one rank: the ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16
     autocast on CUDA); its steps' seconds and peak tensor bytes."""
     from ..memory import MemoryTracker
-    from ..training.config import TrainConfig
     from ..training.step import step_autocast
     from ..training.train import uses_fsdp
-    from .baseline import BUILDERS, BaselineBench
+    from .baseline import BUILDERS, BaselineBench, seqmesh_config
     from .common import sync
 
     cuda = bench.device == "cuda"
@@ -144,7 +143,7 @@ def _measure(folder: str, bench: FamiliesBench) -> dict:
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     device = next(module.parameters()).device
     # bf16 as seqmesh train steps: autocast, unless FSDP2's mixed precision casts the weights (the builder's config)
-    cfg = TrainConfig(model=folder, seq_len=bench.seq_len, symbols=8, dp=1, loss_chunk=runs.loss_chunk, **options)
+    cfg = seqmesh_config(runs, options, bench.seq_len)
     autocast = step_autocast(cfg, device, uses_fsdp(cfg))
 
     def step(i: int) -> None:
