@@ -81,6 +81,11 @@ def uninstall(model: nn.Module) -> None:
         module.__dict__.pop(ENTRY_ATTR, None)
 
 
+def has_mixers(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` runs one of seqmesh's sequence-parallel mixers."""
+    return any(getattr(module, REPLACED_ATTR, None) is not None for module in model.modules())
+
+
 def kinds() -> tuple[MixerKind, ...]:
     """Every mixer seqmesh runs sequence-parallel, in the order ``parallelize`` looks for them."""
     return (linear_attention.KIND, mamba2.KIND, mamba.KIND, lightning.KIND, short_conv.KIND, kda.KIND)

@@ -23,7 +23,7 @@ from .choice import LINEAR_CHUNK as CHUNK
 from .choice import runs_and_tails
 from .gated_delta import chunk_layout, compute_dtype
 from .halo import Placement
-from .kernels import row_bounds, simple_gla_rule
+from .kernels import simple_gla
 from .passing import pass_states
 
 
@@ -73,17 +73,8 @@ def decay_scan_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       initial: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`chunk_decay_scan`, by flash-linear-attention's ``chunk_simple_gla`` on CUDA where it is installed
     (batch rows laid end to end as variable-length documents, no scale), else by the torch reference."""
-    rule = simple_gla_rule() if q.is_cuda else None
-    if rule is None:
-        return chunk_decay_scan(q, k, v, g, bounds, initial)
-    b, s, h, dk = q.shape
-    segments = len(bounds) - 1
-    if initial is None:
-        initial = q.new_zeros(b, segments, h, dk, v.shape[-1], dtype=torch.float32)
-    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v)]
-    out, final = rule(*flat, g=g.reshape(1, b * s, h).float(), scale=1.0, initial_state=initial.float().flatten(0, 1),
-                      output_final_state=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
-    return out.reshape(b, s, h, -1).to(v.dtype), final.reshape(b, segments, *final.shape[1:])
+    done = simple_gla(q, k, v, g, bounds, initial)
+    return chunk_decay_scan(q, k, v, g, bounds, initial) if done is None else done
 
 
 def decay_state_bytes(heads: int, key_dim: int, value_dim: int, *, batch: int, ulysses: int, ring: int, layout: str,

@@ -1,22 +1,23 @@
 """The fastest recurrent-mixer kernels available, behind the signatures of the torch reference.
 
-On CUDA, flash-linear-attention's ``chunk_gated_delta_rule`` and the ``causal-conv1d`` package are
-used when installed; both take variable-length documents (the batch rows are laid end to end with
-``cu_seqlens``). Everywhere else, and for shapes those kernels refuse, the torch reference of
-``gated_delta.py`` runs: same arguments, same results up to rounding.
+On CUDA, flash-linear-attention's ``chunk_gated_delta_rule`` and ``chunk_simple_gla`` and the ``causal-conv1d``
+package are used when installed and when they run on the device: each is probed once per device before its first
+use (:mod:`.probe`: a few tokens forward and backward; one that raises, as flash-linear-attention does on Hopper with
+Triton 3.4 to 3.7.0, is replaced by the torch rule with one warning). All take variable-length documents (the batch
+rows are laid end to end with ``cu_seqlens``). Everywhere else, on fake tensors (a rehearsal) and for shapes those
+kernels refuse, the torch reference of ``gated_delta.py`` and ``decay_scan.py`` runs: same arguments, same results up
+to rounding.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import gated_delta
+from .probe import Kernel, KernelProbe
 
 
-@functools.lru_cache(maxsize=1)
-def _fla_rule():
+def _fla_gated_delta():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
@@ -24,10 +25,7 @@ def _fla_rule():
     return chunk_gated_delta_rule
 
 
-@functools.lru_cache(maxsize=1)
-def simple_gla_rule():
-    """flash-linear-attention's ``chunk_simple_gla`` (linear attention with a scalar decay per head and token: the
-    recurrence of :mod:`seqmesh.linear_attention.decay_scan`), or None where it is not installed."""
+def _fla_simple_gla():
     try:
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError:
@@ -35,8 +33,7 @@ def simple_gla_rule():
     return chunk_simple_gla
 
 
-@functools.lru_cache(maxsize=1)
-def _conv_fn():
+def _causal_conv1d():
     try:
         from causal_conv1d import causal_conv1d_fn
     except ImportError:
@@ -51,18 +48,108 @@ def row_bounds(bounds: tuple[int, ...], rows: int, device: torch.device, dtype=t
     return torch.tensor(cuts, dtype=dtype, device=device)
 
 
+# --- each package's call, as the layers make it (the probe makes the same) -----------------------------------------
+def _call_gated_delta(rule, q, k, v, g, beta, bounds, initial_state=None):
+    """flash-linear-attention's gated delta rule over the batch rows laid end to end: (out (B, S, H, Dv), final
+    states (B, N, H, Dk, Dv) when ``initial_state`` (B, N, H, Dk, Dv) is given, else None)."""
+    b, s, h, _ = q.shape
+    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
+    state = {} if initial_state is None else {"initial_state": initial_state.float().flatten(0, 1),
+                                              "output_final_state": True}  # (B*N, H, Dk, Dv)
+    out, final = rule(*flat[:3], g=g.reshape(1, b * s, h).float(), beta=flat[3], scale=q.shape[-1] ** -0.5,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long), **state)
+    final = None if initial_state is None else final.reshape(b, initial_state.shape[1], *final.shape[1:])
+    return out.reshape(b, s, h, -1), final
+
+
+def _call_simple_gla(rule, q, k, v, g, bounds, initial):
+    """flash-linear-attention's ``chunk_simple_gla`` (no scale) over the batch rows laid end to end."""
+    b, s, h, _ = q.shape
+    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v)]
+    out, final = rule(*flat, g=g.reshape(1, b * s, h).float(), scale=1.0, initial_state=initial.float().flatten(0, 1),
+                      output_final_state=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
+    return out.reshape(b, s, h, -1).to(v.dtype), final.reshape(b, initial.shape[1], *final.shape[1:])
+
+
+def _call_conv(fn, x, weight, bias, bounds, activation):
+    """causal-conv1d over ``x`` (B, S, C), restarting at each segment of ``bounds``."""
+    b, s, c = x.shape
+    pos = gated_delta.positions_in_segments(bounds, x.device)
+    seq_idx = (torch.cumsum((pos == 0).to(torch.int32), 0) - 1).expand(b, s).contiguous()  # segment of each token
+    # causal-conv1d wants channel-last memory as a (B, C, S) view, and a segment index per token
+    return fn(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation).transpose(1, 2)
+
+
+# --- the probes: two documents in 128 tokens, two heads of 64, in bf16 as a training step runs them ---------------
+BOUNDS = (0, 48, 128)
+
+
+def _mixer_inputs(device: torch.device, generator: torch.Generator) -> list[torch.Tensor]:
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=generator, device=device).to(dtype).requires_grad_()
+
+    q, k, v = (rand(1, BOUNDS[-1], 2, 64) for _ in range(3))
+    g = (-torch.rand(1, BOUNDS[-1], 2, generator=generator, device=device)).requires_grad_()  # decays in (0, 1]
+    beta = torch.rand(1, BOUNDS[-1], 2, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
+    initial = rand(1, len(BOUNDS) - 1, 2, 64, 64, dtype=torch.float32)
+    return [q, k, v, g, beta, initial]
+
+
+def _probe_gated_delta(rule, device: torch.device, generator: torch.Generator) -> None:
+    q, k, v, g, beta, initial = _mixer_inputs(device, generator)
+    plain, _ = _call_gated_delta(rule, q, k, v, g, beta, BOUNDS)  # the all-to-all design's call
+    out, final = _call_gated_delta(rule, q, k, v, g, beta, BOUNDS, initial)  # state passing's
+    (plain.float().sum() + out.float().sum() + final.float().sum()).backward()
+
+
+def _probe_simple_gla(rule, device: torch.device, generator: torch.Generator) -> None:
+    q, k, v, g, _, initial = _mixer_inputs(device, generator)
+    out, final = _call_simple_gla(rule, q, k, v, g, BOUNDS, initial)
+    (out.float().sum() + final.float().sum()).backward()
+
+
+def _probe_conv(fn, device: torch.device, generator: torch.Generator) -> None:
+    x = torch.randn(1, BOUNDS[-1], 64, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(64, 4, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(64, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
+    _call_conv(fn, x, weight, bias, BOUNDS, "silu").float().sum().backward()
+
+
+KERNELS = {"chunk_gated_delta_rule": Kernel("flash-linear-attention", _fla_gated_delta, _probe_gated_delta),
+           "chunk_simple_gla": Kernel("flash-linear-attention", _fla_simple_gla, _probe_simple_gla),
+           "causal_conv1d": Kernel("causal-conv1d", _causal_conv1d, _probe_conv)}
+PROBE = KernelProbe(KERNELS)  # the process's verdicts (a kernel that runs on a device keeps running there)
+
+
+@torch.compiler.assume_constant_result
+def _works(name: str, device: str) -> bool:  # answered once while torch.compile traces: the probe is never traced
+    return PROBE.works(name, torch.device(device))
+
+
+def kernel(name: str, x: torch.Tensor):
+    """``KERNELS[name]``'s function where it is installed and runs on ``x``'s device, else None (the torch rule)."""
+    if x.device.type not in PROBE.devices:
+        return None
+    if not torch.compiler.is_compiling() and torch._subclasses.fake_tensor.is_fake(x):
+        return None  # a rehearsal's fake tensors: no kernel launches, the torch rule's memory is rehearsed
+    return PROBE.load(name) if _works(name, str(x.device)) else None
+
+
+def probe_kernels(device: torch.device) -> dict[str, bool]:
+    """Each kernel's verdict on ``device`` (probing the ones not yet probed): a job calls it before its first step,
+    so a kernel that fails there warns before the step, not inside it."""
+    return PROBE.probe_all(device)
+
+
+# --- the layers' entry points ------------------------------------------------------------------------------------
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: tuple[int, ...]
 ) -> torch.Tensor:
     """As :func:`gated_delta.chunk_gated_delta_rule`: q, k (B, S, H, Dk), v (B, S, H, Dv), g, beta (B, S, H)."""
-    rule = _fla_rule() if q.is_cuda else None
+    rule = kernel("chunk_gated_delta_rule", q)
     if rule is None:
         return gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, bounds)
-    b, s, h, _ = q.shape
-    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
-    out, _ = rule(*flat[:3], g=g.reshape(1, b * s, h).float(), beta=flat[3], scale=q.shape[-1] ** -0.5,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
-    return out.reshape(b, s, h, -1)
+    return _call_gated_delta(rule, q, k, v, g, beta, bounds)[0]
 
 
 def gated_delta_rule_states(
@@ -71,28 +158,30 @@ def gated_delta_rule_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`gated_delta.chunk_gated_delta_rule_states`: each of the ``N`` segments starts from
     ``initial_state`` (B, N, H, Dk, Dv) -> (out (B, S, H, Dv), final states (B, N, H, Dk, Dv) in float32 or float64)."""
-    rule = _fla_rule() if q.is_cuda else None
+    rule = kernel("chunk_gated_delta_rule", q)
     if rule is None:
         return gated_delta.chunk_gated_delta_rule_states(q, k, v, g, beta, bounds, initial_state)
-    b, s, h, _ = q.shape
-    segments = initial_state.shape[1]
-    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
-    out, final = rule(*flat[:3], g=g.reshape(1, b * s, h).float(), beta=flat[3], scale=q.shape[-1] ** -0.5,
-                      initial_state=initial_state.float().flatten(0, 1), output_final_state=True,  # (B*N, H, Dk, Dv)
-                      use_qk_l2norm_in_kernel=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long))
-    return out.reshape(b, s, h, -1), final.reshape(b, segments, *final.shape[1:])
+    return _call_gated_delta(rule, q, k, v, g, beta, bounds, initial_state)
+
+
+def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bounds: tuple[int, ...],
+               initial: torch.Tensor | None):
+    """flash-linear-attention's ``chunk_simple_gla`` where it runs on q's device (None elsewhere: the caller's torch
+    rule): q, k (B, S, H, Dk), v (B, S, H, Dv), g (B, S, H), ``initial`` (B, N, H, Dk, Dv) or None (zero) -> (out,
+    final states)."""
+    rule = kernel("chunk_simple_gla", q)
+    if rule is None:
+        return None
+    if initial is None:
+        initial = q.new_zeros(q.shape[0], len(bounds) - 1, q.shape[2], q.shape[3], v.shape[-1], dtype=torch.float32)
+    return _call_simple_gla(rule, q, k, v, g, bounds, initial)
 
 
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bounds: tuple[int, ...], activation: str = "silu"
 ) -> torch.Tensor:
     """As :func:`gated_delta.causal_conv1d`: x (B, S, C), weight (C, K)."""
-    fn = _conv_fn() if x.is_cuda and activation in ("silu", "swish", None) else None
+    fn = kernel("causal_conv1d", x) if activation in ("silu", "swish", None) else None
     if fn is None:
         return gated_delta.causal_conv1d(x, weight, bias, bounds, activation)
-    b, s, c = x.shape
-    pos = gated_delta.positions_in_segments(bounds, x.device)
-    seq_idx = (torch.cumsum((pos == 0).to(torch.int32), 0) - 1).expand(b, s).contiguous()  # segment of each token
-    # causal-conv1d wants channel-last memory as a (B, C, S) view, and a segment index per token
-    out = fn(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation)
-    return out.transpose(1, 2)
+    return _call_conv(fn, x, weight, bias, bounds, activation)

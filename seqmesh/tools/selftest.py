@@ -112,6 +112,7 @@ def environment() -> dict:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(device=props.name, memory_bytes=props.total_memory, capability=list(torch.cuda.get_device_capability()))
+        out["recurrent_kernels"] = recurrent_kernels(torch.device("cuda", 0))
     try:
         import flash_attn  # noqa: F401
 
@@ -119,6 +120,15 @@ def environment() -> dict:
     except ImportError:
         out["flash_attn"] = None
     return out
+
+
+def recurrent_kernels(device: torch.device) -> dict[str, str]:
+    """Each optional recurrent-mixer kernel on ``device``: "runs", "absent" (not installed) or "fails" (probed: the
+    torch rule runs instead, and the probe has warned with the error and the fix)."""
+    from ..linear_attention.kernels import KERNELS, probe_kernels
+
+    return {name: "runs" if works else "absent" if KERNELS[name].load() is None else "fails"
+            for name, works in probe_kernels(device).items()}
 
 
 def run_gpu_tests(plan: SelftestPlan) -> dict:
@@ -341,6 +351,10 @@ def format_report(report: dict) -> str:
     env = report["environment"]
     lines = [f"seqmesh selftest: {env['device'] or 'CPU (rehearsal)'}, torch {env['torch']}, CUDA {env['cuda']}, "
              f"flash-attn {env['flash_attn'] or 'absent'}"]
+    if env.get("recurrent_kernels"):
+        lines.append("recurrent kernels: " + ", ".join(f"{name} {verdict}" + (" (seqmesh's torch rule runs instead)"
+                                                                             if verdict == "fails" else "")
+                                                       for name, verdict in env["recurrent_kernels"].items()))
     failed = [name for name in STEPS if isinstance(report[name], dict)
               and "error" in report[name]]
     for name in failed:

@@ -21,6 +21,8 @@ from ..comm.ranks import agree, all_gather_object
 from ..compose import parallelize_model
 from ..rules.degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..experts.rules import check_expert_parallel
+from ..hf.mixers import has_mixers
+from ..linear_attention.kernels import probe_kernels
 from ..memory import MemoryTracker
 from ..mesh import SPMesh, init_mesh
 from ..model.lm import ModelSource, SequenceParallelLM, build_model, materialize
@@ -152,6 +154,8 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: M
         for sub in module.modules():
             for name, buffer in sub.named_buffers(recurse=False):
                 setattr(sub, name, buffer.to(device))
+    if device.type == "cuda" and has_mixers(module):  # a recurrent kernel that fails on this GPU warns now, not mid-step
+        probe_kernels(device)
     return module
 
 
