@@ -19,7 +19,10 @@ keys in MLA's latent space: the query's no-RoPE part taken through ``kv_b_proj``
 value half (the same products, associated the other way). Nothing per head ever crosses a link: a token moves
 ``index_head_dim + kv_lora_rank + qk_rope_head_dim`` values (704 for DeepSeek-V3.2), on every mesh (Ulysses, ring,
 or both: the sequence group is one group here). Queries are scored and attend in blocks whose score tensors stay
-under ``BLOCK_ELEMENTS``; each block's attention is recomputed in backward rather than kept.
+under ``BLOCK_ELEMENTS``; the indexer's blocks are at most an eighth of the rank's queries, so that each scores only the
+keys up to its last query (56% of a causal row's pairs instead of all of them). Each attention block gathers its
+queries' selected rows with one ``index_select`` (its backward one ``index_add_``, where advanced indexing's sorted
+``index_put_`` took half the layer's CPU time) and is recomputed in backward rather than kept.
 
 GLM-5's ``shared`` layers reuse the previous full layer's selection, which travels between layers as transformers
 passes it (``prev_topk_indices``): the local queries' indices into the whole row.
@@ -44,6 +47,10 @@ _ATTR = "_seqmesh_indexed"
 LAYER_TYPE = "indexed_attention"
 # the score tensor of one block of queries, (B, block, H, T) floats, at most this many elements (1 GiB of float32)
 BLOCK_ELEMENTS = 1 << 28
+# the indexer's blocks of queries: at least this many per rank's queries (a causal block scores only the keys up to its
+# last query: 8 blocks score 56% of a causal row's pairs, one block all), each at least INDEXER_MIN_BLOCK queries
+INDEXER_BLOCKS = 8
+INDEXER_MIN_BLOCK = 128
 _MLA = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 _INDEXER = ("wq_b", "wk", "k_norm", "weights_proj")
 
@@ -116,6 +123,12 @@ def block_queries(batch: int, heads: int, keys: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(1, batch * heads * keys))
 
 
+def indexer_block(batch: int, heads: int, keys: int, queries: int) -> int:
+    """How many of a rank's ``queries`` the indexer scores at once: at most an ``INDEXER_BLOCKS``-th of them (each block
+    scores only the keys up to its last query), at least ``INDEXER_MIN_BLOCK``, within ``BLOCK_ELEMENTS``."""
+    return min(block_queries(batch, heads, keys), max(INDEXER_MIN_BLOCK, -(-queries // INDEXER_BLOCKS)))
+
+
 def scored_keys(positions: list[int], seq_len: int, step: int) -> list[int]:
     """How many keys of the row the indexer scores for each block of ``step`` consecutive local queries
     (``positions``: each local token's index in the row, padding at or past ``seq_len``): those up to the block's
@@ -147,14 +160,15 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
         total = keys.shape[-1]
         top = min(indexer.index_topk, total)
-        step = block_queries(b, indexer.n_heads, total)
+        step = indexer_block(b, indexer.n_heads, total, length)
         picks = []
         for start, count in zip(range(0, length, step), scored_keys(positions, info.seq_len, step)):
             block = slice(start, start + step)
-            scores = F.relu(torch.matmul(q[:, block].float(), keys[..., :count]) * indexer.softmax_scale)  # (B,l,H,n)
+            scores = torch.matmul(q[:, block].float(), keys[..., :count])  # (B, l, H, n)
+            scores = F.relu(scores.mul_(indexer.softmax_scale), inplace=True)  # transformers' values, in place
             index = torch.matmul(weights[:, block].unsqueeze(-2), scores).squeeze(-2)  # (B, l, n)
             index = F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
-            index = index.masked_fill(~allowed(block), float("-inf"))
+            index = index.masked_fill_(~allowed(block), float("-inf"))
             picks.append(index.topk(top, dim=-1).indices)
         return torch.cat(picks, dim=1)
 
@@ -183,22 +197,43 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     return positions.tolist(), allowed
 
 
-def _latent_attention(module: nn.Module, q_pass, q_rot, latent, k_rot, picks, valid) -> torch.Tensor:
-    """MLA over the selected keys, in latent space. q_pass (B, l, H, Dn), q_rot (B, l, H, Dr); latent (B, T, R),
-    k_rot (B, T, Dr) of the whole row; picks (B, l, k) indices into it, valid (B, l, k) those the query may see
-    -> (B, l, H, Dv)."""
+class _GatherRows(torch.autograd.Function):
+    """``rows[b, index[b, i, j]]``: rows (B, T, C), index (B, l, k) -> (B, l, k, C), one ``index_select`` of whole
+    rows; backward adds each gathered row's gradient back into its row with ``index_add_`` (advanced indexing's
+    backward, ``index_put_`` with accumulation, sorts the indices first: half of a DSA layer's CPU time)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        b, t, c = rows.shape
+        flat = (index + torch.arange(b, device=index.device)[:, None, None] * t).reshape(-1)
+        ctx.save_for_backward(flat)
+        ctx.rows_shape = rows.shape
+        return rows.reshape(b * t, c).index_select(0, flat).view(*index.shape, c)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (flat,) = ctx.saved_tensors
+        b, t, c = ctx.rows_shape
+        summed = grad.new_zeros(b * t, c).index_add_(0, flat, grad.reshape(-1, c))
+        return summed.view(b, t, c), None
+
+
+def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks, valid) -> torch.Tensor:
+    """MLA over the selected keys, in latent space. q_pass (B, l, H, Dn), q_rot (B, l, H, Dr); row (B, T, R + Dr): the
+    whole row's latent and rotated key side by side; picks (B, l, k) indices into it, valid (B, l, k) those the query
+    may see -> (B, l, H, Dv)."""
     heads, nope, dv = q_pass.shape[2], module.qk_nope_head_dim, module.v_head_dim
+    rank = row.shape[-1] - q_rot.shape[-1]
     weight = module.kv_b_proj.weight.view(heads, nope + dv, -1)  # (H, Dn + Dv, R)
     w_key, w_value = weight[:, :nope], weight[:, nope:]
-    rows = torch.arange(picks.shape[0], device=picks.device)[:, None, None]
-    chosen, chosen_rot = latent[rows, picks], k_rot[rows, picks]  # (B, l, k, R), (B, l, k, Dr)
-    q_latent = torch.einsum("blhn,hnr->blhr", q_pass, w_key)
-    scores = (torch.einsum("blhr,blkr->blhk", q_latent, chosen)
-              + torch.einsum("blhd,blkd->blhk", q_rot, chosen_rot)) * module.scaling
+    chosen = _GatherRows.apply(row, picks)  # (B, l, k, R + Dr): each selected key's latent and rotated key
+    # the query's no-RoPE part in latent space beside its rotated part: one product with both halves of the key
+    query = torch.cat([torch.einsum("blhn,hnr->blhr", q_pass, w_key), q_rot], dim=-1)  # (B, l, H, R + Dr)
+    scores = torch.einsum("blhc,blkc->blhk", query, chosen) * module.scaling
     precise = torch.promote_types(scores.dtype, torch.float32)
     scores = scores.to(precise).masked_fill(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(latent.dtype)
-    return torch.einsum("blhr,hvr->blhv", torch.einsum("blhk,blkr->blhr", probs, chosen), w_value)
+    probs = torch.softmax(scores, dim=-1).to(row.dtype)
+    return torch.einsum("blhr,hvr->blhv", torch.einsum("blhk,blkr->blhr", probs, chosen[..., :rank]), w_value)
 
 
 def _make_forward(mesh: SPMesh):
@@ -234,13 +269,12 @@ def _make_forward(mesh: SPMesh):
         else:
             picks = prev_topk_indices.long()
         row = _whole_row(torch.cat([latent, k_rot], dim=-1), mesh, info)  # (B, T, R + Dr): one gather, one scatter
-        latent_row, rot_row = row.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
         outputs = []
         for start in range(0, length, step):
             block = slice(start, start + step)
             valid = torch.gather(allowed(block).expand(b, -1, -1), 2, picks[:, block])  # (B, l, k)
-            inputs = (q_pass[:, block], q_rot[:, block], latent_row, rot_row, picks[:, block], valid)
+            inputs = (q_pass[:, block], q_rot[:, block], row, picks[:, block], valid)
             if torch.is_grad_enabled():
                 outputs.append(checkpoint(_latent_attention, self, *inputs, use_reentrant=False))
             else:

@@ -57,13 +57,14 @@ def indexed_attention_saved(work: Workload, layout: Degrees) -> int:
 def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     """Peak bytes of a DeepSeek Sparse Attention layer beyond what it keeps, the larger of two moments. The selection
     (forward, and again in a checkpointed layer's recompute): the gathered row of indexer keys (B, S, Di), its float32
-    copy, and two float32 score blocks (B, l, Hi, S) of up to ``BLOCK_ELEMENTS`` (the product and its scaled copy). A
+    copy, and a float32 score block (B, l, Hi, S) of ``indexer_block`` queries (scaled and rectified in place). A
     block's backward: the chosen latents and rotary keys (B, l, k, R + Dr) and their gradients, and the gathered
     row's gradient (B, S, R + Dr) before its reduce-scatter."""
     m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
-    scores = block_queries(b * lat.index_n_heads * work.seq_len, local) * b * lat.index_n_heads * work.seq_len
-    select = row * lat.index_head_dim * (e + 4) + 2 * scores * 4
+    per_query = b * lat.index_n_heads * work.seq_len
+    scores = indexed_attention.indexer_block(b, lat.index_n_heads, work.seq_len, local) * per_query
+    select = row * lat.index_head_dim * (e + 4) + scores * 4
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
     chosen = block_queries(b * m.heads * top * lat.kv_lora_rank, local) * b * top * width
     return max(select, 2 * chosen * e + row * width * e)

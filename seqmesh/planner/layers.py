@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import functools
 
-from ..hf.indexed_attention import block_queries, scored_keys
+from ..hf.indexed_attention import indexer_block, scored_keys
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
 from .activations import local_tokens, tokens
@@ -186,12 +186,12 @@ def sparse_attention_flops(m: ModelShape, queries: int, keys: int, batch: int) -
 def indexer_pairs(layout: str, ulysses: int, ring: int, seq_len: int, batch: int, index_heads: int) -> int:
     """The (query, key) pairs the busiest rank's indexer scores in one row: each block of its queries against the keys
     up to the block's last query, as ``seqmesh.hf.indexed_attention`` blocks and truncates them (its
-    ``block_queries`` and ``scored_keys``); about half the rank's queries times the row on a balanced layout."""
+    ``indexer_block`` and ``scored_keys``); about half the rank's queries times the row on a balanced layout."""
     lay = SequenceLayout.for_length(layout, ring, ulysses, seq_len)
-    step = block_queries(batch, index_heads, seq_len)
     busiest = 0
     for rank in range(ring * ulysses):
         positions = lay.local_positions(rank).tolist()
+        step = indexer_block(batch, index_heads, seq_len, len(positions))
         counts = scored_keys(positions, seq_len, step)
         busiest = max(busiest, sum(min(step, len(positions) - i * step) * n for i, n in enumerate(counts)))
     return busiest
