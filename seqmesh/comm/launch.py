@@ -44,6 +44,19 @@ START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "
 RANK_MODULES = ("torch", "torch.distributed", "seqmesh.training.train")
 
 
+def init_distributed(timeout: float = 600.0) -> None:
+    """From torchrun's environment (NCCL when GPUs are present, gloo otherwise), or a group of one.
+    A collective that waits ``timeout`` seconds for a rank ends the job (NCCL's watchdog aborts it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
 def _preload_rank_modules() -> None:
     """``multiprocessing.set_forkserver_preload`` with :data:`RANK_MODULES`, if the fork server has not started and
     its preload is still multiprocessing's default (a program, or the test suite, that set its own keeps it)."""

@@ -82,6 +82,11 @@ def _make_attention(mesh: SPMesh, backend: str):
             )
         if dropout:
             raise ValueError(f"attention dropout ({dropout}) is not supported by seqmesh; set attention_dropout=0.")
+        intercept = getattr(info, "intercept_attention", None)  # seqmesh.inference's entries: a prefill keeps this
+        if intercept is not None:                               # rank's keys and values, a decode step attends
+            done = intercept(module, query, key, value, mesh, scaling, kwargs)  # to its share of the cache
+            if done is not None:
+                return done, None
         if attention_mask is not None:  # transformers builds none for a registered implementation; a model
             raise ValueError(           # that makes its own expresses a variant seqmesh would silently drop
                 f"{type(module).__name__} passed its own attention mask (shape {tuple(attention_mask.shape)}); seqmesh "

@@ -1,9 +1,8 @@
-"""The ``seqmesh`` command: train, verify, export, demo, bench, plan, selftest, rehearse."""
+"""The ``seqmesh`` command: train, verify, export, demo, bench, plan, selftest, rehearse, generate."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 from collections.abc import Sequence
@@ -41,19 +40,9 @@ def _train_config(args: argparse.Namespace):
 
 
 def _init_distributed(timeout: float = 600.0) -> None:
-    """From torchrun's environment (NCCL when GPUs are present, gloo otherwise), or a group of one.
-    A collective that waits ``timeout`` seconds for a rank ends the job (NCCL's watchdog aborts it)."""
-    import torch
-    import torch.distributed as dist
+    from ..comm.launch import init_distributed  # torch loads only for the commands that need it
 
-    from ..comm.launch import free_port
-
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    init_distributed(timeout)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -186,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_plan(sub)
     add_selftest(sub)
     add_rehearse(sub)
+    from ..inference.cli import add_command as add_generate
+
+    add_generate(sub)
     return parser
 
 
@@ -211,7 +203,7 @@ def _report_user_error(err: BaseException) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command not in ("train", "verify", "export"):
+    if args.command not in ("train", "verify", "export", "generate"):
         return int(args.func(args) or 0)
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,111 @@
+"""A KV cache that stays sharded over the sequence group, and the entries that carry it through a model call.
+
+Every rank of the sequence group (Ulysses and ring alike) keeps the keys and values of its own share of the
+sequence, all heads: after the prefill, the tokens the layout gave it (the prompt's activations were sharded the same
+way); each new token's key and value go to the rank holding the fewest tokens (the lowest such rank on a tie), which
+keeps the largest share within one token of the smallest after the prefill's own imbalance. Every rank knows every
+share's count, so each decides the same owner without a message. A cache of ``T`` tokens costs each rank
+``T / P`` tokens x layers x (Hk x (Dk + Dv)) values (:func:`cache_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..mesh import SPMesh
+from ..sequence.batch import SequenceInfo
+
+
+class ShardedKVCache:
+    """This rank's share of every attention layer's keys and values, (B, Hk, n, D) per layer, in the order the share's
+    tokens came (``positions``: each one's index in the row), and every rank's share size (``counts``)."""
+
+    def __init__(self, mesh: SPMesh):
+        self.mesh = mesh
+        self.keys: dict[int, torch.Tensor] = {}  # id(attention module) -> (B, Hk, n, Dk)
+        self.values: dict[int, torch.Tensor] = {}  # -> (B, Hk, n, Dv)
+        self.positions = torch.zeros(0, dtype=torch.long)
+        self.counts: list[int] = [0] * mesh.sp_size
+        self._real: torch.Tensor | None = None  # the prefill's local tokens that are the prompt's, not padding
+
+    def start(self, local_positions: torch.Tensor, seq_len: int) -> None:
+        """Before the prefill: this rank's tokens' indices in the row (padding at ``seq_len`` and past is kept
+        out); every rank's count, in one all-gather of the sequence group."""
+        self._real = local_positions < seq_len
+        self.positions = local_positions[self._real].cpu()
+        count = torch.tensor([self.positions.numel()], dtype=torch.long, device=self.mesh.collective_device())
+        everyone = [torch.zeros_like(count) for _ in range(self.mesh.sp_size)]
+        dist.all_gather(everyone, count, group=self.mesh.sp_group)
+        self.counts = [int(c) for c in everyone]
+
+    def keep(self, module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The prefill's keys and values of ``module`` on this rank's tokens, (B, Hk, L, D), padding dropped."""
+        real = self._real.to(key.device)
+        self.keys[id(module)], self.values[id(module)] = key[:, :, real].clone(), value[:, :, real].clone()
+
+    def next_owner(self) -> int:
+        """The sequence rank that keeps the next token: the one holding fewest (the lowest on a tie)."""
+        return min(range(len(self.counts)), key=lambda r: (self.counts[r], r))
+
+    def advance(self, owner: int, position: int) -> None:
+        """Count the next token (at ``position`` in the row) as ``owner``'s; on the owner, its position joins the share
+        (its keys and values join each layer's when the layer runs, :meth:`append`)."""
+        self.counts[owner] += 1
+        if owner == self.mesh.sp_rank:
+            self.positions = torch.cat([self.positions, torch.tensor([position])])
+
+    def append(self, module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The new token's key and value (B, Hk, 1, D) into ``module``'s share (the owner's only)."""
+        k, v = self.keys.get(id(module)), self.values.get(id(module))
+        self.keys[id(module)] = key if k is None else torch.cat([k, key], dim=2)
+        self.values[id(module)] = value if v is None else torch.cat([v, value], dim=2)
+
+    def share(self, module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.keys.get(id(module)), self.values.get(id(module))
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values this rank holds."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def cache_bytes(tokens: int, layers: int, kv_heads: int, key_dim: int, value_dim: int, element_bytes: int,
+                batch: int = 1) -> int:
+    """Bytes of keys and values for ``tokens`` tokens of ``layers`` attention layers (one rank's share: pass its
+    token count)."""
+    return batch * tokens * layers * kv_heads * (key_dim + value_dim) * element_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class Prefill(SequenceInfo):
+    """The entry of the prefill call: the prompt's :class:`SequenceInfo`, and the cache its attention layers fill."""
+
+    cache: ShardedKVCache | None = None
+
+    @classmethod
+    def of(cls, info: SequenceInfo, cache: ShardedKVCache) -> Prefill:
+        return cls(**{f.name: getattr(info, f.name) for f in fields(SequenceInfo)}, cache=cache)
+
+    def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> None:
+        """Called by seqmesh's registered attention before it attends (``seqmesh.hf``): keep this rank's keys and
+        values (B, Hk, L, D) of ``module``; the attention then runs as in training."""
+        self.cache.keep(module, key, value)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeStep(SequenceInfo):
+    """The entry of one decode call: every rank runs the same new token at ``position``; ``owner`` keeps it."""
+
+    cache: ShardedKVCache | None = None
+    position: int = 0
+    owner: int = 0
+
+    def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> torch.Tensor:
+        """Called by seqmesh's registered attention in place of it (``seqmesh.hf``): the new token's attention over
+        the sharded cache, (B, 1, Hq, Dv) (:func:`.decode.attend_step`)."""
+        from .decode import attend_step
+
+        return attend_step(module, query, key, value, self, mesh, scaling, kwargs)

@@ -1,0 +1,150 @@
+"""Generation on the sequence mesh: the prompt's prefill sharded as in training, then decode over a KV cache that
+stays sharded (:mod:`.cache`, :mod:`.decode`).
+
+The prefill is the parallelized model's own forward on the prompt, sharded by a training layout (``zigzag`` by
+default: balanced causal work); its attention layers keep each rank's keys and values as that rank's cache share. The
+logits of the prompt's last token come from the rank that holds it (``logits_to_keep``: one row of the vocabulary, not
+the prompt's), broadcast to the group. Each decode step runs the same new token on every rank (its per-token layers
+are cheap beside the attention over the cache), one all-gather per attention layer merging the shares' partial
+results. Every rank draws the same next token: greedy, or sampled from the same logits with a generator seeded alike on
+every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..inputs import shard_batch
+from ..mesh import SPMesh
+from ..sequence.sharding import sequence_positions
+from .cache import DecodeStep, Prefill, ShardedKVCache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: ``temperature`` 0 is greedy (argmax); otherwise softmax(logits / temperature)
+    restricted to the smallest set of tokens whose probability reaches ``top_p``, drawn with a generator seeded by
+    ``seed`` (the same on every rank, so every rank draws the same token)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or positive.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+
+
+@dataclass
+class Generated:
+    """``tokens`` (B, K) the new tokens; the cache as the decode left it (each rank's share)."""
+
+    tokens: torch.Tensor
+    cache: ShardedKVCache
+    logits: torch.Tensor | None = None  # (B, K, V) each new token's logits (float32 or wider) with ``keep_logits``
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+def check_generate(model: nn.Module, mesh: SPMesh) -> None:
+    """Raise, naming what to change, for what generation on the mesh does not run yet."""
+    from ..hf.indexed_attention import is_indexed  # seqmesh.hf imports this package's cache and decode
+    from ..hf.mixers import has_mixers
+
+    name = type(model).__name__
+    from ..vision.families import is_multimodal
+
+    if is_multimodal(model.config):
+        raise ValueError(f"{name} is a vision-language model: seqmesh generates from text prompts of decoder-only "
+                         "models so far.")
+    if mesh.tp > 1:
+        raise ValueError(f"tp={mesh.tp}: seqmesh generates on a sequence mesh without tensor parallelism (tp=1) so far; "
+                         "pass --ulysses and --ring only.")
+    if mesh.sp_size != dist.get_world_size():
+        raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} of the {dist.get_world_size()} ranks: seqmesh "
+                         "generates with every rank in the sequence group (no data parallelism); launch "
+                         "ulysses x ring processes.")
+    if has_mixers(model) or any(is_indexed(m) for m in model.modules()):
+        raise ValueError(f"{name} has recurrent, convolutional or sparse-attention layers, whose decode seqmesh does "
+                         "not run yet (their state would have to stay where the prefill made it); generate with an "
+                         "attention-only model (Llama, Qwen, Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA).")
+
+
+@torch.no_grad()
+def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_tokens: int, *, layout: str = "zigzag",
+             sampling: Sampling = Sampling(), keep_logits: bool = False) -> Generated:
+    """``max_new_tokens`` tokens after each row of ``input_ids`` (B, S) (the same prompt on every rank; the rows of
+    one length), by ``model`` parallelized on ``mesh`` (:func:`seqmesh.hf.parallelize`): the prefill sharded by
+    ``layout``, then decode over the sharded cache. Greedy by default (``sampling``: :class:`Sampling`); no stop at
+    an end-of-sequence token. ``keep_logits``: return each new token's logits (B x K x vocabulary values)."""
+    check_generate(model, mesh)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: give (batch, "
+                         "length) int64 token ids, at least one per row.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
+    device = next(model.parameters()).device
+    started = _now(device)
+    b, s = input_ids.shape
+    ids = input_ids.to(device)
+    cache = ShardedKVCache(mesh)
+    positions = sequence_positions(s, mesh, layout=layout)  # (L,) each local token's index in the row
+    cache.start(positions, s)
+    local = shard_batch({"input_ids": ids, "position_ids": torch.arange(s, device=device).expand(b, s)}, mesh,
+                        layout=layout)
+    holder = positions.eq(s - 1)  # the last prompt token: on one rank
+    index = int(holder.nonzero()[0]) if bool(holder.any()) else 0
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                seqmesh=Prefill.of(local["seqmesh"], cache), logits_to_keep=torch.tensor([index], device=device))
+    logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32)).contiguous()  # (B, V)
+    owners = torch.tensor([int(bool(holder.any()))], device=mesh.collective_device())
+    everyone = [torch.zeros_like(owners) for _ in range(mesh.sp_size)]
+    dist.all_gather(everyone, owners, group=mesh.sp_group)
+    source = [int(x) for x in everyone].index(1)
+    dist.broadcast(logits, group=mesh.sp_group, group_src=source)
+    prefilled = _now(device)
+    generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
+    new, kept = [], []
+    for t in range(max_new_tokens):
+        token = _draw(logits, sampling, generator)  # (B,)
+        new.append(token)
+        if keep_logits:
+            kept.append(logits)
+        if t == max_new_tokens - 1:
+            break
+        position = s + t
+        owner = cache.next_owner()
+        cache.advance(owner, position)
+        step = DecodeStep(seq_len=position + 1, cu_seqlens=None, layout=layout, max_position=position,
+                          positions="caller", cache=cache, position=position, owner=owner)
+        out = model(input_ids=token[:, None], position_ids=torch.full((b, 1), position, device=device), seqmesh=step,
+                    logits_to_keep=1)
+        logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32))
+    return Generated(torch.stack(new, dim=1), cache, torch.stack(kept, dim=1) if keep_logits else None,
+                     prefilled - started, _now(device) - prefilled)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """The next token of each row of ``logits`` (B, V)."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        before = ordered.cumsum(dim=-1) - ordered  # the mass of the tokens ahead of each
+        ordered = ordered.masked_fill(before >= sampling.top_p, 0.0)  # keep the smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

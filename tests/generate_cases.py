@@ -1,0 +1,81 @@
+"""Generation on spawned ranks against transformers' ``generate`` on one process (float64)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from dist_cases import get_mesh
+from family_cases import build, family_config
+from seqmesh.hf import parallelize, unparallelize
+from seqmesh.inference import generate
+
+
+@contextlib.contextmanager
+def _mutated(mutation: str | None):
+    """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
+    outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value."""
+    from seqmesh.inference import cache, decode
+
+    saved = decode.merge_partials, cache.ShardedKVCache.next_owner
+    if mutation == "plain_mean":
+        def plain_mean(out, lse, mesh, sinks=None):
+            import torch.distributed as dist
+
+            gathered = [torch.empty_like(out) for _ in range(mesh.sp_size)]
+            dist.all_gather(gathered, out.contiguous(), group=mesh.sp_group)
+            return torch.stack(gathered).mean(dim=0)
+        decode.merge_partials = plain_mean
+    elif mutation == "every_rank_keeps":
+        cache.ShardedKVCache.next_owner = lambda self: self.mesh.sp_rank
+    try:
+        yield
+    finally:
+        decode.merge_partials, cache.ShardedKVCache.next_owner = saved
+
+
+def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
+                     mutation: str | None = None) -> dict:
+    """The parallelized float64 model's greedy tokens and logits for a batch of two prompts beside transformers'
+    ``generate(do_sample=False)`` of the same model on one process; the scale: the same model in float32 against
+    float64 on the whole generated sequence; each rank's cache share."""
+    mesh = get_mesh(ulysses, ring)
+    config = family_config(family)
+    reference = build(config)
+    reference.generation_config.eos_token_id = None  # seqmesh generates max_new_tokens whatever it draws
+    ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                output_logits=True, return_dict_in_generate=True)
+    their_tokens = theirs.sequences[:, prompt_len:]
+    whole = theirs.sequences[:, :-1]  # every position whose next token was drawn
+    with torch.no_grad():
+        exact = reference(whole).logits[:, prompt_len - 1:]
+        rounded = copy.deepcopy(reference).float()(whole).logits[:, prompt_len - 1:].double()
+    model = parallelize(build(config), mesh)
+    with _mutated(mutation):
+        done = generate(model, mesh, ids, new_tokens, keep_logits=True)
+    unparallelize(model)
+    return {"tokens_equal": bool(torch.equal(done.tokens, their_tokens)), "tokens": done.tokens.tolist(),
+            "their_tokens": their_tokens.tolist(),
+            "logits": float((done.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
+            "their_logits": float((torch.stack(theirs.logits, 1) - exact).abs().max()),
+            "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
+            "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel())}
+
+
+def _share_bytes(config, tokens: int) -> int:
+    """``seqmesh.inference.cache_bytes`` for ``tokens`` of this batch of two float64 rows: MLA keeps a key of
+    ``qk_nope + qk_rope`` and a value of ``v_head_dim`` for every head, the others ``head_dim`` for each key head."""
+    from seqmesh.inference import cache_bytes
+
+    if getattr(config, "kv_lora_rank", None):
+        dims = (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+    else:
+        dims = (config.num_key_value_heads, config.head_dim, config.head_dim)
+    return cache_bytes(tokens, config.num_hidden_layers, *dims, 8, batch=2)
+
+
+def generated_cases(cases: list[tuple], **kwargs) -> list[dict]:
+    return [{"case": c, **generated_parity(*c, **kwargs)} for c in cases]
