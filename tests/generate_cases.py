@@ -37,7 +37,7 @@ def _mutated(mutation: str | None):
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
-                     mutation: str | None = None) -> dict:
+                     mutation: str | None = None, end_at: int | None = None) -> dict:
     """The parallelized float64 model's greedy tokens and logits for a batch of two prompts beside transformers'
     ``generate(do_sample=False)`` of the same model on one process; the scale: the same model in float32 against
     float64 on the whole generated sequence; each rank's cache share."""
@@ -48,6 +48,12 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
     ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
     theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                 output_logits=True, return_dict_in_generate=True)
+    end = None
+    if end_at is not None:  # the token row 0 draws at step end_at ends a sequence: row 0 stops there, the other pads
+        end = int(theirs.sequences[0, prompt_len + end_at])
+        reference.generation_config.eos_token_id = end
+        theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
     their_tokens = theirs.sequences[:, prompt_len:]
     whole = theirs.sequences[:, :-1]  # every position whose next token was drawn
     with torch.no_grad():
@@ -55,7 +61,7 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
         rounded = copy.deepcopy(reference).float()(whole).logits[:, prompt_len - 1:].double()
     model = parallelize(build(config), mesh)
     with _mutated(mutation):
-        done = generate(model, mesh, ids, new_tokens, keep_logits=True)
+        done = generate(model, mesh, ids, new_tokens, keep_logits=True, eos_token_id=end, pad_token_id=0)
     unparallelize(model)
     return {"tokens_equal": bool(torch.equal(done.tokens, their_tokens)), "tokens": done.tokens.tolist(),
             "their_tokens": their_tokens.tolist(),
@@ -79,3 +85,17 @@ def _share_bytes(config, tokens: int) -> int:
 
 def generated_cases(cases: list[tuple], **kwargs) -> list[dict]:
     return [{"case": c, **generated_parity(*c, **kwargs)} for c in cases]
+
+
+def sampled_tokens(ulysses: int, ring: int, settings: list[tuple[float, float, int]], prompt_len: int = 45,
+                   new_tokens: int = 12) -> list[list[list[int]]]:
+    """The tokens ``generate`` draws on this rank for each ``(temperature, top_p, seed)`` (a float64 Llama)."""
+    from seqmesh.inference import Sampling
+
+    mesh = get_mesh(ulysses, ring)
+    config = family_config("llama")
+    model = parallelize(build(config), mesh)
+    ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(2))
+    drawn = [generate(model, mesh, ids, new_tokens, sampling=Sampling(*s)).tokens.tolist() for s in settings]
+    unparallelize(model)
+    return drawn

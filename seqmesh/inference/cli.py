@@ -35,6 +35,8 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="the draws' seed, the same on every rank")
     p.add_argument("--weights-seed", type=int, default=0, help="a config.json's random weights (default %(default)s)")
+    p.add_argument("--ignore-eos", action="store_true", help="run --max-new-tokens steps whatever is drawn (default: "
+                   "stop a row at the model's end-of-sequence id, from its generation config, as transformers does)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_generate)
     return p
@@ -102,7 +104,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model.eval()
     parallelize(model, mesh)
     prompt = torch.tensor(rows, dtype=torch.long)
-    done = generate(model, mesh, prompt, args.max_new_tokens, layout=args.layout, sampling=sampling)
+    config = getattr(model, "generation_config", None)
+    eos = None if args.ignore_eos or config is None else config.eos_token_id
+    done = generate(model, mesh, prompt, args.max_new_tokens, layout=args.layout, sampling=sampling, eos_token_id=eos,
+                    pad_token_id=None if config is None else config.pad_token_id)
     tokens = done.tokens.tolist()
     shares = [torch.zeros(1, dtype=torch.long, device=mesh.collective_device()) for _ in range(world)]
     dist.all_gather(shares, torch.tensor([done.cache.nbytes()], device=mesh.collective_device()))

@@ -79,11 +79,15 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
 
 @torch.no_grad()
 def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_tokens: int, *, layout: str = "zigzag",
-             sampling: Sampling = Sampling(), keep_logits: bool = False) -> Generated:
+             sampling: Sampling = Sampling(), keep_logits: bool = False, eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None) -> Generated:
     """``max_new_tokens`` tokens after each row of ``input_ids`` (B, S) (the same prompt on every rank; the rows of
     one length), by ``model`` parallelized on ``mesh`` (:func:`seqmesh.hf.parallelize`): the prefill sharded by
-    ``layout``, then decode over the sharded cache. Greedy by default (``sampling``: :class:`Sampling`); no stop at
-    an end-of-sequence token. ``keep_logits``: return each new token's logits (B x K x vocabulary values)."""
+    ``layout``, then decode over the sharded cache. Greedy by default (``sampling``: :class:`Sampling`).
+    ``eos_token_id`` (one id or several): as transformers' ``generate``, a row that drew one gets ``pad_token_id``
+    (default: the first end id) from then on, and generation stops once every row has (fewer than
+    ``max_new_tokens`` columns then); None runs ``max_new_tokens`` steps. ``keep_logits``: return each new token's
+    logits (B x K x vocabulary values)."""
     check_generate(model, mesh)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: give (batch, "
@@ -111,13 +115,20 @@ def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_to
     dist.broadcast(logits, group=mesh.sp_group, group_src=source)
     prefilled = _now(device)
     generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
+    ends = None if eos_token_id is None else torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=logits.device)
+    pad = pad_token_id if pad_token_id is not None else (None if ends is None else int(ends[0]))
+    finished = torch.zeros(b, dtype=torch.bool, device=logits.device)
     new, kept = [], []
     for t in range(max_new_tokens):
         token = _draw(logits, sampling, generator)  # (B,)
+        if ends is not None:
+            token = token.masked_fill(finished, pad)
+            finished |= torch.isin(token, ends)
         new.append(token)
         if keep_logits:
             kept.append(logits)
-        if t == max_new_tokens - 1:
+        if t == max_new_tokens - 1 or bool(finished.all()):
             break
         position = s + t
         owner = cache.next_owner()

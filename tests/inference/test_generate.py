@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from generate_cases import generated_cases
+from generate_cases import generated_cases, sampled_tokens
 
 FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3"]  # GQA; q/k norms; windows; sinks; MLA
 PROMPT, NEW = 101, 6  # a prompt no mesh divides evenly: the layout pads it, and the padding keeps no cache
@@ -39,3 +39,22 @@ def test_a_merge_without_its_log_sum_exp_or_a_token_kept_twice_is_seen(pools, mu
     for results in pools.run(2, generated_cases, [("llama", 1, 2, PROMPT, NEW)], mutation=mutation):
         for r in results:
             assert r["logits"] > 100 * ULPS * r["rounding"], r  # measured: 1,700x (plain mean), 36,000x
+
+
+def test_a_row_that_draws_the_end_token_stops_as_in_transformers(pools):
+    """The token row 0 draws at its third step is made the end of a sequence: row 0 pads from then on, as transformers'
+    generate pads it, and generation stops once both rows have ended (or after NEW tokens)."""
+    for results in pools.run(2, generated_cases, [("llama", 1, 2, PROMPT, NEW)], end_at=2):
+        for r in results:
+            assert r["tokens_equal"] and r["logits"] <= ULPS * r["rounding"], r
+            assert r["tokens"][0][3:] == [0] * (len(r["tokens"][0]) - 3), r
+
+
+def test_sampling_draws_the_same_tokens_on_every_rank(pools):
+    """Temperature and top-p: every rank draws the same tokens from its (identical) logits with a generator seeded
+    alike; two seeds draw differently; a top-p below every token's probability keeps the most likely one (greedy)."""
+    settings = [(0.9, 0.95, 1), (0.9, 0.95, 2), (1.0, 1e-9, 3), (0.0, 1.0, 0)]
+    ranks = pools.run(2, sampled_tokens, 2, 1, settings)
+    assert ranks[0] == ranks[1], ranks
+    first, second, nucleus, greedy = ranks[0]
+    assert first != second and nucleus == greedy, ranks[0]
