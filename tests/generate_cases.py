@@ -16,10 +16,12 @@ from seqmesh.inference import generate
 @contextlib.contextmanager
 def _mutated(mutation: str | None):
     """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
-    outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value."""
+    outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
+    ``"state_not_carried"``: Gated DeltaNet's decode starts from a zero state instead of the prefill's."""
+    from seqmesh.hf import linear_attention
     from seqmesh.inference import cache, decode
 
-    saved = decode.merge_partials, cache.ShardedKVCache.next_owner
+    saved = decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -30,10 +32,14 @@ def _mutated(mutation: str | None):
         decode.merge_partials = plain_mean
     elif mutation == "every_rank_keeps":
         cache.ShardedKVCache.next_owner = lambda self: self.mesh.sp_rank
+    elif mutation == "state_not_carried":
+        step = saved[2]
+        linear_attention.decode_gated_delta = lambda packed, params, heads, state, tail: step(
+            packed, params, heads, torch.zeros_like(state), tail)
     try:
         yield
     finally:
-        decode.merge_partials, cache.ShardedKVCache.next_owner = saved
+        decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
@@ -80,7 +86,9 @@ def _share_bytes(config, tokens: int) -> int:
         dims = (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
     else:
         dims = (config.num_key_value_heads, config.head_dim, config.head_dim)
-    return cache_bytes(tokens, config.num_hidden_layers, *dims, 8, batch=2)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = sum(kind in ("full_attention", "sliding_attention") for kind in kinds)  # Gated DeltaNet layers keep none
+    return cache_bytes(tokens, layers, *dims, 8, batch=2)
 
 
 def generated_cases(cases: list[tuple], **kwargs) -> list[dict]:

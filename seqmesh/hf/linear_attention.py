@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..linear_attention.choice import LinearDesign, LinearShape, choose_design, parse_design
 from ..linear_attention.sequence_parallel import GateParams, LinearHeads, sequence_parallel_gated_delta
+from ..linear_attention.decode import decode_gated_delta, sequence_tail
 from ..linear_attention.state_passing import state_passing_gated_delta
 from ..mesh import SPMesh
 from .mixer_kind import MixerKind, check_mixer_context
@@ -93,16 +94,27 @@ def _make_forward(mesh: SPMesh, project: Projection, design: LinearDesign):
         mixed, z, beta_in, a_in = project(self, hidden_states)  # (B, L, conv_dim), (B, L, Hv*Dv), (B, L, Hv) x 2
         params = GateParams(self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.dt_bias, self.activation,
                             2.0 if getattr(self, "allow_neg_eigval", False) else 1.0)
-        chosen = choose_design(_shape(self, mesh, info.seq_len, b, mixed.dtype, info.layout), design)
-        if chosen is LinearDesign.STATE_PASSING:
-            run, heads = state_passing_gated_delta, LinearHeads(self.num_k_heads, self.num_v_heads, self.head_k_dim,
-                                                                self.head_v_dim, 1)
+        packed = torch.cat([mixed, beta_in, a_in], dim=-1)
+        whole = LinearHeads(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, 1)
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token from the state the prefill left
+            core, state, tail = decode_gated_delta(packed, params, whole, *generation.get(self))
+            generation.put(self, state, tail)
+        elif generation is not None:  # the prompt by state passing, which leaves the final state on every rank
+            keep: dict = {}
+            core = state_passing_gated_delta(packed, params, whole, mesh, layout=info.layout, seq_len=info.seq_len,
+                                             cu_seqlens=info.cu_seqlens, keep=keep)
+            width = self.conv1d.weight.shape[-1] - 1
+            generation.put(self, keep["state"], sequence_tail(mixed, mesh, layout=info.layout, seq_len=info.seq_len,
+                                                              width=width))
         else:
-            run, heads = sequence_parallel_gated_delta, _heads(self, mesh)
-        core = run(  # (B, L, Hv, Dv)
-            torch.cat([mixed, beta_in, a_in], dim=-1), params, heads, mesh,
-            layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
-        )
+            chosen = choose_design(_shape(self, mesh, info.seq_len, b, mixed.dtype, info.layout), design)
+            if chosen is LinearDesign.STATE_PASSING:
+                run, heads = state_passing_gated_delta, whole
+            else:
+                run, heads = sequence_parallel_gated_delta, _heads(self, mesh)
+            core = run(packed, params, heads, mesh, layout=info.layout, seq_len=info.seq_len,  # (B, L, Hv, Dv)
+                       cu_seqlens=info.cu_seqlens)
         norm = self.norm if hasattr(self, "norm") else self.o_norm
         out = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(b, n, -1)
         return (self.out_proj if hasattr(self, "out_proj") else self.o_proj)(out)

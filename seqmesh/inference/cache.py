@@ -30,6 +30,8 @@ class ShardedKVCache:
         self.values: dict[int, torch.Tensor] = {}  # -> (B, Hk, n, Dv)
         self.positions = torch.zeros(0, dtype=torch.long)
         self.counts: list[int] = [0] * mesh.sp_size
+        # id(recurrent layer) -> (its state after the tokens so far, its conv's last inputs): the same on every rank
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._real: torch.Tensor | None = None  # the prefill's local tokens that are the prompt's, not padding
 
     def start(self, local_positions: torch.Tensor, seq_len: int) -> None:
@@ -79,6 +81,22 @@ def cache_bytes(tokens: int, layers: int, kv_heads: int, key_dim: int, value_dim
     return batch * tokens * layers * kv_heads * (key_dim + value_dim) * element_bytes
 
 
+@dataclass(frozen=True)
+class RecurrentStates:
+    """What a recurrent layer (seqmesh.hf's Gated DeltaNet) reads from a generation's entry: in a prefill
+    (``decoding`` False) it runs sharded and leaves its final state and conv tail here (:meth:`put`); in a decode step
+    it runs one token from them (:meth:`get`) and leaves the next."""
+
+    cache: ShardedKVCache
+    decoding: bool
+
+    def get(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.states[id(module)]
+
+    def put(self, module: nn.Module, state: torch.Tensor, tail: torch.Tensor) -> None:
+        self.cache.states[id(module)] = (state, tail)
+
+
 @dataclass(frozen=True, eq=False)
 class Prefill(SequenceInfo):
     """The entry of the prefill call: the prompt's :class:`SequenceInfo`, and the cache its attention layers fill."""
@@ -88,6 +106,10 @@ class Prefill(SequenceInfo):
     @classmethod
     def of(cls, info: SequenceInfo, cache: ShardedKVCache) -> Prefill:
         return cls(**{f.name: getattr(info, f.name) for f in fields(SequenceInfo)}, cache=cache)
+
+    @property
+    def recurrent_state(self) -> RecurrentStates:
+        return RecurrentStates(self.cache, decoding=False)
 
     def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> None:
         """Called by seqmesh's registered attention before it attends (``seqmesh.hf``): keep this rank's keys and
@@ -102,6 +124,10 @@ class DecodeStep(SequenceInfo):
     cache: ShardedKVCache | None = None
     position: int = 0
     owner: int = 0
+
+    @property
+    def recurrent_state(self) -> RecurrentStates:
+        return RecurrentStates(self.cache, decoding=True)
 
     def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> torch.Tensor:
         """Called by seqmesh's registered attention in place of it (``seqmesh.hf``): the new token's attention over

@@ -25,6 +25,9 @@ from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Prefill, ShardedKVCache
 
 
+DECODED_MIXER = "Gated DeltaNet"  # the recurrent layers whose decode runs (seqmesh.linear_attention.decode)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is drawn: ``temperature`` 0 is greedy (argmax); otherwise softmax(logits / temperature)
@@ -55,8 +58,8 @@ class Generated:
 
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
-    from ..hf.indexed_attention import is_indexed  # seqmesh.hf imports this package's cache and decode
-    from ..hf.mixers import has_mixers
+    from ..hf.indexed_attention import is_indexed
+    from ..hf.mixer_kind import REPLACED_ATTR
 
     name = type(model).__name__
     from ..vision.families import is_multimodal
@@ -71,10 +74,12 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} of the {dist.get_world_size()} ranks: seqmesh "
                          "generates with every rank in the sequence group (no data parallelism); launch "
                          "ulysses x ring processes.")
-    if has_mixers(model) or any(is_indexed(m) for m in model.modules()):
-        raise ValueError(f"{name} has recurrent, convolutional or sparse-attention layers, whose decode seqmesh does "
-                         "not run yet (their state would have to stay where the prefill made it); generate with an "
-                         "attention-only model (Llama, Qwen, Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA).")
+    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, DECODED_MIXER}
+    if kinds or any(is_indexed(m) for m in model.modules()):
+        what = ", ".join(sorted(kinds)) or "DeepSeek Sparse Attention"
+        raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
+                         "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
+                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA) or one with Gated DeltaNet layers (Qwen3.5).")
 
 
 @torch.no_grad()

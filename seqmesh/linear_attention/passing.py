@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..comm.collectives import all_gather
 from .halo import Placement, pad_rows
@@ -49,13 +50,17 @@ class _Tie(torch.autograd.Function):
 
 
 def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, place: Placement, zero_state: torch.Tensor,
-                *, carry: Carry, read: Read) -> torch.Tensor:
+                *, carry: Carry, read: Read, keep: dict | None = None) -> torch.Tensor:
     """``out`` (B, L, ...) the rank's outputs from zero entering states, shard order; ``lift`` (B, L, ...) what
     ``read`` needs per token; ``finals`` (B, N, X) every segment's packed [S_0 | T] (N: the segments of
     ``place.mine.segment_bounds``); ``zero_state`` the state at a segment start -> ``out`` with every
-    run's entering state read in."""
+    run's entering state read in. ``keep`` (one document a row): ``keep["end"]``, the local index of the row's last
+    real token on the rank that holds it (None elsewhere), is given ``keep["state"]``, the state after that token on
+    every rank (what a decode starts from; the layout's padding after it is a segment of its own, not carried)."""
     chain, mine, rank = place.chain, place.mine, place.rank
     if len(chain.runs) == 1:  # one rank: every run starts a segment, nothing to pass
+        if keep is not None:
+            keep["state"] = _state_after(keep["end"], finals, mine, {}, zero_state, carry)
         return out
     leaving = pad_rows(finals[:, list(mine.last_segment)], chain.max_runs)  # (B, R, X)
     every = all_gather(leaving, place.group, dim=1)  # (B, P * R, X)
@@ -66,6 +71,10 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
         if r == rank:
             entering[j] = state
         state = carry(every[:, r * chain.max_runs + j], state)  # zero T where the run ends in a new segment
+    if keep is not None:
+        final = _state_after(keep["end"], finals, mine, entering, zero_state, carry).detach()
+        dist.all_reduce(final, group=place.group)  # held by one rank, zero on the others
+        keep["state"] = final
 
     pieces, at = [], 0
     for segment, j in zip(mine.incoming, mine.run_of_incoming):
@@ -74,3 +83,17 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
         at = e
     out = torch.cat(pieces + [out[:, at:]], dim=1) if pieces else out
     return _Tie.apply(out, every) if every.requires_grad else out
+
+
+def _state_after(end: int | None, finals: torch.Tensor, mine, entering: dict, zero_state: torch.Tensor,
+                 carry: Carry) -> torch.Tensor:
+    """The state after local token ``end`` where its segment ends there (zero where ``end`` is None): its segment's
+    [S_0 | T] carried from the state entering it (its run's, or zero at a segment start)."""
+    if end is None:
+        return torch.zeros_like(zero_state)
+    segment = max(i for i, b in enumerate(mine.segment_bounds[:-1]) if b <= end)
+    if mine.segment_bounds[segment + 1] != end + 1:
+        raise ValueError(f"local token {end} does not end its segment {mine.segment_bounds}: the state after it is not "
+                         "a segment's final state.")
+    start = entering.get(mine.run_of_incoming[mine.incoming.index(segment)]) if segment in mine.incoming else None
+    return carry(finals[:, segment], zero_state if start is None else start)

@@ -35,6 +35,7 @@ import torch
 
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
+from ..sequence.sharding import sequence_positions
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .kernels import gated_delta_rule_states
@@ -52,16 +53,18 @@ def state_passing_gated_delta(
     seq_len: int,
     cu_seqlens: tuple[int, ...] | None = None,
     min_chunk: int = DEFAULT_MIN_CHUNK,
+    keep: dict | None = None,
 ) -> torch.Tensor:
     """As :func:`seqmesh.linear_attention.sequence_parallel.sequence_parallel_gated_delta` (same arguments,
     same result): ``packed`` (B, L, channels) in the layout's order -> (B, L, Hv, Dv). ``heads.ranks`` is
-    ignored: every rank runs every head of its own tokens."""
+    ignored: every rank runs every head of its own tokens. ``keep`` (a prefill's, one document a row): given
+    ``keep["state"]`` (B, Hv, Dk, Dv), the recurrent state after the whole sequence, on every rank."""
     p = mesh.sp_size
     whole = dataclasses.replace(heads, ranks=1)
     b, n, c = packed.shape
     if c != whole.channels:
         raise ValueError(f"packed input has {c} channels; the layer's q | k | v | b | a have {whole.channels}.")
-    if p == 1:
+    if p == 1 and keep is None:
         return gated_delta_heads(packed, params, whole, 0, segment_bounds(n, cu_seqlens, seq_len))
     place = placement(mesh, n, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens, min_chunk=min_chunk,
                       kernel=params.conv_weight.shape[-1])
@@ -90,4 +93,8 @@ def state_passing_gated_delta(
     def read(g_t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bthk,bhkv->bthv", g_t.to(state.dtype), state)
 
-    return pass_states(out, lift, finals.flatten(2), place, finals.new_zeros(b, hv, dk, dv), carry=carry, read=read)
+    if keep is not None:  # the row's last real token, on the rank that holds it
+        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
+        keep["end"] = int(at[0]) if at.numel() else None
+    return pass_states(out, lift, finals.flatten(2), place, finals.new_zeros(b, hv, dk, dv), carry=carry, read=read,
+                       keep=keep)

@@ -7,7 +7,8 @@ import pytest
 
 from generate_cases import generated_cases, sampled_tokens
 
-FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3"]  # GQA; q/k norms; windows; sinks; MLA
+FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "qwen3_5"]  # GQA; q/k norms; windows; sinks; MLA;
+# Gated DeltaNet (its state and conv tail from the sharded prefill, then one token at a time)
 PROMPT, NEW = 101, 6  # a prompt no mesh divides evenly: the layout pads it, and the padding keeps no cache
 ULPS = 4  # the bound: a multiple of the float32 rounding of the same model's logits
 
@@ -34,9 +35,10 @@ def test_greedy_tokens_on_a_two_dimensional_mesh(pools):
             _check(r, 4)
 
 
-@pytest.mark.parametrize("mutation", ["plain_mean", "every_rank_keeps"])
-def test_a_merge_without_its_log_sum_exp_or_a_token_kept_twice_is_seen(pools, mutation):
-    for results in pools.run(2, generated_cases, [("llama", 1, 2, PROMPT, NEW)], mutation=mutation):
+@pytest.mark.parametrize("mutation, family", [("plain_mean", "llama"), ("every_rank_keeps", "llama"),
+                                              ("state_not_carried", "qwen3_5")])
+def test_a_merge_without_its_log_sum_exp_a_token_kept_twice_or_a_state_not_carried_is_seen(pools, mutation, family):
+    for results in pools.run(2, generated_cases, [(family, 1, 2, PROMPT, NEW)], mutation=mutation):
         for r in results:
             assert r["logits"] > 100 * ULPS * r["rounding"], r  # measured: 1,700x (plain mean), 36,000x
 

@@ -1,0 +1,47 @@
+"""Gated DeltaNet one token at a time, from the state a sharded prefill left: what generation's decode runs.
+
+After the prefill (state passing, :func:`.state_passing.state_passing_gated_delta` with ``keep``), every rank holds
+the recurrent state after the whole prompt and the conv's last ``K - 1`` inputs (:func:`sequence_tail`, one
+all-reduce). Each decode step then runs the same token on every rank: the conv over the tail and the token, the
+delta rule one step from the state (the chunked rule on a segment of one token, from that state), and both move on
+by one token. Every rank computes the same values; nothing is sent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import SPMesh
+from ..sequence.sharding import sequence_positions
+from .gated_delta import causal_conv1d
+from .kernels import gated_delta_rule_states
+from .sequence_parallel import GateParams, LinearHeads, rule_inputs
+
+
+def sequence_tail(conv_in: torch.Tensor, mesh: SPMesh, *, layout: str, seq_len: int, width: int) -> torch.Tensor:
+    """The last ``width`` rows of the whole sequence's ``conv_in`` (B, L, C), this rank's in the layout's order ->
+    (B, width, C) on every rank (rows before the sequence's start are zero, as the conv's own padding)."""
+    b, _, c = conv_in.shape
+    tail = conv_in.new_zeros(b, width, c)
+    if width == 0:
+        return tail
+    positions = sequence_positions(seq_len, mesh, layout=layout, device=conv_in.device)
+    slot = positions - (seq_len - width)  # where each local token lands in the tail
+    mine = (slot >= 0) & (positions < seq_len)
+    tail[:, slot[mine]] = conv_in[:, mine].detach()
+    dist.all_reduce(tail, group=mesh.sp_group)  # each row held by one rank: the sum is that rank's
+    return tail
+
+
+def decode_gated_delta(packed: torch.Tensor, params: GateParams, heads: LinearHeads, state: torch.Tensor,
+                       tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token: ``packed`` (B, 1, channels: conv | b | a of every head), ``state`` (B, Hv, Dk, Dv) and ``tail``
+    (B, K - 1, conv channels) -> (out (B, 1, Hv, Dv), the next state, the next tail)."""
+    width = params.conv_weight.shape[-1]
+    conv_in, beta_in, a_in = packed.split([heads.conv_dim, heads.value_heads, heads.value_heads], dim=-1)
+    window = torch.cat([tail.to(conv_in.dtype), conv_in], dim=1)  # (B, K, C)
+    mixed = causal_conv1d(window, params.conv_weight, params.conv_bias, (0, width), params.activation)[:, -1:]
+    q, k, v, g, beta = rule_inputs(mixed, beta_in, a_in, params, heads, 0)
+    out, final = gated_delta_rule_states(q, k, v, g, beta, (0, 1), state[:, None])
+    return out, final[:, 0], window[:, 1:]
