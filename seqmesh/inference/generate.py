@@ -60,10 +60,9 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
     from ..hf.indexed_attention import is_indexed
     from ..hf.mixer_kind import REPLACED_ATTR
-
-    name = type(model).__name__
     from ..vision.families import is_multimodal
 
+    name = type(model).__name__
     if is_multimodal(model.config):
         raise ValueError(f"{name} is a vision-language model: seqmesh generates from text prompts of decoder-only "
                          "models so far.")
