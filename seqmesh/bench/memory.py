@@ -12,7 +12,6 @@ prediction for the same ``TrainConfig`` (``seqmesh.planner.workload.plan_inputs`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -79,8 +78,9 @@ def predicted_peak(bench: MemoryBench, seq_len: int, options: dict) -> tuple[int
 
 
 def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
-    """On every rank: two training steps at ``seq_len``; the second one's tracked peak."""
-    from ..memory import MemoryTracker
+    """On every rank: the tracked peak of a training step at ``seq_len`` that every step of a run repeats: AdamW's
+    state made first (:func:`seqmesh.memory.prime_optimizer`, in place of a first step that would only create it)."""
+    from ..memory import MemoryTracker, prime_optimizer
     from ..memory.offload import enable_activation_offload
     from ..sequence.batch import shard_batch
     from ..training.step import to_device
@@ -99,15 +99,15 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     module.train()
     cuda = device.type == "cuda"
-    for step in range(2):  # the first step creates AdamW's state; only the second is tracked
-        local = to_device(shard_batch(data.batch(step, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
-        tracker = MemoryTracker(module, optimizer, device=device, offload=offload)
-        if cuda and step == 1:
-            torch.cuda.reset_peak_memory_stats(device)
-        with tracker if step == 1 else contextlib.nullcontext():
-            module(**local).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    prime_optimizer(module, optimizer)
+    local = to_device(shard_batch(data.batch(1, mesh.dp_rank, 1, mesh.dp_size), mesh), device)
+    tracker = MemoryTracker(module, optimizer, device=device, offload=offload)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    with tracker:
+        module(**local).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     allocator = {"allocator_peak_bytes": torch.cuda.max_memory_allocated(device)} if cuda else {}
     return {**tracker.report().as_dict(), **allocator, "local_tokens": seq_len // (mesh.sp_size * mesh.tp)}
 

@@ -247,3 +247,16 @@ class MemoryTracker(TorchDispatchMode):
         """Bytes alive on the device now (host-offloaded storages included)."""
         self._refresh()
         return self._total
+
+
+def prime_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer``'s state as a first step leaves it, without the step: a zero gradient for every trainable
+    parameter (its layout: a DTensor shard for FSDP2's), one optimizer step (AdamW: zero moments, the step count 1,
+    the weights decayed once), gradients cleared. For measuring the step every later step of a run repeats, whose
+    memory a first step's only lasting effect, this state, is part of; cheaper than running that first step. A
+    parameter a real step would leave without a gradient gets state here too (none of the models measured has one)."""
+    for p in module.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -11,8 +11,9 @@ nothing. Fake tensors carry shapes, dtypes, devices and storages of the right si
 The peak is counted by seqmesh's own :class:`~seqmesh.memory.MemoryTracker`, which works on fake tensors
 unchanged: each fake tensor has a storage of its true size, freed when the real one would be, so the
 tracker's weak references see the same live set as in a real step (``tests/rehearsal`` checks that a real
-and a fake step at a toy size peak at the same byte). Two steps run; the second is tracked (AdamW's state
-then exists, as in every step of a run but the first). :class:`PhaseTracker` also notes the phase and the
+and a fake step at a toy size peak at the same byte). The step tracked is one that every step of a run but the
+first repeats: AdamW's state is made before it (:func:`~seqmesh.memory.prime_optimizer`: zero gradients and one
+optimizer step, where a first training step, about a fifth of a rehearsal's time, would only have created it). :class:`PhaseTracker` also notes the phase and the
 operator at the peak.
 
 :func:`rehearse_rank` is meant for a fresh process (:mod:`seqmesh.tools.rehearse` starts one): the fake process
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..memory import MemoryTracker
+from ..memory import MemoryTracker, prime_optimizer
 from ..memory.accounting import held_tensor
 from ..planner.media import Media
 from ..training.config import TrainConfig
@@ -172,9 +173,9 @@ def _fake(mode, value):
 
 def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bool = True, top: int = 6,
                   media: Media | None = None, rank: int = 0) -> Rehearsal:
-    """Rank ``rank`` of ``gpus`` ranks running two training steps of ``cfg`` on fake tensors on ``device`` (``cuda``:
-    fake ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels); the
-    second step measured. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
+    """Rank ``rank`` of ``gpus`` ranks running a training step of ``cfg`` on fake tensors on ``device`` (``cuda``:
+    fake ``cuda:0`` tensors and CUDA's kernels, through :func:`.workarounds.fake_cuda`; ``cpu``: the CPU kernels),
+    measured with AdamW's state already made. ``fake=False`` runs real CPU tensors on the same fake process group (a toy size's
     reference: what the fake step must match); ``top``: how many of the largest storages at the peak to describe;
     ``media``: the images every sequence shows a vision-language model (:class:`~seqmesh.training.vision_data.ImageRows`
     in place of the built-in image task, and the planner told the same).
@@ -215,30 +216,24 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
         fsdp = uses_fsdp(cfg)
         autocast = step_autocast(cfg, device, fsdp)
         module.train()
-        tracker = None
-        for step in range(2):  # the first creates AdamW's state; the second is the one every later step repeats
-            batch = data.batch(step, mesh.dp_rank, cfg.batch, mesh.dp_size)
-            local = shard_batch(batch, mesh, model=module, layout=cfg.layout)
-            with mode:
-                local = {k: _fake(mode, v) for k, v in local.items()} if fake else local
-                if step == 0:
-                    forward_backward(module, to_device(local, device), mesh, cfg, autocast, fsdp)
+        batch = data.batch(1, mesh.dp_rank, cfg.batch, mesh.dp_size)
+        local = shard_batch(batch, mesh, model=module, layout=cfg.layout)
+        with mode:
+            local = {k: _fake(mode, v) for k, v in local.items()} if fake else local
+            prime_optimizer(module, optimizer)  # AdamW's state, as every step after the first holds it
+            tracker = PhaseTracker(module, optimizer, device=device, top=top, offload=offload)
+            hooks = _phase_hooks(module, tracker)
+            try:
+                with tracker:  # the batch goes to the device inside the step, as seqmesh train's does
+                    forward_backward(module, to_device(local, device), mesh, cfg, autocast, fsdp,
+                                     phase=_setter(tracker))
+                    tracker.phase = "optimizer step"
                     optimizer.step()
+                    tracker.phase = "zero grad"
                     optimizer.zero_grad(set_to_none=True)
-                    continue
-                tracker = PhaseTracker(module, optimizer, device=device, top=top, offload=offload)
-                hooks = _phase_hooks(module, tracker)
-                try:
-                    with tracker:  # the batch goes to the device inside the step, as seqmesh train's does
-                        forward_backward(module, to_device(local, device), mesh, cfg, autocast, fsdp,
-                                         phase=_setter(tracker))
-                        tracker.phase = "optimizer step"
-                        optimizer.step()
-                        tracker.phase = "zero grad"
-                        optimizer.zero_grad(set_to_none=True)
-                finally:
-                    for handle in hooks:
-                        handle.remove()
+            finally:
+                for handle in hooks:
+                    handle.remove()
         report = tracker.report()
         planned, moment, parts = planned_peak(cfg, gpus, device.type, media)
         return Rehearsal(report.peak_bytes, dict(report.by_category), tracker.peak_phase, tracker.peak_op,
