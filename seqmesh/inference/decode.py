@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import SPMesh
+from ..sharded_attention.merge import fold_sinks, merge_into
 
 
 def partial_attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, scale: float, *,
@@ -43,18 +44,17 @@ def partial_attention(query: torch.Tensor, key: torch.Tensor | None, value: torc
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, mesh: SPMesh,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's ``(out (B, Hq, 1, Dv), lse (B, Hq, 1))`` of :func:`partial_attention`, merged by log-sum-exp over
-    the sequence group (one all-gather); ``sinks`` (Hq,): a logit per head in the denominator only -> (B, Hq, 1, Dv)."""
+    the sequence group (one all-gather; the ring's own :func:`~seqmesh.sharded_attention.merge.merge_into` and
+    :func:`~seqmesh.sharded_attention.merge.fold_sinks`, in rank order on every rank); ``sinks`` (Hq,): a logit per head
+    in the denominator only -> (B, 1, Hq, Dv)."""
     packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()  # (B, Hq, 1, Dv + 1)
     gathered = [torch.empty_like(packed) for _ in range(mesh.sp_size)]
     dist.all_gather(gathered, packed, group=mesh.sp_group)
-    stacked = torch.stack(gathered)  # (P, B, Hq, 1, Dv + 1), in rank order on every rank
-    outs, lses = stacked[..., :-1], stacked[..., -1]
-    terms = lses
-    if sinks is not None:
-        terms = torch.cat([lses, sinks.to(lses)[None, None, :, None].expand(1, *lses.shape[1:])])
-    total = torch.logsumexp(terms, dim=0)  # (B, Hq, 1)
-    weights = torch.exp(lses - total)  # (P, B, Hq, 1); an empty share weighs 0
-    return (weights[..., None] * outs).sum(dim=0)
+    acc_out = torch.zeros_like(out.transpose(1, 2))  # (B, 1, Hq, Dv)
+    acc_lse = torch.full_like(lse, float("-inf"))  # (B, Hq, 1)
+    for part in gathered:
+        merge_into(acc_out, acc_lse, part[..., :-1].transpose(1, 2), part[..., -1])
+    return acc_out if sinks is None else fold_sinks(acc_out, acc_lse, sinks)[0]
 
 
 def attend_step(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, step, mesh: SPMesh,
@@ -71,4 +71,4 @@ def attend_step(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out, lse = partial_attention(query, shared_key, shared_value, scale, visible=visible, softcap=kwargs.get("softcap"),
                                  value_dim=value.shape[-1])
-    return merge_partials(out, lse, mesh, kwargs.get("s_aux")).transpose(1, 2).to(query.dtype)
+    return merge_partials(out, lse, mesh, kwargs.get("s_aux")).to(query.dtype)

@@ -111,12 +111,9 @@ def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_to
     index = int(holder.nonzero()[0]) if bool(holder.any()) else 0
     out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
                 seqmesh=Prefill.of(local["seqmesh"], cache), logits_to_keep=torch.tensor([index], device=device))
-    logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32)).contiguous()  # (B, V)
-    owners = torch.tensor([int(bool(holder.any()))], device=mesh.collective_device())
-    everyone = [torch.zeros_like(owners) for _ in range(mesh.sp_size)]
-    dist.all_gather(everyone, owners, group=mesh.sp_group)
-    source = [int(x) for x in everyone].index(1)
-    dist.broadcast(logits, group=mesh.sp_group, group_src=source)
+    logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32))  # (B, V)
+    logits = logits.contiguous() if bool(holder.any()) else torch.zeros_like(logits)
+    dist.all_reduce(logits, group=mesh.sp_group)  # one rank holds the last token: the sum is its logits, exactly
     prefilled = _now(device)
     generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
     ends = None if eos_token_id is None else torch.tensor(
