@@ -28,7 +28,7 @@ def _mutated(mutation: str | None):
 
             gathered = [torch.empty_like(out) for _ in range(mesh.sp_size)]
             dist.all_gather(gathered, out.contiguous(), group=mesh.sp_group)
-            return torch.stack(gathered).mean(dim=0).transpose(1, 2)
+            return torch.stack(gathered).mean(dim=0)
         decode.merge_partials = plain_mean
     elif mutation == "every_rank_keeps":
         cache.ShardedKVCache.next_owner = lambda self: self.mesh.sp_rank

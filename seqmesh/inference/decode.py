@@ -14,46 +14,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels.base import BlockMask
+from ..kernels.reference import MathKernel
 from ..mesh import SPMesh
 from ..sharded_attention.merge import fold_sinks, merge_into
 
 
-def partial_attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, scale: float, *,
-                      visible: torch.Tensor | None = None, softcap: float | None = None,
-                      value_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """query (B, Hq, 1, D) against one share: key (B, Hk, n, D), value (B, Hk, n, Dv) (None: an empty share),
-    ``visible`` (n,) bool or None -> (out (B, Hq, 1, Dv), lse (B, Hq, 1)) in float32 or wider."""
-    precise = torch.promote_types(query.dtype, torch.float32)
-    b, heads = query.shape[:2]
-    if key is None or key.shape[2] == 0:
-        dv = value_dim if value is None else value.shape[-1]
-        return (query.new_zeros(b, heads, 1, dv, dtype=precise),
-                query.new_full((b, heads, 1), float("-inf"), dtype=precise))
-    group = heads // key.shape[1]  # GQA: each key head serves ``group`` query heads
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    scores = torch.matmul(query.to(precise), key.to(precise).transpose(-1, -2)) * scale  # (B, Hq, 1, n)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
+def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
+                      visible: torch.Tensor | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token's query (B, 1, Hq, D) against one share, key (B, n, Hk, D) and value (B, n, Hk, Dv), by the math
+    kernel (``seqmesh.kernels``: its GQA, soft cap and (out, lse) as every ring block's), the keys outside the window
+    (``visible`` (n,) bool) left out first -> (out (B, 1, Hq, Dv), lse (B, Hq, 1); -inf where nothing is seen)."""
     if visible is not None:
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, 1); -inf where nothing is visible
-    probs = torch.exp(scores - lse.masked_fill(~torch.isfinite(lse), 0.0)[..., None])
-    return torch.matmul(probs, value.to(precise)), lse
+        key, value = key[:, visible.to(key.device)], value[:, visible.to(value.device)]
+    return MathKernel().forward(query, key, value, BlockMask(softcap=softcap), scale)
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, mesh: SPMesh,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Every rank's ``(out (B, Hq, 1, Dv), lse (B, Hq, 1))`` of :func:`partial_attention`, merged by log-sum-exp over
+    """Every rank's ``(out (B, 1, Hq, Dv), lse (B, Hq, 1))`` of :func:`partial_attention`, merged by log-sum-exp over
     the sequence group (one all-gather; the ring's own :func:`~seqmesh.sharded_attention.merge.merge_into` and
     :func:`~seqmesh.sharded_attention.merge.fold_sinks`, in rank order on every rank); ``sinks`` (Hq,): a logit per head
-    in the denominator only -> (B, 1, Hq, Dv)."""
-    packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()  # (B, Hq, 1, Dv + 1)
+    in the denominator only -> (B, 1, Hq, Dv) in float32 or wider."""
+    packed = torch.cat([out.to(lse.dtype), lse.transpose(1, 2)[..., None]], dim=-1).contiguous()  # (B, 1, Hq, Dv+1)
     gathered = [torch.empty_like(packed) for _ in range(mesh.sp_size)]
     dist.all_gather(gathered, packed, group=mesh.sp_group)
-    acc_out = torch.zeros_like(out.transpose(1, 2))  # (B, 1, Hq, Dv)
-    acc_lse = torch.full_like(lse, float("-inf"))  # (B, Hq, 1)
+    acc_out = torch.zeros_like(packed[..., :-1])
+    acc_lse = torch.full_like(lse, float("-inf"))
     for part in gathered:
-        merge_into(acc_out, acc_lse, part[..., :-1].transpose(1, 2), part[..., -1])
+        merge_into(acc_out, acc_lse, part[..., :-1], part[..., -1].transpose(1, 2))
     return acc_out if sinks is None else fold_sinks(acc_out, acc_lse, sinks)[0]
 
 
@@ -69,6 +58,7 @@ def attend_step(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     window = kwargs.get("sliding_window")
     visible = cache.positions > step.position - window if window else None  # sees i - window < j <= i
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, lse = partial_attention(query, shared_key, shared_value, scale, visible=visible, softcap=kwargs.get("softcap"),
-                                 value_dim=value.shape[-1])
+    # the cache keeps (B, Hk, n, D) as the layers hand keys over; the kernels take (B, n, Hk, D)
+    out, lse = partial_attention(query.transpose(1, 2), shared_key.transpose(1, 2), shared_value.transpose(1, 2), scale,
+                                 visible=visible, softcap=kwargs.get("softcap"))
     return merge_partials(out, lse, mesh, kwargs.get("s_aux")).to(query.dtype)
