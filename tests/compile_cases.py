@@ -72,18 +72,25 @@ def compiled_parity(ulysses: int, ring: int, documents: bool, family: str = "lla
     torch._dynamo.reset()
     eager = _loss_and_grads(lm, lm, local, mesh, seq_len, local["position_ids"])
     compiled_lm = torch.compile(lm, backend=backend, fullgraph=True)
-    positions = local["position_ids"] + (1 if shift_positions_on == dist.get_rank() else 0)
-    compiled = _loss_and_grads(compiled_lm, lm, seqmesh.shard_batch(batch, mesh), mesh, seq_len, positions)
+    compiled = _loss_and_grads(compiled_lm, lm, seqmesh.shard_batch(batch, mesh), mesh, seq_len, local["position_ids"])
     apart = _errors(compiled, eager["logits"], eager["loss"], eager["grads"])
+    shifted = {}
+    if shift_positions_on is not None:
+        positions = local["position_ids"] + (1 if shift_positions_on == dist.get_rank() else 0)
+        wrong = _loss_and_grads(compiled_lm, lm, seqmesh.shard_batch(batch, mesh), mesh, seq_len, positions)
+        shifted = {"shifted_vs_eager": _errors(wrong, eager["logits"], eager["loss"], eager["grads"])}
     torch._dynamo.reset()
     unparallelize(lm)
     return {"eager": _errors(eager, ref_logits.detach(), ref_loss.detach(), ref_grads),
             "compiled": _errors(compiled, ref_logits.detach(), ref_loss.detach(), ref_grads),
-            "compiled_vs_eager": apart, "rounding": rounding}
+            "compiled_vs_eager": apart, "rounding": rounding, **shifted}
 
 
-def compiled_cases(cases: list[tuple], **kwargs) -> list[dict]:
-    return [{"case": c, **compiled_parity(*c, **kwargs)} for c in cases]
+def compiled_cases(cases: list[tuple], shifted: tuple | None = None, shift_positions_on: int = 1) -> list[dict]:
+    """``compiled_parity`` of each case; the one equal to ``shifted`` also runs its deliberate error on rank
+    ``shift_positions_on``."""
+    return [{"case": c, **compiled_parity(*c, shift_positions_on=shift_positions_on if c == shifted else None)}
+            for c in cases]
 
 
 def compiles_over_packed_batches(ulysses: int, ring: int, cuts: list[list[int]]) -> dict:

@@ -30,22 +30,20 @@ def test_compiled_model_has_no_graph_break_and_equals_eager(pools, ulysses, ring
     cases += [(ulysses, ring, documents, "qwen3_5") for documents in (False, True)]
     if (ulysses, ring) == (1, 2):  # Mamba2 (no attention at all), packed documents
         cases += [(ulysses, ring, True, "mamba2")]
-    for results in pools.run(ulysses * ring, compiled_cases, cases):
+    # the bound is not loose: on the ring, one rank's positions one step off in one more call of the compiled Llama
+    # (no recompile: a tensor's values) is caught, logits 100 times past it
+    shifted = cases[0] if (ulysses, ring) == (1, 2) else None
+    for results in pools.run(ulysses * ring, compiled_cases, cases, shifted=shifted):
         for r in results:
+            if r["case"] == shifted:
+                assert "logits" in _outside(r["shifted_vs_eager"], r["rounding"]), r
+                assert r["shifted_vs_eager"]["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
             if len(r["case"]) == 3:  # Llama: eager seqmesh itself within the reference's rounding (Gated DeltaNet's
                 assert not _outside(r["eager"], r["rounding"]), r  # own bound is tests/linear_attention's)
             # compiled: eager's own distance from the reference, plus the rounding; and as near eager as rounding
             bound = {key: r["eager"][key] + ROUNDING_MULTIPLE * r["rounding"][key] for key in ("logits", "loss", "grad")}
             assert all(r["compiled"][key] <= bound[key] for key in bound), r
             assert not _outside(r["compiled_vs_eager"], r["rounding"]), r
-
-
-def test_tolerance_sees_a_shifted_rotary_in_the_compiled_model(pools):
-    """The bound is not loose: one rank's positions one step off in the compiled run only is caught."""
-    for results in pools.run(2, compiled_cases, [(1, 2, True)], shift_positions_on=1):
-        for r in results:
-            assert "logits" in _outside(r["compiled_vs_eager"], r["rounding"]), r
-            assert r["compiled_vs_eager"]["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
 
 
 def test_new_document_boundaries_do_not_recompile_every_batch(pools):
