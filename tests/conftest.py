@@ -39,6 +39,10 @@ PRELOAD = [
     "torch", "torch.distributed", "seqmesh", "seqmesh.hf", "seqmesh.model.lm", "seqmesh.training.train",
     "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
     "dist_cases", "family_cases",
+    # what the ranks of many tests import besides, each new rank again (a pool is replaced when its ranks hold many
+    # groups): the Trainer with datasets (1.6 s), the loss curve's matplotlib at the end of every `seqmesh train` run
+    # (0.6 s), torch.compile's aot_eager backend and inductor's (2.1 s)
+    "seqmesh.trainer", "matplotlib.pyplot", "torch._dynamo.backends.debugging", "torch._inductor.compile_fx",
 ]
 
 

@@ -10,8 +10,8 @@ window, gpt-oss (sinks, alternating sliding/full layers, MoE), DeepSeek-V3 (MLA:
 
 from __future__ import annotations
 
-import functools
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -294,11 +294,35 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
     return rounding
 
 
-@functools.lru_cache(maxsize=None)
-def family_reference(family: str, seq_len: int, documents: bool) -> tuple:
-    """``(model, batch, logits, loss, rounding)`` of the single-process float64 reference, its gradients in the model
-    (read only). It depends on the family and the batch alone, not on the mesh or layout: a rank process computes
-    each once and the cases on its other meshes reuse it (a pool outlives its tests)."""
+def computed_once(keys: list, compute, cache: dict) -> None:
+    """Put ``compute(*key)`` into ``cache`` for each of ``keys`` that some rank of the default group lacks, each
+    computed by one rank (round robin) and handed to every rank: a reference every rank of a P-rank case needs then
+    costs one rank's time, not P ranks'. Collective: every rank passes the same keys (hashable, picklable) and an
+    equal ``compute``; a pool's ranks run the same cases, so they also lack the same ones."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lacking: list = [None] * world
+    dist.all_gather_object(lacking, [key for key in dict.fromkeys(keys) if key not in cache])
+    todo = list(dict.fromkeys(key for said in lacking for key in said))
+    if not todo:
+        return
+    mine = {key: cache[key] if key in cache else compute(*key) for i, key in enumerate(todo) if i % world == rank}
+    told: list = [None] * world
+    dist.all_gather_object(told, mine)
+    for part in told:
+        cache.update(part)
+
+
+def gradients_of(model) -> dict:
+    """``{name: p}`` with each parameter's gradient as ``p.grad`` (what :func:`_worst_grad` reads), without the
+    model: small enough to hand from one rank to another."""
+    return {name: SimpleNamespace(grad=p.grad) for name, p in model.named_parameters()}
+
+
+# (family, seq_len, documents) -> family_reference's tuple, in each rank process (a pool outlives its tests)
+REFERENCES: dict[tuple, tuple] = {}
+
+
+def _family_reference(family: str, seq_len: int, documents: bool) -> tuple:
     config = family_config(family)
     reference = build(config)
     batch = _batch(seq_len, config.vocab_size, documents)
@@ -306,7 +330,25 @@ def family_reference(family: str, seq_len: int, documents: bool) -> tuple:
     ref_logits, ref_loss = loss_fn(reference, batch)
     ref_loss.backward()
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn)
-    return reference, batch, ref_logits.detach(), ref_loss.detach(), rounding
+    return gradients_of(reference), batch, ref_logits.detach(), ref_loss.detach(), rounding
+
+
+def family_reference(family: str, seq_len: int, documents: bool) -> tuple:
+    """``(gradients, batch, logits, loss, rounding)`` of the single-process float64 reference (``gradients``:
+    :func:`gradients_of`). It depends on the family and the batch alone, not on the mesh or layout: a rank process
+    computes each once and the cases on its other meshes reuse it; :func:`share_references` has the ranks of a
+    group split the ones its cases need."""
+    key = (family, seq_len, documents)
+    if key not in REFERENCES:
+        REFERENCES[key] = _family_reference(*key)
+    return REFERENCES[key]
+
+
+def share_references(cases: list[tuple], seq_len: int = 45) -> None:
+    """Before a group's ``family_parity`` cases (each ``(family, ulysses, ring, layout, documents)``, the last two
+    optional): every reference they need, computed once over the group (:func:`computed_once`)."""
+    keys = [(c[0], seq_len, c[4] if len(c) > 4 else False) for c in cases]
+    computed_once(keys, _family_reference, REFERENCES)
 
 
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
@@ -318,7 +360,7 @@ def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", 
     to the parallelized model only (a mutation its test must see). ``design``: the recurrent mixers' design
     (``linear_attention`` of ``parallelize``)."""
     mesh = get_mesh(ulysses, ring)
-    reference, batch, ref_logits, ref_loss, rounding = family_reference(family, seq_len, documents)
+    ref_grads, batch, ref_logits, ref_loss, rounding = family_reference(family, seq_len, documents)
     lm = parallelize(build(family_config(family)), mesh, linear_attention=design)
     if alter is not None:
         alter(lm)
@@ -334,10 +376,10 @@ def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", 
     loss = sp(**seqmesh.shard_batch(batch, mesh, layout=layout))
     loss.backward()
     sync_gradients(sp, mesh)
-    grad_err, worst_name = _worst_grad(lm, dict(reference.named_parameters()))
+    grad_err, worst_name = _worst_grad(lm, ref_grads)
     unparallelize(lm)
     return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.detach().item()),
-            "grad": grad_err, "worst": worst_name, "params": sum(1 for _ in reference.parameters()),
+            "grad": grad_err, "worst": worst_name, "params": len(ref_grads),
             "rounding": rounding}
 
 

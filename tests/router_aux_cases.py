@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import seqmesh
 from dist_cases import get_mesh
-from family_cases import SMALL, WINDOW, _worst_grad, build, reference_rounding
+from family_cases import SMALL, WINDOW, _worst_grad, build, computed_once, gradients_of, reference_rounding
 from seqmesh.hf import parallelize, unparallelize
 from seqmesh.model.fsdp import sync_gradients
 from seqmesh.model.lm import SequenceParallelLM
@@ -86,14 +86,13 @@ def aux_reference(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, ce + model.router_aux_loss_coef * balance
 
 
-def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, drop_aux: bool = False,
-               plan: dict | None = None) -> dict:
-    """Loss error and largest relative gradient error against :func:`aux_reference`, with the reference's own
-    rounding (``family_cases.reference_rounding``). ``dp``: data-parallel replicas, each given its share of the
-    rows, against one process on all of them. ``drop_aux``: seqmesh's model told coefficient 0 (the behaviour
-    before seqmesh added the term), for the test that the comparison sees the term. ``plan``: ParallelPlan options,
-    the model then composed by ``parallelize_model`` (activation checkpointing recomputes the routers in backward)."""
-    mesh = get_mesh(ulysses, ring, dp_shard=dp)
+# (family, kind) -> _aux_reference's tuple, in each rank process (a pool outlives its tests)
+REFERENCES: dict[tuple, tuple] = {}
+
+
+def _aux_reference(family: str, kind: str) -> tuple:
+    """``(loss, gradients, rounding, own)`` of :func:`aux_reference` on one process (``gradients``:
+    ``family_cases.gradients_of``); ``own``: for ``rows``, transformers' own loss of the model given labels."""
     config = moe_config(family)
     reference = build(config)
     batch = aux_batch(kind, config.vocab_size)
@@ -105,6 +104,29 @@ def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, dro
             labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
             own = reference(**batch, labels=labels, use_cache=False).loss.item()
     rounding = reference_rounding(config, batch, ref_logits.detach(), ref_loss.detach(), reference, loss_fn=aux_reference)
+    return ref_loss.detach(), gradients_of(reference), rounding, own
+
+
+def aux_parity_all(cases: list[tuple], **kwargs) -> list[dict]:
+    """:func:`aux_parity` of each ``(family, ulysses, ring, kind, ...)``, the references they need computed once
+    over the group (``family_cases.computed_once``)."""
+    computed_once([(c[0], c[3]) for c in cases], _aux_reference, REFERENCES)
+    return [{"case": c, **aux_parity(*c, **kwargs)} for c in cases]
+
+
+def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, drop_aux: bool = False,
+               plan: dict | None = None) -> dict:
+    """Loss error and largest relative gradient error against :func:`aux_reference`, with the reference's own
+    rounding (``family_cases.reference_rounding``). ``dp``: data-parallel replicas, each given its share of the
+    rows, against one process on all of them. ``drop_aux``: seqmesh's model told coefficient 0 (the behaviour
+    before seqmesh added the term), for the test that the comparison sees the term. ``plan``: ParallelPlan options,
+    the model then composed by ``parallelize_model`` (activation checkpointing recomputes the routers in backward)."""
+    mesh = get_mesh(ulysses, ring, dp_shard=dp)
+    config = moe_config(family)
+    batch = aux_batch(kind, config.vocab_size)
+    if (family, kind) not in REFERENCES:
+        REFERENCES[family, kind] = _aux_reference(family, kind)
+    ref_loss, ref_grads, rounding, own = REFERENCES[family, kind]
 
     lm = build(config)
     if plan is not None:
@@ -120,7 +142,7 @@ def aux_parity(family: str, ulysses: int, ring: int, kind: str, dp: int = 1, dro
     loss = sp(**seqmesh.shard_batch(local, mesh))
     loss.backward()
     sync_gradients(sp, mesh)
-    grad, worst = _worst_grad(lm, dict(reference.named_parameters()))
+    grad, worst = _worst_grad(lm, ref_grads)
     unparallelize(lm)
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": grad, "worst": worst, "rounding": rounding,
             "value": loss.item(), "own": None if own is None else abs(own - ref_loss.item())}

@@ -10,13 +10,14 @@ import torch
 import seqmesh
 import seqmesh.linear_attention.halo as halo
 from dist_cases import get_mesh
-from family_cases import _batch, build, family_config, family_parity
+from family_cases import _batch, build, family_config, family_parity, share_references
 from seqmesh.hf import parallelize, unparallelize
 from seqmesh.hf.short_conv import is_short_conv
 
 
 def parity_all(cases: list[tuple], seq_len: int = 45) -> list[dict]:
     """family_parity of each ``(family, ulysses, ring, layout, documents)`` on ``seq_len`` tokens."""
+    share_references(cases, seq_len)
     return [{"case": c, **family_parity(*c, seq_len=seq_len)} for c in cases]
 
 

@@ -8,12 +8,62 @@ import torch
 
 import seqmesh
 from dist_cases import get_mesh
-from family_cases import _batch, _reference_loss, build, family_config, reference_rounding
+from family_cases import _batch, _reference_loss, build, computed_once, family_config, gradients_of, reference_rounding
 from seqmesh.comm.ranks import full_value
 from seqmesh.compose import ParallelPlan, parallelize_model
 from seqmesh.model.fsdp import sync_gradients
 
 SEQ_LEN = 45
+
+
+# (family, kv_heads, documents, samples) -> _tp_reference's tuple, in each rank process (a pool outlives its tests)
+TP_REFERENCES: dict[tuple, tuple] = {}
+
+
+def _config(family: str, kv_heads: int | None):
+    config = family_config(family)
+    if kv_heads is not None:
+        config.num_key_value_heads = kv_heads
+    return config
+
+
+def _batches(config, documents: bool, samples: int) -> list[dict]:
+    """``samples`` sequences: one stream per data-parallel rank (and micro-batch), each its own tokens."""
+    batches = [_batch(SEQ_LEN, config.vocab_size, documents) for _ in range(samples)]
+    g = torch.Generator().manual_seed(11)
+    for b in batches[1:]:  # different samples per data-parallel rank
+        b["input_ids"] = torch.randint(0, config.vocab_size, b["input_ids"].shape, generator=g)
+    return batches
+
+
+def _tp_reference(family: str, kv_heads: int | None, documents: bool, samples: int) -> tuple:
+    """``(loss, gradients, rounding)`` of the single-process model on all ``samples`` sequences: the whole batch's
+    mean, the sum of each sample's target losses over all targets (``gradients``: ``family_cases.gradients_of``)."""
+    config = _config(family, kv_heads)
+    batches = _batches(config, documents, samples)
+    reference = build(config)
+    total_targets, total = 0, 0.0
+    for b in batches:
+        logits, loss = _reference_loss(reference, b)
+        n = SEQ_LEN - 1 - (int((b["position_ids"][0, 1:] == 0).sum()) if "position_ids" in b else 0)
+        total = total + loss * n
+        total_targets += n
+    ref_loss = total / total_targets
+    ref_loss.backward()
+    rounding = reference_rounding(config, batches[-1], logits.detach(), loss.detach(), reference)
+    return ref_loss.detach(), gradients_of(reference), rounding
+
+
+def _reference_key(family: str, options: dict) -> tuple:
+    samples = options.get("dp", 1) * options.get("replicas", 1) * options.get("batch_size", 1)
+    return family, options.get("kv_heads"), options.get("documents", False), samples
+
+
+def tp_parity_all(cases: list[tuple]) -> list[dict]:
+    """:func:`tp_parity` of each ``(family, ulysses, ring, tp, options)``, the references they need computed once
+    over the group (``family_cases.computed_once``)."""
+    computed_once([_reference_key(c[0], c[4]) for c in cases], _tp_reference, TP_REFERENCES)
+    return [{"case": c[:4] + (tuple(sorted(c[4].items())),), **tp_parity(*c[:4], **c[4])} for c in cases]
 
 
 def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, layout: str = "zigzag",
@@ -25,24 +75,12 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     ``shift_positions_on``: a deliberate error for the test that the comparison sees one, the position ids of
     that rank one too far (so only its tensor-parallel slice of the heads rotates wrongly)."""
     mesh = get_mesh(ulysses, ring, dp, replicas, tp)
-    dp = mesh.dp_size  # samples: one stream per data-parallel rank, replicas included
-    config = family_config(family)
-    if kv_heads is not None:
-        config.num_key_value_heads = kv_heads
-    batches = [_batch(SEQ_LEN, config.vocab_size, documents) for _ in range(dp * batch_size)]
-    g = torch.Generator().manual_seed(11)
-    for b in batches[1:]:  # different samples per data-parallel rank
-        b["input_ids"] = torch.randint(0, config.vocab_size, b["input_ids"].shape, generator=g)
-    reference = build(config)
-    total_targets, total = 0, 0.0
-    for b in batches:  # the whole batch's mean: sum of each sample's target losses over all targets
-        logits, loss = _reference_loss(reference, b)
-        n = SEQ_LEN - 1 - (int((b["position_ids"][0, 1:] == 0).sum()) if "position_ids" in b else 0)
-        total = total + loss * n
-        total_targets += n
-    ref_loss = total / total_targets
-    ref_loss.backward()
-    rounding = reference_rounding(config, batches[-1], logits.detach(), loss.detach(), reference)
+    config = _config(family, kv_heads)
+    key = (family, kv_heads, documents, mesh.dp_size * batch_size)  # samples: one stream per data-parallel rank
+    if key not in TP_REFERENCES:
+        TP_REFERENCES[key] = _tp_reference(*key)
+    ref_loss, want, rounding = TP_REFERENCES[key]
+    batches = _batches(config, documents, key[3])
 
     module = parallelize_model(build(config), mesh, ParallelPlan(fsdp=fsdp, loss_chunk=16, checkpointing=checkpointing,
                                                                   efficient_norm=efficient_norm, tiled_mlp=tiled_mlp,
@@ -64,7 +102,6 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     loss.backward()
     if not fsdp:
         sync_gradients(module, mesh)
-    want = dict(reference.named_parameters())
     worst, name_of = 0.0, ""
     for name, p in module.lm.named_parameters():
         ref = want[name].grad

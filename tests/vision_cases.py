@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import seqmesh
 from dist_cases import get_mesh
+from family_cases import computed_once, gradients_of
 from seqmesh.compose import ParallelPlan, parallelize_model
 from seqmesh.model.fsdp import sync_gradients
 
@@ -334,6 +335,37 @@ def _transposed_windows(transpose: bool):
     return mock.patch.object(windows, "window_places", transposed)
 
 
+# (family, kind) -> _vision_reference's tuple, in each rank process (a pool outlives its tests)
+REFERENCES: dict[tuple, tuple] = {}
+
+
+def _vision_reference(family: str, kind: str) -> tuple:
+    """``(logits, loss, gradients, rounding)`` of the one-process float64 model on ``vision_batch(family, kind)``
+    (``gradients``: ``family_cases.gradients_of``), and the same run in float32 against it (its own rounding)."""
+    with _norms_in_input_dtype(family):
+        config = vision_config(family)
+        batch = vision_batch(family, kind)
+        reference = build(config)
+        ref_logits, ref_loss = reference_loss(reference, batch)
+        ref_loss.backward()
+        low = build(config).to(torch.float32)  # the same weights, rounded
+        low_logits, low_loss = reference_loss(low, {k: v.float() if v.is_floating_point() else v
+                                                    for k, v in batch.items()})
+        low_loss.backward()
+        rounding = _spread(low_logits, low_loss, low, ref_logits, ref_loss, reference)
+        if family in GATED_DELTA_FAMILIES:
+            algorithm = _gated_delta_spread(config, batch, ref_logits, ref_loss, reference)
+            rounding = {key: max(rounding[key], algorithm[key]) for key in rounding}
+    return ref_logits.detach(), ref_loss.detach(), gradients_of(reference), rounding
+
+
+def vision_parity_all(cases: list[tuple], **kwargs) -> list[dict]:
+    """:func:`vision_parity` of each case (its positional arguments), the references they need computed once over
+    the group (``family_cases.computed_once``)."""
+    computed_once([(c[0], c[3] if len(c) > 3 else "mixed") for c in cases], _vision_reference, REFERENCES)
+    return [{"case": c, **vision_parity(*c, **kwargs)} for c in cases]
+
+
 def vision_parity(family: str, ulysses: int, ring: int, kind: str = "mixed", layout: str = "auto",
                   shift_positions_on: int | None = None, drop_image_blocks: bool = False,
                   transpose_windows: bool = False, checkpointing: bool = False) -> dict:
@@ -367,16 +399,9 @@ def _vision_parity(family: str, ulysses: int, ring: int, kind: str, layout: str,
     mesh = get_mesh(ulysses, ring)
     config = vision_config(family)
     batch = vision_batch(family, kind)
-    reference = build(config)
-    ref_logits, ref_loss = reference_loss(reference, batch)
-    ref_loss.backward()
-    low = build(config).to(torch.float32)  # the same weights, rounded
-    low_logits, low_loss = reference_loss(low, {k: v.float() if v.is_floating_point() else v for k, v in batch.items()})
-    low_loss.backward()
-    rounding = _spread(low_logits, low_loss, low, ref_logits, ref_loss, reference)
-    if family in GATED_DELTA_FAMILIES:
-        algorithm = _gated_delta_spread(config, batch, ref_logits, ref_loss, reference)
-        rounding = {key: max(rounding[key], algorithm[key]) for key in rounding}
+    if (family, kind) not in REFERENCES:
+        REFERENCES[family, kind] = _vision_reference(family, kind)
+    ref_logits, ref_loss, ref_grads, rounding = REFERENCES[family, kind]
 
     model = build(config)
     sp = parallelize_model(model, mesh, ParallelPlan(fsdp=False, loss_chunk=16, checkpointing=checkpointing))
@@ -395,7 +420,7 @@ def _vision_parity(family: str, ulysses: int, ring: int, kind: str, layout: str,
         logits = model.lm_head(hidden)
     whole = seqmesh.gather_sequence(logits.double(), mesh, layout=local["seqmesh"].layout, length=batch["input_ids"].shape[1],
                                     cu_seqlens=local["seqmesh"].cu_seqlens)
-    grad, worst = _worst_grad(model, dict(reference.named_parameters()))
+    grad, worst = _worst_grad(model, ref_grads)
     tower_grads = sum(1 for n, p in model.named_parameters()
                       if ("visual" in n or "vision_tower" in n) and p.grad is not None and p.grad.abs().sum() > 0)
     return {"logits": float((whole - ref_logits.detach()).abs().max()), "loss": abs(loss.item() - ref_loss.item()),

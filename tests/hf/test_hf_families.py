@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity, plain_call_parity
+from family_cases import share_references, family_parity, plain_call_parity
 
 FAMILIES = ["gemma3", "mistral", "gpt-oss", "deepseek-v3"]
 # ring 2, Ulysses 2 and a ring of 4 reach every line that U2 x R2 and Ulysses 4 reached here (docs/testing.md)
@@ -30,6 +30,7 @@ def _cases(ulysses: int, ring: int) -> list[tuple]:
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, kwargs.get("seq_len", 45))
     return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
 
 

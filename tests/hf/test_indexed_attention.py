@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity
+from family_cases import family_parity, share_references
 
 FAMILIES = ["deepseek-v3.2", "glm-5"]
 MESHES = [(1, 2), (2, 1)]  # U2 x R2 reached no line they do not (docs/testing.md)
@@ -15,6 +15,7 @@ ROUNDING_MULTIPLE = 4
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, kwargs.get("seq_len", 45))
     return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_cases import KeepFloat64, family_parity
+from family_cases import KeepFloat64, family_parity, share_references
 from kda_cases import KdaCase, kda_layer_cases, token_loop_kda, without_document_resets
 from seqmesh.linear_attention.kda import chunk_kda_states
 from seqmesh.linear_attention.kda_all_to_all import kda_all_to_all_bytes
@@ -138,11 +138,13 @@ def test_a_state_not_passed_is_seen(pools):
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, kwargs.get("seq_len", 45))
     return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
 
 
 def _run_designs(cases: list[tuple], designs: tuple[str, ...]) -> list[dict]:
     """Each family_parity case once per KDA design."""
+    share_references(cases)
     return [{"case": (*c, design), **family_parity(*c, design=design)} for c in cases for design in designs]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity
+from family_cases import family_parity, share_references
 from lightning_cases import mutated_parity, state_pass_traffic
 
 # As test_hf_families. Measured (torch 2.13, transformers 5.24, CPU): the reference's rounding is 1.3e-7 on logits
@@ -19,6 +19,7 @@ CASES = [("zigzag", False), ("zigzag", True), ("contiguous", True)]
 
 
 def _run_all(cases: list[tuple]) -> list[dict]:
+    share_references(cases)
     return [{"case": c, **family_parity(*c)} for c in cases]
 
 

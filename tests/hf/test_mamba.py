@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity
+from family_cases import family_parity, share_references
 
 # the reference rounds x, B and A to float32 inside its float64 scan (``.float()``), so its rounding is float32's
 ROUNDING_MULTIPLE = 4
@@ -15,6 +15,7 @@ MESHES = [(2, 1), (1, 2)]  # U2 x R2 reached no line they do not (docs/testing.m
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, kwargs.get("seq_len", 45))
     return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
 
 

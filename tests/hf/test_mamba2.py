@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from family_cases import family_parity
+from family_cases import family_parity, share_references
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
 FAMILIES = ["nemotron-h", "granite-4-hybrid", "bamba", "falcon-h1", "mamba2"]  # mamba2: no attention at all
@@ -16,6 +16,7 @@ MESHES = [(2, 1), (1, 2), (2, 2)]
 
 
 def _run(cases: list[tuple]) -> list[dict]:
+    share_references([c[:-1] for c in cases])
     return [{"case": c, **family_parity(*c[:-1], design=c[-1])} for c in cases]
 
 
@@ -71,6 +72,7 @@ def _run_mutants(cases: list[tuple]) -> list[dict]:
     from unittest import mock
 
     out = []
+    share_references([case for _, case in cases])
     for what, case in cases:
         try:
             design = "all_to_all" if what == "reset" else "state_passing"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from router_aux_cases import aux_parity, vision_aux_all
+from router_aux_cases import aux_parity_all, vision_aux_all
 from seqmesh.model.router_aux import router_aux
 
 # As tests/hf/test_hf_families.py: a multiple of how far rounding moves the reference (family_cases.reference_rounding,
@@ -21,17 +21,13 @@ FAMILIES = ["qwen3_moe", "gpt-oss", "mixtral"]
 KINDS = ["rows", "documents"]
 
 
-def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
-    return [{"case": c, **aux_parity(*c, **kwargs)} for c in cases]
-
-
 def _outside(r: dict) -> list[str]:
     return [key for key in ("loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
 
 
 def _check(world: int, pools, cases: list[tuple]) -> dict:
     worst: dict = {}
-    results = pools.run(world, _run_all, cases)
+    results = pools.run(world, aux_parity_all, cases)
     for rank_results in results:
         for r in rank_results:
             assert not _outside(r), r
@@ -55,7 +51,7 @@ def test_router_aux_with_recomputed_layers(pools):
     """Activation checkpointing recomputes the routers in backward: the term still counts each layer once,
     Ulysses 2 and ring 2."""
     cases = [("qwen3_moe", 2, 1, "rows"), ("gpt-oss", 1, 2, "documents")]
-    for rank_results in pools.run(2, _run_all, cases, plan={"checkpointing": True}):
+    for rank_results in pools.run(2, aux_parity_all, cases, plan={"checkpointing": True}):
         for r in rank_results:
             assert not _outside(r), r
 
@@ -69,7 +65,7 @@ def test_router_aux_exact_on_four_ranks(pools):
 
 def test_dropping_the_term_fails_widely(pools):
     """The behaviour before seqmesh added the term (coefficient 0 on seqmesh's side only) is far outside the bound."""
-    for r in pools.run(2, _run_all, [("qwen3_moe", 1, 2, "rows"), ("gpt-oss", 2, 1, "documents")], drop_aux=True)[0]:
+    for r in pools.run(2, aux_parity_all, [("qwen3_moe", 1, 2, "rows"), ("gpt-oss", 2, 1, "documents")], drop_aux=True)[0]:
         assert r["loss"] > 1e5 * ROUNDING_MULTIPLE * r["rounding"]["loss"], r
         assert r["grad"] > 1e3 * ROUNDING_MULTIPLE * r["rounding"]["grad"], r
 

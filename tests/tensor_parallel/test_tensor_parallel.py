@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tp_cases import hsdp_refusal, settled_gradients, tp_parity
+from tp_cases import hsdp_refusal, settled_gradients, tp_parity_all
 
 # Measured (torch 2.13, transformers 5.24, CPU, float64): seqmesh's largest error is 0 to 0.15 of the reference's
 # rounding for the attention families (the largest with the lean norm or tiled MLP, which sum in another order)
@@ -53,10 +53,6 @@ WORLD_8 = [
 ]
 
 
-def _run_all(cases: list[tuple]) -> list[dict]:
-    return [{"case": c[:4] + (tuple(sorted(c[4].items())),), **tp_parity(*c[:4], **c[4])} for c in cases]
-
-
 def _outside_rounding(r: dict) -> list[str]:
     return [k for k in ("loss", "grad") if not r[k] <= ROUNDING_MULTIPLE * r["rounding"][k]]
 
@@ -66,7 +62,7 @@ def test_tensor_parallel_exact(pools, world, cases):
     """TP 2 (and 4) with Ulysses, ring, USP and data parallelism, with and without FSDP2: the one-process loss and
     gradients within ROUNDING_MULTIPLE times the reference's own rounding; the weights really are sharded."""
     worst = {}
-    for results in pools.run(world, _run_all, cases, timeout=600):
+    for results in pools.run(world, tp_parity_all, cases, timeout=600):
         for r in results:
             assert not _outside_rounding(r), r
             assert r["tp_sharded"] > 0, r
@@ -79,7 +75,7 @@ def test_tensor_parallel_exact(pools, world, cases):
 def test_tolerance_sees_one_tp_rank_wrong(pools):
     """A tensor-parallel error the comparison must still see: one rank's positions one too far, so only its
     slice of the heads rotates wrongly."""
-    for results in pools.run(4, _run_all, [("llama", 2, 1, 2, {"shift_positions_on": 1})]):
+    for results in pools.run(4, tp_parity_all, [("llama", 2, 1, 2, {"shift_positions_on": 1})]):
         for r in results:
             assert _outside_rounding(r) == ["loss", "grad"], r
             assert r["grad"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["grad"], r  # not a near miss (~1e5 x)
@@ -145,7 +141,7 @@ def test_gemma3_under_tensor_parallelism(pools):
     import torch
 
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13):
-        for results in pools.run(4, _run_all, [("gemma3", 1, 2, 2, {"documents": True, "layout": "per_document"})]):
+        for results in pools.run(4, tp_parity_all, [("gemma3", 1, 2, 2, {"documents": True, "layout": "per_document"})]):
             assert not _outside_rounding(results[0]), results[0]
     else:
         with pytest.raises(ValueError, match="Upgrade torch to 2.13 or later"):
@@ -160,7 +156,7 @@ def test_hsdp_with_tensor_parallelism(pools):
     from torch.distributed.device_mesh import DeviceMesh
 
     if hasattr(DeviceMesh, "_concatenate"):
-        for results in pools.run(4, _run_all, [("qwen3", 1, 1, 2, {"replicas": 2})]):
+        for results in pools.run(4, tp_parity_all, [("qwen3", 1, 1, 2, {"replicas": 2})]):
             assert not _outside_rounding(results[0]), results[0]
     else:
         for error in pools.run(4, hsdp_refusal):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vision_cases import fsdp_data_parallel_parity, vision_parity
+from vision_cases import fsdp_data_parallel_parity, vision_parity_all
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "llava", "qwen3_vl_moe", "qwen3_5", "qwen2_vl", "qwen3_5_moe"]
 # (batch kind, layout): images and a video across shard boundaries (zigzag); two packed documents with
@@ -49,10 +49,6 @@ def _cases(ulysses: int, ring: int) -> list[tuple]:
     return [(f, ulysses, ring, kind, layout) for f in FAMILIES[:3] for kind, layout in KINDS[:2]] + gemma + internvl
 
 
-def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
-    return [{"case": c, **vision_parity(*c, **kwargs)} for c in cases]
-
-
 def _outside_rounding(r: dict) -> list[str]:
     return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
 
@@ -62,7 +58,7 @@ def test_vision_language_models_exact(pools, ulysses, ring):
     """Every family and batch kind within ROUNDING_MULTIPLE times the reference's own rounding; the
     tower's parameters get gradients whenever the batch has images, and embeddings do cross ranks."""
     crossed, worst = 0, {}
-    for results in pools.run(ulysses * ring, _run_all, _cases(ulysses, ring)):
+    for results in pools.run(ulysses * ring, vision_parity_all, _cases(ulysses, ring)):
         for r in results:
             assert not _outside_rounding(r), r
             assert (r["tower_grads"] > 0) == (r["case"][3] != "text_only"), r
@@ -78,7 +74,7 @@ def test_llava_full_strategy_routes_the_class_tokens(pools):
     """LLaVA with vision_feature_select_strategy="full": each image's class-token row is its first placeholder
     token's embedding, routed like the patches' (the window tower's routed class window)."""
     cases = [("llava_full", 1, 2, kind, layout) for kind, layout in KINDS[:3]] + [("llava_full", 2, 1, "mixed", "zigzag")]
-    for results in pools.run(2, _run_all, cases):
+    for results in pools.run(2, vision_parity_all, cases):
         for r in results:
             assert not _outside_rounding(r), r
             assert r["tower_grads"] > 0, r
@@ -89,7 +85,7 @@ def test_checkpointing_recomputes_the_towers_seqmesh_runs(pools):
     under activation checkpointing as their own forward would be (each layer's step runs twice: forward and
     recompute), and the model stays exact."""
     cases = [("gemma3", 1, 2, "mixed", "zigzag"), ("internvl", 2, 1, "documents", "per_document")]
-    for results in pools.run(2, _run_all, cases, checkpointing=True):
+    for results in pools.run(2, vision_parity_all, cases, checkpointing=True):
         for r in results:
             assert not _outside_rounding(r), r
             layers = 2 if r["case"][0] == "gemma3" else 3  # the tiny towers' layers (vision_cases.vision_config)
@@ -98,7 +94,7 @@ def test_checkpointing_recomputes_the_towers_seqmesh_runs(pools):
 
 def test_tolerance_sees_a_shifted_position(pools):
     """One rank's M-RoPE ids one position off must fail the tolerance by a wide margin."""
-    for results in pools.run(2, _run_all, [("qwen2_5_vl", 1, 2, "mixed", "zigzag")], shift_positions_on=1):
+    for results in pools.run(2, vision_parity_all, [("qwen2_5_vl", 1, 2, "mixed", "zigzag")], shift_positions_on=1):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
@@ -107,7 +103,7 @@ def test_tolerance_sees_a_shifted_position(pools):
 def test_tolerance_sees_the_image_mask_dropped(pools):
     """Gemma 3's decoder run plainly causal (image tokens blind to their image's later tokens) must fail the
     tolerance by a wide margin: the test sees the mask."""
-    for results in pools.run(2, _run_all, [("gemma3", 1, 2, "mixed", "zigzag")], drop_image_blocks=True):
+    for results in pools.run(2, vision_parity_all, [("gemma3", 1, 2, "mixed", "zigzag")], drop_image_blocks=True):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
@@ -116,7 +112,7 @@ def test_tolerance_sees_the_image_mask_dropped(pools):
 def test_tolerance_sees_a_transposed_pixel_shuffle(pools):
     """InternVL's windows concatenated column-major (each patch keeping its pixels and position, so only the
     pixel shuffle's order is wrong) must fail the tolerance by a wide margin: the test sees the patch order."""
-    for results in pools.run(2, _run_all, [("internvl", 1, 2, "mixed", "zigzag")], transpose_windows=True):
+    for results in pools.run(2, vision_parity_all, [("internvl", 1, 2, "mixed", "zigzag")], transpose_windows=True):
         for r in results:
             assert "logits" in _outside_rounding(r), r
             assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
