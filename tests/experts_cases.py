@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import seqmesh
 from dist_cases import get_mesh
-from family_cases import SMALL, ULPS, WINDOW, KeepFloat64, build
+from family_cases import SMALL, ULPS, WINDOW, KeepFloat64, build, computed_once
 
 SEQ = 45
 ROWS = 2
@@ -115,13 +115,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def ep_parity(family: str, ulysses: int, ring: int, dp: int, ep: int, keep: int | None = None,
-              wrong_rank: bool = False, checkpointing: bool = False, replicate: int = 1) -> dict:
-    """Per-step loss errors and the first step's largest relative gradient error against one process, with the
-    reference's own rounding. ``keep``: :func:`only_first_experts`. ``wrong_rank``: a mutation that sends each pair
-    to the same expert slot of the next rank of its group (the test that the comparison sees a misrouted token).
-    ``replicate``: HSDP replicas besides the ``dp`` shards (the experts are then sharded over every replica)."""
-    mesh = get_mesh(ulysses, ring, dp_shard=dp, dp_replicate=replicate)
+# (family, keep) -> _ep_reference's tuple, in each rank process (a pool outlives its tests)
+REFERENCES: dict[tuple, tuple] = {}
+
+
+def _ep_reference(family: str, keep: int | None) -> tuple:
+    """``(batch, gradients, rounding, losses)`` of one process: the first step's gradients by name, the reference's
+    own noise (``reference_noise``) and the loss of each of ``STEPS`` SGD steps."""
     reference = _model(family)
     batch = _batch(reference.config.vocab_size)
     if keep:
@@ -138,7 +138,19 @@ def ep_parity(family: str, ulysses: int, ring: int, dp: int, ep: int, keep: int 
         loss = rows_loss(reference, batch)[1]
         loss.backward()
         ref_losses.append(loss.item())
+    return batch, want, rounding, ref_losses
 
+
+def ep_parity(family: str, ulysses: int, ring: int, dp: int, ep: int, keep: int | None = None,
+              wrong_rank: bool = False, checkpointing: bool = False, replicate: int = 1) -> dict:
+    """Per-step loss errors and the first step's largest relative gradient error against one process, with the
+    reference's own rounding. ``keep``: :func:`only_first_experts`. ``wrong_rank``: a mutation that sends each pair
+    to the same expert slot of the next rank of its group (the test that the comparison sees a misrouted token).
+    ``replicate``: HSDP replicas besides the ``dp`` shards (the experts are then sharded over every replica)."""
+    mesh = get_mesh(ulysses, ring, dp_shard=dp, dp_replicate=replicate)
+    if (family, keep) not in REFERENCES:
+        REFERENCES[family, keep] = _ep_reference(family, keep)
+    batch, want, rounding, ref_losses = REFERENCES[family, keep]
     losses, grads = _train_parallel(family, mesh, batch, ep, keep, wrong_rank, checkpointing)
     grad, worst = _worst(grads, want, rounding)
     return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)) / rounding["loss"], "grad": grad,
@@ -223,6 +235,9 @@ def _send_to_next_rank(lm, ep: int) -> None:
 
 
 def ep_all(cases: list[tuple], **kwargs) -> list[dict]:
+    """:func:`ep_parity` of each ``(family, ulysses, ring, dp, ep[, keep])``, the references they need computed once
+    over the group (``family_cases.computed_once``)."""
+    computed_once([(c[0], c[5] if len(c) > 5 else None) for c in cases], _ep_reference, REFERENCES)
     return [{"case": c, **ep_parity(*c, **kwargs)} for c in cases]
 
 
