@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..mesh import SPMesh
+from ..rules.kv_cache import cache_bytes  # noqa: F401 - seqmesh.inference.cache_bytes, the planner's too
 from ..sequence.batch import SequenceInfo
 
 
@@ -72,13 +73,6 @@ class ShardedKVCache:
     def nbytes(self) -> int:
         """Bytes of keys and values this rank holds."""
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
-
-
-def cache_bytes(tokens: int, layers: int, kv_heads: int, key_dim: int, value_dim: int, element_bytes: int,
-                batch: int = 1) -> int:
-    """Bytes of keys and values for ``tokens`` tokens of ``layers`` attention layers (one rank's share: pass its
-    token count)."""
-    return batch * tokens * layers * kv_heads * (key_dim + value_dim) * element_bytes
 
 
 @dataclass(frozen=True)

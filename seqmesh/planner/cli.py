@@ -69,6 +69,11 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-GPU memory kept for the CUDA context, "
                    "communication buffers and allocator slack (default %(default)s)")
     add_dataclass_flags(p, Workload, only=PLANNED)  # the run's settings the planner models, one flag each
+    p.add_argument("--inference", action="store_true", help="plan `seqmesh generate` instead of training: per "
+                   "ulysses x ring layout of the GPUs, each GPU's weights, KV-cache share and prefill activations, the "
+                   "prefill's seconds and each decode step's (--seq-len: the prompt's tokens)")
+    p.add_argument("--new-tokens", type=int, default=1, help="with --inference: tokens generated after the prompt, "
+                   "whose keys and values join the cache (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits per layout")
     p.add_argument("--calibrate", action="store_true",
@@ -161,7 +166,53 @@ def check_args(args: argparse.Namespace):
     return work, cluster, target
 
 
+def check_inference_args(args: argparse.Namespace):
+    """``--inference``'s workload and cluster, checked; raises PlanInputError naming the problem and the fix."""
+    from .inference import inference_refusal, inference_workload
+
+    if args.seq_len is None:
+        raise PlanInputError("--inference needs --seq-len N, the prompt's tokens.")
+    if args.seq_len < 1 or args.new_tokens < 1 or args.batch < 1:
+        raise PlanInputError(f"--seq-len {args.seq_len}, --new-tokens {args.new_tokens} and --batch {args.batch} must "
+                             "each be at least 1.")
+    training_only = [flag for flag, value in (("--max-seq-len", args.max_seq_len), ("--one-group", args.one_group),
+                                              ("--global-batch-seqs", args.global_batch_seqs),
+                                              ("--global-batch-tokens", args.global_batch_tokens),
+                                              ("--images", args.images), ("--video-frames", args.video_frames))
+                     if value]
+    if training_only:
+        raise PlanInputError(f"{', '.join(training_only)}: a training option; --inference plans a prompt of "
+                             "--seq-len tokens on every GPU as one sequence group. Drop it.")
+    if args.dtype == "fp32":
+        raise PlanInputError("--inference plans bf16 generation (--dtype bf16).")
+    try:
+        hw = hardware_from_args(args)
+        cluster = make_cluster(hw, args.gpus, args.nodes, args.gpus_per_node if not args.link else None)
+        model = model_shape(args.model)
+    except ValueError as err:
+        raise PlanInputError(str(err)) from None
+    why = inference_refusal(model)
+    if why:
+        raise PlanInputError(why)
+    return inference_workload(model, args.seq_len, args.batch, True, int(args.reserve_gib * GiB)), cluster
+
+
+def cmd_plan_inference(args: argparse.Namespace) -> int:
+    from .inference import format_inference, inference_plan
+
+    try:
+        work, cluster = check_inference_args(args)
+    except PlanInputError as err:
+        print(f"seqmesh plan: error: {err}", file=sys.stderr)
+        return 2
+    result = inference_plan(work, cluster, args.new_tokens)
+    print(json.dumps(result.as_dict(), indent=1) if args.json else format_inference(result))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.inference:
+        return cmd_plan_inference(args)
     try:
         work, cluster, target = check_args(args)
     except PlanInputError as err:

@@ -41,7 +41,8 @@ def attention_saved_bytes(work: Workload, layout: Degrees) -> int:
 
 def serial_layer_seconds(layer: CostedLayer, hw: HardwareSpec, fsdp_ranks: list[int],
                           compute: tuple[float, float], comm: tuple[float, float]) -> dict[str, float]:
-    """``total``, ``compute`` and ``serial`` seconds of a layer whose sequence communication overlaps nothing:
+    """``total``, ``compute``, ``serial`` and ``forward`` (with its FSDP gather beside it) seconds of a layer whose
+    sequence communication overlaps nothing:
     ``compute`` and ``comm`` its (forward, backward) seconds of each, the forward run again in backward under
     checkpointing; its FSDP gathers prefetched beside its forward and backward, the reduce-scatter beside backward."""
     work, layout = layer.work, layer.layout
@@ -51,4 +52,4 @@ def serial_layer_seconds(layer: CostedLayer, hw: HardwareSpec, fsdp_ranks: list[
     ag, rs = layer_fsdp_seconds(layer.params(), work, layout, hw, fsdp_ranks)
     repeats = 2 if work.checkpointing else 1
     return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] * repeats + compute[1],
-            "serial": comm[0] * repeats + comm[1] + 2 * ag + rs}
+            "serial": comm[0] * repeats + comm[1] + 2 * ag + rs, "forward": max(fwd, ag)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from generate_cases import generated_cases, sampled_tokens
+from seqmesh.planner.inference import cache_share
 
 FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "qwen3_5"]  # GQA; q/k norms; windows; sinks; MLA;
 # Gated DeltaNet (its state and conv tail from the sharded prefill, then one token at a time)
@@ -13,12 +14,14 @@ PROMPT, NEW = 101, 6  # a prompt no mesh divides evenly: the layout pads it, and
 ULPS = 4  # the bound: a multiple of the float32 rounding of the same model's logits
 
 
-def _check(r: dict, world: int) -> None:
+def _check(r: dict, ulysses: int, ring: int) -> None:
+    world = ulysses * ring
     assert r["tokens_equal"], r
     assert r["logits"] <= ULPS * r["rounding"], r
     assert max(r["counts"]) - min(r["counts"]) <= 2 * world, r  # the shares within one layout block
     assert sum(r["counts"]) == PROMPT + NEW - 1, r  # every token but the last drawn, kept once
     assert r["share_bytes"] == r["expected_share_bytes"], r  # the cache's formula, per rank
+    assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring), r  # the planner's fullest rank
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["u1xr2", "u2xr1"])
@@ -26,13 +29,13 @@ def test_greedy_tokens_equal_transformers_generate(pools, ulysses, ring):
     cases = [(f, ulysses, ring, PROMPT, NEW) for f in FAMILIES]
     for results in pools.run(ulysses * ring, generated_cases, cases):
         for r in results:
-            _check(r, ulysses * ring)
+            _check(r, ulysses, ring)
 
 
 def test_greedy_tokens_on_a_two_dimensional_mesh(pools):
     for results in pools.run(4, generated_cases, [(f, 2, 2, PROMPT, NEW) for f in ("llama", "gemma3")]):
         for r in results:
-            _check(r, 4)
+            _check(r, 2, 2)
 
 
 @pytest.mark.parametrize("mutation, family", [("plain_mean", "llama"), ("every_rank_keeps", "llama"),

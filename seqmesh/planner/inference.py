@@ -1,0 +1,183 @@
+"""``seqmesh plan --inference``: what ``seqmesh generate`` holds on each GPU and how long it takes, per layout of the
+sequence mesh (:mod:`seqmesh.inference`).
+
+Generation runs every GPU in one sequence group (``ulysses x ring`` = the GPUs; no tensor or data parallelism yet),
+each holding the whole model. The prefill is the training forward on the prompt, sharded by the zigzag layout, with
+nothing kept for a backward: each layer kind's forward seconds as the training plan counts them (no FSDP gather, no
+recompute). Each rank keeps the keys and values of its own tokens, all heads (:func:`seqmesh.inference.cache_bytes`,
+the runtime's formula); a decode step runs the new token through every layer on every rank (each reads all its
+weights and its cache share from GPU memory: one token is bandwidth-bound) and merges the attention partials in one
+all-gather per attention layer. The assumptions are listed in docs/planner.md ("Inference").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..model.shapes import ModelShape
+from ..rules.degrees import Degrees, workable_degrees
+from ..rules.kv_cache import cache_bytes, cache_share
+from .activations import layer_input_bytes
+from .hardware import Cluster, HardwareSpec
+from .layer_cost import attention_saved_bytes
+from .layers import layer_kinds, linear_layer_matmul_params, linear_state_bytes
+from .network import axis_groups, gather_seconds
+from .workload import Workload, layer_matmul_params
+
+__all__ = ["InferenceLayout", "InferencePlan", "cache_share", "inference_plan", "inference_refusal"]
+
+PARTIAL_BYTES = 4  # a decode partial's output and log-sum-exp are merged in float32
+
+
+def inference_refusal(m: ModelShape) -> str | None:
+    """Why ``seqmesh generate`` cannot run ``m`` yet (:func:`seqmesh.inference.generate.check_generate`'s rule on a
+    model shape), or None."""
+    if m.vision is not None:
+        return f"{m.name} is a vision-language model: seqmesh generates from text prompts of decoder-only models so far."
+    if m.hybrid is not None or m.indexed_layers:
+        what = "DeepSeek Sparse Attention" if m.indexed_layers else "Mamba2, short-convolution, KDA or lightning"
+        return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model or "
+                "one with Gated DeltaNet layers (Qwen3.5).")
+    return None
+
+
+def cached_heads(m: ModelShape) -> int:
+    """Key (and value) heads each attention layer's cache holds a token of: MLA's every head (its keys and values as
+    attention receives them, expanded from the latent), the others' kv heads."""
+    return m.heads if m.latent is not None else m.kv_heads
+
+
+@dataclass(frozen=True)
+class InferenceLayout:
+    """One layout's figures, per GPU (the fullest one)."""
+
+    ulysses: int
+    ring: int
+    weight_bytes: int  # the whole model, in the compute dtype
+    cache_bytes: int  # this rank's keys and values after the prefill and every new token
+    state_bytes: int  # the recurrent layers' states and conv tails (every rank the same)
+    prefill_working_bytes: int  # the prefill's activations at their largest (one layer's, an upper bound)
+    total_bytes: int
+    fits: bool
+    prefill_seconds: float
+    prefill_tokens_per_second: float
+    decode_seconds: float  # one new token (every row of the batch)
+    merge_seconds: float  # of which: the attention layers' all-gathers of the partials
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    work: Workload
+    cluster: Cluster
+    new_tokens: int
+    layouts: list[InferenceLayout]
+    excluded: list[tuple[str, str]]
+
+    @property
+    def best(self) -> InferenceLayout | None:
+        """The fastest prefill among the layouts that fit (then the fastest decode)."""
+        fitting = [lay for lay in self.layouts if lay.fits]
+        return min(fitting, key=lambda lay: (lay.prefill_seconds, lay.decode_seconds), default=None)
+
+    def as_dict(self) -> dict:
+        best = self.best
+        return {"model": self.work.model.name, "prompt_tokens": self.work.seq_len, "batch": self.work.batch,
+                "new_tokens": self.new_tokens, "dtype": self.work.dtype, "gpus": self.cluster.gpus,
+                "hardware": self.cluster.hardware.name, "layouts": [lay.as_dict() for lay in self.layouts],
+                "excluded": [{"layout": name, "why": why} for name, why in self.excluded],
+                "recommended": None if best is None else f"ulysses {best.ulysses} x ring {best.ring}"}
+
+
+def _recurrent_state_bytes(m: ModelShape, batch: int, element_bytes: int) -> int:
+    """Every Gated DeltaNet layer's float32 state (all heads, on every rank) and its conv's last inputs."""
+    if not m.linear_layers:
+        return 0
+    conv_dim = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    tail = batch * (m.linear_conv - 1) * conv_dim * element_bytes
+    return m.linear_layers * (linear_state_bytes(m, batch, 1) + tail)
+
+
+def _decode_weight_bytes(m: ModelShape, element_bytes: int) -> int:
+    """Weights one token reads: every layer's projections (an MoE layer's routed and shared experts only), the
+    LM head, and the token's row of the embedding."""
+    attention = m.layers - m.linear_layers
+    per_token = attention * layer_matmul_params(m) + m.linear_layers * linear_layer_matmul_params(m)
+    return (per_token + m.vocab * m.hidden + m.hidden) * element_bytes
+
+
+def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int) -> InferenceLayout:
+    m, e, b = work.model, work.act_bytes, work.batch
+    p = layout.ulysses * layout.ring
+    attention_layers = m.layers - m.linear_layers
+    kv = cache_bytes(cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring, work.layout), attention_layers, m.kv_heads, m.head_dim,
+                     m.value_dim, e, b)
+    states = _recurrent_state_bytes(m, b, e)
+    weights = m.params * e
+    working = 2 * layer_input_bytes(work, layout) + attention_saved_bytes(work, layout)
+    total = weights + kv + states + working + work.reserve_bytes
+    prefill = sum(n * kind.seconds(hw, [])["forward"] for kind, n in layer_kinds(work, layout))
+    group = axis_groups(layout, "sequence")[0]
+    merge = attention_layers * gather_seconds(b * m.heads * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
+    read = (_decode_weight_bytes(m, e) + kv + states) / hw.memory_bandwidth
+    return InferenceLayout(layout.ulysses, layout.ring, weights, kv, states, working, total,
+                           total <= hw.memory_bytes, prefill, b * work.seq_len / prefill, read + merge, merge)
+
+
+def inference_plan(work: Workload, cluster: Cluster, new_tokens: int) -> InferencePlan:
+    """Every ``ulysses x ring`` layout of the cluster's GPUs as one sequence group generating ``new_tokens`` after
+    ``work``'s prompt (``work.seq_len`` tokens, ``work.batch`` rows); raises ValueError for a model generation does not
+    run yet."""
+    why = inference_refusal(work.model)
+    if why:
+        raise ValueError(why)
+    if new_tokens < 1:
+        raise ValueError(f"--new-tokens {new_tokens} must be at least 1.")
+    n = cluster.gpus
+    fitting = workable_degrees(work.model.heads, n)
+    excluded = [(f"ulysses {u} x ring {n // u}", f"ulysses {u} exceeds the {work.model.heads} query heads; put the "
+                 "rest on the ring") for u in range(1, n + 1) if n % u == 0 and (u, n // u) not in fitting]
+    layouts = [evaluate(work, Degrees(u, r, 1), cluster.hardware, new_tokens) for u, r in fitting]
+    return InferencePlan(work, cluster, new_tokens, layouts, excluded)
+
+
+def inference_workload(model: ModelShape, prompt: int, batch: int, bf16: bool, reserve_bytes: int) -> Workload:
+    """The prefill as the planner's :class:`Workload`: the zigzag layout, no checkpointing, no input check beyond
+    training's, Gated DeltaNet by state passing (what generation's prefill runs)."""
+    return Workload(model, prompt, batch=batch, bf16=bf16, checkpointing=False, layout="zigzag",
+                    linear_attention="state_passing", reserve_bytes=reserve_bytes)
+
+
+def format_inference(p: InferencePlan) -> str:
+    """The table of :func:`inference_plan`, the layouts it left out and why, and what fits."""
+    from .report import _human_bytes, _human_count, _num
+
+    w, m, hw = p.work, p.work.model, p.cluster.hardware
+    lines = [f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
+             f"heads x {m.head_dim}; prompt {w.seq_len:,} tokens x {w.batch} row(s), {p.new_tokens} new, {w.dtype}",
+             f"cluster: {p.cluster.gpus} GPUs = {p.cluster.nodes} node(s); {hw.describe()}",
+             "seqmesh generate runs the GPUs as one sequence group (ulysses x ring), each holding the whole model; "
+             "the KV cache is shared by tokens over every GPU",
+             f"{'layout':<20}{'weights':>11}{'KV cache':>11}{'states':>10}{'prefill act.':>14}{'total':>11}  fits"
+             f"{'prefill s':>11}{'tokens/s':>11}{'decode ms/token':>17}{'(merge)':>9}"]
+    for lay in p.layouts:
+        lines.append(f"{f'ulysses {lay.ulysses} x ring {lay.ring}':<20}{_human_bytes(lay.weight_bytes):>11}"
+                     f"{_human_bytes(lay.cache_bytes):>11}{_human_bytes(lay.state_bytes):>10}"
+                     f"{_human_bytes(lay.prefill_working_bytes):>14}{_human_bytes(lay.total_bytes):>11}  "
+                     f"{'yes' if lay.fits else 'no ':<4}{_num(lay.prefill_seconds):>11}"
+                     f"{_num(lay.prefill_tokens_per_second):>11}{_num(lay.decode_seconds * 1e3):>17}"
+                     f"{_num(lay.merge_seconds * 1e3):>9}")
+    for name, why in p.excluded:
+        lines.append(f"{name}: not planned, {why}")
+    best = p.best
+    if best is not None:
+        lines.append(f"recommended: ulysses {best.ulysses} x ring {best.ring} (the fastest prefill that fits)")
+    else:
+        weights = _human_bytes(p.layouts[0].weight_bytes) if p.layouts else "?"
+        lines.append(f"no layout fits {_human_bytes(hw.memory_bytes)} per GPU: the whole model ({weights}) is on "
+                     "every GPU, and generation has no tensor parallelism or sharded weights yet; the prefill and "
+                     "decode times above are what the layouts would take with the memory. Plan fewer prompt "
+                     "tokens, more GPUs (the KV cache and activations shrink with them), or a smaller model.")
+    return "\n".join(lines)

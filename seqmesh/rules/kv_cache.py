@@ -1,0 +1,23 @@
+"""How big generation's KV cache is on a rank: the one rule ``seqmesh.inference`` and ``seqmesh plan --inference``
+share. Every rank of the sequence group keeps its own tokens' keys and values, all heads; the prompt's tokens as the
+layout dealt them, each new token on the rank holding fewest. Torch-free."""
+
+from __future__ import annotations
+
+from .padding import padded_length
+
+
+def cache_bytes(tokens: int, layers: int, kv_heads: int, key_dim: int, value_dim: int, element_bytes: int,
+                batch: int = 1) -> int:
+    """Bytes of keys and values for ``tokens`` tokens of ``layers`` attention layers (one rank's share: pass its
+    token count)."""
+    return batch * tokens * layers * kv_heads * (key_dim + value_dim) * element_bytes
+
+
+def cache_share(prompt: int, new_tokens: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
+    """Tokens the fullest rank's cache holds after ``new_tokens`` (the last one drawn is never run): the prefill's
+    share of the padded prompt (the padding falls on one rank), then each new token on the rank holding fewest,
+    which levels the shares."""
+    ranks = ulysses * ring
+    prefilled = padded_length(prompt, ulysses, ring, layout) // ranks
+    return max(prefilled, -(-(prompt + new_tokens - 1) // ranks))
