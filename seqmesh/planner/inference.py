@@ -22,6 +22,7 @@ from .hardware import Cluster, HardwareSpec
 from .layer_cost import attention_saved_bytes
 from .layers import layer_kinds, linear_layer_matmul_params, linear_state_bytes
 from .network import axis_groups, gather_seconds
+from .report import human_bytes, human_count, short_number
 from .workload import Workload, layer_matmul_params
 
 __all__ = ["InferenceLayout", "InferencePlan", "cache_share", "inference_plan", "inference_refusal"]
@@ -152,10 +153,8 @@ def inference_workload(model: ModelShape, prompt: int, batch: int, bf16: bool, r
 
 def format_inference(p: InferencePlan) -> str:
     """The table of :func:`inference_plan`, the layouts it left out and why, and what fits."""
-    from .report import _human_bytes, _human_count, _num
-
     w, m, hw = p.work, p.work.model, p.cluster.hardware
-    lines = [f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
+    lines = [f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
              f"heads x {m.head_dim}; prompt {w.seq_len:,} tokens x {w.batch} row(s), {p.new_tokens} new, {w.dtype}",
              f"cluster: {p.cluster.gpus} GPUs = {p.cluster.nodes} node(s); {hw.describe()}",
              "seqmesh generate runs the GPUs as one sequence group (ulysses x ring), each holding the whole model; "
@@ -163,20 +162,20 @@ def format_inference(p: InferencePlan) -> str:
              f"{'layout':<20}{'weights':>11}{'KV cache':>11}{'states':>10}{'prefill act.':>14}{'total':>11}  fits"
              f"{'prefill s':>11}{'tokens/s':>11}{'decode ms/token':>17}{'(merge)':>9}"]
     for lay in p.layouts:
-        lines.append(f"{f'ulysses {lay.ulysses} x ring {lay.ring}':<20}{_human_bytes(lay.weight_bytes):>11}"
-                     f"{_human_bytes(lay.cache_bytes):>11}{_human_bytes(lay.state_bytes):>10}"
-                     f"{_human_bytes(lay.prefill_working_bytes):>14}{_human_bytes(lay.total_bytes):>11}  "
-                     f"{'yes' if lay.fits else 'no ':<4}{_num(lay.prefill_seconds):>11}"
-                     f"{_num(lay.prefill_tokens_per_second):>11}{_num(lay.decode_seconds * 1e3):>17}"
-                     f"{_num(lay.merge_seconds * 1e3):>9}")
+        lines.append(f"{f'ulysses {lay.ulysses} x ring {lay.ring}':<20}{human_bytes(lay.weight_bytes):>11}"
+                     f"{human_bytes(lay.cache_bytes):>11}{human_bytes(lay.state_bytes):>10}"
+                     f"{human_bytes(lay.prefill_working_bytes):>14}{human_bytes(lay.total_bytes):>11}  "
+                     f"{'yes' if lay.fits else 'no ':<4}{short_number(lay.prefill_seconds):>11}"
+                     f"{short_number(lay.prefill_tokens_per_second):>11}{short_number(lay.decode_seconds * 1e3):>17}"
+                     f"{short_number(lay.merge_seconds * 1e3):>9}")
     for name, why in p.excluded:
         lines.append(f"{name}: not planned, {why}")
     best = p.best
     if best is not None:
         lines.append(f"recommended: ulysses {best.ulysses} x ring {best.ring} (the fastest prefill that fits)")
     else:
-        weights = _human_bytes(p.layouts[0].weight_bytes) if p.layouts else "?"
-        lines.append(f"no layout fits {_human_bytes(hw.memory_bytes)} per GPU: the whole model ({weights}) is on "
+        weights = human_bytes(p.layouts[0].weight_bytes) if p.layouts else "?"
+        lines.append(f"no layout fits {human_bytes(hw.memory_bytes)} per GPU: the whole model ({weights}) is on "
                      "every GPU, and generation has no tensor parallelism or sharded weights yet; the prefill and "
                      "decode times above are what the layouts would take with the memory. Plan fewer prompt "
                      "tokens, more GPUs (the KV cache and activations shrink with them), or a smaller model.")

@@ -15,14 +15,14 @@ SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "tp_al
                   "tp_reduce_scatter")  # the table's SP comm
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
 
 
-def _num(x: float) -> str:
+def short_number(x: float) -> str:
     """3 significant digits, without exponents for everyday magnitudes."""
     if x == 0:
         return "0"
@@ -31,7 +31,7 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if x >= 0.001 else f"{x:.1e}"
 
 
-def _human_count(n: float) -> str:
+def human_count(n: float) -> str:
     """A parameter count with the unit that fits: 8.0B, 596.0M, 70.3K, 512."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -44,7 +44,7 @@ def header(work: Workload, cluster: Cluster) -> str:
     flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
-    return (f"model {m.name}: {_human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
+    return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
             f"heads x {m.head_dim}{_latent(m)}{_hybrid(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
@@ -101,11 +101,11 @@ def format_plan(p: Plan, top: int) -> str:
         rel = f"{c.tokens_per_s / best_tps:.3f}" if c.feasible and best_tps else "-"
         exposed = percent(c.time.exposed_comm / c.time.total)
         ulink = c.comm_links.get("ulysses_all_to_all") or c.comm_links.get("tp_all_gather", "-")
-        opt = f"{c.accumulation:>7}{_num(c.optimizer_step_s):>11}" if accum else ""
+        opt = f"{c.accumulation:>7}{short_number(c.optimizer_step_s):>11}" if accum else ""
         sp = sum(v for phase in c.comm_per_layer.values() for k, v in phase.items() if k in SP_COLLECTIVES)
         lines.append(f"{i:>3}  {c.layout.label():<20}{'yes' if c.feasible else 'NO':>5}{gib(c.memory.total):>9}"
-                     f"{_num(c.time.total):>9}{opt}{_num(c.tokens_per_s):>11}{rel:>8}"
-                     f"{_human_bytes(sp):>15}{exposed:>9}  "
+                     f"{short_number(c.time.total):>9}{opt}{short_number(c.tokens_per_s):>11}{rel:>8}"
+                     f"{human_bytes(sp):>15}{exposed:>9}  "
                      f"{ulink:<15}{c.comm_links.get('ring_p2p', '-'):<15}{'; '.join(c.notes)}")
     if len(p.candidates) > top:
         lines.append(f"     ... {len(p.candidates) - top} more (--top {len(p.candidates)} shows all)")
@@ -118,13 +118,13 @@ def format_plan(p: Plan, top: int) -> str:
         return "\n".join(lines + [f"no seqmesh layout fits: {p.reason}"])
     c = p.recommended
     phases, layer = _per_phase(c.comm_per_layer, [k for k in sorted(c.comm_per_layer["forward"]) if k != "total"])
-    step = [f"{k} {_human_bytes(v)}" for k, v in sorted(c.comm_per_step.items()) if k != "total" and v]
+    step = [f"{k} {human_bytes(v)}" for k, v in sorted(c.comm_per_step.items()) if k != "total" and v]
     lines += [f"recommended: {c.layout.label()} -- {p.reason}", format_memory(c, p.cluster),
               f"traffic per layer, busiest rank, {' / '.join(phases)}: " + (layer or "none"),
               f"traffic per step, busiest rank (every FSDP unit included): {'; '.join(step) or 'none'}; "
-              f"total {_human_bytes(c.comm_per_step['total'])}",
-              f"step: {_num(c.time.total)} s = compute {_num(c.time.compute)} s + exposed communication "
-              f"{_num(c.time.exposed_comm)} s"]
+              f"total {human_bytes(c.comm_per_step['total'])}",
+              f"step: {short_number(c.time.total)} s = compute {short_number(c.time.compute)} s + exposed communication "
+              f"{short_number(c.time.exposed_comm)} s"]
     if c.layout.ep > 1:
         lines += format_experts(c, work, p.cluster)
     if work.media is not None:
@@ -132,8 +132,8 @@ def format_plan(p: Plan, top: int) -> str:
     if accum:
         tokens = target.sequences * work.seq_len
         lines.append(f"optimizer step (global batch {target.sequences:,} sequences = {tokens:,} tokens): "
-                     f"{c.accumulation} micro-step(s) x {_num(c.time.total)} s = {_num(c.optimizer_step_s)} s, "
-                     f"{_num(tokens / c.optimizer_step_s)} tokens/s")
+                     f"{c.accumulation} micro-step(s) x {short_number(c.time.total)} s = {short_number(c.optimizer_step_s)} s, "
+                     f"{short_number(tokens / c.optimizer_step_s)} tokens/s")
     return "\n".join(lines)
 
 
@@ -142,21 +142,21 @@ def format_experts(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
     and step beside the same layout without EP."""
     m, lay = work.model, c.layout
     base = evaluate(work, replace(lay, ep=1), cluster)
-    a2a = " / ".join(_human_bytes(c.comm_per_layer[ph]["ep_all_to_all"]) for ph in PHASES)
+    a2a = " / ".join(human_bytes(c.comm_per_layer[ph]["ep_all_to_all"]) for ph in PHASES)
     return [f"expert parallelism EP{lay.ep}: {m.experts // lay.ep} of the {m.experts} routed experts per rank in each of "
             f"{moe_layers(m)} MoE layers, sharded over the {lay.fsdp_group // lay.ep} ranks holding them; per MoE "
             f"layer, busiest rank: ep_all_to_all {a2a} (forward / backward / recompute)",
             f"without EP ({base.layout.label()}): memory {gib(base.memory.total)} -> {gib(c.memory.total)} GiB per GPU; "
-            f"FSDP all-gather per layer {_human_bytes(base.comm_per_layer['forward']['fsdp_all_gather'])} -> "
-            f"{_human_bytes(c.comm_per_layer['forward']['fsdp_all_gather'])} each way; traffic per step "
-            f"{_human_bytes(base.comm_per_step['total'])} -> {_human_bytes(c.comm_per_step['total'])}; step "
-            f"{_num(base.time.total)} -> {_num(c.time.total)} s" + ("" if base.feasible else " (without EP it does not fit)")]
+            f"FSDP all-gather per layer {human_bytes(base.comm_per_layer['forward']['fsdp_all_gather'])} -> "
+            f"{human_bytes(c.comm_per_layer['forward']['fsdp_all_gather'])} each way; traffic per step "
+            f"{human_bytes(base.comm_per_step['total'])} -> {human_bytes(c.comm_per_step['total'])}; step "
+            f"{short_number(base.time.total)} -> {short_number(c.time.total)} s" + ("" if base.feasible else " (without EP it does not fit)")]
 
 
 def _per_phase(sent: dict[str, dict[str, int]], keys: list[str]) -> tuple[list[str], str]:
     """The phases in which anything of ``keys`` is sent, and "key a / b / c" (its bytes in each) per key sent."""
     phases = [ph for ph in PHASES if any(sent[ph][k] for k in keys)]
-    return phases, "; ".join(f"{k} {' / '.join(_human_bytes(sent[ph][k]) for ph in phases)}" for k in keys
+    return phases, "; ".join(f"{k} {' / '.join(human_bytes(sent[ph][k]) for ph in phases)}" for k in keys
                              if any(sent[ph][k] for ph in phases))
 
 
@@ -171,7 +171,7 @@ def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
     kept, peak = tower.memory()
     phases, sent = _per_phase(tower.traffic(), list(TOWER_KEYS))
     sent = f" ({' / '.join(phases)}): {sent}" if sent else ": no sequence-parallel traffic (one rank per group)"
-    fsdp = "; ".join(f"{k} {_human_bytes(n)}" for k, n in tower.fsdp().items())
+    fsdp = "; ".join(f"{k} {human_bytes(n)}" for k, n in tower.fsdp().items())
     s = tower.seconds(cluster.hardware)
     return [f"vision tower ({c.layout.label()}): {' + '.join(shown)} of {media.height}x{media.width} px per "
             f"sequence, {frame:,} patches ({tokens:,} tokens) per {each}; {tower.patches:,} patches and "
@@ -180,9 +180,9 @@ def format_tower(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:
             f"vision tower memory per GPU: {gib(kept)} GiB kept through the decoder, {gib(peak)} GiB in its top "
             "block's backward",
             f"vision tower traffic per step, busiest rank{sent}; {fsdp}",
-            f"vision tower time: {_num(s['total'])} s of the {_num(c.time.total)} s step "
-            f"({percent(s['total'] / c.time.total)}): compute {_num(s['compute'])} s, exposed communication "
-            f"{_num(s['total'] - s['compute'])} s"]
+            f"vision tower time: {short_number(s['total'])} s of the {short_number(c.time.total)} s step "
+            f"({percent(s['total'] / c.time.total)}): compute {short_number(s['compute'])} s, exposed communication "
+            f"{short_number(s['total'] - s['compute'])} s"]
 
 
 def global_batch_line(p: Plan) -> str:
@@ -210,9 +210,9 @@ def format_longest(result: dict, work: Workload, cluster: Cluster, top: int) -> 
              f"{work.batch}), ranked by length then tokens/s at that length", "",
              f"{'#':>3}  {'layout':<20}{'max tokens':>14}{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>11}"]
     for i, r in enumerate(rows[:top], 1):
-        step = _num(r["step_time_s"]) if r["step_time_s"] is not None else "-"
+        step = short_number(r["step_time_s"]) if r["step_time_s"] is not None else "-"
         lines.append(f"{i:>3}  {r['label']:<20}{r['max_seq_len']:>14,}{gib(r['memory_bytes']['total']):>9}"
-                     f"{step:>9}{_num(r['tokens_per_s']):>11}")
+                     f"{step:>9}{short_number(r['tokens_per_s']):>11}")
     if len(rows) > top:
         lines.append(f"     ... {len(rows) - top} more")
     rec = result["recommended"]
