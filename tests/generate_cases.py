@@ -10,7 +10,7 @@ import torch
 from dist_cases import get_mesh
 from family_cases import build, family_config
 from seqmesh.hf import parallelize, unparallelize
-from seqmesh.inference import generate
+from seqmesh.inference import generate, shard_weights
 
 
 @contextlib.contextmanager
@@ -43,10 +43,11 @@ def _mutated(mutation: str | None):
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
-                     mutation: str | None = None, end_at: int | None = None) -> dict:
+                     mutation: str | None = None, end_at: int | None = None, sharded: bool = False) -> dict:
     """The parallelized float64 model's greedy tokens and logits for a batch of two prompts beside transformers'
     ``generate(do_sample=False)`` of the same model on one process; the scale: the same model in float32 against
-    float64 on the whole generated sequence; each rank's cache share."""
+    float64 on the whole generated sequence; each rank's cache share. ``sharded``: the weights sharded over the
+    ranks (``seqmesh.inference.shard_weights``)."""
     mesh = get_mesh(ulysses, ring)
     config = family_config(family)
     reference = build(config)
@@ -66,6 +67,9 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
         exact = reference(whole).logits[:, prompt_len - 1:]
         rounded = copy.deepcopy(reference).float()(whole).logits[:, prompt_len - 1:].double()
     model = parallelize(build(config), mesh)
+    if sharded:
+        shard_weights(model, mesh)
+    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     with _mutated(mutation):
         done = generate(model, mesh, ids, new_tokens, keep_logits=True, eos_token_id=end, pad_token_id=0)
     unparallelize(model)
@@ -73,7 +77,7 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             "their_tokens": their_tokens.tolist(),
             "logits": float((done.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
             "their_logits": float((torch.stack(theirs.logits, 1) - exact).abs().max()),
-            "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
+            "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
             "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel())}
 
 

@@ -1,7 +1,8 @@
 """``seqmesh generate``: new tokens after a prompt, on the sequence mesh, under ``torchrun``.
 
     torchrun --nproc-per-node N -m seqmesh generate --model M --prompt-ids FILE --max-new-tokens K
-        [--ulysses U --ring R] [--dtype fp32|fp64|bf16] [--temperature T --top-p P --seed S] [--json]
+        [--ulysses U --ring R] [--dtype fp32|fp64|bf16] [--temperature T --top-p P --seed S] [--shard-weights]
+        [--json]
 
 ``FILE`` holds a JSON list of token ids, or a list of lists of one length (a batch). The prompt's prefill is
 sharded over the ``ulysses x ring`` ranks as in training and the KV cache stays sharded (:mod:`seqmesh.inference`).
@@ -37,6 +38,8 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--weights-seed", type=int, default=0, help="a config.json's random weights (default %(default)s)")
     p.add_argument("--ignore-eos", action="store_true", help="run --max-new-tokens steps whatever is drawn (default: "
                    "stop a row at the model's end-of-sequence id, from its generation config, as transformers does)")
+    p.add_argument("--shard-weights", action="store_true", help="shard the weights over the ranks (FSDP2: each layer "
+                   "gathered for its forward), for a model larger than one GPU; each decode step gathers them again")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_generate)
     return p
@@ -75,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..mesh import init_mesh
     from ..model.lm import build_model, read_model
     from ..comm.launch import init_distributed
-    from .generate import Sampling, generate
+    from .generate import Sampling, generate, shard_weights
 
     rows, batched = read_prompt(args.prompt_ids)  # every input checked before any process group or model
     sampling = Sampling(args.temperature, args.top_p, args.seed)
@@ -103,6 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = build_model(source, seed=args.weights_seed, dtype=getattr(torch, DTYPES[args.dtype]), device=device)
     model.eval()
     parallelize(model, mesh)
+    if args.shard_weights:
+        shard_weights(model, mesh)
     prompt = torch.tensor(rows, dtype=torch.long)
     config = getattr(model, "generation_config", None)
     eos = None if args.ignore_eos or config is None else config.eos_token_id

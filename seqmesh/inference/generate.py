@@ -81,6 +81,17 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
                          "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA) or one with Gated DeltaNet layers (Qwen3.5).")
 
 
+def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:
+    """Shard the weights of ``model`` (parallelized on ``mesh``) over its sequence group with FSDP2, as training does
+    (:func:`seqmesh.model.fsdp.apply_fsdp`): each decoder layer a unit gathered for its forward and freed after it, an
+    untied embedding its own, the final norm and LM head at the root (kept gathered once used). A model larger than
+    one GPU then generates: the prefill's gathers hide behind its layers' compute, and each decode step gathers every
+    layer again (``seqmesh plan --inference --shard-weights`` counts both). Returns ``model``."""
+    from ..model.fsdp import apply_fsdp
+
+    return apply_fsdp(model, mesh)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_tokens: int, *, layout: str = "zigzag",
              sampling: Sampling = Sampling(), keep_logits: bool = False, eos_token_id: int | list[int] | None = None,

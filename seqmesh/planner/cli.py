@@ -74,6 +74,8 @@ def register_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "prefill's seconds and each decode step's (--seq-len: the prompt's tokens)")
     p.add_argument("--new-tokens", type=int, default=1, help="with --inference: tokens generated after the prompt, "
                    "whose keys and values join the cache (default %(default)s)")
+    p.add_argument("--shard-weights", action="store_true", help="with --inference: the weights sharded over the GPUs "
+                   "(seqmesh generate --shard-weights), each layer gathered for its forward")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--max-seq-len", action="store_true", help="find the longest sequence that fits per layout")
     p.add_argument("--calibrate", action="store_true",
@@ -205,7 +207,7 @@ def cmd_plan_inference(args: argparse.Namespace) -> int:
     except PlanInputError as err:
         print(f"seqmesh plan: error: {err}", file=sys.stderr)
         return 2
-    result = inference_plan(work, cluster, args.new_tokens)
+    result = inference_plan(work, cluster, args.new_tokens, args.shard_weights)
     print(json.dumps(result.as_dict(), indent=1) if args.json else format_inference(result))
     return 0
 

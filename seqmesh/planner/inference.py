@@ -19,8 +19,11 @@ from ..rules.degrees import Degrees, workable_degrees
 from ..rules.kv_cache import cache_bytes, cache_share
 from .activations import layer_input_bytes
 from .hardware import Cluster, HardwareSpec
+from .attention_layer import Attention
+from .experts import layer_fsdp_seconds
 from .layer_cost import attention_saved_bytes
-from .layers import layer_kinds, linear_layer_matmul_params, linear_state_bytes
+from .layers import GatedDeltaNet, layer_kinds, linear_layer_matmul_params, linear_state_bytes
+from .placement import placement
 from .network import axis_groups, gather_seconds
 from .report import human_bytes, human_count, short_number
 from .workload import Workload, layer_matmul_params
@@ -76,6 +79,7 @@ class InferencePlan:
     new_tokens: int
     layouts: list[InferenceLayout]
     excluded: list[tuple[str, str]]
+    sharded: bool = False
 
     @property
     def best(self) -> InferenceLayout | None:
@@ -86,7 +90,7 @@ class InferencePlan:
     def as_dict(self) -> dict:
         best = self.best
         return {"model": self.work.model.name, "prompt_tokens": self.work.seq_len, "batch": self.work.batch,
-                "new_tokens": self.new_tokens, "dtype": self.work.dtype, "gpus": self.cluster.gpus,
+                "new_tokens": self.new_tokens, "sharded_weights": self.sharded, "dtype": self.work.dtype, "gpus": self.cluster.gpus,
                 "hardware": self.cluster.hardware.name, "layouts": [lay.as_dict() for lay in self.layouts],
                 "excluded": [{"layout": name, "why": why} for name, why in self.excluded],
                 "recommended": None if best is None else f"ulysses {best.ulysses} x ring {best.ring}"}
@@ -101,36 +105,49 @@ def _recurrent_state_bytes(m: ModelShape, batch: int, element_bytes: int) -> int
     return m.linear_layers * (linear_state_bytes(m, batch, 1) + tail)
 
 
-def _decode_weight_bytes(m: ModelShape, element_bytes: int) -> int:
-    """Weights one token reads: every layer's projections (an MoE layer's routed and shared experts only), the
-    LM head, and the token's row of the embedding."""
-    attention = m.layers - m.linear_layers
-    per_token = attention * layer_matmul_params(m) + m.linear_layers * linear_layer_matmul_params(m)
-    return (per_token + m.vocab * m.hidden + m.hidden) * element_bytes
+def _read_bytes(kind, m: ModelShape, element_bytes: int) -> int:
+    """Weights one decode token reads in a layer of ``kind``: its projections (an MoE layer's routed and shared
+    experts only)."""
+    params = linear_layer_matmul_params(m) if isinstance(kind, GatedDeltaNet) else layer_matmul_params(m)
+    return params * element_bytes
 
 
-def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int) -> InferenceLayout:
+def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
+             sharded: bool = False) -> InferenceLayout:
+    """One layout's figures; ``sharded``: the weights sharded over the group (``seqmesh.inference.shard_weights``),
+    each layer gathered for its forward (FSDP2's next layer prefetched beside it) and the root kept gathered."""
     m, e, b = work.model, work.act_bytes, work.batch
     p = layout.ulysses * layout.ring
     attention_layers = m.layers - m.linear_layers
-    kv = cache_bytes(cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring, work.layout), attention_layers, m.kv_heads, m.head_dim,
-                     m.value_dim, e, b)
+    kv = cache_bytes(cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring, work.layout), attention_layers,
+                     cached_heads(m), m.head_dim, m.value_dim, e, b)
     states = _recurrent_state_bytes(m, b, e)
-    weights = m.params * e
+    split = placement(work, layout).split
+    if sharded:  # the shards, the root (head and final norm) gathered, two layers or the embedding gathered at once
+        weights = (-(-m.params // p) + split["root"] + max(2 * split["layer"], split["embedding"])) * e
+    else:
+        weights = m.params * e
     working = 2 * layer_input_bytes(work, layout) + attention_saved_bytes(work, layout)
     total = weights + kv + states + working + work.reserve_bytes
-    prefill = sum(n * kind.seconds(hw, [])["forward"] for kind, n in layer_kinds(work, layout))
     group = axis_groups(layout, "sequence")[0]
+    gathering = group if sharded else []
+    kinds = layer_kinds(work, layout)
+    prefill = sum(n * kind.seconds(hw, gathering)["forward"] for kind, n in kinds)
     merge = attention_layers * gather_seconds(b * m.heads * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
-    read = (_decode_weight_bytes(m, e) + kv + states) / hw.memory_bandwidth
+    decode = merge + (m.vocab * m.hidden + m.hidden) * e / hw.memory_bandwidth  # the LM head and the token's row
+    for kind, n in kinds:  # each layer reads its weights and its cache share or state; sharded, it waits for its gather
+        own = kv / attention_layers if isinstance(kind, Attention) else states / m.linear_layers
+        read = (_read_bytes(kind, m, e) + own) / hw.memory_bandwidth
+        gather = layer_fsdp_seconds(kind.params(), work, layout, hw, gathering)[0]
+        decode += n * max(read, gather)
     return InferenceLayout(layout.ulysses, layout.ring, weights, kv, states, working, total,
-                           total <= hw.memory_bytes, prefill, b * work.seq_len / prefill, read + merge, merge)
+                           total <= hw.memory_bytes, prefill, b * work.seq_len / prefill, decode, merge)
 
 
-def inference_plan(work: Workload, cluster: Cluster, new_tokens: int) -> InferencePlan:
+def inference_plan(work: Workload, cluster: Cluster, new_tokens: int, sharded: bool = False) -> InferencePlan:
     """Every ``ulysses x ring`` layout of the cluster's GPUs as one sequence group generating ``new_tokens`` after
     ``work``'s prompt (``work.seq_len`` tokens, ``work.batch`` rows); raises ValueError for a model generation does not
-    run yet."""
+    run yet. ``sharded``: the weights sharded over the GPUs (``seqmesh generate --shard-weights``)."""
     why = inference_refusal(work.model)
     if why:
         raise ValueError(why)
@@ -140,8 +157,8 @@ def inference_plan(work: Workload, cluster: Cluster, new_tokens: int) -> Inferen
     fitting = workable_degrees(work.model.heads, n)
     excluded = [(f"ulysses {u} x ring {n // u}", f"ulysses {u} exceeds the {work.model.heads} query heads; put the "
                  "rest on the ring") for u in range(1, n + 1) if n % u == 0 and (u, n // u) not in fitting]
-    layouts = [evaluate(work, Degrees(u, r, 1), cluster.hardware, new_tokens) for u, r in fitting]
-    return InferencePlan(work, cluster, new_tokens, layouts, excluded)
+    layouts = [evaluate(work, Degrees(u, r, 1), cluster.hardware, new_tokens, sharded) for u, r in fitting]
+    return InferencePlan(work, cluster, new_tokens, layouts, excluded, sharded)
 
 
 def inference_workload(model: ModelShape, prompt: int, batch: int, bf16: bool, reserve_bytes: int) -> Workload:
@@ -157,8 +174,9 @@ def format_inference(p: InferencePlan) -> str:
     lines = [f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
              f"heads x {m.head_dim}; prompt {w.seq_len:,} tokens x {w.batch} row(s), {p.new_tokens} new, {w.dtype}",
              f"cluster: {p.cluster.gpus} GPUs = {p.cluster.nodes} node(s); {hw.describe()}",
-             "seqmesh generate runs the GPUs as one sequence group (ulysses x ring), each holding the whole model; "
-             "the KV cache is shared by tokens over every GPU",
+             "seqmesh generate runs the GPUs as one sequence group (ulysses x ring), "
+             + ("the weights sharded over them (--shard-weights: each layer gathered for its forward)"
+                if p.sharded else "each holding the whole model") + "; the KV cache is shared by tokens over every GPU",
              f"{'layout':<20}{'weights':>11}{'KV cache':>11}{'states':>10}{'prefill act.':>14}{'total':>11}  fits"
              f"{'prefill s':>11}{'tokens/s':>11}{'decode ms/token':>17}{'(merge)':>9}"]
     for lay in p.layouts:
@@ -175,8 +193,8 @@ def format_inference(p: InferencePlan) -> str:
         lines.append(f"recommended: ulysses {best.ulysses} x ring {best.ring} (the fastest prefill that fits)")
     else:
         weights = human_bytes(p.layouts[0].weight_bytes) if p.layouts else "?"
-        lines.append(f"no layout fits {human_bytes(hw.memory_bytes)} per GPU: the whole model ({weights}) is on "
-                     "every GPU, and generation has no tensor parallelism or sharded weights yet; the prefill and "
-                     "decode times above are what the layouts would take with the memory. Plan fewer prompt "
-                     "tokens, more GPUs (the KV cache and activations shrink with them), or a smaller model.")
+        lines.append(f"no layout fits {human_bytes(hw.memory_bytes)} per GPU (weights {weights} each"
+                     + ("" if p.sharded else ": the whole model; --shard-weights shards it over the GPUs") + "); the "
+                     "prefill and decode times above are what the layouts would take with the memory. Plan fewer "
+                     "prompt tokens, more GPUs (the KV cache and activations shrink with them), or a smaller model.")
     return "\n".join(lines)

@@ -32,6 +32,16 @@ def test_greedy_tokens_equal_transformers_generate(pools, ulysses, ring):
             _check(r, ulysses, ring)
 
 
+def test_sharded_weights_generate_the_same_tokens(pools):
+    """The weights sharded over the ranks (FSDP2, each layer gathered for its forward, the prefill's and every decode
+    step's): the same tokens as transformers, Llama on the ring and Qwen3.5's Gated DeltaNet under Ulysses."""
+    for family, ulysses, ring in (("llama", 1, 2), ("qwen3_5", 2, 1)):
+        for results in pools.run(2, generated_cases, [(family, ulysses, ring, PROMPT, NEW)], sharded=True):
+            for r in results:
+                _check(r, ulysses, ring)
+                assert r["held_fraction"] < 0.55, r  # each rank holds about half of every weight
+
+
 def test_greedy_tokens_on_a_two_dimensional_mesh(pools):
     for results in pools.run(4, generated_cases, [(f, 2, 2, PROMPT, NEW) for f in ("llama", "gemma3")]):
         for r in results:
