@@ -46,21 +46,22 @@ PRELOAD = [
 ]
 
 
-# The files that take longest, longest first, in seconds on two workers (measured 2026-11-29, docs/testing.md's
-# ledger): pytest-xdist runs them first, so the run does not end with one worker on a long file while the other
-# idles (xdist's own order, most tests first, left the one-test census and example files to the end). The rest
-# follow, most tests first. A stale figure only costs time, never a result.
+# The files that take longest, longest first, in seconds on two workers (a fresh clone's `make test`, 2026-11-29,
+# docs/testing.md's ledger): pytest-xdist runs them first, so the run does not end with one worker on a long file while
+# the other idles (xdist's own order, most tests first, left the one-test census and example files to the end; the
+# generate CLI's torchrun test, missing here, ran last). The rest follow, most tests first. A stale figure only costs
+# time, never a result.
 SLOWEST_FILES = {
-    "rehearsal/test_rehearse.py": 318, "hf/test_compile.py": 163, "planner/test_planner_measured.py": 134,
-    "training/test_train_job.py": 109, "hf/test_family_census.py": 97, "hf/test_hf_trainer.py": 90,
-    "vision/test_vision_families.py": 73, "tensor_parallel/test_tensor_parallel.py": 72,
-    "experts/test_expert_parallel.py": 68, "training/test_watchdog.py": 66, "hf/test_short_conv.py": 59,
-    "sequence/test_document_layout.py": 56, "hf/test_mamba2.py": 52, "memory/test_memory.py": 49,
-    "linear_attention/test_linear_attention.py": 44, "attention/test_attention_dist.py": 39,
-    "project/test_example_checkpoint_roundtrip.py": 38, "tools/test_selftest.py": 34,
-    "training/test_run_folder.py": 31, "hf/test_kda.py": 31, "attention/test_compiled_attention.py": 31,
-    "planner/test_planner_traffic.py": 30, "attention/test_attention_variants.py": 29,
-    "planner/test_planner_cli.py": 28,
+    "rehearsal/test_rehearse.py": 186, "hf/test_compile.py": 138, "training/test_train_job.py": 103,
+    "hf/test_family_census.py": 98, "hf/test_hf_trainer.py": 91, "planner/test_planner_measured.py": 89,
+    "tensor_parallel/test_tensor_parallel.py": 72, "experts/test_expert_parallel.py": 64,
+    "training/test_watchdog.py": 52, "vision/test_vision_families.py": 51, "linear_attention/test_linear_attention.py": 45,
+    "tools/test_selftest.py": 45, "hf/test_short_conv.py": 39, "inference/test_generate_cli.py": 36,
+    "project/test_example_checkpoint_roundtrip.py": 33, "hf/test_mamba2.py": 32, "attention/test_attention_dist.py": 31,
+    "sequence/test_document_layout.py": 27, "memory/test_memory.py": 26, "hf/test_kda.py": 26,
+    "training/test_train_compile.py": 25, "attention/test_attention_variants.py": 22,
+    "planner/test_planner_traffic.py": 20, "bench/test_bench_families.py": 18, "attention/test_compiled_attention.py": 18,
+    "training/test_run_folder.py": 18,
 }
 
 
