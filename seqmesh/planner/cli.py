@@ -136,6 +136,9 @@ def workload_from_args(args: argparse.Namespace, seq_len: int | None) -> Workloa
 def check_args(args: argparse.Namespace):
     """Everything the plan needs (workload, cluster, global batch), checked; raises PlanInputError naming the
     problem and the fix."""
+    if args.shard_weights or args.new_tokens != 1:
+        raise PlanInputError("--shard-weights and --new-tokens plan generation: add --inference (training's plan "
+                             "always shards the weights with FSDP2).")
     if args.seq_len is None and not args.max_seq_len:
         raise PlanInputError("give --seq-len N (tokens per sequence), or --max-seq-len to find the longest that fits.")
     if args.seq_len is not None and args.seq_len < 1:

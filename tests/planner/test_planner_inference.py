@@ -88,6 +88,11 @@ def test_what_generation_cannot_run_is_refused_by_name(args, said):
     assert done.returncode == 2 and "seqmesh plan: error:" in done.stderr and said in done.stderr, done.stderr
 
 
+def test_generation_options_without_inference_are_refused():
+    done = in_process(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--shard-weights"])
+    assert done.returncode == 2 and "add --inference" in done.stderr, done.stderr
+
+
 def test_the_table_names_each_layout_and_why_none_fits():
     done = in_process(["plan", "--inference", "--model", "llama3-70b", "--seq-len", str(2**20), "--gpus", "8"])
     assert done.returncode == 0, done.stderr
