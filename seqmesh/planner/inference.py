@@ -2,12 +2,13 @@
 sequence mesh (:mod:`seqmesh.inference`).
 
 Generation runs every GPU in one sequence group (``ulysses x ring`` = the GPUs; no tensor or data parallelism yet),
-each holding the whole model. The prefill is the training forward on the prompt, sharded by the zigzag layout, with
-nothing kept for a backward: each layer kind's forward seconds as the training plan counts them (no FSDP gather, no
-recompute). Each rank keeps the keys and values of its own tokens, all heads (:func:`seqmesh.inference.cache_bytes`,
-the runtime's formula); a decode step runs the new token through every layer on every rank (each reads all its
-weights and its cache share from GPU memory: one token is bandwidth-bound) and merges the attention partials in one
-all-gather per attention layer. The assumptions are listed in docs/planner.md ("Inference").
+each holding the whole model, or with ``sharded`` (``--shard-weights``) its FSDP2 shard of it. The prefill is the
+training forward on the prompt, sharded by the zigzag layout, with nothing kept for a backward: each layer kind's
+forward seconds as the training plan counts them (no recompute; sharded, each layer's gather beside its compute).
+Each rank keeps the keys and values of its own tokens, all heads (:mod:`seqmesh.rules.kv_cache`, the runtime's rule);
+a decode step runs the new token through every layer on every rank (each reads its weights and its cache share from
+GPU memory: one token is bandwidth-bound; sharded, it waits for each layer's gather) and merges the attention partials
+in one all-gather per attention layer. The assumptions are listed in docs/planner.md ("Inference").
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class InferenceLayout:
 
     ulysses: int
     ring: int
-    weight_bytes: int  # the whole model, in the compute dtype
+    weight_bytes: int  # the whole model, or its shard and the gathered units, in the compute dtype
     cache_bytes: int  # this rank's keys and values after the prefill and every new token
     state_bytes: int  # the recurrent layers' states and conv tails (every rank the same)
     prefill_working_bytes: int  # the prefill's activations at their largest (one layer's, an upper bound)
