@@ -55,6 +55,8 @@ def _tp_reference(family: str, kv_heads: int | None, documents: bool, samples: i
 
 
 def _reference_key(family: str, options: dict) -> tuple:
+    """The reference a case of ``tp_parity(family, ..., **options)`` compares with: one sequence per data-parallel
+    rank (replicas included) and micro-batch row."""
     samples = options.get("dp", 1) * options.get("replicas", 1) * options.get("batch_size", 1)
     return family, options.get("kv_heads"), options.get("documents", False), samples
 
@@ -76,7 +78,8 @@ def tp_parity(family: str, ulysses: int, ring: int, tp: int, *, dp: int = 1, lay
     that rank one too far (so only its tensor-parallel slice of the heads rotates wrongly)."""
     mesh = get_mesh(ulysses, ring, dp, replicas, tp)
     config = _config(family, kv_heads)
-    key = (family, kv_heads, documents, mesh.dp_size * batch_size)  # samples: one stream per data-parallel rank
+    key = _reference_key(family, dict(dp=dp, replicas=replicas, batch_size=batch_size, kv_heads=kv_heads,
+                                      documents=documents))
     if key not in TP_REFERENCES:
         TP_REFERENCES[key] = _tp_reference(*key)
     ref_loss, want, rounding = TP_REFERENCES[key]

@@ -163,8 +163,8 @@ def inference_plan(work: Workload, cluster: Cluster, new_tokens: int, sharded: b
 
 
 def inference_workload(model: ModelShape, prompt: int, batch: int, bf16: bool, reserve_bytes: int) -> Workload:
-    """The prefill as the planner's :class:`Workload`: the zigzag layout, no checkpointing, no input check beyond
-    training's, Gated DeltaNet by state passing (what generation's prefill runs)."""
+    """The prefill as the planner's :class:`Workload`: the zigzag layout, no checkpointing, Gated DeltaNet by state
+    passing (what generation's prefill runs)."""
     return Workload(model, prompt, batch=batch, bf16=bf16, checkpointing=False, layout="zigzag",
                     linear_attention="state_passing", reserve_bytes=reserve_bytes)
 
