@@ -177,8 +177,8 @@ def gradient_norm(parameters, max_norm: float = float("inf")):
 
     torch's norm and clip stack their DTensors, which must share one mesh; with expert parallelism the experts'
     gradients live on their own 2-D mesh: each mesh's part is taken whole over its mesh, the parts combined (the
-    square root of the sum of their squares: inf or NaN if any is), and every group clipped by that one norm."""
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+    square root of the sum of their squares: inf or NaN if any is), and every gradient clipped by that one norm."""
+    from torch.nn.utils import get_total_norm
 
     params = [p for p in parameters if p.grad is not None]
     groups = gradients_by_mesh(params)
@@ -189,6 +189,18 @@ def gradient_norm(parameters, max_norm: float = float("inf")):
         dtype = functools.reduce(torch.promote_types, [part.dtype for part in parts])
         norm = torch.linalg.vector_norm(torch.stack([part.to(parts[0].device, dtype) for part in parts]))
     if max_norm != float("inf"):
-        for group in groups:
-            clip_grads_with_norm_(group, max_norm, norm)
+        clip_to_norm([p.grad for p in params], max_norm, norm)
     return norm
+
+
+def clip_to_norm(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """torch's clip (every gradient times ``max_norm / (norm + 1e-6)`` when that is below 1) applied to each
+    DTensor's own shard: a product is the same on every placement, and the shards' one foreach call per device
+    skips DTensor's dispatch, whose sharding cache misses this list of gradients with a plain tensor factor."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = getattr(grad, "_local_tensor", grad)
+        by_device.setdefault(local.device, []).append(local)
+    for device, locals_ in by_device.items():
+        torch._foreach_mul_(locals_, coef.to(device))

@@ -22,7 +22,7 @@ MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backw
 
 __all__ = ["MOMENTS", "MemoryBreakdown", "memory_at", "memory_per_gpu", "parameter_memory", "host_memory",
            "activation_memory", "loss_memory", "end_of_backward_grads", "held_reduce_scatter_input", "local_tokens",
-           "layer_saved_bytes", "mlp_tile_tokens"]
+           "layer_saved_bytes", "mlp_tile_tokens", "optimizer_temporaries"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,19 @@ def held_reduce_scatter_input(work: Workload, layout: Degrees) -> int:
     return dtype_bytes(work.reduce_dtype) * local_layer_params(placement(work, layout).split["layer"], m, layout)
 
 
+def optimizer_temporaries(work: Workload, layout: Degrees, shard: int) -> int:
+    """Bytes AdamW allocates during its step beside the moments, for ``shard`` parameters a GPU: none on the fused
+    kernel (seqmesh train's, ``training.step.make_optimizer``: each parameter updated in place), one float32 copy of
+    every parameter on the foreach path (its ``_foreach_sqrt`` of the second moments), two of the largest
+    parameter's on the per-tensor path."""
+    if work.optimizer == "fused":
+        return 0
+    if work.optimizer == "foreach":
+        return 4 * shard
+    m = work.model
+    return 2 * 4 * -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (layout.tp * layout.fsdp_group))
+
+
 def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backward") -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU at ``moment``, as docs/planner.md ("Memory") says FSDP2 holds them
     (at the loss the LM head's gradient is still the loss's accumulator, counted in :func:`loss_memory`)."""
@@ -100,10 +113,7 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered
         grad_shards = (GRAD_SHARD * (m.layers - 1) * unit_shard(split["layer"], m, layout)
                        + held_reduce_scatter_input(work, layout))
-    step_temps = 0
-    if moment == "optimizer step":
-        largest = -(-max(m.vocab * m.hidden, m.hidden * m.intermediate) // (layout.tp * layout.fsdp_group))
-        step_temps = 4 * shard if work.optimizer_foreach else 2 * 4 * largest
+    step_temps = optimizer_temporaries(work, layout, shard) if moment == "optimizer step" else 0
     if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in
         copied = (-(-gathered // layout.fsdp_group) if layout.ep == 1 or not gathered else
                   -(-(gathered - layers * layer) // layout.fsdp_group) + layers * unit_shard(split["layer"], m, layout))

@@ -15,6 +15,9 @@ from ..rules.settings import RunSettings, settings_values
 
 GiB = 2**30
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# AdamW's paths in torch: the fused kernel (seqmesh train's), foreach (torch's default on CUDA) and per-tensor
+# (its default on the CPU); memory.optimizer_temporaries says what each holds at the step
+OPTIMIZER_PATHS = ("fused", "foreach", "per_tensor")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Workload(RunSettings):
     reserve_bytes: int = 2 * GiB  # CUDA context, NCCL buffers and allocator slack per GPU
     validate: bool = True  # seqmesh.attention's input check (a tiny all-gather per call)
     offload_prefetch: int = 2  # offloaded inputs fetched back to the device ahead of use (0: used in place, CPU)
-    optimizer_foreach: bool = True  # AdamW's foreach path (torch's default on CUDA): one fp32 temporary per parameter
+    optimizer: str = "fused"  # AdamW's path (OPTIMIZER_PATHS): seqmesh train's fused kernel (make_optimizer)
     media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class Workload(RunSettings):
                              "(dp_replicate=1).")
         if self.media is not None:
             self.media.check(self.model, self.seq_len)
+        if self.optimizer not in OPTIMIZER_PATHS:
+            raise ValueError(f"optimizer={self.optimizer!r}: choose one of {', '.join(OPTIMIZER_PATHS)}.")
         if self.offload_prefetch < 0:
             raise ValueError(f"offload_prefetch={self.offload_prefetch} must be >= 0.")
         if self.ep != "auto":
@@ -125,13 +130,13 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
         raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
     shape = model_shape(cfg.model)
     ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)
-    # on the CPU host and device are one memory: FSDP2's CPU offload moves nothing, the activation offload's host
-    # copies are used in place (nothing fetched back), and AdamW takes its per-tensor path (foreach is CUDA's)
+    # on the CPU host and device are one memory: FSDP2's CPU offload moves nothing and the activation offload's host
+    # copies are used in place (nothing fetched back)
     on_cpu = device == "cpu"
     layout = cfg.layout if cfg.layout != "auto" else ("per_document" if cfg.data else "zigzag")
     settings = {**settings_values(cfg), "layout": layout, "fsdp_cpu_offload": cfg.fsdp_cpu_offload and not on_cpu}
     work = Workload(shape, cfg.seq_len, batch=cfg.batch, **settings, reserve_bytes=reserve_bytes,
-                    offload_prefetch=0 if on_cpu else 2, optimizer_foreach=not on_cpu, media=media)
+                    offload_prefetch=0 if on_cpu else 2, media=media)
     return work, Degrees(ulysses, ring, dp, cfg.tp, cfg.ep)
 
 

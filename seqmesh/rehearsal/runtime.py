@@ -199,7 +199,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
 
     from ..inputs import shard_batch
     from ..training.run_data import make_dataset, read_run_model
-    from ..training.step import forward_backward, step_autocast, step_offload, to_device
+    from ..training.step import forward_backward, make_optimizer, step_autocast, step_offload, to_device
     from ..training.train import build_mesh, build_module, uses_fsdp
 
     start = time.perf_counter()
@@ -211,7 +211,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
             module = build_module(cfg, mesh, device, source)
-            optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            optimizer = make_optimizer(module, cfg)
             offload = step_offload(cfg, module, device)  # --offload-checkpoints: as seqmesh train's Trainer
         fsdp = uses_fsdp(cfg)
         autocast = step_autocast(cfg, device, fsdp)

@@ -32,7 +32,7 @@ from .checkpoint import check_output_dir, load_checkpoint, prune_checkpoints, sa
 from .config import TrainConfig
 from ..inputs import shard_batch
 from .run_data import make_dataset, read_run_model
-from .step import evaluate, forward_backward, step_autocast, step_offload, to_device
+from .step import evaluate, forward_backward, make_optimizer, step_autocast, step_offload, to_device
 from .metrics import MetricsLog, Progress, peak_memory_bytes, plot_loss_curve
 from .outlock import lock_output
 from .resume import choose_start, config_changes, refuse_changes, run_record
@@ -201,7 +201,7 @@ class TrainingRun:
         self.mesh, self.module, self.device = build(cfg, source, files)
         self.fsdp = uses_fsdp(cfg)
         self.rank0 = dist.get_rank() == 0
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.module, cfg)
         self.folder = os.path.join(cfg.out, "checkpoints")
         self.phase("setup: loading the checkpoint")
         self.start = self._resume()

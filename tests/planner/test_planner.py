@@ -56,7 +56,8 @@ def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
       larger of the embedding's reduce-scatter (its bf16 gradient + fp32 copy, the root's bf16 gradient
       still alive) and the root's (bf16 + fp32 copy); at the loss none yet (the loss's fp32 accumulator
       of the head's gradient is counted with the loss);
-    - the step: AdamW's foreach path adds one fp32 temporary per parameter."""
+    - the step: AdamW's fused kernel (seqmesh train's) adds nothing; its foreach path one fp32 temporary per
+      parameter."""
     m = MODELS["llama3-8b"]
     params = 32 * LLAMA8B_LAYER + LLAMA8B_EMBEDDING + LLAMA8B_ROOT
     assert LLAMA8B_LAYER == 218_112_000 and m.params == params == 8_030_261_248
@@ -71,10 +72,12 @@ def test_untied_units_root_gathered_all_step_embedding_only_at_the_ends():
                            8 * shard),
         "loss backward": (4 * shard + 2 * (LLAMA8B_ROOT + LLAMA8B_LAYER), 0, 8 * shard),
         "end of backward": (4 * shard + 2 * LLAMA8B_ROOT, 4 * shard + at_embedding_rs, 8 * shard),
-        "optimizer step": (4 * shard, 4 * shard, 12 * shard),
+        "optimizer step": (4 * shard, 4 * shard, 8 * shard),
     }
     for moment, expected in want.items():
         assert parameter_memory(w, lay, moment) == expected, moment
+    assert parameter_memory(replace(w, optimizer="foreach"), lay, "optimizer step") == (4 * shard, 4 * shard,
+                                                                                        12 * shard)
     # fp32 (no reduce copy): the embedding's moment holds both fp32 gradients
     w32 = Workload(m, 8192, bf16=False)
     assert end_of_backward_grads(w32, lay) == {"embedding": 4 * (LLAMA8B_ROOT + LLAMA8B_EMBEDDING),
@@ -103,12 +106,13 @@ def test_tied_head_is_one_root_weight_and_no_embedding_unit(name):
         assert parameter_memory(w, lay, moment)[:2] == (weights, grads), moment
 
 
-def test_llama70b_on_16_gpus_does_not_fit_with_a_foreach_adamw_step():
+def test_llama70b_on_16_gpus_fits_with_the_fused_adamw_step_not_with_foreach():
     """Llama-3-70B on 16 H100s, one token. End of backward: 12 B per parameter / 16 (fp32 master, Adam) +
     the fp32 gradient shard 4 B / 16 + the root (head + norm) gathered in bf16 + its bf16 gradient + the
-    embedding's bf16 gradient and fp32 reduce copy + 2 GiB reserve = 77.5 GiB. AdamW's foreach step adds
-    one fp32 copy of the parameters (4 B / 16 each, 16.4 GiB) to the 16 B: 84.1 GiB, more than the 79.6 GiB
-    of an H100, so no length fits; the per-tensor step (foreach off) needs only its largest tensor twice."""
+    embedding's bf16 gradient and fp32 reduce copy + 2 GiB reserve = 77.5 GiB, under the 79.6 GiB of an H100:
+    the fused step (16 B, in place) is below it, so lengths fit. AdamW's foreach step would add one fp32 copy of
+    the parameters (4 B / 16 each, 16.4 GiB) to the 16 B: 84.1 GiB, and no length fits; the per-tensor step
+    needs only its largest tensor twice."""
     m = MODELS["llama3-70b"]
     layer = 8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672 + 2 * 8192
     emb, root = 128256 * 8192, 128256 * 8192 + 8192
@@ -122,12 +126,18 @@ def test_llama70b_on_16_gpus_does_not_fit_with_a_foreach_adamw_step():
     # zigzag over 16 ring ranks pads 1 token to 32: 2 local tokens' ids, positions, labels, the loss's copy
     # (int64) and RoPE's cos and sin (bf16)
     assert end.activations == 2 * (4 * 8 + 2 * 128 * 2)
-    step = memory_per_gpu(one_token, Degrees(1, 16, 1))
+    step = memory_at(one_token, Degrees(1, 16, 1), "optimizer step")
+    assert step.optimizer == 8 * shard and step.total - step.activations == 16 * shard + 2 * GiB
+    assert 0 < longest_sequence(one_token, Degrees(1, 16, 1), H100.memory_bytes)
+    foreach = replace(one_token, optimizer="foreach")
+    step = memory_per_gpu(foreach, Degrees(1, 16, 1))
     assert step.moment == "optimizer step" and step.optimizer == 12 * shard
     assert step.total - step.activations == 20 * shard + 2 * GiB > H100.memory_bytes
-    assert longest_sequence(one_token, Degrees(1, 16, 1), H100.memory_bytes) == 0
-    per_tensor = replace(one_token, optimizer_foreach=False)
+    assert longest_sequence(foreach, Degrees(1, 16, 1), H100.memory_bytes) == 0
+    per_tensor = replace(one_token, optimizer="per_tensor")
     assert 0 < longest_sequence(per_tensor, Degrees(1, 16, 1), H100.memory_bytes) < 262144
+    with pytest.raises(ValueError, match="optimizer='adam8bit': choose one of fused, foreach, per_tensor"):
+        replace(one_token, optimizer="adam8bit")
 
 
 def test_attention_backward_buffers_by_hand():

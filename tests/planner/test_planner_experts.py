@@ -85,7 +85,7 @@ def test_deepseek_v3_expert_params_per_rank_by_hand(configs):
     rest = work.model.params - routed
     one, eight = Degrees(8, 1, 8), Degrees(8, 1, 8, ep=8)
     optimizer = {lay.ep: memory_at(work, lay, "optimizer step").optimizer for lay in (one, eight)}
-    assert optimizer[1] == optimizer[8] == (8 + 4) * (-(-rest // 64) + routed // 64)  # AdamW + foreach temporary
+    assert optimizer[1] == optimizer[8] == 8 * (-(-rest // 64) + routed // 64)  # AdamW's moments (fused: no temporary)
     gathered = {lay.ep: memory_at(work, lay, "first layer backward").weights for lay in (one, eight)}
     expert = 256 * 3 * 7168 * 2048
     assert gathered[1] - gathered[8] == 2 * (expert - expert // 8)  # bf16 copies of 224 experts fewer

@@ -93,9 +93,9 @@ def test_plan_inputs_describe_the_run():
     assert (work.dtype, work.seq_len, work.loss_chunk, work.mlp_tiles, work.reserve_bytes) == ("bf16", 4096, 1024, 3, 0)
     assert work.checkpointing and work.tiled_mlp and work.offload_checkpoints and work.fsdp_cpu_offload
     assert work.efficient_norm and not plan_inputs(TrainConfig(model="llama-tiny", fsdp=True), 1)[0].efficient_norm
-    assert work.offload_prefetch == 2 and work.optimizer_foreach
+    assert work.offload_prefetch == 2 and work.optimizer == "fused"
     on_cpu, _ = plan_inputs(cfg, 8, device="cpu")
-    assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and not on_cpu.optimizer_foreach
+    assert not on_cpu.fsdp_cpu_offload and on_cpu.offload_prefetch == 0 and on_cpu.optimizer == "fused"
     tp_work, tp_layout = plan_inputs(TrainConfig(model="llama-tiny", seq_len=4096, tp=2, ulysses=2, fsdp=True), 8)
     assert (tp_layout.ulysses, tp_layout.ring, tp_layout.dp_shard, tp_layout.tp) == (2, 2, 1, 2)
     with pytest.raises(ValueError, match="--no-fsdp"):

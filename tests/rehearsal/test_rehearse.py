@@ -83,13 +83,11 @@ def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu(rehears
                                                   offload_checkpoints=True), 2, timeout=180),
         lambda: rehearse(tp, 2, timeout=120, device="cpu"))
     assert cuda["device"] == "cuda" and cuda["kernels"] == ["cuda_efficient"], cuda
-    # the weights are the same bytes on either device, and AdamW's moments; its step counters are host tensors,
-    # counted with the device's on the CPU only (4 bytes for each of llama-tiny's 21 parameters). The working set
-    # differs (the CUDA kernel's log-sum-exp layout, AdamW's foreach temporaries on CUDA), so the ratio is held to
-    # 15% only (1.10 measured: at this toy size under TP the planner over-counts by 130 KB, not yet explained)
+    # the weights are the same bytes on either device, and AdamW's: its moments and, on the fused kernel, its step
+    # counters, on the parameters' device either way. The working set differs (the CUDA kernel's log-sum-exp layout),
+    # so the ratio is held to 15% only (at this toy size under TP the planner over-counts by 130 KB, not yet explained)
     mine, other = cuda["measured_by_category"], cpu["measured_by_category"]
-    assert mine["parameters"] == other["parameters"]
-    assert other["optimizer"] - mine["optimizer"] == 4 * 21
+    assert mine["parameters"] == other["parameters"] and mine["optimizer"] == other["optimizer"]
     # offloaded: the checkpointed layers' inputs, all the activations the CPU step keeps on its device, are on the host
     assert other["activations"] > 0 and mine["activations"] < other["activations"] / 4, (mine, other)
     assert 0.85 <= cuda["ratio"] <= 1.15, cuda
@@ -152,7 +150,7 @@ def test_a_hybrid_model_rehearses_on_fake_cuda_as_its_real_step_runs(rehearse):
     """Qwen3.5's Gated DeltaNet layers build index tensors from host lists in their checkpointed recompute, which runs
     on autograd's device thread, where the fake mode's host-first rule was unset: on fake CUDA the step failed there
     (a CUDA allocation on a CPU build). Beside the same step on real CPU tensors it holds the same weights, gradients
-    and, within AdamW's host step counters and the kernels' own working set, the same peak."""
+    and, within the kernels' own working set, the same peak."""
     cfg = dataclasses.replace(CONFIG, model="qwen3.5-tiny", seq_len=512)
     cuda, real = _side_by_side(lambda: rehearse(cfg, 2, timeout=300),
                                lambda: rehearse(cfg, 2, timeout=300, device="cpu", fake=False))
