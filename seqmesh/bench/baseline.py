@@ -158,10 +158,11 @@ def run_method(bench: BaselineBench, method: str, seq_len: int, *, track: bool, 
     import torch.distributed as dist
 
     from ..memory import MemoryTracker
+    from ..training.step import make_optimizer
 
     framework, options = METHODS[method]
     module, offload, loss_of, after_backward, tokens = BUILDERS[framework](bench, options, seq_len)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    optimizer = make_optimizer(module, lr=1e-4)
 
     def step(i: int) -> float:
         loss = loss_of(i)

@@ -65,7 +65,7 @@ def measure_rank(bench: ExpertsBench, ep: int) -> dict:
     from ..experts.layers import experts_modules
     from ..memory import MemoryTracker
     from ..sequence.batch import shard_batch
-    from ..training.step import to_device
+    from ..training.step import make_optimizer, to_device
     from ..training.train import build
     from ..training.run_data import make_dataset
 
@@ -73,7 +73,7 @@ def measure_rank(bench: ExpertsBench, ep: int) -> dict:
     cfg = _config(bench, ep)
     data = make_dataset(cfg)
     mesh, module, device = build(cfg)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    optimizer = make_optimizer(module, lr=1e-4)
     module.train()
     experts = experts_modules(module.lm)
     weights = [p for p in experts[0].parameters(recurse=False)]

@@ -131,7 +131,7 @@ def _measure(folder: str, bench: FamiliesBench) -> dict:
     """On the one rank: the ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16
     autocast on CUDA); its steps' seconds and peak tensor bytes."""
     from ..memory import MemoryTracker
-    from ..training.step import step_autocast
+    from ..training.step import make_optimizer, step_autocast
     from ..training.train import uses_fsdp
     from .baseline import BUILDERS, BaselineBench, seqmesh_config
     from .common import sync
@@ -140,7 +140,7 @@ def _measure(folder: str, bench: FamiliesBench) -> dict:
     options = {"checkpointing": True, "bf16": cuda}
     runs = BaselineBench(model=folder, world=1)
     module, offload, loss_of, _, tokens = BUILDERS["seqmesh"](runs, options, bench.seq_len)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    optimizer = make_optimizer(module, lr=1e-4)
     device = next(module.parameters()).device
     # bf16 as seqmesh train steps: autocast, unless FSDP2's mixed precision casts the weights (the builder's config)
     cfg = seqmesh_config(runs, options, bench.seq_len)

@@ -83,7 +83,7 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     from ..memory import MemoryTracker, prime_optimizer
     from ..memory.offload import enable_activation_offload
     from ..sequence.batch import shard_batch
-    from ..training.step import to_device
+    from ..training.step import make_optimizer, to_device
     from ..training.train import build
     from ..training.run_data import make_dataset
 
@@ -96,7 +96,7 @@ def measure_rank(bench: MemoryBench, seq_len: int, options: dict) -> dict:
     data = make_dataset(cfg)
     mesh, module, device = build(cfg)
     offload = enable_activation_offload(module.lm, device) if cfg.offload_checkpoints else None
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    optimizer = make_optimizer(module, lr=1e-4)
     module.train()
     cuda = device.type == "cuda"
     prime_optimizer(module, optimizer)

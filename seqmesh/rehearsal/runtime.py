@@ -211,7 +211,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
             module = build_module(cfg, mesh, device, source)
-            optimizer = make_optimizer(module, cfg)
+            optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)
             offload = step_offload(cfg, module, device)  # --offload-checkpoints: as seqmesh train's Trainer
         fsdp = uses_fsdp(cfg)
         autocast = step_autocast(cfg, device, fsdp)

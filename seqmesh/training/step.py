@@ -17,13 +17,14 @@ from ..model.lm import SequenceParallelLM
 from .config import TrainConfig
 
 
-def make_optimizer(module: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over ``module``'s parameters at the run's rate and decay, on torch's fused kernel on every device (as
-    transformers' Trainer chooses on torch 2.8 and later): each parameter is updated in place, where the foreach path (torch's
-    default on CUDA) holds a float32 copy of every parameter through the step (16.4 GiB a GPU for Llama-3-70B on
-    16), and the step is one operator where DTensor's dispatch of the other paths misses its sharding cache for
-    every parameter at every step. The planner counts this path (``planner.memory.optimizer_temporaries``)."""
-    return torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """AdamW over ``module``'s parameters as ``seqmesh train`` steps them (and its rehearsal and benchmarks), on
+    torch's fused kernel on every device (transformers' Trainer's choice on torch 2.8 and later): each parameter is
+    updated in place, where the foreach path (torch's default on CUDA) holds a float32 copy of every parameter
+    through the step (16.4 GiB a GPU for Llama-3-70B on 16), and the step is one operator where DTensor's dispatch
+    of the other paths misses its sharding cache for every parameter at every step. The planner counts this path
+    (``planner.memory.optimizer_temporaries``)."""
+    return torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -201,7 +201,7 @@ class TrainingRun:
         self.mesh, self.module, self.device = build(cfg, source, files)
         self.fsdp = uses_fsdp(cfg)
         self.rank0 = dist.get_rank() == 0
-        self.optimizer = make_optimizer(self.module, cfg)
+        self.optimizer = make_optimizer(self.module, cfg.lr, cfg.weight_decay)
         self.folder = os.path.join(cfg.out, "checkpoints")
         self.phase("setup: loading the checkpoint")
         self.start = self._resume()
