@@ -78,7 +78,22 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             "logits": float((done.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
             "their_logits": float((torch.stack(theirs.logits, 1) - exact).abs().max()),
             "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
-            "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel())}
+            "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()),
+            "state_elements": [sum(t.numel() for t in kept) for kept in zip(*done.cache.states.values())] or [0, 0],
+            "expected_state_elements": list(_planned_state_elements(config))}
+
+
+def _planned_state_elements(config) -> tuple[int, int]:
+    """The planner's recurrent state and conv-tail elements for this batch of two rows (``seqmesh plan --inference``
+    reads the model from its config.json, as here)."""
+    import tempfile
+
+    from seqmesh.model.presets import model_shape
+    from seqmesh.planner.inference import recurrent_state_elements
+
+    with tempfile.TemporaryDirectory() as folder:
+        config.to_json_file(f"{folder}/config.json")
+        return recurrent_state_elements(model_shape(folder), batch=2)
 
 
 def _share_bytes(config, tokens: int) -> int:

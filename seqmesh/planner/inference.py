@@ -23,13 +23,14 @@ from .hardware import Cluster, HardwareSpec
 from .attention_layer import Attention
 from .experts import layer_fsdp_seconds
 from .layer_cost import attention_saved_bytes
-from .layers import GatedDeltaNet, layer_kinds, linear_layer_matmul_params, linear_state_bytes
+from .layers import GatedDeltaNet, layer_kinds, linear_layer_matmul_params
 from .placement import placement
 from .network import axis_groups, gather_seconds
 from .report import human_bytes, human_count, short_number
 from .workload import Workload, layer_matmul_params
 
-__all__ = ["InferenceLayout", "InferencePlan", "cache_share", "inference_plan", "inference_refusal"]
+__all__ = ["InferenceLayout", "InferencePlan", "cache_share", "inference_plan", "inference_refusal",
+           "recurrent_state_elements"]
 
 PARTIAL_BYTES = 4  # a decode partial's output and log-sum-exp are merged in float32
 
@@ -97,13 +98,21 @@ class InferencePlan:
                 "recommended": None if best is None else f"ulysses {best.ulysses} x ring {best.ring}"}
 
 
+def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
+    """Elements of what generation keeps for the Gated DeltaNet layers, the same on every rank: their recurrent
+    states (Dk x Dv per value head and sample) and their convolutions' last ``kernel - 1`` inputs (the conv's
+    width per sample); ``seqmesh.inference``'s cache holds exactly these (tests/inference/test_generate.py)."""
+    if not m.linear_layers:
+        return 0, 0
+    conv_dim = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    state = batch * m.linear_value_heads * m.linear_key_dim * m.linear_value_dim
+    return m.linear_layers * state, m.linear_layers * batch * (m.linear_conv - 1) * conv_dim
+
+
 def _recurrent_state_bytes(m: ModelShape, batch: int, element_bytes: int) -> int:
     """Every Gated DeltaNet layer's float32 state (all heads, on every rank) and its conv's last inputs."""
-    if not m.linear_layers:
-        return 0
-    conv_dim = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
-    tail = batch * (m.linear_conv - 1) * conv_dim * element_bytes
-    return m.linear_layers * (linear_state_bytes(m, batch, 1) + tail)
+    states, tails = recurrent_state_elements(m, batch)
+    return 4 * states + element_bytes * tails
 
 
 def _read_bytes(kind, m: ModelShape, element_bytes: int) -> int:

@@ -22,6 +22,7 @@ def _check(r: dict, ulysses: int, ring: int) -> None:
     assert sum(r["counts"]) == PROMPT + NEW - 1, r  # every token but the last drawn, kept once
     assert r["share_bytes"] == r["expected_share_bytes"], r  # the cache's formula, per rank
     assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring), r  # the planner's fullest rank
+    assert r["state_elements"] == r["expected_state_elements"], r  # and its Gated DeltaNet states and conv tails
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["u1xr2", "u2xr1"])
