@@ -161,3 +161,41 @@ def test_a_failed_save_names_the_disk_and_keeps_the_last_good_one(tmp_path, monk
     with pytest.raises(RuntimeError, match=r"GiB free; a full disk is the usual cause.*step_0000002\) is untouched"):
         ckpt.save_checkpoint(folder, 3, model, torch.optim.AdamW(model.parameters()))
     assert ckpt.latest_checkpoint(folder).endswith("step_0000002")
+
+
+def test_a_checkpoint_of_the_per_tensor_adamw_resumes_on_the_fused_one(tmp_path):
+    """Runs from before seqmesh train's AdamW took torch's fused kernel saved the per-tensor path's state (its step
+    counts on the host, not the parameters' device). Such a checkpoint resumes on ``make_optimizer``'s AdamW, and
+    the next step moves the weights as the per-tensor path would: with the step count lost, the bias corrections
+    of a first step would move them by about lr (1e-2), with the moments lost as much."""
+    from seqmesh.training.step import make_optimizer
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, dtype=torch.float64)
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    saved = torch.nn.Linear(64, 32).double()
+    per_tensor = torch.optim.AdamW(saved.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        step(saved, per_tensor)
+    folder = str(tmp_path / "checkpoints")
+    ckpt.save_checkpoint(folder, 3, saved, per_tensor)
+    resumed = torch.nn.Linear(64, 32).double()
+    fused = make_optimizer(resumed, lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"]
+    ckpt.load_checkpoint(os.path.join(folder, "step_0000003"), resumed, fused)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), saved.parameters()))
+    before = saved.weight.detach().clone()
+    step(saved, per_tensor)
+    step(resumed, fused)
+    assert float(fused.state[resumed.weight]["step"]) == 4.0
+    with torch.no_grad():
+        moved = float((saved.weight - before).abs().max())
+        bound = 16 * torch.finfo(torch.float64).eps * float(saved.weight.abs().max())  # a few ulps of the weights
+        assert moved > 1e-3 > 1e6 * bound
+        assert float((resumed.weight - saved.weight).abs().max()) <= bound
+        assert float((resumed.bias - saved.bias).abs().max()) <= bound
