@@ -237,7 +237,10 @@ def latest_checkpoint(folder: str) -> str | None:
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
     """Load into ``model`` and ``optimizer`` (sharded as they are now); returns the saved extras.
-    Every file is checked against its checksum first; a damaged one raises a ValueError on every rank."""
+    Every file is checked against its checksum first; a damaged one raises a ValueError on every rank.
+    The optimizer keeps its own settings (its kernel, its weight decay: this run's, ``--allow-config-change``
+    included) and takes the saved state (moments, step counts): torch's loading would put back the saved
+    groups whole, and a checkpoint of the per-tensor AdamW would then step this run on that path."""
     problem = checkpoint_problem(path)
     if problem is not None:
         raise ValueError(f"the checkpoint {path} is damaged: {problem}. Resume from an older step "
@@ -248,7 +251,16 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
     state = {"model": model_state, "optim": optim_state}
     load_checked(state, path, fix="it is probably damaged. Resume from an older step or start over in another --out.",
                  metadata=metadata)
+    settings = [{k: v for k, v in group.items() if k not in ("params", "param_names")}
+                for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+        if own.get("fused") or own.get("capturable"):  # their step counts live beside the parameters, in float32
+            for p in group["params"]:
+                kept = optimizer.state.get(p, {})
+                if "step" in kept:
+                    kept["step"] = kept["step"].to(device=p.device, dtype=torch.float32)
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)
 

@@ -164,10 +164,11 @@ def test_a_failed_save_names_the_disk_and_keeps_the_last_good_one(tmp_path, monk
 
 
 def test_a_checkpoint_of_the_per_tensor_adamw_resumes_on_the_fused_one(tmp_path):
-    """Runs from before seqmesh train's AdamW took torch's fused kernel saved the per-tensor path's state (its step
-    counts on the host, not the parameters' device). Such a checkpoint resumes on ``make_optimizer``'s AdamW, and
-    the next step moves the weights as the per-tensor path would: with the step count lost, the bias corrections
-    of a first step would move them by about lr (1e-2), with the moments lost as much."""
+    """Runs from before seqmesh train's AdamW took torch's fused kernel saved the default AdamW (on the CPU its
+    per-tensor path, step counts on the host) with ``fused`` unset in its groups. Such a checkpoint resumes on
+    ``make_optimizer``'s AdamW, which stays fused (torch's loading alone puts the saved groups back whole: the
+    per-tensor path from then on), keeps this run's weight decay, and steps as the per-tensor path would: with the
+    step count lost, a first step's bias corrections would move the weights by about lr (1e-2)."""
     from seqmesh.training.step import make_optimizer
 
     torch.manual_seed(0)
@@ -179,16 +180,19 @@ def test_a_checkpoint_of_the_per_tensor_adamw_resumes_on_the_fused_one(tmp_path)
         optimizer.step()
 
     saved = torch.nn.Linear(64, 32).double()
-    per_tensor = torch.optim.AdamW(saved.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    per_tensor = torch.optim.AdamW(saved.parameters(), lr=1e-2, weight_decay=0.1)
     for _ in range(3):
         step(saved, per_tensor)
+    assert per_tensor.param_groups[0]["fused"] is None
     folder = str(tmp_path / "checkpoints")
     ckpt.save_checkpoint(folder, 3, saved, per_tensor)
+    newest = os.path.join(folder, "step_0000003")
     resumed = torch.nn.Linear(64, 32).double()
     fused = make_optimizer(resumed, lr=1e-2, weight_decay=0.1)
-    assert fused.defaults["fused"]
-    ckpt.load_checkpoint(os.path.join(folder, "step_0000003"), resumed, fused)
+    ckpt.load_checkpoint(newest, resumed, fused)
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), saved.parameters()))
+    assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["foreach"] is None
+    assert fused.state[resumed.weight]["step"].dtype == torch.float32
     before = saved.weight.detach().clone()
     step(saved, per_tensor)
     step(resumed, fused)
@@ -199,3 +203,8 @@ def test_a_checkpoint_of_the_per_tensor_adamw_resumes_on_the_fused_one(tmp_path)
         assert moved > 1e-3 > 1e6 * bound
         assert float((resumed.weight - saved.weight).abs().max()) <= bound
         assert float((resumed.bias - saved.bias).abs().max()) <= bound
+    # --allow-config-change --weight-decay: the run's decay, not the checkpoint's
+    other = torch.nn.Linear(64, 32).double()
+    changed = make_optimizer(other, lr=1e-2, weight_decay=0.05)
+    ckpt.load_checkpoint(newest, other, changed)
+    assert changed.param_groups[0]["weight_decay"] == 0.05 and changed.param_groups[0]["fused"] is True
