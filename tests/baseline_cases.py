@@ -63,6 +63,7 @@ def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, o
 
     from seqmesh.training.config import TrainConfig
     from seqmesh.sequence.batch import shard_batch
+    from seqmesh.training.step import make_optimizer
     from seqmesh.training.train import build
     from seqmesh.training.run_data import make_dataset
 
@@ -73,7 +74,7 @@ def audit_seqmesh_step(seq_len: int, ulysses: int, ring: int, loss_chunk: int, o
     data = make_dataset(cfg)
     mesh, module, _ = build(cfg)
     module.train()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    optimizer = make_optimizer(module, lr=1e-4)
     local_len = seq_len // mesh.sp_size
     vocab, hidden = module.lm.config.vocab_size, module.lm.config.hidden_size
     recorder = LargeBuffers(local_len * local_len, vocab)

@@ -12,6 +12,7 @@ from seqmesh.memory.rmsnorm import enable_efficient_norm
 from seqmesh.memory.tiled_mlp import enable_tiled_mlp
 from seqmesh.model.fsdp import apply_fsdp, enable_checkpointing
 from seqmesh.model.lm import SequenceParallelLM, build_model
+from seqmesh.training.step import make_optimizer
 
 
 def _batch(seq_len: int, vocab: int = 256) -> dict:
@@ -40,7 +41,7 @@ def _step(ulysses: int, *, tiled: bool = False, norm: bool = False, cpu_offload:
     if norm:
         assert enable_efficient_norm(model.lm) == 2 * 2 + 1  # two per layer, the final norm
     apply_fsdp(model, mesh, cpu_offload=cpu_offload)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer(model, lr=1e-3)  # seqmesh train's
     local = seqmesh.shard_batch(_batch(seq_len), mesh)
     result = {"loss": [], "reports": [], "state": {}}
     for _ in range(steps):

@@ -12,6 +12,7 @@ activation checkpointing, then FSDP2 per decoder layer and at the root.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -171,7 +172,7 @@ def gradients_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def gradient_norm(parameters, max_norm: float = float("inf")):
+def gradient_norm(parameters: Iterable[torch.Tensor], max_norm: float = float("inf")) -> torch.Tensor:
     """The 2-norm of the whole gradient (every shard of every parameter; a plain tensor, also under FSDP2),
     clipping the gradients to ``max_norm`` only when it is finite (no multiply-by-1 over every gradient).
 
