@@ -49,7 +49,7 @@ class Workload(RunSettings):
     reserve_bytes: int = 2 * GiB  # CUDA context, NCCL buffers and allocator slack per GPU
     validate: bool = True  # seqmesh.attention's input check (a tiny all-gather per call)
     offload_prefetch: int = 2  # offloaded inputs fetched back to the device ahead of use (0: used in place, CPU)
-    optimizer: Literal["fused", "foreach", "per_tensor"] = "fused"  # AdamW's path: seqmesh train's fused kernel
+    optimizer: str = "fused"  # AdamW's path (OPTIMIZER_PATHS): seqmesh train's fused kernel (make_optimizer)
     media: Media | None = None  # images and video per sequence for a vision-language model's tower (None: text)
 
     def __post_init__(self) -> None:
