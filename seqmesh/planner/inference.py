@@ -92,7 +92,8 @@ class InferencePlan:
     def as_dict(self) -> dict:
         best = self.best
         return {"model": self.work.model.name, "prompt_tokens": self.work.seq_len, "batch": self.work.batch,
-                "new_tokens": self.new_tokens, "sharded_weights": self.sharded, "dtype": self.work.dtype, "gpus": self.cluster.gpus,
+                "new_tokens": self.new_tokens, "sharded_weights": self.sharded, "dtype": self.work.dtype,
+                "gpus": self.cluster.gpus,
                 "hardware": self.cluster.hardware.name, "layouts": [lay.as_dict() for lay in self.layouts],
                 "excluded": [{"layout": name, "why": why} for name, why in self.excluded],
                 "recommended": None if best is None else f"ulysses {best.ulysses} x ring {best.ring}"}

@@ -251,16 +251,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizer) -> dict:
     state = {"model": model_state, "optim": optim_state}
     load_checked(state, path, fix="it is probably damaged. Resume from an older step or start over in another --out.",
                  metadata=metadata)
-    settings = [{k: v for k, v in group.items() if k not in ("params", "param_names")}
-                for group in optimizer.param_groups]
+    # the saved groups take this run's settings, from which torch's loading also places the step counts (the fused
+    # kernel's float32, beside the parameters)
+    for saved, own in zip(state["optim"]["param_groups"], optimizer.param_groups):
+        saved.update({k: v for k, v in own.items() if k not in ("params", "param_names")})
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for group, own in zip(optimizer.param_groups, settings):
-        group.update(own)
-        if own.get("fused") or own.get("capturable"):  # their step counts live beside the parameters, in float32
-            for p in group["params"]:
-                kept = optimizer.state.get(p, {})
-                if "step" in kept:
-                    kept["step"] = kept["step"].to(device=p.device, dtype=torch.float32)
     with open(os.path.join(path, "seqmesh.json")) as f:
         return json.load(f)
 
