@@ -4,6 +4,7 @@ that the test asserts on in the main process."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,13 +42,15 @@ class Case:
     image_blocks: tuple[tuple[int, int], ...] | None = None  # Gemma 3's images: seen both ways by their tokens
     chunk: int | None = None  # Llama 4's chunked attention: keys of the query's own chunk of the row only
     softcap: float | None = None  # Gemma 2's logit soft-capping: scores capped before the softmax
+    alibi: tuple[float, ...] | None = None  # ALiBi's slope per query head (BLOOM, MPT)
 
     @property
     def name(self) -> str:
         docs = "docs" if self.cu_seqlens else "nodocs"
         extra = "".join(f"-{n}" for n, on in ((f"w{self.window}", self.window), ("sinks", self.sinks),
                                                 (f"dv{self.v_dim}", self.v_dim), ("images", self.image_blocks),
-                                                (f"chunk{self.chunk}", self.chunk), (f"cap{self.softcap}", self.softcap))
+                                                (f"chunk{self.chunk}", self.chunk), (f"cap{self.softcap}", self.softcap),
+                                                ("alibi", self.alibi))
                         if on)
         return (f"S{self.seq_len}-h{self.q_heads}/{self.kv_heads}-{'causal' if self.causal else 'full'}-"
                 f"{self.layout}-{docs}-{self.dtype}-{self.backend}{extra}")
@@ -94,7 +97,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
         out = attend(
             shard(q), shard(k), shard(v), mesh, causal=case.causal, layout=case.layout,
             cu_seqlens=case.cu_seqlens, seq_len=case.seq_len, backend=case.backend, window=case.window, sinks=sinks,
-            image_blocks=case.image_blocks, chunk=case.chunk, softcap=case.softcap,
+            image_blocks=case.image_blocks, chunk=case.chunk, softcap=case.softcap, alibi=case.alibi,
         )
         if with_grad:
             (out * shard(dout)).sum().backward()
@@ -104,7 +107,7 @@ def run_attention(case: Case, mesh: seqmesh.SPMesh, with_grad: bool = True, comp
     sr = sinks.detach().double().requires_grad_() if sinks is not None else None
     ref = reference_attention(qr, kr, vr, causal=case.causal, cu_seqlens=list(case.cu_seqlens) if case.cu_seqlens else None,
                               window=case.window, sinks=sr, image_blocks=case.image_blocks, chunk=case.chunk,
-                              softcap=case.softcap)
+                              softcap=case.softcap, alibi=case.alibi)
     ref.backward(dout.double())
     real = case.cu_seqlens[-1] if case.cu_seqlens else case.seq_len
     errors = {"out": _max_err(gathered, ref, real)}
@@ -125,6 +128,27 @@ def attention_cases(ulysses: int, ring: int, dp_shard: int, cases: list[Case], c
         errors, _ = run_attention(case, mesh, compiled=compiled)
         results.append({"case": case.name, **errors})
     return results
+
+
+def shifted_alibi_cases(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:
+    """:func:`attention_cases` with the ALiBi distance of every call between disjoint runs one position short (a
+    mutation the test must see: a ring block's bias off by one, though each block on its own is still ALiBi)."""
+    from seqmesh.sharded_attention import blocks, schedule
+
+    right = blocks._cross_distance
+
+    def one_short(q, k, bounds):
+        piece = right(q, k, bounds)
+        return None if piece is None else dataclasses.replace(
+            piece, mask=dataclasses.replace(piece.mask, offset=piece.mask.offset - 1))
+
+    schedule.ring_schedule.cache_clear()  # plans made before (or, after, with the mutation) are not reused
+    blocks._cross_distance = one_short
+    try:
+        return attention_cases(ulysses, ring, 1, cases)
+    finally:
+        blocks._cross_distance = right
+        schedule.ring_schedule.cache_clear()
 
 
 def shifted_chunk_cases(ulysses: int, ring: int, cases: list[Case]) -> list[dict]:

@@ -18,6 +18,7 @@ def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, cu_seqlens: list[int] | None = None,
     scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
     image_blocks: list[tuple[int, int]] | None = None, chunk: int | None = None, softcap: float | None = None,
+    alibi: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
     """q (B, S, Hq, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> (B, S, Hq, Dv), in float64 with plain ops.
 
@@ -29,7 +30,9 @@ def reference_attention(
     images, as transformers' ``blockwise_overlay``: OR'ed with the causal mask, AND'ed with the window).
     ``chunk``: keys of the query's own chunk only, chunks counted from its document's start (transformers'
     chunked mask, Llama 4, evaluated on packed documents' own positions), AND'ed with the rest. ``softcap``: the
-    scaled scores capped as Gemma 2's eager attention does (``s / c``, tanh, ``* c``) before the mask.
+    scaled scores capped as Gemma 2's eager attention does (``s / c``, tanh, ``* c``) before the mask. ``alibi``
+    (Hq,): ALiBi's slopes, ``slope * key position`` added to each head's scores as BLOOM does (a constant per row
+    away from ``-slope * distance``, which the softmax does not see).
     """
     b, s, hq, d = q.shape
     group = hq // k.shape[2]
@@ -55,6 +58,8 @@ def reference_attention(
     scores = (qf @ kf.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi is not None:
+        scores = scores + torch.tensor(alibi, dtype=scores.dtype)[:, None, None] * pos.to(scores.dtype)[None, None, :]
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))  # the mask is built on the CPU
     if sinks is not None:  # one more column, then dropped: it only enlarges the denominator
         column = sinks.double()[None, :, None, None].expand(b, hq, s, 1)

@@ -36,6 +36,11 @@ class BlockMask:
     - ``softcap``: not a mask but the one score transform seqmesh computes, carried with it to every kernel
       call: the scaled scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's
       ``attn_logit_softcapping``). A kernel that cannot apply it says so in ``unsupported``.
+    - ``alibi``: ALiBi (BLOOM, MPT): one slope per query head of the call, and each scaled score of query ``a``
+      and key ``b`` gets ``-slope * (offset + a - b)``, minus the slope times their distance (after the soft-cap,
+      if any). With it every call's rows and columns are consecutive positions (the block planner plans each
+      run pair on its own), so ``offset`` carries the distance across ring blocks; the log-sum-exp includes the
+      bias, so partial results of different blocks merge exactly. Only the math kernel takes it (:func:`alibi_problem`).
     """
 
     causal: bool = False
@@ -43,6 +48,7 @@ class BlockMask:
     window: int | None = None
     offset: int = 0
     softcap: float | None = None
+    alibi: tuple[float, ...] | None = None
 
     def allowed(self, sq: int, sk: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dense ``(Sq, Sk)`` boolean matrix of the mask (for kernels without native support)."""
@@ -62,6 +68,14 @@ class BlockMask:
             seg = segment_ids(self.segments, device)
             ok &= seg[q0:q1, None] == seg[None, k0:k1]
         return ok
+
+    def distance_bias(self, sq: int, sk: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """ALiBi's ``(Hq, Sq, Sk)`` bias of this call, ``-slope * (offset + a - b)``, in ``dtype``."""
+        assert self.alibi is not None
+        rows = torch.arange(sq, device=device, dtype=dtype)[:, None]
+        cols = torch.arange(sk, device=device, dtype=dtype)[None, :]
+        slopes = torch.tensor(self.alibi, device=device, dtype=dtype)[:, None, None]
+        return -slopes * (rows + self.offset - cols)
 
     def key_span(self, q0: int, q1: int, sk: int) -> tuple[int, int]:
         """Key columns ``[k0, k1)`` that rows ``[q0, q1)`` of a windowed call can see."""
@@ -112,6 +126,14 @@ def segment_ids(bounds: tuple[int, ...], device: torch.device | str = "cpu") -> 
 # kernel), and the half types the fused GPU kernels take. The one table: checks and kernels read it.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+def alibi_problem(mask: BlockMask, kernel: str) -> str | None:
+    """The reason a kernel other than the math kernel gives for an ALiBi call (its op takes no per-head distance
+    bias), or None."""
+    if mask.alibi is None:
+        return None
+    return f"{kernel} takes no ALiBi slopes (the math kernel computes them)"
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SUPPORTED_DTYPES, BlockMask, PadsHeadDims, lse_dtype
+from .base import SUPPORTED_DTYPES, BlockMask, PadsHeadDims, alibi_problem, lse_dtype
 from .windows import BandedWindowKernel
 
 
@@ -35,7 +35,7 @@ class CpuFlashKernel(PadsHeadDims, BandedWindowKernel):
             return f"dtype {q.dtype} is not one of {SUPPORTED_DTYPES}"
         if mask.softcap is not None:
             return "torch's CPU flash op does not soft-cap scores"
-        return None
+        return alibi_problem(mask, "torch's CPU flash op")
 
     def biased_forward(self, q, k, v, bias, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

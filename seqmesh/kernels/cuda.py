@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from .base import HALF_DTYPES, AttentionKernel, BlockMask, PadsHeadDims, PerDocumentKernel
+from .base import HALF_DTYPES, AttentionKernel, BlockMask, PadsHeadDims, PerDocumentKernel, alibi_problem
 from .gqa import expand_kv_heads, fold_kv_heads
 from .windows import BandedWindowKernel, RowSplitFa2, fa2_arguments, fa2_row_splits
 
@@ -98,6 +98,8 @@ class CudaFlashKernel(PadsHeadDims, RowSplitFa2, AttentionKernel):
             return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
         if mask.softcap is not None:
             return "torch's FA2 op does not soft-cap scores (the flash-attn package does)"
+        if reason := alibi_problem(mask, "torch's FA2 op"):
+            return reason
         splits = fa2_row_splits(mask, q.shape[1], k.shape[1])
         return splits if isinstance(splits, str) else cuda_problem(q, HALF_DTYPES, 256, 8, v, one_head_dim=False)
 
@@ -153,6 +155,8 @@ class CudaEfficientKernel(BandedWindowKernel):
             return "memory-efficient attention is disabled (torch.backends.cuda.enable_mem_efficient_sdp)"
         if mask.softcap is not None:
             return "torch's memory-efficient attention does not soft-cap scores"
+        if reason := alibi_problem(mask, "seqmesh's call of torch's memory-efficient attention"):
+            return reason
         if mask.window is None and (reason := square_causal_problem(mask, q.shape[1], k.shape[1])):
             return reason
         align = 4 if q.dtype == torch.float32 else 8
@@ -206,6 +210,8 @@ class CudaCudnnKernel(PerDocumentKernel):
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if mask.softcap is not None:  # first: whatever the machine, the call itself is out of reach
             return "torch's cuDNN attention does not soft-cap scores"
+        if reason := alibi_problem(mask, "torch's cuDNN attention"):
+            return reason
         if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
             return "cuDNN 9 or newer is not available"
         if not torch.backends.cuda.cudnn_sdp_enabled():

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import HALF_DTYPES, AttentionKernel, BlockMask
+from .base import HALF_DTYPES, AttentionKernel, BlockMask, alibi_problem
 from .cuda import cuda_problem, varlen_args
 from .windows import RowSplitFa2, fa2_arguments, fa2_row_splits
 
@@ -78,6 +78,8 @@ class FlashAttnKernel(RowSplitFa2, AttentionKernel):
         major_minor = tuple(int(x) for x in found[1].split(".")[:2] if x.isdigit())
         if major_minor < (2, 7):
             return f"flash-attn {found[1]} is older than 2.7"
+        if reason := alibi_problem(mask, f"seqmesh's call of flash-attn {found[1]} (its slopes are bottom-right aligned)"):
+            return reason
         if v is not None and v.shape[-1] != q.shape[-1]:
             return (f"flash-attn {found[1]}'s FA2 kernels need one head dim for q, k and v "
                     f"(got {q.shape[-1]} and {v.shape[-1]})")

@@ -28,6 +28,8 @@ class MathKernel(AttentionKernel):
         scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
         if mask.softcap is not None:
             scores = torch.tanh(scores / mask.softcap) * mask.softcap
+        if mask.alibi is not None:  # a constant per (head, row, key): the backward is unchanged
+            scores = scores + mask.distance_bias(q.shape[1], k.shape[1], ct, q.device)
         allowed = mask.allowed(q.shape[1], k.shape[1], q.device)
         return qf, kf, scores.masked_fill(~allowed, float("-inf"))
 
@@ -54,6 +56,8 @@ class MathKernel(AttentionKernel):
         dv = torch.matmul(probs.transpose(-1, -2), do)
         ds = probs * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
         if mask.softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh^2; masked entries have ds = 0 already
+            if mask.alibi is not None:  # the capped scores, without the bias added after the cap
+                scores = scores - mask.distance_bias(q.shape[1], k.shape[1], ct, q.device)
             capped = torch.nan_to_num(scores / mask.softcap, neginf=0.0)
             ds = ds * (1 - capped * capped)
         dq = torch.matmul(ds, kf) * scale

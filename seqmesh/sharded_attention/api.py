@@ -24,6 +24,7 @@ from ..mesh import SPMesh
 from .checks import CheckedCall
 from .compiled import compiled_attention
 from .ring import ring_attention
+from .schedule import for_heads
 from .planning import check_backend, plan_attention  # noqa: F401  (check_backend: read by bench hot_path)
 from .async_ulysses import OutputProjection, Projection, async_ulysses_attention
 from .ulysses import InnerAttention, ulysses_attention
@@ -47,6 +48,7 @@ def attention(
     image_blocks: Sequence[tuple[int, int]] | None = None,
     chunk: int | None = None,
     softcap: float | None = None,
+    alibi: Sequence[float] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded on ``mesh``'s sequence group.
 
@@ -89,6 +91,10 @@ def attention(
         softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): each scaled score becomes
             ``softcap * tanh(s / softcap)`` inside every kernel call, backward included; the log-sum-exp
             merge is unchanged. Kernels that cannot cap (torch's CPU and CUDA ops) are skipped by ``auto``.
+        alibi: ALiBi (BLOOM, MPT): one slope per query head (``Hq`` floats, in q's head order), causal only, no window
+            or image blocks. The scaled score of a query and a key ``d`` positions earlier in its document gets
+            ``-slope * d``, on every ring block (each call knows its distance: ``BlockMask.alibi``). Only the math
+            kernel computes it, one (rows, keys) score block per call: ``auto`` picks it, on CPU and CUDA alike.
 
     Under autocast, floating q, k and v are first cast to autocast's dtype, as torch's SDPA does (transformers'
     rotary leaves q and k in float32 beside a bfloat16 v there); the kernels then run with autocast off.
@@ -100,11 +106,11 @@ def attention(
     if torch.compiler.is_compiling():  # one graph node: two torch.library ops that plan inside (compiled.py)
         return compiled_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len,
                                   softmax_scale=softmax_scale, backend=backend, validate=validate, window=window,
-                                  sinks=sinks, image_blocks=image_blocks, chunk=chunk, softcap=softcap)
+                                  sinks=sinks, image_blocks=image_blocks, chunk=chunk, softcap=softcap, alibi=alibi)
     call, ring_part = prepare_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                         seq_len=seq_len, softmax_scale=softmax_scale, backend=backend,
                                         validate=validate, window=window, sinks=sinks, image_blocks=image_blocks,
-                                        chunk=chunk, softcap=softcap)
+                                        chunk=chunk, softcap=softcap, alibi=alibi)
     if mesh.ulysses == 1:
         return ring_part(q, k, v, None)
     return ulysses_attention(q, k, v, mesh, call.heads, ring_part)
@@ -124,21 +130,21 @@ def prepare_attention(
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, softmax_scale: float | None, backend: str,
     validate: bool | None, window: int | None, sinks: torch.Tensor | None,
     image_blocks: Sequence[tuple[int, int]] | None = None, chunk: int | None = None, softcap: float | None = None,
+    alibi: Sequence[float] | torch.Tensor | None = None,
 ) -> tuple[CheckedCall, InnerAttention]:
     """Check a call of :func:`attention` (arguments as there; only q, k, v's shapes, dtype and device are read,
     so expanded views do) and return it with the ring attention that runs on each Ulysses rank's heads."""
     call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                             seq_len=seq_len, backend=backend, validate=validate, window=window,
-                                            sinks=sinks, image_blocks=image_blocks, chunk=chunk, softcap=softcap)
+                                            sinks=sinks, image_blocks=image_blocks, chunk=chunk, softcap=softcap,
+                                            alibi=alibi)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     ring_group = mesh.ring_group if call.layout.ring > 1 else None
 
     def ring_part(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, kv_map: torch.Tensor | None) -> torch.Tensor:
-        own_sinks = None
-        if sinks is not None:  # this Ulysses rank's query heads; autograd scatters the gradient back
-            a, b = call.heads.q_range(mesh.ulysses_rank) if mesh.ulysses > 1 else (0, q.shape[2])
-            own_sinks = sinks[a:b]
-        return ring_attention(qr, kr, vr, ring_group, schedule, choose, scale, kv_map, own_sinks)
+        a, b = call.heads.q_range(mesh.ulysses_rank) if mesh.ulysses > 1 else (0, q.shape[2])  # this rank's heads
+        own_sinks = None if sinks is None else sinks[a:b]  # autograd scatters the gradient back
+        return ring_attention(qr, kr, vr, ring_group, for_heads(schedule, a, b), choose, scale, kv_map, own_sinks)
 
     return call, ring_part
 

@@ -28,6 +28,11 @@ nothing is left, and stays a plain full call when the window covers all of it::
     rows kept    qe' = min(qe, ke - 1 + w)         (later rows see none of these keys)
     full call    when qe' - 1 - ks' < w            (the farthest pair is inside the window)
 
+ALiBi (a bias by distance, causal only) needs the distance of every (query, key) pair of a call, so, as under a
+window, each run pair is planned on its own: the diagonal's run against itself (offset 0), and each rectangle of
+keys before the queries as a full call whose mask carries ``offset = qs - ks``. Zigzag then runs three calls a ring
+step where it ran one (its two runs are not consecutive positions).
+
 Image blocks (Gemma 3: the tokens of one image see each other both ways) are intervals of positions,
 each inside one document, given with causal attention. A query in a block sees, besides the keys
 causality gives it, every later key of its own block: its highest visible key is the block's last
@@ -154,6 +159,16 @@ def _cross_window(q: Run, k: Run, bounds: Sequence[int], window: int) -> Piece |
                  k.offset + ke - k.start, mask)
 
 
+def _cross_distance(q: Run, k: Run, bounds: Sequence[int]) -> Piece | None:
+    """The visible rectangle between two runs of disjoint positions under causal ALiBi, its mask carrying the
+    distance of its first row to its first key (rows and keys are consecutive positions)."""
+    p = _cross(q, k, bounds, causal=True)
+    if p is None:
+        return None
+    qs, ks = q.start + p.q0 - q.offset, k.start + p.k0 - k.offset  # global positions of the first row and key
+    return Piece(p.q0, p.q1, p.k0, p.k1, BlockMask(offset=qs - ks))
+
+
 def _split_at_blocks(run: Run, blocks: Sequence[tuple[int, int]]) -> list[tuple[Run, bool]]:
     """``run`` cut at the image blocks' starts and stops, each part with whether a block holds it."""
     starts = [a for a, _ in blocks]
@@ -221,14 +236,22 @@ def _plan_with_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequ
 
 def plan_block(
     q_runs: Sequence[Run], k_runs: Sequence[Run], bounds: Sequence[int], causal: bool, window: int | None = None,
-    blocks: Sequence[tuple[int, int]] = (),
+    blocks: Sequence[tuple[int, int]] = (), distance: bool = False,
 ) -> tuple[Piece, ...]:
     """Kernel calls that compute attention of the ``q_runs`` block over the ``k_runs`` block, with an
     optional causal sliding ``window`` and image ``blocks`` (``[start, stop)`` intervals of positions,
     ascending, each inside one document and no longer than ``window``; read with causal attention only,
-    as without causality every key of a document is visible already)."""
+    as without causality every key of a document is visible already). ``distance``: every call's mask carries
+    its rows' distance to its keys (ALiBi; causal, without a window or image blocks)."""
     if window is not None and not causal:
         raise ValueError("sliding windows are causal here; non-causal windowed attention is not supported.")
+    if distance:
+        if not causal or window is not None or blocks:
+            raise ValueError("ALiBi is planned for causal attention without a window or image blocks.")
+        whole = bounds[-1]  # a window no run pair reaches past: the diagonal's plain causal call
+        pieces = [(_diagonal_window(q, bounds, whole) if q == k else _cross_distance(q, k, bounds))
+                  for q in q_runs for k in k_runs if q == k or k.stop <= q.start]
+        return tuple(sorted((p for p in pieces if p is not None), key=lambda p: (p.q0, p.k0)))
     if blocks and causal:
         return tuple(_coalesce(_plan_with_blocks(q_runs, k_runs, bounds, window, blocks)))
     if window is not None:

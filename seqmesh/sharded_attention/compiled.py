@@ -35,6 +35,7 @@ from .checks import CheckedCall
 from .heads import HeadPlan
 from .planning import plan_attention
 from .ring import local_backward, local_forward, ring_backward, ring_forward
+from .schedule import for_heads
 
 _VALIDATE_CODES = {None: -1, False: 0, True: 1}
 
@@ -101,6 +102,7 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, mesh_name: str, causal: bool,
     layout: str, cu_seqlens: list[int] | None, seq_len: int | None, scale: float, backend: str, validate: int,
     window: int | None, image_blocks: list[int] | None, chunk: int | None, softcap: float | None,
+    alibi: list[float] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, L, Hq, Dv), lse (B, hq, U*L) and the head-sharded heads, v_apart, oh that backward reads."""
     mesh = mesh_by_name(mesh_name)
@@ -108,9 +110,10 @@ def attention_forward(
         call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                                 seq_len=seq_len, backend=backend, validate=_validate_flag(validate),
                                                 window=window, sinks=sinks, image_blocks=_pairs(image_blocks),
-                                                chunk=chunk, softcap=softcap)
+                                                chunk=chunk, softcap=softcap, alibi=alibi)
         a, b = _own_heads(call, mesh, q.shape[2])
         own_sinks = None if sinks is None else sinks[a:b]
+        schedule = for_heads(schedule, a, b)
         if mesh.ulysses == 1:
             out, lse = _inner_forward(q, k, v, own_sinks, mesh, schedule, choose, None, scale)
             empty = q.new_empty(0)
@@ -128,7 +131,7 @@ def attention_forward(
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, sinks, mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend,
-                            validate, window, image_blocks, chunk, softcap):
+                            validate, window, image_blocks, chunk, softcap, alibi):
     mesh = mesh_by_name(mesh_name)
     b, n, hq, d = q.shape
     hk, dv = k.shape[2], v.shape[-1]
@@ -150,6 +153,7 @@ def attention_backward(
     out: torch.Tensor, lse: torch.Tensor, heads: torch.Tensor, v_apart: torch.Tensor, oh: torch.Tensor, mesh_name: str,
     causal: bool, layout: str, cu_seqlens: list[int] | None, seq_len: int | None, scale: float, backend: str,
     window: int | None, image_blocks: list[int] | None, chunk: int | None, softcap: float | None,
+    alibi: list[float] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the inputs' shapes and dsinks (Hq,) (empty without sinks)."""
     mesh = mesh_by_name(mesh_name)
@@ -157,9 +161,10 @@ def attention_backward(
         call, schedule, choose = plan_attention(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                                 seq_len=seq_len, backend=backend, validate=False, window=window,
                                                 sinks=sinks, image_blocks=_pairs(image_blocks), chunk=chunk,
-                                                softcap=softcap)
+                                                softcap=softcap, alibi=alibi)
         a, b = _own_heads(call, mesh, q.shape[2])
         own_sinks = None if sinks is None else sinks[a:b]
+        schedule = for_heads(schedule, a, b)
         if mesh.ulysses == 1:
             dq, dk, dv, ds = _inner_backward(dout, q, k, v, out, lse, own_sinks, mesh, schedule, choose, None, scale)
         else:
@@ -180,21 +185,22 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, sinks, out, lse, heads, v_apart, oh, mesh_name, causal, layout, cu_seqlens,
-                             seq_len, scale, backend, window, image_blocks, chunk, softcap):
+                             seq_len, scale, backend, window, image_blocks, chunk, softcap, alibi):
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 _SETTINGS = ("mesh_name", "causal", "layout", "cu_seqlens", "seq_len", "scale", "backend", "window", "image_blocks",
-             "chunk", "softcap")
+             "chunk", "softcap", "alibi")
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, sinks, mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, _, window, image_blocks, chunk, \
-        softcap = inputs
+        softcap, alibi = inputs
     out, lse, heads, v_apart, oh = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, heads, v_apart, oh)
-    ctx.settings = (mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, window, image_blocks, chunk, softcap)
+    ctx.settings = (mesh_name, causal, layout, cu_seqlens, seq_len, scale, backend, window, image_blocks, chunk, softcap,
+                    alibi)
     ctx.has_sinks = sinks is not None
 
 
@@ -202,7 +208,7 @@ def _backward(ctx, dout, _dlse, _dheads, _dv_apart, _doh):
     q, k, v, sinks, out, lse, heads, v_apart, oh = ctx.saved_tensors
     dq, dk, dv, dsinks = attention_backward(dout.contiguous(), q, k, v, sinks, out, lse, heads, v_apart, oh,
                                             *ctx.settings)
-    return dq, dk, dv, (dsinks if ctx.has_sinks else None), *(None,) * 12
+    return dq, dk, dv, (dsinks if ctx.has_sinks else None), *(None,) * 13
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -213,6 +219,7 @@ def compiled_attention(
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, softmax_scale: float | None, backend: str,
     validate: bool | None, window: int | None, sinks: torch.Tensor | None,
     image_blocks: Sequence[tuple[int, int]] | None = None, chunk: int | None = None, softcap: float | None = None,
+    alibi: Sequence[float] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`seqmesh.attention` through the ops above; the same arguments, ``(B, L, Hq, Dv)``."""
     if isinstance(cu_seqlens, torch.Tensor):
@@ -225,5 +232,6 @@ def compiled_attention(
     flat = [x for block in image_blocks for x in block] if image_blocks else None  # an op takes flat int lists
     out, *_ = attention_forward(q, k, v, sinks, mesh.name, causal, kind, cu, seq_len, float(scale), backend,
                                 _VALIDATE_CODES[validate], window, flat, chunk,
-                                None if softcap is None else float(softcap))
+                                None if softcap is None else float(softcap),
+                                None if alibi is None else [float(s) for s in alibi])
     return out

@@ -4,6 +4,7 @@ both plan a call the same way."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,11 +28,26 @@ def check_backend(schedule: RingSchedule, choose: ChooseKernel, q: torch.Tensor,
         choose(rows, keys, mask, v)
 
 
+def check_alibi(alibi: Sequence[float] | None, heads: int, causal: bool, window: int | None,
+                image_blocks: Sequence[tuple[int, int]] | None) -> tuple[float, ...] | None:
+    """ALiBi's slopes as a tuple of floats, one per query head, or a ValueError naming what to change."""
+    if alibi is None:
+        return None
+    slopes = tuple(float(s) for s in (alibi.tolist() if isinstance(alibi, torch.Tensor) else alibi))
+    if len(slopes) != heads or not all(math.isfinite(s) for s in slopes):
+        raise ValueError(f"alibi: {len(slopes)} slopes for {heads} query heads (or one not finite); ALiBi needs one "
+                         "finite slope per query head of q, in q's head order.")
+    if not causal or window is not None or image_blocks:
+        raise ValueError("alibi: seqmesh computes ALiBi for causal attention without a sliding window or image blocks "
+                         f"(got causal={causal}, window={window}, image_blocks={'given' if image_blocks else None}).")
+    return slopes
+
+
 def plan_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool, layout: str | LayoutKind,
     cu_seqlens: torch.Tensor | Sequence[int] | None, seq_len: int | None, backend: str, validate: bool | None,
     window: int | None, sinks: torch.Tensor | None, image_blocks: Sequence[tuple[int, int]] | None = None,
-    chunk: int | None = None, softcap: float | None = None,
+    chunk: int | None = None, softcap: float | None = None, alibi: Sequence[float] | None = None,
 ) -> tuple[CheckedCall, RingSchedule, ChooseKernel]:
     """The checked call of ``seqmesh.attention`` (arguments as there; only q, k, v's shapes, dtype and device
     are read), its ring schedule and kernel chooser; a named kernel's refusal raises here on every rank."""
@@ -43,6 +59,7 @@ def plan_attention(
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
         raise ValueError(f"softcap={softcap!r}: soft-capping needs a positive cap (scores become "
                          "softcap * tanh(s / softcap)); pass None for none.")
+    slopes = check_alibi(alibi, q.shape[2], causal, window, image_blocks)
     call = check_attention_inputs(q, k, v, mesh, causal=causal, layout=layout, cu_seqlens=cu_seqlens,
                                   seq_len=seq_len, validate=validate, window=window, sinks=sinks,
                                   image_blocks=image_blocks)
@@ -53,7 +70,7 @@ def plan_attention(
     bounds = document_bounds(lay.padded_len, call.real_len, call.cu_seqlens)
     if chunk is not None:  # the mask's documents only: the layout placed the tokens by the documents alone
         bounds = chunk_bounds(bounds, chunk)
-    schedule = ring_schedule(lay, bounds, causal, window, blocks, None if softcap is None else float(softcap))
+    schedule = ring_schedule(lay, bounds, causal, window, blocks, None if softcap is None else float(softcap), slopes)
     choose = kernel_chooser(backend)
     if backend != "auto":  # a named kernel may refuse some blocks (documents): find out before any rank sends
         check_backend(schedule, choose, q, k, v)

@@ -44,6 +44,7 @@ class RingSchedule:
     window: int | None = None  # causal sliding window in tokens; None: none
     blocks: tuple[tuple[int, int], ...] = ()  # image blocks [start, stop): bidirectional inside (causal only)
     softcap: float | None = None  # scores capped as softcap * tanh(s / softcap) in every kernel call (Gemma 2)
+    alibi: tuple[float, ...] | None = None  # ALiBi's slope of each query head the calls compute (BLOOM, MPT)
     _plans: dict[tuple[int, int], tuple[Piece, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, ring_rank: int, step: int) -> int:
@@ -56,9 +57,9 @@ class RingSchedule:
         if key not in self._plans:
             runs = self.layout.ring_runs
             plan = plan_block(runs(ring_rank), runs(self.source(ring_rank, step)), self.bounds, self.causal,
-                              self.window, self.blocks)
-            if self.softcap is not None:  # the same calls, each told to cap its scores
-                plan = tuple(replace(p, mask=replace(p.mask, softcap=self.softcap)) for p in plan)
+                              self.window, self.blocks, distance=self.alibi is not None)
+            if self.softcap is not None or self.alibi is not None:  # the same calls, each told to cap or bias
+                plan = tuple(replace(p, mask=replace(p.mask, softcap=self.softcap, alibi=self.alibi)) for p in plan)
             self._plans[key] = plan
         return self._plans[key]
 
@@ -113,8 +114,17 @@ class RingSchedule:
 @functools.lru_cache(maxsize=256)
 def ring_schedule(
     layout: SequenceLayout, bounds: tuple[int, ...], causal: bool, window: int | None = None,
-    blocks: tuple[tuple[int, int], ...] = (), softcap: float | None = None,
+    blocks: tuple[tuple[int, int], ...] = (), softcap: float | None = None, alibi: tuple[float, ...] | None = None,
 ) -> RingSchedule:
-    """The schedule for a layout, document boundaries, causality, window, image blocks and soft-cap, built once
-    and shared by every layer and step that meets them (its block plans are filled in on first use)."""
-    return RingSchedule(layout, bounds, causal, window, blocks, softcap)
+    """The schedule for a layout, document boundaries, causality, window, image blocks, soft-cap and ALiBi slopes,
+    built once and shared by every layer and step that meets them (its block plans are filled in on first use)."""
+    return RingSchedule(layout, bounds, causal, window, blocks, softcap, alibi)
+
+
+def for_heads(schedule: RingSchedule, first: int, stop: int) -> RingSchedule:
+    """``schedule`` for the query heads ``[first, stop)`` of the call it was made for (a Ulysses rank's): the same
+    schedule unless it carries per-head ALiBi slopes."""
+    if schedule.alibi is None or (first, stop) == (0, len(schedule.alibi)):
+        return schedule
+    return ring_schedule(schedule.layout, schedule.bounds, schedule.causal, schedule.window, schedule.blocks,
+                         schedule.softcap, schedule.alibi[first:stop])
