@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
+from . import own_attention
 from . import indexed_attention
 from . import mixers
 from . import positions
@@ -267,13 +268,15 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     config = model.config
     text = config.get_text_config()  # the config itself for a text model; the decoder's for a multimodal one
     mixer_layers = mixers.mixer_layers(model, mesh, linear_attention)  # recurrences and convs, each checked
+    own_attention.check_backend(mixer_layers.get(own_attention.KIND, []), backend)
     indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
     check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed,
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types))  # every other mixer refused
     q_heads = getattr(text, "num_attention_heads", None)
     handled = {id(part) for layers in mixer_layers.values() for _, m in layers for part in m.modules()}
     tp = getattr(mesh, "tp", 1)
-    if mixer_layers and not has_attention(model, handled):  # a pure state space model (Mamba2): no heads to deal
+    if mixer_layers and not has_attention(model, handled):  # no attention left to route: a pure state space model
+        # (Mamba2), or one whose attention seqmesh runs itself (BLOOM, MPT, Falcon: their heads checked by seqmesh.hf.own_attention)
         if tp > 1:
             raise ValueError(f"{type(model).__name__} has no attention layer and tp={tp}: seqmesh's tensor parallelism "
                              "splits attention heads and MLPs, not state space mixers; use tp=1.")
@@ -291,14 +294,18 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         tower = config.vision_config
         heads = getattr(tower, "num_heads", None) or tower.num_attention_heads
         check_heads(heads, heads, mesh, "the vision tower")
-    positions.check_positions(model)
+    positions.check_positions(model, frozenset(id(part) for _, m in mixer_layers.get(own_attention.KIND, []) for part in m.modules()))
     async_layers = check_async(model, mesh) if async_ulysses else []
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
-    model.set_attn_implementation(name)
+    own = mixer_layers.get(own_attention.KIND, [])  # BLOOM, MPT, Falcon: their attention is their own: no switch
+    if not own:
+        model.set_attn_implementation(name)
+    elif own_attention.needs_no_mask(own):  # yet BLOOM and Falcon build their causal mask for the config's implementation: named
+        config._attn_implementation = name  # seqmesh's, it builds no (L, L) mask the replaced attention would ignore
     for module, chunk in chunked_layers(model):
         setattr(module, _CHUNK, chunk)
     for kind, layers in mixer_layers.items():
@@ -307,6 +314,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)
+    hooks += own_attention.refuse_padding_masks(decoder_of(model), mixer_layers.get(own_attention.KIND, []))
     setattr(model, _ATTR, (name, previous, hooks))
     return model
 
@@ -321,7 +329,10 @@ def unparallelize(model: nn.Module) -> nn.Module:
     name, previous, hooks = state
     for hook in hooks:
         hook.remove()
-    model.set_attn_implementation(previous)
+    if not any(getattr(m, mixers.REPLACED_ATTR, None) == own_attention.NAME for m in model.modules()):
+        model.set_attn_implementation(previous)
+    elif model.config._attn_implementation == name:  # BLOOM's or Falcon's, set by parallelize
+        model.config._attn_implementation = previous
     # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
     # the registration is dropped from that mapping directly.

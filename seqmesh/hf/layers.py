@@ -20,6 +20,9 @@ import torch.nn as nn
 
 from ..model.head import forward_source
 from ..model.lm import decoder_of
+from .mixer_kind import REPLACED_ATTR
+
+OWN_ATTENTION = "attention of its own"  # seqmesh.hf.own_attention's kind, by name (that module imports this one)
 
 # config.layer_types entries seqmesh computes: attention through the interface, and per-token MLPs ("mlp": the MLP
 # blocks of every released Nemotron-H, the "-" of its pattern)
@@ -54,7 +57,8 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; "
              "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
              "Jamba, Mamba and Falcon-Mamba; the lightning attention layers of MiniMax-01; the gated short convolutions "
-             "of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers of Kimi Linear and Bailing hybrid")
+             "of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers of Kimi Linear and Bailing hybrid; the ALiBi "
+             "attention of BLOOM and MPT; Falcon's rotary attention")
 
 
 def mixes_tokens(module: nn.Module) -> bool:
@@ -96,10 +100,12 @@ def calls_without_kwargs(cls: type, child: str) -> bool:
     if not source:
         return False
     tree = ast.parse(source)
-    # the layers a loop takes from the child (for layer in self.layers[: n]: layer(...)) are called by their name
-    names = {loop.target.id for loop in ast.walk(tree) if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name)
+    # the layers a loop takes from the child (for layer in self.layers[: n], for i, block in enumerate(self.h)) are
+    # called by their name
+    names = {target.id for loop in ast.walk(tree) if isinstance(loop, ast.For)
              and any(isinstance(n, ast.Attribute) and n.attr == child and isinstance(n.value, ast.Name)
-                     and n.value.id == "self" for n in ast.walk(loop.iter))}
+                     and n.value.id == "self" for n in ast.walk(loop.iter))
+             for target in ast.walk(loop.target) if isinstance(target, ast.Name)}
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and (
         (isinstance(node.func, ast.Attribute) and node.func.attr == child and isinstance(node.func.value, ast.Name)
          and node.func.value.id == "self") or (isinstance(node.func, ast.Name) and node.func.id in names))]
@@ -107,7 +113,10 @@ def calls_without_kwargs(cls: type, child: str) -> bool:
 
 
 def _interface_attention(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("Attention") and _calls_interface(type(module))
+    """An attention module seqmesh's entry must reach: one that calls the interface, or one whose forward seqmesh
+    runs itself (BLOOM's, MPT's and Falcon's, once ``seqmesh.hf.own_attention`` installed it)."""
+    own = getattr(module, REPLACED_ATTR, None) == OWN_ATTENTION
+    return own or (type(module).__name__.endswith("Attention") and _calls_interface(type(module)))
 
 
 def takes_kwargs(module: nn.Module) -> bool:

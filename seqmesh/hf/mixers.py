@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
-from . import kda, lightning, linear_attention, mamba, mamba2, short_conv
+from . import kda, lightning, linear_attention, mamba, mamba2, own_attention, short_conv
 from .layers import calls_without_kwargs
 from .mixer_kind import ENTRY_ATTR, REPLACED_ATTR, Layers, MixerKind
 
@@ -45,7 +45,9 @@ def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
     decoder = decoder_of(model)
     where = next((p for p, m in model.named_modules() if m is decoder), "")
     held: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
-    for _, layers in found.items():
+    for kind, layers in found.items():
+        if kind is own_attention.KIND:  # reached as an attention module is, by seqmesh.hf._hook_entry's relays
+            continue
         for path, mixer in layers:
             if where and not path.startswith(where + "."):
                 continue  # outside the decoder: not a decoder's mixer
@@ -88,7 +90,7 @@ def has_mixers(model: nn.Module) -> bool:
 
 def kinds() -> tuple[MixerKind, ...]:
     """Every mixer seqmesh runs sequence-parallel, in the order ``parallelize`` looks for them."""
-    return (linear_attention.KIND, mamba2.KIND, mamba.KIND, lightning.KIND, short_conv.KIND, kda.KIND)
+    return (linear_attention.KIND, mamba2.KIND, mamba.KIND, lightning.KIND, short_conv.KIND, kda.KIND, own_attention.KIND)
 
 
 def mixer_layers(model: nn.Module, mesh: SPMesh, design: str) -> dict[MixerKind, Layers]:

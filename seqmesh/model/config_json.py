@@ -54,7 +54,7 @@ def shape_from_config(path: str) -> ModelShape:
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
-    cfg = _with_layer_count(cfg)
+    cfg = _with_layer_count(_standard_names(cfg))
     hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
     cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
     if "layers" in hybrid:
@@ -77,11 +77,40 @@ def shape_from_config(path: str) -> ModelShape:
             **_mlp_fields(cfg),
             **_linear_fields(cfg),
             **_window_fields(cfg),
+            **_alibi_fields(cfg),
             **hybrid,
             vision=vision,
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+# The config.json names of families older than transformers' standard ones (their config classes' attribute_map,
+# written here so that reading a config.json needs no transformers), and the MLP width their files do not hold
+_OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
+              "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}}
+_MLP_RATIO = {"bloom": lambda cfg: 4, "mpt": lambda cfg: cfg.get("expansion_ratio", 4)}
+
+
+def _standard_names(cfg: dict) -> dict:
+    """``cfg`` with the standard names of an older family's sizes (BLOOM's ``n_layer``, MPT's ``d_model``) and its
+    MLP's ``intermediate_size``."""
+    family = cfg.get("model_type")
+    if family not in _OLD_NAMES:
+        return cfg
+    out = {std: cfg[old] for old, std in _OLD_NAMES[family].items() if old in cfg} | cfg
+    if "intermediate_size" not in out and isinstance(out.get("hidden_size"), int):
+        out["intermediate_size"] = _MLP_RATIO[family](cfg) * out["hidden_size"]
+    return out
+
+
+def _alibi_fields(cfg: dict) -> dict:
+    """The planner's reason for an ALiBi family (BLOOM, MPT), which ``seqmesh train`` runs all the same."""
+    if cfg.get("model_type") not in _OLD_NAMES:
+        return {}
+    return {"unplanned": f"seqmesh plan does not size {cfg['model_type']}'s ALiBi attention yet: it runs on the math "
+                         "kernel, whose (rows x keys) score block per call the planner does not count, and its MLP "
+                         "is two matrices, not a gated three; seqmesh train and verify run it all the same."}
 
 
 def _with_layer_count(cfg: dict) -> dict:

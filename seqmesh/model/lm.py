@@ -192,10 +192,15 @@ def decoder_of(model: nn.Module) -> nn.Module:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
     base = decoder_of(model)
-    layers = getattr(base, "layers", None)
+    # transformers' name, and the older families' (GPT-2 and BLOOM: h; MPT: blocks)
+    layers = next((getattr(base, n) for n in LAYER_LISTS if isinstance(getattr(base, n, None), nn.ModuleList)), None)
     if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; expected a '.layers' list.")
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; expected a list of blocks named "
+                         f"{', '.join(LAYER_LISTS)}.")
     return list(layers)
+
+
+LAYER_LISTS = ("layers", "h", "blocks")
 
 
 def vision_blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,213 @@
+"""transformers' attention layers that compute their attention themselves, outside transformers'
+``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary attention.
+
+``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
+``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
+
+    q, k, v = the layer's projections of hidden_states       (B, L, Hq, D), (B, L, Hk, D) x 2, per token
+    q, k = the family's rotary at the model's position_embeddings (Falcon: from the batch's global position_ids)
+    o = seqmesh.attention(q, k, v, scale, alibi=slopes)       ALiBi: each score - slope_h * distance, on every block
+    out = the layer's output projection of o (BLOOM: + residual)
+
+ALiBi (BLOOM, MPT): the model builds ``slope * key position`` for the local tokens (a bias by distance up to a
+constant per row, which the softmax does not see); seqmesh takes the family's own slopes (BLOOM's
+``build_alibi_tensor``, MPT's ``build_mpt_alibi_tensor``, read once at two positions) and ignores the model's
+bias. MPT's bias stops at ``config.max_seq_len`` positions; seqmesh's continues by the same rule. Falcon with
+``alibi=True`` is refused: transformers rounds its bias (slope x position) to bfloat16, which depends on the
+position itself, not the distance. While the model is parallelized its config names seqmesh's attention
+implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon; MPT builds one
+whatever the config names, and the layer ignores it), and a padding mask given to the decoder is refused.
+
+The entry reaches these layers as it reaches a layer that calls the interface without passing it on
+(``seqmesh.hf._hook_entry``): these models call their blocks, and the blocks their attention, without
+``**kwargs``. Tensor parallelism and attention dropout are refused by name; the math kernel computes the ALiBi bias
+(``seqmesh.kernels.base.BlockMask.alibi``), so an ALiBi model's ``backend`` must be ``auto`` or ``math``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..mesh import SPMesh
+from ..rules.degrees import workable_degrees
+from ..sharded_attention.api import attention
+from .layers import OWN_ATTENTION as NAME
+from .mixer_kind import MixerKind, check_mixer_context
+
+ALIBI_BACKENDS = ("auto", "math")  # the kernels that compute ALiBi's bias
+
+
+@dataclass(frozen=True)
+class _Family:
+    heads: Callable[[nn.Module], int]
+    slopes: Callable[[nn.Module, int], torch.Tensor] | None  # (module, heads) -> (heads,) ALiBi's; None: no ALiBi
+    dropout: Callable[[nn.Module], float]  # the attention dropout the layer would apply
+    project: Callable  # (module, hidden_states) -> q (B, L, Hq, D), k, v (B, L, Hk, D)
+    scale: Callable[[nn.Module], float]
+    output: Callable  # (module, o (B, L, Hq * D), the layer's call's other arguments) -> the layer's result
+    own_mask: bool = False  # the model builds its causal mask whatever the config names (MPT): the layer ignores it
+    rotary: bool = False  # q and k rotated by the family's apply_rotary_pos_emb at the call's position_embeddings
+    refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
+
+
+def _family_function(module: nn.Module, name: str) -> Callable:
+    return getattr(sys.modules[type(module).__module__], name)
+
+
+def _bloom_slopes(module: nn.Module, heads: int) -> torch.Tensor:
+    # (B * H, 1, S) = slope * position; at position 1 the slope itself
+    return _family_function(module, "build_alibi_tensor")(torch.ones(1, 2), heads, torch.float64)[:, 0, 1]
+
+
+def _bloom_project(module: nn.Module, hidden: torch.Tensor):
+    b, n, _ = hidden.shape
+    fused = module.query_key_value(hidden).view(b, n, module.num_heads, 3, module.head_dim)  # heads interleaved
+    return fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
+
+
+def _bloom_output(module: nn.Module, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, None]:
+    out = nn.functional.dropout(module.dense(o), p=module.hidden_dropout, training=module.training)
+    return out + residual, None  # BLOOM's dropout_add; no attention weights
+
+
+def _mpt_slopes(module: nn.Module, heads: int) -> torch.Tensor:
+    # (H, 1, S) = slope * (position - S + 1); at position 0 of 2, minus the slope
+    return -_family_function(module, "build_mpt_alibi_tensor")(heads, 2)[:, 0, 0].double()
+
+
+def _mpt_project(module: nn.Module, hidden: torch.Tensor):
+    b, n, _ = hidden.shape
+    mixed = module.Wqkv(hidden)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    return tuple(t.reshape(b, n, module.n_heads, module.head_dim) for t in mixed.chunk(3, dim=2))
+
+
+def _falcon_project(module: nn.Module, hidden: torch.Tensor):
+    b, n, _ = hidden.shape
+    fused, h, d = module.query_key_value(hidden), module.num_heads, module.head_dim
+    if module.new_decoder_architecture:  # per kv head: its group of query heads, then its key and its value
+        qkv = fused.view(b, n, module.num_kv_heads, h // module.num_kv_heads + 2, d)
+        return qkv[..., :-2, :].flatten(2, 3), qkv[..., -2, :], qkv[..., -1, :]
+    if module.multi_query:  # the query heads, then one key and one value head
+        qkv = fused.view(b, n, h + 2, d)
+        return qkv[..., :-2, :], qkv[..., -2:-1, :], qkv[..., -1:, :]
+    qkv = fused.view(b, n, h, 3, d)
+    return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+
+
+def _falcon_refused(module: nn.Module) -> str | None:
+    if module.config.alibi:
+        return ("Falcon with alibi=True: transformers rounds its bias (slope x key position) to bfloat16, so the bias "
+                "depends on the position itself, not only on the distance, and seqmesh would not reproduce it; Falcon "
+                "with rotary positions (alibi=False, every released Falcon but the RW models) is exact")
+    return None
+
+
+FAMILIES: dict[str, _Family] = {
+    "BloomAttention": _Family(lambda m: m.num_heads, _bloom_slopes, lambda m: m.attention_dropout.p, _bloom_project,
+                              lambda m: m.inv_norm_factor, _bloom_output),
+    "MptAttention": _Family(lambda m: m.n_heads, _mpt_slopes, lambda m: m.attn_dropout_p, _mpt_project,
+                            lambda m: m.softmax_scale, lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
+    # rotary Falcon applies no attention dropout (its alibi branch does)
+    "FalconAttention": _Family(lambda m: m.num_heads, None, lambda m: 0.0, _falcon_project, lambda m: m.inv_norm_factor,
+                               lambda m, o, residual: (m.dense(o), None), rotary=True, refused=_falcon_refused),
+}
+
+
+def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
+    """The attention layers of ``model`` that seqmesh runs itself (path, module), checked for ``mesh``: tensor
+    parallelism, too few heads for the Ulysses degree, attention dropout and a variant seqmesh does not compute are
+    refused here, naming the fix. ``design`` does not apply."""
+    layers = [(path, m) for path, m in model.named_modules() if type(m).__name__ in FAMILIES]
+    if not layers:
+        return []
+    path, first = layers[0]
+    family, cls = FAMILIES[type(first).__name__], type(first).__name__
+    reason = family.refused(first)
+    if reason:
+        raise ValueError(f"seqmesh cannot run {path} ({cls}) exactly: {reason}.")
+    if getattr(mesh, "tp", 1) > 1:
+        raise ValueError(f"{path} ({cls}) computes its own attention, which seqmesh's tensor parallelism does not "
+                         "split (its fused projection is not in the tensor-parallel plan); train this model with tp=1 "
+                         "(its sequence parallelism is exact).")
+    heads = family.heads(first)
+    if mesh.ulysses > heads:
+        options = ", ".join(f"ulysses={u} x ring={r}" for u, r in workable_degrees(heads, mesh.sp_size))
+        raise ValueError(f"{cls} has {heads} heads, too few for ulysses={mesh.ulysses}. For a sequence degree of "
+                         f"{mesh.sp_size} use one of: {options}.")
+    for path, module in layers:
+        if family.dropout(module):
+            raise ValueError(f"{path} ({cls}) has attention dropout {family.dropout(module)}, which seqmesh does not "
+                             "apply; set the config's attention dropout to 0.")
+    return layers
+
+
+def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
+    family = FAMILIES[type(module).__name__]
+    heads = family.heads(module)
+    slopes = None if family.slopes is None else tuple(float(s) for s in family.slopes(module, heads))
+    scale = float(family.scale(module))
+    rotate = _family_function(module, "apply_rotary_pos_emb") if family.rotary else None
+
+    def forward(self, hidden_states: torch.Tensor, *args, attention_mask=None, **kwargs):
+        # hidden_states (B, L, E) in shard order -> the layer's own result
+        info = kwargs.get("seqmesh")
+        cache = next((kwargs[n] for n in ("cache", "layer_past", "past_key_values") if kwargs.get(n) is not None), None)
+        # MPT's causal mask of the shard, built by the model whatever the config names (a user's padding mask is
+        # refused before, at the decoder's call: refuse_padding_masks)
+        check_mixer_context(self, info, cache, None if family.own_mask else attention_mask)
+        if getattr(info, "intercept_attention", None) is not None:
+            raise ValueError(f"{type(self).__name__} computes its attention itself, which seqmesh generate does not run yet; "
+                             "generate with the model on one process (seqmesh.hf.unparallelize(model) first).")
+        if kwargs.get("output_attentions"):
+            raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
+                             "model with output_attentions=False.")
+        q, k, v = family.project(self, hidden_states)
+        if rotate is not None:  # (B, H, L, D) as the family rotates them, at the batch's global positions
+            cos, sin = kwargs["position_embeddings"]
+            q, k = (t.transpose(1, 2) for t in rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+        first = id(mesh) not in info.validated
+        o = attention(q, k, v, mesh, causal=True, layout=info.layout, cu_seqlens=info.cu_seqlens,
+                      seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
+                      validate=first, alibi=slopes)
+        info.validated.add(id(mesh))
+        residual = args[0] if args else kwargs.get("residual")
+        return family.output(self, o.flatten(2), residual)
+
+    return forward
+
+
+def needs_no_mask(found: list) -> bool:
+    """Whether the model of ``found``'s layers builds no causal mask once its config names seqmesh's attention
+    implementation (BLOOM, Falcon; MPT builds one whatever the config names, and cannot be told not to)."""
+    return bool(found) and not any(FAMILIES[type(m).__name__].own_mask for _, m in found)
+
+
+def _no_padding_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        raise ValueError(f"{type(module).__name__} was called with an attention_mask of shape {tuple(mask.shape)}, which "
+                         "its attention layers, run by seqmesh, would not see; describe padding and packed documents "
+                         "through seqmesh.shard_batch instead (pass position_ids, not attention_mask).")
+
+
+def refuse_padding_masks(decoder: nn.Module, found: list) -> list:
+    """A forward pre-hook on ``decoder`` of a model with such layers that refuses a padding mask (the layers ignore
+    the masks the model builds); its handle, or none."""
+    return [decoder.register_forward_pre_hook(_no_padding_mask, with_kwargs=True)] if found else []
+
+
+def check_backend(found: list, backend: str) -> None:
+    """Refuse a named kernel that does not compute ALiBi for a model with ALiBi layers."""
+    if any(FAMILIES[type(m).__name__].slopes is not None for _, m in found) and backend not in ALIBI_BACKENDS:
+        raise ValueError(f"backend={backend!r} cannot compute ALiBi (only the math kernel adds a bias by distance); "
+                         "parallelize this model with backend='auto'.")
+
+
+KIND = MixerKind(NAME, (), own_attention_layers, _make_forward)

@@ -1,0 +1,115 @@
+"""BLOOM, MPT and Falcon (tiny, float64) through seqmesh.hf: their attention, outside transformers' interface, runs on
+the sequence mesh (seqmesh.hf.own_attention: the layer's own projections, seqmesh.attention with the family's ALiBi
+slopes or rotary), and logits, loss and
+every parameter's gradient equal the unmodified transformers model on one process (packed documents one call each),
+within ROUNDING_MULTIPLE x the reference's own rounding as test_hf_families measures it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from own_attention_cases import layer_refusals, parity_with_positions_off_by_one, parity_with_slopes_unmoved
+from short_conv_cases import parity_all
+from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
+
+# bloom: 6 heads (slopes past the power of two); mpt: 6 heads, MPT's reordered slopes, a q/k/v clip; falcon: rotary,
+# multi-query; falcon-new: rotary, 2 kv heads interleaved with their query groups
+FAMILIES = ["bloom", "mpt", "falcon", "falcon-new"]
+MESHES = [(2, 1), (1, 2), (2, 2)]
+LAYOUTS = [("zigzag", False), ("zigzag", True), ("contiguous", True), ("per_document", True)]
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_own_attention_families_exact(pools, ulysses, ring):
+    """Every family, zigzag plain and packed, contiguous and per_document packed, in one pool call per mesh."""
+    cases = [(f, ulysses, ring, layout, docs) for f in FAMILIES for layout, docs in LAYOUTS]
+    worst = {}
+    for results in pools.run(ulysses * ring, parity_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+            seen = (r["logits"] / r["rounding"]["logits"], r["grad"] / r["rounding"]["grad"])
+            worst[r["case"][0]] = tuple(max(a, b) for a, b in zip(worst.get(r["case"][0], (0.0,) * 2), seen))
+    print(f"u{ulysses}xr{ring} worst error / reference rounding (logits, relative grad): "
+          + ", ".join(f"{f} {' '.join(f'{v:.1e}' for v in w)}" for f, w in worst.items()))
+
+
+def test_slopes_not_dealt_with_their_heads_are_seen(pools):
+    """Each Ulysses rank's heads biased by the first heads' slopes (U2: ranks 1 gets heads 3-5, slopes of 0-2): far
+    outside the tolerance, for both families."""
+    cases = [("bloom", 2, 1, "zigzag", False), ("mpt", 2, 1, "zigzag", True)]
+    for results in pools.run(2, parity_with_slopes_unmoved, cases):
+        for r in results:
+            tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
+            assert r["logits"] > 100 * tolerance, r
+            print(f"{r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
+
+
+def test_falcon_positions_off_by_one_are_seen(pools):
+    """Rank 1's position ids one too far in Falcon's rotary (ring 2, multi-query; U2, grouped kv heads, documents): its
+    logits leave the tolerance (the float32 rotary tables' rounding, the reference's own) by far."""
+    cases = [("falcon", 1, 2, "zigzag", False), ("falcon-new", 2, 1, "zigzag", True)]
+    for results in pools.run(2, parity_with_positions_off_by_one, cases):
+        for r in results:
+            tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
+            assert r["logits"] > 100 * tolerance, r
+            print(f"{r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
+
+
+def test_an_own_attention_layer_refuses_what_it_cannot_compute(pools):
+    """A parallelized BLOOM layer called without seqmesh's entry, with a padding mask or asked for its weights, and
+    the model asked for a cache, each raise a ValueError naming the way out; tensor parallelism, too many Ulysses
+    ranks, attention dropout, Falcon's bfloat16 ALiBi and a kernel without ALiBi are refused by name before any
+    change."""
+    import types
+
+    from family_cases import build, family_config
+    from seqmesh.hf import own_attention
+
+    said = pools.run(2, layer_refusals)[0]
+    assert "shard_batch" in said["no entry"] and "unparallelize" in said["no entry"], said
+    assert "padding mask" in said["padding mask"] and "position_ids" in said["padding mask"], said
+    assert "output_attentions=False" in said["weights"], said
+    assert "keeps no cache" in said["model cache"] and "unparallelize" in said["model cache"], said
+    model = build(family_config("mpt"))
+    mesh = types.SimpleNamespace(tp=1, ulysses=2, sp_size=2)
+    assert len(own_attention.own_attention_layers(model, mesh)) == 2
+    with pytest.raises(ValueError, match=r"transformer\.blocks\.0\.attn \(MptAttention\) .* tp=1"):
+        own_attention.own_attention_layers(model, types.SimpleNamespace(tp=2, ulysses=1, sp_size=1))
+    with pytest.raises(ValueError, match=r"MptAttention has 6 heads, too few for ulysses=8.*ulysses=2 x ring=4"):
+        own_attention.own_attention_layers(model, types.SimpleNamespace(tp=1, ulysses=8, sp_size=8))
+    model.transformer.blocks[1].attn.attn_dropout_p = 0.1
+    with pytest.raises(ValueError, match=r"blocks\.1\.attn \(MptAttention\) has attention dropout 0\.1"):
+        own_attention.own_attention_layers(model, mesh)
+    with pytest.raises(ValueError, match=r"backend='cpu_flash' cannot compute ALiBi.*backend='auto'"):
+        own_attention.check_backend(own_attention.own_attention_layers(build(family_config("bloom")), mesh), "cpu_flash")
+    falcon = build(family_config("falcon"))
+    own_attention.check_backend(own_attention.own_attention_layers(falcon, mesh), "cpu_flash")  # rotary: any kernel
+    falcon.config.alibi = True
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.self_attention \(FalconAttention\).*alibi=True.*bfloat16"):
+        own_attention.own_attention_layers(falcon, mesh)
+
+
+def test_a_bloom_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny BLOOM config over 2 x 2 Ulysses x ring:
+    the single-process model's loss, then a finite, falling loss with the blocks recomputed in backward (the
+    recompute finds seqmesh's entry though neither BLOOM's model nor its blocks pass their **kwargs on)."""
+    import transformers as tf
+
+    from seqmesh.training.config import TrainConfig
+    from train_job_cases import run_train, run_verify
+
+    config = tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=64)
+    path = tmp_path / "bloom" / "config.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    base = dict(model=str(path), seq_len=77, ulysses=2, ring=2, dp=1, lr=1e-2, warmup=1, log_every=1, eval_every=0,
+                symbols=16)
+    good = pools.run(4, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    pools.run(4, run_train, TrainConfig(**base, steps=6, checkpointing=True, out=str(tmp_path / "train")))
+    with open(tmp_path / "train" / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

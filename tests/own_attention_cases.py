@@ -1,0 +1,57 @@
+"""Worker-side cases for the families whose attention seqmesh runs itself (BLOOM, MPT, Falcon): the mutations the
+parity tolerance must see (each Ulysses rank's heads given the first heads' slopes; one rank's rotary positions off
+by one), and the refusals of a parallelized layer."""
+
+from __future__ import annotations
+
+import torch
+
+import seqmesh
+import seqmesh.sharded_attention.api as api
+from dist_cases import get_mesh
+from family_cases import _batch, build, family_config, family_parity
+from short_conv_cases import parity_all
+from seqmesh.hf import parallelize, unparallelize
+
+
+def parity_with_slopes_unmoved(cases: list[tuple]) -> list[dict]:
+    """As :func:`short_conv_cases.parity_all`, with every Ulysses rank's heads biased by the first heads' slopes
+    (the slopes not dealt with their heads), everything else as the library does."""
+    original = api.for_heads
+    api.for_heads = lambda schedule, first, stop: original(schedule, 0, stop - first)
+    try:
+        return parity_all(cases)
+    finally:
+        api.for_heads = original
+
+
+def parity_with_positions_off_by_one(cases: list[tuple]) -> list[dict]:
+    """As :func:`short_conv_cases.parity_all`, with rank 1's position ids one too far (its rotary rotated one step
+    more) in the logits' forward."""
+    return [{"case": c, **family_parity(*c, seq_len=45, shift_positions_on=1)} for c in cases]
+
+
+def layer_refusals(family: str = "bloom") -> dict[str, str]:
+    """What a parallelized ALiBi layer says when called without the entry, with a padding mask, asked for its
+    attention weights, or when the model is asked for a cache: each ValueError's message."""
+    mesh = get_mesh(1, 2)
+    config = family_config(family)
+    model = parallelize(build(config), mesh)
+    batch = seqmesh.shard_batch(_batch(16, config.vocab_size, False), mesh)
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    hidden = torch.zeros(1, 8, config.hidden_size, dtype=torch.float64)
+    calls = {
+        "no entry": lambda: layer(hidden, hidden),
+        "padding mask": lambda: layer(hidden, hidden, attention_mask=torch.ones(1, 1, 8, 8), seqmesh=batch["seqmesh"]),
+        "weights": lambda: layer(hidden, hidden, output_attentions=True, seqmesh=batch["seqmesh"]),
+        "model cache": lambda: model(**batch, use_cache=True),
+    }
+    said = {}
+    for name, call in calls.items():
+        try:
+            call()
+            said[name] = ""
+        except ValueError as err:
+            said[name] = str(err)
+    unparallelize(model)
+    return said
