@@ -138,6 +138,9 @@ def family_config(family: str):
     if family == "falcon-new":  # Falcon-40B/180B's layout: 2 kv heads, each after its group of query heads; 2 norms
         return tf.FalconConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, vocab_size=64,
                                new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=2)
+    if family == "gpt-neo":  # unscaled scores; a local layer (a window shorter than a zigzag chunk), then a global one
+        return tf.GPTNeoConfig(hidden_size=48, num_layers=2, num_heads=6, vocab_size=64, window_size=WINDOW,
+                               attention_types=[[["local", "global"], 1]], max_position_embeddings=128)
     raise ValueError(f"unknown family {family!r}")
 
 

@@ -1,8 +1,10 @@
 """Worker-side cases for the families whose attention seqmesh runs itself (BLOOM, MPT, Falcon): the mutations the
 parity tolerance must see (each Ulysses rank's heads given the first heads' slopes; one rank's rotary positions off
-by one), and the refusals of a parallelized layer."""
+by one; GPT-Neo's local window dropped), and the refusals of a parallelized layer."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -29,6 +31,18 @@ def parity_with_positions_off_by_one(cases: list[tuple]) -> list[dict]:
     """As :func:`short_conv_cases.parity_all`, with rank 1's position ids one too far (its rotary rotated one step
     more) in the logits' forward."""
     return [{"case": c, **family_parity(*c, seq_len=45, shift_positions_on=1)} for c in cases]
+
+
+def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
+    """As :func:`short_conv_cases.parity_all`, with GPT-Neo's local layers run as global ones (their window dropped)."""
+    from seqmesh.hf import own_attention
+
+    original = own_attention.FAMILIES["GPTNeoAttention"]
+    own_attention.FAMILIES["GPTNeoAttention"] = dataclasses.replace(original, window=lambda module: None)
+    try:
+        return parity_all(cases)
+    finally:
+        own_attention.FAMILIES["GPTNeoAttention"] = original
 
 
 def layer_refusals(family: str = "bloom") -> dict[str, str]:

@@ -58,7 +58,7 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
              "Jamba, Mamba and Falcon-Mamba; the lightning attention layers of MiniMax-01; the gated short convolutions "
              "of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers of Kimi Linear and Bailing hybrid; the ALiBi "
-             "attention of BLOOM and MPT; Falcon's rotary attention")
+             "attention of BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention")
 
 
 def mixes_tokens(module: nn.Module) -> bool:
@@ -114,7 +114,7 @@ def calls_without_kwargs(cls: type, child: str) -> bool:
 
 def _interface_attention(module: nn.Module) -> bool:
     """An attention module seqmesh's entry must reach: one that calls the interface, or one whose forward seqmesh
-    runs itself (BLOOM's, MPT's and Falcon's, once ``seqmesh.hf.own_attention`` installed it)."""
+    runs itself (BLOOM's, MPT's, Falcon's and GPT-Neo's, once ``seqmesh.hf.own_attention`` installed it)."""
     own = getattr(module, REPLACED_ATTR, None) == OWN_ATTENTION
     return own or (type(module).__name__.endswith("Attention") and _calls_interface(type(module)))
 

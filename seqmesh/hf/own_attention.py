@@ -1,12 +1,13 @@
 """transformers' attention layers that compute their attention themselves, outside transformers'
-``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary attention.
+``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary attention, GPT-Neo's global and local attention.
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
 
     q, k, v = the layer's projections of hidden_states       (B, L, Hq, D), (B, L, Hk, D) x 2, per token
     q, k = the family's rotary at the model's position_embeddings (Falcon: from the batch's global position_ids)
-    o = seqmesh.attention(q, k, v, scale, alibi=slopes)       ALiBi: each score - slope_h * distance, on every block
+    o = seqmesh.attention(q, k, v, scale, window, alibi=slopes)   ALiBi: each score - slope_h * distance
+                                                                  window: GPT-Neo's local layers
     out = the layer's output projection of o (BLOOM: + residual)
 
 ALiBi (BLOOM, MPT): the model builds ``slope * key position`` for the local tokens (a bias by distance up to a
@@ -15,7 +16,7 @@ constant per row, which the softmax does not see); seqmesh takes the family's ow
 bias. MPT's bias stops at ``config.max_seq_len`` positions; seqmesh's continues by the same rule. Falcon with
 ``alibi=True`` is refused: transformers rounds its bias (slope x position) to bfloat16, which depends on the
 position itself, not the distance. While the model is parallelized its config names seqmesh's attention
-implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon; MPT builds one
+implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT builds one
 whatever the config names, and the layer ignores it), and a padding mask given to the decoder is refused.
 
 The entry reaches these layers as it reaches a layer that calls the interface without passing it on
@@ -52,6 +53,7 @@ class _Family:
     output: Callable  # (module, o (B, L, Hq * D), the layer's call's other arguments) -> the layer's result
     own_mask: bool = False  # the model builds its causal mask whatever the config names (MPT): the layer ignores it
     rotary: bool = False  # q and k rotated by the family's apply_rotary_pos_emb at the call's position_embeddings
+    window: Callable[[nn.Module], int | None] = lambda m: None  # a local layer's causal window (GPT-Neo)
     refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
 
 
@@ -109,6 +111,17 @@ def _falcon_refused(module: nn.Module) -> str | None:
     return None
 
 
+def _gpt_neo_project(module: nn.Module, hidden: torch.Tensor):
+    inner = module.attention  # GPTNeoAttention holds the layer (GPTNeoSelfAttention) and calls it
+    shape = (*hidden.shape[:2], inner.num_heads, inner.head_dim)
+    return inner.q_proj(hidden).view(shape), inner.k_proj(hidden).view(shape), inner.v_proj(hidden).view(shape)
+
+
+def _gpt_neo_window(module: nn.Module) -> int | None:
+    # a local layer keeps key j for query i when i - j < window_size (its mask: tril XOR tril(-window_size))
+    return module.attention.config.window_size if module.attention_type == "local" else None
+
+
 FAMILIES: dict[str, _Family] = {
     "BloomAttention": _Family(lambda m: m.num_heads, _bloom_slopes, lambda m: m.attention_dropout.p, _bloom_project,
                               lambda m: m.inv_norm_factor, _bloom_output),
@@ -117,6 +130,11 @@ FAMILIES: dict[str, _Family] = {
     # rotary Falcon applies no attention dropout (its alibi branch does)
     "FalconAttention": _Family(lambda m: m.num_heads, None, lambda m: 0.0, _falcon_project, lambda m: m.inv_norm_factor,
                                lambda m, o, residual: (m.dense(o), None), rotary=True, refused=_falcon_refused),
+    # GPT-Neo does not scale its scores; its local layers see a causal window
+    "GPTNeoAttention": _Family(lambda m: m.attention.num_heads, None, lambda m: m.attention.attn_dropout.p,
+                               _gpt_neo_project, lambda m: 1.0,
+                               lambda m, o, residual: (m.attention.resid_dropout(m.attention.out_proj(o)), None),
+                               window=_gpt_neo_window),
 }
 
 
@@ -153,6 +171,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
     heads = family.heads(module)
     slopes = None if family.slopes is None else tuple(float(s) for s in family.slopes(module, heads))
     scale = float(family.scale(module))
+    window = family.window(module)
     rotate = _family_function(module, "apply_rotary_pos_emb") if family.rotary else None
 
     def forward(self, hidden_states: torch.Tensor, *args, attention_mask=None, **kwargs):
@@ -175,7 +194,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
         first = id(mesh) not in info.validated
         o = attention(q, k, v, mesh, causal=True, layout=info.layout, cu_seqlens=info.cu_seqlens,
                       seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
-                      validate=first, alibi=slopes)
+                      validate=first, window=window, alibi=slopes)
         info.validated.add(id(mesh))
         residual = args[0] if args else kwargs.get("residual")
         return family.output(self, o.flatten(2), residual)

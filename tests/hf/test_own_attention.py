@@ -11,13 +11,14 @@ import math
 
 import pytest
 
-from own_attention_cases import layer_refusals, parity_with_positions_off_by_one, parity_with_slopes_unmoved
+from own_attention_cases import (layer_refusals, parity_with_positions_off_by_one, parity_with_slopes_unmoved,
+                                 parity_with_windows_dropped)
 from short_conv_cases import parity_all
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
 # bloom: 6 heads (slopes past the power of two); mpt: 6 heads, MPT's reordered slopes, a q/k/v clip; falcon: rotary,
-# multi-query; falcon-new: rotary, 2 kv heads interleaved with their query groups
-FAMILIES = ["bloom", "mpt", "falcon", "falcon-new"]
+# multi-query; falcon-new: rotary, 2 kv heads interleaved with their query groups; gpt-neo: unscaled, a local layer
+FAMILIES = ["bloom", "mpt", "falcon", "falcon-new", "gpt-neo"]
 MESHES = [(2, 1), (1, 2), (2, 2)]
 LAYOUTS = [("zigzag", False), ("zigzag", True), ("contiguous", True), ("per_document", True)]
 
@@ -52,6 +53,15 @@ def test_falcon_positions_off_by_one_are_seen(pools):
     logits leave the tolerance (the float32 rotary tables' rounding, the reference's own) by far."""
     cases = [("falcon", 1, 2, "zigzag", False), ("falcon-new", 2, 1, "zigzag", True)]
     for results in pools.run(2, parity_with_positions_off_by_one, cases):
+        for r in results:
+            tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
+            assert r["logits"] > 100 * tolerance, r
+            print(f"{r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
+
+
+def test_gpt_neo_local_layers_without_their_window_are_seen(pools):
+    """GPT-Neo's local layer run as a global one (ring 2, zigzag, documents): far outside the tolerance."""
+    for results in pools.run(2, parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]):
         for r in results:
             tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
             assert r["logits"] > 100 * tolerance, r
