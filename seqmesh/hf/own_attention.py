@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..rules.degrees import workable_degrees
+from ..rules.own_attention import LAYER_CLASSES, tensor_parallel_refusal
 from ..sharded_attention.api import attention
 from .layers import OWN_ATTENTION as NAME
 from .mixer_kind import MixerKind, check_mixer_context
@@ -151,9 +152,9 @@ def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -
     if reason:
         raise ValueError(f"seqmesh cannot run {path} ({cls}) exactly: {reason}.")
     if getattr(mesh, "tp", 1) > 1:
-        raise ValueError(f"{path} ({cls}) computes its own attention, which seqmesh's tensor parallelism does not "
-                         "split (its fused projection is not in the tensor-parallel plan); train this model with tp=1 "
-                         "(its sequence parallelism is exact).")
+        family_type = next(t for t, c in LAYER_CLASSES.items() if c == cls)
+        raise ValueError(f"{path} ({cls}): {tensor_parallel_refusal(family_type)}; train this model with tp=1 (its "
+                         "sequence parallelism is exact).")
     heads = family.heads(first)
     if mesh.ulysses > heads:
         options = ", ".join(f"ulysses={u} x ring={r}" for u, r in workable_degrees(heads, mesh.sp_size))
@@ -230,3 +231,5 @@ def check_backend(found: list, backend: str) -> None:
 
 
 KIND = MixerKind(NAME, (), own_attention_layers, _make_forward)
+assert set(FAMILIES) == set(LAYER_CLASSES.values()), "seqmesh.rules.own_attention names the same families"
+

@@ -9,6 +9,7 @@ import json
 import os
 
 from ..rules.model_sizes import check_model_sizes
+from ..rules.own_attention import ALIBI, TWO_MATRIX_MLP
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -30,14 +31,16 @@ def read_config_json(path: str) -> dict:
 
 
 def _window_fields(cfg: dict) -> dict:
-    """sliding_window and full_every from a config.json: its layer_types (the first full layer gives
-    the period), or one window for every layer (Mistral)."""
+    """sliding_window and full_every from a config.json: its layer_types (one full layer in each period of
+    ``layers / full layers``, wherever in the period it lies: GPT-Neo's global layer comes first, Gemma 3's last;
+    else the first full layer gives the period), or one window for every layer (Mistral)."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types") or []
     if not window or cfg.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
         return {}
     full = [i for i, t in enumerate(types) if t == "full_attention"]
-    return {"sliding_window": int(window), "full_every": full[0] + 1 if full else 0}
+    every = len(types) // len(full) if full and len(types) % len(full) == 0 else (full[0] + 1 if full else 0)
+    return {"sliding_window": int(window), "full_every": every}
 
 
 def shape_from_config(path: str) -> ModelShape:
@@ -77,7 +80,7 @@ def shape_from_config(path: str) -> ModelShape:
             **_mlp_fields(cfg),
             **_linear_fields(cfg),
             **_window_fields(cfg),
-            **_alibi_fields(cfg),
+            **_own_attention_fields(cfg),
             **hybrid,
             vision=vision,
         )
@@ -86,31 +89,49 @@ def shape_from_config(path: str) -> ModelShape:
 
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,
-# written here so that reading a config.json needs no transformers), and the MLP width their files do not hold
+# written here so that reading a config.json needs no transformers)
 _OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
-              "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"}}
-_MLP_RATIO = {"bloom": lambda cfg: 4, "mpt": lambda cfg: cfg.get("expansion_ratio", 4)}
+              "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"},
+              "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}}
+
+
+def _falcon_kv_heads(cfg: dict) -> int | None:
+    """Falcon's kv heads: ``num_kv_heads`` in its new layout (40B, 180B), else one (multi_query, 7B) or every head."""
+    if cfg.get("new_decoder_architecture"):
+        return cfg.get("num_kv_heads")
+    return 1 if cfg.get("multi_query", True) else cfg.get("num_attention_heads")
 
 
 def _standard_names(cfg: dict) -> dict:
-    """``cfg`` with the standard names of an older family's sizes (BLOOM's ``n_layer``, MPT's ``d_model``) and its
-    MLP's ``intermediate_size``."""
+    """``cfg`` with the standard names of an older family's sizes (BLOOM's ``n_layer``, MPT's ``d_model``, GPT-Neo's
+    ``num_layers``), Falcon's kv heads, the MLP width these files leave to their config class (four times the width
+    but MPT's ``expansion_ratio`` and Falcon's ``ffn_hidden_size``), their tied embeddings (their config classes'
+    default where the file does not say) and GPT-Neo's local layers as sliding ones."""
     family = cfg.get("model_type")
-    if family not in _OLD_NAMES:
-        return cfg
-    out = {std: cfg[old] for old, std in _OLD_NAMES[family].items() if old in cfg} | cfg
-    if "intermediate_size" not in out and isinstance(out.get("hidden_size"), int):
-        out["intermediate_size"] = _MLP_RATIO[family](cfg) * out["hidden_size"]
+    out = {std: cfg[old] for old, std in _OLD_NAMES.get(family, {}).items() if old in cfg} | cfg
+    if family == "falcon" and "num_key_value_heads" not in out:
+        out["num_key_value_heads"] = _falcon_kv_heads(cfg)
+    if family == "gpt_neo" and isinstance(cfg.get("attention_layers"), list):
+        out["layer_types"] = ["sliding_attention" if t == "local" else "full_attention" for t in cfg["attention_layers"]]
+        out["sliding_window"] = cfg.get("window_size", 256)
+    if family in TWO_MATRIX_MLP and out.get("tie_word_embeddings") is None:  # their config classes tie by default
+        out["tie_word_embeddings"] = True
+    if family in TWO_MATRIX_MLP and out.get("intermediate_size") is None and isinstance(out.get("hidden_size"), int):
+        ratio = cfg.get("expansion_ratio", 4) if family == "mpt" else 4
+        out["intermediate_size"] = cfg.get("ffn_hidden_size") or ratio * out["hidden_size"]
     return out
 
 
-def _alibi_fields(cfg: dict) -> dict:
-    """The planner's reason for an ALiBi family (BLOOM, MPT), which ``seqmesh train`` runs all the same."""
-    if cfg.get("model_type") not in _OLD_NAMES:
-        return {}
-    return {"unplanned": f"seqmesh plan does not size {cfg['model_type']}'s ALiBi attention yet: it runs on the math "
-                         "kernel, whose (rows x keys) score block per call the planner does not count, and its MLP "
-                         "is two matrices, not a gated three; seqmesh train and verify run it all the same."}
+def _own_attention_fields(cfg: dict) -> dict:
+    """A family whose attention layers seqmesh runs itself (``seqmesh.rules.own_attention``): a two-matrix MLP, and
+    for an ALiBi family the planner's reason (``seqmesh train`` runs it all the same)."""
+    family = cfg.get("model_type")
+    fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
+    if family in ALIBI:
+        fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: it runs on the math kernel, "
+                               "whose (rows x keys) score block per call the planner does not count; seqmesh train and "
+                               "verify run it all the same")
+    return fields
 
 
 def _with_layer_count(cfg: dict) -> dict:

@@ -224,6 +224,7 @@ class ModelShape:
     dense_intermediate: int = 0
     hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)
     unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
+    gated_mlp: bool = True  # a dense MLP of gate, up and down; False: up and down (BLOOM, MPT, Falcon, GPT-Neo)
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -287,7 +288,12 @@ class ModelShape:
         if self.experts:
             experts = (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate
             return experts + self.experts * self.hidden  # + the router
-        return 3 * self.hidden * self.intermediate
+        return self.mlp_matrices * self.hidden * self.intermediate
+
+    @property
+    def mlp_matrices(self) -> int:
+        """The matrices of a dense MLP (and of each expert): gate, up and down, or up and down."""
+        return 3 if self.gated_mlp or self.experts else 2
 
     @property
     def norm_params(self) -> int:

@@ -99,7 +99,8 @@ def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
         norms = m.hybrid.norms * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
         return norms + g * e * m.hidden + attention_saved(work, layout) + (0 if work.tiled_mlp else g * e * ffn.kept)
     norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
-    mlp = 0 if work.tiled_mlp else g * 4 * m.intermediate // layout.tp * e  # gate, up, SiLU(gate), product
+    # gate, up, SiLU(gate), product; a two-matrix MLP: up and its activation
+    mlp = 0 if work.tiled_mlp else g * (4 if m.mlp_matrices == 3 else 2) * m.intermediate // layout.tp * e
     return norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp
 
 

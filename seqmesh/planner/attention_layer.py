@@ -126,7 +126,8 @@ class Attention:
         if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
             bwd += fwd - tp["forward"] + tp["recompute"]
         # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer
-        mlp_recompute = mm_fwd * 3 * m.hidden * m.intermediate / layer_matmul_params(m) if work.tiled_mlp else 0.0
+        mlp_recompute = (mm_fwd * m.mlp_matrices * m.hidden * m.intermediate / layer_matmul_params(m)
+                         if work.tiled_mlp else 0.0)
         bwd += mlp_recompute
         compute = (mm_fwd + attn_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd + mlp_recompute
         # offloaded checkpoints: each layer's input crosses PCIe once each way, on a side stream (hidden when shorter)

@@ -9,6 +9,7 @@ tokens, ``L = padded / (U x R)``; one collective moves ``(T - 1)`` such slices, 
 from __future__ import annotations
 
 from ..rules.degrees import TP_SIZE_NAMES, Degrees, tensor_parallel_misfits
+from ..rules.own_attention import tensor_parallel_refusal as own_attention_refusal
 from ..model.shapes import ModelShape
 from .hardware import HardwareSpec
 from .traffic import dtype_bytes
@@ -27,6 +28,8 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
         return f"tensor parallelism beyond one node (TP {tp} over nodes of {node} GPUs)"
     if m.experts:
         return "seqmesh's tensor parallelism does not split mixture-of-experts layers (tp 1 only)"
+    if (own := own_attention_refusal(m.family)) is not None:
+        return own
     if m.linear_layers:  # seqmesh runs them (seqmesh.tensor_parallel.linear_attention); their cost is not modelled
         return "the planner does not model Gated DeltaNet layers under tensor parallelism yet (tp 1 only)"
     if m.hybrid is not None:
