@@ -173,21 +173,21 @@ def _carry_entry(source: nn.Module, targets: list[nn.Module]) -> list:
 
 
 class _EntryRelay:
-    """``module``'s class swapped for a subclass whose forward keeps the entry it is given while it runs, and a hook
-    on each of ``targets`` that gives it to their calls made without one. Inside the forward, not a hook on the call:
+    """``module``'s class swapped for a subclass whose forward keeps the entry it is given, and a hook on each of
+    ``targets`` that gives it to their calls made without one. Inside the forward, not a hook on the call:
     transformers' checkpointing recomputes a layer by calling its forward again (its hooks stay outside), and the
-    recompute must find the entry too. ``remove()`` puts the class back."""
+    recompute must find the entry too. The entry stays held after the forward returns, until the next call sets its
+    own: where ``module`` is the model calling its checkpointed blocks (BLOOM, MPT, Falcon, GPT-Neo), the blocks are
+    recomputed in backward, after its forward, and transformers 5.15 runs their hooks inside the checkpoint.
+    ``remove()`` puts the class back."""
 
     def __init__(self, module: nn.Module, targets: list[nn.Module]):
         held: dict = {}
         original = type(module)
 
         def forward(self, *args, **kwargs):
-            held["entry"] = kwargs.get("seqmesh")
-            try:
-                return super(relay, self).forward(*args, **kwargs)
-            finally:
-                held.pop("entry", None)
+            held["entry"] = kwargs.get("seqmesh")  # None for a call without one: never an earlier call's
+            return super(relay, self).forward(*args, **kwargs)
 
         relay = type(original.__name__, (original,), {"forward": forward, "__module__": original.__module__,
                                                       "__qualname__": original.__qualname__})
