@@ -103,8 +103,14 @@ def _share_bytes(config, tokens: int) -> int:
 
     if getattr(config, "kv_lora_rank", None):
         dims = (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
-    else:
-        dims = (config.num_key_value_heads, config.head_dim, config.head_dim)
+    else:  # the older families (BLOOM, MPT, GPT-Neo: every head; Falcon: one, or num_kv_heads in its new layout)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if config.model_type == "falcon":
+            kv = config.num_kv_heads if config.new_decoder_architecture else (1 if config.multi_query else heads)
+        else:
+            kv = getattr(config, "num_key_value_heads", None) or heads
+        dims = (kv, head_dim, head_dim)
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     layers = sum(kind in ("full_attention", "sliding_attention") for kind in kinds)  # Gated DeltaNet layers keep none
     return cache_bytes(tokens, layers, *dims, 8, batch=2)

@@ -182,9 +182,6 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
         # MPT's causal mask of the shard, built by the model whatever the config names (a user's padding mask is
         # refused before, at the decoder's call: refuse_padding_masks)
         check_mixer_context(self, info, cache, None if family.own_mask else attention_mask)
-        if getattr(info, "intercept_attention", None) is not None:
-            raise ValueError(f"{type(self).__name__} computes its attention itself, which seqmesh generate does not run yet; "
-                             "generate with the model on one process (seqmesh.hf.unparallelize(model) first).")
         if kwargs.get("output_attentions"):
             raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
                              "model with output_attentions=False.")
@@ -192,12 +189,18 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
         if rotate is not None:  # (B, H, L, D) as the family rotates them, at the batch's global positions
             cos, sin = kwargs["position_embeddings"]
             q, k = (t.transpose(1, 2) for t in rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+        residual = args[0] if args else kwargs.get("residual")
+        intercept = getattr(info, "intercept_attention", None)  # seqmesh.inference's entries: a prefill keeps this
+        if intercept is not None:  # rank's keys and values, a decode step attends to its share of the cache
+            done = intercept(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mesh, scale,
+                             {"sliding_window": window, "alibi": slopes})
+            if done is not None:  # (B, 1, Hq, Dv)
+                return family.output(self, done.flatten(2), residual)
         first = id(mesh) not in info.validated
         o = attention(q, k, v, mesh, causal=True, layout=info.layout, cu_seqlens=info.cu_seqlens,
                       seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
                       validate=first, window=window, alibi=slopes)
         info.validated.add(id(mesh))
-        residual = args[0] if args else kwargs.get("residual")
         return family.output(self, o.flatten(2), residual)
 
     return forward

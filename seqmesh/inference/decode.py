@@ -14,20 +14,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels.base import BlockMask
+from ..kernels.base import BlockMask, lse_dtype
+from ..kernels.gqa import expand_kv_heads
 from ..kernels.reference import MathKernel
 from ..mesh import SPMesh
 from ..sharded_attention.merge import fold_sinks, merge_into
 
 
 def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
-                      visible: torch.Tensor | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      visible: torch.Tensor | None = None, softcap: float | None = None,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The token's query (B, 1, Hq, D) against one share, key (B, n, Hk, D) and value (B, n, Hk, Dv), by the math
     kernel (``seqmesh.kernels``: its GQA, soft cap and (out, lse) as every ring block's), the keys outside the window
-    (``visible`` (n,) bool) left out first -> (out (B, 1, Hq, Dv), lse (B, Hq, 1); -inf where nothing is seen)."""
+    (``visible`` (n,) bool) left out first -> (out (B, 1, Hq, Dv), lse (B, Hq, 1); -inf where nothing is seen).
+    ``bias`` (Hq, n): added to the scaled scores (ALiBi's, by each key's distance: keys of a share are not
+    consecutive positions, so not the kernel's ``BlockMask.alibi``), the same products and merge otherwise."""
     if visible is not None:
         key, value = key[:, visible.to(key.device)], value[:, visible.to(value.device)]
-    return MathKernel().forward(query, key, value, BlockMask(softcap=softcap), scale)
+        bias = None if bias is None else bias[:, visible.to(bias.device)]
+    if bias is None:
+        return MathKernel().forward(query, key, value, BlockMask(softcap=softcap), scale)
+    ct = lse_dtype(query.dtype)
+    q = query.transpose(1, 2).to(ct)  # (B, Hq, 1, D)
+    k = expand_kv_heads(key.transpose(1, 2).to(ct), query.shape[2], dim=1)  # (B, Hq, n, D)
+    v = expand_kv_heads(value.transpose(1, 2).to(ct), query.shape[2], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias.to(ct)[None, :, None, :]  # (B, Hq, 1, n)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hq, 1)
+    out = torch.matmul(torch.softmax(scores, dim=-1) if scores.shape[-1] else scores, v)  # (B, Hq, 1, Dv)
+    return out.transpose(1, 2).to(query.dtype), lse
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, mesh: SPMesh,
@@ -58,7 +72,11 @@ def attend_step(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     window = kwargs.get("sliding_window")
     visible = cache.positions > step.position - window if window else None  # sees i - window < j <= i
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    slopes = kwargs.get("alibi")  # ALiBi (seqmesh.hf.own_attention): each key's score - slope x its distance
+    bias = None if slopes is None else -torch.tensor(slopes, dtype=torch.float64)[:, None] * (
+        step.position - cache.positions.to(torch.float64))[None, :]  # (Hq, n)
     # the cache keeps (B, Hk, n, D) as the layers hand keys over; the kernels take (B, n, Hk, D)
     out, lse = partial_attention(query.transpose(1, 2), shared_key.transpose(1, 2), shared_value.transpose(1, 2), scale,
-                                 visible=visible, softcap=kwargs.get("softcap"))
+                                 visible=visible, softcap=kwargs.get("softcap"),
+                                 bias=None if bias is None else bias.to(query.device))
     return merge_partials(out, lse, mesh, kwargs.get("s_aux")).to(query.dtype)

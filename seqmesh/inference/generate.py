@@ -59,6 +59,7 @@ class Generated:
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
     from ..hf.indexed_attention import is_indexed
+    from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..vision.families import is_multimodal
 
@@ -73,12 +74,13 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} of the {dist.get_world_size()} ranks: seqmesh "
                          "generates with every rank in the sequence group (no data parallelism); launch "
                          "ulysses x ring processes.")
-    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, DECODED_MIXER}
+    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, DECODED_MIXER, OWN_ATTENTION}
     if kinds or any(is_indexed(m) for m in model.modules()):
         what = ", ".join(sorted(kinds)) or "DeepSeek Sparse Attention"
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
-                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA) or one with Gated DeltaNet layers (Qwen3.5).")
+                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo) or one with Gated DeltaNet layers "
+                         "(Qwen3.5).")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

@@ -33,6 +33,17 @@ def test_greedy_tokens_equal_transformers_generate(pools, ulysses, ring):
             _check(r, ulysses, ring)
 
 
+@pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("bloom", "gpt-neo")), (2, 1, ("falcon", "mpt"))],
+                         ids=["u1xr2", "u2xr1"])
+def test_families_with_attention_of_their_own_generate_as_transformers(pools, ulysses, ring, families):
+    """BLOOM and MPT (ALiBi: a decode step's bias by each cached key's distance), Falcon (rotary, one kv head) and
+    GPT-Neo (unscaled; a local layer's window of 5 over a prompt of 101), their layers run by seqmesh.hf.own_attention:
+    the same tokens as transformers' generate, the cache shares as the formula."""
+    for results in pools.run(ulysses * ring, generated_cases, [(f, ulysses, ring, PROMPT, NEW) for f in families]):
+        for r in results:
+            _check(r, ulysses, ring)
+
+
 def test_sharded_weights_generate_the_same_tokens(pools):
     """The weights sharded over the ranks (FSDP2, each layer gathered for its forward, the prefill's and every decode
     step's): the same tokens as transformers, Llama on the ring and Qwen3.5's Gated DeltaNet under Ulysses."""
