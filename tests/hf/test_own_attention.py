@@ -39,35 +39,28 @@ def test_own_attention_families_exact(pools, ulysses, ring):
           + ", ".join(f"{f} {' '.join(f'{v:.1e}' for v in w)}" for f, w in worst.items()))
 
 
-def test_slopes_not_dealt_with_their_heads_are_seen(pools):
-    """Each Ulysses rank's heads biased by the first heads' slopes (U2: ranks 1 gets heads 3-5, slopes of 0-2): far
-    outside the tolerance, for both families."""
-    cases = [("bloom", 2, 1, "zigzag", False), ("mpt", 2, 1, "zigzag", True)]
-    for results in pools.run(2, parity_with_slopes_unmoved, cases):
+# Each mutation of a path seqmesh.hf.own_attention adds, on the cases that reach it: far outside the tolerance
+MUTATIONS = {
+    # each Ulysses rank's heads biased by the first heads' slopes (U2: rank 1 gets heads 3-5, the slopes of 0-2)
+    "slopes not dealt with their heads": (parity_with_slopes_unmoved, [("bloom", 2, 1, "zigzag", False),
+                                                                       ("mpt", 2, 1, "zigzag", True)]),
+    # rank 1's position ids one too far in Falcon's rotary (ring 2, multi-query; U2, grouped kv heads, documents):
+    # the tolerance is the float32 rotary tables' rounding, the reference's own
+    "Falcon's positions off by one": (parity_with_positions_off_by_one, [("falcon", 1, 2, "zigzag", False),
+                                                                        ("falcon-new", 2, 1, "zigzag", True)]),
+    # GPT-Neo's local layer run as a global one (ring 2, zigzag, documents)
+    "GPT-Neo's window dropped": (parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_each_mutation_is_seen(pools, mutation):
+    run, cases = MUTATIONS[mutation]
+    for results in pools.run(2, run, cases):
         for r in results:
             tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
             assert r["logits"] > 100 * tolerance, r
-            print(f"{r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
-
-
-def test_falcon_positions_off_by_one_are_seen(pools):
-    """Rank 1's position ids one too far in Falcon's rotary (ring 2, multi-query; U2, grouped kv heads, documents): its
-    logits leave the tolerance (the float32 rotary tables' rounding, the reference's own) by far."""
-    cases = [("falcon", 1, 2, "zigzag", False), ("falcon-new", 2, 1, "zigzag", True)]
-    for results in pools.run(2, parity_with_positions_off_by_one, cases):
-        for r in results:
-            tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
-            assert r["logits"] > 100 * tolerance, r
-            print(f"{r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
-
-
-def test_gpt_neo_local_layers_without_their_window_are_seen(pools):
-    """GPT-Neo's local layer run as a global one (ring 2, zigzag, documents): far outside the tolerance."""
-    for results in pools.run(2, parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]):
-        for r in results:
-            tolerance = ROUNDING_MULTIPLE * r["rounding"]["logits"]
-            assert r["logits"] > 100 * tolerance, r
-            print(f"{r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
+            print(f"{mutation}, {r['case']}: logits error / tolerance {r['logits'] / tolerance:.0f}")
 
 
 def test_an_own_attention_layer_refuses_what_it_cannot_compute(pools):
