@@ -276,7 +276,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     handled = {id(part) for layers in mixer_layers.values() for _, m in layers for part in m.modules()}
     tp = getattr(mesh, "tp", 1)
     if mixer_layers and not has_attention(model, handled):  # no attention left to route: a pure state space model
-        # (Mamba2), or one whose attention seqmesh runs itself (BLOOM, MPT, Falcon: their heads checked by seqmesh.hf.own_attention)
+        # (Mamba2), or one whose attention seqmesh runs itself (BLOOM, MPT, Falcon, GPT-Neo: their heads checked by
+        # seqmesh.hf.own_attention)
         if tp > 1:
             raise ValueError(f"{type(model).__name__} has no attention layer and tp={tp}: seqmesh's tensor parallelism "
                              "splits attention heads and MLPs, not state space mixers; use tp=1.")
@@ -294,22 +295,24 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         tower = config.vision_config
         heads = getattr(tower, "num_heads", None) or tower.num_attention_heads
         check_heads(heads, heads, mesh, "the vision tower")
-    positions.check_positions(model, frozenset(id(part) for _, m in mixer_layers.get(own_attention.KIND, []) for part in m.modules()))
+    own = mixer_layers.get(own_attention.KIND, [])  # BLOOM, MPT, Falcon, GPT-Neo: their attention is their own
+    positions.check_positions(model, frozenset(id(part) for _, m in own for part in m.modules()))
     async_layers = check_async(model, mesh) if async_ulysses else []
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"
     AttentionInterface.register(name, _make_attention(mesh, backend))
     previous = config._attn_implementation
-    own = mixer_layers.get(own_attention.KIND, [])  # BLOOM, MPT, Falcon: their attention is their own: no switch
-    if not own:
+    if not own:  # no switch for a model whose attention is its own
         model.set_attn_implementation(name)
-    elif own_attention.needs_no_mask(own):  # yet BLOOM and Falcon build their causal mask for the config's implementation: named
-        config._attn_implementation = name  # seqmesh's, it builds no (L, L) mask the replaced attention would ignore
+    elif own_attention.needs_no_mask(own):
+        # yet BLOOM, Falcon and GPT-Neo build their causal mask for the config's implementation: named seqmesh's, they
+        # build no (L, L) mask the replaced attention would ignore
+        config._attn_implementation = name
     for module, chunk in chunked_layers(model):
         setattr(module, _CHUNK, chunk)
-    for kind, layers in mixer_layers.items():
-        kind.install(layers, mesh, linear_attention)
+    for kind, layers in mixer_layers.items():  # attention of its own attends with the model's kernel, as its design
+        kind.install(layers, mesh, backend if kind is own_attention.KIND else linear_attention)
     indexed_attention.install(indexed, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)

@@ -1,5 +1,6 @@
 """transformers' attention layers that compute their attention themselves, outside transformers'
-``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary attention, GPT-Neo's global and local attention.
+``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
+attention, GPT-Neo's global and local attention.
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -16,12 +17,13 @@ constant per row, which the softmax does not see); seqmesh takes the family's ow
 bias. MPT's bias stops at ``config.max_seq_len`` positions; seqmesh's continues by the same rule. Falcon with
 ``alibi=True`` is refused: transformers rounds its bias (slope x position) to bfloat16, which depends on the
 position itself, not the distance. While the model is parallelized its config names seqmesh's attention
-implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT builds one
-whatever the config names, and the layer ignores it), and a padding mask given to the decoder is refused.
+implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT builds
+one whatever the config names, and the layer ignores it), and a padding mask given to the decoder is refused.
 
 The entry reaches these layers as it reaches a layer that calls the interface without passing it on
 (``seqmesh.hf._hook_entry``): these models call their blocks, and the blocks their attention, without
-``**kwargs``. Tensor parallelism and attention dropout are refused by name; the math kernel computes the ALiBi bias
+``**kwargs``. Tensor parallelism and attention dropout are refused by name. The layers attend with ``parallelize``'s
+``backend`` (installed with it as the kind's design); the math kernel computes the ALiBi bias
 (``seqmesh.kernels.base.BlockMask.alibi``), so an ALiBi model's ``backend`` must be ``auto`` or ``math``.
 """
 
@@ -167,7 +169,8 @@ def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -
     return layers
 
 
-def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
+def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
+    """The layer's forward on ``mesh``, attending with the kernel ``backend`` (``parallelize``'s)."""
     family = FAMILIES[type(module).__name__]
     heads = family.heads(module)
     slopes = None if family.slopes is None else tuple(float(s) for s in family.slopes(module, heads))
@@ -199,7 +202,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
         first = id(mesh) not in info.validated
         o = attention(q, k, v, mesh, causal=True, layout=info.layout, cu_seqlens=info.cu_seqlens,
                       seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
-                      validate=first, window=window, alibi=slopes)
+                      backend=backend, validate=first, window=window, alibi=slopes)
         info.validated.add(id(mesh))
         return family.output(self, o.flatten(2), residual)
 
@@ -208,15 +211,15 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
 
 def needs_no_mask(found: list) -> bool:
     """Whether the model of ``found``'s layers builds no causal mask once its config names seqmesh's attention
-    implementation (BLOOM, Falcon; MPT builds one whatever the config names, and cannot be told not to)."""
+    implementation (BLOOM, Falcon, GPT-Neo; MPT builds one whatever the config names, and cannot be told not to)."""
     return bool(found) and not any(FAMILIES[type(m).__name__].own_mask for _, m in found)
 
 
 def _no_padding_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
     mask = kwargs.get("attention_mask")
     if mask is not None:
-        raise ValueError(f"{type(module).__name__} was called with an attention_mask of shape {tuple(mask.shape)}, which "
-                         "its attention layers, run by seqmesh, would not see; describe padding and packed documents "
+        raise ValueError(f"{type(module).__name__} was called with an attention_mask of shape {tuple(mask.shape)}, "
+                         "which its attention layers, run by seqmesh, would not see; describe padding and packed documents "
                          "through seqmesh.shard_batch instead (pass position_ids, not attention_mask).")
 
 

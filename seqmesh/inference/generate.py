@@ -79,8 +79,8 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         what = ", ".join(sorted(kinds)) or "DeepSeek Sparse Attention"
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
-                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo) or one with Gated DeltaNet layers "
-                         "(Qwen3.5).")
+                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo) or one with Gated "
+                         "DeltaNet layers (Qwen3.5).")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

@@ -112,7 +112,8 @@ def _standard_names(cfg: dict) -> dict:
     if family == "falcon" and "num_key_value_heads" not in out:
         out["num_key_value_heads"] = _falcon_kv_heads(cfg)
     if family == "gpt_neo" and isinstance(cfg.get("attention_layers"), list):
-        out["layer_types"] = ["sliding_attention" if t == "local" else "full_attention" for t in cfg["attention_layers"]]
+        kinds = cfg["attention_layers"]
+        out["layer_types"] = ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds]
         out["sliding_window"] = cfg.get("window_size", 256)
     if family in TWO_MATRIX_MLP and out.get("tie_word_embeddings") is None:  # their config classes tie by default
         out["tie_word_embeddings"] = True
