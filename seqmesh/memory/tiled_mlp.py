@@ -13,6 +13,7 @@ to fp32 summation order. transformers is not edited: :func:`enable_tiled_mlp` se
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 
@@ -118,11 +119,19 @@ def enable_tiled_mlp(model: nn.Module, tiles: int | None = None) -> None:
     """Compute every decoder layer's ``mlp`` (of a transformers causal LM) in sequence tiles."""
     if tiles is not None and tiles < 1:
         raise ValueError(f"tiles must be at least 1 (None: chosen from the shapes), got {tiles}.")
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:  # every layer checked before any is changed
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             raise ValueError(f"{type(layer).__name__} has no 'mlp' submodule to tile.")
-        mlp.forward = TiledForward(mlp, tiles)
+        inputs = [p.name for p in list(inspect.signature(type(mlp).forward).parameters.values())[1:]
+                  if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(inputs) != 1:
+            raise ValueError(f"{type(mlp).__name__}'s forward takes {', '.join(inputs)}: the tiled MLP tiles an MLP of "
+                             "the hidden states alone (BLOOM's adds the residual inside it); train this model without "
+                             "tiled_mlp.")
+    for layer in layers:
+        layer.mlp.forward = TiledForward(layer.mlp, tiles)
 
 
 def disable_tiled_mlp(model: nn.Module) -> None:

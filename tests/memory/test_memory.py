@@ -129,6 +129,31 @@ def test_tiled_mlp_is_exact_and_keeps_only_its_input():
     assert plain["activations"] - tiled["activations"] == dropped
 
 
+def test_a_two_matrix_mlp_tiles_exactly_and_keeps_two_intermediates_a_token():
+    """Falcon's MLP (up, GELU, down; no gate), tiled: exact as Llama's, and untiled it keeps 2 x intermediate values a
+    token, the planner's count for a two-matrix MLP (``seqmesh.planner.activations``). BLOOM's, which adds the residual
+    inside its MLP, is refused by name before any layer changes."""
+    import transformers as tf
+
+    config = tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                             new_decoder_architecture=True, num_kv_heads=2)
+    torch.manual_seed(0)
+    model = tf.FalconForCausalLM(config)
+    batch, length = 2, 100
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
+    loss, grads, plain = _forward_backward(model, ids)
+    enable_tiled_mlp(model, 3)
+    tiled_loss, tiled_grads, tiled = _forward_backward(model, ids)
+    disable_tiled_mlp(model)
+    assert abs(tiled_loss - loss) <= 1e-6 * abs(loss) and _worst_relative(tiled_grads, grads) < 1e-5
+    intermediate = model.transformer.h[0].mlp.dense_h_to_4h.out_features
+    assert plain["activations"] - tiled["activations"] == config.num_hidden_layers * 2 * batch * length * intermediate * 4
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=256))
+    with pytest.raises(ValueError, match=r"BloomMLP's forward takes hidden_states, residual: .*without tiled_mlp"):
+        enable_tiled_mlp(bloom, 3)
+    assert all("forward" not in layer.mlp.__dict__ for layer in bloom.transformer.h)
+
+
 def test_activation_offload_is_exact_and_empties_the_device():
     model = build_model("llama-tiny", seed=0)
     model.train()
