@@ -9,9 +9,18 @@ forward, given a view of the module that holds only the local experts: each fami
 clamped gate, transposed weights, a kernel chosen by ``config._experts_implementation``) is the model's, unchanged.
 The rows go in unweighted (weight 1) and the router's weights are applied on the token's own rank, which is exact
 because each of these families multiplies an expert's output by its weight last.
+
+Llama 4 is the exception: its MoE block (``Llama4TextMoe``) scales every token by its router score *before* the
+experts, hands the experts all ``E x T`` rows (a zero score, outside the top k, gives a zero row and, through its
+SiLU-gated MLP, a zero output) and sums the ``E`` outputs. Under expert parallelism seqmesh replaces that block's
+forward: each of a token's ``k`` picked rows is scaled on the token's rank, dispatched alone (weight 1), run through
+its expert (the family's batched matrices, one expert at a time: :func:`run_llama4_experts`) and summed back over
+the ``k`` picks; the router and the shared expert are the block's own. The same sum, without the zero rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -29,12 +38,12 @@ EXPERT_PARALLEL_FAMILIES = (
     "deepseek_v3", "deepseek_v2", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "dots1",
     "gpt_oss", "mixtral", "phimoe", "minimax", "minimax_m2", "jamba", "granitemoe", "granitemoeshared",
     "granitemoehybrid", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "mimo_v2_flash", "laguna", "afmoe",
-    "solar_open", "nemotron_h", "lfm2_moe", "ernie4_5_moe")
+    "solar_open", "nemotron_h", "lfm2_moe", "ernie4_5_moe", "llama4_text")
+# of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
+SCALED_BEFORE_EXPERTS = ("llama4_text",)
 
 # MoE families whose experts module is not the (hidden, top_k_index, top_k_weights) one above: what they compute instead
 NOT_SPLIT = {
-    "llama4_text": "Llama 4's experts take every token, each scaled by its router score before the expert (their "
-                   "forward has no expert indices to send tokens by)",
     "jetmoe": "JetMoE's experts take tokens already sorted by expert with per-expert counts, and its attention is a "
               "mixture of experts too",
     "dbrx": "DBRX keeps its experts' weights as one (experts x width, hidden) matrix each, not one row per expert",
@@ -113,6 +122,39 @@ def _expert_parallel_forward(module: nn.Module, emesh: ExpertMesh):
     return ep_forward
 
 
+def run_llama4_experts(module: nn.Module, weights: dict[str, torch.Tensor], rows: torch.Tensor,
+                       local_expert: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts (``Llama4TextExperts``: ``gate_up_proj`` (n, H, 2I), ``down_proj`` (n, I, H), its activation)
+    on ``rows`` (N, H), row ``i`` through local expert ``local_expert[i]``: the module's products, one expert's rows
+    at a time (its own forward takes the same number of rows for every expert) -> (N, H), unweighted."""
+    gate_up, down = weights["gate_up_proj"], weights["down_proj"]
+    out = rows.new_zeros(rows.shape[0], down.shape[-1])
+    for e in range(gate_up.shape[0]):
+        mine = (local_expert == e).nonzero().flatten()
+        gate, up = (rows[mine] @ gate_up[e]).chunk(2, dim=-1)
+        out = out.index_put((mine,), (up * module.act_fn(gate)) @ down[e])
+    if rows.shape[0] == 0:  # keep every weight in the graph (FSDP2 reduces each weight's gradient, zeros here)
+        out = out + (gate_up.reshape(-1)[:1].sum() + down.reshape(-1)[:1].sum()) * 0
+    return out
+
+
+def llama4_moe_forward(block: nn.Module, experts: int, ep: int, group, run_local) -> Callable:
+    """``Llama4TextMoe.forward`` with its experts over ``ep`` ranks: the router's top-k picks of each token, the token
+    scaled by each pick's score on its own rank, dispatched (weight 1) to ``run_local(rows, local_expert)`` and summed
+    back over its picks, plus the shared expert. ``hidden_states`` (B, L, H) -> ((T, H), router logits (T, E))."""
+    def forward(hidden_states: torch.Tensor):
+        hidden = hidden_states.reshape(-1, block.hidden_dim)  # (T, H)
+        scores, logits = block.router(hidden)  # (T, E): sigmoid of the top-k logits, 0 elsewhere
+        picks = torch.topk(logits, block.top_k, dim=1).indices  # the router's own picks (its topk on the same logits)
+        rows = (hidden[:, None, :] * scores.gather(1, picks)[..., None]).reshape(-1, hidden.shape[-1])  # (T k, H)
+        ones = rows.new_ones(rows.shape[0], 1)
+        routed = dispatch_combine(rows, picks.reshape(-1, 1), ones, experts, ep, group, run_local)
+        out = block.shared_expert(hidden)
+        return out + routed.reshape(hidden.shape[0], block.top_k, -1).sum(dim=1), logits
+
+    return forward
+
+
 def apply_expert_parallel(model: nn.Module, emesh: ExpertMesh) -> int:
     """Split every experts module of ``model`` (a transformers causal LM or vision-language model) over ``emesh``'s
     expert groups, in place; returns how many were split. Families not in :data:`EXPERT_PARALLEL_FAMILIES` are
@@ -134,5 +176,14 @@ def apply_expert_parallel(model: nn.Module, emesh: ExpertMesh) -> int:
             sharded = DTensor.from_local(local, emesh.ep_mesh, [Shard(0)], run_check=False,
                                          shape=p.shape, stride=p.stride())
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
-        module.forward = _expert_parallel_forward(module, emesh)
+        if model.config.get_text_config().model_type in SCALED_BEFORE_EXPERTS:
+            block = next(m for m in model.modules() if getattr(m, "experts", None) is module)
+
+            def run_local(rows, local_expert, module=module):
+                weights = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
+                return run_llama4_experts(module, weights, rows, local_expert)
+
+            block.forward = llama4_moe_forward(block, module.num_experts, ep, emesh.ep_group, run_local)
+        else:
+            module.forward = _expert_parallel_forward(module, emesh)
     return len(found)
