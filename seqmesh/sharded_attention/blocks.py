@@ -30,8 +30,8 @@ nothing is left, and stays a plain full call when the window covers all of it::
 
 ALiBi (a bias by distance, causal only) needs the distance of every (query, key) pair of a call, so, as under a
 window, each run pair is planned on its own: the diagonal's run against itself (offset 0), and each rectangle of
-keys before the queries as a full call whose mask carries ``offset = qs - ks``. Zigzag then runs three calls a ring
-step where it ran one (its two runs are not consecutive positions).
+keys before the queries as a full call whose mask carries ``offset = qs - ks``. Zigzag then runs two calls a ring
+step where it ran one, and three on the diagonal (its two runs are not consecutive positions).
 
 Image blocks (Gemma 3: the tokens of one image see each other both ways) are intervals of positions,
 each inside one document, given with causal attention. A query in a block sees, besides the keys
