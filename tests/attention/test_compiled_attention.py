@@ -21,6 +21,7 @@ CASES = [
     # images seen both ways by their tokens (Gemma 3), across shards, in documents, under a window
     Case(24, 4, 2, True, "zigzag", DOCS, window=5, image_blocks=((2, 6), (9, 13), (13, 16), (18, 21))),
     Case(24, 4, 2, True, "per_document", DOCS, chunk=4),  # Llama 4's chunked attention
+    Case(24, 4, 2, True, "zigzag", DOCS, alibi=(0.5, 0.25, 0.125, 2 ** -0.5)),  # ALiBi (BLOOM, MPT): slopes by head
 ]
 
 
