@@ -15,6 +15,8 @@ the allocator's peak over the timed steps) and the step time over its reference'
     qwen3_5      Gated DeltaNet x 3, then full attention (Qwen3.5)
     kimi_linear  KDA x 3, then MLA (Kimi Linear), MoE after the first layer
     lfm2         gated short convolutions and attention, alternating (LFM2)
+    bloom        ALiBi attention (BLOOM: 8 heads, a two-matrix MLP of 4 x the width), its bias added by the math
+                 kernel, one (rows x keys) score block per call (``seqmesh.hf.own_attention``)
 
 Issue 46's goal: DSA's step no longer than dense MLA's, and each mixer family's at most twice the dense Llama's
 (on a GPU: at least half its tokens/s).
@@ -34,7 +36,7 @@ import torch
 
 # family -> the family its step is compared with (None: a reference itself)
 REFERENCE: dict[str, str | None] = {"llama": None, "mla": "llama", "dsa": "mla", "nemotron_h": "llama",
-                                    "qwen3_5": "llama", "kimi_linear": "llama", "lfm2": "llama"}
+                                    "qwen3_5": "llama", "kimi_linear": "llama", "lfm2": "llama", "bloom": "llama"}
 FAMILIES = tuple(REFERENCE)
 
 
@@ -124,6 +126,9 @@ def family_config(name: str, bench: FamiliesBench):
         return tf.Lfm2Config(**common, num_attention_heads=8, num_key_value_heads=2, intermediate_size=3 * w,
                              num_hidden_layers=layers, block_auto_adjust_ff_dim=False,
                              layer_types=["conv", "full_attention"] * (layers // 2) + ["conv"] * (layers % 2))
+    if name == "bloom":
+        return tf.BloomConfig(hidden_size=w, n_layer=layers, n_head=8, vocab_size=bench.vocab, tie_word_embeddings=False,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise ValueError(f"unknown family {name!r}; choose from {', '.join(FAMILIES)}.")
 
 

@@ -23,8 +23,9 @@ one whatever the config names, and the layer ignores it), and a padding mask giv
 The entry reaches these layers as it reaches a layer that calls the interface without passing it on
 (``seqmesh.hf._hook_entry``): these models call their blocks, and the blocks their attention, without
 ``**kwargs``. Tensor parallelism and attention dropout are refused by name. The layers attend with ``parallelize``'s
-``backend`` (installed with it as the kind's design); the math kernel computes the ALiBi bias
-(``seqmesh.kernels.base.BlockMask.alibi``), so an ALiBi model's ``backend`` must be ``auto`` or ``math``.
+``backend`` (installed with it as the kind's design); the math kernel and, in fp32 and fp64, the CPU flash op compute
+the ALiBi bias (``seqmesh.kernels.base.BlockMask.alibi``), so an ALiBi model's ``backend`` is one of those or
+``auto``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ..sharded_attention.api import attention
 from .layers import OWN_ATTENTION as NAME
 from .mixer_kind import MixerKind, check_mixer_context
 
-ALIBI_BACKENDS = ("auto", "math")  # the kernels that compute ALiBi's bias
+ALIBI_BACKENDS = ("auto", "math", "cpu_flash")  # the kernels that compute ALiBi's bias (the CPU op: fp32, fp64)
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,8 @@ def _no_padding_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
     mask = kwargs.get("attention_mask")
     if mask is not None:
         raise ValueError(f"{type(module).__name__} was called with an attention_mask of shape {tuple(mask.shape)}, "
-                         "which its attention layers, run by seqmesh, would not see; describe padding and packed documents "
-                         "through seqmesh.shard_batch instead (pass position_ids, not attention_mask).")
+                         "which its attention layers, run by seqmesh, would not see; describe padding and packed "
+                         "documents through seqmesh.shard_batch instead (pass position_ids, not attention_mask).")
 
 
 def refuse_padding_masks(decoder: nn.Module, found: list) -> list:
@@ -232,8 +233,8 @@ def refuse_padding_masks(decoder: nn.Module, found: list) -> list:
 def check_backend(found: list, backend: str) -> None:
     """Refuse a named kernel that does not compute ALiBi for a model with ALiBi layers."""
     if any(FAMILIES[type(m).__name__].slopes is not None for _, m in found) and backend not in ALIBI_BACKENDS:
-        raise ValueError(f"backend={backend!r} cannot compute ALiBi (only the math kernel adds a bias by distance); "
-                         "parallelize this model with backend='auto'.")
+        raise ValueError(f"backend={backend!r} cannot compute ALiBi (the math kernel adds a bias by distance, and the "
+                         "CPU flash op in fp32 and fp64); parallelize this model with backend='auto'.")
 
 
 KIND = MixerKind(NAME, (), own_attention_layers, _make_forward)

@@ -40,7 +40,9 @@ class BlockMask:
       and key ``b`` gets ``-slope * (offset + a - b)``, minus the slope times their distance (after the soft-cap,
       if any). With it every call's rows and columns are consecutive positions (the block planner plans each
       run pair on its own), so ``offset`` carries the distance across ring blocks; the log-sum-exp includes the
-      bias, so partial results of different blocks merge exactly. Only the math kernel takes it (:func:`alibi_problem`).
+      bias, so partial results of different blocks merge exactly. The math kernel takes it, and the CPU flash op in
+      fp32 and fp64 as row bands with the bias added (``windows.BandedWindowKernel``); the others refuse it
+      (:func:`alibi_problem`).
     """
 
     causal: bool = False
@@ -71,9 +73,14 @@ class BlockMask:
 
     def distance_bias(self, sq: int, sk: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """ALiBi's ``(Hq, Sq, Sk)`` bias of this call, ``-slope * (offset + a - b)``, in ``dtype``."""
+        return self.distance_bias_part(0, sq, 0, sk, dtype, device)
+
+    def distance_bias_part(self, q0: int, q1: int, k0: int, k1: int, dtype: torch.dtype,
+                           device: torch.device | str = "cpu") -> torch.Tensor:
+        """``distance_bias(...)[:, q0:q1, k0:k1]`` without building the whole call's."""
         assert self.alibi is not None
-        rows = torch.arange(sq, device=device, dtype=dtype)[:, None]
-        cols = torch.arange(sk, device=device, dtype=dtype)[None, :]
+        rows = torch.arange(q0, q1, device=device, dtype=dtype)[:, None]
+        cols = torch.arange(k0, k1, device=device, dtype=dtype)[None, :]
         slopes = torch.tensor(self.alibi, device=device, dtype=dtype)[:, None, None]
         return -slopes * (rows + self.offset - cols)
 
@@ -129,11 +136,10 @@ HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
 
 def alibi_problem(mask: BlockMask, kernel: str) -> str | None:
-    """The reason a kernel other than the math kernel gives for an ALiBi call (its op takes no per-head distance
-    bias), or None."""
+    """The reason a kernel that takes no per-head distance bias gives for an ALiBi call, or None."""
     if mask.alibi is None:
         return None
-    return f"{kernel} takes no ALiBi slopes (the math kernel computes them)"
+    return f"{kernel} takes no ALiBi slopes (the math kernel computes them, and the CPU flash op in fp32 and fp64)"
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

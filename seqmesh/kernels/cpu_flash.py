@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import SUPPORTED_DTYPES, BlockMask, PadsHeadDims, alibi_problem, lse_dtype
+from .base import HALF_DTYPES, SUPPORTED_DTYPES, BlockMask, PadsHeadDims, alibi_problem, lse_dtype
 from .windows import BandedWindowKernel
 
 
@@ -35,7 +35,9 @@ class CpuFlashKernel(PadsHeadDims, BandedWindowKernel):
             return f"dtype {q.dtype} is not one of {SUPPORTED_DTYPES}"
         if mask.softcap is not None:
             return "torch's CPU flash op does not soft-cap scores"
-        return alibi_problem(mask, "torch's CPU flash op")
+        if mask.alibi is not None and q.dtype in HALF_DTYPES:  # its bias is in q's dtype: slope x distance rounded
+            return alibi_problem(mask, f"torch's CPU flash op in {q.dtype}")
+        return None
 
     def biased_forward(self, q, k, v, bias, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -136,6 +136,19 @@ def window_bands(mask: BlockMask, sq: int, sk: int) -> list[tuple[int, int, int,
     return [(a, min(sq, a + rows), *mask.key_span(a, min(sq, a + rows), sk)) for a in range(0, sq, rows)]
 
 
+ALIBI_BAND_ROWS = 256  # query rows per banded ALiBi call: its (heads, rows, keys) bias is the band's memory
+
+
+def alibi_bands(mask: BlockMask, sq: int, sk: int) -> list[tuple[int, int, int, int]]:
+    """``(q0, q1, k0, k1)`` row bands of an ALiBi call (no window): every key a band's rows may see (causal: up to
+    its last row's diagonal)."""
+    bands = []
+    for a in range(0, sq, ALIBI_BAND_ROWS):
+        b = min(sq, a + ALIBI_BAND_ROWS)
+        bands.append((a, b, 0, min(sk, b + mask.offset) if mask.causal else sk))
+    return bands
+
+
 def additive_bias(
     mask: BlockMask, rows: tuple[int, int], keys: tuple[int, int], dtype: torch.dtype,
     device: torch.device | str = "cpu", align: int = 1,
@@ -154,7 +167,8 @@ def additive_bias(
 class BandedWindowKernel(PerDocumentKernel):
     """A per-document kernel whose op also takes an additive bias: windowed calls run as row bands
     (:func:`window_bands`), each with its band's bias. Every band row keeps at least one key (its
-    window holds itself or the nearest key), so no band row is empty."""
+    window holds itself or the nearest key), so no band row is empty. ALiBi calls run as row bands too
+    (:func:`alibi_bands`), their bias the mask's plus each head's distance bias, ``(1, Hq, rows, keys)``."""
 
     bias_align: int = 1  # row stride of the bias, in elements
 
@@ -172,15 +186,22 @@ class BandedWindowKernel(PerDocumentKernel):
 
     def _band_bias(self, mask: BlockMask, band: tuple[int, int, int, int], q: torch.Tensor) -> torch.Tensor:
         a, b, k0, k1 = band
-        return additive_bias(mask, (a, b), (k0, k1), q.dtype, q.device, self.bias_align)
+        bias = additive_bias(mask, (a, b), (k0, k1), q.dtype, q.device, self.bias_align)
+        if mask.alibi is None:
+            return bias
+        return (bias + mask.distance_bias_part(a, b, k0, k1, q.dtype, q.device))[None]  # (1, Hq, rows, keys)
+
+    @staticmethod
+    def _bands(mask: BlockMask, sq: int, sk: int) -> list[tuple[int, int, int, int]]:
+        return window_bands(mask, sq, sk) if mask.window is not None else alibi_bands(mask, sq, sk)
 
     def forward(self, q, k, v, mask, scale):
-        if mask.window is None:
+        if mask.window is None and mask.alibi is None:
             return super().forward(q, k, v, mask, scale)
         bsz, sq, h, _ = q.shape
         out = q.new_zeros(bsz, sq, h, v.shape[-1])  # (B, Sq, Hq, Dv)
         lse = torch.full((bsz, h, sq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-        for a, b, k0, k1 in window_bands(mask, sq, k.shape[1]):
+        for a, b, k0, k1 in self._bands(mask, sq, k.shape[1]):
             if k1 > k0:
                 bias = self._band_bias(mask, (a, b, k0, k1), q)
                 o, l = self.biased_forward(q[:, a:b], k[:, k0:k1], v[:, k0:k1], bias, scale)
@@ -188,11 +209,11 @@ class BandedWindowKernel(PerDocumentKernel):
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
-        if mask.window is None:
+        if mask.window is None and mask.alibi is None:
             return super().backward(dout, q, k, v, out, lse, mask, scale)
         dq = torch.zeros_like(q)
         dk, dv = torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype)
-        for a, b, k0, k1 in window_bands(mask, q.shape[1], k.shape[1]):
+        for a, b, k0, k1 in self._bands(mask, q.shape[1], k.shape[1]):
             if k1 > k0:
                 bias = self._band_bias(mask, (a, b, k0, k1), q)
                 gq, gk, gv = self.biased_backward(dout[:, a:b], q[:, a:b], k[:, k0:k1], v[:, k0:k1], out[:, a:b],

@@ -129,9 +129,9 @@ def _own_attention_fields(cfg: dict) -> dict:
     family = cfg.get("model_type")
     fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
     if family in ALIBI:
-        fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: it runs on the math kernel, "
-                               "whose (rows x keys) score block per call the planner does not count; seqmesh train and "
-                               "verify run it all the same")
+        fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: on a GPU it runs on the math "
+                               "kernel, whose (rows x keys) score block per call the planner does not count; seqmesh "
+                               "train and verify run it all the same")
     return fields
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 # config.json's model_type -> the class of its attention layers
 LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "FalconAttention",
                  "gpt_neo": "GPTNeoAttention"}
-# the families whose bias by distance (ALiBi) only the math kernel adds
+# the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds
 ALIBI = ("bloom", "mpt")
 # the families whose MLP is two matrices (up, activation, down), not a gated three
 TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo")

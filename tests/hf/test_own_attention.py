@@ -88,8 +88,8 @@ def test_an_own_attention_layer_refuses_what_it_cannot_compute(pools):
     model.transformer.blocks[1].attn.attn_dropout_p = 0.1
     with pytest.raises(ValueError, match=r"blocks\.1\.attn \(MptAttention\) has attention dropout 0\.1"):
         own_attention.own_attention_layers(model, mesh)
-    with pytest.raises(ValueError, match=r"backend='cpu_flash' cannot compute ALiBi.*backend='auto'"):
-        own_attention.check_backend(own_attention.own_attention_layers(build(family_config("bloom")), mesh), "cpu_flash")
+    with pytest.raises(ValueError, match=r"backend='cuda_flash' cannot compute ALiBi.*backend='auto'"):
+        own_attention.check_backend(own_attention.own_attention_layers(build(family_config("bloom")), mesh), "cuda_flash")
     falcon = build(family_config("falcon"))
     own_attention.check_backend(own_attention.own_attention_layers(falcon, mesh), "cpu_flash")  # rotary: any kernel
     falcon.config.alibi = True
