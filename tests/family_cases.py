@@ -130,11 +130,17 @@ def family_config(family: str):
                                    eos_token_id=2)
     if family == "bloom":  # ALiBi with 6 heads: BLOOM's slopes past the power of two (2^-0.5, 2^-1.5, ...) too
         return tf.BloomConfig(hidden_size=48, n_layer=2, n_head=6, vocab_size=64, attention_dropout=0.0)
+    if family == "bloom-sliced":  # pretraining_tp with slow_but_exact: the output product by slices, no bias
+        return tf.BloomConfig(hidden_size=48, n_layer=2, n_head=6, vocab_size=64, attention_dropout=0.0, pretraining_tp=2,
+                              slow_but_exact=True, apply_residual_connection_post_layernorm=True)
     if family == "mpt":  # ALiBi with MPT's own slopes (6 heads: its reordered ones), a q/k/v clip that bites
         return tf.MptConfig(d_model=48, n_layers=2, n_heads=6, vocab_size=64, expansion_ratio=2,
                             attn_config={"clip_qkv": 0.06})
     if family == "falcon":  # rotary, one key and value head (multi_query), attention and MLP side by side
         return tf.FalconConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, vocab_size=64)
+    if family == "falcon-mha":  # every head its own key and value, biases, attention then MLP in sequence
+        return tf.FalconConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, vocab_size=64,
+                               multi_query=False, parallel_attn=False, bias=True)
     if family == "falcon-new":  # Falcon-40B/180B's layout: 2 kv heads, each after its group of query heads; 2 norms
         return tf.FalconConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, vocab_size=64,
                                new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=2)

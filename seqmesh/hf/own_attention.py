@@ -77,7 +77,11 @@ def _bloom_project(module: nn.Module, hidden: torch.Tensor):
 
 
 def _bloom_output(module: nn.Module, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, None]:
-    out = nn.functional.dropout(module.dense(o), p=module.hidden_dropout, training=module.training)
+    if module.pretraining_tp > 1 and module.slow_but_exact:  # transformers sums the product by slices, without the bias
+        dense = nn.functional.linear(o, module.dense.weight)
+    else:
+        dense = module.dense(o)
+    out = nn.functional.dropout(dense, p=module.hidden_dropout, training=module.training)
     return out + residual, None  # BLOOM's dropout_add; no attention weights
 
 

@@ -17,8 +17,10 @@ from short_conv_cases import parity_all
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
 # bloom: 6 heads (slopes past the power of two); mpt: 6 heads, MPT's reordered slopes, a q/k/v clip; falcon: rotary,
-# multi-query; falcon-new: rotary, 2 kv heads interleaved with their query groups; gpt-neo: unscaled, a local layer
-FAMILIES = ["bloom", "mpt", "falcon", "falcon-new", "gpt-neo"]
+# multi-query; falcon-mha: every head its own key and value, biases, sequential; falcon-new: rotary, 2 kv heads
+# interleaved with their query groups; gpt-neo: unscaled, a local layer; bloom-sliced: transformers' sliced product
+# (pretraining_tp with slow_but_exact), which adds no bias: the first version added it, and its gradient was wrong
+FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo"]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
