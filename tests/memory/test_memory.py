@@ -112,10 +112,13 @@ def _worst_relative(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=1e-12)) for n in a)
 
 
-def test_tiled_mlp_is_exact_and_keeps_only_its_input():
-    model = build_model("llama-tiny", seed=0)
-    batch, length = 2, 100
-    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
+TILED_BATCH, TILED_LENGTH = 2, 100
+
+
+def _tiled_against_plain(model) -> int:
+    """``model``'s loss and gradients with its MLPs in 3 tiles against untiled (fp32 summation order only), and
+    untiled again once disabled (the class's forward, bit for bit); the activation bytes the tiles dropped."""
+    ids = torch.randint(0, 256, (TILED_BATCH, TILED_LENGTH), generator=torch.Generator().manual_seed(0))
     loss, grads, plain = _forward_backward(model, ids)
     enable_tiled_mlp(model, 3)
     tiled_loss, tiled_grads, tiled = _forward_backward(model, ids)
@@ -124,9 +127,15 @@ def test_tiled_mlp_is_exact_and_keeps_only_its_input():
     assert abs(tiled_loss - loss) <= 1e-6 * abs(loss)
     assert _worst_relative(tiled_grads, grads) < 1e-5  # per-tile sums: fp32 summation order only
     assert again[0] == loss and _worst_relative(again[1], grads) == 0  # disabled: the class's forward again
+    return plain["activations"] - tiled["activations"]
+
+
+def test_tiled_mlp_is_exact_and_keeps_only_its_input():
+    model = build_model("llama-tiny", seed=0)
     shape = model.config
-    dropped = shape.num_hidden_layers * 4 * batch * length * shape.intermediate_size * 4  # gate, act, up, product
-    assert plain["activations"] - tiled["activations"] == dropped
+    # gate, act, up, product: 4 x intermediate float32 values a token and layer
+    dropped = shape.num_hidden_layers * 4 * TILED_BATCH * TILED_LENGTH * shape.intermediate_size * 4
+    assert _tiled_against_plain(model) == dropped
 
 
 def test_a_two_matrix_mlp_tiles_exactly_and_keeps_two_intermediates_a_token():
@@ -139,15 +148,9 @@ def test_a_two_matrix_mlp_tiles_exactly_and_keeps_two_intermediates_a_token():
                              new_decoder_architecture=True, num_kv_heads=2)
     torch.manual_seed(0)
     model = tf.FalconForCausalLM(config)
-    batch, length = 2, 100
-    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(0))
-    loss, grads, plain = _forward_backward(model, ids)
-    enable_tiled_mlp(model, 3)
-    tiled_loss, tiled_grads, tiled = _forward_backward(model, ids)
-    disable_tiled_mlp(model)
-    assert abs(tiled_loss - loss) <= 1e-6 * abs(loss) and _worst_relative(tiled_grads, grads) < 1e-5
     intermediate = model.transformer.h[0].mlp.dense_h_to_4h.out_features
-    assert plain["activations"] - tiled["activations"] == config.num_hidden_layers * 2 * batch * length * intermediate * 4
+    dropped = config.num_hidden_layers * 2 * TILED_BATCH * TILED_LENGTH * intermediate * 4  # up, GELU(up)
+    assert _tiled_against_plain(model) == dropped
     bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=256))
     with pytest.raises(ValueError, match=r"BloomMLP's forward takes hidden_states, residual: .*without tiled_mlp"):
         enable_tiled_mlp(bloom, 3)
