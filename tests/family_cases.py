@@ -128,6 +128,10 @@ def family_config(family: str):
                                    layer_types=["linear_attention", "full_attention", "linear_attention"],
                                    mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2)
+    if family == "recurrent_gemma":  # RG-LRU blocks (conv width 4, a state of 48), then local attention; soft-capped
+        return tf.RecurrentGemmaConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, lru_width=48,
+                                       num_key_value_heads=2, attention_window_size=WINDOW,
+                                       block_types=["recurrent", "recurrent", "attention"])
     if family == "bloom":  # ALiBi with 6 heads: BLOOM's slopes past the power of two (2^-0.5, 2^-1.5, ...) too
         return tf.BloomConfig(hidden_size=48, n_layer=2, n_head=6, vocab_size=64, attention_dropout=0.0)
     if family == "bloom-sliced":  # pretraining_tp with slow_but_exact: the output product by slices, no bias

@@ -1,6 +1,6 @@
 """What one kind of token mixer that is not attention gives ``parallelize`` (a :class:`MixerKind`), and the
 refusals every such mixer shares (:func:`check_mixer_context`). Each kind's module (``kda``, ``lightning``,
-``linear_attention``, ``mamba``, ``mamba2``, ``short_conv``) imports this; :mod:`.mixers` lists the kinds and
+``linear_attention``, ``mamba``, ``mamba2``, ``rg_lru``, ``short_conv``) imports this; :mod:`.mixers` lists the kinds and
 finds, installs and removes them.
 """
 

@@ -4,7 +4,8 @@ The loss never builds a shard's whole logits: it multiplies chunks of the decode
 matrix inside the cross-entropy (``seqmesh.model.loss``). That equals the model's own logits where its forward
 computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly times a constant: Cohere's
 ``logit_scale``, Granite's ``1 / logits_scaling``, which the loss applies to the hidden states instead
-(``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``), which
+(``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``;
+RecurrentGemma's ``logits_soft_cap``, in one statement), which
 the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
 ships it) and returns both; anything else the forward does to its logits (a head that transforms the hidden states
 first, RoBERTa's; a bias, Phi-2's) is refused by name, so the loss is never silently another model's. Statements
@@ -204,6 +205,29 @@ def _is_tanh(stmt: ast.stmt, name: str) -> bool:
             and len(value.args) == 1 and isinstance(value.args[0], ast.Name) and value.args[0].id == name)
 
 
+def _one_statement_softcap(stmt: ast.stmt, name: str, model: nn.Module, known: dict) -> float | None:
+    """``c`` where ``stmt`` is ``name = tanh(name / c) * c`` (``torch.tanh``, ``nn.functional.tanh``) with one
+    positive constant ``c``, read from the model or a local name bound to it (``known``); otherwise None."""
+    value = stmt.value if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+        and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name else None
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult) and isinstance(value.left, ast.Call)):
+        return None
+    call = value.left
+    inner = call.args[0] if len(call.args) == 1 and not call.keywords else None
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "tanh" and isinstance(inner, ast.BinOp)
+            and isinstance(inner.op, ast.Div) and isinstance(inner.left, ast.Name) and inner.left.id == name):
+        return None
+
+    def constant(node: ast.AST):
+        return known.get(node.id, _UNKNOWN) if isinstance(node, ast.Name) else _value(node, model)
+
+    below, above = constant(inner.right), constant(value.right)
+    if any(isinstance(c, bool) or not isinstance(c, numbers.Real) for c in (below, above)) or below != above \
+            or below <= 0:
+        return None
+    return float(below)
+
+
 def logit_head(lm: nn.Module) -> LogitHead:
     """The constant ``scale`` and the final ``softcap`` of ``lm``'s logits (``W``: its output embedding's weight);
     a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
@@ -243,7 +267,15 @@ def logit_head(lm: nn.Module) -> LogitHead:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to its logits, which seqmesh's chunked "
                          "loss does not; train it with your own loss on model(**batch).logits.")
     effects: list[tuple[float | None, ast.stmt]] = []  # each change of the logits: a factor, or None for tanh
+    known: dict[str, object] = {}  # local names bound to the model's constants (RecurrentGemma's cap)
     for stmt in statements[index + 1:]:
+        cap = _one_statement_softcap(stmt, logits, lm, known)
+        if cap is not None:  # logits = tanh(logits / cap) * cap: the three steps of a soft-cap
+            effects += [(1.0 / cap, stmt), (None, stmt), (cap, stmt)]
+            continue
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
+                and stmt.targets[0].id != logits:
+            known[stmt.targets[0].id] = _value(stmt.value, lm)
         factor = _factor(stmt, logits, lm)
         if factor is _UNKNOWN and not _is_tanh(stmt, logits):
             raise ValueError(f"{name}'s forward changes its logits after the LM head ({ast.unparse(stmt)!r}), which "

@@ -12,9 +12,10 @@ EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", 
          "gpt_oss", "deepseek_v3", "gemma2", "llama4_text",  # soft-capping; chunked attention (8192: one chunk here)
          "lfm2",  # a gated short convolution (its halo across ranks) and attention
          "falcon_h1",  # Mamba2 beside attention in every layer (the state passed across ranks)
-         "jamba"]  # a Mamba (v1) layer and an attention layer
+         "jamba",  # a Mamba (v1) layer and an attention layer
+         "recurrent_gemma"]  # RG-LRU blocks (their state passed across ranks) and local attention
 REFUSED = {
-    "recurrent_gemma": "RecurrentBlock",  # recurrent (RG-LRU) blocks
+    "rwkv": "RwkvSelfAttention",  # RWKV's time mixing
 }
 
 

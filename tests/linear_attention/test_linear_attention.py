@@ -352,11 +352,12 @@ def test_recurrent_families_are_refused_by_name():
     mesh = types.SimpleNamespace(sp_size=2)  # the mixers' find() read only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    refused = {"recurrent_gemma": "RecurrentGemmaRecurrentBlock", "rwkv": "RwkvSelfAttention"}
+    refused = {"rwkv": "RwkvSelfAttention"}
     # Gated DeltaNet (1 layer each), Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers), lightning,
     # LFM's gated short convolutions
     taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2,
-             "minimax": 1, "lfm2": 1, "lfm2_moe": 1, "lfm3": 1, "mamba": 2, "falcon_mamba": 2, "jamba": 2}
+             "minimax": 1, "lfm2": 1, "lfm2_moe": 1, "lfm3": 1, "mamba": 2, "falcon_mamba": 2, "jamba": 2,
+             "recurrent_gemma": 1}
     newer = {"kimi_linear": 1, "bailing_hybrid": 1}  # KDA, taken where the release has the family
     hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -369,6 +370,7 @@ def test_recurrent_families_are_refused_by_name():
             "llama", "falcon_h1", "mamba", "falcon_mamba", "jamba") else {}
         extra = {"layer_types": ["conv", "full_attention"]} if family.startswith("lfm") else extra
         extra = {**extra, "mamba_d_ssm": 64, "mamba_n_heads": 4} if family == "falcon_h1" else extra
+        extra = {"block_types": ["recurrent", "attention"]} if family == "recurrent_gemma" else extra
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **small, **extra))
         found = mixer_layers(model, mesh, "auto")

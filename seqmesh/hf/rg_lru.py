@@ -1,0 +1,117 @@
+"""RecurrentGemma's recurrent blocks (Griffin's and Hawk's RG-LRU) run sequence-parallel, exactly.
+
+The block, per token but for one depthwise causal conv of width ``K`` (``config.conv1d_width``) and the
+RG-LRU's diagonal recurrence::
+
+    y = act(linear_y(h))                                  (B, L, W) per token
+    x = conv(linear_x(h))                                 depthwise, causal, with bias: reads K - 1 earlier tokens
+    i, r = sigmoid(x W_i + b_i), sigmoid(x W_r + b_r)     block-diagonal gates, per token
+    log a = -8 r softplus(c)                              (B, L, W), <= 0
+    u = x i sqrt(1 - a^2)       (u = x i at position 0)   per token
+    s_t = a_t s_{t-1} + u_t                               from zero at each document's start
+    out = linear_out(s y)
+
+The conv runs with its halo (:func:`seqmesh.linear_attention.halo.halo_causal_conv`, one all-gather) and the
+recurrence by state passing (:func:`seqmesh.linear_attention.selective_scan.state_passing_diagonal_scan`, one
+all-gather of every run's ``[S_0 | T]``, ``2 W`` values a row); everything else is per token. The recurrence runs
+in float32 for half-precision inputs (transformers' own ``acc_dtype``), otherwise in the inputs' dtype. Every
+``linear_attention`` design name runs state passing (an all-to-all by channels would also need the gates' input
+after the exchange; not built).
+
+transformers resets the state where ``position_ids == 0``; seqmesh restarts it at every document of
+``shard_batch`` (whose documents begin where the positions do not count on, so at every 0 and more), as one model
+call per document does. The square root keeps the family's own bounded derivative (its
+``SqrtBoundDerivative``, looked up in the layer's own module).
+
+``parallelize`` gives each block an instance-level ``forward`` (the class and transformers' code untouched);
+``unparallelize`` deletes it. Tensor parallelism is refused by name: seqmesh does not split the block's gates.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..linear_attention import halo
+from ..linear_attention.choice import parse_design
+from ..linear_attention.gated_delta import compute_dtype
+from ..linear_attention.selective_scan import state_passing_diagonal_scan
+from ..mesh import SPMesh
+from .mixer_kind import Layers, MixerKind, check_mixer_context
+
+BLOCKS = ("RecurrentGemmaRecurrentBlock",)  # whose forward this module follows
+_PARTS = ("linear_x", "linear_y", "linear_out", "conv_1d", "rg_lru", "act_fn")
+_LRU_PARTS = ("recurrent_param", "input_gate_weight", "input_gate_bias", "recurrent_gate_weight",
+              "recurrent_gate_bias")
+
+
+def is_rg_lru_block(module: nn.Module) -> bool:
+    """Whether ``module`` is one of :data:`BLOCKS` with its parts where expected."""
+    return (type(module).__name__ in BLOCKS and all(hasattr(module, p) for p in _PARTS)
+            and all(hasattr(module.rg_lru, p) for p in _LRU_PARTS))
+
+
+def rg_lru_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers:
+    """The RG-LRU blocks of ``model`` (path, module), checked: a ValueError for a design name seqmesh does not
+    know, and for tensor parallelism."""
+    parse_design(design)
+    layers = [(path, m) for path, m in model.named_modules() if is_rg_lru_block(m)]
+    if layers and getattr(mesh, "tp", 1) > 1:
+        raise ValueError(f"{layers[0][0]} ({type(layers[0][1]).__name__}) is an RG-LRU block, whose block-diagonal "
+                         "gates seqmesh's tensor parallelism does not split; train this model with tp=1 (its sequence "
+                         "parallelism is exact).")
+    return layers
+
+
+def _gates(lru: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and recurrence gates (B, L, W) of the conv's output ``x`` (B, L, W): one block-diagonal matrix
+    per head, as the layer computes them."""
+    b, n, width = x.shape
+    heads = lru.input_gate_weight.shape[0]
+    by_head = x.reshape(b * n, heads, width // heads).transpose(0, 1)  # (H, B L, W / H)
+
+    def gate(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(torch.baddbmm(bias[:, None, :], by_head, weight).transpose(0, 1).reshape(b, n, width))
+
+    return gate(lru.input_gate_weight, lru.input_gate_bias), gate(lru.recurrent_gate_weight, lru.recurrent_gate_bias)
+
+
+def rg_lru_block(module: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                 place: halo.Placement) -> torch.Tensor:
+    """The block at this rank's tokens: ``hidden_states`` (B, L, D) and ``position_ids`` (B, L) in shard order ->
+    (B, L, D)."""
+    lru = module.rg_lru
+    y = module.act_fn(module.linear_y(hidden_states))  # (B, L, W)
+    weight = module.conv_1d.weight.squeeze(1)  # (W, 1, K) -> (W, K)
+    x = halo.halo_causal_conv(module.linear_x(hidden_states), weight, module.conv_1d.bias, place, activation=None)
+    input_gate, recurrent_gate = _gates(lru, x)
+    log_a = -8.0 * recurrent_gate * F.softplus(lru.recurrent_param)  # (B, L, W)
+    bounded_sqrt = sys.modules[type(lru).__module__].SqrtBoundDerivative.apply
+    reset = (position_ids == 0)[:, :, None]
+    multiplier = torch.where(reset, torch.ones_like(log_a), bounded_sqrt(1 - torch.exp(2 * log_a)))
+    gated = x * input_gate * multiplier.to(x.dtype)
+    dtype = compute_dtype(x.dtype)
+    states = state_passing_diagonal_scan(log_a.to(dtype), gated.to(dtype), place)  # (B, L, W)
+    return module.linear_out(states.to(x.dtype) * y)
+
+
+def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
+    kernel = module.conv_1d.weight.shape[-1]
+
+    def forward(self, input_states: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, use_cache=False,
+                **kwargs) -> tuple[torch.Tensor, None]:
+        info = kwargs.get("seqmesh")
+        # attention_mask is the decoder's causal mask for its attention blocks, which transformers' block ignores too
+        check_mixer_context(self, info, kwargs.get("cache"), None)
+        place = halo.placement(mesh, input_states.shape[1], layout=info.layout, seq_len=info.seq_len,
+                               cu_seqlens=info.cu_seqlens, kernel=kernel)
+        return rg_lru_block(self, input_states, position_ids, place), None
+
+    return forward
+
+
+KIND = MixerKind("RG-LRU", ("linear_attention",), rg_lru_layers, _make_forward)
