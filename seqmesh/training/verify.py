@@ -113,7 +113,10 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     noise = {name: float((p.grad - grads[name]).abs().max() / grads[name].abs().max().clamp(min=1e-12))
              for name, p in model.named_parameters() if name in grads}
     model.zero_grad()
-    wide = copy.deepcopy(model).to(torch.float64)
+    # a layer may keep a tensor of its last forward (RecurrentGemma's RG-LRU its final state), which deepcopy refuses
+    held = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and not v.is_leaf}
+    wide = copy.deepcopy(model, held).to(torch.float64)
     if hasattr(wide, "set_experts_implementation"):  # grouped_mm (MoE experts' default) has no float64 kernel
         wide.set_experts_implementation("eager")
     (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
