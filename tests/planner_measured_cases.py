@@ -18,11 +18,20 @@ WIDE_CONFIG = {
 }
 
 
-def write_wide_config(folder: str) -> str:
-    """A config.json of the wider model in ``folder`` (a model argument of TrainConfig); its path."""
+# a RecurrentGemma: two RG-LRU blocks and one local attention layer (a window of 256), tied embeddings
+RECURRENT_GEMMA_CONFIG = {
+    "model_type": "recurrent_gemma", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 512, "lru_width": 256,
+    "attention_window_size": 256, "block_types": ["recurrent", "recurrent", "attention"],
+}
+
+
+def write_wide_config(folder: str, config: dict = WIDE_CONFIG) -> str:
+    """A config.json of the wider model (or ``config``) in ``folder`` (a model argument of TrainConfig); its path."""
+    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "config.json")
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(WIDE_CONFIG, f)
+        json.dump(config, f)
     return path
 
 

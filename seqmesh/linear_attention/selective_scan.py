@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from .choice import runs_and_tails
 from .gated_delta import compute_dtype
 from .halo import Placement
 from .passing import pass_states
@@ -91,6 +92,15 @@ def diagonal_scan(log_decay: torch.Tensor, inp: torch.Tensor, bounds: tuple[int,
     states = local + cum * torch.stack(entering, dim=1)[:, :, None]  # (B, K, Q, *X)
     states = states.reshape(batch, chunks * chunk, *inp.shape[2:])[:, :length]  # (B, L, *X)
     return states, states[:, [e - 1 for e in bounds[1:]]]
+
+
+def diagonal_state_bytes(channels: int, *, batch: int, ulysses: int, ring: int, layout: str,
+                         state_bytes: int = 4) -> int:
+    """Bytes each rank sends forward in :func:`state_passing_diagonal_scan`'s all-gather (its reduce-scatter the same
+    backward) for a state of ``channels`` values (``|X|``): every run's ``[S_0 | T]``, ``(P - 1) x runs x B x 2 |X|``
+    values, ``runs`` the busiest rank's (``choice.runs_and_tails``), whatever the sequence's length."""
+    runs, _ = runs_and_tails(ulysses, ring, layout)
+    return (ulysses * ring - 1) * batch * runs * 2 * channels * state_bytes
 
 
 def state_passing_diagonal_scan(log_decay: torch.Tensor, inp: torch.Tensor, place: Placement) -> torch.Tensor:

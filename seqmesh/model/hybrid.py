@@ -16,6 +16,7 @@ from .hybrid_shape import ATTENTION, CONV, MAMBA2, PARALLEL, FeedForward, Hybrid
 from .kimi import kimi_linear_fields
 from .lfm import lfm2_fields
 from .minimax import minimax_fields
+from .recurrent_gemma import recurrent_gemma_fields
 
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
@@ -37,7 +38,8 @@ _UNSIZED = {"jamba": "Mamba",
             "mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution"}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
-          "lfm2_moe), Kimi Linear's KDA (kimi_linear) and MiniMax-01's lightning attention (minimax)")
+          "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax) and RecurrentGemma's "
+          "RG-LRU (recurrent_gemma)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -51,6 +53,8 @@ def hybrid_fields(cfg: dict) -> dict:
         return kimi_linear_fields(cfg)
     if family == "minimax":
         return minimax_fields(cfg)
+    if family == "recurrent_gemma":
+        return recurrent_gemma_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

@@ -1,5 +1,5 @@
 """The shapes of a hybrid model's layers as the planner sizes them, below the readers of config.json that make them
-(:mod:`.hybrid` for the Mamba2 families, :mod:`.lfm`, :mod:`.kimi`, :mod:`.minimax`): each layer's mixer kind, a Mamba2
+(:mod:`.hybrid` for the Mamba2 families, :mod:`.lfm`, :mod:`.kimi`, :mod:`.minimax`, :mod:`.recurrent_gemma`): each layer's mixer kind, a Mamba2
 mixer, a gated short convolution, a KDA and a lightning attention mixer, a feed-forward block, and the whole
 ``HybridShape``. What each mixer holds: the docstring of the module that reads its family.
 """
@@ -12,6 +12,7 @@ MAMBA2 = "mamba2"
 CONV = "conv"  # LFM2's gated short convolution (seqmesh.model.lfm)
 KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
 LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
+RG_LRU = "rg_lru"  # RecurrentGemma's recurrent block (seqmesh.model.recurrent_gemma)
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
@@ -87,7 +88,8 @@ class HybridShape:
     ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the feed-forward of each name; ``norms`` RMSNorms of the
     hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
     attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
-    has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's)."""
+    has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's; ``rg_lru``, mixer
+    ``"rg_lru"``: RecurrentGemma's recurrent block)."""
 
     mamba: Mamba2Shape | None
     blocks: tuple[tuple[str, str], ...]
@@ -98,6 +100,7 @@ class HybridShape:
     attention_norms: int = 0
     kda: KdaShape | None = None
     lightning: LightningShape | None = None
+    rg_lru: RgLruShape | None = None
 
     def ffn(self, name: str) -> FeedForward:
         return dict(self.ffns).get(name, FeedForward(0, 0, 0))
@@ -136,6 +139,8 @@ class HybridShape:
             own += self.kda.params(hidden)
         if mixer == LIGHTNING:
             own += self.lightning.params(hidden)
+        if mixer == RG_LRU:
+            own += self.rg_lru.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -146,7 +151,8 @@ class HybridShape:
         """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
         return {"mamba": asdict(self.mamba) if self.mamba else None,
                 "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
-                "lightning": asdict(self.lightning) if self.lightning else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "lightning": asdict(self.lightning) if self.lightning else None,
+                "rg_lru": asdict(self.rg_lru) if self.rg_lru else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
 
@@ -220,3 +226,31 @@ class LightningShape:
     def params(self, hidden: int) -> int:
         """Every parameter of the mixer (:mod:`.minimax`'s docstring lists them)."""
         return self.matmul_params(hidden) + self.inner
+
+
+@dataclass(frozen=True)
+class RgLruShape:
+    """One RecurrentGemma recurrent block: an RG-LRU ``width`` channels wide whose gates are ``heads`` block-diagonal
+    matrices, after a depthwise causal conv of ``conv`` taps."""
+
+    width: int
+    heads: int
+    conv: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("width", "heads", "conv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the RG-LRU blocks' {name} = {value!r} must be a positive integer (lru_width, "
+                                 "num_attention_heads, conv1d_width); fix the config.json.")
+        if self.width % self.heads:
+            raise ValueError(f"the RG-LRU's {self.heads} gate blocks (num_attention_heads) do not divide its width "
+                             f"{self.width} (lru_width); fix the config.json.")
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: linear_x, linear_y, linear_out and the two gates' blocks."""
+        return 3 * hidden * self.width + 2 * self.width * self.width // self.heads
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the block (:mod:`.recurrent_gemma`'s docstring lists them)."""
+        return self.matmul_params(hidden) + self.width * (self.conv + 6) + hidden

@@ -27,6 +27,7 @@ from ..rules.heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .kda import KdaLayer
 from .lightning import LightningLayer
+from .rg_lru import RgLruLayer
 from .short_conv import ShortConvLayer
 from .traffic import (Collective, RankTraffic, call_bytes, dtype_bytes, indexed_attention_traffic,
                       linear_attention_traffic, worst_rank)
@@ -276,7 +277,8 @@ class IndexedAttention:
                                      (ag, rs))
 
 
-LayerKind = Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer | LightningLayer
+LayerKind = (Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer
+             | LightningLayer | RgLruLayer)
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
@@ -302,11 +304,13 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     each Nemotron-H MLP or MoE block by its feed-forward; a Falcon-H1 layer as its attention layer (norms and MLP
     included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
     attention layers carry their own feed-forward (Nemotron-H's none). LFM2's gated short convs: each by its
-    feed-forward; Kimi Linear's KDA and MiniMax-01's lightning layers likewise."""
-    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL
+    feed-forward; Kimi Linear's KDA, MiniMax-01's lightning layers and RecurrentGemma's recurrent blocks likewise.
+    Where every attention layer has a window (RecurrentGemma's local attention), they are planned with it."""
+    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL, RG_LRU
 
-    hybrid = work.model.hybrid
-    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), hybrid.attention_layers)]
+    hybrid, m = work.model.hybrid, work.model
+    window = m.sliding_window if m.sliding_window and not m.full_every else None
+    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout, window), hybrid.attention_layers)]
     for (mixer, ffn), n in hybrid.kinds():
         if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
             beside = mixer == PARALLEL
@@ -317,6 +321,8 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
             kinds.append((KdaLayer(work, layout, ffn), n))
         elif mixer == LIGHTNING:
             kinds.append((LightningLayer(work, layout, ffn), n))
+        elif mixer == RG_LRU:
+            kinds.append((RgLruLayer(work, layout, ffn), n))
         elif mixer != ATTENTION:
             kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

@@ -68,8 +68,13 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
         model = AutoModelForCausalLM.from_config(config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     mixer = next((layer.conv for layer in model.model.layers if hasattr(layer, "conv")), None)
+    block = next((layer.temporal_block for layer in model.model.layers
+                  if hasattr(getattr(layer, "temporal_block", None), "rg_lru")), None)
     if mixer is not None:  # a short conv's projections
         projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()
+    elif block is not None:  # a recurrent block's three projections and its gates' blocks
+        projections = sum(block.get_submodule(n).weight.numel() for n in ("linear_x", "linear_y", "linear_out")) \
+            + block.rg_lru.input_gate_weight.numel() + block.rg_lru.recurrent_gate_weight.numel()
     else:  # a KDA or lightning mixer's: every Linear in it
         mixer = next(layer.self_attn for layer in model.model.layers
                      if hasattr(layer.self_attn, "forget_gate") or hasattr(layer.self_attn, "slope_rate"))
@@ -101,6 +106,11 @@ TINY = {
     "minimax: default layers, attn_type_list ignored": (
         "minimax", dict(layer_types=None, attn_type_list=[0, 0, 1], num_hidden_layers=3, head_dim=None,
                         num_local_experts=3, num_experts=None)),
+    "recurrent_gemma": ("recurrent_gemma", {}),
+    # attention first, every projection of it biased, a conv of width 3, the pattern repeated over 4 layers, untied
+    "recurrent_gemma: biased attention first, conv 3": (
+        "recurrent_gemma", dict(block_types=["attention", "recurrent"], attention_bias=True, conv1d_width=3,
+                                num_hidden_layers=4, tie_word_embeddings=False)),
 }
 
 
@@ -114,7 +124,7 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     shape = model_shape(path)
     hybrid = shape.hybrid
     assert shape.layers == len(hybrid.blocks) == len(layers)
-    assert (hybrid.conv or hybrid.kda or hybrid.lightning).matmul_params(shape.hidden) == projections
+    assert (hybrid.conv or hybrid.kda or hybrid.lightning or hybrid.rg_lru).matmul_params(shape.hidden) == projections
     assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
     assert shape.params == total
 
@@ -335,3 +345,59 @@ def test_a_minimax_plan_recommends_a_layout_at_128k(tmp_path, capsys):
     if best["ulysses"] * best["ring"] > 1:
         sent = row["comm_bytes_per_layer"]["forward"]["lightning_state_gather"]
         assert sent > 0 and row["comm_bytes_per_step"]["lightning_state_gather"] == 3 * sent * 28
+
+
+# RecurrentGemma-9B's shape as remembered (not checked against Google's config.json): 38 layers in the pattern
+# recurrent, recurrent, attention; width 4096, 16 heads with one kv head, lru_width 4096, a window of 2048, a gated MLP
+# of 12288 (intermediate_size 24576, halved), tied embeddings of 256000
+RECURRENT_GEMMA_9B = dict(
+    model_type="recurrent_gemma", hidden_size=4096, num_hidden_layers=38, num_attention_heads=16, num_key_value_heads=1,
+    lru_width=4096, attention_window_size=2048, conv1d_width=4, intermediate_size=24576, vocab_size=256000,
+    block_types=["recurrent", "recurrent", "attention"], logits_soft_cap=30.0)
+
+
+def test_rg_lru_bytes_equal_what_the_block_sends(pools, tmp_path):
+    """What the planner's RecurrentGemma recurrent layer says the busiest rank sends equals what comm_stats counts
+    while the real block runs on 2 ring ranks in float32 (2 sequences of 40 tokens): two all-gathers forward (the
+    conv's halo, the runs' states), two reduce-scatters backward; the block is right (its output is transformers' on
+    the whole sequence)."""
+    from rg_lru_plan_cases import rg_lru_layer_bytes
+    from seqmesh.planner.rg_lru import HALO, STATES, RgLruLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.rules.degrees import Degrees
+
+    shape = model_shape(_write(tmp_path, _tiny("recurrent_gemma"), "recurrent_gemma"))
+    layer = RgLruLayer(Workload(shape, 40, batch=2, bf16=False, layout="zigzag"), Degrees(1, 2, 1))
+    per_rank = pools.run(2, rg_lru_layer_bytes, 1, 2, 40, 2, "zigzag")
+    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
+    kinds = {("all_gather", "forward"): 2, ("reduce_scatter", "backward"): 2}
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
+    assert forward[HALO] > 0 and forward[STATES] > 0
+    assert forward[HALO] + forward[STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank)
+    assert backward[HALO] + backward[STATES] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+
+
+def test_a_recurrent_gemma_plan_recommends_a_layout_at_128k(tmp_path, capsys):
+    """``seqmesh plan`` on RecurrentGemma-9B's shape at 128K on 8 GPUs: the model counts as transformers builds it, every
+    layer is planned as what it is (recurrent blocks and windowed attention, never full attention), and the recurrent
+    layers' bytes do not grow with the sequence (the same at 32K)."""
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, RECURRENT_GEMMA_9B)
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 8.4e9 < total < 8.8e9
+    assert shape.hybrid.count(mixer="rg_lru") == 26 and shape.sliding_window == 2048
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sum(b.startswith("rg_lru") for b in plan["model"]["hybrid"]["blocks"]) == 26
+    best = plan["recommended"]["layout"]
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", "8", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    same = next(c for c in short["candidates"] if c["layout"] == best)
+    for key in ("rg_lru_halo_gather", "rg_lru_state_gather"):
+        assert row["comm_bytes_per_layer"]["forward"].get(key, 0) == same["comm_bytes_per_layer"]["forward"].get(key, 0)
+    sp = next(c for c in plan["candidates"] if c["layout"]["ring"] * c["layout"]["ulysses"] > 1)
+    assert sp["comm_bytes_per_layer"]["forward"]["rg_lru_state_gather"] > 0, sp
