@@ -17,11 +17,13 @@ from seqmesh.inference import generate, shard_weights
 def _mutated(mutation: str | None):
     """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
     outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
-    ``"state_not_carried"``: Gated DeltaNet's decode starts from a zero state instead of the prefill's."""
-    from seqmesh.hf import linear_attention
+    ``"state_not_carried"``: Gated DeltaNet's and the RG-LRU's decode start from a zero state instead of the
+    prefill's."""
+    from seqmesh.hf import linear_attention, rg_lru
     from seqmesh.inference import cache, decode
 
-    saved = decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta
+    saved = (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
+             rg_lru.rg_lru_step)
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -33,13 +35,16 @@ def _mutated(mutation: str | None):
     elif mutation == "every_rank_keeps":
         cache.ShardedKVCache.next_owner = lambda self: self.mesh.sp_rank
     elif mutation == "state_not_carried":
-        step = saved[2]
+        step, lru_step = saved[2], saved[3]
         linear_attention.decode_gated_delta = lambda packed, params, heads, state, tail: step(
             packed, params, heads, torch.zeros_like(state), tail)
+        rg_lru.rg_lru_step = lambda module, hidden, positions, state, tail: lru_step(
+            module, hidden, positions, torch.zeros_like(state), tail)
     try:
         yield
     finally:
-        decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta = saved
+        (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
+         rg_lru.rg_lru_step) = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,

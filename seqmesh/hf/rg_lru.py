@@ -25,6 +25,10 @@ call per document does. The square root keeps the family's own bounded derivativ
 
 ``parallelize`` gives each block an instance-level ``forward`` (the class and transformers' code untouched);
 ``unparallelize`` deletes it. Tensor parallelism is refused by name: seqmesh does not split the block's gates.
+
+Generation (``seqmesh.inference``): the prompt's prefill runs as above and leaves, on every rank, the state after the
+prompt's last token and the conv's last ``K - 1`` inputs (one all-reduce each); each decode step then runs the same
+token on every rank from them (:func:`rg_lru_step`), and nothing is sent.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ import torch.nn.functional as F
 
 from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
+from ..linear_attention.decode import sequence_tail
 from ..linear_attention.gated_delta import compute_dtype
 from ..linear_attention.selective_scan import state_passing_diagonal_scan
 from ..mesh import SPMesh
+from ..sequence.sharding import sequence_positions
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 
 BLOCKS = ("RecurrentGemmaRecurrentBlock",)  # whose forward this module follows
@@ -80,23 +86,45 @@ def _gates(lru: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return gate(lru.input_gate_weight, lru.input_gate_bias), gate(lru.recurrent_gate_weight, lru.recurrent_gate_bias)
 
 
-def rg_lru_block(module: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                 place: halo.Placement) -> torch.Tensor:
-    """The block at this rank's tokens: ``hidden_states`` (B, L, D) and ``position_ids`` (B, L) in shard order ->
-    (B, L, D)."""
-    lru = module.rg_lru
-    y = module.act_fn(module.linear_y(hidden_states))  # (B, L, W)
-    weight = module.conv_1d.weight.squeeze(1)  # (W, 1, K) -> (W, K)
-    x = halo.halo_causal_conv(module.linear_x(hidden_states), weight, module.conv_1d.bias, place, activation=None)
+def _recurrence_inputs(lru: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log a`` and the gated, normalised input (B, L, W), in the recurrence's dtype, of the conv's output ``x``
+    (B, L, W) at ``position_ids`` (B, L)."""
     input_gate, recurrent_gate = _gates(lru, x)
     log_a = -8.0 * recurrent_gate * F.softplus(lru.recurrent_param)  # (B, L, W)
     bounded_sqrt = sys.modules[type(lru).__module__].SqrtBoundDerivative.apply
     reset = (position_ids == 0)[:, :, None]
     multiplier = torch.where(reset, torch.ones_like(log_a), bounded_sqrt(1 - torch.exp(2 * log_a)))
-    gated = x * input_gate * multiplier.to(x.dtype)
     dtype = compute_dtype(x.dtype)
-    states = state_passing_diagonal_scan(log_a.to(dtype), gated.to(dtype), place)  # (B, L, W)
+    return log_a.to(dtype), (x * input_gate * multiplier.to(x.dtype)).to(dtype)
+
+
+def rg_lru_block(module: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                 place: halo.Placement, keep: dict | None = None) -> torch.Tensor:
+    """The block at this rank's tokens: ``hidden_states`` (B, L, D) and ``position_ids`` (B, L) in shard order ->
+    (B, L, D). ``keep`` (a prefill's): as :func:`state_passing_diagonal_scan`'s, and ``keep["conv_in"]``, the conv's
+    input (B, L, W)."""
+    y = module.act_fn(module.linear_y(hidden_states))  # (B, L, W)
+    weight = module.conv_1d.weight.squeeze(1)  # (W, 1, K) -> (W, K)
+    conv_in = module.linear_x(hidden_states)
+    x = halo.halo_causal_conv(conv_in, weight, module.conv_1d.bias, place, activation=None)
+    states = state_passing_diagonal_scan(*_recurrence_inputs(module.rg_lru, x, position_ids), place, keep=keep)
+    if keep is not None:
+        keep["conv_in"] = conv_in
     return module.linear_out(states.to(x.dtype) * y)
+
+
+def rg_lru_step(module: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor, state: torch.Tensor,
+                tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token on every rank alike: ``hidden_states`` (B, 1, D) at ``position_ids`` (B, 1), from ``state`` (B, W) and
+    the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, W) -> (out (B, 1, D), the next state, the next tail)."""
+    y = module.act_fn(module.linear_y(hidden_states))
+    window = torch.cat([tail.to(hidden_states.dtype), module.linear_x(hidden_states)], dim=1)  # (B, K, W)
+    x = (window * module.conv_1d.weight.squeeze(1).T).sum(1, keepdim=True)  # (B, 1, W)
+    if module.conv_1d.bias is not None:
+        x = x + module.conv_1d.bias
+    log_a, gated = _recurrence_inputs(module.rg_lru, x, position_ids)
+    state = torch.exp(log_a[:, 0]) * state.to(log_a.dtype) + gated[:, 0]
+    return module.linear_out(state[:, None].to(x.dtype) * y), state, window[:, 1:]
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
@@ -107,9 +135,22 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
         info = kwargs.get("seqmesh")
         # attention_mask is the decoder's causal mask for its attention blocks, which transformers' block ignores too
         check_mixer_context(self, info, kwargs.get("cache"), None)
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token from the state the prefill left
+            out, state, tail = rg_lru_step(self, input_states, position_ids, *generation.get(self))
+            generation.put(self, state, tail)
+            return out, None
         place = halo.placement(mesh, input_states.shape[1], layout=info.layout, seq_len=info.seq_len,
                                cu_seqlens=info.cu_seqlens, kernel=kernel)
-        return rg_lru_block(self, input_states, position_ids, place), None
+        keep = None
+        if generation is not None:  # the prompt by state passing, which leaves the final state on every rank
+            at = (sequence_positions(info.seq_len, mesh, layout=info.layout) == info.seq_len - 1).nonzero()
+            keep = {"end": int(at[0]) if at.numel() else None}
+        out = rg_lru_block(self, input_states, position_ids, place, keep)
+        if keep is not None:
+            generation.put(self, keep["state"], sequence_tail(keep["conv_in"], mesh, layout=info.layout,
+                                                              seq_len=info.seq_len, width=kernel - 1))
+        return out, None
 
     return forward
 

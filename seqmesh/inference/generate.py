@@ -25,7 +25,8 @@ from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Prefill, ShardedKVCache
 
 
-DECODED_MIXER = "Gated DeltaNet"  # the recurrent layers whose decode runs (seqmesh.linear_attention.decode)
+DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU")  # the recurrent layers whose decode runs (their state kept by
+# the prefill on every rank: seqmesh.hf.linear_attention, seqmesh.hf.rg_lru)
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,13 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} of the {dist.get_world_size()} ranks: seqmesh "
                          "generates with every rank in the sequence group (no data parallelism); launch "
                          "ulysses x ring processes.")
-    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, DECODED_MIXER, OWN_ATTENTION}
+    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, *DECODED_MIXERS, OWN_ATTENTION}
     if kinds or any(is_indexed(m) for m in model.modules()):
         what = ", ".join(sorted(kinds)) or "DeepSeek Sparse Attention"
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
-                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo) or one with Gated "
-                         "DeltaNet layers (Qwen3.5).")
+                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo), one with Gated "
+                         "DeltaNet layers (Qwen3.5) or RecurrentGemma.")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

@@ -103,12 +103,15 @@ def diagonal_state_bytes(channels: int, *, batch: int, ulysses: int, ring: int, 
     return (ulysses * ring - 1) * batch * runs * 2 * channels * state_bytes
 
 
-def state_passing_diagonal_scan(log_decay: torch.Tensor, inp: torch.Tensor, place: Placement) -> torch.Tensor:
+def state_passing_diagonal_scan(log_decay: torch.Tensor, inp: torch.Tensor, place: Placement,
+                                keep: dict | None = None) -> torch.Tensor:
     """The states of :func:`diagonal_scan` over the whole sequence at this rank's tokens (shard order, placed as
     ``place`` says): ``log_decay`` / ``inp`` (B, L, *X) -> states (B, L, *X), exactly what :func:`diagonal_scan`
     gives on the unsharded sequence. One all-gather forward of every run's [S_0 | T] over ``place.group``
     (T = exp(sum_run log_decay), elementwise), its reduce-scatter backward; each token then reads the state
-    entering its run through its decay since the run's start."""
+    entering its run through its decay since the run's start. ``keep`` (a prefill's): ``keep["end"]``, the local
+    index of the row's last real token where this rank holds it (None elsewhere), is given ``keep["state"]`` (B, *X),
+    the state after it, on every rank (:func:`.passing.pass_states`)."""
     mine = place.mine
     batch, shape = inp.shape[0], inp.shape[2:]
     states, finals = diagonal_scan(log_decay, inp, mine.segment_bounds)  # from zero; S_0 (B, S, *X)
@@ -126,7 +129,8 @@ def state_passing_diagonal_scan(log_decay: torch.Tensor, inp: torch.Tensor, plac
     def read(lift: torch.Tensor, state: torch.Tensor) -> torch.Tensor:  # (B, t, *X), (B, *X) -> (B, t, *X)
         return torch.exp(torch.cumsum(lift, dim=1)) * state[:, None]  # the run's decay up to t
 
-    return pass_states(states, log_decay, packed, place, finals.new_zeros(batch, *shape), carry=carry, read=read)
+    return pass_states(states, log_decay, packed, place, finals.new_zeros(batch, *shape), carry=carry, read=read,
+                       keep=keep)
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

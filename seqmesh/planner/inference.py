@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..model.hybrid_shape import ATTENTION, RG_LRU
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees, workable_degrees
 from ..rules.kv_cache import cache_bytes, cache_share
@@ -40,11 +41,17 @@ def inference_refusal(m: ModelShape) -> str | None:
     model shape), or None."""
     if m.vision is not None:
         return f"{m.name} is a vision-language model: seqmesh generates from text prompts of decoder-only models so far."
-    if m.hybrid is not None or m.indexed_layers:
+    if (m.hybrid is not None and not _decoded_hybrid(m)) or m.indexed_layers:
         what = "DeepSeek Sparse Attention" if m.indexed_layers else "Mamba2, short-convolution, KDA or lightning"
-        return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model or "
-                "one with Gated DeltaNet layers (Qwen3.5).")
+        return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model, "
+                "one with Gated DeltaNet layers (Qwen3.5) or RecurrentGemma.")
     return None
+
+
+def _decoded_hybrid(m: ModelShape) -> bool:
+    """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention or RecurrentGemma's
+    recurrent block (seqmesh.hf.rg_lru), its feed-forward a dense MLP."""
+    return all(mixer in (ATTENTION, RG_LRU) for mixer, _ in m.hybrid.blocks)
 
 
 def cached_heads(m: ModelShape) -> int:
@@ -100,9 +107,13 @@ class InferencePlan:
 
 
 def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
-    """Elements of what generation keeps for the Gated DeltaNet layers, the same on every rank: their recurrent
-    states (Dk x Dv per value head and sample) and their convolutions' last ``kernel - 1`` inputs (the conv's
-    width per sample); ``seqmesh.inference``'s cache holds exactly these (tests/inference/test_generate.py)."""
+    """Elements of what generation keeps for the Gated DeltaNet layers (or RecurrentGemma's recurrent blocks), the
+    same on every rank: their recurrent states (Dk x Dv per value head and sample; the RG-LRU's ``lru_width``) and
+    their convolutions' last ``kernel - 1`` inputs (the conv's width per sample); ``seqmesh.inference``'s cache holds
+    exactly these (tests/inference/test_generate.py)."""
+    if m.hybrid is not None and m.hybrid.rg_lru is not None:
+        block, layers = m.hybrid.rg_lru, m.hybrid.count(RG_LRU)
+        return layers * batch * block.width, layers * batch * (block.conv - 1) * block.width
     if not m.linear_layers:
         return 0, 0
     conv_dim = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
@@ -118,7 +129,9 @@ def _recurrent_state_bytes(m: ModelShape, batch: int, element_bytes: int) -> int
 
 def _read_bytes(kind, m: ModelShape, element_bytes: int) -> int:
     """Weights one decode token reads in a layer of ``kind``: its projections (an MoE layer's routed and shared
-    experts only)."""
+    experts only; a hybrid's layer, every parameter of it)."""
+    if m.hybrid is not None:
+        return kind.params() * element_bytes
     params = linear_layer_matmul_params(m) if isinstance(kind, GatedDeltaNet) else layer_matmul_params(m)
     return params * element_bytes
 
@@ -129,7 +142,7 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
     each layer gathered for its forward (FSDP2's next layer prefetched beside it) and the root kept gathered."""
     m, e, b = work.model, work.act_bytes, work.batch
     p = layout.ulysses * layout.ring
-    attention_layers = m.layers - m.linear_layers
+    attention_layers = m.layers - m.non_attention_layers
     kv = cache_bytes(cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring, work.layout), attention_layers,
                      cached_heads(m), m.head_dim, m.value_dim, e, b)
     states = _recurrent_state_bytes(m, b, e)
@@ -147,7 +160,7 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
     merge = attention_layers * gather_seconds(b * m.heads * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
     decode = merge + (m.vocab * m.hidden + m.hidden) * e / hw.memory_bandwidth  # the LM head and the token's row
     for kind, n in kinds:  # each layer reads its weights and its cache share or state; sharded, it waits for its gather
-        own = kv / attention_layers if isinstance(kind, Attention) else states / m.linear_layers
+        own = kv / attention_layers if isinstance(kind, Attention) else states / m.non_attention_layers
         read = (_read_bytes(kind, m, e) + own) / hw.memory_bandwidth
         gather = layer_fsdp_seconds(kind.params(), work, layout, hw, gathering)[0]
         decode += n * max(read, gather)

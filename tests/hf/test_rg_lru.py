@@ -49,7 +49,7 @@ def _state_not_carried(lm) -> None:
     from seqmesh.hf import rg_lru
     from seqmesh.linear_attention.selective_scan import diagonal_scan
 
-    def from_zero(log_a, inp, place):
+    def from_zero(log_a, inp, place, keep=None):
         return diagonal_scan(log_a, inp, place.mine.segment_bounds)[0]
 
     for module in lm.modules():

@@ -8,8 +8,9 @@ import pytest
 from generate_cases import generated_cases, sampled_tokens
 from seqmesh.planner.inference import cache_share
 
-FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "qwen3_5"]  # GQA; q/k norms; windows; sinks; MLA;
-# Gated DeltaNet (its state and conv tail from the sharded prefill, then one token at a time)
+FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "qwen3_5", "recurrent_gemma"]  # GQA; q/k norms;
+# windows; sinks; MLA; Gated DeltaNet and RecurrentGemma's RG-LRU (their states and conv tails from the sharded
+# prefill, then one token at a time)
 PROMPT, NEW = 101, 6  # a prompt no mesh divides evenly: the layout pads it, and the padding keeps no cache
 ULPS = 4  # the bound: a multiple of the float32 rounding of the same model's logits
 
@@ -22,7 +23,7 @@ def _check(r: dict, ulysses: int, ring: int) -> None:
     assert sum(r["counts"]) == PROMPT + NEW - 1, r  # every token but the last drawn, kept once
     assert r["share_bytes"] == r["expected_share_bytes"], r  # the cache's formula, per rank
     assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring), r  # the planner's fullest rank
-    assert r["state_elements"] == r["expected_state_elements"], r  # and its Gated DeltaNet states and conv tails
+    assert r["state_elements"] == r["expected_state_elements"], r  # and its recurrent states and conv tails
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["u1xr2", "u2xr1"])
@@ -61,7 +62,7 @@ def test_greedy_tokens_on_a_two_dimensional_mesh(pools):
 
 
 @pytest.mark.parametrize("mutation, family", [("plain_mean", "llama"), ("every_rank_keeps", "llama"),
-                                              ("state_not_carried", "qwen3_5")])
+                                              ("state_not_carried", "qwen3_5"), ("state_not_carried", "recurrent_gemma")])
 def test_a_merge_without_its_log_sum_exp_a_token_kept_twice_or_a_state_not_carried_is_seen(pools, mutation, family):
     for results in pools.run(2, generated_cases, [(family, 1, 2, PROMPT, NEW)], mutation=mutation):
         for r in results:

@@ -76,6 +76,29 @@ def test_a_qwen3_5_plan_counts_its_recurrent_states():
     assert lay["cache_bytes"] == 8 * 4 * 512 * 2 * 16384, lay
 
 
+def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
+    """RecurrentGemma-9B's shape (tests/planner/test_planner_mixers.py): its 26 recurrent blocks keep no cache but their
+    state (float32, lru_width 4096, on every rank) and their conv's last 3 inputs (bf16); its 12 local-attention
+    layers' keys and values (one kv head of 256) are shared out; a Mamba2 hybrid stays refused by name."""
+    from test_planner_mixers import RECURRENT_GEMMA_9B
+
+    config = tmp_path / "recurrent_gemma" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(RECURRENT_GEMMA_9B))
+    plan = _plan("--model", str(config), "--seq-len", "65536", "--gpus", "4", "--new-tokens", "1")
+    lay = plan["layouts"][0]
+    assert lay["state_bytes"] == 26 * (4096 * 4 + 3 * 4096 * 2), lay
+    assert lay["cache_bytes"] == 12 * 1 * 512 * 2 * 16384, lay
+    nemotron = tmp_path / "nemotron_h" / "config.json"
+    nemotron.parent.mkdir()
+    nemotron.write_text(json.dumps(dict(
+        model_type="nemotron_h", hidden_size=256, num_hidden_layers=2, hybrid_override_pattern="M*",
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, intermediate_size=512,
+        mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4)))
+    done = in_process(["plan", "--inference", "--model", str(nemotron), "--seq-len", "4096"])
+    assert done.returncode == 2 and "Mamba2" in done.stderr and "RecurrentGemma" in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("args, said", [
     (["--model", "llama3-8b", "--seq-len", "4096", "--max-seq-len"], "--max-seq-len: a training option"),
     (["--model", "llama3-8b"], "--inference needs --seq-len N"),
