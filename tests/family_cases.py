@@ -132,6 +132,12 @@ def family_config(family: str):
         return tf.RecurrentGemmaConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, lru_width=48,
                                        num_key_value_heads=2, attention_window_size=WINDOW,
                                        block_types=["recurrent", "recurrent", "attention"])
+    if family == "zamba":  # multi-head Mamba (v1) layers (x_proj, dt_proj per head), two hybrid layers sharing one
+        # attention block; the mixer's memory lengthened (zamba_memory)
+        return tf.ZambaConfig(**{**SMALL, "num_hidden_layers": 3}, intermediate_size=64, num_key_value_heads=4,
+                              attention_head_dim=16, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                              n_mamba_heads=2, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                              use_mamba_kernels=False)
     if family == "bloom":  # ALiBi with 6 heads: BLOOM's slopes past the power of two (2^-0.5, 2^-1.5, ...) too
         return tf.BloomConfig(hidden_size=48, n_layer=2, n_head=6, vocab_size=64, attention_dropout=0.0)
     if family == "bloom-sliced":  # pretraining_tp with slow_but_exact: the output product by slices, no bias
@@ -172,14 +178,18 @@ def build(config, seed: int = 0):
 
 def _long_memory(model):
     """State space mixers with a memory longer than a rank's tokens: transformers initialises Mamba2's decay per
-    token to exp(-A dt) with A = 1..H and dt ~ 1.3, which forgets within a few tokens, so a state lost between
-    ranks would barely show. Here A = 0.05..0.2 and dt ~ 0.13 (a decay of about 0.99 a token)."""
+    token to exp(-A dt) with A = 1..H and dt ~ 1.3 (Zamba's multi-head Mamba: A = 1..N), which forgets within a few
+    tokens, so a state lost between ranks would barely show. Here A = 0.05..0.2 and dt ~ 0.13 (a decay of about 0.99
+    a token)."""
     with torch.no_grad():
         for m in model.modules():
+            bias = getattr(m, "dt_bias", None) if hasattr(m, "dt_bias") else getattr(m, "dt_proj_bias", None)
             if ("Mamba" in type(m).__name__ or type(m).__name__.endswith("Mixer")) and hasattr(m, "A_log") \
-                    and hasattr(m, "dt_bias"):
+                    and isinstance(bias, torch.Tensor):  # Mamba2's dt_bias; Zamba's multi-head dt_proj_bias
                 m.A_log.copy_(torch.linspace(0.05, 0.2, m.A_log.numel()).log().view_as(m.A_log))
-                m.dt_bias.fill_(-2.0)
+                bias.fill_(-2.0)
+            if isinstance(getattr(m, "x_proj_weight", None), torch.Tensor):  # Zamba's B and C, else ~1e-2 of x: the
+                m.x_proj_weight.mul_(10.0)  # scan's output would barely reach the logits
     return model
 
 

@@ -70,10 +70,33 @@ def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
     return odd[::-1]
 
 
+def units_of(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """``layers`` as FSDP units, in order: each layer alone, but layers that hold the same parameter (Zamba's hybrid
+    layers share one attention block's weights) together in one unit, since a parameter may belong to one unit only."""
+    owner: dict[int, int] = {}  # parameter -> the first layer that holds it
+    group = list(range(len(layers)))  # each layer's unit: the first layer of its unit
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            first = owner.setdefault(id(p), i)
+            a, b = root(first), root(i)
+            group[max(a, b)] = min(a, b)
+    units: dict[int, list[nn.Module]] = {}
+    for i, layer in enumerate(layers):
+        units.setdefault(root(i), []).append(layer)
+    return list(units.values())
+
+
 def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_after_forward: bool = True,
                cpu_offload: bool = False, experts: "ExpertMesh | None" = None) -> nn.Module:
     """Shard ``root`` (e.g. a ``SequenceParallelLM``) with ``fully_shard`` over ``mesh.fsdp_mesh``:
-    each decoder layer on its own; each vision-tower block on its own (in a step where any rank's batch
+    each decoder layer on its own (layers that share weights, Zamba's hybrid layers, together:
+    :func:`units_of`); each vision-tower block on its own (in a step where any rank's batch
     has an image every rank runs the tower, on padding if it has none; in one where none has, no rank
     does); an untied input embedding on its own (gathered only for its forward and backward, at the two
     ends of the step); the rest (final norm, LM head, a tied embedding) at the root, which stays gathered
@@ -101,10 +124,10 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
 
         for module in experts_modules(lm):
             fully_shard(module, reshard_after_forward=reshard_after_forward, **{**shard, "mesh": experts.shard_mesh})
-    for layer in vision_blocks(lm) + decoder_layers(lm):
-        for odd in _other_dtype_modules(layer):  # FSDP2 needs one dtype per unit
+    for unit in units_of(vision_blocks(lm) + decoder_layers(lm)):
+        for odd in (m for layer in unit for m in _other_dtype_modules(layer)):  # FSDP2 needs one dtype per unit
             fully_shard(odd, reshard_after_forward=reshard_after_forward, **shard)
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
+        fully_shard(unit[0] if len(unit) == 1 else unit, reshard_after_forward=reshard_after_forward, **shard)
     family = getattr(root, "family", None)  # a VisionLanguageLM's
     method = family.attach_layer_steps(vision_blocks(lm)) if family is not None else None
     if method is not None:  # tower layers seqmesh runs from their modules: gathered around that call as for forward

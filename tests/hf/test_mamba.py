@@ -111,3 +111,88 @@ def test_pure_mamba_models_exact(pools, family):
             assert not _outside_rounding(r), r
             print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
                   f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_zamba_exact(pools, ulysses, ring):
+    """Zamba (a multi-head Mamba layer, then two hybrid layers sharing one attention block), zigzag plain and with
+    packed documents: each head's own x_proj, dt_proj, B and C, scanned by state passing."""
+    cases = [("zamba", ulysses, ring, "zigzag", docs) for docs in (False, True)]
+    for r in pools.run(ulysses * ring, _run_all, cases)[0]:
+        assert not _outside_rounding(r), r
+        print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
+              f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")
+
+
+def _zamba_state_not_carried(lm) -> None:
+    """The mutation: every rank scans Zamba's Mamba layers from zero (the state of earlier ranks dropped)."""
+    from seqmesh.hf import mamba
+    from seqmesh.linear_attention.selective_scan import diagonal_scan
+
+    def from_zero(log_decay, inp, place, keep=None):
+        return diagonal_scan(log_decay, inp, place.mine.segment_bounds)[0]
+
+    for module in lm.modules():
+        if mamba.is_mamba1(module):
+            def dropping(*args, _forward=module.forward, **kwargs):
+                kept, mamba.state_passing_diagonal_scan = mamba.state_passing_diagonal_scan, from_zero
+                try:
+                    return _forward(*args, **kwargs)
+                finally:
+                    mamba.state_passing_diagonal_scan = kept
+
+            module.forward = dropping
+
+
+def test_a_zamba_state_not_carried_is_caught(pools):
+    """Seen in the gradients (each parameter's relative to its own largest): the tiny model's Mamba path reaches its
+    logits through out_proj's small initial weights, so the logits move by ~1e-8 only (below float32's rounding)
+    while the mixers' own gradients move by half their size."""
+    r = pools.run(2, _run_all, [("zamba", 1, 2, "zigzag", True)], alter=_zamba_state_not_carried)[0][0]
+    assert r["grad"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["grad"], r
+    print(f"not carried: gradients off by {r['grad']:.2e} ({r['worst']}; rounding {r['rounding']['grad']:.2e})")
+
+
+def test_a_zamba_config_json_verifies_and_trains_under_fsdp(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny Zamba over a ring of 2, its weights
+    sharded by FSDP2: its two hybrid layers hold the same attention block's weights, so they are one FSDP unit
+    (seqmesh.model.fsdp.units_of; each alone, FSDP2 refused the shared parameter); a finite, falling loss."""
+    import json
+    import math
+
+    import transformers as tf
+
+    from seqmesh.training.config import TrainConfig
+    from train_job_cases import run_train, run_verify
+
+    config = tf.ZambaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                            attention_head_dim=16, vocab_size=64, intermediate_size=64, mamba_d_state=4,
+                            mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=2,
+                            layers_block_type=["linear_attention", "hybrid", "hybrid"])
+    path = tmp_path / "zamba" / "config.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    base = dict(model=str(path), seq_len=77, ulysses=1, ring=2, dp=1, fsdp=True, lr=1e-2, warmup=1, log_every=1,
+                eval_every=0, symbols=16)
+    good = pools.run(2, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    pools.run(2, run_train, TrainConfig(**base, steps=6, out=str(tmp_path / "train")))
+    with open(tmp_path / "train" / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_layers_sharing_weights_are_one_fsdp_unit():
+    """units_of: each layer its own unit, but layers holding the same parameter (through the same module or through
+    modules whose weights are tied) in one, in the order of their first layer."""
+    import torch.nn as nn
+
+    from seqmesh.model.fsdp import units_of
+
+    shared, a, b = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    tied = nn.Linear(2, 2)
+    tied.weight = a.weight  # another module, the same weight
+    layers = [nn.Sequential(nn.Linear(2, 2)), nn.Sequential(shared, a), nn.Sequential(nn.Linear(2, 2)),
+              nn.Sequential(shared), nn.Sequential(tied, b), nn.Sequential(nn.Linear(2, 2))]
+    units = units_of(layers)
+    assert [[layers.index(m) for m in unit] for unit in units] == [[0], [1, 3, 4], [2], [5]]
