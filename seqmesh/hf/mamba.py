@@ -29,10 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..linear_attention.choice import parse_design
-from ..linear_attention.gated_delta import compute_dtype, segment_bounds
-from ..linear_attention.halo import halo_causal_conv, placement
-from ..linear_attention.kernels import causal_conv
-from ..linear_attention.selective_scan import selective_scan, state_passing_diagonal_scan, state_passing_selective_scan
+from ..linear_attention.gated_delta import compute_dtype
+from ..linear_attention.halo import Placement, halo_causal_conv, placement
+from ..linear_attention.selective_scan import state_passing_diagonal_scan, state_passing_selective_scan
 from ..mesh import SPMesh
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 
@@ -73,28 +72,22 @@ def _scan_inputs(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return F.softplus(dt), b, c
 
 
-def _conv(m: nn.Module, x: torch.Tensor, info, mesh: SPMesh) -> tuple[torch.Tensor, object]:
+def _conv(m: nn.Module, x: torch.Tensor, info, mesh: SPMesh) -> tuple[torch.Tensor, Placement]:
     """The mixer's depthwise causal conv of ``x`` (B, L, I) with its activation, across ranks by its halo -> the conv's
-    output and the scan's placement (one rank: the segments' bounds)."""
-    weight, bias = m.conv1d.weight.squeeze(1), m.conv1d.bias  # (I, K), (I,)
-    if mesh.sp_size == 1:
-        bounds = segment_bounds(x.shape[1], info.cu_seqlens, info.seq_len)
-        return causal_conv(x, weight, bias, bounds, m.activation), bounds
+    output and the placement its scan passes states by (on one rank, only its segments)."""
+    weight = m.conv1d.weight.squeeze(1)  # (I, K)
     place = placement(mesh, x.shape[1], layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
                       kernel=weight.shape[-1])
-    return halo_causal_conv(x, weight, bias, place, m.activation), place
+    return halo_causal_conv(x, weight, m.conv1d.bias, place, m.activation), place
 
 
 def _mamba1(m: nn.Module, hidden_states: torch.Tensor, info, mesh: SPMesh) -> torch.Tensor:
     """A Mamba (v1) mixer of :data:`MIXERS` at this rank's tokens (B, L, D) -> (B, L, D)."""
     x, z = m.in_proj(hidden_states).chunk(2, dim=-1)  # (B, L, I) each
-    x, where = _conv(m, x, info, mesh)
+    x, place = _conv(m, x, info, mesh)
     dt, b_in, c_in = _scan_inputs(m, x)
     A = -torch.exp(m.A_log.to(dt.dtype))  # (I, N)
-    if mesh.sp_size == 1:
-        y = selective_scan(x, dt, A, b_in, c_in, where)[0]
-    else:
-        y = state_passing_selective_scan(x, dt, A, b_in, c_in, where)  # (B, L, I)
+    y = state_passing_selective_scan(x, dt, A, b_in, c_in, place)  # (B, L, I)
     y = (y + x.to(y.dtype) * m.D.to(y.dtype)) * F.silu(z.to(y.dtype))
     return m.out_proj(y.to(hidden_states.dtype))
 
@@ -105,9 +98,7 @@ def _headed_mamba1(m: nn.Module, hidden_states: torch.Tensor, info, mesh: SPMesh
     b, n, _ = hidden_states.shape
     heads = m.n_mamba_heads
     x, z = m.in_proj(hidden_states).view(b, n, -1, 2).unbind(-1)  # x and z interleaved channel by channel: (B, L, I)
-    where = placement(mesh, n, layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
-                      kernel=m.conv1d.weight.shape[-1])  # on one rank too: the scan below takes a placement
-    x = halo_causal_conv(x, m.conv1d.weight.squeeze(1), m.conv1d.bias, where, m.activation)
+    x, place = _conv(m, x, info, mesh)
     dtype = compute_dtype(x.dtype)
     xh = x.view(b, n, heads, -1)  # (B, L, H, P)
     states = m.A_log.shape[-1]
@@ -118,7 +109,7 @@ def _headed_mamba1(m: nn.Module, hidden_states: torch.Tensor, info, mesh: SPMesh
     A = -torch.exp(m.A_log.to(dtype))  # (H, P, N)
     log_decay = dt[..., None] * A
     inp = (dt * xh.to(dtype))[..., None] * b_in.to(dtype)[:, :, :, None, :]  # (B, L, H, P, N)
-    h = state_passing_diagonal_scan(log_decay, inp, where)
+    h = state_passing_diagonal_scan(log_decay, inp, place)
     y = torch.einsum("blhpn,blhn->blhp", h, c_in.to(dtype)) + xh.to(dtype) * m.D.to(dtype)
     y = y * F.silu(z.view(b, n, heads, -1).to(dtype))
     return m.out_proj(y.reshape(b, n, -1).to(hidden_states.dtype))
