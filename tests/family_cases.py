@@ -178,18 +178,18 @@ def build(config, seed: int = 0):
 
 def _long_memory(model):
     """State space mixers with a memory longer than a rank's tokens: transformers initialises Mamba2's decay per
-    token to exp(-A dt) with A = 1..H and dt ~ 1.3 (Zamba's multi-head Mamba: A = 1..N), which forgets within a few
-    tokens, so a state lost between ranks would barely show. Here A = 0.05..0.2 and dt ~ 0.13 (a decay of about 0.99
-    a token)."""
+    token to exp(-A dt) with A = 1..H and dt ~ 1.3 (Mamba (v1), Zamba's multi-head Mamba: A = 1..N), which forgets
+    within a few tokens, so a state lost between ranks would barely show. Here A = 0.05..0.2 and dt ~ 0.13 (a decay of
+    about 0.99 a token)."""
     with torch.no_grad():
         for m in model.modules():
             bias = getattr(m, "dt_bias", None) if hasattr(m, "dt_bias") else getattr(m, "dt_proj_bias", None)
+            if bias is None and isinstance(getattr(m, "dt_proj", None), torch.nn.Linear):  # Mamba (v1): its dt_proj's
+                bias = m.dt_proj.bias
             if ("Mamba" in type(m).__name__ or type(m).__name__.endswith("Mixer")) and hasattr(m, "A_log") \
-                    and isinstance(bias, torch.Tensor):  # Mamba2's dt_bias; Zamba's multi-head dt_proj_bias
+                    and isinstance(bias, torch.Tensor):  # Mamba2's dt_bias; Zamba's dt_proj_bias; Mamba's dt_proj
                 m.A_log.copy_(torch.linspace(0.05, 0.2, m.A_log.numel()).log().view_as(m.A_log))
                 bias.fill_(-2.0)
-            if isinstance(getattr(m, "x_proj_weight", None), torch.Tensor):  # Zamba's B and C, else ~1e-2 of x: the
-                m.x_proj_weight.mul_(10.0)  # scan's output would barely reach the logits
     return model
 
 

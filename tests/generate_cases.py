@@ -17,13 +17,13 @@ from seqmesh.inference import generate, shard_weights
 def _mutated(mutation: str | None):
     """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
     outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
-    ``"state_not_carried"``: Gated DeltaNet's and the RG-LRU's decode start from a zero state instead of the
-    prefill's."""
-    from seqmesh.hf import linear_attention, rg_lru
+    ``"state_not_carried"``: Gated DeltaNet's, the RG-LRU's and Mamba's decode start from a zero state instead of
+    the prefill's."""
+    from seqmesh.hf import linear_attention, mamba, rg_lru
     from seqmesh.inference import cache, decode
 
     saved = (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
-             rg_lru.rg_lru_step)
+             rg_lru.rg_lru_step, mamba.mamba_step)
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -40,11 +40,12 @@ def _mutated(mutation: str | None):
             packed, params, heads, torch.zeros_like(state), tail)
         rg_lru.rg_lru_step = lambda module, hidden, positions, state, tail: lru_step(
             module, hidden, positions, torch.zeros_like(state), tail)
+        mamba.mamba_step = lambda module, x_in, state, tail: saved[4](module, x_in, torch.zeros_like(state), tail)
     try:
         yield
     finally:
         (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
-         rg_lru.rg_lru_step) = saved
+         rg_lru.rg_lru_step, mamba.mamba_step) = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
@@ -85,12 +86,12 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
             "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()),
             "state_elements": [sum(t.numel() for t in kept) for kept in zip(*done.cache.states.values())] or [0, 0],
-            "expected_state_elements": list(_planned_state_elements(config))}
+            "expected_state_elements": _planned_state_elements(config)}
 
 
-def _planned_state_elements(config) -> tuple[int, int]:
+def _planned_state_elements(config) -> tuple[int, int] | None:
     """The planner's recurrent state and conv-tail elements for this batch of two rows (``seqmesh plan --inference``
-    reads the model from its config.json, as here)."""
+    reads the model from its config.json, as here); None for a model the planner does not size (Jamba, Zamba)."""
     import tempfile
 
     from seqmesh.model.presets import model_shape
@@ -98,7 +99,8 @@ def _planned_state_elements(config) -> tuple[int, int]:
 
     with tempfile.TemporaryDirectory() as folder:
         config.to_json_file(f"{folder}/config.json")
-        return recurrent_state_elements(model_shape(folder), batch=2)
+        shape = model_shape(folder)
+        return None if shape.unplanned else recurrent_state_elements(shape, batch=2)
 
 
 def _share_bytes(config, tokens: int) -> int:
@@ -117,7 +119,8 @@ def _share_bytes(config, tokens: int) -> int:
             kv = getattr(config, "num_key_value_heads", None) or heads
         dims = (kv, head_dim, head_dim)
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    layers = sum(kind in ("full_attention", "sliding_attention") for kind in kinds)  # Gated DeltaNet layers keep none
+    # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
+    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid") for kind in kinds)
     return cache_bytes(tokens, layers, *dims, 8, batch=2)
 
 

@@ -2,8 +2,8 @@
 sequence-parallel, exactly.
 
 The mixer's own projections act per token on the local shard; its depthwise causal conv runs with
-its halo (:func:`seqmesh.linear_attention.halo.halo_causal_conv`) and its selective scan by state
-passing (:func:`seqmesh.linear_attention.selective_scan.state_passing_selective_scan`)::
+its halo (:func:`seqmesh.linear_attention.halo.halo_causal_conv`) and its selective scan, a diagonal recurrence over
+(channels, states), by state passing (:func:`seqmesh.linear_attention.selective_scan.state_passing_diagonal_scan`)::
 
     in_proj -> x, z (B, L, I) | conv(x) with halo, silu | x_proj -> dt_low, B, C (norms: Jamba, Falcon-Mamba)
       | dt = softplus(dt_proj(dt_low)) | y = scan(x, dt, A, B, C) + D x | y * silu(z) | out_proj
@@ -17,6 +17,9 @@ Every ``linear_attention`` design name runs state passing: the all-to-all by cha
 x_proj's input (all channels of a token) after the exchange, so an all-to-all of x, dt, B and C after
 x_proj; not built.
 
+Generation (``seqmesh.inference``): the prompt's prefill leaves the scan's state after the prompt's last token and
+the conv's last ``K - 1`` inputs on every rank; each decode step runs the token from them on every rank alike.
+
 The ``seqmesh`` entry of ``shard_batch`` reaches the mixer in its kwargs where transformers' layers
 pass them on; Jamba's decoder layer and Mamba's backbone call theirs without them, and the module
 that still receives the entry hands it over (:func:`seqmesh.hf.mixers.carry_entry`).
@@ -24,15 +27,20 @@ that still receives the entry hands it over (:func:`seqmesh.hf.mixers.carry_entr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..linear_attention.choice import parse_design
+from ..linear_attention.decode import sequence_tail
 from ..linear_attention.gated_delta import compute_dtype
-from ..linear_attention.halo import Placement, halo_causal_conv, placement
-from ..linear_attention.selective_scan import state_passing_diagonal_scan, state_passing_selective_scan
+from ..linear_attention.halo import halo_causal_conv, placement
+from ..linear_attention.kernels import causal_conv
+from ..linear_attention.selective_scan import selective_terms, state_passing_diagonal_scan
 from ..mesh import SPMesh
+from ..sequence.sharding import sequence_positions
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 
 MIXERS = ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer")  # whose slow_forward this module follows
@@ -72,56 +80,91 @@ def _scan_inputs(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return F.softplus(dt), b, c
 
 
-def _conv(m: nn.Module, x: torch.Tensor, info, mesh: SPMesh) -> tuple[torch.Tensor, Placement]:
-    """The mixer's depthwise causal conv of ``x`` (B, L, I) with its activation, across ranks by its halo -> the conv's
-    output and the placement its scan passes states by (on one rank, only its segments)."""
-    weight = m.conv1d.weight.squeeze(1)  # (I, K)
-    place = placement(mesh, x.shape[1], layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
-                      kernel=weight.shape[-1])
-    return halo_causal_conv(x, weight, m.conv1d.bias, place, m.activation), place
+Read = Callable[[torch.Tensor], torch.Tensor]  # the scan's states (B, L, *X) -> y (B, L, I), D x included
 
 
-def _mamba1(m: nn.Module, hidden_states: torch.Tensor, info, mesh: SPMesh) -> torch.Tensor:
-    """A Mamba (v1) mixer of :data:`MIXERS` at this rank's tokens (B, L, D) -> (B, L, D)."""
-    x, z = m.in_proj(hidden_states).chunk(2, dim=-1)  # (B, L, I) each
-    x, place = _conv(m, x, info, mesh)
+def _terms(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Read]:
+    """The scan of a Mamba (v1) mixer of :data:`MIXERS` over the conv's output ``x`` (B, L, I): its log decay and
+    input (B, L, I, N) and its read-out."""
     dt, b_in, c_in = _scan_inputs(m, x)
-    A = -torch.exp(m.A_log.to(dt.dtype))  # (I, N)
-    y = state_passing_selective_scan(x, dt, A, b_in, c_in, place)  # (B, L, I)
-    y = (y + x.to(y.dtype) * m.D.to(y.dtype)) * F.silu(z.to(y.dtype))
-    return m.out_proj(y.to(hidden_states.dtype))
+    dtype = dt.dtype
+    log_decay, inp = selective_terms(x, dt, -torch.exp(m.A_log.to(dtype)), b_in)
+
+    def read(states: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("blcn,bln->blc", states, c_in.to(dtype)) + x.to(dtype) * m.D.to(dtype)
+
+    return log_decay, inp, read
 
 
-def _headed_mamba1(m: nn.Module, hidden_states: torch.Tensor, info, mesh: SPMesh) -> torch.Tensor:
-    """Zamba's multi-head Mamba (v1) mixer at this rank's tokens (B, L, D) -> (B, L, D): heads of P channels, each
-    with its own x_proj, dt_proj, B and C, scanned together over (H, P, N)."""
-    b, n, _ = hidden_states.shape
-    heads = m.n_mamba_heads
-    x, z = m.in_proj(hidden_states).view(b, n, -1, 2).unbind(-1)  # x and z interleaved channel by channel: (B, L, I)
-    x, place = _conv(m, x, info, mesh)
+def _headed_terms(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Read]:
+    """As :func:`_terms` for Zamba's multi-head mixer: heads of P channels, each with its own x_proj, dt_proj, B and C,
+    scanned together over (H, P, N)."""
+    b, n, _ = x.shape
     dtype = compute_dtype(x.dtype)
-    xh = x.view(b, n, heads, -1)  # (B, L, H, P)
+    xh = x.view(b, n, m.n_mamba_heads, -1)  # (B, L, H, P)
     states = m.A_log.shape[-1]
     params = torch.einsum("blhp,hkp->blhk", xh, m.x_proj_weight)  # (B, L, H, R + 2N)
     dt_low, b_in, c_in = params.split([params.shape[-1] - 2 * states, states, states], dim=-1)
     dt = torch.einsum("blhr,hpr->blhp", dt_low, m.dt_proj_weight).to(dtype) + m.dt_proj_bias.to(dtype)
     dt = F.softplus(dt)  # (B, L, H, P)
     A = -torch.exp(m.A_log.to(dtype))  # (H, P, N)
-    log_decay = dt[..., None] * A
-    inp = (dt * xh.to(dtype))[..., None] * b_in.to(dtype)[:, :, :, None, :]  # (B, L, H, P, N)
-    h = state_passing_diagonal_scan(log_decay, inp, place)
-    y = torch.einsum("blhpn,blhn->blhp", h, c_in.to(dtype)) + xh.to(dtype) * m.D.to(dtype)
-    y = y * F.silu(z.view(b, n, heads, -1).to(dtype))
-    return m.out_proj(y.reshape(b, n, -1).to(hidden_states.dtype))
+    log_decay, inp = dt[..., None] * A, (dt * xh.to(dtype))[..., None] * b_in.to(dtype)[:, :, :, None, :]
+
+    def read(h: torch.Tensor) -> torch.Tensor:
+        y = torch.einsum("blhpn,blhn->blhp", h, c_in.to(dtype)) + xh.to(dtype) * m.D.to(dtype)
+        return y.reshape(b, n, -1)
+
+    return log_decay, inp, read
+
+
+def _split(m: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj's x (the conv's input) and z, (B, L, I) each: halves, or (Zamba) interleaved channel by channel."""
+    if type(m).__name__ in HEADED_MIXERS:
+        return m.in_proj(hidden_states).view(*hidden_states.shape[:2], -1, 2).unbind(-1)
+    return m.in_proj(hidden_states).chunk(2, dim=-1)
+
+
+def _finish(m: nn.Module, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return m.out_proj((y * F.silu(z.to(y.dtype))).to(dtype))
+
+
+def mamba_step(m: nn.Module, x_in: torch.Tensor, state: torch.Tensor,
+               tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token of the mixer ``m``: the conv's input ``x_in`` (B, 1, I), the scan's ``state`` (B, *X) and the conv's
+    last ``K - 1`` inputs ``tail`` (B, K - 1, I) -> (y (B, 1, I) before the gate, the next state, the next tail)."""
+    window = torch.cat([tail.to(x_in.dtype), x_in], dim=1)  # (B, K, I)
+    x = causal_conv(window, m.conv1d.weight.squeeze(1), m.conv1d.bias, (0, window.shape[1]), m.activation)[:, -1:]
+    log_decay, inp, read = (_headed_terms if type(m).__name__ in HEADED_MIXERS else _terms)(m, x)
+    state = torch.exp(log_decay[:, 0]) * state + inp[:, 0]
+    return read(state[:, None]), state, window[:, 1:]
 
 
 def _make_mixer_forward(mesh: SPMesh, headed: bool):
-    run = _headed_mamba1 if headed else _mamba1
+    scan_terms = _headed_terms if headed else _terms
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         info = kwargs.get("seqmesh")
         check_mixer_context(self, info, cache if cache is not None else kwargs.get("cache_params"), attention_mask)
-        return run(self, hidden_states, info, mesh)
+        x_in, z = _split(self, hidden_states)
+        weight = self.conv1d.weight.squeeze(1)  # (I, K)
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token, the same on every rank, from the prefill's
+            y, state, tail = mamba_step(self, x_in, *generation.get(self))
+            generation.put(self, state, tail)
+            return _finish(self, y, z, hidden_states.dtype)
+        place = placement(mesh, x_in.shape[1], layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
+                          kernel=weight.shape[-1])
+        x = halo_causal_conv(x_in, weight, self.conv1d.bias, place, self.activation)
+        log_decay, inp, read = scan_terms(self, x)
+        keep = None
+        if generation is not None:  # the prompt: the state after its last token, on every rank
+            at = (sequence_positions(info.seq_len, mesh, layout=info.layout) == info.seq_len - 1).nonzero()
+            keep = {"end": int(at[0]) if at.numel() else None}
+        y = read(state_passing_diagonal_scan(log_decay, inp, place, keep=keep))
+        if keep is not None:
+            generation.put(self, keep["state"], sequence_tail(x_in, mesh, layout=info.layout, seq_len=info.seq_len,
+                                                              width=weight.shape[-1] - 1))
+        return _finish(self, y, z, hidden_states.dtype)
 
     return forward
 

@@ -140,22 +140,15 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     softplus, ``A`` (C, N) (negative), ``B`` / ``C`` (B, L, N); ``initial`` (B, S, C, N) the state entering each
     of the S segments (zero if None) -> ``y`` (B, L, C) without the skip ``D x``, and each segment's final
     state (B, S, C, N), in float32 for half-precision inputs, otherwise the inputs' dtype."""
-    log_decay, inp = _scan_terms(x, dt, A, B)
+    log_decay, inp = selective_terms(x, dt, A, B)
     states, finals = diagonal_scan(log_decay, inp, bounds, initial, chunk)
     return torch.einsum("blcn,bln->blc", states, C.to(states.dtype)), finals
 
 
-def _scan_terms(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selective scan's ``log_decay = dt A`` and ``inp = dt x B`` (B, L, C, N), in the compute dtype."""
+def selective_terms(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                    B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan's ``log_decay = dt A`` and ``inp = dt x B`` (B, L, C, N), in the compute dtype: what
+    :func:`diagonal_scan` and :func:`state_passing_diagonal_scan` run (``seqmesh.hf.mamba``)."""
     dtype = compute_dtype(x.dtype)
     x, dt, A, B = (t.to(dtype) for t in (x, dt, A, B))
     return dt[..., None] * A, (dt * x)[..., None] * B[:, :, None, :]
-
-
-def state_passing_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                                 C: torch.Tensor, place: Placement) -> torch.Tensor:
-    """The selective scan of the whole sequence at this rank's tokens (shard order, placed as ``place``
-    says): ``x`` / ``dt`` (B, L, C), ``A`` (C, N), ``B`` / ``C`` (B, L, N) -> ``y`` (B, L, C) without ``D x``,
-    exactly what :func:`selective_scan` gives on the unsharded sequence (:func:`state_passing_diagonal_scan`)."""
-    states = state_passing_diagonal_scan(*_scan_terms(x, dt, A, B), place)  # (B, L, C, N)
-    return torch.einsum("blcn,bln->blc", states, C.to(states.dtype))
