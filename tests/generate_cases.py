@@ -91,12 +91,14 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
 
 def _planned_state_elements(config) -> tuple[int, int] | None:
     """The planner's recurrent state and conv-tail elements for this batch of two rows (``seqmesh plan --inference``
-    reads the model from its config.json, as here); None for a model the planner does not size (Jamba, Zamba)."""
+    reads the model from its config.json, as here); None for a model the planner does not size (Jamba, Zamba, Mamba)."""
     import tempfile
 
     from seqmesh.model.presets import model_shape
     from seqmesh.planner.inference import recurrent_state_elements
 
+    if getattr(config, "num_attention_heads", None) is None:  # Mamba: the planner reads no model without heads
+        return None
     with tempfile.TemporaryDirectory() as folder:
         config.to_json_file(f"{folder}/config.json")
         shape = model_shape(folder)
@@ -108,6 +110,8 @@ def _share_bytes(config, tokens: int) -> int:
     ``qk_nope + qk_rope`` and a value of ``v_head_dim`` for every head, the others ``head_dim`` for each key head."""
     from seqmesh.inference import cache_bytes
 
+    if getattr(config, "num_attention_heads", None) is None:  # Mamba: no attention layer keeps anything
+        return 0
     if getattr(config, "kv_lora_rank", None):
         dims = (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
     else:  # the older families (BLOOM, MPT, GPT-Neo: every head; Falcon: one, or num_kv_heads in its new layout)

@@ -81,7 +81,7 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
                          "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo), one with Gated "
-                         "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (v1) layers (Jamba, Zamba).")
+                         "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (v1) layers (Jamba, Zamba, Mamba).")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

@@ -46,11 +46,13 @@ def test_families_with_attention_of_their_own_generate_as_transformers(pools, ul
             _check(r, ulysses, ring)
 
 
-@pytest.mark.parametrize("ulysses,ring,family", [(1, 2, "jamba"), (2, 1, "zamba")], ids=["jamba-r2", "zamba-u2"])
-def test_mamba_families_generate_as_transformers(pools, ulysses, ring, family):
-    """Jamba (Mamba (v1) layers beside attention) and Zamba (multi-head Mamba layers, a shared attention block): the
-    scan's state and the conv's last inputs from the sharded prefill, then one token at a time on every rank."""
-    for results in pools.run(ulysses * ring, generated_cases, [(family, ulysses, ring, PROMPT, NEW)]):
+@pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("jamba", "mamba")), (2, 1, ("zamba",))],
+                         ids=["r2", "u2"])
+def test_mamba_families_generate_as_transformers(pools, ulysses, ring, families):
+    """Jamba (Mamba (v1) layers beside attention), Mamba (no attention at all: no cache, the states alone) and Zamba
+    (multi-head Mamba layers, a shared attention block): the scan's state and the conv's last inputs from the sharded
+    prefill, then one token at a time on every rank."""
+    for results in pools.run(ulysses * ring, generated_cases, [(f, ulysses, ring, PROMPT, NEW) for f in families]):
         for r in results:
             _check(r, ulysses, ring)
             assert sum(r["state_elements"]) > 0, r
