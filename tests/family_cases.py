@@ -138,6 +138,12 @@ def family_config(family: str):
                               attention_head_dim=16, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
                               n_mamba_heads=2, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                               use_mamba_kernels=False)
+    if family == "zaya":  # ZAYA's CCA: q | k convolved over 2 + 3 - 2 = 3 earlier rows, a delayed half of each
+        # value; a sliding layer (a window shorter than a zigzag chunk), then a full one; biased projections; 4 experts
+        return tf.ZayaConfig(**SMALL, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                             num_experts_per_tok=1, router_hidden_size=16, cca_time0=2, cca_time1=3,
+                             attention_bias=True, sliding_window=WINDOW, layer_types=["hybrid_sliding", "hybrid"],
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "bloom":  # ALiBi with 6 heads: BLOOM's slopes past the power of two (2^-0.5, 2^-1.5, ...) too
         return tf.BloomConfig(hidden_size=48, n_layer=2, n_head=6, vocab_size=64, attention_dropout=0.0)
     if family == "bloom-sliced":  # pretraining_tp with slow_but_exact: the output product by slices, no bias

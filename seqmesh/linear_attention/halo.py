@@ -19,6 +19,7 @@ no other document's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,15 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if kernel > place.kernel:
         raise ValueError(f"a conv of width {kernel} needs a placement built with kernel >= {kernel} "
                          f"(this one serves {place.kernel}).")
+    return with_halo(x, place, lambda extended, bounds: causal_conv(extended, weight, bias, bounds, activation))
+
+
+def with_halo(x: torch.Tensor, place: Placement, causal: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+              ) -> torch.Tensor:
+    """``causal`` applied to the whole sequence, at this rank's tokens: ``x`` (B, L, C) in shard order; ``causal``
+    maps runs preceded by their halos (B, E, C) and that sequence's segment bounds to (B, E, C') where each row reads
+    at most the ``place.kernel - 1`` rows before it, within its segment (a causal conv, a shift by one token)
+    -> (B, L, C'). One all-gather of the halo rows forward (none with one rank), its reduce-scatter backward."""
     chain, mine = place.chain, place.mine
     source = x
     if chain.max_tail:
@@ -77,5 +87,4 @@ def halo_causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         tails = pad_rows(x.index_select(1, send), chain.max_tail)  # (B, max_tail, C)
         source = torch.cat([x, all_gather(tails, place.group, dim=1)], dim=1)  # (B, L + P * max_tail, C)
     extended = source.index_select(1, mine.conv_source.to(x.device))  # (B, E, C): runs preceded by their halos
-    mixed = causal_conv(extended, weight, bias, mine.conv_bounds, activation)
-    return mixed.index_select(1, mine.own.to(x.device))  # (B, L, C), shard order
+    return causal(extended, mine.conv_bounds).index_select(1, mine.own.to(x.device))  # (B, L, C'), shard order

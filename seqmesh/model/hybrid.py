@@ -35,7 +35,8 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 # the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
 _UNSIZED = {"jamba": "Mamba",
-            "mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution"}
+            "mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution",
+            "zaya": "compressed convolutional attention (CCA)"}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
           "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax) and RecurrentGemma's "
