@@ -59,9 +59,10 @@ def _by_segment(x: torch.Tensor, bounds: tuple[int, ...], each: Callable[[torch.
     return torch.cat([each(x[:, a:e]) for a, e in zip(bounds[:-1], bounds[1:])], dim=1)
 
 
-def cca_projection(m: nn.Module, hidden_states: torch.Tensor,
-                   place: halo.Placement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v (B, L, heads, D) of this rank's tokens ``hidden_states`` (B, L, hidden), shard order."""
+def cca_projection(m: nn.Module, hidden_states: torch.Tensor, place: halo.Placement,
+                   previous_place: halo.Placement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v (B, L, heads, D) of this rank's tokens ``hidden_states`` (B, L, hidden), shard order; ``place``
+    serves the q | k convs' halo, ``previous_place`` (kernel 2) the delayed value's one row."""
     shape = (*hidden_states.shape[:2], -1, m.head_dim)
     queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
     query_residual = queries.view(shape)
@@ -84,7 +85,7 @@ def cca_projection(m: nn.Module, hidden_states: torch.Tensor,
     def previous(rows: torch.Tensor) -> torch.Tensor:  # one segment: the row before each, the projected zeros first
         return torch.cat([start.to(rows.dtype), rows[:, :-1]], dim=1)
 
-    value_delayed = halo.with_halo(delayed, place, lambda rows, bounds: _by_segment(rows, bounds, previous))
+    value_delayed = halo.with_halo(delayed, previous_place, lambda rows, bounds: _by_segment(rows, bounds, previous))
     value = torch.cat([m.v_proj_current(hidden_states), value_delayed], dim=-1).view(shape)
     return query, key, value
 
@@ -95,9 +96,9 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
     def forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
         info = kwargs.get("seqmesh")
         check_mixer_context(self, info, cache, conv_mask)
-        place = halo.placement(mesh, hidden_states.shape[1], layout=info.layout, seq_len=info.seq_len,
-                               cu_seqlens=info.cu_seqlens, kernel=kernel)
-        return cca_projection(self, hidden_states, place)
+        where = dict(layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
+        return cca_projection(self, hidden_states, halo.placement(mesh, hidden_states.shape[1], kernel=kernel, **where),
+                              halo.placement(mesh, hidden_states.shape[1], kernel=2, **where))
 
     return forward
 
