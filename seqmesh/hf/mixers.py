@@ -38,10 +38,14 @@ def _carrier(decoder: nn.Module, path: str) -> nn.Module | None:
 
 
 def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
-    """Forward hooks that hand seqmesh's entry to mixers whose callers drop their ``**kwargs`` (Jamba's decoder layer
-    calls its Mamba mixer with named arguments only; at transformers 5.15 LFM2's and Mamba2's do too): the deepest
-    module on the mixer's path that still receives the entry (its *carrier*) holds it on its mixers for the length of
-    its own call (a checkpointed layer's recompute calls it again). The hooks' handles."""
+    """Forward pre-hooks that hand seqmesh's entry to mixers whose callers drop their ``**kwargs`` (Jamba's decoder
+    layer calls its Mamba mixer with named arguments only; at transformers 5.15 LFM2's and Mamba2's do too): the
+    deepest module on the mixer's path that still receives the entry (its *carrier*) sets it on its mixers at each of
+    its calls, and it stays there until the next one: a checkpointed layer's recompute, in backward, runs the layer's
+    forward again without its hooks (transformers checkpoints ``forward``, not ``__call__``), and its mixers must still
+    find the entry of the forward being recomputed (the last one: seqmesh runs each forward's backward before the
+    next forward). A call without an entry sets None, so a later plain call is refused, never given a stale entry. The
+    hooks' handles."""
     decoder = decoder_of(model)
     where = next((p for p, m in model.named_modules() if m is decoder), "")
     held: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
@@ -60,18 +64,9 @@ def carry_entry(model: nn.Module, found: dict[MixerKind, Layers]) -> list:
             for m in mixers:
                 setattr(m, ENTRY_ATTR, kwargs.get("seqmesh"))
 
-        def take_back(module, args, kwargs, output):
-            for m in mixers:
-                setattr(m, ENTRY_ATTR, None)
+        return give
 
-        return give, take_back
-
-    handles = []
-    for carrier, mixers in held.values():
-        give, take_back = hand(mixers)
-        handles += [carrier.register_forward_pre_hook(give, with_kwargs=True),
-                    carrier.register_forward_hook(take_back, with_kwargs=True, always_call=True)]
-    return handles
+    return [carrier.register_forward_pre_hook(hand(mixers), with_kwargs=True) for carrier, mixers in held.values()]
 
 
 def uninstall(model: nn.Module) -> None:
