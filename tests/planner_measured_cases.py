@@ -26,6 +26,15 @@ RECURRENT_GEMMA_CONFIG = {
 }
 
 
+# a Jamba: Mamba (v1) layers (inner 256, state 16) around one attention layer, a MoE layer of 4 experts (2 a token)
+JAMBA_CONFIG = {
+    "model_type": "jamba", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "attn_layer_period": 3,
+    "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
+    "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_dt_rank": 8, "mamba_expand": 2,
+}
+
+
 def write_wide_config(folder: str, config: dict = WIDE_CONFIG) -> str:
     """A config.json of the wider model (or ``config``) in ``folder`` (a model argument of TrainConfig); its path."""
     os.makedirs(folder, exist_ok=True)

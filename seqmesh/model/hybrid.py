@@ -13,6 +13,7 @@ A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``
 from __future__ import annotations
 
 from .hybrid_shape import ATTENTION, CONV, MAMBA2, PARALLEL, FeedForward, HybridShape, Mamba2Shape
+from .jamba import jamba_fields
 from .kimi import kimi_linear_fields
 from .lfm import lfm2_fields
 from .minimax import minimax_fields
@@ -34,13 +35,12 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 
 # the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
-_UNSIZED = {"jamba": "Mamba",
-            "mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution",
+_UNSIZED = {"mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution",
             "zaya": "compressed convolutional attention (CCA)"}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
-          "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax) and RecurrentGemma's "
-          "RG-LRU (recurrent_gemma)")
+          "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), RecurrentGemma's "
+          "RG-LRU (recurrent_gemma) and Jamba's Mamba (jamba)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -56,6 +56,8 @@ def hybrid_fields(cfg: dict) -> dict:
         return minimax_fields(cfg)
     if family == "recurrent_gemma":
         return recurrent_gemma_fields(cfg)
+    if family == "jamba":
+        return jamba_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

@@ -13,6 +13,7 @@ CONV = "conv"  # LFM2's gated short convolution (seqmesh.model.lfm)
 KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
 LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
 RG_LRU = "rg_lru"  # RecurrentGemma's recurrent block (seqmesh.model.recurrent_gemma)
+MAMBA1 = "mamba1"  # Jamba's Mamba (v1) mixer (seqmesh.model.jamba)
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
@@ -89,7 +90,7 @@ class HybridShape:
     hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
     attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
     has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's; ``rg_lru``, mixer
-    ``"rg_lru"``: RecurrentGemma's recurrent block)."""
+    ``"rg_lru"``: RecurrentGemma's recurrent block; ``mamba1``, mixer ``"mamba1"``: Jamba's Mamba (v1))."""
 
     mamba: Mamba2Shape | None
     blocks: tuple[tuple[str, str], ...]
@@ -101,6 +102,7 @@ class HybridShape:
     kda: KdaShape | None = None
     lightning: LightningShape | None = None
     rg_lru: RgLruShape | None = None
+    mamba1: Mamba1Shape | None = None
 
     def ffn(self, name: str) -> FeedForward:
         return dict(self.ffns).get(name, FeedForward(0, 0, 0))
@@ -141,6 +143,8 @@ class HybridShape:
             own += self.lightning.params(hidden)
         if mixer == RG_LRU:
             own += self.rg_lru.params(hidden)
+        if mixer == MAMBA1:
+            own += self.mamba1.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -152,7 +156,8 @@ class HybridShape:
         return {"mamba": asdict(self.mamba) if self.mamba else None,
                 "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
                 "lightning": asdict(self.lightning) if self.lightning else None,
-                "rg_lru": asdict(self.rg_lru) if self.rg_lru else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "rg_lru": asdict(self.rg_lru) if self.rg_lru else None,
+                "mamba1": asdict(self.mamba1) if self.mamba1 else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
 
@@ -254,3 +259,36 @@ class RgLruShape:
     def params(self, hidden: int) -> int:
         """Every parameter of the block (:mod:`.recurrent_gemma`'s docstring lists them)."""
         return self.matmul_params(hidden) + self.width * (self.conv + 6) + hidden
+
+
+@dataclass(frozen=True)
+class Mamba1Shape:
+    """One Mamba (v1) mixer: ``inner`` channels, a ``state``-wide state per channel, a depthwise causal conv of
+    ``conv`` taps, dt through a rank-``dt_rank`` bottleneck; ``norms``: RMSNorms on dt, B and C (Jamba's)."""
+
+    inner: int
+    state: int
+    dt_rank: int
+    conv: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norms: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("inner", "state", "dt_rank", "conv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the Mamba layers' {name} = {value!r} must be a positive integer (mamba_expand x "
+                                 "hidden_size, mamba_d_state, mamba_dt_rank, mamba_d_conv); fix the config.json.")
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: in_proj, x_proj, dt_proj and out_proj."""
+        i = self.inner
+        return 2 * hidden * i + i * (self.dt_rank + 2 * self.state) + self.dt_rank * i + i * hidden
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the mixer (:mod:`.jamba`'s docstring lists them)."""
+        i = self.inner
+        biases = (2 * i + hidden if self.proj_bias else 0) + (i if self.conv_bias else 0) + i  # dt_proj's bias
+        norms = self.dt_rank + 2 * self.state if self.norms else 0
+        return self.matmul_params(hidden) + biases + i * self.conv + i * self.state + i + norms

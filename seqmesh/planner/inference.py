@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..model.hybrid_shape import ATTENTION, RG_LRU
+from ..model.hybrid_shape import ATTENTION, MAMBA1, RG_LRU
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees, workable_degrees
 from ..rules.kv_cache import cache_bytes, cache_share
@@ -44,14 +44,14 @@ def inference_refusal(m: ModelShape) -> str | None:
     if (m.hybrid is not None and not _decoded_hybrid(m)) or m.indexed_layers:
         what = "DeepSeek Sparse Attention" if m.indexed_layers else "Mamba2, short-convolution, KDA or lightning"
         return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model, "
-                "one with Gated DeltaNet layers (Qwen3.5) or RecurrentGemma.")
+                "one with Gated DeltaNet layers (Qwen3.5), RecurrentGemma or Jamba.")
     return None
 
 
 def _decoded_hybrid(m: ModelShape) -> bool:
-    """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention or RecurrentGemma's
-    recurrent block (seqmesh.hf.rg_lru), its feed-forward a dense MLP."""
-    return all(mixer in (ATTENTION, RG_LRU) for mixer, _ in m.hybrid.blocks)
+    """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention, RecurrentGemma's recurrent
+    block (seqmesh.hf.rg_lru) or Jamba's Mamba (seqmesh.hf.mamba)."""
+    return all(mixer in (ATTENTION, RG_LRU, MAMBA1) for mixer, _ in m.hybrid.blocks)
 
 
 def cached_heads(m: ModelShape) -> int:
@@ -107,13 +107,17 @@ class InferencePlan:
 
 
 def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
-    """Elements of what generation keeps for the Gated DeltaNet layers (or RecurrentGemma's recurrent blocks), the
-    same on every rank: their recurrent states (Dk x Dv per value head and sample; the RG-LRU's ``lru_width``) and
+    """Elements of what generation keeps for the Gated DeltaNet layers (or RecurrentGemma's recurrent blocks, Jamba's
+    Mamba layers), the same on every rank: their recurrent states (Dk x Dv per value head and sample; the RG-LRU's
+    ``lru_width``; Mamba's inner x state) and
     their convolutions' last ``kernel - 1`` inputs (the conv's width per sample); ``seqmesh.inference``'s cache holds
     exactly these (tests/inference/test_generate.py)."""
     if m.hybrid is not None and m.hybrid.rg_lru is not None:
         block, layers = m.hybrid.rg_lru, m.hybrid.count(RG_LRU)
         return layers * batch * block.width, layers * batch * (block.conv - 1) * block.width
+    if m.hybrid is not None and m.hybrid.mamba1 is not None:  # Jamba's: inner x state, the conv over inner channels
+        mixer, layers = m.hybrid.mamba1, m.hybrid.count(MAMBA1)
+        return layers * batch * mixer.inner * mixer.state, layers * batch * (mixer.conv - 1) * mixer.inner
     if not m.linear_layers:
         return 0, 0
     conv_dim = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim

@@ -27,7 +27,7 @@ from ..rules.heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .kda import KdaLayer
 from .lightning import LightningLayer
-from .rg_lru import RgLruLayer
+from .diagonal import Mamba1Layer, RgLruLayer
 from .short_conv import ShortConvLayer
 from .traffic import (Collective, RankTraffic, call_bytes, dtype_bytes, indexed_attention_traffic,
                       linear_attention_traffic, worst_rank)
@@ -278,7 +278,7 @@ class IndexedAttention:
 
 
 LayerKind = (Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer
-             | LightningLayer | RgLruLayer)
+             | LightningLayer | RgLruLayer | Mamba1Layer)
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
@@ -304,9 +304,10 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     each Nemotron-H MLP or MoE block by its feed-forward; a Falcon-H1 layer as its attention layer (norms and MLP
     included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
     attention layers carry their own feed-forward (Nemotron-H's none). LFM2's gated short convs: each by its
-    feed-forward; Kimi Linear's KDA, MiniMax-01's lightning layers and RecurrentGemma's recurrent blocks likewise.
+    feed-forward; Kimi Linear's KDA, MiniMax-01's lightning layers, RecurrentGemma's recurrent blocks and Jamba's Mamba layers
+    likewise.
     Where every attention layer has a window (RecurrentGemma's local attention), they are planned with it."""
-    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA2, PARALLEL, RG_LRU
+    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU
 
     hybrid, m = work.model.hybrid, work.model
     window = m.sliding_window if m.sliding_window and not m.full_every else None
@@ -323,6 +324,8 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
             kinds.append((LightningLayer(work, layout, ffn), n))
         elif mixer == RG_LRU:
             kinds.append((RgLruLayer(work, layout, ffn), n))
+        elif mixer == MAMBA1:
+            kinds.append((Mamba1Layer(work, layout, ffn), n))
         elif mixer != ATTENTION:
             kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

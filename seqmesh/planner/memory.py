@@ -167,6 +167,10 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     if after_recompute:
         steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
     extra, op = timeline_peak(steps)
+    recurrence = max((kind.backward_bytes() for kind, _ in layer_kinds(work, layout) if hasattr(kind, "backward_bytes")),
+                     default=0)  # a diagonal recurrence's gradients (seqmesh.planner.diagonal)
+    if recurrence > extra:
+        extra, op = recurrence, "recurrence backward"
     kept = below + top + outside_layers_bytes(work, layout)
     return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
 

@@ -70,8 +70,11 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
     mixer = next((layer.conv for layer in model.model.layers if hasattr(layer, "conv")), None)
     block = next((layer.temporal_block for layer in model.model.layers
                   if hasattr(getattr(layer, "temporal_block", None), "rg_lru")), None)
+    mamba = next((layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")), None)
     if mixer is not None:  # a short conv's projections
         projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()
+    elif mamba is not None:  # a Mamba (v1) mixer's four
+        projections = sum(mamba.get_submodule(n).weight.numel() for n in ("in_proj", "x_proj", "dt_proj", "out_proj"))
     elif block is not None:  # a recurrent block's three projections and its gates' blocks
         projections = sum(block.get_submodule(n).weight.numel() for n in ("linear_x", "linear_y", "linear_out")) \
             + block.rg_lru.input_gate_weight.numel() + block.rg_lru.recurrent_gate_weight.numel()
@@ -107,6 +110,12 @@ TINY = {
         "minimax", dict(layer_types=None, attn_type_list=[0, 0, 1], num_hidden_layers=3, head_dim=None,
                         num_local_experts=3, num_experts=None)),
     "recurrent_gemma": ("recurrent_gemma", {}),
+    "jamba": ("jamba", {}),
+    # every layer's MLP (one expert: no MoE), biased projections, no conv bias, dt_rank "auto" (hidden / 16), tied
+    "jamba: MLP only, biases, auto dt rank": (
+        "jamba", dict(num_experts=1, num_experts_per_tok=1, mamba_proj_bias=True, mamba_conv_bias=False,
+                      mamba_dt_rank="auto", num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3,
+                      tie_word_embeddings=True)),
     # attention first, every projection of it biased, a conv of width 3, the pattern repeated over 4 layers, untied
     "recurrent_gemma: biased attention first, conv 3": (
         "recurrent_gemma", dict(block_types=["attention", "recurrent"], attention_bias=True, conv1d_width=3,
@@ -124,12 +133,13 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     shape = model_shape(path)
     hybrid = shape.hybrid
     assert shape.layers == len(hybrid.blocks) == len(layers)
-    assert (hybrid.conv or hybrid.kda or hybrid.lightning or hybrid.rg_lru).matmul_params(shape.hidden) == projections
+    mixer = hybrid.conv or hybrid.kda or hybrid.lightning or hybrid.rg_lru or hybrid.mamba1
+    assert mixer.matmul_params(shape.hidden) == projections
     assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
     assert shape.params == total
 
 
-@pytest.mark.parametrize("family,mixer", [("jamba", "Mamba"), ("lfm3", "gated short convolution"),
+@pytest.mark.parametrize("family,mixer", [("zamba", "Mamba"), ("lfm3", "gated short convolution"),
                                           ("zaya", r"compressed convolutional attention \(CCA\)")])
 def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
     """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
@@ -363,7 +373,7 @@ def test_rg_lru_bytes_equal_what_the_block_sends(pools, tmp_path):
     conv's halo, the runs' states), two reduce-scatters backward; the block is right (its output is transformers' on
     the whole sequence)."""
     from rg_lru_plan_cases import rg_lru_layer_bytes
-    from seqmesh.planner.rg_lru import HALO, STATES, RgLruLayer
+    from seqmesh.planner.diagonal import HALO, STATES, RgLruLayer
     from seqmesh.planner.workload import Workload
     from seqmesh.rules.degrees import Degrees
 
@@ -402,3 +412,31 @@ def test_a_recurrent_gemma_plan_recommends_a_layout_at_128k(tmp_path, capsys):
         assert row["comm_bytes_per_layer"]["forward"].get(key, 0) == same["comm_bytes_per_layer"]["forward"].get(key, 0)
     sp = next(c for c in plan["candidates"] if c["layout"]["ring"] * c["layout"]["ulysses"] > 1)
     assert sp["comm_bytes_per_layer"]["forward"]["rg_lru_state_gather"] > 0, sp
+
+
+def test_a_jamba_plan_sizes_every_layer_at_128k(tmp_path, capsys):
+    """``seqmesh plan`` on Jamba-v0.1's shape (transformers' JambaConfig defaults: 32 layers, attention in every 8th,
+    MoE of 16 experts in every 2nd, Mamba inner 8192 with a state of 16) at 128K on 8 GPUs: the model counts as
+    transformers builds it (about 52B), every Mamba layer planned as one, and its bytes the same at 32K. (None of the
+    layouts fits 80 GB: the torch scan keeps inner x state float32 values a token, 512 KiB.)"""
+    import transformers as tf
+
+    from seqmesh.planner.diagonal import MAMBA_HALO, MAMBA_STATES
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, json.loads(tf.JambaConfig().to_json_string()), "jamba")
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 51e9 < total < 53e9
+    assert shape.hybrid.count(mixer="mamba1") == 28 and shape.hybrid.count(ffn="moe") == 16
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sum(b.startswith("mamba1") for b in plan["model"]["hybrid"]["blocks"]) == 28
+    assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", "8", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    for row in plan["candidates"]:
+        same = next(c for c in short["candidates"] if c["layout"] == row["layout"])
+        for key in (MAMBA_HALO, MAMBA_STATES):
+            assert row["comm_bytes_per_layer"]["forward"].get(key, 0) == same["comm_bytes_per_layer"]["forward"].get(key, 0)
+    sp = next(c for c in plan["candidates"] if c["layout"]["ring"] * c["layout"]["ulysses"] > 1)
+    assert sp["comm_bytes_per_layer"]["forward"][MAMBA_STATES] > 0, sp

@@ -1,0 +1,170 @@
+"""What a layer whose mixer is a diagonal recurrence costs on the busiest rank, as the runtime runs it: RecurrentGemma's
+recurrent block (``seqmesh.hf.rg_lru``; shape from :mod:`seqmesh.model.recurrent_gemma`) and Jamba's Mamba (v1) mixer
+(``seqmesh.hf.mamba``; :mod:`seqmesh.model.jamba`). Each runs its projections on the local tokens, a depthwise conv
+of width ``K`` and the recurrence (``seqmesh.linear_attention.selective_scan.diagonal_scan``) over them, and two
+collectives, each an all-gather forward and its reduce-scatter backward (the same bytes): the conv's halo (``K - 1``
+rows of the conv's channels before each run the rank holds, :func:`seqmesh.linear_attention.choice.halo_bytes`) and
+every run's ``[S_0 | T]`` (:func:`seqmesh.linear_attention.selective_scan.diagonal_state_bytes`, in float32, float64
+for float64 inputs), both the runtime's own formulas. There is no other design. The conv waits for its halo and the
+states' read for theirs, so the layer's time is :func:`.layer_cost.serial_layer_seconds`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..linear_attention.choice import halo_bytes
+from ..linear_attention.selective_scan import diagonal_state_bytes
+from ..model.hybrid_shape import MAMBA1, RG_LRU
+from ..rules.degrees import Degrees
+from .activations import norm_saved, tokens
+from .hardware import HardwareSpec
+from .layer_cost import phases, serial_layer_seconds
+from .network import axis_groups, gather_seconds, link_name
+from .traffic import Collective, RankTraffic, dtype_bytes
+from .workload import Workload
+
+HALO, STATES = "rg_lru_halo_gather", "rg_lru_state_gather"
+MAMBA_HALO, MAMBA_STATES = "mamba_halo_gather", "mamba_state_gather"
+SCAN_FLOPS = 12  # elementwise operations a state value and token of the gates' tail and the two-level scan (an estimate)
+BACKWARD_TENSORS = 4  # |X|-sized gradients the scan's backward holds at once (decay, input, chunk states, states)
+
+
+@dataclass(frozen=True)
+class _DiagonalLayer:
+    """The costs every diagonal-recurrence layer shares; a subclass names its mixer, its collectives' keys, its conv's
+    and its state's widths, its per-token multiply-adds and what it saves."""
+
+    work: Workload
+    layout: Degrees
+    ffn: str = "mlp"
+
+    # a subclass's: MIXER (its hybrid block name), KEYS (halo, states), kernel(), conv_channels(), state_values()
+    # (|X|, the recurrence's values a token), macs() (a token's multiply-adds at the matmul rate, the conv's included)
+    # and saved_per_token(e, s) (the mixer's bytes a token, norms and feed-forward aside)
+    MIXER = ""
+    KEYS = ("", "")
+
+    def params(self) -> int:
+        m = self.work.model
+        return m.hybrid.layer_params((self.MIXER, self.ffn), m.hidden, m.attention_params)
+
+    def _state_bytes(self) -> int:
+        return 8 if dtype_bytes(self.work.torch_dtype) == 8 else 4
+
+    def sent(self) -> dict[str, int]:
+        """Bytes each rank sends forward in each all-gather (its reduce-scatter the same backward)."""
+        w, lay, (halo, states) = self.work, self.layout, self.KEYS
+        where = dict(batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout)
+        kernel = self.kernel()
+        return {halo: halo_bytes(self.conv_channels(), kernel, dtype_bytes=dtype_bytes(w.torch_dtype), **where),
+                states: diagonal_state_bytes(self.state_values(), state_bytes=self._state_bytes(), **where)}
+
+    def ranks(self) -> list[RankTraffic]:
+        """Each sequence rank's traffic in one layer: the two all-gathers forward, their reduce-scatters backward."""
+        lay, sent = self.layout, self.sent()
+        calls = tuple(Collective(kind, phase, 1, sent[key]) for key in self.KEYS
+                      for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Each collective's bytes by phase, on the busiest rank (each rank sends the same here)."""
+        sent = self.sent()
+        return phases(dict(sent), dict(sent), self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        link = link_name(hw, axis_groups(self.layout, "sequence")[:1])
+        return {key: link for key in self.KEYS}
+
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward: per token the two norms, the mixer's (:meth:`saved_per_token`), the
+        feed-forward's."""
+        w, m = self.work, self.work.model
+        e = w.act_bytes
+        per_token = (2 * norm_saved(m, e, w.efficient_norm) + self.saved_per_token(e, self._state_bytes())
+                     + e * m.hybrid.ffn(self.ffn).kept)
+        return tokens(w, self.layout) * per_token
+
+    def backward_bytes(self) -> int:
+        """Bytes the layer's backward holds at once beyond what it saved (:func:`.memory.activation_memory` adds the
+        largest layer kind's): the gradients of the recurrence's decay, input, chunk states and states, four tensors
+        of ``|X|`` values a token in its state dtype (measured on the CPU: tests/planner/test_planner_measured.py)."""
+        return tokens(self.work, self.layout) * BACKWARD_TENSORS * self.state_values() * self._state_bytes()
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` seconds of one layer: the projections, the conv (at the matmul rate:
+        an upper bound on its speed) and the feed-forward, and the recurrence (:data:`SCAN_FLOPS` a state value) on
+        the local tokens, backward twice; the two gathers, which nothing overlaps."""
+        work, m = self.work, self.work.model
+        rate = hw.flops_for(work.dtype) * hw.matmul_efficiency
+        local = tokens(work, self.layout)
+        fwd = (2 * local * (self.macs() + m.hybrid.ffn(self.ffn).macs) + SCAN_FLOPS * local * self.state_values()) / rate
+        group = axis_groups(self.layout, "sequence")[0]
+        comm = sum(gather_seconds(sent, hw, group) for sent in self.sent().values())  # each way, one call each
+        return serial_layer_seconds(self, hw, fsdp_ranks, (fwd, 2 * fwd), (comm, comm))
+
+
+@dataclass(frozen=True)
+class RgLruLayer(_DiagonalLayer):
+    """A RecurrentGemma layer whose temporal block is recurrent, with its MLP and two RMSNorms."""
+
+    MIXER = RG_LRU
+    KEYS = (HALO, STATES)
+
+    def kernel(self) -> int:
+        return self.work.model.hybrid.rg_lru.conv
+
+    def conv_channels(self) -> int:
+        return self.work.model.hybrid.rg_lru.width
+
+    def state_values(self) -> int:
+        return self.work.model.hybrid.rg_lru.width
+
+    def macs(self) -> int:
+        block = self.work.model.hybrid.rg_lru
+        return block.matmul_params(self.work.model.hidden) + block.width * block.conv
+
+    def saved_per_token(self, e: int, s: int) -> int:
+        """The block's input, linear_y's output before and after its activation, linear_x's and the conv's outputs,
+        the two gates, the decay, the normaliser and the gated input, linear_out's input; the recurrence's decay,
+        input and states and the scan's chunk terms in its state dtype (checked against tracked CPU peaks,
+        tests/planner/test_planner_measured.py: within 3% of three RecurrentGemma runs)."""
+        w = self.work.model.hybrid.rg_lru.width
+        return e * (self.work.model.hidden + 10 * w) + 6 * s * w
+
+
+@dataclass(frozen=True)
+class Mamba1Layer(_DiagonalLayer):
+    """A Jamba layer whose mixer is Mamba (v1), with its MLP or MoE block and two RMSNorms."""
+
+    MIXER = MAMBA1
+    KEYS = (MAMBA_HALO, MAMBA_STATES)
+
+    def kernel(self) -> int:
+        return self.work.model.hybrid.mamba1.conv
+
+    def conv_channels(self) -> int:
+        return self.work.model.hybrid.mamba1.inner
+
+    def state_values(self) -> int:
+        mixer = self.work.model.hybrid.mamba1
+        return mixer.inner * mixer.state
+
+    def macs(self) -> int:
+        mixer = self.work.model.hybrid.mamba1
+        return mixer.matmul_params(self.work.model.hidden) + mixer.inner * mixer.conv
+
+    def saved_per_token(self, e: int, s: int) -> int:
+        """in_proj's input and output (x | z), the conv's output, x_proj's output and the norms' of dt, B and C,
+        dt, the gated output and out_proj's input; the scan's :data:`SCAN_SAVED` tensors of ``inner x state`` values in
+        its state dtype, and across ranks two more, the state pass's read-in (each token's decay since its run's start
+        and the corrected states). Checked against tracked CPU peaks with checkpointing (tests/planner/
+        test_planner_measured.py: within 2.1% of three Jamba runs); without it the layers below the one in backward
+        count as the largest kind, a Mamba layer, which over-estimates a Jamba by up to 1.24x."""
+        mixer = self.work.model.hybrid.mamba1
+        i, n = mixer.inner, mixer.state
+        tensors = SCAN_SAVED + (2 if self.layout.ulysses * self.layout.ring > 1 else 0)
+        return e * (self.work.model.hidden + 6 * i + 2 * (mixer.dt_rank + 2 * n)) + s * 2 * i + tensors * s * i * n
+
+
+SCAN_SAVED = 6  # inner x state tensors the scan keeps a token: decay, input, chunk states, their decays, states, read
