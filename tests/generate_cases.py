@@ -122,9 +122,11 @@ def _share_bytes(config, tokens: int) -> int:
         else:
             kv = getattr(config, "num_key_value_heads", None) or heads
         dims = (kv, head_dim, head_dim)
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    # RecurrentGemma's layers_block_type (before transformers 5.2x: "recurrent" / "attention"; layer_types after)
+    kinds = (getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+             or ["full_attention"] * config.num_hidden_layers)
     # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
-    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid") for kind in kinds)
+    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "attention") for kind in kinds)
     return cache_bytes(tokens, layers, *dims, 8, batch=2)
 
 
