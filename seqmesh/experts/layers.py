@@ -38,7 +38,7 @@ EXPERT_PARALLEL_FAMILIES = (
     "deepseek_v3", "deepseek_v2", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "dots1",
     "gpt_oss", "mixtral", "phimoe", "minimax", "minimax_m2", "jamba", "granitemoe", "granitemoeshared",
     "granitemoehybrid", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "mimo_v2_flash", "laguna", "afmoe",
-    "solar_open", "nemotron_h", "lfm2_moe", "ernie4_5_moe", "llama4_text")
+    "solar_open", "nemotron_h", "lfm2_moe", "ernie4_5_moe", "llama4_text", "zaya")
 # of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
 SCALED_BEFORE_EXPERTS = ("llama4_text",)
 
