@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..linear_attention.choice import LinearDesign, parse_design
-from ..linear_attention.mamba2 import SSDHeads, SSDParams, choose_ssd_design, ssd_all_to_all, ssd_state_passing
+from ..linear_attention.decode import sequence_tail
+from ..linear_attention.mamba2 import SSDHeads, SSDParams, choose_ssd_design, ssd_all_to_all, ssd_state_passing, ssd_step
 from ..mesh import SPMesh
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 
@@ -72,10 +73,21 @@ def mamba2_forward(module: nn.Module, hidden: torch.Tensor, mesh: SPMesh, info, 
     params = SSDParams(module.conv1d.weight.squeeze(1), module.conv1d.bias, module.dt_bias, module.A_log, module.D,
                        tuple(module.time_step_limit), module.activation)
     kernel = params.conv_weight.shape[-1]
-    chosen = choose_ssd_design(heads, kernel, design, seq_len=n * mesh.sp_size, batch=b, ulysses=mesh.ulysses,
-                               ring=mesh.ring, layout=info.layout, dtype_bytes=hidden.element_size())
-    run = ssd_all_to_all if chosen is LinearDesign.ALL_TO_ALL else ssd_state_passing
-    y = run(xbc, dt, params, heads, mesh, layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
+    generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+    if generation is not None and generation.decoding:  # one token, the same on every rank, from the prefill's
+        y, state, tail = ssd_step(xbc, dt, params, heads, *generation.get(module))
+        generation.put(module, state, tail)
+    elif generation is not None:  # the prompt by state passing, which leaves the state after it on every rank
+        keep: dict = {}
+        y = ssd_state_passing(xbc, dt, params, heads, mesh, layout=info.layout, seq_len=info.seq_len,
+                              cu_seqlens=info.cu_seqlens, keep=keep)
+        generation.put(module, keep["state"], sequence_tail(xbc, mesh, layout=info.layout, seq_len=info.seq_len,
+                                                            width=kernel - 1))
+    else:
+        chosen = choose_ssd_design(heads, kernel, design, seq_len=n * mesh.sp_size, batch=b, ulysses=mesh.ulysses,
+                                   ring=mesh.ring, layout=info.layout, dtype_bytes=hidden.element_size())
+        run = ssd_all_to_all if chosen is LinearDesign.ALL_TO_ALL else ssd_state_passing
+        y = run(xbc, dt, params, heads, mesh, layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
     out = _gate(module, y.reshape(b, n, heads.inner), z)  # (B, L, d_inner)
     return module.out_proj(out.to(hidden.dtype))
 

@@ -25,8 +25,8 @@ from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Prefill, ShardedKVCache
 
 
-DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba")  # the recurrent layers whose decode runs (their state kept
-# by the prefill on every rank: seqmesh.hf.linear_attention, seqmesh.hf.rg_lru, seqmesh.hf.mamba)
+DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2")  # the recurrent layers whose decode runs (their
+# state kept by the prefill on every rank: seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
                          "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo), one with Gated "
-                         "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (v1) layers (Jamba, Zamba, Mamba).")
+                         "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
+                         "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2).")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

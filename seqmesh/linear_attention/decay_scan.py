@@ -87,9 +87,10 @@ def decay_state_bytes(heads: int, key_dim: int, value_dim: int, *, batch: int, u
 
 
 def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                      place: Placement) -> torch.Tensor:
+                      place: Placement, keep: dict | None = None) -> torch.Tensor:
     """The recurrence of the whole sequence at this rank's tokens, by state passing: q, k (B, L, H, Dk), v (B, L, H, Dv),
-    g (B, L, H) in shard order -> (B, L, H, Dv). One all-gather of every run's [S_0 | exp(sum g)] forward."""
+    g (B, L, H) in shard order -> (B, L, H, Dv). One all-gather of every run's [S_0 | exp(sum g)] forward. ``keep``
+    (a prefill's): :func:`.passing.pass_states`'s, the state (B, H, Dk, Dv) after the row's last real token."""
     mine = place.mine
     b, _, h, dk = q.shape
     dv = v.shape[-1]
@@ -116,4 +117,4 @@ def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     def read(lift_t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bthk,bhkv->bthv", lift_t, state)
 
-    return pass_states(out, lift, packed, place, finals.new_zeros(b, h, dk, dv), carry=carry, read=read)
+    return pass_states(out, lift, packed, place, finals.new_zeros(b, h, dk, dv), carry=carry, read=read, keep=keep)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..model.hybrid_shape import ATTENTION, MAMBA1, RG_LRU
+from ..model.hybrid_shape import ATTENTION, MAMBA1, MAMBA2, PARALLEL, RG_LRU
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees, workable_degrees
 from ..rules.kv_cache import cache_bytes, cache_share
@@ -42,16 +42,17 @@ def inference_refusal(m: ModelShape) -> str | None:
     if m.vision is not None:
         return f"{m.name} is a vision-language model: seqmesh generates from text prompts of decoder-only models so far."
     if (m.hybrid is not None and not _decoded_hybrid(m)) or m.indexed_layers:
-        what = "DeepSeek Sparse Attention" if m.indexed_layers else "Mamba2, short-convolution, KDA or lightning"
+        what = "DeepSeek Sparse Attention" if m.indexed_layers else "short-convolution, KDA or lightning"
         return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model, "
-                "one with Gated DeltaNet layers (Qwen3.5), RecurrentGemma or Jamba.")
+                "one with Gated DeltaNet layers (Qwen3.5), RecurrentGemma, Jamba or a Mamba2 hybrid.")
     return None
 
 
 def _decoded_hybrid(m: ModelShape) -> bool:
     """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention, RecurrentGemma's recurrent
-    block (seqmesh.hf.rg_lru) or Jamba's Mamba (seqmesh.hf.mamba)."""
-    return all(mixer in (ATTENTION, RG_LRU, MAMBA1) for mixer, _ in m.hybrid.blocks)
+    block (seqmesh.hf.rg_lru), Jamba's Mamba (seqmesh.hf.mamba), Mamba2 (seqmesh.hf.mamba2, Falcon-H1's beside
+    attention) or a Nemotron-H feed-forward block (no mixer)."""
+    return all(mixer in (ATTENTION, RG_LRU, MAMBA1, MAMBA2, PARALLEL, "") for mixer, _ in m.hybrid.blocks)
 
 
 def cached_heads(m: ModelShape) -> int:
@@ -108,8 +109,8 @@ class InferencePlan:
 
 def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
     """Elements of what generation keeps for the Gated DeltaNet layers (or RecurrentGemma's recurrent blocks, Jamba's
-    Mamba layers), the same on every rank: their recurrent states (Dk x Dv per value head and sample; the RG-LRU's
-    ``lru_width``; Mamba's inner x state) and
+    Mamba layers, the Mamba2 hybrids' Mamba2 layers), the same on every rank: their recurrent states (Dk x Dv per value
+    head and sample; the RG-LRU's ``lru_width``; Mamba's inner x state; Mamba2's heads x head_dim x state) and
     their convolutions' last ``kernel - 1`` inputs (the conv's width per sample); ``seqmesh.inference``'s cache holds
     exactly these (tests/inference/test_generate.py)."""
     if m.hybrid is not None and m.hybrid.rg_lru is not None:
@@ -118,6 +119,9 @@ def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
     if m.hybrid is not None and m.hybrid.mamba1 is not None:  # Jamba's: inner x state, the conv over inner channels
         mixer, layers = m.hybrid.mamba1, m.hybrid.count(MAMBA1)
         return layers * batch * mixer.inner * mixer.state, layers * batch * (mixer.conv - 1) * mixer.inner
+    if m.hybrid is not None and m.hybrid.mamba is not None:  # Mamba2's: heads x head_dim x state, x | B | C's conv
+        mixer, layers = m.hybrid.mamba, m.hybrid.count(MAMBA2) + m.hybrid.count(PARALLEL)
+        return layers * batch * mixer.inner * mixer.state, layers * batch * (mixer.conv - 1) * mixer.conv_dim
     if not m.linear_layers:
         return 0, 0
     conv_dim = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim

@@ -57,7 +57,7 @@ def _mutant(what: str):
             mock.patch.object(mamba2, "segment_bounds", lambda total, cu_seqlens, seq_len: segment_bounds(
                 total, None, seq_len)).start()
         elif what == "state":
-            mock.patch.object(mamba2, "pass_decay_states", lambda q, k, v, g, place: chunk_decay_scan(
+            mock.patch.object(mamba2, "pass_decay_states", lambda q, k, v, g, place, keep=None: chunk_decay_scan(
                 q, k, v, g, place.mine.segment_bounds)[0]).start()
         else:
             short = lambda mesh, n, kernel, **kw: placement(mesh, n, kernel=kernel - 1, **kw)  # noqa: E731

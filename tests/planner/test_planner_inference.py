@@ -79,7 +79,7 @@ def test_a_qwen3_5_plan_counts_its_recurrent_states():
 def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     """RecurrentGemma-9B's shape (tests/planner/test_planner_mixers.py): its 26 recurrent blocks keep no cache but their
     state (float32, lru_width 4096, on every rank) and their conv's last 3 inputs (bf16); its 12 local-attention
-    layers' keys and values (one kv head of 256) are shared out; a Mamba2 hybrid stays refused by name."""
+    layers' keys and values (one kv head of 256) are shared out; an LFM2 (short convolutions) stays refused by name."""
     from test_planner_mixers import RECURRENT_GEMMA_9B
 
     config = tmp_path / "recurrent_gemma" / "config.json"
@@ -89,14 +89,13 @@ def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     lay = plan["layouts"][0]
     assert lay["state_bytes"] == 26 * (4096 * 4 + 3 * 4096 * 2), lay
     assert lay["cache_bytes"] == 12 * 1 * 512 * 2 * 16384, lay
-    nemotron = tmp_path / "nemotron_h" / "config.json"
-    nemotron.parent.mkdir()
-    nemotron.write_text(json.dumps(dict(
-        model_type="nemotron_h", hidden_size=256, num_hidden_layers=2, hybrid_override_pattern="M*",
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, intermediate_size=512,
-        mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1, conv_kernel=4)))
-    done = in_process(["plan", "--inference", "--model", str(nemotron), "--seq-len", "4096"])
-    assert done.returncode == 2 and "Mamba2" in done.stderr and "RecurrentGemma" in done.stderr, done.stderr
+    lfm2 = tmp_path / "lfm2" / "config.json"
+    lfm2.parent.mkdir()
+    lfm2.write_text(json.dumps(dict(
+        model_type="lfm2", hidden_size=256, num_hidden_layers=2, layer_types=["conv", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, intermediate_size=512)))
+    done = in_process(["plan", "--inference", "--model", str(lfm2), "--seq-len", "4096"])
+    assert done.returncode == 2 and "short-convolution" in done.stderr and "RecurrentGemma" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args, said", [
