@@ -15,6 +15,9 @@ argument does not apply here and any value is accepted.
 
 ``parallelize`` gives each layer an instance-level ``forward`` (the class and transformers' code untouched);
 ``unparallelize`` deletes it. The projections and the gates are the layer's own modules.
+
+Generation (``seqmesh.inference``): the prompt's prefill leaves the conv's last ``K - 1`` inputs on every rank (one
+all-reduce; the layer has no other state), and each decode step runs the token's conv over them on every rank alike.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..linear_attention import halo
+from ..linear_attention.decode import sequence_tail
+from ..linear_attention.kernels import causal_conv
 from ..mesh import SPMesh
 from .mixer_kind import MixerKind, check_mixer_context
 
@@ -51,12 +56,26 @@ def short_conv_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> l
     return layers
 
 
-def gated_short_conv(module: nn.Module, hidden_states: torch.Tensor, place: halo.Placement) -> torch.Tensor:
-    """The layer at this rank's tokens: ``hidden_states`` (B, L, D) in shard order -> (B, L, D)."""
+def gated_short_conv(module: nn.Module, hidden_states: torch.Tensor, place: halo.Placement,
+                     keep: dict | None = None) -> torch.Tensor:
+    """The layer at this rank's tokens: ``hidden_states`` (B, L, D) in shard order -> (B, L, D); ``keep`` (a
+    prefill's) is given ``keep["conv_in"]``, the conv's input (B, L, D)."""
     gate_in, gate_out, x = module.in_proj(hidden_states).chunk(3, dim=-1)  # (B, L, D) each
     weight = module.conv.weight.squeeze(1)  # (D, 1, K) -> (D, K)
     mixed = halo.halo_causal_conv(gate_in * x, weight, module.conv.bias, place, activation=None)  # (B, L, D)
+    if keep is not None:
+        keep["conv_in"] = gate_in * x
     return module.out_proj(gate_out * mixed)
+
+
+def short_conv_step(module: nn.Module, hidden_states: torch.Tensor,
+                    tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token on every rank alike (generation's decode): ``hidden_states`` (B, 1, D) and the conv's last ``K - 1``
+    inputs ``tail`` (B, K - 1, D) -> (out (B, 1, D), the next tail)."""
+    gate_in, gate_out, x = module.in_proj(hidden_states).chunk(3, dim=-1)
+    window = torch.cat([tail.to(x.dtype), gate_in * x], dim=1)  # (B, K, D)
+    mixed = causal_conv(window, module.conv.weight.squeeze(1), module.conv.bias, (0, window.shape[1]), None)[:, -1:]
+    return module.out_proj(gate_out * mixed), window[:, 1:]
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
@@ -65,9 +84,20 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
         info = kwargs.get("seqmesh")
         check_mixer_context(self, info, cache if cache is not None else kwargs.get("past_key_values"), attention_mask)
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token from the tail the prefill left: no state
+            state, tail = generation.get(self)
+            out, tail = short_conv_step(self, hidden_states, tail)
+            generation.put(self, state, tail)
+            return out
         place = halo.placement(mesh, hidden_states.shape[1], layout=info.layout, seq_len=info.seq_len,
                                cu_seqlens=info.cu_seqlens, kernel=kernel)
-        return gated_short_conv(self, hidden_states, place)
+        keep = {} if generation is not None else None
+        out = gated_short_conv(self, hidden_states, place, keep)
+        if keep is not None:  # the conv's last K - 1 inputs, on every rank; a short conv has no state (empty)
+            tail = sequence_tail(keep["conv_in"], mesh, layout=info.layout, seq_len=info.seq_len, width=kernel - 1)
+            generation.put(self, tail.new_zeros(tail.shape[0], 0), tail)
+        return out
 
     return forward
 
