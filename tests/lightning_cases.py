@@ -16,7 +16,7 @@ from seqmesh.linear_attention.decay_scan import chunk_decay_scan
 from seqmesh.linear_attention.halo import placement
 
 
-def _state_dropped(q, k, v, g, place):
+def _state_dropped(q, k, v, g, place, keep=None):
     """Each rank's runs from a zero state: no state passed between ranks."""
     return chunk_decay_scan(q, k, v, g, place.mine.segment_bounds)[0]
 

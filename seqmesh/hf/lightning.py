@@ -35,6 +35,7 @@ from ..linear_attention.decay_scan import decay_scan_states, pass_decay_states
 from ..linear_attention.gated_delta import compute_dtype, segment_bounds
 from ..linear_attention.halo import placement
 from ..mesh import SPMesh
+from ..sequence.sharding import sequence_positions
 from .mixer_kind import MixerKind, check_mixer_context
 
 # what a lightning attention module must have for seqmesh to read it (transformers 5.24's MiniMaxLightningAttention)
@@ -63,16 +64,31 @@ def lightning_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> li
 
 
 def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, mesh: SPMesh, *,
-                         layout: str, seq_len: int, cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+                         layout: str, seq_len: int, cu_seqlens: tuple[int, ...] | None = None,
+                         keep: dict | None = None) -> torch.Tensor:
     """The whole sequence's lightning attention at this rank's tokens: q, k (B, L, H, Dk), v (B, L, H, Dv) in the
     layout's order, ``slope`` (H,) the decay per head -> (B, L, H, Dv); the state restarts at each document of
-    ``cu_seqlens`` and at the layout's padding (from ``seq_len``)."""
+    ``cu_seqlens`` and at the layout's padding (from ``seq_len``). ``keep`` (a prefill's): given ``keep["state"]``,
+    the state (B, H, Dk, Dv) after the row's last real token, on every rank."""
     b, n, h, _ = q.shape
     g = (-slope.reshape(1, 1, h).to(compute_dtype(q.dtype))).expand(b, n, h)  # (B, L, H): log decay per token
-    if mesh.sp_size == 1:
+    if mesh.sp_size == 1 and keep is None:
         return decay_scan_states(q, k, v, g, segment_bounds(n, cu_seqlens, seq_len))[0]
     place = placement(mesh, n, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens)
-    return pass_decay_states(q, k, v, g, place)
+    if keep is not None:  # the row's last real token, on the rank that holds it
+        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
+        keep["end"] = int(at[0]) if at.numel() else None
+    return pass_decay_states(q, k, v, g, place, keep=keep)
+
+
+def lightning_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token on every rank alike (generation's decode): q, k (B, 1, H, Dk), v (B, 1, H, Dv) from ``state``
+    (B, H, Dk, Dv) -> (out (B, 1, H, Dv), the next state)."""
+    dtype = state.dtype
+    decay = torch.exp(-slope.reshape(1, -1, 1, 1).to(dtype))  # (1, H, 1, 1)
+    state = decay * state + k[:, 0].to(dtype)[..., :, None] * v[:, 0].to(dtype)[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q[:, 0].to(dtype), state)[:, None].to(v.dtype), state
 
 
 def _make_forward(mesh: SPMesh):
@@ -85,8 +101,17 @@ def _make_forward(mesh: SPMesh):
         h, d = self.num_attention_heads, self.head_dim
         qkv = self.act_fn(self.qkv_proj(hidden_states)).view(b, n, h, 3 * d)  # (B, L, H, 3D): q | k | v per head
         q, k, v = qkv.split(d, dim=-1)  # (B, L, H, D) each
-        core = lightning_recurrence(q, k, v, self.slope_rate, mesh, layout=info.layout, seq_len=info.seq_len,
-                                    cu_seqlens=info.cu_seqlens)  # (B, L, H, D)
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token from the state the prefill left
+            state, tail = generation.get(self)
+            core, state = lightning_step(q, k, v, self.slope_rate, state)
+            generation.put(self, state, tail)
+        else:
+            keep = {} if generation is not None else None
+            core = lightning_recurrence(q, k, v, self.slope_rate, mesh, layout=info.layout, seq_len=info.seq_len,
+                                        cu_seqlens=info.cu_seqlens, keep=keep)  # (B, L, H, D)
+            if keep is not None:  # no conv: an empty tail
+                generation.put(self, keep["state"], keep["state"].new_zeros(b, 0, h * d))
         out = self.norm(core.reshape(b, n, h * d)) * torch.sigmoid(self.output_gate(hidden_states))
         return self.out_proj(out), None  # transformers' layer returns (output, its state); seqmesh keeps no state
 

@@ -25,9 +25,9 @@ from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Prefill, ShardedKVCache
 
 
-DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution")  # the recurrent layers
-# whose decode runs (their state and conv tail kept by the prefill on every rank: seqmesh.hf.linear_attention, .rg_lru,
-# .mamba, .mamba2, .short_conv)
+DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention")
+# the recurrent layers whose decode runs (their state and conv tail kept by the prefill on every rank:
+# seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning)
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
                          "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo), one with Gated "
                          "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
-                         "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2), or LFM2's short "
-                         "convolutions.")
+                         "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2), LFM2's short "
+                         "convolutions or MiniMax-01's lightning attention.")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

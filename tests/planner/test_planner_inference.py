@@ -79,8 +79,7 @@ def test_a_qwen3_5_plan_counts_its_recurrent_states():
 def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     """RecurrentGemma-9B's shape (tests/planner/test_planner_mixers.py): its 26 recurrent blocks keep no cache but their
     state (float32, lru_width 4096, on every rank) and their conv's last 3 inputs (bf16); its 12 local-attention
-    layers' keys and values (one kv head of 256) are shared out; MiniMax-01 (lightning attention) stays refused by
-    name."""
+    layers' keys and values (one kv head of 256) are shared out; Kimi Linear (KDA) stays refused by name."""
     from test_planner_mixers import RECURRENT_GEMMA_9B
 
     config = tmp_path / "recurrent_gemma" / "config.json"
@@ -90,13 +89,13 @@ def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     lay = plan["layouts"][0]
     assert lay["state_bytes"] == 26 * (4096 * 4 + 3 * 4096 * 2), lay
     assert lay["cache_bytes"] == 12 * 1 * 512 * 2 * 16384, lay
-    minimax = tmp_path / "minimax" / "config.json"
-    minimax.parent.mkdir()
-    minimax.write_text(json.dumps(dict(
-        model_type="minimax", hidden_size=256, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, intermediate_size=512)))
-    done = in_process(["plan", "--inference", "--model", str(minimax), "--seq-len", "4096"])
-    assert done.returncode == 2 and "lightning" in done.stderr and "RecurrentGemma" in done.stderr, done.stderr
+    from family_cases import family_config
+
+    kimi = tmp_path / "kimi_linear" / "config.json"
+    kimi.parent.mkdir()
+    kimi.write_text(family_config("kimi_linear").to_json_string())
+    done = in_process(["plan", "--inference", "--model", str(kimi), "--seq-len", "4096"])
+    assert done.returncode == 2 and "Kimi Delta Attention" in done.stderr and "RecurrentGemma" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args, said", [
