@@ -19,11 +19,12 @@ def _mutated(mutation: str | None):
     outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
     ``"state_not_carried"``: Gated DeltaNet's, the RG-LRU's, Mamba's and Mamba2's decode start from a zero state
     instead of the prefill's (a short conv, which keeps no state, from a zero tail)."""
-    from seqmesh.hf import lightning, linear_attention, mamba, mamba2, rg_lru, short_conv
+    from seqmesh.hf import kda, lightning, linear_attention, mamba, mamba2, rg_lru, short_conv
     from seqmesh.inference import cache, decode
 
     saved = (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
-             rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step, lightning.lightning_step)
+             rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step, lightning.lightning_step,
+             kda.kda_step)
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -45,12 +46,14 @@ def _mutated(mutation: str | None):
                                                                               torch.zeros_like(state), tail)
         short_conv.short_conv_step = lambda module, hidden, tail: saved[6](module, hidden, torch.zeros_like(tail))
         lightning.lightning_step = lambda q, k, v, slope, state: saved[7](q, k, v, slope, torch.zeros_like(state))
+        kda.kda_step = lambda qkv, g, beta, w, bias, heads, state, tail, **kw: saved[8](
+            qkv, g, beta, w, bias, heads, torch.zeros_like(state), tail, **kw)
     try:
         yield
     finally:
         (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
          rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step,
-         lightning.lightning_step) = saved
+         lightning.lightning_step, kda.kda_step) = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,

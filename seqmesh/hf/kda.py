@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 
 from ..linear_attention.choice import LinearDesign, parse_design
+from ..linear_attention.decode import sequence_tail
 from ..linear_attention.kda_all_to_all import all_to_all_kda, choose_kda_design
-from ..linear_attention.kda_state_passing import KdaHeads, state_passing_kda
+from ..linear_attention.kda_state_passing import KdaHeads, kda_step, state_passing_kda
 from ..mesh import SPMesh
 from .mixer_kind import MixerKind, check_mixer_context
 
@@ -69,14 +70,28 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
         qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
         g = self.forget_gate(hidden_states)  # (B, L, H, Dk): the layer's own per-channel log decay
         beta = torch.sigmoid(self.b_proj(hidden_states))  # (B, L, H)
-        chosen = choose_kda_design(heads, mesh, design, batch=b, seq_len=info.seq_len, layout=info.layout,
-                                   kernel=self.conv_kernel_size, dtype_bytes=qkv.element_size(),
-                                   g_bytes=g.element_size())
-        run = all_to_all_kda if chosen is LinearDesign.ALL_TO_ALL and mesh.sp_size > 1 else state_passing_kda
-        core = run(  # (B, L, H, Dv)
-            qkv, g, beta, self.conv1d.weight.squeeze(1), self.conv1d.bias, heads, mesh,
-            layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens, activation=self.activation,
-        )
+        conv_weight, conv_bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token from the state and tail the prefill left
+            core, state, tail = kda_step(qkv, g, beta, conv_weight, conv_bias, heads, *generation.get(self),
+                                         activation=self.activation)
+            generation.put(self, state, tail)
+        elif generation is not None:  # the prompt by state passing, which leaves the state after it on every rank
+            keep: dict = {}
+            core = state_passing_kda(qkv, g, beta, conv_weight, conv_bias, heads, mesh, layout=info.layout,
+                                     seq_len=info.seq_len, cu_seqlens=info.cu_seqlens, activation=self.activation,
+                                     keep=keep)
+            generation.put(self, keep["state"], sequence_tail(qkv, mesh, layout=info.layout, seq_len=info.seq_len,
+                                                              width=self.conv_kernel_size - 1))
+        else:
+            chosen = choose_kda_design(heads, mesh, design, batch=b, seq_len=info.seq_len, layout=info.layout,
+                                       kernel=self.conv_kernel_size, dtype_bytes=qkv.element_size(),
+                                       g_bytes=g.element_size())
+            run = all_to_all_kda if chosen is LinearDesign.ALL_TO_ALL and mesh.sp_size > 1 else state_passing_kda
+            core = run(  # (B, L, H, Dv)
+                qkv, g, beta, conv_weight, conv_bias, heads, mesh,
+                layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens, activation=self.activation,
+            )
         out = self.o_norm(core, gate(hidden_states).view(b, n, heads.heads, heads.value_dim)).reshape(b, n, -1)
         return self.o_proj(out)
 

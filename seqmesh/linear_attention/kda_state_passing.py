@@ -37,6 +37,7 @@ import torch
 
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
+from ..sequence.sharding import sequence_positions
 from .choice import halo_bytes, runs_and_tails
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
@@ -89,16 +90,19 @@ def state_passing_kda(
     cu_seqlens: tuple[int, ...] | None = None,
     min_chunk: int = DEFAULT_MIN_CHUNK,
     activation: str | None = "silu",
+    keep: dict | None = None,
 ) -> torch.Tensor:
     """KDA of the whole sequence at this rank's tokens: ``qkv`` (B, L, 3 H D) the projections before the conv,
     ``g`` (B, L, H, Dk) the log decays, ``beta`` (B, L, H), all in the layout's order (``layout``, ``cu_seqlens``
     and ``min_chunk`` as ``seqmesh.shard_sequence`` placed them; ``seq_len`` real tokens); ``conv_weight``
-    (3 H D, K) -> (B, L, H, Dv), before the gated norm. The conv and the state restart at every document."""
+    (3 H D, K) -> (B, L, H, Dv), before the gated norm. The conv and the state restart at every document. ``keep``
+    (a prefill's, one document a row): given ``keep["state"]`` (B, H, Dk, Dv), the state after the row's last real
+    token, on every rank (:func:`.passing.pass_states`)."""
     b, n, c = qkv.shape
     if c != heads.conv_dim:
         raise ValueError(f"qkv has {c} channels; the layer's q | k | v have {heads.conv_dim}.")
     h, dk, dv = heads.heads, heads.key_dim, heads.value_dim
-    if mesh.sp_size == 1:
+    if mesh.sp_size == 1 and keep is None:
         bounds = segment_bounds(n, cu_seqlens, seq_len)
         mixed = causal_conv(qkv, conv_weight, conv_bias, bounds, activation).to(qkv.dtype)
         return chunk_kda_states(*_split_heads(mixed, heads), g, beta, bounds)[0]
@@ -127,4 +131,20 @@ def state_passing_kda(
     def read(g_t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bthk,bhkv->bthv", g_t.to(state.dtype), state)
 
-    return pass_states(out, lift, finals.flatten(2), place, finals.new_zeros(b, h, dk, dv), carry=carry, read=read)
+    if keep is not None:  # the row's last real token, on the rank that holds it
+        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
+        keep["end"] = int(at[0]) if at.numel() else None
+    return pass_states(out, lift, finals.flatten(2), place, finals.new_zeros(b, h, dk, dv), carry=carry, read=read,
+                       keep=keep)
+
+
+def kda_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+             conv_bias: torch.Tensor | None, heads: KdaHeads, state: torch.Tensor, tail: torch.Tensor,
+             activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token on every rank alike (generation's decode): ``qkv`` (B, 1, 3 H D) before the conv, ``g`` (B, 1, H, Dk),
+    ``beta`` (B, 1, H), from ``state`` (B, H, Dk, Dv) and the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, 3 H D)
+    -> (out (B, 1, H, Dv), the next state, the next tail): the chunked rule on a segment of one token from the state."""
+    window = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # (B, K, 3 H D)
+    mixed = causal_conv(window, conv_weight, conv_bias, (0, window.shape[1]), activation)[:, -1:].to(qkv.dtype)
+    out, finals = chunk_kda_states(*_split_heads(mixed, heads), g, beta, (0, 1), state[:, None])
+    return out, finals[:, 0], window[:, 1:]

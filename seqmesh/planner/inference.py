@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..model.hybrid_shape import ATTENTION, CONV, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU
+from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees, workable_degrees
 from ..rules.kv_cache import cache_bytes, cache_share
@@ -42,9 +42,10 @@ def inference_refusal(m: ModelShape) -> str | None:
     if m.vision is not None:
         return f"{m.name} is a vision-language model: seqmesh generates from text prompts of decoder-only models so far."
     if (m.hybrid is not None and not _decoded_hybrid(m)) or m.indexed_layers:
-        what = "DeepSeek Sparse Attention" if m.indexed_layers else "Kimi Delta Attention"
+        what = "DeepSeek Sparse Attention" if m.indexed_layers else "these"
         return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model, "
-                "one with Gated DeltaNet layers (Qwen3.5), RecurrentGemma, Jamba, a Mamba2 hybrid, LFM2 or MiniMax-01.")
+                "one with Gated DeltaNet layers (Qwen3.5), or RecurrentGemma, Jamba, a Mamba2 hybrid, LFM2, MiniMax-01 "
+                "or Kimi Linear.")
     return None
 
 
@@ -52,8 +53,9 @@ def _decoded_hybrid(m: ModelShape) -> bool:
     """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention, RecurrentGemma's recurrent
     block (seqmesh.hf.rg_lru), Jamba's Mamba (seqmesh.hf.mamba), Mamba2 (seqmesh.hf.mamba2, Falcon-H1's beside
     attention), LFM2's short convolution (seqmesh.hf.short_conv), MiniMax-01's lightning attention
-    (seqmesh.hf.lightning) or a Nemotron-H feed-forward block (no mixer)."""
-    return all(mixer in (ATTENTION, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, "") for mixer, _ in m.hybrid.blocks)
+    (seqmesh.hf.lightning), Kimi Linear's KDA (seqmesh.hf.kda) or a Nemotron-H feed-forward block (no mixer)."""
+    return all(mixer in (ATTENTION, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, KDA, "")
+               for mixer, _ in m.hybrid.blocks)
 
 
 def cached_heads(m: ModelShape) -> int:
@@ -120,6 +122,9 @@ def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
     if m.hybrid is not None and m.hybrid.mamba1 is not None:  # Jamba's: inner x state, the conv over inner channels
         mixer, layers = m.hybrid.mamba1, m.hybrid.count(MAMBA1)
         return layers * batch * mixer.inner * mixer.state, layers * batch * (mixer.conv - 1) * mixer.inner
+    if m.hybrid is not None and m.hybrid.kda is not None:  # Kimi Linear's: D x D a head, the conv over q | k | v
+        mixer, layers = m.hybrid.kda, m.hybrid.count(KDA)
+        return layers * batch * mixer.heads * mixer.head_dim ** 2, layers * batch * (mixer.conv - 1) * 3 * mixer.inner
     if m.hybrid is not None and m.hybrid.lightning is not None:  # MiniMax-01's: D x D a head, no conv
         mixer, layers = m.hybrid.lightning, m.hybrid.count(LIGHTNING)
         return layers * batch * mixer.heads * mixer.head_dim ** 2, 0

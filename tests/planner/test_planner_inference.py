@@ -79,7 +79,7 @@ def test_a_qwen3_5_plan_counts_its_recurrent_states():
 def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     """RecurrentGemma-9B's shape (tests/planner/test_planner_mixers.py): its 26 recurrent blocks keep no cache but their
     state (float32, lru_width 4096, on every rank) and their conv's last 3 inputs (bf16); its 12 local-attention
-    layers' keys and values (one kv head of 256) are shared out; Kimi Linear (KDA) stays refused by name."""
+    layers' keys and values (one kv head of 256) are shared out; DeepSeek-V3.2 (DSA) stays refused by name."""
     from test_planner_mixers import RECURRENT_GEMMA_9B
 
     config = tmp_path / "recurrent_gemma" / "config.json"
@@ -91,11 +91,12 @@ def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     assert lay["cache_bytes"] == 12 * 1 * 512 * 2 * 16384, lay
     from family_cases import family_config
 
-    kimi = tmp_path / "kimi_linear" / "config.json"
-    kimi.parent.mkdir()
-    kimi.write_text(family_config("kimi_linear").to_json_string())
-    done = in_process(["plan", "--inference", "--model", str(kimi), "--seq-len", "4096"])
-    assert done.returncode == 2 and "Kimi Delta Attention" in done.stderr and "RecurrentGemma" in done.stderr, done.stderr
+    dsa = tmp_path / "deepseek_v32" / "config.json"
+    dsa.parent.mkdir()
+    dsa.write_text(family_config("deepseek-v3.2").to_json_string())
+    done = in_process(["plan", "--inference", "--model", str(dsa), "--seq-len", "4096"])
+    assert done.returncode == 2 and "DeepSeek Sparse Attention" in done.stderr and "RecurrentGemma" in done.stderr, \
+        done.stderr
 
 
 @pytest.mark.parametrize("args, said", [
