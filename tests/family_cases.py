@@ -179,7 +179,21 @@ def build(config, seed: int = 0):
     sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa and not capped
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
                                              experts_implementation="eager")  # grouped_mm has no float64
-    return _long_memory(model)
+    return _long_memory(_attending(model))
+
+
+def _attending(model):
+    """ZAYA's key scale (``ZayaQKNorm.temp``) starts at zero: every score is zero, attention is uniform and q and k
+    (their convs, the halo seqmesh brings them) reach nothing. Here it is 2, and the convs' weights ten times their
+    init, so a wrong q | k row shows in the logits."""
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "ZayaQKNorm":
+                m.temp.fill_(2.0)
+            if type(m).__name__ == "ZayaCCAProjection":
+                m.conv_qk_depthwise.weight.mul_(10.0)
+                m.conv_qk_grouped.weight.mul_(10.0)
+    return model
 
 
 def _long_memory(model):

@@ -18,13 +18,13 @@ def _mutated(mutation: str | None):
     """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
     outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
     ``"state_not_carried"``: Gated DeltaNet's, the RG-LRU's, Mamba's and Mamba2's decode start from a zero state
-    instead of the prefill's (a short conv, which keeps no state, from a zero tail)."""
-    from seqmesh.hf import kda, lightning, linear_attention, mamba, mamba2, rg_lru, short_conv
+    instead of the prefill's (a short conv, which keeps no state, and ZAYA's CCA from a zero conv tail)."""
+    from seqmesh.hf import cca, kda, lightning, linear_attention, mamba, mamba2, rg_lru, short_conv
     from seqmesh.inference import cache, decode
 
     saved = (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
              rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step, lightning.lightning_step,
-             kda.kda_step)
+             kda.kda_step, cca.cca_step)
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -48,12 +48,13 @@ def _mutated(mutation: str | None):
         lightning.lightning_step = lambda q, k, v, slope, state: saved[7](q, k, v, slope, torch.zeros_like(state))
         kda.kda_step = lambda qkv, g, beta, w, bias, heads, state, tail, **kw: saved[8](
             qkv, g, beta, w, bias, heads, torch.zeros_like(state), tail, **kw)
+        cca.cca_step = lambda module, hidden, delayed, tail: saved[9](module, hidden, delayed, torch.zeros_like(tail))
     try:
         yield
     finally:
         (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
          rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step,
-         lightning.lightning_step, kda.kda_step) = saved
+         lightning.lightning_step, kda.kda_step, cca.cca_step) = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
@@ -134,7 +135,8 @@ def _share_bytes(config, tokens: int) -> int:
     kinds = (getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
              or ["full_attention"] * config.num_hidden_layers)
     # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
-    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "attention") for kind in kinds)
+    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "attention")
+                 for kind in kinds)  # ZAYA's hybrid layers are attention with its CCA projection
     return cache_bytes(tokens, layers, *dims, 8, batch=2)
 
 

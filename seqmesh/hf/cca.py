@@ -14,6 +14,10 @@ documents and the layout's padding restart both, as one model call per document 
 document's first token; the delayed value's projection of zeros, its bias). Attention itself goes through
 transformers' interface, so seqmesh's attention runs it with the layer's own window.
 
+Generation (``seqmesh.inference``): the prompt's prefill leaves, on every rank, the convs' last ``t0 + t1 - 2`` inputs and
+the last token's delayed value projection; each decode step runs the token's projection from them (:func:`cca_step`),
+and attention keeps its cache as every other layer does.
+
 ``parallelize`` gives each projection an instance-level ``forward`` (the class and transformers' code untouched);
 ``unparallelize`` deletes it. ZAYA's attention calls the projection without its kwargs; the attention module, which
 receives seqmesh's entry, hands it over (:func:`seqmesh.hf.mixers.carry_entry`). Tensor parallelism is refused by
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 
 from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
+from ..linear_attention.decode import sequence_tail
 from ..mesh import SPMesh
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 
@@ -59,23 +64,31 @@ def _by_segment(x: torch.Tensor, bounds: tuple[int, ...], each: Callable[[torch.
     return torch.cat([each(x[:, a:e]) for a, e in zip(bounds[:-1], bounds[1:])], dim=1)
 
 
-def cca_projection(m: nn.Module, hidden_states: torch.Tensor, place: halo.Placement,
-                   previous_place: halo.Placement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v (B, L, heads, D) of this rank's tokens ``hidden_states`` (B, L, hidden), shard order; ``place``
-    serves the q | k convs' halo, ``previous_place`` (kernel 2) the delayed value's one row."""
-    shape = (*hidden_states.shape[:2], -1, m.head_dim)
-    queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
+def _residuals(m: nn.Module, queries: torch.Tensor, keys: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, ...]:
+    """The q and k residual paths (B, L, heads, D): their mean, then its mean over each key head's group."""
     query_residual = queries.view(shape)
     key_residual = keys.view(shape).repeat_interleave(m.num_key_value_groups, dim=2)  # each kv head for its group
     query_residual = (query_residual + key_residual) * 0.5
     key_residual = query_residual.view(*shape[:2], -1, m.num_key_value_groups, m.head_dim).mean(dim=-2)
+    return query_residual, key_residual
 
-    def convolve(rows: torch.Tensor) -> torch.Tensor:  # one segment (B, n, C), zero rows before it
-        padded = F.pad(rows.transpose(1, 2), (m.conv_kernel_size, 0))
-        return m.conv_qk_grouped(m.conv_qk_depthwise(padded)).transpose(1, 2)
 
-    mixed = halo.with_halo(torch.cat([queries, keys], dim=-1), place,
-                           lambda rows, bounds: _by_segment(rows, bounds, convolve))
+def _convolve(m: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """The two convs over one segment of q | k (B, n, C), zero rows before it -> (B, n, C)."""
+    padded = F.pad(rows.transpose(1, 2), (m.conv_kernel_size, 0))
+    return m.conv_qk_grouped(m.conv_qk_depthwise(padded)).transpose(1, 2)
+
+
+def cca_projection(m: nn.Module, hidden_states: torch.Tensor, place: halo.Placement, previous_place: halo.Placement,
+                   keep: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v (B, L, heads, D) of this rank's tokens ``hidden_states`` (B, L, hidden), shard order; ``place``
+    serves the q | k convs' halo, ``previous_place`` (kernel 2) the delayed value's one row. ``keep`` (a prefill's) is
+    given ``keep["qk"]`` and ``keep["delayed"]``, the convs' input and the delayed projection (B, L, C)."""
+    shape = (*hidden_states.shape[:2], -1, m.head_dim)
+    queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
+    query_residual, key_residual = _residuals(m, queries, keys, shape)
+    qk = torch.cat([queries, keys], dim=-1)
+    mixed = halo.with_halo(qk, place, lambda rows, bounds: _by_segment(rows, bounds, lambda r: _convolve(m, r)))
     query = mixed[..., :queries.shape[-1]].view(shape) + query_residual
     key = mixed[..., queries.shape[-1]:].view(shape) + key_residual
 
@@ -87,7 +100,24 @@ def cca_projection(m: nn.Module, hidden_states: torch.Tensor, place: halo.Placem
 
     value_delayed = halo.with_halo(delayed, previous_place, lambda rows, bounds: _by_segment(rows, bounds, previous))
     value = torch.cat([m.v_proj_current(hidden_states), value_delayed], dim=-1).view(shape)
+    if keep is not None:
+        keep["qk"], keep["delayed"] = qk, delayed
     return query, key, value
+
+
+def cca_step(m: nn.Module, hidden_states: torch.Tensor, delayed: torch.Tensor, tail: torch.Tensor):
+    """One token on every rank alike (generation's decode): ``hidden_states`` (B, 1, hidden), the previous token's
+    delayed value projection ``delayed`` (B, 1, C) and the convs' last ``t0 + t1 - 2`` inputs ``tail`` (B, K, C) ->
+    (q, k, v (B, 1, heads, D), the next delayed projection, the next tail)."""
+    shape = (*hidden_states.shape[:2], -1, m.head_dim)
+    queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
+    query_residual, key_residual = _residuals(m, queries, keys, shape)
+    window = torch.cat([tail.to(queries.dtype), torch.cat([queries, keys], dim=-1)], dim=1)  # (B, K + 1, C)
+    mixed = m.conv_qk_grouped(m.conv_qk_depthwise(window.transpose(1, 2))).transpose(1, 2)  # (B, 1, C): no padding
+    query = mixed[..., :queries.shape[-1]].view(shape) + query_residual
+    key = mixed[..., queries.shape[-1]:].view(shape) + key_residual
+    value = torch.cat([m.v_proj_current(hidden_states), delayed.to(hidden_states.dtype)], dim=-1).view(shape)
+    return query, key, value, m.v_proj_delayed(hidden_states), window[:, 1:]
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
@@ -96,9 +126,20 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
     def forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
         info = kwargs.get("seqmesh")
         check_mixer_context(self, info, cache, conv_mask)
+        generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
+        if generation is not None and generation.decoding:  # one token from what the prefill left
+            query, key, value, delayed, tail = cca_step(self, hidden_states, *generation.get(self))
+            generation.put(self, delayed, tail)
+            return query, key, value
         where = dict(layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
-        return cca_projection(self, hidden_states, halo.placement(mesh, hidden_states.shape[1], kernel=kernel, **where),
-                              halo.placement(mesh, hidden_states.shape[1], kernel=2, **where))
+        keep = {} if generation is not None else None
+        out = cca_projection(self, hidden_states, halo.placement(mesh, hidden_states.shape[1], kernel=kernel, **where),
+                             halo.placement(mesh, hidden_states.shape[1], kernel=2, **where), keep)
+        if keep is not None:  # the prompt's last delayed projection and the convs' last inputs, on every rank
+            ends = dict(layout=info.layout, seq_len=info.seq_len)
+            generation.put(self, sequence_tail(keep["delayed"], mesh, width=1, **ends),
+                           sequence_tail(keep["qk"], mesh, width=kernel - 1, **ends))
+        return out
 
     return forward
 

@@ -26,9 +26,9 @@ from .cache import DecodeStep, Prefill, ShardedKVCache
 
 
 DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention",
-                  "Kimi Delta Attention")
+                  "Kimi Delta Attention", "compressed convolutional attention")
 # the recurrent layers whose decode runs (their state and conv tail kept by the prefill on every rank:
-# seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning, .kda)
+# seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning, .kda, .cca)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
                          "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo), one with Gated "
                          "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
                          "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2), LFM2's short "
-                         "convolutions, MiniMax-01's lightning attention or Kimi Linear's KDA.")
+                         "convolutions, MiniMax-01's lightning attention, Kimi Linear's KDA or ZAYA's CCA.")
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:

@@ -48,13 +48,14 @@ def test_families_with_attention_of_their_own_generate_as_transformers(pools, ul
 
 @pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("jamba", "mamba", "nemotron-h", "mamba2", "lfm2",
                                                                 "kimi_linear")),
-                                                    (2, 1, ("zamba", "falcon-h1", "lfm2_moe", "minimax"))],
+                                                    (2, 1, ("zamba", "falcon-h1", "lfm2_moe", "minimax", "zaya"))],
                          ids=["r2", "u2"])
 def test_mamba_and_conv_families_generate_as_transformers(pools, ulysses, ring, families):
     """Jamba (Mamba (v1) layers beside attention), Mamba (no attention at all: no cache, the states alone), Zamba
     (multi-head Mamba layers, a shared attention block), Nemotron-H (Mamba2, attention, MLP and MoE blocks), pure
     Mamba2, Falcon-H1 (Mamba2 beside attention in every layer), LFM2 and LFM2-MoE (short convs: a tail, no state),
-    MiniMax-01 (lightning attention: a state, no conv), Kimi Linear (KDA beside MLA):
+    MiniMax-01 (lightning attention: a state, no conv), Kimi Linear (KDA beside MLA), ZAYA (CCA: the convs' tail and
+    the last delayed value beside the cache):
     the scan's state and the conv's last inputs from the sharded prefill, then one token at a time on every rank. (A
     short conv decoded from a zero tail moves LFM2's logits by 4.3e-5, 99x this test's bound.)"""
     for results in pools.run(ulysses * ring, generated_cases, [(f, ulysses, ring, PROMPT, NEW) for f in families]):
@@ -82,7 +83,8 @@ def test_greedy_tokens_on_a_two_dimensional_mesh(pools):
 @pytest.mark.parametrize("mutation, family", [("plain_mean", "llama"), ("every_rank_keeps", "llama"),
                                               ("state_not_carried", "qwen3_5"), ("state_not_carried", "recurrent_gemma"),
                                               ("state_not_carried", "jamba"), ("state_not_carried", "mamba2"),
-                                              ("state_not_carried", "minimax"), ("state_not_carried", "kimi_linear")])
+                                              ("state_not_carried", "minimax"), ("state_not_carried", "kimi_linear"),
+                                              ("state_not_carried", "zaya")])
 def test_a_merge_without_its_log_sum_exp_a_token_kept_twice_or_a_state_not_carried_is_seen(pools, mutation, family):
     for results in pools.run(2, generated_cases, [(family, 1, 2, PROMPT, NEW)], mutation=mutation):
         for r in results:
