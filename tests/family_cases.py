@@ -484,3 +484,20 @@ def plain_call_parity(family: str, ulysses: int, ring: int) -> dict:
     return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(total.item() - ref_loss.detach().item()),
             "grad": grad_err, "worst": worst_name, "rounding": rounding, "use_cache": use_cache,
             "cache_returned": cache is not None, "refusals": refusals}
+
+
+def parity_cases(cases: list[tuple], **kwargs) -> list[dict]:
+    """On every rank of a group: :func:`family_parity` of each case, their references shared first; each result with
+    its ``case``."""
+    share_references(cases, kwargs.get("seq_len", 45))
+    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+
+
+def outside_rounding(r: dict, multiple: float) -> list[str]:
+    """The figures of a :func:`family_parity` result beyond ``multiple`` times the reference's own rounding of each."""
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= multiple * r["rounding"][key]]
+
+
+def parity_line(r: dict) -> str:
+    return (f"{r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), grad {r['grad']:.2e} "
+            f"(rounding {r['rounding']['grad']:.2e})")

@@ -7,38 +7,28 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity, share_references
+from family_cases import outside_rounding, parity_cases, parity_line
 
 ROUNDING_MULTIPLE = 4
 MESHES = [(2, 1), (1, 2)]
 
 
-def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
-    share_references(cases, kwargs.get("seq_len", 45))
-    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
-
-
 def _outside_rounding(r: dict) -> list[str]:
-    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
-
-
-def _report(r: dict) -> str:
-    return (f"{r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), grad {r['grad']:.2e} "
-            f"(rounding {r['rounding']['grad']:.2e})")
+    return outside_rounding(r, ROUNDING_MULTIPLE)
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_zaya_exact(pools, ulysses, ring):
     """Zigzag plain and with packed documents, on one mesh, in one pools.run call."""
     cases = [("zaya", ulysses, ring, "zigzag", docs) for docs in (False, True)]
-    for r in pools.run(ulysses * ring, _run_all, cases)[0]:
-        print(_report(r))
+    for r in pools.run(ulysses * ring, parity_cases, cases)[0]:
+        print(parity_line(r))
         assert not _outside_rounding(r), r
 
 
 def test_zaya_exact_on_the_2d_mesh(pools):
-    r = pools.run(4, _run_all, [("zaya", 2, 2, "zigzag", True)])[0][0]
-    print(_report(r))
+    r = pools.run(4, parity_cases, [("zaya", 2, 2, "zigzag", True)])[0][0]
+    print(parity_line(r))
     assert not _outside_rounding(r), r
 
 
@@ -63,6 +53,6 @@ def _without_halo(lm) -> None:
 
 
 def test_a_projection_without_its_halo_is_caught(pools):
-    r = pools.run(2, _run_all, [("zaya", 1, 2, "zigzag", True)], alter=_without_halo)[0][0]
+    r = pools.run(2, parity_cases, [("zaya", 1, 2, "zigzag", True)], alter=_without_halo)[0][0]
     print(f"without the halo: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
     assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r

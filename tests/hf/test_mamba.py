@@ -7,30 +7,24 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity, share_references
+from family_cases import outside_rounding, parity_cases, parity_line
 
 # the reference rounds x, B and A to float32 inside its float64 scan (``.float()``), so its rounding is float32's
 ROUNDING_MULTIPLE = 4
 MESHES = [(2, 1), (1, 2)]  # U2 x R2 reached no line they do not (docs/testing.md)
 
 
-def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
-    share_references(cases, kwargs.get("seq_len", 45))
-    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
-
-
 def _outside_rounding(r: dict) -> list[str]:
-    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+    return outside_rounding(r, ROUNDING_MULTIPLE)
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_jamba_exact(pools, ulysses, ring):
     """Zigzag plain and with packed documents, on one mesh, in one pools.run call."""
     cases = [("jamba", ulysses, ring, "zigzag", docs) for docs in (False, True)]
-    for r in pools.run(ulysses * ring, _run_all, cases)[0]:
+    for r in pools.run(ulysses * ring, parity_cases, cases)[0]:
         assert not _outside_rounding(r), r
-        print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
-              f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")
+        print(parity_line(r))
 
 
 def _no_reset_at_documents(lm) -> None:
@@ -51,7 +45,7 @@ def _no_reset_at_documents(lm) -> None:
 
 
 def test_a_state_not_reset_at_a_document_start_is_caught(pools):
-    r = pools.run(2, _run_all, [("jamba", 2, 1, "zigzag", True)], alter=_no_reset_at_documents)[0][0]
+    r = pools.run(2, parity_cases, [("jamba", 2, 1, "zigzag", True)], alter=_no_reset_at_documents)[0][0]
     assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
     print(f"not reset at document starts: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
 
@@ -108,10 +102,9 @@ def test_pure_mamba_models_exact(pools, family):
     and U2 x R2, zigzag plain and with packed documents."""
     for ulysses, ring in ((1, 2), (2, 2)):
         cases = [(family, ulysses, ring, "zigzag", docs) for docs in (False, True)]
-        for r in pools.run(ulysses * ring, _run_all, cases)[0]:
+        for r in pools.run(ulysses * ring, parity_cases, cases)[0]:
             assert not _outside_rounding(r), r
-            print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
-                  f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")
+            print(parity_line(r))
 
 
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
@@ -119,10 +112,9 @@ def test_zamba_exact(pools, ulysses, ring):
     """Zamba (a multi-head Mamba layer, then two hybrid layers sharing one attention block), zigzag plain and with
     packed documents: each head's own x_proj, dt_proj, B and C, scanned by state passing."""
     cases = [("zamba", ulysses, ring, "zigzag", docs) for docs in (False, True)]
-    for r in pools.run(ulysses * ring, _run_all, cases)[0]:
+    for r in pools.run(ulysses * ring, parity_cases, cases)[0]:
         assert not _outside_rounding(r), r
-        print(f"u{ulysses}xr{ring} {r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), "
-              f"grad {r['grad']:.2e} (rounding {r['rounding']['grad']:.2e})")
+        print(parity_line(r))
 
 
 def _zamba_state_not_carried(lm) -> None:
@@ -149,7 +141,7 @@ def test_a_zamba_state_not_carried_is_caught(pools):
     """Seen in the gradients (each parameter's relative to its own largest): the tiny model's Mamba path reaches its
     logits through out_proj's small initial weights, so the logits move by ~1e-8 only (below float32's rounding)
     while the mixers' own gradients move by half their size."""
-    r = pools.run(2, _run_all, [("zamba", 1, 2, "zigzag", True)], alter=_zamba_state_not_carried)[0][0]
+    r = pools.run(2, parity_cases, [("zamba", 1, 2, "zigzag", True)], alter=_zamba_state_not_carried)[0][0]
     assert r["grad"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["grad"], r
     print(f"not carried: gradients off by {r['grad']:.2e} ({r['worst']}; rounding {r['rounding']['grad']:.2e})")
 
