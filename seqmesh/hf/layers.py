@@ -94,9 +94,11 @@ def _routes_through_interface(model: nn.Module) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def calls_without_kwargs(cls: type, child: str) -> bool:
+def calls_without_kwargs(cls: type, child: str, anywhere: bool = False) -> bool:
     """Whether ``cls``'s forward calls ``self.<child>(...)`` and never passes it ``**kwargs`` (the way seqmesh's entry
-    travels from the model's call down to the attention function)."""
+    travels from the model's call down to the attention function); ``anywhere``: whether any one of its calls does
+    not (Nemotron-H's block at transformers 5.15 passes them to its attention, not to its Mamba2 mixer, both
+    ``self.mixer``)."""
     source = forward_source(cls)
     if not source:
         return False
@@ -110,7 +112,8 @@ def calls_without_kwargs(cls: type, child: str) -> bool:
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and (
         (isinstance(node.func, ast.Attribute) and node.func.attr == child and isinstance(node.func.value, ast.Name)
          and node.func.value.id == "self") or (isinstance(node.func, ast.Name) and node.func.id in names))]
-    return bool(calls) and not any(k.arg is None for call in calls for k in call.keywords)
+    passes = [any(k.arg is None for k in call.keywords) for call in calls]
+    return bool(calls) and (not all(passes) if anywhere else not any(passes))
 
 
 def _interface_attention(module: nn.Module) -> bool:

@@ -28,10 +28,12 @@ from .mixer_kind import ENTRY_ATTR, REPLACED_ATTR, Layers, MixerKind
 
 def _carrier(decoder: nn.Module, path: str) -> nn.Module | None:
     """The deepest module on ``path`` (from ``decoder``) whose callers all pass their ``**kwargs`` on, so that it
-    receives the seqmesh entry; None when the mixer itself does."""
+    receives the seqmesh entry; None when the mixer itself does at every call (a module that calls it once with and
+    once without them carries it: the mixer prefers the entry of its own kwargs)."""
     module = decoder
     for child in path.split(".") if path else ():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and calls_without_kwargs(type(module), child):
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and calls_without_kwargs(type(module), child,
+                                                                                         anywhere=True):
             return module
         module = getattr(module, child)
     return None

@@ -58,7 +58,16 @@ def test_mamba_and_conv_families_generate_as_transformers(pools, ulysses, ring, 
     the last delayed value beside the cache):
     the scan's state and the conv's last inputs from the sharded prefill, then one token at a time on every rank. (A
     short conv decoded from a zero tail moves LFM2's logits by 4.3e-5, 99x this test's bound.)"""
-    for results in pools.run(ulysses * ring, generated_cases, [(f, ulysses, ring, PROMPT, NEW) for f in families]):
+    from family_cases import family_config
+
+    def here(family: str) -> bool:  # Kimi Linear is newer than transformers 5.15 (the floor)
+        try:
+            return family_config(family) is not None
+        except AttributeError:
+            return False
+
+    cases = [(f, ulysses, ring, PROMPT, NEW) for f in families if here(f)]
+    for results in pools.run(ulysses * ring, generated_cases, cases):
         for r in results:
             _check(r, ulysses, ring)
             assert sum(r["state_elements"]) > 0, r
