@@ -14,9 +14,9 @@ documents and the layout's padding restart both, as one model call per document 
 document's first token; the delayed value's projection of zeros, its bias). Attention itself goes through
 transformers' interface, so seqmesh's attention runs it with the layer's own window.
 
-Generation (``seqmesh.inference``): the prompt's prefill leaves, on every rank, the convs' last ``t0 + t1 - 2`` inputs and
-the last token's delayed value projection; each decode step runs the token's projection from them (:func:`cca_step`),
-and attention keeps its cache as every other layer does.
+Generation (``seqmesh.inference``): the prompt's prefill leaves, on every rank, the convs' last ``t0 + t1 - 2``
+inputs and the last token's delayed value projection; each decode step runs the token's projection from them
+(:func:`cca_step`), and attention keeps its cache as every other layer does.
 
 ``parallelize`` gives each projection an instance-level ``forward`` (the class and transformers' code untouched);
 ``unparallelize`` deletes it. ZAYA's attention calls the projection without its kwargs; the attention module, which

@@ -56,10 +56,10 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "indexed_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
              "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; "
              "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
-             "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; the lightning attention layers of MiniMax-01; the gated short convolutions "
-             "of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers of Kimi Linear and Bailing hybrid; ZAYA's "
-             "compressed convolutional attention; the ALiBi "
-             "attention of BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention")
+             "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; the lightning attention layers "
+             "of MiniMax-01; the gated short convolutions of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers "
+             "of Kimi Linear and Bailing hybrid; ZAYA's compressed convolutional attention; the ALiBi attention of "
+             "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention")
 
 
 def mixes_tokens(module: nn.Module) -> bool:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..linear_attention.choice import LinearDesign, parse_design
 from ..linear_attention.decode import sequence_tail
-from ..linear_attention.mamba2 import SSDHeads, SSDParams, choose_ssd_design, ssd_all_to_all, ssd_state_passing, ssd_step
+from ..linear_attention.mamba2 import (SSDHeads, SSDParams, choose_ssd_design, ssd_all_to_all, ssd_state_passing,
+                                        ssd_step)
 from ..mesh import SPMesh
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 

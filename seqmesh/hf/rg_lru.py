@@ -86,7 +86,8 @@ def _gates(lru: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return gate(lru.input_gate_weight, lru.input_gate_bias), gate(lru.recurrent_gate_weight, lru.recurrent_gate_bias)
 
 
-def _recurrence_inputs(lru: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _recurrence_inputs(lru: nn.Module, x: torch.Tensor,
+                       position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``log a`` and the gated, normalised input (B, L, W), in the recurrence's dtype, of the conv's output ``x``
     (B, L, W) at ``position_ids`` (B, L)."""
     input_gate, recurrent_gate = _gates(lru, x)

@@ -1,7 +1,8 @@
 """The shapes of a hybrid model's layers as the planner sizes them, below the readers of config.json that make them
-(:mod:`.hybrid` for the Mamba2 families, :mod:`.lfm`, :mod:`.kimi`, :mod:`.minimax`, :mod:`.recurrent_gemma`): each layer's mixer kind, a Mamba2
-mixer, a gated short convolution, a KDA and a lightning attention mixer, a feed-forward block, and the whole
-``HybridShape``. What each mixer holds: the docstring of the module that reads its family.
+(:mod:`.hybrid` for the Mamba2 families, :mod:`.lfm`, :mod:`.kimi`, :mod:`.minimax`, :mod:`.recurrent_gemma`,
+:mod:`.jamba`): each layer's mixer kind, a Mamba2 mixer, a gated short convolution, a KDA and a lightning attention
+mixer, an RG-LRU block, a Mamba (v1) mixer, a feed-forward block, and the whole ``HybridShape``. What each mixer holds:
+the docstring of the module that reads its family.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ class HybridShape:
                 "conv": asdict(self.conv) if self.conv else None, "kda": asdict(self.kda) if self.kda else None,
                 "lightning": asdict(self.lightning) if self.lightning else None,
                 "rg_lru": asdict(self.rg_lru) if self.rg_lru else None,
-                "mamba1": asdict(self.mamba1) if self.mamba1 else None, "blocks": ["+".join(x for x in block if x) for block in self.blocks],
+                "mamba1": asdict(self.mamba1) if self.mamba1 else None,
+                "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
 
