@@ -36,7 +36,7 @@ from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
 from ..linear_attention.decode import sequence_tail
 from ..mesh import SPMesh
-from .mixer_kind import Layers, MixerKind, check_mixer_context
+from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
 PROJECTIONS = ("ZayaCCAProjection",)  # whose forward this module follows
 _PARTS = ("q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "conv_qk_depthwise", "conv_qk_grouped",
@@ -52,10 +52,8 @@ def cca_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers:
     only one, any name is accepted)."""
     parse_design(design)
     layers = [(path, m) for path, m in model.named_modules() if is_cca(m)]
-    if layers and getattr(mesh, "tp", 1) > 1:
-        raise ValueError(f"{layers[0][0]} ({type(layers[0][1]).__name__}) convolves q and k over time with a grouped "
-                         "conv, which seqmesh's tensor parallelism does not split; train this model with tp=1 (its "
-                         "sequence parallelism is exact).")
+    refuse_tensor_parallel(layers, mesh, "convolves q and k over time with a grouped conv, which seqmesh's tensor "
+                           "parallelism does not split")
     return layers
 
 

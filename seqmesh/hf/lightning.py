@@ -32,10 +32,10 @@ import torch.nn as nn
 
 from ..linear_attention.choice import parse_design
 from ..linear_attention.decay_scan import decay_scan_states, pass_decay_states
+from ..linear_attention.decode import last_token_keep
 from ..linear_attention.gated_delta import compute_dtype, segment_bounds
 from ..linear_attention.halo import placement
 from ..mesh import SPMesh
-from ..sequence.sharding import sequence_positions
 from .mixer_kind import MixerKind, check_mixer_context
 
 # what a lightning attention module must have for seqmesh to read it (transformers 5.24's MiniMaxLightningAttention)
@@ -76,8 +76,7 @@ def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slop
         return decay_scan_states(q, k, v, g, segment_bounds(n, cu_seqlens, seq_len))[0]
     place = placement(mesh, n, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens)
     if keep is not None:  # the row's last real token, on the rank that holds it
-        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
-        keep["end"] = int(at[0]) if at.numel() else None
+        keep.update(last_token_keep(mesh, layout=layout, seq_len=seq_len))
     return pass_decay_states(q, k, v, g, place, keep=keep)
 
 

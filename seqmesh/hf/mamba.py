@@ -34,13 +34,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..linear_attention.choice import parse_design
-from ..linear_attention.decode import sequence_tail
+from ..linear_attention.decode import conv_step, last_token_keep, sequence_tail
 from ..linear_attention.gated_delta import compute_dtype
 from ..linear_attention.halo import halo_causal_conv, placement
-from ..linear_attention.kernels import causal_conv
 from ..linear_attention.selective_scan import selective_terms, state_passing_diagonal_scan
 from ..mesh import SPMesh
-from ..sequence.sharding import sequence_positions
 from .mixer_kind import Layers, MixerKind, check_mixer_context
 
 MIXERS = ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer")  # whose slow_forward this module follows
@@ -132,11 +130,10 @@ def mamba_step(m: nn.Module, x_in: torch.Tensor, state: torch.Tensor,
                tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token of the mixer ``m``: the conv's input ``x_in`` (B, 1, I), the scan's ``state`` (B, *X) and the conv's
     last ``K - 1`` inputs ``tail`` (B, K - 1, I) -> (y (B, 1, I) before the gate, the next state, the next tail)."""
-    window = torch.cat([tail.to(x_in.dtype), x_in], dim=1)  # (B, K, I)
-    x = causal_conv(window, m.conv1d.weight.squeeze(1), m.conv1d.bias, (0, window.shape[1]), m.activation)[:, -1:]
+    x, tail = conv_step(tail, x_in, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
     log_decay, inp, read = (_headed_terms if type(m).__name__ in HEADED_MIXERS else _terms)(m, x)
     state = torch.exp(log_decay[:, 0]) * state + inp[:, 0]
-    return read(state[:, None]), state, window[:, 1:]
+    return read(state[:, None]), state, tail
 
 
 def _make_mixer_forward(mesh: SPMesh, headed: bool):
@@ -156,10 +153,8 @@ def _make_mixer_forward(mesh: SPMesh, headed: bool):
                           kernel=weight.shape[-1])
         x = halo_causal_conv(x_in, weight, self.conv1d.bias, place, self.activation)
         log_decay, inp, read = scan_terms(self, x)
-        keep = None
-        if generation is not None:  # the prompt: the state after its last token, on every rank
-            at = (sequence_positions(info.seq_len, mesh, layout=info.layout) == info.seq_len - 1).nonzero()
-            keep = {"end": int(at[0]) if at.numel() else None}
+        # the prompt: the state after its last token, on every rank
+        keep = last_token_keep(mesh, layout=info.layout, seq_len=info.seq_len) if generation is not None else None
         y = read(state_passing_diagonal_scan(log_decay, inp, place, keep=keep))
         if keep is not None:
             generation.put(self, keep["state"], sequence_tail(x_in, mesh, layout=info.layout, seq_len=info.seq_len,

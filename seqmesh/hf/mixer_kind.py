@@ -45,6 +45,15 @@ def taking_entry(forward: Callable) -> Callable:
     return with_entry
 
 
+def refuse_tensor_parallel(layers: Layers, mesh: SPMesh, what: str) -> None:
+    """A ValueError, before anything is changed, where ``mesh`` has tensor parallelism and ``layers`` (a kind's, found)
+    are some: ``what`` says what the first one is and why seqmesh's tensor parallelism does not split it."""
+    if layers and getattr(mesh, "tp", 1) > 1:
+        path, module = layers[0]
+        raise ValueError(f"{path} ({type(module).__name__}) {what}; train this model with tp=1 (its sequence "
+                         "parallelism is exact).")
+
+
 def check_mixer_context(module: nn.Module, info, cache, attention_mask) -> None:
     """The refusals every sequence-parallel mixer shares: a call without seqmesh's entry, with a cache, or with a
     padding mask."""

@@ -42,12 +42,11 @@ import torch.nn.functional as F
 
 from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
-from ..linear_attention.decode import sequence_tail
+from ..linear_attention.decode import conv_step, last_token_keep, sequence_tail
 from ..linear_attention.gated_delta import compute_dtype
 from ..linear_attention.selective_scan import state_passing_diagonal_scan
 from ..mesh import SPMesh
-from ..sequence.sharding import sequence_positions
-from .mixer_kind import Layers, MixerKind, check_mixer_context
+from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
 BLOCKS = ("RecurrentGemmaRecurrentBlock",)  # whose forward this module follows
 _PARTS = ("linear_x", "linear_y", "linear_out", "conv_1d", "rg_lru", "act_fn")
@@ -66,10 +65,8 @@ def rg_lru_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layer
     know, and for tensor parallelism."""
     parse_design(design)
     layers = [(path, m) for path, m in model.named_modules() if is_rg_lru_block(m)]
-    if layers and getattr(mesh, "tp", 1) > 1:
-        raise ValueError(f"{layers[0][0]} ({type(layers[0][1]).__name__}) is an RG-LRU block, whose block-diagonal "
-                         "gates seqmesh's tensor parallelism does not split; train this model with tp=1 (its sequence "
-                         "parallelism is exact).")
+    refuse_tensor_parallel(layers, mesh, "is an RG-LRU block, whose block-diagonal gates seqmesh's tensor parallelism "
+                           "does not split")
     return layers
 
 
@@ -119,13 +116,10 @@ def rg_lru_step(module: nn.Module, hidden_states: torch.Tensor, position_ids: to
     """One token on every rank alike: ``hidden_states`` (B, 1, D) at ``position_ids`` (B, 1), from ``state`` (B, W) and
     the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, W) -> (out (B, 1, D), the next state, the next tail)."""
     y = module.act_fn(module.linear_y(hidden_states))
-    window = torch.cat([tail.to(hidden_states.dtype), module.linear_x(hidden_states)], dim=1)  # (B, K, W)
-    x = (window * module.conv_1d.weight.squeeze(1).T).sum(1, keepdim=True)  # (B, 1, W)
-    if module.conv_1d.bias is not None:
-        x = x + module.conv_1d.bias
+    x, tail = conv_step(tail, module.linear_x(hidden_states), module.conv_1d.weight.squeeze(1), module.conv_1d.bias, None)
     log_a, gated = _recurrence_inputs(module.rg_lru, x, position_ids)
     state = torch.exp(log_a[:, 0]) * state.to(log_a.dtype) + gated[:, 0]
-    return module.linear_out(state[:, None].to(x.dtype) * y), state, window[:, 1:]
+    return module.linear_out(state[:, None].to(x.dtype) * y), state, tail
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
@@ -143,10 +137,8 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
             return out, None
         place = halo.placement(mesh, input_states.shape[1], layout=info.layout, seq_len=info.seq_len,
                                cu_seqlens=info.cu_seqlens, kernel=kernel)
-        keep = None
-        if generation is not None:  # the prompt by state passing, which leaves the final state on every rank
-            at = (sequence_positions(info.seq_len, mesh, layout=info.layout) == info.seq_len - 1).nonzero()
-            keep = {"end": int(at[0]) if at.numel() else None}
+        # the prompt by state passing, which leaves the final state on every rank
+        keep = last_token_keep(mesh, layout=info.layout, seq_len=info.seq_len) if generation is not None else None
         out = rg_lru_block(self, input_states, position_ids, place, keep)
         if keep is not None:
             generation.put(self, keep["state"], sequence_tail(keep["conv_in"], mesh, layout=info.layout,

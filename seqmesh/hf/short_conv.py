@@ -28,10 +28,9 @@ import torch
 import torch.nn as nn
 
 from ..linear_attention import halo
-from ..linear_attention.decode import sequence_tail
-from ..linear_attention.kernels import causal_conv
+from ..linear_attention.decode import conv_step, sequence_tail
 from ..mesh import SPMesh
-from .mixer_kind import MixerKind, check_mixer_context
+from .mixer_kind import MixerKind, check_mixer_context, refuse_tensor_parallel
 
 
 def is_short_conv(module: nn.Module) -> bool:
@@ -49,10 +48,8 @@ def short_conv_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> l
     """The gated short-conv layers of ``model`` (path, module). ``design`` does not apply (the halo is the only
     design for a conv). Tensor parallelism is refused by name: it would split ``in_proj``'s B | C | x."""
     layers = [(name, m) for name, m in model.named_modules() if is_short_conv(m)]
-    if layers and getattr(mesh, "tp", 1) > 1:
-        raise ValueError(f"{layers[0][0]} ({type(layers[0][1]).__name__}) is a gated short convolution, which "
-                         "seqmesh's tensor parallelism does not split (it would cut in_proj's B | C | x); train this "
-                         "model with tp=1 (its sequence parallelism is exact).")
+    refuse_tensor_parallel(layers, mesh, "is a gated short convolution, which seqmesh's tensor parallelism does not "
+                           "split (it would cut in_proj's B | C | x)")
     return layers
 
 
@@ -73,9 +70,8 @@ def short_conv_step(module: nn.Module, hidden_states: torch.Tensor,
     """One token on every rank alike (generation's decode): ``hidden_states`` (B, 1, D) and the conv's last ``K - 1``
     inputs ``tail`` (B, K - 1, D) -> (out (B, 1, D), the next tail)."""
     gate_in, gate_out, x = module.in_proj(hidden_states).chunk(3, dim=-1)
-    window = torch.cat([tail.to(x.dtype), gate_in * x], dim=1)  # (B, K, D)
-    mixed = causal_conv(window, module.conv.weight.squeeze(1), module.conv.bias, (0, window.shape[1]), None)[:, -1:]
-    return module.out_proj(gate_out * mixed), window[:, 1:]
+    mixed, tail = conv_step(tail, gate_in * x, module.conv.weight.squeeze(1), module.conv.bias, None)
+    return module.out_proj(gate_out * mixed), tail
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:

@@ -34,14 +34,27 @@ def sequence_tail(conv_in: torch.Tensor, mesh: SPMesh, *, layout: str, seq_len: 
     return tail
 
 
+def last_token_keep(mesh: SPMesh, *, layout: str, seq_len: int) -> dict:
+    """A prefill's ``keep`` for :func:`.passing.pass_states`: ``{"end": the local index of the row's last real token}``
+    on the rank that holds it, ``{"end": None}`` elsewhere; the state pass then gives every rank ``keep["state"]``."""
+    at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
+    return {"end": int(at[0]) if at.numel() else None}
+
+
+def conv_step(tail: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of a depthwise causal conv: the last ``K - 1`` inputs ``tail`` (B, K - 1, C) and the token's ``x``
+    (B, 1, C), ``weight`` (C, K) -> (its output (B, 1, C), the next tail)."""
+    window = torch.cat([tail.to(x.dtype), x], dim=1)  # (B, K, C)
+    return causal_conv1d(window, weight, bias, (0, window.shape[1]), activation)[:, -1:], window[:, 1:]
+
+
 def decode_gated_delta(packed: torch.Tensor, params: GateParams, heads: LinearHeads, state: torch.Tensor,
                        tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token: ``packed`` (B, 1, channels: conv | b | a of every head), ``state`` (B, Hv, Dk, Dv) and ``tail``
     (B, K - 1, conv channels) -> (out (B, 1, Hv, Dv), the next state, the next tail)."""
-    width = params.conv_weight.shape[-1]
     conv_in, beta_in, a_in = packed.split([heads.conv_dim, heads.value_heads, heads.value_heads], dim=-1)
-    window = torch.cat([tail.to(conv_in.dtype), conv_in], dim=1)  # (B, K, C)
-    mixed = causal_conv1d(window, params.conv_weight, params.conv_bias, (0, width), params.activation)[:, -1:]
+    mixed, tail = conv_step(tail, conv_in, params.conv_weight, params.conv_bias, params.activation)
     q, k, v, g, beta = rule_inputs(mixed, beta_in, a_in, params, heads, 0)
     out, final = gated_delta_rule_states(q, k, v, g, beta, (0, 1), state[:, None])
-    return out, final[:, 0], window[:, 1:]
+    return out, final[:, 0], tail

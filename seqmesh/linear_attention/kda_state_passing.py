@@ -37,10 +37,10 @@ import torch
 
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
-from ..sequence.sharding import sequence_positions
 from .choice import halo_bytes, runs_and_tails
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
+from .decode import conv_step, last_token_keep
 from .kda import chunk_kda_states
 from .kernels import causal_conv
 from .passing import pass_states
@@ -132,8 +132,7 @@ def state_passing_kda(
         return torch.einsum("bthk,bhkv->bthv", g_t.to(state.dtype), state)
 
     if keep is not None:  # the row's last real token, on the rank that holds it
-        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
-        keep["end"] = int(at[0]) if at.numel() else None
+        keep.update(last_token_keep(mesh, layout=layout, seq_len=seq_len))
     return pass_states(out, lift, finals.flatten(2), place, finals.new_zeros(b, h, dk, dv), carry=carry, read=read,
                        keep=keep)
 
@@ -144,7 +143,6 @@ def kda_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight
     """One token on every rank alike (generation's decode): ``qkv`` (B, 1, 3 H D) before the conv, ``g`` (B, 1, H, Dk),
     ``beta`` (B, 1, H), from ``state`` (B, H, Dk, Dv) and the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, 3 H D)
     -> (out (B, 1, H, Dv), the next state, the next tail): the chunked rule on a segment of one token from the state."""
-    window = torch.cat([tail.to(qkv.dtype), qkv], dim=1)  # (B, K, 3 H D)
-    mixed = causal_conv(window, conv_weight, conv_bias, (0, window.shape[1]), activation)[:, -1:].to(qkv.dtype)
-    out, finals = chunk_kda_states(*_split_heads(mixed, heads), g, beta, (0, 1), state[:, None])
-    return out, finals[:, 0], window[:, 1:]
+    mixed, tail = conv_step(tail, qkv, conv_weight, conv_bias, activation)
+    out, finals = chunk_kda_states(*_split_heads(mixed.to(qkv.dtype), heads), g, beta, (0, 1), state[:, None])
+    return out, finals[:, 0], tail

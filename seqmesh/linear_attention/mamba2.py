@@ -30,9 +30,10 @@ from ..rules.heads import HeadDeal
 from ..mesh import SPMesh
 from ..model.hybrid_shape import ssd_widths
 from ..sequence.runs import DEFAULT_MIN_CHUNK
-from ..sequence.sharding import sequence_layout, sequence_positions
+from ..sequence.sharding import sequence_layout
 from .choice import LinearDesign, halo_bytes, parse_design
 from .decay_scan import decay_scan_states, decay_state_bytes, pass_decay_states
+from .decode import conv_step, last_token_keep
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .kernels import causal_conv
@@ -105,8 +106,7 @@ def ssd_state_passing(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, he
     mixed = halo_causal_conv(xbc, params.conv_weight, params.conv_bias, place, params.activation)
     q, k, v, g, x = _scan_inputs(mixed, dt, params, heads, (0, heads.heads), (0, heads.groups))
     if keep is not None:  # the row's last real token, on the rank that holds it
-        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
-        keep["end"] = int(at[0]) if at.numel() else None
+        keep.update(last_token_keep(mesh, layout=layout, seq_len=seq_len))
     return pass_decay_states(q, k, v, g, place, keep=keep) + params.D[:, None].to(x.dtype) * x
 
 
@@ -115,14 +115,13 @@ def ssd_step(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, heads: SSDH
     """One token on every rank alike (generation's decode): ``xbc`` (B, 1, conv_dim) before the conv, ``dt`` (B, 1, H)
     before softplus, from ``state`` (B, H, N, head_dim) and the conv's last ``K - 1`` inputs ``tail`` (B, K - 1,
     conv_dim) -> (y (B, 1, H, head_dim) with D x, the next state, the next tail)."""
-    window = torch.cat([tail.to(xbc.dtype), xbc], dim=1)  # (B, K, conv_dim)
-    mixed = causal_conv(window, params.conv_weight, params.conv_bias, (0, window.shape[1]), params.activation)[:, -1:]
+    mixed, tail = conv_step(tail, xbc, params.conv_weight, params.conv_bias, params.activation)
     q, k, v, g, x = _scan_inputs(mixed, dt, params, heads, (0, heads.heads), (0, heads.groups))
     dtype = state.dtype
     state = torch.exp(g[:, 0].to(dtype))[..., None, None] * state \
         + k[:, 0].to(dtype)[..., :, None] * v[:, 0].to(dtype)[..., None, :]  # (B, H, N, P)
     y = torch.einsum("bhn,bhnp->bhp", q[:, 0].to(dtype), state)[:, None]
-    return y.to(x.dtype) + params.D[:, None].to(x.dtype) * x, state, window[:, 1:]
+    return y.to(x.dtype) + params.D[:, None].to(x.dtype) * x, state, tail
 
 
 @functools.lru_cache(maxsize=32)

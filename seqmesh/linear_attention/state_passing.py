@@ -35,7 +35,7 @@ import torch
 
 from ..mesh import SPMesh
 from ..sequence.runs import DEFAULT_MIN_CHUNK
-from ..sequence.sharding import sequence_positions
+from .decode import last_token_keep
 from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .kernels import gated_delta_rule_states
@@ -94,7 +94,6 @@ def state_passing_gated_delta(
         return torch.einsum("bthk,bhkv->bthv", g_t.to(state.dtype), state)
 
     if keep is not None:  # the row's last real token, on the rank that holds it
-        at = (sequence_positions(seq_len, mesh, layout=layout) == seq_len - 1).nonzero()
-        keep["end"] = int(at[0]) if at.numel() else None
+        keep.update(last_token_keep(mesh, layout=layout, seq_len=seq_len))
     return pass_states(out, lift, finals.flatten(2), place, finals.new_zeros(b, hv, dk, dv), carry=carry, read=read,
                        keep=keep)

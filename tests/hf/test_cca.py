@@ -56,3 +56,25 @@ def test_a_projection_without_its_halo_is_caught(pools):
     r = pools.run(2, parity_cases, [("zaya", 1, 2, "zigzag", True)], alter=_without_halo)[0][0]
     print(f"without the halo: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
     assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+@pytest.mark.parametrize("family,find,words", [("zaya", "cca.cca_layers", "grouped conv"),
+                                               ("recurrent_gemma", "rg_lru.rg_lru_layers", "block-diagonal gates")])
+def test_tensor_parallelism_is_refused_by_name(family, find, words):
+    """ZAYA's CCA projection and RecurrentGemma's RG-LRU block under tp=2: a ValueError naming the first layer, what
+    seqmesh does not split and the fix, before anything changes; at tp=1 the layers are found."""
+    import types
+
+    import torch
+    import transformers as tf
+
+    from family_cases import family_config
+    from seqmesh.hf import cca, rg_lru
+
+    module, name = find.split(".")
+    layers_of = getattr({"cca": cca, "rg_lru": rg_lru}[module], name)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(family_config(family))
+    assert layers_of(model, types.SimpleNamespace(tp=1))
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\..*{words}.*tp=1"):
+        layers_of(model, types.SimpleNamespace(tp=2))

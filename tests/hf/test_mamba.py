@@ -150,28 +150,18 @@ def test_a_zamba_config_json_verifies_and_trains_under_fsdp(pools, tmp_path):
     """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny Zamba over a ring of 2, its weights
     sharded by FSDP2: its two hybrid layers hold the same attention block's weights, so they are one FSDP unit
     (seqmesh.model.fsdp.units_of; each alone, FSDP2 refused the shared parameter); a finite, falling loss."""
-    import json
     import math
 
     import transformers as tf
 
-    from seqmesh.training.config import TrainConfig
-    from train_job_cases import run_train, run_verify
+    from train_job_cases import verify_then_train
 
     config = tf.ZambaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                             attention_head_dim=16, vocab_size=64, intermediate_size=64, mamba_d_state=4,
                             mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=2,
                             layers_block_type=["linear_attention", "hybrid", "hybrid"])
-    path = tmp_path / "zamba" / "config.json"
-    path.parent.mkdir()
-    path.write_text(config.to_json_string())
-    base = dict(model=str(path), seq_len=77, ulysses=1, ring=2, dp=1, fsdp=True, lr=1e-2, warmup=1, log_every=1,
-                eval_every=0, symbols=16)
-    good = pools.run(2, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    good, losses = verify_then_train(pools, tmp_path, config, fsdp=True)
     assert good["ok"] and good["loss_diff"] < 1e-5, good
-    pools.run(2, run_train, TrainConfig(**base, steps=6, out=str(tmp_path / "train")))
-    with open(tmp_path / "train" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
@@ -195,25 +185,15 @@ def test_a_jamba_config_json_trains_with_its_layers_recomputed(pools, tmp_path):
     """``seqmesh verify``, then ``seqmesh train --checkpointing`` on a tiny Jamba over a ring of 2: its decoder layer
     calls the Mamba mixer without seqmesh's entry, which the layer hands over; the recompute in backward runs the
     layer's forward without its hooks, and found no entry until the entry stayed until the next call."""
-    import json
     import math
 
     import transformers as tf
 
-    from seqmesh.training.config import TrainConfig
-    from train_job_cases import run_train, run_verify
+    from train_job_cases import verify_then_train
 
     config = tf.JambaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             vocab_size=64, intermediate_size=64, attn_layer_period=2, attn_layer_offset=1,
                             num_experts=1, num_experts_per_tok=1, mamba_d_state=4, mamba_dt_rank=4)
-    path = tmp_path / "jamba" / "config.json"
-    path.parent.mkdir()
-    path.write_text(config.to_json_string())
-    base = dict(model=str(path), seq_len=77, ulysses=1, ring=2, dp=1, lr=1e-2, warmup=1, log_every=1, eval_every=0,
-                symbols=16, checkpointing=True)
-    good = pools.run(2, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    good, losses = verify_then_train(pools, tmp_path, config, checkpointing=True)
     assert good["ok"] and good["loss_diff"] < 1e-5, good
-    pools.run(2, run_train, TrainConfig(**base, steps=6, out=str(tmp_path / "train")))
-    with open(tmp_path / "train" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

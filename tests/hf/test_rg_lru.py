@@ -80,25 +80,15 @@ def test_a_recurrent_gemma_config_json_verifies_and_trains(pools, tmp_path):
     """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny RecurrentGemma over a ring of 2: the
     single-process model's gradients (its float64 copy taken though transformers' RG-LRU keeps its last state, a
     non-leaf tensor, on the module), then a finite, falling loss with the blocks recomputed in backward."""
-    import json
     import math
 
     import transformers as tf
 
-    from seqmesh.training.config import TrainConfig
-    from train_job_cases import run_train, run_verify
+    from train_job_cases import verify_then_train
 
     config = tf.RecurrentGemmaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, vocab_size=64,
                                      intermediate_size=64, lru_width=32, attention_window_size=16,
                                      num_key_value_heads=1)
-    path = tmp_path / "recurrent_gemma" / "config.json"
-    path.parent.mkdir()
-    path.write_text(config.to_json_string())
-    base = dict(model=str(path), seq_len=77, ulysses=1, ring=2, dp=1, lr=1e-2, warmup=1, log_every=1, eval_every=0,
-                symbols=16)
-    good = pools.run(2, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    good, losses = verify_then_train(pools, tmp_path, config, checkpointing=True)
     assert good["ok"] and good["loss_diff"] < 1e-5, good
-    pools.run(2, run_train, TrainConfig(**base, steps=6, checkpointing=True, out=str(tmp_path / "train")))
-    with open(tmp_path / "train" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
