@@ -127,6 +127,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                               "layer_types": ["full_attention", "full_attention"]}),
     "qwen2+sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1,
                                 "layer_types": ["full_attention", "sliding_attention"]}),
+    # MiniMax-M3 with its block-sparse layers (the default config has none): one sparse layer, then a full one
+    "minimax_m3_vl_text+sparse": ("minimax_m3_vl_text", {"layer_types": ["minimax_m3_sparse", "full_attention"],
+                                                         "index_block_size": 16, "index_topk_blocks": 2}),
     # RoBERTa as a causal LM: positions numbered from padding_idx + 1, skipping padding (id 1, among the random ids)
     "roberta+decoder": ("roberta", {"is_decoder": True}),
 }

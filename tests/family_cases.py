@@ -27,6 +27,8 @@ from seqmesh.model.fsdp import sync_gradients
 from seqmesh.model.lm import SequenceParallelLM
 
 WINDOW = 5  # shorter than a zigzag chunk of the 45-token sequences on 4 ring ranks (48 / 8 = 6)
+# DeepSeek Sparse Attention's other layouts, as the census builds them (tests/census_configs.py)
+CENSUS_NAMED = {"hy-v4": "hy_v4", "a.x-k2": "axk2", "dots.llm3": "dots3_note_text"}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64, attention_dropout=0.0)
 
 
@@ -69,6 +71,10 @@ def family_config(family: str):
         if family == "deepseek-v3.2":
             return tf.DeepseekV32Config(**dsa)
         return tf.GlmMoeDsaConfig(**{**dsa, "num_hidden_layers": 3}, indexer_types=["full", "shared", "full"])
+    if family in CENSUS_NAMED:  # the census's tiny config: an indexer's top 16 of up to 45 keys
+        from census_configs import census_config
+
+        return census_config(CENSUS_NAMED[family])
     mamba2 = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, intermediate_size=64,
                   attention_dropout=0.0)  # Mamba2: 4 heads of 16 in 2 groups of B/C (state 8), a conv of 4
     if family == "nemotron-h":  # Mamba2, MoE, attention and MLP layers
@@ -254,7 +260,7 @@ def _row_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # families whose reference is one call over the packed row (:func:`_row_loss`)
-ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5")
+ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5", *CENSUS_NAMED)
 
 
 class Float32Ops(TorchDispatchMode):
@@ -330,7 +336,7 @@ def reference_rounding(config, batch: dict, ref_logits: torch.Tensor, ref_loss: 
     rounding = {"float32_inside": ops.seen, "logits": scale * float((logits.detach().double() - ref_logits).abs().max()),
                 "loss": scale * abs(loss.item() - ref_loss.item()), "grad": scale * grad}
     if ops.seen:  # the reference's own float32 steps: how far they move it from the same code all in float64
-        exact = build(config)
+        exact = build(config).double()  # the parameters a family keeps in float32 (HY-V4's sinks), the same values
         with KeepFloat64():
             logits64, loss64 = loss_fn(exact, batch)
         loss64.backward()

@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) exact under sequence parallelism.
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; HY-V4, A.X-K2, dots.llm3) exact under sequence parallelism.
 
 An ``indexed_attention`` layer is MLA whose every query attends only to ``index_topk`` keys: a lightning indexer
 scores the query against every earlier key of its row, ``sum_h w_h relu(q_h . k_t) / sqrt(D) / sqrt(H)`` (one
@@ -26,12 +26,14 @@ queries' selected rows with one ``index_select`` (its backward one ``index_add_`
 
 GLM-5's ``shared`` layers reuse the previous full layer's selection, which travels between layers as transformers
 passes it (``prev_topk_indices``): the local queries' indices into the whole row.
+
+The families' other layouts (their queries, latents, rotaries, sinks, output gates, their indexers' order and scale)
+differ per token only; :mod:`.indexed_layouts` reads them from each module.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 import types
 
 import torch
@@ -42,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import gather_sequence, sequence_positions
+from . import indexed_layouts as layouts
 
 _ATTR = "_seqmesh_indexed"
 LAYER_TYPE = "indexed_attention"
@@ -51,20 +54,12 @@ BLOCK_ELEMENTS = 1 << 28
 # last query: 8 blocks score 56% of a causal row's pairs, one block all), each at least INDEXER_MIN_BLOCK queries
 INDEXER_BLOCKS = 8
 INDEXER_MIN_BLOCK = 128
-_MLA = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-_INDEXER = ("wq_b", "wk", "k_norm", "weights_proj")
-
-
-def _source(function) -> str:
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return ""
 
 
 def is_indexed(module: nn.Module) -> bool:
     """Whether ``module`` is the attention of an indexed-attention layer (it holds, or shares, an indexer)."""
-    return type(module).__name__.endswith("Attention") and (hasattr(module, "indexer") or hasattr(module, "skip_topk"))
+    return type(module).__name__.endswith("Attention") and (getattr(module, "indexer", None) is not None
+                                                            or getattr(module, "skip_topk", False))
 
 
 def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
@@ -76,45 +71,28 @@ def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
         problem = _problem(module, mesh)
         if problem:
             raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
-                             f"exactly: {problem}. seqmesh computes DeepSeek Sparse Attention as DeepSeek-V3.2 and "
-                             "GLM-5 define it in transformers: MLA with a lightning indexer run without gradients.")
+                             f"exactly: {problem}. seqmesh computes DeepSeek Sparse Attention in the layouts of "
+                             f"transformers' {', '.join(layouts.FAMILIES)}: MLA with a lightning indexer run without "
+                             "gradients. A block-sparse selection over grouped-query attention (MiniMax-M3's, "
+                             "Qwen4-Exp's) is not computed: exact, it would gather each query's selected key blocks "
+                             "from the whole row as the MLA path gathers its latent rows.")
     return found
 
 
 def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
-    missing = [n for n in _MLA if not hasattr(module, n)]
-    if missing:
-        return f"it is not MLA as DeepSeek lays it out (no {', '.join(missing)})"
-    if getattr(module.kv_b_proj, "bias", None) is not None:
-        return "its kv_b_proj has a bias, which the latent-space attention does not carry"
+    problem = layouts.layout_problem(module)
+    if problem:
+        return problem
     if getattr(mesh, "tp", 1) > 1:
         return f"tensor parallelism (tp={mesh.tp}) is not combined with indexed attention; use tp=1"
-    forward = _source(type(module).forward)
-    if "apply_rotary_pos_emb_interleave(q_rot, k_rot" not in forward:
-        return "its MLA rotary is not the interleaved one DeepSeek-V3.2 and GLM-5 apply"
     indexer = getattr(module, "indexer", None)
     if indexer is None:
         takes_selection = "prev_topk_indices" in inspect.signature(module.forward).parameters
         if not getattr(module, "skip_topk", False) or not takes_selection:
             return "it has no indexer and does not take the previous layer's selection (prev_topk_indices)"
         return None
-    missing = [n for n in _INDEXER if not hasattr(indexer, n)]
-    if missing:
-        return f"its indexer ({type(indexer).__name__}) has no {', '.join(missing)}"
-    source = _source(type(indexer).forward)
-    if "torch.no_grad" not in source:
-        return (f"its indexer ({type(indexer).__name__}) is trained (its forward is not under torch.no_grad), which "
-                "seqmesh's selection, a constant, would not train")
-    if "F.relu(scores)" not in source:
-        return f"its indexer ({type(indexer).__name__}) does not score by a ReLU of its heads' products"
-    return None
-
-
-def _rotary(indexer: nn.Module):
-    """The rotary function the indexer's own module applies (half-split for DeepSeek-V3.2, interleaved for GLM-5)."""
-    namespace = sys.modules[type(indexer).__module__]
-    interleaved = "apply_rotary_pos_emb_interleave(q_rot, k_rot" in _source(type(indexer).forward)
-    return getattr(namespace, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
+    rule = layouts.indexer_rule(indexer)
+    return rule if isinstance(rule, str) else None
 
 
 def block_queries(batch: int, heads: int, keys: int) -> int:
@@ -147,17 +125,12 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
     and ``allowed`` from :func:`_key_rules`."""
     with torch.no_grad():
         b, length, _ = hidden.shape
-        rotate = _rotary(indexer)
-        rope = indexer.qk_rope_head_dim
-        q = indexer.wq_b(q_resid).view(b, length, indexer.n_heads, indexer.head_dim)  # (B, L, H, D)
-        q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
-        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # (B, L, 1, D)
-        k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
-        q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q_pass], dim=-1)
-        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # (B, L, D)
+        rule = layouts.indexer_rule(indexer)
+        q, k = layouts.indexer_keys(indexer, rule, hidden, q_resid, position_embeddings)  # (B, L, H, D), (B, L, D)
         keys = _whole_row(k, mesh, info).float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
         weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+        if rule.scale_on_weights:  # HY-V4 scales the head weights, the others the head products
+            weights = weights * indexer.softmax_scale
         total = keys.shape[-1]
         top = min(indexer.index_topk, total)
         step = indexer_block(b, indexer.n_heads, total, length)
@@ -165,7 +138,9 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         for start, count in zip(range(0, length, step), scored_keys(positions, info.seq_len, step)):
             block = slice(start, start + step)
             scores = torch.matmul(q[:, block].float(), keys[..., :count])  # (B, l, H, n)
-            scores = F.relu(scores.mul_(indexer.softmax_scale), inplace=True)  # transformers' values, in place
+            if not rule.scale_on_weights:
+                scores = scores.mul_(indexer.softmax_scale)
+            scores = F.relu(scores, inplace=True)  # transformers' values, in place
             index = torch.matmul(weights[:, block].unsqueeze(-2), scores).squeeze(-2)  # (B, l, n)
             index = F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
             index = index.masked_fill_(~allowed(block), float("-inf"))
@@ -232,7 +207,12 @@ def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks, valid) -> to
     scores = torch.einsum("blhc,blkc->blhk", query, chosen) * module.scaling
     precise = torch.promote_types(scores.dtype, torch.float32)
     scores = scores.to(precise).masked_fill(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(row.dtype)
+    sinks = layouts.sinks(module)  # (H,): a logit in each head's softmax that no value answers (HY-V4)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(row.dtype)
+    else:
+        sink = sinks.to(precise)[:, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(row.dtype)
     return torch.einsum("blhr,hvr->blhv", torch.einsum("blhk,blkr->blhr", probs, chosen[..., :rank]), w_value)
 
 
@@ -251,15 +231,11 @@ def _make_forward(mesh: SPMesh):
             raise ValueError(f"attention dropout ({self.attention_dropout}) is not supported by seqmesh; set "
                              "attention_dropout=0.")
         b, length = hidden_states.shape[:-1]
-        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-        query = self.q_b_proj(q_resid).view(b, length, -1, self.qk_head_dim)  # (B, L, H, Dn + Dr)
+        q_resid, query, gate = layouts.queries(self, hidden_states)  # query (B, L, H, Dn + Dr)
         q_pass, q_rot = torch.split(query, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
-                                     dim=-1)
-        latent = self.kv_a_layernorm(kv_pass)  # (B, L, R)
-        rotate = getattr(sys.modules[type(self).__module__], "apply_rotary_pos_emb_interleave")
+        latent, k_rot = layouts.latent(self, hidden_states)  # (B, L, R), (B, L, Dr)
         # (B, H, L, Dr), (B, 1, L, Dr)
-        q_rot, k_rot = rotate(q_rot.transpose(1, 2), k_rot[:, None], *position_embeddings)
+        q_rot, k_rot = layouts.rotate(self, q_rot.transpose(1, 2), k_rot[:, None], position_embeddings)
         q_rot, k_rot = q_rot.transpose(1, 2), k_rot[:, 0]
         positions, allowed = _key_rules(mesh, info, hidden_states.device)
         if getattr(self, "indexer", None) is not None:
@@ -279,7 +255,8 @@ def _make_forward(mesh: SPMesh):
                 outputs.append(checkpoint(_latent_attention, self, *inputs, use_reentrant=False))
             else:
                 outputs.append(_latent_attention(self, *inputs))
-        out = self.o_proj(torch.cat(outputs, dim=1).reshape(b, length, -1))
+        out = layouts.gated(self, hidden_states, torch.cat(outputs, dim=1), gate)  # (B, L, H, Dv)
+        out = self.o_proj(out.reshape(b, length, -1))
         if "prev_topk_indices" in inspect.signature(type(self).forward).parameters:
             return out, None, picks
         return out, None

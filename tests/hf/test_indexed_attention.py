@@ -1,14 +1,17 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5 with a shared-selection layer) through seqmesh.hf: logits, loss
-and every parameter's gradient against transformers' model on the whole sequence, within the reference's own
-rounding, on Ulysses, ring and both, plain and with packed documents; a selection one key short is seen."""
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5 with a shared-selection layer; HY-V4, A.X-K2 and dots.llm3's
+layouts of it) through seqmesh.hf: logits, loss and every parameter's gradient against transformers' model on the
+whole sequence, within the reference's own rounding, on Ulysses, ring and both, plain and with packed documents; a
+selection one key short is seen, and so is each layout difference left out."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from family_cases import family_parity, share_references
 
-FAMILIES = ["deepseek-v3.2", "glm-5"]
+FAMILIES = ["deepseek-v3.2", "glm-5", "hy-v4", "a.x-k2", "dots.llm3"]
 MESHES = [(1, 2), (2, 1)]  # U2 x R2 reached no line they do not (docs/testing.md)
 # as tests/hf/test_hf_families.py: a multiple of how far the reference's own float32 rounding moves it
 ROUNDING_MULTIPLE = 4
@@ -43,6 +46,36 @@ def one_key_short(model) -> None:
             module.index_topk -= 1
 
 
+def _without_kv_scale(latent):
+    def unscaled(module, hidden):
+        kv, k_rot = latent(module, hidden)
+        return kv / module.kv_lora_scale, k_rot
+    return unscaled
+
+
+# one deliberate error in each layout difference seqmesh reads from a family (seqmesh.hf.indexed_layouts): the family,
+# the function replaced, and its replacement made from the original
+LAYOUT_MUTATIONS = {
+    "HY-V4's sinks dropped": ("hy-v4", "sinks", lambda sinks: lambda module: None),
+    "HY-V4's indexer rotating the leading part": (
+        "hy-v4", "indexer_rule", lambda rule: lambda indexer: dataclasses.replace(rule(indexer), rotated_first=True)),
+    "A.X-K2's gate skipped": ("a.x-k2", "gated", lambda gated: lambda module, hidden, out, gate: out),
+    "dots.llm3's latent unscaled": ("dots.llm3", "latent", _without_kv_scale),
+}
+
+
+def _run_mutated(name: str) -> list[dict]:
+    from seqmesh.hf import indexed_layouts
+
+    family, function, mutant = LAYOUT_MUTATIONS[name]
+    original = getattr(indexed_layouts, function)
+    setattr(indexed_layouts, function, mutant(original))
+    try:
+        return _run_all([(family, 1, 2, "zigzag", False)])
+    finally:
+        setattr(indexed_layouts, function, original)
+
+
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_indexed_attention_exact(pools, ulysses, ring):
     """Each query's top-k keys chosen from its document's earlier keys of the whole row, and MLA over them, as
@@ -65,6 +98,14 @@ def test_exact_in_blocks_of_a_few_queries(pools):
     for results in pools.run(4, _run_in_small_blocks, cases):
         for r in results:
             assert not _outside_rounding(r), r
+
+
+@pytest.mark.parametrize("name", LAYOUT_MUTATIONS)
+def test_each_layout_difference_is_needed(pools, name):
+    """Each per-family difference seqmesh computes changes the logits beyond rounding when it is left out."""
+    for results in pools.run(2, _run_mutated, name):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
 
 
 def test_a_selection_one_key_short_is_seen(pools):
