@@ -38,7 +38,7 @@ def _window_fields(cfg: dict) -> dict:
     types = cfg.get("layer_types") or []
     if not window or cfg.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
         return {}
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    full = [i for i, t in enumerate(types) if t in ("full_attention", "indexed_attention")]  # dots.llm3's unwindowed
     every = len(types) // len(full) if full and len(types) % len(full) == 0 else (full[0] + 1 if full else 0)
     return {"sliding_window": int(window), "full_every": every}
 
@@ -252,11 +252,29 @@ def _latent_fields(cfg: dict) -> dict:
                          "keys each query attends to (index_topk), index_head_dim and index_n_heads.")
     shared = [k for t, k in zip(types, cfg.get("indexer_types") or ["full"] * len(types)) if t == "indexed_attention"]
     latent = LatentShape(cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
-                         cfg["qk_rope_head_dim"], cfg["v_head_dim"],
+                         cfg["qk_rope_head_dim"], cfg["v_head_dim"], gate=_LATENT_GATES.get(cfg.get("model_type"), ""),
                          **(dict(index_topk=cfg["index_topk"], index_head_dim=cfg["index_head_dim"],
                                  index_n_heads=cfg["index_n_heads"], indexed_layers=indexed,
                                  shared_layers=shared.count("shared")) if indexed else {}))
-    return dict(latent=latent, head_dim=latent.qk_head_dim)
+    return dict(latent=latent, head_dim=latent.qk_head_dim, **_indexed_layout_fields(cfg))
+
+
+# the DeepSeek Sparse Attention layouts whose output gate the planner counts (seqmesh.hf.indexed_layouts)
+_LATENT_GATES = {"axk2": "fused", "dots3_note": "head", "dots3_note_text": "head"}
+
+
+def _indexed_layout_fields(cfg: dict) -> dict:
+    """What MLA's other layouts add: the output gate (A.X-K2's, dots.llm3's), A.X-K2's gated norms; or why the planner
+    does not size the model: HY-V4's hyper-connections, dots.llm3's layers of other sizes (``per_layer_config``)."""
+    family = cfg.get("model_type", "")
+    if (cfg.get("hc_mult") or 1) > 1:
+        return {"unplanned": f"seqmesh plan does not size the hyper-connections of {family} yet ({cfg['hc_mult']} "
+                             "residual streams a token, mixed around each block); seqmesh train runs it all the same"}
+    if cfg.get("per_layer_config"):
+        return {"unplanned": f"seqmesh plan does not size layers of different sizes ({family}'s per_layer_config: "
+                             "its sliding layers' heads and latents differ from its indexed ones'); seqmesh train "
+                             "runs it all the same"}
+    return {"norm_gate_rank": cfg.get("gated_norm_rank") or 0} if family == "axk2" else {}
 
 
 def _linear_fields(cfg: dict) -> dict:

@@ -171,6 +171,9 @@ class LatentShape:
     index_n_heads: int = 0
     indexed_layers: int = 0
     shared_layers: int = 0
+    # the output gate: "fused" (A.X-K2: q_gate_proj, from [q_a_layernorm(x), q_a(x)], gives the query and one gate a
+    # value channel), "head" (dots.llm3: g_proj, one a head, and a norm on the rotary key), "" none
+    gate: str = ""
 
     @property
     def qk_head_dim(self) -> int:
@@ -179,10 +182,15 @@ class LatentShape:
     def attention_params(self, hidden: int, heads: int, indexer: bool = False) -> int:
         """One layer's MLA (q_a, its norm, q_b or q; kv_a, its norm, kv_b; o) and, with ``indexer``, its lightning
         indexer (wq_b, wk, the key's LayerNorm, weights_proj)."""
-        r, q = self.kv_lora_rank, heads * self.qk_head_dim
-        query = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q if self.q_lora_rank else hidden * q
+        r, q, ql = self.kv_lora_rank, heads * self.qk_head_dim, self.q_lora_rank
+        if self.gate == "fused":  # the query and its gate from one product of both query latents
+            query = hidden * ql + ql + 2 * ql * (q + heads * self.v_head_dim)
+        else:
+            query = hidden * ql + ql + ql * q if ql else hidden * q
         kv = hidden * (r + self.qk_rope_head_dim) + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
         own = query + kv + heads * self.v_head_dim * hidden
+        if self.gate == "head":
+            own += hidden * heads + self.qk_rope_head_dim
         if not indexer:
             return own
         di, hi = self.index_head_dim, self.index_n_heads
@@ -225,6 +233,8 @@ class ModelShape:
     hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)
     unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
     gated_mlp: bool = True  # a dense MLP of gate, up and down; False: up and down (BLOOM, MPT, Falcon, GPT-Neo)
+    norm_gate_rank: int = 0  # A.X-K2: a sigmoid gate of this rank (hidden -> rank -> hidden) after each layer's input
+    # norm and each MoE layer's post-attention norm (0: none)
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -297,12 +307,15 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3)."""
+        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3) and
+        the two gates of an A.X-K2 MoE layer's norms."""
         if self.family == "gemma3_text":
             return 4 * self.hidden + 2 * self.head_dim
         if self.hybrid is not None:
             return self.hybrid.norms * self.hidden
-        return 2 * self.hidden + (2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0)
+        gates = 2 * 2 * self.hidden * self.norm_gate_rank  # an MoE layer's two gated norms (A.X-K2)
+        qk_norms = 2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0
+        return 2 * self.hidden + gates + qk_norms
 
     @property
     def value_dim(self) -> int:
@@ -343,7 +356,8 @@ class ModelShape:
             attention = (own * self.latent.attention_params(self.hidden, self.heads, indexer=True)
                          + (full - own) * self.latent.attention_params(self.hidden, self.heads))
         tower = self.vision.params if self.vision is not None else 0
-        dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate)
+        dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate
+                                     + 2 * self.hidden * self.norm_gate_rank)  # and a dense layer's ungated norm
         per_layer = self.mlp_params + self.norm_params
         return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
                 - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower)

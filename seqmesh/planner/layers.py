@@ -296,6 +296,9 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
         shared = m.latent.shared_layers
         kinds += [(IndexedAttention(work, layout), m.indexed_layers - shared),
                   (IndexedAttention(work, layout, indexer=False), shared)]
+    if full < 0:  # a layer counted twice (a sliding layer that is also indexed): a reader's error, never a plan
+        raise ValueError(f"{m.name}: its layer kinds add up to more than its {m.layers} layers ({m.sliding_layers} "
+                         f"sliding, {m.linear_layers} linear, {m.indexed_layers} indexed).")
     return [(kind, n) for kind, n in kinds if n]
 
 

@@ -37,16 +37,39 @@ def _shape(config, folder):
     return model_shape(str(folder))
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3", *FAMILIES])
+@pytest.mark.parametrize("family", ["deepseek-v3", *FAMILIES, "a.x-k2", "dots.llm3"])
 def test_parameters_are_what_transformers_builds(family, tmp_path):
     """MLA's projections and norms, each indexer (none in GLM-5's shared layer), routed and shared experts and the
-    first dense layers, counted exactly."""
+    first dense layers, counted exactly; A.X-K2's fused query and gate and its gated norms, dots.llm3's head gate."""
     from transformers import AutoModelForCausalLM
 
     config = family_config(family)
     with torch.device("meta"):
         built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     assert _shape(config, tmp_path).params == built
+
+
+def test_dots_sliding_and_indexed_layers_are_counted_once(tmp_path):
+    """dots.llm3's layers slide or are indexed, none full: one of each kind in its tiny config, and the step's ring
+    traffic (the sliding layer's: forward, backward, recompute) is what that layer sends (it was once negative, the
+    sliding layer counted as indexed too)."""
+    work = Workload(_shape(family_config("dots.llm3"), tmp_path), 4096, bf16=False)
+    kinds = layer_kinds(work, Degrees(1, 2, 1))
+    assert [(type(k).__name__, getattr(k, "window", None), n) for k, n in kinds] == [
+        ("Attention", work.model.sliding_window, 1), ("IndexedAttention", None, 1)]
+    sliding = sum(phase.get("ring_p2p", 0) for phase in kinds[0][0].traffic().values())
+    assert communication(work, Degrees(1, 2, 1), PRESETS["h100-nvlink"])[2]["ring_p2p"] == sliding > 0
+
+
+@pytest.mark.parametrize("family,reason", [("hy-v4", "hyper-connections"), ("dots.llm3-released", "per_layer_config")])
+def test_layouts_the_planner_does_not_size_say_why(family, reason, tmp_path):
+    import transformers as tf
+
+    config = tf.Dots3NoteTextConfig() if family == "dots.llm3-released" else family_config(family)
+    shape = _shape(config, tmp_path)
+    assert reason in shape.unplanned
+    with pytest.raises(ValueError, match=reason):
+        Workload(shape, 4096)
 
 
 def test_deepseek_v32_has_671_9b_parameters(tmp_path):
