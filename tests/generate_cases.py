@@ -18,13 +18,14 @@ def _mutated(mutation: str | None):
     """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
     outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
     ``"state_not_carried"``: Gated DeltaNet's, the RG-LRU's, Mamba's and Mamba2's decode start from a zero state
-    instead of the prefill's (a short conv, which keeps no state, and ZAYA's CCA from a zero conv tail)."""
+    instead of the prefill's (a short conv, which keeps no state, and ZAYA's CCA from a zero conv tail);
+    ``"local_selection"``: a sparse-attention decode step takes each rank's own top k keys for the row's."""
     from seqmesh.hf import cca, kda, lightning, linear_attention, mamba, mamba2, rg_lru, short_conv
-    from seqmesh.inference import cache, decode
+    from seqmesh.inference import cache, decode, indexed_decode
 
     saved = (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
              rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step, lightning.lightning_step,
-             kda.kda_step, cca.cca_step)
+             kda.kda_step, cca.cca_step, indexed_decode.global_top)
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -49,12 +50,15 @@ def _mutated(mutation: str | None):
         kda.kda_step = lambda qkv, g, beta, w, bias, heads, state, tail, **kw: saved[8](
             qkv, g, beta, w, bias, heads, torch.zeros_like(state), tail, **kw)
         cca.cca_step = lambda module, hidden, delayed, tail: saved[9](module, hidden, delayed, torch.zeros_like(tail))
+    elif mutation == "local_selection":
+        indexed_decode.global_top = lambda scores, positions, k, total, mesh: positions.to(scores.device)[
+            scores.topk(min(k, scores.shape[-1]), dim=-1).indices]
     try:
         yield
     finally:
         (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
          rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step,
-         lightning.lightning_step, kda.kda_step, cca.cca_step) = saved
+         lightning.lightning_step, kda.kda_step, cca.cca_step, indexed_decode.global_top) = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
@@ -92,6 +96,7 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             "their_tokens": their_tokens.tolist(),
             "logits": float((done.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
             "their_logits": float((torch.stack(theirs.logits, 1) - exact).abs().max()),
+            "against_theirs": float((done.logits - torch.stack(theirs.logits, 1)).abs().max()),
             "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
             "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()),
             "state_elements": [sum(t.numel() for t in kept) for kept in zip(*done.cache.states.values())] or [0, 0],
@@ -121,6 +126,17 @@ def _share_bytes(config, tokens: int) -> int:
 
     if getattr(config, "num_attention_heads", None) is None:  # Mamba: no attention layer keeps anything
         return 0
+    kinds = (getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+             or ["full_attention"] * config.num_hidden_layers)
+    indexed = kinds.count("indexed_attention")  # DeepSeek Sparse Attention: MLA's latent cache, the indexer's key
+    sparse = 0
+    if indexed:
+        from seqmesh.rules.kv_cache import indexed_cache_bytes
+
+        shared = list(getattr(config, "indexer_types", None) or ["full"] * len(kinds))
+        own = sum(k == "indexed_attention" and s != "shared" for k, s in zip(kinds, shared))
+        sparse = indexed_cache_bytes(tokens, indexed, own, config.kv_lora_rank + config.qk_rope_head_dim,
+                                     config.index_head_dim, 8, batch=2)
     if getattr(config, "kv_lora_rank", None):
         dims = (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
     else:  # the older families (BLOOM, MPT, GPT-Neo: every head; Falcon: one, or num_kv_heads in its new layout)
@@ -132,12 +148,10 @@ def _share_bytes(config, tokens: int) -> int:
             kv = getattr(config, "num_key_value_heads", None) or heads
         dims = (kv, head_dim, head_dim)
     # RecurrentGemma's layers_block_type (before transformers 5.2x: "recurrent" / "attention"; layer_types after)
-    kinds = (getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
-             or ["full_attention"] * config.num_hidden_layers)
     # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
     layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "attention")
                  for kind in kinds)  # ZAYA's hybrid layers are attention with its CCA projection
-    return cache_bytes(tokens, layers, *dims, 8, batch=2)
+    return cache_bytes(tokens, layers, *dims, 8, batch=2) + sparse
 
 
 def generated_cases(cases: list[tuple], **kwargs) -> list[dict]:

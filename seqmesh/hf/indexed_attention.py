@@ -120,32 +120,26 @@ def scored_keys(positions: list[int], seq_len: int, step: int) -> list[int]:
 
 
 def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings, mesh: SPMesh,
-            info: SequenceInfo, positions: list[int], allowed) -> torch.Tensor:
-    """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient); ``positions``
-    and ``allowed`` from :func:`_key_rules`."""
+            info: SequenceInfo, positions: list[int], allowed) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient), and the
+    indexer's keys of the local tokens (B, L, D); ``positions`` and ``allowed`` from :func:`_key_rules`."""
     with torch.no_grad():
         b, length, _ = hidden.shape
         rule = layouts.indexer_rule(indexer)
         q, k = layouts.indexer_keys(indexer, rule, hidden, q_resid, position_embeddings)  # (B, L, H, D), (B, L, D)
         keys = _whole_row(k, mesh, info).float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
-        weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
-        if rule.scale_on_weights:  # HY-V4 scales the head weights, the others the head products
-            weights = weights * indexer.softmax_scale
+        weights = layouts.head_weights(indexer, rule, hidden)  # (B, L, H)
         total = keys.shape[-1]
         top = min(indexer.index_topk, total)
         step = indexer_block(b, indexer.n_heads, total, length)
         picks = []
         for start, count in zip(range(0, length, step), scored_keys(positions, info.seq_len, step)):
             block = slice(start, start + step)
-            scores = torch.matmul(q[:, block].float(), keys[..., :count])  # (B, l, H, n)
-            if not rule.scale_on_weights:
-                scores = scores.mul_(indexer.softmax_scale)
-            scores = F.relu(scores, inplace=True)  # transformers' values, in place
-            index = torch.matmul(weights[:, block].unsqueeze(-2), scores).squeeze(-2)  # (B, l, n)
+            index = layouts.index_scores(indexer, rule, q[:, block], keys[..., :count], weights[:, block])  # (B, l, n)
             index = F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
             index = index.masked_fill_(~allowed(block), float("-inf"))
             picks.append(index.topk(top, dim=-1).indices)
-        return torch.cat(picks, dim=1)
+        return torch.cat(picks, dim=1), k
 
 
 def _whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor:
@@ -193,18 +187,29 @@ class _GatherRows(torch.autograd.Function):
         return summed.view(b, t, c), None
 
 
+def latent_query(module: nn.Module, q_pass: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
+    """The query in MLA's latent space: its no-RoPE part (B, l, H, Dn) through ``kv_b_proj``'s key half, beside its
+    rotated part (B, l, H, Dr) -> (B, l, H, R + Dr), to score against a row's latent and rotated key side by side."""
+    heads, nope = q_pass.shape[2], module.qk_nope_head_dim
+    w_key = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)[:, :nope]  # (H, Dn, R)
+    return torch.cat([torch.einsum("blhn,hnr->blhr", q_pass, w_key), q_rot], dim=-1)
+
+
+def latent_output(module: nn.Module, attended: torch.Tensor) -> torch.Tensor:
+    """(B, l, H, R) the attention's weighted sum of latents -> (B, l, H, Dv) through ``kv_b_proj``'s value half."""
+    heads, nope = attended.shape[2], module.qk_nope_head_dim
+    w_value = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)[:, nope:]  # (H, Dv, R)
+    return torch.einsum("blhr,hvr->blhv", attended, w_value)
+
+
 def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks, valid) -> torch.Tensor:
     """MLA over the selected keys, in latent space. q_pass (B, l, H, Dn), q_rot (B, l, H, Dr); row (B, T, R + Dr): the
     whole row's latent and rotated key side by side; picks (B, l, k) indices into it, valid (B, l, k) those the query
     may see -> (B, l, H, Dv)."""
-    heads, nope, dv = q_pass.shape[2], module.qk_nope_head_dim, module.v_head_dim
     rank = row.shape[-1] - q_rot.shape[-1]
-    weight = module.kv_b_proj.weight.view(heads, nope + dv, -1)  # (H, Dn + Dv, R)
-    w_key, w_value = weight[:, :nope], weight[:, nope:]
     chosen = _GatherRows.apply(row, picks)  # (B, l, k, R + Dr): each selected key's latent and rotated key
-    # the query's no-RoPE part in latent space beside its rotated part: one product with both halves of the key
-    query = torch.cat([torch.einsum("blhn,hnr->blhr", q_pass, w_key), q_rot], dim=-1)  # (B, l, H, R + Dr)
-    scores = torch.einsum("blhc,blkc->blhk", query, chosen) * module.scaling
+    # one product with both halves of the key
+    scores = torch.einsum("blhc,blkc->blhk", latent_query(module, q_pass, q_rot), chosen) * module.scaling
     precise = torch.promote_types(scores.dtype, torch.float32)
     scores = scores.to(precise).masked_fill(~valid[:, :, None], float("-inf"))
     sinks = layouts.sinks(module)  # (H,): a logit in each head's softmax that no value answers (HY-V4)
@@ -213,7 +218,37 @@ def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks, valid) -> to
     else:
         sink = sinks.to(precise)[:, None].expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(row.dtype)
-    return torch.einsum("blhr,hvr->blhv", torch.einsum("blhk,blkr->blhr", probs, chosen[..., :rank]), w_value)
+    return latent_output(module, torch.einsum("blhk,blkr->blhr", probs, chosen[..., :rank]))
+
+
+def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_states, q_resid, q_pass, q_rot,
+                    latent, k_rot, position_embeddings, prev_topk_indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's attention over the whole row, its queries the local tokens (training, or a generation's prefill,
+    which keeps this rank's rows and indexer keys) -> ((B, L, H, Dv), the selection (B, L, k))."""
+    b, length = hidden_states.shape[:-1]
+    positions, allowed = _key_rules(mesh, info, hidden_states.device)
+    index_keys = None
+    if getattr(module, "indexer", None) is not None:
+        picks, index_keys = _select(module.indexer, hidden_states, q_resid, position_embeddings, mesh, info,
+                                    positions, allowed)
+    else:
+        picks = prev_topk_indices.long()
+    local_rows = torch.cat([latent, k_rot], dim=-1)  # (B, L, R + Dr)
+    keep = getattr(info, "keep_indexed", None)  # a prefill of seqmesh.inference.generate: this rank's share
+    if keep is not None:
+        keep(module, local_rows, index_keys)
+    row = _whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
+    step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
+    outputs = []
+    for start in range(0, length, step):
+        block = slice(start, start + step)
+        valid = torch.gather(allowed(block).expand(b, -1, -1), 2, picks[:, block])  # (B, l, k)
+        inputs = (q_pass[:, block], q_rot[:, block], row, picks[:, block], valid)
+        if torch.is_grad_enabled():
+            outputs.append(checkpoint(_latent_attention, module, *inputs, use_reentrant=False))
+        else:
+            outputs.append(_latent_attention(module, *inputs))
+    return torch.cat(outputs, dim=1), picks
 
 
 def _make_forward(mesh: SPMesh):
@@ -237,25 +272,16 @@ def _make_forward(mesh: SPMesh):
         # (B, H, L, Dr), (B, 1, L, Dr)
         q_rot, k_rot = layouts.rotate(self, q_rot.transpose(1, 2), k_rot[:, None], position_embeddings)
         q_rot, k_rot = q_rot.transpose(1, 2), k_rot[:, 0]
-        positions, allowed = _key_rules(mesh, info, hidden_states.device)
-        if getattr(self, "indexer", None) is not None:
-            picks = _select(self.indexer, hidden_states, q_resid, position_embeddings, mesh, info, positions, allowed)
-        elif prev_topk_indices is None:
+        if getattr(self, "indexer", None) is None and prev_topk_indices is None:
             raise ValueError(f"{name} shares the previous full layer's selection, but none was passed to it.")
+        decode = getattr(info, "indexed_step", None)  # a decode step of seqmesh.inference.generate
+        if decode is not None:
+            attended, picks = decode(self, hidden_states, q_resid, q_pass, q_rot, torch.cat([latent, k_rot], dim=-1),
+                                     position_embeddings, prev_topk_indices)
         else:
-            picks = prev_topk_indices.long()
-        row = _whole_row(torch.cat([latent, k_rot], dim=-1), mesh, info)  # (B, T, R + Dr): one gather, one scatter
-        step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
-        outputs = []
-        for start in range(0, length, step):
-            block = slice(start, start + step)
-            valid = torch.gather(allowed(block).expand(b, -1, -1), 2, picks[:, block])  # (B, l, k)
-            inputs = (q_pass[:, block], q_rot[:, block], row, picks[:, block], valid)
-            if torch.is_grad_enabled():
-                outputs.append(checkpoint(_latent_attention, self, *inputs, use_reentrant=False))
-            else:
-                outputs.append(_latent_attention(self, *inputs))
-        out = layouts.gated(self, hidden_states, torch.cat(outputs, dim=1), gate)  # (B, L, H, Dv)
+            attended, picks = _attend_sharded(self, mesh, info, hidden_states, q_resid, q_pass, q_rot, latent, k_rot,
+                                              position_embeddings, prev_topk_indices)
+        out = layouts.gated(self, hidden_states, attended, gate)  # (B, L, H, Dv)
         out = self.o_proj(out.reshape(b, length, -1))
         if "prev_topk_indices" in inspect.signature(type(self).forward).parameters:
             return out, None, picks

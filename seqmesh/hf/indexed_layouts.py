@@ -194,3 +194,21 @@ def indexer_keys(indexer: nn.Module, rule: IndexerRule, hidden: torch.Tensor, q_
     at = 0 if rule.rotated_first else 1
     q_parts[at], k_parts[at] = rule.rotate(q_parts[at], k_parts[at], *position_embeddings, unsqueeze_dim=2)
     return torch.cat(q_parts, dim=-1), torch.cat(k_parts, dim=-1).squeeze(2)
+
+
+def head_weights(indexer: nn.Module, rule: IndexerRule, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, L, H) float32 each indexer head's weight for each token, the softmax scale in it where the indexer puts it
+    there (HY-V4)."""
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+    return weights * indexer.softmax_scale if rule.scale_on_weights else weights
+
+
+def index_scores(indexer: nn.Module, rule: IndexerRule, q: torch.Tensor, keys: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h relu(q_h . k)`` as the indexer scores: q (B, l, H, D), keys (B, 1, D, n) float32, weights (B, l, H)
+    from :func:`head_weights` -> (B, l, n) float32, the same products in the same order as transformers."""
+    scores = torch.matmul(q.float(), keys)  # (B, l, H, n)
+    if not rule.scale_on_weights:
+        scores = scores.mul_(indexer.softmax_scale)
+    scores = torch.relu_(scores)  # transformers' values, in place
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)

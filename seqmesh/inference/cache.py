@@ -110,6 +110,12 @@ class Prefill(SequenceInfo):
         values (B, Hk, L, D) of ``module``; the attention then runs as in training."""
         self.cache.keep(module, key, value)
 
+    def keep_indexed(self, module, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Called by a DeepSeek Sparse Attention layer (``seqmesh.hf.indexed_attention``) in its prefill: this rank's
+        tokens' latent and rotated key (B, L, R + Dr) and indexer keys (B, L, Di; None in a shared layer), kept as
+        one cache head (:mod:`.indexed_decode`)."""
+        self.cache.keep(module, rows[:, None], (rows[..., :0] if index_keys is None else index_keys)[:, None])
+
 
 @dataclass(frozen=True, eq=False)
 class DecodeStep(SequenceInfo):
@@ -129,3 +135,11 @@ class DecodeStep(SequenceInfo):
         from .decode import attend_step
 
         return attend_step(module, query, key, value, self, mesh, scaling, kwargs)
+
+    def indexed_step(self, module, hidden, q_resid, q_pass, q_rot, row, position_embeddings, prev_picks):
+        """Called by a DeepSeek Sparse Attention layer in place of its attention: the new token's, over the sharded
+        cache (:func:`.indexed_decode.indexed_step`) -> ((B, 1, H, Dv), its picks (B, 1, k))."""
+        from .indexed_decode import indexed_step
+
+        return indexed_step(module, hidden, q_resid, q_pass, q_rot, row, position_embeddings, prev_picks, self,
+                            self.cache.mesh)

@@ -61,7 +61,6 @@ class Generated:
 
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
-    from ..hf.indexed_attention import is_indexed
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..vision.families import is_multimodal
@@ -78,11 +77,12 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
                          "generates with every rank in the sequence group (no data parallelism); launch "
                          "ulysses x ring processes.")
     kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, *DECODED_MIXERS, OWN_ATTENTION}
-    if kinds or any(is_indexed(m) for m in model.modules()):
-        what = ", ".join(sorted(kinds)) or "DeepSeek Sparse Attention"
+    if kinds:
+        what = ", ".join(sorted(kinds))
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
-                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA; BLOOM, MPT, Falcon, GPT-Neo), one with Gated "
+                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA, DeepSeek Sparse Attention; BLOOM, MPT, Falcon, "
+                         "GPT-Neo), one with Gated "
                          "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
                          "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2), LFM2's short "
                          "convolutions, MiniMax-01's lightning attention, Kimi Linear's KDA or ZAYA's CCA.")

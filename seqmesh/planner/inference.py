@@ -18,13 +18,13 @@ from dataclasses import asdict, dataclass
 from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees, workable_degrees
-from ..rules.kv_cache import cache_bytes, cache_share
+from ..rules.kv_cache import cache_bytes, cache_share, indexed_cache_bytes
 from .activations import layer_input_bytes
 from .hardware import Cluster, HardwareSpec
 from .attention_layer import Attention
 from .experts import layer_fsdp_seconds
 from .layer_cost import attention_saved_bytes
-from .layers import GatedDeltaNet, layer_kinds, linear_layer_matmul_params
+from .layers import GatedDeltaNet, IndexedAttention, layer_kinds, linear_layer_matmul_params
 from .placement import placement
 from .network import axis_groups, gather_seconds
 from .report import human_bytes, human_count, short_number
@@ -41,11 +41,10 @@ def inference_refusal(m: ModelShape) -> str | None:
     model shape), or None."""
     if m.vision is not None:
         return f"{m.name} is a vision-language model: seqmesh generates from text prompts of decoder-only models so far."
-    if (m.hybrid is not None and not _decoded_hybrid(m)) or m.indexed_layers:
-        what = "DeepSeek Sparse Attention" if m.indexed_layers else "these"
-        return (f"{m.name} has {what} layers, whose decode seqmesh does not run yet; plan an attention-only model, "
-                "one with Gated DeltaNet layers (Qwen3.5), or RecurrentGemma, Jamba, a Mamba2 hybrid, LFM2, MiniMax-01 "
-                "or Kimi Linear.")
+    if m.hybrid is not None and not _decoded_hybrid(m):
+        return (f"{m.name} has layers whose decode seqmesh does not run yet; plan an attention-only model (DeepSeek "
+                "Sparse Attention included), one with Gated DeltaNet layers (Qwen3.5), or RecurrentGemma, Jamba, a "
+                "Mamba2 hybrid, LFM2, MiniMax-01 or Kimi Linear.")
     return None
 
 
@@ -56,6 +55,34 @@ def _decoded_hybrid(m: ModelShape) -> bool:
     (seqmesh.hf.lightning), Kimi Linear's KDA (seqmesh.hf.kda) or a Nemotron-H feed-forward block (no mixer)."""
     return all(mixer in (ATTENTION, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, KDA, "")
                for mixer, _ in m.hybrid.blocks)
+
+
+def _cache_bytes(m: ModelShape, tokens: int, element_bytes: int, batch: int) -> tuple[int, int]:
+    """One rank's cache of ``tokens`` tokens: (the attention layers' keys and values, the DeepSeek Sparse Attention
+    layers' latents and indexer keys) (:mod:`seqmesh.rules.kv_cache`)."""
+    indexed = m.indexed_layers
+    dense = cache_bytes(tokens, m.layers - m.non_attention_layers - indexed, cached_heads(m), m.head_dim, m.value_dim,
+                        element_bytes, batch)
+    if not indexed:
+        return dense, 0
+    lat = m.latent
+    latent = lat.kv_lora_rank + lat.qk_rope_head_dim
+    return dense, indexed_cache_bytes(tokens, indexed, indexed - lat.shared_layers, latent, lat.index_head_dim,
+                                      element_bytes, batch)
+
+
+def _merge_seconds(m: ModelShape, batch: int, hw: HardwareSpec, group) -> float:
+    """A decode step's all-gathers: each attention layer's partials (output and log-sum-exp per head, float32; a
+    sparse layer's output is its latent), and each indexer's candidates (its top k scores and positions, 16 bytes
+    each)."""
+    indexed = m.indexed_layers
+    dense = m.layers - m.non_attention_layers - indexed
+    seconds = dense * gather_seconds(batch * m.heads * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
+    if indexed:
+        lat = m.latent
+        seconds += indexed * gather_seconds(batch * m.heads * (lat.kv_lora_rank + 1) * PARTIAL_BYTES, hw, group)
+        seconds += (indexed - lat.shared_layers) * gather_seconds(batch * lat.index_topk * 16, hw, group)
+    return seconds
 
 
 def cached_heads(m: ModelShape) -> int:
@@ -162,9 +189,9 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
     each layer gathered for its forward (FSDP2's next layer prefetched beside it) and the root kept gathered."""
     m, e, b = work.model, work.act_bytes, work.batch
     p = layout.ulysses * layout.ring
-    attention_layers = m.layers - m.non_attention_layers
-    kv = cache_bytes(cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring, work.layout), attention_layers,
-                     cached_heads(m), m.head_dim, m.value_dim, e, b)
+    dense_kv, sparse_kv = _cache_bytes(m, cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring,
+                                                      work.layout), e, b)
+    kv = dense_kv + sparse_kv
     states = _recurrent_state_bytes(m, b, e)
     split = placement(work, layout).split
     if sharded:  # the shards, the root (head and final norm) gathered, two layers or the embedding gathered at once
@@ -177,10 +204,16 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
     gathering = group if sharded else []
     kinds = layer_kinds(work, layout)
     prefill = sum(n * kind.seconds(hw, gathering)["forward"] for kind, n in kinds)
-    merge = attention_layers * gather_seconds(b * m.heads * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
+    merge = _merge_seconds(m, b, hw, group)
     decode = merge + (m.vocab * m.hidden + m.hidden) * e / hw.memory_bandwidth  # the LM head and the token's row
+    dense_layers = m.layers - m.non_attention_layers - m.indexed_layers
     for kind, n in kinds:  # each layer reads its weights and its cache share or state; sharded, it waits for its gather
-        own = kv / attention_layers if isinstance(kind, Attention) else states / m.non_attention_layers
+        if isinstance(kind, IndexedAttention):  # its share's latents and indexer keys, all scored
+            own = sparse_kv / m.indexed_layers
+        elif isinstance(kind, Attention):
+            own = dense_kv / dense_layers
+        else:
+            own = states / m.non_attention_layers
         read = (_read_bytes(kind, m, e) + own) / hw.memory_bandwidth
         gather = layer_fsdp_seconds(kind.params(), work, layout, hw, gathering)[0]
         decode += n * max(read, gather)

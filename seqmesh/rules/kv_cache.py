@@ -14,6 +14,15 @@ def cache_bytes(tokens: int, layers: int, kv_heads: int, key_dim: int, value_dim
     return batch * tokens * layers * kv_heads * (key_dim + value_dim) * element_bytes
 
 
+def indexed_cache_bytes(tokens: int, layers: int, indexer_layers: int, latent_dim: int, index_head_dim: int,
+                        element_bytes: int, batch: int = 1) -> int:
+    """Bytes of ``layers`` DeepSeek Sparse Attention layers' cache for ``tokens`` tokens (``seqmesh.inference.
+    indexed_decode``): MLA's own, each token's latent and rotated key (``latent_dim`` = kv_lora_rank +
+    qk_rope_head_dim) in every layer, and the indexer's key in the ``indexer_layers`` that have one (GLM-5's and
+    HY-V4's shared layers do not)."""
+    return batch * tokens * (layers * latent_dim + indexer_layers * index_head_dim) * element_bytes
+
+
 def cache_share(prompt: int, new_tokens: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
     """Tokens the fullest rank's cache holds after ``new_tokens`` (the last one drawn is never run): the prefill's
     share of the padded prompt (the padding falls on one rank), then each new token on the rank holding fewest,

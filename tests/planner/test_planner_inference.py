@@ -79,7 +79,8 @@ def test_a_qwen3_5_plan_counts_its_recurrent_states():
 def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     """RecurrentGemma-9B's shape (tests/planner/test_planner_mixers.py): its 26 recurrent blocks keep no cache but their
     state (float32, lru_width 4096, on every rank) and their conv's last 3 inputs (bf16); its 12 local-attention
-    layers' keys and values (one kv head of 256) are shared out; DeepSeek-V3.2 (DSA) stays refused by name."""
+    layers' keys and values (one kv head of 256) are shared out; DeepSeek-V3.2 (DSA) keeps MLA's latent, rotary key and
+    indexer key a token (seqmesh.inference.indexed_decode), no expanded heads."""
     from test_planner_mixers import RECURRENT_GEMMA_9B
 
     config = tmp_path / "recurrent_gemma" / "config.json"
@@ -94,9 +95,10 @@ def test_a_recurrent_gemma_plan_counts_its_recurrent_states(tmp_path):
     dsa = tmp_path / "deepseek_v32" / "config.json"
     dsa.parent.mkdir()
     dsa.write_text(family_config("deepseek-v3.2").to_json_string())
-    done = in_process(["plan", "--inference", "--model", str(dsa), "--seq-len", "4096"])
-    assert done.returncode == 2 and "DeepSeek Sparse Attention" in done.stderr and "RecurrentGemma" in done.stderr, \
-        done.stderr
+    plan = _plan("--model", str(dsa), "--seq-len", "4096", "--gpus", "2", "--new-tokens", "1")
+    config = family_config("deepseek-v3.2")  # 2 indexed layers, each an indexer: latent 16 + rotary 4 + indexer 8
+    per_token = 2 * (config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim)
+    assert plan["layouts"][0]["cache_bytes"] == per_token * 2 * 2048, plan  # bf16, 2048 tokens a rank
 
 
 @pytest.mark.parametrize("args, said", [
