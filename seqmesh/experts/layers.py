@@ -38,7 +38,11 @@ EXPERT_PARALLEL_FAMILIES = (
     "deepseek_v3", "deepseek_v2", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "dots1",
     "gpt_oss", "mixtral", "phimoe", "minimax", "minimax_m2", "jamba", "granitemoe", "granitemoeshared",
     "granitemoehybrid", "hunyuan_v1_moe", "exaone_moe", "cohere2_moe", "mimo_v2_flash", "laguna", "afmoe",
-    "solar_open", "nemotron_h", "lfm2_moe", "ernie4_5_moe", "llama4_text", "zaya")
+    "solar_open", "nemotron_h", "lfm2_moe", "ernie4_5_moe", "llama4_text", "zaya",
+    # the sparse-attention MoE families (HY-V4, A.X-K1/K2, dots.llm3), Kimi Linear, and the others whose experts
+    # module takes (hidden, top_k_index, top_k_weights) as the ones above
+    "hy_v3", "hy_v4", "axk1", "axk2", "dots3_note_text", "kimi_linear", "bailing_hybrid", "granitemoe_swa",
+    "kolibri1", "lara_mini", "mellum", "minimax_m3_vl_text", "sarvam_mla", "sarvam_moe", "aria_text")
 # of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
 SCALED_BEFORE_EXPERTS = ("llama4_text",)
 

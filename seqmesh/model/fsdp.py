@@ -51,12 +51,9 @@ def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
     kept in float32 by transformers in a bfloat16 or float64 model): each is an FSDP2 unit of its own."""
     from torch.distributed.fsdp import FSDPModule
 
-    sizes: dict[torch.dtype, int] = {}
-    for p in layer.parameters():
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    if len(sizes) < 2:
+    if len({p.dtype for p in layer.parameters()}) < 2:
         return []
-    main = max(sizes, key=sizes.get)
+    main = _main_dtype(layer)
     odd = []
     for module in layer.modules():
         own = {p.dtype for p in module.parameters(recurse=False)}
@@ -68,6 +65,50 @@ def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
     # innermost first (ERNIE-4.5-MoE's float32 router holds its float32 score-correction module): FSDP2 then leaves a
     # nested unit's weights to it, where sharding the outer one first made them DTensors the inner one refused
     return odd[::-1]
+
+
+def _check_one_dtype_per_unit(lm: nn.Module, layers: list[nn.Module]) -> None:
+    """Raise, before anything is sharded, where FSDP2 would meet weights of two dtypes in one unit (its own assertion
+    comes at the first forward): a module whose own weights have another dtype than its children's (HY-V4's float32
+    attention sinks beside its projections), or the root's (HY-V4's float32 LM head beside its final norm)."""
+    def problem(where: str, dtypes: dict) -> ValueError:
+        listed = "; ".join(f"{dtype}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                           for dtype, names in sorted(dtypes.items(), key=lambda kv: str(kv[0])))
+        return ValueError(f"{where} holds weights of more than one dtype ({listed}), which FSDP2 cannot shard as one "
+                          "unit (transformers keeps some of a family's weights in float32 whatever the model's dtype). "
+                          "Load the model in float32 (seqmesh's --bf16 computes in bfloat16 from float32 weights), "
+                          "or turn FSDP off.")
+
+    def dtypes_of(named) -> dict:
+        found: dict = {}
+        for name, p in named:
+            found.setdefault(p.dtype, []).append(name)
+        return found
+
+    elsewhere = {id(p) for layer in layers for p in layer.parameters()}
+    embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    if head is None or head.weight is not embedding.weight:  # an untied embedding is a unit of its own
+        elsewhere.add(id(embedding.weight))
+    for layer in layers:
+        main = _main_dtype(layer)
+        for name, module in layer.named_modules():
+            own = {p.dtype for p in module.parameters(recurse=False)}
+            below = dtypes_of((f"{name}.{n}", p) for n, p in module.named_parameters()
+                              if p.dtype == main and "." in n)
+            if own and main not in own and below:
+                own_named = dtypes_of((f"{name}.{n}", p) for n, p in module.named_parameters(recurse=False))
+                raise problem(f"{type(module).__name__} ({name})", {**below, **own_named})
+    rest = dtypes_of((n, p) for n, p in lm.named_parameters() if id(p) not in elsewhere)
+    if len(rest) > 1:
+        raise problem(f"{type(lm).__name__} outside its layers", rest)
+
+
+def _main_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The dtype of most of ``layer``'s weights (by elements)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in layer.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def units_of(layers: list[nn.Module]) -> list[list[nn.Module]]:
@@ -119,6 +160,7 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     shard = dict(mesh=mesh.fsdp_mesh, mp_policy=policy, offload_policy=offload)
     lm = getattr(root, "lm", root)
+    _check_one_dtype_per_unit(lm, vision_blocks(lm) + decoder_layers(lm))
     if experts is not None:  # before their layers: a layer's unit then leaves the experts' weights to them
         from ..experts.layers import experts_modules
 

@@ -82,7 +82,7 @@ def _grads(module, hidden, weights, out, probe) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", [f for f in EXPERT_PARALLEL_FAMILIES if f not in SCALED_BEFORE_EXPERTS])
 def test_split_experts_equal_the_module(family):
     module, text = _experts_of(family)
-    k = text.num_experts_per_tok
+    k = getattr(text, "num_experts_per_tok", None) or text.moe_topk  # Aria's is moe_topk
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(TOKENS, text.hidden_size, dtype=torch.float64, generator=g, requires_grad=True)
     index = torch.stack([torch.randperm(module.num_experts, generator=g)[:k] for _ in range(TOKENS)])
