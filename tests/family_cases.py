@@ -71,6 +71,12 @@ def family_config(family: str):
         if family == "deepseek-v3.2":
             return tf.DeepseekV32Config(**dsa)
         return tf.GlmMoeDsaConfig(**{**dsa, "num_hidden_layers": 3}, indexer_types=["full", "shared", "full"])
+    if family == "minimax-m3-sparse":  # a block-sparse layer, then a full one: blocks of 4 keys, the top 2 and its own
+        from census_configs import census_config
+
+        config = census_config("minimax_m3_vl_text+sparse")
+        config.index_block_size, config.index_topk_blocks = 4, 2
+        return config
     if family in CENSUS_NAMED:  # the census's tiny config: an indexer's top 16 of up to 45 keys
         from census_configs import census_config
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import own_attention
-from . import indexed_attention
+from . import block_sparse_attention, indexed_attention
 from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
@@ -270,8 +270,10 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     mixer_layers = mixers.mixer_layers(model, mesh, linear_attention)  # recurrences and convs, each checked
     own_attention.check_backend(mixer_layers.get(own_attention.KIND, []), backend)
     indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
+    sparse = block_sparse_attention.block_sparse_layers(model, mesh)  # MiniMax-M3's block-sparse attention
     check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed,
-                 handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types))  # every other mixer refused
+                 handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types)
+                 + ((block_sparse_attention.LAYER_TYPE,) if sparse else ()))  # every other mixer refused
     q_heads = getattr(text, "num_attention_heads", None)
     handled = {id(part) for layers in mixer_layers.values() for _, m in layers for part in m.modules()}
     tp = getattr(mesh, "tp", 1)
@@ -314,6 +316,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     for kind, layers in mixer_layers.items():  # attention of its own attends with the model's kernel, as its design
         kind.install(layers, mesh, backend if kind is own_attention.KIND else linear_attention)
     indexed_attention.install(indexed, mesh)
+    block_sparse_attention.install(sparse, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)
@@ -341,6 +344,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     # the registration is dropped from that mapping directly.
     mixers.uninstall(model)
     indexed_attention.uninstall(model)
+    block_sparse_attention.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)
     for module in model.modules():

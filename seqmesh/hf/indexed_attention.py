@@ -58,8 +58,8 @@ INDEXER_MIN_BLOCK = 128
 
 def is_indexed(module: nn.Module) -> bool:
     """Whether ``module`` is the attention of an indexed-attention layer (it holds, or shares, an indexer)."""
-    return type(module).__name__.endswith("Attention") and (getattr(module, "indexer", None) is not None
-                                                            or getattr(module, "skip_topk", False))
+    return type(module).__name__.endswith("Attention") and not layouts.is_block_sparse(module) and (
+        getattr(module, "indexer", None) is not None or getattr(module, "skip_topk", False))
 
 
 def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
@@ -73,9 +73,10 @@ def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
             raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
                              f"exactly: {problem}. seqmesh computes DeepSeek Sparse Attention in the layouts of "
                              f"transformers' {', '.join(layouts.FAMILIES)}: MLA with a lightning indexer run without "
-                             "gradients. A block-sparse selection over grouped-query attention (MiniMax-M3's, "
-                             "Qwen4-Exp's) is not computed: exact, it would gather each query's selected key blocks "
-                             "from the whole row as the MLA path gathers its latent rows.")
+                             "gradients, and MiniMax-M3's block-sparse layers (seqmesh.hf.block_sparse_attention). "
+                             "Qwen4-Exp's QSA selection (mean-pooled blocks of the tokens each query sees) is not "
+                             "computed: exact, it would gather each query's selected tokens from the whole row as "
+                             "those paths do.")
     return found
 
 
@@ -127,7 +128,7 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         b, length, _ = hidden.shape
         rule = layouts.indexer_rule(indexer)
         q, k = layouts.indexer_keys(indexer, rule, hidden, q_resid, position_embeddings)  # (B, L, H, D), (B, L, D)
-        keys = _whole_row(k, mesh, info).float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
+        keys = whole_row(k, mesh, info).float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
         weights = layouts.head_weights(indexer, rule, hidden)  # (B, L, H)
         total = keys.shape[-1]
         top = min(indexer.index_topk, total)
@@ -142,7 +143,7 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         return torch.cat(picks, dim=1), k
 
 
-def _whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor:
+def whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor:
     """``x`` (B, L, ...) of every rank, in row order, without the layout's padding: (B, T, ...)."""
     return gather_sequence(x, mesh, dim=1, layout=info.layout, length=info.seq_len, cu_seqlens=info.cu_seqlens)
 
@@ -237,7 +238,7 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     keep = getattr(info, "keep_indexed", None)  # a prefill of seqmesh.inference.generate: this rank's share
     if keep is not None:
         keep(module, local_rows, index_keys)
-    row = _whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
+    row = whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
     step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
     outputs = []
     for start in range(0, length, step):

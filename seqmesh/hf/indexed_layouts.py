@@ -60,6 +60,13 @@ def _module_function(module: nn.Module, name: str):
     return getattr(sys.modules[type(module).__module__], name)
 
 
+def is_block_sparse(module: nn.Module) -> bool:
+    """Whether ``module`` is the attention of a block-sparse layer (MiniMax-M3's: its indexer selects blocks of keys,
+    :mod:`.block_sparse_attention`), not one of the layouts above."""
+    indexer = getattr(module, "indexer", None)
+    return indexer is not None and hasattr(indexer, "topk_blocks") and hasattr(indexer, "block_size")
+
+
 def layout_problem(module: nn.Module) -> str | None:
     """Why seqmesh cannot compute ``module``'s indexed MLA in latent space, or None."""
     query = ("q_gate_proj",) if hasattr(module, "q_gate_proj") else ("q_b_proj",)

@@ -124,10 +124,14 @@ def _standard_names(cfg: dict) -> dict:
 
 
 def _own_attention_fields(cfg: dict) -> dict:
-    """A family whose attention layers seqmesh runs itself (``seqmesh.rules.own_attention``): a two-matrix MLP, and
-    for an ALiBi family the planner's reason (``seqmesh train`` runs it all the same)."""
+    """A family whose attention layers seqmesh runs itself (``seqmesh.rules.own_attention``, MiniMax-M3's block-sparse
+    layers): a two-matrix MLP, and for an ALiBi or block-sparse family the planner's reason (``seqmesh train`` runs
+    it all the same)."""
     family = cfg.get("model_type")
     fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
+    if "minimax_m3_sparse" in (cfg.get("layer_types") or ()):
+        fields["unplanned"] = ("seqmesh plan does not size MiniMax-M3's block-sparse layers yet (it would plan them as "
+                               "full attention); seqmesh train runs them all the same")
     if family in ALIBI:
         fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: on a GPU it runs on the math "
                                "kernel, whose (rows x keys) score block per call the planner does not count; seqmesh "

@@ -1,0 +1,81 @@
+"""MiniMax-M3's block-sparse attention (its ``minimax_m3_sparse`` layers) through seqmesh.hf: logits, loss and every
+parameter's gradient against transformers' model on the whole sequence (packed documents: each document alone, its
+blocks numbered from its first token), within the reference's own rounding, on Ulysses, ring and both; a selection
+one block short, and blocks numbered from the row's start instead of the document's, are seen."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_cases import family_parity, share_references
+
+FAMILY = "minimax-m3-sparse"  # blocks of 4 keys: each query its own block and the top 2 of up to 12
+ROUNDING_MULTIPLE = 4
+
+
+def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, 45)
+    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+
+
+def _outside_rounding(r: dict) -> list[str]:
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+
+
+def one_block_short(model) -> None:
+    for module in model.modules():
+        if hasattr(module, "topk_blocks"):
+            module.topk_blocks -= 1
+
+
+def _run_from_the_row_start(cases: list[tuple]) -> list[dict]:
+    """The mutation: every query's blocks numbered from the row's first token, as one transformers call over the
+    packed row would (each document's blocks must start at its own first token)."""
+    from seqmesh.hf import block_sparse_attention
+
+    documents = block_sparse_attention._documents
+
+    def from_row_start(mesh, info, device):
+        start, within, _ = documents(mesh, info, device)
+        return start * 0, start + within, info.seq_len
+
+    block_sparse_attention._documents = from_row_start
+    try:
+        return _run_all(cases)
+    finally:
+        block_sparse_attention._documents = documents
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1), (2, 2)], ids=["u1xr2", "u2xr1", "u2xr2"])
+def test_block_sparse_attention_exact(pools, ulysses, ring):
+    cases = [(FAMILY, ulysses, ring, layout, docs) for layout, docs in (("zigzag", False), ("per_document", True))]
+    for results in pools.run(ulysses * ring, _run_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+            assert r["rounding"]["logits"] < 1e-4, r  # a bound that could not hide a wrong selection
+
+
+def test_a_selection_one_block_short_is_seen(pools):
+    for results in pools.run(2, _run_all, [(FAMILY, 1, 2, "zigzag", False)], alter=one_block_short):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+
+
+def test_blocks_numbered_from_the_row_start_are_seen(pools):
+    for results in pools.run(2, _run_from_the_row_start, [(FAMILY, 1, 2, "per_document", True)]):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+
+
+def test_the_planner_and_generation_refuse_it_by_name(tmp_path):
+    """Neither sizes nor decodes the sparse layers yet: each says so, where a plan would have counted them as full
+    attention and a decode step would have attended within one token."""
+    from family_cases import build, family_config
+    from seqmesh.inference.generate import check_generate
+    from seqmesh.model.presets import model_shape
+
+    config = family_config(FAMILY)
+    config.save_pretrained(tmp_path)
+    assert "block-sparse" in model_shape(str(tmp_path)).unplanned
+    with pytest.raises(ValueError, match="block-sparse attention layers, whose decode"):
+        check_generate(build(config), mesh=None)  # refused before the mesh is read
