@@ -18,7 +18,6 @@ recomputed in backward rather than kept. The group is flat: the same on Ulysses,
 from __future__ import annotations
 
 import sys
-import types
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import sequence_positions
-from .indexed_attention import BLOCK_ELEMENTS, whole_row
+from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
 from .indexed_layouts import is_block_sparse, source
 
 _ATTR = "_seqmesh_block_sparse"
@@ -131,16 +130,7 @@ def _attend(module: nn.Module, query: torch.Tensor, row_k: torch.Tensor, row_v: 
 def _make_forward(mesh: SPMesh):
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
         # hidden_states (B, L, E) -> ((B, L, E), None)
-        info: SequenceInfo | None = kwargs.get("seqmesh")
-        name = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
-        if info is None:
-            raise ValueError(f"{name} runs sequence-parallel but was called without the 'seqmesh' entry; call the "
-                             "model with the batch returned by seqmesh.shard_batch (model(**batch)).")
-        if cache is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"{name} runs sequence-parallel and keeps no cache: call the model without one.")
-        if self.training and self.attention_dropout:
-            raise ValueError(f"attention dropout ({self.attention_dropout}) is not supported by seqmesh; set "
-                             "attention_dropout=0.")
+        info, _ = entry_of(self, cache, kwargs)
         b, length = hidden_states.shape[:-1]
         shape = (b, length, -1, self.head_dim)
         rotate = getattr(sys.modules[type(self).__module__], "apply_rotary_pos_emb")
@@ -182,15 +172,9 @@ def _make_forward(mesh: SPMesh):
 
 def install(layers: list[nn.Module], mesh: SPMesh) -> None:
     """Give ``layers`` (from :func:`block_sparse_layers`) the sequence-parallel forward; the class is untouched."""
-    forward = _make_forward(mesh)
-    for module in layers:
-        module.forward = types.MethodType(forward, module)
-        setattr(module, _ATTR, True)
+    replace_forward(layers, _make_forward(mesh), _ATTR)
 
 
 def uninstall(model: nn.Module) -> None:
     """Undo :func:`install`: the class's own forward again."""
-    for module in model.modules():
-        if getattr(module, _ATTR, False):
-            del module.forward
-            delattr(module, _ATTR)
+    restore_forward(model, _ATTR)

@@ -256,16 +256,7 @@ def _make_forward(mesh: SPMesh):
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):
         # hidden_states (B, L, E) -> ((B, L, E), None[, (B, L, k) the selection, for GLM-5's shared layers])
-        info: SequenceInfo | None = kwargs.get("seqmesh")
-        name = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
-        if info is None:
-            raise ValueError(f"{name} runs sequence-parallel but was called without the 'seqmesh' entry; call the "
-                             "model with the batch returned by seqmesh.shard_batch (model(**batch)).")
-        if cache is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"{name} runs sequence-parallel and keeps no cache: call the model without one.")
-        if self.training and self.attention_dropout:
-            raise ValueError(f"attention dropout ({self.attention_dropout}) is not supported by seqmesh; set "
-                             "attention_dropout=0.")
+        info, name = entry_of(self, cache, kwargs)
         b, length = hidden_states.shape[:-1]
         q_resid, query, gate = layouts.queries(self, hidden_states)  # query (B, L, H, Dn + Dr)
         q_pass, q_rot = torch.split(query, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -291,17 +282,42 @@ def _make_forward(mesh: SPMesh):
     return forward
 
 
-def install(layers: list[nn.Module], mesh: SPMesh) -> None:
-    """Give ``layers`` (from :func:`indexed_layers`) the sequence-parallel forward; the class is untouched."""
-    forward = _make_forward(mesh)
+def entry_of(module: nn.Module, cache, kwargs: dict) -> tuple[SequenceInfo, str]:
+    """The seqmesh entry of a sparse layer's call and the layer's name; a ValueError for a call it cannot serve
+    (no entry, a transformers cache, attention dropout in training)."""
+    info: SequenceInfo | None = kwargs.get("seqmesh")
+    name = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if info is None:
+        raise ValueError(f"{name} runs sequence-parallel but was called without the 'seqmesh' entry; call the "
+                         "model with the batch returned by seqmesh.shard_batch (model(**batch)).")
+    if cache is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError(f"{name} runs sequence-parallel and keeps no cache: call the model without one.")
+    if module.training and module.attention_dropout:
+        raise ValueError(f"attention dropout ({module.attention_dropout}) is not supported by seqmesh; set "
+                         "attention_dropout=0.")
+    return info, name
+
+
+def replace_forward(layers: list[nn.Module], forward, attr: str) -> None:
+    """Give each of ``layers`` ``forward`` as its own, marked with ``attr``; the class is untouched."""
     for module in layers:
         module.forward = types.MethodType(forward, module)
-        setattr(module, _ATTR, True)
+        setattr(module, attr, True)
+
+
+def restore_forward(model: nn.Module, attr: str) -> None:
+    """Undo :func:`replace_forward` on every module of ``model`` marked with ``attr``: the class's own forward."""
+    for module in model.modules():
+        if getattr(module, attr, False):
+            del module.forward
+            delattr(module, attr)
+
+
+def install(layers: list[nn.Module], mesh: SPMesh) -> None:
+    """Give ``layers`` (from :func:`indexed_layers`) the sequence-parallel forward; the class is untouched."""
+    replace_forward(layers, _make_forward(mesh), _ATTR)
 
 
 def uninstall(model: nn.Module) -> None:
     """Undo :func:`install`: the class's own forward again."""
-    for module in model.modules():
-        if getattr(module, _ATTR, False):
-            del module.forward
-            delattr(module, _ATTR)
+    restore_forward(model, _ATTR)

@@ -25,6 +25,7 @@ source does not say what seqmesh computes is refused by name (:func:`layout_prob
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -49,7 +50,9 @@ _SCALES = {"q_lora_scale": "q_resid = q_resid * self.q_lora_scale",
 _SINKS = "s_aux=self.sinks"
 
 
+@functools.lru_cache(maxsize=None)  # read once a class: each layer's forward asks on every call
 def source(function) -> str:
+    """``function``'s source, or "" where Python cannot read it."""
     try:
         return inspect.getsource(function)
     except (OSError, TypeError):
