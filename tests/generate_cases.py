@@ -19,13 +19,14 @@ def _mutated(mutation: str | None):
     outputs without their log-sum-exp; ``"every_rank_keeps"`` has every rank keep each new token's key and value;
     ``"state_not_carried"``: Gated DeltaNet's, the RG-LRU's, Mamba's and Mamba2's decode start from a zero state
     instead of the prefill's (a short conv, which keeps no state, and ZAYA's CCA from a zero conv tail);
-    ``"local_selection"``: a sparse-attention decode step takes each rank's own top k keys for the row's."""
+    ``"local_selection"``: a sparse-attention decode step takes each rank's own top k keys for the row's;
+    ``"local_blocks"``: a block-sparse step scores each block by the rank's own keys only."""
     from seqmesh.hf import cca, kda, lightning, linear_attention, mamba, mamba2, rg_lru, short_conv
-    from seqmesh.inference import cache, decode, indexed_decode
+    from seqmesh.inference import block_sparse_decode, cache, decode, indexed_decode
 
     saved = (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
              rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step, lightning.lightning_step,
-             kda.kda_step, cca.cca_step, indexed_decode.global_top)
+             kda.kda_step, cca.cca_step, indexed_decode.global_top, block_sparse_decode.block_scores)
     if mutation == "plain_mean":
         def plain_mean(out, lse, mesh, sinks=None):
             import torch.distributed as dist
@@ -50,6 +51,12 @@ def _mutated(mutation: str | None):
         kda.kda_step = lambda qkv, g, beta, w, bias, heads, state, tail, **kw: saved[8](
             qkv, g, beta, w, bias, heads, torch.zeros_like(state), tail, **kw)
         cca.cca_step = lambda module, hidden, delayed, tail: saved[9](module, hidden, delayed, torch.zeros_like(tail))
+    elif mutation == "local_blocks":
+        def own_keys_only(scores, positions, block_size, blocks, mesh):
+            best = scores.new_full((*scores.shape[:2], blocks), float("-inf"))
+            where = (positions.to(scores.device) // block_size).expand(*scores.shape[:2], -1)
+            return best.scatter_reduce(-1, where, scores, reduce="amax", include_self=True)
+        block_sparse_decode.block_scores = own_keys_only
     elif mutation == "local_selection":
         indexed_decode.global_top = lambda scores, positions, k, total, mesh: positions.to(scores.device)[
             scores.topk(min(k, scores.shape[-1]), dim=-1).indices]
@@ -58,7 +65,8 @@ def _mutated(mutation: str | None):
     finally:
         (decode.merge_partials, cache.ShardedKVCache.next_owner, linear_attention.decode_gated_delta,
          rg_lru.rg_lru_step, mamba.mamba_step, mamba2.ssd_step, short_conv.short_conv_step,
-         lightning.lightning_step, kda.kda_step, cca.cca_step, indexed_decode.global_top) = saved
+         lightning.lightning_step, kda.kda_step, cca.cca_step, indexed_decode.global_top,
+         block_sparse_decode.block_scores) = saved
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
@@ -149,9 +157,11 @@ def _share_bytes(config, tokens: int) -> int:
         dims = (kv, head_dim, head_dim)
     # RecurrentGemma's layers_block_type (before transformers 5.2x: "recurrent" / "attention"; layer_types after)
     # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
-    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "attention")
-                 for kind in kinds)  # ZAYA's hybrid layers are attention with its CCA projection
-    return cache_bytes(tokens, layers, *dims, 8, batch=2) + sparse
+    layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "attention",
+                          "minimax_m3_sparse") for kind in kinds)  # ZAYA's hybrid layers: attention, its CCA projection
+    blocked = kinds.count("minimax_m3_sparse") * cache_bytes(tokens, 1, 1, config.index_head_dim, 0, 8, batch=2) \
+        if "minimax_m3_sparse" in kinds else 0  # MiniMax-M3's sparse layers keep their indexer's key too
+    return cache_bytes(tokens, layers, *dims, 8, batch=2) + sparse + blocked
 
 
 def generated_cases(cases: list[tuple], **kwargs) -> list[dict]:

@@ -138,6 +138,10 @@ def _make_forward(mesh: SPMesh):
         key = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)  # (B, Hkv, L, D)
         value = self.v_proj(hidden_states).view(shape)  # (B, L, Hkv, D)
         query, key = rotate(query, key, *position_embeddings)
+        decode = getattr(info, "block_sparse_step", None)  # a decode step of seqmesh.inference.generate
+        if decode is not None:
+            out = decode(self, hidden_states, position_embeddings, query, key, value.transpose(1, 2))
+            return self.o_proj(out.reshape(b, length, -1)), None
         indexer = self.indexer
         start, within, longest = _documents(mesh, info, hidden_states.device)
         blocks = -(-longest // indexer.block_size)  # the most blocks a document holds
@@ -147,6 +151,9 @@ def _make_forward(mesh: SPMesh):
             cos, sin = position_embeddings
             index_key = rotate(index_key.transpose(1, 2), index_key.transpose(1, 2), cos[..., :di], sin[..., :di])[0]
             row_index_keys = whole_row(index_key[:, 0], mesh, info)  # (B, T, Di)
+        keep = getattr(info, "keep_block_sparse", None)  # a prefill of seqmesh.inference.generate: this rank's share
+        if keep is not None:
+            keep(self, key, value.transpose(1, 2), index_key)
         row_k = whole_row(key.transpose(1, 2), mesh, info)  # (B, T, Hkv, D): one gather each, one scatter back
         row_v = whole_row(value, mesh, info)
         keys_per_query = min(indexer.topk_blocks, blocks) * indexer.block_size

@@ -52,8 +52,8 @@ LAYER_TYPE_REASONS = {
 }
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
-             "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (DeepSeek-V3.2 and GLM-5's "
-             "indexed_attention layers), MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
+             "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (the indexed_attention layers of "
+             "DeepSeek-V3.2, GLM-5, HY-V4, A.X-K2 and dots.llm3), MiniMax-M3's block-sparse layers, MHA/GQA/MQA, MLA head dims, packed documents; per-token layers "
              "(MLP, MoE, norms); the Gated DeltaNet layers of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; "
              "the Mamba2 layers of Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
              "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; the lightning attention layers "

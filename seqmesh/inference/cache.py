@@ -110,6 +110,13 @@ class Prefill(SequenceInfo):
         values (B, Hk, L, D) of ``module``; the attention then runs as in training."""
         self.cache.keep(module, key, value)
 
+    def keep_block_sparse(self, module, key: torch.Tensor, value: torch.Tensor, index_key: torch.Tensor) -> None:
+        """Called by a MiniMax-M3 block-sparse layer (``seqmesh.hf.block_sparse_attention``) in its prefill: this
+        rank's keys and values (B, Hkv, L, D), and its indexer's keys (B, 1, L, Di), filed under the indexer
+        (:mod:`.block_sparse_decode`)."""
+        self.cache.keep(module, key, value)
+        self.cache.keep(module.indexer, index_key, index_key[..., :0])
+
     def keep_indexed(self, module, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Called by a DeepSeek Sparse Attention layer (``seqmesh.hf.indexed_attention``) in its prefill: this rank's
         tokens' latent and rotated key (B, L, R + Dr) and indexer keys (B, L, Di; None in a shared layer), kept as
@@ -135,6 +142,13 @@ class DecodeStep(SequenceInfo):
         from .decode import attend_step
 
         return attend_step(module, query, key, value, self, mesh, scaling, kwargs)
+
+    def block_sparse_step(self, module, hidden, position_embeddings, query, key, value):
+        """Called by a MiniMax-M3 block-sparse layer in place of its attention: the new token's, over the sharded
+        cache (:func:`.block_sparse_decode.block_sparse_step`) -> (B, 1, Hq, D)."""
+        from .block_sparse_decode import block_sparse_step
+
+        return block_sparse_step(module, hidden, position_embeddings, query, key, value, self, self.cache.mesh)
 
     def indexed_step(self, module, hidden, q_resid, q_pass, q_rot, row, position_embeddings, prev_picks):
         """Called by a DeepSeek Sparse Attention layer in place of its attention: the new token's, over the sharded

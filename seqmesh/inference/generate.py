@@ -61,7 +61,6 @@ class Generated:
 
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
-    from ..hf.indexed_layouts import is_block_sparse
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..vision.families import is_multimodal
@@ -70,10 +69,6 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     if is_multimodal(model.config):
         raise ValueError(f"{name} is a vision-language model: seqmesh generates from text prompts of decoder-only "
                          "models so far.")
-    if any(is_block_sparse(m) for m in model.modules()):
-        raise ValueError(f"{name} has MiniMax-M3's block-sparse attention layers, whose decode seqmesh does not run "
-                         "yet (each step would need the indexer's keys kept beside the cache and a block selection "
-                         "over every rank's share); generate with a model without them.")
     if mesh.tp > 1:
         raise ValueError(f"tp={mesh.tp}: seqmesh generates on a sequence mesh without tensor parallelism (tp=1) so far; "
                          "pass --ulysses and --ring only.")

@@ -67,15 +67,11 @@ def test_blocks_numbered_from_the_row_start_are_seen(pools):
             assert "logits" in _outside_rounding(r), r
 
 
-def test_the_planner_and_generation_refuse_it_by_name(tmp_path):
-    """Neither sizes nor decodes the sparse layers yet: each says so, where a plan would have counted them as full
-    attention and a decode step would have attended within one token."""
-    from family_cases import build, family_config
-    from seqmesh.inference.generate import check_generate
+def test_the_planner_refuses_it_by_name(tmp_path):
+    """The planner does not size the sparse layers yet, and says so, where a plan would have counted them as full
+    attention (generation runs them: tests/inference/test_generate.py)."""
+    from family_cases import family_config
     from seqmesh.model.presets import model_shape
 
-    config = family_config(FAMILY)
-    config.save_pretrained(tmp_path)
+    family_config(FAMILY).save_pretrained(tmp_path)
     assert "block-sparse" in model_shape(str(tmp_path)).unplanned
-    with pytest.raises(ValueError, match="block-sparse attention layers, whose decode"):
-        check_generate(build(config), mesh=None)  # refused before the mesh is read

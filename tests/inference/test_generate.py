@@ -25,6 +25,15 @@ def _here(family: str) -> bool:
         return False
 
 
+def _sparse_layers(family: str) -> bool:
+    """Whether ``family``'s sparse layers are the ones seqmesh computes (transformers 5.15, the floor, lays DeepSeek
+    Sparse Attention out otherwise, and seqmesh refuses it there by name)."""
+    from family_cases import family_config
+
+    kinds = getattr(family_config(family), "layer_types", None) or ()
+    return "indexed_attention" in kinds or "minimax_m3_sparse" in kinds
+
+
 def _check(r: dict, ulysses: int, ring: int, against: str = "logits") -> None:
     world = ulysses * ring
     assert r["tokens_equal"], r
@@ -82,11 +91,14 @@ def test_sparse_attention_families_generate_as_transformers(pools, ulysses, ring
     """DeepSeek-V3.2, GLM-5 and HY-V4 (layers sharing the previous selection), A.X-K2 and dots.llm3: a decode step's
     indexer scores each rank's share, the row's top k are found from every rank's own top k, and the picked keys of
     each share attend in latent space, merged by log-sum-exp; the cache holds each token's latent, rotated key and
-    indexer key once. The logits are held to transformers' own generate, not its forward over the whole sequence:
+    indexer key once. MiniMax-M3's block-sparse layer (blocks of 4, the top 2 and the token's own): each block's score
+    the best of its keys over every rank's share (one all-reduce), each rank attending to its keys in the chosen
+    blocks. The logits are held to transformers' own generate, not its forward over the whole sequence:
     the indexer scores in float32 even in a float64 model, and its products over one query and over a whole row
     round differently, so a near tie can fall the other way (DeepSeek-V3.2 here: keys 47 and 63 at the second step,
     3.4e-2 on the logits between transformers' two paths)."""
-    families = [f for f in ("deepseek-v3.2", "glm-5", "hy-v4", "a.x-k2", "dots.llm3") if _here(f)]
+    families = [f for f in ("deepseek-v3.2", "glm-5", "hy-v4", "a.x-k2", "dots.llm3", "minimax-m3-sparse")
+                if _here(f) and _sparse_layers(f)]
     for results in pools.run(ulysses * ring, generated_cases, [(f, ulysses, ring, PROMPT, NEW) for f in families]):
         for r in results:
             _check(r, ulysses, ring, against="against_theirs")
@@ -113,10 +125,12 @@ def test_greedy_tokens_on_a_two_dimensional_mesh(pools):
                                               ("state_not_carried", "jamba"), ("state_not_carried", "mamba2"),
                                               ("state_not_carried", "minimax"), ("state_not_carried", "kimi_linear"),
                                               ("state_not_carried", "zaya"),
-                                              ("local_selection", "deepseek-v3.2"), ("plain_mean", "hy-v4")])
+                                              ("local_selection", "deepseek-v3.2"), ("plain_mean", "hy-v4"),
+                                              ("local_blocks", "minimax-m3-sparse")])
 def test_a_merge_without_its_log_sum_exp_a_token_kept_twice_or_a_state_not_carried_is_seen(pools, mutation, family):
     """Each fault moves the logits far from transformers' forward and from its generate alike; ``local_selection``: a
-    sparse-attention decode step that takes each rank's own top k keys for the row's."""
+    sparse-attention decode step that takes each rank's own top k keys for the row's; ``local_blocks``: a
+    block-sparse step that scores each block by the rank's own keys only."""
     if not _here(family):
         pytest.skip(f"this transformers has no {family}")
     for results in pools.run(2, generated_cases, [(family, 1, 2, PROMPT, NEW)], mutation=mutation):
