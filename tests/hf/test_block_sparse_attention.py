@@ -75,3 +75,15 @@ def test_the_planner_refuses_it_by_name(tmp_path):
 
     family_config(FAMILY).save_pretrained(tmp_path)
     assert "block-sparse" in model_shape(str(tmp_path)).unplanned
+
+
+def test_a_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train`` from MiniMax-M3's config.json with a block-sparse layer, ring 2."""
+    import math
+
+    from family_cases import family_config
+    from train_job_cases import verify_then_train
+
+    good, losses = verify_then_train(pools, tmp_path, family_config(FAMILY))
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

@@ -145,6 +145,19 @@ def test_a_deepseek_v32_config_json_verifies_and_trains_on_four_ranks(pools, tmp
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
+def test_an_hy_v4_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train`` from HY-V4's config.json (hyper-connections, sinks, a shared layer,
+    weights transformers keeps in float32 beside the float32 model) on ring 2 with FSDP2 and checkpointing."""
+    import math
+
+    from family_cases import family_config
+    from train_job_cases import verify_then_train
+
+    good, losses = verify_then_train(pools, tmp_path, family_config("hy-v4"), checkpointing=True)
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
 def _compile_refusal() -> tuple[str, bool]:
     """parallelize_model's refusal of compile on a DeepSeek-V3.2 model, and whether anything was installed first."""
     import transformers as tf
