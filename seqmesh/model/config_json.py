@@ -231,16 +231,33 @@ def _fixed_size_tower(cfg: dict, v: dict) -> VisionShape:
 def _mlp_fields(cfg: dict) -> dict:
     """The MLP of a config.json: its experts (each of ``moe_intermediate_size`` where the config names one, as
     Qwen3.5-MoE, whose config has no dense ``intermediate_size``; gpt-oss's are ``intermediate_size``), or one
-    dense MLP. DeepSeek's and GLM's ``n_shared_experts`` (each an expert's size) and first dense layers
-    (``mlp_layer_types`` "dense", or the first ``first_k_dense_replace``; of ``intermediate_size``) are counted."""
+    dense MLP. DeepSeek's and GLM's ``n_shared_experts`` (each an expert's size, or ``shared_expert_intermediate_size``
+    wide where the config names one: then one, Qwen's gated) and dense layers (``mlp_layer_types`` "dense"; Qwen-MoE's
+    ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips; or the first ``first_k_dense_replace``; of
+    ``intermediate_size``) are counted."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return dict(intermediate=cfg["intermediate_size"])
-    kinds = cfg.get("mlp_layer_types")
-    dense = kinds.count("dense") if kinds else min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])
+    kinds, layers = cfg.get("mlp_layer_types"), cfg["num_hidden_layers"]
+    if kinds:
+        dense = kinds.count("dense")
+    elif cfg.get("mlp_only_layers") is not None or (cfg.get("decoder_sparse_step") or 1) > 1:  # Qwen-MoE's convention
+        step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+        dense = sum(i in only or (i + 1) % step != 0 for i in range(layers))
+    else:
+        dense = min(cfg.get("first_k_dense_replace") or 0, layers)
+    shared_width = next((cfg[k] for k in _SHARED_WIDTHS if cfg.get(k)), 0)
+    shared = cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or (1 if shared_width else 0)
     return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
-                experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=cfg.get("n_shared_experts") or 0,
+                experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=shared,
+                shared_intermediate=shared_width, shared_gate=cfg.get("model_type") in _SHARED_GATED,
                 dense_layers=dense, dense_intermediate=cfg.get("intermediate_size") or 0 if dense else 0)
+
+
+# the width of a family's shared expert where it is not a routed expert's (Qwen2-MoE, Qwen3-Next, Granite-MoE-shared,
+# MiniMax-M3, ...), and the families that gate it by a (hidden -> 1) projection of the token
+_SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
+_SHARED_GATED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def _latent_fields(cfg: dict) -> dict:

@@ -228,6 +228,8 @@ class ModelShape:
     vision: VisionShape | None = None  # a vision-language model's tower (family "qwen2_5_vl", "qwen3_vl")
     latent: LatentShape | None = None  # MLA's sizes (head_dim is then its query/key head dim); None: q, k, v heads
     shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
+    shared_intermediate: int = 0  # their width where it is not ``intermediate`` (Qwen2-MoE's, Qwen3-Next's); 0: the same
+    shared_gate: bool = False  # the shared expert's output gated by a (hidden -> 1) projection (Qwen's)
     dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
     hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)
@@ -296,9 +298,16 @@ class ModelShape:
         if self.hybrid is not None:
             return max(ffn.params for _, ffn in self.hybrid.ffns) if self.hybrid.ffns else 0
         if self.experts:
-            experts = (self.experts + self.shared_experts) * 3 * self.hidden * self.intermediate
-            return experts + self.experts * self.hidden  # + the router
+            experts = self.experts * 3 * self.hidden * self.intermediate
+            return experts + self.shared_expert_params + self.experts * self.hidden  # + the router
         return self.mlp_matrices * self.hidden * self.intermediate
+
+    @property
+    def shared_expert_params(self) -> int:
+        """An MoE layer's shared experts (gated MLPs of ``shared_intermediate``, or of an expert's width) and their
+        gate."""
+        width = self.shared_intermediate or self.intermediate
+        return self.shared_experts * 3 * self.hidden * width + (self.hidden if self.shared_gate else 0)
 
     @property
     def mlp_matrices(self) -> int:

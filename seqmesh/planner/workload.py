@@ -111,8 +111,10 @@ def layer_matmul_params(m: ModelShape) -> int:
     and its own feed-forward (none in Nemotron-H)."""
     if m.hybrid is not None:
         return m.attention_params + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
-    routed = (m.experts_per_token or 1) + m.shared_experts
-    mlp = m.mlp_matrices * m.hidden * m.intermediate * routed + m.experts * m.hidden
+    if not m.experts:
+        return m.attention_params + m.mlp_matrices * m.hidden * m.intermediate
+    mlp = m.mlp_matrices * m.hidden * m.intermediate * (m.experts_per_token or 1) + m.shared_expert_params
+    mlp += m.experts * m.hidden  # the router
     return m.attention_params + mlp
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from seqmesh.rules.degrees import Degrees
 from seqmesh.experts.traffic import expected_exchange_bytes
@@ -187,3 +188,33 @@ def test_json_with_expert_parallelism_matches_the_documented_schema(configs, cap
     split = [c for c in out["candidates"] if c["layout"].get("ep", 1) > 1]
     assert split and all(c["comm_bytes_per_step"]["ep_all_to_all"] > 0 for c in split)
     assert all("ep" not in c["layout"] for c in out["candidates"] if c not in split)
+
+
+@pytest.mark.parametrize("name", ["granitemoeshared", "mixtral", "deepseek_v3"])
+def test_moe_parameters_are_what_transformers_builds(name, tmp_path):
+    """A shared expert of its own width (Granite-MoE-shared's shared_intermediate_size), none (Mixtral), or of an
+    expert's (DeepSeek-V3's n_shared_experts): the planner's count equals the model transformers builds."""
+    from transformers import AutoModelForCausalLM
+
+    from census_configs import census_config
+
+    config = census_config(name)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert model_shape(str(tmp_path)).params == built
+
+
+def test_qwen_moe_dense_layers_are_read_from_mlp_only_layers(tmp_path):
+    """Qwen-MoE's convention: the layers of mlp_only_layers, and those decoder_sparse_step skips, have a dense MLP."""
+    import json
+
+    base = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                num_experts_per_tok=2)
+    for extra, dense in (({}, 0), ({"mlp_only_layers": [0, 1]}, 2), ({"decoder_sparse_step": 2}, 3),
+                         ({"mlp_only_layers": [1], "decoder_sparse_step": 2}, 4)):
+        path = tmp_path / f"{dense}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**base, **extra}))
+        assert model_shape(str(path)).dense_layers == dense, extra
