@@ -228,7 +228,7 @@ class ModelShape:
     vision: VisionShape | None = None  # a vision-language model's tower (family "qwen2_5_vl", "qwen3_vl")
     latent: LatentShape | None = None  # MLA's sizes (head_dim is then its query/key head dim); None: q, k, v heads
     shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
-    shared_intermediate: int = 0  # their width where it is not ``intermediate`` (Qwen2-MoE's, Qwen3-Next's); 0: the same
+    shared_intermediate: int = 0  # their width where not ``intermediate`` (Qwen2-MoE's, Qwen3-Next's); 0: the same
     shared_gate: bool = False  # the shared expert's output gated by a (hidden -> 1) projection (Qwen's)
     dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
