@@ -79,10 +79,11 @@ def _check_one_dtype_per_unit(lm: nn.Module, layers: list[nn.Module]) -> None:
                           "Load the model in float32 (seqmesh's --bf16 computes in bfloat16 from float32 weights), "
                           "or turn FSDP off.")
 
-    def dtypes_of(named) -> dict:
+    def dtypes_of(named) -> dict:  # of the trainable weights: FSDP2 leaves frozen ones out of its rule
         found: dict = {}
         for name, p in named:
-            found.setdefault(p.dtype, []).append(name)
+            if p.requires_grad:
+                found.setdefault(p.dtype, []).append(name)
         return found
 
     elsewhere = {id(p) for layer in layers for p in layer.parameters()}
@@ -92,7 +93,7 @@ def _check_one_dtype_per_unit(lm: nn.Module, layers: list[nn.Module]) -> None:
     for layer in layers:
         main = _main_dtype(layer)
         for name, module in layer.named_modules():
-            own = {p.dtype for p in module.parameters(recurse=False)}
+            own = {p.dtype for p in module.parameters(recurse=False) if p.requires_grad}
             below = dtypes_of((f"{name}.{n}", p) for n, p in module.named_parameters()
                               if p.dtype == main and "." in n)
             if own and main not in own and below:
