@@ -17,8 +17,6 @@ recomputed in backward rather than kept. The group is flat: the same on Ulysses,
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -27,7 +25,7 @@ from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import sequence_positions
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
-from .indexed_layouts import is_block_sparse, source
+from .indexed_layouts import is_block_sparse, module_function, source
 
 _ATTR = "_seqmesh_block_sparse"
 LAYER_TYPE = "minimax_m3_sparse"
@@ -71,10 +69,11 @@ def _documents(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     """For each local token: its document's first index in the row and its index within the document (padding: the
     row's first token, index 0), as (L,) int64 tensors on ``device``; and the longest document's length."""
     positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).to(device)
-    bounds = torch.tensor(info.cu_seqlens or (0, info.seq_len), device=device)
+    cuts = tuple(info.cu_seqlens or (0, info.seq_len))  # on the host: no device sync for the longest
+    bounds = torch.tensor(cuts, device=device)
     positions = positions.masked_fill(positions >= info.seq_len, 0)
     start = bounds[torch.bucketize(positions, bounds[1:], right=True)]
-    return start, positions - start, int(torch.diff(bounds).max())
+    return start, positions - start, max(b - a for a, b in zip(cuts, cuts[1:]))
 
 
 def _select(indexer: nn.Module, rotate, hidden: torch.Tensor, position_embeddings, row_keys: torch.Tensor,
@@ -133,7 +132,7 @@ def _make_forward(mesh: SPMesh):
         info, _ = entry_of(self, cache, kwargs)
         b, length = hidden_states.shape[:-1]
         shape = (b, length, -1, self.head_dim)
-        rotate = getattr(sys.modules[type(self).__module__], "apply_rotary_pos_emb")
+        rotate = module_function(self, "apply_rotary_pos_emb")
         query = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)  # (B, Hq, L, D)
         key = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)  # (B, Hkv, L, D)
         value = self.v_proj(hidden_states).view(shape)  # (B, L, Hkv, D)

@@ -73,11 +73,15 @@ def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
             raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
                              f"exactly: {problem}. seqmesh computes DeepSeek Sparse Attention in the layouts of "
                              f"transformers' {', '.join(layouts.FAMILIES)}: MLA with a lightning indexer run without "
-                             "gradients, and MiniMax-M3's block-sparse layers (seqmesh.hf.block_sparse_attention). "
-                             "Qwen4-Exp's QSA selection (mean-pooled blocks of the tokens each query sees) is not "
-                             "computed: exact, it would gather each query's selected tokens from the whole row as "
-                             "those paths do.")
+                             "gradients." + (_QSA if hasattr(getattr(module, "indexer", None), "compress_ratio")
+                                             else ""))
     return found
+
+
+# what a user of Qwen4-Exp's QSA indexer (blocks of its query's visible tokens, mean-pooled) is told beside the refusal
+_QSA = (" Qwen4-Exp's QSA selection (mean-pooled blocks of the tokens each query sees) is not computed: exact, it "
+        "would gather each query's selected tokens from the whole row, as the DeepSeek and MiniMax-M3 paths gather "
+        "theirs.")
 
 
 def _problem(module: nn.Module, mesh: SPMesh) -> str | None:

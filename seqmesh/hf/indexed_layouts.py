@@ -12,8 +12,8 @@ GLM-5           the same; an interleaved indexer rotary; ``shared`` layers reuse
 HY-V4           a half-split MLA rotary; an attention sink per head; a sigmoid gate per value channel from the
                 hidden state (``gate_proj``); its indexer's rotated part last, its scale on the head weights, its
                 key norm in the norm's own dtype; ``shared`` layers as GLM-5
-A.X-K2          no ``q_b_proj``: one product of ``[q_a_layernorm(x), x]`` (``q_gate_proj``) gives the query and a
-                sigmoid gate per value channel, applied in float32
+A.X-K2          no ``q_b_proj``: one product of ``[q_a_layernorm(q_a(x)), q_a(x)]`` (``q_gate_proj``) gives the
+                query and a sigmoid gate per value channel, applied in float32
 dots.llm3       the query and latent scaled after their norms (``q_lora_scale``, ``kv_lora_scale``), the rotary
                 key normed (``k_rope_only_layernorm``) and cast back after the rotary; a sigmoid gate per head
                 (``g_proj``); its non-indexed layers are plain MLA through the attention interface
@@ -59,7 +59,8 @@ def source(function) -> str:
         return ""
 
 
-def _module_function(module: nn.Module, name: str):
+def module_function(module: nn.Module, name: str):
+    """The function ``name`` of the transformers module that defines ``module``'s class (its rotary, say)."""
     return getattr(sys.modules[type(module).__module__], name)
 
 
@@ -128,7 +129,7 @@ def rotate(module: nn.Module, q_rot: torch.Tensor, k_rot: torch.Tensor, position
     """MLA's rotary as the module applies it: q_rot (B, H, L, Dr), k_rot (B, 1, L, Dr)."""
     forward = source(type(module).forward)
     interleaved = _INTERLEAVED in forward
-    fn = _module_function(module, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
+    fn = module_function(module, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
     dtypes = q_rot.dtype, k_rot.dtype
     q_rot, k_rot = fn(q_rot, k_rot, *position_embeddings)
     if "q_rot.to(q_dtype)" in forward:  # dots.llm3 casts back what the rotary promoted
@@ -186,7 +187,7 @@ def indexer_rule(indexer: nn.Module) -> IndexerRule | str:
     if on_scores == on_weights:
         return f"its indexer ({type(indexer).__name__}) applies its softmax_scale where seqmesh does not know"
     interleaved = "apply_rotary_pos_emb_interleave(q_rot, k_rot" in forward
-    rotate = _module_function(indexer, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
+    rotate = module_function(indexer, "apply_rotary_pos_emb_interleave" if interleaved else "apply_rotary_pos_emb")
     return IndexerRule(rotate, first, on_weights, "self.k_norm.weight.dtype" in forward)
 
 

@@ -15,12 +15,11 @@ owner appends its rows. Then:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..hf.indexed_layouts import module_function
 from ..kernels.base import lse_dtype
 from ..mesh import SPMesh
 from . import decode
@@ -45,7 +44,7 @@ def block_sparse_step(module: nn.Module, hidden: torch.Tensor, position_embeddin
     :class:`~.cache.DecodeStep`."""
     cache, indexer = step.cache, module.indexer
     b, di, bs = hidden.shape[0], indexer.head_dim, indexer.block_size
-    rotate = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb")
+    rotate = module_function(module, "apply_rotary_pos_emb")
     cos, sin = position_embeddings
     index_q = indexer.q_norm(indexer.q_proj(hidden).view(b, 1, -1, di)).transpose(1, 2)  # (B, Hi, 1, Di)
     index_k = indexer.k_norm(indexer.k_proj(hidden).view(b, 1, 1, di)).transpose(1, 2)  # (B, 1, 1, Di)
@@ -65,15 +64,14 @@ def block_sparse_step(module: nn.Module, hidden: torch.Tensor, position_embeddin
     values_top, chosen = best.topk(min(indexer.topk_blocks, blocks), dim=-1)
     chosen = chosen.masked_fill(values_top == float("-inf"), -1)  # (B, Hi, k)
     seen = (positions // bs)[None, None, :, None].eq(chosen[:, :, None, :]).any(-1)  # (B, Hi, n)
-    heads = query.shape[1]
-    seen = seen.repeat_interleave(heads // seen.shape[1], dim=1)  # (B, Hq, n)
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    seen = seen.repeat_interleave(heads // seen.shape[1], dim=1).view(b, kv_heads, -1, seen.shape[-1])  # (B, Hkv, G, n)
     ct = lse_dtype(query.dtype)
-    group = heads // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).to(ct)  # (B, Hq, n, D)
-    v = values.repeat_interleave(group, dim=1).to(ct)
-    logits = torch.matmul(query.to(ct), k.transpose(-1, -2))[:, :, 0] * module.scaling  # (B, Hq, n)
+    grouped = query.to(ct).view(b, kv_heads, -1, query.shape[-1])  # (B, Hkv, G, D): each key head's query heads
+    logits = torch.matmul(grouped, keys.to(ct).transpose(-1, -2)) * module.scaling  # (B, Hkv, G, n), no head copies
     logits = logits.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # (B, Hq)
+    lse = torch.logsumexp(logits, dim=-1)  # (B, Hkv, G)
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.matmul(torch.exp(logits - finite[..., None])[:, :, None], v)  # (B, Hq, 1, D)
-    return decode.merge_partials(out.transpose(1, 2), lse[..., None], mesh).to(query.dtype)
+    out = torch.matmul(torch.exp(logits - finite[..., None]), values.to(ct))  # (B, Hkv, G, D)
+    out, lse = out.reshape(b, heads, 1, -1), lse.reshape(b, heads, 1)
+    return decode.merge_partials(out.transpose(1, 2), lse, mesh).to(query.dtype)

@@ -81,9 +81,9 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         what = ", ".join(sorted(kinds))
         raise ValueError(f"{name} has {what} layers, whose decode seqmesh does not run yet (their state would have to "
                          "stay where the prefill made it); generate with an attention-only model (Llama, Qwen, "
-                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA, DeepSeek Sparse Attention; BLOOM, MPT, Falcon, "
-                         "GPT-Neo), one with Gated "
-                         "DeltaNet layers (Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
+                         "Mistral, Gemma, gpt-oss, DeepSeek-V3's MLA, DeepSeek Sparse Attention, MiniMax-M3's "
+                         "block-sparse layers; BLOOM, MPT, Falcon, GPT-Neo), one with Gated DeltaNet layers "
+                         "(Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
                          "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2), LFM2's short "
                          "convolutions, MiniMax-01's lightning attention, Kimi Linear's KDA or ZAYA's CCA.")
 

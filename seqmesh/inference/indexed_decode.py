@@ -8,8 +8,9 @@ rank alike; the rank that owns it appends its rows. Then:
 
 1. **selection**: each rank scores its share's keys as the indexer does (``sum_h w_h relu(q_h . k)``, float32) and
    takes its own top ``k``; one all-gather of those ``P x k`` (score, position) pairs, laid out in row order, and the
-   top ``min(k, T)`` of them are the top ``k`` of the whole row, as transformers picks them (a key outside a rank's
-   own top ``k`` is outside the row's). A shared layer takes the previous layer's picks;
+   top ``min(k, T)`` of them are the top ``k`` of the whole row (a key outside a rank's own top ``k`` is outside the
+   row's). At an exact tie of scores the pick may differ from transformers' (``torch.topk`` promises no order for
+   ties; the candidates are in row order, as its row is). A shared layer takes the previous layer's picks;
 2. **attention**: each rank attends to the picked keys of its share in latent space (the query's no-RoPE part through
    ``kv_b_proj``'s key half), and the partial results merge by log-sum-exp in one all-gather
    (:func:`.decode.merge_partials`, with HY-V4's sinks); the merged latent goes through the value half.
@@ -45,7 +46,7 @@ def global_top(scores: torch.Tensor, positions: torch.Tensor, k: int, total: int
     dist.all_gather(gathered, packed, group=mesh.sp_group)
     every = torch.cat(gathered, dim=1)  # (B, P k, 2)
     where = every[..., 1].long()
-    # in row order, as transformers' row (its ties fall the same way); the empty slots last
+    # in row order, as transformers' row is; the empty slots last
     order = torch.where(where < 0, torch.iinfo(torch.long).max, where).argsort(dim=-1, stable=True)
     values = every[..., 0].gather(1, order).to(scores.dtype)
     where = where.gather(1, order)

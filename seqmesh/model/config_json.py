@@ -76,12 +76,8 @@ def shape_from_config(path: str) -> ModelShape:
             vocab=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            **({"head_dim": cfg.get("head_dim") or hidden // heads} | _latent_fields(cfg)),
-            **_mlp_fields(cfg),
-            **_linear_fields(cfg),
-            **_window_fields(cfg),
-            **_own_attention_fields(cfg),
-            **hybrid,
+            **_merged({"head_dim": cfg.get("head_dim") or hidden // heads} | _latent_fields(cfg), _mlp_fields(cfg),
+                      _linear_fields(cfg), _window_fields(cfg), _own_attention_fields(cfg), hybrid),
             vision=vision,
         )
     except KeyError as missing:
@@ -124,9 +120,9 @@ def _standard_names(cfg: dict) -> dict:
 
 
 def _own_attention_fields(cfg: dict) -> dict:
-    """A family whose attention layers seqmesh runs itself (``seqmesh.rules.own_attention``, MiniMax-M3's block-sparse
-    layers): a two-matrix MLP, and for an ALiBi or block-sparse family the planner's reason (``seqmesh train`` runs
-    it all the same)."""
+    """A family whose attention layers seqmesh runs itself (``seqmesh.rules.own_attention``; MiniMax-M3's block-sparse
+    layers, ``seqmesh.hf.block_sparse_attention``): a two-matrix MLP, and for an ALiBi or block-sparse family the
+    planner's reason (``seqmesh train`` runs it all the same)."""
     family = cfg.get("model_type")
     fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
     if "minimax_m3_sparse" in (cfg.get("layer_types") or ()):
@@ -281,16 +277,27 @@ def _latent_fields(cfg: dict) -> dict:
 
 
 # the DeepSeek Sparse Attention layouts whose output gate the planner counts (seqmesh.hf.indexed_layouts)
-_LATENT_GATES = {"axk2": "fused", "dots3_note": "head", "dots3_note_text": "head"}
+_LATENT_GATES = {"axk2": "fused", "dots3_note": "head", "dots3_note_text": "head", "hy_v4": "value"}
+
+
+def _merged(*parts: dict) -> dict:
+    """The readers' fields in one dict; where more than one gives a reason the planner cannot size the model, all of
+    them, joined."""
+    out, reasons = {}, []
+    for part in parts:
+        reasons += [part["unplanned"]] if part.get("unplanned") else []
+        out |= {k: v for k, v in part.items() if k != "unplanned"}
+    return out | ({"unplanned": "; ".join(reasons)} if reasons else {})
 
 
 def _indexed_layout_fields(cfg: dict) -> dict:
     """What MLA's other layouts add: the output gate (A.X-K2's, dots.llm3's), A.X-K2's gated norms; or why the planner
     does not size the model: HY-V4's hyper-connections, dots.llm3's layers of other sizes (``per_layer_config``)."""
     family = cfg.get("model_type", "")
-    if (cfg.get("hc_mult") or 1) > 1:
-        return {"unplanned": f"seqmesh plan does not size the hyper-connections of {family} yet ({cfg['hc_mult']} "
-                             "residual streams a token, mixed around each block); seqmesh train runs it all the same"}
+    if cfg.get("hc_mult"):  # its mixing weights even with one stream
+        return {"unplanned": f"seqmesh plan does not size the hyper-connections of {family} yet (hc_mult="
+                             f"{cfg['hc_mult']}: residual streams a token, mixed around each block); seqmesh train "
+                             "runs it all the same"}
     if cfg.get("per_layer_config"):
         return {"unplanned": f"seqmesh plan does not size layers of different sizes ({family}'s per_layer_config: "
                              "its sliding layers' heads and latents differ from its indexed ones'); seqmesh train "

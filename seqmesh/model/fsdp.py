@@ -56,7 +56,7 @@ def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
     main = _main_dtype(layer)
     odd = []
     for module in layer.modules():
-        own = {p.dtype for p in module.parameters(recurse=False)}
+        own = {p.dtype for p in module.parameters(recurse=False) if p.requires_grad}  # FSDP2's rule: trainable ones
         if own and own != {main} and not isinstance(module, FSDPModule):
             if len(own) > 1:
                 raise ValueError(f"{type(module).__name__} holds weights of dtypes {sorted(map(str, own))}; FSDP2 "

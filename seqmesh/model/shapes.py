@@ -172,7 +172,8 @@ class LatentShape:
     indexed_layers: int = 0
     shared_layers: int = 0
     # the output gate: "fused" (A.X-K2: q_gate_proj, from [q_a_layernorm(x), q_a(x)], gives the query and one gate a
-    # value channel), "head" (dots.llm3: g_proj, one a head, and a norm on the rotary key), "" none
+    # value channel), "head" (dots.llm3: g_proj, one a head, and a norm on the rotary key), "value" (HY-V4: gate_proj
+    # from the hidden state, one a value channel, beside a sink a head), "" none
     gate: str = ""
 
     @property
@@ -191,6 +192,8 @@ class LatentShape:
         own = query + kv + heads * self.v_head_dim * hidden
         if self.gate == "head":
             own += hidden * heads + self.qk_rope_head_dim
+        if self.gate == "value":  # HY-V4: gate_proj, one gate a value channel, and a sink a head
+            own += hidden * heads * self.v_head_dim + heads
         if not indexer:
             return own
         di, hi = self.index_head_dim, self.index_n_heads

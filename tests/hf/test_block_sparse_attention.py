@@ -9,7 +9,7 @@ import pytest
 
 from family_cases import family_parity, share_references
 
-FAMILY = "minimax-m3-sparse"  # blocks of 4 keys: each query its own block and the top 2 of up to 12
+FAMILY = "minimax-m3-sparse"  # blocks of 4 keys: each query the top 2 of up to 12, its own block always one of them
 ROUNDING_MULTIPLE = 4
 
 

@@ -158,24 +158,27 @@ def test_an_hy_v4_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
-def _compile_refusal() -> tuple[str, bool]:
-    """parallelize_model's refusal of compile on a DeepSeek-V3.2 model, and whether anything was installed first."""
+def _compile_refusal(family: str = "deepseek-v3.2") -> tuple[str, bool]:
+    """parallelize_model's refusal of compile on a model with sparse layers, and whether anything was installed
+    first."""
     import transformers as tf
 
     from dist_cases import get_mesh
     from family_cases import family_config
     from seqmesh.compose import ParallelPlan, parallelize_model
 
-    model = tf.AutoModelForCausalLM.from_config(family_config("deepseek-v3.2"))
+    model = tf.AutoModelForCausalLM.from_config(family_config(family))
     try:
         parallelize_model(model, get_mesh(1, 1), ParallelPlan(compile=True, fsdp=False))
         message = ""
     except ValueError as err:
         message = str(err)
-    return message, any(hasattr(m, "_seqmesh_indexed") for m in model.modules())
+    installed = ("_seqmesh_indexed", "_seqmesh_block_sparse")
+    return message, any(hasattr(m, name) for m in model.modules() for name in installed)
 
 
-def test_compile_is_refused_by_name_before_any_work(pools):
-    message, installed = pools.run(1, _compile_refusal)[0]
-    assert "compile=True with DeepSeek Sparse Attention" in message and "--no-compile" in message, message
-    assert not installed
+@pytest.mark.parametrize("family", ["deepseek-v3.2", "minimax-m3-sparse"])
+def test_compile_is_refused_by_name_before_any_work(pools, family):
+    message, installed = pools.run(1, _compile_refusal, family)[0]
+    assert "compile=True with DeepSeek Sparse Attention or MiniMax-M3's block-sparse layers" in message, message
+    assert "--no-compile" in message and not installed, message
