@@ -6,6 +6,7 @@ import contextlib
 import copy
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dist_cases import get_mesh
 from family_cases import build, family_config
@@ -69,6 +70,29 @@ def _mutated(mutation: str | None):
          block_sparse_decode.block_scores) = saved
 
 
+class SelectionMargin(TorchFunctionMode):
+    """The least relative gap, over every float32 ``topk`` of ``k`` a model's sparse selection calls, between the k-th
+    score of a row and the next one below it (exact ties left out: torch's own topk breaks those, the same code on
+    every machine at the pinned torch, whatever its BLAS). A gap of a few float32 units would let another machine's
+    rounding pick another key; the sparse tests' data keeps it far above that."""
+
+    def __init__(self, k: int | None) -> None:
+        super().__init__()
+        self.k, self.least = k, float("inf")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        k = args[1] if len(args) > 1 else kwargs.get("k")
+        if func is torch.Tensor.topk and k == self.k and args[0].dtype == torch.float32 and args[0].shape[-1] > k:
+            pair = args[0].sort(dim=-1, descending=True).values[..., k - 1:k + 1]
+            pair = pair[torch.isfinite(pair).all(-1)]
+            gap = (pair[:, 0] - pair[:, 1]) / pair[:, 0].abs().clamp(min=1e-30)
+            if bool((gap > 0).any()):
+                self.least = min(self.least, float(gap[gap > 0].min()))
+        return out
+
+
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
                      mutation: str | None = None, end_at: int | None = None, sharded: bool = False) -> dict:
     """The parallelized float64 model's greedy tokens and logits for a batch of two prompts beside transformers'
@@ -80,8 +104,9 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
     reference = build(config)
     reference.generation_config.eos_token_id = None  # seqmesh generates max_new_tokens whatever it draws
     ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
-    theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                output_logits=True, return_dict_in_generate=True)
+    with SelectionMargin(getattr(config, "index_topk", None)) as margin:
+        theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                    output_logits=True, return_dict_in_generate=True)
     end = None
     if end_at is not None:  # the token row 0 draws at step end_at ends a sequence: row 0 stops there, the other pads
         end = int(theirs.sequences[0, prompt_len + end_at])
@@ -105,6 +130,7 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             "logits": float((done.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
             "their_logits": float((torch.stack(theirs.logits, 1) - exact).abs().max()),
             "against_theirs": float((done.logits - torch.stack(theirs.logits, 1)).abs().max()),
+            "selection_margin": margin.least,
             "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
             "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()),
             "state_elements": [sum(t.numel() for t in kept) for kept in zip(*done.cache.states.values())] or [0, 0],
