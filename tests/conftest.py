@@ -32,6 +32,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+# seqmesh's Triton kernels run on this CPU under Triton's interpreter, which Triton reads when it is first imported:
+# set here, before any test imports it, and inherited by every rank. A machine with a GPU runs them compiled.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # What nearly every rank imports (torch, seqmesh, transformers' model machinery and the families most cases build,
 # the case modules): the fork server imports them once, in the background while pytest collects, and every rank
 # of every pool starts with them (seqmesh.comm.launch); a spawned rank would take seconds to import them itself.

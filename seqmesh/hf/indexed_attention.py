@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.sparse_latent import sparse_latent_attention, uses_kernel
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import gather_sequence, sequence_positions
@@ -171,27 +172,6 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     return positions.tolist(), allowed
 
 
-class _GatherRows(torch.autograd.Function):
-    """``rows[b, index[b, i, j]]``: rows (B, T, C), index (B, l, k) -> (B, l, k, C), one ``index_select`` of whole
-    rows; backward adds each gathered row's gradient back into its row with ``index_add_`` (advanced indexing's
-    backward, ``index_put_`` with accumulation, sorts the indices first: half of a DSA layer's CPU time)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        b, t, c = rows.shape
-        flat = (index + torch.arange(b, device=index.device)[:, None, None] * t).reshape(-1)
-        ctx.save_for_backward(flat)
-        ctx.rows_shape = rows.shape
-        return rows.reshape(b * t, c).index_select(0, flat).view(*index.shape, c)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (flat,) = ctx.saved_tensors
-        b, t, c = ctx.rows_shape
-        summed = grad.new_zeros(b * t, c).index_add_(0, flat, grad.reshape(-1, c))
-        return summed.view(b, t, c), None
-
-
 def latent_query(module: nn.Module, q_pass: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
     """The query in MLA's latent space: its no-RoPE part (B, l, H, Dn) through ``kv_b_proj``'s key half, beside its
     rotated part (B, l, H, Dr) -> (B, l, H, R + Dr), to score against a row's latent and rotated key side by side."""
@@ -212,18 +192,9 @@ def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks, valid) -> to
     whole row's latent and rotated key side by side; picks (B, l, k) indices into it, valid (B, l, k) those the query
     may see -> (B, l, H, Dv)."""
     rank = row.shape[-1] - q_rot.shape[-1]
-    chosen = _GatherRows.apply(row, picks)  # (B, l, k, R + Dr): each selected key's latent and rotated key
-    # one product with both halves of the key
-    scores = torch.einsum("blhc,blkc->blhk", latent_query(module, q_pass, q_rot), chosen) * module.scaling
-    precise = torch.promote_types(scores.dtype, torch.float32)
-    scores = scores.to(precise).masked_fill(~valid[:, :, None], float("-inf"))
-    sinks = layouts.sinks(module)  # (H,): a logit in each head's softmax that no value answers (HY-V4)
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1).to(row.dtype)
-    else:
-        sink = sinks.to(precise)[:, None].expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(row.dtype)
-    return latent_output(module, torch.einsum("blhk,blkr->blhr", probs, chosen[..., :rank]))
+    attended = sparse_latent_attention(latent_query(module, q_pass, q_rot), row, picks.masked_fill(~valid, -1),
+                                       module.scaling, rank, layouts.sinks(module))  # (B, l, H, R)
+    return latent_output(module, attended)
 
 
 def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_states, q_resid, q_pass, q_rot,
@@ -243,7 +214,8 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     if keep is not None:
         keep(module, local_rows, index_keys)
     row = whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
-    step = block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
+    # the torch form gathers (B, block, k, R + Dr) rows: blocks of queries; the kernel gathers inside itself: one
+    step = length if uses_kernel(row) else block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
     outputs = []
     for start in range(0, length, step):
         block = slice(start, start + step)

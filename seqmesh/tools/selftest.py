@@ -82,7 +82,7 @@ def cuda_plan(minutes: float) -> SelftestPlan:
     model, _ = longest_model(host_memory_bytes())
     return SelftestPlan("cuda", "bfloat16", [(8192, 32, 8, 128), (32768, 32, 8, 128)], "llama3.2-1b",
                         [8192, 16384, 32768], model, 32768, 32768, 1 << 22, total, minutes,
-                        ["tests/attention/test_gpu.py"])
+                        ["tests/attention/test_gpu.py", "tests/attention/test_sparse_latent_kernel.py"])
 
 
 def rehearsal_plan() -> SelftestPlan:
@@ -113,6 +113,7 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         out.update(device=props.name, memory_bytes=props.total_memory, capability=list(torch.cuda.get_device_capability()))
         out["recurrent_kernels"] = recurrent_kernels(torch.device("cuda", 0))
+        out["sparse_latent_kernel"] = sparse_latent_kernel(torch.device("cuda", 0))
     try:
         import flash_attn  # noqa: F401
 
@@ -129,6 +130,16 @@ def recurrent_kernels(device: torch.device) -> dict[str, str]:
 
     return {name: "runs" if works else "absent" if KERNELS[name].load() is None else "fails"
             for name, works in probe_kernels(device).items()}
+
+
+def sparse_latent_kernel(device: torch.device) -> str:
+    """DeepSeek Sparse Attention's Triton kernel on ``device``: "runs", "absent" (no Triton) or "fails" (probed: the
+    torch form runs instead, and the probe has warned)."""
+    from ..kernels.sparse_latent import PROBE
+
+    if PROBE.works("sparse_latent", device):
+        return "runs"
+    return "absent" if PROBE.kernels["sparse_latent"].load() is None else "fails"
 
 
 def run_gpu_tests(plan: SelftestPlan) -> dict:
@@ -355,6 +366,9 @@ def format_report(report: dict) -> str:
         lines.append("recurrent kernels: " + ", ".join(f"{name} {verdict}" + (" (seqmesh's torch rule runs instead)"
                                                                              if verdict == "fails" else "")
                                                        for name, verdict in env["recurrent_kernels"].items()))
+    if env.get("sparse_latent_kernel"):
+        lines.append(f"sparse attention kernel (Triton): {env['sparse_latent_kernel']}"
+                     + (" (seqmesh's torch form runs instead)" if env["sparse_latent_kernel"] == "fails" else ""))
     failed = [name for name in STEPS if isinstance(report[name], dict)
               and "error" in report[name]]
     for name in failed:

@@ -39,6 +39,20 @@ def _run_in_small_blocks(cases: list[tuple]) -> list[dict]:
         indexed_attention.BLOCK_ELEMENTS = saved
 
 
+def _run_on_the_kernel(cases: list[tuple]) -> list[dict]:
+    """:func:`_run_all` with every layer's latent attention on the Triton kernel (seqmesh.kernels.sparse_latent_triton,
+    a GPU's path), here under Triton's interpreter (tests/conftest.py)."""
+    from seqmesh.hf import indexed_attention
+    from seqmesh.kernels import sparse_latent
+
+    saved = sparse_latent.uses_kernel
+    indexed_attention.uses_kernel = sparse_latent.uses_kernel = lambda row: True
+    try:
+        return _run_all(cases)
+    finally:
+        indexed_attention.uses_kernel = sparse_latent.uses_kernel = saved
+
+
 def one_key_short(model) -> None:
     """The mutation: every indexer of the parallelized model keeps one key fewer than the model's top-k."""
     for module in model.modules():
@@ -96,6 +110,16 @@ def test_indexed_attention_exact(pools, ulysses, ring):
 def test_exact_in_blocks_of_a_few_queries(pools):
     cases = [(f, 2, 2, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("per_document", True))]
     for results in pools.run(4, _run_in_small_blocks, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+
+
+def test_exact_on_the_triton_kernel(pools):
+    """The layers as a GPU runs them: the latent attention on the Triton kernel, one call for all of a rank's queries,
+    the hidden picks folded into the indices, HY-V4's sinks in the kernel's softmax and their gradient."""
+    pytest.importorskip("triton")
+    cases = [(f, 1, 2, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("per_document", True))]
+    for results in pools.run(2, _run_on_the_kernel, cases):
         for r in results:
             assert not _outside_rounding(r), r
 

@@ -1,0 +1,140 @@
+"""Token-sparse attention in MLA's latent space: each query attends only to its own selection of a row's keys
+(DeepSeek Sparse Attention's top-k), its heads sharing that selection.
+
+    query (B, L, H, R + Dr)   the query through ``kv_b_proj``'s key half, beside its rotated part
+    row   (B, T, R + Dr)      every key's latent (its key and its value at once) and rotated key
+    picks (B, L, K) int64     each query's selected rows of ``row``; -1 where the query may not see the pick
+    -> (B, L, H, R)           softmax(query . row[picks] * scale [, a sink per head]) @ row[picks, :R]
+
+Two forms of the same math: :func:`sparse_latent_reference` in torch (gathers the ``(B, L, K, R + Dr)`` selected
+rows, which the caller keeps small by blocks of queries), and a Triton kernel
+(:mod:`.sparse_latent_triton`) that gathers inside the kernel and never writes that tensor. :func:`sparse_latent_attention`
+takes the kernel on a CUDA device where Triton is installed and the kernel passes its probe (a few queries forward
+and backward, once per device; one warning and the torch form otherwise), the torch form elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..linear_attention.probe import Kernel, KernelProbe
+
+
+class GatherRows(torch.autograd.Function):
+    """``rows[b, index[b, i, j]]``: rows (B, T, C), index (B, l, k) -> (B, l, k, C), one ``index_select`` of whole
+    rows; backward adds each gathered row's gradient back into its row with ``index_add_`` (advanced indexing's
+    backward, ``index_put_`` with accumulation, sorts the indices first: half of a DSA layer's CPU time)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        b, t, c = rows.shape
+        flat = (index + torch.arange(b, device=index.device)[:, None, None] * t).reshape(-1)
+        ctx.save_for_backward(flat)
+        ctx.rows_shape = rows.shape
+        return rows.reshape(b * t, c).index_select(0, flat).view(*index.shape, c)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (flat,) = ctx.saved_tensors
+        b, t, c = ctx.rows_shape
+        summed = grad.new_zeros(b * t, c).index_add_(0, flat, grad.reshape(-1, c))
+        return summed.view(b, t, c), None
+
+
+def sparse_latent_reference(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, scale: float, rank: int,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch form (module docstring's shapes). Scores in the inputs' dtype, scaled, then softmax in at least
+    float32, as transformers' DeepSeek-V3.2 eager attention; ``sinks`` (H,) a logit per head no value answers."""
+    valid = picks >= 0
+    chosen = GatherRows.apply(row, picks.clamp(min=0))  # (B, L, K, R + Dr): each selected key's latent and rotated key
+    scores = torch.einsum("blhc,blkc->blhk", query, chosen) * scale  # both halves of the key in one product
+    precise = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(precise).masked_fill(~valid[:, :, None], float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(row.dtype)
+    else:
+        sink = sinks.to(precise)[:, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(row.dtype)
+    return torch.einsum("blhk,blkr->blhr", probs, chosen[..., :rank])
+
+
+class SparseLatentTriton(torch.autograd.Function):
+    """The Triton kernel's forward and backward as one autograd op (inputs as :func:`sparse_latent_reference`'s)."""
+
+    @staticmethod
+    def forward(ctx, query, row, picks, sinks, scale: float, rank: int):
+        from . import sparse_latent_triton as kernel
+
+        dtype = _product_dtype(query, row)  # the kernel's products take one dtype
+        ctx.dtypes = query.dtype, row.dtype
+        query, row, picks = query.to(dtype).contiguous(), row.to(dtype).contiguous(), picks.contiguous()
+        out, lse = kernel.forward(query, row, picks, scale, rank, sinks)
+        ctx.save_for_backward(query, row, picks, out, lse, sinks)
+        ctx.scale, ctx.rank = scale, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import sparse_latent_triton as kernel
+
+        query, row, picks, out, lse, sinks = ctx.saved_tensors
+        grad = grad.to(out.dtype).contiguous()
+        d_query, d_row = kernel.backward(query, row, picks, out, grad, lse, ctx.scale, ctx.rank)
+        d_sinks = None
+        if sinks is not None:  # the sink's probability times minus each (query, head)'s sum of out . d out
+            delta = (out.float() * grad.float()).sum(-1)  # (B, L, H)
+            d_sinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
+        return d_query.to(ctx.dtypes[0]), d_row.to(ctx.dtypes[1]), None, d_sinks, None, None
+
+
+def _product_dtype(query: torch.Tensor, row: torch.Tensor) -> torch.dtype:
+    """The dtype the products run in: autocast's where it is on for the device (as the torch form's einsums),
+    else the wider of the two."""
+    if torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type)
+    return torch.promote_types(query.dtype, row.dtype)
+
+
+def _triton_loaded():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    return SparseLatentTriton.apply
+
+
+def _probe(fn, device: torch.device, generator: torch.Generator) -> None:
+    """The kernel on 4 queries of 3 heads, 5 picks of 8 rows (one hidden), in bf16, forward and backward, held to the
+    torch form: a kernel that runs but answers otherwise on this device fails its probe too."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
+
+    query, row = rand(1, 4, 3, 24), rand(1, 8, 24)
+    picks = torch.randint(0, 8, (1, 4, 5), generator=generator, device=device)
+    picks[0, :, 0] = -1
+    out = fn(query, row, picks, None, 0.2, 16)
+    out.float().sum().backward()
+    expected = sparse_latent_reference(query.detach().float(), row.detach().float(), picks, 0.2, 16)
+    error = (out.float() - expected).abs().max().item()
+    if not error < 0.05:
+        raise RuntimeError(f"the kernel's output is {error:.3g} from the torch form's")
+
+
+PROBE = KernelProbe({"sparse_latent": Kernel("triton", _triton_loaded, _probe)})
+
+
+def uses_kernel(row: torch.Tensor) -> bool:
+    """Whether :func:`sparse_latent_attention` takes the Triton kernel for tensors like ``row``: on CUDA, Triton
+    installed, the probe passed there; never on fake tensors (a rehearsal measures the torch form's memory)."""
+    if row.device.type != "cuda" or torch._subclasses.fake_tensor.is_fake(row):
+        return False
+    return PROBE.works("sparse_latent", row.device)
+
+
+def sparse_latent_attention(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, scale: float, rank: int,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, L, H, R + Dr), (B, T, R + Dr), (B, L, K) -> (B, L, H, R): the module docstring's attention, on the Triton
+    kernel where :func:`uses_kernel`, else in torch."""
+    if uses_kernel(row):
+        return SparseLatentTriton.apply(query, row, picks, sinks, scale, rank)
+    return sparse_latent_reference(query, row, picks, scale, rank, sinks)

@@ -1,0 +1,115 @@
+"""The Triton kernel of DeepSeek Sparse Attention's latent attention (seqmesh.kernels.sparse_latent_triton), run on
+this CPU by Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU; on a GPU, compiled), against plain PyTorch on the whole row: dense scores of every query against every
+key, the unselected masked, in float64. Its output and the gradients of query, row and sinks are held within a
+multiple of float32's own rounding of that reference, measured in the same run; a gather one key off is seen. The
+layer on the kernel is held to transformers' model in tests/hf/test_indexed_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROUNDING_MULTIPLE = 4
+
+
+def dense_reference(query, row, picks, scale, rank, sinks=None):
+    """query (B, L, H, C), row (B, T, C), picks (B, L, K) (-1: none) -> (B, L, H, rank): every key scored, the
+    unselected masked out, one softmax (with a sink logit per head), the selected latents summed."""
+    b, length, _ = picks.shape
+    seen = torch.zeros(b, length, row.shape[1] + 1, dtype=torch.bool)
+    seen.scatter_(2, torch.where(picks >= 0, picks, row.shape[1]), True)  # -1 lands in a spare column
+    scores = torch.einsum("blhc,btc->blht", query, row) * scale
+    scores = scores.masked_fill(~seen[:, :, None, :-1], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : row.shape[1]]
+    return torch.einsum("blht,btr->blhr", probs, row[..., :rank])
+
+
+def _inputs(heads: int, with_sinks: bool, seed: int = 0):
+    """2 rows of 40 tokens, 5 queries each, latents of 20 and rotated keys of 6 (neither a power of two), 37 picks (two
+    blocks of the kernel's 32, the second partial) of distinct rows, some hidden: a query's whole first block hidden,
+    so its running maximum starts at -inf."""
+    g = torch.Generator().manual_seed(seed)
+    b, length, t, rank, rot, k = 2, 5, 40, 20, 6, 37
+    query = torch.randn(b, length, heads, rank + rot, generator=g, dtype=torch.float64)
+    row = torch.randn(b, t, rank + rot, generator=g, dtype=torch.float64)
+    picks = torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(b * length)]).view(b, length, k)
+    hidden = torch.rand(b, length, k, generator=g) < 0.2
+    hidden[0, 1, :32] = True
+    picks = picks.masked_fill(hidden, -1)
+    sinks = torch.randn(heads, generator=g, dtype=torch.float64) if with_sinks else None
+    return query, row, picks, sinks
+
+
+def _value_and_grads(fn, query, row, picks, sinks, dtype):
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (query, row) + ((sinks,) if sinks is not None else ())]
+    out = fn(leaves[0], leaves[1], picks, 0.3, 20, leaves[2] if sinks is not None else None)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)
+    (out.double() * weights).sum().backward()
+    return [out.detach().double()] + [x.grad.double() for x in leaves]
+
+
+def _errors(got, want):
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel(query, row, picks, scale, rank, sinks=None):
+    """The kernel's autograd op on :data:`DEVICE`, its results back on the CPU."""
+    from seqmesh.kernels.sparse_latent import SparseLatentTriton
+
+    moved = [x.to(DEVICE) if x is not None else None for x in (query, row, picks, sinks)]
+    return SparseLatentTriton.apply(moved[0], moved[1], moved[2], moved[3], scale, rank).cpu()
+
+
+@pytest.mark.parametrize("heads,with_sinks", [(3, False), (18, True)], ids=["3-heads", "18-heads-sinks"])
+def test_kernel_matches_dense_pytorch_within_float32_rounding(heads, with_sinks):
+    """3 heads (one block of 16, padded) and 18 (two blocks adding into the same rows' gradients)."""
+    inputs = _inputs(heads, with_sinks)
+    exact = _value_and_grads(dense_reference, *inputs, torch.float64)
+    rounding = _errors(_value_and_grads(dense_reference, *inputs, torch.float32), exact)
+    errors = _errors(_value_and_grads(kernel, *inputs, torch.float32), exact)
+    print(f"{heads} heads: kernel {errors}, float32 rounding {rounding}")
+    assert all(e <= ROUNDING_MULTIPLE * r for e, r in zip(errors, rounding)), (errors, rounding)
+    assert max(rounding) < 1e-5  # the bound could not hide a wrong key (a relative error ~1e-1)
+
+
+def test_the_torch_form_matches_dense_pytorch():
+    """The CPU's form, which the kernel replaces on a GPU, held to the same reference."""
+    from seqmesh.kernels.sparse_latent import sparse_latent_reference
+
+    inputs = _inputs(18, True)
+    exact = _value_and_grads(dense_reference, *inputs, torch.float64)
+    rounding = _errors(_value_and_grads(dense_reference, *inputs, torch.float32), exact)
+    errors = _errors(_value_and_grads(sparse_latent_reference, *inputs, torch.float32), exact)
+    assert all(e <= ROUNDING_MULTIPLE * r for e, r in zip(errors, rounding)), (errors, rounding)
+
+
+def test_a_gather_one_key_off_is_seen():
+    """The mutation: the kernel gathers the row after each pick's."""
+    query, row, picks, sinks = _inputs(3, False)
+    shifted = torch.where(picks >= 0, (picks + 1) % row.shape[1], picks)
+    exact = _value_and_grads(dense_reference, query, row, picks, sinks, torch.float64)
+    rounding = _errors(_value_and_grads(dense_reference, query, row, picks, sinks, torch.float32), exact)
+    errors = _errors(_value_and_grads(kernel, query, row, shifted, sinks, torch.float32), exact)
+    assert all(e > 100 * ROUNDING_MULTIPLE * r for e, r in zip(errors, rounding)), (errors, rounding)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter (3.9) multiplies bfloat16 operands wrongly (a "
+                    "tl.dot of two bf16 tiles is off by 1e10); on a GPU the kernel's probe holds bf16 too")
+def test_bf16_within_the_torch_forms_own_bf16_error():
+    """In bfloat16 (the GPU's training dtype) the kernel keeps its products and softmax in float32, so it is no
+    further from the float64 reference than the torch form in bfloat16."""
+    from seqmesh.kernels.sparse_latent import sparse_latent_reference
+
+    inputs = _inputs(18, True)
+    exact = _value_and_grads(dense_reference, *inputs, torch.float64)
+    torch_form = _errors(_value_and_grads(sparse_latent_reference, *inputs, torch.bfloat16), exact)
+    errors = _errors(_value_and_grads(kernel, *inputs, torch.bfloat16), exact)
+    print(f"bf16: kernel {errors}, torch form {torch_form}")
+    assert all(e <= 2 * t for e, t in zip(errors, torch_form)), (errors, torch_form)
