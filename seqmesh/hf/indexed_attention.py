@@ -24,6 +24,11 @@ keys up to its last query (56% of a causal row's pairs instead of all of them). 
 queries' selected rows with one ``index_select`` (its backward one ``index_add_``, where advanced indexing's sorted
 ``index_put_`` took half the layer's CPU time) and is recomputed in backward rather than kept.
 
+On a CUDA device both steps run as Triton kernels (:mod:`seqmesh.kernels.sparse_latent`, each probed once per device
+first): the indexer's scores by tiles of queries and keys with the heads summed inside, never the ``(l, H, T)`` tensor;
+the attention with each query's selected rows gathered inside the kernel and an online softmax, never the
+``(l, k, R + Dr)`` gathered rows. The selection and the masks are the same; only float32's order of summation differs.
+
 GLM-5's ``shared`` layers reuse the previous full layer's selection, which travels between layers as transformers
 passes it (``prev_topk_indices``): the local queries' indices into the whole row.
 
@@ -41,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels.sparse_latent import sparse_latent_attention, uses_kernel
+from ..kernels.sparse_latent import index_scores_kernel, sparse_latent_attention, uses_kernel
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import gather_sequence, sequence_positions
@@ -130,22 +135,38 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
     """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient), and the
     indexer's keys of the local tokens (B, L, D); ``positions`` and ``allowed`` from :func:`_key_rules`."""
     with torch.no_grad():
-        b, length, _ = hidden.shape
         rule = layouts.indexer_rule(indexer)
         q, k = layouts.indexer_keys(indexer, rule, hidden, q_resid, position_embeddings)  # (B, L, H, D), (B, L, D)
-        keys = whole_row(k, mesh, info).float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
+        keys = whole_row(k, mesh, info).float()  # (B, T, D)
         weights = layouts.head_weights(indexer, rule, hidden)  # (B, L, H)
-        total = keys.shape[-1]
-        top = min(indexer.index_topk, total)
-        step = indexer_block(b, indexer.n_heads, total, length)
-        picks = []
-        for start, count in zip(range(0, length, step), scored_keys(positions, info.seq_len, step)):
-            block = slice(start, start + step)
-            index = layouts.index_scores(indexer, rule, q[:, block], keys[..., :count], weights[:, block])  # (B, l, n)
-            index = F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
-            index = index.masked_fill_(~allowed(block), float("-inf"))
-            picks.append(index.topk(top, dim=-1).indices)
+        top = min(indexer.index_topk, keys.shape[1])
+        picks = [index.masked_fill_(~allowed(block), float("-inf")).topk(top, dim=-1).indices
+                 for block, index in _index_rows(indexer, rule, q, keys, weights, positions, info.seq_len)]
         return torch.cat(picks, dim=1), k
+
+
+def _index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                positions: list[int], seq_len: int):
+    """Each block of local queries and its indexer scores against the whole row, ``(slice, (B, l, T) float32)``, the
+    keys past the block's queries -inf (masked for all of them: not scored). On the Triton kernel where it runs (one
+    tile of queries by keys at a time, the heads summed in it), else in torch by :func:`indexer_block`'s blocks."""
+    b, length, heads, _ = q.shape
+    total = keys.shape[1]
+    if uses_kernel(keys, "index_scores"):
+        index = torch.tensor(positions, device=keys.device)
+        limit = torch.where(index < seq_len, index + 1, 1)  # a padding query sees the first key
+        scale = 1.0 if rule.scale_on_weights else indexer.softmax_scale
+        step = block_queries(b, 1, total)
+        for start in range(0, length, step):
+            block = slice(start, start + step)
+            yield block, index_scores_kernel(q[:, block], keys, weights[:, block], scale, limit[block])
+        return
+    keys = keys.transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
+    step = indexer_block(b, heads, total, length)
+    for start, count in zip(range(0, length, step), scored_keys(positions, seq_len, step)):
+        block = slice(start, start + step)
+        index = layouts.index_scores(indexer, rule, q[:, block], keys[..., :count], weights[:, block])  # (B, l, n)
+        yield block, F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
 
 
 def whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor:
@@ -214,8 +235,10 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     if keep is not None:
         keep(module, local_rows, index_keys)
     row = whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
-    # the torch form gathers (B, block, k, R + Dr) rows: blocks of queries; the kernel gathers inside itself: one
-    step = length if uses_kernel(row) else block_queries(b, q_pass.shape[2], picks.shape[-1] * latent.shape[-1])
+    # blocks of queries: the torch form's by its gathered rows times heads; the kernel gathers inside itself, so by
+    # its (B, l, H, R + Dr) latent query
+    width = row.shape[-1] if uses_kernel(row) else picks.shape[-1] * latent.shape[-1]
+    step = block_queries(b, q_pass.shape[2], width)
     outputs = []
     for start in range(0, length, step):
         block = slice(start, start + step)

@@ -120,15 +120,47 @@ def _probe(fn, device: torch.device, generator: torch.Generator) -> None:
         raise RuntimeError(f"the kernel's output is {error:.3g} from the torch form's")
 
 
-PROBE = KernelProbe({"sparse_latent": Kernel("triton", _triton_loaded, _probe)})
+def index_scores_kernel(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float,
+                        limit: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores on the Triton kernel: q (B, l, H, D), keys (B, T, D), weights (B, l, H), limit (l,) each
+    query's first unscored key -> (B, l, T) float32, ``sum_h w_h relu(scale q_h . k)`` (-inf from the limit on)."""
+    from . import sparse_latent_triton as kernel
+
+    return kernel.index_scores(q.float().contiguous(), keys.float().contiguous(), weights.float().contiguous(),
+                               scale, limit.contiguous())
 
 
-def uses_kernel(row: torch.Tensor) -> bool:
-    """Whether :func:`sparse_latent_attention` takes the Triton kernel for tensors like ``row``: on CUDA, Triton
-    installed, the probe passed there; never on fake tensors (a rehearsal measures the torch form's memory)."""
-    if row.device.type != "cuda" or torch._subclasses.fake_tensor.is_fake(row):
+def _index_reference(q, keys, weights, scale, limit):
+    scores = torch.relu(torch.einsum("blhd,btd->blht", q, keys) * scale)
+    out = torch.einsum("blh,blht->blt", weights, scores)
+    return out.masked_fill(torch.arange(keys.shape[1], device=q.device) >= limit[:, None], float("-inf"))
+
+
+def _triton_index_loaded():
+    return index_scores_kernel if _triton_loaded() is not None else None
+
+
+def _probe_index(fn, device: torch.device, generator: torch.Generator) -> None:
+    """The indexer kernel on 40 queries of 3 heads against 70 keys (tiles cut at both ends), held to torch's."""
+    q, keys = (torch.randn(*shape, generator=generator, device=device) for shape in ((1, 40, 3, 24), (1, 70, 24)))
+    weights = torch.randn(1, 40, 3, generator=generator, device=device)
+    limit = torch.arange(30, 70, device=device)
+    got, want = fn(q, keys, weights, 0.3, limit), _index_reference(q, keys, weights, 0.3, limit)
+    if not torch.equal(got.isinf(), want.isinf()) or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+        raise RuntimeError("the indexer kernel's scores differ from torch's")
+
+
+PROBE = KernelProbe({"sparse_latent": Kernel("triton", _triton_loaded, _probe),
+                     "index_scores": Kernel("triton", _triton_index_loaded, _probe_index)})
+
+
+def uses_kernel(x: torch.Tensor, name: str = "sparse_latent") -> bool:
+    """Whether the Triton kernel ``name`` (``"sparse_latent"``: :func:`sparse_latent_attention`'s; ``"index_scores"``:
+    :func:`index_scores_kernel`) runs for tensors like ``x``: on CUDA, Triton installed, its probe passed there; never
+    on fake tensors (a rehearsal measures the torch form's memory)."""
+    if x.device.type != "cuda" or torch._subclasses.fake_tensor.is_fake(x):
         return False
-    return PROBE.works("sparse_latent", row.device)
+    return PROBE.works(name, x.device)
 
 
 def sparse_latent_attention(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, scale: float, rank: int,

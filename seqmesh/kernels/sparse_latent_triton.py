@@ -1,5 +1,6 @@
-"""Token-sparse attention in MLA's latent space as two Triton kernels (forward, backward); the math is
-:func:`seqmesh.kernels.sparse_latent.sparse_latent_reference`'s.
+"""DeepSeek Sparse Attention's Triton kernels: the token-sparse attention in MLA's latent space (forward, backward;
+the math of :func:`seqmesh.kernels.sparse_latent.sparse_latent_reference`), and the lightning indexer's scores
+(:func:`index_scores`, no gradient).
 
 Each program takes one query token and a block of ``BLOCK_H`` of its heads (the heads share the token's selection,
 so they are the rows of every product, as in FlashMLA's sparse kernels), walks the token's ``K`` selected keys in
@@ -116,6 +117,46 @@ def _backward(Q, ROW, IDX, O, DO, LSE, DQ, DROW, T, L, H, K, scale,
 
 
 
+@triton.jit
+def _index_scores(Q, KEYS, W, LIMIT, OUT, L, T, H, scale,
+                  D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    # one tile of BM queries by BN keys of one row: sum over heads of w * relu(scale * q . k), in float32
+    tile_q, tile_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    m = tile_q * BM + tl.arange(0, BM)
+    n = tile_k * BN + tl.arange(0, BN)
+    e = tl.arange(0, BD)
+    qm = m < L
+    limit = tl.load(LIMIT + m, mask=qm, other=0)  # each query scores the keys before its limit
+    acc = tl.zeros((BM, BN), tl.float32)
+    if tile_k * BN < tl.max(limit, 0):  # a tile past every query's limit is all -inf: not scored
+        keys = tl.load(KEYS + (b * T + n[:, None]) * D + e[None, :], mask=(n < T)[:, None] & (e < D)[None, :],
+                       other=0.0)  # (BN, BD)
+        for h in range(0, H):
+            q = tl.load(Q + ((b * L + m[:, None]) * H + h) * D + e[None, :], mask=qm[:, None] & (e < D)[None, :],
+                        other=0.0)  # (BM, BD)
+            w = tl.load(W + (b * L + m) * H + h, mask=qm, other=0.0)
+            s = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
+            acc += w[:, None] * tl.maximum(s, 0.0)
+    acc = tl.where(n[None, :] < limit[:, None], acc, float("-inf"))
+    tl.store(OUT + (b * L + m[:, None]) * T + n[None, :], acc, mask=qm[:, None] & (n < T)[None, :])
+
+
+INDEX_BM, INDEX_BN = 32, 64  # the indexer kernel's tile: queries by keys
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float,
+                 limit: torch.Tensor) -> torch.Tensor:
+    """q (B, l, H, D), keys (B, T, D), weights (B, l, H), all float32 and contiguous; limit (l,) int: each query
+    scores the keys before it -> (B, l, T) float32, ``sum_h w_h relu(scale q_h . k)``, -inf from each limit on."""
+    b, length, heads, dim = q.shape
+    total = keys.shape[1]
+    out = q.new_empty(b, length, total)
+    grid = (-(-length // INDEX_BM), -(-total // INDEX_BN), b)
+    _index_scores[grid](q, keys, weights, limit, out, length, total, heads, scale, D=dim, BD=_pow2(dim),
+                        BM=INDEX_BM, BN=INDEX_BN, PREC="ieee")
+    return out
+
+
 def _grid(tokens: int, heads: int) -> tuple[int, int]:
     return tokens, -(-heads // BLOCK_H)
 
@@ -124,7 +165,10 @@ def _sizes(query: torch.Tensor, rank: int) -> dict:
     c = query.shape[-1]
     # float32 products in IEEE float32 (torch's matmul default), not TF32
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"  # tf32: unread for bf16/fp16
-    return dict(C=c, R=rank, DR=c - rank, BR=_pow2(rank), BD=_pow2(c - rank), BH=BLOCK_H, BK=BLOCK_K, PREC=precision)
+    # a program holds (BH, BR) and (BK, BR) tiles: at DeepSeek's 512 latents, 8 warps' registers rather than 4's
+    warps = 8 if _pow2(rank) >= 256 else 4
+    return dict(C=c, R=rank, DR=c - rank, BR=_pow2(rank), BD=_pow2(c - rank), BH=BLOCK_H, BK=BLOCK_K, PREC=precision,
+                num_warps=warps)
 
 
 def forward(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, scale: float, rank: int,

@@ -113,7 +113,7 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         out.update(device=props.name, memory_bytes=props.total_memory, capability=list(torch.cuda.get_device_capability()))
         out["recurrent_kernels"] = recurrent_kernels(torch.device("cuda", 0))
-        out["sparse_latent_kernel"] = sparse_latent_kernel(torch.device("cuda", 0))
+        out["sparse_kernels"] = sparse_kernels(torch.device("cuda", 0))
     try:
         import flash_attn  # noqa: F401
 
@@ -132,14 +132,13 @@ def recurrent_kernels(device: torch.device) -> dict[str, str]:
             for name, works in probe_kernels(device).items()}
 
 
-def sparse_latent_kernel(device: torch.device) -> str:
-    """DeepSeek Sparse Attention's Triton kernel on ``device``: "runs", "absent" (no Triton) or "fails" (probed: the
-    torch form runs instead, and the probe has warned)."""
+def sparse_kernels(device: torch.device) -> dict[str, str]:
+    """DeepSeek Sparse Attention's Triton kernels (the indexer's scores, the latent attention) on ``device``: "runs",
+    "absent" (no Triton) or "fails" (probed: the torch form runs instead, and the probe has warned)."""
     from ..kernels.sparse_latent import PROBE
 
-    if PROBE.works("sparse_latent", device):
-        return "runs"
-    return "absent" if PROBE.kernels["sparse_latent"].load() is None else "fails"
+    return {name: "runs" if works else "absent" if PROBE.kernels[name].load() is None else "fails"
+            for name, works in PROBE.probe_all(device).items()}
 
 
 def run_gpu_tests(plan: SelftestPlan) -> dict:
@@ -366,9 +365,10 @@ def format_report(report: dict) -> str:
         lines.append("recurrent kernels: " + ", ".join(f"{name} {verdict}" + (" (seqmesh's torch rule runs instead)"
                                                                              if verdict == "fails" else "")
                                                        for name, verdict in env["recurrent_kernels"].items()))
-    if env.get("sparse_latent_kernel"):
-        lines.append(f"sparse attention kernel (Triton): {env['sparse_latent_kernel']}"
-                     + (" (seqmesh's torch form runs instead)" if env["sparse_latent_kernel"] == "fails" else ""))
+    if env.get("sparse_kernels"):
+        lines.append("sparse attention kernels (Triton): " + ", ".join(
+            f"{name} {verdict}" + (" (seqmesh's torch form runs instead)" if verdict == "fails" else "")
+            for name, verdict in env["sparse_kernels"].items()))
     failed = [name for name in STEPS if isinstance(report[name], dict)
               and "error" in report[name]]
     for name in failed:

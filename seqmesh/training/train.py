@@ -159,7 +159,7 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: M
     if device.type == "cuda" and has_mixers(module):  # a recurrent kernel that fails on this GPU warns now, not mid-step
         probe_kernels(device)
     if device.type == "cuda" and any(is_indexed(m) for m in module.modules()):  # the same for the sparse kernel
-        SPARSE_PROBE.works("sparse_latent", device)
+        SPARSE_PROBE.probe_all(device)
     return module
 
 

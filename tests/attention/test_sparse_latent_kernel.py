@@ -113,3 +113,64 @@ def test_bf16_within_the_torch_forms_own_bf16_error():
     errors = _errors(_value_and_grads(kernel, *inputs, torch.bfloat16), exact)
     print(f"bf16: kernel {errors}, torch form {torch_form}")
     assert all(e <= 2 * t for e, t in zip(errors, torch_form)), (errors, torch_form)
+
+
+def dense_index_scores(q, keys, weights, scale, limit):
+    """``sum_h w_h relu(scale q_h . k_t)`` for every query and key, -inf at and past each query's limit."""
+    scores = (weights[..., None] * torch.relu(torch.einsum("blhd,btd->blht", q, keys) * scale)).sum(2)
+    return scores.masked_fill(torch.arange(keys.shape[1]) >= limit[:, None], float("-inf"))
+
+
+def _index_inputs(seed: int = 0):
+    """2 rows of 90 keys (a tile of 64 and a partial one), 37 queries (a tile of 32 and a partial one) of 5 heads of
+    24; limits from 1 to 90, the first 32 queries' all under 64 (their second key tile skipped)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 37, 5, 24, generator=g, dtype=torch.float64)
+    keys = torch.randn(2, 90, 24, generator=g, dtype=torch.float64)
+    weights = torch.randn(2, 37, 5, generator=g, dtype=torch.float64)
+    limit = torch.cat([torch.randint(1, 64, (32,), generator=g), torch.tensor([1, 90, 64, 65, 70])])
+    return q, keys, weights, 0.7, limit
+
+
+def _index_kernel(q, keys, weights, scale, limit):
+    from seqmesh.kernels.sparse_latent import index_scores_kernel
+
+    return index_scores_kernel(q.to(DEVICE), keys.to(DEVICE), weights.to(DEVICE), scale, limit.to(DEVICE)).cpu()
+
+
+def _index_error(got, want) -> float:
+    assert torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    return float((got.double() - want)[finite].abs().max() / want[finite].abs().max())
+
+
+def test_index_kernel_matches_dense_pytorch_within_float32_rounding():
+    q, keys, weights, scale, limit = _index_inputs()
+    exact = dense_index_scores(q, keys, weights, scale, limit)
+    rounding = _index_error(dense_index_scores(q.float(), keys.float(), weights.float(), scale, limit), exact)
+    error = _index_error(_index_kernel(q.float(), keys.float(), weights.float(), scale, limit), exact)
+    print(f"indexer: kernel {error:.3g}, float32 rounding {rounding:.3g}")
+    assert error <= ROUNDING_MULTIPLE * rounding and rounding < 1e-5, (error, rounding)
+
+
+def test_an_index_limit_one_off_is_seen():
+    """The mutation: every query scores one key more than it may see."""
+    q, keys, weights, scale, limit = _index_inputs()
+    exact = dense_index_scores(q, keys, weights, scale, limit)
+    with pytest.raises(AssertionError):
+        _index_error(_index_kernel(q.float(), keys.float(), weights.float(), scale, (limit + 1).clamp(max=90)), exact)
+
+
+def test_the_index_probe_passes_the_kernel_and_fails_a_wrong_one():
+    """The probe a GPU runs before the kernel's first use (seqmesh.kernels.sparse_latent.PROBE), here on the
+    interpreter: the kernel passes; one that scores a key too many fails, so its device keeps torch's scores."""
+    from seqmesh.kernels.sparse_latent import _probe_index, index_scores_kernel
+
+    device = torch.device(DEVICE)
+    _probe_index(index_scores_kernel, device, torch.Generator(device).manual_seed(0))
+
+    def one_too_many(q, keys, weights, scale, limit):
+        return index_scores_kernel(q, keys, weights, scale, limit + 1)
+
+    with pytest.raises(RuntimeError, match="indexer kernel"):
+        _probe_index(one_too_many, device, torch.Generator(device).manual_seed(0))

@@ -40,13 +40,13 @@ def _run_in_small_blocks(cases: list[tuple]) -> list[dict]:
 
 
 def _run_on_the_kernel(cases: list[tuple]) -> list[dict]:
-    """:func:`_run_all` with every layer's latent attention on the Triton kernel (seqmesh.kernels.sparse_latent_triton,
-    a GPU's path), here under Triton's interpreter (tests/conftest.py)."""
+    """:func:`_run_all` with every layer's indexer and latent attention on the Triton kernels
+    (seqmesh.kernels.sparse_latent_triton, a GPU's path), here under Triton's interpreter (tests/conftest.py)."""
     from seqmesh.hf import indexed_attention
     from seqmesh.kernels import sparse_latent
 
     saved = sparse_latent.uses_kernel
-    indexed_attention.uses_kernel = sparse_latent.uses_kernel = lambda row: True
+    indexed_attention.uses_kernel = sparse_latent.uses_kernel = lambda x, name="sparse_latent": True
     try:
         return _run_all(cases)
     finally:
@@ -115,8 +115,9 @@ def test_exact_in_blocks_of_a_few_queries(pools):
 
 
 def test_exact_on_the_triton_kernel(pools):
-    """The layers as a GPU runs them: the latent attention on the Triton kernel, one call for all of a rank's queries,
-    the hidden picks folded into the indices, HY-V4's sinks in the kernel's softmax and their gradient."""
+    """The layers as a GPU runs them: the indexer's scores and the latent attention on the Triton kernels, the
+    attention one call for all of a rank's queries, the hidden picks folded into the indices, HY-V4's sinks in the
+    kernel's softmax and their gradient, each family's indexer scale where it puts it."""
     pytest.importorskip("triton")
     cases = [(f, 1, 2, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("per_document", True))]
     for results in pools.run(2, _run_on_the_kernel, cases):
