@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from .comm.ranks import is_rank0
 from .hf import parallelize
+from .hf.compressed_attention import is_compressed
 from .hf.indexed_attention import is_indexed
 from .hf.indexed_layouts import is_block_sparse
 from .experts.layers import apply_expert_parallel, check_family, routed_experts
@@ -90,8 +91,9 @@ def parallelize_model(model: nn.Module, mesh: SPMesh, plan: ParallelPlan = Paral
     if differ:
         raise ValueError(f"the plan's degrees are not the mesh's: {', '.join(differ)}. Build the mesh with those "
                          "degrees, or leave them out of the plan (the mesh decides).")
-    if plan.compile and any(is_indexed(m) or is_block_sparse(m) for m in model.modules()):
-        raise ValueError("compile=True with DeepSeek Sparse Attention or MiniMax-M3's block-sparse layers: seqmesh "
+    if plan.compile and any(is_indexed(m) or is_block_sparse(m) or is_compressed(m) for m in model.modules()):
+        raise ValueError("compile=True with DeepSeek Sparse Attention, DeepSeek-V4's compressed attention or "
+                         "MiniMax-M3's block-sparse layers: seqmesh "
                          "selects each block of queries' keys in Python from the layout (how many keys a block "
                          "scores), which torch.compile would cut into many graphs. Turn compile off (--no-compile) "
                          "for this model.")

@@ -71,6 +71,13 @@ def family_config(family: str):
         if family == "deepseek-v3.2":
             return tf.DeepseekV32Config(**dsa)
         return tf.GlmMoeDsaConfig(**{**dsa, "num_hidden_layers": 3}, indexer_types=["full", "shared", "full"])
+    if family == "deepseek-v4":  # an HCA layer (windows of 8), then a CSA layer (windows of 4, each query's top 3)
+        return tf.DeepseekV4Config(**SMALL, head_dim=16, q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4,
+                                   num_experts_per_tok=2, sliding_window=6, o_groups=2, o_lora_rank=8, hc_mult=2,
+                                   index_n_heads=2, index_head_dim=8, index_topk=3, partial_rotary_factor=0.5,
+                                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                                   layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                                   mlp_layer_types=["hash_moe", "moe"])
     if family == "minimax-m3-sparse":  # a block-sparse layer, then a full one: blocks of 4 keys, the top 2 and its own
         from census_configs import census_config
 
@@ -191,7 +198,20 @@ def build(config, seed: int = 0):
     sdpa = AutoModelForCausalLM._model_mapping[type(config)]._supports_sdpa and not capped
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if sdpa else "eager", dtype=torch.float64,
                                              experts_implementation="eager")  # grouped_mm has no float64
-    return _long_memory(_attending(model))
+    return _long_memory(_hashed(_attending(model)))
+
+
+def _hashed(model):
+    """DeepSeek-V4's hash router reads each token's experts from a table (``tid2eid``) a checkpoint fills; built from
+    a config it is all zeros, every token's two picks the same expert, their weights a constant half and the router's
+    gradient zero but for rounding. Here token t routes to experts t and t + 1 (mod the count)."""
+    with torch.no_grad():
+        for m in model.modules():
+            table = getattr(m, "tid2eid", None)
+            if table is not None:
+                vocab, k = table.shape
+                table.copy_((torch.arange(vocab)[:, None] + torch.arange(k)) % m.num_experts)
+    return model
 
 
 def _attending(model):
@@ -266,7 +286,7 @@ def _row_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # families whose reference is one call over the packed row (:func:`_row_loss`)
-ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5", *CENSUS_NAMED)
+ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5", "deepseek-v4", *CENSUS_NAMED)
 
 
 class Float32Ops(TorchDispatchMode):

@@ -42,7 +42,9 @@ EXPERT_PARALLEL_FAMILIES = (
     # the sparse-attention MoE families (HY-V4, A.X-K1/K2, dots.llm3), Kimi Linear, and the others whose experts
     # module takes (hidden, top_k_index, top_k_weights) as the ones above
     "hy_v3", "hy_v4", "axk1", "axk2", "dots3_note_text", "kimi_linear", "bailing_hybrid", "granitemoe_swa",
-    "kolibri1", "lara_mini", "mellum", "minimax_m3_vl_text", "sarvam_mla", "sarvam_moe", "aria_text")
+    "kolibri1", "lara_mini", "mellum", "minimax_m3_vl_text", "sarvam_mla", "sarvam_moe", "aria_text",
+    # DeepSeek-V4: its hash-routed layers too (the router reads the token ids; the experts are the same module)
+    "deepseek_v4")
 # of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
 SCALED_BEFORE_EXPERTS = ("llama4_text",)
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import own_attention
-from . import block_sparse_attention, indexed_attention
+from . import block_sparse_attention, compressed_attention, indexed_attention
 from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
@@ -271,9 +271,11 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     own_attention.check_backend(mixer_layers.get(own_attention.KIND, []), backend)
     indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
     sparse = block_sparse_attention.block_sparse_layers(model, mesh)  # MiniMax-M3's block-sparse attention
+    compressed = compressed_attention.compressed_layers(model, mesh)  # DeepSeek-V4's HCA and CSA layers
     check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed,
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types)
-                 + ((block_sparse_attention.LAYER_TYPE,) if sparse else ()))  # every other mixer refused
+                 + ((block_sparse_attention.LAYER_TYPE,) if sparse else ())
+                 + (compressed_attention.LAYER_TYPES if compressed else ()))  # every other mixer refused
     q_heads = getattr(text, "num_attention_heads", None)
     handled = {id(part) for layers in mixer_layers.values() for _, m in layers for part in m.modules()}
     tp = getattr(mesh, "tp", 1)
@@ -317,6 +319,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         kind.install(layers, mesh, backend if kind is own_attention.KIND else linear_attention)
     indexed_attention.install(indexed, mesh)
     block_sparse_attention.install(sparse, mesh)
+    compressed_attention.install(compressed, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)
@@ -345,6 +348,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     mixers.uninstall(model)
     indexed_attention.uninstall(model)
     block_sparse_attention.uninstall(model)
+    compressed_attention.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)
     for module in model.modules():

@@ -37,9 +37,9 @@ STATE_PARAMS = ("A_log", "dt_bias")
 # layer types seqmesh refuses with their own reason: what the layer computes that seqmesh does not, and what would
 # make it computable (from transformers 5.24's code)
 _COMPRESSED = ("adds to its sliding window's keys one compressed entry per {what} of the row, counted from the row's "
-               "start and rotated at that window's row index (not the documents' position_ids), {then}; seqmesh would "
-               "need each entry built by the rank that holds its window (or its halo) and gathered, and a kernel that "
-               "takes a sliding window and those entries in one softmax with the sinks: not computed yet")
+               "start, {then}; seqmesh computes it as transformers 5.24 lays it out (seqmesh.hf.compressed_attention: "
+               "an attention module with a compressor, sinks and a grouped output projection) and found no such "
+               "module for this layer: use transformers 5.24's DeepseekV4 classes")
 LAYER_TYPE_REASONS = {
     "deepseek_sparse_attention": "DeepSeek Sparse Attention as older transformers lay it out (5.15); seqmesh computes "
                                  "the indexed_attention layers of transformers 5.24: upgrade transformers",
@@ -54,7 +54,8 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
              "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (the indexed_attention layers of "
              "DeepSeek-V3.2, GLM-5, HY-V4, A.X-K2 and dots.llm3), MiniMax-M3's block-sparse layers, MHA/GQA/MQA, "
-             "MLA head dims, packed documents; per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of "
+             "DeepSeek-V4's heavily compressed and compressed sparse attention (one document per row), MLA head dims, "
+             "packed documents; per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of "
              "Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the Mamba2 layers of Nemotron-H, Granite-4 "
              "hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
              "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; the lightning attention layers "

@@ -61,6 +61,7 @@ class Generated:
 
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
+    from ..hf.compressed_attention import is_compressed
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..vision.families import is_multimodal
@@ -76,6 +77,10 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} of the {dist.get_world_size()} ranks: seqmesh "
                          "generates with every rank in the sequence group (no data parallelism); launch "
                          "ulysses x ring processes.")
+    if any(is_compressed(m) for m in model.modules()):
+        raise ValueError(f"{name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet "
+                         "(each step would add to the compressor's open window and, when it closes, a new entry on "
+                         "the rank that holds the window); seqmesh trains it (seqmesh train, verify).")
     kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, *DECODED_MIXERS, OWN_ATTENTION}
     if kinds:
         what = ", ".join(sorted(kinds))

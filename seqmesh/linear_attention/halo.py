@@ -80,11 +80,27 @@ def with_halo(x: torch.Tensor, place: Placement, causal: Callable[[torch.Tensor,
     maps runs preceded by their halos (B, E, C) and that sequence's segment bounds to (B, E, C') where each row reads
     at most the ``place.kernel - 1`` rows before it, within its segment (a causal conv, a shift by one token)
     -> (B, L, C'). One all-gather of the halo rows forward (none with one rank), its reduce-scatter backward."""
-    chain, mine = place.chain, place.mine
+    extended = extend(x, place)  # (B, E, C): runs preceded by their halos
+    return causal(extended, place.mine.conv_bounds).index_select(1, place.mine.own.to(x.device))  # (B, L, C')
+
+
+def extend(x: torch.Tensor, place: Placement) -> torch.Tensor:
+    """``x`` (B, L, C) in shard order -> (B, E, C): this rank's runs, each preceded by the ``place.kernel - 1``
+    positions before its start (its halo, from whichever ranks hold them; fewer at the row's start), run by run;
+    :func:`extended_positions` numbers its rows. One all-gather (none with one rank), its reduce-scatter backward."""
+    chain = place.chain
     source = x
     if chain.max_tail:
         send = torch.tensor(chain.tail_send[place.rank], dtype=torch.long, device=x.device)
         tails = pad_rows(x.index_select(1, send), chain.max_tail)  # (B, max_tail, C)
         source = torch.cat([x, all_gather(tails, place.group, dim=1)], dim=1)  # (B, L + P * max_tail, C)
-    extended = source.index_select(1, mine.conv_source.to(x.device))  # (B, E, C): runs preceded by their halos
-    return causal(extended, mine.conv_bounds).index_select(1, mine.own.to(x.device))  # (B, L, C'), shard order
+    return source.index_select(1, place.mine.conv_source.to(x.device))
+
+
+def extended_positions(chain: Chain, rank: int, kernel: int) -> list[int]:
+    """The global position of each row of :func:`extend`'s result for ``rank`` of ``chain`` with halos of
+    ``kernel - 1`` (positions at or past the real tokens are the layout's padding), as ``rank_chain`` lays them."""
+    positions = []
+    for run in chain.runs[rank]:
+        positions += range(max(0, run.start - kernel + 1), run.start + run.length)
+    return positions

@@ -128,6 +128,11 @@ def _own_attention_fields(cfg: dict) -> dict:
     if "minimax_m3_sparse" in (cfg.get("layer_types") or ()):
         fields["unplanned"] = ("seqmesh plan does not size MiniMax-M3's block-sparse layers yet (it would plan them as "
                                "full attention); seqmesh train runs them all the same")
+    if {"heavily_compressed_attention", "compressed_sparse_attention"} & set(cfg.get("layer_types") or ()):
+        fields["unplanned"] = ("seqmesh plan does not size DeepSeek-V4's compressed attention yet (a sliding window "
+                               "of one shared key beside compressed entries, CSA's indexer, the grouped output "
+                               "projection, hyper-connections; it would plan them as full attention); seqmesh train "
+                               "runs it all the same")
     if family in ALIBI:
         fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: on a GPU it runs on the math "
                                "kernel, whose (rows x keys) score block per call the planner does not count; seqmesh "

@@ -129,9 +129,10 @@ def test_refusals_are_right_and_first(pools):
     assert answers["llama"] == ""
 
 
-def test_deepseek_v4_compressed_attention_is_refused_with_its_reason_once():
-    """DeepSeek-V4's two compressed attentions: each kind named with what it computes that seqmesh does not, once
-    however many layers have it."""
+def test_deepseek_v4_compressed_attention_without_its_layout_is_refused_with_its_reason_once():
+    """DeepSeek-V4's two compressed attentions where seqmesh does not find transformers 5.24's layout of them (here:
+    check_layers alone, told of no compressed layer seqmesh runs): each kind named with what it computes, once
+    however many layers have it. parallelize takes the same model (seqmesh.hf.compressed_attention)."""
     import pytest
     import transformers as tf
 
@@ -140,9 +141,11 @@ def test_deepseek_v4_compressed_attention_is_refused_with_its_reason_once():
     config = tf.DeepseekV4Config(hidden_size=64, num_hidden_layers=4, vocab_size=64, num_attention_heads=4,
                                  layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
                                               "heavily_compressed_attention", "compressed_sparse_attention"])
+    model = tf.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError) as refused:
-        check_layers(tf.AutoModelForCausalLM.from_config(config))
+        check_layers(model)
     message = str(refused.value)
     for kind in ("heavily compressed attention", "compressed sparse attention"):
-        assert message.count(f"DeepSeek-V4's {kind}") == 1, message
+        assert message.count(f"DeepSeek-V4's {kind}, which") == 1, message
     assert "layer 2 is a 'heavily_compressed_attention' layer" in message and "lightning indexer" in message
+    assert "found no such module for this layer" in message, message

@@ -198,12 +198,13 @@ def _compile_refusal(family: str = "deepseek-v3.2") -> tuple[str, bool]:
         message = ""
     except ValueError as err:
         message = str(err)
-    installed = ("_seqmesh_indexed", "_seqmesh_block_sparse")
+    installed = ("_seqmesh_indexed", "_seqmesh_block_sparse", "_seqmesh_compressed")
     return message, any(hasattr(m, name) for m in model.modules() for name in installed)
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3.2", "minimax-m3-sparse"])
+@pytest.mark.parametrize("family", ["deepseek-v3.2", "minimax-m3-sparse", "deepseek-v4"])
 def test_compile_is_refused_by_name_before_any_work(pools, family):
     message, installed = pools.run(1, _compile_refusal, family)[0]
-    assert "compile=True with DeepSeek Sparse Attention or MiniMax-M3's block-sparse layers" in message, message
+    assert ("compile=True with DeepSeek Sparse Attention, DeepSeek-V4's compressed attention or MiniMax-M3's "
+            "block-sparse layers") in message, message
     assert "--no-compile" in message and not installed, message

@@ -1,0 +1,228 @@
+"""DeepSeek-V4's compressed attentions exact under sequence parallelism: heavily compressed (HCA) and compressed
+sparse (CSA) layers.
+
+Each such layer's queries (``H`` heads) attend, in one softmax with a sink per head, to
+
+- a sliding window: the ``W`` latest tokens' single shared key, which is also the value (``kv``, ``D`` wide), and
+- compressed entries: one per window of ``m`` tokens of the row, counted from the row's start. An entry is a
+  softmax-gated sum of its window's projected tokens (CSA: of ``2m`` tokens, the previous window's other half
+  overlapping), normed and rotated at its window's first position. HCA (``m`` = 128 in V4) lets a query see every
+  entry whose window has closed; CSA (``m`` = 4) lets it see the ``index_topk`` of those that its lightning indexer
+  (its own compressed keys, the same windows) scores highest.
+
+On a shard, every one of these reads only a few tokens before each of a rank's tokens: the window ``W - 1``, an
+entry's window ``2m - 1``. So each rank extends its runs of tokens by their halo (the ``max(W, 2m, m')`` positions
+before each run, one all-gather of per-token projections: :func:`seqmesh.linear_attention.halo.extend`), builds
+the entries whose window closes at one of its own tokens, and all-gathers those entries (``D`` values per window),
+placed by window. A query's keys are then rows of its extended run and of the gathered entries, attended by
+:func:`seqmesh.kernels.sparse_latent.sparse_latent_attention` (the Triton kernel on a GPU), the sink in its
+softmax. Nothing else crosses a link; the backward of each gather is its adjoint.
+
+The rest of the layer (queries, norms, the rotary on queries, keys and entries, the output's inverse rotary, the
+grouped output projection) runs per token with the module's own submodules and functions. Packed documents and
+rows of unequal length are refused: transformers' compressors window the whole row by its index, across documents.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from ..comm.collectives import all_gather
+from ..kernels.sparse_latent import sparse_latent_attention
+from ..linear_attention import halo
+from ..mesh import SPMesh
+from ..sequence.batch import SequenceInfo
+from .indexed_attention import block_queries, entry_of, replace_forward, restore_forward
+from .indexed_layouts import module_function
+
+_ATTR = "_seqmesh_compressed"
+LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
+
+
+def is_compressed(module: nn.Module) -> bool:
+    """Whether ``module`` is the attention of a DeepSeek-V4 HCA or CSA layer (a ``compressor`` that windows the row)."""
+    compressor = getattr(module, "compressor", None)
+    return (type(module).__name__.endswith("Attention") and compressor is not None
+            and hasattr(compressor, "compress_rate") and hasattr(module, "sinks") and hasattr(module, "o_a_proj"))
+
+
+def _overlaps(compressor: nn.Module) -> bool:
+    """CSA's compressors (the layer's and its indexer's) gate windows of ``2m`` tokens: their projections are twice
+    the entry's width, the previous window's first half beside the current window's second."""
+    return compressor.kv_proj.out_features == 2 * compressor.kv_norm.weight.shape[0]
+
+
+def compressed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
+    """The HCA and CSA attention modules of ``model``; a ValueError for one seqmesh cannot run (tensor parallelism)."""
+    found = [m for m in model.modules() if is_compressed(m)]
+    if found and getattr(mesh, "tp", 1) > 1:
+        raise ValueError(f"seqmesh cannot run DeepSeek-V4's compressed attention with tensor parallelism "
+                         f"(tp={mesh.tp}); use tp=1.")
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(chain, rank: int, kernel: int, seq_len: int, window: int, rates: tuple[int, ...]):
+    """Host-side index arithmetic of one rank's extended runs (:func:`seqmesh.linear_attention.halo.extend`, cached
+    per layout): each extended row's position (E,); the window's key rows of each own token (L, W), its own row first
+    (-1: none; a padding token sees itself only); per compress rate ``m``, the own rows whose token closes a window,
+    with their window numbers (n,) and that window's rows (n, m) and the previous window's (n, m) (-1: none)."""
+    positions = torch.tensor(halo.extended_positions(chain, rank, kernel))  # (E,)
+    own = halo.rank_chain(chain, rank, kernel).own  # (L,) rows of the extended runs that are this rank's tokens
+    back = torch.arange(window)
+    mine = positions[own]
+    real = mine < seq_len
+    ok = (mine[:, None] - back >= 0) & (real[:, None] | (back == 0))
+    keys = torch.where(ok, own[:, None] - back, -1)  # (L, W)
+    windows = {}
+    for m in rates:
+        ends = own[real & ((mine + 1) % m == 0)]  # every window of the row closes at a real token, or is not one
+        index = positions[ends] // m
+        current = ends[:, None] - (m - 1) + torch.arange(m)  # (n, m), in order
+        previous = torch.where((index >= 1)[:, None], current - m, -1)  # window 0 has no previous window
+        windows[m] = (index, current, previous)
+    return positions, keys, windows
+
+
+def _entries(compressor: nn.Module, ext: torch.Tensor, gate: torch.Tensor, current: torch.Tensor,
+             previous: torch.Tensor, index: torch.Tensor, rate: int) -> torch.Tensor:
+    """The compressed entries of the windows closing at this rank's tokens, as transformers' compressor computes
+    them: ext, gate (B, E, C) the compressor's projections on the extended runs, current / previous (n, m) rows
+    (-1: none), index (n,) window numbers -> (B, n, D) normed and rotated at each window's first position."""
+    b = ext.shape[0]
+    dim = compressor.kv_norm.weight.shape[0]
+    bias = compressor.position_bias  # (m, C)
+    take = lambda x, rows: x[:, rows.clamp(min=0)]  # noqa: E731  (B, n, m, C)
+    kv_now, gate_now = take(ext, current), take(gate, current) + bias
+    if _overlaps(compressor):  # [previous window's first half | this window's second half], 2m slots
+        kv_before = take(ext, previous)[..., :dim]
+        gate_before = (take(gate, previous) + bias)[..., :dim]
+        hidden = (previous < 0)[None, :, :, None]
+        kv_before = kv_before.masked_fill(hidden, 0.0)
+        gate_before = gate_before.masked_fill(hidden, float("-inf"))
+        kv_now = torch.cat([kv_before, kv_now[..., dim:]], dim=2)
+        gate_now = torch.cat([gate_before, gate_now[..., dim:]], dim=2)
+    weights = gate_now.softmax(dim=2, dtype=torch.float32).to(kv_now.dtype)
+    entries = compressor.kv_norm((kv_now * weights).sum(dim=2))  # (B, n, D)
+    positions = (index * rate).to(entries.device).unsqueeze(0).expand(b, -1)
+    cos, sin = compressor.rotary_emb(entries, position_ids=positions, layer_type=compressor.rope_layer_type)
+    rotate = module_function(compressor, "apply_rotary_pos_emb")
+    return rotate(entries.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _gather_entries(entries: torch.Tensor, index: torch.Tensor, count: int, mesh: SPMesh) -> torch.Tensor:
+    """Every rank's entries (B, n_r, D) with their window numbers -> the row's (B, count, D) in window order: one
+    all-gather (padded to the busiest rank's count), its adjoint backward."""
+    if mesh.sp_size == 1:
+        return entries.new_zeros(entries.shape[0], count, entries.shape[-1]).index_copy(1, index, entries)
+    counts = all_gather(torch.tensor([index.numel()], device=entries.device), mesh.sp_group, dim=0)
+    most = int(counts.max())
+    padded = halo.pad_rows(entries, most)
+    numbers = torch.cat([index, index.new_full((most - index.numel(),), count)])  # padding: a spare slot
+    every = all_gather(padded, mesh.sp_group, dim=1)  # (B, P * most, D)
+    where = all_gather(numbers, mesh.sp_group, dim=0)  # (P * most,)
+    full = every.new_zeros(every.shape[0], count + 1, every.shape[-1]).index_copy(1, where, every)
+    return full[:, :count]
+
+
+def _indexer_picks(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_ids, keys: torch.Tensor,
+                   positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """CSA's selection: (B, L, k) each local query's top ``index_topk`` entries (-1: an entry it may not see), scored
+    by the indexer's own scorer against its compressed keys (B, N, Di), in blocks of queries, without gradient."""
+    with torch.no_grad():
+        b, length, _ = hidden.shape
+        rotate = module_function(indexer, "apply_rotary_pos_emb")
+        cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
+        q = indexer.q_b_proj(q_resid).view(b, length, -1, indexer.head_dim).transpose(1, 2)
+        q = rotate(q, cos, sin).transpose(1, 2)  # (B, L, Hi, Di)
+        count = keys.shape[1]
+        top = min(indexer.index_topk, count)
+        closed = torch.where(positions < seq_len, (positions + 1) // indexer.compress_rate, 0)  # (L,) entries seen
+        future = torch.arange(count, device=hidden.device)[None] >= closed[:, None]  # (L, N)
+        step = block_queries(b, q.shape[2], max(1, count))
+        picks = []
+        for start in range(0, length, step):
+            block = slice(start, start + step)
+            scores = indexer.scorer(q[:, block], keys, hidden[:, block]).masked_fill(future[block], float("-inf"))
+            chosen = scores.topk(top, dim=-1).indices
+            picks.append(torch.where(chosen >= closed[block, None], -1, chosen))
+        return torch.cat(picks, dim=1)
+
+
+def _problem(info: SequenceInfo) -> str | None:
+    if info.cu_seqlens is not None and len(info.cu_seqlens) > 2:
+        return ("packed documents: transformers' compressors window the whole row by its index, across documents; "
+                "give DeepSeek-V4 one document per row")
+    if info.lengths is not None:
+        return "rows of unequal length (an attention_mask): give DeepSeek-V4 rows of one length"
+    return None
+
+
+def _make_forward(mesh: SPMesh):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
+                cache=None, **kwargs):
+        # hidden_states (B, L, E) -> ((B, L, E), None)
+        info, name = entry_of(self, cache, kwargs)
+        problem = _problem(info)
+        if problem:
+            raise ValueError(f"{name} (DeepSeek-V4's compressed attention) cannot run on {problem}.")
+        b, length = hidden_states.shape[:-1]
+        compressor = self.compressor
+        indexer = getattr(compressor, "indexer", None)
+        rate, window = compressor.compress_rate, self.sliding_window
+        rotate = module_function(self, "apply_rotary_pos_emb")
+        cos, sin = position_embeddings[self.rope_layer_type]
+        q_resid = self.q_a_norm(self.q_a_proj(hidden_states))
+        q = self.q_b_norm(self.q_b_proj(q_resid).view(b, length, -1, self.head_dim).transpose(1, 2))
+        q = rotate(q, cos, sin).transpose(1, 2)  # (B, L, H, D)
+        kv = rotate(self.kv_norm(self.kv_proj(hidden_states))[:, None], cos, sin)[:, 0]  # (B, L, D)
+        # one halo for everything a token reads before it: the window, the entries' windows (CSA: two)
+        rates = (rate,) if indexer is None else (rate, indexer.compress_rate)
+        kernel = max(window, *(2 * r if _overlaps(c) else r for r, c in zip(rates, (compressor, indexer))))
+        place = halo.placement(mesh, length, layout=info.layout, seq_len=info.seq_len, kernel=kernel)
+        positions, keys, windows = _rows(place.chain, place.rank, kernel, info.seq_len, window, rates)
+        parts = [kv, compressor.kv_proj(hidden_states), compressor.gate_proj(hidden_states)]
+        if indexer is not None:  # its selection has no gradient (transformers' indexer trains nothing either)
+            with torch.no_grad():
+                parts += [indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states)]
+        widths = [p.shape[-1] for p in parts]
+        ext = torch.split(halo.extend(torch.cat(parts, dim=-1), place), widths, dim=-1)  # each (B, E, C)
+        device = hidden_states.device
+
+        def row_entries(module, kv_ext, gate_ext, m):
+            index, current, previous = (t.to(device) for t in windows[m])
+            local = _entries(module, kv_ext, gate_ext, current, previous, index, m)
+            return _gather_entries(local, index, info.seq_len // m, mesh)  # (B, N, D)
+
+        entries = row_entries(compressor, ext[1], ext[2], rate)
+        count = entries.shape[1]
+        own = positions.to(device)[place.mine.own.to(device)]  # (L,) each local token's position
+        if indexer is None:  # HCA: every entry whose window has closed
+            closed = torch.where(own < info.seq_len, (own + 1) // rate, 0)
+            seen = torch.arange(count, device=device)[None]
+            chosen = torch.where(seen < closed[:, None], seen, -1).expand(b, -1, -1)
+        else:  # CSA: the indexer's top k of them
+            index_keys = row_entries(indexer, ext[3], ext[4], indexer.compress_rate)
+            ids = position_ids if position_ids is not None else own[None].expand(b, -1)
+            chosen = _indexer_picks(indexer, hidden_states, q_resid, ids, index_keys, own, info.seq_len)
+        extended = ext[0].shape[1]
+        picks = torch.cat([keys.to(device).expand(b, -1, -1), torch.where(chosen >= 0, chosen + extended, -1)], -1)
+        row = torch.cat([ext[0], entries], dim=1)  # (B, E + N, D): the extended runs' keys, then the entries
+        out = sparse_latent_attention(q, row, picks, self.scaling, self.head_dim, self.sinks)  # (B, L, H, D)
+        out = rotate(out.transpose(1, 2), cos, -sin).transpose(1, 2)  # the values' rotary undone at the query
+        grouped = self.o_a_proj(out.reshape(b, length, self.config.o_groups, -1)).flatten(2)
+        return self.o_b_proj(grouped), None
+
+    return forward
+
+
+def install(layers: list[nn.Module], mesh: SPMesh) -> None:
+    """Give ``layers`` (from :func:`compressed_layers`) the sequence-parallel forward; the class is untouched."""
+    replace_forward(layers, _make_forward(mesh), _ATTR)
+
+
+def uninstall(model: nn.Module) -> None:
+    restore_forward(model, _ATTR)

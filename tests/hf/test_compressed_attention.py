@@ -1,0 +1,171 @@
+"""DeepSeek-V4's compressed attentions (seqmesh.hf.compressed_attention): an HCA and a CSA layer, their sliding
+window, compressed entries, indexer, sinks, hyper-connections and hash-routed experts, against transformers' model on
+the whole sequence: logits, loss and every parameter's gradient within a multiple of the reference's own rounding,
+on Ulysses, ring and both, with the zigzag and contiguous layouts. Each piece that crosses ranks, mutated, is seen."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_cases import family_parity, share_references
+
+MESHES = [(1, 2), (2, 1), (2, 2)]
+ROUNDING_MULTIPLE = 4  # as tests/hf/test_hf_families.py
+
+
+def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, 45)
+    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+
+
+def _outside_rounding(r: dict) -> list[str]:
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+
+
+@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
+def test_compressed_attention_exact(pools, ulysses, ring):
+    cases = [("deepseek-v4", ulysses, ring, layout, False) for layout in ("zigzag", "contiguous")]
+    for results in pools.run(ulysses * ring, _run_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), (r["worst"], r)
+            assert r["rounding"]["logits"] < 1e-4, r
+    print(f"u{ulysses}xr{ring} (layout, logits, loss, relative grad): "
+          f"{[(r['case'][3], r['logits'], r['loss'], r['grad']) for r in results]}")
+
+
+def _run_on_the_kernel(cases: list[tuple]) -> list[dict]:
+    """:func:`_run_all` with the attention on the Triton kernel (a GPU's path; here Triton's interpreter): keys and
+    values one row (no separate rotated part), the sinks in its softmax."""
+    from seqmesh.kernels import sparse_latent
+
+    saved = sparse_latent.uses_kernel
+    sparse_latent.uses_kernel = lambda x, name="sparse_latent": True
+    try:
+        return _run_all(cases)
+    finally:
+        sparse_latent.uses_kernel = saved
+
+
+def test_exact_on_the_triton_kernel(pools):
+    pytest.importorskip("triton")
+    for results in pools.run(2, _run_on_the_kernel, [("deepseek-v4", 1, 2, "zigzag", False)]):
+        for r in results:
+            assert not _outside_rounding(r), (r["worst"], r)
+
+
+def _entries_one_window_late(original):
+    def late(entries, index, count, mesh):
+        return original(entries, (index + 1) % count, count, mesh)
+    return late
+
+
+def _without_previous(original):
+    def alone(compressor, ext, gate, current, previous, index, rate):
+        return original(compressor, ext, gate, current, previous.new_full(previous.shape, -1), index, rate)
+    return alone
+
+
+def _window_one_short(model) -> None:
+    from seqmesh.hf.compressed_attention import is_compressed
+
+    for module in model.modules():
+        if is_compressed(module):
+            module.sliding_window -= 1
+
+
+# one deliberate error in each piece that crosses ranks: the function of seqmesh.hf.compressed_attention replaced
+# (by its replacement made from the original), or the parallelized model altered
+MUTATIONS = {
+    "each entry placed at the next window": ("_gather_entries", _entries_one_window_late, None),
+    "CSA's previous half-window left out": ("_entries", _without_previous, None),
+    "the sliding window one key short": (None, None, _window_one_short),
+}
+
+
+def _run_mutated(name: str, ulysses: int, ring: int) -> list[dict]:
+    from seqmesh.hf import compressed_attention
+
+    function, mutant, alter = MUTATIONS[name]
+    original = getattr(compressed_attention, function) if function else None
+    if function:
+        setattr(compressed_attention, function, mutant(original))
+    try:
+        return _run_all([("deepseek-v4", ulysses, ring, "zigzag", False)], alter=alter)
+    finally:
+        if function:
+            setattr(compressed_attention, function, original)
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_each_mutation_is_seen(pools, name):
+    for results in pools.run(2, _run_mutated, name, 1, 2):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+
+
+def _packed_refusal() -> str:
+    import torch
+
+    import seqmesh
+    from dist_cases import get_mesh
+    from family_cases import build, family_config
+    from seqmesh.hf import parallelize
+
+    mesh = get_mesh(1, 2)
+    model = parallelize(build(family_config("deepseek-v4")), mesh)
+    positions = torch.cat([torch.arange(17), torch.arange(23)])[None]  # two documents, packed
+    batch = seqmesh.shard_batch({"input_ids": torch.randint(0, 64, (1, 40)), "position_ids": positions}, mesh)
+    try:
+        model(**batch)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_packed_documents_are_refused_by_name(pools):
+    for message in pools.run(2, _packed_refusal):
+        assert "DeepSeek-V4's compressed attention" in message and "one document per row" in message, message
+
+
+def test_a_deepseek_v4_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train`` from DeepSeek-V4's config.json on a ring of 4 (77 tokens: chunks of
+    about 10, so a halo of 7 reaches into the rank before) with FSDP2 and checkpointing: the single process's loss
+    and gradients, then training."""
+    import math
+
+    from family_cases import family_config
+    from train_job_cases import verify_then_train
+
+    good, losses = verify_then_train(pools, tmp_path, family_config("deepseek-v4"), ring=4, checkpointing=True)
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def _generate_refusal() -> str:
+    from dist_cases import get_mesh
+    from family_cases import build, family_config
+    from seqmesh.hf import parallelize
+    from seqmesh.inference.generate import check_generate
+
+    mesh = get_mesh(1, 2)
+    try:
+        check_generate(parallelize(build(family_config("deepseek-v4")), mesh), mesh)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_generation_is_refused_by_name(pools):
+    """seqmesh generate does not decode the compressed layers yet: it says so before the prompt is read."""
+    for message in pools.run(2, _generate_refusal):
+        assert "DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet" in message, message
+
+
+def test_the_planner_refuses_it_by_name(tmp_path):
+    """The planner does not size the compressed layers yet, and says so, where a plan would have counted them as full
+    attention over one kv head."""
+    from family_cases import family_config
+    from seqmesh.model.presets import model_shape
+
+    family_config("deepseek-v4").save_pretrained(tmp_path)
+    assert "DeepSeek-V4's compressed attention" in model_shape(str(tmp_path)).unplanned
