@@ -74,7 +74,7 @@ def family_config(family: str):
     if family == "deepseek-v4":  # an HCA layer (windows of 8), then a CSA layer (windows of 4, each query's top 3)
         return tf.DeepseekV4Config(**SMALL, head_dim=16, q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4,
                                    num_experts_per_tok=2, sliding_window=6, o_groups=2, o_lora_rank=8, hc_mult=2,
-                                   index_n_heads=2, index_head_dim=8, index_topk=3, partial_rotary_factor=0.5,
+                                   index_n_heads=8, index_head_dim=8, index_topk=3, partial_rotary_factor=0.5,
                                    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                                    layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
                                    mlp_layer_types=["hash_moe", "moe"])
@@ -286,7 +286,7 @@ def _row_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # families whose reference is one call over the packed row (:func:`_row_loss`)
-ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5", "deepseek-v4", *CENSUS_NAMED)
+ONE_ROW_FAMILIES = ("deepseek-v3.2", "glm-5", *CENSUS_NAMED)
 
 
 class Float32Ops(TorchDispatchMode):

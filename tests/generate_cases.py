@@ -76,9 +76,9 @@ class SelectionMargin(TorchFunctionMode):
     every machine at the pinned torch, whatever its BLAS). A gap of a few float32 units would let another machine's
     rounding pick another key; the sparse tests' data keeps it far above that."""
 
-    def __init__(self, k: int | None) -> None:
-        super().__init__()
-        self.k, self.least = k, float("inf")
+    def __init__(self, k: int | None, ties: bool = False) -> None:
+        super().__init__()  # ties: count exact ties too (a selection seqmesh makes over a differently shaped row)
+        self.k, self.ties, self.least = k, ties, float("inf")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,8 +88,9 @@ class SelectionMargin(TorchFunctionMode):
             pair = args[0].sort(dim=-1, descending=True).values[..., k - 1:k + 1]
             pair = pair[torch.isfinite(pair).all(-1)]
             gap = (pair[:, 0] - pair[:, 1]) / pair[:, 0].abs().clamp(min=1e-30)
-            if bool((gap > 0).any()):
-                self.least = min(self.least, float(gap[gap > 0].min()))
+            counted = gap if self.ties else gap[gap > 0]
+            if counted.numel():
+                self.least = min(self.least, float(counted.min()))
         return out
 
 

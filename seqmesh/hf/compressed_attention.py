@@ -4,7 +4,7 @@ sparse (CSA) layers.
 Each such layer's queries (``H`` heads) attend, in one softmax with a sink per head, to
 
 - a sliding window: the ``W`` latest tokens' single shared key, which is also the value (``kv``, ``D`` wide), and
-- compressed entries: one per window of ``m`` tokens of the row, counted from the row's start. An entry is a
+- compressed entries: one per window of ``m`` tokens, counted from the document's start. An entry is a
   softmax-gated sum of its window's projected tokens (CSA: of ``2m`` tokens, the previous window's other half
   overlapping), normed and rotated at its window's first position. HCA (``m`` = 128 in V4) lets a query see every
   entry whose window has closed; CSA (``m`` = 4) lets it see the ``index_topk`` of those that its lightning indexer
@@ -19,13 +19,17 @@ placed by window. A query's keys are then rows of its extended run and of the ga
 softmax. Nothing else crosses a link; the backward of each gather is its adjoint.
 
 The rest of the layer (queries, norms, the rotary on queries, keys and entries, the output's inverse rotary, the
-grouped output projection) runs per token with the module's own submodules and functions. Packed documents and
-rows of unequal length are refused: transformers' compressors window the whole row by its index, across documents.
+grouped output projection) runs per token with the module's own submodules and functions.
+
+Packed documents are computed as the documents one model call each: windows, entries and the sliding window restart
+at each document, whose queries see only its entries (transformers' compressors, given one packed row, would window
+it across documents by its index). Rows of unequal length (an ``attention_mask``) are refused.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -64,27 +68,55 @@ def compressed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
     return found
 
 
+@dataclass(frozen=True)
+class Windows:
+    """One compress rate's windows on one rank (index tensors on the host)."""
+
+    ids: torch.Tensor  # (n,) the row's entry number of each window that closes at one of this rank's tokens
+    number: torch.Tensor  # (n,) its number within its document (its entry is rotated at number x rate)
+    current: torch.Tensor  # (n, m) its rows of the extended runs, in order
+    previous: torch.Tensor  # (n, m) the previous window's rows (-1: the document's first window has none)
+    seen: torch.Tensor  # (L, N) bool: which of the row's N entries each own token may see (its document's, closed)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Host-side index arithmetic of one rank's extended runs (:func:`seqmesh.linear_attention.halo.extend`)."""
+
+    keys: torch.Tensor  # (L, W) each own token's window: its own row, then the rows before it (-1: none)
+    windows: dict[int, Windows]  # per compress rate
+
+
 @functools.lru_cache(maxsize=64)
-def _rows(chain, rank: int, kernel: int, seq_len: int, window: int, rates: tuple[int, ...]):
-    """Host-side index arithmetic of one rank's extended runs (:func:`seqmesh.linear_attention.halo.extend`, cached
-    per layout): each extended row's position (E,); the window's key rows of each own token (L, W), its own row first
-    (-1: none; a padding token sees itself only); per compress rate ``m``, the own rows whose token closes a window,
-    with their window numbers (n,) and that window's rows (n, m) and the previous window's (n, m) (-1: none)."""
+def _rows(chain, rank: int, kernel: int, bounds: tuple[int, ...], window: int, rates: tuple[int, ...]) -> Rows:
+    """:class:`Rows` for ``rank`` of ``chain`` with halos of ``kernel - 1``; ``bounds``: the documents' starts and the
+    real tokens' end (0, ..., T). Windows, entries and keys are counted within each document, from its start (the
+    documents one model call each); a padding token sees itself only and no entry. Cached per layout."""
+    seq_len = bounds[-1]
     positions = torch.tensor(halo.extended_positions(chain, rank, kernel))  # (E,)
-    own = halo.rank_chain(chain, rank, kernel).own  # (L,) rows of the extended runs that are this rank's tokens
+    edges = torch.tensor(bounds)
+    doc = torch.bucketize(positions, edges[1:], right=True)  # each row's document (the padding: one past the last)
+    start = torch.cat([edges, edges[-1:]])[doc]
+    offset = positions - start  # each row's position within its document
+    own = halo.rank_chain(chain, rank, kernel).own
     back = torch.arange(window)
-    mine = positions[own]
-    real = mine < seq_len
-    ok = (mine[:, None] - back >= 0) & (real[:, None] | (back == 0))
+    real = positions[own] < seq_len
+    ok = (offset[own][:, None] - back >= 0) & (real[:, None] | (back == 0))
     keys = torch.where(ok, own[:, None] - back, -1)  # (L, W)
     windows = {}
     for m in rates:
-        ends = own[real & ((mine + 1) % m == 0)]  # every window of the row closes at a real token, or is not one
-        index = positions[ends] // m
-        current = ends[:, None] - (m - 1) + torch.arange(m)  # (n, m), in order
-        previous = torch.where((index >= 1)[:, None], current - m, -1)  # window 0 has no previous window
-        windows[m] = (index, current, previous)
-    return positions, keys, windows
+        counts = (edges[1:] - edges[:-1]) // m  # each document's closed windows
+        first = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])  # its first entry's number in the row
+        ends = own[real & ((offset[own] + 1) % m == 0)]  # own rows that close a window (all within the document)
+        number = offset[ends] // m
+        current = ends[:, None] - (m - 1) + torch.arange(m)  # (n, m)
+        previous = torch.where((number >= 1)[:, None], current - m, -1)
+        closed = torch.where(real, (offset[own] + 1) // m, 0)  # (L,) entries of its document a token sees
+        mine = first[doc[own].clamp(max=len(counts) - 1)]
+        entry = torch.arange(int(first[-1]))[None]
+        seen = (entry >= mine[:, None]) & (entry < (mine + closed)[:, None])
+        windows[m] = Windows(first[doc[ends]] + number, number, current, previous, seen)
+    return Rows(keys, windows)
 
 
 def _entries(compressor: nn.Module, ext: torch.Tensor, gate: torch.Tensor, current: torch.Tensor,
@@ -114,7 +146,7 @@ def _entries(compressor: nn.Module, ext: torch.Tensor, gate: torch.Tensor, curre
 
 
 def _gather_entries(entries: torch.Tensor, index: torch.Tensor, count: int, mesh: SPMesh) -> torch.Tensor:
-    """Every rank's entries (B, n_r, D) with their window numbers -> the row's (B, count, D) in window order: one
+    """Every rank's entries (B, n_r, D) with their numbers in the row -> the row's (B, count, D) in that order: one
     all-gather (padded to the busiest rank's count), its adjoint backward."""
     if mesh.sp_size == 1:
         return entries.new_zeros(entries.shape[0], count, entries.shape[-1]).index_copy(1, index, entries)
@@ -128,10 +160,11 @@ def _gather_entries(entries: torch.Tensor, index: torch.Tensor, count: int, mesh
     return full[:, :count]
 
 
-def _indexer_picks(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_ids, keys: torch.Tensor,
-                   positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _indexer_picks(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_ids: torch.Tensor,
+                   keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """CSA's selection: (B, L, k) each local query's top ``index_topk`` entries (-1: an entry it may not see), scored
-    by the indexer's own scorer against its compressed keys (B, N, Di), in blocks of queries, without gradient."""
+    by the indexer's own scorer against its compressed keys (B, N, Di), the entries it may not see (``seen``, (L, N))
+    masked, in blocks of queries, without gradient."""
     with torch.no_grad():
         b, length, _ = hidden.shape
         rotate = module_function(indexer, "apply_rotary_pos_emb")
@@ -140,24 +173,22 @@ def _indexer_picks(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tens
         q = rotate(q, cos, sin).transpose(1, 2)  # (B, L, Hi, Di)
         count = keys.shape[1]
         top = min(indexer.index_topk, count)
-        closed = torch.where(positions < seq_len, (positions + 1) // indexer.compress_rate, 0)  # (L,) entries seen
-        future = torch.arange(count, device=hidden.device)[None] >= closed[:, None]  # (L, N)
         step = block_queries(b, q.shape[2], max(1, count))
         picks = []
         for start in range(0, length, step):
             block = slice(start, start + step)
-            scores = indexer.scorer(q[:, block], keys, hidden[:, block]).masked_fill(future[block], float("-inf"))
+            scores = indexer.scorer(q[:, block], keys, hidden[:, block]).masked_fill(~seen[block], float("-inf"))
             chosen = scores.topk(top, dim=-1).indices
-            picks.append(torch.where(chosen >= closed[block, None], -1, chosen))
+            visible = torch.gather(seen[block].expand(b, -1, -1), 2, chosen)
+            picks.append(torch.where(visible, chosen, -1))
         return torch.cat(picks, dim=1)
 
 
-def _problem(info: SequenceInfo) -> str | None:
-    if info.cu_seqlens is not None and len(info.cu_seqlens) > 2:
-        return ("packed documents: transformers' compressors window the whole row by its index, across documents; "
-                "give DeepSeek-V4 one document per row")
+def _problem(info: SequenceInfo, position_ids) -> str | None:
     if info.lengths is not None:
         return "rows of unequal length (an attention_mask): give DeepSeek-V4 rows of one length"
+    if position_ids is None:
+        return "a call without position_ids (DeepSeek-V4's model passes them to every layer)"
     return None
 
 
@@ -166,7 +197,7 @@ def _make_forward(mesh: SPMesh):
                 cache=None, **kwargs):
         # hidden_states (B, L, E) -> ((B, L, E), None)
         info, name = entry_of(self, cache, kwargs)
-        problem = _problem(info)
+        problem = _problem(info, position_ids)
         if problem:
             raise ValueError(f"{name} (DeepSeek-V4's compressed attention) cannot run on {problem}.")
         b, length = hidden_states.shape[:-1]
@@ -182,8 +213,10 @@ def _make_forward(mesh: SPMesh):
         # one halo for everything a token reads before it: the window, the entries' windows (CSA: two)
         rates = (rate,) if indexer is None else (rate, indexer.compress_rate)
         kernel = max(window, *(2 * r if _overlaps(c) else r for r, c in zip(rates, (compressor, indexer))))
-        place = halo.placement(mesh, length, layout=info.layout, seq_len=info.seq_len, kernel=kernel)
-        positions, keys, windows = _rows(place.chain, place.rank, kernel, info.seq_len, window, rates)
+        place = halo.placement(mesh, length, layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
+                               kernel=kernel)
+        bounds = tuple(info.cu_seqlens) if info.cu_seqlens else (0, info.seq_len)
+        rows = _rows(place.chain, place.rank, kernel, bounds, window, rates)
         parts = [kv, compressor.kv_proj(hidden_states), compressor.gate_proj(hidden_states)]
         if indexer is not None:  # its selection has no gradient (transformers' indexer trains nothing either)
             with torch.no_grad():
@@ -193,21 +226,19 @@ def _make_forward(mesh: SPMesh):
         device = hidden_states.device
 
         def row_entries(module, kv_ext, gate_ext, m):
-            index, current, previous = (t.to(device) for t in windows[m])
-            local = _entries(module, kv_ext, gate_ext, current, previous, index, m)
-            return _gather_entries(local, index, info.seq_len // m, mesh)  # (B, N, D)
+            win = rows.windows[m]
+            current, previous = win.current.to(device), win.previous.to(device)
+            local = _entries(module, kv_ext, gate_ext, current, previous, win.number.to(device), m)
+            return _gather_entries(local, win.ids.to(device), win.seen.shape[1], mesh), win.seen.to(device)
 
-        entries = row_entries(compressor, ext[1], ext[2], rate)
-        count = entries.shape[1]
-        own = positions.to(device)[place.mine.own.to(device)]  # (L,) each local token's position
-        if indexer is None:  # HCA: every entry whose window has closed
-            closed = torch.where(own < info.seq_len, (own + 1) // rate, 0)
-            seen = torch.arange(count, device=device)[None]
-            chosen = torch.where(seen < closed[:, None], seen, -1).expand(b, -1, -1)
+        entries, seen = row_entries(compressor, ext[1], ext[2], rate)
+        if indexer is None:  # HCA: every entry of its document whose window has closed
+            every = torch.arange(entries.shape[1], device=device)[None]
+            chosen = torch.where(seen, every, -1).expand(b, -1, -1)
         else:  # CSA: the indexer's top k of them
-            index_keys = row_entries(indexer, ext[3], ext[4], indexer.compress_rate)
-            ids = position_ids if position_ids is not None else own[None].expand(b, -1)
-            chosen = _indexer_picks(indexer, hidden_states, q_resid, ids, index_keys, own, info.seq_len)
+            index_keys, index_seen = row_entries(indexer, ext[3], ext[4], indexer.compress_rate)
+            chosen = _indexer_picks(indexer, hidden_states, q_resid, position_ids, index_keys, index_seen)
+        keys = rows.keys
         extended = ext[0].shape[1]
         picks = torch.cat([keys.to(device).expand(b, -1, -1), torch.where(chosen >= 0, chosen + extended, -1)], -1)
         row = torch.cat([ext[0], entries], dim=1)  # (B, E + N, D): the extended runs' keys, then the entries
