@@ -33,6 +33,22 @@ def parity_with_positions_off_by_one(cases: list[tuple]) -> list[dict]:
     return [{"case": c, **family_parity(*c, seq_len=45, shift_positions_on=1)} for c in cases]
 
 
+def parity_with_whole_rotary(cases: list[tuple]) -> list[dict]:
+    """As :func:`short_conv_cases.parity_all`, with GPT-NeoX-Japanese's partial rotary applied to the whole head."""
+    from seqmesh.hf import own_attention
+
+    original = own_attention.FAMILIES["GPTNeoXJapaneseAttention"]
+
+    def whole(module, q, k, cos, sin):  # its tables cover the leading half: repeated to the whole head
+        return own_attention._rotate_whole(module, q, k, cos.repeat(1, 1, 2), sin.repeat(1, 1, 2))
+
+    own_attention.FAMILIES["GPTNeoXJapaneseAttention"] = dataclasses.replace(original, rotate=whole)
+    try:
+        return parity_all(cases)
+    finally:
+        own_attention.FAMILIES["GPTNeoXJapaneseAttention"] = original
+
+
 def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
     """As :func:`short_conv_cases.parity_all`, with GPT-Neo's local layers run as global ones (their window dropped)."""
     from seqmesh.hf import own_attention

@@ -184,9 +184,12 @@ class _EntryRelay:
     def __init__(self, module: nn.Module, targets: list[nn.Module]):
         held: dict = {}
         original = type(module)
+        accepts = takes_kwargs(module)  # OpenAI-GPT's blocks take no **kwargs: the entry stops at the relay
 
         def forward(self, *args, **kwargs):
             held["entry"] = kwargs.get("seqmesh")  # None for a call without one: never an earlier call's
+            if not accepts:
+                kwargs.pop("seqmesh", None)
             return super(relay, self).forward(*args, **kwargs)
 
         relay = type(original.__name__, (original,), {"forward": forward, "__module__": original.__module__,

@@ -1,6 +1,7 @@
 """transformers' attention layers that compute their attention themselves, outside transformers'
 ``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
-attention, GPT-Neo's global and local attention.
+attention, GPT-Neo's global and local attention, the original GPT's (OpenAI-GPT), XGLM's and GPT-NeoX-Japanese's
+(its partial rotary).
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -56,7 +57,8 @@ class _Family:
     scale: Callable[[nn.Module], float]
     output: Callable  # (module, o (B, L, Hq * D), the layer's call's other arguments) -> the layer's result
     own_mask: bool = False  # the model builds its causal mask whatever the config names (MPT): the layer ignores it
-    rotary: bool = False  # q and k rotated by the family's apply_rotary_pos_emb at the call's position_embeddings
+    # (module, q, k (B, L, H, D), cos, sin) -> q, k rotated as the family does at the call's position_embeddings
+    rotate: Callable | None = None
     window: Callable[[nn.Module], int | None] = lambda m: None  # a local layer's causal window (GPT-Neo)
     refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
 
@@ -130,6 +132,37 @@ def _gpt_neo_window(module: nn.Module) -> int | None:
     return module.attention.config.window_size if module.attention_type == "local" else None
 
 
+def _rotate_whole(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos, sin):
+    rotate = _family_function(module, "apply_rotary_pos_emb")  # on (B, H, L, D)
+    return (t.transpose(1, 2) for t in rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+
+
+def _rotate_leading(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos, sin):
+    """GPT-NeoX-Japanese's partial rotary: the leading ``rotary_ndims`` of each head rotated, the rest passed."""
+    r = module.rotary_ndims
+    q_rot, k_rot = _rotate_whole(module, q[..., :r], k[..., :r], cos, sin)
+    return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+
+def _split_heads(module: nn.Module, x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.view(*x.shape[:2], heads, -1)
+
+
+def _openai_project(module: nn.Module, hidden: torch.Tensor):
+    q, k, v = module.c_attn(hidden).split(module.split_size, dim=2)
+    return tuple(_split_heads(module, t, module.n_head) for t in (q, k, v))
+
+
+def _xglm_project(module: nn.Module, hidden: torch.Tensor):
+    return tuple(_split_heads(module, proj(hidden), module.num_heads)
+                 for proj in (module.q_proj, module.k_proj, module.v_proj))
+
+
+def _neox_japanese_project(module: nn.Module, hidden: torch.Tensor):
+    qkv = _split_heads(module, module.query_key_value(hidden), module.num_attention_heads)  # per head: q, k, v
+    return qkv.split(module.head_size, dim=-1)
+
+
 FAMILIES: dict[str, _Family] = {
     "BloomAttention": _Family(lambda m: m.num_heads, _bloom_slopes, lambda m: m.attention_dropout.p, _bloom_project,
                               lambda m: m.inv_norm_factor, _bloom_output),
@@ -137,24 +170,48 @@ FAMILIES: dict[str, _Family] = {
                             lambda m: m.softmax_scale, lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
     # rotary Falcon applies no attention dropout (its alibi branch does)
     "FalconAttention": _Family(lambda m: m.num_heads, None, lambda m: 0.0, _falcon_project, lambda m: m.inv_norm_factor,
-                               lambda m, o, residual: (m.dense(o), None), rotary=True, refused=_falcon_refused),
+                               lambda m, o, residual: (m.dense(o), None), rotate=_rotate_whole,
+                               refused=_falcon_refused),
     # GPT-Neo does not scale its scores; its local layers see a causal window
     "GPTNeoAttention": _Family(lambda m: m.attention.num_heads, None, lambda m: m.attention.attn_dropout.p,
                                _gpt_neo_project, lambda m: 1.0,
                                lambda m, o, residual: (m.attention.resid_dropout(m.attention.out_proj(o)), None),
                                window=_gpt_neo_window),
+    # the original GPT (its class is named Attention): scores over the causal mask filled with -1e4, which float32's
+    # and float64's softmax turn into exact zeros, as the causal mask's -inf
+    "openai.Attention": _Family(lambda m: m.n_head, None, lambda m: m.attn_dropout.p, _openai_project,
+                                lambda m: (m.split_size // m.n_head) ** -0.5 if m.scale else 1.0,
+                                lambda m, o, residual: ([m.resid_dropout(m.c_proj(o))]), own_mask=True),
+    # the query scaled before its product (the same values up to rounding); it builds its causal mask itself
+    "XGLMAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
+                             lambda m, o, residual: (m.out_proj(o), None), own_mask=True,
+                             refused=lambda m: "cross-attention (add_cross_attention)" if not m.is_decoder else None),
+    "GPTNeoXJapaneseAttention": _Family(lambda m: m.num_attention_heads, None, lambda m: m.attention_dropout.p,
+                                        _neox_japanese_project, lambda m: 1.0 / m.norm_factor,
+                                        lambda m, o, residual: (m.dense(o), None, m.dense_bias), own_mask=True,
+                                        rotate=_rotate_leading),
 }
+
+
+def family_key(module: nn.Module) -> str | None:
+    """``module``'s key in :data:`FAMILIES` (its class name; a class named only ``Attention``: with its family's
+    module, ``openai.Attention``), or None."""
+    name = type(module).__name__
+    if name in FAMILIES:
+        return name
+    family = type(module).__module__.rsplit(".", 2)[-2] if type(module).__module__.count(".") >= 2 else ""
+    return f"{family}.{name}" if f"{family}.{name}" in FAMILIES else None
 
 
 def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
     """The attention layers of ``model`` that seqmesh runs itself (path, module), checked for ``mesh``: tensor
     parallelism, too few heads for the Ulysses degree, attention dropout and a variant seqmesh does not compute are
     refused here, naming the fix. ``design`` does not apply."""
-    layers = [(path, m) for path, m in model.named_modules() if type(m).__name__ in FAMILIES]
+    layers = [(path, m) for path, m in model.named_modules() if family_key(m) is not None]
     if not layers:
         return []
     path, first = layers[0]
-    family, cls = FAMILIES[type(first).__name__], type(first).__name__
+    family, cls = FAMILIES[family_key(first)], family_key(first)
     reason = family.refused(first)
     if reason:
         raise ValueError(f"seqmesh cannot run {path} ({cls}) exactly: {reason}.")
@@ -168,20 +225,24 @@ def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -
         raise ValueError(f"{cls} has {heads} heads, too few for ulysses={mesh.ulysses}. For a sequence degree of "
                          f"{mesh.sp_size} use one of: {options}.")
     for path, module in layers:
-        if family.dropout(module):
-            raise ValueError(f"{path} ({cls}) has attention dropout {family.dropout(module)}, which seqmesh does not "
-                             "apply; set the config's attention dropout to 0.")
+        _check_dropout(module, family, path)
     return layers
+
+
+def _check_dropout(module: nn.Module, family: _Family, name: str) -> None:
+    """Refuse attention dropout where it would apply (in training; an evaluated model's is off)."""
+    if module.training and family.dropout(module):
+        raise ValueError(f"{name} ({family_key(module)}) has attention dropout {family.dropout(module)}, which seqmesh "
+                         "does not apply in training; set the config's attention dropout to 0.")
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
     """The layer's forward on ``mesh``, attending with the kernel ``backend`` (``parallelize``'s)."""
-    family = FAMILIES[type(module).__name__]
+    family = FAMILIES[family_key(module)]
     heads = family.heads(module)
     slopes = None if family.slopes is None else tuple(float(s) for s in family.slopes(module, heads))
     scale = float(family.scale(module))
     window = family.window(module)
-    rotate = _family_function(module, "apply_rotary_pos_emb") if family.rotary else None
 
     def forward(self, hidden_states: torch.Tensor, *args, attention_mask=None, **kwargs):
         # hidden_states (B, L, E) in shard order -> the layer's own result
@@ -193,10 +254,10 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
         if kwargs.get("output_attentions"):
             raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
                              "model with output_attentions=False.")
+        _check_dropout(self, family, type(self).__name__)  # the model may have been put in training since
         q, k, v = family.project(self, hidden_states)
-        if rotate is not None:  # (B, H, L, D) as the family rotates them, at the batch's global positions
-            cos, sin = kwargs["position_embeddings"]
-            q, k = (t.transpose(1, 2) for t in rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+        if family.rotate is not None:  # as the family rotates them, at the batch's global positions
+            q, k = family.rotate(self, q, k, *kwargs["position_embeddings"])
         residual = args[0] if args else kwargs.get("residual")
         intercept = getattr(info, "intercept_attention", None)  # seqmesh.inference's entries: a prefill keeps this
         if intercept is not None:  # rank's keys and values, a decode step attends to its share of the cache
@@ -217,7 +278,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
 def needs_no_mask(found: list) -> bool:
     """Whether the model of ``found``'s layers builds no causal mask once its config names seqmesh's attention
     implementation (BLOOM, Falcon, GPT-Neo; MPT builds one whatever the config names, and cannot be told not to)."""
-    return bool(found) and not any(FAMILIES[type(m).__name__].own_mask for _, m in found)
+    return bool(found) and not any(FAMILIES[family_key(m)].own_mask for _, m in found)
 
 
 def _no_padding_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -236,7 +297,7 @@ def refuse_padding_masks(decoder: nn.Module, found: list) -> list:
 
 def check_backend(found: list, backend: str) -> None:
     """Refuse a named kernel that does not compute ALiBi for a model with ALiBi layers."""
-    if any(FAMILIES[type(m).__name__].slopes is not None for _, m in found) and backend not in ALIBI_BACKENDS:
+    if any(FAMILIES[family_key(m)].slopes is not None for _, m in found) and backend not in ALIBI_BACKENDS:
         raise ValueError(f"backend={backend!r} cannot compute ALiBi (the math kernel adds a bias by distance, and the "
                          "CPU flash op in fp32 and fp64); parallelize this model with backend='auto'.")
 

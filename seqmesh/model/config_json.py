@@ -9,7 +9,7 @@ import json
 import os
 
 from ..rules.model_sizes import check_model_sizes
-from ..rules.own_attention import ALIBI, TWO_MATRIX_MLP
+from ..rules.own_attention import ALIBI, TWO_MATRIX_MLP, UNPLANNED
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -88,7 +88,10 @@ def shape_from_config(path: str) -> ModelShape:
 # written here so that reading a config.json needs no transformers)
 _OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
               "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"},
-              "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}}
+              "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
+              "openai-gpt": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
+              "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",
+                       "ffn_dim": "intermediate_size"}}
 
 
 def _falcon_kv_heads(cfg: dict) -> int | None:
@@ -113,6 +116,8 @@ def _standard_names(cfg: dict) -> dict:
         out["sliding_window"] = cfg.get("window_size", 256)
     if family in TWO_MATRIX_MLP and out.get("tie_word_embeddings") is None:  # their config classes tie by default
         out["tie_word_embeddings"] = True
+    if family == "gpt_neox_japanese" and out.get("intermediate_size") is None and isinstance(out.get("hidden_size"), int):
+        out["intermediate_size"] = cfg.get("intermediate_multiple_size", 4) * out["hidden_size"]
     if family in TWO_MATRIX_MLP and out.get("intermediate_size") is None and isinstance(out.get("hidden_size"), int):
         ratio = cfg.get("expansion_ratio", 4) if family == "mpt" else 4
         out["intermediate_size"] = cfg.get("ffn_hidden_size") or ratio * out["hidden_size"]
@@ -133,6 +138,10 @@ def _own_attention_fields(cfg: dict) -> dict:
                                "of one shared key beside compressed entries, CSA's indexer, the grouped output "
                                "projection, hyper-connections; it would plan them as full attention); seqmesh train "
                                "runs it all the same")
+    if family in UNPLANNED:
+        fields["unplanned"] = (f"seqmesh plan does not size {family} yet (its config.json's names and its layers' "
+                               "layout, which seqmesh runs through the layers' own projections); seqmesh train and "
+                               "verify run it all the same")
     if family in ALIBI:
         fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: on a GPU it runs on the math "
                                "kernel, whose (rows x keys) score block per call the planner does not count; seqmesh "

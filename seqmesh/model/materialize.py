@@ -48,6 +48,7 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
         module._parameters.update(whole)
         module._is_hf_initialized = False
         torch.manual_seed(_parameter_seed(seed, name))
+        _constructor_values(module, whole)
         try:
             with guard_torch_init_functions():
                 init(module)
@@ -65,6 +66,16 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
             else:
                 p.copy_(values.to(p.device))
         module._is_hf_initialized = True
+
+
+def _constructor_values(module: nn.Module, whole: dict[str, nn.Parameter]) -> None:
+    """What a module's constructor gives its parameters where the family's ``_init_weights`` leaves them as they are:
+    transformers' ``Conv1D`` (OpenAI-GPT's layers; GPT-2's ``_init_weights`` redraws them, OpenAI-GPT's does not)
+    draws its weight from N(0, 0.02) and zeroes its bias in ``__init__``, which a model built on the meta device never
+    ran."""
+    if type(module).__name__ == "Conv1D" and type(module).__module__ == "transformers.pytorch_utils":
+        whole["weight"].normal_(mean=0.0, std=0.02)
+        whole["bias"].zero_()
 
 
 @torch.no_grad()

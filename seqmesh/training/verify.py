@@ -119,7 +119,12 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     wide = copy.deepcopy(model, held).to(torch.float64)
     if hasattr(wide, "set_experts_implementation"):  # grouped_mm (MoE experts' default) has no float64 kernel
         wide.set_experts_implementation("eager")
-    (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
+    saved = torch.get_default_dtype()  # what the model makes inside, float64 too (XGLM clamps its float64 scores with
+    torch.set_default_dtype(torch.float64)  # a default-dtype tensor, which float64's minimum would overflow)
+    try:
+        (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
+    finally:
+        torch.set_default_dtype(saved)
     for name, p in wide.named_parameters():
         if name in grads:
             exact = p.grad
