@@ -23,7 +23,7 @@ import traceback
 import torch
 
 from census_configs import TINY, build, census_config
-from family_cases import DEFAULT_FLOAT64
+from family_cases import reference_dtype
 
 SEQ_LEN = 128
 CUTS = (0, 1, 9, 10, 30, SEQ_LEN)  # packed documents: one-token ones, a short one, and one past 64 positions
@@ -222,13 +222,8 @@ def _single_process(name: str, own: bool) -> tuple[dict, str | None]:
         models = {mesh_name: _parallelized(pristine, mesh_name) for mesh_name in MESHES}
         running = any(isinstance(m, torch.nn.Module) for m in models.values())
         batches = {packed: census_batch(pristine.config, packed) for packed in (False, True)}
-        saved = torch.get_default_dtype()
-        if name in DEFAULT_FLOAT64:  # XGLM clamps its float64 scores with a default-dtype tensor (family_cases)
-            torch.set_default_dtype(torch.float64)
-        try:
+        with reference_dtype(name):  # XGLM clamps its float64 scores with a default-dtype tensor (family_cases)
             prepared = references(pristine, batches, name in WHOLE_ROW) if own and running else None
-        finally:
-            torch.set_default_dtype(saved)
         return {"models": models, "prepared": prepared}, None
     except Exception as err:  # noqa: BLE001 - _Timeout included: the family cannot be built or run on one process
         return {}, _describe(err)

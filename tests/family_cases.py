@@ -10,6 +10,8 @@ window, gpt-oss (sinks, alternating sliding/full layers, MoE), DeepSeek-V3 (MLA:
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from types import SimpleNamespace
 
@@ -427,15 +429,22 @@ GRAD_FLOORS = {"xglm": 1e-3}
 DEFAULT_FLOAT64 = ("xglm",)
 
 
-def _family_reference(family: str, seq_len: int, documents: bool) -> tuple:
+@contextlib.contextmanager
+def reference_dtype(family: str):
+    """Float64 as torch's default dtype while ``family``'s float64 reference runs, where it needs it
+    (:data:`DEFAULT_FLOAT64`); otherwise nothing."""
+    saved = torch.get_default_dtype()
     if family in DEFAULT_FLOAT64:
-        saved = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
-        try:
-            return _family_reference_of(family, seq_len, documents)
-        finally:
-            torch.set_default_dtype(saved)
-    return _family_reference_of(family, seq_len, documents)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _family_reference(family: str, seq_len: int, documents: bool) -> tuple:
+    with reference_dtype(family):
+        return _family_reference_of(family, seq_len, documents)
 
 
 def _family_reference_of(family: str, seq_len: int, documents: bool) -> tuple:

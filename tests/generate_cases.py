@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dist_cases import get_mesh
-from family_cases import build, family_config
+from family_cases import build, family_config, reference_dtype
 from seqmesh.hf import parallelize, unparallelize
 from seqmesh.inference import generate, shard_weights
 
@@ -105,20 +105,21 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
     reference = build(config)
     reference.generation_config.eos_token_id = None  # seqmesh generates max_new_tokens whatever it draws
     ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
-    with SelectionMargin(getattr(config, "index_topk", None)) as margin:
-        theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                    output_logits=True, return_dict_in_generate=True)
-    end = None
-    if end_at is not None:  # the token row 0 draws at step end_at ends a sequence: row 0 stops there, the other pads
-        end = int(theirs.sequences[0, prompt_len + end_at])
-        reference.generation_config.eos_token_id = end
-        theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                    output_logits=True, return_dict_in_generate=True)
-    their_tokens = theirs.sequences[:, prompt_len:]
-    whole = theirs.sequences[:, :-1]  # every position whose next token was drawn
-    with torch.no_grad():
-        exact = reference(whole).logits[:, prompt_len - 1:]
-        rounded = copy.deepcopy(reference).float()(whole).logits[:, prompt_len - 1:].double()
+    with reference_dtype(family):  # XGLM's float64 reference needs float64 as the default dtype (family_cases)
+        with SelectionMargin(getattr(config, "index_topk", None)) as margin:
+            theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                        output_logits=True, return_dict_in_generate=True)
+        end = None
+        if end_at is not None:  # the token row 0 draws at step end_at ends a sequence: row 0 stops there, the other pads
+            end = int(theirs.sequences[0, prompt_len + end_at])
+            reference.generation_config.eos_token_id = end
+            theirs = reference.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                        output_logits=True, return_dict_in_generate=True)
+        their_tokens = theirs.sequences[:, prompt_len:]
+        whole = theirs.sequences[:, :-1]  # every position whose next token was drawn
+        with torch.no_grad():
+            exact = reference(whole).logits[:, prompt_len - 1:]
+            rounded = copy.deepcopy(reference).float()(whole).logits[:, prompt_len - 1:].double()
     model = parallelize(build(config), mesh)
     if sharded:
         shard_weights(model, mesh)
