@@ -184,6 +184,8 @@ def family_config(family: str):
     if family == "gpt-neo":  # unscaled scores; a local layer (a window shorter than a zigzag chunk), then a global one
         return tf.GPTNeoConfig(hidden_size=48, num_layers=2, num_heads=6, vocab_size=64, window_size=WINDOW,
                                attention_types=[[["local", "global"], 1]], max_position_embeddings=128)
+    if family == "doge":  # a bias of each key (its dynamic mask), 2 kv heads; the sequence within keep_window_size
+        return tf.DogeConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, keep_window_size=96)
     if family == "openai-gpt":  # the original GPT: its class named Attention, blocks that take no **kwargs
         return tf.OpenAIGPTConfig(vocab_size=64, n_positions=128, n_embd=48, n_layer=2, n_head=6, attn_pdrop=0.0,
                                   resid_pdrop=0.0, embd_pdrop=0.0)
@@ -230,7 +232,8 @@ def _hashed(model):
 def _attending(model):
     """ZAYA's key scale (``ZayaQKNorm.temp``) starts at zero: every score is zero, attention is uniform and q and k
     (their convs, the halo seqmesh brings them) reach nothing. Here it is 2, and the convs' weights ten times their
-    init, so a wrong q | k row shows in the logits."""
+    init, so a wrong q | k row shows in the logits. Doge's dynamic mask (a bias of each key) is a constant until its
+    A moves from zero: here A spreads over [-2, 2] and its dt projection is twenty times its init."""
     with torch.no_grad():
         for m in model.modules():
             if type(m).__name__ == "ZayaQKNorm":
@@ -238,6 +241,9 @@ def _attending(model):
             if type(m).__name__ == "ZayaCCAProjection":
                 m.conv_qk_depthwise.weight.mul_(10.0)
                 m.conv_qk_grouped.weight.mul_(10.0)
+            if type(m).__name__ == "DogeAttention":  # A starts at zero: every key's bias 1, which the softmax ignores
+                m.A.copy_(torch.linspace(-2.0, 2.0, m.A.numel()))
+                m.dt_proj.weight.mul_(20.0)
     return model
 
 

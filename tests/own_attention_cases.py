@@ -49,6 +49,23 @@ def parity_with_whole_rotary(cases: list[tuple]) -> list[dict]:
         own_attention.FAMILIES["GPTNeoXJapaneseAttention"] = original
 
 
+def parity_with_bias_dropped(cases: list[tuple]) -> list[dict]:
+    """As :func:`short_conv_cases.parity_all`, with Doge's bias of each key left at zero in its folded channel."""
+    from seqmesh.hf import own_attention
+
+    original = own_attention.FAMILIES["DogeAttention"]
+
+    def unbiased(module, q, k, v, info):
+        q, k, v = original.fold(module, q, k, v, info)
+        return q, torch.cat([k[..., :-1], torch.zeros_like(k[..., -1:])], dim=-1), v
+
+    own_attention.FAMILIES["DogeAttention"] = dataclasses.replace(original, fold=unbiased)
+    try:
+        return parity_all(cases)
+    finally:
+        own_attention.FAMILIES["DogeAttention"] = original
+
+
 def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
     """As :func:`short_conv_cases.parity_all`, with GPT-Neo's local layers run as global ones (their window dropped)."""
     from seqmesh.hf import own_attention

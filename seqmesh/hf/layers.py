@@ -62,7 +62,7 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "of MiniMax-01; the gated short convolutions of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers "
              "of Kimi Linear and Bailing hybrid; ZAYA's compressed convolutional attention; the ALiBi attention of "
              "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention; the attention of "
-             "OpenAI-GPT, XGLM and GPT-NeoX-Japanese")
+             "OpenAI-GPT, XGLM and GPT-NeoX-Japanese; Doge's dynamic mask within keep_window_size")
 
 
 def mixes_tokens(module: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """transformers' attention layers that compute their attention themselves, outside transformers'
 ``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
 attention, GPT-Neo's global and local attention, the original GPT's (OpenAI-GPT), XGLM's and GPT-NeoX-Japanese's
-(its partial rotary).
+(its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys).
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..mesh import SPMesh
 from ..rules.degrees import workable_degrees
@@ -60,6 +61,8 @@ class _Family:
     # (module, q, k (B, L, H, D), cos, sin) -> q, k rotated as the family does at the call's position_embeddings
     rotate: Callable | None = None
     window: Callable[[nn.Module], int | None] = lambda m: None  # a local layer's causal window (GPT-Neo)
+    # (module, q, k, v, info) -> q, k, v after the rotary: Doge's bias per key folded into one more head channel
+    fold: Callable | None = None
     refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
 
 
@@ -158,6 +161,29 @@ def _xglm_project(module: nn.Module, hidden: torch.Tensor):
                  for proj in (module.q_proj, module.k_proj, module.v_proj))
 
 
+def _doge_project(module: nn.Module, hidden: torch.Tensor):
+    shape = (*hidden.shape[:2], -1, module.head_dim)
+    return (module.q_norm(module.q_proj(hidden).view(shape)), module.k_norm(module.k_proj(hidden).view(shape)),
+            module.v_proj(hidden).view(shape))
+
+
+def _doge_fold(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info):
+    """Doge's dynamic mask adds to each score a bias of its key alone, ``exp(A softplus(dt_proj(values)))`` per kv
+    head; ``(q . k) s + b = ([q, 1] . [k, b / s]) s``, so the bias travels as one more channel of each key (the
+    values get a zero channel, cut from the output), through every layout and the cache alike. Past
+    ``keep_window_size`` keys Doge keeps only each query's keys of largest bias, which seqmesh does not compute."""
+    if info is not None and info.seq_len > module.keep_window_size:
+        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}): a sequence of {info.seq_len} tokens is "
+                         f"longer than keep_window_size={module.keep_window_size}, past which Doge's dynamic mask keeps "
+                         "only each query's keep_window_size keys of largest bias, which seqmesh does not compute; "
+                         "train with --seq-len at most keep_window_size, or raise keep_window_size.")
+    b, n = v.shape[:2]
+    dt = torch.exp(module.A * F.softplus(module.dt_proj(v.reshape(b, n, -1))))  # (B, L, Hk): each key's bias
+    q = torch.cat([q, q.new_ones(*q.shape[:-1], 1)], dim=-1)
+    k = torch.cat([k, (dt / module.scaling).unsqueeze(-1).to(k.dtype)], dim=-1)
+    return q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)
+
+
 def _neox_japanese_project(module: nn.Module, hidden: torch.Tensor):
     qkv = _split_heads(module, module.query_key_value(hidden), module.num_attention_heads)  # per head: q, k, v
     return qkv.split(module.head_size, dim=-1)
@@ -186,6 +212,10 @@ FAMILIES: dict[str, _Family] = {
     "XGLMAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
                              lambda m, o, residual: (m.out_proj(o), None), own_mask=True,
                              refused=lambda m: "cross-attention (add_cross_attention)" if not m.is_decoder else None),
+    # a bias of each key (its dynamic mask) folded into the keys
+    "DogeAttention": _Family(lambda m: m.config.num_attention_heads, None, lambda m: m.attention_dropout, _doge_project,
+                             lambda m: m.scaling, lambda m, o, residual: (m.o_proj(o), None), own_mask=True,
+                             rotate=_rotate_whole, fold=_doge_fold),
     "GPTNeoXJapaneseAttention": _Family(lambda m: m.num_attention_heads, None, lambda m: m.attention_dropout.p,
                                         _neox_japanese_project, lambda m: 1.0 / m.norm_factor,
                                         lambda m, o, residual: (m.dense(o), None, m.dense_bias), own_mask=True,
@@ -258,19 +288,22 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
         q, k, v = family.project(self, hidden_states)
         if family.rotate is not None:  # as the family rotates them, at the batch's global positions
             q, k = family.rotate(self, q, k, *kwargs["position_embeddings"])
+        width = v.shape[-1]  # the output's, after a fold's extra channel is cut
+        if family.fold is not None:
+            q, k, v = family.fold(self, q, k, v, info)
         residual = args[0] if args else kwargs.get("residual")
         intercept = getattr(info, "intercept_attention", None)  # seqmesh.inference's entries: a prefill keeps this
         if intercept is not None:  # rank's keys and values, a decode step attends to its share of the cache
             done = intercept(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mesh, scale,
                              {"sliding_window": window, "alibi": slopes})
             if done is not None:  # (B, 1, Hq, Dv)
-                return family.output(self, done.flatten(2), residual)
+                return family.output(self, done[..., :width].flatten(2), residual)
         first = id(mesh) not in info.validated
         o = attention(q, k, v, mesh, causal=True, layout=info.layout, cu_seqlens=info.cu_seqlens,
                       seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
                       backend=backend, validate=first, window=window, alibi=slopes)
         info.validated.add(id(mesh))
-        return family.output(self, o.flatten(2), residual)
+        return family.output(self, o[..., :width].flatten(2), residual)
 
     return forward
 

@@ -1,4 +1,4 @@
-"""BLOOM, MPT, Falcon, GPT-Neo, OpenAI-GPT, XGLM and GPT-NeoX-Japanese (tiny, float64) through seqmesh.hf: their attention, outside transformers' interface, runs on
+"""BLOOM, MPT, Falcon, GPT-Neo, OpenAI-GPT, XGLM, GPT-NeoX-Japanese and Doge (tiny, float64) through seqmesh.hf: their attention, outside transformers' interface, runs on
 the sequence mesh (seqmesh.hf.own_attention: the layer's own projections, seqmesh.attention with the family's ALiBi
 slopes or rotary), and logits, loss and
 every parameter's gradient equal the unmodified transformers model on one process (packed documents one call each),
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from own_attention_cases import (layer_refusals, parity_with_positions_off_by_one, parity_with_slopes_unmoved,
-                                 parity_with_whole_rotary, parity_with_windows_dropped)
+from own_attention_cases import (layer_refusals, parity_with_bias_dropped, parity_with_positions_off_by_one,
+                                 parity_with_slopes_unmoved, parity_with_whole_rotary, parity_with_windows_dropped)
 from short_conv_cases import parity_all
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
@@ -21,9 +21,9 @@ from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 # interleaved with their query groups; gpt-neo: unscaled, a local layer; bloom-sliced: transformers' sliced product
 # (pretraining_tp with slow_but_exact), which adds no bias: the first version added it, and its gradient was wrong
 # openai-gpt: its class named Attention, blocks without **kwargs; xglm: the query scaled first; gpt-neox-japanese: a
-# partial rotary
+# partial rotary; doge: a bias of each key folded into the keys
 FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo", "openai-gpt", "xglm",
-            "gpt-neox-japanese"]
+            "gpt-neox-japanese", "doge"]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
@@ -58,6 +58,8 @@ MUTATIONS = {
     # GPT-NeoX-Japanese's rotary over the whole head instead of its leading half (ring 2)
     "GPT-NeoX-Japanese's rotary over the whole head": (parity_with_whole_rotary,
                                                          [("gpt-neox-japanese", 1, 2, "zigzag", False)]),
+    # Doge's bias of each key left out (U2: the bias dealt with its kv heads)
+    "Doge's key bias dropped": (parity_with_bias_dropped, [("doge", 2, 1, "zigzag", True)]),
 }
 
 
@@ -128,7 +130,7 @@ def test_a_bloom_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "gpt-neox-japanese"])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "gpt-neox-japanese", "doge"])
 def test_the_planner_refuses_the_newer_own_attention_families_by_name(tmp_path, family):
     """seqmesh trains these three; the planner does not read their config.json names and layouts yet, and says so."""
     from family_cases import family_config
@@ -139,7 +141,7 @@ def test_the_planner_refuses_the_newer_own_attention_families_by_name(tmp_path, 
     assert "seqmesh plan does not size" in said and "seqmesh train" in said, said
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "gpt-neox-japanese"])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "gpt-neox-japanese", "doge"])
 def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train`` from each one's config.json on a ring of 2."""
     from family_cases import family_config
@@ -148,3 +150,27 @@ def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, f
     good, losses = verify_then_train(pools, tmp_path, family_config(family))
     assert good["ok"] and good["loss_diff"] < 1e-5, good
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def _doge_too_long() -> str:
+    import torch
+
+    import seqmesh
+    from dist_cases import get_mesh
+    from family_cases import build, family_config
+    from seqmesh.hf import parallelize
+
+    mesh = get_mesh(1, 2)
+    model = parallelize(build(family_config("doge")), mesh)
+    try:
+        model(**seqmesh.shard_batch({"input_ids": torch.randint(0, 64, (1, 100))}, mesh))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_doge_past_its_keep_window_is_refused_by_name(pools):
+    """Past keep_window_size keys Doge keeps only each query's keys of largest bias, which seqmesh does not compute:
+    100 tokens against a keep_window_size of 96, refused with both numbers and the fix."""
+    for message in pools.run(2, _doge_too_long):
+        assert "100 tokens" in message and "keep_window_size=96" in message and "--seq-len" in message, message
