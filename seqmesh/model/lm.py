@@ -181,10 +181,11 @@ def check_causal(model: nn.Module, name: str) -> None:
 def decoder_of(model: nn.Module) -> nn.Module:
     """The decoder of a transformers causal LM: the module whose forward returns ``last_hidden_state``.
     ``get_decoder()``, except where transformers' lookup returns the causal LM itself (Llama 4's text model, whose
-    ``base_model_prefix`` names an attribute it does not have): then its ``model``."""
+    ``base_model_prefix`` names an attribute it does not have), or the LM's output projection, a Linear named
+    ``decoder`` (ModernBERT-decoder's, which ``get_decoder`` finds by that name): then its ``model``."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model
     inner = getattr(model, "model", None)
-    if base is model and hasattr(model, "lm_head") and isinstance(inner, nn.Module):
+    if (base is model and hasattr(model, "lm_head") or isinstance(base, nn.Linear)) and isinstance(inner, nn.Module):
         return inner
     return base
 

@@ -68,3 +68,18 @@ def test_a_condition_that_does_not_hold_is_not_refused():
     """Gemma 2 without final soft-capping: the capping branch of its forward does not run, and the loss is its own."""
     sp = SequenceParallelLM(_model("gemma2", final_logit_softcapping=None, head_dim=8), None)
     assert (sp.logit_scale, sp.logit_softcap) == (1.0, None)
+
+
+def test_modernbert_decoders_decoder_is_its_model_and_its_head_is_refused_by_name():
+    """ModernBERT-decoder names its LM's output projection ``decoder``, which transformers' get_decoder() returns:
+    seqmesh takes its model as the decoder (its positions then reach it: the census finds it exact), and its loss
+    refuses the prediction head and bias before the projection by name."""
+    import pytest
+
+    from census_configs import build, census_config
+    from seqmesh.model.lm import SequenceParallelLM, decoder_of
+
+    model = build(census_config("modernbert-decoder"))
+    assert decoder_of(model) is model.model
+    with pytest.raises(ValueError, match="LM head reads 'self.decoder\\(self.lm_head\\(hidden_states\\)\\)'"):
+        SequenceParallelLM(model, None)
