@@ -7,8 +7,9 @@ computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly tim
 (``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``;
 RecurrentGemma's ``logits_soft_cap``, in one statement), which
 the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
-ships it) and returns both; anything else the forward does to its logits (a head that transforms the hidden states
-first, RoBERTa's; a bias, Phi-2's) is refused by name, so the loss is never silently another model's. Statements
+ships it) and returns both; the head's bias (Phi's) the loss adds itself; anything else the forward does to its
+logits (a head that transforms the hidden states first, RoBERTa's) is refused by name, so the loss is never silently
+another model's. Statements
 under a condition on the model's attributes (``if self.config.final_logit_softcapping is not None``) count where
 the condition holds for this model.
 """
@@ -263,9 +264,6 @@ def logit_head(lm: nn.Module) -> LogitHead:
             raise ValueError(f"{name}'s forward scales its logits by {ast.unparse(value.right)!r}, which is not a "
                              "constant seqmesh can read; train it with your own loss on model(**batch).logits.")
         scale *= float(number) if isinstance(value.op, ast.Mult) else 1.0 / float(number)
-    if getattr(head, "bias", None) is not None:
-        raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to its logits, which seqmesh's chunked "
-                         "loss does not; train it with your own loss on model(**batch).logits.")
     effects: list[tuple[float | None, ast.stmt]] = []  # each change of the logits: a factor, or None for tanh
     known: dict[str, object] = {}  # local names bound to the model's constants (RecurrentGemma's cap)
     for stmt in statements[index + 1:]:
@@ -294,4 +292,9 @@ def logit_head(lm: nn.Module) -> LogitHead:
                              "than as a final soft-cap (logits / c, tanh, * c), which seqmesh's chunked loss does not "
                              "reproduce; train it with your own loss on model(**batch).logits.")
         softcap, effects = cap, effects[: i - 1]
-    return LogitHead(scale * math.prod(factor for factor, _ in effects), softcap)
+    scale *= math.prod(factor for factor, _ in effects)
+    if getattr(head, "bias", None) is not None and scale != 1.0:
+        raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to logits it also scales by {scale:g}, "
+                         "which seqmesh's chunked loss (scaling the hidden states, not the logits) does not reproduce; "
+                         "train it with your own loss on model(**batch).logits.")
+    return LogitHead(scale, softcap)

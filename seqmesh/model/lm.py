@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..comm.ranks import is_dtensor
 from .head import logit_head
@@ -286,13 +287,14 @@ class SequenceParallelLM(nn.Module):
         if is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
             from .vocab_parallel import vocab_parallel_loss
 
-            if self.logit_softcap is not None:
-                raise ValueError(f"{type(self.lm).__name__} soft-caps its logits (final_logit_softcapping="
-                                 f"{self.logit_softcap}), which seqmesh's vocabulary-parallel loss under tensor "
-                                 "parallelism does not; use tp=1, or set final_logit_softcapping=None.")
+            if self.logit_softcap is not None or self.lm.get_output_embeddings().bias is not None:
+                what = (f"soft-caps its logits (final_logit_softcapping={self.logit_softcap})"
+                        if self.logit_softcap is not None else "adds a bias to its logits")
+                raise ValueError(f"{type(self.lm).__name__} {what}, which seqmesh's vocabulary-parallel loss under "
+                                 "tensor parallelism does not; use tp=1.")
             return vocab_parallel_loss(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
         return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore,
-                                            softcap=self.logit_softcap)
+                                            softcap=self.logit_softcap, bias=self.lm.get_output_embeddings().bias)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
@@ -322,8 +324,9 @@ class SequenceParallelLM(nn.Module):
             return torch.tensor([float((guess == labels[keep]).sum()), float(keep.sum())], dtype=torch.float64,
                                 device=tokens.device)
         picked = hidden.reshape(-1, hidden.shape[-1])[keep]
+        bias = self.lm.get_output_embeddings().bias
         correct = sum(
-            int(((picked[i : i + self.chunk] @ weight.t()).argmax(-1) == labels[keep][i : i + self.chunk]).sum())
+            int((F.linear(picked[i : i + self.chunk], weight, bias).argmax(-1) == labels[keep][i : i + self.chunk]).sum())
             for i in range(0, picked.shape[0], self.chunk)
         )
         return torch.tensor([float(correct), float(keep.sum())], dtype=torch.float64, device=hidden.device)

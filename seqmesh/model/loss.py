@@ -109,57 +109,69 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
 
 
+def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, wide: torch.dtype) -> torch.Tensor:
+    """One tile's logits in ``wide``: ``h @ w.T`` in the matmul dtype, plus the head's bias (Phi's) where it has one,
+    added as ``F.linear`` adds it, in the matmul dtype."""
+    return (h @ w.t() if bias is None else torch.addmm(bias, h, w.t())).to(wide)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Forward: sum of cross-entropy of ``hidden @ weight.T`` (soft-capped where asked) tile by tile, keeping one
-    lse per token; backward: recompute each tile's softmax with the same matmul dtype and return d(hidden),
-    d(weight) (through the cap: ``1 - tanh^2``)."""
+    """Forward: sum of cross-entropy of ``hidden @ weight.T + bias`` (soft-capped where asked) tile by tile, keeping
+    one lse per token; backward: recompute each tile's softmax with the same matmul dtype and return d(hidden),
+    d(weight), d(bias) (through the cap: ``1 - tanh^2``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, ignore_index, softcap=None):  # type: ignore[override]
-        # hidden (N, H), weight (V, H), labels (N,)
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, softcap=None, bias=None):  # type: ignore[override]
+        # hidden (N, H), weight (V, H), labels (N,), bias (V,) or None
         wide = wide_dtype(hidden.dtype)
         mm = matmul_dtype(hidden, weight)
         w = weight.to(mm)
+        b = None if bias is None else bias.to(mm)
         lse = hidden.new_empty(hidden.shape[0], dtype=wide)
         total = hidden.new_zeros((), dtype=wide)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtype is chosen explicitly above
             for start in range(0, hidden.shape[0], chunk):
-                logits = _capped((hidden[start : start + chunk].to(mm) @ w.t()).to(wide), softcap)  # (n, V)
+                logits = _capped(_logits(hidden[start : start + chunk].to(mm), w, b, wide), softcap)  # (n, V)
                 tile_lse = torch.logsumexp(logits, dim=-1)
                 lse[start : start + chunk] = tile_lse
                 target = labels[start : start + chunk]
                 valid = target != ignore_index
                 picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
                 total += ((tile_lse - picked) * valid).sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.save_for_backward(hidden, weight, labels, lse, bias)
         ctx.chunk, ctx.ignore_index, ctx.mm, ctx.softcap = chunk, ignore_index, mm, softcap
         return total
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels, lse, bias = ctx.saved_tensors
         chunk, ignore_index, mm, softcap = ctx.chunk, ctx.ignore_index, ctx.mm, ctx.softcap
         w = weight.to(mm)
+        b = None if bias is None else bias.to(mm)
         d_hidden = torch.empty_like(hidden)
         d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        d_bias = None if bias is None else torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device)
         with torch.autocast(hidden.device.type, enabled=False):  # the forward's matmul dtype, whatever is active now
             for start in range(0, hidden.shape[0], chunk):
                 h = hidden[start : start + chunk].to(mm)
                 target = labels[start : start + chunk]
                 valid = (target != ignore_index).unsqueeze(1)
                 # one (n, V) buffer, updated in place: softmax, minus one-hot, masked and scaled
-                capped = _capped((h @ w.t()).to(lse.dtype), softcap)
+                capped = _capped(_logits(h, w, b, lse.dtype), softcap)
                 slope = None if softcap is None else 1 - (capped / softcap).square_()  # d(capped) / d(logits)
                 d_logits = capped.sub_(lse[start : start + chunk].unsqueeze(1)).exp_()
                 d_logits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -valid.to(lse.dtype))
                 d_logits.mul_(valid).mul_(grad)
                 if slope is not None:
                     d_logits.mul_(slope)
+                if d_bias is not None:
+                    d_bias += d_logits.sum(0)
                 d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
                 del capped, slope  # in bf16, the float32 tile is freed before the matmuls below rather than after
                 d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
                 d_weight += (d_logits.t() @ h).to(d_weight.dtype)
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None
+        return (d_hidden, d_weight.to(weight.dtype), None, None, None, None,
+                None if d_bias is None else d_bias.to(bias.dtype))
 
 
 def chunked_linear_cross_entropy(
@@ -171,9 +183,11 @@ def chunked_linear_cross_entropy(
     chunk: int = 4096,
     ignore_index: int = IGNORE_INDEX,
     softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`sequence_parallel_cross_entropy` of ``hidden @ weight.T`` without materialising the logits;
-    ``softcap``: the logits capped as ``softcap * tanh(z / softcap)`` first (Gemma 2's final soft-cap).
+    """:func:`sequence_parallel_cross_entropy` of ``hidden @ weight.T + bias`` without materialising the logits;
+    ``softcap``: the logits capped as ``softcap * tanh(z / softcap)`` first (Gemma 2's final soft-cap); ``bias``
+    ``(V,)``: the LM head's (Phi's), or None.
 
     ``hidden`` ``(B, L, H)``, ``weight`` ``(V, H)`` (the LM head), ``shift_labels`` ``(B, L)``;
     at most ``chunk`` tokens' logits exist at a time.
@@ -184,5 +198,5 @@ def chunked_linear_cross_entropy(
     bad = invalid_labels(flat_labels, weight.shape[0], ignore_index)  # masked here, reported after pooling
     safe = flat_labels.masked_fill(bad, ignore_index)
     local_sum = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, safe, chunk, ignore_index,
-                                                softcap)
+                                                softcap, bias)
     return checked_mean(local_sum, flat_labels, bad, group, weight.shape[0], ignore_index)

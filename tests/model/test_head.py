@@ -1,5 +1,5 @@
-"""SequenceParallelLM's loss is the model's own: a constant logit scale (Cohere, Granite) and a final soft-cap
-(Gemma 2) applied, anything else the model's forward does to its logits refused by name when the model is wrapped
+"""SequenceParallelLM's loss is the model's own: a constant logit scale (Cohere, Granite), a final soft-cap
+(Gemma 2) and the LM head's bias (Phi) applied, anything else the model's forward does to its logits refused by name when the model is wrapped
 (seqmesh.model.head)."""
 
 from __future__ import annotations
@@ -27,11 +27,17 @@ def _model(family: str, **settings):
     ("granite", {"logits_scaling": 4.0}, 0.25, None),
     ("gemma2", {"final_logit_softcapping": 0.5, "head_dim": 8}, 1.0, 0.5),  # a cap that bites: logits of about 1
     ("llama", {}, 1.0, None),
+    ("phi", {}, 1.0, None),  # a bias on the LM head, here drawn away from its zero init
 ])
 def test_the_loss_is_the_models_own(family, settings, scale, softcap):
-    """The wrapped loss (one process, chunks of 7 tokens) and every gradient equal the cross-entropy of the model's
-    own logits (float64), whose forward scales or soft-caps them; without the scale or the cap they would not."""
+    """The wrapped loss (one process, chunks of 7 tokens) and every gradient (the head's bias too) equal the
+    cross-entropy of the model's own logits (float64), whose forward scales, soft-caps or biases them; without the
+    scale, the cap or the bias they would not."""
     model = _model(family, **settings)
+    head_bias = model.get_output_embeddings().bias
+    if head_bias is not None:
+        with torch.no_grad():
+            head_bias.copy_(torch.randn(head_bias.shape, generator=torch.Generator().manual_seed(3), dtype=head_bias.dtype))
     ids = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(1))
     want = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
     want.backward()
@@ -51,15 +57,23 @@ def test_the_loss_is_the_models_own(family, settings, scale, softcap):
         sp.logit_scale, sp.logit_softcap = 1.0, None
         with torch.no_grad():
             assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+    if head_bias is not None:  # and so is the bias left out
+        model.get_output_embeddings().bias = None
+        with torch.no_grad():
+            assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
 
 
 @pytest.mark.parametrize("family,settings,words", [
-    ("phi", {}, ["bias"]),
+    ("cohere", {"logit_scale": 0.3}, None),  # a bias beside a scale: below, on a Phi made to scale its logits
     ("roberta", {"is_decoder": True}, ["RobertaLMHead", "transforms the decoder's output"]),
 ])
 def test_what_the_loss_would_not_reproduce_is_refused(family, settings, words):
+    model = _model(family, **settings)
+    if words is None:  # a biased head whose logits are also scaled: the loss scales the hidden states, not the bias
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features, dtype=torch.float64))
+        words = ["adds a bias to logits it also scales by 0.3"]
     with pytest.raises(ValueError) as err:
-        SequenceParallelLM(_model(family, **settings), None)
+        SequenceParallelLM(model, None)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert "model(**batch).logits" in str(err.value)
 
@@ -83,3 +97,16 @@ def test_modernbert_decoders_decoder_is_its_model_and_its_head_is_refused_by_nam
     assert decoder_of(model) is model.model
     with pytest.raises(ValueError, match="LM head reads 'self.decoder\\(self.lm_head\\(hidden_states\\)\\)'"):
         SequenceParallelLM(model, None)
+
+
+def test_a_phi_config_json_with_its_head_bias_verifies_and_trains(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train`` on a ring of 2 with FSDP2 from Phi's config.json (its LM head's
+    bias sharded with the head, its gradient from the chunked loss): the single process's loss, then training."""
+    import math
+
+    from census_configs import census_config
+    from train_job_cases import verify_then_train
+
+    good, losses = verify_then_train(pools, tmp_path, census_config("phi"))
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
