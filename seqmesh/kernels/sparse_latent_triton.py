@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 BLOCK_H = 16  # heads a program takes (tl.dot needs 16 rows at least; fewer heads are masked)
-BLOCK_K = 32  # selected keys a program gathers at once
+# selected keys a program gathers at once, forward and backward: on Hopper at DeepSeek's 512 latents, 159 and 217
+# registers a thread without spills (the backward at 32 spilled 80 bytes)
+BLOCK_K, BACKWARD_BLOCK_K = 32, 16
 
 
 def _pow2(n: int) -> int:
@@ -33,8 +35,9 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _forward(Q, ROW, IDX, SINK, O, LSE, T, L, H, K, scale,
-            C: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-            BH: tl.constexpr, BK: tl.constexpr, HAS_SINK: tl.constexpr, PREC: tl.constexpr):
+             C: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+             BH: tl.constexpr, BK: tl.constexpr, HAS_SINK: tl.constexpr, HAS_ROT: tl.constexpr, PREC: tl.constexpr):
+    # HAS_ROT (DR > 0): a rotated part of the key beside its latent (DeepSeek's MLA); none in DeepSeek-V4's keys
     token = tl.program_id(0).to(tl.int64)  # b * L + i
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     b = token // L
@@ -42,7 +45,8 @@ def _forward(Q, ROW, IDX, SINK, O, LSE, T, L, H, K, scale,
     hm = heads < H
     q_at = Q + token * H * C + heads[:, None] * C
     q_lat = tl.load(q_at + r[None, :], mask=hm[:, None] & (r < R)[None, :], other=0.0)  # (BH, BR)
-    q_rot = tl.load(q_at + R + d[None, :], mask=hm[:, None] & (d < DR)[None, :], other=0.0)  # (BH, BD)
+    if HAS_ROT:
+        q_rot = tl.load(q_at + R + d[None, :], mask=hm[:, None] & (d < DR)[None, :], other=0.0)  # (BH, BD)
     if HAS_SINK:
         m = tl.load(SINK + heads, mask=hm, other=0.0).to(tl.float32)
         total = tl.full((BH,), 1.0, tl.float32)  # the sink's own exp(sink - m)
@@ -56,9 +60,11 @@ def _forward(Q, ROW, IDX, SINK, O, LSE, T, L, H, K, scale,
         ok = idx >= 0
         at = ROW + (b * T + idx) * C
         lat = tl.load(at[:, None] + r[None, :], mask=ok[:, None] & (r < R)[None, :], other=0.0)  # (BK, BR)
-        rot = tl.load(at[:, None] + R + d[None, :], mask=ok[:, None] & (d < DR)[None, :], other=0.0)  # (BK, BD)
-        s = (tl.dot(q_lat, tl.trans(lat), input_precision=PREC) + tl.dot(q_rot, tl.trans(rot), input_precision=PREC)) * scale  # (BH, BK) float32
-        s = tl.where(ok[None, :], s, float("-inf"))
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=PREC)  # (BH, BK) float32
+        if HAS_ROT:
+            rot = tl.load(at[:, None] + R + d[None, :], mask=ok[:, None] & (d < DR)[None, :], other=0.0)  # (BK, BD)
+            s += tl.dot(q_rot, tl.trans(rot), input_precision=PREC)
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - shift)
@@ -72,10 +78,11 @@ def _forward(Q, ROW, IDX, SINK, O, LSE, T, L, H, K, scale,
     tl.store(o_at, out.to(O.dtype.element_ty), mask=hm[:, None] & (r < R)[None, :])
     tl.store(LSE + token * H + heads, shift + tl.log(total), mask=hm)
 
+
 @triton.jit
 def _backward(Q, ROW, IDX, O, DO, LSE, DQ, DROW, T, L, H, K, scale,
-             C: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-             BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+              C: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+              BH: tl.constexpr, BK: tl.constexpr, HAS_ROT: tl.constexpr, PREC: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     b = token // L
@@ -84,7 +91,8 @@ def _backward(Q, ROW, IDX, O, DO, LSE, DQ, DROW, T, L, H, K, scale,
     lat_mask, rot_mask = hm[:, None] & (r < R)[None, :], hm[:, None] & (d < DR)[None, :]
     q_at = Q + token * H * C + heads[:, None] * C
     q_lat = tl.load(q_at + r[None, :], mask=lat_mask, other=0.0)
-    q_rot = tl.load(q_at + R + d[None, :], mask=rot_mask, other=0.0)
+    if HAS_ROT:
+        q_rot = tl.load(q_at + R + d[None, :], mask=rot_mask, other=0.0)
     o_at = token * H * R + heads[:, None] * R + r[None, :]
     out = tl.load(O + o_at, mask=lat_mask, other=0.0)
     dout = tl.load(DO + o_at, mask=lat_mask, other=0.0)  # (BH, BR)
@@ -97,51 +105,61 @@ def _backward(Q, ROW, IDX, O, DO, LSE, DQ, DROW, T, L, H, K, scale,
         idx = tl.load(IDX + token * K + j, mask=j < K, other=-1)
         ok = idx >= 0
         at = ROW + (b * T + idx) * C
+        grad_at = DROW + (b * T + idx) * C
         lat = tl.load(at[:, None] + r[None, :], mask=ok[:, None] & (r < R)[None, :], other=0.0)
-        rot = tl.load(at[:, None] + R + d[None, :], mask=ok[:, None] & (d < DR)[None, :], other=0.0)
-        s = (tl.dot(q_lat, tl.trans(lat), input_precision=PREC) + tl.dot(q_rot, tl.trans(rot), input_precision=PREC)) * scale
-        p = tl.where(ok[None, :] & hm[:, None], tl.exp(s - lse[:, None]), 0.0)  # (BH, BK)
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=PREC)
+        if HAS_ROT:
+            rot = tl.load(at[:, None] + R + d[None, :], mask=ok[:, None] & (d < DR)[None, :], other=0.0)
+            s += tl.dot(q_rot, tl.trans(rot), input_precision=PREC)
+        p = tl.where(ok[None, :] & hm[:, None], tl.exp(s * scale - lse[:, None]), 0.0)  # (BH, BK)
         dp = tl.dot(dout, tl.trans(lat), input_precision=PREC)  # d loss / d p
         ds = p * (dp - delta[:, None]) * scale  # d loss / d (the unscaled product)
         dq_lat += tl.dot(ds.to(lat.dtype), lat, input_precision=PREC)
-        dq_rot += tl.dot(ds.to(rot.dtype), rot, input_precision=PREC)
         ds_t = tl.trans(ds).to(q_lat.dtype)
-        d_lat = tl.dot(tl.trans(p).to(dout.dtype), dout, input_precision=PREC) + tl.dot(ds_t, q_lat, input_precision=PREC)  # (BK, BR): value and key
-        d_rot = tl.dot(ds_t, q_rot, input_precision=PREC)  # (BK, BD)
-        grad_at = DROW + (b * T + idx) * C
+        d_lat = tl.dot(tl.trans(p).to(dout.dtype), dout, input_precision=PREC)  # (BK, BR): as values
+        d_lat += tl.dot(ds_t, q_lat, input_precision=PREC)  # and as keys
         tl.atomic_add(grad_at[:, None] + r[None, :], d_lat, mask=ok[:, None] & (r < R)[None, :])
-        tl.atomic_add(grad_at[:, None] + R + d[None, :], d_rot, mask=ok[:, None] & (d < DR)[None, :])
+        if HAS_ROT:
+            dq_rot += tl.dot(ds.to(rot.dtype), rot, input_precision=PREC)
+            d_rot = tl.dot(ds_t, q_rot, input_precision=PREC)  # (BK, BD)
+            tl.atomic_add(grad_at[:, None] + R + d[None, :], d_rot, mask=ok[:, None] & (d < DR)[None, :])
     dq_at = DQ + token * H * C + heads[:, None] * C
     tl.store(dq_at + r[None, :], dq_lat.to(DQ.dtype.element_ty), mask=lat_mask)
-    tl.store(dq_at + R + d[None, :], dq_rot.to(DQ.dtype.element_ty), mask=rot_mask)
-
+    if HAS_ROT:
+        tl.store(dq_at + R + d[None, :], dq_rot.to(DQ.dtype.element_ty), mask=rot_mask)
 
 
 @triton.jit
 def _index_scores(Q, KEYS, W, LIMIT, OUT, L, T, H, scale,
-                  D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    # one tile of BM queries by BN keys of one row: sum over heads of w * relu(scale * q . k), in float32
+                  D: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    # one tile of BM queries by BN keys of one row: sum over heads of w * relu(scale * q . k), in float32; each
+    # product accumulated over slices of BE of the head dim (whole (BM, D) and (BN, D) tiles spill registers)
     tile_q, tile_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     m = tile_q * BM + tl.arange(0, BM)
     n = tile_k * BN + tl.arange(0, BN)
-    e = tl.arange(0, BD)
+    e = tl.arange(0, BE)
     qm = m < L
     limit = tl.load(LIMIT + m, mask=qm, other=0)  # each query scores the keys before its limit
     acc = tl.zeros((BM, BN), tl.float32)
     if tile_k * BN < tl.max(limit, 0):  # a tile past every query's limit is all -inf: not scored
-        keys = tl.load(KEYS + (b * T + n[:, None]) * D + e[None, :], mask=(n < T)[:, None] & (e < D)[None, :],
-                       other=0.0)  # (BN, BD)
         for h in range(0, H):
-            q = tl.load(Q + ((b * L + m[:, None]) * H + h) * D + e[None, :], mask=qm[:, None] & (e < D)[None, :],
-                        other=0.0)  # (BM, BD)
+            s = tl.zeros((BM, BN), tl.float32)
+            for start in range(0, D, BE):
+                d = start + e
+                q = tl.load(Q + ((b * L + m[:, None]) * H + h) * D + d[None, :], mask=qm[:, None] & (d < D)[None, :],
+                            other=0.0)  # (BM, BE)
+                keys = tl.load(KEYS + (b * T + n[:, None]) * D + d[None, :], mask=(n < T)[:, None] & (d < D)[None, :],
+                               other=0.0)  # (BN, BE)
+                s += tl.dot(q, tl.trans(keys), input_precision=PREC)
             w = tl.load(W + (b * L + m) * H + h, mask=qm, other=0.0)
-            s = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
-            acc += w[:, None] * tl.maximum(s, 0.0)
+            acc += w[:, None] * tl.maximum(s * scale, 0.0)
     acc = tl.where(n[None, :] < limit[:, None], acc, float("-inf"))
     tl.store(OUT + (b * L + m[:, None]) * T + n[None, :], acc, mask=qm[:, None] & (n < T)[None, :])
 
 
-INDEX_BM, INDEX_BN = 32, 64  # the indexer kernel's tile: queries by keys
+# the indexer kernel's tile (queries by keys), its slice of the head dim and warps: on Hopper, 194 registers and no
+# spills at DeepSeek-V3.2's 128-wide indexer heads (whole (64, 128) float32 tiles spilled 9.8 KB a thread)
+INDEX_BM, INDEX_BN, INDEX_BE, INDEX_WARPS = 64, 64, 16, 8
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float,
@@ -152,8 +170,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, sca
     total = keys.shape[1]
     out = q.new_empty(b, length, total)
     grid = (-(-length // INDEX_BM), -(-total // INDEX_BN), b)
-    _index_scores[grid](q, keys, weights, limit, out, length, total, heads, scale, D=dim, BD=_pow2(dim),
-                        BM=INDEX_BM, BN=INDEX_BN, PREC="ieee")
+    _index_scores[grid](q, keys, weights, limit, out, length, total, heads, scale, D=dim, BE=INDEX_BE,
+                        BM=INDEX_BM, BN=INDEX_BN, PREC="ieee", num_warps=INDEX_WARPS)
     return out
 
 
@@ -161,13 +179,14 @@ def _grid(tokens: int, heads: int) -> tuple[int, int]:
     return tokens, -(-heads // BLOCK_H)
 
 
-def _sizes(query: torch.Tensor, rank: int) -> dict:
+def _sizes(query: torch.Tensor, rank: int, block_k: int = BLOCK_K) -> dict:
     c = query.shape[-1]
     # float32 products in IEEE float32 (torch's matmul default), not TF32
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"  # tf32: unread for bf16/fp16
     # a program holds (BH, BR) and (BK, BR) tiles: at DeepSeek's 512 latents, 8 warps' registers rather than 4's
     warps = 8 if _pow2(rank) >= 256 else 4
-    return dict(C=c, R=rank, DR=c - rank, BR=_pow2(rank), BD=_pow2(c - rank), BH=BLOCK_H, BK=BLOCK_K, PREC=precision,
+    return dict(C=c, R=rank, DR=c - rank, BR=_pow2(rank), BD=_pow2(c - rank), BH=BLOCK_H, BK=block_k,
+                HAS_ROT=c > rank, PREC=precision,
                 num_warps=warps)
 
 
@@ -193,5 +212,5 @@ def backward(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, out: t
     d_row = torch.zeros(row.shape, dtype=torch.float32, device=row.device)
     _backward[_grid(b * length, heads)](
         query, row, picks, out, grad, lse, d_query, d_row, row.shape[1], length, heads, picks.shape[-1], scale,
-        **_sizes(query, rank))
+        **_sizes(query, rank, BACKWARD_BLOCK_K))
     return d_query, d_row
