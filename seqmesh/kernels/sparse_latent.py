@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linear_attention.probe import Kernel, KernelProbe
+from .probe import Kernel, KernelProbe
 
 
 class GatherRows(torch.autograd.Function):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import gated_delta
-from .probe import Kernel, KernelProbe
+from ..kernels.probe import Kernel, KernelProbe
 
 
 def _fla_gated_delta():

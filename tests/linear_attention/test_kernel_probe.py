@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from seqmesh.linear_attention import kernels
-from seqmesh.linear_attention.probe import Kernel, KernelFallbackWarning, KernelProbe
+from seqmesh.kernels.probe import Kernel, KernelFallbackWarning, KernelProbe
 
 HOPPER_ERROR = ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg. "
                 "Please upgrade Triton to >= 3.7.1 or install tilelang")

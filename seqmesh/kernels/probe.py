@@ -1,5 +1,6 @@
-"""Whether an installed recurrent-mixer kernel runs on this device, found once per kernel and device, before its
-first use there.
+"""Whether an optional kernel runs on this device, found once per kernel and device, before its first use there: the
+recurrent mixers' (``seqmesh.linear_attention.kernels``) and DeepSeek Sparse Attention's Triton kernels
+(``seqmesh.kernels.sparse_latent``).
 
 Some GPU and Triton pairs fail inside flash-linear-attention only when a kernel runs, some only in its backward:
 on Hopper with Triton >= 3.4.0 and < 3.7.1 (torch 2.11 ships 3.6) its gated chunk backward raises ("... produces
