@@ -7,9 +7,10 @@ computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly tim
 (``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``;
 RecurrentGemma's ``logits_soft_cap``, in one statement), which
 the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
-ships it) and returns both; the head's bias (Phi's) the loss adds itself; anything else the forward does to its
-logits (a head that transforms the hidden states first, RoBERTa's) is refused by name, so the loss is never silently
-another model's. Statements
+ships it) and returns both; the head's bias (Phi's) the loss adds itself, and a per-token prediction head the decoder's
+output goes through first (ModernBERT-decoder's ``self.decoder(self.lm_head(hidden))``) it applies to each token's
+state; anything else the forward does to its logits (a head module that holds the projection with its own forward,
+RoBERTa's) is refused by name, so the loss is never silently another model's. Statements
 under a condition on the model's attributes (``if self.config.final_logit_softcapping is not None``) count where
 the condition holds for this model.
 """
@@ -193,10 +194,41 @@ def _factor(stmt: ast.stmt, name: str, model: nn.Module):
 
 
 class LogitHead(NamedTuple):
-    """``logits = softcap * tanh(scale * (hidden @ W^T) / softcap)`` (no tanh where ``softcap`` is None)."""
+    """``logits = softcap * tanh(scale * (transform(hidden) @ W^T + b) / softcap)`` (no tanh where ``softcap`` is
+    None; ``transform``: the name of the model's module the decoder's output goes through first, or None)."""
 
     scale: float = 1.0
     softcap: float | None = None
+    transform: str | None = None
+
+
+# what a per-token prediction head before the output projection may hold (ModernBERT-decoder's dense, activation,
+# norm): modules that read each token alone
+_PER_TOKEN = (nn.Linear, nn.LayerNorm, nn.Identity, nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh)
+
+
+def _per_token(module: nn.Module) -> bool:
+    """Whether ``module`` and all it holds act on each token alone (linear maps, norms, activations)."""
+    return all(m is module or isinstance(m, _PER_TOKEN) or "Norm" in type(m).__name__
+               or type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation")
+               for m in module.modules())
+
+
+def _transform(call: ast.Call, model: nn.Module, name: str) -> tuple[ast.Call, str | None]:
+    """``self.<head>(self.<transform>(x))``: the call of the transform with ``x`` as the head's argument, and the
+    transform's name (a per-token module of the model); the head's call itself and None otherwise."""
+    arg = _strip(call.args[0]) if len(call.args) == 1 else None
+    inner = arg.func.attr if (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute)
+                              and isinstance(arg.func.value, ast.Name) and arg.func.value.id == "self"
+                              and len(arg.args) == 1) else None
+    module = getattr(model, inner, None) if inner else None
+    if not isinstance(module, nn.Module):
+        return call, None
+    if not _per_token(module):
+        raise ValueError(f"{name}'s LM head reads {ast.unparse(call)!r}, where {inner} ({type(module).__name__}) is "
+                         "not a per-token map seqmesh's chunked loss can apply first; train it with your own loss on "
+                         "model(**batch).logits.")
+    return arg, inner
 
 
 def _is_tanh(stmt: ast.stmt, name: str) -> bool:
@@ -256,6 +288,7 @@ def logit_head(lm: nn.Module) -> LogitHead:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) computes its logits with a forward of its own, not "
                          "a plain linear map, which seqmesh's chunked loss does not reproduce; train it with your own "
                          "loss on model(**batch).logits.")
+    call, transform = _transform(call, lm, name)  # ModernBERT-decoder: self.decoder(self.lm_head(hidden_states))
     scale = _input_scale(statements[:index], call, lm, name)
     value = statements[index].value
     if isinstance(value, ast.BinOp):  # Falcon-H1: logits = self.lm_head(hidden) * self.model.lm_head_multiplier
@@ -293,8 +326,12 @@ def logit_head(lm: nn.Module) -> LogitHead:
                              "reproduce; train it with your own loss on model(**batch).logits.")
         softcap, effects = cap, effects[: i - 1]
     scale *= math.prod(factor for factor, _ in effects)
+    if transform is not None and scale != 1.0:
+        raise ValueError(f"{name} scales its logits by {scale:g} beside its prediction head ({transform}), which "
+                         "seqmesh's chunked loss does not reproduce; train it with your own loss on "
+                         "model(**batch).logits.")
     if getattr(head, "bias", None) is not None and scale != 1.0:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to logits it also scales by {scale:g}, "
                          "which seqmesh's chunked loss (scaling the hidden states, not the logits) does not reproduce; "
                          "train it with your own loss on model(**batch).logits.")
-    return LogitHead(scale, softcap)
+    return LogitHead(scale, softcap, transform)

@@ -240,7 +240,9 @@ class SequenceParallelLM(nn.Module):
         super().__init__()
         router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
         # what the model does to its logits (a constant scale, a final soft-cap), refused now where the loss would not
-        self.logit_scale, self.logit_softcap = logit_head(lm)
+        self.logit_scale, self.logit_softcap, transform = logit_head(lm)
+        # a per-token prediction head before the output projection (ModernBERT-decoder's), by name: a submodule of lm
+        self.logit_transform = transform
         self.lm = lm
         self.mesh = mesh
         self.chunk = chunk
@@ -287,9 +289,11 @@ class SequenceParallelLM(nn.Module):
         if is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
             from .vocab_parallel import vocab_parallel_loss
 
-            if self.logit_softcap is not None or self.lm.get_output_embeddings().bias is not None:
+            if self.logit_softcap is not None or self.lm.get_output_embeddings().bias is not None \
+                    or self.logit_transform is not None:
                 what = (f"soft-caps its logits (final_logit_softcapping={self.logit_softcap})"
-                        if self.logit_softcap is not None else "adds a bias to its logits")
+                        if self.logit_softcap is not None else "adds a bias to its logits"
+                        if self.logit_transform is None else f"has a prediction head ({self.logit_transform})")
                 raise ValueError(f"{type(self.lm).__name__} {what}, which seqmesh's vocabulary-parallel loss under "
                                  "tensor parallelism does not; use tp=1.")
             return vocab_parallel_loss(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
@@ -304,7 +308,10 @@ class SequenceParallelLM(nn.Module):
         return self.score_from_hidden(self.hidden_states(input_ids, position_ids, seqmesh), shift_labels, seqmesh)
 
     def _scaled(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` times the model's constant logit scale (Cohere, Granite): ``(s x) W^T`` is its logits."""
+        """``hidden`` through the model's per-token prediction head where it has one (ModernBERT-decoder), times its
+        constant logit scale (Cohere, Granite): ``(s x) W^T`` is its logits."""
+        if self.logit_transform is not None:
+            hidden = getattr(self.lm, self.logit_transform)(hidden)
         return hidden if self.logit_scale == 1.0 else hidden * self.logit_scale
 
     @torch.no_grad()

@@ -84,19 +84,36 @@ def test_a_condition_that_does_not_hold_is_not_refused():
     assert (sp.logit_scale, sp.logit_softcap) == (1.0, None)
 
 
-def test_modernbert_decoders_decoder_is_its_model_and_its_head_is_refused_by_name():
+def test_modernbert_decoders_prediction_head_is_applied_by_the_loss():
     """ModernBERT-decoder names its LM's output projection ``decoder``, which transformers' get_decoder() returns:
-    seqmesh takes its model as the decoder (its positions then reach it: the census finds it exact), and its loss
-    refuses the prediction head and bias before the projection by name."""
-    import pytest
-
+    seqmesh takes its model as the decoder (its positions then reach it: the census finds it exact). Its logits are
+    ``decoder(lm_head(hidden))``, a per-token prediction head (dense, activation, norm) and a biased projection: the
+    wrapped loss applies the head to each token's state and adds the bias, its value and every gradient those of the
+    model's own logits; without the head it would not be."""
     from census_configs import build, census_config
-    from seqmesh.model.lm import SequenceParallelLM, decoder_of
+    from seqmesh.model.lm import decoder_of
 
     model = build(census_config("modernbert-decoder"))
     assert decoder_of(model) is model.model
-    with pytest.raises(ValueError, match="LM head reads 'self.decoder\\(self.lm_head\\(hidden_states\\)\\)'"):
-        SequenceParallelLM(model, None)
+    ids = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    want = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_transform == "lm_head"
+    got = sp(ids, torch.arange(40)[None], targets)
+    got.backward()
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    for name, p in model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(p.grad, grads[name], atol=1e-12 * float(grads[name].abs().max()) + 1e-15,
+                                       rtol=0, msg=name)
+    sp.logit_transform = None
+    with torch.no_grad():
+        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
 
 
 def test_a_phi_config_json_with_its_head_bias_verifies_and_trains(pools, tmp_path):
