@@ -43,8 +43,8 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
     done: set[int] = set()
     for name, module, init in _init_functions(lm, lm._init_weights):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
-        whole = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                 for n, p in owned.items()}  # (full shape) on the CPU; init never touches the real ones
+        whole = {n: nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                 for n, p in owned.items()}  # (full shape) on the CPU, zero where no init writes (Reformer's head bias)
         module._parameters.update(whole)
         module._is_hf_initialized = False
         torch.manual_seed(_parameter_seed(seed, name))

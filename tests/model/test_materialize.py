@@ -34,3 +34,41 @@ def test_openai_gpt_conv1d_layers_get_their_constructors_values(tmp_path):
         assert torch.equal(conv.weight, again.get_submodule(name).weight), name
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.randint(0, 64, (1, 20))).logits).all()
+
+
+def test_every_family_is_materialized_as_transformers_initializes_it():
+    """Every census family built on the meta device and made real by seqmesh (seqmesh.model.materialize, what
+    ``seqmesh train`` does from a config.json) against the same config built by transformers on the CPU: each
+    parameter's spread within a factor of 5 of transformers' (both draw from the same distributions, other seeds),
+    and a parameter transformers makes constant (a norm's ones, a bias's zeros) equal to it. A parameter no init
+    function writes would hold whatever memory held (OpenAI-GPT's Conv1D layers did: 1e24 and 1e-41; Reformer's head
+    bias: 7e20)."""
+    import transformers as tf
+
+    from census_configs import census_config, census_names
+    from seqmesh.model.materialize import materialize
+
+    wrong, compared = [], 0
+    for name in census_names():
+        config = census_config(name)
+        auto = tf.AutoModelForCausalLM if type(config) in tf.AutoModelForCausalLM._model_mapping \
+            else tf.AutoModelForImageTextToText
+        try:
+            torch.manual_seed(0)
+            theirs = dict(auto.from_config(config).named_parameters())
+            with torch.device("meta"):
+                mine = auto.from_config(config)
+        except (ImportError, AttributeError):  # a family this environment cannot build (timm; MusicGen's config)
+            continue
+        materialize(mine, "cpu", 0)
+        compared += 1
+        for key, p in mine.named_parameters():
+            q = theirs.get(key)
+            if q is None or p.numel() < 2:
+                continue
+            p, q = p.detach().double(), q.detach().double()
+            spread, their_spread = float(p.std()), float(q.std())
+            if not torch.isfinite(p).all() or (their_spread == 0 and not torch.equal(p, q)) or (
+                    their_spread > 0 and not 0.2 < spread / their_spread < 5):
+                wrong.append(f"{name} {key}: spread {spread:.3g} against {their_spread:.3g}")
+    assert compared > 190 and not wrong, (compared, wrong[:10])
