@@ -580,3 +580,28 @@ def outside_rounding(r: dict, multiple: float) -> list[str]:
 def parity_line(r: dict) -> str:
     return (f"{r['case']}: logits {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e}), grad {r['grad']:.2e} "
             f"(rounding {r['rounding']['grad']:.2e})")
+
+
+def two_rows_error(family: str, layout: str = "zigzag") -> tuple[float, float]:
+    """Two rows of 45 tokens through ``family``'s parallelized model on ring 2 against transformers' float64 logits:
+    the largest error, and how far the same model in float32 moves those logits (its rounding). The parity tests
+    above run one row; this one holds each row to its own selections and windows."""
+    import copy
+
+    config = family_config(family)
+    reference = build(config)
+    ids = torch.randint(0, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        rounding = float((copy.deepcopy(reference).float()(input_ids=ids).logits.double() - want).abs().max())
+    mesh = get_mesh(1, 2)
+    model = parallelize(build(config), mesh)
+    local = seqmesh.shard_batch({"input_ids": ids}, mesh, layout=layout)
+    with torch.no_grad():
+        whole = seqmesh.gather_sequence(model(**local).logits, mesh, layout=layout, length=45)
+    unparallelize(model)
+    return float((whole - want).abs().max()), rounding
+
+
+def two_rows_errors(families: list[str], layout: str = "zigzag") -> list[tuple[float, float]]:
+    return [two_rows_error(f, layout) for f in families]

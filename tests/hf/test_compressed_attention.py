@@ -190,35 +190,10 @@ def test_the_planner_refuses_it_by_name(tmp_path):
     assert "DeepSeek-V4's compressed attention" in model_shape(str(tmp_path)).unplanned
 
 
-def _batch_of_two(layout: str) -> tuple[float, float]:
-    """Two rows of 45 tokens through the parallelized model on ring 2 against transformers' float64 logits: the error
-    and how far the same model in float32 moves them (its rounding)."""
-    import copy
-
-    import torch
-
-    import seqmesh
-    from dist_cases import get_mesh
-    from family_cases import build, family_config
-    from seqmesh.hf import parallelize, unparallelize
-
-    config = family_config("deepseek-v4")
-    reference = build(config)
-    ids = torch.randint(0, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = reference(input_ids=ids).logits
-        rounding = float((copy.deepcopy(reference).float()(input_ids=ids).logits.double() - want).abs().max())
-    mesh = get_mesh(1, 2)
-    model = parallelize(build(config), mesh)
-    local = seqmesh.shard_batch({"input_ids": ids}, mesh, layout=layout)
-    with torch.no_grad():
-        whole = seqmesh.gather_sequence(model(**local).logits, mesh, layout=layout, length=45)
-    unparallelize(model)
-    return float((whole - want).abs().max()), rounding
-
-
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_a_batch_of_two_rows(pools, layout):
     """Each row its own windows, entries and selection: two rows on ring 2 within the float32 model's rounding."""
-    for error, rounding in pools.run(2, _batch_of_two, layout):
+    from family_cases import two_rows_error
+
+    for error, rounding in pools.run(2, two_rows_error, "deepseek-v4", layout):
         assert error <= 4 * rounding and rounding < 1e-4, (error, rounding)

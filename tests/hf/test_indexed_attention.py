@@ -210,40 +210,11 @@ def test_compile_is_refused_by_name_before_any_work(pools, family):
     assert "--no-compile" in message and not installed, message
 
 
-def _batch_of_two(family: str) -> tuple[float, float]:
-    """Two rows of 45 tokens through the parallelized model on ring 2 against transformers' float64
-    logits: the error, and how far the same model in float32 moves them (its rounding)."""
-    import copy
-
-    import torch
-
-    import seqmesh
-    from dist_cases import get_mesh
-    from family_cases import build, family_config
-    from seqmesh.hf import parallelize, unparallelize
-
-    config = family_config(family)
-    reference = build(config)
-    ids = torch.randint(0, config.vocab_size, (2, 45), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = reference(input_ids=ids).logits
-        rounding = float((copy.deepcopy(reference).float()(input_ids=ids).logits.double() - want).abs().max())
-    mesh = get_mesh(1, 2)
-    model = parallelize(build(config), mesh)
-    local = seqmesh.shard_batch({"input_ids": ids}, mesh, layout="zigzag")
-    with torch.no_grad():
-        whole = seqmesh.gather_sequence(model(**local).logits, mesh, layout="zigzag", length=45)
-    unparallelize(model)
-    return float((whole - want).abs().max()), rounding
-
-
-def _batches_of_two(families: list[str]) -> list[tuple[float, float]]:
-    return [_batch_of_two(f) for f in families]
-
-
 def test_a_batch_of_two_rows(pools):
     """Each row its own selection: two rows on ring 2, every family, within the float32 model's rounding (the
     training tests above run one row)."""
-    for results in pools.run(2, _batches_of_two, FAMILIES):
+    from family_cases import two_rows_errors
+
+    for results in pools.run(2, two_rows_errors, FAMILIES):
         for family, (error, rounding) in zip(FAMILIES, results):
             assert error <= 4 * rounding and rounding < 1e-4, (family, error, rounding)
