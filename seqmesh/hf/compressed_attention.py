@@ -11,8 +11,8 @@ Each such layer's queries (``H`` heads) attend, in one softmax with a sink per h
   (its own compressed keys, the same windows) scores highest.
 
 On a shard, every one of these reads only a few tokens before each of a rank's tokens: the window ``W - 1``, an
-entry's window ``2m - 1``. So each rank extends its runs of tokens by their halo (the ``max(W, 2m, m')`` positions
-before each run, one all-gather of per-token projections: :func:`seqmesh.linear_attention.halo.extend`), builds
+entry's window ``2m - 1``. So each rank extends its runs of tokens by their halo (the ``max(W, 2m, m') - 1``
+positions before each run, one all-gather of per-token projections: :func:`seqmesh.linear_attention.halo.extend`), builds
 the entries whose window closes at one of its own tokens, and all-gathers those entries (``D`` values per window),
 placed by window. A query's keys are then rows of its extended run and of the gathered entries, attended by
 :func:`seqmesh.kernels.sparse_latent.sparse_latent_attention` (the Triton kernel on a GPU), the sink in its
@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from ..comm.collectives import all_gather
-from ..kernels.sparse_latent import sparse_latent_attention
+from ..kernels.sparse_latent import sparse_latent_attention, uses_kernel
 from ..linear_attention import halo
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
@@ -76,7 +77,9 @@ class Windows:
     number: torch.Tensor  # (n,) its number within its document (its entry is rotated at number x rate)
     current: torch.Tensor  # (n, m) its rows of the extended runs, in order
     previous: torch.Tensor  # (n, m) the previous window's rows (-1: the document's first window has none)
-    seen: torch.Tensor  # (L, N) bool: which of the row's N entries each own token may see (its document's, closed)
+    first: torch.Tensor  # (L,) the row's number of each own token's document's first entry
+    closed: torch.Tensor  # (L,) how many of them the token sees (the windows closed by it): [first, first + closed)
+    count: int  # N, the row's entries
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,7 @@ def _rows(chain, rank: int, kernel: int, bounds: tuple[int, ...], window: int, r
         previous = torch.where((number >= 1)[:, None], current - m, -1)
         closed = torch.where(real, (offset[own] + 1) // m, 0)  # (L,) entries of its document a token sees
         mine = first[doc[own].clamp(max=len(counts) - 1)]
-        entry = torch.arange(int(first[-1]))[None]
-        seen = (entry >= mine[:, None]) & (entry < (mine + closed)[:, None])
-        windows[m] = Windows(first[doc[ends]] + number, number, current, previous, seen)
+        windows[m] = Windows(first[doc[ends]] + number, number, current, previous, mine, closed, int(first[-1]))
     return Rows(keys, windows)
 
 
@@ -160,28 +161,32 @@ def _gather_entries(entries: torch.Tensor, index: torch.Tensor, count: int, mesh
     return full[:, :count]
 
 
-def _indexer_picks(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_ids: torch.Tensor,
-                   keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """CSA's selection: (B, L, k) each local query's top ``index_topk`` entries (-1: an entry it may not see), scored
-    by the indexer's own scorer against its compressed keys (B, N, Di), the entries it may not see (``seen``, (L, N))
-    masked, in blocks of queries, without gradient."""
+def _seen(first: torch.Tensor, closed: torch.Tensor, count: int) -> torch.Tensor:
+    """(l, N) bool: the entries ``[first, first + closed)`` of each of ``l`` queries, among the row's ``count``."""
+    entry = torch.arange(count, device=first.device)[None]
+    return (entry >= first[:, None]) & (entry < (first + closed)[:, None])
+
+
+def _indexer_picks(indexer: nn.Module, q: torch.Tensor, hidden: torch.Tensor, keys: torch.Tensor,
+                   first: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
+    """CSA's selection for a block of queries: (B, l, k) each query's top ``index_topk`` entries (-1: one it may not
+    see), scored by the indexer's own scorer (q (B, l, Hi, Di) rotated, hidden (B, l, E)) against its compressed keys
+    (B, N, Di); the entries it sees: ``[first, first + closed)``. No gradient."""
+    with torch.no_grad():
+        seen = _seen(first, closed, keys.shape[1])
+        scores = indexer.scorer(q, keys, hidden).masked_fill(~seen, float("-inf"))
+        chosen = scores.topk(min(indexer.index_topk, keys.shape[1]), dim=-1).indices
+        return torch.where(torch.gather(seen.expand(q.shape[0], -1, -1), 2, chosen), chosen, -1)
+
+
+def _indexer_queries(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_ids) -> torch.Tensor:
+    """The indexer's rotated queries of the local tokens (B, L, Hi, Di), without gradient."""
     with torch.no_grad():
         b, length, _ = hidden.shape
         rotate = module_function(indexer, "apply_rotary_pos_emb")
         cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
         q = indexer.q_b_proj(q_resid).view(b, length, -1, indexer.head_dim).transpose(1, 2)
-        q = rotate(q, cos, sin).transpose(1, 2)  # (B, L, Hi, Di)
-        count = keys.shape[1]
-        top = min(indexer.index_topk, count)
-        step = block_queries(b, q.shape[2], max(1, count))
-        picks = []
-        for start in range(0, length, step):
-            block = slice(start, start + step)
-            scores = indexer.scorer(q[:, block], keys, hidden[:, block]).masked_fill(~seen[block], float("-inf"))
-            chosen = scores.topk(top, dim=-1).indices
-            visible = torch.gather(seen[block].expand(b, -1, -1), 2, chosen)
-            picks.append(torch.where(visible, chosen, -1))
-        return torch.cat(picks, dim=1)
+        return rotate(q, cos, sin).transpose(1, 2)
 
 
 def _problem(info: SequenceInfo, position_ids) -> str | None:
@@ -229,20 +234,40 @@ def _make_forward(mesh: SPMesh):
             win = rows.windows[m]
             current, previous = win.current.to(device), win.previous.to(device)
             local = _entries(module, kv_ext, gate_ext, current, previous, win.number.to(device), m)
-            return _gather_entries(local, win.ids.to(device), win.seen.shape[1], mesh), win.seen.to(device)
+            return _gather_entries(local, win.ids.to(device), win.count, mesh), win
 
         entries, seen = row_entries(compressor, ext[1], ext[2], rate)
-        if indexer is None:  # HCA: every entry of its document whose window has closed
-            every = torch.arange(entries.shape[1], device=device)[None]
-            chosen = torch.where(seen, every, -1).expand(b, -1, -1)
-        else:  # CSA: the indexer's top k of them
-            index_keys, index_seen = row_entries(indexer, ext[3], ext[4], indexer.compress_rate)
-            chosen = _indexer_picks(indexer, hidden_states, q_resid, position_ids, index_keys, index_seen)
-        keys = rows.keys
+        if indexer is not None:  # CSA: its indexer's entries and queries, no gradient (as transformers' indexer)
+            with torch.no_grad():
+                index_keys, index_seen = row_entries(indexer, ext[3], ext[4], indexer.compress_rate)
+            index_q = _indexer_queries(indexer, hidden_states, q_resid, position_ids)
         extended = ext[0].shape[1]
-        picks = torch.cat([keys.to(device).expand(b, -1, -1), torch.where(chosen >= 0, chosen + extended, -1)], -1)
         row = torch.cat([ext[0], entries], dim=1)  # (B, E + N, D): the extended runs' keys, then the entries
-        out = sparse_latent_attention(q, row, picks, self.scaling, self.head_dim, self.sinks)  # (B, L, H, D)
+        keys, first, closed = rows.keys.to(device), seen.first.to(device), seen.closed.to(device)
+        # blocks of queries: the torch form's by its gathered keys (B, l, W + picks, D) times heads (HCA's picks:
+        # every entry a query sees; CSA's: index_topk), as DeepSeek Sparse Attention's; the kernel gathers inside
+        # itself, so by its (B, l, H, D) queries
+        most = int(seen.closed.max()) if seen.closed.numel() else 0
+        picked = most if indexer is None else min(indexer.index_topk, entries.shape[1])
+        width = self.head_dim if uses_kernel(row) else (window + picked) * self.head_dim
+        step = block_queries(b, self.num_heads, width)
+        outputs = []
+        for start in range(0, length, step):
+            block = slice(start, start + step)
+            if indexer is None:  # HCA: every entry of its document whose window has closed
+                reach = torch.arange(int(closed[block].max()) if closed[block].numel() else 0, device=device)
+                chosen = torch.where(reach[None] < closed[block, None], first[block, None] + reach[None], -1)
+                chosen = chosen.expand(b, -1, -1)
+            else:  # CSA: the indexer's top k of them
+                chosen = _indexer_picks(indexer, index_q[:, block], hidden_states[:, block], index_keys,
+                                        index_seen.first.to(device)[block], index_seen.closed.to(device)[block])
+            picks = torch.cat([keys[block].expand(b, -1, -1), torch.where(chosen >= 0, chosen + extended, -1)], -1)
+            inputs = (q[:, block], row, picks, self.scaling, self.head_dim, self.sinks)
+            if torch.is_grad_enabled() and step < length:  # each block recomputed in backward, not kept
+                outputs.append(checkpoint(sparse_latent_attention, *inputs, use_reentrant=False))
+            else:
+                outputs.append(sparse_latent_attention(*inputs))
+        out = torch.cat(outputs, dim=1)  # (B, L, H, D)
         out = rotate(out.transpose(1, 2), cos, -sin).transpose(1, 2)  # the values' rotary undone at the query
         grouped = self.o_a_proj(out.reshape(b, length, self.config.o_groups, -1)).flatten(2)
         return self.o_b_proj(grouped), None

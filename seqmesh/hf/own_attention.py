@@ -210,8 +210,7 @@ FAMILIES: dict[str, _Family] = {
                                 lambda m, o, residual: ([m.resid_dropout(m.c_proj(o))]), own_mask=True),
     # the query scaled before its product (the same values up to rounding); it builds its causal mask itself
     "XGLMAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
-                             lambda m, o, residual: (m.out_proj(o), None), own_mask=True,
-                             refused=lambda m: "cross-attention (add_cross_attention)" if not m.is_decoder else None),
+                             lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
     # a bias of each key (its dynamic mask) folded into the keys
     "DogeAttention": _Family(lambda m: m.config.num_attention_heads, None, lambda m: m.attention_dropout, _doge_project,
                              lambda m: m.scaling, lambda m, o, residual: (m.o_proj(o), None), own_mask=True,
@@ -285,6 +284,9 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
             raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
                              "model with output_attentions=False.")
         _check_dropout(self, family, type(self).__name__)  # the model may have been put in training since
+        if kwargs.get("key_value_states") is not None:  # XGLM's encoder_attn with add_cross_attention
+            raise ValueError(f"{type(self).__name__} was called as cross-attention (key_value_states), which seqmesh "
+                             "does not compute; train the decoder without encoder_hidden_states.")
         q, k, v = family.project(self, hidden_states)
         if family.rotate is not None:  # as the family rotates them, at the batch's global positions
             q, k = family.rotate(self, q, k, *kwargs["position_embeddings"])

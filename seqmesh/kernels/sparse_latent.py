@@ -104,20 +104,29 @@ def _triton_loaded():
 
 
 def _probe(fn, device: torch.device, generator: torch.Generator) -> None:
-    """The kernel on 4 queries of 3 heads, 5 picks of 8 rows (one hidden), in bf16, forward and backward, held to the
-    torch form: a kernel that runs but answers otherwise on this device fails its probe too."""
-    def rand(*shape):
-        return torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
+    """The kernel in bf16, forward and backward, held to the torch form (output and every gradient): 4 queries of 3
+    heads, 5 picks of 8 rows (one hidden), once with a rotated part and once without one but with sinks (DeepSeek-V4's
+    layout): a kernel that runs but answers otherwise on this device fails its probe too."""
+    for width, rank, with_sinks in ((24, 16, False), (16, 16, True)):
+        def rand(*shape):
+            return torch.randn(*shape, generator=generator, device=device).to(torch.bfloat16).requires_grad_()
 
-    query, row = rand(1, 4, 3, 24), rand(1, 8, 24)
-    picks = torch.randint(0, 8, (1, 4, 5), generator=generator, device=device)
-    picks[0, :, 0] = -1
-    out = fn(query, row, picks, None, 0.2, 16)
-    out.float().sum().backward()
-    expected = sparse_latent_reference(query.detach().float(), row.detach().float(), picks, 0.2, 16)
-    error = (out.float() - expected).abs().max().item()
-    if not error < 0.05:
-        raise RuntimeError(f"the kernel's output is {error:.3g} from the torch form's")
+        query, row = rand(1, 4, 3, width), rand(1, 8, width)
+        sinks = torch.randn(3, generator=generator, device=device).requires_grad_() if with_sinks else None
+        picks = torch.randint(0, 8, (1, 4, 5), generator=generator, device=device)
+        picks[0, :, 0] = -1
+        out = fn(query, row, picks, sinks, 0.2, rank)
+        out.float().sum().backward()
+        leaves = [x.detach().float().requires_grad_() for x in (query, row)]
+        wide_sinks = sinks.detach().clone().requires_grad_() if with_sinks else None
+        expected = sparse_latent_reference(leaves[0], leaves[1], picks, 0.2, rank, wide_sinks)
+        expected.sum().backward()
+        pairs = [(out, expected), (query.grad, leaves[0].grad), (row.grad, leaves[1].grad)]
+        pairs += [(sinks.grad, wide_sinks.grad)] if with_sinks else []
+        for got, want in pairs:
+            error = float((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-6))
+            if not error < 0.05:
+                raise RuntimeError(f"the kernel's results are {error:.3g} (relative) from the torch form's")
 
 
 def index_scores_kernel(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float,
@@ -156,11 +165,16 @@ PROBE = KernelProbe({"sparse_latent": Kernel("triton", _triton_loaded, _probe),
 
 def uses_kernel(x: torch.Tensor, name: str = "sparse_latent") -> bool:
     """Whether the Triton kernel ``name`` (``"sparse_latent"``: :func:`sparse_latent_attention`'s; ``"index_scores"``:
-    :func:`index_scores_kernel`) runs for tensors like ``x``: on CUDA, Triton installed, its probe passed there; never
-    on fake tensors (a rehearsal measures the torch form's memory)."""
-    if x.device.type != "cuda" or torch._subclasses.fake_tensor.is_fake(x):
+    :func:`index_scores_kernel`) runs for tensors like ``x``: on CUDA, in bf16, fp16 or fp32 (float64 runs the torch
+    form), Triton installed, its probe passed there; never on fake tensors (a rehearsal measures the torch form's
+    memory)."""
+    if x.device.type != "cuda" or torch._subclasses.fake_tensor.is_fake(x) or x.dtype not in KERNEL_DTYPES:
         return False
     return PROBE.works(name, x.device)
+
+
+# the dtypes the kernels keep their sums in float32 for (a float64 model runs the torch form, in float64)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def sparse_latent_attention(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, scale: float, rank: int,

@@ -182,7 +182,7 @@ def _grid(tokens: int, heads: int) -> tuple[int, int]:
 def _sizes(query: torch.Tensor, rank: int, block_k: int = BLOCK_K) -> dict:
     c = query.shape[-1]
     # float32 products in IEEE float32 (torch's matmul default), not TF32
-    precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"  # tf32: unread for bf16/fp16
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # tf32: unread for bf16/fp16
     # a program holds (BH, BR) and (BK, BR) tiles: at DeepSeek's 512 latents, 8 warps' registers rather than 4's
     warps = 8 if _pow2(rank) >= 256 else 4
     return dict(C=c, R=rank, DR=c - rank, BR=_pow2(rank), BD=_pow2(c - rank), BH=BLOCK_H, BK=block_k,

@@ -21,6 +21,7 @@ from ..comm.ranks import agree, all_gather_object
 from ..compose import parallelize_model
 from ..rules.degrees import check_tensor_parallel_sizes, resolve_degrees
 from ..experts.rules import check_expert_parallel
+from ..hf.compressed_attention import is_compressed
 from ..hf.indexed_attention import is_indexed
 from ..hf.mixers import has_mixers
 from ..kernels.sparse_latent import PROBE as SPARSE_PROBE
@@ -158,7 +159,7 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: M
                 setattr(sub, name, buffer.to(device))
     if device.type == "cuda" and has_mixers(module):  # a recurrent kernel that fails on this GPU warns now, not mid-step
         probe_kernels(device)
-    if device.type == "cuda" and any(is_indexed(m) for m in module.modules()):  # the same for the sparse kernel
+    if device.type == "cuda" and any(is_indexed(m) or is_compressed(m) for m in module.modules()):  # sparse kernels
         SPARSE_PROBE.probe_all(device)
     return module
 
