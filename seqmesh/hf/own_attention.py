@@ -232,6 +232,26 @@ def family_key(module: nn.Module) -> str | None:
     return f"{family}.{name}" if f"{family}.{name}" in FAMILIES else None
 
 
+# families computed as the named transformers release lays them out, refused on older ones: GPT-NeoX-Japanese's
+# rotary tables and Doge's dynamic mask read otherwise at 5.15 (a size mismatch; a loss 1.6e-3 off), and no release
+# between was measured
+NEWEST_ONLY = {"GPTNeoXJapaneseAttention": "5.24", "DogeAttention": "5.24"}
+
+
+def _too_old(key: str) -> str | None:
+    """Why ``key``'s family is refused with the installed transformers, or None."""
+    from importlib import metadata
+
+    from ..versions import release
+
+    wanted = NEWEST_ONLY.get(key)
+    installed = metadata.version("transformers")
+    if wanted is None or release(installed) >= release(wanted):
+        return None
+    return (f"seqmesh computes {key} as transformers {wanted} lays it out, and this transformers is {installed}, "
+            f"whose layout of it differs; upgrade transformers to {wanted} or later")
+
+
 def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> list[tuple[str, nn.Module]]:
     """The attention layers of ``model`` that seqmesh runs itself (path, module), checked for ``mesh``: tensor
     parallelism, too few heads for the Ulysses degree, attention dropout and a variant seqmesh does not compute are
@@ -241,7 +261,7 @@ def own_attention_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -
         return []
     path, first = layers[0]
     family, cls = FAMILIES[family_key(first)], family_key(first)
-    reason = family.refused(first)
+    reason = _too_old(cls) or family.refused(first)
     if reason:
         raise ValueError(f"seqmesh cannot run {path} ({cls}) exactly: {reason}.")
     if getattr(mesh, "tp", 1) > 1:

@@ -22,8 +22,16 @@ from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 # (pretraining_tp with slow_but_exact), which adds no bias: the first version added it, and its gradient was wrong
 # openai-gpt: its class named Attention, blocks without **kwargs; xglm: the query scaled first; gpt-neox-japanese: a
 # partial rotary; doge: a bias of each key folded into the keys
+def _newest(*families: str) -> list[str]:
+    """``families`` where the installed transformers is the one seqmesh computes them for (own_attention.NEWEST_ONLY);
+    none at the floor, where they are refused by name (test_the_newest_only_families_are_refused_on_older_releases)."""
+    from seqmesh.hf.own_attention import _too_old
+
+    return [] if _too_old("DogeAttention") else list(families)
+
+
 FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo", "openai-gpt", "xglm",
-            "gpt-neox-japanese", "doge"]
+            *_newest("gpt-neox-japanese", "doge")]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
@@ -55,12 +63,13 @@ MUTATIONS = {
                                                                         ("falcon-new", 2, 1, "zigzag", True)]),
     # GPT-Neo's local layer run as a global one (ring 2, zigzag, documents)
     "GPT-Neo's window dropped": (parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]),
-    # GPT-NeoX-Japanese's rotary over the whole head instead of its leading half (ring 2)
-    "GPT-NeoX-Japanese's rotary over the whole head": (parity_with_whole_rotary,
-                                                         [("gpt-neox-japanese", 1, 2, "zigzag", False)]),
-    # Doge's bias of each key left out (U2: the bias dealt with its kv heads)
-    "Doge's key bias dropped": (parity_with_bias_dropped, [("doge", 2, 1, "zigzag", True)]),
 }
+if _newest("doge"):
+    # GPT-NeoX-Japanese's rotary over the whole head instead of its leading half (ring 2)
+    MUTATIONS["GPT-NeoX-Japanese's rotary over the whole head"] = (parity_with_whole_rotary,
+                                                                   [("gpt-neox-japanese", 1, 2, "zigzag", False)])
+    # Doge's bias of each key left out (U2: the bias dealt with its kv heads)
+    MUTATIONS["Doge's key bias dropped"] = (parity_with_bias_dropped, [("doge", 2, 1, "zigzag", True)])
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
@@ -141,7 +150,7 @@ def test_the_planner_refuses_the_newer_own_attention_families_by_name(tmp_path, 
     assert "seqmesh plan does not size" in said and "seqmesh train" in said, said
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "gpt-neox-japanese", "doge"])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge")])
 def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train`` from each one's config.json on a ring of 2."""
     from family_cases import family_config
@@ -172,5 +181,32 @@ def _doge_too_long() -> str:
 def test_doge_past_its_keep_window_is_refused_by_name(pools):
     """Past keep_window_size keys Doge keeps only each query's keys of largest bias, which seqmesh does not compute:
     100 tokens against a keep_window_size of 96, refused with both numbers and the fix."""
+    if not _newest("doge"):
+        pytest.skip("this transformers' Doge is refused whole (test_the_newest_only_families_are_refused_on_older_...)")
     for message in pools.run(2, _doge_too_long):
         assert "100 tokens" in message and "keep_window_size=96" in message and "--seq-len" in message, message
+
+
+def _refusal_of(family: str) -> str:
+    from dist_cases import get_mesh
+    from family_cases import build, family_config
+    from seqmesh.hf import parallelize
+
+    try:
+        parallelize(build(family_config(family)), get_mesh(1, 1))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("family", ["gpt-neox-japanese", "doge"])
+def test_the_newest_only_families_are_refused_on_older_releases(pools, family):
+    """At a transformers older than the one seqmesh computes them for, GPT-NeoX-Japanese and Doge are refused by name
+    with the fix (upgrade), not computed from another release's layout."""
+    from seqmesh.hf.own_attention import _too_old
+
+    said = pools.run(1, _refusal_of, family)[0]
+    if _too_old("DogeAttention"):
+        assert "upgrade transformers to 5.24" in said, said
+    else:
+        assert said == "", said
