@@ -1,6 +1,7 @@
-"""Worker-side cases for the families whose attention seqmesh runs itself (BLOOM, MPT, Falcon): the mutations the
-parity tolerance must see (each Ulysses rank's heads given the first heads' slopes; one rank's rotary positions off
-by one; GPT-Neo's local window dropped), and the refusals of a parallelized layer."""
+"""Worker-side cases for the families whose attention seqmesh runs itself (BLOOM, MPT, Falcon, GPT-Neo, GPT-NeoX-
+Japanese, Doge, ...): the mutations the parity tolerance must see (each Ulysses rank's heads given the first heads'
+slopes; one rank's rotary positions off by one; GPT-Neo's local window dropped; GPT-NeoX-Japanese's rotary over the
+whole head; Doge's key bias dropped), and the refusals of a parallelized layer."""
 
 from __future__ import annotations
 
@@ -33,49 +34,45 @@ def parity_with_positions_off_by_one(cases: list[tuple]) -> list[dict]:
     return [{"case": c, **family_parity(*c, seq_len=45, shift_positions_on=1)} for c in cases]
 
 
-def parity_with_whole_rotary(cases: list[tuple]) -> list[dict]:
-    """As :func:`short_conv_cases.parity_all`, with GPT-NeoX-Japanese's partial rotary applied to the whole head."""
+def _parity_with_family_changed(cases: list[tuple], key: str, **changes) -> list[dict]:
+    """As :func:`short_conv_cases.parity_all`, with ``changes`` made to seqmesh's own-attention entry ``key`` (a field
+    each, made from the original entry by :func:`dataclasses.replace`), restored after."""
     from seqmesh.hf import own_attention
 
-    original = own_attention.FAMILIES["GPTNeoXJapaneseAttention"]
+    original = own_attention.FAMILIES[key]
+    own_attention.FAMILIES[key] = dataclasses.replace(original, **changes)
+    try:
+        return parity_all(cases)
+    finally:
+        own_attention.FAMILIES[key] = original
+
+
+def parity_with_whole_rotary(cases: list[tuple]) -> list[dict]:
+    """GPT-NeoX-Japanese's partial rotary applied to the whole head."""
+    from seqmesh.hf import own_attention
 
     def whole(module, q, k, cos, sin):  # its tables cover the leading half: repeated to the whole head
         return own_attention._rotate_whole(module, q, k, cos.repeat(1, 1, 2), sin.repeat(1, 1, 2))
 
-    own_attention.FAMILIES["GPTNeoXJapaneseAttention"] = dataclasses.replace(original, rotate=whole)
-    try:
-        return parity_all(cases)
-    finally:
-        own_attention.FAMILIES["GPTNeoXJapaneseAttention"] = original
+    return _parity_with_family_changed(cases, "GPTNeoXJapaneseAttention", rotate=whole)
 
 
 def parity_with_bias_dropped(cases: list[tuple]) -> list[dict]:
-    """As :func:`short_conv_cases.parity_all`, with Doge's bias of each key left at zero in its folded channel."""
+    """Doge's bias of each key left at zero in its folded channel."""
     from seqmesh.hf import own_attention
 
-    original = own_attention.FAMILIES["DogeAttention"]
+    fold = own_attention.FAMILIES["DogeAttention"].fold
 
     def unbiased(module, q, k, v, info):
-        q, k, v = original.fold(module, q, k, v, info)
+        q, k, v = fold(module, q, k, v, info)
         return q, torch.cat([k[..., :-1], torch.zeros_like(k[..., -1:])], dim=-1), v
 
-    own_attention.FAMILIES["DogeAttention"] = dataclasses.replace(original, fold=unbiased)
-    try:
-        return parity_all(cases)
-    finally:
-        own_attention.FAMILIES["DogeAttention"] = original
+    return _parity_with_family_changed(cases, "DogeAttention", fold=unbiased)
 
 
 def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
-    """As :func:`short_conv_cases.parity_all`, with GPT-Neo's local layers run as global ones (their window dropped)."""
-    from seqmesh.hf import own_attention
-
-    original = own_attention.FAMILIES["GPTNeoAttention"]
-    own_attention.FAMILIES["GPTNeoAttention"] = dataclasses.replace(original, window=lambda module: None)
-    try:
-        return parity_all(cases)
-    finally:
-        own_attention.FAMILIES["GPTNeoAttention"] = original
+    """GPT-Neo's local layers run as global ones (their window dropped)."""
+    return _parity_with_family_changed(cases, "GPTNeoAttention", window=lambda module: None)
 
 
 def layer_refusals(family: str = "bloom") -> dict[str, str]:

@@ -147,17 +147,17 @@ def _rotate_leading(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos, si
     return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
-def _split_heads(module: nn.Module, x: torch.Tensor, heads: int) -> torch.Tensor:
+def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:  # (B, L, heads x D) -> (B, L, heads, D)
     return x.view(*x.shape[:2], heads, -1)
 
 
 def _openai_project(module: nn.Module, hidden: torch.Tensor):
     q, k, v = module.c_attn(hidden).split(module.split_size, dim=2)
-    return tuple(_split_heads(module, t, module.n_head) for t in (q, k, v))
+    return tuple(_split_heads(t, module.n_head) for t in (q, k, v))
 
 
 def _xglm_project(module: nn.Module, hidden: torch.Tensor):
-    return tuple(_split_heads(module, proj(hidden), module.num_heads)
+    return tuple(_split_heads(proj(hidden), module.num_heads)
                  for proj in (module.q_proj, module.k_proj, module.v_proj))
 
 
@@ -185,7 +185,7 @@ def _doge_fold(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _neox_japanese_project(module: nn.Module, hidden: torch.Tensor):
-    qkv = _split_heads(module, module.query_key_value(hidden), module.num_attention_heads)  # per head: q, k, v
+    qkv = _split_heads(module.query_key_value(hidden), module.num_attention_heads)  # per head: q, k, v
     return qkv.split(module.head_size, dim=-1)
 
 
