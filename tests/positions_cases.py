@@ -4,8 +4,10 @@ transformers model on the whole sequence (logits, loss and every parameter's gra
 Tiny float64 models of the families' own configs, each set so its whole-sequence quantity matters within the
 45-token test sequence: Phi-3's longrope (``original_max_position_embeddings`` 32: long factors for the whole
 sequence, short ones for its longest document), Llama's dynamic NTK (``max_position_embeddings`` 32), Llama 4's
-no-RoPE temperature (``floor_scale`` 8) and RoBERTa as a causal LM (positions from ``padding_idx + 1``, with
-padding tokens among the ids). ``mutation`` undoes one fix on purpose: the test must then see an error.
+no-RoPE temperature (``floor_scale`` 8), RoBERTa as a causal LM (positions from ``padding_idx + 1``, with
+padding tokens among the ids) and the decoders of encoder-decoder families, which take no position_ids and number
+each call's tokens from 0 (BART's learned table, Marian's sinusoidal one, BigBird-Pegasus's decoder whose
+self-attention is causal only through its mask). ``mutation`` undoes one fix on purpose: the test must then see an error.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def position_config(family: str):
         return tf.RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                                 vocab_size=64, is_decoder=True, attention_probs_dropout_prob=0.0,
                                 hidden_dropout_prob=0.0, max_position_embeddings=SEQ_LEN + 4, pad_token_id=1)
+    decoder = dict(vocab_size=64, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+                   encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64, max_position_embeddings=SEQ_LEN,
+                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, is_encoder_decoder=False,
+                   pad_token_id=1)
+    if family == "bart":  # a learned table two rows past the position (BART's offset)
+        return tf.BartConfig(**decoder)
+    if family == "marian":  # a frozen sinusoidal table
+        return tf.MarianConfig(**decoder, decoder_start_token_id=1)
+    if family == "bigbird-pegasus":  # a decoder whose self-attention says is_causal=False; its mask makes it causal
+        return tf.BigBirdPegasusConfig(**decoder, attention_type="original_full")
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -102,7 +114,9 @@ def _documents_alone(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, loss
 
 
-REFERENCE = {"roberta": _documents_alone}
+# the decoders of encoder-decoder families take no position_ids: their mask does not keep packed documents apart
+REFERENCE = {"roberta": _documents_alone, "bart": _documents_alone, "marian": _documents_alone,
+             "bigbird-pegasus": _documents_alone}
 
 
 def _mutate(lm, local: dict, mutation: str | None) -> dict:
@@ -112,6 +126,12 @@ def _mutate(lm, local: dict, mutation: str | None) -> dict:
         local = {**local, "seqmesh": dataclasses.replace(info, max_position=int(local["position_ids"].max()))}
     elif mutation == "positions_from_zero":  # an offset family given seqmesh's positions from 0, unrefused
         local = {**local, "seqmesh": dataclasses.replace(info, positions="caller")}
+    elif mutation == "shard_numbered_from_zero":  # the decoder's own numbering: each shard from position 0
+        positions.counting_embeddings(lm)._forward_hooks.clear()
+    elif mutation == "self_attention_not_causal":  # BigBird-Pegasus's flag taken as it is
+        for module in lm.modules():
+            if getattr(module, positions._CAUSAL, False):
+                module.is_causal = False
     elif mutation == "local_temperature":  # transformers' own no-RoPE forward: the temperature of each shard's arange
         for module in lm.modules():
             if getattr(module, positions._ATTR, False) and hasattr(module, "floor_scale"):
@@ -194,3 +214,24 @@ def unsharded_refusal(family: str) -> str:
     finally:
         unparallelize(lm)
     return ""
+
+
+def decoder_refusals(family: str = "bart") -> dict[str, str]:
+    """The refusals of an encoder-decoder family's decoder: called without position_ids (each rank would number its
+    shard from 0), and generation (its attention keeps its own cache)."""
+    from seqmesh.inference.generate import check_generate
+
+    mesh = get_mesh(1, dist.get_world_size())
+    config = position_config(family)
+    lm = parallelize(build(config), mesh)
+    said = {}
+    local = seqmesh.shard_batch(_batch(config.vocab_size, False), mesh, model=lm)
+    for case, run in (("no_position_ids", lambda: lm(input_ids=local["input_ids"], seqmesh=local["seqmesh"])),
+                      ("generate", lambda: check_generate(lm, mesh))):
+        try:
+            run()
+            said[case] = ""
+        except ValueError as err:
+            said[case] = str(err)
+    unparallelize(lm)
+    return said

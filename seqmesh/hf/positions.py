@@ -13,6 +13,12 @@ rank would decide from its own tokens and train silently wrong, so seqmesh gives
 - **positions a family numbers itself** (RoBERTa, XLM-R, CamemBERT, Data2Vec-text, X-MOD: from ``padding_idx + 1``,
   padding tokens kept at ``padding_idx``). :func:`own_positions` runs the family's own rule on the whole batch
   for ``seqmesh.shard_batch(..., model=model)``; a batch sharded without the model is refused at the decoder.
+- **positions a decoder numbers from 0 on each call** (the decoders of encoder-decoder families as causal LMs:
+  BART, mBART, Marian, Pegasus, Blenderbot, PLBart, BigBird-Pegasus, MusicGen take no position_ids and number
+  ``cache_length .. cache_length + L - 1``). Their position module is run by its own rule over the spans of
+  positions this rank's tokens hold, and each token takes its own row (:func:`_renumbered`): the batch's
+  ``position_ids``, so packed documents count from 0 each. BigBird-Pegasus's decoder builds its self-attentions
+  without ``is_causal`` and makes them causal by its mask; seqmesh, which builds no mask, sets the flag.
 - **Llama 4's attention temperature** on its no-RoPE layers: ``log1p(floor((i + 1) / floor_scale)) * attn_scale
   + 1`` of each token's index ``i`` in the row, which transformers takes from ``arange`` over the call's tokens
   (and a cache). Those layers get an instance-level ``forward`` (:func:`_temperature_forward`; the class is
@@ -35,6 +41,7 @@ from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import sequence_positions
 
 _ATTR = "_seqmesh_positions"
+_CAUSAL = "_seqmesh_made_causal"
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,6 +99,99 @@ def own_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | N
     return embeddings.create_position_ids_from_input_ids(input_ids, embeddings.padding_idx)
 
 
+def counting_embeddings(model: nn.Module) -> nn.Module | None:
+    """The position embedding of a decoder that takes no position_ids and numbers each call's tokens from its cache
+    length (``embed_positions(input, cache_length)``; ``past_key_values_length`` in transformers 5.15): the decoders
+    of the encoder-decoder families, BART, mBART, Marian, Pegasus, Blenderbot, PLBart, BigBird-Pegasus, MusicGen; or
+    None."""
+    decoder = decoder_of(model)
+    if "position_ids" in inspect.signature(decoder.forward).parameters:
+        return None
+    module = getattr(decoder, "embed_positions", None)
+    forward = getattr(type(module), "forward", None)
+    if forward is None:
+        return None
+    counted_from = set(inspect.signature(forward).parameters) & {"cache_length", "past_key_values_length"}  # 5.2x, 5.15
+    return module if counted_from else None
+
+
+def _spans(needed: torch.Tensor, length: int) -> list[int]:
+    """Starts of the fewest ``length``-position spans that cover the sorted positions ``needed``, each ending at a
+    needed position (so no span reaches past the largest position the whole sequence embeds)."""
+    starts, i = [], needed.numel() - 1
+    values = needed.tolist()
+    while i >= 0:
+        start = max(values[i] - length + 1, 0)
+        starts.append(start)
+        while i >= 0 and values[i] >= start:
+            i -= 1
+    return starts[::-1]
+
+
+def _renumbered(model_name: str, mesh: SPMesh):
+    """The decoder's pre- and post-hooks and its position module's forward hook for :func:`counting_embeddings`:
+    the module, which numbers the call's ``L`` tokens ``c .. c + L - 1`` from its ``cache_length`` ``c``, is run by
+    its own rule on the spans of positions this rank's tokens hold (the batch's ``position_ids``: their places in
+    the whole sequence, from 0 in each packed document; the layout's padding at 0), and each token takes its own
+    position's row."""
+    call: dict = {}
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call.clear()
+        if kwargs.get("seqmesh") is None:
+            return  # the attention refuses the call, naming the fix
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise ValueError(f"{model_name}'s decoder numbers its tokens from 0 on each call; seqmesh gives them their "
+                             "places in the whole sequence from the batch's position_ids, and this call has none: "
+                             "call the model with the batch seqmesh.shard_batch returned (model(**batch)).")
+        info: SequenceInfo = kwargs["seqmesh"]
+        inside = sequence_positions(info.seq_len, mesh, layout=info.layout, device=positions.device,
+                                    cu_seqlens=info.cu_seqlens) < info.seq_len  # (L,) the layout's padding: False
+        positions = positions.masked_fill(~inside, 0)  # past the sequence (a learned table's end) at 0, every call's
+        # (L,) where every row is numbered alike (the rows share their documents): the module's own broadcast
+        call["positions"] = positions[0] if bool((positions == positions[:1]).all()) else positions
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output):
+        call.clear()
+
+    def embed(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        # output (B, L, E) or (L, E): positions 0 .. L-1 as the module numbers them -> (L, E) or (B, L, E) the
+        # tokens' own
+        positions = call.get("positions")
+        if positions is None:
+            return output
+        first = args[0] if args else next(iter(kwargs.values()))
+        length = positions.shape[-1]
+        needed = torch.unique(positions.flatten())  # sorted
+        starts = _spans(needed, length)
+        numbered = "position_ids" in inspect.signature(type(module).forward).parameters  # as the decoder calls it
+        table = torch.cat([
+            type(module).forward(module, first, start, **({"position_ids": torch.arange(
+                start, start + length, device=positions.device)} if numbered else {})
+            ).reshape(-1, length, output.shape[-1])[0]
+            for start in starts])  # (len(starts) * L, E)
+        where = torch.searchsorted(torch.tensor(starts, device=positions.device), positions, right=True) - 1
+        rows = where * length + positions - torch.tensor(starts, device=positions.device)[where]
+        return table[rows]
+
+    return before, after, embed
+
+
+def _causal_by_mask(decoder: nn.Module) -> list[nn.Module]:
+    """The self-attentions of a decoder that makes them causal through the mask it builds
+    (``create_causal_mask``), though they say ``is_causal=False`` (BigBird-Pegasus's decoder: transformers
+    constructs its self-attention without the flag). seqmesh builds no mask and reads the flag."""
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return []
+    if "create_causal_mask(" not in source:
+        return []
+    return [layer.self_attn for layer in getattr(decoder, "layers", [])
+            if getattr(getattr(layer, "self_attn", None), "is_causal", True) is False]
+
+
 def _temperature_layers(model: nn.Module) -> list[nn.Module]:
     """Llama 4's no-RoPE attention layers with temperature tuning (the attention scaled by each token's index)."""
     return [m for m in model.modules()
@@ -106,11 +206,13 @@ def check_positions(model: nn.Module, by_distance: frozenset[int] = frozenset())
     decoder = decoder_of(model)
     from .layers import has_attention  # a model without attention (Mamba2) reads no position at all
 
-    if "position_ids" not in inspect.signature(decoder.forward).parameters and has_attention(model, by_distance):
+    if "position_ids" not in inspect.signature(decoder.forward).parameters and has_attention(model, by_distance) \
+            and counting_embeddings(model) is None:
         raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder ({type(decoder).__name__}) "
-                         "takes no position_ids and numbers the tokens of each call from 0 (the decoder of an "
-                         "encoder-decoder family: BART, mBART, Marian, Pegasus, Blenderbot, MusicGen), so each rank "
-                         "would give its shard the first positions. seqmesh runs decoders that read position_ids.")
+                         "takes no position_ids and numbers the tokens of each call from 0 without a position "
+                         "module seqmesh can renumber (an embed_positions whose forward takes cache_length, as "
+                         "BART's), so each rank would give its shard the first positions. seqmesh runs decoders that "
+                         "read position_ids or number them in such a module.")
     inside = {id(m) for m in decoder.modules()}
     outside = [r for r in scaled_rotaries(model) if id(r) not in inside]
     if outside:
@@ -209,6 +311,15 @@ def install(model: nn.Module, mesh: SPMesh) -> list:
         hooks.append(decoder.register_forward_pre_hook(_decide_rotary_scaling(rotaries, name), with_kwargs=True))
     if numbering_embeddings(model) is not None:
         hooks.append(decoder.register_forward_pre_hook(_numbered_by_model(name), with_kwargs=True))
+    counting = counting_embeddings(model)
+    if counting is not None:
+        before, after, embed = _renumbered(name, mesh)
+        hooks.append(decoder.register_forward_pre_hook(before, with_kwargs=True))
+        hooks.append(decoder.register_forward_hook(after, with_kwargs=True))
+        hooks.append(counting.register_forward_hook(embed, with_kwargs=True))
+        for attention in _causal_by_mask(decoder):
+            attention.is_causal = True
+            setattr(attention, _CAUSAL, True)
     forward = None
     for layer in _temperature_layers(model):
         forward = forward or _temperature_forward(mesh)
@@ -223,3 +334,6 @@ def uninstall(model: nn.Module) -> None:
         if getattr(module, _ATTR, False):
             del module.forward
             delattr(module, _ATTR)
+        if getattr(module, _CAUSAL, False):
+            module.is_causal = False
+            delattr(module, _CAUSAL)

@@ -64,6 +64,7 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     from ..hf.compressed_attention import is_compressed
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
+    from ..hf.positions import counting_embeddings
     from ..vision.families import is_multimodal
 
     name = type(model).__name__
@@ -81,6 +82,10 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"{name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet "
                          "(each step would add to the compressor's open window and, when it closes, a new entry on "
                          "the rank that holds the window); seqmesh trains it (seqmesh train, verify).")
+    if counting_embeddings(model) is not None:
+        raise ValueError(f"{name} is the decoder of an encoder-decoder family (BART, Marian, Pegasus, MusicGen, ...), "
+                         "whose attention layers keep their own cache, which seqmesh's sharded cache does not replace "
+                         "yet; seqmesh trains it (seqmesh.hf.parallelize).")
     kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, *DECODED_MIXERS, OWN_ATTENTION}
     if kinds:
         what = ", ".join(sorted(kinds))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from positions_cases import position_parity, unrunnable, unsharded_refusal
+from positions_cases import decoder_refusals, position_parity, unrunnable, unsharded_refusal
 
 # each family the installed transformers runs on one process (at the floor, 5.15, Llama 4 needs its chunks)
-FAMILIES = [f for f in ("phi3-longrope", "llama-dynamic", "llama4-temperature", "llama4-chunked", "roberta")
+FAMILIES = [f for f in ("phi3-longrope", "llama-dynamic", "llama4-temperature", "llama4-chunked", "roberta",
+                                "bart", "marian", "bigbird-pegasus")
             if unrunnable(f) is None]
 MESHES = [(1, 2), (2, 1)]  # which reach every line U2 x R2 reached here (docs/testing.md)
 ROUNDING_MULTIPLE = 4  # as tests/hf/test_hf_families.py: a multiple of the reference's own measured rounding
@@ -41,7 +42,10 @@ def test_whole_sequence_positions_exact(pools, ulysses, ring):
 @pytest.mark.parametrize("family,mutation", [("phi3-longrope", "shard_largest_position"),
                                              ("llama-dynamic", "shard_largest_position"),
                                              ("llama4-temperature", "local_temperature"),
-                                             ("roberta", "positions_from_zero")])
+                                             ("roberta", "positions_from_zero"),
+                                             ("bart", "shard_numbered_from_zero"),
+                                             ("marian", "shard_numbered_from_zero"),
+                                             ("bigbird-pegasus", "self_attention_not_causal")])
 def test_each_fix_undone_is_seen(pools, family, mutation):
     if family not in FAMILIES:
         pytest.skip(f"transformers cannot run {family} here: {unrunnable(family)}")
@@ -57,6 +61,15 @@ def test_offset_positions_need_the_model(pools):
     """RoBERTa sharded without the model (positions from 0) is refused at the decoder, naming the fix."""
     for message in pools.run(2, unsharded_refusal, "roberta"):
         assert "numbers its positions itself" in message and "model=model" in message, message
+
+
+def test_a_decoder_numbering_from_zero_is_refused_without_positions(pools):
+    """BART's decoder called without the batch's position_ids is refused (each rank would number its shard from 0),
+    naming the fix; generation, whose cache its attention keeps itself, is refused before the prompt is read."""
+    for said in pools.run(2, decoder_refusals, "bart"):
+        assert "numbers its tokens from 0 on each call" in said["no_position_ids"], said
+        assert "model(**batch)" in said["no_position_ids"], said
+        assert "decoder of an encoder-decoder family" in said["generate"], said
 
 
 def test_packed_chunks_counted_from_the_row_are_refused(pools):
