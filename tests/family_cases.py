@@ -197,6 +197,15 @@ def family_config(family: str):
                                         intermediate_multiple_size=2, max_position_embeddings=128, attention_dropout=0.0,
                                         hidden_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                              "partial_rotary_factor": 0.5})
+    if family == "rembert":  # BERT-style attention as a decoder (is_decoder): its own, called without **kwargs
+        return tf.RemBertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                                input_embedding_size=16, output_embedding_size=16, intermediate_size=96,
+                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+                                max_position_embeddings=128, is_decoder=True)
+    if family == "megatron-bert":  # as RemBERT's, pre-norm
+        return tf.MegatronBertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                                     intermediate_size=96, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     max_position_embeddings=128, is_decoder=True)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -426,10 +435,11 @@ def gradients_of(model) -> dict:
 REFERENCES: dict[tuple, tuple] = {}
 
 
-# families with a parameter whose gradient is zero but for rounding: XGLM's key bias (a separate k_proj.bias, which
-# every score of a query shares, so the softmax cancels it); its error is taken relative to this fraction of the
-# model's largest gradient (_worst_grad), in the reference's rounding and in the comparison alike (as positions_cases)
-GRAD_FLOORS = {"xglm": 1e-3}
+# families with a parameter whose gradient is zero but for rounding: XGLM's, RemBERT's and MegatronBERT's key bias (a
+# separate bias of the key projection, which every score of a query shares, so the softmax cancels it); its error is
+# taken relative to this fraction of the model's largest gradient (_worst_grad), in the reference's rounding and in
+# the comparison alike (as positions_cases)
+GRAD_FLOORS = {"xglm": 1e-3, "rembert": 1e-3, "megatron-bert": 1e-3}
 # families whose float64 reference needs float64 as torch's default dtype: XGLM clamps its scores with
 # torch.full((), finfo(dtype).min), a default-dtype (float32) tensor that float64's minimum overflows
 DEFAULT_FLOAT64 = ("xglm",)

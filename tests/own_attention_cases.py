@@ -70,6 +70,11 @@ def parity_with_bias_dropped(cases: list[tuple]) -> list[dict]:
     return _parity_with_family_changed(cases, "DogeAttention", fold=unbiased)
 
 
+def parity_with_both_ways(cases: list[tuple]) -> list[dict]:
+    """RemBERT's decoder attention run both ways (its is_decoder flag not read)."""
+    return _parity_with_family_changed(cases, "RemBertSelfAttention", causal=lambda module: False)
+
+
 def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
     """GPT-Neo's local layers run as global ones (their window dropped)."""
     return _parity_with_family_changed(cases, "GPTNeoAttention", window=lambda module: None)

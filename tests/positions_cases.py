@@ -140,28 +140,6 @@ def _mutate(lm, local: dict, mutation: str | None) -> dict:
     return local
 
 
-# families whose LM head SequenceParallelLM refuses (RoBERTa's transforms the hidden states first): trained in a
-# user's loop, the loss from the model's own logits
-OWN_LOSS = ("roberta",)
-
-
-def _own_loss(lm, local: dict, mesh) -> torch.Tensor:
-    """The batch's mean cross-entropy from the model's own logits of each rank's tokens, backward run and every
-    gradient summed over the ranks (as a user's loop with a data-parallel wrapper would)."""
-    out = lm(**{k: local[k] for k in ("input_ids", "position_ids", "seqmesh")})
-    targets = local["shift_labels"]
-    count = (targets != -100).sum()
-    dist.all_reduce(count, group=mesh.sp_group)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / count
-    loss.backward()
-    for p in lm.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=mesh.sp_group)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=mesh.sp_group)
-    return total
-
-
 @functools.lru_cache(maxsize=None)
 def position_reference(family: str, documents: bool) -> tuple:
     """``(model, batch, logits, loss, rounding)`` of the whole-row float64 reference (gradients in the model, read
@@ -189,13 +167,10 @@ def position_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag"
     with torch.no_grad():
         logits = lm(**{k: local[k] for k in ("input_ids", "position_ids", "seqmesh")}).logits
     whole = seqmesh.gather_sequence(logits, mesh, layout=layout, length=SEQ_LEN)
-    if family in OWN_LOSS:
-        loss = _own_loss(lm, local, mesh)
-    else:
-        sp = SequenceParallelLM(lm, mesh, chunk=16)
-        loss = sp(**local)
-        loss.backward()
-        sync_gradients(sp, mesh)
+    sp = SequenceParallelLM(lm, mesh, chunk=16)  # RoBERTa's: its prediction head, then its projection
+    loss = sp(**local)
+    loss.backward()
+    sync_gradients(sp, mesh)
     grad_err, worst_name = _worst_grad(lm, dict(reference.named_parameters()), GRAD_FLOOR)
     unparallelize(lm)
     return {"logits": float((whole - ref_logits).abs().max()), "loss": abs(loss.item() - ref_loss.detach().item()),

@@ -133,8 +133,9 @@ def takes_kwargs(module: nn.Module) -> bool:
 
 def entry_dropped(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """Every ``(path, module, child)`` where ``module`` (in the decoder) calls its attention module ``child``, or its
-    list of layers ``child`` holding one, without passing its ``**kwargs`` on (Nemotron's and StableLM's layers,
-    Moshi's decoder at transformers 5.15): seqmesh's entry would not reach the attention function. The decoder's
+    list of layers ``child`` holding one (or, inside the decoder, a module holding one), without passing its
+    ``**kwargs`` on (Nemotron's and StableLM's layers, Moshi's decoder at transformers 5.15, RemBERT's layers and
+    attention blocks): seqmesh's entry would not reach the attention function. The decoder's
     only: a vision tower's layers are run by seqmesh itself from their modules (``seqmesh.vision``)."""
     found = []
     inside = {id(m) for m in decoder_of(model).modules()}
@@ -142,7 +143,10 @@ def entry_dropped(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if id(module) not in inside and module is not model:
             continue
         for child, sub in module.named_children():
-            holds = isinstance(sub, nn.ModuleList) and any(_interface_attention(m) for m in sub.modules())
+            # a list of layers, or inside the decoder any module, that holds one (RemBERT's layer calls its
+            # attention block, which calls its self-attention, each without **kwargs)
+            within = isinstance(sub, nn.ModuleList) or module is not model
+            holds = within and any(_interface_attention(m) for m in sub.modules())
             if (_interface_attention(sub) or holds) and calls_without_kwargs(type(module), child):
                 found.append((path, module, child))
     return found

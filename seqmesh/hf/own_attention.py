@@ -1,7 +1,8 @@
 """transformers' attention layers that compute their attention themselves, outside transformers'
 ``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
 attention, GPT-Neo's global and local attention, the original GPT's (OpenAI-GPT), XGLM's and GPT-NeoX-Japanese's
-(its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys).
+(its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys), and the BERT-style
+self-attention of RemBERT and MegatronBERT (causal where the config says ``is_decoder``).
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -64,6 +65,7 @@ class _Family:
     # (module, q, k, v, info) -> q, k, v after the rotary: Doge's bias per key folded into one more head channel
     fold: Callable | None = None
     refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
+    causal: Callable[[nn.Module], bool] = lambda m: True  # False: every token sees every other (an encoder's)
 
 
 def _family_function(module: nn.Module, name: str) -> Callable:
@@ -189,6 +191,19 @@ def _neox_japanese_project(module: nn.Module, hidden: torch.Tensor):
     return qkv.split(module.head_size, dim=-1)
 
 
+def _bert_project(module: nn.Module, hidden: torch.Tensor):
+    return tuple(_split_heads(proj(hidden), module.num_attention_heads)
+                 for proj in (module.query, module.key, module.value))
+
+
+# the self-attention of the BERT-style encoders: scores / sqrt(D) over the mask the model builds itself, causal
+# where the config says is_decoder (as a causal LM), both ways where not; the layer returns the heads' outputs and
+# leaves the projection to its caller
+_BERT = _Family(lambda m: m.num_attention_heads, None, lambda m: m.dropout.p, _bert_project,
+                lambda m: m.attention_head_size ** -0.5, lambda m, o, residual: (o, None), own_mask=True,
+                causal=lambda m: bool(m.is_decoder))
+
+
 FAMILIES: dict[str, _Family] = {
     "BloomAttention": _Family(lambda m: m.num_heads, _bloom_slopes, lambda m: m.attention_dropout.p, _bloom_project,
                               lambda m: m.inv_norm_factor, _bloom_output),
@@ -219,6 +234,8 @@ FAMILIES: dict[str, _Family] = {
                                         _neox_japanese_project, lambda m: 1.0 / m.norm_factor,
                                         lambda m, o, residual: (m.dense(o), None, m.dense_bias), own_mask=True,
                                         rotate=_rotate_leading),
+    "RemBertSelfAttention": _BERT,
+    "MegatronBertSelfAttention": _BERT,
 }
 
 
@@ -304,7 +321,8 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
             raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
                              "model with output_attentions=False.")
         _check_dropout(self, family, type(self).__name__)  # the model may have been put in training since
-        if kwargs.get("key_value_states") is not None:  # XGLM's encoder_attn with add_cross_attention
+        if kwargs.get("key_value_states") is not None or kwargs.get("encoder_hidden_states") is not None:
+            # XGLM's encoder_attn, a BERT-style crossattention (add_cross_attention)
             raise ValueError(f"{type(self).__name__} was called as cross-attention (key_value_states), which seqmesh "
                              "does not compute; train the decoder without encoder_hidden_states.")
         q, k, v = family.project(self, hidden_states)
@@ -321,7 +339,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
             if done is not None:  # (B, 1, Hq, Dv)
                 return family.output(self, done[..., :width].flatten(2), residual)
         first = id(mesh) not in info.validated
-        o = attention(q, k, v, mesh, causal=True, layout=info.layout, cu_seqlens=info.cu_seqlens,
+        o = attention(q, k, v, mesh, causal=family.causal(self), layout=info.layout, cu_seqlens=info.cu_seqlens,
                       seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
                       backend=backend, validate=first, window=window, alibi=slopes)
         info.validated.add(id(mesh))

@@ -8,9 +8,10 @@ computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly tim
 RecurrentGemma's ``logits_soft_cap``, in one statement), which
 the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
 ships it) and returns both; the head's bias (Phi's) the loss adds itself, and a per-token prediction head the decoder's
-output goes through first (ModernBERT-decoder's ``self.decoder(self.lm_head(hidden))``) it applies to each token's
-state; anything else the forward does to its logits (a head module that holds the projection with its own forward,
-RoBERTa's) is refused by name, so the loss is never silently another model's. Statements
+output goes through first (ModernBERT-decoder's ``self.decoder(self.lm_head(hidden))``; a head module that holds the
+projection last, BERT's ``cls`` and RoBERTa's ``lm_head``: that module without its projection) it applies to each
+token's state; anything else the forward does to its logits is refused by name, so the loss is never silently
+another model's. Statements
 under a condition on the model's attributes (``if self.config.final_logit_softcapping is not None``) count where
 the condition holds for this model.
 """
@@ -18,6 +19,7 @@ the condition holds for this model.
 from __future__ import annotations
 
 import ast
+import copy
 import math
 import functools
 import inspect
@@ -200,6 +202,9 @@ class LogitHead(NamedTuple):
     scale: float = 1.0
     softcap: float | None = None
     transform: str | None = None
+    # the output embedding's path inside ``transform`` where the head module holds it (BERT's cls:
+    # "predictions.decoder"): the transform is that module with the projection left out; None: the whole module
+    projection: str | None = None
 
 
 # what a per-token prediction head before the output projection may hold (ModernBERT-decoder's dense, activation,
@@ -208,9 +213,11 @@ _PER_TOKEN = (nn.Linear, nn.LayerNorm, nn.Identity, nn.Dropout, nn.GELU, nn.ReLU
 
 
 def _per_token(module: nn.Module) -> bool:
-    """Whether ``module`` and all it holds act on each token alone (linear maps, norms, activations)."""
+    """Whether ``module`` and all it holds act on each token alone (linear maps, norms, activations; transformers'
+    modules that only hold such, BERT's ``BertPredictionHeadTransform``)."""
     return all(m is module or isinstance(m, _PER_TOKEN) or "Norm" in type(m).__name__
                or type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation")
+               or (type(m).__module__.startswith("transformers.") and any(True for _ in m.children()))
                for m in module.modules())
 
 
@@ -229,6 +236,61 @@ def _transform(call: ast.Call, model: nn.Module, name: str) -> tuple[ast.Call, s
                          "not a per-token map seqmesh's chunked loss can apply first; train it with your own loss on "
                          "model(**batch).logits.")
     return arg, inner
+
+
+def _returns_call_of(cls: type, child: str) -> bool:
+    """Whether ``cls.forward`` ends by returning what ``self.<child>(...)`` returned, unchanged: ``return
+    self.child(x)``, or ``y = self.child(x)`` then ``return y`` (no branch around them)."""
+    tree = _forward_tree(cls)
+    body = [s for s in tree.body[0].body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))] \
+        if tree is not None else []
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return False
+
+    def calls_child(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == child
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+
+    returned = body[-1].value
+    if calls_child(returned):
+        return True
+    before = body[-2] if len(body) > 1 else None
+    return (isinstance(returned, ast.Name) and isinstance(before, ast.Assign) and len(before.targets) == 1
+            and isinstance(before.targets[0], ast.Name) and before.targets[0].id == returned.id
+            and calls_child(before.value))
+
+
+def _projection_last(called: nn.Module, head: nn.Module, name: str, attribute: str) -> str:
+    """The path of the output embedding ``head`` inside the head module ``called`` (BERT's ``cls``:
+    ``predictions.decoder``), where everything ``called`` holds acts on each token alone and each module on the path
+    returns its child's result unchanged (the projection is the last thing the logits go through); a ValueError
+    naming what differs otherwise."""
+    path = next(p for p, m in called.named_modules() if m is head)
+    refuse = (f"{name}'s LM head {attribute} ({type(called).__name__}) transforms the decoder's output before its "
+              f"output embedding ({path}: {type(head).__name__}) ")
+    if not _per_token(called):
+        raise ValueError(refuse + "with modules that are not per-token maps (linear maps, norms, activations), which "
+                         "seqmesh's chunked loss does not apply; train it with your own loss on model(**batch).logits.")
+    owner = called
+    for child in path.split("."):
+        if not _returns_call_of(type(owner), child):
+            raise ValueError(refuse + f"and {type(owner).__name__}'s forward does not return its {child}'s result as "
+                             "it is (a branch, or a change after it), which seqmesh's chunked loss does not "
+                             "reproduce; train it with your own loss on model(**batch).logits.")
+        owner = getattr(owner, child)
+    return path
+
+
+def without_projection(module: nn.Module, path: str) -> nn.Module:
+    """``module`` with its submodule at ``path`` (the output embedding) replaced by the identity, every parameter
+    shared (shallow copies of the modules on the path, each with its own table of children): the per-token transform
+    the head applies before its projection. Built per call, it holds nothing across calls (FSDP2's gathered weights
+    are the ones it reads)."""
+    first, _, rest = path.partition(".")
+    top = copy.copy(module)
+    top._modules = dict(module._modules)
+    top._modules[first] = nn.Identity() if not rest else without_projection(module._modules[first], rest)
+    return top
 
 
 def _is_tanh(stmt: ast.stmt, name: str) -> bool:
@@ -280,15 +342,16 @@ def logit_head(lm: nn.Module) -> LogitHead:
                          "train it with your own loss on model(**batch).logits.")
     index, (logits, attribute, call) = found
     called = getattr(lm, attribute)
-    if called is not head:
-        raise ValueError(f"{name}'s LM head {attribute} ({type(called).__name__}) transforms the decoder's output "
-                         f"before its output embedding ({type(head).__name__}), which seqmesh's chunked loss does not; "
-                         "train it with your own loss on model(**batch).logits.")
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) computes its logits with a forward of its own, not "
                          "a plain linear map, which seqmesh's chunked loss does not reproduce; train it with your own "
                          "loss on model(**batch).logits.")
-    call, transform = _transform(call, lm, name)  # ModernBERT-decoder: self.decoder(self.lm_head(hidden_states))
+    projection = None
+    if called is not head:  # BERT's cls, RoBERTa's lm_head: per-token maps, then the output embedding, returned
+        projection = _projection_last(called, head, name, attribute)
+        transform = attribute
+    else:
+        call, transform = _transform(call, lm, name)  # ModernBERT-decoder: self.decoder(self.lm_head(hidden_states))
     scale = _input_scale(statements[:index], call, lm, name)
     value = statements[index].value
     if isinstance(value, ast.BinOp):  # Falcon-H1: logits = self.lm_head(hidden) * self.model.lm_head_multiplier
@@ -334,4 +397,4 @@ def logit_head(lm: nn.Module) -> LogitHead:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to logits it also scales by {scale:g}, "
                          "which seqmesh's chunked loss (scaling the hidden states, not the logits) does not reproduce; "
                          "train it with your own loss on model(**batch).logits.")
-    return LogitHead(scale, softcap, transform)
+    return LogitHead(scale, softcap, transform, projection)

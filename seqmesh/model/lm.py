@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm.ranks import is_dtensor
-from .head import logit_head
+from .head import logit_head, without_projection
 from .loss import chunked_linear_cross_entropy
 from .materialize import materialize
 from .router_aux import RouterAux, load_balancing_loss, router_aux
@@ -171,10 +171,11 @@ def check_causal(model: nn.Module, name: str) -> None:
     their attention, without ``is_decoder``, sees every token): seqmesh's loss predicts each token from those
     before it, and such a model would see the answer. Names the layer and the fix."""
     decoder = decoder_of(model)  # a vision tower's blocks left out
-    both_ways = next((n for n, m in decoder.named_modules() if getattr(m, "is_causal", True) is False), None)
+    both_ways = next((n for n, m in decoder.named_modules() if getattr(m, "is_causal", True) is False
+                      or ("SelfAttention" in type(m).__name__ and getattr(m, "is_decoder", True) is False)), None)
     if both_ways is not None:
         raise ValueError(f"{name}: {type(model).__name__}'s attention ({both_ways}) sees the whole sequence both ways "
-                         f"(is_causal=False): {model.config.model_type} is an encoder, not a causal decoder. seqmesh trains "
+                         f"(is_causal=False, or is_decoder=False): {model.config.model_type} is an encoder, not a causal decoder. seqmesh trains "
                          "causal language models, each token predicted from those before it: give a decoder-only model "
                          "(Llama, Qwen, Mistral, Gemma 3, gpt-oss, ...).")
 
@@ -194,15 +195,22 @@ def decoder_of(model: nn.Module) -> nn.Module:
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a transformers causal LM (the unit of FSDP and checkpointing)."""
     base = decoder_of(model)
-    # transformers' name, and the older families' (GPT-2 and BLOOM: h; MPT: blocks)
-    layers = next((getattr(base, n) for n in LAYER_LISTS if isinstance(getattr(base, n, None), nn.ModuleList)), None)
+
+    def found(path: str):
+        owner = base
+        for name in path.split("."):
+            owner = getattr(owner, name, None)
+        return owner if isinstance(owner, nn.ModuleList) else None
+
+    layers = next((found(path) for path in LAYER_LISTS if found(path) is not None), None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; expected a list of blocks named "
                          f"{', '.join(LAYER_LISTS)}.")
     return list(layers)
 
 
-LAYER_LISTS = ("layers", "h", "blocks")
+# transformers' name, and the older families' (GPT-2 and BLOOM: h; MPT: blocks; the BERT-style decoders: encoder.layer)
+LAYER_LISTS = ("layers", "h", "blocks", "encoder.layer")
 
 
 def vision_blocks(model: nn.Module) -> list[nn.Module]:
@@ -240,8 +248,9 @@ class SequenceParallelLM(nn.Module):
         super().__init__()
         router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
         # what the model does to its logits (a constant scale, a final soft-cap), refused now where the loss would not
-        self.logit_scale, self.logit_softcap, transform = logit_head(lm)
-        # a per-token prediction head before the output projection (ModernBERT-decoder's), by name: a submodule of lm
+        self.logit_scale, self.logit_softcap, transform, self.logit_projection = logit_head(lm)
+        # a per-token prediction head before the output projection (ModernBERT-decoder's; BERT's cls without its
+        # projection, logit_projection), by name: a submodule of lm
         self.logit_transform = transform
         self.lm = lm
         self.mesh = mesh
@@ -311,7 +320,10 @@ class SequenceParallelLM(nn.Module):
         """``hidden`` through the model's per-token prediction head where it has one (ModernBERT-decoder), times its
         constant logit scale (Cohere, Granite): ``(s x) W^T`` is its logits."""
         if self.logit_transform is not None:
-            hidden = getattr(self.lm, self.logit_transform)(hidden)
+            transform = getattr(self.lm, self.logit_transform)
+            if self.logit_projection is not None:
+                transform = without_projection(transform, self.logit_projection)
+            hidden = transform(hidden)
         return hidden if self.logit_scale == 1.0 else hidden * self.logit_scale
 
     @torch.no_grad()

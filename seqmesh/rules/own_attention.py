@@ -8,13 +8,15 @@ from __future__ import annotations
 # config.json's model_type -> the class of its attention layers
 LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "FalconAttention",
                  "gpt_neo": "GPTNeoAttention", "openai-gpt": "openai.Attention", "xglm": "XGLMAttention",
-                 "gpt_neox_japanese": "GPTNeoXJapaneseAttention", "doge": "DogeAttention"}
+                 "gpt_neox_japanese": "GPTNeoXJapaneseAttention", "doge": "DogeAttention",
+                 "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention"}
 # of those, the families seqmesh plan does not size yet (their config.json's names and layer layouts)
 UNPLANNED = ("openai-gpt", "xglm", "gpt_neox_japanese", "doge")
 # the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds
 ALIBI = ("bloom", "mpt")
 # the families whose MLP is two matrices (up, activation, down), not a gated three
-TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese")
+TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "rembert",
+                  "megatron-bert")
 
 
 def tensor_parallel_refusal(family: str) -> str | None:

@@ -1,4 +1,4 @@
-"""BLOOM, MPT, Falcon, GPT-Neo, OpenAI-GPT, XGLM, GPT-NeoX-Japanese and Doge (tiny, float64) through seqmesh.hf: their attention, outside transformers' interface, runs on
+"""BLOOM, MPT, Falcon, GPT-Neo, OpenAI-GPT, XGLM, GPT-NeoX-Japanese, Doge, RemBERT and MegatronBERT (tiny, float64) through seqmesh.hf: their attention, outside transformers' interface, runs on
 the sequence mesh (seqmesh.hf.own_attention: the layer's own projections, seqmesh.attention with the family's ALiBi
 slopes or rotary), and logits, loss and
 every parameter's gradient equal the unmodified transformers model on one process (packed documents one call each),
@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from own_attention_cases import (layer_refusals, parity_with_bias_dropped, parity_with_positions_off_by_one,
+from own_attention_cases import (layer_refusals, parity_with_bias_dropped, parity_with_both_ways,
+                                 parity_with_positions_off_by_one,
                                  parity_with_slopes_unmoved, parity_with_whole_rotary, parity_with_windows_dropped)
 from short_conv_cases import parity_all
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
@@ -21,7 +22,8 @@ from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 # interleaved with their query groups; gpt-neo: unscaled, a local layer; bloom-sliced: transformers' sliced product
 # (pretraining_tp with slow_but_exact), which adds no bias: the first version added it, and its gradient was wrong
 # openai-gpt: its class named Attention, blocks without **kwargs; xglm: the query scaled first; gpt-neox-japanese: a
-# partial rotary; doge: a bias of each key folded into the keys
+# partial rotary; doge: a bias of each key folded into the keys; rembert, megatron-bert: BERT-style attention as a
+# decoder (is_decoder), three levels of calls without **kwargs, a prediction head holding the projection
 def _newest(*families: str) -> list[str]:
     """``families`` where the installed transformers is the one seqmesh computes them for (own_attention.NEWEST_ONLY);
     none at the floor, where they are refused by name (test_the_newest_only_families_are_refused_on_older_releases)."""
@@ -31,7 +33,7 @@ def _newest(*families: str) -> list[str]:
 
 
 FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo", "openai-gpt", "xglm",
-            *_newest("gpt-neox-japanese", "doge")]
+            "rembert", "megatron-bert", *_newest("gpt-neox-japanese", "doge")]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
@@ -63,6 +65,8 @@ MUTATIONS = {
                                                                         ("falcon-new", 2, 1, "zigzag", True)]),
     # GPT-Neo's local layer run as a global one (ring 2, zigzag, documents)
     "GPT-Neo's window dropped": (parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]),
+    # RemBERT's decoder attending both ways (ring 2: each rank's queries see the other's later keys)
+    "RemBERT attending both ways": (parity_with_both_ways, [("rembert", 1, 2, "zigzag", False)]),
 }
 if _newest("doge"):
     # GPT-NeoX-Japanese's rotary over the whole head instead of its leading half (ring 2)
@@ -150,7 +154,7 @@ def test_the_planner_refuses_the_newer_own_attention_families_by_name(tmp_path, 
     assert "seqmesh plan does not size" in said and "seqmesh train" in said, said
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge")])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "rembert", *_newest("gpt-neox-japanese", "doge")])
 def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train`` from each one's config.json on a ring of 2."""
     from family_cases import family_config

@@ -61,12 +61,15 @@ def test_greedy_tokens_equal_transformers_generate(pools, ulysses, ring):
             _check(r, ulysses, ring)
 
 
-@pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("bloom", "gpt-neo", "openai-gpt", *_newest_only())),
-                                                   (2, 1, ("falcon", "mpt", "xglm"))], ids=["u1xr2", "u2xr1"])
+@pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("bloom", "gpt-neo", "openai-gpt", "rembert",
+                                                            *_newest_only())),
+                                                   (2, 1, ("falcon", "mpt", "xglm", "megatron-bert"))],
+                         ids=["u1xr2", "u2xr1"])
 def test_families_with_attention_of_their_own_generate_as_transformers(pools, ulysses, ring, families):
     """BLOOM and MPT (ALiBi: a decode step's bias by each cached key's distance), Falcon (rotary, one kv head),
     GPT-Neo (unscaled; a local layer's window of 5 over a prompt of 101), OpenAI-GPT (learned positions), XGLM
-    (sinusoidal positions) and GPT-NeoX-Japanese (a partial rotary), their layers run by seqmesh.hf.own_attention:
+    (sinusoidal positions), GPT-NeoX-Japanese (a partial rotary), RemBERT and MegatronBERT (BERT-style decoders),
+    their layers run by seqmesh.hf.own_attention:
     the same tokens as transformers' generate, the cache shares as the formula."""
     for results in pools.run(ulysses * ring, generated_cases, [(f, ulysses, ring, PROMPT, NEW) for f in families]):
         for r in results:

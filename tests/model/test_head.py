@@ -17,7 +17,8 @@ def _model(family: str, **settings):
     import transformers as tf
 
     config = {"cohere": tf.CohereConfig, "granite": tf.GraniteConfig, "gemma2": tf.Gemma2Config, "phi": tf.PhiConfig,
-              "roberta": tf.RobertaConfig, "llama": tf.LlamaConfig}[family](**SMALL, **settings)
+              "roberta": tf.RobertaConfig, "llama": tf.LlamaConfig, "bert": tf.BertConfig,
+              "xlm": tf.XLMConfig}[family](**SMALL, **settings)
     torch.manual_seed(0)
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
@@ -28,6 +29,8 @@ def _model(family: str, **settings):
     ("gemma2", {"final_logit_softcapping": 0.5, "head_dim": 8}, 1.0, 0.5),  # a cap that bites: logits of about 1
     ("llama", {}, 1.0, None),
     ("phi", {}, 1.0, None),  # a bias on the LM head, here drawn away from its zero init
+    ("bert", {"is_decoder": True, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}, 1.0, None),
+    # (bert: a prediction head, dense, activation and norm, holding the biased projection)
 ])
 def test_the_loss_is_the_models_own(family, settings, scale, softcap):
     """The wrapped loss (one process, chunks of 7 tokens) and every gradient (the head's bias too) equal the
@@ -65,7 +68,7 @@ def test_the_loss_is_the_models_own(family, settings, scale, softcap):
 
 @pytest.mark.parametrize("family,settings,words", [
     ("cohere", {"logit_scale": 0.3}, None),  # a bias beside a scale: below, on a Phi made to scale its logits
-    ("roberta", {"is_decoder": True}, ["RobertaLMHead", "transforms the decoder's output"]),
+    ("xlm", {"causal": True}, ["XLMPredLayer", "does not return its proj's result as it is"]),  # its branches
 ])
 def test_what_the_loss_would_not_reproduce_is_refused(family, settings, words):
     model = _model(family, **settings)

@@ -13,14 +13,17 @@ from seqmesh.model.lm import build_model
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
 
 
-def test_bert_is_refused_as_an_encoder(tmp_path):
-    from transformers import BertConfig
+@pytest.mark.parametrize("family,model", [("bert", "BertLMHeadModel"), ("rembert", "RemBertForCausalLM")])
+def test_an_encoder_is_refused(tmp_path, family, model):
+    """BERT (its attention says is_causal=False) and RemBERT (its own attention, whose flag is is_decoder=False)."""
+    from transformers import AutoConfig
 
-    BertConfig(**SIZES).to_json_file(str(tmp_path / "config.json"))
+    AutoConfig.for_model(family, **SIZES).to_json_file(str(tmp_path / "config.json"))
     with pytest.raises(ValueError) as err:
         build_model(str(tmp_path), device="meta")
-    assert ("BertLMHeadModel's attention (encoder.layer.0.attention.self) sees the whole sequence both ways "
-            "(is_causal=False): bert is an encoder, not a causal decoder") in str(err.value), str(err.value)
+    assert (f"{model}'s attention (encoder.layer.0.attention.self) sees the whole sequence both ways "
+            f"(is_causal=False, or is_decoder=False): {family} is an encoder, not a causal decoder") in str(err.value), \
+        str(err.value)
 
 
 @pytest.mark.parametrize("encoder_decoder,message", [
