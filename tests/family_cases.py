@@ -197,6 +197,10 @@ def family_config(family: str):
                                         intermediate_multiple_size=2, max_position_embeddings=128, attention_dropout=0.0,
                                         hidden_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                              "partial_rotary_factor": 0.5})
+    if family == "rwkv":  # RWKV-4: a token shift before both mixes, the time mix's WKV recurrence (decays spread
+        # from e^-e^-5 to e^-e^3 a token by its own init)
+        return tf.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                             intermediate_size=64, context_length=128, rescale_every=0)
     if family == "rembert":  # BERT-style attention as a decoder (is_decoder): its own, called without **kwargs
         return tf.RemBertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                                 input_embedding_size=16, output_embedding_size=16, intermediate_size=96,

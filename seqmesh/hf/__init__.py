@@ -303,7 +303,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         heads = getattr(tower, "num_heads", None) or tower.num_attention_heads
         check_heads(heads, heads, mesh, "the vision tower")
     own = mixer_layers.get(own_attention.KIND, [])  # BLOOM, MPT, Falcon, GPT-Neo: their attention is their own
-    positions.check_positions(model, frozenset(id(part) for _, m in own for part in m.modules()))
+    # the attention layers seqmesh runs itself (its own attention, RWKV's time mix) read their positions from the layout
+    positions.check_positions(model, frozenset(handled))
     async_layers = check_async(model, mesh) if async_ulysses else []
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")

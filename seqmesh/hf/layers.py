@@ -33,7 +33,7 @@ TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|Linear
                                r"|RecurrentBlock|Rglru|Retention|SSM|Rwkv\w*Attention|Mamba\d*"
                                r"|(LSTM|Lstm)\w*)$")
 # parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
-STATE_PARAMS = ("A_log", "dt_bias")
+STATE_PARAMS = ("A_log", "dt_bias", "time_mix_key")  # Mamba's decay; RWKV's token shift (its time and channel mix)
 # layer types seqmesh refuses with their own reason: what the layer computes that seqmesh does not, and what would
 # make it computable (from transformers 5.24's code)
 _COMPRESSED = ("adds to its sliding window's keys one compressed entry per {what} of the row, counted from the row's "

@@ -199,14 +199,14 @@ def _temperature_layers(model: nn.Module) -> list[nn.Module]:
             and hasattr(m, "floor_scale")]
 
 
-def check_positions(model: nn.Module, by_distance: frozenset[int] = frozenset()) -> None:
+def check_positions(model: nn.Module, by_layout: frozenset[int] = frozenset()) -> None:
     """Refuse, by name, a position-dependent quantity seqmesh would not make from the whole sequence.
-    ``by_distance``: the ids of the modules of attention layers seqmesh runs itself from the layout's positions
-    (BLOOM's and MPT's ALiBi), which read no position_ids."""
+    ``by_layout``: the ids of the modules of the layers seqmesh runs itself from the layout (BLOOM's and MPT's ALiBi,
+    RWKV's time mix, every recurrent mixer), which read no position_ids."""
     decoder = decoder_of(model)
     from .layers import has_attention  # a model without attention (Mamba2) reads no position at all
 
-    if "position_ids" not in inspect.signature(decoder.forward).parameters and has_attention(model, by_distance) \
+    if "position_ids" not in inspect.signature(decoder.forward).parameters and has_attention(model, by_layout) \
             and counting_embeddings(model) is None:
         raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder ({type(decoder).__name__}) "
                          "takes no position_ids and numbers the tokens of each call from 0 without a position "

@@ -57,6 +57,19 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
     run's entering state read in. ``keep`` (one document a row): ``keep["end"]``, the local index of the row's last
     real token on the rank that holds it (None elsewhere), is given ``keep["state"]``, the state after that token on
     every rank (what a decode starts from; the layout's padding after it is a segment of its own, not carried)."""
+    def corrected(segment: int, state: torch.Tensor) -> torch.Tensor:
+        a, e = place.mine.segment_bounds[segment], place.mine.segment_bounds[segment + 1]
+        return (out[:, a:e] + read(lift[:, a:e], state)).to(out.dtype)
+
+    return rerun_states(out, finals, place, zero_state, carry=carry, rerun=corrected, keep=keep)
+
+
+def rerun_states(out: torch.Tensor, finals: torch.Tensor, place: Placement, zero_state: torch.Tensor, *, carry: Carry,
+                 rerun: Callable[[int, torch.Tensor], torch.Tensor], keep: dict | None = None) -> torch.Tensor:
+    """As :func:`pass_states`, for a recurrence whose outputs are not affine in the entering state (RWKV's ratio):
+    ``rerun(segment, state)`` gives the outputs (B, e - a, ...) of the segment ``[a, e)`` of
+    ``place.mine.segment_bounds`` from ``state``, which replace its slice of ``out`` on every segment that receives a
+    state; ``carry`` may be any associative combination (RWKV's runs in log space)."""
     chain, mine, rank = place.chain, place.mine, place.rank
     if len(chain.runs) == 1:  # one rank: every run starts a segment, nothing to pass
         if keep is not None:
@@ -79,7 +92,7 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
     pieces, at = [], 0
     for segment, j in zip(mine.incoming, mine.run_of_incoming):
         a, e = mine.segment_bounds[segment], mine.segment_bounds[segment + 1]
-        pieces += [out[:, at:a], (out[:, a:e] + read(lift[:, a:e], entering[j])).to(out.dtype)]
+        pieces += [out[:, at:a], rerun(segment, entering[j])]
         at = e
     out = torch.cat(pieces + [out[:, at:]], dim=1) if pieces else out
     return _Tie.apply(out, every) if every.requires_grad else out
