@@ -62,6 +62,13 @@ def shape_from_config(path: str) -> ModelShape:
     cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
     if "layers" in hybrid:
         cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
+    family = cfg.get("model_type", "")
+    if family in _WITHOUT_ATTENTION:  # a nominal attention shape beside the reason the planner gives
+        mixer, width = _WITHOUT_ATTENTION[family]
+        cfg = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": cfg.get("hidden_size"),
+               **cfg, "intermediate_size": cfg.get(width) or 4 * cfg.get("hidden_size", 0)}
+        hybrid["unplanned"] = (f"seqmesh plan does not size {family}'s layers yet ({mixer}, no attention); seqmesh "
+                               "train and verify run it all the same")
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:
         heads = cfg["num_attention_heads"]
@@ -82,6 +89,12 @@ def shape_from_config(path: str) -> ModelShape:
         )
     except KeyError as missing:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
+
+
+# families whose every layer is a recurrent mixer (no attention, no heads) that seqmesh train builds from a config.json:
+# the mixer, and the config.json entry of their feed-forward width (pure Mamba is not among them: its initialisation
+# writes the weights of its mixer's children, which seqmesh.model.materialize initialises module by module)
+_WITHOUT_ATTENTION = {"rwkv": ("RWKV-4's token shifts and time mix", "intermediate_size")}
 
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,

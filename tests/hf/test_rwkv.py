@@ -72,3 +72,19 @@ def test_an_rwkv_mutation_is_caught(pools, mutation):
     r = pools.run(2, parity_cases, [("rwkv", 1, 2, "zigzag", False)], alter=mutation)[0][0]
     print(f"{mutation.__name__}: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
     assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_an_rwkv_config_json_verifies_and_trains(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train --model config.json`` on RWKV (no attention heads in its config.json) over
+    a ring of 2, the blocks recomputed in backward: a finite, falling loss; the planner says it does not size it."""
+    import math
+
+    from family_cases import family_config
+    from seqmesh.model.presets import model_shape
+    from train_job_cases import verify_then_train
+
+    family_config("rwkv").save_pretrained(tmp_path / "plan")
+    assert "seqmesh plan does not size" in model_shape(str(tmp_path / "plan")).unplanned
+    good, losses = verify_then_train(pools, tmp_path, family_config("rwkv"), checkpointing=True)
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
