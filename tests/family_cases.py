@@ -197,6 +197,10 @@ def family_config(family: str):
                                         intermediate_multiple_size=2, max_position_embeddings=128, attention_dropout=0.0,
                                         hidden_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                              "partial_rotary_factor": 0.5})
+    if family == "qwen4-exp":  # a Gated DeltaNet layer, then QSA: blocks of 4 tokens, each query the top 4 and its tail
+        from census_configs import census_config as census_built
+
+        return census_built("qwen4_exp_text")
     if family == "rwkv":  # RWKV-4: a token shift before both mixes, the time mix's WKV recurrence (decays spread
         # from e^-e^-5 to e^-e^3 a token by its own init)
         return tf.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import own_attention
-from . import block_sparse_attention, compressed_attention, indexed_attention
+from . import block_sparse_attention, compressed_attention, indexed_attention, qsa_attention
 from . import mixers
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
@@ -275,7 +275,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
     sparse = block_sparse_attention.block_sparse_layers(model, mesh)  # MiniMax-M3's block-sparse attention
     compressed = compressed_attention.compressed_layers(model, mesh)  # DeepSeek-V4's HCA and CSA layers
-    check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed,
+    qsa = qsa_attention.qsa_layers(model, mesh)  # Qwen4-Exp's QSA layers
+    check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed + qsa,
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types)
                  + ((block_sparse_attention.LAYER_TYPE,) if sparse else ())
                  + (compressed_attention.LAYER_TYPES if compressed else ()))  # every other mixer refused
@@ -324,6 +325,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     indexed_attention.install(indexed, mesh)
     block_sparse_attention.install(sparse, mesh)
     compressed_attention.install(compressed, mesh)
+    qsa_attention.install(qsa, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)
@@ -353,6 +355,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     indexed_attention.uninstall(model)
     block_sparse_attention.uninstall(model)
     compressed_attention.uninstall(model)
+    qsa_attention.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)
     for module in model.modules():

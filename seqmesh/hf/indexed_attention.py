@@ -64,7 +64,8 @@ INDEXER_MIN_BLOCK = 128
 
 def is_indexed(module: nn.Module) -> bool:
     """Whether ``module`` is the attention of an indexed-attention layer (it holds, or shares, an indexer)."""
-    return type(module).__name__.endswith("Attention") and not layouts.is_block_sparse(module) and (
+    return type(module).__name__.endswith("Attention") and not layouts.is_block_sparse(module) \
+        and not hasattr(getattr(module, "indexer", None), "compress_ratio") and (
         getattr(module, "indexer", None) is not None or getattr(module, "skip_topk", False))
 
 
@@ -79,15 +80,8 @@ def indexed_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
             raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
                              f"exactly: {problem}. seqmesh computes DeepSeek Sparse Attention in the layouts of "
                              f"transformers' {', '.join(layouts.FAMILIES)}: MLA with a lightning indexer run without "
-                             "gradients." + (_QSA if hasattr(getattr(module, "indexer", None), "compress_ratio")
-                                             else ""))
+                             "gradients.")
     return found
-
-
-# what a user of Qwen4-Exp's QSA indexer (blocks of its query's visible tokens, mean-pooled) is told beside the refusal
-_QSA = (" Qwen4-Exp's QSA selection (mean-pooled blocks of the tokens each query sees) is not computed: exact, it "
-        "would gather each query's selected tokens from the whole row, as the DeepSeek and MiniMax-M3 paths gather "
-        "theirs.")
 
 
 def _problem(module: nn.Module, mesh: SPMesh) -> str | None:

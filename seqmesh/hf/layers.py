@@ -53,16 +53,20 @@ LAYER_TYPE_REASONS = {
 SUPPORTED = ("full causal or bidirectional attention through transformers' AttentionInterface, causal sliding "
              "windows (sliding_window), attention sinks (s_aux), logit soft-capping (Gemma 2), chunked attention "
              "(Llama 4's chunked_attention layers), DeepSeek Sparse Attention (the indexed_attention layers of "
-             "DeepSeek-V3.2, GLM-5, HY-V4, A.X-K2 and dots.llm3), MiniMax-M3's block-sparse layers, MHA/GQA/MQA, "
+             "DeepSeek-V3.2, GLM-5, HY-V4, A.X-K2 and dots.llm3), Qwen4-Exp's QSA layers (without its n-gram PLE "
+             "layers), MiniMax-M3's block-sparse layers, MHA/GQA/MQA, "
              "DeepSeek-V4's heavily compressed and compressed sparse attention (one document per row), MLA head dims, "
              "packed documents; per-token layers (MLP, MoE, norms); the Gated DeltaNet layers of "
              "Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the Mamba2 layers of Nemotron-H, Granite-4 "
              "hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
-             "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; the lightning attention layers "
+             "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; RWKV-4's time and channel "
+             "mixes; the lightning attention layers "
              "of MiniMax-01; the gated short convolutions of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers "
              "of Kimi Linear and Bailing hybrid; ZAYA's compressed convolutional attention; the ALiBi attention of "
              "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention; the attention of "
-             "OpenAI-GPT, XGLM and GPT-NeoX-Japanese; Doge's dynamic mask within keep_window_size")
+             "OpenAI-GPT, XGLM and GPT-NeoX-Japanese; Doge's dynamic mask within keep_window_size; the BERT-style "
+             "attention of RemBERT and MegatronBERT; the decoders of BART, mBART, Marian, Pegasus, Blenderbot, PLBart, "
+             "BigBird-Pegasus and MusicGen")
 
 
 def mixes_tokens(module: nn.Module) -> bool:

@@ -65,6 +65,7 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..hf.positions import counting_embeddings
+    from ..hf.qsa_attention import is_qsa
     from ..vision.families import is_multimodal
 
     name = type(model).__name__
@@ -82,6 +83,10 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"{name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet "
                          "(each step would add to the compressor's open window and, when it closes, a new entry on "
                          "the rank that holds the window); seqmesh trains it (seqmesh train, verify).")
+    if any(is_qsa(m) for m in model.modules()):
+        raise ValueError(f"{name} has Qwen4-Exp's QSA layers, whose decode seqmesh does not run yet (each step's query "
+                         "would score the blocks of every rank's indexer keys); seqmesh trains it (seqmesh train, "
+                         "verify).")
     if counting_embeddings(model) is not None:
         raise ValueError(f"{name} is the decoder of an encoder-decoder family (BART, Marian, Pegasus, MusicGen, ...), "
                          "whose attention layers keep their own cache, which seqmesh's sharded cache does not replace "

@@ -151,6 +151,10 @@ def _own_attention_fields(cfg: dict) -> dict:
                                "of one shared key beside compressed entries, CSA's indexer, the grouped output "
                                "projection, hyper-connections; it would plan them as full attention); seqmesh train "
                                "runs it all the same")
+    if family in ("qwen4_exp", "qwen4_exp_text"):
+        fields["unplanned"] = ("seqmesh plan does not size Qwen4-Exp's QSA layers and hyper-connections yet (each "
+                               "query's selected blocks gathered from the row; residual streams a token, mixed around "
+                               "each block); seqmesh train runs it all the same")
     if family in UNPLANNED:
         fields["unplanned"] = (f"seqmesh plan does not size {family} yet (its config.json's names and its layers' "
                                "layout, which seqmesh runs through the layers' own projections); seqmesh train and "

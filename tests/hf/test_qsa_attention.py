@@ -1,0 +1,117 @@
+"""Qwen4-Exp's QSA attention (its ``indexed_attention`` layers, beside Gated DeltaNet) through seqmesh.hf: logits,
+loss and every parameter's gradient against transformers' model on the whole sequence (packed documents: each
+document alone, its blocks counted from its first token), within the reference's own rounding, on Ulysses, ring and
+both; a tail left out, blocks counted from the row's start, and a budget one block short are seen."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_cases import family_parity, share_references
+
+FAMILY = "qwen4-exp"  # blocks of 4 tokens: each query the top 4 of up to 11, and its tail of up to 3
+ROUNDING_MULTIPLE = 4
+
+
+def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
+    share_references(cases, 45)
+    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+
+
+def _outside_rounding(r: dict) -> list[str]:
+    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+
+
+def one_block_short(model) -> None:
+    for module in model.modules():
+        if hasattr(module, "compress_ratio"):
+            module.block_topk -= 1
+
+
+def _mutated(cases: list[tuple], name: str, value) -> list[dict]:
+    """The cases with ``seqmesh.hf.qsa_attention.<name>`` replaced by ``value`` (restored after)."""
+    from seqmesh.hf import qsa_attention
+
+    kept = getattr(qsa_attention, name)
+    setattr(qsa_attention, name, value(kept))
+    try:
+        return _run_all(cases)
+    finally:
+        setattr(qsa_attention, name, kept)
+
+
+def _blocks_from_the_row_start(blocks):
+    """Every document's blocks counted from the row's first token, as one transformers call over the packed row would
+    count them (each document's must start at its own first token)."""
+    import dataclasses
+
+    def from_row_start(info, ratio, device):
+        starts, firsts = blocks(dataclasses.replace(info, cu_seqlens=None), ratio, device)
+        return starts, firsts.new_zeros(len(info.cu_seqlens or (0, 0)) - 1)  # every document from the row's first
+
+    return from_row_start
+
+
+def _without_the_tail(attend):
+    """Each query attends its selected blocks only: the tokens after its last complete block (itself among them)
+    left out (a query with no complete block then keeps the row's first token)."""
+    import torch
+
+    def attend_blocks(module, query, row_k, row_v, chosen, block_starts, start, within):
+        return attend(module, query, row_k, row_v, chosen, block_starts, start,
+                      torch.where((within + 1) // module.indexer.compress_ratio > 0,
+                                  (within + 1) // module.indexer.compress_ratio * module.indexer.compress_ratio - 1,
+                                  within))
+
+    return attend_blocks
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1), (2, 2)], ids=["u1xr2", "u2xr1", "u2xr2"])
+def test_qsa_attention_exact(pools, ulysses, ring):
+    cases = [(FAMILY, ulysses, ring, layout, docs) for layout, docs in (("zigzag", False), ("per_document", True),
+                                                                         ("contiguous", True))]
+    for results in pools.run(ulysses * ring, _run_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+            assert r["rounding"]["logits"] < 1e-4, r  # a bound that could not hide a wrong selection
+
+
+def test_a_budget_one_block_short_is_seen(pools):
+    for results in pools.run(2, _run_all, [(FAMILY, 1, 2, "zigzag", False)], alter=one_block_short):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+
+
+@pytest.mark.parametrize("name,mutation,case", [
+    ("_blocks", _blocks_from_the_row_start, (FAMILY, 1, 2, "per_document", True)),
+    ("_attend", _without_the_tail, (FAMILY, 2, 1, "zigzag", False)),
+], ids=["row-start", "no-tail"])
+def test_a_mutation_is_seen(pools, name, mutation, case):
+    for results in pools.run(2, _mutated, [case], name, mutation):
+        for r in results:
+            assert "logits" in _outside_rounding(r), r
+
+
+def test_the_planner_and_generation_refuse_it_by_name(tmp_path):
+    """The planner does not size QSA or the hyper-connections yet, and generation does not decode QSA: both say so."""
+    import inspect
+
+    from family_cases import family_config
+    from seqmesh.inference.generate import check_generate
+    from seqmesh.model.presets import model_shape
+
+    family_config(FAMILY).save_pretrained(tmp_path)
+    assert "QSA" in model_shape(str(tmp_path)).unplanned
+    assert "QSA layers, whose decode seqmesh does not run yet" in inspect.getsource(check_generate)
+
+
+def test_a_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train`` from Qwen4-Exp's config.json, ring 2."""
+    import math
+
+    from family_cases import family_config
+    from train_job_cases import verify_then_train
+
+    good, losses = verify_then_train(pools, tmp_path, family_config(FAMILY))
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
