@@ -115,3 +115,71 @@ def test_a_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):
     good, losses = verify_then_train(pools, tmp_path, family_config(FAMILY))
     assert good["ok"] and good["loss_diff"] < 1e-5, good
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+# Qwen4-Exp's PLE layers (seqmesh.hf.ngram_ple): hashed n-gram embeddings of earlier token ids and a dilated conv,
+# both over each run's halo
+PLE = "qwen4-exp-ple"
+
+
+def _during_ple_calls(lm, replacement) -> None:
+    """``seqmesh.hf.ngram_ple.halo`` replaced by ``replacement(halo)`` during each call of the model's PLE layers
+    (restored after, so the pool's later cases see the library as it is)."""
+    from seqmesh.hf import ngram_ple
+
+    for module in lm.modules():
+        if ngram_ple.is_ple_layer(module):
+            def patched(*args, _forward=module.forward, **kwargs):
+                kept = ngram_ple.halo
+                ngram_ple.halo = replacement(kept)
+                try:
+                    return _forward(*args, **kwargs)
+                finally:
+                    ngram_ple.halo = kept
+
+            module.forward = patched
+
+
+def _halo_rows_blanked(halo, what: str):
+    """A stand-in for the halo module whose ``extend`` (``what``: "ids", EOS where another rank's ids would be) or
+    ``with_halo`` ("conv": zeros where another rank's rows would be) reads this rank's own rows only."""
+    import types
+
+    import torch
+
+    def blanked(x, place, fill):
+        extended = halo.extend(x, place)
+        own = torch.zeros(extended.shape[1], dtype=torch.bool)
+        own[place.mine.own] = True
+        return extended.masked_fill(~own[None, :, None], fill)
+
+    if what == "ids":
+        return types.SimpleNamespace(placement=halo.placement, extend=lambda x, place: blanked(x, place, 231),
+                                     with_halo=halo.with_halo)
+    return types.SimpleNamespace(placement=halo.placement, extend=halo.extend, with_halo=lambda x, place, causal: causal(
+        blanked(x, place, 0.0), place.mine.conv_bounds).index_select(1, place.mine.own))
+
+
+def _ids_without_halo(lm) -> None:
+    _during_ple_calls(lm, lambda halo: _halo_rows_blanked(halo, "ids"))
+
+
+def _conv_without_halo(lm) -> None:
+    _during_ple_calls(lm, lambda halo: _halo_rows_blanked(halo, "conv"))
+
+
+@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["u1xr2", "u2xr1"])
+def test_ple_layers_exact(pools, ulysses, ring):
+    cases = [(PLE, ulysses, ring, layout, docs) for layout, docs in (("zigzag", False), ("contiguous", True))]
+    for results in pools.run(ulysses * ring, _run_all, cases):
+        for r in results:
+            assert not _outside_rounding(r), r
+
+
+@pytest.mark.parametrize("mutation,seen", [(_ids_without_halo, "logits"), (_conv_without_halo, "grad")],
+                         ids=["ids", "conv"])
+def test_a_ple_halo_left_out_is_seen(pools, mutation, seen):
+    """The conv's weights start at zero (transformers' init), so its halo shows in the gradients, not the logits."""
+    for results in pools.run(2, _run_all, [(PLE, 1, 2, "zigzag", False)], alter=mutation):
+        for r in results:
+            assert seen in _outside_rounding(r), r
