@@ -207,6 +207,12 @@ def family_config(family: str):
             config.ple_layer_ids, config.eos_token_id = [1, 2], 231
             config.ngram_vocab_size_base, config.make_ngram_vocab_size_divisible_by = 101, 8
         return config
+    if family == "xlstm":  # mLSTM layers: the chunkwise kernel over chunks of 8, the recurrent one for the rest
+        from census_configs import census_config as census_built
+
+        config = census_built("xlstm")
+        config.chunk_size = 8
+        return config
     if family == "rwkv":  # RWKV-4: a token shift before both mixes, the time mix's WKV recurrence (decays spread
         # from e^-e^-5 to e^-e^3 a token by its own init)
         return tf.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,

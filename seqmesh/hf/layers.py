@@ -31,7 +31,7 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "de
 # mixer itself is named, not the model or decoder layer that holds it (MambaModel, MambaBlock)
 TOKEN_MIXER_NAMES = re.compile(r"(Mixer|ShortConv|DeltaNet|DeltaAttention|LinearAttention|LightningAttention"
                                r"|RecurrentBlock|Rglru|Retention|SSM|Rwkv\w*Attention|Mamba\d*"
-                               r"|(LSTM|Lstm)\w*)$")
+                               r"|(LSTM|Lstm)(Layer|Cell|Block|Model)?)$")  # xLSTM's mLSTM layer and its containers
 # parameters that carry a recurrence's decay (Mamba, Gated DeltaNet): their module has state along the sequence
 STATE_PARAMS = ("A_log", "dt_bias", "time_mix_key")  # Mamba's decay; RWKV's token shift (its time and channel mix)
 # layer types seqmesh refuses with their own reason: what the layer computes that seqmesh does not, and what would
@@ -60,7 +60,7 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the Mamba2 layers of Nemotron-H, Granite-4 "
              "hybrid, Bamba, Falcon-H1 and Mamba2; the Mamba (v1) layers of "
              "Jamba, Mamba, Falcon-Mamba and Zamba; the RG-LRU blocks of RecurrentGemma; RWKV-4's time and channel "
-             "mixes; the lightning attention layers "
+             "mixes; xLSTM's mLSTM layers; the lightning attention layers "
              "of MiniMax-01; the gated short convolutions of LFM2, LFM2-MoE and LFM3; the Kimi Delta Attention layers "
              "of Kimi Linear and Bailing hybrid; ZAYA's compressed convolutional attention; the ALiBi attention of "
              "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention; the attention of "

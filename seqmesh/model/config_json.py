@@ -65,8 +65,11 @@ def shape_from_config(path: str) -> ModelShape:
     family = cfg.get("model_type", "")
     if family in _WITHOUT_ATTENTION:  # a nominal attention shape beside the reason the planner gives
         mixer, width = _WITHOUT_ATTENTION[family]
-        cfg = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": cfg.get("hidden_size"),
-               **cfg, "intermediate_size": cfg.get(width) or 4 * cfg.get("hidden_size", 0)}
+        hidden = cfg.get("hidden_size", 0)
+        feed_forward = cfg.get(width) or (round(hidden * cfg["ffn_proj_factor"]) if cfg.get("ffn_proj_factor")
+                                          else 4 * hidden)  # xLSTM's by its factor, RWKV's 4 x hidden by default
+        cfg = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": hidden, **cfg,
+               "intermediate_size": feed_forward}
         hybrid["unplanned"] = (f"seqmesh plan does not size {family}'s layers yet ({mixer}, no attention); seqmesh "
                                "train and verify run it all the same")
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
@@ -94,7 +97,8 @@ def shape_from_config(path: str) -> ModelShape:
 # families whose every layer is a recurrent mixer (no attention, no heads) that seqmesh train builds from a config.json:
 # the mixer, and the config.json entry of their feed-forward width (pure Mamba is not among them: its initialisation
 # writes the weights of its mixer's children, which seqmesh.model.materialize initialises module by module)
-_WITHOUT_ATTENTION = {"rwkv": ("RWKV-4's token shifts and time mix", "intermediate_size")}
+_WITHOUT_ATTENTION = {"rwkv": ("RWKV-4's token shifts and time mix", "intermediate_size"),
+                      "xlstm": ("xLSTM's mLSTM memory", "intermediate_size")}
 
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,

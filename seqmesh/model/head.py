@@ -323,6 +323,33 @@ def _one_statement_softcap(stmt: ast.stmt, name: str, model: nn.Module, known: d
     return float(below)
 
 
+def _function_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | None:
+    """``c`` where ``stmt`` is ``name = f(name, c)``, ``f`` a function of the model's own module (xLSTM's
+    ``soft_cap``) that gives ``c tanh(x / c)`` (tried on a few values) and ``c`` a positive constant of the model;
+    otherwise None."""
+    import sys
+
+    import torch
+
+    value = stmt.value if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+        and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and len(value.args) == 2
+            and isinstance(value.args[0], ast.Name) and value.args[0].id == name and not value.keywords):
+        return None
+    function = getattr(sys.modules[type(model).__module__], value.func.id, None)
+    cap = _value(value.args[1], model)
+    if not callable(function) or isinstance(cap, bool) or not isinstance(cap, numbers.Real) or cap <= 0:
+        return None
+    probe = torch.tensor([-90.0, -3.0, -0.5, 0.0, 0.7, 5.0, 200.0], dtype=torch.float64)
+    try:
+        capped = function(probe, cap)
+    except Exception:  # noqa: BLE001 - not a cap of this form
+        return None
+    expected = cap * torch.tanh(probe / cap)
+    return float(cap) if isinstance(capped, torch.Tensor) and torch.allclose(capped, expected, rtol=1e-12, atol=0) \
+        else None
+
+
 def logit_head(lm: nn.Module) -> LogitHead:
     """The constant ``scale`` and the final ``softcap`` of ``lm``'s logits (``W``: its output embedding's weight);
     a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
@@ -364,7 +391,8 @@ def logit_head(lm: nn.Module) -> LogitHead:
     known: dict[str, object] = {}  # local names bound to the model's constants (RecurrentGemma's cap)
     for stmt in statements[index + 1:]:
         cap = _one_statement_softcap(stmt, logits, lm, known)
-        if cap is not None:  # logits = tanh(logits / cap) * cap: the three steps of a soft-cap
+        cap = cap if cap is not None else _function_softcap(stmt, logits, lm)
+        if cap is not None:  # logits = tanh(logits / cap) * cap (or a function of the family's giving it): a soft-cap
             effects += [(1.0 / cap, stmt), (None, stmt), (cap, stmt)]
             continue
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \

@@ -14,9 +14,10 @@ EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", 
          "falcon_h1",  # Mamba2 beside attention in every layer (the state passed across ranks)
          "jamba",  # a Mamba (v1) layer and an attention layer
          "recurrent_gemma",  # RG-LRU blocks (their state passed across ranks) and local attention
-         "rwkv"]  # RWKV-4's token shifts and time mixing (its state passed across ranks in log space)
+         "rwkv",  # RWKV-4's token shifts and time mixing (its state passed across ranks in log space)
+         "xlstm"]  # xLSTM's mLSTM memory (passed the same way)
 REFUSED = {
-    "xlstm": "xLSTMModel",  # xLSTM's mLSTM blocks, inside a backbone seqmesh does not take apart
+    "xlnet": "AttentionInterface",  # XLNet's two-stream relative attention, computed in its own layers
 }
 
 

@@ -352,12 +352,12 @@ def test_recurrent_families_are_refused_by_name():
     mesh = types.SimpleNamespace(sp_size=2)  # the mixers' find() read only the degree
     small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    refused = {"xlstm": "xLSTMModel"}
+    refused = {}  # every recurrent family of transformers 5.24 is taken; a mixer not handled is refused (below)
     # Gated DeltaNet (1 layer each), Mamba2 (Nemotron-H's first layer; Falcon-H1's in both of its layers), lightning,
     # LFM's gated short convolutions
     taken = {"qwen3_5_text": 1, "qwen3_next": 1, "olmo_hybrid": 1, "llama": 0, "nemotron_h": 1, "falcon_h1": 2,
              "minimax": 1, "lfm2": 1, "lfm2_moe": 1, "lfm3": 1, "mamba": 2, "falcon_mamba": 2, "jamba": 2,
-             "recurrent_gemma": 1, "rwkv": 4}  # RWKV: each block's time mix and channel mix
+             "recurrent_gemma": 1, "rwkv": 4, "xlstm": 2}  # RWKV: each block's time mix and channel mix
     newer = {"kimi_linear": 1, "bailing_hybrid": 1}  # KDA, taken where the release has the family
     hybrid = ["linear_attention", "full_attention"]  # one of each, so the model has attention to route
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -367,7 +367,7 @@ def test_recurrent_families_are_refused_by_name():
     taken_here = {**taken, **{f: n for f, n in newer.items() if f in CONFIG_MAPPING}}
     for family in [f for f in (*refused, *taken_here) if f in CONFIG_MAPPING]:
         extra = {"layer_types": hybrid} if family in taken_here and family not in (
-            "llama", "falcon_h1", "mamba", "falcon_mamba", "jamba", "rwkv") else {}
+            "llama", "falcon_h1", "mamba", "falcon_mamba", "jamba", "rwkv", "xlstm") else {}
         extra = {"layer_types": ["conv", "full_attention"]} if family.startswith("lfm") else extra
         extra = {**extra, "mamba_d_ssm": 64, "mamba_n_heads": 4} if family == "falcon_h1" else extra
         extra = {"block_types": ["recurrent", "attention"]} if family == "recurrent_gemma" else extra
@@ -384,3 +384,8 @@ def test_recurrent_families_are_refused_by_name():
         with pytest.raises(ValueError, match=rf"is a {refused[family]}, which mixes tokens outside") as err:
             check_layers(model, handled=[])
         assert "Gated DeltaNet layers of Qwen3.5" in str(err.value)
+    with torch.device("meta"):  # a recurrent mixer seqmesh is not told it runs: refused by its name
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("rwkv", **small))
+    with pytest.raises(ValueError, match=r"is a RwkvSelfAttention, which mixes tokens outside") as err:
+        check_layers(model, handled=[])
+    assert "Gated DeltaNet layers of Qwen3.5" in str(err.value)

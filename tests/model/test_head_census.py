@@ -49,6 +49,8 @@ def _outcome(name: str, mutation: str | None = None) -> tuple[str, str]:
         return "refused", str(err)[:160]
     if mutation == "prediction_head_skipped":  # the decoder's output straight into the projection
         sp.logit_transform = None
+    if mutation == "softcap_skipped":  # the logits uncapped
+        sp.logit_softcap = None
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     own = own_positions(model, ids)  # RoBERTa's kin number their positions themselves (shard_batch(model=) gives them)
     try:
@@ -119,3 +121,12 @@ def test_a_prediction_head_left_out_is_seen():
     for name in ("bert", "roberta"):
         kind, detail = _outcome(name, mutation="prediction_head_skipped")
         assert kind == "wrong", (name, kind, detail)
+
+
+def test_a_soft_cap_by_a_family_function_left_out_is_seen():
+    """xLSTM caps its logits by its own function (``soft_cap(logits, output_logit_soft_cap)``), which the loss reads
+    as a final soft-cap: exact with it (the census above), and the cap left out leaves the tolerance."""
+    kind, detail = _outcome("xlstm")
+    assert kind == "exact", detail
+    kind, detail = _outcome("xlstm", mutation="softcap_skipped")
+    assert kind == "wrong", detail
