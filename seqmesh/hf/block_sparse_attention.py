@@ -65,7 +65,7 @@ def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
     return None
 
 
-def _documents(mesh: SPMesh, info: SequenceInfo, device: torch.device):
+def document_places(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     """For each local token: its document's first index in the row and its index within the document (padding: the
     row's first token, index 0), as (L,) int64 tensors on ``device``; and the longest document's length."""
     positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).to(device)
@@ -142,7 +142,7 @@ def _make_forward(mesh: SPMesh):
             out = decode(self, hidden_states, position_embeddings, query, key, value.transpose(1, 2))
             return self.o_proj(out.reshape(b, length, -1)), None
         indexer = self.indexer
-        start, within, longest = _documents(mesh, info, hidden_states.device)
+        start, within, longest = document_places(mesh, info, hidden_states.device)
         blocks = -(-longest // indexer.block_size)  # the most blocks a document holds
         with torch.no_grad():  # the selection: integers, as transformers' (nothing trains the indexer through it)
             index_key = indexer.k_norm(indexer.k_proj(hidden_states).view(b, length, 1, indexer.head_dim))

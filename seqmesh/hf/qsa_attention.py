@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
-from .block_sparse_attention import _documents
+from .block_sparse_attention import document_places
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
 from .indexed_layouts import module_function, source
 
@@ -160,7 +160,7 @@ def _make_forward(mesh: SPMesh):
         value = self.v_proj(hidden_states).view(shape)  # (B, L, Hkv, D)
         query, key = rotate(query, key, cos, sin)
         indexer = self.indexer
-        start, within, _ = _documents(mesh, info, hidden_states.device)
+        start, within, _ = document_places(mesh, info, hidden_states.device)
         with torch.no_grad():  # the selection: integers, as transformers' mask (nothing trains the indexer through it)
             di = indexer.index_head_dim
             q_index, raw = indexer.index_qk_proj(hidden_states).split(

@@ -33,17 +33,17 @@ def _run_from_the_row_start(cases: list[tuple]) -> list[dict]:
     packed row would (each document's blocks must start at its own first token)."""
     from seqmesh.hf import block_sparse_attention
 
-    documents = block_sparse_attention._documents
+    documents = block_sparse_attention.document_places
 
     def from_row_start(mesh, info, device):
         start, within, _ = documents(mesh, info, device)
         return start * 0, start + within, info.seq_len
 
-    block_sparse_attention._documents = from_row_start
+    block_sparse_attention.document_places = from_row_start
     try:
         return _run_all(cases)
     finally:
-        block_sparse_attention._documents = documents
+        block_sparse_attention.document_places = documents
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1), (2, 2)], ids=["u1xr2", "u2xr1", "u2xr2"])
