@@ -33,7 +33,7 @@ def _newest(*families: str) -> list[str]:
 
 
 FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo", "openai-gpt", "xglm",
-            "rembert", "megatron-bert", *_newest("gpt-neox-japanese", "doge")]
+            *_newest("gpt-neox-japanese", "doge", "rembert", "megatron-bert")]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
@@ -65,8 +65,6 @@ MUTATIONS = {
                                                                         ("falcon-new", 2, 1, "zigzag", True)]),
     # GPT-Neo's local layer run as a global one (ring 2, zigzag, documents)
     "GPT-Neo's window dropped": (parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]),
-    # RemBERT's decoder attending both ways (ring 2: each rank's queries see the other's later keys)
-    "RemBERT attending both ways": (parity_with_both_ways, [("rembert", 1, 2, "zigzag", False)]),
 }
 if _newest("doge"):
     # GPT-NeoX-Japanese's rotary over the whole head instead of its leading half (ring 2)
@@ -74,6 +72,8 @@ if _newest("doge"):
                                                                    [("gpt-neox-japanese", 1, 2, "zigzag", False)])
     # Doge's bias of each key left out (U2: the bias dealt with its kv heads)
     MUTATIONS["Doge's key bias dropped"] = (parity_with_bias_dropped, [("doge", 2, 1, "zigzag", True)])
+    # RemBERT's decoder attending both ways (ring 2: each rank's queries see the other's later keys)
+    MUTATIONS["RemBERT attending both ways"] = (parity_with_both_ways, [("rembert", 1, 2, "zigzag", False)])
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
@@ -154,7 +154,7 @@ def test_the_planner_refuses_the_newer_own_attention_families_by_name(tmp_path, 
     assert "seqmesh plan does not size" in said and "seqmesh train" in said, said
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "rembert", *_newest("gpt-neox-japanese", "doge")])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge", "rembert")])
 def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train`` from each one's config.json on a ring of 2."""
     from family_cases import family_config
@@ -203,10 +203,10 @@ def _refusal_of(family: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("family", ["gpt-neox-japanese", "doge"])
+@pytest.mark.parametrize("family", ["gpt-neox-japanese", "doge", "rembert"])
 def test_the_newest_only_families_are_refused_on_older_releases(pools, family):
-    """At a transformers older than the one seqmesh computes them for, GPT-NeoX-Japanese and Doge are refused by name
-    with the fix (upgrade), not computed from another release's layout."""
+    """At a transformers older than the one seqmesh computes them for, GPT-NeoX-Japanese, Doge and RemBERT are refused
+    by name with the fix (upgrade), not computed from another release's layout."""
     from seqmesh.hf.own_attention import _too_old
 
     said = pools.run(1, _refusal_of, family)[0]
