@@ -249,8 +249,10 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: S
         if chunk and _chunk(config) is None:
             problems.append(f"its attention is chunked (attention_chunk_size={chunk}). Set config.attention_chunk_size = "
                             "None to train it with full attention")
-        if getattr(config, "use_bidirectional_attention", False) and getattr(config, "sliding_window", None):
-            problems.append("its sliding windows are bidirectional (use_bidirectional_attention=True)")
+        both_ways = getattr(config, "use_bidirectional_attention", False)
+        # "vision" (Gemma 4 unified): both ways within an image's tokens only, none in a text batch
+        if both_ways and both_ways != "vision" and getattr(config, "sliding_window", None):
+            problems.append(f"its sliding windows are bidirectional (use_bidirectional_attention={both_ways!r})")
     mixers = [(path, type(m).__name__) for path, m in model.named_modules()
               if path and id(m) not in inside_handled and mixes_tokens(m)]
     seen = set()

@@ -62,6 +62,16 @@ def test_layers_seqmesh_would_not_compute_are_named():
     check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, attn_logit_softcapping=30.0)))
     with pytest.raises(ValueError, match="bidirectional"):
         check_layers(Gemma3ForCausalLM(Gemma3TextConfig(**small, use_bidirectional_attention=True)))
+    # Gemma 4 unified: "vision" (both ways within an image's tokens: none in a text batch, which the census runs
+    # exact) passes; "all" (every layer both ways) is refused
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gemma4 = dict(small, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"])
+    check_layers(AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma4_unified_text", **gemma4,
+                                                                       use_bidirectional_attention="vision")))
+    with pytest.raises(ValueError, match="bidirectional"):
+        check_layers(AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma4_unified_text", **gemma4,
+                                                                           use_bidirectional_attention="all")))
 
 
 def _parallelize_refusal(config, layer: type | None = None) -> str:
