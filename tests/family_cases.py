@@ -207,6 +207,14 @@ def family_config(family: str):
             config.ple_layer_ids, config.eos_token_id = [1, 2], 231
             config.ngram_vocab_size_base, config.make_ngram_vocab_size_divisible_by = 101, 8
         return config
+    if family == "inkling":  # a sliding layer (window 6), then a full one whose relative bias reaches 8 keys back and
+        # whose queries are log-scaled past the 4th token of their document
+        from census_configs import census_config as census_built
+
+        config = census_built("inkling_text")
+        config.sliding_window_size, config.rel_extent, config.log_scaling_n_floor = 6, 8, 4
+        config.swa_num_attention_heads, config.swa_head_dim, config.swa_num_key_value_heads = 4, 16, 2
+        return config
     if family == "xlstm":  # mLSTM layers: the chunkwise kernel over chunks of 8, the recurrent one for the rest
         from census_configs import census_config as census_built
 

@@ -155,6 +155,10 @@ def _own_attention_fields(cfg: dict) -> dict:
                                "of one shared key beside compressed entries, CSA's indexer, the grouped output "
                                "projection, hyper-connections; it would plan them as full attention); seqmesh train "
                                "runs it all the same")
+    if family in ("inkling", "inkling_text"):
+        fields["unplanned"] = ("seqmesh plan does not size Inkling's layers yet (its short convolutions, a relative "
+                               "bias over the gathered row, sliding layers of their own heads); seqmesh train runs it "
+                               "all the same")
     if family in ("qwen4_exp", "qwen4_exp_text"):
         fields["unplanned"] = ("seqmesh plan does not size Qwen4-Exp's QSA layers and hyper-connections yet (each "
                                "query's selected blocks gathered from the row; residual streams a token, mixed around "

@@ -205,6 +205,9 @@ class LogitHead(NamedTuple):
     # the output embedding's path inside ``transform`` where the head module holds it (BERT's cls:
     # "predictions.decoder"): the transform is that module with the projection left out; None: the whole module
     projection: str | None = None
+    # the leading logits the forward keeps (Inkling's ``logits[..., :unpadded_vocab_size]`` of a padded head): the
+    # loss uses the first ``vocab`` rows of W (and b); None: all
+    vocab: int | None = None
 
 
 # what a per-token prediction head before the output projection may hold (ModernBERT-decoder's dense, activation,
@@ -323,6 +326,25 @@ def _one_statement_softcap(stmt: ast.stmt, name: str, model: nn.Module, known: d
     return float(below)
 
 
+def _vocabulary_slice(stmt: ast.stmt, name: str, model: nn.Module, known: dict):
+    """``n`` where ``stmt`` is ``name = name[..., :n]`` (a slice of the vocabulary: the first ``n`` logits), ``n`` a
+    constant of the model or a local name bound to one (None where it is None: no slice); ``_UNKNOWN`` where ``stmt``
+    is no such slice."""
+    value = stmt.value if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+        and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name else None
+    if not (isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id == name
+            and isinstance(value.slice, ast.Tuple) and len(value.slice.elts) == 2
+            and isinstance(value.slice.elts[0], ast.Constant) and value.slice.elts[0].value is Ellipsis
+            and isinstance(value.slice.elts[1], ast.Slice) and value.slice.elts[1].lower is None
+            and value.slice.elts[1].step is None and value.slice.elts[1].upper is not None):
+        return _UNKNOWN
+    upper = value.slice.elts[1].upper
+    limit = known.get(upper.id, _UNKNOWN) if isinstance(upper, ast.Name) else _value(upper, model)
+    if limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+        return limit
+    return _UNKNOWN
+
+
 def _function_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | None:
     """``c`` where ``stmt`` is ``name = f(name, c)``, ``f`` a function of the model's own module (xLSTM's
     ``soft_cap``) that gives ``c tanh(x / c)`` (tried on a few values) and ``c`` a positive constant of the model;
@@ -388,6 +410,7 @@ def logit_head(lm: nn.Module) -> LogitHead:
                              "constant seqmesh can read; train it with your own loss on model(**batch).logits.")
         scale *= float(number) if isinstance(value.op, ast.Mult) else 1.0 / float(number)
     effects: list[tuple[float | None, ast.stmt]] = []  # each change of the logits: a factor, or None for tanh
+    vocab = None  # the leading logits kept (a slice of a padded vocabulary), or None: all
     known: dict[str, object] = {}  # local names bound to the model's constants (RecurrentGemma's cap)
     for stmt in statements[index + 1:]:
         cap = _one_statement_softcap(stmt, logits, lm, known)
@@ -398,6 +421,10 @@ def logit_head(lm: nn.Module) -> LogitHead:
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
                 and stmt.targets[0].id != logits:
             known[stmt.targets[0].id] = _value(stmt.value, lm)
+        kept = _vocabulary_slice(stmt, logits, lm, known)
+        if kept is not _UNKNOWN:  # the first `kept` logits (None: all); a larger number keeps every one
+            vocab = kept if kept is not None and kept < head.weight.shape[0] else vocab
+            continue
         factor = _factor(stmt, logits, lm)
         if factor is _UNKNOWN and not _is_tanh(stmt, logits):
             raise ValueError(f"{name}'s forward changes its logits after the LM head ({ast.unparse(stmt)!r}), which "
@@ -425,4 +452,4 @@ def logit_head(lm: nn.Module) -> LogitHead:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to logits it also scales by {scale:g}, "
                          "which seqmesh's chunked loss (scaling the hidden states, not the logits) does not reproduce; "
                          "train it with your own loss on model(**batch).logits.")
-    return LogitHead(scale, softcap, transform, projection)
+    return LogitHead(scale, softcap, transform, projection, vocab)

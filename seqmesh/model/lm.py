@@ -248,7 +248,7 @@ class SequenceParallelLM(nn.Module):
         super().__init__()
         router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
         # what the model does to its logits (a constant scale, a final soft-cap), refused now where the loss would not
-        self.logit_scale, self.logit_softcap, transform, self.logit_projection = logit_head(lm)
+        self.logit_scale, self.logit_softcap, transform, self.logit_projection, self.logit_vocab = logit_head(lm)
         # a per-token prediction head before the output projection (ModernBERT-decoder's; BERT's cls without its
         # projection, logit_projection), by name: a submodule of lm
         self.logit_transform = transform
@@ -289,17 +289,29 @@ class SequenceParallelLM(nn.Module):
         real = real_tokens(seqmesh, self.mesh, tuple(shift_labels.shape), shift_labels.device)
         return LossTerms(loss, (aux.coef * load_balancing_loss(out.router_logits, aux, real, group)).to(loss.dtype))
 
+    def _projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output embedding's weight ``(V, hidden)`` and bias ``(V,)`` (or None), cut to the leading logits the
+        model keeps (Inkling's padded vocabulary)."""
+        head = self.lm.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if self.logit_vocab is None:
+            return weight, bias
+        if is_dtensor(weight):
+            raise ValueError(f"{type(self.lm).__name__} keeps the first {self.logit_vocab} of its {weight.shape[0]} "
+                             "logits (a padded vocabulary), which seqmesh's vocabulary-parallel loss under tensor "
+                             "parallelism does not; use tp=1.")
+        return weight[: self.logit_vocab], None if bias is None else bias[: self.logit_vocab]
+
     def loss_from_hidden(self, hidden: torch.Tensor, shift_labels, seqmesh: SequenceInfo | None) -> torch.Tensor:
         """The loss of the final hidden states ``(B, L, hidden)``: chunked LM head and cross-entropy."""
         hidden = self._scaled(hidden)
-        weight = self.lm.get_output_embeddings().weight
+        weight, bias = self._projection()
         group = self.mesh.batch_group if self.mesh is not None else None
         ignore = seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX  # the one shard_batch used
         if is_dtensor(weight):  # tensor parallelism: a vocabulary-parallel head over sequence-sharded states
             from .vocab_parallel import vocab_parallel_loss
 
-            if self.logit_softcap is not None or self.lm.get_output_embeddings().bias is not None \
-                    or self.logit_transform is not None:
+            if self.logit_softcap is not None or bias is not None or self.logit_transform is not None:
                 what = (f"soft-caps its logits (final_logit_softcapping={self.logit_softcap})"
                         if self.logit_softcap is not None else "adds a bias to its logits"
                         if self.logit_transform is None else f"has a prediction head ({self.logit_transform})")
@@ -307,7 +319,7 @@ class SequenceParallelLM(nn.Module):
                                  "tensor parallelism does not; use tp=1.")
             return vocab_parallel_loss(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore)
         return chunked_linear_cross_entropy(hidden, weight, shift_labels, group, chunk=self.chunk, ignore_index=ignore,
-                                            softcap=self.logit_softcap, bias=self.lm.get_output_embeddings().bias)
+                                            softcap=self.logit_softcap, bias=bias)
 
     @torch.no_grad()
     def score(self, input_ids, position_ids, shift_labels, seqmesh: SequenceInfo | None = None) -> torch.Tensor:
@@ -331,7 +343,7 @@ class SequenceParallelLM(nn.Module):
         hidden = self._scaled(hidden)
         labels = shift_labels.reshape(-1)
         keep = labels != (seqmesh.ignore_index if seqmesh is not None else IGNORE_INDEX)
-        weight = self.lm.get_output_embeddings().weight
+        weight, bias = self._projection()
         if is_dtensor(weight):  # tensor parallelism: every rank of the group scores the same tokens, counted once
             from .vocab_parallel import gathered_tokens, vocab_parallel_argmax
 
@@ -343,7 +355,6 @@ class SequenceParallelLM(nn.Module):
             return torch.tensor([float((guess == labels[keep]).sum()), float(keep.sum())], dtype=torch.float64,
                                 device=tokens.device)
         picked = hidden.reshape(-1, hidden.shape[-1])[keep]
-        bias = self.lm.get_output_embeddings().bias
         correct = sum(
             int((F.linear(picked[i : i + self.chunk], weight, bias).argmax(-1) == labels[keep][i : i + self.chunk]).sum())
             for i in range(0, picked.shape[0], self.chunk)

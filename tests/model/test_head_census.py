@@ -130,3 +130,20 @@ def test_a_soft_cap_by_a_family_function_left_out_is_seen():
     assert kind == "exact", detail
     kind, detail = _outcome("xlstm", mutation="softcap_skipped")
     assert kind == "wrong", detail
+
+
+def test_a_padded_vocabulary_cut_by_the_forward_is_cut_by_the_loss():
+    """Inkling keeps the first ``unpadded_vocab_size`` of its head's logits (``logits[..., :n]``): the loss uses those
+    rows of the head, equal to the cross-entropy of the model's own logits; with every row it is not."""
+    model = build(census_config("inkling_text"))
+    model.config.unpadded_vocab_size = model.get_output_embeddings().weight.shape[0] - 8
+    ids = torch.randint(3, 60, (1, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+    want = _own_loss(model, ids)
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_vocab == model.config.unpadded_vocab_size
+    got = sp(ids, torch.arange(SEQ_LEN)[None], targets)
+    tolerance = ROUNDING_MULTIPLE * _rounding(model, ids, want) + 64 * torch.finfo(torch.float64).eps
+    assert abs(float(got.detach()) - float(want)) <= tolerance, (float(got), float(want))
+    sp.logit_vocab = None
+    assert abs(float(sp(ids, torch.arange(SEQ_LEN)[None], targets).detach()) - float(want)) > 100 * tolerance
