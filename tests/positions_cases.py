@@ -65,6 +65,11 @@ def position_config(family: str):
         return tf.MarianConfig(**decoder, decoder_start_token_id=1)
     if family == "bigbird-pegasus":  # a decoder whose self-attention says is_causal=False; its mask makes it causal
         return tf.BigBirdPegasusConfig(**decoder, attention_type="original_full")
+    if family in ("trocr", "trocr-sinusoidal"):  # its attention of its own too (seqmesh.hf.own_attention)
+        return tf.TrOCRConfig(vocab_size=64, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                              decoder_ffn_dim=64, max_position_embeddings=SEQ_LEN, dropout=0.0, attention_dropout=0.0,
+                              activation_dropout=0.0, pad_token_id=1,
+                              use_learned_position_embeddings=family == "trocr")
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -116,7 +121,7 @@ def _documents_alone(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 # the decoders of encoder-decoder families take no position_ids: their mask does not keep packed documents apart
 REFERENCE = {"roberta": _documents_alone, "bart": _documents_alone, "marian": _documents_alone,
-             "bigbird-pegasus": _documents_alone}
+             "bigbird-pegasus": _documents_alone, "trocr": _documents_alone}
 
 
 def _mutate(lm, local: dict, mutation: str | None) -> dict:
@@ -192,17 +197,15 @@ def unsharded_refusal(family: str) -> str:
 
 
 def decoder_refusals(family: str = "bart") -> dict[str, str]:
-    """The refusals of an encoder-decoder family's decoder: called without position_ids (each rank would number its
-    shard from 0), and generation (its attention keeps its own cache)."""
+    """The refusals of an encoder-decoder family's decoder: generation (its attention keeps its own cache), and
+    TrOCR's sinusoidal table (it numbers around padding tokens, not by span)."""
     from seqmesh.inference.generate import check_generate
 
     mesh = get_mesh(1, dist.get_world_size())
-    config = position_config(family)
-    lm = parallelize(build(config), mesh)
+    lm = parallelize(build(position_config(family)), mesh)
     said = {}
-    local = seqmesh.shard_batch(_batch(config.vocab_size, False), mesh, model=lm)
-    for case, run in (("no_position_ids", lambda: lm(input_ids=local["input_ids"], seqmesh=local["seqmesh"])),
-                      ("generate", lambda: check_generate(lm, mesh))):
+    for case, run in (("generate", lambda: check_generate(lm, mesh)),
+                      ("sinusoidal", lambda: parallelize(build(position_config("trocr-sinusoidal")), mesh))):
         try:
             run()
             said[case] = ""

@@ -22,8 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..mesh import SPMesh
-from ..sequence.batch import SequenceInfo
-from ..sequence.sharding import sequence_positions
+from ..sequence.batch import SequenceInfo, document_places
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
 from .indexed_layouts import is_block_sparse, module_function, source
 
@@ -63,17 +62,6 @@ def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
         return (f"its {module.config.num_attention_heads} query heads are not groups of its "
                 f"{module.indexer.num_heads} indexer heads")
     return None
-
-
-def document_places(mesh: SPMesh, info: SequenceInfo, device: torch.device):
-    """For each local token: its document's first index in the row and its index within the document (padding: the
-    row's first token, index 0), as (L,) int64 tensors on ``device``; and the longest document's length."""
-    positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).to(device)
-    cuts = tuple(info.cu_seqlens or (0, info.seq_len))  # on the host: no device sync for the longest
-    bounds = torch.tensor(cuts, device=device)
-    positions = positions.masked_fill(positions >= info.seq_len, 0)
-    start = bounds[torch.bucketize(positions, bounds[1:], right=True)]
-    return start, positions - start, max(b - a for a, b in zip(cuts, cuts[1:]))
 
 
 def _select(indexer: nn.Module, rotate, hidden: torch.Tensor, position_embeddings, row_keys: torch.Tensor,

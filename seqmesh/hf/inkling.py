@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
 from ..mesh import SPMesh
-from .block_sparse_attention import document_places
+from ..sequence.batch import document_places
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 

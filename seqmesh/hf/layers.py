@@ -67,7 +67,7 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention; the attention of "
              "OpenAI-GPT, XGLM and GPT-NeoX-Japanese; Doge's dynamic mask within keep_window_size; the BERT-style "
              "attention of RemBERT and MegatronBERT; the decoders of BART, mBART, Marian, Pegasus, Blenderbot, PLBart, "
-             "BigBird-Pegasus and MusicGen")
+             "BigBird-Pegasus, MusicGen, MVP and TrOCR")
 
 
 def mixes_tokens(module: nn.Module) -> bool:

@@ -1,8 +1,9 @@
 """transformers' attention layers that compute their attention themselves, outside transformers'
 ``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
 attention, GPT-Neo's global and local attention, the original GPT's (OpenAI-GPT), XGLM's and GPT-NeoX-Japanese's
-(its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys), and the BERT-style
-self-attention of RemBERT and MegatronBERT (causal where the config says ``is_decoder``).
+(its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys), the BERT-style
+self-attention of RemBERT and MegatronBERT (causal where the config says ``is_decoder``), and the decoders' of TrOCR
+and MVP.
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -236,6 +237,11 @@ FAMILIES: dict[str, _Family] = {
                                         rotate=_rotate_leading),
     "RemBertSelfAttention": _BERT,
     "MegatronBertSelfAttention": _BERT,
+    # the decoders of TrOCR and MVP: BART's attention of old, the query scaled first (MVP's prompts refused at the call)
+    "TrOCRAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
+                              lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
+    "MvpAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
+                            lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
 }
 
 
@@ -323,6 +329,9 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
             raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
                              "model with output_attentions=False.")
         _check_dropout(self, family, type(self).__name__)  # the model may have been put in training since
+        if kwargs.get("attn_prompt") is not None:  # MVP's prompts: refused at parallelize where the config asks
+            raise ValueError(f"{type(self).__name__} was called with prompts (attn_prompt), which seqmesh does not "
+                             "place; set use_prompt=False.")
         if kwargs.get("key_value_states") is not None or kwargs.get("encoder_hidden_states") is not None:
             # XGLM's encoder_attn, a BERT-style crossattention (add_cross_attention)
             raise ValueError(f"{type(self).__name__} was called as cross-attention (key_value_states), which seqmesh "

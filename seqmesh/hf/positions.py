@@ -16,8 +16,8 @@ rank would decide from its own tokens and train silently wrong, so seqmesh gives
 - **positions a decoder numbers from 0 on each call** (the decoders of encoder-decoder families as causal LMs:
   BART, mBART, Marian, Pegasus, Blenderbot, PLBart, BigBird-Pegasus, MusicGen take no position_ids and number
   ``cache_length .. cache_length + L - 1``). Their position module is run by its own rule over the spans of
-  positions this rank's tokens hold, and each token takes its own row (:func:`_renumbered`): the batch's
-  ``position_ids``, so packed documents count from 0 each. BigBird-Pegasus's decoder builds its self-attentions
+  positions this rank's tokens hold, and each token takes its own row (:func:`_renumbered`): their indices in
+  their documents, so packed documents count from 0 each. BigBird-Pegasus's decoder builds its self-attentions
   without ``is_causal`` and makes them causal by its mask; seqmesh, which builds no mask, sets the flag.
 - **Llama 4's attention temperature** on its no-RoPE layers: ``log1p(floor((i + 1) / floor_scale)) * attn_scale
   + 1`` of each token's index ``i`` in the row, which transformers takes from ``arange`` over the call's tokens
@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
-from ..sequence.batch import SequenceInfo
+from ..sequence.batch import SequenceInfo, document_places
 from ..sequence.sharding import sequence_positions
 
 _ATTR = "_seqmesh_positions"
@@ -109,8 +109,8 @@ def counting_embeddings(model: nn.Module) -> nn.Module | None:
         return None
     module = getattr(decoder, "embed_positions", None)
     forward = getattr(type(module), "forward", None)
-    if forward is None:
-        return None
+    if forward is None or hasattr(module, "create_position_ids_from_input_ids"):
+        return None  # none, or one that numbers around padding tokens (TrOCR's sinusoidal table): not by span
     counted_from = set(inspect.signature(forward).parameters) & {"cache_length", "past_key_values_length"}  # 5.2x, 5.15
     return module if counted_from else None
 
@@ -131,36 +131,28 @@ def _spans(needed: torch.Tensor, length: int) -> list[int]:
 def _renumbered(model_name: str, mesh: SPMesh):
     """The decoder's pre- and post-hooks and its position module's forward hook for :func:`counting_embeddings`:
     the module, which numbers the call's ``L`` tokens ``c .. c + L - 1`` from its ``cache_length`` ``c``, is run by
-    its own rule on the spans of positions this rank's tokens hold (the batch's ``position_ids``: their places in
-    the whole sequence, from 0 in each packed document; the layout's padding at 0), and each token takes its own
-    position's row."""
+    its own rule on the spans of positions this rank's tokens hold (their indices in their documents, from the
+    layout; the layout's padding at 0), and each token takes its own position's row."""
     call: dict = {}
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
         call.clear()
-        if kwargs.get("seqmesh") is None:
+        info: SequenceInfo | None = kwargs.get("seqmesh")
+        if info is None:
             return  # the attention refuses the call, naming the fix
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            raise ValueError(f"{model_name}'s decoder numbers its tokens from 0 on each call; seqmesh gives them their "
-                             "places in the whole sequence from the batch's position_ids, and this call has none: "
-                             "call the model with the batch seqmesh.shard_batch returned (model(**batch)).")
-        info: SequenceInfo = kwargs["seqmesh"]
-        inside = sequence_positions(info.seq_len, mesh, layout=info.layout, device=positions.device,
-                                    cu_seqlens=info.cu_seqlens) < info.seq_len  # (L,) the layout's padding: False
-        positions = positions.masked_fill(~inside, 0)  # past the sequence (a learned table's end) at 0, every call's
-        # (L,) where every row is numbered alike (the rows share their documents): the module's own broadcast
-        call["positions"] = positions[0] if bool((positions == positions[:1]).all()) else positions
+        # (L,) each token's index in its document (the layout's padding at 0), every row alike: as one call per
+        # document numbers them (transformers reads no position_ids here)
+        call["positions"] = document_places(mesh, info)[1]
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output):
         call.clear()
 
     def embed(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-        # output (B, L, E) or (L, E): positions 0 .. L-1 as the module numbers them -> (L, E) or (B, L, E) the
-        # tokens' own
+        # output (B, L, E) or (L, E): positions 0 .. L-1 as the module numbers them -> (L, E) the tokens' own
         positions = call.get("positions")
         if positions is None:
             return output
+        positions = positions.to(output.device)
         first = args[0] if args else next(iter(kwargs.values()))
         length = positions.shape[-1]
         needed = torch.unique(positions.flatten())  # sorted
@@ -206,8 +198,9 @@ def check_positions(model: nn.Module, by_layout: frozenset[int] = frozenset()) -
     decoder = decoder_of(model)
     from .layers import has_attention  # a model without attention (Mamba2) reads no position at all
 
-    if "position_ids" not in inspect.signature(decoder.forward).parameters and has_attention(model, by_layout) \
-            and counting_embeddings(model) is None:
+    numbering = getattr(decoder, "embed_positions", None) is not None  # a table the decoder numbers itself
+    if "position_ids" not in inspect.signature(decoder.forward).parameters and counting_embeddings(model) is None \
+            and (numbering or has_attention(model, by_layout)):
         raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder ({type(decoder).__name__}) "
                          "takes no position_ids and numbers the tokens of each call from 0 without a position "
                          "module seqmesh can renumber (an embed_positions whose forward takes cache_length, as "

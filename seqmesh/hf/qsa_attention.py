@@ -24,8 +24,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..mesh import SPMesh
-from ..sequence.batch import SequenceInfo
-from .block_sparse_attention import document_places
+from ..sequence.batch import SequenceInfo, document_places
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
 from .indexed_layouts import module_function, source
 

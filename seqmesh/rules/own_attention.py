@@ -9,7 +9,8 @@ from __future__ import annotations
 LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "FalconAttention",
                  "gpt_neo": "GPTNeoAttention", "openai-gpt": "openai.Attention", "xglm": "XGLMAttention",
                  "gpt_neox_japanese": "GPTNeoXJapaneseAttention", "doge": "DogeAttention",
-                 "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention"}
+                 "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention",
+                 "trocr": "TrOCRAttention", "mvp": "MvpAttention"}
 # of those, the families seqmesh plan does not size yet (their config.json's names and layer layouts)
 UNPLANNED = ("openai-gpt", "xglm", "gpt_neox_japanese", "doge")
 # the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds

@@ -75,6 +75,17 @@ def real_tokens(info: SequenceInfo | None, mesh: SPMesh | None, shape: tuple[int
     return None if bool(real.all()) else real
 
 
+def document_places(mesh: SPMesh, info: SequenceInfo, device: torch.device | str = "cpu"):
+    """For each local token: its document's first index in the row and its index within the document (padding: the
+    row's first token, index 0), as (L,) int64 tensors on ``device``; and the longest document's length."""
+    positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).to(device)
+    cuts = tuple(info.cu_seqlens or (0, info.seq_len))  # on the host: no device sync for the longest
+    bounds = torch.tensor(cuts, device=device)
+    positions = positions.masked_fill(positions >= info.seq_len, 0)
+    start = bounds[torch.bucketize(positions, bounds[1:], right=True)]
+    return start, positions - start, max(b - a for a, b in zip(cuts, cuts[1:]))
+
+
 def documents_from_positions(position_ids: torch.Tensor) -> tuple[int, ...] | None:
     """Boundaries where positions do not continue by +1 (a new document starts); one tuple for all
     rows, which must agree."""

@@ -9,7 +9,7 @@ from positions_cases import decoder_refusals, position_parity, unrunnable, unsha
 
 # each family the installed transformers runs on one process (at the floor, 5.15, Llama 4 needs its chunks)
 FAMILIES = [f for f in ("phi3-longrope", "llama-dynamic", "llama4-temperature", "llama4-chunked", "roberta",
-                                "bart", "marian", "bigbird-pegasus")
+                                "bart", "marian", "bigbird-pegasus", "trocr")
             if unrunnable(f) is None]
 MESHES = [(1, 2), (2, 1)]  # which reach every line U2 x R2 reached here (docs/testing.md)
 ROUNDING_MULTIPLE = 4  # as tests/hf/test_hf_families.py: a multiple of the reference's own measured rounding
@@ -63,13 +63,12 @@ def test_offset_positions_need_the_model(pools):
         assert "numbers its positions itself" in message and "model=model" in message, message
 
 
-def test_a_decoder_numbering_from_zero_is_refused_without_positions(pools):
-    """BART's decoder called without the batch's position_ids is refused (each rank would number its shard from 0),
-    naming the fix; generation, whose cache its attention keeps itself, is refused before the prompt is read."""
+def test_what_a_decoder_numbering_from_zero_cannot_do_is_refused(pools):
+    """Generation of BART's decoder, whose cache its attention keeps itself, is refused before the prompt is read;
+    TrOCR's sinusoidal table, which numbers around padding tokens, is refused at parallelize."""
     for said in pools.run(2, decoder_refusals, "bart"):
-        assert "numbers its tokens from 0 on each call" in said["no_position_ids"], said
-        assert "model(**batch)" in said["no_position_ids"], said
         assert "decoder of an encoder-decoder family" in said["generate"], said
+        assert "numbers the tokens of each call from 0 without a position module" in said["sinusoidal"], said
 
 
 def test_packed_chunks_counted_from_the_row_are_refused(pools):
