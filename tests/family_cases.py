@@ -643,3 +643,19 @@ def two_rows_error(family: str, layout: str = "zigzag") -> tuple[float, float]:
 
 def two_rows_errors(families: list[str], layout: str = "zigzag") -> list[tuple[float, float]]:
     return [two_rows_error(f, layout) for f in families]
+
+
+def during_calls(lm, is_layer, owner, name: str, value) -> None:
+    """A mutation's tool: ``owner.<name>`` (a module of seqmesh) replaced by ``value`` during each call of the modules
+    of ``lm`` for which ``is_layer`` holds, and restored after, so the pool's later cases see the library as it is."""
+    for module in lm.modules():
+        if is_layer(module):
+            def patched(*args, _forward=module.forward, **kwargs):
+                kept = getattr(owner, name)
+                setattr(owner, name, value)
+                try:
+                    return _forward(*args, **kwargs)
+                finally:
+                    setattr(owner, name, kept)
+
+            module.forward = patched

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo, document_places
-from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
-from .indexed_layouts import is_block_sparse, module_function, source
+from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
+from .indexed_layouts import checked_layers, is_block_sparse, module_function, selection_problem
 
 _ATTR = "_seqmesh_block_sparse"
 LAYER_TYPE = "minimax_m3_sparse"
@@ -37,31 +36,16 @@ _SELECTION = ("scores.amax(dim=-1)", 'block_scores.scatter_(-1, local_idx, float
 
 def block_sparse_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
     """The block-sparse attention modules of ``model``; a ValueError naming the first seqmesh cannot compute."""
-    found = [m for m in model.modules() if is_block_sparse(m)]
-    for module in found:
-        problem = _problem(module, mesh)
-        if problem:
-            raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
-                             f"exactly: {problem}. seqmesh computes MiniMax-M3's block-sparse attention as "
-                             "transformers 5.24 defines it.")
-    return found
+    return checked_layers(model, mesh, is_block_sparse, _problem,
+                          "MiniMax-M3's block-sparse attention as transformers 5.24 defines it")
 
 
 def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
-    missing = [n for n in _ATTENTION if not hasattr(module, n)] + [
-        f"indexer.{n}" for n in _INDEXER if not hasattr(module.indexer, n)]
-    if missing:
-        return f"it is not MiniMax-M3's layout (no {', '.join(missing)})"
-    if getattr(mesh, "tp", 1) > 1:
-        return f"tensor parallelism (tp={mesh.tp}) is not combined with block-sparse attention; use tp=1"
-    selection = source(type(module.indexer).forward)
-    unknown = [s for s in _SELECTION if s not in selection]
-    if unknown:
-        return f"its indexer selects otherwise than seqmesh knows (no {unknown[0]!r})"
-    if module.config.num_attention_heads % module.indexer.num_heads:
+    problem = selection_problem(module, mesh, _ATTENTION, _INDEXER, _SELECTION, "MiniMax-M3", "block-sparse attention")
+    if problem is None and module.config.num_attention_heads % module.indexer.num_heads:
         return (f"its {module.config.num_attention_heads} query heads are not groups of its "
                 f"{module.indexer.num_heads} indexer heads")
-    return None
+    return problem
 
 
 def _select(indexer: nn.Module, rotate, hidden: torch.Tensor, position_embeddings, row_keys: torch.Tensor,
@@ -154,10 +138,7 @@ def _make_forward(mesh: SPMesh):
                                  tuple(t[:, part] for t in position_embeddings), row_index_keys, start[part],
                                  within[part], blocks)
             inputs = (query[:, :, part], row_k, row_v, chosen, start[part], within[part])
-            if torch.is_grad_enabled():
-                outputs.append(checkpoint(_attend, self, *inputs, use_reentrant=False))
-            else:
-                outputs.append(_attend(self, *inputs))
+            outputs.append(recomputed(_attend, self, *inputs))
         out = torch.cat(outputs, dim=1).reshape(b, length, -1)
         return self.o_proj(out), None
 

@@ -163,6 +163,12 @@ def _index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, w
         yield block, F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
 
 
+def recomputed(fn, *inputs):
+    """``fn(*inputs)``, recomputed in backward rather than kept where a gradient is being built (a block of queries
+    of a sparse layer: its gathered keys are the memory)."""
+    return checkpoint(fn, *inputs, use_reentrant=False) if torch.is_grad_enabled() else fn(*inputs)
+
+
 def whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor:
     """``x`` (B, L, ...) of every rank, in row order, without the layout's padding: (B, T, ...)."""
     return gather_sequence(x, mesh, dim=1, layout=info.layout, length=info.seq_len, cu_seqlens=info.cu_seqlens)
@@ -238,10 +244,7 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
         block = slice(start, start + step)
         valid = torch.gather(allowed(block).expand(b, -1, -1), 2, picks[:, block])  # (B, l, k)
         inputs = (q_pass[:, block], q_rot[:, block], row, picks[:, block], valid)
-        if torch.is_grad_enabled():
-            outputs.append(checkpoint(_latent_attention, module, *inputs, use_reentrant=False))
-        else:
-            outputs.append(_latent_attention(module, *inputs))
+        outputs.append(recomputed(_latent_attention, module, *inputs))
     return torch.cat(outputs, dim=1), picks
 
 

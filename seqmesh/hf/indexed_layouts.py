@@ -64,6 +64,34 @@ def module_function(module: nn.Module, name: str):
     return getattr(sys.modules[type(module).__module__], name)
 
 
+def checked_layers(model: nn.Module, mesh, kind, problem, computes: str) -> list[nn.Module]:
+    """The modules of ``model`` for which ``kind(module)`` holds; a ValueError naming the first for which
+    ``problem(module, mesh)`` gives a reason, followed by what seqmesh ``computes``."""
+    found = [m for m in model.modules() if kind(m)]
+    for module in found:
+        reason = problem(module, mesh)
+        if reason:
+            raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
+                             f"exactly: {reason}. seqmesh computes {computes}.")
+    return found
+
+
+def selection_problem(module: nn.Module, mesh, attention: tuple[str, ...], indexer: tuple[str, ...],
+                      selection: tuple[str, ...], layout: str, what: str) -> str | None:
+    """Why seqmesh cannot run a layer whose indexer selects blocks of keys (MiniMax-M3's, Qwen4-Exp's QSA): a part of
+    ``layout`` missing (``attention`` on the module, ``indexer`` on its indexer), tensor parallelism, or an indexer
+    whose forward lacks one of transformers' own ``selection`` statements; ``what`` names the attention."""
+    missing = [n for n in attention if not hasattr(module, n)] + [
+        f"indexer.{n}" for n in indexer if not hasattr(module.indexer, n)]
+    if missing:
+        return f"it is not {layout}'s layout (no {', '.join(missing)})"
+    if getattr(mesh, "tp", 1) > 1:
+        return f"tensor parallelism (tp={mesh.tp}) is not combined with {what}; use tp=1"
+    found = source(type(module.indexer).forward)
+    unknown = [s for s in selection if s not in found]
+    return f"its indexer selects otherwise than seqmesh knows (no {unknown[0]!r})" if unknown else None
+
+
 def is_block_sparse(module: nn.Module) -> bool:
     """Whether ``module`` is the attention of a block-sparse layer (MiniMax-M3's: its indexer selects blocks of keys,
     :mod:`.block_sparse_attention`), not one of the layouts above."""

@@ -26,13 +26,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
 from ..mesh import SPMesh
 from ..sequence.batch import document_places
-from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
+from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
 _ATTR = "_seqmesh_inkling"
@@ -144,10 +143,7 @@ def _make_attention_forward(mesh: SPMesh):
                 first = max(first, int(positions[part].min()) - self.sliding_window + 1)
             inputs = (query[:, :, part], rel[:, part], row_k, row_v, positions[part], starts[part], first,
                       int(positions[part].max()))
-            if torch.is_grad_enabled():
-                outputs.append(checkpoint(_attend, self, *inputs, use_reentrant=False))
-            else:
-                outputs.append(_attend(self, *inputs))
+            outputs.append(recomputed(_attend, self, *inputs))
         return self.o_proj(torch.cat(outputs, dim=1).reshape(b, length, -1)), None
 
     return forward

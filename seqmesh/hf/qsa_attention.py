@@ -21,12 +21,11 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo, document_places
-from .indexed_attention import BLOCK_ELEMENTS, entry_of, replace_forward, restore_forward, whole_row
-from .indexed_layouts import module_function, source
+from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
+from .indexed_layouts import checked_layers, module_function, selection_problem
 
 _ATTR = "_seqmesh_qsa"
 LAYER_TYPE = "indexed_attention"
@@ -47,30 +46,14 @@ def is_qsa(module: nn.Module) -> bool:
 
 def qsa_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
     """The QSA attention modules of ``model``; a ValueError naming the first seqmesh cannot compute."""
-    found = [m for m in model.modules() if is_qsa(m)]
-    for module in found:
-        problem = _problem(module, mesh)
-        if problem:
-            raise ValueError(f"seqmesh cannot run {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
-                             f"exactly: {problem}. seqmesh computes Qwen4-Exp's QSA attention as transformers 5.24 "
-                             "defines it.")
-    return found
+    return checked_layers(model, mesh, is_qsa, _problem, "Qwen4-Exp's QSA attention as transformers 5.24 defines it")
 
 
 def _problem(module: nn.Module, mesh: SPMesh) -> str | None:
-    missing = [n for n in _ATTENTION if not hasattr(module, n)] + [
-        f"indexer.{n}" for n in _INDEXER if not hasattr(module.indexer, n)]
-    if missing:
-        return f"it is not Qwen4-Exp's layout (no {', '.join(missing)})"
-    if getattr(mesh, "tp", 1) > 1:
-        return f"tensor parallelism (tp={mesh.tp}) is not combined with QSA attention; use tp=1"
-    selection = source(type(module.indexer).forward)
-    unknown = [s for s in _SELECTION if s not in selection]
-    if unknown:
-        return f"its indexer selects otherwise than seqmesh knows (no {unknown[0]!r})"
-    if module.indexer.index_kv_heads != 1:
+    problem = selection_problem(module, mesh, _ATTENTION, _INDEXER, _SELECTION, "Qwen4-Exp", "QSA attention")
+    if problem is None and module.indexer.index_kv_heads != 1:
         return f"its indexer has {module.indexer.index_kv_heads} key heads (transformers' indexer reads one)"
-    return None
+    return problem
 
 
 def _blocks(info: SequenceInfo, ratio: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,10 +166,7 @@ def _make_forward(mesh: SPMesh):
             with torch.no_grad():
                 chosen = _select(indexer, q_index[:, part], pooled, block_starts, first_block[part], within[part])
             inputs = (query[:, :, part], row_k, row_v, chosen, block_starts, start[part], within[part])
-            if torch.is_grad_enabled():
-                outputs.append(checkpoint(_attend, self, *inputs, use_reentrant=False))
-            else:
-                outputs.append(_attend(self, *inputs))
+            outputs.append(recomputed(_attend, self, *inputs))
         out = torch.cat(outputs, dim=1).reshape(b, length, -1)
         return self.o_proj(out * torch.sigmoid(gate)), None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import outside_rounding, parity_cases, parity_line
+from family_cases import during_calls, outside_rounding, parity_cases, parity_line
 
 FAMILY = "inkling"
 ROUNDING_MULTIPLE = 4
@@ -24,21 +24,10 @@ def test_inkling_exact(pools, ulysses, ring):
 
 
 def _during_calls(lm, name: str, value) -> None:
-    """``seqmesh.hf.inkling.<name>`` replaced by ``value(original)`` during each call of the model's attention modules
-    (restored after, so the pool's later cases see the library as it is)."""
+    """``seqmesh.hf.inkling.<name>`` replaced by ``value(original)`` during each call of the model's attention."""
     from seqmesh.hf import inkling
 
-    for module in lm.modules():
-        if inkling.is_relative_attention(module):
-            def patched(*args, _forward=module.forward, **kwargs):
-                kept = getattr(inkling, name)
-                setattr(inkling, name, value(kept))
-                try:
-                    return _forward(*args, **kwargs)
-                finally:
-                    setattr(inkling, name, kept)
-
-            module.forward = patched
+    during_calls(lm, inkling.is_relative_attention, inkling, name, value(getattr(inkling, name)))
 
 
 def _bias_one_key_off(lm) -> None:
@@ -68,17 +57,7 @@ def _conv_without_halo(lm) -> None:
                            module.conv1d.bias, place.mine.conv_bounds, None).index_select(1, place.mine.own)
         return (conv + wide).to(x.dtype)
 
-    for module in lm.modules():
-        if inkling.is_short_convolution(module):
-            def patched(*args, _forward=module.forward, **kwargs):
-                kept = inkling.short_convolution
-                inkling.short_convolution = own_rows_only
-                try:
-                    return _forward(*args, **kwargs)
-                finally:
-                    inkling.short_convolution = kept
-
-            module.forward = patched
+    during_calls(lm, inkling.is_short_convolution, inkling, "short_convolution", own_rows_only)
 
 
 def _scale_from_the_row_start(lm) -> None:

@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import family_parity, share_references
+from family_cases import during_calls, outside_rounding, parity_cases
 
 FAMILY = "qwen4-exp"  # blocks of 4 tokens: each query the top 4 of up to 11, and its tail of up to 3
 ROUNDING_MULTIPLE = 4
 
 
 def _run_all(cases: list[tuple], **kwargs) -> list[dict]:
-    share_references(cases, 45)
-    return [{"case": c, **family_parity(*c, **kwargs)} for c in cases]
+    return parity_cases(cases, **kwargs)
 
 
 def _outside_rounding(r: dict) -> list[str]:
-    return [key for key in ("logits", "loss", "grad") if not r[key] <= ROUNDING_MULTIPLE * r["rounding"][key]]
+    return outside_rounding(r, ROUNDING_MULTIPLE)
 
 
 def one_block_short(model) -> None:
@@ -123,21 +122,10 @@ PLE = "qwen4-exp-ple"
 
 
 def _during_ple_calls(lm, replacement) -> None:
-    """``seqmesh.hf.ngram_ple.halo`` replaced by ``replacement(halo)`` during each call of the model's PLE layers
-    (restored after, so the pool's later cases see the library as it is)."""
+    """``seqmesh.hf.ngram_ple.halo`` replaced by ``replacement(halo)`` during each call of the model's PLE layers."""
     from seqmesh.hf import ngram_ple
 
-    for module in lm.modules():
-        if ngram_ple.is_ple_layer(module):
-            def patched(*args, _forward=module.forward, **kwargs):
-                kept = ngram_ple.halo
-                ngram_ple.halo = replacement(kept)
-                try:
-                    return _forward(*args, **kwargs)
-                finally:
-                    ngram_ple.halo = kept
-
-            module.forward = patched
+    during_calls(lm, ngram_ple.is_ple_layer, ngram_ple, "halo", replacement(ngram_ple.halo))
 
 
 def _halo_rows_blanked(halo, what: str):

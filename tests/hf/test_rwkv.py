@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_cases import outside_rounding, parity_cases, parity_line
+from family_cases import during_calls, outside_rounding, parity_cases, parity_line
 
 ROUNDING_MULTIPLE = 4
 MESHES = [(2, 1), (1, 2)]
@@ -31,21 +31,9 @@ def test_rwkv_exact_on_the_2d_mesh(pools):
 
 
 def _during_calls(lm, name: str, value) -> None:
-    """``seqmesh.hf.rwkv.<name>`` replaced by ``value`` during each call of the model's RWKV modules (restored after,
-    so the pool's later cases see the library as it is)."""
     from seqmesh.hf import rwkv
 
-    for module in lm.modules():
-        if type(module).__name__ in (rwkv.TIME_MIX, rwkv.CHANNEL_MIX):
-            def patched(*args, _forward=module.forward, **kwargs):
-                kept = getattr(rwkv, name)
-                setattr(rwkv, name, value)
-                try:
-                    return _forward(*args, **kwargs)
-                finally:
-                    setattr(rwkv, name, kept)
-
-            module.forward = patched
+    during_calls(lm, lambda m: type(m).__name__ in (rwkv.TIME_MIX, rwkv.CHANNEL_MIX), rwkv, name, value)
 
 
 def _state_not_carried(lm) -> None:

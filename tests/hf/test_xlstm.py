@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from family_cases import outside_rounding, parity_cases, parity_line
+from family_cases import during_calls, outside_rounding, parity_cases, parity_line
 
 ROUNDING_MULTIPLE = 4
 
@@ -29,17 +29,8 @@ def _memory_not_carried(lm) -> None:
     during each call of the model's mLSTM layers."""
     from seqmesh.hf import xlstm
 
-    for module in lm.modules():
-        if xlstm.is_mlstm_layer(module):
-            def patched(*args, _forward=module.forward, **kwargs):
-                kept = xlstm.rerun_states
-                xlstm.rerun_states = lambda out, finals, place, empty, carry, rerun, keep=None: out
-                try:
-                    return _forward(*args, **kwargs)
-                finally:
-                    xlstm.rerun_states = kept
-
-            module.forward = patched
+    during_calls(lm, xlstm.is_mlstm_layer, xlstm, "rerun_states",
+                 lambda out, finals, place, empty, carry, rerun, keep=None: out)
 
 
 def test_a_memory_not_carried_is_caught(pools):
