@@ -77,7 +77,7 @@ def _attend(module: nn.Module, query: torch.Tensor, row_k: torch.Tensor, row_v: 
             start: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
     """query (B, Hq, l, D) over the keys of its chosen blocks: row_k, row_v (B, T, Hkv, D) the row's; chosen
     (B, Hi, l, k) from :func:`_select` -> (B, l, Hq, D)."""
-    b, hq, length, d = query.shape
+    hq = query.shape[1]
     bs = module.indexer.block_size
     offsets = chosen[..., None] * bs + torch.arange(bs, device=query.device)  # (B, Hi, l, k, bs) within the document
     valid = (chosen[..., None] >= 0) & (offsets <= within[:, None, None])
@@ -86,13 +86,21 @@ def _attend(module: nn.Module, query: torch.Tensor, row_k: torch.Tensor, row_v: 
     per_head = hq // chosen.shape[1]
     where = where.repeat_interleave(per_head, dim=1)  # (B, Hq, l, K): each query head its indexer head's blocks
     valid = valid.repeat_interleave(per_head, dim=1)
+    return gathered_attention(query, row_k, row_v, where, valid, module.scaling)
+
+
+def gathered_attention(query: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor, where: torch.Tensor,
+                       valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query (B, Hq, l, D) over the row's keys and values (B, T, Hkv, D) at the row indices ``where`` (B, Hq, l, K)
+    where ``valid`` holds (each query head reads its key head's rows: GQA) -> (B, l, Hq, D)."""
+    b, hq, length, d = query.shape
     total, kv_heads = row_k.shape[1], row_k.shape[2]
-    kv_of = torch.arange(hq, device=query.device) // (hq // kv_heads)  # each query head's key head (GQA)
+    kv_of = torch.arange(hq, device=query.device) // (hq // kv_heads)  # each query head's key head
     index = where.clamp(max=total - 1) * kv_heads + kv_of[None, :, None, None]  # into the row's (T x Hkv) rows
     index = index.reshape(b, -1, 1).expand(-1, -1, d)  # (B, Hq l K, D)
     k = row_k.reshape(b, total * kv_heads, d).gather(1, index).view(b, hq, length, -1, d)
     v = row_v.reshape(b, total * kv_heads, d).gather(1, index).view(b, hq, length, -1, d)
-    scores = torch.einsum("bhld,bhlkd->bhlk", query, k) * module.scaling
+    scores = torch.einsum("bhld,bhlkd->bhlk", query, k) * scaling
     scores = scores.masked_fill(~valid, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
     return torch.einsum("bhlk,bhlkd->bhld", probs, v).transpose(1, 2)

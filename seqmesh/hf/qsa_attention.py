@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo, document_places
+from .block_sparse_attention import gathered_attention
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
 from .indexed_layouts import checked_layers, module_function, selection_problem
 
@@ -105,7 +106,7 @@ def _attend(module: nn.Module, query: torch.Tensor, row_k: torch.Tensor, row_v: 
             block_starts: torch.Tensor, start: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
     """query (B, Hq, l, D) over its selected tokens: its chosen blocks (B, l, k) and its tail (the tokens after its
     last complete block, up to itself); row_k, row_v (B, T, Hkv, D) -> (B, l, Hq, D)."""
-    b, hq, length, d = query.shape
+    b = query.shape[0]
     ratio = module.indexer.compress_ratio
     slot = torch.arange(ratio, device=query.device)
     picked = block_starts[chosen.clamp(min=0)][..., None] + slot  # (B, l, k, r) in the row
@@ -113,18 +114,11 @@ def _attend(module: nn.Module, query: torch.Tensor, row_k: torch.Tensor, row_v: 
     tail_start = start + (within + 1) // ratio * ratio  # (l,)
     tail = tail_start[:, None] + slot[:-1]  # (l, r - 1)
     tail_ok = tail <= (start + within)[:, None]
-    where = torch.cat([picked.flatten(-2), tail.expand(b, -1, -1)], dim=-1)  # (B, l, K)
+    where = torch.cat([picked.flatten(-2), tail.expand(b, -1, -1)], dim=-1)  # (B, l, K): every head alike
     valid = torch.cat([picked_ok.flatten(-2), tail_ok.expand(b, -1, -1)], dim=-1)
-    total, kv_heads = row_k.shape[1], row_k.shape[2]
-    kv_of = torch.arange(hq, device=query.device) // (hq // kv_heads)  # each query head's key head (GQA)
-    index = where.clamp(max=total - 1)[:, None] * kv_heads + kv_of[None, :, None, None]  # (B, Hq, l, K)
-    index = index.reshape(b, -1, 1).expand(-1, -1, d)
-    k = row_k.reshape(b, total * kv_heads, d).gather(1, index).view(b, hq, length, -1, d)
-    v = row_v.reshape(b, total * kv_heads, d).gather(1, index).view(b, hq, length, -1, d)
-    scores = torch.einsum("bhld,bhlkd->bhlk", query, k) * module.scaling
-    scores = scores.masked_fill(~valid[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    return torch.einsum("bhlk,bhlkd->bhld", probs, v).transpose(1, 2)
+    heads = query.shape[1]
+    return gathered_attention(query, row_k, row_v, where[:, None].expand(-1, heads, -1, -1),
+                              valid[:, None].expand(-1, heads, -1, -1), module.scaling)
 
 
 def _make_forward(mesh: SPMesh):
