@@ -329,7 +329,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
             raise ValueError(f"{type(self).__name__} runs sequence-parallel and returns no attention weights; call the "
                              "model with output_attentions=False.")
         _check_dropout(self, family, type(self).__name__)  # the model may have been put in training since
-        if kwargs.get("attn_prompt") is not None:  # MVP's prompts: refused at parallelize where the config asks
+        if kwargs.get("attn_prompt") is not None:  # MVP's prompts (use_prompt=True): refused at the call
             raise ValueError(f"{type(self).__name__} was called with prompts (attn_prompt), which seqmesh does not "
                              "place; set use_prompt=False.")
         if kwargs.get("key_value_states") is not None or kwargs.get("encoder_hidden_states") is not None:
@@ -349,8 +349,13 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
                              {"sliding_window": window, "alibi": slopes})
             if done is not None:  # (B, 1, Hq, Dv)
                 return family.output(self, done[..., :width].flatten(2), residual)
+        causal = family.causal(self)
+        if not causal and info.lengths is not None:
+            raise ValueError(f"{type(self).__name__} attends both ways (is_decoder=False) and the batch's rows have "
+                             f"real lengths {info.lengths}: each row's tokens would see the padding after it; give "
+                             "rows of one length, or a decoder (is_decoder=True).")
         first = id(mesh) not in info.validated
-        o = attention(q, k, v, mesh, causal=family.causal(self), layout=info.layout, cu_seqlens=info.cu_seqlens,
+        o = attention(q, k, v, mesh, causal=causal, layout=info.layout, cu_seqlens=info.cu_seqlens,
                       seq_len=info.seq_len if info.cu_seqlens is None else None, softmax_scale=scale,
                       backend=backend, validate=first, window=window, alibi=slopes)
         info.validated.add(id(mesh))

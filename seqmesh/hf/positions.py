@@ -198,9 +198,15 @@ def check_positions(model: nn.Module, by_layout: frozenset[int] = frozenset()) -
     decoder = decoder_of(model)
     from .layers import has_attention  # a model without attention (Mamba2) reads no position at all
 
-    numbering = getattr(decoder, "embed_positions", None) is not None  # a table the decoder numbers itself
-    if "position_ids" not in inspect.signature(decoder.forward).parameters and counting_embeddings(model) is None \
-            and (numbering or has_attention(model, by_layout)):
+    table = getattr(decoder, "embed_positions", None)  # a table the decoder numbers itself
+    takes_positions = "position_ids" in inspect.signature(decoder.forward).parameters
+    if not takes_positions and hasattr(table, "create_position_ids_from_input_ids"):
+        raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder's position table "
+                         f"({type(table).__name__}) numbers each call's tokens around its padding ids, which each rank "
+                         "would count in its own shard only; use its learned table (TrOCR: "
+                         "use_learned_position_embeddings=True), which seqmesh renumbers.")
+    if not takes_positions and counting_embeddings(model) is None \
+            and (table is not None or has_attention(model, by_layout)):
         raise ValueError(f"seqmesh cannot run {type(model).__name__} exactly: its decoder ({type(decoder).__name__}) "
                          "takes no position_ids and numbers the tokens of each call from 0 without a position "
                          "module seqmesh can renumber (an embed_positions whose forward takes cache_length, as "

@@ -109,7 +109,8 @@ def _attend(module: nn.Module, query: torch.Tensor, row_k: torch.Tensor, row_v: 
     b = query.shape[0]
     ratio = module.indexer.compress_ratio
     slot = torch.arange(ratio, device=query.device)
-    picked = block_starts[chosen.clamp(min=0)][..., None] + slot  # (B, l, k, r) in the row
+    starts = block_starts if block_starts.numel() else block_starts.new_zeros(1)  # no complete block: tails only
+    picked = starts[chosen.clamp(min=0)][..., None] + slot  # (B, l, k, r) in the row
     picked_ok = (chosen >= 0)[..., None].expand_as(picked)
     tail_start = start + (within + 1) // ratio * ratio  # (l,)
     tail = tail_start[:, None] + slot[:-1]  # (l, r - 1)

@@ -128,6 +128,11 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
     def forward(self, x: torch.Tensor, state=None, **kwargs):
         # x (B, L, E) in shard order -> ((B, L, E), None)
         info = kwargs.get("seqmesh")
+        if state is not None and info is not None and not self.training:
+            raise ValueError(f"{type(self).__name__} was given its memory by the model: an evaluating xLSTMModel runs "
+                             f"a call longer than max_inference_chunksize ({self.config.max_inference_chunksize}) in "
+                             "pieces with a cache, which seqmesh does not; raise config.max_inference_chunksize above "
+                             f"this rank's {x.shape[1]} tokens, or evaluate in training mode (model.train()).")
         check_mixer_context(self, info, state, None)
         place = halo.placement(mesh, x.shape[1], layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
         query, key, value, igate, fgate, o_preact = _projections(self, x)

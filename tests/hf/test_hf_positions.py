@@ -68,7 +68,8 @@ def test_what_a_decoder_numbering_from_zero_cannot_do_is_refused(pools):
     TrOCR's sinusoidal table, which numbers around padding tokens, is refused at parallelize."""
     for said in pools.run(2, decoder_refusals, "bart"):
         assert "decoder of an encoder-decoder family" in said["generate"], said
-        assert "numbers the tokens of each call from 0 without a position module" in said["sinusoidal"], said
+        assert "around its padding ids" in said["sinusoidal"], said
+        assert "use_learned_position_embeddings=True" in said["sinusoidal"], said
 
 
 def test_packed_chunks_counted_from_the_row_are_refused(pools):
