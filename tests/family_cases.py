@@ -230,6 +230,11 @@ def family_config(family: str):
                                 input_embedding_size=16, output_embedding_size=16, intermediate_size=96,
                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
                                 max_position_embeddings=128, is_decoder=True)
+    if family == "roformer":  # BERT-style as a decoder, rotated (values too) at its encoder's sinusoidal table
+        return tf.RoFormerConfig(vocab_size=64, hidden_size=48, embedding_size=48, num_hidden_layers=2,
+                                 num_attention_heads=6, intermediate_size=96, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0, max_position_embeddings=128, is_decoder=True,
+                                 rotary_value=True)
     if family == "megatron-bert":  # as RemBERT's, pre-norm
         return tf.MegatronBertConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                                      intermediate_size=96, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,

@@ -75,6 +75,15 @@ def parity_with_both_ways(cases: list[tuple]) -> list[dict]:
     return _parity_with_family_changed(cases, "RemBertSelfAttention", causal=lambda module: False)
 
 
+def _table_from_each_shard(lm) -> None:
+    """RoFormer's sinusoidal table as its encoder makes it for each call: from each shard's first token."""
+    lm.roformer.encoder.embed_positions._forward_hooks.clear()
+
+
+def parity_with_table_from_each_shard(cases: list[tuple]) -> list[dict]:
+    return [{"case": c, **family_parity(*c, seq_len=45, alter=_table_from_each_shard)} for c in cases]
+
+
 def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
     """GPT-Neo's local layers run as global ones (their window dropped)."""
     return _parity_with_family_changed(cases, "GPTNeoAttention", window=lambda module: None)

@@ -66,7 +66,7 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "of Kimi Linear and Bailing hybrid; ZAYA's compressed convolutional attention; the ALiBi attention of "
              "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention; the attention of "
              "OpenAI-GPT, XGLM and GPT-NeoX-Japanese; Doge's dynamic mask within keep_window_size; the BERT-style "
-             "attention of RemBERT and MegatronBERT; the decoders of BART, mBART, Marian, Pegasus, Blenderbot, PLBart, "
+             "attention of RemBERT, MegatronBERT and RoFormer; the decoders of BART, mBART, Marian, Pegasus, Blenderbot, PLBart, "
              "BigBird-Pegasus, MusicGen, MVP and TrOCR")
 
 

@@ -2,8 +2,8 @@
 ``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
 attention, GPT-Neo's global and local attention, the original GPT's (OpenAI-GPT), XGLM's and GPT-NeoX-Japanese's
 (its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys), the BERT-style
-self-attention of RemBERT and MegatronBERT (causal where the config says ``is_decoder``), and the decoders' of TrOCR
-and MVP.
+self-attention of RemBERT, MegatronBERT and RoFormer (causal where the config says ``is_decoder``; RoFormer's rotary
+at the table its encoder is given), and the decoders' of TrOCR and MVP.
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -33,6 +33,7 @@ the ALiBi bias (``seqmesh.kernels.base.BlockMask.alibi``), so an ALiBi model's `
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ class _Family:
     fold: Callable | None = None
     refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
     causal: Callable[[nn.Module], bool] = lambda m: True  # False: every token sees every other (an encoder's)
+    # (module, q, k, v (B, L, H, D), the call's kwargs) -> q, k, v: a rotary whose table the layer is given as an
+    # argument (RoFormer's sinusoidal_pos, made by its encoder at the tokens' positions)
+    rotate_given: Callable | None = None
 
 
 def _family_function(module: nn.Module, name: str) -> Callable:
@@ -197,6 +201,16 @@ def _bert_project(module: nn.Module, hidden: torch.Tensor):
                  for proj in (module.query, module.key, module.value))
 
 
+def _roformer_rotate(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict):
+    """RoFormer's rotary at its encoder's table (``sinusoidal_pos``), on the values too where it says so."""
+    table = kwargs.get("sinusoidal_pos")
+    if table is None:
+        return q, k, v
+    heads_first = [t.transpose(1, 2) for t in ((q, k, v) if module.rotary_value else (q, k))]  # (B, H, L, D)
+    rotated = [t.transpose(1, 2) for t in module.apply_rotary_position_embeddings(table, *heads_first)]
+    return (*rotated, v) if len(rotated) == 2 else tuple(rotated)
+
+
 # the self-attention of the BERT-style encoders: scores / sqrt(D) over the mask the model builds itself, causal
 # where the config says is_decoder (as a causal LM), both ways where not; the layer returns the heads' outputs and
 # leaves the projection to its caller
@@ -238,6 +252,7 @@ FAMILIES: dict[str, _Family] = {
     "RemBertSelfAttention": _BERT,
     "MegatronBertSelfAttention": _BERT,
     # the decoders of TrOCR and MVP: BART's attention of old, the query scaled first (MVP's prompts refused at the call)
+    "RoFormerSelfAttention": dataclasses.replace(_BERT, rotate_given=_roformer_rotate),
     "TrOCRAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
                               lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
     "MvpAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
@@ -256,11 +271,11 @@ def family_key(module: nn.Module) -> str | None:
 
 
 # families computed as the named transformers release lays them out, refused on older ones: GPT-NeoX-Japanese's
-# rotary tables and Doge's dynamic mask read otherwise at 5.15 (a size mismatch; a loss 1.6e-3 off), RemBERT and
-# MegatronBERT as decoders attend both ways there (their logits 4.8e-3 from seqmesh's causal ones), and no release
-# between was measured
+# rotary tables and Doge's dynamic mask read otherwise at 5.15 (a size mismatch; a loss 1.6e-3 off), RemBERT,
+# MegatronBERT and RoFormer as decoders attend both ways there (their logits 4.8e-3 and 8.6e-3 from seqmesh's causal
+# ones), and no release between was measured
 NEWEST_ONLY = {"GPTNeoXJapaneseAttention": "5.24", "DogeAttention": "5.24", "RemBertSelfAttention": "5.24",
-               "MegatronBertSelfAttention": "5.24"}
+               "MegatronBertSelfAttention": "5.24", "RoFormerSelfAttention": "5.24"}
 
 
 def _too_old(key: str) -> str | None:
@@ -339,6 +354,8 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
         q, k, v = family.project(self, hidden_states)
         if family.rotate is not None:  # as the family rotates them, at the batch's global positions
             q, k = family.rotate(self, q, k, *kwargs["position_embeddings"])
+        if family.rotate_given is not None:  # at the table the layer is given (made at the tokens' positions)
+            q, k, v = family.rotate_given(self, q, k, v, kwargs)
         width = v.shape[-1]  # the output's, after a fold's extra channel is cut
         if family.fold is not None:
             q, k, v = family.fold(self, q, k, v, info)

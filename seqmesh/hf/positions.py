@@ -107,7 +107,9 @@ def counting_embeddings(model: nn.Module) -> nn.Module | None:
     decoder = decoder_of(model)
     if "position_ids" in inspect.signature(decoder.forward).parameters:
         return None
-    module = getattr(decoder, "embed_positions", None)
+    # the decoder's own, or its encoder's (RoFormer's sinusoidal table, given to every layer's attention)
+    module = getattr(decoder, "embed_positions", None) or getattr(getattr(decoder, "encoder", None), "embed_positions",
+                                                                 None)
     forward = getattr(type(module), "forward", None)
     if forward is None or hasattr(module, "create_position_ids_from_input_ids"):
         return None  # none, or one that numbers around padding tokens (TrOCR's sinusoidal table): not by span

@@ -10,7 +10,7 @@ LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "Fa
                  "gpt_neo": "GPTNeoAttention", "openai-gpt": "openai.Attention", "xglm": "XGLMAttention",
                  "gpt_neox_japanese": "GPTNeoXJapaneseAttention", "doge": "DogeAttention",
                  "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention",
-                 "trocr": "TrOCRAttention", "mvp": "MvpAttention"}
+                 "trocr": "TrOCRAttention", "mvp": "MvpAttention", "roformer": "RoFormerSelfAttention"}
 # of those, the families seqmesh plan does not size yet (their config.json's names and layer layouts)
 UNPLANNED = ("openai-gpt", "xglm", "gpt_neox_japanese", "doge")
 # the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds

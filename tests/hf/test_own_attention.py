@@ -12,7 +12,7 @@ import math
 import pytest
 
 from own_attention_cases import (layer_refusals, parity_with_bias_dropped, parity_with_both_ways,
-                                 parity_with_positions_off_by_one,
+                                 parity_with_positions_off_by_one, parity_with_table_from_each_shard,
                                  parity_with_slopes_unmoved, parity_with_whole_rotary, parity_with_windows_dropped)
 from short_conv_cases import parity_all
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
@@ -23,7 +23,8 @@ from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 # (pretraining_tp with slow_but_exact), which adds no bias: the first version added it, and its gradient was wrong
 # openai-gpt: its class named Attention, blocks without **kwargs; xglm: the query scaled first; gpt-neox-japanese: a
 # partial rotary; doge: a bias of each key folded into the keys; rembert, megatron-bert: BERT-style attention as a
-# decoder (is_decoder), three levels of calls without **kwargs, a prediction head holding the projection
+# decoder (is_decoder), three levels of calls without **kwargs, a prediction head holding the projection; roformer:
+# the same, rotated at its encoder's sinusoidal table (renumbered as the decoders' of encoder-decoder families)
 def _newest(*families: str) -> list[str]:
     """``families`` where the installed transformers is the one seqmesh computes them for (own_attention.NEWEST_ONLY);
     none at the floor, where they are refused by name (test_the_newest_only_families_are_refused_on_older_releases)."""
@@ -33,7 +34,7 @@ def _newest(*families: str) -> list[str]:
 
 
 FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo", "openai-gpt", "xglm",
-            *_newest("gpt-neox-japanese", "doge", "rembert", "megatron-bert")]
+            *_newest("gpt-neox-japanese", "doge", "rembert", "megatron-bert", "roformer")]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
@@ -74,6 +75,9 @@ if _newest("doge"):
     MUTATIONS["Doge's key bias dropped"] = (parity_with_bias_dropped, [("doge", 2, 1, "zigzag", True)])
     # RemBERT's decoder attending both ways (ring 2: each rank's queries see the other's later keys)
     MUTATIONS["RemBERT attending both ways"] = (parity_with_both_ways, [("rembert", 1, 2, "zigzag", False)])
+    # RoFormer's rotary table made from each shard's first token (ring 2: rank 1's tokens rotated as the first)
+    MUTATIONS["RoFormer's table from each shard"] = (parity_with_table_from_each_shard,
+                                                     [("roformer", 1, 2, "zigzag", False)])
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
@@ -203,10 +207,10 @@ def _refusal_of(family: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("family", ["gpt-neox-japanese", "doge", "rembert"])
+@pytest.mark.parametrize("family", ["gpt-neox-japanese", "doge", "rembert", "roformer"])
 def test_the_newest_only_families_are_refused_on_older_releases(pools, family):
-    """At a transformers older than the one seqmesh computes them for, GPT-NeoX-Japanese, Doge and RemBERT are refused
-    by name with the fix (upgrade), not computed from another release's layout."""
+    """At a transformers older than the one seqmesh computes them for, GPT-NeoX-Japanese, Doge, RemBERT and RoFormer are
+    refused by name with the fix (upgrade), not computed from another release's layout."""
     from seqmesh.hf.own_attention import _too_old
 
     said = pools.run(1, _refusal_of, family)[0]
