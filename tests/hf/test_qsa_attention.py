@@ -91,17 +91,30 @@ def test_a_mutation_is_seen(pools, name, mutation, case):
             assert "logits" in _outside_rounding(r), r
 
 
-def test_the_planner_and_generation_refuse_it_by_name(tmp_path):
-    """The planner does not size QSA or the hyper-connections yet, and generation does not decode QSA: both say so."""
-    import inspect
-
-    from family_cases import family_config
+def _generate_refusal() -> str:
+    from dist_cases import get_mesh
+    from family_cases import build, family_config
+    from seqmesh.hf import parallelize
     from seqmesh.inference.generate import check_generate
+
+    mesh = get_mesh(1, 2)
+    try:
+        check_generate(parallelize(build(family_config(FAMILY)), mesh), mesh)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_the_planner_and_generation_refuse_it_by_name(pools, tmp_path):
+    """The planner does not size QSA or the hyper-connections yet, and generation does not decode QSA: both say so,
+    generation before the prompt is read."""
+    from family_cases import family_config
     from seqmesh.model.presets import model_shape
 
     family_config(FAMILY).save_pretrained(tmp_path)
     assert "QSA" in model_shape(str(tmp_path)).unplanned
-    assert "QSA layers, whose decode seqmesh does not run yet" in inspect.getsource(check_generate)
+    for message in pools.run(2, _generate_refusal):
+        assert "QSA layers, whose decode seqmesh does not run yet" in message, message
 
 
 def test_a_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):
