@@ -95,11 +95,13 @@ class SelectionMargin(TorchFunctionMode):
 
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
-                     mutation: str | None = None, end_at: int | None = None, sharded: bool = False) -> dict:
+                     mutation: str | None = None, end_at: int | None = None, sharded: bool = False,
+                     prefill_chunk: int | None = None) -> dict:
     """The parallelized float64 model's greedy tokens and logits for a batch of two prompts beside transformers'
     ``generate(do_sample=False)`` of the same model on one process; the scale: the same model in float32 against
     float64 on the whole generated sequence; each rank's cache share. ``sharded``: the weights sharded over the
-    ranks (``seqmesh.inference.shard_weights``)."""
+    ranks (``seqmesh.inference.shard_weights``); ``prefill_chunk``: the prompt prefilled that many tokens a call, each
+    chunk onto the cache the ones before it left."""
     mesh = get_mesh(ulysses, ring)
     config = family_config(family)
     reference = build(config)
@@ -125,14 +127,15 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
         shard_weights(model, mesh)
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     with _mutated(mutation):
-        done = generate(model, mesh, ids, new_tokens, keep_logits=True, eos_token_id=end, pad_token_id=0)
+        done = generate(model, mesh, ids, new_tokens, keep_logits=True, eos_token_id=end, pad_token_id=0,
+                        prefill_chunk=prefill_chunk)
     unparallelize(model)
     return {"tokens_equal": bool(torch.equal(done.tokens, their_tokens)), "tokens": done.tokens.tolist(),
             "their_tokens": their_tokens.tolist(),
             "logits": float((done.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
             "their_logits": float((torch.stack(theirs.logits, 1) - exact).abs().max()),
             "against_theirs": float((done.logits - torch.stack(theirs.logits, 1)).abs().max()),
-            "selection_margin": margin.least,
+            "selection_margin": margin.least, "schedules": done.schedules,
             "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
             "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()),
             "state_elements": [sum(t.numel() for t in kept) for kept in zip(*done.cache.states.values())] or [0, 0],
@@ -208,3 +211,90 @@ def sampled_tokens(ulysses: int, ring: int, settings: list[tuple[float, float, i
     drawn = [generate(model, mesh, ids, new_tokens, sampling=Sampling(*s)).tokens.tolist() for s in settings]
     unparallelize(model)
     return drawn
+
+
+@contextlib.contextmanager
+def _extension_mutated(mutation: str | None):
+    """A deliberate fault in prefill onto a kept cache: ``"plain_sum"`` merges partial results without their
+    log-sum-exp (their outputs summed); ``"offset_dropped"``: the new tokens' queries at their indices among the new
+    tokens, not in the row."""
+    from seqmesh.inference import cache, extend
+
+    saved = (extend.merge_into, cache.Extension.of)
+    if mutation == "plain_sum":
+        def plain_sum(acc_out, acc_lse, out, lse):
+            acc_out.add_(out.to(acc_out.dtype))
+            acc_lse.copy_(torch.logaddexp(acc_lse, lse.to(acc_lse.dtype)))
+        extend.merge_into = plain_sum
+    elif mutation == "offset_dropped":
+        def from_zero(info, kept, offset, schedule):
+            entry = saved[1](info, kept, offset, schedule)
+            moved = entry.query_positions - offset
+            object.__setattr__(entry, "query_positions", moved.masked_fill(entry.query_positions < 0, -1))
+            return entry
+        cache.Extension.of = from_zero
+    try:
+        yield
+    finally:
+        extend.merge_into, cache.Extension.of = saved
+
+
+def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutation: str | None = None,
+                    prompt_len: int = 101, first: int = 4, turn: int = 37, new_tokens: int = 5) -> dict:
+    """A second turn prefilled onto the cache the first left: seqmesh generates ``first`` tokens after a prompt, a
+    turn of ``turn`` more tokens follows, and ``generate(..., cache=)`` runs only the tokens the cache lacks (by
+    ``schedule``), then ``new_tokens`` more; against transformers' ``generate(do_sample=False)`` on the whole row on
+    one process, float64, with the float32 rounding of the same model as the scale."""
+    mesh = get_mesh(ulysses, ring)
+    config = family_config(family)
+    reference = build(config)
+    reference.generation_config.eos_token_id = None
+    ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    more = torch.randint(3, config.vocab_size, (2, turn), generator=torch.Generator().manual_seed(2))
+    model = parallelize(build(config), mesh)
+    done = generate(model, mesh, ids, first)
+    row = torch.cat([ids, done.tokens, more], dim=1)
+    kept_before = done.cache.length
+    with _extension_mutated(mutation):
+        again = generate(model, mesh, row, new_tokens, keep_logits=True, cache=done.cache, schedule=schedule)
+    unparallelize(model)
+    with reference_dtype(family):
+        theirs = reference.generate(row, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        whole = theirs[:, :-1]
+        with torch.no_grad():
+            exact = reference(whole).logits[:, row.shape[1] - 1:]
+            rounded = copy.deepcopy(reference).float()(whole).logits[:, row.shape[1] - 1:].double()
+    return {"tokens_equal": bool(torch.equal(again.tokens, theirs[:, row.shape[1]:])),
+            "logits": float((again.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
+            "kept_before": kept_before, "schedules": again.schedules, "counts": again.cache.counts, "row": row.shape[1],
+            "share_bytes": again.cache.nbytes(), "expected_share_bytes": _share_bytes(config, again.cache.positions.numel()),
+            "positions_unique": bool(again.cache.positions.unique().numel() == again.cache.positions.numel())}
+
+
+def extended_cases(cases: list[tuple], **kwargs) -> list[dict]:
+    return [{"case": c, **extended_parity(*c, **kwargs)} for c in cases]
+
+
+def extension_refusals(ulysses: int, ring: int) -> list[str]:
+    """The errors of prefill onto a kept cache given what it cannot run: a Gated DeltaNet model chunked, a row no
+    longer than the cache, another batch size, an unknown schedule, a chunk of 0 tokens."""
+    mesh = get_mesh(ulysses, ring)
+    said = []
+    hybrid = parallelize(build(family_config("qwen3_5")), mesh)
+    ids = torch.randint(3, 64, (2, 41), generator=torch.Generator().manual_seed(1))
+    attempts = [lambda: generate(hybrid, mesh, ids, 2, prefill_chunk=16)]
+    model = parallelize(build(family_config("llama")), mesh)
+    done = generate(model, mesh, ids, 2)
+    attempts += [lambda: generate(model, mesh, ids, 2, cache=done.cache),
+                 lambda: generate(model, mesh, torch.cat([ids, ids], dim=1)[:1], 2, cache=done.cache),
+                 lambda: generate(model, mesh, ids, 2, schedule="pass_everything"),
+                 lambda: generate(model, mesh, ids, 2, prefill_chunk=0)]
+    for attempt in attempts:
+        try:
+            attempt()
+            said.append("")
+        except ValueError as err:
+            said.append(str(err))
+    unparallelize(hybrid)
+    unparallelize(model)
+    return said

@@ -10,7 +10,7 @@ share's count, so each decides the same owner without a message. A cache of ``T`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,19 @@ class ShardedKVCache:
         real = self._real.to(key.device)
         self.keys[id(module)], self.values[id(module)] = key[:, :, real].clone(), value[:, :, real].clone()
 
+    @property
+    def length(self) -> int:
+        """Tokens the cache holds, over every rank."""
+        return sum(self.counts)
+
+    def extend(self, every_rank: torch.Tensor, real: torch.Tensor, offset: int) -> None:
+        """Before an extension (:class:`Extension`): ``every_rank`` (P, L) each rank's new tokens' indices in the
+        new tokens, ``real`` (P, L) which are not the layout's padding; each rank counts its real ones, and this rank's
+        positions (``offset`` + index) join its share (their keys and values join each layer's when it runs)."""
+        self.counts = [c + int(n) for c, n in zip(self.counts, real.sum(dim=1).tolist())]
+        mine = every_rank[self.mesh.sp_rank][real[self.mesh.sp_rank]]
+        self.positions = torch.cat([self.positions, (mine + offset).cpu()])
+
     def next_owner(self) -> int:
         """The sequence rank that keeps the next token: the one holding fewest (the lowest on a tie)."""
         return min(range(len(self.counts)), key=lambda r: (self.counts[r], r))
@@ -62,7 +75,7 @@ class ShardedKVCache:
             self.positions = torch.cat([self.positions, torch.tensor([position])])
 
     def append(self, module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The new token's key and value (B, Hk, 1, D) into ``module``'s share (the owner's only)."""
+        """New tokens' keys and values (B, Hk, n, D) into ``module``'s share (a decode step's owner's only)."""
         k, v = self.keys.get(id(module)), self.values.get(id(module))
         self.keys[id(module)] = key if k is None else torch.cat([k, key], dim=2)
         self.values[id(module)] = value if v is None else torch.cat([v, value], dim=2)
@@ -157,3 +170,38 @@ class DecodeStep(SequenceInfo):
 
         return indexed_step(module, hidden, q_resid, q_pass, q_rot, row, position_embeddings, prev_picks, self,
                             self.cache.mesh)
+
+
+@dataclass(frozen=True, eq=False)
+class Extension(SequenceInfo):
+    """The entry of a call that prefills new tokens onto a kept cache (:mod:`.extend`): the new tokens' own
+    :class:`SequenceInfo` (sharded by a layout as a prompt), ``query_positions`` (P, L) every rank's new tokens'
+    positions in the row (-1 for the layout's padding, which sees nothing), ``real`` (L,) which of this rank's are
+    real, ``schedule`` (:data:`.extend.SCHEDULES`), and ``chosen``: the schedules its layers ran."""
+
+    cache: ShardedKVCache | None = None
+    query_positions: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    schedule: str = "auto"
+    chosen: set = field(default_factory=set, compare=False)
+
+    @classmethod
+    def of(cls, info: SequenceInfo, cache: ShardedKVCache, offset: int, schedule: str) -> Extension:
+        """The entry of ``info``'s new tokens after ``offset`` kept ones; counts them into ``cache``
+        (:meth:`ShardedKVCache.extend`)."""
+        from ..sequence.sharding import sequence_layout
+
+        mesh = cache.mesh
+        lay = sequence_layout(mesh, info.seq_len, info.layout, info.cu_seqlens)
+        every = torch.stack([lay.local_positions(r) for r in range(mesh.sp_size)])  # (P, L)
+        real = every < info.seq_len
+        cache.extend(every, real, offset)
+        return cls(**{f.name: getattr(info, f.name) for f in fields(SequenceInfo)}, cache=cache,
+                   query_positions=torch.where(real, every + offset, -1), real=real[mesh.sp_rank], schedule=schedule)
+
+    def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> torch.Tensor:
+        """Called by seqmesh's registered attention in place of it: this rank's new tokens' attention over the kept
+        cache and every new token before them, (B, L, Hq, Dv) (:func:`.extend.attend_chunk`)."""
+        from .extend import attend_chunk
+
+        return attend_chunk(module, query, key, value, self, mesh, scaling, kwargs)

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m seqmesh generate --model M --prompt-ids FILE --max-new-tokens K
         [--ulysses U --ring R] [--dtype fp32|fp64|bf16] [--temperature T --top-p P --seed S] [--shard-weights]
-        [--json]
+        [--prefill-chunk N [--schedule auto|pass_kv|pass_q]] [--json]
 
 ``FILE`` holds a JSON list of token ids, or a list of lists of one length (a batch). The prompt's prefill is
 sharded over the ``ulysses x ring`` ranks as in training and the KV cache stays sharded (:mod:`seqmesh.inference`).
@@ -40,6 +40,12 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "stop a row at the model's end-of-sequence id, from its generation config, as transformers does)")
     p.add_argument("--shard-weights", action="store_true", help="shard the weights over the ranks (FSDP2: each layer "
                    "gathered for its forward), for a model larger than one GPU; each decode step gathers them again")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="prefill at most N prompt tokens a "
+                   "call, each chunk onto the cache the ones before it left (activations bounded by a chunk's; "
+                   "attention-only models)")
+    p.add_argument("--schedule", default="auto", choices=["auto", "pass_kv", "pass_q"], help="how a chunk after the "
+                   "first attends the kept cache: the ring passing the shares, or the chunk's queries passed to them "
+                   "(default: the one that moves fewer bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_generate)
     return p
@@ -84,6 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token.")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk {args.prefill_chunk}: give a positive number of tokens.")
     if args.ulysses < 1 or args.ring < 1:
         raise ValueError(f"--ulysses {args.ulysses} --ring {args.ring}: each degree is at least 1.")
     source = read_model(args.model)
@@ -112,7 +120,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = getattr(model, "generation_config", None)
     eos = None if args.ignore_eos or config is None else config.eos_token_id
     done = generate(model, mesh, prompt, args.max_new_tokens, layout=args.layout, sampling=sampling, eos_token_id=eos,
-                    pad_token_id=None if config is None else config.pad_token_id)
+                    pad_token_id=None if config is None else config.pad_token_id, schedule=args.schedule,
+                    prefill_chunk=args.prefill_chunk)
     tokens = done.tokens.tolist()
     shares = [torch.zeros(1, dtype=torch.long, device=mesh.collective_device()) for _ in range(world)]
     dist.all_gather(shares, torch.tensor([done.cache.nbytes()], device=mesh.collective_device()))
@@ -120,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         summary = {"tokens": tokens if batched else tokens[0], "prompt_tokens": prompt.numel(), "mesh": repr(mesh),
                    "prefill_seconds": done.prefill_seconds, "decode_seconds": done.decode_seconds,
                    "prefill_tokens_per_second": prompt.numel() / max(done.prefill_seconds, 1e-9),
-                   "cache_bytes_per_rank": [int(b) for b in shares]}
+                   "cache_bytes_per_rank": [int(b) for b in shares], "schedules": list(done.schedules)}
         if args.json:
             print(json.dumps(summary), flush=True)
         else:

@@ -21,8 +21,10 @@ import torch.nn as nn
 
 from ..inputs import shard_batch
 from ..mesh import SPMesh
+from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import sequence_positions
-from .cache import DecodeStep, Prefill, ShardedKVCache
+from .cache import DecodeStep, Extension, Prefill, ShardedKVCache
+from .extend import SCHEDULES
 
 
 DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention",
@@ -57,6 +59,7 @@ class Generated:
     logits: torch.Tensor | None = None  # (B, K, V) each new token's logits (float32 or wider) with ``keep_logits``
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    schedules: tuple[str, ...] = ()  # prefill onto a kept cache: the schedules its layers ran (seqmesh.inference.extend)
 
 
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
@@ -103,6 +106,38 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
                          "convolutions, MiniMax-01's lightning attention, Kimi Linear's KDA or ZAYA's CCA.")
 
 
+def check_extension(model: nn.Module, mesh: SPMesh, cache: ShardedKVCache | None, input_ids: torch.Tensor) -> None:
+    """Raise, naming what to change, where ``input_ids`` cannot be prefilled onto ``cache`` (:mod:`.extend`; None: the
+    cache a prompt's first chunk will leave)."""
+    from ..hf.indexed_attention import is_indexed
+    from ..hf.indexed_layouts import is_block_sparse
+    from ..hf.layers import OWN_ATTENTION
+    from ..hf.mixer_kind import REPLACED_ATTR
+
+    name = type(model).__name__
+    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, OWN_ATTENTION}
+    sparse = [m for m in model.modules() if is_indexed(m) or is_block_sparse(m)]
+    if kinds or sparse:
+        what = ", ".join(sorted(kinds)) if kinds else "sparse attention (DeepSeek Sparse Attention, MiniMax-M3)"
+        raise ValueError(f"{name} has {what} layers, and prefill onto a kept cache (a cache passed back, or "
+                         "prefill_chunk) runs attention layers only (each new key joins a rank's share; a recurrent "
+                         "layer's state, or a sparse layer's selection, would have to run the new tokens from what the "
+                         "cache kept, which seqmesh does not yet): give the whole row without the cache, at once.")
+    if cache is None:
+        return
+    if cache.mesh.sp_size != mesh.sp_size or cache.mesh.sp_rank != mesh.sp_rank:
+        raise ValueError(f"the cache was kept on a sequence group of {cache.mesh.sp_size} ranks and this call runs on "
+                         f"{mesh.sp_size}: pass the cache back on the mesh that made it.")
+    if input_ids.dim() == 2 and input_ids.shape[1] <= cache.length:
+        raise ValueError(f"the cache holds {cache.length} tokens of each row and input_ids has {input_ids.shape[1]}: "
+                         "give the whole row (the kept tokens, then at least one new one), as transformers' "
+                         "past_key_values takes it.")
+    rows = {t.shape[0] for t in cache.keys.values()}
+    if input_ids.dim() == 2 and rows and rows != {input_ids.shape[0]}:
+        raise ValueError(f"the cache holds {rows.pop()} rows and input_ids has {input_ids.shape[0]}: continue the same "
+                         "batch.")
+
+
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:
     """Shard the weights of ``model`` (parallelized on ``mesh``) over its sequence group with FSDP2, as training does
     (:func:`seqmesh.model.fsdp.apply_fsdp`): each decoder layer a unit gathered for its forward and freed after it, an
@@ -117,43 +152,57 @@ def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:
 @torch.no_grad()
 def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_tokens: int, *, layout: str = "zigzag",
              sampling: Sampling = Sampling(), keep_logits: bool = False, eos_token_id: int | list[int] | None = None,
-             pad_token_id: int | None = None) -> Generated:
+             pad_token_id: int | None = None, cache: ShardedKVCache | None = None,
+             schedule: str = "auto", prefill_chunk: int | None = None) -> Generated:
     """``max_new_tokens`` tokens after each row of ``input_ids`` (B, S) (the same prompt on every rank; the rows of
     one length), by ``model`` parallelized on ``mesh`` (:func:`seqmesh.hf.parallelize`): the prefill sharded by
     ``layout``, then decode over the sharded cache. Greedy by default (``sampling``: :class:`Sampling`).
     ``eos_token_id`` (one id or several): as transformers' ``generate``, a row that drew one gets ``pad_token_id``
     (default: the first end id) from then on, and generation stops once every row has (fewer than
     ``max_new_tokens`` columns then); None runs ``max_new_tokens`` steps. ``keep_logits``: return each new token's
-    logits (B x K x vocabulary values)."""
+    logits (B x K x vocabulary values). ``cache``: a cache an earlier call left (its ``Generated.cache``) holding the
+    first ``cache.length`` tokens of every row of ``input_ids``, as transformers' ``past_key_values``: only the tokens
+    after them run, prefilled onto it by ``schedule`` (:mod:`.extend`: ``"pass_kv"``, ``"pass_q"``, or ``"auto"``,
+    the one that moves fewer bytes), and the cache grows in place. ``prefill_chunk``: prefill at most this many tokens
+    a call, each chunk onto the cache the ones before it left (a long prompt's activations bounded by a chunk's)."""
     check_generate(model, mesh)
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: give (batch, "
                          "length) int64 token ids, at least one per row.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk={prefill_chunk!r} must be a positive number of tokens (or None: the prompt "
+                         "at once).")
+    if cache is not None or (prefill_chunk is not None and input_ids.shape[1] > prefill_chunk):
+        check_extension(model, mesh, cache, input_ids)
     device = next(model.parameters()).device
     started = _now(device)
     b, s = input_ids.shape
     ids = input_ids.to(device)
-    cache = ShardedKVCache(mesh)
-    positions = sequence_positions(s, mesh, layout=layout)  # (L,) each local token's index in the row
-    cache.start(positions, s)
-    local = shard_batch({"input_ids": ids, "position_ids": torch.arange(s, device=device).expand(b, s)}, mesh,
-                        layout=layout)
-    holder = positions.eq(s - 1)  # the last prompt token: on one rank
-    index = int(holder.nonzero()[0]) if bool(holder.any()) else 0
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                seqmesh=Prefill.of(local["seqmesh"], cache), logits_to_keep=torch.tensor([index], device=device))
-    logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32))  # (B, V)
-    logits = logits.contiguous() if bool(holder.any()) else torch.zeros_like(logits)
-    dist.all_reduce(logits, group=mesh.sp_group)  # one rank holds the last token: the sum is its logits, exactly
+    kept = 0 if cache is None else cache.length
+    ran: set[str] = set()
+    if cache is None:  # the prompt's prefill (its first prefill_chunk tokens)
+        kept = s if prefill_chunk is None else min(s, prefill_chunk)
+        cache = ShardedKVCache(mesh)
+        cache.start(sequence_positions(kept, mesh, layout=layout), kept)  # each local token's index in the row
+        logits, _ = _prompt_logits(model, mesh, ids[:, :kept], 0, layout, lambda info: Prefill.of(info, cache))
+    while kept < s:  # the tokens after the kept ones, onto the cache (seqmesh.inference.extend), chunk by chunk
+        stop = s if prefill_chunk is None else min(s, kept + prefill_chunk)
+        logits, entry = _prompt_logits(model, mesh, ids[:, kept:stop], kept, layout,
+                                       lambda info, at=kept: Extension.of(info, cache, at, schedule))
+        ran |= entry.chosen
+        kept = stop
     prefilled = _now(device)
     generator = torch.Generator(device=logits.device).manual_seed(sampling.seed)
     ends = None if eos_token_id is None else torch.tensor(
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=logits.device)
     pad = pad_token_id if pad_token_id is not None else (None if ends is None else int(ends[0]))
     finished = torch.zeros(b, dtype=torch.bool, device=logits.device)
-    new, kept = [], []
+    new, kept_logits = [], []
     for t in range(max_new_tokens):
         token = _draw(logits, sampling, generator)  # (B,)
         if ends is not None:
@@ -161,7 +210,7 @@ def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_to
             finished |= torch.isin(token, ends)
         new.append(token)
         if keep_logits:
-            kept.append(logits)
+            kept_logits.append(logits)
         if t == max_new_tokens - 1 or bool(finished.all()):
             break
         position = s + t
@@ -172,8 +221,28 @@ def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_to
         out = model(input_ids=token[:, None], position_ids=torch.full((b, 1), position, device=device), seqmesh=step,
                     logits_to_keep=1)
         logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32))
-    return Generated(torch.stack(new, dim=1), cache, torch.stack(kept, dim=1) if keep_logits else None,
-                     prefilled - started, _now(device) - prefilled)
+    return Generated(torch.stack(new, dim=1), cache, torch.stack(kept_logits, dim=1) if keep_logits else None,
+                     prefilled - started, _now(device) - prefilled, tuple(sorted(ran)))
+
+
+def _prompt_logits(model: nn.Module, mesh: SPMesh, ids: torch.Tensor, offset: int, layout: str,
+                   make_entry) -> tuple[torch.Tensor, SequenceInfo]:
+    """The model on ``ids`` (B, n), the tokens at ``offset`` onward, sharded by ``layout`` with the entry ``entry``
+    ``make_entry`` makes of their :class:`SequenceInfo` (a prefill's, or an extension's): the last token's logits
+    (B, V), computed on the rank that holds it only (``logits_to_keep``: one row of the vocabulary) and summed over
+    the group; and the entry."""
+    b, n = ids.shape
+    positions = torch.arange(offset, offset + n, device=ids.device).expand(b, n)
+    local = shard_batch({"input_ids": ids, "position_ids": positions}, mesh, layout=layout)
+    holder = sequence_positions(n, mesh, layout=layout).eq(n - 1)  # the last token: on one rank
+    index = int(holder.nonzero()[0]) if bool(holder.any()) else 0
+    entry = make_entry(local["seqmesh"])
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=entry,
+                logits_to_keep=torch.tensor([index], device=ids.device))
+    logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32))  # (B, V)
+    logits = logits.contiguous() if bool(holder.any()) else torch.zeros_like(logits)
+    dist.all_reduce(logits, group=mesh.sp_group)  # one rank holds the last token: the sum is its logits, exactly
+    return logits, entry
 
 
 def _now(device: torch.device) -> float:

@@ -26,12 +26,15 @@ def folder(tmp_path_factory):
     return root, theirs.tolist()
 
 
-def test_torchrun_generates_the_tokens_transformers_does(folder):
+@pytest.mark.parametrize("chunked", [[], ["--prefill-chunk", "16"]], ids=["at-once", "chunks"])
+def test_torchrun_generates_the_tokens_transformers_does(folder, chunked):
+    """As the contract writes it; and the prompt prefilled 16 tokens a call (16, 16, 5), each chunk onto the kept
+    cache: the same tokens and shares (the last chunk's zigzag gives its tokens 2 and 3, the decode evens them)."""
     root, theirs = folder
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqmesh", "generate",
          "--model", str(root / "model"), "--prompt-ids", str(root / "prompt.json"), "--max-new-tokens", "5",
-         "--ulysses", "2", "--dtype", "fp64", "--json"],
+         "--ulysses", "2", "--dtype", "fp64", "--json", *chunked],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -40,6 +43,7 @@ def test_torchrun_generates_the_tokens_transformers_does(folder):
     # 2 rows x 2 layers x 2 key heads x (8 + 8) values x 8 bytes a token; 37 + 4 tokens kept (the last one drawn is
     # never run), 21 on the rank that took the first new one, 20 on the other
     assert summary["cache_bytes_per_rank"] == [21 * 2 * 2 * 2 * 16 * 8, 20 * 2 * 2 * 2 * 16 * 8], summary
+    assert bool(summary["schedules"]) == bool(chunked), summary
 
 
 @pytest.mark.parametrize("prompt, args, said", [
@@ -49,7 +53,8 @@ def test_torchrun_generates_the_tokens_transformers_does(folder):
     ("[]", [], "non-empty JSON list"),
     ("[1, 2, 3]", ["--temperature", "-1"], "temperature=-1.0 must be 0 (greedy) or positive"),
     ("[1, 2, 3]", ["--max-new-tokens", "0"], "generate at least 1 token"),
-], ids=["ragged", "id-past-vocab", "not-json", "empty", "temperature", "no-tokens"])
+    ("[1, 2, 3]", ["--prefill-chunk", "0"], "--prefill-chunk 0: give a positive number"),
+], ids=["ragged", "id-past-vocab", "not-json", "empty", "temperature", "no-tokens", "no-chunk"])
 def test_bad_input_is_refused_by_name_before_any_model(folder, tmp_path, prompt, args, said):
     root, _ = folder
     (tmp_path / "p.json").write_text(prompt)
