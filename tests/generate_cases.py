@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from dist_cases import get_mesh
 from family_cases import build, family_config, reference_dtype
 from seqmesh.hf import parallelize, unparallelize
-from seqmesh.inference import generate, shard_weights
+from seqmesh.inference import generate, shard_weights, split_heads
 
 
 @contextlib.contextmanager
@@ -96,13 +96,14 @@ class SelectionMargin(TorchFunctionMode):
 
 def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_tokens: int,
                      mutation: str | None = None, end_at: int | None = None, sharded: bool = False,
-                     prefill_chunk: int | None = None) -> dict:
+                     prefill_chunk: int | None = None, tp: int = 1) -> dict:
     """The parallelized float64 model's greedy tokens and logits for a batch of two prompts beside transformers'
     ``generate(do_sample=False)`` of the same model on one process; the scale: the same model in float32 against
     float64 on the whole generated sequence; each rank's cache share. ``sharded``: the weights sharded over the
     ranks (``seqmesh.inference.shard_weights``); ``prefill_chunk``: the prompt prefilled that many tokens a call, each
-    chunk onto the cache the ones before it left."""
-    mesh = get_mesh(ulysses, ring)
+    chunk onto the cache the ones before it left; ``tp``: the heads and MLP split over that many ranks besides
+    (``seqmesh.inference.split_heads``)."""
+    mesh = get_mesh(ulysses, ring, tp=tp)
     config = family_config(family)
     reference = build(config)
     reference.generation_config.eos_token_id = None  # seqmesh generates max_new_tokens whatever it draws
@@ -123,6 +124,8 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             exact = reference(whole).logits[:, prompt_len - 1:]
             rounded = copy.deepcopy(reference).float()(whole).logits[:, prompt_len - 1:].double()
     model = parallelize(build(config), mesh)
+    if tp > 1:
+        split_heads(model, mesh)
     if sharded:
         shard_weights(model, mesh)
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
@@ -137,7 +140,8 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
             "against_theirs": float((done.logits - torch.stack(theirs.logits, 1)).abs().max()),
             "selection_margin": margin.least, "schedules": done.schedules,
             "held_fraction": held / sum(p.numel() for p in reference.parameters()), "counts": done.cache.counts, "share_bytes": done.cache.nbytes(), "share_tokens": done.cache.positions.numel(),
-            "layers": len(done.cache.keys), "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()),
+            "layers": len(done.cache.keys),
+            "expected_share_bytes": _share_bytes(config, done.cache.positions.numel()) // tp,
             "state_elements": [sum(t.numel() for t in kept) for kept in zip(*done.cache.states.values())] or [0, 0],
             "expected_state_elements": _planned_state_elements(config)}
 
@@ -240,18 +244,21 @@ def _extension_mutated(mutation: str | None):
 
 
 def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutation: str | None = None,
-                    prompt_len: int = 101, first: int = 4, turn: int = 37, new_tokens: int = 5) -> dict:
+                    prompt_len: int = 101, first: int = 4, turn: int = 37, new_tokens: int = 5, tp: int = 1) -> dict:
     """A second turn prefilled onto the cache the first left: seqmesh generates ``first`` tokens after a prompt, a
     turn of ``turn`` more tokens follows, and ``generate(..., cache=)`` runs only the tokens the cache lacks (by
     ``schedule``), then ``new_tokens`` more; against transformers' ``generate(do_sample=False)`` on the whole row on
-    one process, float64, with the float32 rounding of the same model as the scale."""
-    mesh = get_mesh(ulysses, ring)
+    one process, float64, with the float32 rounding of the same model as the scale; ``tp``: the heads split over that
+    many ranks besides."""
+    mesh = get_mesh(ulysses, ring, tp=tp)
     config = family_config(family)
     reference = build(config)
     reference.generation_config.eos_token_id = None
     ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
     more = torch.randint(3, config.vocab_size, (2, turn), generator=torch.Generator().manual_seed(2))
     model = parallelize(build(config), mesh)
+    if tp > 1:
+        split_heads(model, mesh)
     done = generate(model, mesh, ids, first)
     row = torch.cat([ids, done.tokens, more], dim=1)
     kept_before = done.cache.length
@@ -267,7 +274,8 @@ def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutatio
     return {"tokens_equal": bool(torch.equal(again.tokens, theirs[:, row.shape[1]:])),
             "logits": float((again.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
             "kept_before": kept_before, "schedules": again.schedules, "counts": again.cache.counts, "row": row.shape[1],
-            "share_bytes": again.cache.nbytes(), "expected_share_bytes": _share_bytes(config, again.cache.positions.numel()),
+            "share_bytes": again.cache.nbytes(),
+            "expected_share_bytes": _share_bytes(config, again.cache.positions.numel()) // tp,
             "positions_unique": bool(again.cache.positions.unique().numel() == again.cache.positions.numel())}
 
 
@@ -277,7 +285,8 @@ def extended_cases(cases: list[tuple], **kwargs) -> list[dict]:
 
 def extension_refusals(ulysses: int, ring: int) -> list[str]:
     """The errors of prefill onto a kept cache given what it cannot run: a Gated DeltaNet model chunked, a row no
-    longer than the cache, another batch size, an unknown schedule, a chunk of 0 tokens."""
+    longer than the cache, another batch size, an unknown schedule, a chunk of 0 tokens; and of tensor parallelism
+    (on ``ulysses x ring`` ranks of tp 1: a model left whole on tp 2, a Gated DeltaNet model split)."""
     mesh = get_mesh(ulysses, ring)
     said = []
     hybrid = parallelize(build(family_config("qwen3_5")), mesh)
@@ -289,12 +298,16 @@ def extension_refusals(ulysses: int, ring: int) -> list[str]:
                  lambda: generate(model, mesh, torch.cat([ids, ids], dim=1)[:1], 2, cache=done.cache),
                  lambda: generate(model, mesh, ids, 2, schedule="pass_everything"),
                  lambda: generate(model, mesh, ids, 2, prefill_chunk=0)]
+    split = get_mesh(1, 1, tp=ulysses * ring)
+    whole = parallelize(build(family_config("llama")), split)
+    hybrid_split = split_heads(parallelize(build(family_config("qwen3_5")), split), split)
+    attempts += [lambda: generate(whole, split, ids, 2), lambda: generate(hybrid_split, split, ids, 2)]
     for attempt in attempts:
         try:
             attempt()
             said.append("")
         except ValueError as err:
             said.append(str(err))
-    unparallelize(hybrid)
-    unparallelize(model)
+    for m in (hybrid, model, whole, hybrid_split):
+        unparallelize(m)
     return said

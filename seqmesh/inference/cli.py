@@ -1,7 +1,7 @@
 """``seqmesh generate``: new tokens after a prompt, on the sequence mesh, under ``torchrun``.
 
     torchrun --nproc-per-node N -m seqmesh generate --model M --prompt-ids FILE --max-new-tokens K
-        [--ulysses U --ring R] [--dtype fp32|fp64|bf16] [--temperature T --top-p P --seed S] [--shard-weights]
+        [--ulysses U --ring R --tp T] [--dtype fp32|fp64|bf16] [--temperature T --top-p P --seed S] [--shard-weights]
         [--prefill-chunk N [--schedule auto|pass_kv|pass_q]] [--json]
 
 ``FILE`` holds a JSON list of token ids, or a list of lists of one length (a batch). The prompt's prefill is
@@ -29,6 +29,8 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="K")
     p.add_argument("--ulysses", type=int, default=1)
     p.add_argument("--ring", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="split the heads and MLP over this many ranks besides (tensor "
+                   "parallelism, innermost; each rank caches its heads)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"],
                    help="how the prompt is split over the ranks (default %(default)s)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
@@ -84,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..mesh import init_mesh
     from ..model.lm import build_model, read_model
     from ..comm.launch import init_distributed
-    from .generate import Sampling, generate, shard_weights
+    from .generate import Sampling, generate, shard_weights, split_heads
 
     rows, batched = read_prompt(args.prompt_ids)  # every input checked before any process group or model
     sampling = Sampling(args.temperature, args.top_p, args.seed)
@@ -92,8 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token.")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk {args.prefill_chunk}: give a positive number of tokens.")
-    if args.ulysses < 1 or args.ring < 1:
-        raise ValueError(f"--ulysses {args.ulysses} --ring {args.ring}: each degree is at least 1.")
+    if args.ulysses < 1 or args.ring < 1 or args.tp < 1:
+        raise ValueError(f"--ulysses {args.ulysses} --ring {args.ring} --tp {args.tp}: each degree is at least 1.")
     source = read_model(args.model)
     vocab = source.config.get_text_config().vocab_size
     largest = max(max(row) for row in rows)
@@ -102,18 +104,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"{vocab} tokens; give ids below {vocab}.")
     init_distributed()
     world = dist.get_world_size()
-    if args.ulysses * args.ring != world:
+    ranks = args.ulysses * args.ring * args.tp
+    if ranks != world:
         dist.destroy_process_group()
-        raise ValueError(f"--ulysses {args.ulysses} x --ring {args.ring} = {args.ulysses * args.ring} ranks, but "
-                         f"{world} were launched: run torchrun --nproc-per-node {args.ulysses * args.ring}.")
+        raise ValueError(f"--ulysses {args.ulysses} x --ring {args.ring} x --tp {args.tp} = {ranks} ranks, but "
+                         f"{world} were launched: run torchrun --nproc-per-node {ranks}.")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mesh = init_mesh(args.ulysses, args.ring)
+    mesh = init_mesh(args.ulysses, args.ring, tp=args.tp)
     model = build_model(source, seed=args.weights_seed, dtype=getattr(torch, DTYPES[args.dtype]), device=device)
     model.eval()
     parallelize(model, mesh)
+    if args.tp > 1:
+        split_heads(model, mesh)
     if args.shard_weights:
         shard_weights(model, mesh)
     prompt = torch.tensor(rows, dtype=torch.long)

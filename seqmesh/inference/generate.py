@@ -13,11 +13,13 @@ every rank.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..inputs import shard_batch
 from ..mesh import SPMesh
@@ -75,13 +77,19 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     if is_multimodal(model.config):
         raise ValueError(f"{name} is a vision-language model: seqmesh generates from text prompts of decoder-only "
                          "models so far.")
-    if mesh.tp > 1:
-        raise ValueError(f"tp={mesh.tp}: seqmesh generates on a sequence mesh without tensor parallelism (tp=1) so far; "
-                         "pass --ulysses and --ring only.")
-    if mesh.sp_size != dist.get_world_size():
-        raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} of the {dist.get_world_size()} ranks: seqmesh "
-                         "generates with every rank in the sequence group (no data parallelism); launch "
-                         "ulysses x ring processes.")
+    if mesh.sp_size * mesh.tp != dist.get_world_size():
+        raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} x tp {mesh.tp} of the "
+                         f"{dist.get_world_size()} ranks: seqmesh generates with every rank in the sequence group (no "
+                         "data parallelism); launch ulysses x ring x tp processes.")
+    if mesh.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(f"tp={mesh.tp} but {name}'s weights are whole on every rank: split its heads first, "
+                         "seqmesh.inference.split_heads(model, mesh) after seqmesh.hf.parallelize (each rank then keeps "
+                         "the cache of its heads).")
+    split = [type(m).__name__ for m in model.modules() if hasattr(m, "_seqmesh_tp_rows")]
+    if split:
+        raise ValueError(f"{name} has {split[0]} layers split over tp={mesh.tp} ranks, whose prefill and decode under "
+                         "tensor parallelism seqmesh does not run yet (the split layer keeps no state for the decode); "
+                         "generate it with tp=1 (--ulysses and --ring; its state passing is exact there).")
     if any(is_compressed(m) for m in model.modules()):
         raise ValueError(f"{name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet "
                          "(each step would add to the compressor's open window and, when it closes, a new entry on "
@@ -136,6 +144,18 @@ def check_extension(model: nn.Module, mesh: SPMesh, cache: ShardedKVCache | None
     if input_ids.dim() == 2 and rows and rows != {input_ids.shape[0]}:
         raise ValueError(f"the cache holds {rows.pop()} rows and input_ids has {input_ids.shape[0]}: continue the same "
                          "batch.")
+
+
+def split_heads(model: nn.Module, mesh: SPMesh) -> nn.Module:
+    """Split the attention heads and the MLP of ``model`` (parallelized on ``mesh``) over ``mesh.tp`` ranks, as
+    training's tensor parallelism does (:func:`seqmesh.tensor_parallel.apply_tensor_parallel`: q/k/v column-wise,
+    o and down row-wise, the embedding and head over the vocabulary), for generation: each rank then runs and caches
+    its heads only, ``1 / tp`` of the weights and of the KV cache; a decode step's token is a sequence of one, which
+    the tensor-parallel regions shard unevenly (one rank holds it). What tensor parallelism does not split (mixtures
+    of experts, other recurrent mixers) is refused by name. Returns ``model``."""
+    from ..tensor_parallel import apply_tensor_parallel
+
+    return apply_tensor_parallel(model, mesh)
 
 
 def shard_weights(model: nn.Module, mesh: SPMesh) -> nn.Module:
@@ -237,8 +257,10 @@ def _prompt_logits(model: nn.Module, mesh: SPMesh, ids: torch.Tensor, offset: in
     holder = sequence_positions(n, mesh, layout=layout).eq(n - 1)  # the last token: on one rank
     index = int(holder.nonzero()[0]) if bool(holder.any()) else 0
     entry = make_entry(local["seqmesh"])
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=entry,
-                logits_to_keep=torch.tensor([index], device=ids.device))
+    with warnings.catch_warnings():  # under tensor parallelism transformers indexes the sequence-sharded final states
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")  # by this one-element
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=entry,  # tensor
+                    logits_to_keep=torch.tensor([index], device=ids.device))
     logits = out.logits[:, -1].to(torch.promote_types(out.logits.dtype, torch.float32))  # (B, V)
     logits = logits.contiguous() if bool(holder.any()) else torch.zeros_like(logits)
     dist.all_reduce(logits, group=mesh.sp_group)  # one rank holds the last token: the sum is its logits, exactly

@@ -77,12 +77,14 @@ def test_a_prompt_prefilled_in_chunks_generates_as_transformers(pools, ulysses, 
 def test_what_prefill_onto_a_kept_cache_cannot_run_is_refused_by_name(pools):
     from generate_cases import extension_refusals
 
-    hybrid, short, other_batch, schedule, chunk = pools.run(2, extension_refusals, 1, 2)[0]
+    hybrid, short, other_batch, schedule, chunk, whole, split = pools.run(2, extension_refusals, 1, 2)[0]
     assert "Gated DeltaNet" in hybrid and "without the cache" in hybrid, hybrid
     assert "holds 42 tokens" in short and "whole row" in short, short
     assert "holds 2 rows" in other_batch, other_batch
     assert "pass_everything" in schedule and "pass_q" in schedule, schedule
     assert "prefill_chunk=0" in chunk, chunk
+    assert "tp=2" in whole and "split_heads" in whole, whole
+    assert "Qwen3_5GatedDeltaNet layers split over tp=2" in split and "tp=1" in split, split
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["cpu-flash", "math"])
@@ -119,3 +121,11 @@ def test_a_partial_over_scattered_keys_is_the_softmax_over_the_keys_each_query_s
     finite = torch.isfinite(want_lse)
     assert torch.allclose(lse[finite], want_lse[finite], atol=1e-12, rtol=0)
     assert torch.allclose(out, want, atol=1e-12, rtol=0)
+
+
+def test_a_second_turn_with_heads_split_over_tensor_parallel_ranks(pools):
+    cases = [("llama", 1, 2, s) for s in ("pass_kv", "pass_q")]
+    for results in pools.run(4, extended_cases, cases, tp=2):
+        for r in results:
+            assert r["tokens_equal"] and r["logits"] <= ULPS * r["rounding"], r
+            assert r["schedules"] == (r["case"][3],) and r["share_bytes"] == r["expected_share_bytes"], r

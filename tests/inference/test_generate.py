@@ -172,3 +172,15 @@ def test_sampling_draws_the_same_tokens_on_every_rank(pools):
     assert ranks[0] == ranks[1], ranks
     first, second, nucleus, greedy = ranks[0]
     assert first != second and nucleus == greedy, ranks[0]
+
+
+def test_heads_split_over_tensor_parallel_ranks_generate_the_same_tokens(pools):
+    """``split_heads`` (tp 2) beside the sequence mesh: each rank runs and caches its half of the heads (its cache
+    half the bytes of a share of all heads), the decode's token a sequence of one; transformers' tokens and logits
+    for Llama and Gemma 3 on ring 2 x tp 2, Qwen3 on Ulysses 2 x tp 2 and Llama on tp 2 alone."""
+    for ulysses, ring, family in ((1, 2, "llama"), (1, 2, "gemma3"), (2, 1, "qwen3"), (1, 1, "llama")):
+        for results in pools.run(ulysses * ring * 2, generated_cases, [(family, ulysses, ring, PROMPT, NEW)], tp=2):
+            for r in results:
+                assert r["tokens_equal"] and r["logits"] <= ULPS * r["rounding"], r
+                assert sum(r["counts"]) == PROMPT + NEW - 1 and r["share_bytes"] == r["expected_share_bytes"], r
+                assert r["held_fraction"] < 0.75, r  # the layers' matrices halved (norms and the embedding's rows not)

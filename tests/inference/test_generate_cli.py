@@ -54,7 +54,8 @@ def test_torchrun_generates_the_tokens_transformers_does(folder, chunked):
     ("[1, 2, 3]", ["--temperature", "-1"], "temperature=-1.0 must be 0 (greedy) or positive"),
     ("[1, 2, 3]", ["--max-new-tokens", "0"], "generate at least 1 token"),
     ("[1, 2, 3]", ["--prefill-chunk", "0"], "--prefill-chunk 0: give a positive number"),
-], ids=["ragged", "id-past-vocab", "not-json", "empty", "temperature", "no-tokens", "no-chunk"])
+    ("[1, 2, 3]", ["--tp", "0"], "--tp 0: each degree is at least 1"),
+], ids=["ragged", "id-past-vocab", "not-json", "empty", "temperature", "no-tokens", "no-chunk", "no-tp"])
 def test_bad_input_is_refused_by_name_before_any_model(folder, tmp_path, prompt, args, said):
     root, _ = folder
     (tmp_path / "p.json").write_text(prompt)
