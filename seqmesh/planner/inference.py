@@ -1,11 +1,12 @@
 """``seqmesh plan --inference``: what ``seqmesh generate`` holds on each GPU and how long it takes, per layout of the
 sequence mesh (:mod:`seqmesh.inference`).
 
-Generation runs every GPU in one sequence group (``ulysses x ring`` = the GPUs; no tensor or data parallelism yet),
-each holding the whole model, or with ``sharded`` (``--shard-weights``) its FSDP2 shard of it. The prefill is the
+Generation runs every GPU in one sequence group (``ulysses x ring`` = the GPUs, or with tensor parallelism ``tp``
+ranks inside each of its ranks: ``seqmesh generate --tp``; no data parallelism), each holding the whole model (its
+``1 / tp`` split), or with ``sharded`` (``--shard-weights``) its FSDP2 shard of that. The prefill is the
 training forward on the prompt, sharded by the zigzag layout, with nothing kept for a backward: each layer kind's
 forward seconds as the training plan counts them (no recompute; sharded, each layer's gather beside its compute).
-Each rank keeps the keys and values of its own tokens, all heads (:mod:`seqmesh.rules.kv_cache`, the runtime's rule);
+Each rank keeps the keys and values of its own tokens, all heads (its ``1 / tp``; :mod:`seqmesh.rules.kv_cache`);
 a decode step runs the new token through every layer on every rank (each reads its weights and its cache share from
 GPU memory: one token is bandwidth-bound; sharded, it waits for each layer's gather) and merges the attention partials
 in one all-gather per attention layer. The assumptions are listed in docs/planner.md ("Inference").
@@ -28,6 +29,7 @@ from .layers import GatedDeltaNet, IndexedAttention, layer_kinds, linear_layer_m
 from .placement import placement
 from .network import axis_groups, gather_seconds
 from .report import human_bytes, human_count, short_number
+from .tensor_parallel import tensor_parallel_refusal
 from .workload import Workload, layer_matmul_params
 
 __all__ = ["InferenceLayout", "InferencePlan", "cache_share", "inference_plan", "inference_refusal",
@@ -57,12 +59,12 @@ def _decoded_hybrid(m: ModelShape) -> bool:
                for mixer, _ in m.hybrid.blocks)
 
 
-def _cache_bytes(m: ModelShape, tokens: int, element_bytes: int, batch: int) -> tuple[int, int]:
-    """One rank's cache of ``tokens`` tokens: (the attention layers' keys and values, the DeepSeek Sparse Attention
-    layers' latents and indexer keys) (:mod:`seqmesh.rules.kv_cache`)."""
+def _cache_bytes(m: ModelShape, tokens: int, element_bytes: int, batch: int, tp: int = 1) -> tuple[int, int]:
+    """One rank's cache of ``tokens`` tokens: (the attention layers' keys and values, of its ``1 / tp`` of the heads;
+    the DeepSeek Sparse Attention layers' latents and indexer keys) (:mod:`seqmesh.rules.kv_cache`)."""
     indexed = m.indexed_layers
-    dense = cache_bytes(tokens, m.layers - m.non_attention_layers - indexed, cached_heads(m), m.head_dim, m.value_dim,
-                        element_bytes, batch)
+    dense = cache_bytes(tokens, m.layers - m.non_attention_layers - indexed, cached_heads(m) // tp, m.head_dim,
+                        m.value_dim, element_bytes, batch)
     if not indexed:
         return dense, 0
     lat = m.latent
@@ -71,13 +73,13 @@ def _cache_bytes(m: ModelShape, tokens: int, element_bytes: int, batch: int) -> 
                                       element_bytes, batch)
 
 
-def _merge_seconds(m: ModelShape, batch: int, hw: HardwareSpec, group) -> float:
-    """A decode step's all-gathers: each attention layer's partials (output and log-sum-exp per head, float32; a
-    sparse layer's output is its latent), and each indexer's candidates (its top k scores and positions, 16 bytes
-    each)."""
+def _merge_seconds(m: ModelShape, batch: int, hw: HardwareSpec, group, tp: int = 1) -> float:
+    """A decode step's all-gathers: each attention layer's partials (output and log-sum-exp per head of the rank's
+    ``1 / tp``, float32; a sparse layer's output is its latent), and each indexer's candidates (its top k scores and
+    positions, 16 bytes each)."""
     indexed = m.indexed_layers
     dense = m.layers - m.non_attention_layers - indexed
-    seconds = dense * gather_seconds(batch * m.heads * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
+    seconds = dense * gather_seconds(batch * m.heads // tp * (m.value_dim + 1) * PARTIAL_BYTES, hw, group)
     if indexed:
         lat = m.latent
         seconds += indexed * gather_seconds(batch * m.heads * (lat.kv_lora_rank + 1) * PARTIAL_BYTES, hw, group)
@@ -107,6 +109,11 @@ class InferenceLayout:
     prefill_tokens_per_second: float
     decode_seconds: float  # one new token (every row of the batch)
     merge_seconds: float  # of which: the attention layers' all-gathers of the partials
+    tp: int = 1  # tensor-parallel ranks inside each sequence rank (seqmesh generate --tp)
+
+    @property
+    def label(self) -> str:
+        return f"ulysses {self.ulysses} x ring {self.ring}" + (f" x tp {self.tp}" if self.tp > 1 else "")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,7 +141,7 @@ class InferencePlan:
                 "gpus": self.cluster.gpus,
                 "hardware": self.cluster.hardware.name, "layouts": [lay.as_dict() for lay in self.layouts],
                 "excluded": [{"layout": name, "why": why} for name, why in self.excluded],
-                "recommended": None if best is None else f"ulysses {best.ulysses} x ring {best.ring}"}
+                "recommended": None if best is None else best.label}
 
 
 def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
@@ -186,26 +193,30 @@ def _read_bytes(kind, m: ModelShape, element_bytes: int) -> int:
 def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
              sharded: bool = False) -> InferenceLayout:
     """One layout's figures; ``sharded``: the weights sharded over the group (``seqmesh.inference.shard_weights``),
-    each layer gathered for its forward (FSDP2's next layer prefetched beside it) and the root kept gathered."""
-    m, e, b = work.model, work.act_bytes, work.batch
+    each layer gathered for its forward (FSDP2's next layer prefetched beside it) and the root kept gathered. With
+    ``layout.tp``, each GPU holds, reads and caches its split (``placement``'s ``split``: the layers' projections,
+    the embedding and the head ``1 / tp``), and a decode step's token passes each layer's two tensor-parallel regions
+    (an all-gather and a reduce-scatter each, of one token: their latency)."""
+    m, e, b, tp = work.model, work.act_bytes, work.batch, layout.tp
     p = layout.ulysses * layout.ring
-    dense_kv, sparse_kv = _cache_bytes(m, cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring,
-                                                      work.layout), e, b)
+    share = cache_share(work.seq_len, new_tokens, layout.ulysses, layout.ring, work.layout, tp)
+    dense_kv, sparse_kv = _cache_bytes(m, share, e, b, tp)
     kv = dense_kv + sparse_kv
     states = _recurrent_state_bytes(m, b, e)
     split = placement(work, layout).split
     if sharded:  # the shards, the root (head and final norm) gathered, two layers or the embedding gathered at once
-        weights = (-(-m.params // p) + split["root"] + max(2 * split["layer"], split["embedding"])) * e
+        weights = (-(-split["total"] // p) + split["root"] + max(2 * split["layer"], split["embedding"])) * e
     else:
-        weights = m.params * e
+        weights = split["total"] * e
     working = 2 * layer_input_bytes(work, layout) + attention_saved_bytes(work, layout)
     total = weights + kv + states + working + work.reserve_bytes
     group = axis_groups(layout, "sequence")[0]
     gathering = group if sharded else []
     kinds = layer_kinds(work, layout)
     prefill = sum(n * kind.seconds(hw, gathering)["forward"] for kind, n in kinds)
-    merge = _merge_seconds(m, b, hw, group)
-    decode = merge + (m.vocab * m.hidden + m.hidden) * e / hw.memory_bandwidth  # the LM head and the token's row
+    merge = _merge_seconds(m, b, hw, group, tp)
+    decode = merge + (-(-m.vocab // tp) * m.hidden + m.hidden) * e / hw.memory_bandwidth  # the head, the token's row
+    regions = 4 * gather_seconds(b * m.hidden * e, hw, axis_groups(layout, "tp")[0]) if tp > 1 else 0.0
     dense_layers = m.layers - m.non_attention_layers - m.indexed_layers
     for kind, n in kinds:  # each layer reads its weights and its cache share or state; sharded, it waits for its gather
         if isinstance(kind, IndexedAttention):  # its share's latents and indexer keys, all scored
@@ -214,28 +225,43 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
             own = dense_kv / dense_layers
         else:
             own = states / m.non_attention_layers
-        read = (_read_bytes(kind, m, e) + own) / hw.memory_bandwidth
+        weights_read = _read_bytes(kind, m, e) if tp == 1 else split["layer"] * e  # tp: a dense layer's split
+        read = (weights_read + own) / hw.memory_bandwidth
         gather = layer_fsdp_seconds(kind.params(), work, layout, hw, gathering)[0]
-        decode += n * max(read, gather)
+        decode += n * (max(read, gather) + regions)
     return InferenceLayout(layout.ulysses, layout.ring, weights, kv, states, working, total,
-                           total <= hw.memory_bytes, prefill, b * work.seq_len / prefill, decode, merge)
+                           total <= hw.memory_bytes, prefill, b * work.seq_len / prefill, decode, merge, tp)
 
 
 def inference_plan(work: Workload, cluster: Cluster, new_tokens: int, sharded: bool = False) -> InferencePlan:
-    """Every ``ulysses x ring`` layout of the cluster's GPUs as one sequence group generating ``new_tokens`` after
-    ``work``'s prompt (``work.seq_len`` tokens, ``work.batch`` rows); raises ValueError for a model generation does not
-    run yet. ``sharded``: the weights sharded over the GPUs (``seqmesh generate --shard-weights``)."""
+    """Every ``ulysses x ring x tp`` layout of the cluster's GPUs as one sequence group (``tp`` ranks inside each of
+    its ranks, within a node) generating ``new_tokens`` after ``work``'s prompt (``work.seq_len`` tokens,
+    ``work.batch`` rows); raises ValueError for a model generation does not run yet. ``sharded``: the weights sharded
+    over the sequence group (``seqmesh generate --shard-weights``)."""
     why = inference_refusal(work.model)
     if why:
         raise ValueError(why)
     if new_tokens < 1:
         raise ValueError(f"--new-tokens {new_tokens} must be at least 1.")
-    n = cluster.gpus
-    fitting = workable_degrees(work.model.heads, n)
-    excluded = [(f"ulysses {u} x ring {n // u}", f"ulysses {u} exceeds the {work.model.heads} query heads; put the "
-                 "rest on the ring") for u in range(1, n + 1) if n % u == 0 and (u, n // u) not in fitting]
-    layouts = [evaluate(work, Degrees(u, r, 1), cluster.hardware, new_tokens, sharded) for u, r in fitting]
+    n, heads = cluster.gpus, work.model.heads
+    layouts, excluded = [], []
+    for tp in (t for t in range(1, n + 1) if n % t == 0):
+        sp = n // tp
+        refusal = tensor_parallel_refusal(work, cluster.hardware, Degrees(1, sp, 1, tp)) if tp > 1 else None
+        if refusal:
+            excluded.append((f"tp {tp}", refusal))
+            continue
+        fitting = workable_degrees(heads // tp, sp)
+        excluded += [(Degrees(u, sp // u, 1, tp), f"ulysses {u} exceeds the {heads // tp} query heads"
+                      + (f" each of the {tp} TP ranks keeps" if tp > 1 else "") + "; put the rest on the ring")
+                     for u in range(1, sp + 1) if sp % u == 0 and (u, sp // u) not in fitting]
+        layouts += [evaluate(work, Degrees(u, r, 1, tp), cluster.hardware, new_tokens, sharded) for u, r in fitting]
+    excluded = [(name if isinstance(name, str) else _label(name), why) for name, why in excluded]
     return InferencePlan(work, cluster, new_tokens, layouts, excluded, sharded)
+
+
+def _label(layout: Degrees) -> str:
+    return f"ulysses {layout.ulysses} x ring {layout.ring}" + (f" x tp {layout.tp}" if layout.tp > 1 else "")
 
 
 def inference_workload(model: ModelShape, prompt: int, batch: int, bf16: bool, reserve_bytes: int) -> Workload:
@@ -251,13 +277,13 @@ def format_inference(p: InferencePlan) -> str:
     lines = [f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
              f"heads x {m.head_dim}; prompt {w.seq_len:,} tokens x {w.batch} row(s), {p.new_tokens} new, {w.dtype}",
              f"cluster: {p.cluster.gpus} GPUs = {p.cluster.nodes} node(s); {hw.describe()}",
-             "seqmesh generate runs the GPUs as one sequence group (ulysses x ring), "
+             "seqmesh generate runs the GPUs as one sequence group (ulysses x ring, tp ranks inside each), "
              + ("the weights sharded over them (--shard-weights: each layer gathered for its forward)"
-                if p.sharded else "each holding the whole model") + "; the KV cache is shared by tokens over every GPU",
-             f"{'layout':<20}{'weights':>11}{'KV cache':>11}{'states':>10}{'prefill act.':>14}{'total':>11}  fits"
+                if p.sharded else "each holding the whole model") + "; the KV cache is split by tokens over the sequence ranks, by heads over tp",
+             f"{'layout':<27}{'weights':>11}{'KV cache':>11}{'states':>10}{'prefill act.':>14}{'total':>11}  fits"
              f"{'prefill s':>11}{'tokens/s':>11}{'decode ms/token':>17}{'(merge)':>9}"]
     for lay in p.layouts:
-        lines.append(f"{f'ulysses {lay.ulysses} x ring {lay.ring}':<20}{human_bytes(lay.weight_bytes):>11}"
+        lines.append(f"{lay.label:<27}{human_bytes(lay.weight_bytes):>11}"
                      f"{human_bytes(lay.cache_bytes):>11}{human_bytes(lay.state_bytes):>10}"
                      f"{human_bytes(lay.prefill_working_bytes):>14}{human_bytes(lay.total_bytes):>11}  "
                      f"{'yes' if lay.fits else 'no ':<4}{short_number(lay.prefill_seconds):>11}"
@@ -267,7 +293,7 @@ def format_inference(p: InferencePlan) -> str:
         lines.append(f"{name}: not planned, {why}")
     best = p.best
     if best is not None:
-        lines.append(f"recommended: ulysses {best.ulysses} x ring {best.ring} (the fastest prefill that fits)")
+        lines.append(f"recommended: {best.label} (the fastest prefill that fits)")
     else:
         weights = human_bytes(p.layouts[0].weight_bytes) if p.layouts else "?"
         lines.append(f"no layout fits {human_bytes(hw.memory_bytes)} per GPU (weights {weights} each"

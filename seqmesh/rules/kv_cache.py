@@ -23,10 +23,10 @@ def indexed_cache_bytes(tokens: int, layers: int, indexer_layers: int, latent_di
     return batch * tokens * (layers * latent_dim + indexer_layers * index_head_dim) * element_bytes
 
 
-def cache_share(prompt: int, new_tokens: int, ulysses: int, ring: int, layout: str = "zigzag") -> int:
+def cache_share(prompt: int, new_tokens: int, ulysses: int, ring: int, layout: str = "zigzag", tp: int = 1) -> int:
     """Tokens the fullest rank's cache holds after ``new_tokens`` (the last one drawn is never run): the prefill's
-    share of the padded prompt (the padding falls on one rank), then each new token on the rank holding fewest,
-    which levels the shares."""
+    share of the padded prompt (the padding falls on one rank; with ``tp``, each share padded to split into ``tp``
+    slices), then each new token on the rank holding fewest, which levels the shares."""
     ranks = ulysses * ring
-    prefilled = padded_length(prompt, ulysses, ring, layout) // ranks
+    prefilled = padded_length(prompt, ulysses, ring, layout, tp) // ranks
     return max(prefilled, -(-(prompt + new_tokens - 1) // ranks))

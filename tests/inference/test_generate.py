@@ -184,3 +184,4 @@ def test_heads_split_over_tensor_parallel_ranks_generate_the_same_tokens(pools):
                 assert r["tokens_equal"] and r["logits"] <= ULPS * r["rounding"], r
                 assert sum(r["counts"]) == PROMPT + NEW - 1 and r["share_bytes"] == r["expected_share_bytes"], r
                 assert r["held_fraction"] < 0.75, r  # the layers' matrices halved (norms and the embedding's rows not)
+                assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring, tp=2), r  # the planner's fullest
