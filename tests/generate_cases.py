@@ -14,6 +14,14 @@ from seqmesh.hf import parallelize, unparallelize
 from seqmesh.inference import generate, shard_weights, split_heads
 
 
+def family_here(family: str) -> bool:
+    """Whether the installed transformers has ``family`` (Kimi Linear is newer than transformers 5.15, the floor)."""
+    try:
+        return family_config(family) is not None
+    except (AttributeError, KeyError):  # a config class, or a model type, the installed transformers lacks
+        return False
+
+
 @contextlib.contextmanager
 def _mutated(mutation: str | None):
     """A deliberate fault for the test that the comparison sees it: ``"plain_mean"`` merges the shares' partial
@@ -221,10 +229,11 @@ def sampled_tokens(ulysses: int, ring: int, settings: list[tuple[float, float, i
 def _extension_mutated(mutation: str | None):
     """A deliberate fault in prefill onto a kept cache: ``"plain_sum"`` merges partial results without their
     log-sum-exp (their outputs summed); ``"offset_dropped"``: the new tokens' queries at their indices among the new
-    tokens, not in the row."""
+    tokens, not in the row; ``"state_not_carried"``: the recurrent layers run the new tokens from a zero state and
+    tail, not the kept ones."""
     from seqmesh.inference import cache, extend
 
-    saved = (extend.merge_into, cache.Extension.of)
+    saved = (extend.merge_into, cache.Extension.of, cache.RecurrentStates.get)
     if mutation == "plain_sum":
         def plain_sum(acc_out, acc_lse, out, lse):
             acc_out.add_(out.to(acc_out.dtype))
@@ -237,10 +246,15 @@ def _extension_mutated(mutation: str | None):
             object.__setattr__(entry, "query_positions", moved.masked_fill(entry.query_positions < 0, -1))
             return entry
         cache.Extension.of = from_zero
+    elif mutation == "state_not_carried":
+        def zero(self, module):
+            state, tail = saved[2](self, module)
+            return (torch.zeros_like(state), torch.zeros_like(tail)) if self.extension is not None else (state, tail)
+        cache.RecurrentStates.get = zero
     try:
         yield
     finally:
-        extend.merge_into, cache.Extension.of = saved
+        extend.merge_into, cache.Extension.of, cache.RecurrentStates.get = saved
 
 
 def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutation: str | None = None,
@@ -284,12 +298,12 @@ def extended_cases(cases: list[tuple], **kwargs) -> list[dict]:
 
 
 def extension_refusals(ulysses: int, ring: int) -> list[str]:
-    """The errors of prefill onto a kept cache given what it cannot run: a Gated DeltaNet model chunked, a row no
+    """The errors of prefill onto a kept cache given what it cannot run: ZAYA (its CCA projections) chunked, a row no
     longer than the cache, another batch size, an unknown schedule, a chunk of 0 tokens; and of tensor parallelism
     (on ``ulysses x ring`` ranks of tp 1: a model left whole on tp 2, a Gated DeltaNet model split)."""
     mesh = get_mesh(ulysses, ring)
     said = []
-    hybrid = parallelize(build(family_config("qwen3_5")), mesh)
+    hybrid = parallelize(build(family_config("zaya")), mesh)
     ids = torch.randint(3, 64, (2, 41), generator=torch.Generator().manual_seed(1))
     attempts = [lambda: generate(hybrid, mesh, ids, 2, prefill_chunk=16)]
     model = parallelize(build(family_config("llama")), mesh)

@@ -76,6 +76,14 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str):
             core, state, tail = kda_step(qkv, g, beta, conv_weight, conv_bias, heads, *generation.get(self),
                                          activation=self.activation)
             generation.put(self, state, tail)
+        elif generation is not None and generation.extension is not None:  # new tokens whole, from the kept state
+            def run(qkv_all: torch.Tensor, g_all: torch.Tensor, beta_all: torch.Tensor) -> torch.Tensor:
+                out, state, tail = kda_step(qkv_all, g_all, beta_all, conv_weight, conv_bias, heads,
+                                            *generation.get(self), activation=self.activation)
+                generation.put(self, state, tail)
+                return out
+
+            core = generation.whole(run, qkv, g, beta)
         elif generation is not None:  # the prompt by state passing, which leaves the state after it on every rank
             keep: dict = {}
             core = state_passing_kda(qkv, g, beta, conv_weight, conv_bias, heads, mesh, layout=info.layout,

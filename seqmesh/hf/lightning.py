@@ -82,12 +82,14 @@ def lightning_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slop
 
 def lightning_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token on every rank alike (generation's decode): q, k (B, 1, H, Dk), v (B, 1, H, Dv) from ``state``
-    (B, H, Dk, Dv) -> (out (B, 1, H, Dv), the next state)."""
-    dtype = state.dtype
+    """Tokens on every rank alike (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
+    q, k (B, T, H, Dk), v (B, T, H, Dv) from ``state`` (B, H, Dk, Dv) -> (out (B, T, H, Dv), the state after them)."""
+    dtype, outs = state.dtype, []
     decay = torch.exp(-slope.reshape(1, -1, 1, 1).to(dtype))  # (1, H, 1, 1)
-    state = decay * state + k[:, 0].to(dtype)[..., :, None] * v[:, 0].to(dtype)[..., None, :]
-    return torch.einsum("bhk,bhkv->bhv", q[:, 0].to(dtype), state)[:, None].to(v.dtype), state
+    for t in range(q.shape[1]):
+        state = decay * state + k[:, t].to(dtype)[..., :, None] * v[:, t].to(dtype)[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dtype), state))
+    return torch.stack(outs, dim=1).to(v.dtype), state
 
 
 def _make_forward(mesh: SPMesh):
@@ -105,6 +107,14 @@ def _make_forward(mesh: SPMesh):
             state, tail = generation.get(self)
             core, state = lightning_step(q, k, v, self.slope_rate, state)
             generation.put(self, state, tail)
+        elif generation is not None and generation.extension is not None:  # new tokens whole, from the kept state
+            def run(q_all: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:
+                state, tail = generation.get(self)
+                out, state = lightning_step(q_all, k_all, v_all, self.slope_rate, state)
+                generation.put(self, state, tail)
+                return out
+
+            core = generation.whole(run, q, k, v)
         else:
             keep = {} if generation is not None else None
             core = lightning_recurrence(q, k, v, self.slope_rate, mesh, layout=info.layout, seq_len=info.seq_len,

@@ -100,6 +100,13 @@ def _make_forward(mesh: SPMesh, project: Projection, design: LinearDesign):
         if generation is not None and generation.decoding:  # one token from the state the prefill left
             core, state, tail = decode_gated_delta(packed, params, whole, *generation.get(self))
             generation.put(self, state, tail)
+        elif generation is not None and generation.extension is not None:  # new tokens whole, from the kept state
+            def run(chunk: torch.Tensor) -> torch.Tensor:
+                out, state, tail = decode_gated_delta(chunk, params, whole, *generation.get(self))
+                generation.put(self, state, tail)
+                return out
+
+            core = generation.whole(run, packed)
         elif generation is not None:  # the prompt by state passing, which leaves the final state on every rank
             keep: dict = {}
             core = state_passing_gated_delta(packed, params, whole, mesh, layout=info.layout, seq_len=info.seq_len,

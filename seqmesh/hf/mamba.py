@@ -128,12 +128,16 @@ def _finish(m: nn.Module, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) 
 
 def mamba_step(m: nn.Module, x_in: torch.Tensor, state: torch.Tensor,
                tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token of the mixer ``m``: the conv's input ``x_in`` (B, 1, I), the scan's ``state`` (B, *X) and the conv's
-    last ``K - 1`` inputs ``tail`` (B, K - 1, I) -> (y (B, 1, I) before the gate, the next state, the next tail)."""
+    """Tokens of the mixer ``m`` (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
+    the conv's input ``x_in`` (B, T, I), the scan's ``state`` (B, *X) and the conv's last ``K - 1`` inputs ``tail``
+    (B, K - 1, I) -> (y (B, T, I) before the gate, the state after them, the next tail)."""
     x, tail = conv_step(tail, x_in, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
     log_decay, inp, read = (_headed_terms if type(m).__name__ in HEADED_MIXERS else _terms)(m, x)
-    state = torch.exp(log_decay[:, 0]) * state + inp[:, 0]
-    return read(state[:, None]), state, tail
+    states = []
+    for t in range(x_in.shape[1]):
+        state = torch.exp(log_decay[:, t]) * state + inp[:, t]
+        states.append(state)
+    return read(torch.stack(states, dim=1)), state, tail
 
 
 def _make_mixer_forward(mesh: SPMesh, headed: bool):
@@ -149,6 +153,13 @@ def _make_mixer_forward(mesh: SPMesh, headed: bool):
             y, state, tail = mamba_step(self, x_in, *generation.get(self))
             generation.put(self, state, tail)
             return _finish(self, y, z, hidden_states.dtype)
+        if generation is not None and generation.extension is not None:  # new tokens whole, from the kept state
+            def run(x_all: torch.Tensor) -> torch.Tensor:
+                y, state, tail = mamba_step(self, x_all, *generation.get(self))
+                generation.put(self, state, tail)
+                return y
+
+            return _finish(self, generation.whole(run, x_in), z, hidden_states.dtype)
         place = placement(mesh, x_in.shape[1], layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens,
                           kernel=weight.shape[-1])
         x = halo_causal_conv(x_in, weight, self.conv1d.bias, place, self.activation)

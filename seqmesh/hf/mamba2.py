@@ -78,6 +78,13 @@ def mamba2_forward(module: nn.Module, hidden: torch.Tensor, mesh: SPMesh, info, 
     if generation is not None and generation.decoding:  # one token, the same on every rank, from the prefill's
         y, state, tail = ssd_step(xbc, dt, params, heads, *generation.get(module))
         generation.put(module, state, tail)
+    elif generation is not None and generation.extension is not None:  # new tokens whole, from the kept state
+        def run(xbc_whole: torch.Tensor, dt_whole: torch.Tensor) -> torch.Tensor:
+            out, state, tail = ssd_step(xbc_whole, dt_whole, params, heads, *generation.get(module))
+            generation.put(module, state, tail)
+            return out
+
+        y = generation.whole(run, xbc, dt)
     elif generation is not None:  # the prompt by state passing, which leaves the state after it on every rank
         keep: dict = {}
         y = ssd_state_passing(xbc, dt, params, heads, mesh, layout=info.layout, seq_len=info.seq_len,

@@ -113,13 +113,17 @@ def rg_lru_block(module: nn.Module, hidden_states: torch.Tensor, position_ids: t
 
 def rg_lru_step(module: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor, state: torch.Tensor,
                 tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token on every rank alike: ``hidden_states`` (B, 1, D) at ``position_ids`` (B, 1), from ``state`` (B, W) and
-    the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, W) -> (out (B, 1, D), the next state, the next tail)."""
+    """Tokens on every rank alike (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
+    ``hidden_states`` (B, T, D) at ``position_ids`` (B, T), from ``state`` (B, W) and the conv's last ``K - 1`` inputs
+    ``tail`` (B, K - 1, W) -> (out (B, T, D), the state after them, the next tail)."""
     y = module.act_fn(module.linear_y(hidden_states))
     x, tail = conv_step(tail, module.linear_x(hidden_states), module.conv_1d.weight.squeeze(1), module.conv_1d.bias, None)
     log_a, gated = _recurrence_inputs(module.rg_lru, x, position_ids)
-    state = torch.exp(log_a[:, 0]) * state.to(log_a.dtype) + gated[:, 0]
-    return module.linear_out(state[:, None].to(x.dtype) * y), state, tail
+    states = []
+    for t in range(hidden_states.shape[1]):
+        state = torch.exp(log_a[:, t]) * state.to(log_a.dtype) + gated[:, t]
+        states.append(state)
+    return module.linear_out(torch.stack(states, dim=1).to(x.dtype) * y), state, tail
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
@@ -135,6 +139,13 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
             out, state, tail = rg_lru_step(self, input_states, position_ids, *generation.get(self))
             generation.put(self, state, tail)
             return out, None
+        if generation is not None and generation.extension is not None:  # new tokens whole, from the kept state
+            def run(hidden_all: torch.Tensor, positions_all: torch.Tensor) -> torch.Tensor:
+                out, state, tail = rg_lru_step(self, hidden_all, positions_all, *generation.get(self))
+                generation.put(self, state, tail)
+                return out
+
+            return generation.whole(run, input_states, position_ids), None
         place = halo.placement(mesh, input_states.shape[1], layout=info.layout, seq_len=info.seq_len,
                                cu_seqlens=info.cu_seqlens, kernel=kernel)
         # the prompt by state passing, which leaves the final state on every rank

@@ -67,8 +67,9 @@ def gated_short_conv(module: nn.Module, hidden_states: torch.Tensor, place: halo
 
 def short_conv_step(module: nn.Module, hidden_states: torch.Tensor,
                     tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token on every rank alike (generation's decode): ``hidden_states`` (B, 1, D) and the conv's last ``K - 1``
-    inputs ``tail`` (B, K - 1, D) -> (out (B, 1, D), the next tail)."""
+    """Tokens on every rank alike (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
+    ``hidden_states`` (B, T, D) and the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, D) -> (out (B, T, D), the next
+    tail)."""
     gate_in, gate_out, x = module.in_proj(hidden_states).chunk(3, dim=-1)
     mixed, tail = conv_step(tail, gate_in * x, module.conv.weight.squeeze(1), module.conv.bias, None)
     return module.out_proj(gate_out * mixed), tail
@@ -86,6 +87,14 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
             out, tail = short_conv_step(self, hidden_states, tail)
             generation.put(self, state, tail)
             return out
+        if generation is not None and generation.extension is not None:  # new tokens whole, after the kept tail
+            def run(hidden_all: torch.Tensor) -> torch.Tensor:
+                state, tail = generation.get(self)
+                out, tail = short_conv_step(self, hidden_all, tail)
+                generation.put(self, state, tail)
+                return out
+
+            return generation.whole(run, hidden_states)
         place = halo.placement(mesh, hidden_states.shape[1], layout=info.layout, seq_len=info.seq_len,
                                cu_seqlens=info.cu_seqlens, kernel=kernel)
         keep = {} if generation is not None else None

@@ -92,10 +92,26 @@ class ShardedKVCache:
 class RecurrentStates:
     """What a recurrent layer (seqmesh.hf's Gated DeltaNet) reads from a generation's entry: in a prefill
     (``decoding`` False) it runs sharded and leaves its final state and conv tail here (:meth:`put`); in a decode step
-    it runs one token from them (:meth:`get`) and leaves the next."""
+    it runs one token from them (:meth:`get`) and leaves the next. ``extension`` (a prefill onto a kept cache: the
+    :class:`Extension`): the layer runs the new tokens whole from them (:meth:`whole`), on every rank alike."""
 
     cache: ShardedKVCache
     decoding: bool
+    extension: Extension | None = None
+
+    def whole(self, run, *local: torch.Tensor) -> torch.Tensor:
+        """``run`` on the new tokens whole: each of ``local`` (B, L, ...) this rank's, in the layout's order, gathered
+        into the new tokens' order (B, T, ...); ``run``'s output (B, T, ...) back at this rank's tokens (B, L, ...)
+        (padding zero). Every rank runs the same tokens from the same state: one all-gather an input, nothing else."""
+        from ..sequence.sharding import gather_sequence, shard_sequence
+
+        info = self.extension
+        whole = [gather_sequence(x.contiguous(), self.cache.mesh, layout=info.layout, length=info.seq_len)
+                 for x in local]
+        out = run(*whole)
+        padded = local[0].shape[1] * self.cache.mesh.sp_size
+        out = torch.cat([out, out.new_zeros(out.shape[0], padded - out.shape[1], *out.shape[2:])], dim=1)
+        return shard_sequence(out, self.cache.mesh, layout=info.layout)
 
     def get(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.states[id(module)]
@@ -198,6 +214,10 @@ class Extension(SequenceInfo):
         cache.extend(every, real, offset)
         return cls(**{f.name: getattr(info, f.name) for f in fields(SequenceInfo)}, cache=cache,
                    query_positions=torch.where(real, every + offset, -1), real=real[mesh.sp_rank], schedule=schedule)
+
+    @property
+    def recurrent_state(self) -> RecurrentStates:
+        return RecurrentStates(self.cache, decoding=False, extension=self)
 
     def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> torch.Tensor:
         """Called by seqmesh's registered attention in place of it: this rank's new tokens' attention over the kept

@@ -33,6 +33,9 @@ DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short co
                   "Kimi Delta Attention", "compressed convolutional attention")
 # the recurrent layers whose decode runs (their state and conv tail kept by the prefill on every rank:
 # seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning, .kda, .cca)
+# and those a prefill onto a kept cache runs, from that state (ZAYA's CCA projections not: their delayed value and
+# conv tail would have to be carried through a chunk)
+EXTENDED_MIXERS = tuple(kind for kind in DECODED_MIXERS if kind != "compressed convolutional attention")
 
 
 @dataclass(frozen=True)
@@ -123,14 +126,15 @@ def check_extension(model: nn.Module, mesh: SPMesh, cache: ShardedKVCache | None
     from ..hf.mixer_kind import REPLACED_ATTR
 
     name = type(model).__name__
-    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, OWN_ATTENTION}
+    kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, OWN_ATTENTION, *EXTENDED_MIXERS}
     sparse = [m for m in model.modules() if is_indexed(m) or is_block_sparse(m)]
     if kinds or sparse:
         what = ", ".join(sorted(kinds)) if kinds else "sparse attention (DeepSeek Sparse Attention, MiniMax-M3)"
         raise ValueError(f"{name} has {what} layers, and prefill onto a kept cache (a cache passed back, or "
-                         "prefill_chunk) runs attention layers only (each new key joins a rank's share; a recurrent "
-                         "layer's state, or a sparse layer's selection, would have to run the new tokens from what the "
-                         "cache kept, which seqmesh does not yet): give the whole row without the cache, at once.")
+                         "prefill_chunk) runs attention and the recurrent layers whose state it keeps (a new key joins "
+                         "a rank's share, a recurrent layer runs the new tokens whole from its kept state); this "
+                         "layer's state, or a sparse layer's selection, would have to be carried through the new "
+                         "tokens, which seqmesh does not yet: give the whole row without the cache, at once.")
     if cache is None:
         return
     if cache.mesh.sp_size != mesh.sp_size or cache.mesh.sp_rank != mesh.sp_rank:

@@ -43,18 +43,20 @@ def last_token_keep(mesh: SPMesh, *, layout: str, seq_len: int) -> dict:
 
 def conv_step(tail: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of a depthwise causal conv: the last ``K - 1`` inputs ``tail`` (B, K - 1, C) and the token's ``x``
-    (B, 1, C), ``weight`` (C, K) -> (its output (B, 1, C), the next tail)."""
-    window = torch.cat([tail.to(x.dtype), x], dim=1)  # (B, K, C)
-    return causal_conv1d(window, weight, bias, (0, window.shape[1]), activation)[:, -1:], window[:, 1:]
+    """Tokens of a depthwise causal conv after the last ``K - 1`` inputs ``tail`` (B, K - 1, C): the tokens' ``x``
+    (B, T, C) (one in a decode step), ``weight`` (C, K) -> (their output (B, T, C), the next tail)."""
+    window = torch.cat([tail.to(x.dtype), x], dim=1)  # (B, K - 1 + T, C)
+    t = x.shape[1]
+    return causal_conv1d(window, weight, bias, (0, window.shape[1]), activation)[:, -t:], window[:, t:]
 
 
 def decode_gated_delta(packed: torch.Tensor, params: GateParams, heads: LinearHeads, state: torch.Tensor,
                        tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token: ``packed`` (B, 1, channels: conv | b | a of every head), ``state`` (B, Hv, Dk, Dv) and ``tail``
-    (B, K - 1, conv channels) -> (out (B, 1, Hv, Dv), the next state, the next tail)."""
+    """Tokens after ``state`` (B, Hv, Dk, Dv) and the conv's last inputs ``tail`` (B, K - 1, conv channels): ``packed``
+    (B, T, channels: conv | b | a of every head; one token in a decode step, a chunk's every token in a prefill onto a
+    kept cache) -> (out (B, T, Hv, Dv), the state after them, the next tail)."""
     conv_in, beta_in, a_in = packed.split([heads.conv_dim, heads.value_heads, heads.value_heads], dim=-1)
     mixed, tail = conv_step(tail, conv_in, params.conv_weight, params.conv_bias, params.activation)
     q, k, v, g, beta = rule_inputs(mixed, beta_in, a_in, params, heads, 0)
-    out, final = gated_delta_rule_states(q, k, v, g, beta, (0, 1), state[:, None])
+    out, final = gated_delta_rule_states(q, k, v, g, beta, (0, packed.shape[1]), state[:, None])
     return out, final[:, 0], tail

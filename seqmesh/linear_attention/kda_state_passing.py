@@ -140,9 +140,11 @@ def state_passing_kda(
 def kda_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
              conv_bias: torch.Tensor | None, heads: KdaHeads, state: torch.Tensor, tail: torch.Tensor,
              activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token on every rank alike (generation's decode): ``qkv`` (B, 1, 3 H D) before the conv, ``g`` (B, 1, H, Dk),
-    ``beta`` (B, 1, H), from ``state`` (B, H, Dk, Dv) and the conv's last ``K - 1`` inputs ``tail`` (B, K - 1, 3 H D)
-    -> (out (B, 1, H, Dv), the next state, the next tail): the chunked rule on a segment of one token from the state."""
+    """Tokens on every rank alike (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
+    ``qkv`` (B, T, 3 H D) before the conv, ``g`` (B, T, H, Dk), ``beta`` (B, T, H), from ``state`` (B, H, Dk, Dv) and the
+    conv's last ``K - 1`` inputs ``tail`` (B, K - 1, 3 H D) -> (out (B, T, H, Dv), the state after them, the next tail):
+    the chunked rule on one segment from the state."""
     mixed, tail = conv_step(tail, qkv, conv_weight, conv_bias, activation)
-    out, finals = chunk_kda_states(*_split_heads(mixed.to(qkv.dtype), heads), g, beta, (0, 1), state[:, None])
+    out, finals = chunk_kda_states(*_split_heads(mixed.to(qkv.dtype), heads), g, beta, (0, qkv.shape[1]),
+                                   state[:, None])
     return out, finals[:, 0], tail

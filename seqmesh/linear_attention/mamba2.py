@@ -112,15 +112,18 @@ def ssd_state_passing(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, he
 
 def ssd_step(xbc: torch.Tensor, dt: torch.Tensor, params: SSDParams, heads: SSDHeads, state: torch.Tensor,
              tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token on every rank alike (generation's decode): ``xbc`` (B, 1, conv_dim) before the conv, ``dt`` (B, 1, H)
-    before softplus, from ``state`` (B, H, N, head_dim) and the conv's last ``K - 1`` inputs ``tail`` (B, K - 1,
-    conv_dim) -> (y (B, 1, H, head_dim) with D x, the next state, the next tail)."""
+    """Tokens on every rank alike from ``state`` (B, H, N, head_dim) and the conv's last ``K - 1`` inputs ``tail``
+    (B, K - 1, conv_dim): ``xbc`` (B, T, conv_dim) before the conv, ``dt`` (B, T, H) before softplus (one token in a
+    decode step, a chunk's every token in a prefill onto a kept cache) -> (y (B, T, H, head_dim) with D x, the state
+    after them, the next tail)."""
     mixed, tail = conv_step(tail, xbc, params.conv_weight, params.conv_bias, params.activation)
     q, k, v, g, x = _scan_inputs(mixed, dt, params, heads, (0, heads.heads), (0, heads.groups))
-    dtype = state.dtype
-    state = torch.exp(g[:, 0].to(dtype))[..., None, None] * state \
-        + k[:, 0].to(dtype)[..., :, None] * v[:, 0].to(dtype)[..., None, :]  # (B, H, N, P)
-    y = torch.einsum("bhn,bhnp->bhp", q[:, 0].to(dtype), state)[:, None]
+    dtype, ys = state.dtype, []
+    for t in range(xbc.shape[1]):  # the recurrence a token at a time
+        state = torch.exp(g[:, t].to(dtype))[..., None, None] * state \
+            + k[:, t].to(dtype)[..., :, None] * v[:, t].to(dtype)[..., None, :]  # (B, H, N, P)
+        ys.append(torch.einsum("bhn,bhnp->bhp", q[:, t].to(dtype), state))
+    y = torch.stack(ys, dim=1)
     return y.to(x.dtype) + params.D[:, None].to(x.dtype) * x, state, tail
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from generate_cases import family_here as _here
 from generate_cases import generated_cases, sampled_tokens
 from seqmesh.planner.inference import cache_share
 
@@ -23,14 +24,6 @@ PROMPT, NEW = 101, 6  # a prompt no mesh divides evenly: the layout pads it, and
 ULPS = 4  # the bound: a multiple of the float32 rounding of the same model's logits
 
 
-def _here(family: str) -> bool:
-    """Whether the installed transformers has ``family`` (Kimi Linear is newer than transformers 5.15, the floor)."""
-    from family_cases import family_config
-
-    try:
-        return family_config(family) is not None
-    except (AttributeError, KeyError):  # a config class, or a model type, the installed transformers lacks
-        return False
 
 
 def _sparse_layers(family: str) -> bool:
