@@ -14,7 +14,7 @@ import ast
 import functools
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.nn as nn
 
@@ -66,7 +66,7 @@ SUPPORTED = ("full causal or bidirectional attention through transformers' Atten
              "of Kimi Linear and Bailing hybrid; ZAYA's compressed convolutional attention; the ALiBi attention of "
              "BLOOM and MPT; Falcon's rotary attention; GPT-Neo's global and local attention; the attention of "
              "OpenAI-GPT, XGLM and GPT-NeoX-Japanese; Doge's dynamic mask within keep_window_size; the BERT-style "
-             "attention of RemBERT, MegatronBERT and RoFormer; the decoders of BART, mBART, Marian, Pegasus, Blenderbot, PLBart, "
+             "attention of RemBERT, MegatronBERT, RoFormer and BigBird (attention_type='original_full'); the decoders of BART, mBART, Marian, Pegasus, Blenderbot, PLBart, "
              "BigBird-Pegasus, MusicGen, MVP and TrOCR")
 
 
@@ -216,6 +216,53 @@ def chunked_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return found
 
 
+# families whose attention is not one causal stream seqmesh could shard, or that seqmesh does not compute yet: why,
+# precisely, and what would make them computable (config.json's model_type -> its reason, given the config; None where
+# the config is one seqmesh runs). The census (tests/hf/test_family_census.py) meets each.
+FAMILY_REASONS: dict[str, Callable[[object], str | None]] = {
+    "big_bird": lambda c: None if getattr(c, "attention_type", None) == "original_full" else (
+        "its block-sparse attention (attention_type='block_sparse', the default) attends both ways over global, "
+        "sliding and random blocks drawn per call, which is not a causal language model's attention; set "
+        "attention_type='original_full' and is_decoder=True, which seqmesh runs exactly"),
+    "xlm": lambda c: (
+        "XLM masks each call by that call's own count of non-padding ids (get_masks) inside its layers, which "
+        "compute their scores outside transformers' AttentionInterface and drop the entries seqmesh passes, so "
+        "each rank would mask and attend its own shard; it would take XLM's attention through seqmesh's own "
+        "attention path (as BLOOM's and BERT's are), which is not built"),
+    "cpmant": lambda c: (
+        "CPM-Ant adds a learned bias by the bucket of each key's relative position and segment "
+        "(CpmAntSegmentPositionEmbedding), computed over each call's own positions and segments, and attends outside "
+        "transformers' AttentionInterface, so each rank would bucket its own shard; it would take that bias computed "
+        "over the gathered row (as seqmesh does for Inkling's), which is not built"),
+    "reformer": lambda c: (
+        "Reformer's LSH attention hashes each call's keys into buckets by random rotations and attends within sorted "
+        "chunks, and its local attention within fixed chunks of the call: neither is the causal attention of the "
+        "whole row, and a rank would hash and chunk its own shard only; no layout makes it exact"),
+    "xlnet": lambda c: (
+        "XLNet's two-stream relative attention (a content and a query stream, relative encodings of each call's "
+        "length, a permutation mask) is not one causal stream over the row; no layout makes it exact"),
+    "prophetnet": lambda c: (
+        "ProphetNet's decoder predicts n future tokens in n-gram streams beside its main one, with a relative "
+        "position bucket bias over each call; its streams are not one causal stream over the row"),
+    "blt": lambda c: (
+        "BLT reads bytes with a local encoder, groups them into patches by an entropy model and runs its global "
+        "transformer over the patches, cross-attending bytes and patches; its patches are drawn from each call's "
+        "bytes, not positions seqmesh can shard (it has no attention heads at its top level)"),
+    "inkling2_text": lambda c: _INKLING2,
+    "inkling2_loop_text": lambda c: _INKLING2,
+}
+_INKLING2 = ("Inkling 2 convolves its keys and values (short convolutions inside k_proj and v_proj), clips them by "
+             "their L2 norm and adds block residuals; seqmesh runs Inkling's convolutions on their halo, not these, "
+             "and would need the same for Inkling 2's (not built)")
+
+
+def family_reason(model: nn.Module) -> str | None:
+    """Why ``model``'s family is refused, precisely (:data:`FAMILY_REASONS`), or None."""
+    config = getattr(model, "config", None)
+    rule = FAMILY_REASONS.get(getattr(config, "model_type", None))
+    return rule(config) if rule is not None else None
+
+
 def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: Sequence[nn.Module] = (),
                  handled_types: Sequence[str] = ()) -> None:
     """Raise a ValueError naming every layer or variant of ``model`` seqmesh would not compute exactly.
@@ -224,6 +271,9 @@ def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: S
     ``indexed``: the attention modules of ``indexed_attention`` layers seqmesh runs itself
     (:mod:`seqmesh.hf.indexed_attention`); a layer of that type whose module is not among them is refused."""
     name = type(model).__name__
+    reason = family_reason(model)
+    if reason is not None:
+        raise ValueError(f"seqmesh cannot run {name} exactly: {reason}.")
     problems = []
     supported = SUPPORTED_LAYER_TYPES + tuple(handled_types)
     indexed_at = [(id(getattr(m, "config", None)), getattr(m, "layer_idx", None)) for m in indexed]

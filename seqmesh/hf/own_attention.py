@@ -2,8 +2,8 @@
 ``AttentionInterface``, run sequence-parallel, exactly: BLOOM's and MPT's ALiBi attention, Falcon's rotary
 attention, GPT-Neo's global and local attention, the original GPT's (OpenAI-GPT), XGLM's and GPT-NeoX-Japanese's
 (its partial rotary), Doge's (its dynamic mask a bias of each key, folded into the keys), the BERT-style
-self-attention of RemBERT, MegatronBERT and RoFormer (causal where the config says ``is_decoder``; RoFormer's rotary
-at the table its encoder is given), and the decoders' of TrOCR and MVP.
+self-attention of RemBERT, MegatronBERT, RoFormer and BigBird's full attention (causal where the config says
+``is_decoder``; RoFormer's rotary at the table its encoder is given), and the decoders' of TrOCR and MVP.
 
 ``parallelize`` gives each such layer an instance-level ``forward`` (the class and transformers' code untouched;
 ``unparallelize`` deletes it) that keeps the layer's own projections and calls :func:`seqmesh.attention`::
@@ -253,6 +253,8 @@ FAMILIES: dict[str, _Family] = {
     "MegatronBertSelfAttention": _BERT,
     # the decoders of TrOCR and MVP: BART's attention of old, the query scaled first (MVP's prompts refused at the call)
     "RoFormerSelfAttention": dataclasses.replace(_BERT, rotate_given=_roformer_rotate),
+    # BigBird's full attention (attention_type="original_full"); its block-sparse layers are another class, refused
+    "BigBirdSelfAttention": _BERT,
     "TrOCRAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
                               lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
     "MvpAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
@@ -275,7 +277,7 @@ def family_key(module: nn.Module) -> str | None:
 # MegatronBERT and RoFormer as decoders attend both ways there (their logits 4.8e-3 and 8.6e-3 from seqmesh's causal
 # ones), and no release between was measured
 NEWEST_ONLY = {"GPTNeoXJapaneseAttention": "5.24", "DogeAttention": "5.24", "RemBertSelfAttention": "5.24",
-               "MegatronBertSelfAttention": "5.24", "RoFormerSelfAttention": "5.24"}
+               "MegatronBertSelfAttention": "5.24", "RoFormerSelfAttention": "5.24", "BigBirdSelfAttention": "5.24"}
 
 
 def _too_old(key: str) -> str | None:

@@ -10,14 +10,15 @@ LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "Fa
                  "gpt_neo": "GPTNeoAttention", "openai-gpt": "openai.Attention", "xglm": "XGLMAttention",
                  "gpt_neox_japanese": "GPTNeoXJapaneseAttention", "doge": "DogeAttention",
                  "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention",
-                 "trocr": "TrOCRAttention", "mvp": "MvpAttention", "roformer": "RoFormerSelfAttention"}
+                 "trocr": "TrOCRAttention", "mvp": "MvpAttention", "roformer": "RoFormerSelfAttention",
+                 "big_bird": "BigBirdSelfAttention"}
 # of those, the families seqmesh plan does not size yet (their config.json's names and layer layouts)
 UNPLANNED = ("openai-gpt", "xglm", "gpt_neox_japanese", "doge")
 # the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds
 ALIBI = ("bloom", "mpt")
 # the families whose MLP is two matrices (up, activation, down), not a gated three
 TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "rembert",
-                  "megatron-bert")
+                  "megatron-bert", "big_bird")
 
 
 def tensor_parallel_refusal(family: str) -> str | None:

@@ -53,7 +53,7 @@ def test_layers_seqmesh_would_not_compute_are_named():
     import pytest
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from seqmesh.hf.layers import check_layers
+    from seqmesh.hf.layers import check_layers, family_reason
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, vocab_size=64, sliding_window=4)
@@ -146,7 +146,7 @@ def test_deepseek_v4_compressed_attention_without_its_layout_is_refused_with_its
     import pytest
     import transformers as tf
 
-    from seqmesh.hf.layers import check_layers
+    from seqmesh.hf.layers import check_layers, family_reason
 
     config = tf.DeepseekV4Config(hidden_size=64, num_hidden_layers=4, vocab_size=64, num_attention_heads=4,
                                  layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
@@ -159,3 +159,30 @@ def test_deepseek_v4_compressed_attention_without_its_layout_is_refused_with_its
         assert message.count(f"DeepSeek-V4's {kind}, which") == 1, message
     assert "layer 2 is a 'heavily_compressed_attention' layer" in message and "lightning indexer" in message
     assert "found no such module for this layer" in message, message
+
+
+# each family refused with its own reason (seqmesh.hf.layers.FAMILY_REASONS): a phrase of it that the generic
+# refusal (attention outside transformers' AttentionInterface) does not hold
+PRECISE = {"big_bird": "attention_type='original_full'", "xlm": "count of non-padding ids", "cpmant": "bucket",
+           "reformer": "LSH", "xlnet": "two-stream", "prophetnet": "n-gram streams", "blt": "entropy model",
+           "inkling2_text": "Inkling 2"}
+
+
+def test_families_seqmesh_cannot_compute_are_refused_with_their_own_reason():
+    """Each tiny model (the census's config) is refused by its reason and what would make it computable, not by the
+    generic one; BigBird with full attention (attention_type='original_full', is_decoder) passes the same check."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from census_configs import census_config
+    from seqmesh.hf.layers import check_layers, family_reason
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for family, phrase in PRECISE.items():
+        if family not in CONFIG_MAPPING:  # newer than this transformers (Inkling 2)
+            continue
+        model = AutoModelForCausalLM.from_config(census_config(family))
+        with pytest.raises(ValueError, match=f"seqmesh cannot run {type(model).__name__} exactly: .*{phrase}"):
+            check_layers(model)
+    assert family_reason(AutoModelForCausalLM.from_config(census_config("big_bird+original_full"))) is None

@@ -1,7 +1,7 @@
 """Item 6 of issue 12: nothing unknown runs silently or crashes inside. A sample of the decoder
 families in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, as tiny float32 models on a ring of 2:
 each is exact against the single-process model or refused before any work with a ValueError naming
-the layer or variant and what seqmesh supports. (Linear-attention hybrids of the Gated DeltaNet kind
+the layer or variant and what would make it computable. (Linear-attention hybrids of the Gated DeltaNet kind
 are covered with their own support, not here.)"""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ EXACT = ["llama", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "cohere2", 
          "recurrent_gemma",  # RG-LRU blocks (their state passed across ranks) and local attention
          "rwkv",  # RWKV-4's token shifts and time mixing (its state passed across ranks in log space)
          "xlstm"]  # xLSTM's mLSTM memory (passed the same way)
-REFUSED = {
-    "xlnet": "AttentionInterface",  # XLNet's two-stream relative attention, computed in its own layers
+REFUSED = {  # the reason, and what would make it computable (none for XLNet: no layout makes it exact)
+    "xlnet": "two-stream relative attention",  # computed in its own layers, not one causal stream
 }
 
 
@@ -34,4 +34,4 @@ def test_registry_sample_is_exact_or_refused(pools):
     for family, words in REFUSED.items():
         r = by_family[family]
         assert r["outcome"] == "refused", r
-        assert words.lower() in r["message"].lower() and "seqmesh supports" in r["message"], r
+        assert words.lower() in r["message"].lower() and "no layout makes it exact" in r["message"], r
