@@ -225,7 +225,9 @@ FAMILY_REASONS: dict[str, Callable[[object], str | None]] = {
         "sliding and random blocks drawn per call, which is not a causal language model's attention; set "
         "attention_type='original_full' and is_decoder=True, which seqmesh runs exactly"),
     "xlm": lambda c: (
-        "XLM masks each call by that call's own count of non-padding ids (get_masks) inside its layers, which "
+        ("XLM attends both ways unless its config says causal=True (a masked language model by default); and it "
+         if not getattr(c, "causal", False) else "XLM ")
+        + "masks each call by that call's own count of non-padding ids (get_masks) inside its layers, which "
         "compute their scores outside transformers' AttentionInterface and drop the entries seqmesh passes, so "
         "each rank would mask and attend its own shard; it would take XLM's attention through seqmesh's own "
         "attention path (as BLOOM's and BERT's are), which is not built"),
