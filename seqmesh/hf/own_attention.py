@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..mesh import SPMesh
 from ..rules.degrees import workable_degrees
-from ..rules.own_attention import LAYER_CLASSES, tensor_parallel_refusal
+from ..rules.own_attention import LAYER_CLASSES, doge_window_problem, tensor_parallel_refusal
 from ..sharded_attention.api import attention
 from .layers import OWN_ATTENTION as NAME
 from .mixer_kind import MixerKind, check_mixer_context
@@ -179,11 +179,9 @@ def _doge_fold(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     head; ``(q . k) s + b = ([q, 1] . [k, b / s]) s``, so the bias travels as one more channel of each key (the
     values get a zero channel, cut from the output), through every layout and the cache alike. Past
     ``keep_window_size`` keys Doge keeps only each query's keys of largest bias, which seqmesh does not compute."""
-    if info is not None and info.seq_len > module.keep_window_size:
-        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}): a sequence of {info.seq_len} tokens is "
-                         f"longer than keep_window_size={module.keep_window_size}, past which Doge's dynamic mask keeps "
-                         "only each query's keep_window_size keys of largest bias, which seqmesh does not compute; "
-                         "train with --seq-len at most keep_window_size, or raise keep_window_size.")
+    problem = None if info is None else doge_window_problem(info.seq_len, module.keep_window_size)
+    if problem:
+        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}): {problem}.")
     b, n = v.shape[:2]
     dt = torch.exp(module.A * F.softplus(module.dt_proj(v.reshape(b, n, -1))))  # (B, L, Hk): each key's bias
     q = torch.cat([q, q.new_ones(*q.shape[:-1], 1)], dim=-1)

@@ -9,7 +9,7 @@ import json
 import os
 
 from ..rules.model_sizes import check_model_sizes
-from ..rules.own_attention import ALIBI, TWO_MATRIX_MLP, UNPLANNED
+from ..rules.own_attention import ALIBI, DOGE_WINDOW, TWO_MATRIX_MLP
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -163,10 +163,13 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields["unplanned"] = ("seqmesh plan does not size Qwen4-Exp's QSA layers and hyper-connections yet (each "
                                "query's selected blocks gathered from the row; residual streams a token, mixed around "
                                "each block); seqmesh train runs it all the same")
-    if family in UNPLANNED:
-        fields["unplanned"] = (f"seqmesh plan does not size {family} yet (its config.json's names and its layers' "
-                               "layout, which seqmesh runs through the layers' own projections); seqmesh train and "
-                               "verify run it all the same")
+    if family == "doge":  # its window, which the planner checks the length against; experts only with is_moe
+        fields["extra"] = (("keep_window_size", cfg.get("keep_window_size", DOGE_WINDOW)),)
+        if cfg.get("is_moe"):
+            fields["unplanned"] = ("seqmesh plan does not size Doge's cross-domain mixture of experts (is_moe=True) "
+                                   "yet; seqmesh train runs it all the same")
+        else:
+            fields |= {"experts": 0, "experts_per_token": 0}
     if family in ALIBI:
         fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: on a GPU it runs on the math "
                                "kernel, whose (rows x keys) score block per call the planner does not count; seqmesh "

@@ -345,7 +345,12 @@ class ModelShape:
         if self.latent is not None:
             return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
         bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias + self.mask_params
+
+    @property
+    def mask_params(self) -> int:
+        """Doge's dynamic mask: dt_proj (each kv head's bias from the values, kv x kv head_dim) and A (one a kv head)."""
+        return self.kv_heads * (self.kv_heads * self.head_dim + 1) if self.family == "doge" else 0
 
     @property
     def params(self) -> int:
@@ -357,7 +362,7 @@ class ModelShape:
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params)
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
-        attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads)
+        attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads) + self.mask_params
         if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases
             attn += self.head_dim * (self.heads + 2 * self.kv_heads)
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)

@@ -8,6 +8,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 from ..rules.degrees import Degrees, resolve_degrees
+from ..rules.own_attention import DOGE_WINDOW, doge_window_problem
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..model.shapes import ModelShape
 from .media import Media
@@ -56,6 +57,10 @@ class Workload(RunSettings):
         super().__post_init__()
         if self.model.unplanned:
             raise ValueError(f"{self.model.name}: {self.model.unplanned}")
+        if self.model.family == "doge":  # the runtime's rule (seqmesh.hf.own_attention refuses the same)
+            problem = doge_window_problem(self.seq_len, dict(self.model.extra).get("keep_window_size", DOGE_WINDOW))
+            if problem:
+                raise ValueError(f"{self.model.name}: {problem}.")
         if self.seq_len < 1:
             raise ValueError(f"--seq-len {self.seq_len}: a sequence needs at least 1 token.")
         if self.batch < 1:

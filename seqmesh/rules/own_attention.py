@@ -12,13 +12,24 @@ LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "Fa
                  "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention",
                  "trocr": "TrOCRAttention", "mvp": "MvpAttention", "roformer": "RoFormerSelfAttention",
                  "big_bird": "BigBirdSelfAttention"}
-# of those, the families seqmesh plan does not size yet (their config.json's names and layer layouts)
-UNPLANNED = ("openai-gpt", "xglm", "gpt_neox_japanese", "doge")
 # the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds
 ALIBI = ("bloom", "mpt")
 # the families whose MLP is two matrices (up, activation, down), not a gated three
 TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "rembert",
                   "megatron-bert", "big_bird")
+
+
+DOGE_WINDOW = 2048  # DogeConfig's keep_window_size
+
+
+def doge_window_problem(seq_len: int, keep_window_size: int) -> str | None:
+    """Why Doge cannot run ``seq_len`` tokens (the runtime's and the planner's words), or None: past
+    ``keep_window_size`` keys its dynamic mask keeps only each query's keys of largest bias."""
+    if seq_len <= keep_window_size:
+        return None
+    return (f"a sequence of {seq_len} tokens is longer than keep_window_size={keep_window_size}, past which Doge's "
+            "dynamic mask keeps only each query's keep_window_size keys of largest bias, which seqmesh does not "
+            "compute; train with --seq-len at most keep_window_size, or raise keep_window_size")
 
 
 def tensor_parallel_refusal(family: str) -> str | None:

@@ -148,14 +148,17 @@ def test_a_bloom_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["openai-gpt", "xglm", "gpt-neox-japanese", "doge"])
-def test_the_planner_refuses_the_newer_own_attention_families_by_name(tmp_path, family):
-    """seqmesh trains these three; the planner does not read their config.json names and layouts yet, and says so."""
+def test_the_planner_plans_the_newer_own_attention_families(tmp_path, family, capsys):
+    """seqmesh plan reads each one's config.json (the layers' sizes: tests/planner/test_planner_own_attention.py) and
+    plans it."""
     from family_cases import family_config
     from seqmesh.model.presets import model_shape
+    from seqmesh.tools.cli import main
 
     family_config(family).save_pretrained(tmp_path)
-    said = model_shape(str(tmp_path)).unplanned
-    assert "seqmesh plan does not size" in said and "seqmesh train" in said, said
+    assert model_shape(str(tmp_path)).unplanned == ""
+    assert main(["plan", "--model", str(tmp_path), "--seq-len", "64", "--gpus", "2", "--json"]) == 0  # Doge: within its window
+    assert json.loads(capsys.readouterr().out)["recommended"] is not None
 
 
 @pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge", "rembert")])

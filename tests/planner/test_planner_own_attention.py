@@ -1,5 +1,5 @@
-"""seqmesh plan on the families whose attention layers seqmesh runs itself (seqmesh.hf.own_attention): Falcon's and
-GPT-Neo's config.json read into shapes whose matrices equal the model transformers builds on the meta device (Falcon's
+"""seqmesh plan on the families whose attention layers seqmesh runs itself (seqmesh.hf.own_attention): Falcon's,
+GPT-Neo's, the original GPT's, XGLM's, GPT-NeoX-Japanese's and Doge's config.json read into shapes whose matrices equal the model transformers builds on the meta device (Falcon's
 one or grouped kv heads, a two-matrix MLP, GPT-Neo's local layers as sliding ones), planned without tensor parallelism
 as the runtime runs them (the one rule, seqmesh.rules.own_attention), and BLOOM's and MPT's ALiBi refused by name."""
 
@@ -24,6 +24,17 @@ CONFIGS = {
     "gpt-neo-1.3b": dict(model_type="gpt_neo", hidden_size=2048, num_layers=24, num_heads=16, vocab_size=50257,
                          attention_layers=["global", "local"] * 12, attention_types=[[["global", "local"], 12]],
                          window_size=256, intermediate_size=None),
+    # the original GPT (its Conv1D projections, a learned table of 512 positions), XGLM 564M (sinusoidal positions),
+    # GPT-NeoX-Japanese 2.7B, Doge 160M (its dynamic mask's dt_proj and A; the experts its config names unused
+    # without is_moe)
+    "openai-gpt": dict(model_type="openai-gpt", n_embd=768, n_layer=12, n_head=12, vocab_size=40478, n_positions=512),
+    "xglm-564m": dict(model_type="xglm", d_model=1024, num_layers=24, attention_heads=16, ffn_dim=4096,
+                      vocab_size=256008, max_position_embeddings=2048),
+    "gpt-neox-japanese-2.7b": dict(model_type="gpt_neox_japanese", hidden_size=2560, num_hidden_layers=32,
+                                   num_attention_heads=32, intermediate_multiple_size=4, vocab_size=32000),
+    "doge-160m": dict(model_type="doge", hidden_size=768, num_hidden_layers=24, num_attention_heads=6,
+                      num_key_value_heads=3, intermediate_size=1536, vocab_size=32768, keep_window_size=2048,
+                      num_experts=16384),
 }
 
 
@@ -44,16 +55,24 @@ def _meta_model(path: str):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matrices_equal_the_transformers_model(tmp_path, name):
-    """One layer's matrices (what the planner's matmul time multiplies every token by) and the embeddings equal the
-    model's; the whole count within the norms', biases' and position table's share (under 0.4%)."""
+    """One layer's matrices (what the planner's matmul time multiplies every token by; Doge's A beside them) and the
+    embeddings equal the model's; the whole count within the norms', biases' and position table's share (under 0.5%:
+    the original GPT's table of 512 positions is 0.34% of it)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from seqmesh.model.lm import decoder_layers
+
     path = _write(tmp_path, name, CONFIGS[name])
     shape, model = model_shape(path), _meta_model(path)
-    layer = model.transformer.h[0]
-    matrices = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    assert not shape.unplanned, shape.unplanned
+    layers = decoder_layers(model)
+    layer = layers[0]
+    matrices = sum(m.weight.numel() for m in layer.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    matrices += layer.self_attn.A.numel() if name.startswith("doge") else 0
     assert shape.attention_params + shape.mlp_params == matrices, (shape.attention_params, shape.mlp_params, matrices)
-    assert not shape.gated_mlp and shape.layers == len(model.transformer.h)
+    assert shape.gated_mlp == name.startswith("doge") and shape.layers == len(layers)
     total = sum(p.numel() for p in model.parameters())
-    assert abs(shape.params - total) < 0.004 * total, (shape.params, total)
+    assert abs(shape.params - total) < 0.005 * total, (shape.params, total)
     if name == "gpt-neo-1.3b":
         assert shape.layer_types.count("sliding_attention") == 12 and shape.sliding_window == 256
 
@@ -71,6 +90,19 @@ def test_planned_without_tensor_parallelism_as_the_runtime_runs_them(tmp_path, c
     fitting = [row for row in report["candidates"] if row["feasible"]]
     assert fitting and all(row["layout"]["tp"] == 1 for row in report["candidates"]), report["candidates"][:2]
     assert tensor_parallel_refusal("falcon") in json.dumps(report["excluded"])
+
+
+def test_doge_is_planned_within_its_window_only(tmp_path, capsys):
+    """Past keep_window_size keys Doge's dynamic mask keeps each query's largest-bias keys, which seqmesh does not
+    compute: the planner refuses a longer sequence in the runtime's words and plans one within it."""
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, "doge-160m", CONFIGS["doge-160m"])
+    assert main(["plan", "--model", path, "--seq-len", "4096", "--gpus", "2"]) != 0
+    said = capsys.readouterr().err
+    assert "longer than keep_window_size=2048" in said and "--seq-len at most keep_window_size" in said, said
+    assert main(["plan", "--model", path, "--seq-len", "2048", "--gpus", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] is not None
 
 
 @pytest.mark.parametrize("family", ["bloom", "mpt"])
