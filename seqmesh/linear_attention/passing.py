@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather
+from .choice import runs_and_tails
 from .halo import Placement, pad_rows
 
 Carry = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (packed run (B, X), state) -> state
@@ -62,6 +63,14 @@ def pass_states(out: torch.Tensor, lift: torch.Tensor, finals: torch.Tensor, pla
         return (out[:, a:e] + read(lift[:, a:e], state)).to(out.dtype)
 
     return rerun_states(out, finals, place, zero_state, carry=carry, rerun=corrected, keep=keep)
+
+
+def rerun_state_bytes(values: int, *, batch: int, ulysses: int, ring: int, layout: str, state_bytes: int = 4) -> int:
+    """Bytes each rank sends forward in the all-gather of :func:`pass_states` or :func:`rerun_states` (its
+    reduce-scatter the same backward) for ``values`` a run (``[S_0 | T]``'s, RWKV's ``[a0 | b0 | p0 | log T]``):
+    ``(P - 1) x runs x B x values``, ``runs`` the busiest rank's (``choice.runs_and_tails``), whatever the length."""
+    runs, _ = runs_and_tails(ulysses, ring, layout)
+    return (ulysses * ring - 1) * batch * runs * values * state_bytes
 
 
 def rerun_states(out: torch.Tensor, finals: torch.Tensor, place: Placement, zero_state: torch.Tensor, *, carry: Carry,

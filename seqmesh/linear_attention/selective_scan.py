@@ -32,7 +32,7 @@ import torch
 from .choice import runs_and_tails
 from .gated_delta import compute_dtype
 from .halo import Placement
-from .passing import pass_states
+from .passing import pass_states, rerun_state_bytes
 
 CHUNK = 32  # tokens per chunk of the two-level scan: about sqrt of the sequence lengths one rank holds
 
@@ -99,8 +99,8 @@ def diagonal_state_bytes(channels: int, *, batch: int, ulysses: int, ring: int, 
     """Bytes each rank sends forward in :func:`state_passing_diagonal_scan`'s all-gather (its reduce-scatter the same
     backward) for a state of ``channels`` values (``|X|``): every run's ``[S_0 | T]``, ``(P - 1) x runs x B x 2 |X|``
     values, ``runs`` the busiest rank's (``choice.runs_and_tails``), whatever the sequence's length."""
-    runs, _ = runs_and_tails(ulysses, ring, layout)
-    return (ulysses * ring - 1) * batch * runs * 2 * channels * state_bytes
+    return rerun_state_bytes(2 * channels, batch=batch, ulysses=ulysses, ring=ring, layout=layout,
+                             state_bytes=state_bytes)
 
 
 def state_passing_diagonal_scan(log_decay: torch.Tensor, inp: torch.Tensor, place: Placement,

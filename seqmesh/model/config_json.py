@@ -63,15 +63,16 @@ def shape_from_config(path: str) -> ModelShape:
     if "layers" in hybrid:
         cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
     family = cfg.get("model_type", "")
-    if family in _WITHOUT_ATTENTION:  # a nominal attention shape beside the reason the planner gives
+    if family in _WITHOUT_ATTENTION:  # a nominal attention shape: beside its layers' (RWKV), or the planner's reason
         mixer, width = _WITHOUT_ATTENTION[family]
         hidden = cfg.get("hidden_size", 0)
         feed_forward = cfg.get(width) or (round(hidden * cfg["ffn_proj_factor"]) if cfg.get("ffn_proj_factor")
                                           else 4 * hidden)  # xLSTM's by its factor, RWKV's 4 x hidden by default
         cfg = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": hidden, **cfg,
                "intermediate_size": feed_forward}
-        hybrid["unplanned"] = (f"seqmesh plan does not size {family}'s layers yet ({mixer}, no attention); seqmesh "
-                               "train and verify run it all the same")
+        if "hybrid" not in hybrid:  # RWKV's are sized (seqmesh.model.rwkv); xLSTM's not yet
+            hybrid["unplanned"] = (f"seqmesh plan does not size {family}'s layers yet ({mixer}, no attention); "
+                                   "seqmesh train and verify run it all the same")
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:
         heads = cfg["num_attention_heads"]

@@ -18,6 +18,7 @@ from .kimi import kimi_linear_fields
 from .lfm import lfm2_fields
 from .minimax import minimax_fields
 from .recurrent_gemma import recurrent_gemma_fields
+from .rwkv import rwkv_fields
 
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
@@ -40,7 +41,7 @@ _UNSIZED = {"mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short conv
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
           "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), RecurrentGemma's "
-          "RG-LRU (recurrent_gemma) and Jamba's Mamba (jamba)")
+          "RG-LRU (recurrent_gemma), Jamba's Mamba (jamba) and RWKV-4's blocks (rwkv)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -58,6 +59,8 @@ def hybrid_fields(cfg: dict) -> dict:
         return recurrent_gemma_fields(cfg)
     if family == "jamba":
         return jamba_fields(cfg)
+    if family == "rwkv":
+        return rwkv_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

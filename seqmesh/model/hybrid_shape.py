@@ -15,6 +15,7 @@ KDA = "kda"  # Kimi Linear's Kimi Delta Attention (seqmesh.model.kimi)
 LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minimax)
 RG_LRU = "rg_lru"  # RecurrentGemma's recurrent block (seqmesh.model.recurrent_gemma)
 MAMBA1 = "mamba1"  # Jamba's Mamba (v1) mixer (seqmesh.model.jamba)
+RWKV = "rwkv"  # RWKV-4's time mix (seqmesh.model.rwkv)
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
@@ -104,6 +105,8 @@ class HybridShape:
     lightning: LightningShape | None = None
     rg_lru: RgLruShape | None = None
     mamba1: Mamba1Shape | None = None
+    rwkv: RwkvShape | None = None
+    extra_params: int = 0  # parameters beside the layers, the embeddings and a final norm's weight (RWKV's LayerNorms)
 
     def ffn(self, name: str) -> FeedForward:
         return dict(self.ffns).get(name, FeedForward(0, 0, 0))
@@ -146,6 +149,8 @@ class HybridShape:
             own += self.rg_lru.params(hidden)
         if mixer == MAMBA1:
             own += self.mamba1.params(hidden)
+        if mixer == RWKV:
+            own += self.rwkv.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -159,9 +164,11 @@ class HybridShape:
                 "lightning": asdict(self.lightning) if self.lightning else None,
                 "rg_lru": asdict(self.rg_lru) if self.rg_lru else None,
                 "mamba1": asdict(self.mamba1) if self.mamba1 else None,
+                "rwkv": asdict(self.rwkv) if self.rwkv else None,
                 "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
-                "attention_bias": self.attention_bias, "attention_norms": self.attention_norms}
+                "attention_bias": self.attention_bias, "attention_norms": self.attention_norms,
+                "extra_params": self.extra_params}
 
 
 @dataclass(frozen=True)
@@ -294,3 +301,24 @@ class Mamba1Shape:
         biases = (2 * i + hidden if self.proj_bias else 0) + (i if self.conv_bias else 0) + i  # dt_proj's bias
         norms = self.dt_rank + 2 * self.state if self.norms else 0
         return self.matmul_params(hidden) + biases + i * self.conv + i * self.state + i + norms
+
+
+@dataclass(frozen=True)
+class RwkvShape:
+    """One RWKV-4 time mix: key, value and receptance of ``attention`` channels, its recurrence's state three values a
+    channel (``[a | b | p]``)."""
+
+    attention: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention, int) or isinstance(self.attention, bool) or self.attention < 1:
+            raise ValueError(f"the RWKV time mix's attention_hidden_size = {self.attention!r} must be a positive "
+                             "integer; fix the config.json.")
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: key, value, receptance and output."""
+        return 4 * hidden * self.attention
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the time mix (:mod:`.rwkv`'s docstring lists them)."""
+        return self.matmul_params(hidden) + 2 * self.attention + 3 * hidden

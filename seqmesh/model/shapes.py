@@ -360,7 +360,7 @@ class ModelShape:
         (:meth:`.hybrid.HybridShape.params`)."""
         if self.hybrid is not None:
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-            return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params)
+            return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params) + self.hybrid.extra_params
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads) + self.mask_params
         if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases

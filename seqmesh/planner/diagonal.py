@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from ..linear_attention.choice import halo_bytes
 from ..linear_attention.selective_scan import diagonal_state_bytes
-from ..model.hybrid_shape import MAMBA1, RG_LRU
+from ..linear_attention.passing import rerun_state_bytes
+from ..model.hybrid_shape import MAMBA1, RG_LRU, RWKV
 from ..rules.degrees import Degrees
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
@@ -25,6 +26,7 @@ from .traffic import Collective, RankTraffic, dtype_bytes
 from .workload import Workload
 
 HALO, STATES = "rg_lru_halo_gather", "rg_lru_state_gather"
+RWKV_SHIFT, RWKV_STATES = "rwkv_shift_gather", "rwkv_state_gather"
 MAMBA_HALO, MAMBA_STATES = "mamba_halo_gather", "mamba_state_gather"
 SCAN_FLOPS = 12  # elementwise operations a state value and token of the gates' tail and the two-level scan (an estimate)
 BACKWARD_TENSORS = 4  # |X|-sized gradients the scan's backward holds at once (decay, input, chunk states, states)
@@ -168,3 +170,69 @@ class Mamba1Layer(_DiagonalLayer):
 
 
 SCAN_SAVED = 6  # inner x state tensors the scan keeps a token: decay, input, chunk states, their decays, states, read
+
+
+@dataclass(frozen=True)
+class RwkvLayer(_DiagonalLayer):
+    """An RWKV-4 block: its time mix (``seqmesh.hf.rwkv``), its channel mix (the feed-forward) and two LayerNorms. Each
+    mix shifts its input by a token (a halo of one row of the hidden size, one all-gather each); the time mix's WKV
+    recurrence passes every run's ``[a0 | b0 | p0 | log T]`` (four values a channel) in one all-gather
+    (:func:`seqmesh.linear_attention.passing.rerun_state_bytes`), and each run that receives a state runs again from
+    it: twice the recurrence on those runs, whose values are kept for backward twice."""
+
+    MIXER = RWKV
+    KEYS = (RWKV_SHIFT, RWKV_STATES)
+    SHIFTS = 2  # the time mix's and the channel mix's token shifts, each its own halo gather
+    RUN_VALUES = 4  # a run's [a0 | b0 | p0 | log T] a channel
+
+    def kernel(self) -> int:
+        return 2
+
+    def conv_channels(self) -> int:
+        return self.work.model.hidden
+
+    def state_values(self) -> int:
+        return self.work.model.hybrid.rwkv.attention
+
+    def macs(self) -> int:
+        return self.work.model.hybrid.rwkv.matmul_params(self.work.model.hidden)
+
+    def sent(self) -> dict[str, int]:
+        """Bytes each rank sends forward in the two shifts' all-gathers and the states' (reduce-scatters backward)."""
+        w, lay = self.work, self.layout
+        where = dict(batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout)
+        shift = halo_bytes(self.conv_channels(), self.kernel(), dtype_bytes=dtype_bytes(w.torch_dtype), **where)
+        states = rerun_state_bytes(self.RUN_VALUES * self.state_values(), state_bytes=self._state_bytes(), **where)
+        return {RWKV_SHIFT: self.SHIFTS * shift, RWKV_STATES: states}
+
+    def ranks(self) -> list[RankTraffic]:
+        lay, sent = self.layout, self.sent()
+        calls = tuple(Collective(kind, phase, n, sent[key] // n)
+                      for key, n in ((RWKV_SHIFT, self.SHIFTS), (RWKV_STATES, 1))
+                      for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """As the other diagonal layers', the recurrence twice (the first pass and the reruns), three gathers."""
+        work, m = self.work, self.work.model
+        rate = hw.flops_for(work.dtype) * hw.matmul_efficiency
+        local = tokens(work, self.layout)
+        passes = 2 if self.layout.ulysses * self.layout.ring > 1 else 1
+        fwd = (2 * local * (self.macs() + m.hybrid.ffn(self.ffn).macs)
+               + passes * SCAN_FLOPS * local * self.state_values()) / rate
+        group = axis_groups(self.layout, "sequence")[0]
+        sent = self.sent()
+        comm = (self.SHIFTS * gather_seconds(sent[RWKV_SHIFT] // self.SHIFTS, hw, group)
+                + gather_seconds(sent[RWKV_STATES], hw, group))
+        return serial_layer_seconds(self, hw, fsdp_ranks, (fwd, 2 * fwd), (comm, comm))
+
+    def saved_per_token(self, e: int, s: int) -> int:
+        """The time mix's input and its three mixes, key's, value's and receptance's outputs, the sigmoid, the WKV
+        output and output's input; the recurrence's per-token values in its state dtype (:data:`WKV_SAVED` a channel),
+        twice where runs receive a state and run again."""
+        h, a = self.work.model.hidden, self.state_values()
+        passes = 2 if self.layout.ulysses * self.layout.ring > 1 else 1
+        return e * (4 * h + 6 * a) + passes * WKV_SAVED * s * a
+
+
+WKV_SAVED = 7  # values a channel and token the WKV loop keeps for backward (measured: two RWKV lengths on one CPU rank)

@@ -64,7 +64,8 @@ def test_an_rwkv_mutation_is_caught(pools, mutation):
 
 def test_an_rwkv_config_json_verifies_and_trains(pools, tmp_path):
     """``seqmesh verify`` and ``seqmesh train --model config.json`` on RWKV (no attention heads in its config.json) over
-    a ring of 2, the blocks recomputed in backward: a finite, falling loss; the planner says it does not size it."""
+    a ring of 2, the blocks recomputed in backward: a finite, falling loss; the planner sizes it (its RWKV blocks:
+    tests/planner/test_planner_mixers.py)."""
     import math
 
     from family_cases import family_config
@@ -72,7 +73,8 @@ def test_an_rwkv_config_json_verifies_and_trains(pools, tmp_path):
     from train_job_cases import verify_then_train
 
     family_config("rwkv").save_pretrained(tmp_path / "plan")
-    assert "seqmesh plan does not size" in model_shape(str(tmp_path / "plan")).unplanned
+    shape = model_shape(str(tmp_path / "plan"))
+    assert not shape.unplanned and shape.hybrid.count(mixer="rwkv") == shape.layers
     good, losses = verify_then_train(pools, tmp_path, family_config("rwkv"), checkpointing=True)
     assert good["ok"] and good["loss_diff"] < 1e-5, good
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

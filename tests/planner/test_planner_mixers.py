@@ -440,3 +440,45 @@ def test_a_jamba_plan_sizes_every_layer_at_128k(tmp_path, capsys):
             assert row["comm_bytes_per_layer"]["forward"].get(key, 0) == same["comm_bytes_per_layer"]["forward"].get(key, 0)
     sp = next(c for c in plan["candidates"] if c["layout"]["ring"] * c["layout"]["ulysses"] > 1)
     assert sp["comm_bytes_per_layer"]["forward"][MAMBA_STATES] > 0, sp
+
+
+def test_rwkv_parameters_equal_the_transformers_model(tmp_path):
+    """RWKV-4's config.json (a tiny one with its own widths, and the 169M shape with the defaults: attention and
+    feed-forward widths from the hidden size): every parameter transformers builds, block 0's extra LayerNorm and
+    the final one's bias included; each block planned as an RWKV block."""
+    from transformers import AutoModelForCausalLM, RwkvConfig
+
+    for sizes in (dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, attention_hidden_size=48,
+                       intermediate_size=160), dict(vocab_size=50277, hidden_size=768, num_hidden_layers=12)):
+        folder = tmp_path / str(sizes["hidden_size"])
+        RwkvConfig(**sizes).save_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(RwkvConfig(**sizes))
+        shape = model_shape(str(folder))
+        assert not shape.unplanned and shape.hybrid.count(mixer="rwkv") == sizes["num_hidden_layers"]
+        assert shape.params == sum(p.numel() for p in model.parameters()), sizes
+
+
+def test_rwkv_bytes_equal_what_the_block_sends(pools, tmp_path):
+    """What the planner's RWKV layer says the busiest rank sends equals what comm_stats counts while the real block's
+    time and channel mixes run on 2 ring ranks in float32 (2 sequences of 40 tokens): three all-gathers forward (the
+    two token shifts' halos, the runs' states), three reduce-scatters backward; the mixes are right (transformers'
+    own on the whole sequence)."""
+    from family_cases import family_config
+    from rwkv_plan_cases import rwkv_block_bytes
+    from seqmesh.planner.diagonal import RWKV_SHIFT, RWKV_STATES, RwkvLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.rules.degrees import Degrees
+
+    family_config("rwkv").save_pretrained(tmp_path)
+    layer = RwkvLayer(Workload(model_shape(str(tmp_path)), 40, batch=2, bf16=False, layout="zigzag"), Degrees(1, 2, 1),
+                      "rwkv_channel_mix")
+    per_rank = pools.run(2, rwkv_block_bytes, 1, 2, 40, 2, "zigzag")
+    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
+    kinds = {("all_gather", "forward"): 3, ("reduce_scatter", "backward"): 3}
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
+    assert forward[RWKV_SHIFT] > 0 and forward[RWKV_STATES] > 0
+    assert forward[RWKV_SHIFT] + forward[RWKV_STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank)
+    assert backward[RWKV_SHIFT] + backward[RWKV_STATES] == max(r["sent"][("reduce_scatter", "backward")]
+                                                                for r in per_rank)
