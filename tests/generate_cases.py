@@ -298,14 +298,15 @@ def extended_cases(cases: list[tuple], **kwargs) -> list[dict]:
 
 
 def extension_refusals(ulysses: int, ring: int) -> list[str]:
-    """The errors of prefill onto a kept cache given what it cannot run: ZAYA (its CCA projections) chunked, a row no
+    """The errors of prefill onto a kept cache given what it cannot run: DeepSeek-V3.2 (its sparse layers) chunked, a
+    row no
     longer than the cache, another batch size, an unknown schedule, a chunk of 0 tokens; and of tensor parallelism
     (on ``ulysses x ring`` ranks of tp 1: a model left whole on tp 2, a Gated DeltaNet model split)."""
     mesh = get_mesh(ulysses, ring)
     said = []
-    hybrid = parallelize(build(family_config("zaya")), mesh)
     ids = torch.randint(3, 64, (2, 41), generator=torch.Generator().manual_seed(1))
-    attempts = [lambda: generate(hybrid, mesh, ids, 2, prefill_chunk=16)]
+    sparse = build(family_config("deepseek-v3.2"))
+    attempts = [lambda: generate(parallelize(sparse, mesh), mesh, ids, 2, prefill_chunk=16)]
     model = parallelize(build(family_config("llama")), mesh)
     done = generate(model, mesh, ids, 2)
     attempts += [lambda: generate(model, mesh, ids, 2, cache=done.cache),
@@ -322,6 +323,6 @@ def extension_refusals(ulysses: int, ring: int) -> list[str]:
             said.append("")
         except ValueError as err:
             said.append(str(err))
-    for m in (hybrid, model, whole, hybrid_split):
+    for m in (sparse, model, whole, hybrid_split):
         unparallelize(m)
     return said

@@ -104,18 +104,22 @@ def cca_projection(m: nn.Module, hidden_states: torch.Tensor, place: halo.Placem
 
 
 def cca_step(m: nn.Module, hidden_states: torch.Tensor, delayed: torch.Tensor, tail: torch.Tensor):
-    """One token on every rank alike (generation's decode): ``hidden_states`` (B, 1, hidden), the previous token's
-    delayed value projection ``delayed`` (B, 1, C) and the convs' last ``t0 + t1 - 2`` inputs ``tail`` (B, K, C) ->
-    (q, k, v (B, 1, heads, D), the next delayed projection, the next tail)."""
+    """Tokens on every rank alike (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
+    ``hidden_states`` (B, T, hidden), the delayed value projection of the token before them ``delayed`` (B, 1, C) and
+    the convs' last ``t0 + t1 - 2`` inputs ``tail`` (B, K, C) -> (q, k, v (B, T, heads, D), the last token's delayed
+    projection, the next tail)."""
+    t = hidden_states.shape[1]
     shape = (*hidden_states.shape[:2], -1, m.head_dim)
     queries, keys = m.q_proj(hidden_states), m.k_proj(hidden_states)
     query_residual, key_residual = _residuals(m, queries, keys, shape)
-    window = torch.cat([tail.to(queries.dtype), torch.cat([queries, keys], dim=-1)], dim=1)  # (B, K + 1, C)
-    mixed = m.conv_qk_grouped(m.conv_qk_depthwise(window.transpose(1, 2))).transpose(1, 2)  # (B, 1, C): no padding
+    window = torch.cat([tail.to(queries.dtype), torch.cat([queries, keys], dim=-1)], dim=1)  # (B, K + T, C)
+    mixed = m.conv_qk_grouped(m.conv_qk_depthwise(window.transpose(1, 2))).transpose(1, 2)  # (B, T, C): no padding
     query = mixed[..., :queries.shape[-1]].view(shape) + query_residual
     key = mixed[..., queries.shape[-1]:].view(shape) + key_residual
-    value = torch.cat([m.v_proj_current(hidden_states), delayed.to(hidden_states.dtype)], dim=-1).view(shape)
-    return query, key, value, m.v_proj_delayed(hidden_states), window[:, 1:]
+    projected = m.v_proj_delayed(hidden_states)  # (B, T, C): each token's, read by the token after it
+    before = torch.cat([delayed.to(hidden_states.dtype), projected[:, :-1]], dim=1)
+    value = torch.cat([m.v_proj_current(hidden_states), before], dim=-1).view(shape)
+    return query, key, value, projected[:, -1:], window[:, t:]
 
 
 def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
@@ -129,6 +133,16 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
             query, key, value, delayed, tail = cca_step(self, hidden_states, *generation.get(self))
             generation.put(self, delayed, tail)
             return query, key, value
+        if generation is not None and generation.extension is not None:  # new tokens whole, from what was kept
+            widths = []
+
+            def run(hidden_all: torch.Tensor) -> torch.Tensor:
+                *qkv, delayed, tail = cca_step(self, hidden_all, *generation.get(self))
+                generation.put(self, delayed, tail)
+                widths.extend(part.shape[2] for part in qkv)
+                return torch.cat(qkv, dim=2)  # (B, T, Hq + 2 Hk, D): one gather back
+
+            return tuple(generation.whole(run, hidden_states).split(widths, dim=2))
         where = dict(layout=info.layout, seq_len=info.seq_len, cu_seqlens=info.cu_seqlens)
         keep = {} if generation is not None else None
         out = cca_projection(self, hidden_states, halo.placement(mesh, hidden_states.shape[1], kernel=kernel, **where),

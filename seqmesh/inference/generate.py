@@ -33,9 +33,7 @@ DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short co
                   "Kimi Delta Attention", "compressed convolutional attention")
 # the recurrent layers whose decode runs (their state and conv tail kept by the prefill on every rank:
 # seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning, .kda, .cca)
-# and those a prefill onto a kept cache runs, from that state (ZAYA's CCA projections not: their delayed value and
-# conv tail would have to be carried through a chunk)
-EXTENDED_MIXERS = tuple(kind for kind in DECODED_MIXERS if kind != "compressed convolutional attention")
+EXTENDED_MIXERS = DECODED_MIXERS  # and a prefill onto a kept cache runs them all, from that state
 
 
 @dataclass(frozen=True)
