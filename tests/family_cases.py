@@ -54,6 +54,10 @@ def family_config(family: str):
                                num_experts_per_tok=2)
     if family == "llama":
         return tf.LlamaConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8)
+    if family == "llama4-chunked":  # layer 0 rotary and chunked (chunks of 8), layer 1 no-RoPE with the temperature
+        return tf.Llama4TextConfig(**SMALL, intermediate_size=64, intermediate_size_mlp=64, num_key_value_heads=2,
+                                   head_dim=8, attention_chunk_size=8, floor_scale=8, attn_scale=0.5,
+                                   no_rope_layers=[1, 0], num_local_experts=2, moe_layers=[0])
     if family == "qwen3":  # per-head q/k norms; tied embeddings
         return tf.Qwen3Config(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     if family == "qwen3_5":  # a Gated DeltaNet layer, then full attention

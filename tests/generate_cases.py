@@ -201,7 +201,7 @@ def _share_bytes(config, tokens: int) -> int:
     # RecurrentGemma's layers_block_type (before transformers 5.2x: "recurrent" / "attention"; layer_types after)
     # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
     layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "attention",
-                          "minimax_m3_sparse") for kind in kinds)  # ZAYA's hybrid layers: attention, its CCA projection
+                          "minimax_m3_sparse", "chunked_attention") for kind in kinds)  # ZAYA's hybrid layers: attention, its CCA projection
     blocked = kinds.count("minimax_m3_sparse") * cache_bytes(tokens, 1, 1, config.index_head_dim, 0, 8, batch=2) \
         if "minimax_m3_sparse" in kinds else 0  # MiniMax-M3's sparse layers keep their indexer's key too
     return cache_bytes(tokens, layers, *dims, 8, batch=2) + sparse + blocked
@@ -278,6 +278,7 @@ def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutatio
     kept_before = done.cache.length
     with _extension_mutated(mutation):
         again = generate(model, mesh, row, new_tokens, keep_logits=True, cache=done.cache, schedule=schedule)
+    same_cache = again.cache is done.cache
     unparallelize(model)
     with reference_dtype(family):
         theirs = reference.generate(row, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -287,7 +288,7 @@ def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutatio
             rounded = copy.deepcopy(reference).float()(whole).logits[:, row.shape[1] - 1:].double()
     return {"tokens_equal": bool(torch.equal(again.tokens, theirs[:, row.shape[1]:])),
             "logits": float((again.logits - exact).abs().max()), "rounding": float((rounded - exact).abs().max()),
-            "kept_before": kept_before, "schedules": again.schedules, "counts": again.cache.counts, "row": row.shape[1],
+            "kept_before": kept_before, "same_cache": same_cache, "schedules": again.schedules, "counts": again.cache.counts, "row": row.shape[1],
             "share_bytes": again.cache.nbytes(),
             "expected_share_bytes": _share_bytes(config, again.cache.positions.numel()) // tp,
             "positions_unique": bool(again.cache.positions.unique().numel() == again.cache.positions.numel())}
@@ -295,6 +296,64 @@ def extended_parity(family: str, ulysses: int, ring: int, schedule: str, mutatio
 
 def extended_cases(cases: list[tuple], **kwargs) -> list[dict]:
     return [{"case": c, **extended_parity(*c, **kwargs)} for c in cases]
+
+
+def kept_after_a_failure(ulysses: int, ring: int) -> dict:
+    """A second turn whose prefill fails in its second attention layer (a fault put there): the cache passed back is
+    as the first turn left it (counts, positions, every layer's keys), so the turn can run again, then right."""
+    from seqmesh.inference import extend
+
+    mesh = get_mesh(ulysses, ring)
+    config = family_config("llama")
+    model = parallelize(build(config), mesh)
+    ids = torch.randint(3, config.vocab_size, (2, 41), generator=torch.Generator().manual_seed(1))
+    done = generate(model, mesh, ids, 3)
+    before = (list(done.cache.counts), done.cache.positions.clone(), {k: v.clone() for k, v in done.cache.keys.items()})
+    row = torch.cat([ids, done.tokens, ids[:, :9]], dim=1)
+    calls, real = [], extend.attend_chunk
+
+    def failing(module, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a fault in the second layer")
+        return real(module, *args, **kwargs)
+
+    extend.attend_chunk = failing
+    try:
+        generate(model, mesh, row, 2, cache=done.cache)
+        failed = False
+    except RuntimeError:
+        failed = True
+    finally:
+        extend.attend_chunk = real
+    kept = (done.cache.counts == before[0] and torch.equal(done.cache.positions, before[1])
+            and all(torch.equal(done.cache.keys[k], v) for k, v in before[2].items()))
+    again = generate(model, mesh, row, 2, cache=done.cache)
+    reference = build(config)
+    reference.generation_config.eos_token_id = None
+    theirs = reference.generate(row, max_new_tokens=2, do_sample=False, pad_token_id=0)[:, row.shape[1]:]
+    unparallelize(model)
+    return {"failed": failed, "kept": kept, "right_after": bool(torch.equal(again.tokens, theirs))}
+
+
+def generation_refusals(ulysses: int, ring: int) -> list[str]:
+    """What generate refuses before any work: a Doge whose prompt and new tokens pass keep_window_size, a model
+    parallelized with async Ulysses."""
+    mesh = get_mesh(ulysses, ring)
+    said = []
+    doge = parallelize(build(family_config("doge")), mesh)
+    window = doge.config.keep_window_size
+    ids = torch.randint(3, 64, (2, window - 4), generator=torch.Generator().manual_seed(1))
+    async_model = parallelize(build(family_config("llama")), mesh, async_ulysses=True)
+    for attempt in (lambda: generate(doge, mesh, ids, 6), lambda: generate(async_model, mesh, ids, 2)):
+        try:
+            attempt()
+            said.append("")
+        except ValueError as err:
+            said.append(str(err))
+    unparallelize(doge)
+    unparallelize(async_model)
+    return said
 
 
 def extension_refusals(ulysses: int, ring: int) -> list[str]:

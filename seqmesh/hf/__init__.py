@@ -23,6 +23,7 @@ from ..sharded_attention.api import attention
 from . import own_attention
 from . import block_sparse_attention, compressed_attention, indexed_attention, inkling, qsa_attention
 from . import mixers
+from .mixer_kind import CHUNK_ATTR
 from . import positions
 from .async_ulysses import check_async, install as install_async, uninstall as uninstall_async
 from ..rules.overlap import ASYNC_PIECES
@@ -36,7 +37,7 @@ from ..rules.degrees import check_tensor_parallel_sizes, workable_degrees
 from ..vision.families import is_multimodal, vision_family
 
 _ATTR = "_seqmesh_attention"
-_CHUNK = "_seqmesh_chunk"  # on the attention module of a chunked-attention layer (Llama 4): its chunk
+_CHUNK = CHUNK_ATTR  # on the attention module of a chunked-attention layer (Llama 4): its chunk
 
 
 

@@ -29,6 +29,11 @@ from ..sharded_attention.api import projected_attention
 
 _ATTR = "_seqmesh_async_ulysses"
 
+
+def is_async(module: nn.Module) -> bool:
+    """Whether ``module``'s attention forward is the async Ulysses one (``parallelize(..., async_ulysses=True)``)."""
+    return hasattr(module, _ATTR)
+
 # attention classes whose forward is q/k/v_proj, optional per-head q/k norms, apply_rotary_pos_emb, the attention
 # interface, o_proj (checked against transformers 5.15 and 5.24); the value says where the window comes from
 ASYNC_FAMILIES = {

@@ -126,18 +126,25 @@ def _finish(m: nn.Module, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) 
     return m.out_proj((y * F.silu(z.to(y.dtype))).to(dtype))
 
 
+STEP_BLOCK = 256  # tokens whose states mamba_step holds at once (each channels x states values a token)
+
+
 def mamba_step(m: nn.Module, x_in: torch.Tensor, state: torch.Tensor,
                tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens of the mixer ``m`` (one in generation's decode; a chunk's every token in a prefill onto a kept cache):
     the conv's input ``x_in`` (B, T, I), the scan's ``state`` (B, *X) and the conv's last ``K - 1`` inputs ``tail``
     (B, K - 1, I) -> (y (B, T, I) before the gate, the state after them, the next tail)."""
     x, tail = conv_step(tail, x_in, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
-    log_decay, inp, read = (_headed_terms if type(m).__name__ in HEADED_MIXERS else _terms)(m, x)
-    states = []
-    for t in range(x_in.shape[1]):
-        state = torch.exp(log_decay[:, t]) * state + inp[:, t]
-        states.append(state)
-    return read(torch.stack(states, dim=1)), state, tail
+    terms = _headed_terms if type(m).__name__ in HEADED_MIXERS else _terms
+    ys = []
+    for a in range(0, x.shape[1], STEP_BLOCK):  # a block's (B, T', channels, states) terms and states at a time
+        log_decay, inp, read = terms(m, x[:, a:a + STEP_BLOCK])
+        states = []
+        for t in range(log_decay.shape[1]):
+            state = torch.exp(log_decay[:, t]) * state + inp[:, t]
+            states.append(state)
+        ys.append(read(torch.stack(states, dim=1)))
+    return torch.cat(ys, dim=1), state, tail
 
 
 def _make_mixer_forward(mesh: SPMesh, headed: bool):

@@ -17,6 +17,7 @@ from ..mesh import SPMesh
 Layers = list[tuple[str, nn.Module]]
 REPLACED_ATTR = "_seqmesh_mixer"  # on a module whose forward seqmesh replaced: the kind's name
 ENTRY_ATTR = "_seqmesh_entry"  # on a mixer, during its carrier's call: the seqmesh entry the carrier received
+CHUNK_ATTR = "_seqmesh_chunk"  # on the attention module of a chunked-attention layer (Llama 4): its chunk
 
 
 @dataclass(frozen=True)

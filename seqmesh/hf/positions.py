@@ -285,8 +285,10 @@ def _temperature_forward(mesh: SPMesh):
         query = self.q_proj(hidden_states).view(heads)  # (B, L, Hq, D)
         key = self.k_proj(hidden_states).view(heads).transpose(1, 2)  # (B, Hk, L, D)
         value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        index = sequence_positions(info.seq_len, mesh, layout=info.layout, device=hidden_states.device,
-                                   cu_seqlens=info.cu_seqlens)  # (L,) each token's index in the whole row
+        given = getattr(info, "row_positions", None)  # generation's decode step and prefill onto a kept cache
+        index = given(hidden_states.device) if given is not None else sequence_positions(
+            info.seq_len, mesh, layout=info.layout, device=hidden_states.device,
+            cu_seqlens=info.cu_seqlens)  # (L,) each token's index in the whole row
         scales = torch.log1p(torch.floor((index.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
         query = (query * scales.view(1, -1, 1, 1).expand(*shape, 1, 1)).to(query.dtype).transpose(1, 2)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)

@@ -63,6 +63,15 @@ class ShardedKVCache:
         mine = every_rank[self.mesh.sp_rank][real[self.mesh.sp_rank]]
         self.positions = torch.cat([self.positions, (mine + offset).cpu()])
 
+    def kept(self) -> tuple:
+        """What the cache holds now (its tensors are never written in place), for :meth:`restore`."""
+        return dict(self.keys), dict(self.values), self.positions, list(self.counts), dict(self.states)
+
+    def restore(self, kept: tuple) -> None:
+        """Back to what :meth:`kept` saw (a prefill onto it that failed part way leaves it as it was)."""
+        self.keys, self.values, self.positions, self.counts, self.states = (
+            dict(kept[0]), dict(kept[1]), kept[2], list(kept[3]), dict(kept[4]))
+
     def next_owner(self) -> int:
         """The sequence rank that keeps the next token: the one holding fewest (the lowest on a tie)."""
         return min(range(len(self.counts)), key=lambda r: (self.counts[r], r))
@@ -165,6 +174,10 @@ class DecodeStep(SequenceInfo):
     def recurrent_state(self) -> RecurrentStates:
         return RecurrentStates(self.cache, decoding=True)
 
+    def row_positions(self, device: torch.device) -> torch.Tensor:
+        """The new token's position in the row (1,)."""
+        return torch.tensor([self.position], device=device)
+
     def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> torch.Tensor:
         """Called by seqmesh's registered attention in place of it (``seqmesh.hf``): the new token's attention over
         the sharded cache, (B, 1, Hq, Dv) (:func:`.decode.attend_step`)."""
@@ -218,6 +231,10 @@ class Extension(SequenceInfo):
     @property
     def recurrent_state(self) -> RecurrentStates:
         return RecurrentStates(self.cache, decoding=False, extension=self)
+
+    def row_positions(self, device: torch.device) -> torch.Tensor:
+        """This rank's new tokens' positions in the row (L,) (the layout's padding at 0)."""
+        return self.query_positions[self.cache.mesh.sp_rank].clamp(min=0).to(device)
 
     def intercept_attention(self, module, query, key, value, mesh, scaling, kwargs) -> torch.Tensor:
         """Called by seqmesh's registered attention in place of it: this rank's new tokens' attention over the kept

@@ -17,6 +17,8 @@ import argparse
 import json
 import os
 
+from ..rules.kv_cache import SCHEDULES
+
 DTYPES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16"}
 
 
@@ -43,11 +45,11 @@ def add_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--shard-weights", action="store_true", help="shard the weights over the ranks (FSDP2: each layer "
                    "gathered for its forward), for a model larger than one GPU; each decode step gathers them again")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="prefill at most N prompt tokens a "
-                   "call, each chunk onto the cache the ones before it left (activations bounded by a chunk's; "
-                   "attention-only models)")
-    p.add_argument("--schedule", default="auto", choices=["auto", "pass_kv", "pass_q"], help="how a chunk after the "
-                   "first attends the kept cache: the ring passing the shares, or the chunk's queries passed to them "
-                   "(default: the one that moves fewer bytes)")
+                   "call, each chunk onto the cache the ones before it left (activations bounded by a chunk's; not "
+                   "for sparse-attention models)")
+    p.add_argument("--schedule", default="auto", choices=SCHEDULES, help="with --prefill-chunk: how a chunk after "
+                   "the first attends the kept cache: the ring passing the shares, or the chunk's queries passed to "
+                   "them (default: the one that moves fewer bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_generate)
     return p
@@ -94,6 +96,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token.")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk {args.prefill_chunk}: give a positive number of tokens.")
+    if args.schedule != "auto" and args.prefill_chunk is None:
+        raise ValueError(f"--schedule {args.schedule}: it chooses how a chunk attends the cache the earlier chunks "
+                         "left; add --prefill-chunk N.")
     if args.ulysses < 1 or args.ring < 1 or args.tp < 1:
         raise ValueError(f"--ulysses {args.ulysses} --ring {args.ring} --tp {args.tp}: each degree is at least 1.")
     source = read_model(args.model)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm.ranks import local_part
 from ..kernels.base import BlockMask, lse_dtype
 from ..kernels.gqa import expand_kv_heads
 from ..kernels.reference import MathKernel
 from ..mesh import SPMesh
+from ..hf.mixer_kind import CHUNK_ATTR
 from ..sharded_attention.merge import fold_sinks, merge_into
 
 
@@ -71,6 +73,10 @@ def attend_step(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     shared_key, shared_value = cache.share(module)
     window = kwargs.get("sliding_window")
     visible = cache.positions > step.position - window if window else None  # sees i - window < j <= i
+    chunk = getattr(module, CHUNK_ATTR, None)  # Llama 4's chunked layers: the keys of the token's own chunk
+    if chunk:
+        same = cache.positions // chunk == step.position // chunk
+        visible = same if visible is None else visible & same
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     slopes = kwargs.get("alibi")  # ALiBi (seqmesh.hf.own_attention): each key's score - slope x its distance
     bias = None if slopes is None else -torch.tensor(slopes, dtype=torch.float64)[:, None] * (
@@ -79,4 +85,5 @@ def attend_step(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     out, lse = partial_attention(query.transpose(1, 2), shared_key.transpose(1, 2), shared_value.transpose(1, 2), scale,
                                  visible=visible, softcap=kwargs.get("softcap"),
                                  bias=None if bias is None else bias.to(query.device))
-    return merge_partials(out, lse, mesh, kwargs.get("s_aux")).to(query.dtype)
+    sinks = kwargs.get("s_aux")
+    return merge_partials(out, lse, mesh, None if sinks is None else local_part(sinks)).to(query.dtype)

@@ -23,22 +23,26 @@ import torch
 import torch.distributed as dist
 
 from ..comm.p2p import RingExchange
+from ..comm.ranks import local_part
+from ..hf.mixer_kind import CHUNK_ATTR
 from ..kernels.base import lse_dtype, widen
 from ..kernels.cpu_flash import CpuFlashKernel
 from ..kernels.gqa import expand_kv_heads
 from ..mesh import SPMesh
 from ..sharded_attention.merge import fold_sinks, merge_into
+from ..rules.kv_cache import SCHEDULES
 
-SCHEDULES = ("auto", "pass_kv", "pass_q")
 KEY_BLOCK = 4096  # keys a partial attends at once
 BLOCK_SCORES = 1 << 25  # scores (B x Hq x queries x keys) a block holds at once: 128 MiB in float32
 
 
 def chunk_partial(query: torch.Tensor, query_positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_positions: torch.Tensor, scale: float, *, window: int | None = None,
-                  softcap: float | None = None, slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  softcap: float | None = None, slopes: torch.Tensor | None = None,
+                  chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries (B, n, Hq, D) at ``query_positions`` (n,) against keys (B, m, Hk, D) and values (B, m, Hk, Dv) at
-    ``key_positions`` (m,), each query seeing the keys at or before it (and inside ``window``); ``slopes`` (Hq,):
+    ``key_positions`` (m,), each query seeing the keys at or before it (and inside ``window``; in its own ``chunk`` of
+    positions, Llama 4's chunked layers); ``slopes`` (Hq,):
     ALiBi's bias ``-slope x distance`` -> (out (B, n, Hq, Dv) in float32 or wider, lse (B, Hq, n); -inf, and a zero
     output, where a query sees no key: a padding query, at position -1, sees none). In blocks of at most
     :data:`BLOCK_SCORES` scores, each block's by torch's CPU flash op with the block's mask as an additive bias where
@@ -57,6 +61,8 @@ def chunk_partial(query: torch.Tensor, query_positions: torch.Tensor, key: torch
             seen = kpos <= qpos
             if window:
                 seen &= kpos > qpos - window
+            if chunk:
+                seen &= torch.div(kpos, chunk, rounding_mode="floor") == torch.div(qpos, chunk, rounding_mode="floor")
             if not bool(seen.any()):
                 continue
             bias = None if slopes is None else -slopes.to(device=query.device, dtype=ct)[:, None, None] * (
@@ -137,7 +143,8 @@ def attend_chunk(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     slopes = kwargs.get("alibi")
     options = dict(window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                   slopes=None if slopes is None else torch.tensor(slopes, dtype=torch.float64))
+                   slopes=None if slopes is None else torch.tensor(slopes, dtype=torch.float64),
+                   chunk=getattr(module, CHUNK_ATTR, None))
     q = query.transpose(1, 2)  # (B, L, Hq, D)
     schedule = choose(entry.schedule, q.shape[1], q.shape[2], key.shape[1], key.shape[-1], value.shape[-1],
                       cache.counts, query.element_size())
@@ -147,8 +154,8 @@ def attend_chunk(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     else:
         out, lse = _pass_kv(q, entry.query_positions[mesh.sp_rank], shared_key, shared_value, cache.positions,
                             max(cache.counts), scale, mesh, options)
-    sinks = kwargs.get("s_aux")
-    return (out if sinks is None else fold_sinks(out, lse, sinks)[0]).to(query.dtype)
+    sinks = kwargs.get("s_aux")  # under tensor parallelism, this rank's heads'
+    return (out if sinks is None else fold_sinks(out, lse, local_part(sinks))[0]).to(query.dtype)
 
 
 def _pass_q(query, query_positions, key, value, key_positions, scale, mesh, options):

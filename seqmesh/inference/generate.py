@@ -22,11 +22,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..inputs import shard_batch
-from ..mesh import SPMesh
+from ..mesh import MeshAxis, SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Extension, Prefill, ShardedKVCache
-from .extend import SCHEDULES
+from ..rules.kv_cache import SCHEDULES
+from ..rules.own_attention import doge_window_problem
 
 
 DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention",
@@ -67,6 +68,7 @@ class Generated:
 
 def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
+    from ..hf.async_ulysses import is_async
     from ..hf.compressed_attention import is_compressed
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
@@ -82,7 +84,11 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"the mesh's sequence group holds {mesh.sp_size} x tp {mesh.tp} of the "
                          f"{dist.get_world_size()} ranks: seqmesh generates with every rank in the sequence group (no "
                          "data parallelism); launch ulysses x ring x tp processes.")
-    if mesh.tp > 1 and not any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_async(m) for m in model.modules()):
+        raise ValueError(f"{name} was parallelized with async_ulysses=True, whose attention forward keeps no cache; "
+                         "parallelize it without async_ulysses for generation.")
+    if mesh.tp > 1 and not any(isinstance(p, DTensor) and MeshAxis.TP.value in (p.device_mesh.mesh_dim_names or ())
+                               for p in model.parameters()):
         raise ValueError(f"tp={mesh.tp} but {name}'s weights are whole on every rank: split its heads first, "
                          "seqmesh.inference.split_heads(model, mesh) after seqmesh.hf.parallelize (each rank then keeps "
                          "the cache of its heads).")
@@ -113,6 +119,16 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
                          "(Qwen3.5), RecurrentGemma, or one with Mamba (Jamba, Zamba, Mamba) or "
                          "Mamba2 layers (Nemotron-H, Granite-4 hybrid, Bamba, Falcon-H1, Mamba2), LFM2's short "
                          "convolutions, MiniMax-01's lightning attention, Kimi Linear's KDA or ZAYA's CCA.")
+
+
+def _check_windows(model: nn.Module, tokens: int) -> None:
+    """Doge past ``keep_window_size`` keys (its dynamic mask keeps each query's keys of largest bias, which seqmesh
+    does not compute), for the ``tokens`` a generation runs: refused before any work, on every rank."""
+    from ..hf.own_attention import family_key
+
+    for m in model.modules():
+        if family_key(m) == "DogeAttention" and (problem := doge_window_problem(tokens, m.keep_window_size)):
+            raise ValueError(f"{type(model).__name__}: the prompt and the new tokens run {tokens} tokens: {problem}.")
 
 
 def check_extension(model: nn.Module, mesh: SPMesh, cache: ShardedKVCache | None, input_ids: torch.Tensor) -> None:
@@ -201,6 +217,7 @@ def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_to
                          "at once).")
     if cache is not None or (prefill_chunk is not None and input_ids.shape[1] > prefill_chunk):
         check_extension(model, mesh, cache, input_ids)
+    _check_windows(model, input_ids.shape[1] + max_new_tokens - 1)
     device = next(model.parameters()).device
     started = _now(device)
     b, s = input_ids.shape
@@ -214,8 +231,13 @@ def generate(model: nn.Module, mesh: SPMesh, input_ids: torch.Tensor, max_new_to
         logits, _ = _prompt_logits(model, mesh, ids[:, :kept], 0, layout, lambda info: Prefill.of(info, cache))
     while kept < s:  # the tokens after the kept ones, onto the cache (seqmesh.inference.extend), chunk by chunk
         stop = s if prefill_chunk is None else min(s, kept + prefill_chunk)
-        logits, entry = _prompt_logits(model, mesh, ids[:, kept:stop], kept, layout,
-                                       lambda info, at=kept: Extension.of(info, cache, at, schedule))
+        before = cache.kept()
+        try:
+            logits, entry = _prompt_logits(model, mesh, ids[:, kept:stop], kept, layout,
+                                           lambda info, at=kept: Extension.of(info, cache, at, schedule))
+        except BaseException:  # the cache a caller passed stays as it was
+            cache.restore(before)
+            raise
         ran |= entry.chosen
         kept = stop
     prefilled = _now(device)

@@ -173,6 +173,7 @@ def check_args(args: argparse.Namespace):
 
 def check_inference_args(args: argparse.Namespace):
     """``--inference``'s workload and cluster, checked; raises PlanInputError naming the problem and the fix."""
+    from ..rules.own_attention import DOGE_WINDOW, doge_window_problem
     from .inference import inference_refusal, inference_workload
 
     if args.seq_len is None:
@@ -199,7 +200,15 @@ def check_inference_args(args: argparse.Namespace):
     why = inference_refusal(model)
     if why:
         raise PlanInputError(why)
-    return inference_workload(model, args.seq_len, args.batch, True, int(args.reserve_gib * GiB)), cluster
+    if model.family == "doge":  # every token generation runs, the new ones too (seqmesh.inference refuses the same)
+        window = dict(model.extra).get("keep_window_size", DOGE_WINDOW)
+        if problem := doge_window_problem(args.seq_len + args.new_tokens - 1, window):
+            raise PlanInputError(f"{model.name}: the prompt and the new tokens: {problem}.")
+    try:
+        work = inference_workload(model, args.seq_len, args.batch, True, int(args.reserve_gib * GiB))
+    except ValueError as err:
+        raise PlanInputError(str(err)) from None
+    return work, cluster
 
 
 def cmd_plan_inference(args: argparse.Namespace) -> int:

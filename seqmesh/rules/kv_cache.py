@@ -30,3 +30,7 @@ def cache_share(prompt: int, new_tokens: int, ulysses: int, ring: int, layout: s
     ranks = ulysses * ring
     prefilled = padded_length(prompt, ulysses, ring, layout, tp) // ranks
     return max(prefilled, -(-(prompt + new_tokens - 1) // ranks))
+
+
+# how a prefill onto a kept cache attends it (seqmesh.inference.extend): the one that moves fewer bytes, or one named
+SCHEDULES = ("auto", "pass_kv", "pass_q")

@@ -9,8 +9,9 @@ import pytest
 from generate_cases import extended_cases
 from seqmesh.inference.extend import choose
 
-FAMILIES = ("llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "bloom")  # GQA; q/k norms; windows; sinks and
-# windows; MLA (its key and value widths differ); ALiBi through seqmesh's own attention
+FAMILIES = ("llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "bloom", "llama4-chunked")  # GQA; q/k norms;
+# windows; sinks and windows; MLA (its key and value widths differ); ALiBi through seqmesh's own attention; Llama 4's
+# chunks of 8 positions and its no-RoPE layer's temperature by position
 ULPS = 4
 
 
@@ -19,6 +20,7 @@ def _check(r: dict, world: int, schedule: str) -> None:
     assert r["logits"] <= ULPS * r["rounding"], r
     assert r["schedules"] == ((schedule,) if r["case"][0] not in ("mamba", "mamba2") else ()), r  # no attention
     assert sum(r["counts"]) == r["row"] + 4, r  # every token but the last drawn, kept once
+    assert r["same_cache"] and r["kept_before"] == 101 + 4 - 1, r  # the first turn's cache, grown in place
     assert r["positions_unique"] and r["share_bytes"] == r["expected_share_bytes"], r
     assert max(r["counts"]) - min(r["counts"]) <= 3 * 2 * world, r  # a layout block each prefill, the decode's one
 
@@ -86,7 +88,7 @@ def test_a_prompt_prefilled_in_chunks_generates_as_transformers(pools, ulysses, 
     left (the schedule chosen by bytes), then decode: the tokens and logits of the prompt at once."""
     from generate_cases import generated_cases
 
-    cases = [(f, ulysses, ring, 101, 6) for f in ("llama", "gemma3", "deepseek-v3", "qwen3_5")]
+    cases = [(f, ulysses, ring, 101, 6) for f in ("llama", "gemma3", "deepseek-v3", "qwen3_5", "llama4-chunked")]
     for results in pools.run(ulysses * ring, generated_cases, cases, prefill_chunk=30):
         for r in results:
             assert r["tokens_equal"] and r["logits"] <= ULPS * r["rounding"], r
@@ -154,3 +156,10 @@ def test_a_second_turn_with_heads_split_over_tensor_parallel_ranks(pools):
         for r in results:
             assert r["tokens_equal"] and r["logits"] <= ULPS * r["rounding"], r
             assert r["schedules"] == (r["case"][3],) and r["share_bytes"] == r["expected_share_bytes"], r
+
+
+def test_a_turn_that_fails_part_way_leaves_the_cache_as_it_was(pools):
+    from generate_cases import kept_after_a_failure
+
+    r = pools.run(2, kept_after_a_failure, 1, 2)[0]
+    assert r["failed"] and r["kept"] and r["right_after"], r

@@ -17,9 +17,9 @@ def _newest_only(*families: str) -> tuple[str, ...]:
     return () if _too_old("GPTNeoXJapaneseAttention") else (families or ("gpt-neox-japanese",))
 
 
-FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "qwen3_5", "recurrent_gemma"]  # GQA; q/k norms;
-# windows; sinks; MLA; Gated DeltaNet and RecurrentGemma's RG-LRU (their states and conv tails from the sharded
-# prefill, then one token at a time)
+FAMILIES = ["llama", "qwen3", "gemma3", "gpt-oss", "deepseek-v3", "qwen3_5", "recurrent_gemma", "llama4-chunked"]
+# GQA; q/k norms; windows; sinks; MLA; Gated DeltaNet and RecurrentGemma's RG-LRU (their states and conv tails from
+# the sharded prefill, then one token at a time); Llama 4's chunks of 8 and its no-RoPE layer's temperature
 PROMPT, NEW = 101, 6  # a prompt no mesh divides evenly: the layout pads it, and the padding keeps no cache
 ULPS = 4  # the bound: a multiple of the float32 rounding of the same model's logits
 
@@ -178,3 +178,13 @@ def test_heads_split_over_tensor_parallel_ranks_generate_the_same_tokens(pools):
                 assert sum(r["counts"]) == PROMPT + NEW - 1 and r["share_bytes"] == r["expected_share_bytes"], r
                 assert r["held_fraction"] < 0.75, r  # the layers' matrices halved (norms and the embedding's rows not)
                 assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring, tp=2), r  # the planner's fullest
+
+
+def test_what_generation_cannot_run_is_refused_before_any_work(pools):
+    """A Doge whose prompt and new tokens pass its keep_window_size (its dynamic mask would keep each query's keys of
+    largest bias), a model parallelized with async Ulysses (whose attention keeps no cache)."""
+    from generate_cases import generation_refusals
+
+    doge, async_model = pools.run(2, generation_refusals, 1, 2)[0]
+    assert "keep_window_size" in doge and "the prompt and the new tokens" in doge, doge
+    assert "async_ulysses" in async_model, async_model
