@@ -341,11 +341,10 @@ def generation_refusals(ulysses: int, ring: int) -> list[str]:
     parallelized with async Ulysses."""
     mesh = get_mesh(ulysses, ring)
     said = []
-    doge = parallelize(build(family_config("doge")), mesh)
-    window = doge.config.keep_window_size
-    ids = torch.randint(3, 64, (2, window - 4), generator=torch.Generator().manual_seed(1))
+    doge = build(family_config("doge"))
+    ids = torch.randint(3, 64, (2, doge.config.keep_window_size - 4), generator=torch.Generator().manual_seed(1))
     async_model = parallelize(build(family_config("llama")), mesh, async_ulysses=True)
-    for attempt in (lambda: generate(doge, mesh, ids, 6), lambda: generate(async_model, mesh, ids, 2)):
+    for attempt in (lambda: generate(parallelize(doge, mesh), mesh, ids, 6), lambda: generate(async_model, mesh, ids, 2)):
         try:
             attempt()
             said.append("")
