@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.sparse_latent import index_scores_kernel, sparse_latent_attention, uses_kernel
+from ..kernels.sparse_latent_blocks import sparse_latent_blocks
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import gather_sequence, sequence_positions
@@ -208,13 +209,12 @@ def latent_output(module: nn.Module, attended: torch.Tensor) -> torch.Tensor:
     return torch.einsum("blhr,hvr->blhv", attended, w_value)
 
 
-def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks, valid) -> torch.Tensor:
+def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks) -> torch.Tensor:
     """MLA over the selected keys, in latent space. q_pass (B, l, H, Dn), q_rot (B, l, H, Dr); row (B, T, R + Dr): the
-    whole row's latent and rotated key side by side; picks (B, l, k) indices into it, valid (B, l, k) those the query
-    may see -> (B, l, H, Dv)."""
+    whole row's latent and rotated key side by side; picks (B, l, k) indices into it (-1: not seen) -> (B, l, H, Dv)."""
     rank = row.shape[-1] - q_rot.shape[-1]
-    attended = sparse_latent_attention(latent_query(module, q_pass, q_rot), row, picks.masked_fill(~valid, -1),
-                                       module.scaling, rank, layouts.sinks(module))  # (B, l, H, R)
+    attended = sparse_latent_attention(latent_query(module, q_pass, q_rot), row, picks, module.scaling, rank,
+                                       layouts.sinks(module))  # (B, l, H, R)
     return latent_output(module, attended)
 
 
@@ -235,17 +235,27 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     if keep is not None:
         keep(module, local_rows, index_keys)
     row = whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
-    # blocks of queries: the torch form's by its gathered rows times heads; the kernel gathers inside itself, so by
-    # its (B, l, H, R + Dr) latent query
-    width = row.shape[-1] if uses_kernel(row) else picks.shape[-1] * latent.shape[-1]
-    step = block_queries(b, q_pass.shape[2], width)
+    if not uses_kernel(row):  # the torch form: one op over small blocks, MLA's latent projections inside it
+        step = block_queries(b, 1, row.shape[1])
+        seen = torch.cat([_seen(picks, allowed, slice(start, start + step)) for start in range(0, length, step)], 1)
+        heads, nope = q_pass.shape[2], module.qk_nope_head_dim
+        weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # (H, Dn + Dv, R)
+        out = sparse_latent_blocks(q_pass, q_rot, row, seen, module.scaling, layouts.sinks(module),
+                                   weight[:, :nope], weight[:, nope:], budget=BLOCK_ELEMENTS)
+        return out, picks
+    step = block_queries(b, q_pass.shape[2], row.shape[-1])  # the kernel gathers inside itself: its latent query
     outputs = []
     for start in range(0, length, step):
         block = slice(start, start + step)
-        valid = torch.gather(allowed(block).expand(b, -1, -1), 2, picks[:, block])  # (B, l, k)
-        inputs = (q_pass[:, block], q_rot[:, block], row, picks[:, block], valid)
+        inputs = (q_pass[:, block], q_rot[:, block], row, _seen(picks, allowed, block))
         outputs.append(recomputed(_latent_attention, module, *inputs))
     return torch.cat(outputs, dim=1), picks
+
+
+def _seen(picks: torch.Tensor, allowed, block: slice) -> torch.Tensor:
+    """The block's picks (B, l, k), -1 where its query may not see the pick (another document's, or later)."""
+    valid = torch.gather(allowed(block).expand(picks.shape[0], -1, -1), 2, picks[:, block])
+    return picks[:, block].masked_fill(~valid, -1)
 
 
 def _make_forward(mesh: SPMesh):

@@ -6,11 +6,13 @@
     picks (B, L, K) int64     each query's selected rows of ``row``; -1 where the query may not see the pick
     -> (B, L, H, R)           softmax(query . row[picks] * scale [, a sink per head]) @ row[picks, :R]
 
-Two forms of the same math: :func:`sparse_latent_reference` in torch (gathers the ``(B, L, K, R + Dr)`` selected
-rows, which the caller keeps small by blocks of queries), and a Triton kernel
+Three forms of the same math: :func:`sparse_latent_reference` in torch autograd (gathers the ``(B, L, K, R + Dr)``
+selected rows at once; the probe's and the tests' reference), the torch form the layers run
+(:mod:`.sparse_latent_blocks`: one autograd op over blocks of a few queries, keeping a log-sum-exp as flash attention
+does), and a Triton kernel
 (:mod:`.sparse_latent_triton`) that gathers inside the kernel and never writes that tensor. :func:`sparse_latent_attention`
 takes the kernel on a CUDA device where Triton is installed and the kernel passes its probe (a few queries forward
-and backward, once per device; one warning and the torch form otherwise), the torch form elsewhere.
+and backward, once per device; one warning and the torch form otherwise), the blocks' torch form elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .probe import Kernel, KernelProbe
+from .sparse_latent_blocks import product_dtype, sparse_latent_blocks
 
 
 class GatherRows(torch.autograd.Function):
@@ -65,7 +68,7 @@ class SparseLatentTriton(torch.autograd.Function):
     def forward(ctx, query, row, picks, sinks, scale: float, rank: int):
         from . import sparse_latent_triton as kernel
 
-        dtype = _product_dtype(query, row)  # the kernel's products take one dtype
+        dtype = product_dtype(query, row)  # the kernel's products take one dtype
         ctx.dtypes = query.dtype, row.dtype
         query, row, picks = query.to(dtype).contiguous(), row.to(dtype).contiguous(), picks.contiguous()
         out, lse = kernel.forward(query, row, picks, scale, rank, sinks)
@@ -85,14 +88,6 @@ class SparseLatentTriton(torch.autograd.Function):
             delta = (out.float() * grad.float()).sum(-1)  # (B, L, H)
             d_sinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
         return d_query.to(ctx.dtypes[0]), d_row.to(ctx.dtypes[1]), None, d_sinks, None, None
-
-
-def _product_dtype(query: torch.Tensor, row: torch.Tensor) -> torch.dtype:
-    """The dtype the products run in: autocast's where it is on for the device (as the torch form's einsums),
-    else the wider of the two."""
-    if torch.is_autocast_enabled(query.device.type):
-        return torch.get_autocast_dtype(query.device.type)
-    return torch.promote_types(query.dtype, row.dtype)
 
 
 def _triton_loaded():
@@ -180,7 +175,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def sparse_latent_attention(query: torch.Tensor, row: torch.Tensor, picks: torch.Tensor, scale: float, rank: int,
                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L, H, R + Dr), (B, T, R + Dr), (B, L, K) -> (B, L, H, R): the module docstring's attention, on the Triton
-    kernel where :func:`uses_kernel`, else in torch."""
+    kernel where :func:`uses_kernel`, else in torch by blocks of queries (:mod:`.sparse_latent_blocks`)."""
     if uses_kernel(row):
         return SparseLatentTriton.apply(query, row, picks, sinks, scale, rank)
-    return sparse_latent_reference(query, row, picks, scale, rank, sinks)
+    return sparse_latent_blocks(query[..., :rank], query[..., rank:], row, picks, scale, sinks)

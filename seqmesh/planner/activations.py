@@ -5,13 +5,17 @@ and allocates: docs/planner.md ("Activations").
 
 from __future__ import annotations
 
+import torch
+
 from ..hf import indexed_attention
+from ..kernels import sparse_latent_blocks
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees
 from .placement import placement, tp_heads
 from .workload import Workload
 
 INT64 = 8
+GPU = torch.device("cuda")  # the device the planner plans for (block sizes that differ by device)
 TILED_RECOMPUTE = "tiled MLP recompute"  # under TP, checkpointed: a layer's peak before its weight gradients exist
 
 
@@ -46,34 +50,32 @@ def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
 def indexed_attention_saved(work: Workload, layout: Degrees) -> int:
     """Bytes one DeepSeek Sparse Attention layer (``seqmesh.hf.indexed_attention``) keeps for backward: its queries'
     no-RoPE and rotary parts (B, L, H, Dn + Dr), MLA's gathered latent row and rotary keys (B, S, R + Dr), each
-    query's top-k picks (int64) and which it may see (bool), and the output, ``o_proj``'s input (B, L, H, Dv)."""
+    query's top-k picks (int64, -1 where it may not see one), the output, ``o_proj``'s input (B, L, H, Dv), and a
+    float32 log-sum-exp per query and head (``seqmesh.kernels.sparse_latent_blocks``)."""
     m, e, lat = work.model, work.act_bytes, work.model.latent
     t, row = tokens(work, layout), work.batch * work.seq_len
     top = min(lat.index_topk, work.seq_len)
-    return t * (m.heads * (lat.qk_head_dim + lat.v_head_dim) * e + top * (INT64 + 1)) + row * (
+    return t * (m.heads * ((lat.qk_head_dim + lat.v_head_dim) * e + 4) + top * INT64) + row * (
         lat.kv_lora_rank + lat.qk_rope_head_dim) * e
 
 
 def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     """Peak bytes of a DeepSeek Sparse Attention layer beyond what it keeps, the larger of two moments. The selection
     (forward, and again in a checkpointed layer's recompute): the gathered row of indexer keys (B, S, Di), its float32
-    copy, and a float32 score block (B, l, Hi, S) of ``indexer_block`` queries (scaled and rectified in place). A
-    block's backward: the chosen latents and rotary keys (B, l, k, R + Dr) and their gradients, and the gathered
-    row's gradient (B, S, R + Dr) before its reduce-scatter."""
+    copy, and a float32 score block (B, l, Hi, S) of ``indexer_block`` queries (scaled and rectified in place). The
+    attention's backward: the gradients of its queries (B, L, H, Dn + Dr) and of the gathered row (B, S, R + Dr), and a
+    block's chosen latents and rotary keys (B, l, k, R + Dr) with their gradient (a GPU's blocks, as
+    ``seqmesh.kernels.sparse_latent_blocks.block_queries`` sizes them), and a float32 (B, L, H) sum."""
     m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
     per_query = b * lat.index_n_heads * work.seq_len
     scores = indexed_attention.indexer_block(b, lat.index_n_heads, work.seq_len, local) * per_query
     select = row * lat.index_head_dim * (e + 4) + scores * 4
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
-    chosen = block_queries(b * m.heads * top * lat.kv_lora_rank, local) * b * top * width
-    return max(select, 2 * chosen * e + row * width * e)
-
-
-def block_queries(per_query: int, queries: int) -> int:
-    """Queries in one block of ``seqmesh.hf.indexed_attention`` (its ``block_queries``) of ``per_query`` elements each,
-    at most the rank's ``queries``."""
-    return min(indexed_attention.block_queries(1, 1, per_query), queries)
+    step = min(sparse_latent_blocks.block_queries(b, top, width, GPU, indexed_attention.BLOCK_ELEMENTS), local)
+    chosen = step * b * top * width
+    queries = local * b * m.heads * (lat.qk_head_dim * e + 4)  # with the float32 sum of out . d out per head
+    return max(select, 2 * chosen * e + row * width * e + queries)
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:

@@ -28,15 +28,17 @@ def _outside_rounding(r: dict) -> list[str]:
 
 def _run_in_small_blocks(cases: list[tuple]) -> list[dict]:
     """:func:`_run_all` with blocks of 3 queries for the indexer and 1 for the attention (the sizes of the test's
-    models), so that each block scores only the keys up to its last query and the rest of the row is filled."""
+    models), so that each block scores only the keys up to its last query and the rest of the row is filled, and
+    the attention's backward sums its weights' and row's gradients over blocks."""
     from seqmesh.hf import indexed_attention
+    from seqmesh.kernels import sparse_latent_blocks
 
-    saved = indexed_attention.BLOCK_ELEMENTS
-    indexed_attention.BLOCK_ELEMENTS = 3 * 4 * 45
+    saved = indexed_attention.BLOCK_ELEMENTS, sparse_latent_blocks.CPU_BLOCK_ELEMENTS
+    indexed_attention.BLOCK_ELEMENTS, sparse_latent_blocks.CPU_BLOCK_ELEMENTS = 3 * 4 * 45, 1
     try:
         return _run_all(cases)
     finally:
-        indexed_attention.BLOCK_ELEMENTS = saved
+        indexed_attention.BLOCK_ELEMENTS, sparse_latent_blocks.CPU_BLOCK_ELEMENTS = saved
 
 
 def _run_on_the_kernel(cases: list[tuple]) -> list[dict]:

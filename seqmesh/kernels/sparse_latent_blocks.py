@@ -1,0 +1,160 @@
+"""The torch form of token-sparse latent attention (:mod:`.sparse_latent`'s math) as one autograd op that keeps what
+a flash kernel keeps: the query, the row, the picks, the output and a float32 log-sum-exp per (query, head). It runs
+in blocks of a few queries, sized so that a block's gathered rows stay in the CPU's cache (a block of 256 queries
+gathers 100 MB, and the gather then runs at a tenth of the speed of one of 16), and its backward recomputes each
+block's scores from the saved log-sum-exp, as flash attention does, instead of autograd's graph of every block.
+
+With the two halves of MLA's ``kv_b_proj`` (DeepSeek Sparse Attention) the op also takes the query's no-RoPE part
+into latent space and the attended latents back out of it, block by block, so the ``(L, H, R + Dr)`` latent query
+and ``(L, H, R)`` attended latents (four times the query's size at DeepSeek-V3.2's latent of 512) never exist for
+the whole row:
+
+    q_nope (B, L, H, Dn)   with ``w_key`` (H, Dn, R): the query's no-RoPE part; without: the latent query itself (Dn = R)
+    q_rot  (B, L, H, Dr)   the rotated part (Dr may be 0)
+    row    (B, T, R + Dr)  every key's latent (its value too) and rotated key
+    picks  (B, L, K)       indices into ``row``; -1 where the query may not see the pick
+    -> (B, L, H, Dv)       with ``w_value`` (H, Dv, R); without: (B, L, H, R)
+
+Scores are products in the inputs' dtype (autocast's on a device where it is on), scaled, then masked and
+exponentiated in float32, as :func:`.sparse_latent.sparse_latent_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (8 MB of float32:
+# within the last-level cache a core shares); a GPU's blocks are sized by the score tensor, as the caller's
+CPU_BLOCK_ELEMENTS = 1 << 21
+
+
+def block_queries(batch: int, picks: int, width: int, device: torch.device, budget: int) -> int:
+    """Queries per block: the gathered rows ``(batch, n, picks, width)`` within :data:`CPU_BLOCK_ELEMENTS` on a CPU,
+    within ``budget`` elsewhere."""
+    limit = CPU_BLOCK_ELEMENTS if device.type == "cpu" else budget
+    return max(1, limit // max(1, batch * picks * width))
+
+
+class SparseLatentBlocks(torch.autograd.Function):
+    """The module docstring's op. ``step``: queries per block (:func:`block_queries`)."""
+
+    @staticmethod
+    def forward(ctx, q_nope, q_rot, w_key, w_value, row, picks, sinks, scale: float, step: int):
+        dtype = product_dtype(q_rot, row)
+        b, length, heads, _ = q_rot.shape
+        out_width = w_value.shape[1] if w_value is not None else row.shape[-1] - q_rot.shape[-1]
+        out = q_rot.new_empty(b, length, heads, out_width, dtype=dtype)
+        lse = torch.empty(b, length, heads, dtype=torch.float32, device=q_rot.device)
+        flat_row = row.to(dtype).reshape(-1, row.shape[-1])
+        with torch.no_grad():
+            for block in _blocks(length, step):
+                query, chosen, valid = _block_inputs(q_nope, q_rot, w_key, flat_row, row.shape[1], picks, block, dtype)
+                probs, lse[:, block] = _probabilities(query, chosen, valid, scale, sinks, None)
+                attended = torch.matmul(probs.to(dtype), chosen[..., :_rank(row, q_rot)])  # (B, l, H, R)
+                out[:, block] = _out_of(attended, w_value, dtype)
+        ctx.save_for_backward(q_nope, q_rot, w_key, w_value, row, picks, sinks, out, lse)
+        ctx.scale, ctx.step, ctx.dtype = scale, step, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_nope, q_rot, w_key, w_value, row, picks, sinks, out, lse = ctx.saved_tensors
+        dtype, scale, rank = ctx.dtype, ctx.scale, _rank(row, q_rot)
+        flat_row = row.to(dtype).reshape(-1, row.shape[-1])
+        d_nope, d_rot = torch.zeros_like(q_nope, dtype=dtype), torch.zeros_like(q_rot, dtype=dtype)
+        d_row = torch.zeros_like(flat_row)
+        d_key = torch.zeros_like(w_key, dtype=torch.float32) if w_key is not None else None
+        d_value = torch.zeros_like(w_value, dtype=torch.float32) if w_value is not None else None
+        # each (query, head)'s sum of out . d out: the softmax's backward, and the sink's
+        delta = (out.float() * grad.float()).sum(-1)  # (B, L, H)
+        for block in _blocks(q_rot.shape[1], ctx.step):
+            query, chosen, valid = _block_inputs(q_nope, q_rot, w_key, flat_row, row.shape[1], picks, block, dtype)
+            probs, _ = _probabilities(query, chosen, valid, scale, sinks, lse[:, block])
+            d_out = grad[:, block].to(dtype)  # (B, l, H, Dv)
+            values = chosen[..., :rank]  # (B, l, K, R)
+            if w_value is not None:  # out = attended . w_value: the attended latents again, for w_value's gradient
+                attended = torch.matmul(probs.to(dtype), values)
+                d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).float()
+                d_attended = torch.einsum("blhv,hvr->blhr", d_out, w_value.to(dtype))
+            else:
+                d_attended = d_out
+            d_probs = torch.matmul(d_attended, values.transpose(-1, -2)).float()  # (B, l, H, K)
+            d_scores = (probs * (d_probs - delta[:, block, :, None]) * scale).to(dtype)
+            d_query = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
+            d_chosen = torch.matmul(d_scores.transpose(-1, -2), query)  # (B, l, K, R + Dr)
+            d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_attended)
+            d_row.index_add_(0, _flat_picks(picks[:, block], row.shape[1]), d_chosen.reshape(-1, d_chosen.shape[-1]))
+            d_rot[:, block] = d_query[..., rank:]
+            if w_key is not None:
+                d_nope[:, block] = torch.einsum("blhr,hnr->blhn", d_query[..., :rank], w_key.to(dtype))
+                d_key += torch.einsum("blhn,blhr->hnr", q_nope[:, block].to(dtype), d_query[..., :rank]).float()
+            else:
+                d_nope[:, block] = d_query[..., :rank]
+        d_sinks = None
+        if sinks is not None:  # the sink's probability times minus each (query, head)'s delta
+            d_sinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
+        return (d_nope.to(q_nope.dtype), d_rot.to(q_rot.dtype), _as(d_key, w_key), _as(d_value, w_value),
+                d_row.view(row.shape).to(row.dtype), None, d_sinks, None, None)
+
+
+def sparse_latent_blocks(q_nope: torch.Tensor, q_rot: torch.Tensor, row: torch.Tensor, picks: torch.Tensor,
+                         scale: float, sinks: torch.Tensor | None = None, w_key: torch.Tensor | None = None,
+                         w_value: torch.Tensor | None = None, budget: int = 1 << 28) -> torch.Tensor:
+    """The module docstring's op, in blocks of :func:`block_queries` queries (``budget``: a GPU's elements per
+    block's gathered rows)."""
+    step = block_queries(picks.shape[0], picks.shape[-1], row.shape[-1], row.device, budget)
+    return SparseLatentBlocks.apply(q_nope, q_rot, w_key, w_value, row, picks, sinks, scale, step)
+
+
+def _blocks(length: int, step: int):
+    return (slice(start, start + step) for start in range(0, length, step))
+
+
+def _rank(row: torch.Tensor, q_rot: torch.Tensor) -> int:
+    return row.shape[-1] - q_rot.shape[-1]
+
+
+def _flat_picks(picks: torch.Tensor, keys: int) -> torch.Tensor:
+    """(B, l, K) picks (-1 read as the row's first key, masked by the caller) -> (B * l * K,) rows of the flat row."""
+    offsets = torch.arange(picks.shape[0], device=picks.device)[:, None, None] * keys
+    return (picks.clamp(min=0) + offsets).reshape(-1)
+
+
+def _block_inputs(q_nope, q_rot, w_key, flat_row, keys: int, picks, block: slice, dtype):
+    """One block's latent query (B, l, H, R + Dr), its gathered rows (B, l, K, R + Dr) and which picks it sees."""
+    nope = q_nope[:, block].to(dtype)
+    if w_key is not None:
+        nope = torch.einsum("blhn,hnr->blhr", nope, w_key.to(dtype))
+    query = torch.cat([nope, q_rot[:, block].to(dtype)], dim=-1)
+    mine = picks[:, block]
+    chosen = flat_row.index_select(0, _flat_picks(mine, keys)).view(*mine.shape, flat_row.shape[-1])
+    return query, chosen, mine >= 0
+
+
+def _probabilities(query, chosen, valid, scale: float, sinks, lse):
+    """(B, l, H, K) float32 softmax of the block's scores (with each head's sink), and its log-sum-exp (B, l, H);
+    with ``lse`` given, the probabilities from it (the backward's)."""
+    scores = torch.matmul(query, chosen.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill_(~valid[:, :, None], float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.float())
+    return torch.exp(scores - lse[..., None]), lse
+
+
+def _out_of(attended, w_value, dtype):
+    if w_value is None:
+        return attended
+    return torch.einsum("blhr,hvr->blhv", attended, w_value.to(dtype))
+
+
+def product_dtype(query: torch.Tensor, row: torch.Tensor) -> torch.dtype:
+    """The products' dtype: autocast's where it is on for the device, else the wider of the two inputs'."""
+    if torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type)
+    return torch.promote_types(query.dtype, row.dtype)
+
+
+def _as(grad, like):
+    return None if grad is None else grad.to(like.dtype)
