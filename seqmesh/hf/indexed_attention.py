@@ -61,6 +61,9 @@ BLOCK_ELEMENTS = 1 << 28
 # last query: 8 blocks score 56% of a causal row's pairs, one block all), each at least INDEXER_MIN_BLOCK queries
 INDEXER_BLOCKS = 8
 INDEXER_MIN_BLOCK = 128
+# on a CPU, the indexer's (B, l, H, T) float32 scores at most this many elements (16 MB, within the shared cache: its
+# rectification and head sum then read it from there; a block of 512 queries at 4,096 keys took 1.6x as long)
+CPU_INDEXER_ELEMENTS = 1 << 22
 
 
 def is_indexed(module: nn.Module) -> bool:
@@ -107,9 +110,12 @@ def block_queries(batch: int, heads: int, keys: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(1, batch * heads * keys))
 
 
-def indexer_block(batch: int, heads: int, keys: int, queries: int) -> int:
-    """How many of a rank's ``queries`` the indexer scores at once: at most an ``INDEXER_BLOCKS``-th of them (each block
-    scores only the keys up to its last query), at least ``INDEXER_MIN_BLOCK``, within ``BLOCK_ELEMENTS``."""
+def indexer_block(batch: int, heads: int, keys: int, queries: int, device: torch.device) -> int:
+    """How many of a rank's ``queries`` the indexer scores at once on ``device``: on a CPU, a block whose scores fit
+    ``CPU_INDEXER_ELEMENTS``; elsewhere at most an ``INDEXER_BLOCKS``-th of them (each block scores only the keys up to
+    its last query), at least ``INDEXER_MIN_BLOCK``, within ``BLOCK_ELEMENTS``."""
+    if device.type == "cpu":
+        return max(1, CPU_INDEXER_ELEMENTS // max(1, batch * heads * keys))
     return min(block_queries(batch, heads, keys), max(INDEXER_MIN_BLOCK, -(-queries // INDEXER_BLOCKS)))
 
 
@@ -157,7 +163,7 @@ def _index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, w
             yield block, index_scores_kernel(q[:, block], keys, weights[:, block], scale, limit[block])
         return
     keys = keys.transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
-    step = indexer_block(b, heads, total, length)
+    step = indexer_block(b, heads, total, length, q.device)
     for start, count in zip(range(0, length, step), scored_keys(positions, seq_len, step)):
         block = slice(start, start + step)
         index = layouts.index_scores(indexer, rule, q[:, block], keys[..., :count], weights[:, block])  # (B, l, n)

@@ -26,6 +26,8 @@ import torch
 # the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (8 MB of float32:
 # within the last-level cache a core shares); a GPU's blocks are sized by the score tensor, as the caller's
 CPU_BLOCK_ELEMENTS = 1 << 21
+# queries whose projections into and out of MLA's latent space run as one product
+PROJECTED_QUERIES = 256
 
 
 def block_queries(batch: int, picks: int, width: int, device: torch.device, budget: int) -> int:
@@ -36,22 +38,27 @@ def block_queries(batch: int, picks: int, width: int, device: torch.device, budg
 
 
 class SparseLatentBlocks(torch.autograd.Function):
-    """The module docstring's op. ``step``: queries per block (:func:`block_queries`)."""
+    """The module docstring's op. ``step``: queries per block of gathered rows (:func:`block_queries`); MLA's
+    projections run on ``PROJECTED_QUERIES`` at once (a block of ``step`` makes them matrix products of a few rows)."""
 
     @staticmethod
     def forward(ctx, q_nope, q_rot, w_key, w_value, row, picks, sinks, scale: float, step: int):
         dtype = product_dtype(q_rot, row)
         b, length, heads, _ = q_rot.shape
-        out_width = w_value.shape[1] if w_value is not None else row.shape[-1] - q_rot.shape[-1]
-        out = q_rot.new_empty(b, length, heads, out_width, dtype=dtype)
+        rank = _rank(row, q_rot)
+        out = q_rot.new_empty(b, length, heads, w_value.shape[1] if w_value is not None else rank, dtype=dtype)
         lse = torch.empty(b, length, heads, dtype=torch.float32, device=q_rot.device)
         flat_row = row.to(dtype).reshape(-1, row.shape[-1])
         with torch.no_grad():
-            for block in _blocks(length, step):
-                query, chosen, valid = _block_inputs(q_nope, q_rot, w_key, flat_row, row.shape[1], picks, block, dtype)
-                probs, lse[:, block] = _probabilities(query, chosen, valid, scale, sinks, None)
-                attended = torch.matmul(probs.to(dtype), chosen[..., :_rank(row, q_rot)])  # (B, l, H, R)
-                out[:, block] = _out_of(attended, w_value, dtype)
+            for outer in _blocks(length, max(step, PROJECTED_QUERIES)):
+                query = _latent_query(q_nope[:, outer], q_rot[:, outer], w_key, dtype)  # (B, l, H, R + Dr)
+                attended = query.new_empty(*query.shape[:-1], rank)
+                for inner in _blocks(query.shape[1], step):
+                    chosen, valid = _gathered(flat_row, row.shape[1], picks[:, outer][:, inner])
+                    probs, lse[:, outer][:, inner] = _probabilities(query[:, inner], chosen, valid, scale, sinks, None)
+                    attended[:, inner] = torch.matmul(probs.to(dtype), chosen[..., :rank])
+                out[:, outer] = attended if w_value is None else torch.einsum(
+                    "blhr,hvr->blhv", attended, w_value.to(dtype))
         ctx.save_for_backward(q_nope, q_rot, w_key, w_value, row, picks, sinks, out, lse)
         ctx.scale, ctx.step, ctx.dtype = scale, step, dtype
         return out
@@ -59,7 +66,7 @@ class SparseLatentBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q_nope, q_rot, w_key, w_value, row, picks, sinks, out, lse = ctx.saved_tensors
-        dtype, scale, rank = ctx.dtype, ctx.scale, _rank(row, q_rot)
+        dtype, scale, rank, step = ctx.dtype, ctx.scale, _rank(row, q_rot), ctx.step
         flat_row = row.to(dtype).reshape(-1, row.shape[-1])
         d_nope, d_rot = torch.zeros_like(q_nope, dtype=dtype), torch.zeros_like(q_rot, dtype=dtype)
         d_row = torch.zeros_like(flat_row)
@@ -67,29 +74,33 @@ class SparseLatentBlocks(torch.autograd.Function):
         d_value = torch.zeros_like(w_value, dtype=torch.float32) if w_value is not None else None
         # each (query, head)'s sum of out . d out: the softmax's backward, and the sink's
         delta = (out.float() * grad.float()).sum(-1)  # (B, L, H)
-        for block in _blocks(q_rot.shape[1], ctx.step):
-            query, chosen, valid = _block_inputs(q_nope, q_rot, w_key, flat_row, row.shape[1], picks, block, dtype)
-            probs, _ = _probabilities(query, chosen, valid, scale, sinks, lse[:, block])
-            d_out = grad[:, block].to(dtype)  # (B, l, H, Dv)
-            values = chosen[..., :rank]  # (B, l, K, R)
-            if w_value is not None:  # out = attended . w_value: the attended latents again, for w_value's gradient
-                attended = torch.matmul(probs.to(dtype), values)
+        for outer in _blocks(q_rot.shape[1], max(step, PROJECTED_QUERIES)):
+            query = _latent_query(q_nope[:, outer], q_rot[:, outer], w_key, dtype)
+            d_out = grad[:, outer].to(dtype)  # (B, l, H, Dv)
+            d_attended = d_out if w_value is None else torch.einsum("blhv,hvr->blhr", d_out, w_value.to(dtype))
+            attended = query.new_empty(*query.shape[:-1], rank) if w_value is not None else None
+            d_query = torch.empty_like(query)
+            for inner in _blocks(query.shape[1], step):
+                mine = picks[:, outer][:, inner]
+                chosen, valid = _gathered(flat_row, row.shape[1], mine)
+                probs, _ = _probabilities(query[:, inner], chosen, valid, scale, sinks, lse[:, outer][:, inner])
+                values, d_att = chosen[..., :rank], d_attended[:, inner]  # (B, l, K, R), (B, l, H, R)
+                if attended is not None:  # out = attended . w_value: the attended latents again, for w_value's
+                    attended[:, inner] = torch.matmul(probs.to(dtype), values)
+                d_probs = torch.matmul(d_att, values.transpose(-1, -2)).float()  # (B, l, H, K)
+                d_scores = (probs * (d_probs - delta[:, outer][:, inner, :, None]) * scale).to(dtype)
+                d_query[:, inner] = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
+                d_chosen = torch.matmul(d_scores.transpose(-1, -2), query[:, inner])  # (B, l, K, R + Dr)
+                d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_att)
+                d_row.index_add_(0, _flat_picks(mine, row.shape[1]), d_chosen.reshape(-1, d_chosen.shape[-1]))
+            if attended is not None:
                 d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).float()
-                d_attended = torch.einsum("blhv,hvr->blhr", d_out, w_value.to(dtype))
-            else:
-                d_attended = d_out
-            d_probs = torch.matmul(d_attended, values.transpose(-1, -2)).float()  # (B, l, H, K)
-            d_scores = (probs * (d_probs - delta[:, block, :, None]) * scale).to(dtype)
-            d_query = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
-            d_chosen = torch.matmul(d_scores.transpose(-1, -2), query)  # (B, l, K, R + Dr)
-            d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_attended)
-            d_row.index_add_(0, _flat_picks(picks[:, block], row.shape[1]), d_chosen.reshape(-1, d_chosen.shape[-1]))
-            d_rot[:, block] = d_query[..., rank:]
+            d_rot[:, outer] = d_query[..., rank:]
             if w_key is not None:
-                d_nope[:, block] = torch.einsum("blhr,hnr->blhn", d_query[..., :rank], w_key.to(dtype))
-                d_key += torch.einsum("blhn,blhr->hnr", q_nope[:, block].to(dtype), d_query[..., :rank]).float()
+                d_nope[:, outer] = torch.einsum("blhr,hnr->blhn", d_query[..., :rank], w_key.to(dtype))
+                d_key += torch.einsum("blhn,blhr->hnr", q_nope[:, outer].to(dtype), d_query[..., :rank]).float()
             else:
-                d_nope[:, block] = d_query[..., :rank]
+                d_nope[:, outer] = d_query[..., :rank]
         d_sinks = None
         if sinks is not None:  # the sink's probability times minus each (query, head)'s delta
             d_sinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
@@ -120,15 +131,18 @@ def _flat_picks(picks: torch.Tensor, keys: int) -> torch.Tensor:
     return (picks.clamp(min=0) + offsets).reshape(-1)
 
 
-def _block_inputs(q_nope, q_rot, w_key, flat_row, keys: int, picks, block: slice, dtype):
-    """One block's latent query (B, l, H, R + Dr), its gathered rows (B, l, K, R + Dr) and which picks it sees."""
-    nope = q_nope[:, block].to(dtype)
+def _latent_query(q_nope, q_rot, w_key, dtype) -> torch.Tensor:
+    """(B, l, H, Dn), (B, l, H, Dr) -> the latent query (B, l, H, R + Dr) in ``dtype``."""
+    nope = q_nope.to(dtype)
     if w_key is not None:
         nope = torch.einsum("blhn,hnr->blhr", nope, w_key.to(dtype))
-    query = torch.cat([nope, q_rot[:, block].to(dtype)], dim=-1)
-    mine = picks[:, block]
-    chosen = flat_row.index_select(0, _flat_picks(mine, keys)).view(*mine.shape, flat_row.shape[-1])
-    return query, chosen, mine >= 0
+    return torch.cat([nope, q_rot.to(dtype)], dim=-1)
+
+
+def _gathered(flat_row, keys: int, picks):
+    """The rows (B, l, K, R + Dr) ``picks`` (B, l, K) select of the flat row, and which of them the query sees."""
+    chosen = flat_row.index_select(0, _flat_picks(picks, keys)).view(*picks.shape, flat_row.shape[-1])
+    return chosen, picks >= 0
 
 
 def _probabilities(query, chosen, valid, scale: float, sinks, lse):
@@ -141,12 +155,6 @@ def _probabilities(query, chosen, valid, scale: float, sinks, lse):
         if sinks is not None:
             lse = torch.logaddexp(lse, sinks.float())
     return torch.exp(scores - lse[..., None]), lse
-
-
-def _out_of(attended, w_value, dtype):
-    if w_value is None:
-        return attended
-    return torch.einsum("blhr,hvr->blhv", attended, w_value.to(dtype))
 
 
 def product_dtype(query: torch.Tensor, row: torch.Tensor) -> torch.dtype:

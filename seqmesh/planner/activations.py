@@ -69,7 +69,7 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
     per_query = b * lat.index_n_heads * work.seq_len
-    scores = indexed_attention.indexer_block(b, lat.index_n_heads, work.seq_len, local) * per_query
+    scores = indexed_attention.indexer_block(b, lat.index_n_heads, work.seq_len, local, GPU) * per_query
     select = row * lat.index_head_dim * (e + 4) + scores * 4
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
     step = min(sparse_latent_blocks.block_queries(b, top, width, GPU, indexed_attention.BLOCK_ELEMENTS), local)

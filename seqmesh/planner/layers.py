@@ -14,7 +14,7 @@ import functools
 from ..hf.indexed_attention import indexer_block, scored_keys
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
-from .activations import local_tokens, tokens
+from .activations import GPU, local_tokens, tokens
 from .attention_layer import Attention
 from .placement import placement
 from .experts import dispatch_bytes
@@ -192,7 +192,7 @@ def indexer_pairs(layout: str, ulysses: int, ring: int, seq_len: int, batch: int
     busiest = 0
     for rank in range(ring * ulysses):
         positions = lay.local_positions(rank).tolist()
-        step = indexer_block(batch, index_heads, seq_len, len(positions))
+        step = indexer_block(batch, index_heads, seq_len, len(positions), GPU)
         counts = scored_keys(positions, seq_len, step)
         busiest = max(busiest, sum(min(step, len(positions) - i * step) * n for i, n in enumerate(counts)))
     return busiest

@@ -70,11 +70,14 @@ def _errors(got, want):
     return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)]
 
 
-@pytest.mark.parametrize("absorbed,with_sinks,step", [(True, False, 2), (True, True, 3), (False, True, 7),
-                                                      (False, False, 1)])
-def test_blocks_match_dense_pytorch_within_float32_rounding(absorbed, with_sinks, step):
-    """Blocks of 1, 2, 3 and all 7 queries; with MLA's projections (their weights' gradients summed over blocks) and
-    without (DeepSeek-V4's layout, which has the sinks)."""
+@pytest.mark.parametrize("absorbed,with_sinks,step,projected", [(True, False, 2, 256), (True, True, 3, 256),
+                                                                (False, True, 7, 256), (False, False, 1, 256),
+                                                                (True, True, 2, 3), (False, False, 2, 5)])
+def test_blocks_match_dense_pytorch_within_float32_rounding(absorbed, with_sinks, step, projected, monkeypatch):
+    """Blocks of 1, 2, 3 and all 7 queries, the projections on all of them at once or on 3 or 5 (blocks of 2 inside
+    them, the last cut short); with MLA's projections (their weights' gradients summed over blocks) and without
+    (DeepSeek-V4's layout, which has the sinks)."""
+    monkeypatch.setattr(blocks, "PROJECTED_QUERIES", projected)
     inputs = _inputs(absorbed, with_sinks)
     exact = _value_and_grads(dense_mla, inputs, torch.float64)
     rounding = _errors(_value_and_grads(dense_mla, inputs, torch.float32), exact)
