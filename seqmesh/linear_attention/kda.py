@@ -14,8 +14,9 @@ changes is that every token pair now decays per channel, ``sum_d a_td b_sd exp(G
 (:func:`decayed_products`), which is no longer a (C x C) decay matrix times a product of two
 matrices. It is computed without overflow by a second split into sub-chunks of ``c`` tokens:
 
-- pairs in one sub-chunk: ``exp(G_t - G_s)`` per pair and channel (c x c x Dk each), masked before
-  the exponential so no ``exp`` of a positive number is taken;
+- pairs in one sub-chunk: ``exp(G_t - G_s)`` per pair and channel, by the pairs' offset ``t - s`` (each
+  offset's pairs one elementwise product over the sub-chunks), so no ``exp`` of a positive number is taken
+  and only the ``c (c + 1) / 2`` pairs that count are computed;
 - pairs across sub-chunks, ``s`` before sub-chunk ``i``, ``t`` in it: split at ``r``, the last token
   before sub-chunk ``i``: ``exp(G_t - G_r) * exp(G_r - G_s)``, both factors ``<= 1`` since
   ``s <= r < t``, so a product of two matrices per sub-chunk again.
@@ -43,11 +44,12 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: in
         raise ValueError(f"chunk of {c} tokens is not a multiple of the sub-chunk {sub}; pick a chunk that is.")
     m = c // sub
     a_s, gc_s = a.reshape(*lead, m, sub, d), gc.reshape(*lead, m, sub, d)  # (..., m, c, D)
-    # within a sub-chunk: every pair and channel, masked before the exponential
-    lower = torch.ones(sub, sub, dtype=torch.bool, device=a.device).tril()
-    diff = (gc_s[..., :, None, :] - gc_s[..., None, :, :]).masked_fill(~lower[..., None], float("-inf"))
+    # within a sub-chunk: the pairs (t, t - j) of each offset j < sub, (..., m, sub - j, D) whose exponents are never
+    # positive, laid on the block's j-th diagonal below the main one (only the c (c + 1) / 2 pairs that count)
     b_s = b.reshape(*lead, m, sub, d)
-    diag = (a_s[..., :, None, :] * b_s[..., None, :, :] * diff.exp()).sum(-1)  # (..., m, c, c)
+    diag = sum(torch.diag_embed((a_s[..., j:, :] * b_s[..., :sub - j, :]
+                                 * (gc_s[..., j:, :] - gc_s[..., :sub - j, :]).exp()).sum(-1), offset=-j)
+               for j in range(sub))  # (..., m, c, c)
     # across sub-chunks: split at the last token r before sub-chunk i (row i reads columns before i*sub)
     ref = torch.cat([gc_s.new_zeros(*lead, 1, d), gc_s[..., :-1, -1, :]], dim=-2)  # (..., m, D): G_r of row block i
     a_read = a_s * (gc_s - ref[..., None, :]).exp()  # (..., m, c, D): exp(G_t - G_r) <= 1
