@@ -81,3 +81,28 @@ def mixer_parity(family: str, ulysses: int, ring: int, layout: str, documents: b
 
 def all_mixers(cases: list[tuple]) -> list[dict]:
     return [mixer_parity(*case) for case in cases]
+
+
+def mamba_mixer_bytes(ring: int, seq_len: int) -> dict:
+    """Pure Mamba's mixer (:func:`build_mixer`'s sizes) in float32 on this rank's tokens of one sequence, forward and
+    backward, its collectives counted by ``comm_stats``: the bytes and calls of each kind by phase, and the output's
+    distance from the mixer's own forward on the whole sequence (relative to its largest value)."""
+    from seqmesh.comm.stats import comm_stats
+
+    mesh = get_mesh(1, ring)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (1, seq_len), generator=g)
+    hidden = torch.randn(1, seq_len, HIDDEN, generator=g)
+    mixer = build_mixer("mamba").float()
+    want = mixer(hidden)
+    forward = mamba.KIND.make_forward(mixer, mesh, "auto")
+    local = seqmesh.shard_batch({"input_ids": ids}, mesh)
+    x = seqmesh.shard_sequence(hidden, mesh, layout=local["seqmesh"].layout).clone().requires_grad_(True)
+    with comm_stats() as stats:
+        out = forward(mixer, x, seqmesh=local["seqmesh"])
+        out.pow(2).sum().backward()
+    got = seqmesh.gather_sequence(out.detach(), mesh, layout=local["seqmesh"].layout, length=seq_len)
+    sent = {(kind, ph): stats.sent(kind, ph) for kind in ("all_gather", "reduce_scatter", "all_to_all")
+            for ph in ("forward", "backward")}
+    calls = {(kind, ph): stats.count(kind, ph) for kind, ph in sent}
+    return {"sent": sent, "calls": calls, "error": float((got - want.detach()).abs().max() / want.abs().max())}

@@ -35,6 +35,13 @@ JAMBA_CONFIG = {
 }
 
 
+# a pure Mamba: three layers of a norm and a Mamba mixer (inner 256, state 16), tied embeddings
+MAMBA_CONFIG = {
+    "model_type": "mamba", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "vocab_size": 512,
+    "state_size": 16, "expand": 2, "time_step_rank": 8, "conv_kernel": 4,
+}
+
+
 def write_wide_config(folder: str, config: dict = WIDE_CONFIG) -> str:
     """A config.json of the wider model (or ``config``) in ``folder`` (a model argument of TrainConfig); its path."""
     os.makedirs(folder, exist_ok=True)

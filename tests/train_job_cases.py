@@ -88,6 +88,23 @@ def meta_initialised_weights(model: str, ulysses: int, ring: int, dp_replicate: 
     }
 
 
+def sharded_init_against_one_process(model: str, ring: int) -> dict:
+    """build() with FSDP over a ring (the model made on the meta device, only shards allocated) against the same
+    config built whole on one process: which parameters differ, and each Mamba mixer's dt bias through softplus
+    (its init writes its children's weights: dt_proj, conv1d, out_proj)."""
+    import torch.nn.functional as F
+
+    from seqmesh.model.lm import build_model
+    from seqmesh.training.train import build
+
+    _, module, _ = build(TrainConfig(model=model, seq_len=64, ulysses=1, ring=ring, dp=1, fsdp=True))
+    shards = dict(module.lm.named_parameters())
+    eager = build_model(model)
+    steps = [F.softplus(p.full_tensor()) for name, p in shards.items() if name.endswith("dt_proj.bias")]
+    return {"differ": [name for name, p in eager.named_parameters() if not torch.equal(shards[name].full_tensor(), p)],
+            "dt_min": min(float(s.min()) for s in steps), "dt_max": max(float(s.max()) for s in steps)}
+
+
 def compiled_layers(cfg: TrainConfig) -> list[bool]:
     """Whether each decoder layer of the job's model is compiled (``nn.Module.compile``) after ``build``."""
     from seqmesh.model.lm import decoder_layers

@@ -70,7 +70,7 @@ def shape_from_config(path: str) -> ModelShape:
                                           else 4 * hidden)  # xLSTM's by its factor, RWKV's 4 x hidden by default
         cfg = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": hidden, **cfg,
                "intermediate_size": feed_forward}
-        if "hybrid" not in hybrid:  # RWKV's are sized (seqmesh.model.rwkv); xLSTM's not yet
+        if "hybrid" not in hybrid:  # RWKV's and Mamba's are sized (seqmesh.model.rwkv, .jamba); xLSTM's not yet
             hybrid["unplanned"] = (f"seqmesh plan does not size {family}'s layers yet ({mixer}, no attention); "
                                    "seqmesh train and verify run it all the same")
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
@@ -96,10 +96,11 @@ def shape_from_config(path: str) -> ModelShape:
 
 
 # families whose every layer is a recurrent mixer (no attention, no heads) that seqmesh train builds from a config.json:
-# the mixer, and the config.json entry of their feed-forward width (pure Mamba is not among them: its initialisation
-# writes the weights of its mixer's children, which seqmesh.model.materialize initialises module by module)
+# the mixer, and the config.json entry of their feed-forward width (pure Mamba's: its mixer's, as it has none)
 _WITHOUT_ATTENTION = {"rwkv": ("RWKV-4's token shifts and time mix", "intermediate_size"),
-                      "xlstm": ("xLSTM's mLSTM memory", "intermediate_size")}
+                      "xlstm": ("xLSTM's mLSTM memory", "intermediate_size"),
+                      "mamba": ("Mamba's selective scan", "intermediate_size"),
+                      "falcon_mamba": ("FalconMamba's selective scan", "intermediate_size")}
 
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,

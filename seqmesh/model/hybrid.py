@@ -13,7 +13,7 @@ A Mamba2 mixer (transformers' ``*Mamba2Mixer`` / ``*MambaLayer``) holds, with ``
 from __future__ import annotations
 
 from .hybrid_shape import ATTENTION, CONV, MAMBA2, PARALLEL, FeedForward, HybridShape, Mamba2Shape
-from .jamba import jamba_fields
+from .jamba import jamba_fields, mamba_fields
 from .kimi import kimi_linear_fields
 from .lfm import lfm2_fields
 from .minimax import minimax_fields
@@ -36,12 +36,12 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 
 # the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
-_UNSIZED = {"mamba": "Mamba", "falcon_mamba": "Mamba", "lfm3": "gated short convolution",
+_UNSIZED = {"lfm3": "gated short convolution",
             "zaya": "compressed convolutional attention (CCA)"}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
           "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), RecurrentGemma's "
-          "RG-LRU (recurrent_gemma), Jamba's Mamba (jamba) and RWKV-4's blocks (rwkv)")
+          "RG-LRU (recurrent_gemma), Mamba (jamba, mamba, falcon_mamba) and RWKV-4's blocks (rwkv)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -61,6 +61,8 @@ def hybrid_fields(cfg: dict) -> dict:
         return jamba_fields(cfg)
     if family == "rwkv":
         return rwkv_fields(cfg)
+    if family in ("mamba", "falcon_mamba"):
+        return mamba_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

@@ -273,7 +273,8 @@ class RgLruShape:
 @dataclass(frozen=True)
 class Mamba1Shape:
     """One Mamba (v1) mixer: ``inner`` channels, a ``state``-wide state per channel, a depthwise causal conv of
-    ``conv`` taps, dt through a rank-``dt_rank`` bottleneck; ``norms``: RMSNorms on dt, B and C (Jamba's)."""
+    ``conv`` taps, dt through a rank-``dt_rank`` bottleneck; ``norms``: RMSNorms on dt, B and C (Jamba's, and
+    FalconMamba's without weights: ``norm_weights`` False); pure Mamba has none."""
 
     inner: int
     state: int
@@ -282,6 +283,7 @@ class Mamba1Shape:
     conv_bias: bool = True
     proj_bias: bool = False
     norms: bool = True
+    norm_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("inner", "state", "dt_rank", "conv"):
@@ -299,7 +301,7 @@ class Mamba1Shape:
         """Every parameter of the mixer (:mod:`.jamba`'s docstring lists them)."""
         i = self.inner
         biases = (2 * i + hidden if self.proj_bias else 0) + (i if self.conv_bias else 0) + i  # dt_proj's bias
-        norms = self.dt_rank + 2 * self.state if self.norms else 0
+        norms = self.dt_rank + 2 * self.state if self.norms and self.norm_weights else 0
         return self.matmul_params(hidden) + biases + i * self.conv + i * self.state + i + norms
 
 

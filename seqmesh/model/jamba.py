@@ -1,4 +1,4 @@
-"""Jamba (``jamba``) as the planner sizes it: each layer a mixer, a Mamba (v1) mixer or attention (every
+"""Jamba (``jamba``), and pure Mamba (``mamba``, ``falcon_mamba``), as the planner sizes them. Jamba: each layer a mixer, a Mamba (v1) mixer or attention (every
 ``attn_layer_period``-th layer from ``attn_layer_offset``), then a gated MLP or MoE experts (every
 ``expert_layer_period``-th from ``expert_layer_offset``), two RMSNorms a layer, read from a transformers
 ``config.json``.
@@ -9,6 +9,11 @@ channels, a state of ``N = mamba_d_state``, ``R = mamba_dt_rank`` and a conv of 
     in_proj   hidden x 2I (biased with mamba_proj_bias);  conv1d  I x K, depthwise (biased with mamba_conv_bias)
     x_proj    I x (R + 2N);  dt_proj  R x I, biased;  out_proj  I x hidden (biased with mamba_proj_bias)
     A_log     I x N;  D  I;  RMSNorms on dt (R), B (N) and C (N)
+
+Pure Mamba's layers are each an RMSNorm and a Mamba mixer of ``I = intermediate_size`` (``expand x hidden``), ``N =
+state_size``, ``R = time_step_rank`` (``ceil(hidden / 16)`` for ``"auto"``) and ``K = conv_kernel``, its projections
+biased with ``use_bias``, its conv with ``use_conv_bias``; no norms on dt, B and C (FalconMamba's are there, without
+weights); the embeddings tied unless the file says otherwise.
 
 Attention's q, k, v and o are unbiased and unrotated. An MoE layer holds ``num_experts`` gated experts of
 ``intermediate_size`` and a router; the embeddings are untied unless the file says otherwise.
@@ -42,3 +47,16 @@ def jamba_fields(cfg: dict) -> dict:
     hybrid = HybridShape(None, blocks, tuple((name, f) for name, f in ffns.items() if name in used), norms=2,
                          mamba1=mamba)
     return {"hybrid": hybrid, "layers": n}
+
+
+def mamba_fields(cfg: dict) -> dict:
+    """The :class:`.hybrid_shape.HybridShape` of a pure Mamba or FalconMamba config.json (``hybrid``, ``layers``)."""
+    n, h = cfg.get("num_hidden_layers") or 32, cfg["hidden_size"]
+    rank = cfg.get("time_step_rank", "auto")
+    falcon = cfg.get("model_type") == "falcon_mamba"
+    mamba = Mamba1Shape(cfg.get("intermediate_size") or int(cfg.get("expand", 2) * h), cfg.get("state_size", 16),
+                        math.ceil(h / 16) if rank == "auto" else rank, cfg.get("conv_kernel", 4),
+                        bool(cfg.get("use_conv_bias", True)), bool(cfg.get("use_bias", False)), norms=falcon,
+                        norm_weights=False)
+    hybrid = HybridShape(None, ((MAMBA1, ""),) * n, (), norms=1, mamba1=mamba)
+    return {"hybrid": hybrid, "layers": n, "config": {"tie_word_embeddings": cfg.get("tie_word_embeddings", True)}}

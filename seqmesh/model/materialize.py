@@ -6,7 +6,9 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.distributed.tensor
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _parameter_seed(seed: int, name: str) -> int:
@@ -40,12 +42,26 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
     from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers.initialization import guard_torch_init_functions
 
+    def store(p: torch.Tensor, values: torch.Tensor) -> None:
+        if isinstance(p, DTensor):  # every rank holds the same whole tensor: slice locally, no traffic
+            local = distribute_tensor(values.to(p.device_mesh.device_type), p.device_mesh, p.placements,
+                                      src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(values.to(p.device))
+
     done: set[int] = set()
     for name, module, init in _init_functions(lm, lm._init_weights):
         owned = {n: p for n, p in module._parameters.items() if p is not None}
         whole = {n: nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
                  for n, p in owned.items()}  # (full shape) on the CPU, zero where no init writes (Reformer's head bias)
+        # what the module's init writes of its children's parameters (Mamba's mixer: dt_proj, conv1d, out_proj),
+        # whole on the CPU as they are now (their own inits ran first)
+        foreign = [(child, n, child._parameters[n]) for child, n in _children_written(module, init)]
+        drafts = [nn.Parameter(_whole_value(p), requires_grad=p.requires_grad) for _, _, p in foreign]
         module._parameters.update(whole)
+        for (child, n, _), draft in zip(foreign, drafts):
+            child._parameters[n] = draft
         module._is_hf_initialized = False
         torch.manual_seed(_parameter_seed(seed, name))
         _constructor_values(module, whole)
@@ -54,18 +70,72 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
                 init(module)
         finally:
             module._parameters.update(owned)
+            for child, n, p in foreign:
+                child._parameters[n] = p
         for n, p in owned.items():
             if id(p) in done:  # already initialised by its first owner
                 continue
             done.add(id(p))
-            values = whole[n].detach()
-            if isinstance(p, DTensor):  # every rank holds the same whole tensor: slice locally, no traffic
-                local = distribute_tensor(values.to(p.device_mesh.device_type), p.device_mesh, p.placements,
-                                          src_data_rank=None).to_local()
-                p.to_local().copy_(local)
-            else:
-                p.copy_(values.to(p.device))
+            store(p, whole[n].detach())
+        for (_, _, p), draft in zip(foreign, drafts):
+            store(p, draft.detach())
         module._is_hf_initialized = True
+
+
+class _Writes(TorchDispatchMode):
+    """Which of ``watched`` (tensors by id) an operator writes in place while the mode is on."""
+
+    def __init__(self, watched: set[int]) -> None:
+        super().__init__()
+        self.watched, self.written = watched, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if id(value) in self.watched:
+                    self.written.add(id(value))
+        return func(*args, **kwargs)
+
+
+def _children_written(module: nn.Module, init) -> list[tuple[nn.Module, str]]:
+    """``(child module, parameter name)`` of each parameter below ``module`` that ``init(module)`` writes: found by
+    running it once on meta stand-ins of the module's and its children's parameters (nothing is written, no random
+    number drawn). An init that cannot run on the meta device is taken to write none (what it writes is then left to
+    the children's own inits, as before)."""
+    from transformers.initialization import guard_torch_init_functions
+
+    slots = [(child, n) for child in module.modules() if child is not module
+             for n, p in child._parameters.items() if p is not None]
+    if not slots:
+        return []
+    saved = {id(m): dict(m._parameters) for m in [module] + [child for child, _ in slots]}
+    stand_ins: dict[int, tuple[nn.Module, str]] = {}
+    for m, n in [(module, n) for n, p in module._parameters.items() if p is not None] + slots:
+        p = saved[id(m)][n]
+        stand_in = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        m._parameters[n] = stand_in
+        if m is not module:
+            stand_ins[id(stand_in)] = (m, n)
+    flag = getattr(module, "_is_hf_initialized", None)
+    module._is_hf_initialized = False
+    try:
+        with _Writes(set(stand_ins)) as spy, guard_torch_init_functions():
+            init(module)
+        return [slot for i, slot in stand_ins.items() if i in spy.written]  # in the modules' order, on every rank
+    except Exception:  # noqa: BLE001  an init that needs real values
+        return []
+    finally:
+        for m in [module] + [child for child, _ in slots]:
+            m._parameters.update(saved[id(m)])
+        module._is_hf_initialized = flag
+
+
+def _whole_value(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value on the CPU (a sharded one all-gathered: every rank runs the same inits in order)."""
+    value = p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
+    return value.detach().to("cpu", copy=True)
 
 
 def _constructor_values(module: nn.Module, whole: dict[str, nn.Parameter]) -> None:

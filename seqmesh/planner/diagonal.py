@@ -79,13 +79,17 @@ class _DiagonalLayer:
         return {key: link for key in self.KEYS}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward: per token the two norms, the mixer's (:meth:`saved_per_token`), the
+        """Bytes saved for backward: per token the norms (:meth:`norms`), the mixer's (:meth:`saved_per_token`), the
         feed-forward's."""
         w, m = self.work, self.work.model
         e = w.act_bytes
-        per_token = (2 * norm_saved(m, e, w.efficient_norm) + self.saved_per_token(e, self._state_bytes())
+        per_token = (self.norms() * norm_saved(m, e, w.efficient_norm) + self.saved_per_token(e, self._state_bytes())
                      + e * m.hybrid.ffn(self.ffn).kept)
         return tokens(w, self.layout) * per_token
+
+    def norms(self) -> int:
+        """RMSNorms of the hidden size a layer."""
+        return 2
 
     def backward_bytes(self) -> int:
         """Bytes the layer's backward holds at once beyond what it saved (:func:`.memory.activation_memory` adds the
@@ -137,7 +141,8 @@ class RgLruLayer(_DiagonalLayer):
 
 @dataclass(frozen=True)
 class Mamba1Layer(_DiagonalLayer):
-    """A Jamba layer whose mixer is Mamba (v1), with its MLP or MoE block and two RMSNorms."""
+    """A Jamba layer whose mixer is Mamba (v1), with its MLP or MoE block and two RMSNorms; a pure Mamba's or
+    FalconMamba's, its mixer and one RMSNorm."""
 
     MIXER = MAMBA1
     KEYS = (MAMBA_HALO, MAMBA_STATES)
@@ -160,16 +165,33 @@ class Mamba1Layer(_DiagonalLayer):
         """in_proj's input and output (x | z), the conv's output, x_proj's output and the norms' of dt, B and C,
         dt, the gated output and out_proj's input; the scan's :data:`SCAN_SAVED` tensors of ``inner x state`` values in
         its state dtype, and across ranks two more, the state pass's read-in (each token's decay since its run's start
-        and the corrected states). Checked against tracked CPU peaks with checkpointing (tests/planner/
-        test_planner_measured.py: within 2.1% of three Jamba runs); without it the layers below the one in backward
-        count as the largest kind, a Mamba layer, which over-estimates a Jamba by up to 1.24x."""
+        and the corrected states). Checked against tracked CPU peaks (tests/planner/test_planner_measured.py: within
+        2.1% of three Jamba runs with checkpointing, and of pure Mamba's with and without); without checkpointing the
+        layers below the one in backward count as the largest kind, a Mamba layer, which over-estimates a Jamba. The
+        split between what a layer keeps and what its backward holds was measured on pure Mamba without checkpointing,
+        where the layers below keep theirs: one, two and three layers, at two state sizes and two widths, a layer
+        keeping one ``inner x state`` tensor and six ``inner`` ones more than the scan's six (:data:`MAMBA_SCAN_SAVED`,
+        :data:`MAMBA_WIDE`), its backward that much less (:data:`MAMBA_BACKWARD`)."""
         mixer = self.work.model.hybrid.mamba1
         i, n = mixer.inner, mixer.state
-        tensors = SCAN_SAVED + (2 if self.layout.ulysses * self.layout.ring > 1 else 0)
-        return e * (self.work.model.hidden + 6 * i + 2 * (mixer.dt_rank + 2 * n)) + s * 2 * i + tensors * s * i * n
+        tensors = MAMBA_SCAN_SAVED + (2 if self.layout.ulysses * self.layout.ring > 1 else 0)
+        x_proj = (2 if mixer.norms else 1) * (mixer.dt_rank + 2 * n)  # its output, and the norms' (pure Mamba: none)
+        return e * (self.work.model.hidden + 6 * i + x_proj) + s * (2 + MAMBA_WIDE) * i + tensors * s * i * n
+
+    def backward_bytes(self) -> int:
+        """What the layer's backward holds beyond what it saved: :data:`MAMBA_BACKWARD` ``inner x state`` tensors, less
+        :data:`MAMBA_WIDE` ``inner``-wide ones, in the state dtype (measured with :meth:`saved_per_token`, below)."""
+        i, n = self.work.model.hybrid.mamba1.inner, self.work.model.hybrid.mamba1.state
+        return tokens(self.work, self.layout) * self._state_bytes() * i * (MAMBA_BACKWARD * n - MAMBA_WIDE)
+
+    def norms(self) -> int:
+        return self.work.model.hybrid.norms
 
 
 SCAN_SAVED = 6  # inner x state tensors the scan keeps a token: decay, input, chunk states, their decays, states, read
+# a Mamba layer as measured (Mamba1Layer.saved_per_token): inner x state tensors it keeps a token, inner-wide float32
+# ones beside them, and the inner x state tensors its backward holds beyond what it keeps (less the inner-wide ones)
+MAMBA_SCAN_SAVED, MAMBA_WIDE, MAMBA_BACKWARD = SCAN_SAVED + 1, 6, BACKWARD_TENSORS - 1
 
 
 @dataclass(frozen=True)

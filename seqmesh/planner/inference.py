@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU
 from ..model.shapes import ModelShape
-from ..rules.degrees import Degrees, workable_degrees
+from ..rules.degrees import Degrees
 from ..rules.kv_cache import cache_bytes, cache_share, indexed_cache_bytes
 from .activations import layer_input_bytes
 from .hardware import Cluster, HardwareSpec
@@ -26,9 +26,9 @@ from .attention_layer import Attention
 from .experts import layer_fsdp_seconds
 from .layer_cost import attention_saved_bytes
 from .layers import GatedDeltaNet, IndexedAttention, layer_kinds, linear_layer_matmul_params
-from .placement import placement
+from .placement import placement, ulysses_refusal
 from .network import axis_groups, gather_seconds
-from .report import human_bytes, human_count, short_number
+from .report import attention_heads, human_bytes, human_count, short_number
 from .tensor_parallel import tensor_parallel_refusal
 from .workload import Workload, layer_matmul_params
 
@@ -243,7 +243,7 @@ def inference_plan(work: Workload, cluster: Cluster, new_tokens: int, sharded: b
         raise ValueError(why)
     if new_tokens < 1:
         raise ValueError(f"--new-tokens {new_tokens} must be at least 1.")
-    n, heads = cluster.gpus, work.model.heads
+    n = cluster.gpus
     layouts, excluded = [], []
     for tp in (t for t in range(1, n + 1) if n % t == 0):
         sp = n // tp
@@ -251,11 +251,10 @@ def inference_plan(work: Workload, cluster: Cluster, new_tokens: int, sharded: b
         if refusal:
             excluded.append((f"tp {tp}", refusal))
             continue
-        fitting = workable_degrees(heads // tp, sp)
-        excluded += [(Degrees(u, sp // u, 1, tp), f"ulysses {u} exceeds the {heads // tp} query heads"
-                      + (f" each of the {tp} TP ranks keeps" if tp > 1 else "") + "; put the rest on the ring")
-                     for u in range(1, sp + 1) if sp % u == 0 and (u, sp // u) not in fitting]
-        layouts += [evaluate(work, Degrees(u, r, 1, tp), cluster.hardware, new_tokens, sharded) for u, r in fitting]
+        splits = [(u, sp // u, ulysses_refusal(work.model, u, tp)) for u in range(1, sp + 1) if sp % u == 0]
+        excluded += [(Degrees(u, r, 1, tp), why) for u, r, why in splits if why]
+        layouts += [evaluate(work, Degrees(u, r, 1, tp), cluster.hardware, new_tokens, sharded)
+                    for u, r, why in splits if not why]
     excluded = [(name if isinstance(name, str) else _label(name), why) for name, why in excluded]
     return InferencePlan(work, cluster, new_tokens, layouts, excluded, sharded)
 
@@ -274,8 +273,8 @@ def inference_workload(model: ModelShape, prompt: int, batch: int, bf16: bool, r
 def format_inference(p: InferencePlan) -> str:
     """The table of :func:`inference_plan`, the layouts it left out and why, and what fits."""
     w, m, hw = p.work, p.work.model, p.cluster.hardware
-    lines = [f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
-             f"heads x {m.head_dim}; prompt {w.seq_len:,} tokens x {w.batch} row(s), {p.new_tokens} new, {w.dtype}",
+    lines = [f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}; "
+             f"prompt {w.seq_len:,} tokens x {w.batch} row(s), {p.new_tokens} new, {w.dtype}",
              f"cluster: {p.cluster.gpus} GPUs = {p.cluster.nodes} node(s); {hw.describe()}",
              "seqmesh generate runs the GPUs as one sequence group (ulysses x ring, tp ranks inside each), "
              + ("the weights sharded over them (--shard-weights: each layer gathered for its forward)"

@@ -23,6 +23,21 @@ def tp_heads(m: ModelShape, layout: Degrees) -> tuple[int, int]:
     return m.heads // layout.tp, m.kv_heads // layout.tp
 
 
+def ulysses_refusal(m: ModelShape, ulysses: int, tp: int) -> str | None:
+    """Why ``ulysses`` cannot split ``m``'s heads (each of ``tp`` ranks keeps ``heads / tp``), or None: a model
+    without attention (pure Mamba, RWKV) has none to split, its layers passing states over the whole sequence group
+    whatever its split; otherwise at most one Ulysses rank a query head. The training and inference planners' rule."""
+    if ulysses > 1 and m.hybrid is not None and not m.hybrid.attention_layers:
+        return (f"ulysses {ulysses}: {m.name} has no attention layer whose heads Ulysses would split; its layers pass "
+                "states over the whole sequence group, the same on any split of it: put the sequence degree on the "
+                "ring")
+    heads = m.heads // tp
+    if ulysses > heads:
+        return (f"ulysses {ulysses} exceeds the {heads} query heads" + (f" each of the {tp} TP ranks keeps" if tp > 1
+                                                                       else "") + "; put the rest on the ring")
+    return None
+
+
 def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     """Parameters one TP rank holds before FSDP2 shards them: each projection, the embedding and the LM head
     ``1 / tp``; RMSNorm weights (and per-head q/k norms) whole on every TP rank. Keys: ``layer`` (one decoder

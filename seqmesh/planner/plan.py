@@ -16,7 +16,7 @@ from .recommend import explain, explain_longest, nothing_fits, pick
 from .layers import Attention, LayerKind, layer_kinds
 from .network import every_group, link_name
 from .timing import step_time
-from .placement import placement, tp_heads
+from .placement import placement, tp_heads, ulysses_refusal
 from .tensor_parallel import pooled_loss_bytes, step_traffic, tensor_parallel_refusal
 from .traffic import fsdp_traffic
 from .vision import tower_memory, with_tower
@@ -75,14 +75,10 @@ def layouts(work: Workload, cluster: Cluster,
                 lay = Degrees(u, sp // u, n // tp // sp, tp)
                 if not work.admits(lay):  # a degree given as a number: only its layouts
                     continue
-                why = tensor_parallel_refusal(work, cluster.hardware, lay) if tp > 1 else None
-                heads = m.heads // tp
+                why = (tensor_parallel_refusal(work, cluster.hardware, lay) if tp > 1 else None) \
+                    or ulysses_refusal(m, u, tp)
                 if why:
                     excluded.append((lay, why))
-                elif u > heads:
-                    excluded.append((lay, f"ulysses {u} exceeds the {heads} query heads"
-                                          + (f" each of the {tp} TP ranks keeps" if tp > 1 else "")
-                                          + "; put the rest on the ring"))
                 elif m.linear_layers and sp > m.linear_value_heads and work.linear_attention == "all_to_all":
                     excluded.append((lay, f"sequence degree {sp} exceeds the {m.linear_value_heads} Gated DeltaNet "
                                           "value heads the all-to-all design splits; state passing has no limit"))

@@ -44,10 +44,18 @@ def header(work: Workload, cluster: Cluster) -> str:
     flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
-    return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {m.heads} query / {m.kv_heads} kv "
-            f"heads x {m.head_dim}{_latent(m)}{_hybrid(m)}, vocab {m.vocab:,}; {flags}\n"
+    return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"
+            f"{_latent(m)}{_hybrid(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
+
+
+def attention_heads(m) -> str:
+    """The header's attention heads: ``"32 query / 8 kv heads x 128"``, or ``"no attention"`` for a model without an
+    attention layer (pure Mamba, RWKV), whose shape names one nominal head."""
+    if m.hybrid is not None and not m.hybrid.attention_layers:
+        return "no attention"
+    return f"{m.heads} query / {m.kv_heads} kv heads x {m.head_dim}"
 
 
 def _hybrid(m) -> str:

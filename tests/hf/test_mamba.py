@@ -107,6 +107,31 @@ def test_pure_mamba_models_exact(pools, family):
             print(parity_line(r))
 
 
+@pytest.mark.parametrize("family", ["mamba", "falcon-mamba"])
+def test_a_pure_mamba_config_json_initialises_verifies_and_trains_under_fsdp(pools, tmp_path, family):
+    """``seqmesh verify`` and ``seqmesh train --model config.json --fsdp`` on a tiny Mamba and FalconMamba over a ring
+    of 2 (the planner reads the same file: seqmesh.model.jamba.mamba_fields). Their mixer's init writes its
+    children's weights (dt_proj's bias from softplus^-1 of a dt in [time_step_min, time_step_max], conv1d, out_proj),
+    which FSDP has sharded by then: seqmesh.model.materialize finds those writes and makes them on whole copies, so the
+    sharded model equals the one-process one (the init crashed on the shards before: "mixed torch.Tensor and
+    DTensor"); a finite, falling loss."""
+    import math
+
+    from family_cases import family_config
+    from train_job_cases import sharded_init_against_one_process, verify_then_train
+
+    config = family_config(family)
+    path = tmp_path / "init" / "config.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    for r in pools.run(2, sharded_init_against_one_process, str(path), 2):
+        assert not r["differ"], r["differ"]
+        assert config.time_step_min * 0.999 <= r["dt_min"] <= r["dt_max"] <= config.time_step_max * 1.001, r
+    good, losses = verify_then_train(pools, tmp_path, config, fsdp=True)
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_zamba_exact(pools, ulysses, ring):
     """Zamba (a multi-head Mamba layer, then two hybrid layers sharing one attention block), zigzag plain and with

@@ -3,7 +3,7 @@ Linear's KDA and MiniMax-01's lightning attention, sized from their config.json 
 meta device); the short conv's halo bytes against the runtime's schedule and against what ``comm_stats`` counts
 while the real layer runs on 2 ranks, KDA's against the runtime's own formulas by the design its rule picks
 (tests/hf/test_kda.py counts those while the layer runs); plans of published-size models; and the mixers it does
-not size yet (Mamba, LFM3's convs) refused by name, never planned as attention. MiniMax-01's lightning attention:
+not size yet (Zamba's Mamba, LFM3's convs) refused by name, never planned as attention. MiniMax-01's lightning attention:
 its state gather against the runtime's schedule (tests/hf/test_lightning.py counts it while the layer runs)."""
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    mixer = next((layer.conv for layer in model.model.layers if hasattr(layer, "conv")), None)
-    block = next((layer.temporal_block for layer in model.model.layers
+    layers = (model.model if hasattr(model, "model") else model.backbone).layers  # pure Mamba's: its backbone's
+    mixer = next((layer.conv for layer in layers if hasattr(layer, "conv")), None)
+    block = next((layer.temporal_block for layer in layers
                   if hasattr(getattr(layer, "temporal_block", None), "rg_lru")), None)
-    mamba = next((layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")), None)
+    mamba = next((getattr(layer, "mamba", None) or layer.mixer for layer in layers
+                  if hasattr(layer, "mamba") or hasattr(getattr(layer, "mixer", None), "dt_proj")), None)
     if mixer is not None:  # a short conv's projections
         projections = mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel()
     elif mamba is not None:  # a Mamba (v1) mixer's four
@@ -79,10 +81,10 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
         projections = sum(block.get_submodule(n).weight.numel() for n in ("linear_x", "linear_y", "linear_out")) \
             + block.rg_lru.input_gate_weight.numel() + block.rg_lru.recurrent_gate_weight.numel()
     else:  # a KDA or lightning mixer's: every Linear in it
-        mixer = next(layer.self_attn for layer in model.model.layers
+        mixer = next(layer.self_attn for layer in layers
                      if hasattr(layer.self_attn, "forget_gate") or hasattr(layer.self_attn, "slope_rate"))
         projections = sum(m.weight.numel() for m in mixer.modules() if isinstance(m, torch.nn.Linear))
-    return count(model), [count(layer) for layer in model.model.layers], projections
+    return count(model), [count(layer) for layer in layers], projections
 
 
 TINY = {
@@ -116,6 +118,12 @@ TINY = {
         "jamba", dict(num_experts=1, num_experts_per_tok=1, mamba_proj_bias=True, mamba_conv_bias=False,
                       mamba_dt_rank="auto", num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3,
                       tie_word_embeddings=True)),
+    "mamba": ("mamba", {}),
+    # biased projections, no conv bias, dt rank "auto" (hidden / 16), a conv of 3, untied
+    "mamba: biases, auto dt rank, untied": (
+        "mamba", dict(use_bias=True, use_conv_bias=False, time_step_rank="auto", conv_kernel=3,
+                      tie_word_embeddings=False)),
+    "falcon_mamba": ("falcon-mamba", {}),  # the norms on dt, B and C have no weights
     # attention first, every projection of it biased, a conv of width 3, the pattern repeated over 4 layers, untied
     "recurrent_gemma: biased attention first, conv 3": (
         "recurrent_gemma", dict(block_types=["attention", "recurrent"], attention_bias=True, conv1d_width=3,
@@ -440,6 +448,59 @@ def test_a_jamba_plan_sizes_every_layer_at_128k(tmp_path, capsys):
             assert row["comm_bytes_per_layer"]["forward"].get(key, 0) == same["comm_bytes_per_layer"]["forward"].get(key, 0)
     sp = next(c for c in plan["candidates"] if c["layout"]["ring"] * c["layout"]["ulysses"] > 1)
     assert sp["comm_bytes_per_layer"]["forward"][MAMBA_STATES] > 0, sp
+
+
+def test_pure_mamba_bytes_equal_what_the_mixer_sends(pools, tmp_path):
+    """What the planner's Mamba layer says the busiest rank sends, for pure Mamba's config.json (no attention, every
+    layer a norm and a mixer), equals what comm_stats counts while transformers' mixer runs under seqmesh on 2 ring
+    ranks in float32 (one sequence of 40 tokens): two all-gathers forward (the conv's halo, the runs' states), two
+    reduce-scatters backward; the mixer is right (its own forward on the whole sequence)."""
+    import transformers as tf
+
+    from mamba_cases import HIDDEN, VOCAB, mamba_mixer_bytes
+    from seqmesh.planner.diagonal import MAMBA_HALO, MAMBA_STATES, Mamba1Layer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.rules.degrees import Degrees
+
+    config = tf.MambaConfig(hidden_size=HIDDEN, state_size=4, expand=2, conv_kernel=4, time_step_rank=4,
+                            vocab_size=VOCAB, num_hidden_layers=1)
+    shape = model_shape(_write(tmp_path, json.loads(config.to_json_string()), "mamba"))
+    layer = Mamba1Layer(Workload(shape, 40, batch=1, bf16=False, layout="zigzag"), Degrees(1, 2, 1), ffn="")
+    per_rank = pools.run(2, mamba_mixer_bytes, 2, 40)
+    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
+    kinds = {("all_gather", "forward"): 2, ("reduce_scatter", "backward"): 2}
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
+    assert forward[MAMBA_HALO] > 0 and forward[MAMBA_STATES] > 0
+    assert forward[MAMBA_HALO] + forward[MAMBA_STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank)
+    assert backward[MAMBA_HALO] + backward[MAMBA_STATES] == max(
+        r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+
+
+# Mamba-2.8B's shape as remembered (not checked against the release's config.json): 64 layers of width 2560, a state
+# of 16, the mixer twice as wide, dt rank 160, a conv of 4, tied embeddings of 50280
+MAMBA_2_8B = dict(model_type="mamba", hidden_size=2560, num_hidden_layers=64, state_size=16, expand=2,
+                  intermediate_size=5120, conv_kernel=4, time_step_rank=160, use_bias=False, use_conv_bias=True,
+                  vocab_size=50280, tie_word_embeddings=True)
+
+
+def test_a_pure_mamba_plan_puts_the_sequence_on_the_ring(tmp_path, capsys):
+    """``seqmesh plan`` on Mamba-2.8B's shape at 128K on 8 GPUs: the model counts as transformers builds it (about
+    2.77B), every layer is planned as a Mamba layer, and a Ulysses degree is refused by its reason (no attention to
+    split by heads), never as "exceeds the 1 query heads" of a nominal attention shape."""
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, MAMBA_2_8B, "mamba")
+    total, _, _ = _meta_layers(path)
+    shape = model_shape(path)
+    assert shape.params == total and 2.7e9 < total < 2.8e9
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["hybrid"]["blocks"] == ["mamba1"] * 64
+    best = plan["recommended"]["layout"]
+    assert best["ulysses"] == 1 and best["ring"] > 1, best
+    refused = [e["reason"] for e in plan["excluded"] if e["layout"]["ulysses"] > 1 and e["layout"]["tp"] == 1]
+    assert refused and all("no attention layer" in why for why in refused), refused
 
 
 def test_rwkv_parameters_equal_the_transformers_model(tmp_path):
