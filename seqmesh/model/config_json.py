@@ -63,16 +63,13 @@ def shape_from_config(path: str) -> ModelShape:
     if "layers" in hybrid:
         cfg = {**cfg, "num_hidden_layers": hybrid.pop("layers")}
     family = cfg.get("model_type", "")
-    if family in _WITHOUT_ATTENTION:  # a nominal attention shape: beside its layers' (RWKV), or the planner's reason
-        mixer, width = _WITHOUT_ATTENTION[family]
+    if family in _WITHOUT_ATTENTION:  # a nominal attention shape beside its layers' (the planner says "no attention")
+        width = _WITHOUT_ATTENTION[family]
         hidden = cfg.get("hidden_size", 0)
         feed_forward = cfg.get(width) or (round(hidden * cfg["ffn_proj_factor"]) if cfg.get("ffn_proj_factor")
                                           else 4 * hidden)  # xLSTM's by its factor, RWKV's 4 x hidden by default
         cfg = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": hidden, **cfg,
                "intermediate_size": feed_forward}
-        if "hybrid" not in hybrid:  # RWKV's and Mamba's are sized (seqmesh.model.rwkv, .jamba); xLSTM's not yet
-            hybrid["unplanned"] = (f"seqmesh plan does not size {family}'s layers yet ({mixer}, no attention); "
-                                   "seqmesh train and verify run it all the same")
     check_model_sizes(cfg, where)  # before any size is used: each named with its value and the fix
     try:
         heads = cfg["num_attention_heads"]
@@ -95,12 +92,11 @@ def shape_from_config(path: str) -> ModelShape:
         raise ValueError(f"{path} has no {missing} entry; seqmesh needs a decoder-only transformer config.") from None
 
 
-# families whose every layer is a recurrent mixer (no attention, no heads) that seqmesh train builds from a config.json:
-# the mixer, and the config.json entry of their feed-forward width (pure Mamba's: its mixer's, as it has none)
-_WITHOUT_ATTENTION = {"rwkv": ("RWKV-4's token shifts and time mix", "intermediate_size"),
-                      "xlstm": ("xLSTM's mLSTM memory", "intermediate_size"),
-                      "mamba": ("Mamba's selective scan", "intermediate_size"),
-                      "falcon_mamba": ("FalconMamba's selective scan", "intermediate_size")}
+# families whose every layer is a recurrent mixer (no attention, no heads) that seqmesh train builds from a config.json,
+# each sized by its own reader (seqmesh.model.rwkv, .xlstm, .jamba): the config.json entry of their feed-forward width
+# (pure Mamba's: its mixer's, as it has none)
+_WITHOUT_ATTENTION = {"rwkv": "intermediate_size", "xlstm": "intermediate_size", "mamba": "intermediate_size",
+                      "falcon_mamba": "intermediate_size"}
 
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,

@@ -19,6 +19,7 @@ from .lfm import lfm2_fields
 from .minimax import minimax_fields
 from .recurrent_gemma import recurrent_gemma_fields
 from .rwkv import rwkv_fields
+from .xlstm import xlstm_fields
 
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
@@ -41,7 +42,8 @@ _UNSIZED = {"lfm3": "gated short convolution",
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
           "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), RecurrentGemma's "
-          "RG-LRU (recurrent_gemma), Mamba (jamba, mamba, falcon_mamba) and RWKV-4's blocks (rwkv)")
+          "RG-LRU (recurrent_gemma), Mamba (jamba, mamba, falcon_mamba), RWKV-4's blocks (rwkv) and xLSTM's mLSTM "
+          "(xlstm)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -63,6 +65,8 @@ def hybrid_fields(cfg: dict) -> dict:
         return rwkv_fields(cfg)
     if family in ("mamba", "falcon_mamba"):
         return mamba_fields(cfg)
+    if family == "xlstm":
+        return xlstm_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

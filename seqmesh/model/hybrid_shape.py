@@ -16,6 +16,7 @@ LIGHTNING = "lightning"  # MiniMax-01's lightning attention (seqmesh.model.minim
 RG_LRU = "rg_lru"  # RecurrentGemma's recurrent block (seqmesh.model.recurrent_gemma)
 MAMBA1 = "mamba1"  # Jamba's Mamba (v1) mixer (seqmesh.model.jamba)
 RWKV = "rwkv"  # RWKV-4's time mix (seqmesh.model.rwkv)
+XLSTM = "mlstm"  # xLSTM's mLSTM layer (seqmesh.model.xlstm)
 ATTENTION = "attention"
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
@@ -106,6 +107,7 @@ class HybridShape:
     rg_lru: RgLruShape | None = None
     mamba1: Mamba1Shape | None = None
     rwkv: RwkvShape | None = None
+    xlstm: XlstmShape | None = None
     extra_params: int = 0  # parameters beside the layers, the embeddings and a final norm's weight (RWKV's LayerNorms)
 
     def ffn(self, name: str) -> FeedForward:
@@ -151,6 +153,8 @@ class HybridShape:
             own += self.mamba1.params(hidden)
         if mixer == RWKV:
             own += self.rwkv.params(hidden)
+        if mixer == XLSTM:
+            own += self.xlstm.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
     def params(self, hidden: int, attention: int) -> int:
@@ -165,6 +169,7 @@ class HybridShape:
                 "rg_lru": asdict(self.rg_lru) if self.rg_lru else None,
                 "mamba1": asdict(self.mamba1) if self.mamba1 else None,
                 "rwkv": asdict(self.rwkv) if self.rwkv else None,
+                "xlstm": asdict(self.xlstm) if self.xlstm else None,
                 "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms,
@@ -324,3 +329,41 @@ class RwkvShape:
     def params(self, hidden: int) -> int:
         """Every parameter of the time mix (:mod:`.rwkv`'s docstring lists them)."""
         return self.matmul_params(hidden) + 2 * self.attention + 3 * hidden
+
+
+@dataclass(frozen=True)
+class XlstmShape:
+    """One xLSTM mLSTM layer: ``heads`` heads over ``qk`` query/key and ``v`` value channels (each head's memory
+    ``(qk / heads) x (v / heads)``), ``bias``: its projections and norm biased (``use_bias``); ``chunk``: the
+    chunkwise kernel's tokens a chunk."""
+
+    heads: int
+    qk: int
+    v: int
+    bias: bool = False
+    chunk: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "qk", "v", "chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the xLSTM layers' {name} = {value!r} must be a positive integer (num_heads, "
+                                 "hidden_size x qk_dim_factor / v_dim_factor, chunk_size); fix the config.json.")
+        if self.qk % self.heads or self.v % self.heads:
+            raise ValueError(f"the xLSTM layers' {self.heads} heads do not divide their {self.qk} query/key and "
+                             f"{self.v} value channels (qk_dim_factor, v_dim_factor); fix the config.json.")
+
+    @property
+    def state_values(self) -> int:
+        """A run's ``[C | n | m | F]`` values, every head's: its memory, normaliser, stabiliser and log forget."""
+        dk, dv = self.qk // self.heads, self.v // self.heads
+        return self.heads * (dk * dv + dk + 2)
+
+    def matmul_params(self, hidden: int) -> int:
+        """Weights that multiply every token: q, k, v, the three gates and out_proj."""
+        return hidden * (2 * self.qk + 2 * self.v + 2 * self.heads) + self.v * hidden
+
+    def params(self, hidden: int) -> int:
+        """Every parameter of the layer (:mod:`.xlstm`'s docstring lists them)."""
+        biases = 2 * self.qk + 3 * self.v + hidden if self.bias else 0  # q, k, v, ogate, norm; out_proj's
+        return self.matmul_params(hidden) + 2 * self.heads + self.v + biases

@@ -199,6 +199,9 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
                   ("gate/up_proj backward", 2 * wide, 2 * inner + 2 * wide)]
     if tp:
         steps += [scatter_backward("MLP", wide, hidden)]
+    if m.hybrid is not None and not m.hybrid.attention_layers:  # no attention (pure Mamba, RWKV, xLSTM): the mixer's
+        # backward is its layer kind's (backward_bytes), not a nominal attention head's
+        return steps + [*(("input " + op, a, f) for op, a, f in norm), ("residual gradient sum", 0, hidden)]
     n, hq, _ = attention_heads(work, layout)
     o_input = out if layout.ulysses > 1 and not m.indexed_layers else 0  # o_proj's own input (Ulysses; not DSA)
     steps += [*(("post-attention " + op, a, f) for op, a, f in norm),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..linear_attention.choice import halo_bytes
 from ..linear_attention.selective_scan import diagonal_state_bytes
 from ..linear_attention.passing import rerun_state_bytes
-from ..model.hybrid_shape import MAMBA1, RG_LRU, RWKV
+from ..model.hybrid_shape import MAMBA1, RG_LRU, RWKV, XLSTM
 from ..rules.degrees import Degrees
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
@@ -27,6 +27,7 @@ from .workload import Workload
 
 HALO, STATES = "rg_lru_halo_gather", "rg_lru_state_gather"
 RWKV_SHIFT, RWKV_STATES = "rwkv_shift_gather", "rwkv_state_gather"
+MLSTM_STATES = "mlstm_state_gather"
 MAMBA_HALO, MAMBA_STATES = "mamba_halo_gather", "mamba_state_gather"
 SCAN_FLOPS = 12  # elementwise operations a state value and token of the gates' tail and the two-level scan (an estimate)
 BACKWARD_TENSORS = 4  # |X|-sized gradients the scan's backward holds at once (decay, input, chunk states, states)
@@ -258,3 +259,79 @@ class RwkvLayer(_DiagonalLayer):
 
 
 WKV_SAVED = 7  # values a channel and token the WKV loop keeps for backward (measured: two RWKV lengths on one CPU rank)
+
+
+@dataclass(frozen=True)
+class XlstmLayer(_DiagonalLayer):
+    """An xLSTM block: its mLSTM layer (``seqmesh.hf.xlstm``), its gated feed-forward and two RMSNorms. The memory
+    passes every run's ``[C0 | n0 | m0 | F]`` (:attr:`seqmesh.model.hybrid_shape.XlstmShape.state_values`) in one
+    all-gather (:func:`seqmesh.linear_attention.passing.rerun_state_bytes`; no conv, no token shift), and each run that
+    receives a state runs again from it through the layer's own backend, as RWKV's: twice the memory's work on those
+    runs, and its values kept twice."""
+
+    MIXER = XLSTM
+    KEYS = (MLSTM_STATES,)
+
+    def state_values(self) -> int:
+        return self.work.model.hybrid.xlstm.state_values
+
+    def macs(self) -> int:
+        return self.work.model.hybrid.xlstm.matmul_params(self.work.model.hidden)
+
+    def memory_macs(self) -> int:
+        """The chunkwise kernel's multiply-adds a token, every head (an estimate): its chunk's scores and their values
+        (``chunk x (dk + dv)``), the memory's read and its write (``2 dk dv``)."""
+        x = self.work.model.hybrid.xlstm
+        dk, dv = x.qk // x.heads, x.v // x.heads
+        return x.heads * (x.chunk * (dk + dv) + 2 * dk * dv)
+
+    def _passes(self) -> int:
+        return 2 if self.layout.ulysses * self.layout.ring > 1 else 1
+
+    def sent(self) -> dict[str, int]:
+        """Bytes each rank sends forward in the states' all-gather (its reduce-scatter the same backward)."""
+        w, lay = self.work, self.layout
+        where = dict(batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, layout=w.layout)
+        return {MLSTM_STATES: rerun_state_bytes(self.state_values(), state_bytes=self._state_bytes(), **where)}
+
+    def ranks(self) -> list[RankTraffic]:
+        lay, sent = self.layout, self.sent()
+        calls = tuple(Collective(kind, phase, 1, sent[MLSTM_STATES])
+                      for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """The projections, the feed-forward and the memory (twice on the runs that receive a state) at the matmul
+        rate on the local tokens, backward twice; the one gather, which nothing overlaps."""
+        work, m = self.work, self.work.model
+        rate = hw.flops_for(work.dtype) * hw.matmul_efficiency
+        local = tokens(work, self.layout)
+        fwd = 2 * local * (self.macs() + m.hybrid.ffn(self.ffn).macs + self._passes() * self.memory_macs()) / rate
+        group = axis_groups(self.layout, "sequence")[0]
+        comm = gather_seconds(self.sent()[MLSTM_STATES], hw, group)
+        return serial_layer_seconds(self, hw, fsdp_ranks, (fwd, 2 * fwd), (comm, comm))
+
+    def saved_per_token(self, e: int, s: int) -> int:
+        """The layer's input, and what the mLSTM layer keeps a token as measured (saved-tensor hooks on transformers'
+        layer, float32, in chunkwise mode, at two lengths, varying each size in turn): 8.5 values a value channel, 5 a
+        query/key channel, 2.5 a head and chunk position (the chunk's scores), 40 a head, in the state dtype (an upper
+        bound under bf16, where the projections' outputs are half as wide); twice where runs receive a state and run
+        again. The whole layer, with :meth:`backward_bytes`, is an estimate: against tracked one-rank CPU peaks of
+        six xLSTM configs (hidden 128 and 256, feed-forward factors 2.667 and 5, 1,024 and 2,048 tokens) the
+        predicted peak is 0.90x to 1.06x the measured one (docs/planner.md)."""
+        x, h = self.work.model.hybrid.xlstm, self.work.model.hidden
+        per_pass = s * (MLSTM_SAVED_V * x.v + MLSTM_SAVED_QK * x.qk + MLSTM_SAVED_CHUNK * x.heads * x.chunk
+                        + MLSTM_SAVED_HEAD * x.heads) // 2
+        return e * h + self._passes() * per_pass
+
+    def backward_bytes(self) -> int:
+        """The layer's backward beyond what it saved: :data:`MLSTM_BACKWARD` value channels a token in the state
+        dtype (an estimate; :meth:`saved_per_token` says how far it is from tracked peaks)."""
+        x = self.work.model.hybrid.xlstm
+        return tokens(self.work, self.layout) * self._state_bytes() * MLSTM_BACKWARD * x.v
+
+
+# what an mLSTM layer keeps a token, as twice the values (XlstmLayer.saved_per_token): a value channel, a query/key
+# channel, a head and chunk position, a head
+MLSTM_SAVED_V, MLSTM_SAVED_QK, MLSTM_SAVED_CHUNK, MLSTM_SAVED_HEAD = 17, 10, 5, 80
+MLSTM_BACKWARD = 4  # values a value channel and token the backward holds at once (an estimate)

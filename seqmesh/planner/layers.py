@@ -27,7 +27,7 @@ from ..rules.heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
 from .kda import KdaLayer
 from .lightning import LightningLayer
-from .diagonal import Mamba1Layer, RgLruLayer, RwkvLayer
+from .diagonal import Mamba1Layer, RgLruLayer, RwkvLayer, XlstmLayer
 from .short_conv import ShortConvLayer
 from .traffic import (Collective, RankTraffic, call_bytes, dtype_bytes, indexed_attention_traffic,
                       linear_attention_traffic, worst_rank)
@@ -278,7 +278,7 @@ class IndexedAttention:
 
 
 LayerKind = (Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer
-             | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer)
+             | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
@@ -310,7 +310,7 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     feed-forward; Kimi Linear's KDA, MiniMax-01's lightning layers, RecurrentGemma's recurrent blocks and Jamba's Mamba layers
     likewise.
     Where every attention layer has a window (RecurrentGemma's local attention), they are planned with it."""
-    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV
+    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV, XLSTM
 
     hybrid, m = work.model.hybrid, work.model
     window = m.sliding_window if m.sliding_window and not m.full_every else None
@@ -331,6 +331,8 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
             kinds.append((Mamba1Layer(work, layout, ffn), n))
         elif mixer == RWKV:
             kinds.append((RwkvLayer(work, layout, ffn), n))
+        elif mixer == XLSTM:
+            kinds.append((XlstmLayer(work, layout, ffn), n))
         elif mixer != ATTENTION:
             kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

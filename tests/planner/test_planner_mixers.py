@@ -503,6 +503,81 @@ def test_a_pure_mamba_plan_puts_the_sequence_on_the_ring(tmp_path, capsys):
     assert refused and all("no attention layer" in why for why in refused), refused
 
 
+@pytest.mark.parametrize("sizes", [
+    dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_heads=4),  # the factors' defaults
+    dict(vocab_size=1000, hidden_size=96, num_blocks=3, num_hidden_layers=None, num_heads=2, qk_dim_factor=0.25,
+         v_dim_factor=0.5, ffn_proj_factor=1.5, ffn_round_up_to_multiple_of=32, use_bias=True, weight_mode="fused",
+         tie_word_embeddings=True),
+    dict(vocab_size=50304, hidden_size=4096, num_hidden_layers=32, num_heads=8)],  # xLSTM-7B's shape
+    ids=["tiny", "biased-fused-tied", "7b"])
+def test_xlstm_parameters_equal_the_transformers_model(tmp_path, sizes):
+    """xLSTM's config.json: every parameter transformers builds (the mLSTM layer's projections, gates, head norm and
+    out_proj, the feed-forward rounded up to its multiple, both norms, biases where use_bias), each block planned as
+    an mLSTM block, never as attention."""
+    from transformers import AutoModelForCausalLM, xLSTMConfig
+
+    config = xLSTMConfig(**{k: v for k, v in sizes.items() if v is not None})
+    folder = tmp_path / "xlstm"
+    config.save_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(str(folder))
+    blocks = model.backbone.blocks
+    assert not shape.unplanned and shape.hybrid.count(mixer="mlstm") == len(blocks) == shape.layers
+    assert [shape.hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in shape.hybrid.blocks] == [
+        sum(p.numel() for p in block.parameters()) for block in blocks]
+    assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_mlstm_bytes_equal_what_the_layer_sends(pools, tmp_path):
+    """What the planner's xLSTM layer says the busiest rank sends equals what comm_stats counts while the real mLSTM
+    layer runs on 2 ring ranks in float32 (2 sequences of 40 tokens): one all-gather forward (every run's
+    ``[C0 | n0 | m0 | F]``), its reduce-scatter backward; the layer is right (transformers' own on the whole sequence)."""
+    from family_cases import family_config
+    from rwkv_plan_cases import mlstm_layer_bytes
+    from seqmesh.planner.diagonal import MLSTM_STATES, XlstmLayer
+    from seqmesh.planner.workload import Workload
+    from seqmesh.rules.degrees import Degrees
+
+    config = family_config("xlstm")
+    folder = tmp_path / "xlstm"
+    config.save_pretrained(folder)
+    shape = model_shape(str(folder))
+    layer = XlstmLayer(Workload(shape, 40, batch=2, bf16=False, layout="zigzag"), Degrees(1, 2, 1), ffn="xlstm_ffn")
+    per_rank = pools.run(2, mlstm_layer_bytes, 2, 40, 2)
+    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
+    kinds = {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 1}
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
+    assert forward[MLSTM_STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank) > 0
+    assert backward[MLSTM_STATES] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+
+
+def test_an_xlstm_plan_puts_the_sequence_on_the_ring(tmp_path, capsys):
+    """``seqmesh plan`` on xLSTM-7B's shape (transformers' defaults: 32 blocks of 4096, 8 heads) at 128K on 8 GPUs:
+    about 6.9B parameters as transformers builds them, every block planned as an mLSTM block with its state gather,
+    Ulysses refused for want of attention, no attention working set in the peak."""
+    import transformers as tf
+
+    from seqmesh.tools.cli import main
+
+    folder = tmp_path / "xlstm"
+    tf.xLSTMConfig().save_pretrained(folder)
+    path = str(folder / "config.json")
+    with torch.device("meta"):
+        total = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(tf.xLSTMConfig()).parameters())
+    assert model_shape(path).params == total and 6.8e9 < total < 7.0e9
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["hybrid"]["blocks"] == ["mlstm+xlstm_ffn"] * 32
+    best = plan["recommended"]["layout"]
+    assert best["ulysses"] == 1 and best["ring"] > 1, best
+    row = next(c for c in plan["candidates"] if c["layout"] == best)
+    assert row["comm_bytes_per_layer"]["forward"]["mlstm_state_gather"] > 0 and row["memory_bytes"]["attention"] == 0, row
+    refused = [e["reason"] for e in plan["excluded"] if e["layout"]["ulysses"] > 1 and e["layout"]["tp"] == 1]
+    assert refused and all("no attention layer" in why for why in refused), refused
+
+
 def test_rwkv_parameters_equal_the_transformers_model(tmp_path):
     """RWKV-4's config.json (a tiny one with its own widths, and the 169M shape with the defaults: attention and
     feed-forward widths from the hidden size): every parameter transformers builds, block 0's extra LayerNorm and
