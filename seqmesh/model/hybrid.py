@@ -15,7 +15,7 @@ from __future__ import annotations
 from .hybrid_shape import ATTENTION, CONV, MAMBA2, PARALLEL, FeedForward, HybridShape, Mamba2Shape
 from .jamba import jamba_fields, mamba_fields
 from .kimi import kimi_linear_fields
-from .lfm import lfm2_fields
+from .lfm import lfm2_fields, lfm3_fields
 from .minimax import minimax_fields
 from .recurrent_gemma import recurrent_gemma_fields
 from .rwkv import rwkv_fields
@@ -37,11 +37,11 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 
 # the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
-_UNSIZED = {"lfm3": "gated short convolution",
-            "zaya": "compressed convolutional attention (CCA)"}
+_UNSIZED = {"zaya": "compressed convolutional attention (CCA)"}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
-          "lfm2_moe), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), RecurrentGemma's "
+          "lfm2_moe, lfm3), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), "
+          "RecurrentGemma's "
           "RG-LRU (recurrent_gemma), Mamba (jamba, mamba, falcon_mamba), RWKV-4's blocks (rwkv) and xLSTM's mLSTM "
           "(xlstm)")
 
@@ -53,6 +53,8 @@ def hybrid_fields(cfg: dict) -> dict:
     family = cfg.get("model_type", "")
     if family in ("lfm2", "lfm2_moe"):
         return lfm2_fields(cfg)
+    if family == "lfm3":
+        return lfm3_fields(cfg)
     if family == "kimi_linear":
         return kimi_linear_fields(cfg)
     if family == "minimax":

@@ -18,6 +18,7 @@ MAMBA1 = "mamba1"  # Jamba's Mamba (v1) mixer (seqmesh.model.jamba)
 RWKV = "rwkv"  # RWKV-4's time mix (seqmesh.model.rwkv)
 XLSTM = "mlstm"  # xLSTM's mLSTM layer (seqmesh.model.xlstm)
 ATTENTION = "attention"
+SLIDING = "sliding_attention"  # attention over a window (LFM3's sliding layers, beside its full ones)
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
 def ssd_widths(heads: int, head_dim: int, groups: int, state: int) -> tuple[int, int]:
@@ -88,7 +89,7 @@ class FeedForward:
 @dataclass(frozen=True)
 class HybridShape:
     """A hybrid's layers: ``blocks[i] = (mixer, ffn)``, mixer ``"mamba2"``, ``"conv"`` (LFM2's gated short conv),
-    ``"attention"``, ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``,
+    ``"attention"``, ``"sliding_attention"`` (LFM3's windowed layers), ``"attention+mamba2"`` (Falcon-H1) or ``""`` (a Nemotron-H MLP/MoE block), ffn ``"mlp"``,
     ``"moe"`` or ``""`` (a Nemotron-H mixer block); ``ffns`` the feed-forward of each name; ``norms`` RMSNorms of the
     hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
     attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
@@ -119,12 +120,12 @@ class HybridShape:
 
     @property
     def attention_layers(self) -> int:
-        """Layers with attention (alone, or beside Mamba2 in Falcon-H1)."""
-        return self.count(ATTENTION) + self.count(PARALLEL)
+        """Layers with attention (alone, windowed, or beside Mamba2 in Falcon-H1)."""
+        return self.count(ATTENTION) + self.count(PARALLEL) + self.count(SLIDING)
 
     def attention_ffn(self) -> str:
         """The feed-forward of the attention layers (one per family: Nemotron-H's none)."""
-        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL)), "")
+        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL, SLIDING)), "")
 
     def kinds(self) -> list[tuple[tuple[str, str], int]]:
         """Each distinct (mixer, ffn) with its number of layers, in the order they first appear."""
@@ -137,7 +138,7 @@ class HybridShape:
         """One layer's parameters: its mixer (``attention``: an attention mixer's projections), feed-forward, norms."""
         mixer, ffn = block
         own = 0
-        if mixer in (ATTENTION, PARALLEL):
+        if mixer in (ATTENTION, PARALLEL, SLIDING):
             own += attention + self.attention_norms
         if mixer in (MAMBA2, PARALLEL):
             own += self.mamba.params(hidden)

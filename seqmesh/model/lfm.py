@@ -1,4 +1,4 @@
-"""LFM2 and LFM2-MoE as the planner sizes them: each layer a mixer, a gated short convolution (``layer_types``
+"""LFM2, LFM2-MoE and LFM3 as the planner sizes them: each layer a mixer, a gated short convolution (``layer_types``
 "conv") or attention, then its feed-forward, two RMSNorms a layer, read from a transformers ``config.json``.
 
 A gated short convolution (transformers' ``Lfm2ShortConv``, run by ``seqmesh.hf.short_conv``) of width
@@ -13,11 +13,16 @@ MLP is ``intermediate_size`` wide, or with ``block_auto_adjust_ff_dim`` two thir
 ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``; LFM2-MoE's first ``num_dense_layers`` have a gated
 MLP of ``intermediate_size``, the rest ``num_experts`` gated experts of ``moe_intermediate_size`` and a router (its
 expert bias is a buffer, not a parameter).
+
+LFM3 lays out the same convolutions beside attention of two kinds, ``sliding_attention`` (a window of
+``sliding_window``) and ``full_attention``; its attention has an RMSNorm of the head dim on q and on k and, with
+``use_attention_gate``, a sigmoid gate a head (``g_proj``, hidden x heads); with ``use_sandwich_norm`` each layer norms
+its mixer's and its MLP's outputs too (four RMSNorms a layer); its MLP is ``intermediate_size`` wide as written.
 """
 
 from __future__ import annotations
 
-from .hybrid_shape import ATTENTION, CONV, FeedForward, HybridShape, ShortConvShape
+from .hybrid_shape import ATTENTION, CONV, SLIDING, FeedForward, HybridShape, ShortConvShape
 
 _ATTENTION_NAMES = ("full_attention", "attention")
 
@@ -86,3 +91,25 @@ def lfm2_fields(cfg: dict) -> dict:
                          conv=ShortConvShape(cfg.get("conv_L_cache", 3), bool(cfg.get("conv_bias", False))),
                          attention_norms=2 * head_dim)
     return {"hybrid": hybrid, "layers": len(blocks), "config": config}
+
+
+def lfm3_fields(cfg: dict) -> dict:
+    """The :class:`.hybrid.HybridShape` of an LFM3 config.json (``hybrid``, ``layers``; the module docstring)."""
+    n, h = cfg.get("num_hidden_layers") or 24, cfg["hidden_size"]
+    types = cfg.get("layer_types") or ["full_attention" if i % 4 == 2 else SLIDING if i % 4 == 0 and i > 0 else CONV
+                                       for i in range(n)]  # transformers' default pattern
+    unknown = sorted({t for t in types if t not in (CONV, SLIDING, "full_attention")})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are none of LFM3's \"conv\", \"sliding_attention\" and "
+                         "\"full_attention\"; fix the config.json.")
+    mixers = [ATTENTION if t == "full_attention" else t for t in types]
+    heads = cfg.get("num_attention_heads", 16)
+    head_dim = cfg.get("head_dim") or h // heads
+    gate = h * heads if cfg.get("use_attention_gate", True) else 0
+    hybrid = HybridShape(None, tuple((m, "mlp") for m in mixers), (("mlp", _gated_mlp(h, cfg["intermediate_size"])),),
+                         norms=4 if cfg.get("use_sandwich_norm", True) else 2,
+                         attention_bias=bool(cfg.get("attention_bias", False)),
+                         conv=ShortConvShape(cfg.get("conv_L_cache", 7), bool(cfg.get("conv_bias", False))),
+                         attention_norms=2 * head_dim + gate)
+    return {"hybrid": hybrid, "layers": len(mixers),
+            "config": {"tie_word_embeddings": cfg.get("tie_word_embeddings", True), "layer_types": list(types)}}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU
+from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, SLIDING
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees
 from ..rules.kv_cache import cache_bytes, cache_share, indexed_cache_bytes
@@ -46,7 +46,7 @@ def inference_refusal(m: ModelShape) -> str | None:
     if m.hybrid is not None and not _decoded_hybrid(m):
         return (f"{m.name} has layers whose decode seqmesh does not run yet; plan an attention-only model (DeepSeek "
                 "Sparse Attention included), one with Gated DeltaNet layers (Qwen3.5), or RecurrentGemma, Jamba, a "
-                "Mamba2 hybrid, LFM2, MiniMax-01 or Kimi Linear.")
+                "Mamba2 hybrid, LFM2, LFM3, MiniMax-01 or Kimi Linear.")
     return None
 
 
@@ -54,8 +54,9 @@ def _decoded_hybrid(m: ModelShape) -> bool:
     """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention, RecurrentGemma's recurrent
     block (seqmesh.hf.rg_lru), Jamba's Mamba (seqmesh.hf.mamba), Mamba2 (seqmesh.hf.mamba2, Falcon-H1's beside
     attention), LFM2's short convolution (seqmesh.hf.short_conv), MiniMax-01's lightning attention
-    (seqmesh.hf.lightning), Kimi Linear's KDA (seqmesh.hf.kda) or a Nemotron-H feed-forward block (no mixer)."""
-    return all(mixer in (ATTENTION, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, KDA, "")
+    (seqmesh.hf.lightning), Kimi Linear's KDA (seqmesh.hf.kda) or a Nemotron-H feed-forward block (no mixer); LFM3's
+    sliding layers are attention with a window."""
+    return all(mixer in (ATTENTION, SLIDING, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, KDA, "")
                for mixer, _ in m.hybrid.blocks)
 
 

@@ -310,11 +310,14 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     feed-forward; Kimi Linear's KDA, MiniMax-01's lightning layers, RecurrentGemma's recurrent blocks and Jamba's Mamba layers
     likewise.
     Where every attention layer has a window (RecurrentGemma's local attention), they are planned with it."""
-    from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV, XLSTM
+    from ..model.hybrid_shape import (ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV, SLIDING,
+                                      XLSTM)
 
     hybrid, m = work.model.hybrid, work.model
     window = m.sliding_window if m.sliding_window and not m.full_every else None
-    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout, window), hybrid.attention_layers)]
+    sliding = hybrid.count(SLIDING)  # LFM3's windowed layers, beside its full ones
+    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout, window), hybrid.attention_layers - sliding),
+                                          (Attention(work, layout, m.sliding_window), sliding)]
     for (mixer, ffn), n in hybrid.kinds():
         if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
             beside = mixer == PARALLEL
@@ -333,6 +336,6 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
             kinds.append((RwkvLayer(work, layout, ffn), n))
         elif mixer == XLSTM:
             kinds.append((XlstmLayer(work, layout, ffn), n))
-        elif mixer != ATTENTION:
+        elif mixer not in (ATTENTION, SLIDING):
             kinds.append((FeedForwardBlock(work, layout, ffn), n))
     return [(kind, n) for kind, n in kinds if n]

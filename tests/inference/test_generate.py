@@ -70,7 +70,7 @@ def test_families_with_attention_of_their_own_generate_as_transformers(pools, ul
 
 
 @pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("jamba", "mamba", "nemotron-h", "mamba2", "lfm2",
-                                                                "kimi_linear")),
+                                                                "kimi_linear", "lfm3")),
                                                     (2, 1, ("zamba", "falcon-h1", "lfm2_moe", "minimax", "zaya",
                                                             "granite-4-hybrid", "bamba"))],
                          ids=["r2", "u2"])
@@ -79,6 +79,7 @@ def test_mamba_and_conv_families_generate_as_transformers(pools, ulysses, ring, 
     (multi-head Mamba layers, a shared attention block), Nemotron-H (Mamba2, attention, MLP and MoE blocks), Granite-4
     hybrid and Bamba (Mamba2 or attention, then a feed-forward), pure
     Mamba2, Falcon-H1 (Mamba2 beside attention in every layer), LFM2 and LFM2-MoE (short convs: a tail, no state),
+    LFM3 (its convs beside sliding and full attention),
     MiniMax-01 (lightning attention: a state, no conv), Kimi Linear (KDA beside MLA), ZAYA (CCA: the convs' tail and
     the last delayed value beside the cache):
     the scan's state and the conv's last inputs from the sharded prefill, then one token at a time on every rank. (A

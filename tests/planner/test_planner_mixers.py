@@ -3,7 +3,7 @@ Linear's KDA and MiniMax-01's lightning attention, sized from their config.json 
 meta device); the short conv's halo bytes against the runtime's schedule and against what ``comm_stats`` counts
 while the real layer runs on 2 ranks, KDA's against the runtime's own formulas by the design its rule picks
 (tests/hf/test_kda.py counts those while the layer runs); plans of published-size models; and the mixers it does
-not size yet (Zamba's Mamba, LFM3's convs) refused by name, never planned as attention. MiniMax-01's lightning attention:
+not size yet (Zamba's Mamba, ZAYA's CCA) refused by name, never planned as attention. MiniMax-01's lightning attention:
 its state gather against the runtime's schedule (tests/hf/test_lightning.py counts it while the layer runs)."""
 
 from __future__ import annotations
@@ -98,6 +98,12 @@ TINY = {
         "lfm2", dict(layer_types=None, full_attn_idxs=[1], block_ff_dim=48, intermediate_size=None,
                      tie_embedding=False, tie_word_embeddings=None)),
     "lfm2_moe": ("lfm2_moe", {}),
+    # conv, sliding and full attention layers; q/k norms, a gate a head and sandwich norms
+    "lfm3": ("lfm3", {}),
+    # no gate, no sandwich norms, every projection biased, a conv of width 3, transformers' default layer pattern
+    "lfm3: ungated, unsandwiched, biased": (
+        "lfm3", dict(use_attention_gate=False, use_sandwich_norm=False, attention_bias=True, conv_bias=True,
+                     conv_L_cache=3, layer_types=None, num_hidden_layers=8)),
     "kimi_linear": ("kimi_linear", {}),
     # the release's names: linear_attn_config (1-indexed layers), first_k_dense_replace; MLA with a q latent
     "kimi_linear: the release's names": (
@@ -147,7 +153,7 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     assert shape.params == total
 
 
-@pytest.mark.parametrize("family,mixer", [("zamba", "Mamba"), ("lfm3", "gated short convolution"),
+@pytest.mark.parametrize("family,mixer", [("zamba", "Mamba"),
                                           ("zaya", r"compressed convolutional attention \(CCA\)")])
 def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
     """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
@@ -213,8 +219,16 @@ def test_bytes_equal_what_the_layer_sends(pools, tmp_path):
     assert traffic["backward"]["conv_halo_gather"] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
 
 
-@pytest.mark.parametrize("cfg,billions", [(LFM2_2_6B, (2.4, 2.7)), (LFM2_8B_A1B, (8.0, 8.6))],
-                         ids=["lfm2-2.6b", "lfm2-8b-a1b"])
+def _lfm3_defaults() -> dict:
+    """transformers' LFM3 config (24 layers of 2048: 12 convs of width 7, 6 full and 5 sliding attention layers of a
+    window of 256), as a config.json holds it."""
+    from transformers import Lfm3Config
+
+    return json.loads(Lfm3Config().to_json_string())
+
+
+@pytest.mark.parametrize("cfg,billions", [(LFM2_2_6B, (2.4, 2.7)), (LFM2_8B_A1B, (8.0, 8.6)), ("lfm3", (1.7, 1.8))],
+                         ids=["lfm2-2.6b", "lfm2-8b-a1b", "lfm3"])
 def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, billions):
     """``seqmesh plan --model config.json --seq-len 131072 --gpus 8`` runs and recommends a layout; the model counts
     as transformers builds it; each conv layer sends the runtime's halo bytes (bf16), the same at 32K (they do not
@@ -223,7 +237,7 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, billions):
     from seqmesh.tools.cli import main
     from test_planner_cli import _schema, conform
 
-    path = _write(tmp_path, cfg)
+    path = _write(tmp_path, _lfm3_defaults() if cfg == "lfm3" else cfg)
     total, _, _ = _meta_layers(path)
     shape = model_shape(path)
     assert shape.params == total and billions[0] * 1e9 < total < billions[1] * 1e9
@@ -236,13 +250,23 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, billions):
     schema = _schema()
     conform(plan, schema["plan"], {k: v for k, v in schema.items() if k.startswith("@")})
     best = plan["recommended"]["layout"]
-    want = halo_bytes(shape.hidden, 3, batch=1, ulysses=best["ulysses"], ring=best["ring"], layout="zigzag",
-                      dtype_bytes=2)
+    want = halo_bytes(shape.hidden, shape.hybrid.conv.kernel, batch=1, ulysses=best["ulysses"], ring=best["ring"],
+                      layout="zigzag", dtype_bytes=2)
     row = next(c for c in plan["candidates"] if c["layout"] == best)
     if best["ulysses"] * best["ring"] > 1:
         assert row["comm_bytes_per_layer"]["forward"]["conv_halo_gather"] == want > 0
         assert row["comm_bytes_per_step"]["conv_halo_gather"] == 3 * want * convs
     assert sum(b.startswith("conv") for b in plan["model"]["hybrid"]["blocks"]) == convs
+    if cfg == "lfm3":  # its sliding layers planned with their window, the full ones without
+        from seqmesh.planner.attention_layer import Attention
+        from seqmesh.planner.layers import layer_kinds
+        from seqmesh.planner.workload import Workload
+        from seqmesh.rules.degrees import Degrees
+
+        assert sum(b.startswith("sliding_attention") for b in plan["model"]["hybrid"]["blocks"]) == 5
+        kinds = layer_kinds(Workload(shape, 131072), Degrees(best["ulysses"], best["ring"], best["dp_shard"]))
+        windows = {kind.window: n for kind, n in kinds if isinstance(kind, Attention)}
+        assert windows == {None: 6, 256: 5}, windows
     assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", "8", "--json"]) == 0
     short = json.loads(capsys.readouterr().out)
     same = next(c for c in short["candidates"] if c["layout"] == best)
