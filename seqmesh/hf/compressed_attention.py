@@ -263,7 +263,8 @@ def _make_forward(mesh: SPMesh):
                                         index_seen.first.to(device)[block], index_seen.closed.to(device)[block])
             picks = torch.cat([keys[block].expand(b, -1, -1), torch.where(chosen >= 0, chosen + extended, -1)], -1)
             inputs = (q[:, block], row, picks, self.scaling, self.head_dim, self.sinks)
-            if torch.is_grad_enabled() and step < length:  # each block recomputed in backward, not kept
+            if torch.is_grad_enabled() and step < length and uses_kernel(row):  # each block recomputed in backward,
+                # not kept (the torch form keeps a flash kernel's tensors and recomputes its scores itself)
                 outputs.append(checkpoint(sparse_latent_attention, *inputs, use_reentrant=False))
             else:
                 outputs.append(sparse_latent_attention(*inputs))

@@ -16,7 +16,8 @@ the whole row:
     -> (B, L, H, Dv)       with ``w_value`` (H, Dv, R); without: (B, L, H, R)
 
 Scores are products in the inputs' dtype (autocast's on a device where it is on), scaled, then masked and
-exponentiated in float32, as :func:`.sparse_latent.sparse_latent_reference`.
+exponentiated in float32 at least (float64 inputs stay float64), as :func:`.sparse_latent.sparse_latent_reference`;
+the gradients of the row and of the projections are summed over blocks in float32 at least.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class SparseLatentBlocks(torch.autograd.Function):
         b, length, heads, _ = q_rot.shape
         rank = _rank(row, q_rot)
         out = q_rot.new_empty(b, length, heads, w_value.shape[1] if w_value is not None else rank, dtype=dtype)
-        lse = torch.empty(b, length, heads, dtype=torch.float32, device=q_rot.device)
+        lse = torch.empty(b, length, heads, dtype=_wide(dtype), device=q_rot.device)
         flat_row = row.to(dtype).reshape(-1, row.shape[-1])
         with torch.no_grad():
             for outer in _blocks(length, max(step, PROJECTED_QUERIES)):
@@ -68,15 +69,16 @@ class SparseLatentBlocks(torch.autograd.Function):
         q_nope, q_rot, w_key, w_value, row, picks, sinks, out, lse = ctx.saved_tensors
         dtype, scale, rank, step = ctx.dtype, ctx.scale, _rank(row, q_rot), ctx.step
         flat_row = row.to(dtype).reshape(-1, row.shape[-1])
+        wide = _wide(dtype)  # sums over blocks and keys: float32 at least (float64 stays float64)
         d_nope, d_rot = torch.zeros_like(q_nope, dtype=dtype), torch.zeros_like(q_rot, dtype=dtype)
-        d_row = torch.zeros_like(flat_row)
-        d_key = torch.zeros_like(w_key, dtype=torch.float32) if w_key is not None else None
-        d_value = torch.zeros_like(w_value, dtype=torch.float32) if w_value is not None else None
-        # each (query, head)'s sum of out . d out: the softmax's backward, and the sink's
-        delta = (out.float() * grad.float()).sum(-1)  # (B, L, H)
+        d_row = torch.zeros_like(flat_row, dtype=_wide(torch.promote_types(row.dtype, dtype)))
+        d_key = torch.zeros_like(w_key, dtype=wide) if w_key is not None else None
+        d_value = torch.zeros_like(w_value, dtype=wide) if w_value is not None else None
+        delta = torch.empty_like(lse)  # each (query, head)'s sum of out . d out: the softmax's backward, the sink's
         for outer in _blocks(q_rot.shape[1], max(step, PROJECTED_QUERIES)):
             query = _latent_query(q_nope[:, outer], q_rot[:, outer], w_key, dtype)
             d_out = grad[:, outer].to(dtype)  # (B, l, H, Dv)
+            delta[:, outer] = (out[:, outer].to(wide) * grad[:, outer].to(wide)).sum(-1)
             d_attended = d_out if w_value is None else torch.einsum("blhv,hvr->blhr", d_out, w_value.to(dtype))
             attended = query.new_empty(*query.shape[:-1], rank) if w_value is not None else None
             d_query = torch.empty_like(query)
@@ -87,23 +89,24 @@ class SparseLatentBlocks(torch.autograd.Function):
                 values, d_att = chosen[..., :rank], d_attended[:, inner]  # (B, l, K, R), (B, l, H, R)
                 if attended is not None:  # out = attended . w_value: the attended latents again, for w_value's
                     attended[:, inner] = torch.matmul(probs.to(dtype), values)
-                d_probs = torch.matmul(d_att, values.transpose(-1, -2)).float()  # (B, l, H, K)
+                d_probs = torch.matmul(d_att, values.transpose(-1, -2)).to(wide)  # (B, l, H, K)
                 d_scores = (probs * (d_probs - delta[:, outer][:, inner, :, None]) * scale).to(dtype)
                 d_query[:, inner] = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
                 d_chosen = torch.matmul(d_scores.transpose(-1, -2), query[:, inner])  # (B, l, K, R + Dr)
                 d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_att)
-                d_row.index_add_(0, _flat_picks(mine, row.shape[1]), d_chosen.reshape(-1, d_chosen.shape[-1]))
+                d_row.index_add_(0, _flat_picks(mine, row.shape[1]),
+                                 d_chosen.reshape(-1, d_chosen.shape[-1]).to(d_row.dtype))
             if attended is not None:
-                d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).float()
+                d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).to(wide)
             d_rot[:, outer] = d_query[..., rank:]
             if w_key is not None:
                 d_nope[:, outer] = torch.einsum("blhr,hnr->blhn", d_query[..., :rank], w_key.to(dtype))
-                d_key += torch.einsum("blhn,blhr->hnr", q_nope[:, outer].to(dtype), d_query[..., :rank]).float()
+                d_key += torch.einsum("blhn,blhr->hnr", q_nope[:, outer].to(dtype), d_query[..., :rank]).to(wide)
             else:
                 d_nope[:, outer] = d_query[..., :rank]
         d_sinks = None
         if sinks is not None:  # the sink's probability times minus each (query, head)'s delta
-            d_sinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
+            d_sinks = -(torch.exp(sinks.to(wide) - lse) * delta).sum((0, 1)).to(sinks.dtype)
         return (d_nope.to(q_nope.dtype), d_rot.to(q_rot.dtype), _as(d_key, w_key), _as(d_value, w_value),
                 d_row.view(row.shape).to(row.dtype), None, d_sinks, None, None)
 
@@ -146,14 +149,14 @@ def _gathered(flat_row, keys: int, picks):
 
 
 def _probabilities(query, chosen, valid, scale: float, sinks, lse):
-    """(B, l, H, K) float32 softmax of the block's scores (with each head's sink), and its log-sum-exp (B, l, H);
-    with ``lse`` given, the probabilities from it (the backward's)."""
-    scores = torch.matmul(query, chosen.transpose(-1, -2)).float() * scale
+    """(B, l, H, K) softmax of the block's scores (with each head's sink) in float32 at least, and its log-sum-exp
+    (B, l, H); with ``lse`` given, the probabilities from it (the backward's)."""
+    scores = torch.matmul(query, chosen.transpose(-1, -2)).to(_wide(query.dtype)) * scale
     scores = scores.masked_fill_(~valid[:, :, None], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
         if sinks is not None:
-            lse = torch.logaddexp(lse, sinks.float())
+            lse = torch.logaddexp(lse, sinks.to(scores.dtype))
     return torch.exp(scores - lse[..., None]), lse
 
 
@@ -162,6 +165,11 @@ def product_dtype(query: torch.Tensor, row: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(query.device.type):
         return torch.get_autocast_dtype(query.device.type)
     return torch.promote_types(query.dtype, row.dtype)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision and float32, float64 for float64: the dtype sums run in."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _as(grad, like):

@@ -10,7 +10,8 @@ channels, a state of ``N = mamba_d_state``, ``R = mamba_dt_rank`` and a conv of 
     x_proj    I x (R + 2N);  dt_proj  R x I, biased;  out_proj  I x hidden (biased with mamba_proj_bias)
     A_log     I x N;  D  I;  RMSNorms on dt (R), B (N) and C (N)
 
-Pure Mamba's layers are each an RMSNorm and a Mamba mixer of ``I = intermediate_size`` (``expand x hidden``), ``N =
+Pure Mamba's layers are each an RMSNorm and a Mamba mixer of ``I = expand x hidden`` (transformers' own
+``intermediate_size``, whatever the file says), ``N =
 state_size``, ``R = time_step_rank`` (``ceil(hidden / 16)`` for ``"auto"``) and ``K = conv_kernel``, its projections
 biased with ``use_bias``, its conv with ``use_conv_bias``; no norms on dt, B and C (FalconMamba's are there, without
 weights); the embeddings tied unless the file says otherwise.
@@ -54,7 +55,8 @@ def mamba_fields(cfg: dict) -> dict:
     n, h = cfg.get("num_hidden_layers") or 32, cfg["hidden_size"]
     rank = cfg.get("time_step_rank", "auto")
     falcon = cfg.get("model_type") == "falcon_mamba"
-    mamba = Mamba1Shape(cfg.get("intermediate_size") or int(cfg.get("expand", 2) * h), cfg.get("state_size", 16),
+    # transformers sets intermediate_size from expand, whatever the file says
+    mamba = Mamba1Shape(int(cfg.get("expand", 2) * h), cfg.get("state_size", 16),
                         math.ceil(h / 16) if rank == "auto" else rank, cfg.get("conv_kernel", 4),
                         bool(cfg.get("use_conv_bias", True)), bool(cfg.get("use_bias", False)), norms=falcon,
                         norm_weights=False)

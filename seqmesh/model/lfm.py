@@ -104,12 +104,15 @@ def lfm3_fields(cfg: dict) -> dict:
                          "\"full_attention\"; fix the config.json.")
     mixers = [ATTENTION if t == "full_attention" else t for t in types]
     heads = cfg.get("num_attention_heads", 16)
-    head_dim = cfg.get("head_dim") or h // heads
+    head_dim = cfg.get("head_dim") or 128  # LFM3's defaults, where the file leaves them out
     gate = h * heads if cfg.get("use_attention_gate", True) else 0
     hybrid = HybridShape(None, tuple((m, "mlp") for m in mixers), (("mlp", _gated_mlp(h, cfg["intermediate_size"])),),
                          norms=4 if cfg.get("use_sandwich_norm", True) else 2,
                          attention_bias=bool(cfg.get("attention_bias", False)),
                          conv=ShortConvShape(cfg.get("conv_L_cache", 7), bool(cfg.get("conv_bias", False))),
                          attention_norms=2 * head_dim + gate)
+    defaults = {"num_attention_heads": heads, "num_key_value_heads": cfg.get("num_key_value_heads") or 4,
+                "head_dim": head_dim, "sliding_window": cfg.get("sliding_window") or 256}
     return {"hybrid": hybrid, "layers": len(mixers),
-            "config": {"tie_word_embeddings": cfg.get("tie_word_embeddings", True), "layer_types": list(types)}}
+            "config": {**defaults, "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+                       "layer_types": list(types)}}

@@ -82,8 +82,14 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
         module._is_hf_initialized = True
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage: the same for the tensor, its ``.data`` and its views (meta tensors too)."""
+    return t.untyped_storage()._cdata
+
+
 class _Writes(TorchDispatchMode):
-    """Which of ``watched`` (tensors by id) an operator writes in place while the mode is on."""
+    """Which of ``watched`` (storages, :func:`_storage`) an operator writes in place while the mode is on, through
+    the tensor itself, its ``.data`` or a view of it."""
 
     def __init__(self, watched: set[int]) -> None:
         super().__init__()
@@ -94,8 +100,8 @@ class _Writes(TorchDispatchMode):
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
-                if id(value) in self.watched:
-                    self.written.add(id(value))
+                if isinstance(value, torch.Tensor) and _storage(value) in self.watched:
+                    self.written.add(_storage(value))
         return func(*args, **kwargs)
 
 
@@ -117,7 +123,7 @@ def _children_written(module: nn.Module, init) -> list[tuple[nn.Module, str]]:
         stand_in = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
         m._parameters[n] = stand_in
         if m is not module:
-            stand_ins[id(stand_in)] = (m, n)
+            stand_ins[_storage(stand_in)] = (m, n)
     flag = getattr(module, "_is_hf_initialized", None)
     module._is_hf_initialized = False
     try:

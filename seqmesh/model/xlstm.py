@@ -16,8 +16,6 @@ Each head's memory is ``(Q / NH) x (V / NH)``, with its normaliser (``Q / NH``) 
 
 from __future__ import annotations
 
-import math
-
 from .hybrid_shape import XLSTM, FeedForward, HybridShape, XlstmShape
 
 FEED_FORWARD = "xlstm_ffn"
@@ -29,7 +27,8 @@ def xlstm_fields(cfg: dict) -> dict:
     n = cfg.get("num_blocks") or cfg.get("num_hidden_layers") or 32
     bias = bool(cfg.get("use_bias", False))
     multiple = cfg.get("ffn_round_up_to_multiple_of", 64)
-    up = math.ceil(h * cfg.get("ffn_proj_factor", 2.667) / multiple) * multiple
+    # transformers' rounding, on the float width: 1536 x 2.667 = 4096.5 gives 4096, not 4160
+    up = int(((h * cfg.get("ffn_proj_factor", 2.667) + multiple - 1) // multiple) * multiple)
     mixer = XlstmShape(cfg.get("num_heads", 8), int(h * cfg.get("qk_dim_factor", 0.5)),
                        int(h * cfg.get("v_dim_factor", 1.0)), bias, cfg.get("chunk_size", 64))
     # kept for backward a token: the gate's and the up projection's outputs, the SiLU's, their product (down's input)

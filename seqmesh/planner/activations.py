@@ -15,6 +15,9 @@ from .placement import placement, tp_heads
 from .workload import Workload
 
 INT64 = 8
+# (B, l, H, k) float32 tensors a sparse block's backward holds at once: its probabilities, their gradient, the scores'
+# gradient and a temporary of their product
+SCORE_TENSORS = 4
 GPU = torch.device("cuda")  # the device the planner plans for (block sizes that differ by device)
 TILED_RECOMPUTE = "tiled MLP recompute"  # under TP, checkpointed: a layer's peak before its weight gradients exist
 
@@ -65,7 +68,8 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     copy, and a float32 score block (B, l, Hi, S) of ``indexer_block`` queries (scaled and rectified in place). The
     attention's backward: the gradients of its queries (B, L, H, Dn + Dr) and of the gathered row (B, S, R + Dr), and a
     block's chosen latents and rotary keys (B, l, k, R + Dr) with their gradient (a GPU's blocks, as
-    ``seqmesh.kernels.sparse_latent_blocks.block_queries`` sizes them), and a float32 (B, L, H) sum."""
+    ``seqmesh.kernels.sparse_latent_blocks.block_queries`` sizes them) beside its float32 probabilities, their
+    gradient and its temporaries (:data:`SCORE_TENSORS` of (B, l, H, k)), and a float32 (B, L, H) sum."""
     m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
     per_query = b * lat.index_n_heads * work.seq_len
@@ -74,8 +78,9 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
     step = min(sparse_latent_blocks.block_queries(b, top, width, GPU, indexed_attention.BLOCK_ELEMENTS), local)
     chosen = step * b * top * width
+    probs = step * b * m.heads * top * 4 * SCORE_TENSORS  # the block's float32 probabilities and their gradients
     queries = local * b * m.heads * (lat.qk_head_dim * e + 4)  # with the float32 sum of out . d out per head
-    return max(select, 2 * chosen * e + row * width * e + queries)
+    return max(select, 2 * chosen * e + probs + row * width * e + queries)
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..model.hybrid_shape import SLIDING
 from ..rules.degrees import Degrees
 from ..rules.overlap import ASYNC_PIECES, pipelined_exposed
 from .activations import local_tokens
@@ -141,14 +142,33 @@ class Attention:
                 "attention_forward": attn_fwd, "attention_backward": attn_bwd}
 
 
+def hybrid_attention_split(m) -> tuple[int, int]:
+    """(full, windowed) attention layers of the hybrid ``m``: LFM3's ``sliding_attention`` layers windowed beside its
+    full ones, every attention layer windowed where the model has a window and no full layers among them
+    (RecurrentGemma's local attention), none otherwise. The one rule of :func:`.layers.hybrid_layer_kinds` and of the
+    attention time's average."""
+    n = m.hybrid.attention_layers
+    if not m.sliding_window:
+        return n, 0
+    if not m.full_every:
+        return 0, n
+    sliding = m.hybrid.count(SLIDING)
+    return n - sliding, sliding
+
+
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
-    """``cost`` of one attention layer averaged over the model's full and sliding layers (pairs, ring hops)."""
+    """``cost`` of one attention layer averaged over the model's full and sliding attention layers (pairs, ring
+    hops); a hybrid's over its attention layers alone (:func:`hybrid_attention_split`)."""
     m = work.model
     full = cost(Attention(work, layout))
-    if not m.sliding_window or not m.sliding_layers:
+    if m.hybrid is not None:
+        n_full, n_windowed = hybrid_attention_split(m)
+    else:
+        n_full, n_windowed = m.layers - m.sliding_layers, m.sliding_layers
+    if not m.sliding_window or not n_windowed:
         return full
     windowed = cost(Attention(work, layout, m.sliding_window))
-    return ((m.layers - m.sliding_layers) * full + m.sliding_layers * windowed) / m.layers
+    return (n_full * full + n_windowed * windowed) / (n_full + n_windowed)
 
 
 def ring_merge_seconds(work: Workload, layout: Degrees, hw: HardwareSpec, phase: str) -> float:

@@ -183,7 +183,7 @@ class Mamba1Layer(_DiagonalLayer):
         """What the layer's backward holds beyond what it saved: :data:`MAMBA_BACKWARD` ``inner x state`` tensors, less
         :data:`MAMBA_WIDE` ``inner``-wide ones, in the state dtype (measured with :meth:`saved_per_token`, below)."""
         i, n = self.work.model.hybrid.mamba1.inner, self.work.model.hybrid.mamba1.state
-        return tokens(self.work, self.layout) * self._state_bytes() * i * (MAMBA_BACKWARD * n - MAMBA_WIDE)
+        return tokens(self.work, self.layout) * self._state_bytes() * i * max(0, MAMBA_BACKWARD * n - MAMBA_WIDE)
 
     def norms(self) -> int:
         return self.work.model.hybrid.norms

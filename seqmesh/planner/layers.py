@@ -312,12 +312,12 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     Where every attention layer has a window (RecurrentGemma's local attention), they are planned with it."""
     from ..model.hybrid_shape import (ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV, SLIDING,
                                       XLSTM)
+    from .attention_layer import hybrid_attention_split
 
     hybrid, m = work.model.hybrid, work.model
-    window = m.sliding_window if m.sliding_window and not m.full_every else None
-    sliding = hybrid.count(SLIDING)  # LFM3's windowed layers, beside its full ones
-    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout, window), hybrid.attention_layers - sliding),
-                                          (Attention(work, layout, m.sliding_window), sliding)]
+    full, windowed = hybrid_attention_split(m)  # LFM3's sliding layers beside its full ones; RecurrentGemma's local
+    kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full),
+                                          (Attention(work, layout, m.sliding_window), windowed)]
     for (mixer, ffn), n in hybrid.kinds():
         if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
             beside = mixer == PARALLEL

@@ -56,11 +56,12 @@ class ShortConvLayer:
         return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward (an estimate, not yet checked against a run): per token its two norms, in_proj's
-        input and output (B | C | x), the conv's input (B x) and output, out_proj's input (C y), the feed-forward's."""
+        """Bytes saved for backward (an estimate, not yet checked against a run): per token its norms (two; LFM3's
+        sandwich, four), in_proj's input and output (B | C | x), the conv's input (B x) and output, out_proj's input
+        (C y), the feed-forward's."""
         w, m = self.work, self.work.model
         e = w.act_bytes
-        per_token = (2 * norm_saved(m, e, w.efficient_norm) + e * 7 * m.hidden
+        per_token = (m.hybrid.norms * norm_saved(m, e, w.efficient_norm) + e * 7 * m.hidden
                      + e * m.hybrid.ffn(self.ffn).kept)
         return tokens(w, self.layout) * per_token
 

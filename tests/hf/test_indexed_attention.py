@@ -33,12 +33,15 @@ def _run_in_small_blocks(cases: list[tuple]) -> list[dict]:
     from seqmesh.hf import indexed_attention
     from seqmesh.kernels import sparse_latent_blocks
 
-    saved = indexed_attention.BLOCK_ELEMENTS, sparse_latent_blocks.CPU_BLOCK_ELEMENTS
-    indexed_attention.BLOCK_ELEMENTS, sparse_latent_blocks.CPU_BLOCK_ELEMENTS = 3 * 4 * 45, 1
+    saved = (indexed_attention.BLOCK_ELEMENTS, indexed_attention.CPU_INDEXER_ELEMENTS,
+             sparse_latent_blocks.CPU_BLOCK_ELEMENTS)
+    (indexed_attention.BLOCK_ELEMENTS, indexed_attention.CPU_INDEXER_ELEMENTS,
+     sparse_latent_blocks.CPU_BLOCK_ELEMENTS) = 3 * 4 * 45, 3 * 4 * 45, 1
     try:
         return _run_all(cases)
     finally:
-        indexed_attention.BLOCK_ELEMENTS, sparse_latent_blocks.CPU_BLOCK_ELEMENTS = saved
+        (indexed_attention.BLOCK_ELEMENTS, indexed_attention.CPU_INDEXER_ELEMENTS,
+         sparse_latent_blocks.CPU_BLOCK_ELEMENTS) = saved
 
 
 def _run_on_the_kernel(cases: list[tuple]) -> list[dict]:

@@ -267,6 +267,11 @@ def test_plan_recommends_a_layout_at_128k(tmp_path, capsys, cfg, billions):
         kinds = layer_kinds(Workload(shape, 131072), Degrees(best["ulysses"], best["ring"], best["dp_shard"]))
         windows = {kind.window: n for kind, n in kinds if isinstance(kind, Attention)}
         assert windows == {None: 6, 256: 5}, windows
+        from seqmesh.planner.attention_layer import attention_average  # the time's pairs: 6 full, 5 windowed
+
+        work, lay = Workload(shape, 131072), Degrees(best["ulysses"], best["ring"], best["dp_shard"])
+        full, windowed = Attention(work, lay).pairs(), Attention(work, lay, 256).pairs()
+        assert attention_average(work, lay, Attention.pairs) == pytest.approx((6 * full + 5 * windowed) / 11)
     assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", "8", "--json"]) == 0
     short = json.loads(capsys.readouterr().out)
     same = next(c for c in short["candidates"] if c["layout"] == best)
@@ -532,8 +537,9 @@ def test_a_pure_mamba_plan_puts_the_sequence_on_the_ring(tmp_path, capsys):
     dict(vocab_size=1000, hidden_size=96, num_blocks=3, num_hidden_layers=None, num_heads=2, qk_dim_factor=0.25,
          v_dim_factor=0.5, ffn_proj_factor=1.5, ffn_round_up_to_multiple_of=32, use_bias=True, weight_mode="fused",
          tie_word_embeddings=True),
-    dict(vocab_size=50304, hidden_size=4096, num_hidden_layers=32, num_heads=8)],  # xLSTM-7B's shape
-    ids=["tiny", "biased-fused-tied", "7b"])
+    dict(vocab_size=50304, hidden_size=4096, num_hidden_layers=32, num_heads=8),  # xLSTM-7B's shape
+    dict(vocab_size=1000, hidden_size=1536, num_hidden_layers=1, num_heads=4)],  # 1536 x 2.667 = 4096.5: 4096 wide
+    ids=["tiny", "biased-fused-tied", "7b", "1536"])
 def test_xlstm_parameters_equal_the_transformers_model(tmp_path, sizes):
     """xLSTM's config.json: every parameter transformers builds (the mLSTM layer's projections, gates, head norm and
     out_proj, the feed-forward rounded up to its multiple, both norms, biases where use_bias), each block planned as
