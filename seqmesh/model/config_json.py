@@ -164,8 +164,10 @@ def _own_attention_fields(cfg: dict) -> dict:
     if family == "doge":  # its window, which the planner checks the length against; experts only with is_moe
         fields["extra"] = (("keep_window_size", cfg.get("keep_window_size", DOGE_WINDOW)),)
         if cfg.get("is_moe"):
-            fields["unplanned"] = ("seqmesh plan does not size Doge's cross-domain mixture of experts (is_moe=True) "
-                                   "yet; seqmesh train runs it all the same")
+            fields["unplanned"] = ("seqmesh plan does not size Doge's cross-domain mixture of experts (is_moe=True), "
+                                   "which seqmesh train refuses too: it routes each token by two other tokens' router "
+                                   "logits, which a shard cannot reproduce (seqmesh.hf.layers.FAMILY_REASONS); Doge "
+                                   "with is_moe=False is planned and trained")
         else:
             fields |= {"experts": 0, "experts_per_token": 0}
     if family in ALIBI:
