@@ -181,6 +181,9 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
     norm = norm_backward_steps(work, layout)
     qkv = g * (hq_rank + 2 * hk_rank) * m.head_dim * e
     out = g * hq_rank * m.head_dim * e
+    if m.hybrid is not None and not m.hybrid.attention_layers and not any(f for _, f in m.hybrid.blocks):
+        # a mixer and its norm alone (pure Mamba): the mixer's backward is its kind's (backward_bytes)
+        return [*(("input " + op, a, f) for op, a, f in norm), ("residual gradient sum", 0, hidden)]
     steps = [gather_backward("down_proj", wide)] if tp and not work.tiled_mlp else []
     if tp and work.tiled_mlp:  # the tiled MLP waits for its gathered output gradient at once: one (B, L, hidden)
         steps += [("MLP output gather backward", 2 * wide, wide)]
