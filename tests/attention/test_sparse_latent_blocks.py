@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from seqmesh.kernels import sparse_latent_blocks as blocks
+from sparse_latent_cases import dense_reference
 
 ROUNDING_MULTIPLE = 4
 SCALE = 0.3
@@ -18,19 +19,10 @@ FLOOR = 2.0**-23  # a few float32 ulps: a reference draw that lands on the float
 
 
 def dense_mla(q_nope, q_rot, row, picks, sinks, w_key, w_value):
-    """The op written out: (B, L, H, Dn) through w_key (H, Dn, R) beside q_rot; every row key scored; the picks kept;
-    one softmax with a sink logit per head; the kept latents summed, then through w_value (H, Dv, R)."""
+    """The op written out: (B, L, H, Dn) through w_key (H, Dn, R) beside q_rot; every row key scored, the picks kept
+    (sparse_latent_cases.dense_reference); the kept latents summed, then through w_value (H, Dv, R)."""
     nope = q_nope if w_key is None else torch.einsum("blhn,hnr->blhr", q_nope, w_key)
-    query = torch.cat([nope, q_rot], dim=-1)
-    b, length, _ = picks.shape
-    seen = torch.zeros(b, length, row.shape[1] + 1, dtype=torch.bool)
-    seen.scatter_(2, torch.where(picks >= 0, picks, row.shape[1]), True)  # -1 lands in a spare column
-    scores = torch.einsum("blhc,btc->blht", query, row) * SCALE
-    scores = scores.masked_fill(~seen[:, :, None, :-1], float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks[:, None].expand(*scores.shape[:-1], 1)], dim=-1)
-    probs = torch.softmax(scores, dim=-1)[..., : row.shape[1]]
-    attended = torch.einsum("blht,btr->blhr", probs, row[..., : nope.shape[-1]])
+    attended = dense_reference(torch.cat([nope, q_rot], dim=-1), row, picks, SCALE, nope.shape[-1], sinks)
     return attended if w_value is None else torch.einsum("blhr,hvr->blhv", attended, w_value)
 
 
