@@ -21,6 +21,17 @@ ATTENTION = "attention"
 SLIDING = "sliding_attention"  # attention over a window (LFM3's sliding layers, beside its full ones)
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
 
+
+def positive_sizes(shape, names: tuple[str, ...], what: str, entries: str = "") -> None:
+    """A ValueError naming the first of ``shape``'s ``names`` that is not a positive integer: "the {what}' {name} =
+    {value} must be a positive integer ({entries}); fix the config.json." (``entries``: the config.json's names)."""
+    for name in names:
+        value = getattr(shape, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            where = f" ({entries})" if entries else ""
+            raise ValueError(f"the {what}' {name} = {value!r} must be a positive integer{where}; fix the config.json.")
+
+
 def ssd_widths(heads: int, head_dim: int, groups: int, state: int) -> tuple[int, int]:
     """``(d_inner, conv channels)`` of a Mamba2 mixer: the channels its scan runs (heads x head_dim), and its conv's
     (x | B | C), which the conv halo carries. The one formula the planner's shape (:class:`Mamba2Shape`) and the
@@ -45,10 +56,7 @@ class Mamba2Shape:
     gated_norm: bool = True  # the gated RMSNorm (Falcon-H1 without mamba_rms_norm gates with silu(z) alone)
 
     def __post_init__(self) -> None:
-        for name in ("heads", "head_dim", "state", "groups", "conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the Mamba2 layers' {name} = {value!r} must be a positive integer; fix the config.json.")
+        positive_sizes(self, ("heads", "head_dim", "state", "groups", "conv"), "Mamba2 layers")
         if self.heads % self.groups:
             raise ValueError(f"the Mamba2 layers' {self.groups} groups do not divide their {self.heads} heads "
                              "(n_groups / mamba_n_groups); each group's B and C serve whole heads: fix the config.json.")
@@ -207,11 +215,8 @@ class KdaShape:
     conv: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("heads", "head_dim", "conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the KDA layers' {name} = {value!r} must be a positive integer (linear_num_heads, "
-                                 "linear_head_dim, linear_conv_kernel_dim); fix the config.json.")
+        positive_sizes(self, ("heads", "head_dim", "conv"), "KDA layers",
+                       "linear_num_heads, linear_head_dim, linear_conv_kernel_dim")
 
     @property
     def inner(self) -> int:
@@ -258,11 +263,8 @@ class RgLruShape:
     conv: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("width", "heads", "conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the RG-LRU blocks' {name} = {value!r} must be a positive integer (lru_width, "
-                                 "num_attention_heads, conv1d_width); fix the config.json.")
+        positive_sizes(self, ("width", "heads", "conv"), "RG-LRU blocks",
+                       "lru_width, num_attention_heads, conv1d_width")
         if self.width % self.heads:
             raise ValueError(f"the RG-LRU's {self.heads} gate blocks (num_attention_heads) do not divide its width "
                              f"{self.width} (lru_width); fix the config.json.")
@@ -292,11 +294,8 @@ class Mamba1Shape:
     norm_weights: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("inner", "state", "dt_rank", "conv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the Mamba layers' {name} = {value!r} must be a positive integer (mamba_expand x "
-                                 "hidden_size, mamba_d_state, mamba_dt_rank, mamba_d_conv); fix the config.json.")
+        positive_sizes(self, ("inner", "state", "dt_rank", "conv"), "Mamba layers",
+                       "mamba_expand x hidden_size, mamba_d_state, mamba_dt_rank, mamba_d_conv")
 
     def matmul_params(self, hidden: int) -> int:
         """Weights that multiply every token: in_proj, x_proj, dt_proj and out_proj."""
@@ -345,11 +344,8 @@ class XlstmShape:
     chunk: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("heads", "qk", "v", "chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"the xLSTM layers' {name} = {value!r} must be a positive integer (num_heads, "
-                                 "hidden_size x qk_dim_factor / v_dim_factor, chunk_size); fix the config.json.")
+        positive_sizes(self, ("heads", "qk", "v", "chunk"), "xLSTM layers",
+                       "num_heads, hidden_size x qk_dim_factor / v_dim_factor, chunk_size")
         if self.qk % self.heads or self.v % self.heads:
             raise ValueError(f"the xLSTM layers' {self.heads} heads do not divide their {self.qk} query/key and "
                              f"{self.v} value channels (qk_dim_factor, v_dim_factor); fix the config.json.")

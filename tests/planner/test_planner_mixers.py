@@ -87,6 +87,19 @@ def _meta_layers(path: str) -> tuple[int, list[int], int]:
     return count(model), [count(layer) for layer in layers], projections
 
 
+def _sends_as_measured(layer, per_rank: list[dict], keys: tuple[str, ...], gathers: int) -> None:
+    """The planner's ``layer`` against what comm_stats counted on each rank (a ``*_plan_cases`` function's results):
+    the layer right (within 1e-5 of transformers'), ``gathers`` all-gathers forward and as many reduce-scatters
+    backward, each of ``keys`` sending bytes, and their sum the busiest rank's bytes in each phase."""
+    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
+    kinds = {("all_gather", "forward"): gathers, ("reduce_scatter", "backward"): gathers}
+    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
+    traffic = layer.traffic()
+    assert all(traffic["forward"][key] > 0 for key in keys), traffic
+    for phase, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+        assert sum(traffic[phase][key] for key in keys) == max(r["sent"][(kind, phase)] for r in per_rank), phase
+
+
 TINY = {
     "lfm2": ("lfm2", {}),
     # the MLP's width auto-adjusted (2/3, x 1.5, rounded up to 16), a biased conv of width 5
@@ -211,12 +224,7 @@ def test_bytes_equal_what_the_layer_sends(pools, tmp_path):
 
     layer = _conv_layer(tmp_path, 40, 1, 2)
     per_rank = pools.run(2, short_conv_layer_bytes, 1, 2, 40, 2, "zigzag")
-    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
-    kinds = {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 1}
-    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
-    traffic = layer.traffic()
-    assert traffic["forward"]["conv_halo_gather"] == max(r["sent"][("all_gather", "forward")] for r in per_rank) > 0
-    assert traffic["backward"]["conv_halo_gather"] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+    _sends_as_measured(layer, per_rank, ("conv_halo_gather",), 1)
 
 
 def _lfm3_defaults() -> dict:
@@ -417,13 +425,7 @@ def test_rg_lru_bytes_equal_what_the_block_sends(pools, tmp_path):
     shape = model_shape(_write(tmp_path, _tiny("recurrent_gemma"), "recurrent_gemma"))
     layer = RgLruLayer(Workload(shape, 40, batch=2, bf16=False, layout="zigzag"), Degrees(1, 2, 1))
     per_rank = pools.run(2, rg_lru_layer_bytes, 1, 2, 40, 2, "zigzag")
-    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
-    kinds = {("all_gather", "forward"): 2, ("reduce_scatter", "backward"): 2}
-    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
-    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
-    assert forward[HALO] > 0 and forward[STATES] > 0
-    assert forward[HALO] + forward[STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank)
-    assert backward[HALO] + backward[STATES] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+    _sends_as_measured(layer, per_rank, (HALO, STATES), 2)
 
 
 def test_a_recurrent_gemma_plan_recommends_a_layout_at_128k(tmp_path, capsys):
@@ -496,14 +498,7 @@ def test_pure_mamba_bytes_equal_what_the_mixer_sends(pools, tmp_path):
     shape = model_shape(_write(tmp_path, json.loads(config.to_json_string()), "mamba"))
     layer = Mamba1Layer(Workload(shape, 40, batch=1, bf16=False, layout="zigzag"), Degrees(1, 2, 1), ffn="")
     per_rank = pools.run(2, mamba_mixer_bytes, 2, 40)
-    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
-    kinds = {("all_gather", "forward"): 2, ("reduce_scatter", "backward"): 2}
-    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
-    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
-    assert forward[MAMBA_HALO] > 0 and forward[MAMBA_STATES] > 0
-    assert forward[MAMBA_HALO] + forward[MAMBA_STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank)
-    assert backward[MAMBA_HALO] + backward[MAMBA_STATES] == max(
-        r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+    _sends_as_measured(layer, per_rank, (MAMBA_HALO, MAMBA_STATES), 2)
 
 
 # Mamba-2.8B's shape as remembered (not checked against the release's config.json): 64 layers of width 2560, a state
@@ -575,12 +570,7 @@ def test_mlstm_bytes_equal_what_the_layer_sends(pools, tmp_path):
     shape = model_shape(str(folder))
     layer = XlstmLayer(Workload(shape, 40, batch=2, bf16=False, layout="zigzag"), Degrees(1, 2, 1), ffn="xlstm_ffn")
     per_rank = pools.run(2, mlstm_layer_bytes, 2, 40, 2)
-    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
-    kinds = {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 1}
-    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
-    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
-    assert forward[MLSTM_STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank) > 0
-    assert backward[MLSTM_STATES] == max(r["sent"][("reduce_scatter", "backward")] for r in per_rank)
+    _sends_as_measured(layer, per_rank, (MLSTM_STATES,), 1)
 
 
 def test_an_xlstm_plan_puts_the_sequence_on_the_ring(tmp_path, capsys):
@@ -640,11 +630,4 @@ def test_rwkv_bytes_equal_what_the_block_sends(pools, tmp_path):
     layer = RwkvLayer(Workload(model_shape(str(tmp_path)), 40, batch=2, bf16=False, layout="zigzag"), Degrees(1, 2, 1),
                       "rwkv_channel_mix")
     per_rank = pools.run(2, rwkv_block_bytes, 1, 2, 40, 2, "zigzag")
-    assert all(r["error"] < 1e-5 for r in per_rank), per_rank
-    kinds = {("all_gather", "forward"): 3, ("reduce_scatter", "backward"): 3}
-    assert all({k: n for k, n in r["calls"].items() if n} == kinds for r in per_rank), per_rank
-    forward, backward = layer.traffic()["forward"], layer.traffic()["backward"]
-    assert forward[RWKV_SHIFT] > 0 and forward[RWKV_STATES] > 0
-    assert forward[RWKV_SHIFT] + forward[RWKV_STATES] == max(r["sent"][("all_gather", "forward")] for r in per_rank)
-    assert backward[RWKV_SHIFT] + backward[RWKV_STATES] == max(r["sent"][("reduce_scatter", "backward")]
-                                                                for r in per_rank)
+    _sends_as_measured(layer, per_rank, (RWKV_SHIFT, RWKV_STATES), 3)
