@@ -172,13 +172,17 @@ def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: 
     leaving = set([c - 1 for c in first_chunks[1:]] + [n - 1])
     state = u.new_zeros(b, h, w.shape[-1], dv)
     outs, finals = [], []
-    for i in range(n):
+    # each chunk's slices taken once: the backward stacks their gradients in one copy, where indexing per chunk
+    # would write a zeroed whole-tensor gradient for every chunk
+    per_chunk = zip(u.unbind(2), w.unbind(2), q_read.unbind(2), intra.unbind(2), k_write.unbind(2),
+                    chunk_decay.unbind(2))
+    for i, (u_i, w_i, q_i, intra_i, k_i, decay_i) in enumerate(per_chunk):
         state = state * keep[i]
         if initial_state is not None and i in entering:
             state = state + initial_state[:, entering[i]].to(u.dtype)
-        v_new = u[:, :, i] - w[:, :, i] @ state  # (B, H, C, Dv)
-        outs.append(q_read[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
+        v_new = u_i - w_i @ state  # (B, H, C, Dv)
+        outs.append(q_i @ state + intra_i @ v_new)
+        state = state * decay_i + k_i.transpose(-1, -2) @ v_new
         if i in leaving:
             finals.append(state)
     return torch.stack(outs, 2).reshape(b, h, n * chunk, dv).transpose(1, 2), torch.stack(finals, 1)
