@@ -19,7 +19,7 @@ The methods (the same model config and the same weights, from ``build_model``'s 
                        whole sequences
     transformers_ckpt  the same with transformers' gradient checkpointing
     seqmesh            the ``seqmesh train`` build: sequence parallelism over all processes, chunked loss,
-                       FSDP2 on more than one process (none on one, as ``seqmesh train`` without ``--fsdp``)
+                       FSDP2 on more than one process or in bf16 (as ``seqmesh train`` without ``--fsdp``)
     seqmesh_all        and every memory technique: checkpointing, offloaded checkpoints, tiled MLP,
                        the efficient RMSNorm, FSDP2 CPU offload (host-held bytes are reported apart, not
                        in the peak)

@@ -131,9 +131,9 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     vision-language model's tower (None: the tower is not sized)."""
     from ..model.presets import model_shape
 
-    if not cfg.uses_fsdp(world, cuda=device == "cuda"):
-        raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process, "
-                         "where seqmesh train does not shard unless asked, pass --fsdp).")
+    if not cfg.uses_fsdp(world):
+        raise ValueError("the planner models FSDP2 runs; drop --no-fsdp to compare with it (on one process in "
+                         "fp32, where seqmesh train does not shard unless asked, pass --fsdp).")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
     shape = model_shape(cfg.model)

@@ -10,7 +10,7 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    ``LD_PRELOAD`` environment for the rehearsal's own process. Nothing is loaded into the caller.
 2. Python (:func:`fake_cuda`): inside the rehearsal only, and restored on exit, the ``torch.cuda`` calls the step
    makes (FSDP2's streams and events, DeviceMesh's device count, the kernels' capability check, the memory
-   tracker's peak statistics) answer as one H100 would, and ``Tensor.record_stream`` (no fake kernel) does nothing.
+   tracker's peak statistics, autocast's availability check) answer as one H100 would, and ``Tensor.record_stream`` (no fake kernel) does nothing.
    Each patched attribute must exist in the installed torch: a missing one is named, not silently added.
 3. Dispatch (:data:`FUSED_CUDA_BACKWARDS`): an operator that has a CPU kernel and a decomposition
    (``CompositeImplicitAutograd``) but, in a CPU build, no CUDA kernel, is decomposed on CUDA tensors, where a CUDA
@@ -297,6 +297,11 @@ def _replacements(cudnn: bool = False) -> list[tuple[object, str, object]]:
         (torch.cuda, "memory_allocated", lambda device=None: 0),
         (torch.cuda, "empty_cache", lambda: None),
         (torch.backends.cuda, "is_flash_attention_available", lambda: True),  # an H100's torch has it
+        # torch.autocast("cuda") asks both, and without them turns itself off with a warning: a bf16 run without
+        # FSDP2 (--bf16 --no-fsdp, autocast) would then rehearse float32 compute, the recompute of a checkpointed
+        # layer included (torch.utils.checkpoint enters autocast again)
+        (torch.cuda.amp.common, "amp_definitely_not_available", lambda: False),
+        (torch.cuda, "is_bf16_supported", lambda including_emulation=True: True),
         (torch.Tensor, "record_stream", lambda self, stream: None),  # no fake kernel; nothing to keep alive
     ]
 

@@ -61,8 +61,9 @@ class RunSettings:
     fsdp: bool | None = None
     """Shard weights, gradients and optimizer state with FSDP2 over every rank (--fsdp), or replicate them
     and sum the gradients after backward (--no-fsdp). Unset: FSDP2 on more than one process, none on one
-    (nothing to shard there, and FSDP2's per-step copies cost time), unless --fsdp-cpu-offload needs it, or --bf16
-    without CUDA asks for it (FSDP2's mixed precision rather than CPU autocast; --no-fsdp autocasts there too)."""
+    (nothing to shard there), unless --fsdp-cpu-offload needs it, or --bf16 asks for it: FSDP2's mixed precision
+    keeps the residual stream in bf16, as every rank of a larger run does, where autocast (--bf16 --no-fsdp)
+    keeps it in float32 (the CPU and one GPU alike)."""
     fsdp_cpu_offload: bool = False
     """FSDP2 keeps sharded parameters, gradients and optimizer state in host memory; the optimizer steps on
     the CPU."""

@@ -267,8 +267,9 @@ def _tracked_training(cfg) -> dict:
 
 
 def rehearsal_rows(plan: SelftestPlan, launch: Launch = launch_process) -> list[dict]:
-    """The real step beside its rehearsal: :data:`ALL_TECHNIQUES` but the CPU offload (a one-device run without
-    FSDP2, the step ``seqmesh train`` takes on one GPU), two steps, the second tracked; then ``seqmesh rehearse`` of
+    """The real step beside its rehearsal: :data:`ALL_TECHNIQUES` but the CPU offload (the step ``seqmesh train``
+    takes on one device: on a GPU in bf16, under FSDP2's mixed precision), two steps, the second tracked; then
+    ``seqmesh rehearse`` of
     the same run on fake tensors. Where the two differ, the rehearsal (and the planner, which models the same
     tensors) misses what this device's kernels keep."""
     import dataclasses

@@ -73,7 +73,7 @@ def _device() -> torch.device:
 
 def uses_fsdp(cfg: TrainConfig) -> bool:
     """Whether this run shards with FSDP2 (``TrainConfig.fsdp``, resolved for this world and device)."""
-    return cfg.uses_fsdp(dist.get_world_size(), _device().type == "cuda")
+    return cfg.uses_fsdp(dist.get_world_size())
 
 
 def build(cfg: TrainConfig, source: ModelSource | None = None,

@@ -93,6 +93,26 @@ def test_fake_cuda_runs_the_cuda_kernel_and_the_same_parts_as_on_the_cpu(rehears
     assert 0.85 <= cuda["ratio"] <= 1.15, cuda
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
+def test_one_gpu_in_bf16_is_the_planned_run_and_autocast_rehearses_on_fake_cuda(rehearse):
+    """One GPU in bf16: ``seqmesh train`` shards with FSDP2 there (a bf16 residual stream), so the planner's prediction
+    stands beside it; with ``--no-fsdp`` the step autocasts, which torch turns off where it sees no CUDA device: fake
+    CUDA rehearsed that run in float32 (the memory-efficient kernel, float32 matmuls) until the rehearsal answered
+    autocast's check. Its bytes are the CPU's autocast step's: on either device the residual stream stays float32."""
+    one = TrainConfig(model="llama-tiny", seq_len=256, checkpointing=True, bf16=True)
+    planned, autocast, cpu_autocast = _side_by_side(
+        lambda: rehearse(one, 1, timeout=180),
+        lambda: rehearse(dataclasses.replace(one, fsdp=False), 1, timeout=180),
+        lambda: rehearse(dataclasses.replace(one, fsdp=False), 1, timeout=180, device="cpu"))
+    assert planned["kernels"] == ["cuda_flash"] and 0.95 <= planned["ratio"] <= 1.05, planned
+    assert autocast["kernels"] == ["cuda_flash"] and autocast["ratio"] is None, autocast  # bf16 inputs, no plan
+    mine, other = autocast["measured_by_category"], cpu_autocast["measured_by_category"]
+    assert mine["parameters"] == other["parameters"] and mine["activations"] == other["activations"], (mine, other)
+    assert abs(autocast["measured_peak_bytes"] / cpu_autocast["measured_peak_bytes"] - 1) < 0.02, (autocast,
+                                                                                                     cpu_autocast)
+    assert planned["measured_by_category"]["activations"] < mine["activations"]  # bf16 against float32 inputs
+
+
 def test_a_machine_without_a_compiler_is_told_so(monkeypatch):
     """A CPU build of torch whose fake CUDA library is not built yet needs a compiler to build it (once built, the
     rehearsal preloads it without starting a build process)."""
