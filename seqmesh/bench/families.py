@@ -1,6 +1,6 @@
 """``seqmesh bench families``: each frontier family's training step beside a dense model of the same width.
 
-One process, one device (the CPU over gloo, or one GPU over NCCL with bf16 autocast), the ``seqmesh train`` build
+One process, one device (the CPU over gloo, or one GPU over NCCL in bf16), the ``seqmesh train`` build
 with checkpointing: every family's small config (:func:`family_config`, built from its transformers config class
 and written as a config.json, as a user gives one) runs ``warmup`` steps, then ``repeats`` timed steps (the median
 counts), each a forward, backward and AdamW step of one sequence of ``seq_len`` tokens. Each row gives the step's
@@ -134,7 +134,7 @@ def family_config(name: str, bench: FamiliesBench):
 
 def _measure(folder: str, bench: FamiliesBench) -> dict:
     """On the one rank: the ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16
-    autocast on CUDA); its steps' seconds and peak tensor bytes."""
+    on CUDA, under FSDP2's mixed precision as seqmesh train runs it); its steps' seconds and peak tensor bytes."""
     from ..memory import MemoryTracker
     from ..training.step import make_optimizer, step_autocast
     from ..training.train import uses_fsdp
