@@ -219,6 +219,21 @@ def family_config(family: str):
         config.sliding_window_size, config.rel_extent, config.log_scaling_n_floor = 6, 8, 4
         config.swa_num_attention_heads, config.swa_head_dim, config.swa_num_key_value_heads = 4, 16, 2
         return config
+    if family in ("inkling2", "inkling2-loop"):  # Inkling 2: a sliding layer (window 6, its own 4 heads), a full one
+        # (dynamic convolutions on its keys and values, a relative bias 8 keys back, queries and bias log-scaled past
+        # the 4th token of their document), block states kept after every layer, clips that bite; -loop: a third
+        # layer, the middle one run in 2 passes with its message gates
+        from census_configs import census_config as census_built
+
+        config = census_built("inkling2_text" if family == "inkling2" else "inkling2_loop_text")
+        config.sliding_window_size, config.rel_extent, config.log_scaling_n_floor = 6, 8, 4
+        config.swa_num_attention_heads, config.swa_head_dim, config.swa_num_key_value_heads = 4, 16, 2
+        config.n_layers_per_attn_res_block, config.qk_l2_clip_threshold, config.rel_l2_clip_threshold = 1, 2.0, 1.0
+        if family == "inkling2-loop":
+            config.layer_types = ["hybrid_sliding", "hybrid", "hybrid_sliding"]
+            config.num_hidden_layers, config.loop_layer_index_start, config.loop_layer_index_end = 3, 1, 2
+            config.loop_num_passes = 2
+        return config
     if family == "xlstm":  # mLSTM layers: the chunkwise kernel over chunks of 8, the recurrent one for the rest
         from census_configs import census_config as census_built
 

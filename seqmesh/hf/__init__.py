@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..comm.ranks import local_part
 from ..sharded_attention.api import attention
 from . import own_attention
-from . import block_sparse_attention, compressed_attention, indexed_attention, inkling, qsa_attention
+from . import block_sparse_attention, compressed_attention, indexed_attention, inkling, inkling2, qsa_attention
 from . import mixers
 from .mixer_kind import CHUNK_ATTR
 from . import positions
@@ -278,6 +278,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     compressed = compressed_attention.compressed_layers(model, mesh)  # DeepSeek-V4's HCA and CSA layers
     qsa = qsa_attention.qsa_layers(model, mesh)  # Qwen4-Exp's QSA layers
     relative = inkling.relative_attention_layers(model, mesh)  # Inkling's attention with its relative bias
+    relative2 = inkling2.attention_layers(model, mesh)  # Inkling 2's
     check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed + qsa,
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types)
                  + ((block_sparse_attention.LAYER_TYPE,) if sparse else ())
@@ -329,6 +330,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     compressed_attention.install(compressed, mesh)
     qsa_attention.install(qsa, mesh)
     inkling.install(relative, mesh)
+    inkling2.install(relative2, inkling2.depth_layers(model), mesh, previous)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)
@@ -360,6 +362,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     compressed_attention.uninstall(model)
     qsa_attention.uninstall(model)
     inkling.uninstall(model)
+    inkling2.uninstall(model)
     uninstall_async(model)
     positions.uninstall(model)
     for module in model.modules():

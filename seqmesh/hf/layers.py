@@ -250,8 +250,6 @@ FAMILY_REASONS: dict[str, Callable[[object], str | None]] = {
         "BLT reads bytes with a local encoder, groups them into patches by an entropy model and runs its global "
         "transformer over the patches, cross-attending bytes and patches; its patches are drawn from each call's "
         "bytes, not positions seqmesh can shard (it has no attention heads at its top level)"),
-    "inkling2_text": lambda c: _INKLING2,
-    "inkling2_loop_text": lambda c: _INKLING2,
     "doge": lambda c: _DOGE_MOE if getattr(c, "is_moe", False) else None,
 }
 _DOGE_MOE = ("Doge's cross-domain mixture of experts (is_moe=True) routes each token by the router logits of two other "
@@ -259,9 +257,6 @@ _DOGE_MOE = ("Doge's cross-domain mixture of experts (is_moe=True) routes each t
              "for its checkpoints' sake), so a rank would route its tokens by its own shard's logits: 0.03 off the "
              "logits on two ranks; it would take the router logits gathered over the whole batch in transformers' "
              "order (not built). Doge with is_moe=False (its dense MLP) runs exactly")
-_INKLING2 = ("Inkling 2 convolves its keys and values (short convolutions inside k_proj and v_proj), clips them by "
-             "their L2 norm and adds block residuals; seqmesh runs Inkling's convolutions on their halo, not these, "
-             "and would need the same for Inkling 2's (not built)")
 
 
 def family_reason(model: nn.Module) -> str | None:

@@ -157,6 +157,10 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields["unplanned"] = ("seqmesh plan does not size Inkling's layers yet (its short convolutions, a relative "
                                "bias over the gathered row, sliding layers of their own heads); seqmesh train runs it "
                                "all the same")
+    if family in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"):
+        fields["unplanned"] = ("seqmesh plan does not size Inkling 2's layers yet (its short and dynamic convolutions, "
+                               "a relative bias over the gathered row, sliding layers of their own heads, the block "
+                               "states each token keeps; Inkling2-Loop's passes); seqmesh train runs it all the same")
     if family in ("qwen4_exp", "qwen4_exp_text"):
         fields["unplanned"] = ("seqmesh plan does not size Qwen4-Exp's QSA layers and hyper-connections yet (each "
                                "query's selected blocks gathered from the row; residual streams a token, mixed around "

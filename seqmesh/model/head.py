@@ -5,8 +5,8 @@ matrix inside the cross-entropy (``seqmesh.model.loss``). That equals the model'
 computes ``logits = lm_head(hidden)`` with a bias-free linear head, possibly times a constant: Cohere's
 ``logit_scale``, Granite's ``1 / logits_scaling``, which the loss applies to the hidden states instead
 (``(s x) W^T = s (x W^T)``), and a final soft-cap ``c tanh(z / c)`` (Gemma 2's ``final_logit_softcapping``;
-RecurrentGemma's ``logits_soft_cap``, in one statement), which
-the loss applies to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
+RecurrentGemma's ``logits_soft_cap``, in one statement; Inkling 2's ``logit_softcap`` module), which the loss applies
+to each tile of logits. :func:`logit_head` reads the model's forward (its source, as transformers
 ships it) and returns both; the head's bias (Phi's) the loss adds itself, and a per-token prediction head the decoder's
 output goes through first (ModernBERT-decoder's ``self.decoder(self.lm_head(hidden))``; a head module that holds the
 projection last, BERT's ``cls`` and RoBERTa's ``lm_head``: that module without its projection) it applies to each
@@ -372,6 +372,34 @@ def _function_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | No
         else None
 
 
+def _module_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | None:
+    """``c`` where ``stmt`` is ``name = self.m(name)``, ``m`` a module of the model without parameters whose forward
+    gives ``c tanh(x / c)`` (Inkling 2's ``logit_softcap``: tried on a few values, ``c`` read where it saturates);
+    otherwise None."""
+    import torch
+
+    value = stmt.value if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+        and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+            and isinstance(value.func.value, ast.Name) and value.func.value.id == "self" and len(value.args) == 1
+            and isinstance(value.args[0], ast.Name) and value.args[0].id == name and not value.keywords):
+        return None
+    module = getattr(model, value.func.attr, None)
+    if not isinstance(module, nn.Module) or next(module.parameters(), None) is not None:
+        return None
+    probe = torch.tensor([-90.0, -3.0, -0.5, 0.0, 0.7, 5.0, 200.0, 1e12], dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            capped = module(probe)
+    except Exception:  # noqa: BLE001 - not a cap of this form
+        return None
+    if not isinstance(capped, torch.Tensor) or capped.shape != probe.shape or not capped[-1] > 0:
+        return None
+    cap = float(capped[-1])
+    expected = cap * torch.tanh(probe / cap)
+    return cap if torch.allclose(capped.double(), expected, rtol=1e-12, atol=0) else None
+
+
 def logit_head(lm: nn.Module) -> LogitHead:
     """The constant ``scale`` and the final ``softcap`` of ``lm``'s logits (``W``: its output embedding's weight);
     a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
@@ -415,6 +443,7 @@ def logit_head(lm: nn.Module) -> LogitHead:
     for stmt in statements[index + 1:]:
         cap = _one_statement_softcap(stmt, logits, lm, known)
         cap = cap if cap is not None else _function_softcap(stmt, logits, lm)
+        cap = cap if cap is not None else _module_softcap(stmt, logits, lm)
         if cap is not None:  # logits = tanh(logits / cap) * cap (or a function of the family's giving it): a soft-cap
             effects += [(1.0 / cap, stmt), (None, stmt), (cap, stmt)]
             continue

@@ -170,8 +170,11 @@ def check_causal(model: nn.Module, name: str) -> None:
     """Refuse a model whose decoder attends both ways (BERT and its kin: transformers builds them as "causal LMs" but
     their attention, without ``is_decoder``, sees every token): seqmesh's loss predicts each token from those
     before it, and such a model would see the answer. Names the layer and the fix."""
+    from ..hf.inkling2 import is_depth_attention  # attention over each token's own stack of states, not the tokens
+
     decoder = decoder_of(model)  # a vision tower's blocks left out
     both_ways = next((n for n, m in decoder.named_modules() if getattr(m, "is_causal", True) is False
+                      and not is_depth_attention(m)
                       or ("SelfAttention" in type(m).__name__ and getattr(m, "is_decoder", True) is False)), None)
     if both_ways is not None:
         raise ValueError(f"{name}: {type(model).__name__}'s attention ({both_ways}) sees the whole sequence both ways "

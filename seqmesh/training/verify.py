@@ -97,6 +97,21 @@ def _reference_loss(model, batches: list[dict], device: torch.device) -> tuple[t
     return total / max(count, 1), count
 
 
+def _keep_float32(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with the parameters and buffers its family keeps in float32 whatever the model's dtype
+    (``_keep_in_fp32_modules_strict``, matched by name as transformers matches it: Inkling 2's router, whose input it
+    casts to float32) back in float32, as transformers would load the model in float64."""
+    import re
+
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    if keep:
+        pattern = re.compile("|".join(re.escape(name) for name in keep))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if pattern.search(name) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+    return model
+
+
 def _reference_noise(model, batches: list[dict], device: torch.device, grads: dict[str, torch.Tensor],
                      count: int) -> dict[str, float]:
     """The reference's own rounding, relative per parameter: the larger of (a) its gradients back-propagated as
@@ -116,7 +131,7 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     # a layer may keep a tensor of its last forward (RecurrentGemma's RG-LRU its final state), which deepcopy refuses
     held = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
             if isinstance(v, torch.Tensor) and not v.is_leaf}
-    wide = copy.deepcopy(model, held).to(torch.float64)
+    wide = _keep_float32(copy.deepcopy(model, held).to(torch.float64))
     if hasattr(wide, "set_experts_implementation"):  # grouped_mm (MoE experts' default) has no float64 kernel
         wide.set_experts_implementation("eager")
     saved = torch.get_default_dtype()  # what the model makes inside, float64 too (XGLM clamps its float64 scores with

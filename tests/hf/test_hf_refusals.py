@@ -164,8 +164,7 @@ def test_deepseek_v4_compressed_attention_without_its_layout_is_refused_with_its
 # each family refused with its own reason (seqmesh.hf.layers.FAMILY_REASONS): a phrase of it that the generic
 # refusal (attention outside transformers' AttentionInterface) does not hold
 PRECISE = {"big_bird": "attention_type='original_full'", "xlm": "count of non-padding ids", "cpmant": "bucket",
-           "reformer": "LSH", "xlnet": "two-stream", "prophetnet": "n-gram streams", "blt": "entropy model",
-           "inkling2_text": "Inkling 2"}
+           "reformer": "LSH", "xlnet": "two-stream", "prophetnet": "n-gram streams", "blt": "entropy model"}
 
 
 def test_families_seqmesh_cannot_compute_are_refused_with_their_own_reason():

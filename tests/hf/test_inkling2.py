@@ -1,0 +1,141 @@
+"""Inkling 2 and Inkling2-Loop (tiny, float64 with transformers' float32 parts: a sliding layer of window 6, a full
+layer with dynamic convolutions on its keys and values and a relative bias 8 keys back, queries log-scaled by their
+index in the document, block states after every layer; -loop: a middle layer in two passes) through
+seqmesh.hf.inkling2: logits, loss and every parameter's gradient equal the unmodified transformers model on one
+process (packed documents one call each), within a multiple of the reference's own rounding, on Ulysses, ring and
+both; a dynamic or a static convolution without its halo, a bias one key off, another token's sink and the log scale
+counted from the row's start are seen."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_cases import during_calls, outside_rounding, parity_cases, parity_line
+
+pytest.importorskip("transformers.models.inkling2")  # transformers 5.24's
+ROUNDING_MULTIPLE = 4
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2), (2, 2)], ids=["u2xr1", "u1xr2", "u2xr2"])
+def test_inkling2_exact(pools, ulysses, ring):
+    cases = [("inkling2", ulysses, ring, layout, docs) for layout, docs in
+             (("zigzag", False), ("zigzag", True), ("contiguous", True))]
+    cases += [("inkling2-loop", ulysses, ring, "zigzag", ulysses == 1)]
+    for r in pools.run(ulysses * ring, parity_cases, cases)[0]:
+        print(parity_line(r))
+        assert not outside_rounding(r, ROUNDING_MULTIPLE), r
+
+
+def _during_attention(lm, name: str, value) -> None:
+    """``seqmesh.hf.inkling2.<name>`` replaced by ``value(original)`` during each call of the model's attention."""
+    from seqmesh.hf import inkling2
+
+    during_calls(lm, inkling2.is_attention, inkling2, name, value(getattr(inkling2, name)))
+
+
+def _dynamic_conv_without_halo(lm) -> None:
+    """The dynamic convolutions' earlier tokens from this rank's rows only (zeros where another rank's would be)."""
+    import torch
+
+    from seqmesh.hf import inkling2
+    from seqmesh.linear_attention import halo
+
+    def own_rows_only(x, place, kernel):
+        rows = halo.extend(x, place).shape[1]
+        own = torch.zeros(rows, dtype=x.dtype)
+        own[place.mine.own] = 1.0
+
+        def windows(extended, bounds):
+            offset = torch.arange(rows)
+            lags = [extended] + [torch.nn.functional.pad((extended * own[None, :, None])[:, :-lag], (0, 0, lag, 0))
+                                 * (offset >= lag).to(x.dtype)[None, :, None] for lag in range(1, kernel)]
+            return torch.stack(lags, dim=-1).flatten(-2)
+
+        return halo.with_halo(x, place, windows).unflatten(-1, (x.shape[-1], kernel))
+
+    during_calls(lm, inkling2.is_dynamic_convolution, inkling2, "lagged", own_rows_only)
+
+
+def _static_conv_without_halo(lm) -> None:
+    """The static short convolutions read this rank's rows only."""
+    import math
+
+    import torch
+
+    from seqmesh.hf import inkling2
+    from seqmesh.linear_attention import halo
+    from seqmesh.linear_attention.kernels import causal_conv
+
+    def own_rows_only(module, x, place):
+        wide = x.float()
+        extended = halo.extend(wide, place)
+        own = torch.zeros(extended.shape[1], dtype=torch.bool)
+        own[place.mine.own] = True
+        conv = causal_conv(extended.masked_fill(~own[None, :, None], 0.0), module.conv1d.weight.squeeze(1),
+                           module.conv1d.bias, place.mine.conv_bounds, None).index_select(1, place.mine.own)
+        return ((conv + wide) / math.sqrt(module.conv_kernel_size + 1)).to(x.dtype)
+
+    during_calls(lm, inkling2.is_short_convolution, inkling2, "short_convolution", own_rows_only)
+
+
+def _bias_one_key_off(lm) -> None:
+    """Each query's bias read one distance further (its profile shifted by one key)."""
+    import torch
+
+    def shifted(attend):
+        return lambda module, query, rel, *rest: attend(module, query, torch.roll(rel, 1, dims=-1), *rest)
+
+    _during_attention(lm, "_attend", shifted)
+
+
+def _sink_of_the_next_query(lm) -> None:
+    """Each query's sink logits taken from the next query of its block."""
+    import torch
+
+    def shifted(attend):
+        return lambda module, query, rel, sinks, *rest: attend(module, query, rel, torch.roll(sinks, -1, dims=1),
+                                                               *rest)
+
+    _during_attention(lm, "_attend", shifted)
+
+
+def _scale_from_the_row_start(lm) -> None:
+    """The full layer's log scale from each query's index in the row, not in its document."""
+    def from_row(places):
+        def document_places(mesh, info, device):
+            starts, within, longest = places(mesh, info, device)
+            return starts * 0, starts + within, longest
+
+        return document_places
+
+    _during_attention(lm, "document_places", from_row)
+
+
+@pytest.mark.parametrize("mutation,case", [
+    (_dynamic_conv_without_halo, ("inkling2", 1, 2, "zigzag", False)),
+    (_static_conv_without_halo, ("inkling2", 2, 1, "zigzag", False)),
+    (_bias_one_key_off, ("inkling2", 1, 2, "zigzag", False)),
+    (_sink_of_the_next_query, ("inkling2", 2, 1, "zigzag", False)),
+    (_scale_from_the_row_start, ("inkling2", 2, 1, "contiguous", True)),
+], ids=["dynamic-conv-halo", "conv-halo", "bias", "sink", "scale"])
+def test_an_inkling2_mutation_is_seen(pools, mutation, case):
+    r = pools.run(2, parity_cases, [case], alter=mutation)[0][0]
+    print(f"{mutation.__name__}: logits off by {r['logits']:.2e} (rounding {r['rounding']['logits']:.2e})")
+    assert r["logits"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["logits"], r
+
+
+def test_an_inkling2_config_json_verifies_and_trains(pools, tmp_path):
+    """``seqmesh verify`` and ``seqmesh train --model config.json`` on a ring of 2 (its soft-capped head read by the
+    chunked loss): a finite, falling loss; the planner says it does not size it."""
+    import math
+
+    from family_cases import family_config
+    from seqmesh.model.presets import model_shape
+    from train_job_cases import verify_then_train
+
+    family_config("inkling2").save_pretrained(tmp_path / "plan")
+    assert "Inkling 2" in model_shape(str(tmp_path / "plan")).unplanned
+
+    good, losses = verify_then_train(pools, tmp_path, family_config("inkling2"))
+    assert good["ok"] and good["loss_diff"] < 1e-5, good
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
