@@ -48,11 +48,18 @@ EXPERT_PARALLEL_FAMILIES = (
 # of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
 SCALED_BEFORE_EXPERTS = ("llama4_text",)
 
-# MoE families whose experts module is not the (hidden, top_k_index, top_k_weights) one above: what they compute instead
+_INKLING2 = ("Inkling 2's experts weight each output inside the module and sum them in float32, so a split that "
+             "weights on the token's rank rounds at another point; it would take the weights applied before the "
+             "float32 sum on the expert's rank (not built)")
+# MoE families whose experts module is not the (hidden, top_k_index, top_k_weights) one above, or that a split would
+# round otherwise: what they compute instead
 NOT_SPLIT = {
     "jetmoe": "JetMoE's experts take tokens already sorted by expert with per-expert counts, and its attention is a "
               "mixture of experts too",
     "dbrx": "DBRX keeps its experts' weights as one (experts x width, hidden) matrix each, not one row per expert",
+    # measured: the split's output 2.9e-9 from the module's in float64, where another token order moves it by 8e-18
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": _INKLING2,
 }
 
 

@@ -166,3 +166,16 @@ def test_unmeasured_families_are_refused_by_name():
     with pytest.raises(ValueError, match="ep=2: seqmesh splits the experts of qwen3_moe.*jetmoe .* sorted by expert"):
         check_family(model, 2)
     check_family(model, 1)
+
+
+def test_inkling2_experts_are_refused_for_their_float32_sum():
+    """Inkling 2's experts weight and sum their outputs in float32 inside the module: split, weighted on the token's
+    rank, they round elsewhere (2.9e-9 from the module in float64, against 8e-18 for another token order), so
+    ep > 1 is refused with that reason."""
+    if "inkling2_text" not in census_names():
+        pytest.skip("Inkling 2 is not in this transformers")
+    model = build(census_config("inkling2_text"))
+    assert experts_modules(model)
+    with pytest.raises(ValueError, match="inkling2_text .* float32"):
+        check_family(model, 2)
+    check_family(model, 1)
