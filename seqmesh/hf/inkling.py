@@ -16,8 +16,8 @@ attention with a relative bias conditioned on each query.
   would hold, read the row as the full ones do).
 
 Layer types ``hybrid_sliding`` and ``hybrid`` are accepted where these run. Tensor parallelism, a padding mask, a
-cache and generation are refused by name. Inkling2's layers (its dynamic convolutions, L2 clips and block
-residuals) are another layout and stay refused.
+cache and generation are refused by name. Inkling 2's layers (its dynamic convolutions, L2 clips and block
+residuals) are another layout: :mod:`.inkling2`.
 """
 
 from __future__ import annotations

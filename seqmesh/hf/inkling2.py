@@ -38,6 +38,7 @@ from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
 from ..linear_attention.gated_delta import positions_in_segments
 from ..mesh import SPMesh
+from ..model.lm import attends_over_depth as is_depth_attention
 from ..sequence.batch import document_places
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
@@ -68,11 +69,6 @@ def is_dynamic_convolution(module: nn.Module) -> bool:
 def is_attention(module: nn.Module) -> bool:
     """Whether ``module`` is Inkling 2's sliding or full attention."""
     return _named(module, "SlidingAttention", "FullAttention") and all(hasattr(module, n) for n in _ATTENTION)
-
-
-def is_depth_attention(module: nn.Module) -> bool:
-    """Whether ``module`` attends over each token's stack of block states (never over tokens)."""
-    return _named(module, "BlockAttentionResidual", "MessageAttentionResidual") and hasattr(module, "query")
 
 
 def convolutions(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers:
@@ -184,6 +180,12 @@ def _attend(module: nn.Module, query: torch.Tensor, rel: torch.Tensor, sinks: to
     return torch.matmul(probs, v).transpose(1, 2)
 
 
+def log_scale_index(starts: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+    """(1, L): the index a full layer's log scale reads for each of the (L,) local queries (documents starting at
+    ``starts`` in the row, each query ``within`` its own): its index in its document, as each document run alone."""
+    return within[None, :]
+
+
 def _make_attention_forward(mesh: SPMesh):
     def forward(self, hidden_states: torch.Tensor, key_hidden_states: torch.Tensor | None = None,
                 value_hidden_states: torch.Tensor | None = None, attention_mask=None, relative_distance=None,
@@ -195,7 +197,7 @@ def _make_attention_forward(mesh: SPMesh):
         keys_in = hidden_states if key_hidden_states is None else key_hidden_states
         values_in = hidden_states if value_hidden_states is None else value_hidden_states
         starts, within, _ = document_places(mesh, info, hidden_states.device)
-        index = within[None, :]  # (1, L): each query's index in its document, as the model's position_ids
+        index = log_scale_index(starts, within)  # (1, L)
         query = self.q_proj(hidden_states, index)  # (B, Hq, L, D)
         key = self.k_proj(keys_in, conv_mask=conv_mask, seqmesh=info).transpose(1, 2)  # (B, L, Hkv, D)
         value = self.v_proj(values_in, conv_mask=conv_mask, seqmesh=info).transpose(1, 2)

@@ -175,7 +175,7 @@ def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: 
     # each chunk's slices taken once: the backward stacks their gradients in one copy, where indexing per chunk
     # would write a zeroed whole-tensor gradient for every chunk
     per_chunk = zip(u.unbind(2), w.unbind(2), q_read.unbind(2), intra.unbind(2), k_write.unbind(2),
-                    chunk_decay.unbind(2))
+                    chunk_decay.unbind(2), strict=True)
     for i, (u_i, w_i, q_i, intra_i, k_i, decay_i) in enumerate(per_chunk):
         state = state * keep[i]
         if initial_state is not None and i in entering:

@@ -46,6 +46,32 @@ def _sum_not_average(module: nn.Module) -> None:
         force_sum(True)
 
 
+def float32_modules(lm: nn.Module) -> list[nn.Module]:
+    """The largest modules of ``lm`` all of whose parameters its family keeps in float32 in a bfloat16 model
+    (transformers' ``_keep_in_fp32_modules_strict``, its names read as regular expressions over the parameters' names,
+    as transformers reads them): Inkling 2's router, whose input it casts to float32, and its block residuals and
+    convolutions."""
+    import re
+
+    keep = getattr(lm, "_keep_in_fp32_modules_strict", None) or ()
+    if not keep:
+        return []
+    pattern = re.compile("|".join(name.replace("*", ".*") for name in keep))
+    strict = {id(p) for name, p in lm.named_parameters() if pattern.search(name)}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        params = list(module.parameters())
+        if params and all(id(p) in strict for p in params):
+            found.append(module)  # the module whose forward runs (a conv's parent, which reads its weight), not below
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(lm)
+    return found
+
+
 def _other_dtype_modules(layer: nn.Module) -> list[nn.Module]:
     """The modules of ``layer`` whose own weights have another dtype than most of the layer's (DeepSeek-V3's router,
     kept in float32 by transformers in a bfloat16 or float64 model): each is an FSDP2 unit of its own."""
@@ -145,7 +171,8 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     for the step because the loss reads the head's weight inside it.
 
     ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
-    master weights and optimizer states.
+    master weights and optimizer states; the modules the family keeps in float32 (:func:`float32_modules`) are units
+    of their own, gathered in float32 and given their inputs as they come.
 
     ``cpu_offload``: sharded parameters, gradients and optimizer state live in (pinned) host memory; each
     unit's parameters are copied to the device for its all-gather (torch's ``CPUOffloadPolicy``), and the
@@ -162,6 +189,10 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
     shard = dict(mesh=mesh.fsdp_mesh, mp_policy=policy, offload_policy=offload)
     lm = getattr(root, "lm", root)
     _check_one_dtype_per_unit(lm, vision_blocks(lm) + decoder_layers(lm))
+    if bf16:  # first: the units holding them then leave their weights to them
+        wide = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        for module in float32_modules(lm):
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **{**shard, "mp_policy": wide})
     if experts is not None:  # before their layers: a layer's unit then leaves the experts' weights to them
         from ..experts.layers import experts_modules
 

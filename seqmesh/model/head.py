@@ -374,10 +374,8 @@ def _function_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | No
 
 def _module_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | None:
     """``c`` where ``stmt`` is ``name = self.m(name)``, ``m`` a module of the model without parameters whose forward
-    gives ``c tanh(x / c)`` (Inkling 2's ``logit_softcap``: tried on a few values, ``c`` read where it saturates);
-    otherwise None."""
-    import torch
-
+    is the one statement ``return tanh(x / c) * c`` (Inkling 2's ``logit_softcap``), ``c`` a positive constant of
+    the module; otherwise None."""
     value = stmt.value if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
         and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name else None
     if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
@@ -387,17 +385,16 @@ def _module_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | None
     module = getattr(model, value.func.attr, None)
     if not isinstance(module, nn.Module) or next(module.parameters(), None) is not None:
         return None
-    probe = torch.tensor([-90.0, -3.0, -0.5, 0.0, 0.7, 5.0, 200.0, 1e12], dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            capped = module(probe)
-    except Exception:  # noqa: BLE001 - not a cap of this form
+    tree = _forward_tree(type(module))
+    function = tree.body[0] if tree is not None and tree.body else None
+    if not isinstance(function, ast.FunctionDef) or len(function.args.args) != 2:
         return None
-    if not isinstance(capped, torch.Tensor) or capped.shape != probe.shape or not capped[-1] > 0:
+    body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
         return None
-    cap = float(capped[-1])
-    expected = cap * torch.tanh(probe / cap)
-    return cap if torch.allclose(capped.double(), expected, rtol=1e-12, atol=0) else None
+    argument = function.args.args[1].arg  # the forward's input, as ``name = <its return value>``
+    returned = ast.Assign(targets=[ast.Name(argument, ast.Store())], value=body[0].value)
+    return _one_statement_softcap(returned, argument, module, {})
 
 
 def logit_head(lm: nn.Module) -> LogitHead:

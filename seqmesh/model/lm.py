@@ -170,17 +170,24 @@ def check_causal(model: nn.Module, name: str) -> None:
     """Refuse a model whose decoder attends both ways (BERT and its kin: transformers builds them as "causal LMs" but
     their attention, without ``is_decoder``, sees every token): seqmesh's loss predicts each token from those
     before it, and such a model would see the answer. Names the layer and the fix."""
-    from ..hf.inkling2 import is_depth_attention  # attention over each token's own stack of states, not the tokens
-
     decoder = decoder_of(model)  # a vision tower's blocks left out
-    both_ways = next((n for n, m in decoder.named_modules() if getattr(m, "is_causal", True) is False
-                      and not is_depth_attention(m)
+    both_ways = next((n for n, m in decoder.named_modules()
+                      if (getattr(m, "is_causal", True) is False and not attends_over_depth(m))
                       or ("SelfAttention" in type(m).__name__ and getattr(m, "is_decoder", True) is False)), None)
     if both_ways is not None:
         raise ValueError(f"{name}: {type(model).__name__}'s attention ({both_ways}) sees the whole sequence both ways "
                          f"(is_causal=False, or is_decoder=False): {model.config.model_type} is an encoder, not a causal decoder. seqmesh trains "
                          "causal language models, each token predicted from those before it: give a decoder-only model "
                          "(Llama, Qwen, Mistral, Gemma 3, gpt-oss, ...).")
+
+
+def attends_over_depth(module: nn.Module) -> bool:
+    """Whether ``module`` attends over each token's own stack of states (Inkling 2's block and message residuals:
+    learned queries over the block states a token keeps), never over the tokens, which ``is_causal=False`` says
+    nothing about."""
+    name = type(module).__name__
+    return name.startswith("Inkling2") and name.endswith(("BlockAttentionResidual", "MessageAttentionResidual")) \
+        and hasattr(module, "query")
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

@@ -10,7 +10,8 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    ``LD_PRELOAD`` environment for the rehearsal's own process. Nothing is loaded into the caller.
 2. Python (:func:`fake_cuda`): inside the rehearsal only, and restored on exit, the ``torch.cuda`` calls the step
    makes (FSDP2's streams and events, DeviceMesh's device count, the kernels' capability check, the memory
-   tracker's peak statistics, autocast's availability check) answer as one H100 would, and ``Tensor.record_stream`` (no fake kernel) does nothing.
+   tracker's peak statistics, autocast's availability check) answer as one H100 would, and
+   ``Tensor.record_stream`` (no fake kernel) does nothing.
    Each patched attribute must exist in the installed torch: a missing one is named, not silently added.
 3. Dispatch (:data:`FUSED_CUDA_BACKWARDS`): an operator that has a CPU kernel and a decomposition
    (``CompositeImplicitAutograd``) but, in a CPU build, no CUDA kernel, is decomposed on CUDA tensors, where a CUDA

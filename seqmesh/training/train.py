@@ -72,7 +72,7 @@ def _device() -> torch.device:
 
 
 def uses_fsdp(cfg: TrainConfig) -> bool:
-    """Whether this run shards with FSDP2 (``TrainConfig.fsdp``, resolved for this world and device)."""
+    """Whether this run shards with FSDP2 (``TrainConfig.fsdp``, resolved for this world)."""
     return cfg.uses_fsdp(dist.get_world_size())
 
 

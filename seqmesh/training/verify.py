@@ -97,19 +97,17 @@ def _reference_loss(model, batches: list[dict], device: torch.device) -> tuple[t
     return total / max(count, 1), count
 
 
-def _keep_float32(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with the parameters and buffers its family keeps in float32 whatever the model's dtype
-    (``_keep_in_fp32_modules_strict``, matched by name as transformers matches it: Inkling 2's router, whose input it
-    casts to float32) back in float32, as transformers would load the model in float64."""
-    import re
-
-    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
-    if keep:
-        pattern = re.compile("|".join(re.escape(name) for name in keep))
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if pattern.search(name) and tensor.is_floating_point():
-                tensor.data = tensor.data.float()
-    return model
+def _as_transformers_builds(model: torch.nn.Module, wide: torch.nn.Module) -> torch.nn.Module:
+    """``wide`` (``model`` cast to float64) with the parameters that transformers creates in another dtype even in a
+    float64 model back in that dtype (Inkling 2's router and Inkling2-Loop's gates, created in float32, whose
+    forwards cast their inputs to float32): read from ``model``'s class built in float64 on the meta device."""
+    with torch.device("meta"):
+        twin = type(model)._from_config(model.config, dtype=torch.float64)
+    fixed = {name: p.dtype for name, p in twin.named_parameters() if p.dtype != torch.float64}
+    for name, p in wide.named_parameters():
+        if name in fixed:
+            p.data = p.data.to(fixed[name])
+    return wide
 
 
 def _reference_noise(model, batches: list[dict], device: torch.device, grads: dict[str, torch.Tensor],
@@ -131,13 +129,22 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     # a layer may keep a tensor of its last forward (RecurrentGemma's RG-LRU its final state), which deepcopy refuses
     held = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
             if isinstance(v, torch.Tensor) and not v.is_leaf}
-    wide = _keep_float32(copy.deepcopy(model, held).to(torch.float64))
-    if hasattr(wide, "set_experts_implementation"):  # grouped_mm (MoE experts' default) has no float64 kernel
-        wide.set_experts_implementation("eager")
+    def widened(fixed: bool) -> torch.nn.Module:
+        wide = copy.deepcopy(model, held).to(torch.float64)
+        wide = _as_transformers_builds(model, wide) if fixed else wide
+        if hasattr(wide, "set_experts_implementation"):  # grouped_mm (MoE experts' default) has no float64 kernel
+            wide.set_experts_implementation("eager")
+        return wide
+
+    wide = widened(fixed=False)
     saved = torch.get_default_dtype()  # what the model makes inside, float64 too (XGLM clamps its float64 scores with
     torch.set_default_dtype(torch.float64)  # a default-dtype tensor, which float64's minimum would overflow)
     try:
-        (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
+        try:
+            (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
+        except RuntimeError:  # a forward that needs a weight in the dtype transformers creates it in (Inkling 2)
+            wide = widened(fixed=True)
+            (_reference_sums(wide, batches, device)[0] / max(count, 1)).backward()
     finally:
         torch.set_default_dtype(saved)
     for name, p in wide.named_parameters():

@@ -130,3 +130,35 @@ def test_a_phi_config_json_with_its_head_bias_verifies_and_trains(pools, tmp_pat
     good, losses = verify_then_train(pools, tmp_path, census_config("phi"))
     assert good["ok"] and good["loss_diff"] < 1e-5, good
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_a_soft_cap_module_is_read_and_anything_else_refused():
+    """Inkling 2 soft-caps its logits with a module (``logit_softcap``, ``tanh(x / c) * c``): the loss reads it as the
+    cap, and its loss equals the model's own; a module of the same shape that does anything more is refused."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Inkling2TextConfig"):
+        pytest.skip("Inkling 2 is not in this transformers")
+    from census_configs import build, census_config
+
+    model = build(census_config("inkling2_text"))  # float64 but its router; final_logit_softcapping 30
+    model.config.final_logit_softcapping = 2.0  # a cap that bites
+    model.logit_softcap.softcap = 2.0
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_softcap == 2.0
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    with torch.no_grad():  # its logits are float32 (the head's output cast): their rounding bounds the difference
+        want = torch.nn.functional.cross_entropy(model(input_ids=ids, use_cache=False).logits[0, :-1].double(),
+                                                 ids[0, 1:])
+        got = sp(ids, torch.arange(40)[None], targets)
+    assert abs(float(got - want)) < 1e-6 * float(want), (float(got), float(want))
+
+    class Doubled(torch.nn.Module):  # a cap, then twice it: not a soft-cap
+        softcap = 2.0
+
+        def forward(self, x):
+            return torch.tanh(x / self.softcap) * self.softcap * 2
+
+    model.logit_softcap = Doubled()
+    with pytest.raises(ValueError, match="logits = self.logit_softcap"):
+        SequenceParallelLM(model, None)
