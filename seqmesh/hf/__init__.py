@@ -278,7 +278,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     compressed = compressed_attention.compressed_layers(model, mesh)  # DeepSeek-V4's HCA and CSA layers
     qsa = qsa_attention.qsa_layers(model, mesh)  # Qwen4-Exp's QSA layers
     relative = inkling.relative_attention_layers(model, mesh)  # Inkling's attention with its relative bias
-    relative2 = inkling2.attention_layers(model, mesh)  # Inkling 2's
+    relative2 = inkling2.attention_layers(model, mesh)  # Inkling 2's, and its attention over each token's states
+    depth = inkling2.depth_layers(model)
     check_layers(model, handled=[m for layers in mixer_layers.values() for _, m in layers], indexed=indexed + qsa,
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types)
                  + ((block_sparse_attention.LAYER_TYPE,) if sparse else ())
@@ -330,7 +331,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     compressed_attention.install(compressed, mesh)
     qsa_attention.install(qsa, mesh)
     inkling.install(relative, mesh)
-    inkling2.install(relative2, inkling2.depth_layers(model), mesh, previous)
+    inkling2.install(relative2, depth, mesh)
     install_async(async_layers, mesh, backend, async_pieces)
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)

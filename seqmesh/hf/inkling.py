@@ -94,9 +94,12 @@ def relative_attention_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]
 
 
 def _attend(module: nn.Module, query: torch.Tensor, rel: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor,
-            positions: torch.Tensor, starts: torch.Tensor, first: int, last: int) -> torch.Tensor:
+            positions: torch.Tensor, starts: torch.Tensor, first: int, last: int,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query (B, Hq, l, D) and its bias profiles rel (B, l, Hq, E) at row positions (l,) in documents starting at
-    (l,), over the row's keys ``first .. last`` (row_k, row_v (B, T, Hkv, D)) -> (B, l, Hq, D)."""
+    (l,), over the row's keys ``first .. last`` (row_k, row_v (B, T, Hkv, D)) -> (B, l, Hq, D); ``sinks`` (B, l, Hq):
+    a logit per query and head that takes probability and adds nothing (Inkling 2's), one more softmax column in at
+    least float32, as transformers' eager attention."""
     b, hq, length, d = query.shape
     keys = torch.arange(first, last + 1, device=query.device)
     k = row_k[:, first:last + 1].transpose(1, 2).repeat_interleave(hq // row_k.shape[2], dim=1)  # (B, Hq, n, D)
@@ -109,9 +112,35 @@ def _attend(module: nn.Module, query: torch.Tensor, rel: torch.Tensor, row_k: to
     near = (distance >= 0) & (distance < extent)
     bias = rel.permute(0, 2, 1, 3).gather(-1, distance.clamp(0, extent - 1).expand(b, hq, -1, -1))  # (B, Hq, l, n)
     scores = torch.matmul(query, k.transpose(-1, -2)) * module.scaling + bias.masked_fill(~near, 0.0)
-    scores = scores.masked_fill(~seen, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    scores = scores.masked_fill(~seen, float("-inf"))  # (B, Hq, l, n)
+    wide = torch.promote_types(scores.dtype, torch.float32)  # float64 stays float64 (transformers': float32)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=wide).to(query.dtype)
+    else:
+        logits = torch.cat([scores, sinks.transpose(1, 2)[..., None].to(scores.dtype)], dim=-1).to(wide)
+        probs = torch.softmax(logits, dim=-1)[..., :-1].to(query.dtype)
     return torch.matmul(probs, v).transpose(1, 2)
+
+
+def attend_row(module: nn.Module, query: torch.Tensor, rel: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor,
+               starts: torch.Tensor, within: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's queries (B, Hq, L, D) with their bias profiles (B, L, Hq, E) over the gathered row's keys and
+    values (B, T, Hkv, D), in blocks of queries recomputed in backward, each block over the keys its documents (its
+    window, on a sliding layer) let it see -> (B, L, Hq, D). ``starts``, ``within`` (L,): each query's document start
+    in the row and its index in the document; ``sinks`` (B, L, Hq) as :func:`_attend`'s."""
+    b, length = query.shape[0], query.shape[2]
+    positions = starts + within  # (L,) each query's index in the row
+    step = max(1, BLOCK_ELEMENTS // max(1, b * module.num_heads * row_k.shape[1] * max(module.head_dim, 1)))
+    outputs = []
+    for at in range(0, length, step):
+        part = slice(at, at + step)
+        first = int(starts[part].min())
+        if module.is_sliding:
+            first = max(first, int(positions[part].min()) - module.sliding_window + 1)
+        block_sinks = None if sinks is None else sinks[:, part]
+        outputs.append(recomputed(_attend, module, query[:, :, part], rel[:, part], row_k, row_v, positions[part],
+                                  starts[part], first, int(positions[part].max()), block_sinks))
+    return torch.cat(outputs, dim=1)
 
 
 def _make_attention_forward(mesh: SPMesh):
@@ -133,18 +162,7 @@ def _make_attention_forward(mesh: SPMesh):
             query = (query.float() * tau[:, None]).to(query.dtype)
             rel = (rel.float() * tau[:, None, None]).to(rel.dtype)
         row_k, row_v = whole_row(key, mesh, info), whole_row(value, mesh, info)  # (B, T, Hkv, D)
-        positions = starts + within  # (L,) each query's index in the row
-        step = max(1, BLOCK_ELEMENTS // max(1, b * self.num_heads * row_k.shape[1] * max(self.head_dim, 1)))
-        outputs = []
-        for at in range(0, length, step):
-            part = slice(at, at + step)
-            first = int(starts[part].min())
-            if self.is_sliding:
-                first = max(first, int(positions[part].min()) - self.sliding_window + 1)
-            inputs = (query[:, :, part], rel[:, part], row_k, row_v, positions[part], starts[part], first,
-                      int(positions[part].max()))
-            outputs.append(recomputed(_attend, self, *inputs))
-        return self.o_proj(torch.cat(outputs, dim=1).reshape(b, length, -1)), None
+        return self.o_proj(attend_row(self, query, rel, row_k, row_v, starts, within).reshape(b, length, -1)), None
 
     return forward
 

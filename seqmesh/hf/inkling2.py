@@ -40,7 +40,8 @@ from ..linear_attention.gated_delta import positions_in_segments
 from ..mesh import SPMesh
 from ..model.lm import attends_over_depth as is_depth_attention
 from ..sequence.batch import document_places
-from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
+from .indexed_attention import entry_of, replace_forward, restore_forward, whole_row
+from .inkling import attend_row
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
 _ATTR = "_seqmesh_inkling2"
@@ -151,35 +152,6 @@ def attention_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
     return found
 
 
-def depth_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that attend over each token's stack of block states."""
-    return [m for m in model.modules() if is_depth_attention(m)]
-
-
-def _attend(module: nn.Module, query: torch.Tensor, rel: torch.Tensor, sinks: torch.Tensor, row_k: torch.Tensor,
-            row_v: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """query (B, Hq, l, D), its bias profiles rel (B, l, Hq, E) and sink logits (B, l, Hq) at row positions (l,) in
-    documents starting at (l,), over the row's keys ``first .. last`` (row_k, row_v (B, T, Hkv, D)) -> (B, l, Hq, D):
-    transformers' eager attention with its position bias and sinks, on the keys a block of queries may see."""
-    hq = query.shape[1]
-    keys = torch.arange(first, last + 1, device=query.device)
-    k = row_k[:, first:last + 1].transpose(1, 2).repeat_interleave(hq // row_k.shape[2], dim=1)  # (B, Hq, n, D)
-    v = row_v[:, first:last + 1].transpose(1, 2).repeat_interleave(hq // row_v.shape[2], dim=1)
-    distance = positions[:, None] - keys[None]  # (l, n)
-    seen = (distance >= 0) & (keys[None] >= starts[:, None])
-    if module.is_sliding:
-        seen &= distance < module.sliding_window
-    extent = rel.shape[-1]
-    near = (distance >= 0) & (distance < extent)
-    gathered = rel.permute(0, 2, 1, 3).gather(-1, distance.clamp(0, extent - 1).expand(*query.shape[:2], -1, -1))
-    scores = torch.matmul(query, k.transpose(-1, -2)) * module.scaling + gathered.masked_fill(~near, 0.0)
-    scores = scores.masked_fill(~seen, float("-inf"))  # (B, Hq, l, n)
-    wide = torch.promote_types(scores.dtype, torch.float32)
-    logits = torch.cat([scores, sinks.transpose(1, 2)[..., None].to(scores.dtype)], dim=-1).to(wide)
-    probs = torch.softmax(logits, dim=-1)[..., :-1].to(query.dtype)  # the sink absorbs probability, adds nothing
-    return torch.matmul(probs, v).transpose(1, 2)
-
-
 def log_scale_index(starts: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
     """(1, L): the index a full layer's log scale reads for each of the (L,) local queries (documents starting at
     ``starts`` in the row, each query ``within`` its own): its index in its document, as each document run alone."""
@@ -206,18 +178,8 @@ def _make_attention_forward(mesh: SPMesh):
         rel = bias.norm(states, index) @ bias.proj  # (B, L, Hq, E)
         sinks = self.sink_proj(hidden_states)  # (B, L, Hq)
         row_k, row_v = whole_row(key, mesh, info), whole_row(value, mesh, info)  # (B, T, Hkv, D)
-        positions = starts + within  # (L,) each query's index in the row
-        step = max(1, BLOCK_ELEMENTS // max(1, b * self.num_heads * row_k.shape[1] * max(self.head_dim, 1)))
-        outputs = []
-        for at in range(0, length, step):
-            part = slice(at, at + step)
-            first = int(starts[part].min())
-            if self.is_sliding:
-                first = max(first, int(positions[part].min()) - self.sliding_window + 1)
-            inputs = (query[:, :, part], rel[:, part], sinks[:, part], row_k, row_v, positions[part], starts[part],
-                      first, int(positions[part].max()))
-            outputs.append(recomputed(_attend, self, *inputs))
-        return self.o_proj(torch.cat(outputs, dim=1).reshape(b, length, -1), hidden_states), None
+        attended = attend_row(self, query, rel, row_k, row_v, starts, within, sinks)  # (B, L, Hq, D)
+        return self.o_proj(attended.reshape(b, length, -1), hidden_states), None
 
     return forward
 
@@ -230,11 +192,12 @@ def _make_depth_forward(module: nn.Module, implementation: str) -> Callable:
     eager = sys.modules[type(module).__module__].eager_attention_forward
     message = type(module).__name__.endswith("MessageAttentionResidual")
 
-    def forward(self, block_states: torch.Tensor, partial_block_states: torch.Tensor, *index):
+    def forward(self, block_states: torch.Tensor, partial_block_states: torch.Tensor,
+                loop_layer_idx: int | None = None):
         # block_states (B, L, n, E), partial_block_states (B, L, E): per token, so the shard's rows alone
         stacked = self.norm(torch.cat([block_states, partial_block_states.unsqueeze(-2)], dim=-2).float())
         width = stacked.shape[-1]
-        query = (self.query[index[0]] if message else self.query).float().view(-1, width)
+        query = (self.query[loop_layer_idx] if message else self.query).float().view(-1, width)
         query = query.expand(*stacked.shape[:-2], -1, -1)  # (B, L, q, E): the same queries at every token
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
         out, _ = attend(self, query, stacked, stacked, None, scaling=width ** -0.5)
@@ -243,11 +206,17 @@ def _make_depth_forward(module: nn.Module, implementation: str) -> Callable:
     return forward
 
 
-def install(layers: list[nn.Module], depth: list[nn.Module], mesh: SPMesh, implementation: str) -> None:
-    """Give ``layers`` (:func:`attention_layers`) the sequence-parallel forward and ``depth`` (:func:`depth_layers`)
-    theirs on ``implementation``, the model's attention before seqmesh's; the classes untouched."""
+def depth_layers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The modules of ``model`` that attend over each token's stack of block states, each with its config's attention
+    implementation (read before ``parallelize`` names seqmesh's)."""
+    return [(m, m.config._attn_implementation) for m in model.modules() if is_depth_attention(m)]
+
+
+def install(layers: list[nn.Module], depth: list[tuple[nn.Module, str]], mesh: SPMesh) -> None:
+    """Give ``layers`` (:func:`attention_layers`) the sequence-parallel forward and each of ``depth``
+    (:func:`depth_layers`) its own on the implementation it had; the classes untouched."""
     replace_forward(layers, _make_attention_forward(mesh), _ATTR)
-    for module in depth:
+    for module, implementation in depth:
         replace_forward([module], _make_depth_forward(module, implementation), _DEPTH_ATTR)
 
 

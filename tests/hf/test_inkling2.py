@@ -26,11 +26,15 @@ def test_inkling2_exact(pools, ulysses, ring):
         assert not outside_rounding(r, ROUNDING_MULTIPLE), r
 
 
-def _during_attention(lm, name: str, value) -> None:
-    """``seqmesh.hf.inkling2.<name>`` replaced by ``value(original)`` during each call of the model's attention."""
+def _during_attention(lm, name: str, value, owner: str = "inkling2") -> None:
+    """``seqmesh.hf.<owner>.<name>`` replaced by ``value(original)`` during each call of the model's attention
+    (Inkling 2's attends its blocks through Inkling's ``_attend``)."""
+    import importlib
+
     from seqmesh.hf import inkling2
 
-    during_calls(lm, inkling2.is_attention, inkling2, name, value(getattr(inkling2, name)))
+    module = importlib.import_module(f"seqmesh.hf.{owner}")
+    during_calls(lm, inkling2.is_attention, module, name, value(getattr(module, name)))
 
 
 def _dynamic_conv_without_halo(lm) -> None:
@@ -85,7 +89,7 @@ def _bias_one_key_off(lm) -> None:
     def shifted(attend):
         return lambda module, query, rel, *rest: attend(module, query, torch.roll(rel, 1, dims=-1), *rest)
 
-    _during_attention(lm, "_attend", shifted)
+    _during_attention(lm, "_attend", shifted, owner="inkling")
 
 
 def _sink_of_the_next_query(lm) -> None:
@@ -93,10 +97,9 @@ def _sink_of_the_next_query(lm) -> None:
     import torch
 
     def shifted(attend):
-        return lambda module, query, rel, sinks, *rest: attend(module, query, rel, torch.roll(sinks, -1, dims=1),
-                                                               *rest)
+        return lambda *args: attend(*args[:-1], torch.roll(args[-1], -1, dims=1))  # sinks (B, l, Hq), last
 
-    _during_attention(lm, "_attend", shifted)
+    _during_attention(lm, "_attend", shifted, owner="inkling")
 
 
 def _scale_from_the_row_start(lm) -> None:
