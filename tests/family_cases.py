@@ -669,6 +669,23 @@ def two_rows_errors(families: list[str], layout: str = "zigzag") -> list[tuple[f
     return [two_rows_error(f, layout) for f in families]
 
 
+def conv_without_halo(module, x, place):
+    """A mutation's conv: the depthwise causal conv of ``module.conv1d`` over this rank's rows of ``x`` (B, L, C) only
+    (zeros where another rank's halo rows would be), in float32 -> (the conv (B, L, C), ``x`` in float32)."""
+    import torch
+
+    from seqmesh.linear_attention import halo
+    from seqmesh.linear_attention.kernels import causal_conv
+
+    wide = x.float()
+    extended = halo.extend(wide, place)
+    own = torch.zeros(extended.shape[1], dtype=torch.bool)
+    own[place.mine.own] = True
+    conv = causal_conv(extended.masked_fill(~own[None, :, None], 0.0), module.conv1d.weight.squeeze(1),
+                       module.conv1d.bias, place.mine.conv_bounds, None).index_select(1, place.mine.own)
+    return conv, wide
+
+
 def during_calls(lm, is_layer, owner, name: str, value) -> None:
     """A mutation's tool: ``owner.<name>`` (a module of seqmesh) replaced by ``value`` during each call of the modules
     of ``lm`` for which ``is_layer`` holds, and restored after, so the pool's later cases see the library as it is."""

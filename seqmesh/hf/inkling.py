@@ -84,9 +84,11 @@ def is_relative_attention(module: nn.Module) -> bool:
     return type(module).__name__ == "InklingAttention" and all(hasattr(module, n) for n in _ATTENTION)
 
 
-def relative_attention_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
-    """Inkling's attention modules of ``model``; tensor parallelism refused by name."""
-    found = [m for m in model.modules() if is_relative_attention(m)]
+def relative_attention_layers(model: nn.Module, mesh: SPMesh,
+                              is_layer: Callable[[nn.Module], bool] = is_relative_attention) -> list[nn.Module]:
+    """Inkling's attention modules of ``model`` (or those ``is_layer`` names: Inkling 2's); tensor parallelism refused
+    by name."""
+    found = [m for m in model.modules() if is_layer(m)]
     if found and getattr(mesh, "tp", 1) > 1:
         raise ValueError(f"seqmesh cannot run {type(found[0]).__name__} with tensor parallelism (tp={mesh.tp}): its "
                          "relative bias is computed over the gathered row; use tp=1.")

@@ -41,7 +41,7 @@ from ..mesh import SPMesh
 from ..model.lm import attends_over_depth as is_depth_attention
 from ..sequence.batch import document_places
 from .indexed_attention import entry_of, replace_forward, restore_forward, whole_row
-from .inkling import attend_row
+from .inkling import attend_row, relative_attention_layers
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
 _ATTR = "_seqmesh_inkling2"
@@ -145,11 +145,7 @@ KIND = MixerKind("Inkling 2 short convolution", LAYER_TYPES, convolutions, _make
 
 def attention_layers(model: nn.Module, mesh: SPMesh) -> list[nn.Module]:
     """Inkling 2's attention modules of ``model``; tensor parallelism refused by name."""
-    found = [m for m in model.modules() if is_attention(m)]
-    if found and getattr(mesh, "tp", 1) > 1:
-        raise ValueError(f"seqmesh cannot run {type(found[0]).__name__} with tensor parallelism (tp={mesh.tp}): its "
-                         "relative bias is computed over the gathered row; use tp=1.")
-    return found
+    return relative_attention_layers(model, mesh, is_attention)
 
 
 def log_scale_index(starts: torch.Tensor, within: torch.Tensor) -> torch.Tensor:

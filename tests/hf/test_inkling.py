@@ -42,19 +42,11 @@ def _bias_one_key_off(lm) -> None:
 
 def _conv_without_halo(lm) -> None:
     """The short convolutions read this rank's rows only (zeros where another rank's rows would be)."""
-    import torch
-
+    from family_cases import conv_without_halo
     from seqmesh.hf import inkling
-    from seqmesh.linear_attention import halo
-    from seqmesh.linear_attention.kernels import causal_conv
 
     def own_rows_only(module, x, place):
-        wide = x.float()
-        extended = halo.extend(wide, place)
-        own = torch.zeros(extended.shape[1], dtype=torch.bool)
-        own[place.mine.own] = True
-        conv = causal_conv(extended.masked_fill(~own[None, :, None], 0.0), module.conv1d.weight.squeeze(1),
-                           module.conv1d.bias, place.mine.conv_bounds, None).index_select(1, place.mine.own)
+        conv, wide = conv_without_halo(module, x, place)
         return (conv + wide).to(x.dtype)
 
     during_calls(lm, inkling.is_short_convolution, inkling, "short_convolution", own_rows_only)

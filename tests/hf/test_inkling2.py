@@ -64,19 +64,11 @@ def _static_conv_without_halo(lm) -> None:
     """The static short convolutions read this rank's rows only."""
     import math
 
-    import torch
-
+    from family_cases import conv_without_halo
     from seqmesh.hf import inkling2
-    from seqmesh.linear_attention import halo
-    from seqmesh.linear_attention.kernels import causal_conv
 
     def own_rows_only(module, x, place):
-        wide = x.float()
-        extended = halo.extend(wide, place)
-        own = torch.zeros(extended.shape[1], dtype=torch.bool)
-        own[place.mine.own] = True
-        conv = causal_conv(extended.masked_fill(~own[None, :, None], 0.0), module.conv1d.weight.squeeze(1),
-                           module.conv1d.bias, place.mine.conv_bounds, None).index_select(1, place.mine.own)
+        conv, wide = conv_without_halo(module, x, place)
         return ((conv + wide) / math.sqrt(module.conv_kernel_size + 1)).to(x.dtype)
 
     during_calls(lm, inkling2.is_short_convolution, inkling2, "short_convolution", own_rows_only)
