@@ -57,11 +57,13 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     state = q.new_zeros(b, h, dk, dv)
     states, finals = [], []
-    for i in range(n):  # the states entering each chunk
+    # each chunk's slices taken once: indexing per chunk would make backward write a zeroed whole-size gradient per chunk
+    per_chunk = zip(chunk_decay.unbind(2), written.unbind(2), strict=True)
+    for i, (decay_i, written_i) in enumerate(per_chunk):  # the states entering each chunk
         if i in entering:  # a segment starts: its own initial state, or zero
             state = initial[:, entering[i]].to(dt) if initial is not None else state.new_zeros(b, h, dk, dv)
         states.append(state)
-        state = state * chunk_decay[:, :, i] + written[:, :, i]
+        state = state * decay_i + written_i
         if i in leaving:
             finals.append(state)
     inter = q_read @ torch.stack(states, 2)  # (B, H, N, C, Dv)
