@@ -44,7 +44,9 @@ EXPERT_PARALLEL_FAMILIES = (
     "hy_v3", "hy_v4", "axk1", "axk2", "dots3_note_text", "kimi_linear", "bailing_hybrid", "granitemoe_swa",
     "kolibri1", "lara_mini", "mellum", "minimax_m3_vl_text", "sarvam_mla", "sarvam_moe", "aria_text",
     # DeepSeek-V4: its hash-routed layers too (the router reads the token ids; the experts are the same module)
-    "deepseek_v4")
+    "deepseek_v4",
+    # Beam (its soft-capped head read since 2026-11-30), Inkling's and Qwen4-Exp's experts, the same module again
+    "beam", "inkling_text", "qwen4_exp_text")
 # of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
 SCALED_BEFORE_EXPERTS = ("llama4_text",)
 
@@ -58,6 +60,9 @@ NOT_SPLIT = {
               "mixture of experts too",
     "dbrx": "DBRX keeps its experts' weights as one (experts x width, hidden) matrix each, not one row per expert",
     # measured: the split's output 2.9e-9 from the module's in float64, where another token order moves it by 8e-18
+    "longcat_flash": "LongCat-Flash's experts module holds zero-compute (identity) experts beside its routed ones, "
+                     "which the router picks among them, and names no num_experts; a split would keep the identity "
+                     "experts on the token's rank (not built)",
     "inkling2_text": _INKLING2,
     "inkling2_loop_text": _INKLING2,
 }

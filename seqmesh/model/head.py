@@ -182,7 +182,10 @@ def _factor(stmt: ast.stmt, name: str, model: nn.Module):
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _PASS_THROUGH \
                 and isinstance(value.func.value, ast.Name) and value.func.value.id == name:
             return None
-        if not (isinstance(value, ast.BinOp) and isinstance(value.left, ast.Name) and value.left.id == name):
+        left = value.left if isinstance(value, ast.BinOp) else None
+        while isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr in _PASS_THROUGH:
+            left = left.func.value  # Beam's ``logits.float() / cap``: the cast changes no value the loss sees
+        if not (isinstance(left, ast.Name) and left.id == name):
             return _UNKNOWN if isinstance(target, ast.Name) and target.id == name else None
         op, operand = value.op, value.right
     else:

@@ -162,3 +162,31 @@ def test_a_soft_cap_module_is_read_and_anything_else_refused():
     model.logit_softcap = Doubled()
     with pytest.raises(ValueError, match="logits = self.logit_softcap"):
         SequenceParallelLM(model, None)
+
+
+def test_beams_soft_cap_after_a_float32_cast_is_read():
+    """Beam soft-caps like Gemma 2 but casts first (``logits = logits.float() / cap``): the cast changes no value the
+    loss sees, so the loss reads the cap, and its loss equals the capped logits' in float64 (plain PyTorch on the
+    decoder's output; the model's own rounds them to float32: 1.8e-9 off here)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "BeamConfig"):
+        pytest.skip("Beam is not in this transformers")
+    from census_configs import build, census_config
+
+    config = census_config("beam")
+    config.final_logit_softcapping = 2.0  # a cap that bites
+    model = build(config)
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_softcap == 2.0
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # float64
+        logits = 2.0 * torch.tanh(model.lm_head(hidden) / 2.0)
+        want = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+        got = sp(ids, torch.arange(40)[None], targets)
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    sp.logit_softcap = None  # without the cap: far outside
+    with torch.no_grad():
+        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
