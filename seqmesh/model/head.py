@@ -50,8 +50,12 @@ def _forward_tree(cls: type) -> ast.AST | None:
         return None
 
 
+_GETTERS = ("get_text_config",)  # methods without arguments that only read the config (Gemma 4's cap behind one)
+
+
 def _value(node: ast.AST, model: nn.Module):
-    """The value of an attribute chain on ``self`` (``self.config.logits_scaling``), a constant, or ``_UNKNOWN``."""
+    """The value of an attribute chain on ``self`` (``self.config.logits_scaling``, through a config getter:
+    ``self.config.get_text_config().final_logit_softcapping``), a constant, or ``_UNKNOWN``."""
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name) and node.id == "self":
@@ -59,6 +63,10 @@ def _value(node: ast.AST, model: nn.Module):
     if isinstance(node, ast.Attribute):
         owner = _value(node.value, model)
         return _UNKNOWN if owner is _UNKNOWN else getattr(owner, node.attr, _UNKNOWN)
+    if isinstance(node, ast.Call) and not node.args and not node.keywords and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in _GETTERS:
+        getter = _value(node.func, model)
+        return getter() if callable(getter) else _UNKNOWN
     return _UNKNOWN
 
 
@@ -81,11 +89,27 @@ def _holds(test: ast.AST, model: nn.Module):
     return value if value is _UNKNOWN else bool(value)
 
 
+class _Walrus(ast.NodeTransformer):
+    """An ``if`` test with its assignment expressions (``(c := <value>) is not None``) replaced by their values, and
+    those assignments, as statements that run before the test."""
+
+    def __init__(self) -> None:
+        self.bound: list[ast.Assign] = []
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> ast.AST:
+        self.bound.append(ast.Assign(targets=[ast.Name(node.target.id, ast.Store())], value=node.value))
+        return self.visit(node.value)
+
+
 def _statements(body: list[ast.stmt], model: nn.Module):
-    """The statements of ``body`` in order, branches whose condition does not hold for ``model`` left out."""
+    """The statements of ``body`` in order, branches whose condition does not hold for ``model`` left out (an
+    assignment inside a condition, Gemma 4's ``(c := ...) is not None``, yielded as a statement before it)."""
     for stmt in body:
         if isinstance(stmt, ast.If):
-            holds = _holds(stmt.test, model)
+            walrus = _Walrus()
+            test = walrus.visit(stmt.test)
+            yield from walrus.bound
+            holds = _holds(test, model)
             if holds is not False:
                 yield from _statements(stmt.body, model)
             if holds is not True:
@@ -173,8 +197,9 @@ def _input_scale(statements: list[ast.stmt], call: ast.Call, model: nn.Module, n
                      "it with your own loss on model(**batch).logits.")
 
 
-def _factor(stmt: ast.stmt, name: str, model: nn.Module):
-    """What ``stmt`` does to the logits ``name``: None (nothing), a float factor, or ``_UNKNOWN`` (something else)."""
+def _factor(stmt: ast.stmt, name: str, model: nn.Module, known: dict | None = None):
+    """What ``stmt`` does to the logits ``name``: None (nothing), a float factor, or ``_UNKNOWN`` (something else);
+    ``known``: local names bound to the model's constants."""
     if isinstance(stmt, ast.AugAssign):
         target, op, operand = stmt.target, stmt.op, stmt.value
     elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
@@ -192,7 +217,7 @@ def _factor(stmt: ast.stmt, name: str, model: nn.Module):
         return None
     if not (isinstance(target, ast.Name) and target.id == name):
         return None
-    number = _value(operand, model)
+    number = (known or {}).get(operand.id, _UNKNOWN) if isinstance(operand, ast.Name) else _value(operand, model)
     if not isinstance(op, (ast.Mult, ast.Div)) or isinstance(number, bool) or not isinstance(number, numbers.Real):
         return _UNKNOWN
     return float(number) if isinstance(op, ast.Mult) else 1.0 / float(number)
@@ -211,6 +236,9 @@ class LogitHead(NamedTuple):
     # the leading logits the forward keeps (Inkling's ``logits[..., :unpadded_vocab_size]`` of a padded head): the
     # loss uses the first ``vocab`` rows of W (and b); None: all
     vocab: int | None = None
+    # a learned scale of each logit, ``(name, factor)``: the head's own ``(V,)`` parameter ``name`` times the constant
+    # ``factor`` (Dory's ``logits * (logit_scale * logit_scale_factor)``): the loss scales W's rows by it; None: none
+    column_scale: tuple[str, float] | None = None
 
 
 # what a per-token prediction head before the output projection may hold (ModernBERT-decoder's dense, activation,
@@ -400,6 +428,46 @@ def _module_softcap(stmt: ast.stmt, name: str, model: nn.Module) -> float | None
     return _one_statement_softcap(returned, argument, module, {})
 
 
+def _column_scale(head: nn.Module) -> tuple[str, float] | None:
+    """``(name, factor)`` where ``head`` is a bias-free ``nn.Linear`` whose forward is ``z = super().forward(x)`` (a
+    cast allowed), then ``return z * (self.<name> * self.<factor>)`` (casts allowed), ``<name>`` a ``(V,)``
+    parameter and ``<factor>`` a number (Dory's head); otherwise None."""
+    tree = _forward_tree(type(head))
+    function = tree.body[0] if tree is not None and tree.body else None
+    if not isinstance(head, nn.Linear) or head.bias is not None or not isinstance(function, ast.FunctionDef):
+        return None
+    body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 2 or not isinstance(body[0], ast.Assign) or not isinstance(body[1], ast.Return):
+        return None
+
+    def bare(node: ast.AST) -> ast.AST:  # x.float(), x.to(...): the value itself
+        while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _PASS_THROUGH:
+            node = node.func.value
+        return node
+
+    first, returned = body[0], body[1].value
+    call = bare(first.value)
+    if not (len(first.targets) == 1 and isinstance(first.targets[0], ast.Name) and isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute) and call.func.attr == "forward"
+            and isinstance(call.func.value, ast.Call) and isinstance(call.func.value.func, ast.Name)
+            and call.func.value.func.id == "super"):
+        return None
+    if not (isinstance(returned, ast.BinOp) and isinstance(returned.op, ast.Mult)
+            and isinstance(bare(returned.left), ast.Name) and bare(returned.left).id == first.targets[0].id):
+        return None
+    scale = bare(returned.right)
+    if not (isinstance(scale, ast.BinOp) and isinstance(scale.op, ast.Mult)):
+        return None
+    name, factor = bare(scale.left), bare(scale.right)
+    if not (isinstance(name, ast.Attribute) and isinstance(name.value, ast.Name) and name.value.id == "self"):
+        return None
+    vector, number = getattr(head, name.attr, None), _value(factor, head)
+    if not (isinstance(vector, nn.Parameter) and tuple(vector.shape) == (head.out_features,)
+            and isinstance(number, numbers.Real) and not isinstance(number, bool)):
+        return None
+    return name.attr, float(number)
+
+
 def logit_head(lm: nn.Module) -> LogitHead:
     """The constant ``scale`` and the final ``softcap`` of ``lm``'s logits (``W``: its output embedding's weight);
     a ValueError naming what else the forward does to its logits, which the chunked loss would not."""
@@ -419,7 +487,8 @@ def logit_head(lm: nn.Module) -> LogitHead:
                          "train it with your own loss on model(**batch).logits.")
     index, (logits, attribute, call) = found
     called = getattr(lm, attribute)
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+    column_scale = _column_scale(head) if isinstance(head, nn.Linear) else None
+    if (not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward) and column_scale is None:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) computes its logits with a forward of its own, not "
                          "a plain linear map, which seqmesh's chunked loss does not reproduce; train it with your own "
                          "loss on model(**batch).logits.")
@@ -454,7 +523,7 @@ def logit_head(lm: nn.Module) -> LogitHead:
         if kept is not _UNKNOWN:  # the first `kept` logits (None: all); a larger number keeps every one
             vocab = kept if kept is not None and kept < head.weight.shape[0] else vocab
             continue
-        factor = _factor(stmt, logits, lm)
+        factor = _factor(stmt, logits, lm, known)
         if factor is _UNKNOWN and not _is_tanh(stmt, logits):
             raise ValueError(f"{name}'s forward changes its logits after the LM head ({ast.unparse(stmt)!r}), which "
                              "seqmesh's chunked loss does not reproduce; train it with your own loss on "
@@ -481,4 +550,4 @@ def logit_head(lm: nn.Module) -> LogitHead:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) adds a bias to logits it also scales by {scale:g}, "
                          "which seqmesh's chunked loss (scaling the hidden states, not the logits) does not reproduce; "
                          "train it with your own loss on model(**batch).logits.")
-    return LogitHead(scale, softcap, transform, projection, vocab)
+    return LogitHead(scale, softcap, transform, projection, vocab, column_scale)

@@ -258,7 +258,8 @@ class SequenceParallelLM(nn.Module):
         super().__init__()
         router_aux(lm)  # a router loss seqmesh does not reproduce is refused now, before any batch (forward reads it again)
         # what the model does to its logits (a constant scale, a final soft-cap), refused now where the loss would not
-        self.logit_scale, self.logit_softcap, transform, self.logit_projection, self.logit_vocab = logit_head(lm)
+        (self.logit_scale, self.logit_softcap, transform, self.logit_projection, self.logit_vocab,
+         self.logit_column_scale) = logit_head(lm)
         # a per-token prediction head before the output projection (ModernBERT-decoder's; BERT's cls without its
         # projection, logit_projection), by name: a submodule of lm
         self.logit_transform = transform
@@ -300,10 +301,17 @@ class SequenceParallelLM(nn.Module):
         return LossTerms(loss, (aux.coef * load_balancing_loss(out.router_logits, aux, real, group)).to(loss.dtype))
 
     def _projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The output embedding's weight ``(V, hidden)`` and bias ``(V,)`` (or None), cut to the leading logits the
-        model keeps (Inkling's padded vocabulary)."""
+        """The output embedding's weight ``(V, hidden)`` and bias ``(V,)`` (or None), its rows scaled by the head's
+        learned scale of each logit (Dory's: ``(x W^T) s = x (s W)^T``), cut to the leading logits the model keeps
+        (Inkling's padded vocabulary)."""
         head = self.lm.get_output_embeddings()
         weight, bias = head.weight, head.bias
+        if self.logit_column_scale is not None:
+            if is_dtensor(weight):
+                raise ValueError(f"{type(self.lm).__name__} scales each logit by a learned weight of its head, which "
+                                 "seqmesh's vocabulary-parallel loss under tensor parallelism does not; use tp=1.")
+            name, factor = self.logit_column_scale
+            weight = weight * (getattr(head, name) * factor).to(weight.dtype)[:, None]  # (V, hidden)
         if self.logit_vocab is None:
             return weight, bias
         if is_dtensor(weight):

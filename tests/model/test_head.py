@@ -190,3 +190,68 @@ def test_beams_soft_cap_after_a_float32_cast_is_read():
     sp.logit_softcap = None  # without the cap: far outside
     with torch.no_grad():
         assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_unified"])
+def test_gemma4s_soft_cap_behind_an_assignment_in_its_condition_is_read(name):
+    """Gemma 4's multimodal class reads its cap inside the condition (``if (c := self.config.get_text_config()
+    .final_logit_softcapping) is not None``) and divides by the local name: the loss reads the cap, and its loss
+    equals the capped logits' in float64 (plain PyTorch on the decoder's output); without a cap, none is read."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4Config"):
+        pytest.skip("Gemma 4 is not in this transformers")
+    from census_configs import build, census_config
+
+    config = census_config(name)
+    assert SequenceParallelLM(build(config), None).logit_softcap is None  # the census's config: no cap
+    config.get_text_config().final_logit_softcapping = 2.0  # a cap that bites
+    model = build(config)
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_softcap == 2.0
+    ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # float64
+        want = torch.nn.functional.cross_entropy(2.0 * torch.tanh(model.lm_head(hidden) / 2.0)[0, :-1], ids[0, 1:])
+        got = sp(ids, torch.arange(40)[None], targets)
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    sp.logit_softcap = None  # without the cap: far outside
+    with torch.no_grad():
+        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+
+
+def test_dorys_learned_logit_scale_is_a_scale_of_the_heads_rows():
+    """Dory's head scales each logit by a learned weight (``(x W^T).float() * (s * f)``): the loss scales W's rows by
+    ``s f`` instead, and its loss and the gradients of W, s and the decoder equal plain PyTorch's on the decoder's
+    output in float64 (the model's own casts its logits to float32)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DoryConfig"):
+        pytest.skip("Dory is not in this transformers")
+    from census_configs import build, census_config
+
+    model = build(census_config("dory"))
+    head = model.lm_head
+    with torch.no_grad():  # a scale that differs from logit to logit
+        head.logit_scale.copy_(torch.rand(head.logit_scale.shape, generator=torch.Generator().manual_seed(2),
+                                          dtype=torch.float64) / head.logit_scale_factor)
+    ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(1))
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # float64
+    logits = (hidden @ head.weight.T) * (head.logit_scale * head.logit_scale_factor)
+    want = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_column_scale == ("logit_scale", head.logit_scale_factor)
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    got = sp(ids, torch.arange(40)[None], targets)
+    got.backward()
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-12 * float(grads[name].abs().max()) + 1e-15, rtol=0,
+                                   msg=name)
+    sp.logit_column_scale = None  # without the scale: far outside
+    with torch.no_grad():
+        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
