@@ -52,6 +52,12 @@ def shape_from_config(path: str) -> ModelShape:
                          "Give a preset or a decoder's config.json.")
     vision = _vision_fields(cfg, path)
     where = path
+    text = cfg.get("text_config")
+    if vision is None and isinstance(text, dict) and "hidden_size" not in cfg and "hidden_size" in text:
+        raise ValueError(f"{path} describes a {cfg.get('model_type')} model whose decoder's sizes are in its "
+                         "text_config, beside towers seqmesh does not route (it routes the vision-language families "
+                         "Qwen-VL, LLaVA, Gemma 3 and InternVL). To train its language model, write its text_config "
+                         f"as a config.json of its own (model_type {text.get('model_type')!r}).")
     if vision is not None and isinstance(cfg.get("text_config"), dict):  # the decoder's sizes in text_config
         cfg = {**cfg["text_config"], "model_type": cfg.get("model_type"),
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}

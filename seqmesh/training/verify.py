@@ -129,6 +129,7 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
     # a layer may keep a tensor of its last forward (RecurrentGemma's RG-LRU its final state), which deepcopy refuses
     held = {id(v): v.detach().clone() for m in model.modules() for v in vars(m).values()
             if isinstance(v, torch.Tensor) and not v.is_leaf}
+
     def widened(fixed: bool) -> torch.nn.Module:
         wide = copy.deepcopy(model, held).to(torch.float64)
         wide = _as_transformers_builds(model, wide) if fixed else wide

@@ -97,6 +97,21 @@ def test_an_encoder_decoder_config_is_refused_by_name(tmp_path):
         model_shape(path)
 
 
+def test_a_model_whose_decoder_sits_in_text_config_beside_an_unrouted_tower_is_told_how_to_train_it(tmp_path):
+    """Gemma 4's multimodal config.json keeps its decoder's sizes in text_config, beside towers seqmesh does not route:
+    refused with the way to train its language model (its text_config as a config.json of its own), which then
+    sizes."""
+    text = {**LLAMA, "model_type": "gemma4_text"}
+    top = {**dict.fromkeys(LLAMA), "model_type": "gemma4", "text_config": text, "audio_config": {"hidden_size": 8}}
+    path = _config(tmp_path, top)  # nothing of the decoder's at the top level
+    with pytest.raises(ValueError, match="decoder's sizes are in its text_config, beside towers seqmesh does not route"
+                                         ".*write its text_config as a config.json of its own \(model_type "
+                                         "'gemma4_text'\)"):
+        model_shape(path)
+    (tmp_path / "text").mkdir()
+    assert model_shape(_config(tmp_path / "text", {"model_type": "gemma4_text"})).hidden == LLAMA["hidden_size"]
+
+
 def test_shapes_built_in_python_obey_the_same_rules():
     """The planner's API takes a ModelShape: the same check, the same words."""
     with pytest.raises(ValueError, match="tiny: the head dim head_dim = 7 is odd"):
