@@ -104,9 +104,9 @@ def test_a_model_whose_decoder_sits_in_text_config_beside_an_unrouted_tower_is_t
     text = {**LLAMA, "model_type": "gemma4_text"}
     top = {**dict.fromkeys(LLAMA), "model_type": "gemma4", "text_config": text, "audio_config": {"hidden_size": 8}}
     path = _config(tmp_path, top)  # nothing of the decoder's at the top level
-    with pytest.raises(ValueError, match="decoder's sizes are in its text_config, beside towers seqmesh does not route"
-                                         ".*write its text_config as a config.json of its own \(model_type "
-                                         "'gemma4_text'\)"):
+    with pytest.raises(ValueError, match=r"decoder's sizes are in its text_config, beside towers seqmesh does not "
+                                         r"route.*write its text_config as a config.json of its own \(model_type "
+                                         r"'gemma4_text'\)"):
         model_shape(path)
     (tmp_path / "text").mkdir()
     assert model_shape(_config(tmp_path / "text", {"model_type": "gemma4_text"})).hidden == LLAMA["hidden_size"]
