@@ -57,7 +57,7 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     state = q.new_zeros(b, h, dk, dv)
     states, finals = [], []
-    # each chunk's slices taken once: indexing per chunk would make backward write a zeroed whole-size gradient per chunk
+    # each chunk's slices taken once: indexing per chunk would make backward write a whole-size zeroed gradient each
     per_chunk = zip(chunk_decay.unbind(2), written.unbind(2), strict=True)
     for i, (decay_i, written_i) in enumerate(per_chunk):  # the states entering each chunk
         if i in entering:  # a segment starts: its own initial state, or zero

@@ -53,7 +53,8 @@ def shape_from_config(path: str) -> ModelShape:
     vision = _vision_fields(cfg, path)
     where = path
     text = cfg.get("text_config")
-    if vision is None and isinstance(text, dict) and "hidden_size" not in cfg and "hidden_size" in text:
+    if vision is None and isinstance(text, dict) and "hidden_size" not in _standard_names(cfg) \
+            and "hidden_size" in _standard_names(text):
         raise ValueError(f"{path} describes a {cfg.get('model_type')} model whose decoder's sizes are in its "
                          "text_config, beside towers seqmesh does not route (it routes the vision-language families "
                          "Qwen-VL, LLaVA, Gemma 3 and InternVL). To train its language model, write its text_config "

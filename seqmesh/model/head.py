@@ -50,6 +50,17 @@ def _forward_tree(cls: type) -> ast.AST | None:
         return None
 
 
+_WIDENING = ("float", "contiguous")  # calls that change no value the loss sees, whatever the logits' dtype
+
+
+def _uncast(node: ast.AST) -> ast.AST:
+    """``node`` without its trailing ``.float()`` / ``.contiguous()`` calls (no arguments): the value itself."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _WIDENING \
+            and not node.args and not node.keywords:
+        node = node.func.value
+    return node
+
+
 _GETTERS = ("get_text_config",)  # methods without arguments that only read the config (Gemma 4's cap behind one)
 
 
@@ -97,7 +108,8 @@ class _Walrus(ast.NodeTransformer):
         self.bound: list[ast.Assign] = []
 
     def visit_NamedExpr(self, node: ast.NamedExpr) -> ast.AST:
-        self.bound.append(ast.Assign(targets=[ast.Name(node.target.id, ast.Store())], value=node.value))
+        bound = ast.Assign(targets=[ast.Name(node.target.id, ast.Store())], value=node.value)
+        self.bound.append(ast.fix_missing_locations(ast.copy_location(bound, node)))  # unparsed in refusals
         return self.visit(node.value)
 
 
@@ -107,7 +119,7 @@ def _statements(body: list[ast.stmt], model: nn.Module):
     for stmt in body:
         if isinstance(stmt, ast.If):
             walrus = _Walrus()
-            test = walrus.visit(stmt.test)
+            test = walrus.visit(copy.deepcopy(stmt.test))  # the parsed forward left as it is
             yield from walrus.bound
             holds = _holds(test, model)
             if holds is not False:
@@ -207,9 +219,7 @@ def _factor(stmt: ast.stmt, name: str, model: nn.Module, known: dict | None = No
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _PASS_THROUGH \
                 and isinstance(value.func.value, ast.Name) and value.func.value.id == name:
             return None
-        left = value.left if isinstance(value, ast.BinOp) else None
-        while isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr in _PASS_THROUGH:
-            left = left.func.value  # Beam's ``logits.float() / cap``: the cast changes no value the loss sees
+        left = _uncast(value.left) if isinstance(value, ast.BinOp) else None  # Beam's ``logits.float() / cap``
         if not (isinstance(left, ast.Name) and left.id == name):
             return _UNKNOWN if isinstance(target, ast.Name) and target.id == name else None
         op, operand = value.op, value.right
@@ -434,20 +444,18 @@ def _column_scale(head: nn.Module) -> tuple[str, float] | None:
     parameter and ``<factor>`` a number (Dory's head); otherwise None."""
     tree = _forward_tree(type(head))
     function = tree.body[0] if tree is not None and tree.body else None
-    if not isinstance(head, nn.Linear) or head.bias is not None or not isinstance(function, ast.FunctionDef):
-        return None
+    if not isinstance(head, nn.Linear) or type(head).__mro__[1] is not nn.Linear or head.bias is not None \
+            or not isinstance(function, ast.FunctionDef) or len(function.args.args) != 2:
+        return None  # super() must reach nn.Linear's own forward
     body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 2 or not isinstance(body[0], ast.Assign) or not isinstance(body[1], ast.Return):
         return None
 
-    def bare(node: ast.AST) -> ast.AST:  # x.float(), x.to(...): the value itself
-        while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _PASS_THROUGH:
-            node = node.func.value
-        return node
-
+    bare, argument = _uncast, function.args.args[1].arg
     first, returned = body[0], body[1].value
     call = bare(first.value)
     if not (len(first.targets) == 1 and isinstance(first.targets[0], ast.Name) and isinstance(call, ast.Call)
+            and [a.id if isinstance(a, ast.Name) else None for a in call.args] == [argument] and not call.keywords
             and isinstance(call.func, ast.Attribute) and call.func.attr == "forward"
             and isinstance(call.func.value, ast.Call) and isinstance(call.func.value.func, ast.Name)
             and call.func.value.func.id == "super"):
@@ -487,7 +495,8 @@ def logit_head(lm: nn.Module) -> LogitHead:
                          "train it with your own loss on model(**batch).logits.")
     index, (logits, attribute, call) = found
     called = getattr(lm, attribute)
-    column_scale = _column_scale(head) if isinstance(head, nn.Linear) else None
+    column_scale = _column_scale(head) if isinstance(head, nn.Linear) and type(head).forward is not nn.Linear.forward \
+        else None
     if (not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward) and column_scale is None:
         raise ValueError(f"{name}'s LM head ({type(head).__name__}) computes its logits with a forward of its own, not "
                          "a plain linear map, which seqmesh's chunked loss does not reproduce; train it with your own "

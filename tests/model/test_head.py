@@ -255,3 +255,36 @@ def test_dorys_learned_logit_scale_is_a_scale_of_the_heads_rows():
     sp.logit_column_scale = None  # without the scale: far outside
     with torch.no_grad():
         assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+
+
+def test_a_head_that_does_more_than_scale_its_logits_is_refused():
+    """A Dory-shaped head whose linear map reads another input (``super().forward(x * 3)``), or whose ``super()`` is
+    not ``nn.Linear``'s own forward (a parent that caps), is not a scale of W's rows: refused, as any head with a
+    forward of its own."""
+    class Scaled(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(32, 64, bias=False)
+            self.logit_scale = torch.nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            logits = super().forward(x * 3).float()
+            return logits * (self.logit_scale.float() * 2.0)
+
+    class Capped(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x).tanh()
+
+    class OverCapped(Capped):
+        def __init__(self):
+            super().__init__(32, 64, bias=False)
+            self.logit_scale = torch.nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            logits = super().forward(x).float()
+            return logits * (self.logit_scale.float() * 2.0)
+
+    for head in (Scaled(), OverCapped()):
+        model = _model("llama")
+        model.lm_head = head.to(torch.float64)
+        with pytest.raises(ValueError, match="computes its logits with a forward of its own"):
+            SequenceParallelLM(model, None)
