@@ -23,6 +23,19 @@ def _model(family: str, **settings):
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
 
+def _loss_and_gradients_match(sp, ids, targets, want, grads: dict) -> float:
+    """``sp``'s loss of ``ids`` (one process, 40 tokens) within 64 float64 ulps of ``want``, and every parameter's
+    gradient within 1e-12 of ``grads`` (the reference's, each relative to its largest entry); the loss's tolerance."""
+    got = sp(ids, torch.arange(40)[None], targets)
+    got.backward()
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    for name, p in sp.lm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-12 * float(grads[name].abs().max()) + 1e-15, rtol=0,
+                                   msg=name)
+    return tolerance
+
+
 @pytest.mark.parametrize("family,settings,scale,softcap", [
     ("cohere", {"logit_scale": 0.3}, 0.3, None),
     ("granite", {"logits_scaling": 4.0}, 0.25, None),
@@ -49,13 +62,7 @@ def test_the_loss_is_the_models_own(family, settings, scale, softcap):
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     sp = SequenceParallelLM(model, None, chunk=7)
     assert (sp.logit_scale, sp.logit_softcap) == (pytest.approx(scale), softcap)
-    got = sp(ids, torch.arange(40)[None], targets)
-    got.backward()
-    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
-    assert abs(float(got - want)) < tolerance, (float(got), float(want))
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], atol=1e-12 * float(grads[name].abs().max()) + 1e-15, rtol=0,
-                                   msg=name)
+    tolerance = _loss_and_gradients_match(sp, ids, targets, want, grads)
     if (scale, softcap) != (1.0, None):  # the scale or the cap left out is far outside
         sp.logit_scale, sp.logit_softcap = 1.0, None
         with torch.no_grad():
@@ -164,6 +171,23 @@ def test_a_soft_cap_module_is_read_and_anything_else_refused():
         SequenceParallelLM(model, None)
 
 
+def _reads_a_cap_of_two(model, ids) -> None:
+    """The loss of ``model`` (its final soft-cap 2) reads the cap, and its loss of ``ids`` (1, 40) equals the capped
+    logits' in float64, plain PyTorch on the decoder's output; without the cap, far outside."""
+    sp = SequenceParallelLM(model, None, chunk=7)
+    assert sp.logit_softcap == 2.0
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # float64
+        want = torch.nn.functional.cross_entropy(2.0 * torch.tanh(model.lm_head(hidden) / 2.0)[0, :-1], ids[0, 1:])
+        got = sp(ids, torch.arange(40)[None], targets)
+    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
+    assert abs(float(got - want)) < tolerance, (float(got), float(want))
+    sp.logit_softcap = None  # without the cap: far outside
+    with torch.no_grad():
+        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+
+
 def test_beams_soft_cap_after_a_float32_cast_is_read():
     """Beam soft-caps like Gemma 2 but casts first (``logits = logits.float() / cap``): the cast changes no value the
     loss sees, so the loss reads the cap, and its loss equals the capped logits' in float64 (plain PyTorch on the
@@ -175,21 +199,7 @@ def test_beams_soft_cap_after_a_float32_cast_is_read():
 
     config = census_config("beam")
     config.final_logit_softcapping = 2.0  # a cap that bites
-    model = build(config)
-    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))
-    sp = SequenceParallelLM(model, None, chunk=7)
-    assert sp.logit_softcap == 2.0
-    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # float64
-        logits = 2.0 * torch.tanh(model.lm_head(hidden) / 2.0)
-        want = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
-        got = sp(ids, torch.arange(40)[None], targets)
-    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
-    assert abs(float(got - want)) < tolerance, (float(got), float(want))
-    sp.logit_softcap = None  # without the cap: far outside
-    with torch.no_grad():
-        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+    _reads_a_cap_of_two(build(config), torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma4_unified"])
@@ -205,20 +215,7 @@ def test_gemma4s_soft_cap_behind_an_assignment_in_its_condition_is_read(name):
     config = census_config(name)
     assert SequenceParallelLM(build(config), None).logit_softcap is None  # the census's config: no cap
     config.get_text_config().final_logit_softcapping = 2.0  # a cap that bites
-    model = build(config)
-    sp = SequenceParallelLM(model, None, chunk=7)
-    assert sp.logit_softcap == 2.0
-    ids = torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(1))
-    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # float64
-        want = torch.nn.functional.cross_entropy(2.0 * torch.tanh(model.lm_head(hidden) / 2.0)[0, :-1], ids[0, 1:])
-        got = sp(ids, torch.arange(40)[None], targets)
-    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
-    assert abs(float(got - want)) < tolerance, (float(got), float(want))
-    sp.logit_softcap = None  # without the cap: far outside
-    with torch.no_grad():
-        assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
+    _reads_a_cap_of_two(build(config), torch.randint(3, 60, (1, 40), generator=torch.Generator().manual_seed(1)))
 
 
 def test_dorys_learned_logit_scale_is_a_scale_of_the_heads_rows():
@@ -245,13 +242,7 @@ def test_dorys_learned_logit_scale_is_a_scale_of_the_heads_rows():
     sp = SequenceParallelLM(model, None, chunk=7)
     assert sp.logit_column_scale == ("logit_scale", head.logit_scale_factor)
     targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-    got = sp(ids, torch.arange(40)[None], targets)
-    got.backward()
-    tolerance = 64 * torch.finfo(torch.float64).eps * float(want)
-    assert abs(float(got - want)) < tolerance, (float(got), float(want))
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], atol=1e-12 * float(grads[name].abs().max()) + 1e-15, rtol=0,
-                                   msg=name)
+    tolerance = _loss_and_gradients_match(sp, ids, targets, want, grads)
     sp.logit_column_scale = None  # without the scale: far outside
     with torch.no_grad():
         assert abs(float(sp(ids, torch.arange(40)[None], targets) - want)) > 1e6 * tolerance
