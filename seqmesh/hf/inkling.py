@@ -55,12 +55,12 @@ def short_convolutions(model: nn.Module, mesh: SPMesh, design: str = "auto") -> 
     return layers
 
 
-def short_convolution(module: nn.Module, x: torch.Tensor, place: halo.Placement) -> torch.Tensor:
-    """``conv(x) + x`` of the whole sequence at this rank's tokens (float32, back to ``x``'s dtype): x (B, L, C) in
-    shard order -> (B, L, C)."""
+def short_convolution(module: nn.Module, x: torch.Tensor, place: halo.Placement, scale: float = 1.0) -> torch.Tensor:
+    """``(conv(x) + x) / scale`` of the whole sequence at this rank's tokens (float32, back to ``x``'s dtype): x
+    (B, L, C) in shard order -> (B, L, C). Inkling's ``scale`` is 1, Inkling 2's ``sqrt(K + 1)``."""
     wide = x.float()
     conv = halo.halo_causal_conv(wide, module.conv1d.weight.squeeze(1), module.conv1d.bias, place, activation=None)
-    return (conv + wide).to(x.dtype)
+    return ((conv + wide) / scale).to(x.dtype)
 
 
 def _make_conv_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:

@@ -41,7 +41,7 @@ from ..mesh import SPMesh
 from ..model.lm import attends_over_depth as is_depth_attention
 from ..sequence.batch import document_places
 from .indexed_attention import entry_of, replace_forward, restore_forward, whole_row
-from .inkling import attend_row, relative_attention_layers
+from .inkling import attend_row, relative_attention_layers, short_convolution
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
 _ATTR = "_seqmesh_inkling2"
@@ -80,15 +80,6 @@ def convolutions(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers
     refuse_tensor_parallel(layers, mesh, "is one of Inkling 2's short convolutions, whose channels seqmesh's tensor "
                            "parallelism does not split")
     return layers
-
-
-def short_convolution(module: nn.Module, x: torch.Tensor, place: halo.Placement) -> torch.Tensor:
-    """``(conv(x) + x) / sqrt(K + 1)`` of the whole sequence at this rank's tokens (float32, back to ``x``'s dtype):
-    x (B, L, C) in shard order -> (B, L, C)."""
-    wide = x.float()
-    weight = module.conv1d.weight.squeeze(1)  # (C, K)
-    conv = halo.halo_causal_conv(wide, weight, module.conv1d.bias, place, activation=None)
-    return ((conv + wide) / math.sqrt(module.conv_kernel_size + 1)).to(x.dtype)
 
 
 def lagged(x: torch.Tensor, place: halo.Placement, kernel: int) -> torch.Tensor:
@@ -135,7 +126,7 @@ def _make_conv_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable
                                cu_seqlens=info.cu_seqlens, kernel=kernel)
         if dynamic:
             return dynamic_convolution(self, hidden_states, dynamic_input, place)
-        return short_convolution(self, hidden_states, place)
+        return short_convolution(self, hidden_states, place, math.sqrt(kernel + 1))  # Inkling's, scaled
 
     return forward
 

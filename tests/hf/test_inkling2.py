@@ -62,14 +62,12 @@ def _dynamic_conv_without_halo(lm) -> None:
 
 def _static_conv_without_halo(lm) -> None:
     """The static short convolutions read this rank's rows only."""
-    import math
-
     from family_cases import conv_without_halo
     from seqmesh.hf import inkling2
 
-    def own_rows_only(module, x, place):
+    def own_rows_only(module, x, place, scale):
         conv, wide = conv_without_halo(module, x, place)
-        return ((conv + wide) / math.sqrt(module.conv_kernel_size + 1)).to(x.dtype)
+        return ((conv + wide) / scale).to(x.dtype)
 
     during_calls(lm, inkling2.is_short_convolution, inkling2, "short_convolution", own_rows_only)
 
