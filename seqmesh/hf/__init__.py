@@ -266,7 +266,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     of tokens, each piece's all-to-all overlapped with the next piece's projection, forward and backward
     (:mod:`seqmesh.hf.async_ulysses`; families it does not know, and tensor parallelism, are refused here).
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     require("transformers", "seqmesh.hf")
     config = model.config
@@ -322,6 +322,9 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         # yet BLOOM, Falcon and GPT-Neo build their causal mask for the config's implementation: named seqmesh's, they
         # build no (L, L) mask the replaced attention would ignore
         config._attn_implementation = name
+    elif own_attention.takes_a_token_mask(own):  # MPT casts the mask it is given: a token of one element
+        AttentionMaskInterface.register(name, own_attention.token_mask)
+        config._attn_implementation = name
     for module, chunk in chunked_layers(model):
         setattr(module, _CHUNK, chunk)
     for kind, layers in mixer_layers.items():  # attention of its own attends with the model's kernel, as its design
@@ -342,7 +345,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
 
 def unparallelize(model: nn.Module) -> nn.Module:
     """Undo :func:`parallelize`: the previous attention implementation, no registration or cache hook left."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
 
     state = getattr(model, _ATTR, None)
     if state is None:
@@ -352,7 +355,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
         hook.remove()
     if not any(getattr(m, mixers.REPLACED_ATTR, None) == own_attention.NAME for m in model.modules()):
         model.set_attn_implementation(previous)
-    elif model.config._attn_implementation == name:  # BLOOM's or Falcon's, set by parallelize
+    elif model.config._attn_implementation == name:  # BLOOM's, Falcon's or MPT's, set by parallelize
         model.config._attn_implementation = previous
     # transformers 5.23 has no public way to remove a global registration (AttentionInterface.register
     # writes the class-wide mapping; ``del`` and set_attn_implementation act on local state only), so
@@ -370,6 +373,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
         if hasattr(module, _CHUNK):
             delattr(module, _CHUNK)
     AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
     setattr(model, _ATTR, None)
     return model
 

@@ -20,15 +20,16 @@ constant per row, which the softmax does not see); seqmesh takes the family's ow
 bias. MPT's bias stops at ``config.max_seq_len`` positions; seqmesh's continues by the same rule. Falcon with
 ``alibi=True`` is refused: transformers rounds its bias (slope x position) to bfloat16, which depends on the
 position itself, not the distance. While the model is parallelized its config names seqmesh's attention
-implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT builds
-one whatever the config names, and the layer ignores it), and a padding mask given to the decoder is refused.
+implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT, which
+casts the mask it asks for, is handed one element instead: :func:`token_mask`), and a padding mask given to the
+decoder is refused.
 
 The entry reaches these layers as it reaches a layer that calls the interface without passing it on
 (``seqmesh.hf._hook_entry``): these models call their blocks, and the blocks their attention, without
 ``**kwargs``. Tensor parallelism and attention dropout are refused by name. The layers attend with ``parallelize``'s
-``backend`` (installed with it as the kind's design); the math kernel and, in fp32 and fp64, the CPU flash op compute
-the ALiBi bias (``seqmesh.kernels.base.BlockMask.alibi``), so an ALiBi model's ``backend`` is one of those or
-``auto``.
+``backend`` (installed with it as the kind's design); the math kernel, the CPU flash op (fp32 and fp64) and on CUDA
+seqmesh's Triton flash kernel (``triton_flash``) compute the ALiBi bias (``seqmesh.kernels.base.BlockMask.alibi``), so
+an ALiBi model's ``backend`` is one of those or ``auto``.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ from ..mesh import SPMesh
 from ..rules.degrees import workable_degrees
 from ..rules.own_attention import LAYER_CLASSES, doge_window_problem, tensor_parallel_refusal
 from ..sharded_attention.api import attention
+from ..tensor_values import real_tensors
 from .layers import OWN_ATTENTION as NAME
 from .mixer_kind import MixerKind, check_mixer_context
 
-ALIBI_BACKENDS = ("auto", "math", "cpu_flash")  # the kernels that compute ALiBi's bias (the CPU op: fp32, fp64)
+# the kernels that compute ALiBi's bias (the CPU op: fp32, fp64; the Triton kernel: CUDA)
+ALIBI_BACKENDS = ("auto", "math", "cpu_flash", "triton_flash")
 
 
 @dataclass(frozen=True)
@@ -329,7 +332,8 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
     """The layer's forward on ``mesh``, attending with the kernel ``backend`` (``parallelize``'s)."""
     family = FAMILIES[family_key(module)]
     heads = family.heads(module)
-    slopes = None if family.slopes is None else tuple(float(s) for s in family.slopes(module, heads))
+    with real_tensors():  # the model's own slope function on two positions: real even in a rehearsal's fake mode
+        slopes = None if family.slopes is None else tuple(float(s) for s in family.slopes(module, heads))
     scale = float(family.scale(module))
     window = family.window(module)
 
@@ -383,8 +387,25 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
 
 def needs_no_mask(found: list) -> bool:
     """Whether the model of ``found``'s layers builds no causal mask once its config names seqmesh's attention
-    implementation (BLOOM, Falcon, GPT-Neo; MPT builds one whatever the config names, and cannot be told not to)."""
+    implementation (BLOOM, Falcon, GPT-Neo; MPT builds one whatever the config names: :func:`takes_a_token_mask`)."""
     return bool(found) and not any(FAMILIES[family_key(m)].own_mask for _, m in found)
+
+
+# the models that ask transformers for their causal mask and cast it (``create_causal_mask(...).to(torch.bool)``,
+# MPT): given no mask they fail, given transformers' eager one they hold an (L, L) bool tensor through the forward
+# (16 GiB at 128K tokens on a rank), which the replaced attention ignores
+_CAST_MASK = ("MptAttention",)
+
+
+def takes_a_token_mask(found: list) -> bool:
+    """Whether the model of ``found``'s layers gets :func:`token_mask` as its causal mask (MPT's)."""
+    return bool(found) and all(family_key(m) in _CAST_MASK for _, m in found)
+
+
+def token_mask(*, device: torch.device | str | None = None, **_) -> torch.Tensor:
+    """The causal mask a model that casts its mask gets while seqmesh runs its attention (registered as the mask
+    function of seqmesh's implementation, for that model only): one ``True``, nothing of size (L, L)."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def _no_padding_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -404,8 +425,8 @@ def refuse_padding_masks(decoder: nn.Module, found: list) -> list:
 def check_backend(found: list, backend: str) -> None:
     """Refuse a named kernel that does not compute ALiBi for a model with ALiBi layers."""
     if any(FAMILIES[family_key(m)].slopes is not None for _, m in found) and backend not in ALIBI_BACKENDS:
-        raise ValueError(f"backend={backend!r} cannot compute ALiBi (the math kernel adds a bias by distance, and the "
-                         "CPU flash op in fp32 and fp64); parallelize this model with backend='auto'.")
+        raise ValueError(f"backend={backend!r} cannot compute ALiBi (the math kernel adds a bias by distance, the CPU "
+                         "flash op in fp32 and fp64, and seqmesh's Triton kernel on CUDA); parallelize this model with backend='auto'.")
 
 
 KIND = MixerKind(NAME, (), own_attention_layers, _make_forward)

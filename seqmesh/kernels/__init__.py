@@ -11,14 +11,18 @@ from .base import CAUSAL, FULL, AttentionKernel, BlockMask, lse_dtype
 from .cpu_flash import CpuFlashKernel
 from .cuda import CudaCudnnKernel, CudaEfficientKernel, CudaFlashKernel
 from .flash_attn import FlashAttnKernel
+from .flash_triton_kernel import TritonFlashKernel
 from .reference import MathKernel
 
 KERNELS: dict[str, AttentionKernel] = {
     k.name: k
-    for k in (FlashAttnKernel(), CudaFlashKernel(), CudaCudnnKernel(), CudaEfficientKernel(), CpuFlashKernel(), MathKernel())
+    for k in (FlashAttnKernel(), CudaFlashKernel(), CudaCudnnKernel(), CudaEfficientKernel(), TritonFlashKernel(),
+              CpuFlashKernel(), MathKernel())
 }
 # backend="auto" takes the first kernel in this order that supports a call (cuDNN first on Hopper: auto_order).
-AUTO_ORDER: tuple[str, ...] = ("flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math")
+# seqmesh's Triton kernel (triton_flash) after the fused ops: it takes the calls they refuse (ALiBi) on CUDA.
+AUTO_ORDER: tuple[str, ...] = ("flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "triton_flash", "cpu_flash",
+                               "math")
 BACKENDS: tuple[str, ...] = ("auto", *AUTO_ORDER)
 
 # choose(q, k, mask, v=None) -> kernel; v is passed where its head dim may differ from q's

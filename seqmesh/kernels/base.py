@@ -40,9 +40,9 @@ class BlockMask:
       and key ``b`` gets ``-slope * (offset + a - b)``, minus the slope times their distance (after the soft-cap,
       if any). With it every call's rows and columns are consecutive positions (the block planner plans each
       run pair on its own), so ``offset`` carries the distance across ring blocks; the log-sum-exp includes the
-      bias, so partial results of different blocks merge exactly. The math kernel takes it, and the CPU flash op in
-      fp32 and fp64 as row bands with the bias added (``windows.BandedWindowKernel``); the others refuse it
-      (:func:`alibi_problem`).
+      bias, so partial results of different blocks merge exactly. The math kernel takes it, the CPU flash op in
+      fp32 and fp64 as row bands with the bias added (``windows.BandedWindowKernel``), and seqmesh's Triton flash
+      kernel on CUDA (``flash_triton_kernel``); torch's fused ops refuse it (:func:`alibi_problem`).
     """
 
     causal: bool = False
@@ -139,7 +139,8 @@ def alibi_problem(mask: BlockMask, kernel: str) -> str | None:
     """The reason a kernel that takes no per-head distance bias gives for an ALiBi call, or None."""
     if mask.alibi is None:
         return None
-    return f"{kernel} takes no ALiBi slopes (the math kernel computes them, and the CPU flash op in fp32 and fp64)"
+    return (f"{kernel} takes no ALiBi slopes (seqmesh's Triton flash kernel computes them on CUDA, the CPU flash op in "
+            "fp32 and fp64, and the math kernel)")
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,7 +9,7 @@ import json
 import os
 
 from ..rules.model_sizes import check_model_sizes
-from ..rules.own_attention import ALIBI, DOGE_WINDOW, TWO_MATRIX_MLP
+from ..rules.own_attention import DOGE_WINDOW, TWO_MATRIX_MLP
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -148,8 +148,9 @@ def _standard_names(cfg: dict) -> dict:
 
 def _own_attention_fields(cfg: dict) -> dict:
     """A family whose attention layers seqmesh runs itself (``seqmesh.rules.own_attention``; MiniMax-M3's block-sparse
-    layers, ``seqmesh.hf.block_sparse_attention``): a two-matrix MLP, and for an ALiBi or block-sparse family the
-    planner's reason (``seqmesh train`` runs it all the same)."""
+    layers, ``seqmesh.hf.block_sparse_attention``): a two-matrix MLP, and for a family the planner does not size
+    its reason (``seqmesh train`` runs it all the same). BLOOM's and MPT's ALiBi is planned as attention: on CUDA it
+    runs on seqmesh's Triton flash kernel (``seqmesh.kernels.flash_triton``), no score block held."""
     family = cfg.get("model_type")
     fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
     if "minimax_m3_sparse" in (cfg.get("layer_types") or ()):
@@ -181,10 +182,6 @@ def _own_attention_fields(cfg: dict) -> dict:
                                    "with is_moe=False is planned and trained")
         else:
             fields |= {"experts": 0, "experts_per_token": 0}
-    if family in ALIBI:
-        fields["unplanned"] = (f"seqmesh plan does not size {family}'s ALiBi attention yet: on a GPU it runs on the math "
-                               "kernel, whose (rows x keys) score block per call the planner does not count; seqmesh "
-                               "train and verify run it all the same")
     return fields
 
 

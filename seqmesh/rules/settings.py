@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from .flags import literal_words
 
-Kernel = Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "cpu_flash", "math"]
+Kernel = Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficient", "triton_flash", "cpu_flash",
+                 "math"]
 LinearDesign = Literal["auto", "all_to_all", "state_passing"]
 Layout = Literal["auto", "zigzag", "contiguous", "per_document"]
 

@@ -94,8 +94,8 @@ def attention(
         alibi: ALiBi (BLOOM, MPT): one slope per query head (``Hq`` floats, in q's head order), causal only, no window
             or image blocks. The scaled score of a query and a key ``d`` positions earlier in its document gets
             ``-slope * d``, on every ring block (each call knows its distance: ``BlockMask.alibi``). ``auto`` takes
-            torch's CPU flash op in row bands in fp32 and fp64 on the CPU, else the math kernel (one (rows, keys)
-            score block per call; on CUDA too).
+            seqmesh's Triton flash kernel on CUDA (``triton_flash``), torch's CPU flash op in row bands in fp32 and
+            fp64 on the CPU, else the math kernel (one (rows, keys) score block per call).
 
     Under autocast, floating q, k and v are first cast to autocast's dtype, as torch's SDPA does (transformers'
     rotary leaves q and k in float32 beside a bfloat16 v there); the kernels then run with autocast off.

@@ -82,7 +82,8 @@ def cuda_plan(minutes: float) -> SelftestPlan:
     model, _ = longest_model(host_memory_bytes())
     return SelftestPlan("cuda", "bfloat16", [(8192, 32, 8, 128), (32768, 32, 8, 128)], "llama3.2-1b",
                         [8192, 16384, 32768], model, 32768, 32768, 1 << 22, total, minutes,
-                        ["tests/attention/test_gpu.py", "tests/attention/test_sparse_latent_kernel.py"])
+                        ["tests/attention/test_gpu.py", "tests/attention/test_sparse_latent_kernel.py",
+                         "tests/attention/test_flash_triton.py"])
 
 
 def rehearsal_plan() -> SelftestPlan:

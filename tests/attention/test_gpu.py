@@ -16,7 +16,7 @@ from seqmesh.sequence.layout import SequenceLayout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-CUDA_KERNELS = ["cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"]
+CUDA_KERNELS = ["cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn", "triton_flash"]
 
 
 @pytest.mark.parametrize("name", CUDA_KERNELS)
@@ -49,7 +49,7 @@ def test_cuda_kernel_matches_float64(name, mask, heads):
     assert (lse.double() - ref_lse).abs().max().item() < 0.02
 
 
-@pytest.mark.parametrize("backend", ["auto", "cuda_flash", "cuda_efficient", "cuda_cudnn"])
+@pytest.mark.parametrize("backend", ["auto", "cuda_flash", "cuda_efficient", "cuda_cudnn", "triton_flash"])
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 100)], ids=["causal", "full", "window"])
 def test_ring_blocks_on_gpu(causal, window, backend):
     """The emulated ring (planner + merge + kernels on sliced blocks with the merged lse) on the GPU

@@ -1,7 +1,7 @@
 """seqmesh plan on the families whose attention layers seqmesh runs itself (seqmesh.hf.own_attention): Falcon's,
 GPT-Neo's, the original GPT's, XGLM's, GPT-NeoX-Japanese's and Doge's config.json read into shapes whose matrices equal the model transformers builds on the meta device (Falcon's
 one or grouped kv heads, a two-matrix MLP, GPT-Neo's local layers as sliding ones), planned without tensor parallelism
-as the runtime runs them (the one rule, seqmesh.rules.own_attention), and BLOOM's and MPT's ALiBi refused by name."""
+as the runtime runs them (the one rule, seqmesh.rules.own_attention), and BLOOM's and MPT's ALiBi planned."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ CONFIGS = {
                       vocab_size=256008, max_position_embeddings=2048),
     "gpt-neox-japanese-2.7b": dict(model_type="gpt_neox_japanese", hidden_size=2560, num_hidden_layers=32,
                                    num_attention_heads=32, intermediate_multiple_size=4, vocab_size=32000),
+    # BLOOM 7B1 and MPT-7B: ALiBi (MPT's vocabulary padded to 50,432)
+    "bloom-7b1": dict(model_type="bloom", hidden_size=4096, n_layer=30, n_head=32, vocab_size=250880),
+    "mpt-7b": dict(model_type="mpt", d_model=4096, n_layers=32, n_heads=32, vocab_size=50432, expansion_ratio=4,
+                   max_seq_len=2048),
     "doge-160m": dict(model_type="doge", hidden_size=768, num_hidden_layers=24, num_attention_heads=6,
                       num_key_value_heads=3, intermediate_size=1536, vocab_size=32768, keep_window_size=2048,
                       num_experts=16384),
@@ -105,15 +109,14 @@ def test_doge_is_planned_within_its_window_only(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["recommended"] is not None
 
 
-@pytest.mark.parametrize("family", ["bloom", "mpt"])
-def test_alibi_families_are_refused_by_name(tmp_path, family, capsys):
-    """BLOOM's and MPT's ALiBi runs on the math kernel, which the planner does not size: refused, naming why and that
-    seqmesh train runs them."""
-    from family_cases import family_config
-
+@pytest.mark.parametrize("name", ["bloom-7b1", "mpt-7b"])
+def test_alibi_families_are_planned(tmp_path, name, capsys):
+    """BLOOM's and MPT's ALiBi: on CUDA seqmesh's Triton flash kernel computes the bias by distance, no score block
+    held, so the planner sizes their attention as any other's; 128K tokens on 8 H100s fit."""
     from seqmesh.tools.cli import main
 
-    path = _write(tmp_path, family, json.loads(family_config(family).to_json_string()))
-    assert main(["plan", "--model", path, "--seq-len", "4096", "--gpus", "2"]) != 0
-    said = capsys.readouterr().err
-    assert f"does not size {family}'s ALiBi attention" in said and "seqmesh train" in said, said
+    path = _write(tmp_path, name, CONFIGS[name])
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--hardware", "h100-nvlink",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["recommended"] is not None and any(row["feasible"] for row in report["candidates"])

@@ -248,3 +248,20 @@ def test_any_rank_rehearses_and_one_outside_the_world_is_refused(capsys, rehears
     assert fake["measured_by_category"] == real["measured_by_category"]
     assert main(["rehearse", *TOY, "--rank", "2"]) == 2
     assert "--rank 2: the rehearsed world's ranks are 0 to 1 (--gpus 2)" in capsys.readouterr().err
+
+
+def test_mpt_is_handed_no_token_by_token_mask(rehearse, tmp_path):
+    """MPT casts the causal mask transformers builds for it (``create_causal_mask(...).to(torch.bool)``), and its
+    checkpointed blocks keep it as an input until the backward: an (L, L) bool tensor, 64 MiB at 8,192 tokens here and
+    16 GiB at 128K, beside attention that ignores it. While seqmesh runs its attention the model is handed one element
+    (seqmesh.hf.own_attention.token_mask); before, that mask was the largest tensor at the step's peak."""
+    length = 8192
+    path = tmp_path / "mpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dict(model_type="mpt", d_model=128, n_layers=2, n_heads=4,
+                                                      vocab_size=512, expansion_ratio=4, max_seq_len=2048)))
+    cfg = dataclasses.replace(CONFIG, model=str(path), seq_len=length, ulysses=1)
+    result = rehearse(cfg, 1, timeout=300)
+    largest = result["largest_at_peak"]
+    assert largest and all(s["bytes"] < length * length for s in largest), largest
+    assert result["measured_peak_bytes"] < length * length, result["measured_peak_bytes"]
