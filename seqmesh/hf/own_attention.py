@@ -20,8 +20,8 @@ constant per row, which the softmax does not see); seqmesh takes the family's ow
 bias. MPT's bias stops at ``config.max_seq_len`` positions; seqmesh's continues by the same rule. Falcon with
 ``alibi=True`` is refused: transformers rounds its bias (slope x position) to bfloat16, which depends on the
 position itself, not the distance. While the model is parallelized its config names seqmesh's attention
-implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT, which
-casts the mask it asks for, is handed one element instead: :func:`token_mask`), and a padding mask given to the
+implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT, XGLM and
+the others that build their mask whatever the config names are handed one element instead: :func:`token_mask`), and a padding mask given to the
 decoder is refused.
 
 The entry reaches these layers as it reaches a layer that calls the interface without passing it on
@@ -391,19 +391,17 @@ def needs_no_mask(found: list) -> bool:
     return bool(found) and not any(FAMILIES[family_key(m)].own_mask for _, m in found)
 
 
-# the models that ask transformers for their causal mask and cast it (``create_causal_mask(...).to(torch.bool)``,
-# MPT): given no mask they fail, given transformers' eager one they hold an (L, L) bool tensor through the forward
-# (16 GiB at 128K tokens on a rank), which the replaced attention ignores
-_CAST_MASK = ("MptAttention",)
-
-
 def takes_a_token_mask(found: list) -> bool:
-    """Whether the model of ``found``'s layers gets :func:`token_mask` as its causal mask (MPT's)."""
-    return bool(found) and all(family_key(m) in _CAST_MASK for _, m in found)
+    """Whether the model of ``found``'s layers gets :func:`token_mask` as its causal mask: one that builds its mask
+    whatever the config names (MPT casts what ``create_causal_mask`` gives it; XGLM, GPT-NeoX-Japanese, TrOCR and
+    MVP pass it to their layers). Given transformers' eager mask they hold an (L, L) tensor through the forward, and
+    their checkpointed layers keep it as an input until the backward (16 GiB in bool at 128K tokens on a rank, twice
+    that in bf16 with its gradient), beside attention that ignores it."""
+    return bool(found) and not needs_no_mask(found)
 
 
 def token_mask(*, device: torch.device | str | None = None, **_) -> torch.Tensor:
-    """The causal mask a model that casts its mask gets while seqmesh runs its attention (registered as the mask
+    """The causal mask a model that builds its own gets while seqmesh runs its attention (registered as the mask
     function of seqmesh's implementation, for that model only): one ``True``, nothing of size (L, L)."""
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
