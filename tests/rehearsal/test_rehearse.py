@@ -250,16 +250,25 @@ def test_any_rank_rehearses_and_one_outside_the_world_is_refused(capsys, rehears
     assert "--rank 2: the rehearsed world's ranks are 0 to 1 (--gpus 2)" in capsys.readouterr().err
 
 
-def test_mpt_is_handed_no_token_by_token_mask(rehearse, tmp_path):
-    """MPT casts the causal mask transformers builds for it (``create_causal_mask(...).to(torch.bool)``), and its
-    checkpointed blocks keep it as an input until the backward: an (L, L) bool tensor, 64 MiB at 8,192 tokens here and
-    16 GiB at 128K, beside attention that ignores it. While seqmesh runs its attention the model is handed one element
-    (seqmesh.hf.own_attention.token_mask); before, that mask was the largest tensor at the step's peak."""
+# two families that build their causal mask whatever the config names: MPT casts it, XGLM passes it to its layers
+OWN_MASK = {
+    "mpt": dict(model_type="mpt", d_model=128, n_layers=2, n_heads=4, vocab_size=512, expansion_ratio=4,
+                max_seq_len=2048),
+    "xglm": dict(model_type="xglm", d_model=128, num_layers=2, attention_heads=4, ffn_dim=512, vocab_size=512,
+                 max_position_embeddings=8192),
+}
+
+
+@pytest.mark.parametrize("family", list(OWN_MASK))
+def test_a_family_with_its_own_mask_is_handed_no_token_by_token_mask(rehearse, tmp_path, family):
+    """MPT and XGLM build the causal mask transformers makes for them, and their checkpointed blocks keep it as an
+    input until the backward: an (L, L) tensor, 64 MiB in bool at 8,192 tokens here (XGLM's bf16 twice that, and
+    its gradient) and 16 GiB at 128K, beside attention that ignores it. While seqmesh runs their attention they are
+    handed one element (seqmesh.hf.own_attention.token_mask); before, that mask was the largest tensor at the peak."""
     length = 8192
-    path = tmp_path / "mpt"
+    path = tmp_path / family
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(dict(model_type="mpt", d_model=128, n_layers=2, n_heads=4,
-                                                      vocab_size=512, expansion_ratio=4, max_seq_len=2048)))
+    (path / "config.json").write_text(json.dumps(OWN_MASK[family]))
     cfg = dataclasses.replace(CONFIG, model=str(path), seq_len=length, ulysses=1)
     result = rehearse(cfg, 1, timeout=300)
     largest = result["largest_at_peak"]
