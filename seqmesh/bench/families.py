@@ -15,8 +15,9 @@ the allocator's peak over the timed steps) and the step time over its reference'
     qwen3_5      Gated DeltaNet x 3, then full attention (Qwen3.5)
     kimi_linear  KDA x 3, then MLA (Kimi Linear), MoE after the first layer
     lfm2         gated short convolutions and attention, alternating (LFM2)
-    bloom        ALiBi attention (BLOOM: 8 heads, a two-matrix MLP of 4 x the width), its bias added by the math
-                 kernel, one (rows x keys) score block per call (``seqmesh.hf.own_attention``)
+    bloom        ALiBi attention (BLOOM: 8 heads, a two-matrix MLP of 4 x the width), its bias added inside the
+                 kernel: the CPU flash op in row bands on the CPU, seqmesh's Triton flash kernel on CUDA
+                 (``seqmesh.hf.own_attention``)
 
 Issue 46's goal: DSA's step no longer than dense MLA's, and each mixer family's at most twice the dense Llama's
 (on a GPU: at least half its tokens/s).

@@ -134,12 +134,14 @@ def recurrent_kernels(device: torch.device) -> dict[str, str]:
 
 
 def sparse_kernels(device: torch.device) -> dict[str, str]:
-    """DeepSeek Sparse Attention's Triton kernels (the indexer's scores, the latent attention) on ``device``: "runs",
-    "absent" (no Triton) or "fails" (probed: the torch form runs instead, and the probe has warned)."""
-    from ..kernels.sparse_latent import PROBE
+    """seqmesh's Triton kernels on ``device``: DeepSeek Sparse Attention's two (the indexer's scores, the latent
+    attention) and the flash kernel ALiBi runs on (``triton_flash``): "runs", "absent" (no Triton) or "fails"
+    (probed: the torch form or the math kernel runs instead, and the probe has warned)."""
+    from ..kernels import flash_triton_kernel, sparse_latent
 
-    return {name: "runs" if works else "absent" if PROBE.kernels[name].load() is None else "fails"
-            for name, works in PROBE.probe_all(device).items()}
+    return {name: "runs" if works else "absent" if probe.kernels[name].load() is None else "fails"
+            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE)
+            for name, works in probe.probe_all(device).items()}
 
 
 def run_gpu_tests(plan: SelftestPlan) -> dict:
@@ -222,10 +224,42 @@ def time_kernels(plan: SelftestPlan) -> list[dict]:
                 continue
             rows.append({"shape": [seq_len, hq, hk, d], "kernel": name, "seconds": seconds,
                          "vs_sdpa": seconds / baseline, "max_diff": diff})
+        rows.append(_alibi_row(q, k, v, dout, scale, baseline))
         del q, k, v, dout, want
         if device.type == "cuda":  # the steps after this run in other processes on the same GPU
             torch.cuda.empty_cache()
     return rows
+
+
+def _alibi_row(q, k, v, dout, scale: float, baseline: float) -> dict:
+    """seqmesh's Triton flash kernel with ALiBi (BLOOM's slopes) on the causal call, forward+backward, over SDPA's
+    time without a bias; ``max_diff`` over its first 1,024 queries, which see only the first 1,024 keys, against
+    SDPA given that block's bias as a mask."""
+    import torch.nn.functional as F
+
+    from ..kernels import KERNELS, BlockMask
+
+    heads, shape = q.shape[2], [q.shape[1], q.shape[2], k.shape[2], q.shape[3]]  # tokens, q and kv heads, width
+    slopes = tuple(2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads))
+    mask, kernel = BlockMask(causal=True, alibi=slopes), KERNELS["triton_flash"]
+    if (why := kernel.unsupported(q, k, mask, v)) is not None:
+        return {"shape": shape, "kernel": "triton+alibi", "skipped": why}
+
+    def run():
+        out, lse = kernel.forward(q, k, v, mask, scale)
+        kernel.backward(dout, q, k, v, out, lse, mask, scale)
+        return out
+
+    n = min(1024, q.shape[1])
+    gap = torch.arange(n, device=q.device)[:, None] - torch.arange(n, device=q.device)[None, :]
+    bias = -torch.tensor(slopes, device=q.device)[:, None, None] * gap
+    bias = bias.masked_fill(gap < 0, float("-inf")).to(q.dtype)  # (H, n, n)
+    want = F.scaled_dot_product_attention(*(t[:, :n].transpose(1, 2) for t in (q, k, v)), attn_mask=bias,
+                                          scale=scale, enable_gqa=True).transpose(1, 2)
+    diff = float((run()[:, :n].float() - want.float()).abs().max())
+    seconds = _timed(run, q.device)
+    return {"shape": shape, "kernel": "triton+alibi", "seconds": seconds, "vs_sdpa": seconds / baseline,
+            "max_diff": diff}
 
 
 def memory_rows(plan: SelftestPlan) -> list[dict]:
@@ -368,7 +402,7 @@ def format_report(report: dict) -> str:
                                                                              if verdict == "fails" else "")
                                                        for name, verdict in env["recurrent_kernels"].items()))
     if env.get("sparse_kernels"):
-        lines.append("sparse attention kernels (Triton): " + ", ".join(
+        lines.append("seqmesh's Triton kernels: " + ", ".join(
             f"{name} {verdict}" + (" (seqmesh's torch form runs instead)" if verdict == "fails" else "")
             for name, verdict in env["sparse_kernels"].items()))
     failed = [name for name in STEPS if isinstance(report[name], dict)

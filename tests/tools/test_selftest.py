@@ -32,9 +32,10 @@ def test_the_rehearsal_runs_every_step_and_writes_the_report(tmp_path, rehearsal
     report = run_selftest(plan, str(tmp_path / "r.json"), launch=rehearsal_server)
     assert json.loads((tmp_path / "r.json").read_text())["longest"]["model"] == plan.longest_model
     kernels = {r["kernel"]: r for r in report["kernels"]}
-    assert set(kernels) == {"torch_sdpa", *AUTO_ORDER}
+    assert set(kernels) == {"torch_sdpa", *AUTO_ORDER, "triton+alibi"}
     assert "seconds" in kernels["cpu_flash"] and "seconds" in kernels["math"]
-    assert all("skipped" in kernels[k] for k in ("cuda_flash", "cuda_efficient"))  # named, not silently absent
+    # named, not silently absent
+    assert all("skipped" in kernels[k] for k in ("cuda_flash", "cuda_efficient", "triton_flash", "triton+alibi"))
     # the planner's prediction beside each measured peak; on the CPU it is validated within 5% elsewhere
     assert [r["seq_len"] for r in report["memory"]] == plan.memory_seq_lens
     assert all(0.95 <= r["predicted_ratio"] <= 1.05 for r in report["memory"]), report["memory"]
