@@ -50,7 +50,8 @@ def float32_modules(lm: nn.Module) -> list[nn.Module]:
     """The largest modules of ``lm`` all of whose parameters its family keeps in float32 in a bfloat16 model
     (transformers' ``_keep_in_fp32_modules_strict``, its names read as regular expressions over the parameters' names,
     as transformers reads them): Inkling 2's router, whose input it casts to float32, and its block residuals and
-    convolutions."""
+    convolutions; HY-V4's and DeepSeek-V4's hyper-connections. Not the embeddings or the LM head (HY-V4's): the loss
+    reads the head's weight outside its forward, so it is gathered with the root, in bfloat16."""
     import re
 
     keep = getattr(lm, "_keep_in_fp32_modules_strict", None) or ()
@@ -59,8 +60,13 @@ def float32_modules(lm: nn.Module) -> list[nn.Module]:
     pattern = re.compile("|".join(name.replace("*", ".*") for name in keep))
     strict = {id(p) for name, p in lm.named_parameters() if pattern.search(name)}
     found: list[nn.Module] = []
+    # never the embeddings: the loss reads the head's weight outside the head's forward (HY-V4 keeps its head in
+    # float32), where a unit of its own would still be sharded; they stay with the root, gathered for the step
+    embeddings = {id(lm.get_input_embeddings()), id(lm.get_output_embeddings())}
 
     def visit(module: nn.Module) -> None:
+        if id(module) in embeddings:
+            return
         params = list(module.parameters())
         if params and all(id(p) in strict for p in params):
             found.append(module)  # the module whose forward runs (a conv's parent, which reads its weight), not below
