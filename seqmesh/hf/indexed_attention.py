@@ -51,6 +51,7 @@ from ..kernels.sparse_latent_blocks import sparse_latent_blocks
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import gather_sequence, sequence_positions
+from ..tensor_values import real_tensors
 from . import indexed_layouts as layouts
 
 _ATTR = "_seqmesh_indexed"
@@ -185,8 +186,9 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     """Each local token's index in the row (a list), and ``allowed(block) -> (1, l, T)`` bool: which keys of the row
     each local query of ``block`` may see (its own document's, up to itself). A padding query sees the row's first
     token, so that nothing is empty."""
-    positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens)  # on the host
-    index = positions.to(device)
+    with real_tensors():  # on the host, from the layout alone: values even in a rehearsal's fake mode
+        positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).tolist()
+    index = torch.tensor(positions, device=device)
     keys = torch.arange(info.seq_len, device=device)
     bounds = torch.tensor(info.cu_seqlens or (0, info.seq_len), device=device)
     doc_of = lambda t: torch.bucketize(t, bounds[1:], right=True)  # noqa: E731  the document each position is in
@@ -197,7 +199,7 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
         q, d, pad = index[block, None], query_doc[block, None], padding[block, None]
         return (((keys[None] <= q) & (key_doc[None] == d)) | (pad & (keys[None] == 0)))[None]
 
-    return positions.tolist(), allowed
+    return positions, allowed
 
 
 def latent_query(module: nn.Module, q_pass: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from .materialize import materialize
 from .router_aux import RouterAux, load_balancing_loss, router_aux
 from ..sequence.batch import IGNORE_INDEX, real_tokens
 from ..mesh import SPMesh
+from ..tensor_values import real_tensors
 from .presets import MODELS, model_shape
 from .shapes import ModelShape
 
@@ -158,7 +159,10 @@ def build_model(model: str | ModelSource, *, seed: int = 0, dtype: torch.dtype =
     # the single-device reference runs transformers' own attention: SDPA, or eager for models without an
     # SDPA path (gpt-oss: its sinks); seqmesh.hf replaces either
     sdpa = auto._model_mapping[type(config)]._supports_sdpa
-    with torch.device("meta"):
+    # built on the meta device outside a rehearsal's fake mode: a model whose __init__ converts a module (HY-V4's and
+    # DeepSeek-V4's hyper-connections: ``.to(torch.float32)``) cannot swap fake parameters (fake mode's weak
+    # references); real meta tensors hold no memory either, and materialize makes them fake on the fake device
+    with real_tensors(), torch.device("meta"):
         model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
     check_causal(model, name_or_path)
     if torch.device(device).type != "meta":  # values from (seed, module name): see initialize_by_name
