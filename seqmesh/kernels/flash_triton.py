@@ -13,7 +13,8 @@ Shapes as :mod:`.base` (contiguous): q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, S
   recompute each tile's probabilities from the log-sum-exp they are given (ring attention gives the merged one).
 
 A row of products runs in the inputs' dtype with float32 sums: bf16 and fp16 on the tensor cores; float32 in IEEE
-float32 (torch's matmul default), never TF32. :mod:`.flash_triton_kernel` imports this module on first use, so a
+float32 (torch's matmul default), never TF32. Each backward row's ``dout . out`` is summed by a pre-pass kernel in
+float32 (no float32 copy of either). :mod:`.flash_triton_kernel` imports this module on first use, so a
 process that never calls it never imports Triton; tests set ``TRITON_INTERPRET=1`` and run it on the CPU.
 """
 
@@ -156,17 +157,33 @@ def _backward_q(Q, K, V, SLOPE, DO, LSE, DELTA, DQ, Sq, Sk, Hq, Hk, offset, scal
     tl.store(DQ + at * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=am[:, None] & (d < D)[None, :])
 
 
+@triton.jit
+def _row_dots(O, DO, DELTA, Sq, Hq, DV: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr):
+    # DELTA[b, h, a] = sum_e out[b, a, h, e] * dout[b, a, h, e] in float32: d loss / d (each score) shifts by it
+    start_m = tl.program_id(0) * BM
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // Hq, bh % Hq
+    a = start_m + tl.arange(0, BM)
+    e = tl.arange(0, BDV)
+    at = ((b * Sq + a[:, None]) * Hq + h) * DV + e[None, :]
+    ok = (a < Sq)[:, None] & (e < DV)[None, :]
+    out = tl.load(O + at, mask=ok, other=0.0).to(tl.float32)
+    dout = tl.load(DO + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * Sq + a, tl.sum(out * dout, 1), mask=a < Sq)
+
+
 def _pow2(n: int) -> int:
     return max(16, 1 << (max(1, n) - 1).bit_length())
 
 
 def _sizes(q: torch.Tensor, v: torch.Tensor, causal: bool, alibi: bool) -> dict:
     d, dv = q.shape[-1], v.shape[-1]
-    # tiles of 64 x 64 at head dims to 128 (BLOOM's and MPT's); 32 rows beyond, where a tile's registers run out
-    block = 64 if max(d, dv) <= 128 else 32
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: unread for bf16 and fp16 inputs
+    # tiles of 64 x 64 in half precision at head dims to 128 (BLOOM's and MPT's); 32 beyond, and in float32, whose
+    # tiles take twice the shared memory (the key block's backward at 64 x 128 in float32: 214 KB, past an A100's)
+    block = 64 if max(d, dv) <= 128 and q.dtype != torch.float32 else 32
+    # IEEE float32 for float32 inputs (never TF32); half inputs ignore it
     return dict(D=d, DV=dv, BD=_pow2(d), BDV=_pow2(dv), BM=block, BN=block, CAUSAL=causal, HAS_ALIBI=alibi,
-                PREC=precision, num_warps=4 if block == 64 else 8)
+                PREC="ieee", num_warps=4 if block == 64 else 8)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor | None, causal: bool,
@@ -191,7 +208,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     sizes = _sizes(q, v, causal, slopes is not None)
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, Sq): each row's dout . out
+    delta = q.new_empty(b, hq, sq, dtype=torch.float32)  # (B, Hq, Sq): each row's dout . out
+    _row_dots[(triton.cdiv(sq, sizes["BM"]), b * hq)](out, dout, delta, sq, hq, DV=sizes["DV"], BDV=sizes["BDV"],
+                                                       BM=sizes["BM"])
     lse = lse.float().contiguous()
     slope_arg = slopes if slopes is not None else lse
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -7,11 +7,17 @@ causal block whose diagonal is not its top-left corner. Not a soft-cap nor a sli
 
 Before its first call on a device the kernel runs once on a few tokens, forward and backward, held to the math
 kernel (:data:`PROBE`): a Triton that fails or answers otherwise on this GPU leaves it refused there, with one
-warning, and ``auto`` takes the math kernel as before. Under fake tensors (``seqmesh rehearse``) it launches
-nothing and returns its outputs' storage, so a rehearsal counts what the GPU's run holds.
+warning, and ``auto`` takes the math kernel as before. Sizes whose tiles Triton cannot fit on the device (it raises
+before any launch) run on the math kernel, with one warning, and are declined from then on. Under fake tensors
+(``seqmesh rehearse``) it launches nothing and allocates what the real call does (its outputs, the backward's float32
+row sums, each document's part before they are joined), so a rehearsal counts what the GPU's run holds; it assumes
+the probe passes where Triton is installed.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 
@@ -27,8 +33,11 @@ def _is_fake(x: torch.Tensor) -> bool:
     return torch._subclasses.fake_tensor.is_fake(x)
 
 
-def _slopes(mask: BlockMask, device: torch.device) -> torch.Tensor | None:
-    return None if mask.alibi is None else torch.tensor(mask.alibi, dtype=torch.float32, device=device)
+@functools.lru_cache(maxsize=64)
+def _slope_tensor(slopes: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """ALiBi's slopes on ``device``, copied from the host once per slopes and device (a copy per call would wait
+    for the device's queue to drain)."""
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
 def _documents(mask: BlockMask, length: int) -> list[tuple[int, int]]:
@@ -36,8 +45,26 @@ def _documents(mask: BlockMask, length: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _fake_forward(q, k, v, slopes, causal, offset, scale):
+    """What :func:`.flash_triton.forward` allocates, launching nothing (a rehearsal's fake tensors)."""
+    b, sq, hq, _ = q.shape
+    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
+
+
+def _fake_backward(dout, q, k, v, out, lse, slopes, causal, offset, scale):
+    """What :func:`.flash_triton.backward` allocates: the gradients beside each row's float32 ``dout . out``."""
+    b, sq, hq, _ = q.shape
+    delta = q.new_empty(b, hq, sq, dtype=torch.float32)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    del delta
+    return grads
+
+
 class TritonFlashKernel(AttentionKernel):
     name = "triton_flash"
+
+    def __init__(self) -> None:
+        self._failed: set[tuple] = set()  # (dtype, widths, causal, alibi) whose kernels failed to compile here
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
         if q.device.type != "cuda":
@@ -49,36 +76,67 @@ class TritonFlashKernel(AttentionKernel):
         widest = max(q.shape[-1], v.shape[-1] if v is not None else 0)
         if widest > MAX_HEAD_DIM:
             return f"seqmesh's Triton flash kernel takes heads up to {MAX_HEAD_DIM} wide, not {widest}"
-        if not _is_fake(q) and not PROBE.works("triton_flash", q.device):
+        if self._config(q, v if v is not None else k, mask) in self._failed:
+            return "seqmesh's Triton flash kernel failed to compile for these sizes on this device (warned)"
+        if _is_fake(q):  # a rehearsal: the real run's verdict where Triton is installed (the probe cannot run here)
+            return None if _loaded() is not None else "Triton is not installed"
+        if not PROBE.works("triton_flash", q.device):
             return "seqmesh's Triton flash kernel is not installed (Triton) or failed its probe on this device"
         return None
 
-    def forward(self, q, k, v, mask, scale):
-        b, sq, hq, _ = q.shape
-        if _is_fake(q):
-            return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
+    @staticmethod
+    def _config(q: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> tuple:
+        return q.dtype, q.shape[-1], v.shape[-1], mask.causal, mask.alibi is not None
+
+    def _run(self, name: str, q, v, mask, fallback, *args):
+        """``flash_triton.<name>(*args)``; where Triton cannot compile these sizes on this device (its shared memory
+        or registers), one warning and ``fallback()`` (the math kernel) for this call and every later one."""
         from . import flash_triton
 
-        slopes, parts = _slopes(mask, q.device), []
-        for a, z in _documents(mask, sq):  # with segments: Sq == Sk and offset 0
+        try:
+            return getattr(flash_triton, name)(*args)
+        except Exception as err:  # Triton's OutOfResources or CompilationError, raised before any launch
+            if type(err).__module__.split(".")[0] != "triton":
+                raise
+            self._failed.add(self._config(q, v, mask))
+            warnings.warn(f"seqmesh's Triton flash kernel does not compile for {q.dtype} heads of {q.shape[-1]} on "
+                          f"{q.device} ({type(err).__name__}: {err}); the math kernel computes these calls instead, "
+                          "holding each call's (rows x keys) scores.", RuntimeWarning, stacklevel=3)
+            return fallback()
+
+    def forward(self, q, k, v, mask, scale):
+        fake = _is_fake(q)
+        slopes = None if mask.alibi is None or fake else _slope_tensor(mask.alibi, q.device)
+        parts = []
+        for a, z in _documents(mask, q.shape[1]):  # with segments: Sq == Sk and offset 0
             keys = slice(a, z) if mask.segments is not None else slice(None)
-            parts.append(flash_triton.forward(q[:, a:z].contiguous(), k[:, keys].contiguous(),
-                                              v[:, keys].contiguous(), slopes, mask.causal, mask.offset, scale))
+            args = (q[:, a:z].contiguous(), k[:, keys].contiguous(), v[:, keys].contiguous(), slopes, mask.causal,
+                    mask.offset, scale)
+            if fake:
+                parts.append(_fake_forward(*args))
+            else:
+                part_mask = BlockMask(causal=mask.causal, offset=mask.offset, alibi=mask.alibi)
+                parts.append(self._run("forward", q, v, mask,
+                                       lambda: MathKernel().forward(*args[:3], part_mask, scale), *args))
         if len(parts) == 1:
             return parts[0]
         return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
-        if _is_fake(q):
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        from . import flash_triton
-
-        slopes, parts = _slopes(mask, q.device), []
+        fake = _is_fake(q)
+        slopes = None if mask.alibi is None or fake else _slope_tensor(mask.alibi, q.device)
+        parts = []
         for a, z in _documents(mask, q.shape[1]):
             keys = slice(a, z) if mask.segments is not None else slice(None)
-            parts.append(flash_triton.backward(
-                dout[:, a:z].contiguous(), q[:, a:z].contiguous(), k[:, keys].contiguous(), v[:, keys].contiguous(),
-                out[:, a:z].contiguous(), lse[:, :, a:z], slopes, mask.causal, mask.offset, scale))
+            args = (dout[:, a:z].contiguous(), q[:, a:z].contiguous(), k[:, keys].contiguous(),
+                    v[:, keys].contiguous(), out[:, a:z].contiguous(), lse[:, :, a:z].contiguous(), slopes,
+                    mask.causal, mask.offset, scale)
+            if fake:
+                parts.append(_fake_backward(*args))
+            else:
+                part_mask = BlockMask(causal=mask.causal, offset=mask.offset, alibi=mask.alibi)
+                parts.append(self._run("backward", q, v, mask,
+                                       lambda: MathKernel().backward(*args[:6], part_mask, scale), *args))
         if len(parts) == 1:
             return parts[0]
         return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # type: ignore[return-value]

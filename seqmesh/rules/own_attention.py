@@ -12,8 +12,6 @@ LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "Fa
                  "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention",
                  "trocr": "TrOCRAttention", "mvp": "MvpAttention", "roformer": "RoFormerSelfAttention",
                  "big_bird": "BigBirdSelfAttention"}
-# the families whose bias by distance (ALiBi) only the math kernel (and, on the CPU, torch's flash op) adds
-ALIBI = ("bloom", "mpt")
 # the families whose MLP is two matrices (up, activation, down), not a gated three
 TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "rembert",
                   "megatron-bert", "big_bird")

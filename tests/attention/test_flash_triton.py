@@ -183,3 +183,30 @@ def test_a_zigzag_ring_of_four_on_the_kernel_is_whole_sequence_alibi(documents):
     got = emulate_ring(*(x.float().to(DEVICE) for x in (q, k, v, dout)), schedule, on_the_kernel, 0.25)
     for what, a, b, n in zip(("out", "dq", "dk", "dv"), got, want, noise):
         assert _relative(a.double().cpu(), b) <= ROUNDING_MULTIPLE * max(n, 1e-7), (what, _relative(a.double().cpu(), b), n)
+
+
+def test_sizes_triton_cannot_compile_fall_back_to_the_math_kernel_with_one_warning(monkeypatch):
+    """A device whose shared memory or registers cannot hold the kernel's tiles for some sizes (Triton raises before
+    any launch): that call and every later one of the same sizes run on the math kernel, with one warning, and the
+    kernel declines those sizes from then on."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    from seqmesh.kernels import flash_triton
+    from seqmesh.kernels.flash_triton_kernel import TritonFlashKernel
+    from seqmesh.kernels.reference import MathKernel
+
+    def no_room(*args):
+        raise OutOfResources(232448, 166912, "shared memory")
+
+    monkeypatch.setattr(flash_triton, "forward", no_room)
+    kernel, mask = TritonFlashKernel(), CALLS["causal-alibi"][2]
+    q, k, v = (x.float() for x in _inputs(70, 70, 4, 2, 24, 20))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out, lse = kernel.forward(q, k, v, mask, 0.3)
+    want = MathKernel().forward(q, k, v, mask, 0.3)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert len(seen) == 1 and "math kernel" in str(seen[0].message), [str(w.message) for w in seen]
+    assert kernel._config(q, v, mask) in kernel._failed
