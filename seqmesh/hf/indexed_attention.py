@@ -142,8 +142,10 @@ def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, pos
         keys = whole_row(k, mesh, info).float()  # (B, T, D)
         weights = layouts.head_weights(indexer, rule, hidden)  # (B, L, H)
         top = min(indexer.index_topk, keys.shape[1])
-        picks = [index.masked_fill_(~allowed(block), float("-inf")).topk(top, dim=-1).indices
-                 for block, index in _index_rows(indexer, rule, q, keys, weights, positions, info.seq_len)]
+        picks = []
+        for block, index in _index_rows(indexer, rule, q, keys, weights, positions, info.seq_len):
+            picks.append(index.masked_fill_(~allowed(block), float("-inf")).topk(top, dim=-1).indices)
+            del index  # a block's (B, l, T) scores freed before the next block's are made
         return torch.cat(picks, dim=1), k
 
 
@@ -168,7 +170,10 @@ def _index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, w
     for start, count in zip(range(0, length, step), scored_keys(positions, seq_len, step)):
         block = slice(start, start + step)
         index = layouts.index_scores(indexer, rule, q[:, block], keys[..., :count], weights[:, block])  # (B, l, n)
-        yield block, F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
+        padded = F.pad(index, (0, total - count), value=float("-inf"))  # (B, l, T): the row transformers scores
+        del index
+        yield block, padded
+        del padded  # not held while the next block is scored
 
 
 def recomputed(fn, *inputs):
@@ -184,8 +189,9 @@ def whole_row(x: torch.Tensor, mesh: SPMesh, info: SequenceInfo) -> torch.Tensor
 
 def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     """Each local token's index in the row (a list), and ``allowed(block) -> (1, l, T)`` bool: which keys of the row
-    each local query of ``block`` may see (its own document's, up to itself). A padding query sees the row's first
-    token, so that nothing is empty."""
+    each local query of ``block`` may see (its own document's, up to itself), and ``valid(block, picks) -> (B, l, k)``
+    bool, the same rule read at each pick alone. A padding query sees the row's first token, so that nothing is
+    empty."""
     with real_tensors():  # on the host, from the layout alone: values even in a rehearsal's fake mode
         positions = sequence_positions(info.seq_len, mesh, layout=info.layout, cu_seqlens=info.cu_seqlens).tolist()
     index = torch.tensor(positions, device=device)
@@ -199,7 +205,11 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
         q, d, pad = index[block, None], query_doc[block, None], padding[block, None]
         return (((keys[None] <= q) & (key_doc[None] == d)) | (pad & (keys[None] == 0)))[None]
 
-    return positions, allowed
+    def valid(block: slice, picks: torch.Tensor) -> torch.Tensor:  # picks (B, l, k) -> (B, l, k): allowed at each
+        q, d, pad = index[block, None], query_doc[block, None], padding[block, None]  # pick, no (l, T) matrix
+        return ((picks <= q) & (key_doc[picks] == d)) | (pad & (picks == 0))
+
+    return positions, allowed, valid
 
 
 def latent_query(module: nn.Module, q_pass: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
@@ -231,7 +241,7 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     """The layer's attention over the whole row, its queries the local tokens (training, or a generation's prefill,
     which keeps this rank's rows and indexer keys) -> ((B, L, H, Dv), the selection (B, L, k))."""
     b, length = hidden_states.shape[:-1]
-    positions, allowed = _key_rules(mesh, info, hidden_states.device)
+    positions, allowed, valid = _key_rules(mesh, info, hidden_states.device)
     index_keys = None
     if getattr(module, "indexer", None) is not None:
         picks, index_keys = _select(module.indexer, hidden_states, q_resid, position_embeddings, mesh, info,
@@ -245,7 +255,7 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     row = whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter
     if not uses_kernel(row):  # the torch form: one op over small blocks, MLA's latent projections inside it
         step = block_queries(b, 1, row.shape[1])
-        seen = torch.cat([_seen(picks, allowed, slice(start, start + step)) for start in range(0, length, step)], 1)
+        seen = torch.cat([_seen(picks, valid, slice(start, start + step)) for start in range(0, length, step)], 1)
         heads, nope = q_pass.shape[2], module.qk_nope_head_dim
         weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, -1)  # (H, Dn + Dv, R)
         out = sparse_latent_blocks(q_pass, q_rot, row, seen, module.scaling, layouts.sinks(module),
@@ -255,15 +265,14 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     outputs = []
     for start in range(0, length, step):
         block = slice(start, start + step)
-        inputs = (q_pass[:, block], q_rot[:, block], row, _seen(picks, allowed, block))
+        inputs = (q_pass[:, block], q_rot[:, block], row, _seen(picks, valid, block))
         outputs.append(recomputed(_latent_attention, module, *inputs))
     return torch.cat(outputs, dim=1), picks
 
 
-def _seen(picks: torch.Tensor, allowed, block: slice) -> torch.Tensor:
+def _seen(picks: torch.Tensor, valid, block: slice) -> torch.Tensor:
     """The block's picks (B, l, k), -1 where its query may not see the pick (another document's, or later)."""
-    valid = torch.gather(allowed(block).expand(picks.shape[0], -1, -1), 2, picks[:, block])
-    return picks[:, block].masked_fill(~valid, -1)
+    return picks[:, block].masked_fill(~valid(block, picks[:, block]), -1)
 
 
 def _make_forward(mesh: SPMesh):

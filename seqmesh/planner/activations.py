@@ -65,14 +65,15 @@ def indexed_attention_saved(work: Workload, layout: Degrees) -> int:
 def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     """Peak bytes of a DeepSeek Sparse Attention layer beyond what it keeps, the larger of two moments. The selection
     (forward, and again in a checkpointed layer's recompute): the gathered row of indexer keys (B, S, Di), its float32
-    copy, and a float32 score block (B, l, Hi, S) of ``indexer_block`` queries (scaled and rectified in place). The
+    copy, and a float32 score block (B, l, Hi, S) of ``indexer_block`` queries (scaled and rectified in place) beside
+    their weighted sum over the heads (B, l, S). The
     attention's backward: the gradients of its queries (B, L, H, Dn + Dr) and of the gathered row (B, S, R + Dr), and a
     block's chosen latents and rotary keys (B, l, k, R + Dr) with their gradient (a GPU's blocks, as
     ``seqmesh.kernels.sparse_latent_blocks.block_queries`` sizes them) beside its float32 probabilities, their
     gradient and its temporaries (:data:`SCORE_TENSORS` of (B, l, H, k)), and a float32 (B, L, H) sum."""
     m, e, lat, b = work.model, work.act_bytes, work.model.latent, work.batch
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
-    per_query = b * lat.index_n_heads * work.seq_len
+    per_query = b * (lat.index_n_heads + 1) * work.seq_len  # each head's scores and their weighted sum
     scores = indexed_attention.indexer_block(b, lat.index_n_heads, work.seq_len, local, GPU) * per_query
     select = row * lat.index_head_dim * (e + 4) + scores * 4
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
@@ -80,7 +81,12 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     chosen = step * b * top * width
     probs = step * b * m.heads * top * 4 * SCORE_TENSORS  # the block's float32 probabilities and their gradients
     queries = local * b * m.heads * (lat.qk_head_dim * e + 4)  # with the float32 sum of out . d out per head
-    return max(select, 2 * chosen * e + probs + row * width * e + queries)
+    # the block's chosen rows and their gradient, beside the larger of two passing tensors: the values' share of that
+    # gradient before it is added in, or a slice of it in float32 where the row's float32 gradient takes it
+    # (sparse_latent_blocks._add_rows)
+    cast = chosen * 4 // sparse_latent_blocks.ADD_SLICES if e < 4 else 0
+    passing = max(cast, chosen * e * lat.kv_lora_rank // width)
+    return max(select, 2 * chosen * e + passing + probs + row * width * e + queries)
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:

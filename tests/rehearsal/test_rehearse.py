@@ -281,14 +281,18 @@ def test_the_indexed_attention_families_rehearse(rehearse, tmp_path, family):
     """DeepSeek Sparse Attention's layers read each local token's row position on the host, which a fake step has no
     values for (it failed there); HY-V4's model converts its hyper-connections to float32 while it is built, which
     fake parameters cannot (torch swaps them, and fake mode holds weak references to them). Both rehearse now:
-    DeepSeek-V3.2 beside its plan on Ulysses 2; HY-V4, which seqmesh plan does not size yet, says so."""
+    DeepSeek-V3.2 beside its plan on Ulysses 2 at 16K tokens (rank 1, whose queries score the whole row: the busiest,
+    which the planner plans), where the indexer's score block and the sparse
+    attention's chosen rows make the peak (within 3%; the plan was 0.59 of it before the weighted scores, the
+    blocks' passing tensors and a block's float32 cast were counted, and the blocks freed before the next);
+    HY-V4, which seqmesh plan does not size yet, says so."""
     from family_cases import family_config
 
     family_config(family).save_pretrained(tmp_path / family)
-    cfg = dataclasses.replace(CONFIG, model=str(tmp_path / family), seq_len=512)
-    result = rehearse(cfg, 2, timeout=300)
+    cfg = dataclasses.replace(CONFIG, model=str(tmp_path / family), seq_len=16384 if family == "deepseek-v3.2" else 512)
+    result = rehearse(cfg, 2, timeout=300, rank=1)
     assert result["measured_peak_bytes"] > 0 and result["device"] == "cuda"
     if family == "deepseek-v3.2":
-        assert 0.9 < result["ratio"] < 1.1, result
+        assert 0.97 < result["ratio"] < 1.03, result
     else:
         assert result["planned_peak_bytes"] is None and "hyper-connections" in result["planned_moment"], result
