@@ -25,7 +25,11 @@ def has_values(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def real_tensors() -> Iterator[None]:
     """Tensors made inside are real even under a rehearsal's fake mode (torch's ``unset_fake_temporarily``; a
-    no-op without one): for probes on their own data, never for the step's tensors."""
+    no-op without one): for probes on their own data and the layout's host arithmetic, never for the step's tensors.
+    While torch.compile traces it does nothing (dynamo cannot trace the mode switch; its fake tensors are its own)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     with unset_fake_temporarily():
         yield
 

@@ -40,6 +40,7 @@ from ..kernels.sparse_latent import sparse_latent_attention, uses_kernel
 from ..linear_attention import halo
 from ..mesh import SPMesh
 from ..sequence.batch import SequenceInfo
+from ..tensor_values import host_ints, real_tensors
 from .indexed_attention import block_queries, entry_of, replace_forward, restore_forward
 from .indexed_layouts import module_function
 
@@ -92,6 +93,13 @@ class Rows:
 
 @functools.lru_cache(maxsize=64)
 def _rows(chain, rank: int, kernel: int, bounds: tuple[int, ...], window: int, rates: tuple[int, ...]) -> Rows:
+    """:func:`_host_rows`, once per layout, on real host tensors even in a rehearsal's fake step (its values are the
+    layout's, never the step's)."""
+    with real_tensors():
+        return _host_rows(chain, rank, kernel, bounds, window, rates)
+
+
+def _host_rows(chain, rank: int, kernel: int, bounds: tuple[int, ...], window: int, rates: tuple[int, ...]) -> Rows:
     """:class:`Rows` for ``rank`` of ``chain`` with halos of ``kernel - 1``; ``bounds``: the documents' starts and the
     real tokens' end (0, ..., T). Windows, entries and keys are counted within each document, from its start (the
     documents one model call each); a padding token sees itself only and no entry. Cached per layout."""
@@ -152,13 +160,21 @@ def _gather_entries(entries: torch.Tensor, index: torch.Tensor, count: int, mesh
     if mesh.sp_size == 1:
         return entries.new_zeros(entries.shape[0], count, entries.shape[-1]).index_copy(1, index, entries)
     counts = all_gather(torch.tensor([index.numel()], device=entries.device), mesh.sp_group, dim=0)
-    most = int(counts.max())
+    most = host_ints(counts.max().view(1), lambda: [index.numel()])[0]  # a rehearsal: this rank's count the most
     padded = halo.pad_rows(entries, most)
     numbers = torch.cat([index, index.new_full((most - index.numel(),), count)])  # padding: a spare slot
     every = all_gather(padded, mesh.sp_group, dim=1)  # (B, P * most, D)
     where = all_gather(numbers, mesh.sp_group, dim=0)  # (P * most,)
     full = every.new_zeros(every.shape[0], count + 1, every.shape[-1]).index_copy(1, where, every)
     return full[:, :count]
+
+
+def _most(closed: torch.Tensor, block: slice = slice(None)) -> int:
+    """The most entries any query of ``block`` sees (0 for none), read from the layout's host tensor (:func:`_rows`):
+    real even in a rehearsal's fake step."""
+    with real_tensors():
+        part = closed[block]
+        return int(part.max()) if part.numel() else 0
 
 
 def _seen(first: torch.Tensor, closed: torch.Tensor, count: int) -> torch.Tensor:
@@ -247,7 +263,7 @@ def _make_forward(mesh: SPMesh):
         # blocks of queries: the torch form's by its gathered keys (B, l, W + picks, D) times heads (HCA's picks:
         # every entry a query sees; CSA's: index_topk), as DeepSeek Sparse Attention's; the kernel gathers inside
         # itself, so by its (B, l, H, D) queries
-        most = int(seen.closed.max()) if seen.closed.numel() else 0
+        most = _most(seen.closed)
         picked = most if indexer is None else min(indexer.index_topk, entries.shape[1])
         width = self.head_dim if uses_kernel(row) else (window + picked) * self.head_dim
         step = block_queries(b, self.num_heads, width)
@@ -255,7 +271,7 @@ def _make_forward(mesh: SPMesh):
         for start in range(0, length, step):
             block = slice(start, start + step)
             if indexer is None:  # HCA: every entry of its document whose window has closed
-                reach = torch.arange(int(closed[block].max()) if closed[block].numel() else 0, device=device)
+                reach = torch.arange(_most(seen.closed, block), device=device)
                 chosen = torch.where(reach[None] < closed[block, None], first[block, None] + reach[None], -1)
                 chosen = chosen.expand(b, -1, -1)
             else:  # CSA: the indexer's top k of them

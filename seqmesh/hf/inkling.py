@@ -31,6 +31,7 @@ from ..linear_attention import halo
 from ..linear_attention.choice import parse_design
 from ..mesh import SPMesh
 from ..sequence.batch import document_places
+from ..tensor_values import host_ints
 from .indexed_attention import BLOCK_ELEMENTS, entry_of, recomputed, replace_forward, restore_forward, whole_row
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
 
@@ -136,12 +137,15 @@ def attend_row(module: nn.Module, query: torch.Tensor, rel: torch.Tensor, row_k:
     outputs = []
     for at in range(0, length, step):
         part = slice(at, at + step)
-        first = int(starts[part].min())
+        # the keys the block may see, from its documents' starts to its last query (a rehearsal, without values:
+        # the whole row, the busiest block's)
+        first, low, last = host_ints(torch.stack([starts[part].min(), positions[part].min(), positions[part].max()]),
+                                     lambda: [0, 0, row_k.shape[1] - 1])
         if module.is_sliding:
-            first = max(first, int(positions[part].min()) - module.sliding_window + 1)
+            first = max(first, low - module.sliding_window + 1)
         block_sinks = None if sinks is None else sinks[:, part]
         outputs.append(recomputed(_attend, module, query[:, :, part], rel[:, part], row_k, row_v, positions[part],
-                                  starts[part], first, int(positions[part].max()), block_sinks))
+                                  starts[part], first, last, block_sinks))
     return torch.cat(outputs, dim=1)
 
 

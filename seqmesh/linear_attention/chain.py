@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sequence.layout import SequenceLayout
+from ..tensor_values import real_tensors
 
 
 @dataclass(frozen=True)
@@ -130,5 +131,7 @@ def rank_chain(chain: Chain, rank: int, kernel: int) -> RankChain:
             run_of.append(j)
         last.append(segment_bounds.index(min(b for b in segment_bounds if b > run.offset + run.length - 1)) - 1)
     conv_bounds.add(len(source))
-    return RankChain(torch.tensor(source, dtype=torch.long), tuple(sorted(conv_bounds)),
-                     torch.tensor(own, dtype=torch.long), segment_bounds, tuple(incoming), tuple(run_of), tuple(last))
+    with real_tensors():  # host index tensors of the layout, cached: real even when first made in a rehearsal's step
+        source_rows, own_rows = torch.tensor(source, dtype=torch.long), torch.tensor(own, dtype=torch.long)
+    return RankChain(source_rows, tuple(sorted(conv_bounds)), own_rows, segment_bounds, tuple(incoming),
+                     tuple(run_of), tuple(last))
