@@ -137,7 +137,7 @@ def _add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> N
     if rows.dtype == total.dtype:
         total.index_add_(0, index, rows)
         return
-    piece = -(-rows.shape[0] // ADD_SLICES)
+    piece = max(1, -(-rows.shape[0] // ADD_SLICES))
     for start in range(0, rows.shape[0], piece):
         total.index_add_(0, index[start:start + piece], rows[start:start + piece].to(total.dtype))
 

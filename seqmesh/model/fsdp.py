@@ -178,7 +178,8 @@ def apply_fsdp(root: nn.Module, mesh: SPMesh, *, bf16: bool = False, reshard_aft
 
     ``bf16``: parameters gathered and computed in bfloat16, gradients reduced in float32, float32
     master weights and optimizer states; the modules the family keeps in float32 (:func:`float32_modules`) are units
-    of their own, gathered in float32 and given their inputs as they come.
+    of their own, gathered in float32 and given their inputs as they come, but not an LM head kept in float32 (HY-V4's):
+    it stays with the root and is gathered in bfloat16 (transformers computes it in float32).
 
     ``cpu_offload``: sharded parameters, gradients and optimizer state live in (pinned) host memory; each
     unit's parameters are copied to the device for its all-gather (torch's ``CPUOffloadPolicy``), and the
