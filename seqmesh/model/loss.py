@@ -138,6 +138,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 valid = target != ignore_index
                 picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
                 total += ((tile_lse - picked) * valid).sum()
+                del logits  # freed before the next tile's are made (held, two tiles' logits met at the peak)
         ctx.save_for_backward(hidden, weight, labels, lse, bias)
         ctx.chunk, ctx.ignore_index, ctx.mm, ctx.softcap = chunk, ignore_index, mm, softcap
         return total
@@ -170,6 +171,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del capped, slope  # in bf16, the float32 tile is freed before the matmuls below rather than after
                 d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
                 d_weight += (d_logits.t() @ h).to(d_weight.dtype)
+                del d_logits  # freed before the next tile's logits are made
         return (d_hidden, d_weight.to(weight.dtype), None, None, None, None,
                 None if d_bias is None else d_bias.to(bias.dtype))
 
