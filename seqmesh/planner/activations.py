@@ -257,6 +257,13 @@ def attention_backward_bytes(work: Workload, layout: Degrees) -> int:
     n, hq, hk = attention_heads(work, layout)
     d = m.head_dim
     kernel = n * (hq + 2 * hk) * d * e
+    lat = m.latent
+    if lat is not None and 0 < lat.v_head_dim < d and layout.ulysses == layout.ring == 1:
+        # MLA's narrower values padded to the query width for the fused kernel (seqmesh.kernels.base.PadsHeadDims):
+        # in backward the padded values, output and output gradient (the bench's MLA config at 8K on one GPU: plan
+        # 0.809 of the rehearsal without them, 1.004 with). Not added under Ulysses or ring, whose working sets below
+        # already count more than a rehearsal holds there (16K on 2 GPUs: U2 1.285, R2 1.044 without them)
+        kernel += n * (hk + 2 * hq) * d * e
     inner = kernel
     if layout.ring > 1:  # a ring of two has no middle step: no block being received while one is computed
         fp32_blocks, kv_blocks = (3, 2) if layout.ring == 2 else (4, 3)
