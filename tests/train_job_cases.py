@@ -123,19 +123,32 @@ def run_train_counting_breaks(cfg: TrainConfig) -> dict:
             "graphs": counters["stats"]["unique_graphs"], "reasons": [r[:200] for r in counters["graph_break"]]}
 
 
-def verify_then_train(pools, tmp_path, config, *, ring: int = 2, steps: int = 6, **options) -> tuple[dict, list[float]]:
-    """``config`` (a transformers config) written as a config.json, then ``seqmesh verify`` (one step) and ``seqmesh
-    train`` (``steps``) from it on a ring of ``ring`` ranks, 77 tokens of the copy task, with ``options`` (TrainConfig's):
-    verify's answer on rank 0 and the training losses."""
-    import json
-
+def _job_settings(tmp_path, config, ring: int, options: dict) -> dict:
+    """``config`` (a transformers config) written as a config.json, and the jobs' settings: a ring of ``ring`` ranks,
+    77 tokens of the copy task, ``options`` (TrainConfig's) besides."""
     path = tmp_path / config.model_type / "config.json"
     path.parent.mkdir()
     path.write_text(config.to_json_string())
-    base = dict(model=str(path), seq_len=77, ulysses=1, ring=ring, dp=1, lr=1e-2, warmup=1, log_every=1, eval_every=0,
+    return dict(model=str(path), seq_len=77, ulysses=1, ring=ring, dp=1, lr=1e-2, warmup=1, log_every=1, eval_every=0,
                 symbols=16, **options)
-    good = pools.run(ring, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
-    pools.run(ring, run_train, TrainConfig(**base, steps=steps, out=str(tmp_path / "train")))
+
+
+def _train_losses(pools, tmp_path, base: dict, steps: int) -> list[float]:
+    import json
+
+    pools.run(base["ring"], run_train, TrainConfig(**base, steps=steps, out=str(tmp_path / "train")))
     with open(tmp_path / "train" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
-    return good, losses
+        return [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+
+
+def train_from_config(pools, tmp_path, config, *, ring: int = 2, steps: int = 6, **options) -> list[float]:
+    """``seqmesh train`` (``steps``) from ``config`` written as a config.json (:func:`_job_settings`): the losses."""
+    return _train_losses(pools, tmp_path, _job_settings(tmp_path, config, ring, options), steps)
+
+
+def verify_then_train(pools, tmp_path, config, *, ring: int = 2, steps: int = 6, **options) -> tuple[dict, list[float]]:
+    """``seqmesh verify`` (one step), then ``seqmesh train`` (``steps``) from ``config`` written as a config.json
+    (:func:`_job_settings`): verify's answer on rank 0 and the training losses."""
+    base = _job_settings(tmp_path, config, ring, options)
+    good = pools.run(ring, run_verify, TrainConfig(**base, steps=1, out=str(tmp_path / "verify")), None)[0]
+    return good, _train_losses(pools, tmp_path, base, steps)

@@ -40,6 +40,15 @@ def _scores(q, k, slope, a, n, offset, scale, Sk, CAUSAL: tl.constexpr, HAS_ALIB
 
 
 @triton.jit
+def _key_tiles(K, V, b, hk, n, Sk, Hk, d, e, D: tl.constexpr, DV: tl.constexpr):
+    # the (BN, BD) keys and (BN, BDV) values of kv head hk at rows n of row b, zeros past Sk and the head widths
+    rows = (b * Sk + n[:, None]) * Hk + hk
+    k = tl.load(K + rows * D + d[None, :], mask=(n < Sk)[:, None] & (d < D)[None, :], other=0.0)
+    v = tl.load(V + rows * DV + e[None, :], mask=(n < Sk)[:, None] & (e < DV)[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _key_stop(start_m, offset, Sk, BM: tl.constexpr, CAUSAL: tl.constexpr):
     # the keys queries [start_m, start_m + BM) may see end before this column
     if CAUSAL:
@@ -65,9 +74,7 @@ def _forward(Q, K, V, SLOPE, O, LSE, Sq, Sk, Hq, Hk, offset, scale,
     acc = tl.zeros((BM, BDV), tl.float32)
     for start_n in range(0, _key_stop(start_m, offset, Sk, BM, CAUSAL), BN):
         n = start_n + tl.arange(0, BN)
-        rows = (b * Sk + n[:, None]) * Hk + hk
-        k = tl.load(K + rows * D + d[None, :], mask=(n < Sk)[:, None] & (d < D)[None, :], other=0.0)
-        v = tl.load(V + rows * DV + e[None, :], mask=(n < Sk)[:, None] & (e < DV)[None, :], other=0.0)
+        k, v = _key_tiles(K, V, b, hk, n, Sk, Hk, d, e, D, DV)
         s = _scores(q, k, slope, a, n, offset, scale, Sk, CAUSAL, HAS_ALIBI, PREC)
         m_new = tl.maximum(m, tl.max(s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -96,8 +103,7 @@ def _backward_kv(Q, K, V, SLOPE, DO, LSE, DELTA, DK, DV_OUT, Sq, Sk, Hq, Hk, off
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     nm = n < Sk
     rows = (b * Sk + n[:, None]) * Hk + hk
-    k = tl.load(K + rows * D + d[None, :], mask=nm[:, None] & (d < D)[None, :], other=0.0)
-    v = tl.load(V + rows * DV + e[None, :], mask=nm[:, None] & (e < DV)[None, :], other=0.0)
+    k, v = _key_tiles(K, V, b, hk, n, Sk, Hk, d, e, D, DV)
     dk = tl.zeros((BN, BD), tl.float32)
     dv = tl.zeros((BN, BDV), tl.float32)
     first = 0
@@ -146,9 +152,7 @@ def _backward_q(Q, K, V, SLOPE, DO, LSE, DELTA, DQ, Sq, Sk, Hq, Hk, offset, scal
     dq = tl.zeros((BM, BD), tl.float32)
     for start_n in range(0, _key_stop(start_m, offset, Sk, BM, CAUSAL), BN):
         n = start_n + tl.arange(0, BN)
-        rows = (b * Sk + n[:, None]) * Hk + hk
-        k = tl.load(K + rows * D + d[None, :], mask=(n < Sk)[:, None] & (d < D)[None, :], other=0.0)
-        v = tl.load(V + rows * DV + e[None, :], mask=(n < Sk)[:, None] & (e < DV)[None, :], other=0.0)
+        k, v = _key_tiles(K, V, b, hk, n, Sk, Hk, d, e, D, DV)
         s = _scores(q, k, slope, a, n, offset, scale, Sk, CAUSAL, HAS_ALIBI, PREC)
         p = tl.exp(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)

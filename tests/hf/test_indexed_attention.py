@@ -193,28 +193,19 @@ def test_an_hy_v4_trains_in_bf16_under_fsdp(pools, tmp_path):
     and indexer weights are float32 units, but its LM head, which it keeps in float32 too, stays with the root: the
     loss reads the head's weight outside the head's forward, where a unit of its own was still sharded (the step
     failed in the loss)."""
-    import json
     import math
 
     import transformers
 
     from family_cases import family_config
     from seqmesh.model.fsdp import float32_modules
-    from seqmesh.training.config import TrainConfig
-    from train_job_cases import run_train
+    from train_job_cases import train_from_config
 
     config = family_config("hy-v4")
     lm = transformers.AutoModelForCausalLM.from_config(config)
     kept = float32_modules(lm)
     assert lm.lm_head not in kept and {"HYV4HyperConnection", "HYV4TopkRouter"} <= {type(m).__name__ for m in kept}
-    path = tmp_path / "hy-v4" / "config.json"
-    path.parent.mkdir()
-    path.write_text(config.to_json_string())
-    pools.run(2, run_train, TrainConfig(model=str(path), seq_len=77, ulysses=1, ring=2, dp=1, lr=1e-2, warmup=1,
-                                        log_every=1, eval_every=0, symbols=16, steps=6, bf16=True,
-                                        out=str(tmp_path / "train")))
-    with open(tmp_path / "train" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    losses = train_from_config(pools, tmp_path, config, steps=6, bf16=True)
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 

@@ -131,25 +131,16 @@ def test_an_inkling2_config_json_verifies_and_trains(pools, tmp_path):
 def test_inkling2_trains_in_bf16_under_fsdp(pools, tmp_path):
     """In bf16 under FSDP2 (as seqmesh train runs one GPU and more) the modules Inkling 2 keeps in float32 are
     gathered in float32: its router multiplies a float32 input by its weight, and a bf16 weight failed there."""
-    import json
     import math
 
     from family_cases import family_config
     from seqmesh.model.fsdp import float32_modules
-    from seqmesh.training.config import TrainConfig
-    from train_job_cases import run_train
+    from train_job_cases import train_from_config
 
     config = family_config("inkling2")
     import transformers
 
     kept = {type(m).__name__ for m in float32_modules(transformers.AutoModelForCausalLM.from_config(config))}
     assert {"Inkling2TopKRouter", "Inkling2ShortConvolution", "Inkling2BlockAttentionResidual"} <= kept, kept
-    path = tmp_path / "inkling2" / "config.json"
-    path.parent.mkdir()
-    path.write_text(config.to_json_string())
-    pools.run(2, run_train, TrainConfig(model=str(path), seq_len=77, ulysses=1, ring=2, dp=1, lr=1e-2, warmup=1,
-                                        log_every=1, eval_every=0, symbols=16, steps=3, bf16=True,
-                                        out=str(tmp_path / "train")))
-    with open(tmp_path / "train" / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    losses = train_from_config(pools, tmp_path, config, steps=3, bf16=True)
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
