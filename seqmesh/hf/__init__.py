@@ -322,7 +322,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         # yet BLOOM, Falcon and GPT-Neo build their causal mask for the config's implementation: named seqmesh's, they
         # build no (L, L) mask the replaced attention would ignore
         config._attn_implementation = name
-    elif own_attention.takes_a_token_mask(own):  # MPT, XGLM, ...: given a mask of one element, not (L, L)
+    else:  # MPT, XGLM, ...: they build their mask whatever the config names, so theirs is one element, not (L, L)
         AttentionMaskInterface.register(name, own_attention.token_mask)
         config._attn_implementation = name
     for module, chunk in chunked_layers(model):

@@ -201,13 +201,12 @@ def _key_rules(mesh: SPMesh, info: SequenceInfo, device: torch.device):
     padding = index >= info.seq_len
     query_doc, key_doc = doc_of(index.clamp(max=info.seq_len - 1)), doc_of(keys)
 
-    def allowed(block: slice) -> torch.Tensor:
-        q, d, pad = index[block, None], query_doc[block, None], padding[block, None]
-        return (((keys[None] <= q) & (key_doc[None] == d)) | (pad & (keys[None] == 0)))[None]
-
-    def valid(block: slice, picks: torch.Tensor) -> torch.Tensor:  # picks (B, l, k) -> (B, l, k): allowed at each
-        q, d, pad = index[block, None], query_doc[block, None], padding[block, None]  # pick, no (l, T) matrix
+    def valid(block: slice, picks: torch.Tensor) -> torch.Tensor:  # picks (B, l, k) -> (B, l, k), read at each pick
+        q, d, pad = index[block, None], query_doc[block, None], padding[block, None]  # (l, 1)
         return ((picks <= q) & (key_doc[picks] == d)) | (pad & (picks == 0))
+
+    def allowed(block: slice) -> torch.Tensor:  # the same rule at every key of the row: (1, l, T)
+        return valid(block, keys[None, None])
 
     return positions, allowed, valid
 

@@ -21,8 +21,8 @@ bias. MPT's bias stops at ``config.max_seq_len`` positions; seqmesh's continues 
 ``alibi=True`` is refused: transformers rounds its bias (slope x position) to bfloat16, which depends on the
 position itself, not the distance. While the model is parallelized its config names seqmesh's attention
 implementation where that keeps the model from building an (L, L) causal mask (BLOOM, Falcon, GPT-Neo; MPT, XGLM and
-the others that build their mask whatever the config names are handed one element instead: :func:`token_mask`), and a padding mask given to the
-decoder is refused.
+the others that build their mask whatever the config names are handed one element instead: :func:`token_mask`), and
+a padding mask given to the decoder is refused.
 
 The entry reaches these layers as it reaches a layer that calls the interface without passing it on
 (``seqmesh.hf._hook_entry``): these models call their blocks, and the blocks their attention, without
@@ -387,22 +387,17 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
 
 def needs_no_mask(found: list) -> bool:
     """Whether the model of ``found``'s layers builds no causal mask once its config names seqmesh's attention
-    implementation (BLOOM, Falcon, GPT-Neo; MPT builds one whatever the config names: :func:`takes_a_token_mask`)."""
+    implementation (BLOOM, Falcon, GPT-Neo; MPT builds one whatever the config names: :func:`token_mask`)."""
     return bool(found) and not any(FAMILIES[family_key(m)].own_mask for _, m in found)
 
 
-def takes_a_token_mask(found: list) -> bool:
-    """Whether the model of ``found``'s layers gets :func:`token_mask` as its causal mask: one that builds its mask
-    whatever the config names (MPT casts what ``create_causal_mask`` gives it; XGLM, GPT-NeoX-Japanese, TrOCR and
-    MVP pass it to their layers). Given transformers' eager mask they hold an (L, L) tensor through the forward, and
-    their checkpointed layers keep it as an input until the backward (16 GiB in bool at 128K tokens on a rank, twice
-    that in bf16 with its gradient), beside attention that ignores it."""
-    return bool(found) and not needs_no_mask(found)
-
-
 def token_mask(*, device: torch.device | str | None = None, **_) -> torch.Tensor:
-    """The causal mask a model that builds its own gets while seqmesh runs its attention (registered as the mask
-    function of seqmesh's implementation, for that model only): one ``True``, nothing of size (L, L)."""
+    """The causal mask a model that builds its own whatever the config names gets while seqmesh runs its attention
+    (registered as the mask function of seqmesh's implementation, for that model only): one ``True``, nothing of size
+    (L, L). MPT casts what ``create_causal_mask`` gives it; XGLM, GPT-NeoX-Japanese, TrOCR and MVP pass it to their
+    layers. Given transformers' eager mask they held an (L, L) tensor through the forward, and their checkpointed
+    layers kept it as an input until the backward (16 GiB in bool at 128K tokens on a rank, twice that in bf16 with
+    its gradient), beside attention that ignores it."""
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
@@ -424,7 +419,8 @@ def check_backend(found: list, backend: str) -> None:
     """Refuse a named kernel that does not compute ALiBi for a model with ALiBi layers."""
     if any(FAMILIES[family_key(m)].slopes is not None for _, m in found) and backend not in ALIBI_BACKENDS:
         raise ValueError(f"backend={backend!r} cannot compute ALiBi (the math kernel adds a bias by distance, the CPU "
-                         "flash op in fp32 and fp64, and seqmesh's Triton kernel on CUDA); parallelize this model with backend='auto'.")
+                         "flash op in fp32 and fp64, and seqmesh's Triton kernel on CUDA); parallelize this model "
+                         "with backend='auto'.")
 
 
 KIND = MixerKind(NAME, (), own_attention_layers, _make_forward)

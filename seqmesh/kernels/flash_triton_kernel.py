@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -60,13 +61,17 @@ def _fake_backward(dout, q, k, v, out, lse, slopes, causal, offset, scale):
     return grads
 
 
+_FAKE = {"forward": _fake_forward, "backward": _fake_backward}
+
+
 class TritonFlashKernel(AttentionKernel):
     name = "triton_flash"
 
     def __init__(self) -> None:
         self._failed: set[tuple] = set()  # (dtype, widths, causal, alibi) whose kernels failed to compile here
 
-    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask, v: torch.Tensor | None = None) -> str | None:
+    def unsupported(self, q: torch.Tensor, k: torch.Tensor, mask: BlockMask,
+                    v: torch.Tensor | None = None) -> str | None:
         if q.device.type != "cuda":
             return "seqmesh's Triton flash kernel runs on CUDA (on the CPU: the CPU flash op and the math kernel)"
         if q.dtype not in KERNEL_DTYPES:
@@ -104,42 +109,37 @@ class TritonFlashKernel(AttentionKernel):
                           "holding each call's (rows x keys) scores.", RuntimeWarning, stacklevel=3)
             return fallback()
 
-    def forward(self, q, k, v, mask, scale):
+    def _each_document(self, name: str, mask: BlockMask, scale: float, q: torch.Tensor, v: torch.Tensor,
+                       *inputs: tuple[torch.Tensor, str]) -> tuple:
+        """``flash_triton.<name>`` (``_fake_<name>`` on fake tensors) once per document of ``mask`` (with segments:
+        Sq == Sk and offset 0), once over the whole call without, its results joined along the tokens. ``inputs``:
+        the call's tensors in order, each with how a document cuts it: ``"rows"`` (B, Sq, ...), ``"keys"``
+        (B, Sk, ...) or ``"lse"`` (B, H, Sq); ``q`` and ``v`` among them, for the call's sizes."""
         fake = _is_fake(q)
         slopes = None if mask.alibi is None or fake else _slope_tensor(mask.alibi, q.device)
-        parts = []
-        for a, z in _documents(mask, q.shape[1]):  # with segments: Sq == Sk and offset 0
-            keys = slice(a, z) if mask.segments is not None else slice(None)
-            args = (q[:, a:z].contiguous(), k[:, keys].contiguous(), v[:, keys].contiguous(), slopes, mask.causal,
-                    mask.offset, scale)
-            if fake:
-                parts.append(_fake_forward(*args))
-            else:
-                part_mask = BlockMask(causal=mask.causal, offset=mask.offset, alibi=mask.alibi)
-                parts.append(self._run("forward", q, v, mask,
-                                       lambda: MathKernel().forward(*args[:3], part_mask, scale), *args))
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=2)
-
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        fake = _is_fake(q)
-        slopes = None if mask.alibi is None or fake else _slope_tensor(mask.alibi, q.device)
+        whole = replace(mask, segments=None)  # each document's call: its own square block
         parts = []
         for a, z in _documents(mask, q.shape[1]):
             keys = slice(a, z) if mask.segments is not None else slice(None)
-            args = (dout[:, a:z].contiguous(), q[:, a:z].contiguous(), k[:, keys].contiguous(),
-                    v[:, keys].contiguous(), out[:, a:z].contiguous(), lse[:, :, a:z].contiguous(), slopes,
-                    mask.causal, mask.offset, scale)
+            cut = {"rows": lambda t: t[:, a:z], "keys": lambda t: t[:, keys], "lse": lambda t: t[:, :, a:z]}
+            tensors = tuple(cut[how](t).contiguous() for t, how in inputs)
+            args = (*tensors, slopes, mask.causal, mask.offset, scale)
             if fake:
-                parts.append(_fake_backward(*args))
+                parts.append(_FAKE[name](*args))
             else:
-                part_mask = BlockMask(causal=mask.causal, offset=mask.offset, alibi=mask.alibi)
-                parts.append(self._run("backward", q, v, mask,
-                                       lambda: MathKernel().backward(*args[:6], part_mask, scale), *args))
+                fallback = lambda: getattr(MathKernel(), name)(*tensors, whole, scale)  # noqa: E731
+                parts.append(self._run(name, q, v, mask, fallback, *args))
         if len(parts) == 1:
             return parts[0]
-        return tuple(torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # type: ignore[return-value]
+        dims = [2 if t.dim() == 3 else 1 for t in parts[0]]  # a log-sum-exp (B, H, Sq) joins along dim 2
+        return tuple(torch.cat([p[i] for p in parts], dim=d) for i, d in enumerate(dims))
+
+    def forward(self, q, k, v, mask, scale):
+        return self._each_document("forward", mask, scale, q, v, (q, "rows"), (k, "keys"), (v, "keys"))
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        return self._each_document("backward", mask, scale, q, v, (dout, "rows"), (q, "rows"), (k, "keys"),
+                                   (v, "keys"), (out, "rows"), (lse, "lse"))
 
 
 def _loaded():
