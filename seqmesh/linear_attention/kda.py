@@ -17,9 +17,12 @@ matrices. It is computed without overflow by a second split into sub-chunks of `
 - pairs in one sub-chunk: ``exp(G_t - G_s)`` per pair and channel, by the pairs' offset ``t - s`` (each
   offset's pairs one elementwise product over the sub-chunks), so no ``exp`` of a positive number is taken
   and only the ``c (c + 1) / 2`` pairs that count are computed;
-- pairs across sub-chunks, ``s`` before sub-chunk ``i``, ``t`` in it: split at ``r``, the last token
-  before sub-chunk ``i``: ``exp(G_t - G_r) * exp(G_r - G_s)``, both factors ``<= 1`` since
-  ``s <= r < t``, so a product of two matrices per sub-chunk again.
+- pairs across sub-chunks, ``s`` in sub-chunk ``j``, ``t`` in a later one ``i``: split at ``r_i``, the last token
+  before sub-chunk ``i``, and at ``r_(j+1)``, the last token of sub-chunk ``j``:
+  ``exp(G_t - G_ri) * exp(G_ri - G_r(j+1)) * exp(G_r(j+1) - G_s)``, each factor ``<= 1`` since
+  ``s <= r_(j+1) <= r_i < t``, so a product of two matrices per pair of sub-chunks, computed only for the
+  ``m (m - 1) / 2`` pairs below the diagonal (before, every sub-chunk took a decayed copy of the chunk's keys:
+  ``m`` times the keys' size, half of it masked to zero).
 
 Packed documents are segments (``bounds``) that each start a chunk, as in ``gated_delta.py``; each
 may start from an initial state, and the state leaving each is returned (state passing's widened
@@ -35,6 +38,23 @@ from .gated_delta import CHUNK, carry_chunks, chunk_layout, compute_dtype, l2nor
 SUB_CHUNK = 16  # tokens per sub-chunk of the pairwise decay
 
 
+def _diagonal_map(sub: int, device: torch.device) -> torch.Tensor:
+    """(sub * sub,): for the pair (t, s) of a sub-chunk, its place in the offsets laid end to end (offset ``j = t - s``
+    holds ``sub - j`` pairs, pair ``(s + j, s)`` at ``s``), or the zero appended after them for ``s > t``."""
+    t, s = torch.arange(sub, device=device)[:, None], torch.arange(sub, device=device)[None, :]
+    j = t - s
+    start = j * sub - j * (j - 1) // 2  # the offsets before j hold sub + (sub - 1) + ... + (sub - j + 1) pairs
+    return torch.where(j >= 0, start + s, sub * (sub + 1) // 2).reshape(-1)
+
+
+def _block_map(m: int, device: torch.device) -> torch.Tensor:
+    """(m * m,): for sub-chunk block (i, j), its place among ``[zero, the pairs i > j in tril_indices order, the
+    diagonal blocks]``."""
+    i, j = torch.arange(m, device=device)[:, None], torch.arange(m, device=device)[None, :]
+    below = i * (i - 1) // 2 + j + 1  # tril_indices(m, m, -1) lists row by row
+    return torch.where(i > j, below, torch.where(i == j, 1 + m * (m - 1) // 2 + i, 0)).reshape(-1)
+
+
 def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: int = SUB_CHUNK) -> torch.Tensor:
     """``out[..., t, s] = sum_d a[..., t, d] b[..., s, d] exp(gc[..., t, d] - gc[..., s, d])`` for ``s <= t``,
     zero above the diagonal. ``a``, ``b``, ``gc`` (..., C, D) with ``gc`` non-increasing along C (a cumulated
@@ -43,25 +63,27 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: in
     if c % sub:
         raise ValueError(f"chunk of {c} tokens is not a multiple of the sub-chunk {sub}; pick a chunk that is.")
     m = c // sub
-    a_s, gc_s = a.reshape(*lead, m, sub, d), gc.reshape(*lead, m, sub, d)  # (..., m, c, D)
-    # within a sub-chunk: the pairs (t, t - j) of each offset j < sub, (..., m, sub - j, D) whose exponents are never
-    # positive, laid on the block's j-th diagonal below the main one (only the c (c + 1) / 2 pairs that count)
-    b_s = b.reshape(*lead, m, sub, d)
-    diag = sum(torch.diag_embed((a_s[..., j:, :] * b_s[..., :sub - j, :]
-                                 * (gc_s[..., j:, :] - gc_s[..., :sub - j, :]).exp()).sum(-1), offset=-j)
-               for j in range(sub))  # (..., m, c, c)
-    # across sub-chunks: split at the last token r before sub-chunk i (row i reads columns before i*sub)
-    ref = torch.cat([gc_s.new_zeros(*lead, 1, d), gc_s[..., :-1, -1, :]], dim=-2)  # (..., m, D): G_r of row block i
-    a_read = a_s * (gc_s - ref[..., None, :]).exp()  # (..., m, c, D): exp(G_t - G_r) <= 1
-    before = torch.arange(c, device=a.device)[None, :] < (torch.arange(m, device=a.device) * sub)[:, None]  # (m, C)
-    lift = (ref[..., None, :] - gc[..., None, :, :]).masked_fill(~before[..., None], float("-inf"))  # (..., m, C, D)
-    b_write = b[..., None, :, :] * lift.exp()  # exp(G_r - G_s) <= 1 for s <= r, zero for s > r
-    out = a_read @ b_write.transpose(-1, -2)  # (..., m, c, C)
-    blocks = torch.arange(m, device=a.device)
-    cols = (blocks[:, None] * sub + torch.arange(sub, device=a.device)[None, :])  # (m, c): the diagonal block's columns
-    index = cols[:, None, :].expand(m, sub, sub).expand(*lead, m, sub, sub)
-    out = out.scatter_add(-1, index, diag)
-    return out.reshape(*lead, c, c)
+    a_s, b_s, gc_s = (x.reshape(*lead, m, sub, d) for x in (a, b, gc))  # (..., m, c, D)
+    # within a sub-chunk: the pairs (t, t - j) of each offset j < sub, (..., m, sub - j), whose exponents are never
+    # positive (only the c (c + 1) / 2 pairs that count), laid end to end, then placed by _diagonal_map
+    offsets = [(a_s[..., j:, :] * b_s[..., :sub - j, :] * (gc_s[..., j:, :] - gc_s[..., :sub - j, :]).exp()).sum(-1)
+               for j in range(sub)]
+    pairs = torch.cat(offsets + [a.new_zeros(*lead, m, 1)], -1)
+    diag = pairs.index_select(-1, _diagonal_map(sub, a.device)).reshape(*lead, m, sub, sub)
+    # across sub-chunks, only the blocks (i, j) with j < i: split at r_i, the last token before sub-chunk i, and at
+    # r_{j+1}, the last of sub-chunk j; exp(G_t - G_s) = exp(G_t - G_ri) exp(G_ri - G_r(j+1)) exp(G_r(j+1) - G_s),
+    # each factor <= 1 since s <= r_(j+1) <= r_i < t
+    ends = gc_s[..., -1, :]  # (..., m, D): G at each sub-chunk's last token
+    a_read = a_s[..., 1:, :, :] * (gc_s[..., 1:, :, :] - ends[..., :-1, None, :]).exp()  # (..., m-1, c, D), row i-1
+    b_write = b_s[..., :-1, :, :] * (ends[..., :-1, None, :] - gc_s[..., :-1, :, :]).exp()  # (..., m-1, c, D), col j
+    rows, cols = torch.tril_indices(m, m, -1, device=a.device)  # the P = m (m - 1) / 2 blocks below the diagonal
+    between = (ends.index_select(-2, rows - 1) - ends.index_select(-2, cols)).exp()  # (..., P, D): exp(G_ri - G_r(j+1))
+    # index_select, not indexing: its backward adds rows where indexing's accumulates one element at a time
+    reads = a_read.index_select(-3, rows - 1) * between[..., None, :]  # (..., P, c, D)
+    cross = reads @ b_write.index_select(-3, cols).transpose(-1, -2)  # (..., P, c, c)
+    blocks = torch.cat([a.new_zeros(*lead, 1, sub, sub), cross, diag], -3)  # (..., 1 + P + m, c, c)
+    out = blocks.index_select(-3, _block_map(m, a.device)).reshape(*lead, m, m, sub, sub)
+    return out.transpose(-3, -2).reshape(*lead, c, c)
 
 
 def chunk_kda_states(
