@@ -27,6 +27,50 @@ from .kernels import simple_gla
 from .passing import pass_states
 
 
+class _ChunkStates(torch.autograd.Function):
+    """``S <- S * decay_i + written_i`` over the chunks, restarting (from ``initial[:, j]`` or zero) at each segment's
+    first chunk: written (B, H, N, Dk, Dv), decay (B, H, N) -> (the states entering each chunk (B, H, N, Dk, Dv), each
+    segment's final state (B, J, H, Dk, Dv)). Its backward runs the recurrence in reverse and holds the states it
+    returned and one gradient of each input; autograd over the loop held every step's state twice more."""
+
+    @staticmethod
+    def forward(ctx, written, decay, initial, firsts: tuple[int, ...], lasts: tuple[int, ...]):
+        b, h, n, dk, dv = written.shape
+        entering = torch.empty_like(written)
+        finals = written.new_empty(b, len(firsts), h, dk, dv)
+        first_of, last_of = {c: j for j, c in enumerate(firsts)}, {c: j for j, c in enumerate(lasts)}
+        state = written.new_zeros(b, h, dk, dv)
+        for i in range(n):
+            if i in first_of:
+                state = initial[:, first_of[i]].to(written.dtype) if initial is not None else torch.zeros_like(state)
+            entering[:, :, i] = state
+            state = state * decay[:, :, i, None, None] + written[:, :, i]
+            if i in last_of:
+                finals[:, last_of[i]] = state
+        ctx.save_for_backward(entering, decay)
+        ctx.first_of, ctx.last_of = first_of, last_of
+        ctx.initial = None if initial is None else (initial.shape, initial.dtype)
+        return entering, finals
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_entering, d_finals):
+        entering, decay = ctx.saved_tensors
+        n = entering.shape[2]
+        d_written, d_decay = torch.empty_like(entering), torch.empty_like(decay)
+        d_initial = None if ctx.initial is None else entering.new_zeros(ctx.initial[0])
+        carried = torch.zeros_like(entering[:, :, 0])  # the gradient of the state leaving chunk i
+        for i in reversed(range(n)):
+            if i in ctx.last_of:  # a segment's last chunk: what leaves it is its final state, read by nothing else
+                carried = d_finals[:, ctx.last_of[i]]
+            d_written[:, :, i] = carried
+            d_decay[:, :, i] = (carried * entering[:, :, i]).sum((-2, -1))
+            carried = d_entering[:, :, i] + carried * decay[:, :, i, None, None]  # the state entering chunk i
+            if i in ctx.first_of and d_initial is not None:  # (chunk i - 1 is a segment's last: carried restarts)
+                d_initial[:, ctx.first_of[i]] = carried
+        return d_written, d_decay, None if d_initial is None else d_initial.to(ctx.initial[1]), None, None
+
+
 def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bounds: tuple[int, ...],
                      initial: torch.Tensor | None = None, *, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k (B, S, H, Dk), v (B, S, H, Dv), g (B, S, H) over the segments ``bounds``, each starting from
@@ -40,8 +84,10 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
-        padded = x.to(dt).new_zeros(b, total, *x.shape[2:]).index_copy(1, dest, x.to(dt))
-        return padded.transpose(1, 2).reshape(b, h, n, chunk, *x.shape[3:])
+        x = x.transpose(1, 2).to(dt, memory_format=torch.contiguous_format)  # one copy, heads first
+        if total != s:  # a segment ends inside a chunk: zero-padded to the chunk's end
+            x = x.new_zeros(b, h, total, *x.shape[3:]).index_copy(2, dest, x)
+        return x.reshape(b, h, n, chunk, *x.shape[3:])
 
     q, k, v, g = (to_chunks(x) for x in (q, k, v, g))
     gc = g.cumsum(-1)  # (B, H, N, C): log decay from the chunk's start to each token
@@ -51,24 +97,12 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q_read = q * gc.exp()[..., None]  # reads the state entering the chunk
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # writes decayed to the chunk's end
     written = k_write.transpose(-1, -2) @ v  # (B, H, N, Dk, Dv): each chunk's state from zero
-    chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-    entering = {c: i for i, c in enumerate(first_chunks)}
-    leaving = set(last_chunks)
-
-    state = q.new_zeros(b, h, dk, dv)
-    states, finals = [], []
-    # each chunk's slices taken once: indexing per chunk would make backward write a whole-size zeroed gradient each
-    per_chunk = zip(chunk_decay.unbind(2), written.unbind(2), strict=True)
-    for i, (decay_i, written_i) in enumerate(per_chunk):  # the states entering each chunk
-        if i in entering:  # a segment starts: its own initial state, or zero
-            state = initial[:, entering[i]].to(dt) if initial is not None else state.new_zeros(b, h, dk, dv)
-        states.append(state)
-        state = state * decay_i + written_i
-        if i in leaving:
-            finals.append(state)
-    inter = q_read @ torch.stack(states, 2)  # (B, H, N, C, Dv)
-    out = (intra + inter).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
-    return out.index_select(1, dest).to(out_dtype), torch.stack(finals, 1)  # (B, N, H, Dk, Dv)
+    states, finals = _ChunkStates.apply(written, gc[..., -1].exp(), initial, tuple(first_chunks),
+                                        tuple(last_chunks))  # (B, H, N, Dk, Dv), (B, J, H, Dk, Dv)
+    out = (intra + q_read @ states).reshape(b, h, total, dv).transpose(1, 2)  # (B, T, H, Dv)
+    if total != s:
+        out = out.index_select(1, dest)
+    return out.to(out_dtype), finals  # (B, S, H, Dv), (B, N, H, Dk, Dv)
 
 
 def decay_scan_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bounds: tuple[int, ...],

@@ -1,0 +1,69 @@
+"""The scalar-decay rule (Mamba2's SSD, MiniMax's lightning attention) against the recurrence one token at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seqmesh.linear_attention.decay_scan import chunk_decay_scan
+
+FLOAT64_ATOL = 1e-10
+
+
+def token_loop(q, k, v, g, starts, initial, reset=True):
+    """``S_t = exp(g_t) S_(t-1) + k_t v_t^T``, ``o_t = S_t^T q_t``, per batch row and head; the state restarts from
+    ``initial[:, j]`` at ``starts[j]`` (``reset=False``: only at the first) -> (out (B, S, H, Dv), final states)."""
+    b, s, h, dk = q.shape
+    outs, finals, state = [], [], None
+    for t in range(s):
+        if t in starts and (reset or t == 0):
+            if state is not None:
+                finals.append(state)
+            state = initial[:, starts.index(t)]
+        state = g[:, t].exp()[..., None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    finals.append(state)
+    return torch.stack(outs, 1), torch.stack(finals, 1)
+
+
+@pytest.mark.parametrize("chunk", [64, 16, 8])
+def test_chunked_rule_matches_the_token_loop(chunk):
+    """Outputs, every segment's final state from its initial one, and the gradients of q, k, v, g and the initial
+    states, in float64: documents of one token, documents across chunks, a padded last chunk."""
+    gen = torch.Generator().manual_seed(0)
+    s, starts, dt = 150, (0, 1, 40, 41, 100), torch.float64
+    q, k = (torch.randn(2, s, 3, 6, generator=gen, dtype=dt) for _ in range(2))
+    v = torch.randn(2, s, 3, 4, generator=gen, dtype=dt)
+    g = -torch.rand(2, s, 3, generator=gen, dtype=dt) * 2
+    initial = torch.randn(2, len(starts), 3, 6, 4, generator=gen, dtype=dt)
+    leaves = [q, k, v, g, initial]
+    for t in leaves:
+        t.requires_grad_(True)
+    want, want_final = token_loop(q, k, v, g, list(starts), initial)
+    dout, dfinal = torch.randn_like(want), torch.randn_like(want_final)
+    want_grads = torch.autograd.grad((want * dout).sum() + (want_final * dfinal).sum(), leaves)
+    out, final = chunk_decay_scan(q, k, v, g, starts + (s,), initial, chunk=chunk)
+    grads = torch.autograd.grad((out * dout).sum() + (final * dfinal).sum(), leaves)
+    assert float((out - want).detach().abs().max()) < FLOAT64_ATOL
+    assert float((final - want_final).detach().abs().max()) < FLOAT64_ATOL
+    for name, a, b in zip(("q", "k", "v", "g", "initial"), grads, want_grads):
+        assert float((a - b).abs().max() / b.abs().max()) < FLOAT64_ATOL, name
+    through, _ = token_loop(q, k, v, g, list(starts), initial, reset=False)
+    assert float((through - want).detach().abs().max()) > 1e-2  # the mutation: documents not separated
+
+
+def test_half_precision_runs_in_float32_from_zero():
+    """bf16 inputs, one document from zero: the output within bf16's rounding of the float64 loop, the final state in
+    float32."""
+    gen = torch.Generator().manual_seed(1)
+    s = 96
+    q, k = (torch.randn(1, s, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, s, 2, 4, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, s, 2, generator=gen, dtype=torch.float64)
+    want, _ = token_loop(q, k, v, g, [0], torch.zeros(1, 1, 2, 8, 4, dtype=torch.float64))
+    rounded = [x.to(torch.bfloat16) for x in (q, k, v, g)]
+    out, final = chunk_decay_scan(*rounded, (0, s), chunk=32)
+    exact, _ = token_loop(*[x.double() for x in rounded], [0], torch.zeros(1, 1, 2, 8, 4, dtype=torch.float64))
+    assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
+    assert float((out.double() - exact).abs().max()) <= 4 * float((exact.to(torch.bfloat16).double() - exact).abs().max())
+    assert float((exact - want).abs().max()) > 0  # the inputs' own rounding is what the rule is measured after
