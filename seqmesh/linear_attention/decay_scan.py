@@ -138,13 +138,14 @@ def pass_decay_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     totals = torch.stack([g[:, a:e].to(dt).sum(1).exp() if i in incoming else g.new_zeros(b, h, dtype=dt)
                           for i, (a, e) in enumerate(zip(seg[:-1], seg[1:]))], 1)  # (B, N, H)
     packed = torch.cat([finals.flatten(2), totals], dim=-1)  # (B, N, H Dk Dv + H)
-    lift = torch.zeros(b, q.shape[1], h, dk, dtype=dt, device=q.device)
     pieces, at = [], 0
     for i in mine.incoming:  # exp(G_t) q_t, G from the run's start: cumulated per run, never across the shard
         a, e = seg[i], seg[i + 1]
-        pieces += [lift[:, at:a], q[:, a:e].to(dt) * g[:, a:e].to(dt).cumsum(1).exp()[..., None]]
+        # q in its own dtype times float32 decays: the product is float32 and saves q itself, not a float32 copy
+        pieces += [q.new_zeros(b, a - at, h, dk, dtype=dt), q[:, a:e] * g[:, a:e].to(dt).cumsum(1).exp()[..., None]]
         at = e
-    lift = torch.cat(pieces + [lift[:, at:]], dim=1) if pieces else lift
+    pieces.append(q.new_zeros(b, q.shape[1] - at, h, dk, dtype=dt))
+    lift = torch.cat(pieces, dim=1)  # (B, L, H, Dk), zero where a run receives no state
 
     def carry(run: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         written, decay = run.split([h * dk * dv, h], dim=-1)
