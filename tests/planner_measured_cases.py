@@ -42,6 +42,15 @@ MAMBA_CONFIG = {
 }
 
 
+# a Nemotron-H: three Mamba2 layers (8 heads of 32, state 64, one group), one attention layer, one MLP layer
+NEMOTRON_H_CONFIG = {
+    "model_type": "nemotron_h", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 5,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention", "mlp"],
+    "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 64, "n_groups": 1, "tie_word_embeddings": False,
+}
+
+
 def write_wide_config(folder: str, config: dict = WIDE_CONFIG) -> str:
     """A config.json of the wider model (or ``config``) in ``folder`` (a model argument of TrainConfig); its path."""
     os.makedirs(folder, exist_ok=True)

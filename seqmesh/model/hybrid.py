@@ -149,7 +149,8 @@ def _mamba_heads(cfg: dict, inner: int) -> tuple[int, int]:
 def _falcon_h1(cfg: dict) -> dict:
     """Falcon-H1: in every layer attention and Mamba2 side by side on one normed input, then a gated MLP (two
     RMSNorms a layer); Mamba2's width ``mamba_d_ssm``, its gated norm only with ``mamba_rms_norm``, out_proj biased by
-    ``projectors_bias``. Its muP multipliers are buffers, not parameters."""
+    ``projectors_bias``. Its muP multipliers are float32 buffers, not parameters: in_proj's output times them is float32
+    whatever the activations' dtype, and so is all the mixer computes from it."""
     n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     i, bias = cfg["intermediate_size"], bool(cfg.get("mlp_bias"))
     inner = cfg.get("mamba_d_ssm") or int(_positive(cfg, "mamba_expand", default=2) * h)
@@ -157,7 +158,8 @@ def _falcon_h1(cfg: dict) -> dict:
     mamba = Mamba2Shape(heads, head_dim, _positive(cfg, "mamba_d_state", default=256),
                         _positive(cfg, "mamba_n_groups", default=1), _positive(cfg, "mamba_d_conv", default=4),
                         bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)),
-                        out_bias=bool(cfg.get("projectors_bias", False)), gated_norm=bool(cfg.get("mamba_rms_norm")))
+                        out_bias=bool(cfg.get("projectors_bias", False)), gated_norm=bool(cfg.get("mamba_rms_norm")),
+                        float32_mixing=True)
     mlp = FeedForward(3 * h * i + (2 * i + h if bias else 0), 3 * h * i, h + 4 * i)
     return {"hybrid": HybridShape(mamba, ((PARALLEL, "mlp"),) * n, (("mlp", mlp),), norms=2,
                                   attention_bias=bool(cfg.get("attention_bias"))), "layers": n}

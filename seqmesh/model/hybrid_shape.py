@@ -54,6 +54,7 @@ class Mamba2Shape:
     proj_bias: bool = False  # in_proj's bias (and out_proj's unless out_bias says otherwise)
     out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's (Falcon-H1's projectors_bias)
     gated_norm: bool = True  # the gated RMSNorm (Falcon-H1 without mamba_rms_norm gates with silu(z) alone)
+    float32_mixing: bool = False  # in_proj's output and all after it float32 (Falcon-H1's float32 muP multipliers)
 
     def __post_init__(self) -> None:
         positive_sizes(self, ("heads", "head_dim", "state", "groups", "conv"), "Mamba2 layers")

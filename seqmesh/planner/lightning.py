@@ -17,7 +17,7 @@ from ..model.hybrid_shape import LIGHTNING, Mamba2Shape
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import phases, serial_layer_seconds
-from .mamba2 import mamba2_scan_flops
+from .mamba2 import decay_scan_backward, decay_scan_saved, mamba2_scan_flops
 from .network import axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
 from .workload import Workload
@@ -58,15 +58,21 @@ class LightningLayer:
         return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward (an estimate, not yet checked against a run): per token its two norms, qkv_proj's
-        input and output (before and after the activation), the scan's float32 q, k, v, lifted q and output, the
-        norm's input, the gate, out_proj's input, the MoE block's; per chunk and head one float32 ``D x D`` state."""
+        """Bytes saved for backward: per token its two norms, qkv_proj's input and output (before and after the
+        activation), the scan's float32 tensors (:func:`.mamba2.decay_scan_saved`), the norm's input, the gate,
+        out_proj's input, the MoE block's; per chunk and head one float32 ``D x D`` state."""
         w, m, mixer = self.work, self.work.model, self.work.model.hybrid.lightning
         e, t, q = w.act_bytes, tokens(w, self.layout), mixer.inner
-        per_token = (2 * norm_saved(m, e, w.efficient_norm) + e * (m.hidden + 6 * q + 3 * q) + 4 * 5 * q
+        per_token = (2 * norm_saved(m, e, w.efficient_norm) + e * (m.hidden + 6 * q + 3 * q)
+                     + 4 * mixer.heads * decay_scan_saved(mixer.head_dim, mixer.head_dim)
                      + e * m.hybrid.ffn(self.ffn).kept)
         states = -(-t // w.batch // LINEAR_CHUNK) * w.batch * mixer.heads * mixer.head_dim ** 2 * 4
         return t * per_token + states
+
+    def backward_bytes(self) -> int:
+        """What the layer's backward holds beyond what it saved: the scan's (:func:`.mamba2.decay_scan_backward`)."""
+        mixer = self.work.model.hybrid.lightning
+        return tokens(self.work, self.layout) * 4 * mixer.heads * decay_scan_backward(mixer.head_dim, mixer.head_dim)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer: projections and MoE on the local tokens, the

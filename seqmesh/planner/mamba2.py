@@ -48,6 +48,34 @@ def mamba2_mixing_flops(mamba: Mamba2Shape, tokens: int) -> int:
     return mamba2_scan_flops(mamba, tokens) + extra
 
 
+def decay_scan_saved(key_dim: int, value_dim: int, chunk: int = LINEAR_CHUNK) -> int:
+    """Values a token and head the scalar-decay rule (``seqmesh.linear_attention.decay_scan.chunk_decay_scan``:
+    Mamba2's scan, MiniMax's lightning attention) keeps for backward in its compute dtype, beside one ``Dk x Dv``
+    state a chunk (counted per chunk by the callers): q, k, the lifted q and the decayed k (``Dk`` each), v, the
+    chunk's scores, decays and their product (``C`` each), and the decays. Tracked on the CPU (``MemoryTracker``,
+    bf16 inputs) for ``Dk`` 32 to 256 and ``Dv`` 32 to 128: within 0.5% at every size."""
+    return 4 * key_dim + value_dim + 3 * chunk + 4
+
+
+def decay_scan_backward(key_dim: int, value_dim: int, chunk: int = LINEAR_CHUNK) -> int:
+    """Values a token and head the scalar-decay rule's backward holds at its peak beyond what it kept (the gradients of
+    the states and of what each chunk wrote, of the lifted q, of the scores, of v): a least-squares fit of the same
+    twelve tracked runs, within 65 values of each (7% of the rule's whole peak at worst, a key width of 32)."""
+    return round(1.7 * key_dim * value_dim / chunk + 0.4 * key_dim + 1.7 * value_dim + 43)
+
+
+# float32 values a channel the gated RMSNorm's backward holds beyond what it kept (tracked: the gradients through the
+# weight, the rescale, the square and the gate's product)
+GATED_NORM_BACKWARD = 5
+
+
+def gated_norm_saved(act_bytes: int) -> int:
+    """Bytes a token and channel the gated RMSNorm of transformers' Mamba2 layers (Mamba2, Nemotron-H, Bamba, Granite-4,
+    Falcon-H1's ``mamba_rms_norm``) keeps: it computes in float32, its input, its gate, the gate's silu and their
+    product (4 bytes each), then the normalised output and out_proj's input in the activations' dtype."""
+    return 4 * 4 + 2 * act_bytes
+
+
 def _local_tokens(work: Workload, layout: Degrees) -> int:
     """Tokens of one sequence a rank holds (tp is 1: the planner refuses tensor parallelism on hybrids)."""
     p = layout.ulysses * layout.ring
@@ -129,23 +157,43 @@ class Mamba2Layer:
         return {self._key(): link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """Bytes saved for backward (an estimate, not yet checked against a run): per token its norms, in_proj's input
-        and output, the conv's input and output, dt, the scan's float32 tensors (q and k widened to every head, v,
-        the chunk's decays and scores, the decayed reads and writes, both outputs), the gated norm and out_proj's
-        input, the feed-forward's; per chunk and head one float32 ``N x P`` state. Beside attention (Falcon-H1): the
-        whole layer's, the attention layer's saved tensors added (the step takes the largest kind as a layer's)."""
+        """Bytes saved for backward: per token its norms, in_proj's input and output, the conv's input and output, dt,
+        the scan's float32 tensors (:func:`decay_scan_saved`, q and k widened to every head), the gated norm's
+        (:func:`gated_norm_saved`; ungated, its input, gate and product) and out_proj's input, the feed-forward's; per chunk and head one float32 ``N x P`` state. Beside attention
+        (Falcon-H1): the whole layer's, the attention layer's saved tensors added (the step takes the largest kind as a
+        layer's)."""
         w, m, mamba = self.work, self.work.model, self.work.model.hybrid.mamba
         e, t = w.act_bytes, tokens(w, self.layout)
         h, n, p, c = mamba.heads, mamba.state, mamba.head_dim, LINEAR_CHUNK
-        proj = e * (m.hidden + 2 * mamba.inner + mamba.conv_dim + h) + e * 2 * mamba.conv_dim + 3 * 4 * h
-        scan = 4 * h * (4 * n + 3 * p + 2 * c + 1)
-        tail = e * 4 * mamba.inner
+        f = 4 if mamba.float32_mixing else e  # the mixer's tensors after in_proj
+        proj = e * m.hidden + f * (2 * mamba.inner + mamba.conv_dim + h) + f * 2 * mamba.conv_dim + 3 * 4 * h
+        if mamba.float32_mixing:  # in_proj's own output too, which the muP multiply keeps
+            proj += e * (2 * mamba.inner + mamba.conv_dim + h)
+        scan = 4 * h * decay_scan_saved(n, p)
+        if self.layout.ulysses * self.layout.ring > 1 and self.design() is LinearDesign.STATE_PASSING:
+            scan += (4 + e) * h * n  # the state pass's read-in, exp(G_t) q_t, and q (decay_scan.pass_decay_states)
+        tail = gated_norm_saved(e) * mamba.inner if mamba.gated_norm else f * 4 * mamba.inner
         norms = 0 if self.beside_attention else m.hybrid.norms * norm_saved(m, e, w.efficient_norm)
         per_token = norms + proj + scan + tail + e * self._ffn.kept
         states = -(-t // w.batch // c) * w.batch * h * n * p * 4
         if self.beside_attention:  # the whole Falcon-H1 layer: the attention layer's beside it
             states += attention_saved_bytes(w, self.layout)
         return t * per_token + states
+
+    def backward_bytes(self) -> int:
+        """What the layer's backward holds beyond what it saved, at the larger of two moments: the gated norm's
+        backward (:data:`GATED_NORM_BACKWARD` float32 values a channel), and the scan's (:func:`decay_scan_backward`,
+        float32), by when the norm's float32 tensors are freed. Checked against rehearsals of the Nemotron-H shape of
+        ``seqmesh bench families`` (docs/planner.md)."""
+        w, mamba, t = self.work, self.work.model.hybrid.mamba, tokens(self.work, self.layout)
+        scan = t * 4 * mamba.heads * decay_scan_backward(mamba.state, mamba.head_dim)
+        if mamba.gated_norm:
+            norm_floats = (gated_norm_saved(w.act_bytes) - 2 * w.act_bytes) // 4
+            scan = max(t * 4 * GATED_NORM_BACKWARD * mamba.inner, scan - t * 4 * norm_floats * mamba.inner)
+        # the feed-forward after the mixer in the same layer (Bamba, Granite-4) has freed what it kept by then
+        after = 0 if self.beside_attention or not self.ffn else t * (
+            w.act_bytes * self._ffn.kept)
+        return max(0, scan - after)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer: the projections and feed-forward, the token mixing
