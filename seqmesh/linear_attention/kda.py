@@ -55,6 +55,38 @@ def _block_map(m: int, device: torch.device) -> torch.Tensor:
     return torch.where(i > j, below, torch.where(i == j, 1 + m * (m - 1) // 2 + i, 0)).reshape(-1)
 
 
+class _SubChunkPairs(torch.autograd.Function):
+    """The pairs of each sub-chunk by offset: ``a``, ``b``, ``gc`` (..., m, c, D) -> (..., m, c (c + 1) / 2), offset
+    ``j``'s ``c - j`` pairs ``(s + j, s)`` of ``sum_d a_(s+j) b_s exp(gc_(s+j) - gc_s)`` laid end to end. It keeps
+    only its inputs: its backward recomputes each offset's decays. Autograd over the offsets kept every offset's
+    decays and products (some 40 values of D a token for KDA's two calls) and wrote a zeroed whole-size gradient
+    for every slice."""
+
+    @staticmethod
+    def forward(ctx, a, b, gc):
+        sub = a.shape[-2]
+        ctx.save_for_backward(a, b, gc)
+        return torch.cat([(a[..., j:, :] * b[..., :sub - j, :] * (gc[..., j:, :] - gc[..., :sub - j, :]).exp()).sum(-1)
+                          for j in range(sub)], -1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_pairs):
+        a, b, gc = ctx.saved_tensors
+        sub = a.shape[-2]
+        da, db, dgc = torch.zeros_like(a), torch.zeros_like(b), torch.zeros_like(gc)
+        for j, d_j in enumerate(d_pairs.split([sub - j for j in range(sub)], -1)):  # (..., m, c - j) each
+            late, early = slice(j, sub), slice(0, sub - j)  # the pair's later token t = s + j, and s
+            weighted = d_j[..., None] * (gc[..., late, :] - gc[..., early, :]).exp()  # (..., m, c - j, D)
+            da[..., late, :] += weighted * b[..., early, :]
+            term = weighted * a[..., late, :]
+            db[..., early, :] += term
+            term *= b[..., early, :]  # d out / d gc_t, and minus that for gc_s
+            dgc[..., late, :] += term
+            dgc[..., early, :] -= term
+        return da, db, dgc
+
+
 def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: int = SUB_CHUNK) -> torch.Tensor:
     """``out[..., t, s] = sum_d a[..., t, d] b[..., s, d] exp(gc[..., t, d] - gc[..., s, d])`` for ``s <= t``,
     zero above the diagonal. ``a``, ``b``, ``gc`` (..., C, D) with ``gc`` non-increasing along C (a cumulated
@@ -66,9 +98,7 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: in
     a_s, b_s, gc_s = (x.reshape(*lead, m, sub, d) for x in (a, b, gc))  # (..., m, c, D)
     # within a sub-chunk: the pairs (t, t - j) of each offset j < sub, (..., m, sub - j), whose exponents are never
     # positive (only the c (c + 1) / 2 pairs that count), laid end to end, then placed by _diagonal_map
-    offsets = [(a_s[..., j:, :] * b_s[..., :sub - j, :] * (gc_s[..., j:, :] - gc_s[..., :sub - j, :]).exp()).sum(-1)
-               for j in range(sub)]
-    pairs = torch.cat(offsets + [a.new_zeros(*lead, m, 1)], -1)
+    pairs = torch.cat([_SubChunkPairs.apply(a_s, b_s, gc_s), a.new_zeros(*lead, m, 1)], -1)
     diag = pairs.index_select(-1, _diagonal_map(sub, a.device)).reshape(*lead, m, sub, sub)
     # across sub-chunks, only the blocks (i, j) with j < i: split at r_i, the last token before sub-chunk i, and at
     # r_{j+1}, the last of sub-chunk j; exp(G_t - G_s) = exp(G_t - G_ri) exp(G_ri - G_r(j+1)) exp(G_r(j+1) - G_s),
