@@ -4,6 +4,7 @@ each moment holds and what was checked: docs/planner.md ("Memory moments"); what
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 from .activations import (TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes, gathered_tokens,
@@ -160,19 +161,25 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
     else:
         below = _kept_by_layers(work, layout, at_loss=False)
-    top = layer_saved_bytes(work, layout)
-    if work.checkpointing:  # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself
-        top -= layer_input_bytes(work, layout) if work.act_bytes == 4 or work.efficient_norm else 0
+    # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself
+    shared = layer_input_bytes(work, layout) if work.checkpointing and (
+        work.act_bytes == 4 or work.efficient_norm) else 0
     steps = layer_backward_timeline(work, layout)
     if after_recompute:
         steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
     extra, op = timeline_peak(steps)
-    recurrence = max((kind.backward_bytes() for kind, _ in layer_kinds(work, layout) if hasattr(kind, "backward_bytes")),
-                     default=0)  # a diagonal recurrence's gradients (seqmesh.planner.diagonal)
-    if recurrence > extra:
-        extra, op = recurrence, "recurrence backward"
-    kept = below + top + outside_layers_bytes(work, layout)
-    return kept + layer_input_bytes(work, layout) + extra, op  # + the gradient of the layer's output
+    # before the attention's steps: a recurrent layer's feed-forward (its mixer's backward is its kind's own)
+    mlp_extra, mlp_op = timeline_peak(list(itertools.takewhile(lambda s: not s[0].startswith("post-attention"), steps)))
+
+    def moment(kind) -> tuple[int, str]:  # the peak of a layer of this kind in backward, beyond what is below it
+        if not hasattr(kind, "backward_bytes"):  # an attention layer's timeline
+            return kind.saved_bytes() + extra, op
+        own = max((kind.backward_bytes(), "recurrence backward"), (mlp_extra, mlp_op))  # a recurrence's gradients
+        return kind.saved_bytes() + own[0], own[1]  # (seqmesh.planner.diagonal, .mamba2, .lightning, .kda)
+
+    top, op = max(moment(kind) for kind, _ in layer_kinds(work, layout))
+    kept = below + top - shared + outside_layers_bytes(work, layout)
+    return kept + layer_input_bytes(work, layout), op  # + the gradient of the layer's output
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
