@@ -631,3 +631,27 @@ def test_rwkv_bytes_equal_what_the_block_sends(pools, tmp_path):
                       "rwkv_channel_mix")
     per_rank = pools.run(2, rwkv_block_bytes, 1, 2, 40, 2, "zigzag")
     _sends_as_measured(layer, per_rank, (RWKV_SHIFT, RWKV_STATES), 3)
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_kda_rule_bytes_equal_the_tracked_ones(head_dim):
+    """What the KDA rule keeps for backward (``kda_rule_saved`` a token and head) and what its backward holds beyond
+    that (``kda_rule_backward``), against ``MemoryTracker`` around the rule alone: bf16 inputs, 2 heads, 16 chunks."""
+    from seqmesh.linear_attention.choice import LINEAR_CHUNK
+    from seqmesh.linear_attention.kda import chunk_kda_states
+    from seqmesh.memory import MemoryTracker
+    from seqmesh.planner.kda import kda_rule_backward, kda_rule_saved
+
+    s, h, gen = 16 * LINEAR_CHUNK, 2, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, h, head_dim, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    g = (-torch.rand(1, s, h, head_dim, generator=gen) * 0.1).bfloat16().requires_grad_()
+    beta = torch.rand(1, s, h, generator=gen).bfloat16().requires_grad_()
+    held = sum(x.numel() * x.element_size() for x in (q, k, v, g, beta))
+    with MemoryTracker(torch.nn.Linear(1, 1)) as tracker:
+        out, _ = chunk_kda_states(q, k, v, g, beta, (0, s))
+        after_forward = tracker.live_bytes()
+        out.backward(torch.ones_like(out))
+    kept = after_forward - held - out.numel() * out.element_size() - 4 * 2  # the tracked module's weight and bias
+    beyond = tracker.report().peak_bytes - after_forward
+    assert abs(kept / (s * h * 4 * kda_rule_saved(head_dim)) - 1) < 0.01, kept
+    assert abs(beyond / (s * h * 4 * kda_rule_backward(head_dim)) - 1) < 0.03, beyond
