@@ -175,6 +175,11 @@ def scatter_backward(name: str, gathered: int, local: int) -> tuple[str, int, in
     return (f"{name} input reduce-scatter backward", gathered + local, 2 * gathered)
 
 
+# (token, intermediate) tensors a two-matrix MLP's activation holds at once in backward, d(up) included: torch's gelu
+# one; BLOOM's tanh GeLU (transformers' GeLUFunction, its derivative in Python) four (fitted to a rehearsal)
+TWO_MATRIX_ACTIVATION_BACKWARD = {"bloom": 4}
+
+
 def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
     """One decoder layer's backward, op by op, as ``(op, allocated, freed)`` bytes on one GPU, from the state where
     it starts (every tensor the layer saved and the gradient of its output alive). Under TP the regions between
@@ -204,6 +209,12 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
         tile_grads = 3 * m.hidden * columns * e  # this tile's weight gradients beside the running sums
         incoming = wide  # the output's gradient (under TP its gathered copy) freed at the end
         steps += [("tiled MLP backward", wide + tile_set + tile_grads, tile_set + tile_grads + incoming)]
+    elif m.mlp_matrices == 2:  # up, its activation, down
+        held = TWO_MATRIX_ACTIVATION_BACKWARD.get(m.family, 1)
+        steps += [("down_proj backward", inner, inner + (3 * wide if tp else 0)),  # d(activation); its output freed
+                  # d(up) and the activation's own temporaries; up's output, d(activation) and the temporaries freed
+                  ("activation backward", held * inner, (held + 1) * inner),
+                  ("up_proj backward", wide, inner + wide)]  # d(input); the norm's output freed
     else:
         steps += [("down_proj backward", inner, inner + (3 * wide if tp else 0)),  # d(product); the product (and
                   # the gathered output gradient) freed
