@@ -341,13 +341,12 @@ def _merged(*parts: dict) -> dict:
 
 
 def _indexed_layout_fields(cfg: dict) -> dict:
-    """What MLA's other layouts add: the output gate (A.X-K2's, dots.llm3's), A.X-K2's gated norms; or why the planner
-    does not size the model: HY-V4's hyper-connections, dots.llm3's layers of other sizes (``per_layer_config``)."""
+    """What MLA's other layouts add: the output gate (A.X-K2's, dots.llm3's), A.X-K2's gated norms, HY-V4's
+    hyper-connections (``hc_mult`` streams); or why the planner does not size the model: dots.llm3's layers of other
+    sizes (``per_layer_config``)."""
     family = cfg.get("model_type", "")
     if cfg.get("hc_mult"):  # its mixing weights even with one stream
-        return {"unplanned": f"seqmesh plan does not size the hyper-connections of {family} yet (hc_mult="
-                             f"{cfg['hc_mult']}: residual streams a token, mixed around each block); seqmesh train "
-                             "runs it all the same"}
+        return {"hc_mult": int(cfg["hc_mult"])}
     if cfg.get("per_layer_config"):
         return {"unplanned": f"seqmesh plan does not size layers of different sizes ({family}'s per_layer_config: "
                              "its sliding layers' heads and latents differ from its indexed ones'); seqmesh train "

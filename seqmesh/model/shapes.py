@@ -240,6 +240,7 @@ class ModelShape:
     gated_mlp: bool = True  # a dense MLP of gate, up and down; False: up and down (BLOOM, MPT, Falcon, GPT-Neo)
     norm_gate_rank: int = 0  # A.X-K2: a sigmoid gate of this rank (hidden -> rank -> hidden) after each layer's input
     # norm and each MoE layer's post-attention norm (0: none)
+    hc_mult: int = 0  # HY-V4's hyper-connections: residual streams a token, mixed around each block (0: none)
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -375,9 +376,16 @@ class ModelShape:
         tower = self.vision.params if self.vision is not None else 0
         dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate
                                      + 2 * self.hidden * self.norm_gate_rank)  # and a dense layer's ungated norm
-        per_layer = self.mlp_params + self.norm_params
+        per_layer = self.mlp_params + self.norm_params + 2 * self.hc_params(2)  # a layer's two hyper-connections
         return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
-                - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower)
+                - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower
+                + self.hc_params(1))  # and the head's
+
+    def hc_params(self, mixes: int) -> int:
+        """One hyper-connection's weights: ``mixes`` weights a stream from every stream's values, their biases and
+        scales (a block's: pre and post, two; the head's: one)."""
+        n = self.hc_mult
+        return mixes * n * n * self.hidden + mixes * n + mixes if n else 0
 
     def as_dict(self) -> dict:
         """The decoder's shape as plain data (the family's ``extra`` config entries left out: they size

@@ -114,12 +114,19 @@ def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
     # gate, up, SiLU(gate), product; a two-matrix MLP: up and its activation
     mlp = 0 if work.tiled_mlp else g * (4 if m.mlp_matrices == 3 else 2) * m.intermediate // layout.tp * e
-    return norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp
+    return norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp + hyper_connection_saved(work, layout)
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:
-    """The input a checkpointed layer keeps (the residual stream, compute dtype)."""
-    return tokens(work, layout) * work.model.hidden * work.act_bytes
+    """The input a checkpointed layer keeps (the residual stream, compute dtype; HY-V4's ``hc_mult`` streams)."""
+    return tokens(work, layout) * work.model.hidden * work.act_bytes * max(1, work.model.hc_mult)
+
+
+def hyper_connection_saved(work: Workload, layout: Degrees) -> int:
+    """What a layer's two hyper-connections keep (HY-V4): each its streams flattened in float32 (the mixing weights'
+    input) and its block's output in float32 (the streams' update)."""
+    n = work.model.hc_mult
+    return 2 * tokens(work, layout) * 4 * work.model.hidden * (n + 1) if n else 0
 
 
 def outside_layers_bytes(work: Workload, layout: Degrees) -> int:

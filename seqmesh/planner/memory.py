@@ -140,6 +140,15 @@ def layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     return max(kind.saved_bytes() for kind, _ in layer_kinds(work, layout))
 
 
+def shared_picks_bytes(work: Workload, layout: Degrees) -> int:
+    """The indexer's picks (int64, ``top-k`` a token) each layer that shares the previous layer's selection (GLM-5's,
+    HY-V4's ``indexer_types`` "shared") takes as an input, which checkpointing keeps with its hidden states."""
+    lat = work.model.latent
+    if lat is None or not lat.shared_layers:
+        return 0
+    return lat.shared_layers * tokens(work, layout) * min(lat.index_topk, work.seq_len) * 8
+
+
 def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
     """What the layers below the one in backward keep (all of them at the loss)."""
     m = work.model
@@ -147,7 +156,8 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         inputs = m.layers
         if work.offload_checkpoints:
             inputs = 0 if at_loss else min(m.layers, work.offload_prefetch + 1 if work.offload_prefetch else 0)
-        return inputs * layer_input_bytes(work, layout)
+        picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
+        return inputs * layer_input_bytes(work, layout) + picks
     return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout)
 
 

@@ -61,15 +61,32 @@ def test_dots_sliding_and_indexed_layers_are_counted_once(tmp_path):
     assert communication(work, Degrees(1, 2, 1), PRESETS["h100-nvlink"])[2]["ring_p2p"] == sliding > 0
 
 
-@pytest.mark.parametrize("family,reason", [("hy-v4", "hyper-connections"), ("dots.llm3-released", "per_layer_config")])
-def test_layouts_the_planner_does_not_size_say_why(family, reason, tmp_path):
+def test_a_layout_the_planner_does_not_size_says_why(tmp_path):
     import transformers as tf
 
-    config = tf.Dots3NoteTextConfig() if family == "dots.llm3-released" else family_config(family)
-    shape = _shape(config, tmp_path)
-    assert reason in shape.unplanned
-    with pytest.raises(ValueError, match=reason):
+    shape = _shape(tf.Dots3NoteTextConfig(), tmp_path)
+    assert "per_layer_config" in shape.unplanned
+    with pytest.raises(ValueError, match="per_layer_config"):
         Workload(shape, 4096)
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_hy_v4_hyper_connections_are_sized(tmp_path, streams):
+    """HY-V4 with one and with four residual streams: its parameters equal transformers' model's (the two
+    hyper-connections of every layer and the head's), and each checkpointed layer keeps its streams."""
+    import transformers as tf
+
+    from seqmesh.planner.activations import layer_input_bytes
+
+    config = family_config("hy-v4")
+    config.hc_mult = streams
+    shape = _shape(config, tmp_path)
+    with torch.device("meta"):
+        built = tf.AutoModelForCausalLM.from_config(config)
+    assert shape.hc_mult == streams and not shape.unplanned
+    assert shape.params == sum(p.numel() for p in built.parameters())
+    work = Workload(shape, 4096, bf16=True, checkpointing=True)
+    assert layer_input_bytes(work, Degrees(1, 1, 1)) == 4096 * shape.hidden * 2 * streams
 
 
 def test_deepseek_v32_has_671_9b_parameters(tmp_path):
