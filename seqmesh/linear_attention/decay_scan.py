@@ -84,7 +84,8 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
-        x = x.transpose(1, 2).to(dt, memory_format=torch.contiguous_format)  # one copy, heads first
+        # heads first, one copy: the cast makes it contiguous; already in dt, the cast returns the strided input
+        x = x.transpose(1, 2).to(dt, memory_format=torch.contiguous_format).contiguous()
         if total != s:  # a segment ends inside a chunk: zero-padded to the chunk's end
             x = x.new_zeros(b, h, total, *x.shape[3:]).index_copy(2, dest, x)
         return x.reshape(b, h, n, chunk, *x.shape[3:])

@@ -322,7 +322,9 @@ def _latent_fields(cfg: dict) -> dict:
                          cfg["qk_rope_head_dim"], cfg["v_head_dim"], gate=_LATENT_GATES.get(cfg.get("model_type"), ""),
                          **(dict(index_topk=cfg["index_topk"], index_head_dim=cfg["index_head_dim"],
                                  index_n_heads=cfg["index_n_heads"], indexed_layers=indexed,
-                                 shared_layers=shared.count("shared")) if indexed else {}))
+                                 shared_layers=shared.count("shared"),
+                                 shared_runs=sum(a != "shared" and b == "shared" for a, b in zip(shared, shared[1:])))
+                            if indexed else {}))
     return dict(latent=latent, head_dim=latent.qk_head_dim, **_indexed_layout_fields(cfg))
 
 
@@ -345,13 +347,12 @@ def _indexed_layout_fields(cfg: dict) -> dict:
     hyper-connections (``hc_mult`` streams); or why the planner does not size the model: dots.llm3's layers of other
     sizes (``per_layer_config``)."""
     family = cfg.get("model_type", "")
-    if cfg.get("hc_mult"):  # its mixing weights even with one stream
-        return {"hc_mult": int(cfg["hc_mult"])}
     if cfg.get("per_layer_config"):
         return {"unplanned": f"seqmesh plan does not size layers of different sizes ({family}'s per_layer_config: "
                              "its sliding layers' heads and latents differ from its indexed ones'); seqmesh train "
                              "runs it all the same"}
-    return {"norm_gate_rank": cfg.get("gated_norm_rank") or 0} if family == "axk2" else {}
+    streams = {"hc_mult": int(cfg["hc_mult"])} if cfg.get("hc_mult") else {}  # its mixing weights even with one stream
+    return streams | ({"norm_gate_rank": cfg.get("gated_norm_rank") or 0} if family == "axk2" else {})
 
 
 def _linear_fields(cfg: dict) -> dict:

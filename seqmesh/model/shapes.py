@@ -171,6 +171,7 @@ class LatentShape:
     index_n_heads: int = 0
     indexed_layers: int = 0
     shared_layers: int = 0
+    shared_runs: int = 0  # runs of consecutive shared layers: each run's layers take one selection as their input
     # the output gate: "fused" (A.X-K2: q_gate_proj, from [q_a_layernorm(x), q_a(x)], gives the query and one gate a
     # value channel), "head" (dots.llm3: g_proj, one a head, and a norm on the rotary key), "value" (HY-V4: gate_proj
     # from the hidden state, one a value channel, beside a sink a head), "" none

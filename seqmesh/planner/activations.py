@@ -185,6 +185,7 @@ def scatter_backward(name: str, gathered: int, local: int) -> tuple[str, int, in
 # (token, intermediate) tensors a two-matrix MLP's activation holds at once in backward, d(up) included: torch's gelu
 # one; BLOOM's tanh GeLU (transformers' GeLUFunction, its derivative in Python) four (fitted to a rehearsal)
 TWO_MATRIX_ACTIVATION_BACKWARD = {"bloom": 4}
+ATTENTION_STEPS = "post-attention "  # the prefix of the first of a layer's attention steps, after its MLP's
 
 
 def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
@@ -236,7 +237,7 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
         return steps + [*(("input " + op, a, f) for op, a, f in norm), ("residual gradient sum", 0, hidden)]
     n, hq, _ = attention_heads(work, layout)
     o_input = out if layout.ulysses > 1 and not m.indexed_layers else 0  # o_proj's own input (Ulysses; not DSA)
-    steps += [*(("post-attention " + op, a, f) for op, a, f in norm),
+    steps += [*((ATTENTION_STEPS + op, a, f) for op, a, f in norm),
               ("residual gradient sum", 0, hidden)]  # in place into the residual stream's gradient
     steps += [gather_backward("o_proj", wide)] if tp else []
     steps += [("o_proj backward", out, o_input + (3 * wide if tp else 0))]

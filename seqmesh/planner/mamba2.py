@@ -158,10 +158,10 @@ class Mamba2Layer:
 
     def saved_bytes(self) -> int:
         """Bytes saved for backward: per token its norms, in_proj's input and output, the conv's input and output, dt,
-        the scan's float32 tensors (:func:`decay_scan_saved`, q and k widened to every head), the gated norm's
-        (:func:`gated_norm_saved`; ungated, its input, gate and product) and out_proj's input, the feed-forward's; per chunk and head one float32 ``N x P`` state. Beside attention
-        (Falcon-H1): the whole layer's, the attention layer's saved tensors added (the step takes the largest kind as a
-        layer's)."""
+        the scan's float32 tensors (:func:`decay_scan_saved`, q and k widened to every head; under state passing the
+        read-in and q), the gated norm's (:func:`gated_norm_saved`; ungated, its input, gate and product) and
+        out_proj's input, the feed-forward's; per chunk and head one float32 ``N x P`` state. Beside attention
+        (Falcon-H1): the whole layer's, the attention layer's saved tensors added."""
         w, m, mamba = self.work, self.work.model, self.work.model.hybrid.mamba
         e, t = w.act_bytes, tokens(w, self.layout)
         h, n, p, c = mamba.heads, mamba.state, mamba.head_dim, LINEAR_CHUNK
@@ -171,8 +171,8 @@ class Mamba2Layer:
             proj += e * (2 * mamba.inner + mamba.conv_dim + h)
         scan = 4 * h * decay_scan_saved(n, p)
         if self.layout.ulysses * self.layout.ring > 1 and self.design() is LinearDesign.STATE_PASSING:
-            scan += (4 + e) * h * n  # the state pass's read-in, exp(G_t) q_t, and q (decay_scan.pass_decay_states)
-        tail = gated_norm_saved(e) * mamba.inner if mamba.gated_norm else f * 4 * mamba.inner
+            scan += (4 + f) * h * n  # the state pass's read-in, exp(G_t) q_t, and q (decay_scan.pass_decay_states)
+        tail = gated_norm_saved(f) * mamba.inner if mamba.gated_norm else f * 4 * mamba.inner
         norms = 0 if self.beside_attention else m.hybrid.norms * norm_saved(m, e, w.efficient_norm)
         per_token = norms + proj + scan + tail + e * self._ffn.kept
         states = -(-t // w.batch // c) * w.batch * h * n * p * 4
@@ -187,12 +187,10 @@ class Mamba2Layer:
         ``seqmesh bench families`` (docs/planner.md)."""
         w, mamba, t = self.work, self.work.model.hybrid.mamba, tokens(self.work, self.layout)
         scan = t * 4 * mamba.heads * decay_scan_backward(mamba.state, mamba.head_dim)
-        if mamba.gated_norm:
-            norm_floats = (gated_norm_saved(w.act_bytes) - 2 * w.act_bytes) // 4
-            scan = max(t * 4 * GATED_NORM_BACKWARD * mamba.inner, scan - t * 4 * norm_floats * mamba.inner)
+        if mamba.gated_norm:  # its four float32 tensors a channel are freed before the scan's backward
+            scan = max(t * 4 * GATED_NORM_BACKWARD * mamba.inner, scan - t * 4 * 4 * mamba.inner)
         # the feed-forward after the mixer in the same layer (Bamba, Granite-4) has freed what it kept by then
-        after = 0 if self.beside_attention or not self.ffn else t * (
-            w.act_bytes * self._ffn.kept)
+        after = 0 if self.beside_attention or not self.ffn else t * w.act_bytes * self._ffn.kept
         return max(0, scan - after)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
-from .activations import (TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes, gathered_tokens,
+from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes, gathered_tokens,
                           layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
                           outside_layers_bytes, timeline_peak, tokens)
 from .experts import local_layer_params, sharded_params, unit_shard
@@ -141,12 +141,13 @@ def layer_saved_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def shared_picks_bytes(work: Workload, layout: Degrees) -> int:
-    """The indexer's picks (int64, ``top-k`` a token) each layer that shares the previous layer's selection (GLM-5's,
-    HY-V4's ``indexer_types`` "shared") takes as an input, which checkpointing keeps with its hidden states."""
+    """The indexer's picks (int64, ``top-k`` a token) that layers sharing the previous layer's selection (GLM-5's,
+    HY-V4's ``indexer_types`` "shared") take as an input, which checkpointing keeps with their hidden states: one
+    tensor a run of shared layers."""
     lat = work.model.latent
-    if lat is None or not lat.shared_layers:
+    if lat is None or not lat.shared_runs:
         return 0
-    return lat.shared_layers * tokens(work, layout) * min(lat.index_topk, work.seq_len) * 8
+    return lat.shared_runs * tokens(work, layout) * min(lat.index_topk, work.seq_len) * 8
 
 
 def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
@@ -171,21 +172,26 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
     else:
         below = _kept_by_layers(work, layout, at_loss=False)
-    # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself
-    shared = layer_input_bytes(work, layout) if work.checkpointing and (
+    # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself (HY-V4: the mixed
+    # stream, one of the kept input's hc_mult)
+    shared = tokens(work, layout) * work.model.hidden * work.act_bytes if work.checkpointing and (
         work.act_bytes == 4 or work.efficient_norm) else 0
     steps = layer_backward_timeline(work, layout)
     if after_recompute:
         steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
     extra, op = timeline_peak(steps)
     # before the attention's steps: a recurrent layer's feed-forward (its mixer's backward is its kind's own)
-    mlp_extra, mlp_op = timeline_peak(list(itertools.takewhile(lambda s: not s[0].startswith("post-attention"), steps)))
+    mlp_extra, mlp_op = timeline_peak(list(itertools.takewhile(lambda s: not s[0].startswith(ATTENTION_STEPS), steps)))
 
     def moment(kind) -> tuple[int, str]:  # the peak of a layer of this kind in backward, beyond what is below it
         if not hasattr(kind, "backward_bytes"):  # an attention layer's timeline
             return kind.saved_bytes() + extra, op
-        own = max((kind.backward_bytes(), "recurrence backward"), (mlp_extra, mlp_op))  # a recurrence's gradients
-        return kind.saved_bytes() + own[0], own[1]  # (seqmesh.planner.diagonal, .mamba2, .lightning, .kda)
+        # a recurrence's gradients (seqmesh.planner.diagonal, .mamba2, .lightning, .kda), or its layer's other moments:
+        # Falcon-H1's attention beside it, the timeline whole; a feed-forward's, unless the kind has none (Nemotron-H)
+        other = (extra, op) if getattr(kind, "beside_attention", False) else (
+            (0, "") if getattr(kind, "ffn", None) == "" else (mlp_extra, mlp_op))
+        own = max((kind.backward_bytes(), "recurrence backward"), other)
+        return kind.saved_bytes() + own[0], own[1]
 
     top, op = max(moment(kind) for kind, _ in layer_kinds(work, layout))
     kept = below + top - shared + outside_layers_bytes(work, layout)

@@ -27,11 +27,13 @@ def token_loop(q, k, v, g, starts, initial, reset=True):
 
 
 @pytest.mark.parametrize("chunk", [64, 16, 8])
-def test_chunked_rule_matches_the_token_loop(chunk):
+@pytest.mark.parametrize("s,starts", [(150, (0, 1, 40, 41, 100)), (128, (0, 64))], ids=["padded", "aligned"])
+def test_chunked_rule_matches_the_token_loop(chunk, s, starts):
     """Outputs, every segment's final state from its initial one, and the gradients of q, k, v, g and the initial
-    states, in float64: documents of one token, documents across chunks, a padded last chunk."""
+    states, in float64: documents of one token, documents across chunks, a padded last chunk; and documents that fill
+    whole chunks (nothing padded, the input's own strided copy)."""
     gen = torch.Generator().manual_seed(0)
-    s, starts, dt = 150, (0, 1, 40, 41, 100), torch.float64
+    dt = torch.float64
     q, k = (torch.randn(2, s, 3, 6, generator=gen, dtype=dt) for _ in range(2))
     v = torch.randn(2, s, 3, 4, generator=gen, dtype=dt)
     g = -torch.rand(2, s, 3, generator=gen, dtype=dt) * 2
@@ -65,5 +67,6 @@ def test_half_precision_runs_in_float32_from_zero():
     out, final = chunk_decay_scan(*rounded, (0, s), chunk=32)
     exact, _ = token_loop(*[x.double() for x in rounded], [0], torch.zeros(1, 1, 2, 8, 4, dtype=torch.float64))
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
-    assert float((out.double() - exact).abs().max()) <= 4 * float((exact.to(torch.bfloat16).double() - exact).abs().max())
+    own_rounding = float((exact.to(torch.bfloat16).double() - exact).abs().max())
+    assert float((out.double() - exact).abs().max()) <= 4 * own_rounding
     assert float((exact - want).abs().max()) > 0  # the inputs' own rounding is what the rule is measured after

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner_measured_cases import (JAMBA_CONFIG, MAMBA_CONFIG, NEMOTRON_H_CONFIG, RECURRENT_GEMMA_CONFIG, measured_peaks,
-                                    write_wide_config)
+from planner_measured_cases import (JAMBA_CONFIG, MAMBA_CONFIG, NEMOTRON_H_CONFIG, RECURRENT_GEMMA_CONFIG,
+                                    measured_peaks, write_wide_config)
 from seqmesh.planner.memory import memory_per_gpu
 from seqmesh.planner.workload import plan_inputs
 from seqmesh.training.config import TrainConfig

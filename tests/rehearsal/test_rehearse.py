@@ -290,8 +290,10 @@ def test_the_indexed_attention_families_rehearse(rehearse, tmp_path, family):
     attention's chosen rows make the peak (within 3%; the plan was 0.59 of it before the weighted scores, the
     blocks' passing tensors and a block's float32 cast were counted, and the blocks freed before the next), and
     HY-V4 the same way (its four residual streams a token kept by every checkpointed layer, its hyper-connections'
-    float32 streams, its shared layer's picks; 0.977); the others, which seqmesh plan does not size yet, say so (for them a smoke test: the step runs and is measured;
-    the 3% band of DeepSeek-V3.2 is the planner's own, whose terms were counted against this rehearsal)."""
+    float32 streams, its shared layer's picks; 0.977); the others, which seqmesh plan does not size yet, say so (for
+    them a smoke test: the step runs and is measured; the 3% band of DeepSeek-V3.2 is the planner's own, whose terms
+    were counted against this rehearsal).
+    """
     from family_cases import family_config
 
     family_config(family).save_pretrained(tmp_path / family)
