@@ -8,6 +8,9 @@ seconds, tokens/s, the peak tensor bytes of one more step (the CPU: ``seqmesh.me
 the allocator's peak over the timed steps) and the step time over its reference's, measured in the same run:
 
     llama        dense Llama (GQA 8/2): the reference of every mixer family
+    transformers the same Llama config as plain transformers trains it (its own SDPA attention, its own
+                 full-logits loss, its gradient checkpointing, bf16 autocast on CUDA): its ratio, plain's step
+                 over seqmesh's, is seqmesh's dense speed relative to plain transformers'
     mla          dense MLA (DeepSeek-V3: 16 heads, q/k 192, v 128, a latent of width/2, 8 routed experts)
     dsa          DeepSeek Sparse Attention (DeepSeek-V3.2: the same MLA, an indexer of 16 heads of 128, top-k
                  ``dsa_topk``): measured against ``mla``, which attends to every earlier key
@@ -19,8 +22,13 @@ the allocator's peak over the timed steps) and the step time over its reference'
                  kernel: the CPU flash op in row bands on the CPU, seqmesh's Triton flash kernel on CUDA
                  (``seqmesh.hf.own_attention``)
 
-Issue 46's goal: DSA's step no longer than dense MLA's, and each mixer family's at most twice the dense Llama's
-(on a GPU: at least half its tokens/s).
+Issue 46's goal: DSA's step no longer than dense MLA's, each mixer family's at most twice the dense Llama's
+(on a GPU: at least half its tokens/s), and seqmesh's dense step at least 0.98x plain transformers' speed (the
+``transformers`` row's ratio at least 0.98).
+
+A family that fails (an error, out of memory) or runs past ``family_timeout`` seconds gets a row with its
+``error`` and no figures, and the run goes on with a fresh process: one slow family cannot take a GPU's whole
+lease. Each row is handed to ``report`` as it finishes.
 """
 
 from __future__ import annotations
@@ -31,12 +39,13 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 # family -> the family its step is compared with (None: a reference itself)
-REFERENCE: dict[str, str | None] = {"llama": None, "mla": "llama", "dsa": "mla", "nemotron_h": "llama",
+REFERENCE: dict[str, str | None] = {"llama": None, "transformers": "llama", "mla": "llama", "dsa": "mla", "nemotron_h": "llama",
                                     "qwen3_5": "llama", "kimi_linear": "llama", "lfm2": "llama", "bloom": "llama"}
 FAMILIES = tuple(REFERENCE)
 
@@ -57,6 +66,8 @@ class FamiliesBench:
     warmup: int = 1
     repeats: int = 2
     families: tuple[str, ...] = FAMILIES
+    family_timeout: float = 3600.0
+    """seconds one family's build and steps may take before it is reported as not finished."""
 
     def __post_init__(self) -> None:
         if self.width < 128 or self.width % 128:
@@ -64,6 +75,8 @@ class FamiliesBench:
         for name in ("seq_len", "layers", "vocab", "dsa_topk", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if not self.family_timeout > 0:
+            raise ValueError(f"family_timeout must be positive, got {self.family_timeout}.")
         if self.warmup < 0:
             raise ValueError(f"warmup must be 0 or more, got {self.warmup}.")
         unknown = [f for f in self.families if f not in REFERENCE]
@@ -101,7 +114,7 @@ def family_config(name: str, bench: FamiliesBench):
     mla = dict(num_attention_heads=16, num_key_value_heads=16, q_lora_rank=w // 2, kv_lora_rank=w // 2,
                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     experts = dict(moe_intermediate_size=w // 2, num_experts_per_tok=2)
-    if name == "llama":
+    if name in ("llama", "transformers"):
         return tf.LlamaConfig(**common, **attention, intermediate_size=3 * w, num_hidden_layers=layers)
     if name in ("mla", "dsa"):
         deepseek = dict(**common, **mla, **experts, intermediate_size=3 * w, num_hidden_layers=layers,
@@ -133,24 +146,57 @@ def family_config(name: str, bench: FamiliesBench):
     raise ValueError(f"unknown family {name!r}; choose from {', '.join(FAMILIES)}.")
 
 
-def _measure(folder: str, bench: FamiliesBench) -> dict:
-    """On the one rank: the ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16
-    on CUDA, under FSDP2's mixed precision as seqmesh train runs it); its steps' seconds and peak tensor bytes."""
-    from ..memory import MemoryTracker
-    from ..training.step import make_optimizer, step_autocast
+def _plain_build(folder: str, bench: FamiliesBench):
+    """Plain transformers on the one rank: the model with its own attention and loss, its gradient checkpointing,
+    bf16 autocast on CUDA. Returns (module, loss_of, autocast, tokens a step)."""
+    from ..model.fsdp import enable_checkpointing
+    from ..model.lm import build_model
+    from ..training.config import TrainConfig
+    from ..training.run_data import make_dataset
+    from ..training.step import to_device
+
+    cfg = TrainConfig(model=folder, seq_len=bench.seq_len, symbols=8)
+    data = make_dataset(cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if bench.device == "cuda" else torch.device("cpu")
+    lm = build_model(folder, seed=cfg.seed, device=device)
+    lm.train()
+    enable_checkpointing(lm)
+
+    def loss_of(step: int) -> torch.Tensor:
+        batch = to_device(data.batch(step, 0, 1, 1), device)
+        return lm(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+
+    return lm, loss_of, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bench.device == "cuda"), bench.seq_len
+
+
+def _seqmesh_build(folder: str, bench: FamiliesBench):
+    """The ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16 on CUDA, under FSDP2's
+    mixed precision as seqmesh train runs it). Returns (module, loss_of, autocast, tokens a step)."""
+    from ..training.step import step_autocast
     from ..training.train import uses_fsdp
     from .baseline import BUILDERS, BaselineBench, seqmesh_config
+
+    options = {"checkpointing": True, "bf16": bench.device == "cuda"}
+    runs = BaselineBench(model=folder, world=1)
+    module, offload, loss_of, _, tokens = BUILDERS["seqmesh"](runs, options, bench.seq_len)
+    assert offload is None  # no offloaded checkpoints among the options
+    # bf16 as seqmesh train steps: autocast, unless FSDP2's mixed precision casts the weights (the builder's config)
+    cfg = seqmesh_config(runs, options, bench.seq_len)
+    autocast = step_autocast(cfg, next(module.parameters()).device, uses_fsdp(cfg))
+    return module, loss_of, autocast, tokens
+
+
+def _measure(folder: str, bench: FamiliesBench, plain: bool = False) -> dict:
+    """On the one rank: the build of the config.json in ``folder`` (plain transformers' where ``plain``, else
+    seqmesh's); its steps' seconds and peak tensor bytes."""
+    from ..memory import MemoryTracker
+    from ..training.step import make_optimizer
     from .common import sync
 
     cuda = bench.device == "cuda"
-    options = {"checkpointing": True, "bf16": cuda}
-    runs = BaselineBench(model=folder, world=1)
-    module, offload, loss_of, _, tokens = BUILDERS["seqmesh"](runs, options, bench.seq_len)
+    module, loss_of, autocast, tokens = (_plain_build if plain else _seqmesh_build)(folder, bench)
     optimizer = make_optimizer(module, lr=1e-4)
     device = next(module.parameters()).device
-    # bf16 as seqmesh train steps: autocast, unless FSDP2's mixed precision casts the weights (the builder's config)
-    cfg = seqmesh_config(runs, options, bench.seq_len)
-    autocast = step_autocast(cfg, device, uses_fsdp(cfg))
 
     def step(i: int) -> None:
         with autocast:
@@ -163,7 +209,7 @@ def _measure(folder: str, bench: FamiliesBench) -> dict:
         step(i)
     peak = None
     if not cuda:  # the tracker's Python work per operator would count in the timed steps
-        with MemoryTracker(module, optimizer, offload=offload) as tracker:
+        with MemoryTracker(module, optimizer) as tracker:
             step(bench.warmup)
         peak = tracker.report().peak_bytes
     else:
@@ -181,39 +227,78 @@ def _measure(folder: str, bench: FamiliesBench) -> dict:
             "parameters": sum(p.numel() for p in module.parameters())}
 
 
-def bench_families(bench: FamiliesBench) -> list[dict]:
-    """One row per family (references first), each with its ratio to its reference's step time."""
+def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """One row per family (references first), each with its ratio to its reference's step time; handed to
+    ``report`` as each finishes. A family that fails or runs past ``bench.family_timeout`` gets a row with its
+    ``error`` (and so does every family compared with it), and the next runs in a fresh process."""
     from ..comm.launch import WorkerPool
 
     rows: dict[str, dict] = {}
     backend = "nccl" if bench.device == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory() as root, \
-            WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend, collective_timeout=3600.0) as pool:
-        for name in bench.measured():
-            folder = os.path.join(root, name)
-            family_config(name, bench).save_pretrained(folder)
-            result = pool.run(_measure, folder, bench, timeout=3600.0)[0]
-            median = statistics.median(result["seconds"])
-            row = {"family": name, "reference": REFERENCE[name], "seq_len": bench.seq_len, "width": bench.width,
-                   "step_seconds": median, "tokens_per_second": result["tokens"] / median,
-                   "peak_bytes": result["peak_bytes"], "parameters": result["parameters"],
-                   "seconds": result["seconds"]}
-            if REFERENCE[name] is not None:
-                row["over_reference"] = median / rows[REFERENCE[name]]["step_seconds"]
-            rows[name] = row
+
+    def start() -> WorkerPool:
+        return WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend, collective_timeout=3600.0)
+
+    with tempfile.TemporaryDirectory() as root:
+        pool = start()
+        try:
+            for name in bench.measured():
+                reference = REFERENCE[name]
+                row = {"family": name, "reference": reference, "seq_len": bench.seq_len, "width": bench.width}
+                folder = os.path.join(root, name)
+                family_config(name, bench).save_pretrained(folder)
+                if not pool.alive:
+                    pool = start()
+                try:
+                    result = pool.run(_measure, folder, bench, name == "transformers", timeout=bench.family_timeout)[0]
+                except RuntimeError as err:  # the pool closed itself: this family's error, or its time ran out
+                    row["error"] = _first_lines(str(err), bench.family_timeout)
+                else:
+                    median = statistics.median(result["seconds"])
+                    row.update(step_seconds=median, tokens_per_second=result["tokens"] / median,
+                               peak_bytes=result["peak_bytes"], parameters=result["parameters"],
+                               seconds=result["seconds"])
+                    if reference is not None:
+                        if "step_seconds" in rows[reference]:
+                            row["over_reference"] = median / rows[reference]["step_seconds"]
+                        else:
+                            row["error"] = f"its reference {reference} has no step time"
+                rows[name] = row
+                report(row)
+        finally:
+            pool.close()
     return [rows[name] for name in bench.measured()]
 
 
+def _first_lines(text: str, timeout: float) -> str:
+    """A failed family's error for its row: the pool's head line and the rank's last traceback line."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if "ran past its" in lines[0]:
+        return f"did not finish in {timeout:g} s"
+    return lines[0] if len(lines) == 1 else f"{lines[0]}: {lines[-1].strip()}"
+
+
+def family_header(bench: FamiliesBench) -> str:
+    return "\n".join([
+        f"seqmesh bench families: one {bench.device} process, {bench.seq_len:,} tokens, hidden {bench.width}, "
+        f"checkpointing{', bf16' if bench.device == 'cuda' else ''}; median of {bench.repeats} steps",
+        f"{'family':<12} {'step s':>8} {'tokens/s':>10} {'peak MiB':>9} {'params':>10}  vs reference"])
+
+
+def family_line(r: dict) -> str:
+    if "step_seconds" not in r:
+        return f"{r['family']:<12} {r['error']}"
+    if r["reference"] is None:
+        against = "(reference)"
+    else:
+        against = f"{r['over_reference']:.2f}x {r['reference']}" if "over_reference" in r else r["error"]
+    peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9}"
+    return (f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
+            f"{r['parameters']:10,}  {against}")
+
+
 def format_family_rows(bench: FamiliesBench, rows: list[dict]) -> str:
-    lines = [f"seqmesh bench families: one {bench.device} process, {bench.seq_len:,} tokens, hidden {bench.width}, "
-             f"checkpointing{', bf16' if bench.device == 'cuda' else ''}; median of {bench.repeats} steps",
-             f"{'family':<12} {'step s':>8} {'tokens/s':>10} {'peak MiB':>9} {'params':>10}  vs reference"]
-    for r in rows:
-        against = f"{r['over_reference']:.2f}x {r['reference']}" if r["reference"] else "(reference)"
-        peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9}"
-        lines.append(f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
-                     f"{r['parameters']:10,}  {against}")
-    return "\n".join(lines)
+    return "\n".join([family_header(bench)] + [family_line(r) for r in rows])
 
 
 def add_subcommand(bench_sub) -> None:
@@ -223,12 +308,29 @@ def add_subcommand(bench_sub) -> None:
         try:
             bench = FamiliesBench(width=args.width, seq_len=args.seq_len, layers=args.layers, vocab=args.vocab,
                                   dsa_topk=args.dsa_topk, device=args.device, warmup=args.warmup,
-                                  repeats=args.repeats, families=tuple(args.family or FAMILIES))
+                                  repeats=args.repeats, families=tuple(args.family or FAMILIES),
+                                  family_timeout=args.family_timeout)
         except ValueError as err:
             raise SystemExit(f"seqmesh bench families: {err}") from None
-        rows = bench_families(bench)
-        print(json.dumps({"bench": asdict(bench), "rows": rows}) if args.json else format_family_rows(bench, rows))
-        return 0
+        if args.out and os.path.exists(args.out) and not args.overwrite:
+            raise SystemExit(f"seqmesh bench families: --out {args.out} exists; pass --overwrite to replace it, "
+                             "or name another file.")
+        done: list[dict] = []
+
+        def report(row: dict) -> None:  # each row as it finishes: a run cut short keeps what it measured
+            done.append(row)
+            if not args.json:
+                print(family_line(row), flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"bench": asdict(bench), "rows": done}, f, indent=1)
+
+        if not args.json:
+            print(family_header(bench), flush=True)
+        rows = bench_families(bench, report)
+        if args.json:
+            print(json.dumps({"bench": asdict(bench), "rows": rows}))
+        return 1 if any("error" in r for r in rows) else 0
 
     defaults = FamiliesBench()
     p = bench_sub.add_parser("families", help="each frontier family's training step beside the dense one's")
@@ -242,5 +344,9 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--dsa-topk", type=int, default=defaults.dsa_topk, help="DeepSeek-V3.2's index_topk")
     p.add_argument("--warmup", type=int, default=defaults.warmup)
     p.add_argument("--repeats", type=int, default=defaults.repeats)
+    p.add_argument("--family-timeout", type=float, default=defaults.family_timeout,
+                   help="seconds one family may take; past it the family's row says so and the next one runs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--out", help="a JSON file of the rows so far, rewritten as each family finishes")
+    p.add_argument("--overwrite", action="store_true", help="replace --out where it exists")
     p.set_defaults(func=run)

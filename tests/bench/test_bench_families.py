@@ -42,10 +42,29 @@ def test_one_family_brings_its_reference_and_the_cli_prints_json(capsys):
     assert [r["family"] for r in out["rows"]] == ["llama", "mla", "dsa"]
 
 
+def test_a_family_past_its_time_is_reported_and_the_next_runs_in_a_fresh_process(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    out.write_text("a user's file")
+    argv = ["bench", "families", "--family", "mla", "--family-timeout", "0.001", "--out", str(out)] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in TOY.items()]
+    with pytest.raises(SystemExit, match="exists; pass --overwrite"):
+        main(argv)
+    assert out.read_text() == "a user's file"
+    assert main(argv + ["--overwrite"]) == 1  # a family without figures fails the command
+    rows = json.loads(out.read_text())["rows"]
+    # llama's pool was closed at its limit: mla ran in a fresh one (a closed pool would say so) and hit its own
+    assert [(r["family"], r["error"]) for r in rows] == [("llama", "did not finish in 0.001 s"),
+                                                         ("mla", "did not finish in 0.001 s")]
+    assert all("step_seconds" not in r for r in rows)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2:] == ["llama        did not finish in 0.001 s", "mla          did not finish in 0.001 s"]
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"width": 100}, "width=100 must be a positive multiple of 128"),
     ({"families": ("gpt9",)}, "unknown families ['gpt9']"),
     ({"repeats": 0}, "repeats must be at least 1"),
+    ({"family_timeout": 0}, "family_timeout must be positive"),
 ])
 def test_bad_sizes_are_refused_by_name(changes, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
