@@ -10,6 +10,10 @@ step's backward, after the model is built and the data loaded. So before a kerne
 kernel that raises is replaced by seqmesh's torch rule (exact, slower) for the rest of the process, with one
 warning naming the kernel, the device, the error and the fix.
 
+Where a package states the condition of its refusal in flags of its own (flash-linear-attention's Triton version
+flags), :attr:`Kernel.refuses` reads them first: on an H200 the probe of a refused kernel otherwise spent over a
+minute compiling and autotuning the forward's Triton kernels before the backward raised.
+
 The probe runs in a thread of its own: grad mode, autocast, saved-tensor hooks (activation checkpointing, the memory
 tracker) and dispatch modes are per thread, so the step that asked sees none of its tensors. Its inputs come from a
 generator of its own (the caller's random streams do not move).
@@ -40,6 +44,9 @@ class Kernel:
     package: str
     load: Callable[[], Callable | None]
     run: Callable[[Callable, torch.device, torch.Generator], None]
+    refuses: Callable[[torch.device], str | None] = lambda device: None
+    """the refusal the package itself would raise on ``device``, read from its flags before anything compiles
+    (its error's words), or None: then the probe runs the kernel."""
 
 
 class KernelProbe:
@@ -77,10 +84,11 @@ class KernelProbe:
         fn = kernel.load()
         if fn is None:
             return False
-        error = _in_own_thread(kernel.run, fn, device)
-        if error is None:
+        refusal = kernel.refuses(device)
+        error = _in_own_thread(kernel.run, fn, device) if refusal is None else None
+        if error is None and refusal is None:
             return True
-        text = " ".join(f"{type(error).__name__}: {error}".split())
+        text = refusal or " ".join(f"{type(error).__name__}: {error}".split())
         text = text if len(text) <= 400 else text[:400] + " ..."
         warnings.warn(f"{kernel.package}'s {name} fails on {_describe(device)} ({text}). seqmesh computes these layers "
                       "with its own torch rule instead (exact, slower) for the rest of this process. To use the "

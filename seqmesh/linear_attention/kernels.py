@@ -11,6 +11,8 @@ to rounding.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from . import gated_delta
@@ -31,6 +33,24 @@ def _fla_simple_gla():
     except ImportError:
         return None
     return chunk_simple_gla
+
+
+def _fla_refuses_gated_backward(device: torch.device) -> str | None:
+    """flash-linear-attention's own refusal of its gated chunk backward (``chunk_bwd_dqkwg``: Hopper, Triton >= 3.4.0
+    and < 3.7.1, tilelang absent), read from its version flags; None where the flags are not there (another
+    release: the probe runs the kernel) or the condition does not hold."""
+    try:
+        from fla.utils import env
+    except ImportError:
+        return None
+    above_3_4, above_3_7_1 = (getattr(env, name, None) for name in ("TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1"))
+    if above_3_4 is None or above_3_7_1 is None or device.type != "cuda":
+        return None
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    if hopper and above_3_4 and not above_3_7_1 and importlib.util.find_spec("tilelang") is None:
+        return ("RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                "chunk_bwd_dqkwg (flash-linear-attention's own check, read from its flags before compiling)")
+    return None
 
 
 def _causal_conv1d():
@@ -115,8 +135,10 @@ def _probe_conv(fn, device: torch.device, generator: torch.Generator) -> None:
     _call_conv(fn, x, weight, bias, BOUNDS, "silu").float().sum().backward()
 
 
-KERNELS = {"chunk_gated_delta_rule": Kernel("flash-linear-attention", _fla_gated_delta, _probe_gated_delta),
-           "chunk_simple_gla": Kernel("flash-linear-attention", _fla_simple_gla, _probe_simple_gla),
+KERNELS = {"chunk_gated_delta_rule": Kernel("flash-linear-attention", _fla_gated_delta, _probe_gated_delta,
+                                             _fla_refuses_gated_backward),
+           "chunk_simple_gla": Kernel("flash-linear-attention", _fla_simple_gla, _probe_simple_gla,
+                                      _fla_refuses_gated_backward),
            "causal_conv1d": Kernel("causal-conv1d", _causal_conv1d, _probe_conv)}
 PROBE = KernelProbe(KERNELS)  # the process's verdicts (a kernel that runs on a device keeps running there)
 

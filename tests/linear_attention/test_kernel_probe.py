@@ -76,6 +76,56 @@ def test_a_kernel_that_fails_in_backward_is_refused_once_with_the_fix():
     assert len(stand_in.calls) == 2
 
 
+def test_a_refusal_the_package_states_is_read_before_the_kernel_runs():
+    """A package whose flags say it will refuse this device is not run (on an H200 the probe otherwise compiled and
+    autotuned the forward's kernels for over a minute before the backward raised): one warning, with its words."""
+    stand_in = StandIn(refuses=True)
+    probe = KernelProbe({"chunk_gated_delta_rule": Kernel(
+        "flash-linear-attention", lambda: stand_in, kernels._probe_gated_delta,
+        lambda device: f"RuntimeError: {HOPPER_ERROR} (read from its flags)")}, devices=("cpu",))
+    with pytest.warns(KernelFallbackWarning) as caught:
+        assert not probe.works("chunk_gated_delta_rule", torch.device("cpu"))
+    (warning,) = caught
+    assert "fails on cpu (RuntimeError: Triton >= 3.4.0" in str(warning.message)
+    assert "(read from its flags)" in str(warning.message)
+    assert stand_in.calls == []
+
+
+@pytest.mark.parametrize("capability, above_3_4, above_3_7_1, tilelang, refused", [
+    ((9, 0), True, False, False, True),   # an H100 or H200 with torch 2.11's Triton 3.6
+    ((9, 0), True, True, False, False),   # Triton 3.7.1
+    ((9, 0), False, False, False, False),  # Triton 3.3
+    ((9, 0), True, False, True, False),   # tilelang installed: the package computes that backward with it
+    ((8, 0), True, False, False, False),  # an A100
+    ((9, 0), None, None, False, False),   # a release without these flags: the probe runs the kernel
+])
+def test_flash_linear_attentions_refusal_is_read_from_its_flags(monkeypatch, capability, above_3_4, above_3_7_1,
+                                                                 tilelang, refused):
+    import importlib.machinery
+    import sys
+    import types
+
+    env = types.ModuleType("fla.utils.env")
+    if above_3_4 is not None:
+        env.TRITON_ABOVE_3_4_0, env.TRITON_ABOVE_3_7_1 = above_3_4, above_3_7_1
+    utils = types.ModuleType("fla.utils")
+    utils.env = env
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.utils", utils), ("fla.utils.env", env)):
+        monkeypatch.setitem(sys.modules, name, module)
+    if tilelang:
+        stand_in = types.ModuleType("tilelang")
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("tilelang", None)
+        monkeypatch.setitem(sys.modules, "tilelang", stand_in)
+    else:
+        monkeypatch.setitem(sys.modules, "tilelang", None)  # not importable, whatever this machine has
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    reason = kernels._fla_refuses_gated_backward(torch.device("cuda", 0))
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert "Hopper" in reason and "Triton >= 3.4.0 and < 3.7.1" in reason
+    assert kernels._fla_refuses_gated_backward(torch.device("cpu")) is None
+
+
 def test_a_kernel_that_runs_is_kept_and_the_callers_step_sees_nothing_of_the_probe():
     """The probe runs forward and backward in its own thread: the caller's no_grad, its saved-tensor hooks
     (checkpointing, the memory tracker) and its random stream are untouched."""
