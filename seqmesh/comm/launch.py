@@ -118,9 +118,13 @@ class WorkerPool:
                              f"this machine has {torch.cuda.device_count()}. Use backend='gloo' or fewer ranks.")
         self.world_size = world_size
         self.backend = backend
-        if START_METHOD == "forkserver":
+        # NCCL ranks are spawned: a fork server whose preloaded modules initialized CUDA forks ranks that cannot use
+        # the GPU ("Cannot re-initialize CUDA in forked subprocess": the test suite's preload on an H200 with
+        # flash-linear-attention installed, whose import reads the device's name)
+        method = "spawn" if backend == "nccl" else START_METHOD
+        if method == "forkserver":
             _preload_rank_modules()
-        ctx = mp.get_context(START_METHOD)
+        ctx = mp.get_context(method)
         port = free_port()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
