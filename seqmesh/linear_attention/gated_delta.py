@@ -163,26 +163,109 @@ def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: 
                  initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule's state carried across chunks, shared by the scalar decay (Gated DeltaNet) and the per-channel
     one (KDA), which differ only in how they decay within a chunk. Per chunk ``i`` of (B, H, N, C, ...) tensors:
-    ``v_new = u - w S``, output ``q_read S + intra v_new``, then ``S <- S * chunk_decay + k_write^T v_new``; the state
-    restarts (from ``initial_state[:, j]`` or zero) at each segment's first chunk -> (out (B, T, H, Dv) in chunk
-    order, each segment's final state (B, N, H, Dk, Dv))."""
-    b, h, n, chunk, dv = u.shape
-    keep = (~starts).to(u.dtype)  # (N,): 0 where a segment starts, so the carried state is dropped
-    entering = {c: i for i, c in enumerate(first_chunks)}
-    leaving = set([c - 1 for c in first_chunks[1:]] + [n - 1])
-    state = u.new_zeros(b, h, w.shape[-1], dv)
-    outs, finals = [], []
-    # each chunk's slices taken once: the backward stacks their gradients in one copy, where indexing per chunk
-    # would write a zeroed whole-tensor gradient for every chunk
-    per_chunk = zip(u.unbind(2), w.unbind(2), q_read.unbind(2), intra.unbind(2), k_write.unbind(2),
-                    chunk_decay.unbind(2), strict=True)
-    for i, (u_i, w_i, q_i, intra_i, k_i, decay_i) in enumerate(per_chunk):
-        state = state * keep[i]
-        if initial_state is not None and i in entering:
-            state = state + initial_state[:, entering[i]].to(u.dtype)
-        v_new = u_i - w_i @ state  # (B, H, C, Dv)
-        outs.append(q_i @ state + intra_i @ v_new)
-        state = state * decay_i + k_i.transpose(-1, -2) @ v_new
-        if i in leaving:
-            finals.append(state)
-    return torch.stack(outs, 2).reshape(b, h, n * chunk, dv).transpose(1, 2), torch.stack(finals, 1)
+    ``v_new = u - w S``, output ``q_read S + intra v_new``, then ``S <- S * chunk_decay + k_write^T v_new``
+    (``chunk_decay`` (B, H, N, 1 or Dk, 1)); the state restarts (from ``initial_state[:, j]`` or zero) at each
+    segment's first chunk (``first_chunks``; ``starts`` marks the same chunks) -> (out (B, T, H, Dv) in chunk order,
+    each segment's final state (B, N, H, Dk, Dv))."""
+    assert starts.numel() == u.shape[2] and sorted(first_chunks) == first_chunks and first_chunks[0] == 0
+    return _CarryChunks.apply(u, w, q_read, intra, k_write, chunk_decay, initial_state, tuple(first_chunks))
+
+
+def _by_chunk(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, ...) -> (N, B*H, ...) contiguous: each chunk's slice is one contiguous batch of matrices."""
+    b, h, n = x.shape[:3]
+    return x.permute(2, 0, 1, *range(3, x.dim())).reshape(n, b * h, *x.shape[3:])
+
+
+def _from_chunks(x: torch.Tensor, b: int, h: int) -> torch.Tensor:
+    """(N, B*H, ...) -> (B, H, N, ...), a view."""
+    n = x.shape[0]
+    return x.view(n, b, h, *x.shape[2:]).permute(1, 2, 0, *range(3, x.dim() + 1))
+
+
+def _segment_chunks(first_chunks: tuple[int, ...], n: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Each segment's first chunk and its last, each mapped to the segment's index."""
+    entering = {chunk: j for j, chunk in enumerate(first_chunks)}
+    ends = {chunk - 1: j for j, chunk in enumerate(first_chunks[1:])} | {n - 1: len(first_chunks) - 1}
+    return entering, ends
+
+
+class _CarryChunks(torch.autograd.Function):
+    """:func:`carry_chunks` in one autograd node. The loop over chunks carries only what depends on the state: the
+    forward computes each chunk's ``v_new`` and the state it leaves with three batched products, and keeps the state
+    entering each chunk; the outputs' reads (``q_read S``, ``intra v_new``) run after the loop as two products over
+    every chunk. The backward runs the recurrence in reverse the same way (``dv_new`` and the gradient of the state
+    entering each chunk, five products a chunk), then every other gradient in batched products over all chunks.
+    Autograd over the loop recorded some 70 operators a chunk (a GPU step of small launches); this is 3 forward and
+    5 backward."""
+
+    @staticmethod
+    def forward(ctx, u, w, q_read, intra, k_write, chunk_decay, initial_state, first_chunks):
+        b, h, n, c, dv = u.shape
+        dk = w.shape[-1]
+        entering, ends = _segment_chunks(first_chunks, n)
+        us, ws, ks = (_by_chunk(x).unbind(0) for x in (u, w, k_write.transpose(-1, -2)))
+        decays = _by_chunk(chunk_decay).unbind(0)  # each (B*H, 1 or Dk, 1)
+        initial = None if initial_state is None else \
+            initial_state.to(u.dtype).transpose(0, 1).reshape(len(first_chunks), b * h, dk, dv)
+        states = u.new_empty(n, b * h, dk, dv)  # the state entering each chunk
+        v_new = u.new_empty(n, b * h, c, dv)
+        finals = u.new_empty(len(first_chunks), b * h, dk, dv)
+        state_in, new = states.unbind(0), v_new.unbind(0)
+        for i in range(n):
+            if i in entering:
+                state_in[i].zero_() if initial is None else state_in[i].copy_(initial[entering[i]])
+            torch.baddbmm(us[i], ws[i], state_in[i], alpha=-1, out=new[i])
+            leaving = finals[ends[i]] if i in ends else state_in[i + 1]
+            torch.mul(state_in[i], decays[i], out=leaving).baddbmm_(ks[i], new[i])
+        out = torch.bmm(_by_chunk(q_read).flatten(0, 1), states.flatten(0, 1))
+        out.baddbmm_(_by_chunk(intra).flatten(0, 1), v_new.flatten(0, 1))
+        ctx.save_for_backward(w, q_read, intra, k_write, chunk_decay, states, v_new)
+        ctx.first_chunks, ctx.initial_dtype = first_chunks, None if initial_state is None else initial_state.dtype
+        out = _from_chunks(out.view(n, b * h, c, dv), b, h).reshape(b, h, n * c, dv).transpose(1, 2)
+        return out, finals.view(len(first_chunks), b, h, dk, dv).transpose(0, 1)  # (B, T, H, Dv), (B, N, H, Dk, Dv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out, d_finals):
+        w, q_read, intra, k_write, chunk_decay, states, v_new = ctx.saved_tensors
+        first_chunks = ctx.first_chunks
+        b, h, n, c, dk = w.shape
+        dv = v_new.shape[-1]
+        entering, ends = _segment_chunks(first_chunks, n)
+        d_out = _by_chunk(d_out.transpose(1, 2).reshape(b, h, n, c, dv))  # (N, B*H, C, Dv)
+        d_final = None if d_finals is None else d_finals.transpose(0, 1).reshape(len(first_chunks), b * h, dk, dv)
+        ws_t, qs_t, intra_t = (_by_chunk(x).transpose(-1, -2).unbind(0) for x in (w, q_read, intra))
+        ks, decays, outs = _by_chunk(k_write).unbind(0), _by_chunk(chunk_decay).unbind(0), d_out.unbind(0)
+        d_leaving = torch.empty_like(states)  # the gradient of the state each chunk leaves with
+        d_new = torch.empty_like(v_new)
+        d_initial = None if ctx.initial_dtype is None else states.new_empty(len(first_chunks), b * h, dk, dv)
+        d_state, d_v = d_leaving.unbind(0), d_new.unbind(0)
+        for i in reversed(range(n)):
+            if i in ends:  # the segment's final state: its own gradient; nothing flows on into the next segment
+                d_state[i].zero_() if d_final is None else d_state[i].copy_(d_final[ends[i]])
+            # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
+            torch.bmm(intra_t[i], outs[i], out=d_v[i]).baddbmm_(ks[i], d_state[i])
+            if i in entering:
+                if d_initial is None:
+                    continue
+                d_entering = d_initial[entering[i]]
+            else:
+                d_entering = d_state[i - 1]
+            torch.mul(d_state[i], decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i]).baddbmm_(ws_t[i], d_v[i], alpha=-1)
+        flat = lambda x: x.flatten(0, 1)  # noqa: E731  (N * B*H, ...)
+        states_t = flat(states).transpose(-1, -2)
+        d_w = -torch.bmm(flat(d_new), states_t)
+        d_q = torch.bmm(flat(d_out), states_t)
+        d_intra = torch.bmm(flat(d_out), flat(v_new).transpose(-1, -2))
+        d_k = torch.bmm(flat(v_new), flat(d_leaving).transpose(-1, -2))
+        # sum(d_leaving * states) over what a decay multiplies (a state's rows, or the whole state), as batched dot
+        # products: the elementwise product would be one more state a chunk
+        rows = chunk_decay.shape[-2]  # 1 (a scalar a head) or Dk (one a row)
+        d_decay = torch.bmm(d_leaving.view(-1, 1, dk * dv // rows), states.view(-1, dk * dv // rows, 1))
+        d_decay = d_decay.view(n, b * h, rows, 1)
+        grads = [_from_chunks(x.view(n, b * h, *x.shape[1:]), b, h) for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k)]
+        d_decay = _from_chunks(d_decay, b, h)
+        if d_initial is not None:
+            d_initial = d_initial.view(len(first_chunks), b, h, dk, dv).transpose(0, 1).to(ctx.initial_dtype)
+        return (*grads, d_decay, d_initial, None)
