@@ -30,23 +30,24 @@ from .passing import pass_states
 class _ChunkStates(torch.autograd.Function):
     """``S <- S * decay_i + written_i`` over the chunks, restarting (from ``initial[:, j]`` or zero) at each segment's
     first chunk: written (B, H, N, Dk, Dv), decay (B, H, N) -> (the states entering each chunk (B, H, N, Dk, Dv), each
-    segment's final state (B, J, H, Dk, Dv)). Its backward runs the recurrence in reverse and holds the states it
-    returned and one gradient of each input; autograd over the loop held every step's state twice more."""
+    segment's final state (B, J, H, Dk, Dv)). One operator a chunk each way: the forward writes each state with one
+    ``addcmul`` into the next chunk's slice of the output; the backward runs the recurrence in reverse the same way,
+    the gradient of the state leaving chunk ``i`` being ``written_i``'s own, and takes the decays' gradients after the
+    loop in one batched product (a GPU step of the per-chunk loop was bound by its launches)."""
 
     @staticmethod
     def forward(ctx, written, decay, initial, firsts: tuple[int, ...], lasts: tuple[int, ...]):
         b, h, n, dk, dv = written.shape
-        entering = torch.empty_like(written)
+        entering = written.new_empty(written.shape)  # contiguous: the backward views it flat
         finals = written.new_empty(b, len(firsts), h, dk, dv)
         first_of, last_of = {c: j for j, c in enumerate(firsts)}, {c: j for j, c in enumerate(lasts)}
-        state = written.new_zeros(b, h, dk, dv)
+        states, writes = entering.unbind(2), written.unbind(2)
+        decays = decay[..., None, None].unbind(2)  # each (B, H, 1, 1)
         for i in range(n):
             if i in first_of:
-                state = initial[:, first_of[i]].to(written.dtype) if initial is not None else torch.zeros_like(state)
-            entering[:, :, i] = state
-            state = state * decay[:, :, i, None, None] + written[:, :, i]
-            if i in last_of:
-                finals[:, last_of[i]] = state
+                states[i].zero_() if initial is None else states[i].copy_(initial[:, first_of[i]])
+            leaving = finals[:, last_of[i]] if i in last_of else states[i + 1]
+            torch.addcmul(writes[i], states[i], decays[i], out=leaving)
         ctx.save_for_backward(entering, decay)
         ctx.first_of, ctx.last_of = first_of, last_of
         ctx.initial = None if initial is None else (initial.shape, initial.dtype)
@@ -56,18 +57,21 @@ class _ChunkStates(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_entering, d_finals):
         entering, decay = ctx.saved_tensors
-        n = entering.shape[2]
-        d_written, d_decay = torch.empty_like(entering), torch.empty_like(decay)
+        b, h, n, dk, dv = entering.shape
+        d_written = entering.new_empty(entering.shape)  # the gradient of the state leaving each chunk
         d_initial = None if ctx.initial is None else entering.new_zeros(ctx.initial[0])
-        carried = torch.zeros_like(entering[:, :, 0])  # the gradient of the state leaving chunk i
+        leaving, reads = d_written.unbind(2), d_entering.unbind(2)
+        decays = decay[..., None, None].unbind(2)
         for i in reversed(range(n)):
             if i in ctx.last_of:  # a segment's last chunk: what leaves it is its final state, read by nothing else
-                carried = d_finals[:, ctx.last_of[i]]
-            d_written[:, :, i] = carried
-            d_decay[:, :, i] = (carried * entering[:, :, i]).sum((-2, -1))
-            carried = d_entering[:, :, i] + carried * decay[:, :, i, None, None]  # the state entering chunk i
-            if i in ctx.first_of and d_initial is not None:  # (chunk i - 1 is a segment's last: carried restarts)
-                d_initial[:, ctx.first_of[i]] = carried
+                leaving[i].copy_(d_finals[:, ctx.last_of[i]])
+            # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
+            if i not in ctx.first_of:
+                torch.addcmul(reads[i], leaving[i], decays[i], out=leaving[i - 1])
+            elif d_initial is not None:  # (chunk i - 1 is a segment's last: nothing flows into it from here)
+                torch.addcmul(reads[i], leaving[i], decays[i], out=d_initial[:, ctx.first_of[i]])
+        # d decay_i = sum(d leaving_i * entering_i), as one batched dot product a head and chunk
+        d_decay = torch.bmm(d_written.view(-1, 1, dk * dv), entering.view(-1, dk * dv, 1)).view(b, h, n)
         return d_written, d_decay, None if d_initial is None else d_initial.to(ctx.initial[1]), None, None
 
 
