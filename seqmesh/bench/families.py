@@ -45,8 +45,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 # family -> the family its step is compared with (None: a reference itself)
-REFERENCE: dict[str, str | None] = {"llama": None, "transformers": "llama", "mla": "llama", "dsa": "mla", "nemotron_h": "llama",
-                                    "qwen3_5": "llama", "kimi_linear": "llama", "lfm2": "llama", "bloom": "llama"}
+REFERENCE: dict[str, str | None] = {"llama": None, "transformers": "llama", "mla": "llama", "dsa": "mla",
+                                    "nemotron_h": "llama", "qwen3_5": "llama", "kimi_linear": "llama", "lfm2": "llama",
+                                    "bloom": "llama"}
 FAMILIES = tuple(REFERENCE)
 
 

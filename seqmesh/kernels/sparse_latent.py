@@ -119,7 +119,8 @@ def _probe(fn, device: torch.device, generator: torch.Generator) -> None:
         pairs = [(out, expected), (query.grad, leaves[0].grad), (row.grad, leaves[1].grad)]
         pairs += [(sinks.grad, wide_sinks.grad)] if with_sinks else []
         for got, want in pairs:
-            error = float((got.detach().float() - want.detach()).abs().max() / want.detach().abs().max().clamp(min=1e-6))
+            got, want = got.detach().float(), want.detach()
+            error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
             if not error < 0.05:
                 raise RuntimeError(f"the kernel's results are {error:.3g} (relative) from the torch form's")
 

@@ -252,7 +252,8 @@ class _CarryChunks(torch.autograd.Function):
                 d_entering = d_initial[entering[i]]
             else:
                 d_entering = d_state[i - 1]
-            torch.mul(d_state[i], decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i]).baddbmm_(ws_t[i], d_v[i], alpha=-1)
+            torch.mul(d_state[i], decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i])
+            d_entering.baddbmm_(ws_t[i], d_v[i], alpha=-1)
         flat = lambda x: x.flatten(0, 1)  # noqa: E731  (N * B*H, ...)
         states_t = flat(states).transpose(-1, -2)
         d_w = -torch.bmm(flat(d_new), states_t)
@@ -264,7 +265,8 @@ class _CarryChunks(torch.autograd.Function):
         rows = chunk_decay.shape[-2]  # 1 (a scalar a head) or Dk (one a row)
         d_decay = torch.bmm(d_leaving.view(-1, 1, dk * dv // rows), states.view(-1, dk * dv // rows, 1))
         d_decay = d_decay.view(n, b * h, rows, 1)
-        grads = [_from_chunks(x.view(n, b * h, *x.shape[1:]), b, h) for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k)]
+        grads = [_from_chunks(x.view(n, b * h, *x.shape[1:]), b, h)
+                 for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k)]
         d_decay = _from_chunks(d_decay, b, h)
         if d_initial is not None:
             d_initial = d_initial.view(len(first_chunks), b, h, dk, dv).transpose(0, 1).to(ctx.initial_dtype)
