@@ -241,19 +241,19 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
         return WorkerPool(1, threads=max(1, os.cpu_count() or 1), backend=backend, collective_timeout=3600.0)
 
     with tempfile.TemporaryDirectory() as root:
-        pool = start()
+        pool = None
         try:
             for name in bench.measured():
                 reference = REFERENCE[name]
                 row = {"family": name, "reference": reference, "seq_len": bench.seq_len, "width": bench.width}
                 folder = os.path.join(root, name)
                 family_config(name, bench).save_pretrained(folder)
-                if not pool.alive:
-                    pool = start()
                 try:
+                    if pool is None or not pool.alive:
+                        pool = start()
                     result = pool.run(_measure, folder, bench, name == "transformers", timeout=bench.family_timeout)[0]
-                except RuntimeError as err:  # the pool closed itself: this family's error, or its time ran out
-                    row["error"] = _first_lines(str(err), bench.family_timeout)
+                except RuntimeError as err:  # the pool closed itself (this family's error, or its time ran out), or
+                    row["error"] = _first_lines(str(err), bench.family_timeout)  # a fresh one did not start
                 else:
                     median = statistics.median(result["seconds"])
                     row.update(step_seconds=median, tokens_per_second=result["tokens"] / median,
@@ -267,7 +267,8 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
                 rows[name] = row
                 report(row)
         finally:
-            pool.close()
+            if pool is not None:
+                pool.close()
     return [rows[name] for name in bench.measured()]
 
 
@@ -280,6 +281,7 @@ def _first_lines(text: str, timeout: float) -> str:
 
 
 def family_header(bench: FamiliesBench) -> str:
+    """The table's title and column names."""
     return "\n".join([
         f"seqmesh bench families: one {bench.device} process, {bench.seq_len:,} tokens, hidden {bench.width}, "
         f"checkpointing{', bf16' if bench.device == 'cuda' else ''}; median of {bench.repeats} steps",
@@ -287,12 +289,17 @@ def family_header(bench: FamiliesBench) -> str:
 
 
 def family_line(r: dict) -> str:
+    """One row of the table: its figures and its step over its reference's, or its error."""
     if "step_seconds" not in r:
         return f"{r['family']:<12} {r['error']}"
     if r["reference"] is None:
         against = "(reference)"
+    elif "over_reference" not in r:
+        against = r["error"]
+    elif r["family"] == "transformers":  # plain's step over seqmesh's: seqmesh's speed relative to plain's
+        against = f"seqmesh's llama at {r['over_reference']:.2f}x this speed"
     else:
-        against = f"{r['over_reference']:.2f}x {r['reference']}" if "over_reference" in r else r["error"]
+        against = f"{r['over_reference']:.2f}x {r['reference']}"
     peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9}"
     return (f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
             f"{r['parameters']:10,}  {against}")

@@ -84,7 +84,10 @@ class KernelProbe:
         fn = kernel.load()
         if fn is None:
             return False
-        refusal = kernel.refuses(device)
+        try:
+            refusal = kernel.refuses(device)
+        except Exception:  # reading the package's flags failed (another release's layout): the probe runs it
+            refusal = None
         error = _in_own_thread(kernel.run, fn, device) if refusal is None else None
         if error is None and refusal is None:
             return True

@@ -21,7 +21,7 @@ import torch
 
 from .choice import LINEAR_CHUNK as CHUNK
 from .choice import runs_and_tails
-from .gated_delta import chunk_layout, compute_dtype
+from .gated_delta import chunk_layout, compute_dtype, without_autocast
 from .halo import Placement
 from .kernels import simple_gla
 from .passing import pass_states
@@ -75,6 +75,7 @@ class _ChunkStates(torch.autograd.Function):
         return d_written, d_decay, None if d_initial is None else d_initial.to(ctx.initial[1]), None, None
 
 
+@without_autocast
 def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bounds: tuple[int, ...],
                      initial: torch.Tensor | None = None, *, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k (B, S, H, Dk), v (B, S, H, Dv), g (B, S, H) over the segments ``bounds``, each starting from

@@ -83,6 +83,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def without_autocast(rule):
+    """``rule(q, ...)`` in its own compute dtype under any autocast its caller holds (``seqmesh train --bf16`` without
+    FSDP2, transformers' Trainer in bf16, checkpointing's recomputation): autocast would run the recurrence's float32
+    products in bf16, and mix dtypes inside its autograd functions, whose in-place products refuse them."""
+
+    @functools.wraps(rule)
+    def run(q: torch.Tensor, *args, **kwargs):
+        if not torch.amp.is_autocast_available(q.device.type):
+            return rule(q, *args, **kwargs)
+        with torch.autocast(q.device.type, enabled=False):
+            return rule(q, *args, **kwargs)
+
+    return run
+
+
 def chunk_layout(bounds: tuple[int, ...], chunk: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
     """Where each token goes when every segment starts a chunk: ``(dest (S,), starts (N,) bool, padded,
@@ -112,6 +127,7 @@ def chunk_gated_delta_rule(
     return chunk_gated_delta_rule_states(q, k, v, g, beta, bounds, None, chunk=chunk)[0]
 
 
+@without_autocast
 def chunk_gated_delta_rule_states(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,7 +183,8 @@ def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: 
     (``chunk_decay`` (B, H, N, 1 or Dk, 1)); the state restarts (from ``initial_state[:, j]`` or zero) at each
     segment's first chunk (``first_chunks``; ``starts`` marks the same chunks) -> (out (B, T, H, Dv) in chunk order,
     each segment's final state (B, N, H, Dk, Dv))."""
-    assert starts.numel() == u.shape[2] and sorted(first_chunks) == first_chunks and first_chunks[0] == 0
+    assert starts.numel() == u.shape[2] and sorted(set(first_chunks)) == list(first_chunks) and first_chunks[0] == 0, \
+        f"every segment must start its own chunk: {u.shape[2]} chunks, segments starting at {first_chunks}"
     return _CarryChunks.apply(u, w, q_read, intra, k_write, chunk_decay, initial_state, tuple(first_chunks))
 
 
@@ -192,12 +209,12 @@ def _segment_chunks(first_chunks: tuple[int, ...], n: int) -> tuple[dict[int, in
 
 class _CarryChunks(torch.autograd.Function):
     """:func:`carry_chunks` in one autograd node. The loop over chunks carries only what depends on the state: the
-    forward computes each chunk's ``v_new`` and the state it leaves with three batched products, and keeps the state
-    entering each chunk; the outputs' reads (``q_read S``, ``intra v_new``) run after the loop as two products over
-    every chunk. The backward runs the recurrence in reverse the same way (``dv_new`` and the gradient of the state
-    entering each chunk, five products a chunk), then every other gradient in batched products over all chunks.
-    Autograd over the loop recorded some 70 operators a chunk (a GPU step of small launches); this is 3 forward and
-    5 backward."""
+    forward computes each chunk's ``v_new`` and the state it leaves (two batched products and a scaling), and keeps
+    the state entering each chunk; the outputs' reads (``q_read S``, ``intra v_new``) run after the loop as two
+    products over every chunk. The backward runs the recurrence in reverse the same way (``dv_new``, k_write's and the
+    decay's gradients and the gradient of the state entering each chunk: six batched products and a scaling), then
+    w's, q_read's and intra's gradients in products over all chunks. Autograd over the loop recorded some 70
+    operators a chunk (a GPU step of small launches); this is 3 forward and 7 backward."""
 
     @staticmethod
     def forward(ctx, u, w, q_read, intra, k_write, chunk_decay, initial_state, first_chunks):
@@ -234,39 +251,43 @@ class _CarryChunks(torch.autograd.Function):
         dv = v_new.shape[-1]
         entering, ends = _segment_chunks(first_chunks, n)
         d_out = _by_chunk(d_out.transpose(1, 2).reshape(b, h, n, c, dv))  # (N, B*H, C, Dv)
-        d_final = None if d_finals is None else d_finals.transpose(0, 1).reshape(len(first_chunks), b * h, dk, dv)
+        d_final = d_finals.transpose(0, 1).reshape(len(first_chunks), b * h, dk, dv)  # (zeros where unused)
         ws_t, qs_t, intra_t = (_by_chunk(x).transpose(-1, -2).unbind(0) for x in (w, q_read, intra))
         ks, decays, outs = _by_chunk(k_write).unbind(0), _by_chunk(chunk_decay).unbind(0), d_out.unbind(0)
-        d_leaving = torch.empty_like(states)  # the gradient of the state each chunk leaves with
-        d_new = torch.empty_like(v_new)
+        rows = chunk_decay.shape[-2]  # 1 (one decay a head) or Dk (one a state row)
+        d_new, d_k = torch.empty_like(v_new), states.new_empty(n, b * h, c, dk)
+        d_decay = states.new_empty(n, b * h, rows, 1)
         d_initial = None if ctx.initial_dtype is None else states.new_empty(len(first_chunks), b * h, dk, dv)
-        d_state, d_v = d_leaving.unbind(0), d_new.unbind(0)
+        # the gradients of the state leaving chunk i and of the one entering it, in turns: one a chunk would be a
+        # Dk x Dv state a chunk more at the backward's peak
+        turns = states.new_empty(2, b * h, dk, dv)
+        new, d_v, d_ks, d_decays = v_new.unbind(0), d_new.unbind(0), d_k.unbind(0), d_decay.unbind(0)
+        state_in = states.unbind(0)
         for i in reversed(range(n)):
+            d_state = turns[i % 2]
             if i in ends:  # the segment's final state: its own gradient; nothing flows on into the next segment
-                d_state[i].zero_() if d_final is None else d_state[i].copy_(d_final[ends[i]])
+                d_state.copy_(d_final[ends[i]])
             # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
-            torch.bmm(intra_t[i], outs[i], out=d_v[i]).baddbmm_(ks[i], d_state[i])
+            torch.bmm(intra_t[i], outs[i], out=d_v[i]).baddbmm_(ks[i], d_state)
+            torch.bmm(new[i], d_state.transpose(-1, -2), out=d_ks[i])
+            # d decay = sum(d_state * state) over what the decay multiplies (a state's rows, or the whole state)
+            torch.bmm(d_state.view(-1, 1, dk * dv // rows), state_in[i].view(-1, dk * dv // rows, 1),
+                      out=d_decays[i].view(-1, 1, 1))
             if i in entering:
                 if d_initial is None:
                     continue
                 d_entering = d_initial[entering[i]]
             else:
-                d_entering = d_state[i - 1]
-            torch.mul(d_state[i], decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i])
+                d_entering = turns[(i - 1) % 2]
+            torch.mul(d_state, decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i])
             d_entering.baddbmm_(ws_t[i], d_v[i], alpha=-1)
         flat = lambda x: x.flatten(0, 1)  # noqa: E731  (N * B*H, ...)
         states_t = flat(states).transpose(-1, -2)
         d_w = -torch.bmm(flat(d_new), states_t)
         d_q = torch.bmm(flat(d_out), states_t)
         d_intra = torch.bmm(flat(d_out), flat(v_new).transpose(-1, -2))
-        d_k = torch.bmm(flat(v_new), flat(d_leaving).transpose(-1, -2))
-        # sum(d_leaving * states) over what a decay multiplies (a state's rows, or the whole state), as batched dot
-        # products: the elementwise product would be one more state a chunk
-        rows = chunk_decay.shape[-2]  # 1 (a scalar a head) or Dk (one a row)
-        d_decay = torch.bmm(d_leaving.view(-1, 1, dk * dv // rows), states.view(-1, dk * dv // rows, 1))
-        d_decay = d_decay.view(n, b * h, rows, 1)
         grads = [_from_chunks(x.view(n, b * h, *x.shape[1:]), b, h)
-                 for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k)]
+                 for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k.flatten(0, 1))]
         d_decay = _from_chunks(d_decay, b, h)
         if d_initial is not None:
             d_initial = d_initial.view(len(first_chunks), b, h, dk, dv).transpose(0, 1).to(ctx.initial_dtype)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta import CHUNK, carry_chunks, chunk_layout, compute_dtype, l2norm
+from .gated_delta import CHUNK, carry_chunks, chunk_layout, compute_dtype, l2norm, without_autocast
 
 SUB_CHUNK = 16  # tokens per sub-chunk of the pairwise decay
 
@@ -116,6 +116,7 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, gc: torch.Tensor, sub: in
     return out.transpose(-3, -2).reshape(*lead, c, c)
 
 
+@without_autocast
 def chunk_kda_states(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -37,8 +37,9 @@ def _fla_simple_gla():
 
 def _fla_refuses_gated_backward(device: torch.device) -> str | None:
     """flash-linear-attention's own refusal of its gated chunk backward (``chunk_bwd_dqkwg``: Hopper, Triton >= 3.4.0
-    and < 3.7.1, tilelang absent), read from its version flags; None where the flags are not there (another
-    release: the probe runs the kernel) or the condition does not hold."""
+    and < 3.7.1), read from its version flags where tilelang is not installed; None where the flags are not there
+    (another release), tilelang is installed (the package may take another backend, by its own settings) or the
+    condition does not hold: then the probe runs the kernel."""
     try:
         from fla.utils import env
     except ImportError:

@@ -48,10 +48,10 @@ def kda_rule_saved(head_dim: int, chunk: int = LINEAR_CHUNK) -> int:
 
 def kda_rule_backward(head_dim: int, chunk: int = LINEAR_CHUNK) -> int:
     """float32 values a token and head the KDA rule's backward holds at its peak beyond what it kept: the carried
-    chunks' gradients (``gated_delta._CarryChunks``) all at once (some 5.5 of ``D``: the gradients of u, w, q_read and
-    k_write and the outputs' gradient laid out by chunk) and the gradient of the state each chunk leaves with (one
-    ``D x D`` a chunk). Tracked as above for ``D`` 16 to 256: exact to a value."""
-    return round(5.515625 * head_dim + 1.0625 * head_dim * head_dim / chunk + 64)
+    chunks' gradients (``gated_delta._CarryChunks``) all at once (some 6.5 of ``D``: the gradients of u, w, q_read and
+    k_write, the outputs' gradient laid out by chunk and the pairwise scores') and a little of a state a chunk.
+    Tracked as above for ``D`` 16 to 256: exact to a value."""
+    return round(6.515625 * head_dim + 0.1875 * head_dim * head_dim / chunk + 64)
 
 
 def kda_flops(heads: int, head_dim: int, tokens: int, chunk: int = LINEAR_CHUNK) -> int:

@@ -70,3 +70,36 @@ def test_half_precision_runs_in_float32_from_zero():
     own_rounding = float((exact.to(torch.bfloat16).double() - exact).abs().max())
     assert float((out.double() - exact).abs().max()) <= 4 * own_rounding
     assert float((exact - want).abs().max()) > 0  # the inputs' own rounding is what the rule is measured after
+
+
+@pytest.mark.parametrize("rule", ["decay_scan", "gated_delta", "kda"])
+def test_the_rules_run_in_their_own_dtype_under_a_callers_autocast(rule):
+    """``seqmesh train --bf16`` without FSDP2 and transformers' Trainer in bf16 call the rules under autocast: each
+    gives, outputs and gradients, what it gives outside autocast, bit for bit (autocast ran the delta rule's products
+    in bf16 beside its float32 state, and its autograd function refused the mixed dtypes)."""
+    from seqmesh.linear_attention.gated_delta import chunk_gated_delta_rule_states
+    from seqmesh.linear_attention.kda import chunk_kda_states
+
+    gen = torch.Generator().manual_seed(0)
+    s, h, d = 150, 2, 16
+    q, k, v = (torch.randn(1, s, h, d, generator=gen) for _ in range(3))
+    g = -torch.rand(1, s, h, d if rule == "kda" else 1, generator=gen) * 0.2
+    g = g if rule == "kda" else g[..., 0]
+    beta = torch.rand(1, s, h, generator=gen)
+    initial = torch.randn(1, 2, h, d, d, generator=gen)
+    bounds = (0, 70, s)
+    run = {"decay_scan": lambda x: chunk_decay_scan(*x[:4], bounds, x[5]),
+           "gated_delta": lambda x: chunk_gated_delta_rule_states(x[0], x[1], x[2], x[3], x[4], bounds, x[5]),
+           "kda": lambda x: chunk_kda_states(x[0], x[1], x[2], x[3], x[4], bounds, x[5])}[rule]
+
+    def results(autocast: bool) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, initial)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, finals = run(leaves)
+        (out.square().sum() + finals.square().sum()).backward()
+        return [out, finals] + [x.grad for x in leaves if x.grad is not None]
+
+    plain, under = results(False), results(True)
+    assert len(plain) == len(under) >= 6
+    for a, b in zip(plain, under):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
