@@ -275,7 +275,7 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
 def _first_lines(text: str, timeout: float) -> str:
     """A failed family's error for its row: the pool's head line and the rank's last traceback line."""
     lines = [line for line in text.splitlines() if line.strip()]
-    if "ran past its" in lines[0]:
+    if "ran past its" in lines[0] and not lines[0].startswith("start-up"):
         return f"did not finish in {timeout:g} s"
     return lines[0] if len(lines) == 1 else f"{lines[0]}: {lines[-1].strip()}"
 
