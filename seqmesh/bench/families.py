@@ -69,6 +69,10 @@ class FamiliesBench:
     families: tuple[str, ...] = FAMILIES
     family_timeout: float = 3600.0
     """seconds one family's build and steps may take before it is reported as not finished."""
+    profile: str | None = None
+    """a folder: after the timed steps, one more step under ``torch.profiler``, its operator tables written to
+    ``<profile>/<family>.txt`` and its counts in the row (``profiled``): where a step's time goes, and whether the
+    device or the launches bound it."""
 
     def __post_init__(self) -> None:
         if self.width < 128 or self.width % 128:
@@ -224,8 +228,43 @@ def _measure(folder: str, bench: FamiliesBench, plain: bool = False) -> dict:
         seconds.append(time.perf_counter() - start)
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
-    return {"seconds": seconds, "tokens": tokens, "peak_bytes": peak,
-            "parameters": sum(p.numel() for p in module.parameters())}
+    result = {"seconds": seconds, "tokens": tokens, "peak_bytes": peak,
+              "parameters": sum(p.numel() for p in module.parameters())}
+    if bench.profile is not None:
+        result["profiled"] = _profiled_step(lambda: step(bench.warmup + 1 + bench.repeats), device,
+                                            os.path.join(bench.profile, f"{os.path.basename(folder)}.txt"))
+    return result
+
+
+# the runtime calls that launch a CUDA kernel, as the profiler names them
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def _profiled_step(step: Callable[[], None], device: torch.device, path: str) -> dict:
+    """``step()`` under ``torch.profiler``: its seconds, the device's kernel seconds (CUDA), the kernels launched and
+    the aten operators called; the tables (by device or CPU time, and by calls) written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .common import sync
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
+        step()
+        sync(device)
+        seconds = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 if cuda else None
+    counts = {"seconds": seconds, "device_seconds": kernels,
+              "launches": sum(e.count for e in events if e.key in LAUNCHES),
+              "operators": sum(e.count for e in events if e.key.startswith("aten::"))}
+    with open(path, "w") as f:
+        f.write(f"{counts}\n")
+        f.write(events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30,
+                             max_name_column_width=80))
+        f.write(events.table(sort_by="count", row_limit=30, max_name_column_width=80))
+    return counts
 
 
 def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda row: None) -> list[dict]:
@@ -259,6 +298,8 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
                     row.update(step_seconds=median, tokens_per_second=result["tokens"] / median,
                                peak_bytes=result["peak_bytes"], parameters=result["parameters"],
                                seconds=result["seconds"])
+                    if "profiled" in result:
+                        row["profiled"] = result["profiled"]
                     if reference is not None:
                         if "step_seconds" in rows[reference]:
                             row["over_reference"] = median / rows[reference]["step_seconds"]
@@ -301,8 +342,13 @@ def family_line(r: dict) -> str:
     else:
         against = f"{r['over_reference']:.2f}x {r['reference']}"
     peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9}"
-    return (f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
+    line = (f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
             f"{r['parameters']:10,}  {against}")
+    if "profiled" in r:
+        p = r["profiled"]
+        kernels = "" if p["device_seconds"] is None else f", kernels {p['device_seconds']:.3f} s"
+        line += f"  [profiled: {p['operators']:,} operators, {p['launches']:,} launches{kernels}]"
+    return line
 
 
 def format_family_rows(bench: FamiliesBench, rows: list[dict]) -> str:
@@ -317,9 +363,17 @@ def add_subcommand(bench_sub) -> None:
             bench = FamiliesBench(width=args.width, seq_len=args.seq_len, layers=args.layers, vocab=args.vocab,
                                   dsa_topk=args.dsa_topk, device=args.device, warmup=args.warmup,
                                   repeats=args.repeats, families=tuple(args.family or FAMILIES),
-                                  family_timeout=args.family_timeout)
+                                  family_timeout=args.family_timeout, profile=args.profile)
         except ValueError as err:
             raise SystemExit(f"seqmesh bench families: {err}") from None
+        if args.profile:
+            bench.profile = os.path.abspath(args.profile)  # the ranks' working folder may differ
+            os.makedirs(args.profile, exist_ok=True)
+            taken = [f for f in bench.measured() if os.path.exists(os.path.join(args.profile, f"{f}.txt"))]
+            if taken and not args.overwrite:
+                raise SystemExit(f"seqmesh bench families: --profile {args.profile} already holds "
+                                 f"{', '.join(f + '.txt' for f in taken)}; pass --overwrite to replace them, or name "
+                                 "another folder.")
         if args.out and os.path.exists(args.out) and not args.overwrite:
             raise SystemExit(f"seqmesh bench families: --out {args.out} exists; pass --overwrite to replace it, "
                              "or name another file.")
@@ -356,5 +410,7 @@ def add_subcommand(bench_sub) -> None:
                    help="seconds one family may take; past it the family's row says so and the next one runs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", help="a JSON file of the rows so far, rewritten as each family finishes")
-    p.add_argument("--overwrite", action="store_true", help="replace --out where it exists")
+    p.add_argument("--profile", help="a folder: one more step of each family under torch.profiler, its tables "
+                   "written there (FAMILY.txt) and its kernel time, launches and operators in the row")
+    p.add_argument("--overwrite", action="store_true", help="replace --out, and --profile's tables, where they exist")
     p.set_defaults(func=run)

@@ -60,6 +60,24 @@ def test_a_family_past_its_time_is_reported_and_the_next_runs_in_a_fresh_process
     assert printed[-2:] == ["llama        did not finish in 0.001 s", "mla          did not finish in 0.001 s"]
 
 
+def test_profile_writes_each_familys_tables_and_counts_its_operators(tmp_path, capsys):
+    folder = tmp_path / "profiles"
+    argv = ["bench", "families", "--family", "transformers", "--profile", str(folder), "--json"] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in TOY.items()]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["family"] for r in rows] == ["llama", "transformers"]
+    for r in rows:
+        p = r["profiled"]
+        assert p["operators"] > 100 and p["launches"] == 0 and p["device_seconds"] is None and p["seconds"] > 0, r
+        text = (folder / f"{r['family']}.txt").read_text()
+        assert "aten::mm" in text and "# of Calls" in text
+    # seqmesh's step and plain transformers' are different programs: their tables differ
+    assert (folder / "llama.txt").read_text() != (folder / "transformers.txt").read_text()
+    with pytest.raises(SystemExit, match="already holds llama.txt, transformers.txt; pass --overwrite"):
+        main(argv)
+
+
 @pytest.mark.parametrize("changes, words", [
     ({"width": 100}, "width=100 must be a positive multiple of 128"),
     ({"families": ("gpt9",)}, "unknown families ['gpt9']"),
