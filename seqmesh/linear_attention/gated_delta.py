@@ -83,6 +83,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types seqmesh runs that have an autocast
+
+
 def without_autocast(rule):
     """``rule(q, ...)`` in its own compute dtype under any autocast its caller holds (``seqmesh train --bf16`` without
     FSDP2, transformers' Trainer in bf16, checkpointing's recomputation): autocast would run the recurrence's float32
@@ -90,7 +93,8 @@ def without_autocast(rule):
 
     @functools.wraps(rule)
     def run(q: torch.Tensor, *args, **kwargs):
-        if not torch.amp.is_autocast_available(q.device.type):
+        # a fixed list, not torch.amp.is_autocast_available: torch 2.9's dynamo cannot trace that call
+        if q.device.type not in AUTOCAST_DEVICES:
             return rule(q, *args, **kwargs)
         with torch.autocast(q.device.type, enabled=False):
             return rule(q, *args, **kwargs)
