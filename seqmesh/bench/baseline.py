@@ -90,8 +90,9 @@ class BaselineBench:
 
 
 # --- one process's steps ----------------------------------------------------------------------------------
-def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
-    """The plain model (FSDP2 over every process when there are several), its data and its loss."""
+def _transformers_build(bench: BaselineBench, options: dict, seq_len: int, device: torch.device | None = None):
+    """The plain model (FSDP2 over every process when there are several), its data and its loss; on ``device`` (the
+    CPU by default; ``seqmesh bench families`` passes its GPU)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -102,7 +103,10 @@ def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
 
     cfg = TrainConfig(model=bench.model, seq_len=seq_len, symbols=8, **options)
     data = make_dataset(cfg)
-    lm = build_model(cfg.model, seed=cfg.seed)  # transformers' own SDPA attention
+    from ..training.step import to_device
+
+    device = device or torch.device("cpu")
+    lm = build_model(cfg.model, seed=cfg.seed, device=device)  # transformers' own SDPA attention
     lm.train()
     if cfg.checkpointing:
         enable_checkpointing(lm)
@@ -113,7 +117,7 @@ def _transformers_build(bench: BaselineBench, options: dict, seq_len: int):
         fully_shard(lm)
 
     def loss_of(step: int) -> torch.Tensor:
-        batch = data.batch(step, rank, 1, world)
+        batch = to_device(data.batch(step, rank, 1, world), device)
         return lm(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
 
     return lm, None, loss_of, None, world * seq_len

@@ -152,26 +152,14 @@ def family_config(name: str, bench: FamiliesBench):
 
 
 def _plain_build(folder: str, bench: FamiliesBench):
-    """Plain transformers on the one rank: the model with its own attention and loss, its gradient checkpointing,
-    bf16 autocast on CUDA. Returns (module, loss_of, autocast, tokens a step)."""
-    from ..model.fsdp import enable_checkpointing
-    from ..model.lm import build_model
-    from ..training.config import TrainConfig
-    from ..training.run_data import make_dataset
-    from ..training.step import to_device
+    """Plain transformers on the one rank (``seqmesh bench baseline``'s build): the model with its own attention and
+    loss, its gradient checkpointing, bf16 autocast on CUDA. Returns (module, loss_of, autocast, tokens a step)."""
+    from .baseline import BaselineBench, _transformers_build
 
-    cfg = TrainConfig(model=folder, seq_len=bench.seq_len, symbols=8)
-    data = make_dataset(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if bench.device == "cuda" else torch.device("cpu")
-    lm = build_model(folder, seed=cfg.seed, device=device)
-    lm.train()
-    enable_checkpointing(lm)
-
-    def loss_of(step: int) -> torch.Tensor:
-        batch = to_device(data.batch(step, 0, 1, 1), device)
-        return lm(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
-
-    return lm, loss_of, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bench.device == "cuda"), bench.seq_len
+    module, _, loss_of, _, tokens = _transformers_build(BaselineBench(model=folder, world=1), {"checkpointing": True},
+                                                        bench.seq_len, device)
+    return module, loss_of, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bench.device == "cuda"), tokens
 
 
 def _seqmesh_build(folder: str, bench: FamiliesBench):

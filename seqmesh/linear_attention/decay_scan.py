@@ -84,7 +84,7 @@ def chunk_decay_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out_dtype, dt = v.dtype, compute_dtype(q.dtype)
     b, s, h, dk = q.shape
     dv = v.shape[-1]
-    dest, _, total, first_chunks = chunk_layout(bounds, chunk, q.device)
+    dest, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
     last_chunks = [c - 1 for c in first_chunks[1:]] + [n - 1]
 

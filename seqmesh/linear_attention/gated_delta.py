@@ -103,17 +103,16 @@ def without_autocast(rule):
 
 
 def chunk_layout(bounds: tuple[int, ...], chunk: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
-    """Where each token goes when every segment starts a chunk: ``(dest (S,), starts (N,) bool, padded,
-    the chunk each segment starts at)``; the last as plain integers, so torch.compile traces them as constants."""
-    dest, starts, offset, firsts = [], [], 0, []
+                  device: torch.device) -> tuple[torch.Tensor, int, list[int]]:
+    """Where each token goes when every segment starts a chunk: ``(dest (S,), padded, the chunk each segment starts
+    at)``; the last as plain integers, so torch.compile traces them as constants."""
+    dest, offset, firsts = [], 0, []
     for a, b in zip(bounds[:-1], bounds[1:]):
         n = -(-(b - a) // chunk)
         dest.append(torch.arange(b - a) + offset)
-        firsts.append(len(starts))
-        starts += [True] + [False] * (n - 1)
+        firsts.append(offset // chunk)
         offset += n * chunk
-    return torch.cat(dest).to(device), torch.tensor(starts, device=device), offset, firsts
+    return torch.cat(dest).to(device), offset, firsts
 
 
 def chunk_gated_delta_rule(
@@ -154,7 +153,7 @@ def chunk_gated_delta_rule_states(
     k = l2norm(k.to(dt))
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
 
-    dest, starts, total, first_chunks = chunk_layout(bounds, chunk, q.device)
+    dest, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
@@ -174,20 +173,20 @@ def chunk_gated_delta_rule_states(
     q_read = q * gc.exp()[..., None]  # reads the state entering the chunk
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # writes decayed to the chunk's end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
-    out, finals = carry_chunks(u, w, q_read, intra, k_write, chunk_decay, starts, first_chunks, initial_state)
+    out, finals = carry_chunks(u, w, q_read, intra, k_write, chunk_decay, first_chunks, initial_state)
     return out.index_select(1, dest).to(out_dtype), finals  # (B, S, H, Dv), (B, N, H, Dk, Dv)
 
 
 def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: torch.Tensor, k_write: torch.Tensor,
-                 chunk_decay: torch.Tensor, starts: torch.Tensor, first_chunks: list[int],
+                 chunk_decay: torch.Tensor, first_chunks: list[int],
                  initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule's state carried across chunks, shared by the scalar decay (Gated DeltaNet) and the per-channel
     one (KDA), which differ only in how they decay within a chunk. Per chunk ``i`` of (B, H, N, C, ...) tensors:
     ``v_new = u - w S``, output ``q_read S + intra v_new``, then ``S <- S * chunk_decay + k_write^T v_new``
     (``chunk_decay`` (B, H, N, 1 or Dk, 1)); the state restarts (from ``initial_state[:, j]`` or zero) at each
-    segment's first chunk (``first_chunks``; ``starts`` marks the same chunks) -> (out (B, T, H, Dv) in chunk order,
-    each segment's final state (B, N, H, Dk, Dv))."""
-    assert starts.numel() == u.shape[2] and sorted(set(first_chunks)) == list(first_chunks) and first_chunks[0] == 0, \
+    segment's first chunk (``first_chunks``) -> (out (B, T, H, Dv) in chunk order, each segment's final state
+    (B, N, H, Dk, Dv))."""
+    assert sorted(set(first_chunks)) == list(first_chunks) and first_chunks[0] == 0 and first_chunks[-1] < u.shape[2], \
         f"every segment must start its own chunk: {u.shape[2]} chunks, segments starting at {first_chunks}"
     return _CarryChunks.apply(u, w, q_read, intra, k_write, chunk_decay, initial_state, tuple(first_chunks))
 

@@ -143,7 +143,7 @@ def chunk_kda_states(
     k = l2norm(k.to(dt))
     v, g, beta = v.to(dt), g.to(dt), beta.to(dt)
 
-    dest, starts, total, first_chunks = chunk_layout(bounds, chunk, q.device)
+    dest, total, first_chunks = chunk_layout(bounds, chunk, q.device)
     n = total // chunk
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:  # (B, S, H, *D) -> (B, H, N, C, *D), segments chunk-aligned
@@ -161,5 +161,5 @@ def chunk_kda_states(
     q_read = q * gc.exp()  # reads the state entering the chunk
     k_write = k * (gc[..., -1:, :] - gc).exp()  # writes decayed to the chunk's end
     chunk_decay = gc[..., -1, :].exp()[..., None]  # (B, H, N, Dk, 1): each state row's decay over the chunk
-    out, finals = carry_chunks(u, w, q_read, intra, k_write, chunk_decay, starts, first_chunks, initial_state)
+    out, finals = carry_chunks(u, w, q_read, intra, k_write, chunk_decay, first_chunks, initial_state)
     return out.index_select(1, dest).to(out_dtype), finals  # (B, S, H, Dv), (B, N, H, Dk, Dv)
