@@ -90,7 +90,7 @@ class BaselineBench:
 
 
 # --- one process's steps ----------------------------------------------------------------------------------
-def _transformers_build(bench: BaselineBench, options: dict, seq_len: int, device: torch.device | None = None):
+def transformers_build(bench: BaselineBench, options: dict, seq_len: int, device: torch.device | None = None):
     """The plain model (FSDP2 over every process when there are several), its data and its loss; on ``device`` (the
     CPU by default; ``seqmesh bench families`` passes its GPU)."""
     import torch.distributed as dist
@@ -153,7 +153,7 @@ def _seqmesh_build(bench: BaselineBench, options: dict, seq_len: int):
     return module, offload, loss_of, after_backward, mesh.dp_size * seq_len
 
 
-BUILDERS: dict[str, Callable] = {"transformers": _transformers_build, "seqmesh": _seqmesh_build}
+BUILDERS: dict[str, Callable] = {"transformers": transformers_build, "seqmesh": _seqmesh_build}
 
 
 def run_method(bench: BaselineBench, method: str, seq_len: int, *, track: bool, timed: int = 0) -> dict:

@@ -154,10 +154,10 @@ def family_config(name: str, bench: FamiliesBench):
 def _plain_build(folder: str, bench: FamiliesBench):
     """Plain transformers on the one rank (``seqmesh bench baseline``'s build): the model with its own attention and
     loss, its gradient checkpointing, bf16 autocast on CUDA. Returns (module, loss_of, autocast, tokens a step)."""
-    from .baseline import BaselineBench, _transformers_build
+    from .baseline import BaselineBench, transformers_build
 
     device = torch.device("cuda", torch.cuda.current_device()) if bench.device == "cuda" else torch.device("cpu")
-    module, _, loss_of, _, tokens = _transformers_build(BaselineBench(model=folder, world=1), {"checkpointing": True},
+    module, _, loss_of, _, tokens = transformers_build(BaselineBench(model=folder, world=1), {"checkpointing": True},
                                                         bench.seq_len, device)
     return module, loss_of, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bench.device == "cuda"), tokens
 
