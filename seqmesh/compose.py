@@ -144,7 +144,7 @@ def _steps(mesh: SPMesh, plan: ParallelPlan, wrapper: type[SequenceParallelLM],
     """The steps :func:`parallelize_model` applies to this plan, in its order: what each one logs, and the step."""
     def sequence(b: _Built) -> None:
         b.lm = parallelize(b.lm, mesh, backend=plan.backend, linear_attention=plan.linear_attention,
-                           async_ulysses=plan.async_ulysses)
+                           async_ulysses=plan.async_ulysses, indexer_precision=plan.indexer_precision)
 
     def loss(b: _Built) -> None:
         b.module = wrapper(b.lm, mesh, chunk=plan.loss_chunk)

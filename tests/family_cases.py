@@ -510,14 +510,16 @@ def reference_dtype(family: str):
         torch.set_default_dtype(saved)
 
 
-def _family_reference(family: str, seq_len: int, documents: bool) -> tuple:
+def _family_reference(family: str, seq_len: int, documents: bool, alter=None) -> tuple:
     with reference_dtype(family):
-        return _family_reference_of(family, seq_len, documents)
+        return _family_reference_of(family, seq_len, documents, alter)
 
 
-def _family_reference_of(family: str, seq_len: int, documents: bool) -> tuple:
+def _family_reference_of(family: str, seq_len: int, documents: bool, alter=None) -> tuple:
     config = family_config(family)
     reference = build(config)
+    if alter is not None:
+        alter(reference)
     batch = _batch(seq_len, config.vocab_size, documents)
     loss_fn = _row_loss if family in ONE_ROW_FAMILIES else _reference_loss
     ref_logits, ref_loss = loss_fn(reference, batch)
@@ -527,12 +529,13 @@ def _family_reference_of(family: str, seq_len: int, documents: bool) -> tuple:
     return gradients_of(reference), batch, ref_logits.detach(), ref_loss.detach(), rounding
 
 
-def family_reference(family: str, seq_len: int, documents: bool) -> tuple:
+def family_reference(family: str, seq_len: int, documents: bool, alter=None) -> tuple:
     """``(gradients, batch, logits, loss, rounding)`` of the single-process float64 reference (``gradients``:
-    :func:`gradients_of`). It depends on the family and the batch alone, not on the mesh or layout: a rank process
-    computes each once and the cases on its other meshes reuse it; :func:`share_references` has the ranks of a
-    group split the ones its cases need."""
-    key = (family, seq_len, documents)
+    :func:`gradients_of`), the model first changed by ``alter(model)`` where given (a module-level function: a
+    reference of another setting). It depends on the family and the batch alone, not on the mesh or layout: a rank
+    process computes each once and the cases on its other meshes reuse it; :func:`share_references` has the ranks of
+    a group split the ones its cases need."""
+    key = (family, seq_len, documents, alter)
     if key not in REFERENCES:
         REFERENCES[key] = _family_reference(*key)
     return REFERENCES[key]
@@ -541,21 +544,23 @@ def family_reference(family: str, seq_len: int, documents: bool) -> tuple:
 def share_references(cases: list[tuple], seq_len: int = 45) -> None:
     """Before a group's ``family_parity`` cases (each ``(family, ulysses, ring, layout, documents)``, the last two
     optional): every reference they need, computed once over the group (:func:`computed_once`)."""
-    keys = [(c[0], seq_len, c[4] if len(c) > 4 else False) for c in cases]
+    keys = [(c[0], seq_len, c[4] if len(c) > 4 else False, None) for c in cases]
     computed_once(keys, _family_reference, REFERENCES)
 
 
 def family_parity(family: str, ulysses: int, ring: int, layout: str = "zigzag", documents: bool = False,
-                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None, design: str = "auto") -> dict:
+                  seq_len: int = 45, shift_positions_on: int | None = None, alter=None, design: str = "auto",
+                  options: dict | None = None, reference_alter=None) -> dict:
     """Largest logit error and largest relative gradient error over all parameters, and the reference's
     own rounding of each (``reference_rounding``). ``shift_positions_on``: a deliberate sharding error
     for the test that the tolerance still sees one, the position ids of that rank's shard off by one
     (its rotary embedding rotated one step too far) in the logits' forward. ``alter(model)``: a deliberate change
     to the parallelized model only (a mutation its test must see). ``design``: the recurrent mixers' design
-    (``linear_attention`` of ``parallelize``)."""
+    (``linear_attention`` of ``parallelize``); ``options``: more of ``parallelize``'s settings, whose reference is
+    the model changed by ``reference_alter`` (:func:`family_reference`)."""
     mesh = get_mesh(ulysses, ring)
-    ref_grads, batch, ref_logits, ref_loss, rounding = family_reference(family, seq_len, documents)
-    lm = parallelize(build(family_config(family)), mesh, linear_attention=design)
+    ref_grads, batch, ref_logits, ref_loss, rounding = family_reference(family, seq_len, documents, reference_alter)
+    lm = parallelize(build(family_config(family)), mesh, linear_attention=design, **(options or {}))
     if alter is not None:
         alter(lm)
     local = seqmesh.shard_batch(batch, mesh, layout=layout)

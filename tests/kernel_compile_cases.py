@@ -57,12 +57,16 @@ def report() -> dict:
             compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=sizes), target=target,
                                       options={"num_warps": warps})
             out[f"{kind} {name}"] = _usage(compiled)
-    sizes = {"D": 128, "BE": k.INDEX_BE, "BM": k.INDEX_BM, "BN": k.INDEX_BN, "PREC": "ieee"}
-    signature = {"Q": "*fp32", "KEYS": "*fp32", "W": "*fp32", "LIMIT": "*i64", "OUT": "*fp32", "L": "i32", "T": "i32",
-                 "H": "i32", "scale": "fp32", **{c: "constexpr" for c in sizes}}
-    compiled = triton.compile(ASTSource(fn=k._index_scores, signature=signature, constexprs=sizes), target=target,
-                              options={"num_warps": k.INDEX_WARPS})
-    out["index_scores v3.2"] = _usage(compiled)
+    # the indexer at DeepSeek-V3.2's 128-wide heads: float32 values, and a bf16 model's (tensor-core products)
+    for name, t, dtype in [("index_scores v3.2", "*fp32", torch.float32), ("index_scores v3.2 bf16", "*bf16",
+                                                                            torch.bfloat16)]:
+        sizes = k.index_sizes(dtype, 128)
+        warps = sizes.pop("num_warps")
+        signature = {"Q": t, "KEYS": t, "W": "*fp32", "LIMIT": "*i64", "OUT": "*fp32", "L": "i32", "T": "i32",
+                     "H": "i32", "scale": "fp32", **{c: "constexpr" for c in sizes}}
+        compiled = triton.compile(ASTSource(fn=k._index_scores, signature=signature, constexprs=sizes), target=target,
+                                  options={"num_warps": warps})
+        out[name] = _usage(compiled)
     return out
 
 

@@ -243,7 +243,8 @@ def _takes_use_cache(module: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear_attention: str = "auto",
-                async_ulysses: bool = False, async_pieces: int = ASYNC_PIECES) -> nn.Module:
+                async_ulysses: bool = False, async_pieces: int = ASYNC_PIECES,
+                indexer_precision: str = "float32") -> nn.Module:
     """Make ``model`` (a transformers ``PreTrainedModel``) run its attention with ``seqmesh.attention``.
 
     Works for models that go through transformers' attention interface (Llama, Qwen2/3, Mistral,
@@ -265,6 +266,9 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     ``async_ulysses``: the attention modules' q/k/v and output projections run in ``async_pieces`` pieces
     of tokens, each piece's all-to-all overlapped with the next piece's projection, forward and backward
     (:mod:`seqmesh.hf.async_ulysses`; families it does not know, and tensor parallelism, are refused here).
+
+    ``indexer_precision``: DeepSeek Sparse Attention's indexer scores in ``float32`` (transformers' own) or from
+    ``bfloat16`` inputs with float32 sums (:mod:`seqmesh.hf.indexed_attention`); refused for a model without one.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
@@ -274,6 +278,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     mixer_layers = mixers.mixer_layers(model, mesh, linear_attention)  # recurrences and convs, each checked
     own_attention.check_backend(mixer_layers.get(own_attention.KIND, []), backend)
     indexed = indexed_attention.indexed_layers(model, mesh)  # DeepSeek Sparse Attention this seqmesh computes
+    indexed_attention.check_precision(indexer_precision, indexed)
     sparse = block_sparse_attention.block_sparse_layers(model, mesh)  # MiniMax-M3's block-sparse attention
     compressed = compressed_attention.compressed_layers(model, mesh)  # DeepSeek-V4's HCA and CSA layers
     qsa = qsa_attention.qsa_layers(model, mesh)  # Qwen4-Exp's QSA layers
@@ -329,7 +334,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         setattr(module, _CHUNK, chunk)
     for kind, layers in mixer_layers.items():  # attention of its own attends with the model's kernel, as its design
         kind.install(layers, mesh, backend if kind is own_attention.KIND else linear_attention)
-    indexed_attention.install(indexed, mesh)
+    indexed_attention.install(indexed, mesh, indexer_precision)
     block_sparse_attention.install(sparse, mesh)
     compressed_attention.install(compressed, mesh)
     qsa_attention.install(qsa, mesh)

@@ -29,6 +29,15 @@ first): the indexer's scores by tiles of queries and keys with the heads summed 
 the attention with each query's selected rows gathered inside the kernel and an online softmax, never the
 ``(l, k, R + Dr)`` gathered rows. The selection and the masks are the same; only float32's order of summation differs.
 
+A bf16 model (FSDP2's mixed precision, as ``seqmesh train`` runs a GPU) makes the indexer's queries and keys in
+bf16 already: the kernel multiplies them as bf16, on a GPU's tensor cores, and sums in float32. Two bf16 values
+multiply exactly in float32, so these are transformers' float32 products of the same values; only the sums' rounding
+differs (tensor cores' adders, as any order of summation). Wider values (a float32 model; autocast's float32 norm
+of the keys) are multiplied in float32, off the tensor cores. ``indexer_precision="bfloat16"`` (a flag, off by
+default) rounds those to bfloat16 first, then the same: every mesh still picks alike (the torch form rounds the same
+values), but against float32 a query may pick another key where two scores are within the rounding
+(docs/attention.md: how often, measured).
+
 GLM-5's ``shared`` layers reuse the previous full layer's selection, which travels between layers as transformers
 passes it (``prev_topk_indices``): the local queries' indices into the whole row.
 
@@ -65,6 +74,8 @@ INDEXER_MIN_BLOCK = 128
 # on a CPU, the indexer's (B, l, H, T) float32 scores at most this many elements (16 MB, within the shared cache: its
 # rectification and head sum then read it from there; a block of 512 queries at 4,096 keys took 1.6x as long)
 CPU_INDEXER_ELEMENTS = 1 << 22
+# the indexer's precisions: the dtype its queries and keys are rounded to before their products (sums in float32)
+INDEXER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def is_indexed(module: nn.Module) -> bool:
@@ -132,30 +143,47 @@ def scored_keys(positions: list[int], seq_len: int, step: int) -> list[int]:
     return counts
 
 
+def check_precision(precision: str, layers: list[nn.Module]) -> None:
+    """Refuse an indexer precision that is not one of :data:`INDEXER_DTYPES`, or one other than float32 for a model
+    without DeepSeek Sparse Attention's indexer (``layers`` from :func:`indexed_layers`): it would change nothing."""
+    if precision not in INDEXER_DTYPES:
+        raise ValueError(f"indexer_precision={precision!r}: choose one of {', '.join(map(repr, INDEXER_DTYPES))}.")
+    if precision != "float32" and not any(getattr(m, "indexer", None) is not None for m in layers):
+        raise ValueError(f"indexer_precision={precision!r} (--indexer-precision) sets DeepSeek Sparse Attention's "
+                         "indexer, and this model has no such layer; leave it at 'float32'.")
+
+
 def _select(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings, mesh: SPMesh,
-            info: SequenceInfo, positions: list[int], allowed) -> tuple[torch.Tensor, torch.Tensor]:
+            info: SequenceInfo, positions: list[int], allowed, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, L, k)`` int64 indices into the whole row of each local query's top-k keys (no gradient), and the
-    indexer's keys of the local tokens (B, L, D); ``positions`` and ``allowed`` from :func:`_key_rules`."""
+    indexer's keys of the local tokens (B, L, D); ``positions`` and ``allowed`` from :func:`_key_rules`, the scores'
+    ``precision`` a key of :data:`INDEXER_DTYPES`."""
     with torch.no_grad():
         rule = layouts.indexer_rule(indexer)
         q, k = layouts.indexer_keys(indexer, rule, hidden, q_resid, position_embeddings)  # (B, L, H, D), (B, L, D)
-        keys = whole_row(k, mesh, info).float()  # (B, T, D)
+        keys = whole_row(k, mesh, info)  # (B, T, D)
         weights = layouts.head_weights(indexer, rule, hidden)  # (B, L, H)
         top = min(indexer.index_topk, keys.shape[1])
         picks = []
-        for block, index in _index_rows(indexer, rule, q, keys, weights, positions, info.seq_len):
+        for block, index in index_rows(indexer, rule, q, keys, weights, positions, info.seq_len, precision):
             picks.append(index.masked_fill_(~allowed(block), float("-inf")).topk(top, dim=-1).indices)
             del index  # a block's (B, l, T) scores freed before the next block's are made
         return torch.cat(picks, dim=1), k
 
 
-def _index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
-                positions: list[int], seq_len: int):
+def index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+               positions: list[int], seq_len: int, precision: str = "float32"):
     """Each block of local queries and its indexer scores against the whole row, ``(slice, (B, l, T) float32)``, the
-    keys past the block's queries -inf (masked for all of them: not scored). On the Triton kernel where it runs (one
-    tile of queries by keys at a time, the heads summed in it), else in torch by :func:`indexer_block`'s blocks."""
+    keys past the block's queries -inf (masked for all of them: not scored): q (B, L, H, D), keys (B, T, D), weights
+    (B, L, H) float32, ``positions`` each query's index in the row. The products are float32's of the queries' and
+    keys' values, as transformers takes them (``q.float() @ k.float()``); ``precision="bfloat16"`` rounds those
+    values to bfloat16 first (:data:`INDEXER_DTYPES`). On the Triton kernel where it runs (one tile of queries by keys
+    at a time, the heads summed in it; values that are all bf16 or fp16 multiplied as such, on a GPU's tensor cores,
+    the same exact products summed in float32), else in torch by :func:`indexer_block`'s blocks."""
     b, length, heads, _ = q.shape
     total = keys.shape[1]
+    if precision != "float32":
+        q, keys = q.to(INDEXER_DTYPES[precision]), keys.to(INDEXER_DTYPES[precision])
     if uses_kernel(keys, "index_scores"):
         index = torch.tensor(positions, device=keys.device)
         limit = torch.where(index < seq_len, index + 1, 1)  # a padding query sees the first key
@@ -165,7 +193,7 @@ def _index_rows(indexer: nn.Module, rule, q: torch.Tensor, keys: torch.Tensor, w
             block = slice(start, start + step)
             yield block, index_scores_kernel(q[:, block], keys, weights[:, block], scale, limit[block])
         return
-    keys = keys.transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
+    keys = keys.float().transpose(-1, -2).unsqueeze(1)  # (B, 1, D, T)
     step = indexer_block(b, heads, total, length, q.device)
     for start, count in zip(range(0, length, step), scored_keys(positions, seq_len, step)):
         block = slice(start, start + step)
@@ -236,7 +264,8 @@ def _latent_attention(module: nn.Module, q_pass, q_rot, row, picks) -> torch.Ten
 
 
 def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_states, q_resid, q_pass, q_rot,
-                    latent, k_rot, position_embeddings, prev_topk_indices) -> tuple[torch.Tensor, torch.Tensor]:
+                    latent, k_rot, position_embeddings, prev_topk_indices,
+                    precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's attention over the whole row, its queries the local tokens (training, or a generation's prefill,
     which keeps this rank's rows and indexer keys) -> ((B, L, H, Dv), the selection (B, L, k))."""
     b, length = hidden_states.shape[:-1]
@@ -244,7 +273,7 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     index_keys = None
     if getattr(module, "indexer", None) is not None:
         picks, index_keys = _select(module.indexer, hidden_states, q_resid, position_embeddings, mesh, info,
-                                    positions, allowed)
+                                    positions, allowed, precision)
     else:
         picks = prev_topk_indices.long()
     local_rows = torch.cat([latent, k_rot], dim=-1)  # (B, L, R + Dr)
@@ -274,7 +303,7 @@ def _seen(picks: torch.Tensor, valid, block: slice) -> torch.Tensor:
     return picks[:, block].masked_fill(~valid(block, picks[:, block]), -1)
 
 
-def _make_forward(mesh: SPMesh):
+def _make_forward(mesh: SPMesh, precision: str):
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):
         # hidden_states (B, L, E) -> ((B, L, E), None[, (B, L, k) the selection, for GLM-5's shared layers])
@@ -294,7 +323,7 @@ def _make_forward(mesh: SPMesh):
                                      position_embeddings, prev_topk_indices)
         else:
             attended, picks = _attend_sharded(self, mesh, info, hidden_states, q_resid, q_pass, q_rot, latent, k_rot,
-                                              position_embeddings, prev_topk_indices)
+                                              position_embeddings, prev_topk_indices, precision)
         out = layouts.gated(self, hidden_states, attended, gate)  # (B, L, H, Dv)
         out = self.o_proj(out.reshape(b, length, -1))
         if "prev_topk_indices" in inspect.signature(type(self).forward).parameters:
@@ -335,9 +364,10 @@ def restore_forward(model: nn.Module, attr: str) -> None:
             delattr(module, attr)
 
 
-def install(layers: list[nn.Module], mesh: SPMesh) -> None:
-    """Give ``layers`` (from :func:`indexed_layers`) the sequence-parallel forward; the class is untouched."""
-    replace_forward(layers, _make_forward(mesh), _ATTR)
+def install(layers: list[nn.Module], mesh: SPMesh, precision: str = "float32") -> None:
+    """Give ``layers`` (from :func:`indexed_layers`) the sequence-parallel forward, their indexers scoring in
+    ``precision`` (:func:`check_precision`); the class is untouched."""
+    replace_forward(layers, _make_forward(mesh, precision), _ATTR)
 
 
 def uninstall(model: nn.Module) -> None:

@@ -128,10 +128,14 @@ def _probe(fn, device: torch.device, generator: torch.Generator) -> None:
 def index_scores_kernel(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float,
                         limit: torch.Tensor) -> torch.Tensor:
     """The indexer's scores on the Triton kernel: q (B, l, H, D), keys (B, T, D), weights (B, l, H), limit (l,) each
-    query's first unscored key -> (B, l, T) float32, ``sum_h w_h relu(scale q_h . k)`` (-inf from the limit on)."""
+    query's first unscored key -> (B, l, T) float32, ``sum_h w_h relu(scale q_h . k)`` (-inf from the limit on).
+    q and keys both bf16 (or both fp16) are multiplied as such (on tensor cores; their products are exact in float32),
+    anything else in float32; every sum is float32's."""
     from . import sparse_latent_triton as kernel
 
-    return kernel.index_scores(q.float().contiguous(), keys.float().contiguous(), weights.float().contiguous(),
+    narrow = q.dtype == keys.dtype and q.dtype in (torch.bfloat16, torch.float16)
+    dtype = q.dtype if narrow else torch.float32
+    return kernel.index_scores(q.to(dtype).contiguous(), keys.to(dtype).contiguous(), weights.float().contiguous(),
                                scale, limit.contiguous())
 
 
@@ -145,14 +149,18 @@ def _triton_index_loaded():
     return index_scores_kernel if _triton_loaded() is not None else None
 
 
-def _probe_index(fn, device: torch.device, generator: torch.Generator) -> None:
-    """The indexer kernel on 40 queries of 3 heads against 70 keys (tiles cut at both ends), held to torch's."""
+def _probe_index(fn, device: torch.device, generator: torch.Generator, narrow: torch.dtype = torch.bfloat16) -> None:
+    """The indexer kernel on 40 queries of 3 heads against 70 keys (tiles cut at both ends), in float32 and in
+    ``narrow`` (a bf16 model's values: tensor-core products), held to torch's float32 scores of the same values."""
     q, keys = (torch.randn(*shape, generator=generator, device=device) for shape in ((1, 40, 3, 24), (1, 70, 24)))
     weights = torch.randn(1, 40, 3, generator=generator, device=device)
     limit = torch.arange(30, 70, device=device)
-    got, want = fn(q, keys, weights, 0.3, limit), _index_reference(q, keys, weights, 0.3, limit)
-    if not torch.equal(got.isinf(), want.isinf()) or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
-        raise RuntimeError("the indexer kernel's scores differ from torch's")
+    for dtype in (torch.float32, narrow):
+        q, keys = q.to(dtype), keys.to(dtype)
+        got = fn(q, keys, weights, 0.3, limit)
+        want = _index_reference(q.float(), keys.float(), weights, 0.3, limit)
+        if not torch.equal(got.isinf(), want.isinf()) or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            raise RuntimeError(f"the indexer kernel's scores in {dtype} differ from torch's")
 
 
 PROBE = KernelProbe({"sparse_latent": Kernel("triton", _triton_loaded, _probe),

@@ -158,20 +158,31 @@ def _index_scores(Q, KEYS, W, LIMIT, OUT, L, T, H, scale,
 
 
 # the indexer kernel's tile (queries by keys), its slice of the head dim and warps: on Hopper, 194 registers and no
-# spills at DeepSeek-V3.2's 128-wide indexer heads (whole (64, 128) float32 tiles spilled 9.8 KB a thread)
+# spills at DeepSeek-V3.2's 128-wide indexer heads in float32 (whole (64, 128) float32 tiles spilled 9.8 KB a thread);
+# bf16 or fp16 values take slices of up to NARROW_INDEX_BE, a whole 128-wide head at once (tensor-core products, 190
+# registers at 8 warps by Triton 3.9 for sm_90; slices of 64 spilled 80 bytes, of 32 none at 179)
 INDEX_BM, INDEX_BN, INDEX_BE, INDEX_WARPS = 64, 64, 16, 8
+NARROW_INDEX_BE = 128
+
+
+def index_sizes(dtype: torch.dtype, dim: int) -> dict:
+    """The indexer kernel's launch settings for values of ``dtype`` and heads ``dim`` wide (the compile check in
+    tests/kernel_compile_cases.py reads the same)."""
+    narrow = dtype in (torch.bfloat16, torch.float16)
+    width = min(_pow2(dim), NARROW_INDEX_BE) if narrow else INDEX_BE
+    return dict(D=dim, BE=width, BM=INDEX_BM, BN=INDEX_BN, PREC="ieee", num_warps=INDEX_WARPS)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float,
                  limit: torch.Tensor) -> torch.Tensor:
-    """q (B, l, H, D), keys (B, T, D), weights (B, l, H), all float32 and contiguous; limit (l,) int: each query
-    scores the keys before it -> (B, l, T) float32, ``sum_h w_h relu(scale q_h . k)``, -inf from each limit on."""
+    """q (B, l, H, D), keys (B, T, D) of one dtype (float32, or bf16 / fp16: products on tensor cores, PREC unread),
+    weights (B, l, H) float32, all contiguous; limit (l,) int: each query scores the keys before it -> (B, l, T)
+    float32, ``sum_h w_h relu(scale q_h . k)``, -inf from each limit on; every sum in float32."""
     b, length, heads, dim = q.shape
     total = keys.shape[1]
-    out = q.new_empty(b, length, total)
+    out = q.new_empty(b, length, total, dtype=torch.float32)
     grid = (-(-length // INDEX_BM), -(-total // INDEX_BN), b)
-    _index_scores[grid](q, keys, weights, limit, out, length, total, heads, scale, D=dim, BE=INDEX_BE,
-                        BM=INDEX_BM, BN=INDEX_BN, PREC="ieee", num_warps=INDEX_WARPS)
+    _index_scores[grid](q, keys, weights, limit, out, length, total, heads, scale, **index_sizes(q.dtype, dim))
     return out
 
 

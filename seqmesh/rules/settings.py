@@ -23,10 +23,12 @@ Kernel = Literal["auto", "flash_attn", "cuda_flash", "cuda_cudnn", "cuda_efficie
                  "math"]
 LinearDesign = Literal["auto", "all_to_all", "state_passing"]
 Layout = Literal["auto", "zigzag", "contiguous", "per_document"]
+IndexerPrecision = Literal["float32", "bfloat16"]
 
-NOT_PLANNED = ("backend", "compile", "fsdp", "dp_replicate")
+NOT_PLANNED = ("backend", "compile", "fsdp", "dp_replicate", "indexer_precision")
 """Settings ``seqmesh plan`` has no model of (it plans FSDP2 over one replica, and its kernel and compile times are
-calibrated rather than per kernel): no plan flag for them."""
+calibrated rather than per kernel; the indexer's precision changes a kernel's speed, not what is held): no plan flag
+for them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,10 @@ class RunSettings:
     linear_attention: LinearDesign = "auto"
     """Gated DeltaNet layers across the sequence ranks: one all-to-all (heads dealt to ranks), passing the
     recurrent state between them, or auto: the cheaper for the shapes (seqmesh.linear_attention.choice)."""
+    indexer_precision: IndexerPrecision = "float32"
+    """DeepSeek Sparse Attention's indexer scores (which keys each query attends to): float32, as transformers
+    computes them, or bfloat16 inputs with float32 sums (on a GPU's tensor cores, where float32 runs without them; a pick
+    may differ where two keys' scores are within bf16 rounding: docs/attention.md has the measured agreement)."""
     layout: Layout = "auto"
     """How the sequence is split over the ranks: zigzag balances causal work, per_document balances each packed
     document's own; auto takes per_document when documents are packed, zigzag otherwise."""

@@ -141,6 +141,44 @@ def test_index_kernel_matches_dense_pytorch_within_float32_rounding():
     assert error <= ROUNDING_MULTIPLE * rounding and rounding < 1e-5, (error, rounding)
 
 
+NARROW = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="Triton's interpreter (3.9) multiplies bfloat16 operands wrongly (a tl.dot of two bf16 "
+    "tiles is off by 1e10); fp16 runs the same code here, and on a GPU the index probe holds bf16 too"))]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=["fp16", "bf16"])
+def test_index_kernel_multiplies_16_bit_values_exactly(dtype):
+    """Queries and keys of a bf16 model (or fp16's) go to the kernel as they are, their products on tensor cores
+    (slices of a whole head): the scores of those same values in float64, within float32's rounding of its sums."""
+    q, keys, weights, scale, limit = _index_inputs()
+    q, keys = q.to(dtype), keys.to(dtype)
+    exact = dense_index_scores(q.double(), keys.double(), weights, scale, limit)
+    rounding = _index_error(dense_index_scores(q.float(), keys.float(), weights.float(), scale, limit), exact)
+    error = _index_error(_index_kernel(q, keys, weights.float(), scale, limit), exact)
+    print(f"indexer in {dtype}: kernel {error:.3g}, float32 rounding {rounding:.3g}")
+    assert error <= ROUNDING_MULTIPLE * rounding and rounding < 1e-5, (error, rounding)
+
+
+def test_only_values_all_16_bit_reach_the_kernel_narrow(monkeypatch):
+    """A bf16 (here fp16) model's queries and keys reach the kernel as they are, its products on tensor cores; a
+    float32 key beside them (autocast's float32 norm) takes both to float32, which holds every value exactly."""
+    from seqmesh.kernels import sparse_latent_triton
+
+    seen = []
+    real = sparse_latent_triton.index_scores
+
+    def spy(q, keys, *rest):
+        seen.append((q.dtype, keys.dtype))
+        return real(q, keys, *rest)
+
+    monkeypatch.setattr(sparse_latent_triton, "index_scores", spy)
+    q, keys, weights, scale, limit = _index_inputs()
+    narrow = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    _index_kernel(q.to(narrow), keys.to(narrow), weights, scale, limit)
+    _index_kernel(q.to(narrow), keys.float(), weights, scale, limit)
+    assert seen == [(narrow, narrow), (torch.float32, torch.float32)], seen
+
+
 def test_an_index_limit_one_off_is_seen():
     """The mutation: every query scores one key more than it may see."""
     q, keys, weights, scale, limit = _index_inputs()
@@ -151,24 +189,36 @@ def test_an_index_limit_one_off_is_seen():
 
 def test_the_index_probe_passes_the_kernel_and_fails_a_wrong_one():
     """The probe a GPU runs before the kernel's first use (seqmesh.kernels.sparse_latent.PROBE), here on the
-    interpreter: the kernel passes; one that scores a key too many fails, so its device keeps torch's scores."""
+    interpreter (its 16-bit values fp16 here, bf16 on a GPU): the kernel passes; one that scores a key too many
+    fails, and so does one wrong only on 16-bit values, so its device keeps torch's scores."""
     from seqmesh.kernels.sparse_latent import _probe_index, index_scores_kernel
 
     device = torch.device(DEVICE)
-    _probe_index(index_scores_kernel, device, torch.Generator(device).manual_seed(0))
+    narrow = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+    def probe(fn):
+        _probe_index(fn, device, torch.Generator(device).manual_seed(0), narrow)
+
+    probe(index_scores_kernel)
 
     def one_too_many(q, keys, weights, scale, limit):
         return index_scores_kernel(q, keys, weights, scale, limit + 1)
 
-    with pytest.raises(RuntimeError, match="indexer kernel"):
-        _probe_index(one_too_many, device, torch.Generator(device).manual_seed(0))
+    def narrow_one_too_many(q, keys, weights, scale, limit):
+        return index_scores_kernel(q, keys, weights, scale, limit + (q.dtype != torch.float32))
+
+    with pytest.raises(RuntimeError, match="indexer kernel's scores in torch.float32"):
+        probe(one_too_many)
+    with pytest.raises(RuntimeError, match=f"indexer kernel's scores in {narrow}"):
+        probe(narrow_one_too_many)
 
 
 def test_the_kernels_compile_for_hopper_without_spilling_registers():
     """Each kernel compiled for an H100/H200 (sm_90) on this CPU with the runtime's launch settings (Triton's wheel
     carries ptxas): DeepSeek-V3.2's and DeepSeek-V4's latent attention in bf16, forward and backward, and the indexer,
     each within the register file (no stack: spills go to local memory, as whole float32 tiles once did: the indexer
-    9.8 KB a thread, the backward 80 bytes, V4's backward 6.4 KB). In float32 the backward spills (2.3 KB, reported)."""
+    9.8 KB a thread, the backward 80 bytes, V4's backward 6.4 KB), the indexer in float32 and on a bf16 model's values.
+    In float32 the backward spills (2.3 KB, reported)."""
     import json
     import os
     import subprocess
@@ -185,4 +235,4 @@ def test_the_kernels_compile_for_hopper_without_spilling_registers():
         if "fp32" not in name:
             assert usage["stack"] == 0 and usage["registers"] <= 255, (name, usage)
     assert set(report) >= {"forward v3.2 bf16", "backward v3.2 bf16", "forward v4 bf16", "backward v4 bf16",
-                           "index_scores v3.2"}
+                           "index_scores v3.2", "index_scores v3.2 bf16"}

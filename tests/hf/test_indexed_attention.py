@@ -130,6 +130,83 @@ def test_exact_on_the_triton_kernel(pools):
             assert not _outside_rounding(r), r
 
 
+# tokens of the bf16 indexer's cases: at 45 no pick of the test model's changes with the rounding, at 128 2% to 4%
+# of each layer's queries' picks do (so the float32 reference then differs)
+ROUNDED_SEQ_LEN = 128
+
+
+def bf16_indexer(model) -> None:
+    """The reference of ``indexer_precision='bfloat16'``: each DeepSeek-V3.2 indexer of ``model`` as transformers
+    (5.24) computes it, but for its rotated queries and keys rounded to bfloat16 before the float32 products."""
+    import types
+
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV32Indexer":
+            module.forward = types.MethodType(_rounded_indexer_forward, module)
+
+
+def _rounded_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
+                             cache=None):
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+
+    b, length, _ = hidden_states.shape
+    rope, width = self.qk_rope_head_dim, self.head_dim
+    q_rot, q_pass = torch.split(self.wq_b(q_resid).view(b, length, self.n_heads, width), [rope, width - rope], -1)
+    k_rot, k_pass = torch.split(self.k_norm(self.wk(hidden_states)).unsqueeze(2), [rope, width - rope], -1)
+    q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1).bfloat16().float()  # (B, L, H, D): the rounding under test
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2).bfloat16().float()  # (B, L, D)
+    scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * self.softmax_scale)  # (B, L, H, L)
+    weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+    index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    index = index.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+        else index + attention_mask
+    return index.topk(min(self.index_topk, index.shape[-1]), dim=-1).indices.to(torch.int32)
+
+
+def _run_bf16_indexer(cases: list[tuple]) -> list[dict]:
+    """Each case with ``indexer_precision='bfloat16'``, against the rounded reference (:func:`bf16_indexer`) and
+    against transformers' float32 one."""
+    kwargs = {"options": {"indexer_precision": "bfloat16"}, "seq_len": ROUNDED_SEQ_LEN}
+    return [{"case": c, "rounded": family_parity(*c, **kwargs, reference_alter=bf16_indexer),
+             "float32": family_parity(*c, **kwargs)} for c in cases]
+
+
+def test_the_bf16_indexer_is_exact_to_its_rounding(pools):
+    """``indexer_precision='bfloat16'`` on Ulysses and ring, plain and packed: exact against transformers' model
+    with its indexer's queries and keys rounded to bfloat16 first, and (at these sizes) not against the float32 one,
+    so the setting reaches every layer and changes the picks the rounding changes."""
+    cases = [("deepseek-v3.2", u, r, layout, docs) for u, r in MESHES
+             for layout, docs in (("zigzag", False), ("per_document", True))]
+    for results in pools.run(2, _run_bf16_indexer, cases):
+        for r in results:
+            assert not _outside_rounding(r["rounded"]), r
+        assert all(_outside_rounding(r["float32"]) for r in results), results
+
+
+def test_the_indexer_precision_is_refused_without_an_indexer(pools):
+    """A model without DeepSeek Sparse Attention's indexer refuses indexer_precision='bfloat16' by name."""
+    message = pools.run(1, _precision_refusal)[0]
+    assert "indexer_precision='bfloat16' (--indexer-precision)" in message and "'float32'" in message, message
+
+
+def _precision_refusal() -> str:
+    import transformers as tf
+
+    from dist_cases import get_mesh
+    from family_cases import family_config
+    from seqmesh.hf import parallelize
+
+    try:
+        parallelize(tf.AutoModelForCausalLM.from_config(family_config("llama")), get_mesh(1, 1),
+                    indexer_precision="bfloat16")
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 @pytest.mark.parametrize("name", LAYOUT_MUTATIONS)
 def test_each_layout_difference_is_needed(pools, name):
     """Each per-family difference seqmesh computes changes the logits beyond rounding when it is left out."""
