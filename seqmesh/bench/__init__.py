@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 SUBCOMMANDS = ("attention", "linear", "merge", "host", "balance", "window", "memory", "baseline", "vision",
-               "async_ulysses", "compile", "experts", "families")
+               "async_ulysses", "compile", "experts", "families", "indexer")
 """The modules registered under ``seqmesh bench``, in the order ``--help`` lists them."""
 
 
