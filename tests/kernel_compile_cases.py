@@ -1,8 +1,9 @@
 """seqmesh's Triton kernels compiled for a Hopper GPU (sm_90) on this CPU, with the launch settings the runtime
-would use (``seqmesh.kernels.sparse_latent_triton._sizes``), and each compiled kernel's registers and stack (spills)
-as ``cuobjdump`` reports them. Triton's wheel carries ptxas and cuobjdump; no GPU is needed. Run in a process
-without ``TRITON_INTERPRET`` (the interpreter's kernels do not compile): ``python kernel_compile_cases.py``
-prints one JSON object."""
+would use (``seqmesh.kernels.sparse_latent_triton._sizes``, ``seqmesh.linear_attention.carry_triton._sizes``), and
+each compiled kernel's registers and stack (spills) as ``cuobjdump`` reports them. Triton's wheel carries ptxas and
+cuobjdump; no GPU is needed. Run in a process without ``TRITON_INTERPRET`` (the interpreter's kernels do not
+compile): ``python kernel_compile_cases.py`` prints one JSON object (DeepSeek Sparse Attention's kernels), and
+``python kernel_compile_cases.py carry`` the delta rule's carry's."""
 
 from __future__ import annotations
 
@@ -70,5 +71,33 @@ def report() -> dict:
     return out
 
 
+def carry_report() -> dict:
+    """The delta rule's carry kernels (seqmesh.linear_attention.carry_triton) at the released sizes: chunks of 64,
+    heads of 128 keys and values, a decay a head (Gated DeltaNet) or a state row (KDA)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from seqmesh.linear_attention import carry_triton as k
+
+    target = GPUTarget("cuda", 90, 32)
+    out = {}
+    for rows in (1, 128):
+        sizes = k._sizes(64, 128, 128, rows, True)
+        launch = {"num_warps": sizes.pop("num_warps"), "num_stages": sizes.pop("num_stages")}
+        for kind, fn, pointers in [
+                ("forward", k._forward, ("U", "W", "KW", "DECAY", "INIT", "START", "END", "STATES", "VNEW", "FINALS")),
+                ("backward", k._backward, ("DOUT", "INTRA", "KW", "W", "QR", "DECAY", "STATES", "VNEW", "DFINAL",
+                                           "START", "END", "DVNEW", "DKW", "DDECAY", "DINIT"))]:
+            types = {p: "*i32" if p in ("START", "END") else "*fp32" for p in pointers}
+            signature = {**types, "N": "i32", "BH": "i32", **{c: "constexpr" for c in sizes}}
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=sizes), target=target,
+                                      options=launch)
+            out[f"carry {kind} rows {rows}"] = _usage(compiled)
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(report()))
+    import sys
+
+    print(json.dumps(carry_report() if sys.argv[1:] == ["carry"] else report()))

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels.probe import Kernel, KernelProbe
 from .choice import LINEAR_CHUNK as CHUNK  # tokens per chunk: the one value, which the planner reads too
 
 
@@ -191,6 +192,54 @@ def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: 
     return _CarryChunks.apply(u, w, q_read, intra, k_write, chunk_decay, initial_state, tuple(first_chunks))
 
 
+def carry_kernel(x: torch.Tensor):
+    """The Triton form of the carry's loops (:mod:`.carry_triton`) where it runs for tensors like ``x``: float32 on a
+    CUDA device where Triton is installed and the kernel passed its probe there; not while torch.compile traces, nor
+    on fake tensors. None elsewhere: the torch loops run."""
+    if x.device.type != "cuda" or x.dtype != torch.float32 or torch.compiler.is_compiling() \
+            or torch._subclasses.fake_tensor.is_fake(x):
+        return None
+    return CARRY_PROBE.load("carry") if CARRY_PROBE.works("carry", x.device) else None
+
+
+
+def _carry_loaded():
+    try:
+        from . import carry_triton
+    except ImportError:  # no Triton
+        return None
+    return carry_triton
+
+
+def _probe_carry(kernel, device: torch.device, generator: torch.Generator) -> None:
+    """The kernel's two loops held to the torch loops': 3 segments over 5 chunks of 16 (each from an initial state),
+    a decay a head and one a state row, value columns past one block of the kernel's."""
+    b, h, n, c, dk, dv = 1, 2, 5, 16, 24, 40
+    firsts = (0, 2, 3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device=device) * 0.3
+
+    for rows in (1, dk):
+        u, w, k_write, q_read = rand(b, h, n, c, dv), rand(b, h, n, c, dk), rand(b, h, n, c, dk), rand(b, h, n, c, dk)
+        intra, decay = rand(b, h, n, c, c), torch.rand(b, h, n, rows, 1, generator=generator, device=device)
+        initial = rand(len(firsts), b * h, dk, dv)
+        forward = [_forward_loop(u, w, k_write, decay, initial, firsts),
+                   _kernel_forward(u, w, k_write, decay, initial, firsts)]
+        states, v_new, _ = forward[0]
+        d_out, d_final = rand(n, b * h, c, dv), rand(len(firsts), b * h, dk, dv)
+        backward = [(*loop(w, q_read, intra, k_write, decay, states, v_new, d_out, d_final, d_initial, firsts),
+                     d_initial)
+                    for loop, d_initial in ((_reverse_loop, torch.empty_like(initial)),
+                                            (_kernel_reverse, torch.empty_like(initial)))]
+        for got, want in zip(forward[1] + backward[1], forward[0] + backward[0]):
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                raise RuntimeError(f"the carry kernel's loops (decay rows {rows}) differ from the torch loops'")
+
+
+CARRY_PROBE = KernelProbe({"carry": Kernel("triton", _carry_loaded, _probe_carry)})
+
+
 def _by_chunk(x: torch.Tensor) -> torch.Tensor:
     """(B, H, N, ...) -> (N, B*H, ...) contiguous: each chunk's slice is one contiguous batch of matrices."""
     b, h, n = x.shape[:3]
@@ -217,33 +266,23 @@ class _CarryChunks(torch.autograd.Function):
     products over every chunk. The backward runs the recurrence in reverse the same way (``dv_new``, k_write's and the
     decay's gradients and the gradient of the state entering each chunk: six batched products and a scaling), then
     w's, q_read's and intra's gradients in products over all chunks. Autograd over the loop recorded some 70
-    operators a chunk (a GPU step of small launches); this is 3 forward and 7 backward."""
+    operators a chunk (a GPU step of small launches); this is 3 forward and 7 backward, and on a GPU each loop is one
+    Triton kernel (:func:`carry_kernel`)."""
 
     @staticmethod
     def forward(ctx, u, w, q_read, intra, k_write, chunk_decay, initial_state, first_chunks):
         b, h, n, c, dv = u.shape
-        dk = w.shape[-1]
-        entering, ends = _segment_chunks(first_chunks, n)
-        us, ws, ks = (_by_chunk(x).unbind(0) for x in (u, w, k_write.transpose(-1, -2)))
-        decays = _by_chunk(chunk_decay).unbind(0)  # each (B*H, 1 or Dk, 1)
         initial = None if initial_state is None else \
-            initial_state.to(u.dtype).transpose(0, 1).reshape(len(first_chunks), b * h, dk, dv)
-        states = u.new_empty(n, b * h, dk, dv)  # the state entering each chunk
-        v_new = u.new_empty(n, b * h, c, dv)
-        finals = u.new_empty(len(first_chunks), b * h, dk, dv)
-        state_in, new = states.unbind(0), v_new.unbind(0)
-        for i in range(n):
-            if i in entering:
-                state_in[i].zero_() if initial is None else state_in[i].copy_(initial[entering[i]])
-            torch.baddbmm(us[i], ws[i], state_in[i], alpha=-1, out=new[i])
-            leaving = finals[ends[i]] if i in ends else state_in[i + 1]
-            torch.mul(state_in[i], decays[i], out=leaving).baddbmm_(ks[i], new[i])
+            initial_state.to(u.dtype).transpose(0, 1).reshape(len(first_chunks), b * h, *initial_state.shape[-2:])
+        loop = _kernel_forward if carry_kernel(u) is not None else _forward_loop
+        states, v_new, finals = loop(u, w, k_write, chunk_decay, initial, first_chunks)
         out = torch.bmm(_by_chunk(q_read).flatten(0, 1), states.flatten(0, 1))
         out.baddbmm_(_by_chunk(intra).flatten(0, 1), v_new.flatten(0, 1))
         ctx.save_for_backward(w, q_read, intra, k_write, chunk_decay, states, v_new)
         ctx.first_chunks, ctx.initial_dtype = first_chunks, None if initial_state is None else initial_state.dtype
         out = _from_chunks(out.view(n, b * h, c, dv), b, h).reshape(b, h, n * c, dv).transpose(1, 2)
-        return out, finals.view(len(first_chunks), b, h, dk, dv).transpose(0, 1)  # (B, T, H, Dv), (B, N, H, Dk, Dv)
+        # (B, T, H, Dv), (B, N, H, Dk, Dv)
+        return out, finals.view(len(first_chunks), b, h, *finals.shape[-2:]).transpose(0, 1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -252,46 +291,106 @@ class _CarryChunks(torch.autograd.Function):
         first_chunks = ctx.first_chunks
         b, h, n, c, dk = w.shape
         dv = v_new.shape[-1]
-        entering, ends = _segment_chunks(first_chunks, n)
         d_out = _by_chunk(d_out.transpose(1, 2).reshape(b, h, n, c, dv))  # (N, B*H, C, Dv)
         d_final = d_finals.transpose(0, 1).reshape(len(first_chunks), b * h, dk, dv)  # (zeros where unused)
-        ws_t, qs_t, intra_t = (_by_chunk(x).transpose(-1, -2).unbind(0) for x in (w, q_read, intra))
-        ks, decays, outs = _by_chunk(k_write).unbind(0), _by_chunk(chunk_decay).unbind(0), d_out.unbind(0)
-        rows = chunk_decay.shape[-2]  # 1 (one decay a head) or Dk (one a state row)
-        d_new, d_k = torch.empty_like(v_new), states.new_empty(n, b * h, c, dk)
-        d_decay = states.new_empty(n, b * h, rows, 1)
         d_initial = None if ctx.initial_dtype is None else states.new_empty(len(first_chunks), b * h, dk, dv)
-        # the gradients of the state leaving chunk i and of the one entering it, in turns: one a chunk would be a
-        # Dk x Dv state a chunk more at the backward's peak
-        turns = states.new_empty(2, b * h, dk, dv)
-        new, d_v, d_ks, d_decays = v_new.unbind(0), d_new.unbind(0), d_k.unbind(0), d_decay.unbind(0)
-        state_in = states.unbind(0)
-        for i in reversed(range(n)):
-            d_state = turns[i % 2]
-            if i in ends:  # the segment's final state: its own gradient; nothing flows on into the next segment
-                d_state.copy_(d_final[ends[i]])
-            # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
-            torch.bmm(intra_t[i], outs[i], out=d_v[i]).baddbmm_(ks[i], d_state)
-            torch.bmm(new[i], d_state.transpose(-1, -2), out=d_ks[i])
-            # d decay = sum(d_state * state) over what the decay multiplies (a state's rows, or the whole state)
-            torch.bmm(d_state.view(-1, 1, dk * dv // rows), state_in[i].view(-1, dk * dv // rows, 1),
-                      out=d_decays[i].view(-1, 1, 1))
-            if i in entering:
-                if d_initial is None:
-                    continue
-                d_entering = d_initial[entering[i]]
-            else:
-                d_entering = turns[(i - 1) % 2]
-            torch.mul(d_state, decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i])
-            d_entering.baddbmm_(ws_t[i], d_v[i], alpha=-1)
-        flat = lambda x: x.flatten(0, 1)  # noqa: E731  (N * B*H, ...)
-        states_t = flat(states).transpose(-1, -2)
-        d_w = -torch.bmm(flat(d_new), states_t)
-        d_q = torch.bmm(flat(d_out), states_t)
-        d_intra = torch.bmm(flat(d_out), flat(v_new).transpose(-1, -2))
-        grads = [_from_chunks(x.view(n, b * h, *x.shape[1:]), b, h)
-                 for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k.flatten(0, 1))]
-        d_decay = _from_chunks(d_decay, b, h)
-        if d_initial is not None:
-            d_initial = d_initial.view(len(first_chunks), b, h, dk, dv).transpose(0, 1).to(ctx.initial_dtype)
-        return (*grads, d_decay, d_initial, None)
+        loop = _kernel_reverse if carry_kernel(states) is not None else _reverse_loop
+        d_new, d_k, d_decay = loop(w, q_read, intra, k_write, chunk_decay, states, v_new, d_out, d_final, d_initial,
+                                   first_chunks)
+        return _input_gradients(d_new, d_k, d_decay, d_initial, d_out, states, v_new, b, h, ctx.initial_dtype)
+
+
+def _forward_loop(u, w, k_write, chunk_decay, initial, first_chunks):
+    """:class:`_CarryChunks`' forward loop over chunks in torch, on (B, H, N, ...) inputs and ``initial`` (J, B*H, Dk,
+    Dv) or None: (the state entering each chunk (N, B*H, Dk, Dv), v_new (N, B*H, C, Dv), each segment's final state
+    (J, B*H, Dk, Dv))."""
+    b, h, n, c, dv = u.shape
+    dk = w.shape[-1]
+    entering, ends = _segment_chunks(first_chunks, n)
+    states, v_new = u.new_empty(n, b * h, dk, dv), u.new_empty(n, b * h, c, dv)
+    finals = u.new_empty(len(first_chunks), b * h, dk, dv)
+    us, ws, ks = (_by_chunk(x).unbind(0) for x in (u, w, k_write.transpose(-1, -2)))
+    decays = _by_chunk(chunk_decay).unbind(0)  # each (B*H, 1 or Dk, 1)
+    state_in, new = states.unbind(0), v_new.unbind(0)
+    for i in range(n):
+        if i in entering:
+            state_in[i].zero_() if initial is None else state_in[i].copy_(initial[entering[i]])
+        torch.baddbmm(us[i], ws[i], state_in[i], alpha=-1, out=new[i])
+        leaving = finals[ends[i]] if i in ends else state_in[i + 1]
+        torch.mul(state_in[i], decays[i], out=leaving).baddbmm_(ks[i], new[i])
+    return states, v_new, finals
+
+
+def _kernel_forward(u, w, k_write, chunk_decay, initial, first_chunks):
+    """:func:`_forward_loop` in one Triton launch (:mod:`.carry_triton`)."""
+    kernel = _carry_loaded()
+    b, h, n, c, dv = u.shape
+    dk = w.shape[-1]
+    states, v_new = u.new_empty(n, b * h, dk, dv), u.new_empty(n, b * h, c, dv)
+    finals = u.new_empty(len(first_chunks), b * h, dk, dv)
+    start, end = kernel.segment_flags(first_chunks, n, u.device)
+    kernel.forward(_by_chunk(u), _by_chunk(w), _by_chunk(k_write), _by_chunk(chunk_decay), initial, start, end,
+                   states, v_new, finals)
+    return states, v_new, finals
+
+
+def _kernel_reverse(w, q_read, intra, k_write, chunk_decay, states, v_new, d_out, d_final, d_initial, first_chunks):
+    """:func:`_reverse_loop` in one Triton launch (:mod:`.carry_triton`)."""
+    kernel = _carry_loaded()
+    start, end = kernel.segment_flags(first_chunks, states.shape[0], states.device)
+    return kernel.backward(d_out, _by_chunk(intra), _by_chunk(k_write), _by_chunk(w), _by_chunk(q_read),
+                           _by_chunk(chunk_decay), states, v_new, d_final, start, end, d_initial)
+
+
+def _reverse_loop(w, q_read, intra, k_write, chunk_decay, states, v_new, d_out, d_final, d_initial, first_chunks):
+    """:class:`_CarryChunks`' backward loop over chunks in torch: (d_v_new (N, B*H, C, Dv), d_k_write (N, B*H, C, Dk),
+    d_decay (N, B*H, 1 or Dk, 1)), and ``d_initial`` filled where given."""
+    b, h, n, c, dk = w.shape
+    entering, ends = _segment_chunks(first_chunks, n)
+    ws_t, qs_t, intra_t = (_by_chunk(x).transpose(-1, -2).unbind(0) for x in (w, q_read, intra))
+    ks, decays, outs = _by_chunk(k_write).unbind(0), _by_chunk(chunk_decay).unbind(0), d_out.unbind(0)
+    rows = chunk_decay.shape[-2]  # 1 (one decay a head) or Dk (one a state row)
+    dv = v_new.shape[-1]
+    d_new, d_k = torch.empty_like(v_new), states.new_empty(n, b * h, c, dk)
+    d_decay = states.new_empty(n, b * h, rows, 1)
+    # the gradients of the state leaving chunk i and of the one entering it, in turns: one a chunk would be a
+    # Dk x Dv state a chunk more at the backward's peak
+    turns = states.new_empty(2, b * h, dk, dv)
+    new, d_v, d_ks, d_decays = v_new.unbind(0), d_new.unbind(0), d_k.unbind(0), d_decay.unbind(0)
+    state_in = states.unbind(0)
+    for i in reversed(range(n)):
+        d_state = turns[i % 2]
+        if i in ends:  # the segment's final state: its own gradient; nothing flows on into the next segment
+            d_state.copy_(d_final[ends[i]])
+        # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
+        torch.bmm(intra_t[i], outs[i], out=d_v[i]).baddbmm_(ks[i], d_state)
+        torch.bmm(new[i], d_state.transpose(-1, -2), out=d_ks[i])
+        # d decay = sum(d_state * state) over what the decay multiplies (a state's rows, or the whole state)
+        torch.bmm(d_state.view(-1, 1, dk * dv // rows), state_in[i].view(-1, dk * dv // rows, 1),
+                  out=d_decays[i].view(-1, 1, 1))
+        if i in entering:
+            if d_initial is None:
+                continue
+            d_entering = d_initial[entering[i]]
+        else:
+            d_entering = turns[(i - 1) % 2]
+        torch.mul(d_state, decays[i], out=d_entering).baddbmm_(qs_t[i], outs[i])
+        d_entering.baddbmm_(ws_t[i], d_v[i], alpha=-1)
+    return d_new, d_k, d_decay
+
+
+def _input_gradients(d_new, d_k, d_decay, d_initial, d_out, states, v_new, b: int, h: int, initial_dtype):
+    """:class:`_CarryChunks`' gradients of its inputs from the reverse loop's: w's, q_read's and intra's as products
+    over every chunk at once, all laid out as the inputs (B, H, N, ...)."""
+    n, _, _, dk = d_k.shape
+    flat = lambda x: x.flatten(0, 1)  # noqa: E731  (N * B*H, ...)
+    states_t = flat(states).transpose(-1, -2)
+    d_w = -torch.bmm(flat(d_new), states_t)
+    d_q = torch.bmm(flat(d_out), states_t)
+    d_intra = torch.bmm(flat(d_out), flat(v_new).transpose(-1, -2))
+    grads = [_from_chunks(x.view(n, b * h, *x.shape[1:]), b, h)
+             for x in (d_new.flatten(0, 1), d_w, d_q, d_intra, d_k.flatten(0, 1))]
+    d_decay = _from_chunks(d_decay, b, h)
+    if d_initial is not None:
+        d_initial = d_initial.view(-1, b, h, dk, states.shape[-1]).transpose(0, 1).to(initial_dtype)
+    return (*grads, d_decay, d_initial, None)

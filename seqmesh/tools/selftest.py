@@ -135,12 +135,14 @@ def recurrent_kernels(device: torch.device) -> dict[str, str]:
 
 def sparse_kernels(device: torch.device) -> dict[str, str]:
     """seqmesh's Triton kernels on ``device``: DeepSeek Sparse Attention's two (the indexer's scores, the latent
-    attention) and the flash kernel ALiBi runs on (``triton_flash``): "runs", "absent" (no Triton) or "fails"
-    (probed: the torch form or the math kernel runs instead, and the probe has warned)."""
+    attention), the flash kernel ALiBi runs on (``triton_flash``) and the delta rule's carry across chunks (``carry``:
+    Gated DeltaNet's and KDA's torch rules): "runs", "absent" (no Triton) or "fails" (probed: the torch form or the
+    math kernel runs instead, and the probe has warned)."""
     from ..kernels import flash_triton_kernel, sparse_latent
+    from ..linear_attention import gated_delta
 
     return {name: "runs" if works else "absent" if probe.kernels[name].load() is None else "fails"
-            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE)
+            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE, gated_delta.CARRY_PROBE)
             for name, works in probe.probe_all(device).items()}
 
 
