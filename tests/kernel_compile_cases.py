@@ -72,8 +72,9 @@ def report() -> dict:
 
 
 def carry_report() -> dict:
-    """The delta rule's carry kernels (seqmesh.linear_attention.carry_triton) at the released sizes: chunks of 64,
-    heads of 128 keys and values, a decay a head (Gated DeltaNet) or a state row (KDA)."""
+    """The recurrent rules' loop kernels: the delta rule's carry (seqmesh.linear_attention.carry_triton) at the
+    released sizes (chunks of 64, heads of 128 keys and values, a decay a head (Gated DeltaNet) or a state row
+    (KDA)), and the scalar-decay scan's (decay_scan_triton)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,6 +95,18 @@ def carry_report() -> dict:
             compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=sizes), target=target,
                                       options=launch)
             out[f"carry {kind} rows {rows}"] = _usage(compiled)
+    from seqmesh.linear_attention import decay_scan_triton as scan
+
+    for kind, fn, pointers in [("forward", scan._forward, ("WRITTEN", "DECAY", "INIT", "FIRST", "LAST", "ENTERING",
+                                                           "FINALS")),
+                               ("backward", scan._backward, ("D_ENTERING", "DECAY", "D_FINALS", "FIRST", "LAST",
+                                                             "D_WRITTEN", "D_INIT"))]:
+        sizes = {"BLOCK": scan.BLOCK, "HAS_INIT": True}
+        types = {p: "*i32" if p in ("FIRST", "LAST") else "*fp32" for p in pointers}
+        signature = {**types, "N": "i32", "H": "i32", "J": "i32", "SIZE": "i32", **{c: "constexpr" for c in sizes}}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=sizes), target=target,
+                                  options={"num_warps": scan.WARPS})
+        out[f"scan {kind}"] = _usage(compiled)
     return out
 
 

@@ -261,3 +261,19 @@ def refusals(ulysses: int, ring: int) -> dict:
     out["restored"] = sum("forward" in vars(m) for m in model.modules()) == 0 and torch.equal(
         before, model(input_ids=ids, use_cache=False).logits)
     return out
+
+
+def token_loop_decay(q, k, v, g, starts, initial, reset=True):
+    """``S_t = exp(g_t) S_(t-1) + k_t v_t^T``, ``o_t = S_t^T q_t``, per batch row and head; the state restarts from
+    ``initial[:, j]`` at ``starts[j]`` (``reset=False``: only at the first) -> (out (B, S, H, Dv), final states)."""
+    b, s, h, dk = q.shape
+    outs, finals, state = [], [], None
+    for t in range(s):
+        if t in starts and (reset or t == 0):
+            if state is not None:
+                finals.append(state)
+            state = initial[:, starts.index(t)]
+        state = g[:, t].exp()[..., None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    finals.append(state)
+    return torch.stack(outs, 1), torch.stack(finals, 1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.probe import Kernel, KernelProbe
 from .choice import LINEAR_CHUNK as CHUNK
 from .choice import runs_and_tails
 from .gated_delta import chunk_layout, compute_dtype, without_autocast
@@ -33,23 +34,16 @@ class _ChunkStates(torch.autograd.Function):
     segment's final state (B, J, H, Dk, Dv)). One operator a chunk each way: the forward writes each state with one
     ``addcmul`` into the next chunk's slice of the output; the backward runs the recurrence in reverse the same way,
     the gradient of the state leaving chunk ``i`` being ``written_i``'s own, and takes the decays' gradients after the
-    loop in one batched product (a GPU step of the per-chunk loop was bound by its launches)."""
+    loop in one batched product (a GPU step of the per-chunk loop was bound by its launches). On a GPU each loop is one
+    Triton kernel (:func:`scan_kernel`)."""
 
     @staticmethod
     def forward(ctx, written, decay, initial, firsts: tuple[int, ...], lasts: tuple[int, ...]):
-        b, h, n, dk, dv = written.shape
-        entering = written.new_empty(written.shape)  # contiguous: the backward views it flat
-        finals = written.new_empty(b, len(firsts), h, dk, dv)
-        first_of, last_of = {c: j for j, c in enumerate(firsts)}, {c: j for j, c in enumerate(lasts)}
-        states, writes = entering.unbind(2), written.unbind(2)
-        decays = decay[..., None, None].unbind(2)  # each (B, H, 1, 1)
-        for i in range(n):
-            if i in first_of:
-                states[i].zero_() if initial is None else states[i].copy_(initial[:, first_of[i]])
-            leaving = finals[:, last_of[i]] if i in last_of else states[i + 1]
-            torch.addcmul(writes[i], states[i], decays[i], out=leaving)
+        kernel = scan_kernel(written)
+        loop = kernel.forward if kernel is not None else _forward_loop
+        entering, finals = loop(written, decay, initial, firsts, lasts)
         ctx.save_for_backward(entering, decay)
-        ctx.first_of, ctx.last_of = first_of, last_of
+        ctx.firsts, ctx.lasts = firsts, lasts
         ctx.initial = None if initial is None else (initial.shape, initial.dtype)
         return entering, finals
 
@@ -58,21 +52,91 @@ class _ChunkStates(torch.autograd.Function):
     def backward(ctx, d_entering, d_finals):
         entering, decay = ctx.saved_tensors
         b, h, n, dk, dv = entering.shape
-        d_written = entering.new_empty(entering.shape)  # the gradient of the state leaving each chunk
         d_initial = None if ctx.initial is None else entering.new_zeros(ctx.initial[0])
-        leaving, reads = d_written.unbind(2), d_entering.unbind(2)
-        decays = decay[..., None, None].unbind(2)
-        for i in reversed(range(n)):
-            if i in ctx.last_of:  # a segment's last chunk: what leaves it is its final state, read by nothing else
-                leaving[i].copy_(d_finals[:, ctx.last_of[i]])
-            # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
-            if i not in ctx.first_of:
-                torch.addcmul(reads[i], leaving[i], decays[i], out=leaving[i - 1])
-            elif d_initial is not None:  # (chunk i - 1 is a segment's last: nothing flows into it from here)
-                torch.addcmul(reads[i], leaving[i], decays[i], out=d_initial[:, ctx.first_of[i]])
+        kernel = scan_kernel(entering)
+        loop = kernel.backward if kernel is not None else _reverse_loop
+        d_written = loop(d_entering, decay, d_finals, ctx.firsts, ctx.lasts, d_initial)
         # d decay_i = sum(d leaving_i * entering_i), as one batched dot product a head and chunk
         d_decay = torch.bmm(d_written.view(-1, 1, dk * dv), entering.view(-1, dk * dv, 1)).view(b, h, n)
         return d_written, d_decay, None if d_initial is None else d_initial.to(ctx.initial[1]), None, None
+
+
+def _forward_loop(written, decay, initial, firsts: tuple[int, ...], lasts: tuple[int, ...]):
+    """:class:`_ChunkStates`' forward loop in torch: (entering (B, H, N, Dk, Dv), finals (B, J, H, Dk, Dv))."""
+    b, h, n, dk, dv = written.shape
+    entering = written.new_empty(written.shape)  # contiguous: the backward views it flat
+    finals = written.new_empty(b, len(firsts), h, dk, dv)
+    first_of, last_of = {c: j for j, c in enumerate(firsts)}, {c: j for j, c in enumerate(lasts)}
+    states, writes = entering.unbind(2), written.unbind(2)
+    decays = decay[..., None, None].unbind(2)  # each (B, H, 1, 1)
+    for i in range(n):
+        if i in first_of:
+            states[i].zero_() if initial is None else states[i].copy_(initial[:, first_of[i]])
+        leaving = finals[:, last_of[i]] if i in last_of else states[i + 1]
+        torch.addcmul(writes[i], states[i], decays[i], out=leaving)
+    return entering, finals
+
+
+def _reverse_loop(d_entering, decay, d_finals, firsts: tuple[int, ...], lasts: tuple[int, ...], d_initial):
+    """:class:`_ChunkStates`' backward loop in torch: the gradient of the state leaving each chunk (B, H, N, Dk, Dv),
+    and ``d_initial`` (zeros) filled where given."""
+    first_of, last_of = {c: j for j, c in enumerate(firsts)}, {c: j for j, c in enumerate(lasts)}
+    n = d_entering.shape[2]
+    d_written = d_entering.new_empty(d_entering.shape)  # contiguous: viewed flat after
+    leaving, reads = d_written.unbind(2), d_entering.unbind(2)
+    decays = decay[..., None, None].unbind(2)
+    for i in reversed(range(n)):
+        if i in last_of:  # a segment's last chunk: what leaves it is its final state, read by nothing else
+            leaving[i].copy_(d_finals[:, last_of[i]])
+        # (else chunk i + 1 wrote it: the gradient of the state entering i + 1)
+        if i not in first_of:
+            torch.addcmul(reads[i], leaving[i], decays[i], out=leaving[i - 1])
+        elif d_initial is not None:  # (chunk i - 1 is a segment's last: nothing flows into it from here)
+            torch.addcmul(reads[i], leaving[i], decays[i], out=d_initial[:, first_of[i]])
+    return d_written
+
+
+def scan_kernel(x: torch.Tensor):
+    """The Triton form of the scan's loops (:mod:`.decay_scan_triton`) where it runs for tensors like ``x``: float32
+    on a CUDA device where Triton is installed and the kernel passed its probe there; not while torch.compile traces,
+    nor on fake tensors. None elsewhere: the torch loops run."""
+    if x.device.type != "cuda" or x.dtype != torch.float32 or torch.compiler.is_compiling() \
+            or torch._subclasses.fake_tensor.is_fake(x):
+        return None
+    return SCAN_PROBE.load("scan") if SCAN_PROBE.works("scan", x.device) else None
+
+
+def _scan_loaded():
+    try:
+        from . import decay_scan_triton
+    except ImportError:  # no Triton
+        return None
+    return decay_scan_triton
+
+
+def _probe_scan(kernel, device: torch.device, generator: torch.Generator) -> None:
+    """The kernel's two loops held to the torch loops': 3 segments over 5 chunks (each from an initial state), a
+    state of 40 x 30 (past one block of the kernel's)."""
+    b, h, n, dk, dv = 1, 2, 5, 40, 30
+    firsts, lasts = (0, 2, 3), (1, 2, 4)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device=device)
+
+    written, decay, initial = rand(b, h, n, dk, dv), torch.rand(b, h, n, generator=generator, device=device), \
+        rand(b, len(firsts), h, dk, dv)
+    d_entering, d_finals = rand(b, h, n, dk, dv), rand(b, len(firsts), h, dk, dv)
+    got = list(kernel.forward(written, decay, initial, firsts, lasts))
+    want = list(_forward_loop(written, decay, initial, firsts, lasts))
+    for loop, results in ((kernel.backward, got), (_reverse_loop, want)):
+        d_initial = torch.zeros_like(initial)
+        results += [loop(d_entering, decay, d_finals, firsts, lasts, d_initial), d_initial]
+    for a, z in zip(got, want):
+        if not torch.allclose(a, z, rtol=1e-5, atol=1e-5):
+            raise RuntimeError("the scan kernel's loops differ from the torch loops'")
+
+
+SCAN_PROBE = KernelProbe({"scan": Kernel("triton", _scan_loaded, _probe_scan)})
 
 
 @without_autocast

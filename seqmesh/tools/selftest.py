@@ -135,14 +135,15 @@ def recurrent_kernels(device: torch.device) -> dict[str, str]:
 
 def sparse_kernels(device: torch.device) -> dict[str, str]:
     """seqmesh's Triton kernels on ``device``: DeepSeek Sparse Attention's two (the indexer's scores, the latent
-    attention), the flash kernel ALiBi runs on (``triton_flash``) and the delta rule's carry across chunks (``carry``:
-    Gated DeltaNet's and KDA's torch rules): "runs", "absent" (no Triton) or "fails" (probed: the torch form or the
-    math kernel runs instead, and the probe has warned)."""
+    attention), the flash kernel ALiBi runs on (``triton_flash``), and the recurrent rules' loops over chunks
+    (``carry``: Gated DeltaNet's and KDA's; ``scan``: Mamba2's and lightning attention's): "runs", "absent" (no
+    Triton) or "fails" (probed: the torch form or the math kernel runs instead, and the probe has warned)."""
     from ..kernels import flash_triton_kernel, sparse_latent
-    from ..linear_attention import gated_delta
+    from ..linear_attention import decay_scan, gated_delta
 
     return {name: "runs" if works else "absent" if probe.kernels[name].load() is None else "fails"
-            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE, gated_delta.CARRY_PROBE)
+            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE, gated_delta.CARRY_PROBE,
+                          decay_scan.SCAN_PROBE)
             for name, works in probe.probe_all(device).items()}
 
 

@@ -25,6 +25,7 @@ from ..hf.compressed_attention import is_compressed
 from ..hf.indexed_attention import is_indexed
 from ..hf.mixers import has_mixers
 from ..kernels.sparse_latent import PROBE as SPARSE_PROBE
+from ..linear_attention.decay_scan import SCAN_PROBE
 from ..linear_attention.gated_delta import CARRY_PROBE
 from ..linear_attention.kernels import probe_kernels
 from ..memory import MemoryTracker
@@ -161,6 +162,7 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: M
     if device.type == "cuda" and has_mixers(module):  # a recurrent kernel that fails on this GPU warns now, not mid-step
         probe_kernels(device)
         CARRY_PROBE.probe_all(device)
+        SCAN_PROBE.probe_all(device)
     if device.type == "cuda" and any(is_indexed(m) or is_compressed(m) for m in module.modules()):  # sparse kernels
         SPARSE_PROBE.probe_all(device)
     return module

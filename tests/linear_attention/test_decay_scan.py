@@ -5,25 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from linear_cases import token_loop_decay as token_loop
 from seqmesh.linear_attention.decay_scan import chunk_decay_scan
 
 FLOAT64_ATOL = 1e-10
-
-
-def token_loop(q, k, v, g, starts, initial, reset=True):
-    """``S_t = exp(g_t) S_(t-1) + k_t v_t^T``, ``o_t = S_t^T q_t``, per batch row and head; the state restarts from
-    ``initial[:, j]`` at ``starts[j]`` (``reset=False``: only at the first) -> (out (B, S, H, Dv), final states)."""
-    b, s, h, dk = q.shape
-    outs, finals, state = [], [], None
-    for t in range(s):
-        if t in starts and (reset or t == 0):
-            if state is not None:
-                finals.append(state)
-            state = initial[:, starts.index(t)]
-        state = g[:, t].exp()[..., None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    finals.append(state)
-    return torch.stack(outs, 1), torch.stack(finals, 1)
 
 
 @pytest.mark.parametrize("chunk", [64, 16, 8])
