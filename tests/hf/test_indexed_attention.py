@@ -119,12 +119,19 @@ def test_exact_in_blocks_of_a_few_queries(pools):
             assert not _outside_rounding(r), r
 
 
+# the kernels' cases (Triton's interpreter is slow): DeepSeek-V3.2 plain and packed, GLM-5's shared selection and
+# HY-V4's sinks and indexer scale packed; A.X-K2's and dots.llm3's differences lie outside the kernels (their gates,
+# norms and latent scale, each held in the torch form's cases above)
+KERNEL_CASES = [("deepseek-v3.2", "zigzag", False), ("deepseek-v3.2", "per_document", True),
+                ("glm-5", "per_document", True), ("hy-v4", "per_document", True)]
+
+
 def test_exact_on_the_triton_kernel(pools):
     """The layers as a GPU runs them: the indexer's scores and the latent attention on the Triton kernels, the
     attention one call for all of a rank's queries, the hidden picks folded into the indices, HY-V4's sinks in the
-    kernel's softmax and their gradient, each family's indexer scale where it puts it."""
+    kernel's softmax and their gradient, its indexer scale where it puts it."""
     pytest.importorskip("triton")
-    cases = [(f, 1, 2, layout, docs) for f in FAMILIES for layout, docs in (("zigzag", False), ("per_document", True))]
+    cases = [(f, 1, 2, layout, docs) for f, layout, docs in KERNEL_CASES]
     for results in pools.run(2, _run_on_the_kernel, cases):
         for r in results:
             assert not _outside_rounding(r), r
