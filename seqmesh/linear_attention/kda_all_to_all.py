@@ -9,7 +9,7 @@ communication, and sends each token's output back to the rank that holds it::
     [q | k | v | beta] (B, L, C), g (B, L, H, Dk)   this rank's tokens, layout order
       --two all-to-alls over P (g in its own dtype: transformers' Kimi gate is float32)--> the rank's heads,
         whole sequence, layout order -> natural order
-      --conv (the rank's channels of q | k | v), chunked KDA (kda.chunk_kda_states)--> (B, S, h_r, Dv)
+      --conv (the rank's channels of q | k | v), chunked KDA (kernels.kda_rule_states)--> (B, S, h_r, Dv)
       --natural -> layout order, inverse all-to-all--> (B, L, H, Dv)
 
 Bytes each rank sends forward, heads split evenly (the adjoints send the same backward)::
@@ -34,7 +34,7 @@ from ..sequence.sharding import sequence_layout
 from .choice import (H100_NVLINK_BANDWIDTH, H100_RECURRENCE_FLOPS, LinearDesign, LinearShape, parse_design,
                      state_passing_extra_flops)
 from .gated_delta import segment_bounds
-from .kda import chunk_kda_states
+from .kernels import kda_rule_states
 from .kda_state_passing import KdaHeads, kda_state_passing_bytes
 from .kernels import causal_conv
 
@@ -116,8 +116,8 @@ def all_to_all_kda(
     mixed = causal_conv(conv_in, conv_weight.index_select(0, rows), bias, bounds, activation).to(qkv.dtype)
     q, k, v = mixed.split([h_r * dk, h_r * dk, h_r * dv], dim=-1)
     s = padded
-    out, _ = chunk_kda_states(q.reshape(b, s, h_r, dk), k.reshape(b, s, h_r, dk), v.reshape(b, s, h_r, dv), g_mine,
-                              beta_mine, bounds)  # (B, S, h_r, Dv)
+    out, _ = kda_rule_states(q.reshape(b, s, h_r, dk), k.reshape(b, s, h_r, dk), v.reshape(b, s, h_r, dv), g_mine,
+                             beta_mine, bounds)  # (B, S, h_r, Dv)
     out = out.index_select(1, lay.indices(device=out.device))  # layout order
     return head_to_seq(out, mesh.sp_group, [(0, a, e) for a, e in ranges], counts, counts[rank],
                        torch.Size((b, n, h, dv)))

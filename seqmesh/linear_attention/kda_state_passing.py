@@ -8,7 +8,7 @@ entering it, each of its Dv columns on its own::
     S_out = A S_in + B         A (Dk x Dk): the run's (I - beta k k^T) diag(exp(g)) factors; B: its state from zero
     o_t   = o_t(0) + S_in^T G_t   G_t = A_t^T q_t, A_t the factors up to t
 
-and one pass of the chunked rule (``kda.chunk_kda_states``) with the values widened to ``[v | 0]`` and
+and one pass of the chunked rule (``kernels.kda_rule_states``) with the values widened to ``[v | 0]`` and
 the initial states ``[0 | I]`` gives outputs ``[o(0) | G]`` and final states ``[B | A]``. Per layer::
 
     1. the short conv of q | k | v with its halo (``halo.halo_causal_conv``: one all-gather; transformers'
@@ -42,6 +42,7 @@ from .gated_delta import segment_bounds
 from .halo import halo_causal_conv, placement
 from .decode import conv_step, last_token_keep
 from .kda import chunk_kda_states
+from .kernels import kda_rule_states
 from .kernels import causal_conv
 from .passing import pass_states
 
@@ -105,7 +106,7 @@ def state_passing_kda(
     if mesh.sp_size == 1 and keep is None:
         bounds = segment_bounds(n, cu_seqlens, seq_len)
         mixed = causal_conv(qkv, conv_weight, conv_bias, bounds, activation).to(qkv.dtype)
-        return chunk_kda_states(*_split_heads(mixed, heads), g, beta, bounds)[0]
+        return kda_rule_states(*_split_heads(mixed, heads), g, beta, bounds)[0]
     place = placement(mesh, n, layout=layout, seq_len=seq_len, cu_seqlens=cu_seqlens, min_chunk=min_chunk,
                       kernel=conv_weight.shape[-1])
     mine = place.mine
@@ -120,7 +121,7 @@ def state_passing_kda(
     initial = torch.zeros(segments, dk, dv + dk, dtype=torch.float64, device=qkv.device)
     initial[list(mine.incoming), :, dv:] = torch.eye(dk, dtype=torch.float64, device=qkv.device)
     initial = initial[None, :, None].expand(b, segments, h, dk, dv + dk)
-    out, finals = chunk_kda_states(q, k, widened, g, beta, mine.segment_bounds, initial)
+    out, finals = kda_rule_states(q, k, widened, g, beta, mine.segment_bounds, initial)
     out, lift = out.split([dv, dk], dim=-1)  # o(0) (B, L, H, Dv), G (B, L, H, Dk)
 
     # 3. the state pass: [B | A] of each run, S_in = A S_in' + B, o += S_in^T G

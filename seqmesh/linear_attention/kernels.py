@@ -35,6 +35,14 @@ def _fla_simple_gla():
     return chunk_simple_gla
 
 
+def _fla_kda():
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    return chunk_kda
+
+
 def _fla_refuses_gated_backward(device: torch.device) -> str | None:
     """flash-linear-attention's own refusal of its gated chunk backward (``chunk_bwd_dqkwg``: Hopper, Triton >= 3.4.0
     and < 3.7.1), read from its version flags where tilelang is not installed; None where the flags are not there
@@ -83,6 +91,19 @@ def _call_gated_delta(rule, q, k, v, g, beta, bounds, initial_state=None):
     return out.reshape(b, s, h, -1), final
 
 
+def _call_kda(rule, q, k, v, g, beta, bounds, initial_state=None):
+    """flash-linear-attention's ``chunk_kda`` over the batch rows laid end to end, as :func:`_call_gated_delta` with
+    ``g`` (B, S, H, Dk) a log decay per key channel."""
+    b, s, h, dk = q.shape
+    flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, beta)]
+    state = {} if initial_state is None else {"initial_state": initial_state.float().flatten(0, 1),
+                                              "output_final_state": True}  # (B*N, H, Dk, Dv)
+    out, final = rule(*flat[:3], g=g.reshape(1, b * s, h, dk).float(), beta=flat[3], scale=dk ** -0.5,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=row_bounds(bounds, b, q.device, torch.long), **state)
+    final = None if initial_state is None else final.reshape(b, initial_state.shape[1], *final.shape[1:])
+    return out.reshape(b, s, h, -1), final
+
+
 def _call_simple_gla(rule, q, k, v, g, bounds, initial):
     """flash-linear-attention's ``chunk_simple_gla`` (no scale) over the batch rows laid end to end."""
     b, s, h, _ = q.shape
@@ -123,6 +144,30 @@ def _probe_gated_delta(rule, device: torch.device, generator: torch.Generator) -
     (plain.float().sum() + out.float().sum() + final.float().sum()).backward()
 
 
+def _probe_kda(rule, device: torch.device, generator: torch.Generator) -> None:
+    """chunk_kda's output, final states and every gradient held to seqmesh's torch rule on the same bf16 values
+    (within 5% of each one's largest; a kernel that runs but answers otherwise fails too: its backward is not the
+    gated one flash-linear-attention refuses on Hopper with Triton 3.4 to 3.7.0, so it would not raise there)."""
+    from .kda import chunk_kda_states
+
+    q, k, v, _, beta, initial = _mixer_inputs(device, generator)
+    g = (-0.2 * torch.rand(*q.shape, generator=generator, device=device)).requires_grad_()  # per key channel
+    inputs = [q, k, v, g, beta, initial]
+    results = []
+    for call in (lambda *x: _call_kda(rule, *x[:5], BOUNDS, x[5]),
+                 lambda *x: chunk_kda_states(*x[:5], BOUNDS, x[5])):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out, final = call(*leaves)
+        weights = torch.linspace(-1, 1, out.numel(), device=device).view(out.shape)
+        ((out.float() * weights).sum() + final.float().sum()).backward()
+        results.append([out, final] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        got, want = got.detach().float(), want.detach().float()
+        error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+        if not error < 0.05:
+            raise RuntimeError(f"chunk_kda's results are {error:.3g} (relative) from seqmesh's torch rule's")
+
+
 def _probe_simple_gla(rule, device: torch.device, generator: torch.Generator) -> None:
     q, k, v, g, _, initial = _mixer_inputs(device, generator)
     out, final = _call_simple_gla(rule, q, k, v, g, BOUNDS, initial)
@@ -138,6 +183,7 @@ def _probe_conv(fn, device: torch.device, generator: torch.Generator) -> None:
 
 KERNELS = {"chunk_gated_delta_rule": Kernel("flash-linear-attention", _fla_gated_delta, _probe_gated_delta,
                                              _fla_refuses_gated_backward),
+           "chunk_kda": Kernel("flash-linear-attention", _fla_kda, _probe_kda),
            "chunk_simple_gla": Kernel("flash-linear-attention", _fla_simple_gla, _probe_simple_gla,
                                       _fla_refuses_gated_backward),
            "causal_conv1d": Kernel("causal-conv1d", _causal_conv1d, _probe_conv)}
@@ -185,6 +231,21 @@ def gated_delta_rule_states(
     if rule is None:
         return gated_delta.chunk_gated_delta_rule_states(q, k, v, g, beta, bounds, initial_state)
     return _call_gated_delta(rule, q, k, v, g, beta, bounds, initial_state)
+
+
+def kda_rule_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, bounds: tuple[int, ...],
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As :func:`.kda.chunk_kda_states` (q, k (B, S, H, Dk), v (B, S, H, Dv), g (B, S, H, Dk), beta (B, S, H)), by
+    flash-linear-attention's ``chunk_kda`` where it runs on q's device: (out (B, S, H, Dv), the segments' final
+    states (B, N, H, Dk, Dv) where ``initial_state`` is given; the kernel's are None without one)."""
+    rule = kernel("chunk_kda", q)
+    if rule is None:
+        from .kda import chunk_kda_states
+
+        return chunk_kda_states(q, k, v, g, beta, bounds, initial_state)
+    return _call_kda(rule, q, k, v, g, beta, bounds, initial_state)
 
 
 def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bounds: tuple[int, ...],

@@ -209,3 +209,63 @@ def test_selftest_reports_each_kernel_as_it_runs_here(monkeypatch):
     with pytest.warns(KernelFallbackWarning):
         said = recurrent_kernels(torch.device("cpu"))
     assert said == {"refusing": "fails", "working": "runs", "absent": "absent"}
+
+
+class KdaStandIn:
+    """``chunk_kda``'s keyword signature (flash-linear-attention 0.6), computing the recurrence token by token
+    (kda_cases.token_loop_kda) over each segment of ``cu_seqlens``; ``forgets``: it drops the initial state, the
+    kind of kernel that runs but answers otherwise."""
+
+    def __init__(self, forgets: bool = False):
+        self.forgets, self.calls = forgets, []
+
+    def __call__(self, q, k, v, *, g, beta, scale, use_qk_l2norm_in_kernel, cu_seqlens, initial_state=None,
+                 output_final_state=False):
+        from kda_cases import token_loop_kda
+
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and int(cu_seqlens[-1]) == q.shape[1]
+        assert g.dtype == torch.float32 and g.shape == q.shape and use_qk_l2norm_in_kernel
+        assert scale == q.shape[-1] ** -0.5  # the loop scales by it too
+        self.calls.append(q.shape)
+        initial = None if initial_state is None or self.forgets else initial_state[None]
+        out, finals = token_loop_kda(q.float(), k.float(), v.float(), g, beta.float(), tuple(cu_seqlens[:-1].tolist()),
+                                     initial)
+        return out.to(v.dtype), finals[0] if output_final_state else None
+
+
+def _kda_probe(stand_in: KdaStandIn) -> KernelProbe:
+    return KernelProbe({"chunk_kda": Kernel("flash-linear-attention", lambda: stand_in, kernels._probe_kda)},
+                       devices=("cpu",))
+
+
+def test_chunk_kda_is_called_as_the_package_takes_it_and_held_to_the_torch_rule(monkeypatch):
+    """KDA's layers call flash-linear-attention's ``chunk_kda`` where it runs (kernels.kda_rule_states): rows laid
+    end to end as segments, the l2norm in the kernel, the scale, initial and final states per segment. A stand-in
+    that computes the recurrence token by token passes the probe, and the layers' call through it equals seqmesh's
+    torch rule (float64, two rows of two documents from initial states); one that drops the initial states fails the
+    probe, with one warning, and the torch rule runs."""
+    from seqmesh.linear_attention.kda import chunk_kda_states
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    decay = -torch.rand(2, 40, 2, 8, generator=g, dtype=torch.float64)
+    beta = torch.rand(2, 40, 2, generator=g, dtype=torch.float64)
+    initial = torch.randn(2, 2, 2, 8, 8, generator=g, dtype=torch.float64)
+    bounds = (0, 13, 40)
+    want = chunk_kda_states(q, k, v, decay, beta, bounds, initial)
+
+    faithful = KdaStandIn()
+    monkeypatch.setattr(kernels, "PROBE", _kda_probe(faithful))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = kernels.kda_rule_states(q, k, v, decay, beta, bounds, initial)
+    assert len(faithful.calls) == 1 + 1  # the probe's, then the layer's
+    for a, b in zip(got, want):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-6, float((a - b).abs().max())
+
+    forgetting = KdaStandIn(forgets=True)
+    monkeypatch.setattr(kernels, "PROBE", _kda_probe(forgetting))
+    with pytest.warns(KernelFallbackWarning, match="chunk_kda"):
+        got = kernels.kda_rule_states(q, k, v, decay, beta, bounds, initial)
+    assert len(forgetting.calls) == 1  # the probe's only
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
