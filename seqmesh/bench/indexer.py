@@ -3,9 +3,10 @@ bfloat16``, on the families bench's DSA config (``seqmesh bench families``' ``ds
 
 The model is transformers' DeepSeek-V3.2 in float32 with random weights (SDPA attention), run on random tokens. Each
 indexer's forward is replaced for the run: it takes its inputs as transformers hands them over (hidden states, the
-query's residual, the rotary embeddings), makes the indexer's queries, keys and head weights as seqmesh does (:mod:`seqmesh.hf.indexed_layouts`),
-and scores the whole row twice with seqmesh's own scoring (:func:`seqmesh.hf.indexed_attention.index_rows`: the
-Triton kernel on a GPU, the torch form on a CPU): once in float32, once rounded to bfloat16. Each query then picks
+query's residual, the rotary embeddings), makes the indexer's queries, keys and head weights as seqmesh does
+(:mod:`seqmesh.hf.indexed_layouts`), and scores the whole row twice with seqmesh's own scoring
+(:func:`seqmesh.hf.indexed_attention.index_rows`: the Triton kernel on a GPU, the torch form on a CPU): once in
+float32, once rounded to bfloat16. Each query then picks
 its top k of its earlier keys both ways, and the layer attends with the float32 picks. The row reports, per layer:
 
 - ``same_picks``: the share of the picks both precisions make (over the queries that see more keys than k; the

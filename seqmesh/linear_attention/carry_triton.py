@@ -21,6 +21,8 @@ Backward, chunks in reverse, with the state's gradient ``D`` (the segment's fina
                                                                               first chunk; then zero)
 
 The products over all chunks at once (the outputs' reads, w's, q_read's and intra's gradients) stay torch's.
+``intra`` is causal, as the rules make it (a token reads the chunk's tokens up to itself): the backward skips its
+blocks above the diagonal.
 
 :mod:`.gated_delta` imports this module on the kernel's first use, so a process that never calls it never imports
 Triton; Triton decides at import whether the kernels run interpreted (a test sets ``TRITON_INTERPRET=1`` first).

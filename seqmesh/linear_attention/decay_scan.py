@@ -17,6 +17,8 @@ transition is one scalar per head, ``exp(sum g)``, and the entering state is rea
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ..kernels.probe import Kernel, KernelProbe
@@ -39,12 +41,13 @@ class _ChunkStates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, written, decay, initial, firsts: tuple[int, ...], lasts: tuple[int, ...]):
+        ctx.initial = None if initial is None else (initial.shape, initial.dtype)
+        initial = None if initial is None else initial.to(written.dtype)  # the state's dtype, as the loop keeps it
         kernel = scan_kernel(written)
         loop = kernel.forward if kernel is not None else _forward_loop
         entering, finals = loop(written, decay, initial, firsts, lasts)
         ctx.save_for_backward(entering, decay)
         ctx.firsts, ctx.lasts = firsts, lasts
-        ctx.initial = None if initial is None else (initial.shape, initial.dtype)
         return entering, finals
 
     @staticmethod
@@ -96,7 +99,7 @@ def _reverse_loop(d_entering, decay, d_finals, firsts: tuple[int, ...], lasts: t
     return d_written
 
 
-def scan_kernel(x: torch.Tensor):
+def scan_kernel(x: torch.Tensor) -> ModuleType | None:
     """The Triton form of the scan's loops (:mod:`.decay_scan_triton`) where it runs for tensors like ``x``: float32
     on a CUDA device where Triton is installed and the kernel passed its probe there; not while torch.compile traces,
     nor on fake tensors. None elsewhere: the torch loops run."""
@@ -106,7 +109,7 @@ def scan_kernel(x: torch.Tensor):
     return SCAN_PROBE.load("scan") if SCAN_PROBE.works("scan", x.device) else None
 
 
-def _scan_loaded():
+def _scan_loaded() -> ModuleType | None:
     try:
         from . import decay_scan_triton
     except ImportError:  # no Triton
@@ -114,26 +117,28 @@ def _scan_loaded():
     return decay_scan_triton
 
 
-def _probe_scan(kernel, device: torch.device, generator: torch.Generator) -> None:
-    """The kernel's two loops held to the torch loops': 3 segments over 5 chunks (each from an initial state), a
-    state of 40 x 30 (past one block of the kernel's)."""
+def _probe_scan(kernel: ModuleType, device: torch.device, generator: torch.Generator) -> None:
+    """The kernel's two loops held to the torch loops' in float64: 3 segments over 5 chunks, from initial states and
+    from zero (each its own compiled form), a state of 40 x 30 (past one block of the kernel's)."""
     b, h, n, dk, dv = 1, 2, 5, 40, 30
     firsts, lasts = (0, 2, 3), (1, 2, 4)
 
     def rand(*shape):
         return torch.randn(*shape, generator=generator, device=device)
 
-    written, decay, initial = rand(b, h, n, dk, dv), torch.rand(b, h, n, generator=generator, device=device), \
-        rand(b, len(firsts), h, dk, dv)
+    written, decay = rand(b, h, n, dk, dv), torch.rand(b, h, n, generator=generator, device=device)
     d_entering, d_finals = rand(b, h, n, dk, dv), rand(b, len(firsts), h, dk, dv)
-    got = list(kernel.forward(written, decay, initial, firsts, lasts))
-    want = list(_forward_loop(written, decay, initial, firsts, lasts))
-    for loop, results in ((kernel.backward, got), (_reverse_loop, want)):
-        d_initial = torch.zeros_like(initial)
-        results += [loop(d_entering, decay, d_finals, firsts, lasts, d_initial), d_initial]
-    for a, z in zip(got, want):
-        if not torch.allclose(a, z, rtol=1e-5, atol=1e-5):
-            raise RuntimeError("the scan kernel's loops differ from the torch loops'")
+    for initial in (rand(b, len(firsts), h, dk, dv), None):
+        wide = None if initial is None else initial.double()
+        got = list(kernel.forward(written, decay, initial, firsts, lasts))
+        want = list(_forward_loop(written.double(), decay.double(), wide, firsts, lasts))
+        for loop, results, dtype in ((kernel.backward, got, torch.float32), (_reverse_loop, want, torch.float64)):
+            d_initial = None if initial is None else torch.zeros(initial.shape, dtype=dtype, device=device)
+            results.append(loop(d_entering.to(dtype), decay.to(dtype), d_finals.to(dtype), firsts, lasts, d_initial))
+            results += [] if d_initial is None else [d_initial]
+        for a, z in zip(got, want):
+            if not torch.allclose(a.double(), z, rtol=1e-5, atol=1e-5):
+                raise RuntimeError("the scan kernel's loops differ from the torch loops'")
 
 
 SCAN_PROBE = KernelProbe({"scan": Kernel("triton", _scan_loaded, _probe_scan)})

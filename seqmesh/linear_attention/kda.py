@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta import CHUNK, carry_chunks, chunk_layout, compute_dtype, l2norm, without_autocast
+from .carry import carry_chunks
+from .gated_delta import CHUNK, chunk_layout, compute_dtype, l2norm, without_autocast
 
 SUB_CHUNK = 16  # tokens per sub-chunk of the pairwise decay
 

@@ -58,8 +58,8 @@ class RunSettings:
     recurrent state between them, or auto: the cheaper for the shapes (seqmesh.linear_attention.choice)."""
     indexer_precision: IndexerPrecision = "float32"
     """DeepSeek Sparse Attention's indexer scores (which keys each query attends to): float32, as transformers
-    computes them, or bfloat16 inputs with float32 sums (on a GPU's tensor cores, where float32 runs without them; a pick
-    may differ where two keys' scores are within bf16 rounding: docs/attention.md has the measured agreement)."""
+    computes them, or bfloat16 inputs with float32 sums (on a GPU's tensor cores, where float32 runs without them; a
+    pick may differ where two keys' scores are within bf16 rounding: docs/attention.md has the measured agreement)."""
     layout: Layout = "auto"
     """How the sequence is split over the ranks: zigzag balances causal work, per_document balances each packed
     document's own; auto takes per_document when documents are packed, zigzag otherwise."""

@@ -114,7 +114,7 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         out.update(device=props.name, memory_bytes=props.total_memory, capability=list(torch.cuda.get_device_capability()))
         out["recurrent_kernels"] = recurrent_kernels(torch.device("cuda", 0))
-        out["sparse_kernels"] = sparse_kernels(torch.device("cuda", 0))
+        out["triton_kernels"] = triton_kernels(torch.device("cuda", 0))
     try:
         import flash_attn  # noqa: F401
 
@@ -133,16 +133,16 @@ def recurrent_kernels(device: torch.device) -> dict[str, str]:
             for name, works in probe_kernels(device).items()}
 
 
-def sparse_kernels(device: torch.device) -> dict[str, str]:
+def triton_kernels(device: torch.device) -> dict[str, str]:
     """seqmesh's Triton kernels on ``device``: DeepSeek Sparse Attention's two (the indexer's scores, the latent
     attention), the flash kernel ALiBi runs on (``triton_flash``), and the recurrent rules' loops over chunks
     (``carry``: Gated DeltaNet's and KDA's; ``scan``: Mamba2's and lightning attention's): "runs", "absent" (no
     Triton) or "fails" (probed: the torch form or the math kernel runs instead, and the probe has warned)."""
     from ..kernels import flash_triton_kernel, sparse_latent
-    from ..linear_attention import decay_scan, gated_delta
+    from ..linear_attention import carry, decay_scan
 
     return {name: "runs" if works else "absent" if probe.kernels[name].load() is None else "fails"
-            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE, gated_delta.CARRY_PROBE,
+            for probe in (sparse_latent.PROBE, flash_triton_kernel.PROBE, carry.CARRY_PROBE,
                           decay_scan.SCAN_PROBE)
             for name, works in probe.probe_all(device).items()}
 
@@ -404,10 +404,10 @@ def format_report(report: dict) -> str:
         lines.append("recurrent kernels: " + ", ".join(f"{name} {verdict}" + (" (seqmesh's torch rule runs instead)"
                                                                              if verdict == "fails" else "")
                                                        for name, verdict in env["recurrent_kernels"].items()))
-    if env.get("sparse_kernels"):
+    if env.get("triton_kernels"):
         lines.append("seqmesh's Triton kernels: " + ", ".join(
             f"{name} {verdict}" + (" (seqmesh's torch form runs instead)" if verdict == "fails" else "")
-            for name, verdict in env["sparse_kernels"].items()))
+            for name, verdict in env["triton_kernels"].items()))
     failed = [name for name in STEPS if isinstance(report[name], dict)
               and "error" in report[name]]
     for name in failed:

@@ -26,7 +26,7 @@ from ..hf.indexed_attention import is_indexed
 from ..hf.mixers import has_mixers
 from ..kernels.sparse_latent import PROBE as SPARSE_PROBE
 from ..linear_attention.decay_scan import SCAN_PROBE
-from ..linear_attention.gated_delta import CARRY_PROBE
+from ..linear_attention.carry import CARRY_PROBE
 from ..linear_attention.kernels import probe_kernels
 from ..memory import MemoryTracker
 from ..mesh import SPMesh, init_mesh
