@@ -20,6 +20,7 @@ from .minimax import minimax_fields
 from .recurrent_gemma import recurrent_gemma_fields
 from .rwkv import rwkv_fields
 from .xlstm import xlstm_fields
+from .zaya import zaya_fields
 
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
@@ -37,13 +38,13 @@ def _positive(cfg: dict, *names: str, default=None) -> int:
 
 
 # the recurrent mixers seqmesh trains but the planner does not size yet: model_type -> the mixer's name
-_UNSIZED = {"zaya": "compressed convolutional attention (CCA)"}
+_UNSIZED: dict[str, str] = {}
 _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids Nemotron-H (nemotron_h), Granite-4 "
           "hybrid (granitemoehybrid), Bamba and Falcon-H1 (falcon_h1), LFM2's gated short convolutions (lfm2, "
           "lfm2_moe, lfm3), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), "
           "RecurrentGemma's "
           "RG-LRU (recurrent_gemma), Mamba (jamba, mamba, falcon_mamba), RWKV-4's blocks (rwkv) and xLSTM's mLSTM "
-          "(xlstm)")
+          "(xlstm), ZAYA's CCA attention (zaya)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -69,6 +70,8 @@ def hybrid_fields(cfg: dict) -> dict:
         return mamba_fields(cfg)
     if family == "xlstm":
         return xlstm_fields(cfg)
+    if family == "zaya":
+        return zaya_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

@@ -118,6 +118,7 @@ class HybridShape:
     mamba1: Mamba1Shape | None = None
     rwkv: RwkvShape | None = None
     xlstm: XlstmShape | None = None
+    cca: CcaShape | None = None  # ZAYA's attention projections (its attention layers' mixer otherwise attention)
     extra_params: int = 0  # parameters beside the layers, the embeddings and a final norm's weight (RWKV's LayerNorms)
 
     def ffn(self, name: str) -> FeedForward:
@@ -180,6 +181,7 @@ class HybridShape:
                 "mamba1": asdict(self.mamba1) if self.mamba1 else None,
                 "rwkv": asdict(self.rwkv) if self.rwkv else None,
                 "xlstm": asdict(self.xlstm) if self.xlstm else None,
+                "cca": asdict(self.cca) if self.cca else None,
                 "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms,
@@ -309,6 +311,43 @@ class Mamba1Shape:
         biases = (2 * i + hidden if self.proj_bias else 0) + (i if self.conv_bias else 0) + i  # dt_proj's bias
         norms = self.dt_rank + 2 * self.state if self.norms and self.norm_weights else 0
         return self.matmul_params(hidden) + biases + i * self.conv + i * self.state + i + norms
+
+
+@dataclass(frozen=True)
+class CcaShape:
+    """ZAYA's Compressed Convolutional Attention projection (:mod:`.zaya`): q (``heads`` x ``head_dim``) and k
+    (``kv_heads`` x ``head_dim``) mixed over time by a depthwise conv of ``time0`` taps then a conv of ``time1`` taps
+    grouped by head, the value's second half projected from the token before."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    time0: int = 2
+    time1: int = 2
+
+    def __post_init__(self) -> None:
+        positive_sizes(self, ("heads", "kv_heads", "head_dim", "time0", "time1"), "CCA projections",
+                       "num_attention_heads, num_key_value_heads, head_dim, cca_time0, cca_time1")
+
+    @property
+    def channels(self) -> int:
+        """q | k: the convs' channels, which their halo carries."""
+        return (self.heads + self.kv_heads) * self.head_dim
+
+    @property
+    def halo_kernel(self) -> int:
+        """The width of one conv reading the two convs' earlier rows (``time0 + time1 - 2``, plus the token itself)."""
+        return self.time0 + self.time1 - 1
+
+    @property
+    def delayed(self) -> int:
+        """Channels of the delayed value projection (half the kv heads' values), whose one earlier row a token reads."""
+        return self.kv_heads * self.head_dim // 2
+
+    def conv_params(self) -> int:
+        """The two convs' weights and biases (the grouped one's groups each a head's ``head_dim`` channels)."""
+        c = self.channels
+        return c * self.time0 + c + c * self.head_dim * self.time1 + c
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from ..model.hybrid_shape import SLIDING
 from ..rules.degrees import Degrees
 from ..rules.overlap import ASYNC_PIECES, pipelined_exposed
 from .activations import local_tokens
+from .cca import KEY as CCA_KEY
+from .cca import cca_saved_bytes, cca_seconds, cca_traffic
 from .experts import layer_fsdp_seconds
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases
@@ -63,6 +65,9 @@ class Attention:
         ranks = self.ranks()
         fwd, bwd = ({"ulysses_all_to_all": worst_rank(ranks, "all_to_all", ph),
                      "ring_p2p": worst_rank(ranks, "p2p", ph)} for ph in ("forward", "backward"))
+        if self.cca:  # ZAYA's projection: its halo's all-gathers and reduce-scatters
+            halo_fwd, halo_bwd = cca_traffic(self.work, self.layout)
+            fwd, bwd = fwd | halo_fwd, bwd | halo_bwd
         sent = phases(fwd, bwd, self.work.checkpointing)
         if self.layout.tp > 1:  # the TP regions' gathers and reduce-scatters
             for phase, tp in layer_traffic(self.work, self.layout).items():
@@ -77,6 +82,8 @@ class Attention:
         links = {"ulysses_all_to_all": link_name(hw, axis_groups(self.layout, "ulysses")),
                  "ring_p2p": link_name(hw, axis_groups(self.layout, "ring")),
                  "input_check_all_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        if self.cca:
+            links[CCA_KEY] = link_name(hw, axis_groups(self.layout, "sequence")[:1])
         if self.layout.tp > 1:
             tp = link_name(hw, axis_groups(self.layout, "tp"))
             links |= {"tp_all_gather": tp, "tp_reduce_scatter": tp, "tp_all_reduce": tp}
@@ -90,8 +97,14 @@ class Attention:
         padded = placement(self.work, self.layout).padded
         return ring_steps(self.layout.ring, padded, self.work.layout, self.window) - 1
 
+    @property
+    def cca(self) -> bool:
+        """Whether the layer's q, k and v come from ZAYA's CCA projection (:mod:`.cca`)."""
+        return self.work.model.hybrid is not None and self.work.model.hybrid.cca is not None
+
     def saved_bytes(self) -> int:
-        return attention_saved_bytes(self.work, self.layout)
+        return attention_saved_bytes(self.work, self.layout) + (cca_saved_bytes(self.work, self.layout)
+                                                                if self.cca else 0)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """One seqmesh-attention layer of the step, as :func:`.timing.step_time` counts it (the model's full and
@@ -124,6 +137,8 @@ class Attention:
         fwd = mm_fwd + a2a_fwd + ring_fwd + tp["forward"]
         bwd = 2 * mm_fwd + a2a_bwd + ring_bwd + tp["backward"]
         comm_fwd, comm_bwd = a2a_serial_fwd + p2p_fwd + tp["forward"], a2a_serial_bwd + p2p_bwd + tp["backward"]
+        halo = cca_seconds(work, layout, hw) if self.cca else 0.0  # ZAYA's halo: the convs wait for it
+        fwd, bwd, comm_fwd, comm_bwd = fwd + halo, bwd + halo, comm_fwd + halo, comm_bwd + halo
         if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
             bwd += fwd - tp["forward"] + tp["recompute"]
         # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer

@@ -46,12 +46,14 @@ def kda_rule_saved(head_dim: int, chunk: int = LINEAR_CHUNK) -> int:
     return round(31.2 * head_dim + 1.0625 * head_dim * head_dim / chunk + 134)
 
 
-def kda_rule_backward(head_dim: int, chunk: int = LINEAR_CHUNK) -> int:
+def kda_rule_backward(head_dim: int) -> int:
     """float32 values a token and head the KDA rule's backward holds at its peak beyond what it kept: the carried
-    chunks' gradients (``gated_delta._CarryChunks``) all at once (some 6.5 of ``D``: the gradients of u, w, q_read and
-    k_write, the outputs' gradient laid out by chunk and the pairwise scores') and a little of a state a chunk.
-    Tracked as above for ``D`` 16 to 256: exact to a value."""
-    return round(6.515625 * head_dim + 0.1875 * head_dim * head_dim / chunk + 64)
+    chunks' gradients (``carry._CarryChunks``) all at once (some 6.5 of ``D``: the gradients of u, w, q_read and
+    k_write, the outputs' gradient laid out by chunk and the pairwise scores'). Tracked as above for ``D`` 16 to 256
+    at 32 chunks: exact to a value beside one ``D x D`` state a head, whatever the length (``D^2 / S`` a token: 0.5 at
+    ``D`` 128 and 32K tokens), which is left out. The reverse loop's two state gradients are freed before that peak
+    since the loop became a function of its own (it was ``0.1875 D^2 / C`` more)."""
+    return round(6.515625 * head_dim + 64)
 
 
 def kda_flops(heads: int, head_dim: int, tokens: int, chunk: int = LINEAR_CHUNK) -> int:

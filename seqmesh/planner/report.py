@@ -74,6 +74,9 @@ def _hybrid(m) -> str:
     if m.hybrid.kda is not None:
         kda = m.hybrid.kda
         return f" (layers: {kinds}; KDA {kda.heads} heads x {kda.head_dim}, conv {kda.conv})"
+    if m.hybrid.cca is not None:
+        cca = m.hybrid.cca
+        return f" (layers: {kinds}; CCA projections, their q | k convs {cca.time0} and {cca.time1} taps)"
     return f" (layers: {kinds}; gated short conv width {conv.kernel})" if conv is not None else f" (layers: {kinds})"
 
 

@@ -113,9 +113,10 @@ def layer_matmul_params(m: ModelShape) -> int:
     experts a token is routed to, the shared experts and the router). MLA's ``kv_b_proj`` multiplies every token
     (dense: the keys and values of every head) or, as indexed attention runs it, every query (its two halves
     absorbed into the query and the output): the same products. A Mamba2 hybrid's attention layer: its attention
-    and its own feed-forward (none in Nemotron-H)."""
-    if m.hybrid is not None:
-        return m.attention_params + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
+    and its own feed-forward (none in Nemotron-H); ZAYA's, its CCA convs too."""
+    if m.hybrid is not None:  # ZAYA's CCA convs: a multiply-add a weight and token, as a matmul's
+        convs = m.hybrid.cca.conv_params() if m.hybrid.cca is not None else 0
+        return m.attention_params + convs + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
     if not m.experts:
         return m.attention_params + m.mlp_matrices * m.hidden * m.intermediate
     mlp = m.mlp_matrices * m.hidden * m.intermediate * (m.experts_per_token or 1) + m.shared_expert_params

@@ -166,8 +166,7 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     assert shape.params == total
 
 
-@pytest.mark.parametrize("family,mixer", [("zamba", "Mamba"),
-                                          ("zaya", r"compressed convolutional attention \(CCA\)")])
+@pytest.mark.parametrize("family,mixer", [("zamba", "Mamba")])
 def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
     """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
     than a plan that takes it for attention; the shape still reads (seqmesh train needs it)."""
