@@ -156,7 +156,7 @@ def generated_parity(family: str, ulysses: int, ring: int, prompt_len: int, new_
 
 def _planned_state_elements(config) -> tuple[int, int] | None:
     """The planner's recurrent state and conv-tail elements for this batch of two rows (``seqmesh plan --inference``
-    reads the model from its config.json, as here); None for a model the planner does not size (Jamba, Zamba, Mamba)."""
+    reads the model from its config.json, as here); None for a model the planner does not size (Zamba, Mamba)."""
     import tempfile
 
     from seqmesh.model.presets import model_shape

@@ -147,7 +147,7 @@ class InferencePlan:
 
 def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
     """Elements of what generation keeps for the Gated DeltaNet layers (or RecurrentGemma's recurrent blocks, Jamba's
-    Mamba layers, the Mamba2 hybrids' Mamba2 layers), the same on every rank: their recurrent states (Dk x Dv per value
+    Mamba layers, the Mamba2 hybrids' Mamba2 layers, ZAYA's CCA projections), the same on every rank: their recurrent states (Dk x Dv per value
     head and sample; the RG-LRU's ``lru_width``; Mamba's inner x state; Mamba2's heads x head_dim x state) and
     their convolutions' last ``kernel - 1`` inputs (the conv's width per sample); ``seqmesh.inference``'s cache holds
     exactly these (tests/inference/test_generate.py)."""
@@ -163,6 +163,10 @@ def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
     if m.hybrid is not None and m.hybrid.lightning is not None:  # MiniMax-01's: D x D a head, no conv
         mixer, layers = m.hybrid.lightning, m.hybrid.count(LIGHTNING)
         return layers * batch * mixer.heads * mixer.head_dim ** 2, 0
+    if m.hybrid is not None and m.hybrid.cca is not None:  # ZAYA's CCA: the delayed value's last row (counted as a
+        # float32 state, though the model's dtype: a row a layer), and q | k's last time0 + time1 - 2 rows
+        cca, layers = m.hybrid.cca, m.hybrid.attention_layers
+        return layers * batch * cca.delayed, layers * batch * (cca.halo_kernel - 1) * cca.channels
     if m.hybrid is not None and m.hybrid.conv is not None:  # LFM2's short convs: no state, the conv over hidden
         layers = m.hybrid.count(CONV)
         return 0, layers * batch * (m.hybrid.conv.kernel - 1) * m.hidden
