@@ -100,6 +100,28 @@ class KernelProbe:
         return False
 
 
+def float32_loop_kernel(probe: KernelProbe, name: str, x: torch.Tensor, atomic: bool = False):
+    """``probe``'s kernel ``name`` (seqmesh's Triton form of a recurrent rule's loop over chunks) where it runs for
+    float32 tensors like ``x`` on a CUDA device: Triton installed and the kernel through its probe there. None
+    elsewhere, and while torch.compile traces, on fake tensors (a rehearsal measures the torch loops' memory), and,
+    for a kernel whose backward adds with ``atomic`` adds, under ``torch.use_deterministic_algorithms``: the torch
+    loops run."""
+    if x.device.type != "cuda" or x.dtype != torch.float32 or torch.compiler.is_compiling() \
+            or torch._subclasses.fake_tensor.is_fake(x) or (atomic and torch.are_deterministic_algorithms_enabled()):
+        return None
+    return probe.load(name) if probe.works(name, x.device) else None
+
+
+def triton_module(name: str):
+    """``seqmesh.<name>``, a module of Triton kernels, or None where Triton is not installed (a probe's ``load``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"seqmesh.{name}")
+    except ImportError:
+        return None
+
+
 def _in_own_thread(run: Callable, fn: Callable, device: torch.device) -> BaseException | None:
     """``run(fn, device, generator)`` in a fresh thread (fresh grad mode, autocast, saved-tensor hooks and dispatch
     modes); the exception it raised, or None."""

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.probe import Kernel, KernelProbe
+from ..kernels.probe import Kernel, KernelProbe, float32_loop_kernel, triton_module
 from .choice import LINEAR_CHUNK as CHUNK
 
 
@@ -32,22 +32,10 @@ def carry_chunks(u: torch.Tensor, w: torch.Tensor, q_read: torch.Tensor, intra: 
 
 
 def carry_kernel(x: torch.Tensor) -> ModuleType | None:
-    """The Triton form of the carry's loops (:mod:`.carry_triton`) where it runs for tensors like ``x``: float32 on a
-    CUDA device where Triton is installed and the kernel passed its probe there. None elsewhere, and while
-    torch.compile traces, on fake tensors and under ``torch.use_deterministic_algorithms`` (the kernel's backward adds
-    ``k_write``'s gradient atomically): the torch loops run."""
-    if x.device.type != "cuda" or x.dtype != torch.float32 or torch.compiler.is_compiling() \
-            or torch._subclasses.fake_tensor.is_fake(x) or torch.are_deterministic_algorithms_enabled():
-        return None
-    return CARRY_PROBE.load("carry") if CARRY_PROBE.works("carry", x.device) else None
-
-
-def _carry_loaded() -> ModuleType | None:
-    try:
-        from . import carry_triton
-    except ImportError:  # no Triton
-        return None
-    return carry_triton
+    """The Triton form of the carry's loops (:mod:`.carry_triton`) where it runs for tensors like ``x``
+    (:func:`seqmesh.kernels.probe.float32_loop_kernel`; its backward adds ``k_write``'s gradient atomically), else
+    None: the torch loops run."""
+    return float32_loop_kernel(CARRY_PROBE, "carry", x, atomic=True)
 
 
 def _kernel_forward(kernel: ModuleType, u, w, k_write, chunk_decay, initial, first_chunks):
@@ -102,7 +90,8 @@ def _probe_carry(kernel: ModuleType, device: torch.device, generator: torch.Gene
                                        "from the torch loops'")
 
 
-CARRY_PROBE = KernelProbe({"carry": Kernel("triton", _carry_loaded, _probe_carry)})
+CARRY_PROBE = KernelProbe({"carry": Kernel("triton", lambda: triton_module("linear_attention.carry_triton"),
+                                             _probe_carry)})
 
 
 def _by_chunk(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.probe import Kernel, KernelProbe
+from ..kernels.probe import Kernel, KernelProbe, float32_loop_kernel, triton_module
 from .choice import LINEAR_CHUNK as CHUNK
 from .choice import runs_and_tails
 from .gated_delta import chunk_layout, compute_dtype, without_autocast
@@ -100,21 +100,9 @@ def _reverse_loop(d_entering, decay, d_finals, firsts: tuple[int, ...], lasts: t
 
 
 def scan_kernel(x: torch.Tensor) -> ModuleType | None:
-    """The Triton form of the scan's loops (:mod:`.decay_scan_triton`) where it runs for tensors like ``x``: float32
-    on a CUDA device where Triton is installed and the kernel passed its probe there; not while torch.compile traces,
-    nor on fake tensors. None elsewhere: the torch loops run."""
-    if x.device.type != "cuda" or x.dtype != torch.float32 or torch.compiler.is_compiling() \
-            or torch._subclasses.fake_tensor.is_fake(x):
-        return None
-    return SCAN_PROBE.load("scan") if SCAN_PROBE.works("scan", x.device) else None
-
-
-def _scan_loaded() -> ModuleType | None:
-    try:
-        from . import decay_scan_triton
-    except ImportError:  # no Triton
-        return None
-    return decay_scan_triton
+    """The Triton form of the scan's loops (:mod:`.decay_scan_triton`) where it runs for tensors like ``x``
+    (:func:`seqmesh.kernels.probe.float32_loop_kernel`), else None: the torch loops run."""
+    return float32_loop_kernel(SCAN_PROBE, "scan", x)
 
 
 def _probe_scan(kernel: ModuleType, device: torch.device, generator: torch.Generator) -> None:
@@ -141,7 +129,8 @@ def _probe_scan(kernel: ModuleType, device: torch.device, generator: torch.Gener
                 raise RuntimeError("the scan kernel's loops differ from the torch loops'")
 
 
-SCAN_PROBE = KernelProbe({"scan": Kernel("triton", _scan_loaded, _probe_scan)})
+SCAN_PROBE = KernelProbe({"scan": Kernel("triton", lambda: triton_module("linear_attention.decay_scan_triton"),
+                                           _probe_scan)})
 
 
 @without_autocast
