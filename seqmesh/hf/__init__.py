@@ -320,6 +320,9 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
         raise ValueError("this model is already parallelized; call seqmesh.hf.unparallelize(model) first.")
     name = f"seqmesh_{id(model):x}"
     AttentionInterface.register(name, _make_attention(mesh, backend))
+    # a mask function a collected model of the same id registered (MPT's, XGLM's below) would otherwise build this
+    # model's masks: ids are reused, and a model dropped without unparallelize keeps its registrations
+    AttentionMaskInterface._global_mapping.pop(name, None)
     previous = config._attn_implementation
     if not own:  # no switch for a model whose attention is its own
         model.set_attn_implementation(name)

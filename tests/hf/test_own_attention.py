@@ -221,3 +221,31 @@ def test_the_newest_only_families_are_refused_on_older_releases(pools, family):
         assert "upgrade transformers to 5.24" in said, said
     else:
         assert said == "", said
+
+
+def _after_a_stale_mask_function(family: str) -> dict:
+    """``family_parity`` with a mask function registered first under the name parallelize gives the model, as a
+    collected MPT or XGLM model of the same id leaves it when dropped without unparallelize (ids are reused; the census
+    met it: one rank refused Dory's "own attention mask (1, 1, 1, 1)", the other hung in the next collective)."""
+    import family_cases
+    from transformers import AttentionMaskInterface
+
+    from family_cases import family_parity
+    from seqmesh.hf import own_attention
+
+    real = family_cases.parallelize
+
+    def after_a_stale_one(model, mesh, **kwargs):
+        AttentionMaskInterface.register(f"seqmesh_{id(model):x}", own_attention.token_mask)
+        return real(model, mesh, **kwargs)
+
+    family_cases.parallelize = after_a_stale_one
+    try:
+        return family_parity(family, 1, 2)
+    finally:
+        family_cases.parallelize = real
+
+
+def test_a_mask_function_left_under_the_models_name_is_not_used(pools):
+    for r in pools.run(2, _after_a_stale_mask_function, "llama"):
+        assert not _outside_rounding(r), r
