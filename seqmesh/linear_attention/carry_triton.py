@@ -30,6 +30,8 @@ Triton; Triton decides at import whether the kernels run interpreted (a test set
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -149,7 +151,14 @@ def _backward(DOUT, INTRA, KW, W, QR, DECAY, STATES, VNEW, DFINAL, START, END, D
 
 
 def segment_flags(first_chunks: tuple[int, ...], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) int32 each: the segment a chunk starts (else -1), and the one it ends (else -1)."""
+    """(N,) int32 each: the segment a chunk starts (else -1), and the one it ends (else -1); the carry's and the
+    decay scan's kernels read them. Made once per layout and device (a layer's every call would otherwise copy them
+    from the host)."""
+    return _flags(tuple(first_chunks), n, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _flags(first_chunks: tuple[int, ...], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     start = torch.full((n,), -1, dtype=torch.int32)
     end = torch.full((n,), -1, dtype=torch.int32)
     for j, first in enumerate(first_chunks):

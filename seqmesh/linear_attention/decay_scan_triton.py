@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import carry_triton
+
 BLOCK, WARPS = 1024, 4  # state elements a program carries (8 a thread)
 
 
@@ -76,15 +78,6 @@ def _backward(D_ENTERING, DECAY, D_FINALS, FIRST, LAST, D_WRITTEN, D_INIT, N, H,
             grad = carried
 
 
-def chunk_flags(firsts: tuple[int, ...], lasts: tuple[int, ...], n: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) int32 each: the segment a chunk starts (else -1), and the one it ends (else -1)."""
-    first, last = torch.full((n,), -1, dtype=torch.int32), torch.full((n,), -1, dtype=torch.int32)
-    for j, (a, z) in enumerate(zip(firsts, lasts)):
-        first[a], last[z] = j, j
-    return first.to(device), last.to(device)
-
-
 def forward(written: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor | None, firsts: tuple[int, ...],
             lasts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """written (B, H, N, Dk, Dv), decay (B, H, N), initial (B, J, H, Dk, Dv) or None, float32 -> (the states entering
@@ -93,7 +86,7 @@ def forward(written: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor | 
     written, decay = written.contiguous(), decay.contiguous()
     entering = torch.empty_like(written)
     finals = written.new_empty(b, len(firsts), h, dk, dv)
-    first, last = chunk_flags(firsts, lasts, n, written.device)
+    first, last = carry_triton.segment_flags(firsts, n, written.device)  # (lasts: the chunks before the next firsts)
     grid = (b * h, triton.cdiv(dk * dv, BLOCK))
     _forward[grid](written, decay, initial.contiguous() if initial is not None else finals, first, last, entering,
                    finals, n, h, len(firsts), dk * dv, BLOCK=BLOCK, HAS_INIT=initial is not None, num_warps=WARPS)
@@ -107,7 +100,7 @@ def backward(d_entering: torch.Tensor, decay: torch.Tensor, d_finals: torch.Tens
     b, h, n, dk, dv = d_entering.shape
     d_entering, decay, d_finals = d_entering.contiguous(), decay.contiguous(), d_finals.contiguous()
     d_written = torch.empty_like(d_entering)
-    first, last = chunk_flags(firsts, lasts, n, d_entering.device)
+    first, last = carry_triton.segment_flags(firsts, n, d_entering.device)
     grid = (b * h, triton.cdiv(dk * dv, BLOCK))
     _backward[grid](d_entering, decay, d_finals, first, last, d_written,
                     d_initial if d_initial is not None else d_finals, n, h, len(firsts), dk * dv, BLOCK=BLOCK,

@@ -83,7 +83,7 @@ def _on_the_kernels(monkeypatch):
 def _not_carried(monkeypatch):
     """The mutation: every chunk starts its segment again from the segment's initial state, as if the state were not
     carried from the chunk before (in both kernels)."""
-    from seqmesh.linear_attention import carry_triton, decay_scan_triton
+    from seqmesh.linear_attention import carry_triton
 
     def restarting(real):
         def flags(*args):
@@ -91,8 +91,7 @@ def _not_carried(monkeypatch):
             return ((start >= 0).cumsum(0) - 1).to(torch.int32), end
         return flags
 
-    monkeypatch.setattr(carry_triton, "segment_flags", restarting(carry_triton.segment_flags))
-    monkeypatch.setattr(decay_scan_triton, "chunk_flags", restarting(decay_scan_triton.chunk_flags))
+    monkeypatch.setattr(carry_triton, "segment_flags", restarting(carry_triton.segment_flags))  # both kernels' flags
 
 
 RULES = ["gated_delta", "kda", "decay_scan"]
