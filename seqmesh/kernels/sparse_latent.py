@@ -171,8 +171,11 @@ def uses_kernel(x: torch.Tensor, name: str = "sparse_latent") -> bool:
     """Whether the Triton kernel ``name`` (``"sparse_latent"``: :func:`sparse_latent_attention`'s; ``"index_scores"``:
     :func:`index_scores_kernel`) runs for tensors like ``x``: on CUDA, in bf16, fp16 or fp32 (float64 runs the torch
     form), Triton installed, its probe passed there; never on fake tensors (a rehearsal measures the torch form's
-    memory)."""
+    memory), nor, for ``"sparse_latent"``, whose backward adds each row's gradient with atomic adds, under
+    ``torch.use_deterministic_algorithms`` (the torch form's ``index_add_`` is deterministic there)."""
     if x.device.type != "cuda" or torch._subclasses.fake_tensor.is_fake(x) or x.dtype not in KERNEL_DTYPES:
+        return False
+    if name == "sparse_latent" and torch.are_deterministic_algorithms_enabled():
         return False
     return PROBE.works(name, x.device)
 

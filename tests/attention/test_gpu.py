@@ -251,3 +251,30 @@ def test_compiled_attention_on_cuda_matches_eager_accuracy(documents):
         errors = pool.run(compiled_attention_on_device, "cuda", documents, timeout=600)[0]
     for key, eager in errors["eager"].items():
         assert errors["compiled"][key] <= 2 * eager + 2**-8, (key, errors)
+
+
+def test_atomic_kernels_yield_to_deterministic_mode():
+    """Under ``torch.use_deterministic_algorithms`` the Triton kernels whose backward adds with atomics (the sparse
+    latent attention's row gradient, the delta rule's carry) give way to their torch forms, and the sparse
+    attention's gradients are then the same bits run to run."""
+    from seqmesh.kernels.sparse_latent import sparse_latent_attention, uses_kernel
+    from seqmesh.linear_attention.carry import carry_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(1, 64, 4, 24, generator=g, device="cuda", dtype=torch.bfloat16)
+    row = torch.randn(1, 256, 24, generator=g, device="cuda", dtype=torch.bfloat16)
+    picks = torch.randint(0, 256, (1, 64, 32), generator=g, device="cuda")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not uses_kernel(row) and carry_kernel(row.float()) is None
+
+        def grads():
+            q, r = query.clone().requires_grad_(), row.clone().requires_grad_()
+            sparse_latent_attention(q, r, picks, 0.2, 16).float().square().sum().backward()
+            return q.grad, r.grad
+
+        first, second = grads(), grads()
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+    finally:
+        torch.use_deterministic_algorithms(before)
