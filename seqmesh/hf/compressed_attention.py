@@ -45,6 +45,7 @@ from .indexed_attention import block_queries, entry_of, replace_forward, restore
 from .indexed_layouts import module_function
 
 _ATTR = "_seqmesh_compressed"
+INDEXER_ELEMENTS = 2**26  # float32 scores one pass of CSA's indexer makes (256 MiB; the scorer holds a few such)
 LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
 
 
@@ -187,12 +188,22 @@ def _indexer_picks(indexer: nn.Module, q: torch.Tensor, hidden: torch.Tensor, ke
                    first: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
     """CSA's selection for a block of queries: (B, l, k) each query's top ``index_topk`` entries (-1: one it may not
     see), scored by the indexer's own scorer (q (B, l, Hi, Di) rotated, hidden (B, l, E)) against its compressed keys
-    (B, N, Di); the entries it sees: ``[first, first + closed)``. No gradient."""
+    (B, N, Di); the entries it sees: ``[first, first + closed)``. No gradient. The scorer's float32 ``(B, l, Hi, N)``
+    scores are made for as many of the queries at once as keep them within :data:`INDEXER_ELEMENTS` (an attention
+    block holds thousands of queries on a GPU, and N is the row's entries, a quarter of the row: at 128K tokens one
+    block's scores would be 68 GB)."""
+    b, length = q.shape[:2]
+    step = max(1, INDEXER_ELEMENTS // (b * indexer.num_heads * keys.shape[1]))
     with torch.no_grad():
-        seen = _seen(first, closed, keys.shape[1])
-        scores = indexer.scorer(q, keys, hidden).masked_fill(~seen, float("-inf"))
-        chosen = scores.topk(min(indexer.index_topk, keys.shape[1]), dim=-1).indices
-        return torch.where(torch.gather(seen.expand(q.shape[0], -1, -1), 2, chosen), chosen, -1)
+        parts = []
+        for start in range(0, length, step):
+            part = slice(start, start + step)
+            seen = _seen(first[part], closed[part], keys.shape[1])
+            scores = indexer.scorer(q[:, part], keys, hidden[:, part]).masked_fill(~seen, float("-inf"))
+            chosen = scores.topk(min(indexer.index_topk, keys.shape[1]), dim=-1).indices
+            del scores
+            parts.append(torch.where(torch.gather(seen.expand(b, -1, -1), 2, chosen), chosen, -1))
+        return torch.cat(parts, dim=1)
 
 
 def _indexer_queries(indexer: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, position_ids) -> torch.Tensor:

@@ -52,15 +52,17 @@ def test_the_data_keeps_csa_selections_clear_of_ties():
 
 
 def _run_in_small_blocks(cases: list[tuple]) -> list[dict]:
-    """:func:`_run_all` with blocks of 1 to 3 queries (each checkpointed), as long rows on large models run."""
-    from seqmesh.hf import indexed_attention
+    """:func:`_run_all` with blocks of 1 to 3 queries (each checkpointed), as long rows on large models run, and CSA's
+    indexer scoring one query at a time within each block (a GPU's blocks hold more queries than its scores fit)."""
+    from seqmesh.hf import compressed_attention, indexed_attention
 
-    saved = indexed_attention.BLOCK_ELEMENTS
+    saved = indexed_attention.BLOCK_ELEMENTS, compressed_attention.INDEXER_ELEMENTS
     indexed_attention.BLOCK_ELEMENTS = 2048  # 4 heads x (6 + 3 to 5 picks) x 16 wide: 2 or 3 queries
+    compressed_attention.INDEXER_ELEMENTS = 8 * 11  # 8 indexer heads x 11 entries: one query
     try:
         return _run_all(cases)
     finally:
-        indexed_attention.BLOCK_ELEMENTS = saved
+        indexed_attention.BLOCK_ELEMENTS, compressed_attention.INDEXER_ELEMENTS = saved
 
 
 def test_exact_in_blocks_of_a_few_queries(pools):
