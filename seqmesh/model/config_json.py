@@ -10,6 +10,7 @@ import os
 
 from ..rules.model_sizes import check_model_sizes
 from ..rules.own_attention import DOGE_WINDOW, TWO_MATRIX_MLP
+from .deepseek_v4 import deepseek_v4_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -156,11 +157,8 @@ def _own_attention_fields(cfg: dict) -> dict:
     if "minimax_m3_sparse" in (cfg.get("layer_types") or ()):
         fields["unplanned"] = ("seqmesh plan does not size MiniMax-M3's block-sparse layers yet (it would plan them as "
                                "full attention); seqmesh train runs them all the same")
-    if {"heavily_compressed_attention", "compressed_sparse_attention"} & set(cfg.get("layer_types") or ()):
-        fields["unplanned"] = ("seqmesh plan does not size DeepSeek-V4's compressed attention yet (a sliding window "
-                               "of one shared key beside compressed entries, CSA's indexer, the grouped output "
-                               "projection, hyper-connections; it would plan them as full attention); seqmesh train "
-                               "runs it all the same")
+    if family == "deepseek_v4":
+        fields |= deepseek_v4_fields(cfg)
     if family in ("inkling", "inkling_text"):
         fields["unplanned"] = ("seqmesh plan does not size Inkling's layers yet (its short convolutions, a relative "
                                "bias over the gathered row, sliding layers of their own heads); seqmesh train runs it "

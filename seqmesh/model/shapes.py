@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..rules.model_sizes import check_model_sizes
+from .deepseek_v4 import CompressedShape
 from .hybrid_shape import HybridShape
 
 
@@ -241,7 +242,9 @@ class ModelShape:
     gated_mlp: bool = True  # a dense MLP of gate, up and down; False: up and down (BLOOM, MPT, Falcon, GPT-Neo)
     norm_gate_rank: int = 0  # A.X-K2: a sigmoid gate of this rank (hidden -> rank -> hidden) after each layer's input
     # norm and each MoE layer's post-attention norm (0: none)
-    hc_mult: int = 0  # HY-V4's hyper-connections: residual streams a token, mixed around each block (0: none)
+    hc_mult: int = 0  # HY-V4's and DeepSeek-V4's hyper-connections: residual streams a token, mixed around each block
+    # (0: none)
+    compressed: CompressedShape | None = None  # DeepSeek-V4's attention (:mod:`.deepseek_v4`); None: another family's
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -264,6 +267,8 @@ class ModelShape:
     def layer_types(self) -> tuple[str, ...]:
         """transformers' per-layer kinds: a hybrid's Gated DeltaNet layers with every
         ``full_attention_interval``-th full; with a window every ``full_every``-th full, the rest sliding."""
+        if self.compressed is not None:
+            return self.compressed.kinds
         n = self.full_attention_interval
         if n:
             return tuple("linear_attention" if (i + 1) % n else "full_attention" for i in range(self.layers))
@@ -287,6 +292,12 @@ class ModelShape:
     @property
     def sliding_layers(self) -> int:
         return self.layer_types.count("sliding_attention")
+
+    @property
+    def compressed_layers(self) -> int:
+        """DeepSeek-V4's compressed layers (HCA and CSA), which seqmesh attention does not run; its sliding ones it
+        does."""
+        return self.layers - self.sliding_layers if self.compressed is not None else 0
 
     @property
     def linear_layer_params(self) -> int:
@@ -327,6 +338,8 @@ class ModelShape:
             return 4 * self.hidden + 2 * self.head_dim
         if self.hybrid is not None:
             return self.hybrid.norms * self.hidden
+        if self.compressed is not None:  # and its two hyper-connections, whole on every rank as the norms
+            return 2 * self.hidden + self.compressed.layer_hc_params(self.hidden)
         gates = 2 * 2 * self.hidden * self.norm_gate_rank  # an MoE layer's two gated norms (A.X-K2)
         qk_norms = 2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0
         return 2 * self.hidden + gates + qk_norms
@@ -346,8 +359,15 @@ class ModelShape:
         """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's)."""
         if self.latent is not None:
             return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
+        if self.compressed is not None:
+            return max(self.kind_attention_params(kind) for kind in set(self.layer_types))
         bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias + self.mask_params
+
+    def kind_attention_params(self, kind: str) -> int:
+        """One DeepSeek-V4 layer's attention of ``kind`` (``"sliding_attention"``, ``"compressed_sparse_attention"``,
+        ``"heavily_compressed_attention"``)."""
+        return self.compressed.attention_params(self.hidden, self.heads, self.head_dim, kind)
 
     @property
     def mask_params(self) -> int:
@@ -363,6 +383,11 @@ class ModelShape:
         if self.hybrid is not None:
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params) + self.hybrid.extra_params
+        if self.compressed is not None:  # each layer's attention by its kind; the head's hyper-connection
+            embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+            attention = sum(self.kind_attention_params(kind) for kind in self.layer_types)
+            return (embed + self.hidden + self.compressed.hc_params(self.hidden, 1) + attention
+                    + self.layers * (self.mlp_params + self.norm_params))
         gated = self.family == "qwen3_5_text"  # Qwen3.5's full attention gates its output: q_proj is twice as wide
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads) + self.mask_params
         if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases

@@ -99,7 +99,7 @@ def attention_saved(work: Workload, layout: Degrees) -> int:
     saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
     if layout.ulysses > 1:
         saved += gathered_tokens(work, layout) * e * m.heads // layout.tp * m.head_dim
-    return saved
+    return saved  # DeepSeek-V4's compressed layers: their own (seqmesh.planner.compressed), beside this
 
 
 def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
@@ -123,10 +123,26 @@ def layer_input_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def hyper_connection_saved(work: Workload, layout: Degrees) -> int:
-    """What a layer's two hyper-connections keep (HY-V4): each its streams flattened in float32 (the mixing weights'
-    input) and its block's output in float32 (the streams' update)."""
-    n = work.model.hc_mult
-    return 2 * tokens(work, layout) * 4 * work.model.hidden * (n + 1) if n else 0
+    """What a layer's two hyper-connections keep. HY-V4's: each its streams flattened in float32 (the mixing weights'
+    input) and its block's output in float32 (the streams' update). DeepSeek-V4's: each its streams in float32 (a
+    copy unless the model is) and normed (the mixing weights' input), the float32 (n, n) mixes of each Sinkhorn
+    iteration (two divisions, each keeping its input and denominator) and its block's output; and the streams
+    between the two blocks."""
+    m, n = work.model, work.model.hc_mult
+    if not n:
+        return 0
+    if m.compressed is None:
+        return 2 * tokens(work, layout) * 4 * m.hidden * (n + 1)
+    e = work.act_bytes
+    return tokens(work, layout) * (2 * (hyper_connection_share(work) + e * m.hidden) + e * n * m.hidden)
+
+
+def hyper_connection_share(work: Workload) -> int:
+    """Bytes a token's one DeepSeek-V4 hyper-connection keeps: its streams in float32 (a copy unless the model is)
+    and normed, and its Sinkhorn iterations' mixes (each division's input and denominator)."""
+    m, e, c = work.model, work.act_bytes, work.model.compressed
+    n = c.hc_mult
+    return 4 * n * m.hidden * (2 if e < 4 else 1) + 4 * (2 * c.hc_iters + 3) * (n * n + n)
 
 
 def outside_layers_bytes(work: Workload, layout: Degrees) -> int:

@@ -47,6 +47,9 @@ def inference_refusal(m: ModelShape) -> str | None:
         return (f"{m.name} has layers whose decode seqmesh does not run yet; plan an attention-only model (DeepSeek "
                 "Sparse Attention included), one with Gated DeltaNet layers (Qwen3.5), or RecurrentGemma, Jamba, a "
                 "Mamba2 hybrid, LFM2, LFM3, MiniMax-01 or Kimi Linear.")
+    if m.compressed_layers:  # seqmesh.inference.generate.check_generate refuses them too
+        return (f"{m.name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet; plan "
+                "its training (without --inference).")
     return None
 
 

@@ -287,6 +287,13 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     m = work.model
     if m.hybrid is not None:
         return hybrid_layer_kinds(work, layout)
+    if m.compressed is not None:  # DeepSeek-V4: its sliding layers seqmesh attention's, the others its own
+        from ..model.deepseek_v4 import CSA, HCA
+        from .compressed import CompressedAttention
+
+        return [(kind, n) for kind, n in ((Attention(work, layout, m.sliding_window), m.sliding_layers),
+                                          *((CompressedAttention(work, layout, k), m.layer_types.count(k))
+                                            for k in (HCA, CSA))) if n]
     full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0) - m.indexed_layers
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:

@@ -190,7 +190,7 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
         # Falcon-H1's attention beside it, the timeline whole; a feed-forward's, unless the kind has none (Nemotron-H)
         other = (extra, op) if getattr(kind, "beside_attention", False) else (
             (0, "") if getattr(kind, "ffn", None) == "" else (mlp_extra, mlp_op))
-        own = max((kind.backward_bytes(), "recurrence backward"), other)
+        own = max((kind.backward_bytes(), getattr(kind, "backward_op", "recurrence backward")), other)
         return kind.saved_bytes() + own[0], own[1]
 
     top, op = max(moment(kind) for kind, _ in layer_kinds(work, layout))

@@ -152,7 +152,8 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     # the first seqmesh attention call of a batch checks the inputs (indexed layers do not call it)
-    step["input_check_all_gather"] = attention.input_check() if m.layers > m.non_attention_layers + m.indexed_layers else 0
+    seqmesh_attention = m.layers - m.non_attention_layers - m.indexed_layers - m.compressed_layers
+    step["input_check_all_gather"] = attention.input_check() if seqmesh_attention else 0
     step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
     if layout.ep > 1:  # every MoE layer's dispatch and combine (a balanced router: seqmesh.experts.traffic)
         for phase, sent in exchange_phases(work, layout).items():
@@ -203,7 +204,7 @@ def evaluate(work: Workload, layout: Degrees, cluster: Cluster, target: GlobalBa
     place = placement(work, layout)
     heads, kv_heads = tp_heads(m, layout)  # each TP rank's, dealt by its Ulysses group
     each = f" (each TP rank's)" if layout.tp > 1 else ""
-    if layout.ulysses > 1:
+    if layout.ulysses > 1 and m.layers > m.compressed_layers:  # Ulysses splits no head of a compressed layer
         if heads % layout.ulysses:
             notes.append(f"uneven heads: {heads} query heads{each} over {layout.ulysses} Ulysses ranks")
         if place.heads.replicated:

@@ -11,7 +11,7 @@ from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
-SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "tp_all_gather",
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "compressed_gather", "tp_all_gather",
                   "tp_reduce_scatter")  # the table's SP comm
 
 
@@ -45,7 +45,7 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"
-            f"{_latent(m)}{_hybrid(m)}, vocab {m.vocab:,}; {flags}\n"
+            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
 
@@ -91,6 +91,20 @@ def _latent(m) -> str:
         text += (f", sparse attention on {lat.indexed_layers} layers: top {lat.index_topk:,} keys a query, indexer "
                  f"{lat.index_n_heads} heads x {lat.index_head_dim}{shared}")
     return text
+
+
+def _compressed(m) -> str:
+    """DeepSeek-V4's layers by kind, as the header names them."""
+    c = m.compressed
+    if c is None:
+        return ""
+    kinds = [f"{c.count('sliding_attention')} sliding"] if c.count("sliding_attention") else []
+    if c.count("heavily_compressed_attention"):
+        kinds.append(f"{c.count('heavily_compressed_attention')} HCA (entries of {c.hca_rate} tokens)")
+    if c.count("compressed_sparse_attention"):
+        kinds.append(f"{c.count('compressed_sparse_attention')} CSA (entries of {c.csa_rate} tokens, top "
+                     f"{c.index_topk:,} a query, indexer {c.index_n_heads} heads x {c.index_head_dim})")
+    return f" (layers: {', '.join(kinds)}; window {c.window}, {c.hc_mult} residual streams)"
 
 
 def format_plan(p: Plan, top: int) -> str:

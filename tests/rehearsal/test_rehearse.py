@@ -290,14 +290,15 @@ def test_the_indexed_attention_families_rehearse(rehearse, tmp_path, family):
     attention's chosen rows make the peak (within 3%; the plan was 0.59 of it before the weighted scores, the
     blocks' passing tensors and a block's float32 cast were counted, and the blocks freed before the next), and
     HY-V4 the same way (its four residual streams a token kept by every checkpointed layer, its hyper-connections'
-    float32 streams, its shared layer's picks; 0.977); the others, which seqmesh plan does not size yet, say so (for
-    them a smoke test: the step runs and is measured; the 3% band of DeepSeek-V3.2 is the planner's own, whose terms
-    were counted against this rehearsal).
+    float32 streams, its shared layer's picks; 0.977), and DeepSeek-V4 the same way (its CSA layer's selection in
+    the recompute, the peak here: 0.991); the others, which seqmesh plan does not size yet, say so (for them a smoke
+    test: the step runs and is measured; the 3% band of DeepSeek-V3.2 is the planner's own, whose terms were counted
+    against this rehearsal).
     """
     from family_cases import family_config
 
     family_config(family).save_pretrained(tmp_path / family)
-    planned = family in ("deepseek-v3.2", "hy-v4")
+    planned = family in ("deepseek-v3.2", "hy-v4", "deepseek-v4")
     cfg = dataclasses.replace(CONFIG, model=str(tmp_path / family), seq_len=16384 if planned else 512)
     result = rehearse(cfg, 2, timeout=300, rank=1)
     assert result["measured_peak_bytes"] > 0 and result["device"] == "cuda"
@@ -305,6 +306,23 @@ def test_the_indexed_attention_families_rehearse(rehearse, tmp_path, family):
         assert 0.97 < result["ratio"] < 1.03, result
     else:
         assert result["planned_peak_bytes"] is None and "does not size" in result["planned_moment"], result
+
+
+def test_deepseek_v4_heavily_compressed_layers_are_planned_beside_their_rehearsal(rehearse, tmp_path):
+    """DeepSeek-V4 layers of heavily compressed attention only (every closed entry of 32 tokens; width 256, 8 heads
+    of 64) on one GPU at 8K tokens, where the attention's backward makes the peak (the torch form's block of chosen
+    rows, their gradient and probabilities, beside the row's float32 gradient), once the experts' block has freed
+    what it kept: 1.017 (1.266 while the layer's whole saved tensors were counted beside it)."""
+    import transformers as tf
+
+    tf.DeepseekV4Config(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, head_dim=64,
+                        q_lora_rank=96, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+                        o_groups=2, o_lora_rank=48, sliding_window=16, layer_types=["heavily_compressed_attention"] * 3,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+                        ).save_pretrained(tmp_path / "hca")
+    result = rehearse(dataclasses.replace(CONFIG, model=str(tmp_path / "hca"), seq_len=8192, ulysses=1), 1,
+                      timeout=300)
+    assert "layer" in result["peak_phase"] and 0.97 < result["ratio"] < 1.03, result
 
 
 def test_the_loss_holds_one_tiles_logits_at_a_time(rehearse, tmp_path):

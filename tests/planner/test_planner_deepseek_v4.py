@@ -1,0 +1,112 @@
+"""The planner on DeepSeek-V4 (its compressed attention, seqmesh.hf.compressed_attention; the shape:
+seqmesh.model.deepseek_v4): its parameter count against the model transformers builds, its halo's and entries'
+bytes against what seqmesh.hf.compressed_attention really sends (``comm_stats``), and ``seqmesh plan`` on
+transformers' default config.json (DeepSeek-V4-Flash's sizes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from planner_cases import ModelTrafficCase, measured_model_traffic
+from seqmesh.model.presets import model_shape
+from seqmesh.planner.compressed import KEY, CompressedAttention
+from seqmesh.planner.layers import layer_kinds
+from seqmesh.planner.workload import Workload
+from seqmesh.rules.degrees import Degrees
+from seqmesh.tools.cli import main
+
+# DeepSeek-V4's sizes: tiny with transformers' default kinds (HCA, then CSA and HCA in turn); with sliding layers, a
+# tied head, two streams and other rates; transformers' defaults (V4-Flash: 284B)
+CONFIGS = {
+    "tiny": dict(vocab_size=512, hidden_size=256, num_hidden_layers=5, num_attention_heads=8, head_dim=64,
+                 q_lora_rank=96, moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, o_groups=2,
+                 o_lora_rank=48, index_n_heads=4, index_head_dim=32, index_topk=16, sliding_window=16),
+    "sliding": dict(vocab_size=300, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, head_dim=16,
+                    q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, o_groups=2,
+                    o_lora_rank=8, hc_mult=2, index_n_heads=8, index_head_dim=8, index_topk=3,
+                    partial_rotary_factor=0.5, tie_word_embeddings=True,
+                    compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 16},
+                    layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+                                 "sliding_attention", "compressed_sparse_attention"],
+                    mlp_layer_types=["hash_moe", "moe", "moe", "moe", "moe"]),
+    "flash": {},
+}
+
+
+def _shape(sizes: dict, folder):
+    import transformers as tf
+
+    config = tf.DeepseekV4Config(**sizes)
+    config.save_pretrained(folder)
+    return config, model_shape(str(folder))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_parameters_are_what_transformers_builds(name, tmp_path):
+    """The low-rank query, the shared key, the grouped output, the sinks, each kind's compressor (CSA's with its
+    indexer), the hyper-connections (the layers' and the head's), the experts (hash-routed ones alike), counted
+    exactly; the layers planned by kind, nothing left unplanned."""
+    from transformers import AutoModelForCausalLM
+
+    config, shape = _shape(CONFIGS[name], tmp_path)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert shape.params == built and not shape.unplanned, (shape.params, built, shape.unplanned)
+    work = Workload(shape, 4096)
+    kinds = {getattr(k, "kind", "sliding_attention"): n for k, n in layer_kinds(work, Degrees(1, 2, 1))}
+    assert kinds == {t: config.layer_types.count(t) for t in set(config.layer_types)}, kinds
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_predicted_collective_bytes_equal_measured(pools, ulysses, ring, tmp_path):
+    """One step's all-gathers (forward; with checkpointing, again in the recompute) and reduce-scatters (backward),
+    per rank, calls and bytes, against the planner's per-layer figures of its HCA and its CSA layer."""
+    cases = [ModelTrafficCase("deepseek-v4", 45, dtype="float32", checkpointing=c) for c in (False, True)]
+    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
+    layout = Degrees(ulysses, ring, 1)
+    for i, case in enumerate(cases):
+        (tmp_path / f"{i}").mkdir()
+        path = tmp_path / f"{i}" / "config.json"
+        path.write_text(json.dumps(per_rank[0][i]["config"]))
+        work = Workload(model_shape(str(path)), case.seq_len, bf16=False, checkpointing=case.checkpointing)
+        kinds = [k for k, _ in layer_kinds(work, layout)]
+        assert sorted(k.kind for k in kinds if isinstance(k, CompressedAttention)) == sorted(
+            ["heavily_compressed_attention", "compressed_sparse_attention"]) and len(kinds) == 2, kinds
+        for rank in per_rank:
+            stats = rank[i]["stats"]
+            where = rank[i]["ulysses_rank"] + ulysses * rank[i]["ring_rank"]
+            runs = 2 if case.checkpointing else 1
+            for key, repeats in ((("all_gather", "forward"), runs), (("reduce_scatter", "backward"), 1)):
+                got = stats.get(key[0], {}).get(key[1], {"calls": 0, "bytes_sent": 0})
+                want = [sum(k.ranks()[where].calls(*key) for k in kinds), sum(k.ranks()[where].sent(*key) for k in kinds)]
+                assert (got["calls"], got["bytes_sent"]) == (repeats * want[0], repeats * want[1]) != (0, 0), \
+                    (case, key, got, want)
+        for kind in kinds:  # the layer's figures are the busiest rank's
+            per_layer = kind.traffic()
+            assert per_layer["forward"][KEY] == max(r.sent("all_gather", "forward") for r in kind.ranks())
+            assert per_layer["backward"][KEY] == max(r.sent("reduce_scatter", "backward") for r in kind.ranks())
+
+
+def test_seqmesh_plan_sizes_deepseek_v4_flash(tmp_path, capsys):
+    """``seqmesh plan`` on transformers' default DeepSeek-V4 config.json (V4-Flash's sizes, 284B): its layers named,
+    the compressed layers' collectives in each sharded layout's layer and none where one GPU holds the sequence, and
+    the same time whatever the split of the sequence group into Ulysses and ring (one flat group); ``--inference``
+    refused as generation refuses it, and a bf16 peak given without the fp32 one that CSA's indexer needs."""
+    _shape({}, tmp_path)
+    argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "131072", "--gpus", "8"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "284.3B params" in text and "23 HCA (entries of 128 tokens), 20 CSA (entries of 4 tokens, top 512" in text
+    assert "kv replication" not in text, text
+    assert main([*argv, "--json"]) == 0
+    plans = {c["label"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    u8, u4r2 = plans["U8 x R1 x DP1"], plans["U4 x R2 x DP1"]
+    assert u8["comm_bytes_per_layer"]["forward"][KEY] > 0 and u8["step_time_s"] == u4r2["step_time_s"]
+    assert plans["U1 x R1 x DP8"]["comm_bytes_per_layer"]["forward"].get(KEY, 0) == 0
+    assert main([*argv, "--inference"]) == 2  # as seqmesh generate refuses it
+    assert "compressed attention layers, whose decode seqmesh does not run yet" in capsys.readouterr().err
+    assert main([*argv, "--peak-tflops", "900"]) == 2  # the indexer's float32 scores need the fp32 peak
+    assert "CSA indexer scores in float32" in capsys.readouterr().err
