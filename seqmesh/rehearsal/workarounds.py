@@ -286,6 +286,9 @@ def _replacements(cudnn: bool = False) -> list[tuple[object, str, object]]:
         (torch.cuda, "Stream", _FakeStream),  # FSDP2's all-gather and reduce-scatter streams
         (torch.cuda, "Event", _FakeEvent),
         (torch.cuda, "current_stream", lambda device=None: default),
+        # FSDP2 waits on an unshard's event no backward used (a module whose weights get no gradient, as DeepSeek-V4's
+        # indexer) through the accelerator's stream, which a fake event does not fit
+        (torch.accelerator, "current_stream", lambda device=None: default),
         (torch.cuda, "default_stream", lambda device=None: default),
         (torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
         (torch.cuda, "set_stream", lambda stream: None),
