@@ -205,19 +205,37 @@ def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
     the hidden states, and each tile's logits are this rank's ``V / tp`` columns, three float32 tiles at once
     (the logits, less their maximum, and its exponential)."""
     m, e, t = work.model, work.act_bytes, gathered_tokens(work, layout)
+    head_streams = _head_streams_bytes(work, layout, moment)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
     v, h, tp = m.vocab // layout.tp, m.hidden, layout.tp > 1
     kept = t * h * e if tp else 0  # the gathered hidden states the loss saves (without TP: the final norm's output)
     if moment == "loss forward":  # the compute-dtype logits and their float32 copy (one tensor in fp32); under TP
         # the final norm's output, which the caller holds until the loss returns, and three float32 tiles
         output = tokens(work, layout) * h * e if tp else 0
-        return kept + output + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
+        return head_streams + kept + output + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
     head = -(-m.vocab * h // layout.tp)
     if e == 4:
         chunk = n * v * 4 + 4 * max(n * h, head)
     else:
         chunk = max(n * v * (4 + e), n * v * e + max(n * h * e, head * (e + 4)))
-    return kept + t * 4 + t * h * e + head * 4 + chunk
+    return head_streams + kept + t * 4 + t * h * e + head * 4 + chunk
+
+
+def _head_streams_bytes(work: Workload, layout: Degrees, moment: str) -> int:
+    """DeepSeek-V4's head hyper-connection, which collapses the last layer's streams before the final norm: it keeps
+    those streams, their float32 copy (unless the model is float32) and their normed float32 form (its mixing
+    weights' input); in the loss's backward, their float32 gradients too (:data:`HEAD_STREAM_GRADIENTS` tensors)."""
+    m, e = work.model, work.act_bytes
+    if m.compressed is None:
+        return 0
+    streams = tokens(work, layout) * m.compressed.hc_mult * m.hidden
+    kept = streams * (e + 4 * (2 if e < 4 else 1))
+    return kept + (streams * 4 * HEAD_STREAM_GRADIENTS if moment == "loss backward" else 0)
+
+
+# the float32 (tokens, streams x hidden) tensors DeepSeek-V4's head hyper-connection's backward holds at once (the
+# normed streams' gradient, the norm's scale, square and gradient sum), measured in a rehearsal
+HEAD_STREAM_GRADIENTS = 4
 
 
 def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
