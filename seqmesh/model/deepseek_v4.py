@@ -109,13 +109,16 @@ def deepseek_v4_fields(cfg: dict) -> dict:
     kinds = cfg.get("layer_types")
     if not kinds:  # transformers' default: two HCA layers, then CSA and HCA in turn
         kinds = [HCA] * min(layers, 2) + [CSA if i % 2 else HCA for i in range(max(layers - 2, 0))]
+    if len(kinds) != layers:
+        raise ValueError(f"layer_types names {len(kinds)} layers but num_hidden_layers is {layers}; give one kind a "
+                         "layer (transformers refuses the file too).")
     rates = {**_RATES, **(cfg.get("compress_rates") or {})}
     if cfg.get("compress_rate_csa"):
         rates[CSA] = cfg["compress_rate_csa"]
     if cfg.get("compress_rate_hca"):
         rates[HCA] = cfg["compress_rate_hca"]
     shape = CompressedShape(
-        tuple(kinds[:layers]), cfg.get("q_lora_rank") or 1024, cfg.get("o_groups") or 8, cfg.get("o_lora_rank") or 1024,
+        tuple(kinds), cfg.get("q_lora_rank") or 1024, cfg.get("o_groups") or 8, cfg.get("o_lora_rank") or 1024,
         cfg.get("sliding_window") or 128, rates[CSA], rates[HCA], cfg.get("index_n_heads") or 64,
         cfg.get("index_head_dim") or 128, cfg.get("index_topk") or 512, cfg.get("hc_mult") or 4,
         cfg.get("hc_sinkhorn_iters") or 20)

@@ -115,7 +115,7 @@ class CompressedAttention:
 
     def saved_bytes(self) -> int:
         """The layer's norms, experts and hyper-connections as any decoder layer's; its attention's own
-        (:func:`.activations.compressed_attention_saved`)."""
+        (:func:`compressed_attention_saved`)."""
         own = compressed_attention_saved(self.work, self.layout, self.kind)
         return attention_saved_bytes(self.work, self.layout) - attention_saved(self.work, self.layout) + own
 

@@ -110,3 +110,12 @@ def test_seqmesh_plan_sizes_deepseek_v4_flash(tmp_path, capsys):
     assert "compressed attention layers, whose decode seqmesh does not run yet" in capsys.readouterr().err
     assert main([*argv, "--peak-tflops", "900"]) == 2  # the indexer's float32 scores need the fp32 peak
     assert "CSA indexer scores in float32" in capsys.readouterr().err
+
+
+def test_layer_kinds_that_do_not_match_the_layer_count_are_refused(tmp_path):
+    sizes = dict(model_type="deepseek_v4", num_hidden_layers=3, hidden_size=64, num_attention_heads=4, head_dim=16,
+                 vocab_size=100, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                 layer_types=["heavily_compressed_attention"] * 2)
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    with pytest.raises(ValueError, match="layer_types names 2 layers but num_hidden_layers is 3"):
+        model_shape(str(tmp_path / "config.json"))
