@@ -184,16 +184,23 @@ def _seen(first: torch.Tensor, closed: torch.Tensor, count: int) -> torch.Tensor
     return (entry >= first[:, None]) & (entry < (first + closed)[:, None])
 
 
+def indexer_step(batch: int, heads: int, entries: int) -> int:
+    """Queries CSA's indexer scores in one pass: as many as keep their ``(batch, queries, heads, entries)`` float32
+    scores within :data:`INDEXER_ELEMENTS`, and at least one (a row of more than ``INDEXER_ELEMENTS / heads`` entries
+    then makes more)."""
+    return max(1, INDEXER_ELEMENTS // max(1, batch * heads * entries))
+
+
 def _indexer_picks(indexer: nn.Module, q: torch.Tensor, hidden: torch.Tensor, keys: torch.Tensor,
                    first: torch.Tensor, closed: torch.Tensor) -> torch.Tensor:
     """CSA's selection for a block of queries: (B, l, k) each query's top ``index_topk`` entries (-1: one it may not
     see), scored by the indexer's own scorer (q (B, l, Hi, Di) rotated, hidden (B, l, E)) against its compressed keys
     (B, N, Di); the entries it sees: ``[first, first + closed)``. No gradient. The scorer's float32 ``(B, l, Hi, N)``
-    scores are made for as many of the queries at once as keep them within :data:`INDEXER_ELEMENTS` (an attention
-    block holds thousands of queries on a GPU, and N is the row's entries, a quarter of the row: at 128K tokens one
-    block's scores would be 68 GB)."""
+    scores are made for as many of the queries at once as :func:`indexer_step` gives (an attention block holds
+    thousands of queries on a GPU, and N is the row's entries, a quarter of the row: at 128K tokens one block's
+    scores would be 68 GB)."""
     b, length = q.shape[:2]
-    step = max(1, INDEXER_ELEMENTS // (b * indexer.num_heads * keys.shape[1]))
+    step = indexer_step(b, indexer.num_heads, keys.shape[1])
     with torch.no_grad():
         parts = []
         for start in range(0, length, step):

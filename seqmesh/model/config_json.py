@@ -82,18 +82,19 @@ def shape_from_config(path: str) -> ModelShape:
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        fields = _merged({"head_dim": cfg.get("head_dim") or hidden // heads} | _latent_fields(cfg), _mlp_fields(cfg),
+                         _linear_fields(cfg), _window_fields(cfg), _own_attention_fields(cfg), hybrid)
         return ModelShape(
             name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
             family=cfg.get("model_type", "llama"),
             hidden=hidden,
             layers=cfg["num_hidden_layers"],
             heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
+            kv_heads=fields.pop("kv_heads", None) or cfg.get("num_key_value_heads") or heads,  # a reader's first
             vocab=cfg["vocab_size"],
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            **_merged({"head_dim": cfg.get("head_dim") or hidden // heads} | _latent_fields(cfg), _mlp_fields(cfg),
-                      _linear_fields(cfg), _window_fields(cfg), _own_attention_fields(cfg), hybrid),
+            **fields,
             vision=vision,
         )
     except KeyError as missing:

@@ -57,8 +57,17 @@ class CompressedShape:
         if unknown:
             raise ValueError(f"layer_types {unknown} are none of DeepSeek-V4's {', '.join(KINDS)}; fix the "
                              "config.json.")
+        sizes = {"q_lora_rank": self.q_lora_rank, "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank,
+                 "sliding_window": self.window, "compress_rates' CSA rate": self.csa_rate,
+                 "compress_rates' HCA rate": self.hca_rate, "index_n_heads": self.index_n_heads,
+                 "index_head_dim": self.index_head_dim, "index_topk": self.index_topk, "hc_mult": self.hc_mult,
+                 "hc_sinkhorn_iters": self.hc_iters}
+        bad = [f"{name} {value}" for name, value in sizes.items() if not isinstance(value, int) or value < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: each must be a positive whole number; fix the config.json.")
 
     def count(self, kind: str) -> int:
+        """How many layers are of ``kind``."""
         return self.kinds.count(kind)
 
     def rate(self, kind: str) -> int:
@@ -103,15 +112,24 @@ class CompressedShape:
 
 
 def deepseek_v4_fields(cfg: dict) -> dict:
-    """The :class:`ModelShape` fields of a DeepSeek-V4 config.json (``compressed``, the streams, the window),
-    with transformers' defaults for what the file leaves out."""
+    """The :class:`ModelShape` fields of a DeepSeek-V4 config.json (``compressed``, the streams, the window, one key
+    head whatever ``num_key_value_heads`` says: its ``kv_proj`` makes one), with transformers' defaults for what the
+    file leaves out."""
     layers = cfg.get("num_hidden_layers") or 43
     kinds = cfg.get("layer_types")
+    if not kinds and cfg.get("compress_ratios"):  # older checkpoints: each layer's rate (0: sliding only)
+        ratios = {0: SLIDING, 4: CSA, 128: HCA}
+        unknown = sorted({r for r in cfg["compress_ratios"] if r not in ratios})
+        if unknown:
+            raise ValueError(f"compress_ratios {unknown} are none of DeepSeek-V4's 0, 4 and 128; give layer_types "
+                             "instead.")
+        kinds = [ratios[r] for r in cfg["compress_ratios"]]
     if not kinds:  # transformers' default: two HCA layers, then CSA and HCA in turn
         kinds = [HCA] * min(layers, 2) + [CSA if i % 2 else HCA for i in range(max(layers - 2, 0))]
-    if len(kinds) != layers:
+    if len(kinds) < layers:
         raise ValueError(f"layer_types names {len(kinds)} layers but num_hidden_layers is {layers}; give one kind a "
                          "layer (transformers refuses the file too).")
+    kinds = kinds[:layers]  # a longer list: its first layers, as transformers reads it
     rates = {**_RATES, **(cfg.get("compress_rates") or {})}
     if cfg.get("compress_rate_csa"):
         rates[CSA] = cfg["compress_rate_csa"]
@@ -122,5 +140,5 @@ def deepseek_v4_fields(cfg: dict) -> dict:
         cfg.get("sliding_window") or 128, rates[CSA], rates[HCA], cfg.get("index_n_heads") or 64,
         cfg.get("index_head_dim") or 128, cfg.get("index_topk") or 512, cfg.get("hc_mult") or 4,
         cfg.get("hc_sinkhorn_iters") or 20)
-    return {"compressed": shape, "hc_mult": shape.hc_mult, "sliding_window": shape.window,
+    return {"compressed": shape, "hc_mult": shape.hc_mult, "sliding_window": shape.window, "kv_heads": 1,
             "head_dim": cfg.get("head_dim") or 512}

@@ -179,7 +179,7 @@ def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention
     if m.hybrid is not None:
         n_full, n_windowed = hybrid_attention_split(m)
     else:
-        n_full, n_windowed = m.layers - m.sliding_layers, m.sliding_layers
+        n_full, n_windowed = m.layers - m.sliding_layers - m.compressed_layers, m.sliding_layers  # V4's: its own
     if not m.sliding_window or not n_windowed:
         return full
     windowed = cost(Attention(work, layout, m.sliding_window))

@@ -64,8 +64,8 @@ def attended_pairs(layout: str, ulysses: int, ring: int, seq_len: int, batch: in
 
 @dataclass(frozen=True)
 class CompressedAttention:
-    """One DeepSeek-V4 layer of ``kind`` (HCA or CSA) over the whole sequence group (one flat group, the same for
-    every ``ulysses x ring`` split of it)."""
+    """One DeepSeek-V4 layer of ``kind`` (HCA or CSA) over the whole sequence group (one flat group: only the
+    layout's runs a rank holds, not its ``ulysses x ring`` split, change what it sends)."""
 
     work: Workload
     layout: Degrees
@@ -122,7 +122,9 @@ class CompressedAttention:
     @property
     def backward_op(self) -> str:
         """Where :meth:`backward_bytes` peaks (the planner's memory moment names it)."""
-        return "CSA selection (recompute)" if self.sparse else "compressed attention backward"
+        if self.sparse:
+            return "CSA selection (recompute)" if self.work.checkpointing else "CSA selection"
+        return "compressed attention backward"
 
     def backward_bytes(self) -> int:
         """What the layer holds at its peak beyond what it saved (possibly less: part of it is not held then), the
@@ -139,24 +141,25 @@ class CompressedAttention:
 
     def matmul_params(self) -> tuple[int, int]:
         """(weights multiplying every token with a gradient, the indexer's without one): the attention's
-        projections and compressor, the routed experts a token goes to, the shared ones and the router, the two
-        hyper-connections' mixing weights; CSA's indexer (its compressor, queries and head weights)."""
+        projections and compressor, the routed experts a token goes to, the shared ones and the router; CSA's indexer
+        (its compressor, queries and head weights). The hyper-connections' mixing weights multiply in float32
+        (:meth:`seconds`)."""
         m, c = self.work.model, self.work.model.compressed
         hd, q, o = m.heads * m.head_dim, c.q_lora_rank, c.o_lora_rank
         wide = 2 if self.sparse else 1
         attention = m.hidden * q + q * hd + m.hidden * m.head_dim + hd * o + c.o_groups * o * m.hidden
         attention += 2 * wide * m.hidden * m.head_dim
         experts = 3 * m.hidden * m.intermediate * m.experts_per_token + m.shared_expert_params + m.experts * m.hidden
-        streams = 2 * (2 + c.hc_mult) * c.hc_mult * c.hc_mult * m.hidden
         di, hi = c.index_head_dim, c.index_n_heads
         indexer = 4 * m.hidden * di + q * hi * di + m.hidden * hi if self.sparse else 0
-        return attention + experts + streams, indexer
+        return attention + experts, indexer
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`.layers.IndexedAttention.seconds`
-        counts them: the projections (the indexer's forward only); the attention's slots (:func:`attended_pairs`,
-        a score and a weighted value of ``D`` for each head), recomputed block by block in backward (forward once
-        more, then twice its FLOPs); CSA's indexer scoring every entry of the row for each query in float32, and the
+        counts them: the projections (the indexer's forward only; the hyper-connections' mixes in float32); the
+        attention's slots (:func:`attended_pairs`, a score and a weighted value of ``D`` for each head), twice its
+        FLOPs in backward and, where the layer's queries make more than one block, recomputed block by block (its
+        forward once more); CSA's indexer scoring every entry of the row for each query in float32, and the
         bytes its scores move; the halo's and entries' collectives before them and their reduce-scatters after,
         which nothing overlaps."""
         work, layout, m, c = self.work, self.layout, self.work.model, self.work.model.compressed
@@ -166,9 +169,13 @@ class CompressedAttention:
         mm_rate = peak * hw.matmul_efficiency
         trained, indexer = self.matmul_params()
         mm_fwd, index_fwd = (2 * b * local * n / mm_rate for n in (trained, indexer))
+        mixes = 2 * (2 + c.hc_mult) * c.hc_mult * c.hc_mult * m.hidden  # the two hyper-connections', float32
+        streams = 2 * b * local * mixes / (hw.flops_for("fp32") * hw.matmul_efficiency)
         pairs = attended_pairs(work.layout, layout.ulysses, layout.ring, work.seq_len, b, m.heads, m.head_dim,
                                c.window, c.rate(self.kind), c.index_topk if self.sparse else 0)
         attend = 4 * b * pairs * m.heads * m.head_dim / (peak * hw.attention_efficiency)
+        # blocks of queries are recomputed in backward where the layer has more than one (its forward once more)
+        again = 1 if block_queries(b, m.heads, m.head_dim) < local else 0
         select = 0.0
         if self.sparse:  # every (query, entry) pair of the row in float32: each head's product, then the weighted sum
             scored = b * local * (work.seq_len // c.csa_rate)
@@ -178,8 +185,8 @@ class CompressedAttention:
         group, ranks = axis_groups(layout, "sequence")[0], self.ranks()
         comm = (gather_seconds(worst_rank(ranks, kind, phase), hw, group)
                 for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
-        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + index_fwd + select + attend,
-                                                           2 * mm_fwd + 3 * attend), tuple(comm))
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + index_fwd + select + attend + streams,
+                                                           2 * (mm_fwd + streams) + (2 + again) * attend), tuple(comm))
 
 
 def _row_rows(work: Workload, layout: Degrees, kind: str) -> int:
@@ -230,14 +237,15 @@ def freed_before_attention(work: Workload, layout: Degrees) -> int:
 def selection_live_bytes(work: Workload, layout: Degrees) -> int:
     """What a CSA layer holds when its selection runs in its recompute, beside the selection's own scores: its input
     norm's saved tensors, the first hyper-connection's (:func:`.activations.hyper_connection_saved`'s share before
-    the attention), the attention's first part (:func:`_attention_saved_parts`), and the extended rows of every
-    projection the halo carried (freed when the forward ends, kept by nothing)."""
+    the attention), the attention's first part (:func:`_attention_saved_parts`), the indexer's queries, and the
+    extended rows of every projection the halo carried (freed when the forward ends, kept by nothing)."""
     m, e, c = work.model, work.act_bytes, work.model.compressed
     hyper = hyper_connection_share(work)
     norm = norm_saved(m, e, work.efficient_norm)
     extended = _row_rows(work, layout, CSA) - work.seq_len // c.csa_rate
     channels = CompressedAttention(work, layout, CSA).halo_channels()
-    return (tokens(work, layout) * (hyper + norm) + _attention_saved_parts(work, layout, CSA)[0]
+    index_q = c.index_n_heads * c.index_head_dim * e  # the indexer's rotated queries, held through the blocks
+    return (tokens(work, layout) * (hyper + norm + index_q) + _attention_saved_parts(work, layout, CSA)[0]
             + work.batch * extended * channels * e)
 
 
@@ -252,9 +260,9 @@ def _picks_width(work: Workload, layout: Degrees, kind: str) -> int:
 def compressed_attention_working_bytes(work: Workload, layout: Degrees, kind: str, selection: bool = True,
                                        backward: bool = True) -> int:
     """Peak bytes of a DeepSeek-V4 attention of ``kind`` beyond what it keeps, the larger of two moments. CSA's
-    selection (forward, and again in the recompute): a pass of the indexer's float32 scores (at most
-    ``INDEXER_ELEMENTS``, three such tensors: the product, its rectified copy, the weighted one; and the pass's
-    (queries, entries) mask of the entries each query sees). The attention's backward, as the torch form runs it
+    selection (forward, and again in the recompute): a pass of the indexer's float32 scores
+    (``seqmesh.hf.compressed_attention.indexer_step`` queries, three such tensors at once: the product, its rectified
+    copy and that scaled; and the pass's (queries, entries) mask of the entries each query sees). The attention's backward, as the torch form runs it
     (``seqmesh.kernels.sparse_latent_blocks``, which a rehearsal measures; the Triton kernel holds less): a block's
     chosen rows and their gradient (blocks of the layer's queries, as ``seqmesh.hf.compressed_attention`` sizes them
     for the torch form), beside the larger of a passing tensor and its slice's float32 cast, its float32
@@ -265,8 +273,9 @@ def compressed_attention_working_bytes(work: Workload, layout: Degrees, kind: st
     select = 0
     if kind == CSA and selection:
         entries = work.seq_len // c.csa_rate
-        scores = min(b * local * c.index_n_heads * entries, compressed_attention.INDEXER_ELEMENTS)
-        select = 3 * 4 * scores + scores // (b * c.index_n_heads)
+        queries = min(local, compressed_attention.indexer_step(b, c.index_n_heads, entries))
+        scores = b * queries * c.index_n_heads * entries
+        select = 3 * 4 * scores + queries * entries
     if not backward:
         return select
     top = _picks_width(work, layout, kind)

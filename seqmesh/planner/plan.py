@@ -127,16 +127,17 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
     the busiest rank; what each counts is docs/planner.md's "JSON output" (``comm_bytes_per_layer``, ``_per_step``)."""
     m = work.model
     attention = Attention(work, layout)
-    shown: list[LayerKind] = []  # one layer of each kind (the first: full attention before sliding, an indexer's)
+    shown: list[LayerKind] = []  # one layer of each kind (the first: full attention before sliding, an indexer's;
+    # DeepSeek-V4's HCA and CSA each, the larger of their bytes shown)
     for kind, _ in layer_kinds(work, layout):
-        if not any(type(k) is type(kind) for k in shown):
+        if not any(type(k) is type(kind) and getattr(k, "kind", None) == getattr(kind, "kind", None) for k in shown):
             shown.append(kind)
     per_layer = {phase: {} for phase in PHASES}
     fsdp_link = link_name(hw, [[r for group in every_group(layout, "sequence") for r in group]])
     links = {"fsdp_all_gather": fsdp_link, "fsdp_reduce_scatter": fsdp_link}
     for kind in shown:
         for phase, sent in kind.traffic().items():
-            per_layer[phase] |= sent
+            per_layer[phase] |= {key: max(n, per_layer[phase].get(key, 0)) for key, n in sent.items()}
         links |= kind.links(hw)
     for phase, sent in with_fsdp(shown[0], work, layout).items():
         per_layer[phase] |= {k: sent[k] for k in ("fsdp_all_gather", "fsdp_reduce_scatter")}

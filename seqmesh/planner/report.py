@@ -95,15 +95,17 @@ def _latent(m) -> str:
 
 def _compressed(m) -> str:
     """DeepSeek-V4's layers by kind, as the header names them."""
+    from ..model.deepseek_v4 import CSA, HCA, SLIDING
+
     c = m.compressed
     if c is None:
         return ""
-    kinds = [f"{c.count('sliding_attention')} sliding"] if c.count("sliding_attention") else []
-    if c.count("heavily_compressed_attention"):
-        kinds.append(f"{c.count('heavily_compressed_attention')} HCA (entries of {c.hca_rate} tokens)")
-    if c.count("compressed_sparse_attention"):
-        kinds.append(f"{c.count('compressed_sparse_attention')} CSA (entries of {c.csa_rate} tokens, top "
-                     f"{c.index_topk:,} a query, indexer {c.index_n_heads} heads x {c.index_head_dim})")
+    kinds = [f"{c.count(SLIDING)} sliding"] if c.count(SLIDING) else []
+    if c.count(HCA):
+        kinds.append(f"{c.count(HCA)} HCA (entries of {c.hca_rate} tokens)")
+    if c.count(CSA):
+        kinds.append(f"{c.count(CSA)} CSA (entries of {c.csa_rate} tokens, top {c.index_topk:,} a query, indexer "
+                     f"{c.index_n_heads} heads x {c.index_head_dim})")
     return f" (layers: {', '.join(kinds)}; window {c.window}, {c.hc_mult} residual streams)"
 
 

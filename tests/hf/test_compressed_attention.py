@@ -201,16 +201,6 @@ def test_generation_is_refused_by_name(pools):
         assert "DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet" in message, message
 
 
-def test_the_planner_refuses_it_by_name(tmp_path):
-    """The planner does not size the compressed layers yet, and says so, where a plan would have counted them as full
-    attention over one kv head."""
-    from family_cases import family_config
-    from seqmesh.model.presets import model_shape
-
-    family_config("deepseek-v4").save_pretrained(tmp_path)
-    assert "DeepSeek-V4's compressed attention" in model_shape(str(tmp_path)).unplanned
-
-
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_a_batch_of_two_rows(pools, layout):
     """Each row its own windows, entries and selection: two rows on ring 2 within the float32 model's rounding."""

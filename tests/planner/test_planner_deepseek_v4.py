@@ -94,7 +94,8 @@ def test_seqmesh_plan_sizes_deepseek_v4_flash(tmp_path, capsys):
     """``seqmesh plan`` on transformers' default DeepSeek-V4 config.json (V4-Flash's sizes, 284B): its layers named,
     the compressed layers' collectives in each sharded layout's layer and none where one GPU holds the sequence, and
     the same time whatever the split of the sequence group into Ulysses and ring (one flat group); ``--inference``
-    refused as generation refuses it, and a bf16 peak given without the fp32 one that CSA's indexer needs."""
+    refused as generation refuses it, and a bf16 peak given without the fp32 one that its hyper-connections' mixes
+    and CSA's indexer need."""
     _shape({}, tmp_path)
     argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "131072", "--gpus", "8"]
     assert main(argv) == 0
@@ -108,8 +109,8 @@ def test_seqmesh_plan_sizes_deepseek_v4_flash(tmp_path, capsys):
     assert plans["U1 x R1 x DP8"]["comm_bytes_per_layer"]["forward"].get(KEY, 0) == 0
     assert main([*argv, "--inference"]) == 2  # as seqmesh generate refuses it
     assert "compressed attention layers, whose decode seqmesh does not run yet" in capsys.readouterr().err
-    assert main([*argv, "--peak-tflops", "900"]) == 2  # the indexer's float32 scores need the fp32 peak
-    assert "CSA indexer scores in float32" in capsys.readouterr().err
+    assert main([*argv, "--peak-tflops", "900"]) == 2  # the float32 mixes and scores need the fp32 peak
+    assert "hyper-connections mix (and its CSA indexer scores) in float32" in capsys.readouterr().err
 
 
 def test_layer_kinds_that_do_not_match_the_layer_count_are_refused(tmp_path):
@@ -119,3 +120,30 @@ def test_layer_kinds_that_do_not_match_the_layer_count_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(sizes))
     with pytest.raises(ValueError, match="layer_types names 2 layers but num_hidden_layers is 3"):
         model_shape(str(tmp_path / "config.json"))
+
+
+def test_sliding_layers_are_timed_with_their_window(tmp_path):
+    """A sliding layer of DeepSeek-V4 is seqmesh attention over its window: its compressed layers are not full
+    attention layers to average its pairs with (they were: a sliding layer of the 5 was planned as 3/5 full)."""
+    from seqmesh.planner.attention_layer import Attention, attention_average, attention_pairs
+
+    config, shape = _shape(CONFIGS["sliding"], tmp_path)
+    work = Workload(shape, 8192)
+    window = attention_pairs(8192, True, config.sliding_window)
+    assert attention_average(work, Degrees(1, 2, 1), Attention.pairs) == window < attention_pairs(8192, True)
+
+
+def test_a_row_without_entries_selects_none(tmp_path):
+    """CSA's selection over a row whose documents are all shorter than an entry's window: no entry, no pick (the
+    runtime divided by the row's zero entries when it sized its passes)."""
+    from transformers import AutoModelForCausalLM
+
+    from seqmesh.hf.compressed_attention import _indexer_picks
+
+    config, _ = _shape(CONFIGS["tiny"], tmp_path)
+    layers = AutoModelForCausalLM.from_config(config).model.layers
+    indexer = layers[config.layer_types.index("compressed_sparse_attention")].self_attn.compressor.indexer
+    q = torch.randn(1, 3, indexer.num_heads, indexer.head_dim)
+    picks = _indexer_picks(indexer, q, torch.randn(1, 3, config.hidden_size), torch.zeros(1, 0, indexer.head_dim),
+                           torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    assert picks.shape == (1, 3, 0), picks.shape
