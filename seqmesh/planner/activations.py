@@ -126,23 +126,26 @@ def hyper_connection_saved(work: Workload, layout: Degrees) -> int:
     """What a layer's two hyper-connections keep. HY-V4's: each its streams flattened in float32 (the mixing weights'
     input) and its block's output in float32 (the streams' update). DeepSeek-V4's: each its streams in float32 (a
     copy unless the model is) and normed (the mixing weights' input), the float32 (n, n) mixes of each Sinkhorn
-    iteration (two divisions, each keeping its input and denominator) and its block's output; and the streams
-    between the two blocks."""
+    iteration (two divisions, each keeping its input and denominator) and its block's output; the streams between
+    the two blocks; and, without checkpointing, the layer's input streams (a checkpointed layer keeps them as its
+    input anyway)."""
     m, n = work.model, work.model.hc_mult
     if not n:
         return 0
     if m.compressed is None:
         return 2 * tokens(work, layout) * 4 * m.hidden * (n + 1)
     e = work.act_bytes
-    return tokens(work, layout) * (2 * (hyper_connection_share(work) + e * m.hidden) + e * n * m.hidden)
+    streams = (1 if work.checkpointing else 2) * e * n * m.hidden
+    return tokens(work, layout) * (2 * (hyper_connection_share(work) + e * m.hidden) + streams)
 
 
 def hyper_connection_share(work: Workload) -> int:
     """Bytes a token's one DeepSeek-V4 hyper-connection keeps: its streams in float32 (a copy unless the model is)
-    and normed, and its Sinkhorn iterations' mixes (each division's input and denominator)."""
+    and normed, and its Sinkhorn iterations' mixes (each division's (n, n) output and its sums; the first and last
+    iterations' two fewer, as a rehearsal holds them)."""
     m, e, c = work.model, work.act_bytes, work.model.compressed
     n = c.hc_mult
-    return 4 * n * m.hidden * (2 if e < 4 else 1) + 4 * (2 * c.hc_iters + 3) * (n * n + n)
+    return 4 * n * m.hidden * (2 if e < 4 else 1) + 4 * (2 * c.hc_iters - 2) * (n * n + n)
 
 
 def outside_layers_bytes(work: Workload, layout: Degrees) -> int:

@@ -114,10 +114,11 @@ class CompressedAttention:
         return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        """The layer's norms, experts and hyper-connections as any decoder layer's; its attention's own
-        (:func:`compressed_attention_saved`)."""
-        own = compressed_attention_saved(self.work, self.layout, self.kind)
-        return attention_saved_bytes(self.work, self.layout) - attention_saved(self.work, self.layout) + own
+        """The layer's norms and hyper-connections as any decoder layer's; its experts' and its attention's own
+        (:func:`experts_saved`, :func:`compressed_attention_saved`)."""
+        w, lay = self.work, self.layout
+        own = compressed_attention_saved(w, lay, self.kind) + experts_saved(w, lay)
+        return attention_saved_bytes(w, lay) - attention_saved(w, lay) - _dense_mlp_saved(w, lay) + own
 
     @property
     def backward_op(self) -> str:
@@ -223,15 +224,32 @@ def compressed_attention_saved(work: Workload, layout: Degrees, kind: str) -> in
     return sum(_attention_saved_parts(work, layout, kind))
 
 
+def _dense_mlp_saved(work: Workload, layout: Degrees) -> int:
+    """What :func:`.activations.decoder_layer_saved_bytes` counts for a layer's MLP (a dense one's four tensors), which
+    a DeepSeek-V4 layer replaces with its experts' (:func:`experts_saved`)."""
+    m = work.model
+    return 0 if work.tiled_mlp else gathered_tokens(work, layout) * 4 * m.intermediate * work.act_bytes
+
+
+def experts_saved(work: Workload, layout: Degrees) -> int:
+    """What a DeepSeek-V4 layer's experts keep, per token: for each of its ``k`` routed rows the gathered input,
+    the gate | up product, both clamped (its SwiGLU limit), SiLU's output and the product, and the down product's
+    output (``2 E + 6 I``); the shared expert's gate and up products, their clamps, SiLU's output and the product
+    (``6 I``); as a rehearsal holds them."""
+    m = work.model
+    width = m.intermediate
+    per_token = m.experts_per_token * (2 * m.hidden + 6 * width) + 6 * (m.shared_intermediate or width) * m.shared_experts
+    return tokens(work, layout) * per_token * work.act_bytes
+
+
 def freed_before_attention(work: Workload, layout: Degrees) -> int:
-    """What a layer's backward has freed by its attention's: the experts' block's saved tensors
-    (:func:`.activations.decoder_layer_saved_bytes`' MLP), its norm's and input, the second hyper-connection's, the
-    block's output and the streams between the two blocks."""
-    m, e, g = work.model, work.act_bytes, gathered_tokens(work, layout)
-    mlp = 0 if work.tiled_mlp else g * (4 if m.mlp_matrices == 3 else 2) * m.intermediate // layout.tp * e
+    """What a layer's backward has freed by its attention's: the experts' saved tensors (:func:`experts_saved`),
+    its norm's and input, the second hyper-connection's, the block's output and the streams between the two
+    blocks."""
+    m, e = work.model, work.act_bytes
     per_token = norm_saved(m, e, work.efficient_norm) + 2 * e * m.hidden + hyper_connection_share(work) \
         + e * m.compressed.hc_mult * m.hidden
-    return tokens(work, layout) * per_token + mlp
+    return tokens(work, layout) * per_token + experts_saved(work, layout)
 
 
 def selection_live_bytes(work: Workload, layout: Degrees) -> int:

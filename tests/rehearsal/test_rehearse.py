@@ -328,16 +328,18 @@ def test_deepseek_v4_heavily_compressed_layers_are_planned_beside_their_rehearsa
 def test_an_unshard_no_backward_used_is_waited_on_without_checkpointing(tmp_path):
     """DeepSeek-V4 on two ranks without checkpointing: FSDP2 ends its backward waiting, through the accelerator's
     current stream, on the event of an unshard no gradient used (its CSA indexer's weights get none); a fake event
-    on the real accelerator stream failed there ("Unknown device: 96")."""
+    on the real accelerator stream failed there ("Unknown device: 96"). Beside the plan: each layer's kept tensors
+    without checkpointing (its input streams, its experts' routed rows and shared expert; 0.990, where the dense
+    MLP's four tensors and one stream made it 0.861 of a width-256 V4 at 4K)."""
     from family_cases import family_config
 
     family_config("deepseek-v4").save_pretrained(tmp_path / "v4")
-    argv = ["--model", str(tmp_path / "v4"), "--seq-len", "512", "--gpus", "2", "--ulysses", "2", "--bf16", "--json"]
+    argv = ["--model", str(tmp_path / "v4"), "--seq-len", "2048", "--gpus", "2", "--ulysses", "2", "--bf16", "--json"]
     done = subprocess.run([sys.executable, "-m", "seqmesh", "rehearse", *argv], capture_output=True, text=True,
                           timeout=300)  # its own process, as a user's (the suite's forked server did not fail)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["measured_peak_bytes"] > 0 and result["device"] == "cuda", result
+    assert result["device"] == "cuda" and 0.97 < result["ratio"] < 1.03, result
 
 
 def test_the_loss_holds_one_tiles_logits_at_a_time(rehearse, tmp_path):
