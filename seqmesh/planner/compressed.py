@@ -25,10 +25,10 @@ from ..sequence.layout import SequenceLayout
 from .activations import (GPU, SCORE_TENSORS, attention_saved, gathered_tokens, hyper_connection_share, local_tokens,
                           norm_saved, tokens)
 from .hardware import HardwareSpec
-from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
-from .network import axis_groups, gather_seconds, link_name
+from .layer_cost import (Phases, attention_saved_bytes, gather_comm_seconds, gather_links, gather_phases,
+                         serial_layer_seconds)
 from .placement import placement
-from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .traffic import Collective, RankTraffic, dtype_bytes
 from .workload import Workload
 
 INT64 = 8
@@ -106,12 +106,10 @@ class CompressedAttention:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(p)]
 
     def traffic(self) -> Phases:
-        ranks = self.ranks()
-        return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
-                      {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        return gather_phases(self.ranks(), KEY, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        return gather_links(KEY, hw, self.layout)
 
     def saved_bytes(self) -> int:
         """The layer's norms and hyper-connections as any decoder layer's; its experts' and its attention's own
@@ -183,11 +181,9 @@ class CompressedAttention:
             select = (2 * scored * c.index_n_heads * (c.index_head_dim + 1) / (hw.flops_for("fp32")
                                                                                 * hw.matmul_efficiency)
                       + scored * 4 * (7 * c.index_n_heads + 3) / hw.memory_bandwidth)
-        group, ranks = axis_groups(layout, "sequence")[0], self.ranks()
-        comm = (gather_seconds(worst_rank(ranks, kind, phase), hw, group)
-                for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        comm = gather_comm_seconds(self.ranks(), hw, layout)
         return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + index_fwd + select + attend + streams,
-                                                           2 * (mm_fwd + streams) + (2 + again) * attend), tuple(comm))
+                                                           2 * (mm_fwd + streams) + (2 + again) * attend), comm)
 
 
 def _row_rows(work: Workload, layout: Degrees, kind: str) -> int:

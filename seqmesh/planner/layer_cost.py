@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from .activations import decoder_layer_saved_bytes
 from .experts import dispatch_bytes, layer_fsdp_seconds
+from .network import axis_groups, gather_seconds, link_name
+from .traffic import worst_rank
 
 if TYPE_CHECKING:
     from ..rules.degrees import Degrees
     from .hardware import HardwareSpec
+    from .traffic import RankTraffic
     from .workload import Workload
 
 Phases = dict[str, dict[str, int]]  # phase -> collective -> bytes the busiest rank sends in one layer
@@ -32,6 +35,27 @@ def phases(forward: dict[str, int], backward: dict[str, int], checkpointing: boo
     """A layer's three phases: checkpointing re-runs the forward's collectives inside backward."""
     return {"forward": forward, "backward": backward,
             "recompute": {k: v if checkpointing else 0 for k, v in forward.items()}}
+
+
+# A layer kind whose sequence collectives are all-gathers forward and their reduce-scatters backward over the whole
+# sequence group (a halo, states, entries: lightning attention, short convolutions, DeepSeek-V4's compressed layers)
+
+def gather_phases(ranks: list[RankTraffic], key: str, checkpointing: bool) -> Phases:
+    """Its traffic by phase under ``key``: the busiest rank's all-gathers forward, reduce-scatters backward."""
+    return phases({key: worst_rank(ranks, "all_gather", "forward")},
+                  {key: worst_rank(ranks, "reduce_scatter", "backward")}, checkpointing)
+
+
+def gather_links(key: str, hw: HardwareSpec, layout: Degrees) -> dict[str, str]:
+    """The link its collectives cross: the whole sequence group's."""
+    return {key: link_name(hw, axis_groups(layout, "sequence")[:1])}
+
+
+def gather_comm_seconds(ranks: list[RankTraffic], hw: HardwareSpec, layout: Degrees) -> tuple[float, float]:
+    """(forward, backward) seconds of its collectives on the busiest rank, end to end."""
+    group = axis_groups(layout, "sequence")[0]
+    return tuple(gather_seconds(worst_rank(ranks, kind, phase), hw, group)
+                 for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
 
 
 def attention_saved_bytes(work: Workload, layout: Degrees) -> int:

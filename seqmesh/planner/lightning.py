@@ -16,10 +16,9 @@ from ..linear_attention.decay_scan import decay_state_bytes
 from ..model.hybrid_shape import LIGHTNING, Mamba2Shape
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
-from .layer_cost import phases, serial_layer_seconds
+from .layer_cost import gather_comm_seconds, gather_links, gather_phases, serial_layer_seconds
 from .mamba2 import decay_scan_backward, decay_scan_saved, mamba2_scan_flops
-from .network import axis_groups, gather_seconds, link_name
-from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .traffic import Collective, RankTraffic, dtype_bytes
 from .workload import Workload
 
 KEY = "lightning_state_gather"
@@ -50,12 +49,10 @@ class LightningLayer:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        ranks = self.ranks()
-        return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
-                      {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        return gather_phases(self.ranks(), KEY, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        return gather_links(KEY, hw, self.layout)
 
     def saved_bytes(self) -> int:
         """Bytes saved for backward: per token its two norms, qkv_proj's input and output (before and after the
@@ -89,9 +86,6 @@ class LightningLayer:
         mm_fwd = 2 * local * (mixer.matmul_params(m.hidden) + m.hybrid.ffn(self.ffn).macs) / mm_rate
         d = mixer.head_dim
         scan = mamba2_scan_flops(Mamba2Shape(mixer.heads, d, d, 1), local) + 2 * local * mixer.heads * d * d
-        group = axis_groups(self.layout, "sequence")[0]
-        ranks = self.ranks()
-        comm = tuple(gather_seconds(worst_rank(ranks, kind, ph), hw, group)
-                     for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        comm = gather_comm_seconds(self.ranks(), hw, self.layout)
         return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + scan / scan_rate, 2 * mm_fwd + 2 * scan / scan_rate),
                                     comm)

@@ -15,9 +15,8 @@ from ..linear_attention.choice import halo_bytes
 from ..model.hybrid_shape import CONV
 from .activations import norm_saved, tokens
 from .hardware import HardwareSpec
-from .layer_cost import phases, serial_layer_seconds
-from .network import axis_groups, gather_seconds, link_name
-from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .layer_cost import gather_comm_seconds, gather_links, gather_phases, serial_layer_seconds
+from .traffic import Collective, RankTraffic, dtype_bytes
 from .workload import Workload
 
 KEY = "conv_halo_gather"
@@ -48,12 +47,10 @@ class ShortConvLayer:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(lay.ulysses * lay.ring)]
 
     def traffic(self) -> dict[str, dict[str, int]]:
-        ranks = self.ranks()
-        return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
-                      {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        return gather_phases(self.ranks(), KEY, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        return gather_links(KEY, hw, self.layout)
 
     def saved_bytes(self) -> int:
         """Bytes saved for backward (an estimate, not yet checked against a run): per token its norms (two; LFM3's
@@ -74,8 +71,5 @@ class ShortConvLayer:
         local = tokens(work, self.layout)
         macs = m.hybrid.conv.matmul_params(m.hidden) + m.hidden * m.hybrid.conv.kernel + m.hybrid.ffn(self.ffn).macs
         fwd = 2 * local * macs / rate
-        group = axis_groups(self.layout, "sequence")[0]
-        ranks = self.ranks()
-        comm = tuple(gather_seconds(worst_rank(ranks, kind, ph), hw, group)
-                     for kind, ph in (("all_gather", "forward"), ("reduce_scatter", "backward")))
+        comm = gather_comm_seconds(self.ranks(), hw, self.layout)
         return serial_layer_seconds(self, hw, fsdp_ranks, (fwd, 2 * fwd), comm)
