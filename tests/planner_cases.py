@@ -102,3 +102,41 @@ def in_process(argv: list[str]) -> subprocess.CompletedProcess:
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     return subprocess.CompletedProcess(["seqmesh", *argv], code, out.getvalue(), err.getvalue())
+
+
+def compressed_slots(ulysses: int, ring: int, seq_len: int, block_elements: int) -> dict:
+    """On every rank: the (query, key) slots each DeepSeek-V4 compressed layer hands the sparse kernel in one
+    forward, as on a GPU (the kernel's path taken; the kernel replaced by one that counts its picks and returns
+    zeros), its attention blocks within ``block_elements``; per layer kind, with the model's config."""
+    from family_cases import build, family_config
+    from seqmesh.compose import ParallelPlan, parallelize_model
+    from seqmesh.hf import compressed_attention, indexed_attention
+
+    mesh = get_mesh(ulysses, ring)
+    config = family_config("deepseek-v4")
+    built = build(config).float()
+    model = parallelize_model(built, mesh, ParallelPlan(fsdp=False))
+    counted: list[int] = []
+
+    def counting(query, row, picks, scale, rank, sinks=None):
+        counted.append(picks.shape[0] * picks.shape[1] * picks.shape[2])
+        return query.new_zeros(*query.shape[:-1], rank)
+
+    saved = (compressed_attention.uses_kernel, compressed_attention.sparse_latent_attention,
+             indexed_attention.BLOCK_ELEMENTS)
+    compressed_attention.uses_kernel = lambda x, name="sparse_latent": True
+    compressed_attention.sparse_latent_attention = counting
+    indexed_attention.BLOCK_ELEMENTS = block_elements
+    slots = {}
+    try:
+        ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(3))
+        local = seqmesh.shard_batch({"input_ids": ids}, mesh)
+        for kind, layer in zip(config.layer_types, built.model.layers):
+            layer.self_attn.register_forward_pre_hook(lambda *_: counted.clear())
+            layer.self_attn.register_forward_hook(lambda m, *_, k=kind: slots.__setitem__(k, sum(counted)))
+        with torch.no_grad():
+            model(**local)
+    finally:
+        (compressed_attention.uses_kernel, compressed_attention.sparse_latent_attention,
+         indexed_attention.BLOCK_ELEMENTS) = saved
+    return {"slots": slots, "config": config.to_dict()}

@@ -147,3 +147,29 @@ def test_a_row_without_entries_selects_none(tmp_path):
     picks = _indexer_picks(indexer, q, torch.randn(1, 3, config.hidden_size), torch.zeros(1, 0, indexer.head_dim),
                            torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
     assert picks.shape == (1, 3, 0), picks.shape
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_the_kernels_slots_are_the_planned_ones(pools, ulysses, ring, tmp_path):
+    """The (query, key) slots the planner times (``attended_pairs``: each query's window, and its block's entries, or
+    CSA's top k) are the busiest rank's the layer hands the kernel, blocks of a few queries included."""
+    from planner_cases import compressed_slots
+    from seqmesh.planner.compressed import attended_pairs
+
+    block_elements = 4 * 16 * 5  # 4 heads x 16 wide: 5 queries a block
+    per_rank = pools.run(ulysses * ring, compressed_slots, ulysses, ring, 45, block_elements)
+    (tmp_path / "config.json").write_text(json.dumps(per_rank[0]["config"]))
+    shape = model_shape(str(tmp_path / "config.json"))
+    c = shape.compressed
+    import seqmesh.hf.indexed_attention as indexed_attention
+
+    saved, indexed_attention.BLOCK_ELEMENTS = indexed_attention.BLOCK_ELEMENTS, block_elements
+    attended_pairs.cache_clear()  # its figures are cached per layout, not per block budget
+    try:
+        for kind in ("heavily_compressed_attention", "compressed_sparse_attention"):
+            planned = attended_pairs("zigzag", ulysses, ring, 45, 1, shape.heads, shape.head_dim, c.window,
+                                     c.rate(kind), c.index_topk if kind == "compressed_sparse_attention" else 0)
+            assert planned == max(r["slots"][kind] for r in per_rank) > 0, (kind, planned, per_rank)
+    finally:
+        indexed_attention.BLOCK_ELEMENTS = saved
+        attended_pairs.cache_clear()
