@@ -140,3 +140,19 @@ def compressed_slots(ulysses: int, ring: int, seq_len: int, block_elements: int)
         (compressed_attention.uses_kernel, compressed_attention.sparse_latent_attention,
          indexed_attention.BLOCK_ELEMENTS) = saved
     return {"slots": slots, "config": config.to_dict()}
+
+
+def config_shape(config_class: str, sizes: dict, folder, count: bool = True) -> tuple[object, object, int | None]:
+    """transformers' ``config_class(**sizes)`` written as ``folder``'s config.json, the planner's shape read from it,
+    and with ``count`` the parameters of the model transformers builds from it (on the meta device: no memory)."""
+    import transformers as tf
+
+    from seqmesh.model.presets import model_shape
+
+    config = getattr(tf, config_class)(**sizes)
+    config.save_pretrained(folder)
+    if not count:
+        return config, model_shape(str(folder)), None
+    with torch.device("meta"):
+        built = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(config).parameters())
+    return config, model_shape(str(folder)), built

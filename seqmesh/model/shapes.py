@@ -294,6 +294,12 @@ class ModelShape:
         return self.layer_types.count("sliding_attention")
 
     @property
+    def seqmesh_attention_layers(self) -> int:
+        """Layers whose attention is seqmesh attention (full or sliding): not a recurrent mixer, nor DeepSeek Sparse
+        Attention's or DeepSeek-V4's compressed layers, which run their own."""
+        return self.layers - self.non_attention_layers - self.indexed_layers - self.compressed_layers
+
+    @property
     def compressed_layers(self) -> int:
         """DeepSeek-V4's compressed layers (HCA and CSA), which seqmesh attention does not run; its sliding ones it
         does."""

@@ -112,9 +112,18 @@ def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
         norms = m.hybrid.norms * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
         return norms + g * e * m.hidden + attention_saved(work, layout) + (0 if work.tiled_mlp else g * e * ffn.kept)
     norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
-    # gate, up, SiLU(gate), product; a two-matrix MLP: up and its activation
-    mlp = 0 if work.tiled_mlp else g * (4 if m.mlp_matrices == 3 else 2) * m.intermediate // layout.tp * e
-    return norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp + hyper_connection_saved(work, layout)
+    return (norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp_saved_bytes(work, layout)
+            + hyper_connection_saved(work, layout))
+
+
+def mlp_saved_bytes(work: Workload, layout: Degrees) -> int:
+    """What a decoder layer's MLP keeps: gate, up, SiLU(gate) and the product (a two-matrix MLP: up and its
+    activation), none when the tiled MLP recomputes them."""
+    m = work.model
+    if work.tiled_mlp:
+        return 0
+    tensors = 4 if m.mlp_matrices == 3 else 2
+    return gathered_tokens(work, layout) * tensors * m.intermediate // layout.tp * work.act_bytes
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:

@@ -22,14 +22,14 @@ from ..linear_attention.choice import halo_bytes, runs_and_tails
 from ..model.deepseek_v4 import CSA
 from ..rules.degrees import Degrees
 from ..sequence.layout import SequenceLayout
-from .activations import (GPU, SCORE_TENSORS, attention_saved, gathered_tokens, hyper_connection_share, local_tokens,
+from .activations import (GPU, SCORE_TENSORS, attention_saved, hyper_connection_share, local_tokens, mlp_saved_bytes,
                           norm_saved, tokens)
 from .hardware import HardwareSpec
 from .layer_cost import (Phases, attention_saved_bytes, gather_comm_seconds, gather_links, gather_phases,
                          serial_layer_seconds)
 from .placement import placement
 from .traffic import Collective, RankTraffic, dtype_bytes
-from .workload import Workload
+from .workload import Workload, mlp_matmul_params
 
 INT64 = 8
 KEY = "compressed_gather"  # the halo's and the entries' collectives
@@ -116,7 +116,7 @@ class CompressedAttention:
         (:func:`experts_saved`, :func:`compressed_attention_saved`)."""
         w, lay = self.work, self.layout
         own = compressed_attention_saved(w, lay, self.kind) + experts_saved(w, lay)
-        return attention_saved_bytes(w, lay) - attention_saved(w, lay) - _dense_mlp_saved(w, lay) + own
+        return attention_saved_bytes(w, lay) - attention_saved(w, lay) - mlp_saved_bytes(w, lay) + own
 
     @property
     def backward_op(self) -> str:
@@ -148,7 +148,7 @@ class CompressedAttention:
         wide = 2 if self.sparse else 1
         attention = m.hidden * q + q * hd + m.hidden * m.head_dim + hd * o + c.o_groups * o * m.hidden
         attention += 2 * wide * m.hidden * m.head_dim
-        experts = 3 * m.hidden * m.intermediate * m.experts_per_token + m.shared_expert_params + m.experts * m.hidden
+        experts = mlp_matmul_params(m)
         di, hi = c.index_head_dim, c.index_n_heads
         indexer = 4 * m.hidden * di + q * hi * di + m.hidden * hi if self.sparse else 0
         return attention + experts, indexer
@@ -218,13 +218,6 @@ def compressed_attention_saved(work: Workload, layout: Degrees, kind: str) -> in
     """Bytes one DeepSeek-V4 attention of ``kind`` (HCA or CSA) keeps for backward on the busiest rank (both parts of
     :func:`_attention_saved_parts`)."""
     return sum(_attention_saved_parts(work, layout, kind))
-
-
-def _dense_mlp_saved(work: Workload, layout: Degrees) -> int:
-    """What :func:`.activations.decoder_layer_saved_bytes` counts for a layer's MLP (a dense one's four tensors), which
-    a DeepSeek-V4 layer replaces with its experts' (:func:`experts_saved`)."""
-    m = work.model
-    return 0 if work.tiled_mlp else gathered_tokens(work, layout) * 4 * m.intermediate * work.act_bytes
 
 
 def experts_saved(work: Workload, layout: Degrees) -> int:

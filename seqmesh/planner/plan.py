@@ -153,8 +153,7 @@ def communication(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[di
         step["fsdp_all_gather"] += gathers * unit["all_gather_forward"]
         step["fsdp_reduce_scatter"] += unit["reduce_scatter_backward"]
     # the first seqmesh attention call of a batch checks the inputs (indexed layers do not call it)
-    seqmesh_attention = m.layers - m.non_attention_layers - m.indexed_layers - m.compressed_layers
-    step["input_check_all_gather"] = attention.input_check() if seqmesh_attention else 0
+    step["input_check_all_gather"] = attention.input_check() if m.seqmesh_attention_layers else 0
     step["loss_all_reduce"] = pooled_loss_bytes(work, layout)
     if layout.ep > 1:  # every MoE layer's dispatch and combine (a balanced router: seqmesh.experts.traffic)
         for phase, sent in exchange_phases(work, layout).items():

@@ -72,8 +72,7 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     emb_ag, emb_rs = unit_seconds(split["embedding"])
     emb_comm = emb_ag + emb_rs + max(layer["backward_compute"], emb_ag + rs) - layer_bwd if split["embedding"] else 0.0
     tp_step = step_seconds(work, layout, hw)  # the embedding's, the loss's and the norm gradients' TP collectives
-    full = m.layers - m.non_attention_layers - m.indexed_layers - m.compressed_layers  # seqmesh attention's,
-    # full or sliding
+    full = m.seqmesh_attention_layers  # full or sliding
     total = full * layer["total"] + head + root_comm + emb_comm + tp_step
     compute = full * layer["compute"] + head
     serial = (full * layer["serial"] + root_comm + 2 * emb_ag + emb_rs + tp_step)

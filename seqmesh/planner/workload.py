@@ -119,11 +119,16 @@ def layer_matmul_params(m: ModelShape) -> int:
         return m.attention_params + convs + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
     # DeepSeek-V4's sliding layers (its compressed ones count their own: seqmesh.planner.compressed)
     attention = m.kind_attention_params("sliding_attention") if m.compressed is not None else m.attention_params
+    return attention + mlp_matmul_params(m)
+
+
+def mlp_matmul_params(m: ModelShape) -> int:
+    """The MLP's share of :func:`layer_matmul_params`: a dense MLP's matrices, or the experts a token is routed to,
+    the shared experts and the router."""
     if not m.experts:
-        return attention + m.mlp_matrices * m.hidden * m.intermediate
+        return m.mlp_matrices * m.hidden * m.intermediate
     mlp = m.mlp_matrices * m.hidden * m.intermediate * (m.experts_per_token or 1) + m.shared_expert_params
-    mlp += m.experts * m.hidden  # the router
-    return attention + mlp
+    return mlp + m.experts * m.hidden  # the router
 
 
 def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0,

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from planner_cases import ModelTrafficCase, measured_model_traffic
+from planner_cases import ModelTrafficCase, config_shape, measured_model_traffic
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.compressed import KEY, CompressedAttention
 from seqmesh.planner.layers import layer_kinds
@@ -36,12 +36,10 @@ CONFIGS = {
 }
 
 
-def _shape(sizes: dict, folder):
-    import transformers as tf
-
-    config = tf.DeepseekV4Config(**sizes)
-    config.save_pretrained(folder)
-    return config, model_shape(str(folder))
+def _shape(sizes: dict, folder, count: bool = False):
+    """(config, the planner's shape, with ``count`` transformers' parameter count) of DeepseekV4Config(**sizes) written to
+    ``folder``."""
+    return config_shape("DeepseekV4Config", sizes, folder, count)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -49,11 +47,7 @@ def test_parameters_are_what_transformers_builds(name, tmp_path):
     """The low-rank query, the shared key, the grouped output, the sinks, each kind's compressor (CSA's with its
     indexer), the hyper-connections (the layers' and the head's), the experts (hash-routed ones alike), counted
     exactly; the layers planned by kind, nothing left unplanned."""
-    from transformers import AutoModelForCausalLM
-
-    config, shape = _shape(CONFIGS[name], tmp_path)
-    with torch.device("meta"):
-        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    config, shape, built = _shape(CONFIGS[name], tmp_path, count=True)
     assert shape.params == built and not shape.unplanned, (shape.params, built, shape.unplanned)
     work = Workload(shape, 4096)
     kinds = {getattr(k, "kind", "sliding_attention"): n for k, n in layer_kinds(work, Degrees(1, 2, 1))}
@@ -127,7 +121,7 @@ def test_sliding_layers_are_timed_with_their_window(tmp_path):
     attention layers to average its pairs with (they were: a sliding layer of the 5 was planned as 3/5 full)."""
     from seqmesh.planner.attention_layer import Attention, attention_average, attention_pairs
 
-    config, shape = _shape(CONFIGS["sliding"], tmp_path)
+    config, shape, _ = _shape(CONFIGS["sliding"], tmp_path)
     work = Workload(shape, 8192)
     window = attention_pairs(8192, True, config.sliding_window)
     assert attention_average(work, Degrees(1, 2, 1), Attention.pairs) == window < attention_pairs(8192, True)
@@ -140,7 +134,7 @@ def test_a_row_without_entries_selects_none(tmp_path):
 
     from seqmesh.hf.compressed_attention import _indexer_picks
 
-    config, _ = _shape(CONFIGS["tiny"], tmp_path)
+    config, _, _ = _shape(CONFIGS["tiny"], tmp_path)
     layers = AutoModelForCausalLM.from_config(config).model.layers
     indexer = layers[config.layer_types.index("compressed_sparse_attention")].self_attn.compressor.indexer
     q = torch.randn(1, 3, indexer.num_heads, indexer.head_dim)
