@@ -132,6 +132,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                          "index_block_size": 16, "index_topk_blocks": 2}),
     # RoBERTa as a causal LM: positions numbered from padding_idx + 1, skipping padding (id 1, among the random ids)
     "roberta+decoder": ("roberta", {"is_decoder": True}),
+    # Doge with its cross-domain experts (the default config has a dense MLP): 16 experts, 4 a token
+    "doge+moe": ("doge", {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4}),
     # BigBird as a causal LM with full attention (its block-sparse default attends both ways, and is refused)
     "big_bird+original_full": ("big_bird", {"is_decoder": True, "attention_type": "original_full"}),
 }

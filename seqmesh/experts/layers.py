@@ -65,6 +65,8 @@ NOT_SPLIT = {
                      "experts on the token's rank (not built)",
     "inkling2_text": _INKLING2,
     "inkling2_loop_text": _INKLING2,
+    "doge": "Doge's cross-domain experts are rows of two embeddings (num_experts x hidden each, 16,384 by default), "
+            "each a rank-one MLP a token reaches by its row index, not stacked matrices; FSDP2 shards the embeddings",
 }
 
 

@@ -250,13 +250,7 @@ FAMILY_REASONS: dict[str, Callable[[object], str | None]] = {
         "BLT reads bytes with a local encoder, groups them into patches by an entropy model and runs its global "
         "transformer over the patches, cross-attending bytes and patches; its patches are drawn from each call's "
         "bytes, not positions seqmesh can shard (it has no attention heads at its top level)"),
-    "doge": lambda c: _DOGE_MOE if getattr(c, "is_moe", False) else None,
 }
-_DOGE_MOE = ("Doge's cross-domain mixture of experts (is_moe=True) routes each token by the router logits of two other "
-             "tokens of the batch (transformers views the (tokens, 2 x keys) logits as (2, tokens, keys), which it keeps "
-             "for its checkpoints' sake), so a rank would route its tokens by its own shard's logits: 0.03 off the "
-             "logits on two ranks; it would take the router logits gathered over the whole batch in transformers' "
-             "order (not built). Doge with is_moe=False (its dense MLP) runs exactly")
 
 
 def family_reason(model: nn.Module) -> str | None:

@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from ..mesh import SPMesh
 from ..model.lm import decoder_of
-from . import (cca, inkling, inkling2, kda, lightning, linear_attention, mamba, mamba2, ngram_ple, own_attention,
-               rg_lru, rwkv, short_conv, xlstm)
+from . import (cca, doge_moe, inkling, inkling2, kda, lightning, linear_attention, mamba, mamba2, ngram_ple,
+               own_attention, rg_lru, rwkv, short_conv, xlstm)
 from .layers import calls_without_kwargs
 from .mixer_kind import ENTRY_ATTR, REPLACED_ATTR, Layers, MixerKind
 
@@ -89,7 +89,7 @@ def has_mixers(model: nn.Module) -> bool:
 def kinds() -> tuple[MixerKind, ...]:
     """Every mixer seqmesh runs sequence-parallel, in the order ``parallelize`` looks for them."""
     return (linear_attention.KIND, mamba2.KIND, mamba.KIND, rg_lru.KIND, lightning.KIND, short_conv.KIND, kda.KIND,
-            cca.KIND, rwkv.KIND, xlstm.KIND, ngram_ple.KIND, inkling.KIND, inkling2.KIND,
+            cca.KIND, rwkv.KIND, xlstm.KIND, ngram_ple.KIND, inkling.KIND, inkling2.KIND, doge_moe.KIND,
             own_attention.KIND)
 
 

@@ -70,6 +70,7 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
     from ..hf.async_ulysses import is_async
     from ..hf.compressed_attention import is_compressed
+    from ..hf.doge_moe import is_doge_moe
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..hf.positions import counting_embeddings
@@ -105,6 +106,11 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"{name} has Qwen4-Exp's QSA layers, whose decode seqmesh does not run yet (each step's query "
                          "would score the blocks of every rank's indexer keys); seqmesh trains it (seqmesh train, "
                          "verify).")
+    if any(is_doge_moe(m) for m in model.modules()):
+        raise ValueError(f"{name} has Doge's cross-domain experts (is_moe=True), which route each prompt token by two "
+                         "other tokens' router logits and each decoded token by its batch's, which seqmesh's decode "
+                         "does not reproduce yet; seqmesh trains it (seqmesh train, verify), and generates Doge with "
+                         "is_moe=False.")
     if counting_embeddings(model) is not None:
         raise ValueError(f"{name} is the decoder of an encoder-decoder family (BART, Marian, Pegasus, MusicGen, ...), "
                          "whose attention layers keep their own cache, which seqmesh's sharded cache does not replace "

@@ -168,6 +168,15 @@ def test_unmeasured_families_are_refused_by_name():
     check_family(model, 1)
 
 
+def test_doges_embedding_experts_are_refused_by_name():
+    """Doge's cross-domain experts are rows of two embeddings, which no experts module holds: ep > 1 says so."""
+    model = build(census_config("doge+moe"))
+    assert not experts_modules(model)
+    with pytest.raises(ValueError, match="ep=2: .*doge .*rows of two embeddings"):
+        check_family(model, 2)
+    check_family(model, 1)
+
+
 def test_inkling2_experts_are_refused_for_their_float32_sum():
     """Inkling 2's experts weight and sum their outputs in float32 inside the module: split, weighted on the token's
     rank, they round elsewhere (2.9e-9 from the module in float64, against 8e-18 for another token order), so

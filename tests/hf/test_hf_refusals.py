@@ -185,20 +185,3 @@ def test_families_seqmesh_cannot_compute_are_refused_with_their_own_reason():
         with pytest.raises(ValueError, match=f"seqmesh cannot run {type(model).__name__} exactly: .*{phrase}"):
             check_layers(model)
     assert family_reason(AutoModelForCausalLM.from_config(census_config("big_bird+original_full"))) is None
-
-
-def test_doge_with_its_mixture_of_experts_is_refused_and_its_dense_mlp_is_not():
-    """Doge's cross-domain experts (is_moe=True) route each token by two other tokens' router logits (transformers'
-    view of the whole batch's logits), which a shard cannot reproduce (0.03 off the logits on two ranks, silently,
-    before): refused by that reason before any work; the same config with its dense MLP passes."""
-    import pytest
-    from transformers import AutoModelForCausalLM
-
-    from family_cases import family_config
-    from seqmesh.hf.layers import check_layers, family_reason
-
-    config = family_config("doge")
-    assert family_reason(AutoModelForCausalLM.from_config(config)) is None
-    config.is_moe, config.num_experts, config.num_experts_per_tok = True, 16, 4
-    with pytest.raises(ValueError, match="seqmesh cannot run DogeForCausalLM exactly: .*is_moe=True.*two other tokens"):
-        check_layers(AutoModelForCausalLM.from_config(config))

@@ -161,7 +161,7 @@ def test_the_planner_plans_the_newer_own_attention_families(tmp_path, family, ca
     assert json.loads(capsys.readouterr().out)["recommended"] is not None
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge", "rembert")])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge", "doge-moe", "rembert")])
 def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train`` from each one's config.json on a ring of 2."""
     from family_cases import family_config

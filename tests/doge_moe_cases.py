@@ -1,0 +1,136 @@
+"""Worker-side cases for Doge's cross-domain experts (seqmesh.hf.doge_moe): several rows, plain and packed, against
+transformers' model on one process (float64), and the mutations the comparison must see."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+import torch.distributed as dist
+
+import seqmesh
+from dist_cases import get_mesh
+from family_cases import build, family_config
+from seqmesh.hf import doge_moe, parallelize, unparallelize
+
+CUTS = (0, 7, 8, 25, 40)  # the packed rows' documents (every row alike)
+
+
+def _batch(rows: int, documents: bool) -> dict:
+    """``rows`` rows of 40 tokens (an odd count of rows: a call's second half starts inside a row); packed: the
+    documents of CUTS in every row."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (rows, CUTS[-1]), generator=g)
+    if not documents:
+        return {"input_ids": ids}
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(CUTS[:-1], CUTS[1:])])
+    return {"input_ids": ids, "position_ids": positions.expand(rows, -1).clone()}
+
+
+def _reference(model, batch: dict) -> torch.Tensor:
+    """(B, S, V) logits of transformers' model: the rows in one call, packed documents one call each (every row's
+    share of a document in it)."""
+    ids = batch["input_ids"]
+    if "position_ids" not in batch:
+        return model(input_ids=ids, use_cache=False).logits
+    return torch.cat([model(input_ids=ids[:, a:b], position_ids=batch["position_ids"][:, a:b], use_cache=False).logits
+                      for a, b in zip(CUTS[:-1], CUTS[1:])], dim=1)
+
+
+def rows_parity(ulysses: int, ring: int, layout: str, documents: bool, mutate=None) -> dict:
+    """Largest logit error and largest gradient error (relative to the gradient's largest entry) of the
+    parallelized model on ``rows`` rows against transformers' float64 model; beside them (``rounding``), how far the
+    same reference moves in float32, the tolerance's scale. The gradients are of ``sum(logits x W)`` for a fixed random ``W``.
+    ``mutate(model)`` changes the parallelized model only."""
+    mesh = get_mesh(ulysses, ring)
+    rows = 2 if documents else 3
+    batch = _batch(rows, documents)
+    pristine = build(family_config("doge-moe"))
+    weights = torch.randn(rows, CUTS[-1], 64, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    reference = copy.deepcopy(pristine)
+    ref = _reference(reference, batch)
+    (ref * weights).sum().backward()
+    single = copy.deepcopy(pristine).float()
+    low = _reference(single, batch)
+    (low * weights.float()).sum().backward()
+    moved = max(float((p.grad.double() - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-300))
+                for p, q in zip(single.parameters(), reference.parameters()) if q.grad is not None)
+    model = parallelize(copy.deepcopy(pristine), mesh)
+    if mutate is not None:
+        mutate(model)
+    local = seqmesh.shard_batch(batch, mesh, layout=layout)
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=local["seqmesh"],
+                   use_cache=False).logits
+    mine = seqmesh.sequence_positions(CUTS[-1], mesh, layout=layout, cu_seqlens=local["seqmesh"].cu_seqlens)
+    real = mine < CUTS[-1]
+    (logits[:, real] * weights[:, mine[real]]).sum().backward()
+    grad = 0.0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        if q.grad is None:  # a weight the logits do not reach
+            continue
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+        grad = max(grad, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-300)))
+    whole = seqmesh.gather_sequence(logits.detach(), mesh, layout=layout, length=CUTS[-1])
+    unparallelize(model)
+    return {"logits": float((whole - ref.detach()).abs().max()), "grad": grad,
+            "rounding": {"logits": float((low.detach().double() - ref.detach()).abs().max()), "grad": moved}}
+
+
+def routed_by_own_shard(model) -> None:
+    """Each layer run as transformers' forward on this rank's tokens (the experts routed by the shard's logits)."""
+    for m in model.modules():
+        if doge_moe.is_doge_moe(m):
+            m.forward = types.MethodType(type(m).forward, m)
+
+
+class _ShardOrder:
+    """A layout whose shard order is taken for the sequence's (no restore)."""
+
+    def __init__(self, layout):
+        self.layout, self.padded_len = layout, layout.padded_len
+
+    def indices(self, restore: bool = False, device=None) -> torch.Tensor:
+        return torch.arange(self.padded_len, device=device)
+
+
+def routed_in_shard_order(cases: list[tuple]) -> list[dict]:
+    """:func:`rows_parity` of each case, the gathered logits read in shard order as if it were the sequence's."""
+    original = doge_moe.sequence_layout
+    doge_moe.sequence_layout = lambda *args, **kwargs: _ShardOrder(original(*args, **kwargs))
+    try:
+        return [{"case": c, **rows_parity(*c)} for c in cases]
+    finally:
+        doge_moe.sequence_layout = original
+
+
+def parity(cases: list[tuple], mutation: str | None = None) -> list[dict]:
+    """:func:`rows_parity` of each ``(ulysses, ring, layout, documents)``; ``mutation``: "own shard" or "shard
+    order"."""
+    if mutation == "shard order":
+        return routed_in_shard_order(cases)
+    mutate = routed_by_own_shard if mutation == "own shard" else None
+    return [{"case": c, **rows_parity(*c, mutate=mutate)} for c in cases]
+
+
+def refusals() -> dict[str, str]:
+    """What a parallelized Doge with experts says for right-padded rows and for generation: each ValueError's
+    message."""
+    from seqmesh.inference.generate import check_generate
+
+    mesh = get_mesh(2, 1)
+    model = parallelize(build(family_config("doge-moe")), mesh)
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 15:] = 0
+    said = {}
+    for name, call in {"padded rows": lambda: model(**seqmesh.shard_batch({"input_ids": ids, "attention_mask": mask},
+                                                                           mesh), use_cache=False),
+                       "generate": lambda: check_generate(model, mesh)}.items():
+        try:
+            call()
+            said[name] = ""
+        except ValueError as err:
+            said[name] = str(err)
+    unparallelize(model)
+    return said
