@@ -157,6 +157,17 @@ def test_a_two_matrix_mlp_tiles_exactly_and_keeps_two_intermediates_a_token():
     assert all("forward" not in layer.mlp.__dict__ for layer in bloom.transformer.h)
 
 
+def test_doges_cross_domain_experts_are_not_tiled():
+    """Doge's experts route each token by other tokens' router logits over the whole call, which a tile would route
+    within itself: refused by name before any layer changes."""
+    from family_cases import build, family_config
+
+    model = build(family_config("doge-moe"))
+    with pytest.raises(ValueError, match=r"DogeCDMoE \(Doge's cross-domain experts\).*without tiled_mlp"):
+        enable_tiled_mlp(model, 3)
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+
+
 def test_activation_offload_is_exact_and_empties_the_device():
     model = build_model("llama-tiny", seed=0)
     model.train()
