@@ -115,7 +115,7 @@ def parity(cases: list[tuple], mutation: str | None = None) -> list[dict]:
 
 def refusals() -> dict[str, str]:
     """What a parallelized Doge with experts says for right-padded rows and for generation: each ValueError's
-    message."""
+    message ("" where the call ran: rows whose attention_mask is all ones, under "whole rows")."""
     from seqmesh.inference.generate import check_generate
 
     mesh = get_mesh(2, 1)
@@ -123,7 +123,9 @@ def refusals() -> dict[str, str]:
     ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, 15:] = 0
-    said = {}
+    whole = model(**seqmesh.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(mask)}, mesh),
+                  use_cache=False).logits
+    said = {"whole rows": "" if torch.isfinite(whole).all() else "not finite"}
     for name, call in {"padded rows": lambda: model(**seqmesh.shard_batch({"input_ids": ids, "attention_mask": mask},
                                                                            mesh), use_cache=False),
                        "generate": lambda: check_generate(model, mesh)}.items():
@@ -134,3 +136,40 @@ def refusals() -> dict[str, str]:
             said[name] = str(err)
     unparallelize(model)
     return said
+
+
+def mlp_saved_bytes(seq_len: int = 64) -> dict[str, int]:
+    """Bytes the first decoder layer's MLP of Doge with its cross-domain experts (:func:`experts_config`) keeps for
+    backward on this rank of Ulysses 2 (its saved tensors' storages, each once; the weights' bfloat16 casts and their
+    transposes left out) under bfloat16 autocast, and this rank's tokens."""
+    mesh = get_mesh(2, 1)
+    config = experts_config(True)
+    model = parallelize(build(config).float(), mesh)
+    layer = model.model.layers[0].mlp
+    weights = {tuple(p.shape) for p in layer.parameters()} | {tuple(p.shape[::-1]) for p in layer.parameters()}
+    seen: dict[int, int] = {}
+    inside = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0] and tuple(t.shape) not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(2))
+    local = seqmesh.shard_batch({"input_ids": ids}, mesh)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**local, use_cache=False)
+    unparallelize(model)
+    return {"saved": sum(seen.values()), "tokens": local["input_ids"].numel(), "config": config.to_dict()}
+
+
+def experts_config(is_moe: bool):
+    """Doge with rows wide enough that the experts' tensors are most of the layer's (64 wide, 256 experts, 16 a
+    token)."""
+    import transformers as tf
+
+    return tf.DogeConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=64, keep_window_size=128, is_moe=is_moe, num_experts=256,
+                         num_experts_per_tok=16)

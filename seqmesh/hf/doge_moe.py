@@ -55,7 +55,7 @@ def routing_sources(mesh: SPMesh, info: SequenceInfo, rows: int, device: torch.d
     """Where each of this rank's ``(rows, L)`` tokens finds its two halves of router logits among the gathered
     ``(rows, P x L, 2, K)`` ones (shard order), flattened to ``rows x P x L x 2`` half-rows: ``(x, y)``, each
     ``(rows x L,)`` int64, row-major as the tokens."""
-    if info.lengths is not None:
+    if info.lengths is not None and min(info.lengths) < info.seq_len:
         raise ValueError(f"Doge's cross-domain experts route real tokens by the router logits of the rows' padding "
                          f"(rows of {list(info.lengths)} real tokens), which no sharded call reproduces: pack the "
                          "documents into full rows (position_ids restarting at each) instead of padding them.")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..comm.ranks import is_dtensor, partial_local, summed_to_slices
 from ..hf.doge_moe import is_doge_moe
+from ..model.doge import TILED_MLP_REFUSAL
 from ..model.lm import decoder_layers
 
 
@@ -126,9 +127,7 @@ def enable_tiled_mlp(model: nn.Module, tiles: int | None = None) -> None:
         if mlp is None:
             raise ValueError(f"{type(layer).__name__} has no 'mlp' submodule to tile.")
         if is_doge_moe(mlp):
-            raise ValueError(f"{type(mlp).__name__} (Doge's cross-domain experts) routes each token by other tokens' "
-                             "router logits over the whole call, which tiles of the sequence would route within each "
-                             "tile; train this model without tiled_mlp.")
+            raise ValueError(f"{type(mlp).__name__}: {TILED_MLP_REFUSAL}.")
         inputs = [p.name for p in list(inspect.signature(type(mlp).forward).parameters.values())[1:]
                   if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(inputs) != 1:

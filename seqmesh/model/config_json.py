@@ -9,8 +9,9 @@ import json
 import os
 
 from ..rules.model_sizes import check_model_sizes
-from ..rules.own_attention import DOGE_WINDOW, TWO_MATRIX_MLP
+from ..rules.own_attention import TWO_MATRIX_MLP
 from .deepseek_v4 import deepseek_v4_fields
+from .doge import doge_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -172,15 +173,8 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields["unplanned"] = ("seqmesh plan does not size Qwen4-Exp's QSA layers and hyper-connections yet (each "
                                "query's selected blocks gathered from the row; residual streams a token, mixed around "
                                "each block); seqmesh train runs it all the same")
-    if family == "doge":  # its window, which the planner checks the length against; experts only with is_moe
-        fields["extra"] = (("keep_window_size", cfg.get("keep_window_size", DOGE_WINDOW)),)
-        if cfg.get("is_moe"):
-            fields["unplanned"] = ("seqmesh plan does not size Doge's cross-domain mixture of experts (is_moe=True), "
-                                   "which seqmesh train refuses too: it routes each token by two other tokens' router "
-                                   "logits, which a shard cannot reproduce (seqmesh.hf.layers.FAMILY_REASONS); Doge "
-                                   "with is_moe=False is planned and trained")
-        else:
-            fields |= {"experts": 0, "experts_per_token": 0}
+    if family == "doge":  # its window, which the planner checks the length against; its experts with is_moe
+        fields |= doge_fields(cfg)
     return fields
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from ..rules.model_sizes import check_model_sizes
 from .deepseek_v4 import CompressedShape
+from .doge import CrossDomainExperts
 from .hybrid_shape import HybridShape
 
 
@@ -245,6 +246,7 @@ class ModelShape:
     hc_mult: int = 0  # HY-V4's and DeepSeek-V4's hyper-connections: residual streams a token, mixed around each block
     # (0: none)
     compressed: CompressedShape | None = None  # DeepSeek-V4's attention (:mod:`.deepseek_v4`); None: another family's
+    cross_domain: CrossDomainExperts | None = None  # Doge's experts beside its dense MLP (:mod:`.doge`; is_moe)
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -315,14 +317,16 @@ class ModelShape:
 
     @property
     def mlp_params(self) -> int:
-        """One layer's MLP: a gated MLP, or ``experts`` of them, the shared experts and a router (the MoE layer's,
-        where the first ``dense_layers`` have a dense MLP: the larger FSDP unit); a hybrid's largest feed-forward."""
+        """One layer's MLP: a gated MLP (and Doge's cross-domain experts beside it), or ``experts`` of them, the shared
+        experts and a router (the MoE layer's, where the first ``dense_layers`` have a dense MLP: the larger FSDP
+        unit); a hybrid's largest feed-forward."""
         if self.hybrid is not None:
             return max(ffn.params for _, ffn in self.hybrid.ffns) if self.hybrid.ffns else 0
         if self.experts:
             experts = self.experts * 3 * self.hidden * self.intermediate
             return experts + self.shared_expert_params + self.experts * self.hidden  # + the router
-        return self.mlp_matrices * self.hidden * self.intermediate
+        dense = self.mlp_matrices * self.hidden * self.intermediate
+        return dense + (self.cross_domain.params(self.hidden) if self.cross_domain is not None else 0)
 
     @property
     def shared_expert_params(self) -> int:
@@ -339,8 +343,8 @@ class ModelShape:
     @property
     def norm_params(self) -> int:
         """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3) and
-        the two gates of an A.X-K2 MoE layer's norms."""
-        if self.family == "gemma3_text":
+        the two gates of an A.X-K2 MoE layer's norms; Doge's two, its two residual scalings and q/k norms."""
+        if self.family in ("gemma3_text", "doge"):
             return 4 * self.hidden + 2 * self.head_dim
         if self.hybrid is not None:
             return self.hybrid.norms * self.hidden

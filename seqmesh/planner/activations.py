@@ -118,12 +118,14 @@ def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
 
 def mlp_saved_bytes(work: Workload, layout: Degrees) -> int:
     """What a decoder layer's MLP keeps: gate, up, SiLU(gate) and the product (a two-matrix MLP: up and its
-    activation), none when the tiled MLP recomputes them."""
+    activation), and Doge's cross-domain experts' (:meth:`seqmesh.model.doge.CrossDomainExperts.saved_bytes`); none
+    when the tiled MLP recomputes them (which refuses Doge's experts)."""
     m = work.model
     if work.tiled_mlp:
         return 0
     tensors = 4 if m.mlp_matrices == 3 else 2
-    return gathered_tokens(work, layout) * tensors * m.intermediate // layout.tp * work.act_bytes
+    beside = m.cross_domain.saved_bytes(m.hidden, work.act_bytes) if m.cross_domain is not None else 0  # tp is 1
+    return gathered_tokens(work, layout) * (tensors * m.intermediate // layout.tp * work.act_bytes + beside)
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:
@@ -258,6 +260,10 @@ def layer_backward_timeline(work: Workload, layout: Degrees) -> list[tuple[str, 
                   ("SiLU backward", inner, 2 * inner),  # d(gate); gate, d(SiLU) freed
                   # two input gradients, the second added in place into the first; the norm's output freed
                   ("gate/up_proj backward", 2 * wide, 2 * inner + 2 * wide)]
+    if m.cross_domain is not None:  # then Doge's experts (tp is 1): the up rows' gradient, then the down rows', each
+        # freed with the rows it kept
+        rows = t * m.cross_domain.row_bytes(m.hidden, e)
+        steps += [("experts' up rows backward", rows, 2 * rows), ("experts' down rows backward", rows, 2 * rows)]
     if tp:
         steps += [scatter_backward("MLP", wide, hidden)]
     if m.hybrid is not None and not m.hybrid.attention_layers:  # no attention (pure Mamba, RWKV, xLSTM): the mixer's

@@ -14,6 +14,8 @@ from ..rules.overlap import ASYNC_PIECES, pipelined_exposed
 from .activations import local_tokens
 from .cca import KEY as CCA_KEY
 from .cca import cca_saved_bytes, cca_seconds, cca_traffic
+from .cross_domain import KEY as ROUTER_KEY
+from .cross_domain import router_seconds, router_traffic
 from .experts import layer_fsdp_seconds
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases
@@ -68,6 +70,9 @@ class Attention:
         if self.cca:  # ZAYA's projection: its halo's all-gathers and reduce-scatters
             halo_fwd, halo_bwd = cca_traffic(self.work, self.layout)
             fwd, bwd = fwd | halo_fwd, bwd | halo_bwd
+        if self.work.model.cross_domain is not None:  # Doge's experts: the router logits' all-gather, reduce-scatter
+            router_fwd, router_bwd = router_traffic(self.work, self.layout)
+            fwd, bwd = fwd | router_fwd, bwd | router_bwd
         sent = phases(fwd, bwd, self.work.checkpointing)
         if self.layout.tp > 1:  # the TP regions' gathers and reduce-scatters
             for phase, tp in layer_traffic(self.work, self.layout).items():
@@ -84,6 +89,8 @@ class Attention:
                  "input_check_all_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
         if self.cca:
             links[CCA_KEY] = link_name(hw, axis_groups(self.layout, "sequence")[:1])
+        if self.work.model.cross_domain is not None:
+            links[ROUTER_KEY] = link_name(hw, axis_groups(self.layout, "sequence")[:1])
         if self.layout.tp > 1:
             tp = link_name(hw, axis_groups(self.layout, "tp"))
             links |= {"tp_all_gather": tp, "tp_reduce_scatter": tp, "tp_all_reduce": tp}
@@ -138,6 +145,7 @@ class Attention:
         bwd = 2 * mm_fwd + a2a_bwd + ring_bwd + tp["backward"]
         comm_fwd, comm_bwd = a2a_serial_fwd + p2p_fwd + tp["forward"], a2a_serial_bwd + p2p_bwd + tp["backward"]
         halo = cca_seconds(work, layout, hw) if self.cca else 0.0  # ZAYA's halo: the convs wait for it
+        halo += router_seconds(work, layout, hw) if m.cross_domain is not None else 0.0  # Doge's routing waits too
         fwd, bwd, comm_fwd, comm_bwd = fwd + halo, bwd + halo, comm_fwd + halo, comm_bwd + halo
         if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
             bwd += fwd - tp["forward"] + tp["recompute"]

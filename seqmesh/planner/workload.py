@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
+from ..model.doge import TILED_MLP_REFUSAL
 from ..rules.degrees import Degrees, resolve_degrees
 from ..rules.own_attention import DOGE_WINDOW, doge_window_problem
 from ..experts.rules import check_expert_parallel as runtime_rule
@@ -61,6 +62,8 @@ class Workload(RunSettings):
             problem = doge_window_problem(self.seq_len, dict(self.model.extra).get("keep_window_size", DOGE_WINDOW))
             if problem:
                 raise ValueError(f"{self.model.name}: {problem}.")
+        if self.model.cross_domain is not None and self.tiled_mlp:  # the runtime's rule (seqmesh.memory.tiled_mlp)
+            raise ValueError(f"{self.model.name}: {TILED_MLP_REFUSAL}.")
         if self.seq_len < 1:
             raise ValueError(f"--seq-len {self.seq_len}: a sequence needs at least 1 token.")
         if self.batch < 1:
@@ -123,10 +126,11 @@ def layer_matmul_params(m: ModelShape) -> int:
 
 
 def mlp_matmul_params(m: ModelShape) -> int:
-    """The MLP's share of :func:`layer_matmul_params`: a dense MLP's matrices, or the experts a token is routed to,
-    the shared experts and the router."""
+    """The MLP's share of :func:`layer_matmul_params`: a dense MLP's matrices (and Doge's cross-domain experts' products
+    beside them), or the experts a token is routed to, the shared experts and the router."""
     if not m.experts:
-        return m.mlp_matrices * m.hidden * m.intermediate
+        dense = m.mlp_matrices * m.hidden * m.intermediate
+        return dense + (m.cross_domain.matmul_params(m.hidden) if m.cross_domain is not None else 0)
     mlp = m.mlp_matrices * m.hidden * m.intermediate * (m.experts_per_token or 1) + m.shared_expert_params
     return mlp + m.experts * m.hidden  # the router
 

@@ -37,8 +37,9 @@ def test_each_mutation_is_seen(pools, mutation, cases):
 
 def test_padded_rows_and_generation_are_refused_by_name(pools):
     """Rows right-padded inside the batch (transformers routes real tokens by the padding's logits) and generation
-    (its decode) raise a ValueError on every rank naming what to do instead."""
+    (its decode) raise a ValueError on every rank naming what to do instead; rows whose mask pads nothing run."""
     for said in pools.run(2, refusals):
+        assert said["whole rows"] == "", said  # an attention_mask of ones pads nothing
         assert "rows' padding" in said["padded rows"] and "[20, 15]" in said["padded rows"], said
         assert "pack the documents" in said["padded rows"], said
         assert "is_moe=True" in said["generate"] and "seqmesh trains it" in said["generate"], said

@@ -163,7 +163,8 @@ def test_doges_cross_domain_experts_are_not_tiled():
     from family_cases import build, family_config
 
     model = build(family_config("doge-moe"))
-    with pytest.raises(ValueError, match=r"DogeCDMoE \(Doge's cross-domain experts\).*without tiled_mlp"):
+    with pytest.raises(ValueError, match=r"DogeCDMoE: Doge's cross-domain experts route.*within each tile; train "
+                                         "this model without tiled_mlp"):
         enable_tiled_mlp(model, 3)
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
 
