@@ -84,11 +84,14 @@ def routing_sources(mesh: SPMesh, info: SequenceInfo, rows: int, device: torch.d
 def routed(module: nn.Module, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
     """Transformers' experts at given routing: ``router_logits`` (2, T, K) and ``hidden_states`` (T, D) -> (T, D),
     the routed experts' states without the shared MLP."""
-    (scores_x, scores_y), (indices_x, indices_y) = router_logits.topk(module.num_keys, dim=-1)
+    keys = module.num_keys
+    (scores_x, scores_y), (indices_x, indices_y) = router_logits.topk(keys, dim=-1)
     all_scores = (scores_x.unsqueeze(-1) + scores_y.unsqueeze(-2)).flatten(-2)  # (T, keys^2)
-    all_indices = (indices_x.unsqueeze(-1) * module.num_keys + indices_y.unsqueeze(-2)).flatten(-2)
     scores, picked = all_scores.topk(module.top_k, dim=-1)  # (T, top_k)
-    indices = all_indices.gather(-1, picked)
+    del all_scores  # freed before the rows are gathered
+    # transformers' expert of pair (i, j) is indices_x[i] x keys + indices_y[j]: read at the picks alone, never the
+    # (T, keys^2) int64 table of every pair
+    indices = indices_x.gather(-1, picked // keys) * keys + indices_y.gather(-1, picked % keys)
     weights = F.softmax(scores, dim=-1)
     if module.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
