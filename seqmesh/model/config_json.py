@@ -12,6 +12,7 @@ from ..rules.model_sizes import check_model_sizes
 from ..rules.own_attention import TWO_MATRIX_MLP
 from .deepseek_v4 import deepseek_v4_fields
 from .doge import doge_fields
+from .minimax_m3 import SPARSE, minimax_m3_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -156,9 +157,8 @@ def _own_attention_fields(cfg: dict) -> dict:
     runs on seqmesh's Triton flash kernel (``seqmesh.kernels.flash_triton``), no score block held."""
     family = cfg.get("model_type")
     fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
-    if "minimax_m3_sparse" in (cfg.get("layer_types") or ()):
-        fields["unplanned"] = ("seqmesh plan does not size MiniMax-M3's block-sparse layers yet (it would plan them as "
-                               "full attention); seqmesh train runs them all the same")
+    if SPARSE in (cfg.get("layer_types") or ()):
+        fields |= minimax_m3_fields(cfg, cfg.get("num_attention_heads", 1))
     if family == "deepseek_v4":
         fields |= deepseek_v4_fields(cfg)
     if family in ("inkling", "inkling_text"):
@@ -273,7 +273,7 @@ def _mlp_fields(cfg: dict) -> dict:
     dense MLP. DeepSeek's and GLM's ``n_shared_experts`` (each an expert's size, or ``shared_expert_intermediate_size``
     wide where the config names one: then one, Qwen's gated) and dense layers (``mlp_layer_types`` "dense"; Qwen-MoE's
     ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips; or the first ``first_k_dense_replace``; of
-    ``intermediate_size``) are counted."""
+    ``intermediate_size`` or their own width, :func:`_dense_width`) are counted."""
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if not experts:
         return dict(intermediate=cfg["intermediate_size"])
@@ -290,7 +290,14 @@ def _mlp_fields(cfg: dict) -> dict:
     return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
                 experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=shared,
                 shared_intermediate=shared_width, shared_gate=cfg.get("model_type") in _SHARED_GATED,
-                dense_layers=dense, dense_intermediate=cfg.get("intermediate_size") or 0 if dense else 0)
+                dense_layers=dense, dense_intermediate=_dense_width(cfg) if dense else 0)
+
+
+def _dense_width(cfg: dict) -> int:
+    """A dense layer's MLP width: ``intermediate_size``, unless the config names one of its own (MiniMax-M3's
+    ``dense_intermediate_size``, Command A's MoE ``prefix_dense_intermediate_size``)."""
+    return next((cfg[k] for k in ("dense_intermediate_size", "prefix_dense_intermediate_size") if cfg.get(k)),
+                cfg.get("intermediate_size") or 0)
 
 
 # the width of a family's shared expert where it is not a routed expert's (Qwen2-MoE, Qwen3-Next, Granite-MoE-shared,

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from ..rules.model_sizes import check_model_sizes
 from .deepseek_v4 import CompressedShape
 from .doge import CrossDomainExperts
+from .minimax_m3 import BlockSparseShape
 from .hybrid_shape import HybridShape
 
 
@@ -247,6 +248,7 @@ class ModelShape:
     # (0: none)
     compressed: CompressedShape | None = None  # DeepSeek-V4's attention (:mod:`.deepseek_v4`); None: another family's
     cross_domain: CrossDomainExperts | None = None  # Doge's experts beside its dense MLP (:mod:`.doge`; is_moe)
+    block_sparse: BlockSparseShape | None = None  # MiniMax-M3's block-sparse layers (:mod:`.minimax_m3`)
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -298,8 +300,14 @@ class ModelShape:
     @property
     def seqmesh_attention_layers(self) -> int:
         """Layers whose attention is seqmesh attention (full or sliding): not a recurrent mixer, nor DeepSeek Sparse
-        Attention's or DeepSeek-V4's compressed layers, which run their own."""
-        return self.layers - self.non_attention_layers - self.indexed_layers - self.compressed_layers
+        Attention's, DeepSeek-V4's compressed or MiniMax-M3's block-sparse layers, which run their own."""
+        return (self.layers - self.non_attention_layers - self.indexed_layers - self.compressed_layers
+                - self.block_sparse_layers)
+
+    @property
+    def block_sparse_layers(self) -> int:
+        """MiniMax-M3's block-sparse layers (the rest of its layers are full attention)."""
+        return self.block_sparse.layers if self.block_sparse is not None else 0
 
     @property
     def compressed_layers(self) -> int:
@@ -342,7 +350,7 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3) and
+        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3, MiniMax-M3) and
         the two gates of an A.X-K2 MoE layer's norms; Doge's two, its two residual scalings and q/k norms."""
         if self.family in ("gemma3_text", "doge"):
             return 4 * self.hidden + 2 * self.head_dim
@@ -351,7 +359,7 @@ class ModelShape:
         if self.compressed is not None:  # and its two hyper-connections, whole on every rank as the norms
             return 2 * self.hidden + self.compressed.layer_hc_params(self.hidden)
         gates = 2 * 2 * self.hidden * self.norm_gate_rank  # an MoE layer's two gated norms (A.X-K2)
-        qk_norms = 2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl") else 0
+        qk_norms = 2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl", "minimax_m3_vl_text") else 0
         return 2 * self.hidden + gates + qk_norms
 
     @property
@@ -366,13 +374,15 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
-        """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's)."""
+        """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's; MiniMax-M3's
+        block-sparse layer's, with its indexer)."""
         if self.latent is not None:
             return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
         if self.compressed is not None:
             return max(self.kind_attention_params(kind) for kind in set(self.layer_types))
         bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias + self.mask_params
+        indexer = self.block_sparse.indexer_params(self.hidden) if self.block_sparse is not None else 0
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias + self.mask_params + indexer
 
     def kind_attention_params(self, kind: str) -> int:
         """One DeepSeek-V4 layer's attention of ``kind`` (``"sliding_attention"``, ``"compressed_sparse_attention"``,
@@ -409,6 +419,8 @@ class ModelShape:
             own = self.latent.indexed_layers - self.latent.shared_layers
             attention = (own * self.latent.attention_params(self.hidden, self.heads, indexer=True)
                          + (full - own) * self.latent.attention_params(self.hidden, self.heads))
+        if self.block_sparse is not None:  # an indexer in each block-sparse layer
+            attention += self.block_sparse.layers * self.block_sparse.indexer_params(self.hidden)
         tower = self.vision.params if self.vision is not None else 0
         dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate
                                      + 2 * self.hidden * self.norm_gate_rank)  # and a dense layer's ungated norm

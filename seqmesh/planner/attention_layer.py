@@ -187,7 +187,8 @@ def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention
     if m.hybrid is not None:
         n_full, n_windowed = hybrid_attention_split(m)
     else:
-        n_full, n_windowed = m.layers - m.sliding_layers - m.compressed_layers, m.sliding_layers  # V4's: its own
+        # V4's compressed and M3's block-sparse layers: their own
+        n_full, n_windowed = m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers, m.sliding_layers
     if not m.sliding_window or not n_windowed:
         return full
     windowed = cost(Attention(work, layout, m.sliding_window))

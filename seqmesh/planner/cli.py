@@ -165,9 +165,10 @@ def check_args(args: argparse.Namespace):
                              "preset's bf16 peak, and fp32 without tensor cores is not a fixed fraction of it (1/15 "
                              "on an H100, 1/2 on an L20); give --peak-tflops-fp32, or --calibrate to measure it.")
     m = work.model
-    if (m.indexed_layers or m.compressed_layers) and hw.peak_flops_fp32 is None \
+    if (m.indexed_layers or m.compressed_layers or m.block_sparse_layers) and hw.peak_flops_fp32 is None \
             and not (args.calibrate and work.dtype == "fp32"):
         which = ("DeepSeek Sparse Attention indexer scores" if m.indexed_layers else
+                 "MiniMax-M3 block-sparse indexer scores" if m.block_sparse_layers else
                  "DeepSeek-V4's hyper-connections mix (and its CSA indexer scores)")
         raise PlanInputError(f"{m.name}'s {which} in float32 (as transformers does), which needs the fp32 peak: "
                              f"--peak-tflops {args.peak_tflops} replaced the preset's bf16 peak; give "

@@ -1,7 +1,7 @@
 """What one decoder layer costs on the busiest rank, by kind: seqmesh attention (:mod:`.attention_layer`: full, or a
-causal sliding window, with tensor parallelism inside), Gated DeltaNet, DeepSeek Sparse Attention and the hybrids'
-mixers (:mod:`.mamba2`, :mod:`.kda`, :mod:`.lightning`, :mod:`.short_conv`). Each kind gives its FSDP unit's
-parameters, its collectives' bytes per phase, its saved tensors and its time; the step walks take the model's kinds
+causal sliding window, with tensor parallelism inside), Gated DeltaNet, DeepSeek Sparse Attention, MiniMax-M3's
+block-sparse layers (:mod:`.block_sparse`) and the hybrids' mixers (:mod:`.mamba2`, :mod:`.kda`, :mod:`.lightning`,
+:mod:`.short_conv`). Each kind gives its FSDP unit's parameters, its collectives' bytes per phase, its saved tensors and its time; the step walks take the model's kinds
 from :func:`layer_kinds`.
 """
 
@@ -16,6 +16,7 @@ from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
 from .activations import GPU, local_tokens, tokens
 from .attention_layer import Attention
+from .block_sparse import BlockSparseAttention
 from .placement import placement
 from .experts import dispatch_bytes
 from .hardware import HardwareSpec
@@ -277,7 +278,7 @@ class IndexedAttention:
                                      (ag, rs))
 
 
-LayerKind = (Attention | GatedDeltaNet | IndexedAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer
+LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer
              | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
 
 
@@ -294,7 +295,8 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
         return [(kind, n) for kind, n in ((Attention(work, layout, m.sliding_window), m.sliding_layers),
                                           *((CompressedAttention(work, layout, k), m.layer_types.count(k))
                                             for k in (HCA, CSA))) if n]
-    full = m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0) - m.indexed_layers
+    full = (m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0) - m.indexed_layers
+            - m.block_sparse_layers)
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:
         kinds.append((Attention(work, layout, m.sliding_window), m.sliding_layers))
@@ -303,6 +305,7 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
         shared = m.latent.shared_layers
         kinds += [(IndexedAttention(work, layout), m.indexed_layers - shared),
                   (IndexedAttention(work, layout, indexer=False), shared)]
+    kinds.append((BlockSparseAttention(work, layout), m.block_sparse_layers))
     if full < 0:  # a layer counted twice (a sliding layer that is also indexed): a reader's error, never a plan
         raise ValueError(f"{m.name}: its layer kinds add up to more than its {m.layers} layers ({m.sliding_layers} "
                          f"sliding, {m.linear_layers} linear, {m.indexed_layers} indexed).")

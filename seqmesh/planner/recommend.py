@@ -95,9 +95,10 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
         parts.append(f"Ulysses {lay.ulysses} {'inside' if inner else 'over'} {links['ulysses_all_to_all']}")
     if lay.ring > 1 and "ring_p2p" in links:
         parts.append(_ring_part(best, cluster))
-    if lay.sp > 1 and "indexed_row_gather" in links:  # DeepSeek Sparse Attention: one flat group, any split
+    rows = next((k for k in ("indexed_row_gather", "block_sparse_row_gather") if k in links), None)
+    if lay.sp > 1 and rows:  # DeepSeek Sparse Attention, MiniMax-M3's block-sparse layers: one flat group, any split
         parts.append(f"the sparse attention's rows gathered over the {lay.sp} GPUs of the sequence group, over "
-                     f"{links['indexed_row_gather']} (the same bytes for every Ulysses x ring split of them)")
+                     f"{links[rows]} (the same bytes for every Ulysses x ring split of them)")
     if lay.ep > 1:
         inner = links["ep_all_to_all"] == cluster.hardware.links[0].name
         parts.append(f"expert parallelism {lay.ep} {'inside' if inner else 'over'} {links['ep_all_to_all']}: each "

@@ -11,7 +11,8 @@ from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
-SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "compressed_gather", "tp_all_gather",
+SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "compressed_gather",
+                  "block_sparse_row_gather", "router_logits_gather", "tp_all_gather",
                   "tp_reduce_scatter")  # the table's SP comm
 
 
@@ -45,7 +46,7 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"
-            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}, vocab {m.vocab:,}; {flags}\n"
+            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
 
@@ -91,6 +92,15 @@ def _latent(m) -> str:
         text += (f", sparse attention on {lat.indexed_layers} layers: top {lat.index_topk:,} keys a query, indexer "
                  f"{lat.index_n_heads} heads x {lat.index_head_dim}{shared}")
     return text
+
+
+def _block_sparse(m) -> str:
+    """MiniMax-M3's block-sparse layers and their selection, as the header names them."""
+    sparse = m.block_sparse
+    if sparse is None:
+        return ""
+    return (f" (block-sparse attention on {sparse.layers} layers: top {sparse.topk_blocks} blocks of "
+            f"{sparse.block_size} keys a query, indexer {sparse.index_heads} heads x {sparse.index_head_dim})")
 
 
 def _compressed(m) -> str:

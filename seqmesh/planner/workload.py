@@ -116,12 +116,16 @@ def layer_matmul_params(m: ModelShape) -> int:
     experts a token is routed to, the shared experts and the router). MLA's ``kv_b_proj`` multiplies every token
     (dense: the keys and values of every head) or, as indexed attention runs it, every query (its two halves
     absorbed into the query and the output): the same products. A Mamba2 hybrid's attention layer: its attention
-    and its own feed-forward (none in Nemotron-H); ZAYA's, its CCA convs too. DeepSeek-V4: its sliding layers'."""
+    and its own feed-forward (none in Nemotron-H); ZAYA's, its CCA convs too. DeepSeek-V4: its sliding layers';
+    MiniMax-M3: its full layers'."""
     if m.hybrid is not None:  # ZAYA's CCA convs: a multiply-add a weight and token, as a matmul's
         convs = m.hybrid.cca.conv_params() if m.hybrid.cca is not None else 0
         return m.attention_params + convs + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
-    # DeepSeek-V4's sliding layers (its compressed ones count their own: seqmesh.planner.compressed)
+    # DeepSeek-V4's sliding layers (its compressed ones count their own: seqmesh.planner.compressed); MiniMax-M3's
+    # full layers (its block-sparse ones add their indexer: seqmesh.planner.block_sparse)
     attention = m.kind_attention_params("sliding_attention") if m.compressed is not None else m.attention_params
+    if m.block_sparse is not None:
+        attention -= m.block_sparse.indexer_params(m.hidden)
     return attention + mlp_matmul_params(m)
 
 

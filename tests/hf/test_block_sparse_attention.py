@@ -67,14 +67,15 @@ def test_blocks_numbered_from_the_row_start_are_seen(pools):
             assert "logits" in _outside_rounding(r), r
 
 
-def test_the_planner_refuses_it_by_name(tmp_path):
-    """The planner does not size the sparse layers yet, and says so, where a plan would have counted them as full
-    attention (generation runs them: tests/inference/test_generate.py)."""
+def test_the_planner_sizes_it(tmp_path):
+    """The planner sizes the sparse layers by their own kind, never as full attention (their parameters, traffic and
+    plan: tests/planner/test_planner_block_sparse.py; generation runs them: tests/inference/test_generate.py)."""
     from family_cases import family_config
     from seqmesh.model.presets import model_shape
 
     family_config(FAMILY).save_pretrained(tmp_path)
-    assert "block-sparse" in model_shape(str(tmp_path)).unplanned
+    shape = model_shape(str(tmp_path))
+    assert not shape.unplanned and shape.block_sparse_layers == 1 and shape.seqmesh_attention_layers == 1, shape
 
 
 def test_a_config_json_verifies_and_trains_on_a_ring(pools, tmp_path):

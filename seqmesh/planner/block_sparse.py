@@ -1,0 +1,136 @@
+"""MiniMax-M3's block-sparse layer (the shape: :mod:`seqmesh.model.minimax_m3`) as ``seqmesh.hf.block_sparse_attention``
+runs it on one flat group (the same for every ``ulysses x ring`` split): its FSDP unit, its collectives' bytes per
+phase, what it keeps for backward, its backward's working set, and its time, as every layer kind of :mod:`.layers`
+gives them.
+
+Forward, each rank all-gathers the row's indexer keys (``Di`` a token, without gradient), keys and values
+(``Hkv x D`` each; backward, their gradients' reduce-scatters), then runs its queries in blocks of ``l`` (their
+``Hq x max(K x D, T)`` elements within ``BLOCK_ELEMENTS``): the indexer scores a block against every key of the row in
+float32 (``Hi x Di`` a pair), and each query head reads its ``K`` gathered keys and values (``K``:
+:meth:`~seqmesh.model.minimax_m3.BlockSparseShape.keys_per_query`), recomputed block by block in backward (a
+block's forward once more, then its backward), where each block's gathered rows' gradients are added into the
+row's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..hf.indexed_attention import BLOCK_ELEMENTS
+from ..rules.degrees import Degrees
+from .activations import attention_saved, local_tokens, tokens
+from .hardware import HardwareSpec
+from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
+from .network import axis_groups, gather_seconds, link_name
+from .placement import placement
+from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .workload import Workload, layer_matmul_params, layer_params
+
+KEY = "block_sparse_row_gather"
+INT64 = 8
+
+
+def block_queries(work: Workload, layout: Degrees) -> int:
+    """``l``: the queries of one block, as the runtime sizes it."""
+    m, sparse = work.model, work.model.block_sparse
+    keys = sparse.keys_per_query(work.seq_len)
+    per_query = work.batch * m.heads * max(keys * m.head_dim, work.seq_len)
+    return min(max(1, BLOCK_ELEMENTS // per_query), local_tokens(work, layout))
+
+
+@dataclass(frozen=True)
+class BlockSparseAttention:
+    """A MiniMax-M3 block-sparse layer over the whole sequence group (module docstring)."""
+
+    work: Workload
+    layout: Degrees
+
+    def params(self) -> int:  # tp is 1: seqmesh refuses tensor parallelism with block-sparse attention
+        return layer_params(self.work.model)
+
+    def _widths(self) -> tuple[int, int]:
+        """(the indexer key's, the keys' or the values') values a token in the row's all-gathers."""
+        m = self.work.model
+        return m.block_sparse.index_head_dim, m.kv_heads * m.head_dim
+
+    def ranks(self) -> list[RankTraffic]:
+        """Each sequence rank's traffic in one layer: three all-gathers forward (the indexer's keys, the keys, the
+        values), two reduce-scatters backward; ``(P - 1) x`` this rank's share each, the same on every rank."""
+        w, lay = self.work, self.layout
+        p = lay.ulysses * lay.ring
+        if p == 1:
+            return [RankTraffic(0, 0, ())]
+        unit = (p - 1) * w.batch * local_tokens(w, lay) * dtype_bytes(w.torch_dtype)
+        index, kv = self._widths()
+        calls = (Collective("all_gather", "forward", 3, (index + 2 * kv) * unit),
+                 Collective("reduce_scatter", "backward", 2, 2 * kv * unit))
+        return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(p)]
+
+    def traffic(self) -> Phases:
+        ranks = self.ranks()
+        return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
+                      {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+
+    def links(self, hw: HardwareSpec) -> dict[str, str]:
+        return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+
+    def _row(self) -> int:
+        """Tokens of the row every rank gathers, all ``batch`` sequences."""
+        return self.work.batch * self.work.seq_len
+
+    def attention_saved(self) -> int:
+        """Bytes the layer's attention keeps for backward: its queries (each block's input) and output (``o_proj``'s
+        input), ``Hq x D`` a token each, each indexer head's picked blocks (int64), and the row's gathered keys and
+        values."""
+        w, m = self.work, self.work.model
+        e, sparse = w.act_bytes, m.block_sparse
+        picks = sparse.index_heads * min(sparse.topk_blocks, -(-w.seq_len // sparse.block_size)) * INT64
+        return tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + picks) + self._row() * 2 * self._widths()[1] * e
+
+    def saved_bytes(self) -> int:
+        w, lay = self.work, self.layout
+        return attention_saved_bytes(w, lay) - attention_saved(w, lay) + self.attention_saved()
+
+    def backward_bytes(self) -> int:
+        """Peak bytes of the layer beyond what it keeps, the larger of two moments of a block (in forward, and again
+        in backward where the layer is checkpointed, or in the blocks' own recompute). Its selection: the row's
+        indexer keys and their float32 copy, the float32 scores of the block's queries against the row
+        (``l x Hi x T``), the same read at every slot of the longest document's blocks and masked (two more of
+        ``l x Hi x W``, ``W`` its blocks' slots), the slots' int64 places and two bool masks (``l x W``). Its
+        attention's backward: the row's key and value gradients (summed over the blocks) and a block's added into
+        them (the row's size each), beside its gathered keys and values and the gradient of one (``l x Hq x K x D``
+        each; the values' is added into the row's before the keys' is made), their int64 row indices, and its
+        scores, float32 probabilities and their gradients (``l x Hq x K`` each)."""
+        w, m, e = self.work, self.work.model, self.work.act_bytes
+        sparse, l, b = m.block_sparse, block_queries(w, self.layout), w.batch
+        slots = -(-w.seq_len // sparse.block_size) * sparse.block_size
+        select = (self._row() * sparse.index_head_dim * (e + 4)
+                  + b * l * sparse.index_heads * (w.seq_len + 2 * slots) * 4 + l * slots * (INT64 + 2))
+        pairs = b * l * m.heads * sparse.keys_per_query(w.seq_len)
+        block = pairs * (3 * m.head_dim * e + INT64 + 3 * 4)
+        return max(select, 2 * 2 * self._row() * self._widths()[1] * e + block)
+
+    def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
+        """``total``, ``compute`` and ``serial`` seconds of one layer, as :class:`.layers.IndexedAttention` counts
+        them: the projections (the indexer's with them); each query head's ``K`` keys, scored and read, in forward,
+        once more in backward, then twice in its backward, with the gathered rows' bytes (written once, read by the
+        two products); the indexer's float32 scores of this rank's queries against the whole row (no backward; run
+        again with a checkpointed layer's recompute); the row's all-gathers before them and the reduce-scatters of its
+        gradients, which nothing overlaps (:func:`.layer_cost.serial_layer_seconds`)."""
+        w, lay, m = self.work, self.layout, self.work.model
+        sparse, b = m.block_sparse, w.batch
+        local = placement(w, lay).sequence_padded // (lay.ulysses * lay.ring)
+        peak = hw.flops_for(w.dtype)
+        matmuls = layer_matmul_params(m) + sparse.indexer_params(m.hidden)
+        mm_fwd = 2 * b * local * matmuls / (peak * hw.matmul_efficiency)
+        pairs = b * local * m.heads * sparse.keys_per_query(w.seq_len)
+        attend = (4 * pairs * m.head_dim / (peak * hw.attention_efficiency)
+                  + 3 * 2 * pairs * m.head_dim * w.act_bytes / hw.memory_bandwidth)
+        select = 2 * b * local * w.seq_len * sparse.index_heads * sparse.index_head_dim / (
+            hw.flops_for("fp32") * hw.matmul_efficiency)
+        group = axis_groups(lay, "sequence")[0]
+        unit = b * local * dtype_bytes(w.torch_dtype) * (lay.ulysses * lay.ring - 1)
+        index, kv = self._widths()
+        ag = gather_seconds(index * unit, hw, group) + 2 * gather_seconds(kv * unit, hw, group)
+        rs = 2 * gather_seconds(kv * unit, hw, group)
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + attend, 2 * mm_fwd + 3 * attend), (ag, rs))
