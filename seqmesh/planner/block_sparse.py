@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..hf.indexed_attention import BLOCK_ELEMENTS
 from ..rules.degrees import Degrees
-from .activations import attention_saved, local_tokens, tokens
+from .activations import attention_saved, local_tokens, mlp_saved_bytes, tokens
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
 from .network import axis_groups, gather_seconds, link_name
@@ -92,8 +92,9 @@ class BlockSparseAttention:
         return attention_saved_bytes(w, lay) - attention_saved(w, lay) + self.attention_saved()
 
     def backward_bytes(self) -> int:
-        """Peak bytes of the layer beyond what it keeps, the larger of two moments of a block (in forward, and again
-        in backward where the layer is checkpointed, or in the blocks' own recompute). Its selection: the row's
+        """Peak bytes of the layer beyond what it keeps (less its MLP's tensors, which neither moment holds), the larger
+        of two moments of a block (in forward, and again in backward where the layer is checkpointed, or in the
+        blocks' own recompute). Its selection: the row's
         indexer keys and their float32 copy, the float32 scores of the block's queries against the row
         (``l x Hi x T``), the same read at every slot of the longest document's blocks and masked (two more of
         ``l x Hi x W``, ``W`` its blocks' slots), the slots' int64 places and two bool masks (``l x W``). Its
@@ -108,7 +109,9 @@ class BlockSparseAttention:
                   + b * l * sparse.index_heads * (w.seq_len + 2 * slots) * 4 + l * slots * (INT64 + 2))
         pairs = b * l * m.heads * sparse.keys_per_query(w.seq_len)
         block = pairs * (3 * m.head_dim * e + INT64 + 3 * 4)
-        return max(select, 2 * 2 * self._row() * self._widths()[1] * e + block)
+        # the layer's MLP has not run yet at the selection (the recompute's forward) and is done at the attention's
+        # backward: what it keeps is not there at either
+        return max(select, 2 * 2 * self._row() * self._widths()[1] * e + block) - mlp_saved_bytes(w, self.layout)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :class:`.layers.IndexedAttention` counts

@@ -22,8 +22,8 @@ from ..linear_attention.choice import halo_bytes, runs_and_tails
 from ..model.deepseek_v4 import CSA
 from ..rules.degrees import Degrees
 from ..sequence.layout import SequenceLayout
-from .activations import (GPU, SCORE_TENSORS, attention_saved, hyper_connection_share, local_tokens, mlp_saved_bytes,
-                          norm_saved, tokens)
+from .activations import (GPU, SCORE_TENSORS, attention_saved, experts_saved, hyper_connection_share, local_tokens,
+                          mlp_saved_bytes, norm_saved, tokens)
 from .hardware import HardwareSpec
 from .layer_cost import (Phases, attention_saved_bytes, gather_comm_seconds, gather_links, gather_phases,
                          serial_layer_seconds)
@@ -218,17 +218,6 @@ def compressed_attention_saved(work: Workload, layout: Degrees, kind: str) -> in
     """Bytes one DeepSeek-V4 attention of ``kind`` (HCA or CSA) keeps for backward on the busiest rank (both parts of
     :func:`_attention_saved_parts`)."""
     return sum(_attention_saved_parts(work, layout, kind))
-
-
-def experts_saved(work: Workload, layout: Degrees) -> int:
-    """What a DeepSeek-V4 layer's experts keep, per token: for each of its ``k`` routed rows the gathered input,
-    the gate | up product, both clamped (its SwiGLU limit), SiLU's output and the product, and the down product's
-    output (``2 E + 6 I``); the shared expert's gate and up products, their clamps, SiLU's output and the product
-    (``6 I``); as a rehearsal holds them."""
-    m = work.model
-    width = m.intermediate
-    per_token = m.experts_per_token * (2 * m.hidden + 6 * width) + 6 * (m.shared_intermediate or width) * m.shared_experts
-    return tokens(work, layout) * per_token * work.act_bytes
 
 
 def freed_before_attention(work: Workload, layout: Degrees) -> int:

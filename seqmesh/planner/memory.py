@@ -5,10 +5,10 @@ each moment holds and what was checked: docs/planner.md ("Memory moments"); what
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes, gathered_tokens,
-                          layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
+from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, dense_layer_saving,
+                          final_norm_bytes, gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
                           outside_layers_bytes, timeline_peak, tokens)
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
@@ -159,7 +159,9 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
             inputs = 0 if at_loss else min(m.layers, work.offload_prefetch + 1 if work.offload_prefetch else 0)
         picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
         return inputs * layer_input_bytes(work, layout) + picks
-    return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout)
+    # the first dense_layers of an MoE model keep their dense MLP's tensors, not the experts'
+    return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout) - m.dense_layers * dense_layer_saving(
+        work, layout)
 
 
 def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward",
@@ -167,7 +169,8 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     """Activations at the peak of the last (or the first) layer's backward, and the op at which it falls: what the
     layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak (from the
     tiled MLP's recompute on, or ``after_recompute``, once it is done)."""
-    if moment == "first layer backward":
+    first_layer = moment == "first layer backward"
+    if first_layer:
         fetched = not work.offload_checkpoints or work.offload_prefetch
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
     else:
@@ -176,6 +179,25 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     # stream, one of the kept input's hc_mult)
     shared = tokens(work, layout) * work.model.hidden * work.act_bytes if work.checkpointing and (
         work.act_bytes == 4 or work.efficient_norm) else 0
+    # the first layer of an MoE model whose first layers are dense: as a dense layer of theirs
+    top, op = _top_layer(dense_first_layer(work) if first_layer else work, layout, after_recompute)
+    kept = below + top - shared + outside_layers_bytes(work, layout)
+    return kept + layer_input_bytes(work, layout), op  # + the gradient of the layer's output
+
+
+def dense_first_layer(work: Workload) -> Workload:
+    """``work`` with its model's layers as its first one: a dense MLP of ``dense_intermediate`` where an MoE model's
+    first ``dense_layers`` have one (DeepSeek's ``first_k_dense_replace``, MiniMax-M3's ``mlp_layer_types``)."""
+    m = work.model
+    if not (m.experts and m.dense_layers) or m.hybrid is not None:
+        return work
+    dense = replace(m, experts=0, experts_per_token=0, shared_experts=0, shared_intermediate=0, shared_gate=False,
+                    intermediate=m.dense_intermediate, dense_layers=0, dense_intermediate=0)
+    return replace(work, model=dense, ep=1)  # a dense layer has no experts to split
+
+
+def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[int, str]:
+    """The peak of one layer's backward beyond what is below it, and its op: the largest of the model's kinds'."""
     steps = layer_backward_timeline(work, layout)
     if after_recompute:
         steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
@@ -193,9 +215,7 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
         own = max((kind.backward_bytes(), getattr(kind, "backward_op", "recurrence backward")), other)
         return kind.saved_bytes() + own[0], own[1]
 
-    top, op = max(moment(kind) for kind, _ in layer_kinds(work, layout))
-    kept = below + top - shared + outside_layers_bytes(work, layout)
-    return kept + layer_input_bytes(work, layout), op  # + the gradient of the layer's output
+    return max(moment(kind) for kind, _ in layer_kinds(work, layout))
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
