@@ -204,6 +204,10 @@ class LatentShape:
         return own + (self.q_lora_rank or hidden) * hi * di + hidden * di + 2 * di + hidden * hi
 
 
+# families whose attention layers norm q and k per head (RMSNorms of head_dim): their parameters, and what they keep
+QK_NORMED = ("qwen3", "qwen3_5_text", "qwen3_vl", "gemma3_text", "doge", "minimax_m3_vl_text")
+
+
 @dataclass(frozen=True, kw_only=True)  # every size named where a shape is built (the presets read as data)
 class ModelShape:
     """What the planner and the trainer need to know of a decoder-only transformer."""
@@ -353,14 +357,18 @@ class ModelShape:
         """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3, MiniMax-M3) and
         the two gates of an A.X-K2 MoE layer's norms; Doge's two, its two residual scalings and q/k norms."""
         if self.family in ("gemma3_text", "doge"):
-            return 4 * self.hidden + 2 * self.head_dim
+            return 4 * self.hidden + 2 * self.head_dim  # both have q/k norms
         if self.hybrid is not None:
             return self.hybrid.norms * self.hidden
         if self.compressed is not None:  # and its two hyper-connections, whole on every rank as the norms
             return 2 * self.hidden + self.compressed.layer_hc_params(self.hidden)
         gates = 2 * 2 * self.hidden * self.norm_gate_rank  # an MoE layer's two gated norms (A.X-K2)
-        qk_norms = 2 * self.head_dim if self.family in ("qwen3", "qwen3_5_text", "qwen3_vl", "minimax_m3_vl_text") else 0
-        return 2 * self.hidden + gates + qk_norms
+        return 2 * self.hidden + gates + (2 * self.head_dim if self.qk_norms else 0)
+
+    @property
+    def qk_norms(self) -> bool:
+        """Whether each attention layer norms its queries and keys per head (an RMSNorm of ``head_dim``)."""
+        return self.family in QK_NORMED
 
     @property
     def value_dim(self) -> int:

@@ -45,9 +45,19 @@ def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
     return gathered_tokens(work, layout) * layout.ulysses, deal.max_q, deal.max_kv
 
 
+# families whose RMSNorm scales by ``1 + weight`` in float32 and casts after (Gemma's): the product keeps the float32
+# normalized tensor, where Llama's casts first and keeps it in the compute dtype
+FLOAT32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text", "minimax_m3_vl_text")
+
+
 def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
     """Bytes per token an RMSNorm keeps, its output excluded, eager or ``efficient`` (docs/planner.md, Activations)."""
-    return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + e * m.hidden
+    return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + _normalized_bytes(m, e) * m.hidden
+
+
+def _normalized_bytes(m: ModelShape, e: int) -> int:
+    """Bytes an eager RMSNorm keeps of each normalized value for its weight's product (:data:`FLOAT32_SCALED_NORMS`)."""
+    return 4 if m.family in FLOAT32_SCALED_NORMS else e
 
 
 def indexed_attention_saved(work: Workload, layout: Degrees) -> int:
@@ -91,15 +101,28 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
 
 def attention_saved(work: Workload, layout: Degrees) -> int:
     """Bytes seqmesh attention keeps for one layer (q, k, v, output, float32 LSE; Ulysses: the output projection's
-    own input); a DeepSeek Sparse Attention model's layers: :func:`indexed_attention_saved`."""
+    own input; the q and k norms', :func:`qk_norm_saved`); a DeepSeek Sparse Attention model's layers:
+    :func:`indexed_attention_saved`."""
     m, e = work.model, work.act_bytes
     if m.indexed_layers:
         return indexed_attention_saved(work, layout)
     n, hq, hk = attention_heads(work, layout)
-    saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq)
+    saved = n * (e * m.head_dim * (2 * hq + 2 * hk) + 4 * hq) + qk_norm_saved(work, layout)
     if layout.ulysses > 1:
         saved += gathered_tokens(work, layout) * e * m.heads // layout.tp * m.head_dim
     return saved  # DeepSeek-V4's compressed layers: their own (seqmesh.planner.compressed), beside this
+
+
+def qk_norm_saved(work: Workload, layout: Degrees) -> int:
+    """What a layer's q and k norms keep (:attr:`seqmesh.model.shapes.ModelShape.qk_norms`), before Ulysses' exchange:
+    each head's float32 input (in a narrower dtype its float32 copy), the float32 scale and the normalized head (the
+    weight's product reads it; in the compute dtype, or float32 for :data:`FLOAT32_SCALED_NORMS`), over this TP
+    rank's heads."""
+    m, e = work.model, work.act_bytes
+    if not m.qk_norms:
+        return 0
+    hq, hk = tp_heads(m, layout)
+    return gathered_tokens(work, layout) * (hq + hk) * (m.head_dim * (4 + _normalized_bytes(m, e)) + 4)
 
 
 def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..hf.indexed_attention import BLOCK_ELEMENTS
 from ..rules.degrees import Degrees
-from .activations import attention_saved, local_tokens, mlp_saved_bytes, tokens
+from .activations import attention_saved, local_tokens, mlp_saved_bytes, qk_norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
 from .network import axis_groups, gather_seconds, link_name
@@ -80,12 +80,13 @@ class BlockSparseAttention:
 
     def attention_saved(self) -> int:
         """Bytes the layer's attention keeps for backward: its queries (each block's input) and output (``o_proj``'s
-        input), ``Hq x D`` a token each, each indexer head's picked blocks (int64), and the row's gathered keys and
-        values."""
+        input), ``Hq x D`` a token each, each indexer head's picked blocks (int64), the row's gathered keys and
+        values, and what its q and k norms keep (:func:`.activations.qk_norm_saved`)."""
         w, m = self.work, self.work.model
         e, sparse = w.act_bytes, m.block_sparse
         picks = sparse.index_heads * min(sparse.topk_blocks, -(-w.seq_len // sparse.block_size)) * INT64
-        return tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + picks) + self._row() * 2 * self._widths()[1] * e
+        own = tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + picks) + self._row() * 2 * self._widths()[1] * e
+        return own + qk_norm_saved(w, self.layout)
 
     def saved_bytes(self) -> int:
         w, lay = self.work, self.layout
