@@ -13,15 +13,16 @@ import seqmesh
 from dist_cases import get_mesh
 from family_cases import build, family_config
 from seqmesh.hf import doge_moe, parallelize, unparallelize
+from seqmesh.model.doge import is_doge_moe
 
 CUTS = (0, 7, 8, 25, 40)  # the packed rows' documents (every row alike)
 
 
-def _batch(rows: int, documents: bool) -> dict:
-    """``rows`` rows of 40 tokens (an odd count of rows: a call's second half starts inside a row); packed: the
-    documents of CUTS in every row."""
+def _batch(rows: int, documents: bool, length: int) -> dict:
+    """``rows`` rows of ``length`` tokens (an odd count of rows: a call's second half starts inside a row); packed:
+    the documents of CUTS in every row."""
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 64, (rows, CUTS[-1]), generator=g)
+    ids = torch.randint(0, 64, (rows, length), generator=g)
     if not documents:
         return {"input_ids": ids}
     positions = torch.cat([torch.arange(b - a) for a, b in zip(CUTS[:-1], CUTS[1:])])
@@ -38,16 +39,21 @@ def _reference(model, batch: dict) -> torch.Tensor:
                       for a, b in zip(CUTS[:-1], CUTS[1:])], dim=1)
 
 
-def rows_parity(ulysses: int, ring: int, layout: str, documents: bool, mutate=None) -> dict:
+def rows_parity(ulysses: int, ring: int, layout: str, documents: bool, length: int = CUTS[-1], norm_topk: bool = False,
+                mutate=None) -> dict:
     """Largest logit error and largest gradient error (relative to the gradient's largest entry) of the
     parallelized model on ``rows`` rows against transformers' float64 model; beside them (``rounding``), how far the
-    same reference moves in float32, the tolerance's scale. The gradients are of ``sum(logits x W)`` for a fixed random ``W``.
-    ``mutate(model)`` changes the parallelized model only."""
+    same reference moves in float32, the tolerance's scale. The gradients are of ``sum(logits x W)`` for a fixed
+    random ``W``. ``length``: the plain rows' tokens (41: the layout pads them); ``norm_topk``: the routing weights
+    normalised (norm_topk_prob); ``mutate(model)`` changes the parallelized model only."""
     mesh = get_mesh(ulysses, ring)
     rows = 2 if documents else 3
-    batch = _batch(rows, documents)
-    pristine = build(family_config("doge-moe"))
-    weights = torch.randn(rows, CUTS[-1], 64, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    assert not documents or length == CUTS[-1], length
+    batch = _batch(rows, documents, length)
+    config = family_config("doge-moe")
+    config.norm_topk_prob = norm_topk
+    pristine = build(config)
+    weights = torch.randn(rows, length, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     reference = copy.deepcopy(pristine)
     ref = _reference(reference, batch)
     (ref * weights).sum().backward()
@@ -62,8 +68,8 @@ def rows_parity(ulysses: int, ring: int, layout: str, documents: bool, mutate=No
     local = seqmesh.shard_batch(batch, mesh, layout=layout)
     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], seqmesh=local["seqmesh"],
                    use_cache=False).logits
-    mine = seqmesh.sequence_positions(CUTS[-1], mesh, layout=layout, cu_seqlens=local["seqmesh"].cu_seqlens)
-    real = mine < CUTS[-1]
+    mine = seqmesh.sequence_positions(length, mesh, layout=layout, cu_seqlens=local["seqmesh"].cu_seqlens)
+    real = mine < length
     (logits[:, real] * weights[:, mine[real]]).sum().backward()
     grad = 0.0
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -71,7 +77,7 @@ def rows_parity(ulysses: int, ring: int, layout: str, documents: bool, mutate=No
             continue
         dist.all_reduce(p.grad, group=mesh.sp_group)
         grad = max(grad, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp(min=1e-300)))
-    whole = seqmesh.gather_sequence(logits.detach(), mesh, layout=layout, length=CUTS[-1])
+    whole = seqmesh.gather_sequence(logits.detach(), mesh, layout=layout, length=length)
     unparallelize(model)
     return {"logits": float((whole - ref.detach()).abs().max()), "grad": grad,
             "rounding": {"logits": float((low.detach().double() - ref.detach()).abs().max()), "grad": moved}}
@@ -80,7 +86,7 @@ def rows_parity(ulysses: int, ring: int, layout: str, documents: bool, mutate=No
 def routed_by_own_shard(model) -> None:
     """Each layer run as transformers' forward on this rank's tokens (the experts routed by the shard's logits)."""
     for m in model.modules():
-        if doge_moe.is_doge_moe(m):
+        if is_doge_moe(m):
             m.forward = types.MethodType(type(m).forward, m)
 
 
@@ -138,28 +144,33 @@ def refusals() -> dict[str, str]:
     return said
 
 
-def mlp_saved_bytes(seq_len: int = 64) -> dict[str, int]:
+def mlp_saved_bytes(seq_len: int = 96, norm_topk: bool = False) -> dict:
     """Bytes the first decoder layer's MLP of Doge with its cross-domain experts (:func:`experts_config`) keeps for
-    backward on this rank of Ulysses 2 (its saved tensors' storages, each once; the weights' bfloat16 casts and their
-    transposes left out) under bfloat16 autocast, and this rank's tokens."""
+    backward on this rank of Ulysses 2, in bfloat16 as FSDP2's mixed precision runs it (its saved tensors' storages,
+    each once; its weights and its input, which the layer's norm made, left out), and this rank's tokens."""
     mesh = get_mesh(2, 1)
     config = experts_config(True)
-    model = parallelize(build(config).float(), mesh)
+    config.norm_topk_prob = norm_topk
+    model = parallelize(build(config).to(torch.bfloat16), mesh)
     layer = model.model.layers[0].mlp
-    weights = {tuple(p.shape) for p in layer.parameters()} | {tuple(p.shape[::-1]) for p in layer.parameters()}
+    outside = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
     inside = [False]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if inside[0] and tuple(t.shape) not in weights:
+        if inside[0] and t.untyped_storage().data_ptr() not in outside:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    def enter(module, args):
+        outside.add(args[0].untyped_storage().data_ptr())
+        inside[0] = True
+
+    layer.register_forward_pre_hook(enter)
     layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
     ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(2))
     local = seqmesh.shard_batch({"input_ids": ids}, mesh)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**local, use_cache=False)
     unparallelize(model)
     return {"saved": sum(seen.values()), "tokens": local["input_ids"].numel(), "config": config.to_dict()}

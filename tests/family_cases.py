@@ -190,7 +190,7 @@ def family_config(family: str):
                                attention_types=[[["local", "global"], 1]], max_position_embeddings=128)
     if family == "doge":  # a bias of each key (its dynamic mask), 2 kv heads; the sequence within keep_window_size
         return tf.DogeConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, keep_window_size=96)
-    if family == "doge-moe":  # its cross-domain experts: 16 of them (4 keys a half), 4 a token, routed by others' logits
+    if family == "doge-moe":  # its cross-domain experts: 16 (4 keys a half), 4 a token, routed by others' logits
         return tf.DogeConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, keep_window_size=96, is_moe=True,
                              num_experts=16, num_experts_per_tok=4)
     if family == "openai-gpt":  # the original GPT: its class named Attention, blocks that take no **kwargs

@@ -156,3 +156,50 @@ def config_shape(config_class: str, sizes: dict, folder, count: bool = True) -> 
     with torch.device("meta"):
         built = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(config).parameters())
     return config, model_shape(str(folder)), built
+
+
+MOE_CONFIGS = {  # tiny MoE models whose experts are most of a layer's saved tensors: 8 experts, 2 a token
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, vocab_size=64, moe_intermediate_size=48,
+                                         num_experts=8, num_experts_per_tok=2, intermediate_size=128)),
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, vocab_size=64, intermediate_size=48, num_local_experts=8,
+                                     num_experts_per_tok=2)),
+}
+
+
+def moe_mlp_saved_bytes(family: str, seq_len: int = 96) -> dict:
+    """Bytes the MoE layer of :data:`MOE_CONFIGS` ``family`` keeps for backward on this rank of Ulysses 2, in
+    bfloat16 as FSDP2's mixed precision runs it (its saved tensors' storages, each once; its weights and its input,
+    which the layer's norm made, left out), this rank's tokens, and the config."""
+    import transformers as tf
+
+    from seqmesh.hf import parallelize, unparallelize
+
+    mesh = get_mesh(2, 1)
+    name, sizes = MOE_CONFIGS[family]
+    config = getattr(tf, name)(**sizes)
+    torch.manual_seed(0)
+    model = parallelize(tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16), mesh)
+    layer = model.model.layers[0].mlp
+    outside = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+    inside = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside[0] and t.untyped_storage().data_ptr() not in outside:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(module, args):
+        outside.add(args[0].untyped_storage().data_ptr())
+        inside[0] = True
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(2))
+    local = seqmesh.shard_batch({"input_ids": ids}, mesh)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**local, use_cache=False)
+    unparallelize(model)
+    return {"saved": sum(seen.values()), "tokens": local["input_ids"].numel(), "config": config.to_dict()}

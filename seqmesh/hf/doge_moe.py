@@ -29,18 +29,10 @@ import torch.nn.functional as F
 
 from ..comm.collectives import all_gather
 from ..mesh import SPMesh
+from ..model.doge import is_doge_moe
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import sequence_layout, sequence_positions
 from .mixer_kind import Layers, MixerKind, check_mixer_context, refuse_tensor_parallel
-
-_PARTS = ("router_gate", "down_embed", "up_embed", "gate_proj", "up_proj", "down_proj", "num_keys", "top_k",
-          "norm_topk_prob", "act_fn")
-
-
-def is_doge_moe(module: nn.Module) -> bool:
-    """Whether ``module`` is Doge's cross-domain mixture of experts with its parts where expected."""
-    return type(module).__name__ == "DogeCDMoE" and all(hasattr(module, p) for p in _PARTS)
-
 
 def doge_moe_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Layers:
     """The ``DogeCDMoE`` layers of ``model`` (path, module); tensor parallelism refused by name. ``design`` does not
@@ -51,14 +43,19 @@ def doge_moe_layers(model: nn.Module, mesh: SPMesh, design: str = "auto") -> Lay
     return layers
 
 
-def routing_sources(mesh: SPMesh, info: SequenceInfo, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Where each of this rank's ``(rows, L)`` tokens finds its two halves of router logits among the gathered
-    ``(rows, P x L, 2, K)`` ones (shard order), flattened to ``rows x P x L x 2`` half-rows: ``(x, y)``, each
-    ``(rows x L,)`` int64, row-major as the tokens."""
+def check_rows(info: SequenceInfo) -> None:
+    """A ValueError, before the layer's work, for rows right-padded inside the batch: transformers routes their real
+    tokens by the padding's router logits, whose hidden states no sharded call reproduces."""
     if info.lengths is not None and min(info.lengths) < info.seq_len:
         raise ValueError(f"Doge's cross-domain experts route real tokens by the router logits of the rows' padding "
                          f"(rows of {list(info.lengths)} real tokens), which no sharded call reproduces: pack the "
                          "documents into full rows (position_ids restarting at each) instead of padding them.")
+
+
+def routing_sources(mesh: SPMesh, info: SequenceInfo, rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Where each of this rank's ``(rows, L)`` tokens finds its two halves of router logits among the gathered
+    ``(rows, P x L, 2, K)`` ones (shard order), flattened to ``rows x P x L x 2`` half-rows: ``(x, y)``, each
+    ``(rows x L,)`` int64, row-major as the tokens."""
     layout = sequence_layout(mesh, info.seq_len, info.layout, info.cu_seqlens)
     slot = layout.indices(restore=True, device=device)  # global position -> row of the gathered logits
     padded = layout.padded_len
@@ -119,6 +116,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
         info = kwargs.get("seqmesh")
         check_mixer_context(self, info, cache, attention_mask)
+        check_rows(info)
         return doge_moe(self, hidden_states, mesh, info)
 
     return forward

@@ -1,7 +1,8 @@
 """The token mixers that are not attention, one entry each: what ``parallelize`` asks of a mixer.
 
 A transformers layer that mixes tokens outside the attention interface (a recurrence, a short
-convolution) gets an instance-level ``forward`` that runs it sequence-parallel, exactly; the class
+convolution, Doge's experts routed by other tokens' logits) gets an instance-level ``forward`` that runs it
+sequence-parallel, exactly; the class
 and transformers' code are untouched, and ``unparallelize`` deletes the forward again. Each kind
 of mixer is one module of ``seqmesh.hf`` exposing a :class:`.mixer_kind.MixerKind`:
 

@@ -70,7 +70,7 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
     from ..hf.async_ulysses import is_async
     from ..hf.compressed_attention import is_compressed
-    from ..hf.doge_moe import is_doge_moe
+    from ..model.doge import is_doge_moe
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..hf.positions import counting_embeddings

@@ -22,8 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm.ranks import is_dtensor, partial_local, summed_to_slices
-from ..hf.doge_moe import is_doge_moe
-from ..model.doge import TILED_MLP_REFUSAL
+from ..model.doge import TILED_MLP_REFUSAL, is_doge_moe
 from ..model.lm import decoder_layers
 
 

@@ -12,7 +12,7 @@ from ..rules.model_sizes import check_model_sizes
 from ..rules.own_attention import TWO_MATRIX_MLP
 from .deepseek_v4 import deepseek_v4_fields
 from .doge import doge_fields
-from .minimax_m3 import SPARSE, minimax_m3_fields
+from .minimax_m3 import SPARSE, canonical_entries, minimax_m3_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -67,7 +67,7 @@ def shape_from_config(path: str) -> ModelShape:
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
-    cfg = _with_layer_count(_standard_names(cfg))
+    cfg = _with_layer_count(_standard_names(canonical_entries(cfg)))  # MiniMax-M3's released entries as transformers'
     hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
     cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
     if "layers" in hybrid:

@@ -10,6 +10,16 @@ from dataclasses import dataclass
 
 from ..rules.own_attention import DOGE_WINDOW
 
+_PARTS = ("router_gate", "down_embed", "up_embed", "gate_proj", "up_proj", "down_proj", "num_keys", "top_k",
+          "norm_topk_prob", "act_fn")
+
+
+def is_doge_moe(module) -> bool:
+    """Whether ``module`` (an ``nn.Module``) is Doge's cross-domain mixture of experts with its parts where expected
+    (``seqmesh.hf.doge_moe`` runs it; ``seqmesh.memory.tiled_mlp`` refuses to tile it)."""
+    return type(module).__name__ == "DogeCDMoE" and all(hasattr(module, p) for p in _PARTS)
+
+
 # the runtime's (seqmesh.memory.tiled_mlp) and the planner's (seqmesh.planner.workload) words for the one rule
 TILED_MLP_REFUSAL = ("Doge's cross-domain experts route each token by other tokens' router logits over the whole call, "
                      "which tiles of the sequence would route within each tile; train this model without tiled_mlp")
@@ -48,15 +58,14 @@ class CrossDomainExperts:
         return 2 * self.keys * hidden + 2 * self.per_token * hidden
 
     def saved_bytes(self, hidden: int, act_bytes: int) -> int:
-        """Bytes a token keeps for backward beyond the dense MLP's: its picked down and up rows (the compute dtype's
-        copies the products keep), the activation's input and output, the routing weights (float32 softmax, and their
-        normalised copy with ``norm_topk``), the int64 picks (the embeddings' and the top-k's) and the router's
-        sorted keys of both halves, the two int64 places its halves were read from, and the down product's copy of
-        the token's hidden state (autocast's cast of the float32 norm output)."""
-        k = self.per_token
-        weights = 4 * k * (2 if self.norm_topk else 1)
-        rows = 2 * k * hidden * act_bytes + hidden * act_bytes
-        return rows + 2 * k * act_bytes + weights + 2 * 8 * k + 2 * 8 * self.keys + 2 * 8
+        """Bytes a token keeps for backward beyond the dense MLP's, in the compute dtype as FSDP2's mixed precision
+        runs it: its picked down and up rows, the activation's input and output, the routing weights and their
+        weighted activations (with ``norm_topk`` the normalised weights and their sum too), the int64 picks (the
+        embeddings' and the top-k's), the router's sorted keys of both halves and the two places its halves were
+        read from."""
+        k, e = self.per_token, act_bytes
+        weights = (k + 1) * e if self.norm_topk else 0
+        return 2 * k * hidden * e + 4 * k * e + weights + 2 * 8 * k + 2 * 8 * self.keys + 2 * 8
 
     def row_bytes(self, hidden: int, act_bytes: int) -> int:
         """Bytes of one token's picked rows of one embedding: a row gradient's size in backward."""

@@ -18,6 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPARSE = "minimax_m3_sparse"
+FAMILY = "minimax_m3_vl_text"
+# the released checkpoints' names (in ``sparse_attention_config``) of the indexer's sizes, which transformers reads
+# into the flat ones, the released names winning
+_RELEASED = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+             "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+             "index_local_blocks": "sparse_local_block"}
+
+
+def canonical_entries(cfg: dict) -> dict:
+    """MiniMax-M3's config.json with its released checkpoints' entries read as transformers reads them: the indexer's
+    sizes and ``sparse_attention_freq`` (each layer sparse or full) from ``sparse_attention_config``, ``moe_layer_freq``
+    (each MLP layer experts or dense) into ``mlp_layer_types``; any other config as it is."""
+    if cfg.get("model_type") != FAMILY:
+        return cfg
+    released = cfg.get("sparse_attention_config") or {}
+    out = {**cfg, **{flat: released[name] for flat, name in _RELEASED.items() if name in released}}
+    if out.get("layer_types") is None and "sparse_attention_freq" in released:
+        out["layer_types"] = [SPARSE if f else "full_attention" for f in released["sparse_attention_freq"]]
+    if out.get("mlp_layer_types") is None and cfg.get("moe_layer_freq") is not None:
+        out["mlp_layer_types"] = ["sparse" if f else "dense" for f in cfg["moe_layer_freq"]]
+    return out
 
 
 @dataclass(frozen=True)
@@ -38,7 +59,8 @@ class BlockSparseShape:
 
     def keys_per_query(self, seq_len: int) -> int:
         """Keys each query head reads (its picked blocks whole, those past the query masked, not skipped), as
-        ``seqmesh.hf.block_sparse_attention`` gathers them: ``min(k, blocks of the longest document) x bs``."""
+        ``seqmesh.hf.block_sparse_attention`` gathers them: ``min(k, blocks of the longest document) x bs``, the
+        longest document taken as the whole ``seq_len`` (the planner's rows are one document)."""
         blocks = -(-seq_len // self.block_size)
         return min(self.topk_blocks, blocks) * self.block_size
 

@@ -354,8 +354,8 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (Qwen3, Qwen3.5, Gemma 3, MiniMax-M3) and
-        the two gates of an A.X-K2 MoE layer's norms; Doge's two, its two residual scalings and q/k norms."""
+        """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (:attr:`qk_norms`) and the
+        two gates of an A.X-K2 MoE layer's norms; Doge's two, its two residual scalings and q/k norms."""
         if self.family in ("gemma3_text", "doge"):
             return 4 * self.hidden + 2 * self.head_dim  # both have q/k norms
         if self.hybrid is not None:
@@ -382,8 +382,8 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
-        """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's; MiniMax-M3's
-        block-sparse layer's, with its indexer)."""
+        """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's;
+        MiniMax-M3's block-sparse layer's, with its indexer)."""
         if self.latent is not None:
             return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
         if self.compressed is not None:

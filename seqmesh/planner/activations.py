@@ -11,6 +11,7 @@ from ..hf import indexed_attention
 from ..kernels import sparse_latent_blocks
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees
+from .expert_activations import experts_backward_steps, experts_saved, mlp_tensors
 from .placement import placement, tp_heads
 from .workload import Workload
 
@@ -137,58 +138,6 @@ def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
     norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
     return (norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp_saved_bytes(work, layout)
             + hyper_connection_saved(work, layout))
-
-
-# tensors of an expert's width a routed row keeps where its family's SwiGLU is not gate, up, SiLU and product (4):
-# DeepSeek-V4 clamps gate and up (6); gpt-oss and MiniMax-M3 clamp and scale them, gate by a sigmoid, add one to up (7)
-EXPERT_TENSORS = {"deepseek_v4": 6, "gpt_oss": 7, "minimax_m3_vl_text": 7}
-
-
-def mlp_tensors(m: ModelShape) -> int:
-    """Tensors of the MLP's width its gated MLP (each expert's, a dense layer's) keeps a token (:data:`EXPERT_TENSORS`)."""
-    return EXPERT_TENSORS.get(m.family, 4)
-
-
-def experts_saved(work: Workload, layout: Degrees) -> int:
-    """What an MoE layer keeps, per token: for each of its ``k`` routed rows the gathered input, the down product's
-    output (which the routing weight multiplies) and the SwiGLU's tensors of the expert's width (:func:`mlp_tensors`:
-    ``2 E + 4 I`` for gate | up, SiLU's input and output, the product); each shared expert's SwiGLU of its own width;
-    as a rehearsal holds them."""
-    m = work.model
-    inner = mlp_tensors(m)
-    per_token = m.experts_per_token * (2 * m.hidden + inner * m.intermediate)
-    per_token += inner * (m.shared_intermediate or m.intermediate) * m.shared_experts
-    return tokens(work, layout) * per_token * work.act_bytes
-
-
-def experts_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """An MoE layer's MLP backward as ``(op, allocated, freed)`` bytes, freeing what :func:`experts_saved` counts: over
-    its ``T x k`` routed rows, the weighted output's gradient, then the down product's (freeing the product), the
-    SwiGLU's (freeing its tensors), the gate | up product's (freeing the gathered input), then the rows' gradients
-    summed into the tokens'; each shared expert as a gated MLP of its width; the router's input gradient added in,
-    and the norm's output freed."""
-    m, e, t = work.model, work.act_bytes, tokens(work, layout)
-    inner = mlp_tensors(m)
-    wide = t * m.hidden * e
-    rows, width = t * m.experts_per_token * e, m.intermediate
-    steps = [("experts' output backward", rows * m.hidden, rows * m.hidden),  # the down output freed
-             ("experts' down backward", rows * width, rows * (m.hidden + width)),
-             ("experts' SwiGLU backward", 2 * rows * width, rows * width * inner),
-             ("experts' gate/up backward", rows * m.hidden, rows * (2 * width + m.hidden)),
-             ("experts' rows into tokens", wide, rows * m.hidden)]
-    shared = t * (m.shared_intermediate or width) * m.shared_experts * e
-    if shared:
-        steps.append(("shared experts backward", 2 * shared + wide, (inner + 2) * shared + wide))
-    return steps + [("router backward", wide, 2 * wide)]
-
-
-def dense_layer_saving(work: Workload, layout: Degrees) -> int:
-    """How much less an MoE model's dense layer (its first ``dense_layers``) keeps than its MoE layers: the experts'
-    tensors against one gated MLP's of ``dense_intermediate``; 0 without dense layers."""
-    m = work.model
-    if not (m.experts and m.dense_layers) or m.hybrid is not None or work.tiled_mlp:
-        return 0
-    return experts_saved(work, layout) - tokens(work, layout) * mlp_tensors(m) * m.dense_intermediate * work.act_bytes
 
 
 def mlp_saved_bytes(work: Workload, layout: Degrees) -> int:

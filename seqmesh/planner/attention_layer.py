@@ -15,7 +15,7 @@ from .activations import local_tokens
 from .cca import KEY as CCA_KEY
 from .cca import cca_saved_bytes, cca_seconds, cca_traffic
 from .cross_domain import KEY as ROUTER_KEY
-from .cross_domain import router_seconds, router_traffic
+from .cross_domain import router_seconds, router_traffic, rows_seconds
 from .experts import layer_fsdp_seconds
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases
@@ -147,13 +147,16 @@ class Attention:
         halo = cca_seconds(work, layout, hw) if self.cca else 0.0  # ZAYA's halo: the convs wait for it
         halo += router_seconds(work, layout, hw) if m.cross_domain is not None else 0.0  # Doge's routing waits too
         fwd, bwd, comm_fwd, comm_bwd = fwd + halo, bwd + halo, comm_fwd + halo, comm_bwd + halo
+        rows_fwd, rows_bwd = rows_seconds(work, layout, hw) if m.cross_domain is not None else (0.0, 0.0)
+        fwd, bwd = fwd + rows_fwd, bwd + rows_bwd  # Doge's experts' rows, gathered and read by memory
         if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
             bwd += fwd - tp["forward"] + tp["recompute"]
         # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer
         mlp_recompute = (mm_fwd * m.mlp_matrices * m.hidden * m.intermediate / layer_matmul_params(m)
                          if work.tiled_mlp else 0.0)
         bwd += mlp_recompute
-        compute = (mm_fwd + attn_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd + mlp_recompute
+        compute = ((mm_fwd + attn_fwd + rows_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd + rows_bwd
+                   + mlp_recompute)
         # offloaded checkpoints: each layer's input crosses PCIe once each way, on a side stream (hidden when shorter)
         offload = tokens * m.hidden * work.act_bytes / hw.host_bandwidth if work.offload_checkpoints else 0.0
         # split["layer"] but in a Mamba2 hybrid; under EP the rest over every rank, the rank's experts over their holders

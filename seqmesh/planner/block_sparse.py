@@ -112,7 +112,8 @@ class BlockSparseAttention:
         block = pairs * (3 * m.head_dim * e + INT64 + 3 * 4)
         # the layer's MLP has not run yet at the selection (the recompute's forward) and is done at the attention's
         # backward: what it keeps is not there at either
-        return max(select, 2 * 2 * self._row() * self._widths()[1] * e + block) - mlp_saved_bytes(w, self.layout)
+        peak = max(select, 2 * 2 * self._row() * self._widths()[1] * e + block)
+        return max(0, peak - mlp_saved_bytes(w, self.layout))
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :class:`.layers.IndexedAttention` counts

@@ -1,7 +1,8 @@
 """What Doge's cross-domain experts (``is_moe``; the model's shape: :class:`seqmesh.model.doge.CrossDomainExperts`) add
 to its attention layer on the busiest rank, as ``seqmesh.hf.doge_moe`` runs them: the all-gather of every rank's router
-logits forward (its reduce-scatter backward, the same bytes), which nothing overlaps. Their products are counted with
-the layer's matmuls (:func:`.workload.mlp_matmul_params`), what they keep with the MLP's
+logits forward (its reduce-scatter backward, the same bytes), which nothing overlaps, and the bytes its gathered
+rows move (:func:`rows_seconds`: a token's rows are read once, by memory, not by arithmetic). Their products are
+counted with the layer's matmuls (:func:`.workload.mlp_matmul_params`), what they keep with the MLP's
 (:func:`.activations.mlp_saved_bytes`) and their backward's row gradients in the layer's
 (:func:`.activations.layer_backward_timeline`). The
 attention itself is the layer's :class:`.attention_layer.Attention`, which adds these where the model has the experts.
@@ -47,3 +48,12 @@ def router_seconds(work: Workload, layout: Degrees, hw: HardwareSpec) -> float:
     to end: the routing waits for it."""
     return gather_seconds(_sent(work, layout), hw, axis_groups(layout, "sequence")[0])
 
+
+def rows_seconds(work: Workload, layout: Degrees, hw: HardwareSpec) -> tuple[float, float]:
+    """(forward, backward) GPU-memory seconds of the experts' rows, which no weight is reused across: forward each
+    token's picked down and up rows gathered (written) and read by their products; backward their gradients written
+    and read into the two embeddings' float32 gradients, each of which is zeroed and written whole."""
+    m = work.model
+    rows = work.batch * local_tokens(work, layout) * m.cross_domain.row_bytes(m.hidden, work.act_bytes)
+    forward = 2 * 2 * rows / hw.memory_bandwidth
+    return forward, forward + 2 * 2 * m.cross_domain.experts * m.hidden * 4 / hw.memory_bandwidth

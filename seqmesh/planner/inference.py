@@ -50,6 +50,9 @@ def inference_refusal(m: ModelShape) -> str | None:
     if m.compressed_layers:  # seqmesh.inference.generate.check_generate refuses them too
         return (f"{m.name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet; plan "
                 "its training (without --inference).")
+    if m.cross_domain is not None:  # seqmesh.inference.generate.check_generate refuses them too
+        return (f"{m.name} has Doge's cross-domain experts (is_moe=True), whose decode seqmesh does not run yet; plan "
+                "its training (without --inference).")
     if m.block_sparse_layers:  # seqmesh generate runs them; the planner does not size their cache and decode yet
         return (f"{m.name} has MiniMax-M3's block-sparse layers, whose decode (each step's indexer over the rank's "
                 "share of the cached indexer keys, then the picked blocks) seqmesh plan does not size yet; seqmesh "

@@ -1,8 +1,8 @@
 """What one decoder layer costs on the busiest rank, by kind: seqmesh attention (:mod:`.attention_layer`: full, or a
 causal sliding window, with tensor parallelism inside), Gated DeltaNet, DeepSeek Sparse Attention, MiniMax-M3's
 block-sparse layers (:mod:`.block_sparse`) and the hybrids' mixers (:mod:`.mamba2`, :mod:`.kda`, :mod:`.lightning`,
-:mod:`.short_conv`). Each kind gives its FSDP unit's parameters, its collectives' bytes per phase, its saved tensors and its time; the step walks take the model's kinds
-from :func:`layer_kinds`.
+:mod:`.short_conv`). Each kind gives its FSDP unit's parameters, its collectives' bytes per phase, its saved
+tensors and its time; the step walks take the model's kinds from :func:`layer_kinds`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import functools
 from ..hf.indexed_attention import indexer_block, scored_keys
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
-from .activations import GPU, local_tokens, tokens
+from .activations import GPU, local_tokens, mlp_saved_bytes, tokens
 from .attention_layer import Attention
 from .block_sparse import BlockSparseAttention
 from .placement import placement
@@ -138,7 +138,7 @@ class GatedDeltaNet:
         # transformers' gated RMSNorm on the mixer's output (B, L, Hv, Dv): its float32 input, gate and SiLU(gate);
         # the normed and weighted tensors and the output (out_proj's input) in the compute dtype
         gated_norm = values * (3 * 4 + 3 * e)
-        per_token = e * (4 * m.hidden + 4 * m.intermediate) + gated_norm + 2 * 4
+        per_token = e * 4 * m.hidden + gated_norm + 2 * 4  # and its MLP's (an MoE layer's experts': mlp_saved_bytes)
         # the causal conv (B, S, conv channels of the rank): its input, the K - 1 shifted products
         # (gated_delta.causal_conv1d) and SiLU's input; beta and the decay
         conv = 2 * k * m.linear_key_dim + h * m.linear_value_dim
@@ -150,7 +150,7 @@ class GatedDeltaNet:
             rule = linear_rule_saved_bytes(m, whole // p, m.linear_value_heads, m.linear_value_dim + m.linear_key_dim)
             # the state pass reads each entering state through G (B, L, Hv, Dk), kept in float32 (passing.pass_states)
             rule += 4 * (whole // p) * m.linear_value_heads * m.linear_key_dim
-        return tokens(w, lay) * per_token + mixer + rule + dispatch_bytes(w, lay)
+        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule + dispatch_bytes(w, lay)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and
@@ -278,8 +278,8 @@ class IndexedAttention:
                                      (ag, rs))
 
 
-LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | Mamba2Layer | FeedForwardBlock | ShortConvLayer | KdaLayer
-             | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
+LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | Mamba2Layer | FeedForwardBlock
+             | ShortConvLayer | KdaLayer | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
 
 
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:

@@ -5,11 +5,12 @@ each moment holds and what was checked: docs/planner.md ("Memory moments"); what
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
-from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, dense_layer_saving,
-                          final_norm_bytes, gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
-                          outside_layers_bytes, timeline_peak, tokens)
+from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes,
+                          gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens,
+                          norm_saved, outside_layers_bytes, timeline_peak, tokens)
+from .expert_activations import dense_first_layer
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .placement import placement
@@ -160,8 +161,8 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
         return inputs * layer_input_bytes(work, layout) + picks
     # the first dense_layers of an MoE model keep their dense MLP's tensors, not the experts'
-    return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout) - m.dense_layers * dense_layer_saving(
-        work, layout)
+    dense = layer_saved_bytes(work, layout) - layer_saved_bytes(dense_first_layer(work), layout)
+    return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout) - m.dense_layers * dense
 
 
 def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward",
@@ -183,17 +184,6 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     top, op = _top_layer(dense_first_layer(work) if first_layer else work, layout, after_recompute)
     kept = below + top - shared + outside_layers_bytes(work, layout)
     return kept + layer_input_bytes(work, layout), op  # + the gradient of the layer's output
-
-
-def dense_first_layer(work: Workload) -> Workload:
-    """``work`` with its model's layers as its first one: a dense MLP of ``dense_intermediate`` where an MoE model's
-    first ``dense_layers`` have one (DeepSeek's ``first_k_dense_replace``, MiniMax-M3's ``mlp_layer_types``)."""
-    m = work.model
-    if not (m.experts and m.dense_layers) or m.hybrid is not None:
-        return work
-    dense = replace(m, experts=0, experts_per_token=0, shared_experts=0, shared_intermediate=0, shared_gate=False,
-                    intermediate=m.dense_intermediate, dense_layers=0, dense_intermediate=0)
-    return replace(work, model=dense, ep=1)  # a dense layer has no experts to split
 
 
 def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[int, str]:

@@ -49,6 +49,29 @@ def test_parameters_are_what_transformers_builds(name, tmp_path):
         assert (shape.dense_layers, shape.dense_intermediate) == (1, 512)
 
 
+def test_the_released_entries_are_read_as_transformers_reads_them(tmp_path):
+    """A config.json as MiniMax's checkpoints write it: each layer sparse or full in sparse_attention_config's
+    sparse_attention_freq, the indexer's sizes under its names there, each MLP layer experts or dense in
+    moe_layer_freq. Its parameters equal the model transformers builds from the same file, and its sparse layers,
+    indexer and dense layer are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    released = {k: v for k, v in _SMALL.items() if not k.startswith("index_")}
+    released |= {"model_type": "minimax_m3_vl_text", "moe_layer_freq": [0, 1, 1, 1],
+                 "sparse_attention_config": {"sparse_attention_freq": [1, 0, 1, 0], "sparse_num_index_heads": 4,
+                                             "sparse_index_dim": 16, "sparse_block_size": 8, "sparse_topk_blocks": 3,
+                                             "sparse_local_block": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(released))
+    shape = model_shape(str(tmp_path / "config.json"))
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path), local_files_only=True))
+    assert shape.params == sum(p.numel() for p in built.parameters())
+    sparse = shape.block_sparse
+    assert (sparse.layers, sparse.index_heads, sparse.index_head_dim, sparse.block_size, sparse.topk_blocks) == (
+        2, 4, 16, 8, 3) and (shape.dense_layers, shape.dense_intermediate) == (1, 512), shape
+
+
 @pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
 def test_predicted_row_bytes_equal_measured(pools, ulysses, ring, tmp_path):
     """One step's all-gathers of the row's indexer keys, keys and values (forward; with checkpointing, again in the

@@ -20,8 +20,9 @@ from seqmesh.planner.workload import Workload
 from seqmesh.rules.degrees import Degrees
 from seqmesh.tools.cli import main
 
-pytestmark = pytest.mark.skipif(__import__("seqmesh.hf.own_attention", fromlist=["_too_old"])._too_old("DogeAttention"),
-                                reason="this transformers' Doge is refused whole (seqmesh.hf.own_attention.NEWEST_ONLY)")
+pytestmark = pytest.mark.skipif(
+    __import__("seqmesh.hf.own_attention", fromlist=["_too_old"])._too_old("DogeAttention"),
+    reason="this transformers' Doge is refused whole (seqmesh.hf.own_attention.NEWEST_ONLY)")
 
 # Doge's defaults with its experts (1,024 wide, 16,384 experts, 64 a token); a small one with normalised weights and
 # a count of experts that is not a square (its router's keys are floor(sqrt(1000)) = 31 a half)
@@ -69,20 +70,23 @@ def test_predicted_router_bytes_equal_measured(pools, ulysses, ring, tmp_path):
             assert per_layer["backward"][KEY] == per_layer["forward"][KEY]
 
 
-def test_what_the_mlp_keeps_is_what_autograd_saves(pools, tmp_path):
-    """Under bfloat16 autocast on Ulysses 2, the tensors the first layer's MLP saves (the dense MLP's four, the
-    experts' rows, routing weights, picks and sorted keys) are the planner's bytes for its tokens."""
-    measured = pools.run(2, mlp_saved_bytes)[0]
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_what_the_mlp_keeps_is_what_autograd_saves(pools, tmp_path, norm_topk):
+    """In bfloat16 on Ulysses 2 (48 tokens a rank, none of the weights' sizes), the tensors the first layer's MLP
+    saves (the dense MLP's four, the experts' rows, activations, routing weights, picks and sorted keys; with
+    norm_topk_prob the normalised weights and their sum) are the planner's bytes for its tokens."""
+    measured = pools.run(2, mlp_saved_bytes, 96, norm_topk)[0]
     (tmp_path / "config.json").write_text(json.dumps(measured["config"]))
-    work = Workload(model_shape(str(tmp_path / "config.json")), 64, bf16=True)
-    assert measured["tokens"] == 32
+    work = Workload(model_shape(str(tmp_path / "config.json")), 96, bf16=True)
+    assert measured["tokens"] == 48
     assert planned_mlp_saved_bytes(work, Degrees(2, 1, 1)) == measured["saved"], measured
 
 
 def test_seqmesh_plan_sizes_doge_with_its_experts(tmp_path, capsys):
     """``seqmesh plan`` on Doge's defaults with is_moe at its window of 2,048 tokens: the router logits' all-gather in
     each sharded layout's layer (the other rank's 1,024 tokens of 2 x 128 bf16 logits on two ranks) and none where
-    one GPU holds the sequence; the tiled MLP refused in the runtime's words."""
+    one GPU holds the sequence; the tiled MLP refused in the runtime's words, and ``--inference`` as generation
+    refuses it."""
     config_shape("DogeConfig", CONFIGS["defaults"], tmp_path, count=False)
     argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "2048", "--gpus", "2"]
     assert main([*argv, "--json"]) == 0
@@ -91,3 +95,5 @@ def test_seqmesh_plan_sizes_doge_with_its_experts(tmp_path, capsys):
     assert plans["U1 x R1 x DP2"]["comm_bytes_per_layer"]["forward"].get(KEY, 0) == 0
     with pytest.raises(ValueError, match="route each token by other tokens' router logits.*without tiled_mlp"):
         Workload(model_shape(str(tmp_path / "config.json")), 2048, tiled_mlp=True)
+    assert main([*argv, "--inference"]) != 0  # as seqmesh generate refuses it
+    assert "cross-domain experts (is_moe=True), whose decode" in capsys.readouterr().err

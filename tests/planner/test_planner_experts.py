@@ -218,3 +218,25 @@ def test_qwen_moe_dense_layers_are_read_from_mlp_only_layers(tmp_path):
         path.parent.mkdir()
         path.write_text(json.dumps({**base, **extra}))
         assert model_shape(str(path)).dense_layers == dense, extra
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_what_an_moe_layer_keeps_is_what_autograd_saves(pools, tmp_path, family):
+    """In bfloat16 on Ulysses 2, the tensors an MoE layer saves are the planner's count (each routed row's gathered
+    input, down output and SwiGLU tensors: four of the expert's width, gpt-oss's clamped and offset SwiGLU seven), plus
+    no more than its router's small ones, which the planner leaves out: each token's float32 probabilities over the
+    experts and int64 picks, each routed row's int64 places and weight (a mis-counted SwiGLU tensor is 192 bytes a
+    token here, against that bound's 108)."""
+    import json
+
+    from planner_cases import moe_mlp_saved_bytes
+    from seqmesh.planner.activations import mlp_saved_bytes
+
+    measured = pools.run(2, moe_mlp_saved_bytes, family)[0]
+    (tmp_path / "config.json").write_text(json.dumps(measured["config"]))
+    shape = model_shape(str(tmp_path / "config.json"))
+    planned = mlp_saved_bytes(Workload(shape, 96, bf16=True), Degrees(2, 1, 1))
+    k, router = shape.experts_per_token, 4 * shape.experts + 8 * shape.experts_per_token
+    bound = measured["tokens"] * (router + k * (3 * 8 + 2) + 8)
+    assert planned <= measured["saved"] <= planned + bound, (planned, measured["saved"], bound)
+
