@@ -279,18 +279,19 @@ def _mlp_fields(cfg: dict) -> dict:
         return dict(intermediate=cfg["intermediate_size"])
     kinds, layers = cfg.get("mlp_layer_types"), cfg["num_hidden_layers"]
     if kinds:
-        dense = kinds.count("dense")
+        dense, first = kinds.count("dense"), kinds[0] == "dense"
     elif cfg.get("mlp_only_layers") is not None or (cfg.get("decoder_sparse_step") or 1) > 1:  # Qwen-MoE's convention
         step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-        dense = sum(i in only or (i + 1) % step != 0 for i in range(layers))
+        is_dense = [i in only or (i + 1) % step != 0 for i in range(layers)]
+        dense, first = sum(is_dense), is_dense[0]
     else:
-        dense = min(cfg.get("first_k_dense_replace") or 0, layers)
+        dense, first = min(cfg.get("first_k_dense_replace") or 0, layers), True
     shared_width = next((cfg[k] for k in _SHARED_WIDTHS if cfg.get(k)), 0)
     shared = cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or (1 if shared_width else 0)
     return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
                 experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=shared,
                 shared_intermediate=shared_width, shared_gate=cfg.get("model_type") in _SHARED_GATED,
-                dense_layers=dense, dense_intermediate=_dense_width(cfg) if dense else 0)
+                dense_layers=dense, dense_intermediate=_dense_width(cfg) if dense else 0, dense_first=first or not dense)
 
 
 def _dense_width(cfg: dict) -> int:

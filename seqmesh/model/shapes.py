@@ -243,6 +243,7 @@ class ModelShape:
     shared_gate: bool = False  # the shared expert's output gated by a (hidden -> 1) projection (Qwen's)
     dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
+    dense_first: bool = True  # the first layer is one of the dense ones (where there are any)
     hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)
     unplanned: str = ""  # why seqmesh plan cannot size this model (Falcon-H1, other Mamba mixers); "" when it can
     gated_mlp: bool = True  # a dense MLP of gate, up and down; False: up and down (BLOOM, MPT, Falcon, GPT-Neo)

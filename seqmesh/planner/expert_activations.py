@@ -64,10 +64,10 @@ def experts_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, i
 
 def dense_first_layer(work: Workload) -> Workload:
     """``work`` with its model's layers as its first one: a dense MLP of ``dense_intermediate`` where an MoE model's
-    first ``dense_layers`` have one (DeepSeek's ``first_k_dense_replace``, MiniMax-M3's ``mlp_layer_types``; the
-    planner takes a model's dense layers as its first ones)."""
+    first layer is one of its dense ones (DeepSeek's ``first_k_dense_replace``, MiniMax-M3's ``mlp_layer_types``,
+    Qwen-MoE's ``mlp_only_layers``)."""
     m = work.model
-    if not (m.experts and m.dense_layers) or m.hybrid is not None:
+    if not (m.experts and m.dense_layers and m.dense_first) or m.hybrid is not None:
         return work
     dense = replace(m, experts=0, experts_per_token=0, shared_experts=0, shared_intermediate=0, shared_gate=False,
                     intermediate=m.dense_intermediate, dense_layers=0, dense_intermediate=0)

@@ -206,18 +206,21 @@ def test_moe_parameters_are_what_transformers_builds(name, tmp_path):
 
 
 def test_qwen_moe_dense_layers_are_read_from_mlp_only_layers(tmp_path):
-    """Qwen-MoE's convention: the layers of mlp_only_layers, and those decoder_sparse_step skips, have a dense MLP."""
+    """Qwen-MoE's convention: the layers of mlp_only_layers, and those decoder_sparse_step skips, have a dense MLP;
+    whether the first is one of them (the planner plans the first layer's backward as its)."""
     import json
 
     base = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                 num_experts_per_tok=2)
-    for extra, dense in (({}, 0), ({"mlp_only_layers": [0, 1]}, 2), ({"decoder_sparse_step": 2}, 3),
-                         ({"mlp_only_layers": [1], "decoder_sparse_step": 2}, 4)):
-        path = tmp_path / f"{dense}" / "config.json"
+    cases = (({}, 0, True), ({"mlp_only_layers": [0, 1]}, 2, True), ({"decoder_sparse_step": 2}, 3, True),
+             ({"mlp_only_layers": [1], "decoder_sparse_step": 2}, 4, True), ({"mlp_only_layers": [2, 3]}, 2, False))
+    for extra, dense, first in cases:
+        path = tmp_path / f"{dense}{first}" / "config.json"
         path.parent.mkdir()
         path.write_text(json.dumps({**base, **extra}))
-        assert model_shape(str(path)).dense_layers == dense, extra
+        shape = model_shape(str(path))
+        assert (shape.dense_layers, shape.dense_first) == (dense, first), extra
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
