@@ -291,7 +291,8 @@ def _mlp_fields(cfg: dict) -> dict:
     return dict(intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"], experts=experts,
                 experts_per_token=cfg.get("num_experts_per_tok") or 1, shared_experts=shared,
                 shared_intermediate=shared_width, shared_gate=cfg.get("model_type") in _SHARED_GATED,
-                dense_layers=dense, dense_intermediate=_dense_width(cfg) if dense else 0, dense_first=first or not dense)
+                dense_layers=dense, dense_intermediate=_dense_width(cfg) if dense else 0,
+                dense_first=first or not dense)
 
 
 def _dense_width(cfg: dict) -> int:
