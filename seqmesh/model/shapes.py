@@ -205,7 +205,8 @@ class LatentShape:
 
 
 # families whose attention layers norm q and k per head (RMSNorms of head_dim): their parameters, and what they keep
-QK_NORMED = ("qwen3", "qwen3_5_text", "qwen3_vl", "gemma3_text", "doge", "minimax_m3_vl_text")
+QK_NORMED = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_vl", "qwen3_vl_moe_text", "gemma3_text", "doge",
+             "minimax_m3_vl_text")
 
 
 @dataclass(frozen=True, kw_only=True)  # every size named where a shape is built (the presets read as data)
@@ -241,7 +242,7 @@ class ModelShape:
     shared_experts: int = 0  # MoE: experts every token goes through, each of ``intermediate``
     shared_intermediate: int = 0  # their width where not ``intermediate`` (Qwen2-MoE's, Qwen3-Next's); 0: the same
     shared_gate: bool = False  # the shared expert's output gated by a (hidden -> 1) projection (Qwen's)
-    dense_layers: int = 0  # MoE: the first layers, whose MLP is one dense gated MLP of ``dense_intermediate``
+    dense_layers: int = 0  # MoE: the layers whose MLP is one dense gated MLP of ``dense_intermediate``
     dense_intermediate: int = 0
     dense_first: bool = True  # the first layer is one of the dense ones (where there are any)
     hybrid: HybridShape | None = None  # a hybrid's layers (Nemotron-H, Granite-4 hybrid, Bamba, LFM2; .hybrid)

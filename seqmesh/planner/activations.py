@@ -48,12 +48,22 @@ def attention_heads(work: Workload, layout: Degrees) -> tuple[int, int, int]:
 
 # families whose RMSNorm scales by ``1 + weight`` in float32 and casts after (Gemma's): the product keeps the float32
 # normalized tensor, where Llama's casts first and keeps it in the compute dtype
-FLOAT32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text", "minimax_m3_vl_text")
+FLOAT32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text", "minimax_m3_vl_text", "qwen3_5_text", "qwen3_5_moe_text",
+                        "qwen3_next")
 
 
 def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
-    """Bytes per token an RMSNorm keeps, its output excluded, eager or ``efficient`` (docs/planner.md, Activations)."""
-    return e * m.hidden + 4 if efficient else 4 * m.hidden + 4 + _normalized_bytes(m, e) * m.hidden
+    """Bytes per token an RMSNorm keeps, its output excluded, eager or ``efficient`` (docs/planner.md, Activations;
+    a Gemma-style norm stays eager: :func:`efficient_norm`)."""
+    if efficient and m.family not in FLOAT32_SCALED_NORMS:
+        return e * m.hidden + 4
+    return 4 * m.hidden + 4 + _normalized_bytes(m, e) * m.hidden
+
+
+def efficient_norm(work: Workload) -> bool:
+    """Whether ``work``'s norms run seqmesh's lean RMSNorm: asked, and Llama-style (``seqmesh.memory.rmsnorm`` leaves
+    a norm that scales by ``1 + weight`` in float32, :data:`FLOAT32_SCALED_NORMS`, as it is)."""
+    return work.efficient_norm and work.model.family not in FLOAT32_SCALED_NORMS
 
 
 def _normalized_bytes(m: ModelShape, e: int) -> int:
@@ -123,6 +133,8 @@ def qk_norm_saved(work: Workload, layout: Degrees) -> int:
     if not m.qk_norms:
         return 0
     hq, hk = tp_heads(m, layout)
+    if efficient_norm(work):  # seqmesh.memory.rmsnorm's: its input in its own dtype and the float32 scale
+        return gathered_tokens(work, layout) * (hq + hk) * (m.head_dim * e + 4)
     return gathered_tokens(work, layout) * (hq + hk) * (m.head_dim * (4 + _normalized_bytes(m, e)) + 4)
 
 
@@ -199,7 +211,7 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
     efficient norm's scale (made outside autograd's graph, which the offload leaves where it is)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     if work.offload_checkpoints:
-        return t * (e * m.hidden + (4 if work.efficient_norm else 0))
+        return t * (e * m.hidden + (4 if efficient_norm(work) else 0))
     output = e * m.hidden if layout.tp == 1 else 0  # under TP the loss keeps its gathered copy (and the output only
     # while its forward runs: memory.loss_memory)
     return t * (norm_saved(m, e, work.efficient_norm) + output)
@@ -209,7 +221,7 @@ def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int,
     """An RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to its input's."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
     c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
-    if work.efficient_norm:  # seqmesh.memory.rmsnorm: one step, the input gradient and one tile's float32 tensors
+    if efficient_norm(work):  # seqmesh.memory.rmsnorm: one step, the input gradient and one tile's float32 tensors
         tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
         working = (2 if e == 4 else 3) * tile * m.hidden * 4
         return [("norm tiled backward", c + working, working + c + t * norm_saved(m, e, True))]

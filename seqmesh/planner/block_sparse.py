@@ -95,14 +95,15 @@ class BlockSparseAttention:
     def backward_bytes(self) -> int:
         """Peak bytes of the layer beyond what it keeps (less its MLP's tensors, which neither moment holds), the larger
         of two moments of a block (in forward, and again in backward where the layer is checkpointed, or in the
-        blocks' own recompute). Its selection: the row's
-        indexer keys and their float32 copy, the float32 scores of the block's queries against the row
-        (``l x Hi x T``), the same read at every slot of the longest document's blocks and masked (two more of
-        ``l x Hi x W``, ``W`` its blocks' slots), the slots' int64 places and two bool masks (``l x W``). Its
-        attention's backward: the row's key and value gradients (summed over the blocks) and a block's added into
-        them (the row's size each), beside its gathered keys and values and the gradient of one (``l x Hq x K x D``
-        each; the values' is added into the row's before the keys' is made), their int64 row indices, and its
-        scores, float32 probabilities and their gradients (``l x Hq x K`` each)."""
+        blocks' own recompute). Its selection: the row's indexer keys and their float32 copy, the float32 scores of
+        the block's queries against the row (``l x Hi x T``), the same read at every slot of the longest document's
+        blocks and masked (two more of ``l x Hi x W``, ``W`` its blocks' slots), the slots' int64 places and two bool
+        masks (``l x W``; the places' clamped copy, read by the gather, is gone by the mask, as the rehearsal shows). Its attention's backward: the row's key and value gradients (summed
+        over the blocks) and the block's two added into them (the row's size each); the gradient of ``o_proj``'s
+        input and a block's slice of the queries' (``Hq x D`` a local token each, as the rehearsal holds them); its gathered
+        keys and values and the gradient of one (``l x Hq x K x D`` each; the values' is added into the row's before
+        the keys' is made), their int64 row indices, and its scores, float32 probabilities and their gradients
+        (``l x Hq x K`` each)."""
         w, m, e = self.work, self.work.model, self.work.act_bytes
         sparse, l, b = m.block_sparse, block_queries(w, self.layout), w.batch
         slots = -(-w.seq_len // sparse.block_size) * sparse.block_size
@@ -110,27 +111,34 @@ class BlockSparseAttention:
                   + b * l * sparse.index_heads * (w.seq_len + 2 * slots) * 4 + l * slots * (INT64 + 2))
         pairs = b * l * m.heads * sparse.keys_per_query(w.seq_len)
         block = pairs * (3 * m.head_dim * e + INT64 + 3 * 4)
+        queries = 2 * tokens(w, self.layout) * m.heads * m.head_dim * e
         # the layer's MLP has not run yet at the selection (the recompute's forward) and is done at the attention's
         # backward: what it keeps is not there at either
-        peak = max(select, 2 * 2 * self._row() * self._widths()[1] * e + block)
+        peak = max(select, 2 * 2 * self._row() * self._widths()[1] * e + queries + block)
         return max(0, peak - mlp_saved_bytes(w, self.layout))
+
+    @property
+    def backward_op(self) -> str:
+        """Where the layer's peak falls, as the plan names it."""
+        return "block-sparse block"
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :class:`.layers.IndexedAttention` counts
-        them: the projections (the indexer's with them); each query head's ``K`` keys, scored and read, in forward,
-        once more in backward, then twice in its backward, with the gathered rows' bytes (written once, read by the
-        two products); the indexer's float32 scores of this rank's queries against the whole row (no backward; run
+        them: the projections (the indexer's in forward only); each query head's ``K`` keys, scored and read, in
+        forward, once more in backward, then twice in its backward, with the gathered rows' bytes (keys and values
+        each written once and read by its product); the indexer's float32 scores of this rank's queries against the whole row (no backward; run
         again with a checkpointed layer's recompute); the row's all-gathers before them and the reduce-scatters of its
         gradients, which nothing overlaps (:func:`.layer_cost.serial_layer_seconds`)."""
         w, lay, m = self.work, self.layout, self.work.model
         sparse, b = m.block_sparse, w.batch
         local = placement(w, lay).sequence_padded // (lay.ulysses * lay.ring)
         peak = hw.flops_for(w.dtype)
-        matmuls = layer_matmul_params(m) + sparse.indexer_params(m.hidden)
-        mm_fwd = 2 * b * local * matmuls / (peak * hw.matmul_efficiency)
+        mm_bwd = 2 * 2 * b * local * layer_matmul_params(m) / (peak * hw.matmul_efficiency)  # not the indexer's
+        mm_fwd = 2 * b * local * (layer_matmul_params(m) + sparse.indexer_params(m.hidden)) / (
+            peak * hw.matmul_efficiency)
         pairs = b * local * m.heads * sparse.keys_per_query(w.seq_len)
         attend = (4 * pairs * m.head_dim / (peak * hw.attention_efficiency)
-                  + 3 * 2 * pairs * m.head_dim * w.act_bytes / hw.memory_bandwidth)
+                  + 2 * 2 * pairs * m.head_dim * w.act_bytes / hw.memory_bandwidth)
         select = 2 * b * local * w.seq_len * sparse.index_heads * sparse.index_head_dim / (
             hw.flops_for("fp32") * hw.matmul_efficiency)
         group = axis_groups(lay, "sequence")[0]
@@ -138,4 +146,4 @@ class BlockSparseAttention:
         index, kv = self._widths()
         ag = gather_seconds(index * unit, hw, group) + 2 * gather_seconds(kv * unit, hw, group)
         rs = 2 * gather_seconds(kv * unit, hw, group)
-        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + attend, 2 * mm_fwd + 3 * attend), (ag, rs))
+        return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + attend, mm_bwd + 3 * attend), (ag, rs))

@@ -22,7 +22,7 @@ from ..linear_attention.choice import halo_bytes, runs_and_tails
 from ..model.deepseek_v4 import CSA
 from ..rules.degrees import Degrees
 from ..sequence.layout import SequenceLayout
-from .activations import (GPU, SCORE_TENSORS, attention_saved, experts_saved, hyper_connection_share, local_tokens,
+from .activations import (GPU, SCORE_TENSORS, attention_saved, hyper_connection_share, local_tokens,
                           mlp_saved_bytes, norm_saved, tokens)
 from .hardware import HardwareSpec
 from .layer_cost import (Phases, attention_saved_bytes, gather_comm_seconds, gather_links, gather_phases,
@@ -112,11 +112,10 @@ class CompressedAttention:
         return gather_links(KEY, hw, self.layout)
 
     def saved_bytes(self) -> int:
-        """The layer's norms and hyper-connections as any decoder layer's; its experts' and its attention's own
-        (:func:`experts_saved`, :func:`compressed_attention_saved`)."""
+        """The layer's norms, hyper-connections and experts as any decoder layer's; its attention's own
+        (:func:`compressed_attention_saved`)."""
         w, lay = self.work, self.layout
-        own = compressed_attention_saved(w, lay, self.kind) + experts_saved(w, lay)
-        return attention_saved_bytes(w, lay) - attention_saved(w, lay) - mlp_saved_bytes(w, lay) + own
+        return attention_saved_bytes(w, lay) - attention_saved(w, lay) + compressed_attention_saved(w, lay, self.kind)
 
     @property
     def backward_op(self) -> str:
@@ -221,13 +220,13 @@ def compressed_attention_saved(work: Workload, layout: Degrees, kind: str) -> in
 
 
 def freed_before_attention(work: Workload, layout: Degrees) -> int:
-    """What a layer's backward has freed by its attention's: the experts' saved tensors (:func:`experts_saved`),
+    """What a layer's backward has freed by its attention's: the experts' saved tensors (``mlp_saved_bytes``),
     its norm's and input, the second hyper-connection's, the block's output and the streams between the two
     blocks."""
     m, e = work.model, work.act_bytes
     per_token = norm_saved(m, e, work.efficient_norm) + 2 * e * m.hidden + hyper_connection_share(work) \
         + e * m.compressed.hc_mult * m.hidden
-    return tokens(work, layout) * per_token + experts_saved(work, layout)
+    return tokens(work, layout) * per_token + mlp_saved_bytes(work, layout)
 
 
 def selection_live_bytes(work: Workload, layout: Degrees) -> int:

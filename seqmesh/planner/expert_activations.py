@@ -1,7 +1,7 @@
 """What an MoE layer keeps for backward and how its backward frees it, on the busiest rank (docs/planner.md,
 "Activations"): its routed rows' tensors and its shared experts' (:func:`experts_saved`), its backward step by step
 (:func:`experts_backward_steps`), and an MoE model's first layers where they have a dense MLP
-(:func:`dense_first_layer`). Below :mod:`.activations`, which reads them.
+(:func:`dense_layer`, :func:`first_layer`). Below :mod:`.activations`, which reads them.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ def mlp_tensors(m: ModelShape) -> int:
 def experts_saved(work: Workload, layout: Degrees) -> int:
     """What an MoE layer keeps, per token: for each of its ``k`` routed rows the gathered input, the down product's
     output (which the routing weight multiplies) and the SwiGLU's tensors of the expert's width (:func:`mlp_tensors`:
-    ``2 E + 4 I`` for gate | up, SiLU's input and output, the product); each shared expert's SwiGLU of its own width;
-    as a rehearsal holds them."""
+    ``2 E + 4 I`` for gate | up, SiLU's input and output, the product); each shared expert's SwiGLU of its own width
+    (and, gated as Qwen's, their output); as a rehearsal holds them."""
     m = work.model
     inner = mlp_tensors(m)
     per_token = m.experts_per_token * (2 * m.hidden + inner * m.intermediate)
     per_token += inner * (m.shared_intermediate or m.intermediate) * m.shared_experts
+    per_token += m.hidden if m.shared_gate else 0  # the shared experts' output, which their gate multiplies
     return _tokens(work, layout) * per_token * work.act_bytes
 
 
@@ -58,17 +59,23 @@ def experts_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, i
              ("experts' rows into tokens", wide, rows * m.hidden)]
     shared = t * (m.shared_intermediate or width) * m.shared_experts * e
     if shared:
-        steps.append(("shared experts backward", 2 * shared + wide, (inner + 2) * shared + wide))
+        gate = wide if m.shared_gate else 0  # the gate's product frees the shared output it kept
+        steps.append(("shared experts backward", 2 * shared + wide, (inner + 2) * shared + wide + gate))
     return steps + [("router backward", wide, 2 * wide)]
 
 
-def dense_first_layer(work: Workload) -> Workload:
-    """``work`` with its model's layers as its first one: a dense MLP of ``dense_intermediate`` where an MoE model's
-    first layer is one of its dense ones (DeepSeek's ``first_k_dense_replace``, MiniMax-M3's ``mlp_layer_types``,
-    Qwen-MoE's ``mlp_only_layers``)."""
+def dense_layer(work: Workload) -> Workload:
+    """``work`` with its model's layers as its dense ones: a dense MLP of ``dense_intermediate`` where an MoE model
+    has some (DeepSeek's ``first_k_dense_replace``, MiniMax-M3's ``mlp_layer_types``, Qwen-MoE's
+    ``mlp_only_layers``); ``work`` itself otherwise."""
     m = work.model
-    if not (m.experts and m.dense_layers and m.dense_first) or m.hybrid is not None:
+    if not (m.experts and m.dense_layers) or m.hybrid is not None:
         return work
     dense = replace(m, experts=0, experts_per_token=0, shared_experts=0, shared_intermediate=0, shared_gate=False,
                     intermediate=m.dense_intermediate, dense_layers=0, dense_intermediate=0)
     return replace(work, model=dense, ep=1)  # a dense layer has no experts to split
+
+
+def first_layer(work: Workload) -> Workload:
+    """``work`` with its model's layers as its first one: :func:`dense_layer` where that is one of the dense ones."""
+    return dense_layer(work) if work.model.dense_first else work

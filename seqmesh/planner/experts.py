@@ -21,7 +21,7 @@ from .network import concurrent_all_to_all_seconds, fsdp_seconds, link_name
 from .traffic import dtype_bytes, fsdp_traffic
 from .workload import Workload, check_expert_parallel
 
-__all__ = ["check_expert_parallel", "dispatch_bytes", "exchange", "exchange_phases", "exchange_seconds",
+__all__ = ["check_expert_parallel", "exchange", "exchange_phases", "exchange_seconds",
            "expert_degrees", "expert_groups", "expert_parallel_refusal", "layer_fsdp_seconds", "layer_fsdp_traffic",
            "local_layer_params", "moe_layers", "remote_expert_params", "routed_expert_params", "sharded_params",
            "unit_shard"]
@@ -154,10 +154,3 @@ def exchange_seconds(work: Workload, layout: Degrees, hw: HardwareSpec) -> dict[
 def exchange_link(layout: Degrees, hw: HardwareSpec) -> str:
     """The slowest link an EP group's all-to-alls cross."""
     return link_name(hw, expert_groups(layout)[0][:1])
-
-
-def dispatch_bytes(work: Workload, layout: Degrees) -> int:
-    """The rows an MoE layer's dispatch leaves on a rank under EP, kept for the experts' backward: ``tokens x top_k``
-    rows of ``hidden`` (a balanced router); 0 without EP (the experts read the rank's own rows)."""
-    m = work.model
-    return tokens(work, layout) * m.experts_per_token * m.hidden * work.act_bytes if layout.ep > 1 else 0

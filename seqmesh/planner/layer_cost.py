@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from .activations import decoder_layer_saved_bytes
-from .experts import dispatch_bytes, layer_fsdp_seconds
+from .experts import layer_fsdp_seconds
 from .network import axis_groups, gather_seconds, link_name
 from .traffic import worst_rank
 
@@ -59,8 +59,9 @@ def gather_comm_seconds(ranks: list[RankTraffic], hw: HardwareSpec, layout: Degr
 
 
 def attention_saved_bytes(work: Workload, layout: Degrees) -> int:
-    """Bytes one attention decoder layer saves for backward, its MoE dispatch buffers included."""
-    return decoder_layer_saved_bytes(work, layout) + dispatch_bytes(work, layout)
+    """Bytes one attention decoder layer saves for backward (under EP the dispatched rows are not kept: the experts
+    keep their own gathered copy, :func:`.expert_activations.experts_saved`)."""
+    return decoder_layer_saved_bytes(work, layout)
 
 
 def serial_layer_seconds(layer: CostedLayer, hw: HardwareSpec, fsdp_ranks: list[int],

@@ -18,7 +18,6 @@ from .activations import GPU, local_tokens, mlp_saved_bytes, tokens
 from .attention_layer import Attention
 from .block_sparse import BlockSparseAttention
 from .placement import placement
-from .experts import dispatch_bytes
 from .hardware import HardwareSpec
 from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
 from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
@@ -150,7 +149,7 @@ class GatedDeltaNet:
             rule = linear_rule_saved_bytes(m, whole // p, m.linear_value_heads, m.linear_value_dim + m.linear_key_dim)
             # the state pass reads each entering state through G (B, L, Hv, Dk), kept in float32 (passing.pass_states)
             rule += 4 * (whole // p) * m.linear_value_heads * m.linear_key_dim
-        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule + dispatch_bytes(w, lay)
+        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and

@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, fields
 
-from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, final_norm_bytes,
+from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, efficient_norm, final_norm_bytes,
                           gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens,
                           norm_saved, outside_layers_bytes, timeline_peak, tokens)
-from .expert_activations import dense_first_layer
+from .expert_activations import dense_layer, first_layer
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .placement import placement
@@ -131,7 +131,7 @@ def host_memory(work: Workload, layout: Degrees) -> int:
     if work.fsdp_cpu_offload:
         host += (MASTER + GRAD_SHARD + ADAM) * sharded_params(m, layout, placement(work, layout).split["total"])
     if work.offload_checkpoints:
-        final_norm = e * m.hidden if work.efficient_norm else norm_saved(m, e)  # the efficient norm's rstd stays
+        final_norm = e * m.hidden if efficient_norm(work) else norm_saved(m, e)  # the efficient norm's rstd stays
         host += m.layers * layer_input_bytes(work, layout) + tokens(work, layout) * final_norm
     return host
 
@@ -161,7 +161,7 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
         return inputs * layer_input_bytes(work, layout) + picks
     # the first dense_layers of an MoE model keep their dense MLP's tensors, not the experts'
-    dense = layer_saved_bytes(work, layout) - layer_saved_bytes(dense_first_layer(work), layout)
+    dense = layer_saved_bytes(work, layout) - layer_saved_bytes(dense_layer(work), layout)
     return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout) - m.dense_layers * dense
 
 
@@ -170,8 +170,8 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     """Activations at the peak of the last (or the first) layer's backward, and the op at which it falls: what the
     layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak (from the
     tiled MLP's recompute on, or ``after_recompute``, once it is done)."""
-    first_layer = moment == "first layer backward"
-    if first_layer:
+    first = moment == "first layer backward"
+    if first:
         fetched = not work.offload_checkpoints or work.offload_prefetch
         below = layer_input_bytes(work, layout) if work.checkpointing and fetched else 0
     else:
@@ -179,9 +179,9 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     # recomputed; in fp32 or with the efficient norm the first norm saves the kept input itself (HY-V4: the mixed
     # stream, one of the kept input's hc_mult)
     shared = tokens(work, layout) * work.model.hidden * work.act_bytes if work.checkpointing and (
-        work.act_bytes == 4 or work.efficient_norm) else 0
+        work.act_bytes == 4 or efficient_norm(work)) else 0
     # the first layer of an MoE model whose first layers are dense: as a dense layer of theirs
-    top, op = _top_layer(dense_first_layer(work) if first_layer else work, layout, after_recompute)
+    top, op = _top_layer(first_layer(work) if first else work, layout, after_recompute)
     kept = below + top - shared + outside_layers_bytes(work, layout)
     return kept + layer_input_bytes(work, layout), op  # + the gradient of the layer's output
 
