@@ -146,34 +146,12 @@ def refusals() -> dict[str, str]:
 
 def mlp_saved_bytes(seq_len: int = 96, norm_topk: bool = False) -> dict:
     """Bytes the first decoder layer's MLP of Doge with its cross-domain experts (:func:`experts_config`) keeps for
-    backward on this rank of Ulysses 2, in bfloat16 as FSDP2's mixed precision runs it (its saved tensors' storages,
-    each once; its weights and its input, which the layer's norm made, left out), and this rank's tokens."""
-    mesh = get_mesh(2, 1)
+    backward on this rank of Ulysses 2, in bfloat16 (:func:`planner_cases.mlp_saved_bytes`)."""
+    from planner_cases import mlp_saved_bytes as saved
+
     config = experts_config(True)
     config.norm_topk_prob = norm_topk
-    model = parallelize(build(config).to(torch.bfloat16), mesh)
-    layer = model.model.layers[0].mlp
-    outside = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-    inside = [False]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if inside[0] and t.untyped_storage().data_ptr() not in outside:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def enter(module, args):
-        outside.add(args[0].untyped_storage().data_ptr())
-        inside[0] = True
-
-    layer.register_forward_pre_hook(enter)
-    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(2))
-    local = seqmesh.shard_batch({"input_ids": ids}, mesh)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**local, use_cache=False)
-    unparallelize(model)
-    return {"saved": sum(seen.values()), "tokens": local["input_ids"].numel(), "config": config.to_dict()}
+    return saved(build(config), seq_len)
 
 
 def experts_config(is_moe: bool):

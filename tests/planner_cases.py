@@ -170,17 +170,23 @@ MOE_CONFIGS = {  # tiny MoE models whose experts are most of a layer's saved ten
 
 def moe_mlp_saved_bytes(family: str, seq_len: int = 96) -> dict:
     """Bytes the MoE layer of :data:`MOE_CONFIGS` ``family`` keeps for backward on this rank of Ulysses 2, in
-    bfloat16 as FSDP2's mixed precision runs it (its saved tensors' storages, each once; its weights and its input,
-    which the layer's norm made, left out), this rank's tokens, and the config."""
+    bfloat16 as FSDP2's mixed precision runs it (:func:`mlp_saved_bytes`), this rank's tokens, and the config."""
     import transformers as tf
 
-    from seqmesh.hf import parallelize, unparallelize
-
-    mesh = get_mesh(2, 1)
     name, sizes = MOE_CONFIGS[family]
     config = getattr(tf, name)(**sizes)
     torch.manual_seed(0)
-    model = parallelize(tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16), mesh)
+    return mlp_saved_bytes(tf.AutoModelForCausalLM.from_config(config), seq_len)
+
+
+def mlp_saved_bytes(model: torch.nn.Module, seq_len: int) -> dict:
+    """Bytes ``model``'s first decoder layer's MLP keeps for backward on this rank of Ulysses 2, in bfloat16 as FSDP2's
+    mixed precision runs it (its saved tensors' storages, each once; its weights and its input, which the layer's
+    norm made, left out), this rank's tokens, and the model's config."""
+    from seqmesh.hf import parallelize, unparallelize
+
+    mesh = get_mesh(2, 1)
+    model = parallelize(model.to(torch.bfloat16), mesh)
     layer = model.model.layers[0].mlp
     outside = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
@@ -197,9 +203,41 @@ def moe_mlp_saved_bytes(family: str, seq_len: int = 96) -> dict:
 
     layer.register_forward_pre_hook(enter)
     layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(2))
     local = seqmesh.shard_batch({"input_ids": ids}, mesh)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**local, use_cache=False)
     unparallelize(model)
-    return {"saved": sum(seen.values()), "tokens": local["input_ids"].numel(), "config": config.to_dict()}
+    return {"saved": sum(seen.values()), "tokens": local["input_ids"].numel(), "config": model.config.to_dict()}
+
+
+def measured_gathers(pools, family: str, ulysses: int, ring: int, folder) -> list[tuple]:
+    """One step of ``family``'s tiny model (45 tokens, float32) plain and checkpointed on ``ulysses x ring``
+    (:func:`measured_model_traffic`): per case, the case, the planner's Workload of the config.json the ranks built
+    (written under ``folder``) and each rank's measurement."""
+    import json
+
+    from seqmesh.model.presets import model_shape
+    from seqmesh.planner.workload import Workload
+
+    cases = [ModelTrafficCase(family, 45, dtype="float32", checkpointing=c) for c in (False, True)]
+    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
+    out = []
+    for i, case in enumerate(cases):
+        path = folder / f"{i}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(per_rank[0][i]["config"]))
+        work = Workload(model_shape(str(path)), case.seq_len, bf16=False, checkpointing=case.checkpointing)
+        out.append((case, work, [rank[i] for rank in per_rank]))
+    return out
+
+
+def assert_gathers(measured: dict, planned: list, runs: int, case, layers: int = 1) -> None:
+    """A rank's ``measured`` step (:func:`measured_gathers`) sent what ``planned`` (the rank's ``RankTraffic`` of each
+    layer kind, summed) says ``layers`` times: its all-gathers ``runs`` times (twice with checkpointing, again in the
+    recompute), its reduce-scatters once; calls and bytes, none of them zero."""
+    for (kind, phase), repeats in ((("all_gather", "forward"), runs), (("reduce_scatter", "backward"), 1)):
+        counted = measured["stats"].get(kind, {}).get(phase, {"calls": 0, "bytes_sent": 0})
+        want = tuple(layers * repeats * sum(f(t, kind, phase) for t in planned)
+                     for f in (lambda t, k, p: t.calls(k, p), lambda t, k, p: t.sent(k, p)))
+        assert (counted["calls"], counted["bytes_sent"]) == want and 0 not in want, (case, kind, counted, want)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from planner_cases import ModelTrafficCase, config_shape, measured_model_traffic
+from planner_cases import assert_gathers, config_shape, measured_gathers
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.block_sparse import KEY, BlockSparseAttention
 from seqmesh.planner.attention_layer import Attention
@@ -77,24 +77,13 @@ def test_predicted_row_bytes_equal_measured(pools, ulysses, ring, tmp_path):
     """One step's all-gathers of the row's indexer keys, keys and values (forward; with checkpointing, again in the
     recompute) and the reduce-scatters of the keys' and values' gradients (backward), per rank, calls and bytes,
     against the planner's per-layer figures: the one block-sparse layer's beside the full one's (which sends none)."""
-    cases = [ModelTrafficCase("minimax-m3-sparse", 45, dtype="float32", checkpointing=c) for c in (False, True)]
-    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
     layout = Degrees(ulysses, ring, 1)
-    for i, case in enumerate(cases):
-        (tmp_path / f"{i}").mkdir()
-        path = tmp_path / f"{i}" / "config.json"
-        path.write_text(json.dumps(per_rank[0][i]["config"]))
-        work = Workload(model_shape(str(path)), case.seq_len, bf16=False, checkpointing=case.checkpointing)
+    for case, work, ranks in measured_gathers(pools, "minimax-m3-sparse", ulysses, ring, tmp_path):
         sparse = next(k for k, n in layer_kinds(work, layout) if isinstance(k, BlockSparseAttention) and n == 1)
         mine = sparse.ranks()
-        for rank in per_rank:
-            stats = rank[i]["stats"]
-            me = mine[rank[i]["ulysses_rank"] + ulysses * rank[i]["ring_rank"]]
-            runs = 2 if case.checkpointing else 1
-            for key, repeats in ((("all_gather", "forward"), runs), (("reduce_scatter", "backward"), 1)):
-                got = stats.get(key[0], {}).get(key[1], {"calls": 0, "bytes_sent": 0})
-                assert (got["calls"], got["bytes_sent"]) == (repeats * me.calls(*key),
-                                                              repeats * me.sent(*key)) != (0, 0), (case, key)
+        for rank in ranks:
+            assert_gathers(rank, [mine[rank["ulysses_rank"] + ulysses * rank["ring_rank"]]],
+                           2 if case.checkpointing else 1, case)
         per_layer = sparse.traffic()
         assert per_layer["forward"][KEY] == max(r.sent("all_gather", "forward") for r in mine)
         assert per_layer["recompute"][KEY] == (per_layer["forward"][KEY] if case.checkpointing else 0)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from planner_cases import ModelTrafficCase, config_shape, measured_model_traffic
+from planner_cases import assert_gathers, config_shape, measured_gathers
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.compressed import KEY, CompressedAttention
 from seqmesh.planner.layers import layer_kinds
@@ -58,26 +58,14 @@ def test_parameters_are_what_transformers_builds(name, tmp_path):
 def test_predicted_collective_bytes_equal_measured(pools, ulysses, ring, tmp_path):
     """One step's all-gathers (forward; with checkpointing, again in the recompute) and reduce-scatters (backward),
     per rank, calls and bytes, against the planner's per-layer figures of its HCA and its CSA layer."""
-    cases = [ModelTrafficCase("deepseek-v4", 45, dtype="float32", checkpointing=c) for c in (False, True)]
-    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
     layout = Degrees(ulysses, ring, 1)
-    for i, case in enumerate(cases):
-        (tmp_path / f"{i}").mkdir()
-        path = tmp_path / f"{i}" / "config.json"
-        path.write_text(json.dumps(per_rank[0][i]["config"]))
-        work = Workload(model_shape(str(path)), case.seq_len, bf16=False, checkpointing=case.checkpointing)
+    for case, work, ranks in measured_gathers(pools, "deepseek-v4", ulysses, ring, tmp_path):
         kinds = [k for k, _ in layer_kinds(work, layout)]
         assert sorted(k.kind for k in kinds if isinstance(k, CompressedAttention)) == sorted(
             ["heavily_compressed_attention", "compressed_sparse_attention"]) and len(kinds) == 2, kinds
-        for rank in per_rank:
-            stats = rank[i]["stats"]
-            where = rank[i]["ulysses_rank"] + ulysses * rank[i]["ring_rank"]
-            runs = 2 if case.checkpointing else 1
-            for key, repeats in ((("all_gather", "forward"), runs), (("reduce_scatter", "backward"), 1)):
-                got = stats.get(key[0], {}).get(key[1], {"calls": 0, "bytes_sent": 0})
-                want = [sum(k.ranks()[where].calls(*key) for k in kinds), sum(k.ranks()[where].sent(*key) for k in kinds)]
-                assert (got["calls"], got["bytes_sent"]) == (repeats * want[0], repeats * want[1]) != (0, 0), \
-                    (case, key, got, want)
+        for rank in ranks:
+            where = rank["ulysses_rank"] + ulysses * rank["ring_rank"]
+            assert_gathers(rank, [k.ranks()[where] for k in kinds], 2 if case.checkpointing else 1, case)
         for kind in kinds:  # the layer's figures are the busiest rank's
             per_layer = kind.traffic()
             assert per_layer["forward"][KEY] == max(r.sent("all_gather", "forward") for r in kind.ranks())

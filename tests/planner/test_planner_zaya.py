@@ -8,12 +8,10 @@ import json
 
 import pytest
 
-from planner_cases import ModelTrafficCase, config_shape, measured_model_traffic
-from seqmesh.model.presets import model_shape
+from planner_cases import assert_gathers, config_shape, measured_gathers
 from seqmesh.planner.attention_layer import Attention
 from seqmesh.planner.cca import cca_ranks
 from seqmesh.planner.layers import layer_kinds
-from seqmesh.planner.workload import Workload
 from seqmesh.rules.degrees import Degrees
 from seqmesh.tools.cli import main
 
@@ -51,24 +49,13 @@ def test_parameters_are_what_transformers_builds(name, tmp_path):
 def test_predicted_halo_bytes_equal_measured(pools, ulysses, ring, tmp_path):
     """One step's halo all-gathers (forward; with checkpointing, again in the recompute) and reduce-scatters
     (backward), per rank, calls and bytes, against the planner's per-layer figures times the layers."""
-    cases = [ModelTrafficCase("zaya", 45, dtype="float32", checkpointing=c) for c in (False, True)]
-    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, cases, timeout=600)
     layout = Degrees(ulysses, ring, 1)
-    for i, case in enumerate(cases):
-        (tmp_path / f"{i}").mkdir()
-        path = tmp_path / f"{i}" / "config.json"
-        path.write_text(json.dumps(per_rank[0][i]["config"]))
-        work = Workload(model_shape(str(path)), case.seq_len, bf16=False, checkpointing=case.checkpointing)
+    for case, work, ranks in measured_gathers(pools, "zaya", ulysses, ring, tmp_path):
         kinds = layer_kinds(work, layout)
         assert all(isinstance(k, Attention) and k.cca for k, _ in kinds) and sum(n for _, n in kinds) == 2
-        for rank in per_rank:
-            stats = rank[i]["stats"]
-            mine = cca_ranks(work, layout)[rank[i]["ulysses_rank"] + ulysses * rank[i]["ring_rank"]]
-            runs = 2 if case.checkpointing else 1
-            for key, repeats in ((("all_gather", "forward"), runs), (("reduce_scatter", "backward"), 1)):
-                got = stats.get(key[0], {}).get(key[1], {"calls": 0, "bytes_sent": 0})
-                assert (got["calls"], got["bytes_sent"]) == (2 * repeats * mine.calls(*key),
-                                                              2 * repeats * mine.sent(*key)) != (0, 0), (case, key)
+        for rank in ranks:  # two layers
+            mine = cca_ranks(work, layout)[rank["ulysses_rank"] + ulysses * rank["ring_rank"]]
+            assert_gathers(rank, [mine], 2 if case.checkpointing else 1, case, layers=2)
         for kind, _ in kinds:  # the layer's figures are the busiest rank's
             per_layer = kind.traffic()
             assert per_layer["forward"]["cca_halo_gather"] == max(r.sent("all_gather", "forward")
