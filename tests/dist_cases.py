@@ -15,6 +15,18 @@ from reference import reference_attention
 _MESHES: dict[tuple[int, int, int, int], seqmesh.SPMesh] = {}
 
 
+def refusals_said(calls: dict) -> dict[str, str]:
+    """Each of ``calls`` (name -> a call that should refuse) run: the ValueError's message, or "" where it ran."""
+    said = {}
+    for name, call in calls.items():
+        try:
+            call()
+            said[name] = ""
+        except ValueError as err:
+            said[name] = str(err)
+    return said
+
+
 def get_mesh(ulysses: int, ring: int, dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1) -> seqmesh.SPMesh:
     """One mesh per shape per process: building a mesh creates process groups, which is collective."""
     key = (ulysses, ring, dp_shard, dp_replicate, tp)

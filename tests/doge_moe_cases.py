@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import seqmesh
-from dist_cases import get_mesh
+from dist_cases import get_mesh, refusals_said
 from family_cases import build, family_config
 from seqmesh.hf import doge_moe, parallelize, unparallelize
 from seqmesh.model.doge import is_doge_moe
@@ -132,14 +132,9 @@ def refusals() -> dict[str, str]:
     whole = model(**seqmesh.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(mask)}, mesh),
                   use_cache=False).logits
     said = {"whole rows": "" if torch.isfinite(whole).all() else "not finite"}
-    for name, call in {"padded rows": lambda: model(**seqmesh.shard_batch({"input_ids": ids, "attention_mask": mask},
-                                                                           mesh), use_cache=False),
-                       "generate": lambda: check_generate(model, mesh)}.items():
-        try:
-            call()
-            said[name] = ""
-        except ValueError as err:
-            said[name] = str(err)
+    padded = seqmesh.shard_batch({"input_ids": ids, "attention_mask": mask}, mesh)
+    said |= refusals_said({"padded rows": lambda: model(**padded, use_cache=False),
+                           "generate": lambda: check_generate(model, mesh)})
     unparallelize(model)
     return said
 

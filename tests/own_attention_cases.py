@@ -11,7 +11,7 @@ import torch
 
 import seqmesh
 import seqmesh.sharded_attention.api as api
-from dist_cases import get_mesh
+from dist_cases import get_mesh, refusals_said
 from family_cases import _batch, build, family_config, family_parity
 from short_conv_cases import parity_all
 from seqmesh.hf import parallelize, unparallelize
@@ -104,12 +104,6 @@ def layer_refusals(family: str = "bloom") -> dict[str, str]:
         "weights": lambda: layer(hidden, hidden, output_attentions=True, seqmesh=batch["seqmesh"]),
         "model cache": lambda: model(**batch, use_cache=True),
     }
-    said = {}
-    for name, call in calls.items():
-        try:
-            call()
-            said[name] = ""
-        except ValueError as err:
-            said[name] = str(err)
+    said = refusals_said(calls)
     unparallelize(model)
     return said

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqmesh
-from dist_cases import get_mesh
+from dist_cases import get_mesh, refusals_said
 from family_cases import SMALL, _worst_grad, build, reference_rounding
 from seqmesh.hf import parallelize, positions, unparallelize
 from seqmesh.model.fsdp import sync_gradients
@@ -203,13 +203,7 @@ def decoder_refusals(family: str = "bart") -> dict[str, str]:
 
     mesh = get_mesh(1, dist.get_world_size())
     lm = parallelize(build(position_config(family)), mesh)
-    said = {}
-    for case, run in (("generate", lambda: check_generate(lm, mesh)),
-                      ("sinusoidal", lambda: parallelize(build(position_config("trocr-sinusoidal")), mesh))):
-        try:
-            run()
-            said[case] = ""
-        except ValueError as err:
-            said[case] = str(err)
+    said = refusals_said({"generate": lambda: check_generate(lm, mesh),
+                          "sinusoidal": lambda: parallelize(build(position_config("trocr-sinusoidal")), mesh)})
     unparallelize(lm)
     return said

@@ -57,12 +57,15 @@ class BlockSparseShape:
         di = self.index_head_dim
         return hidden * self.index_heads * di + hidden * di + 2 * di
 
+    def blocks(self, seq_len: int) -> int:
+        """Blocks of a ``seq_len``-token document (the last one partial)."""
+        return -(-seq_len // self.block_size)
+
     def keys_per_query(self, seq_len: int) -> int:
         """Keys each query head reads (its picked blocks whole, those past the query masked, not skipped), as
         ``seqmesh.hf.block_sparse_attention`` gathers them: ``min(k, blocks of the longest document) x bs``, the
         longest document taken as the whole ``seq_len`` (the planner's rows are one document)."""
-        blocks = -(-seq_len // self.block_size)
-        return min(self.topk_blocks, blocks) * self.block_size
+        return min(self.topk_blocks, self.blocks(seq_len)) * self.block_size
 
 
 def minimax_m3_fields(cfg: dict, heads: int) -> dict:

@@ -358,14 +358,15 @@ class ModelShape:
     def norm_params(self) -> int:
         """One layer's RMSNorms: two (Gemma 3: four) of the hidden size, plus q/k norms (:attr:`qk_norms`) and the
         two gates of an A.X-K2 MoE layer's norms; Doge's two, its two residual scalings and q/k norms."""
-        if self.family in ("gemma3_text", "doge"):
-            return 4 * self.hidden + 2 * self.head_dim  # both have q/k norms
+        qk = 2 * self.head_dim if self.qk_norms else 0
+        if self.family in ("gemma3_text", "doge"):  # Gemma 3's four norms; Doge's two and its two residual scalings
+            return 4 * self.hidden + qk
         if self.hybrid is not None:
             return self.hybrid.norms * self.hidden
         if self.compressed is not None:  # and its two hyper-connections, whole on every rank as the norms
             return 2 * self.hidden + self.compressed.layer_hc_params(self.hidden)
         gates = 2 * 2 * self.hidden * self.norm_gate_rank  # an MoE layer's two gated norms (A.X-K2)
-        return 2 * self.hidden + gates + (2 * self.head_dim if self.qk_norms else 0)
+        return 2 * self.hidden + gates + qk
 
     @property
     def qk_norms(self) -> bool:

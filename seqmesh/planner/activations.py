@@ -55,15 +55,20 @@ FLOAT32_SCALED_NORMS = ("gemma", "gemma2", "gemma3_text", "minimax_m3_vl_text", 
 def norm_saved(m: ModelShape, e: int, efficient: bool = False) -> int:
     """Bytes per token an RMSNorm keeps, its output excluded, eager or ``efficient`` (docs/planner.md, Activations;
     a Gemma-style norm stays eager: :func:`efficient_norm`)."""
-    if efficient and m.family not in FLOAT32_SCALED_NORMS:
+    if efficient and _leanable(m):
         return e * m.hidden + 4
     return 4 * m.hidden + 4 + _normalized_bytes(m, e) * m.hidden
 
 
 def efficient_norm(work: Workload) -> bool:
-    """Whether ``work``'s norms run seqmesh's lean RMSNorm: asked, and Llama-style (``seqmesh.memory.rmsnorm`` leaves
-    a norm that scales by ``1 + weight`` in float32, :data:`FLOAT32_SCALED_NORMS`, as it is)."""
-    return work.efficient_norm and work.model.family not in FLOAT32_SCALED_NORMS
+    """Whether ``work``'s norms run seqmesh's lean RMSNorm: asked, and Llama-style."""
+    return work.efficient_norm and _leanable(work.model)
+
+
+def _leanable(m: ModelShape) -> bool:
+    """Whether seqmesh's lean RMSNorm replaces ``m``'s norms: ``seqmesh.memory.rmsnorm`` leaves a norm that scales by
+    ``1 + weight`` in float32 (:data:`FLOAT32_SCALED_NORMS`) as it is."""
+    return m.family not in FLOAT32_SCALED_NORMS
 
 
 def _normalized_bytes(m: ModelShape, e: int) -> int:

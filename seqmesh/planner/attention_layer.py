@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from ..model.hybrid_shape import SLIDING
 from ..rules.degrees import Degrees
 from ..rules.overlap import ASYNC_PIECES, pipelined_exposed
-from .activations import local_tokens
+from .activations import decoder_layer_saved_bytes, local_tokens
 from .cca import KEY as CCA_KEY
 from .cca import cca_saved_bytes, cca_seconds, cca_traffic
 from .cross_domain import KEY as ROUTER_KEY
 from .cross_domain import router_seconds, router_traffic, rows_seconds
 from .experts import layer_fsdp_seconds
 from .hardware import HardwareSpec
-from .layer_cost import Phases, attention_saved_bytes, phases
+from .layer_cost import Phases, phases
 from .network import axis_all_to_all_seconds, axis_groups, link_name, ring_hop_seconds
 from .placement import placement, tp_heads
 from .tensor_parallel import layer_seconds, layer_traffic
@@ -110,7 +110,7 @@ class Attention:
         return self.work.model.hybrid is not None and self.work.model.hybrid.cca is not None
 
     def saved_bytes(self) -> int:
-        return attention_saved_bytes(self.work, self.layout) + (cca_saved_bytes(self.work, self.layout)
+        return decoder_layer_saved_bytes(self.work, self.layout) + (cca_saved_bytes(self.work, self.layout)
                                                                 if self.cca else 0)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:

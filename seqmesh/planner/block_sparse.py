@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 from ..hf.indexed_attention import BLOCK_ELEMENTS
 from ..rules.degrees import Degrees
-from .activations import attention_saved, local_tokens, mlp_saved_bytes, qk_norm_saved, tokens
+from .activations import (attention_saved, decoder_layer_saved_bytes, local_tokens, mlp_saved_bytes, qk_norm_saved,
+                          tokens)
 from .hardware import HardwareSpec
-from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
-from .network import axis_groups, gather_seconds, link_name
+from .layer_cost import Phases, gather_links, gather_phases, serial_layer_seconds
+from .network import axis_groups, gather_seconds
 from .placement import placement
-from .traffic import Collective, RankTraffic, dtype_bytes, worst_rank
+from .traffic import Collective, RankTraffic, dtype_bytes
 from .workload import Workload, layer_matmul_params, layer_params
 
 KEY = "block_sparse_row_gather"
@@ -67,12 +68,10 @@ class BlockSparseAttention:
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(p)]
 
     def traffic(self) -> Phases:
-        ranks = self.ranks()
-        return phases({KEY: worst_rank(ranks, "all_gather", "forward")},
-                      {KEY: worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        return gather_phases(self.ranks(), KEY, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return {KEY: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        return gather_links(KEY, hw, self.layout)
 
     def _row(self) -> int:
         """Tokens of the row every rank gathers, all ``batch`` sequences."""
@@ -84,13 +83,13 @@ class BlockSparseAttention:
         values, and what its q and k norms keep (:func:`.activations.qk_norm_saved`)."""
         w, m = self.work, self.work.model
         e, sparse = w.act_bytes, m.block_sparse
-        picks = sparse.index_heads * min(sparse.topk_blocks, -(-w.seq_len // sparse.block_size)) * INT64
+        picks = sparse.index_heads * min(sparse.topk_blocks, sparse.blocks(w.seq_len)) * INT64
         own = tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + picks) + self._row() * 2 * self._widths()[1] * e
         return own + qk_norm_saved(w, self.layout)
 
     def saved_bytes(self) -> int:
         w, lay = self.work, self.layout
-        return attention_saved_bytes(w, lay) - attention_saved(w, lay) + self.attention_saved()
+        return decoder_layer_saved_bytes(w, lay) - attention_saved(w, lay) + self.attention_saved()
 
     def backward_bytes(self) -> int:
         """Peak bytes of the layer beyond what it keeps (less its MLP's tensors, which neither moment holds), the larger
@@ -106,7 +105,7 @@ class BlockSparseAttention:
         (``l x Hq x K`` each)."""
         w, m, e = self.work, self.work.model, self.work.act_bytes
         sparse, l, b = m.block_sparse, block_queries(w, self.layout), w.batch
-        slots = -(-w.seq_len // sparse.block_size) * sparse.block_size
+        slots = sparse.blocks(w.seq_len) * sparse.block_size
         select = (self._row() * sparse.index_head_dim * (e + 4)
                   + b * l * sparse.index_heads * (w.seq_len + 2 * slots) * 4 + l * slots * (INT64 + 2))
         pairs = b * l * m.heads * sparse.keys_per_query(w.seq_len)

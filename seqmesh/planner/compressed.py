@@ -22,10 +22,10 @@ from ..linear_attention.choice import halo_bytes, runs_and_tails
 from ..model.deepseek_v4 import CSA
 from ..rules.degrees import Degrees
 from ..sequence.layout import SequenceLayout
-from .activations import (GPU, SCORE_TENSORS, attention_saved, hyper_connection_share, local_tokens,
-                          mlp_saved_bytes, norm_saved, tokens)
+from .activations import (GPU, SCORE_TENSORS, attention_saved, decoder_layer_saved_bytes, hyper_connection_share,
+                          local_tokens, mlp_saved_bytes, norm_saved, tokens)
 from .hardware import HardwareSpec
-from .layer_cost import (Phases, attention_saved_bytes, gather_comm_seconds, gather_links, gather_phases,
+from .layer_cost import (Phases, gather_comm_seconds, gather_links, gather_phases,
                          serial_layer_seconds)
 from .placement import placement
 from .traffic import Collective, RankTraffic, dtype_bytes
@@ -115,7 +115,8 @@ class CompressedAttention:
         """The layer's norms, hyper-connections and experts as any decoder layer's; its attention's own
         (:func:`compressed_attention_saved`)."""
         w, lay = self.work, self.layout
-        return attention_saved_bytes(w, lay) - attention_saved(w, lay) + compressed_attention_saved(w, lay, self.kind)
+        own = compressed_attention_saved(w, lay, self.kind)
+        return decoder_layer_saved_bytes(w, lay) - attention_saved(w, lay) + own
 
     @property
     def backward_op(self) -> str:

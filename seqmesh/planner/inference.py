@@ -20,11 +20,10 @@ from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees
 from ..rules.kv_cache import cache_bytes, cache_share, indexed_cache_bytes
-from .activations import layer_input_bytes
+from .activations import decoder_layer_saved_bytes, layer_input_bytes
 from .hardware import Cluster, HardwareSpec
 from .attention_layer import Attention
 from .experts import layer_fsdp_seconds
-from .layer_cost import attention_saved_bytes
 from .layers import GatedDeltaNet, IndexedAttention, layer_kinds, linear_layer_matmul_params
 from .placement import placement, ulysses_refusal
 from .network import axis_groups, gather_seconds
@@ -223,7 +222,7 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
         weights = (-(-split["total"] // p) + split["root"] + max(2 * split["layer"], split["embedding"])) * e
     else:
         weights = split["total"] * e
-    working = 2 * layer_input_bytes(work, layout) + attention_saved_bytes(work, layout)
+    working = 2 * layer_input_bytes(work, layout) + decoder_layer_saved_bytes(work, layout)
     total = weights + kv + states + working + work.reserve_bytes
     group = axis_groups(layout, "sequence")[0]
     gathering = group if sharded else []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from .activations import decoder_layer_saved_bytes
 from .experts import layer_fsdp_seconds
 from .network import axis_groups, gather_seconds, link_name
 from .traffic import worst_rank
@@ -56,12 +55,6 @@ def gather_comm_seconds(ranks: list[RankTraffic], hw: HardwareSpec, layout: Degr
     group = axis_groups(layout, "sequence")[0]
     return tuple(gather_seconds(worst_rank(ranks, kind, phase), hw, group)
                  for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward")))
-
-
-def attention_saved_bytes(work: Workload, layout: Degrees) -> int:
-    """Bytes one attention decoder layer saves for backward (under EP the dispatched rows are not kept: the experts
-    keep their own gathered copy, :func:`.expert_activations.experts_saved`)."""
-    return decoder_layer_saved_bytes(work, layout)
 
 
 def serial_layer_seconds(layer: CostedLayer, hw: HardwareSpec, fsdp_ranks: list[int],

@@ -14,12 +14,12 @@ import functools
 from ..hf.indexed_attention import indexer_block, scored_keys
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
-from .activations import GPU, local_tokens, mlp_saved_bytes, tokens
+from .activations import GPU, decoder_layer_saved_bytes, local_tokens, mlp_saved_bytes, tokens
 from .attention_layer import Attention
 from .block_sparse import BlockSparseAttention
 from .placement import placement
 from .hardware import HardwareSpec
-from .layer_cost import Phases, attention_saved_bytes, phases, serial_layer_seconds
+from .layer_cost import Phases, phases, serial_layer_seconds
 from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
                                        state_passing_extra_flops)
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
@@ -247,7 +247,7 @@ class IndexedAttention:
         return {"indexed_row_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}
 
     def saved_bytes(self) -> int:
-        return attention_saved_bytes(self.work, self.layout)
+        return decoder_layer_saved_bytes(self.work, self.layout)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` seconds of one layer, as :meth:`GatedDeltaNet.seconds` counts them:

@@ -24,9 +24,9 @@ from ..rules.degrees import Degrees
 from ..linear_attention.choice import LINEAR_CHUNK, LinearDesign
 from ..linear_attention.mamba2 import SSDHeads, choose_ssd_design, ssd_design_bytes
 from ..model.hybrid_shape import MAMBA2, FeedForward, Mamba2Shape
-from .activations import norm_saved, tokens
+from .activations import decoder_layer_saved_bytes, norm_saved, tokens
 from .hardware import HardwareSpec
-from .layer_cost import attention_saved_bytes, phases, serial_layer_seconds
+from .layer_cost import phases, serial_layer_seconds
 from .placement import placement
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from .traffic import Collective, RankTraffic, call_bytes, dtype_bytes, worst_rank
@@ -177,7 +177,7 @@ class Mamba2Layer:
         per_token = norms + proj + scan + tail + e * self._ffn.kept
         states = -(-t // w.batch // c) * w.batch * h * n * p * 4
         if self.beside_attention:  # the whole Falcon-H1 layer: the attention layer's beside it
-            states += attention_saved_bytes(w, self.layout)
+            states += decoder_layer_saved_bytes(w, self.layout)
         return t * per_token + states
 
     def backward_bytes(self) -> int:

@@ -160,9 +160,10 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
             inputs = 0 if at_loss else min(m.layers, work.offload_prefetch + 1 if work.offload_prefetch else 0)
         picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
         return inputs * layer_input_bytes(work, layout) + picks
-    # the first dense_layers of an MoE model keep their dense MLP's tensors, not the experts'
-    dense = layer_saved_bytes(work, layout) - layer_saved_bytes(dense_layer(work), layout)
-    return (m.layers - (0 if at_loss else 1)) * layer_saved_bytes(work, layout) - m.dense_layers * dense
+    layer = layer_saved_bytes(work, layout)
+    # the dense_layers of an MoE model keep their dense MLP's tensors, not the experts'
+    dense = m.dense_layers * (layer - layer_saved_bytes(dense_layer(work), layout)) if m.dense_layers else 0
+    return (m.layers - (0 if at_loss else 1)) * layer - dense
 
 
 def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward",
