@@ -163,6 +163,12 @@ def family_config(family: str):
                               attention_head_dim=16, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
                               n_mamba_heads=2, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                               use_mamba_kernels=False)
+    if family == "zamba2":  # Mamba2 layers (4 heads, 2 groups), hybrid layers running two shared blocks in turn,
+        # each hybrid layer's LoRA adapters on q, k, v and the MLP; rotary positions; the mixer's memory lengthened
+        return tf.Zamba2Config(**{**SMALL, "num_hidden_layers": 4}, intermediate_size=48, n_mamba_heads=4,
+                               mamba_d_state=4, mamba_ngroups=2, mamba_d_conv=4, chunk_size=8, num_mem_blocks=2,
+                               use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True,
+                               layers_block_type=["linear_attention", "hybrid", "hybrid", "hybrid"])
     if family == "zaya":  # ZAYA's CCA: q | k convolved over 2 + 3 - 2 = 3 earlier rows, a delayed half of each
         # value; a sliding layer (a window shorter than a zigzag chunk), then a full one; biased projections; 4 experts
         return tf.ZayaConfig(**SMALL, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,

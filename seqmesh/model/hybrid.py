@@ -21,6 +21,7 @@ from .recurrent_gemma import recurrent_gemma_fields
 from .rwkv import rwkv_fields
 from .xlstm import xlstm_fields
 from .zaya import zaya_fields
+from .zamba import zamba2_fields, zamba_fields
 
 # the names config.json files give a layer's mixer (transformers 5 names, the original releases' names, pattern chars)
 _MAMBA_NAMES = {"linear_attention", "mamba", "mamba2", "M"}
@@ -44,7 +45,8 @@ _SIZED = ("attention, Gated DeltaNet (Qwen3.5, Qwen3-Next), the Mamba2 hybrids N
           "lfm2_moe, lfm3), Kimi Linear's KDA (kimi_linear), MiniMax-01's lightning attention (minimax), "
           "RecurrentGemma's "
           "RG-LRU (recurrent_gemma), Mamba (jamba, mamba, falcon_mamba), RWKV-4's blocks (rwkv) and xLSTM's mLSTM "
-          "(xlstm), ZAYA's CCA attention (zaya)")
+          "(xlstm), ZAYA's CCA attention (zaya), Zamba's and Zamba2's shared blocks beside Mamba and Mamba2 (zamba, "
+          "zamba2)")
 
 
 def hybrid_fields(cfg: dict) -> dict:
@@ -72,6 +74,10 @@ def hybrid_fields(cfg: dict) -> dict:
         return xlstm_fields(cfg)
     if family == "zaya":
         return zaya_fields(cfg)
+    if family == "zamba":
+        return zamba_fields(cfg)
+    if family == "zamba2":
+        return zamba2_fields(cfg)
     if family in _UNSIZED or CONV in (cfg.get("layer_types") or ()):
         mixer = _UNSIZED.get(family, "gated short convolution")
         return {"unplanned": f"seqmesh plan does not size the {mixer} layers of {family or 'this model'} yet (it "

@@ -20,6 +20,10 @@ XLSTM = "mlstm"  # xLSTM's mLSTM layer (seqmesh.model.xlstm)
 ATTENTION = "attention"
 SLIDING = "sliding_attention"  # attention over a window (LFM3's sliding layers, beside its full ones)
 PARALLEL = "attention+mamba2"  # Falcon-H1: attention and Mamba2 side by side on the same normed input
+SHARED_MAMBA1 = "shared+mamba1"  # Zamba's hybrid layer: a shared attention block, then the layer's Mamba (v1)
+SHARED_MAMBA2 = "shared+mamba2"  # Zamba2's: one of its shared blocks, then the layer's Mamba2
+SHARED_MIXERS = (SHARED_MAMBA1, SHARED_MAMBA2)
+ATTENDING = (ATTENTION, PARALLEL, SLIDING, *SHARED_MIXERS)  # the mixers whose layer runs attention
 
 
 def positive_sizes(shape, names: tuple[str, ...], what: str, entries: str = "") -> None:
@@ -119,6 +123,7 @@ class HybridShape:
     rwkv: RwkvShape | None = None
     xlstm: XlstmShape | None = None
     cca: CcaShape | None = None  # ZAYA's attention projections (its attention layers' mixer otherwise attention)
+    shared: SharedBlocks | None = None  # Zamba's and Zamba2's shared attention blocks (mixers "shared+...")
     extra_params: int = 0  # parameters beside the layers, the embeddings and a final norm's weight (RWKV's LayerNorms)
 
     def ffn(self, name: str) -> FeedForward:
@@ -130,12 +135,13 @@ class HybridShape:
 
     @property
     def attention_layers(self) -> int:
-        """Layers with attention (alone, windowed, or beside Mamba2 in Falcon-H1)."""
-        return self.count(ATTENTION) + self.count(PARALLEL) + self.count(SLIDING)
+        """Layers with attention (alone, windowed, beside Mamba2 in Falcon-H1, or a Zamba's shared block)."""
+        return sum(self.count(mixer) for mixer in ATTENDING)
 
     def attention_ffn(self) -> str:
-        """The feed-forward of the attention layers (one per family: Nemotron-H's none)."""
-        return next((f for m, f in self.blocks if m in (ATTENTION, PARALLEL, SLIDING)), "")
+        """The feed-forward of the attention layers (one per family: Nemotron-H's none; Zamba's hybrid layers' own
+        linear and its shared block's MLP)."""
+        return next((f for m, f in self.blocks if m in ATTENDING), "")
 
     def kinds(self) -> list[tuple[tuple[str, str], int]]:
         """Each distinct (mixer, ffn) with its number of layers, in the order they first appear."""
@@ -150,7 +156,7 @@ class HybridShape:
         own = 0
         if mixer in (ATTENTION, PARALLEL, SLIDING):
             own += attention + self.attention_norms
-        if mixer in (MAMBA2, PARALLEL):
+        if mixer in (MAMBA2, PARALLEL, SHARED_MAMBA2):
             own += self.mamba.params(hidden)
         if mixer == CONV:
             own += self.conv.params(hidden)
@@ -160,7 +166,7 @@ class HybridShape:
             own += self.lightning.params(hidden)
         if mixer == RG_LRU:
             own += self.rg_lru.params(hidden)
-        if mixer == MAMBA1:
+        if mixer in (MAMBA1, SHARED_MAMBA1):
             own += self.mamba1.params(hidden)
         if mixer == RWKV:
             own += self.rwkv.params(hidden)
@@ -168,9 +174,45 @@ class HybridShape:
             own += self.xlstm.params(hidden)
         return own + self.ffn(ffn).params + self.norms * hidden
 
+    @property
+    def shared_layers(self) -> int:
+        """Zamba's hybrid layers: those that run a shared block."""
+        return self.count(SHARED_MAMBA1) + self.count(SHARED_MAMBA2)
+
+    def shared_layer_params(self, hidden: int) -> int:
+        """A Zamba hybrid layer's parameters beside its mixer's: its linear and norm, and its share of the shared
+        blocks and their adapters (FSDP2 gathers a block once for all the layers that run it: the same bytes a step)."""
+        return self.ffn(self.attention_ffn()).params + self.norms * hidden + -(-self.shared.params // self.shared_layers)
+
+    def held_params(self, hidden: int, attention: int) -> int:
+        """The parameters of Zamba's shared-block units (``seqmesh.model.fsdp.units_of``: the hybrid layers that run a
+        block, with it, where there are two or more), which FSDP2 keeps gathered from the first such layer's forward
+        to its last's, and in backward from the last's to the first's; 0 for another model."""
+        if self.shared is None or not self.shared.tied:
+            return 0
+        own = self._hybrid_own(hidden, attention)
+        return sum(self.shared.block + n * (self.shared.adapter + own) for n in self.shared.served if n > 1)
+
+    def _hybrid_own(self, hidden: int, attention: int) -> int:
+        """A Zamba hybrid layer's own parameters (its mixer, norm and linear)."""
+        return next(self.layer_params(block, hidden, attention) for block in self.blocks if block[0] in SHARED_MIXERS)
+
+    def largest_unit(self, hidden: int, attention: int) -> int:
+        """The largest FSDP unit of one layer (Zamba's hybrid layers that share a block apart: :meth:`held_params`); a
+        Zamba hybrid layer alone with its block (untied, or its block's only layer) holds the block and its adapters."""
+        units = [self.layer_params(block, hidden, attention) for block, _ in self.kinds()
+                 if block[0] not in SHARED_MIXERS]
+        if self.shared is not None:  # a hybrid layer alone with a block: untied, or the one layer its block serves
+            alone = not self.shared.tied or 1 in self.shared.served
+            adapters = self.shared.unit_adapters if not self.shared.tied else 1
+            if alone:
+                units.append(self._hybrid_own(hidden, attention) + self.shared.block + adapters * self.shared.adapter)
+        return max(units or [0])
+
     def params(self, hidden: int, attention: int) -> int:
-        """Every layer's parameters (no embedding, final norm or head)."""
-        return sum(n * self.layer_params(block, hidden, attention) for block, n in self.kinds())
+        """Every layer's parameters (no embedding, final norm or head), and the shared blocks' once."""
+        shared = self.shared.params if self.shared is not None else 0
+        return sum(n * self.layer_params(block, hidden, attention) for block, n in self.kinds()) + shared
 
     def as_dict(self) -> dict:
         """Plain data for ``seqmesh plan --json`` (docs/planner.md, ``@hybrid``): each layer as ``mixer+ffn``."""
@@ -182,10 +224,36 @@ class HybridShape:
                 "rwkv": asdict(self.rwkv) if self.rwkv else None,
                 "xlstm": asdict(self.xlstm) if self.xlstm else None,
                 "cca": asdict(self.cca) if self.cca else None,
+                "shared": asdict(self.shared) if self.shared else None,
                 "blocks": ["+".join(x for x in block if x) for block in self.blocks],
                 "ffn_params": {name: ffn.params for name, ffn in self.ffns}, "norms": self.norms,
                 "attention_bias": self.attention_bias, "attention_norms": self.attention_norms,
                 "extra_params": self.extra_params}
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Zamba's and Zamba2's shared transformer blocks (:mod:`.zamba`): ``blocks`` of them (Zamba2's
+    ``num_mem_blocks``; the ``i``-th hybrid layer runs block ``i % blocks``), each ``block`` parameters (its
+    attention's ``attention`` over the layer's input beside the embeddings, its MLP, its two RMSNorms), and
+    ``adapters``: Zamba2's LoRA adapter sets, ``adapter`` parameters each, held in the blocks. FSDP2 puts the hybrid
+    layers that share a block in one unit (``seqmesh.model.fsdp.units_of``). ``tied`` False: transformers ties
+    nothing in a model whose embeddings are untied, so each hybrid layer builds a block of its own (``blocks`` of
+    them), each with the adapter sets of every layer its block id serves (``unit_adapters`` the most)."""
+
+    blocks: int
+    block: int
+    attention: int
+    adapters: int = 0
+    adapter: int = 0
+    tied: bool = True
+    unit_adapters: int = 0
+    served: tuple[int, ...] = ()  # tied: the hybrid layers each block serves (a block that serves one: a plain unit)
+
+    @property
+    def params(self) -> int:
+        """Every block's parameters, their adapters included."""
+        return self.blocks * self.block + self.adapters * self.adapter
 
 
 @dataclass(frozen=True)
@@ -285,7 +353,9 @@ class RgLruShape:
 class Mamba1Shape:
     """One Mamba (v1) mixer: ``inner`` channels, a ``state``-wide state per channel, a depthwise causal conv of
     ``conv`` taps, dt through a rank-``dt_rank`` bottleneck; ``norms``: RMSNorms on dt, B and C (Jamba's, and
-    FalconMamba's without weights: ``norm_weights`` False); pure Mamba has none."""
+    FalconMamba's without weights: ``norm_weights`` False); pure Mamba has none. ``heads``: Zamba's heads, each with
+    its own x_proj and dt_proj over its share of the channels (the same parameters, ``heads`` times the dt, B and C
+    a token)."""
 
     inner: int
     state: int
@@ -295,10 +365,14 @@ class Mamba1Shape:
     proj_bias: bool = False
     norms: bool = True
     norm_weights: bool = True
+    heads: int = 1
 
     def __post_init__(self) -> None:
-        positive_sizes(self, ("inner", "state", "dt_rank", "conv"), "Mamba layers",
-                       "mamba_expand x hidden_size, mamba_d_state, mamba_dt_rank, mamba_d_conv")
+        positive_sizes(self, ("inner", "state", "dt_rank", "conv", "heads"), "Mamba layers",
+                       "mamba_expand x hidden_size, mamba_d_state, mamba_dt_rank, mamba_d_conv, n_mamba_heads")
+        if self.inner % self.heads:
+            raise ValueError(f"the Mamba layers' {self.heads} heads (n_mamba_heads) do not divide their {self.inner} "
+                             "channels (mamba_expand x hidden_size); fix the config.json.")
 
     def matmul_params(self, hidden: int) -> int:
         """Weights that multiply every token: in_proj, x_proj, dt_proj and out_proj."""

@@ -391,6 +391,8 @@ class ModelShape:
             return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
         if self.compressed is not None:
             return max(self.kind_attention_params(kind) for kind in set(self.layer_types))
+        if self.hybrid is not None and self.hybrid.shared is not None:  # Zamba's: q, k and v over 2 x hidden
+            return self.hybrid.shared.attention
         bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
         indexer = self.block_sparse.indexer_params(self.hidden) if self.block_sparse is not None else 0
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias + self.mask_params + indexer

@@ -49,6 +49,8 @@ class Attention:
     def params(self) -> int:
         """Parameters of the layer's FSDP unit on one TP rank (a Mamba2 hybrid's attention layer: its own)."""
         m = self.work.model
+        if m.hybrid is not None and m.hybrid.shared is not None:  # Zamba's hybrid layer beside its mixer
+            return m.hybrid.shared_layer_params(m.hidden)
         if m.hybrid is not None:
             return m.hybrid.layer_params(("attention", m.hybrid.attention_ffn()), m.hidden, m.attention_params)
         return placement(self.work, self.layout).split["layer"]

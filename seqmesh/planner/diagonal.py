@@ -18,7 +18,7 @@ from ..linear_attention.selective_scan import diagonal_state_bytes
 from ..linear_attention.passing import rerun_state_bytes
 from ..model.hybrid_shape import MAMBA1, RG_LRU, RWKV, XLSTM
 from ..rules.degrees import Degrees
-from .activations import norm_saved, tokens
+from .activations import decoder_layer_saved_bytes, norm_saved, tokens
 from .hardware import HardwareSpec
 from .layer_cost import phases, serial_layer_seconds
 from .network import axis_groups, gather_seconds, link_name
@@ -41,6 +41,7 @@ class _DiagonalLayer:
     work: Workload
     layout: Degrees
     ffn: str = "mlp"
+    beside_attention: bool = False  # Zamba's hybrid layer: the mixer alone, its norm with the shared block's attention
 
     # a subclass's: MIXER (its hybrid block name), KEYS (halo, states), kernel(), conv_channels(), state_values()
     # (|X|, the recurrence's values a token), macs() (a token's multiply-adds at the matmul rate, the conv's included)
@@ -50,6 +51,8 @@ class _DiagonalLayer:
 
     def params(self) -> int:
         m = self.work.model
+        if self.beside_attention:
+            return m.hybrid.layer_params((self.MIXER, ""), m.hidden, m.attention_params) - m.hybrid.norms * m.hidden
         return m.hybrid.layer_params((self.MIXER, self.ffn), m.hidden, m.attention_params)
 
     def _state_bytes(self) -> int:
@@ -84,6 +87,9 @@ class _DiagonalLayer:
         feed-forward's."""
         w, m = self.work, self.work.model
         e = w.act_bytes
+        if self.beside_attention:  # the whole Zamba hybrid layer: the attention layer's (its norm included) beside it
+            return (tokens(w, self.layout) * self.saved_per_token(e, self._state_bytes())
+                    + decoder_layer_saved_bytes(w, self.layout))
         per_token = (self.norms() * norm_saved(m, e, w.efficient_norm) + self.saved_per_token(e, self._state_bytes())
                      + e * m.hybrid.ffn(self.ffn).kept)
         return tokens(w, self.layout) * per_token
@@ -176,7 +182,8 @@ class Mamba1Layer(_DiagonalLayer):
         mixer = self.work.model.hybrid.mamba1
         i, n = mixer.inner, mixer.state
         tensors = MAMBA_SCAN_SAVED + (2 if self.layout.ulysses * self.layout.ring > 1 else 0)
-        x_proj = (2 if mixer.norms else 1) * (mixer.dt_rank + 2 * n)  # its output, and the norms' (pure Mamba: none)
+        # its output (Zamba's: each head's), and the norms' (pure Mamba: none)
+        x_proj = (2 if mixer.norms else 1) * mixer.heads * (mixer.dt_rank + 2 * n)
         return e * (self.work.model.hidden + 6 * i + x_proj) + s * (2 + MAMBA_WIDE) * i + tensors * s * i * n
 
     def backward_bytes(self) -> int:

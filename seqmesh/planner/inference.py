@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..model.hybrid_shape import ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, SLIDING
+from ..model.hybrid_shape import (ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, SHARED_MAMBA1,
+                                  SHARED_MAMBA2, SLIDING)
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees
 from ..rules.kv_cache import cache_bytes, cache_share, indexed_cache_bytes
@@ -63,10 +64,11 @@ def _decoded_hybrid(m: ModelShape) -> bool:
     """Whether every layer of the hybrid ``m`` is one whose decode seqmesh runs: attention, RecurrentGemma's recurrent
     block (seqmesh.hf.rg_lru), Jamba's Mamba (seqmesh.hf.mamba), Mamba2 (seqmesh.hf.mamba2, Falcon-H1's beside
     attention), LFM2's short convolution (seqmesh.hf.short_conv), MiniMax-01's lightning attention
-    (seqmesh.hf.lightning), Kimi Linear's KDA (seqmesh.hf.kda) or a Nemotron-H feed-forward block (no mixer); LFM3's
-    sliding layers are attention with a window."""
-    return all(mixer in (ATTENTION, SLIDING, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, KDA, "")
-               for mixer, _ in m.hybrid.blocks)
+    (seqmesh.hf.lightning), Kimi Linear's KDA (seqmesh.hf.kda), a Zamba hybrid layer (its shared block's attention,
+    then its Mamba or Mamba2) or a Nemotron-H feed-forward block (no mixer); LFM3's sliding layers are attention with
+    a window."""
+    return all(mixer in (ATTENTION, SLIDING, RG_LRU, MAMBA1, MAMBA2, PARALLEL, CONV, LIGHTNING, KDA, SHARED_MAMBA1,
+                         SHARED_MAMBA2, "") for mixer, _ in m.hybrid.blocks)
 
 
 def _cache_bytes(m: ModelShape, tokens: int, element_bytes: int, batch: int, tp: int = 1) -> tuple[int, int]:
@@ -156,7 +158,7 @@ class InferencePlan:
 
 def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
     """Elements of what generation keeps for the Gated DeltaNet layers (or RecurrentGemma's recurrent blocks, Jamba's
-    Mamba layers, the Mamba2 hybrids' Mamba2 layers, ZAYA's CCA projections), the same on every rank: their recurrent states (Dk x Dv per value
+    Mamba layers, the Mamba2 hybrids' Mamba2 layers, Zamba's, ZAYA's CCA projections), the same on every rank: their recurrent states (Dk x Dv per value
     head and sample; the RG-LRU's ``lru_width``; Mamba's inner x state; Mamba2's heads x head_dim x state) and
     their convolutions' last ``kernel - 1`` inputs (the conv's width per sample); ``seqmesh.inference``'s cache holds
     exactly these (tests/inference/test_generate.py)."""
@@ -164,7 +166,7 @@ def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
         block, layers = m.hybrid.rg_lru, m.hybrid.count(RG_LRU)
         return layers * batch * block.width, layers * batch * (block.conv - 1) * block.width
     if m.hybrid is not None and m.hybrid.mamba1 is not None:  # Jamba's: inner x state, the conv over inner channels
-        mixer, layers = m.hybrid.mamba1, m.hybrid.count(MAMBA1)
+        mixer, layers = m.hybrid.mamba1, m.hybrid.count(MAMBA1) + m.hybrid.count(SHARED_MAMBA1)  # Zamba's too
         return layers * batch * mixer.inner * mixer.state, layers * batch * (mixer.conv - 1) * mixer.inner
     if m.hybrid is not None and m.hybrid.kda is not None:  # Kimi Linear's: D x D a head, the conv over q | k | v
         mixer, layers = m.hybrid.kda, m.hybrid.count(KDA)
@@ -180,7 +182,7 @@ def recurrent_state_elements(m: ModelShape, batch: int) -> tuple[int, int]:
         layers = m.hybrid.count(CONV)
         return 0, layers * batch * (m.hybrid.conv.kernel - 1) * m.hidden
     if m.hybrid is not None and m.hybrid.mamba is not None:  # Mamba2's: heads x head_dim x state, x | B | C's conv
-        mixer, layers = m.hybrid.mamba, m.hybrid.count(MAMBA2) + m.hybrid.count(PARALLEL)
+        mixer, layers = m.hybrid.mamba, sum(m.hybrid.count(k) for k in (MAMBA2, PARALLEL, SHARED_MAMBA2))
         return layers * batch * mixer.inner * mixer.state, layers * batch * (mixer.conv - 1) * mixer.conv_dim
     if not m.linear_layers:
         return 0, 0

@@ -317,10 +317,11 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     included) and its Mamba2 mixer beside it, each its own FSDP unit (FSDP sends the same bytes in one). The
     attention layers carry their own feed-forward (Nemotron-H's none). LFM2's gated short convs: each by its
     feed-forward; Kimi Linear's KDA, MiniMax-01's lightning layers, RecurrentGemma's recurrent blocks and Jamba's Mamba layers
-    likewise.
+    likewise. A Zamba hybrid layer as Falcon-H1's: its shared block's attention layer (the block's MLP, its linear and
+    norm, its share of the block's parameters) and its Mamba or Mamba2 mixer beside it.
     Where every attention layer has a window (RecurrentGemma's local attention), they are planned with it."""
-    from ..model.hybrid_shape import (ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV, SLIDING,
-                                      XLSTM)
+    from ..model.hybrid_shape import (ATTENTION, CONV, KDA, LIGHTNING, MAMBA1, MAMBA2, PARALLEL, RG_LRU, RWKV,
+                                      SHARED_MAMBA1, SHARED_MAMBA2, SLIDING, XLSTM)
     from .attention_layer import hybrid_attention_split
 
     hybrid, m = work.model.hybrid, work.model
@@ -328,8 +329,8 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full),
                                           (Attention(work, layout, m.sliding_window), windowed)]
     for (mixer, ffn), n in hybrid.kinds():
-        if mixer in (MAMBA2, PARALLEL):  # Falcon-H1's: the Mamba2 beside each attention layer's, on its own
-            beside = mixer == PARALLEL
+        if mixer in (MAMBA2, PARALLEL, SHARED_MAMBA2):  # Falcon-H1's, Zamba2's: beside the layer's attention
+            beside = mixer != MAMBA2
             kinds.append((Mamba2Layer(work, layout, "" if beside else ffn, beside_attention=beside), n))
         elif mixer == CONV:
             kinds.append((ShortConvLayer(work, layout, ffn), n))
@@ -339,8 +340,9 @@ def hybrid_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind,
             kinds.append((LightningLayer(work, layout, ffn), n))
         elif mixer == RG_LRU:
             kinds.append((RgLruLayer(work, layout, ffn), n))
-        elif mixer == MAMBA1:
-            kinds.append((Mamba1Layer(work, layout, ffn), n))
+        elif mixer in (MAMBA1, SHARED_MAMBA1):  # Zamba's hybrid layers: the Mamba beside the shared block's
+            beside = mixer == SHARED_MAMBA1
+            kinds.append((Mamba1Layer(work, layout, "" if beside else ffn, beside_attention=beside), n))
         elif mixer == RWKV:
             kinds.append((RwkvLayer(work, layout, ffn), n))
         elif mixer == XLSTM:

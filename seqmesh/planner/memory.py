@@ -111,6 +111,8 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
         gathered += split["embedding"]  # its 1.05 GB bf16 all-gather of Llama-3-8B during layer 0's backward)
     unsharded = {"layer backward": (root + layer) * e, "first layer backward": (root + layer) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
+    if moment == "layer backward":  # Zamba's shared-block units, gathered with their gradients through the backward
+        gathered, unsharded = gathered + split["held"], unsharded + split["held"] * e  # of the layers that run them
     grad_shards = GRAD_SHARD * shard if moment in ("end of backward", "optimizer step") else 0
     if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered
         grad_shards = (GRAD_SHARD * (m.layers - 1) * unit_shard(split["layer"], m, layout)

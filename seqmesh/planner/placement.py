@@ -41,15 +41,19 @@ def ulysses_refusal(m: ModelShape, ulysses: int, tp: int) -> str | None:
 def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     """Parameters one TP rank holds before FSDP2 shards them: each projection, the embedding and the LM head
     ``1 / tp``; RMSNorm weights (and per-head q/k norms) whole on every TP rank. Keys: ``layer`` (one decoder
-    layer; a Mamba2 hybrid's largest), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``."""
+    layer; a Mamba2 hybrid's largest), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``,
+    ``held``: Zamba's shared-block units, kept gathered across the layers that run them
+    (:meth:`seqmesh.model.hybrid_shape.HybridShape.held_params`; 0 for another model)."""
     layer_split = m.attention_params + m.mlp_params
     head = m.vocab * m.hidden
     out = {"layer": -(-layer_split // tp) + m.norm_params, "root": -(-head // tp) + m.hidden,
            "embedding": 0 if m.tie_embeddings else -(-head // tp)}
     # tp 1: every parameter (hybrid, gated or vision-language models have more than these units; TP refuses them)
     out["total"] = m.params if tp == 1 else m.layers * out["layer"] + out["root"] + out["embedding"]
-    if m.hybrid is not None:  # a Mamba2 hybrid's layers differ: its largest (tp is 1)
-        out["layer"] = max(m.hybrid.layer_params(block, m.hidden, m.attention_params) for block, _ in m.hybrid.kinds())
+    out["held"] = 0
+    if m.hybrid is not None:  # a Mamba2 hybrid's layers differ: its largest (tp is 1); Zamba's shared-block units apart
+        out["layer"] = m.hybrid.largest_unit(m.hidden, m.attention_params)
+        out["held"] = m.hybrid.held_params(m.hidden, m.attention_params)
     return out
 
 

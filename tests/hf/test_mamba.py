@@ -135,8 +135,9 @@ def test_a_pure_mamba_config_json_initialises_verifies_and_trains_under_fsdp(poo
 @pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}xr{r}" for u, r in MESHES])
 def test_zamba_exact(pools, ulysses, ring):
     """Zamba (a multi-head Mamba layer, then two hybrid layers sharing one attention block), zigzag plain and with
-    packed documents: each head's own x_proj, dt_proj, B and C, scanned by state passing."""
-    cases = [("zamba", ulysses, ring, "zigzag", docs) for docs in (False, True)]
+    packed documents: each head's own x_proj, dt_proj, B and C, scanned by state passing. Zamba2 (Mamba2 layers,
+    hybrid layers running two shared blocks in turn, each with its own LoRA adapters; rotary positions) the same."""
+    cases = [(family, ulysses, ring, "zigzag", docs) for family in ("zamba", "zamba2") for docs in (False, True)]
     for r in pools.run(ulysses * ring, parity_cases, cases)[0]:
         assert not _outside_rounding(r), r
         print(parity_line(r))
@@ -171,21 +172,18 @@ def test_a_zamba_state_not_carried_is_caught(pools):
     print(f"not carried: gradients off by {r['grad']:.2e} ({r['worst']}; rounding {r['rounding']['grad']:.2e})")
 
 
-def test_a_zamba_config_json_verifies_and_trains_under_fsdp(pools, tmp_path):
+@pytest.mark.parametrize("family", ["zamba", "zamba2"])
+def test_a_zamba_config_json_verifies_and_trains_under_fsdp(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny Zamba over a ring of 2, its weights
     sharded by FSDP2: its two hybrid layers hold the same attention block's weights, so they are one FSDP unit
-    (seqmesh.model.fsdp.units_of; each alone, FSDP2 refused the shared parameter); a finite, falling loss."""
+    (seqmesh.model.fsdp.units_of; each alone, FSDP2 refused the shared parameter); a finite, falling loss. Zamba2's
+    first and third hybrid layers share a block (one unit), its second runs the other alone."""
     import math
 
-    import transformers as tf
-
+    from family_cases import family_config
     from train_job_cases import verify_then_train
 
-    config = tf.ZambaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                            attention_head_dim=16, vocab_size=64, intermediate_size=64, mamba_d_state=4,
-                            mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=2,
-                            layers_block_type=["linear_attention", "hybrid", "hybrid"])
-    good, losses = verify_then_train(pools, tmp_path, config, fsdp=True)
+    good, losses = verify_then_train(pools, tmp_path, family_config(family), fsdp=True)
     assert good["ok"] and good["loss_diff"] < 1e-5, good
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 

@@ -71,7 +71,7 @@ def test_families_with_attention_of_their_own_generate_as_transformers(pools, ul
 
 @pytest.mark.parametrize("ulysses,ring,families", [(1, 2, ("jamba", "mamba", "nemotron-h", "mamba2", "lfm2",
                                                                 "kimi_linear", "lfm3")),
-                                                    (2, 1, ("zamba", "falcon-h1", "lfm2_moe", "minimax", "zaya",
+                                                    (2, 1, ("zamba", "zamba2", "falcon-h1", "lfm2_moe", "minimax", "zaya",
                                                             "granite-4-hybrid", "bamba"))],
                          ids=["r2", "u2"])
 def test_mamba_and_conv_families_generate_as_transformers(pools, ulysses, ring, families):

@@ -2,8 +2,8 @@
 Linear's KDA and MiniMax-01's lightning attention, sized from their config.json (each layer's parameters against the model transformers builds on the
 meta device); the short conv's halo bytes against the runtime's schedule and against what ``comm_stats`` counts
 while the real layer runs on 2 ranks, KDA's against the runtime's own formulas by the design its rule picks
-(tests/hf/test_kda.py counts those while the layer runs); plans of published-size models; and the mixers it does
-not size yet (Zamba's Mamba, ZAYA's CCA) refused by name, never planned as attention. MiniMax-01's lightning attention:
+(tests/hf/test_kda.py counts those while the layer runs); plans of published-size models (Zamba's and Zamba2's:
+tests/planner/test_planner_zamba.py). MiniMax-01's lightning attention:
 its state gather against the runtime's schedule (tests/hf/test_lightning.py counts it while the layer runs)."""
 
 from __future__ import annotations
@@ -164,18 +164,6 @@ def test_parameters_equal_the_transformers_model(tmp_path, name):
     assert mixer.matmul_params(shape.hidden) == projections
     assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == layers
     assert shape.params == total
-
-
-@pytest.mark.parametrize("family,mixer", [("zamba", "Mamba")])
-def test_mixers_not_sized_are_refused_by_name(tmp_path, capsys, family, mixer):
-    """A recurrent mixer the planner does not size stops ``seqmesh plan`` with its name and what it sizes, rather
-    than a plan that takes it for attention; the shape still reads (seqmesh train needs it)."""
-    from seqmesh.tools.cli import main
-
-    path = _write(tmp_path, _tiny(family), family)
-    assert model_shape(path).unplanned
-    assert main(["plan", "--model", path, "--seq-len", "4096", "--gpus", "2"]) == 2
-    assert re.search(rf"does not size the {mixer}.* layers of {family}.*LFM2", capsys.readouterr().err)
 
 
 def _conv_layer(tmp_path, seq_len: int, ulysses: int, ring: int, layout: str = "zigzag", batch: int = 2,
