@@ -134,6 +134,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "roberta+decoder": ("roberta", {"is_decoder": True}),
     # Doge with its cross-domain experts (the default config has a dense MLP): 16 experts, 4 a token
     "doge+moe": ("doge", {"is_moe": True, "num_experts": 16, "num_experts_per_tok": 4}),
+    # dots.llm3 whose sliding layers have heads of their own (2 beside the indexed layers' 4: transformers'
+    # per-layer config, which refuses a global num_attention_heads)
+    "dots3_note_text+own_heads": ("dots3_note_text", {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2}),
     # BigBird as a causal LM with full attention (its block-sparse default attends both ways, and is refused)
     "big_bird+original_full": ("big_bird", {"is_decoder": True, "attention_type": "original_full"}),
 }

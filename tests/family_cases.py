@@ -30,7 +30,8 @@ from seqmesh.model.lm import SequenceParallelLM
 
 WINDOW = 5  # shorter than a zigzag chunk of the 45-token sequences on 4 ring ranks (48 / 8 = 6)
 # DeepSeek Sparse Attention's other layouts, as the census builds them (tests/census_configs.py)
-CENSUS_NAMED = {"hy-v4": "hy_v4", "a.x-k2": "axk2", "dots.llm3": "dots3_note_text"}
+CENSUS_NAMED = {"hy-v4": "hy_v4", "a.x-k2": "axk2", "dots.llm3": "dots3_note_text",
+                "dots.llm3-own-heads": "dots3_note_text+own_heads"}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64, attention_dropout=0.0)
 
 

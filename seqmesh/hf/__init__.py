@@ -242,6 +242,20 @@ def _takes_use_cache(module: nn.Module) -> bool:
     return "use_cache" in inspect.signature(module.forward).parameters or takes_kwargs(module)
 
 
+def attention_heads(text) -> list[tuple[int | None, int | None]]:
+    """The (query heads, kv heads) of ``text``'s attention layers: the config's, or, in a config whose layers differ
+    (transformers' per_layer_config: dots.llm3's sliding layers), each distinct pair of its layers', which
+    transformers refuses to read as one global value."""
+    try:
+        q = getattr(text, "num_attention_heads", None)
+        return [(q, getattr(text, "num_key_value_heads", None) or q)]
+    except RuntimeError as err:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        return sorted({(c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+                       for c in text.per_layer_config})
+
+
 def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear_attention: str = "auto",
                 async_ulysses: bool = False, async_pieces: int = ASYNC_PIECES,
                 indexer_precision: str = "float32") -> nn.Module:
@@ -289,7 +303,8 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
                  handled_types=tuple(t for kind in mixer_layers for t in kind.layer_types)
                  + ((block_sparse_attention.LAYER_TYPE,) if sparse else ())
                  + (compressed_attention.LAYER_TYPES if compressed else ()))  # every other mixer refused
-    q_heads = getattr(text, "num_attention_heads", None)
+    heads = attention_heads(text)  # (query, kv) heads: each kind of layer's where they differ (dots.llm3's)
+    q_heads = min(q for q, _ in heads) if all(isinstance(q, int) for q, _ in heads) else None
     handled = {id(part) for layers in mixer_layers.values() for _, m in layers for part in m.modules()}
     tp = getattr(mesh, "tp", 1)
     if mixer_layers and not has_attention(model, handled):  # no attention left to route: a pure state space model
@@ -303,10 +318,11 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
                          f"(num_attention_heads={q_heads!r}); seqmesh shards attention layers by their heads "
                          "(Ulysses) or their keys (ring). Supported: " + SUPPORTED + ".")
     elif tp > 1:  # tp, and tp x ulysses, against the heads, as the job refuses them (seqmesh.tensor_parallel: the rest)
-        check_tensor_parallel_sizes(tp, mesh.ulysses, heads=q_heads,
-                                    kv_heads=getattr(text, "num_key_value_heads", None) or q_heads)
+        for q, kv in heads:
+            check_tensor_parallel_sizes(tp, mesh.ulysses, heads=q, kv_heads=kv)
     else:
-        check_heads(q_heads, getattr(text, "num_key_value_heads", None) or q_heads, mesh)
+        for q, kv in heads:
+            check_heads(q, kv, mesh)
     if is_multimodal(config):  # the vision tower runs sequence-parallel too: its heads are dealt by Ulysses
         vision_family(config).check(config)  # a family or setting seqmesh does not route is refused by name here
         tower = config.vision_config

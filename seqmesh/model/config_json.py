@@ -346,15 +346,50 @@ def _merged(*parts: dict) -> dict:
 
 def _indexed_layout_fields(cfg: dict) -> dict:
     """What MLA's other layouts add: the output gate (A.X-K2's, dots.llm3's), A.X-K2's gated norms, HY-V4's
-    hyper-connections (``hc_mult`` streams); or why the planner does not size the model: dots.llm3's layers of other
-    sizes (``per_layer_config``)."""
+    hyper-connections (``hc_mult`` streams), dots.llm3's sliding layers at their own sizes
+    (:func:`_sliding_latent_fields`)."""
     family = cfg.get("model_type", "")
-    if cfg.get("per_layer_config"):
-        return {"unplanned": f"seqmesh plan does not size layers of different sizes ({family}'s per_layer_config: "
-                             "its sliding layers' heads and latents differ from its indexed ones'); seqmesh train "
-                             "runs it all the same"}
-    streams = {"hc_mult": int(cfg["hc_mult"])} if cfg.get("hc_mult") else {}  # its mixing weights even with one stream
+    streams = _sliding_latent_fields(cfg)
+    if "unplanned" in streams:
+        return streams
+    streams |= {"hc_mult": int(cfg["hc_mult"])} if cfg.get("hc_mult") else {}  # its mixing weights even with one stream
     return streams | ({"norm_gate_rank": cfg.get("gated_norm_rank") or 0} if family == "axk2" else {})
+
+
+# the MLA sizes a dots.llm3 per_layer_config entry may set, and the config.json entries they stand for
+_LAYER_SIZES = ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "head_dim",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _sliding_latent_fields(cfg: dict) -> dict:
+    """dots.llm3's ``per_layer_config``: its sliding layers' own MLA sizes (each entry a layer's, by index; transformers
+    builds every other layer at the file's sizes), and its ``layer_types`` as given (they follow no period); or why
+    the planner does not size the model: an entry for a layer that is not sliding, sliding layers of different
+    sizes, or full attention layers beside them (dots.llm3 without DeepSeek Sparse Attention)."""
+    entries = {int(i): e for i, e in (cfg.get("per_layer_config") or {}).items()}
+    types = cfg.get("layer_types") or []
+    if not entries:
+        return {}
+    family = cfg.get("model_type", "")
+    sizes = {i: {k: e.get(k, cfg.get(k)) for k in _LAYER_SIZES} for i, e in entries.items()}
+    for i, size in sizes.items():  # an entry without its rotary part: the rest of its head (transformers' rule)
+        if "qk_rope_head_dim" not in entries[i]:
+            size["qk_rope_head_dim"] = size["head_dim"] - size["qk_nope_head_dim"]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    kinds = {tuple(sorted(sizes.get(i, {k: cfg.get(k) for k in _LAYER_SIZES}).items())) for i in sliding}
+    if set(entries) - set(sliding) or len(kinds) > 1 or "full_attention" in types:
+        return {"unplanned": f"seqmesh plan sizes {family}'s sliding layers at sizes of their own (per_layer_config), "
+                             "one size for them all beside indexed layers, but this file gives other layers sizes of "
+                             "their own, its sliding layers different ones, or has full attention layers (use_dsa "
+                             "false); seqmesh train runs it all the same"}
+    size = sizes[sliding[0]]  # every entry a sliding layer's, all alike
+    if size["num_key_value_heads"] != size["num_attention_heads"]:
+        raise ValueError(f"per_layer_config: num_key_value_heads = {size['num_key_value_heads']} must equal "
+                         f"num_attention_heads = {size['num_attention_heads']} in {family}'s MLA layers; fix the "
+                         "config.json.")
+    latent = LatentShape(size["q_lora_rank"] or 0, size["kv_lora_rank"], size["qk_nope_head_dim"],
+                         size["qk_rope_head_dim"], size["v_head_dim"], gate=_LATENT_GATES.get(family, ""))
+    return {"sliding_latent": latent, "sliding_heads": size["num_attention_heads"], "given_layer_types": tuple(types)}
 
 
 def _linear_fields(cfg: dict) -> dict:

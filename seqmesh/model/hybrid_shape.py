@@ -107,7 +107,9 @@ class HybridShape:
     hidden size per layer; ``attention_bias``: q, k, v, o biased; ``attention_norms``: further parameters of each
     attention layer (LFM2's q and k RMSNorms); ``mamba`` / ``conv`` / ``kda``: the shape of the recurrent mixer it
     has (mixer ``"kda"``: Kimi Linear's; ``lightning``, mixer ``"lightning"``: MiniMax-01's; ``rg_lru``, mixer
-    ``"rg_lru"``: RecurrentGemma's recurrent block; ``mamba1``, mixer ``"mamba1"``: Jamba's Mamba (v1))."""
+    ``"rg_lru"``: RecurrentGemma's recurrent block; ``mamba1``, mixer ``"mamba1"``: Jamba's Mamba (v1)); a Zamba
+    hybrid layer's mixer ``"shared+mamba1"`` or ``"shared+mamba2"`` (``shared``: its blocks), ffn ``"linear"`` (its
+    own linear, with its block's MLP and adapters a token passes through)."""
 
     mamba: Mamba2Shape | None
     blocks: tuple[tuple[str, str], ...]
@@ -177,12 +179,17 @@ class HybridShape:
     @property
     def shared_layers(self) -> int:
         """Zamba's hybrid layers: those that run a shared block."""
-        return self.count(SHARED_MAMBA1) + self.count(SHARED_MAMBA2)
+        return sum(self.count(mixer) for mixer in SHARED_MIXERS)
 
     def shared_layer_params(self, hidden: int) -> int:
         """A Zamba hybrid layer's parameters beside its mixer's: its linear and norm, and its share of the shared
         blocks and their adapters (FSDP2 gathers a block once for all the layers that run it: the same bytes a step)."""
         return self.ffn(self.attention_ffn()).params + self.norms * hidden + -(-self.shared.params // self.shared_layers)
+
+    def shared_layer_reads(self, hidden: int) -> int:
+        """The parameters a decoded token reads in a Zamba hybrid layer beside its mixer: its linear and norm, its
+        block whole and its adapter set."""
+        return self.ffn(self.attention_ffn()).params + self.norms * hidden + self.shared.block + self.shared.adapter
 
     def held_params(self, hidden: int, attention: int) -> int:
         """The parameters of Zamba's shared-block units (``seqmesh.model.fsdp.units_of``: the hybrid layers that run a
@@ -233,8 +240,9 @@ class HybridShape:
 
 @dataclass(frozen=True)
 class SharedBlocks:
-    """Zamba's and Zamba2's shared transformer blocks (:mod:`.zamba`): ``blocks`` of them (Zamba2's
-    ``num_mem_blocks``; the ``i``-th hybrid layer runs block ``i % blocks``), each ``block`` parameters (its
+    """Zamba's and Zamba2's shared transformer blocks (:mod:`.zamba`): ``blocks`` of them (tied: Zamba2's
+    ``num_mem_blocks``, the ``i``-th hybrid layer running block ``i % blocks``; untied: one a hybrid layer), each
+    ``block`` parameters (its
     attention's ``attention`` over the layer's input beside the embeddings, its MLP, its two RMSNorms), and
     ``adapters``: Zamba2's LoRA adapter sets, ``adapter`` parameters each, held in the blocks. FSDP2 puts the hybrid
     layers that share a block in one unit (``seqmesh.model.fsdp.units_of``). ``tied`` False: transformers ties

@@ -5,6 +5,7 @@ the reader of a transformers ``config.json`` in :mod:`.config_json`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from ..rules.model_sizes import check_model_sizes
@@ -255,6 +256,11 @@ class ModelShape:
     compressed: CompressedShape | None = None  # DeepSeek-V4's attention (:mod:`.deepseek_v4`); None: another family's
     cross_domain: CrossDomainExperts | None = None  # Doge's experts beside its dense MLP (:mod:`.doge`; is_moe)
     block_sparse: BlockSparseShape | None = None  # MiniMax-M3's block-sparse layers (:mod:`.minimax_m3`)
+    # dots.llm3's sliding layers' own MLA (per_layer_config): their latent sizes and heads (kv heads the same), and
+    # the file's layer_types, which follow no period; None, 0, (): every attention layer of latent's sizes
+    sliding_latent: LatentShape | None = None
+    sliding_heads: int = 0
+    given_layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -279,6 +285,8 @@ class ModelShape:
         ``full_attention_interval``-th full; with a window every ``full_every``-th full, the rest sliding."""
         if self.compressed is not None:
             return self.compressed.kinds
+        if self.given_layer_types:
+            return self.given_layer_types
         n = self.full_attention_interval
         if n:
             return tuple("linear_attention" if (i + 1) % n else "full_attention" for i in range(self.layers))
@@ -388,7 +396,8 @@ class ModelShape:
         """One attention layer's projections (the largest kind: with MLA and an indexer, an indexed layer's;
         MiniMax-M3's block-sparse layer's, with its indexer)."""
         if self.latent is not None:
-            return self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
+            own = self.latent.attention_params(self.hidden, self.heads, indexer=self.indexed_layers > 0)
+            return max(own, self.sliding_attention_params)
         if self.compressed is not None:
             return max(self.kind_attention_params(kind) for kind in set(self.layer_types))
         if self.hybrid is not None and self.hybrid.shared is not None:  # Zamba's: q, k and v over 2 x hidden
@@ -401,6 +410,19 @@ class ModelShape:
         """One DeepSeek-V4 layer's attention of ``kind`` (``"sliding_attention"``, ``"compressed_sparse_attention"``,
         ``"heavily_compressed_attention"``)."""
         return self.compressed.attention_params(self.hidden, self.heads, self.head_dim, kind)
+
+    @property
+    def sliding_attention_params(self) -> int:
+        """One dots.llm3 sliding layer's MLA at its own sizes (0 for another model)."""
+        return self.sliding_latent.attention_params(self.hidden, self.sliding_heads) if self.sliding_latent else 0
+
+    def sliding_shape(self) -> ModelShape:
+        """dots.llm3's sliding layers as a model of their own: every layer one of them (the planner's attention kind
+        of those layers reads its heads, latent and window from it)."""
+        return dataclasses.replace(self, heads=self.sliding_heads, kv_heads=self.sliding_heads,
+                                   head_dim=self.sliding_latent.qk_head_dim, latent=self.sliding_latent,
+                                   sliding_latent=None, sliding_heads=0,
+                                   given_layer_types=("sliding_attention",) * self.layers)
 
     @property
     def mask_params(self) -> int:
@@ -432,6 +454,9 @@ class ModelShape:
             own = self.latent.indexed_layers - self.latent.shared_layers
             attention = (own * self.latent.attention_params(self.hidden, self.heads, indexer=True)
                          + (full - own) * self.latent.attention_params(self.hidden, self.heads))
+            if self.sliding_latent is not None:  # dots.llm3's sliding layers at their own sizes
+                attention += self.sliding_layers * (self.sliding_attention_params
+                                                    - self.latent.attention_params(self.hidden, self.heads))
         if self.block_sparse is not None:  # an indexer in each block-sparse layer
             attention += self.block_sparse.layers * self.block_sparse.indexer_params(self.hidden)
         tower = self.vision.params if self.vision is not None else 0

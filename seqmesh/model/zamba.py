@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 
-from .hybrid_shape import (MAMBA1, MAMBA2, SHARED_MAMBA1, SHARED_MAMBA2, FeedForward, HybridShape, Mamba1Shape,
-                           Mamba2Shape, SharedBlocks)
+from .hybrid_shape import (MAMBA1, MAMBA2, SHARED_MAMBA1, SHARED_MAMBA2, SHARED_MIXERS, FeedForward, HybridShape,
+                           Mamba1Shape, Mamba2Shape, SharedBlocks)
 
 _HYBRID = "hybrid"
 _MAMBA = ("linear_attention", "mamba")  # transformers' name and the releases' older one
@@ -55,15 +55,14 @@ def _layers(types: list[str], mixer: str, shared: str) -> tuple[tuple[str, str],
     return tuple((shared, SHARED_FFN) if t == _HYBRID else (mixer, "") for t in types)
 
 
-def _attention(cfg: dict, hidden: int, width: int, head_dim: int) -> tuple[int, int, int]:
-    """(heads, kv heads, the attention's parameters: q, k, v from ``width`` channels, o to ``hidden``)."""
-    heads = cfg.get("num_attention_heads") or 16
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    return heads, kv_heads, width * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+def _attention(cfg: dict, hidden: int, width: int, head_dim: int, heads: int, kv_default: int) -> tuple[int, int]:
+    """(kv heads, the attention's parameters: q, k, v from ``width`` channels, o to ``hidden``)."""
+    kv_heads = cfg.get("num_key_value_heads") or kv_default
+    return kv_heads, width * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
 
 
-def _shared_ffn(hidden: int, mlp: int, mlp_macs: int, inner: int, attention_in: int, adapter: int,
-                adapter_rank: int, attention_adapters: bool) -> FeedForward:
+def _shared_ffn(hidden: int, mlp_macs: int, inner: int, attention_in: int, adapter: int, adapter_rank: int,
+                attention_adapters: bool) -> FeedForward:
     """A hybrid layer's own linear beside its block's MLP and adapters: the linear's parameters (the rest are the
     block's, counted once), a token's multiply-adds through all of them (the block's attention projections apart:
     ``ModelShape.attention_params``), and what they keep a token: the concatenated input and its norm's output
@@ -74,12 +73,20 @@ def _shared_ffn(hidden: int, mlp: int, mlp_macs: int, inner: int, attention_in: 
     return FeedForward(hidden * hidden, mlp_macs + hidden * hidden + adapter, kept)
 
 
+def _hidden(cfg: dict) -> int:
+    hidden = cfg.get("hidden_size")
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+        raise ValueError(f"hidden_size = {hidden!r}: a {cfg.get('model_type')} config.json gives its width as a "
+                         "positive integer; fix the config.json.")
+    return hidden
+
+
 def _blocks(layers: tuple[tuple[str, str], ...], ids: int, block: int, attention: int, adapter: int,
             tied: bool) -> SharedBlocks:
     """The shared blocks as transformers builds them: hybrid layer ``i`` runs block ``i % ids``, which holds an adapter
     set for each hybrid layer that runs it; tied (the embeddings tied: transformers ties nothing otherwise), a block
     of each id, else one a hybrid layer, each with the adapter sets of its id."""
-    n = sum(m in (SHARED_MAMBA1, SHARED_MAMBA2) for m, _ in layers)
+    n = sum(m in SHARED_MIXERS for m, _ in layers)
     ids = max(1, min(ids, n))  # a block only where a layer runs it
     served = [len(range(i, n, ids)) for i in range(ids)]  # the hybrid layers each id serves
     sets = [served[i % ids] for i in range(n)]  # the adapter sets in each layer's block (untied)
@@ -92,13 +99,13 @@ def _blocks(layers: tuple[tuple[str, str], ...], ids: int, block: int, attention
 def zamba_fields(cfg: dict) -> dict:
     """The :class:`.hybrid_shape.HybridShape` of a Zamba config.json (``hybrid``, ``layers``; the module docstring)
     and ``config``: the attention's head size, the kv heads and the MLP width under transformers' standard names."""
-    h = cfg["hidden_size"]
+    h = _hidden(cfg)
     n = cfg.get("num_hidden_layers") or 76
     types = list(cfg.get("layers_block_type") or cfg.get("layer_types") or _zamba_types(cfg, n))
     width = cfg.get("attention_hidden_size") or 2 * h
     heads = cfg.get("num_attention_heads") or 16
     head_dim = cfg.get("attention_head_dim") or 2 * h // heads
-    heads, kv_heads, attention = _attention(cfg, h, width, head_dim)
+    kv_heads, attention = _attention(cfg, h, width, head_dim, heads, kv_default=16)  # ZambaConfig's default
     inner = cfg.get("intermediate_size") or 14848
     block = attention + 3 * h * inner + width + h
     rank = cfg.get("mamba_dt_rank", "auto")
@@ -106,7 +113,7 @@ def zamba_fields(cfg: dict) -> dict:
     mamba = Mamba1Shape(int(expand * h), cfg.get("mamba_d_state", 16), math.ceil(h / 16) if rank == "auto" else rank,
                         cfg.get("mamba_d_conv", 4), bool(cfg.get("mamba_conv_bias", True)),
                         bool(cfg.get("mamba_proj_bias", False)), norms=False, heads=cfg.get("n_mamba_heads") or 2)
-    ffn = _shared_ffn(h, 3 * h * inner, 3 * h * inner, inner, width, 0, 0, False)
+    ffn = _shared_ffn(h, 3 * h * inner, inner, width, 0, 0, False)
     blocks = _layers(types, MAMBA1, SHARED_MAMBA1)
     tied = cfg.get("tie_word_embeddings", True)
     hybrid = HybridShape(None, blocks, ((SHARED_FFN, ffn),), norms=1, mamba1=mamba,
@@ -118,11 +125,11 @@ def zamba_fields(cfg: dict) -> dict:
 
 def zamba2_fields(cfg: dict) -> dict:
     """The :class:`.hybrid_shape.HybridShape` of a Zamba2 config.json (as :func:`zamba_fields`)."""
-    h = cfg["hidden_size"]
+    h = _hidden(cfg)
     types = list(cfg.get("layers_block_type") or cfg.get("layer_types") or _zamba2_types())
     heads = cfg.get("num_attention_heads") or 32
     head_dim = 2 * h // heads  # transformers derives it, whatever the file says
-    heads, kv_heads, attention = _attention(cfg, h, 2 * h, head_dim)
+    kv_heads, attention = _attention(cfg, h, 2 * h, head_dim, heads, kv_default=heads)
     inner = cfg.get("intermediate_size") or 4 * h
     bias = bool(cfg.get("add_bias_linear", False))
     mlp = 3 * h * inner + (2 * inner + h if bias else 0)
@@ -134,7 +141,7 @@ def zamba2_fields(cfg: dict) -> dict:
     mamba = Mamba2Shape(mamba_heads, int(expand * h) // mamba_heads, cfg.get("mamba_d_state", 64),
                         cfg.get("mamba_ngroups", 1), cfg.get("mamba_d_conv", 4), conv_bias=True, proj_bias=bias)
     blocks = _layers(types, MAMBA2, SHARED_MAMBA2)
-    ffn = _shared_ffn(h, mlp, 3 * h * inner, inner, 2 * h, adapter, rank, attention_adapters)
+    ffn = _shared_ffn(h, 3 * h * inner, inner, 2 * h, adapter, rank, attention_adapters)
     tied = cfg.get("tie_word_embeddings", True)
     hybrid = HybridShape(mamba, blocks, ((SHARED_FFN, ffn),), norms=1,
                          shared=_blocks(blocks, cfg.get("num_mem_blocks") or 1, attention + mlp + 3 * h, attention,

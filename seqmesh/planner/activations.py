@@ -101,7 +101,8 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     row, local, top = b * work.seq_len, local_tokens(work, layout), min(lat.index_topk, work.seq_len)
     per_query = b * (lat.index_n_heads + 1) * work.seq_len  # each head's scores and their weighted sum
     scores = indexed_attention.indexer_block(b, lat.index_n_heads, work.seq_len, local, GPU) * per_query
-    select = row * lat.index_head_dim * (e + 4) + scores * 4
+    # the row's keys (and their float32 copy) and the rank's queries of every indexer head, beside a score block
+    select = row * lat.index_head_dim * (e + 4) + local * b * lat.index_n_heads * lat.index_head_dim * e + scores * 4
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
     step = min(sparse_latent_blocks.block_queries(b, top, width, GPU, indexed_attention.BLOCK_ELEMENTS), local)
     chosen = step * b * top * width

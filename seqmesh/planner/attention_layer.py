@@ -47,7 +47,8 @@ class Attention:
     window: int | None = None
 
     def params(self) -> int:
-        """Parameters of the layer's FSDP unit on one TP rank (a Mamba2 hybrid's attention layer: its own)."""
+        """Parameters of the layer's FSDP unit on one TP rank (a Mamba2 hybrid's attention layer: its own; a Zamba
+        hybrid layer's: its linear and norm and its share of the shared blocks' units, the same bytes a step)."""
         m = self.work.model
         if m.hybrid is not None and m.hybrid.shared is not None:  # Zamba's hybrid layer beside its mixer
             return m.hybrid.shared_layer_params(m.hidden)
@@ -192,8 +193,10 @@ def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention
     if m.hybrid is not None:
         n_full, n_windowed = hybrid_attention_split(m)
     else:
-        # V4's compressed and M3's block-sparse layers: their own
-        n_full, n_windowed = m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers, m.sliding_layers
+        # V4's compressed, M3's block-sparse, the indexed and the linear layers: their own
+        n_full = (m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers - m.indexed_layers
+                  - m.linear_layers)
+        n_windowed = m.sliding_layers
     if not m.sliding_window or not n_windowed:
         return full
     windowed = cost(Attention(work, layout, m.sliding_window))

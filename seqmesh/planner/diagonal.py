@@ -149,7 +149,8 @@ class RgLruLayer(_DiagonalLayer):
 @dataclass(frozen=True)
 class Mamba1Layer(_DiagonalLayer):
     """A Jamba layer whose mixer is Mamba (v1), with its MLP or MoE block and two RMSNorms; a pure Mamba's or
-    FalconMamba's, its mixer and one RMSNorm."""
+    FalconMamba's, its mixer and one RMSNorm; Zamba's, its multi-head mixer and one RMSNorm (``beside_attention``: a
+    hybrid layer's mixer, its norm counted with the shared block's attention)."""
 
     MIXER = MAMBA1
     KEYS = (MAMBA_HALO, MAMBA_STATES)

@@ -26,6 +26,7 @@ from .hardware import Cluster, HardwareSpec
 from .attention_layer import Attention
 from .experts import layer_fsdp_seconds
 from .layers import GatedDeltaNet, IndexedAttention, layer_kinds, linear_layer_matmul_params
+from .mamba2 import FeedForwardBlock
 from .placement import placement, ulysses_refusal
 from .network import axis_groups, gather_seconds
 from .report import attention_heads, human_bytes, human_count, short_number
@@ -53,6 +54,10 @@ def inference_refusal(m: ModelShape) -> str | None:
     if m.cross_domain is not None:  # seqmesh.inference.generate.check_generate refuses them too
         return (f"{m.name} has Doge's cross-domain experts (is_moe=True), whose decode seqmesh does not run yet; plan "
                 "its training (without --inference).")
+    if m.sliding_latent is not None:  # seqmesh generate runs them; the planner sizes one cache geometry
+        return (f"{m.name}'s sliding layers have MLA sizes of their own (per_layer_config), whose cache and decode "
+                "seqmesh plan does not size beside the indexed layers' yet; seqmesh generate runs it, and seqmesh "
+                "plan sizes its training (without --inference).")
     if m.block_sparse_layers:  # seqmesh generate runs them; the planner does not size their cache and decode yet
         return (f"{m.name} has MiniMax-M3's block-sparse layers, whose decode (each step's indexer over the rank's "
                 "share of the cached indexer keys, then the picked blocks) seqmesh plan does not size yet; seqmesh "
@@ -200,6 +205,8 @@ def _recurrent_state_bytes(m: ModelShape, batch: int, element_bytes: int) -> int
 def _read_bytes(kind, m: ModelShape, element_bytes: int) -> int:
     """Weights one decode token reads in a layer of ``kind``: its projections (an MoE layer's routed and shared
     experts only; a hybrid's layer, every parameter of it)."""
+    if m.hybrid is not None and m.hybrid.shared is not None and isinstance(kind, Attention):
+        return m.hybrid.shared_layer_reads(m.hidden) * element_bytes  # a Zamba hybrid layer: its whole block
     if m.hybrid is not None:
         return kind.params() * element_bytes
     params = linear_layer_matmul_params(m) if isinstance(kind, GatedDeltaNet) else layer_matmul_params(m)
@@ -221,7 +228,9 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
     states = _recurrent_state_bytes(m, b, e)
     split = placement(work, layout).split
     if sharded:  # the shards, the root (head and final norm) gathered, two layers or the embedding gathered at once
-        weights = (-(-split["total"] // p) + split["root"] + max(2 * split["layer"], split["embedding"])) * e
+        # and Zamba's shared-block units, gathered across the layers that run them
+        weights = (-(-split["total"] // p) + split["root"] + max(2 * split["layer"], split["embedding"])
+                   + split["held"]) * e
     else:
         weights = split["total"] * e
     working = 2 * layer_input_bytes(work, layout) + decoder_layer_saved_bytes(work, layout)
@@ -234,13 +243,15 @@ def evaluate(work: Workload, layout: Degrees, hw: HardwareSpec, new_tokens: int,
     decode = merge + (-(-m.vocab // tp) * m.hidden + m.hidden) * e / hw.memory_bandwidth  # the head, the token's row
     regions = 4 * gather_seconds(b * m.hidden * e, hw, axis_groups(layout, "tp")[0]) if tp > 1 else 0.0
     dense_layers = m.layers - m.non_attention_layers - m.indexed_layers
+    # the layers that keep a recurrent state (Zamba's and Falcon-H1's beside their attention too), a feed-forward none
+    stateful = sum(n for kind, n in kinds if not isinstance(kind, (Attention, IndexedAttention, FeedForwardBlock)))
     for kind, n in kinds:  # each layer reads its weights and its cache share or state; sharded, it waits for its gather
         if isinstance(kind, IndexedAttention):  # its share's latents and indexer keys, all scored
             own = sparse_kv / m.indexed_layers
         elif isinstance(kind, Attention):
             own = dense_kv / dense_layers
         else:
-            own = states / m.non_attention_layers
+            own = 0 if isinstance(kind, FeedForwardBlock) else states / stateful
         weights_read = _read_bytes(kind, m, e) if tp == 1 else split["layer"] * e  # tp: a dense layer's split
         read = (weights_read + own) / hw.memory_bandwidth
         gather = layer_fsdp_seconds(kind.params(), work, layout, hw, gathering)[0]

@@ -7,6 +7,7 @@ tensors and its time; the step walks take the model's kinds from :func:`layer_ki
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import functools
@@ -281,6 +282,15 @@ LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention
              | ShortConvLayer | KdaLayer | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
 
 
+def attention_kind(work: Workload, layout: Degrees) -> Attention:
+    """The seqmesh-attention layer whose time stands for every such layer of the model (full and sliding averaged:
+    :meth:`.attention_layer.Attention.seconds`); dots.llm3's, whose attention layers are all sliding ones of sizes of
+    their own, on a model of them alone (``ModelShape.sliding_shape``)."""
+    if work.model.sliding_latent is not None:
+        return Attention(dataclasses.replace(work, model=work.model.sliding_shape()), layout)
+    return Attention(work, layout)
+
+
 def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     """The model's layers by kind, with how many of each (kinds with none left out); a Mamba2 hybrid's by
     :func:`hybrid_layer_kinds`."""
@@ -298,7 +308,7 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
             - m.block_sparse_layers)
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:
-        kinds.append((Attention(work, layout, m.sliding_window), m.sliding_layers))
+        kinds.append((Attention(attention_kind(work, layout).work, layout, m.sliding_window), m.sliding_layers))
     kinds.append((GatedDeltaNet(work, layout), m.linear_layers))
     if m.indexed_layers:
         shared = m.latent.shared_layers

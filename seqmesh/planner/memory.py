@@ -114,9 +114,10 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     if moment == "layer backward":  # Zamba's shared-block units, gathered with their gradients through the backward
         gathered, unsharded = gathered + split["held"], unsharded + split["held"] * e  # of the layers that run them
     grad_shards = GRAD_SHARD * shard if moment in ("end of backward", "optimizer step") else 0
-    if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered
-        grad_shards = (GRAD_SHARD * (m.layers - 1) * unit_shard(split["layer"], m, layout)
-                       + held_reduce_scatter_input(work, layout))
+    if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered (and Zamba's
+        # shared-block units)
+        grad_shards = (GRAD_SHARD * ((m.layers - 1) * unit_shard(split["layer"], m, layout)
+                                     + unit_shard(split["held"], m, layout)) + held_reduce_scatter_input(work, layout))
     step_temps = optimizer_temporaries(work, layout, shard) if moment == "optimizer step" else 0
     if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in
         copied = (-(-gathered // layout.fsdp_group) if layout.ep == 1 or not gathered else
@@ -169,10 +170,11 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
 
 
 def activation_memory(work: Workload, layout: Degrees, moment: str = "layer backward",
-                      after_recompute: bool = False) -> tuple[int, str]:
-    """Activations at the peak of the last (or the first) layer's backward, and the op at which it falls: what the
-    layers below keep, the layer's own saved tensors, the gradient of its output and the timeline's peak (from the
-    tiled MLP's recompute on, or ``after_recompute``, once it is done)."""
+                      after_recompute: bool = False) -> tuple[int, str, Workload]:
+    """Activations at the peak of the last (or the first) layer's backward, the op at which it falls and the workload
+    of the layer kind it falls in (dots.llm3's sliding layers: a model of them alone): what the layers below keep,
+    the layer's own saved tensors, the gradient of its output and the timeline's peak (from the tiled MLP's recompute
+    on, or ``after_recompute``, once it is done)."""
     first = moment == "first layer backward"
     if first:
         fetched = not work.offload_checkpoints or work.offload_prefetch
@@ -184,31 +186,38 @@ def activation_memory(work: Workload, layout: Degrees, moment: str = "layer back
     shared = tokens(work, layout) * work.model.hidden * work.act_bytes if work.checkpointing and (
         work.act_bytes == 4 or efficient_norm(work)) else 0
     # the first layer of an MoE model whose first layers are dense: as a dense layer of theirs
-    top, op = _top_layer(first_layer(work) if first else work, layout, after_recompute)
+    top, op, where = _top_layer(first_layer(work) if first else work, layout, after_recompute)
     kept = below + top - shared + outside_layers_bytes(work, layout)
-    return kept + layer_input_bytes(work, layout), op  # + the gradient of the layer's output
+    return kept + layer_input_bytes(work, layout), op, where  # + the gradient of the layer's output
 
 
-def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[int, str]:
-    """The peak of one layer's backward beyond what is below it, and its op: the largest of the model's kinds'."""
-    steps = layer_backward_timeline(work, layout)
-    if after_recompute:
-        steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
-    extra, op = timeline_peak(steps)
-    # before the attention's steps: a recurrent layer's feed-forward (its mixer's backward is its kind's own)
-    mlp_extra, mlp_op = timeline_peak(list(itertools.takewhile(lambda s: not s[0].startswith(ATTENTION_STEPS), steps)))
+def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[int, str, Workload]:
+    """The peak of one layer's backward beyond what is below it, its op and its kind's workload: the largest of the
+    model's kinds'. An attention kind's timeline is its own workload's (dots.llm3's sliding layers at their sizes)."""
+    peaks: dict[int, tuple[tuple[int, str], tuple[int, str]]] = {}
 
-    def moment(kind) -> tuple[int, str]:  # the peak of a layer of this kind in backward, beyond what is below it
+    def timeline(w: Workload) -> tuple[tuple[int, str], tuple[int, str]]:  # (the whole's peak, the MLP's), once each
+        if id(w) not in peaks:
+            steps = layer_backward_timeline(w, layout)
+            if after_recompute:
+                steps = steps[next(i for i, (op, _, _) in enumerate(steps) if op == TILED_RECOMPUTE) + 1:]
+            # before the attention's steps: a recurrent layer's feed-forward (its mixer's backward is its kind's own)
+            mlp = list(itertools.takewhile(lambda s: not s[0].startswith(ATTENTION_STEPS), steps))
+            peaks[id(w)] = timeline_peak(steps), timeline_peak(mlp)
+        return peaks[id(w)]
+
+    def moment(kind) -> tuple[int, str, Workload]:  # the peak of a layer of this kind in backward, beyond what is below
+        (extra, op), mlp = timeline(kind.work)
         if not hasattr(kind, "backward_bytes"):  # an attention layer's timeline
-            return kind.saved_bytes() + extra, op
+            return kind.saved_bytes() + extra, op, kind.work
         # a recurrence's gradients (seqmesh.planner.diagonal, .mamba2, .lightning, .kda), or its layer's other moments:
         # Falcon-H1's attention beside it, the timeline whole; a feed-forward's, unless the kind has none (Nemotron-H)
         other = (extra, op) if getattr(kind, "beside_attention", False) else (
-            (0, "") if getattr(kind, "ffn", None) == "" else (mlp_extra, mlp_op))
+            (0, "") if getattr(kind, "ffn", None) == "" else mlp)
         own = max((kind.backward_bytes(), getattr(kind, "backward_op", "recurrence backward")), other)
-        return kind.saved_bytes() + own[0], own[1]
+        return kind.saved_bytes() + own[0], own[1], kind.work
 
-    return max(moment(kind) for kind, _ in layer_kinds(work, layout))
+    return max((moment(kind) for kind, _ in layer_kinds(work, layout)), key=lambda m: m[:2])
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
@@ -260,16 +269,16 @@ def memory_at(work: Workload, layout: Degrees, moment: str) -> MemoryBreakdown:
         activations = _kept_by_layers(work, layout, at_loss=True) + final_norm_bytes(work, layout) + outside
         logits = loss_memory(work, layout, moment)
     elif moment in ("layer backward", "first layer backward"):
-        activations, op = activation_memory(work, layout, moment)
+        activations, op, where = activation_memory(work, layout, moment)
         if op == TILED_RECOMPUTE:  # the layer's own weight gradients come after it: the larger of the two moments
             own = local_layer_params(placement(work, layout).split["layer"], work.model, layout) * work.act_bytes
-            later, later_op = activation_memory(work, layout, moment, after_recompute=True)
+            later, later_op, later_where = activation_memory(work, layout, moment, after_recompute=True)
             if later + own > activations:
-                activations, op = later, later_op
+                activations, op, where = later, later_op, later_where
             else:
                 grads -= own
         if op == "attention backward":  # the peak is inside attention: its buffers apart
-            attention = attention_backward_bytes(work, layout)
+            attention = attention_backward_bytes(where, layout)
             activations -= attention
     elif moment in ("end of backward", "optimizer step"):
         activations = outside

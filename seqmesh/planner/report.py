@@ -91,6 +91,10 @@ def _latent(m) -> str:
         shared = f", {lat.shared_layers} sharing the previous selection" if lat.shared_layers else ""
         text += (f", sparse attention on {lat.indexed_layers} layers: top {lat.index_topk:,} keys a query, indexer "
                  f"{lat.index_n_heads} heads x {lat.index_head_dim}{shared}")
+    own = m.sliding_latent
+    if own is not None:  # dots.llm3's sliding layers at their own sizes
+        text += (f", {m.sliding_layers} sliding layers of {m.sliding_heads} heads x {own.qk_head_dim} (latent "
+                 f"{own.kv_lora_rank} + rotary {own.qk_rope_head_dim}, v {own.v_head_dim})")
     return text
 
 

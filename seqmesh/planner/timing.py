@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from .attention_layer import Attention, ring_hop_count, ring_hops
 from .experts import exchange_seconds, moe_layers
 from .hardware import HardwareSpec
-from .layers import layer_kinds
+from .layers import attention_kind, layer_kinds
 from .memory import local_tokens
 from .network import every_group, fsdp_seconds
 from .placement import placement
@@ -60,7 +60,7 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         return fsdp_seconds(sent, hw, fsdp_ranks)
 
     split = placement(work, layout).split
-    layer = Attention(work, layout).seconds(hw, fsdp_ranks)
+    layer = attention_kind(work, layout).seconds(hw, fsdp_ranks)
     layer_fwd, layer_bwd, rs = layer["forward"], layer["backward"], layer["reduce_scatter"]
     attn_fwd, attn_bwd = layer["attention_forward"], layer["attention_backward"]
 

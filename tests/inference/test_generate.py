@@ -43,7 +43,7 @@ def _check(r: dict, ulysses: int, ring: int, against: str = "logits") -> None:
     assert sum(r["counts"]) == PROMPT + NEW - 1, r  # every token but the last drawn, kept once
     assert r["share_bytes"] == r["expected_share_bytes"], r  # the cache's formula, per rank
     assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring), r  # the planner's fullest rank
-    # and its recurrent states and conv tails, where the planner sizes the model (not Jamba's or Zamba's Mamba)
+    # and its recurrent states and conv tails, where the planner sizes the model (not pure Mamba's, without heads)
     assert r["expected_state_elements"] is None or r["state_elements"] == list(r["expected_state_elements"]), r
 
 

@@ -61,13 +61,69 @@ def test_dots_sliding_and_indexed_layers_are_counted_once(tmp_path):
     assert communication(work, Degrees(1, 2, 1), PRESETS["h100-nvlink"])[2]["ring_p2p"] == sliding > 0
 
 
-def test_a_layout_the_planner_does_not_size_says_why(tmp_path):
+def test_dots_sliding_layers_of_their_own_sizes_are_planned_at_them(tmp_path, capsys):
+    """transformers' Dots3NoteTextConfig (279.6B): its sliding layers' MLA at their own sizes (per_layer_config: 64
+    heads, a latent of 1,024, against the indexed layers' 128 and 512), counted exactly, planned as an attention kind
+    of those sizes beside the indexed layers, whose time and saved tensors are theirs; its decode refused by name."""
     import transformers as tf
+    from transformers import AutoModelForCausalLM
 
-    shape = _shape(tf.Dots3NoteTextConfig(), tmp_path)
+    config = tf.Dots3NoteTextConfig()
+    shape = _shape(config, tmp_path)
+    with torch.device("meta"):
+        assert shape.params == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert (shape.heads, shape.latent.kv_lora_rank, shape.sliding_heads, shape.sliding_latent.kv_lora_rank) == (
+        128, 512, 64, 1024)
+    work = Workload(shape, 131072)
+    kinds = {type(k).__name__: (k, n) for k, n in layer_kinds(work, Degrees(8, 1, 1))}
+    sliding, n = kinds["Attention"]
+    assert (sliding.work.model.heads, sliding.window, n) == (64, 512, shape.sliding_layers) and n > 0
+    assert sliding.params() != kinds["IndexedAttention"][0].params()
+    assert main(["plan", "--model", str(tmp_path), "--seq-len", "131072", "--gpus", "64", "--ulysses", "8",
+                 "--ring", "1"]) == 0
+    assert f"{n} sliding layers of 64 heads x 256 (latent 1024" in capsys.readouterr().out
+    assert main(["plan", "--inference", "--model", str(tmp_path), "--seq-len", "131072", "--gpus", "8"]) == 2
+    assert "per_layer_config" in capsys.readouterr().err
+
+
+def test_dots_layers_of_sizes_the_planner_does_not_size_say_why(tmp_path):
+    """A per_layer_config entry for an indexed layer (its sizes differ from the file's) is not sized: refused by
+    name, never planned at the file's sizes."""
+    config = family_config("dots.llm3")
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["per_layer_config"] = {"0": {"num_attention_heads": 2, "num_key_value_heads": 2}}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    shape = model_shape(str(tmp_path))
     assert "per_layer_config" in shape.unplanned
     with pytest.raises(ValueError, match="per_layer_config"):
         Workload(shape, 4096)
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_dots_sliding_layers_send_what_their_own_heads_do(pools, tmp_path, ulysses, ring):
+    """dots.llm3 whose sliding layer has 2 heads beside its indexed layer's 4: what comm_stats counts on each rank in
+    one step equals the planner's two kinds, the sliding one at its own heads (the Ulysses all-to-alls or the
+    ring's K/V blocks) and the indexed one's gathers; at the file's heads the sliding bytes would be twice as many."""
+    case = ModelTrafficCase("dots.llm3-own-heads", 45, dtype="float32")
+    per_rank = pools.run(ulysses * ring, measured_model_traffic, ulysses, ring, 1, [case], timeout=600)
+    layout = Degrees(ulysses, ring, 1)
+    work = _measured_workload(case, per_rank[0][0], tmp_path / "config.json")
+    assert work.model.sliding_heads == 2 and work.model.heads == 4
+    kinds = layer_kinds(work, layout)
+    for rank in per_rank:
+        got = {(kind, ph): v["bytes_sent"] for kind, phases in rank[0]["stats"].items() for ph, v in phases.items()}
+        for (kind, phase), sent in got.items():
+            if kind in ("all_reduce", "control"):  # the loss's, the input check's: the step's, not a layer's
+                continue
+            want = sum(n * k.ranks()[_rank(k, rank[0])].sent(kind, phase) for k, n in kinds)
+            assert sent == want, (kind, phase, sent, want)
+
+
+def _rank(kind, measured: dict) -> int:
+    """The index of the measured rank in ``kind.ranks()`` (ranks ordered ulysses-fastest)."""
+    return next(i for i, r in enumerate(kind.ranks())
+                if (r.ulysses_rank, r.ring_rank) == (measured["ulysses_rank"], measured["ring_rank"]))
 
 
 @pytest.mark.parametrize("streams", [1, 4])

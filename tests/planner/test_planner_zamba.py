@@ -89,12 +89,33 @@ def test_parameters_and_units_equal_the_transformers_model(tmp_path, name):
     assert bool(shared) == ("untied" not in name)
 
 
+@pytest.mark.parametrize("family", ["zamba", "zamba2"])
+def test_sizes_the_file_leaves_out_are_the_config_classes(tmp_path, family):
+    """A config.json without its heads, kv heads or MLP width: read at the config class's defaults (Zamba's 16 heads
+    and 16 kv heads, Zamba2's 32 and as many kv heads, and its MLP four times the width), as transformers builds it."""
+    config = _config(family, hidden_size=128, num_hidden_layers=6, vocab_size=100, layers_block_type=ZAMBA2_LAYERS)
+    path = _write(tmp_path, config)
+    written = json.loads(open(path).read())
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "attention_head_dim",
+                "attention_hidden_size"):
+        written.pop(key, None)
+    open(path, "w").write(json.dumps(written))
+    assert model_shape(path).params == sum(p.numel() for p in _meta_model(path).parameters())
+
+
 def test_plans_of_the_released_shapes(tmp_path, capsys):
     """transformers' defaults (Zamba-7B's and Zamba2-2.7B's shapes): the models count as transformers builds them
     (7.23B and 2.48B), each hybrid layer is planned as attention beside its mixer (its Ulysses all-to-all and its
-    Mamba's collectives), and the shared blocks' units are held at the top layer's backward."""
+    Mamba's collectives), the shared blocks' units and their gradients are held at the top layer's backward, and a
+    decoded token reads every layer's weights and each hybrid layer's whole block."""
     import transformers as tf
 
+    from seqmesh.planner.inference import _read_bytes
+    from seqmesh.planner.layers import layer_kinds
+    from seqmesh.planner.memory import memory_at
+    from seqmesh.planner.placement import placement
+    from seqmesh.planner.workload import Workload
+    from seqmesh.rules.degrees import Degrees
     from seqmesh.tools.cli import main
 
     for config, layers, hybrids, billions in ((tf.ZambaConfig(), 76, 13, 7.23), (tf.Zamba2Config(), 54, 9, 2.48)):
@@ -103,6 +124,16 @@ def test_plans_of_the_released_shapes(tmp_path, capsys):
         assert shape.params == sum(p.numel() for p in _meta_model(path).parameters())
         assert round(shape.params / 1e9, 2) == billions
         assert shape.layers == layers and shape.hybrid.attention_layers == hybrids
+        work, layout = Workload(shape, 32768), Degrees(2, 1, 1)
+        split, e = placement(work, layout).split, work.act_bytes
+        top, loss = (memory_at(work, layout, moment) for moment in ("layer backward", "loss backward"))
+        assert split["held"] > 0  # gathered beside the two largest one-layer units (the loss's backward: one)
+        assert top.weights - loss.weights == (split["layer"] + split["held"]) * e
+        assert top.grads == (split["root"] + split["layer"] + split["held"]) * e
+        shared = shape.hybrid.shared
+        layer_params = shape.params - shape.vocab * shape.hidden - shape.hidden - shared.params
+        reads = sum(n * _read_bytes(kind, shape, 1) for kind, n in layer_kinds(work, layout))
+        assert reads == layer_params + hybrids * (shared.block + shared.adapter)
         assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8", "--ulysses", "2", "--ring", "4",
                      "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)
