@@ -120,7 +120,7 @@ def parity(cases: list[tuple], mutation: str | None = None) -> list[dict]:
 
 
 def refusals() -> dict[str, str]:
-    """What a parallelized Doge with experts says for right-padded rows and for generation: each ValueError's
+    """What a parallelized Doge with experts says for right-padded rows and for generation's check: each ValueError's
     message ("" where the call ran: rows whose attention_mask is all ones, under "whole rows")."""
     from seqmesh.inference.generate import check_generate
 

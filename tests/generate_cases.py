@@ -209,7 +209,8 @@ def _share_bytes(config, tokens: int) -> int:
             kv = config.num_kv_heads if config.new_decoder_architecture else (1 if config.multi_query else heads)
         else:
             kv = getattr(config, "num_key_value_heads", None) or heads
-        dims = (kv, head_dim, head_dim)
+        fold = 1 if config.model_type == "doge" else 0  # Doge's key bias, one more channel (the values padded)
+        dims = (kv, head_dim + fold, head_dim + fold)
     # RecurrentGemma's layers_block_type (before transformers 5.2x: "recurrent" / "attention"; layer_types after)
     # recurrent layers keep none; Zamba's hybrid layers run its shared attention block, each with a cache of its own
     layers = sum(kind in ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "attention",

@@ -31,7 +31,7 @@ from ..rules.own_attention import doge_window_problem
 
 
 DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention",
-                  "Kimi Delta Attention", "compressed convolutional attention")
+                  "Kimi Delta Attention", "compressed convolutional attention", "Doge cross-domain experts")
 # the recurrent layers whose decode runs (their state and conv tail kept by the prefill on every rank:
 # seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning, .kda, .cca)
 EXTENDED_MIXERS = DECODED_MIXERS  # and a prefill onto a kept cache runs them all, from that state
@@ -70,7 +70,6 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
     """Raise, naming what to change, for what generation on the mesh does not run yet."""
     from ..hf.async_ulysses import is_async
     from ..hf.compressed_attention import is_compressed
-    from ..model.doge import is_doge_moe
     from ..hf.layers import OWN_ATTENTION
     from ..hf.mixer_kind import REPLACED_ATTR
     from ..hf.positions import counting_embeddings
@@ -106,11 +105,6 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
         raise ValueError(f"{name} has Qwen4-Exp's QSA layers, whose decode seqmesh does not run yet (each step's query "
                          "would score the blocks of every rank's indexer keys); seqmesh trains it (seqmesh train, "
                          "verify).")
-    if any(is_doge_moe(m) for m in model.modules()):
-        raise ValueError(f"{name} has Doge's cross-domain experts (is_moe=True), which route each prompt token by two "
-                         "other tokens' router logits and each decoded token by its batch's, which seqmesh's decode "
-                         "does not reproduce yet; seqmesh trains it (seqmesh train, verify), and generates Doge with "
-                         "is_moe=False.")
     if counting_embeddings(model) is not None:
         raise ValueError(f"{name} is the decoder of an encoder-decoder family (BART, Marian, Pegasus, MusicGen, ...), "
                          "whose attention layers keep their own cache, which seqmesh's sharded cache does not replace "

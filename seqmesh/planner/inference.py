@@ -51,9 +51,6 @@ def inference_refusal(m: ModelShape) -> str | None:
     if m.compressed_layers:  # seqmesh.inference.generate.check_generate refuses them too
         return (f"{m.name} has DeepSeek-V4's compressed attention layers, whose decode seqmesh does not run yet; plan "
                 "its training (without --inference).")
-    if m.cross_domain is not None:  # seqmesh.inference.generate.check_generate refuses them too
-        return (f"{m.name} has Doge's cross-domain experts (is_moe=True), whose decode seqmesh does not run yet; plan "
-                "its training (without --inference).")
     if m.sliding_latent is not None:  # seqmesh generate runs them; the planner sizes one cache geometry
         return (f"{m.name}'s sliding layers have MLA sizes of their own (per_layer_config), whose cache and decode "
                 "seqmesh plan does not size beside the indexed layers' yet; seqmesh generate runs it, and seqmesh "
@@ -78,10 +75,12 @@ def _decoded_hybrid(m: ModelShape) -> bool:
 
 def _cache_bytes(m: ModelShape, tokens: int, element_bytes: int, batch: int, tp: int = 1) -> tuple[int, int]:
     """One rank's cache of ``tokens`` tokens: (the attention layers' keys and values, of its ``1 / tp`` of the heads;
-    the DeepSeek Sparse Attention layers' latents and indexer keys) (:mod:`seqmesh.rules.kv_cache`)."""
+    the DeepSeek Sparse Attention layers' latents and indexer keys) (:mod:`seqmesh.rules.kv_cache`); Doge's keys and
+    values a channel wider (``seqmesh.hf.own_attention``'s fold of its dynamic mask)."""
     indexed = m.indexed_layers
-    dense = cache_bytes(tokens, m.layers - m.non_attention_layers - indexed, cached_heads(m) // tp, m.head_dim,
-                        m.value_dim, element_bytes, batch)
+    fold = 1 if m.family == "doge" else 0  # Doge's key bias one more key channel, the values padded to match
+    dense = cache_bytes(tokens, m.layers - m.non_attention_layers - indexed, cached_heads(m) // tp, m.head_dim + fold,
+                        m.value_dim + fold, element_bytes, batch)
     if not indexed:
         return dense, 0
     lat = m.latent

@@ -41,11 +41,12 @@ def test_each_mutation_is_seen(pools, mutation, cases):
             assert r["grad"] > 100 * ROUNDING_MULTIPLE * r["rounding"]["grad"], r
 
 
-def test_padded_rows_and_generation_are_refused_by_name(pools):
-    """Rows right-padded inside the batch (transformers routes real tokens by the padding's logits) and generation
-    (its decode) raise a ValueError on every rank naming what to do instead; rows whose mask pads nothing run."""
+def test_padded_rows_are_refused_by_name(pools):
+    """Rows right-padded inside the batch (transformers routes real tokens by the padding's logits) raise a ValueError
+    on every rank naming what to do instead; rows whose mask pads nothing run, and generation's check passes (it
+    generates as transformers does: tests/inference/test_generate.py)."""
     for said in pools.run(2, refusals):
         assert said["whole rows"] == "", said  # an attention_mask of ones pads nothing
         assert "rows' padding" in said["padded rows"] and "[20, 15]" in said["padded rows"], said
         assert "pack the documents" in said["padded rows"], said
-        assert "is_moe=True" in said["generate"] and "seqmesh trains it" in said["generate"], said
+        assert said["generate"] == "", said

@@ -36,13 +36,13 @@ def _sparse_layers(family: str) -> bool:
 
 
 def _check(r: dict, ulysses: int, ring: int, against: str = "logits") -> None:
-    world = ulysses * ring
+    world, (prompt, new) = ulysses * ring, r["case"][3:5]
     assert r["tokens_equal"], r
     assert r[against] <= ULPS * r["rounding"], r
     assert max(r["counts"]) - min(r["counts"]) <= 2 * world, r  # the shares within one layout block
-    assert sum(r["counts"]) == PROMPT + NEW - 1, r  # every token but the last drawn, kept once
+    assert sum(r["counts"]) == prompt + new - 1, r  # every token but the last drawn, kept once
     assert r["share_bytes"] == r["expected_share_bytes"], r  # the cache's formula, per rank
-    assert max(r["counts"]) == cache_share(PROMPT, NEW, ulysses, ring), r  # the planner's fullest rank
+    assert max(r["counts"]) == cache_share(prompt, new, ulysses, ring), r  # the planner's fullest rank
     # and its recurrent states and conv tails, where the planner sizes the model (not pure Mamba's, without heads)
     assert r["expected_state_elements"] is None or r["state_elements"] == list(r["expected_state_elements"]), r
 
@@ -89,6 +89,17 @@ def test_mamba_and_conv_families_generate_as_transformers(pools, ulysses, ring, 
         for r in results:
             _check(r, ulysses, ring)
             assert sum(r["state_elements"]) > 0, r
+
+
+def test_doge_experts_generate_as_transformers(pools):
+    """Doge's cross-domain experts (is_moe): the prompt's tokens routed by the (2, N, K) view of the whole prefill
+    call, as its training does (seqmesh.hf.doge_moe), each decoded token by its batch's, as transformers' generate
+    routes them; held to transformers' generate, whose logits its forward over the whole sequence does not reproduce
+    (that call's view routes every token by others). 81 prompt tokens (the layout pads them) and 6 new ones stay
+    within its keep_window_size of 96; ring 2 and Ulysses 2."""
+    for ulysses, ring in ((1, 2), (2, 1)):
+        for r in pools.run(2, generated_cases, [("doge-moe", ulysses, ring, 81, NEW)])[0]:
+            _check(r, ulysses, ring, against="against_theirs")
 
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["r2", "u2"])
