@@ -120,9 +120,10 @@ def parity(cases: list[tuple], mutation: str | None = None) -> list[dict]:
 
 
 def refusals() -> dict[str, str]:
-    """What a parallelized Doge with experts says for right-padded rows and for generation's check: each ValueError's
-    message ("" where the call ran: rows whose attention_mask is all ones, under "whole rows")."""
-    from seqmesh.inference.generate import check_generate
+    """What a parallelized Doge with experts says for right-padded rows, for generation's check and for a prefill onto
+    a kept cache: each ValueError's message ("" where the call ran: rows whose attention_mask is all ones, under
+    "whole rows")."""
+    from seqmesh.inference.generate import check_extension, check_generate
 
     mesh = get_mesh(2, 1)
     model = parallelize(build(family_config("doge-moe")), mesh)
@@ -134,7 +135,8 @@ def refusals() -> dict[str, str]:
     said = {"whole rows": "" if torch.isfinite(whole).all() else "not finite"}
     padded = seqmesh.shard_batch({"input_ids": ids, "attention_mask": mask}, mesh)
     said |= refusals_said({"padded rows": lambda: model(**padded, use_cache=False),
-                           "generate": lambda: check_generate(model, mesh)})
+                           "generate": lambda: check_generate(model, mesh),
+                           "extension": lambda: check_extension(model, mesh, None, ids)})
     unparallelize(model)
     return said
 

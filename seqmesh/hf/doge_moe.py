@@ -18,7 +18,8 @@ The rest (the two top-k, the experts' embeddings, the shared MLP) is transformer
 Tensor parallelism, a cache and a padding mask are refused by name. Generation (``seqmesh.inference``): the
 prompt's prefill routes as above (one call over the rows); each decode step runs transformers' layer on the
 batch's tokens, whole on every rank, which routes each by the batch's ``(2, B, K)`` view as transformers'
-``generate`` does; a prefill onto a kept cache runs the new tokens whole, as one call.
+``generate`` does. A prefill onto a kept cache is refused (``check_extension``): the routing depends on where a
+row's calls are cut.
 """
 
 from __future__ import annotations
@@ -121,15 +122,6 @@ def _make_forward(module: nn.Module, mesh: SPMesh, design: str) -> Callable:
         generation = getattr(info, "recurrent_state", None)  # seqmesh.inference's entries: a prefill, or a decode step
         if generation is not None and generation.decoding:  # the batch's tokens, on every rank alike: transformers'
             return type(self).forward(self, hidden_states)  # call routes them by the batch's (2, B, K) view
-        if generation is not None and generation.extension is not None:  # the new tokens whole, as one call
-            routed_logits = []
-
-            def run(whole: torch.Tensor) -> torch.Tensor:
-                out, logits = type(self).forward(self, whole)
-                routed_logits.append(logits)
-                return out
-
-            return generation.whole(run, hidden_states), routed_logits[0]
         check_rows(info)
         return doge_moe(self, hidden_states, mesh, info)
 

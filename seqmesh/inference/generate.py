@@ -34,7 +34,9 @@ DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short co
                   "Kimi Delta Attention", "compressed convolutional attention", "Doge cross-domain experts")
 # the recurrent layers whose decode runs (their state and conv tail kept by the prefill on every rank:
 # seqmesh.hf.linear_attention, .rg_lru, .mamba, .mamba2, .short_conv, .lightning, .kda, .cca)
-EXTENDED_MIXERS = DECODED_MIXERS  # and a prefill onto a kept cache runs them all, from that state
+# and a prefill onto a kept cache runs them all, from that state; not Doge's experts, whose routing depends on where
+# a row's calls are cut (check_extension)
+EXTENDED_MIXERS = tuple(kind for kind in DECODED_MIXERS if kind != "Doge cross-domain experts")
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,11 @@ def check_extension(model: nn.Module, mesh: SPMesh, cache: ShardedKVCache | None
     from ..hf.mixer_kind import REPLACED_ATTR
 
     name = type(model).__name__
+    if any(getattr(m, REPLACED_ATTR, None) == "Doge cross-domain experts" for m in model.modules()):
+        raise ValueError(f"{name} has Doge's cross-domain experts, which route each token of a call by two tokens of "
+                         "that call (transformers' (2, N, K) view of its router logits), so a row prefilled onto a "
+                         "kept cache, in turns or chunks, routes otherwise than the same row at once: give the whole "
+                         "row without the cache (and without prefill_chunk), at once.")
     kinds = {getattr(m, REPLACED_ATTR, None) for m in model.modules()} - {None, OWN_ATTENTION, *EXTENDED_MIXERS}
     sparse = [m for m in model.modules() if is_indexed(m) or is_block_sparse(m)]
     if kinds or sparse:

@@ -43,10 +43,12 @@ def test_each_mutation_is_seen(pools, mutation, cases):
 
 def test_padded_rows_are_refused_by_name(pools):
     """Rows right-padded inside the batch (transformers routes real tokens by the padding's logits) raise a ValueError
-    on every rank naming what to do instead; rows whose mask pads nothing run, and generation's check passes (it
-    generates as transformers does: tests/inference/test_generate.py)."""
+    on every rank naming what to do instead, as does a prefill onto a kept cache (its routing depends on where the
+    row's calls are cut); rows whose mask pads nothing run, and generation's check passes (it generates as
+    transformers does: tests/inference/test_generate.py)."""
     for said in pools.run(2, refusals):
         assert said["whole rows"] == "", said  # an attention_mask of ones pads nothing
         assert "rows' padding" in said["padded rows"] and "[20, 15]" in said["padded rows"], said
         assert "pack the documents" in said["padded rows"], said
         assert said["generate"] == "", said
+        assert "Doge's cross-domain experts" in said["extension"] and "at once" in said["extension"], said
