@@ -162,7 +162,7 @@ def _planned_state_elements(config) -> tuple[int, int] | None:
     from seqmesh.model.presets import model_shape
     from seqmesh.planner.inference import recurrent_state_elements
 
-    if getattr(_sizes(config), "num_attention_heads", None) is None:  # Mamba: the planner reads no model without heads
+    if getattr(config, "num_attention_heads", None) is None:  # Mamba: the planner reads no model without heads
         return None
     with tempfile.TemporaryDirectory() as folder:
         config.to_json_file(f"{folder}/config.json")
@@ -170,22 +170,12 @@ def _planned_state_elements(config) -> tuple[int, int] | None:
         return None if shape.unplanned else recurrent_state_elements(shape, batch=2)
 
 
-def _sizes(config, kind: str = "sliding_attention"):
-    """The config whose sizes a layer of ``kind`` is built at: the config's own, or, where transformers refuses one
-    global value (dots.llm3's sliding layers with sizes of their own: per_layer_config), the first such layer's."""
-    try:
-        [getattr(config, name, None) for name in ("num_attention_heads", "kv_lora_rank")]
-    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        return config.per_layer_config[list(config.layer_types).index(kind)]
-    return config
-
-
 def _share_bytes(config, tokens: int) -> int:
     """``seqmesh.inference.cache_bytes`` for ``tokens`` of this batch of two float64 rows: MLA keeps a key of
     ``qk_nope + qk_rope`` and a value of ``v_head_dim`` for every head, the others ``head_dim`` for each key head."""
     from seqmesh.inference import cache_bytes
 
-    if getattr(_sizes(config), "num_attention_heads", None) is None:  # Mamba: no attention layer keeps anything
+    if getattr(config, "num_attention_heads", None) is None:  # Mamba: no attention layer keeps anything
         return 0
     kinds = (getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
              or ["full_attention"] * config.num_hidden_layers)
@@ -196,10 +186,8 @@ def _share_bytes(config, tokens: int) -> int:
 
         shared = list(getattr(config, "indexer_types", None) or ["full"] * len(kinds))
         own = sum(k == "indexed_attention" and s != "shared" for k, s in zip(kinds, shared))
-        at = _sizes(config, "indexed_attention")
-        sparse = indexed_cache_bytes(tokens, indexed, own, at.kv_lora_rank + at.qk_rope_head_dim,
+        sparse = indexed_cache_bytes(tokens, indexed, own, config.kv_lora_rank + config.qk_rope_head_dim,
                                      config.index_head_dim, 8, batch=2)
-    config = _sizes(config)  # the layers below: a dense cache, of the sliding layers' own sizes where they differ
     if getattr(config, "kv_lora_rank", None):
         dims = (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
     else:  # the older families (BLOOM, MPT, GPT-Neo: every head; Falcon: one, or num_kv_heads in its new layout)

@@ -12,6 +12,7 @@ from ..rules.model_sizes import check_model_sizes
 from ..rules.own_attention import TWO_MATRIX_MLP
 from .deepseek_v4 import deepseek_v4_fields
 from .doge import doge_fields
+from .dots3 import FAMILIES as DOTS3, dots3_entries
 from .minimax_m3 import SPARSE, canonical_entries, minimax_m3_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
@@ -67,7 +68,8 @@ def shape_from_config(path: str) -> ModelShape:
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
-    cfg = _with_layer_count(_standard_names(canonical_entries(cfg)))  # MiniMax-M3's released entries as transformers'
+    # MiniMax-M3's released entries as transformers reads them; dots.llm3's older releases as its config class builds them
+    cfg = dots3_entries(_with_layer_count(_standard_names(canonical_entries(cfg))))
     hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
     cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
     if "layers" in hybrid:
@@ -362,34 +364,46 @@ _LAYER_SIZES = ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv
 
 
 def _sliding_latent_fields(cfg: dict) -> dict:
-    """dots.llm3's ``per_layer_config``: its sliding layers' own MLA sizes (each entry a layer's, by index; transformers
-    builds every other layer at the file's sizes), and its ``layer_types`` as given (they follow no period); or why
-    the planner does not size the model: an entry for a layer that is not sliding, sliding layers of different
-    sizes, or full attention layers beside them (dots.llm3 without DeepSeek Sparse Attention)."""
-    entries = {int(i): e for i, e in (cfg.get("per_layer_config") or {}).items()}
-    types = cfg.get("layer_types") or []
-    if not entries:
-        return {}
+    """dots.llm3's layers (:func:`.dots3.dots3_entries` has read an older release as its class does): its
+    ``layer_types`` as given (they follow no period), and its sliding layers' own MLA sizes from ``per_layer_config``
+    (each entry a layer's, by index; an entry, or a size of one, equal to the file's own is no difference: transformers
+    may write every layer's); or why the planner does not size the model: a layer other than a sliding one with sizes
+    of its own, sliding layers of different sizes, an entry setting anything but these sizes, or full attention layers
+    beside them (dots.llm3 without DeepSeek Sparse Attention)."""
     family = cfg.get("model_type", "")
-    sizes = {i: {k: e.get(k, cfg.get(k)) for k in _LAYER_SIZES} for i, e in entries.items()}
-    for i, size in sizes.items():  # an entry without its rotary part: the rest of its head (transformers' rule)
-        if "qk_rope_head_dim" not in entries[i]:
+    types = list(cfg.get("layer_types") or [])
+    if family not in DOTS3 or not types:
+        return {}
+    given = {"given_layer_types": tuple(types)}
+    file = {k: cfg.get(k) for k in _LAYER_SIZES}
+    sizes, other = {}, set()
+    for key, entry in (cfg.get("per_layer_config") or {}).items():
+        i = int(key)
+        size = {k: entry.get(k, file[k]) for k in _LAYER_SIZES}
+        if "qk_rope_head_dim" not in entry:  # an entry without its rotary part: the rest of its head (transformers')
             size["qk_rope_head_dim"] = size["head_dim"] - size["qk_nope_head_dim"]
+        other |= {k for k, v in entry.items() if k not in _LAYER_SIZES and v != cfg.get(k)}
+        if size != file:
+            sizes[i] = size
+    if not sizes and not other:
+        return given
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    kinds = {tuple(sorted(sizes.get(i, {k: cfg.get(k) for k in _LAYER_SIZES}).items())) for i in sliding}
-    if set(entries) - set(sliding) or len(kinds) > 1 or "full_attention" in types:
-        return {"unplanned": f"seqmesh plan sizes {family}'s sliding layers at sizes of their own (per_layer_config), "
-                             "one size for them all beside indexed layers, but this file gives other layers sizes of "
-                             "their own, its sliding layers different ones, or has full attention layers (use_dsa "
-                             "false); seqmesh train runs it all the same"}
-    size = sizes[sliding[0]]  # every entry a sliding layer's, all alike
+    kinds = {tuple(sorted(sizes.get(i, file).items())) for i in sliding}
+    if other or set(sizes) - set(sliding) or len(kinds) > 1 or "full_attention" in types:
+        why = (f"it sets {', '.join(sorted(other))} per layer" if other else
+               "its other layers have sizes of their own, its sliding layers different ones, or it has full attention "
+               "layers (use_dsa false)")
+        return {"unplanned": f"seqmesh plan sizes {family}'s sliding layers at MLA sizes of their own "
+                             f"(per_layer_config), one size for them all beside indexed layers, but {why}; seqmesh "
+                             "train runs it all the same"}
+    size = sizes[sliding[0]]  # every sliding layer's, all alike
     if size["num_key_value_heads"] != size["num_attention_heads"]:
         raise ValueError(f"per_layer_config: num_key_value_heads = {size['num_key_value_heads']} must equal "
                          f"num_attention_heads = {size['num_attention_heads']} in {family}'s MLA layers; fix the "
                          "config.json.")
     latent = LatentShape(size["q_lora_rank"] or 0, size["kv_lora_rank"], size["qk_nope_head_dim"],
                          size["qk_rope_head_dim"], size["v_head_dim"], gate=_LATENT_GATES.get(family, ""))
-    return {"sliding_latent": latent, "sliding_heads": size["num_attention_heads"], "given_layer_types": tuple(types)}
+    return given | {"sliding_latent": latent, "sliding_heads": size["num_attention_heads"]}
 
 
 def _linear_fields(cfg: dict) -> dict:

@@ -412,6 +412,12 @@ class ModelShape:
         return self.compressed.attention_params(self.hidden, self.heads, self.head_dim, kind)
 
     @property
+    def fewest_heads(self) -> int:
+        """The fewest query heads of a layer kind (dots.llm3's sliding layers may have fewer than its file's): what
+        bounds the Ulysses degree (``seqmesh.hf.parallelize`` checks each kind's heads)."""
+        return min(self.heads, self.sliding_heads or self.heads)
+
+    @property
     def sliding_attention_params(self) -> int:
         """One dots.llm3 sliding layer's MLA at its own sizes (0 for another model)."""
         return self.sliding_latent.attention_params(self.hidden, self.sliding_heads) if self.sliding_latent else 0

@@ -225,12 +225,13 @@ class IndexedAttention:
 
     def params(self) -> int:  # tp is 1: seqmesh refuses tensor parallelism with indexed attention
         m = self.work.model
-        return layer_params(m) - self._indexer_params()
+        return layer_params(m) - self._beyond_own()
 
-    def _indexer_params(self) -> int:
-        """The indexer's parameters this layer lacks (a shared layer's), of the model's largest layer."""
+    def _beyond_own(self) -> int:
+        """What the model's largest attention (``ModelShape.attention_params``) has beyond this layer's own MLA: a
+        shared layer's missing indexer, or dots.llm3's larger sliding layers'."""
         m = self.work.model
-        return 0 if self.indexer else m.attention_params - m.latent.attention_params(m.hidden, m.heads)
+        return m.attention_params - m.latent.attention_params(m.hidden, m.heads, indexer=self.indexer)
 
     def ranks(self):
         """Each sequence rank's traffic in one layer (:func:`.traffic.indexed_attention_traffic`)."""
@@ -262,7 +263,7 @@ class IndexedAttention:
         padded = placement(work, layout).sequence_padded
         local, b = padded // p, work.batch
         peak = hw.flops_for(work.dtype)
-        mm_fwd = 2 * b * local * (layer_matmul_params(m) - self._indexer_params()) / (peak * hw.matmul_efficiency)
+        mm_fwd = 2 * b * local * (layer_matmul_params(m) - self._beyond_own()) / (peak * hw.matmul_efficiency)
         sparse_fwd = sparse_attention_flops(m, local, work.seq_len, b) / (peak * hw.attention_efficiency)
         select = 0.0
         if self.indexer:

@@ -31,7 +31,7 @@ def ulysses_refusal(m: ModelShape, ulysses: int, tp: int) -> str | None:
         return (f"ulysses {ulysses}: {m.name} has no attention layer whose heads Ulysses would split; its layers pass "
                 "states over the whole sequence group, the same on any split of it: put the sequence degree on the "
                 "ring")
-    heads = min(m.heads, m.sliding_heads or m.heads) // tp  # dots.llm3's sliding layers' own too (the runtime's check)
+    heads = m.fewest_heads // tp  # dots.llm3's sliding layers' own too (the runtime's check)
     if ulysses > heads:
         return (f"ulysses {ulysses} exceeds the {heads} query heads" + (f" each of the {tp} TP ranks keeps" if tp > 1
                                                                        else "") + "; put the rest on the ring")

@@ -86,9 +86,10 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
         exchange = moe_layers(m) * sum(exchange_seconds(work, layout, hw).values())
         total, serial = total + exchange, serial + exchange
     hops = {}
-    if layout.ring > 1 and full:
-        t_kv, t_dkv = ring_hops(work, layout, hw)
-        steps = ring_hop_count(work, layout) + 1
+    if layout.ring > 1 and full:  # the attention layers' own (dots.llm3's sliding ones at their sizes)
+        attending = attention_kind(work, layout).work
+        t_kv, t_dkv = ring_hops(attending, layout, hw)
+        steps = ring_hop_count(attending, layout) + 1
         hops = dict(ring_hop_forward=t_kv, ring_block_forward=attn_fwd / steps,
                     ring_hop_backward=t_kv + t_dkv, ring_block_backward=attn_bwd / steps)
     return StepTime(total, compute, total - compute, layer_fwd, layer_bwd, serial, **hops)

@@ -153,7 +153,7 @@ def plan_inputs(cfg, world: int, *, device: str = "cuda", reserve_bytes: int = 0
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: choose 'cuda' or 'cpu'.")
     shape = model_shape(cfg.model)
-    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)
+    ulysses, ring, dp = resolve_degrees(world, **cfg.degrees(), q_heads=shape.fewest_heads, seq_len=cfg.seq_len)
     # on the CPU host and device are one memory: FSDP2's CPU offload moves nothing and the activation offload's host
     # copies are used in place (nothing fetched back)
     on_cpu = device == "cpu"

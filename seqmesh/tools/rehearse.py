@@ -64,7 +64,7 @@ def check_world(cfg: TrainConfig, gpus: int) -> None:
     from ..rules.degrees import resolve_degrees
 
     shape = model_shape(cfg.model)
-    resolve_degrees(gpus, **cfg.degrees(), q_heads=shape.heads, seq_len=cfg.seq_len)  # its own errors name the fix
+    resolve_degrees(gpus, **cfg.degrees(), q_heads=shape.fewest_heads, seq_len=cfg.seq_len)  # its errors name the fix
 
 
 def _child_env() -> dict[str, str]:

@@ -108,7 +108,7 @@ def build_mesh(cfg: TrainConfig, device: torch.device | None = None, *,
     real tensors and the model from fake ones (on its fake device)."""
     shape = source.shape  # a preset, a config.json, or a checkpoint folder's config
     # Ulysses deals the decoder's heads and, in a vision-language model, the tower's: the fewer bound it
-    q_heads = min(shape.heads, shape.vision.heads) if shape.vision is not None else shape.heads
+    q_heads = min(shape.fewest_heads, shape.vision.heads) if shape.vision is not None else shape.fewest_heads
     world = dist.get_world_size()
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     sizes = dict(heads=shape.heads, kv_heads=shape.kv_heads, intermediate=shape.intermediate, vocab=shape.vocab)

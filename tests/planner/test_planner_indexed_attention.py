@@ -275,3 +275,61 @@ def test_a_bf16_peak_alone_is_refused_by_name(tmp_path, capsys):
     assert main(argv) == 2
     assert "--peak-tflops-fp32" in capsys.readouterr().err
     assert main([*argv, "--peak-tflops-fp32", "10"]) == 0
+
+
+DOTS_TINY = dict(model_type="dots3_note_text", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                 topk_group=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                 qk_rope_head_dim=8, v_head_dim=8, head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=2,
+                 shared_experts_intermediate_size=32)
+OLDER_DOTS = {
+    # an older release: no per_layer_config, layer_types or mlp_layer_types (its class's patterns), the sliding
+    # layers' sizes as swa_* entries, its window as sliding_window_size, three dense layers first
+    "swa entries": dict(swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=24, swa_kv_lora_rank=12,
+                        swa_head_dim=24, swa_qk_nope_head_dim=12, swa_v_head_dim=6, sliding_window_size=5,
+                        first_k_dense_replace=3),
+    # its indexed layers named full_attention (use_dsa by default), the sliding ones at the class's swa defaults
+    "legacy layer names": dict(layer_types=["full_attention", "full_attention", "sliding_attention",
+                                            "sliding_attention", "sliding_attention", "full_attention"]),
+    # every layer at the file's sizes, per_layer_config empty: the file's layer kinds all the same
+    "uniform sizes": dict(per_layer_config={}, layer_types=["indexed_attention", "indexed_attention",
+                                                            "sliding_attention", "sliding_attention",
+                                                            "sliding_attention", "indexed_attention"],
+                          sliding_window=5),
+    # transformers' explicit form: an entry for every layer, the indexed ones at the file's own sizes
+    "an entry a layer": dict(layer_types=["indexed_attention", "sliding_attention"] * 3, sliding_window=5,
+                             per_layer_config={str(i): ({"num_attention_heads": 2, "num_key_value_heads": 2}
+                                                         if i % 2 else {"num_attention_heads": 4})
+                                               for i in range(6)}),
+}
+
+
+@pytest.mark.parametrize("name", list(OLDER_DOTS))
+def test_dots_files_of_every_release_are_read_as_transformers_builds_them(tmp_path, name):
+    """Each layout a dots.llm3 config.json comes in: its parameters, its layer kinds and window as transformers builds
+    the model from it (an older release's were planned as dense MLA in every layer, none sliding or indexed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps({**DOTS_TINY, **OLDER_DOTS[name]}))
+    config = AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    shape = model_shape(str(tmp_path))
+    assert not shape.unplanned and shape.params == built
+    assert list(shape.layer_types) == list(config.layer_types) and shape.sliding_window == config.sliding_window
+    assert shape.indexed_layers == list(config.layer_types).count("indexed_attention") > 0
+    kinds = [type(k).__name__ for k, _ in layer_kinds(Workload(shape, 64, bf16=False), Degrees(1, 2, 1))]
+    assert kinds == ["Attention", "IndexedAttention"]
+
+
+def test_dots_sliding_heads_bound_the_ulysses_degree(tmp_path):
+    """Ulysses 4 splits the indexed layers' 4 heads but not the sliding layers' 2: the planner refuses it as the
+    runtime does (each kind's heads checked), and an automatic degree stays within 2."""
+    from seqmesh.planner.placement import ulysses_refusal
+    from seqmesh.rules.degrees import resolve_degrees
+
+    shape = _shape(family_config("dots.llm3-own-heads"), tmp_path)
+    assert (shape.heads, shape.sliding_heads, shape.fewest_heads) == (4, 2, 2)
+    assert "exceeds the 2 query heads" in ulysses_refusal(shape, 4, 1) and ulysses_refusal(shape, 2, 1) is None
+    assert resolve_degrees(4, ulysses="auto", ring="auto", dp=1, q_heads=shape.fewest_heads, seq_len=64)[0] <= 2
