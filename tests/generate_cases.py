@@ -14,8 +14,20 @@ from seqmesh.hf import parallelize, unparallelize
 from seqmesh.inference import generate, shard_weights, split_heads
 
 
+# families whose reference, transformers' own generate, fails on an older release, and the release they are held to
+# from: at 5.15 (the floor) Doge's decoder layer takes its experts' (states, router logits) as one tensor, and Zamba2's
+# shared blocks with adapters mismatch their shapes
+_REFERENCE_FROM = {"doge-moe": (5, 24), "zamba2": (5, 24)}
+
+
 def family_here(family: str) -> bool:
-    """Whether the installed transformers has ``family`` (Kimi Linear is newer than transformers 5.15, the floor)."""
+    """Whether the installed transformers has ``family`` (Kimi Linear is newer than transformers 5.15, the floor) and
+    its own generate runs it (:data:`_REFERENCE_FROM`)."""
+    import transformers
+
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < _REFERENCE_FROM.get(family, (0, 0)):
+        return False
     try:
         return family_config(family) is not None
     except (AttributeError, KeyError):  # a config class, or a model type, the installed transformers lacks

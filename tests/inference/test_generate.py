@@ -97,6 +97,8 @@ def test_doge_experts_generate_as_transformers(pools):
     routes them; held to transformers' generate, whose logits its forward over the whole sequence does not reproduce
     (that call's view routes every token by others). 81 prompt tokens (the layout pads them) and 6 new ones stay
     within its keep_window_size of 96; ring 2 and Ulysses 2."""
+    if not _here("doge-moe"):
+        pytest.skip("transformers' own Doge with experts does not generate at this release (generate_cases)")
     for ulysses, ring in ((1, 2), (2, 1)):
         for r in pools.run(2, generated_cases, [("doge-moe", ulysses, ring, 81, NEW)])[0]:
             _check(r, ulysses, ring, against="against_theirs")
