@@ -184,12 +184,16 @@ class HybridShape:
     def shared_layer_params(self, hidden: int) -> int:
         """A Zamba hybrid layer's parameters beside its mixer's: its linear and norm, and its share of the shared
         blocks and their adapters (FSDP2 gathers a block once for all the layers that run it: the same bytes a step)."""
-        return self.ffn(self.attention_ffn()).params + self.norms * hidden + -(-self.shared.params // self.shared_layers)
+        return self._beside_mixer(hidden) + -(-self.shared.params // self.shared_layers)
 
     def shared_layer_reads(self, hidden: int) -> int:
         """The parameters a decoded token reads in a Zamba hybrid layer beside its mixer: its linear and norm, its
         block whole and its adapter set."""
-        return self.ffn(self.attention_ffn()).params + self.norms * hidden + self.shared.block + self.shared.adapter
+        return self._beside_mixer(hidden) + self.shared.block + self.shared.adapter
+
+    def _beside_mixer(self, hidden: int) -> int:
+        """A Zamba hybrid layer's own parameters beside its mixer and its block: its linear and its norm."""
+        return self.ffn(self.attention_ffn()).params + self.norms * hidden
 
     def held_params(self, hidden: int, attention: int) -> int:
         """The parameters of Zamba's shared-block units (``seqmesh.model.fsdp.units_of``: the hybrid layers that run a
@@ -242,8 +246,8 @@ class HybridShape:
 class SharedBlocks:
     """Zamba's and Zamba2's shared transformer blocks (:mod:`.zamba`): ``blocks`` of them (tied: Zamba2's
     ``num_mem_blocks``, the ``i``-th hybrid layer running block ``i % blocks``; untied: one a hybrid layer), each
-    ``block`` parameters (its
-    attention's ``attention`` over the layer's input beside the embeddings, its MLP, its two RMSNorms), and
+    ``block`` parameters (its attention's ``attention`` over the layer's input beside the embeddings, its MLP, its two
+    RMSNorms), and
     ``adapters``: Zamba2's LoRA adapter sets, ``adapter`` parameters each, held in the blocks. FSDP2 puts the hybrid
     layers that share a block in one unit (``seqmesh.model.fsdp.units_of``). ``tied`` False: transformers ties
     nothing in a model whose embeddings are untied, so each hybrid layer builds a block of its own (``blocks`` of
