@@ -14,6 +14,7 @@ from .deepseek_v4 import deepseek_v4_fields
 from .doge import doge_fields
 from .dots3 import FAMILIES as DOTS3, dots3_entries
 from .minimax_m3 import SPARSE, canonical_entries, minimax_m3_fields
+from .qwen4_exp import FAMILIES as QWEN4_EXP, qwen4_exp_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -171,10 +172,8 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields["unplanned"] = ("seqmesh plan does not size Inkling 2's layers yet (its short and dynamic convolutions, "
                                "a relative bias over the gathered row, sliding layers of their own heads, the block "
                                "states each token keeps; Inkling2-Loop's passes); seqmesh train runs it all the same")
-    if family in ("qwen4_exp", "qwen4_exp_text"):
-        fields["unplanned"] = ("seqmesh plan does not size Qwen4-Exp's QSA layers and hyper-connections yet (each "
-                               "query's selected blocks gathered from the row; residual streams a token, mixed around "
-                               "each block); seqmesh train runs it all the same")
+    if family in QWEN4_EXP:
+        fields |= qwen4_exp_fields(cfg)
     if family == "doge":  # its window, which the planner checks the length against; its experts with is_moe
         fields |= doge_fields(cfg)
     return fields
@@ -307,7 +306,7 @@ def _dense_width(cfg: dict) -> int:
 # the width of a family's shared expert where it is not a routed expert's (Qwen2-MoE, Qwen3-Next, Granite-MoE-shared,
 # MiniMax-M3, ...), and the families that gate it by a (hidden -> 1) projection of the token
 _SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size")
-_SHARED_GATED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+_SHARED_GATED = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", *QWEN4_EXP)
 
 
 def _latent_fields(cfg: dict) -> dict:

@@ -12,6 +12,7 @@ from ..rules.model_sizes import check_model_sizes
 from .deepseek_v4 import CompressedShape
 from .doge import CrossDomainExperts
 from .minimax_m3 import BlockSparseShape
+from .qwen4_exp import QwenExpShape
 from .hybrid_shape import HybridShape
 
 
@@ -207,7 +208,7 @@ class LatentShape:
 
 # families whose attention layers norm q and k per head (RMSNorms of head_dim): their parameters, and what they keep
 QK_NORMED = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_vl", "qwen3_vl_moe_text", "gemma3_text", "doge",
-             "minimax_m3_vl_text")
+             "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text")
 
 
 @dataclass(frozen=True, kw_only=True)  # every size named where a shape is built (the presets read as data)
@@ -256,6 +257,7 @@ class ModelShape:
     compressed: CompressedShape | None = None  # DeepSeek-V4's attention (:mod:`.deepseek_v4`); None: another family's
     cross_domain: CrossDomainExperts | None = None  # Doge's experts beside its dense MLP (:mod:`.doge`; is_moe)
     block_sparse: BlockSparseShape | None = None  # MiniMax-M3's block-sparse layers (:mod:`.minimax_m3`)
+    qwen_exp: QwenExpShape | None = None  # Qwen4-Exp's QSA layers and gated residuals (:mod:`.qwen4_exp`)
     # dots.llm3's sliding layers' own MLA (per_layer_config): their latent sizes and heads (kv heads the same), and
     # the file's layer_types, which follow no period; None, 0, (): every attention layer of latent's sizes
     sliding_latent: LatentShape | None = None
@@ -373,8 +375,31 @@ class ModelShape:
             return self.hybrid.norms * self.hidden
         if self.compressed is not None:  # and its two hyper-connections, whole on every rank as the norms
             return 2 * self.hidden + self.compressed.layer_hc_params(self.hidden)
+        if self.qwen_exp is not None:  # no RMSNorm of its own: two gated residuals
+            return self.mixer_norm_params + qk
         gates = 2 * 2 * self.hidden * self.norm_gate_rank  # an MoE layer's two gated norms (A.X-K2)
         return 2 * self.hidden + gates + qk
+
+    @property
+    def streams(self) -> int:
+        """Residual streams a token carries between layers: HY-V4's and DeepSeek-V4's ``hc_mult``, Qwen4-Exp's
+        ``hc_count``, else one."""
+        return self.qwen_exp.streams if self.qwen_exp is not None else max(1, self.hc_mult)
+
+    @property
+    def mixer_norm_params(self) -> int:
+        """The norms of a layer without attention (a Gated DeltaNet layer's): two RMSNorms, or Qwen4-Exp's two gated
+        residuals."""
+        if self.qwen_exp is not None:
+            return 2 * self.qwen_exp.residual_params(self.hidden)
+        return 2 * self.hidden
+
+    @property
+    def residual_macs(self) -> int:
+        """Qwen4-Exp: the weights of a layer's two gated residuals that multiply every token (0 for another
+        model)."""
+        q = self.qwen_exp
+        return 2 * (q.residual_params(self.hidden) - q.streams * self.hidden) if q is not None else 0
 
     @property
     def qk_norms(self) -> bool:
@@ -404,6 +429,9 @@ class ModelShape:
             return self.hybrid.shared.attention
         bias = self.head_dim * (self.heads + 2 * self.kv_heads) + self.hidden if self.hybrid and self.hybrid.attention_bias else 0
         indexer = self.block_sparse.indexer_params(self.hidden) if self.block_sparse is not None else 0
+        if self.qwen_exp is not None:  # its gated q_proj (twice as wide) and its indexer
+            return self.hidden * self.head_dim * (3 * self.heads + 2 * self.kv_heads) + self.qwen_exp.indexer_params(
+                self.hidden)
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + bias + self.mask_params + indexer
 
     def kind_attention_params(self, kind: str) -> int:
@@ -444,6 +472,12 @@ class ModelShape:
         if self.hybrid is not None:
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params) + self.hybrid.extra_params
+        if self.qwen_exp is not None:  # its QSA and Gated DeltaNet layers, the gated residual before the head
+            embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+            full = self.layers - self.linear_layers
+            return (embed + self.qwen_exp.residual_params(self.hidden, inject=False)
+                    + full * (self.attention_params + 2 * self.head_dim) + self.linear_layers * self.linear_layer_params
+                    + self.layers * (self.mlp_params + self.mixer_norm_params))
         if self.compressed is not None:  # each layer's attention by its kind; the head's hyper-connection
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             attention = sum(self.kind_attention_params(kind) for kind in self.layer_types)

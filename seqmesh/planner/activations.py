@@ -153,7 +153,7 @@ def decoder_layer_saved_bytes(work: Workload, layout: Degrees) -> int:
         ffn = m.hybrid.ffn(m.hybrid.attention_ffn())  # its saved elements include its input's row (tp is 1)
         norms = m.hybrid.norms * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
         return norms + g * e * m.hidden + attention_saved(work, layout) + (0 if work.tiled_mlp else g * e * ffn.kept)
-    norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm)
+    norms = 2 * tokens(work, layout) * norm_saved(m, e, work.efficient_norm) if m.qwen_exp is None else 0
     return (norms + 2 * g * e * m.hidden + attention_saved(work, layout) + mlp_saved_bytes(work, layout)
             + hyper_connection_saved(work, layout))
 
@@ -173,8 +173,9 @@ def mlp_saved_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def layer_input_bytes(work: Workload, layout: Degrees) -> int:
-    """The input a checkpointed layer keeps (the residual stream, compute dtype; HY-V4's ``hc_mult`` streams)."""
-    return tokens(work, layout) * work.model.hidden * work.act_bytes * max(1, work.model.hc_mult)
+    """The input a checkpointed layer keeps (the residual stream, compute dtype; HY-V4's ``hc_mult`` streams,
+    Qwen4-Exp's ``hc_count``)."""
+    return tokens(work, layout) * work.model.hidden * work.act_bytes * work.model.streams
 
 
 def hyper_connection_saved(work: Workload, layout: Degrees) -> int:
@@ -185,6 +186,8 @@ def hyper_connection_saved(work: Workload, layout: Degrees) -> int:
     the two blocks; and, without checkpointing, the layer's input streams (a checkpointed layer keeps them as its
     input anyway)."""
     m, n = work.model, work.model.hc_mult
+    if m.qwen_exp is not None:
+        return 2 * tokens(work, layout) * gated_residual_saved(work)
     if not n:
         return 0
     if m.compressed is None:
@@ -192,6 +195,16 @@ def hyper_connection_saved(work: Workload, layout: Degrees) -> int:
     e = work.act_bytes
     streams = (1 if work.checkpointing else 2) * e * n * m.hidden
     return tokens(work, layout) * (2 * (hyper_connection_share(work) + e * m.hidden) + streams)
+
+
+def gated_residual_saved(work: Workload, inject: bool = True) -> int:
+    """Bytes a token's one Qwen4-Exp gated residual keeps: its norm's float32 input (a copy unless the model is
+    float32) and normalized streams, the normed streams (its three projections' input) and the mixing weights'
+    sigmoid (``n x E`` each, the compute dtype), the low-rank projection's SiLU input and output (``r`` each); with
+    its injection (not the model's last), the block's output, which the injection weights multiply."""
+    m, e, q = work.model, work.act_bytes, work.model.qwen_exp
+    wide = q.streams * m.hidden
+    return 2 * 4 * wide + 2 * e * wide + 2 * e * q.lowrank + (e * m.hidden if inject else 0)
 
 
 def hyper_connection_share(work: Workload) -> int:
@@ -224,8 +237,11 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
 
 
 def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
-    """An RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to its input's."""
+    """An RMSNorm's backward, op by op (``(op, allocated, freed)``), from its output's gradient to its input's
+    (Qwen4-Exp's: :func:`gated_residual_backward_steps`)."""
     m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    if m.qwen_exp is not None:
+        return gated_residual_backward_steps(work, layout)
     c, f = t * m.hidden * e, t * m.hidden * 4  # one (token, hidden) tensor in the compute dtype / in float32
     if efficient_norm(work):  # seqmesh.memory.rmsnorm: one step, the input gradient and one tile's float32 tensors
         tile = -(-t // max(1, -(-t // m.hidden)))  # seqmesh.memory.tiled_mlp.tile_count over all B x L tokens
@@ -241,6 +257,25 @@ def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int,
                     ("norm square backward", 4 * f, 3 * f),  # the product stays, to be added to dx
                     ("norm gradient sum", 0, f + kept),  # in place into dx; the float32 copy and r freed
                     ("norm cast back", c, f)]  # dx in bf16, added in place into the residual gradient
+
+
+def gated_residual_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:
+    """A Qwen4-Exp gated residual's backward, op by op, from the gradient of its mixed output to its streams': the
+    normed streams' gradient (``n x E`` a token; the mix's and the three projections', summed), then its norm's, in
+    float32 (as an RMSNorm's in a narrower dtype, :func:`norm_backward_steps`, at ``n x E``, the weight's product
+    float32 too; three float32 tensors at its square's backward, as a rehearsal holds them), the float32 input and
+    normalized streams it kept freed at the end."""
+    m, e, t = work.model, work.act_bytes, tokens(work, layout)
+    wide = m.streams * m.hidden
+    c, f = t * wide * e, t * wide * 4
+    return [("gated residual mix backward", c, 2 * c),  # the normed streams' gradient; they and the mixing weights
+            # freed
+            ("norm cast backward", f, c),
+            ("norm weight backward", 2 * f, 2 * f),  # d(normalized) and its product with the normalized streams
+            ("norm scale backward", 2 * f, 2 * f),
+            ("norm square backward", 3 * f, 2 * f),
+            ("norm gradient sum", 0, f + t * (2 * 4 * wide)),  # its float32 input and normalized streams freed
+            ("norm cast back", c, f)]
 
 
 def gather_backward(name: str, gathered: int) -> tuple[str, int, int]:

@@ -31,11 +31,11 @@ KEY = "block_sparse_row_gather"
 INT64 = 8
 
 
-def block_queries(work: Workload, layout: Degrees) -> int:
-    """``l``: the queries of one block, as the runtime sizes it."""
-    m, sparse = work.model, work.model.block_sparse
-    keys = sparse.keys_per_query(work.seq_len)
-    per_query = work.batch * m.heads * max(keys * m.head_dim, work.seq_len)
+def block_queries(work: Workload, layout: Degrees, keys: int, beside: int) -> int:
+    """``l``: the queries of one block, as the runtime sizes it, for ``keys`` keys a query head and ``beside`` the
+    other extent it bounds a block by (MiniMax-M3's row, Qwen4-Exp's blocks)."""
+    m = work.model
+    per_query = work.batch * m.heads * max(keys * m.head_dim, beside)
     return min(max(1, BLOCK_ELEMENTS // per_query), local_tokens(work, layout))
 
 
@@ -46,32 +46,46 @@ class BlockSparseAttention:
     work: Workload
     layout: Degrees
 
+    key = KEY  # the plan's name of its row gathers
+
     def params(self) -> int:  # tp is 1: seqmesh refuses tensor parallelism with block-sparse attention
         return layer_params(self.work.model)
 
-    def _widths(self) -> tuple[int, int]:
-        """(the indexer key's, the keys' or the values') values a token in the row's all-gathers."""
+    def _kv_width(self) -> int:
+        """Values a token of the row's keys (or values) all-gather."""
         m = self.work.model
-        return m.block_sparse.index_head_dim, m.kv_heads * m.head_dim
+        return m.kv_heads * m.head_dim
+
+    def _gathered(self) -> tuple[int, ...]:
+        """Values a token in each of the row's forward all-gathers without gradient (the indexer's keys)."""
+        return (self.work.model.block_sparse.index_head_dim,)
+
+    def _keys(self) -> int:
+        """Keys each query head reads."""
+        return self.work.model.block_sparse.keys_per_query(self.work.seq_len)
+
+    def _queries(self) -> int:
+        """``l``: the queries of one block."""
+        return block_queries(self.work, self.layout, self._keys(), self.work.seq_len)
 
     def ranks(self) -> list[RankTraffic]:
-        """Each sequence rank's traffic in one layer: three all-gathers forward (the indexer's keys, the keys, the
+        """Each sequence rank's traffic in one layer: the all-gathers forward (:meth:`_gathered`'s, the keys, the
         values), two reduce-scatters backward; ``(P - 1) x`` this rank's share each, the same on every rank."""
         w, lay = self.work, self.layout
         p = lay.ulysses * lay.ring
         if p == 1:
             return [RankTraffic(0, 0, ())]
         unit = (p - 1) * w.batch * local_tokens(w, lay) * dtype_bytes(w.torch_dtype)
-        index, kv = self._widths()
-        calls = (Collective("all_gather", "forward", 3, (index + 2 * kv) * unit),
+        plain, kv = self._gathered(), self._kv_width()
+        calls = (Collective("all_gather", "forward", len(plain) + 2, (sum(plain) + 2 * kv) * unit),
                  Collective("reduce_scatter", "backward", 2, 2 * kv * unit))
         return [RankTraffic(r % lay.ulysses, r // lay.ulysses, calls) for r in range(p)]
 
     def traffic(self) -> Phases:
-        return gather_phases(self.ranks(), KEY, self.work.checkpointing)
+        return gather_phases(self.ranks(), self.key, self.work.checkpointing)
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
-        return gather_links(KEY, hw, self.layout)
+        return gather_links(self.key, hw, self.layout)
 
     def _row(self) -> int:
         """Tokens of the row every rank gathers, all ``batch`` sequences."""
@@ -83,9 +97,13 @@ class BlockSparseAttention:
         values, and what its q and k norms keep (:func:`.activations.qk_norm_saved`)."""
         w, m = self.work, self.work.model
         e, sparse = w.act_bytes, m.block_sparse
-        picks = sparse.index_heads * min(sparse.topk_blocks, sparse.blocks(w.seq_len)) * INT64
-        own = tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + picks) + self._row() * 2 * self._widths()[1] * e
+        own = tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + self._picks()) + self._row() * 2 * self._kv_width() * e
         return own + qk_norm_saved(w, self.layout)
+
+    def _picks(self) -> int:
+        """Bytes a token's picks keep: each indexer head's picked blocks (int64)."""
+        sparse = self.work.model.block_sparse
+        return sparse.index_heads * min(sparse.topk_blocks, sparse.blocks(self.work.seq_len)) * INT64
 
     def saved_bytes(self) -> int:
         w, lay = self.work, self.layout
@@ -104,17 +122,21 @@ class BlockSparseAttention:
         the keys' is made), their int64 row indices, and its scores, float32 probabilities and their gradients
         (``l x Hq x K`` each)."""
         w, m, e = self.work, self.work.model, self.work.act_bytes
-        sparse, l, b = m.block_sparse, block_queries(w, self.layout), w.batch
-        slots = sparse.blocks(w.seq_len) * sparse.block_size
-        select = (self._row() * sparse.index_head_dim * (e + 4)
-                  + b * l * sparse.index_heads * (w.seq_len + 2 * slots) * 4 + l * slots * (INT64 + 2))
-        pairs = b * l * m.heads * sparse.keys_per_query(w.seq_len)
+        pairs = w.batch * self._queries() * m.heads * self._keys()
         block = pairs * (3 * m.head_dim * e + INT64 + 3 * 4)
         queries = 2 * tokens(w, self.layout) * m.heads * m.head_dim * e
         # the layer's MLP has not run yet at the selection (the recompute's forward) and is done at the attention's
         # backward: what it keeps is not there at either
-        peak = max(select, 2 * 2 * self._row() * self._widths()[1] * e + queries + block)
+        peak = max(self._select_bytes(), 2 * 2 * self._row() * self._kv_width() * e + queries + block)
         return max(0, peak - mlp_saved_bytes(w, self.layout))
+
+    def _select_bytes(self) -> int:
+        """The selection's working set of one block of queries (:meth:`backward_bytes`)."""
+        w, e, sparse = self.work, self.work.act_bytes, self.work.model.block_sparse
+        l, b = self._queries(), w.batch
+        slots = sparse.blocks(w.seq_len) * sparse.block_size
+        return (self._row() * sparse.index_head_dim * (e + 4)
+                + b * l * sparse.index_heads * (w.seq_len + 2 * slots) * 4 + l * slots * (INT64 + 2))
 
     @property
     def backward_op(self) -> str:
@@ -129,20 +151,26 @@ class BlockSparseAttention:
         again with a checkpointed layer's recompute); the row's all-gathers before them and the reduce-scatters of its
         gradients, which nothing overlaps (:func:`.layer_cost.serial_layer_seconds`)."""
         w, lay, m = self.work, self.layout, self.work.model
-        sparse, b = m.block_sparse, w.batch
+        b = w.batch
         local = placement(w, lay).sequence_padded // (lay.ulysses * lay.ring)
         peak = hw.flops_for(w.dtype)
         mm_bwd = 2 * 2 * b * local * layer_matmul_params(m) / (peak * hw.matmul_efficiency)  # not the indexer's
-        mm_fwd = 2 * b * local * (layer_matmul_params(m) + sparse.indexer_params(m.hidden)) / (
-            peak * hw.matmul_efficiency)
-        pairs = b * local * m.heads * sparse.keys_per_query(w.seq_len)
+        mm_fwd = 2 * b * local * (layer_matmul_params(m) + self._indexer_params()) / (peak * hw.matmul_efficiency)
+        pairs = b * local * m.heads * self._keys()
         attend = (4 * pairs * m.head_dim / (peak * hw.attention_efficiency)
                   + 2 * 2 * pairs * m.head_dim * w.act_bytes / hw.memory_bandwidth)
-        select = 2 * b * local * w.seq_len * sparse.index_heads * sparse.index_head_dim / (
-            hw.flops_for("fp32") * hw.matmul_efficiency)
+        select = 2 * b * local * self._scored() / (hw.flops_for("fp32") * hw.matmul_efficiency)
         group = axis_groups(lay, "sequence")[0]
         unit = b * local * dtype_bytes(w.torch_dtype) * (lay.ulysses * lay.ring - 1)
-        index, kv = self._widths()
-        ag = gather_seconds(index * unit, hw, group) + 2 * gather_seconds(kv * unit, hw, group)
+        kv = self._kv_width()
+        ag = sum(gather_seconds(n * unit, hw, group) for n in self._gathered()) + 2 * gather_seconds(kv * unit, hw, group)
         rs = 2 * gather_seconds(kv * unit, hw, group)
         return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + attend, mm_bwd + 3 * attend), (ag, rs))
+
+    def _indexer_params(self) -> int:
+        return self.work.model.block_sparse.indexer_params(self.work.model.hidden)
+
+    def _scored(self) -> int:
+        """Multiply-adds of one query's selection: each indexer head against every key of the row."""
+        sparse = self.work.model.block_sparse
+        return self.work.seq_len * sparse.index_heads * sparse.index_head_dim

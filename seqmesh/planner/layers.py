@@ -15,9 +15,10 @@ import functools
 from ..hf.indexed_attention import indexer_block, scored_keys
 from ..sequence.layout import SequenceLayout
 from ..model.shapes import ModelShape
-from .activations import GPU, decoder_layer_saved_bytes, local_tokens, mlp_saved_bytes, tokens
+from .activations import GPU, decoder_layer_saved_bytes, hyper_connection_saved, local_tokens, mlp_saved_bytes, tokens
 from .attention_layer import Attention
 from .block_sparse import BlockSparseAttention
+from .qsa import QsaAttention
 from .placement import placement
 from .hardware import HardwareSpec
 from .layer_cost import Phases, phases, serial_layer_seconds
@@ -33,18 +34,20 @@ from .short_conv import ShortConvLayer
 from .traffic import (Collective, RankTraffic, call_bytes, dtype_bytes, indexed_attention_traffic,
                       linear_attention_traffic, worst_rank)
 from ..rules.degrees import Degrees
-from .workload import Workload, layer_matmul_params, layer_params
+from .workload import Workload, layer_matmul_params, layer_params, mlp_matmul_params
 
 
 
 def linear_layer_params(m: ModelShape) -> int:
-    """One Gated DeltaNet layer's parameters: token mixer, gated MLP (Qwen3.5-MoE's experts and router), norms."""
-    return m.linear_layer_params + m.mlp_params + 2 * m.hidden
+    """One Gated DeltaNet layer's parameters: token mixer, gated MLP (Qwen3.5-MoE's experts and router), norms
+    (Qwen4-Exp's gated residuals)."""
+    return m.linear_layer_params + m.mlp_params + m.mixer_norm_params
 
 
 def linear_layer_matmul_params(m: ModelShape) -> int:
-    """Its parameters that multiply every token (an MoE layer's: :func:`.workload.layer_matmul_params`'s)."""
-    return m.linear_layer_params + layer_matmul_params(m) - m.attention_params
+    """Its parameters that multiply every token (an MoE layer's: :func:`.workload.mlp_matmul_params`'s; Qwen4-Exp's
+    gated residuals')."""
+    return m.linear_layer_params + mlp_matmul_params(m) + m.residual_macs
 
 
 def linear_state_bytes(m: ModelShape, batch: int, sp: int) -> int:
@@ -138,7 +141,9 @@ class GatedDeltaNet:
         # transformers' gated RMSNorm on the mixer's output (B, L, Hv, Dv): its float32 input, gate and SiLU(gate);
         # the normed and weighted tensors and the output (out_proj's input) in the compute dtype
         gated_norm = values * (3 * 4 + 3 * e)
-        per_token = e * 4 * m.hidden + gated_norm + 2 * 4  # and its MLP's (an MoE layer's experts': mlp_saved_bytes)
+        # the two norms' inputs and outputs (Qwen4-Exp's gated residuals apart: the block's and the MLP's inputs)
+        norms = 4 if m.qwen_exp is None else 2
+        per_token = e * norms * m.hidden + gated_norm + 2 * 4  # and its MLP's (experts': mlp_saved_bytes)
         # the causal conv (B, S, conv channels of the rank): its input, the K - 1 shifted products
         # (gated_delta.causal_conv1d) and SiLU's input; beta and the decay
         conv = 2 * k * m.linear_key_dim + h * m.linear_value_dim
@@ -150,7 +155,7 @@ class GatedDeltaNet:
             rule = linear_rule_saved_bytes(m, whole // p, m.linear_value_heads, m.linear_value_dim + m.linear_key_dim)
             # the state pass reads each entering state through G (B, L, Hv, Dk), kept in float32 (passing.pass_states)
             rule += 4 * (whole // p) * m.linear_value_heads * m.linear_key_dim
-        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule
+        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule + hyper_connection_saved(w, lay)
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and
@@ -279,7 +284,8 @@ class IndexedAttention:
                                      (ag, rs))
 
 
-LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | Mamba2Layer | FeedForwardBlock
+LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | QsaAttention | Mamba2Layer
+             | FeedForwardBlock
              | ShortConvLayer | KdaLayer | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
 
 
@@ -305,8 +311,9 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
         return [(kind, n) for kind, n in ((Attention(work, layout, m.sliding_window), m.sliding_layers),
                                           *((CompressedAttention(work, layout, k), m.layer_types.count(k))
                                             for k in (HCA, CSA))) if n]
+    qsa = m.layers - m.linear_layers if m.qwen_exp is not None else 0  # Qwen4-Exp's attention layers are QSA's
     full = (m.layers - m.linear_layers - (m.sliding_layers if m.sliding_window else 0) - m.indexed_layers
-            - m.block_sparse_layers)
+            - m.block_sparse_layers - qsa)
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:
         kinds.append((Attention(attention_kind(work, layout).work, layout, m.sliding_window), m.sliding_layers))
@@ -316,6 +323,7 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
         kinds += [(IndexedAttention(work, layout), m.indexed_layers - shared),
                   (IndexedAttention(work, layout, indexer=False), shared)]
     kinds.append((BlockSparseAttention(work, layout), m.block_sparse_layers))
+    kinds.append((QsaAttention(work, layout), qsa))
     if full < 0:  # a layer counted twice (a sliding layer that is also indexed): a reader's error, never a plan
         raise ValueError(f"{m.name}: its layer kinds add up to more than its {m.layers} layers ({m.sliding_layers} "
                          f"sliding, {m.linear_layers} linear, {m.indexed_layers} indexed).")

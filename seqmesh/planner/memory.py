@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, fields
 
 from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, efficient_norm, final_norm_bytes,
+                          gated_residual_saved,
                           gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens,
                           norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
@@ -244,10 +245,13 @@ def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
 
 
 def _head_streams_bytes(work: Workload, layout: Degrees, moment: str) -> int:
-    """DeepSeek-V4's head hyper-connection, which collapses the last layer's streams before the final norm: it keeps
+    """Qwen4-Exp's last gated residual (:func:`.activations.gated_residual_saved`). DeepSeek-V4's head
+    hyper-connection, which collapses the last layer's streams before the final norm: it keeps
     those streams, their float32 copy (unless the model is float32) and their normed float32 form (its mixing
     weights' input); in the loss's backward, their float32 gradients too (:data:`HEAD_STREAM_GRADIENTS` tensors)."""
     m, e = work.model, work.act_bytes
+    if m.qwen_exp is not None:  # its last gated residual, which mixes the streams into the head's input
+        return tokens(work, layout) * gated_residual_saved(work, inject=False)
     if m.compressed is None:
         return 0
     streams = tokens(work, layout) * m.compressed.hc_mult * m.hidden

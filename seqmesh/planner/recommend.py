@@ -95,8 +95,8 @@ def explain(best: Candidate, ranked: list[Candidate], cluster: Cluster) -> str:
         parts.append(f"Ulysses {lay.ulysses} {'inside' if inner else 'over'} {links['ulysses_all_to_all']}")
     if lay.ring > 1 and "ring_p2p" in links:
         parts.append(_ring_part(best, cluster))
-    rows = next((k for k in ("indexed_row_gather", "block_sparse_row_gather") if k in links), None)
-    if lay.sp > 1 and rows:  # DeepSeek Sparse Attention, MiniMax-M3's block-sparse layers: one flat group, any split
+    rows = next((k for k in ("indexed_row_gather", "block_sparse_row_gather", "qsa_row_gather") if k in links), None)
+    if lay.sp > 1 and rows:  # DeepSeek Sparse Attention, MiniMax-M3's block-sparse, Qwen4-Exp's QSA: one flat group
         parts.append(f"the sparse attention's rows gathered over the {lay.sp} GPUs of the sequence group, over "
                      f"{links[rows]} (the same bytes for every Ulysses x ring split of them)")
     if lay.ep > 1:

@@ -12,7 +12,7 @@ from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
 SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "compressed_gather",
-                  "block_sparse_row_gather", "router_logits_gather", "tp_all_gather",
+                  "block_sparse_row_gather", "qsa_row_gather", "router_logits_gather", "tp_all_gather",
                   "tp_reduce_scatter")  # the table's SP comm
 
 
@@ -46,7 +46,7 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"
-            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}, vocab {m.vocab:,}; {flags}\n"
+            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}{_qsa(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
 
@@ -105,6 +105,16 @@ def _block_sparse(m) -> str:
         return ""
     return (f" (block-sparse attention on {sparse.layers} layers: top {sparse.topk_blocks} blocks of "
             f"{sparse.block_size} keys a query, indexer {sparse.index_heads} heads x {sparse.index_head_dim})")
+
+
+def _qsa(m) -> str:
+    """Qwen4-Exp's layers, its selection and its streams, as the header names them."""
+    q = m.qwen_exp
+    if q is None:
+        return ""
+    return (f" ({m.linear_layers} Gated DeltaNet, {m.layers - m.linear_layers} QSA layers: top {q.block_topk} blocks "
+            f"of {q.ratio} keys a query and its block's tail, indexer {q.index_heads} heads x {q.index_head_dim}; "
+            f"{q.streams} residual streams, gated residuals of rank {q.lowrank})")
 
 
 def _compressed(m) -> str:

@@ -122,11 +122,14 @@ def layer_matmul_params(m: ModelShape) -> int:
         convs = m.hybrid.cca.conv_params() if m.hybrid.cca is not None else 0
         return m.attention_params + convs + m.hybrid.ffn(m.hybrid.attention_ffn()).macs
     # DeepSeek-V4's sliding layers (its compressed ones count their own: seqmesh.planner.compressed); MiniMax-M3's
-    # full layers (its block-sparse ones add their indexer: seqmesh.planner.block_sparse)
+    # full layers (its block-sparse ones add their indexer: seqmesh.planner.block_sparse); Qwen4-Exp's QSA layers
+    # without their indexer (seqmesh.planner.qsa) and with their gated residuals
     attention = m.kind_attention_params("sliding_attention") if m.compressed is not None else m.attention_params
     if m.block_sparse is not None:
         attention -= m.block_sparse.indexer_params(m.hidden)
-    return attention + mlp_matmul_params(m)
+    if m.qwen_exp is not None:
+        attention -= m.qwen_exp.indexer_params(m.hidden)
+    return attention + mlp_matmul_params(m) + m.residual_macs
 
 
 def mlp_matmul_params(m: ModelShape) -> int:
