@@ -211,14 +211,16 @@ def family_config(family: str):
                                         intermediate_multiple_size=2, max_position_embeddings=128, attention_dropout=0.0,
                                         hidden_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                              "partial_rotary_factor": 0.5})
-    if family in ("qwen4-exp", "qwen4-exp-ple"):  # a Gated DeltaNet layer, then QSA: blocks of 4 tokens, each query
-        # the top 4 and its tail; -ple: a PLE layer before each (trigrams, a conv of 4 dilated by 3: 9 earlier
-        # tokens), 231 the end-of-sequence id (at 10 and 21 in the parity batch: the n-gram context restarts there)
+    if family in ("qwen4-exp", "qwen4-exp-ple", "qwen4-exp-ple-linear"):  # a Gated DeltaNet layer, then QSA: blocks
+        # of 4 tokens, each query the top 4 and its tail; -ple: a PLE layer before each (trigrams, a conv of 4 dilated
+        # by 3: 9 earlier tokens), 231 the end-of-sequence id (at 10 and 21 in the parity batch: the n-gram context
+        # restarts there); -ple-linear: before the Gated DeltaNet layer only (a file transformers writes: its config
+        # class refuses PLE on another layer)
         from census_configs import census_config as census_built
 
         config = census_built("qwen4_exp_text")
-        if family == "qwen4-exp-ple":
-            config.ple_layer_ids, config.eos_token_id = [1, 2], 231
+        if family != "qwen4-exp":
+            config.ple_layer_ids, config.eos_token_id = [1, 2] if family == "qwen4-exp-ple" else [1], 231
             config.ngram_vocab_size_base, config.make_ngram_vocab_size_divisible_by = 101, 8
         return config
     if family == "inkling":  # a sliding layer (window 6), then a full one whose relative bias reaches 8 keys back and

@@ -21,12 +21,13 @@ from .block_sparse import BlockSparseAttention
 from .qsa import QsaAttention
 from .placement import placement
 from .hardware import HardwareSpec
-from .layer_cost import Phases, phases, serial_layer_seconds
+from .layer_cost import Phases, gather_comm_seconds, phases, serial_layer_seconds
 from ..linear_attention.choice import (LINEAR_CHUNK, LinearDesign, LinearShape, choose_design, state_passing_bytes,
                                        state_passing_extra_flops)
 from .network import axis_all_to_all_seconds, axis_groups, gather_seconds, link_name
 from ..rules.heads import HeadDeal
 from .mamba2 import FeedForwardBlock, Mamba2Layer
+from .ngram_ple import KEY as PLE_KEY, ple_macs, ple_params, ple_phases, ple_ranks, ple_saved
 from .kda import KdaLayer
 from .lightning import LightningLayer
 from .diagonal import Mamba1Layer, RgLruLayer, RwkvLayer, XlstmLayer
@@ -86,9 +87,15 @@ class GatedDeltaNet:
 
     work: Workload
     layout: Degrees
+    ple: bool = False  # a Qwen4-Exp PLE layer before it (seqmesh.planner.ngram_ple)
 
     def params(self) -> int:  # tp is 1: seqmesh's tensor parallelism does not split these layers
-        return linear_layer_params(self.work.model)
+        return linear_layer_params(self.work.model) + (ple_params(self.work) if self.ple else 0)
+
+    @property
+    def kind(self) -> str:
+        """How the plan tells its layers apart (``plan.communication`` shows one of each): with a PLE layer or not."""
+        return "ple" if self.ple else ""
 
     def shape(self) -> LinearShape:
         w, lay, m = self.work, self.layout, self.work.model
@@ -104,7 +111,14 @@ class GatedDeltaNet:
 
     def ranks(self, hw: HardwareSpec | None = None):
         """Each sequence rank's traffic in one layer: :func:`.traffic.linear_attention_traffic` for the all-to-all,
-        two all-gathers forward and their reduce-scatters backward for state passing."""
+        two all-gathers forward and their reduce-scatters backward for state passing; a PLE layer's halos beside."""
+        mixer = self._mixer_ranks(hw)
+        if not self.ple:
+            return mixer
+        return [dataclasses.replace(r, collectives=r.collectives + p.collectives)
+                for r, p in zip(mixer, ple_ranks(self.work, self.layout))]
+
+    def _mixer_ranks(self, hw: HardwareSpec | None = None):
         w, lay, m = self.work, self.layout, self.work.model
         if self.design(hw) is LinearDesign.STATE_PASSING:
             sent = state_passing_bytes(m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
@@ -117,17 +131,21 @@ class GatedDeltaNet:
                                         dtype=w.torch_dtype, layout=w.layout)
 
     def traffic(self) -> Phases:
-        ranks = self.ranks()
+        ranks = self._mixer_ranks()
         if self.design() is LinearDesign.STATE_PASSING:
             fwd = {"linear_state_gather": worst_rank(ranks, "all_gather", "forward")}
             bwd = {"linear_state_gather": worst_rank(ranks, "reduce_scatter", "backward")}
         else:
             fwd, bwd = ({"linear_all_to_all": worst_rank(ranks, "all_to_all", ph)} for ph in ("forward", "backward"))
-        return phases(fwd, bwd, self.work.checkpointing)
+        own = phases(fwd, bwd, self.work.checkpointing)
+        if self.ple:
+            return {phase: own[phase] | extra for phase, extra in ple_phases(self.work, self.layout).items()}
+        return own
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
         name = "linear_state_gather" if self.design() is LinearDesign.STATE_PASSING else "linear_all_to_all"
-        return {name: link_name(hw, axis_groups(self.layout, "sequence")[:1])}
+        link = link_name(hw, axis_groups(self.layout, "sequence")[:1])
+        return {name: link} | ({PLE_KEY: link} if self.ple else {})
 
     def saved_bytes(self) -> int:
         """Bytes saved for backward, as docs/planner.md ("Activations") lists them; rehearsed with Qwen3.5-9B at 131,072
@@ -155,7 +173,8 @@ class GatedDeltaNet:
             rule = linear_rule_saved_bytes(m, whole // p, m.linear_value_heads, m.linear_value_dim + m.linear_key_dim)
             # the state pass reads each entering state through G (B, L, Hv, Dk), kept in float32 (passing.pass_states)
             rule += 4 * (whole // p) * m.linear_value_heads * m.linear_key_dim
-        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule + hyper_connection_saved(w, lay)
+        ple = ple_saved(w, lay) if self.ple else 0
+        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule + hyper_connection_saved(w, lay) + ple
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and
@@ -164,7 +183,8 @@ class GatedDeltaNet:
         p = layout.ulysses * layout.ring
         peak = hw.flops_for(work.dtype)
         mm_rate, core_rate = peak * hw.matmul_efficiency, peak * hw.attention_efficiency
-        mm_fwd = 2 * work.batch * local_tokens(work, layout) * linear_layer_matmul_params(m) / mm_rate
+        macs = linear_layer_matmul_params(m) + (ple_macs(work) if self.ple else 0)
+        mm_fwd = 2 * work.batch * local_tokens(work, layout) * macs / mm_rate
         if self.design(hw) is LinearDesign.STATE_PASSING:  # all heads of the local tokens, Dk more value columns
             local = -(-work.seq_len // p)
             core_fwd = (linear_flops(m, local, work.batch) + state_passing_extra_flops(self.shape())) / core_rate
@@ -176,6 +196,9 @@ class GatedDeltaNet:
             core_fwd = linear_flops(m, work.seq_len, work.batch) * heads / m.linear_value_heads / core_rate
             a2a_fwd, a2a_bwd = (axis_all_to_all_seconds(call_bytes(self.ranks(hw), "all_to_all", ph), hw, layout,
                                                         "sequence") for ph in ("forward", "backward"))
+        if self.ple:  # its halos, which its conv and lookup wait for
+            halo_fwd, halo_bwd = gather_comm_seconds(ple_ranks(work, layout), hw, layout)
+            a2a_fwd, a2a_bwd = a2a_fwd + halo_fwd, a2a_bwd + halo_bwd
         return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + core_fwd, 2 * mm_fwd + 2 * core_fwd),
                                      (a2a_fwd, a2a_bwd))
 
@@ -317,7 +340,8 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     kinds: list[tuple[LayerKind, int]] = [(Attention(work, layout), full)]
     if m.sliding_window:
         kinds.append((Attention(attention_kind(work, layout).work, layout, m.sliding_window), m.sliding_layers))
-    kinds.append((GatedDeltaNet(work, layout), m.linear_layers))
+    ple = len(m.qwen_exp.ple.layers) if m.qwen_exp is not None and m.qwen_exp.ple is not None else 0
+    kinds += [(GatedDeltaNet(work, layout), m.linear_layers - ple), (GatedDeltaNet(work, layout, ple=True), ple)]
     if m.indexed_layers:
         shared = m.latent.shared_layers
         kinds += [(IndexedAttention(work, layout), m.indexed_layers - shared),

@@ -112,9 +112,11 @@ def _qsa(m) -> str:
     q = m.qwen_exp
     if q is None:
         return ""
-    return (f" ({m.linear_layers} Gated DeltaNet, {m.layers - m.linear_layers} QSA layers: top {q.block_topk} blocks "
-            f"of {q.ratio} keys a query and its block's tail, indexer {q.index_heads} heads x {q.index_head_dim}; "
-            f"{q.streams} residual streams, gated residuals of rank {q.lowrank})")
+    ple = (f"; PLE before {len(q.ple.layers)} of them: n-gram tables of {human_count(sum(q.ple.tables))} rows, "
+           f"{human_count(q.ple_params(m.hidden))} params") if q.ple is not None else ""
+    return (f" ({m.linear_layers} Gated DeltaNet{ple}; {m.layers - m.linear_layers} QSA layers: top {q.block_topk} "
+            f"blocks of {q.ratio} keys a query and its block's tail, indexer {q.index_heads} heads x "
+            f"{q.index_head_dim}; {q.streams} residual streams, gated residuals of rank {q.lowrank})")
 
 
 def _compressed(m) -> str:

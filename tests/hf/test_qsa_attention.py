@@ -105,14 +105,15 @@ def _generate_refusal() -> str:
     return ""
 
 
-def test_the_planner_and_generation_refuse_it_by_name(pools, tmp_path):
-    """The planner does not size QSA or the hyper-connections yet, and generation does not decode QSA: both say so,
-    generation before the prompt is read."""
+def test_generation_and_the_planners_inference_refuse_it_by_name(pools, tmp_path):
+    """Generation does not decode QSA: it says so before the prompt is read, and ``seqmesh plan --inference`` (which
+    plans its training: tests/planner/test_planner_qwen4_exp.py) the same."""
     from family_cases import family_config
-    from seqmesh.model.presets import model_shape
+    from planner_cases import in_process
 
     family_config(FAMILY).save_pretrained(tmp_path)
-    assert "QSA" in model_shape(str(tmp_path)).unplanned
+    done = in_process(["plan", "--model", str(tmp_path), "--seq-len", "4096", "--gpus", "2", "--inference"])
+    assert done.returncode != 0 and "QSA layers, whose decode seqmesh does not run yet" in done.stderr, done.stderr
     for message in pools.run(2, _generate_refusal):
         assert "QSA layers, whose decode seqmesh does not run yet" in message, message
 
