@@ -472,10 +472,11 @@ class ModelShape:
         if self.hybrid is not None:
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params) + self.hybrid.extra_params
+        tower = self.vision.params if self.vision is not None else 0
         if self.qwen_exp is not None:  # its QSA and Gated DeltaNet layers, the gated residual before the head
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             full = self.layers - self.linear_layers
-            return (embed + self.qwen_exp.residual_params(self.hidden, inject=False) + self.qwen_exp.ple_params(self.hidden)
+            return (tower + embed + self.qwen_exp.residual_params(self.hidden, inject=False) + self.qwen_exp.ple_params(self.hidden)
                     + full * (self.attention_params + 2 * self.head_dim) + self.linear_layers * self.linear_layer_params
                     + self.layers * (self.mlp_params + self.mixer_norm_params))
         if self.compressed is not None:  # each layer's attention by its kind; the head's hyper-connection
@@ -499,7 +500,6 @@ class ModelShape:
                                                     - self.latent.attention_params(self.hidden, self.heads))
         if self.block_sparse is not None:  # an indexer in each block-sparse layer
             attention += self.block_sparse.layers * self.block_sparse.indexer_params(self.hidden)
-        tower = self.vision.params if self.vision is not None else 0
         dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate
                                      + 2 * self.hidden * self.norm_gate_rank)  # and a dense layer's ungated norm
         per_layer = self.mlp_params + self.norm_params + 2 * self.hc_params(2)  # a layer's two hyper-connections

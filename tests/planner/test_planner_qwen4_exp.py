@@ -73,6 +73,21 @@ def test_parameters_are_what_transformers_builds(name, tmp_path):
         assert (shape.qwen_exp.streams, shape.qwen_exp.rotary, shape.tie_embeddings) == (3, 16, True)
 
 
+def test_the_vision_language_model_counts_its_tower(tmp_path):
+    """``qwen4_exp`` (its language model in text_config beside a Qwen-VL tower): the language model as above and the
+    tower, together equal to the model transformers builds."""
+    import torch
+    import transformers as tf
+
+    text = {k: v for k, v in CONFIGS["small"].items() if k != "tie_word_embeddings"}
+    config = tf.Qwen4ExpConfig(text_config=text)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in tf.Qwen4ExpForConditionalGeneration(config).parameters())
+    shape = model_shape(str(tmp_path))
+    assert shape.vision is not None and shape.qwen_exp.ple is not None and shape.params == built, (shape.params, built)
+
+
 def test_sizes_transformers_refuses_are_refused_by_name(tmp_path):
     """A config.json without its indexer's sizes, with more than one indexer key head, or with a PLE layer on a QSA
     layer (transformers' config class refuses each) is refused naming the entry."""
