@@ -15,6 +15,7 @@ from .doge import doge_fields
 from .dots3 import FAMILIES as DOTS3, dots3_entries
 from .minimax_m3 import SPARSE, canonical_entries, minimax_m3_fields
 from .qwen4_exp import FAMILIES as QWEN4_EXP, qwen4_exp_fields
+from .inkling import FAMILIES as INKLING, inkling_entries, inkling_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -69,8 +70,9 @@ def shape_from_config(path: str) -> ModelShape:
                "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
         where = f"{path} (text_config)"
     # otherwise (the original Qwen2.5-VL releases) they are at the top level, beside vision_config
-    # MiniMax-M3's released entries as transformers reads them; dots.llm3's older releases as its config class builds them
-    cfg = dots3_entries(_with_layer_count(_standard_names(canonical_entries(cfg))))
+    # MiniMax-M3's released entries as transformers reads them; dots.llm3's older releases as its config class builds
+    # them; Inkling's checkpoints' MLP entries
+    cfg = inkling_entries(dots3_entries(_with_layer_count(_standard_names(canonical_entries(cfg)))))
     hybrid = hybrid_fields(cfg)  # a hybrid's layers are its list's (transformers ignores a differing count)
     cfg = {**cfg, **hybrid.pop("config", {})}  # entries a family's reader renames (LFM2's tie_embedding, ...)
     if "layers" in hybrid:
@@ -164,10 +166,8 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields |= minimax_m3_fields(cfg, cfg.get("num_attention_heads", 1))
     if family == "deepseek_v4":
         fields |= deepseek_v4_fields(cfg)
-    if family in ("inkling", "inkling_text"):
-        fields["unplanned"] = ("seqmesh plan does not size Inkling's layers yet (its short convolutions, a relative "
-                               "bias over the gathered row, sliding layers of their own heads); seqmesh train runs it "
-                               "all the same")
+    if family in INKLING:
+        fields |= inkling_fields(cfg)
     if family in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"):
         fields["unplanned"] = ("seqmesh plan does not size Inkling 2's layers yet (its short and dynamic convolutions, "
                                "a relative bias over the gathered row, sliding layers of their own heads, the block "

@@ -13,6 +13,7 @@ from .deepseek_v4 import CompressedShape
 from .doge import CrossDomainExperts
 from .minimax_m3 import BlockSparseShape
 from .qwen4_exp import QwenExpShape
+from .inkling import InklingShape
 from .hybrid_shape import HybridShape
 
 
@@ -258,6 +259,7 @@ class ModelShape:
     cross_domain: CrossDomainExperts | None = None  # Doge's experts beside its dense MLP (:mod:`.doge`; is_moe)
     block_sparse: BlockSparseShape | None = None  # MiniMax-M3's block-sparse layers (:mod:`.minimax_m3`)
     qwen_exp: QwenExpShape | None = None  # Qwen4-Exp's QSA layers and gated residuals (:mod:`.qwen4_exp`)
+    inkling: InklingShape | None = None  # Inkling's relative-bias layers and short convolutions (:mod:`.inkling`)
     # dots.llm3's sliding layers' own MLA (per_layer_config): their latent sizes and heads (kv heads the same), and
     # the file's layer_types, which follow no period; None, 0, (): every attention layer of latent's sizes
     sliding_latent: LatentShape | None = None
@@ -473,6 +475,12 @@ class ModelShape:
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             return embed + self.hidden + self.hybrid.params(self.hidden, self.attention_params) + self.hybrid.extra_params
         tower = self.vision.params if self.vision is not None else 0
+        if self.inkling is not None:  # each layer by its kind and its MLP's; the embedding's norm and the final one
+            embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+            layers = sum(self.inkling_layer_params(kind, dense=i < self.dense_layers if self.dense_first else
+                                                   i >= self.layers - self.dense_layers)
+                         for i, kind in enumerate(self.inkling.kinds))
+            return tower + embed + 2 * self.hidden + layers
         if self.qwen_exp is not None:  # its QSA and Gated DeltaNet layers, the gated residual before the head
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             full = self.layers - self.linear_layers
@@ -506,6 +514,13 @@ class ModelShape:
         return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
                 - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower
                 + self.hc_params(1))  # and the head's
+
+    def inkling_layer_params(self, kind: str, dense: bool = False) -> int:
+        """One Inkling layer of ``kind``: its attention, norms and convs, and its MLP (a dense one, or its experts
+        with the router's shared rows), each with its scale."""
+        mlp = (3 * self.hidden * self.dense_intermediate if dense else
+               self.mlp_params + self.shared_experts * self.hidden) + 1
+        return self.inkling.layer_params(kind, self.hidden, self.heads, self.kv_heads, self.head_dim, mlp)
 
     def hc_params(self, mixes: int) -> int:
         """One hyper-connection's weights: ``mixes`` weights a stream from every stream's values, their biases and

@@ -77,5 +77,10 @@ def dense_layer(work: Workload) -> Workload:
 
 
 def first_layer(work: Workload) -> Workload:
-    """``work`` with its model's layers as its first one: :func:`dense_layer` where that is one of the dense ones."""
-    return dense_layer(work) if work.model.dense_first else work
+    """``work`` with its model's layers as its first one: :func:`dense_layer` where that is one of the dense ones;
+    an Inkling model's every layer of its first layer's kind (sliding or full)."""
+    work = dense_layer(work) if work.model.dense_first else work
+    ink = work.model.inkling
+    if ink is None:
+        return work
+    return replace(work, model=replace(work.model, inkling=replace(ink, kinds=(ink.kinds[0],) * len(ink.kinds))))

@@ -55,6 +55,9 @@ def inference_refusal(m: ModelShape) -> str | None:
         return (f"{m.name}'s sliding layers have MLA sizes of their own (per_layer_config), whose cache and decode "
                 "seqmesh plan does not size beside the indexed layers' yet; seqmesh generate runs it, and seqmesh "
                 "plan sizes its training (without --inference).")
+    if m.inkling is not None:  # seqmesh.hf.inkling refuses a cache
+        return (f"{m.name} is an Inkling model, whose decode (its short convolutions' and relative bias's caches) "
+                "seqmesh does not run yet; plan its training (without --inference).")
     if m.qwen_exp is not None:  # seqmesh.inference.generate.check_generate refuses them too
         return (f"{m.name} has Qwen4-Exp's QSA layers, whose decode seqmesh does not run yet; plan its training "
                 "(without --inference).")

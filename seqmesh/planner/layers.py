@@ -19,6 +19,7 @@ from .activations import GPU, decoder_layer_saved_bytes, hyper_connection_saved,
 from .attention_layer import Attention
 from .block_sparse import BlockSparseAttention
 from .qsa import QsaAttention
+from .relative_attention import RelativeAttention, relative_layer_kinds
 from .placement import placement
 from .hardware import HardwareSpec
 from .layer_cost import Phases, gather_comm_seconds, phases, serial_layer_seconds
@@ -307,8 +308,8 @@ class IndexedAttention:
                                      (ag, rs))
 
 
-LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | QsaAttention | Mamba2Layer
-             | FeedForwardBlock
+LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | QsaAttention | RelativeAttention
+             | Mamba2Layer | FeedForwardBlock
              | ShortConvLayer | KdaLayer | LightningLayer | RgLruLayer | Mamba1Layer | RwkvLayer | XlstmLayer)
 
 
@@ -327,6 +328,8 @@ def layer_kinds(work: Workload, layout: Degrees) -> list[tuple[LayerKind, int]]:
     m = work.model
     if m.hybrid is not None:
         return hybrid_layer_kinds(work, layout)
+    if m.inkling is not None:  # Inkling: its relative-bias layers, sliding and full
+        return relative_layer_kinds(work, layout)
     if m.compressed is not None:  # DeepSeek-V4: its sliding layers seqmesh attention's, the others its own
         from ..model.deepseek_v4 import CSA, HCA
         from .compressed import CompressedAttention

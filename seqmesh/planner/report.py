@@ -12,7 +12,8 @@ from .vision import TOWER_KEYS, Tower
 from .workload import Workload
 
 SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "compressed_gather",
-                  "block_sparse_row_gather", "qsa_row_gather", "router_logits_gather", "tp_all_gather",
+                  "block_sparse_row_gather", "qsa_row_gather", "relative_row_gather", "conv_halo_gather",
+                  "router_logits_gather", "tp_all_gather",
                   "tp_reduce_scatter")  # the table's SP comm
 
 
@@ -46,7 +47,7 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"
-            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}{_qsa(m)}, vocab {m.vocab:,}; {flags}\n"
+            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}{_qsa(m)}{_inkling(m)}, vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
 
@@ -105,6 +106,19 @@ def _block_sparse(m) -> str:
         return ""
     return (f" (block-sparse attention on {sparse.layers} layers: top {sparse.topk_blocks} blocks of "
             f"{sparse.block_size} keys a query, indexer {sparse.index_heads} heads x {sparse.index_head_dim})")
+
+
+def _inkling(m) -> str:
+    """Inkling's layers by kind, as the header names them."""
+    from ..model.inkling import FULL, SLIDING
+
+    ink = m.inkling
+    if ink is None:
+        return ""
+    h, hk, d = ink.heads(SLIDING, m.heads, m.kv_heads, m.head_dim)
+    return (f" ({ink.count(SLIDING)} sliding layers of {h} query / {hk} kv heads x {d}, window {ink.window}; "
+            f"{ink.count(FULL)} full, bias {ink.rel_extent} keys back; relative bias over the gathered row, four "
+            f"short convolutions of {ink.kernel} a layer)")
 
 
 def _qsa(m) -> str:

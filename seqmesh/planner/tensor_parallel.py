@@ -31,6 +31,8 @@ def tensor_parallel_refusal(work: Workload, hw: HardwareSpec | None, layout: Deg
     if m.block_sparse_layers or m.compressed_layers or m.cross_domain is not None:  # their runtimes refuse tp > 1
         return ("seqmesh runs MiniMax-M3's block-sparse, DeepSeek-V4's compressed and Doge's cross-domain experts' "
                 "layers without tensor parallelism (tp 1 only)")
+    if m.inkling is not None:  # seqmesh.hf.inkling refuses tp > 1 (its bias over the gathered row)
+        return "seqmesh runs Inkling's relative-bias attention without tensor parallelism (tp 1 only)"
     if (own := own_attention_refusal(m.family)) is not None:
         return own
     if m.linear_layers:  # seqmesh runs them (seqmesh.tensor_parallel.linear_attention); their cost is not modelled

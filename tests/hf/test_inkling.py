@@ -76,16 +76,12 @@ def test_an_inkling_mutation_is_seen(pools, mutation, case):
 
 
 def test_an_inkling_config_json_verifies_and_trains(pools, tmp_path):
-    """``seqmesh verify`` and ``seqmesh train --model config.json`` on a ring of 2: a finite, falling loss; the planner
-    says it does not size it."""
+    """``seqmesh verify`` and ``seqmesh train --model config.json`` on a ring of 2: a finite, falling loss (the
+    planner sizes the same file: tests/planner/test_planner_inkling.py)."""
     import math
 
     from family_cases import family_config
-    from seqmesh.model.presets import model_shape
     from train_job_cases import verify_then_train
-
-    family_config(FAMILY).save_pretrained(tmp_path / "plan")
-    assert "Inkling" in model_shape(str(tmp_path / "plan")).unplanned
 
     good, losses = verify_then_train(pools, tmp_path, family_config(FAMILY))
     assert good["ok"] and good["loss_diff"] < 1e-5, good

@@ -1,0 +1,114 @@
+"""Inkling (``inkling_text``, and the language model of ``inkling``) as the planner sizes it, read from a transformers
+``config.json`` (``seqmesh.hf.inkling`` runs it).
+
+Each layer is attention with a relative bias, then an MLP (``mlp_layer_types``: experts, or dense for the first
+``dense_mlp_idx``), each followed by a short convolution and added to the residual stream behind an RMSNorm. A layer
+is ``hybrid_sliding`` (a window of ``sliding_window_size``, its own ``swa_*`` heads) or ``hybrid`` (full, the file's
+heads; its bias reaches ``rel_extent`` keys back). An attention layer of ``H`` query and ``Hkv`` key heads of ``D``
+holds::
+
+    q_proj E x H D, k_proj and v_proj E x Hkv D, r_proj E x H d_rel, o_proj H D x E, q_norm and k_norm D,
+    a depthwise conv (kernel K, float32) on the keys and one on the values, rel_logits_proj d_rel x extent
+
+(``extent`` the window on a sliding layer); a layer besides two norms, two depthwise convs of ``E`` channels (after
+the attention and after the MLP), and its MLP: a gated MLP and a scale, or ``n_routed_experts`` gated experts with
+``n_shared_experts`` shared ones of ``moe_intermediate_size`` and a router of a row an expert, shared ones included,
+and a scale. The model: an embedding with an RMSNorm, the final norm, the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAMILIES = ("inkling", "inkling_text")
+SLIDING, FULL = "hybrid_sliding", "hybrid"
+
+
+@dataclass(frozen=True)
+class InklingShape:
+    """Inkling's sizes beyond the common ones (module docstring); the full layers' heads are the model's."""
+
+    kinds: tuple[str, ...]  # each layer's: SLIDING or FULL
+    sliding_heads: int
+    sliding_kv_heads: int
+    sliding_head_dim: int
+    window: int
+    rel_extent: int
+    d_rel: int
+    kernel: int  # K of every short convolution
+    log_scaling: bool = False  # the full layers scale each query and its bias by the log of its index (in float32)
+
+    def count(self, kind: str) -> int:
+        return self.kinds.count(kind)
+
+    def heads(self, kind: str, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+        """(H, Hkv, D) of a layer of ``kind``, given the full layers' (the model's)."""
+        if kind == SLIDING:
+            return self.sliding_heads, self.sliding_kv_heads, self.sliding_head_dim
+        return heads, kv_heads, head_dim
+
+    def extent(self, kind: str) -> int:
+        """Distances the bias reaches: the window on a sliding layer, ``rel_extent`` on a full one."""
+        return self.window if kind == SLIDING else self.rel_extent
+
+    def attention_params(self, kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+        """One attention of ``kind`` (module docstring)."""
+        h, hk, d = self.heads(kind, heads, kv_heads, head_dim)
+        return (hidden * d * (2 * h + 2 * hk) + hidden * h * self.d_rel + 2 * hk * d * self.kernel + 2 * d
+                + self.d_rel * self.extent(kind))
+
+    def layer_params(self, kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> int:
+        """One layer of ``kind`` with an MLP of ``mlp`` parameters: its attention, two norms and two convs."""
+        return self.attention_params(kind, hidden, heads, kv_heads, head_dim) + 2 * hidden * (1 + self.kernel) + mlp
+
+
+def layer_types(cfg: dict) -> tuple[str, ...]:
+    """Each layer's kind as transformers' config class makes it: ``layer_types`` as given, else sliding but every
+    sixth, or but the layers ``local_layer_ids`` does not name."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    n = cfg["num_hidden_layers"]
+    local = set(cfg["local_layer_ids"]) if cfg.get("local_layer_ids") is not None else {
+        i for i in range(n) if (i + 1) % 6}
+    return tuple(SLIDING if i in local else FULL for i in range(n))
+
+
+def inkling_entries(cfg: dict) -> dict:
+    """An Inkling config.json with the MLP entries transformers' class reads from a checkpoint's: its
+    ``mlp_layer_types`` (dense for the first ``dense_mlp_idx`` layers, else experts), and, where it names a
+    ``dense_intermediate_size``, ``intermediate_size`` as the experts' width and that as the dense MLP's."""
+    if cfg.get("model_type") not in FAMILIES:
+        return cfg
+    out = dict(cfg)
+    if out.get("mlp_layer_types") is None:
+        dense = out.get("dense_mlp_idx", 0)
+        out["mlp_layer_types"] = ["dense" if i < dense else "sparse" for i in range(out["num_hidden_layers"])]
+    if out.get("dense_intermediate_size") is not None:
+        out["moe_intermediate_size"], out["intermediate_size"] = out["intermediate_size"], out["dense_intermediate_size"]
+    return out
+
+
+def inkling_fields(cfg: dict) -> dict:
+    """The ModelShape fields of an Inkling config.json beyond the common ones; a ValueError naming the fix for sizes
+    transformers' model could not build."""
+    kinds = layer_types(cfg)
+    if set(kinds) - {SLIDING, FULL}:
+        raise ValueError(f"Inkling's layer_types name {sorted(set(kinds) - {SLIDING, FULL})}: its layers are "
+                         f"{SLIDING!r} and {FULL!r}; fix the config.json.")
+    heads = cfg["num_attention_heads"]
+    sizes = dict(sliding_heads=cfg.get("swa_num_attention_heads", 64), sliding_kv_heads=cfg.get(
+        "swa_num_key_value_heads", 16), sliding_head_dim=cfg.get("swa_head_dim", 128),
+        window=cfg.get("sliding_window_size", 512), rel_extent=cfg.get("rel_extent", 1024), d_rel=cfg.get("d_rel", 16),
+        kernel=cfg.get("conv_kernel_size", cfg.get("sconv_kernel_size", 4)))
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"Inkling's {name} = {value!r} must be a positive integer; fix the config.json.")
+    shape = InklingShape(kinds, **sizes, log_scaling=cfg.get("log_scaling_n_floor") is not None)
+    for kind, (h, hk) in ((SLIDING, (shape.sliding_heads, shape.sliding_kv_heads)),
+                          (FULL, (heads, cfg.get("num_key_value_heads") or heads))):
+        if kind in kinds and h % hk:
+            raise ValueError(f"Inkling's {kind} layers' {hk} key heads do not divide their {h} query heads; fix the "
+                             "config.json.")
+    if cfg.get("mlp_layer_types") and "sparse" in cfg["mlp_layer_types"] and not cfg.get("n_shared_experts"):
+        raise ValueError("Inkling's experts need n_shared_experts >= 1 (its router's shared rows); fix the config.json.")
+    return {"inkling": shape, "given_layer_types": kinds}
