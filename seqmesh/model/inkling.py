@@ -84,7 +84,8 @@ def inkling_entries(cfg: dict) -> dict:
         dense = out.get("dense_mlp_idx", 0)
         out["mlp_layer_types"] = ["dense" if i < dense else "sparse" for i in range(out["num_hidden_layers"])]
     if out.get("dense_intermediate_size") is not None:
-        out["moe_intermediate_size"], out["intermediate_size"] = out["intermediate_size"], out["dense_intermediate_size"]
+        experts, dense = out["intermediate_size"], out["dense_intermediate_size"]
+        out["moe_intermediate_size"], out["intermediate_size"] = experts, dense
     return out
 
 
@@ -110,5 +111,6 @@ def inkling_fields(cfg: dict) -> dict:
             raise ValueError(f"Inkling's {kind} layers' {hk} key heads do not divide their {h} query heads; fix the "
                              "config.json.")
     if cfg.get("mlp_layer_types") and "sparse" in cfg["mlp_layer_types"] and not cfg.get("n_shared_experts"):
-        raise ValueError("Inkling's experts need n_shared_experts >= 1 (its router's shared rows); fix the config.json.")
+        raise ValueError("Inkling's experts need n_shared_experts >= 1 (its router's shared rows); fix the "
+                         "config.json.")
     return {"inkling": shape, "given_layer_types": kinds}

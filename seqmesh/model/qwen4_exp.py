@@ -40,6 +40,28 @@ LINEAR = "linear_attention"
 
 
 @dataclass(frozen=True)
+class PleShape:
+    """Qwen4-Exp's PLE layers (module docstring)."""
+
+    layers: tuple[int, ...]  # the layers that have one (0-indexed)
+    embed_dim: int  # P
+    heads: int  # g: n-gram heads (a table each)
+    ngram: int  # the n-gram's tokens: the conv's dilation
+    kernel: int  # K
+    tables: tuple[int, ...]  # each PLE layer's rows, all its heads' tables, padded
+
+    @property
+    def reach(self) -> int:
+        """Earlier tokens a PLE layer reads (``seqmesh.hf.ngram_ple.reach``): its conv's, or its n-gram's."""
+        return max((self.kernel - 1) * self.ngram, self.ngram - 1)
+
+    def params(self, hidden: int, streams: int, rows: int) -> int:
+        """One PLE layer of ``rows`` table rows: its tables, projections, three norms and conv."""
+        wide = streams * hidden
+        return rows * (self.embed_dim // self.heads) + self.embed_dim * (wide + hidden) + 3 * wide + wide * self.kernel
+
+
+@dataclass(frozen=True)
 class QwenExpShape:
     """Qwen4-Exp's sizes beyond a Qwen3.5 hybrid's (module docstring)."""
 
@@ -82,28 +104,6 @@ class QwenExpShape:
         """One gated residual: its norm, the low-rank mixing weights and (not the model's last) the injection's."""
         wide = self.streams * hidden
         return wide + 2 * wide * self.lowrank + (wide * self.streams if inject else 0)
-
-
-@dataclass(frozen=True)
-class PleShape:
-    """Qwen4-Exp's PLE layers (module docstring)."""
-
-    layers: tuple[int, ...]  # the layers that have one (0-indexed)
-    embed_dim: int  # P
-    heads: int  # g: n-gram heads (a table each)
-    ngram: int  # the n-gram's tokens: the conv's dilation
-    kernel: int  # K
-    tables: tuple[int, ...]  # each PLE layer's rows, all its heads' tables, padded
-
-    @property
-    def reach(self) -> int:
-        """Earlier tokens a PLE layer reads (``seqmesh.hf.ngram_ple.reach``): its conv's, or its n-gram's."""
-        return max((self.kernel - 1) * self.ngram, self.ngram - 1)
-
-    def params(self, hidden: int, streams: int, rows: int) -> int:
-        """One PLE layer of ``rows`` table rows: its tables, projections, three norms and conv."""
-        wide = streams * hidden
-        return rows * (self.embed_dim // self.heads) + self.embed_dim * (wide + hidden) + 3 * wide + wide * self.kernel
 
 
 def _primes_from(start: int, count: int) -> list[int]:
@@ -163,8 +163,8 @@ def layer_types(cfg: dict) -> tuple[str, ...]:
 
 def qwen4_exp_fields(cfg: dict) -> dict:
     """The ModelShape fields of a Qwen4-Exp config.json beyond the common ones (its Gated DeltaNet sizes are read as
-    Qwen3.5's, its experts as Qwen3-Next's), or why the planner does not size it; a ValueError naming the fix for
-    sizes its runtime refuses."""
+    Qwen3.5's, its experts as Qwen3-Next's); a ValueError naming the fix for sizes its runtime or transformers
+    refuses."""
     types = layer_types(cfg)
     if set(types) - {QSA, LINEAR}:
         raise ValueError(f"Qwen4-Exp's layer_types name {sorted(set(types) - {QSA, LINEAR})}: its layers are "

@@ -484,7 +484,8 @@ class ModelShape:
         if self.qwen_exp is not None:  # its QSA and Gated DeltaNet layers, the gated residual before the head
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             full = self.layers - self.linear_layers
-            return (tower + embed + self.qwen_exp.residual_params(self.hidden, inject=False) + self.qwen_exp.ple_params(self.hidden)
+            q = self.qwen_exp
+            return (tower + embed + q.residual_params(self.hidden, inject=False) + q.ple_params(self.hidden)
                     + full * (self.attention_params + 2 * self.head_dim) + self.linear_layers * self.linear_layer_params
                     + self.layers * (self.mlp_params + self.mixer_norm_params))
         if self.compressed is not None:  # each layer's attention by its kind; the head's hyper-connection

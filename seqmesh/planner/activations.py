@@ -218,11 +218,12 @@ def hyper_connection_share(work: Workload) -> int:
 
 def outside_layers_bytes(work: Workload, layout: Degrees) -> int:
     """Kept all step outside the layers: token ids, positions, labels (and the loss's masked copy), and
-    RoPE's cos and sin."""
+    RoPE's cos and sin; Inkling's embedding norm's saved tensors."""
     t, m = gathered_tokens(work, layout), work.model  # every TP rank of a group holds its sequence rank's L tokens
     # under TP the first layer's input is kept twice more (in host memory with the other inputs when offloaded)
     first_input = 2 * layer_input_bytes(work, layout) if layout.tp > 1 and not work.offload_checkpoints else 0
-    return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes) + first_input
+    embed_norm = t * norm_saved(m, work.act_bytes) if m.inkling is not None else 0
+    return t * (4 * INT64 + 2 * m.head_dim * work.act_bytes) + first_input + embed_norm
 
 
 def final_norm_bytes(work: Workload, layout: Degrees) -> int:

@@ -97,7 +97,8 @@ class BlockSparseAttention:
         values, and what its q and k norms keep (:func:`.activations.qk_norm_saved`)."""
         w, m = self.work, self.work.model
         e, sparse = w.act_bytes, m.block_sparse
-        own = tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + self._picks()) + self._row() * 2 * self._kv_width() * e
+        own = (tokens(w, self.layout) * (2 * m.heads * m.head_dim * e + self._picks())
+               + self._row() * 2 * self._kv_width() * e)
         return own + qk_norm_saved(w, self.layout)
 
     def _picks(self) -> int:

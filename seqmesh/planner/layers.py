@@ -175,7 +175,8 @@ class GatedDeltaNet:
             # the state pass reads each entering state through G (B, L, Hv, Dk), kept in float32 (passing.pass_states)
             rule += 4 * (whole // p) * m.linear_value_heads * m.linear_key_dim
         ple = ple_saved(w, lay) if self.ple else 0
-        return tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + mixer + rule + hyper_connection_saved(w, lay) + ple
+        kept = tokens(w, lay) * per_token + mlp_saved_bytes(w, lay) + hyper_connection_saved(w, lay)
+        return kept + mixer + rule + ple
 
     def seconds(self, hw: HardwareSpec, fsdp_ranks: list[int]) -> dict[str, float]:
         """``total``, ``compute`` and ``serial`` (communication end to end) seconds of one layer; what is counted and

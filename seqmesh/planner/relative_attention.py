@@ -96,7 +96,7 @@ class RelativeAttention:
         w, lay, m, e = self.work, self.layout, self.work.model, self.work.act_bytes
         h, hk, d = self._heads()
         ink = m.inkling
-        per_token = (2 * norm_saved(m, e, w.efficient_norm) + e * m.hidden  # the norms, the projections' input
+        per_token = (norm_saved(m, e, w.efficient_norm) + e * m.hidden  # the first norm, the projections' input
                      + (h + hk) * (4 * d + 4 + e * d) + e * hk * d  # q and k norms, v
                      + e * h * (ink.extent(self.kind) + ink.d_rel)  # the bias profiles, r_proj's output
                      + self._after_blocks()  # o_proj's input, the second norm, the layer's two convolutions

@@ -47,7 +47,8 @@ def header(work: Workload, cluster: Cluster) -> str:
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"
-            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}{_qsa(m)}{_inkling(m)}, vocab {m.vocab:,}; {flags}\n"
+            f"{_latent(m)}{_hybrid(m)}{_compressed(m)}{_block_sparse(m)}{_qsa(m)}{_inkling(m)}, "
+            f"vocab {m.vocab:,}; {flags}\n"
             f"cluster: {cluster.gpus} GPUs = {cluster.nodes} node(s) x {min(cluster.gpus, hw.gpus_per_node)}; "
             f"{hw.describe()}")
 
