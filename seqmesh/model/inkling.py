@@ -1,5 +1,6 @@
-"""Inkling (``inkling_text``, and the language model of ``inkling``) as the planner sizes it, read from a transformers
-``config.json`` (``seqmesh.hf.inkling`` runs it).
+"""Inkling (``inkling_text``) as the planner sizes it, read from a transformers ``config.json`` (``seqmesh.hf.inkling``
+runs it). The multimodal file's towers are not sized: the planner refuses it by name, and its ``text_config`` written
+as a file of its own plans the language model.
 
 Each layer is attention with a relative bias, then an MLP (``mlp_layer_types``: experts, or dense for the first
 ``dense_mlp_idx``), each followed by a short convolution and added to the residual stream behind an RMSNorm. A layer
