@@ -31,11 +31,18 @@ def test_torchrun_generates_the_tokens_transformers_does(folder, chunked):
     """As the contract writes it; and the prompt prefilled 16 tokens a call (16, 16, 5), each chunk onto the kept
     cache: the same tokens and shares (the last chunk's zigzag gives its tokens 2 and 3, the decode evens them)."""
     root, theirs = folder
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqmesh", "generate",
-         "--model", str(root / "model"), "--prompt-ids", str(root / "prompt.json"), "--max-new-tokens", "5",
-         "--ulysses", "2", "--dtype", "fp64", "--json", *chunked],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for attempt in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "seqmesh", "generate",
+             "--model", str(root / "model"), "--prompt-ids", str(root / "prompt.json"), "--max-new-tokens", "5",
+             "--ulysses", "2", "--dtype", "fp64", "--json", *chunked],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # a rank aborted by the C++ runtime ("terminate called without an active exception", SIGABRT) under the full
+        # suite's load, three times in seven full suites, after loading its weights; never alone (28
+        # runs, 16 under a two-core load): run once more, so that the test fails on anything else and on a second
+        # abort (docs/testing.md, the known aborts)
+        if done.returncode == 0 or "terminate called without an active exception" not in done.stderr:
+            break
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["tokens"] == theirs, (summary, theirs)
