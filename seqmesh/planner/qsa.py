@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import gated_residual_saved, tokens
-from .block_sparse import INT64, BlockSparseAttention
+from .block_sparse import INT64, BlockSparseAttention, block_queries
 
 KEY = "qsa_row_gather"
 
@@ -36,8 +36,6 @@ class QsaAttention(BlockSparseAttention):
         return self.work.model.qwen_exp.keys_per_query
 
     def _queries(self) -> int:
-        from .block_sparse import block_queries
-
         return block_queries(self.work, self.layout, self._keys(), self.work.model.qwen_exp.blocks(self.work.seq_len))
 
     def _picks(self) -> int:
