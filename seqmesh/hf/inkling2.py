@@ -21,6 +21,12 @@ What differs from Inkling (:mod:`.inkling`), and how each part runs on a shard:
   tokens as its batch, which would reach seqmesh's sequence-parallel attention: it runs on the implementation the
   model had before (:func:`install`), token by token, as transformers computes it.
 
+- **Distances**: the text model builds each layer kind's ``(L, L)`` int64 distances from a query to a key
+  (``get_relative_distance``) and hands them to every layer, which its attention alone reads; seqmesh's reads the
+  row's positions instead. While a parallelized model runs its forward, that function of its module gives a
+  broadcast view of one element (:func:`unread_distances`): built, two such tensors were 16 GiB at 32K tokens on a
+  rank, kept as an input by every checkpointed layer.
+
 Tensor parallelism, a padding mask, a cache and generation are refused by name.
 """
 
@@ -197,6 +203,33 @@ def depth_layers(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """The modules of ``model`` that attend over each token's stack of block states, each with its config's attention
     implementation (read before ``parallelize`` names seqmesh's)."""
     return [(m, m.config._attn_implementation) for m in model.modules() if is_depth_attention(m)]
+
+
+def _unread_distance(inputs_embeds: torch.Tensor, cache, is_sliding: bool) -> torch.Tensor:
+    """``get_relative_distance``'s shape, (L, L), as a broadcast view of one int64 zero: no layer reads it while
+    seqmesh runs the attention (a cache is refused by the convolutions)."""
+    length = inputs_embeds.shape[1]
+    return torch.zeros((), dtype=torch.long, device=inputs_embeds.device).expand(length, length)
+
+
+def unread_distances(decoder: nn.Module, layers: list[nn.Module]) -> list:
+    """Hooks on ``decoder`` (an Inkling 2 text model whose attention ``layers`` seqmesh runs) that swap its module's
+    ``get_relative_distance`` for :func:`_unread_distance` while its forward runs, and put the function back after
+    it (on an exception too): another model of the family, run meanwhile by transformers alone, never sees the
+    swap. Their handles; none for another model."""
+    namespace = sys.modules[type(decoder).__module__]
+    if not layers or not callable(getattr(namespace, "get_relative_distance", None)):
+        return []
+    previous: list[Callable] = []
+
+    def swap(module: nn.Module, args: tuple) -> None:
+        previous.append(namespace.get_relative_distance)
+        namespace.get_relative_distance = _unread_distance
+
+    def restore(module: nn.Module, args: tuple, output) -> None:
+        namespace.get_relative_distance = previous.pop()
+
+    return [decoder.register_forward_pre_hook(swap), decoder.register_forward_hook(restore, always_call=True)]
 
 
 def install(layers: list[nn.Module], depth: list[tuple[nn.Module, str]], mesh: SPMesh) -> None:

@@ -144,3 +144,42 @@ def test_inkling2_trains_in_bf16_under_fsdp(pools, tmp_path):
     assert {"Inkling2TopKRouter", "Inkling2ShortConvolution", "Inkling2BlockAttentionResidual"} <= kept, kept
     losses = train_from_config(pools, tmp_path, config, steps=3, bf16=True)
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
+
+
+@pytest.mark.parametrize("family", ["inkling2", "inkling2-loop"])
+def test_the_distances_seqmesh_runs_with_are_one_element_and_only_its_own(family):
+    """While a model seqmesh runs goes forward, its text model hands its layers a broadcast view of one element as
+    the (L, L) distances its attention would read (seqmesh's reads the row's positions; built, two were 16 GiB at
+    32K tokens on a rank, kept by every checkpointed layer); the function is the family's own again after the
+    forward, after a forward that raised too, and a model transformers runs alone meanwhile gets the real
+    distances."""
+    import sys
+
+    import torch
+    import transformers
+
+    from family_cases import family_config
+    from seqmesh.hf import inkling2
+
+    config = family_config(family)
+    torch.manual_seed(0)
+    ours, theirs = (transformers.AutoModelForCausalLM.from_config(config) for _ in range(2))
+    namespace = sys.modules[type(ours.model).__module__]
+    original = namespace.get_relative_distance
+    hooks = inkling2.unread_distances(ours.model, [ours.model.layers[0].self_attn])
+    seen = []
+    for model in (ours, theirs):
+        model.model.layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["relative_distance"]), with_kwargs=True)
+    ids = torch.arange(10)[None] % config.vocab_size
+    ours(input_ids=ids, use_cache=False)
+    assert namespace.get_relative_distance is original
+    theirs(input_ids=ids, use_cache=False)
+    assert seen[0].shape == (10, 10) and seen[0].stride() == (0, 0), (seen[0].shape, seen[0].stride())
+    assert torch.equal(seen[1], torch.arange(10)[:, None] - torch.arange(10)[None]), seen[1]
+    with pytest.raises(Exception):
+        ours(input_ids=ids, inputs_embeds=torch.zeros(1, 10, config.hidden_size), use_cache=False)
+    assert namespace.get_relative_distance is original
+    for hook in hooks:
+        hook.remove()
+    assert inkling2.unread_distances(ours.model, []) == []
