@@ -15,7 +15,7 @@ from .doge import doge_fields
 from .dots3 import FAMILIES as DOTS3, dots3_entries
 from .minimax_m3 import SPARSE, canonical_entries, minimax_m3_fields
 from .qwen4_exp import FAMILIES as QWEN4_EXP, qwen4_exp_fields
-from .inkling import FAMILIES as INKLING, inkling_entries, inkling_fields
+from .inkling import FAMILIES as INKLING, SECOND as INKLING2, inkling_entries, inkling_fields
 from .hybrid import hybrid_fields
 from .shapes import LatentShape, ModelShape, VisionShape
 
@@ -166,12 +166,12 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields |= minimax_m3_fields(cfg, cfg.get("num_attention_heads", 1))
     if family == "deepseek_v4":
         fields |= deepseek_v4_fields(cfg)
-    if family in INKLING:
+    if family in INKLING + INKLING2:
         fields |= inkling_fields(cfg)
-    if family in ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"):
-        fields["unplanned"] = ("seqmesh plan does not size Inkling 2's layers yet (its short and dynamic convolutions, "
-                               "a relative bias over the gathered row, sliding layers of their own heads, the block "
-                               "states each token keeps; Inkling2-Loop's passes); seqmesh train runs it all the same")
+    if family in ("inkling2_loop", "inkling2_loop_text"):
+        fields["unplanned"] = ("seqmesh plan does not size Inkling2-Loop's passes yet (its middle layers run "
+                               "loop_num_passes times, with message gates between the passes); seqmesh train runs it "
+                               "all the same, and Inkling 2 without the loop is planned")
     if family in QWEN4_EXP:
         fields |= qwen4_exp_fields(cfg)
     if family == "doge":  # its window, which the planner checks the length against; its experts with is_moe

@@ -15,6 +15,22 @@ holds::
 the attention and after the MLP), and its MLP: a gated MLP and a scale, or ``n_routed_experts`` gated experts with
 ``n_shared_experts`` shared ones of ``moe_intermediate_size`` and a router of a row an expert, shared ones included,
 and a scale. The model: an embedding with an RMSNorm, the final norm, the head.
+
+Inkling 2 (``inkling2_text``; ``inkling2``'s multimodal file is refused by name, as Inkling's) has the same two kinds
+and relative bias, and differs in each part:
+
+- its attention: a learned per-head scale before each query's clip (``H x D``; the full layers' log-scaled), keys
+  and values of their own ``E x Hkv D`` projections followed by a short convolution, ``o_proj`` a gate (``E x H D``)
+  beside its output projection, a sink logit per head (``sink_proj`` ``E x H``), the bias's relative states scaled
+  per head (``H x d_rel``) before their clip. A sliding layer's convolutions are static (``Hkv D x K``); a full
+  layer's dynamic, static taps (``K x Hkv D``) plus per-token taps projected from its input (``E x Hkv K``);
+- its layer: depth attention (learned queries of ``E``: one before the MLP, and before the attention one in a sliding
+  layer, three in a full one, none in the first layer) over the block states each token keeps, one a block of
+  ``n_layers_per_attn_res_block`` layers; norms (a full layer's attention has three: its queries', keys' and
+  values' inputs); two short convolutions of ``E`` channels; experts with a float32 router of a row each, no shared
+  experts and no scale;
+- the model: the embedding's norm, a last depth attention before the final norm, a head of ``unpadded_vocab_size``
+  rows.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FAMILIES = ("inkling", "inkling_text")
+SECOND = ("inkling2", "inkling2_text")  # Inkling 2 (Inkling2-Loop's passes are not planned)
 SLIDING, FULL = "hybrid_sliding", "hybrid"
 
 
@@ -38,6 +55,9 @@ class InklingShape:
     d_rel: int
     kernel: int  # K of every short convolution
     log_scaling: bool = False  # the full layers scale each query and its bias by the log of its index (in float32)
+    block_layers: int = 0  # Inkling 2: the layers of one block of the states each token keeps; 0: Inkling
+    head_vocab: int = 0  # Inkling 2: the head's rows (``unpadded_vocab_size``); 0: the embedding's
+    planned_layer: int = -1  # Inkling 2: the layer whose stacks of block states a kind is planned at; -1: its last
 
     def count(self, kind: str) -> int:
         return self.kinds.count(kind)
@@ -52,15 +72,53 @@ class InklingShape:
         """Distances the bias reaches: the window on a sliding layer, ``rel_extent`` on a full one."""
         return self.window if kind == SLIDING else self.rel_extent
 
+    @property
+    def second(self) -> bool:
+        """Whether this is Inkling 2 (module docstring)."""
+        return self.block_layers > 0
+
     def attention_params(self, kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
         """One attention of ``kind`` (module docstring)."""
         h, hk, d = self.heads(kind, heads, kv_heads, head_dim)
-        return (hidden * d * (2 * h + 2 * hk) + hidden * h * self.d_rel + 2 * hk * d * self.kernel + 2 * d
+        if not self.second:
+            return (hidden * d * (2 * h + 2 * hk) + hidden * h * self.d_rel + 2 * hk * d * self.kernel + 2 * d
+                    + self.d_rel * self.extent(kind))
+        convs = 2 * hk * d * self.kernel if kind == SLIDING else 2 * self.kernel * (hk * d + hidden * hk)
+        return (hidden * d * (3 * h + 2 * hk) + h * d + convs + hidden * h + (hidden + 1) * h * self.d_rel
                 + self.d_rel * self.extent(kind))
 
-    def layer_params(self, kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> int:
-        """One layer of ``kind`` with an MLP of ``mlp`` parameters: its attention, two norms and two convs."""
-        return self.attention_params(kind, hidden, heads, kv_heads, head_dim) + 2 * hidden * (1 + self.kernel) + mlp
+    def layer_params(self, kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
+                     first: bool = False) -> int:
+        """One layer of ``kind`` with an MLP of ``mlp`` parameters: its attention, two norms and two convs; Inkling
+        2's depth attention's queries (fewer in the ``first`` layer) and its full layers' two norms more."""
+        own = self.attention_params(kind, hidden, heads, kv_heads, head_dim) + 2 * hidden * (1 + self.kernel) + mlp
+        if not self.second:
+            return own
+        queries = 1 + (0 if first else self.depth_queries(kind))
+        return own + hidden * (queries + (2 if kind == FULL else 0))
+
+    def depth_queries(self, kind: str) -> int:
+        """Inkling 2: the learned queries of the depth attention before a layer's attention (its input's, or its
+        queries', keys' and values' inputs)."""
+        return 3 if kind == FULL else 1
+
+    def blocks(self, layers: int) -> int:
+        """Inkling 2: block states a token keeps at the last layer (one a block begun before it)."""
+        return self.entries(layers - 1)
+
+    def entries(self, index: int) -> int:
+        """Inkling 2: the block states layer ``index``'s input carries, one a block begun before it (``layers``:
+        the final depth attention's)."""
+        return -(-index // self.block_layers) if self.second else 0
+
+    def stacks(self, kind: str) -> tuple[int, int]:
+        """Inkling 2: the states each of a layer's two depth attentions stacks (its block states and the partial
+        one; before the MLP, at a block's first layer, the layer's input too), at :attr:`planned_layer`, or at
+        the last layer of ``kind``; before the first layer's attention none (0)."""
+        index = self.planned_layer if self.planned_layer >= 0 else max(
+            i for i, k in enumerate(self.kinds) if k == kind)
+        n = self.entries(index)
+        return (n + 1 if index else 0), n + 1 + (index % self.block_layers == 0)
 
 
 def layer_types(cfg: dict) -> tuple[str, ...]:
@@ -97,15 +155,19 @@ def inkling_fields(cfg: dict) -> dict:
     if set(kinds) - {SLIDING, FULL}:
         raise ValueError(f"Inkling's layer_types name {sorted(set(kinds) - {SLIDING, FULL})}: its layers are "
                          f"{SLIDING!r} and {FULL!r}; fix the config.json.")
-    heads = cfg["num_attention_heads"]
-    sizes = dict(sliding_heads=cfg.get("swa_num_attention_heads", 64), sliding_kv_heads=cfg.get(
-        "swa_num_key_value_heads", 16), sliding_head_dim=cfg.get("swa_head_dim", 128),
-        window=cfg.get("sliding_window_size", 512), rel_extent=cfg.get("rel_extent", 1024), d_rel=cfg.get("d_rel", 16),
-        kernel=cfg.get("conv_kernel_size", cfg.get("sconv_kernel_size", 4)))
+    heads, second = cfg["num_attention_heads"], cfg.get("model_type") in SECOND
+    defaults = (48, 8, 1024) if second else (64, 16, 512)  # the config classes' sliding heads, kv heads and window
+    sizes = dict(sliding_heads=cfg.get("swa_num_attention_heads", defaults[0]), sliding_kv_heads=cfg.get(
+        "swa_num_key_value_heads", defaults[1]), sliding_head_dim=cfg.get("swa_head_dim", 128),
+        window=cfg.get("sliding_window_size", defaults[2]), rel_extent=cfg.get("rel_extent", 1024),
+        d_rel=cfg.get("d_rel", 16), kernel=cfg.get("conv_kernel_size", cfg.get("sconv_kernel_size", 4)))
+    if second:
+        sizes |= dict(block_layers=cfg.get("n_layers_per_attn_res_block", 6),
+                      head_vocab=cfg.get("unpadded_vocab_size", 200058))
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Inkling's {name} = {value!r} must be a positive integer; fix the config.json.")
-    shape = InklingShape(kinds, **sizes, log_scaling=cfg.get("log_scaling_n_floor") is not None)
+    shape = InklingShape(kinds, **sizes, log_scaling=second or cfg.get("log_scaling_n_floor") is not None)
     for kind, (h, hk) in ((SLIDING, (shape.sliding_heads, shape.sliding_kv_heads)),
                           (FULL, (heads, cfg.get("num_key_value_heads") or heads))):
         if kind in kinds and h % hk:

@@ -11,6 +11,7 @@ from ..hf import indexed_attention
 from ..kernels import sparse_latent_blocks
 from ..model.shapes import ModelShape
 from ..rules.degrees import Degrees
+from .depth_states import final_depth_bytes
 from .expert_activations import experts_backward_steps, experts_saved, mlp_tensors
 from .placement import placement, tp_heads
 from .workload import Workload
@@ -234,7 +235,7 @@ def final_norm_bytes(work: Workload, layout: Degrees) -> int:
         return t * (e * m.hidden + (4 if efficient_norm(work) else 0))
     output = e * m.hidden if layout.tp == 1 else 0  # under TP the loss keeps its gathered copy (and the output only
     # while its forward runs: memory.loss_memory)
-    return t * (norm_saved(m, e, work.efficient_norm) + output)
+    return t * (norm_saved(m, e, work.efficient_norm) + output + final_depth_bytes(work))
 
 
 def norm_backward_steps(work: Workload, layout: Degrees) -> list[tuple[str, int, int]]:

@@ -12,6 +12,8 @@ from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_b
                           gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens,
                           norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
+from .depth_states import block_states_bytes
+from .relative_attention import layers_saved_bytes
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .placement import placement
@@ -163,7 +165,11 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         if work.offload_checkpoints:
             inputs = 0 if at_loss else min(m.layers, work.offload_prefetch + 1 if work.offload_prefetch else 0)
         picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
-        return inputs * layer_input_bytes(work, layout) + picks
+        # Inkling 2's block states, each block's kept once by the layers that take it
+        states = tokens(work, layout) * block_states_bytes(work, inputs)
+        return inputs * layer_input_bytes(work, layout) + picks + states
+    if m.inkling is not None:  # each layer by its kind (Inkling 2's stacks by its index)
+        return layers_saved_bytes(work, layout, m.layers - (0 if at_loss else 1))
     layer = layer_saved_bytes(work, layout)
     # the dense_layers of an MoE model keep their dense MLP's tensors, not the experts'
     dense = m.dense_layers * (layer - layer_saved_bytes(dense_layer(work), layout)) if m.dense_layers else 0
@@ -230,13 +236,13 @@ def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
     m, e, t = work.model, work.act_bytes, gathered_tokens(work, layout)
     head_streams = _head_streams_bytes(work, layout, moment)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
-    v, h, tp = m.vocab // layout.tp, m.hidden, layout.tp > 1
+    v, h, tp = m.head_vocab // layout.tp, m.hidden, layout.tp > 1
     kept = t * h * e if tp else 0  # the gathered hidden states the loss saves (without TP: the final norm's output)
     if moment == "loss forward":  # the compute-dtype logits and their float32 copy (one tensor in fp32); under TP
         # the final norm's output, which the caller holds until the loss returns, and three float32 tiles
         output = tokens(work, layout) * h * e if tp else 0
         return head_streams + kept + output + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
-    head = -(-m.vocab * h // layout.tp)
+    head = -(-m.head_vocab * h // layout.tp)
     if e == 4:
         chunk = n * v * 4 + 4 * max(n * h, head)
     else:

@@ -131,6 +131,13 @@ class RelativeAttention:
             peak = max(peak, 2 * 4 * t * h * (extent + d))
         return max(0, peak - mlp_saved_bytes(w, self.layout) - t * self._after_blocks())
 
+    def _macs(self) -> int:
+        """Multiply-adds a token of the layer's projections, convolutions and MLP."""
+        m = self.work.model
+        h, hk, d = self._heads()
+        projections = m.hidden * (d * (2 * h + 2 * hk) + h * m.inkling.d_rel) + mlp_matmul_params(m)
+        return projections + m.inkling.kernel * (2 * hk * d + 2 * m.hidden)
+
     @property
     def backward_op(self) -> str:
         return "relative attention block"
@@ -145,10 +152,7 @@ class RelativeAttention:
         h, hk, d = self._heads()
         local = placement(w, lay).sequence_padded // (lay.ulysses * lay.ring)
         peak = hw.flops_for(w.dtype)
-        ink = m.inkling
-        projections = m.hidden * (d * (2 * h + 2 * hk) + h * ink.d_rel) + mlp_matmul_params(m)
-        convs = ink.kernel * (2 * hk * d + 2 * m.hidden)
-        mm = 2 * w.batch * local * (projections + convs) / (peak * hw.matmul_efficiency)
+        mm = 2 * w.batch * local * self._macs() / (peak * hw.matmul_efficiency)
         pairs = w.batch * local * h * w.seq_len
         attend = 4 * pairs * d / (peak * hw.attention_efficiency) + pairs * 3 * w.act_bytes / hw.memory_bandwidth
         comm = gather_comm_seconds(self.ranks(), hw, lay)
@@ -156,6 +160,26 @@ class RelativeAttention:
 
 
 def relative_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[RelativeAttention, int]]:
-    """An Inkling model's layers by kind, with how many of each."""
+    """An Inkling (or Inkling 2: :class:`seqmesh.planner.inkling2.Inkling2Layer`) model's layers by kind, with how
+    many of each."""
+    from .inkling2 import Inkling2Layer
+
     ink = work.model.inkling
-    return [(RelativeAttention(work, layout, kind), ink.count(kind)) for kind in (SLIDING, "hybrid") if ink.count(kind)]
+    layer = Inkling2Layer if ink.second else RelativeAttention
+    return [(layer(work, layout, kind), ink.count(kind)) for kind in (SLIDING, "hybrid") if ink.count(kind)]
+
+
+def layers_saved_bytes(work: Workload, layout: Degrees, count: int) -> int:
+    """Bytes the first ``count`` layers of an Inkling model keep without checkpointing: each by its kind (Inkling
+    2's with the stacks of block states at its own index)."""
+    from dataclasses import replace
+
+    from .inkling2 import Inkling2Layer
+
+    ink = work.model.inkling
+    layer = Inkling2Layer if ink.second else RelativeAttention
+    total = 0
+    for index, kind in enumerate(ink.kinds[:count]):
+        at = replace(work, model=replace(work.model, inkling=replace(ink, planned_layer=index)))
+        total += layer(at, layout, kind).saved_bytes()
+    return total

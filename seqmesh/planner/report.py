@@ -117,9 +117,12 @@ def _inkling(m) -> str:
     if ink is None:
         return ""
     h, hk, d = ink.heads(SLIDING, m.heads, m.kv_heads, m.head_dim)
+    blocks = (f"; block states of {ink.block_layers} layers, {ink.blocks(m.layers)} a token at the last layer"
+              if ink.second else "")
     return (f" ({ink.count(SLIDING)} sliding layers of {h} query / {hk} kv heads x {d}, window {ink.window}; "
             f"{ink.count(FULL)} full, bias {ink.rel_extent} keys back; relative bias over the gathered row, four "
-            f"short convolutions of {ink.kernel} a layer)")
+            f"short convolutions of {ink.kernel} a layer{' (the full layers keys and values dynamic)' if ink.second else ''}"
+            f"{blocks})")
 
 
 def _qsa(m) -> str:
