@@ -168,10 +168,6 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields |= deepseek_v4_fields(cfg)
     if family in INKLING + INKLING2:
         fields |= inkling_fields(cfg)
-    if family in ("inkling2_loop", "inkling2_loop_text"):
-        fields["unplanned"] = ("seqmesh plan does not size Inkling2-Loop's passes yet (its middle layers run "
-                               "loop_num_passes times, with message gates between the passes); seqmesh train runs it "
-                               "all the same, and Inkling 2 without the loop is planned")
     if family in QWEN4_EXP:
         fields |= qwen4_exp_fields(cfg)
     if family == "doge":  # its window, which the planner checks the length against; its experts with is_moe

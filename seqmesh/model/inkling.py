@@ -31,6 +31,12 @@ and relative bias, and differs in each part:
   experts and no scale;
 - the model: the embedding's norm, a last depth attention before the final norm, a head of ``unpadded_vocab_size``
   rows.
+
+Inkling2-Loop (``inkling2_loop_text``) is Inkling 2 whose layers ``loop_layer_index_start .. loop_layer_index_end - 1``
+run ``loop_num_passes`` times: each pass after the first starts again from the states before the loop and mixes into
+each looped layer's inputs (its queries', keys', values' and MLP's) a message the model's depth attention reads from
+the previous pass's block states (learned queries ``looped x 4 x E``), through four message gates a looped layer
+(each ``2E x r`` down, ``r x E`` forget and message projections of ``loop_gate_rank`` ``r``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FAMILIES = ("inkling", "inkling_text")
-SECOND = ("inkling2", "inkling2_text")  # Inkling 2 (Inkling2-Loop's passes are not planned)
+SECOND = ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text")  # Inkling 2 and Inkling2-Loop
+LOOP = ("inkling2_loop", "inkling2_loop_text")
 SLIDING, FULL = "hybrid_sliding", "hybrid"
 
 
@@ -58,6 +65,10 @@ class InklingShape:
     block_layers: int = 0  # Inkling 2: the layers of one block of the states each token keeps; 0: Inkling
     head_vocab: int = 0  # Inkling 2: the head's rows (``unpadded_vocab_size``); 0: the embedding's
     planned_layer: int = -1  # Inkling 2: the layer whose stacks of block states a kind is planned at; -1: its last
+    loop_start: int = 0  # Inkling2-Loop: its looped layers loop_start .. loop_end - 1, run ``passes`` times
+    loop_end: int = 0
+    passes: int = 1
+    gate_rank: int = 0  # Inkling2-Loop: its message gates' rank (0: Inkling 2, none)
 
     def count(self, kind: str) -> int:
         return self.kinds.count(kind)
@@ -88,14 +99,30 @@ class InklingShape:
                 + self.d_rel * self.extent(kind))
 
     def layer_params(self, kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
-                     first: bool = False) -> int:
+                     first: bool = False, looped: bool = False) -> int:
         """One layer of ``kind`` with an MLP of ``mlp`` parameters: its attention, two norms and two convs; Inkling
-        2's depth attention's queries (fewer in the ``first`` layer) and its full layers' two norms more."""
+        2's depth attention's queries (fewer in the ``first`` layer) and its full layers' two norms more; a
+        ``looped`` layer's four message gates."""
         own = self.attention_params(kind, hidden, heads, kv_heads, head_dim) + 2 * hidden * (1 + self.kernel) + mlp
         if not self.second:
             return own
         queries = 1 + (0 if first else self.depth_queries(kind))
-        return own + hidden * (queries + (2 if kind == FULL else 0))
+        gates = 4 * 4 * hidden * self.gate_rank if looped else 0
+        return own + hidden * (queries + (2 if kind == FULL else 0)) + gates
+
+    def looped(self, index: int) -> bool:
+        """Inkling2-Loop: whether layer ``index`` is one of the looped layers (with message gates)."""
+        return self.gate_rank > 0 and self.loop_start <= index < self.loop_end
+
+    @property
+    def extra_passes(self) -> int:
+        """Inkling2-Loop: the layer calls its passes after the first add to a step's (0: Inkling 2)."""
+        return (self.passes - 1) * (self.loop_end - self.loop_start) if self.gate_rank else 0
+
+    def calls(self, kind: str) -> int:
+        """The calls of layers of ``kind`` a step makes (Inkling2-Loop's looped ones once a pass)."""
+        looped = self.kinds[self.loop_start:self.loop_end].count(kind) if self.gate_rank else 0
+        return self.count(kind) + (self.passes - 1) * looped
 
     def depth_queries(self, kind: str) -> int:
         """Inkling 2: the learned queries of the depth attention before a layer's attention (its input's, or its
@@ -111,14 +138,33 @@ class InklingShape:
         the final depth attention's)."""
         return -(-index // self.block_layers) if self.second else 0
 
-    def stacks(self, kind: str) -> tuple[int, int]:
+    def stacks(self, kind: str, gated: bool = False) -> tuple[int, int]:
         """Inkling 2: the states each of a layer's two depth attentions stacks (its block states and the partial
         one; before the MLP, at a block's first layer, the layer's input too), at :attr:`planned_layer`, or at
-        the last layer of ``kind``; before the first layer's attention none (0)."""
-        index = self.planned_layer if self.planned_layer >= 0 else max(
-            i for i, k in enumerate(self.kinds) if k == kind)
+        the last layer of ``kind`` (``gated``: the last looped one, a pass after the first restarting from the
+        states before the loop); before the first layer's attention none (0)."""
+        looped = range(self.loop_start, self.loop_end) if gated else range(len(self.kinds))
+        index = self.planned_layer if self.planned_layer >= 0 else max(i for i in looped if self.kinds[i] == kind)
         n = self.entries(index)
         return (n + 1 if index else 0), n + 1 + (index % self.block_layers == 0)
+
+    def gated_calls(self, kind: str) -> int:
+        """Inkling2-Loop: the calls of looped layers of ``kind`` with messages (every pass after the first)."""
+        return (self.passes - 1) * self.kinds[self.loop_start:self.loop_end].count(kind) if self.gate_rank else 0
+
+    @property
+    def message_stack(self) -> int:
+        """Inkling2-Loop: the states the message depth attention stacks (the block states the previous pass
+        appended after its first, and its last output)."""
+        return self.entries(self.loop_end) - self.entries(self.loop_start)
+
+    def boundary_tensors(self) -> list[int]:
+        """Inkling 2: the entries of each stack of block states a step makes (one after each call of a block's first
+        layer but the last layer's: checkpointing keeps each once; Inkling2-Loop's looped blocks once a pass)."""
+        last = len(self.kinds) - 1
+        made = [self.entries(j) + 1 for j in range(0, last, self.block_layers)]
+        looped = [self.entries(j) + 1 for j in range(self.loop_start, min(self.loop_end, last), self.block_layers)]
+        return made + looped * (self.passes - 1 if self.gate_rank else 0)
 
 
 def layer_types(cfg: dict) -> tuple[str, ...]:
@@ -164,6 +210,8 @@ def inkling_fields(cfg: dict) -> dict:
     if second:
         sizes |= dict(block_layers=cfg.get("n_layers_per_attn_res_block", 6),
                       head_vocab=cfg.get("unpadded_vocab_size", 200058))
+    if cfg.get("model_type") in LOOP:
+        sizes |= _loop_sizes(cfg, len(kinds), sizes["block_layers"])
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Inkling's {name} = {value!r} must be a positive integer; fix the config.json.")
@@ -177,3 +225,22 @@ def inkling_fields(cfg: dict) -> dict:
         raise ValueError("Inkling's experts need n_shared_experts >= 1 (its router's shared rows); fix the "
                          "config.json.")
     return {"inkling": shape, "given_layer_types": kinds}
+
+
+def _loop_sizes(cfg: dict, layers: int, block: int) -> dict:
+    """Inkling2-Loop's looped layers, passes and gate rank as its config class reads them (a ``loop_config`` of
+    ``core_start``, ``core_end``, ``num_passes``, ``gate_rank`` over the entries); a ValueError naming the fix where
+    transformers' model could not be built."""
+    given = cfg.get("loop_config") or {}
+    out = dict(loop_start=given.get("core_start", cfg.get("loop_layer_index_start", 6)),
+               loop_end=given.get("core_end", cfg.get("loop_layer_index_end", 18)),
+               passes=given.get("num_passes", cfg.get("loop_num_passes", 3)),
+               gate_rank=given.get("gate_rank", cfg.get("loop_gate_rank", 64)))
+    for name, value in out.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"Inkling2-Loop's {name} = {value!r} must be a positive integer; fix the config.json.")
+    if out["loop_start"] % block or out["loop_end"] % block or not out["loop_start"] < out["loop_end"] <= layers:
+        raise ValueError(f"Inkling2-Loop's looped layers {out['loop_start']} .. {out['loop_end'] - 1} must start and "
+                         f"end at multiples of n_layers_per_attn_res_block ({block}) within its {layers} layers; fix "
+                         "loop_layer_index_start and loop_layer_index_end in the config.json.")
+    return out

@@ -478,10 +478,13 @@ class ModelShape:
         if self.inkling is not None:  # each layer by its kind and its MLP's; the embedding's norm and the final one
             # (Inkling 2's: and its depth attention's query before it; its head of its own rows)
             embed = self.vocab * self.hidden + (0 if self.tie_embeddings else self.head_vocab * self.hidden)
+            ink = self.inkling
             layers = sum(self.inkling_layer_params(kind, dense=i < self.dense_layers if self.dense_first else
-                                                   i >= self.layers - self.dense_layers, first=i == 0)
-                         for i, kind in enumerate(self.inkling.kinds))
-            return tower + embed + (3 if self.inkling.second else 2) * self.hidden + layers
+                                                   i >= self.layers - self.dense_layers, first=i == 0,
+                                                   looped=ink.looped(i))
+                         for i, kind in enumerate(ink.kinds))
+            messages = 4 * self.hidden * (ink.loop_end - ink.loop_start) if ink.gate_rank else 0  # Inkling2-Loop's
+            return tower + embed + (3 if ink.second else 2) * self.hidden + layers + messages
         if self.qwen_exp is not None:  # its QSA and Gated DeltaNet layers, the gated residual before the head
             embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
             full = self.layers - self.linear_layers
@@ -517,16 +520,17 @@ class ModelShape:
                 - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower
                 + self.hc_params(1))  # and the head's
 
-    def inkling_layer_params(self, kind: str, dense: bool = False, first: bool = False) -> int:
+    def inkling_layer_params(self, kind: str, dense: bool = False, first: bool = False, looped: bool = False) -> int:
         """One Inkling layer of ``kind``: its attention, norms and convs, and its MLP (a dense one, or its experts
         with the router's shared rows), each with its scale; Inkling 2's (the ``first`` layer's depth attention
-        has fewer queries): its experts and router, no scale."""
+        has fewer queries; an Inkling2-Loop ``looped`` layer's message gates): its experts and router, no scale."""
         if self.inkling.second:
             mlp = self.mlp_params
         else:
             mlp = (3 * self.hidden * self.dense_intermediate if dense else
                    self.mlp_params + self.shared_experts * self.hidden) + 1
-        return self.inkling.layer_params(kind, self.hidden, self.heads, self.kv_heads, self.head_dim, mlp, first)
+        return self.inkling.layer_params(kind, self.hidden, self.heads, self.kv_heads, self.head_dim, mlp, first,
+                                         looped)
 
     @property
     def head_vocab(self) -> int:

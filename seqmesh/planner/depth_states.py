@@ -18,12 +18,27 @@ def depth_bytes(work: Workload, stacked: int, queries: int) -> int:
 
 def block_states_bytes(work: Workload, layers: int) -> int:
     """Bytes a token's block states take where checkpointing keeps the inputs of the first ``layers`` layers (all:
-    at the loss, and in the last layer's backward): each block's stack once, in the compute dtype."""
+    at the loss, and in the last layer's backward): each block's stack once, in the compute dtype (Inkling2-Loop's
+    looped blocks once a pass, when every layer's inputs are kept)."""
     ink = work.model.inkling
     if ink is None or not ink.second or not layers:
         return 0
+    if layers >= work.model.layers:
+        return work.act_bytes * work.model.hidden * sum(ink.boundary_tensors())
     n = ink.entries(layers - 1)
     return work.act_bytes * work.model.hidden * n * (n + 1) // 2
+
+
+def messages_bytes(work: Workload) -> int:
+    """Bytes a token keeps, all step, for Inkling2-Loop's messages: each call of a looped layer after the first
+    pass takes four (its queries', keys', values' and MLP's, ``4 x E`` in the compute dtype, which FSDP2 casts
+    its input to and checkpointing keeps) from a depth attention of its own over the previous pass's states
+    (:func:`depth_bytes` without its output, which the cast replaces)."""
+    ink, m = work.model.inkling, work.model
+    if ink is None or not ink.gate_rank:
+        return 0
+    calls = ink.extra_passes
+    return calls * (depth_bytes(work, ink.message_stack, 0) + 4 * m.hidden * work.act_bytes)
 
 
 def final_depth_bytes(work: Workload) -> int:

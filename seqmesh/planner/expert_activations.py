@@ -79,10 +79,11 @@ def dense_layer(work: Workload) -> Workload:
 def first_layer(work: Workload) -> Workload:
     """``work`` with its model's layers as its first one: :func:`dense_layer` where that is one of the dense ones;
     an Inkling model's every layer of its first layer's kind (sliding or full), Inkling 2's depth attention as the
-    first layer's (no stack before its attention)."""
+    first layer's (no stack before its attention), without Inkling2-Loop's gated calls (its first layer never
+    loops)."""
     work = dense_layer(work) if work.model.dense_first else work
     ink = work.model.inkling
     if ink is None:
         return work
-    first = replace(ink, kinds=(ink.kinds[0],) * len(ink.kinds), planned_layer=0)
+    first = replace(ink, kinds=(ink.kinds[0],) * len(ink.kinds), planned_layer=0, passes=1)
     return replace(work, model=replace(work.model, inkling=first))

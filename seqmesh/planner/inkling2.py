@@ -24,21 +24,39 @@ input, each block's stack of states once (every layer of the block takes the sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..model.inkling import FULL
 from .activations import tokens
 from .depth_states import F32, depth_bytes
 from .relative_attention import INT64, RelativeAttention
 
 
+@dataclass(frozen=True)
 class Inkling2Layer(RelativeAttention):
-    """An Inkling 2 layer of ``kind`` over the whole sequence group: what differs from Inkling's."""
+    """An Inkling 2 layer of ``kind`` over the whole sequence group: what differs from Inkling's; ``gated``: an
+    Inkling2-Loop looped layer's call after the first pass, its inputs mixed with messages through its four gates."""
+
+    gated: bool = False
 
     def _macs(self) -> int:
-        """Inkling's, with ``o_proj``'s gate, the sink logits, and a full layer's dynamic taps."""
+        """Inkling's, with ``o_proj``'s gate, the sink logits, a full layer's dynamic taps and the message gates."""
         m = self.work.model
         h, hk, d = self._heads()
         taps = m.hidden * 2 * hk * m.inkling.kernel if self.kind == FULL else 0
-        return super()._macs() + m.hidden * (h * d + h) + taps
+        gates = 4 * 4 * m.hidden * m.inkling.gate_rank if self.gated else 0
+        return super()._macs() + m.hidden * (h * d + h) + taps + gates
+
+    def _stacks(self) -> tuple[int, int]:
+        return self.work.model.inkling.stacks(self.kind, self.gated)
+
+    def _gate_bytes(self) -> int:
+        """Bytes a token keeps for one message gate (a ``gated`` call's): the message in float32, its two tanh gates,
+        ``1 - forget`` and its output (five float32 tensors of ``E``: the norm after it keeps the output), the normed
+        pair cast to the compute dtype for its down projection (``2E``) and that projection's float32 output
+        (``r``)."""
+        m = self.work.model
+        return 5 * F32 * m.hidden + 2 * self.work.act_bytes * m.hidden + F32 * m.inkling.gate_rank
 
     def _experts_bytes(self) -> int:
         """Bytes a token's experts keep: the router's float32 input and scores, and each of its ``k`` slots'
@@ -51,11 +69,12 @@ class Inkling2Layer(RelativeAttention):
         """Bytes a token keeps from its attention's norms to its blocks' inputs (module docstring), the row apart."""
         m, e, ink = self.work.model, self.work.act_bytes, self.work.model.inkling
         h, hk, d = self._heads()
-        norms = (3 if self.kind == FULL else 1) * (F32 + e) * m.hidden
+        norms = (3 if self.kind == FULL or self.gated else 1) * (F32 + e) * m.hidden  # a gated sliding layer's three
+        gates = 3 * self._gate_bytes() if self.gated else 0  # the queries', keys' and values' inputs
         scaled = (2 * F32 + e) * h * (d + ink.d_rel)  # the queries and the relative states
         convs = (2 if self.kind == FULL else 1) * ink.kernel * 2 * hk * d * F32
         clips = 2 * hk * d * F32
-        return norms + scaled + e * h * ink.extent(self.kind) + convs + clips + e * h  # the profiles, the sinks
+        return norms + gates + scaled + e * h * ink.extent(self.kind) + convs + clips + e * h  # profiles, sinks
 
     def _after_blocks(self) -> int:
         """Bytes a token keeps for what runs after the blocks in forward (and so before them in backward):
@@ -64,15 +83,15 @@ class Inkling2Layer(RelativeAttention):
         m, e, ink = self.work.model, self.work.act_bytes, self.work.model.inkling
         h, _, d = self._heads()
         gate = 2 * F32 * h * d + e * h * d
-        return (gate + 2 * ink.kernel * m.hidden * F32 + (F32 + e) * m.hidden
-                + depth_bytes(self.work, ink.stacks(self.kind)[1], 1) + self._experts_bytes())
+        return (gate + 2 * ink.kernel * m.hidden * F32 + (F32 + e) * m.hidden + depth_bytes(self.work, self._stacks()[1], 1)
+                + self._experts_bytes() + (self._gate_bytes() if self.gated else 0))  # the MLP's message gate
 
     def saved_bytes(self) -> int:
         """Bytes the layer keeps for backward (module docstring): a token's depth attention before the attention,
         the attention's, and what runs after its blocks; the row's keys and values."""
         w, m, e = self.work, self.work.model, self.work.act_bytes
         _, hk, d = self._heads()
-        before = depth_bytes(w, m.inkling.stacks(self.kind)[0], m.inkling.depth_queries(self.kind))
+        before = depth_bytes(w, self._stacks()[0], m.inkling.depth_queries(self.kind))
         return tokens(w, self.layout) * (before + self._attention_bytes() + self._after_blocks()) \
             + 2 * self._row() * hk * d * e
 
@@ -110,5 +129,5 @@ class Inkling2Layer(RelativeAttention):
         stack's, from the loss's backward, whose views the layers' block states take as their gradients."""
         m, ink = self.work.model, self.work.model.inkling
         final = ink.entries(m.layers) + 1 if ink.planned_layer != 0 else 0
-        return self.work.act_bytes * m.hidden * (ink.stacks(self.kind)[0] + final)
+        return self.work.act_bytes * m.hidden * (self._stacks()[0] + final)
 

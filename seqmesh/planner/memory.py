@@ -12,7 +12,7 @@ from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_b
                           gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens,
                           norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
-from .depth_states import block_states_bytes
+from .depth_states import block_states_bytes, messages_bytes
 from .relative_attention import layers_saved_bytes
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
@@ -165,8 +165,12 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         if work.offload_checkpoints:
             inputs = 0 if at_loss else min(m.layers, work.offload_prefetch + 1 if work.offload_prefetch else 0)
         picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
-        # Inkling 2's block states, each block's kept once by the layers that take it
+        # Inkling 2's block states, each block's kept once by the layers that take it; Inkling2-Loop's calls of its
+        # looped layers after the first pass, each with its messages
         states = tokens(work, layout) * block_states_bytes(work, inputs)
+        if inputs == m.layers and m.inkling is not None and m.inkling.gate_rank:
+            inputs += m.inkling.extra_passes
+            states += tokens(work, layout) * messages_bytes(work)
         return inputs * layer_input_bytes(work, layout) + picks + states
     if m.inkling is not None:  # each layer by its kind (Inkling 2's stacks by its index)
         return layers_saved_bytes(work, layout, m.layers - (0 if at_loss else 1))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..hf.indexed_attention import BLOCK_ELEMENTS
 from ..linear_attention.choice import halo_bytes
-from ..model.inkling import SLIDING
+from ..model.inkling import FULL, SLIDING
 from ..rules.degrees import Degrees
 from .activations import local_tokens, mlp_saved_bytes, norm_saved, tokens
 from .hardware import HardwareSpec
@@ -161,12 +161,15 @@ class RelativeAttention:
 
 def relative_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[RelativeAttention, int]]:
     """An Inkling (or Inkling 2: :class:`seqmesh.planner.inkling2.Inkling2Layer`) model's layers by kind, with how
-    many of each."""
+    many calls a step makes of each (Inkling2-Loop's looped layers after the first pass as gated kinds)."""
     from .inkling2 import Inkling2Layer
 
     ink = work.model.inkling
-    layer = Inkling2Layer if ink.second else RelativeAttention
-    return [(layer(work, layout, kind), ink.count(kind)) for kind in (SLIDING, "hybrid") if ink.count(kind)]
+    if not ink.second:
+        return [(RelativeAttention(work, layout, kind), ink.count(kind)) for kind in (SLIDING, FULL) if ink.count(kind)]
+    plain = [(Inkling2Layer(work, layout, kind), ink.count(kind)) for kind in (SLIDING, FULL) if ink.count(kind)]
+    return plain + [(Inkling2Layer(work, layout, kind, gated=True), ink.gated_calls(kind)) for kind in (SLIDING, FULL)
+                    if ink.gated_calls(kind)]
 
 
 def layers_saved_bytes(work: Workload, layout: Degrees, count: int) -> int:
@@ -177,9 +180,13 @@ def layers_saved_bytes(work: Workload, layout: Degrees, count: int) -> int:
     from .inkling2 import Inkling2Layer
 
     ink = work.model.inkling
-    layer = Inkling2Layer if ink.second else RelativeAttention
+    calls = [(index, kind, False) for index, kind in enumerate(ink.kinds[:count])]
+    if count >= len(ink.kinds):  # Inkling2-Loop's passes after the first
+        calls += [(i, ink.kinds[i], True) for i in range(ink.loop_start, ink.loop_end)] * (ink.passes - 1) \
+            if ink.gate_rank else []
     total = 0
-    for index, kind in enumerate(ink.kinds[:count]):
+    for index, kind, gated in calls:
         at = replace(work, model=replace(work.model, inkling=replace(ink, planned_layer=index)))
-        total += layer(at, layout, kind).saved_bytes()
+        total += (Inkling2Layer(at, layout, kind, gated) if ink.second else RelativeAttention(at, layout, kind)
+                  ).saved_bytes()
     return total

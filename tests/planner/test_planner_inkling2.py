@@ -36,43 +36,58 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+# Inkling2-Loop: the config class's sizes (26.1B: 24 layers, 6 to 17 looped in 3 passes), and the small one with
+# layers 3 to 5 looped in 4 passes through gates of rank 8
+LOOPS = {"default": {}, "small": {**CONFIGS["small"], "n_layers_per_attn_res_block": 3, "loop_layer_index_start": 3,
+                                  "loop_layer_index_end": 6, "loop_num_passes": 4, "loop_gate_rank": 8}}
+
+
+@pytest.mark.parametrize("name", [*CONFIGS, *(f"loop-{n}" for n in LOOPS)])
 def test_parameters_are_what_transformers_builds(name, tmp_path):
     """The model's count and each layer's (its FSDP unit: its attention by its kind, its depth attention's queries,
-    fewer in the first layer, its norms and two convolutions, its experts and float32 router) equal the model
-    transformers builds; the layers are planned by their kinds."""
+    fewer in the first layer, its norms and two convolutions, its experts and float32 router; an Inkling2-Loop
+    looped layer's four message gates, and the model's message queries) equal the model transformers builds; the
+    layers are planned by their kinds, an Inkling2-Loop looped layer's calls after the first pass as gated ones."""
     import torch
     import transformers as tf
 
-    config, shape, built = config_shape("Inkling2TextConfig", CONFIGS[name], tmp_path)
+    loop = name.startswith("loop-")
+    config, shape, built = config_shape("Inkling2LoopTextConfig" if loop else "Inkling2TextConfig",
+                                        LOOPS[name[5:]] if loop else CONFIGS[name], tmp_path)
     assert shape.params == built and not shape.unplanned, (shape.params, built, shape.unplanned)
     with torch.device("meta"):
         layers = tf.AutoModelForCausalLM.from_config(config).model.layers
     for i, (kind, layer) in enumerate(zip(config.layer_types, layers)):
-        assert shape.inkling_layer_params(kind, first=i == 0) == sum(p.numel() for p in layer.parameters()), (i, kind)
+        counted = shape.inkling_layer_params(kind, first=i == 0, looped=shape.inkling.looped(i))
+        assert counted == sum(p.numel() for p in layer.parameters()), (i, kind)
     kinds = layer_kinds(Workload(shape, 4096), Degrees(2, 1, 1))
-    assert [(type(k), k.kind, n) for k, n in kinds] == [
-        (Inkling2Layer, kind, config.layer_types.count(kind)) for kind in (SLIDING, FULL)]
+    looped = config.layer_types[config.loop_layer_index_start:config.loop_layer_index_end] if loop else []
+    passes = config.loop_num_passes if loop else 1
+    assert [(type(k), k.kind, k.gated, n) for k, n in kinds] == [
+        (Inkling2Layer, kind, False, config.layer_types.count(kind)) for kind in (SLIDING, FULL)] + [
+        (Inkling2Layer, kind, True, (passes - 1) * looped.count(kind)) for kind in (SLIDING, FULL)
+        if looped.count(kind)]
 
 
-@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
-def test_predicted_bytes_equal_measured(pools, ulysses, ring, tmp_path):
+@pytest.mark.parametrize("family,ulysses,ring", [("inkling2", 2, 1), ("inkling2", 1, 2), ("inkling2-loop", 2, 1)])
+def test_predicted_bytes_equal_measured(pools, family, ulysses, ring, tmp_path):
     """One step of the census's Inkling 2 (a sliding layer, then a full one whose key and value convolutions are
-    dynamic): the all-gathers of each layer's row of keys and values and of its four short convolutions' halos
-    (forward; with checkpointing, again in the recompute) and their gradients' reduce-scatters (backward), per rank,
-    calls and bytes, against the planner's figures of both kinds."""
+    dynamic; -loop: a sliding layer after them, the full one run in two passes): the all-gathers of each layer
+    call's row of keys and values and of its four short convolutions' halos (forward; with checkpointing, again in
+    the recompute) and their gradients' reduce-scatters (backward), per rank, calls and bytes, against the
+    planner's figures of every kind, each as many times as the step calls it."""
     layout = Degrees(ulysses, ring, 1)
-    for case, work, ranks in measured_gathers(pools, "inkling2", ulysses, ring, tmp_path):
+    for case, work, ranks in measured_gathers(pools, family, ulysses, ring, tmp_path):
         kinds = layer_kinds(work, layout)
-        assert [n for _, n in kinds] == [1, 1]
+        assert [n for _, n in kinds] == ([1, 1] if family == "inkling2" else [2, 1, 1])
         for rank in ranks:
             index = rank["ulysses_rank"] + ulysses * rank["ring_rank"]
-            planned = [kind.ranks()[index] for kind, _ in kinds]
+            planned = [(kind.ranks()[index], n) for kind, n in kinds]
             for (kind, phase), repeats in ((("all_gather", "forward"), 2 if case.checkpointing else 1),
                                            (("reduce_scatter", "backward"), 1)):
                 counted = rank["stats"][kind][phase]
-                want = (repeats * sum(t.calls(kind, phase) for t in planned),
-                        repeats * sum(t.sent(kind, phase) for t in planned))
+                want = (repeats * sum(n * t.calls(kind, phase) for t, n in planned),
+                        repeats * sum(n * t.sent(kind, phase) for t, n in planned))
                 assert (counted["calls"], counted["bytes_sent"]) == want, (case, kind, counted, want)
         per_layer = kinds[1][0].traffic()
         assert per_layer["forward"][ROWS] > 0 and per_layer["forward"][HALOS] > 0
@@ -82,7 +97,8 @@ def test_seqmesh_plan_sizes_inkling2(tmp_path, capsys):
     """``seqmesh plan`` names Inkling 2's layers and its blocks, and sends each layer's row and halo gathers on every
     sharded layout (the other rank's 65,536 tokens of the keys and values, bf16, on two ranks: the full layers' 2 kv
     heads of 32, the sliding layers' 4 of 16, the same), none on one GPU; it refuses ``--inference`` (seqmesh
-    generate does not decode Inkling 2) and tensor parallelism; Inkling2-Loop's passes it names as not planned."""
+    generate does not decode Inkling 2) and tensor parallelism; Inkling2-Loop's loop it names, and its step takes
+    longer than Inkling 2's of the same layers by its passes."""
     config_shape("Inkling2TextConfig", CONFIGS["small"], tmp_path, count=False)
     argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "131072", "--gpus", "2"]
     assert main(argv) == 0
@@ -100,6 +116,21 @@ def test_seqmesh_plan_sizes_inkling2(tmp_path, capsys):
     loop = tmp_path / "loop"
     loop.mkdir()
     (loop / "config.json").write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()),
-                                                 "model_type": "inkling2_loop_text"}))
-    assert main(["plan", "--model", str(loop / "config.json"), "--seq-len", "131072", "--gpus", "2"]) != 0
-    assert "Inkling2-Loop's passes" in capsys.readouterr().err
+                                                 **LOOPS["small"], "model_type": "inkling2_loop_text"}))
+    assert main(["plan", "--model", str(loop / "config.json"), "--seq-len", "131072", "--gpus", "2", "--json"]) == 0
+    looped = {c["label"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    assert looped["U2 x R1 x DP1"]["step_time_s"] > plans["U2 x R1 x DP1"]["step_time_s"] * 1.5, (looped, plans)
+    assert main(["plan", "--model", str(loop / "config.json"), "--seq-len", "131072", "--gpus", "2"]) == 0
+    assert "layers 3-5 looped, 4 passes, message gates of rank 8" in capsys.readouterr().out
+
+
+def test_a_loop_transformers_could_not_build_is_refused_naming_the_fix(tmp_path):
+    """Inkling2-Loop's looped layers start and end at block boundaries, inside the model (transformers' config
+    checks the first); the planner names the entries and the fix."""
+    from seqmesh.model.presets import model_shape
+
+    config_shape("Inkling2LoopTextConfig", LOOPS["small"], tmp_path, count=False)
+    written = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**written, "loop_layer_index_start": 2}))
+    with pytest.raises(ValueError, match="multiples of n_layers_per_attn_res_block .3.*loop_layer_index_start"):
+        model_shape(str(tmp_path / "config.json"))
