@@ -97,12 +97,15 @@ def _even(pairs: int, ep: int) -> list[int]:
 
 def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,
                      ep: int, group: dist.ProcessGroup | None,
-                     run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     summed_in: torch.dtype | None = None) -> torch.Tensor:
     """``sum_j w_tj * expert_{e_tj}(x_t)`` for every token of ``hidden`` (T, H), with the experts spread over the
     ``ep`` ranks of ``group`` (rank ``r`` holds experts ``[r * n, (r + 1) * n)``).
 
     ``run_experts(rows (N, H), local_expert (N,))`` is this rank's experts' unweighted output for the rows it
-    received (N, H). Every rank of ``group`` must call this together (the exchanges are collective)."""
+    received (N, H). Every rank of ``group`` must call this together (the exchanges are collective). ``summed_in``:
+    each weighted output cast to that dtype and a token's summed in it by ascending expert, as a module that sums
+    into a buffer of that dtype expert by expert does (Inkling 2's float32 one)."""
     tokens, k = top_k_index.shape
     route = plan_route(top_k_index, experts, ep, group)
     rows = hidden[route.order // k]  # (T * k, H) by destination rank, then expert
@@ -115,4 +118,12 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     back = torch.empty_like(route.order)
     back[route.order] = torch.arange(route.order.numel(), device=route.order.device)
     picked = out[back].reshape(tokens, k, -1)  # (T, k, H) in pair order
-    return (picked * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+    if summed_in is None:
+        return (picked * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+    products = (picked * top_k_weights.unsqueeze(-1)).to(summed_in)  # (T, k, H)
+    by_expert = top_k_index.argsort(dim=1, stable=True)  # (T, k)
+    products = products.gather(1, by_expert[..., None].expand_as(products))
+    total = products[:, 0]
+    for j in range(1, k):  # one pick after another, as the buffer takes them
+        total = total + products[:, j]
+    return total.to(hidden.dtype)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .dispatch import dispatch_combine
 from .mesh import ExpertMesh
@@ -46,13 +47,16 @@ EXPERT_PARALLEL_FAMILIES = (
     # DeepSeek-V4: its hash-routed layers too (the router reads the token ids; the experts are the same module)
     "deepseek_v4",
     # Beam (its soft-capped head read since 2026-11-30), Inkling's and Qwen4-Exp's experts, the same module again
-    "beam", "inkling_text", "qwen4_exp_text")
+    "beam", "inkling_text", "qwen4_exp_text",
+    # Inkling 2's, which weight and sum their outputs in float32 inside the module (SUMMED_IN_FLOAT32 below)
+    "inkling2_text", "inkling2_loop_text")
+# of those, the families whose experts weight each output and sum them into a float32 buffer inside the module
+# (Inkling 2's): split, each expert's unweighted output is computed without that sum (:func:`run_summing_experts`)
+# and the token's rank weights the outputs and sums them in float32, expert by expert, as the module does
+SUMMED_IN_FLOAT32 = ("inkling2_text", "inkling2_loop_text")
 # of those, the families whose MoE block scales each token before its experts (its forward replaced, not the experts')
 SCALED_BEFORE_EXPERTS = ("llama4_text",)
 
-_INKLING2 = ("Inkling 2's experts weight each output inside the module and sum them in float32, so a split that "
-             "weights on the token's rank rounds at another point; it would take the weights applied before the "
-             "float32 sum on the expert's rank (not built)")
 # MoE families whose experts module is not the (hidden, top_k_index, top_k_weights) one above, or that a split would
 # round otherwise: what they compute instead
 NOT_SPLIT = {
@@ -63,22 +67,30 @@ NOT_SPLIT = {
     "longcat_flash": "LongCat-Flash's experts module holds zero-compute (identity) experts beside its routed ones, "
                      "which the router picks among them, and names no num_experts; a split would keep the identity "
                      "experts on the token's rank (not built)",
-    "inkling2_text": _INKLING2,
-    "inkling2_loop_text": _INKLING2,
     "doge": "Doge's cross-domain experts are rows of two embeddings (num_experts x hidden each, 16,384 by default), "
             "each a rank-one MLP a token reaches by its row index, not stacked matrices; FSDP2 shards the embeddings",
 }
 
 
+def family_refusal(family: str, ep: int, name: str = "") -> str | None:
+    """Why ``ep`` cannot split the experts of ``family`` (a model_type: the language model's, or a vision-language
+    file's whose language model is ``family + "_text"``), by name and with what its experts compute instead where
+    seqmesh knows it; None where it can. The runtime's rule (:func:`check_family`), which the planner reads."""
+    text = family if family in EXPERT_PARALLEL_FAMILIES or family in NOT_SPLIT else f"{family}_text"
+    if ep <= 1 or text in EXPERT_PARALLEL_FAMILIES:
+        return None
+    why = f" ({NOT_SPLIT[text]})" if text in NOT_SPLIT else ""
+    return (f"ep={ep}: seqmesh splits the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)}; {family}"
+            f"{f' ({name})' if name else ''} is not among them{why}. Use ep=1 (every rank holds every expert, FSDP2 "
+            "shards them).")
+
+
 def check_family(model: nn.Module, ep: int) -> None:
     """Refuse ``ep > 1`` for a family whose experts seqmesh has not measured, by name (and with what its experts
     compute instead, where seqmesh knows it)."""
-    family = model.config.get_text_config().model_type
-    if ep > 1 and family not in EXPERT_PARALLEL_FAMILIES:
-        why = f" ({NOT_SPLIT[family]})" if family in NOT_SPLIT else ""
-        raise ValueError(f"ep={ep}: seqmesh splits the experts of {', '.join(EXPERT_PARALLEL_FAMILIES)}; {family} "
-                         f"({type(model).__name__}) is not among them{why}. Use ep=1 (every rank holds every expert, "
-                         "FSDP2 shards them).")
+    refusal = family_refusal(model.config.get_text_config().model_type, ep, type(model).__name__)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -129,15 +141,33 @@ def run_local_experts(module: nn.Module, weights: dict[str, torch.Tensor], rows:
     return out
 
 
-def _expert_parallel_forward(module: nn.Module, emesh: ExpertMesh):
+def run_summing_experts(module: nn.Module, weights: dict[str, torch.Tensor], rows: torch.Tensor,
+                        local_expert: torch.Tensor) -> torch.Tensor:
+    """Inkling 2's experts (``gate_up_proj`` (n, 2I, H), ``down_proj`` (n, H, I), the module's soft-capped
+    ``_apply_gate``) on ``rows`` (N, H), row ``i`` through local expert ``local_expert[i]``, without the module's
+    float32 sum, which would round each output before its weight -> (N, H) unweighted, in the rows' dtype."""
+    gate_up, down = weights["gate_up_proj"], weights["down_proj"]
+    out = rows.new_zeros(rows.shape[0], down.shape[1])
+    for e in range(gate_up.shape[0]):
+        mine = (local_expert == e).nonzero().flatten()
+        out = out.index_put((mine,), F.linear(module._apply_gate(F.linear(rows[mine], gate_up[e])), down[e]))
+    if rows.shape[0] == 0:  # keep every weight in the graph (FSDP2 reduces each weight's gradient, zeros here)
+        out = out + (gate_up.reshape(-1)[:1].sum() + down.reshape(-1)[:1].sum()) * 0
+    return out
+
+
+def _expert_parallel_forward(module: nn.Module, emesh: ExpertMesh, summing: bool = False):
+    """``module``'s forward over ``emesh``'s expert group; ``summing``: a :data:`SUMMED_IN_FLOAT32` family's."""
     experts, ep, group = module.num_experts, emesh.ep, emesh.ep_group
+    run = run_summing_experts if summing else run_local_experts
 
     def run_local(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         weights = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}  # (E / ep, ...) each
-        return run_local_experts(module, weights, rows, local_expert)
+        return run(module, weights, rows, local_expert)
 
     def ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return dispatch_combine(hidden_states, top_k_index, top_k_weights, experts, ep, group, run_local)
+        return dispatch_combine(hidden_states, top_k_index, top_k_weights, experts, ep, group, run_local,
+                                summed_in=torch.float32 if summing else None)
 
     return ep_forward
 
@@ -205,5 +235,6 @@ def apply_expert_parallel(model: nn.Module, emesh: ExpertMesh) -> int:
 
             block.forward = llama4_moe_forward(block, module.num_experts, ep, emesh.ep_group, run_local)
         else:
-            module.forward = _expert_parallel_forward(module, emesh)
+            module.forward = _expert_parallel_forward(module, emesh,
+                                                      model.config.get_text_config().model_type in SUMMED_IN_FLOAT32)
     return len(found)

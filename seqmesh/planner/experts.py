@@ -12,6 +12,7 @@ runtime's counters are tested against. docs/planner.md, "Expert parallelism", li
 from __future__ import annotations
 
 from ..rules.degrees import Degrees
+from ..experts.layers import family_refusal
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..experts.traffic import ExchangeBytes, expected_exchange_bytes
 from ..model.shapes import ModelShape
@@ -52,6 +53,9 @@ def expert_parallel_refusal(m: ModelShape, layout: Degrees) -> str | None:
     groups are cut from the ``dp_shard x ring x ulysses`` ranks (also under HSDP, inside a replica)."""
     if layout.ep == 1:
         return None
+    family = family_refusal(m.family, layout.ep)  # the runtime's rule: the families whose experts it splits
+    if family is not None:
+        return family
     try:
         check_expert_parallel(m, layout.ep)
         runtime_rule(layout.ep, experts=m.experts, token_ranks=layout.fsdp_group, tp=layout.tp, model=m.name)

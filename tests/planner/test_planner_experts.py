@@ -242,3 +242,18 @@ def test_what_an_moe_layer_keeps_is_what_autograd_saves(pools, tmp_path, family)
     bound = measured["tokens"] * (router + k * (3 * 8 + 2) + 8)
     assert planned <= measured["saved"] <= planned + bound, (planned, measured["saved"], bound)
 
+
+
+def test_a_family_whose_experts_the_runtime_does_not_split_gets_no_ep_layout(configs):
+    """The planner reads the runtime's family rule (seqmesh.experts.layers.family_refusal): a JetMoE-shaped model
+    (its experts take tokens already sorted by expert) gets no ep > 1 layout, with the runtime's reason; the same
+    shape as DeepSeek-V3, and as Inkling 2 (whose experts seqmesh now splits, their float32 sum kept), gets them."""
+    from seqmesh.planner.experts import expert_parallel_refusal
+
+    shape = model_shape(configs["deepseek-v3"] + "/config.json")
+    layout = Degrees(1, 1, 4, ep=2)
+    assert expert_parallel_refusal(shape, layout) is None
+    assert expert_parallel_refusal(replace(shape, family="inkling2_text"), layout) is None
+    refusal = expert_parallel_refusal(replace(shape, family="jetmoe"), layout)
+    assert refusal is not None and "jetmoe is not among them (JetMoE's experts take tokens already sorted" in refusal
+    assert expert_parallel_refusal(replace(shape, family="jetmoe"), Degrees(1, 1, 4)) is None
