@@ -83,7 +83,9 @@ def _make_attention(mesh: SPMesh, backend: str):
                 "batch returned by seqmesh.shard_batch (model(**batch)), or seqmesh.hf.unparallelize(model) first."
             )
         if dropout:
-            raise ValueError(f"attention dropout ({dropout}) is not supported by seqmesh; set attention_dropout=0.")
+            raise ValueError(f"attention dropout ({dropout}) is not supported by seqmesh; set the config's attention "
+                             "dropout to 0 (attention_dropout; GPT-2's attn_pdrop, BERT's attention_probs_dropout_prob)"
+                             ", or call model.eval().")
         intercept = getattr(info, "intercept_attention", None)  # seqmesh.inference's entries: a prefill keeps this
         if intercept is not None:                               # rank's keys and values, a decode step attends
             done = intercept(module, query, key, value, mesh, scaling, kwargs)  # to its share of the cache

@@ -10,6 +10,7 @@ import os
 
 from ..rules.model_sizes import check_model_sizes
 from ..rules.own_attention import TWO_MATRIX_MLP
+from ..rules.positions import position_rows
 from .deepseek_v4 import deepseek_v4_fields
 from .doge import doge_fields
 from .dots3 import FAMILIES as DOTS3, dots3_entries
@@ -117,7 +118,13 @@ _WITHOUT_ATTENTION = {"rwkv": "intermediate_size", "xlstm": "intermediate_size",
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,
 # written here so that reading a config.json needs no transformers)
+_GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_inner": "intermediate_size"}
 _OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
+              # GPT-2's names, shared by GPT-BigCode (StarCoder), GPT-J and CodeGen; CTRL's MLP width is dff; OPT's
+              # ffn_dim
+              "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "gptj": _GPT2_NAMES, "codegen": _GPT2_NAMES,
+              "ctrl": {**_GPT2_NAMES, "dff": "intermediate_size"}, "opt": {"ffn_dim": "intermediate_size"},
               "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"},
               "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
               "openai-gpt": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
@@ -149,10 +156,20 @@ def _standard_names(cfg: dict) -> dict:
         out["tie_word_embeddings"] = True
     if family == "gpt_neox_japanese" and out.get("intermediate_size") is None and isinstance(out.get("hidden_size"), int):
         out["intermediate_size"] = cfg.get("intermediate_multiple_size", 4) * out["hidden_size"]
-    if family in TWO_MATRIX_MLP and out.get("intermediate_size") is None and isinstance(out.get("hidden_size"), int):
+    if family in PLAIN_MLP + TWO_MATRIX_MLP and out.get("intermediate_size") is None \
+            and isinstance(out.get("hidden_size"), int):
         ratio = cfg.get("expansion_ratio", 4) if family == "mpt" else 4
         out["intermediate_size"] = cfg.get("ffn_hidden_size") or ratio * out["hidden_size"]
+    if family in PLAIN_MLP and out.get("tie_word_embeddings") is None:  # their config classes' defaults
+        out["tie_word_embeddings"] = family not in ("gptj", "codegen")
+    if family == "gpt_bigcode" and "num_key_value_heads" not in out:  # multi-query by default (StarCoder)
+        out["num_key_value_heads"] = 1 if cfg.get("multi_query", True) else out.get("num_attention_heads")
     return out
+
+
+# the families seqmesh runs through transformers' attention whose MLP is two matrices, up and down (GPT-2 and
+# GPT-BigCode's c_fc and c_proj, GPT-J's and CodeGen's fc_in and fc_out, CTRL's, OPT's fc1 and fc2)
+PLAIN_MLP = ("gpt2", "gpt_bigcode", "gptj", "codegen", "ctrl", "opt")
 
 
 def _own_attention_fields(cfg: dict) -> dict:
@@ -161,7 +178,12 @@ def _own_attention_fields(cfg: dict) -> dict:
     its reason (``seqmesh train`` runs it all the same). BLOOM's and MPT's ALiBi is planned as attention: on CUDA it
     runs on seqmesh's Triton flash kernel (``seqmesh.kernels.flash_triton``), no score block held."""
     family = cfg.get("model_type")
-    fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP else {}
+    fields = {"gated_mlp": False} if family in TWO_MATRIX_MLP + PLAIN_MLP else {}
+    if position_rows(cfg):  # a learned table of positions (CTRL's of sinusoids, no parameters): the longest sequence
+        fields["position_rows"] = position_rows(cfg)
+    width = cfg.get("word_embed_proj_dim") if family == "opt" else None
+    if isinstance(width, int) and width != cfg.get("hidden_size"):  # OPT-350m's narrower embeddings
+        fields["embed_width"] = width
     if SPARSE in (cfg.get("layer_types") or ()):
         fields |= minimax_m3_fields(cfg, cfg.get("num_attention_heads", 1))
     if family == "deepseek_v4":

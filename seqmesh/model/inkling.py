@@ -117,7 +117,8 @@ class InklingShape:
     @property
     def extra_passes(self) -> int:
         """Inkling2-Loop: the layer calls its passes after the first add to a step's (0: Inkling 2)."""
-        return (self.passes - 1) * (self.loop_end - self.loop_start) if self.gate_rank else 0
+        looped = len(range(self.loop_start, min(self.loop_end, len(self.kinds))))
+        return (self.passes - 1) * looped if self.gate_rank else 0
 
     def calls(self, kind: str) -> int:
         """The calls of layers of ``kind`` a step makes (Inkling2-Loop's looped ones once a pass)."""
@@ -211,7 +212,7 @@ def inkling_fields(cfg: dict) -> dict:
         sizes |= dict(block_layers=cfg.get("n_layers_per_attn_res_block", 6),
                       head_vocab=cfg.get("unpadded_vocab_size", 200058))
     if cfg.get("model_type") in LOOP:
-        sizes |= _loop_sizes(cfg, len(kinds), sizes["block_layers"])
+        sizes |= _loop_sizes(cfg, sizes["block_layers"])
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Inkling's {name} = {value!r} must be a positive integer; fix the config.json.")
@@ -227,7 +228,7 @@ def inkling_fields(cfg: dict) -> dict:
     return {"inkling": shape, "given_layer_types": kinds}
 
 
-def _loop_sizes(cfg: dict, layers: int, block: int) -> dict:
+def _loop_sizes(cfg: dict, block: int) -> dict:
     """Inkling2-Loop's looped layers, passes and gate rank as its config class reads them (a ``loop_config`` of
     ``core_start``, ``core_end``, ``num_passes``, ``gate_rank`` over the entries); a ValueError naming the fix where
     transformers' model could not be built."""
@@ -239,8 +240,8 @@ def _loop_sizes(cfg: dict, layers: int, block: int) -> dict:
     for name, value in out.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"Inkling2-Loop's {name} = {value!r} must be a positive integer; fix the config.json.")
-    if out["loop_start"] % block or out["loop_end"] % block or not out["loop_start"] < out["loop_end"] <= layers:
+    if out["loop_start"] % block or out["loop_end"] % block or not out["loop_start"] < out["loop_end"]:
         raise ValueError(f"Inkling2-Loop's looped layers {out['loop_start']} .. {out['loop_end'] - 1} must start and "
-                         f"end at multiples of n_layers_per_attn_res_block ({block}) within its {layers} layers; fix "
-                         "loop_layer_index_start and loop_layer_index_end in the config.json.")
-    return out
+                         f"end at multiples of n_layers_per_attn_res_block ({block}); fix loop_layer_index_start and "
+                         "loop_layer_index_end in the config.json.")
+    return out  # a loop past the last layer loops the layers it holds (none: transformers runs no pass again)

@@ -91,10 +91,16 @@ def _media_token_ids(shape: ModelShape) -> dict:
     return dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"), ids))
 
 
+# the names a family's config gives its attention dropout: most families', GPT-2's (and GPT-BigCode's, GPT-J's,
+# CodeGen's, the original GPT's), BERT's
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
 def load_config(path: str):
     """The transformers config in ``path`` (a ``config.json`` file, or a folder holding one) exactly as
     written (norm epsilon, biases, activation, RoPE scaling, sliding window...), with no download;
-    only ``attention_dropout`` is set to 0, as seqmesh's exact attention has no dropout."""
+    only its attention dropout (:data:`ATTENTION_DROPOUT`, by the family's name for it) is set to 0, as seqmesh's
+    exact attention has no dropout."""
     from transformers import AutoConfig
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -102,6 +108,10 @@ def load_config(path: str):
         raise ValueError(f"no transformers config at {file!r}; give a preset name, a config.json or a folder holding one.")
     config = AutoConfig.from_pretrained(file, local_files_only=True)
     config.attention_dropout = 0.0
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name in ATTENTION_DROPOUT:
+            if isinstance(getattr(part, name, None), float):
+                setattr(part, name, 0.0)
     return config
 
 
@@ -151,8 +161,8 @@ def build_model(model: str | ModelSource, *, seed: int = 0, dtype: torch.dtype =
                          "seqmesh trains decoder-only causal language models (Llama, Qwen, Mistral, Gemma 3, gpt-oss, "
                          "...). Give one of those, or a preset.")
     if source.pretrained and torch.device(device).type != "meta":  # on meta: see pretrained.load_pretrained
-        model = auto.from_pretrained(
-            name_or_path, local_files_only=True, dtype=dtype, attn_implementation="sdpa", attention_dropout=0.0
+        model = auto.from_pretrained(  # its config as load_config reads it: no attention dropout, by any name
+            name_or_path, config=config, local_files_only=True, dtype=dtype, attn_implementation="sdpa"
         )
         check_causal(model, name_or_path)
         return model.to(device)

@@ -265,6 +265,10 @@ class ModelShape:
     sliding_latent: LatentShape | None = None
     sliding_heads: int = 0
     given_layer_types: tuple[str, ...] = ()
+    # a table of positions (GPT-2's, GPT-BigCode's, the original GPT's and OPT's learned; CTRL's of sinusoids): its
+    # rows, the longest sequence the model can number (seqmesh.rules.positions); 0: none
+    position_rows: int = 0
+    embed_width: int = 0  # OPT's word_embed_proj_dim: its embeddings this wide, projected in and out (0: the width)
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -501,7 +505,8 @@ class ModelShape:
         attn = self.hidden * self.head_dim * ((3 if gated else 2) * self.heads + 2 * self.kv_heads) + self.mask_params
         if self.family == "qwen2_5_vl":  # Qwen2's decoder: q, k and v projections with biases
             attn += self.head_dim * (self.heads + 2 * self.kv_heads)
-        embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        embed = self.vocab * (self.embed_width or self.hidden) * (1 if self.tie_embeddings else 2)
+        embed += 2 * self.hidden * self.embed_width if self.embed_width else 0  # OPT's project_in and _out
         full = self.layers - self.linear_layers
         attention = full * attn
         if self.latent is not None:  # MLA; an indexer in each indexed layer but GLM-5's shared ones
@@ -518,7 +523,15 @@ class ModelShape:
         per_layer = self.mlp_params + self.norm_params + 2 * self.hc_params(2)  # a layer's two hyper-connections
         return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
                 - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower
-                + self.hc_params(1))  # and the head's
+                + self.hc_params(1) + self.position_params)  # and the head's; a learned table of positions
+
+    @property
+    def position_params(self) -> int:
+        """A learned table of positions (:attr:`position_rows`; OPT's two rows more, its offset); CTRL's sinusoids
+        are no parameters."""
+        if not self.position_rows or self.family == "ctrl":
+            return 0
+        return (self.position_rows + (2 if self.family == "opt" else 0)) * self.hidden
 
     def inkling_layer_params(self, kind: str, dense: bool = False, first: bool = False, looped: bool = False) -> int:
         """One Inkling layer of ``kind``: its attention, norms and convs, and its MLP (a dense one, or its experts

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
+from ..rules.positions import TABLES, position_problem
 from ..model.doge import TILED_MLP_REFUSAL
 from ..rules.degrees import Degrees, resolve_degrees
 from ..rules.own_attention import DOGE_WINDOW, doge_window_problem
@@ -62,6 +63,10 @@ class Workload(RunSettings):
             problem = doge_window_problem(self.seq_len, dict(self.model.extra).get("keep_window_size", DOGE_WINDOW))
             if problem:
                 raise ValueError(f"{self.model.name}: {problem}.")
+        problem = position_problem(self.seq_len, self.model.position_rows, TABLES.get(self.model.family,
+                                                                                     ("n_positions",))[0])
+        if problem:  # the runtime's rule (seqmesh train and verify refuse the same)
+            raise ValueError(f"{self.model.name}: {problem}.")
         if self.model.cross_domain is not None and self.tiled_mlp:  # the runtime's rule (seqmesh.memory.tiled_mlp)
             raise ValueError(f"{self.model.name}: {TILED_MLP_REFUSAL}.")
         if self.seq_len < 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from ..rules.positions import TABLES, position_problem
 from ..model.lm import ModelSource, read_model
 from ..model.config_json import read_config_json
 from ..model.presets import MODELS
@@ -49,7 +50,12 @@ def read_run_model(cfg: TrainConfig) -> ModelSource:
     """``cfg.model`` read once for the whole job (its data, mesh and model); a vision-language family seqmesh does not
     run is refused by that, first."""
     _check_vision_family(cfg.model)
-    return read_model(cfg.model)
+    source = read_model(cfg.model)
+    shape = source.shape
+    problem = position_problem(cfg.seq_len, shape.position_rows, TABLES.get(shape.family, ("n_positions",))[0])
+    if problem:  # before anything is built (past the table: an index out of range in the first step)
+        raise ValueError(f"{cfg.model}: {problem}.")
+    return source
 
 
 def make_dataset(cfg: TrainConfig, vocab: int | None = None, media: Media | None = None,

@@ -160,6 +160,16 @@ def _reference_noise(model, batches: list[dict], device: torch.device, grads: di
 NOISE_FACTOR = 10  # a parameter's gradient may differ by this many times the reference's own rounding
 
 
+def _without_dropout(*models: torch.nn.Module) -> None:
+    """Every dropout module of ``models`` (GPT-2's residual and embedding dropout, ``resid_pdrop`` and ``embd_pdrop``,
+    0.1 by default) set to drop nothing: verify compares the step's arithmetic, and one process and the shards draw
+    their masks from different random streams. Training keeps the config's dropout."""
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+                m.p = 0.0
+
+
 def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
     """Returns ``{"loss_diff", "worst": [(name, relative difference)], "tolerance", "allowed", "ok"}``.
 
@@ -175,6 +185,7 @@ def verify(cfg: TrainConfig, *, rtol: float | None = None) -> dict:
         ref_params = dict(reference.named_parameters())
         for name, p in module.named_parameters():
             ref_params[name.removeprefix("lm.")].copy_(full_value(p))
+    _without_dropout(reference, module)
     batches = [data.batch(0, d, cfg.batch, mesh.dp_size) for d in range(mesh.dp_size)]
     ref_loss, count = _reference_loss(reference, batches, device)
     ref_loss.backward()

@@ -125,12 +125,14 @@ def test_seqmesh_plan_sizes_inkling2(tmp_path, capsys):
 
 
 def test_a_loop_transformers_could_not_build_is_refused_naming_the_fix(tmp_path):
-    """Inkling2-Loop's looped layers start and end at block boundaries, inside the model (transformers' config
-    checks the first); the planner names the entries and the fix."""
+    """Inkling2-Loop's looped layers start and end at block boundaries (transformers' config checks it too); the
+    planner names the entries and the fix. A loop past the last layer loops what it holds, as transformers runs it."""
     from seqmesh.model.presets import model_shape
 
     config_shape("Inkling2LoopTextConfig", LOOPS["small"], tmp_path, count=False)
     written = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**written, "loop_layer_index_start": 2}))
-    with pytest.raises(ValueError, match="multiples of n_layers_per_attn_res_block .3.*loop_layer_index_start"):
+    with pytest.raises(ValueError, match="multiples of n_layers_per_attn_res_block .3.; fix loop_layer_index_start"):
         model_shape(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**written, "loop_layer_index_end": 9}))
+    assert model_shape(str(tmp_path / "config.json")).inkling.extra_passes == 3 * 4  # layers 3 .. 6 of 7, 3 passes more

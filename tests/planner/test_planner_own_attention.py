@@ -40,6 +40,22 @@ CONFIGS = {
                       num_key_value_heads=3, intermediate_size=1536, vocab_size=32768, keep_window_size=2048,
                       num_experts=16384),
 }
+# the families seqmesh runs through transformers' attention whose config.json keeps GPT-2's names (or its own) and
+# whose MLP is two matrices: GPT-2 124M (a learned table of 1,024 positions), StarCoder's GPT-BigCode (multi-query,
+# 8,192 positions), GPT-J 6B and CodeGen 350M (rotary, untied head), CTRL (sinusoids of 256 positions, its dff),
+# OPT-350m (a table of 2,048 + 2 positions, embeddings projected to 512 and back)
+PLAIN = {
+    "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+    "starcoder": dict(model_type="gpt_bigcode", n_embd=6144, n_layer=40, n_head=48, vocab_size=49152,
+                      n_positions=8192, multi_query=True),
+    "gpt-j-6b": dict(model_type="gptj", n_embd=4096, n_layer=28, n_head=16, vocab_size=50400, n_positions=2048,
+                     rotary_dim=64),
+    "codegen-350m": dict(model_type="codegen", n_embd=1024, n_layer=20, n_head=16, vocab_size=51200,
+                         n_positions=2048, rotary_dim=32),
+    "ctrl": dict(model_type="ctrl", n_embd=1280, n_layer=48, n_head=16, dff=8192, vocab_size=246534, n_positions=256),
+    "opt-350m": dict(model_type="opt", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+                     vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=512),
+}
 
 
 def _write(tmp_path, name: str, cfg: dict) -> str:
@@ -120,3 +136,50 @@ def test_alibi_families_are_planned(tmp_path, name, capsys):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["recommended"] is not None and any(row["feasible"] for row in report["candidates"])
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_gpt2_style_config_json_is_read(tmp_path, name):
+    """GPT-2's names (n_embd, n_layer, n_head, n_inner or four times the width), GPT-BigCode's multi-query heads,
+    CTRL's dff and OPT's ffn_dim are read, each with its config class's tied embeddings: one layer's matrices and the
+    embeddings equal the model transformers builds, the whole count within its biases' and norms' share (a learned
+    table of positions counted). Before, seqmesh plan, train and verify refused every such config.json: "no
+    hidden_size entry"."""
+    from transformers.pytorch_utils import Conv1D
+
+    from seqmesh.model.lm import decoder_layers
+
+    path = _write(tmp_path, name, PLAIN[name])
+    shape, model = model_shape(path), _meta_model(path)
+    assert not shape.unplanned and not shape.gated_mlp, shape
+    layer = decoder_layers(model)[0]
+    matrices = sum(m.weight.numel() for m in layer.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    assert shape.attention_params + shape.mlp_params == matrices, (shape.attention_params, shape.mlp_params, matrices)
+    assert shape.layers == len(decoder_layers(model))
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params - total) < 0.005 * total, (shape.params, total)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert shape.tie_embeddings == tied, (shape.tie_embeddings, tied)
+
+
+@pytest.mark.parametrize("name,rows", [("gpt2", 1024), ("opt-350m", 2048), ("ctrl", 256)])
+def test_a_sequence_past_the_table_of_positions_is_refused_before_any_work(tmp_path, capsys, name, rows):
+    """A position past a learned table's (or CTRL's sinusoids') last row is an index out of range inside the
+    embedding (a device-side assert on a GPU): seqmesh plan, and seqmesh train and verify as they read the model
+    (before anything is built), refuse the sequence, naming the table's entry and the fix; at the table's length the
+    plan is made."""
+    from seqmesh.tools.cli import main
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.run_data import read_run_model
+
+    path = _write(tmp_path, name, PLAIN[name])
+    entry = "max_position_embeddings" if name == "opt-350m" else "n_positions"
+    want = (f"table of {rows} positions ({entry}={rows})", f"--seq-len at most {rows}")
+    assert main(["plan", "--model", path, "--seq-len", str(2 * rows), "--gpus", "2"]) != 0
+    said = capsys.readouterr().err
+    assert all(w in said for w in want), said
+    with pytest.raises(ValueError) as refused:
+        read_run_model(TrainConfig(model=path, seq_len=2 * rows))
+    assert all(w in str(refused.value) for w in want), refused.value
+    assert main(["plan", "--model", path, "--seq-len", str(rows), "--gpus", "2"]) == 0
+    read_run_model(TrainConfig(model=path, seq_len=rows))
