@@ -113,7 +113,7 @@ def shape_from_config(path: str) -> ModelShape:
 # each sized by its own reader (seqmesh.model.rwkv, .xlstm, .jamba): the config.json entry of their feed-forward width
 # (pure Mamba's: its mixer's, as it has none)
 _WITHOUT_ATTENTION = {"rwkv": "intermediate_size", "xlstm": "intermediate_size", "mamba": "intermediate_size",
-                      "falcon_mamba": "intermediate_size"}
+                      "falcon_mamba": "intermediate_size", "mamba2": "intermediate_size"}
 
 
 # The config.json names of families older than transformers' standard ones (their config classes' attribute_map,

@@ -85,6 +85,8 @@ def hybrid_fields(cfg: dict) -> dict:
                              "runs the model all the same."}
     if family == "falcon_h1":
         return _falcon_h1(cfg)
+    if family == "mamba2":
+        return _mamba2(cfg)
     if family == "nemotron_h":
         return _nemotron_h(cfg)
     if family in ("granitemoehybrid", "bamba"):
@@ -153,6 +155,21 @@ def _mamba_heads(cfg: dict, inner: int) -> tuple[int, int]:
                          "(mamba_expand x hidden_size, or Falcon-H1's mamba_d_ssm; transformers checks the same); fix "
                          "the config.json.")
     return heads, head_dim
+
+
+def _mamba2(cfg: dict) -> dict:
+    """A pure Mamba2 model (``mamba2``: Mamba-Codestral's): every layer a Mamba2 mixer behind one RMSNorm, no MLP;
+    ``num_heads`` of ``head_dim``, in_proj and out_proj biased by ``use_bias``; an untied head by default."""
+    n, h = cfg.get("num_hidden_layers") or 64, cfg["hidden_size"]
+    heads, head_dim = _positive(cfg, "num_heads", default=128), _positive(cfg, "head_dim", default=64)
+    if heads * head_dim != int(cfg.get("expand", 2) * h):
+        raise ValueError(f"Mamba2's num_heads {heads} x head_dim {head_dim} must equal expand x hidden_size "
+                         f"({int(cfg.get('expand', 2) * h)}), the width its mixer projects to; fix the config.json.")
+    mamba = Mamba2Shape(heads, head_dim, _positive(cfg, "state_size", default=128),
+                        _positive(cfg, "n_groups", default=8), _positive(cfg, "conv_kernel", default=4),
+                        bool(cfg.get("use_conv_bias", True)), bool(cfg.get("use_bias", False)))
+    return {"hybrid": HybridShape(mamba, ((MAMBA2, ""),) * n, (), norms=1), "layers": n,
+            "config": {"tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False))}}
 
 
 def _falcon_h1(cfg: dict) -> dict:

@@ -255,3 +255,25 @@ def test_scan_saved_and_backward_bytes_equal_the_tracked_ones(key_dim, value_dim
     assert abs(kept / want_kept - 1) < 0.01, (kept, want_kept)
     # the fit's worst, a small key width: 65 of some 1,000 values a token and head the rule holds in all
     assert abs(beyond - want_beyond) < 0.08 * (kept + beyond), (beyond, want_beyond, kept)
+
+
+def test_a_pure_mamba2_model_counts_as_transformers_builds_it(tmp_path, capsys):
+    """A pure Mamba2 config.json (``mamba2``: every layer a Mamba2 mixer behind one RMSNorm, biased projections,
+    an untied head) reads into a shape whose layers and whole count equal transformers' model, and plans; before,
+    seqmesh plan, train and verify refused the file ("no num_attention_heads entry")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from seqmesh.tools.cli import main
+
+    cfg = dict(model_type="mamba2", hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16,
+               n_groups=2, vocab_size=100, use_bias=True)
+    path = _write(tmp_path, cfg, "mamba2")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "mamba2", local_files_only=True))
+    shape = model_shape(path)
+    hybrid = shape.hybrid
+    assert [hybrid.layer_params(b, shape.hidden, shape.attention_params) for b in hybrid.blocks] == [
+        sum(p.numel() for p in layer.parameters()) for layer in model.backbone.layers]
+    assert shape.params == sum(p.numel() for p in model.parameters()) and not shape.unplanned
+    assert main(["plan", "--model", path, "--seq-len", "131072", "--gpus", "8"]) == 0
+    assert "no attention (layers: 3 mamba2; Mamba2 8 heads x 16, state 16, 2 groups" in capsys.readouterr().out
