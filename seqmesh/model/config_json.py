@@ -125,6 +125,7 @@ _OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention
               # ffn_dim
               "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "gptj": _GPT2_NAMES, "codegen": _GPT2_NAMES,
               "ctrl": {**_GPT2_NAMES, "dff": "intermediate_size"}, "opt": {"ffn_dim": "intermediate_size"},
+              "dbrx": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"},
               "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"},
               "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
               "openai-gpt": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
@@ -162,6 +163,11 @@ def _standard_names(cfg: dict) -> dict:
         out["intermediate_size"] = cfg.get("ffn_hidden_size") or ratio * out["hidden_size"]
     if family in PLAIN_MLP and out.get("tie_word_embeddings") is None:  # their config classes' defaults
         out["tie_word_embeddings"] = family not in ("gptj", "codegen")
+    if family == "dbrx":  # its attention's and experts' sizes in attn_config and ffn_config (their classes' defaults)
+        attn, ffn = cfg.get("attn_config") or {}, cfg.get("ffn_config") or {}
+        out = {"num_key_value_heads": attn.get("kv_n_heads", 1), "num_local_experts": ffn.get("moe_num_experts", 4),
+               "num_experts_per_tok": ffn.get("moe_top_k", 1),
+               "moe_intermediate_size": ffn.get("ffn_hidden_size", 3584)} | out
     if family == "gpt_bigcode" and "num_key_value_heads" not in out:  # multi-query by default (StarCoder)
         out["num_key_value_heads"] = 1 if cfg.get("multi_query", True) else out.get("num_attention_heads")
     return out

@@ -257,3 +257,31 @@ def test_a_family_whose_experts_the_runtime_does_not_split_gets_no_ep_layout(con
     refusal = expert_parallel_refusal(replace(shape, family="jetmoe"), layout)
     assert refusal is not None and "jetmoe is not among them (JetMoE's experts take tokens already sorted" in refusal
     assert expert_parallel_refusal(replace(shape, family="jetmoe"), Degrees(1, 1, 4)) is None
+
+
+def test_a_dbrx_config_json_is_read_and_planned_without_ep(tmp_path, capsys):
+    """DBRX's config.json (d_model, n_heads, n_layers; its kv heads in attn_config, its experts in ffn_config) reads
+    into a shape whose count equals transformers' model within its norms' share; seqmesh plan sizes it, and gives no
+    ep > 1 layout, with the runtime's reason (each expert weight one (experts x width, hidden) matrix). Before, plan,
+    train and verify refused the file ("no hidden_size entry")."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(model_type="dbrx", d_model=256, n_heads=8, n_layers=2, vocab_size=512, max_seq_len=4096,
+               attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"moe_num_experts": 8, "moe_top_k": 2,
+                                                         "ffn_hidden_size": 384})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path, local_files_only=True))
+    shape = model_shape(str(tmp_path / "config.json"))
+    total = sum(p.numel() for p in model.parameters())
+    assert (shape.experts, shape.experts_per_token, shape.kv_heads, shape.intermediate) == (8, 2, 2, 384), shape
+    assert abs(shape.params - total) < 0.005 * total, (shape.params, total)
+    argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "65536", "--gpus", "8"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] is not None
+    main([*argv, "--ep", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert not report["candidates"] and report["recommended"] is None, report["candidates"][:1]
+    assert "DBRX keeps its experts' weights as one" in json.dumps(report["excluded"])
