@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..model.head import forward_source
 from ..model.lm import decoder_of
+from ..rules.families import FAMILY_REASONS, config_reason  # noqa: F401 (FAMILY_REASONS: read by the tests)
 from .mixer_kind import REPLACED_ATTR
 
 OWN_ATTENTION = "attention of its own"  # seqmesh.hf.own_attention's kind, by name (that module imports this one)
@@ -216,48 +217,9 @@ def chunked_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return found
 
 
-# families whose attention is not one causal stream seqmesh could shard, or that seqmesh does not compute yet: why,
-# precisely, and what would make them computable (config.json's model_type -> its reason, given the config; None where
-# the config is one seqmesh runs). The census (tests/hf/test_family_census.py) meets each.
-FAMILY_REASONS: dict[str, Callable[[object], str | None]] = {
-    "big_bird": lambda c: None if getattr(c, "attention_type", None) == "original_full" else (
-        "its block-sparse attention (attention_type='block_sparse', the default) attends both ways over global, "
-        "sliding and random blocks drawn per call, which is not a causal language model's attention; set "
-        "attention_type='original_full' and is_decoder=True, which seqmesh runs exactly"),
-    "xlm": lambda c: (
-        ("XLM attends both ways unless its config says causal=True (a masked language model by default); and it "
-         if not getattr(c, "causal", False) else "XLM ")
-        + "masks each call by that call's own count of non-padding ids (get_masks) inside its layers, which "
-        "compute their scores outside transformers' AttentionInterface and drop the entries seqmesh passes, so "
-        "each rank would mask and attend its own shard; it would take XLM's attention through seqmesh's own "
-        "attention path (as BLOOM's and BERT's are), which is not built"),
-    "cpmant": lambda c: (
-        "CPM-Ant adds a learned bias by the bucket of each key's relative position and segment "
-        "(CpmAntSegmentPositionEmbedding), computed over each call's own positions and segments, and attends outside "
-        "transformers' AttentionInterface, so each rank would bucket its own shard; it would take that bias computed "
-        "over the gathered row (as seqmesh does for Inkling's), which is not built"),
-    "reformer": lambda c: (
-        "Reformer's LSH attention hashes each call's keys into buckets by random rotations and attends within sorted "
-        "chunks, and its local attention within fixed chunks of the call: neither is the causal attention of the "
-        "whole row, and a rank would hash and chunk its own shard only; no layout makes it exact"),
-    "xlnet": lambda c: (
-        "XLNet's two-stream relative attention (a content and a query stream, relative encodings of each call's "
-        "length, a permutation mask) is not one causal stream over the row; no layout makes it exact"),
-    "prophetnet": lambda c: (
-        "ProphetNet's decoder predicts n future tokens in n-gram streams beside its main one, with a relative "
-        "position bucket bias over each call; its streams are not one causal stream over the row"),
-    "blt": lambda c: (
-        "BLT reads bytes with a local encoder, groups them into patches by an entropy model and runs its global "
-        "transformer over the patches, cross-attending bytes and patches; its patches are drawn from each call's "
-        "bytes, not positions seqmesh can shard (it has no attention heads at its top level)"),
-}
-
-
 def family_reason(model: nn.Module) -> str | None:
-    """Why ``model``'s family is refused, precisely (:data:`FAMILY_REASONS`), or None."""
-    config = getattr(model, "config", None)
-    rule = FAMILY_REASONS.get(getattr(config, "model_type", None))
-    return rule(config) if rule is not None else None
+    """Why ``model``'s family is refused, precisely (:data:`seqmesh.rules.families.FAMILY_REASONS`), or None."""
+    return config_reason(getattr(model, "config", None))
 
 
 def check_layers(model: nn.Module, handled: Sequence[nn.Module] = (), indexed: Sequence[nn.Module] = (),

@@ -10,6 +10,7 @@ import os
 
 from ..rules.model_sizes import check_model_sizes
 from ..rules.own_attention import TWO_MATRIX_MLP
+from ..rules.families import config_reason
 from ..rules.positions import position_rows
 from .deepseek_v4 import deepseek_v4_fields
 from .doge import doge_fields
@@ -53,6 +54,9 @@ def _window_fields(cfg: dict) -> dict:
 def shape_from_config(path: str) -> ModelShape:
     """The shape in the transformers ``config.json`` at ``path`` (a file)."""
     cfg = read_config_json(path)
+    refused = config_reason(cfg)  # a family refused whatever its sizes: said before its names would be missed
+    if refused is not None:
+        raise ValueError(f"{path}: seqmesh cannot run {cfg.get('model_type')} exactly: {refused}.")
     if cfg.get("is_encoder_decoder"):
         raise ValueError(f"{path} describes an encoder-decoder model ({cfg.get('model_type', 'is_encoder_decoder')}); "
                          "seqmesh trains and plans decoder-only causal language models (Llama, Qwen, Mistral, ...). "

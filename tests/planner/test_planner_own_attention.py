@@ -183,3 +183,19 @@ def test_a_sequence_past_the_table_of_positions_is_refused_before_any_work(tmp_p
     assert all(w in str(refused.value) for w in want), refused.value
     assert main(["plan", "--model", path, "--seq-len", str(rows), "--gpus", "2"]) == 0
     read_run_model(TrainConfig(model=path, seq_len=rows))
+
+
+@pytest.mark.parametrize("config_class,said", [("BltConfig", "BLT reads bytes with a local encoder"),
+                                               ("XLNetConfig", "XLNet's two-stream relative attention"),
+                                               ("BigBirdConfig", "set attention_type='original_full'")])
+def test_a_family_refused_whatever_its_sizes_is_refused_by_its_reason(tmp_path, capsys, config_class, said):
+    """seqmesh plan (and train and verify, which read the file the same way) refuses a family seqmesh never runs with
+    the runtime's own reason (seqmesh.rules.families), before its sizes are read: before, BLT's and XLNet's files
+    said "no hidden_size entry", and BigBird's block-sparse default was planned as attention."""
+    import transformers as tf
+
+    from seqmesh.tools.cli import main
+
+    getattr(tf, config_class)().save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "4096", "--gpus", "2"]) != 0
+    assert said in capsys.readouterr().err
