@@ -120,11 +120,6 @@ class InklingShape:
         looped = len(range(self.loop_start, min(self.loop_end, len(self.kinds))))
         return (self.passes - 1) * looped if self.gate_rank else 0
 
-    def calls(self, kind: str) -> int:
-        """The calls of layers of ``kind`` a step makes (Inkling2-Loop's looped ones once a pass)."""
-        looped = self.kinds[self.loop_start:self.loop_end].count(kind) if self.gate_rank else 0
-        return self.count(kind) + (self.passes - 1) * looped
-
     def depth_queries(self, kind: str) -> int:
         """Inkling 2: the learned queries of the depth attention before a layer's attention (its input's, or its
         queries', keys' and values' inputs)."""

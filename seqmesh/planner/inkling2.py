@@ -16,10 +16,13 @@ layer, within 1%):
 - **experts**: the float32 router's input and scores, and per routed slot its input, its gate and up products, their
   soft-capped SwiGLU in float32 (six ``I``-wide float32 tensors) and its output.
 
-Its working set in backward is a block's, as Inkling's, with the sink's float32 column and a third compute-dtype
-copy of the pairs (the probabilities cut from beside the sink column), and the gradients of block states it holds. Checkpointing keeps, besides each layer's
-input, each block's stack of states once (every layer of the block takes the same tensor):
-:func:`block_states_bytes`.
+Its working set in backward is a block's, as Inkling's, with the sink's float32 column, a third compute-dtype copy
+of the pairs (the probabilities cut from beside the sink column) and the gradients of block states it holds; or,
+first of its backward, its last convolution's. Checkpointing keeps, besides each layer's input, each block's stack of
+states once (every layer of the block takes the same tensor): :mod:`.depth_states`.
+
+Inkling2-Loop's looped layers, called again in each pass after the first, are a kind of their own (``gated``): their
+four message gates keep their float32 tensors, and a gated sliding layer's attention has three norms as a full one.
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ class Inkling2Layer(RelativeAttention):
         m, e, ink = self.work.model, self.work.act_bytes, self.work.model.inkling
         h, _, d = self._heads()
         gate = 2 * F32 * h * d + e * h * d
-        return (gate + 2 * ink.kernel * m.hidden * F32 + (F32 + e) * m.hidden + depth_bytes(self.work, self._stacks()[1], 1)
-                + self._experts_bytes() + (self._gate_bytes() if self.gated else 0))  # the MLP's message gate
+        depth = depth_bytes(self.work, self._stacks()[1], 1)
+        return (gate + 2 * ink.kernel * m.hidden * F32 + (F32 + e) * m.hidden + depth + self._experts_bytes()
+                + (self._gate_bytes() if self.gated else 0))  # the MLP's message gate
 
     def saved_bytes(self) -> int:
         """Bytes the layer keeps for backward (module docstring): a token's depth attention before the attention,
@@ -106,6 +110,7 @@ class Inkling2Layer(RelativeAttention):
         return "relative attention block" if self._block_bytes() >= self._conv_bytes() else "short convolution"
 
     def _conv_bytes(self) -> int:
+        """The last convolution's backward (:meth:`backward_bytes`)."""
         m = self.work.model
         return tokens(self.work, self.layout) * 2 * m.inkling.kernel * m.hidden * F32
 

@@ -117,6 +117,7 @@ def _inkling(m) -> str:
     if ink is None:
         return ""
     h, hk, d = ink.heads(SLIDING, m.heads, m.kv_heads, m.head_dim)
+    dynamic = " (the full layers' keys' and values' dynamic)" if ink.second else ""
     blocks = (f"; block states of {ink.block_layers} layers, {ink.blocks(m.layers)} a token at the last layer"
               if ink.second else "")
     if ink.gate_rank:
@@ -124,8 +125,7 @@ def _inkling(m) -> str:
                    f"{ink.gate_rank}")
     return (f" ({ink.count(SLIDING)} sliding layers of {h} query / {hk} kv heads x {d}, window {ink.window}; "
             f"{ink.count(FULL)} full, bias {ink.rel_extent} keys back; relative bias over the gathered row, four "
-            f"short convolutions of {ink.kernel} a layer{' (the full layers keys and values dynamic)' if ink.second else ''}"
-            f"{blocks})")
+            f"short convolutions of {ink.kernel} a layer{dynamic}{blocks})")
 
 
 def _qsa(m) -> str:
