@@ -241,3 +241,29 @@ def assert_gathers(measured: dict, planned: list, runs: int, case, layers: int =
         want = tuple(layers * repeats * sum(f(t, kind, phase) for t in planned)
                      for f in (lambda t, k, p: t.calls(k, p), lambda t, k, p: t.sent(k, p)))
         assert (counted["calls"], counted["bytes_sent"]) == want and 0 not in want, (case, kind, counted, want)
+
+
+def assert_relative_plan(config_class: str, sizes: dict, folder, capsys, header: str) -> dict:
+    """``seqmesh plan`` on an Inkling or Inkling 2 config.json (``config_class(**sizes)`` written in ``folder``) at
+    131,072 tokens on 2 GPUs: its header says ``header``; each layer's row is gathered on U2 (the other rank's 65,536
+    tokens of the keys and values, bf16: 2 kv heads of 32 in these tests), none on DP2; TP is excluded as the runtime
+    refuses it, and ``--inference`` (seqmesh generate decodes neither). Its candidates, by label."""
+    import json
+
+    from seqmesh.planner.relative_attention import ROWS
+    from seqmesh.tools.cli import main
+
+    config_shape(config_class, sizes, folder, count=False)
+    argv = ["plan", "--model", str(folder / "config.json"), "--seq-len", "131072", "--gpus", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert header in out, out
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    plans = {c["label"]: c for c in result["candidates"]}
+    assert plans["U2 x R1 x DP1"]["comm_bytes_per_layer"]["forward"][ROWS] == 65536 * 2 * 2 * 32 * 2
+    assert plans["U1 x R1 x DP2"]["comm_bytes_per_layer"]["forward"].get(ROWS, 0) == 0
+    assert [(x["layout"]["tp"], "tp 1 only" in x["reason"]) for x in result["excluded"]] == [(2, True)], result
+    assert main([*argv, "--inference"]) != 0
+    assert "is an Inkling model, whose decode" in capsys.readouterr().err
+    return plans

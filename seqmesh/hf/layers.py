@@ -14,7 +14,7 @@ import ast
 import functools
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch.nn as nn
 

@@ -9,14 +9,13 @@ import json
 
 import pytest
 
-from planner_cases import assert_gathers, config_shape, measured_gathers
+from planner_cases import assert_relative_plan, config_shape, measured_gathers
 from seqmesh.model.inkling import FULL, SLIDING
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.layers import layer_kinds
 from seqmesh.planner.relative_attention import HALOS, ROWS, RelativeAttention
 from seqmesh.planner.workload import Workload
 from seqmesh.rules.degrees import Degrees
-from seqmesh.tools.cli import main
 
 pytestmark = pytest.mark.skipif(
     "inkling_text" not in __import__("transformers").models.auto.configuration_auto.CONFIG_MAPPING,
@@ -104,16 +103,5 @@ def test_seqmesh_plan_sizes_inkling(tmp_path, capsys):
     (the other rank's 65,536 tokens of the keys and values, bf16, on two ranks: the full layers' 2 kv heads of 32,
     the sliding layers' 4 of 16, the same), none on one GPU; it refuses ``--inference`` (seqmesh generate does not
     decode Inkling yet) and tensor parallelism (its experts', and its attention's, which the runtime refuses)."""
-    config_shape("InklingTextConfig", CONFIGS["small"], tmp_path, count=False)
-    argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "131072", "--gpus", "2"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "4 sliding layers of 8 query / 4 kv heads x 16, window 64; 2 full, bias 128 keys back" in out, out
-    assert main([*argv, "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    plans = {c["label"]: c for c in result["candidates"]}
-    assert plans["U2 x R1 x DP1"]["comm_bytes_per_layer"]["forward"][ROWS] == 65536 * 2 * 2 * 32 * 2
-    assert plans["U1 x R1 x DP2"]["comm_bytes_per_layer"]["forward"].get(ROWS, 0) == 0
-    assert [(x["layout"]["tp"], "tp 1 only" in x["reason"]) for x in result["excluded"]] == [(2, True)], result
-    assert main([*argv, "--inference"]) != 0
-    assert "is an Inkling model, whose decode" in capsys.readouterr().err
+    assert_relative_plan("InklingTextConfig", CONFIGS["small"], tmp_path, capsys,
+                         "4 sliding layers of 8 query / 4 kv heads x 16, window 64; 2 full, bias 128 keys back")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from planner_cases import config_shape, measured_gathers
+from planner_cases import assert_relative_plan, config_shape, measured_gathers
 from seqmesh.model.inkling import FULL, SLIDING
 from seqmesh.planner.inkling2 import Inkling2Layer
 from seqmesh.planner.layers import layer_kinds
@@ -99,20 +99,10 @@ def test_seqmesh_plan_sizes_inkling2(tmp_path, capsys):
     heads of 32, the sliding layers' 4 of 16, the same), none on one GPU; it refuses ``--inference`` (seqmesh
     generate does not decode Inkling 2) and tensor parallelism; Inkling2-Loop's loop it names, and its step takes
     longer than Inkling 2's of the same layers by its passes."""
-    config_shape("Inkling2TextConfig", CONFIGS["small"], tmp_path, count=False)
-    argv = ["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "131072", "--gpus", "2"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "4 sliding layers of 8 query / 4 kv heads x 16, window 64; 3 full, bias 128 keys back" in out, out
-    assert "block states of 3 layers" in out, out
-    assert main([*argv, "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    plans = {c["label"]: c for c in result["candidates"]}
-    assert plans["U2 x R1 x DP1"]["comm_bytes_per_layer"]["forward"][ROWS] == 65536 * 2 * 2 * 32 * 2
-    assert plans["U1 x R1 x DP2"]["comm_bytes_per_layer"]["forward"].get(ROWS, 0) == 0
-    assert [(x["layout"]["tp"], "tp 1 only" in x["reason"]) for x in result["excluded"]] == [(2, True)], result
-    assert main([*argv, "--inference"]) != 0
-    assert "is an Inkling model, whose decode" in capsys.readouterr().err
+    plans = assert_relative_plan("Inkling2TextConfig", CONFIGS["small"], tmp_path, capsys,
+                                 "3 full, bias 128 keys back; relative bias over the gathered row, four short "
+                                 "convolutions of 3 a layer (the full layers' keys' and values' dynamic); block "
+                                 "states of 3 layers")
     loop = tmp_path / "loop"
     loop.mkdir()
     (loop / "config.json").write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()),
