@@ -28,6 +28,7 @@ from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Extension, Prefill, ShardedKVCache
 from ..rules.kv_cache import SCHEDULES
 from ..rules.own_attention import doge_window_problem
+from ..rules.positions import TABLES, position_problem, position_rows
 
 
 DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention",
@@ -125,9 +126,14 @@ def check_generate(model: nn.Module, mesh: SPMesh) -> None:
 
 def _check_windows(model: nn.Module, tokens: int) -> None:
     """Doge past ``keep_window_size`` keys (its dynamic mask keeps each query's keys of largest bias, which seqmesh
-    does not compute), for the ``tokens`` a generation runs: refused before any work, on every rank."""
+    does not compute), and a family past its table of positions (:mod:`seqmesh.rules.positions`: GPT-2's, OPT's,
+    ...), for the ``tokens`` a generation runs: refused before any work, on every rank."""
     from ..hf.own_attention import family_key
 
+    text = model.config.get_text_config().to_dict()
+    entry = TABLES.get(text.get("model_type"), ("n_positions",))[0]
+    if problem := position_problem(tokens, position_rows(text), entry):
+        raise ValueError(f"{type(model).__name__}: the prompt and the new tokens run {tokens} tokens: {problem}.")
     for m in model.modules():
         if family_key(m) == "DogeAttention" and (problem := doge_window_problem(tokens, m.keep_window_size)):
             raise ValueError(f"{type(model).__name__}: the prompt and the new tokens run {tokens} tokens: {problem}.")

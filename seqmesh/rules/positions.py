@@ -31,5 +31,5 @@ def position_problem(seq_len: int, rows: int, entry: str = "n_positions") -> str
     if not rows or seq_len <= rows:
         return None
     return (f"a sequence of {seq_len} tokens is longer than its table of {rows} positions ({entry}={rows}): the "
-            f"positions past it have no row; train with --seq-len at most {rows}, or give the model a longer table "
-            f"(raise {entry} and train the new rows)")
+            f"positions past it have no row; use --seq-len at most {rows} (a generation: its prompt and new tokens "
+            f"together), or give the model a longer table (raise {entry} and train the new rows)")

@@ -167,7 +167,8 @@ def test_a_sequence_past_the_table_of_positions_is_refused_before_any_work(tmp_p
     """A position past a learned table's (or CTRL's sinusoids') last row is an index out of range inside the
     embedding (a device-side assert on a GPU): seqmesh plan, and seqmesh train and verify as they read the model
     (before anything is built), refuse the sequence, naming the table's entry and the fix; at the table's length the
-    plan is made."""
+    plan is made. A generation's prompt and new tokens together are held to it too (plan --inference, and
+    seqmesh.inference before any work)."""
     from seqmesh.tools.cli import main
     from seqmesh.training.config import TrainConfig
     from seqmesh.training.run_data import read_run_model
@@ -183,6 +184,16 @@ def test_a_sequence_past_the_table_of_positions_is_refused_before_any_work(tmp_p
     assert all(w in str(refused.value) for w in want), refused.value
     assert main(["plan", "--model", path, "--seq-len", str(rows), "--gpus", "2"]) == 0
     read_run_model(TrainConfig(model=path, seq_len=rows))
+    # a generation's prompt and new tokens alike: seqmesh plan --inference, and seqmesh.inference before any work
+    from seqmesh.inference.generate import _check_windows
+
+    assert main(["plan", "--model", path, "--seq-len", str(rows - 8), "--new-tokens", "16", "--gpus", "2",
+                 "--inference"]) != 0
+    said = capsys.readouterr().err
+    assert all(w in said for w in want), said
+    with pytest.raises(ValueError, match=f"run {rows + 7} tokens: .*{entry}={rows}"):
+        _check_windows(_meta_model(path), rows + 7)
+    _check_windows(_meta_model(path), rows)
 
 
 @pytest.mark.parametrize("config_class,said", [("BltConfig", "BLT reads bytes with a local encoder"),
