@@ -23,16 +23,21 @@ states once (every layer of the block takes the same tensor): :mod:`.depth_state
 
 Inkling2-Loop's looped layers, called again in each pass after the first, are a kind of their own (``gated``): their
 four message gates keep their float32 tensors, and a gated sliding layer's attention has three norms as a full one.
+
+An Inkling or Inkling 2 model's layer kinds (:func:`relative_layer_kinds`) and, without checkpointing, what its
+layers keep (:func:`layers_saved_bytes`) are made here, above both layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..model.inkling import FULL
+from ..model.inkling import FULL, SLIDING
+from ..rules.degrees import Degrees
 from .activations import tokens
 from .depth_states import F32, depth_bytes
 from .relative_attention import INT64, RelativeAttention
+from .workload import Workload
 
 
 @dataclass(frozen=True)
@@ -136,3 +141,30 @@ class Inkling2Layer(RelativeAttention):
         final = ink.entries(m.layers) + 1 if ink.planned_layer != 0 else 0
         return self.work.act_bytes * m.hidden * (self._stacks()[0] + final)
 
+
+def relative_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[RelativeAttention, int]]:
+    """An Inkling (:class:`.relative_attention.RelativeAttention`) or Inkling 2 (:class:`Inkling2Layer`) model's layers
+    by kind, with how many calls a step makes of each (Inkling2-Loop's looped layers after the first pass as gated
+    kinds)."""
+    ink = work.model.inkling
+    if not ink.second:
+        return [(RelativeAttention(work, layout, kind), ink.count(kind)) for kind in (SLIDING, FULL) if ink.count(kind)]
+    plain = [(Inkling2Layer(work, layout, kind), ink.count(kind)) for kind in (SLIDING, FULL) if ink.count(kind)]
+    return plain + [(Inkling2Layer(work, layout, kind, gated=True), ink.gated_calls(kind)) for kind in (SLIDING, FULL)
+                    if ink.gated_calls(kind)]
+
+
+def layers_saved_bytes(work: Workload, layout: Degrees, count: int) -> int:
+    """Bytes the first ``count`` layers of an Inkling model keep without checkpointing: each by its kind (Inkling
+    2's with the stacks of block states at its own index)."""
+    ink = work.model.inkling
+    calls = [(index, kind, False) for index, kind in enumerate(ink.kinds[:count])]
+    if count >= len(ink.kinds):  # Inkling2-Loop's passes after the first
+        looped = range(ink.loop_start, min(ink.loop_end, len(ink.kinds)))
+        calls += [(i, ink.kinds[i], True) for i in looped] * (ink.passes - 1) if ink.gate_rank else []
+    total = 0
+    for index, kind, gated in calls:
+        at = replace(work, model=replace(work.model, inkling=replace(ink, planned_layer=index)))
+        total += (Inkling2Layer(at, layout, kind, gated) if ink.second else RelativeAttention(at, layout, kind)
+                  ).saved_bytes()
+    return total

@@ -19,7 +19,8 @@ from .activations import GPU, decoder_layer_saved_bytes, hyper_connection_saved,
 from .attention_layer import Attention
 from .block_sparse import BlockSparseAttention
 from .qsa import QsaAttention
-from .relative_attention import RelativeAttention, relative_layer_kinds
+from .inkling2 import relative_layer_kinds
+from .relative_attention import RelativeAttention
 from .placement import placement
 from .hardware import HardwareSpec
 from .layer_cost import Phases, gather_comm_seconds, phases, serial_layer_seconds

@@ -13,7 +13,7 @@ from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_b
                           norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
 from .depth_states import block_states_bytes, messages_bytes
-from .relative_attention import layers_saved_bytes
+from .inkling2 import layers_saved_bytes
 from .experts import local_layer_params, sharded_params, unit_shard
 from .layers import layer_kinds
 from .placement import placement

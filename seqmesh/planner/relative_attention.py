@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..hf.indexed_attention import BLOCK_ELEMENTS
 from ..linear_attention.choice import halo_bytes
-from ..model.inkling import FULL, SLIDING
+from ..model.inkling import SLIDING
 from ..rules.degrees import Degrees
 from .activations import local_tokens, mlp_saved_bytes, norm_saved, tokens
 from .hardware import HardwareSpec
@@ -157,36 +157,3 @@ class RelativeAttention:
         attend = 4 * pairs * d / (peak * hw.attention_efficiency) + pairs * 3 * w.act_bytes / hw.memory_bandwidth
         comm = gather_comm_seconds(self.ranks(), hw, lay)
         return serial_layer_seconds(self, hw, fsdp_ranks, (mm + attend, 2 * mm + 3 * attend), comm)
-
-
-def relative_layer_kinds(work: Workload, layout: Degrees) -> list[tuple[RelativeAttention, int]]:
-    """An Inkling (or Inkling 2: :class:`seqmesh.planner.inkling2.Inkling2Layer`) model's layers by kind, with how
-    many calls a step makes of each (Inkling2-Loop's looped layers after the first pass as gated kinds)."""
-    from .inkling2 import Inkling2Layer
-
-    ink = work.model.inkling
-    if not ink.second:
-        return [(RelativeAttention(work, layout, kind), ink.count(kind)) for kind in (SLIDING, FULL) if ink.count(kind)]
-    plain = [(Inkling2Layer(work, layout, kind), ink.count(kind)) for kind in (SLIDING, FULL) if ink.count(kind)]
-    return plain + [(Inkling2Layer(work, layout, kind, gated=True), ink.gated_calls(kind)) for kind in (SLIDING, FULL)
-                    if ink.gated_calls(kind)]
-
-
-def layers_saved_bytes(work: Workload, layout: Degrees, count: int) -> int:
-    """Bytes the first ``count`` layers of an Inkling model keep without checkpointing: each by its kind (Inkling
-    2's with the stacks of block states at its own index)."""
-    from dataclasses import replace
-
-    from .inkling2 import Inkling2Layer
-
-    ink = work.model.inkling
-    calls = [(index, kind, False) for index, kind in enumerate(ink.kinds[:count])]
-    if count >= len(ink.kinds):  # Inkling2-Loop's passes after the first
-        calls += [(i, ink.kinds[i], True) for i in range(ink.loop_start, ink.loop_end)] * (ink.passes - 1) \
-            if ink.gate_rank else []
-    total = 0
-    for index, kind, gated in calls:
-        at = replace(work, model=replace(work.model, inkling=replace(ink, planned_layer=index)))
-        total += (Inkling2Layer(at, layout, kind, gated) if ink.second else RelativeAttention(at, layout, kind)
-                  ).saved_bytes()
-    return total
