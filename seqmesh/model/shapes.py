@@ -527,11 +527,11 @@ class ModelShape:
 
     @property
     def position_params(self) -> int:
-        """A learned table of positions (:attr:`position_rows`; OPT's two rows more, its offset); CTRL's sinusoids
-        are no parameters."""
+        """A learned table of positions (:attr:`position_rows`; OPT's and TrOCR's two rows more, their offset);
+        CTRL's sinusoids are no parameters."""
         if not self.position_rows or self.family == "ctrl":
             return 0
-        return (self.position_rows + (2 if self.family == "opt" else 0)) * self.hidden
+        return (self.position_rows + (2 if self.family in ("opt", "trocr") else 0)) * self.hidden
 
     def inkling_layer_params(self, kind: str, dense: bool = False, first: bool = False, looped: bool = False) -> int:
         """One Inkling layer of ``kind``: its attention, norms and convs, and its MLP (a dense one, or its experts

@@ -1,8 +1,8 @@
 """The longest sequence a family with a fixed table of positions can number: one rule, read by ``seqmesh plan`` (the
 workload), ``seqmesh train`` and ``verify`` (before anything is built). Torch-free.
 
-GPT-2, GPT-BigCode (StarCoder), the original GPT and OPT look each position up in a learned table; CTRL in a table
-of sinusoids made once. A position past the table's last row is an index out of range inside the embedding: on a
+GPT-2, GPT-BigCode (StarCoder), the original GPT, OPT and TrOCR's decoder (by default) look each position up in a
+learned table; CTRL in a table of sinusoids made once. A position past the table's last row is an index out of range inside the embedding: on a
 GPU, a device-side assert in the middle of the first step. Their config.json names the rows (``n_positions``,
 OPT's ``max_position_embeddings``); the rule reads them as :func:`position_rows` gives them.
 """
@@ -12,13 +12,14 @@ from __future__ import annotations
 # model_type -> the config.json entry naming its table's rows (their config classes' defaults where the file says
 # nothing), and how many rows the table holds beyond them (OPT's offset of 2)
 TABLES = {"gpt2": ("n_positions", 1024), "gpt_bigcode": ("n_positions", 1024), "openai-gpt": ("n_positions", 512),
-          "ctrl": ("n_positions", 256), "opt": ("max_position_embeddings", 2048)}
+          "ctrl": ("n_positions", 256), "opt": ("max_position_embeddings", 2048),
+          "trocr": ("max_position_embeddings", 512)}
 
 
 def position_rows(cfg: dict) -> int:
     """The positions a config.json's family can number (0: no table, no limit)."""
     entry = TABLES.get(cfg.get("model_type"))
-    if entry is None:
+    if entry is None or cfg.get("use_learned_position_embeddings") is False:  # TrOCR's sinusoids grow as needed
         return 0
     name, default = entry
     rows = cfg.get(name, default)

@@ -210,3 +210,24 @@ def test_a_family_refused_whatever_its_sizes_is_refused_by_its_reason(tmp_path, 
     getattr(tf, config_class)().save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "4096", "--gpus", "2"]) != 0
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["longcat_flash", "gemma3n_text", "moshi", "trocr"])
+def test_a_file_whose_layers_the_planner_does_not_size_is_read_for_training(tmp_path, capsys, family):
+    """LongCat-Flash's, Gemma 3n's, Moshi's and TrOCR's config.json are read in their own names (num_layers,
+    ffn_hidden_size, a width per layer, ffn_dim, d_model ...), so seqmesh train and verify get the sizes they need;
+    seqmesh plan says which layers it does not size. Before, every one of them failed at the reader ("no hidden_size
+    entry", "no num_hidden_layers entry", "intermediate_size ... (list)")."""
+    from census_configs import census_config
+
+    from seqmesh.tools.cli import main
+    from seqmesh.training.config import TrainConfig
+    from seqmesh.training.run_data import read_run_model
+
+    config = census_config(family)
+    config.save_pretrained(tmp_path)
+    shape = read_run_model(TrainConfig(model=str(tmp_path), seq_len=64)).shape
+    layers = {"longcat_flash": "num_layers", "trocr": "decoder_layers"}.get(family, "num_hidden_layers")
+    assert (shape.hidden, shape.layers, shape.heads) == (64, getattr(config, layers), 4), shape
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "4096", "--gpus", "2"]) != 0
+    assert "seqmesh plan does not size" in capsys.readouterr().err
