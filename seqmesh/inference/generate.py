@@ -28,7 +28,7 @@ from ..sequence.sharding import sequence_positions
 from .cache import DecodeStep, Extension, Prefill, ShardedKVCache
 from ..rules.kv_cache import SCHEDULES
 from ..rules.own_attention import doge_window_problem
-from ..rules.positions import TABLES, position_problem, position_rows
+from ..rules.positions import position_problem, position_rows
 
 
 DECODED_MIXERS = ("Gated DeltaNet", "RG-LRU", "Mamba", "Mamba2", "gated short convolution", "lightning attention",
@@ -131,8 +131,7 @@ def _check_windows(model: nn.Module, tokens: int) -> None:
     from ..hf.own_attention import family_key
 
     text = model.config.get_text_config().to_dict()
-    entry = TABLES.get(text.get("model_type"), ("n_positions",))[0]
-    if problem := position_problem(tokens, position_rows(text), entry):
+    if problem := position_problem(tokens, position_rows(text), text.get("model_type")):
         raise ValueError(f"{type(model).__name__}: the prompt and the new tokens run {tokens} tokens: {problem}.")
     for m in model.modules():
         if family_key(m) == "DogeAttention" and (problem := doge_window_problem(tokens, m.keep_window_size)):

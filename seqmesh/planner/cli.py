@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 
-from ..rules.positions import TABLES, position_problem
+from ..rules.positions import position_problem
 from ..model.presets import MODELS, model_shape
 from ..rules.settings import setting_names
 from ..rules.flags import add_dataclass_flags, flag_values
@@ -210,8 +210,8 @@ def check_inference_args(args: argparse.Namespace):
         window = dict(model.extra).get("keep_window_size", DOGE_WINDOW)
         if problem := doge_window_problem(args.seq_len + args.new_tokens - 1, window):
             raise PlanInputError(f"{model.name}: the prompt and the new tokens: {problem}.")
-    entry = TABLES.get(model.family, ("n_positions",))[0]  # a table of positions (seqmesh.inference refuses the same)
-    if problem := position_problem(args.seq_len + args.new_tokens - 1, model.position_rows, entry):
+    # a table of positions (seqmesh.inference refuses the same)
+    if problem := position_problem(args.seq_len + args.new_tokens - 1, model.position_rows, model.family):
         raise PlanInputError(f"{model.name}: the prompt and the new tokens: {problem}.")
     try:
         work = inference_workload(model, args.seq_len, args.batch, True, int(args.reserve_gib * GiB))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
-from ..rules.positions import TABLES, position_problem
+from ..rules.positions import position_problem
 from ..model.doge import TILED_MLP_REFUSAL
 from ..rules.degrees import Degrees, resolve_degrees
 from ..rules.own_attention import DOGE_WINDOW, doge_window_problem
@@ -63,8 +63,7 @@ class Workload(RunSettings):
             problem = doge_window_problem(self.seq_len, dict(self.model.extra).get("keep_window_size", DOGE_WINDOW))
             if problem:
                 raise ValueError(f"{self.model.name}: {problem}.")
-        problem = position_problem(self.seq_len, self.model.position_rows, TABLES.get(self.model.family,
-                                                                                     ("n_positions",))[0])
+        problem = position_problem(self.seq_len, self.model.position_rows, self.model.family)
         if problem:  # the runtime's rule (seqmesh train and verify refuse the same)
             raise ValueError(f"{self.model.name}: {problem}.")
         if self.model.cross_domain is not None and self.tiled_mlp:  # the runtime's rule (seqmesh.memory.tiled_mlp)

@@ -2,15 +2,16 @@
 workload), ``seqmesh train`` and ``verify`` (before anything is built). Torch-free.
 
 GPT-2, GPT-BigCode (StarCoder), the original GPT, OPT and TrOCR's decoder (by default) look each position up in a
-learned table; CTRL in a table of sinusoids made once. A position past the table's last row is an index out of range inside the embedding: on a
-GPU, a device-side assert in the middle of the first step. Their config.json names the rows (``n_positions``,
-OPT's ``max_position_embeddings``); the rule reads them as :func:`position_rows` gives them.
+learned table; CTRL in a table of sinusoids made once. A position past the table's last row is an index out of range
+inside the embedding: on a GPU, a device-side assert in the middle of the first step. Their config.json names the
+rows (``n_positions``, OPT's and TrOCR's ``max_position_embeddings``); the rule reads them as :func:`position_rows`
+gives them.
 """
 
 from __future__ import annotations
 
-# model_type -> the config.json entry naming its table's rows (their config classes' defaults where the file says
-# nothing), and how many rows the table holds beyond them (OPT's offset of 2)
+# model_type -> the config.json entry naming its table's rows, and their config class's default where the file says
+# nothing (the learned tables' parameters: seqmesh.model.shapes.ModelShape.position_params)
 TABLES = {"gpt2": ("n_positions", 1024), "gpt_bigcode": ("n_positions", 1024), "openai-gpt": ("n_positions", 512),
           "ctrl": ("n_positions", 256), "opt": ("max_position_embeddings", 2048),
           "trocr": ("max_position_embeddings", 512)}
@@ -26,11 +27,12 @@ def position_rows(cfg: dict) -> int:
     return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else default
 
 
-def position_problem(seq_len: int, rows: int, entry: str = "n_positions") -> str | None:
-    """Why a sequence of ``seq_len`` tokens cannot be numbered by a table of ``rows`` positions (named by
-    ``entry``), or None."""
+def position_problem(seq_len: int, rows: int, family: str) -> str | None:
+    """Why a sequence of ``seq_len`` tokens cannot be numbered by ``family``'s (a model_type's) table of ``rows``
+    positions, or None."""
     if not rows or seq_len <= rows:
         return None
+    entry = TABLES.get(family, ("n_positions",))[0]
     return (f"a sequence of {seq_len} tokens is longer than its table of {rows} positions ({entry}={rows}): the "
             f"positions past it have no row; use --seq-len at most {rows} (a generation: its prompt and new tokens "
             f"together), or give the model a longer table (raise {entry} and train the new rows)")

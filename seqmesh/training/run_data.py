@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ..rules.positions import TABLES, position_problem
+from ..rules.positions import position_problem
 from ..model.lm import ModelSource, read_model
 from ..model.config_json import read_config_json
 from ..model.presets import MODELS
@@ -52,7 +52,7 @@ def read_run_model(cfg: TrainConfig) -> ModelSource:
     _check_vision_family(cfg.model)
     source = read_model(cfg.model)
     shape = source.shape
-    problem = position_problem(cfg.seq_len, shape.position_rows, TABLES.get(shape.family, ("n_positions",))[0])
+    problem = position_problem(cfg.seq_len, shape.position_rows, shape.family)
     if problem:  # before anything is built (past the table: an index out of range in the first step)
         raise ValueError(f"{cfg.model}: {problem}.")
     return source
