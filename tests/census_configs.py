@@ -139,6 +139,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "dots3_note_text+own_heads": ("dots3_note_text", {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2}),
     # BigBird as a causal LM with full attention (its block-sparse default attends both ways, and is refused)
     "big_bird+original_full": ("big_bird", {"is_decoder": True, "attention_type": "original_full"}),
+    # XLM as a causal LM (its default attends both ways): its padding id (2, among the random ids) counted over the row
+    "xlm+causal": ("xlm", {"causal": True}),
 }
 
 _MISSING = object()

@@ -206,6 +206,12 @@ def family_config(family: str):
     if family == "xglm":  # the query scaled before its product; sinusoidal positions with an offset
         return tf.XGLMConfig(vocab_size=64, max_position_embeddings=128, d_model=48, ffn_dim=96, num_layers=2,
                              attention_heads=6, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    if family in ("xlm", "xlm-both-ways"):  # its class named MultiHeadAttention, called by index without **kwargs;
+        # its padding counted over each document: pad_index 16, four times in the parity batch (the last token of
+        # three documents zeroed, four of the row); -both-ways: XLM's default, no padding id in the batch
+        both = family == "xlm-both-ways"
+        return tf.XLMConfig(vocab_size=64, emb_dim=48, n_layers=2, n_heads=6, dropout=0.0, attention_dropout=0.0,
+                            max_position_embeddings=128, causal=not both, pad_index=2 if both else 16)
     if family == "gpt-neox-japanese":  # a partial rotary (the leading half of each head)
         return tf.GPTNeoXJapaneseConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                                         intermediate_multiple_size=2, max_position_embeddings=128, attention_dropout=0.0,

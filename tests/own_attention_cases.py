@@ -72,7 +72,7 @@ def parity_with_bias_dropped(cases: list[tuple]) -> list[dict]:
 
 def parity_with_both_ways(cases: list[tuple]) -> list[dict]:
     """RemBERT's decoder attention run both ways (its is_decoder flag not read)."""
-    return _parity_with_family_changed(cases, "RemBertSelfAttention", causal=lambda module: False)
+    return _parity_with_family_changed(cases, "RemBertSelfAttention", causal=lambda module, args: False)
 
 
 def _table_from_each_shard(lm) -> None:
@@ -87,6 +87,44 @@ def parity_with_table_from_each_shard(cases: list[tuple]) -> list[dict]:
 def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
     """GPT-Neo's local layers run as global ones (their window dropped)."""
     return _parity_with_family_changed(cases, "GPTNeoAttention", window=lambda module: None)
+
+
+def _counted_per_shard(ids: torch.Tensor, pad: int, mesh, info) -> tuple[torch.Tensor, bool]:
+    real = ids != pad  # (B, L): XLM's own count, of this rank's tokens
+    return torch.arange(ids.shape[1])[None] < real.sum(dim=1, keepdim=True), bool((~real).any())
+
+
+def parity_with_padding_counted_per_shard(cases: list[tuple]) -> list[dict]:
+    """XLM's padding counted by each rank over its own tokens, as its model does on a call."""
+    import seqmesh.hf.xlm as xlm
+
+    original, xlm.kept_tokens = xlm.kept_tokens, _counted_per_shard
+    try:
+        return parity_all(cases)
+    finally:
+        xlm.kept_tokens = original
+
+
+def xlm_refusals() -> dict[str, str]:
+    """What a parallelized XLM says, on each rank, when it attends both ways over a row holding its padding id (on
+    rank 0's shard only), and when called with lengths, langs or a cache: each ValueError's message."""
+    mesh = get_mesh(1, 2)
+    both, causal = (parallelize(build(family_config(f)), mesh) for f in ("xlm-both-ways", "xlm"))
+    ids = _batch(16, 64, False)["input_ids"].clone()
+    ids[0, 0] = both.config.pad_index  # the first token: rank 0's under zigzag
+    padded = seqmesh.shard_batch({"input_ids": ids}, mesh)
+    batch = seqmesh.shard_batch(_batch(16, 64, False), mesh)
+    rows = torch.ones(1, 1, dtype=torch.long)
+    calls = {
+        "both ways, padded": lambda: both(**padded),
+        "lengths": lambda: causal(**batch, lengths=torch.full((1,), 8)),
+        "langs": lambda: causal(**batch, langs=rows.expand(1, 8)),
+        "cache": lambda: causal.transformer(batch["input_ids"], cache=object(), seqmesh=batch["seqmesh"]),
+    }
+    said = refusals_said(calls)
+    for model in (both, causal):
+        unparallelize(model)
+    return said
 
 
 def layer_refusals(family: str = "bloom") -> dict[str, str]:

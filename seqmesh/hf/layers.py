@@ -103,6 +103,11 @@ def _routes_through_interface(model: nn.Module) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
+def _is_self_child(node: ast.AST, child: str) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == child and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
+
+
 def calls_without_kwargs(cls: type, child: str, anywhere: bool = False) -> bool:
     """Whether ``cls``'s forward calls ``self.<child>(...)`` and never passes it ``**kwargs`` (the way seqmesh's entry
     travels from the model's call down to the attention function); ``anywhere``: whether any one of its calls does
@@ -118,9 +123,10 @@ def calls_without_kwargs(cls: type, child: str, anywhere: bool = False) -> bool:
              and any(isinstance(n, ast.Attribute) and n.attr == child and isinstance(n.value, ast.Name)
                      and n.value.id == "self" for n in ast.walk(loop.iter))
              for target in ast.walk(loop.target) if isinstance(target, ast.Name)}
+    # ... or by their index (XLM: self.attentions[i](...))
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and (
-        (isinstance(node.func, ast.Attribute) and node.func.attr == child and isinstance(node.func.value, ast.Name)
-         and node.func.value.id == "self") or (isinstance(node.func, ast.Name) and node.func.id in names))]
+        _is_self_child(node.func.value if isinstance(node.func, ast.Subscript) else node.func, child)
+        or (isinstance(node.func, ast.Name) and node.func.id in names))]
     passes = [any(k.arg is None for k in call.keywords) for call in calls]
     return bool(calls) and (not all(passes) if anywhere else not any(passes))
 

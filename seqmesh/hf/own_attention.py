@@ -70,10 +70,14 @@ class _Family:
     # (module, q, k, v, info) -> q, k, v after the rotary: Doge's bias per key folded into one more head channel
     fold: Callable | None = None
     refused: Callable[[nn.Module], str | None] = lambda m: None  # why a layer of the family is not computed
-    causal: Callable[[nn.Module], bool] = lambda m: True  # False: every token sees every other (an encoder's)
+    # (module, the layer's call's other positional arguments) -> False: every token sees every other (an encoder's)
+    causal: Callable[[nn.Module, tuple], bool] = lambda m, args: True
     # (module, q, k, v (B, L, H, D), the call's kwargs) -> q, k, v: a rotary whose table the layer is given as an
     # argument (RoFormer's sinusoidal_pos, made by its encoder at the tokens' positions)
     rotate_given: Callable | None = None
+    # the model makes an empty cache on every call and hands it to each layer (XLM; a caller's is refused before, at
+    # the model's call: seqmesh.hf.xlm): ignored while it is empty
+    makes_cache: bool = False
 
 
 def _family_function(module: nn.Module, name: str) -> Callable:
@@ -212,12 +216,21 @@ def _roformer_rotate(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
     return (*rotated, v) if len(rotated) == 2 else tuple(rotated)
 
 
+def _xlm_project(module: nn.Module, hidden: torch.Tensor):
+    return tuple(_split_heads(proj(hidden), module.n_heads) for proj in (module.q_lin, module.k_lin, module.v_lin))
+
+
+def _xlm_causal(module: nn.Module, args: tuple) -> bool:
+    # XLM hands each layer its mask: (B, L, L) where the config says causal=True, the keys' (B, L) where not
+    return args[0].dim() == 3
+
+
 # the self-attention of the BERT-style encoders: scores / sqrt(D) over the mask the model builds itself, causal
 # where the config says is_decoder (as a causal LM), both ways where not; the layer returns the heads' outputs and
 # leaves the projection to its caller
 _BERT = _Family(lambda m: m.num_attention_heads, None, lambda m: m.dropout.p, _bert_project,
                 lambda m: m.attention_head_size ** -0.5, lambda m, o, residual: (o, None), own_mask=True,
-                causal=lambda m: bool(m.is_decoder))
+                causal=lambda m, args: bool(m.is_decoder))
 
 
 FAMILIES: dict[str, _Family] = {
@@ -258,6 +271,11 @@ FAMILIES: dict[str, _Family] = {
     "BigBirdSelfAttention": _BERT,
     "TrOCRAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
                               lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
+    # XLM's (its class is named MultiHeadAttention): the query scaled first, the mask its model builds (the padding its
+    # model marks from the whole row: seqmesh.hf.xlm) ignored, causal or both ways as the config says
+    "xlm.MultiHeadAttention": _Family(lambda m: m.n_heads, None, lambda m: m.dropout, _xlm_project,
+                                      lambda m: m.head_dim ** -0.5, lambda m, o, residual: (m.out_lin(o),),
+                                      own_mask=True, causal=_xlm_causal, makes_cache=True),
     "MvpAttention": _Family(lambda m: m.num_heads, None, lambda m: m.dropout, _xglm_project, lambda m: m.scaling,
                             lambda m, o, residual: (m.out_proj(o), None), own_mask=True),
 }
@@ -341,6 +359,8 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
         # hidden_states (B, L, E) in shard order -> the layer's own result
         info = kwargs.get("seqmesh")
         cache = next((kwargs[n] for n in ("cache", "layer_past", "past_key_values") if kwargs.get(n) is not None), None)
+        if family.makes_cache and cache is not None and not cache.get_seq_length():
+            cache = None
         # MPT's causal mask of the shard, built by the model whatever the config names (a user's padding mask is
         # refused before, at the decoder's call: refuse_padding_masks)
         check_mixer_context(self, info, cache, None if family.own_mask else attention_mask)
@@ -370,7 +390,7 @@ def _make_forward(module: nn.Module, mesh: SPMesh, backend: str) -> Callable:
                              {"sliding_window": window, "alibi": slopes})
             if done is not None:  # (B, 1, Hq, Dv)
                 return family.output(self, done[..., :width].flatten(2), residual)
-        causal = family.causal(self)
+        causal = family.causal(self, args)
         if not causal and info.lengths is not None:
             raise ValueError(f"{type(self).__name__} attends both ways (is_decoder=False) and the batch's rows have "
                              f"real lengths {info.lengths}: each row's tokens would see the padding after it; give "

@@ -139,7 +139,9 @@ _OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention
               "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
               "openai-gpt": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
               "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",
-                       "ffn_dim": "intermediate_size"}}
+                       "ffn_dim": "intermediate_size"},
+              "xlm": {"emb_dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                      "n_words": "vocab_size"}}
 
 
 def _falcon_kv_heads(cfg: dict) -> int | None:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..comm.ranks import full_value
 from ..comm.collectives import all_reduce_
 from ..mesh import SPMesh
+from ..rules.own_attention import checkpointing_refusal
 from .lm import SequenceParallelLM, decoder_layers, vision_blocks
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ def enable_checkpointing(lm: nn.Module) -> None:
     """Recompute each decoder layer in backward instead of keeping its activations (transformers'
     own non-reentrant checkpointing; active in training mode). transformers 5.24 renamed the method
     (``activation_checkpointing_enable``; the old name warns at every call and goes in v6)."""
+    if not getattr(lm, "supports_gradient_checkpointing", True):  # transformers' own refusal names no way out
+        raise ValueError(checkpointing_refusal(type(lm).__name__) + ".")
     enable = getattr(lm, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -304,6 +304,18 @@ def _returns_call_of(cls: type, child: str) -> bool:
             and calls_child(before.value))
 
 
+# heads whose forward returns their projection's result as the logits, beside what the generic reading refuses
+# (class name -> the projection's child, the condition on the module): XLM's prediction layer without adaptive softmax
+# returns (self.proj(x),), with its own loss before it where given labels, which seqmesh does not pass
+KNOWN_HEADS = {"XLMPredLayer": ("proj", lambda m: m.asm is False)}
+
+
+def _known_head(module: nn.Module, child: str) -> bool:
+    """Whether ``module`` is a head of :data:`KNOWN_HEADS` whose logits are its ``child``'s result."""
+    known = KNOWN_HEADS.get(type(module).__name__)
+    return known is not None and known[0] == child and bool(known[1](module))
+
+
 def _projection_last(called: nn.Module, head: nn.Module, name: str, attribute: str) -> str:
     """The path of the output embedding ``head`` inside the head module ``called`` (BERT's ``cls``:
     ``predictions.decoder``), where everything ``called`` holds acts on each token alone and each module on the path
@@ -317,6 +329,9 @@ def _projection_last(called: nn.Module, head: nn.Module, name: str, attribute: s
                          "seqmesh's chunked loss does not apply; train it with your own loss on model(**batch).logits.")
     owner = called
     for child in path.split("."):
+        if _known_head(owner, child):
+            owner = getattr(owner, child)
+            continue
         if not _returns_call_of(type(owner), child):
             raise ValueError(refuse + f"and {type(owner).__name__}'s forward does not return its {child}'s result as "
                              "it is (a branch, or a change after it), which seqmesh's chunked loss does not "
@@ -504,7 +519,9 @@ def logit_head(lm: nn.Module) -> LogitHead:
     projection = None
     if called is not head:  # BERT's cls, RoBERTa's lm_head: per-token maps, then the output embedding, returned
         projection = _projection_last(called, head, name, attribute)
-        transform = attribute
+        # a known head that holds its projection alone applies nothing before it (XLM's returns a tuple of logits)
+        alone = _known_head(called, projection) and list(called.children()) == [head]
+        transform = None if alone else attribute
     else:
         call, transform = _transform(call, lm, name)  # ModernBERT-decoder: self.decoder(self.lm_head(hidden_states))
     scale = _input_scale(statements[:index], call, lm, name)

@@ -227,6 +227,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         return owner if isinstance(owner, nn.ModuleList) else None
 
     layers = next((found(path) for path in LAYER_LISTS if found(path) is not None), None)
+    split = [found(path) for path in SPLIT_LAYER_LISTS]
+    if layers is None and all(part is not None and len(part) == len(split[0]) for part in split):
+        return [unit for units in zip(*split) for unit in units]  # XLM: each layer's attention, then its MLP
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; expected a list of blocks named "
                          f"{', '.join(LAYER_LISTS)}.")
@@ -235,6 +238,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 # transformers' name, and the older families' (GPT-2 and BLOOM: h; MPT: blocks; the BERT-style decoders: encoder.layer)
 LAYER_LISTS = ("layers", "h", "blocks", "encoder.layer")
+# a decoder that keeps its layers' halves in lists of their own (XLM: attentions, ffns, and the norms between, which
+# its model applies itself): the units are each attention and each MLP, in the order the model calls them
+SPLIT_LAYER_LISTS = ("attentions", "ffns")
 
 
 def vision_blocks(model: nn.Module) -> list[nn.Module]:

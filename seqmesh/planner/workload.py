@@ -10,7 +10,7 @@ from typing import Literal
 from ..rules.positions import position_problem
 from ..model.doge import TILED_MLP_REFUSAL
 from ..rules.degrees import Degrees, resolve_degrees
-from ..rules.own_attention import DOGE_WINDOW, doge_window_problem
+from ..rules.own_attention import DOGE_WINDOW, NOT_CHECKPOINTED, checkpointing_refusal, doge_window_problem
 from ..experts.rules import check_expert_parallel as runtime_rule
 from ..model.shapes import ModelShape
 from .media import Media
@@ -63,6 +63,8 @@ class Workload(RunSettings):
             problem = doge_window_problem(self.seq_len, dict(self.model.extra).get("keep_window_size", DOGE_WINDOW))
             if problem:
                 raise ValueError(f"{self.model.name}: {problem}.")
+        if self.checkpointing and self.model.family in NOT_CHECKPOINTED:  # the runtime's rule (model.fsdp)
+            raise ValueError(f"{self.model.name}: {checkpointing_refusal(self.model.family)}.")
         problem = position_problem(self.seq_len, self.model.position_rows, self.model.family)
         if problem:  # the runtime's rule (seqmesh train and verify refuse the same)
             raise ValueError(f"{self.model.name}: {problem}.")

@@ -16,18 +16,14 @@ FAMILY_REASONS: dict[str, Callable[[object], str | None]] = {
         "its block-sparse attention (attention_type='block_sparse', the default) attends both ways over global, "
         "sliding and random blocks drawn per call, which is not a causal language model's attention; set "
         "attention_type='original_full' and is_decoder=True, which seqmesh runs exactly"),
-    "xlm": lambda c: (
-        ("XLM attends both ways unless its config says causal=True (a masked language model by default); and it "
-         if not getattr(c, "causal", False) else "XLM ")
-        + "masks each call by that call's own count of non-padding ids (get_masks) inside its layers, which "
-        "compute their scores outside transformers' AttentionInterface and drop the entries seqmesh passes, so "
-        "each rank would mask and attend its own shard; it would take XLM's attention through seqmesh's own "
-        "attention path (as BLOOM's and BERT's are), which is not built"),
     "cpmant": lambda c: (
-        "CPM-Ant adds a learned bias by the bucket of each key's relative position and segment "
-        "(CpmAntSegmentPositionEmbedding), computed over each call's own positions and segments, and attends outside "
-        "transformers' AttentionInterface, so each rank would bucket its own shard; it would take that bias computed "
-        "over the gathered row (as seqmesh does for Inkling's), which is not built"),
+        "CPM-Ant's causal LM attends both ways: its model marks every token as context (_prepare_attention_mask), so "
+        "each position's logits read the tokens after it, which is not a causal language model's attention and no "
+        "config setting changes; beside it, each call prepends "
+        f"prompt_length={getattr(c, 'prompt_length', '?')} learned prompt tokens and adds a learned bias by the "
+        "bucket of each key's relative position and segment (CpmAntSegmentPositionEmbedding), outside transformers' "
+        "AttentionInterface. Computing it would take attention both ways with that bias over the gathered row and "
+        "the prompt held once, which seqmesh does not build for a model that is not causal; train a causal model"),
     "reformer": lambda c: (
         "Reformer's LSH attention hashes each call's keys into buckets by random rotations and attends within sorted "
         "chunks, and its local attention within fixed chunks of the call: neither is the causal attention of the "

@@ -11,10 +11,22 @@ LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "Fa
                  "gpt_neox_japanese": "GPTNeoXJapaneseAttention", "doge": "DogeAttention",
                  "rembert": "RemBertSelfAttention", "megatron-bert": "MegatronBertSelfAttention",
                  "trocr": "TrOCRAttention", "mvp": "MvpAttention", "roformer": "RoFormerSelfAttention",
-                 "big_bird": "BigBirdSelfAttention"}
+                 "big_bird": "BigBirdSelfAttention", "xlm": "xlm.MultiHeadAttention"}
 # the families whose MLP is two matrices (up, activation, down), not a gated three
 TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "rembert",
-                  "megatron-bert", "big_bird")
+                  "megatron-bert", "big_bird", "xlm")
+
+
+# families whose transformers model checkpoints no layer (XLM's layers are halves in lists of their own, its model
+# supports_gradient_checkpointing=False): seqmesh train and plan run them without activation checkpointing
+NOT_CHECKPOINTED = ("xlm",)
+
+
+def checkpointing_refusal(name: str) -> str:
+    """Why ``name`` (a model class or family) trains without activation checkpointing: the runtime's and the
+    planner's words."""
+    return (f"{name} does not support activation checkpointing in transformers (its layers are not checkpointable "
+            "modules); train and plan it without checkpointing (--no-checkpointing, or checkpointing=False)")
 
 
 DOGE_WINDOW = 2048  # DogeConfig's keep_window_size

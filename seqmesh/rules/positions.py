@@ -1,7 +1,7 @@
 """The longest sequence a family with a fixed table of positions can number: one rule, read by ``seqmesh plan`` (the
 workload), ``seqmesh train`` and ``verify`` (before anything is built). Torch-free.
 
-GPT-2, GPT-BigCode (StarCoder), the original GPT, OPT and TrOCR's decoder (by default) look each position up in a
+GPT-2, GPT-BigCode (StarCoder), the original GPT, OPT, XLM and TrOCR's decoder (by default) look each position up in a
 learned table; CTRL in a table of sinusoids made once. A position past the table's last row is an index out of range
 inside the embedding: on a GPU, a device-side assert in the middle of the first step. Their config.json names the
 rows (``n_positions``, OPT's and TrOCR's ``max_position_embeddings``); the rule reads them as :func:`position_rows`
@@ -14,7 +14,7 @@ from __future__ import annotations
 # nothing (the learned tables' parameters: seqmesh.model.shapes.ModelShape.position_params)
 TABLES = {"gpt2": ("n_positions", 1024), "gpt_bigcode": ("n_positions", 1024), "openai-gpt": ("n_positions", 512),
           "ctrl": ("n_positions", 256), "opt": ("max_position_embeddings", 2048),
-          "trocr": ("max_position_embeddings", 512)}
+          "trocr": ("max_position_embeddings", 512), "xlm": ("max_position_embeddings", 512)}
 
 
 def position_rows(cfg: dict) -> int:

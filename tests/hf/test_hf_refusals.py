@@ -163,7 +163,7 @@ def test_deepseek_v4_compressed_attention_without_its_layout_is_refused_with_its
 
 # each family refused with its own reason (seqmesh.hf.layers.FAMILY_REASONS): a phrase of it that the generic
 # refusal (attention outside transformers' AttentionInterface) does not hold
-PRECISE = {"big_bird": "attention_type='original_full'", "xlm": "count of non-padding ids", "cpmant": "bucket",
+PRECISE = {"big_bird": "attention_type='original_full'", "cpmant": "attends both ways",
            "reformer": "LSH", "xlnet": "two-stream", "prophetnet": "n-gram streams", "blt": "entropy model"}
 
 
@@ -185,3 +185,20 @@ def test_families_seqmesh_cannot_compute_are_refused_with_their_own_reason():
         with pytest.raises(ValueError, match=f"seqmesh cannot run {type(model).__name__} exactly: .*{phrase}"):
             check_layers(model)
     assert family_reason(AutoModelForCausalLM.from_config(census_config("big_bird+original_full"))) is None
+
+
+def test_cpmant_is_refused_because_its_causal_lm_attends_both_ways():
+    """The reason seqmesh gives for CPM-Ant holds of the installed transformers: a later token moves earlier logits
+    of CpmAntForCausalLM (were its LM causal, this fails, and its refusal must be revisited)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from census_configs import census_config
+
+    model = AutoModelForCausalLM.from_config(census_config("cpmant")).eval()
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(0))
+    later = ids.clone()
+    later[0, 15] = 7
+    with torch.no_grad():
+        moved = (model(input_ids=ids, use_cache=False).logits - model(input_ids=later, use_cache=False).logits).abs()
+    assert float(moved[0, :15].amax()) > 1e-3, moved.amax(-1)

@@ -12,8 +12,9 @@ import math
 import pytest
 
 from own_attention_cases import (layer_refusals, parity_with_bias_dropped, parity_with_both_ways,
-                                 parity_with_positions_off_by_one, parity_with_table_from_each_shard,
-                                 parity_with_slopes_unmoved, parity_with_whole_rotary, parity_with_windows_dropped)
+                                 parity_with_padding_counted_per_shard, parity_with_positions_off_by_one,
+                                 parity_with_slopes_unmoved, parity_with_table_from_each_shard, parity_with_whole_rotary,
+                                 parity_with_windows_dropped, xlm_refusals)
 from short_conv_cases import parity_all
 from test_hf_families import ROUNDING_MULTIPLE, _outside_rounding
 
@@ -34,7 +35,7 @@ def _newest(*families: str) -> list[str]:
 
 
 FAMILIES = ["bloom", "bloom-sliced", "mpt", "falcon", "falcon-mha", "falcon-new", "gpt-neo", "openai-gpt", "xglm",
-            *_newest("gpt-neox-japanese", "doge", "rembert", "megatron-bert", "roformer")]
+            "xlm", "xlm-both-ways", *_newest("gpt-neox-japanese", "doge", "rembert", "megatron-bert", "roformer")]
 # Ulysses 2 (the slopes dealt with their heads) and ring 2 (each block's distance) reach every line U2 x R2 did
 # (docs/testing.md, the twins)
 MESHES = [(2, 1), (1, 2)]
@@ -66,6 +67,10 @@ MUTATIONS = {
                                                                         ("falcon-new", 2, 1, "zigzag", True)]),
     # GPT-Neo's local layer run as a global one (ring 2, zigzag, documents)
     "GPT-Neo's window dropped": (parity_with_windows_dropped, [("gpt-neo", 1, 2, "zigzag", True)]),
+    # XLM's padding counted by each rank over its shard (ring 2, plain: rank 0 keeps a token the row zeroes; U2,
+    # documents)
+    "XLM's padding counted on each shard": (parity_with_padding_counted_per_shard, [("xlm", 1, 2, "zigzag", False),
+                                                                                    ("xlm", 2, 1, "zigzag", True)]),
 }
 if _newest("doge"):
     # GPT-NeoX-Japanese's rotary over the whole head instead of its leading half (ring 2)
@@ -124,6 +129,15 @@ def test_an_own_attention_layer_refuses_what_it_cannot_compute(pools):
         own_attention.own_attention_layers(falcon, mesh)
 
 
+def test_xlm_refuses_what_it_cannot_compute_on_every_rank(pools):
+    """XLM attending both ways over a row that holds its padding id (on one rank's shard) is refused on both ranks,
+    naming causal=True; lengths, langs and a cache are refused by name."""
+    for said in pools.run(2, xlm_refusals):
+        assert "causal=True" in said["both ways, padded"] and "pad_index=2" in said["both ways, padded"], said
+        assert all("does not shard" in said[n] and n in said[n] for n in ("lengths", "langs")), said
+        assert "without one" in said["cache"], said
+
+
 def test_a_bloom_config_json_verifies_and_trains_on_four_ranks(pools, tmp_path):
     """``seqmesh verify`` and ``seqmesh train --model config.json`` on a tiny BLOOM config over 2 x 2 Ulysses x ring:
     the single-process model's loss, then a finite, falling loss with the blocks recomputed in backward (the
@@ -161,7 +175,7 @@ def test_the_planner_plans_the_newer_own_attention_families(tmp_path, family, ca
     assert json.loads(capsys.readouterr().out)["recommended"] is not None
 
 
-@pytest.mark.parametrize("family", ["openai-gpt", "xglm", *_newest("gpt-neox-japanese", "doge", "doge-moe", "rembert")])
+@pytest.mark.parametrize("family", ["openai-gpt", "xglm", "xlm", *_newest("gpt-neox-japanese", "doge", "doge-moe", "rembert")])
 def test_the_newer_families_verify_and_train_from_config_json(pools, tmp_path, family):
     """``seqmesh verify`` and ``seqmesh train`` from each one's config.json on a ring of 2."""
     from family_cases import family_config

@@ -1,5 +1,5 @@
 """seqmesh plan on the families whose attention layers seqmesh runs itself (seqmesh.hf.own_attention): Falcon's,
-GPT-Neo's, the original GPT's, XGLM's, GPT-NeoX-Japanese's and Doge's config.json read into shapes whose matrices equal the model transformers builds on the meta device (Falcon's
+GPT-Neo's, the original GPT's, XGLM's, GPT-NeoX-Japanese's, Doge's and XLM's config.json read into shapes whose matrices equal the model transformers builds on the meta device (Falcon's
 one or grouped kv heads, a two-matrix MLP, GPT-Neo's local layers as sliding ones), planned without tensor parallelism
 as the runtime runs them (the one rule, seqmesh.rules.own_attention), and BLOOM's and MPT's ALiBi planned."""
 
@@ -36,6 +36,9 @@ CONFIGS = {
     "bloom-7b1": dict(model_type="bloom", hidden_size=4096, n_layer=30, n_head=32, vocab_size=250880),
     "mpt-7b": dict(model_type="mpt", d_model=4096, n_layers=32, n_heads=32, vocab_size=50432, expansion_ratio=4,
                    max_seq_len=2048),
+    # XLM's MLM-en-2048 (emb_dim, n_layers, n_heads; a learned table of 512 positions; biased projections)
+    "xlm-mlm-en-2048": dict(model_type="xlm", emb_dim=2048, n_layers=12, n_heads=16, vocab_size=30145,
+                            max_position_embeddings=512),
     "doge-160m": dict(model_type="doge", hidden_size=768, num_hidden_layers=24, num_attention_heads=6,
                       num_key_value_heads=3, intermediate_size=1536, vocab_size=32768, keep_window_size=2048,
                       num_experts=16384),
@@ -86,11 +89,13 @@ def test_matrices_equal_the_transformers_model(tmp_path, name):
     shape, model = model_shape(path), _meta_model(path)
     assert not shape.unplanned, shape.unplanned
     layers = decoder_layers(model)
+    per_layer = 2 if name.startswith("xlm") else 1  # XLM's units: each layer's attention, then its MLP
     layer = layers[0]
-    matrices = sum(m.weight.numel() for m in layer.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    matrices = sum(m.weight.numel() for unit in layers[:per_layer] for m in unit.modules()
+                   if isinstance(m, (torch.nn.Linear, Conv1D)))
     matrices += layer.self_attn.A.numel() if name.startswith("doge") else 0
     assert shape.attention_params + shape.mlp_params == matrices, (shape.attention_params, shape.mlp_params, matrices)
-    assert shape.gated_mlp == name.startswith("doge") and shape.layers == len(layers)
+    assert shape.gated_mlp == name.startswith("doge") and shape.layers == len(layers) // per_layer
     total = sum(p.numel() for p in model.parameters())
     assert abs(shape.params - total) < 0.005 * total, (shape.params, total)
     if name == "gpt-neo-1.3b":
@@ -122,6 +127,19 @@ def test_doge_is_planned_within_its_window_only(tmp_path, capsys):
     said = capsys.readouterr().err
     assert "longer than keep_window_size=2048" in said and "--seq-len at most keep_window_size" in said, said
     assert main(["plan", "--model", path, "--seq-len", "2048", "--gpus", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] is not None
+
+
+def test_xlm_is_planned_without_checkpointing(tmp_path, capsys):
+    """transformers checkpoints none of XLM's layers (the runtime refuses checkpointing in the same words): the plan
+    asks for --no-checkpointing, and is made with it, within XLM's 512 positions."""
+    from seqmesh.rules.own_attention import checkpointing_refusal
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, "xlm-mlm-en-2048", CONFIGS["xlm-mlm-en-2048"])
+    assert main(["plan", "--model", path, "--seq-len", "512", "--gpus", "2"]) != 0
+    assert checkpointing_refusal("xlm") in capsys.readouterr().err
+    assert main(["plan", "--model", path, "--seq-len", "512", "--gpus", "2", "--no-checkpointing", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recommended"] is not None
 
 
