@@ -102,12 +102,12 @@ def _routes_through_interface(model: nn.Module) -> bool:
     return any(_calls_interface(cls) for cls in {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")})
 
 
-@functools.lru_cache(maxsize=256)
 def _is_self_child(node: ast.AST, child: str) -> bool:
     return (isinstance(node, ast.Attribute) and node.attr == child and isinstance(node.value, ast.Name)
             and node.value.id == "self")
 
 
+@functools.lru_cache(maxsize=256)
 def calls_without_kwargs(cls: type, child: str, anywhere: bool = False) -> bool:
     """Whether ``cls``'s forward calls ``self.<child>(...)`` and never passes it ``**kwargs`` (the way seqmesh's entry
     travels from the model's call down to the attention function); ``anywhere``: whether any one of its calls does
