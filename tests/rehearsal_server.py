@@ -70,7 +70,10 @@ class RehearsalServer:
         self._count = 0
 
     def _zygote(self, env: dict[str, str]) -> subprocess.Popen:
-        key = frozenset(env.items())
+        # by the environment the rehearsal needs, not the test that asks: pytest names the running test in
+        # PYTEST_CURRENT_TEST, and keyed with it every rehearsal started a zygote of its own (about 8 CPU-seconds of
+        # imports each), and kept it to the session's end (34 of them held 14 GB an hour into a full suite)
+        key = frozenset((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")
         zygote = self._zygotes.get(key)
         if zygote is None or zygote.poll() is not None:
             zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], env=env, stdin=subprocess.PIPE,
