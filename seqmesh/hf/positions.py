@@ -39,6 +39,7 @@ from ..mesh import SPMesh
 from ..model.lm import decoder_of
 from ..sequence.batch import SequenceInfo, document_places
 from ..sequence.sharding import sequence_positions
+from ..tensor_values import real_tensors
 
 _ATTR = "_seqmesh_positions"
 _CAUSAL = "_seqmesh_made_causal"
@@ -144,7 +145,8 @@ def _renumbered(model_name: str, mesh: SPMesh):
             return  # the attention refuses the call, naming the fix
         # (L,) each token's index in its document (the layout's padding at 0), every row alike: as one call per
         # document numbers them (transformers reads no position_ids here)
-        call["positions"] = document_places(mesh, info)[1]
+        with real_tensors():  # on the host, from the layout alone: values even in a rehearsal's fake mode
+            call["positions"] = document_places(mesh, info)[1]
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output):
         call.clear()
@@ -154,11 +156,12 @@ def _renumbered(model_name: str, mesh: SPMesh):
         positions = call.get("positions")
         if positions is None:
             return output
-        positions = positions.to(output.device)
         first = args[0] if args else next(iter(kwargs.values()))
         length = positions.shape[-1]
-        needed = torch.unique(positions.flatten())  # sorted
-        starts = _spans(needed, length)
+        with real_tensors():  # the spans from the host's values (a rehearsal's fake tensors hold none)
+            starts = _spans(torch.unique(positions.flatten()), length)  # unique: sorted
+            host = positions.tolist()
+        positions = torch.tensor(host, device=output.device)
         numbered = "position_ids" in inspect.signature(type(module).forward).parameters  # as the decoder calls it
         table = torch.cat([
             type(module).forward(module, first, start, **({"position_ids": torch.arange(

@@ -269,6 +269,9 @@ class ModelShape:
     # rows, the longest sequence the model can number (seqmesh.rules.positions); 0: none
     position_rows: int = 0
     embed_width: int = 0  # OPT's word_embed_proj_dim: its embeddings this wide, projected in and out (0: the width)
+    # weights a layer holds that a text step never multiplies (TrOCR's cross-attention to its image encoder, with its
+    # norm): gathered, reduced and stepped with the layer's unit, no compute and no activations
+    idle_params: int = 0
 
     def __post_init__(self) -> None:
         check_model_sizes(self.config_sizes(), self.name)  # the rules a config.json's sizes obey (seqmesh.rules.model_sizes)
@@ -520,7 +523,8 @@ class ModelShape:
             attention += self.block_sparse.layers * self.block_sparse.indexer_params(self.hidden)
         dense = self.dense_layers * (self.mlp_params - 3 * self.hidden * self.dense_intermediate
                                      + 2 * self.hidden * self.norm_gate_rank)  # and a dense layer's ungated norm
-        per_layer = self.mlp_params + self.norm_params + 2 * self.hc_params(2)  # a layer's two hyper-connections
+        per_layer = self.mlp_params + self.norm_params + 2 * self.hc_params(2) + self.idle_params  # a layer's two
+        # hyper-connections (HY-V4's), its weights no text step multiplies (TrOCR's)
         return (attention + self.linear_layers * self.linear_layer_params + self.layers * per_layer
                 - self.linear_layers * (2 * self.head_dim if gated else 0) - dense + embed + self.hidden + tower
                 + self.hc_params(1) + self.position_params)  # and the head's; a learned table of positions

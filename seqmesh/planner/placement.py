@@ -46,7 +46,7 @@ def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     (:meth:`seqmesh.model.hybrid_shape.HybridShape.held_params`; 0 for another model)."""
     layer_split = m.attention_params + m.mlp_params
     head = m.vocab * m.hidden
-    out = {"layer": -(-layer_split // tp) + m.norm_params, "root": -(-head // tp) + m.hidden,
+    out = {"layer": -(-layer_split // tp) + m.norm_params + m.idle_params, "root": -(-head // tp) + m.hidden,
            "embedding": 0 if m.tie_embeddings else -(-head // tp)}
     # tp 1: every parameter (hybrid, gated or vision-language models have more than these units; TP refuses them)
     out["total"] = m.params if tp == 1 else m.layers * out["layer"] + out["root"] + out["embedding"]

@@ -113,8 +113,8 @@ class Workload(RunSettings):
 
 def layer_params(m: ModelShape) -> int:
     """Parameters of one transformer layer: q, k, v, o projections (MLA's, with its indexer), gated MLP (or all its
-    experts), RMSNorms."""
-    return m.attention_params + m.mlp_params + m.norm_params
+    experts), RMSNorms, and what it holds but a text step never multiplies (TrOCR's cross-attention)."""
+    return m.attention_params + m.mlp_params + m.norm_params + m.idle_params
 
 
 def layer_matmul_params(m: ModelShape) -> int:

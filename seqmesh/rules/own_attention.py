@@ -14,7 +14,7 @@ LAYER_CLASSES = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon": "Fa
                  "big_bird": "BigBirdSelfAttention", "xlm": "xlm.MultiHeadAttention"}
 # the families whose MLP is two matrices (up, activation, down), not a gated three
 TWO_MATRIX_MLP = ("bloom", "mpt", "falcon", "gpt_neo", "openai-gpt", "xglm", "gpt_neox_japanese", "rembert",
-                  "megatron-bert", "big_bird", "xlm")
+                  "megatron-bert", "big_bird", "xlm", "trocr")
 
 
 # families whose transformers model checkpoints no layer (XLM's layers are halves in lists of their own, its model

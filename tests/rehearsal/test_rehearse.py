@@ -438,6 +438,21 @@ def test_zamba_rehearses_beside_its_plan(rehearse, tmp_path, family):
     assert result["device"] == "cuda" and 0.95 < result["ratio"] < 1.05, result
 
 
+def test_trocr_rehearses_beside_its_plan(rehearse, tmp_path):
+    """TrOCR's decoder (its image encoder 192 wide) at its table's 512 tokens on Ulysses 2. Its positions are
+    renumbered per document from the layout on the host (seqmesh.hf.positions; the fake step had made them fake, and
+    the rehearsal failed in torch.unique), and the planner holds each layer's cross-attention as weights that get no
+    gradient, a text step never calling it (1.062 at TrOCR-base's size while its gradients were counted; 1.022
+    since; GPT-2 of the same size 1.025)."""
+    path = tmp_path / "trocr"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dict(
+        model_type="trocr", d_model=256, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=1024,
+        vocab_size=4096, cross_attention_hidden_size=192, max_position_embeddings=512)))
+    result = rehearse(dataclasses.replace(CONFIG, model=str(path), seq_len=512), 2, timeout=300)
+    assert result["device"] == "cuda" and 0.97 < result["ratio"] < 1.05, result
+
+
 def test_deepseek_v4_heavily_compressed_layers_are_planned_beside_their_rehearsal(rehearse, tmp_path):
     """DeepSeek-V4 layers of heavily compressed attention only (every closed entry of 32 tokens; width 256, 8 heads
     of 64) on one GPU at 8K tokens, where the attention's backward makes the peak (the torch form's block of chosen
