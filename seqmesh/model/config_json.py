@@ -134,7 +134,6 @@ _OLD_NAMES = {"bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention
                         "decoder_attention_heads": "num_attention_heads", "decoder_ffn_dim": "intermediate_size"},
               "longcat_flash": {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
                                 "expert_ffn_hidden_size": "moe_intermediate_size", "moe_topk": "num_experts_per_tok"},
-              "moshi": {"ffn_dim": "intermediate_size"},
               "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers"},
               "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
               "openai-gpt": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"},
@@ -181,6 +180,10 @@ def _standard_names(cfg: dict) -> dict:
                "moe_intermediate_size": ffn.get("ffn_hidden_size", 3584)} | out
     if family == "gemma3n_text" and isinstance(out.get("intermediate_size"), list):  # a width per layer: read for
         out["intermediate_size"] = max(out["intermediate_size"] or [0])  # train and verify (plan refuses: UNSIZED)
+    if family == "moshi":  # its text decoder's gated MLP: fc1 makes gate and up, ffn_dim / 2 each; full causal
+        # attention (its sliding_window reaches no mask of that decoder)
+        out["intermediate_size"] = cfg.get("ffn_dim", 22528) // 2
+        out.pop("sliding_window", None)
     if family == "gpt_bigcode" and "num_key_value_heads" not in out:  # multi-query by default (StarCoder)
         out["num_key_value_heads"] = 1 if cfg.get("multi_query", True) else out.get("num_attention_heads")
     return out
@@ -195,10 +198,16 @@ UNSIZED = {
     "longcat_flash": "LongCat-Flash's layers (two attention sublayers and two MLPs a layer beside a shortcut MoE with "
                      "zero-compute experts, MLA)",
     "gemma3n_text": "Gemma 3n's layers (a width per layer, AltUp's streams, LAuReL, per-layer inputs, shared caches)",
-    "moshi": "Moshi's layers (its gated MLP of ffn_dim / 2 and the audio codebooks beside the text head)",
-    "trocr": "TrOCR's decoder layers (each holds a cross-attention to an image encoder, unused by a text step, beside "
-             "its own)",
 }
+
+
+def trocr_cross_attention_params(cfg: dict) -> int:
+    """A TrOCR decoder layer's cross-attention to its image encoder, which ``TrOCRForCausalLM`` builds (it makes its
+    config a decoder) and a text step never calls: q and out over the width, k and v from
+    ``cross_attention_hidden_size`` (the width where None), each with its bias, and its LayerNorm."""
+    width = cfg.get("d_model") or cfg.get("hidden_size")
+    source = cfg.get("cross_attention_hidden_size") or width
+    return 2 * width * width + 2 * source * width + 4 * width + 2 * width
 
 
 def _own_attention_fields(cfg: dict) -> dict:
@@ -223,6 +232,8 @@ def _own_attention_fields(cfg: dict) -> dict:
         fields |= qwen4_exp_fields(cfg)
     if family == "doge":  # its window, which the planner checks the length against; its experts with is_moe
         fields |= doge_fields(cfg)
+    if family == "trocr":
+        fields["idle_params"] = trocr_cross_attention_params(cfg)
     if family in UNSIZED:
         fields["unplanned"] = f"seqmesh plan does not size {UNSIZED[family]} yet; seqmesh train runs it all the same"
     return fields

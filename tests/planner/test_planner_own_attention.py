@@ -230,12 +230,59 @@ def test_a_family_refused_whatever_its_sizes_is_refused_by_its_reason(tmp_path, 
     assert said in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family", ["longcat_flash", "gemma3n_text", "moshi", "trocr"])
+def test_trocr_is_sized_with_the_cross_attention_it_holds(tmp_path, capsys):
+    """TrOCR's decoder (a file as TrOCR-base's, its encoder 768 wide): each layer's own attention and MLP equal the
+    model's matrices; the cross-attention to its image encoder each layer holds (q and out over the width, k and v
+    from the encoder's width, biases, its norm) is counted exactly as weights no text step multiplies; the whole
+    within 0.5%; 512 tokens planned, a longer sequence refused at its table."""
+    from seqmesh.model.lm import decoder_layers
+    from seqmesh.tools.cli import main
+
+    path = _write(tmp_path, "trocr", dict(model_type="trocr", d_model=1024, decoder_layers=12,
+                                          decoder_attention_heads=16, decoder_ffn_dim=4096, vocab_size=50265,
+                                          cross_attention_hidden_size=768, max_position_embeddings=512))
+    shape, model = model_shape(path), _meta_model(path)
+    layer = decoder_layers(model)[0]
+    cross = list(layer.encoder_attn.parameters()) + list(layer.encoder_attn_layer_norm.parameters())
+    assert shape.idle_params == sum(p.numel() for p in cross), shape.idle_params
+    own = sum(m.weight.numel() for name, m in layer.named_modules()
+              if isinstance(m, torch.nn.Linear) and not name.startswith("encoder_attn"))
+    assert shape.attention_params + shape.mlp_params == own and not shape.gated_mlp
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params - total) < 0.005 * total, (shape.params, total)
+    assert main(["plan", "--model", path, "--seq-len", "512", "--gpus", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] is not None
+    assert main(["plan", "--model", path, "--seq-len", "1024", "--gpus", "2"]) != 0
+
+
+def test_moshis_text_decoder_is_planned_as_transformers_builds_it(tmp_path, capsys):
+    """Moshi's config.json (its config class's 7B default): its text decoder's gated MLP makes gate and up in one
+    fc1 of ffn_dim, so each is ffn_dim / 2 wide; its attention is full causal (its sliding_window reaches no mask of
+    that decoder), not planned as sliding. One layer's matrices equal the model's, the whole within 0.01% (its
+    embedding's one row more), and 32K tokens are planned on 8 GPUs."""
+    import transformers as tf
+
+    from seqmesh.tools.cli import main
+
+    tf.MoshiConfig().save_pretrained(tmp_path)
+    path = str(tmp_path / "config.json")
+    shape, model = model_shape(path), _meta_model(path)
+    layer = model.model.layers[0]
+    assert shape.attention_params + shape.mlp_params == sum(
+        m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    assert shape.gated_mlp and shape.sliding_window is None and not shape.unplanned, shape
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params - total) < 1e-4 * total, (shape.params, total)
+    assert main(["plan", "--model", path, "--seq-len", "32768", "--gpus", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"] is not None
+
+
+@pytest.mark.parametrize("family", ["longcat_flash", "gemma3n_text"])
 def test_a_file_whose_layers_the_planner_does_not_size_is_read_for_training(tmp_path, capsys, family):
-    """LongCat-Flash's, Gemma 3n's, Moshi's and TrOCR's config.json are read in their own names (num_layers,
-    ffn_hidden_size, a width per layer, ffn_dim, d_model ...), so seqmesh train and verify get the sizes they need;
-    seqmesh plan says which layers it does not size. Before, every one of them failed at the reader ("no hidden_size
-    entry", "no num_hidden_layers entry", "intermediate_size ... (list)")."""
+    """LongCat-Flash's and Gemma 3n's config.json are read in their own names (num_layers, ffn_hidden_size, a width
+    per layer ...), so seqmesh train and verify get the sizes they need; seqmesh plan says which layers it does not
+    size. Before, each failed at the reader ("no hidden_size entry", "no num_hidden_layers entry",
+    "intermediate_size ... (list)")."""
     from census_configs import census_config
 
     from seqmesh.tools.cli import main
@@ -245,7 +292,7 @@ def test_a_file_whose_layers_the_planner_does_not_size_is_read_for_training(tmp_
     config = census_config(family)
     config.save_pretrained(tmp_path)
     shape = read_run_model(TrainConfig(model=str(tmp_path), seq_len=64)).shape
-    layers = {"longcat_flash": "num_layers", "trocr": "decoder_layers"}.get(family, "num_hidden_layers")
+    layers = {"longcat_flash": "num_layers"}.get(family, "num_hidden_layers")
     assert (shape.hidden, shape.layers, shape.heads) == (64, getattr(config, layers), 4), shape
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--seq-len", "4096", "--gpus", "2"]) != 0
     assert "seqmesh plan does not size" in capsys.readouterr().err
