@@ -207,8 +207,8 @@ def family_config(family: str):
         return tf.XGLMConfig(vocab_size=64, max_position_embeddings=128, d_model=48, ffn_dim=96, num_layers=2,
                              attention_heads=6, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     if family in ("xlm", "xlm-both-ways"):  # its class named MultiHeadAttention, called by index without **kwargs;
-        # its padding counted over each document: pad_index 16, four times in the parity batch (the last token of
-        # three documents zeroed, four of the row); -both-ways: XLM's default, no padding id in the batch
+        # its padding counted over each document: pad_index 16, four times in the parity batch (the last tokens of
+        # three documents zeroed, one, two and one; four of the row); -both-ways: XLM's default, no padding id there
         both = family == "xlm-both-ways"
         return tf.XLMConfig(vocab_size=64, emb_dim=48, n_layers=2, n_heads=6, dropout=0.0, attention_dropout=0.0,
                             max_position_embeddings=128, causal=not both, pad_index=2 if both else 16)
