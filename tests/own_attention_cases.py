@@ -89,9 +89,9 @@ def parity_with_windows_dropped(cases: list[tuple]) -> list[dict]:
     return _parity_with_family_changed(cases, "GPTNeoAttention", window=lambda module: None)
 
 
-def _counted_per_shard(ids: torch.Tensor, pad: int, mesh, info) -> tuple[torch.Tensor, bool]:
+def _counted_per_shard(ids: torch.Tensor, pad: int, mesh, info) -> tuple[torch.Tensor, torch.Tensor]:
     real = ids != pad  # (B, L): XLM's own count, of this rank's tokens
-    return torch.arange(ids.shape[1])[None] < real.sum(dim=1, keepdim=True), bool((~real).any())
+    return torch.arange(ids.shape[1])[None] < real.sum(dim=1, keepdim=True), real
 
 
 def parity_with_padding_counted_per_shard(cases: list[tuple]) -> list[dict]:

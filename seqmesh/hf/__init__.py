@@ -365,7 +365,7 @@ def parallelize(model: nn.Module, mesh: SPMesh, *, backend: str = "auto", linear
     hooks = _hook_calls(model) + _hook_tower(model) + _hook_entry(model) + mixers.carry_entry(model, mixer_layers)
     hooks += positions.install(model, mesh)
     hooks += own_attention.refuse_padding_masks(decoder_of(model), mixer_layers.get(own_attention.KIND, []))
-    hooks += xlm.install(decoder_of(model), own, mesh, own_attention.family_key)  # XLM's padding, from the whole row
+    hooks += xlm.install(decoder_of(model), own, mesh)  # XLM's padding, from the whole row
     hooks += inkling2.unread_distances(decoder_of(model), relative2)  # no (L, L) distances its attention ignores
     setattr(model, _ATTR, (name, previous, hooks))
     return model

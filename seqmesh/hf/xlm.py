@@ -23,23 +23,22 @@ import torch
 import torch.nn as nn
 
 from ..mesh import SPMesh
+from ..rules.own_attention import LAYER_CLASSES
 from ..sequence.batch import SequenceInfo, document_places
 from .indexed_attention import whole_row
+from .own_attention import family_key
 
-FAMILY = "xlm.MultiHeadAttention"  # seqmesh.hf.own_attention's key of its layers
 
-
-def kept_tokens(ids: torch.Tensor, pad: int, mesh: SPMesh, info: SequenceInfo) -> tuple[torch.Tensor, bool]:
-    """``(B, L)`` bool: which of this rank's tokens XLM keeps, by its count over each document of the row; and
-    whether the row holds ``pad`` at all (the same on every rank)."""
-    row = whole_row(ids, mesh, info)  # (B, T)
-    real = (row != pad).long()
-    counted = torch.nn.functional.pad(real.cumsum(dim=1), (1, 0))  # (B, T + 1): real ids before each index
+def kept_tokens(ids: torch.Tensor, pad: int, mesh: SPMesh, info: SequenceInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, L)`` bool: which of this rank's tokens XLM keeps, by its count over each document of the row; and the
+    row's ``(B, T)`` bool of ids that are not ``pad`` (the same on every rank)."""
+    real = whole_row(ids, mesh, info) != pad  # (B, T)
+    counted = torch.nn.functional.pad(real.long().cumsum(dim=1), (1, 0))  # (B, T + 1): real ids before each index
     bounds = torch.tensor(info.cu_seqlens or (0, info.seq_len), device=ids.device)
     start, index, _ = document_places(mesh, info, ids.device)  # (L,) each
     end = bounds[1:][torch.bucketize(start, bounds[1:], right=True)]  # (L,) where each token's document ends
     count = counted[:, end] - counted[:, start]  # (B, L): its document's real ids
-    return index[None, :] < count, bool((real == 0).any())
+    return index[None, :] < count, real
 
 
 def _refuse_inputs(kwargs: dict) -> None:
@@ -61,8 +60,8 @@ def _mark_padding(mesh: SPMesh):
         ids = args[0] if args else kwargs.get("input_ids")
         if info is None or ids is None:  # embeddings given: XLM keeps every token, as on one process
             return None
-        kept, padded = kept_tokens(ids, module.pad_index, mesh, info)
-        if padded and not module.causal:
+        kept, real = kept_tokens(ids, module.pad_index, mesh, info)
+        if not module.causal and not bool(real.all()):  # read on the host only where it decides (no sync if causal)
             raise ValueError(f"XLM attends both ways (causal=False) and this row holds its padding id "
                              f"(pad_index={module.pad_index}), whose count hides the last keys of each row, which "
                              "seqmesh's attention (no mask of keys) does not compute; give rows without that id, or "
@@ -72,10 +71,10 @@ def _mark_padding(mesh: SPMesh):
     return hook
 
 
-def install(decoder: nn.Module, found: list, mesh: SPMesh, family_key) -> list:
+def install(decoder: nn.Module, found: list, mesh: SPMesh) -> list:
     """The padding hook on ``decoder`` (an XLMModel) where ``found``, the layers seqmesh runs itself, are XLM's;
     its handle, or none. Registered after :func:`seqmesh.hf.own_attention.refuse_padding_masks`, which refuses a
     caller's own mask first."""
-    if not any(family_key(m) == FAMILY for _, m in found):
+    if not any(family_key(m) == LAYER_CLASSES["xlm"] for _, m in found):
         return []
     return [decoder.register_forward_pre_hook(_mark_padding(mesh), with_kwargs=True)]

@@ -79,7 +79,7 @@ def held_reduce_scatter_input(work: Workload, layout: Degrees) -> int:
     peak (0.32 GB over at 8B), and on real CPU steps of small models (tests/planner/test_planner_measured.py) adding
     it to every layer over-predicts by up to 8%: modelling both needs the weight gradients in the timeline."""
     m = work.model
-    graded = placement(work, layout).split["layer"] - m.idle_params  # TrOCR's cross-attention gets no gradient
+    graded = placement(work, layout).split["graded_layer"]  # TrOCR's cross-attention gets no gradient
     return dtype_bytes(work.reduce_dtype) * local_layer_params(graded, m, layout)
 
 
@@ -113,16 +113,17 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     gathered = 0 if moment == "optimizer step" else root + layers * layer
     if moment == "first layer backward" and prefetch:  # the next unit is the input embedding's (untied; measured:
         gathered += split["embedding"]  # its 1.05 GB bf16 all-gather of Llama-3-8B during layer 0's backward)
-    graded = layer - m.idle_params  # what of a layer gets a gradient (TrOCR's cross-attention none: it never runs)
+    graded = local_layer_params(split["graded_layer"], m, layout)  # what of it gets a gradient
     unsharded = {"layer backward": (root + graded) * e, "first layer backward": (root + graded) * e,
                  "end of backward": max(end_of_backward_grads(work, layout).values())}.get(moment, 0)
     if moment == "layer backward":  # Zamba's shared-block units, gathered with their gradients through the backward
         gathered, unsharded = gathered + split["held"], unsharded + split["held"] * e  # of the layers that run them
-    graded_shard = sharded_params(m, layout, split["total"] - m.layers * m.idle_params)
-    grad_shards = GRAD_SHARD * graded_shard if moment in ("end of backward", "optimizer step") else 0
+    grad_shards = 0
+    if moment in ("end of backward", "optimizer step"):
+        grad_shards = GRAD_SHARD * sharded_params(m, layout, split["graded_total"])
     if moment == "first layer backward" and m.layers > 1:  # the layers above have been reduce-scattered (and Zamba's
         # shared-block units)
-        grad_shards = (GRAD_SHARD * ((m.layers - 1) * unit_shard(split["layer"] - m.idle_params, m, layout)
+        grad_shards = (GRAD_SHARD * ((m.layers - 1) * unit_shard(split["graded_layer"], m, layout)
                                      + unit_shard(split["held"], m, layout)) + held_reduce_scatter_input(work, layout))
     step_temps = optimizer_temporaries(work, layout, shard) if moment == "optimizer step" else 0
     if work.fsdp_cpu_offload:  # the shards live on the host; the gathered units' fp32 shards are copied in

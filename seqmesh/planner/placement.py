@@ -43,7 +43,8 @@ def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     ``1 / tp``; RMSNorm weights (and per-head q/k norms) whole on every TP rank. Keys: ``layer`` (one decoder
     layer; a Mamba2 hybrid's largest), ``root`` (final norm and LM head), ``embedding`` (0 when tied), ``total``,
     ``held``: Zamba's shared-block units, kept gathered across the layers that run them
-    (:meth:`seqmesh.model.hybrid_shape.HybridShape.held_params`; 0 for another model)."""
+    (:meth:`seqmesh.model.hybrid_shape.HybridShape.held_params`; 0 for another model); ``graded_layer`` and
+    ``graded_total``: ``layer`` and ``total`` less what gets no gradient (TrOCR's cross-attention, never run)."""
     layer_split = m.attention_params + m.mlp_params
     head = m.vocab * m.hidden
     out = {"layer": -(-layer_split // tp) + m.norm_params + m.idle_params, "root": -(-head // tp) + m.hidden,
@@ -54,6 +55,8 @@ def split_params(m: ModelShape, tp: int) -> dict[str, int]:
     if m.hybrid is not None:  # a Mamba2 hybrid's layers differ: its largest (tp is 1); Zamba's shared-block units apart
         out["layer"] = m.hybrid.largest_unit(m.hidden, m.attention_params)
         out["held"] = m.hybrid.held_params(m.hidden, m.attention_params)
+    out["graded_layer"] = out["layer"] - m.idle_params
+    out["graded_total"] = out["total"] - m.layers * m.idle_params
     return out
 
 
