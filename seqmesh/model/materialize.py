@@ -195,8 +195,14 @@ def allocate(root: nn.Module, device: torch.device | str) -> None:
             module._parameters[other] = first._parameters[name]
 
 
-def materialize(root: nn.Module, device: torch.device | str, seed: int) -> None:
+def materialize(root: nn.Module, device: torch.device | str, seed: int, values: bool = True) -> None:
     """:func:`allocate` ``root`` on ``device`` and initialise it with :func:`initialize_by_name`: the
-    values do not depend on how the model is sharded."""
+    values do not depend on how the model is sharded. ``values=False``: the weights' storages only, for fake tensors,
+    which hold no values (a rehearsal: drawing an 8B model's values there dispatched every init operator on fake
+    tensors, a tenth of its time); the buffers are still computed, as for a model whose weights are then loaded."""
     allocate(root, device)
-    initialize_by_name(getattr(root, "lm", root), device, seed)
+    lm = getattr(root, "lm", root)
+    if values:
+        initialize_by_name(lm, device, seed)
+    else:
+        initialize_buffers(lm)

@@ -210,7 +210,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
         mesh, device = build_mesh(cfg, where, source=source)  # real: the mesh's rank tables are read on the host
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode:
-            module = build_module(cfg, mesh, device, source, probe=not fake)
+            module = build_module(cfg, mesh, device, source, fake=fake)
             optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)
             offload = step_offload(cfg, module, device)  # --offload-checkpoints: as seqmesh train's Trainer
         fsdp = uses_fsdp(cfg)

@@ -136,10 +136,11 @@ def build_mesh(cfg: TrainConfig, device: torch.device | None = None, *,
 
 
 def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: ModelSource,
-                 files: dict[str, str] | None = None, probe: bool = True) -> SequenceParallelLM:
+                 files: dict[str, str] | None = None, fake: bool = False) -> SequenceParallelLM:
     """The parallelized model of :func:`build` on ``mesh``, its weights on ``device`` (or the host, offloaded).
-    ``probe``: run each optional CUDA kernel once on this device first (a rehearsal's fake device runs none: its
-    fake tensors take the torch rules, and a probe there could only fail and warn of a fix the GPU does not need)."""
+    ``fake``: built under a ``FakeTensorMode`` (a rehearsal), whose tensors hold no values, so none are drawn, and
+    no optional CUDA kernel is probed (its fake tensors take the torch rules, and a probe there could only fail and
+    warn of a fix the GPU does not need); on a real device each kernel is run once first."""
     fsdp = uses_fsdp(cfg)
     # With FSDP the model is built on the meta device and only its shards are ever allocated, random or
     # read from a checkpoint folder (Llama-3-70B could not otherwise start); without FSDP a folder is loaded whole.
@@ -156,16 +157,16 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: M
     if on_meta and pretrained:
         load_pretrained(module, cfg.model, home, sources)
     elif on_meta:
-        materialize(module, home, cfg.seed)
+        materialize(module, home, cfg.seed, values=not fake)
     if cfg.fsdp_cpu_offload:  # offloaded shards live on the host, buffers (RoPE tables) on the device
         for sub in module.modules():
             for name, buffer in sub.named_buffers(recurse=False):
                 setattr(sub, name, buffer.to(device))
-    if probe and device.type == "cuda" and has_mixers(module):  # a recurrent kernel failing on this GPU warns now
+    if not fake and device.type == "cuda" and has_mixers(module):  # a recurrent kernel failing on this GPU warns now
         probe_kernels(device)
         CARRY_PROBE.probe_all(device)
         SCAN_PROBE.probe_all(device)
-    if probe and device.type == "cuda" and any(is_indexed(m) or is_compressed(m) for m in module.modules()):
+    if not fake and device.type == "cuda" and any(is_indexed(m) or is_compressed(m) for m in module.modules()):
         SPARSE_PROBE.probe_all(device)
     return module
 
