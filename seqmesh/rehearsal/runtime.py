@@ -30,7 +30,6 @@ import torch
 import torch.nn as nn
 
 from ..memory import MemoryTracker, prime_optimizer
-from ..memory.accounting import held_tensor
 from ..planner.media import Media
 from ..training.config import TrainConfig
 
@@ -57,14 +56,8 @@ class PhaseTracker(MemoryTracker):
         self.peak_largest: list[dict] = []  # the ``top`` largest saved or transient storages at the peak
         self.kernels: set[str] = set()
 
-    def _touch(self, t) -> None:
-        if isinstance(t, torch.Tensor):
-            local = held_tensor(t)
-            if local.device == self.device and not local.is_meta:
-                key = local.untyped_storage()._cdata
-                if key not in self._live:
-                    self.origins[key] = (self.op, self.phase, list(local.shape), str(local.dtype).removeprefix("torch."))
-        super()._touch(t)
+    def _entered(self, key: int, t: torch.Tensor) -> None:
+        self.origins[key] = (self.op, self.phase, list(t.shape), str(t.dtype).removeprefix("torch."))
 
     def _forget(self, key: int) -> None:
         self.origins.pop(key, None)
