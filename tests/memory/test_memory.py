@@ -72,6 +72,21 @@ def test_tracker_counts_a_wrapped_collective_result_once():
     assert live["transient"] == 1024 and live["parameters"] == 64, live
 
 
+def test_meta_tensors_hold_no_bytes_and_a_meta_device_is_refused():
+    """A meta tensor an operator makes or reads holds no memory (its device is never the tracked one, which a meta
+    device cannot be): the tracker counts the module's 64 bytes alone, and one asked to watch the meta device says
+    what to pass instead."""
+    module = torch.nn.Linear(4, 4, bias=False)
+    with MemoryTracker(module) as tracker:
+        shapes = torch.empty(1024, device="meta")
+        doubled = shapes * 2
+        live = tracker.current()
+    assert live["transient"] == 0 and live["parameters"] == 64 and doubled.is_meta, live
+    assert tracker.report().peak_bytes == 64
+    with pytest.raises(ValueError, match="meta device.*Pass device="):
+        MemoryTracker(torch.nn.Linear(4, 4, device="meta"))
+
+
 def _check_local_shards(rank: dict) -> None:
     assert rank["start"]["parameters"] == rank["param_bytes"]
     assert rank["after_backward"]["gradients"] == rank["grad_bytes"] > 0
