@@ -24,10 +24,12 @@ CHILD_MODULE = "seqmesh.rehearsal.child"
 # The zygote: imports, then for each request line forks a child that runs the rehearsal with its output in the
 # request's files and writes its exit status last (a file renamed into place, so a reader never sees half of it).
 ZYGOTE = r"""
-import json, os, signal, sys, traceback
+import gc, json, os, signal, sys, traceback
 import torch, transformers, transformers.modeling_utils
 import seqmesh, seqmesh.hf, seqmesh.training.train, seqmesh.rehearsal.runtime, seqmesh.rehearsal.child
 import transformers.models.llama.modeling_llama
+
+gc.freeze()  # the imports are never garbage: a child's full collections walk only what its rehearsal makes
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
 print(json.dumps({"ready": os.getpid()}), flush=True)
