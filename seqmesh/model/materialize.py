@@ -63,7 +63,10 @@ def initialize_by_name(lm: nn.Module, device: torch.device | str, seed: int) -> 
         for (child, n, _), draft in zip(foreign, drafts):
             child._parameters[n] = draft
         module._is_hf_initialized = False
-        torch.manual_seed(_parameter_seed(seed, name))
+        # the CPU generator alone, which every draw here uses: torch.manual_seed also seeds each accelerator, and on a
+        # machine whose CUDA is not initialised queues that with a formatted stack trace, per module (a fifth of the
+        # materialisation test's time)
+        torch.default_generator.manual_seed(_parameter_seed(seed, name))
         _constructor_values(module, whole)
         try:
             with guard_torch_init_functions():
