@@ -431,3 +431,35 @@ def saved_for_backward(ulysses: int, ring: int, cases: list[Case]) -> list[int]:
             seqmesh.attention(ql, kl, vl, mesh, causal=case.causal, layout=case.layout, seq_len=case.seq_len)
         results.append(sum(seen.values()))
     return results
+
+
+def nested_gather_warnings() -> dict[str, list[str]]:
+    """On 4 ranks: what torch's redistribute logger says while a tensor cut twice along one dimension (a 2 x 2 mesh,
+    as FSDP2 over tensor-parallel shards of the same dimension cuts it) is gathered whole, through
+    ``seqmesh.comm.ranks.full_value`` and, with the other dimension cut, through ``full_tensor`` itself. torch says it
+    once per pair of layouts, so each call has a mesh and a layout of its own."""
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from seqmesh.comm.ranks import full_value
+
+    said: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    log, kept = logging.getLogger("torch.distributed.tensor._redistribute"), Kept()
+    log.addHandler(kept)
+    heard = {}
+    try:
+        for name, gather, dim in (("full_value", full_value, 0), ("full_tensor", lambda t: t.full_tensor(), 1)):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(f"{name}_outer", f"{name}_inner"))
+            whole = torch.arange(64.0).reshape(8, 8)
+            assert torch.equal(gather(distribute_tensor(whole, mesh, [Shard(dim), Shard(dim)])), whole)
+            heard[name], said[:] = list(said), []
+    finally:
+        log.removeHandler(kept)
+    return heard

@@ -78,10 +78,18 @@ def full_value(p: torch.Tensor) -> torch.Tensor:
     verify) is no hot path, so that warning is silenced here."""
     if not hasattr(p, "full_tensor"):
         return p
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    # a filter, not setLevel: each setLevel clears the cache of every logger of the process (thousands once many
+    # transformers models are imported), twice a call, and gradient_norm calls this every step
+    log, quiet = logging.getLogger("torch.distributed.tensor._redistribute"), _ErrorsOnly()
+    log.addFilter(quiet)
     try:
         return p.full_tensor()
     finally:
-        log.setLevel(level)
+        log.removeFilter(quiet)
+
+
+class _ErrorsOnly(logging.Filter):
+    """Lets a logger's errors through, nothing below them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
