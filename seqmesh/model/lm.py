@@ -139,7 +139,7 @@ def read_model(name_or_path: str) -> ModelSource:
 
 
 def build_model(model: str | ModelSource, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu"):
+                device: str | torch.device = "cpu", values: bool = True):
     """A causal LM: a preset, or a ``config.json`` (file or folder without weights) with random
     weights (the same for a given ``seed`` whatever the device or, after sharding, the mesh), or a local
     checkpoint folder (config.json plus weights) loaded whole without any download. On the meta device a
@@ -147,7 +147,8 @@ def build_model(model: str | ModelSource, *, seed: int = 0, dtype: torch.dtype =
     each rank's shards after FSDP.
 
     A user's config is taken as written (see :func:`load_config`); presets use :func:`hf_config`. ``model``: a name or
-    path, or the :class:`ModelSource` a job read once (its config is copied, never changed)."""
+    path, or the :class:`ModelSource` a job read once (its config is copied, never changed). ``values=False``: random
+    weights are allocated but not drawn (a rehearsal's fake tensors, which hold none; see :func:`materialize`)."""
     import copy
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -176,7 +177,7 @@ def build_model(model: str | ModelSource, *, seed: int = 0, dtype: torch.dtype =
         model = auto.from_config(config, dtype=dtype, attn_implementation="sdpa" if sdpa else "eager")
     check_causal(model, name_or_path)
     if torch.device(device).type != "meta":  # values from (seed, module name): see initialize_by_name
-        materialize(model, device, seed)
+        materialize(model, device, seed, values=values)
     return model
 
 

@@ -147,7 +147,7 @@ def build_module(cfg: TrainConfig, mesh: SPMesh, device: torch.device, source: M
     on_meta, pretrained = fsdp, source.pretrained
     if pretrained and files is None:  # the files' index and headers, read on every rank: cheap, before any model
         files = _same_error_on_every_rank(checkpoint_files, cfg.model, on_meta)  # without FSDP: .bin files too
-    lm = build_model(source, seed=cfg.seed, device="meta" if on_meta else device)
+    lm = build_model(source, seed=cfg.seed, device="meta" if on_meta else device, values=not fake)
     if pretrained and not on_meta:  # loaded whole by from_pretrained: its values checked in memory
         check_values(lm, cfg.model, files)
     # names and shapes, before any work
