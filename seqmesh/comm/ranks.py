@@ -74,8 +74,9 @@ def full_value(p: torch.Tensor) -> torch.Tensor:
     """The whole of ``p``: a DTensor gathered (a collective every rank of its mesh joins), or the tensor itself.
 
     FSDP2 over tensor-parallel shards of the same dimension nests the two cuts, which torch gathers in two
-    steps and logs a warning for on every rank; the gather is still exact, and a one-off whole copy (export,
-    verify) is no hot path, so that warning is silenced here."""
+    steps and logs a warning for on every rank; the gather is still exact, and its callers gather whole weights
+    once (export, verify) or a scalar each step (``gradient_norm``), none a hot path's tensor, so that warning is
+    silenced here."""
     if not hasattr(p, "full_tensor"):
         return p
     # a filter, not setLevel: each setLevel clears the cache of every logger of the process (thousands once many
