@@ -151,14 +151,15 @@ def _steps(mesh: SPMesh, plan: ParallelPlan, wrapper: type[SequenceParallelLM],
 
     def memory(b: _Built) -> None:
         if plan.checkpointing:
-            enable_checkpointing(b.lm)
+            enable_checkpointing(b.lm, keep_attention=plan.keep_attention)
         if plan.tiled_mlp:
             enable_tiled_mlp(b.lm, plan.mlp_tiles)
         if plan.efficient_norm and enable_efficient_norm(b.lm) == 0:
             raise ValueError(f"efficient_norm: {type(b.lm).__name__} has no Llama-style RMSNorm to replace; turn it "
                              "off.")
 
-    techniques = [name for name, on in (("activation checkpointing", plan.checkpointing),
+    checkpointing = "activation checkpointing" + (" keeping the attention outputs" if plan.keep_attention else "")
+    techniques = [name for name, on in ((checkpointing, plan.checkpointing),
                                         (f"tiled MLP ({plan.mlp_tiles or 'auto'} tiles)", plan.tiled_mlp),
                                         ("lean RMSNorm", plan.efficient_norm)) if on]
     extras = [x for x, on in (("bf16", plan.bf16), ("cpu offload", plan.fsdp_cpu_offload)) if on]

@@ -93,3 +93,40 @@ def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
     """Two runs of two AdamW steps, without and with ``option`` (tiled, norm, cpu_offload)."""
     base = dict(checkpointing=True, steps=2)
     return _step(ulysses, **base), _step(ulysses, **base, **{option: True})
+
+
+def kept_attention_pair(ulysses: int, ring: int, seq_len: int = 96) -> dict:
+    """One step of llama-tiny under checkpointing on a ``ulysses x ring`` mesh (FSDP2), without and with
+    ``keep_attention``: the loss, every full gradient, and how often the attention's forward (one process's kernel
+    calls, or the ring's passes) ran in the step."""
+    from seqmesh.sharded_attention import ring as ring_module
+
+    mesh = get_mesh(ulysses, ring)
+    runs = {}
+    originals = {name: getattr(ring_module, name) for name in ("local_forward", "ring_forward")}
+    for keep in (False, True):
+        calls = {"n": 0}
+
+        def counted(fn):
+            def call(*args, **kwargs):
+                calls["n"] += 1
+                return fn(*args, **kwargs)
+            return call
+
+        model = SequenceParallelLM(parallelize(build_model("llama-tiny", seed=0), mesh), mesh, chunk=16)
+        enable_checkpointing(model.lm, keep_attention=keep)
+        apply_fsdp(model, mesh)
+        local = seqmesh.shard_batch(_batch(seq_len), mesh)
+        for name, fn in originals.items():
+            setattr(ring_module, name, counted(fn))
+        try:
+            with MemoryTracker(model) as tracker:
+                loss = model(**local)
+                after_forward = tracker.current()
+                loss.backward()
+        finally:
+            for name, fn in originals.items():
+                setattr(ring_module, name, fn)
+        runs[keep] = {"loss": loss.item(), "attention_forwards": calls["n"], "after_forward": after_forward,
+                      "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+    return runs

@@ -69,6 +69,9 @@ class FamiliesBench:
     families: tuple[str, ...] = FAMILIES
     family_timeout: float = 3600.0
     """seconds one family's build and steps may take before it is reported as not finished."""
+    keep_attention: bool = False
+    """each seqmesh family measured once more with ``--keep-attention`` (its checkpointed layers keep their attention
+    outputs: the recompute skips the attention), in a row ``<family>+keep`` against the same family without."""
     profile: str | None = None
     """a folder: after the timed steps, one more step under ``torch.profiler``, its operator tables written to
     ``<profile>/<family>.txt`` and its counts in the row (``profiled``): where a step's time goes, and whether the
@@ -162,14 +165,15 @@ def _plain_build(folder: str, bench: FamiliesBench):
     return module, loss_of, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bench.device == "cuda"), tokens
 
 
-def _seqmesh_build(folder: str, bench: FamiliesBench):
+def _seqmesh_build(folder: str, bench: FamiliesBench, keep: bool = False):
     """The ``seqmesh train`` build of the config.json in ``folder``, with checkpointing (bf16 on CUDA, under FSDP2's
-    mixed precision as seqmesh train runs it). Returns (module, loss_of, autocast, tokens a step)."""
+    mixed precision as seqmesh train runs it; ``keep``: keeping the attention outputs). Returns (module, loss_of,
+    autocast, tokens a step)."""
     from ..training.step import step_autocast
     from ..training.train import uses_fsdp
     from .baseline import BUILDERS, BaselineBench, seqmesh_config
 
-    options = {"checkpointing": True, "bf16": bench.device == "cuda"}
+    options = {"checkpointing": True, "keep_attention": keep, "bf16": bench.device == "cuda"}
     runs = BaselineBench(model=folder, world=1)
     module, offload, loss_of, _, tokens = BUILDERS["seqmesh"](runs, options, bench.seq_len)
     assert offload is None  # no offloaded checkpoints among the options
@@ -179,15 +183,16 @@ def _seqmesh_build(folder: str, bench: FamiliesBench):
     return module, loss_of, autocast, tokens
 
 
-def _measure(folder: str, bench: FamiliesBench, plain: bool = False) -> dict:
+def _measure(folder: str, bench: FamiliesBench, plain: bool = False, keep: bool = False) -> dict:
     """On the one rank: the build of the config.json in ``folder`` (plain transformers' where ``plain``, else
-    seqmesh's); its steps' seconds and peak tensor bytes."""
+    seqmesh's, keeping the attention outputs where ``keep``); its steps' seconds and peak tensor bytes."""
     from ..memory import MemoryTracker
     from ..training.step import make_optimizer
     from .common import sync
 
     cuda = bench.device == "cuda"
-    module, loss_of, autocast, tokens = (_plain_build if plain else _seqmesh_build)(folder, bench)
+    module, loss_of, autocast, tokens = (_plain_build(folder, bench) if plain else
+                                         _seqmesh_build(folder, bench, keep))
     optimizer = make_optimizer(module, lr=1e-4)
     device = next(module.parameters()).device
 
@@ -219,8 +224,9 @@ def _measure(folder: str, bench: FamiliesBench, plain: bool = False) -> dict:
     result = {"seconds": seconds, "tokens": tokens, "peak_bytes": peak,
               "parameters": sum(p.numel() for p in module.parameters())}
     if bench.profile is not None:
+        name = os.path.basename(folder) + ("+keep" if keep else "")
         result["profiled"] = _profiled_step(lambda: step(bench.warmup + 1 + bench.repeats), device,
-                                            os.path.join(bench.profile, f"{os.path.basename(folder)}.txt"))
+                                            os.path.join(bench.profile, f"{name}.txt"))
     return result
 
 
@@ -262,6 +268,7 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
     from ..comm.launch import WorkerPool
 
     rows: dict[str, dict] = {}
+    runs = _runs(bench)
     backend = "nccl" if bench.device == "cuda" else "gloo"
 
     def start() -> WorkerPool:
@@ -270,15 +277,16 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
     with tempfile.TemporaryDirectory() as root:
         pool = None
         try:
-            for name in bench.measured():
-                reference = REFERENCE[name]
-                row = {"family": name, "reference": reference, "seq_len": bench.seq_len, "width": bench.width}
+            for label, name, reference, keep in runs:
+                row = {"family": label, "reference": reference, "seq_len": bench.seq_len, "width": bench.width}
                 folder = os.path.join(root, name)
-                family_config(name, bench).save_pretrained(folder)
+                if not keep:
+                    family_config(name, bench).save_pretrained(folder)
                 try:
                     if pool is None or not pool.alive:
                         pool = start()
-                    result = pool.run(_measure, folder, bench, name == "transformers", timeout=bench.family_timeout)[0]
+                    result = pool.run(_measure, folder, bench, name == "transformers", keep,
+                                      timeout=bench.family_timeout)[0]
                 except RuntimeError as err:  # the pool closed itself (this family's error, or its time ran out), or
                     row["error"] = _first_lines(str(err), bench.family_timeout)  # a fresh one did not start
                 else:
@@ -293,12 +301,23 @@ def bench_families(bench: FamiliesBench, report: Callable[[dict], None] = lambda
                             row["over_reference"] = median / rows[reference]["step_seconds"]
                         else:
                             row["error"] = f"its reference {reference} has no step time"
-                rows[name] = row
+                rows[label] = row
                 report(row)
         finally:
             if pool is not None:
                 pool.close()
-    return [rows[name] for name in bench.measured()]
+    return [rows[label] for label, *_ in runs]
+
+
+def _runs(bench: FamiliesBench) -> list[tuple[str, str, str | None, bool]]:
+    """(row, family, reference row, keeping the attention outputs) of every row in order, references first; with
+    ``keep_attention`` each seqmesh family's ``<family>+keep`` right after it, against it."""
+    runs = []
+    for name in bench.measured():
+        runs.append((name, name, REFERENCE[name], False))
+        if bench.keep_attention and name != "transformers":
+            runs.append((f"{name}+keep", name, name, True))
+    return runs
 
 
 def _first_lines(text: str, timeout: float) -> str:
@@ -314,13 +333,13 @@ def family_header(bench: FamiliesBench) -> str:
     return "\n".join([
         f"seqmesh bench families: one {bench.device} process, {bench.seq_len:,} tokens, hidden {bench.width}, "
         f"checkpointing{', bf16' if bench.device == 'cuda' else ''}; median of {bench.repeats} steps",
-        f"{'family':<12} {'step s':>8} {'tokens/s':>10} {'peak MiB':>9} {'params':>10}  vs reference"])
+        f"{'family':<17} {'step s':>8} {'tokens/s':>10} {'peak MiB':>9} {'params':>10}  vs reference"])
 
 
 def family_line(r: dict) -> str:
     """One row of the table: its figures and its step over its reference's, or its error."""
     if "step_seconds" not in r:
-        return f"{r['family']:<12} {r['error']}"
+        return f"{r['family']:<17} {r['error']}"
     if r["reference"] is None:
         against = "(reference)"
     elif "over_reference" not in r:
@@ -330,7 +349,7 @@ def family_line(r: dict) -> str:
     else:
         against = f"{r['over_reference']:.2f}x {r['reference']}"
     peak = f"{r['peak_bytes'] / 2**20:9.1f}" if r["peak_bytes"] is not None else f"{'-':>9}"
-    line = (f"{r['family']:<12} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
+    line = (f"{r['family']:<17} {r['step_seconds']:8.3f} {r['tokens_per_second']:10.0f} {peak} "
             f"{r['parameters']:10,}  {against}")
     if "profiled" in r:
         p = r["profiled"]
@@ -351,13 +370,14 @@ def add_subcommand(bench_sub) -> None:
             bench = FamiliesBench(width=args.width, seq_len=args.seq_len, layers=args.layers, vocab=args.vocab,
                                   dsa_topk=args.dsa_topk, device=args.device, warmup=args.warmup,
                                   repeats=args.repeats, families=tuple(args.family or FAMILIES),
-                                  family_timeout=args.family_timeout, profile=args.profile)
+                                  family_timeout=args.family_timeout, profile=args.profile,
+                                  keep_attention=args.keep_attention)
         except ValueError as err:
             raise SystemExit(f"seqmesh bench families: {err}") from None
         if args.profile:
             bench.profile = os.path.abspath(args.profile)  # the ranks' working folder may differ
             os.makedirs(args.profile, exist_ok=True)
-            taken = [f for f in bench.measured() if os.path.exists(os.path.join(args.profile, f"{f}.txt"))]
+            taken = [f for f, *_ in _runs(bench) if os.path.exists(os.path.join(args.profile, f"{f}.txt"))]
             if taken and not args.overwrite:
                 raise SystemExit(f"seqmesh bench families: --profile {args.profile} already holds "
                                  f"{', '.join(f + '.txt' for f in taken)}; pass --overwrite to replace them, or name "
@@ -396,6 +416,9 @@ def add_subcommand(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=defaults.repeats)
     p.add_argument("--family-timeout", type=float, default=defaults.family_timeout,
                    help="seconds one family may take; past it the family's row says so and the next one runs")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="each family once more keeping its attention outputs (the recompute skips the attention), "
+                        "in a row <family>+keep against it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--out", help="a JSON file of the rows so far, rewritten as each family finishes")
     p.add_argument("--profile", help="a folder: one more step of each family under torch.profiler, its tables "

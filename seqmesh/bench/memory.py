@@ -25,6 +25,7 @@ TECHNIQUES: dict[str, tuple[dict, str]] = {
     "efficient_norm": ({"efficient_norm": True}, "baseline"),
     "checkpointing": ({"checkpointing": True}, "baseline"),
     "offload_checkpoints": ({"checkpointing": True, "offload_checkpoints": True}, "checkpointing"),
+    "keep_attention": ({"checkpointing": True, "keep_attention": True}, "checkpointing"),
     "fsdp_cpu_offload": ({"fsdp_cpu_offload": True}, "baseline"),
     "all": ({"checkpointing": True, "offload_checkpoints": True, "tiled_mlp": True, "fsdp_cpu_offload": True,
              "efficient_norm": True}, "baseline"),
@@ -46,7 +47,7 @@ class MemoryBench:
     """Bytes a rank may hold; None: report the peaks only."""
     options: dict = field(default_factory=dict)
     """TrainConfig memory options: checkpointing, tiled_mlp, mlp_tiles, efficient_norm, offload_checkpoints,
-    fsdp_cpu_offload."""
+    keep_attention, fsdp_cpu_offload."""
     device: str = "cpu"
     """``cuda``: one GPU per rank (NCCL); each point also reports ``torch.cuda.max_memory_allocated``."""
 
@@ -209,7 +210,7 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"size {text!r} must look like 512MiB, 2GiB or a number of bytes") from None
 
 
-OPTIONS = ("checkpointing", "tiled_mlp", "efficient_norm", "offload_checkpoints", "fsdp_cpu_offload")
+OPTIONS = ("checkpointing", "tiled_mlp", "efficient_norm", "offload_checkpoints", "keep_attention", "fsdp_cpu_offload")
 
 
 def add_subcommand(bench_sub) -> None:
@@ -218,6 +219,8 @@ def add_subcommand(bench_sub) -> None:
     def run(args) -> int:
         if args.offload_checkpoints and not args.checkpointing:
             raise SystemExit("--offload-checkpoints moves the inputs checkpointed layers keep; add --checkpointing.")
+        if args.keep_attention and not args.checkpointing:
+            raise SystemExit("--keep-attention keeps what checkpointed layers would recompute; add --checkpointing.")
         bench = MemoryBench(model=args.model, seq_lens=args.seq_lens, world=args.world, ulysses=args.ulysses,
                             ring=args.ring, tp=args.tp, budget=args.budget,
                             options={name: True for name in OPTIONS if getattr(args, name)})

@@ -16,7 +16,8 @@ At the peak each live storage is put in the first category that claims it:
     gradients     their ``.grad``
     optimizer     the optimizer's state
     activations   tensors autograd saved for backward (packed through the tracker's hooks, or, for a
-                  checkpointed layer, its inputs)
+                  checkpointed layer, its inputs), and the attention outputs such a layer keeps
+                  (``seqmesh.sharded_attention.kept``)
     transient     everything else: the working set of the operator running now
 
 Storages held on the host by an :class:`~seqmesh.memory.offload.ActivationOffload` are counted apart
@@ -34,6 +35,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..sharded_attention.kept import kept_through
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "transient")
 
@@ -240,6 +243,8 @@ class MemoryTracker(TorchDispatchMode):
             self._touch(t)
         self._check_peak()
         self._hooks.__enter__()
+        self._keeper = kept_through(self._pack, self._unpack)  # kept attention outputs are activations too
+        self._keeper.__enter__()
         if self.offload is not None:  # what the offload keeps on the device is still a saved activation
             self.offload.inner = (self._pack, self._unpack)
         return super().__enter__()
@@ -247,6 +252,7 @@ class MemoryTracker(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._hooks.__exit__(*exc)
+        self._keeper.__exit__(*exc)
         if self.offload is not None:
             self.offload.inner = None
         if self.device.type == "cuda":

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..comm.ranks import full_value
 from ..comm.collectives import all_reduce_
 from ..mesh import SPMesh
+from ..sharded_attention.kept import kept_attention_contexts
 from ..rules.own_attention import checkpointing_refusal
 from .lm import SequenceParallelLM, decoder_layers, vision_blocks
 
@@ -29,17 +30,20 @@ if TYPE_CHECKING:
     from ..experts.mesh import ExpertMesh
 
 
-def enable_checkpointing(lm: nn.Module) -> None:
+def enable_checkpointing(lm: nn.Module, keep_attention: bool = False) -> None:
     """Recompute each decoder layer in backward instead of keeping its activations (transformers'
-    own non-reentrant checkpointing; active in training mode). transformers 5.24 renamed the method
-    (``activation_checkpointing_enable``; the old name warns at every call and goes in v6)."""
+    own non-reentrant checkpointing; active in training mode). With ``keep_attention`` each layer keeps its
+    attention's output from the forward and the recompute skips the attention (``seqmesh.sharded_attention.kept``).
+    transformers 5.24 renamed the method (``activation_checkpointing_enable``; the old name warns at every call and
+    goes in v6)."""
     if not getattr(lm, "supports_gradient_checkpointing", True):  # transformers' own refusal names no way out
         raise ValueError(checkpointing_refusal(type(lm).__name__) + ".")
+    kwargs = {"use_reentrant": False} | ({"context_fn": kept_attention_contexts} if keep_attention else {})
     enable = getattr(lm, "activation_checkpointing_enable", None)
     if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _sum_not_average(module: nn.Module) -> None:

@@ -131,6 +131,16 @@ def attention_saved(work: Workload, layout: Degrees) -> int:
     return saved  # DeepSeek-V4's compressed layers: their own (seqmesh.planner.compressed), beside this
 
 
+def kept_attention_bytes(work: Workload, layout: Degrees) -> int:
+    """What one checkpointed layer keeps of its attention until its backward with ``keep_attention``
+    (:mod:`seqmesh.sharded_attention.kept`): the output in the compute dtype and the float32 log-sum-exp, over the
+    tokens and heads attention runs on (after Ulysses' exchange); 0 without it."""
+    if not (work.checkpointing and work.keep_attention):
+        return 0
+    n, hq, _ = attention_heads(work, layout)
+    return n * hq * (work.model.value_dim * work.act_bytes + 4)
+
+
 def qk_norm_saved(work: Workload, layout: Degrees) -> int:
     """What a layer's q and k norms keep (:attr:`seqmesh.model.shapes.ModelShape.qk_norms`), before Ulysses' exchange:
     each head's float32 input (in a narrower dtype its float32 copy), the float32 scale and the normalized head (the

@@ -77,6 +77,8 @@ class Attention:
             router_fwd, router_bwd = router_traffic(self.work, self.layout)
             fwd, bwd = fwd | router_fwd, bwd | router_bwd
         sent = phases(fwd, bwd, self.work.checkpointing)
+        if self.work.keep_attention:  # the recompute takes the kept output: the ring's blocks do not travel again
+            sent["recompute"]["ring_p2p"] = 0
         if self.layout.tp > 1:  # the TP regions' gathers and reduce-scatters
             for phase, tp in layer_traffic(self.work, self.layout).items():
                 sent[phase] |= tp
@@ -152,20 +154,24 @@ class Attention:
         fwd, bwd, comm_fwd, comm_bwd = fwd + halo, bwd + halo, comm_fwd + halo, comm_bwd + halo
         rows_fwd, rows_bwd = rows_seconds(work, layout, hw) if m.cross_domain is not None else (0.0, 0.0)
         fwd, bwd = fwd + rows_fwd, bwd + rows_bwd  # Doge's experts' rows, gathered and read by memory
+        # with keep_attention the recompute skips the attention (its kernel, the ring's hops), not the all-to-alls
+        kept = ring_fwd if work.keep_attention else 0.0
         if work.checkpointing:  # the recompute stops before the MLP's reduce-scatter
-            bwd += fwd - tp["forward"] + tp["recompute"]
+            bwd += fwd - kept - tp["forward"] + tp["recompute"]
         # the tiled MLP recomputes each tile's forward in backward: one more MLP forward per layer
         mlp_recompute = (mm_fwd * m.mlp_matrices * m.hidden * m.intermediate / layer_matmul_params(m)
                          if work.tiled_mlp else 0.0)
         bwd += mlp_recompute
-        compute = ((mm_fwd + attn_fwd + rows_fwd) * (2 if work.checkpointing else 1) + 2 * mm_fwd + attn_bwd + rows_bwd
-                   + mlp_recompute)
+        runs = 2 if work.checkpointing else 1
+        compute = ((mm_fwd + rows_fwd) * runs + attn_fwd * (1 if work.keep_attention else runs) + 2 * mm_fwd
+                   + attn_bwd + rows_bwd + mlp_recompute)
         # offloaded checkpoints: each layer's input crosses PCIe once each way, on a side stream (hidden when shorter)
         offload = tokens * m.hidden * work.act_bytes / hw.host_bandwidth if work.offload_checkpoints else 0.0
         # split["layer"] but in a Mamba2 hybrid; under EP the rest over every rank, the rank's experts over their holders
         ag, rs = layer_fsdp_seconds(self.params(), work, layout, hw, fsdp_ranks)
         layer_fwd, layer_bwd = max(fwd, ag, offload), max(bwd, ag + rs, offload)
-        recompute = comm_fwd - tp["forward"] + tp["recompute"] if work.checkpointing else 0.0
+        recompute = (comm_fwd - (p2p_fwd if work.keep_attention else 0.0) - tp["forward"] + tp["recompute"]
+                     if work.checkpointing else 0.0)
         return {"total": layer_fwd + layer_bwd, "compute": compute, "serial": comm_fwd + recompute + comm_bwd + 2 * ag + rs,
                 "forward": layer_fwd, "backward": layer_bwd, "backward_compute": bwd, "reduce_scatter": rs,
                 "attention_forward": attn_fwd, "attention_backward": attn_bwd}
@@ -185,18 +191,22 @@ def hybrid_attention_split(m) -> tuple[int, int]:
     return n - sliding, sliding
 
 
+def attention_split(m) -> tuple[int, int]:
+    """(full, windowed) layers of ``m`` that run seqmesh's attention: a hybrid's attention layers
+    (:func:`hybrid_attention_split`); otherwise every layer but V4's compressed, M3's block-sparse, the indexed and
+    the linear ones (their own)."""
+    if m.hybrid is not None:
+        return hybrid_attention_split(m)
+    return (m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers - m.indexed_layers
+            - m.linear_layers, m.sliding_layers)
+
+
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
     """``cost`` of one attention layer averaged over the model's full and sliding attention layers (pairs, ring
-    hops); a hybrid's over its attention layers alone (:func:`hybrid_attention_split`)."""
+    hops); a hybrid's over its attention layers alone (:func:`attention_split`)."""
     m = work.model
     full = cost(Attention(work, layout))
-    if m.hybrid is not None:
-        n_full, n_windowed = hybrid_attention_split(m)
-    else:
-        # V4's compressed, M3's block-sparse, the indexed and the linear layers: their own
-        n_full = (m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers - m.indexed_layers
-                  - m.linear_layers)
-        n_windowed = m.sliding_layers
+    n_full, n_windowed = attention_split(m)
     if not m.sliding_window or not n_windowed:
         return full
     windowed = cost(Attention(work, layout, m.sliding_window))

@@ -9,12 +9,13 @@ from dataclasses import dataclass, fields
 
 from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, efficient_norm, final_norm_bytes,
                           gated_residual_saved,
-                          gathered_tokens, layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens,
-                          norm_saved, outside_layers_bytes, timeline_peak, tokens)
+                          gathered_tokens, kept_attention_bytes, layer_backward_timeline, layer_input_bytes,
+                          local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
 from .depth_states import block_states_bytes, messages_bytes
 from .inkling2 import layers_saved_bytes
 from .experts import local_layer_params, sharded_params, unit_shard
+from .attention_layer import attention_split
 from .layers import layer_kinds
 from .placement import placement
 from .traffic import dtype_bytes
@@ -175,7 +176,9 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         if inputs == m.layers and m.inkling is not None and m.inkling.gate_rank:
             inputs += m.inkling.extra_passes
             states += tokens(work, layout) * messages_bytes(work)
-        return inputs * layer_input_bytes(work, layout) + picks + states
+        # keep_attention: each seqmesh-attention layer's output, kept on the device until its backward's recompute
+        kept = max(0, sum(attention_split(m)) - (0 if at_loss else 1)) * kept_attention_bytes(work, layout)
+        return inputs * layer_input_bytes(work, layout) + picks + states + kept
     if m.inkling is not None:  # each layer by its kind (Inkling 2's stacks by its index)
         return layers_saved_bytes(work, layout, m.layers - (0 if at_loss else 1))
     layer = layer_saved_bytes(work, layout)

@@ -43,7 +43,8 @@ def human_count(n: float) -> str:
 
 def header(work: Workload, cluster: Cluster) -> str:
     m, hw = work.model, cluster.hardware
-    flags = ", ".join([work.dtype, "checkpointing" if work.checkpointing else "no checkpointing",
+    checkpointing = "checkpointing" + (" keeping the attention outputs" if work.keep_attention else "")
+    flags = ", ".join([work.dtype, checkpointing if work.checkpointing else "no checkpointing",
                        "chunked loss" if work.chunked_loss else "full logits"]
                       + (["async Ulysses (layouts without TP)"] if work.async_ulysses else []))
     return (f"model {m.name}: {human_count(m.params)} params, {m.layers} layers, {attention_heads(m)}"

@@ -23,6 +23,17 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 OPTIMIZER_PATHS = ("fused", "foreach", "per_tensor")
 
 
+def keep_attention_unplanned(m: ModelShape, media: bool) -> str | None:
+    """What of ``m`` the planner does not count under ``keep_attention``: DeepSeek-V4's compressed and MiniMax-M3's
+    block-sparse layers, Inkling's layer kinds, a vision tower run on images (its blocks keep theirs too); None
+    where it counts every kept output (the indexed layers' own kernels keep none)."""
+    parts = [name for name, on in (("compressed attention layers", m.compressed_layers),
+                                   ("block-sparse attention layers", m.block_sparse_layers),
+                                   ("Inkling's layer kinds", m.inkling is not None),
+                                   ("a vision tower's blocks", media)) if on]
+    return ", ".join(parts) or None
+
+
 @dataclass(frozen=True)
 class Workload(RunSettings):
     """One training step of ``model`` on sequences of ``seq_len`` tokens: each sequence-parallel group processes
@@ -68,6 +79,10 @@ class Workload(RunSettings):
         problem = position_problem(self.seq_len, self.model.position_rows, self.model.family)
         if problem:  # the runtime's rule (seqmesh train and verify refuse the same)
             raise ValueError(f"{self.model.name}: {problem}.")
+        unplanned = keep_attention_unplanned(self.model, self.media is not None) if self.keep_attention else None
+        if unplanned:
+            raise ValueError(f"{self.model.name}: --keep-attention is not planned for {unplanned}; plan without it "
+                             "(a run takes it: the planner would count too little of what the layers keep).")
         if self.model.cross_domain is not None and self.tiled_mlp:  # the runtime's rule (seqmesh.memory.tiled_mlp)
             raise ValueError(f"{self.model.name}: {TILED_MLP_REFUSAL}.")
         if self.seq_len < 1:

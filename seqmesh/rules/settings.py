@@ -79,6 +79,10 @@ class RunSettings:
     offload_checkpoints: bool = False
     """Keep each checkpointed decoder layer's input in (pinned) host memory until backward; needs
     --checkpointing."""
+    keep_attention: bool = False
+    """Keep each checkpointed layer's attention output and log-sum-exp (on the device) until its backward, so the
+    recompute skips the attention's kernel and ring passes (seqmesh.sharded_attention.kept); needs
+    --checkpointing."""
     tiled_mlp: bool = False
     """Compute each decoder layer's MLP in sequence tiles, recomputed in backward (exact; keeps only the MLP's
     input for backward)."""
@@ -116,6 +120,13 @@ class RunSettings:
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints (--offload-checkpoints) moves the inputs checkpointed layers keep; "
                              "add checkpointing (--checkpointing).")
+        if self.keep_attention and not self.checkpointing:
+            raise ValueError("keep_attention (--keep-attention) keeps the attention outputs checkpointed layers would "
+                             "recompute; add checkpointing (--checkpointing).")
+        if self.keep_attention and self.compile:
+            raise ValueError("keep_attention=True with compile=True: torch.compile traces a checkpointed layer only "
+                             "with torch's own selective contexts, not seqmesh's. Turn one off (--keep-attention or "
+                             "--compile).")
         if self.fsdp_cpu_offload and self.fsdp is False:
             raise ValueError("fsdp_cpu_offload offloads FSDP2's shards; drop --no-fsdp (fsdp=False) or "
                              "--fsdp-cpu-offload.")

@@ -29,6 +29,7 @@ from ..comm.p2p import RingExchange
 from ..kernels import ChooseKernel
 from ..kernels.base import lse_dtype
 from ..kernels.gqa import fold_selected_heads, select_kv_heads
+from .kept import computed_or_kept
 from .merge import fold_sinks, merge_into, sink_grad
 from .blocks import Piece
 from .schedule import RingSchedule
@@ -129,13 +130,14 @@ def local_backward(dout, q, k, v, out, lse, sinks, schedule, choose, kv_map, sca
 
 class LocalAttention(torch.autograd.Function):
     """A ring of one (pure Ulysses, or one process): a single kernel call over the whole block,
-    without the ring's float32 accumulators. Forward: the kernel (then the sinks); backward: its
-    backward with the final output and log-sum-exp (and the sinks' gradient)."""
+    without the ring's float32 accumulators. Forward: the kernel (then the sinks), or, in the recompute of a
+    checkpointed layer that keeps its attention, the output its forward kept (``kept``); backward:
+    its backward with the final output and log-sum-exp (and the sinks' gradient)."""
 
     @staticmethod
     @_without_autocast
     def forward(ctx, q, k, v, sinks, schedule, choose, kv_map, scale):  # type: ignore[override]
-        out, lse = local_forward(q, k, v, sinks, schedule, choose, kv_map, scale)
+        out, lse = computed_or_kept(lambda: local_forward(q, k, v, sinks, schedule, choose, kv_map, scale))
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = schedule, choose, kv_map, scale
         return out
@@ -221,12 +223,13 @@ def ring_backward(dout, q, k, v, out, lse, sinks, group, schedule, choose, kv_ma
 
 class RingAttention(torch.autograd.Function):
     """Forward: attention of the local query block over every needed ring rank's K/V, merged by LSE
-    (then the sinks); backward: dQ locally, each dK/dV partial carried (relay) or sent (direct) home."""
+    (then the sinks), or the output a checkpointed layer kept (no block travels); backward: dQ locally, each dK/dV
+    partial carried (relay) or sent (direct) home."""
 
     @staticmethod
     @_without_autocast
     def forward(ctx, q, k, v, sinks, group, schedule, choose, kv_map, scale):  # type: ignore[override]
-        out, lse = ring_forward(q, k, v, sinks, group, schedule, choose, kv_map, scale)
+        out, lse = computed_or_kept(lambda: ring_forward(q, k, v, sinks, group, schedule, choose, kv_map, scale))
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.schedule, ctx.choose, ctx.kv_map, ctx.scale = group, schedule, choose, kv_map, scale
         return out

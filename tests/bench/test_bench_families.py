@@ -35,11 +35,19 @@ def test_every_family_is_timed_beside_its_reference_on_the_model_its_config_buil
 
 
 def test_one_family_brings_its_reference_and_the_cli_prints_json(capsys):
-    argv = ["bench", "families", "--family", "dsa", "--json"] + [
+    """``--keep-attention`` measures each family again keeping its attention outputs, against itself."""
+    argv = ["bench", "families", "--family", "dsa", "--json", "--keep-attention"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in TOY.items()]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [r["family"] for r in out["rows"]] == ["llama", "mla", "dsa"]
+    assert [(r["family"], r["reference"]) for r in out["rows"]] == [
+        ("llama", None), ("llama+keep", "llama"), ("mla", "llama"), ("mla+keep", "mla"), ("dsa", "mla"),
+        ("dsa+keep", "dsa")]
+    by = {r["family"]: r for r in out["rows"]}
+    for name in ("llama", "mla", "dsa"):
+        kept = by[f"{name}+keep"]
+        assert kept["parameters"] == by[name]["parameters"]
+        assert kept["over_reference"] == pytest.approx(kept["step_seconds"] / by[name]["step_seconds"])
 
 
 def test_a_family_past_its_time_is_reported_and_the_next_runs_in_a_fresh_process(tmp_path, capsys):
@@ -57,7 +65,7 @@ def test_a_family_past_its_time_is_reported_and_the_next_runs_in_a_fresh_process
                                                          ("mla", "did not finish in 0.001 s")]
     assert all("step_seconds" not in r for r in rows)
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-2:] == ["llama        did not finish in 0.001 s", "mla          did not finish in 0.001 s"]
+    assert printed[-2:] == ["llama             did not finish in 0.001 s", "mla               did not finish in 0.001 s"]
 
 
 def test_profile_writes_each_familys_tables_and_counts_its_operators(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memory_cases import technique_pair, tracked_fsdp_steps, tracked_steps_on_fake_world
+from memory_cases import kept_attention_pair, technique_pair, tracked_fsdp_steps, tracked_steps_on_fake_world
 from seqmesh.comm.launch import START_METHOD
 from seqmesh.memory import MemoryTracker
 from seqmesh.memory.allocator import ALLOC_CONF, configure_cuda_allocator
@@ -298,3 +298,53 @@ def test_bench_memory_marks_what_the_planner_does_not_model():
         None, "not modelled: the planner does not model 2 kv heads replicated over TP 4 yet (tp dividing them only)")
     peak, moment = predicted_peak(MemoryBench(model="llama-tiny", world=4, ulysses=2, ring=1, tp=2), 8192, {})
     assert peak > 0 and not moment.startswith("not modelled")
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2), (2, 2)], ids=["u2", "r2", "u2xr2"])
+def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_counts(pools, ulysses, ring):
+    """``keep_attention`` under checkpointing: the loss and every gradient are those of plain checkpointing bit for
+    bit (the backward reads the very output the forward computed), the attention's forward (its kernel, the ring's
+    passes) runs once a layer where plain checkpointing runs it twice, and what the step holds after the forward
+    grows by exactly the planner's count for the layers' kept outputs (``kept_attention_bytes``: llama-tiny's 4 heads
+    of 16 at 96 tokens, float32, beside a float32 log-sum-exp)."""
+    from seqmesh.planner.activations import kept_attention_bytes
+    from seqmesh.planner.workload import plan_inputs
+
+    cfg = TrainConfig(model="llama-tiny", seq_len=96, ulysses=ulysses, ring=ring, dp=1, checkpointing=True,
+                      keep_attention=True)
+    work, layout = plan_inputs(cfg, ulysses * ring, device="cpu")
+    kept = kept_attention_bytes(work, layout)
+    layers = build_model("llama-tiny", seed=0).config.num_hidden_layers
+    for runs in pools.run(ulysses * ring, kept_attention_pair, ulysses, ring):
+        plain, keeping = runs[False], runs[True]
+        assert keeping["loss"] == plain["loss"]
+        assert all(torch.equal(keeping["grads"][n], g) for n, g in plain["grads"].items())
+        assert (plain["attention_forwards"], keeping["attention_forwards"]) == (2 * layers, layers)
+        grown = keeping["after_forward"]["activations"] - plain["after_forward"]["activations"]
+        assert grown == layers * kept > 0
+
+
+def test_kept_attention_refuses_a_recompute_that_departs_from_the_forward():
+    """A recompute that asks for more attention calls than its forward made, or finds a kept output changed in place
+    since, is refused by name rather than handed a wrong value."""
+    from seqmesh.sharded_attention.kept import computed_or_kept, kept_attention_contexts
+
+    out, lse = torch.ones(1, 4, 2, 8), torch.zeros(1, 2, 4)
+    record, replay = kept_attention_contexts()
+    with record:
+        computed_or_kept(lambda: (out, lse))
+    with replay:
+        again = computed_or_kept(lambda: pytest.fail("the recompute ran the attention again"))
+        assert again[0].data_ptr() == out.data_ptr() and torch.equal(again[1], lse)
+        with pytest.raises(RuntimeError, match="more often than its forward"):
+            computed_or_kept(lambda: (out, lse))
+    record, replay = kept_attention_contexts()
+    with record:
+        computed_or_kept(lambda: (out, lse))
+    out.mul_(2)
+    with replay, pytest.raises(RuntimeError, match="changed in place"):
+        computed_or_kept(lambda: (out, lse))
+    with pytest.raises(ValueError, match="--checkpointing"):
+        TrainConfig(keep_attention=True)
+    with pytest.raises(ValueError, match="--keep-attention or --compile"):
+        TrainConfig(checkpointing=True, keep_attention=True, compile=True)

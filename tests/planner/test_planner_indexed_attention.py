@@ -15,7 +15,7 @@ from planner_cases import ModelTrafficCase, measured_model_traffic
 from seqmesh.rules.degrees import Degrees
 from seqmesh.model.presets import model_shape
 from seqmesh.planner.hardware import PRESETS
-from seqmesh.planner.memory import memory_at
+from seqmesh.planner.memory import memory_at, memory_per_gpu
 from seqmesh.planner.layers import IndexedAttention, indexer_pairs, layer_kinds, sparse_attention_flops
 from seqmesh.planner.plan import communication
 from seqmesh.planner.tensor_parallel import pooled_loss_bytes
@@ -333,3 +333,14 @@ def test_dots_sliding_heads_bound_the_ulysses_degree(tmp_path):
     assert (shape.heads, shape.sliding_heads, shape.fewest_heads) == (4, 2, 2)
     assert "exceeds the 2 query heads" in ulysses_refusal(shape, 4, 1) and ulysses_refusal(shape, 2, 1) is None
     assert resolve_degrees(4, ulysses="auto", ring="auto", dp=1, q_heads=shape.fewest_heads, seq_len=64)[0] <= 2
+
+
+def test_keep_attention_keeps_nothing_of_the_indexed_layers(tmp_path):
+    """DeepSeek Sparse Attention's layers attend on their own kernels, which keep nothing under --keep-attention: the
+    plan of DeepSeek-V3.2 (every layer indexed) is the same with it."""
+    import transformers as tf
+
+    shape = _shape(tf.DeepseekV32Config(**V32, **INDEXER), tmp_path)
+    work, layout = Workload(shape, 32768), Degrees(8, 1, 1)
+    kept = replace(work, keep_attention=True)
+    assert memory_per_gpu(kept, layout) == memory_per_gpu(work, layout)

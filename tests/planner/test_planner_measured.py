@@ -30,6 +30,7 @@ BF16 = {"bf16": True}
 NORM = {"efficient_norm": True}
 EVERY = {**TILED, **OFFLOAD, **NORM}
 TP2 = {"tp": 2}  # tensor parallelism inside the sequence mesh (seqmesh.tensor_parallel)
+KEEP = {"checkpointing": True, "keep_attention": True}  # each layer keeps its attention's output for backward
 
 # world -> [(model, seq_len, ulysses, ring, options)]; "wide" is replaced by the wider model's config.json,
 # "recurrent_gemma" by a RecurrentGemma's (RG-LRU blocks and local attention: seqmesh.planner.diagonal), "jamba" by a
@@ -45,7 +46,8 @@ CASES = {
         ("llama-tiny", 2048, 1, 1, {**CKPT, **BF16, **NORM}), ("wide", 2048, 1, 1, EVERY),
         ("recurrent_gemma", 2048, 1, 1, NONE), ("recurrent_gemma", 2048, 1, 1, {**CKPT, **BF16}),
         ("jamba", 2048, 1, 1, CKPT), ("jamba", 2048, 1, 1, {**CKPT, **BF16}), ("mamba", 2048, 1, 1, CKPT),
-        ("mamba", 1024, 1, 1, NONE), ("nemotron_h", 2048, 1, 1, {**CKPT, **BF16})],
+        ("mamba", 1024, 1, 1, NONE), ("nemotron_h", 2048, 1, 1, {**CKPT, **BF16}), ("llama-tiny", 2048, 1, 1, KEEP),
+        ("nemotron_h", 2048, 1, 1, {**KEEP, **BF16})],
     2: [("llama-tiny", 2048, 2, 1, NONE), ("llama-tiny", 3072, 1, 2, CKPT), ("wide", 2048, 2, 1, OFFLOAD),
         ("wide", 1024, 1, 2, FSDP_OFFLOAD), ("wide", 2048, 2, 1, {**EVERY, **FSDP_OFFLOAD}),
         ("llama-tiny", 2048, 1, 1, TP2), ("llama-tiny", 2048, 1, 1, {**TP2, **CKPT, **BF16}), ("wide", 2048, 1, 1, TP2),
@@ -53,12 +55,13 @@ CASES = {
         ("llama-tiny", 2048, 1, 1, {**TP2, **NORM}), ("wide", 1024, 1, 1, {**TP2, **OFFLOAD, **NORM}),
         ("llama-tiny", 2048, 1, 1, {**TP2, **TILED}), ("wide", 2048, 1, 1, {**TP2, **TILED}),
         ("recurrent_gemma", 4096, 1, 2, NONE), ("jamba", 4096, 1, 2, CKPT), ("mamba", 4096, 1, 2, CKPT),
-        ("nemotron_h", 4096, 1, 2, {**CKPT, **BF16})],
+        ("nemotron_h", 4096, 1, 2, {**CKPT, **BF16}), ("llama-tiny", 3072, 1, 2, KEEP)],
     4: [("llama-tiny", 2048, 2, 2, NONE), ("llama-tiny", 4096, 2, 2, TILED), ("wide", 1024, 2, 2, CKPT),
         ("llama-tiny", 2048, 4, 1, OFFLOAD), ("llama-tiny", 2048, 2, 1, TP2), ("llama-tiny", 4096, 1, 2, {**TP2, **CKPT}),
         ("wide", 1024, 2, 1, {**TP2, **CKPT}), ("llama-tiny", 2048, 1, 1, TP2),
         ("llama-tiny", 2048, 2, 1, {**TP2, **OFFLOAD}), ("llama-tiny", 4096, 1, 2, {**TP2, **TILED}),
-        ("llama-tiny", 2048, 2, 1, {**TP2, **EVERY})],
+        ("llama-tiny", 2048, 2, 1, {**TP2, **EVERY}), ("wide", 1024, 2, 2, {**KEEP, **BF16}),
+        ("llama-tiny", 2048, 2, 1, {**TP2, **KEEP, **OFFLOAD})],
 }
 
 

@@ -106,3 +106,31 @@ def test_tiled_mlp_recompute_and_offload_traffic_cost_time():
     slow_host = replace(hw, host_bandwidth=1e6)  # so slow that no layer hides the copy
     assert step_time(replace(work, offload_checkpoints=True), layout, slow_host).total > plain.total
     assert step_time(replace(work, offload_checkpoints=True), layout, hw).total == plain.total  # hidden by compute
+
+
+@pytest.mark.parametrize("layout", [Degrees(8, 1, 1), Degrees(2, 4, 1)], ids=["U8", "U2xR4"])
+def test_keep_attention_trades_the_attention_recompute_for_the_kept_outputs(layout):
+    """``keep_attention``: each layer's attention runs forward once (its compute less one attention forward a layer,
+    the recompute's ring hops gone), for its output (bf16) and float32 log-sum-exp over the rank's attention tokens
+    and heads, kept by every layer below the one in backward."""
+    from seqmesh.planner.attention_layer import Attention
+    from seqmesh.planner.network import every_group
+
+    hw = PRESETS["h100-nvlink"]
+    work = Workload(LLAMA8B, 131072)
+    keep = replace(work, keep_attention=True)
+    plain_time, keep_time = step_time(work, layout, hw), step_time(keep, layout, hw)
+    ranks = [r for group in every_group(layout, "sequence") for r in group]
+    attention_forward = Attention(work, layout).seconds(hw, ranks)["attention_forward"]
+    assert plain_time.compute - keep_time.compute == pytest.approx(LLAMA8B.layers * attention_forward, rel=1e-9)
+    if layout.ring > 1:
+        assert Attention(keep, layout).traffic()["recompute"]["ring_p2p"] == 0
+        assert Attention(work, layout).traffic()["recompute"]["ring_p2p"] > 0
+    # rank's attention tokens (the whole ring block) x its heads x (128 bf16 values + a float32 lse)
+    tokens, heads = 131072 // layout.ring, LLAMA8B.heads // layout.ulysses
+    kept = tokens * heads * (128 * 2 + 4)
+    grown = {moment: memory_at(keep, layout, moment).activations - memory_at(work, layout, moment).activations
+             for moment in ("loss forward", "layer backward", "first layer backward", "end of backward")}
+    # every layer's at the loss; the layers' below the one in backward (its own is its backward's, as before)
+    assert grown == {"loss forward": LLAMA8B.layers * kept, "layer backward": (LLAMA8B.layers - 1) * kept,
+                     "first layer backward": 0, "end of backward": 0}

@@ -173,3 +173,11 @@ def test_a_config_json_sizes_the_tower_transformers_builds(tmp_path, family):
     assert shape.vision.gated == (family == "qwen2_5_vl")
     if family == "qwen3_5_moe":
         assert (shape.experts, shape.experts_per_token, shape.intermediate) == (4, 2, 32), shape
+
+
+def test_keep_attention_is_refused_where_a_tower_runs():
+    """A tower's blocks would keep their attention outputs too, which the planner does not count: refused by name for
+    images, planned for text."""
+    assert Workload(TINY_VL, seq_len=64, keep_attention=True).keep_attention
+    with pytest.raises(ValueError, match="--keep-attention is not planned for a vision tower's blocks; plan without"):
+        Workload(TINY_VL, seq_len=64, keep_attention=True, media=THREE_IMAGES)

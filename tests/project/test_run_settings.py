@@ -26,6 +26,8 @@ RECORDS = {
 
 BROKEN = [  # (settings that cannot work together, what every record says)
     ({"offload_checkpoints": True, "checkpointing": False}, "add checkpointing (--checkpointing)"),
+    ({"keep_attention": True, "checkpointing": False}, "keep_attention (--keep-attention) keeps the attention outputs"),
+    ({"keep_attention": True, "checkpointing": True, "compile": True}, "keep_attention=True with compile=True"),
     ({"loss_chunk": 0}, "loss_chunk must be at least 1 token"),
     ({"mlp_tiles": 0}, "mlp_tiles must be at least 1"),
     ({"compile": True, "async_ulysses": True}, "compile=True with async_ulysses=True"),

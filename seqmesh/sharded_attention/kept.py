@@ -1,0 +1,98 @@
+"""Checkpointed layers that keep their attention's output: the recompute in backward skips the attention.
+
+Full activation checkpointing runs each decoder layer's forward twice, the second time in backward to rebuild what
+the layer's backward reads. At long context the attention is most of that forward (its cost grows with the square
+of the sequence; ring attention passes every K/V block round the ring again). With ``keep_attention`` each
+checkpointed layer also keeps, from its forward, what seqmesh's attention returned: the output ``(B, n, h, Dv)`` in
+the inputs' dtype and the log-sum-exp ``(B, h, n)`` in float32, over this rank's ``n`` query tokens and ``h`` heads
+of each call (after Ulysses' exchange: the rank's share, the size of one ``(B, L, Hq, Dv)`` shard). The recompute
+rebuilds everything else (the projections, Ulysses' exchanges) and hands the attention's backward the kept output:
+its kernel and its ring passes run once forward and once backward, as without checkpointing.
+
+The mechanism is the pair of contexts ``torch.utils.checkpoint`` takes (``context_fn``): while a layer's forward
+runs under :func:`kept_attention_contexts`' first, every :class:`seqmesh.sharded_attention.ring.LocalAttention` or
+``RingAttention`` call records its result (:func:`computed_or_kept`); while its recompute runs under the second,
+each call takes the next one recorded instead of computing it. The calls come in the same order both times (the
+recompute runs the same code on the same inputs), and a kept output changed in place since, or a recompute that
+makes a call the forward did not, is refused by name.
+
+Memory: a layer keeps its input (as under checkpointing) and these outputs until its backward
+(``seqmesh.planner.activations.kept_attention_bytes``). They stay on the device with ``--offload-checkpoints``.
+The gradients are those of plain checkpointing, bit for bit: the kept output is the one the forward computed, and
+the backward reads the output and log-sum-exp either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import torch
+
+# (mode, the recorded results) of the checkpointed forward or recompute running in this thread; None elsewhere
+_ACTIVE: contextvars.ContextVar[tuple[str, deque] | None] = contextvars.ContextVar("seqmesh_kept_attention",
+                                                                                     default=None)
+# (pack, unpack) a kept tensor is held through, as autograd's saved-tensor hooks: the memory tracker's, which counts
+# it as an activation while it is kept; None: held as it is
+_KEEPER: contextvars.ContextVar[tuple[Callable, Callable] | None] = contextvars.ContextVar("seqmesh_attention_keeper",
+                                                                                           default=None)
+Result = tuple[torch.Tensor, torch.Tensor]  # out (B, n, h, Dv), lse (B, h, n)
+
+
+@contextlib.contextmanager
+def _mode(mode: str, kept: deque) -> Iterator[None]:
+    token = _ACTIVE.set((mode, kept))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def kept_attention_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``torch.utils.checkpoint``'s ``context_fn``: one call per checkpointed forward, a fresh record shared by the
+    forward's context (which fills it) and the recompute's (which empties it)."""
+    kept: deque = deque()
+    return _mode("record", kept), _mode("replay", kept)
+
+
+@contextlib.contextmanager
+def kept_through(pack: Callable, unpack: Callable) -> Iterator[None]:
+    """Attention outputs recorded inside are held as ``pack(tensor)`` and read back with ``unpack`` (as autograd's
+    ``saved_tensors_hooks``: :class:`seqmesh.memory.MemoryTracker` counts them as activations this way)."""
+    token = _KEEPER.set((pack, unpack))
+    try:
+        yield
+    finally:
+        _KEEPER.reset(token)
+
+
+def _as_is(t):
+    return t
+
+
+def computed_or_kept(compute: Callable[[], Result]) -> Result:
+    """``compute()`` (an attention's ``(out, lse)``), recorded under a checkpointed forward that keeps attention, or
+    the next recorded result under its recompute."""
+    active = _ACTIVE.get()
+    if active is None:
+        return compute()
+    mode, kept = active
+    if mode == "record":
+        out, lse = compute()
+        pack, unpack = _KEEPER.get() or (_as_is, _as_is)
+        kept.append((pack(out.detach()), pack(lse.detach()), unpack, (out._version, lse._version)))
+        return out, lse
+    if not kept:
+        raise RuntimeError("keep_attention: the recompute of a checkpointed layer called seqmesh's attention more often "
+                           "than its forward did (a second backward through the same graph, retain_graph=True, or a "
+                           "layer that took another path the second time), and each kept output is handed out once; "
+                           "train it without --keep-attention.")
+    held_out, held_lse, unpack, versions = kept.popleft()
+    out, lse = unpack(held_out), unpack(held_lse)
+    if (out._version, lse._version) != versions:
+        raise RuntimeError("keep_attention: the attention output a checkpointed layer kept was changed in place after "
+                           "its forward, so its backward would read another value; train this model without "
+                           "--keep-attention.")
+    return out, lse
