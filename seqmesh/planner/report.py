@@ -9,7 +9,7 @@ from .experts import moe_layers
 from .plan import PHASES, Candidate, Plan, evaluate
 from .recommend import gib, percent
 from .vision import TOWER_KEYS, Tower
-from .workload import Workload
+from .workload import Workload, keep_attention_unplanned
 
 SP_COLLECTIVES = ("ulysses_all_to_all", "ring_p2p", "indexed_row_gather", "compressed_gather",
                   "block_sparse_row_gather", "qsa_row_gather", "relative_row_gather", "conv_halo_gather",
@@ -200,6 +200,9 @@ def format_plan(p: Plan, top: int) -> str:
               f"total {human_bytes(c.comm_per_step['total'])}",
               f"step: {short_number(c.time.total)} s = compute {short_number(c.time.compute)} s + exposed communication "
               f"{short_number(c.time.exposed_comm)} s"]
+    kept = keep_attention_line(c, work, p.cluster)
+    if kept:
+        lines.append(kept)
     if c.layout.ep > 1:
         lines += format_experts(c, work, p.cluster)
     if work.media is not None:
@@ -210,6 +213,21 @@ def format_plan(p: Plan, top: int) -> str:
                      f"{c.accumulation} micro-step(s) x {short_number(c.time.total)} s = {short_number(c.optimizer_step_s)} s, "
                      f"{short_number(tokens / c.optimizer_step_s)} tokens/s")
     return "\n".join(lines)
+
+
+def keep_attention_line(c: Candidate, work: Workload, cluster: Cluster) -> str | None:
+    """What ``--keep-attention`` would give the recommended layout (checkpointed, not asked for, a model whose kept
+    outputs the planner counts): its tokens/s and memory, and whether it still fits; None where it does not apply or
+    the model has no seqmesh attention layer to keep."""
+    if not work.checkpointing or work.keep_attention or keep_attention_unplanned(work.model, work.media is not None):
+        return None
+    kept = evaluate(replace(work, keep_attention=True), c.layout, cluster)
+    if kept.memory.total == c.memory.total and kept.time.total == c.time.total:
+        return None
+    fits = "fits" if kept.feasible else f"does not fit in {gib(cluster.hardware.memory_bytes)} GiB"
+    return (f"with --keep-attention (the recompute skips the attention, each layer keeps its output): "
+            f"{short_number(kept.tokens_per_s)} tokens/s ({kept.tokens_per_s / c.tokens_per_s - 1:+.1%}), "
+            f"{gib(kept.memory.total)} GiB per GPU ({fits})")
 
 
 def format_experts(c: Candidate, work: Workload, cluster: Cluster) -> list[str]:

@@ -134,3 +134,23 @@ def test_keep_attention_trades_the_attention_recompute_for_the_kept_outputs(layo
     # every layer's at the loss; the layers' below the one in backward (its own is its backward's, as before)
     assert grown == {"loss forward": LLAMA8B.layers * kept, "layer backward": (LLAMA8B.layers - 1) * kept,
                      "first layer backward": 0, "end of backward": 0}
+
+
+def test_the_plan_says_what_keeping_the_attention_would_give_its_recommendation():
+    """``seqmesh plan`` without ``--keep-attention`` prints the recommended layout's tokens/s and memory with it (its
+    own evaluation, as the flag would plan it); with the flag, or without checkpointing, it says nothing of it."""
+    from seqmesh.planner.hardware import make_cluster
+    from seqmesh.planner.plan import evaluate, plan
+    from seqmesh.planner.recommend import gib
+    from seqmesh.planner.report import format_plan
+
+    cluster = make_cluster(PRESETS["h200-nvlink"], 8)
+    work = Workload(LLAMA8B, 131072)
+    p = plan(work, cluster)
+    kept = evaluate(replace(work, keep_attention=True), p.recommended.layout, cluster)
+    assert kept.tokens_per_s > p.recommended.tokens_per_s and kept.memory.total > p.recommended.memory.total
+    lines = [line for line in format_plan(p, 5).splitlines() if line.startswith("with --keep-attention")]
+    assert len(lines) == 1 and f"{gib(kept.memory.total)} GiB per GPU (fits)" in lines[0], lines
+    assert f"({kept.tokens_per_s / p.recommended.tokens_per_s - 1:+.1%})" in lines[0]
+    for other in (replace(work, keep_attention=True), replace(work, checkpointing=False)):
+        assert "--keep-attention (the recompute" not in format_plan(plan(other, cluster), 5)
