@@ -237,7 +237,8 @@ def test_training_with_every_memory_option_follows_the_same_curve(pools, tmp_pat
     base = dict(model="llama-tiny", seq_len=96, ulysses=2, ring=1, dp=1, steps=3, lr=1e-2, warmup=1, log_every=1,
                 eval_every=3, symbols=16, checkpointing=True)
     pools.run(2, run_train, TrainConfig(out=str(tmp_path / "off"), **base))
-    every = dict(tiled_mlp=True, mlp_tiles=2, efficient_norm=True, offload_checkpoints=True, fsdp_cpu_offload=True)
+    every = dict(tiled_mlp=True, mlp_tiles=2, efficient_norm=True, offload_checkpoints=True, fsdp_cpu_offload=True,
+                 keep_attention=True)
     pools.run(2, run_train, TrainConfig(out=str(tmp_path / "on"), track_memory=True, **every, **base))
 
     def records(name):
