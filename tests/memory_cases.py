@@ -95,38 +95,43 @@ def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
     return _step(ulysses, **base), _step(ulysses, **base, **{option: True})
 
 
-def kept_attention_pair(ulysses: int, ring: int, seq_len: int = 96) -> dict:
-    """One step of llama-tiny under checkpointing on a ``ulysses x ring`` mesh (FSDP2), without and with
-    ``keep_attention``: the loss, every full gradient, and how often the attention's forward (one process's kernel
-    calls, or the ring's passes) ran in the step."""
+def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq_len: int = 96) -> dict:
+    """One step of ``family`` (llama-tiny, or a tiny config of ``family_cases``, in float32) under checkpointing on a
+    ``ulysses x ring`` mesh (FSDP2), without and with ``keep_attention``: the loss, every full gradient, and how often
+    the attention's forward (one process's kernel calls, the ring's passes) and a sparse layer's indexer ran."""
+    from family_cases import build, family_config
+    from seqmesh.hf import indexed_attention
     from seqmesh.sharded_attention import ring as ring_module
 
     mesh = get_mesh(ulysses, ring)
+    counted = {(ring_module, "local_forward"): "attention", (ring_module, "ring_forward"): "attention",
+               (indexed_attention, "_select"): "indexer"}
+    originals = {where: getattr(*where) for where in counted}
     runs = {}
-    originals = {name: getattr(ring_module, name) for name in ("local_forward", "ring_forward")}
     for keep in (False, True):
-        calls = {"n": 0}
+        calls = dict.fromkeys(counted.values(), 0)
 
-        def counted(fn):
+        def counting(fn, kind):
             def call(*args, **kwargs):
-                calls["n"] += 1
+                calls[kind] += 1
                 return fn(*args, **kwargs)
             return call
 
-        model = SequenceParallelLM(parallelize(build_model("llama-tiny", seed=0), mesh), mesh, chunk=16)
+        lm = build_model("llama-tiny", seed=0) if family == "llama-tiny" else build(family_config(family)).float()
+        model = SequenceParallelLM(parallelize(lm, mesh), mesh, chunk=16)
         enable_checkpointing(model.lm, keep_attention=keep)
         apply_fsdp(model, mesh)
-        local = seqmesh.shard_batch(_batch(seq_len), mesh)
-        for name, fn in originals.items():
-            setattr(ring_module, name, counted(fn))
+        local = seqmesh.shard_batch(_batch(seq_len, lm.config.vocab_size), mesh)
+        for (module, name), kind in counted.items():
+            setattr(module, name, counting(originals[(module, name)], kind))
         try:
             with MemoryTracker(model) as tracker:
                 loss = model(**local)
                 after_forward = tracker.current()
                 loss.backward()
         finally:
-            for name, fn in originals.items():
-                setattr(ring_module, name, fn)
-        runs[keep] = {"loss": loss.item(), "attention_forwards": calls["n"], "after_forward": after_forward,
-                      "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+            for (module, name), fn in originals.items():
+                setattr(module, name, fn)
+        runs[keep] = {"loss": loss.item(), "calls": calls, "after_forward": after_forward,
+                      "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
     return runs

@@ -58,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from ..kernels.sparse_latent import index_scores_kernel, sparse_latent_attention, uses_kernel
 from ..kernels.sparse_latent_blocks import sparse_latent_blocks
 from ..mesh import SPMesh
+from ..sharded_attention.kept import computed_or_kept
 from ..sequence.batch import SequenceInfo
 from ..sequence.sharding import gather_sequence, sequence_positions
 from ..tensor_values import real_tensors
@@ -271,13 +272,16 @@ def _attend_sharded(module: nn.Module, mesh: SPMesh, info: SequenceInfo, hidden_
     b, length = hidden_states.shape[:-1]
     positions, allowed, valid = _key_rules(mesh, info, hidden_states.device)
     index_keys = None
-    if getattr(module, "indexer", None) is not None:
+    keep = getattr(info, "keep_indexed", None)  # a prefill of seqmesh.inference.generate: this rank's share
+    if getattr(module, "indexer", None) is None:
+        picks = prev_topk_indices.long()
+    elif keep is None:  # training: the selection alone, which a layer keeping its attention keeps for its recompute
+        picks, = computed_or_kept(lambda: _select(module.indexer, hidden_states, q_resid, position_embeddings, mesh,
+                                                  info, positions, allowed, precision)[:1])
+    else:
         picks, index_keys = _select(module.indexer, hidden_states, q_resid, position_embeddings, mesh, info,
                                     positions, allowed, precision)
-    else:
-        picks = prev_topk_indices.long()
     local_rows = torch.cat([latent, k_rot], dim=-1)  # (B, L, R + Dr)
-    keep = getattr(info, "keep_indexed", None)  # a prefill of seqmesh.inference.generate: this rank's share
     if keep is not None:
         keep(module, local_rows, index_keys)
     row = whole_row(local_rows, mesh, info)  # (B, T, R + Dr): one gather, one scatter

@@ -58,16 +58,18 @@ def gather_comm_seconds(ranks: list[RankTraffic], hw: HardwareSpec, layout: Degr
 
 
 def serial_layer_seconds(layer: CostedLayer, hw: HardwareSpec, fsdp_ranks: list[int],
-                          compute: tuple[float, float], comm: tuple[float, float]) -> dict[str, float]:
+                          compute: tuple[float, float], comm: tuple[float, float],
+                          kept: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
     """``total``, ``compute``, ``serial`` and ``forward`` (with its FSDP gather beside it) seconds of a layer whose
     sequence communication overlaps nothing:
     ``compute`` and ``comm`` its (forward, backward) seconds of each, the forward run again in backward under
-    checkpointing; its FSDP gathers prefetched beside its forward and backward, the reduce-scatter beside backward."""
+    checkpointing but for ``kept`` (the forward's compute and comm seconds the recompute skips: a sparse layer's
+    selection under ``keep_attention``); its FSDP gathers prefetched beside its forward and backward, the
+    reduce-scatter beside backward."""
     work, layout = layer.work, layer.layout
     fwd, bwd = compute[0] + comm[0], compute[1] + comm[1]
-    if work.checkpointing:
-        bwd += fwd
+    again = (compute[0] - kept[0], comm[0] - kept[1]) if work.checkpointing else (0.0, 0.0)
+    bwd += sum(again)
     ag, rs = layer_fsdp_seconds(layer.params(), work, layout, hw, fsdp_ranks)
-    repeats = 2 if work.checkpointing else 1
-    return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] * repeats + compute[1],
-            "serial": comm[0] * repeats + comm[1] + 2 * ag + rs, "forward": max(fwd, ag)}
+    return {"total": max(fwd, ag) + max(bwd, ag + rs), "compute": compute[0] + again[0] + compute[1],
+            "serial": comm[0] + again[1] + comm[1] + 2 * ag + rs, "forward": max(fwd, ag)}

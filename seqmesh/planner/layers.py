@@ -288,7 +288,8 @@ class IndexedAttention:
         backward (forward once more, then twice its FLOPs); the indexer's float32 scores of this rank's queries
         against the row up to each block's last query (:func:`indexer_pairs`) and the bytes they move (no backward;
         run again with the layer's recompute); the row's all-gathers before them and the reduce-scatter of its
-        gradient, which nothing overlaps (:func:`serial_layer_seconds`)."""
+        gradient, which nothing overlaps (:func:`serial_layer_seconds`); with ``keep_attention`` the recompute skips
+        the indexer and its keys' gather."""
         work, layout, m = self.work, self.layout, self.work.model
         p = layout.ulysses * layout.ring
         padded = placement(work, layout).sequence_padded
@@ -306,8 +307,11 @@ class IndexedAttention:
         gathered = ([lat.index_head_dim] if self.indexer else []) + [lat.kv_lora_rank + lat.qk_rope_head_dim]
         ag = sum(gather_seconds(n * unit, hw, group) for n in gathered)
         rs = gather_seconds(gathered[-1] * unit, hw, group)
+        # keep_attention: the recompute takes the kept selection, neither scoring the keys nor gathering them again
+        kept = (select, gather_seconds(gathered[0] * unit, hw, group)) if self.indexer and work.keep_attention else (
+            0.0, 0.0)
         return serial_layer_seconds(self, hw, fsdp_ranks, (mm_fwd + select + sparse_fwd, 2 * mm_fwd + 3 * sparse_fwd),
-                                     (ag, rs))
+                                     (ag, rs), kept)
 
 
 LayerKind = (Attention | GatedDeltaNet | IndexedAttention | BlockSparseAttention | QsaAttention | RelativeAttention

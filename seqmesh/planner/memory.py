@@ -16,7 +16,7 @@ from .depth_states import block_states_bytes, messages_bytes
 from .inkling2 import layers_saved_bytes
 from .experts import local_layer_params, sharded_params, unit_shard
 from .attention_layer import attention_split
-from .layers import layer_kinds
+from .layers import IndexedAttention, layer_kinds
 from .placement import placement
 from .traffic import dtype_bytes
 from ..rules.degrees import Degrees
@@ -159,7 +159,25 @@ def shared_picks_bytes(work: Workload, layout: Degrees) -> int:
     lat = work.model.latent
     if lat is None or not lat.shared_runs:
         return 0
-    return lat.shared_runs * tokens(work, layout) * min(lat.index_topk, work.seq_len) * 8
+    return lat.shared_runs * selection_bytes(work, layout)
+
+
+def selection_bytes(work: Workload, layout: Degrees) -> int:
+    """One sparse layer's selection: ``top-k`` int64 indices a token of this GPU."""
+    return tokens(work, layout) * min(work.model.latent.index_topk, work.seq_len) * 8
+
+
+def kept_outputs_bytes(work: Workload, layout: Degrees, at_loss: bool) -> int:
+    """What ``keep_attention`` keeps on the device (:mod:`seqmesh.sharded_attention.kept`): each seqmesh-attention
+    layer's output and log-sum-exp, each indexer's selection; at the loss every layer's, in a layer's backward the
+    layers' below it (the top layer's: the smallest of the kinds, an estimate from above where kinds differ)."""
+    if not (work.checkpointing and work.keep_attention):
+        return 0
+    indexers = sum(n for kind, n in layer_kinds(work, layout) if isinstance(kind, IndexedAttention) and kind.indexer)
+    each = [kept_attention_bytes(work, layout)] * sum(attention_split(work.model))
+    if indexers:
+        each += [selection_bytes(work, layout)] * indexers
+    return sum(each) - (0 if at_loss or not each else min(each))
 
 
 def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
@@ -176,9 +194,8 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         if inputs == m.layers and m.inkling is not None and m.inkling.gate_rank:
             inputs += m.inkling.extra_passes
             states += tokens(work, layout) * messages_bytes(work)
-        # keep_attention: each seqmesh-attention layer's output, kept on the device until its backward's recompute
-        kept = max(0, sum(attention_split(m)) - (0 if at_loss else 1)) * kept_attention_bytes(work, layout)
-        return inputs * layer_input_bytes(work, layout) + picks + states + kept
+        return (inputs * layer_input_bytes(work, layout) + picks + states
+                + kept_outputs_bytes(work, layout, at_loss))
     if m.inkling is not None:  # each layer by its kind (Inkling 2's stacks by its index)
         return layers_saved_bytes(work, layout, m.layers - (0 if at_loss else 1))
     layer = layer_saved_bytes(work, layout)

@@ -26,7 +26,7 @@ OPTIMIZER_PATHS = ("fused", "foreach", "per_tensor")
 def keep_attention_unplanned(m: ModelShape, media: bool) -> str | None:
     """What of ``m`` the planner does not count under ``keep_attention``: DeepSeek-V4's compressed and MiniMax-M3's
     block-sparse layers, Inkling's layer kinds, a vision tower run on images (its blocks keep theirs too); None
-    where it counts every kept output (the indexed layers' own kernels keep none)."""
+    where it counts every kept output (an indexed layer's: its selection)."""
     parts = [name for name, on in (("compressed attention layers", m.compressed_layers),
                                    ("block-sparse attention layers", m.block_sparse_layers),
                                    ("Inkling's layer kinds", m.inkling is not None),

@@ -38,7 +38,6 @@ _ACTIVE: contextvars.ContextVar[tuple[str, deque] | None] = contextvars.ContextV
 # it as an activation while it is kept; None: held as it is
 _KEEPER: contextvars.ContextVar[tuple[Callable, Callable] | None] = contextvars.ContextVar("seqmesh_attention_keeper",
                                                                                            default=None)
-Result = tuple[torch.Tensor, torch.Tensor]  # out (B, n, h, Dv), lse (B, h, n)
 
 
 @contextlib.contextmanager
@@ -72,27 +71,27 @@ def _as_is(t):
     return t
 
 
-def computed_or_kept(compute: Callable[[], Result]) -> Result:
-    """``compute()`` (an attention's ``(out, lse)``), recorded under a checkpointed forward that keeps attention, or
-    the next recorded result under its recompute."""
+def computed_or_kept(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """``compute()`` (an attention's ``(out, lse)``; a sparse layer's ``(selection,)``), recorded under a checkpointed
+    forward that keeps attention, or the next recorded result under its recompute."""
     active = _ACTIVE.get()
     if active is None:
         return compute()
     mode, kept = active
     if mode == "record":
-        out, lse = compute()
+        result = compute()
         pack, unpack = _KEEPER.get() or (_as_is, _as_is)
-        kept.append((pack(out.detach()), pack(lse.detach()), unpack, (out._version, lse._version)))
-        return out, lse
+        kept.append((tuple(pack(t.detach()) for t in result), unpack, tuple(t._version for t in result)))
+        return result
     if not kept:
         raise RuntimeError("keep_attention: the recompute of a checkpointed layer called seqmesh's attention more often "
                            "than its forward did (a second backward through the same graph, retain_graph=True, or a "
                            "layer that took another path the second time), and each kept output is handed out once; "
                            "train it without --keep-attention.")
-    held_out, held_lse, unpack, versions = kept.popleft()
-    out, lse = unpack(held_out), unpack(held_lse)
-    if (out._version, lse._version) != versions:
+    held, unpack, versions = kept.popleft()
+    result = tuple(unpack(t) for t in held)
+    if tuple(t._version for t in result) != versions:
         raise RuntimeError("keep_attention: the attention output a checkpointed layer kept was changed in place after "
                            "its forward, so its backward would read another value; train this model without "
                            "--keep-attention.")
-    return out, lse
+    return result

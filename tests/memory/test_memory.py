@@ -318,9 +318,9 @@ def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_
     layers = build_model("llama-tiny", seed=0).config.num_hidden_layers
     for runs in pools.run(ulysses * ring, kept_attention_pair, ulysses, ring):
         plain, keeping = runs[False], runs[True]
-        assert keeping["loss"] == plain["loss"]
+        assert keeping["loss"] == plain["loss"] and keeping["grads"].keys() == plain["grads"].keys()
         assert all(torch.equal(keeping["grads"][n], g) for n, g in plain["grads"].items())
-        assert (plain["attention_forwards"], keeping["attention_forwards"]) == (2 * layers, layers)
+        assert (plain["calls"]["attention"], keeping["calls"]["attention"]) == (2 * layers, layers)
         grown = keeping["after_forward"]["activations"] - plain["after_forward"]["activations"]
         assert grown == layers * kept > 0
 
@@ -349,3 +349,22 @@ def test_kept_attention_refuses_a_recompute_that_departs_from_the_forward():
         TrainConfig(keep_attention=True)
     with pytest.raises(ValueError, match="--keep-attention or --compile"):
         TrainConfig(checkpointing=True, keep_attention=True, compile=True)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3.2", "glm-5"])
+def test_a_sparse_layer_keeps_its_selection_and_scores_its_keys_once(pools, family):
+    """DeepSeek Sparse Attention under ``keep_attention``: each layer with an indexer keeps its selection, so the
+    recompute picks the same keys without scoring them again (GLM-5's shared layer takes the previous layer's as
+    before); the loss and every gradient are plain checkpointing's bit for bit, on a ring of 2 and Ulysses 2."""
+    from family_cases import family_config
+
+    config = family_config(family)
+    indexers = sum(t != "shared" for t in getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers)
+    assert indexers == (2 if family == "glm-5" else config.num_hidden_layers)
+    for mesh in ((1, 2), (2, 1)):
+        for runs in pools.run(2, kept_attention_pair, *mesh, family, 45):
+            plain, keeping = runs[False], runs[True]
+            assert keeping["loss"] == plain["loss"]
+            assert keeping["grads"].keys() == plain["grads"].keys()  # the indexer's weights: no gradient either way
+            assert all(torch.equal(keeping["grads"][n], g) for n, g in plain["grads"].items())
+            assert (plain["calls"]["indexer"], keeping["calls"]["indexer"]) == (2 * indexers, indexers), mesh

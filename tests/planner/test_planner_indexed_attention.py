@@ -335,12 +335,21 @@ def test_dots_sliding_heads_bound_the_ulysses_degree(tmp_path):
     assert resolve_degrees(4, ulysses="auto", ring="auto", dp=1, q_heads=shape.fewest_heads, seq_len=64)[0] <= 2
 
 
-def test_keep_attention_keeps_nothing_of_the_indexed_layers(tmp_path):
-    """DeepSeek Sparse Attention's layers attend on their own kernels, which keep nothing under --keep-attention: the
-    plan of DeepSeek-V3.2 (every layer indexed) is the same with it."""
+def test_keep_attention_keeps_each_indexers_selection_and_skips_its_recompute(tmp_path):
+    """DeepSeek Sparse Attention under --keep-attention: each layer with an indexer keeps its selection (``top-k``
+    int64 indices a token: every layer's at the loss), and its recompute neither scores the keys again (the step's
+    compute less one indexer a layer) nor gathers them (its traffic less one gather of the indexer's keys a layer)."""
     import transformers as tf
+    from seqmesh.planner.layers import indexer_flops, indexer_memory_bytes
 
     shape = _shape(tf.DeepseekV32Config(**V32, **INDEXER), tmp_path)
-    work, layout = Workload(shape, 32768), Degrees(8, 1, 1)
+    work, layout, hw = Workload(shape, 32768), Degrees(8, 1, 1), PRESETS["h100-nvlink"]
     kept = replace(work, keep_attention=True)
-    assert memory_per_gpu(kept, layout) == memory_per_gpu(work, layout)
+    grown = memory_at(kept, layout, "loss forward").activations - memory_at(work, layout, "loss forward").activations
+    assert grown == 61 * (32768 // 8) * 2048 * 8
+    pairs = indexer_pairs(work.layout, 8, 1, 32768, 1, 64)
+    select = (indexer_flops(shape, pairs, 1) / (hw.flops_for("fp32") * hw.matmul_efficiency)
+              + indexer_memory_bytes(shape, pairs, 1) / hw.memory_bandwidth)
+    plain_time, kept_time = step_time(work, layout, hw), step_time(kept, layout, hw)
+    assert plain_time.compute - kept_time.compute == pytest.approx(61 * select, rel=1e-9)
+    assert kept_time.total < plain_time.total
