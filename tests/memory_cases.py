@@ -95,10 +95,13 @@ def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
     return _step(ulysses, **base), _step(ulysses, **base, **{option: True})
 
 
-def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq_len: int = 96) -> dict:
+def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq_len: int = 96,
+                        backwards: int = 1) -> dict:
     """One step of ``family`` (llama-tiny, or a tiny config of ``family_cases``, in float32) under checkpointing on a
-    ``ulysses x ring`` mesh (FSDP2), without and with ``keep_attention``: the loss, every full gradient, and how often
-    the attention's forward (one process's kernel calls, the ring's passes) and a sparse layer's indexer ran."""
+    ``ulysses x ring`` mesh (FSDP2; with ``backwards`` > 1, that many backward passes through the graph, kept with
+    ``retain_graph``, without FSDP2), without and with ``keep_attention``: the loss, every full gradient, what the
+    step held after its forward and after its backward, and how often the attention's forward (one process's kernel
+    calls, the ring's passes) and a sparse layer's indexer ran."""
     from family_cases import build, family_config
     from seqmesh.hf import indexed_attention
     from seqmesh.sharded_attention import ring as ring_module
@@ -120,7 +123,8 @@ def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq
         lm = build_model("llama-tiny", seed=0) if family == "llama-tiny" else build(family_config(family)).float()
         model = SequenceParallelLM(parallelize(lm, mesh), mesh, chunk=16)
         enable_checkpointing(model.lm, keep_attention=keep)
-        apply_fsdp(model, mesh)
+        if backwards == 1:
+            apply_fsdp(model, mesh)
         local = seqmesh.shard_batch(_batch(seq_len, lm.config.vocab_size), mesh)
         for (module, name), kind in counted.items():
             setattr(module, name, counting(originals[(module, name)], kind))
@@ -128,10 +132,15 @@ def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq
             with MemoryTracker(model) as tracker:
                 loss = model(**local)
                 after_forward = tracker.current()
-                loss.backward()
+                for i in range(backwards):
+                    loss.backward(retain_graph=i + 1 < backwards)
+                value = loss.item()
+                del loss  # its graph, and with it what the layers kept
+                after_backward = tracker.current()
         finally:
             for (module, name), fn in originals.items():
                 setattr(module, name, fn)
-        runs[keep] = {"loss": loss.item(), "calls": calls, "after_forward": after_forward,
-                      "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs[keep] = {"loss": value, "calls": calls, "after_forward": after_forward, "after_backward": after_backward,
+                      "grads": {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}}
     return runs

@@ -243,16 +243,17 @@ class MemoryTracker(TorchDispatchMode):
             self._touch(t)
         self._check_peak()
         self._hooks.__enter__()
-        self._keeper = kept_through(self._pack, self._unpack)  # kept attention outputs are activations too
-        self._keeper.__enter__()
         if self.offload is not None:  # what the offload keeps on the device is still a saved activation
             self.offload.inner = (self._pack, self._unpack)
-        return super().__enter__()
+        entered = super().__enter__()
+        self._keeper = kept_through(self._pack, self._unpack)  # kept attention outputs are activations too
+        self._keeper.__enter__()
+        return entered
 
     def __exit__(self, *exc) -> None:
+        self._keeper.__exit__(*exc)
         super().__exit__(*exc)
         self._hooks.__exit__(*exc)
-        self._keeper.__exit__(*exc)
         if self.offload is not None:
             self.offload.inner = None
         if self.device.type == "cuda":

@@ -264,17 +264,21 @@ class IndexedAttention:
         m = self.work.model
         return m.attention_params - m.latent.attention_params(m.hidden, m.heads, indexer=self.indexer)
 
-    def ranks(self):
-        """Each sequence rank's traffic in one layer (:func:`.traffic.indexed_attention_traffic`)."""
+    def ranks(self, indexer: bool | None = None):
+        """Each sequence rank's traffic in one layer (:func:`.traffic.indexed_attention_traffic`); ``indexer`` False:
+        without the indexer's keys (default: the layer's own)."""
         w, lay, lat = self.work, self.layout, self.work.model.latent
         return indexed_attention_traffic(lat.index_head_dim, lat.kv_lora_rank, lat.qk_rope_head_dim, seq_len=w.seq_len,
                                          batch=w.batch, ulysses=lay.ulysses, ring=lay.ring, dtype=w.torch_dtype,
-                                         layout=w.layout, indexer=self.indexer)
+                                         layout=w.layout, indexer=self.indexer if indexer is None else indexer)
 
     def traffic(self) -> Phases:
         ranks = self.ranks()
-        return phases({"indexed_row_gather": worst_rank(ranks, "all_gather", "forward")},
+        sent = phases({"indexed_row_gather": worst_rank(ranks, "all_gather", "forward")},
                       {"indexed_row_gather": worst_rank(ranks, "reduce_scatter", "backward")}, self.work.checkpointing)
+        if self.indexer and self.work.checkpointing and self.work.keep_attention:  # the recompute gathers the row alone
+            sent["recompute"]["indexed_row_gather"] = worst_rank(self.ranks(indexer=False), "all_gather", "forward")
+        return sent
 
     def links(self, hw: HardwareSpec) -> dict[str, str]:
         return {"indexed_row_gather": link_name(hw, axis_groups(self.layout, "sequence")[:1])}

@@ -15,7 +15,7 @@ from .expert_activations import dense_layer, first_layer
 from .depth_states import block_states_bytes, messages_bytes
 from .inkling2 import layers_saved_bytes
 from .experts import local_layer_params, sharded_params, unit_shard
-from .attention_layer import attention_split
+from .attention_layer import Attention
 from .layers import IndexedAttention, layer_kinds
 from .placement import placement
 from .traffic import dtype_bytes
@@ -173,10 +173,12 @@ def kept_outputs_bytes(work: Workload, layout: Degrees, at_loss: bool) -> int:
     layers' below it (the top layer's: the smallest of the kinds, an estimate from above where kinds differ)."""
     if not (work.checkpointing and work.keep_attention):
         return 0
-    indexers = sum(n for kind, n in layer_kinds(work, layout) if isinstance(kind, IndexedAttention) and kind.indexer)
-    each = [kept_attention_bytes(work, layout)] * sum(attention_split(work.model))
-    if indexers:
-        each += [selection_bytes(work, layout)] * indexers
+    each = []
+    for kind, n in layer_kinds(work, layout):  # the layers' own kernels (compressed, block-sparse, QSA) keep nothing
+        if isinstance(kind, Attention):  # at its own sizes (dots.llm3's sliding layers' heads)
+            each += [kept_attention_bytes(kind.work, layout)] * n
+        elif isinstance(kind, IndexedAttention) and kind.indexer:
+            each += [selection_bytes(work, layout)] * n
     return sum(each) - (0 if at_loss or not each else min(each))
 
 
@@ -187,7 +189,8 @@ def _kept_by_layers(work: Workload, layout: Degrees, at_loss: bool) -> int:
         inputs = m.layers
         if work.offload_checkpoints:
             inputs = 0 if at_loss else min(m.layers, work.offload_prefetch + 1 if work.offload_prefetch else 0)
-        picks = 0 if work.offload_checkpoints else shared_picks_bytes(work, layout)
+        # the shared layers' input selection: offloaded with the inputs, or the one an indexer keeps (counted there)
+        picks = 0 if work.offload_checkpoints or work.keep_attention else shared_picks_bytes(work, layout)
         # Inkling 2's block states, each block's kept once by the layers that take it; Inkling2-Loop's calls of its
         # looped layers after the first pass, each with its messages
         states = tokens(work, layout) * block_states_bytes(work, inputs)

@@ -59,7 +59,8 @@ def workload_dict(work: Workload, cluster: Cluster) -> dict:
     return {"model": work.model.as_dict(), "seq_len": work.seq_len, "batch": work.batch, "dtype": work.dtype,
             "checkpointing": work.checkpointing, "chunked_loss": work.chunked_loss, "tiled_mlp": work.tiled_mlp,
             "efficient_norm": work.efficient_norm, "offload_checkpoints": work.offload_checkpoints,
-            "keep_attention": work.keep_attention, "fsdp_cpu_offload": work.fsdp_cpu_offload, "gpus": cluster.gpus, "nodes": cluster.nodes,
+            "keep_attention": work.keep_attention, "fsdp_cpu_offload": work.fsdp_cpu_offload,
+            "gpus": cluster.gpus, "nodes": cluster.nodes,
             "hardware": cluster.hardware.as_dict()}
 
 

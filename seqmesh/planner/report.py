@@ -219,7 +219,8 @@ def keep_attention_line(c: Candidate, work: Workload, cluster: Cluster) -> str |
     """What ``--keep-attention`` would give the recommended layout (checkpointed, not asked for, a model whose kept
     outputs the planner counts): its tokens/s and memory, and whether it still fits; None where it does not apply or
     the model has no seqmesh attention layer to keep."""
-    if not work.checkpointing or work.keep_attention or keep_attention_unplanned(work.model, work.media is not None):
+    if (not work.checkpointing or work.keep_attention or work.compile
+            or keep_attention_unplanned(work.model, work.media is not None)):
         return None
     kept = evaluate(replace(work, keep_attention=True), c.layout, cluster)
     if kept.memory.total == c.memory.total and kept.time.total == c.time.total:

@@ -24,12 +24,10 @@ OPTIMIZER_PATHS = ("fused", "foreach", "per_tensor")
 
 
 def keep_attention_unplanned(m: ModelShape, media: bool) -> str | None:
-    """What of ``m`` the planner does not count under ``keep_attention``: DeepSeek-V4's compressed and MiniMax-M3's
-    block-sparse layers, Inkling's layer kinds, a vision tower run on images (its blocks keep theirs too); None
-    where it counts every kept output (an indexed layer's: its selection)."""
-    parts = [name for name, on in (("compressed attention layers", m.compressed_layers),
-                                   ("block-sparse attention layers", m.block_sparse_layers),
-                                   ("Inkling's layer kinds", m.inkling is not None),
+    """What of ``m`` the planner does not count under ``keep_attention``: Inkling's layer kinds, a vision tower run on
+    images (its blocks keep theirs too); None where it counts every kept output (each seqmesh-attention layer's, each
+    indexer's selection; the compressed, block-sparse and QSA layers' own kernels keep none)."""
+    parts = [name for name, on in (("Inkling's layer kinds", m.inkling is not None),
                                    ("a vision tower's blocks", media)) if on]
     return ", ".join(parts) or None
 

@@ -26,34 +26,52 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
 
-# (mode, the recorded results) of the checkpointed forward or recompute running in this thread; None elsewhere
-_ACTIVE: contextvars.ContextVar[tuple[str, deque] | None] = contextvars.ContextVar("seqmesh_kept_attention",
-                                                                                     default=None)
+# (replaying, the record) of the checkpointed forward (False) or recompute (True) running in this thread; None elsewhere
+_ACTIVE: contextvars.ContextVar[tuple[bool, _Record] | None] = contextvars.ContextVar("seqmesh_kept_attention",
+                                                                                        default=None)
 # (pack, unpack) a kept tensor is held through, as autograd's saved-tensor hooks: the memory tracker's, which counts
 # it as an activation while it is kept; None: held as it is
 _KEEPER: contextvars.ContextVar[tuple[Callable, Callable] | None] = contextvars.ContextVar("seqmesh_attention_keeper",
                                                                                            default=None)
 
 
-@contextlib.contextmanager
-def _mode(mode: str, kept: deque) -> Iterator[None]:
-    token = _ACTIVE.set((mode, kept))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+class _Record:
+    """One checkpointed forward's attention results, in call order (each: the held tensors, how to read them back,
+    their version counters), and the next one a recompute reads."""
+
+    __slots__ = ("entries", "cursor")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple, Callable, tuple[int, ...]]] = []
+        self.cursor = 0
 
 
-def kept_attention_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+class _Mode:
+    """The forward's (``replay`` False) or the recompute's context over ``record``; enterable again, as torch enters the
+    recompute's once for each backward through a graph kept with ``retain_graph``."""
+
+    def __init__(self, replay: bool, record: _Record) -> None:
+        self.replay, self.record, self._tokens = replay, record, []
+
+    def __enter__(self) -> None:
+        if self.replay:
+            self.record.cursor = 0
+        self._tokens.append(_ACTIVE.set((self.replay, self.record)))
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.reset(self._tokens.pop())
+
+
+def kept_attention_contexts() -> tuple[_Mode, _Mode]:
     """``torch.utils.checkpoint``'s ``context_fn``: one call per checkpointed forward, a fresh record shared by the
-    forward's context (which fills it) and the recompute's (which empties it)."""
-    kept: deque = deque()
-    return _mode("record", kept), _mode("replay", kept)
+    forward's context (which fills it) and the recompute's (which reads it, from the start each time). The record
+    lives as long as torch keeps the two contexts: until the layer's graph is freed by its backward."""
+    record = _Record()
+    return _Mode(False, record), _Mode(True, record)
 
 
 @contextlib.contextmanager
@@ -67,7 +85,7 @@ def kept_through(pack: Callable, unpack: Callable) -> Iterator[None]:
         _KEEPER.reset(token)
 
 
-def _as_is(t):
+def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -77,18 +95,18 @@ def computed_or_kept(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[t
     active = _ACTIVE.get()
     if active is None:
         return compute()
-    mode, kept = active
-    if mode == "record":
+    replay, record = active
+    if not replay:
         result = compute()
         pack, unpack = _KEEPER.get() or (_as_is, _as_is)
-        kept.append((tuple(pack(t.detach()) for t in result), unpack, tuple(t._version for t in result)))
+        record.entries.append((tuple(pack(t.detach()) for t in result), unpack, tuple(t._version for t in result)))
         return result
-    if not kept:
+    if record.cursor == len(record.entries):
         raise RuntimeError("keep_attention: the recompute of a checkpointed layer called seqmesh's attention more often "
-                           "than its forward did (a second backward through the same graph, retain_graph=True, or a "
-                           "layer that took another path the second time), and each kept output is handed out once; "
-                           "train it without --keep-attention.")
-    held, unpack, versions = kept.popleft()
+                           "than its forward did (the layer took another path the second time); train it without "
+                           "--keep-attention.")
+    held, unpack, versions = record.entries[record.cursor]
+    record.cursor += 1
     result = tuple(unpack(t) for t in held)
     if tuple(t._version for t in result) != versions:
         raise RuntimeError("keep_attention: the attention output a checkpointed layer kept was changed in place after "

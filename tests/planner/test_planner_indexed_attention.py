@@ -353,3 +353,8 @@ def test_keep_attention_keeps_each_indexers_selection_and_skips_its_recompute(tm
     plain_time, kept_time = step_time(work, layout, hw), step_time(kept, layout, hw)
     assert plain_time.compute - kept_time.compute == pytest.approx(61 * select, rel=1e-9)
     assert kept_time.total < plain_time.total
+    plain_sent, kept_sent = ({p: t["indexed_row_gather"] for p, t in IndexedAttention(w, layout).traffic().items()}
+                             for w in (work, kept))
+    # the recompute gathers the latent and rotary key (512 + 64 values a token), not the indexer's key (128)
+    assert plain_sent["recompute"] == plain_sent["forward"] == kept_sent["forward"]
+    assert kept_sent["recompute"] * (128 + 512 + 64) == plain_sent["recompute"] * (512 + 64)
