@@ -96,10 +96,11 @@ def technique_pair(ulysses: int, option: str) -> tuple[dict, dict]:
 
 
 def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq_len: int = 96,
-                        backwards: int = 1) -> dict:
+                        backwards: int = 1, async_ulysses: bool = False) -> dict:
     """One step of ``family`` (llama-tiny, or a tiny config of ``family_cases``, in float32) under checkpointing on a
     ``ulysses x ring`` mesh (FSDP2; with ``backwards`` > 1, that many backward passes through the graph, kept with
-    ``retain_graph``, without FSDP2), without and with ``keep_attention``: the loss, every full gradient, what the
+    ``retain_graph``, without FSDP2; ``async_ulysses``: its all-to-alls beside the projections), without and with
+    ``keep_attention``: the loss, every full gradient, what the
     step held after its forward and after its backward, and how often the attention's forward (one process's kernel
     calls, the ring's passes) and a sparse layer's indexer ran."""
     from family_cases import build, family_config
@@ -121,7 +122,7 @@ def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq
             return call
 
         lm = build_model("llama-tiny", seed=0) if family == "llama-tiny" else build(family_config(family)).float()
-        model = SequenceParallelLM(parallelize(lm, mesh), mesh, chunk=16)
+        model = SequenceParallelLM(parallelize(lm, mesh, async_ulysses=async_ulysses), mesh, chunk=16)
         enable_checkpointing(model.lm, keep_attention=keep)
         if backwards == 1:
             apply_fsdp(model, mesh)

@@ -301,12 +301,13 @@ def test_bench_memory_marks_what_the_planner_does_not_model():
     assert peak > 0 and not moment.startswith("not modelled")
 
 
-@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2), (2, 2)], ids=["u2", "r2", "u2xr2"])
-def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_counts(pools, ulysses, ring):
+@pytest.mark.parametrize("ulysses,ring,overlap", [(2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True)],
+                         ids=["u2", "r2", "u2xr2", "u2-async"])
+def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_counts(pools, ulysses, ring, overlap):
     """``keep_attention`` under checkpointing: the loss and every gradient are those of plain checkpointing bit for
     bit (the backward reads the very output the forward computed), the attention's forward (its kernel, the ring's
-    passes) runs once a layer where plain checkpointing runs it twice, and what the step holds after the forward
-    grows by exactly the planner's count for the layers' kept outputs (``kept_attention_bytes``: llama-tiny's 4 heads
+    passes) runs once a layer where plain checkpointing runs it twice (async Ulysses too), and what the step holds
+    after the forward grows by exactly the planner's count for the layers' kept outputs (``kept_attention_bytes``: llama-tiny's 4 heads
     of 16 at 96 tokens, float32, beside a float32 log-sum-exp)."""
     from seqmesh.planner.activations import kept_attention_bytes
     from seqmesh.planner.workload import plan_inputs
@@ -316,7 +317,7 @@ def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_
     work, layout = plan_inputs(cfg, ulysses * ring, device="cpu")
     kept = kept_attention_bytes(work, layout)
     layers = build_model("llama-tiny", seed=0).config.num_hidden_layers
-    for runs in pools.run(ulysses * ring, kept_attention_pair, ulysses, ring):
+    for runs in pools.run(ulysses * ring, kept_attention_pair, ulysses, ring, "llama-tiny", 96, 1, overlap):
         plain, keeping = runs[False], runs[True]
         assert keeping["loss"] == plain["loss"] and keeping["grads"].keys() == plain["grads"].keys()
         assert all(torch.equal(keeping["grads"][n], g) for n, g in plain["grads"].items())
