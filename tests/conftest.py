@@ -54,13 +54,15 @@ PRELOAD = [
 
 
 # The files that take longest, longest first, in seconds on two workers (a fresh clone's `make test` at 40f070a,
-# 2026-12-01, docs/testing.md's ledger; every file of 20 s or more): pytest-xdist runs them first, so the run does not
+# 2026-12-01, docs/testing.md's ledger; every file of 20 s or more; memory and the measured planner after 2026-12-02's
+# kept-attention cases, estimated): pytest-xdist runs them first, so the run does not
 # end with one worker on a long file while the other idles (xdist's own order, most tests first, left the one-test
 # census and example files to the end). The rest follow, most tests first. A stale figure only costs time, never a
 # result.
 SLOWEST_FILES = {
-    "rehearsal/test_rehearse.py": 525, "planner/test_planner_measured.py": 322, "experts/test_expert_parallel.py": 242,
+    "rehearsal/test_rehearse.py": 525, "planner/test_planner_measured.py": 340, "experts/test_expert_parallel.py": 242,
     "hf/test_compile.py": 177, "hf/test_family_census.py": 140, "training/test_watchdog.py": 118,
+    "memory/test_memory.py": 85,
     "hf/test_indexed_attention.py": 105, "hf/test_own_attention.py": 101, "attention/test_flash_triton.py": 98,
     "training/test_train_job.py": 91, "inference/test_generate_cli.py": 91, "training/test_train_compile.py": 91,
     "linear_attention/test_chunk_loops_triton.py": 83, "inference/test_generate.py": 78, "hf/test_hf_trainer.py": 74,
@@ -71,7 +73,7 @@ SLOWEST_FILES = {
     "attention/test_attention_variants.py": 42, "training/test_run_folder.py": 42, "hf/test_qsa_attention.py": 41,
     "experts/test_expert_checkpoints.py": 36, "hf/test_kda.py": 35, "hf/test_mamba2.py": 34,
     "linear_attention/test_linear_attention.py": 34, "hf/test_hf_async_ulysses.py": 33,
-    "attention/test_compiled_attention.py": 32, "sequence/test_document_layout.py": 30, "memory/test_memory.py": 30,
+    "attention/test_compiled_attention.py": 32, "sequence/test_document_layout.py": 30,
     "attention/test_attention_dist.py": 29, "linear_attention/test_state_passing.py": 28, "hf/test_hf_families.py": 27,
     "project/test_example_checkpoint_roundtrip.py": 26, "training/test_run_safety.py": 26, "hf/test_inkling.py": 26,
     "model/test_export.py": 24, "hf/test_rwkv.py": 21,
