@@ -12,9 +12,11 @@ its kernel and its ring passes run once forward and once backward, as without ch
 The mechanism is the pair of contexts ``torch.utils.checkpoint`` takes (``context_fn``): while a layer's forward
 runs under :func:`kept_attention_contexts`' first, every :class:`seqmesh.sharded_attention.ring.LocalAttention` or
 ``RingAttention`` call records its result (:func:`computed_or_kept`); while its recompute runs under the second,
-each call takes the next one recorded instead of computing it. The calls come in the same order both times (the
-recompute runs the same code on the same inputs), and a kept output changed in place since, or a recompute that
-makes a call the forward did not, is refused by name.
+each call takes the next one recorded instead of computing it, from the first each time torch recomputes (a graph
+kept with ``retain_graph`` recomputes once a backward). The calls come in the same order both times (the recompute
+runs the same code on the same inputs), and a kept output changed in place since, or a recompute that makes a call
+the forward did not, is refused by name. A DeepSeek Sparse Attention layer records its indexer's selection the same
+way (``seqmesh.hf.indexed_attention``): its recompute neither scores nor gathers the keys again.
 
 Memory: a layer keeps its input (as under checkpointing) and these outputs until its backward
 (``seqmesh.planner.activations.kept_attention_bytes``). They stay on the device with ``--offload-checkpoints``.
