@@ -100,9 +100,9 @@ def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq
     """One step of ``family`` (llama-tiny, or a tiny config of ``family_cases``, in float32) under checkpointing on a
     ``ulysses x ring`` mesh (FSDP2; with ``backwards`` > 1, that many backward passes through the graph, kept with
     ``retain_graph``, without FSDP2; ``async_ulysses``: its all-to-alls beside the projections), without and with
-    ``keep_attention``: the loss, every full gradient, what the
-    step held after its forward and after its backward, and how often the attention's forward (one process's kernel
-    calls, the ring's passes) and a sparse layer's indexer ran."""
+    ``keep_attention``: the loss, every full gradient, what the step held after its forward and after its backward,
+    and how often the attention's forward (one process's kernel calls, the ring's passes) and a sparse layer's
+    indexer ran."""
     from family_cases import build, family_config
     from seqmesh.hf import indexed_attention
     from seqmesh.sharded_attention import ring as ring_module

@@ -191,22 +191,18 @@ def hybrid_attention_split(m) -> tuple[int, int]:
     return n - sliding, sliding
 
 
-def attention_split(m) -> tuple[int, int]:
-    """(full, windowed) layers of ``m`` that run seqmesh's attention: a hybrid's attention layers
-    (:func:`hybrid_attention_split`); otherwise every layer but V4's compressed, M3's block-sparse, the indexed and
-    the linear ones (their own)."""
-    if m.hybrid is not None:
-        return hybrid_attention_split(m)
-    return (m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers - m.indexed_layers
-            - m.linear_layers, m.sliding_layers)
-
-
 def attention_average(work: Workload, layout: Degrees, cost: Callable[[Attention], int]) -> float:
     """``cost`` of one attention layer averaged over the model's full and sliding attention layers (pairs, ring
-    hops); a hybrid's over its attention layers alone (:func:`attention_split`)."""
+    hops); a hybrid's over its attention layers alone (:func:`hybrid_attention_split`)."""
     m = work.model
     full = cost(Attention(work, layout))
-    n_full, n_windowed = attention_split(m)
+    if m.hybrid is not None:
+        n_full, n_windowed = hybrid_attention_split(m)
+    else:
+        # V4's compressed, M3's block-sparse, the indexed and the linear layers: their own
+        n_full = (m.layers - m.sliding_layers - m.compressed_layers - m.block_sparse_layers - m.indexed_layers
+                  - m.linear_layers)
+        n_windowed = m.sliding_layers
     if not m.sliding_window or not n_windowed:
         return full
     windowed = cost(Attention(work, layout, m.sliding_window))

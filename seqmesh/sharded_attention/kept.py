@@ -104,8 +104,8 @@ def computed_or_kept(compute: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[t
         record.entries.append((tuple(pack(t.detach()) for t in result), unpack, tuple(t._version for t in result)))
         return result
     if record.cursor == len(record.entries):
-        raise RuntimeError("keep_attention: the recompute of a checkpointed layer called seqmesh's attention more often "
-                           "than its forward did (the layer took another path the second time); train it without "
+        raise RuntimeError("keep_attention: the recompute of a checkpointed layer called seqmesh's attention more "
+                           "often than its forward did (the layer took another path the second time); train it without "
                            "--keep-attention.")
     held, unpack, versions = record.entries[record.cursor]
     record.cursor += 1

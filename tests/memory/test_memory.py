@@ -307,8 +307,8 @@ def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_
     """``keep_attention`` under checkpointing: the loss and every gradient are those of plain checkpointing bit for
     bit (the backward reads the very output the forward computed), the attention's forward (its kernel, the ring's
     passes) runs once a layer where plain checkpointing runs it twice (async Ulysses too), and what the step holds
-    after the forward grows by exactly the planner's count for the layers' kept outputs (``kept_attention_bytes``: llama-tiny's 4 heads
-    of 16 at 96 tokens, float32, beside a float32 log-sum-exp)."""
+    after the forward grows by exactly the planner's count for the layers' kept outputs (``kept_attention_bytes``:
+    llama-tiny's 4 heads of 16 at 96 tokens, float32, beside a float32 log-sum-exp)."""
     from seqmesh.planner.activations import kept_attention_bytes
     from seqmesh.planner.workload import plan_inputs
 
