@@ -15,6 +15,9 @@ Trainer keeps its optimizer, scheduler, callbacks, logging and checkpoint layout
   module, so accelerate prepares only the optimizer and never wraps the model in DDP or FSDP;
 - loss: the micro-batch's pooled mean times (its targets / the optimizer step's targets), which is
   how single-device Trainer scales with ``num_items_in_batch``; the logged loss is the step's mean;
+- activation checkpointing (the TrainingArguments' ``activation_checkpointing``): seqmesh's, through transformers'
+  layers as the Trainer enables it; with ``seqmesh_keep_attention=True`` the recompute takes each layer's attention
+  outputs from its forward instead of running the attention again;
 - gradient accumulation: one FSDP2 reduce-scatter per optimizer step (``no_sync`` on the others);
   clipping: the global norm over the DTensor gradients;
 - evaluation: the pooled loss of each batch; ``save_model``: every tensor gathered whole, one at a
@@ -33,13 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .compose import ParallelPlan, parallelize_model
 from .mesh import SPMesh, init_mesh
 from .inputs import shard_batch
 from .sequence.batch import IGNORE_INDEX
-from .model.fsdp import gradient_norm
+from .model.fsdp import gradient_norm, keep_attention_in_checkpoints, keep_attention_problem
 from .model.lm import LossTerms, SequenceParallelLM
 from .vision.families import is_multimodal
 from .vision.tower import VisionLanguageLM
@@ -92,13 +95,15 @@ class SequenceParallelTrainerMixin:
     Extra keyword arguments: ``seqmesh_degrees=(ulysses, ring)`` or ``(ulysses, ring, tp)`` (the
     data-parallel degree is what remains of the world) or ``seqmesh_mesh`` (an :class:`~seqmesh.mesh.SPMesh`); ``seqmesh_chunk``:
     tokens whose logits exist at once in the loss; ``seqmesh_ep``: the expert-parallel degree of an MoE model
-    (``ParallelPlan.ep``: each MoE layer's experts split over groups of that many ranks holding different tokens).
+    (``ParallelPlan.ep``: each MoE layer's experts split over groups of that many ranks holding different tokens);
+    ``seqmesh_keep_attention``: the layers the TrainingArguments' activation checkpointing recomputes keep their
+    attention outputs (``ParallelPlan.keep_attention``; the recompute skips the attention).
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the optimizer step's targets itself
 
     def __init__(self, *args: Any, seqmesh_degrees: tuple[int, ...] | None = None, seqmesh_mesh: SPMesh | None = None,
-                 seqmesh_chunk: int = 4096, seqmesh_ep: int = 1, **kwargs: Any):
+                 seqmesh_chunk: int = 4096, seqmesh_ep: int = 1, seqmesh_keep_attention: bool = False, **kwargs: Any):
         if (seqmesh_degrees is None) == (seqmesh_mesh is None):
             raise ValueError("give the degrees as seqmesh_degrees=(ulysses, ring) or (ulysses, ring, tp), or a mesh as "
                              "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
@@ -109,18 +114,31 @@ class SequenceParallelTrainerMixin:
             raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
         super().__init__(*args, **kwargs)
         self._refuse_other_parallelism()
+        checkpointing, checkpoint_kwargs = trainer_checkpointing(self.args)
+        if seqmesh_keep_attention:
+            if not checkpointing:
+                raise ValueError("seqmesh_keep_attention=True keeps what checkpointed layers would compute twice: turn "
+                                 "on activation_checkpointing=True in the TrainingArguments (gradient_checkpointing=True "
+                                 "before transformers 5.24), or leave seqmesh_keep_attention out.")
+            problem = keep_attention_problem(checkpoint_kwargs)
+            if problem is not None:
+                raise ValueError(f"seqmesh_keep_attention=True: {problem} (the TrainingArguments' "
+                                 "activation_checkpointing_kwargs).")
         if not dist.is_initialized():
             raise ValueError("seqmesh's Trainer runs on a process group: launch the script with torchrun "
                              "(torchrun --nproc-per-node N script.py), even for one process.")
         mesh = seqmesh_mesh if seqmesh_mesh is not None else mesh_for_world(*seqmesh_degrees)
         self.seqmesh_mesh = mesh
-        plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16, ep=seqmesh_ep)
+        plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16, ep=seqmesh_ep, checkpointing=checkpointing,
+                            keep_attention=seqmesh_keep_attention)
         wrapper = TrainerVisionLM if is_multimodal(self.model.config) else TrainerLM
         self.seqmesh_model = parallelize_model(self.model, mesh, plan, wrapper=wrapper)
         self.model_wrapped = self.seqmesh_model
         self.gather_function = self.accelerator.gather  # every rank holds whole losses: no truncation to undo
         self._targets_per_micro_batch: deque[float] = deque()
         self._sharded: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()  # (batch, shard) of the step's micro-batches
+        if seqmesh_keep_attention:  # the Trainer enables checkpointing again at train(), with its own kwargs
+            self.add_callback(KeepAttentionCallback())
 
     def _refuse_other_parallelism(self) -> None:
         args = self.args
@@ -284,6 +302,29 @@ class SequenceParallelTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """The weights of a folder written by :meth:`save_model`, each rank copying only its shards."""
         copy_pretrained(getattr(self.model, "lm", self.model), resume_from_checkpoint)
+
+
+class KeepAttentionCallback(TrainerCallback):
+    """At the start of training, after the Trainer has enabled activation checkpointing with its arguments' kwargs
+    (replacing the checkpoint function seqmesh set when it built the model), each checkpointed layer keeps its
+    attention outputs again (``seqmesh.model.fsdp.keep_attention_in_checkpoints``)."""
+
+    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs: Any) -> None:
+        if keep_attention_in_checkpoints(model) == 0:
+            raise ValueError("seqmesh_keep_attention=True, but no layer of the model checkpoints: turn on "
+                             "activation_checkpointing=True in the TrainingArguments.")
+
+
+def trainer_checkpointing(args) -> tuple[bool, dict | None]:
+    """Whether ``args`` (TrainingArguments) turn on transformers' activation checkpointing, and its kwargs (transformers
+    5.24 renamed gradient_checkpointing to activation_checkpointing and keeps the old name as an alias)."""
+    import json
+
+    if getattr(args, "activation_checkpointing", None) is not None:
+        on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
+    else:
+        on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
+    return bool(on), json.loads(kwargs) if isinstance(kwargs, str) else kwargs
 
 
 def mesh_for_world(ulysses: int, ring: int, tp: int = 1) -> SPMesh:

@@ -112,34 +112,53 @@ def torchrun_environment():
                 os.environ[n] = v
 
 
+def checkpointing_args() -> dict:
+    """TrainingArguments turning on transformers' activation checkpointing (its name before 5.24: gradient_checkpointing;
+    the old name warns after)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": True}
+
+
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
                       train_rows: list | None = None, tp: int = 1, family: str = "llama", ep: int = 1,
-                      **extra) -> dict:
-    """seqmesh's Trainer on this rank (``ep``: its ``seqmesh_ep``); rank 0 saves the final model to
-    ``output_dir/final``."""
+                      keep_attention: bool = False, **extra) -> dict:
+    """seqmesh's Trainer on this rank (``ep``: its ``seqmesh_ep``; ``keep_attention``: its ``seqmesh_keep_attention``);
+    rank 0 saves the final model to ``output_dir/final``. Counts, while training, the batches cut and the attention's
+    forward calls (one process's kernel calls or ring passes)."""
     import seqmesh.trainer
+    from seqmesh.sharded_attention import ring as ring_module
     from seqmesh.trainer import SequenceParallelTrainer
 
-    cut = seqmesh.trainer.shard_batch
-    calls = []
+    calls = {"shard_calls": 0, "attention_calls": 0}
+    patched = {(seqmesh.trainer, "shard_batch"): "shard_calls", (ring_module, "local_forward"): "attention_calls",
+               (ring_module, "ring_forward"): "attention_calls"}
+    originals = {where: getattr(*where) for where in patched}
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return cut(*args, **kwargs)
+    def counted(fn, kind):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return call
 
     with torchrun_environment():
         trainer = SequenceParallelTrainer(
             model=tiny_model(family=family), args=training_args(output_dir, batch, accumulation, **extra),
-            train_dataset=train_rows or TRAIN_ROWS,
-            eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp), seqmesh_ep=ep,
+            train_dataset=train_rows or TRAIN_ROWS, eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp),
+            seqmesh_ep=ep, seqmesh_keep_attention=keep_attention,
         )
-        seqmesh.trainer.shard_batch = counted
+        for (module, name), kind in patched.items():
+            setattr(module, name, counted(originals[(module, name)], kind))
         try:
             trainer.train()
         finally:
-            seqmesh.trainer.shard_batch = cut
+            for (module, name), fn in originals.items():
+                setattr(module, name, fn)
         result = curves(trainer)
-        result["shard_calls"] = len(calls)  # while training: one per micro-batch when each is cut once
+        result.update(calls)  # shard_calls: one per micro-batch when each is cut once
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
         trainer.save_model(os.path.join(output_dir, "final"))
         return result

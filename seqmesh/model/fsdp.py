@@ -46,6 +46,44 @@ def enable_checkpointing(lm: nn.Module, keep_attention: bool = False) -> None:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def keep_attention_problem(kwargs: dict | None) -> str | None:
+    """Why checkpoints made with transformers' ``kwargs`` (a Trainer's ``activation_checkpointing_kwargs``; None: its
+    default) cannot keep the attention outputs, or None: the kept outputs travel in the checkpoint's ``context_fn``,
+    which must be seqmesh's, and which torch takes only in its non-reentrant checkpoint (transformers' default; where
+    the kwargs leave it unsaid, keeping sets it)."""
+    kwargs = kwargs or {}
+    if kwargs.get("context_fn") not in (None, kept_attention_contexts):
+        return (f"the checkpoint kwargs already give a context_fn ({kwargs['context_fn']!r}), and keeping the attention "
+                "outputs needs seqmesh's own; remove it")
+    if kwargs.get("use_reentrant") is True:
+        return ("the checkpoint kwargs ask for use_reentrant=True, torch's reentrant checkpoint, which takes no "
+                "context_fn; drop it or give \"use_reentrant\": False")
+    return None
+
+
+def keep_attention_in_checkpoints(lm: nn.Module) -> int:
+    """Each layer of ``lm`` that transformers checkpoints (whatever enabled it last: a Trainer enables it again with its
+    own arguments when it starts training) keeps its attention outputs from now on: seqmesh's contexts are added to the
+    checkpoint function transformers set on it, its other arguments (and ``every_n_layers``' choice of layers) as they
+    were. Returns how many layers checkpoint; refuses what :func:`keep_attention_problem` names."""
+    layers = 0
+    for module in lm.modules():
+        if not getattr(module, "gradient_checkpointing", False):
+            continue
+        fn = getattr(module, "_gradient_checkpointing_func", None)
+        if not isinstance(fn, functools.partial):
+            raise ValueError(f"{type(module).__name__} checkpoints through {fn!r}, not transformers' partial of "
+                             "torch.utils.checkpoint.checkpoint; keeping the attention outputs cannot reach it. Turn "
+                             "keep_attention off for this model.")
+        problem = keep_attention_problem(fn.keywords)
+        if problem is not None:
+            raise ValueError(f"keep_attention: {problem}.")
+        keywords = {**fn.keywords, "use_reentrant": False, "context_fn": kept_attention_contexts}
+        module._gradient_checkpointing_func = functools.partial(fn.func, *fn.args, **keywords)
+        layers += 1
+    return layers
+
+
 def _sum_not_average(module: nn.Module) -> None:
     module.set_gradient_divide_factor(1.0)  # torch >= 2.8 (the floor is 2.9.1): covers the replicate all-reduce too
     force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)

@@ -9,6 +9,7 @@ so it is floored at the rounding float32 cannot avoid, see :func:`_bound`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -93,27 +94,37 @@ def references(tmp_path_factory):
     return get
 
 
-# (ulysses, ring, tp, per-rank batch, accumulation): the single-process batch is dp x the per-rank batch, so
-# every case shares one reference (4 rows x 2 micro-batches a step). Data parallelism 2 x Ulysses 2 runs in
-# test_trainer_step_without_targets_matches_single_process and the experts' test (a case of it here reached no line
-# of seqmesh they do not: docs/testing.md)
+# (ulysses, ring, tp, per-rank batch, accumulation, seqmesh_keep_attention): the single-process batch is dp x the
+# per-rank batch, so every case shares one reference (4 rows x 2 micro-batches a step). Both run under the
+# TrainingArguments' activation checkpointing, the second keeping the attention outputs. Data parallelism 2 x Ulysses 2
+# runs without checkpointing in test_trainer_step_without_targets_matches_single_process and the experts' test (a case
+# of it here reached no line of seqmesh they do not: docs/testing.md)
 CASES = [
-    pytest.param(2, 2, 1, 4, 2, id="u2r2"),
-    pytest.param(2, 1, 2, 4, 2, id="u2tp2"),
+    pytest.param(2, 1, 2, 4, 2, False, id="u2tp2-checkpointed"),
+    pytest.param(2, 2, 1, 4, 2, True, id="u2r2-checkpointed-kept"),
 ]
 
 
-@pytest.mark.parametrize("ulysses, ring, tp, batch, accumulation", CASES)
-def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, tp, batch, accumulation):
+@pytest.mark.parametrize("ulysses, ring, tp, batch, accumulation, keep", CASES)
+def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, tp, batch, accumulation, keep):
+    """The curves, final weights and evaluation loss of plain Trainer on one process, with the attention's forward run
+    twice a layer and micro-batch under checkpointing (forward, then the recompute), once where the layers keep its
+    outputs (the Trainer enables checkpointing again when it starts: seqmesh's context must survive that)."""
+    from trainer_cases import checkpointing_args, tiny_model
+
     dp = WORLD // (ulysses * ring * tp)
     ref32, ref64 = references(dp * batch, accumulation)
-    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, tp=tp, timeout=600)
+    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, tp=tp,
+                        keep_attention=keep, **checkpointing_args(), timeout=600)
     for r in results[1:]:  # every rank logs the same values
         assert r == results[0]
     ours = results[0]
     weights = _saved_weights(os.path.join(tmp_path, "final"))
     _assert_matches_reference(ours, weights, ref32, ref64, accumulation, -(-len(EVAL_ROWS) // (dp * batch)))
-    assert ours["shard_calls"] == len(ours["loss"]) * accumulation, ours  # each micro-batch cut once, not twice
+    micro_batches = len(ours["loss"]) * accumulation
+    assert ours["shard_calls"] == micro_batches, ours  # each micro-batch cut once, not twice
+    layers = tiny_model().config.num_hidden_layers
+    assert ours["attention_calls"] == (1 if keep else 2) * layers * micro_batches, ours
     print(f"parity {ulysses=} {ring=} {tp=} {dp=} vs float64 single process: loss {_max_diff(ours['loss'], ref64['loss']):.2e}, "
           f"grad_norm {_max_diff(ours['grad_norm'], ref64['grad_norm']):.2e}, weights "
           f"{_weight_diff(weights, ref64['weights']):.2e}; float32 rounding (float32 vs float64 single process): "
@@ -196,6 +207,24 @@ def test_trainer_refuses_missing_degrees_and_missing_process_group(tmp_path):
         SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS)
     with pytest.raises(ValueError, match="torchrun"):  # this pytest process has no process group
         SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1))
+
+
+def test_trainer_refuses_keeping_attention_it_cannot_keep(tmp_path):
+    """seqmesh_keep_attention without the TrainingArguments' checkpointing, or with checkpoint kwargs torch cannot give
+    seqmesh's context to: refused by name before the process group is needed (this pytest process has none)."""
+    from seqmesh.trainer import SequenceParallelTrainer
+    from trainer_cases import TRAIN_ROWS, checkpointing_args, tiny_model, training_args
+
+    (name, _), = checkpointing_args().items()
+    cases = [({}, "turn on activation_checkpointing=True"),
+             ({name: True, f"{name}_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
+             ({name: True, f"{name}_kwargs": {"use_reentrant": False, "context_fn": contextlib.nullcontext}},
+              "already give a context_fn")]
+    for extra, message in cases:
+        args = training_args(str(tmp_path), 2, 1, **extra)
+        with pytest.raises(ValueError, match=message):
+            SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1),
+                                    seqmesh_keep_attention=True)
 
 
 def test_trainer_refuses_an_accelerator_that_scales_the_loss_again(monkeypatch, tmp_path):
