@@ -1,7 +1,8 @@
 """A transformers Trainer script with seqmesh sequence parallelism: Ulysses x ring over the ranks.
 
     torchrun --nproc-per-node 4 examples/trainer.py --ulysses 2 --ring 2
-    torchrun --nproc-per-node 8 examples/trainer.py --model ./my-llama --ulysses 4 --seq-len 65536
+    torchrun --nproc-per-node 8 examples/trainer.py --model ./my-llama --ulysses 4 --seq-len 65536 \
+        --checkpointing --keep-attention
 
 Compared with a plain Trainer script only two things change: the class (SequenceParallelTrainer, or
 SequenceParallelTrainerMixin put before any Trainer subclass such as TRL's SFTTrainer) and the
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="trainer-out")
+    parser.add_argument("--checkpointing", action="store_true", help="the TrainingArguments' activation checkpointing")
+    parser.add_argument("--keep-attention", action="store_true",
+                        help="with --checkpointing: each layer keeps its attention outputs, and the recompute skips it")
     a = parser.parse_args(argv)
 
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -39,10 +43,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (32, a.seq_len)).tolist()]
 
     gpu = torch.cuda.is_available()
+    # transformers 5.24 renamed gradient_checkpointing (the old name still works, with a warning)
+    renamed = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    checkpointing = {"activation_checkpointing" if renamed else "gradient_checkpointing": a.checkpointing}
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=1, max_steps=a.steps, learning_rate=1e-4,
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu, bf16=gpu)
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu, bf16=gpu,
+                             **checkpointing)
     trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows,
-                                      seqmesh_degrees=(a.ulysses, a.ring))
+                                      seqmesh_degrees=(a.ulysses, a.ring), seqmesh_keep_attention=a.keep_attention)
     trainer.train()
     trainer.save_model()  # a folder AutoModelForCausalLM.from_pretrained opens
     return trainer.state.log_history

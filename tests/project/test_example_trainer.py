@@ -1,4 +1,5 @@
-"""examples/trainer.py runs at tiny size on 4 gloo ranks and writes a folder transformers loads."""
+"""examples/trainer.py runs at tiny size on 4 gloo ranks, checkpointed and keeping the attention outputs, and writes a
+folder transformers loads."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_trainer_example_runs(pools, tmp_path):
     from transformers import AutoModelForCausalLM
 
     logs = pools.run(4, run_example, str(tmp_path), "--ulysses", "2", "--ring", "2", "--steps", "2", "--seq-len", "32",
-                     timeout=300)
+                     "--checkpointing", "--keep-attention", timeout=300)
     losses = [[h["loss"] for h in log if "loss" in h] for log in logs]
     assert len(losses[0]) == 2 and all(math.isfinite(x) for x in losses[0]), logs[0]
     assert all(rank == losses[0] for rank in losses[1:])  # every rank logs the same losses
