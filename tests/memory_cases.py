@@ -145,3 +145,17 @@ def kept_attention_pair(ulysses: int, ring: int, family: str = "llama-tiny", seq
         runs[keep] = {"loss": value, "calls": calls, "after_forward": after_forward, "after_backward": after_backward,
                       "grads": {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}}
     return runs
+
+
+def kept_attention_families(cases: list[tuple[str, int, int]]) -> list[dict]:
+    """:func:`kept_attention_pair` of each ``(family, ulysses, ring)`` at 45 tokens: whether the loss and every gradient
+    with ``keep_attention`` are plain checkpointing's bit for bit, and the attention's forward calls of each run."""
+    rows = []
+    for family, ulysses, ring in cases:
+        runs = kept_attention_pair(ulysses, ring, family, 45)
+        plain, keeping = runs[False], runs[True]
+        same = keeping["grads"].keys() == plain["grads"].keys() and all(
+            torch.equal(keeping["grads"][n], g) for n, g in plain["grads"].items())
+        rows.append({"case": (family, ulysses, ring), "loss_equal": keeping["loss"] == plain["loss"],
+                     "grads_equal": same, "calls": (plain["calls"]["attention"], keeping["calls"]["attention"])})
+    return rows
