@@ -332,7 +332,7 @@ def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_
 # the attention paths the cases above do not take, each on one 2-rank mesh: soft-capped scores with windows (Gemma 2),
 # sinks with windows (gpt-oss), ALiBi in seqmesh's own attention (BLOOM), one shared block called at two depths
 # (Zamba2: its attention runs three times a step), MLA beside KDA layers (Kimi Linear), chunked attention and a
-# no-RoPE layer (Llama 4). A sweep of all 65 configs of tests/family_cases.py on Ulysses 2 and on a ring of 2 found every
+# no-RoPE layer (Llama 4). A sweep of all 58 configs of tests/family_cases.py on Ulysses 2 and on a ring of 2 found every
 # one exact with the attention halved, or refused by name for checkpointing (docs/memory.md).
 KEPT_FAMILIES = [("gemma2", 2, 1), ("gpt-oss", 1, 2), ("bloom", 2, 1), ("zamba2", 1, 2), ("kimi_linear", 2, 1),
                  ("llama4-chunked", 1, 2)]
