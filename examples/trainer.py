@@ -1,4 +1,4 @@
-"""A transformers Trainer script with seqmesh sequence parallelism: Ulysses x ring over the ranks.
+r"""A transformers Trainer script with seqmesh sequence parallelism: Ulysses x ring over the ranks.
 
     torchrun --nproc-per-node 4 examples/trainer.py --ulysses 2 --ring 2
     torchrun --nproc-per-node 8 examples/trainer.py --model ./my-llama --ulysses 4 --seq-len 65536 \

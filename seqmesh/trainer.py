@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .compose import ParallelPlan, parallelize_model
 from .mesh import SPMesh, init_mesh
@@ -114,16 +114,7 @@ class SequenceParallelTrainerMixin:
             raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
         super().__init__(*args, **kwargs)
         self._refuse_other_parallelism()
-        checkpointing, checkpoint_kwargs = trainer_checkpointing(self.args)
-        if seqmesh_keep_attention:
-            if not checkpointing:
-                raise ValueError("seqmesh_keep_attention=True keeps what checkpointed layers would compute twice: turn "
-                                 "on activation_checkpointing=True in the TrainingArguments (gradient_checkpointing=True "
-                                 "before transformers 5.24), or leave seqmesh_keep_attention out.")
-            problem = keep_attention_problem(checkpoint_kwargs)
-            if problem is not None:
-                raise ValueError(f"seqmesh_keep_attention=True: {problem} (the TrainingArguments' "
-                                 "activation_checkpointing_kwargs).")
+        checkpointing = self._checkpointing(seqmesh_keep_attention)
         if not dist.is_initialized():
             raise ValueError("seqmesh's Trainer runs on a process group: launch the script with torchrun "
                              "(torchrun --nproc-per-node N script.py), even for one process.")
@@ -139,6 +130,29 @@ class SequenceParallelTrainerMixin:
         self._sharded: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()  # (batch, shard) of the step's micro-batches
         if seqmesh_keep_attention:  # the Trainer enables checkpointing again at train(), with its own kwargs
             self.add_callback(KeepAttentionCallback())
+
+    def _checkpointing(self, keep: bool) -> bool:
+        """Whether the TrainingArguments turn on activation checkpointing; refused here, before any work and in the
+        Trainer's own terms, where the model cannot be checkpointed or ``keep`` (``seqmesh_keep_attention``) cannot
+        reach the checkpoints they ask for."""
+        on, field, kwargs = trainer_checkpointing(self.args)
+        if on and not getattr(self.model, "supports_gradient_checkpointing", True):
+            raise ValueError(f"{type(self.model).__name__} cannot be checkpointed by transformers (its layers are not "
+                             f"checkpointable modules): set {field}=False in the TrainingArguments.")
+        if not keep:
+            return on
+        if not on:
+            raise ValueError("seqmesh_keep_attention=True keeps what checkpointed layers would compute twice: set "
+                             f"{field}=True in the TrainingArguments, or leave seqmesh_keep_attention out.")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"{field}_kwargs={kwargs!r} is not a dict of checkpoint arguments; give a dict.")
+        problem = keep_attention_problem(kwargs)
+        if getattr(getattr(self.model, "gradient_checkpointing_enable", None), "_is_sac_wrapped", False):
+            problem = ("TRL's selective checkpointing (gradient_checkpointing_kwargs={'selective': True}) keeps the "
+                       "attention through a context_fn of its own; use it or seqmesh_keep_attention, not both")
+        if problem is not None:
+            raise ValueError(f"seqmesh_keep_attention=True: {problem} (the TrainingArguments' {field}_kwargs).")
+        return on
 
     def _refuse_other_parallelism(self) -> None:
         args = self.args
@@ -310,21 +324,19 @@ class KeepAttentionCallback(TrainerCallback):
     attention outputs again (``seqmesh.model.fsdp.keep_attention_in_checkpoints``)."""
 
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs: Any) -> None:
-        if keep_attention_in_checkpoints(model) == 0:
-            raise ValueError("seqmesh_keep_attention=True, but no layer of the model checkpoints: turn on "
-                             "activation_checkpointing=True in the TrainingArguments.")
+        if model is None:
+            raise RuntimeError("the Trainer began training without handing its callbacks the model; seqmesh cannot "
+                               "keep the attention outputs (leave seqmesh_keep_attention out).")
+        keep_attention_in_checkpoints(model, option="seqmesh_keep_attention")
 
 
-def trainer_checkpointing(args) -> tuple[bool, dict | None]:
-    """Whether ``args`` (TrainingArguments) turn on transformers' activation checkpointing, and its kwargs (transformers
-    5.24 renamed gradient_checkpointing to activation_checkpointing and keeps the old name as an alias)."""
-    import json
-
+def trainer_checkpointing(args: TrainingArguments) -> tuple[bool, str, Any]:
+    """Whether ``args`` turn on transformers' activation checkpointing, the name of that field, and its kwargs as given
+    (transformers 5.24 renamed gradient_checkpointing to activation_checkpointing, and keeps the old name as an
+    alias it reads into the new one; its TrainingArguments parse a JSON dict given as a string)."""
     if getattr(args, "activation_checkpointing", None) is not None:
-        on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
-    else:
-        on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
-    return bool(on), json.loads(kwargs) if isinstance(kwargs, str) else kwargs
+        return bool(args.activation_checkpointing), "activation_checkpointing", args.activation_checkpointing_kwargs
+    return bool(args.gradient_checkpointing), "gradient_checkpointing", args.gradient_checkpointing_kwargs
 
 
 def mesh_for_world(ulysses: int, ring: int, tp: int = 1) -> SPMesh:

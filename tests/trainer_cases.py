@@ -113,8 +113,8 @@ def torchrun_environment():
 
 
 def checkpointing_args() -> dict:
-    """TrainingArguments turning on transformers' activation checkpointing (its name before 5.24: gradient_checkpointing;
-    the old name warns after)."""
+    """TrainingArguments turning on transformers' activation checkpointing (its name before 5.24:
+    gradient_checkpointing; the old name warns after)."""
     import dataclasses
 
     from transformers import TrainingArguments

@@ -53,19 +53,24 @@ def keep_attention_problem(kwargs: dict | None) -> str | None:
     the kwargs leave it unsaid, keeping sets it)."""
     kwargs = kwargs or {}
     if kwargs.get("context_fn") not in (None, kept_attention_contexts):
-        return (f"the checkpoint kwargs already give a context_fn ({kwargs['context_fn']!r}), and keeping the attention "
-                "outputs needs seqmesh's own; remove it")
+        return (f"the checkpoint kwargs already give a context_fn ({kwargs['context_fn']!r}), and keeping the "
+                "attention outputs needs seqmesh's own; remove it")
+    if kwargs.get("debug"):
+        return "the checkpoint kwargs ask for debug=True, which torch runs only without a context_fn; drop it"
     if kwargs.get("use_reentrant") is True:
         return ("the checkpoint kwargs ask for use_reentrant=True, torch's reentrant checkpoint, which takes no "
                 "context_fn; drop it or give \"use_reentrant\": False")
     return None
 
 
-def keep_attention_in_checkpoints(lm: nn.Module) -> int:
+def keep_attention_in_checkpoints(lm: nn.Module, option: str = "keep_attention") -> int:
     """Each layer of ``lm`` that transformers checkpoints (whatever enabled it last: a Trainer enables it again with its
     own arguments when it starts training) keeps its attention outputs from now on: seqmesh's contexts are added to the
     checkpoint function transformers set on it, its other arguments (and ``every_n_layers``' choice of layers) as they
-    were. Returns how many layers checkpoint; refuses what :func:`keep_attention_problem` names."""
+    were. Returns how many decoder layers now keep; refuses what :func:`keep_attention_problem` names, naming
+    ``option`` (the setting that asked for keeping)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     layers = 0
     for module in lm.modules():
         if not getattr(module, "gradient_checkpointing", False):
@@ -74,13 +79,13 @@ def keep_attention_in_checkpoints(lm: nn.Module) -> int:
         if not isinstance(fn, functools.partial):
             raise ValueError(f"{type(module).__name__} checkpoints through {fn!r}, not transformers' partial of "
                              "torch.utils.checkpoint.checkpoint; keeping the attention outputs cannot reach it. Turn "
-                             "keep_attention off for this model.")
+                             f"{option} off for this model.")
         problem = keep_attention_problem(fn.keywords)
         if problem is not None:
-            raise ValueError(f"keep_attention: {problem}.")
+            raise ValueError(f"{option}: {problem}.")
         keywords = {**fn.keywords, "use_reentrant": False, "context_fn": kept_attention_contexts}
         module._gradient_checkpointing_func = functools.partial(fn.func, *fn.args, **keywords)
-        layers += 1
+        layers += isinstance(module, GradientCheckpointingLayer)
     return layers
 
 

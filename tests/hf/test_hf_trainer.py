@@ -107,9 +107,10 @@ CASES = [
 
 @pytest.mark.parametrize("ulysses, ring, tp, batch, accumulation, keep", CASES)
 def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, tp, batch, accumulation, keep):
-    """The curves, final weights and evaluation loss of plain Trainer on one process, with the attention's forward run
-    twice a layer and micro-batch under checkpointing (forward, then the recompute), once where the layers keep its
-    outputs (the Trainer enables checkpointing again when it starts: seqmesh's context must survive that)."""
+    """seqmesh's Trainer under the TrainingArguments' checkpointing logs the curves, and ends with the weights and
+    evaluation loss, of plain Trainer on one process; the attention's forward runs twice a layer and micro-batch
+    (forward, then the recompute), once where the layers keep its outputs (the Trainer enables checkpointing again
+    when it starts: seqmesh's context must survive that)."""
     from trainer_cases import checkpointing_args, tiny_model
 
     dp = WORLD // (ulysses * ring * tp)
@@ -211,20 +212,53 @@ def test_trainer_refuses_missing_degrees_and_missing_process_group(tmp_path):
 
 def test_trainer_refuses_keeping_attention_it_cannot_keep(tmp_path):
     """seqmesh_keep_attention without the TrainingArguments' checkpointing, or with checkpoint kwargs torch cannot give
-    seqmesh's context to: refused by name before the process group is needed (this pytest process has none)."""
+    seqmesh's context to (reentrant, debug, a context of the user's own), and
+    checkpointing a model transformers cannot checkpoint: each refused by name, naming the TrainingArguments' field,
+    before the process group is needed (this pytest process has none)."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
     from seqmesh.trainer import SequenceParallelTrainer
     from trainer_cases import TRAIN_ROWS, checkpointing_args, tiny_model, training_args
 
     (name, _), = checkpointing_args().items()
-    cases = [({}, "turn on activation_checkpointing=True"),
-             ({name: True, f"{name}_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
-             ({name: True, f"{name}_kwargs": {"use_reentrant": False, "context_fn": contextlib.nullcontext}},
-              "already give a context_fn")]
-    for extra, message in cases:
-        args = training_args(str(tmp_path), 2, 1, **extra)
+    on = {name: True}
+    cases = [({}, True, f"set {name}=True"),
+             ({**on, f"{name}_kwargs": {"use_reentrant": True}}, True, "use_reentrant=True"),
+             ({**on, f"{name}_kwargs": {"use_reentrant": False, "debug": True}}, True, "debug=True"),
+             ({**on, f"{name}_kwargs": {"use_reentrant": False, "context_fn": contextlib.nullcontext}}, True,
+              f"already give a context_fn .* {name}_kwargs")]
+    for extra, keep, message in cases:
         with pytest.raises(ValueError, match=message):
-            SequenceParallelTrainer(model=tiny_model(), args=args, train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1),
-                                    seqmesh_keep_attention=True)
+            SequenceParallelTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1, **extra),
+                                    train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1), seqmesh_keep_attention=keep)
+    gpt = OpenAIGPTLMHeadModel(OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64))
+    with pytest.raises(ValueError, match=f"OpenAIGPTLMHeadModel cannot be checkpointed .* set {name}=False"):
+        SequenceParallelTrainer(model=gpt, args=training_args(str(tmp_path), 2, 1, **on), train_dataset=TRAIN_ROWS,
+                                seqmesh_degrees=(2, 1))
+
+
+def test_trainer_refuses_keeping_beside_trl_selective_checkpointing(tmp_path):
+    """TRL's selective checkpointing keeps the attention through its own context_fn (and takes its flag out of the
+    kwargs as SFTTrainer starts): with seqmesh_keep_attention, refused by name at construction, not when training
+    begins."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from seqmesh.trainer import SequenceParallelTrainerMixin
+    from trainer_cases import TRAIN_ROWS, byte_tokenizer, tiny_model
+
+    class SequenceParallelSFTTrainer(SequenceParallelTrainerMixin, SFTTrainer):
+        pass
+
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+                     bf16=False, max_length=None, gradient_checkpointing=True,
+                     gradient_checkpointing_kwargs={"use_reentrant": False, "selective": True})
+    with pytest.raises(ValueError, match="TRL's selective checkpointing"):
+        SequenceParallelSFTTrainer(model=tiny_model(), args=args, processing_class=byte_tokenizer(),
+                                   train_dataset=Dataset.from_list([{"input_ids": r["input_ids"]} for r in TRAIN_ROWS]),
+                                   seqmesh_degrees=(2, 1), seqmesh_keep_attention=True)
 
 
 def test_trainer_refuses_an_accelerator_that_scales_the_loss_again(monkeypatch, tmp_path):

@@ -332,15 +332,16 @@ def test_kept_attention_is_exact_runs_attention_once_and_keeps_what_the_planner_
 # the attention paths the cases above do not take, each on one 2-rank mesh: soft-capped scores with windows (Gemma 2),
 # sinks with windows (gpt-oss), ALiBi in seqmesh's own attention (BLOOM), one shared block called at two depths
 # (Zamba2: its attention runs three times a step), MLA beside KDA layers (Kimi Linear), chunked attention and a
-# no-RoPE layer (Llama 4). A sweep of all 58 configs of tests/family_cases.py on Ulysses 2 and on a ring of 2 found every
-# one exact with the attention halved, or refused by name for checkpointing (docs/memory.md).
+# no-RoPE layer (Llama 4). tests/kept_attention_sweep.py runs every config of tests/family_cases.py on Ulysses 2 and
+# on a ring of 2: each one exact (its attention halved, or kept not at all by the layers with kernels of their own),
+# or refused by name for checkpointing (docs/memory.md).
 KEPT_FAMILIES = [("gemma2", 2, 1), ("gpt-oss", 1, 2), ("bloom", 2, 1), ("zamba2", 1, 2), ("kimi_linear", 2, 1),
                  ("llama4-chunked", 1, 2)]
 
 
 def test_kept_attention_is_exact_across_the_attention_paths(pools):
-    """``keep_attention`` on the families of KEPT_FAMILIES: the loss and every gradient are plain checkpointing's bit for
-    bit, and the attention's forward runs half as often (once a call instead of twice)."""
+    """``keep_attention`` on the families of KEPT_FAMILIES: the loss and every gradient are plain checkpointing's bit
+    for bit, and the attention's forward runs half as often (once a call instead of twice)."""
     for rows in pools.run(2, kept_attention_families, KEPT_FAMILIES):
         for row in rows:
             plain, keeping = row["calls"]
