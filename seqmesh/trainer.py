@@ -97,13 +97,16 @@ class SequenceParallelTrainerMixin:
     tokens whose logits exist at once in the loss; ``seqmesh_ep``: the expert-parallel degree of an MoE model
     (``ParallelPlan.ep``: each MoE layer's experts split over groups of that many ranks holding different tokens);
     ``seqmesh_keep_attention``: the layers the TrainingArguments' activation checkpointing recomputes keep their
-    attention outputs (``ParallelPlan.keep_attention``; the recompute skips the attention).
+    attention outputs (``ParallelPlan.keep_attention``; the recompute skips the attention). Or, instead of those three,
+    ``seqmesh_plan``: a :class:`~seqmesh.compose.ParallelPlan` with any of :data:`TRAINER_PLAN_SETTINGS` (the memory
+    techniques, kernels, the loss's tiles, the layout); its ``bf16`` and ``checkpointing`` are the TrainingArguments'.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the optimizer step's targets itself
 
     def __init__(self, *args: Any, seqmesh_degrees: tuple[int, ...] | None = None, seqmesh_mesh: SPMesh | None = None,
-                 seqmesh_chunk: int = 4096, seqmesh_ep: int = 1, seqmesh_keep_attention: bool = False, **kwargs: Any):
+                 seqmesh_chunk: int | None = None, seqmesh_ep: int | None = None,
+                 seqmesh_keep_attention: bool | None = None, seqmesh_plan: ParallelPlan | None = None, **kwargs: Any):
         if (seqmesh_degrees is None) == (seqmesh_mesh is None):
             raise ValueError("give the degrees as seqmesh_degrees=(ulysses, ring) or (ulysses, ring, tp), or a mesh as "
                              "seqmesh_mesh=seqmesh.init_mesh(...); exactly one of the two.")
@@ -114,26 +117,33 @@ class SequenceParallelTrainerMixin:
             raise ValueError("model_init is not supported with seqmesh: build the model and pass it as model=.")
         super().__init__(*args, **kwargs)
         self._refuse_other_parallelism()
-        checkpointing = self._checkpointing(seqmesh_keep_attention)
+        shorthands = {name: value for name, value in (("loss_chunk", seqmesh_chunk), ("ep", seqmesh_ep),
+                                                      ("keep_attention", seqmesh_keep_attention)) if value is not None}
+        if seqmesh_plan is not None and shorthands:
+            named = ", ".join(f"seqmesh_{_SHORTHAND[n]}" for n in shorthands)
+            raise ValueError(f"seqmesh_plan and {named} both given: put {', '.join(shorthands)} inside the plan "
+                             "(ParallelPlan(...)).")
+        keep = seqmesh_plan.keep_attention if seqmesh_plan is not None else bool(seqmesh_keep_attention)
+        checkpointing = self._checkpointing(keep)
+        plan = trainer_plan(seqmesh_plan, self.args, checkpointing, shorthands)
         if not dist.is_initialized():
             raise ValueError("seqmesh's Trainer runs on a process group: launch the script with torchrun "
                              "(torchrun --nproc-per-node N script.py), even for one process.")
         mesh = seqmesh_mesh if seqmesh_mesh is not None else mesh_for_world(*seqmesh_degrees)
         self.seqmesh_mesh = mesh
-        plan = ParallelPlan(loss_chunk=seqmesh_chunk, bf16=self.args.bf16, ep=seqmesh_ep, checkpointing=checkpointing,
-                            keep_attention=seqmesh_keep_attention)
+        self._seqmesh_layout = plan.layout
         wrapper = TrainerVisionLM if is_multimodal(self.model.config) else TrainerLM
         self.seqmesh_model = parallelize_model(self.model, mesh, plan, wrapper=wrapper)
         self.model_wrapped = self.seqmesh_model
         self.gather_function = self.accelerator.gather  # every rank holds whole losses: no truncation to undo
         self._targets_per_micro_batch: deque[float] = deque()
         self._sharded: deque[tuple[dict[str, Any], dict[str, Any]]] = deque()  # (batch, shard) of the step's micro-batches
-        if seqmesh_keep_attention:  # the Trainer enables checkpointing again at train(), with its own kwargs
+        if plan.keep_attention:  # the Trainer enables checkpointing again at train(), with its own kwargs
             self.add_callback(KeepAttentionCallback())
 
     def _checkpointing(self, keep: bool) -> bool:
         """Whether the TrainingArguments turn on activation checkpointing; refused here, before any work and in the
-        Trainer's own terms, where the model cannot be checkpointed or ``keep`` (``seqmesh_keep_attention``) cannot
+        Trainer's own terms, where the model cannot be checkpointed or ``keep`` (keeping the attention outputs) cannot
         reach the checkpoints they ask for."""
         on, field, kwargs = trainer_checkpointing(self.args)
         if on and not getattr(self.model, "supports_gradient_checkpointing", True):
@@ -142,8 +152,9 @@ class SequenceParallelTrainerMixin:
         if not keep:
             return on
         if not on:
-            raise ValueError("seqmesh_keep_attention=True keeps what checkpointed layers would compute twice: set "
-                             f"{field}=True in the TrainingArguments, or leave seqmesh_keep_attention out.")
+            raise ValueError("keeping the attention outputs (seqmesh_keep_attention, or keep_attention in "
+                             "seqmesh_plan) saves what checkpointed layers would compute twice: set "
+                             f"{field}=True in the TrainingArguments, or stop keeping them.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"{field}_kwargs={kwargs!r} is not a dict of checkpoint arguments; give a dict.")
         problem = keep_attention_problem(kwargs)
@@ -151,7 +162,7 @@ class SequenceParallelTrainerMixin:
             problem = ("TRL's selective checkpointing (gradient_checkpointing_kwargs={'selective': True}) keeps the "
                        "attention through a context_fn of its own; use it or seqmesh_keep_attention, not both")
         if problem is not None:
-            raise ValueError(f"seqmesh_keep_attention=True: {problem} (the TrainingArguments' {field}_kwargs).")
+            raise ValueError(f"keeping the attention outputs: {problem} (the TrainingArguments' {field}_kwargs).")
         return on
 
     def _refuse_other_parallelism(self) -> None:
@@ -210,7 +221,8 @@ class SequenceParallelTrainerMixin:
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         """The optimizer step's targets over the whole mesh; keeps each micro-batch's for compute_loss."""
         mesh = self.seqmesh_mesh
-        self._sharded = deque((b, shard_batch(b, mesh, model=self.seqmesh_model)) for b in batch_samples)
+        self._sharded = deque((b, shard_batch(b, mesh, model=self.seqmesh_model, layout=self._seqmesh_layout))
+                              for b in batch_samples)
         local = [float((shard["shift_labels"] != IGNORE_INDEX).sum()) for _, shard in self._sharded]
         counts = torch.tensor(local, dtype=torch.float64, device=mesh.collective_device())
         dist.all_reduce(counts, group=mesh.batch_group)  # sequence shards partition a batch: each counted once
@@ -223,7 +235,7 @@ class SequenceParallelTrainerMixin:
         if self._sharded and _same_batch(self._sharded[0][0], inputs):
             return self._sharded.popleft()[1]
         self._sharded.clear()  # called outside the step's order: the cached shards no longer line up
-        return shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model)
+        return shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model, layout=self._seqmesh_layout)
 
     # -- model, loss, gradients ---------------------------------------------------------------------
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
@@ -249,7 +261,8 @@ class SequenceParallelTrainerMixin:
         """The batch's pooled loss (the same on every rank); no logits (they are sharded by sequence)."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            terms = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model))
+            terms = self.seqmesh_model(**shard_batch(inputs, self.seqmesh_mesh, model=self.seqmesh_model,
+                                                     layout=self._seqmesh_layout))
         loss = terms.cross_entropy if terms.router is None else terms.cross_entropy + terms.router
         return loss.detach(), None, None
 
@@ -328,6 +341,45 @@ class KeepAttentionCallback(TrainerCallback):
             raise RuntimeError("the Trainer began training without handing its callbacks the model; seqmesh cannot "
                                "keep the attention outputs (leave seqmesh_keep_attention out).")
         keep_attention_in_checkpoints(model, option="seqmesh_keep_attention")
+
+
+# the ParallelPlan fields the Trainer runs as seqmesh train does (tests/hf/test_hf_trainer.py); the degrees come from
+# the mesh (TRAINER_PLAN_MESH), bf16 and checkpointing from the TrainingArguments, and the rest is refused by name
+# (NOT_IN_TRAINER; a test holds every field of ParallelPlan to one of the four)
+TRAINER_PLAN_SETTINGS = ("backend", "linear_attention", "indexer_precision", "layout", "tiled_mlp", "mlp_tiles",
+                         "efficient_norm", "loss_chunk", "ep", "keep_attention", "async_ulysses")
+TRAINER_PLAN_MESH = ("ulysses", "ring", "dp", "dp_replicate", "tp")
+_SHORTHAND = {"loss_chunk": "chunk", "ep": "ep", "keep_attention": "keep_attention"}  # the mixin's own keyword names
+# what the Trainer does not run, each with what to use instead
+NOT_IN_TRAINER = {
+    "offload_checkpoints": "the Trainer's step is its own, not seqmesh's; with transformers 5.24, "
+                           "activation_checkpointing_kwargs={'offload': True} keeps the checkpoints in host memory",
+    "compile": "seqmesh's Trainer is not tested compiled; compile with seqmesh train (--compile) or your own loop",
+    "fsdp": "the Trainer's gradients are FSDP2's (its accumulation and clipping are written for them)",
+    "fsdp_cpu_offload": "seqmesh's Trainer is not tested with FSDP2's CPU offload; use seqmesh train "
+                        "(--fsdp-cpu-offload) or your own loop",
+}
+
+
+def trainer_plan(given: ParallelPlan | None, args: TrainingArguments, checkpointing: bool,
+                 shorthands: dict[str, Any]) -> ParallelPlan:
+    """The plan the Trainer parallelizes with: ``given`` (or the mixin's shorthands) with the TrainingArguments' bf16
+    and checkpointing; what it asks that the Trainer does not run, or asks against the TrainingArguments, refused by
+    name."""
+    from dataclasses import replace
+
+    if given is None:
+        return ParallelPlan(bf16=args.bf16, checkpointing=checkpointing, **shorthands)
+    defaults = ParallelPlan()
+    for name, why in NOT_IN_TRAINER.items():
+        if getattr(given, name) != getattr(defaults, name):
+            raise ValueError(f"seqmesh_plan.{name}={getattr(given, name)!r}: {why}.")
+    field = trainer_checkpointing(args)[1]
+    for name, wanted, arg in (("bf16", args.bf16, "bf16"), ("checkpointing", checkpointing, field)):
+        if getattr(given, name) and not wanted:
+            raise ValueError(f"seqmesh_plan.{name}=True, but the Trainer's {name} is the TrainingArguments': set "
+                             f"{arg}=True there.")
+    return replace(given, bf16=args.bf16, checkpointing=checkpointing)
 
 
 def trainer_checkpointing(args: TrainingArguments) -> tuple[bool, str, Any]:

@@ -125,10 +125,13 @@ def checkpointing_args() -> dict:
 
 def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accumulation: int,
                       train_rows: list | None = None, tp: int = 1, family: str = "llama", ep: int = 1,
-                      keep_attention: bool = False, **extra) -> dict:
-    """seqmesh's Trainer on this rank (``ep``: its ``seqmesh_ep``; ``keep_attention``: its ``seqmesh_keep_attention``);
-    rank 0 saves the final model to ``output_dir/final``. Counts, while training, the batches cut and the attention's
-    forward calls (one process's kernel calls or ring passes)."""
+                      keep_attention: bool = False, plan: dict | None = None, **extra) -> dict:
+    """seqmesh's Trainer on this rank (``ep``: its ``seqmesh_ep``; ``keep_attention``: its ``seqmesh_keep_attention``;
+    ``plan``: the fields of its ``seqmesh_plan`` instead); rank 0 saves the final model to ``output_dir/final``. Counts,
+    while training, the batches cut and the attention's forward calls (one process's kernel calls or ring passes)."""
+    from seqmesh.compose import ParallelPlan
+    from seqmesh.memory.rmsnorm import EfficientNormForward
+    from seqmesh.memory.tiled_mlp import TiledForward
     import seqmesh.trainer
     from seqmesh.sharded_attention import ring as ring_module
     from seqmesh.trainer import SequenceParallelTrainer
@@ -148,7 +151,8 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
         trainer = SequenceParallelTrainer(
             model=tiny_model(family=family), args=training_args(output_dir, batch, accumulation, **extra),
             train_dataset=train_rows or TRAIN_ROWS, eval_dataset=EVAL_ROWS, seqmesh_degrees=(ulysses, ring, tp),
-            seqmesh_ep=ep, seqmesh_keep_attention=keep_attention,
+            **({"seqmesh_plan": ParallelPlan(**plan)} if plan is not None else
+               {"seqmesh_ep": ep, "seqmesh_keep_attention": keep_attention}),
         )
         for (module, name), kind in patched.items():
             setattr(module, name, counted(originals[(module, name)], kind))
@@ -159,6 +163,9 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
                 setattr(module, name, fn)
         result = curves(trainer)
         result.update(calls)  # shard_calls: one per micro-batch when each is cut once
+        forwards = [m.__dict__.get("forward") for m in trainer.model.modules()]  # the techniques' instance forwards
+        result["tiled_mlps"] = sum(isinstance(f, TiledForward) for f in forwards)
+        result["lean_norms"] = sum(isinstance(f, EfficientNormForward) for f in forwards)
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
         trainer.save_model(os.path.join(output_dir, "final"))
         return result

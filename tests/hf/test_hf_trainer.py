@@ -94,29 +94,32 @@ def references(tmp_path_factory):
     return get
 
 
-# (ulysses, ring, tp, per-rank batch, accumulation, seqmesh_keep_attention): the single-process batch is dp x the
-# per-rank batch, so every case shares one reference (4 rows x 2 micro-batches a step). Both run under the
-# TrainingArguments' activation checkpointing, the second keeping the attention outputs. Data parallelism 2 x Ulysses 2
-# runs without checkpointing in test_trainer_step_without_targets_matches_single_process and the experts' test (a case
-# of it here reached no line of seqmesh they do not: docs/testing.md)
+# (ulysses, ring, tp, per-rank batch, accumulation, seqmesh_plan's fields or None): the single-process batch is dp x
+# the per-rank batch, so every case shares one reference (4 rows x 2 micro-batches a step). Both run under the
+# TrainingArguments' activation checkpointing; the second through a plan keeping the attention outputs, with the tiled
+# MLP and the lean RMSNorm. Data parallelism 2 x Ulysses 2 runs without checkpointing in
+# test_trainer_step_without_targets_matches_single_process and the experts' test (a case of it here reached no line of
+# seqmesh they do not: docs/testing.md)
+KEPT_PLAN = {"checkpointing": True, "keep_attention": True, "tiled_mlp": True, "efficient_norm": True}
 CASES = [
-    pytest.param(2, 1, 2, 4, 2, False, id="u2tp2-checkpointed"),
-    pytest.param(2, 2, 1, 4, 2, True, id="u2r2-checkpointed-kept"),
+    pytest.param(2, 1, 2, 4, 2, None, id="u2tp2-checkpointed"),
+    pytest.param(2, 2, 1, 4, 2, KEPT_PLAN, id="u2r2-checkpointed-kept-tiled"),
 ]
 
 
-@pytest.mark.parametrize("ulysses, ring, tp, batch, accumulation, keep", CASES)
-def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, tp, batch, accumulation, keep):
+@pytest.mark.parametrize("ulysses, ring, tp, batch, accumulation, plan", CASES)
+def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ring, tp, batch, accumulation, plan):
     """seqmesh's Trainer under the TrainingArguments' checkpointing logs the curves, and ends with the weights and
     evaluation loss, of plain Trainer on one process; the attention's forward runs twice a layer and micro-batch
     (forward, then the recompute), once where the layers keep its outputs (the Trainer enables checkpointing again
     when it starts: seqmesh's context must survive that)."""
     from trainer_cases import checkpointing_args, tiny_model
 
+    keep = bool(plan and plan["keep_attention"])
     dp = WORLD // (ulysses * ring * tp)
     ref32, ref64 = references(dp * batch, accumulation)
-    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, tp=tp,
-                        keep_attention=keep, **checkpointing_args(), timeout=600)
+    results = pools.run(WORLD, sequence_parallel, str(tmp_path), ulysses, ring, batch, accumulation, tp=tp, plan=plan,
+                        **checkpointing_args(), timeout=600)
     for r in results[1:]:  # every rank logs the same values
         assert r == results[0]
     ours = results[0]
@@ -126,6 +129,7 @@ def test_trainer_matches_single_process(pools, references, tmp_path, ulysses, ri
     assert ours["shard_calls"] == micro_batches, ours  # each micro-batch cut once, not twice
     layers = tiny_model().config.num_hidden_layers
     assert ours["attention_calls"] == (1 if keep else 2) * layers * micro_batches, ours
+    assert (ours["tiled_mlps"], ours["lean_norms"] > 0) == ((layers, True) if plan else (0, False)), ours
     print(f"parity {ulysses=} {ring=} {tp=} {dp=} vs float64 single process: loss {_max_diff(ours['loss'], ref64['loss']):.2e}, "
           f"grad_norm {_max_diff(ours['grad_norm'], ref64['grad_norm']):.2e}, weights "
           f"{_weight_diff(weights, ref64['weights']):.2e}; float32 rounding (float32 vs float64 single process): "
@@ -235,6 +239,33 @@ def test_trainer_refuses_keeping_attention_it_cannot_keep(tmp_path):
     with pytest.raises(ValueError, match=f"OpenAIGPTLMHeadModel cannot be checkpointed .* set {name}=False"):
         SequenceParallelTrainer(model=gpt, args=training_args(str(tmp_path), 2, 1, **on), train_dataset=TRAIN_ROWS,
                                 seqmesh_degrees=(2, 1))
+
+
+def test_trainer_refuses_a_plan_it_does_not_run_or_that_contradicts_its_arguments(tmp_path):
+    """seqmesh_plan: beside the shorthands it replaces, with a setting the Trainer does not run, or asking for bf16 or
+    checkpointing the TrainingArguments do not: refused by name before any work; every field of ParallelPlan is one
+    the Trainer takes, one the mesh or the TrainingArguments set, or one it refuses."""
+    from dataclasses import fields
+
+    from seqmesh.compose import ParallelPlan
+    from seqmesh.trainer import NOT_IN_TRAINER, TRAINER_PLAN_MESH, TRAINER_PLAN_SETTINGS, SequenceParallelTrainer
+    from trainer_cases import TRAIN_ROWS, checkpointing_args, tiny_model, training_args
+
+    placed = set(TRAINER_PLAN_SETTINGS) | set(NOT_IN_TRAINER) | set(TRAINER_PLAN_MESH) | {"bf16", "checkpointing"}
+    assert {f.name for f in fields(ParallelPlan)} == placed
+    (name, _), = checkpointing_args().items()
+    cases = [({}, dict(seqmesh_plan=ParallelPlan(), seqmesh_chunk=512), "put loss_chunk inside the plan"),
+             ({name: True}, dict(seqmesh_plan=ParallelPlan(checkpointing=True, offload_checkpoints=True)),
+              "offload_checkpoints=True: the Trainer's step is its own"),
+             ({}, dict(seqmesh_plan=ParallelPlan(compile=True)), "compile=True"),
+             ({}, dict(seqmesh_plan=ParallelPlan(fsdp=False)), "fsdp=False"),
+             ({}, dict(seqmesh_plan=ParallelPlan(checkpointing=True)), f"set {name}=True there"),
+             ({}, dict(seqmesh_plan=ParallelPlan(bf16=True)), "set bf16=True there"),
+             ({}, dict(seqmesh_plan=ParallelPlan(checkpointing=True, keep_attention=True)), f"set {name}=True in")]
+    for extra, given, message in cases:
+        with pytest.raises(ValueError, match=message):
+            SequenceParallelTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1, **extra),
+                                    train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1), **given)
 
 
 def test_trainer_refuses_keeping_beside_trl_selective_checkpointing(tmp_path):
