@@ -129,10 +129,10 @@ def sequence_parallel(output_dir: str, ulysses: int, ring: int, batch: int, accu
     """seqmesh's Trainer on this rank (``ep``: its ``seqmesh_ep``; ``keep_attention``: its ``seqmesh_keep_attention``;
     ``plan``: the fields of its ``seqmesh_plan`` instead); rank 0 saves the final model to ``output_dir/final``. Counts,
     while training, the batches cut and the attention's forward calls (one process's kernel calls or ring passes)."""
+    import seqmesh.trainer
     from seqmesh.compose import ParallelPlan
     from seqmesh.memory.rmsnorm import EfficientNormForward
     from seqmesh.memory.tiled_mlp import TiledForward
-    import seqmesh.trainer
     from seqmesh.sharded_attention import ring as ring_module
     from seqmesh.trainer import SequenceParallelTrainer
 
