@@ -216,9 +216,9 @@ def test_trainer_refuses_missing_degrees_and_missing_process_group(tmp_path):
 
 def test_trainer_refuses_keeping_attention_it_cannot_keep(tmp_path):
     """seqmesh_keep_attention without the TrainingArguments' checkpointing, or with checkpoint kwargs torch cannot give
-    seqmesh's context to (reentrant, debug, a context of the user's own), and
-    checkpointing a model transformers cannot checkpoint: each refused by name, naming the TrainingArguments' field,
-    before the process group is needed (this pytest process has none)."""
+    seqmesh's context to (reentrant, debug, a context of the user's own), and checkpointing a model transformers
+    cannot checkpoint: each refused by name, naming the TrainingArguments' field, before the process group is needed
+    (this pytest process has none)."""
     from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
 
     from seqmesh.trainer import SequenceParallelTrainer
@@ -226,15 +226,15 @@ def test_trainer_refuses_keeping_attention_it_cannot_keep(tmp_path):
 
     (name, _), = checkpointing_args().items()
     on = {name: True}
-    cases = [({}, True, f"set {name}=True"),
-             ({**on, f"{name}_kwargs": {"use_reentrant": True}}, True, "use_reentrant=True"),
-             ({**on, f"{name}_kwargs": {"use_reentrant": False, "debug": True}}, True, "debug=True"),
-             ({**on, f"{name}_kwargs": {"use_reentrant": False, "context_fn": contextlib.nullcontext}}, True,
+    cases = [({}, f"set {name}=True"),
+             ({**on, f"{name}_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
+             ({**on, f"{name}_kwargs": {"use_reentrant": False, "debug": True}}, "debug=True"),
+             ({**on, f"{name}_kwargs": {"use_reentrant": False, "context_fn": contextlib.nullcontext}},
               f"already give a context_fn .* {name}_kwargs")]
-    for extra, keep, message in cases:
+    for extra, message in cases:
         with pytest.raises(ValueError, match=message):
             SequenceParallelTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1, **extra),
-                                    train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1), seqmesh_keep_attention=keep)
+                                    train_dataset=TRAIN_ROWS, seqmesh_degrees=(2, 1), seqmesh_keep_attention=True)
     gpt = OpenAIGPTLMHeadModel(OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64))
     with pytest.raises(ValueError, match=f"OpenAIGPTLMHeadModel cannot be checkpointed .* set {name}=False"):
         SequenceParallelTrainer(model=gpt, args=training_args(str(tmp_path), 2, 1, **on), train_dataset=TRAIN_ROWS,
