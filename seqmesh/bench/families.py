@@ -65,7 +65,9 @@ class FamiliesBench:
     dsa_topk: int = 512
     device: str = "cpu"
     warmup: int = 1
-    repeats: int = 2
+    repeats: int = 3
+    """timed steps a family; their median counts (of three, one outlying step is ignored, where two are averaged: one
+    step of this CPU moved by up to 15% on a noisy day, docs/benchmarks.md)."""
     families: tuple[str, ...] = FAMILIES
     family_timeout: float = 3600.0
     """seconds one family's build and steps may take before it is reported as not finished."""
