@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
-# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (8 MB of float32:
-# within the last-level cache a core shares); a GPU's blocks are sized by the score tensor, as the caller's
-CPU_BLOCK_ELEMENTS = 1 << 21
+# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (2 MB of float32,
+# 5 queries of DeepSeek-V3.2's shape at top-k 512 and width 256: a few times a core's second-level cache); a GPU's
+# blocks are sized by the score tensor, as the caller's. Measured on the 2-core CPU (docs/benchmarks.md), forward and
+# backward of one layer at 4,096 tokens: blocks of 2 queries 3.6 s, 5 queries 3.2 s, 10 3.5 s, 21 3.7 s, 42 6.6 s
+CPU_BLOCK_ELEMENTS = 1 << 19
 # queries whose projections into and out of MLA's latent space run as one product
 PROJECTED_QUERIES = 256
 # a block's chosen rows' gradient is added into the row's float32 gradient in this many slices, each cast on its
@@ -57,9 +59,11 @@ class SparseLatentBlocks(torch.autograd.Function):
             for outer in _blocks(length, max(step, PROJECTED_QUERIES)):
                 query = _latent_query(q_nope[:, outer], q_rot[:, outer], w_key, dtype)  # (B, l, H, R + Dr)
                 attended = query.new_empty(*query.shape[:-1], rank)
+                flat, hidden = _flat_picks(picks[:, outer], row.shape[1])
                 for inner in _blocks(query.shape[1], step):
-                    chosen, valid = _gathered(flat_row, row.shape[1], picks[:, outer][:, inner])
-                    probs, lse[:, outer][:, inner] = _probabilities(query[:, inner], chosen, valid, scale, sinks, None)
+                    chosen = _gathered(flat_row, flat[:, inner])
+                    probs, lse[:, outer][:, inner] = _probabilities(query[:, inner], chosen, hidden[:, inner], scale,
+                                                                    sinks, None)
                     attended[:, inner] = torch.matmul(probs.to(dtype), chosen[..., :rank])
                 out[:, outer] = attended if w_value is None else torch.einsum(
                     "blhr,hvr->blhv", attended, w_value.to(dtype))
@@ -85,20 +89,25 @@ class SparseLatentBlocks(torch.autograd.Function):
             d_attended = d_out if w_value is None else torch.einsum("blhv,hvr->blhr", d_out, w_value.to(dtype))
             attended = query.new_empty(*query.shape[:-1], rank) if w_value is not None else None
             d_query = torch.empty_like(query)
+            flat, hidden = _flat_picks(picks[:, outer], row.shape[1])
             for inner in _blocks(query.shape[1], step):
-                mine = picks[:, outer][:, inner]
-                chosen, valid = _gathered(flat_row, row.shape[1], mine)
-                probs, _ = _probabilities(query[:, inner], chosen, valid, scale, sinks, lse[:, outer][:, inner])
+                mine = flat[:, inner].reshape(-1)
+                chosen = _gathered(flat_row, flat[:, inner])
+                probs, _ = _probabilities(query[:, inner], chosen, hidden[:, inner], scale, sinks,
+                                          lse[:, outer][:, inner])
                 values, d_att = chosen[..., :rank], d_attended[:, inner]  # (B, l, K, R), (B, l, H, R)
                 if attended is not None:  # out = attended . w_value: the attended latents again, for w_value's
                     attended[:, inner] = torch.matmul(probs.to(dtype), values)
                 d_probs = torch.matmul(d_att, values.transpose(-1, -2)).to(wide)  # (B, l, H, K)
                 d_scores = (probs * (d_probs - delta[:, outer][:, inner, :, None]) * scale).to(dtype)
                 d_query[:, inner] = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
-                d_chosen = torch.matmul(d_scores.transpose(-1, -2), query[:, inner])  # (B, l, K, R + Dr)
-                d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_att)
-                _add_rows(d_row, _flat_picks(mine, row.shape[1]), d_chosen.reshape(-1, d_chosen.shape[-1]))
-                del chosen, valid, probs, values, d_probs, d_scores, d_chosen  # freed before the next block's
+                # a row's gradient through its scores and as a value, one product over 2H (two of H each ran at
+                # half the speed on a CPU): [d_scores; probs]^T . [query; d_att with zeros for the rotary part],
+                # its two (B, l, 2H, K) and (B, l, 2H, R + Dr) operands freed once it is made
+                d_chosen = torch.matmul(torch.cat([d_scores, probs.to(dtype)], dim=2).transpose(-1, -2), torch.cat(
+                    [query[:, inner], torch.nn.functional.pad(d_att, (0, chosen.shape[-1] - rank))], dim=2))
+                _add_rows(d_row, mine, d_chosen.reshape(-1, d_chosen.shape[-1]))  # (B, l, K, R + Dr) added in
+                del chosen, probs, values, d_probs, d_scores, d_chosen  # freed before the next block's
             if attended is not None:
                 d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).to(wide)
             d_rot[:, outer] = d_query[..., rank:]
@@ -142,10 +151,12 @@ def _add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> N
         total.index_add_(0, index[start:start + piece], rows[start:start + piece].to(total.dtype))
 
 
-def _flat_picks(picks: torch.Tensor, keys: int) -> torch.Tensor:
-    """(B, l, K) picks (-1 read as the row's first key, masked by the caller) -> (B * l * K,) rows of the flat row."""
+def _flat_picks(picks: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, l, K) picks -> their rows of the flat row (B, l, K), -1 read as the row's first key, and which picks the
+    query may not see (B, l, 1, K), to mask. Made once for the queries of many blocks: a block's own index work was
+    a tenth of its operators."""
     offsets = torch.arange(picks.shape[0], device=picks.device)[:, None, None] * keys
-    return (picks.clamp(min=0) + offsets).reshape(-1)
+    return picks.clamp(min=0) + offsets, (picks < 0)[:, :, None]
 
 
 def _latent_query(q_nope, q_rot, w_key, dtype) -> torch.Tensor:
@@ -156,17 +167,16 @@ def _latent_query(q_nope, q_rot, w_key, dtype) -> torch.Tensor:
     return torch.cat([nope, q_rot.to(dtype)], dim=-1)
 
 
-def _gathered(flat_row, keys: int, picks):
-    """The rows (B, l, K, R + Dr) ``picks`` (B, l, K) select of the flat row, and which of them the query sees."""
-    chosen = flat_row.index_select(0, _flat_picks(picks, keys)).view(*picks.shape, flat_row.shape[-1])
-    return chosen, picks >= 0
+def _gathered(flat_row, flat: torch.Tensor) -> torch.Tensor:
+    """The rows (B, l, K, R + Dr) of the flat row that ``flat`` (B, l, K, from :func:`_flat_picks`) names."""
+    return flat_row.index_select(0, flat.reshape(-1)).view(*flat.shape, flat_row.shape[-1])
 
 
-def _probabilities(query, chosen, valid, scale: float, sinks, lse):
+def _probabilities(query, chosen, hidden, scale: float, sinks, lse):
     """(B, l, H, K) softmax of the block's scores (with each head's sink) in float32 at least, and its log-sum-exp
     (B, l, H); with ``lse`` given, the probabilities from it (the backward's)."""
     scores = torch.matmul(query, chosen.transpose(-1, -2)).to(_wide(query.dtype)) * scale
-    scores = scores.masked_fill_(~valid[:, :, None], float("-inf"))
+    scores = scores.masked_fill_(hidden, float("-inf"))  # (B, l, 1, K): the picks the query may not see
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
         if sinks is not None:

@@ -106,8 +106,8 @@ def test_a_backward_on_another_blocks_log_sum_exp_is_seen(monkeypatch):
     rounding = _errors(_value_and_grads(dense_mla, inputs, torch.float32), exact)
     original = blocks._probabilities
 
-    def shifted(query, chosen, valid, scale, sinks, lse):
-        return original(query, chosen, valid, scale, sinks, None if lse is None else lse.roll(1, dims=1))
+    def shifted(query, chosen, hidden, scale, sinks, lse):
+        return original(query, chosen, hidden, scale, sinks, None if lse is None else lse.roll(1, dims=1))
 
     monkeypatch.setattr(blocks, "_probabilities", shifted)
     errors = _errors(_value_and_grads(blocks_of(2), inputs, torch.float32), exact)
