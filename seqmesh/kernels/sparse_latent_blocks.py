@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
-# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (2 MB of float32,
-# 5 queries of DeepSeek-V3.2's shape at top-k 512 and width 256: a few times a core's second-level cache); a GPU's
-# blocks are sized by the score tensor, as the caller's. Measured on the 2-core CPU (docs/benchmarks.md), forward and
-# backward of one layer at 4,096 tokens: blocks of 2 queries 3.6 s, 5 queries 3.2 s, 10 3.5 s, 21 3.7 s, 42 6.6 s
-CPU_BLOCK_ELEMENTS = 1 << 19
+# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (4 MB of float32,
+# 10 queries of DeepSeek-V3.2's shape at top-k 512 and width 256); a GPU's blocks are sized by the score tensor, as
+# the caller's. Measured on the 2-core CPU, forward and backward of one layer at 4,096 tokens (docs/benchmarks.md),
+# blocks of 5, 10 and 21 queries: picks drawn at random 3.2, 3.5 and 3.7 s (a block's rows out of a core's cache);
+# the picks of the families bench's model, which neighbouring queries share, 2.28, 2.10 and 2.31 s (medians of 8)
+CPU_BLOCK_ELEMENTS = 1 << 20
 # queries whose projections into and out of MLA's latent space run as one product
 PROJECTED_QUERIES = 256
 # a block's chosen rows' gradient is added into the row's float32 gradient in this many slices, each cast on its
