@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (4 MB of float32,
-# 10 queries of DeepSeek-V3.2's shape at top-k 512 and width 256); a GPU's blocks are sized by the score tensor, as
-# the caller's. Measured on the 2-core CPU, forward and backward of one layer at 4,096 tokens (docs/benchmarks.md),
+# the gathered rows of one block of queries, (B, n, K, R + Dr) elements, at most this many on a CPU (4 MB of float32:
+# 10 queries of the families bench's DSA, top-k 512 of rows 192 wide); a GPU's blocks are sized by the score tensor,
+# as the caller's. Measured on the 2-core CPU, forward and backward of one layer at 4,096 tokens (docs/benchmarks.md),
 # blocks of 5, 10 and 21 queries: picks drawn at random 3.2, 3.5 and 3.7 s (a block's rows out of a core's cache);
 # the picks of the families bench's model, which neighbouring queries share, 2.28, 2.10 and 2.31 s (medians of 8)
 CPU_BLOCK_ELEMENTS = 1 << 20
