@@ -102,12 +102,9 @@ class SparseLatentBlocks(torch.autograd.Function):
                 d_probs = torch.matmul(d_att, values.transpose(-1, -2)).to(wide)  # (B, l, H, K)
                 d_scores = (probs * (d_probs - delta[:, outer][:, inner, :, None]) * scale).to(dtype)
                 d_query[:, inner] = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
-                # a row's gradient through its scores and as a value, one product over 2H (two of H each ran at
-                # half the speed on a CPU): [d_scores; probs]^T . [query; d_att with zeros for the rotary part],
-                # its two (B, l, 2H, K) and (B, l, 2H, R + Dr) operands freed once it is made
-                d_chosen = torch.matmul(torch.cat([d_scores, probs.to(dtype)], dim=2).transpose(-1, -2), torch.cat(
-                    [query[:, inner], torch.nn.functional.pad(d_att, (0, chosen.shape[-1] - rank))], dim=2))
-                _add_rows(d_row, mine, d_chosen.reshape(-1, d_chosen.shape[-1]))  # (B, l, K, R + Dr) added in
+                d_chosen = torch.matmul(d_scores.transpose(-1, -2), query[:, inner])  # (B, l, K, R + Dr)
+                d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_att)
+                _add_rows(d_row, mine, d_chosen.reshape(-1, d_chosen.shape[-1]))
                 del chosen, probs, values, d_probs, d_scores, d_chosen  # freed before the next block's
             if attended is not None:
                 d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).to(wide)
