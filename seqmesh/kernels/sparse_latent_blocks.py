@@ -29,6 +29,7 @@ import torch
 # as the caller's. Measured on the 2-core CPU, forward and backward of one layer at 4,096 tokens (docs/benchmarks.md),
 # blocks of 5, 10 and 21 queries: picks drawn at random 3.2, 3.5 and 3.7 s (a block's rows out of a core's cache);
 # the picks of the families bench's model, which neighbouring queries share, 2.28, 2.10 and 2.31 s (medians of 8)
+# (both with a fused row-gradient product since taken back, docs/benchmarks.md)
 CPU_BLOCK_ELEMENTS = 1 << 20
 # queries whose projections into and out of MLA's latent space run as one product
 PROJECTED_QUERIES = 256
