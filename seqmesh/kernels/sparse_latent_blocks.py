@@ -173,7 +173,8 @@ def _gathered(flat_row, flat: torch.Tensor) -> torch.Tensor:
 
 def _probabilities(query, chosen, hidden, scale: float, sinks, lse):
     """(B, l, H, K) softmax of the block's scores (with each head's sink) in float32 at least, and its log-sum-exp
-    (B, l, H); with ``lse`` given, the probabilities from it (the backward's)."""
+    (B, l, H); with ``lse`` given, the probabilities from it (the backward's). ``hidden`` (B, l, 1, K), from
+    :func:`_flat_picks`: the picks the query may not see, the same for every head."""
     scores = torch.matmul(query, chosen.transpose(-1, -2)).to(_wide(query.dtype)) * scale
     scores = scores.masked_fill_(hidden, float("-inf"))  # (B, l, 1, K): the picks the query may not see
     if lse is None:
