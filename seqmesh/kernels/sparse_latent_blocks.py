@@ -63,7 +63,7 @@ class SparseLatentBlocks(torch.autograd.Function):
                 attended = query.new_empty(*query.shape[:-1], rank)
                 flat, hidden = _flat_picks(picks[:, outer], row.shape[1])
                 for inner in _blocks(query.shape[1], step):
-                    chosen = _gathered(flat_row, flat[:, inner])
+                    chosen = _gathered(flat_row, flat[:, inner].reshape(-1), flat[:, inner].shape)
                     probs, lse[:, outer][:, inner] = _probabilities(query[:, inner], chosen, hidden[:, inner], scale,
                                                                     sinks, None)
                     attended[:, inner] = torch.matmul(probs.to(dtype), chosen[..., :rank])
@@ -93,8 +93,8 @@ class SparseLatentBlocks(torch.autograd.Function):
             d_query = torch.empty_like(query)
             flat, hidden = _flat_picks(picks[:, outer], row.shape[1])
             for inner in _blocks(query.shape[1], step):
-                mine = flat[:, inner].reshape(-1)
-                chosen = _gathered(flat_row, flat[:, inner])
+                mine = flat[:, inner].reshape(-1)  # the rows gathered, then the rows their gradient goes to
+                chosen = _gathered(flat_row, mine, flat[:, inner].shape)
                 probs, _ = _probabilities(query[:, inner], chosen, hidden[:, inner], scale, sinks,
                                           lse[:, outer][:, inner])
                 values, d_att = chosen[..., :rank], d_attended[:, inner]  # (B, l, K, R), (B, l, H, R)
@@ -166,9 +166,10 @@ def _latent_query(q_nope, q_rot, w_key, dtype) -> torch.Tensor:
     return torch.cat([nope, q_rot.to(dtype)], dim=-1)
 
 
-def _gathered(flat_row, flat: torch.Tensor) -> torch.Tensor:
-    """The rows (B, l, K, R + Dr) of the flat row that ``flat`` (B, l, K, from :func:`_flat_picks`) names."""
-    return flat_row.index_select(0, flat.reshape(-1)).view(*flat.shape, flat_row.shape[-1])
+def _gathered(flat_row, index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The rows (B, l, K, R + Dr) of the flat row that ``index`` (B * l * K,: a block's :func:`_flat_picks` rows,
+    flattened) names, ``shape`` the block's (B, l, K)."""
+    return flat_row.index_select(0, index).view(*shape, flat_row.shape[-1])
 
 
 def _probabilities(query, chosen, hidden, scale: float, sinks, lse):
