@@ -218,6 +218,17 @@ def gated_residual_saved(work: Workload, inject: bool = True) -> int:
     return 2 * 4 * wide + 2 * e * wide + 2 * e * q.lowrank + (e * m.hidden if inject else 0)
 
 
+def hyper_connection_backward_bytes(work: Workload, layout: Degrees) -> int:
+    """What DeepSeek-V4's layer holds beyond its saved tensors and its output's gradient as its backward starts: its
+    second hyper-connection's expansion (the block's output times each stream's weight) makes its two operands'
+    gradients at once, ``(tokens, hc_mult, hidden)`` each before they are summed, beside the streams' gradient
+    through the mixing, made just before; all in the compute dtype (measured in a rehearsal, docs/planner.md)."""
+    m = work.model
+    if m.compressed is None:
+        return 0
+    return 3 * tokens(work, layout) * m.compressed.hc_mult * m.hidden * work.act_bytes
+
+
 def hyper_connection_share(work: Workload) -> int:
     """Bytes a token's one DeepSeek-V4 hyper-connection keeps: its streams in float32 (a copy unless the model is)
     and normed, and its Sinkhorn iterations' mixes (each division's (n, n) output and its sums; the first and last

@@ -8,8 +8,7 @@ import itertools
 from dataclasses import dataclass, fields
 
 from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, efficient_norm, final_norm_bytes,
-                          gated_residual_saved,
-                          gathered_tokens, kept_attention_bytes, layer_backward_timeline, layer_input_bytes,
+                          gated_residual_saved, gathered_tokens, hyper_connection_backward_bytes, kept_attention_bytes, layer_backward_timeline, layer_input_bytes,
                           local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
 from .depth_states import block_states_bytes, messages_bytes
@@ -23,6 +22,7 @@ from ..rules.degrees import Degrees
 from .workload import Workload
 
 MASTER, GRAD_SHARD, ADAM = 4, 4, 8  # bytes per parameter held sharded
+HYPER_CONNECTION_BACKWARD = "hyper-connection backward"  # :func:`.activations.hyper_connection_backward_bytes`
 MOMENTS = ("loss forward", "loss backward", "layer backward", "first layer backward", "end of backward",
            "optimizer step")
 
@@ -246,13 +246,17 @@ def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[
 
     def moment(kind) -> tuple[int, str, Workload]:  # the peak of a layer of this kind in backward, beyond what is below
         (extra, op), mlp = timeline(kind.work)
+        # DeepSeek-V4's hyper-connection at the start of any kind's backward, where it is larger
+        hyper = hyper_connection_backward_bytes(kind.work, layout)
+        streams = [(hyper, HYPER_CONNECTION_BACKWARD)] if hyper else []
         if not hasattr(kind, "backward_bytes"):  # an attention layer's timeline
+            extra, op = max([(extra, op), *streams])
             return kind.saved_bytes() + extra, op, kind.work
         # a recurrence's gradients (seqmesh.planner.diagonal, .mamba2, .lightning, .kda), or its layer's other moments:
         # Falcon-H1's attention beside it, the timeline whole; a feed-forward's, unless the kind has none (Nemotron-H)
         other = (extra, op) if getattr(kind, "beside_attention", False) else (
             (0, "") if getattr(kind, "ffn", None) == "" else mlp)
-        own = max((kind.backward_bytes(), getattr(kind, "backward_op", "recurrence backward")), other)
+        own = max([(kind.backward_bytes(), getattr(kind, "backward_op", "recurrence backward")), other, *streams])
         return kind.saved_bytes() + own[0], own[1], kind.work
 
     return max((moment(kind) for kind, _ in layer_kinds(work, layout)), key=lambda m: m[:2])
