@@ -29,7 +29,6 @@ import torch
 # as the caller's. Measured on the 2-core CPU, forward and backward of one layer at 4,096 tokens (docs/benchmarks.md),
 # blocks of 5, 10 and 21 queries: picks drawn at random 3.2, 3.5 and 3.7 s (a block's rows out of a core's cache);
 # the picks of the families bench's model, which neighbouring queries share, 2.28, 2.10 and 2.31 s (medians of 8)
-# (both with a fused row-gradient product since taken back, docs/benchmarks.md)
 CPU_BLOCK_ELEMENTS = 1 << 20
 # queries whose projections into and out of MLA's latent space run as one product
 PROJECTED_QUERIES = 256
@@ -103,9 +102,12 @@ class SparseLatentBlocks(torch.autograd.Function):
                 d_probs = torch.matmul(d_att, values.transpose(-1, -2)).to(wide)  # (B, l, H, K)
                 d_scores = (probs * (d_probs - delta[:, outer][:, inner, :, None]) * scale).to(dtype)
                 d_query[:, inner] = torch.matmul(d_scores, chosen)  # (B, l, H, R + Dr)
-                d_chosen = torch.matmul(d_scores.transpose(-1, -2), query[:, inner])  # (B, l, K, R + Dr)
-                d_chosen[..., :rank] += torch.matmul(probs.to(dtype).transpose(-1, -2), d_att)
-                _add_rows(d_row, mine, d_chosen.reshape(-1, d_chosen.shape[-1]))
+                # a row's gradient through its scores and as a value in one product over 2H rows (two of H each ran
+                # at half the speed on a CPU): [d_scores; probs]^T . [query; d_att with zeros for the rotary part],
+                # its (B, l, 2H, K) and (B, l, 2H, R + Dr) operands freed once it is made
+                d_chosen = torch.matmul(torch.cat([d_scores, probs.to(dtype)], dim=2).transpose(-1, -2), torch.cat(
+                    [query[:, inner], torch.nn.functional.pad(d_att, (0, chosen.shape[-1] - rank))], dim=2))
+                _add_rows(d_row, mine, d_chosen.reshape(-1, d_chosen.shape[-1]))  # (B, l, K, R + Dr) added in
                 del chosen, probs, values, d_probs, d_scores, d_chosen  # freed before the next block's
             if attended is not None:
                 d_value += torch.einsum("blhv,blhr->hvr", d_out, attended).to(wide)

@@ -109,11 +109,11 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     chosen = step * b * top * width
     probs = step * b * m.heads * top * 4 * SCORE_TENSORS  # the block's float32 probabilities and their gradients
     queries = local * b * m.heads * (lat.qk_head_dim * e + 4)  # with the float32 sum of out . d out per head
-    # the block's chosen rows and their gradient, beside the larger of two passing tensors: the values' share of that
-    # gradient before it is added in, or a slice of it in float32 where the row's float32 gradient takes it
-    # (sparse_latent_blocks._add_rows)
+    # the block's chosen rows and their gradient, beside the larger of two passing tensors: the two operands of the
+    # product that makes that gradient ((B, l, 2H, k) and (B, l, 2H, R + Dr)), or a slice of it in float32 where the
+    # row's float32 gradient takes it (sparse_latent_blocks._add_rows)
     cast = chosen * 4 // sparse_latent_blocks.ADD_SLICES if e < 4 else 0
-    passing = max(cast, chosen * e * lat.kv_lora_rank // width)
+    passing = max(cast, 2 * step * b * m.heads * (top + width) * e)
     return max(select, 2 * chosen * e + passing + probs + row * width * e + queries)
 
 

@@ -261,7 +261,8 @@ def compressed_attention_working_bytes(work: Workload, layout: Degrees, kind: st
     copy and that scaled; and the pass's (queries, entries) mask of the entries each query sees). The attention's backward, as the torch form runs it
     (``seqmesh.kernels.sparse_latent_blocks``, which a rehearsal measures; the Triton kernel holds less): a block's
     chosen rows and their gradient (blocks of the layer's queries, as ``seqmesh.hf.compressed_attention`` sizes them
-    for the torch form), beside the larger of a passing tensor and its slice's float32 cast, its float32
+    for the torch form), beside the larger of the operands of the one product that makes their gradient and a
+    slice of that gradient's float32 cast, its float32
     probabilities and their gradients, the row's float32 gradient, and the queries' gradient with a float32 sum a
     head, as DeepSeek Sparse Attention's (:func:`.activations.indexed_attention_working_bytes`)."""
     m, e, c = work.model, work.act_bytes, work.model.compressed
@@ -282,4 +283,5 @@ def compressed_attention_working_bytes(work: Workload, layout: Degrees, kind: st
     cast = chosen * 4 // sparse_latent_blocks.ADD_SLICES if e < 4 else 0
     queries = b * local * m.heads * (m.head_dim * e + 4)
     row = b * _row_rows(work, layout, kind) * m.head_dim * 4
-    return max(select, 2 * chosen * e + max(cast, chosen * e) + probs + row + queries)
+    passing = 2 * step * b * m.heads * (top + m.head_dim) * e  # the row gradient's product's two operands
+    return max(select, 2 * chosen * e + max(cast, passing) + probs + row + queries)
