@@ -8,8 +8,9 @@ import itertools
 from dataclasses import dataclass, fields
 
 from .activations import (ATTENTION_STEPS, TILED_RECOMPUTE, attention_backward_bytes, efficient_norm, final_norm_bytes,
-                          gated_residual_saved, gathered_tokens, hyper_connection_backward_bytes, kept_attention_bytes, layer_backward_timeline, layer_input_bytes,
-                          local_tokens, mlp_tile_tokens, norm_saved, outside_layers_bytes, timeline_peak, tokens)
+                          gated_residual_saved, gathered_tokens, hyper_connection_backward_bytes, kept_attention_bytes,
+                          layer_backward_timeline, layer_input_bytes, local_tokens, mlp_tile_tokens, norm_saved,
+                          outside_layers_bytes, timeline_peak, tokens)
 from .expert_activations import dense_layer, first_layer
 from .depth_states import block_states_bytes, messages_bytes
 from .inkling2 import layers_saved_bytes

@@ -468,8 +468,7 @@ def test_deepseek_v4_heavily_compressed_layers_are_planned_beside_their_rehearsa
                         ).save_pretrained(tmp_path / "hca")
     result = rehearse(dataclasses.replace(CONFIG, model=str(tmp_path / "hca"), seq_len=16384, ulysses=1), 1,
                       timeout=300)
-    assert result["peak_phase"] == "layer 2 backward" and result["peak_op"] == "mul.Tensor", result
-    assert 0.97 < result["ratio"] < 1.03, result
+    assert result["peak_phase"] == "layer 2 backward" and 0.97 < result["ratio"] < 1.03, result
 
 
 def test_an_unshard_no_backward_used_is_waited_on_without_checkpointing(tmp_path):
