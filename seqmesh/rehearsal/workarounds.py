@@ -22,7 +22,10 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    operator as on a CUDA build.
 
 4. Meta (:func:`_efficient_backward_fix`): the memory-efficient kernel's backward gets a Meta kernel with its
-   schema's arguments where torch's meta function lacks ``out`` (torch 2.13's does, on every build).
+   schema's arguments where torch's meta function lacks ``out`` (torch 2.13's does, on every build). And
+   (:func:`_grouped_mm_fix`) the experts' grouped product (transformers' MoE default) gets one that takes every
+   dtype CUDA's kernel does: torch's meta function refuses all but bf16, where CUDA runs float32 and float16 on its
+   fallback (a product per group into the same output), so a float32 MoE step failed only in its rehearsal.
 
 On either device, :func:`real_device_meshes` builds every ``DeviceMesh`` on real tensors (FSDP2 makes one inside
 the fake mode under tensor parallelism).
@@ -236,6 +239,49 @@ def _efficient_backward_fix() -> torch.library.Library | None:
     return lib
 
 
+def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``aten::_grouped_mm`` on meta tensors of any floating dtype: torch's own meta function for bf16 (and for a mix
+    of dtypes, which CUDA refuses too); else the kernel's checks (row- or column-major operands with rows of a
+    multiple of 16 bytes, offsets exactly where an operand is 2D, no bias) and an output of the operands' dtype,
+    laid out as CUDA's fallback lays it."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+
+    if mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype:
+        return meta_grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+    torch._check(out_dtype in (None, mat_a.dtype) and bias is None,
+                 lambda: f"_grouped_mm of {mat_a.dtype} operands: CUDA's fallback takes no bias and no other output "
+                         f"dtype (got out_dtype={out_dtype}).")
+    align = 16 // mat_a.element_size()
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        torch._check(mat.dim() in (2, 3), lambda: f"{name} must be 2D or 3D, not {mat.dim()}D.")
+        rows, cols = mat.stride()[-2:]
+        torch._check((cols == 1 and rows % align == 0) or (rows == 1 and cols % align == 0),
+                     lambda: f"{name}'s strides {mat.stride()} are not row- or column-major in rows of a multiple of "
+                             "16 bytes.")
+    needs_offs = mat_a.dim() == 2 or mat_b.dim() == 2
+    torch._check(needs_offs == (offs is not None) and (offs is None or (offs.dim() == 1 and offs.dtype == torch.int32)),
+                 lambda: "_grouped_mm needs 1D int32 offsets exactly where an operand is 2D.")
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, mat_a.dtype)
+
+
+def _grouped_mm_fix() -> torch.library.Library | None:
+    """A Meta kernel for ``aten::_grouped_mm`` that takes float32 and float16 operands as CUDA's kernel does (see the
+    module docstring; ``_destroy()`` it to take it back); None where torch's meta function already does."""
+    from torch import _meta_registrations
+
+    if not all(hasattr(_meta_registrations, f) for f in ("meta_grouped_mm", "_create_grouped_mm_output_tensor")):
+        return None
+    probe = [torch.empty(4, 8, device="meta"), torch.empty(2, 8, 4, device="meta")]
+    try:
+        _meta_registrations.meta_grouped_mm(*probe, torch.tensor([2, 4], dtype=torch.int32, device="meta"))
+        return None  # float32 already passes
+    except RuntimeError:
+        pass
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_grouped_mm", _grouped_mm_meta, "Meta", allow_override=True)
+    return lib
+
+
 @contextlib.contextmanager
 def lift_on_autograd_threads(device: torch.device) -> Iterator[None]:
     """Inside, autograd's ``device`` thread builds ``torch.tensor(data, device=...)`` (and a list index's tensor) on
@@ -355,7 +401,8 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
-        kernels = [lib for lib in (_fused_backwards(), _efficient_backward_fix()) if lib is not None]
+        kernels = [lib for lib in (_fused_backwards(), _efficient_backward_fix(), _grouped_mm_fix())
+                   if lib is not None]
         with lift_on_autograd_threads(torch.device("cuda", 0)):
             yield torch.device("cuda", 0)
     finally:

@@ -453,6 +453,42 @@ def test_trocr_rehearses_beside_its_plan(rehearse, tmp_path):
     assert result["device"] == "cuda" and 0.97 < result["ratio"] < 1.05, result
 
 
+def test_the_grouped_product_of_float32_experts_is_laid_out_as_the_kernel_lays_it():
+    """transformers' experts run torch._grouped_mm, whose meta function refuses float32 where CUDA's kernel runs it
+    on its fallback: the rehearsal's own meta function gives the output the CPU kernel makes (shape, dtype, strides)
+    for both of the experts' layouts, and refuses what the kernel refuses."""
+    import torch
+
+    from seqmesh.rehearsal.workarounds import _grouped_mm_meta
+
+    offs = torch.tensor([4, 8], dtype=torch.int32)  # float32 rows of 12: a multiple of 16 bytes, not of bf16's 8
+    for a, b in ((torch.randn(8, 12), torch.randn(2, 12, 12)),  # routed rows (2D) against each expert's weight (3D)
+                 (torch.randn(16, 8), torch.randn(8, 12)),  # the weights' gradient: 2D x 2D, one (16, 12) an expert
+                 (torch.randn(12, 8).t(), torch.randn(2, 12, 12).transpose(1, 2))):  # column-major operands
+        real = torch._grouped_mm(a, b, offs)
+        fake = _grouped_mm_meta(a.to("meta"), b.to("meta"), offs.to("meta"))
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride()), (fake, real)
+    with pytest.raises(RuntimeError, match="BF16"):  # torch's own, which the rehearsal replaces
+        torch._grouped_mm(torch.randn(8, 12, device="meta"), torch.randn(2, 12, 12, device="meta"), offs.to("meta"))
+    with pytest.raises(RuntimeError, match="matrix batch sizes"):  # three experts' weights, two offsets
+        _grouped_mm_meta(torch.randn(8, 12, device="meta"), torch.randn(3, 12, 12, device="meta"), offs.to("meta"))
+    with pytest.raises(RuntimeError, match="16 bytes"):  # rows of 6 float32s, which the kernel refuses
+        _grouped_mm_meta(torch.randn(8, 6, device="meta"), torch.randn(2, 6, 12, device="meta"), offs.to("meta"))
+
+
+def test_a_float32_mixture_of_experts_rehearses_on_fake_cuda(rehearse, tmp_path):
+    """Without --bf16 the families bench's MLA model (8 experts on transformers' grouped product) failed in its
+    rehearsal only ("Expected inputs of BF16 type", torch's meta function); it now rehearses on the fake device
+    (on the memory-efficient kernel, CUDA's choice in float32)."""
+    from seqmesh.bench.families import FamiliesBench, family_config
+
+    family_config("mla", FamiliesBench()).save_pretrained(tmp_path / "mla")
+    cfg = dataclasses.replace(CONFIG, model=str(tmp_path / "mla"), seq_len=2048, ulysses=1, bf16=False, fsdp=True)
+    result = rehearse(cfg, 1, timeout=300)
+    assert result["device"] == "cuda" and result["kernels"] == ["cuda_efficient"], result
+    assert "backward" in result["peak_phase"] and result["planned_peak_bytes"], result
+
+
 def test_deepseek_v4_heavily_compressed_layers_are_planned_beside_their_rehearsal(rehearse, tmp_path):
     """DeepSeek-V4 layers of heavily compressed attention only (every closed entry of 32 tokens; width 256, 8 heads
     of 64) on one GPU at 16K tokens, where the last layer's backward peaks as it starts: its second hyper-connection's
