@@ -23,8 +23,8 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
 
 4. Meta (:func:`_efficient_backward_fix`): the memory-efficient kernel's backward gets a Meta kernel with its
    schema's arguments where torch's meta function lacks ``out`` (torch 2.13's does, on every build). And
-   (:func:`_grouped_mm_fix`) the experts' grouped product (transformers' MoE default) gets one that takes every
-   dtype CUDA's kernel does: torch's meta function refuses all but bf16, where CUDA runs float32 and float16 on its
+   (:func:`_grouped_mm_fix`) the experts' grouped product (transformers' MoE default) gets one that takes float32
+   and float16 as CUDA's kernel does: torch's meta function refuses all but bf16, where CUDA runs those two on its
    fallback (a product per group into the same output), so a float32 MoE step failed only in its rehearsal.
 
 On either device, :func:`real_device_meshes` builds every ``DeviceMesh`` on real tensors (FSDP2 makes one inside
@@ -46,6 +46,8 @@ from collections.abc import Iterator
 
 import torch
 
+# the dtypes CUDA's grouped product runs on its fallback, beside its bf16 kernel (:func:`_grouped_mm_meta`)
+GROUPED_MM_FALLBACK_DTYPES = (torch.float32, torch.float16)
 CUDNN_VERSION = 91002  # cuDNN 9.10, as torch.backends.cudnn.version() reports it (what `--backend cuda_cudnn` sees)
 LIBRARY = "seqmesh_fake_cuda"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")
@@ -240,28 +242,35 @@ def _efficient_backward_fix() -> torch.library.Library | None:
 
 
 def _grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """``aten::_grouped_mm`` on meta tensors of any floating dtype: torch's own meta function for bf16 (and for a mix
-    of dtypes, which CUDA refuses too); else the kernel's checks (row- or column-major operands with rows of a
-    multiple of 16 bytes, offsets exactly where an operand is 2D, no bias) and an output of the operands' dtype,
-    laid out as CUDA's fallback lays it."""
+    """``aten::_grouped_mm`` on meta tensors: torch's own meta function for bf16 and for what CUDA refuses (other
+    dtypes, a mix); for float32 and float16, the kernel's checks and an output of the operands' dtype laid out as the
+    kernel lays it, each row padded to a multiple of 16 bytes (torch's meta function pads only on a CUDA build)."""
     from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
 
-    if mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype:
+    if mat_a.dtype not in GROUPED_MM_FALLBACK_DTYPES or mat_b.dtype != mat_a.dtype:
         return meta_grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
-    torch._check(out_dtype in (None, mat_a.dtype) and bias is None,
-                 lambda: f"_grouped_mm of {mat_a.dtype} operands: CUDA's fallback takes no bias and no other output "
-                         f"dtype (got out_dtype={out_dtype}).")
+    torch._check(out_dtype in (None, mat_a.dtype), lambda: f"_grouped_mm of {mat_a.dtype} operands: CUDA's fallback "
+                                                           f"makes no other output dtype (got {out_dtype}).")
+    torch._check(bias is None, lambda: "_grouped_mm takes no bias.")
     align = 16 // mat_a.element_size()
     for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
         torch._check(mat.dim() in (2, 3), lambda: f"{name} must be 2D or 3D, not {mat.dim()}D.")
-        rows, cols = mat.stride()[-2:]
-        torch._check((cols == 1 and rows % align == 0) or (rows == 1 and cols % align == 0),
+        (rows, cols), (height, width) = mat.stride()[-2:], mat.shape[-2:]
+        torch._check((cols == 1 and rows % align == 0 and rows >= width)
+                     or (rows == 1 and cols % align == 0 and cols >= height),
                      lambda: f"{name}'s strides {mat.stride()} are not row- or column-major in rows of a multiple of "
                              "16 bytes.")
+    if mat_a.dim() == 3 or mat_b.dim() == 3:
+        torch._check(mat_a.size(-1) == mat_b.size(-2), lambda: f"_grouped_mm's operands {list(mat_a.shape)} and "
+                                                               f"{list(mat_b.shape)} do not share their inner size.")
     needs_offs = mat_a.dim() == 2 or mat_b.dim() == 2
-    torch._check(needs_offs == (offs is not None) and (offs is None or (offs.dim() == 1 and offs.dtype == torch.int32)),
-                 lambda: "_grouped_mm needs 1D int32 offsets exactly where an operand is 2D.")
-    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, mat_a.dtype)
+    torch._check(needs_offs == (offs is not None), lambda: "_grouped_mm needs offsets exactly where an operand is 2D.")
+    torch._check(offs is None or (offs.dim() == 1 and offs.dtype == torch.int32),
+                 lambda: "_grouped_mm's offsets must be a 1D int32 tensor.")
+    shape = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, mat_a.dtype).shape  # with its batch sizes' checks
+    padded = -(-shape[-1] // align) * align
+    strides = (shape[1] * padded, padded, 1) if len(shape) == 3 else (padded, 1)
+    return torch.empty_strided(shape, strides, dtype=mat_a.dtype, device=mat_a.device)
 
 
 def _grouped_mm_fix() -> torch.library.Library | None:
@@ -401,8 +410,8 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
-        kernels = [lib for lib in (_fused_backwards(), _efficient_backward_fix(), _grouped_mm_fix())
-                   if lib is not None]
+        for make in (_fused_backwards, _efficient_backward_fix, _grouped_mm_fix):  # each kept as made: the
+            kernels += [lib for lib in (make(),) if lib is not None]  # finally destroys those made before a failure
         with lift_on_autograd_threads(torch.device("cuda", 0)):
             yield torch.device("cuda", 0)
     finally:

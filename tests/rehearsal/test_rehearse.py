@@ -455,8 +455,8 @@ def test_trocr_rehearses_beside_its_plan(rehearse, tmp_path):
 
 def test_the_grouped_product_of_float32_experts_is_laid_out_as_the_kernel_lays_it():
     """transformers' experts run torch._grouped_mm, whose meta function refuses float32 where CUDA's kernel runs it
-    on its fallback: the rehearsal's own meta function gives the output the CPU kernel makes (shape, dtype, strides)
-    for both of the experts' layouts, and refuses what the kernel refuses."""
+    on its fallback: the rehearsal's own meta function gives the output the CPU kernel makes (shape, dtype, strides,
+    rows padded to 16 bytes) for both of the experts' layouts, and refuses what the kernel refuses."""
     import torch
 
     from seqmesh.rehearsal.workarounds import _grouped_mm_meta
@@ -464,7 +464,9 @@ def test_the_grouped_product_of_float32_experts_is_laid_out_as_the_kernel_lays_i
     offs = torch.tensor([4, 8], dtype=torch.int32)  # float32 rows of 12: a multiple of 16 bytes, not of bf16's 8
     for a, b in ((torch.randn(8, 12), torch.randn(2, 12, 12)),  # routed rows (2D) against each expert's weight (3D)
                  (torch.randn(16, 8), torch.randn(8, 12)),  # the weights' gradient: 2D x 2D, one (16, 12) an expert
-                 (torch.randn(12, 8).t(), torch.randn(2, 12, 12).transpose(1, 2))):  # column-major operands
+                 (torch.randn(12, 8).t(), torch.randn(2, 12, 12).transpose(1, 2)),  # column-major operands
+                 (torch.randn(8, 12), torch.randn(2, 10, 12).transpose(1, 2)),  # outputs of 10: rows padded to 12
+                 (torch.randn(16, 8), torch.randn(10, 8).t())):
         real = torch._grouped_mm(a, b, offs)
         fake = _grouped_mm_meta(a.to("meta"), b.to("meta"), offs.to("meta"))
         assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride()), (fake, real)
@@ -472,6 +474,11 @@ def test_the_grouped_product_of_float32_experts_is_laid_out_as_the_kernel_lays_i
         torch._grouped_mm(torch.randn(8, 12, device="meta"), torch.randn(2, 12, 12, device="meta"), offs.to("meta"))
     with pytest.raises(RuntimeError, match="matrix batch sizes"):  # three experts' weights, two offsets
         _grouped_mm_meta(torch.randn(8, 12, device="meta"), torch.randn(3, 12, 12, device="meta"), offs.to("meta"))
+    with pytest.raises(RuntimeError, match="inner size"):  # rows of 12 against weights of 8 rows
+        _grouped_mm_meta(torch.randn(8, 12, device="meta"), torch.randn(2, 8, 12, device="meta"), offs.to("meta"))
+    with pytest.raises(RuntimeError, match="BF16"):  # float64, which CUDA refuses too: torch's own answer
+        _grouped_mm_meta(torch.randn(8, 12, device="meta", dtype=torch.float64),
+                         torch.randn(2, 12, 12, device="meta", dtype=torch.float64), offs.to("meta"))
     with pytest.raises(RuntimeError, match="16 bytes"):  # rows of 6 float32s, which the kernel refuses
         _grouped_mm_meta(torch.randn(8, 6, device="meta"), torch.randn(2, 6, 12, device="meta"), offs.to("meta"))
 
