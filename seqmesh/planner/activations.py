@@ -221,8 +221,9 @@ def gated_residual_saved(work: Workload, inject: bool = True) -> int:
 def hyper_connection_backward_bytes(work: Workload, layout: Degrees) -> int:
     """What DeepSeek-V4's layer holds beyond its saved tensors and its output's gradient as its backward starts: its
     second hyper-connection's expansion (the block's output times each stream's weight) makes its two operands'
-    gradients at once, ``(tokens, hc_mult, hidden)`` each before it is reduced to its operand's shape, beside the streams' gradient
-    through the mixing, made just before; all in the compute dtype (measured in a rehearsal, docs/planner.md)."""
+    gradients at once, ``(tokens, hc_mult, hidden)`` each before it is reduced to its operand's shape, beside the
+    streams' gradient through the mixing, made just before; all in the compute dtype (measured in a rehearsal,
+    docs/planner.md)."""
     m = work.model
     if m.compressed is None:
         return 0

@@ -262,9 +262,9 @@ def compressed_attention_working_bytes(work: Workload, layout: Degrees, kind: st
     (``seqmesh.kernels.sparse_latent_blocks``, which a rehearsal measures; the Triton kernel holds less): a block's
     chosen rows and their gradient (blocks of the layer's queries, as ``seqmesh.hf.compressed_attention`` sizes them
     for the torch form), beside the larger of the operands of the one product that makes their gradient and a
-    slice of that gradient's float32 cast, its float32
-    probabilities and their gradients, the row's float32 gradient, and the queries' gradient with a float32 sum a
-    head, as DeepSeek Sparse Attention's (:func:`.activations.indexed_attention_working_bytes`)."""
+    slice of that gradient's float32 cast, its float32 probabilities and their gradients, the row's float32
+    gradient, and the queries' gradient with a float32 sum a head, as DeepSeek Sparse Attention's
+    (:func:`.activations.indexed_attention_working_bytes`)."""
     m, e, c = work.model, work.act_bytes, work.model.compressed
     b, local = work.batch, local_tokens(work, layout)
     select = 0
