@@ -62,7 +62,8 @@ class SparseLatentBlocks(torch.autograd.Function):
                 attended = query.new_empty(*query.shape[:-1], rank)
                 flat, hidden = _flat_picks(picks[:, outer], row.shape[1])
                 for inner in _blocks(query.shape[1], step):
-                    chosen = _gathered(flat_row, flat[:, inner].reshape(-1), flat[:, inner].shape)
+                    block = flat[:, inner]  # (B, l, K)
+                    chosen = _gathered(flat_row, block.reshape(-1), block.shape)
                     probs, lse[:, outer][:, inner] = _probabilities(query[:, inner], chosen, hidden[:, inner], scale,
                                                                     sinks, None)
                     attended[:, inner] = torch.matmul(probs.to(dtype), chosen[..., :rank])
@@ -92,8 +93,9 @@ class SparseLatentBlocks(torch.autograd.Function):
             d_query = torch.empty_like(query)
             flat, hidden = _flat_picks(picks[:, outer], row.shape[1])
             for inner in _blocks(query.shape[1], step):
-                mine = flat[:, inner].reshape(-1)  # the rows gathered, then the rows their gradient goes to
-                chosen = _gathered(flat_row, mine, flat[:, inner].shape)
+                block = flat[:, inner]  # (B, l, K)
+                mine = block.reshape(-1)  # the rows gathered, then the rows their gradient goes to
+                chosen = _gathered(flat_row, mine, block.shape)
                 probs, _ = _probabilities(query[:, inner], chosen, hidden[:, inner], scale, sinks,
                                           lse[:, outer][:, inner])
                 values, d_att = chosen[..., :rank], d_attended[:, inner]  # (B, l, K, R), (B, l, H, R)

@@ -106,15 +106,22 @@ def indexed_attention_working_bytes(work: Workload, layout: Degrees) -> int:
     select = row * lat.index_head_dim * (e + 4) + local * b * lat.index_n_heads * lat.index_head_dim * e + scores * 4
     width = lat.kv_lora_rank + lat.qk_rope_head_dim
     step = min(sparse_latent_blocks.block_queries(b, top, width, GPU, indexed_attention.BLOCK_ELEMENTS), local)
-    chosen = step * b * top * width
-    probs = step * b * m.heads * top * 4 * SCORE_TENSORS  # the block's float32 probabilities and their gradients
     queries = local * b * m.heads * (lat.qk_head_dim * e + 4)  # with the float32 sum of out . d out per head
-    # the block's chosen rows and their gradient, beside the larger of two passing tensors: the two operands of the
-    # product that makes that gradient ((B, l, 2H, k) and (B, l, 2H, R + Dr)), or a slice of it in float32 where the
-    # row's float32 gradient takes it (sparse_latent_blocks._add_rows)
+    block = sparse_block_bytes(step, b, m.heads, top, width, e)
+    return max(select, block + row * width * e + queries)
+
+
+def sparse_block_bytes(step: int, batch: int, heads: int, picks: int, width: int, e: int) -> int:
+    """What one block of ``step`` queries of the torch form's backward holds (``seqmesh.kernels.sparse_latent_blocks``;
+    DeepSeek Sparse Attention's and V4's compressed layers'): its chosen rows ``(B, l, k, width)`` and their
+    gradient, its float32 probabilities and their gradients (:data:`SCORE_TENSORS` of (B, l, H, k)), beside the
+    larger of two passing tensors: the two operands of the one product that makes the rows' gradient
+    ((B, l, 2H, k) and (B, l, 2H, width)), or a slice of that gradient in float32 where the row's float32 gradient
+    takes it (``_add_rows``)."""
+    chosen = step * batch * picks * width
     cast = chosen * 4 // sparse_latent_blocks.ADD_SLICES if e < 4 else 0
-    passing = max(cast, 2 * step * b * m.heads * (top + width) * e)
-    return max(select, 2 * chosen * e + passing + probs + row * width * e + queries)
+    passing = max(cast, 2 * step * batch * heads * (picks + width) * e)
+    return 2 * chosen * e + passing + step * batch * heads * picks * 4 * SCORE_TENSORS
 
 
 def attention_saved(work: Workload, layout: Degrees) -> int:

@@ -22,8 +22,8 @@ from ..linear_attention.choice import halo_bytes, runs_and_tails
 from ..model.deepseek_v4 import CSA
 from ..rules.degrees import Degrees
 from ..sequence.layout import SequenceLayout
-from .activations import (GPU, SCORE_TENSORS, attention_saved, decoder_layer_saved_bytes, hyper_connection_share,
-                          local_tokens, mlp_saved_bytes, norm_saved, tokens)
+from .activations import (GPU, attention_saved, decoder_layer_saved_bytes, hyper_connection_share, local_tokens,
+                          mlp_saved_bytes, norm_saved, sparse_block_bytes, tokens)
 from .hardware import HardwareSpec
 from .layer_cost import (Phases, gather_comm_seconds, gather_links, gather_phases,
                          serial_layer_seconds)
@@ -278,10 +278,6 @@ def compressed_attention_working_bytes(work: Workload, layout: Degrees, kind: st
     top = _picks_width(work, layout, kind)
     step = min(block_queries(b, m.heads, top * m.head_dim),
                sparse_latent_blocks.block_queries(b, top, m.head_dim, GPU, indexed_attention.BLOCK_ELEMENTS), local)
-    chosen = step * b * top * m.head_dim
-    probs = step * b * m.heads * top * 4 * SCORE_TENSORS
-    cast = chosen * 4 // sparse_latent_blocks.ADD_SLICES if e < 4 else 0
     queries = b * local * m.heads * (m.head_dim * e + 4)
     row = b * _row_rows(work, layout, kind) * m.head_dim * 4
-    passing = 2 * step * b * m.heads * (top + m.head_dim) * e  # the row gradient's product's two operands
-    return max(select, 2 * chosen * e + max(cast, passing) + probs + row + queries)
+    return max(select, sparse_block_bytes(step, b, m.heads, top, m.head_dim, e) + row + queries)
