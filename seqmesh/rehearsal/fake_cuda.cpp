@@ -1,5 +1,7 @@
 // seqmesh rehearse: a CUDA device guard and CUDA hooks that do nothing, so that fake CUDA tensors run autograd
 // in a CPU build of torch. Preloaded (LD_PRELOAD) into the rehearsal's own process only: see workarounds.py.
+// Built with SEQMESH_GUARD_ONLY for a CUDA build of torch on a machine without a usable GPU: the guard alone, put in
+// place and taken back by the rehearsal (the two extern "C" functions below).
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -32,6 +34,8 @@ struct FakeCudaGuard final : c10::impl::DeviceGuardImplInterface {
   double elapsedTime(void*, void*, const DeviceIndex) const override { return 0.0; }
 };
 
+const FakeCudaGuard fake_cuda_guard;
+
 struct FakeCudaHooks : at::CUDAHooksInterface {
   explicit FakeCudaHooks(at::CUDAHooksArgs) {}
   bool hasCUDA() const override { return true; }
@@ -41,10 +45,10 @@ struct FakeCudaHooks : at::CUDAHooksInterface {
   DeviceIndex getCurrentDevice() const override { return 0; }
   bool hasPrimaryContext(DeviceIndex) const override { return true; }
 };
+static_assert(sizeof(FakeCudaHooks) == sizeof(at::CUDAHooksInterface), "the hooks hold no data of their own");
 
-const FakeCudaGuard fake_cuda_guard;
-
-// Loaded before torch's Python module (LD_PRELOAD), so torch finds these on its first look.
+#ifndef SEQMESH_GUARD_ONLY
+// A CPU build: loaded before torch's Python module (LD_PRELOAD), so torch finds these on its first look.
 struct Install {
   Install() {
     auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(kCuda)];
@@ -52,8 +56,37 @@ struct Install {
     slot.compare_exchange_strong(none, &fake_cuda_guard);
   }
 } install;
+#endif
 }  // namespace
 
+#ifdef SEQMESH_GUARD_ONLY
+// A CUDA build on a machine without a usable GPU: torch's own guard and hooks are registered already, and both ask
+// the driver (autograd asks the hooks whether each device has a context). While the rehearsal runs, the registry
+// holds this guard and torch's hooks object answers as FakeCudaHooks: the object's virtual table is swapped for
+// FakeCudaHooks' (both derive from CUDAHooksInterface alone and hold no data, so the layout is the same). Both
+// are put back by seqmesh_restore_cuda_guard.
+extern "C" {
+static const c10::impl::DeviceGuardImplInterface* saved_guard = nullptr;
+static const void* saved_hooks_table = nullptr;
+
+static void** hooks_table_slot() {
+  return reinterpret_cast<void**>(const_cast<at::CUDAHooksInterface*>(&at::detail::getCUDAHooks()));
+}
+
+void seqmesh_install_fake_cuda_guard() {
+  static const FakeCudaHooks model{at::CUDAHooksArgs{}};
+  saved_guard = c10::impl::device_guard_impl_registry[static_cast<size_t>(kCuda)].exchange(&fake_cuda_guard);
+  saved_hooks_table = *hooks_table_slot();
+  *hooks_table_slot() = *reinterpret_cast<void* const*>(&model);
+}
+
+void seqmesh_restore_cuda_guard() {
+  *hooks_table_slot() = const_cast<void*>(saved_hooks_table);
+  c10::impl::device_guard_impl_registry[static_cast<size_t>(kCuda)].store(saved_guard);
+}
+}
+#else
 namespace at {
 C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, FakeCudaHooks)
 }
+#endif

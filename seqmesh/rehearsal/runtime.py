@@ -174,26 +174,48 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bo
     in place of the built-in image task, and the planner told the same).
     Initialises (and destroys) the fake process group: call it in a
     process of its own."""
-    from .workarounds import fake_cuda, real_device_meshes
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from .workarounds import CannotRehearse, collective_meta_kernels, fake_cuda, real_device_meshes
 
     if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
         raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")
     cudnn = cfg.backend == "cuda_cudnn"  # cuDNN answers only when asked for (see workarounds._replacements)
     with fake_cuda(cudnn=cudnn) if device == "cuda" else contextlib.nullcontext(torch.device("cpu")) as where, \
-            real_device_meshes():
-        return _rehearse(cfg, gpus, where, fake, top, media, rank)
+            real_device_meshes(), collective_meta_kernels():
+        try:
+            return _rehearse(cfg, gpus, where, fake, top, media, rank)
+        except DataDependentOutputException as err:
+            raise CannotRehearse(data_dependent_read(err)) from err
+
+
+def data_dependent_read(err: BaseException) -> str:
+    """What to tell a user whose step read a fake tensor's value on the host (``err``, torch's
+    ``DataDependentOutputException``): the model's own line that did, found as the innermost frame outside torch and
+    the rehearsal's dispatch modes."""
+    import os
+    import traceback
+
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
+              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "memory"))
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(inside)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()!r})" if frames else ""
+    return (f"the step reads a tensor's value on the host{where}, which the rehearsal's fake tensors do not have "
+            f"({err}). The rehearsal cannot run this code as it is: if it is your model's, skip the read where "
+            "seqmesh.tensor_values.has_values(tensor) is False; if it is transformers', a newer transformers may not "
+            "read it.")
 
 
 def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int, media: Media | None,
               rank: int) -> Rehearsal:
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from ..inputs import shard_batch
     from ..training.run_data import make_dataset, read_run_model
     from ..training.step import forward_backward, make_optimizer, step_autocast, step_offload, to_device
     from ..training.train import build_mesh, build_module, uses_fsdp
+    from .workarounds import fake_mode
 
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=gpus)
@@ -201,7 +223,7 @@ def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top:
         source = read_run_model(cfg)  # the model read once, for the data, the mesh and the module
         data = make_dataset(cfg, media=media, source=source)  # real: the batch is drawn, sharded and only then made fake
         mesh, device = build_mesh(cfg, where, source=source)  # real: the mesh's rank tables are read on the host
-        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        mode = fake_mode() if fake else contextlib.nullcontext()
         with mode:
             module = build_module(cfg, mesh, device, source, fake=fake)
             optimizer = make_optimizer(module, cfg.lr, cfg.weight_decay)

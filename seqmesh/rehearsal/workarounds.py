@@ -7,7 +7,10 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    the device guard of every device its tensors are on and asks the current accelerator for its stream; a CPU
    build has neither for CUDA and aborts. torch reads the hooks once, at import, so the library must be loaded
    before torch is: :func:`preload_environment` compiles it (once; cached) in a throwaway process and returns the
-   ``LD_PRELOAD`` environment for the rehearsal's own process. Nothing is loaded into the caller.
+   ``LD_PRELOAD`` environment for the rehearsal's own process. Nothing is loaded into the caller. A CUDA build of
+   torch on a machine without a usable GPU has its own guard and hooks, which ask the driver (the guard aborts the
+   process): it gets the guard alone, built the same way, swapped in while the rehearsal runs with the hooks made
+   to answer as the fake ones (:func:`swapped_guard`).
 2. Python (:func:`fake_cuda`): inside the rehearsal only, and restored on exit, the ``torch.cuda`` calls the step
    makes (FSDP2's streams and events, DeviceMesh's device count, the kernels' capability check, the memory
    tracker's peak statistics, autocast's availability check) answer as one H100 would, and
@@ -28,7 +31,8 @@ device guard. On a CPU build of torch none exist, so the rehearsal supplies iner
    fallback (a product per group into the same output), so a float32 MoE step failed only in its rehearsal.
 
 On either device, :func:`real_device_meshes` builds every ``DeviceMesh`` on real tensors (FSDP2 makes one inside
-the fake mode under tensor parallelism).
+the fake mode under tensor parallelism), and :func:`collective_meta_kernels` gives the collectives the fake process
+group runs a Meta kernel where the installed torch has none (torch 2.9.1 has none; 2.13 has them).
 
 Not covered: expert parallelism's host reads.
 """
@@ -65,6 +69,13 @@ def needs_preload() -> bool:
     return torch.version.cuda is None
 
 
+def needs_guard() -> bool:
+    """Whether this is a CUDA build of torch on a machine without a usable GPU (a login node, a laptop): its own CUDA
+    guard asks the driver and aborts the process, so the rehearsal swaps in the C++ part's guard
+    (:func:`swapped_guard`)."""
+    return torch.version.cuda is not None and not torch.cuda.is_available()
+
+
 def check_toolchain() -> None:
     """Raise :class:`CannotRehearse` unless a C++ compiler and ninja are here to build ``fake_cuda.cpp``."""
     compiler = os.environ.get("CXX", "c++")
@@ -82,41 +93,46 @@ def check_toolchain() -> None:
 BUILD_SECONDS = 600  # a first build takes about 13 s on 2 cores; longer means a stale lock or a stuck compiler
 
 
-def library_folder() -> tuple[str, str]:
+def library_folder(guard_only: bool = False) -> tuple[str, str]:
     """(folder, name) of this source's library for this torch and Python: one folder per versions and source
-    digest, so checkouts of other versions never rebuild each other's and one with the same source reuses it."""
+    digest, so checkouts of other versions never rebuild each other's and one with the same source reuses it.
+    ``guard_only``: the guard alone, for a CUDA build without a GPU (:func:`needs_guard`)."""
     with open(SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read() + f"{torch.__version__} {sys.version_info[:2]}".encode()).hexdigest()[:12]
-    name = f"{LIBRARY}_{digest}"
+    name = f"{LIBRARY}{'_guard' if guard_only else ''}_{digest}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
     return os.path.join(root, name), name
 
 
-def built_library() -> str | None:
+def built_library(guard_only: bool = False) -> str | None:
     """The path of this source's shared library where it is built already (see :func:`library_folder`), else None."""
-    folder, name = library_folder()
+    folder, name = library_folder(guard_only)
     built = os.path.join(folder, f"{name}.so")
     return built if os.path.isfile(built) else None
 
 
-def build_library() -> str:
+def build_library(guard_only: bool = False) -> str:
     """Compile ``fake_cuda.cpp`` once per :func:`library_folder` and return the shared library's path (a built one
-    is returned without taking torch's build lock). Loading it installs the fake guard in this process: call it in
-    a process of its own (:func:`preload_environment` does)."""
-    built = built_library()
+    is returned without taking torch's build lock). Loading the full one installs the fake guard in this process:
+    call it in a process of its own (:func:`preload_environment` does)."""
+    built = built_library(guard_only)
     if built is not None:
         return built
-    folder, name = library_folder()
+    folder, name = library_folder(guard_only)
     from torch.utils.cpp_extension import load
 
     os.makedirs(folder, exist_ok=True)
-    return load(name, sources=[SOURCE], build_directory=folder, is_python_module=False, verbose=False)
+    return load(name, sources=[SOURCE], build_directory=folder, is_python_module=False, verbose=False,
+                extra_cflags=["-DSEQMESH_GUARD_ONLY"] if guard_only else None)
 
 
 def preload_environment(env: dict[str, str]) -> dict[str, str]:
-    """``env`` plus what the rehearsal's process needs to run fake CUDA tensors: nothing on a CUDA build of torch,
-    else the compiled library preloaded (built in a throwaway process). Raises :class:`CannotRehearse` naming what
-    is missing."""
+    """``env`` plus what the rehearsal's process needs to run fake CUDA tensors: on a CPU build the compiled
+    library preloaded, on a CUDA build without a GPU nothing but the guard's library built (the process swaps it in,
+    :func:`swapped_guard`), on a CUDA build with one nothing. Libraries are built in a throwaway process. Raises
+    :class:`CannotRehearse` naming what is missing."""
+    if needs_guard():
+        built_library(guard_only=True) or _build_in_a_process(env, guard_only=True)
     if not needs_preload():
         return env
     if not sys.platform.startswith("linux"):
@@ -129,14 +145,14 @@ def preload_environment(env: dict[str, str]) -> dict[str, str]:
             "LD_LIBRARY_PATH": joined(torch_lib, env.get("LD_LIBRARY_PATH"))}
 
 
-def _build_in_a_process(env: dict[str, str]) -> str:
-    """:func:`build_library` in a throwaway process (loading the library installs its guard); the library's path."""
+def _build_in_a_process(env: dict[str, str], guard_only: bool = False) -> str:
+    """:func:`build_library` in a throwaway process (loading the full library installs its guard); its path."""
     check_toolchain()
     try:
-        done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.workarounds"], capture_output=True,
-                              text=True, env=env, timeout=BUILD_SECONDS)
+        done = subprocess.run([sys.executable, "-m", "seqmesh.rehearsal.workarounds", *(["--guard-only"] * guard_only)],
+                              capture_output=True, text=True, env=env, timeout=BUILD_SECONDS)
     except subprocess.TimeoutExpired:
-        lock = os.path.join(library_folder()[0], "lock")
+        lock = os.path.join(library_folder(guard_only)[0], "lock")
         raise CannotRehearse(f"building the fake CUDA library took over {BUILD_SECONDS} s. A build killed midway "
                              f"leaves {lock} behind and the next one waits on it: delete it if no build is running, "
                              "or pass --device cpu for the CPU kernels.") from None
@@ -291,6 +307,68 @@ def _grouped_mm_fix() -> torch.library.Library | None:
     return lib
 
 
+def _collective_meta(op: torch._ops.OpOverload):
+    """A Meta kernel for the c10d collective ``op``: the work of a collective already complete, and in front of it
+    the first argument (the tensors written in place) where the schema returns it."""
+    from torch._C._distributed_c10d import FakeWork
+
+    returns = len(op._schema.returns)
+
+    def meta(*args):
+        if returns == 0:
+            return None
+        work = FakeWork().boxed()
+        return (args[0], work) if returns == 2 else work
+    return meta
+
+
+@contextlib.contextmanager
+def collective_meta_kernels() -> Iterator[None]:
+    """Inside, every c10d collective the installed torch has no Meta kernel for gets one (:func:`_collective_meta`),
+    taken back on exit. Under the fake mode a collective on the fake process group dispatches on fake tensors, and
+    torch 2.9.1 has none (2.13 has them): the first all-gather of FSDP2 or the sequence's all-to-all stopped the
+    rehearsal with "UnsupportedOperatorException: c10d._allgather_base_"."""
+    names = sorted({name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+                    if name.startswith("c10d::")})
+    lib = None
+    try:
+        for name in names:
+            op = getattr(torch.ops.c10d, name).default
+            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+                continue
+            lib = lib or torch.library.Library("c10d", "IMPL")
+            lib.impl(name, _collective_meta(op), "Meta")
+        yield
+    finally:
+        if lib is not None:
+            lib._destroy()
+
+
+def fake_mode() -> "torch._subclasses.fake_tensor.FakeTensorMode":
+    """The rehearsal's fake mode: torch's, except that a host tensor made by ``torch.tensor`` and moved to a device
+    this machine lacks is moved without running the copy (its value is not kept). torch 2.13 does this itself
+    (``avoid_device_init``); torch 2.9.1's fake mode ran the real copy to keep the value, on a CUDA build without a
+    GPU through the driver, and Gated DeltaNet's halo indices stopped the rehearsal ("Cannot initialize CUDA")."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    class RehearsalFakeMode(FakeTensorMode):
+        def dispatch(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            device, source = kwargs.get("device"), args[0] if args else None
+            if (func is not torch.ops.aten._to_copy.default or device is None or device.type == "cpu"
+                    or not isinstance(source, torch.Tensor) or not self.avoid_device_init):
+                return super().dispatch(func, types, args, kwargs)
+            if not isinstance(source, FakeTensor):  # a real host tensor: made fake without its value
+                return super().dispatch(func, types, (self.from_tensor(source), *args[1:]), kwargs)
+            kept, source.constant = source.constant, None  # a fake one's value, set aside for the copy
+            try:
+                return super().dispatch(func, types, args, kwargs)
+            finally:
+                source.constant = kept
+
+    return RehearsalFakeMode(allow_non_fake_inputs=True)
+
+
 @contextlib.contextmanager
 def lift_on_autograd_threads(device: torch.device) -> Iterator[None]:
     """Inside, autograd's ``device`` thread builds ``torch.tensor(data, device=...)`` (and a list index's tensor) on
@@ -329,11 +407,12 @@ def lift_on_autograd_threads(device: torch.device) -> Iterator[None]:
 
 def _replacements(cudnn: bool = False) -> list[tuple[object, str, object]]:
     default = _FakeStream()
-    # cuDNN 9 answers only when asked for (--backend cuda_cudnn): `auto` would try its fused attention first on
-    # Hopper, and the grid of docs/rehearse.md was measured on cuda_flash (torch's meta kernels serve both)
-    cudnn_patches = [(torch.backends.cudnn, "is_available", lambda: True),
-                     (torch.backends.cudnn, "version", lambda: CUDNN_VERSION)] if cudnn else []
-    return cudnn_patches + [
+    # cuDNN 9 answers only when asked for (--backend cuda_cudnn), on every build: `auto` would try its fused attention
+    # first on Hopper, and the grid of docs/rehearse.md was measured on cuda_flash (torch's meta kernels serve both);
+    # a CUDA build's own answer would ask the library, through hooks a machine without a GPU does not have
+    return [
+        (torch.backends.cudnn, "is_available", lambda: cudnn),
+        (torch.backends.cudnn, "version", lambda: CUDNN_VERSION if cudnn else None),
         (torch.cuda, "_lazy_init", lambda: None),  # factory functions initialise CUDA before dispatch
         (torch.cuda, "device_count", lambda: 1),  # DeviceMesh picks rank % device count
         (torch.cuda, "set_device", lambda device: None),
@@ -363,6 +442,30 @@ def _replacements(cudnn: bool = False) -> list[tuple[object, str, object]]:
         (torch.cuda, "is_bf16_supported", lambda including_emulation=True: True),
         (torch.Tensor, "record_stream", lambda self, stream: None),  # no fake kernel; nothing to keep alive
     ]
+
+
+@contextlib.contextmanager
+def swapped_guard() -> Iterator[None]:
+    """Inside, on a CUDA build without a usable GPU (:func:`needs_guard`), CUDA's device guard is the C++ part's inert
+    one and torch's CUDA hooks answer as its fake ones, from the guard-only library :func:`preload_environment`
+    built; elsewhere nothing changes. torch's own guard asks the driver, and the first backward on a fake
+    ``cuda:0`` tensor aborted the process ("CUDA driver version is insufficient"); its hooks refuse a device the
+    driver does not know when autograd asks for its context. Both put back on exit."""
+    if not needs_guard():
+        yield
+        return
+    path = built_library(guard_only=True)
+    if path is None:
+        raise CannotRehearse("the fake CUDA guard for a CUDA build of torch without a GPU is not built: run the "
+                             "rehearsal through seqmesh rehearse (it builds it), or pass --device cpu.")
+    import ctypes
+
+    library = ctypes.CDLL(path)
+    library.seqmesh_install_fake_cuda_guard()
+    try:
+        yield
+    finally:
+        library.seqmesh_restore_cuda_guard()
 
 
 @contextlib.contextmanager
@@ -412,7 +515,7 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
             setattr(owner, name, value)
         for make in (_fused_backwards, _efficient_backward_fix, _grouped_mm_fix):  # each kept as made: the
             kernels += [lib for lib in (make(),) if lib is not None]  # finally destroys those made before a failure
-        with lift_on_autograd_threads(torch.device("cuda", 0)):
+        with swapped_guard(), lift_on_autograd_threads(torch.device("cuda", 0)):
             yield torch.device("cuda", 0)
     finally:
         for lib in kernels:
@@ -422,4 +525,4 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
 
 
 if __name__ == "__main__":  # the throwaway build process of preload_environment
-    print(build_library(), flush=True)
+    print(build_library(guard_only=sys.argv[1:] == ["--guard-only"]), flush=True)

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from seqmesh.planner.media import Media
 from seqmesh.planner.memory import memory_per_gpu
@@ -113,16 +114,41 @@ def test_one_gpu_in_bf16_is_the_planned_run_and_autocast_rehearses_on_fake_cuda(
     assert planned["measured_by_category"]["activations"] < mine["activations"]  # bf16 against float32 inputs
 
 
-def test_a_machine_without_a_compiler_is_told_so(monkeypatch):
+@pytest.mark.parametrize("build", ["cpu", "cuda-without-gpu"])
+def test_a_machine_without_a_compiler_is_told_so(monkeypatch, build):
     """A CPU build of torch whose fake CUDA library is not built yet needs a compiler to build it (once built, the
-    rehearsal preloads it without starting a build process)."""
+    rehearsal preloads it without starting a build process); so does a CUDA build on a machine without a GPU, whose
+    rehearsal swaps in the library's guard."""
     import seqmesh.rehearsal.workarounds as workarounds
 
-    monkeypatch.setattr(workarounds, "needs_preload", lambda: True)
-    monkeypatch.setattr(workarounds, "built_library", lambda: None)
+    monkeypatch.setattr(workarounds, "needs_preload", lambda: build == "cpu")
+    monkeypatch.setattr(workarounds, "needs_guard", lambda: build != "cpu")
+    monkeypatch.setattr(workarounds, "built_library", lambda guard_only=False: None)
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(ValueError, match="no C\\+\\+ compiler .*--device cpu"):
         run_rehearsal(CONFIG, 2)
+
+
+def _reads_a_fake_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ratio = torch.rand([])
+        return bool(ratio < 0.5)  # as XGLM's layer drop at transformers 5.15
+
+
+def test_a_step_that_reads_a_value_is_told_which_line():
+    """A step that reads a fake tensor's value on the host (XGLM's and TrOCR's layer drop at transformers 5.15) stops
+    the rehearsal with the model's own line, not a traceback through the fake mode."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from seqmesh.rehearsal.runtime import data_dependent_read
+
+    with pytest.raises(DataDependentOutputException) as caught:
+        _reads_a_fake_value()
+    message = data_dependent_read(caught.value)
+    assert f"{__file__}:" in message and "return bool(ratio < 0.5)" in message, message
+    assert "has_values" in message, message
 
 
 SILU_BACKWARD = """
