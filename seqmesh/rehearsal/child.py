@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     from ..planner.media import Media
     from ..training.config import TrainConfig
     from .runtime import rehearse_rank
-    from .workarounds import CannotRehearse
+    from .cuda_library import CannotRehearse
 
     request = json.loads(argv[0])
     try:

@@ -176,7 +176,8 @@ def rehearse_rank(cfg: TrainConfig, gpus: int, *, device: str = "cuda", fake: bo
     process of its own."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from .workarounds import CannotRehearse, collective_meta_kernels, fake_cuda, real_device_meshes
+    from .cuda_library import CannotRehearse
+    from .workarounds import collective_meta_kernels, fake_cuda, real_device_meshes
 
     if device not in ("cuda", "cpu") or (device == "cuda" and not fake):
         raise ValueError(f"device {device!r}: rehearse on 'cuda' (fake tensors) or 'cpu'.")

@@ -97,7 +97,7 @@ def run_rehearsal(cfg: TrainConfig, gpus: int, timeout: float | None = None, *, 
     child's last words if it fails."""
     from dataclasses import asdict
 
-    from ..rehearsal.workarounds import CannotRehearse, preload_environment
+    from ..rehearsal.cuda_library import CannotRehearse, preload_environment
 
     check_world(cfg, gpus)
     if not 0 <= rank < gpus:

@@ -119,11 +119,11 @@ def test_a_machine_without_a_compiler_is_told_so(monkeypatch, build):
     """A CPU build of torch whose fake CUDA library is not built yet needs a compiler to build it (once built, the
     rehearsal preloads it without starting a build process); so does a CUDA build on a machine without a GPU, whose
     rehearsal swaps in the library's guard."""
-    import seqmesh.rehearsal.workarounds as workarounds
+    import seqmesh.rehearsal.cuda_library as cuda_library
 
-    monkeypatch.setattr(workarounds, "needs_preload", lambda: build == "cpu")
-    monkeypatch.setattr(workarounds, "needs_guard", lambda: build != "cpu")
-    monkeypatch.setattr(workarounds, "built_library", lambda guard_only=False: None)
+    monkeypatch.setattr(cuda_library, "needs_preload", lambda: build == "cpu")
+    monkeypatch.setattr(cuda_library, "needs_guard", lambda: build != "cpu")
+    monkeypatch.setattr(cuda_library, "built_library", lambda guard_only=False: None)
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(ValueError, match="no C\\+\\+ compiler .*--device cpu"):
         run_rehearsal(CONFIG, 2)
@@ -180,7 +180,7 @@ os._exit(0)  # as the rehearsal's own process ends (seqmesh.rehearsal.child): no
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the fake CUDA library needs a C++ compiler")
 def test_fake_cuda_runs_silu_backward_fused_as_a_cuda_build_does():
-    from seqmesh.rehearsal.workarounds import needs_preload, preload_environment
+    from seqmesh.rehearsal.cuda_library import needs_preload, preload_environment
     from seqmesh.tools.rehearse import _child_env
 
     done = subprocess.run([sys.executable, "-c", SILU_BACKWARD], capture_output=True, text=True, timeout=180,
