@@ -133,13 +133,13 @@ def _build_in_a_process(env: dict[str, str], guard_only: bool = False) -> str:
 
 
 @contextlib.contextmanager
-def swapped_guard() -> Iterator[None]:
-    """Inside, on a CUDA build without a usable GPU (:func:`needs_guard`), CUDA's device guard is the C++ part's inert
-    one and torch's CUDA hooks answer as its fake ones, from the guard-only library :func:`preload_environment`
-    built; elsewhere nothing changes. torch's own guard asks the driver, and the first backward on a fake
-    ``cuda:0`` tensor aborted the process ("CUDA driver version is insufficient"); its hooks refuse a device the
-    driver does not know when autograd asks for its context. Both put back on exit."""
-    if not needs_guard():
+def swapped_guard(needed: bool) -> Iterator[None]:
+    """Inside, where ``needed`` (:func:`needs_guard`, asked before ``torch.cuda`` is made to answer as a GPU), CUDA's
+    device guard is the C++ part's inert one and torch's CUDA hooks answer as its fake ones, from the guard-only
+    library :func:`preload_environment` built; elsewhere nothing changes. torch's own guard asks the driver, and the
+    first backward on a fake ``cuda:0`` tensor aborted the process ("CUDA driver version is insufficient"); its
+    hooks refuse a device the driver does not know when autograd asks for its context. Both put back on exit."""
+    if not needed:
         yield
         return
     path = built_library(guard_only=True)

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .cuda_library import CannotRehearse, needs_preload, swapped_guard
+from .cuda_library import CannotRehearse, needs_guard, needs_preload, swapped_guard
 
 # the dtypes CUDA's grouped product runs on its fallback, beside its bf16 kernel (:func:`_grouped_mm_meta`)
 GROUPED_MM_FALLBACK_DTYPES = (torch.float32, torch.float16)
@@ -364,6 +364,7 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
     if needs_preload() and getattr(torch.accelerator.current_accelerator(), "type", None) != "cuda":
         raise CannotRehearse("the fake CUDA library is not loaded in this process: run the rehearsal through "
                              "seqmesh rehearse (it preloads the library), or pass --device cpu.")
+    guard = needs_guard()  # asked before torch.cuda answers as a GPU would
     patches = _replacements(cudnn)
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patches if not hasattr(owner, name)]
     if missing:
@@ -376,7 +377,7 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
             setattr(owner, name, value)
         for make in (_fused_backwards, _efficient_backward_fix, _grouped_mm_fix):  # each kept as made: the
             kernels += [lib for lib in (make(),) if lib is not None]  # finally destroys those made before a failure
-        with swapped_guard(), lift_on_autograd_threads(torch.device("cuda", 0)):
+        with swapped_guard(guard), lift_on_autograd_threads(torch.device("cuda", 0)):
             yield torch.device("cuda", 0)
     finally:
         for lib in kernels:
