@@ -37,19 +37,26 @@ def needs_preload() -> bool:
     return torch.version.cuda is None
 
 
+def has_gpu() -> bool:
+    """Whether this torch is a CUDA build that sees a GPU, asked of the driver itself (``torch.cuda``'s own answers
+    are patched inside the rehearsal, and with ``PYTORCH_NVML_BASED_CUDA_CHECK`` one reads the patched count)."""
+    return torch.version.cuda is not None and torch._C._cuda_getDeviceCount() > 0
+
+
 def needs_guard() -> bool:
     """Whether this is a CUDA build of torch on a machine without a usable GPU (a login node, a laptop): its own CUDA
     guard asks the driver and aborts the process, so the rehearsal swaps in the C++ part's guard
     (:func:`swapped_guard`)."""
-    return torch.version.cuda is not None and not torch.cuda.is_available()
+    return torch.version.cuda is not None and not has_gpu()
 
 
 def check_toolchain() -> None:
     """Raise :class:`CannotRehearse` unless a C++ compiler and ninja are here to build ``fake_cuda.cpp``."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        raise CannotRehearse(f"no C++ compiler ({compiler!r} not on PATH): a CPU build of torch needs one to rehearse "
-                             "the CUDA path. Install g++ (or set CXX), or pass --device cpu for the CPU kernels.")
+        raise CannotRehearse(f"no C++ compiler ({compiler!r} not on PATH): a CPU build of torch, or a CUDA build on a "
+                             "machine without a GPU, needs one to rehearse the CUDA path. Install g++ (or set CXX), or "
+                             "pass --device cpu for the CPU kernels.")
     if shutil.which("ninja") is None:
         from torch.utils.cpp_extension import is_ninja_available
 
@@ -99,13 +106,13 @@ def preload_environment(env: dict[str, str]) -> dict[str, str]:
     library preloaded, on a CUDA build without a GPU nothing but the guard's library built (the process swaps it in,
     :func:`swapped_guard`), on a CUDA build with one nothing. Libraries are built in a throwaway process. Raises
     :class:`CannotRehearse` naming what is missing."""
+    if not has_gpu() and not sys.platform.startswith("linux"):
+        raise CannotRehearse(f"the fake CUDA library is built and loaded on Linux only, not {sys.platform}; pass "
+                             "--device cpu for the CPU kernels.")
     if needs_guard():
         built_library(guard_only=True) or _build_in_a_process(env, guard_only=True)
     if not needs_preload():
         return env
-    if not sys.platform.startswith("linux"):
-        raise CannotRehearse(f"the fake CUDA library is preloaded with LD_PRELOAD, which {sys.platform} lacks; pass "
-                             "--device cpu for the CPU kernels.")
     library = built_library() or _build_in_a_process(env)
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     joined = lambda *parts: os.pathsep.join(p for p in parts if p)  # noqa: E731
@@ -148,8 +155,13 @@ def swapped_guard(needed: bool) -> Iterator[None]:
                              "rehearsal through seqmesh rehearse (it builds it), or pass --device cpu.")
     import ctypes
 
-    library = ctypes.CDLL(path)
-    library.seqmesh_install_fake_cuda_guard()
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as err:
+        raise CannotRehearse(f"the fake CUDA guard's library {path} does not load ({err}); delete its folder to have "
+                             "seqmesh rehearse build it again, or pass --device cpu.") from None
+    if library.seqmesh_install_fake_cuda_guard() != 0:
+        raise CannotRehearse("the fake CUDA guard is in place already: one rehearsal a process.")
     try:
         yield
     finally:

@@ -68,19 +68,26 @@ struct Install {
 extern "C" {
 static const c10::impl::DeviceGuardImplInterface* saved_guard = nullptr;
 static const void* saved_hooks_table = nullptr;
+static bool installed = false;  // what is saved is torch's own only while one install is in place
 
 static void** hooks_table_slot() {
   return reinterpret_cast<void**>(const_cast<at::CUDAHooksInterface*>(&at::detail::getCUDAHooks()));
 }
 
-void seqmesh_install_fake_cuda_guard() {
+// 0 once installed; 1, changing nothing, where an install is in place already
+int seqmesh_install_fake_cuda_guard() {
   static const FakeCudaHooks model{at::CUDAHooksArgs{}};
+  if (installed) return 1;
+  installed = true;
   saved_guard = c10::impl::device_guard_impl_registry[static_cast<size_t>(kCuda)].exchange(&fake_cuda_guard);
   saved_hooks_table = *hooks_table_slot();
   *hooks_table_slot() = *reinterpret_cast<void* const*>(&model);
+  return 0;
 }
 
 void seqmesh_restore_cuda_guard() {
+  if (!installed) return;
+  installed = false;
   *hooks_table_slot() = const_cast<void*>(saved_hooks_table);
   c10::impl::device_guard_impl_registry[static_cast<size_t>(kCuda)].store(saved_guard);
 }

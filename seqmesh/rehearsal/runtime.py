@@ -197,14 +197,21 @@ def data_dependent_read(err: BaseException) -> str:
     import os
     import traceback
 
-    inside = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)),
-              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "memory"))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inside = tuple(os.path.join(folder, "") for folder in (os.path.dirname(torch.__file__),
+                                                           os.path.dirname(os.path.abspath(__file__)),
+                                                           os.path.join(package, "memory")))
     frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(inside)]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({(frames[-1].line or '').strip()!r})" if frames else ""
-    return (f"the step reads a tensor's value on the host{where}, which the rehearsal's fake tensors do not have "
-            f"({err}). The rehearsal cannot run this code as it is: if it is your model's, skip the read where "
-            "seqmesh.tensor_values.has_values(tensor) is False; if it is transformers', a newer transformers may not "
-            "read it.")
+    if not frames:
+        return f"the step reads a tensor's value on the host, which the rehearsal's fake tensors do not have ({err})."
+    frame = frames[-1]
+    said = (f"the step reads a tensor's value on the host at {frame.filename}:{frame.lineno} "
+            f"({(frame.line or '').strip()!r}), which the rehearsal's fake tensors do not have ({err}). ")
+    if frame.filename.startswith(os.path.join(package, "")):
+        return said + "That is seqmesh's own code, which should ask seqmesh.tensor_values.has_values first: report it."
+    return said + ("The rehearsal cannot run this code as it is: if it is your model's, skip the read where "
+                   "seqmesh.tensor_values.has_values(tensor) is False; if it is transformers', a newer transformers "
+                   "may not read it.")
 
 
 def _rehearse(cfg: TrainConfig, gpus: int, where: torch.device, fake: bool, top: int, media: Media | None,

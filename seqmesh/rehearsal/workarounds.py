@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .cuda_library import CannotRehearse, needs_guard, needs_preload, swapped_guard
+from .cuda_library import CannotRehearse, has_gpu, needs_guard, needs_preload, swapped_guard
 
 # the dtypes CUDA's grouped product runs on its fallback, beside its bf16 kernel (:func:`_grouped_mm_meta`)
 GROUPED_MM_FALLBACK_DTYPES = (torch.float32, torch.float16)
@@ -230,26 +230,28 @@ def collective_meta_kernels() -> Iterator[None]:
 
 
 def fake_mode() -> "torch._subclasses.fake_tensor.FakeTensorMode":
-    """The rehearsal's fake mode: torch's, except that a host tensor made by ``torch.tensor`` and moved to a device
-    this machine lacks is moved without running the copy (its value is not kept). torch 2.13 does this itself
-    (``avoid_device_init``); torch 2.9.1's fake mode ran the real copy to keep the value, on a CUDA build without a
-    GPU through the driver, and Gated DeltaNet's halo indices stopped the rehearsal ("Cannot initialize CUDA")."""
+    """The rehearsal's fake mode: torch's, except that
+
+    - it knows whether this machine has a GPU from the driver (:func:`.cuda_library.has_gpu`), not from
+      ``torch.cuda``, which answers as one H100 inside the rehearsal (with ``PYTORCH_NVML_BASED_CUDA_CHECK`` its
+      availability reads the patched device count);
+    - a real host tensor moved to a device this machine lacks becomes a fake one first, without its value, as torch
+      2.13's fake mode moves it. torch 2.9.1's ran the real copy, on a CUDA build without a GPU through the driver,
+      and Gated DeltaNet's halo indices stopped the rehearsal ("Cannot initialize CUDA")."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+    no_gpu = not has_gpu()
+
     class RehearsalFakeMode(FakeTensorMode):
+        avoid_device_init = property(lambda self: no_gpu)
+
         def dispatch(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             device, source = kwargs.get("device"), args[0] if args else None
-            if (func is not torch.ops.aten._to_copy.default or device is None or device.type == "cpu"
-                    or not isinstance(source, torch.Tensor) or not self.avoid_device_init):
-                return super().dispatch(func, types, args, kwargs)
-            if not isinstance(source, FakeTensor):  # a real host tensor: made fake without its value
-                return super().dispatch(func, types, (self.from_tensor(source), *args[1:]), kwargs)
-            kept, source.constant = source.constant, None  # a fake one's value, set aside for the copy
-            try:
-                return super().dispatch(func, types, args, kwargs)
-            finally:
-                source.constant = kept
+            if (func is torch.ops.aten._to_copy.default and device is not None and device.type != "cpu" and no_gpu
+                    and isinstance(source, torch.Tensor) and not isinstance(source, FakeTensor)):
+                args = (self.from_tensor(source), *args[1:])
+            return super().dispatch(func, types, args, kwargs)
 
     return RehearsalFakeMode(allow_non_fake_inputs=True)
 
@@ -290,14 +292,15 @@ def lift_on_autograd_threads(device: torch.device) -> Iterator[None]:
         on_device_thread(before)
 
 
-def _replacements(cudnn: bool = False) -> list[tuple[object, str, object]]:
+def _replacements(cudnn: bool = False, fake_hooks: bool = False) -> list[tuple[object, str, object]]:
     default = _FakeStream()
-    # cuDNN 9 answers only when asked for (--backend cuda_cudnn), on every build: `auto` would try its fused attention
-    # first on Hopper, and the grid of docs/rehearse.md was measured on cuda_flash (torch's meta kernels serve both);
-    # a CUDA build's own answer would ask the library, through hooks a machine without a GPU does not have
-    return [
-        (torch.backends.cudnn, "is_available", lambda: cudnn),
-        (torch.backends.cudnn, "version", lambda: CUDNN_VERSION if cudnn else None),
+    # cuDNN 9 answers when asked for (--backend cuda_cudnn): `auto` would try its fused attention first on Hopper, and
+    # the grid of docs/rehearse.md was measured on cuda_flash (torch's meta kernels serve both). Under the fake hooks
+    # (a CPU build, or a CUDA build without a GPU) cuDNN is otherwise not there: a CUDA build's torch asks its version
+    # of the hooks, which the fake ones do not answer ("Cannot query cuDNN version without ATen_cuda library")
+    cudnn_patches = [(torch.backends.cudnn, "is_available", lambda: cudnn),
+                     (torch.backends.cudnn, "version", lambda: CUDNN_VERSION if cudnn else None)]
+    return (cudnn_patches if cudnn or fake_hooks else []) + [
         (torch.cuda, "_lazy_init", lambda: None),  # factory functions initialise CUDA before dispatch
         (torch.cuda, "device_count", lambda: 1),  # DeviceMesh picks rank % device count
         (torch.cuda, "set_device", lambda device: None),
@@ -364,8 +367,8 @@ def fake_cuda(*, cudnn: bool = False) -> Iterator[torch.device]:
     if needs_preload() and getattr(torch.accelerator.current_accelerator(), "type", None) != "cuda":
         raise CannotRehearse("the fake CUDA library is not loaded in this process: run the rehearsal through "
                              "seqmesh rehearse (it preloads the library), or pass --device cpu.")
-    guard = needs_guard()  # asked before torch.cuda answers as a GPU would
-    patches = _replacements(cudnn)
+    guard = needs_guard()
+    patches = _replacements(cudnn, fake_hooks=guard or needs_preload())
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in patches if not hasattr(owner, name)]
     if missing:
         raise CannotRehearse(f"torch {torch.__version__} has no {', '.join(missing)}, which the fake CUDA rehearsal "

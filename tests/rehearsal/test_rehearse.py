@@ -132,14 +132,18 @@ def test_a_machine_without_a_compiler_is_told_so(monkeypatch, build):
 def _reads_a_fake_value():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from seqmesh.rehearsal.runtime import PhaseTracker
+
     with FakeTensorMode():
-        ratio = torch.rand([])
-        return bool(ratio < 0.5)  # as XGLM's layer drop at transformers 5.15
+        module = torch.nn.Linear(2, 2)
+        with PhaseTracker(module, None, device=torch.device("cpu")):  # the rehearsal's dispatch modes, as in its step
+            ratio = torch.rand([])
+            return bool(ratio < 0.5)  # as XGLM's layer drop at transformers 5.15
 
 
 def test_a_step_that_reads_a_value_is_told_which_line():
     """A step that reads a fake tensor's value on the host (XGLM's and TrOCR's layer drop at transformers 5.15) stops
-    the rehearsal with the model's own line, not a traceback through the fake mode."""
+    the rehearsal with the model's own line, not a traceback through the fake mode and the rehearsal's trackers."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     from seqmesh.rehearsal.runtime import data_dependent_read
@@ -148,7 +152,58 @@ def test_a_step_that_reads_a_value_is_told_which_line():
         _reads_a_fake_value()
     message = data_dependent_read(caught.value)
     assert f"{__file__}:" in message and "return bool(ratio < 0.5)" in message, message
-    assert "has_values" in message, message
+    assert "has_values" in message and "seqmesh's own code" not in message, message
+
+
+def test_collectives_have_meta_kernels_inside_the_rehearsal_only():
+    """torch 2.9.1's c10d collectives have no Meta kernel, so under the fake mode FSDP2's first all-gather stopped the
+    rehearsal; inside it each collective without one gets one, and on exit the dispatcher is as it was."""
+    from seqmesh.rehearsal.workarounds import collective_meta_kernels
+
+    def meta_kernels() -> dict[str, bool]:
+        names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                 if n.startswith("c10d::")}
+        return {n: torch._C._dispatch_has_kernel_for_dispatch_key(f"c10d::{n}", "Meta") for n in names}
+
+    before = meta_kernels()
+    assert "_allgather_base_" in before and "alltoall_base_" in before, sorted(before)
+    with collective_meta_kernels():
+        assert all(meta_kernels().values()), meta_kernels()
+    assert meta_kernels() == before
+
+
+GUARD_SWAP = """
+import torch
+from seqmesh.rehearsal.cuda_library import swapped_guard
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+seen = [torch._C._accelerator_hooks_device_count()]
+with swapped_guard(True):
+    seen.append(torch._C._accelerator_hooks_device_count())
+    with FakeTensorMode():  # torch's own guard aborts this process here
+        x = torch.ones(3, device="cuda", requires_grad=True)
+        (x * 2).sum().backward()
+    seen.append(str(x.grad.device))
+seen.append(torch._C._accelerator_hooks_device_count())
+print(*seen)
+"""
+
+
+@pytest.mark.skipif(torch.version.cuda is None or torch.cuda.is_available(),
+                    reason="a CUDA build of torch on a machine without a GPU (the floor's)")
+def test_a_cuda_build_without_a_gpu_has_the_fake_guard_inside_the_rehearsal_only():
+    """A CUDA build without a GPU: inside the rehearsal the CUDA guard is the fake one and torch's CUDA hooks answer
+    as the fake ones (one device, where torch's own see none), so a backward on fake CUDA tensors runs (torch's own
+    guard aborts the process); on exit torch's own hooks answer again."""
+    import os
+
+    from seqmesh.rehearsal.cuda_library import preload_environment
+
+    env = preload_environment(dict(os.environ))  # builds the guard's library
+    done = subprocess.run([sys.executable, "-c", GUARD_SWAP], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-4:] == ["0", "1", "cuda:0", "0"], done.stdout
 
 
 SILU_BACKWARD = """
