@@ -1,5 +1,5 @@
 // seqmesh rehearse: a CUDA device guard and CUDA hooks that do nothing, so that fake CUDA tensors run autograd
-// in a CPU build of torch. Preloaded (LD_PRELOAD) into the rehearsal's own process only: see workarounds.py.
+// in a CPU build of torch. Preloaded (LD_PRELOAD) into the rehearsal's own process only: see cuda_library.py.
 // Built with SEQMESH_GUARD_ONLY for a CUDA build of torch on a machine without a usable GPU: the guard alone, put in
 // place and taken back by the rehearsal (the two extern "C" functions below).
 #include <ATen/detail/CUDAHooksInterface.h>
