@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so spawned ranks can import the case modules
 
+import suite_gc  # noqa: E402,F401  (the thresholds of this process's collector; the ranks' come from PRELOAD)
 from seqmesh.comm.launch import START_METHOD, WorkerPool  # noqa: E402
 from trainer_cases import TORCHRUN_VARIABLES  # noqa: E402
 
@@ -43,6 +44,7 @@ if not torch.cuda.is_available():
 # the case modules): the fork server imports them once, in the background while pytest collects, and every rank
 # of every pool starts with them (seqmesh.comm.launch); a spawned rank would take seconds to import them itself.
 PRELOAD = [
+    "suite_gc",  # first: the collector's thresholds (tests/suite_gc.py), inherited by every rank the server forks
     "torch", "torch.distributed", "seqmesh", "seqmesh.hf", "seqmesh.model.lm", "seqmesh.training.train",
     "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
     "dist_cases", "family_cases",
@@ -103,7 +105,18 @@ def fork_server():
     starts it: what ranks print is captured (shown with ``-s``), not written over pytest's report."""
     if START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        # Python 3.11's fork server does not apply the sys.path it is handed (3.12's does): the modules of PRELOAD
+        # that live here were not found there, and the server passes over an ImportError in silence. It is started
+        # with this folder on PYTHONPATH, which its ranks inherit (they import the case modules from here anyway)
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), before) if p)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
     yield
 
 
