@@ -8,9 +8,8 @@ that every older collection walks again. Collecting the youngest generation ever
 (the older ones keep Python's ratios) took 5-10% off the CPU time of the planner's measured peaks, the memory
 tests and expert parallelism, which allocate most (two interleaved runs of those files each way, docs/testing.md),
 and those peaks, measured on real tensors, stay within the planner's 5%; the whole suite and the floor subset pass
-with them (docs/testing.md's ledger, 2026-12-03). The rehearsals' zygote
-(``rehearsal_server``) keeps Python's: its children live for one short step and freeze what they import, and
-their CPU time did not move with it.
+with them (docs/testing.md's ledger, 2026-12-03). The rehearsals' zygote (``rehearsal_server``) keeps Python's:
+its children live for one short step and freeze what they import, and their CPU time did not move with it.
 """
 
 from __future__ import annotations
