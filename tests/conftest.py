@@ -105,9 +105,10 @@ def fork_server():
     starts it: what ranks print is captured (shown with ``-s``), not written over pytest's report."""
     if START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
-        # Python 3.11's fork server does not apply the sys.path it is handed (3.12's does): the modules of PRELOAD
-        # that live here were not found there, and the server passes over an ImportError in silence. It is started
-        # with this folder on PYTHONPATH, which its ranks inherit (they import the case modules from here anyway)
+        # Python 3.11's fork server does not apply the sys.path it is handed (CPython gh-117378, fixed in later 3.12
+        # and 3.13 releases, not in 3.11's): the modules of PRELOAD that live here were not found there, and the
+        # server passes over an ImportError in silence. It is started with this folder on PYTHONPATH, which its
+        # ranks inherit (they import the case modules from here anyway)
         before = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), before) if p)
         try:
