@@ -109,15 +109,9 @@ def fork_server():
         # and 3.13 releases, not in 3.11's): the modules of PRELOAD that live here were not found there, and the
         # server passes over an ImportError in silence. It is started with this folder on PYTHONPATH, which its
         # ranks inherit (they import the case modules from here anyway)
-        before = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), before) if p)
-        try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("PYTHONPATH", os.path.dirname(__file__), prepend=os.pathsep)
             multiprocessing.forkserver.ensure_running()
-        finally:
-            if before is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = before
     yield
 
 
