@@ -109,9 +109,11 @@ def parameter_memory(work: Workload, layout: Degrees, moment: str = "layer backw
     layer = local_layer_params(split["layer"], m, layout)  # under EP a rank gathers only its own experts
     prefetch = layout.fsdp_group > 1  # the next unit's all-gather, issued during this layer's backward; in the
     # loss's backward the last layer's, which FSDP2's root prefetches as backward starts (measured: Llama-3-8B's
-    # 436 MB bf16 layer alive at the loss backward's peak, at 131,072 and 1,048,576 tokens)
-    layers = {"loss backward": 1 if prefetch else 0, "layer backward": 2 if prefetch else 1,
-              "first layer backward": 1}.get(moment, 0)
+    # 436 MB bf16 layer alive at the loss backward's peak, at 131,072 and 1,048,576 tokens); in the loss's forward
+    # the last layer's all-gather output, which FSDP2 frees only at the next all-gather (measured: a rehearsed
+    # TrOCR's, whose loss forward is its peak)
+    layers = {"loss forward": 1 if prefetch else 0, "loss backward": 1 if prefetch else 0,
+              "layer backward": 2 if prefetch else 1, "first layer backward": 1}.get(moment, 0)
     gathered = 0 if moment == "optimizer step" else root + layers * layer
     if moment == "first layer backward" and prefetch:  # the next unit is the input embedding's (untied; measured:
         gathered += split["embedding"]  # its 1.05 GB bf16 all-gather of Llama-3-8B during layer 0's backward)
@@ -264,25 +266,29 @@ def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
-    """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"): its float32
-    LSE per token and one chunk's logits; backward also the hidden states' and the head's gradients. Under TP
-    (``seqmesh.model.vocab_parallel``) the loss works on its group's gathered tokens, keeps that gathered copy of
-    the hidden states, and each tile's logits are this rank's ``V / tp`` columns, three float32 tiles at once
-    (the logits, less their maximum, and its exponential)."""
+    """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"). Without TP
+    (``seqmesh.model.loss``) the forward makes the gradients too: the hidden states' and the head's float32
+    accumulator, beside one chunk's logits and their gradient; backward scales them into new tensors, the head's in
+    its dtype, the saved ones still held. Under TP (``seqmesh.model.vocab_parallel``) the forward keeps a float32 LSE per token and one chunk's
+    logits, and backward makes the gradients, recomputing the logits: the loss works on its group's gathered
+    tokens, keeps that gathered copy of the hidden states, and each tile's logits are this rank's ``V / tp``
+    columns, three float32 tiles at once (the logits, less their maximum, and its exponential)."""
     m, e, t = work.model, work.act_bytes, gathered_tokens(work, layout)
     head_streams = _head_streams_bytes(work, layout, moment)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
     v, h, tp = m.head_vocab // layout.tp, m.hidden, layout.tp > 1
-    kept = t * h * e if tp else 0  # the gathered hidden states the loss saves (without TP: the final norm's output)
-    if moment == "loss forward":  # the compute-dtype logits and their float32 copy (one tensor in fp32); under TP
-        # the final norm's output, which the caller holds until the loss returns, and three float32 tiles
-        output = tokens(work, layout) * h * e if tp else 0
-        return head_streams + kept + output + t * 4 + n * v * (12 if tp else 4 + (e if e != 4 else 0))
     head = -(-m.head_vocab * h // layout.tp)
-    if e == 4:
+    if e == 4:  # one float32 tile of logits, then its gradient in place, beside a product of the head or the tile
         chunk = n * v * 4 + 4 * max(n * h, head)
-    else:
+    else:  # the logits in the compute dtype and float32, or the gradient's compute-dtype copy beside a product
         chunk = max(n * v * (4 + e), n * v * e + max(n * h * e, head * (e + 4)))
+    if not tp:
+        if moment == "loss forward":
+            return head_streams + t * h * e + head * 4 + chunk
+        return head_streams + 2 * t * h * e + head * (4 + e)
+    kept = t * h * e  # the gathered hidden states the loss saves
+    if moment == "loss forward":  # the final norm's output, which the caller holds until the loss returns
+        return head_streams + kept + tokens(work, layout) * h * e + t * 4 + n * v * 12
     return head_streams + kept + t * 4 + t * h * e + head * 4 + chunk
 
 

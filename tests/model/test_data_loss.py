@@ -72,6 +72,49 @@ def test_chunked_head_equals_full_logits():
     torch.testing.assert_close(weight.grad, w2.grad, atol=1e-12, rtol=0)
 
 
+def test_chunked_head_makes_its_logits_once_and_its_gradients_match_full_logits():
+    """The loss makes each tile's gradients in its forward (seqmesh.model.loss): its matrix products are 6 FLOPs a
+    weight and token in all (the planner's count), and its gradients equal plain PyTorch's on full logits with a
+    bias, a soft-cap, an incoming gradient that is not 1, a second backward through a retained graph, a frozen
+    head, and no gradient at all."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    n, h, v, cap = 26, 8, 29, 2.0
+    labels = torch.randint(0, v, (2, 13))
+    labels[0, 3] = labels[1, -1] = -100
+    hidden, weight, bias = (torch.randn(*shape, dtype=torch.float64) for shape in ((2, 13, h), (v, h), (v,)))
+
+    def reference(x, w, b):
+        logits = (cap * torch.tanh((x @ w.t() + b) / cap)).reshape(-1, v)
+        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
+
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = chunked_linear_cross_entropy(*leaves[:2], labels, None, chunk=5, softcap=cap, bias=leaves[2])
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ref = reference(*ref_leaves)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
+    for _ in range(2):  # the second backward through the retained graph adds the same gradients again
+        (0.3 * loss).backward(retain_graph=True)
+        (0.3 * ref).backward(retain_graph=True)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=0)
+
+    frozen = hidden.clone().requires_grad_()
+    chunked_linear_cross_entropy(frozen, weight, labels, None, chunk=5).backward()
+    plain = hidden.clone().requires_grad_()
+    F.cross_entropy((plain @ weight.t()).reshape(-1, v), labels.reshape(-1), ignore_index=-100).backward()
+    torch.testing.assert_close(frozen.grad, plain.grad, atol=1e-12, rtol=0)
+    with torch.no_grad():
+        evaluated = chunked_linear_cross_entropy(hidden, weight, labels, None, chunk=5, softcap=cap, bias=bias)
+    assert evaluated.item() == pytest.approx(ref.item(), abs=1e-12) and evaluated.grad_fn is None
+
+    x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        chunked_linear_cross_entropy(x, w, labels, None, chunk=5).backward()
+    assert counter.get_total_flops() == 6 * n * h * v
+
+
 def test_shard_batch_errors():
     from seqmesh.sequence.batch import documents_from_positions, real_lengths
 

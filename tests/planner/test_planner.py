@@ -182,18 +182,19 @@ def test_ring_divides_saved_activations_by_its_degree():
 
 
 def test_chunked_loss_by_hand():
-    """Llama-3-8B, bf16, 16,384 local tokens, chunks of 4,096. Forward: the float32 LSE per token + one
-    chunk's bf16 logits and their float32 copy (6 B per logit). Backward: the LSE, the hidden states'
-    bf16 gradient, the head's float32 gradient accumulator (128256 x 4096 x 4), and the larger of the
-    chunk's logit gradient in float32 next to its bf16 copy (6 B per logit) and the bf16 copy next to the
-    head-gradient matmul in bf16 and its float32 cast (128256 x 4096 x 6)."""
+    """Llama-3-8B, bf16, 16,384 local tokens, chunks of 4,096. The forward makes the gradients: the hidden states'
+    bf16 gradient, the head's float32 gradient accumulator (128256 x 4096 x 4), and the larger of one chunk's bf16
+    logits next to their float32 copy (6 B per logit) and the logit gradient's bf16 copy next to the head-gradient
+    matmul in bf16 and its float32 cast (128256 x 4096 x 6). Backward scales the two gradients into new bf16
+    tensors beside the saved ones."""
     m, lay = MODELS["llama3-8b"], Degrees(4, 1, 1)
     t, n, v, h = 16384, 4096, 128256, 4096
     w = Workload(m, 65536)
-    assert loss_memory(w, lay, "loss forward") == 4 * t + 6 * n * v
-    assert loss_memory(w, lay, "loss backward") == 4 * t + 2 * t * h + 4 * v * h + max(6 * n * v, 2 * n * v + 6 * v * h)
+    gradients = 2 * t * h + 4 * v * h
+    assert loss_memory(w, lay, "loss forward") == gradients + max(6 * n * v, 2 * n * v + 6 * v * h)
+    assert loss_memory(w, lay, "loss backward") == gradients + 2 * t * h + 2 * v * h
     unchunked = Workload(m, 65536, chunked_loss=False)
-    assert loss_memory(unchunked, lay, "loss forward") == 4 * t + 6 * t * v
+    assert loss_memory(unchunked, lay, "loss forward") == gradients + max(6 * t * v, 2 * t * v + 6 * v * h)
 
 
 def test_longest_sequence_is_the_memory_boundary():
@@ -208,15 +209,15 @@ def test_longest_sequence_is_the_memory_boundary():
 def test_compute_time_by_hand():
     """With free communication and peak FLOP/s: per layer 2 FLOPs per weight per token forward, 4
     backward, 2 again to recompute under checkpointing; attention 4*D*H FLOPs per visible pair with
-    S(S+1)/2 causal pairs, x (1 + 2.5 + 1); the LM head 2 forward + 4 backward FLOPs per weight per token,
-    + 2 when the chunked loss recomputes the logits in backward (seqmesh.model.loss)."""
+    S(S+1)/2 causal pairs, x (1 + 2.5 + 1); the LM head 2 forward + 4 backward FLOPs per weight per token, with
+    full logits and with the chunked loss alike (seqmesh.model.loss makes its gradients in its forward)."""
     hw, s = _fast(H100), 1024
     mm = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
     attention = 4 * 16 * 4 * (s * (s + 1) // 2)
     assert attention_pairs(s, True) == s * (s + 1) // 2
-    for chunked, head_flops in ((True, 8), (False, 6)):
+    for chunked in (True, False):
         t = step_time(Workload(TINY, s, chunked_loss=chunked), Degrees(1, 1, 1), hw)
-        flops = TINY.layers * (8 * s * mm + 4.5 * attention) + head_flops * s * 256 * 64
+        flops = TINY.layers * (8 * s * mm + 4.5 * attention) + 6 * s * 256 * 64
         assert t.compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
         assert t.total == pytest.approx(t.compute, rel=1e-9)
 
@@ -232,10 +233,10 @@ def test_attention_flops_per_rank_divide_by_the_sequence_degree(ulysses, ring, c
     pairs = s * (s + 1) // 2 if causal else s * s
     attention = 4 * d * (hq // ulysses) * pairs // ring  # one rank, forward, FLOPs
     mm = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
-    flops = TINY.layers * (8 * (s // 4) * mm + 4.5 * attention) + 8 * (s // 4) * 256 * 64
+    flops = TINY.layers * (8 * (s // 4) * mm + 4.5 * attention) + 6 * (s // 4) * 256 * 64
     assert step_time(w, Degrees(ulysses, ring, 1), hw).compute == pytest.approx(flops / hw.peak_flops, rel=1e-9)
     one = step_time(w, Degrees(1, 1, 1), hw).compute
-    assert one == pytest.approx((TINY.layers * (8 * s * mm + 4.5 * 4 * d * hq * pairs) + 8 * s * 256 * 64)
+    assert one == pytest.approx((TINY.layers * (8 * s * mm + 4.5 * 4 * d * hq * pairs) + 6 * s * 256 * 64)
                                 / hw.peak_flops, rel=1e-9)
 
 
