@@ -162,10 +162,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     d_bias += d_logits.sum(0)
                 d_logits = d_logits.to(mm)  # tensor-core matmuls; d_weight accumulates wider
                 del logits, slope  # in bf16, the float32 tile is freed before the matmuls below rather than after
-                if d_hidden is not None:
-                    d_hidden[start : start + chunk] = (d_logits @ w).to(hidden.dtype)
-                if d_weight is not None:
-                    d_weight += (d_logits.t() @ h).to(wide)
+                add_tile_products(d_logits, h, w, d_hidden, d_weight, slice(start, start + chunk))
                 del d_logits  # freed before the next tile's logits are made
         ctx.save_for_backward(d_hidden, d_weight, d_bias)  # released after the backward unless the graph is retained
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -175,14 +172,26 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
-        # each scaled into a new tensor of its parameter's dtype (rounded once), leaving the saved ones for a second
-        # backward through a retained graph
-        return (None if d_hidden is None else d_hidden * grad, _scaled(d_weight, grad, weight_dtype), None, None, None,
-                None, _scaled(d_bias, grad, bias_dtype), None)
+        return (scaled(d_hidden, grad, d_hidden.dtype if d_hidden is not None else None),
+                scaled(d_weight, grad, weight_dtype), None, None, None, None, scaled(d_bias, grad, bias_dtype), None)
 
 
-def _scaled(gradient: torch.Tensor | None, grad: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``gradient * grad`` (a scalar) in ``dtype``, computed wide and rounded once, or None for None."""
+def add_tile_products(d_logits: torch.Tensor, h: torch.Tensor, w: torch.Tensor, d_hidden: torch.Tensor | None,
+                      d_weight: torch.Tensor | None, rows: slice) -> None:
+    """One tile's logit gradient ``d_logits`` ``(n, V)`` (unscaled, in the matmul dtype of ``h`` ``(n, H)`` and ``w``
+    ``(V, H)``) through the head: ``d_logits @ w`` into ``d_hidden[rows]`` and ``d_logits^T @ h`` added to
+    ``d_weight`` (float32). Either gradient may be None (not wanted). The one tile step of the chunked and the
+    vocabulary-parallel loss."""
+    if d_hidden is not None:
+        d_hidden[rows] = (d_logits @ w).to(d_hidden.dtype)
+    if d_weight is not None:
+        d_weight += (d_logits.t() @ h).to(d_weight.dtype)
+
+
+def scaled(gradient: torch.Tensor | None, grad: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``gradient * grad`` (the loss's incoming scalar) as a new tensor in ``dtype``, computed wide and rounded
+    once, or None for None: the backward of a loss whose forward made its gradients, the saved ones left as they
+    were for a second backward through a retained graph."""
     if gradient is None:
         return None
     return torch.mul(gradient, grad, out=torch.empty(gradient.shape, dtype=dtype, device=gradient.device))

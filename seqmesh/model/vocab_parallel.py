@@ -9,8 +9,8 @@ rank holds)::
     lse_t = log(sum_r sum_{v in r} exp(z_tv - m_t)) + m_t        m_t = max_r max_{v in r} z_tv
     loss  = sum_t valid_t (lse_t - z_t,target)
 
-Every rank gets the same loss; its backward gives this rank's part of d(hidden), ``(softmax - onehot)``
-over its vocabulary slice times its rows, and its rows' gradient. The hidden states' gather is a DTensor
+Every rank gets the same loss; its forward also makes this rank's part of d(hidden), ``(softmax - onehot)``
+over its vocabulary slice times its rows, and its rows' gradient, which its backward scales. The hidden states' gather is a DTensor
 redistribution whose gradient is marked partial, so the parts are summed by the gather's adjoint (a
 reduce-scatter over the group). The loss is then pooled over the ranks that hold different tokens
 (``mesh.batch_group``) exactly as without tensor parallelism (``seqmesh.model.loss``).
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_reduce_
 from ..comm.ranks import partial_local
-from .loss import checked_mean, matmul_dtype, wide_dtype, invalid_labels
+from .loss import add_tile_products, checked_mean, invalid_labels, matmul_dtype, scaled, wide_dtype
 
 
 def gathered_tokens(hidden) -> torch.Tensor:
@@ -35,58 +35,54 @@ def gathered_tokens(hidden) -> torch.Tensor:
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward: sum over tokens of the cross-entropy of ``hidden @ weight.T`` where ``weight`` is this rank's
-    vocabulary rows ``[start, start + V/T)``, tile by tile; backward: this rank's parts of d(hidden) and
-    its rows' d(weight), recomputed per tile from the saved log-sum-exp."""
+    """Sum over tokens of the cross-entropy of ``hidden @ weight.T`` where ``weight`` is this rank's vocabulary rows
+    ``[start, start + V/T)``, tile by tile, with this rank's parts of d(hidden) and its rows' d(weight) made in the
+    same pass once the group agrees on the tile's log-sum-exp; backward scales them by the incoming scalar, as
+    ``seqmesh.model.loss.ChunkedLinearCrossEntropy`` does. ``grads`` ``(hidden, weight)``: which want a gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, start, chunk, ignore_index, group):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, start, chunk, ignore_index, group,  # type: ignore[override]
+                grads=(False, False)):
         # hidden (N, H), weight (V/T, H), labels (N,) global ids
         wide = wide_dtype(hidden.dtype)
         mm = matmul_dtype(hidden, weight)
         w = weight.to(mm)
         rows = weight.shape[0]
-        lse = hidden.new_empty(hidden.shape[0], dtype=wide)
+        d_hidden = torch.empty_like(hidden) if grads[0] else None
+        d_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if grads[1] else None
         total = hidden.new_zeros((), dtype=wide)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
-                logits = (hidden[s : s + chunk].to(mm) @ w.t()).to(wide)  # (n, V/T)
+                h = hidden[s : s + chunk].to(mm)
+                logits = (h @ w.t()).to(wide)  # (n, V/T)
                 top = logits.max(dim=-1).values
                 all_reduce_(top, group, dist.ReduceOp.MAX)
                 target = labels[s : s + chunk]
+                valid = target != ignore_index
                 local = target - start
                 mine = (local >= 0) & (local < rows)
                 picked = logits.gather(1, local.clamp(0, rows - 1).unsqueeze(1)).squeeze(1) * mine
                 sums = torch.stack([(logits - top.unsqueeze(1)).exp().sum(-1), picked])  # (2, n)
                 all_reduce_(sums, group)
                 tile_lse = sums[0].log() + top
-                lse[s : s + chunk] = tile_lse
-                total += ((tile_lse - sums[1]) * (target != ignore_index)).sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.start, ctx.chunk, ctx.ignore_index, ctx.mm = start, chunk, ignore_index, mm
+                total += ((tile_lse - sums[1]) * valid).sum()
+                if d_hidden is None and d_weight is None:
+                    continue
+                d_logits = logits.sub_(tile_lse.unsqueeze(1)).exp_()  # this rank's slice of the softmax, in place
+                d_logits.scatter_add_(1, local.clamp(0, rows - 1).unsqueeze(1), -mine.unsqueeze(1).to(wide))
+                d_logits = d_logits.mul_(valid.unsqueeze(1)).to(mm)
+                del logits  # in bf16, the float32 tile is freed before the matmuls
+                add_tile_products(d_logits, h, w, d_hidden, d_weight, slice(s, s + chunk))
+                del d_logits
+        ctx.save_for_backward(d_hidden, d_weight)  # released after the backward unless the graph is retained
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        hidden, weight, labels, lse = ctx.saved_tensors
-        mm, rows = ctx.mm, weight.shape[0]
-        w = weight.to(mm)
-        d_hidden = torch.empty_like(hidden)
-        d_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, hidden.shape[0], ctx.chunk):
-                h = hidden[s : s + ctx.chunk].to(mm)
-                target = labels[s : s + ctx.chunk]
-                valid = (target != ctx.ignore_index).unsqueeze(1).to(lse.dtype)
-                local = target - ctx.start
-                mine = ((local >= 0) & (local < rows)).to(lse.dtype).unsqueeze(1)
-                d_logits = (h @ w.t()).to(lse.dtype).sub_(lse[s : s + ctx.chunk].unsqueeze(1)).exp_()  # softmax slice
-                d_logits.scatter_add_(1, local.clamp(0, rows - 1).unsqueeze(1), -mine)
-                d_logits.mul_(valid).mul_(grad)
-                d_logits = d_logits.to(mm)
-                d_hidden[s : s + ctx.chunk] = (d_logits @ w).to(hidden.dtype)
-                d_weight += (d_logits.t() @ h).to(d_weight.dtype)
-        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None
+        d_hidden, d_weight = ctx.saved_tensors
+        return (scaled(d_hidden, grad, None if d_hidden is None else d_hidden.dtype),
+                scaled(d_weight, grad, ctx.weight_dtype), None, None, None, None, None, None)
 
 
 def vocab_parallel_loss(hidden, weight, shift_labels: torch.Tensor, batch_group: dist.ProcessGroup, *,
@@ -111,8 +107,10 @@ def vocab_parallel_loss(hidden, weight, shift_labels: torch.Tensor, batch_group:
                          f"{tuple(shift_labels.shape)}; call the model with seqmesh.shard_batch's output.")
     bad = invalid_labels(flat, vocab, ignore_index)
     safe = flat.masked_fill(bad, ignore_index)
-    local_sum = VocabParallelCrossEntropy.apply(tokens.reshape(-1, tokens.shape[-1]), weight.to_local(), safe,
-                                                tp_mesh.get_local_rank() * rows, chunk, ignore_index, group)
+    local_weight = weight.to_local()
+    grads = tuple(torch.is_grad_enabled() and t.requires_grad for t in (tokens, local_weight))
+    local_sum = VocabParallelCrossEntropy.apply(tokens.reshape(-1, tokens.shape[-1]), local_weight, safe,
+                                                tp_mesh.get_local_rank() * rows, chunk, ignore_index, group, grads)
     return checked_mean(local_sum, flat, bad, batch_group, vocab, ignore_index)
 
 

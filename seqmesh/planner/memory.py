@@ -266,30 +266,27 @@ def _top_layer(work: Workload, layout: Degrees, after_recompute: bool) -> tuple[
 
 
 def loss_memory(work: Workload, layout: Degrees, moment: str) -> int:
-    """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"). Without TP
-    (``seqmesh.model.loss``) the forward makes the gradients too: the hidden states' and the head's float32
-    accumulator, beside one chunk's logits and their gradient; backward scales them into new tensors, the head's in
-    its dtype, the saved ones still held. Under TP (``seqmesh.model.vocab_parallel``) the forward keeps a float32 LSE per token and one chunk's
-    logits, and backward makes the gradients, recomputing the logits: the loss works on its group's gathered
-    tokens, keeps that gathered copy of the hidden states, and each tile's logits are this rank's ``V / tp``
-    columns, three float32 tiles at once (the logits, less their maximum, and its exponential)."""
+    """The chunked loss's working set beyond what the layers keep (docs/planner.md, "Memory moments"). Its forward
+    makes the gradients (``seqmesh.model.loss``, and ``seqmesh.model.vocab_parallel`` under TP): the hidden
+    states' and the head's float32 accumulator, beside one chunk's logits and their gradient; backward scales them
+    into new tensors, the head's in its dtype, the saved ones still held. Under TP the loss works on its group's
+    gathered tokens, a copy of the hidden states it holds in forward beside the final norm's output, and each
+    tile's logits are this rank's ``V / tp`` columns, three float32 tiles at once (the logits, less their maximum,
+    and its exponential)."""
     m, e, t = work.model, work.act_bytes, gathered_tokens(work, layout)
     head_streams = _head_streams_bytes(work, layout, moment)
     n = min(t, work.loss_chunk) if work.chunked_loss else t
     v, h, tp = m.head_vocab // layout.tp, m.hidden, layout.tp > 1
     head = -(-m.head_vocab * h // layout.tp)
+    if moment == "loss backward":
+        return head_streams + 2 * t * h * e + head * (4 + e)
     if e == 4:  # one float32 tile of logits, then its gradient in place, beside a product of the head or the tile
         chunk = n * v * 4 + 4 * max(n * h, head)
     else:  # the logits in the compute dtype and float32, or the gradient's compute-dtype copy beside a product
         chunk = max(n * v * (4 + e), n * v * e + max(n * h * e, head * (e + 4)))
-    if not tp:
-        if moment == "loss forward":
-            return head_streams + t * h * e + head * 4 + chunk
-        return head_streams + 2 * t * h * e + head * (4 + e)
-    kept = t * h * e  # the gathered hidden states the loss saves
-    if moment == "loss forward":  # the final norm's output, which the caller holds until the loss returns
-        return head_streams + kept + tokens(work, layout) * h * e + t * 4 + n * v * 12
-    return head_streams + kept + t * 4 + t * h * e + head * 4 + chunk
+    if tp:  # the gathered hidden states and the final norm's output, which the caller holds until the loss returns
+        return head_streams + t * h * e + tokens(work, layout) * h * e + t * h * e + head * 4 + max(chunk, n * v * 12)
+    return head_streams + t * h * e + head * 4 + chunk
 
 
 def _head_streams_bytes(work: Workload, layout: Degrees, moment: str) -> int:

@@ -65,8 +65,8 @@ def step_time(work: Workload, layout: Degrees, hw: HardwareSpec) -> StepTime:
     attn_fwd, attn_bwd = layer["attention_forward"], layer["attention_backward"]
 
     # the chunked loss makes its gradients in its forward (6 FLOPs a weight and token, as full logits); under TP the
-    # head is vocabulary-parallel and its backward recomputes the logits (8)
-    head = (8 if work.chunked_loss and layout.tp > 1 else 6) * tokens * m.head_vocab * m.hidden / mm_rate
+    # head is vocabulary-parallel (the same FLOPs)
+    head = 6 * tokens * m.head_vocab * m.hidden / mm_rate
     root_comm = sum(unit_seconds(split["root"]))  # gathered once, kept gathered for backward, reduce-scattered
     # an untied embedding's own unit: gathered before the first layer (exposed), gathered again behind the
     # first layer's backward (prefetched in place of a next layer's) and reduce-scattered at the end (exposed)
