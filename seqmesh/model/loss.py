@@ -172,8 +172,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
-        return (scaled(d_hidden, grad, d_hidden.dtype if d_hidden is not None else None),
-                scaled(d_weight, grad, weight_dtype), None, None, None, None, scaled(d_bias, grad, bias_dtype), None)
+        return (scaled(d_hidden, grad), scaled(d_weight, grad, weight_dtype), None, None, None, None,
+                scaled(d_bias, grad, bias_dtype), None)
 
 
 def add_tile_products(d_logits: torch.Tensor, h: torch.Tensor, w: torch.Tensor, d_hidden: torch.Tensor | None,
@@ -188,13 +188,14 @@ def add_tile_products(d_logits: torch.Tensor, h: torch.Tensor, w: torch.Tensor, 
         d_weight += (d_logits.t() @ h).to(d_weight.dtype)
 
 
-def scaled(gradient: torch.Tensor | None, grad: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``gradient * grad`` (the loss's incoming scalar) as a new tensor in ``dtype``, computed wide and rounded
-    once, or None for None: the backward of a loss whose forward made its gradients, the saved ones left as they
-    were for a second backward through a retained graph."""
+def scaled(gradient: torch.Tensor | None, grad: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``gradient * grad`` (the loss's incoming scalar) as a new tensor in ``dtype`` (default: ``gradient``'s),
+    computed wide and rounded once, or None for None: the backward of a loss whose forward made its gradients, the
+    saved ones left as they were for a second backward through a retained graph."""
     if gradient is None:
         return None
-    return torch.mul(gradient, grad, out=torch.empty(gradient.shape, dtype=dtype, device=gradient.device))
+    out = torch.empty(gradient.shape, dtype=dtype or gradient.dtype, device=gradient.device)
+    return torch.mul(gradient, grad, out=out)
 
 
 def chunked_linear_cross_entropy(

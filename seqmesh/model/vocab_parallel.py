@@ -10,10 +10,10 @@ rank holds)::
     loss  = sum_t valid_t (lse_t - z_t,target)
 
 Every rank gets the same loss; its forward also makes this rank's part of d(hidden), ``(softmax - onehot)``
-over its vocabulary slice times its rows, and its rows' gradient, which its backward scales. The hidden states' gather is a DTensor
-redistribution whose gradient is marked partial, so the parts are summed by the gather's adjoint (a
-reduce-scatter over the group). The loss is then pooled over the ranks that hold different tokens
-(``mesh.batch_group``) exactly as without tensor parallelism (``seqmesh.model.loss``).
+over its vocabulary slice times its rows, and its rows' gradient, which its backward scales. The hidden
+states' gather is a DTensor redistribution whose gradient is marked partial, so the parts are summed by the
+gather's adjoint (a reduce-scatter over the group). The loss is then pooled over the ranks that hold
+different tokens (``mesh.batch_group``) exactly as without tensor parallelism (``seqmesh.model.loss``).
 """
 
 from __future__ import annotations
@@ -81,8 +81,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         d_hidden, d_weight = ctx.saved_tensors
-        return (scaled(d_hidden, grad, None if d_hidden is None else d_hidden.dtype),
-                scaled(d_weight, grad, ctx.weight_dtype), None, None, None, None, None, None)
+        return scaled(d_hidden, grad), scaled(d_weight, grad, ctx.weight_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_loss(hidden, weight, shift_labels: torch.Tensor, batch_group: dist.ProcessGroup, *,
